@@ -1,0 +1,74 @@
+"""Annotated regions of a training step, shared by both backends and both profile kinds.
+
+Every region is a ``torch.profiler.record_function`` (it shows in kernel traces as a
+``user_annotation`` and on the GPU track as ``gpu_user_annotation``) and, while a
+:class:`PhaseRecorder` is active, is also recorded with Unix-epoch microsecond timestamps so
+memory-snapshot analysis can say which phase held the peak (the allocator trace's ``time_us``
+uses the same clock).
+
+Region names: ``sftprof/step``, ``sftprof/forward/mb<i>``, ``sftprof/backward/mb<i>``,
+``sftprof/optimizer_step``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+STEP = "sftprof/step"
+OPTIMIZER_STEP = "sftprof/optimizer_step"
+
+
+def forward(mb: int) -> str:
+    """Region name of the forward pass of micro-batch ``mb``."""
+    return f"sftprof/forward/mb{mb}"
+
+
+def backward(mb: int) -> str:
+    """Region name of the backward pass of micro-batch ``mb``."""
+    return f"sftprof/backward/mb{mb}"
+
+
+class PhaseRecorder:
+    """Collects ``{"name", "start_us", "end_us"}`` for every region entered while it is active.
+
+    On CUDA the timestamps are taken after a device synchronisation so that they bracket the
+    allocations of the region's kernels as the caching allocator records them.
+    """
+
+    _active: Optional["PhaseRecorder"] = None
+
+    def __init__(self, sync_cuda: bool) -> None:
+        self.sync_cuda = sync_cuda
+        self.phases: list[dict] = []
+
+    def __enter__(self) -> "PhaseRecorder":
+        PhaseRecorder._active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PhaseRecorder._active = None
+
+    def now_us(self) -> float:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.time() * 1e6
+
+    def write(self, path: Path) -> None:
+        """Write ``{"clock": "unix_us", "phases": [...]}`` to ``path`` (JSON)."""
+        path.write_text(json.dumps({"clock": "unix_us", "phases": self.phases}, indent=1))
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """Annotate a region: ``record_function(name)`` plus a phase record when one is active."""
+    rec = PhaseRecorder._active
+    start = rec.now_us() if rec else None
+    with torch.profiler.record_function(name):
+        yield
+    if rec is not None:
+        rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
