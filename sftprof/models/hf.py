@@ -1,0 +1,84 @@
+"""Hugging Face model configs: a model directory or a bundled config (config only, no weights).
+
+Bundled configs (``sftprof/models/configs/<name>/config.json``):
+
+- ``qwen3_30b_a3b``: Qwen3-30B-A3B (``qwen3_moe``), the public config;
+- ``qwen3_5_35b_a3b``: Qwen3.5-35B-A3B (``qwen3_5_moe``), the public config;
+- ``tiny_qwen3_moe``: a 2-layer Qwen3-MoE-shaped model (hidden 128, 8 experts top-2) with the
+  real Qwen3 vocabulary (151936), for CPU runs and tests.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+BUNDLED_CONFIGS = tuple(sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file()))
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+log = logging.getLogger(__name__)
+
+
+class ModelPathError(ValueError):
+    """``actor.path`` names neither a model directory with ``config.json`` nor a bundled config."""
+
+
+def resolve_model_dir(path: str) -> Path:
+    """Return the directory holding ``config.json`` for ``actor.path`` (directory or bundled name).
+
+    Raises:
+        ModelPathError: no such directory with a config.json and no bundled config of that name.
+    """
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    if path in BUNDLED_CONFIGS:
+        return CONFIG_DIR / path
+    raise ModelPathError(
+        f"actor.path={path!r}: not a directory with config.json; accepted: a Hugging Face model directory "
+        f"or a bundled config name {list(BUNDLED_CONFIGS)}")
+
+
+def has_weights(model_dir: Path) -> bool:
+    """True when ``model_dir`` holds weight files (safetensors, bin or pt)."""
+    return any(any(model_dir.glob(pat)) for pat in WEIGHT_PATTERNS)
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language-model part of ``config`` (``text_config`` for multimodal Qwen3.5 configs)."""
+    return getattr(config, "text_config", None) or config
+
+
+def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
+    """Load the HF config for ``actor.path`` and cut it to ``num_layers`` decoder layers.
+
+    Args:
+        path: model directory or bundled config name (:data:`BUNDLED_CONFIGS`).
+        num_layers: keep only the first ``num_layers`` layers (0 = as configured); per-layer
+            lists such as ``layer_types`` are cut to match.
+
+    Returns:
+        The (text) config, e.g. ``Qwen3MoeConfig``.
+
+    Raises:
+        ModelPathError: see :func:`resolve_model_dir`.
+        ValueError: ``num_layers`` exceeds the configured number of layers.
+    """
+    model_dir = resolve_model_dir(path)
+    config = text_config(AutoConfig.from_pretrained(str(model_dir)))
+    if num_layers:
+        full = config.num_hidden_layers
+        if num_layers > full:
+            raise ValueError(f"actor.num_layers={num_layers}: the model has only {full} layers")
+        config.num_hidden_layers = num_layers
+        for key in ("layer_types", "mlp_only_layers"):
+            value = getattr(config, key, None)
+            if isinstance(value, list) and key == "layer_types":
+                setattr(config, key, value[:num_layers])
+            elif isinstance(value, list):
+                setattr(config, key, [i for i in value if i < num_layers])
+        if hasattr(config, "max_window_layers"):
+            config.max_window_layers = min(config.max_window_layers, num_layers)
+    return config
