@@ -37,6 +37,17 @@ def _explicit(spec: str) -> list[int]:
     return sorted(ranks)
 
 
+def format_ranks(ranks: list[int]) -> str:
+    """Compact text of sorted ranks, e.g. ``[0, 2, 3, 4]`` -> ``"0,2-4"`` (inverse of the spec grammar)."""
+    parts: list[str] = []
+    for r in ranks:
+        if parts and r == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ",".join(parts)
+
+
 def check_rank_spec_syntax(spec: str) -> None:
     """Raise :class:`RankSpecError` if ``spec`` is not a valid rank spec (world size not checked)."""
     spec = spec.strip()
@@ -61,5 +72,5 @@ def resolve_ranks(spec: str | None, layout: Layout) -> list[int]:
     ranks = _explicit(spec)
     bad = [r for r in ranks if r >= layout.world_size]
     if bad:
-        raise RankSpecError(f"ranks {bad} are outside the world size {layout.world_size} (valid: 0-{layout.world_size - 1})")
+        raise RankSpecError(f"ranks {format_ranks(bad)} are outside the world size {layout.world_size} (valid: 0-{layout.world_size - 1})")
     return ranks
