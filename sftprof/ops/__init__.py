@@ -1,0 +1,37 @@
+"""Token log-probs / entropy over a vocab-parallel LM head, chunked over tokens (pure torch + Triton).
+
+No Megatron import: everything runs on CPU (gloo process groups for TP) and on CUDA, where the row-wise
+softmax work goes to Triton kernels (:mod:`sftprof.ops.triton_kernels`, imported only for CUDA tensors).
+
+Public API
+----------
+- :func:`vocab_parallel_logprobs` ``(logits [N, V/tp], labels [N], *, tp_group, chunk_size, temperature,
+  return_entropy)``: log-probs (and entropy) from already computed logits; the backward overwrites the
+  logits with their gradient (no new ``[N, V/tp]`` buffer).
+- :func:`linear_logprobs` ``(hidden [N, H], weight [V/tp, H], labels [N], *, tp_group, chunk_size,
+  temperature, return_entropy, sequence_parallel)``: LM head fused with log-probs/entropy; logits are
+  recomputed chunk by chunk in the backward (4 GEMMs).
+- :func:`linear_sft_loss` ``(hidden, weight, labels, loss_weight [N], *, tp_group, chunk_size, temperature,
+  sequence_parallel)``: fp32 scalar ``sum(-logprob * loss_weight)`` with the gradients formed in the
+  forward (3 GEMMs, no recompute); the backward only scales them.
+- :class:`StaleBufferError`: raised when a tensor kept for the backward was modified or replaced.
+
+How the trainer's settings map onto these (both backends)
+---------------------------------------------------------
+- ``actor.megatron.lm_head_loss_chunk_size > 0``: call ``linear_sft_loss(hidden, output_weight, labels,
+  loss_weight, tp_group=<TP group>, chunk_size=lm_head_loss_chunk_size, temperature=...,
+  sequence_parallel=<SP on>)`` instead of the output layer + log-softmax. ``loss_weight`` carries the loss
+  mask and all normalisation; with Megatron's ``weight.main_grad`` the backward must receive gradient 1.
+- ``lm_head_loss_chunk_size == 0``: run the output layer as usual and call
+  ``vocab_parallel_logprobs(logits.view(-1, V/tp), labels, tp_group=<TP group>,
+  chunk_size=actor.logprobs_chunk_size, temperature=..., return_entropy=<entropy wanted>)``.
+- ``actor.megatron.enable_chunked_logits``: use ``linear_logprobs`` (``chunk_size=lm_head_loss_chunk_size``
+  or ``logprobs_chunk_size``) when per-token log-probs/entropy are needed without full logits.
+- ``actor.megatron.entropy_requires_grad``: entropy from these functions is differentiable; detach it
+  when the setting is false.
+"""
+from sftprof.ops.guards import StaleBufferError
+from sftprof.ops.lm_head import linear_logprobs, linear_sft_loss
+from sftprof.ops.logprobs import vocab_parallel_logprobs
+
+__all__ = ["vocab_parallel_logprobs", "linear_logprobs", "linear_sft_loss", "StaleBufferError"]

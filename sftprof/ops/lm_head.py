@@ -1,0 +1,271 @@
+"""LM head (``hidden @ weight.T``) fused with token log-probs, chunked over tokens.
+
+Two entries share the chunk loop: :func:`linear_logprobs` (general log-probs + entropy, logits recomputed
+in the backward: 4 GEMMs) and :func:`linear_sft_loss` (loss linear in the log-probs, so the gradients are
+formed in the forward: 3 GEMMs, nothing recomputed). Neither ever holds more than ``chunk_size x V_local``
+logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sftprof.ops.guards import SavedBuffer
+from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, grad_coefficients,
+                                       shard_local_labels, tp_rank_and_size, write_softmax_grad_)
+
+__all__ = ["linear_logprobs", "linear_sft_loss"]
+
+
+def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel) -> int:
+    """Validate and return ``N``, the number of tokens of the full (gathered) sequence."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V_local, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    _, tp = tp_rank_and_size(tp_group)
+    n = hidden.shape[0] * (tp if sequence_parallel else 1)
+    check_labels_and_temperature(labels, n, weight.shape[0] * tp, temperature)
+    return n
+
+
+def _gather_tokens(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """Sequence parallel: all-gather the ``[N/tp, H]`` shards along tokens into ``[N, H]``."""
+    _, tp = tp_rank_and_size(tp_group)
+    if not sequence_parallel or tp == 1:
+        return hidden
+    full = hidden.new_empty(hidden.shape[0] * tp, hidden.shape[1])
+    dist.all_gather_into_tensor(full, hidden.contiguous(), group=tp_group)
+    return full
+
+
+def _reduce_grad_hidden(grad: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """Sum this vocab shard's partial ``d/dhidden`` over TP ranks: reduce-scatter along tokens
+    (sequence parallel) or all-reduce (hidden replicated on the TP ranks, as after Megatron's
+    copy-to-tensor-parallel-region)."""
+    _, tp = tp_rank_and_size(tp_group)
+    if tp == 1:
+        return grad
+    if sequence_parallel:
+        out = grad.new_empty(grad.shape[0] // tp, grad.shape[1])
+        dist.reduce_scatter_tensor(out, grad, group=tp_group)
+        return out
+    dist.all_reduce(grad, group=tp_group)
+    return grad
+
+
+class _WeightGrad:
+    """Accumulates ``sum_chunks grad_logits_c.T @ hidden_c`` for the ``[V_local, H]`` LM-head weight.
+
+    Megatron style: if ``weight.main_grad`` exists, accumulation goes straight into it (its dtype, fp32
+    in practice; bf16 x bf16 -> fp32 through cuBLAS on CUDA) and the autograd gradient is ``None``
+    (``weight.grad_added_to_main_grad`` is set to ``True`` when the attribute exists). Otherwise a
+    gradient of ``weight.dtype`` is accumulated chunk by chunk (cuBLAS beta=1, fp32 inside each GEMM).
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.main_grad = getattr(weight, "main_grad", None)
+        self.acc = self.main_grad
+        self.first = self.main_grad is None
+
+    def add(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        a = grad_logits.t()
+        if self.first:
+            self.acc = torch.mm(a, hidden)
+            self.first = False
+        elif self.acc.dtype == a.dtype:
+            self.acc.addmm_(a, hidden)
+        elif self.acc.is_cuda:
+            torch.addmm(self.acc, a, hidden, out_dtype=self.acc.dtype, out=self.acc)
+        else:
+            self.acc.addmm_(a.to(self.acc.dtype), hidden.to(self.acc.dtype))
+
+    def result(self, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The autograd gradient (``None`` in main_grad mode), multiplied by ``scale`` if given.
+
+        Raises:
+            ValueError: in main_grad mode when ``scale`` is not 1 (the contribution was already added).
+        """
+        if self.main_grad is not None:
+            if scale is not None and bool(scale != 1):
+                raise ValueError(
+                    "linear_sft_loss added the LM-head weight gradient to weight.main_grad during the forward, so "
+                    f"the loss must be back-propagated with gradient 1 (got {float(scale)}); fold loss scaling "
+                    "(1/num_microbatches, 1/num_tokens) into loss_weight instead")
+            if hasattr(self.weight, "grad_added_to_main_grad"):
+                self.weight.grad_added_to_main_grad = True
+            return None
+        acc, self.acc = self.acc, None
+        if acc is None:  # zero tokens
+            return torch.zeros_like(self.weight)
+        return acc if scale is None else acc.mul_(scale)
+
+
+def _chunk_loop(h_full, weight, bounds, on_chunk):
+    """Run ``on_chunk(start, end, logits_chunk)`` over token chunks, reusing one ``[chunk, V_local]``
+    logits buffer of ``hidden.dtype``."""
+    if not bounds:
+        return
+    buf = h_full.new_empty(bounds[0][1] - bounds[0][0], weight.shape[0])
+    for s, e in bounds:
+        lg = buf[: e - s]
+        torch.mm(h_full[s:e], weight.t(), out=lg)
+        on_chunk(s, e, lg)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel):
+        rank, _ = tp_rank_and_size(tp_group)
+        h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
+        n, v_local = h_full.shape[0], weight.shape[0]
+        local = shard_local_labels(labels, rank * v_local, v_local)
+        logprob, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        bounds = chunk_bounds(n, chunk_size)
+
+        def on_chunk(s, e, lg):
+            st = chunk_stats(lg, local[s:e], 1.0 / temperature, tp_group)
+            logprob[s:e], entropy[s:e], lse[s:e] = st.logprob, st.entropy, st.lse
+
+        _chunk_loop(h_full, weight, bounds, on_chunk)
+        ctx.hidden, ctx.weight = SavedBuffer(hidden, "hidden"), SavedBuffer(weight, "weight")
+        ctx.save_for_backward(local, entropy, lse)
+        ctx.cfg = (tp_group, bounds, 1.0 / temperature, sequence_parallel)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        tp_group, bounds, inv_t, sequence_parallel = ctx.cfg
+        hidden, weight = ctx.hidden.get(), ctx.weight.get()
+        ctx.hidden.release()
+        ctx.weight.release()
+        local, entropy, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
+        grad_h = torch.empty_like(h_full) if need_h else None
+        wgrad = _WeightGrad(weight) if need_w else None
+
+        def on_chunk(s, e, lg):
+            coef = grad_coefficients(None if grad_logprob is None else grad_logprob[s:e],
+                                     None if grad_entropy is None else grad_entropy[s:e],
+                                     entropy[s:e], inv_t, e - s, lg.device)
+            write_softmax_grad_(lg, local[s:e], lse[s:e], coef, inv_t)
+            if need_h:
+                torch.mm(lg, weight, out=grad_h[s:e])
+            if need_w:
+                wgrad.add(lg, h_full[s:e])
+
+        _chunk_loop(h_full, weight, bounds, on_chunk)
+        if need_h:
+            grad_h = _reduce_grad_hidden(grad_h, tp_group, sequence_parallel)
+        return grad_h, (wgrad.result() if need_w else None), None, None, None, None, None
+
+
+class _LinearSFTLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, loss_weight, tp_group, chunk_size, temperature, sequence_parallel,
+                need_h, need_w):
+        rank, _ = tp_rank_and_size(tp_group)
+        h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
+        n, v_local = h_full.shape[0], weight.shape[0]
+        local = shard_local_labels(labels, rank * v_local, v_local)
+        w = loss_weight.to(device=hidden.device, dtype=torch.float32)
+        inv_t = 1.0 / temperature
+        grad_h = torch.empty_like(h_full) if need_h else None
+        wgrad = _WeightGrad(weight) if need_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+
+        def on_chunk(s, e, lg):
+            st = chunk_stats(lg, local[s:e], inv_t, tp_group)
+            loss.sub_(torch.dot(st.logprob, w[s:e]))
+            if need_h or need_w:
+                coef = grad_coefficients(-w[s:e], None, st.entropy, inv_t, e - s, lg.device)
+                write_softmax_grad_(lg, local[s:e], st.lse, coef, inv_t)
+                if need_h:
+                    torch.mm(lg, weight, out=grad_h[s:e])
+                if need_w:
+                    wgrad.add(lg, h_full[s:e])
+
+        _chunk_loop(h_full, weight, chunk_bounds(n, chunk_size), on_chunk)
+        ctx.grad_h = _reduce_grad_hidden(grad_h, tp_group, sequence_parallel) if need_h else None
+        ctx.wgrad = wgrad
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, wgrad = ctx.grad_h, ctx.wgrad
+        ctx.grad_h = ctx.wgrad = None  # drop ctx's references so autograd can adopt the buffers as .grad
+        if grad_h is not None:
+            grad_h.mul_(grad_loss)
+        grad_w = wgrad.result(grad_loss) if wgrad is not None else None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                    tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
+                    return_entropy: bool = False, sequence_parallel: bool = False):
+    """Token log-probs (and entropy) of ``hidden @ weight.T`` without materialising more than
+    ``chunk_size x V_local`` logits; the backward recomputes the logits chunk by chunk.
+
+    Per chunk: one GEMM for the logits (``hidden.dtype`` output), fp32 softmax statistics (one all-reduce set
+    across ``tp_group``), and in the backward the recompute GEMM, the softmax gradient written in place of
+    the recomputed logits, and two GEMMs for ``d/dhidden`` and ``d/dweight``.
+
+    Args:
+        hidden: ``[N, H]`` (or this rank's ``[N/tp, H]`` token shard with ``sequence_parallel``), bf16 or fp32.
+        weight: this rank's vocabulary shard ``[V_local, H]`` of the LM-head weight, same dtype as ``hidden``.
+            Rank ``r`` holds ids ``[r * V_local, (r + 1) * V_local)``. Weight gradient: see ``_WeightGrad``
+            (into ``weight.main_grad`` when it exists, otherwise a ``weight.dtype`` gradient).
+        labels: ``[N]`` int64 global ids for the full (gathered) sequence.
+        tp_group: tensor-parallel group (``None``: no split).
+        chunk_size: tokens per chunk (0: all at once). Extra memory ~ ``chunk_size * V_local * bytes(dtype)``.
+        temperature: logits are divided by it (> 0).
+        return_entropy: also return the (differentiable) entropy.
+        sequence_parallel: ``hidden`` is a token shard; all-gather in forward/backward, reduce-scatter of
+            ``d/dhidden`` inside.
+    Returns:
+        fp32 ``[N]`` log-probs, or ``(logprobs, entropy)``; identical on all TP ranks.
+    Raises:
+        ValueError: bad shapes/dtypes/labels/temperature/chunk_size.
+        sftprof.ops.guards.StaleBufferError: ``hidden``/``weight`` modified or swapped before the backward.
+    """
+    _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel)
+    logprobs, entropy = _LinearLogprobs.apply(hidden, weight, labels, tp_group, chunk_size, float(temperature),
+                                              sequence_parallel)
+    return (logprobs, entropy) if return_entropy else logprobs
+
+
+def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor, *,
+                    tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
+                    sequence_parallel: bool = False) -> torch.Tensor:
+    """``sum_i -logprob_i * loss_weight_i`` of ``hidden @ weight.T`` with gradients formed in the forward.
+
+    Because the loss is linear in the log-probs, ``d loss / d logits`` of each chunk is known as soon as its
+    softmax statistics are: the forward writes it in place of the chunk's logits and runs the ``d/dhidden``
+    and ``d/dweight`` GEMMs right away (3 GEMMs in all, no recompute). The backward only scales the stored
+    gradients by the incoming gradient. Extra memory: one ``[chunk_size, V_local]`` logits buffer of
+    ``hidden.dtype`` plus the gradients themselves.
+
+    Args:
+        hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel: as in
+            :func:`linear_logprobs`.
+        loss_weight: ``[N]`` per-token weights (any float dtype; 0 masks a token). Put normalisation
+            (1/num_tokens, 1/num_microbatches) here.
+    Returns:
+        fp32 scalar loss, identical on all TP ranks.
+    Raises:
+        ValueError: bad inputs; or, when ``weight.main_grad`` exists (its gradient is added there during the
+            forward), a backward with an incoming gradient other than 1.
+    Note:
+        In ``main_grad`` mode the weight gradient lands in ``weight.main_grad`` during this call, so call it
+        with gradients enabled only when a backward will follow.
+    """
+    n = _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel)
+    if loss_weight.shape != (n,) or not loss_weight.is_floating_point():
+        raise ValueError(f"loss_weight must be a float tensor of shape ({n},), got {loss_weight.dtype} "
+                         f"{tuple(loss_weight.shape)}")
+    grad_on = torch.is_grad_enabled()
+    return _LinearSFTLoss.apply(hidden, weight, labels, loss_weight, tp_group, chunk_size, float(temperature),
+                                sequence_parallel, grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
