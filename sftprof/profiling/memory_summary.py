@@ -1,0 +1,260 @@
+"""Memory summary of one CUDA caching-allocator snapshot (``torch.cuda.memory._dump_snapshot``).
+
+The snapshot holds the allocator state at dump time (``segments`` with their ``blocks``) and
+the last ``max_entries`` allocator events per device (``device_traces``: ``alloc``,
+``free_requested``, ``free_completed``, ``segment_alloc``/``segment_free``,
+``segment_map``/``segment_unmap`` for expandable segments, each with ``addr``, ``size`` in
+bytes, ``time_us`` on the ``time.time()`` clock and the stack ``frames``, innermost first).
+
+Allocated bytes over the recorded window are replayed backwards from the final state
+(allocated = sum of active blocks; ``alloc`` adds a block, ``free_completed`` removes it);
+reserved bytes likewise from segment sizes and the segment events. This is the same
+bookkeeping PyTorch's memory_viz uses for its "Active Memory Timeline". The blocks alive at
+the allocated peak are found by walking from the final state back to the peak; they are
+grouped by their innermost project-or-library Python frame (``file:line function``; PyTorch's
+own frames and the standard library are skipped, C++ frames only name autograd nodes).
+
+Phase attribution uses the ``phases_rank<r>.json`` sidecar written by the trainer
+(``{"clock": "unix_us", "phases": [{"name", "start_us", "end_us"}]}``); the peak belongs to the
+innermost (shortest) phase containing its time.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+__all__ = ["analyze_snapshot", "allocation_site", "plot_memory", "TOP_SITES"]
+
+TOP_SITES = 20
+TOP_ALLOCATIONS = 10
+_GIB = float(2**30)
+_ALLOCATED_STATES = ("active_allocated", "active_pending_free")
+_STDLIB = re.compile(r"/lib/python3\.\d+/(?!site-packages|dist-packages)")
+_TORCH = re.compile(r"(^|/)torch/")
+_AUTOGRAD_NODE = re.compile(r"torch::autograd::generated::(\w+)::apply")
+_SHORTEN = re.compile(r"^(?:.*?/)?(?:site-packages|dist-packages)/")
+
+
+def _short_path(filename: str) -> str:
+    filename = _SHORTEN.sub("", filename)
+    i = filename.rfind("/sftprof/")
+    return filename[i + 1:] if i >= 0 else filename
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """Group key of one allocation from its stack (``frames`` innermost first).
+
+    Returns ``"<file>:<line> <function>"`` of the innermost Python frame outside PyTorch and the
+    standard library (``site-packages/`` prefixes removed); when an autograd node
+    (``torch::autograd::generated::XBackward0``) sits inside that frame the key becomes
+    ``"XBackward0 (autograd) via <file>:<line> <function>"``. Falls back to the innermost
+    Python frame, then to ``"<no Python frame>"``.
+    """
+    node = None
+    first_py = None
+    for f in frames:
+        fn = f.get("filename") or ""
+        if not fn.endswith(".py"):
+            if node is None:
+                m = _AUTOGRAD_NODE.search(f.get("name") or "")
+                if m:
+                    node = m.group(1)
+            continue
+        site = f"{_short_path(fn)}:{f.get('line', 0)} {f.get('name', '?')}"
+        if first_py is None:
+            first_py = site
+        if _TORCH.search(fn) or _STDLIB.search(fn) or fn.startswith("<"):
+            continue
+        return f"{node} (autograd) via {site}" if node else site
+    if first_py is not None:
+        return f"{node} (autograd) via {first_py}" if node else first_py
+    return f"{node} (autograd)" if node else "<no Python frame>"
+
+
+def _primary_device(snapshot: dict) -> int:
+    traces = snapshot.get("device_traces") or []
+    reserved: dict[int, int] = defaultdict(int)
+    for seg in snapshot.get("segments") or []:
+        reserved[seg.get("device", 0)] += seg.get("total_size", 0)
+    candidates = set(reserved) | {i for i, t in enumerate(traces) if t}
+    if not candidates:
+        return 0
+    return max(sorted(candidates), key=lambda d: (reserved.get(d, 0), len(traces[d]) if d < len(traces) else 0))
+
+
+def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
+    inside = [p for p in phases if p.get("start_us", np.inf) <= t_us <= p.get("end_us", -np.inf)]
+    if not inside:
+        return None
+    return min(inside, key=lambda p: (p["end_us"] - p["start_us"], p.get("name", "")))["name"]
+
+
+def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, Any]:
+    """Memory summary of one snapshot.
+
+    Args:
+        snapshot: the unpickled snapshot (see :func:`sftprof.profiling.safe_pickle.safe_load_file`).
+        phases: the ``phases_rank<r>.json`` sidecar content, or None.
+
+    Returns:
+        JSON-serialisable dict (bytes are ints; ``*_gib`` floats are GiB = 2**30 bytes):
+        ``device``, ``trace_entries``, ``window_ms``, ``peak_allocated_bytes``,
+        ``peak_reserved_bytes``, ``reserved_at_peak_bytes``, ``reserved_minus_allocated_at_peak_bytes``,
+        ``peak_time_ms`` (from the first recorded event), ``peak_phase`` (None without sidecar),
+        ``end_allocated_bytes``, ``end_reserved_bytes``, ``top_sites`` (site, bytes, blocks,
+        share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), and ``series``
+        (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
+
+    Raises:
+        ValueError: the object is not an allocator snapshot (no ``segments``/``device_traces``).
+    """
+    if not isinstance(snapshot, dict) or "segments" not in snapshot:
+        raise ValueError("not a CUDA allocator snapshot: expected a dict with 'segments' and 'device_traces'")
+    dev = _primary_device(snapshot)
+    traces = snapshot.get("device_traces") or []
+    trace = traces[dev] if dev < len(traces) else []
+    segments = [s for s in snapshot["segments"] if s.get("device", 0) == dev]
+    final_blocks: dict[int, tuple[int, list]] = {}
+    for seg in segments:
+        for b in seg.get("blocks", []):
+            if b.get("state") in _ALLOCATED_STATES:
+                final_blocks[b["address"]] = (b["size"], b.get("frames") or [])
+    end_alloc = sum(size for size, _ in final_blocks.values())
+    end_reserved = sum(s.get("total_size", 0) for s in segments)
+
+    n = len(trace)
+    d_alloc = np.zeros(n, dtype=np.int64)
+    d_res = np.zeros(n, dtype=np.int64)
+    times = np.zeros(n, dtype=np.float64)
+    for i, e in enumerate(trace):
+        a, size = e.get("action"), int(e.get("size", 0))
+        times[i] = e.get("time_us", 0)
+        if a == "alloc":
+            d_alloc[i] = size
+        elif a == "free_completed":
+            d_alloc[i] = -size
+        elif a in ("segment_alloc", "segment_map"):
+            d_res[i] = size
+        elif a in ("segment_free", "segment_unmap"):
+            d_res[i] = -size
+    start_alloc = end_alloc - int(d_alloc.sum())
+    start_res = end_reserved - int(d_res.sum())
+    allocated = start_alloc + np.cumsum(d_alloc)
+    reserved = start_res + np.cumsum(d_res)
+
+    if n:
+        peak_i = int(np.argmax(allocated))
+        peak_alloc = int(allocated[peak_i])
+        if start_alloc > peak_alloc:  # the peak was before the first recorded event
+            peak_i, peak_alloc = -1, start_alloc
+    else:
+        peak_i, peak_alloc = -1, end_alloc
+    res_at_peak = int(reserved[peak_i]) if peak_i >= 0 else start_res
+    peak_res = max(int(reserved.max()) if n else end_reserved, start_res)
+
+    # Blocks alive right after event peak_i: walk back from the final state.
+    live = dict(final_blocks)  # addr -> (size, frames or None)
+    touched: set[int] = set()
+    for e in reversed(trace[peak_i + 1:]):
+        a = e.get("action")
+        if a == "alloc":
+            live.pop(e["addr"], None)
+            touched.add(e["addr"])
+        elif a == "free_completed":
+            live[e["addr"]] = (int(e["size"]), None)
+            touched.add(e["addr"])
+    alloc_frames: dict[int, list] = {}  # blocks allocated inside the window and not yet freed
+    for e in trace[:peak_i + 1]:
+        a = e.get("action")
+        if a == "alloc":
+            alloc_frames[e["addr"]] = e.get("frames") or []
+        elif a == "free_completed":
+            alloc_frames.pop(e["addr"], None)
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    allocations = []
+    for addr, (size, frames) in live.items():
+        if addr in alloc_frames:
+            frames = alloc_frames[addr]
+        elif addr in touched or not frames:
+            frames = None  # allocated before the first recorded event: its stack is unknown
+        site = allocation_site(frames) if frames is not None else "<allocated before the recorded window>"
+        by_site[site][0] += size
+        by_site[site][1] += 1
+        allocations.append((size, site, addr))
+    live_total = sum(v[0] for v in by_site.values())
+    top_sites = [{"site": s, "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
+                  "share_pct": round(100 * b / live_total, 3) if live_total else 0.0}
+                 for s, (b, c) in sorted(by_site.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_SITES]]
+    top_allocs = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
+                  for s, site, _ in sorted(allocations, key=lambda x: (-x[0], x[1], x[2]))[:TOP_ALLOCATIONS]]
+
+    t0 = float(times[0]) if n else 0.0
+    peak_t = float(times[peak_i]) if peak_i >= 0 else t0
+    phase_list = (phases or {}).get("phases") or []
+    return {
+        "device": dev,
+        "trace_entries": n,
+        "window_ms": round((float(times[-1]) - t0) / 1e3, 3) if n else 0.0,
+        "peak_allocated_bytes": peak_alloc,
+        "peak_allocated_gib": round(peak_alloc / _GIB, 4),
+        "peak_reserved_bytes": peak_res,
+        "peak_reserved_gib": round(peak_res / _GIB, 4),
+        "reserved_at_peak_bytes": res_at_peak,
+        "reserved_minus_allocated_at_peak_bytes": res_at_peak - peak_alloc,
+        "reserved_minus_allocated_at_peak_gib": round((res_at_peak - peak_alloc) / _GIB, 4),
+        "peak_time_ms": round((peak_t - t0) / 1e3, 3),
+        "peak_phase": _innermost_phase(phase_list, peak_t) if phases is not None else None,
+        "live_at_peak_bytes": live_total,
+        "end_allocated_bytes": end_alloc,
+        "end_reserved_bytes": end_reserved,
+        "top_sites": top_sites,
+        "top_allocations": top_allocs,
+        "series": {"t_us": times, "allocated": allocated, "reserved": reserved, "peak_index": peak_i,
+                   "start_allocated": start_alloc, "start_reserved": start_res, "phases": phase_list},
+    }
+
+
+def plot_memory(summary: dict, title: str, out_png: str) -> None:
+    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window, peak marked.
+
+    Args:
+        summary: output of :func:`analyze_snapshot` (needs its ``series``).
+        title: plot title (e.g. the snapshot file name).
+        out_png: destination path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summary["series"]
+    t = s["t_us"]
+    t0 = float(t[0]) if t.size else 0.0
+    x = np.concatenate(([0.0], (t - t0) / 1e3))
+    alloc = np.concatenate(([s["start_allocated"]], s["allocated"])) / _GIB
+    res = np.concatenate(([s["start_reserved"]], s["reserved"])) / _GIB
+    fig, ax = plt.subplots(figsize=(11, 4.5), dpi=100)
+    for k, ph in enumerate(sorted(s["phases"], key=lambda p: p["start_us"])):
+        lo, hi = (ph["start_us"] - t0) / 1e3, (ph["end_us"] - t0) / 1e3
+        if hi < x[0] or lo > x[-1] or ph["name"].endswith("/step"):
+            continue
+        ax.axvspan(lo, hi, color=f"C{2 + k % 6}", alpha=0.12, lw=0)
+        ax.text((lo + hi) / 2, 0.01, ph["name"].replace("sftprof/", ""), rotation=90, fontsize=7,
+                ha="center", va="bottom", transform=ax.get_xaxis_transform())
+    ax.step(x, alloc, where="post", lw=1.0, color="C0", label="allocated")
+    ax.step(x, res, where="post", lw=1.0, ls="--", color="C1", label="reserved")
+    pi = s["peak_index"] + 1
+    ax.plot([x[pi]], [alloc[pi]], "o", color="red", ms=6,
+            label=f"peak {summary['peak_allocated_gib']:.2f} GiB" +
+                  (f" ({summary['peak_phase']})" if summary.get("peak_phase") else ""))
+    ax.set_xlabel("time since first recorded allocator event [ms]")
+    ax.set_ylabel("GiB")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, metadata={"Software": None})
+    plt.close(fig)

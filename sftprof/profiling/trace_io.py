@@ -1,0 +1,294 @@
+"""Streaming read and write of Chrome-trace JSON files (torch.profiler ``export_chrome_trace``).
+
+A Chrome trace is one JSON object whose ``traceEvents`` member is an array of small event
+objects; the other members (``deviceProperties``, ``distributedInfo``, ``traceName``, ...)
+are small. Traces of long-context MoE steps reach several GiB, so they are never loaded as
+a whole: :class:`TraceReader` decodes the file in fixed-size chunks and parses one event
+object at a time with the C scanner of the standard ``json`` module, yielding the parsed
+event together with its exact source text (so writers copy events without re-encoding).
+Peak memory is O(chunk size + largest event), independent of the trace size.
+
+Gzip input (``*.json.gz``) is read transparently; :class:`TraceWriter` writes plain or gzip
+output.
+"""
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Iterator
+
+__all__ = ["TraceFormatError", "TraceReader", "TraceWriter", "Progress"]
+
+_CHUNK_CHARS = 8 << 20  # characters decoded per refill (~8 MiB of ASCII trace text)
+_SEP = re.compile(r"[ \t\n\r,]*")  # between array elements: whitespace and the comma
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_SCAN = _DECODER.scan_once
+
+
+class TraceFormatError(ValueError):
+    """A trace file is truncated or is not Chrome-trace JSON; the message names the file and offset."""
+
+
+class Progress:
+    """Rate-limited progress lines on stderr for long conversions.
+
+    Args:
+        label: prefix of each line (e.g. the file name).
+        total_bytes: size of the input in bytes (compressed size for gzip input), 0 if unknown.
+        every_s: minimum seconds between two lines.
+    """
+
+    def __init__(self, label: str, total_bytes: int, every_s: float = 2.0, stream=None):
+        self.label, self.total, self.every_s = label, total_bytes, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.monotonic()
+        self._last = self.t0
+
+    def update(self, done_bytes: int, force: bool = False) -> None:
+        """Print ``label: done/total MiB (pct%) elapsed`` if ``every_s`` passed since the last line."""
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        pct = f" ({100.0 * done_bytes / self.total:.0f}%)" if self.total else ""
+        print(f"[postprocess] {self.label}: {done_bytes / 2**20:.0f}/{self.total / 2**20:.0f} MiB{pct} "
+              f"{now - self.t0:.1f} s", file=self.stream, flush=True)
+
+
+class TraceReader:
+    """Single-pass streaming parser of one Chrome-trace file.
+
+    Usage::
+
+        reader = TraceReader(path)
+        for raw, event in reader.events():   # raw: str source text of the event, event: dict
+            ...
+        reader.header                        # dict of all top-level members except traceEvents
+
+    ``header`` holds the members found before ``traceEvents`` while iterating and all members
+    once :meth:`events` is exhausted. A bare top-level array (``[{...}, ...]``, also legal
+    Chrome-trace JSON) is accepted with an empty header.
+
+    Args:
+        path: ``.json`` or ``.json.gz`` file.
+        progress: optional :class:`Progress`, fed with the number of (compressed) bytes read.
+
+    Raises:
+        TraceFormatError: truncated file, malformed JSON, or no ``traceEvents`` array (message names
+            the file and the character offset).
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike, progress: Progress | None = None):
+        self.path = os.fspath(path)
+        self.header: dict[str, Any] = {}
+        self.progress = progress
+        self._raw = open(self.path, "rb")
+        self._gz = self.path.endswith(".gz")
+        self._bin = gzip.GzipFile(fileobj=self._raw, mode="rb") if self._gz else self._raw
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buf = ""
+        self._pos = 0
+        self._base = 0  # characters consumed before self._buf
+        self._eof = False
+
+    # -- buffer management ------------------------------------------------------------------
+    def _fill(self) -> bool:
+        """Append the next chunk to the buffer, dropping consumed text; False at end of file."""
+        if self._eof:
+            return False
+        try:
+            data = self._bin.read(_CHUNK_CHARS)
+        except (EOFError, OSError, gzip.BadGzipFile) as exc:  # truncated / corrupt gzip stream
+            raise self._error(f"corrupt compressed stream ({exc})") from None
+        self._eof = not data
+        text = self._dec.decode(data, final=self._eof)
+        self._base += self._pos
+        self._buf = self._buf[self._pos:] + text
+        self._pos = 0
+        if self.progress is not None:
+            self.progress.update(self._raw.tell())
+        return bool(data) or bool(text)
+
+    def _error(self, what: str) -> TraceFormatError:
+        return TraceFormatError(f"{self.path}: {what} near character {self._base + self._pos}")
+
+    def _skip(self, pattern: re.Pattern) -> None:
+        while True:
+            self._pos = pattern.match(self._buf, self._pos).end()
+            if self._pos < len(self._buf) or not self._fill():
+                return
+
+    def _peek(self) -> str:
+        """Next non-whitespace character ('' at end of file)."""
+        self._skip(_WS)
+        return self._buf[self._pos] if self._pos < len(self._buf) else ""
+
+    def _expect(self, ch: str) -> None:
+        got = self._peek()
+        if got != ch:
+            raise self._error(f"expected {ch!r}, found {got!r}" if got else f"truncated (expected {ch!r})")
+        self._pos += 1
+
+    def _value(self) -> tuple[Any, int, int]:
+        """Parse one JSON value at the cursor; returns (value, start, end) indexes into ``_buf``."""
+        self._peek()
+        while True:
+            start = self._pos
+            try:
+                value, end = _SCAN(self._buf, start)
+            except (StopIteration, json.JSONDecodeError) as exc:
+                # Either the value straddles the buffer end (read more and retry) or it is malformed.
+                if self._fill():
+                    continue
+                detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "no JSON value"
+                raise self._error(f"truncated or malformed JSON ({detail})") from None
+            if end == len(self._buf) and not self._eof:
+                # A number at the buffer end may continue in the next chunk.
+                if self._fill():
+                    continue
+            self._pos = end
+            return value, start, end
+
+    # -- public iteration -------------------------------------------------------------------
+    def events(self) -> Iterator[tuple[str, dict]]:
+        """Yield ``(raw_text, event_dict)`` for every element of ``traceEvents`` in file order."""
+        try:
+            first = self._peek()
+            if first == "[":
+                self._pos += 1
+                yield from self._array()
+                return
+            self._expect("{")
+            seen_events = False
+            while True:
+                ch = self._peek()
+                if ch == "}":
+                    self._pos += 1
+                    break
+                if ch == ",":
+                    self._pos += 1
+                    continue
+                key, _, _ = self._value()
+                if not isinstance(key, str):
+                    raise self._error("object key is not a string")
+                self._expect(":")
+                if key == "traceEvents":
+                    self._expect("[")
+                    seen_events = True
+                    yield from self._array()
+                else:
+                    self.header[key], _, _ = self._value()
+            if not seen_events:
+                raise self._error("no 'traceEvents' array in the trace")
+            if self._peek():
+                raise self._error("trailing data after the trace object")
+        finally:
+            if self.progress is not None:
+                self.progress.update(self._raw.tell(), force=True)
+            self.close()
+
+    def _array(self) -> Iterator[tuple[str, dict]]:
+        buf_scan = _SCAN
+        sep = _SEP.match
+        while True:
+            # Fast path: parse straight from the buffer; fall back to the careful path near its end.
+            buf, pos = self._buf, self._pos
+            limit = len(buf) - 65536 if not self._eof else len(buf)
+            while pos < limit:
+                pos = sep(buf, pos).end()
+                if buf[pos] == "]":
+                    self._pos = pos + 1
+                    return
+                try:
+                    event, end = buf_scan(buf, pos)
+                except (StopIteration, json.JSONDecodeError):
+                    break  # may straddle the chunk end: let the careful path decide
+                if end >= limit and not self._eof:
+                    break
+                if type(event) is not dict:
+                    self._pos = pos
+                    raise self._error("trace event is not a JSON object")
+                yield buf[pos:end], event
+                pos = end
+            self._pos = pos
+            self._skip(_SEP)
+            if self._pos >= len(self._buf):
+                raise self._error("truncated trace (traceEvents array not closed)")
+            if self._buf[self._pos] == "]":
+                self._pos += 1
+                return
+            event, start, end = self._value()
+            if type(event) is not dict:
+                raise self._error("trace event is not a JSON object")
+            yield self._buf[start:end], event
+
+    def close(self) -> None:
+        """Close the underlying file (idempotent)."""
+        if self._bin is not self._raw:
+            self._bin.close()
+        self._raw.close()
+
+
+class TraceWriter:
+    """Write a Chrome-trace JSON file incrementally: header members, then events, then the close.
+
+    Events are given as JSON text (the reader's raw slices, or ``json.dumps`` output) and are
+    written one per line. Output is valid JSON that Perfetto and chrome://tracing open.
+
+    Args:
+        path: output path; ``.gz`` suffix selects gzip (compression level 1: fast, ~10x on traces).
+        header: top-level members written before ``traceEvents`` (JSON-serialisable).
+    """
+
+    _FLUSH_CHARS = 4 << 20
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
+        self.path = os.fspath(path)
+        if self.path.endswith(".gz"):
+            self._f = io.TextIOWrapper(gzip.open(self.path, "wb", compresslevel=1), encoding="utf-8")
+        else:
+            self._f = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
+        head = "".join(f"{json.dumps(k)}: {json.dumps(v)},\n" for k, v in header.items())
+        self._f.write("{\n" + head + '"traceEvents": [\n')
+        self._parts: list[str] = []
+        self._pending = 0
+        self.n_events = 0
+        self.chars = 0  # characters of event text written (≈ bytes for ASCII traces)
+
+    def write(self, raw: str) -> None:
+        """Append one event given as its JSON text."""
+        if self.n_events:
+            self._parts.append(",\n")
+        self._parts.append(raw)
+        self.n_events += 1
+        n = len(raw) + 2
+        self.chars += n
+        self._pending += n
+        if self._pending >= self._FLUSH_CHARS:
+            self._f.write("".join(self._parts))
+            self._parts.clear()
+            self._pending = 0
+
+    def close(self, trailer: dict[str, Any] | None = None) -> None:
+        """Finish the array, write ``trailer`` members after it (if any), close the object and file."""
+        self._f.write("".join(self._parts))
+        self._parts.clear()
+        tail = "".join(f",\n{json.dumps(k)}: {json.dumps(v)}" for k, v in (trailer or {}).items())
+        self._f.write("\n]" + tail + "\n}\n")
+        self._f.close()
+
+    def abort(self) -> None:
+        """Close and delete a partially written file."""
+        try:
+            self._f.close()
+        finally:
+            if os.path.exists(self.path):
+                os.remove(self.path)

@@ -1,0 +1,386 @@
+"""Kernel summary of one rank's torch.profiler Chrome trace, computed in a single streaming pass.
+
+Feed every event to :meth:`KernelTraceAnalyzer.add` (``sftprof.profiling.views.split_trace``
+does this while it writes the views) and call :meth:`KernelTraceAnalyzer.summary`. Memory is
+O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
+
+Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
+
+* GPU activity: events of category ``kernel``, ``gpu_memcpy`` and ``gpu_memset``.
+* Step window: the ``sftprof/step`` user annotation (else the longest ``ProfilerStep#N``,
+  else the span of all GPU activity), extended to the end of the last GPU activity launched
+  inside it (kernels run asynchronously after the CPU leaves the region).
+* GPU busy share: length of the union of GPU activity intervals (all streams) inside the step
+  window, divided by the window length; idle share = 1 - busy share.
+* Category time: sum of activity durations per category; shares are relative to the total GPU
+  activity time, so they sum to 100 %. Kernels launched inside ``sftprof/optimizer_step`` count
+  as ``optimizer`` (except collectives); other kernels are classified by name.
+* Communication hidden / exposed: with C the union of NCCL kernel intervals and K the union of
+  all other GPU activity intervals on the same device, hidden = |C ∩ K| and exposed = |C| - hidden
+  (the usual overlap definition, e.g. Holistic Trace Analysis' comm/comp overlap).
+* Region time: per ``sftprof/...`` user annotation, its CPU wall time and the GPU time of the
+  activities whose launching CUDA API call (matched by ``correlation`` id) lies inside it.
+"""
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "TOP_KERNELS"]
+
+TOP_KERNELS = 20
+GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+REGION_PREFIX = "sftprof/"
+OPTIMIZER_REGION = "sftprof/optimizer_step"
+STEP_REGION = "sftprof/step"
+
+# Ordered (category, pattern) rules on the lower-cased kernel name; first match wins.
+_RULES: tuple[tuple[str, re.Pattern], ...] = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|softmax_warp_forward_causal|mha_")),
+    ("MoE routing/permutation", re.compile(
+        r"moe|permut|topk|top_k|sort|radix|scatter|gather|index|histogram|histc|bincount|cumsum|"
+        r"router|token_dispatch|masked_select|masked_scatter|nonzero|cub::|write_indices")),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|lamb_|sgd_|l2norm")),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|_mm_|wgmma|splitk|hgemm|sgemm|dot_kernel")),
+    ("elementwise/reduction", re.compile(
+        r"elementwise|reduce|copy|fill|cat|norm|softmax|triton|unary|binary|functor|pow|mul|add|"
+        r"silu|gelu|exp|log|where|clamp|sum|mean|max|min|cross_entropy|rms")),
+)
+_NCCL = re.compile(r"nccl(?:dev)?kernel_([a-z]+)", re.IGNORECASE)
+
+# megatron-core / torch process-group descriptions -> parallelism label.
+_PG_LABELS = {
+    "TENSOR_MODEL_PARALLEL_GROUP": "TP",
+    "CONTEXT_PARALLEL_GROUP": "CP",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "PP",
+    "DATA_PARALLEL_GROUP": "DP",
+    "DATA_PARALLEL_GROUP_WITH_CP": "DP-CP",
+    "EXPERT_MODEL_PARALLEL_GROUP": "EP",
+    "EXPERT_TENSOR_PARALLEL_GROUP": "ETP",
+    "EXPERT_DATA_PARALLEL_GROUP": "EDP",
+    "TENSOR_AND_DATA_PARALLEL_GROUP": "TP-DP",
+    "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "TP-DP-CP",
+    "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "TP-CP",
+    "TENSOR_AND_EXPERT_PARALLEL_GROUP": "TP-EP",
+    "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "ETP-EP",
+    "EMBEDDING_GROUP": "EMB",
+    "POSITION_EMBEDDING_GROUP": "POS-EMB",
+    "MODEL_PARALLEL_GROUP": "MP",
+    "default_pg": "WORLD",
+}
+
+
+def kernel_category(name: str, cat: str = "kernel") -> str:
+    """Category of one GPU activity from its trace category and kernel name.
+
+    Args:
+        name: kernel name as recorded by CUPTI (e.g. ``nvjet_sm90_tst_256x128_...``).
+        cat: trace category, one of ``kernel``, ``gpu_memcpy``, ``gpu_memset``.
+
+    Returns:
+        ``memcpy/memset``, ``NCCL <Collective>`` for NCCL kernels (group added by the analyzer),
+        or one of ``attention``, ``MoE routing/permutation``, ``optimizer``, ``GEMM``,
+        ``elementwise/reduction``, ``other`` (name rules in ``_RULES``, first match wins).
+    """
+    if cat != "kernel":
+        return "memcpy/memset"
+    m = _NCCL.search(name)
+    if m:
+        return f"NCCL {m.group(1)}"
+    low = name.lower()
+    for label, pattern in _RULES:
+        if pattern.search(low):
+            return label
+    return "other"
+
+
+def collective_group_label(pg_desc: str | None, pg_name: str | None) -> str | None:
+    """Short parallelism label (TP, CP, EP, DP, ...) of a process group, or its description/name."""
+    if pg_desc:
+        return _PG_LABELS.get(pg_desc, pg_desc)
+    return f"pg{pg_name}" if pg_name not in (None, "") else None
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge intervals [starts[i], ends[i]) into sorted disjoint intervals."""
+    if starts.size == 0:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    run_end = np.maximum.accumulate(e)
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > run_end[:-1]
+    idx = np.flatnonzero(new)
+    return s[idx], np.append(run_end[idx[1:] - 1], run_end[-1])
+
+
+def _length(starts: np.ndarray, ends: np.ndarray) -> float:
+    return float(np.sum(ends - starts)) if starts.size else 0.0
+
+
+def _intersection_length(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
+    """Total length of the intersection of two disjoint, sorted interval sets."""
+    (a_s, a_e), (b_s, b_e) = a, b
+    if a_s.size == 0 or b_s.size == 0:
+        return 0.0
+    # Prefix lengths of b; the covered length of b in [x, y) is cov(y) - cov(x).
+    prefix = np.concatenate(([0.0], np.cumsum(b_e - b_s)))
+
+    def covered_upto(x: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(b_s, x, side="right")  # intervals starting at or before x
+        full = prefix[np.maximum(i - 1, 0)]
+        partial = np.where(i > 0, np.clip(x - b_s[np.maximum(i - 1, 0)], 0, None), 0.0)
+        partial = np.minimum(partial, np.where(i > 0, b_e[np.maximum(i - 1, 0)] - b_s[np.maximum(i - 1, 0)], 0.0))
+        return full + partial
+
+    return float(np.sum(covered_upto(a_e) - covered_upto(a_s)))
+
+
+def _clip(iv: tuple[np.ndarray, np.ndarray], lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+    s, e = np.clip(iv[0], lo, hi), np.clip(iv[1], lo, hi)
+    keep = e > s
+    return s[keep], e[keep]
+
+
+def _ms(us: float) -> float:
+    return round(us / 1000.0, 4)
+
+
+class KernelTraceAnalyzer:
+    """Accumulates what the kernel summary needs from a stream of Chrome-trace events.
+
+    Args:
+        header: the trace's top-level members (``distributedInfo.pg_config`` maps process-group
+            names to descriptions such as ``TENSOR_MODEL_PARALLEL_GROUP``); may be filled later via
+            :meth:`set_header` because the reader sees it while streaming.
+    """
+
+    def __init__(self, header: dict | None = None):
+        self._names: dict[str, int] = {}
+        self._name_list: list[str] = []
+        # per GPU activity (parallel lists)
+        self._a_name: list[int] = []
+        self._a_kind: list[int] = []  # index into GPU_ACTIVITY_CATS
+        self._a_ts: list[float] = []
+        self._a_dur: list[float] = []
+        self._a_dev: list[int] = []
+        self._a_corr: list[int] = []
+        self._a_ext: list[int] = []
+        self._a_pg: list[str | None] = []  # process-group label from the kernel's own args
+        self._launch_ts: dict[int, float] = {}  # correlation -> CUDA API call start (us)
+        self._comm_ops: dict[int, str | None] = {}  # External id -> group label of a collective op
+        self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
+        self._profiler_steps: list[tuple[str, float, float]] = []
+        self._t_min = float("inf")
+        self._t_max = float("-inf")
+        self.n_events = 0
+        self._pg_desc: dict[str, str] = {}
+        if header:
+            self.set_header(header)
+
+    def set_header(self, header: dict) -> None:
+        """Read process-group descriptions from ``header['distributedInfo']['pg_config']``."""
+        info = header.get("distributedInfo") or {}
+        for pg in info.get("pg_config") or []:
+            if isinstance(pg, dict) and "pg_name" in pg:
+                self._pg_desc[str(pg["pg_name"])] = pg.get("pg_desc")
+
+    def _pg_label(self, args: dict) -> str | None:
+        name = args.get("Process Group Name")
+        desc = args.get("Process Group Description")
+        if not desc and name is not None:
+            desc = self._pg_desc.get(str(name))
+        return collective_group_label(desc, None if name is None else str(name))
+
+    def add(self, ev: dict) -> None:
+        """Consume one trace event (any phase/category; irrelevant ones are ignored cheaply)."""
+        self.n_events += 1
+        if ev.get("ph") != "X":
+            return
+        ts = ev.get("ts")
+        dur = ev.get("dur")
+        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+            return
+        if ts < self._t_min:
+            self._t_min = ts
+        if ts + dur > self._t_max:
+            self._t_max = ts + dur
+        cat = ev.get("cat")
+        if cat in GPU_ACTIVITY_CATS:
+            name = ev.get("name", "")
+            idx = self._names.get(name)
+            if idx is None:
+                idx = self._names[name] = len(self._name_list)
+                self._name_list.append(name)
+            args = ev.get("args") or {}
+            self._a_name.append(idx)
+            self._a_kind.append(GPU_ACTIVITY_CATS.index(cat))
+            self._a_ts.append(ts)
+            self._a_dur.append(dur)
+            dev = ev.get("pid")
+            self._a_dev.append(dev if isinstance(dev, int) else -1)
+            self._a_corr.append(int(args.get("correlation", -1)))
+            self._a_ext.append(int(args.get("External id", -1)))
+            self._a_pg.append(self._pg_label(args) if "Process Group Name" in args
+                              or "Process Group Description" in args else None)
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            corr = (ev.get("args") or {}).get("correlation")
+            if corr is not None:
+                self._launch_ts[int(corr)] = ts
+        elif cat == "user_annotation":
+            name = ev.get("name", "")
+            if name.startswith(REGION_PREFIX):
+                self._regions.append((name, ts, ts + dur))
+            elif name.startswith("ProfilerStep#"):
+                self._profiler_steps.append((name, ts, ts + dur))
+        elif cat == "cpu_op":
+            args = ev.get("args")
+            if args and ("Process Group Name" in args or "Process Group Description" in args):
+                ext = args.get("External id")
+                if ext is not None:
+                    self._comm_ops[int(ext)] = self._pg_label(args)
+
+    # -- summary ------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
+
+        Keys: ``n_events``, ``step_window`` (source, start/end in trace us, wall_ms),
+        ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
+        ``top_kernels`` (name, calls, total_ms, share_pct), ``categories`` (category, calls,
+        total_ms, share_pct; sums to 100 %), ``communication`` (total_ms, hidden_ms, exposed_ms,
+        by_type, by_group), ``regions`` (name, start_ms relative to the window, cpu_ms, gpu_ms).
+        """
+        n = len(self._a_ts)
+        ts = np.asarray(self._a_ts, dtype=np.float64)
+        dur = np.asarray(self._a_dur, dtype=np.float64)
+        end = ts + dur
+        names = np.asarray(self._a_name, dtype=np.int64)
+        kinds = np.asarray(self._a_kind, dtype=np.int64)
+        devs = np.asarray(self._a_dev, dtype=np.int64)
+        launch = np.array([self._launch_ts.get(c, np.nan) for c in self._a_corr], dtype=np.float64)
+
+        regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
+        # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
+        cat_cache: dict[tuple[int, int], str] = {}
+        cats: list[str] = []
+        for i in range(n):
+            key = (self._a_name[i], self._a_kind[i])
+            c = cat_cache.get(key)
+            if c is None:
+                c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
+            cats.append(c)
+        is_comm = np.array([c.startswith("NCCL ") for c in cats], dtype=bool)
+        opt = [r for r in regions if r[0] == OPTIMIZER_REGION]
+        if opt and n:
+            in_opt = np.zeros(n, dtype=bool)
+            for _, lo, hi in opt:
+                in_opt |= (launch >= lo) & (launch <= hi)
+            for i in np.flatnonzero(in_opt & ~is_comm & (kinds == 0)):
+                cats[i] = "optimizer"
+        groups: list[str | None] = []
+        for i in range(n):
+            g = self._a_pg[i]
+            if g is None and is_comm[i]:
+                g = self._comm_ops.get(self._a_ext[i])
+            groups.append(g)
+        labels = [f"{c} [{g}]" if is_comm[i] and g else c for i, (c, g) in enumerate(zip(cats, groups))]
+
+        # Step window.
+        window_src = "none"
+        lo = hi = None
+        steps = [r for r in regions if r[0] == STEP_REGION]
+        if steps:
+            _, lo, hi = max(steps, key=lambda r: r[2] - r[1])
+            window_src = STEP_REGION
+        elif self._profiler_steps:
+            _, lo, hi = max(self._profiler_steps, key=lambda r: r[2] - r[1])
+            window_src = "ProfilerStep"
+        elif n:
+            lo, hi = float(ts.min()), float(end.max())
+            window_src = "gpu_activity_span"
+        elif self._t_min < self._t_max:
+            lo, hi = self._t_min, self._t_max
+            window_src = "trace_span"
+        if lo is not None and window_src in (STEP_REGION, "ProfilerStep") and n:
+            launched = (launch >= lo) & (launch <= hi)
+            if launched.any():
+                hi = max(hi, float(end[launched].max()))
+
+        total_us = float(dur.sum())
+        gpu: dict[str, Any] = {"activities": n, "total_ms": _ms(total_us)}
+        if lo is not None and hi > lo:
+            busy = _length(*_clip(_union(ts, end), lo, hi))
+            gpu.update(busy_ms=_ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
+                       idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
+        else:
+            gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
+
+        # Top kernels (category 'kernel' only), shares of total GPU activity time.
+        k_tot: dict[int, float] = defaultdict(float)
+        k_calls: dict[int, int] = defaultdict(int)
+        for i in np.flatnonzero(kinds == 0):
+            k_tot[self._a_name[i]] += self._a_dur[i]
+            k_calls[self._a_name[i]] += 1
+        top = sorted(k_tot.items(), key=lambda kv: (-kv[1], self._name_list[kv[0]]))[:TOP_KERNELS]
+        top_kernels = [{"name": self._name_list[k], "calls": k_calls[k], "total_ms": _ms(t),
+                        "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
+
+        c_tot: dict[str, float] = defaultdict(float)
+        c_calls: dict[str, int] = defaultdict(int)
+        for lab, d in zip(labels, self._a_dur):
+            c_tot[lab] += d
+            c_calls[lab] += 1
+        categories = [{"category": c, "calls": c_calls[c], "total_ms": _ms(t),
+                       "share_pct": round(100 * t / total_us, 3) if total_us else 0.0}
+                      for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+        communication = self._communication(ts, end, devs, is_comm, cats, groups)
+        region_rows = []
+        for name, r_lo, r_hi in regions:
+            inside = (launch >= r_lo) & (launch <= r_hi)
+            region_rows.append({
+                "name": name,
+                "start_ms": _ms(r_lo - lo) if lo is not None else None,
+                "cpu_ms": _ms(r_hi - r_lo),
+                "gpu_ms": _ms(float(dur[inside].sum())) if n else None,
+                "gpu_activities": int(inside.sum()),
+            })
+        return {
+            "n_events": self.n_events,
+            "step_window": {"source": window_src,
+                            "wall_ms": _ms(hi - lo) if lo is not None else None},
+            "gpu": gpu,
+            "top_kernels": top_kernels,
+            "categories": categories,
+            "communication": communication,
+            "regions": region_rows,
+        }
+
+    @staticmethod
+    def _communication(ts, end, devs, is_comm, cats, groups) -> dict[str, Any]:
+        total = hidden = 0.0
+        for dev in np.unique(devs):
+            on = devs == dev
+            comm = _union(ts[on & is_comm], end[on & is_comm])
+            comp = _union(ts[on & ~is_comm], end[on & ~is_comm])
+            total += _length(*comm)
+            hidden += _intersection_length(comm, comp)
+        by_type: dict[str, float] = defaultdict(float)
+        by_group: dict[str, float] = defaultdict(float)
+        for i in np.flatnonzero(is_comm):
+            d = float(end[i] - ts[i])
+            by_type[cats[i][len("NCCL "):]] += d
+            by_group[groups[i] or "unknown"] += d
+        return {
+            "kernels": int(is_comm.sum()),
+            "total_ms": _ms(total),
+            "hidden_ms": _ms(hidden),
+            "exposed_ms": _ms(total - hidden),
+            "by_type_ms": {k: _ms(v) for k, v in sorted(by_type.items())},
+            "by_group_ms": {k: _ms(v) for k, v in sorted(by_group.items())},
+        }

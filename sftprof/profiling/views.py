@@ -1,0 +1,253 @@
+"""Split one rank's Chrome trace into the five views users open in Perfetto.
+
+One streaming pass over ``traces-r<rank>.chrome.json[.gz]`` writes, side by side:
+
+============================  ==================================================================
+``chrome``                    the whole trace, normalised (top-level members first, one event a
+                              line, metadata events last)
+``split_clean.chrome``        host CPU ops, CUDA runtime/driver API calls and GPU work on separate,
+                              named tracks; CPU->GPU flow arrows (``ac2g``) kept and re-anchored on
+                              the API track; profiler bookkeeping (overhead, string-pid spans) dropped
+``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations + GPU track metadata
+``cpu_only.chrome``           cpu_op, user_annotation, python_function events (+ fwd/bwd flows)
+``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
+============================  ==================================================================
+
+Metadata events (``ph == "M"``) are buffered (there are few) and written at the end of each
+view, filtered to the processes/threads that view contains. A view larger than
+``max_view_bytes`` is rewritten into time windows ``<view>.part<k>.json`` (each with all the
+metadata) so that every file opens in Perfetto's web UI.
+"""
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from bisect import bisect_right
+from typing import Callable
+
+import numpy as np
+
+from sftprof.profiling.trace_io import Progress, TraceReader, TraceWriter
+
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "API_TID_OFFSET", "view_path", "split_trace", "split_into_windows"]
+
+VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
+MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
+API_TID_OFFSET = 1_000_000_000  # split_clean: CUDA API track of host thread t is tid t + offset
+
+_CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event"})
+_GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+_API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_COMPACT = (",", ":")
+
+
+def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str:
+    """Path of one view file: ``<out_dir>/traces-r<rank>.<view>.json[.gz]``."""
+    return os.path.join(out_dir, f"traces-r{rank}.{view}.json" + (".gz" if compress else ""))
+
+
+def _meta(name: str, pid, tid, args: dict) -> str:
+    return json.dumps({"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}, separators=_COMPACT)
+
+
+def _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names: dict) -> list[str]:
+    """Fresh process/thread names and sort order for the split_clean view."""
+    out = []
+    host_pids = sorted({p for p, _ in cpu_tracks} | {p for p, _ in api_tracks})
+    for order, pid in enumerate(host_pids):
+        out.append(_meta("process_name", pid, 0, {"name": f"Host process {pid}"}))
+        out.append(_meta("process_sort_index", pid, 0, {"sort_index": order}))
+    host_tids = sorted(set(cpu_tracks) | {(p, t - API_TID_OFFSET) for p, t in api_tracks})
+    for order, (pid, tid) in enumerate(host_tids):
+        orig = thread_names.get((pid, tid))
+        suffix = f" ({orig})" if orig else ""
+        if (pid, tid) in cpu_tracks:
+            out.append(_meta("thread_name", pid, tid, {"name": f"CPU ops: thread {tid}{suffix}"}))
+            out.append(_meta("thread_sort_index", pid, tid, {"sort_index": 2 * order}))
+        if (pid, tid + API_TID_OFFSET) in api_tracks:
+            out.append(_meta("thread_name", pid, tid + API_TID_OFFSET,
+                             {"name": f"CUDA API (runtime/driver): thread {tid}"}))
+            out.append(_meta("thread_sort_index", pid, tid + API_TID_OFFSET, {"sort_index": 2 * order + 1}))
+    for order, dev in enumerate(sorted({p for p, _ in gpu_tracks})):
+        out.append(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
+        out.append(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
+    for pid, tid in sorted(gpu_tracks):
+        out.append(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
+        out.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+    return out
+
+
+def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
+                max_view_bytes: int = MAX_VIEW_BYTES,
+                on_header: Callable[[dict], None] | None = None,
+                on_event: Callable[[dict], None] | None = None,
+                progress: bool = True) -> dict[str, list[str]]:
+    """Write the five views of one rank's trace in a single streaming pass.
+
+    Args:
+        src: ``traces-r<rank>.chrome.json`` or ``.json.gz`` (torch.profiler ``export_chrome_trace``).
+        out_dir: destination directory (created).
+        rank: global rank, used in the output names.
+        compress: write ``.json.gz`` instead of ``.json``.
+        max_view_bytes: views with more event bytes than this are split into time windows.
+        on_header: called once with the trace's top-level members when the event array starts.
+        on_event: called with every parsed event dict (e.g. ``KernelTraceAnalyzer.add``).
+        progress: print progress lines to stderr.
+
+    Returns:
+        ``{view: [file paths]}`` (one path, or the ``part<k>`` paths of a windowed view).
+
+    Raises:
+        TraceFormatError: truncated or malformed trace; partially written views are deleted.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
+    writers: dict[str, TraceWriter] = {}
+    metadata: list[tuple[str, dict]] = []
+    cpu_tracks: set = set()
+    api_tracks: set = set()
+    gpu_tracks: set = set()
+    thread_names: dict = {}
+    try:
+        events = reader.events()
+        first = next(events, None)
+        header = dict(reader.header)
+        header.setdefault("displayTimeUnit", "ms")
+        if on_header is not None:
+            on_header(header)
+        for view in VIEWS:
+            writers[view] = TraceWriter(view_path(out_dir, rank, view, compress), header)
+        full, clean = writers["chrome"].write, writers["split_clean.chrome"].write
+        gpu_w, cpu_w = writers["gpu_only.chrome"].write, writers["cpu_only.chrome"].write
+        api_w = writers["cuda_api_only.chrome"].write
+        pending = [first] if first is not None else []
+        for raw, ev in _chain(pending, events):
+            if on_event is not None:
+                on_event(ev)
+            ph = ev.get("ph")
+            if ph == "M":
+                metadata.append((raw, ev))
+                if ev.get("name") == "thread_name":
+                    thread_names.setdefault((ev.get("pid"), ev.get("tid")), (ev.get("args") or {}).get("name"))
+                continue
+            full(raw)
+            cat = ev.get("cat")
+            pid = ev.get("pid")
+            if type(pid) is not int:
+                continue  # profiler bookkeeping ("Spans", "Traces" pseudo-processes): full view only
+            if cat in _CPU_CATS:
+                cpu_tracks.add((pid, ev.get("tid")))
+                clean(raw)
+                cpu_w(raw)
+            elif cat in _GPU_CATS:
+                gpu_tracks.add((pid, ev.get("tid")))
+                clean(raw)
+                gpu_w(raw)
+            elif cat in _API_CATS:
+                api_w(raw)
+                ev["tid"] = ev["tid"] + API_TID_OFFSET
+                api_tracks.add((pid, ev["tid"]))
+                clean(json.dumps(ev, separators=_COMPACT))
+            elif cat == "ac2g":
+                if ph == "s":  # launch side sits on the host thread: follow its API call
+                    ev["tid"] = ev["tid"] + API_TID_OFFSET
+                    clean(json.dumps(ev, separators=_COMPACT))
+                else:
+                    clean(raw)
+            elif cat == "fwdbwd":
+                clean(raw)
+                cpu_w(raw)
+        # Metadata at the end, filtered per view.
+        cpu_pids = {p for p, _ in cpu_tracks}
+        gpu_pids = {p for p, _ in gpu_tracks}
+        api_pids = {p for p, _ in api_tracks}
+        api_host_tracks = {(p, t - API_TID_OFFSET) for p, t in api_tracks}
+        for raw, ev in metadata:
+            full(raw)
+            pid, tid = ev.get("pid"), ev.get("tid")
+            thread_level = ev.get("name", "").startswith("thread_")
+            for view, pids, tracks in (("gpu_only.chrome", gpu_pids, gpu_tracks),
+                                       ("cpu_only.chrome", cpu_pids, cpu_tracks),
+                                       ("cuda_api_only.chrome", api_pids, api_host_tracks)):
+                if (pid, tid) in tracks if thread_level else pid in pids:
+                    writers[view].write(raw)
+        for raw in _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names):
+            clean(raw)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    trailer = {k: v for k, v in reader.header.items() if k not in header}
+    result = {}
+    for view, w in writers.items():
+        w.close(trailer)
+        result[view] = ([w.path] if w.chars <= max_view_bytes
+                        else split_into_windows(w.path, max_view_bytes, progress=progress))
+    return result
+
+
+def _chain(first: list, rest):
+    yield from first
+    yield from rest
+
+
+def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> list[str]:
+    """Rewrite one view into consecutive time windows of at most ~``max_bytes`` of events each.
+
+    Two streaming passes: the first records each event's ``ts`` and size, the second writes
+    ``<stem>.part<k>.json[.gz]``; every part carries the header and all metadata events. The
+    original file is removed. Flow arrows whose ends fall into different windows are cut.
+
+    Args:
+        path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
+        max_bytes: target upper bound of event bytes per part (metadata bytes come on top).
+
+    Returns:
+        The part paths in time order.
+    """
+    ts_list = array("d")
+    sizes = array("q")
+    reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 1)",
+                                        os.path.getsize(path)) if progress else None)
+    for raw, ev in reader.events():
+        ts = ev.get("ts")
+        if ev.get("ph") != "M" and isinstance(ts, (int, float)):
+            ts_list.append(float(ts))
+            sizes.append(len(raw) + 2)
+    header = reader.header
+    ts_arr = np.frombuffer(ts_list, dtype=np.float64)
+    order = np.argsort(ts_arr, kind="stable")
+    ts_sorted, size_sorted = ts_arr[order], np.frombuffer(sizes, dtype=np.int64)[order]
+    del order, ts_arr
+    cuts: list[float] = []  # start ts of windows 1..k-1; greedy fill up to max_bytes per window
+    acc = 0
+    for ts, size in zip(ts_sorted.tolist(), size_sorted.tolist()):
+        if acc + size > max_bytes and acc > 0 and (not cuts or ts > cuts[-1]):
+            cuts.append(ts)
+            acc = 0
+        acc += size
+    del ts_sorted, size_sorted, ts_list, sizes
+    stem, ext = (path[:-len(".json.gz")], ".json.gz") if path.endswith(".json.gz") else (path[:-5], ".json")
+    parts = [TraceWriter(f"{stem}.part{k}{ext}", header) for k in range(len(cuts) + 1)]
+    metadata = []
+    reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 2)",
+                                        os.path.getsize(path)) if progress else None)
+    try:
+        for raw, ev in reader.events():
+            ts = ev.get("ts")
+            if ev.get("ph") == "M" or not isinstance(ts, (int, float)):
+                metadata.append(raw)
+            else:
+                parts[bisect_right(cuts, ts)].write(raw)
+        for w in parts:
+            for raw in metadata:
+                w.write(raw)
+    except BaseException:
+        for w in parts:
+            w.abort()
+        raise
+    for w in parts:
+        w.close()
+    os.remove(path)
+    return [w.path for w in parts]
