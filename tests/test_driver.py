@@ -1,0 +1,79 @@
+"""The shell driver: bad input exits 2 within seconds and launches nothing; the plan it writes."""
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "run_qwen3_30b_a3b_sft_profile.sh"
+
+
+def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
+    env.update({"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run")})
+    env.update(env_extra)
+    return subprocess.run(["bash", str(DRIVER), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("env_extra,fragment", [
+    ({"PROFILE_STEPS": "1,x"}, "PROFILE_STEPS='1,x': must be a comma-separated list of non-negative integers"),
+    ({"PROFILE_KINDS": "kernel,disk"}, "PROFILE_KINDS='kernel,disk': must be a non-empty comma-separated subset of kernel,memory (unknown: disk)"),
+    ({"LOGPROBS_CHUNK_SIZE": "-1"}, "LOGPROBS_CHUNK_SIZE='-1': must be an integer >= 0"),
+    ({"LM_HEAD_LOSS_CHUNK_SIZE": "1.5"}, "LM_HEAD_LOSS_CHUNK_SIZE='1.5': must be an integer >= 0"),
+    ({"PROFILE_RANKS": "0-99"}, "PROFILE_RANKS='0-99': ranks 2-99 are outside the world size 2"),
+    ({"USE_PRECISION_AWARE_OPTIMIZER": "yes"}, "USE_PRECISION_AWARE_OPTIMIZER='yes': must be true or false"),
+    ({"MAIN_GRADS_DTYPE": "fp16"}, "MAIN_GRADS_DTYPE='fp16': must be one of float32, bfloat16"),
+    ({"STOP_ON_FAILURE": "maybe"}, "STOP_ON_FAILURE='maybe': must be true or false"),
+    ({"TOTAL_STEPS": "1"}, "TOTAL_STEPS=1: must be > the largest profile step 1"),
+    ({"N_GPUS_PER_NODE": "3"}, "N_GPUS_PER_NODE=3 x N_NODES=1 = 3 processes, but actor.backend='fsdp:d2' needs world size 2"),
+    ({"CONFIG": "no_such_preset"}, "config='no_such_preset': no such file"),
+])
+def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path):
+    t0 = time.monotonic()
+    out = run_driver(env_extra, tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert fragment in out.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+    assert "torchrun" not in out.stdout
+
+
+def test_misspelled_config_key_exits_2(tmp_path):
+    cfg = tmp_path / "typo.yaml"
+    text = (ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()
+    cfg.write_text(text.replace("logprobs_chunk_size:", "logprob_chunk_size:"))
+    out = run_driver({"CONFIG": str(cfg)}, tmp_path)
+    assert out.returncode == 2
+    assert "actor.logprob_chunk_size" in out.stderr and "Did you mean" in out.stderr
+    out = run_driver({}, tmp_path, "actor.optimizer.learning_rate=1")
+    assert out.returncode == 2 and "actor.optimizer.learning_rate" in out.stderr
+
+
+def test_existing_run_root_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    keep = run / "precious.txt"
+    keep.write_text("keep me")
+    out = run_driver({}, tmp_path)
+    assert out.returncode == 2 and "exists and is not empty; nothing was overwritten" in out.stderr
+    assert [p.name for p in run.iterdir()] == ["precious.txt"] and keep.read_text() == "keep me"
+
+
+def test_plan_is_step_major_kernel_first(tmp_path):
+    env = dict(os.environ, CONFIG="tiny_cpu", FILEROOT=str(tmp_path / "fr"), RUN_ROOT=str(tmp_path / "run"),
+               PROFILE_STEPS="2,0", PROFILE_STAMP="t1", LOGPROBS_CHUNK_SIZE="64")
+    env.pop("PROFILE_RANKS", None)
+    out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
+    assert [(r[1], r[2]) for r in rows] == [("kernel", "0"), ("memory", "0"), ("kernel", "2"), ("memory", "2")]
+    assert rows[2][0] == "tiny_qwen3_moe_fake2k_kernel_step2_t1"
+    args = Path(rows[2][5]).read_text().splitlines()
+    assert "total_train_steps=3" in args and "perf_tracer.profile_steps=[2]" in args
+    assert "actor.logprobs_chunk_size=64" in args and "memory_profiler.profile_steps=[]" in args
+    settings = (tmp_path / "run" / "profile_settings.log").read_text()
+    assert "LOGPROBS_CHUNK_SIZE=64\t# env -> actor.logprobs_chunk_size" in settings
+    assert "PROFILE_RANKS=0\t# default pp_rank0" in settings
+    assert "N_GPUS_PER_NODE=2\t# world size 2 / N_NODES" in settings
