@@ -1,0 +1,86 @@
+"""End to end on the tiny CPU preset: the real driver, 2 ranks (gloo, FSDP2), steps 0 and 1, both kinds."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
+KERNEL_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e")
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
+    env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"),
+               PROFILE_STEPS="0,1", PROFILE_KINDS="kernel,memory", PROFILE_STAMP="e2e",
+               PROFILE_FAKE_SEQ_LEN="2048", MASTER_PORT="29611", OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env,
+                         capture_output=True, text=True, timeout=900)
+    return out, base / "run"
+
+
+def summary_rows(run_root: Path):
+    with open(run_root / "summary.tsv") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def test_four_trials_succeed(run):
+    out, run_root = run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = summary_rows(run_root)
+    assert [(r["kind"], r["step"], r["status"]) for r in rows] == [
+        ("kernel", "0", "0"), ("memory", "0", "0"), ("kernel", "1", "0"), ("memory", "1", "0")]
+    assert (run_root / "profile_settings.log").read_text().startswith("CONFIG=tiny_cpu")
+
+
+def test_views_are_valid_and_separated(run):
+    _, run_root = run
+    for row in summary_rows(run_root):
+        if row["kind"] != "kernel":
+            continue
+        master = Path(row["run_dir"]) / "kernel_traces" / "master"
+        for view in VIEWS:
+            data = json.loads((master / f"traces-r0.{view}.json").read_text())
+            events = data["traceEvents"] if isinstance(data, dict) else data
+            assert events, view
+            cats = {e.get("cat") for e in events}
+            if view == "gpu_only.chrome":
+                assert "cpu_op" not in cats and "user_annotation" not in cats
+            if view == "cpu_only.chrome":
+                assert not cats & KERNEL_CATS
+                names = {e.get("name") for e in events}
+                assert "sftprof/forward/mb0" in names and "sftprof/optimizer_step" in names
+
+
+def test_summaries_positive_and_reproducible(run):
+    _, run_root = run
+    for row in summary_rows(run_root):
+        run_dir = Path(row["run_dir"])
+        summary = json.loads((run_dir / "profile_summary.json").read_text())
+        assert summary["status"] == "ok"
+        stats = summary["stats"]
+        assert stats["step_time_s"] > 0 and stats["tokens_per_s"] > 0
+        assert (run_dir / "profile_summary.md").read_text().strip()
+        before = (run_dir / "profile_summary.json").read_bytes()
+        again = subprocess.run(
+            [sys.executable, str(ROOT / "postprocess_profile.py"), "--log-dir", row["log_dir"], "--run-dir", str(run_dir),
+             "--profile-kind", row["kind"], "--profile-step", row["step"], "--trainer-log", str(Path(row["log_dir"]) / "trainer.log")],
+            capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr
+        assert (run_dir / "profile_summary.json").read_bytes() == before
+
+
+def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
+    _, run_root = run
+    for row in summary_rows(run_root):
+        if row["kind"] == "memory":
+            log = (Path(row["log_dir"]) / "trainer.log").read_text()
+            assert "need CUDA" in log or "needs CUDA" in log
+            summary = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
+            assert summary["counts"]["snapshots"] == 0
