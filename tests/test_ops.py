@@ -1,0 +1,262 @@
+"""CPU tests of sftprof.ops against an fp64 reference (tp = 1 in-process, tp = 2, 4 over gloo); the parity
+helpers here are reused by tests/test_ops_gpu.py on CUDA/NCCL.
+
+Every rank builds the same full problem from ``seed``; rank ``r`` of a TP group of size ``tp`` keeps
+vocabulary rows ``[r V/tp, (r+1) V/tp)`` of the weight/logits and, with sequence parallelism, tokens
+``[r N/tp, (r+1) N/tp)`` of the hidden states. The reference is the plain fp64 formula on the full,
+unsplit problem (same dtype-rounded inputs).
+
+Tolerances (stated here, used by all checks):
+- fp32 inputs: log-probs/entropy ``atol 2e-5``; gradients ``rtol 1e-4`` and ``atol 1e-4 * max|ref|``.
+- bf16 inputs: the LM-head paths round logits to bf16 (as Megatron's output layer does), so log-probs and
+  entropy get ``atol 2**-7 * max|logit|`` (a couple of bf16 ulps of the largest logit); from bf16 logits
+  given as input they are exact up to fp32 (``atol 2e-5``). Gradients are bf16: ``rtol 2**-6`` and
+  ``atol 2**-6 * max|ref|``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sftprof.ops import StaleBufferError, linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
+
+
+def make_problem(seed: int, n: int, h: int, v: int, tp: int, device="cpu"):
+    """Full-size fp64 problem: hidden [n,h], weight [v,h], labels [n] (incl. vocab-shard edges), upstream
+    grads for log-probs and entropy (non-uniform, non-contiguous), per-token loss weights."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (2.0 / h ** 0.5)
+    labels = torch.randint(0, v, (n,), generator=g)
+    vl = v // tp
+    edges = sorted({0, v - 1} | {r * vl for r in range(1, tp)} | {r * vl - 1 for r in range(1, tp)})
+    labels[: len(edges)] = torch.tensor(edges)
+    g_lp = torch.randn(n, 3, generator=g, dtype=torch.float64)[:, 1]  # stride 3: non-contiguous
+    g_ent = torch.randn(2 * n, generator=g, dtype=torch.float64)[::2]
+    loss_weight = torch.rand(n, generator=g, dtype=torch.float64) * (torch.rand(n, generator=g) > 0.2)
+    to = dict(device=device)
+    return (hidden.to(**to), weight.to(**to), labels.to(**to), g_lp.to(**to), g_ent.to(**to),
+            loss_weight.to(**to))
+
+
+def reference(hidden, weight, labels, temperature):
+    """fp64 log-probs, entropy and logits of ``hidden @ weight.T / temperature`` (autograd-ready)."""
+    logits = hidden @ weight.t()
+    logp_all = (logits / temperature).log_softmax(-1)
+    logprob = logp_all.gather(1, labels[:, None]).squeeze(1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprob, entropy, logits
+
+
+def _tol(dtype, ref: torch.Tensor, logits_max: float | None = None, kind: str = "grad"):
+    if kind == "value":
+        if dtype == torch.bfloat16 and logits_max is not None:
+            return dict(rtol=0, atol=2 ** -7 * max(logits_max, 1.0))
+        return dict(rtol=0, atol=2e-5)
+    scale = float(ref.abs().max()) or 1.0
+    if dtype == torch.bfloat16:
+        return dict(rtol=2 ** -6, atol=2 ** -6 * scale)
+    return dict(rtol=1e-4, atol=1e-4 * scale)
+
+
+def _close(actual, expected, what, **tol):
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), msg=lambda m: f"{what}: {m}", **tol)
+
+
+def check_all(rank: int, tp: int, group, seed: int, dtype: torch.dtype, *, n=240, h=32, v=2048, device="cpu",
+              chunk_size=37, temperature=0.8, sequence_parallel_cases=(False, True)):
+    """Run every op against the fp64 reference on this rank; raises AssertionError on mismatch."""
+    hidden64, weight64, labels, g_lp, g_ent, lw = make_problem(seed, n, h, v, tp, device)
+    hq, wq = hidden64.to(dtype), weight64.to(dtype)  # the inputs as the op sees them
+    vl, nl = v // tp, n // tp
+    rows, toks = slice(rank * vl, (rank + 1) * vl), slice(rank * nl, (rank + 1) * nl)
+
+    # fp64 reference on the dtype-rounded inputs, gradients via autograd.
+    rh, rw = hq.double().requires_grad_(), wq.double().requires_grad_()
+    ref_lp, ref_ent, ref_logits = reference(rh, rw, labels, temperature)
+    ref_gh, ref_gw = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), (rh, rw))
+    logits_max = float(ref_logits.detach().abs().max()) / temperature
+
+    # 1) logits path: this rank's vocab shard of the logits, exact bf16/fp32 logits as input.
+    logits_in = ref_logits.detach().to(dtype)
+    z = logits_in.double().requires_grad_()
+    zl = (z / temperature).log_softmax(-1)
+    zlp, zent = zl.gather(1, labels[:, None]).squeeze(1), -(zl.exp() * zl).sum(-1)
+    (ref_gz,) = torch.autograd.grad((zlp * g_lp).sum() + (zent * g_ent).sum(), z)
+    shard = logits_in[:, rows].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(shard, labels, tp_group=group, chunk_size=chunk_size,
+                                      temperature=temperature, return_entropy=True)
+    _close(lp, zlp.detach(), "vocab_parallel_logprobs logprob", **_tol(dtype, zlp, kind="value"))
+    _close(ent, zent.detach(), "vocab_parallel_logprobs entropy", **_tol(dtype, zent, kind="value"))
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    _close(shard.grad, ref_gz[:, rows], "vocab_parallel_logprobs d/dlogits", **_tol(dtype, ref_gz))
+
+    for sp in sequence_parallel_cases if tp > 1 else (False,):
+        tag = f"[sp={sp}]"
+        h_in = (hq[toks] if sp else hq).clone().requires_grad_()
+        w_in = wq[rows].clone().requires_grad_()
+        ref_gh_mine = ref_gh[toks] if sp else ref_gh
+
+        # 2) linear_logprobs (recompute path), log-prob + differentiable entropy.
+        lp, ent = linear_logprobs(h_in, w_in, labels, tp_group=group, chunk_size=chunk_size,
+                                  temperature=temperature, return_entropy=True, sequence_parallel=sp)
+        _close(lp, ref_lp.detach(), f"linear_logprobs logprob {tag}", **_tol(dtype, ref_lp, logits_max, "value"))
+        _close(ent, ref_ent.detach(), f"linear_logprobs entropy {tag}", **_tol(dtype, ref_ent, logits_max, "value"))
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        _close(h_in.grad, ref_gh_mine, f"linear_logprobs d/dhidden {tag}", **_tol(dtype, ref_gh))
+        _close(w_in.grad, ref_gw[rows], f"linear_logprobs d/dweight {tag}", **_tol(dtype, ref_gw))
+
+        # 3) linear_sft_loss (gradients formed in forward), temperature 1, upstream scale != 1.
+        rh2, rw2 = hq.double().requires_grad_(), wq.double().requires_grad_()
+        sft_lp, _, _ = reference(rh2, rw2, labels, 1.0)
+        ref_loss = -(sft_lp * lw).sum()
+        ref_gh2, ref_gw2 = torch.autograd.grad(ref_loss * 1.7, (rh2, rw2))
+        h_in.grad = w_in.grad = None
+        loss = linear_sft_loss(h_in, w_in, labels, lw.to(dtype), tp_group=group, chunk_size=chunk_size,
+                               sequence_parallel=sp)
+        _close(loss, (-(sft_lp * lw.to(dtype).double()).sum()).detach(), f"linear_sft_loss value {tag}",
+               rtol=0, atol=(2e-5 if dtype == torch.float32 else 2 ** -7 * max(logits_max * temperature, 1.0)) * n)
+        (loss * 1.7).backward()
+        _close(h_in.grad, ref_gh2[toks] if sp else ref_gh2, f"linear_sft_loss d/dhidden {tag}", **_tol(dtype, ref_gh2))
+        _close(w_in.grad, ref_gw2[rows], f"linear_sft_loss d/dweight {tag}", **_tol(dtype, ref_gw2))
+
+        # 4) Megatron main_grad mode: fp32 accumulation into weight.main_grad, no autograd weight grad.
+        w_mg = wq[rows].clone().requires_grad_()
+        prior = torch.randn(w_mg.shape, dtype=torch.float32, device=device)
+        w_mg.main_grad = prior.clone()
+        w_mg.grad_added_to_main_grad = False
+        linear_sft_loss(h_in.detach(), w_mg, labels, lw * 1.7, tp_group=group, chunk_size=chunk_size,
+                        sequence_parallel=sp).backward()
+        assert w_mg.grad is None and w_mg.grad_added_to_main_grad
+        _close(w_mg.main_grad - prior, ref_gw2[rows], f"linear_sft_loss main_grad {tag}", **_tol(dtype, ref_gw2))
+
+
+def fresh_seed() -> int:
+    """A new seed every run (printed on failure through the assertion messages' test id)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_tp1(dtype):
+    check_all(0, 1, None, fresh_seed(), dtype)
+
+
+def test_parity_tp1_single_chunk_and_temperature_one():
+    check_all(0, 1, None, fresh_seed(), torch.float32, chunk_size=0, temperature=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank, world, port, seed):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            check_all(rank, world, dist.group.WORLD, seed, dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parity_tensor_parallel_gloo(tp):
+    """tp ranks over gloo: vocab-parallel logits path, linear paths with and without sequence parallel."""
+    mp.spawn(_gloo_worker, args=(tp, _free_port(), fresh_seed()), nprocs=tp, join=True)
+
+
+def _small(dtype=torch.float32, requires_grad=True):
+    hidden, weight, labels, g_lp, g_ent, lw = make_problem(fresh_seed(), 64, 16, 300, 1)
+    h, w = hidden.to(dtype).requires_grad_(requires_grad), weight.to(dtype).requires_grad_(requires_grad)
+    return h, w, labels, g_lp, lw
+
+
+def test_logits_backward_reuses_logits_storage():
+    h, w, labels, g_lp, _ = _small()
+    logits = (h @ w.t()).detach().requires_grad_()
+    ptr = logits.data_ptr()
+    (vocab_parallel_logprobs(logits, labels, chunk_size=16) * g_lp.float()).sum().backward()
+    assert logits.grad.data_ptr() == ptr  # gradient written in place of the saved logits
+
+
+def test_guard_in_place_modification_raises():
+    h, w, labels, _, _ = _small()
+    logits = (h @ w.t()).detach().requires_grad_()
+    lp = vocab_parallel_logprobs(logits, labels)
+    with torch.no_grad():
+        logits.mul_(2.0)  # version counter moves
+    with pytest.raises(StaleBufferError, match="modified in place"):
+        lp.sum().backward()
+
+    lp = linear_logprobs(h, w, labels, chunk_size=16)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(StaleBufferError, match="'weight' was modified in place"):
+        lp.sum().backward()
+
+
+def test_guard_storage_swap_raises():
+    h, w, labels, _, _ = _small()
+    logits = (h @ w.t()).detach().requires_grad_()
+    lp = vocab_parallel_logprobs(logits, labels)
+    logits.data = torch.zeros_like(logits)  # same tensor object, other storage, version unchanged
+    with pytest.raises(StaleBufferError, match="no longer lives in the storage"):
+        lp.sum().backward()
+
+    lp = linear_logprobs(h, w, labels, chunk_size=16)
+    h.untyped_storage().resize_(0)  # storage freed in place (as FSDP-style resharding does)
+    with pytest.raises(StaleBufferError, match="'hidden' no longer lives in the storage"):
+        lp.sum().backward()
+
+
+def test_sft_loss_without_grad_matches_and_skips_gradients():
+    h, w, labels, _, lw = _small()
+    with torch.no_grad():
+        loss = linear_sft_loss(h, w, labels, lw, chunk_size=10)
+    ref_lp, _, _ = reference(h.detach(), w.detach(), labels, 1.0)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss.double(), -(ref_lp * lw).sum(), rtol=0, atol=2e-5 * 64)
+
+
+def test_main_grad_requires_unit_upstream_gradient():
+    h, w, labels, _, lw = _small()
+    w.main_grad = torch.zeros_like(w)
+    loss = linear_sft_loss(h, w, labels, lw)
+    with pytest.raises(ValueError, match="fold loss scaling"):
+        (loss * 0.5).backward()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(chunk_size=-1), "chunk_size must be >= 0"),
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(labels_shift=300), "labels must be global vocabulary ids"),
+    (dict(labels_dtype=torch.int32), "labels must be int64"),
+])
+def test_bad_inputs_raise(kwargs, match):
+    h, w, labels, _, lw = _small()
+    labels = (labels + kwargs.pop("labels_shift", 0)).to(kwargs.pop("labels_dtype", torch.int64))
+    for fn in (lambda: linear_logprobs(h, w, labels, **kwargs),
+               lambda: linear_sft_loss(h, w, labels, lw, **kwargs),
+               lambda: vocab_parallel_logprobs((h @ w.t()).detach(), labels, **kwargs)):
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+
+def test_mismatched_shapes_raise():
+    h, w, labels, _, lw = _small()
+    with pytest.raises(ValueError, match="share a dtype"):
+        linear_logprobs(h, w.detach().bfloat16(), labels)
+    with pytest.raises(ValueError, match=r"loss_weight must be a float tensor of shape \(64,\)"):
+        linear_sft_loss(h, w, labels, lw[:10])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        vocab_parallel_logprobs((h @ w.t()).detach().t(), labels)
