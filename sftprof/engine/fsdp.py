@@ -1,0 +1,217 @@
+"""FSDP2 engine: Hugging Face ``Qwen3MoeForCausalLM`` sharded with ``fully_shard`` (data parallel).
+
+Layout ``fsdp:d<N>``: every rank holds ``1/N`` of every parameter, gradient and AdamW state;
+parameters are all-gathered per decoder layer for its forward and backward and gradients are
+reduce-scattered (averaged over the DP ranks). Runs on CUDA with NCCL and on CPU with gloo.
+
+Sharding units: each decoder layer, the LM head together with the loss (:class:`LMHeadLoss`),
+then the root (embedding and final norm). The LM-head weight is unsharded only inside its own
+module's forward, so the loss op that reads it (``sftprof.ops``) must run inside that forward:
+that is why the head and the loss form one module.
+
+Loss of a micro-batch (fp32): ``sum(-logprob(label) * loss_mask)`` over its tokens, computed
+from the final hidden states either by the logits path (``lm_head(hidden)`` then
+``sftprof.ops.vocab_parallel_logprobs`` chunked over ``actor.logprobs_chunk_size`` tokens) when
+``actor.megatron.lm_head_loss_chunk_size == 0``, or by ``sftprof.ops.linear_sft_loss`` (chunked
+LM head + loss, logits never held for all tokens) otherwise. The MoE load-balancing auxiliary
+loss is not added (the reported loss is the pure SFT loss).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from sftprof.data import MicroBatch
+from sftprof.engine.base import Engine, StepResult, qwen3_moe_model_flops
+from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LMHeadLoss(nn.Module):
+    """LM head + token loss as one module, so FSDP2 unshards the head weight around the loss.
+
+    Holds the head weight as ``weight`` (``[V, H]``) so that a model wrapped as
+    ``root.lm_head = LMHeadLoss(...)`` keeps the Hugging Face parameter name ``lm_head.weight``.
+
+    Args:
+        lm_head: the model's ``nn.Linear(H, V, bias=False)``.
+        logprobs_chunk_size: tokens per chunk of the logits path (0 = all at once).
+        lm_head_loss_chunk_size: 0 = logits path; > 0 = tokens per chunk of the fused
+            ``linear_sft_loss``.
+    """
+
+    def __init__(self, lm_head: nn.Linear, logprobs_chunk_size: int, lm_head_loss_chunk_size: int) -> None:
+        super().__init__()
+        if lm_head.bias is not None:
+            raise ValueError("LMHeadLoss: an LM head with bias is not supported")
+        self.weight = lm_head.weight
+        self.logprobs_chunk_size = logprobs_chunk_size
+        self.lm_head_loss_chunk_size = lm_head_loss_chunk_size
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
+        """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
+
+        Args:
+            hidden: ``[T, H]`` final hidden states (model dtype).
+            labels: ``[T]`` int64 next-token ids.
+            loss_weight: ``[T]`` fp32 (0/1 loss mask).
+        """
+        from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
+
+        if self.lm_head_loss_chunk_size:
+            return linear_sft_loss(hidden, self.weight, labels, loss_weight, chunk_size=self.lm_head_loss_chunk_size)
+        logits = nn.functional.linear(hidden, self.weight)
+        logprobs = vocab_parallel_logprobs(logits, labels, chunk_size=self.logprobs_chunk_size)
+        return -(logprobs.float() * loss_weight).sum()
+
+
+class CausalLMForSFT(nn.Module):
+    """``model`` (the HF decoder, e.g. ``Qwen3MoeModel``) + ``lm_head`` (:class:`LMHeadLoss`).
+
+    Parameter names equal those of the Hugging Face ``*ForCausalLM`` it was built from.
+    """
+
+    def __init__(self, causal_lm: nn.Module, logprobs_chunk_size: int, lm_head_loss_chunk_size: int) -> None:
+        super().__init__()
+        self.model = causal_lm.model
+        self.lm_head = LMHeadLoss(causal_lm.lm_head, logprobs_chunk_size, lm_head_loss_chunk_size)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``labels``/``loss_weight`` ``[B, L]`` -> fp32 scalar loss sum (see LMHeadLoss)."""
+        hidden = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.lm_head(hidden.flatten(0, 1), labels.flatten(), loss_weight.flatten())
+
+
+def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
+    """Build ``Qwen3MoeForCausalLM`` in ``actor.dtype`` on the CPU (SDPA attention).
+
+    Random init from the current RNG state (seed it first for identical weights on every rank)
+    when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``.
+
+    Raises:
+        ValueError: the config is not a ``qwen3_moe`` model, or ``init_from_scratch=false`` and
+            the model directory holds no weights.
+    """
+    from transformers import Qwen3MoeForCausalLM
+
+    from sftprof.models.hf import has_weights, resolve_model_dir
+
+    if hf_config.model_type != "qwen3_moe":
+        raise ValueError(f"actor.path={cfg.actor.path!r}: model_type {hf_config.model_type!r} is not supported by "
+                         "the fsdp backend; accepted: qwen3_moe (use a megatron allocation mode for others)")
+    dtype = DTYPES[cfg.actor.dtype]
+    if cfg.actor.init_from_scratch:
+        return Qwen3MoeForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
+    model_dir = resolve_model_dir(cfg.actor.path)
+    if not has_weights(model_dir):
+        raise ValueError(f"actor.init_from_scratch=false: {model_dir} holds no weights; accepted: "
+                         "init_from_scratch=true or a model directory with *.safetensors/*.bin")
+    return Qwen3MoeForCausalLM.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa", dtype=dtype)
+
+
+def _lr_factor(kind: str, step: int, total: int) -> float:
+    """``actor.optimizer.lr_scheduler_type`` factor at ``step`` of ``total`` (no warm-up)."""
+    if kind == "linear":
+        return 1.0 - step / total
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / total))
+    return 1.0
+
+
+class FSDPEngine(Engine):
+    """FSDP2 data-parallel engine (see module docstring and :mod:`sftprof.engine.base`).
+
+    Args:
+        cfg: trial config. Uses ``actor.{dtype, gradient_checkpointing, logprobs_chunk_size,
+            optimizer.*, megatron.lm_head_loss_chunk_size}`` and ``total_train_steps``.
+        layout: ``fsdp:d<N>`` layout; ``N`` must equal the world size.
+        hf_config: ``qwen3_moe`` Hugging Face config.
+        device: this rank's device.
+
+    Raises:
+        ValueError: the world size differs from the layout, or see :func:`build_hf_causal_lm`.
+    """
+
+    def __init__(self, cfg, layout, hf_config, device: torch.device) -> None:
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(f"actor.backend={cfg.actor.backend!r} needs {layout.world_size} ranks, got {world}")
+        self.cfg = cfg
+        self.layout = layout
+        self.hf_config = hf_config
+        self.device = device
+        self._rank_coords = layout.rank_coords(dist.get_rank())
+        a = cfg.actor
+        causal_lm = build_hf_causal_lm(cfg, hf_config)
+        if a.gradient_checkpointing:
+            causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = CausalLMForSFT(causal_lm, a.logprobs_chunk_size, a.megatron.lm_head_loss_chunk_size)
+        mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
+        # Parameters stay in actor.dtype; gradients are reduced in fp32 for bf16/fp16 models.
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model
+        o = a.optimizer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        total = cfg.total_train_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: _lr_factor(o.lr_scheduler_type, s, total))
+        self.max_grad_norm = o.gradient_clipping if o.gradient_clipping > 0 else math.inf
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info("fsdp engine: %s, %.3fB parameters, dtype %s, dp=%d, gradient checkpointing %s, loss path %s",
+                 type(causal_lm).__name__, n_params / 1e9, a.dtype, layout.dp, a.gradient_checkpointing,
+                 f"linear_sft_loss chunk {a.megatron.lm_head_loss_chunk_size}" if a.megatron.lm_head_loss_chunk_size
+                 else f"logits + vocab_parallel_logprobs chunk {a.logprobs_chunk_size}")
+
+    @property
+    def rank_coords(self) -> dict:
+        return dict(self._rank_coords)
+
+    def train_step(self, micro_batches: List[MicroBatch], global_loss_tokens: int) -> StepResult:
+        """See :meth:`sftprof.engine.base.Engine.train_step`.
+
+        FSDP2 averages gradients over the ``dp`` ranks, so each micro-batch's backward uses
+        ``loss_sum * dp / global_loss_tokens``: the averaged gradient is then that of the
+        global token-mean loss.
+        """
+        if global_loss_tokens <= 0:
+            raise ValueError(f"global_loss_tokens={global_loss_tokens}: must be > 0")
+        self.model.train()
+        scale = self.layout.dp / global_loss_tokens
+        local_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        n_seqs = 0
+        for i, mb in enumerate(micro_batches):
+            input_ids = mb.input_ids.to(self.device, non_blocking=True)
+            labels = mb.labels.to(self.device, non_blocking=True)
+            weight = mb.loss_mask.to(self.device, dtype=torch.float32, non_blocking=True)
+            with region(forward(i)):
+                loss_sum = self.model(input_ids, labels, weight)
+            with region(backward(i)):
+                (loss_sum * scale).backward()
+            local_sum += loss_sum.detach()
+            n_seqs += mb.input_ids.shape[0]
+        with region(OPTIMIZER_STEP):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(local_sum)
+        seq_len = micro_batches[0].input_ids.shape[1]
+        flops = qwen3_moe_model_flops(self.hf_config, seq_len, n_seqs * self.layout.dp)
+        return StepResult(loss=float(local_sum) / global_loss_tokens, grad_norm=float(grad_norm), model_flops=flops)

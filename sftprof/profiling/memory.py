@@ -1,0 +1,110 @@
+"""Memory trials: CUDA caching-allocator history and snapshot of the chosen steps and ranks.
+
+On CUDA, for a step in ``memory_profiler.profile_steps`` on a rank of ``memory_profiler.ranks``,
+allocator history is recorded (``torch.cuda.memory._record_memory_history`` with
+``max_entries=memory_profiler.max_entries`` trace entries) through the step and the snapshot
+is dumped (``torch.cuda.memory._dump_snapshot``) at its end to
+``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``, with
+the phase sidecar ``phases_rank<r>.json`` (:class:`sftprof.profiling.regions.PhaseRecorder`,
+Unix-epoch microseconds, the clock of the snapshot's ``time_us``). When the step dies of CUDA
+out-of-memory the snapshot and sidecar are still written and :class:`MemoryProfileOOM` is
+raised naming them. On CPU there is no allocator to snapshot: a log line says so and no file
+is written.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from sftprof.profiling.regions import PhaseRecorder
+from sftprof.ranks import resolve_ranks
+
+log = logging.getLogger(__name__)
+
+
+class MemoryProfileOOM(RuntimeError):
+    """A memory-profiled step ran out of CUDA memory (snapshot written; message says where)."""
+
+
+def snapshot_dir(log_dir: Path, step: int) -> Path:
+    """``LOG_DIR/memory_snapshots/step_<step>``."""
+    return Path(log_dir) / "memory_snapshots" / f"step_{step}"
+
+
+def snapshot_name(rank: int, coords: dict) -> str:
+    """``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` for ``coords`` of ``rank``."""
+    return (f"snapshot_rank{rank}_pp{coords['pp']}_dp{coords['dp']}_cp{coords['cp']}"
+            f"_tp{coords['tp']}_ep{coords['ep']}.pickle")
+
+
+class MemoryProfiler:
+    """Per-rank switch that records allocator history around a selected training step.
+
+    Args:
+        cfg: trial config (``memory_profiler.{profile_steps, max_entries, ranks}``).
+        layout: the allocation layout (for rank-spec resolution).
+        rank: this global rank; ``coords`` its ``Layout.rank_coords``.
+        log_dir: the trial's LOG_DIR.
+        device: this rank's device; snapshots only on ``cuda``.
+
+    Raises:
+        sftprof.ranks.RankSpecError: ``memory_profiler.ranks`` names ranks outside the world.
+    """
+
+    def __init__(self, cfg, layout, rank: int, coords: dict, log_dir: Path, device: torch.device) -> None:
+        mp = cfg.memory_profiler
+        self.steps = set(mp.profile_steps)
+        self.max_entries = mp.max_entries
+        self.ranks = resolve_ranks(mp.ranks, layout)
+        self.rank = rank
+        self.coords = coords
+        self.log_dir = Path(log_dir)
+        self.cuda = device.type == "cuda"
+        self.snapshots_written = 0
+
+    def is_profiled(self, step: int) -> bool:
+        """True when ``step`` is a memory-profile step on some rank."""
+        return step in self.steps
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Record allocator history through the enclosed block if selected (module docstring).
+
+        Raises:
+            MemoryProfileOOM: the block raised ``torch.OutOfMemoryError`` (snapshot written).
+        """
+        if step not in self.steps or self.rank not in self.ranks:
+            yield
+            return
+        if not self.cuda:
+            log.warning("memory profile of step %d on rank %d skipped: allocator snapshots need CUDA "
+                        "(running on CPU); 0 snapshots written", step, self.rank)
+            yield
+            return
+        out = snapshot_dir(self.log_dir, step)
+        out.mkdir(parents=True, exist_ok=True)
+        snap = out / snapshot_name(self.rank, self.coords)
+        phases = out / f"phases_rank{self.rank}.json"
+        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        try:
+            with PhaseRecorder(sync_cuda=True) as rec:
+                try:
+                    yield
+                except torch.OutOfMemoryError as err:
+                    self._dump(snap, rec, phases)
+                    raise MemoryProfileOOM(f"CUDA out of memory in memory-profiled step {step} on rank {self.rank}; "
+                                           f"allocator snapshot written to {snap}: {err}") from err
+            torch.cuda.synchronize()
+            self._dump(snap, rec, phases)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _dump(self, snap: Path, rec: PhaseRecorder, phases: Path) -> None:
+        torch.cuda.memory._dump_snapshot(str(snap))
+        rec.write(phases)
+        self.snapshots_written += 1
+        log.info("memory snapshot written to %s (phases %s)", snap, phases)

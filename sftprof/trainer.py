@@ -1,0 +1,254 @@
+"""The SFT profiling loop: one process per rank under ``torchrun``.
+
+``main(argv)`` (used by ``train_sft_profile.py --config FILE key=value ...``):
+
+1. Load and validate the config, the model's HF config and the tokenizer *before* any process
+   group starts: bad input exits with status 2 within seconds. The world size of the launch
+   (``WORLD_SIZE``, 1 without torchrun) must equal the allocation mode's world size.
+2. Start the default process group (NCCL on CUDA, gloo on CPU), create LOG_DIR =
+   ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` and (rank 0) write
+   ``config.yaml`` (resolved config), ``rank_coords.json``, ``trainer.log``, ``stats.jsonl``.
+3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
+   for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
+   ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
+   steps (:mod:`sftprof.profiling.kernel`, :mod:`sftprof.profiling.memory`).
+4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
+   error and the process exits with status 1.
+
+Step record fields (units): ``loss`` nats (global token mean); ``step_time_s`` seconds, the
+slowest rank's wall time of the step (device synchronised); ``tokens`` tokens of the global
+batch (``train_dataset.batch_size * profile.fake_seq_len``); ``tokens_per_s`` =
+tokens / step_time_s; ``mem_*_gb`` GiB (2^30 bytes) from the CUDA caching allocator of rank 0
+(current allocated/reserved after the step, peak during the step; 0.0 on CPU); ``ranks`` per-rank
+step time and peaks; ``tflops_per_gpu`` = model FLOPs / step_time_s / world_size / 1e12 and
+``mfu`` = tflops_per_gpu / peak dense BF16 TFLOP/s of the GPU (:data:`PEAK_BF16_TFLOPS`; null
+for other GPUs), both null on CPU or when the engine cannot count FLOPs; ``profiled`` whether
+the step was a kernel- or memory-profile step.
+"""
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sftprof.config import ConfigError, load_config_or_exit, to_yaml
+from sftprof.profiling.regions import STEP, region
+
+log = logging.getLogger("sftprof")
+
+GIB = float(1 << 30)
+# Dense BF16 peak TFLOP/s (no sparsity) by GPU name substring: NVIDIA H100 SXM / H200 datasheets.
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
+
+
+class _Terminated(RuntimeError):
+    """SIGTERM arrived (torchrun stops the other ranks when one rank fails)."""
+
+
+def trial_log_dir(cfg) -> Path:
+    """LOG_DIR = ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/``."""
+    return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
+
+
+def peak_bf16_tflops(device: torch.device) -> Optional[float]:
+    """Dense BF16 peak TFLOP/s of ``device`` (:data:`PEAK_BF16_TFLOPS`), None when unknown or CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Profile SFT training steps (run one process per rank with torchrun).")
+    p.add_argument("--config", required=True, help="YAML config path or bundled preset name (e.g. tiny_cpu)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. profile.fake_seq_len=8192")
+    return p.parse_args(argv)
+
+
+def _exit_config_error(msg: str) -> None:
+    print(f"sftprof: configuration error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _setup_logging(rank: int, log_dir: Path) -> None:
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    out = logging.StreamHandler(sys.stdout)
+    out.setFormatter(fmt)
+    root.addHandler(out)
+    if rank == 0:
+        fh = logging.FileHandler(log_dir / "trainer.log", mode="w")
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _memory_gib(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"allocated": 0.0, "reserved": 0.0, "peak_allocated": 0.0, "peak_reserved": 0.0}
+    return {"allocated": torch.cuda.memory_allocated(device) / GIB,
+            "reserved": torch.cuda.memory_reserved(device) / GIB,
+            "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved": torch.cuda.max_memory_reserved(device) / GIB}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ensure_single_process_env() -> None:
+    """Without torchrun: a one-rank rendezvous on localhost."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one trial (see module docstring). Returns 0; exits 2 on bad input, 1 on failure."""
+    args = _parse_args(argv)
+    cfg = load_config_or_exit(args.config, args.overrides)
+    # Inputs checked before any process group: every failure here is bad input (exit 2).
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.data import load_tokenizer, make_fake_sample
+    from sftprof.models.hf import load_hf_config
+
+    layout = parse_allocation_mode(cfg.actor.backend)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != layout.world_size:
+        _exit_config_error(f"actor.backend={cfg.actor.backend!r} needs {layout.world_size} ranks ({layout.describe()}), "
+                           f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
+    if cfg.memory_profiler.profile_steps and cfg.perf_tracer.enabled and cfg.perf_tracer.profile_steps:
+        _exit_config_error("perf_tracer.profile_steps and memory_profiler.profile_steps are both set: one profile "
+                           "kind per trial (allocator history distorts kernel timings)")
+    try:
+        hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
+        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.vocab_size)
+        sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
+                                  hf_config.vocab_size)
+    except (ConfigError, ValueError, OSError) as err:
+        _exit_config_error(str(err))
+
+    _ensure_single_process_env()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    log_dir = trial_log_dir(cfg)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _setup_logging(rank, log_dir)
+    try:
+        status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)
+    finally:
+        dist.destroy_process_group()
+    return status
+
+
+def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir) -> int:
+    from sftprof.data import global_loss_tokens, step_micro_batches
+    from sftprof.engine import build_engine
+    from sftprof.profiling.kernel import KernelProfiler
+    from sftprof.profiling.memory import MemoryProfiler
+
+    stats = open(log_dir / "stats.jsonl", "w") if rank == 0 else None
+    kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []
+    mem_steps = list(cfg.memory_profiler.profile_steps)
+    profile_kind = "kernel" if kernel_steps else "memory" if mem_steps else None
+    profile_step = min(kernel_steps or mem_steps) if profile_kind else None
+    steps_done, error = 0, None
+
+    def on_sigterm(signum, frame):
+        raise _Terminated("terminated by SIGTERM (another rank failed or the launcher stopped the trial)")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        coords = layout.rank_coords(rank)
+        if rank == 0:
+            (log_dir / "config.yaml").write_text(to_yaml(cfg))
+            (log_dir / "rank_coords.json").write_text(json.dumps({
+                "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,
+                "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)}}, indent=1))
+            log.info("trial %s/%s: %s, %s, model %s (%d layers), tokenizer: %s, LOG_DIR %s", cfg.experiment_name,
+                     cfg.trial_name, cfg.actor.backend, layout.describe(), cfg.actor.path,
+                     hf_config.num_hidden_layers, tokenizer_source, log_dir)
+        _seed(cfg.seed)
+        kernel = KernelProfiler(cfg, layout, rank, log_dir)
+        memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
+        engine = build_engine(cfg, layout, hf_config, device)
+        loss_tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
+        tokens = cfg.train_dataset.batch_size * cfg.profile.fake_seq_len
+        peak = peak_bf16_tflops(device)
+        for step in range(cfg.total_train_steps):
+            mbs = step_micro_batches(cfg, sample, step, layout.dp, coords["dp"])
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            with kernel.step(step), memory.step(step), region(STEP):
+                result = engine.train_step(mbs, loss_tokens)
+                _sync(device)
+            dt = time.perf_counter() - t0
+            mem = _memory_gib(device)
+            mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
+                    "mem_peak_reserved_gb": mem["peak_reserved"]}
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+            steps_done = step + 1
+            if rank != 0:
+                continue
+            step_time = max(r["step_time_s"] for r in ranks)
+            tflops = (result.model_flops / step_time / layout.world_size / 1e12
+                      if result.model_flops is not None and device.type == "cuda" else None)
+            record = {"type": "step", "step": step, "loss": result.loss, "step_time_s": step_time, "tokens": tokens,
+                      "tokens_per_s": tokens / step_time, "mem_allocated_gb": mem["allocated"],
+                      "mem_reserved_gb": mem["reserved"], "mem_peak_allocated_gb": mem["peak_allocated"],
+                      "mem_peak_reserved_gb": mem["peak_reserved"], "ranks": ranks, "tflops_per_gpu": tflops,
+                      "mfu": tflops / peak if tflops is not None and peak else None,
+                      "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
+            stats.write(json.dumps(record) + "\n")
+            stats.flush()
+            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | mem GiB allocated %.2f "
+                     "reserved %.2f peak allocated %.2f peak reserved %.2f%s%s", step, result.loss, result.grad_norm,
+                     step_time, tokens / step_time, mem["allocated"], mem["reserved"], mem["peak_allocated"],
+                     mem["peak_reserved"], f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "",
+                     " | profiled" if record["profiled"] else "")
+        if mem_steps:
+            log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
+    except (Exception, _Terminated) as err:
+        error = f"{type(err).__name__}: {err}"
+        log.exception("trial failed at step %d", steps_done)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if stats is not None:
+            stats.write(json.dumps({"type": "complete", "status": "failed" if error else "ok", "error": error,
+                                    "steps_done": steps_done, "world_size": layout.world_size,
+                                    "backend": layout.backend, "profile_kind": profile_kind,
+                                    "profile_step": profile_step}) + "\n")
+            stats.close()
+    return 1 if error else 0
