@@ -1,0 +1,139 @@
+"""LM head + token log-prob loss, fwd+bwd, side by side on one GPU (see bench/NOTES.md).
+
+Rows: naive (bf16 logits, fp32 log-softmax), torch chunks of 4096 with checkpointing, Liger-Kernel fused
+linear cross entropy, Cut Cross-Entropy, and sftprof.ops (``linear_sft_loss``: gradients in forward;
+``linear_logprobs`` with entropy: recompute in backward) at several chunk sizes. Loss = sum over tokens
+of -logprob (plus, for the entropy row, 0.01 * sum entropy). For each row: median ms over the timed
+repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, and extra peak GiB = peak allocated during
+one fwd+bwd minus (memory before + bytes of the inputs' gradients).
+
+Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--json out.json]
+A row whose library does not import is printed with a note instead of numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sftprof.ops import linear_logprobs, linear_sft_loss  # noqa: E402
+
+H, V = 2048, 151936
+
+
+def naive(h, w, y):
+    logits = h @ w.t()
+    (-logits.float().log_softmax(-1).gather(1, y[:, None]).sum()).backward()
+
+
+def torch_chunked(h, w, y, chunk=4096):
+    from torch.utils.checkpoint import checkpoint
+
+    def part(hc, yc):
+        return -(hc @ w.t()).float().log_softmax(-1).gather(1, yc[:, None]).sum()
+
+    loss = sum(checkpoint(part, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
+               for s in range(0, h.shape[0], chunk))
+    loss.backward()
+
+
+def make_liger():
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    mod = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+    def run(h, w, y):
+        out = mod(w, h, y)
+        (out[0] if isinstance(out, tuple) else out).backward()
+    return run
+
+
+def make_cce():
+    from cut_cross_entropy import linear_cross_entropy
+
+    def run(h, w, y):
+        linear_cross_entropy(h, w, y, reduction="sum").backward()
+    return run
+
+
+def ours_sft(chunk):
+    def run(h, w, y):
+        linear_sft_loss(h, w, y, torch.ones(h.shape[0], device=h.device), chunk_size=chunk).backward()
+    return run
+
+
+def ours_recompute(chunk):
+    def run(h, w, y):
+        lp, ent = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True)
+        (-lp.sum() + 0.01 * ent.sum()).backward()
+    return run
+
+
+def measure(fn, h, w, y, reps: int):
+    """(median ms, extra peak GiB) of fn's fwd+bwd; grads are reset before each call."""
+    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(h, w, y)
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2 ** 30
+    times = []
+    for _ in range(reps):
+        h.grad = w.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(h, w, y)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), extra
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--json", type=Path, default=None, help="write all rows here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
+            ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
+    rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (2048, 3072, 4096)]
+    rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
+    results = []
+    print(f"{'N':>7} {'method':<40} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9}  note", flush=True)
+    for n in args.tokens:
+        h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
+        w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        y = torch.randint(0, V, (n,), device=dev)
+        for name, factory in rows:
+            rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, note="")
+            try:
+                fn = factory()
+                fn(h, w, y)  # warm-up / compile
+                ms, extra = measure(fn, h, w, y, reps=3 if n >= 65536 else 7)
+                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3))
+            except torch.OutOfMemoryError:
+                rec["note"] = "OOM"
+            except ImportError as exc:
+                rec["note"] = f"import failed: {exc}"
+            h.grad = w.grad = None
+            torch.cuda.empty_cache()
+            results.append(rec)
+            fmt = (lambda v, f: f.format(v) if v is not None else "-")
+            print(f"{n:>7} {name:<40} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
+                  f"{fmt(rec['extra_gib'], '{:.2f}'):>9}  {rec['note']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

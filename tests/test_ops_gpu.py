@@ -1,0 +1,89 @@
+"""GPU tests of sftprof.ops (Triton kernels + cuBLAS): parity vs fp64, more than 2**31 logits, TP=2 over NCCL.
+
+Tolerances are those stated in tests/test_ops.py (``check_all``); the large case states its own below.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
+from test_ops import _free_port, check_all, fresh_seed
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_cuda(dtype):
+    # V not a multiple of the kernels' blocks, several chunks with a ragged tail.
+    check_all(0, 1, None, fresh_seed(), dtype, n=1000, h=256, v=30011, device="cuda", chunk_size=384)
+
+
+def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """fp64 log-probs and d(sum -w*logprob)/dlogits for a few rows."""
+    z = logits_rows.double()
+    lp = z.log_softmax(-1)
+    g = lp.exp() * weights.double()[:, None]
+    g[torch.arange(len(labels)), labels] -= weights.double()
+    return lp.gather(1, labels[:, None]).squeeze(1), g
+
+
+def test_more_than_2_pow_31_logits():
+    """N x V = 16384 x 151936 = 2.49e9 > 2**31 elements in one chunk (int32 offsets would wrap)."""
+    n, h, v = 16384, 128, 151936
+    assert n * v > 2 ** 31
+    g = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.2)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    lw = torch.rand(n, device="cuda", generator=g)
+    tail = torch.arange(n - 64, n, device="cuda")  # rows whose offsets exceed 2**31
+
+    logits = (hidden @ weight.t()).requires_grad_()
+    lp = vocab_parallel_logprobs(logits, labels, chunk_size=0)
+    ref_lp, ref_g = _reference_rows(logits[tail].detach(), labels[tail], lw[tail])
+    torch.testing.assert_close(lp[tail].double(), ref_lp, rtol=0, atol=2e-5)
+    (-(lp * lw).sum()).backward()
+    # bf16 gradient: rtol 2**-7, atol 2**-7 * max|ref| (one bf16 rounding of each element).
+    tol = dict(rtol=2 ** -7, atol=2 ** -7 * float(ref_g.abs().max()))
+    torch.testing.assert_close(logits.grad[tail].double(), ref_g, **tol)
+    del logits, lp
+
+    hq, wq = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_sft_loss(hq, wq, labels, lw, chunk_size=0)
+    loss.backward()
+    # d/dhidden of the tail rows from the fp64 reference gradient of the (bf16) logits.
+    ref_logits = (hidden[tail].double() @ weight.double().t()).to(torch.bfloat16)
+    _, ref_g = _reference_rows(ref_logits, labels[tail], lw[tail])
+    ref_gh = ref_g @ weight.double()
+    torch.testing.assert_close(hq.grad[tail].double(), ref_gh, rtol=2 ** -6, atol=2 ** -6 * float(ref_gh.abs().max()))
+    # Weight gradient column sums: sum_i d/dW = grad_logits^T @ hidden; check a few vocab rows incl. the last.
+    vrows = torch.tensor([0, 1, v // 2, v - 1], device="cuda")
+    ref_gw = torch.zeros(len(vrows), h, dtype=torch.float64, device="cuda")
+    for s in range(0, n, 2048):
+        z = (hidden[s:s + 2048].double() @ weight.double().t()).to(torch.bfloat16)
+        _, gz = _reference_rows(z, labels[s:s + 2048], lw[s:s + 2048])
+        ref_gw += gz[:, vrows].t() @ hidden[s:s + 2048].double()
+    torch.testing.assert_close(wq.grad[vrows].double(), ref_gw, rtol=2 ** -5, atol=2 ** -5 * float(ref_gw.abs().max()))
+
+
+def _nccl_worker(rank, world, port, seed):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            check_all(rank, world, dist.group.WORLD, seed, dtype, n=512, h=128, v=32768, device=f"cuda:{rank}",
+                      chunk_size=200)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for TP=2 over NCCL")
+def test_parity_tp2_nccl():
+    mp.spawn(_nccl_worker, args=(2, _free_port(), fresh_seed()), nprocs=2, join=True)
