@@ -35,6 +35,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._source = source
 
     def find_class(self, module: str, name: str):
+        if module == "__builtin__":  # protocols 0-2 spell builtins the Python 2 way
+            module = "builtins"
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise UnsafePickleError(

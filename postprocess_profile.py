@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Postprocess a profiled trial, or compare two runs.
+
+  postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR --profile-kind {kernel,memory} \\
+      --profile-step N [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
+  postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
+
+Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
+names the file and its error), 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sftprof.profiling.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
+
+
+def _compare(argv: list[str]) -> int:
+    from sftprof.profiling.compare import compare_runs
+
+    p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
+                                description="Markdown table of deltas (B - A) between two runs, "
+                                            "trials matched by profile kind and step.")
+    p.add_argument("run_a", metavar="RUN_A", help="trial run dir or RUN_ROOT (baseline)")
+    p.add_argument("run_b", metavar="RUN_B", help="trial run dir or RUN_ROOT (candidate)")
+    p.add_argument("--out", metavar="FILE.md",
+                   help="where to write the report (default: RUN_B/compare_vs_<basename of RUN_A>.md)")
+    args = p.parse_args(argv)
+    try:
+        report = compare_runs(args.run_a, args.run_b)
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
+    out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(report)
+    print(report)
+    print(f"[postprocess] wrote {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "compare":
+        return _compare(argv[1:])
+    p = argparse.ArgumentParser(description="Split kernel traces into views / archive memory snapshots and "
+                                            f"write {SUMMARY_JSON} and profile_summary.md for one trial.")
+    p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
+    p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
+    p.add_argument("--profile-kind", required=True, choices=PROFILE_KINDS)
+    p.add_argument("--profile-step", required=True, type=int)
+    p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial")
+    p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
+                                           "memory.used,memory.total --format=csv,nounits log")
+    p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.log_dir):
+        p.error(f"--log-dir {args.log_dir}: not a directory")
+    if args.profile_step < 0:
+        p.error(f"--profile-step must be >= 0, got {args.profile_step}")
+    summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
+                                      trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,
+                                      compress=args.compress)
+    for err in summary["errors"]:
+        print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
+    print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "
+          f"(status {summary['status']['status']}, {summary['counts']})", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Compare two profiled runs: Markdown tables of deltas (B - A) per matching trial.
+
+A run argument is either one trial run dir (it holds ``profile_summary.json``) or a RUN_ROOT
+whose immediate sub-directories are trial run dirs. Trials are matched by
+``(profile_kind, profile_step)``; unmatched trials are listed. For each pair the report shows
+step time, peak memory per rank, top kernels, time by category and, for memory trials, memory
+alive at the peak by allocation site. Typical use: prove that ``LOGPROBS_CHUNK_SIZE=128``
+lowers the peak against ``0``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from sftprof.profiling.summary import SUMMARY_JSON
+
+__all__ = ["find_trials", "compare_runs"]
+
+_ROWS = 15  # rows per top-kernel / site table
+
+
+def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
+    """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT.
+
+    Raises:
+        FileNotFoundError: ``run`` is not a directory or holds no ``profile_summary.json``.
+        ValueError: two trials of one RUN_ROOT share kind and step.
+    """
+    if not os.path.isdir(run):
+        raise FileNotFoundError(f"{run}: not a directory (expected a trial run dir or a RUN_ROOT)")
+    dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
+        [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
+    if not dirs:
+        raise FileNotFoundError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
+    out: dict[tuple[str, int], tuple[str, dict]] = {}
+    for d in dirs:
+        with open(os.path.join(d, SUMMARY_JSON), encoding="utf-8") as f:
+            s = json.load(f)
+        key = (s["profile_kind"], s["profile_step"])
+        if key in out:
+            raise ValueError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
+        out[key] = (d, s)
+    return out
+
+
+def _f(v, nd=3) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def _delta(a, b) -> tuple[str, str]:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return "–", "–"
+    d = b - a
+    pct = f"{100 * d / a:+.1f}%" if a else "–"
+    return f"{d:+.3f}", pct
+
+
+def _table(title: str, unit: str, rows: list[tuple[str, Any, Any]]) -> list[str]:
+    out = [f"| {title} | A {unit} | B {unit} | Δ (B−A) | Δ % |", "|---|---|---|---|---|"]
+    for name, a, b in rows:
+        d, p = _delta(a, b)
+        out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |")
+    return out + [""]
+
+
+def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tuple[str, Any, Any]]:
+    names = sorted(set(a) | set(b), key=lambda n: (-max(a.get(n, 0.0), b.get(n, 0.0)), n))[:limit]
+    return [(n, a.get(n), b.get(n)) for n in names]
+
+
+def _short(name: str, n: int = 100) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def _pair(key, a: dict, b: dict) -> list[str]:
+    kind, step = key
+    out = [f"## {kind} step {step}: `{a['trial']}` (A) vs `{b['trial']}` (B)", ""]
+    sa, sb = a["stats"].get("profile_step_record") or {}, b["stats"].get("profile_step_record") or {}
+    rows = [("step time s (stats.jsonl, profiled step)", sa.get("step_time_s"), sb.get("step_time_s")),
+            ("peak allocated GB (stats.jsonl, profiled step)", sa.get("mem_peak_allocated_gb"),
+             sb.get("mem_peak_allocated_gb")),
+            ("peak reserved GB (stats.jsonl, profiled step)", sa.get("mem_peak_reserved_gb"),
+             sb.get("mem_peak_reserved_gb")),
+            ("max peak allocated GB over steps", a["stats"].get("max_mem_peak_allocated_gb"),
+             b["stats"].get("max_mem_peak_allocated_gb"))]
+    out += _table("metric", "", rows)
+    ra = {r["rank"]: r for r in a["ranks"]["rows"]}
+    rb = {r["rank"]: r for r in b["ranks"]["rows"]}
+    per_rank = []
+    for rank in sorted(set(ra) & set(rb)):
+        for col in ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+                    "comm_ms", "exposed_comm_ms"):
+            if col in ra[rank] or col in rb[rank]:
+                per_rank.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
+    if per_rank:
+        out += ["### Per rank", ""] + _table("rank metric", "", per_rank)
+    ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
+    kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
+    for rank in sorted(set(ka) & set(kb)):
+        x, y = ka[rank], kb[rank]
+        out += [f"### Kernels, rank {rank}", ""]
+        out += _table("metric", "ms", [
+            ("step wall", x["step_window"]["wall_ms"], y["step_window"]["wall_ms"]),
+            ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
+            ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
+            ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])])
+        out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
+                                                    {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
+        out += _table("kernel (– = not in that run's top 20)", "ms",
+                      [(_short(n), p, q) for n, p, q in _union_rows(
+                          {k["name"]: k["total_ms"] for k in x["top_kernels"]},
+                          {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
+    ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
+    mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
+    for rank in sorted(set(ma) & set(mb)):
+        x, y = ma[rank], mb[rank]
+        out += [f"### Memory, rank {rank}", ""]
+        out += _table("metric", "GiB", [
+            ("peak allocated", x["peak_allocated_gib"], y["peak_allocated_gib"]),
+            ("peak reserved", x["peak_reserved_gib"], y["peak_reserved_gib"]),
+            ("reserved − allocated at peak", x["reserved_minus_allocated_at_peak_gib"],
+             y["reserved_minus_allocated_at_peak_gib"])])
+        out.append(f"Peak phase: A {x['peak_phase'] or '–'}, B {y['peak_phase'] or '–'}\n")
+        out += _table("alive at peak by site (– = not in that run's top 20)", "GiB",
+                      [(_short(n, 140), p, q) for n, p, q in _union_rows(
+                          {s["site"]: s["gib"] for s in x["top_sites"]},
+                          {s["site"]: s["gib"] for s in y["top_sites"]}, _ROWS)])
+    return out
+
+
+def compare_runs(run_a: str, run_b: str) -> str:
+    """Markdown report comparing two runs (see the module docstring); raises like :func:`find_trials`."""
+    ta, tb = find_trials(run_a), find_trials(run_b)
+    out = ["# Profile comparison", "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`", ""]
+    common = sorted(set(ta) & set(tb))
+    for key in sorted(set(ta) ^ set(tb)):
+        side = "A" if key in ta else "B"
+        out.append(f"- unmatched: {key[0]} step {key[1]} only in {side} "
+                   f"(`{os.path.basename((ta if key in ta else tb)[key][0])}`)")
+    if not common:
+        out.append("\nNo trials match by (kind, step).")
+    for key in common:
+        out += [""] + _pair(key, ta[key][1], tb[key][1])
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,490 @@
+"""Postprocess one profiled trial: trace views, archived snapshots, ``profile_summary.{json,md}``.
+
+Inputs are the trial's log dir (``LOG_DIR``: ``stats.jsonl``, ``rank_coords.json``,
+``perf_tracer/traces-r<rank>.chrome.json[.gz]``, ``memory_snapshots/step_<N>/...``) and
+optionally the driver's ``nvidia_smi.csv`` and the trainer log. Outputs go to the trial's run
+dir (``RUN_DIR``). The summary is a pure function of the inputs (no wall-clock timestamps), so
+rerunning reproduces it byte for byte.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from sftprof.profiling.memory_summary import analyze_snapshot, plot_memory
+from sftprof.profiling.safe_pickle import UnsafePickleError, safe_load_file
+from sftprof.profiling.trace_io import TraceFormatError
+from sftprof.profiling.trace_summary import KernelTraceAnalyzer
+from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
+
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
+           "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
+
+PROFILE_KINDS = ("kernel", "memory")
+SUMMARY_JSON = "profile_summary.json"
+SUMMARY_MD = "profile_summary.md"
+_TRACE_RE = re.compile(r"^traces-r(\d+)\.chrome\.json(\.gz)?$")
+_SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
+_RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+                 "comm_ms", "exposed_comm_ms")
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
+    """Step records and the completion record of ``stats.jsonl``.
+
+    Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "complete",
+    "max_mem_peak_allocated_gb", "max_mem_peak_reserved_gb"}`` (GB as the trainer writes them).
+    A missing file gives ``available: False``; unparsable lines are counted, not fatal.
+    """
+    out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
+                           "profile_step_record": None, "complete": None}
+    if not out["available"]:
+        return out
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                out["bad_lines"] += 1
+                continue
+            if not isinstance(rec, dict):
+                out["bad_lines"] += 1
+            elif rec.get("type") == "step":
+                out["steps"].append({k: rec.get(k) for k in (
+                    "step", "step_time_s", "tokens", "tokens_per_s", "mem_peak_allocated_gb",
+                    "mem_peak_reserved_gb", "tflops_per_gpu", "mfu", "profiled")})
+                if profile_step is not None and rec.get("step") == profile_step:
+                    out["profile_step_record"] = rec
+            elif rec.get("type") == "complete":
+                out["complete"] = rec
+    peaks_a = [s["mem_peak_allocated_gb"] for s in out["steps"] if isinstance(s["mem_peak_allocated_gb"], (int, float))]
+    peaks_r = [s["mem_peak_reserved_gb"] for s in out["steps"] if isinstance(s["mem_peak_reserved_gb"], (int, float))]
+    out["max_mem_peak_allocated_gb"] = max(peaks_a) if peaks_a else None
+    out["max_mem_peak_reserved_gb"] = max(peaks_r) if peaks_r else None
+    return out
+
+
+def _number(text: str) -> float | None:
+    m = re.match(r"\s*(-?\d+(?:\.\d+)?)", text or "")
+    return float(m.group(1)) if m else None
+
+
+def read_nvidia_smi(path: str | None) -> dict[str, Any]:
+    """Peaks from an ``nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total
+    --format=csv[,nounits]`` log.
+
+    Returns ``{"available", "samples", "gpus": [{"index", "peak_memory_used_mib", "memory_total_mib",
+    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct"}``.
+    Absent or empty files and ``[N/A]`` values are tolerated; units in values (``MiB``, ``%``) are stripped.
+    """
+    out: dict[str, Any] = {"available": False, "samples": 0, "gpus": [],
+                           "peak_memory_used_mib": None, "peak_utilization_pct": None}
+    if not path or not os.path.isfile(path):
+        return out
+    per: dict[int, dict[str, list[float]]] = {}
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        rows = csv.reader(f)
+        header = None
+        for row in rows:
+            if not row:
+                continue
+            names = [re.sub(r"\s*\[.*?\]\s*$", "", c.strip()) for c in row]
+            if "index" in names and "memory.used" in names:
+                header = names  # (repeated headers from restarted loggers are fine)
+                continue
+            if header is None or len(row) != len(header):
+                continue
+            rec = dict(zip(header, row))
+            idx = _number(rec.get("index", ""))
+            if idx is None:
+                continue
+            d = per.setdefault(int(idx), {"mem": [], "total": [], "util": []})
+            for key, col in (("mem", "memory.used"), ("total", "memory.total"), ("util", "utilization.gpu")):
+                v = _number(rec.get(col, ""))
+                if v is not None:
+                    d[key].append(v)
+            out["samples"] += 1
+    out["available"] = out["samples"] > 0
+    for idx in sorted(per):
+        d = per[idx]
+        out["gpus"].append({
+            "index": idx,
+            "peak_memory_used_mib": max(d["mem"]) if d["mem"] else None,
+            "memory_total_mib": max(d["total"]) if d["total"] else None,
+            "peak_utilization_pct": max(d["util"]) if d["util"] else None,
+            "mean_utilization_pct": round(sum(d["util"]) / len(d["util"]), 2) if d["util"] else None,
+        })
+    mems = [g["peak_memory_used_mib"] for g in out["gpus"] if g["peak_memory_used_mib"] is not None]
+    utils = [g["peak_utilization_pct"] for g in out["gpus"] if g["peak_utilization_pct"] is not None]
+    out["peak_memory_used_mib"] = max(mems) if mems else None
+    out["peak_utilization_pct"] = max(utils) if utils else None
+    return out
+
+
+def _read_rank_coords(log_dir: str) -> dict[int, dict]:
+    path = os.path.join(log_dir, "rank_coords.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return {int(r): c for r, c in (data.get("ranks") or {}).items()}
+
+
+def _trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    return [t.rstrip("\n") for t in tail]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel traces
+# --------------------------------------------------------------------------------------------
+def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
+    analyzer = KernelTraceAnalyzer()
+    try:
+        views = split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
+                            on_header=analyzer.set_header, on_event=analyzer.add)
+    except (TraceFormatError, OSError) as exc:
+        return {"rank": rank, "error": str(exc)}
+    return {"rank": rank, "views": views, "summary": analyzer.summary()}
+
+
+def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
+    trace_dir = os.path.join(log_dir, "perf_tracer")
+    out_dir = os.path.join(run_dir, "kernel_traces", "master")
+    found = []
+    if os.path.isdir(trace_dir):
+        for name in sorted(os.listdir(trace_dir)):
+            m = _TRACE_RE.match(name)
+            if m:
+                found.append((int(m.group(1)), os.path.join(trace_dir, name)))
+    found.sort()
+    ranks = [r for r, _ in found]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{trace_dir}: both .json and .json.gz traces for one rank; keep one")
+    args = [(src, out_dir, rank, compress, max_view_bytes) for rank, src in found]
+    if jobs > 1 and len(args) > 1:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
+            results = list(pool.map(_process_trace, *zip(*args)))
+    else:
+        results = [_process_trace(*a) for a in args]
+    traces = []
+    for (rank, src), res in zip(found, results):
+        entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
+        if "error" in res:
+            entry["error"] = res["error"]
+        else:
+            entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
+            entry["summary"] = res["summary"]
+        traces.append(entry)
+    return {"kernel_traces": traces}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory snapshots
+# --------------------------------------------------------------------------------------------
+def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
+    src_dir = os.path.join(log_dir, "memory_snapshots", f"step_{step}")
+    dst_dir = os.path.join(run_dir, "memory_snapshots", f"step_{step}")
+    snapshots = []
+    if not os.path.isdir(src_dir):
+        return {"memory_snapshots": snapshots}
+    os.makedirs(dst_dir, exist_ok=True)
+    names = sorted(os.listdir(src_dir))
+    for name in names:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    for name in names:
+        m = _SNAP_RE.match(name)
+        if not m:
+            continue
+        rank = int(m.group(1))
+        entry: dict[str, Any] = {
+            "rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
+            "coords_from_name": dict(zip(("pp", "dp", "cp", "tp", "ep"), map(int, m.group(2, 3, 4, 5, 6)))),
+        }
+        phases_path = os.path.join(src_dir, f"phases_rank{rank}.json")
+        try:
+            phases = None
+            if os.path.isfile(phases_path):
+                with open(phases_path, encoding="utf-8") as f:
+                    phases = json.load(f)
+                entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, f"phases_rank{rank}.json"), run_dir)
+            print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
+            summary = analyze_snapshot(safe_load_file(os.path.join(src_dir, name)), phases)
+            png = os.path.join(dst_dir, re.sub(r"\.pickle(\.gz)?$", ".png", name))
+            plot_memory(summary, f"{name} (step {step})", png)
+            summary.pop("series")
+            entry["plot"] = os.path.relpath(png, run_dir)
+            entry["summary"] = summary
+        except (UnsafePickleError, ValueError, OSError, KeyError, TypeError) as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+            entry["error"] = msg if name in msg else f"{name}: {msg}"
+        snapshots.append(entry)
+    return {"memory_snapshots": snapshots}
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks table
+# --------------------------------------------------------------------------------------------
+def rank_table(summary: dict) -> dict[str, Any]:
+    """Per-rank rows (coordinates, step time, peak memory, communication) and max/min imbalance.
+
+    Step time: kernel trials use the trace's step window (ms), memory trials the per-rank
+    ``step_time_s`` of the profiled step in ``stats.jsonl``; peak memory: ``mem_peak_allocated_gb``
+    of the profiled step in ``stats.jsonl`` (units as the trainer writes them) and, for memory
+    trials, the snapshot's peak allocated/reserved GiB;
+    communication: NCCL kernel time from the trace (kernel trials only).
+    Imbalance of a column = max / min over ranks (None with fewer than 2 values or a zero min).
+    """
+    rec = (summary.get("stats") or {}).get("profile_step_record") or {}
+    stats_ranks = {r.get("rank"): r for r in rec.get("ranks") or [] if isinstance(r, dict)}
+    coords = {int(k): v for k, v in (summary.get("rank_coords") or {}).items()}
+    rows: dict[int, dict] = {}
+    for t in summary.get("kernel_traces") or []:
+        s = t.get("summary")
+        if s is None:
+            continue
+        sr = stats_ranks.get(t["rank"], {})
+        rows[t["rank"]] = {
+            "rank": t["rank"],
+            "step_ms": s["step_window"]["wall_ms"],
+            "stats_peak_allocated_gb": _num(sr.get("mem_peak_allocated_gb")),
+            "comm_ms": s["communication"]["total_ms"],
+            "exposed_comm_ms": s["communication"]["exposed_ms"],
+            "gpu_busy_pct": s["gpu"]["busy_share_pct"],
+        }
+    for snap in summary.get("memory_snapshots") or []:
+        s = snap.get("summary")
+        if s is None:
+            continue
+        sr = stats_ranks.get(snap["rank"], {})
+        step_s = sr.get("step_time_s")
+        rows[snap["rank"]] = {
+            "rank": snap["rank"],
+            "step_ms": round(step_s * 1e3, 3) if isinstance(step_s, (int, float)) else None,
+            "stats_peak_allocated_gb": _num(sr.get("mem_peak_allocated_gb")),
+            "snapshot_peak_allocated_gib": s["peak_allocated_gib"],
+            "snapshot_peak_reserved_gib": s["peak_reserved_gib"],
+        }
+        coords.setdefault(snap["rank"], snap["coords_from_name"])
+    for r, row in rows.items():
+        row["coords"] = coords.get(r)
+    ordered = [rows[r] for r in sorted(rows)]
+    imbalance = {}
+    for col in _RANK_COLUMNS:
+        vals = [(row[col], row["rank"]) for row in ordered if isinstance(row.get(col), (int, float))]
+        if not vals:
+            continue
+        hi, lo = max(vals), min(vals)
+        imbalance[col] = {"max": hi[0], "max_rank": hi[1], "min": lo[0], "min_rank": lo[1],
+                          "max_over_min": round(hi[0] / lo[0], 4) if len(vals) > 1 and lo[0] > 0 else None}
+    return {"rows": ordered, "imbalance": imbalance}
+
+
+def _num(v) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step: int, *,
+                      trainer_log: str | None = None, nvidia_smi_csv: str | None = None,
+                      compress: bool = False, max_view_bytes: int = MAX_VIEW_BYTES,
+                      jobs: int | None = None) -> tuple[dict, int]:
+    """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}``.
+
+    Args:
+        log_dir: trial log dir written by the trainer.
+        run_dir: trial run dir (created).
+        profile_kind: ``kernel`` or ``memory``.
+        profile_step: the profiled training step.
+        trainer_log: trainer log (its tail is kept in the summary when the trial failed).
+        nvidia_smi_csv: the driver's nvidia-smi log (optional).
+        compress: write trace views as ``.json.gz``.
+        max_view_bytes: views larger than this are split into time windows.
+        jobs: parallel trace conversions (default: CPU count).
+
+    Returns:
+        ``(summary, exit_code)``: exit code 1 when any trace/snapshot could not be processed or an
+        ``ok`` trial lacks its artifacts, else 0 (a failed trial without artifacts is not an error
+        of the postprocess).
+
+    Raises:
+        ValueError: unknown ``profile_kind`` or negative ``profile_step``.
+    """
+    if profile_kind not in PROFILE_KINDS:
+        raise ValueError(f"--profile-kind must be one of {PROFILE_KINDS}, got {profile_kind!r}")
+    if profile_step < 0:
+        raise ValueError(f"--profile-step must be >= 0, got {profile_step}")
+    os.makedirs(run_dir, exist_ok=True)
+    stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
+    complete = stats.get("complete") or {}
+    status = complete.get("status", "unknown")
+    summary: dict[str, Any] = {
+        "schema": "sftprof.profile_summary/1",
+        "trial": os.path.basename(os.path.normpath(run_dir)),
+        "profile_kind": profile_kind,
+        "profile_step": profile_step,
+        "status": {"status": status, "error": complete.get("error"), "steps_done": complete.get("steps_done"),
+                   "world_size": complete.get("world_size"), "backend": complete.get("backend")},
+        "paths": {"log_dir": os.path.abspath(log_dir), "run_dir": os.path.abspath(run_dir),
+                  "trainer_log": os.path.abspath(trainer_log) if trainer_log else None,
+                  "nvidia_smi_csv": os.path.abspath(nvidia_smi_csv) if nvidia_smi_csv else None},
+        "stats": stats,
+        "nvidia_smi": read_nvidia_smi(nvidia_smi_csv),
+        "rank_coords": {str(k): v for k, v in sorted(_read_rank_coords(log_dir).items())},
+    }
+    if status != "ok":
+        summary["trainer_log_tail"] = _trainer_log_tail(trainer_log)
+    if profile_kind == "kernel":
+        summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
+        items = summary["kernel_traces"]
+    else:
+        summary.update(_memory_part(log_dir, run_dir, profile_step))
+        items = summary["memory_snapshots"]
+    errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
+    if status == "ok" and not items:
+        where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
+            f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
+        errors.append({"file": where, "error": "trial status ok but no artifacts found in the log dir"})
+    summary["errors"] = errors
+    summary["counts"] = {
+        "traces": sum(1 for it in items if profile_kind == "kernel"),
+        "traces_ok": sum(1 for it in items if profile_kind == "kernel" and "error" not in it),
+        "views": sum(len(p) for it in items if profile_kind == "kernel" for p in (it.get("views") or {}).values()),
+        "snapshots": sum(1 for it in items if profile_kind == "memory"),
+        "plots": sum(1 for it in items if "plot" in it),
+        "errors": len(errors),
+    }
+    summary["ranks"] = rank_table(summary)
+    with open(os.path.join(run_dir, SUMMARY_JSON), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+        f.write("\n")
+    with open(os.path.join(run_dir, SUMMARY_MD), "w", encoding="utf-8") as f:
+        f.write(render_markdown(summary))
+    return summary, 1 if errors else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------
+def _fmt(v, nd=3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    def cell(x):
+        return _fmt(x).replace("|", "\\|")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _short(name: str, n: int = 110) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def render_markdown(s: dict) -> str:
+    """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file)."""
+    out = [f"# Profile summary: {s['trial']}\n",
+           f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
+           f"- trial status: **{s['status']['status']}**" + (f" — error: `{s['status']['error']}`"
+                                                           if s["status"].get("error") else ""),
+           f"- steps done: {_fmt(s['status']['steps_done'])}, world size: {_fmt(s['status']['world_size'])}, "
+           f"backend: {_fmt(s['status']['backend'])}",
+           f"- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
+           f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
+    if s["errors"]:
+        out.append("## Errors\n")
+        out.append(_table(["file", "error"], [[e["file"], e["error"]] for e in s["errors"]]))
+    if s.get("trainer_log_tail"):
+        out.append("## Trainer log (tail)\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
+    st = s["stats"]
+    if st["steps"]:
+        out.append("## Steps (stats.jsonl)\n")
+        out.append(_table(["step", "step time s", "tokens/s", "peak alloc GB", "peak reserved GB", "MFU", "profiled"],
+                          [[x["step"], x["step_time_s"], x["tokens_per_s"], x["mem_peak_allocated_gb"],
+                            x["mem_peak_reserved_gb"], x["mfu"], x["profiled"]] for x in st["steps"]]))
+    smi = s["nvidia_smi"]
+    if smi["available"]:
+        out.append(f"## nvidia-smi ({smi['samples']} samples)\n")
+        out.append(_table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util %"],
+                          [[g["index"], g["peak_memory_used_mib"], g["memory_total_mib"], g["peak_utilization_pct"],
+                            g["mean_utilization_pct"]] for g in smi["gpus"]]))
+    rows = s["ranks"]["rows"]
+    if rows:
+        out.append("## Ranks\n")
+        cols = [c for c in _RANK_COLUMNS + ("gpu_busy_pct",) if any(c in r for r in rows)]
+        out.append(_table(["rank", "coords"] + cols,
+                          [[r["rank"], " ".join(f"{k}{v}" for k, v in (r["coords"] or {}).items())]
+                           + [r.get(c) for c in cols] for r in rows]))
+        imb = s["ranks"]["imbalance"]
+        if len(rows) > 1 and imb:
+            out.append("\nImbalance (max/min):\n")
+            out.append(_table(["metric", "max (rank)", "min (rank)", "max/min"],
+                              [[k, f"{_fmt(v['max'])} (r{v['max_rank']})", f"{_fmt(v['min'])} (r{v['min_rank']})",
+                                v["max_over_min"]] for k, v in imb.items()]))
+    for t in s.get("kernel_traces") or []:
+        out.append(f"## Kernel trace rank {t['rank']} (`{t['source']}`)\n")
+        if "error" in t:
+            out.append(f"**error:** {t['error']}\n")
+            continue
+        k = t["summary"]
+        g, c = k["gpu"], k["communication"]
+        out.append(f"- step wall time: {_fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
+        out.append(f"- GPU busy {_fmt(g['busy_share_pct'])} % / idle {_fmt(g['idle_share_pct'])} %; "
+                   f"GPU activity total {_fmt(g['total_ms'])} ms in {g['activities']} kernels/memcpy/memset")
+        out.append(f"- communication {_fmt(c['total_ms'])} ms: hidden under compute {_fmt(c['hidden_ms'])} ms, "
+                   f"exposed {_fmt(c['exposed_ms'])} ms")
+        out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
+        out.append("### Top kernels\n")
+        out.append(_table(["#", "kernel", "calls", "total ms", "share %"],
+                          [[i + 1, _short(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
+                           for i, x in enumerate(k["top_kernels"])]))
+        out.append("\n### Time by category\n")
+        out.append(_table(["category", "calls", "total ms", "share %"],
+                          [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
+        if c["kernels"]:
+            out.append("\n### Collectives\n")
+            out.append(_table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))
+            out.append(_table(["by process group", "ms"], [[a, b] for a, b in c["by_group_ms"].items()]))
+        if k["regions"]:
+            out.append("\n### Annotated regions\n")
+            out.append(_table(["region", "start ms", "CPU ms", "GPU ms"],
+                              [[r["name"], r["start_ms"], r["cpu_ms"], r["gpu_ms"]] for r in k["regions"]]))
+        out.append("")
+    for m in s.get("memory_snapshots") or []:
+        out.append(f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n")
+        if "error" in m:
+            out.append(f"**error:** {m['error']}\n")
+            continue
+        x = m["summary"]
+        out.append(f"- peak allocated **{_fmt(x['peak_allocated_gib'])} GiB** at {_fmt(x['peak_time_ms'])} ms "
+                   f"of a {_fmt(x['window_ms'])} ms window, phase: {_fmt(x['peak_phase'])}")
+        out.append(f"- peak reserved {_fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
+                   f"{_fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB")
+        out.append(f"- plot: `{m['plot']}`\n")
+        out.append("### Alive at the peak, by allocation site\n")
+        out.append(_table(["site", "GiB", "blocks", "share %"],
+                          [[_short(y["site"], 140), y["gib"], y["blocks"], y["share_pct"]] for y in x["top_sites"]]))
+        out.append("")
+    return "\n".join(out) + "\n"
