@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Peak memory and step time of one megatron SFT step: naive full-logits loss vs the chunked paths.
+
+One process, one GPU. For each sequence length and loss path the megatron engine
+(:class:`sftprof.engine.megatron.MegatronEngine`, Qwen3-30B-A3B shape cut to ``--layers`` layers, random
+init, full recompute, one sequence per step) runs ``--steps`` training steps; the last one is measured
+(``torch.cuda.max_memory_allocated`` reset before it, wall time with device synchronisation). Paths:
+
+- ``naive``: ``log_softmax`` in fp32 over the full ``[N, V]`` logits, then gather (what a plain
+  PyTorch SFT loss does);
+- ``chunked_logprobs``: :func:`sftprof.ops.vocab_parallel_logprobs` on the logits, ``--logprobs-chunk``
+  tokens at a time, gradient written in place of the logits;
+- ``chunked_lm_head``: :func:`sftprof.ops.linear_sft_loss` on the final hidden states
+  (``actor.megatron.lm_head_loss_chunk_size``), no full logits.
+
+A path that runs out of memory is reported as ``OOM``. The table is printed last, side by side.
+
+Usage::
+
+    python bench/megatron_logits_memory.py --seq-lens 32768,131072 --layers 2
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PATHS = ("chunked_lm_head", "chunked_logprobs", "naive")
+
+
+def _engine_class(path: str):
+    from sftprof.engine.megatron import MegatronEngine
+
+    if path != "naive":
+        return MegatronEngine
+
+    class NaiveLossEngine(MegatronEngine):
+        """The megatron engine with a plain fp32 ``log_softmax`` over the full logits (baseline)."""
+
+        def _loss_sum(self, output, batch):
+            logp = torch.log_softmax(output.float(), dim=-1)
+            tok = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+            return -(tok * batch["loss_mask"].to(tok.dtype)).sum()
+
+    return NaiveLossEngine
+
+
+def run_case(seq_len: int, path: str, args) -> dict:
+    """Build the engine for one (length, path), run the steps, return peak GiB and step ms (or OOM)."""
+    from megatron.core import parallel_state
+
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.config import load_config
+    from sftprof.data import global_loss_tokens, make_fake_sample, load_tokenizer, step_micro_batches
+    from sftprof.models.hf import load_hf_config
+
+    overrides = [
+        "actor.backend=megatron:d1", f"actor.num_layers={args.layers}", f"profile.fake_seq_len={seq_len}",
+        "train_dataset.batch_size=1", "actor.mb_spec.n_mbs=1", "actor.megatron.use_precision_aware_optimizer=false",
+        "actor.megatron.main_grads_dtype=float32", "actor.megatron.ddp.overlap_grad_reduce=false",
+        "actor.megatron.ddp.overlap_param_gather=false", f"actor.logprobs_chunk_size={args.logprobs_chunk}",
+        f"actor.megatron.lm_head_loss_chunk_size={args.lm_head_chunk if path == 'chunked_lm_head' else 0}"]
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "qwen3_30b_a3b_sft_profile.yaml"), overrides)
+    layout = parse_allocation_mode(cfg.actor.backend)
+    hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
+    sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.vocab_size), seq_len, 0.5, hf.vocab_size)
+    tokens = global_loss_tokens(sample, 1)
+    result = {"seq_len": seq_len, "path": path}
+    engine = None
+    try:
+        engine = _engine_class(path)(cfg, layout, hf, torch.device("cuda", 0))
+        for step in range(args.steps):
+            mbs = step_micro_batches(cfg, sample, step, 1, 0)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            out = engine.train_step(mbs, tokens)
+            torch.cuda.synchronize()
+            result.update(step_ms=(time.perf_counter() - t0) * 1e3, loss=out.loss,
+                          peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          peak_over_start_gib=(torch.cuda.max_memory_allocated() - base) / 2**30)
+    except torch.cuda.OutOfMemoryError as err:
+        result.update(oom=True, error=str(err).splitlines()[0][:160])
+    finally:
+        del engine
+        gc.collect()
+        parallel_state.destroy_model_parallel()
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-lens", default="131072", help="comma list of tokens per sequence")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B shape")
+    ap.add_argument("--steps", type=int, default=2, help="steps per case; the last is measured")
+    ap.add_argument("--logprobs-chunk", type=int, default=4096, help="actor.logprobs_chunk_size")
+    ap.add_argument("--lm-head-chunk", type=int, default=4096, help="actor.megatron.lm_head_loss_chunk_size")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29541"}.items():
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    rows = []
+    for seq_len in (int(s) for s in args.seq_lens.split(",")):
+        for path in args.paths.split(","):
+            row = run_case(seq_len, path, args)
+            print(row, flush=True)
+            rows.append(row)
+    dist.destroy_process_group()
+    print(f"\nmegatron SFT step, Qwen3-30B-A3B shape, {args.layers} layers, 1 GPU ({torch.cuda.get_device_name()}), "
+          f"full recompute, logprobs chunk {args.logprobs_chunk}, LM-head chunk {args.lm_head_chunk}")
+    print(f"{'tokens':>8} | {'path':<17} | {'peak alloc GiB':>14} | {'peak over start GiB':>19} | {'step ms':>9} | loss")
+    for r in rows:
+        if r.get("oom"):
+            print(f"{r['seq_len']:>8} | {r['path']:<17} | {'OOM':>14} | {'OOM':>19} | {'-':>9} | -")
+        else:
+            print(f"{r['seq_len']:>8} | {r['path']:<17} | {r['peak_gib']:>14.2f} | {r['peak_over_start_gib']:>19.2f} | "
+                  f"{r['step_ms']:>9.1f} | {r['loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

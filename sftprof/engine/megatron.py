@@ -1,0 +1,299 @@
+"""The ``megatron`` backend: megatron-core GPTModel (MoE) SFT step on GPUs.
+
+Build (:class:`MegatronEngine`):
+
+1. precision settings are validated and translated first (:func:`sftprof.models.megatron_config.
+   optimizer_config_kwargs`), so a bad combination stops before any CUDA work;
+2. ``parallel_state.initialize_model_parallel`` from the layout (TP, PP, CP, EP, ETP; megatron order
+   ``tp-cp-ep-dp-pp``), ``model_parallel_cuda_manual_seed``;
+3. ``TransformerConfig`` from the HF config (:mod:`sftprof.models.megatron_config`): sequence parallel
+   when TP > 1, alltoall token dispatcher, recompute, deterministic mode, router dtype;
+4. ``GPTModel`` with the layer spec of :mod:`sftprof.models.specs` (TE or local + SDPA/grouped GEMM),
+   random init (weight loading is not implemented: ``actor.init_from_scratch=false`` with weights stops);
+5. megatron ``DistributedDataParallel`` and the (distributed) optimizer over DP x CP.
+
+Step (:meth:`MegatronEngine.train_step`): micro-batches go through ``get_forward_backward_func()``
+(no pipelining or 1F1B with PP). Each CP rank keeps its load-balanced slice of the sequence
+(:func:`sftprof.data.cp_shard`). On the last pipeline stage the loss is computed from the
+vocab-parallel output with :mod:`sftprof.ops`: ``vocab_parallel_logprobs`` on the logits (chunked by
+``actor.logprobs_chunk_size``), or ``linear_sft_loss`` on the final hidden states when
+``actor.megatron.lm_head_loss_chunk_size > 0`` (no full logits). The loss function returns the local
+loss sum and local loss-token count with ``calculate_per_token_loss=True``; Megatron sums gradients over
+DP x CP and divides them by the all-reduced token count, so gradients are those of the global
+token-mean loss. (Megatron then also scales the MoE auxiliary loss as in its per-token-loss mode.)
+The optimizer step clips the gradient norm at ``actor.optimizer.gradient_clipping``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from sftprof.allocation import Layout
+from sftprof.config import ConfigError, SFTProfileConfig
+from sftprof.data import MicroBatch, cp_shard
+from sftprof.engine.base import Engine, StepResult
+from sftprof.flops import ModelShape, train_step_flops
+from sftprof.models import megatron_config as mc
+from sftprof.models.hf import has_weights, resolve_model_dir
+from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
+
+log = logging.getLogger(__name__)
+
+
+def check_init_from_scratch(cfg: SFTProfileConfig) -> None:
+    """Stop unless the model is randomly initialised (weight loading is not implemented yet).
+
+    Raises:
+        NotImplementedError: ``actor.init_from_scratch=false`` and ``actor.path`` holds weights.
+        ConfigError: ``actor.init_from_scratch=false`` and ``actor.path`` holds no weights.
+    """
+    if cfg.actor.init_from_scratch:
+        return
+    model_dir = resolve_model_dir(cfg.actor.path)
+    if has_weights(model_dir):
+        raise NotImplementedError(
+            f"actor.init_from_scratch=false: loading the weights in {model_dir} into the megatron backend is not "
+            "implemented yet; set actor.init_from_scratch=true (random init) to profile")
+    raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weight files (*.safetensors, *.bin, "
+                      "*.pt); set actor.init_from_scratch=true")
+
+
+class _BackwardRegionStart(torch.autograd.Function):
+    """Identity whose backward opens the ``sftprof/backward/mb<i>`` region (placed on the stage output)."""
+
+    @staticmethod
+    def forward(ctx, x, engine, mb):
+        ctx.engine, ctx.mb = engine, mb
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._open_backward_region(ctx.mb)
+        return grad, None, None
+
+
+class _BackwardRegionEnd(torch.autograd.Function):
+    """Identity whose backward closes the ``sftprof/backward/mb<i>`` region (placed on the stage input)."""
+
+    @staticmethod
+    def forward(ctx, x, engine, mb):
+        ctx.engine, ctx.mb = engine, mb
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._close_backward_region(ctx.mb)
+        return grad, None, None
+
+
+class MegatronEngine(Engine):
+    """megatron-core model + DDP + optimizer on this rank (see the module docstring).
+
+    Args:
+        cfg: trial config; ``actor.*`` and ``actor.megatron.*`` are used.
+        layout: a ``megatron`` layout whose world size equals the process-group size.
+        hf_config: HF (text) config of a ``qwen3_moe`` model (``qwen3_5_moe`` needs TE + fla).
+        device: this rank's CUDA device (``torch.cuda.set_device`` done by the trainer).
+    Raises:
+        ConfigError: precision settings (e.g. the precision-aware optimizer without TE:
+            ``USE_PRECISION_AWARE_OPTIMIZER``), a non-megatron layout, init_from_scratch without weights.
+        NotImplementedError: weight loading requested; Qwen3.5 without TE/fla.
+        RuntimeError: no CUDA device, or the world size does not match the layout.
+    """
+
+    def __init__(self, cfg: SFTProfileConfig, layout: Layout, hf_config, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise RuntimeError("actor.backend=megatron needs CUDA GPUs (megatron-core layers are CUDA-only); "
+                               "use actor.backend=fsdp:dN on CPU")
+        if dist.get_world_size() != layout.world_size:
+            raise RuntimeError(f"layout {layout.describe()} needs {layout.world_size} ranks, the process group has "
+                               f"{dist.get_world_size()}")
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from sftprof.compat import apply_megatron_compat
+        from sftprof.models.specs import decoder_block_spec, have_transformer_engine
+
+        self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
+        have_te = have_transformer_engine()
+        opt_kwargs = mc.optimizer_config_kwargs(cfg, have_te)
+        check_init_from_scratch(cfg)
+        m = cfg.actor.megatron
+        if m.use_deterministic_algorithms:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        apply_megatron_compat()
+        parallel_state.initialize_model_parallel(**mc.parallel_state_kwargs(layout))
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.ps = parallel_state
+
+        tcfg = mc.build_transformer_config(hf_config, cfg, layout, have_te)
+        self.tcfg = tcfg
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        gpt_kwargs = mc.gpt_model_kwargs(hf_config)
+        self.vocab_size = gpt_kwargs["vocab_size"]
+        gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te),
+                       pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
+        self.lm_head_chunk = m.lm_head_loss_chunk_size
+        if self.lm_head_chunk and self.post_process:
+            # GPTModel returns the final (normed) hidden states instead of logits when post_process is False;
+            # the output layer's weight stays in the model and is used by sftprof.ops.linear_sft_loss.
+            gpt.post_process = False
+        if self.pre_process:
+            gpt.embedding.register_forward_hook(self._mark_stage_input)
+        self.gpt = gpt
+        self.n_params = sum(p.numel() for p in gpt.parameters())
+        log.info("megatron: random initialisation (actor.init_from_scratch=true, no weights loaded) of %s: %d "
+                 "layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s", cfg.actor.path,
+                 len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(), have_te)
+
+        ddp_config = DistributedDataParallelConfig(**mc.ddp_config_kwargs(cfg))
+        self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [self.model])
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.grad_scale_func = self.optimizer.scale_loss
+        if ddp_config.overlap_grad_reduce:
+            tcfg.no_sync_func = self.model.no_sync
+            tcfg.grad_sync_func = self.model.start_grad_sync
+        if ddp_config.overlap_param_gather:
+            tcfg.param_sync_func = self.model.start_param_sync
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self._rank_coords = layout.rank_coords(dist.get_rank())
+        self.shape = ModelShape.from_hf(hf_config)
+        self._bwd_regions: Dict[int, contextlib.ExitStack] = {}
+        self._mb_index = 0
+        self.last_recompute_flops = 0.0
+
+    @property
+    def rank_coords(self) -> dict:
+        return dict(self._rank_coords)
+
+    # ---- backward-region markers -------------------------------------------------------------------
+    def _open_backward_region(self, mb: int) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(region(backward(mb)))
+        self._bwd_regions[mb] = stack
+
+    def _close_backward_region(self, mb: int) -> None:
+        stack = self._bwd_regions.pop(mb, None)
+        if stack is not None:
+            stack.close()
+
+    def _mark_stage_input(self, module, inputs, output):
+        if torch.is_grad_enabled() and output.requires_grad:
+            return _BackwardRegionEnd.apply(output, self, self._mb_index)
+        return output
+
+    # ---- step --------------------------------------------------------------------------------------
+    def _prepare(self, mb: MicroBatch) -> dict:
+        b, s = mb.input_ids.shape
+        if s % (2 * self.cp_size if self.cp_size > 1 else 1) or (s // self.cp_size) % self.layout.tp:
+            raise ValueError(f"profile.fake_seq_len={s}: must be divisible by 2*CP={2 * self.cp_size} and the "
+                             f"per-CP-rank length by TP={self.layout.tp} (sequence parallel)")
+        pos = torch.arange(s, dtype=torch.int64).expand(b, s)
+
+        def shard(t):
+            return cp_shard(t, self.cp_size, self.cp_rank, dim=1).to(self.device, non_blocking=True)
+
+        return {"input_ids": shard(mb.input_ids), "position_ids": shard(pos), "labels": shard(mb.labels),
+                "loss_mask": shard(mb.loss_mask)}
+
+    def _loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
+        """Local sum of ``-logprob * loss_mask`` (fp32 scalar) from the last stage's output."""
+        from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
+
+        mask = batch["loss_mask"]
+        if self.lm_head_chunk:
+            # output: final hidden states [s_local(/tp under SP), b, h]; tokens in [s, b] order.
+            h = output.shape[-1]
+            weight = self.gpt.output_layer.weight
+            return linear_sft_loss(output.reshape(-1, h), weight, batch["labels"].t().reshape(-1),
+                                   mask.t().reshape(-1).to(torch.float32), tp_group=self.tp_group,
+                                   chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel)
+        # output: vocab-parallel logits [b, s_local, V/tp]
+        logprobs = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), batch["labels"].reshape(-1),
+                                           tp_group=self.tp_group, chunk_size=self.cfg.actor.logprobs_chunk_size)
+        return -(logprobs * mask.reshape(-1).to(logprobs.dtype)).sum()
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        mb = self._mb_index
+        with region(forward(mb)):
+            if not self.pre_process:
+                dec = self.gpt.decoder
+                if dec.input_tensor is not None and dec.input_tensor.requires_grad:
+                    dec.input_tensor = _BackwardRegionEnd.apply(dec.input_tensor, self, mb)
+            output = model(batch["input_ids"], batch["position_ids"], None)
+            if self.post_process:
+                output = self._loss_sum(output, batch)
+            output = _BackwardRegionStart.apply(output, self, mb)
+        self._mb_index += 1
+        n_tokens = batch["loss_mask"].sum().to(torch.int)
+
+        def loss_func(loss_sum):
+            return loss_sum, n_tokens, {"loss_sum": loss_sum.detach().clone(), "n_tokens": n_tokens}
+
+        return output, loss_func
+
+    def train_step(self, micro_batches: List[MicroBatch], global_loss_tokens: int) -> StepResult:
+        """Forward + backward of ``micro_batches`` through megatron's schedule, then the optimizer step.
+
+        Raises:
+            ValueError: sequence length not divisible as CP/SP need, micro-batches of unequal size with
+                PP > 1, or ``global_loss_tokens <= 0``.
+            RuntimeError: the loss tokens counted over DP x CP differ from ``global_loss_tokens``.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if global_loss_tokens <= 0:
+            raise ValueError(f"global_loss_tokens={global_loss_tokens}: must be > 0")
+        sizes = {mb.input_ids.shape[0] for mb in micro_batches}
+        if self.layout.pp > 1 and len(sizes) > 1:
+            raise ValueError(f"pipeline parallelism needs equal micro-batch sizes, got {sorted(sizes)} sequences; "
+                             "make train_dataset.batch_size / dp a multiple of actor.mb_spec.n_mbs")
+        seq_len = micro_batches[0].input_ids.shape[1]
+        data = [self._prepare(mb) for mb in micro_batches]
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._mb_index = 0
+        try:
+            losses = get_forward_backward_func()(
+                forward_step_func=self._forward_step, data_iterator=iter(data), model=[self.model],
+                num_microbatches=len(data), seq_length=seq_len, micro_batch_size=max(sizes), forward_only=False)
+        finally:
+            for mb in list(self._bwd_regions):
+                self._close_backward_region(mb)
+        with region(OPTIMIZER_STEP):
+            _, grad_norm, _ = self.optimizer.step()
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.post_process:
+            for d in losses:
+                stats[0] += d["loss_sum"].double()
+                stats[1] += d["n_tokens"].double()
+            dist.all_reduce(stats, group=self.dp_cp_group)
+        if self.layout.pp > 1:
+            dist.all_reduce(stats, group=self.pp_group)
+        loss_sum, counted = stats.tolist()
+        if int(round(counted)) != global_loss_tokens:
+            raise RuntimeError(f"loss tokens counted over DP x CP = {counted:.0f} differ from global_loss_tokens="
+                               f"{global_loss_tokens}")
+        seqs = [seq_len] * (sum(mb.input_ids.shape[0] for mb in micro_batches) * self.layout.dp)
+        m = self.cfg.actor.megatron
+        gran = m.recompute_granularity if self.cfg.actor.gradient_checkpointing else "none"
+        flops = train_step_flops(self.shape, seqs, gran, m.recompute_method, m.recompute_num_layers, self.layout.pp)
+        self.last_recompute_flops = flops.recompute
+        return StepResult(loss=loss_sum / global_loss_tokens, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                          model_flops=flops.model)

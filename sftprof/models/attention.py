@@ -1,0 +1,179 @@
+"""Causal core attention on ``torch.nn.functional.scaled_dot_product_attention`` with context parallelism.
+
+megatron-core's local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` score matrix and
+refuses context parallelism. :class:`SDPACoreAttention` is a drop-in ``core_attention`` submodule for
+the local layer spec: SDPA (flash backend on CUDA for bf16, head_dim 128), causal, GQA without
+expanding K/V (``enable_gqa=True``), and context parallelism (CP).
+
+Context-parallel layout (the one megatron-core's RoPE and TE use; ``sftprof.data.cp_shard``): the
+sequence of length ``S`` is cut into ``2 * CP`` chunks of ``L = S / (2 * CP)`` tokens; CP rank ``r``
+holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal work. Here:
+
+1. K and V (``[S/CP, b, g, d]`` per rank) are all-gathered across the CP group and put back in natural
+   order (``[S, b, g, d]``). The backward reduce-scatters their gradients (sum over the ranks whose
+   queries used them) back to the owning rank, so gradients are exact.
+2. Each local query chunk with global index ``c`` attends to keys ``[0, (c + 1) * L)`` with the causal
+   mask aligned to the bottom-right corner (``torch.nn.attention.bias.causal_lower_right``): query ``j``
+   of the chunk (global position ``c * L + j``) sees keys ``<= c * L + j``. That is exactly the full
+   causal mask restricted to those rows, so the result equals single-device causal attention.
+
+Memory per rank beyond the local Q/K/V: the gathered K and V (``S * b * g * d`` elements each; small
+with GQA) and SDPA's own workspace.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """Global chunk indices ``(r, 2 * cp_size - 1 - r)`` held by CP rank ``r`` (out of ``2 * cp_size``).
+
+    Raises:
+        ValueError: ``cp_rank`` outside ``[0, cp_size)``.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
+    """Reorder an all-gathered tensor (rank 0's two chunks, then rank 1's, ...) into sequence order.
+
+    ``x`` has ``2 * cp_size`` equal chunks along ``dim``; returns a new tensor in natural order.
+    """
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    natural: list[Optional[torch.Tensor]] = [None] * (2 * cp_size)
+    for r in range(cp_size):
+        first, second = cp_chunk_ids(cp_size, r)
+        natural[first], natural[second] = chunks[2 * r], chunks[2 * r + 1]
+    return torch.cat(natural, dim=dim)
+
+
+def natural_to_rank_order(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`rank_order_to_natural`."""
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    out = []
+    for r in range(cp_size):
+        first, second = cp_chunk_ids(cp_size, r)
+        out += [chunks[first], chunks[second]]
+    return torch.cat(out, dim=dim)
+
+
+class _GatherSequenceCP(torch.autograd.Function):
+    """All-gather ``[s_local, ...]`` across the CP group into natural order ``[S, ...]``;
+    backward: reduce-scatter (sum) of the gradient back to each rank's two chunks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        cp = dist.get_world_size(group)
+        x = x.contiguous()
+        gathered = x.new_empty((x.shape[0] * cp,) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x, group=group)
+        return rank_order_to_natural(gathered, cp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cp = dist.get_world_size(ctx.group)
+        ordered = natural_to_rank_order(grad, cp).contiguous()
+        out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, ordered, group=ctx.group)
+        return out, None
+
+
+def gather_sequence_cp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-gather a CP-sharded ``[S/CP, ...]`` tensor into the natural-order ``[S, ...]`` (autograd-aware).
+
+    Returns ``x`` itself when ``group`` is ``None`` or has one rank.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequenceCP.apply(x, group)
+
+
+def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
+                        scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Exact causal attention of this CP rank's load-balanced query chunks against the full K/V.
+
+    Args:
+        q: ``[b, h, S/cp_size, d]``: query chunks ``r`` then ``2*cp_size-1-r`` (see module docstring).
+        k, v: ``[b, g, S, d]`` in natural sequence order (``h`` a multiple of ``g``: GQA).
+        cp_size, cp_rank: CP group size and rank (``cp_size=1``: plain causal attention, ``S/1 == S``).
+        scale: softmax scale (default ``1/sqrt(d)``).
+        dropout_p: attention dropout probability.
+    Returns:
+        ``[b, h, S/cp_size, d]``, rows in the order of ``q``.
+    Raises:
+        ValueError: shapes inconsistent with the layout.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if cp_size == 1:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"cp_size=1 needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                              enable_gqa=gqa)
+    s_local, s_full = q.shape[2], k.shape[2]
+    if s_local * cp_size != s_full or s_local % 2:
+        raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
+                         "and the local length must be even (two chunks)")
+    length = s_local // 2
+    outs = []
+    for j, c in enumerate(cp_chunk_ids(cp_size, cp_rank)):
+        kv_len = (c + 1) * length
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, j * length:(j + 1) * length], k[:, :, :kv_len], v[:, :, :kv_len],
+            attn_mask=causal_lower_right(length, kv_len), scale=scale, dropout_p=dropout_p, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """megatron-core ``core_attention`` module on SDPA: causal, GQA, context parallel.
+
+    Constructor arguments follow megatron-core's ``DotProductAttention`` (built by ``SelfAttention``).
+
+    Forward:
+        query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` (this rank's TP heads and CP tokens);
+        returns ``[sq, b, np * hn]``.
+    Raises:
+        ValueError: a mask type other than causal, packed sequences, an attention bias, or an explicit
+            attention mask (padding masks are not supported).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None) -> None:
+        super().__init__()
+        from megatron.core import parallel_state
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPACoreAttention supports causal attention only, got {attn_mask_type}")
+        self.config = config
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if cp_group is None and config.context_parallel_size > 1:
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention: packed sequences and attention bias are not supported")
+        if attention_mask is not None:
+            raise ValueError("SDPACoreAttention: explicit attention masks are not supported (causal only)")
+        cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
+        key = gather_sequence_cp(key, self.cp_group)
+        value = gather_sequence_cp(value, self.cp_group)
+        # [s, b, heads, d] -> [b, heads, s, d] (views; head_dim stays contiguous)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=self.softmax_scale,
+                                  dropout_p=self.dropout_p if self.training else 0.0)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
