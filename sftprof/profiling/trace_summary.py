@@ -171,9 +171,9 @@ class KernelTraceAnalyzer:
         self._a_dev: list[int] = []
         self._a_corr: list[int] = []
         self._a_ext: list[int] = []
-        self._a_pg: list[str | None] = []  # process-group label from the kernel's own args
+        self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
         self._launch_ts: dict[int, float] = {}  # correlation -> CUDA API call start (us)
-        self._comm_ops: dict[int, str | None] = {}  # External id -> group label of a collective op
+        self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
         self._t_min = float("inf")
@@ -190,12 +190,19 @@ class KernelTraceAnalyzer:
             if isinstance(pg, dict) and "pg_name" in pg:
                 self._pg_desc[str(pg["pg_name"])] = pg.get("pg_desc")
 
-    def _pg_label(self, args: dict) -> str | None:
-        name = args.get("Process Group Name")
-        desc = args.get("Process Group Description")
-        if not desc and name is not None:
-            desc = self._pg_desc.get(str(name))
-        return collective_group_label(desc, None if name is None else str(name))
+    @staticmethod
+    def _pg_ref(args: dict) -> tuple[str | None, str | None] | None:
+        """(description, name) of the process group named in an event's args, if any."""
+        name, desc = args.get("Process Group Name"), args.get("Process Group Description")
+        if name is None and desc is None:
+            return None
+        return desc, None if name is None else str(name)
+
+    def _pg_label(self, ref: tuple[str | None, str | None] | None) -> str | None:
+        if ref is None:
+            return None
+        desc, name = ref
+        return collective_group_label(desc or self._pg_desc.get(name), name)
 
     def add(self, ev: dict) -> None:
         """Consume one trace event (any phase/category; irrelevant ones are ignored cheaply)."""
@@ -226,8 +233,7 @@ class KernelTraceAnalyzer:
             self._a_dev.append(dev if isinstance(dev, int) else -1)
             self._a_corr.append(int(args.get("correlation", -1)))
             self._a_ext.append(int(args.get("External id", -1)))
-            self._a_pg.append(self._pg_label(args) if "Process Group Name" in args
-                              or "Process Group Description" in args else None)
+            self._a_pg.append(self._pg_ref(args))
         elif cat == "cuda_runtime" or cat == "cuda_driver":
             corr = (ev.get("args") or {}).get("correlation")
             if corr is not None:
@@ -243,7 +249,7 @@ class KernelTraceAnalyzer:
             if args and ("Process Group Name" in args or "Process Group Description" in args):
                 ext = args.get("External id")
                 if ext is not None:
-                    self._comm_ops[int(ext)] = self._pg_label(args)
+                    self._comm_ops[int(ext)] = self._pg_ref(args)
 
     # -- summary ------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -284,10 +290,10 @@ class KernelTraceAnalyzer:
                 cats[i] = "optimizer"
         groups: list[str | None] = []
         for i in range(n):
-            g = self._a_pg[i]
-            if g is None and is_comm[i]:
-                g = self._comm_ops.get(self._a_ext[i])
-            groups.append(g)
+            ref = self._a_pg[i]
+            if ref is None and is_comm[i]:
+                ref = self._comm_ops.get(self._a_ext[i])
+            groups.append(self._pg_label(ref))
         labels = [f"{c} [{g}]" if is_comm[i] and g else c for i, (c, g) in enumerate(zip(cats, groups))]
 
         # Step window.

@@ -1,0 +1,224 @@
+"""postprocess_profile.py end to end on real traces (CPU, profiled here) and the real H200 snapshot."""
+import gzip
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import gpu_snapshot_fixtures, make_cpu_trace
+from sftprof.profiling.memory_summary import analyze_snapshot
+from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.profiling.summary import read_nvidia_smi
+
+REPO = Path(__file__).resolve().parents[1]
+VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
+COORDS = {"0": {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "etp": 0},
+          "1": {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 1, "etp": 0}}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel"):
+    recs = []
+    for s in range(step + 1 if status == "ok" else step):
+        t = step_time + 0.5 * (s != step)
+        recs.append({"type": "step", "step": s, "loss": 2.0, "step_time_s": t, "tokens": 4096, "tokens_per_s": 4096 / t,
+                     "mem_allocated_gb": 1.0, "mem_reserved_gb": 2.0, "mem_peak_allocated_gb": 3.0 + s,
+                     "mem_peak_reserved_gb": 4.0 + s, "tflops_per_gpu": None, "mfu": None, "profiled": s == step,
+                     "ranks": [{"rank": 0, "step_time_s": t, "mem_peak_allocated_gb": 3.0 + s, "mem_peak_reserved_gb": 4.0},
+                               {"rank": 1, "step_time_s": t * 1.1, "mem_peak_allocated_gb": 2.5 + s,
+                                "mem_peak_reserved_gb": 4.0}]})
+    recs.append({"type": "complete", "status": status, "error": error, "steps_done": len(recs), "world_size": 2,
+                 "backend": "fsdp", "profile_kind": kind, "profile_step": step})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.fixture(scope="module")
+def cpu_traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu_traces")
+    return [make_cpu_trace(d / "r0.json", n_mbs=2), make_cpu_trace(d / "r1.json", n_mbs=3, seed=1)]
+
+
+def _kernel_log_dir(root, traces, step_time=2.0):
+    log = root / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    for r, t in enumerate(traces):
+        shutil.copy(t, log / "perf_tracer" / f"traces-r{r}.chrome.json")
+    _stats(log / "stats.jsonl", step_time=step_time)
+    (log / "rank_coords.json").write_text(json.dumps(
+        {"world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp", "ranks": COORDS}))
+    return log
+
+
+def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    smi = tmp_path / "nvidia_smi.csv"
+    smi.write_text("timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]\n"
+                   "2026/11/29 22:00:00.000, 0, 12, 1000, 143771\n2026/11/29 22:00:01.000, 0, 97, 90000, 143771\n"
+                   "2026/11/29 22:00:01.000, 1, 50, 80000, 143771\n")
+    run = tmp_path / "runs" / "tiny_fake256_kernel_step1_x"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
+               "--nvidia-smi-csv", smi)
+    assert res.returncode == 0, res.stderr
+    assert "[postprocess]" in res.stderr
+    for r in (0, 1):
+        for v in VIEWS:
+            json.load(open(run / "kernel_traces" / "master" / f"traces-r{r}.{v}.json"))
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0}
+    assert s["status"]["status"] == "ok" and s["errors"] == []
+    assert s["stats"]["profile_step_record"]["step_time_s"] == 2.0
+    assert s["stats"]["max_mem_peak_allocated_gb"] == 4.0
+    assert s["nvidia_smi"]["peak_memory_used_mib"] == 90000 and s["nvidia_smi"]["peak_utilization_pct"] == 97
+    rows = s["ranks"]["rows"]
+    assert [r["coords"] for r in rows] == [COORDS["0"], COORDS["1"]]
+    regions = [[x["name"] for x in t["summary"]["regions"]] for t in s["kernel_traces"]]
+    assert regions[1] == ["sftprof/step"] + [f"sftprof/{p}/mb{i}" for i in range(3) for p in ("forward", "backward")] \
+        + ["sftprof/optimizer_step"]
+    steps = [r["step_ms"] for r in rows]
+    assert steps == [t["summary"]["step_window"]["wall_ms"] for t in s["kernel_traces"]]
+    assert s["ranks"]["imbalance"]["step_ms"]["max_over_min"] == pytest.approx(max(steps) / min(steps), abs=1e-4)
+    assert s["ranks"]["imbalance"]["stats_peak_allocated_gb"]["max_over_min"] == pytest.approx(4.0 / 3.5, abs=1e-4)
+    md = (run / "profile_summary.md").read_text()
+    assert "## Ranks" in md and "sftprof/backward/mb2" in md
+    before = ((run / "profile_summary.json").read_bytes(), md)
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
+                "--nvidia-smi-csv", smi).returncode == 0
+    assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_text()) == before
+
+
+def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    data = Path(cpu_traces[0]).read_bytes()
+    (log / "perf_tracer" / "traces-r2.chrome.json.gz").write_bytes(gzip.compress(data)[:-100])
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1, "--compress")
+    assert res.returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert [e["file"] for e in s["errors"]] == ["perf_tracer/traces-r2.chrome.json.gz"]
+    assert "traces-r2.chrome.json.gz" in s["errors"][0]["error"] and "traces-r2" in res.stderr
+    assert s["counts"]["traces"] == 3 and s["counts"]["traces_ok"] == 2 and s["counts"]["views"] == 10
+    assert sorted(os.listdir(run / "kernel_traces" / "master")) == sorted(
+        f"traces-r{r}.{v}.json.gz" for r in (0, 1) for v in VIEWS)
+
+
+def test_failed_trial_still_gets_a_summary(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", status="failed", error="torch.OutOfMemoryError: CUDA out of memory")
+    tlog = tmp_path / "trainer.log"
+    tlog.write_text("step 0 ok\nTraceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory\n")
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
+               "--trainer-log", tlog, "--nvidia-smi-csv", tmp_path / "absent.csv")
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["status"]["status"] == "failed" and "out of memory" in s["status"]["error"]
+    assert s["trainer_log_tail"][-1] == "torch.OutOfMemoryError: CUDA out of memory"
+    assert s["counts"]["traces"] == 0 and s["nvidia_smi"]["available"] is False
+    assert "**failed**" in (run / "profile_summary.md").read_text()
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    res = _cli("--log-dir", tmp_path, "--run-dir", tmp_path / "r", "--profile-kind", "cpu", "--profile-step", 1)
+    assert res.returncode == 2 and "invalid choice: 'cpu'" in res.stderr and "kernel" in res.stderr
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("snapshot", gpu_snapshot_fixtures()[:1], ids=lambda p: p.name)
+def test_memory_trial(tmp_path, snapshot):
+    src = tmp_path / "log" / "memory_snapshots" / "step_1"
+    src.mkdir(parents=True)
+    name = "snapshot_rank0_pp0_dp0_cp1_tp0_ep0.pickle"
+    raw = gzip.decompress(snapshot.read_bytes()) if snapshot.suffix == ".gz" else snapshot.read_bytes()
+    (src / name).write_bytes(raw)
+    snap = pickle.loads(raw)
+    trace = snap["device_traces"][0] or snap["device_traces"][1]
+    mid = (trace[0]["time_us"] + trace[-1]["time_us"]) / 2
+    (src / "phases_rank0.json").write_text(json.dumps({"clock": "unix_us", "phases": [
+        {"name": "sftprof/forward/mb0", "start_us": trace[0]["time_us"] - 1, "end_us": mid},
+        {"name": "sftprof/backward/mb0", "start_us": mid, "end_us": trace[-1]["time_us"] + 1}]}))
+    marker = tmp_path / "pwned"
+    (src / "snapshot_rank1_pp0_dp1_cp0_tp0_ep0.pickle").write_bytes(pickle.dumps({"segments": [_Evil(marker)]}))
+    _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    run = tmp_path / "run"
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 1 and not marker.exists()
+    s = json.load(open(run / "profile_summary.json"))
+    assert [e["file"] for e in s["errors"]] == ["memory_snapshots/step_1/snapshot_rank1_pp0_dp1_cp0_tp0_ep0.pickle"]
+    assert "refusing to unpickle global" in s["errors"][0]["error"]
+    dst = run / "memory_snapshots" / "step_1"
+    assert (dst / name).read_bytes() == raw  # archived untouched ...
+    from torch.cuda import _memory_viz
+    assert len(_memory_viz.trace_plot(pickle.loads((dst / name).read_bytes()))) > 1000  # ... and memory_viz loads it
+    assert (dst / "snapshot_rank0_pp0_dp0_cp1_tp0_ep0.png").read_bytes()[:4] == b"\x89PNG"
+    m = s["memory_snapshots"][0]
+    ref = analyze_snapshot(safe_load_file(src / name), json.load(open(src / "phases_rank0.json")))
+    assert m["summary"]["peak_allocated_bytes"] == ref["peak_allocated_bytes"]
+    t_peak = trace[0]["time_us"] + ref["peak_time_ms"] * 1e3
+    assert m["summary"]["peak_phase"] == ("sftprof/forward/mb0" if t_peak <= mid else "sftprof/backward/mb0")
+    row = s["ranks"]["rows"][0]
+    assert row["coords"] == {"pp": 0, "dp": 0, "cp": 1, "tp": 0, "ep": 0}
+    assert row["snapshot_peak_allocated_gib"] == round(ref["peak_allocated_bytes"] / 2**30, 4)
+    assert row["step_ms"] == 2000.0
+
+
+def test_nvidia_smi_variants(tmp_path):
+    units = tmp_path / "u.csv"
+    units.write_text("timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]\n"
+                     "t, 0, 35 %, 1024 MiB, 143771 MiB\nt, 0, 70 %, 2048 MiB, 143771 MiB\nt, 1, [N/A], [N/A], 143771 MiB\n")
+    got = read_nvidia_smi(str(units))
+    assert got["gpus"][0] == {"index": 0, "peak_memory_used_mib": 2048, "memory_total_mib": 143771,
+                              "peak_utilization_pct": 70, "mean_utilization_pct": 52.5}
+    assert got["gpus"][1]["peak_memory_used_mib"] is None and got["samples"] == 3
+    assert read_nvidia_smi(str(tmp_path / "none.csv"))["available"] is False
+    (tmp_path / "empty.csv").write_text("")
+    assert read_nvidia_smi(str(tmp_path / "empty.csv"))["available"] is False
+
+
+def _cell(md, row_prefix, col):
+    line = next(l for l in md.splitlines() if l.startswith(f"| {row_prefix}"))
+    return line.split("|")[col].strip()
+
+
+def test_compare_runs(tmp_path, cpu_traces):
+    summaries = {}
+    for side, step_time, traces in (("A", 2.0, cpu_traces), ("B", 1.5, cpu_traces[::-1])):
+        log = _kernel_log_dir(tmp_path / side, traces, step_time=step_time)
+        run = tmp_path / f"root{side}" / f"tiny_kernel_step1_{side}"
+        assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
+        summaries[side] = json.load(open(run / "profile_summary.json"))
+    out = tmp_path / "cmp.md"
+    res = _cli("compare", tmp_path / "rootA", tmp_path / "rootB", "--out", out)
+    assert res.returncode == 0, res.stderr
+    md = out.read_text()
+    assert md == res.stdout.rstrip("\n") + "\n"
+    assert "## kernel step 1: `tiny_kernel_step1_A` (A) vs `tiny_kernel_step1_B` (B)" in md
+    assert _cell(md, "step time s (stats.jsonl", 4) == "-0.500" and _cell(md, "step time s (stats.jsonl", 5) == "-25.0%"
+    a0 = summaries["A"]["ranks"]["rows"][0]["step_ms"]
+    b0 = summaries["B"]["ranks"]["rows"][0]["step_ms"]
+    assert float(_cell(md, "rank 0 step_ms", 4)) == pytest.approx(b0 - a0, abs=1e-3)
+    # Trial dirs work too, and the default output lands in RUN_B.
+    res = _cli("compare", tmp_path / "rootA" / "tiny_kernel_step1_A", tmp_path / "rootB" / "tiny_kernel_step1_B")
+    assert res.returncode == 0
+    assert (tmp_path / "rootB" / "tiny_kernel_step1_B" / "compare_vs_tiny_kernel_step1_A.md").read_text() == md.replace(
+        str(tmp_path / "rootA"), str(tmp_path / "rootA" / "tiny_kernel_step1_A")).replace(
+        str(tmp_path / "rootB"), str(tmp_path / "rootB" / "tiny_kernel_step1_B"))
+    res = _cli("compare", tmp_path / "rootA", tmp_path / "nothing")
+    assert res.returncode == 2 and "not a directory" in res.stderr
