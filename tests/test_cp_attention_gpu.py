@@ -71,7 +71,8 @@ def test_cp2_sdpa_attention_matches_single_gpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errs = json.loads(out.read_text())
     print("CP=2 vs single-GPU max abs errors:", errs)
-    assert errs["out"] <= 2e-2 and errs["dk"] <= 2e-2
+    for name in ("out", "dq", "dk", "dv"):  # bf16: within ~1 ulp of the largest value
+        assert errs[name] <= 2e-2 + 1e-2 * errs[name + "_scale"], (name, errs)
 
 
 if __name__ == "__main__":
