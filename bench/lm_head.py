@@ -4,8 +4,9 @@ Rows: naive (bf16 logits, fp32 log-softmax), torch chunks of 4096 with checkpoin
 linear cross entropy, Cut Cross-Entropy, and sftprof.ops (``linear_sft_loss``: gradients in forward;
 ``linear_logprobs`` with entropy: recompute in backward) at several chunk sizes. Loss = sum over tokens
 of -logprob (plus, for the entropy row, 0.01 * sum entropy). For each row: median ms over the timed
-repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, and extra peak GiB = peak allocated during
-one fwd+bwd minus (memory before + bytes of the inputs' gradients).
+repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, extra peak GiB = peak allocated during
+one fwd+bwd minus (memory before + bytes of the inputs' gradients), and "+grads" = peak minus memory before
+(gradients included; the way shared/device/README.md's baseline table counts, e.g. CCE 1.08 GiB).
 
 Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--json out.json]
 A row whose library does not import is printed with a note instead of numbers.
@@ -74,8 +75,24 @@ def ours_recompute(chunk):
     return run
 
 
+def gemms_only(chunk):
+    """The three GEMMs of the chunk loop alone (logits, d/dhidden, d/dweight accumulation), no softmax:
+    the time floor of the 3-GEMM design at this chunk size."""
+    def run(h, w, y):
+        with torch.no_grad():
+            gh, buf = torch.empty_like(h), h.new_empty(chunk, w.shape[0])
+            gw = None
+            for s in range(0, h.shape[0], chunk):
+                lg = buf[: min(chunk, h.shape[0] - s)]
+                torch.mm(h[s:s + chunk], w.t(), out=lg)
+                torch.mm(lg, w, out=gh[s:s + chunk])
+                gw = torch.mm(lg.t(), h[s:s + chunk]) if gw is None else gw.addmm_(lg.t(), h[s:s + chunk])
+    return run
+
+
 def measure(fn, h, w, y, reps: int):
-    """(median ms, extra peak GiB) of fn's fwd+bwd; grads are reset before each call."""
+    """(median ms, extra peak GiB beyond the inputs' gradients, peak GiB above the memory before the call)
+    of fn's fwd+bwd; grads are reset before each call."""
     grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     h.grad = w.grad = None
     torch.cuda.synchronize()
@@ -84,7 +101,8 @@ def measure(fn, h, w, y, reps: int):
     base = torch.cuda.memory_allocated()
     fn(h, w, y)
     torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2 ** 30
+    above = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    extra = above - grad_bytes / 2 ** 30
     times = []
     for _ in range(reps):
         h.grad = w.grad = None
@@ -94,7 +112,7 @@ def measure(fn, h, w, y, reps: int):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), extra
+    return statistics.median(times), extra, above
 
 
 def main():
@@ -106,21 +124,23 @@ def main():
     dev = torch.device("cuda")
     rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
             ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
-    rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (2048, 3072, 4096)]
+    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (2048, 4096)]
+    rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
     results = []
-    print(f"{'N':>7} {'method':<40} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9}  note", flush=True)
+    print(f"{'N':>7} {'method':<40} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
         y = torch.randint(0, V, (n,), device=dev)
         for name, factory in rows:
-            rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, note="")
+            rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, peak_above_before_gib=None, note="")
             try:
                 fn = factory()
                 fn(h, w, y)  # warm-up / compile
-                ms, extra = measure(fn, h, w, y, reps=3 if n >= 65536 else 7)
-                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3))
+                ms, extra, above = measure(fn, h, w, y, reps=3 if n >= 65536 else 7)
+                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3),
+                           peak_above_before_gib=round(above, 3))
             except torch.OutOfMemoryError:
                 rec["note"] = "OOM"
             except ImportError as exc:
@@ -130,7 +150,8 @@ def main():
             results.append(rec)
             fmt = (lambda v, f: f.format(v) if v is not None else "-")
             print(f"{n:>7} {name:<40} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
-                  f"{fmt(rec['extra_gib'], '{:.2f}'):>9}  {rec['note']}", flush=True)
+                  f"{fmt(rec['extra_gib'], '{:.2f}'):>9} {fmt(rec['peak_above_before_gib'], '{:.2f}'):>7}  {rec['note']}",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

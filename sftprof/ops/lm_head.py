@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from sftprof.ops.guards import SavedBuffer
 from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, grad_coefficients,
-                                       shard_local_labels, tp_rank_and_size, write_softmax_grad_)
+                                       sft_chunk_, shard_local_labels, tp_rank_and_size, write_softmax_grad_)
 
 __all__ = ["linear_logprobs", "linear_sft_loss"]
 
@@ -178,15 +178,14 @@ class _LinearSFTLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
 
         def on_chunk(s, e, lg):
-            st = chunk_stats(lg, local[s:e], inv_t, tp_group)
-            loss.sub_(torch.dot(st.logprob, w[s:e]))
-            if need_h or need_w:
-                coef = grad_coefficients(-w[s:e], None, st.entropy, inv_t, e - s, lg.device)
-                write_softmax_grad_(lg, local[s:e], st.lse, coef, inv_t)
-                if need_h:
-                    torch.mm(lg, weight, out=grad_h[s:e])
-                if need_w:
-                    wgrad.add(lg, h_full[s:e])
+            if not (need_h or need_w):
+                loss.sub_(torch.dot(chunk_stats(lg, local[s:e], inv_t, tp_group).logprob, w[s:e]))
+                return
+            loss.sub_(torch.dot(sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group), w[s:e]))
+            if need_h:
+                torch.mm(lg, weight, out=grad_h[s:e])
+            if need_w:
+                wgrad.add(lg, h_full[s:e])
 
         _chunk_loop(h_full, weight, chunk_bounds(n, chunk_size), on_chunk)
         ctx.grad_h = _reduce_grad_hidden(grad_h, tp_group, sequence_parallel) if need_h else None

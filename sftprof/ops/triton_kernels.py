@@ -4,9 +4,11 @@ Both kernels stream one chunk of logits ``[n, V_local]`` (bf16/fp16/fp32, row st
 column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks with more than
 2**31 elements are addressed correctly.
 
-- ``row_stats``: one program per row, a per-lane online max / sum-exp / sum-exp-times-shifted-logit
+- ``row_stats``: one program per row, a block-wise online max / sum-exp / sum-exp-times-shifted-logit
   over the row (the one-pass softmax normaliser of Milakov & Gimelshein, "Online normalizer
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
+- ``sft_rows_``: for an unsplit vocabulary, the same statistics and, in a second pass over the row,
+  the gradient of ``-w * logprob`` written in place (one launch per chunk for the SFT loss).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
 """
@@ -16,8 +18,37 @@ import torch
 import triton
 import triton.language as tl
 
-_STATS_BLOCK = 4096
+_STATS_BLOCK = 8192
+_STATS_WARPS = 16
 _GRAD_BLOCK = 2048
+
+
+@triton.jit
+def _online_row_stats(base, n_cols, inv_temp, BLOCK: tl.constexpr):
+    """(max, sum exp(x - max), sum exp(x - max)(x - max)) of one row, x = logits * inv_temp, fp32.
+    Block-wise online update: one exp per element plus one scalar rescale per block."""
+    offs = tl.arange(0, BLOCK)
+    m = -1.0e30
+    s = 0.0
+    a = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        scale = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        a = scale * (a + (m - m_new) * s) + tl.sum(tl.where(mask, e * (x - m_new), 0.0), axis=0)
+        s = s * scale + tl.sum(e, axis=0)
+        m = m_new
+    return m, s, a
+
+
+@triton.jit
+def _target_logit(base, lab_ptr, row, inv_temp):
+    idx = tl.load(lab_ptr + row)
+    t = tl.load(base + tl.maximum(idx, 0)).to(tl.float32) * inv_temp
+    return idx, tl.where(idx >= 0, t, 0.0)
 
 
 @triton.jit
@@ -25,31 +56,32 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
+    m, s, a = _online_row_stats(base, n_cols, inv_temp, BLOCK)
+    _, t = _target_logit(base, lab_ptr, row, inv_temp)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(a_ptr + row, a)
+    tl.store(t_ptr + row, t)
+
+
+@triton.jit
+def _sft_rows_kernel(x_ptr, stride_row, n_cols, lab_ptr, w_ptr, lp_ptr, inv_temp, BLOCK: tl.constexpr):
+    """Whole-vocabulary rows (no TP split): log-prob of the label, then the row overwritten with
+    d(-w * logprob)/dlogits = w / T * (softmax - onehot)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_row
+    m, s, a = _online_row_stats(base, n_cols, inv_temp, BLOCK)
+    idx, t = _target_logit(base, lab_ptr, row, inv_temp)
+    lse = m + tl.log(s)
+    tl.store(lp_ptr + row, t - lse)
+    coef = tl.load(w_ptr + row) * inv_temp
     offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], -1.0e30, tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    a = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, x)
-        scale = tl.exp(m - m_new)
-        e = tl.exp(x - m_new)
-        a = scale * (a + (m - m_new) * s) + tl.where(mask, e * (x - m_new), 0.0)
-        s = s * scale + e
-        m = m_new
-    gm = tl.max(m, axis=0)
-    w = tl.exp(m - gm)
-    gs = tl.sum(s * w, axis=0)
-    ga = tl.sum(w * (a + (m - gm) * s), axis=0)
-    idx = tl.load(lab_ptr + row)
-    t = tl.load(base + tl.maximum(idx, 0)).to(tl.float32) * inv_temp
-    t = tl.where(idx >= 0, t, 0.0)
-    tl.store(m_ptr + row, gm)
-    tl.store(s_ptr + row, gs)
-    tl.store(a_ptr + row, ga)
-    tl.store(t_ptr + row, t)
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
+        g = coef * (tl.exp(x - lse) - tl.where(cols == idx, 1.0, 0.0))
+        tl.store(base + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -85,7 +117,7 @@ def row_stats(logits: torch.Tensor, local_labels: torch.Tensor, inv_temp: float)
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
         _row_stats_kernel[(n,)](logits, logits.stride(0), v, local_labels.contiguous(), out[0], out[1],
-                                out[2], out[3], inv_temp, BLOCK=_STATS_BLOCK, num_warps=8)
+                                out[2], out[3], inv_temp, BLOCK=_STATS_BLOCK, num_warps=_STATS_WARPS)
     return out.unbind(0)
 
 
@@ -98,3 +130,15 @@ def softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.T
         grid = (n, triton.cdiv(v, _GRAD_BLOCK))
         _softmax_grad_kernel[grid](logits, logits.stride(0), v, n, local_labels.contiguous(), lse.contiguous(),
                                    coef.contiguous(), inv_temp, BLOCK=_GRAD_BLOCK, num_warps=4)
+
+
+def sft_rows_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """Unsplit vocabulary: fp32 ``[n]`` log-probs of the labels; ``logits`` is overwritten with
+    ``d(-sum w * logprob)/dlogits`` (``weights`` fp32 ``[n]``)."""
+    _check(logits)
+    n, v = logits.shape
+    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        _sft_rows_kernel[(n,)](logits, logits.stride(0), v, local_labels.contiguous(), weights.contiguous(), logprob,
+                               inv_temp, BLOCK=_STATS_BLOCK, num_warps=_STATS_WARPS)
+    return logprob

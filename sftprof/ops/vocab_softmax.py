@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RowStats", "tp_rank_and_size", "shard_local_labels", "chunk_bounds", "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_"]
+__all__ = ["RowStats", "tp_rank_and_size", "shard_local_labels", "chunk_bounds", "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_",
+           "sft_chunk_"]
 
 
 class RowStats:
@@ -158,3 +159,22 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
     with torch.no_grad():
         logits.copy_(g)
     return logits
+
+
+def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
+               tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Log-probs ``[n]`` fp32 of a chunk and, in place, ``logits <- d(-sum_i w_i logprob_i)/dlogits``.
+
+    ``weights``: fp32 ``[n]`` per-token loss weights. Same result as :func:`chunk_stats` followed by
+    :func:`write_softmax_grad_`; on CUDA without a TP split it is one Triton launch over the chunk.
+    """
+    if _use_triton(logits) and tp_rank_and_size(tp_group)[1] == 1:
+        from sftprof.ops import triton_kernels
+
+        logprob = triton_kernels.sft_rows_(logits, local_labels, weights, inv_temp)
+        torch.autograd.graph.increment_version(logits)
+        return logprob
+    st = chunk_stats(logits, local_labels, inv_temp, tp_group)
+    coef = grad_coefficients(-weights, None, st.entropy, inv_temp, logits.shape[0], logits.device)
+    write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
+    return st.logprob
