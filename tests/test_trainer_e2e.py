@@ -1,0 +1,155 @@
+"""train_sft_profile.py end to end on the tiny CPU preset: torchrun + gloo, kernel and memory trials.
+
+The 2-rank kernel trial and the 1-rank memory trial train on the same global batch (2 sequences
+of 128 tokens) from the same seed, so their losses and gradient norms must agree: that checks
+the data-parallel split and gradient averaging as well as the records.
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sftprof.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_sft_profile.py"
+SEQ = 128
+COMMON = [f"profile.fake_seq_len={SEQ}", "total_train_steps=2", "experiment_name=e2e"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _log_dir(fileroot: Path, trial: str) -> Path:
+    import getpass
+    return fileroot / "logs" / getpass.getuser() / "e2e" / trial
+
+
+def _grad_norm(trainer_log: Path, step: int) -> float:
+    m = re.search(rf"step {step} \| loss [0-9.]+ \| grad norm ([0-9.]+) \|", trainer_log.read_text())
+    assert m, trainer_log.read_text()[-2000:]
+    return float(m.group(1))
+
+
+def _records(log_dir: Path) -> list:
+    return [json.loads(line) for line in (log_dir / "stats.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def kernel_trial(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fileroot")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), "--config", "tiny_cpu", *COMMON, f"cluster.fileroot={root}", "trial_name=kernel",
+           "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _log_dir(root, "kernel"), proc
+
+
+@pytest.fixture(scope="module")
+def memory_trial(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fileroot")
+    cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", *COMMON, f"cluster.fileroot={root}",
+           "trial_name=memory", "actor.backend=fsdp:d1", "actor.mb_spec.max_tokens_per_mb=0",
+           "memory_profiler.profile_steps=[0]"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _log_dir(root, "memory"), proc
+
+
+def test_kernel_trial_records(kernel_trial):
+    log_dir, _ = kernel_trial
+    recs = _records(log_dir)
+    assert [r["type"] for r in recs] == ["step", "step", "complete"]
+    assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
+                        "backend": "fsdp", "profile_kind": "kernel", "profile_step": 0}
+    s0, s1 = recs[0], recs[1]
+    assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
+                       "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
+                       "tflops_per_gpu", "mfu", "profiled"}
+    assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
+    assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
+    assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
+    for s in (s0, s1):
+        assert s["tokens"] == 2 * SEQ
+        assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["step_time_s"])
+        assert [r["rank"] for r in s["ranks"]] == [0, 1]
+        assert s["step_time_s"] == max(r["step_time_s"] for r in s["ranks"]) > 0
+        assert s["tflops_per_gpu"] is None and s["mfu"] is None   # CPU
+        assert s["mem_peak_allocated_gb"] == 0.0                    # no CUDA allocator on CPU
+    assert json.loads((log_dir / "rank_coords.json").read_text()) == {
+        "world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp",
+        "ranks": {"0": {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "etp": 0},
+                  "1": {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 0, "etp": 0}}}
+    resolved = load_config(log_dir / "config.yaml")
+    assert resolved.profile.fake_seq_len == SEQ and resolved.actor.mb_spec.max_tokens_per_mb == SEQ
+    lines = (log_dir / "trainer.log").read_text()
+    assert f"step 0 | loss {s0['loss']:.4f}" in lines and f"step 1 | loss {s1['loss']:.4f}" in lines
+
+
+def test_kernel_trial_trace_only_on_selected_rank(kernel_trial):
+    log_dir, _ = kernel_trial
+    # perf_tracer.ranks = pp_rank0 -> rank 0 only (pp=1).
+    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["traces-r0.chrome.json"]
+    events = json.loads((log_dir / "perf_tracer" / "traces-r0.chrome.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"sftprof/step", "sftprof/forward/mb0", "sftprof/backward/mb0", "sftprof/optimizer_step"} <= names
+    assert not (log_dir / "memory_snapshots").exists()
+
+
+def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
+    log_dir, proc = memory_trial
+    assert "allocator snapshots need CUDA" in proc.stdout
+    assert "memory profiler: 0 snapshot(s) written on rank 0" in (log_dir / "trainer.log").read_text()
+    assert not (log_dir / "memory_snapshots").exists()
+    recs = _records(log_dir)
+    assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 1,
+                        "backend": "fsdp", "profile_kind": "memory", "profile_step": 0}
+    assert [r["profiled"] for r in recs[:2]] == [True, False]
+    # Same global batch and seed as the 2-rank kernel trial: same losses before and after one step.
+    # Same gradient norm (logged with 4 decimals) checks the DP gradient averaging: AdamW alone
+    # would hide a gradient scale error from the losses.
+    kernel = _records(kernel_trial[0])
+    for step in (0, 1):
+        assert recs[step]["loss"] == pytest.approx(kernel[step]["loss"], rel=1e-5)
+        norms = [_grad_norm(d / "trainer.log", step) for d in (log_dir, kernel_trial[0])]
+        assert norms[0] > 0.1 and norms[0] == pytest.approx(norms[1], abs=2e-4)
+
+
+def test_failure_writes_failed_record(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", "experiment_name=e2e",
+           "trial_name=fail", "actor.backend=fsdp:d1", "actor.init_from_scratch=false", "profile.fake_seq_len=16"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rec = _records(_log_dir(tmp_path, "fail"))[-1]
+    assert rec["type"] == "complete" and rec["status"] == "failed" and rec["steps_done"] == 0
+    assert "actor.init_from_scratch=false" in rec["error"] and "holds no weights" in rec["error"]
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["actor.no_such_key=1"], {}, "actor.no_such_key"),
+    (["profile.fake_seq_len=1"], {}, "profile.fake_seq_len=1"),
+    ([], {"WORLD_SIZE": "1"}, "actor.backend='fsdp:d2' needs 2 ranks"),
+    (["actor.backend=fsdp:d1", "actor.path=/no/such/model"], {}, "actor.path='/no/such/model'"),
+    (["actor.backend=fsdp:d1", "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]", "memory_profiler.profile_steps=[0]"], {},
+     "one profile kind per trial"),
+])
+def test_config_errors_exit_2_before_process_group(tmp_path, args, env, message):
+    cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env={**_env(), **env}, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert elapsed < 10
+    assert not (tmp_path / "logs").exists()   # nothing written: no process group, no LOG_DIR
