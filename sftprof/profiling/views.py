@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from array import array
 from bisect import bisect_right
 from typing import Callable
@@ -118,11 +119,18 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             on_header(header)
         for view in VIEWS:
             writers[view] = TraceWriter(view_path(out_dir, rank, view, compress), header)
-        full, clean = writers["chrome"].write, writers["split_clean.chrome"].write
-        gpu_w, cpu_w = writers["gpu_only.chrome"].write, writers["cpu_only.chrome"].write
-        api_w = writers["cuda_api_only.chrome"].write
-        pending = [first] if first is not None else []
-        for raw, ev in _chain(pending, events):
+        # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
+        full, clean = writers["chrome"].pending.append, writers["split_clean.chrome"].pending.append
+        gpu_w, cpu_w = writers["gpu_only.chrome"].pending.append, writers["cpu_only.chrome"].pending.append
+        api_w = writers["cuda_api_only.chrome"].pending.append
+        flush_every = TraceWriter.FLUSH_EVENTS
+        countdown = flush_every
+        for raw, ev in _chain([first] if first is not None else [], events):
+            countdown -= 1
+            if not countdown:
+                countdown = flush_every
+                for w in writers.values():
+                    w.flush()
             if on_event is not None:
                 on_event(ev)
             ph = ev.get("ph")
@@ -146,15 +154,12 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 gpu_w(raw)
             elif cat in _API_CATS:
                 api_w(raw)
-                ev["tid"] = ev["tid"] + API_TID_OFFSET
-                api_tracks.add((pid, ev["tid"]))
-                clean(json.dumps(ev, separators=_COMPACT))
+                clean(_move_to_api_track(raw, ev))
+                if type(ev.get("tid")) is int:
+                    api_tracks.add((pid, ev["tid"]))
             elif cat == "ac2g":
-                if ph == "s":  # launch side sits on the host thread: follow its API call
-                    ev["tid"] = ev["tid"] + API_TID_OFFSET
-                    clean(json.dumps(ev, separators=_COMPACT))
-                else:
-                    clean(raw)
+                # The launch side (ph "s") sits on the host thread: it follows its API call.
+                clean(_move_to_api_track(raw, ev) if ph == "s" else raw)
             elif cat == "fwdbwd":
                 clean(raw)
                 cpu_w(raw)
@@ -181,10 +186,29 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     trailer = {k: v for k, v in reader.header.items() if k not in header}
     result = {}
     for view, w in writers.items():
-        w.close(trailer)
+        w.close(trailer)  # flushes; w.chars is final afterwards
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
+
+
+_TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
+
+
+def _move_to_api_track(raw: str, ev: dict) -> str:
+    """Event text with ``tid`` moved by :data:`API_TID_OFFSET` (``ev['tid']`` updated too).
+
+    Edits the first ``"tid": <int>`` of the source text (cheaper than re-encoding); falls back to
+    ``json.dumps`` when that field does not hold the event's tid.
+    """
+    tid = ev.get("tid")
+    if type(tid) is not int:
+        return raw  # not a host thread id: leave the event where it is
+    ev["tid"] = tid + API_TID_OFFSET
+    m = _TID_FIELD.search(raw)
+    if m is not None and int(m.group(1)) == tid:
+        return f"{raw[:m.start(1)]}{tid + API_TID_OFFSET}{raw[m.end(1):]}"
+    return json.dumps(ev, separators=_COMPACT)
 
 
 def _chain(first: list, rest):
