@@ -1,0 +1,89 @@
+"""Kernel-trace and memory-snapshot capture switches (rank/step selection, file names, CUDA paths)."""
+import json
+import logging
+import pickle
+
+import pytest
+import torch
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.config import load_config
+from sftprof.profiling.kernel import KernelProfiler, trace_path
+from sftprof.profiling.memory import MemoryProfileOOM, MemoryProfiler, snapshot_dir, snapshot_name
+from sftprof.profiling.regions import forward, region
+
+LAYOUT = parse_allocation_mode("megatron:d2t2p2")   # pp_rank0 -> ranks [0, 4]
+
+
+def _cfg(*overrides):
+    return load_config("tiny_cpu", list(overrides))
+
+
+def _work():
+    with region(forward(0)):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+
+
+def test_snapshot_name_and_dir(tmp_path):
+    coords = LAYOUT.rank_coords(5)
+    assert snapshot_name(5, coords) == "snapshot_rank5_pp1_dp0_cp0_tp1_ep0.pickle"
+    assert snapshot_dir(tmp_path, 3) == tmp_path / "memory_snapshots" / "step_3"
+    assert trace_path(tmp_path, 4) == tmp_path / "perf_tracer" / "traces-r4.chrome.json"
+
+
+@pytest.mark.parametrize("rank,step,written", [(4, 1, True), (1, 1, False), (4, 0, False)])
+def test_kernel_profiler_selects_step_and_rank(tmp_path, rank, step, written):
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, rank, tmp_path)
+    assert prof.ranks == [0, 4] and prof.is_profiled(1) and not prof.is_profiled(0)
+    with prof.step(step):
+        _work()
+    path = trace_path(tmp_path, rank)
+    assert path.exists() is written and prof.traces_written == int(written)
+    if written:
+        events = json.loads(path.read_text())["traceEvents"]
+        assert any(e.get("cat") == "user_annotation" and e["name"] == "sftprof/forward/mb0" for e in events)
+        assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)  # record_shapes
+
+
+def test_kernel_profiler_needs_enabled(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        prof = KernelProfiler(_cfg("perf_tracer.profile_steps=[0]"), LAYOUT, 0, tmp_path)
+    assert "perf_tracer.enabled=false" in caplog.text and not prof.is_profiled(0)
+    with prof.step(0):
+        _work()
+    assert not (tmp_path / "perf_tracer").exists()
+
+
+def test_memory_profiler_on_cpu_logs_and_writes_nothing(tmp_path, caplog):
+    cfg = _cfg("memory_profiler.profile_steps=[0]", "memory_profiler.ranks=0-1")
+    prof = MemoryProfiler(cfg, LAYOUT, 1, LAYOUT.rank_coords(1), tmp_path, torch.device("cpu"))
+    assert prof.ranks == [0, 1]
+    with caplog.at_level(logging.WARNING):
+        with prof.step(0):
+            _work()
+    assert "allocator snapshots need CUDA" in caplog.text
+    assert prof.snapshots_written == 0 and not (tmp_path / "memory_snapshots").exists()
+
+
+@pytest.mark.gpu
+def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
+    cfg = _cfg("memory_profiler.profile_steps=[2,3]", "memory_profiler.max_entries=5000")
+    coords = LAYOUT.rank_coords(0)
+    prof = MemoryProfiler(cfg, LAYOUT, 0, coords, tmp_path, torch.device("cuda"))
+    with prof.step(2):
+        with region(forward(0)):
+            x = torch.empty(1 << 20, device="cuda")
+    snap = snapshot_dir(tmp_path, 2) / snapshot_name(0, coords)
+    data = pickle.loads(snap.read_bytes())
+    traces = [e for dev in data["device_traces"] for e in dev]
+    assert any(e["action"] == "alloc" and e["size"] >= x.numel() * 4 for e in traces)
+    phases = json.loads((snapshot_dir(tmp_path, 2) / "phases_rank0.json").read_text())
+    assert phases["clock"] == "unix_us" and [p["name"] for p in phases["phases"]] == ["sftprof/forward/mb0"]
+    alloc_us = [e["time_us"] for e in traces if e["action"] == "alloc" and e["size"] >= x.numel() * 4]
+    assert phases["phases"][0]["start_us"] <= alloc_us[-1] <= phases["phases"][0]["end_us"]
+    # An out-of-memory error inside the step still leaves a snapshot and names it.
+    with pytest.raises(MemoryProfileOOM, match="snapshot written to .*step_3"):
+        with prof.step(3):
+            raise torch.OutOfMemoryError("simulated")
+    assert (snapshot_dir(tmp_path, 3) / snapshot_name(0, coords)).exists()
+    assert prof.snapshots_written == 2
