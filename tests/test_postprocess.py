@@ -3,7 +3,6 @@ import gzip
 import json
 import os
 import pickle
-import re
 import shutil
 import subprocess
 import sys

@@ -59,7 +59,8 @@ def _delta(a, b) -> tuple[str, str]:
 
 
 def _table(title: str, unit: str, rows: list[tuple[str, Any, Any]]) -> list[str]:
-    out = [f"| {title} | A {unit} | B {unit} | Δ (B−A) | Δ % |", "|---|---|---|---|---|"]
+    a_col, b_col = f"A {unit}".strip(), f"B {unit}".strip()
+    out = [f"| {title} | {a_col} | {b_col} | Δ (B−A) | Δ % |", "|---|---|---|---|---|"]
     for name, a, b in rows:
         d, p = _delta(a, b)
         out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |")
@@ -75,9 +76,9 @@ def _short(name: str, n: int = 100) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
-def _pair(key, a: dict, b: dict) -> list[str]:
+def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     kind, step = key
-    out = [f"## {kind} step {step}: `{a['trial']}` (A) vs `{b['trial']}` (B)", ""]
+    out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
     sa, sb = a["stats"].get("profile_step_record") or {}, b["stats"].get("profile_step_record") or {}
     rows = [("step time s (stats.jsonl, profiled step)", sa.get("step_time_s"), sb.get("step_time_s")),
             ("peak allocated GB (stats.jsonl, profiled step)", sa.get("mem_peak_allocated_gb"),
@@ -143,5 +144,5 @@ def compare_runs(run_a: str, run_b: str) -> str:
     if not common:
         out.append("\nNo trials match by (kind, step).")
     for key in common:
-        out += [""] + _pair(key, ta[key][1], tb[key][1])
+        out += [""] + _pair(key, *ta[key], *tb[key])
     return "\n".join(out).rstrip() + "\n"

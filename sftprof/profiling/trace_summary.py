@@ -24,7 +24,6 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
 from collections import defaultdict
 from typing import Any
 
