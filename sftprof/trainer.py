@@ -240,7 +240,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                      " | profiled" if record["profiled"] else "")
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
-    except (Exception, _Terminated) as err:
+    except Exception as err:  # includes _Terminated (SIGTERM)
         error = f"{type(err).__name__}: {err}"
         log.exception("trial failed at step %d", steps_done)
     finally:
