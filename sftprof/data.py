@@ -18,15 +18,12 @@ Label / loss-mask convention (tested in ``tests/test_data.py``): for a sequence 
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List
 
 import torch
-
-log = logging.getLogger(__name__)
 
 PAD_LABEL = 0
 
