@@ -248,7 +248,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         if stats is not None:
             stats.write(json.dumps({"type": "complete", "status": "failed" if error else "ok", "error": error,
                                     "steps_done": steps_done, "world_size": layout.world_size,
-                                    "backend": layout.backend, "profile_kind": profile_kind,
+                                    "backend": layout.backend, "device": device.type, "profile_kind": profile_kind,
                                     "profile_step": profile_step}) + "\n")
             stats.close()
     return 1 if error else 0

@@ -19,7 +19,7 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
     env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"),
                PROFILE_STEPS="0,1", PROFILE_KINDS="kernel,memory", PROFILE_STAMP="e2e",
-               PROFILE_FAKE_SEQ_LEN="2048", MASTER_PORT="29611", OMP_NUM_THREADS="1")
+               PROFILE_FAKE_SEQ_LEN="512", MASTER_PORT="29611", OMP_NUM_THREADS="1")
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env,
                          capture_output=True, text=True, timeout=900)
     return out, base / "run"

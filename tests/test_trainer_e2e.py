@@ -72,7 +72,7 @@ def test_kernel_trial_records(kernel_trial):
     recs = _records(log_dir)
     assert [r["type"] for r in recs] == ["step", "step", "complete"]
     assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
-                        "backend": "fsdp", "profile_kind": "kernel", "profile_step": 0}
+                        "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0}
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
@@ -114,7 +114,7 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
     assert not (log_dir / "memory_snapshots").exists()
     recs = _records(log_dir)
     assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 1,
-                        "backend": "fsdp", "profile_kind": "memory", "profile_step": 0}
+                        "backend": "fsdp", "device": "cpu", "profile_kind": "memory", "profile_step": 0}
     assert [r["profiled"] for r in recs[:2]] == [True, False]
     # Same global batch and seed as the 2-rank kernel trial: same losses before and after one step.
     # Same gradient norm (logged with 4 decimals) checks the DP gradient averaging: AdamW alone
