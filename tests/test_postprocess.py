@@ -100,6 +100,8 @@ def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
     data = Path(cpu_traces[0]).read_bytes()
     (log / "perf_tracer" / "traces-r2.chrome.json.gz").write_bytes(gzip.compress(data)[:-100])
     run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    # Rerun with --compress: the plain views of the first run are replaced, not left stale.
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1, "--compress")
     assert res.returncode == 1
     s = json.load(open(run / "profile_summary.json"))

@@ -132,13 +132,17 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     return out
 
 
-def _read_rank_coords(log_dir: str) -> dict[int, dict]:
+def _read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
+    """Rank -> coordinates from ``rank_coords.json`` and an error message if it is unreadable."""
     path = os.path.join(log_dir, "rank_coords.json")
     if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return {int(r): c for r, c in (data.get("ranks") or {}).items()}
+        return {}, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return {int(r): c for r, c in (data.get("ranks") or {}).items()}, None
+    except (ValueError, AttributeError, TypeError) as exc:
+        return {}, f"{path}: unreadable ({type(exc).__name__}: {exc})"
 
 
 def _trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
@@ -153,6 +157,10 @@ def _trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
 # Kernel traces
 # --------------------------------------------------------------------------------------------
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
+    if os.path.isdir(out_dir):  # views of an earlier run (other compression, other windows) would go stale
+        for name in os.listdir(out_dir):
+            if name.startswith(f"traces-r{rank}."):
+                os.remove(os.path.join(out_dir, name))
     analyzer = KernelTraceAnalyzer()
     try:
         views = split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
@@ -165,23 +173,25 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
     trace_dir = os.path.join(log_dir, "perf_tracer")
     out_dir = os.path.join(run_dir, "kernel_traces", "master")
-    found = []
+    found, traces = [], []
     if os.path.isdir(trace_dir):
-        for name in sorted(os.listdir(trace_dir)):
+        for name in sorted(os.listdir(trace_dir)):  # "x.json" sorts before "x.json.gz"
             m = _TRACE_RE.match(name)
-            if m:
-                found.append((int(m.group(1)), os.path.join(trace_dir, name)))
+            if not m:
+                continue
+            rank, src = int(m.group(1)), os.path.join(trace_dir, name)
+            if any(r == rank for r, _ in found):
+                traces.append({"rank": rank, "source": os.path.relpath(src, log_dir),
+                               "error": f"{src}: a second trace for rank {rank}; only the .json one was processed"})
+            else:
+                found.append((rank, src))
     found.sort()
-    ranks = [r for r, _ in found]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"{trace_dir}: both .json and .json.gz traces for one rank; keep one")
     args = [(src, out_dir, rank, compress, max_view_bytes) for rank, src in found]
     if jobs > 1 and len(args) > 1:
         with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
             results = list(pool.map(_process_trace, *zip(*args)))
     else:
         results = [_process_trace(*a) for a in args]
-    traces = []
     for (rank, src), res in zip(found, results):
         entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
         if "error" in res:
@@ -190,7 +200,7 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
             entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
             entry["summary"] = res["summary"]
         traces.append(entry)
-    return {"kernel_traces": traces}
+    return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"]))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,6 +342,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if profile_step < 0:
         raise ValueError(f"--profile-step must be >= 0, got {profile_step}")
     os.makedirs(run_dir, exist_ok=True)
+    coords, coords_error = _read_rank_coords(log_dir)
     stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
     complete = stats.get("complete") or {}
     status = complete.get("status", "unknown")
@@ -347,7 +358,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
                   "nvidia_smi_csv": os.path.abspath(nvidia_smi_csv) if nvidia_smi_csv else None},
         "stats": stats,
         "nvidia_smi": read_nvidia_smi(nvidia_smi_csv),
-        "rank_coords": {str(k): v for k, v in sorted(_read_rank_coords(log_dir).items())},
+        "rank_coords": {str(k): v for k, v in sorted(coords.items())},
     }
     if status != "ok":
         summary["trainer_log_tail"] = _trainer_log_tail(trainer_log)
@@ -358,6 +369,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         summary.update(_memory_part(log_dir, run_dir, profile_step))
         items = summary["memory_snapshots"]
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
+    if coords_error:
+        errors.append({"file": "rank_coords.json", "error": coords_error})
     if status == "ok" and not items:
         where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
