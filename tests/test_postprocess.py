@@ -223,3 +223,16 @@ def test_compare_runs(tmp_path, cpu_traces):
         str(tmp_path / "rootB"), str(tmp_path / "rootB" / "tiny_kernel_step1_B"))
     res = _cli("compare", tmp_path / "rootA", tmp_path / "nothing")
     assert res.returncode == 2 and "not a directory" in res.stderr
+
+
+def test_ok_trial_without_artifacts_is_a_warning(tmp_path):
+    """Memory trials of the CPU backend write no allocator snapshots: summary with a warning, exit 0."""
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", kind="memory")
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [] and s["warnings"][0]["file"] == "memory_snapshots/step_1/snapshot_rank*.pickle"
+    assert "## Warnings" in (run / "profile_summary.md").read_text()

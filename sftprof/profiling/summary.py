@@ -330,9 +330,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         jobs: parallel trace conversions (default: CPU count).
 
     Returns:
-        ``(summary, exit_code)``: exit code 1 when any trace/snapshot could not be processed or an
-        ``ok`` trial lacks its artifacts, else 0 (a failed trial without artifacts is not an error
-        of the postprocess).
+        ``(summary, exit_code)``: exit code 1 when any trace/snapshot (or ``rank_coords.json``) could
+        not be processed, else 0. Missing artifacts are a warning, not an error (failed trials and
+        memory trials on CPU have none).
 
     Raises:
         ValueError: unknown ``profile_kind`` or negative ``profile_step``.
@@ -371,11 +371,13 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
-    if status == "ok" and not items:
+    warnings = []
+    if status == "ok" and not items:  # e.g. memory trials on CPU, where no allocator snapshot exists
         where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
-        errors.append({"file": where, "error": "trial status ok but no artifacts found in the log dir"})
+        warnings.append({"file": where, "warning": "trial status ok but no artifacts found in the log dir"})
     summary["errors"] = errors
+    summary["warnings"] = warnings
     summary["counts"] = {
         "traces": sum(1 for it in items if profile_kind == "kernel"),
         "traces_ok": sum(1 for it in items if profile_kind == "kernel" and "error" not in it),
@@ -429,6 +431,9 @@ def render_markdown(s: dict) -> str:
     if s["errors"]:
         out.append("## Errors\n")
         out.append(_table(["file", "error"], [[e["file"], e["error"]] for e in s["errors"]]))
+    if s["warnings"]:
+        out.append("## Warnings\n")
+        out.append(_table(["file", "warning"], [[e["file"], e["warning"]] for e in s["warnings"]]))
     if s.get("trainer_log_tail"):
         out.append("## Trainer log (tail)\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
     st = s["stats"]
@@ -464,18 +469,22 @@ def render_markdown(s: dict) -> str:
         k = t["summary"]
         g, c = k["gpu"], k["communication"]
         out.append(f"- step wall time: {_fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
-        out.append(f"- GPU busy {_fmt(g['busy_share_pct'])} % / idle {_fmt(g['idle_share_pct'])} %; "
-                   f"GPU activity total {_fmt(g['total_ms'])} ms in {g['activities']} kernels/memcpy/memset")
-        out.append(f"- communication {_fmt(c['total_ms'])} ms: hidden under compute {_fmt(c['hidden_ms'])} ms, "
-                   f"exposed {_fmt(c['exposed_ms'])} ms")
+        if g["activities"]:
+            out.append(f"- GPU busy {_fmt(g['busy_share_pct'])} % / idle {_fmt(g['idle_share_pct'])} %; "
+                       f"GPU activity total {_fmt(g['total_ms'])} ms in {g['activities']} kernels/memcpy/memset")
+            out.append(f"- communication {_fmt(c['total_ms'])} ms: hidden under compute {_fmt(c['hidden_ms'])} ms, "
+                       f"exposed {_fmt(c['exposed_ms'])} ms")
+        else:
+            out.append("- no GPU activity in this trace (CPU-only run)")
         out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
-        out.append("### Top kernels\n")
-        out.append(_table(["#", "kernel", "calls", "total ms", "share %"],
-                          [[i + 1, _short(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
-                           for i, x in enumerate(k["top_kernels"])]))
-        out.append("\n### Time by category\n")
-        out.append(_table(["category", "calls", "total ms", "share %"],
-                          [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
+        if g["activities"]:
+            out.append("### Top kernels\n")
+            out.append(_table(["#", "kernel", "calls", "total ms", "share %"],
+                              [[i + 1, _short(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
+                               for i, x in enumerate(k["top_kernels"])]))
+            out.append("\n### Time by category\n")
+            out.append(_table(["category", "calls", "total ms", "share %"],
+                              [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
         if c["kernels"]:
             out.append("\n### Collectives\n")
             out.append(_table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))

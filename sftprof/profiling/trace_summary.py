@@ -318,7 +318,7 @@ class KernelTraceAnalyzer:
 
         total_us = float(dur.sum())
         gpu: dict[str, Any] = {"activities": n, "total_ms": _ms(total_us)}
-        if lo is not None and hi > lo:
+        if n and lo is not None and hi > lo:
             busy = _length(*_clip(_union(ts, end), lo, hi))
             gpu.update(busy_ms=_ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
                        idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
