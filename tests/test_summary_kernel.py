@@ -111,7 +111,7 @@ def test_collectives_by_group_and_overlap():
 
 
 def test_regions_on_a_real_cpu_trace(tmp_path):
-    path = make_cpu_trace(tmp_path / "cpu.json", n_mbs=3)
+    path = make_cpu_trace(tmp_path / "cpu.json", n_mbs=3, all_reduce=True)
     ref = json.load(open(path))["traceEvents"]
     want = sorted((e["ts"], e["name"], e["dur"]) for e in ref
                   if e.get("cat") == "user_annotation" and e["name"].startswith("sftprof/"))
@@ -124,3 +124,8 @@ def test_regions_on_a_real_cpu_trace(tmp_path):
     step = next(d for _, n, d in want if n == "sftprof/step")
     assert s["step_window"] == {"source": "sftprof/step", "wall_ms": pytest.approx(step / 1e3, abs=1e-4)}
     assert s["gpu"]["activities"] == 0 and s["categories"] == [] and s["top_kernels"] == []
+    gloo = [e for e in ref if e.get("name", "").startswith("gloo:") and e["ph"] == "X"]
+    host = s["communication"]["host_ops"]
+    assert host["ops"] == len(gloo) == 4  # one all_reduce per parameter tensor of the MLP
+    assert host["by_op_ms"] == {"gloo:all_reduce": pytest.approx(sum(e["dur"] for e in gloo) / 1e3, abs=1e-3)}
+    assert 0 < host["wall_ms"] <= host["by_op_ms"]["gloo:all_reduce"] + 1e-3

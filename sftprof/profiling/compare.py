@@ -93,7 +93,7 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     per_rank = []
     for rank in sorted(set(ra) & set(rb)):
         for col in ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
-                    "comm_ms", "exposed_comm_ms"):
+                    "comm_ms", "exposed_comm_ms", "host_comm_ms"):
             if col in ra[rank] or col in rb[rank]:
                 per_rank.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
     if per_rank:

@@ -32,7 +32,7 @@ SUMMARY_MD = "profile_summary.md"
 _TRACE_RE = re.compile(r"^traces-r(\d+)\.chrome\.json(\.gz)?$")
 _SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
 _RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
-                 "comm_ms", "exposed_comm_ms")
+                 "comm_ms", "exposed_comm_ms", "host_comm_ms")
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +257,8 @@ def rank_table(summary: dict) -> dict[str, Any]:
     ``step_time_s`` of the profiled step in ``stats.jsonl``; peak memory: ``mem_peak_allocated_gb``
     of the profiled step in ``stats.jsonl`` (units as the trainer writes them) and, for memory
     trials, the snapshot's peak allocated/reserved GiB;
-    communication: NCCL kernel time from the trace (kernel trials only).
+    communication: NCCL kernel time (``comm_ms``, ``exposed_comm_ms``) and host-side collective op
+    time (``host_comm_ms``, gloo/nccl cpu_ops) from the trace (kernel trials only).
     Imbalance of a column = max / min over ranks (None with fewer than 2 values or a zero min).
     """
     rec = (summary.get("stats") or {}).get("profile_step_record") or {}
@@ -274,6 +275,7 @@ def rank_table(summary: dict) -> dict[str, Any]:
             "step_ms": s["step_window"]["wall_ms"],
             "stats_peak_allocated_gb": _num(sr.get("mem_peak_allocated_gb")),
             "comm_ms": s["communication"]["total_ms"],
+            "host_comm_ms": s["communication"]["host_ops"]["wall_ms"],
             "exposed_comm_ms": s["communication"]["exposed_ms"],
             "gpu_busy_pct": s["gpu"]["busy_share_pct"],
         }
@@ -476,6 +478,10 @@ def render_markdown(s: dict) -> str:
                        f"exposed {_fmt(c['exposed_ms'])} ms")
         else:
             out.append("- no GPU activity in this trace (CPU-only run)")
+        if c["host_ops"]["ops"]:
+            out.append(f"- host-side collective ops (gloo:/nccl:): {c['host_ops']['ops']} ops, "
+                       f"{_fmt(c['host_ops']['wall_ms'])} ms wall: " +
+                       ", ".join(f"{k} {_fmt(v)} ms" for k, v in c["host_ops"]["by_op_ms"].items()))
         out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
         if g["activities"]:
             out.append("### Top kernels\n")

@@ -17,7 +17,9 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
   as ``optimizer`` (except collectives); other kernels are classified by name.
 * Communication hidden / exposed: with C the union of NCCL kernel intervals and K the union of
   all other GPU activity intervals on the same device, hidden = |C ∩ K| and exposed = |C| - hidden
-  (the usual overlap definition, e.g. Holistic Trace Analysis' comm/comp overlap).
+  (the usual overlap definition, e.g. Holistic Trace Analysis' comm/comp overlap). Host-side
+  collective ops (``gloo:*``/``nccl:*`` annotations or cpu_ops; the only communication of CPU runs) are reported
+  separately as ``communication.host_ops`` (wall time = union of their intervals).
 * Region time: per ``sftprof/...`` user annotation, its CPU wall time and the GPU time of the
   activities whose launching CUDA API call (matched by ``correlation`` id) lies inside it.
 """
@@ -49,6 +51,7 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = (
         r"elementwise|reduce|copy|fill|cat|norm|softmax|triton|unary|binary|functor|pow|mul|add|"
         r"silu|gelu|exp|log|where|clamp|sum|mean|max|min|cross_entropy|rms")),
 )
+_HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 _NCCL = re.compile(r"nccl(?:dev)?kernel_([a-z]+)", re.IGNORECASE)
 
 # megatron-core / torch process-group descriptions -> parallelism label.
@@ -173,6 +176,7 @@ class KernelTraceAnalyzer:
         self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
         self._launch_ts: dict[int, float] = {}  # correlation -> CUDA API call start (us)
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
+        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective ops on the host
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
         self._t_min = float("inf")
@@ -243,7 +247,12 @@ class KernelTraceAnalyzer:
                 self._regions.append((name, ts, ts + dur))
             elif name.startswith("ProfilerStep#"):
                 self._profiler_steps.append((name, ts, ts + dur))
+            elif name.startswith(_HOST_COLLECTIVE_PREFIXES):
+                self._host_comm.append((name, ts, ts + dur))
         elif cat == "cpu_op":
+            name = ev.get("name", "")
+            if name.startswith(_HOST_COLLECTIVE_PREFIXES):
+                self._host_comm.append((name, ts, ts + dur))
             args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
                 ext = args.get("External id")
@@ -345,6 +354,13 @@ class KernelTraceAnalyzer:
                       for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
 
         communication = self._communication(ts, end, devs, is_comm, cats, groups)
+        host_s = np.array([h[1] for h in self._host_comm], dtype=np.float64)
+        host_e = np.array([h[2] for h in self._host_comm], dtype=np.float64)
+        by_op: dict[str, float] = defaultdict(float)
+        for name, h_lo, h_hi in self._host_comm:
+            by_op[name] += h_hi - h_lo
+        communication["host_ops"] = {"ops": len(self._host_comm), "wall_ms": _ms(_length(*_union(host_s, host_e))),
+                                     "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}}
         region_rows = []
         for name, r_lo, r_hi in regions:
             inside = (launch >= r_lo) & (launch <= r_hi)
