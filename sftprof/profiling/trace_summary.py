@@ -263,7 +263,7 @@ class KernelTraceAnalyzer:
     def summary(self) -> dict[str, Any]:
         """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
 
-        Keys: ``n_events``, ``step_window`` (source, start/end in trace us, wall_ms),
+        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms),
         ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
         ``top_kernels`` (name, calls, total_ms, share_pct), ``categories`` (category, calls,
         total_ms, share_pct; sums to 100 %), ``communication`` (total_ms, hidden_ms, exposed_ms,
@@ -373,7 +373,7 @@ class KernelTraceAnalyzer:
             })
         return {
             "n_events": self.n_events,
-            "step_window": {"source": window_src,
+            "step_window": {"source": window_src, "start_us": lo, "end_us": hi,
                             "wall_ms": _ms(hi - lo) if lo is not None else None},
             "gpu": gpu,
             "top_kernels": top_kernels,
