@@ -168,3 +168,30 @@ def test_cpu_trace_views(tmp_path):
     assert len(small["cpu_only.chrome"]) > 1 and len(small["gpu_only.chrome"]) == 1
     got = [e for p in small["cpu_only.chrome"] for e in _load(p)["traceEvents"] if e["ph"] != "M"]
     assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in cpu if e["ph"] != "M")
+
+
+@pytest.mark.parametrize("text,events,header", [
+    ('{"traceEvents": [], "traceName": "x"}', [], {"traceName": "x"}),
+    ('[{"ph": "X", "ts": 1, "dur": 2e0}, {"ph": "i", "ts": 12345678901234567890}]',
+     [{"ph": "X", "ts": 1, "dur": 2.0}, {"ph": "i", "ts": 12345678901234567890}], {}),
+    ('{"a": {"b": [1, "]"]}, "traceEvents": [{"name": "\\u00e9\\"]"}]}', [{"name": "é\"]"}], {"a": {"b": [1, "]"]}}),
+])
+def test_reader_formats(tmp_path, text, events, header):
+    p = tmp_path / "t.json"
+    p.write_text(text)
+    reader = TraceReader(p)
+    assert [ev for _, ev in reader.events()] == events
+    assert reader.header == header
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('{"traceEvents": [{"ph": "X"}] } trailing', "trailing data"),
+    ('{"schemaVersion": 1}', "no 'traceEvents'"),
+    ('{"traceEvents": [1, 2]}', "not a JSON object"),
+    ('{"traceEvents": [{"ph": "X"}', "truncated"),
+])
+def test_reader_rejects_malformed(tmp_path, text, msg):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(TraceFormatError, match=msg):
+        list(TraceReader(p).events())
