@@ -13,7 +13,8 @@ init, full recompute, one sequence per step) runs ``--steps`` training steps; th
 - ``chunked_lm_head``: :func:`sftprof.ops.linear_sft_loss` on the final hidden states
   (``actor.megatron.lm_head_loss_chunk_size``), no full logits.
 
-A path that runs out of memory is reported as ``OOM``. The table is printed last, side by side.
+Each case runs in its own process, so no memory of an earlier case is held. A path that runs out of
+memory is reported as ``OOM``. The table is printed last, side by side.
 
 Usage::
 
@@ -22,8 +23,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,10 +94,23 @@ def run_case(seq_len: int, path: str, args) -> dict:
         result.update(oom=True, error=str(err).splitlines()[0][:160])
     finally:
         del engine
-        gc.collect()
         parallel_state.destroy_model_parallel()
-        torch.cuda.empty_cache()
     return result
+
+
+def _case_main(case: str, args) -> int:
+    """Run one ``SEQ:PATH`` case in this process (fresh CUDA context) and print ``RESULT <json>``."""
+    seq, path = case.split(":")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29541"}.items():
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    try:
+        print("RESULT " + json.dumps(run_case(int(seq), path, args)), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 def main() -> int:
@@ -106,28 +121,35 @@ def main() -> int:
     ap.add_argument("--logprobs-chunk", type=int, default=4096, help="actor.logprobs_chunk_size")
     ap.add_argument("--lm-head-chunk", type=int, default=4096, help="actor.megatron.lm_head_loss_chunk_size")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one SEQ:PATH case per process
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29541"}.items():
-        os.environ.setdefault(k, v)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    if args.case:
+        return _case_main(args.case, args)
     rows = []
+    common = ["--layers", str(args.layers), "--steps", str(args.steps), "--logprobs-chunk", str(args.logprobs_chunk),
+              "--lm-head-chunk", str(args.lm_head_chunk)]
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         for path in args.paths.split(","):
-            row = run_case(seq_len, path, args)
+            # One process per case: nothing of an earlier engine stays allocated.
+            proc = subprocess.run([sys.executable, __file__, "--case", f"{seq_len}:{path}", *common],
+                                  capture_output=True, text=True)
+            found = [ln[len("RESULT "):] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            row = json.loads(found[-1]) if found else {
+                "seq_len": seq_len, "path": path, "oom": "OutOfMemoryError" in proc.stderr,
+                "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]}
             print(row, flush=True)
             rows.append(row)
-    dist.destroy_process_group()
     print(f"\nmegatron SFT step, Qwen3-30B-A3B shape, {args.layers} layers, 1 GPU ({torch.cuda.get_device_name()}), "
-          f"full recompute, logprobs chunk {args.logprobs_chunk}, LM-head chunk {args.lm_head_chunk}")
+          f"full recompute, logprobs chunk {args.logprobs_chunk}, LM-head chunk {args.lm_head_chunk}, "
+          "one process per case")
     print(f"{'tokens':>8} | {'path':<17} | {'peak alloc GiB':>14} | {'peak over start GiB':>19} | {'step ms':>9} | loss")
     for r in rows:
-        if r.get("oom"):
-            print(f"{r['seq_len']:>8} | {r['path']:<17} | {'OOM':>14} | {'OOM':>19} | {'-':>9} | -")
+        if "peak_gib" not in r:
+            what = "OOM" if r.get("oom") else "error"
+            print(f"{r['seq_len']:>8} | {r['path']:<17} | {what:>14} | {what:>19} | {'-':>9} | {r.get('error', '')}")
         else:
             print(f"{r['seq_len']:>8} | {r['path']:<17} | {r['peak_gib']:>14.2f} | {r['peak_over_start_gib']:>19.2f} | "
                   f"{r['step_ms']:>9.1f} | {r['loss']:.4f}")
