@@ -1,0 +1,188 @@
+"""CPU tests: HF config -> megatron-core TransformerConfig/GPTModel args, layout translation, precision
+validation, init-from-scratch messages and Qwen3.5 support checks."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.config import ConfigError, load_config
+from sftprof.models import megatron_config as mc
+from sftprof.models.hf import CONFIG_DIR, load_hf_config
+
+NO_PAO = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO)
+
+
+def test_qwen3_30b_a3b_transformer_config_fields(cfg):
+    hf = load_hf_config("qwen3_30b_a3b")
+    tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:d1"), have_te=False)
+    expected = dict(
+        num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
+        kv_channels=128, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+        moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.001, layernorm_epsilon=1e-6, normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=False, attention_dropout=0.0, hidden_dropout=0.0,
+        init_method_std=0.02, bf16=True, fp16=False, params_dtype=torch.bfloat16, sequence_parallel=False,
+        tensor_model_parallel_size=1, expert_model_parallel_size=1, moe_token_dispatcher_type="alltoall",
+        moe_router_dtype="fp32", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        deterministic_mode=False, calculate_per_token_loss=True, gradient_accumulation_fusion=False,
+        moe_grouped_gemm=False, apply_rope_fusion=False, layernorm_zero_centered_gamma=False)
+    for key, value in expected.items():
+        assert getattr(tc, key) == value, key
+    assert tc.activation_func is F.silu
+    assert tc.experimental_attention_variant is None
+    gpt = mc.gpt_model_kwargs(hf)
+    assert gpt == dict(vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope",
+                       rotary_base=1_000_000.0, rotary_percent=1.0, share_embeddings_and_output_weights=False,
+                       parallel_output=True)
+
+
+def test_routing_renormalisation_follows_norm_topk_prob(cfg):
+    hf = load_hf_config("tiny_qwen3_moe")
+    assert mc.hf_to_transformer_kwargs(hf)["moe_router_pre_softmax"] is False
+    hf.norm_topk_prob = False  # softmax over all experts, no renormalisation of the top-k
+    assert mc.hf_to_transformer_kwargs(hf)["moe_router_pre_softmax"] is True
+
+
+def test_megatron_top_k_then_softmax_equals_softmax_then_renormalised_top_k():
+    # the routing moe_router_pre_softmax=False computes (megatron moe_utils.topk_routing_with_score_function)
+    torch.manual_seed(0)
+    logits = torch.randn(16, 128, dtype=torch.float64)
+    top, idx = logits.topk(8, dim=-1)
+    megatron_probs = top.softmax(-1)
+    hf_probs = logits.softmax(-1).gather(-1, idx)
+    hf_probs = hf_probs / hf_probs.sum(-1, keepdim=True)  # Qwen3MoeSparseMoeBlock with norm_topk_prob
+    torch.testing.assert_close(megatron_probs, hf_probs, rtol=1e-12, atol=1e-12)
+
+
+def test_transformers5_style_keys(tmp_path):
+    raw = json.loads(open(CONFIG_DIR / "tiny_qwen3_moe" / "config.json").read())
+    raw["num_local_experts"] = raw.pop("num_experts")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta") * 10}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = load_hf_config(str(tmp_path))
+    assert mc.hf_to_transformer_kwargs(hf)["num_moe_experts"] == 8
+    assert mc.gpt_model_kwargs(hf)["rotary_base"] == 10_000_000.0
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("megatron:d2", dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                         expert_model_parallel_size=1, expert_tensor_parallel_size=1)),
+    ("megatron:(attn:d2c4|ffn:d1e8)", dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                           context_parallel_size=4, expert_model_parallel_size=8,
+                                           expert_tensor_parallel_size=1)),
+    ("megatron:(attn:t2|ffn:e2)", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                       context_parallel_size=1, expert_model_parallel_size=2,
+                                       expert_tensor_parallel_size=1)),
+    ("megatron:d2t2p2", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1,
+                             expert_model_parallel_size=1, expert_tensor_parallel_size=2)),
+])
+def test_parallel_state_kwargs(mode, expected):
+    assert mc.parallel_state_kwargs(parse_allocation_mode(mode)) == dict(expected, order="tp-cp-ep-dp-pp")
+
+
+def test_sequence_parallel_on_with_tp(cfg):
+    hf = load_hf_config("qwen3_30b_a3b", 4)
+    tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:(attn:t2|ffn:e2)"), have_te=False)
+    assert tc.sequence_parallel is True and tc.tensor_model_parallel_size == 2 and tc.num_layers == 4
+
+
+def test_fsdp_layout_rejected():
+    with pytest.raises(ConfigError, match="not 'megatron'"):
+        mc.parallel_state_kwargs(parse_allocation_mode("fsdp:d2"))
+
+
+def test_recompute_none_and_router_dtype_none():
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO + [
+        "actor.megatron.recompute_granularity=none", "actor.megatron.moe_router_dtype=none",
+        "actor.megatron.use_deterministic_algorithms=true"])
+    kw = mc.training_config_kwargs(cfg, have_te=False)
+    assert "recompute_granularity" not in kw and kw["moe_router_dtype"] is None and kw["deterministic_mode"] is True
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO + ["actor.megatron.recompute_granularity=selective"])
+    kw = mc.training_config_kwargs(cfg, have_te=False)
+    assert kw["recompute_granularity"] == "selective" and "recompute_method" not in kw
+
+
+def test_precision_aware_optimizer_without_te_names_the_variable():
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml")  # YAML default: precision-aware, bf16 main grads
+    with pytest.raises(ConfigError, match="USE_PRECISION_AWARE_OPTIMIZER") as err:
+        mc.optimizer_config_kwargs(cfg, have_te=False)
+    assert "MAIN_GRADS_DTYPE=float32" in str(err.value)
+
+
+def test_precision_aware_optimizer_with_te_translates_dtypes():
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", ["actor.megatron.exp_avg_dtype=bfloat16",
+                                                          "actor.megatron.exp_avg_sq_dtype=uint8"])
+    kw = mc.optimizer_config_kwargs(cfg, have_te=True)
+    assert (kw["use_precision_aware_optimizer"], kw["main_grads_dtype"], kw["main_params_dtype"], kw["exp_avg_dtype"],
+            kw["exp_avg_sq_dtype"]) == (True, torch.bfloat16, torch.float32, torch.bfloat16, torch.uint8)
+    assert (kw["lr"], kw["adam_beta2"], kw["adam_eps"], kw["clip_grad"], kw["weight_decay"]) == (2e-5, 0.95, 1e-5, 1.0, 0.05)
+
+
+def test_optimizer_config_accepted_by_megatron(cfg):
+    from megatron.core.optimizer import OptimizerConfig
+
+    oc = OptimizerConfig(**mc.optimizer_config_kwargs(cfg, have_te=False))
+    assert oc.use_precision_aware_optimizer is False and oc.main_grads_dtype == torch.float32
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    dc = DistributedDataParallelConfig(**mc.ddp_config_kwargs(cfg))
+    assert (dc.grad_reduce_in_fp32, dc.overlap_grad_reduce, dc.use_distributed_optimizer) == (False, True, True)
+
+
+def test_non_fp32_dtype_needs_precision_aware_optimizer(cfg):
+    from dataclasses import replace
+
+    m = replace(cfg.actor.megatron, main_params_dtype="float16")
+    with pytest.raises(ConfigError, match="main_params_dtype='float16'.*USE_PRECISION_AWARE_OPTIMIZER"):
+        mc.optimizer_precision(m, have_te=True)
+
+
+def test_qwen3_5_mapping_and_support_check():
+    from sftprof.models.specs import check_model_supported
+
+    hf = load_hf_config("qwen3_5_35b_a3b")
+    kw = mc.hf_to_transformer_kwargs(hf)
+    assert (kw["experimental_attention_variant"], kw["linear_attention_freq"], kw["kv_channels"],
+            kw["moe_shared_expert_intermediate_size"], kw["moe_shared_expert_gate"], kw["attention_output_gate"],
+            kw["layernorm_zero_centered_gamma"], kw["linear_num_value_heads"], kw["num_query_groups"]) == \
+        ("gated_delta_net", 4, 256, 512, True, True, True, 32, 2)
+    gpt = mc.gpt_model_kwargs(hf)
+    assert (gpt["rotary_base"], gpt["rotary_percent"], gpt["vocab_size"]) == (10_000_000.0, 0.25, 248320)
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO + ["actor.path=qwen3_5_35b_a3b"])
+    tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:d1"), have_te=False)
+    with pytest.raises(NotImplementedError, match="transformer_engine.*flash-linear-attention"):
+        check_model_supported(tc, have_te=False)
+
+
+def test_unsupported_hf_configs():
+    hf = load_hf_config("tiny_qwen3_moe")
+    hf.mlp_only_layers = [0]
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        mc.hf_to_transformer_kwargs(hf)
+    hf = load_hf_config("tiny_qwen3_moe")
+    hf.model_type = "llama"
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        mc.hf_to_transformer_kwargs(hf)
+
+
+def test_init_from_scratch_false_messages(tmp_path):
+    from sftprof.engine.megatron import check_init_from_scratch
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text((CONFIG_DIR / "tiny_qwen3_moe" /
+                                            "config.json").read_text())
+    cfg = load_config("tiny_cpu", [f"actor.path={model_dir}", "actor.init_from_scratch=false"])
+    with pytest.raises(ConfigError, match="holds no weight files.*actor.init_from_scratch=true"):
+        check_init_from_scratch(cfg)
+    (model_dir / "model.safetensors").write_bytes(b"")
+    with pytest.raises(NotImplementedError, match="set actor.init_from_scratch=true"):
+        check_init_from_scratch(cfg)
+    check_init_from_scratch(load_config("tiny_cpu", [f"actor.path={model_dir}"]))  # random init: no error
