@@ -75,7 +75,7 @@ def run_case(seq_len: int, path: str, args) -> dict:
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
     sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.vocab_size), seq_len, 0.5, hf.vocab_size)
     tokens = global_loss_tokens(sample, 1)
-    result = {"seq_len": seq_len, "path": path}
+    result = {"seq_len": seq_len, "path": path, "losses": []}
     engine = None
     try:
         engine = _engine_class(path)(cfg, layout, hf, torch.device("cuda", 0))
@@ -87,6 +87,7 @@ def run_case(seq_len: int, path: str, args) -> dict:
             t0 = time.perf_counter()
             out = engine.train_step(mbs, tokens)
             torch.cuda.synchronize()
+            result["losses"].append(out.loss)
             result.update(step_ms=(time.perf_counter() - t0) * 1e3, loss=out.loss,
                           peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                           peak_over_start_gib=(torch.cuda.max_memory_allocated() - base) / 2**30)
@@ -145,14 +146,14 @@ def main() -> int:
     print(f"\nmegatron SFT step, Qwen3-30B-A3B shape, {args.layers} layers, 1 GPU ({torch.cuda.get_device_name()}), "
           f"full recompute, logprobs chunk {args.logprobs_chunk}, LM-head chunk {args.lm_head_chunk}, "
           "one process per case")
-    print(f"{'tokens':>8} | {'path':<17} | {'peak alloc GiB':>14} | {'peak over start GiB':>19} | {'step ms':>9} | loss")
+    print(f"{'tokens':>8} | {'path':<17} | {'peak alloc GiB':>14} | {'peak over start GiB':>19} | {'step ms':>9} | loss per step")
     for r in rows:
         if "peak_gib" not in r:
             what = "OOM" if r.get("oom") else "error"
             print(f"{r['seq_len']:>8} | {r['path']:<17} | {what:>14} | {what:>19} | {'-':>9} | {r.get('error', '')}")
         else:
             print(f"{r['seq_len']:>8} | {r['path']:<17} | {r['peak_gib']:>14.2f} | {r['peak_over_start_gib']:>19.2f} | "
-                  f"{r['step_ms']:>9.1f} | {r['loss']:.4f}")
+                  f"{r['step_ms']:>9.1f} | {' '.join(f'{x:.4f}' for x in r['losses'])}")
     return 0
 
 
