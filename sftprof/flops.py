@@ -56,11 +56,14 @@ class ModelShape:
         """Shape of an HF ``qwen3_moe`` config (``num_experts`` or ``num_local_experts``).
 
         Raises:
-            NotImplementedError: configs with linear-attention layers (Qwen3.5 gated delta-net), whose
-                FLOPs this module does not count.
+            NotImplementedError: configs with linear-attention layers (Qwen3.5 gated delta-net) or dense
+                layers between MoE layers, whose FLOPs this module does not count.
         """
         if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
             raise NotImplementedError("FLOP count of linear-attention (gated delta-net) layers is not implemented")
+        if getattr(hf, "mlp_only_layers", None) or (getattr(hf, "decoder_sparse_step", 1) or 1) != 1:
+            raise NotImplementedError("FLOP count of dense layers between MoE layers (mlp_only_layers, "
+                                      "decoder_sparse_step != 1) is not implemented")
         shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
         experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
         return cls(num_layers=hf.num_hidden_layers, hidden=hf.hidden_size, num_heads=hf.num_attention_heads,

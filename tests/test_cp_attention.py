@@ -6,7 +6,6 @@ causal attention.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sftprof.data import cp_shard
 from sftprof.models.attention import (cp_causal_attention, cp_chunk_ids, natural_to_rank_order,

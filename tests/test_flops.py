@@ -58,6 +58,10 @@ def test_shared_experts_and_qwen3_30b_scale():
     assert per_token_linear == 48 * (2048 * 5120 + 4096 * 2048 + 2048 * 128 + 8 * 3 * 2048 * 768)
     with pytest.raises(NotImplementedError, match="linear-attention"):
         ModelShape.from_hf(load_hf_config("qwen3_5_35b_a3b"))
+    hf = load_hf_config("tiny_qwen3_moe")
+    hf.mlp_only_layers = [1]
+    with pytest.raises(NotImplementedError, match="mlp_only_layers"):
+        ModelShape.from_hf(hf)
 
 
 def test_mfu_and_peak():
