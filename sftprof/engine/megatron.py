@@ -219,7 +219,8 @@ class MegatronEngine(Engine):
         if self.lm_head_chunk:
             # output: final hidden states [s_local(/tp under SP), b, h]; tokens in [s, b] order.
             h = output.shape[-1]
-            weight = self.gpt.output_layer.weight
+            tied = self.gpt.share_embeddings_and_output_weights
+            weight = self.gpt.shared_embedding_or_output_weight() if tied else self.gpt.output_layer.weight
             return linear_sft_loss(output.reshape(-1, h), weight, batch["labels"].t().reshape(-1),
                                    mask.t().reshape(-1).to(torch.float32), tp_group=self.tp_group,
                                    chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel)
