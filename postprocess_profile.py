@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "compare":
         return _compare(argv[1:])
     p = argparse.ArgumentParser(description="Split kernel traces into views / archive memory snapshots and "
-                                            f"write {SUMMARY_JSON} and profile_summary.md for one trial.")
+                                            f"write {SUMMARY_JSON} and profile_summary.md for one trial.",
+                                epilog="Compare two runs: postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]")
     p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
     p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
     p.add_argument("--profile-kind", required=True, choices=PROFILE_KINDS)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
     print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "
-          f"(status {summary['status']['status']}, {summary['counts']})", file=sys.stderr)
+          f"(status {summary['status']}, {summary['counts']})", file=sys.stderr)
     return code
 
 

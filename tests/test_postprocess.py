@@ -26,7 +26,7 @@ def _cli(*args):
                           cwd=REPO, capture_output=True, text=True)
 
 
-def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel"):
+def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", device="cuda"):
     recs = []
     for s in range(step + 1 if status == "ok" else step):
         t = step_time + 0.5 * (s != step)
@@ -37,7 +37,7 @@ def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel"):
                                {"rank": 1, "step_time_s": t * 1.1, "mem_peak_allocated_gb": 2.5 + s,
                                 "mem_peak_reserved_gb": 4.0}]})
     recs.append({"type": "complete", "status": status, "error": error, "steps_done": len(recs), "world_size": 2,
-                 "backend": "fsdp", "profile_kind": kind, "profile_step": step})
+                 "backend": "fsdp", "device": device, "profile_kind": kind, "profile_step": step})
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
@@ -74,8 +74,8 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
             json.load(open(run / "kernel_traces" / "master" / f"traces-r{r}.{v}.json"))
     s = json.load(open(run / "profile_summary.json"))
     assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0}
-    assert s["status"]["status"] == "ok" and s["errors"] == []
-    assert s["stats"]["profile_step_record"]["step_time_s"] == 2.0
+    assert s["status"] == "ok" and s["errors"] == [] and s["completion"]["device"] == "cuda"
+    assert s["stats"]["step_time_s"] == s["stats"]["profile_step_record"]["step_time_s"] == 2.0
     assert s["stats"]["max_mem_peak_allocated_gb"] == 4.0
     assert s["nvidia_smi"]["peak_memory_used_mib"] == 90000 and s["nvidia_smi"]["peak_utilization_pct"] == 97
     rows = s["ranks"]["rows"]
@@ -123,7 +123,7 @@ def test_failed_trial_still_gets_a_summary(tmp_path):
                "--trainer-log", tlog, "--nvidia-smi-csv", tmp_path / "absent.csv")
     assert res.returncode == 0, res.stderr
     s = json.load(open(run / "profile_summary.json"))
-    assert s["status"]["status"] == "failed" and "out of memory" in s["status"]["error"]
+    assert s["status"] == "failed" and "out of memory" in s["completion"]["error"]
     assert s["trainer_log_tail"][-1] == "torch.OutOfMemoryError: CUDA out of memory"
     assert s["counts"]["traces"] == 0 and s["nvidia_smi"]["available"] is False
     assert "**failed**" in (run / "profile_summary.md").read_text()
@@ -225,14 +225,19 @@ def test_compare_runs(tmp_path, cpu_traces):
     assert res.returncode == 2 and "not a directory" in res.stderr
 
 
-def test_ok_trial_without_artifacts_is_a_warning(tmp_path):
-    """Memory trials of the CPU backend write no allocator snapshots: summary with a warning, exit 0."""
+def test_ok_trial_without_artifacts(tmp_path):
+    """CPU memory trials write no allocator snapshots (a warning, exit 0); on CUDA that is an error."""
     log = tmp_path / "log"
     log.mkdir()
-    _stats(log / "stats.jsonl", kind="memory")
+    _stats(log / "stats.jsonl", kind="memory", device="cpu")
     run = tmp_path / "run"
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
     assert res.returncode == 0, res.stderr
     s = json.load(open(run / "profile_summary.json"))
     assert s["errors"] == [] and s["warnings"][0]["file"] == "memory_snapshots/step_1/snapshot_rank*.pickle"
+    assert "need CUDA" in s["warnings"][0]["warning"]
     assert "## Warnings" in (run / "profile_summary.md").read_text()
+    _stats(log / "stats.jsonl", kind="memory", device="cuda")
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 1
+    assert json.load(open(run / "profile_summary.json"))["errors"][0]["file"].startswith("memory_snapshots/step_1/")

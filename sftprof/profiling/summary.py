@@ -31,6 +31,8 @@ SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 _TRACE_RE = re.compile(r"^traces-r(\d+)\.chrome\.json(\.gz)?$")
 _SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
+_PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
+                        "mem_peak_allocated_gb", "mem_peak_reserved_gb")
 _RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
                  "comm_ms", "exposed_comm_ms", "host_comm_ms")
 
@@ -42,11 +44,15 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     """Step records and the completion record of ``stats.jsonl``.
 
     Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "complete",
-    "max_mem_peak_allocated_gb", "max_mem_peak_reserved_gb"}`` (GB as the trainer writes them).
+    "max_mem_peak_allocated_gb", "max_mem_peak_reserved_gb"}`` plus the profiled step's
+    ``step_time_s``, ``tokens``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``,
+    ``mem_peak_allocated_gb``, ``mem_peak_reserved_gb`` at top level (None when absent; ``*_gb``
+    are GiB as the trainer writes them).
     A missing file gives ``available: False``; unparsable lines are counted, not fatal.
     """
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
                            "profile_step_record": None, "complete": None}
+    out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
     if not out["available"]:
         return out
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -68,6 +74,8 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
                     out["profile_step_record"] = rec
             elif rec.get("type") == "complete":
                 out["complete"] = rec
+    for k in _PROFILE_STEP_FIELDS:
+        out[k] = (out["profile_step_record"] or {}).get(k)
     peaks_a = [s["mem_peak_allocated_gb"] for s in out["steps"] if isinstance(s["mem_peak_allocated_gb"], (int, float))]
     peaks_r = [s["mem_peak_reserved_gb"] for s in out["steps"] if isinstance(s["mem_peak_reserved_gb"], (int, float))]
     out["max_mem_peak_allocated_gb"] = max(peaks_a) if peaks_a else None
@@ -333,8 +341,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
 
     Returns:
         ``(summary, exit_code)``: exit code 1 when any trace/snapshot (or ``rank_coords.json``) could
-        not be processed, else 0. Missing artifacts are a warning, not an error (failed trials and
-        memory trials on CPU have none).
+        not be processed or an ``ok`` trial lacks its artifacts, else 0. Failed trials may lack
+        artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
         ValueError: unknown ``profile_kind`` or negative ``profile_step``.
@@ -348,13 +356,14 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
     complete = stats.get("complete") or {}
     status = complete.get("status", "unknown")
+    device = complete.get("device")
     summary: dict[str, Any] = {
         "schema": "sftprof.profile_summary/1",
         "trial": os.path.basename(os.path.normpath(run_dir)),
         "profile_kind": profile_kind,
         "profile_step": profile_step,
-        "status": {"status": status, "error": complete.get("error"), "steps_done": complete.get("steps_done"),
-                   "world_size": complete.get("world_size"), "backend": complete.get("backend")},
+        "status": status,
+        "completion": {k: complete.get(k) for k in ("error", "steps_done", "world_size", "backend", "device")},
         "paths": {"log_dir": os.path.abspath(log_dir), "run_dir": os.path.abspath(run_dir),
                   "trainer_log": os.path.abspath(trainer_log) if trainer_log else None,
                   "nvidia_smi_csv": os.path.abspath(nvidia_smi_csv) if nvidia_smi_csv else None},
@@ -374,10 +383,14 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
     warnings = []
-    if status == "ok" and not items:  # e.g. memory trials on CPU, where no allocator snapshot exists
+    if status == "ok" and not items:
         where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
-        warnings.append({"file": where, "warning": "trial status ok but no artifacts found in the log dir"})
+        if profile_kind == "memory" and device == "cpu":
+            warnings.append({"file": where, "warning": "no allocator snapshots: the trial ran on CPU "
+                                                       "(CUDA caching-allocator snapshots need CUDA)"})
+        else:
+            errors.append({"file": where, "error": "trial status ok but no artifacts found in the log dir"})
     summary["errors"] = errors
     summary["warnings"] = warnings
     summary["counts"] = {
@@ -424,10 +437,10 @@ def render_markdown(s: dict) -> str:
     """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file)."""
     out = [f"# Profile summary: {s['trial']}\n",
            f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
-           f"- trial status: **{s['status']['status']}**" + (f" — error: `{s['status']['error']}`"
-                                                           if s["status"].get("error") else ""),
-           f"- steps done: {_fmt(s['status']['steps_done'])}, world size: {_fmt(s['status']['world_size'])}, "
-           f"backend: {_fmt(s['status']['backend'])}",
+           f"- trial status: **{s['status']}**" + (f" — error: `{s['completion']['error']}`"
+                                                 if s["completion"].get("error") else ""),
+           f"- steps done: {_fmt(s['completion']['steps_done'])}, world size: {_fmt(s['completion']['world_size'])}, "
+           f"backend: {_fmt(s['completion']['backend'])}, device: {_fmt(s['completion']['device'])}",
            f"- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
            f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
     if s["errors"]:
@@ -441,7 +454,7 @@ def render_markdown(s: dict) -> str:
     st = s["stats"]
     if st["steps"]:
         out.append("## Steps (stats.jsonl)\n")
-        out.append(_table(["step", "step time s", "tokens/s", "peak alloc GB", "peak reserved GB", "MFU", "profiled"],
+        out.append(_table(["step", "step time s", "tokens/s", "peak alloc GiB", "peak reserved GiB", "MFU", "profiled"],
                           [[x["step"], x["step_time_s"], x["tokens_per_s"], x["mem_peak_allocated_gb"],
                             x["mem_peak_reserved_gb"], x["mfu"], x["profiled"]] for x in st["steps"]]))
     smi = s["nvidia_smi"]

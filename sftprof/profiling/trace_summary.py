@@ -158,8 +158,8 @@ class KernelTraceAnalyzer:
 
     Args:
         header: the trace's top-level members (``distributedInfo.pg_config`` maps process-group
-            names to descriptions such as ``TENSOR_MODEL_PARALLEL_GROUP``); may be filled later via
-            :meth:`set_header` because the reader sees it while streaming.
+            names to descriptions such as ``TENSOR_MODEL_PARALLEL_GROUP``); may also be given later
+            via :meth:`set_header`, any time before :meth:`summary`.
     """
 
     def __init__(self, header: dict | None = None):

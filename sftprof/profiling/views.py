@@ -92,7 +92,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         rank: global rank, used in the output names.
         compress: write ``.json.gz`` instead of ``.json``.
         max_view_bytes: views with more event bytes than this are split into time windows.
-        on_header: called once with the trace's top-level members when the event array starts.
+        on_header: called once, after the last event, with all top-level members except ``traceEvents``.
         on_event: called with every parsed event dict (e.g. ``KernelTraceAnalyzer.add``).
         progress: print progress lines to stderr.
 
@@ -115,8 +115,6 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         first = next(events, None)
         header = dict(reader.header)
         header.setdefault("displayTimeUnit", "ms")
-        if on_header is not None:
-            on_header(header)
         for view in VIEWS:
             writers[view] = TraceWriter(view_path(out_dir, rank, view, compress), header)
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
@@ -183,6 +181,8 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         for w in writers.values():
             w.abort()
         raise
+    if on_header is not None:
+        on_header(dict(reader.header))
     trailer = {k: v for k, v in reader.header.items() if k not in header}
     result = {}
     for view, w in writers.items():
