@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from sftprof.profiling.summary import SUMMARY_JSON
+from sftprof.profiling.trace_summary import short_kernel_name
 
 __all__ = ["find_trials", "compare_runs"]
 
@@ -111,7 +112,7 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
         out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
                                                     {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
         out += _table("kernel (– = not in that run's top 20)", "ms",
-                      [(_short(n), p, q) for n, p, q in _union_rows(
+                      [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
                           {k["name"]: k["total_ms"] for k in x["top_kernels"]},
                           {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
     ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}

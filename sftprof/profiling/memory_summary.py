@@ -38,10 +38,13 @@ _AUTOGRAD_NODE = re.compile(r"torch::autograd::generated::(\w+)::apply")
 _SHORTEN = re.compile(r"^(?:.*?/)?(?:site-packages|dist-packages)/")
 
 
+_PACKAGE_ROOT = re.compile(r"^.*?/(?=(?:sftprof|megatron|transformers|torch|liger_kernel|cut_cross_entropy|"
+                           r"transformer_engine|triton|apex|flash_attn)/)")
+
+
 def _short_path(filename: str) -> str:
-    filename = _SHORTEN.sub("", filename)
-    i = filename.rfind("/sftprof/")
-    return filename[i + 1:] if i >= 0 else filename
+    """Path from the package root for installed libraries and this project (``megatron/core/...``)."""
+    return _PACKAGE_ROOT.sub("", _SHORTEN.sub("", filename))
 
 
 def allocation_site(frames: list[dict]) -> str:

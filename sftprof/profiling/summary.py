@@ -20,7 +20,7 @@ from typing import Any
 from sftprof.profiling.memory_summary import analyze_snapshot, plot_memory
 from sftprof.profiling.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.profiling.trace_io import TraceFormatError
-from sftprof.profiling.trace_summary import KernelTraceAnalyzer
+from sftprof.profiling.trace_summary import KernelTraceAnalyzer, short_kernel_name
 from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
@@ -499,7 +499,7 @@ def render_markdown(s: dict) -> str:
         if g["activities"]:
             out.append("### Top kernels\n")
             out.append(_table(["#", "kernel", "calls", "total ms", "share %"],
-                              [[i + 1, _short(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
+                              [[i + 1, short_kernel_name(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
                                for i, x in enumerate(k["top_kernels"])]))
             out.append("\n### Time by category\n")
             out.append(_table(["category", "calls", "total ms", "share %"],

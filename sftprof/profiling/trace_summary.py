@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "TOP_KERNELS"]
+__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS"]
 
 TOP_KERNELS = 20
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -98,6 +98,29 @@ def kernel_category(name: str, cat: str = "kernel") -> str:
         if pattern.search(low):
             return label
     return "other"
+
+
+_NAMESPACES = re.compile(r"\(anonymous namespace\)::|\b(?:at::native|at::cuda|at|c10|std|cuda::std)::")
+
+
+def short_kernel_name(name: str, limit: int = 140) -> str:
+    """Readable kernel name for tables: no ``void``, common namespaces or parameter list.
+
+    ``void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...Functor<float, 1, 1, 0>,
+    std::multiplies<float>, float>(...)`` becomes ``multi_tensor_apply_kernel<..., multiplies<float>,
+    float>``; the template arguments are kept because they tell kernels apart. Cut to ``limit`` chars.
+    """
+    text = _NAMESPACES.sub("", name[5:] if name.startswith("void ") else name)
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0 and i > 0:
+            text = text[:i]
+            break
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def collective_group_label(pg_desc: str | None, pg_name: str | None) -> str | None:
