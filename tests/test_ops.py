@@ -125,15 +125,24 @@ def check_all(rank: int, tp: int, group, seed: int, dtype: torch.dtype, *, n=240
         _close(h_in.grad, ref_gh2[toks] if sp else ref_gh2, f"linear_sft_loss d/dhidden {tag}", **_tol(dtype, ref_gh2))
         _close(w_in.grad, ref_gw2[rows], f"linear_sft_loss d/dweight {tag}", **_tol(dtype, ref_gw2))
 
-        # 4) Megatron main_grad mode: fp32 accumulation into weight.main_grad, no autograd weight grad.
-        w_mg = wq[rows].clone().requires_grad_()
-        prior = torch.randn(w_mg.shape, dtype=torch.float32, device=device)
-        w_mg.main_grad = prior.clone()
-        w_mg.grad_added_to_main_grad = False
-        linear_sft_loss(h_in.detach(), w_mg, labels, lw * 1.7, tp_group=group, chunk_size=chunk_size,
-                        sequence_parallel=sp).backward()
-        assert w_mg.grad is None and w_mg.grad_added_to_main_grad
-        _close(w_mg.main_grad - prior, ref_gw2[rows], f"linear_sft_loss main_grad {tag}", **_tol(dtype, ref_gw2))
+        # 4) Megatron main_grad mode: fp32 accumulation into weight.main_grad. A Megatron DDP parameter
+        # (grad_added_to_main_grad present) gets a placeholder gradient so that DDP's grad hook fires; a
+        # plain parameter with only main_grad gets none.
+        for megatron_param in (True, False):
+            w_mg = wq[rows].clone().requires_grad_()
+            prior = torch.randn(w_mg.shape, dtype=torch.float32, device=device)
+            w_mg.main_grad = prior.clone()
+            if megatron_param:
+                w_mg.grad_added_to_main_grad = False
+            fired = []
+            w_mg.register_post_accumulate_grad_hook(lambda p: fired.append(None if p.grad is None else p.grad.shape))
+            linear_sft_loss(h_in.detach(), w_mg, labels, lw * 1.7, tp_group=group, chunk_size=chunk_size,
+                            sequence_parallel=sp).backward()
+            if megatron_param:
+                assert w_mg.grad_added_to_main_grad and fired == [w_mg.shape]
+            else:
+                assert w_mg.grad is None and fired in ([], [None])
+            _close(w_mg.main_grad - prior, ref_gw2[rows], f"linear_sft_loss main_grad {tag}", **_tol(dtype, ref_gw2))
 
 
 def fresh_seed() -> int:

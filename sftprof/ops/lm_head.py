@@ -59,8 +59,9 @@ class _WeightGrad:
     """Accumulates ``sum_chunks grad_logits_c.T @ hidden_c`` for the ``[V_local, H]`` LM-head weight.
 
     Megatron style: if ``weight.main_grad`` exists, accumulation goes straight into it (its dtype, fp32
-    in practice; bf16 x bf16 -> fp32 through cuBLAS on CUDA) and the autograd gradient is ``None``
-    (``weight.grad_added_to_main_grad`` is set to ``True`` when the attribute exists). Otherwise a
+    in practice; bf16 x bf16 -> fp32 through cuBLAS on CUDA). The autograd gradient is then ``None``, or,
+    when ``weight.grad_added_to_main_grad`` exists (Megatron DDP parameters), an uninitialised placeholder
+    with that flag set to ``True`` so that DDP's gradient hook fires and discards it. Otherwise a
     gradient of ``weight.dtype`` is accumulated chunk by chunk (cuBLAS beta=1, fp32 inside each GEMM).
     """
 
@@ -83,7 +84,7 @@ class _WeightGrad:
             self.acc.addmm_(a.to(self.acc.dtype), hidden.to(self.acc.dtype))
 
     def result(self, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The autograd gradient (``None`` in main_grad mode), multiplied by ``scale`` if given.
+        """The autograd gradient (``None`` or a placeholder in main_grad mode), multiplied by ``scale`` if given.
 
         Raises:
             ValueError: in main_grad mode when ``scale`` is not 1 (the contribution was already added).
@@ -94,9 +95,15 @@ class _WeightGrad:
                     "linear_sft_loss added the LM-head weight gradient to weight.main_grad during the forward, so "
                     f"the loss must be back-propagated with gradient 1 (got {float(scale)}); fold loss scaling "
                     "(1/num_microbatches, 1/num_tokens) into loss_weight instead")
-            if hasattr(self.weight, "grad_added_to_main_grad"):
-                self.weight.grad_added_to_main_grad = True
-            return None
+            if not hasattr(self.weight, "grad_added_to_main_grad"):
+                return None
+            # Megatron DDP: its gradient hook on the weight's grad accumulator only fires for a non-None
+            # gradient (with overlap_grad_reduce it marks the bucket ready); grad_added_to_main_grad tells
+            # it to drop this placeholder instead of adding it (as megatron-core's own linear layers do).
+            self.weight.grad_added_to_main_grad = True
+            if getattr(self.weight, "zero_out_wgrad", False):
+                return torch.zeros_like(self.weight)
+            return torch.empty_like(self.weight)
         acc, self.acc = self.acc, None
         if acc is None:  # zero tokens
             return torch.zeros_like(self.weight)
