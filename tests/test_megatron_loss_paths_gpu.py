@@ -42,13 +42,16 @@ def _run(path: str):
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
     sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.vocab_size), SEQ, 0.5, hf.vocab_size)
+    torch.manual_seed(cfg.seed)  # as the trainer does in a fresh process: every build gets the same weights
+    torch.cuda.manual_seed_all(cfg.seed)
     engine = (NaiveLossEngine if path == "naive" else MegatronEngine)(cfg, layout, hf, torch.device("cuda", 0))
     try:
+        init = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
         tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
         r0 = engine.train_step(step_micro_batches(cfg, sample, 0, 1, 0), tokens)
         grads = {n: p.main_grad.detach().clone() for n, p in engine.model.module.named_parameters()}
         r1 = engine.train_step(step_micro_batches(cfg, sample, 1, 1, 0), tokens)
-        return r0, r1, grads
+        return r0, r1, grads, init
     finally:
         del engine
         parallel_state.destroy_model_parallel()
@@ -62,9 +65,10 @@ def test_loss_paths_agree_in_loss_and_gradients():
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     try:
-        ref0, ref1, ref_g = _run("naive")
+        ref0, ref1, ref_g, ref_init = _run("naive")
         for path in ("logprobs", "lm_head"):
-            r0, r1, g = _run(path)
+            r0, r1, g, init = _run(path)
+            assert all(torch.equal(init[n], ref_init[n]) for n in ref_init), "engines built with different weights"
             print(path, "loss", r0.loss, r1.loss, "naive", ref0.loss, ref1.loss, "grad norm", r0.grad_norm, ref0.grad_norm)
             assert abs(r0.loss - ref0.loss) < 1e-4 * abs(ref0.loss)
             assert abs(r0.grad_norm - ref0.grad_norm) < 1e-4 * ref0.grad_norm
