@@ -113,7 +113,7 @@ class TraceReader:
         self._base += self._pos
         self._buf = self._buf[self._pos:] + text
         self._pos = 0
-        if self.progress is not None:
+        if self.progress is not None and data:
             self.progress.update(self._raw.tell())
         return bool(data) or bool(text)
 
