@@ -21,8 +21,10 @@ batch (``train_dataset.batch_size * profile.fake_seq_len``); ``tokens_per_s`` =
 tokens / step_time_s; ``mem_*_gb`` GiB (2^30 bytes) from the CUDA caching allocator of rank 0
 (current allocated/reserved after the step, peak during the step; 0.0 on CPU); ``ranks`` per-rank
 step time and peaks; ``tflops_per_gpu`` = model FLOPs / step_time_s / world_size / 1e12 and
-``mfu`` = tflops_per_gpu / peak dense BF16 TFLOP/s of the GPU (:data:`PEAK_BF16_TFLOPS`; null
-for other GPUs), both null on CPU or when the engine cannot count FLOPs; ``profiled`` whether
+``mfu`` = tflops_per_gpu / peak dense BF16 TFLOP/s of the GPU (:data:`sftprof.flops.PEAK_BF16_FLOPS`;
+null for other GPUs), both null on CPU or when the engine cannot count FLOPs;
+``recompute_tflops_per_gpu`` the same rate for the FLOPs re-run by activation recompute (not in MFU);
+``profiled`` whether
 the step was a kernel- or memory-profile step.
 """
 from __future__ import annotations
@@ -45,13 +47,12 @@ import torch
 import torch.distributed as dist
 
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml
+from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.profiling.regions import STEP, region
 
 log = logging.getLogger("sftprof")
 
 GIB = float(1 << 30)
-# Dense BF16 peak TFLOP/s (no sparsity) by GPU name substring: NVIDIA H100 SXM / H200 datasheets.
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
 
 
 class _Terminated(RuntimeError):
@@ -61,14 +62,6 @@ class _Terminated(RuntimeError):
 def trial_log_dir(cfg) -> Path:
     """LOG_DIR = ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/``."""
     return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
-
-
-def peak_bf16_tflops(device: torch.device) -> Optional[float]:
-    """Dense BF16 peak TFLOP/s of ``device`` (:data:`PEAK_BF16_TFLOPS`), None when unknown or CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -203,7 +196,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         engine = build_engine(cfg, layout, hf_config, device)
         loss_tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
         tokens = cfg.train_dataset.batch_size * cfg.profile.fake_seq_len
-        peak = peak_bf16_tflops(device)
+        peak = gpu_peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         for step in range(cfg.total_train_steps):
             mbs = step_micro_batches(cfg, sample, step, layout.dp, coords["dp"])
             if device.type == "cuda":
@@ -223,13 +216,17 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             if rank != 0:
                 continue
             step_time = max(r["step_time_s"] for r in ranks)
+            on_gpu = device.type == "cuda"
             tflops = (result.model_flops / step_time / layout.world_size / 1e12
-                      if result.model_flops is not None and device.type == "cuda" else None)
+                      if result.model_flops is not None and on_gpu else None)
+            recompute_tflops = (result.recompute_flops / step_time / layout.world_size / 1e12
+                                if result.recompute_flops is not None and on_gpu else None)
             record = {"type": "step", "step": step, "loss": result.loss, "step_time_s": step_time, "tokens": tokens,
                       "tokens_per_s": tokens / step_time, "mem_allocated_gb": mem["allocated"],
                       "mem_reserved_gb": mem["reserved"], "mem_peak_allocated_gb": mem["peak_allocated"],
                       "mem_peak_reserved_gb": mem["peak_reserved"], "ranks": ranks, "tflops_per_gpu": tflops,
-                      "mfu": tflops / peak if tflops is not None and peak else None,
+                      "mfu": mfu(result.model_flops, step_time, layout.world_size, peak) if tflops is not None else None,
+                      "recompute_tflops_per_gpu": recompute_tflops,
                       "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
             stats.write(json.dumps(record) + "\n")
             stats.flush()

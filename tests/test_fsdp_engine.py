@@ -11,7 +11,7 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.config import load_config
 from sftprof.data import global_loss_tokens, load_tokenizer, make_fake_sample, step_micro_batches
 from sftprof.engine import build_engine
-from sftprof.engine.base import qwen3_moe_model_flops
+from sftprof.flops import ModelShape, train_step_flops
 from sftprof.models.hf import load_hf_config
 
 
@@ -62,12 +62,5 @@ def test_fsdp_step0_loss_matches_reference(gloo_world_1, head_chunk):
     assert result.loss == pytest.approx(ref_loss, rel=2e-6)
     assert result.grad_norm == pytest.approx(ref_norm, rel=1e-4)
     assert ref_norm > 0.5  # so clipping at 0.5 was active in the step
-    assert result.model_flops == qwen3_moe_model_flops(hf_config, 32, 3)
-
-
-def test_model_flops_formula():
-    c = load_hf_config("qwen3_30b_a3b")
-    h, q, kv, s = 2048, 32 * 128, 4 * 128, 4096
-    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * q * s + 2 * h * 128 + 8 * 6 * h * 768
-    expected = 3 * (48 * per_layer + 2 * h * 151936) * s * 2
-    assert qwen3_moe_model_flops(c, s, 2) == pytest.approx(expected, rel=1e-12)
+    flops = train_step_flops(ModelShape.from_hf(hf_config), [32] * 3, "full")
+    assert (result.model_flops, result.recompute_flops) == (flops.model, flops.recompute)

@@ -76,7 +76,7 @@ def test_kernel_trial_records(kernel_trial):
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
-                       "tflops_per_gpu", "mfu", "profiled"}
+                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
@@ -85,7 +85,7 @@ def test_kernel_trial_records(kernel_trial):
         assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["step_time_s"])
         assert [r["rank"] for r in s["ranks"]] == [0, 1]
         assert s["step_time_s"] == max(r["step_time_s"] for r in s["ranks"]) > 0
-        assert s["tflops_per_gpu"] is None and s["mfu"] is None   # CPU
+        assert s["tflops_per_gpu"] is None and s["mfu"] is None and s["recompute_tflops_per_gpu"] is None  # CPU
         assert s["mem_peak_allocated_gb"] == 0.0                    # no CUDA allocator on CPU
     assert json.loads((log_dir / "rank_coords.json").read_text()) == {
         "world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp",

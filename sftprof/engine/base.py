@@ -48,13 +48,16 @@ class StepResult:
         loss: global token-mean of ``-logprob`` over the loss tokens of the step (nats).
         grad_norm: total L2 norm of the gradients before clipping (all parameters, all ranks).
         model_flops: model FLOPs of the step summed over all ranks (forward + backward, no
-            recompute), or None when the backend cannot count them. The trainer divides by step
-            time and world size for TFLOP/s per GPU and MFU.
+            recompute; :func:`sftprof.flops.train_step_flops`), or None when the backend cannot
+            count them. The trainer divides by step time and world size for TFLOP/s per GPU and MFU.
+        recompute_flops: FLOPs re-run by activation recompute in the step (all ranks), reported
+            separately and never added to ``model_flops``; None when not counted.
     """
 
     loss: float
     grad_norm: float
     model_flops: Optional[float]
+    recompute_flops: Optional[float] = None
 
 
 class Engine(abc.ABC):
@@ -97,43 +100,3 @@ def build_engine(cfg, layout, hf_config, device: torch.device) -> Engine:
         from sftprof.engine.megatron import MegatronEngine
         return MegatronEngine(cfg, layout, hf_config, device)
     raise ValueError(f"actor.backend={cfg.actor.backend!r}: unknown backend {layout.backend!r}; accepted fsdp, megatron")
-
-
-def qwen3_moe_model_flops(hf_config, seq_len: int, n_seqs: int) -> float:
-    """Model FLOPs of forward + backward for ``n_seqs`` sequences of ``seq_len`` tokens.
-
-    Counts 2 FLOPs per multiply-add of every matrix product (attention projections, causal
-    attention scores and values, router, the ``num_experts_per_tok`` active experts' SwiGLU
-    GEMMs, LM head) and 3x the forward for forward + backward; recompute is not counted (the
-    usual MFU convention, as in the PaLM paper's appendix B and Megatron-LM's FLOPs estimate).
-    Causal attention counts half of the full ``seq_len x seq_len`` score matrix.
-
-    Args:
-        hf_config: a ``qwen3_moe`` Hugging Face config (hidden_size, num_attention_heads,
-            num_key_value_heads, head_dim, num_experts, num_experts_per_tok,
-            moe_intermediate_size, num_hidden_layers, vocab_size; ``mlp_only_layers`` and
-            ``decoder_sparse_step`` honoured, dense layers use ``intermediate_size``).
-        seq_len: tokens per sequence.
-        n_seqs: number of sequences.
-
-    Returns:
-        FLOPs (float).
-    """
-    c = hf_config
-    h = c.hidden_size
-    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    attn_proj = 2 * h * (q + 2 * kv) + 2 * q * h                    # per token
-    attn_core = 2 * 2 * q * seq_len / 2                              # QK^T and AV, causal half
-    sparse_step = getattr(c, "decoder_sparse_step", 1) or 1
-    mlp_only = set(getattr(c, "mlp_only_layers", []) or [])
-    per_token = 0.0
-    for layer in range(c.num_hidden_layers):
-        per_token += attn_proj + attn_core
-        sparse = c.num_experts > 0 and layer not in mlp_only and (layer + 1) % sparse_step == 0
-        if sparse:
-            per_token += 2 * h * c.num_experts + c.num_experts_per_tok * 2 * 3 * h * c.moe_intermediate_size
-        else:
-            per_token += 2 * 3 * h * c.intermediate_size
-    per_token += 2 * h * c.vocab_size
-    return 3.0 * per_token * seq_len * n_seqs

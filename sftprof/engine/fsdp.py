@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sftprof.data import MicroBatch
-from sftprof.engine.base import Engine, StepResult, qwen3_moe_model_flops
+from sftprof.engine.base import Engine, StepResult
+from sftprof.flops import ModelShape, train_step_flops
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
@@ -213,5 +214,8 @@ class FSDPEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(local_sum)
         seq_len = micro_batches[0].input_ids.shape[1]
-        flops = qwen3_moe_model_flops(self.hf_config, seq_len, n_seqs * self.layout.dp)
-        return StepResult(loss=float(local_sum) / global_loss_tokens, grad_norm=float(grad_norm), model_flops=flops)
+        # HF gradient checkpointing re-runs every decoder layer's forward: Megatron's full/uniform recompute.
+        flops = train_step_flops(ModelShape.from_hf(self.hf_config), [seq_len] * (n_seqs * self.layout.dp),
+                                 "full" if self.cfg.actor.gradient_checkpointing else "none")
+        return StepResult(loss=float(local_sum) / global_loss_tokens, grad_norm=float(grad_norm),
+                          model_flops=flops.model, recompute_flops=flops.recompute)

@@ -300,4 +300,4 @@ class MegatronEngine(Engine):
                      flops.model, flops.recompute, gran)
         self.last_recompute_flops = flops.recompute
         return StepResult(loss=loss_sum / global_loss_tokens, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                          model_flops=flops.model)
+                          model_flops=flops.model, recompute_flops=flops.recompute)
