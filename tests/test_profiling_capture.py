@@ -70,6 +70,7 @@ def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
     cfg = _cfg("memory_profiler.profile_steps=[2,3]", "memory_profiler.max_entries=5000")
     coords = LAYOUT.rank_coords(0)
     prof = MemoryProfiler(cfg, LAYOUT, 0, coords, tmp_path, torch.device("cuda"))
+    weights = torch.empty(3 << 20, device="cuda")  # allocated before the profiled step, like model weights
     with prof.step(2):
         with region(forward(0)):
             x = torch.empty(1 << 20, device="cuda")
@@ -77,6 +78,10 @@ def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
     data = pickle.loads(snap.read_bytes())
     traces = [e for dev in data["device_traces"] for e in dev]
     assert any(e["action"] == "alloc" and e["size"] >= x.numel() * 4 for e in traces)
+    # History starts when the profiler is built: blocks allocated before the step keep their stack.
+    blocks = [b for seg in data["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert any(b["size"] >= weights.numel() * 4 and any("test_profiling_capture" in f["filename"] for f in b["frames"])
+               for b in blocks)
     phases = json.loads((snapshot_dir(tmp_path, 2) / "phases_rank0.json").read_text())
     assert phases["clock"] == "unix_us" and [p["name"] for p in phases["phases"]] == ["sftprof/forward/mb0"]
     alloc_us = [e["time_us"] for e in traces if e["action"] == "alloc" and e["size"] >= x.numel() * 4]

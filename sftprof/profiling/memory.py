@@ -1,8 +1,11 @@
 """Memory trials: CUDA caching-allocator history and snapshot of the chosen steps and ranks.
 
-On CUDA, for a step in ``memory_profiler.profile_steps`` on a rank of ``memory_profiler.ranks``,
-allocator history is recorded (``torch.cuda.memory._record_memory_history`` with
-``max_entries=memory_profiler.max_entries`` trace entries) through the step and the snapshot
+On CUDA, on a rank of ``memory_profiler.ranks``, allocator history is recorded
+(``torch.cuda.memory._record_memory_history`` with ``max_entries=memory_profiler.max_entries``
+trace entries) from the moment the profiler is built, which the trainer does before the model, so
+that weights, gradient buffers and optimizer states carry the Python stack that allocated them in
+the snapshot (the trace ring buffer keeps only the newest ``max_entries`` events; a block's stack
+stays with the block). At the end of each step in ``memory_profiler.profile_steps`` the snapshot
 is dumped (``torch.cuda.memory._dump_snapshot``) at its end to
 ``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``, with
 the phase sidecar ``phases_rank<r>.json`` (:class:`sftprof.profiling.regions.PhaseRecorder`,
@@ -65,6 +68,8 @@ class MemoryProfiler:
         self.log_dir = Path(log_dir)
         self.cuda = device.type == "cuda"
         self.snapshots_written = 0
+        if self.cuda and self.steps and rank in self.ranks:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
 
     def is_profiled(self, step: int) -> bool:
         """True when ``step`` is a memory-profile step on some rank."""
@@ -89,7 +94,6 @@ class MemoryProfiler:
         out.mkdir(parents=True, exist_ok=True)
         snap = out / snapshot_name(self.rank, self.coords)
         phases = out / f"phases_rank{self.rank}.json"
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
         try:
             with PhaseRecorder(sync_cuda=True) as rec:
                 try:
@@ -101,7 +105,8 @@ class MemoryProfiler:
             torch.cuda.synchronize()
             self._dump(snap, rec, phases)
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if step == max(self.steps):
+                torch.cuda.memory._record_memory_history(enabled=None)
 
     def _dump(self, snap: Path, rec: PhaseRecorder, phases: Path) -> None:
         torch.cuda.memory._dump_snapshot(str(snap))
