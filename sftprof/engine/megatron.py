@@ -63,32 +63,22 @@ def check_init_from_scratch(cfg: SFTProfileConfig) -> None:
                       "*.pt); set actor.init_from_scratch=true")
 
 
-class _BackwardRegionStart(torch.autograd.Function):
-    """Identity whose backward opens the ``sftprof/backward/mb<i>`` region (placed on the stage output)."""
+class _BackwardRegionMark(torch.autograd.Function):
+    """Identity whose backward opens (``opening=True``, placed on the stage output) or closes (on the
+    stage input) the ``sftprof/backward/mb<i>`` region."""
 
     @staticmethod
-    def forward(ctx, x, engine, mb):
-        ctx.engine, ctx.mb = engine, mb
+    def forward(ctx, x, engine, mb, opening):
+        ctx.engine, ctx.mb, ctx.opening = engine, mb, opening
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.engine._open_backward_region(ctx.mb)
-        return grad, None, None
-
-
-class _BackwardRegionEnd(torch.autograd.Function):
-    """Identity whose backward closes the ``sftprof/backward/mb<i>`` region (placed on the stage input)."""
-
-    @staticmethod
-    def forward(ctx, x, engine, mb):
-        ctx.engine, ctx.mb = engine, mb
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.engine._close_backward_region(ctx.mb)
-        return grad, None, None
+        if ctx.opening:
+            ctx.engine._open_backward_region(ctx.mb)
+        else:
+            ctx.engine._close_backward_region(ctx.mb)
+        return grad, None, None, None
 
 
 class MegatronEngine(Engine):
@@ -194,7 +184,7 @@ class MegatronEngine(Engine):
 
     def _mark_stage_input(self, module, inputs, output):
         if torch.is_grad_enabled() and output.requires_grad:
-            return _BackwardRegionEnd.apply(output, self, self._mb_index)
+            return _BackwardRegionMark.apply(output, self, self._mb_index, False)
         return output
 
     # ---- step --------------------------------------------------------------------------------------
@@ -236,11 +226,11 @@ class MegatronEngine(Engine):
             if not self.pre_process:
                 dec = self.gpt.decoder
                 if dec.input_tensor is not None and dec.input_tensor.requires_grad:
-                    dec.input_tensor = _BackwardRegionEnd.apply(dec.input_tensor, self, mb)
+                    dec.input_tensor = _BackwardRegionMark.apply(dec.input_tensor, self, mb, False)
             output = model(batch["input_ids"], batch["position_ids"], None)
             if self.post_process:
                 output = self._loss_sum(output, batch)
-            output = _BackwardRegionStart.apply(output, self, mb)
+            output = _BackwardRegionMark.apply(output, self, mb, True)
         self._mb_index += 1
         n_tokens = batch["loss_mask"].sum().to(torch.int)
 

@@ -174,6 +174,12 @@ def gpt_model_kwargs(hf: Any) -> dict:
     )
 
 
+def _parallel_sizes(layout: Layout) -> dict:
+    return dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.etp)
+
+
 def parallel_state_kwargs(layout: Layout) -> dict:
     """``megatron.core.parallel_state.initialize_model_parallel`` arguments of a megatron layout.
 
@@ -184,26 +190,12 @@ def parallel_state_kwargs(layout: Layout) -> dict:
     """
     if layout.backend != "megatron":
         raise ConfigError(f"actor.backend: layout backend {layout.backend!r} is not 'megatron'")
-    return dict(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        order="tp-cp-ep-dp-pp",
-    )
+    return dict(_parallel_sizes(layout), order="tp-cp-ep-dp-pp")
 
 
 def parallel_config_kwargs(layout: Layout) -> dict:
     """Parallel ``TransformerConfig`` fields: sizes, sequence parallel when TP > 1 (MoE needs it)."""
-    return dict(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.tp > 1,
-    )
+    return dict(_parallel_sizes(layout), sequence_parallel=layout.tp > 1)
 
 
 def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
