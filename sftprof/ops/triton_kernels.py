@@ -1,6 +1,6 @@
 """Triton kernels for :mod:`sftprof.ops.vocab_softmax` (CUDA only; imported lazily).
 
-Both kernels stream one chunk of logits ``[n, V_local]`` (bf16/fp16/fp32, row stride arbitrary,
+All kernels stream one chunk of logits ``[n, V_local]`` (bf16/fp16/fp32, row stride arbitrary,
 column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks with more than
 2**31 elements are addressed correctly.
 
@@ -11,6 +11,21 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
   the gradient of ``-w * logprob`` written in place (one launch per chunk for the SFT loss).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
+
+Launch configurations (``BLOCK``, ``num_warps``) are chosen with ``triton.autotune`` from a small list
+(row kernels: BLOCK 4096/8192/16384 x 8/16/32 warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8
+warps), keyed on the number of columns and the row stride (the autotuner adds the tensor dtypes), so
+each kernel is tuned once per vocabulary-shard size and dtype, on its first call in the process; the
+chosen config is cached in memory for the rest of the process. Different configs only change the
+order of the fp32 reductions, so results may differ in the last bits between processes.
+
+Autotuning launches a kernel many times on the caller's real arguments. ``sft_rows_`` and
+``softmax_grad_`` overwrite their input logits in place, so a second timing launch would read
+gradients instead of logits; they therefore declare ``restore_value=["x_ptr"]``: the autotuner
+clones the logits before each timing launch and copies them back after it, and the final launch
+with the chosen config runs on the original logits. This costs one extra ``[n, V_local]`` buffer
+(and the copies) during tuning only. No kernel accumulates into an output (every output element is
+written exactly once per launch), so no ``reset_to_zero`` is needed.
 """
 from __future__ import annotations
 
@@ -18,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-_STATS_BLOCK = 8192
-_STATS_WARPS = 16
-_GRAD_BLOCK = 2048
+# Row kernels: one program per row streams the whole row in BLOCK-wide steps.
+_ROW_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (4096, 8192, 16384) for w in (8, 16, 32)]
+# Elementwise gradient kernel: one program per (row, BLOCK columns).
+_GRAD_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
+# Tune once per vocabulary-shard width / row stride (the autotuner also keys on the tensor dtypes).
+_KEY = ["n_cols", "stride_row"]
 
 
 @triton.jit
@@ -51,6 +69,7 @@ def _target_logit(base, lab_ptr, row, inv_temp):
     return idx, tl.where(idx >= 0, t, 0.0)
 
 
+@triton.autotune(configs=_ROW_CONFIGS, key=_KEY)
 @triton.jit
 def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t_ptr, inv_temp,
                       BLOCK: tl.constexpr):
@@ -64,6 +83,8 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
     tl.store(t_ptr + row, t)
 
 
+# In place: restore the logits between the autotuner's timing launches.
+@triton.autotune(configs=_ROW_CONFIGS, key=_KEY, restore_value=["x_ptr"])
 @triton.jit
 def _sft_rows_kernel(x_ptr, stride_row, n_cols, lab_ptr, w_ptr, lp_ptr, inv_temp, BLOCK: tl.constexpr):
     """Whole-vocabulary rows (no TP split): log-prob of the label, then the row overwritten with
@@ -84,6 +105,8 @@ def _sft_rows_kernel(x_ptr, stride_row, n_cols, lab_ptr, w_ptr, lp_ptr, inv_temp
         tl.store(base + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+# In place: restore the logits between the autotuner's timing launches.
+@triton.autotune(configs=_GRAD_CONFIGS, key=_KEY, restore_value=["x_ptr"])
 @triton.jit
 def _softmax_grad_kernel(x_ptr, stride_row, n_cols, n_rows, lab_ptr, lse_ptr, coef_ptr, inv_temp,
                          BLOCK: tl.constexpr):
@@ -117,7 +140,7 @@ def row_stats(logits: torch.Tensor, local_labels: torch.Tensor, inv_temp: float)
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
         _row_stats_kernel[(n,)](logits, logits.stride(0), v, local_labels.contiguous(), out[0], out[1],
-                                out[2], out[3], inv_temp, BLOCK=_STATS_BLOCK, num_warps=_STATS_WARPS)
+                                out[2], out[3], inv_temp)
     return out.unbind(0)
 
 
@@ -127,9 +150,11 @@ def softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.T
     _check(logits)
     n, v = logits.shape
     if n:
-        grid = (n, triton.cdiv(v, _GRAD_BLOCK))
+        def grid(meta):
+            return (n, triton.cdiv(v, meta["BLOCK"]))
+
         _softmax_grad_kernel[grid](logits, logits.stride(0), v, n, local_labels.contiguous(), lse.contiguous(),
-                                   coef.contiguous(), inv_temp, BLOCK=_GRAD_BLOCK, num_warps=4)
+                                   coef.contiguous(), inv_temp)
 
 
 def sft_rows_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float) -> torch.Tensor:
@@ -140,5 +165,5 @@ def sft_rows_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.T
     logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         _sft_rows_kernel[(n,)](logits, logits.stride(0), v, local_labels.contiguous(), weights.contiguous(), logprob,
-                               inv_temp, BLOCK=_STATS_BLOCK, num_warps=_STATS_WARPS)
+                               inv_temp)
     return logprob
