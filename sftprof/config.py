@@ -300,6 +300,10 @@ def validate(cfg: SFTProfileConfig) -> None:
             check_rank_spec_syntax(sec.ranks)
         except RankSpecError as err:
             raise ConfigError(f"{section}.ranks={sec.ranks!r}: {err}") from err
+    if cfg.memory_profiler.profile_steps and cfg.perf_tracer.enabled and cfg.perf_tracer.profile_steps:
+        raise ConfigError(f"perf_tracer.profile_steps={list(cfg.perf_tracer.profile_steps)} and memory_profiler.profile_steps="
+                          f"{list(cfg.memory_profiler.profile_steps)}: set one profile kind per trial (allocator history "
+                          "distorts kernel timings)")
     _check(cfg.memory_profiler.max_entries >= 1, "memory_profiler.max_entries", cfg.memory_profiler.max_entries, "an integer >= 1")
 
 

@@ -133,9 +133,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if world != layout.world_size:
         _exit_config_error(f"actor.backend={cfg.actor.backend!r} needs {layout.world_size} ranks ({layout.describe()}), "
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
-    if cfg.memory_profiler.profile_steps and cfg.perf_tracer.enabled and cfg.perf_tracer.profile_steps:
-        _exit_config_error("perf_tracer.profile_steps and memory_profiler.profile_steps are both set: one profile "
-                           "kind per trial (allocator history distorts kernel timings)")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.vocab_size)

@@ -53,10 +53,11 @@ def test_interpolation_follows_overrides():
     ("actor.mb_spec.n_mbs=3", "actor.mb_spec.n_mbs=3: must be <= sequences per data-parallel rank"),
     ("memory_profiler.max_entries=0", "memory_profiler.max_entries=0: must be an integer >= 1"),
     ("nonsense", "override 'nonsense': expected key=value"),
+    ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
 ])
 def test_bad_values_name_key_value_and_accepted(override, message):
     with pytest.raises(ConfigError) as exc:
-        load_config(FLAGSHIP, [override])
+        load_config(FLAGSHIP, ["perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]", override])
     assert message in str(exc.value)
 
 
