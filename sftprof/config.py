@@ -84,7 +84,9 @@ class MegatronSettings:
     exp_avg_sq_dtype: str = "float32"
     ddp: DDPSettings = field(default_factory=DDPSettings)
     use_deterministic_algorithms: bool = False
+    # false: ignore actor.logprobs_chunk_size and compute log-probs over all tokens at once (baseline).
     enable_chunked_logits: bool = True
+    # Kept from the seed config; the SFT loss has no entropy term, so it changes nothing here.
     entropy_requires_grad: bool = False
     lm_head_loss_chunk_size: int = 0
     recompute_granularity: str = "full"
@@ -305,6 +307,12 @@ def validate(cfg: SFTProfileConfig) -> None:
                           f"{list(cfg.memory_profiler.profile_steps)}: set one profile kind per trial (allocator history "
                           "distorts kernel timings)")
     _check(cfg.memory_profiler.max_entries >= 1, "memory_profiler.max_entries", cfg.memory_profiler.max_entries, "an integer >= 1")
+
+
+def effective_logprobs_chunk_size(cfg: SFTProfileConfig) -> int:
+    """Tokens per chunk of the logits path: ``actor.logprobs_chunk_size``, or 0 (all tokens at once)
+    when ``actor.megatron.enable_chunked_logits`` is false."""
+    return cfg.actor.logprobs_chunk_size if cfg.actor.megatron.enable_chunked_logits else 0
 
 
 def load_config_or_exit(path: str | Path, overrides: List[str] | None = None) -> SFTProfileConfig:

@@ -72,3 +72,11 @@ def test_bad_yaml_and_missing_file(tmp_path):
     typo.write_text(FLAGSHIP.read_text().replace("fake_seq_len:", "fake_seq_length:"))
     with pytest.raises(ConfigError, match="profile.fake_seq_length"):
         load_config(typo)
+
+
+def test_enable_chunked_logits_false_means_unchunked():
+    from sftprof.config import effective_logprobs_chunk_size
+
+    assert effective_logprobs_chunk_size(load_config(FLAGSHIP)) == 128
+    cfg = load_config(FLAGSHIP, ["actor.megatron.enable_chunked_logits=false"])
+    assert effective_logprobs_chunk_size(cfg) == 0

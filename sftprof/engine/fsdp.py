@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from sftprof.config import effective_logprobs_chunk_size
 from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import ModelShape, train_step_flops
@@ -156,7 +157,7 @@ class FSDPEngine(Engine):
         causal_lm = build_hf_causal_lm(cfg, hf_config)
         if a.gradient_checkpointing:
             causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = CausalLMForSFT(causal_lm, a.logprobs_chunk_size, a.megatron.lm_head_loss_chunk_size)
+        model = CausalLMForSFT(causal_lm, effective_logprobs_chunk_size(cfg), a.megatron.lm_head_loss_chunk_size)
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         # Parameters stay in actor.dtype; gradients are reduced in fp32 for bf16/fp16 models.
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -176,7 +177,7 @@ class FSDPEngine(Engine):
         log.info("fsdp engine: %s, %.3fB parameters, dtype %s, dp=%d, gradient checkpointing %s, loss path %s",
                  type(causal_lm).__name__, n_params / 1e9, a.dtype, layout.dp, a.gradient_checkpointing,
                  f"linear_sft_loss chunk {a.megatron.lm_head_loss_chunk_size}" if a.megatron.lm_head_loss_chunk_size
-                 else f"logits + vocab_parallel_logprobs chunk {a.logprobs_chunk_size}")
+                 else f"logits + vocab_parallel_logprobs chunk {effective_logprobs_chunk_size(cfg)}")
 
     @property
     def rank_coords(self) -> dict:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from sftprof.allocation import Layout
-from sftprof.config import ConfigError, SFTProfileConfig
+from sftprof.config import ConfigError, SFTProfileConfig, effective_logprobs_chunk_size
 from sftprof.data import MicroBatch, cp_shard
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import ModelShape, train_step_flops
@@ -216,7 +216,7 @@ class MegatronEngine(Engine):
                                    chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel)
         # output: vocab-parallel logits [b, s_local, V/tp]
         logprobs = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), batch["labels"].reshape(-1),
-                                           tp_group=self.tp_group, chunk_size=self.cfg.actor.logprobs_chunk_size)
+                                           tp_group=self.tp_group, chunk_size=effective_logprobs_chunk_size(self.cfg))
         return -(logprobs * mask.reshape(-1).to(logprobs.dtype)).sum()
 
     def _forward_step(self, data_iterator, model):
