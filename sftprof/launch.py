@@ -26,6 +26,7 @@ import datetime as _dt
 import getpass
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     write_plan(trials, settings, info)
     for key, value in info.items():
-        print(f"{key.upper()}={value}")
+        print(f"{key.upper()}={shlex.quote(str(value))}")  # the driver evals these lines
     return 0
 
 

@@ -77,3 +77,18 @@ def test_plan_is_step_major_kernel_first(tmp_path):
     assert "LOGPROBS_CHUNK_SIZE=64\t# env -> actor.logprobs_chunk_size" in settings
     assert "PROFILE_RANKS=0\t# default pp_rank0" in settings
     assert "N_GPUS_PER_NODE=2\t# world size 2 / N_NODES" in settings
+
+
+def test_shell_metacharacters_in_values_are_not_executed(tmp_path):
+    marker = tmp_path / "PWNED"
+    run_root = tmp_path / f"run $(touch {marker}); touch {marker}"
+    out = run_driver({"RUN_ROOT": str(run_root), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0",
+                      "N_GPUS_PER_NODE": "3"}, tmp_path)  # fails validation after RUN_ROOT is read
+    assert out.returncode == 2 and not marker.exists()
+    env = dict(os.environ, CONFIG="tiny_cpu", FILEROOT=str(tmp_path / "fr"), RUN_ROOT=str(run_root), PROFILE_STAMP="q")
+    env.pop("PROFILE_RANKS", None)
+    plan = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    shown = subprocess.run(["bash", "-c", f'eval "$1"; printf %s "$RUN_ROOT"', "_", plan.stdout],
+                           capture_output=True, text=True)
+    assert shown.stdout == str(run_root) and not marker.exists()
