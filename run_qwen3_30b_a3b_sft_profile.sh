@@ -15,6 +15,7 @@ set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # torchrun's own default, stated so it does not warn
 
 # 1. Validate everything and write RUN_ROOT/{profile_settings.log,trials.tsv} before launching anything.
 plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?

@@ -287,6 +287,9 @@ def validate(cfg: SFTProfileConfig) -> None:
     _check(p.fake_seq_len >= 2, "profile.fake_seq_len", p.fake_seq_len, "an integer >= 2")
     _check(p.fake_dataset_size >= 1, "profile.fake_dataset_size", p.fake_dataset_size, "an integer >= 1")
     _check(0 <= p.fake_loss_start_ratio < 1, "profile.fake_loss_start_ratio", p.fake_loss_start_ratio, "a number in [0, 1)")
+    mbt = a.mb_spec.max_tokens_per_mb
+    _check(mbt == 0 or mbt >= p.fake_seq_len, "actor.mb_spec.max_tokens_per_mb", mbt,
+           f"0 (no limit) or >= one sequence (profile.fake_seq_len={p.fake_seq_len})")
     _check(cfg.train_dataset.batch_size >= 1, "train_dataset.batch_size", cfg.train_dataset.batch_size, "an integer >= 1")
     _check(cfg.train_dataset.max_length >= 0, "train_dataset.max_length", cfg.train_dataset.max_length, "an integer >= 0 (0 = no limit)")
     dp = parse_allocation_mode(a.backend).dp

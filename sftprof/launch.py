@@ -26,6 +26,7 @@ import datetime as _dt
 import getpass
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Callable, Mapping
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config, to_yaml
+from sftprof.models.hf import ModelPathError, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,11 +81,18 @@ def _dtype(name: str, text: str) -> str:
     return DTYPE_ALIASES[text.strip().lower()]
 
 
+def _no_repeats(name: str, text: str, items: list) -> None:
+    repeated = sorted({str(t) for t in items if items.count(t) > 1})
+    if repeated:
+        raise DriverError(f"{name}={text!r}: lists {','.join(repeated)} more than once; each trial runs once")
+
+
 def _int_list(name: str, text: str) -> list[int]:
     items = [t.strip() for t in text.split(",")]
     if not text.strip() or any(not t.isdigit() for t in items):
         raise DriverError(f"{name}={text!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
-    return sorted({int(t) for t in items})
+    _no_repeats(name, text, [int(t) for t in items])
+    return sorted(int(t) for t in items)
 
 
 def _kinds(name: str, text: str) -> list[str]:
@@ -91,8 +100,15 @@ def _kinds(name: str, text: str) -> list[str]:
     bad = [t for t in items if t not in KINDS]
     if not text.strip() or bad:
         raise DriverError(f"{name}={text!r}: must be a non-empty comma-separated subset of {','.join(KINDS)}"
-                          + (f" (unknown: {','.join(bad)})" if bad else ""))
+                          + (f" (unknown: {','.join(bad)})" if text.strip() and bad else ""))
+    _no_repeats(name, text, items)
     return [k for k in KINDS if k in items]
+
+
+def _host(name: str, text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._:\[\]-]+", text):
+        raise DriverError(f"{name}={text!r}: must be a host name or IP address (letters, digits, '.', '-', ':', '[]')")
+    return text
 
 
 @dataclass(frozen=True)
@@ -205,6 +221,13 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
             probe = load_config(config, overrides + extra_overrides)
         except ConfigError as err:
             raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
+    try:
+        load_hf_config(probe.actor.path, probe.actor.num_layers)
+    except (ModelPathError, ValueError) as err:
+        raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
+    if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
+        raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
+                          "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
     layout = parse_allocation_mode(probe.actor.backend)
     n_nodes = n_nodes or probe.cluster.n_nodes
     if node_rank >= n_nodes:
@@ -266,7 +289,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
                                 ["--config", str(Path(config).resolve()) if Path(config).is_file() else config,
                                  *trial_overrides]))
     torchrun = {"nproc_per_node": nproc, "nnodes": n_nodes, "node_rank": node_rank,
-                "master_addr": get("MASTER_ADDR") or "127.0.0.1", "master_port": master_port}
+                "master_addr": _host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), "master_port": master_port}
     settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
     settings.append("# resolved config of the first trial:")
     settings += ["#   " + line for line in to_yaml(load_config(config, trials[0].args[2:])).splitlines()]

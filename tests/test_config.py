@@ -54,6 +54,7 @@ def test_interpolation_follows_overrides():
     ("memory_profiler.max_entries=0", "memory_profiler.max_entries=0: must be an integer >= 1"),
     ("nonsense", "override 'nonsense': expected key=value"),
     ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
+    ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8: must be 0 (no limit) or >= one sequence (profile.fake_seq_len=131072)"),
 ])
 def test_bad_values_name_key_value_and_accepted(override, message):
     with pytest.raises(ConfigError) as exc:

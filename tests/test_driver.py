@@ -29,6 +29,11 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
     ({"TOTAL_STEPS": "1"}, "TOTAL_STEPS=1: must be > the largest profile step 1"),
     ({"N_GPUS_PER_NODE": "3"}, "N_GPUS_PER_NODE=3 x N_NODES=1 = 3 processes, but actor.backend='fsdp:d2' needs world size 2"),
     ({"CONFIG": "no_such_preset"}, "config='no_such_preset': no such file"),
+    ({"MODEL_PATH": "/no/such/model"}, "actor.path='/no/such/model': not a directory with config.json; accepted:"),
+    ({"PROFILE_STEPS": "1,1"}, "PROFILE_STEPS='1,1': lists 1 more than once"),
+    ({"PROFILE_KINDS": ""}, "PROFILE_KINDS='': must be a non-empty comma-separated subset of kernel,memory"),
+    ({"MASTER_ADDR": "$(touch x)"}, "MASTER_ADDR='$(touch x)': must be a host name or IP address"),
+    ({"TRAIN_BATCH_SIZE": "3"}, "train_dataset.batch_size=3: must be a multiple of the data-parallel size 2"),
 ])
 def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path):
     t0 = time.monotonic()
@@ -49,6 +54,9 @@ def test_misspelled_config_key_exits_2(tmp_path):
     assert "actor.logprob_chunk_size" in out.stderr and "Did you mean" in out.stderr
     out = run_driver({}, tmp_path, "actor.optimizer.learning_rate=1")
     assert out.returncode == 2 and "actor.optimizer.learning_rate" in out.stderr
+    out = run_driver({}, tmp_path, "tokenizer_path=/no/such/tokenizer")
+    assert out.returncode == 2 and "tokenizer_path='/no/such/tokenizer': not a directory" in out.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_existing_run_root_is_never_overwritten(tmp_path):

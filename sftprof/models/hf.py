@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:  # transformers is imported lazily: the driver's checks stay fast
+    from transformers import PretrainedConfig
+
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED_CONFIGS = tuple(sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file()))
@@ -66,6 +69,8 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
         ModelPathError: see :func:`resolve_model_dir`.
         ValueError: ``num_layers`` exceeds the configured number of layers.
     """
+    from transformers import AutoConfig
+
     model_dir = resolve_model_dir(path)
     config = text_config(AutoConfig.from_pretrained(str(model_dir)))
     if num_layers:
