@@ -56,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
     args = p.parse_args(argv)
-    if not os.path.isdir(args.log_dir):
-        p.error(f"--log-dir {args.log_dir}: not a directory")
     if args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
     print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "
-          f"(status {summary['status']}, {summary['counts']})", file=sys.stderr)
+          f"(trial status {summary['status']}, {summary['counts']})", file=sys.stderr)
     return code
 
 

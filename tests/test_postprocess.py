@@ -241,3 +241,25 @@ def test_ok_trial_without_artifacts(tmp_path):
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
     assert res.returncode == 1
     assert json.load(open(run / "profile_summary.json"))["errors"][0]["file"].startswith("memory_snapshots/step_1/")
+
+
+def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "launcher.log").write_text("torchrun: ChildFailedError\nsftprof: configuration error: boom\n")
+    res = _cli("--log-dir", tmp_path / "never_written", "--run-dir", run, "--profile-kind", "kernel",
+               "--profile-step", 0)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["status"] == "failed" and "does not exist" in s["completion"]["error"]
+    assert s["trainer_log_tail"] == ["torchrun: ChildFailedError", "sftprof: configuration error: boom"]
+    assert s["errors"] == [] and s["counts"]["traces"] == 0
+
+
+def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
+    (tmp_path / "log").mkdir()
+    _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "memory",
+               "--profile-step", 7)
+    s = json.load(open(tmp_path / "run" / "profile_summary.json"))
+    assert any("profile_step=1, not the requested 7" in w["warning"] for w in s["warnings"]), s["warnings"]

@@ -355,6 +355,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     coords, coords_error = _read_rank_coords(log_dir)
     stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
     complete = stats.get("complete") or {}
+    if not os.path.isdir(log_dir):  # torchrun or the trainer died before the trainer's first write
+        complete = {"status": "failed", "error": f"log dir {log_dir} does not exist: the trial failed before the "
+                                                 "trainer wrote anything (see launcher.log in the run dir)"}
     status = complete.get("status", "unknown")
     device = complete.get("device")
     summary: dict[str, Any] = {
@@ -372,7 +375,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         "rank_coords": {str(k): v for k, v in sorted(coords.items())},
     }
     if status != "ok":
-        summary["trainer_log_tail"] = _trainer_log_tail(trainer_log)
+        summary["trainer_log_tail"] = (_trainer_log_tail(trainer_log)
+                                       or _trainer_log_tail(os.path.join(run_dir, "launcher.log")))
     if profile_kind == "kernel":
         summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
         items = summary["kernel_traces"]
@@ -383,6 +387,11 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
     warnings = []
+    for key, asked in (("profile_kind", profile_kind), ("profile_step", profile_step)):
+        recorded = complete.get(key)
+        if recorded is not None and recorded != asked:
+            warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled {key}={recorded!r}, "
+                                                               f"not the requested {asked!r}"})
     if status == "ok" and not items:
         where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
