@@ -205,10 +205,15 @@ def test_compare_runs(tmp_path, cpu_traces):
         run = tmp_path / f"root{side}" / f"tiny_kernel_step1_{side}"
         assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
         summaries[side] = json.load(open(run / "profile_summary.json"))
+    for side, chunk in (("A", 0), ("B", 128)):  # the trainer's resolved config, as in a real log dir
+        (Path(summaries[side]["paths"]["log_dir"]) / "config.yaml").write_text(
+            f"trial_name: t{side}\nactor:\n  logprobs_chunk_size: {chunk}\nprofile:\n  fake_seq_len: 4096\n")
     out = tmp_path / "cmp.md"
     res = _cli("compare", tmp_path / "rootA", tmp_path / "rootB", "--out", out)
     assert res.returncode == 0, res.stderr
     md = out.read_text()
+    assert "| `actor.logprobs_chunk_size` | 0 | 128 |" in md and "trial_name" not in md and "**Warning:**" not in md
+    assert _cell(md, "sftprof/forward/mb0", 1) not in ("", "–")
     assert md == res.stdout.rstrip("\n") + "\n"
     assert "## kernel step 1: `tiny_kernel_step1_A` (A) vs `tiny_kernel_step1_B` (B)" in md
     assert _cell(md, "step time s (stats.jsonl", 4) == "-0.500" and _cell(md, "step time s (stats.jsonl", 5) == "-25.0%"

@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any
 
+import yaml
+
 from sftprof.profiling.summary import SUMMARY_JSON
 from sftprof.profiling.trace_summary import short_kernel_name
 
@@ -73,13 +75,58 @@ def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tu
     return [(n, a.get(n), b.get(n)) for n in names]
 
 
+def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
+    """``{region name: ms}`` of the annotated regions of one rank trace (regions without a value left out)."""
+    return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
+
+
 def _short(name: str, n: int = 100) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
+
+
+_SAME_BY_DESIGN = ("trial_name",)  # differs between any two trials
+_SIZE_KEYS = ("profile.fake_seq_len", "train_dataset.batch_size", "actor.backend", "actor.num_layers", "actor.path")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _settings(summary: dict) -> dict[str, Any] | None:
+    """The trial's resolved config (``LOG_DIR/config.yaml`` written by the trainer), flattened; None if absent."""
+    path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return _flat(yaml.safe_load(f) or {})
+
+
+def _settings_diff(a: dict, b: dict) -> list[str]:
+    """What was changed between the two trials (the experiment), and a warning when sizes differ."""
+    ca, cb = _settings(a), _settings(b)
+    if ca is None or cb is None:
+        return ["Settings: the trials' config.yaml is not available; cannot tell what differs.", ""]
+    keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
+    if not keys:
+        return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
+    out += [f"| `{k}` | {ca.get(k, '–')} | {cb.get(k, '–')} |" for k in keys]
+    sized = [k for k in keys if k in _SIZE_KEYS]
+    if sized:
+        out += ["", f"**Warning:** the runs differ in {', '.join(sized)}: time and memory deltas mix the "
+                "change under test with a different problem size."]
+    return out + [""]
 
 
 def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     kind, step = key
     out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
+    out += _settings_diff(a, b)
     sa, sb = a["stats"].get("profile_step_record") or {}, b["stats"].get("profile_step_record") or {}
     rows = [("step time s (stats.jsonl, profiled step)", sa.get("step_time_s"), sb.get("step_time_s")),
             ("peak allocated GB (stats.jsonl, profiled step)", sa.get("mem_peak_allocated_gb"),
@@ -109,6 +156,9 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
             ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
             ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
             ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])])
+        out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100))
+        if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
+            out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100))
         out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
                                                     {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
         out += _table("kernel (– = not in that run's top 20)", "ms",
