@@ -19,7 +19,7 @@ Step record fields (units): ``loss`` nats (global token mean); ``step_time_s`` s
 slowest rank's wall time of the step (device synchronised); ``tokens`` tokens of the global
 batch (``train_dataset.batch_size * profile.fake_seq_len``); ``tokens_per_s`` =
 tokens / step_time_s; ``mem_*_gb`` GiB (2^30 bytes) from the CUDA caching allocator of rank 0
-(current allocated/reserved after the step, peak during the step; 0.0 on CPU); ``ranks`` per-rank
+(current allocated/reserved after the step, peak during the step; null on CPU); ``ranks`` per-rank
 step time and peaks; ``tflops_per_gpu`` = model FLOPs / step_time_s / world_size / 1e12 and
 ``mfu`` = tflops_per_gpu / peak dense BF16 TFLOP/s of the GPU (:data:`sftprof.flops.PEAK_BF16_FLOPS`;
 null for other GPUs), both null on CPU or when the engine cannot count FLOPs;
@@ -96,8 +96,8 @@ def _seed(seed: int) -> None:
 
 
 def _memory_gib(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"allocated": 0.0, "reserved": 0.0, "peak_allocated": 0.0, "peak_reserved": 0.0}
+    if device.type != "cuda":  # no caching allocator to read: null in stats.jsonl, not a measured 0
+        return {"allocated": None, "reserved": None, "peak_allocated": None, "peak_reserved": None}
     return {"allocated": torch.cuda.memory_allocated(device) / GIB,
             "reserved": torch.cuda.memory_reserved(device) / GIB,
             "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
@@ -227,10 +227,11 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                       "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
             stats.write(json.dumps(record) + "\n")
             stats.flush()
-            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | mem GiB allocated %.2f "
-                     "reserved %.2f peak allocated %.2f peak reserved %.2f%s%s", step, result.loss, result.grad_norm,
-                     step_time, tokens / step_time, mem["allocated"], mem["reserved"], mem["peak_allocated"],
-                     mem["peak_reserved"], f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "",
+            mem_text = ("mem GiB allocated {allocated:.2f} reserved {reserved:.2f} peak allocated {peak_allocated:.2f} "
+                        "peak reserved {peak_reserved:.2f}".format(**mem) if on_gpu else "mem n/a (CPU)")
+            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s", step,
+                     result.loss, result.grad_norm, step_time, tokens / step_time, mem_text,
+                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "",
                      " | profiled" if record["profiled"] else "")
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
