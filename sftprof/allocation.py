@@ -42,6 +42,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
+        """Number of ranks: ``dp * cp * tp * pp`` (equal to ``edp * ep * etp * pp``)."""
         return self.dp * self.cp * self.tp * self.pp
 
     def rank_coords(self, rank: int) -> dict:

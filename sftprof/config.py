@@ -44,6 +44,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ClusterConfig:
+    """Where logs go (``fileroot``) and the torchrun layout (nodes x processes per node)."""
+
     fileroot: str = "/tmp/sftprof"
     n_nodes: int = 1
     n_gpus_per_node: int = 8
@@ -51,6 +53,9 @@ class ClusterConfig:
 
 @dataclass
 class MicroBatchSpec:
+    """Micro-batching per data-parallel rank: at least ``n_mbs`` micro-batches (a multiple of
+    ``n_mbs_divisor``), each holding at most ``max_tokens_per_mb`` tokens (0 = no limit)."""
+
     n_mbs: int = 1
     n_mbs_divisor: int = 1
     max_tokens_per_mb: int = 0
@@ -58,6 +63,8 @@ class MicroBatchSpec:
 
 @dataclass
 class OptimizerSettings:
+    """AdamW settings: learning rate, decoupled weight decay, betas, eps, grad-norm clip (0 = off)."""
+
     lr: float = 1e-5
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -69,6 +76,8 @@ class OptimizerSettings:
 
 @dataclass
 class DDPSettings:
+    """Megatron DDP: gradient reduction dtype and overlap, distributed optimizer."""
+
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -77,6 +86,9 @@ class DDPSettings:
 
 @dataclass
 class MegatronSettings:
+    """Megatron engine and memory-saving settings (precision-aware optimizer dtypes, recompute,
+    MoE routing, chunked LM-head loss)."""
+
     use_precision_aware_optimizer: bool = False
     main_grads_dtype: str = "float32"
     main_params_dtype: str = "float32"
@@ -99,6 +111,8 @@ class MegatronSettings:
 
 @dataclass
 class ActorConfig:
+    """The trained model: allocation mode (``backend``), model path, dtype, micro-batches, optimizer."""
+
     # Allocation mode: backend plus parallel layout, e.g. "megatron:(attn:d2c4|ffn:d1e8)" or "fsdp:d2".
     backend: str = "fsdp:d1"
     # A Hugging Face model directory (config.json, optional weights/tokenizer) or the name of a
@@ -117,6 +131,8 @@ class ActorConfig:
 
 @dataclass
 class FakeDataConfig:
+    """Deterministic fake long samples: tokens per sample, dataset size, where the loss mask starts."""
+
     fake_seq_len: int = 4096
     fake_dataset_size: int = 8
     fake_loss_start_ratio: float = 0.5
@@ -124,12 +140,16 @@ class FakeDataConfig:
 
 @dataclass
 class TrainDatasetConfig:
+    """Global batch in sequences per step (``batch_size``) and the length cap (0 = none)."""
+
     batch_size: int = 1
     max_length: int = 0
 
 
 @dataclass
 class PerfTracerConfig:
+    """Kernel trials: torch.profiler on ``profile_steps`` for the ranks of ``ranks`` (a rank spec)."""
+
     enabled: bool = False
     profile_steps: List[int] = field(default_factory=list)
     # Rank spec: "pp_rank0" (rank 0 of every pipeline stage), "" (all ranks) or "0,2-4".
@@ -138,6 +158,8 @@ class PerfTracerConfig:
 
 @dataclass
 class MemoryProfilerConfig:
+    """Memory trials: allocator snapshots at the end of ``profile_steps`` for the ranks of ``ranks``."""
+
     profile_steps: List[int] = field(default_factory=list)
     max_entries: int = 100000
     ranks: str = "pp_rank0"

@@ -327,6 +327,7 @@ def trial_status(log_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: ``plan`` (exit 2 on bad input) or ``status LOG_DIR``; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m sftprof.launch", description="sftprof driver helper")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_plan = sub.add_parser("plan", help="validate driver env vars and write RUN_ROOT's plan; prints shell variables")
