@@ -49,6 +49,20 @@ def test_top_kernel_and_totals_match_a_plain_count(gpu_case):
     assert sum(c["calls"] for c in s["categories"]) == s["gpu"]["activities"]
 
 
+def test_top_cpu_ops_match_a_plain_count(gpu_case):
+    ref, s = gpu_case
+    total = collections.defaultdict(float)
+    calls = collections.Counter()
+    for e in ref:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            total[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    expect = sorted(total, key=lambda n: (-total[n], n))[:15]
+    assert [x["name"] for x in s["top_cpu_ops"]] == expect
+    assert [x["calls"] for x in s["top_cpu_ops"]] == [calls[n] for n in expect]
+    assert s["top_cpu_ops"][0]["inclusive_ms"] == pytest.approx(total[expect[0]] / 1e3, abs=1e-3)
+
+
 def test_busy_share_matches_sweep(gpu_case):
     ref, s = gpu_case
     lo, hi = s["step_window"]["start_us"], s["step_window"]["end_us"]

@@ -513,6 +513,10 @@ def render_markdown(s: dict) -> str:
             out.append("\n### Time by category\n")
             out.append(_table(["category", "calls", "total ms", "share %"],
                               [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
+        if k.get("top_cpu_ops"):
+            out.append("\n### Top CPU ops (inclusive: nested ops count in their parents too)\n")
+            out.append(_table(["op", "calls", "inclusive ms"],
+                              [[x["name"], x["calls"], x["inclusive_ms"]] for x in k["top_cpu_ops"]]))
         if c["kernels"]:
             out.append("\n### Collectives\n")
             out.append(_table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))

@@ -34,6 +34,7 @@ import numpy as np
 __all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS"]
 
 TOP_KERNELS = 20
+TOP_CPU_OPS = 15
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 REGION_PREFIX = "sftprof/"
 OPTIMIZER_REGION = "sftprof/optimizer_step"
@@ -206,6 +207,8 @@ class KernelTraceAnalyzer:
         self._t_max = float("-inf")
         self.n_events = 0
         self._pg_desc: dict[str, str] = {}
+        self._cpu_us: dict[str, float] = defaultdict(float)  # cpu_op name -> inclusive time (us)
+        self._cpu_calls: dict[str, int] = defaultdict(int)
         if header:
             self.set_header(header)
 
@@ -274,6 +277,8 @@ class KernelTraceAnalyzer:
                 self._host_comm.append((name, ts, ts + dur))
         elif cat == "cpu_op":
             name = ev.get("name", "")
+            self._cpu_us[name] += dur
+            self._cpu_calls[name] += 1
             if name.startswith(_HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
             args = ev.get("args")
@@ -288,7 +293,8 @@ class KernelTraceAnalyzer:
 
         Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms),
         ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
-        ``top_kernels`` (name, calls, total_ms, share_pct), ``categories`` (category, calls,
+        ``top_kernels`` (name, calls, total_ms, share_pct), ``top_cpu_ops`` (name, calls,
+        inclusive_ms: an op's own time plus the ops nested in it, over the whole trace), ``categories`` (category, calls,
         total_ms, share_pct; sums to 100 %), ``communication`` (total_ms, hidden_ms, exposed_ms,
         by_type, by_group), ``regions`` (name, start_ms relative to the window, cpu_ms, gpu_ms).
         """
@@ -400,6 +406,8 @@ class KernelTraceAnalyzer:
                             "wall_ms": _ms(hi - lo) if lo is not None else None},
             "gpu": gpu,
             "top_kernels": top_kernels,
+            "top_cpu_ops": [{"name": k, "calls": self._cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
+                            sorted(self._cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_CPU_OPS]],
             "categories": categories,
             "communication": communication,
             "regions": region_rows,
