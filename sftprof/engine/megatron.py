@@ -123,7 +123,6 @@ class MegatronEngine(Engine):
         apply_megatron_compat()
         parallel_state.initialize_model_parallel(**mc.parallel_state_kwargs(layout))
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        self.ps = parallel_state
 
         tcfg = mc.build_transformer_config(hf_config, cfg, layout, have_te)
         self.tcfg = tcfg
