@@ -35,7 +35,7 @@ while IFS=$'\t' read -r trial kind step run_dir log_dir args_file; do
     smi_pid=$!
   fi
   start=$(date +%s)
-  torchrun --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+  "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
     "$HERE/train_sft_profile.py" "${train_args[@]}" 2>&1 | tee "$run_dir/launcher.log"
   torchrun_rc=${PIPESTATUS[0]}
