@@ -214,6 +214,8 @@ def test_compare_runs(tmp_path, cpu_traces):
     md = out.read_text()
     assert "| `actor.logprobs_chunk_size` | 0 | 128 |" in md and "trial_name" not in md and "**Warning:**" not in md
     assert _cell(md, "sftprof/forward/mb0", 1) not in ("", "–")
+    top_cpu = summaries["A"]["kernel_traces"][0]["summary"]["top_cpu_ops"][0]
+    assert float(_cell(md, top_cpu["name"] + " |", 2)) == pytest.approx(top_cpu["inclusive_ms"], abs=1e-3)
     assert md == res.stdout.rstrip("\n") + "\n"
     assert "## kernel step 1: `tiny_kernel_step1_A` (A) vs `tiny_kernel_step1_B` (B)" in md
     assert _cell(md, "step time s (stats.jsonl", 4) == "-0.500" and _cell(md, "step time s (stats.jsonl", 5) == "-25.0%"

@@ -165,6 +165,9 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
                       [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
                           {k["name"]: k["total_ms"] for k in x["top_kernels"]},
                           {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
+        out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _union_rows(
+            {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []},
+            {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS))
     ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
     mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
     for rank in sorted(set(ma) & set(mb)):
