@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -101,12 +100,10 @@ def run_case(seq_len: int, path: str, args) -> dict:
 
 def _case_main(case: str, args) -> int:
     """Run one ``SEQ:PATH`` case in this process (fresh CUDA context) and print ``RESULT <json>``."""
+    from sftprof.trainer import init_distributed
+
     seq, path = case.split(":")
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29541"}.items():
-        os.environ.setdefault(k, v)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    init_distributed()
     try:
         print("RESULT " + json.dumps(run_case(int(seq), path, args)), flush=True)
     finally:

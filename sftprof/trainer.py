@@ -109,14 +109,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ensure_single_process_env() -> None:
-    """Without torchrun: a one-rank rendezvous on localhost."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def init_distributed() -> tuple[int, torch.device]:
+    """Start the default process group: NCCL on this rank's GPU when CUDA is available, else gloo.
+
+    Under torchrun the ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` environment is used; without it a
+    one-rank rendezvous on a free localhost port (single process: benchmarks, GPU tests).
+
+    Returns:
+        ``(rank, device)``.
+    """
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, device
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -141,15 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, ValueError, OSError) as err:
         _exit_config_error(str(err))
 
-    _ensure_single_process_env()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    rank, device = init_distributed()
     log_dir = trial_log_dir(cfg)
     log_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(rank, log_dir)

@@ -10,7 +10,6 @@ the same weights three times; each engine runs one training step with a differen
 Every parameter's ``main_grad`` after the step, and the loss of a second step, must agree with the
 naive path to fp32 accuracy (relative norm error < 1e-4).
 """
-import os
 
 import pytest
 import torch
@@ -59,11 +58,9 @@ def _run(path: str):
 
 @pytest.mark.gpu
 def test_loss_paths_agree_in_loss_and_gradients():
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29547"}.items():
-        os.environ.setdefault(k, v)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    from sftprof.trainer import init_distributed
+
+    init_distributed()
     try:
         ref0, ref1, ref_g, ref_init = _run("naive")
         for path in ("logprobs", "lm_head"):
