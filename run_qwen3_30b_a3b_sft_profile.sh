@@ -25,7 +25,7 @@ printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\t
 echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
 
 final_rc=0
-while IFS=$'\t' read -r trial kind step run_dir log_dir args_file; do
+while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # fd 3: children keep stdin
   mapfile -t train_args < "$args_file"
   echo "sftprof: trial $trial (kind=$kind step=$step)"
   smi_pid=""
@@ -41,14 +41,20 @@ while IFS=$'\t' read -r trial kind step run_dir log_dir args_file; do
   torchrun_rc=${PIPESTATUS[0]}
   elapsed=$(( $(date +%s) - start ))
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
-  # Success is the trainer's completion record, not a log grep.
-  train_rc=$("$PYTHON" -m sftprof.launch status "$log_dir")
-  [ "$torchrun_rc" -ne 0 ] && train_rc=$torchrun_rc
-  pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
-           --trainer-log "$log_dir/trainer.log")
-  [ -s "$run_dir/nvidia_smi.csv" ] && pp_args+=(--nvidia-smi-csv "$run_dir/nvidia_smi.csv")
-  "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/launcher.log"
-  pp_rc=${PIPESTATUS[0]}
+  if [ "$NODE_RANK" = "0" ]; then
+    # Success is the trainer's completion record (written by global rank 0), not a log grep.
+    train_rc=$("$PYTHON" -m sftprof.launch status "$log_dir")
+    [ "$torchrun_rc" -ne 0 ] && train_rc=$torchrun_rc
+    pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
+             --trainer-log "$log_dir/trainer.log")
+    [ -s "$run_dir/nvidia_smi.csv" ] && pp_args+=(--nvidia-smi-csv "$run_dir/nvidia_smi.csv")
+    "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/launcher.log"
+    pp_rc=${PIPESTATUS[0]}
+  else
+    # Other nodes: torchrun's exit status; node 0 postprocesses every rank from the shared FILEROOT.
+    train_rc=$torchrun_rc
+    pp_rc=0
+  fi
   status=$train_rc
   [ "$status" -eq 0 ] && status=$pp_rc
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$trial" "$kind" "$step" "$status" "$train_rc" "$pp_rc" \
@@ -61,7 +67,7 @@ while IFS=$'\t' read -r trial kind step run_dir log_dir args_file; do
       break
     fi
   fi
-done < "$RUN_ROOT/trials.tsv"
+done 3< "$RUN_ROOT/trials.tsv"
 
 column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary"
 exit "$final_rc"

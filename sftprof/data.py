@@ -249,7 +249,8 @@ def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, m
     to a multiple of ``n_mbs_divisor``; never more than ``n_seqs`` (a sequence is not split).
 
     Raises:
-        ValueError: one sequence is longer than ``max_tokens_per_mb``, or ``n_mbs > n_seqs``.
+        ValueError: one sequence is longer than ``max_tokens_per_mb``, ``n_mbs > n_seqs``, or the
+            divisor rounds the count past ``n_seqs``.
     """
     if n_mbs > n_seqs:
         raise ValueError(f"actor.mb_spec.n_mbs={n_mbs}: must be <= sequences per data-parallel rank ({n_seqs})")
@@ -260,7 +261,11 @@ def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, m
                              f"(profile.fake_seq_len={seq_len}); accepted: 0 (no limit) or >= {seq_len}")
         n = max(n, math.ceil(n_seqs / (max_tokens_per_mb // seq_len)))
     n = math.ceil(n / n_mbs_divisor) * n_mbs_divisor
-    return min(n, n_seqs)
+    if n > n_seqs:
+        raise ValueError(f"actor.mb_spec.n_mbs_divisor={n_mbs_divisor}: {n} micro-batches needed, but a data-parallel "
+                         f"rank has only {n_seqs} sequences (a sequence is not split); accepted: a divisor that "
+                         f"makes n_mbs <= {n_seqs}")
+    return n
 
 
 def split_micro_batches(sample: FakeSample, sample_ids: List[int], n_mbs: int) -> List[MicroBatch]:

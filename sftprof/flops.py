@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak in FLOP/s, from NVIDIA's H100/H200 SXM datasheets.
-PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+# Checked in order: the PCIe and NVL parts before the plain (SXM) names.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756.5e12, "H100 NVL": 835.5e12, "H100": 989.4e12, "H200": 989.4e12,
+                   "A100": 312e12}
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
         if not text:  # unset or empty: the config's value stands
             continue
         value = var.parse(var.name, text)
-        overrides.append(f"{var.key}={_yaml_value(value)}")
+        # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
+        overrides.append(f"{var.key}={json.dumps(value) if isinstance(value, str) else _yaml_value(value)}")
         set_keys.add(var.name)
     n_nodes = _int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None
     node_rank = _int("NODE_RANK", get("NODE_RANK") or "0", 0)
@@ -258,6 +259,9 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
         settings.append(f"# extra overrides: {' '.join(extra_overrides)}")
     settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
 
+    if n_nodes > 1 and not get("PROFILE_STAMP"):
+        raise DriverError(f"PROFILE_STAMP is unset with N_NODES={n_nodes}: set the same PROFILE_STAMP on every node "
+                          "(trial names must match), and put FILEROOT on a filesystem all nodes share")
     stamp = get("PROFILE_STAMP") or _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     if not stamp.replace("_", "").replace("-", "").isalnum():
         raise DriverError(f"PROFILE_STAMP={stamp!r}: use letters, digits, '_' and '-' only")

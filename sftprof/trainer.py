@@ -206,11 +206,13 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
-            t0 = time.perf_counter()
-            with kernel.step(step), memory.step(step), region(STEP):
-                result = engine.train_step(mbs, loss_tokens)
-                _sync(device)
-            dt = time.perf_counter() - t0
+            with kernel.step(step), memory.step(step):
+                # Timed inside the profilers: their start/stop, trace export and snapshot dump stay out.
+                t0 = time.perf_counter()
+                with region(STEP):
+                    result = engine.train_step(mbs, loss_tokens)
+                    _sync(device)
+                dt = time.perf_counter() - t0
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"]}
@@ -242,9 +244,11 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                      " | profiled" if record["profiled"] else "")
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
-    except Exception as err:  # includes _Terminated (SIGTERM)
+    except BaseException as err:  # includes _Terminated (SIGTERM) and KeyboardInterrupt
         error = f"{type(err).__name__}: {err}"
         log.exception("trial failed at step %d", steps_done)
+        if not isinstance(err, Exception):
+            raise  # after the finally below has written the failed completion record
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if stats is not None:

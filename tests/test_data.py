@@ -84,7 +84,8 @@ def test_dp_rank_sample_ids():
 def test_n_micro_batches():
     assert n_micro_batches(4, 100, 2, 1, 0) == 2
     assert n_micro_batches(4, 100, 1, 1, 200) == 2        # 2 sequences fit in 200 tokens
-    assert n_micro_batches(5, 100, 1, 2, 100) == 5        # 5 needed, divisor 2 -> 6, capped at 5 sequences
+    with pytest.raises(ValueError, match="n_mbs_divisor=2: 6 micro-batches needed, but a data-parallel rank has only 5"):
+        n_micro_batches(5, 100, 1, 2, 100)                 # 5 needed, divisor 2 -> 6 > 5 sequences
     assert n_micro_batches(6, 100, 1, 4, 0) == 4          # rounded up to the divisor
     with pytest.raises(ValueError, match="max_tokens_per_mb"):
         n_micro_batches(2, 100, 1, 1, 50)

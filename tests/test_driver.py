@@ -100,3 +100,15 @@ def test_shell_metacharacters_in_values_are_not_executed(tmp_path):
     shown = subprocess.run(["bash", "-c", f'eval "$1"; printf %s "$RUN_ROOT"', "_", plan.stdout],
                            capture_output=True, text=True)
     assert shown.stdout == str(run_root) and not marker.exists()
+
+
+def test_text_values_stay_text_and_multi_node_needs_a_stamp(tmp_path):
+    env = dict(os.environ, CONFIG="tiny_cpu", FILEROOT=str(tmp_path / "fr"), RUN_ROOT=str(tmp_path / "run"),
+               PROFILE_STAMP="t2", EXPERIMENT_NAME="0123")
+    env.pop("PROFILE_RANKS", None)
+    out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
+    assert Path(rows[0][4]).parent.name == "0123"  # not the octal 83
+    out = run_driver({"N_NODES": "2", "N_GPUS_PER_NODE": "1"}, tmp_path / "multi")
+    assert out.returncode == 2 and "PROFILE_STAMP is unset with N_NODES=2" in out.stderr

@@ -69,3 +69,10 @@ def test_mfu_and_peak():
     assert gpu_peak_bf16_flops("Some GPU") is None
     assert mfu(989.4e12, 1.0, 2, 989.4e12) == 0.5
     assert mfu(1.0, 0.0, 1, 989.4e12) is None and mfu(1.0, 1.0, 1, None) is None
+
+
+def test_peak_lookup_distinguishes_h100_parts():
+    assert gpu_peak_bf16_flops("NVIDIA H100 PCIe") == 756.5e12
+    assert gpu_peak_bf16_flops("NVIDIA H100 NVL") == 835.5e12
+    assert gpu_peak_bf16_flops("NVIDIA H100 80GB HBM3") == gpu_peak_bf16_flops("NVIDIA H200") == 989.4e12
+    assert gpu_peak_bf16_flops("NVIDIA L4") is None

@@ -92,3 +92,14 @@ def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
             raise torch.OutOfMemoryError("simulated")
     assert (snapshot_dir(tmp_path, 3) / snapshot_name(0, coords)).exists()
     assert prof.snapshots_written == 2
+
+
+def test_region_records_its_phase_when_it_dies():
+    from sftprof.profiling.regions import PhaseRecorder
+
+    with PhaseRecorder(sync_cuda=False) as rec:
+        with pytest.raises(RuntimeError, match="simulated OOM"):
+            with region("sftprof/step"), region(forward(0)):
+                raise RuntimeError("simulated OOM")
+    assert [p["name"] for p in rec.phases] == ["sftprof/forward/mb0", "sftprof/step"]
+    assert all(p["start_us"] <= p["end_us"] for p in rec.phases)

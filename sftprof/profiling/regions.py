@@ -68,7 +68,9 @@ def region(name: str) -> Iterator[None]:
     """Annotate a region: ``record_function(name)`` plus a phase record when one is active."""
     rec = PhaseRecorder._active
     start = rec.now_us() if rec else None
-    with torch.profiler.record_function(name):
-        yield
-    if rec is not None:
-        rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:  # also when the region dies (CUDA OOM): the snapshot's peak still gets its phase
+        if rec is not None:
+            rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
