@@ -11,6 +11,7 @@ Key names follow ``shared/DESIGN.md`` (and the AReaL-style seed config): for exa
 """
 from __future__ import annotations
 
+import getpass
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,6 +339,11 @@ def effective_logprobs_chunk_size(cfg: SFTProfileConfig) -> int:
     """Tokens per chunk of the logits path: ``actor.logprobs_chunk_size``, or 0 (all tokens at once)
     when ``actor.megatron.enable_chunked_logits`` is false."""
     return cfg.actor.logprobs_chunk_size if cfg.actor.megatron.enable_chunked_logits else 0
+
+
+def trial_log_dir(cfg: SFTProfileConfig) -> Path:
+    """LOG_DIR of a trial: ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/``."""
+    return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
 
 
 def load_config_or_exit(path: str | Path, overrides: List[str] | None = None) -> SFTProfileConfig:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import getpass
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.config import ConfigError, load_config, to_yaml
+from sftprof.config import ConfigError, load_config, to_yaml, trial_log_dir
 from sftprof.models.hf import ModelPathError, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -206,22 +205,15 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
         raise DriverError(f"MASTER_PORT={master_port}: must be in [1, 65535]")
     nproc = _int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None
 
+    if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not _bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
+            and "MAIN_GRADS_DTYPE" not in set_keys:
+        # USE_PRECISION_AWARE_OPTIMIZER=false alone: the optimizer dtypes follow it back to float32.
+        overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
+        settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
     try:
         probe = load_config(config, overrides + extra_overrides)
     except ConfigError as err:
-        if "use_precision_aware_optimizer" in str(err) and "USE_PRECISION_AWARE_OPTIMIZER" in set_keys \
-                and "MAIN_GRADS_DTYPE" not in set_keys:
-            probe = None
-        else:
-            raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
-    if probe is None:
-        # USE_PRECISION_AWARE_OPTIMIZER=false alone: the fp32 optimizer fields follow it.
-        overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
-        settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
-        try:
-            probe = load_config(config, overrides + extra_overrides)
-        except ConfigError as err:
-            raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
+        raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
     try:
         load_hf_config(probe.actor.path, probe.actor.num_layers)
     except (ModelPathError, ValueError) as err:
@@ -273,7 +265,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
     note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>")
     note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
 
-    trials = []
+    trials, first_cfg = [], None
     for step in steps:
         for kind in kinds:
             name = f"{model_tag}_fake{seq_tag(probe.profile.fake_seq_len)}_{kind}_step{step}_{stamp}"
@@ -285,7 +277,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
                 f"memory_profiler.profile_steps=[{step}]" if kind == "memory" else "memory_profiler.profile_steps=[]",
             ]
             cfg = load_config(config, trial_overrides)
-            log_dir = Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / name
+            first_cfg = first_cfg or cfg
+            log_dir = trial_log_dir(cfg)
             if log_dir.exists() and any(log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
@@ -296,7 +289,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
                 "master_addr": _host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), "master_port": master_port}
     settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
     settings.append("# resolved config of the first trial:")
-    settings += ["#   " + line for line in to_yaml(load_config(config, trials[0].args[2:])).splitlines()]
+    settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
     return trials, settings, {"stop_on_failure": int(stop), "run_root": str(run_root), **torchrun}
 
 

@@ -30,7 +30,6 @@ the step was a kernel- or memory-profile step.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import logging
 import os
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sftprof.config import ConfigError, load_config_or_exit, to_yaml
+from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.profiling.regions import STEP, region
 
@@ -57,11 +56,6 @@ GIB = float(1 << 30)
 
 class _Terminated(RuntimeError):
     """SIGTERM arrived (torchrun stops the other ranks when one rank fails)."""
-
-
-def trial_log_dir(cfg) -> Path:
-    """LOG_DIR = ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/``."""
-    return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
 
 
 def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

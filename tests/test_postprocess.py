@@ -268,5 +268,6 @@ def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
     _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
     res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "memory",
                "--profile-step", 7)
+    assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot
     s = json.load(open(tmp_path / "run" / "profile_summary.json"))
     assert any("profile_step=1, not the requested 7" in w["warning"] for w in s["warnings"]), s["warnings"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,7 @@ class MegatronEngine(Engine):
         self.shape = ModelShape.from_hf(hf_config)
         self._bwd_regions: Dict[int, contextlib.ExitStack] = {}
         self._mb_index = 0
-        self.last_recompute_flops: Optional[float] = None  # recompute FLOPs of the last step (global batch)
+        self._flops_logged = False
 
     @property
     def rank_coords(self) -> dict:
@@ -284,9 +284,9 @@ class MegatronEngine(Engine):
         m = self.cfg.actor.megatron
         gran = m.recompute_granularity if self.cfg.actor.gradient_checkpointing else "none"
         flops = train_step_flops(self.shape, seqs, gran, m.recompute_method, m.recompute_num_layers, self.layout.pp)
-        if self.last_recompute_flops is None and dist.get_rank() == 0:
+        if not self._flops_logged and dist.get_rank() == 0:
             log.info("megatron: step FLOPs (global batch) model %.4g, recompute %.4g (%s; not in model FLOPs/MFU)",
                      flops.model, flops.recompute, gran)
-        self.last_recompute_flops = flops.recompute
+        self._flops_logged = True
         return StepResult(loss=loss_sum / global_loss_tokens, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                           model_flops=flops.model, recompute_flops=flops.recompute)

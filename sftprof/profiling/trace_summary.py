@@ -302,7 +302,6 @@ class KernelTraceAnalyzer:
         ts = np.asarray(self._a_ts, dtype=np.float64)
         dur = np.asarray(self._a_dur, dtype=np.float64)
         end = ts + dur
-        names = np.asarray(self._a_name, dtype=np.int64)
         kinds = np.asarray(self._a_kind, dtype=np.int64)
         devs = np.asarray(self._a_dev, dtype=np.int64)
         launch = np.array([self._launch_ts.get(c, np.nan) for c in self._a_corr], dtype=np.float64)
