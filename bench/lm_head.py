@@ -8,7 +8,10 @@ repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, extra peak GiB = 
 one fwd+bwd minus (memory before + bytes of the inputs' gradients), and "+grads" = peak minus memory before
 (gradients included; the way shared/device/README.md's baseline table counts, e.g. CCE 1.08 GiB).
 
-Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--json out.json]
+``grad_in_hidden`` rows write d/dhidden over the hidden input (see ``linear_sft_loss``); the inputs are
+restored (untimed) before each of their calls.
+
+Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--rows TEXT] [--json out.json]
 A row whose library does not import is printed with a note instead of numbers.
 """
 from __future__ import annotations
@@ -62,9 +65,11 @@ def make_cce():
     return run
 
 
-def ours_sft(chunk):
+def ours_sft(chunk, grad_in_hidden=False):
     def run(h, w, y):
-        linear_sft_loss(h, w, y, torch.ones(h.shape[0], device=h.device), chunk_size=chunk).backward()
+        linear_sft_loss(h, w, y, torch.ones(h.shape[0], device=h.device), chunk_size=chunk,
+                        grad_in_hidden=grad_in_hidden).backward()
+    run.consumes_hidden = grad_in_hidden
     return run
 
 
@@ -90,11 +95,12 @@ def gemms_only(chunk):
     return run
 
 
-def measure(fn, h, w, y, reps: int):
+def measure(fn, h, w, y, reps: int, reset):
     """(median ms, extra peak GiB beyond the inputs' gradients, peak GiB above the memory before the call)
-    of fn's fwd+bwd; grads are reset before each call."""
+    of fn's fwd+bwd; grads are reset and ``reset()`` runs (untimed) before each call."""
     grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     h.grad = w.grad = None
+    reset()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -106,6 +112,7 @@ def measure(fn, h, w, y, reps: int):
     times = []
     for _ in range(reps):
         h.grad = w.grad = None
+        reset()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(h, w, y)
@@ -119,26 +126,37 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
+    ap.add_argument("--rows", default="", help="run only the methods whose name contains this text")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
             ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
-    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (2048, 4096)]
+    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1664, 2048, 4096)]
     rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
+    rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True)) for c in (1536, 1664, 1728)]
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
+    rows = [r for r in rows if args.rows in r[0]]
     results = []
     print(f"{'N':>7} {'method':<40} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
         y = torch.randint(0, V, (n,), device=dev)
+        h_src = h.detach().clone()
+
+        def restore():  # rows with grad_in_hidden leave d/dhidden in h: put the inputs back
+            with torch.no_grad():
+                h.copy_(h_src)
+
         for name, factory in rows:
             rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, peak_above_before_gib=None, note="")
             try:
                 fn = factory()
+                reset = restore if getattr(fn, "consumes_hidden", False) else (lambda: None)
                 fn(h, w, y)  # warm-up / compile
-                ms, extra, above = measure(fn, h, w, y, reps=3 if n >= 65536 else 7)
+                h.grad = w.grad = None
+                ms, extra, above = measure(fn, h, w, y, reps=3 if n >= 65536 else 7, reset=reset)
                 rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3),
                            peak_above_before_gib=round(above, 3))
             except torch.OutOfMemoryError:
@@ -146,12 +164,16 @@ def main():
             except ImportError as exc:
                 rec["note"] = f"import failed: {exc}"
             h.grad = w.grad = None
+            restore()
             torch.cuda.empty_cache()
             results.append(rec)
             fmt = (lambda v, f: f.format(v) if v is not None else "-")
             print(f"{n:>7} {name:<40} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
                   f"{fmt(rec['extra_gib'], '{:.2f}'):>9} {fmt(rec['peak_above_before_gib'], '{:.2f}'):>7}  {rec['note']}",
                   flush=True)
+    from sftprof.ops import triton_kernels
+    for kern in ("_sft_rows_kernel", "_row_stats_kernel", "_softmax_grad_kernel"):
+        print(f"autotuned {kern}: {getattr(getattr(triton_kernels, kern), 'best_config', None)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

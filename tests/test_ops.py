@@ -125,6 +125,20 @@ def check_all(rank: int, tp: int, group, seed: int, dtype: torch.dtype, *, n=240
         _close(h_in.grad, ref_gh2[toks] if sp else ref_gh2, f"linear_sft_loss d/dhidden {tag}", **_tol(dtype, ref_gh2))
         _close(w_in.grad, ref_gw2[rows], f"linear_sft_loss d/dweight {tag}", **_tol(dtype, ref_gw2))
 
+        # 3b) grad_in_hidden: d/dhidden written over a non-leaf hidden (as the final norm's output is) and handed
+        # on as its gradient; under SP the gathered copy is reused and the caller's shard is left untouched.
+        src = (hq[toks] if sp else hq).clone().requires_grad_()
+        h_nl = src * 1
+        loss = linear_sft_loss(h_nl, w_in.detach(), labels, lw.to(dtype), tp_group=group, chunk_size=chunk_size,
+                               sequence_parallel=sp, grad_in_hidden=True)
+        (loss * 1.7).backward()
+        ref_mine = ref_gh2[toks] if sp else ref_gh2
+        _close(src.grad, ref_mine, f"linear_sft_loss grad_in_hidden d/dhidden {tag}", **_tol(dtype, ref_gh2))
+        if sp:
+            assert torch.equal(h_nl.detach(), src.detach()), "SP: the caller's hidden shard must stay untouched"
+        else:
+            _close(h_nl.detach(), ref_mine, f"linear_sft_loss grad_in_hidden storage {tag}", **_tol(dtype, ref_gh2))
+
         # 4) Megatron main_grad mode: fp32 accumulation into weight.main_grad. A Megatron DDP parameter
         # (grad_added_to_main_grad present) gets a placeholder gradient so that DDP's grad hook fires; a
         # plain parameter with only main_grad gets none.
@@ -226,6 +240,22 @@ def test_guard_storage_swap_raises():
     h.untyped_storage().resize_(0)  # storage freed in place (as FSDP-style resharding does)
     with pytest.raises(StaleBufferError, match="'hidden' no longer lives in the storage"):
         lp.sum().backward()
+
+
+def test_grad_in_hidden_raises_when_another_node_saved_hidden():
+    h, w, labels, _, lw = _small()
+    x = h.detach().clone().requires_grad_()
+    hidden = x.tanh()  # TanhBackward saves its output: a later in-place write must be caught, not used
+    loss = linear_sft_loss(hidden, w, labels, lw, chunk_size=16, grad_in_hidden=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_grad_in_hidden_needs_contiguous_hidden():
+    h, w, labels, _, lw = _small()
+    wide = torch.zeros(h.shape[0], 2 * h.shape[1], dtype=h.dtype, requires_grad=True)
+    with pytest.raises(ValueError, match="grad_in_hidden=True needs a contiguous hidden"):
+        linear_sft_loss(wide[:, : h.shape[1]], w, labels, lw, grad_in_hidden=True)
 
 
 def test_sft_loss_without_grad_matches_and_skips_gradients():

@@ -64,14 +64,17 @@ class LMHeadLoss(nn.Module):
         """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
 
         Args:
-            hidden: ``[T, H]`` final hidden states (model dtype).
+            hidden: ``[T, H]`` final hidden states (model dtype). The chunked path consumes it: afterwards it
+                holds ``d loss / d hidden`` (``linear_sft_loss(..., grad_in_hidden=True)``).
             labels: ``[T]`` int64 next-token ids.
             loss_weight: ``[T]`` fp32 (0/1 loss mask).
         """
         from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
 
         if self.lm_head_loss_chunk_size:
-            return linear_sft_loss(hidden, self.weight, labels, loss_weight, chunk_size=self.lm_head_loss_chunk_size)
+            # hidden (the final norm's output) feeds only the LM head: its storage takes d loss / d hidden.
+            return linear_sft_loss(hidden, self.weight, labels, loss_weight, chunk_size=self.lm_head_loss_chunk_size,
+                                   grad_in_hidden=True)
         logits = nn.functional.linear(hidden, self.weight)
         logprobs = vocab_parallel_logprobs(logits, labels, chunk_size=self.logprobs_chunk_size)
         return -(logprobs.float() * loss_weight).sum()

@@ -212,7 +212,8 @@ class MegatronEngine(Engine):
             weight = self.gpt.shared_embedding_or_output_weight() if tied else self.gpt.output_layer.weight
             return linear_sft_loss(output.reshape(-1, h), weight, batch["labels"].t().reshape(-1),
                                    mask.t().reshape(-1).to(torch.float32), tp_group=self.tp_group,
-                                   chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel)
+                                   chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel,
+                                   grad_in_hidden=True)  # the normed hidden states feed only the LM head
         # output: vocab-parallel logits [b, s_local, V/tp]
         logprobs = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), batch["labels"].reshape(-1),
                                            tp_group=self.tp_group, chunk_size=effective_logprobs_chunk_size(self.cfg))
