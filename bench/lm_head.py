@@ -159,6 +159,8 @@ def main():
                 ms, extra, above = measure(fn, h, w, y, reps=3 if n >= 65536 else 7, reset=reset)
                 rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3),
                            peak_above_before_gib=round(above, 3))
+                if reset is restore:  # did autograd keep d/dhidden in h's storage or copy it into h.grad?
+                    rec["note"] = "h.grad in h's storage" if h.grad.data_ptr() == h.data_ptr() else "h.grad copied"
             except torch.OutOfMemoryError:
                 rec["note"] = "OOM"
             except ImportError as exc:
