@@ -132,9 +132,9 @@ def main():
     dev = torch.device("cuda")
     rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
             ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
-    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1664, 2048, 4096)]
+    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1536, 1760, 2048, 4096)]
     rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
-    rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True)) for c in (1536, 1664, 1728)]
+    rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True)) for c in (1536, 1760, 2048, 3072)]
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
     rows = [r for r in rows if args.rows in r[0]]
     results = []

@@ -1,10 +1,10 @@
 """The fused SFT row kernel alone, every launch config side by side (see bench/NOTES.md).
 
 ``_sft_rows_kernel`` reads a ``[chunk, V]`` bf16 logits block twice (statistics, then gradient) and writes
-it once. For each config (BLOCK, warps, PER_SM programs per SM or one program per row, L2 eviction hints)
-this prints the median time of one launch on a chunk of real logits (restored, untimed, before each launch)
-and the bandwidth that time implies for 3 HBM passes (both reads from HBM) and for 2 (the second read served
-by L2). The floor at ~4.8 TB/s is printed per chunk size.
+it once. For each autotuning config (BLOCK, warps) this prints the median time of one launch on a chunk of
+real logits (restored, untimed, before each launch) and the bandwidth that time implies for 3 HBM passes
+(both reads from HBM) and for 2 (the second read served by L2). The floor at ~4.8 TB/s is printed per chunk
+size.
 
 Usage: python bench/sft_rows.py [--chunks 1664 2048 4096] [--vocab 151936] [--reps 10]
 """
@@ -21,17 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sftprof.ops import triton_kernels as tk  # noqa: E402
 
 
-def time_config(x, x_src, labels, weights, cfg, n_sm, reps):
+def time_config(x, x_src, labels, weights, cfg, reps):
     n, v = x.shape
     lp = torch.empty(n, dtype=torch.float32, device=x.device)
     kw = dict(cfg.kwargs, num_warps=cfg.num_warps)
-    grid = tk.sft_rows_grid(n, n_sm, cfg.kwargs["PER_SM"])
     times = []
     for i in range(reps + 1):
         x.copy_(x_src)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        tk._sft_rows_kernel.fn[grid](x, x.stride(0), v, n, labels, weights, lp, 1.0, N_SM=n_sm, **kw)
+        tk._sft_rows_kernel.fn[(n,)](x, x.stride(0), v, labels, weights, lp, 1.0, **kw)
         end.record()
         end.synchronize()
         if i:  # first launch compiles
@@ -46,10 +45,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
-    print(f"{'chunk':>6} {'BLOCK':>6} {'warps':>5} {'PER_SM':>6} {'HINT':>4} {'ms':>8} {'TB/s 3 pass':>11} "
-          f"{'TB/s 2 pass':>11}", flush=True)
+    print(f"{'chunk':>6} {'BLOCK':>6} {'warps':>5} {'ms':>8} {'TB/s 3 pass':>11} {'TB/s 2 pass':>11}", flush=True)
     for n in args.chunks:
         hidden = torch.randn(n, 2048, device=dev, dtype=torch.bfloat16)
         weight = torch.randn(args.vocab, 2048, device=dev, dtype=torch.bfloat16) * 0.02
@@ -61,11 +58,10 @@ def main():
         nbytes = x.numel() * x.element_size()
         rows = []
         for cfg in tk._SFT_CONFIGS:
-            ms = time_config(x, x_src, labels, weights, cfg, n_sm, args.reps)
+            ms = time_config(x, x_src, labels, weights, cfg, args.reps)
             rows.append((ms, cfg))
-            k = cfg.kwargs
-            print(f"{n:>6} {k['BLOCK']:>6} {cfg.num_warps:>5} {k['PER_SM']:>6} {k['HINT']:>4} {ms:>8.3f} "
-                  f"{3 * nbytes / ms / 1e9:>11.2f} {2 * nbytes / ms / 1e9:>11.2f}", flush=True)
+            print(f"{n:>6} {cfg.kwargs['BLOCK']:>6} {cfg.num_warps:>5} {ms:>8.3f} {3 * nbytes / ms / 1e9:>11.2f} "
+                  f"{2 * nbytes / ms / 1e9:>11.2f}", flush=True)
         best_ms, best = min(rows, key=lambda r: r[0])
         print(f"chunk {n}: best {best.kwargs} warps {best.num_warps} {best_ms:.3f} ms; 3-pass floor at 4.8 TB/s "
               f"{3 * nbytes / 4.8e9:.3f} ms, 2-pass {2 * nbytes / 4.8e9:.3f} ms", flush=True)

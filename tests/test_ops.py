@@ -129,9 +129,9 @@ def check_all(rank: int, tp: int, group, seed: int, dtype: torch.dtype, *, n=240
         # on as its gradient; under SP the gathered copy is reused and the caller's shard is left untouched.
         src = (hq[toks] if sp else hq).clone().requires_grad_()
         h_nl = src * 1
-        loss = linear_sft_loss(h_nl, w_in.detach(), labels, lw.to(dtype), tp_group=group, chunk_size=chunk_size,
-                               sequence_parallel=sp, grad_in_hidden=True)
-        (loss * 1.7).backward()
+        loss = linear_sft_loss(h_nl, w_in.detach(), labels, (lw * 1.7).to(dtype), tp_group=group,
+                               chunk_size=chunk_size, sequence_parallel=sp, grad_in_hidden=True)
+        loss.backward()  # incoming gradient 1: the stored gradient is handed on unscaled
         ref_mine = ref_gh2[toks] if sp else ref_gh2
         _close(src.grad, ref_mine, f"linear_sft_loss grad_in_hidden d/dhidden {tag}", **_tol(dtype, ref_gh2))
         if sp:

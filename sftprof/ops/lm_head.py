@@ -84,13 +84,14 @@ class _WeightGrad:
             self.acc.addmm_(a.to(self.acc.dtype), hidden.to(self.acc.dtype))
 
     def result(self, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The autograd gradient (``None`` or a placeholder in main_grad mode), multiplied by ``scale`` if given.
+        """The autograd gradient (``None`` or a placeholder in main_grad mode), multiplied by ``scale`` if given
+        (``None``: an incoming gradient of 1).
 
         Raises:
-            ValueError: in main_grad mode when ``scale`` is not 1 (the contribution was already added).
+            ValueError: in main_grad mode when ``scale`` is given (the contribution was already added).
         """
         if self.main_grad is not None:
-            if scale is not None and bool(scale != 1):
+            if scale is not None:
                 raise ValueError(
                     "linear_sft_loss added the LM-head weight gradient to weight.main_grad during the forward, so "
                     f"the loss must be back-propagated with gradient 1 (got {float(scale)}); fold loss scaling "
@@ -210,9 +211,11 @@ class _LinearSFTLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, wgrad = ctx.grad_h, ctx.wgrad
         ctx.grad_h = ctx.wgrad = None  # drop ctx's references so autograd can adopt the buffers as .grad
-        if grad_h is not None:
-            grad_h.mul_(grad_loss)
-        grad_w = wgrad.result(grad_loss) if wgrad is not None else None
+        # One host sync to skip two passes over N x H + V x H elements in the usual case (incoming gradient 1).
+        scale = grad_loss if bool(grad_loss != 1) else None
+        if grad_h is not None and scale is not None:
+            grad_h.mul_(scale)
+        grad_w = wgrad.result(scale) if wgrad is not None else None
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
