@@ -8,8 +8,8 @@ repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, extra peak GiB = 
 one fwd+bwd minus (memory before + bytes of the inputs' gradients), and "+grads" = peak minus memory before
 (gradients included; the way shared/device/README.md's baseline table counts, e.g. CCE 1.08 GiB).
 
-``grad_in_hidden`` rows write d/dhidden over the hidden input (see ``linear_sft_loss``); the inputs are
-restored (untimed) before each of their calls.
+``grad_in_hidden`` rows write d/dhidden over the hidden input (see ``linear_sft_loss`` / ``linear_logprobs``);
+the inputs are restored (untimed) before each of their calls.
 
 Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--rows TEXT] [--json out.json]
 A row whose library does not import is printed with a note instead of numbers.
@@ -73,10 +73,11 @@ def ours_sft(chunk, grad_in_hidden=False):
     return run
 
 
-def ours_recompute(chunk):
+def ours_recompute(chunk, grad_in_hidden=False):
     def run(h, w, y):
-        lp, ent = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True)
+        lp, ent = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, grad_in_hidden=grad_in_hidden)
         (-lp.sum() + 0.01 * ent.sum()).backward()
+    run.consumes_hidden = grad_in_hidden
     return run
 
 
@@ -136,9 +137,11 @@ def main():
     rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
     rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True)) for c in (1536, 1760, 2048, 3072)]
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
+    rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
+             for c in (2048, 4096)]
     rows = [r for r in rows if args.rows in r[0]]
     results = []
-    print(f"{'N':>7} {'method':<40} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
+    print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
@@ -170,7 +173,7 @@ def main():
             torch.cuda.empty_cache()
             results.append(rec)
             fmt = (lambda v, f: f.format(v) if v is not None else "-")
-            print(f"{n:>7} {name:<40} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
+            print(f"{n:>7} {name:<56} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
                   f"{fmt(rec['extra_gib'], '{:.2f}'):>9} {fmt(rec['peak_above_before_gib'], '{:.2f}'):>7}  {rec['note']}",
                   flush=True)
     from sftprof.ops import triton_kernels

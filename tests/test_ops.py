@@ -111,6 +111,20 @@ def check_all(rank: int, tp: int, group, seed: int, dtype: torch.dtype, *, n=240
         _close(h_in.grad, ref_gh_mine, f"linear_logprobs d/dhidden {tag}", **_tol(dtype, ref_gh))
         _close(w_in.grad, ref_gw[rows], f"linear_logprobs d/dweight {tag}", **_tol(dtype, ref_gw))
 
+        # 2b) linear_logprobs with grad_in_hidden: the backward writes d/dhidden over a non-leaf hidden (as the
+        # final norm's output is) and hands it on; under SP the gathered copy is reused, the shard left alone.
+        src = (hq[toks] if sp else hq).clone().requires_grad_()
+        h_nl = src * 1
+        lp, ent = linear_logprobs(h_nl, w_in.detach(), labels, tp_group=group, chunk_size=chunk_size,
+                                  temperature=temperature, return_entropy=True, sequence_parallel=sp,
+                                  grad_in_hidden=True)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        _close(src.grad, ref_gh_mine, f"linear_logprobs grad_in_hidden d/dhidden {tag}", **_tol(dtype, ref_gh))
+        if sp:
+            assert torch.equal(h_nl.detach(), src.detach()), "SP: the caller's hidden shard must stay untouched"
+        else:
+            _close(h_nl.detach(), ref_gh_mine, f"linear_logprobs grad_in_hidden storage {tag}", **_tol(dtype, ref_gh))
+
         # 3) linear_sft_loss (gradients formed in forward), temperature 1, upstream scale != 1.
         rh2, rw2 = hq.double().requires_grad_(), wq.double().requires_grad_()
         sft_lp, _, _ = reference(rh2, rw2, labels, 1.0)
@@ -242,11 +256,15 @@ def test_guard_storage_swap_raises():
         lp.sum().backward()
 
 
-def test_grad_in_hidden_raises_when_another_node_saved_hidden():
+@pytest.mark.parametrize("op", ["linear_sft_loss", "linear_logprobs"])
+def test_grad_in_hidden_raises_when_another_node_saved_hidden(op):
     h, w, labels, _, lw = _small()
     x = h.detach().clone().requires_grad_()
     hidden = x.tanh()  # TanhBackward saves its output: a later in-place write must be caught, not used
-    loss = linear_sft_loss(hidden, w, labels, lw, chunk_size=16, grad_in_hidden=True)
+    if op == "linear_sft_loss":
+        loss = linear_sft_loss(hidden, w, labels, lw, chunk_size=16, grad_in_hidden=True)
+    else:
+        loss = linear_logprobs(hidden, w, labels, chunk_size=16, grad_in_hidden=True).sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -254,8 +272,10 @@ def test_grad_in_hidden_raises_when_another_node_saved_hidden():
 def test_grad_in_hidden_needs_contiguous_hidden():
     h, w, labels, _, lw = _small()
     wide = torch.zeros(h.shape[0], 2 * h.shape[1], dtype=h.dtype, requires_grad=True)
-    with pytest.raises(ValueError, match="grad_in_hidden=True needs a contiguous hidden"):
-        linear_sft_loss(wide[:, : h.shape[1]], w, labels, lw, grad_in_hidden=True)
+    for fn in (lambda: linear_sft_loss(wide[:, : h.shape[1]], w, labels, lw, grad_in_hidden=True),
+               lambda: linear_logprobs(wide[:, : h.shape[1]], w, labels, grad_in_hidden=True)):
+        with pytest.raises(ValueError, match="grad_in_hidden=True needs a contiguous hidden"):
+            fn()
 
 
 def test_sft_loss_without_grad_matches_and_skips_gradients():

@@ -9,18 +9,21 @@ Public API
   return_entropy)``: log-probs (and entropy) from already computed logits; the backward overwrites the
   logits with their gradient (no new ``[N, V/tp]`` buffer).
 - :func:`linear_logprobs` ``(hidden [N, H], weight [V/tp, H], labels [N], *, tp_group, chunk_size,
-  temperature, return_entropy, sequence_parallel)``: LM head fused with log-probs/entropy; logits are
-  recomputed chunk by chunk in the backward (4 GEMMs).
+  temperature, return_entropy, sequence_parallel, grad_in_hidden)``: LM head fused with log-probs/entropy;
+  logits are recomputed chunk by chunk in the backward (4 GEMMs).
 - :func:`linear_sft_loss` ``(hidden, weight, labels, loss_weight [N], *, tp_group, chunk_size, temperature,
-  sequence_parallel)``: fp32 scalar ``sum(-logprob * loss_weight)`` with the gradients formed in the
-  forward (3 GEMMs, no recompute); the backward only scales them.
+  sequence_parallel, grad_in_hidden)``: fp32 scalar ``sum(-logprob * loss_weight)`` with the gradients
+  formed in the forward (3 GEMMs, no recompute); the backward only scales them.
+- ``grad_in_hidden=True`` writes ``d/dhidden`` over ``hidden``'s storage (saves ``N x H`` elements; the
+  hidden states are consumed, autograd's version counter catches any other saved use).
 - :class:`StaleBufferError`: raised when a tensor kept for the backward was modified or replaced.
 
 How the trainer's settings map onto these (both backends)
 ---------------------------------------------------------
 - ``actor.megatron.lm_head_loss_chunk_size > 0``: call ``linear_sft_loss(hidden, output_weight, labels,
   loss_weight, tp_group=<TP group>, chunk_size=lm_head_loss_chunk_size, temperature=...,
-  sequence_parallel=<SP on>)`` instead of the output layer + log-softmax. ``loss_weight`` carries the loss
+  sequence_parallel=<SP on>, grad_in_hidden=True)`` instead of the output layer + log-softmax (both engines
+  pass their final norm's output, used by nothing else). ``loss_weight`` carries the loss
   mask and all normalisation; with Megatron's ``weight.main_grad`` the backward must receive gradient 1.
 - ``lm_head_loss_chunk_size == 0``: run the output layer as usual and call
   ``vocab_parallel_logprobs(logits.view(-1, V/tp), labels, tp_group=<TP group>,

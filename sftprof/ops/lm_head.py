@@ -17,8 +17,10 @@ from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bound
 __all__ = ["linear_logprobs", "linear_sft_loss"]
 
 
-def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel) -> int:
+def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden) -> int:
     """Validate and return ``N``, the number of tokens of the full (gathered) sequence."""
+    if grad_in_hidden and not hidden.is_contiguous():
+        raise ValueError(f"grad_in_hidden=True needs a contiguous hidden, got strides {hidden.stride()}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V_local, H], got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -38,6 +40,17 @@ def _gather_tokens(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> t
     full = hidden.new_empty(hidden.shape[0] * tp, hidden.shape[1])
     dist.all_gather_into_tensor(full, hidden.contiguous(), group=tp_group)
     return full
+
+
+def _grad_hidden_buffer(hidden: torch.Tensor, h_full: torch.Tensor, tp_group, sequence_parallel: bool,
+                        grad_in_hidden: bool) -> torch.Tensor:
+    """Where ``d/dhidden`` ``[N, H]`` is written: the all-gathered copy (sequence parallel, tp > 1: ours to
+    reuse), ``hidden``'s own storage (``grad_in_hidden``: an alias sharing its autograd version counter, so
+    the writes bump it), or a new buffer. Chunk ``c``'s rows are overwritten only after the chunk's
+    ``d/dweight`` GEMM has read them."""
+    if sequence_parallel and tp_rank_and_size(tp_group)[1] > 1:
+        return h_full
+    return hidden.detach() if grad_in_hidden else torch.empty_like(h_full)
 
 
 def _reduce_grad_hidden(grad: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -125,7 +138,7 @@ def _chunk_loop(h_full, weight, bounds, on_chunk):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel):
+    def forward(ctx, hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel, grad_in_hidden):
         rank, _ = tp_rank_and_size(tp_group)
         h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
         n, v_local = h_full.shape[0], weight.shape[0]
@@ -140,19 +153,19 @@ class _LinearLogprobs(torch.autograd.Function):
         _chunk_loop(h_full, weight, bounds, on_chunk)
         ctx.hidden, ctx.weight = SavedBuffer(hidden, "hidden"), SavedBuffer(weight, "weight")
         ctx.save_for_backward(local, entropy, lse)
-        ctx.cfg = (tp_group, bounds, 1.0 / temperature, sequence_parallel)
+        ctx.cfg = (tp_group, bounds, 1.0 / temperature, sequence_parallel, grad_in_hidden)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        tp_group, bounds, inv_t, sequence_parallel = ctx.cfg
+        tp_group, bounds, inv_t, sequence_parallel, grad_in_hidden = ctx.cfg
         hidden, weight = ctx.hidden.get(), ctx.weight.get()
         ctx.hidden.release()
         ctx.weight.release()
         local, entropy, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
-        grad_h = torch.empty_like(h_full) if need_h else None
+        grad_h = _grad_hidden_buffer(hidden, h_full, tp_group, sequence_parallel, grad_in_hidden) if need_h else None
         wgrad = _WeightGrad(weight) if need_w else None
 
         def on_chunk(s, e, lg):
@@ -160,35 +173,28 @@ class _LinearLogprobs(torch.autograd.Function):
                                      None if grad_entropy is None else grad_entropy[s:e],
                                      entropy[s:e], inv_t, e - s, lg.device)
             write_softmax_grad_(lg, local[s:e], lse[s:e], coef, inv_t)
+            if need_w:  # before d/dhidden, which may overwrite these hidden rows
+                wgrad.add(lg, h_full[s:e])
             if need_h:
                 torch.mm(lg, weight, out=grad_h[s:e])
-            if need_w:
-                wgrad.add(lg, h_full[s:e])
 
         _chunk_loop(h_full, weight, bounds, on_chunk)
         if need_h:
             grad_h = _reduce_grad_hidden(grad_h, tp_group, sequence_parallel)
-        return grad_h, (wgrad.result() if need_w else None), None, None, None, None, None
+        return grad_h, (wgrad.result() if need_w else None), None, None, None, None, None, None
 
 
 class _LinearSFTLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_weight, tp_group, chunk_size, temperature, sequence_parallel,
                 need_h, need_w, grad_in_hidden):
-        rank, tp = tp_rank_and_size(tp_group)
+        rank, _ = tp_rank_and_size(tp_group)
         h_full = _gather_tokens(hidden, tp_group, sequence_parallel)
         n, v_local = h_full.shape[0], weight.shape[0]
         local = shard_local_labels(labels, rank * v_local, v_local)
         w = loss_weight.to(device=hidden.device, dtype=torch.float32)
         inv_t = 1.0 / temperature
-        grad_h = None
-        if need_h:
-            if sequence_parallel and tp > 1:
-                grad_h = h_full  # our own all-gathered copy: chunk c's rows are free once its d/dweight GEMM ran
-            elif grad_in_hidden:
-                grad_h = hidden.detach()  # shares storage and version counter with the caller's tensor
-            else:
-                grad_h = torch.empty_like(h_full)
+        grad_h = _grad_hidden_buffer(hidden, h_full, tp_group, sequence_parallel, grad_in_hidden) if need_h else None
         wgrad = _WeightGrad(weight) if need_w else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
 
@@ -197,7 +203,7 @@ class _LinearSFTLoss(torch.autograd.Function):
                 loss.sub_(torch.dot(chunk_stats(lg, local[s:e], inv_t, tp_group).logprob, w[s:e]))
                 return
             loss.sub_(torch.dot(sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group), w[s:e]))
-            if need_w:  # before d/dhidden: that GEMM may overwrite these hidden rows
+            if need_w:  # before d/dhidden, which may overwrite these hidden rows
                 wgrad.add(lg, h_full[s:e])
             if need_h:
                 torch.mm(lg, weight, out=grad_h[s:e])
@@ -221,7 +227,7 @@ class _LinearSFTLoss(torch.autograd.Function):
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                     tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
-                    return_entropy: bool = False, sequence_parallel: bool = False):
+                    return_entropy: bool = False, sequence_parallel: bool = False, grad_in_hidden: bool = False):
     """Token log-probs (and entropy) of ``hidden @ weight.T`` without materialising more than
     ``chunk_size x V_local`` logits; the backward recomputes the logits chunk by chunk.
 
@@ -240,16 +246,21 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         temperature: logits are divided by it (> 0).
         return_entropy: also return the (differentiable) entropy.
         sequence_parallel: ``hidden`` is a token shard; all-gather in forward/backward, reduce-scatter of
-            ``d/dhidden`` inside.
+            ``d/dhidden`` inside (into the gathered copy's storage: no extra ``[N, H]`` buffer).
+        grad_in_hidden: in the backward, write ``d/dhidden`` over ``hidden``'s storage chunk by chunk (after the
+            chunk's recompute and ``d/dweight`` GEMM) and hand that storage on as the gradient: saves ``N x H``
+            elements. ``hidden`` is consumed by the backward; see :func:`linear_sft_loss` for the version-counter
+            safety net. Requires a contiguous ``hidden``; ignored under sequence parallelism with tp > 1.
     Returns:
         fp32 ``[N]`` log-probs, or ``(logprobs, entropy)``; identical on all TP ranks.
     Raises:
-        ValueError: bad shapes/dtypes/labels/temperature/chunk_size.
+        ValueError: bad shapes/dtypes/labels/temperature/chunk_size; ``grad_in_hidden`` with a non-contiguous
+            ``hidden``.
         sftprof.ops.guards.StaleBufferError: ``hidden``/``weight`` modified or swapped before the backward.
     """
-    _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel)
+    _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden)
     logprobs, entropy = _LinearLogprobs.apply(hidden, weight, labels, tp_group, chunk_size, float(temperature),
-                                              sequence_parallel)
+                                              sequence_parallel, grad_in_hidden)
     return (logprobs, entropy) if return_entropy else logprobs
 
 
@@ -288,12 +299,10 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         In ``main_grad`` mode the weight gradient lands in ``weight.main_grad`` during this call, so call it
         with gradients enabled only when a backward will follow.
     """
-    n = _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel)
+    n = _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden)
     if loss_weight.shape != (n,) or not loss_weight.is_floating_point():
         raise ValueError(f"loss_weight must be a float tensor of shape ({n},), got {loss_weight.dtype} "
                          f"{tuple(loss_weight.shape)}")
-    if grad_in_hidden and not hidden.is_contiguous():
-        raise ValueError(f"grad_in_hidden=True needs a contiguous hidden, got strides {hidden.stride()}")
     grad_on = torch.is_grad_enabled()
     return _LinearSFTLoss.apply(hidden, weight, labels, loss_weight, tp_group, chunk_size, float(temperature),
                                 sequence_parallel, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
