@@ -7,14 +7,15 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
 - ``row_stats``: one program per row, a block-wise online max / sum-exp / sum-exp-times-shifted-logit
   over the row (the one-pass softmax normaliser of Milakov & Gimelshein, "Online normalizer
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
-- ``sft_rows_``: for an unsplit vocabulary, the same statistics and, in a second pass over the row,
-  the gradient of ``-w * logprob`` written in place (one launch per chunk for the SFT loss).
+- ``sft_rows_``: for an unsplit vocabulary, the online max / sum-exp and, in a second pass over the
+  row, the gradient of ``-w * logprob`` written in place (one launch per chunk for the SFT loss); the
+  loads carry L2 eviction hints (keep the row for the second pass, then stream it out).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
 
 Launch configurations (``BLOCK``, ``num_warps``) are chosen with ``triton.autotune`` from a small list
-(row kernels: BLOCK 4096/8192/16384 x 8/16/32 warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8
-warps), keyed on the number of columns and the row stride (the autotuner adds the tensor dtypes), so
+(``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; ``sft_rows_``: BLOCK 8192/16384/32768 x 16/32
+warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed on the number of columns and the row stride (the autotuner adds the tensor dtypes), so
 each kernel is tuned once per vocabulary-shard size and dtype, on its first call in the process; the
 chosen config is cached in memory for the rest of the process. Different configs only change the
 order of the fp32 reductions, so results may differ in the last bits between processes.
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Row kernels: one program per row streams the whole row in BLOCK-wide steps.
+# Statistics row kernel: one program per row streams the whole row in BLOCK-wide steps.
 _ROW_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (4096, 8192, 16384) for w in (8, 16, 32)]
 # Elementwise gradient kernel: one program per (row, BLOCK columns).
 _GRAD_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
