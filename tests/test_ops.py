@@ -269,6 +269,30 @@ def test_grad_in_hidden_raises_when_another_node_saved_hidden(op):
         loss.backward()
 
 
+def test_sft_loss_second_backward_and_modified_gradient_storage_raise():
+    h, w, labels, _, lw = _small()
+    loss = linear_sft_loss(h, w, labels, lw, chunk_size=16)
+    loss.backward(retain_graph=True)
+    with pytest.raises(StaleBufferError, match="backward ran already"):
+        loss.backward()
+    x = h.detach().clone().requires_grad_()
+    hidden = x * 1
+    loss = linear_sft_loss(hidden, w, labels, lw, chunk_size=16, grad_in_hidden=True)
+    with torch.no_grad():
+        hidden.zero_()  # would silently zero the stored gradient
+    with pytest.raises(StaleBufferError, match=r"'hidden \(it holds d loss / d hidden"):
+        loss.backward()
+
+
+def test_sft_loss_weight_gradient_is_minus_logprob():
+    h, w, labels, _, lw = _small()
+    lw = lw.clone().requires_grad_()
+    (linear_sft_loss(h, w, labels, lw, chunk_size=10) * 2.5).backward()
+    ref_lp, _, _ = reference(h.detach(), w.detach(), labels, 1.0)
+    assert lw.grad.dtype == lw.dtype
+    torch.testing.assert_close(lw.grad, (-2.5 * ref_lp).to(lw.dtype), rtol=1e-5, atol=1e-5)
+
+
 def test_grad_in_hidden_needs_contiguous_hidden():
     h, w, labels, _, lw = _small()
     wide = torch.zeros(h.shape[0], 2 * h.shape[1], dtype=h.dtype, requires_grad=True)
@@ -293,6 +317,15 @@ def test_main_grad_requires_unit_upstream_gradient():
     loss = linear_sft_loss(h, w, labels, lw)
     with pytest.raises(ValueError, match="fold loss scaling"):
         (loss * 0.5).backward()
+    # The refused backward leaves the gradient stored in hidden (grad_in_hidden) unscaled.
+    x = h.detach().clone().requires_grad_()
+    hidden = x * 1
+    w.main_grad.zero_()
+    loss = linear_sft_loss(hidden, w, labels, lw, grad_in_hidden=True)
+    stored = hidden.detach().clone()
+    with pytest.raises(ValueError, match="fold loss scaling"):
+        (loss * 0.5).backward()
+    assert torch.equal(hidden.detach(), stored)
 
 
 @pytest.mark.parametrize("kwargs, match", [
