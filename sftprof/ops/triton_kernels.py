@@ -15,8 +15,9 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
 
 Launch configurations (``BLOCK``, ``num_warps``) are chosen with ``triton.autotune`` from a small list
 (``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; ``sft_rows_``: BLOCK 8192/16384/32768 x 16/32
-warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed on the number of columns and the row stride (the autotuner adds the tensor dtypes), so
-each kernel is tuned once per vocabulary-shard size and dtype, on its first call in the process; the
+warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed
+on the number of columns and the row stride (the autotuner adds the tensor dtypes), so each kernel is
+tuned once per vocabulary-shard size and dtype, on its first call in the process; the
 chosen config is cached in memory for the rest of the process. Different configs only change the
 order of the fp32 reductions, so results may differ in the last bits between processes.
 
