@@ -139,6 +139,7 @@ def main():
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
     rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
              for c in (2048, 4096)]
+    rows.append(("liger FLCE 0.8.5 (again, last: drift check)", make_liger))
     rows = [r for r in rows if args.rows in r[0]]
     results = []
     print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
