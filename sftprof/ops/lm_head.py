@@ -19,7 +19,7 @@ __all__ = ["linear_logprobs", "linear_sft_loss"]
 
 def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden) -> int:
     """Validate and return ``N``, the number of tokens of the full (gathered) sequence."""
-    if grad_in_hidden and not (sequence_parallel and tp_rank_and_size(tp_group)[1] > 1) and not hidden.is_contiguous():
+    if grad_in_hidden and not _reuses_gathered_copy(tp_group, sequence_parallel) and not hidden.is_contiguous():
         raise ValueError(f"grad_in_hidden=True needs a contiguous hidden, got strides {hidden.stride()}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V_local, H], got {tuple(hidden.shape)} and "
@@ -42,13 +42,19 @@ def _gather_tokens(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> t
     return full
 
 
+def _reuses_gathered_copy(tp_group, sequence_parallel: bool) -> bool:
+    """Sequence parallel with tp > 1: ``d/dhidden`` goes into our own all-gathered copy of the hidden states,
+    so ``grad_in_hidden`` does not apply."""
+    return sequence_parallel and tp_rank_and_size(tp_group)[1] > 1
+
+
 def _grad_hidden_buffer(hidden: torch.Tensor, h_full: torch.Tensor, tp_group, sequence_parallel: bool,
                         grad_in_hidden: bool) -> tuple[torch.Tensor, bool]:
     """Where ``d/dhidden`` ``[N, H]`` is written, and whether that is the caller's ``hidden``: the
     all-gathered copy (sequence parallel, tp > 1: ours to reuse), ``hidden``'s own storage
     (``grad_in_hidden``: an alias sharing its autograd version counter, so the writes bump it), or a new
     buffer. Chunk ``c``'s rows are overwritten only after the chunk's ``d/dweight`` GEMM has read them."""
-    if sequence_parallel and tp_rank_and_size(tp_group)[1] > 1:
+    if _reuses_gathered_copy(tp_group, sequence_parallel):
         return h_full, False
     return (hidden.detach(), True) if grad_in_hidden else (torch.empty_like(h_full), False)
 

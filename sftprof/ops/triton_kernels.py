@@ -96,8 +96,8 @@ def _sft_rows_kernel(x_ptr, stride_row, n_cols, lab_ptr, w_ptr, lp_ptr, inv_temp
     """Whole-vocabulary rows (no TP split): log-prob of the label, then the row overwritten with
     d(-w * logprob)/dlogits = w / T * (softmax - onehot). Two passes over the row: online max / sum-exp
     with loads that ask L2 to keep the row (evict_last), then the gradient with loads and stores that
-    stream it out (evict_first), so that the second read hits L2 more often (bench/NOTES.md: 1-3 % faster
-    than without the hints on an H200)."""
+    stream it out (evict_first). On an H200 the hints made it 1-3 % faster, though the second read still
+    mostly comes from HBM (bench/NOTES.md)."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     offs = tl.arange(0, BLOCK)
