@@ -1,12 +1,15 @@
-"""The fused SFT row kernel alone, every launch config side by side (see bench/NOTES.md).
+"""The SFT loss's memory-bound work on one chunk of logits, side by side (see bench/NOTES.md).
 
-``_sft_rows_kernel`` reads a ``[chunk, V]`` bf16 logits block twice (statistics, then gradient) and writes
-it once. For each autotuning config (BLOCK, warps) this prints the median time of one launch on a chunk of
-real logits (restored, untimed, before each launch) and the bandwidth that time implies for 3 HBM passes
-(both reads from HBM) and for 2 (the second read served by L2). The floor at ~4.8 TB/s is printed per chunk
-size.
+For each chunk size, on real bf16 logits of the LM head's scale (restored, untimed, before each launch):
+- ``3-pass``: the general path (``row_stats``: one read; ``softmax_grad_``: one read + one write), which
+  the TP-split SFT loss uses;
+- ``2-pass``: the deferred-normalisation path of ``sft_shifted_exp_`` (target gather; elementwise pass: one
+  read + one write; finisher: O(blocks) per row), once per launch config of its elementwise pass;
+- ``cuBLAS mm``: the chunk's logits GEMM alone (what the rows above come after), for scale.
+Prints the median ms of 10 launches and the bandwidth for the passes each one makes, a device copy of the
+chunk (2 passes, the achievable rate) and the floor at 4.8 TB/s (H200 HBM3e peak).
 
-Usage: python bench/sft_rows.py [--chunks 1664 2048 4096] [--vocab 151936] [--reps 10]
+Usage: python bench/sft_rows.py [--chunks 1760 2048 4096] [--vocab 151936] [--reps 10]
 """
 from __future__ import annotations
 
@@ -16,57 +19,76 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sftprof.ops import triton_kernels as tk  # noqa: E402
+from sftprof.ops.vocab_softmax import SHIFT_MARGIN  # noqa: E402
 
 
-def time_config(x, x_src, labels, weights, cfg, reps):
-    n, v = x.shape
-    lp = torch.empty(n, dtype=torch.float32, device=x.device)
-    kw = dict(cfg.kwargs, num_warps=cfg.num_warps)
+def median_ms(fn, x, x_src, reps):
     times = []
     for i in range(reps + 1):
         x.copy_(x_src)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        tk._sft_rows_kernel.fn[(n,)](x, x.stride(0), v, labels, weights, lp, 1.0, **kw)
+        fn()
         end.record()
         end.synchronize()
-        if i:  # first launch compiles
+        if i:  # the first launch compiles
             times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[1664, 2048, 4096])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1760, 2048, 4096])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"{'chunk':>6} {'BLOCK':>6} {'warps':>5} {'ms':>8} {'TB/s 3 pass':>11} {'TB/s 2 pass':>11}", flush=True)
+    print(f"{'chunk':>6} {'path':>7} {'tile':>9} {'warps':>5} {'ms':>8} {'TB/s':>6}", flush=True)
     for n in args.chunks:
         hidden = torch.randn(n, 2048, device=dev, dtype=torch.bfloat16)
         weight = torch.randn(args.vocab, 2048, device=dev, dtype=torch.bfloat16) * 0.02
         x_src = hidden @ weight.t()  # logits of the LM head's scale
-        del hidden, weight
         x = torch.empty_like(x_src)
         labels = torch.randint(0, args.vocab, (n,), device=dev)
         weights = torch.ones(n, device=dev)
         nbytes = x.numel() * x.element_size()
-        rows = []
-        for cfg in tk._SFT_CONFIGS:
-            ms = time_config(x, x_src, labels, weights, cfg, args.reps)
-            rows.append((ms, cfg))
-            print(f"{n:>6} {cfg.kwargs['BLOCK']:>6} {cfg.num_warps:>5} {ms:>8.3f} {3 * nbytes / ms / 1e9:>11.2f} "
-                  f"{2 * nbytes / ms / 1e9:>11.2f}", flush=True)
-        best_ms, best = min(rows, key=lambda r: r[0])
-        print(f"chunk {n}: best {best.kwargs} warps {best.num_warps} {best_ms:.3f} ms; 3-pass floor at 4.8 TB/s "
-              f"{3 * nbytes / 4.8e9:.3f} ms, 2-pass {2 * nbytes / 4.8e9:.3f} ms", flush=True)
-        del x, x_src
-        torch.cuda.empty_cache()
+        lse = torch.empty(n, device=dev)
+        coef = torch.zeros(3, n, device=dev)
+
+        def general():
+            m, s, _, _ = tk.row_stats(x, labels, 1.0)
+            torch.add(m, s.log(), out=lse)
+            tk.softmax_grad_(x, labels, lse, coef, 1.0)
+
+        ms = median_ms(lambda: x.copy_(x_src), x, x_src, args.reps)
+        print(f"{n:>6} {'copy':>7} {'torch':>9} {'':>5} {ms:>8.3f} {2 * nbytes / ms / 1e9:>6.2f}", flush=True)
+        general()  # autotune outside the timing
+        ms = median_ms(general, x, x_src, args.reps)
+        print(f"{n:>6} {'3-pass':>7} {'tuned':>9} {'':>5} {ms:>8.3f} {3 * nbytes / ms / 1e9:>6.2f}", flush=True)
+
+        psum = torch.empty(n, triton.cdiv(args.vocab, tk._EXP_MIN_BLOCK), device=dev)
+        for cfg in tk._EXP_CONFIGS:
+            rows_per, block = cfg.kwargs["ROWS"], cfg.kwargs["BLOCK"]
+
+            def deferred():
+                target = x.gather(1, labels[:, None])
+                tk._shifted_exp_kernel.fn[(triton.cdiv(n, rows_per), triton.cdiv(args.vocab, block))](
+                    x, x.stride(0), n, args.vocab, target, psum, psum.stride(0), 1.0, SHIFT_MARGIN, ROWS=rows_per,
+                    BLOCK=block, num_warps=cfg.num_warps)
+                tk._sft_finish(x, labels, target, weights, psum, block, 1.0)
+
+            ms = median_ms(deferred, x, x_src, args.reps)
+            print(f"{n:>6} {'2-pass':>7} {f'{rows_per}x{block}':>9} {cfg.num_warps:>5} {ms:>8.3f} "
+                  f"{2 * nbytes / ms / 1e9:>6.2f}", flush=True)
+        ms_mm = median_ms(lambda: torch.mm(hidden, weight.t(), out=x), x, x_src, args.reps)
+        print(f"{n:>6} {'cuBLAS':>7} {'mm':>9} {'':>5} {ms_mm:>8.3f} {'':>6}  logits GEMM alone", flush=True)
+        print(f"chunk {n}: floor at 4.8 TB/s: 3 passes {3 * nbytes / 4.8e9:.3f} ms, "
+              f"2 passes {2 * nbytes / 4.8e9:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import StaleBufferError, linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
+from sftprof.ops.vocab_softmax import SHIFT_MARGIN
 
 
 def make_problem(seed: int, n: int, h: int, v: int, tp: int, device="cpu"):
@@ -195,6 +196,42 @@ def test_parity_tp1(dtype):
 
 def test_parity_tp1_single_chunk_and_temperature_one():
     check_all(0, 1, None, fresh_seed(), torch.float32, chunk_size=0, temperature=1.0)
+
+
+def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, device="cpu", chunk_size=40,
+                          grad_in_hidden=False):
+    """linear_sft_loss where many targets lie more than SHIFT_MARGIN nats below their row's maximum (the
+    deferred-normalisation shift falls back to the row maximum there) and the rest do not: loss,
+    d/dhidden and d/dweight against the fp64 reference with the tolerances of check_all."""
+    hidden64, weight64, labels, _, _, lw = make_problem(seed, n, h, v, 1, device)
+    temperature = 0.05  # x / T spans hundreds of nats
+    hq, wq = hidden64.to(dtype), weight64.to(dtype)
+    x = (hq.double() @ wq.double().t()).to(dtype).double() / temperature
+    labels[::3] = x[::3].argmax(dim=1)  # a third of the rows: the target is the maximum (shift = target)
+    gap = x.max(dim=1).values - x.gather(1, labels[:, None]).squeeze(1)
+    far = int((gap > SHIFT_MARGIN).sum())
+    assert 0 < far < n, f"want both kinds of rows, got {far} of {n} beyond the margin"
+    rh, rw = hq.double().requires_grad_(), wq.double().requires_grad_()
+    ref_lp, _, _ = reference(rh, rw, labels, temperature, dtype)
+    ref_loss = -(ref_lp * lw.to(dtype).double()).sum()
+    ref_gh, ref_gw = torch.autograd.grad(ref_loss, (rh, rw))
+    src = hq.clone().requires_grad_()
+    h_in = src * 1 if grad_in_hidden else src
+    w_in = wq.clone().requires_grad_()
+    loss = linear_sft_loss(h_in, w_in, labels, lw.to(dtype), chunk_size=chunk_size, temperature=temperature,
+                           grad_in_hidden=grad_in_hidden)
+    # fp32 sums of |log-prob| up to ~1e3 per token: relative 1e-6 (fp32 rounding of the sum); bf16: check_all's.
+    value_tol = (dict(rtol=1e-6, atol=2e-5) if dtype == torch.float32
+                 else _tol(dtype, ref_lp, float(x.abs().max()) * float(lw.sum()), "value"))
+    _close(loss, ref_loss.detach(), "linear_sft_loss far targets: loss", **value_tol)
+    loss.backward()
+    _close(src.grad, ref_gh, "linear_sft_loss far targets: d/dhidden", **_tol(dtype, ref_gh))
+    _close(w_in.grad, ref_gw, "linear_sft_loss far targets: d/dweight", **_tol(dtype, ref_gw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sft_loss_targets_far_below_the_row_max(dtype):
+    check_sft_far_targets(fresh_seed(), dtype, grad_in_hidden=dtype == torch.bfloat16)
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
-from test_ops import _free_port, check_all, fresh_seed
+from test_ops import _free_port, check_all, check_sft_far_targets, fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -21,6 +21,14 @@ pytestmark = pytest.mark.gpu
 def test_parity_cuda(dtype):
     # V not a multiple of the kernels' blocks, several chunks with a ragged tail.
     check_all(0, 1, None, fresh_seed(), dtype, n=1000, h=256, v=30011, device="cuda", chunk_size=384)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sft_loss_far_targets_cuda(dtype):
+    # Triton path: rows shifted by their target and rows rewritten by the finisher (some with both raw and
+    # transformed blocks), V not a multiple of the blocks, ragged last chunk.
+    check_sft_far_targets(fresh_seed(), dtype, n=1000, h=64, v=30011, device="cuda", chunk_size=384,
+                          grad_in_hidden=dtype == torch.bfloat16)
 
 
 def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):

@@ -210,20 +210,35 @@ class _LinearSFTLoss(torch.autograd.Function):
         # d loss / d loss_weight = -logprob: kept (fp32 [N]) only if loss_weight requires grad.
         logprob = torch.empty(n, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
 
+        bounds = chunk_bounds(n, chunk_size)
+        # Scaled hidden rows for d/dweight (deferred normalisation, see sft_chunk_): in place over rows that
+        # d/dhidden overwrites next anyway (grad_in_hidden), else in a [chunk, H] scratch buffer.
+        scratch = None
+
+        def scaled_rows(s, e, scale):
+            nonlocal scratch
+            if aliased:
+                return grad_h[s:e].mul_(scale[:, None])
+            if scratch is None:
+                scratch = h_full.new_empty(bounds[0][1] - bounds[0][0], h_full.shape[1])
+            return torch.mul(h_full[s:e], scale[:, None], out=scratch[: e - s])
+
         def on_chunk(s, e, lg):
             if not (need_h or need_w):
                 lp = chunk_stats(lg, local[s:e], inv_t, tp_group).logprob
             else:
-                lp = sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group)
+                lp, scale = sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group)
                 if need_w:  # before d/dhidden, which may overwrite these hidden rows
-                    wgrad.add(lg, h_full[s:e])
+                    wgrad.add(lg, h_full[s:e] if scale is None else scaled_rows(s, e, scale))
                 if need_h:
                     torch.mm(lg, weight, out=grad_h[s:e])
+                    if scale is not None:
+                        grad_h[s:e].mul_(scale[:, None])
             loss.sub_(torch.dot(lp, w[s:e]))
             if logprob is not None:
                 logprob[s:e] = lp
 
-        _chunk_loop(h_full, weight, chunk_bounds(n, chunk_size), on_chunk)
+        _chunk_loop(h_full, weight, bounds, on_chunk)
         grad_h = _reduce_grad_hidden(grad_h, tp_group, sequence_parallel) if need_h else None
         # Guard the stored d/dhidden: with grad_in_hidden it lives in the caller's hidden until the backward.
         ctx.grad_h = None if grad_h is None else SavedBuffer(
@@ -297,8 +312,12 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
     Because the loss is linear in the log-probs, ``d loss / d logits`` of each chunk is known as soon as its
     softmax statistics are: the forward writes it in place of the chunk's logits and runs the ``d/dweight``
-    and ``d/dhidden`` GEMMs right away (3 GEMMs in all, no recompute). The backward only scales the stored
-    gradients by the incoming gradient. Extra memory: one ``[chunk_size, V_local]`` logits buffer of
+    and ``d/dhidden`` GEMMs right away (3 GEMMs in all, no recompute). Without a TP split it writes the
+    gradient up to a per-row factor (``exp(x - x_y) - S [j == y]``, one read and one write of the chunk; see
+    :func:`sftprof.ops.vocab_softmax.sft_chunk_`) and applies the factor to the ``[chunk, H]`` operands:
+    ``d/dweight`` from the scaled hidden rows (in place with ``grad_in_hidden``, else in a ``[chunk, H]``
+    scratch buffer), ``d/dhidden`` scaled after its GEMM. The backward only scales the stored gradients by
+    the incoming gradient. Extra memory: one ``[chunk_size, V_local]`` logits buffer of
     ``hidden.dtype`` plus the gradients themselves; with ``grad_in_hidden`` (or sequence parallelism, where
     the all-gathered copy is reused) ``d/dhidden`` takes no memory of its own.
 

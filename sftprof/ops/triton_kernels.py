@@ -7,22 +7,26 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
 - ``row_stats``: one program per row, a block-wise online max / sum-exp / sum-exp-times-shifted-logit
   over the row (the one-pass softmax normaliser of Milakov & Gimelshein, "Online normalizer
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
-- ``sft_rows_``: for an unsplit vocabulary, the online max / sum-exp and, in a second pass over the
-  row, the gradient of ``-w * logprob`` written in place (one launch per chunk for the SFT loss); the
-  loads carry L2 eviction hints (keep the row for the second pass, then stream it out).
+- ``sft_shifted_exp_``: for an unsplit vocabulary, the SFT loss with deferred normalisation (see
+  :func:`sftprof.ops.vocab_softmax.sft_chunk_`): an elementwise pass over ``(row, column block)`` that
+  overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums and maxima (one read + one
+  write of the chunk), then a per-row finisher that combines the block sums, patches the label column and
+  handles rows whose maximum exceeds the target logit by more than the margin (it rewrites those rows
+  with the row maximum as the shift).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
 
 Launch configurations (``BLOCK``, ``num_warps``) are chosen with ``triton.autotune`` from a small list
-(``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; ``sft_rows_``: BLOCK 8192/16384/32768 x 16/32
-warps; elementwise kernel: BLOCK 1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed
+(``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; the elementwise pass of ``sft_shifted_exp_``: tiles of
+1-4 rows x 1024-4096 columns with 4/8 warps, and its finisher uses the BLOCK chosen there; gradient kernel: BLOCK
+1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed
 on the number of columns and the row stride (the autotuner adds the tensor dtypes), so each kernel is
 tuned once per vocabulary-shard size and dtype, on its first call in the process; the
 chosen config is cached in memory for the rest of the process. Different configs only change the
 order of the fp32 reductions, so results may differ in the last bits between processes.
 
-Autotuning launches a kernel many times on the caller's real arguments. ``sft_rows_`` and
-``softmax_grad_`` overwrite their input logits in place, so a second timing launch would read
+Autotuning launches a kernel many times on the caller's real arguments. The elementwise pass of
+``sft_shifted_exp_`` and ``softmax_grad_`` overwrite their input logits in place, so a second timing launch would read
 gradients instead of logits; they therefore declare ``restore_value=["x_ptr"]``: the autotuner
 clones the logits before each timing launch and copies them back after it, and the final launch
 with the chosen config runs on the original logits. This costs one extra ``[n, V_local]`` buffer
@@ -85,41 +89,80 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
     tl.store(t_ptr + row, t)
 
 
-# Fused SFT row kernel (one program per row): BLOCK up to 32768 as Liger-Kernel's cross-entropy kernel uses.
-_SFT_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (8192, 16384, 32768) for w in (16, 32)]
+# SFT loss, unsplit vocabulary, deferred normalisation (see sftprof.ops.vocab_softmax.sft_chunk_):
+# _shifted_exp_kernel overwrites each (row, column block) of the logits with exp(x - t) and stores the block's
+# fp32 sum, or, if the block's maximum exceeds t + margin, leaves it raw and stores -1; then
+# _sft_finish_kernel, per row.
+_EXP_CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
+                for r, b, w in ((1, 2048, 4), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4))]
+_EXP_MIN_BLOCK = 1024
 
 
 # In place: restore the logits between the autotuner's timing launches.
-@triton.autotune(configs=_SFT_CONFIGS, key=_KEY, restore_value=["x_ptr"])
+@triton.autotune(configs=_EXP_CONFIGS, key=_KEY, restore_value=["x_ptr"])
 @triton.jit
-def _sft_rows_kernel(x_ptr, stride_row, n_cols, lab_ptr, w_ptr, lp_ptr, inv_temp, BLOCK: tl.constexpr):
-    """Whole-vocabulary rows (no TP split): log-prob of the label, then the row overwritten with
-    d(-w * logprob)/dlogits = w / T * (softmax - onehot). Two passes over the row: online max / sum-exp
-    with loads that ask L2 to keep the row (evict_last), then the gradient with loads and stores that
-    stream it out (evict_first). On an H200 the hints made it 1-3 % faster, though the second read still
-    mostly comes from HBM (bench/NOTES.md)."""
+def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, stride_p, inv_temp, margin,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (ROWS rows, column block): x = logits * inv_temp, t = target logit * inv_temp (``tgt_ptr``: the
+    raw target logits, gathered before the launch since this pass overwrites them). Rows whose block maximum
+    exceeds t + margin are written back unchanged (a select, not a branch, so every row streams)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk = tl.program_id(1)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    ptrs = x_ptr + rows[:, None] * stride_row + cols[None, :]
+    raw = tl.load(ptrs, mask=mask, other=float("-inf"))
+    t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0).to(tl.float32) * inv_temp
+    d = raw.to(tl.float32) * inv_temp - t[:, None]
+    keep = tl.max(d, axis=1) > margin
+    e = tl.exp(d)
+    tl.store(ptrs, tl.where(keep[:, None], raw, e.to(x_ptr.dtype.element_ty)), mask=mask)
+    tl.store(psum_ptr + rows * stride_p + blk, tl.where(keep, -1.0, tl.sum(e, axis=1)), mask=rows < n_rows)
+
+
+@triton.jit
+def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_ptr, stride_p, n_blocks,
+                       lp_ptr, scale_ptr, inv_temp, BLOCK: tl.constexpr, PB: tl.constexpr):
+    """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some block was
+    left raw, the row maximum m (found in the raw blocks): raw blocks -> exp(x - m), the others rescaled by
+    exp(t - m), all rewritten. S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here);
+    logprob = t - s - log S; the label column gets exp(t - s) - S; scale = w * inv_temp / S."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK)
-    m = -1.0e30
-    s = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf"),
-                    eviction_policy="evict_last").to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    idx, t = _target_logit(base, lab_ptr, row, inv_temp)
-    lse = m + tl.log(s)
-    tl.store(lp_ptr + row, t - lse)
-    coef = tl.load(w_ptr + row) * inv_temp
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * inv_temp
-        g = coef * (tl.exp(x - lse) - tl.where(cols == idx, 1.0, 0.0))
-        tl.store(base + cols, g.to(x_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    prow = psum_ptr + row * stride_p
+    y = tl.load(lab_ptr + row)
+    t = tl.load(tgt_ptr + row).to(tl.float32) * inv_temp
+    bo = tl.arange(0, PB)
+    psum = tl.load(prow + bo, mask=bo < n_blocks, other=0.0)
+    if tl.min(psum, axis=0) < 0:
+        offs = tl.arange(0, BLOCK)
+        m = float("-inf")
+        for b in range(n_blocks):
+            if tl.load(prow + b) < 0:
+                cols = b * BLOCK + offs
+                v = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                m = tl.maximum(m, tl.max(v * inv_temp, axis=0))
+        rescale = tl.exp(t - m)
+        total = 0.0
+        for b in range(n_blocks):
+            cols = b * BLOCK + offs
+            mask = cols < n_cols
+            v = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            part = tl.load(prow + b)
+            if part < 0:
+                e = tl.where(mask, tl.exp(v * inv_temp - m), 0.0)
+                total += tl.sum(e, axis=0)
+            else:
+                e = v * rescale
+                total += part * rescale
+            tl.store(base + cols, e.to(x_ptr.dtype.element_ty), mask=mask)
+        s = m
+    else:
+        s = t
+        total = tl.sum(psum, axis=0)
+    tl.store(lp_ptr + row, t - s - tl.log(total))
+    tl.store(base + y, (tl.exp(t - s) - total).to(x_ptr.dtype.element_ty))
+    tl.store(scale_ptr + row, tl.load(w_ptr + row) * inv_temp / total)
 
 
 # In place: restore the logits between the autotuner's timing launches.
@@ -174,13 +217,32 @@ def softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.T
                                    coef.contiguous(), inv_temp)
 
 
-def sft_rows_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    """Unsplit vocabulary: fp32 ``[n]`` log-probs of the labels; ``logits`` is overwritten with
-    ``d(-sum w * logprob)/dlogits`` (``weights`` fp32 ``[n]``)."""
+def _sft_finish(logits, labels, target, weights, psum, block, inv_temp):
+    n, v = logits.shape
+    out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
+    nb = triton.cdiv(v, block)
+    _sft_finish_kernel[(n,)](logits, logits.stride(0), v, labels, target, weights.contiguous(), psum, psum.stride(0),
+                             nb, out[0], out[1], inv_temp, BLOCK=block, PB=triton.next_power_of_2(nb), num_warps=4)
+    return out[0], out[1]
+
+
+def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
+                     margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift and sum of
+    :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. Launches: a
+    gather of the target logits, the elementwise pass over ``(row, block)`` (one read + one write of the
+    chunk) and the per-row finisher; ``4 x n x ceil(V / 2048)`` bytes of fp32 block sums on the side."""
     _check(logits)
     n, v = logits.shape
-    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
-    if n:
-        _sft_rows_kernel[(n,)](logits, logits.stride(0), v, local_labels.contiguous(), weights.contiguous(), logprob,
-                               inv_temp)
-    return logprob
+    if not n:
+        return torch.empty(0, device=logits.device), torch.empty(0, device=logits.device)
+    labels = local_labels.contiguous()
+    target = logits.gather(1, labels[:, None])  # [n, 1], raw: the producer overwrites the logits
+    psum = torch.empty(n, triton.cdiv(v, _EXP_MIN_BLOCK), dtype=torch.float32, device=logits.device)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["ROWS"]), triton.cdiv(v, meta["BLOCK"]))
+
+    _shifted_exp_kernel[grid](logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, margin)
+    return _sft_finish(logits, labels, target, weights, psum, _shifted_exp_kernel.best_config.kwargs["BLOCK"],
+                       inv_temp)

@@ -17,14 +17,18 @@ Gradient of ``L = sum_i g_lp[i] * logprob[i] + g_ent[i] * entropy[i]`` w.r.t. th
 (standard softmax calculus; d entropy / dx_j = -p_j (log p_j + entropy)):
 ``dL/dlogits_j = (a * [j == y] - p_j * (b + c * log p_j))`` with per-row coefficients
 ``a = g_lp / T``, ``b = (g_lp + g_ent * entropy) / T``, ``c = g_ent / T``.
+
+The SFT loss without a TP split (:func:`sft_chunk_`) defers the normalisation instead: shifting by the
+target logit rather than the row maximum, ``exp(x - shift)`` can be written while the row is read, and
+``1 / S`` becomes a per-row factor on the small GEMM operands, so the chunk is read and written once.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RowStats", "tp_rank_and_size", "shard_local_labels", "chunk_bounds", "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_",
-           "sft_chunk_"]
+__all__ = ["RowStats", "SHIFT_MARGIN", "tp_rank_and_size", "shard_local_labels", "chunk_bounds",
+           "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_", "sft_chunk_"]
 
 
 class RowStats:
@@ -161,20 +165,54 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
     return logits
 
 
-def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
-               tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Log-probs ``[n]`` fp32 of a chunk and, in place, ``logits <- d(-sum_i w_i logprob_i)/dlogits``.
+# Deferred-normalisation shift: the target logit, unless the row maximum exceeds it by more than this (nats);
+# then exp(x - t) could reach e^SHIFT_MARGIN ~ 1e13 and the row uses its maximum instead.
+SHIFT_MARGIN = 30.0
 
-    ``weights``: fp32 ``[n]`` per-token loss weights. Same result as :func:`chunk_stats` followed by
-    :func:`write_softmax_grad_`; on CUDA without a TP split it is one Triton launch over the chunk.
+
+def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
+               tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of a chunk, and ``d(-sum_i w_i logprob_i)/dlogits`` written in place, up to a per-row scale.
+
+    Args:
+        logits: ``[n, V_local]`` bf16/fp16/fp32, overwritten.
+        local_labels: ``[n]`` int64 from :func:`shard_local_labels`.
+        weights: fp32 ``[n]`` per-token loss weights ``w``.
+        inv_temp: ``1 / temperature``.
+    Returns:
+        ``(logprob, row_scale)``: fp32 ``[n]`` log-probs, and ``row_scale`` such that the gradient is
+        ``row_scale[:, None] * logits`` after the call (``None``: ``logits`` holds the gradient itself).
+
+    Without a TP split (deferred normalisation, ``row_scale`` fp32 ``[n]``): with ``x = logits / T``,
+    target ``t = x_y`` and a per-row shift ``s`` (``t``, or the row maximum when that exceeds ``t`` by more
+    than :data:`SHIFT_MARGIN`), ``S = sum_j exp(x_j - s)``, ``logprob = t - s - log S`` and
+    ``d(-w logprob)/dx_j = (w / S) (exp(x_j - s) - S [j == y])``. The logits are overwritten with
+    ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs one read and one
+    write (no statistics pass): the scale is folded into the GEMMs' small operands by the caller
+    (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). With a TP split the
+    global statistics come first (:func:`chunk_stats`, one all-reduce set), then the gradient itself is
+    written (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
     """
-    if _use_triton(logits) and tp_rank_and_size(tp_group)[1] == 1:
+    if tp_rank_and_size(tp_group)[1] > 1:
+        st = chunk_stats(logits, local_labels, inv_temp, tp_group)
+        coef = grad_coefficients(-weights, None, st.entropy, inv_temp, logits.shape[0], logits.device)
+        write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
+        return st.logprob, None
+    if _use_triton(logits):
         from sftprof.ops import triton_kernels
 
-        logprob = triton_kernels.sft_rows_(logits, local_labels, weights, inv_temp)
-        torch.autograd.graph.increment_version(logits)
-        return logprob
-    st = chunk_stats(logits, local_labels, inv_temp, tp_group)
-    coef = grad_coefficients(-weights, None, st.entropy, inv_temp, logits.shape[0], logits.device)
-    write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
-    return st.logprob
+        logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN)
+    else:
+        x = logits.float() * inv_temp
+        rows = torch.arange(x.shape[0], device=x.device)
+        t = x[rows, local_labels]
+        m = x.max(dim=1).values
+        s = torch.where(m - t > SHIFT_MARGIN, m, t)
+        e = (x - s[:, None]).exp()
+        total = e.sum(dim=1)
+        e[rows, local_labels] = (t - s).exp() - total
+        with torch.no_grad():
+            logits.copy_(e)
+        logprob, scale = t - s - total.log(), weights * inv_temp / total
+    torch.autograd.graph.increment_version(logits)
+    return logprob, scale
