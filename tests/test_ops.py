@@ -17,6 +17,7 @@ Tolerances (stated here, used by all checks):
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -232,6 +233,26 @@ def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sft_loss_targets_far_below_the_row_max(dtype):
     check_sft_far_targets(fresh_seed(), dtype, grad_in_hidden=dtype == torch.bfloat16)
+
+
+def test_sft_loss_fp16_stays_finite_and_exact():
+    """fp16 cannot hold the deferred-normalisation values (up to e^30), so it takes the general path."""
+    h = torch.tensor([[1.0]], dtype=torch.float16, requires_grad=True)
+    w = torch.tensor([[0.0], [12.0]], dtype=torch.float16, requires_grad=True)
+    linear_sft_loss(h, w, torch.tensor([0]), torch.ones(1, dtype=torch.float16)).backward()
+    # p = softmax([0, 12]), label 0: d/dlogits = [p_0 - 1, p_1] = [-p_1, p_1]; d/dh = 12 p_1, d/dw = that * h.
+    p1 = 1 / (1 + math.exp(-12.0))
+    torch.testing.assert_close(h.grad.double(), torch.tensor([[12 * p1]], dtype=torch.float64), rtol=2 ** -10, atol=0)
+    torch.testing.assert_close(w.grad.double(), torch.tensor([[-p1], [p1]], dtype=torch.float64), rtol=2 ** -10,
+                               atol=0)
+    hidden, weight, labels, _, _, lw = make_problem(fresh_seed(), 64, 16, 3000, 1)
+    hq, wq = hidden.half().requires_grad_(), weight.half().requires_grad_()
+    rh, rw = hq.double().requires_grad_(), wq.double().requires_grad_()
+    ref_lp, _, _ = reference(rh, rw, labels, 1.0, torch.float16)
+    ref_gh, ref_gw = torch.autograd.grad(-(ref_lp * lw.half().double()).sum(), (rh, rw))
+    linear_sft_loss(hq, wq, labels, lw.half(), chunk_size=20).backward()
+    _close(hq.grad, ref_gh, "fp16 d/dhidden", **_tol(torch.bfloat16, ref_gh))
+    _close(wq.grad, ref_gw, "fp16 d/dweight", **_tol(torch.bfloat16, ref_gw))
 
 
 def _free_port() -> int:

@@ -155,7 +155,8 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
             else:
                 e = v * rescale
                 total += part * rescale
-            tl.store(base + cols, e.to(x_ptr.dtype.element_ty), mask=mask)
+            # Not the label column: it is written once, below (two unordered stores to it would race).
+            tl.store(base + cols, e.to(x_ptr.dtype.element_ty), mask=mask & (cols != y))
         s = m
     else:
         s = t
@@ -231,13 +232,14 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
     """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift and sum of
     :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. Launches: a
     gather of the target logits, the elementwise pass over ``(row, block)`` (one read + one write of the
-    chunk) and the per-row finisher; ``4 x n x ceil(V / 2048)`` bytes of fp32 block sums on the side."""
+    chunk; rows beyond the margin are read and rewritten again by the finisher) and the per-row finisher;
+    ``4 x n x ceil(V / 1024)`` bytes of fp32 block sums on the side."""
     _check(logits)
     n, v = logits.shape
     if not n:
         return torch.empty(0, device=logits.device), torch.empty(0, device=logits.device)
     labels = local_labels.contiguous()
-    target = logits.gather(1, labels[:, None])  # [n, 1], raw: the producer overwrites the logits
+    target = logits.gather(1, labels[:, None])  # [n, 1], raw: the elementwise pass overwrites the logits
     psum = torch.empty(n, triton.cdiv(v, _EXP_MIN_BLOCK), dtype=torch.float32, device=logits.device)
 
     def grid(meta):

@@ -183,17 +183,19 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
         ``(logprob, row_scale)``: fp32 ``[n]`` log-probs, and ``row_scale`` such that the gradient is
         ``row_scale[:, None] * logits`` after the call (``None``: ``logits`` holds the gradient itself).
 
-    Without a TP split (deferred normalisation, ``row_scale`` fp32 ``[n]``): with ``x = logits / T``,
+    bf16/fp32 without a TP split (deferred normalisation, ``row_scale`` fp32 ``[n]``): with ``x = logits / T``,
     target ``t = x_y`` and a per-row shift ``s`` (``t``, or the row maximum when that exceeds ``t`` by more
     than :data:`SHIFT_MARGIN`), ``S = sum_j exp(x_j - s)``, ``logprob = t - s - log S`` and
     ``d(-w logprob)/dx_j = (w / S) (exp(x_j - s) - S [j == y])``. The logits are overwritten with
     ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs one read and one
-    write (no statistics pass): the scale is folded into the GEMMs' small operands by the caller
-    (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). With a TP split the
-    global statistics come first (:func:`chunk_stats`, one all-reduce set), then the gradient itself is
-    written (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
+    write (no statistics pass; rows beyond the margin are read and written once more): the scale is folded
+    into the GEMMs' small operands by the caller (``d/dweight = E^T (row_scale * hidden)``,
+    ``d/dhidden = row_scale * (E @ W)``). ``E`` reaches ``e^SHIFT_MARGIN`` and ``S`` ``V e^SHIFT_MARGIN``,
+    beyond fp16's range, so fp16 takes the general path, as does a TP split (its global statistics come
+    first: :func:`chunk_stats`, one all-reduce set): the gradient itself is written
+    (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
     """
-    if tp_rank_and_size(tp_group)[1] > 1:
+    if tp_rank_and_size(tp_group)[1] > 1 or logits.dtype not in (torch.bfloat16, torch.float32):
         st = chunk_stats(logits, local_labels, inv_temp, tp_group)
         coef = grad_coefficients(-weights, None, st.entropy, inv_temp, logits.shape[0], logits.device)
         write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
