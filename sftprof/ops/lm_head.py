@@ -53,7 +53,8 @@ def _grad_hidden_buffer(hidden: torch.Tensor, h_full: torch.Tensor, tp_group, se
     """Where ``d/dhidden`` ``[N, H]`` is written, and whether that is the caller's ``hidden``: the
     all-gathered copy (sequence parallel, tp > 1: ours to reuse), ``hidden``'s own storage
     (``grad_in_hidden``: an alias sharing its autograd version counter, so the writes bump it), or a new
-    buffer. Chunk ``c``'s rows are overwritten only after the chunk's ``d/dweight`` GEMM has read them."""
+    buffer. Chunk ``c``'s rows are overwritten with ``d/dhidden`` only after the chunk's ``d/dweight`` GEMM has
+    read them (the SFT loss's deferred normalisation first scales them in place, as that GEMM's operand)."""
     if _reuses_gathered_copy(tp_group, sequence_parallel):
         return h_full, False
     return (hidden.detach(), True) if grad_in_hidden else (torch.empty_like(h_full), False)
@@ -319,7 +320,9 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     scratch buffer), ``d/dhidden`` scaled after its GEMM. The backward only scales the stored gradients by
     the incoming gradient. Extra memory: one ``[chunk_size, V_local]`` logits buffer of
     ``hidden.dtype`` plus the gradients themselves; with ``grad_in_hidden`` (or sequence parallelism, where
-    the all-gathered copy is reused) ``d/dhidden`` takes no memory of its own.
+    the all-gathered copy is reused) ``d/dhidden`` takes no memory of its own. Small extras: fp32 block sums
+    (``4 x chunk_size x ceil(V_local / 1024)`` bytes) and, without ``grad_in_hidden``, the ``[chunk_size, H]``
+    scratch buffer; on CUDA the first call also autotunes the elementwise kernel on a copy of one chunk.
 
     Args:
         hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel: as in

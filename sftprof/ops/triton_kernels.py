@@ -9,8 +9,8 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
 - ``sft_shifted_exp_``: for an unsplit vocabulary, the SFT loss with deferred normalisation (see
   :func:`sftprof.ops.vocab_softmax.sft_chunk_`): an elementwise pass over ``(row, column block)`` that
-  overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums and maxima (one read + one
-  write of the chunk), then a per-row finisher that combines the block sums, patches the label column and
+  overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums (-1 for a block left raw; one
+  read + one write of the chunk), then a per-row finisher that combines the block sums, patches the label column and
   handles rows whose maximum exceeds the target logit by more than the margin (it rewrites those rows
   with the row maximum as the shift).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
@@ -123,10 +123,11 @@ def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, st
 @triton.jit
 def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_ptr, stride_p, n_blocks,
                        lp_ptr, scale_ptr, inv_temp, BLOCK: tl.constexpr, PB: tl.constexpr):
-    """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some block was
-    left raw, the row maximum m (found in the raw blocks): raw blocks -> exp(x - m), the others rescaled by
-    exp(t - m), all rewritten. S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here);
-    logprob = t - s - log S; the label column gets exp(t - s) - S; scale = w * inv_temp / S."""
+    """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some
+    block was left raw, the row maximum m (found in the raw blocks): raw blocks -> exp(x - m), the others
+    rescaled by exp(t - m), all rewritten but the label column, which is stored once, at the end.
+    S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here); logprob = t - s - log S;
+    the label column gets exp(t - s) - S; scale = w * inv_temp / S."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     prow = psum_ptr + row * stride_p
