@@ -8,10 +8,14 @@ repetitions (CUDA events), effective TFLOP/s = 6 N H V / time, extra peak GiB = 
 one fwd+bwd minus (memory before + bytes of the inputs' gradients), and "+grads" = peak minus memory before
 (gradients included; the way shared/device/README.md's baseline table counts, e.g. CCE 1.08 GiB).
 
+Each row is first run once untimed (warm-up, autotuning) and once for its peak memory; the timed calls then
+go round-robin over all rows (repetition r of every row before repetition r + 1 of any), so that clock and
+temperature drift over the run affect all rows alike.
+
 ``grad_in_hidden`` rows write d/dhidden over the hidden input (see ``linear_sft_loss`` / ``linear_logprobs``);
 the inputs are restored (untimed) before each of their calls.
 
-Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--rows TEXT] [--json out.json]
+Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--rows TEXT ...] [--reps R] [--json out.json]
 A row whose library does not import is printed with a note instead of numbers.
 """
 from __future__ import annotations
@@ -96,9 +100,9 @@ def gemms_only(chunk):
     return run
 
 
-def measure(fn, h, w, y, reps: int, reset):
-    """(median ms, extra peak GiB beyond the inputs' gradients, peak GiB above the memory before the call)
-    of fn's fwd+bwd; grads are reset and ``reset()`` runs (untimed) before each call."""
+def peak_gib(fn, h, w, y, reset):
+    """(extra peak GiB beyond the inputs' gradients, peak GiB above the memory before the call) of one fwd+bwd;
+    grads are reset and ``reset()`` runs before the call."""
     grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     h.grad = w.grad = None
     reset()
@@ -109,25 +113,33 @@ def measure(fn, h, w, y, reps: int, reset):
     fn(h, w, y)
     torch.cuda.synchronize()
     above = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    extra = above - grad_bytes / 2 ** 30
-    times = []
-    for _ in range(reps):
-        h.grad = w.grad = None
-        reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(h, w, y)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), extra, above
+    return above - grad_bytes / 2 ** 30, above
+
+
+def time_ms(fn, h, w, y, reset):
+    """ms of one fwd+bwd (CUDA events); grads are reset and ``reset()`` runs (untimed) first."""
+    h.grad = w.grad = None
+    reset()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(h, w, y)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _fmt(value, spec: str) -> str:
+    return spec.format(value) if value is not None else "-"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
-    ap.add_argument("--rows", default="", help="run only the methods whose name contains this text")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="timed calls per row (default: 5 at N >= 65536 tokens, 7 below)")
+    ap.add_argument("--rows", nargs="+", default=[""],
+                    help="run only the methods whose name contains one of these texts")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -140,10 +152,8 @@ def main():
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
     rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
              for c in (2048, 4096)]
-    rows.append(("liger FLCE 0.8.5 (again, last: drift check)", make_liger))
-    rows = [r for r in rows if args.rows in r[0]]
+    rows = [r for r in rows if any(text in r[0] for text in args.rows)]
     results = []
-    print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
@@ -154,18 +164,18 @@ def main():
             with torch.no_grad():
                 h.copy_(h_src)
 
-        for name, factory in rows:
+        live, recs = [], []
+        for name, factory in rows:  # warm-up and peak memory, one row after the other
             rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, peak_above_before_gib=None, note="")
+            recs.append(rec)
             try:
                 fn = factory()
                 reset = restore if getattr(fn, "consumes_hidden", False) else (lambda: None)
-                fn(h, w, y)  # warm-up / compile
-                h.grad = w.grad = None
-                ms, extra, above = measure(fn, h, w, y, reps=3 if n >= 65536 else 7, reset=reset)
-                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1), extra_gib=round(extra, 3),
-                           peak_above_before_gib=round(above, 3))
+                fn(h, w, y)  # warm-up / compile / autotune
+                rec["extra_gib"], rec["peak_above_before_gib"] = (round(v, 3) for v in peak_gib(fn, h, w, y, reset))
                 if reset is restore:  # did autograd keep d/dhidden in h's storage or copy it into h.grad?
                     rec["note"] = "h.grad in h's storage" if h.grad.data_ptr() == h.data_ptr() else "h.grad copied"
+                live.append((rec, fn, reset, []))
             except torch.OutOfMemoryError:
                 rec["note"] = "OOM"
             except ImportError as exc:
@@ -173,11 +183,20 @@ def main():
             h.grad = w.grad = None
             restore()
             torch.cuda.empty_cache()
-            results.append(rec)
-            fmt = (lambda v, f: f.format(v) if v is not None else "-")
-            print(f"{n:>7} {name:<56} {fmt(rec['ms'], '{:.1f}'):>9} {fmt(rec['tflops'], '{:.0f}'):>8} "
-                  f"{fmt(rec['extra_gib'], '{:.2f}'):>9} {fmt(rec['peak_above_before_gib'], '{:.2f}'):>7}  {rec['note']}",
-                  flush=True)
+        for _ in range(args.reps or (5 if n >= 65536 else 7)):  # timed calls, round-robin over the rows
+            for rec, fn, reset, times in live:
+                times.append(time_ms(fn, h, w, y, reset))
+                h.grad = w.grad = None
+                restore()
+        for rec, _, _, times in live:
+            ms = statistics.median(times)
+            rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1))
+        print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
+        for rec in recs:
+            print(f"{n:>7} {rec['method']:<56} {_fmt(rec['ms'], '{:.1f}'):>9} {_fmt(rec['tflops'], '{:.0f}'):>8} "
+                  f"{_fmt(rec['extra_gib'], '{:.2f}'):>9} {_fmt(rec['peak_above_before_gib'], '{:.3f}'):>7}  "
+                  f"{rec['note']}", flush=True)
+        results += recs
     from sftprof.ops import triton_kernels
     for kern in ("_shifted_exp_kernel", "_row_stats_kernel", "_softmax_grad_kernel"):
         print(f"autotuned {kern}: {getattr(getattr(triton_kernels, kern), 'best_config', None)}")

@@ -4,7 +4,8 @@ For each chunk size, on real bf16 logits of the LM head's scale (restored, untim
 - ``3-pass``: the general path (``row_stats``: one read; ``softmax_grad_``: one read + one write), which
   the TP-split SFT loss uses;
 - ``2-pass``: the deferred-normalisation path of ``sft_shifted_exp_`` (target gather; elementwise pass: one
-  read + one write; finisher: O(blocks) per row), once per launch config of its elementwise pass;
+  read + one write; finisher: O(blocks) per row, which also scales the ``[n, H]`` hidden rows) plus the
+  ``[n, H]`` row scaling of d/dhidden it needs, once per launch config of its elementwise pass;
 - ``cuBLAS mm``: the chunk's logits GEMM alone (what the rows above come after), for scale.
 Prints the median ms of 10 launches and the bandwidth for the passes each one makes, a device copy of the
 chunk (2 passes, the achievable rate) and the floor at 4.8 TB/s (H200 HBM3e peak).
@@ -19,7 +20,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sftprof.ops import triton_kernels as tk  # noqa: E402
@@ -71,16 +71,13 @@ def main():
         ms = median_ms(general, x, x_src, args.reps)
         print(f"{n:>6} {'3-pass':>7} {'tuned':>9} {'':>5} {ms:>8.3f} {3 * nbytes / ms / 1e9:>6.2f}", flush=True)
 
-        psum = torch.empty(n, triton.cdiv(args.vocab, tk._EXP_MIN_BLOCK), device=dev)
+        scaled, grad_hidden = torch.empty_like(hidden), torch.empty_like(hidden)
         for cfg in tk._EXP_CONFIGS:
             rows_per, block = cfg.kwargs["ROWS"], cfg.kwargs["BLOCK"]
 
             def deferred():
-                target = x.gather(1, labels[:, None])
-                tk._shifted_exp_kernel.fn[(triton.cdiv(n, rows_per), triton.cdiv(args.vocab, block))](
-                    x, x.stride(0), n, args.vocab, target, psum, psum.stride(0), 1.0, SHIFT_MARGIN, ROWS=rows_per,
-                    BLOCK=block, num_warps=cfg.num_warps)
-                tk._sft_finish(x, labels, target, weights, psum, block, 1.0)
+                _, scale = tk.sft_shifted_exp_(x, labels, weights, 1.0, SHIFT_MARGIN, (hidden, scaled), cfg)
+                tk.scale_rows_(grad_hidden, scale)
 
             ms = median_ms(deferred, x, x_src, args.reps)
             print(f"{n:>6} {'2-pass':>7} {f'{rows_per}x{block}':>9} {cfg.num_warps:>5} {ms:>8.3f} "

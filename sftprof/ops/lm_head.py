@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from sftprof.ops.guards import SavedBuffer, StaleBufferError
-from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, grad_coefficients,
-                                       sft_chunk_, shard_local_labels, tp_rank_and_size, write_softmax_grad_)
+from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, defers_normalisation,
+                                       grad_coefficients, scale_rows_, sft_chunk_, shard_local_labels, tp_rank_and_size,
+                                       write_softmax_grad_)
 
 __all__ = ["linear_logprobs", "linear_sft_loss"]
 
@@ -212,29 +213,26 @@ class _LinearSFTLoss(torch.autograd.Function):
         logprob = torch.empty(n, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
 
         bounds = chunk_bounds(n, chunk_size)
-        # Scaled hidden rows for d/dweight (deferred normalisation, see sft_chunk_): in place over rows that
-        # d/dhidden overwrites next anyway (grad_in_hidden), else in a [chunk, H] scratch buffer.
+        # d/dweight's operand on the deferred path (see sft_chunk_): the chunk's hidden rows times the row scale,
+        # written by the chunk's finisher in place over rows that d/dhidden overwrites next anyway
+        # (grad_in_hidden), else into a [chunk, H] scratch buffer.
+        deferred = need_w and defers_normalisation(h_full.dtype, tp_group)
         scratch = None
-
-        def scaled_rows(s, e, scale):
-            nonlocal scratch
-            if aliased:
-                return grad_h[s:e].mul_(scale[:, None])
-            if scratch is None:
-                scratch = h_full.new_empty(bounds[0][1] - bounds[0][0], h_full.shape[1])
-            return torch.mul(h_full[s:e], scale[:, None], out=scratch[: e - s])
+        if deferred and not aliased and bounds:
+            scratch = h_full.new_empty(bounds[0][1] - bounds[0][0], h_full.shape[1])
 
         def on_chunk(s, e, lg):
             if not (need_h or need_w):
                 lp = chunk_stats(lg, local[s:e], inv_t, tp_group).logprob
             else:
-                lp, scale = sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group)
+                rows = (h_full[s:e], grad_h[s:e] if aliased else scratch[: e - s]) if deferred else None
+                lp, scale = sft_chunk_(lg, local[s:e], w[s:e], inv_t, tp_group, rows)
                 if need_w:  # before d/dhidden, which may overwrite these hidden rows
-                    wgrad.add(lg, h_full[s:e] if scale is None else scaled_rows(s, e, scale))
+                    wgrad.add(lg, h_full[s:e] if rows is None else rows[1])
                 if need_h:
                     torch.mm(lg, weight, out=grad_h[s:e])
                     if scale is not None:
-                        grad_h[s:e].mul_(scale[:, None])
+                        scale_rows_(grad_h[s:e], scale)
             loss.sub_(torch.dot(lp, w[s:e]))
             if logprob is not None:
                 logprob[s:e] = lp

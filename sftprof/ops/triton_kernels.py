@@ -8,17 +8,19 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
   over the row (the one-pass softmax normaliser of Milakov & Gimelshein, "Online normalizer
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
 - ``sft_shifted_exp_``: for an unsplit vocabulary, the SFT loss with deferred normalisation (see
-  :func:`sftprof.ops.vocab_softmax.sft_chunk_`): an elementwise pass over ``(row, column block)`` that
-  overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums (-1 for a block left raw; one
-  read + one write of the chunk), then a per-row finisher that combines the block sums, patches the label column and
-  handles rows whose maximum exceeds the target logit by more than the margin (it rewrites those rows
-  with the row maximum as the shift).
+  :func:`sftprof.ops.vocab_softmax.sft_chunk_`): a gather of the target logits, an elementwise pass over
+  ``(row, column block)`` that overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums
+  (-1 for a block left raw because its sum exceeds ``e^margin``; one read + one write of the chunk), then a
+  per-row finisher that combines the block sums, patches the label column, rewrites rows with a raw block
+  using the row maximum as the shift, and optionally scales a row of the ``[n, H]`` hidden states by the
+  row's gradient scale (the ``d/dweight`` GEMM's operand).
+- ``scale_rows_``: in-place ``[n, H]`` row scaling (the ``d/dhidden`` rows of the SFT loss).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
 
 Launch configurations (``BLOCK``, ``num_warps``) are chosen with ``triton.autotune`` from a small list
-(``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; the elementwise pass of ``sft_shifted_exp_``: tiles of
-1-4 rows x 1024-4096 columns with 4/8 warps, and its finisher uses the BLOCK chosen there; gradient kernel: BLOCK
+(``row_stats``: BLOCK 4096/8192/16384 x 8/16/32 warps; the elementwise pass of ``sft_shifted_exp_``: one row x
+1024-4096 columns with 2/4 warps, and its finisher uses the BLOCK chosen there; gradient kernel: BLOCK
 1024/2048/4096 x 4/8 warps; measurements in bench/NOTES.md), keyed
 on the number of columns and the row stride (the autotuner adds the tensor dtypes), so each kernel is
 tuned once per vocabulary-shard size and dtype, on its first call in the process; the
@@ -34,6 +36,8 @@ with the chosen config runs on the original logits. This costs one extra ``[n, V
 written exactly once per launch), so no ``reset_to_zero`` is needed.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -90,49 +94,63 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
 
 
 # SFT loss, unsplit vocabulary, deferred normalisation (see sftprof.ops.vocab_softmax.sft_chunk_):
-# _shifted_exp_kernel overwrites each (row, column block) of the logits with exp(x - t) and stores the block's
-# fp32 sum, or, if the block's maximum exceeds t + margin, leaves it raw and stores -1; then
-# _sft_finish_kernel, per row.
+# _target_kernel gathers the target logits; _shifted_exp_kernel overwrites each (row, column block) of the logits
+# with exp(x - t) and stores the block's fp32 sum, or, if that sum exceeds e^margin, leaves the block raw and
+# stores -1; then _sft_finish_kernel, per row. Tiles measured at chunk 1760 x 151936 bf16 on an H200 (bench/NOTES.md):
+# 1 row x 1024-4096 columns with 2-4 warps are within 1 % of each other; 8 warps or 2-row tiles are 3-4 % slower.
 _EXP_CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
-                for r, b, w in ((1, 2048, 4), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4))]
+                for r, b, w in ((1, 1024, 2), (1, 2048, 2), (1, 2048, 4), (1, 4096, 4))]
 _EXP_MIN_BLOCK = 1024
+
+
+@triton.jit
+def _target_kernel(x_ptr, stride_row, n_rows, lab_ptr, out_ptr, BLOCK: tl.constexpr):
+    """out[i] = logits[i, labels[i]] as fp32, BLOCK rows per program (labels are in range: unsplit vocabulary)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    idx = tl.load(lab_ptr + rows, mask=mask, other=0)
+    v = tl.load(x_ptr + rows.to(tl.int64) * stride_row + idx, mask=mask, other=0.0)
+    tl.store(out_ptr + rows, v.to(tl.float32), mask=mask)
 
 
 # In place: restore the logits between the autotuner's timing launches.
 @triton.autotune(configs=_EXP_CONFIGS, key=_KEY, restore_value=["x_ptr"])
 @triton.jit
-def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, stride_p, inv_temp, margin,
+def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, stride_p, inv_temp, keep_above,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (ROWS rows, column block): x = logits * inv_temp, t = target logit * inv_temp (``tgt_ptr``: the
-    raw target logits, gathered before the launch since this pass overwrites them). Rows whose block maximum
-    exceeds t + margin are written back unchanged (a select, not a branch, so every row streams)."""
+    raw target logits as fp32, gathered before the launch since this pass overwrites them). A block whose sum
+    of exp(x - t) exceeds ``keep_above`` (e^margin; also inf and overflow) is written back unchanged (a select,
+    not a branch, so every row streams); a block that passes holds no element above e^margin."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     ptrs = x_ptr + rows[:, None] * stride_row + cols[None, :]
     raw = tl.load(ptrs, mask=mask, other=float("-inf"))
-    t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0).to(tl.float32) * inv_temp
-    d = raw.to(tl.float32) * inv_temp - t[:, None]
-    keep = tl.max(d, axis=1) > margin
-    e = tl.exp(d)
+    t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0) * inv_temp
+    e = tl.exp(raw.to(tl.float32) * inv_temp - t[:, None])
+    total = tl.sum(e, axis=1)
+    keep = total > keep_above
     tl.store(ptrs, tl.where(keep[:, None], raw, e.to(x_ptr.dtype.element_ty)), mask=mask)
-    tl.store(psum_ptr + rows * stride_p + blk, tl.where(keep, -1.0, tl.sum(e, axis=1)), mask=rows < n_rows)
+    tl.store(psum_ptr + rows * stride_p + blk, tl.where(keep, -1.0, total), mask=rows < n_rows)
 
 
 @triton.jit
 def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_ptr, stride_p, n_blocks,
-                       lp_ptr, scale_ptr, inv_temp, BLOCK: tl.constexpr, PB: tl.constexpr):
+                       lp_ptr, scale_ptr, inv_temp, src_ptr, stride_src, dst_ptr, stride_dst, n_hidden,
+                       BLOCK: tl.constexpr, PB: tl.constexpr, SCALE_ROWS: tl.constexpr, HBLOCK: tl.constexpr):
     """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some
     block was left raw, the row maximum m (found in the raw blocks): raw blocks -> exp(x - m), the others
     rescaled by exp(t - m), all rewritten but the label column, which is stored once, at the end.
     S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here); logprob = t - s - log S;
-    the label column gets exp(t - s) - S; scale = w * inv_temp / S."""
+    the label column gets exp(t - s) - S; scale = w * inv_temp / S. With SCALE_ROWS also
+    dst[row, :n_hidden] = scale * src[row, :n_hidden] (dst may be src: each program reads its row first)."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     prow = psum_ptr + row * stride_p
     y = tl.load(lab_ptr + row)
-    t = tl.load(tgt_ptr + row).to(tl.float32) * inv_temp
+    t = tl.load(tgt_ptr + row) * inv_temp
     bo = tl.arange(0, PB)
     psum = tl.load(prow + bo, mask=bo < n_blocks, other=0.0)
     if tl.min(psum, axis=0) < 0:
@@ -162,9 +180,27 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
     else:
         s = t
         total = tl.sum(psum, axis=0)
+    scale = tl.load(w_ptr + row) * inv_temp / total
     tl.store(lp_ptr + row, t - s - tl.log(total))
     tl.store(base + y, (tl.exp(t - s) - total).to(x_ptr.dtype.element_ty))
-    tl.store(scale_ptr + row, tl.load(w_ptr + row) * inv_temp / total)
+    tl.store(scale_ptr + row, scale)
+    if SCALE_ROWS:
+        for start in range(0, n_hidden, HBLOCK):
+            hc = start + tl.arange(0, HBLOCK)
+            hm = hc < n_hidden
+            hv = tl.load(src_ptr + row * stride_src + hc, mask=hm, other=0.0).to(tl.float32)
+            tl.store(dst_ptr + row * stride_dst + hc, (hv * scale).to(dst_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, stride_row, n_cols, scale_ptr, BLOCK: tl.constexpr):
+    """In place: x[row, block] *= scale[row] (fp32 math), one program per (row, column block)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    ptrs = x_ptr + row * stride_row + cols
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + row)
+    tl.store(ptrs, v.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 # In place: restore the logits between the autotuner's timing launches.
@@ -219,33 +255,65 @@ def softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.T
                                    coef.contiguous(), inv_temp)
 
 
-def _sft_finish(logits, labels, target, weights, psum, block, inv_temp):
-    n, v = logits.shape
-    out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
-    nb = triton.cdiv(v, block)
-    _sft_finish_kernel[(n,)](logits, logits.stride(0), v, labels, target, weights.contiguous(), psum, psum.stride(0),
-                             nb, out[0], out[1], inv_temp, BLOCK=block, PB=triton.next_power_of_2(nb), num_warps=4)
-    return out[0], out[1]
+def _rows_block(n_cols: int) -> int:
+    return min(triton.next_power_of_2(max(n_cols, 1)), 2048)
+
+
+def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (bf16/fp16/fp32, stride 1 along H) and fp32 ``scale``
+    ``[n]``; the product is formed in fp32 and rounded to ``x.dtype`` once. Returns ``x``."""
+    _check(x)
+    n, h = x.shape
+    if n and h:
+        block = _rows_block(h)
+        _scale_rows_kernel[(n, triton.cdiv(h, block))](x, x.stride(0), h, scale.contiguous(), BLOCK=block,
+                                                       num_warps=4)
+    return x
 
 
 def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
-                     margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     margin: float, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift and sum of
-    :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. Launches: a
-    gather of the target logits, the elementwise pass over ``(row, block)`` (one read + one write of the
-    chunk; rows beyond the margin are read and rewritten again by the finisher) and the per-row finisher;
-    ``4 x n x ceil(V / 1024)`` bytes of fp32 block sums on the side."""
+    :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. ``rows``: an
+    optional ``(src, dst)`` pair of ``[n, H]`` tensors (stride 1 along H; ``dst`` may be ``src``): the finisher
+    also writes ``dst <- scale[:, None] * src``. Launches: the target gather, the elementwise pass over
+    ``(row, block)`` (one read + one write of the chunk; a block whose ``sum exp(x - t)`` exceeds
+    ``e^margin`` is left raw, and its row is read and rewritten again by the finisher) and the per-row
+    finisher; ``4 x n x ceil(V / 1024)`` bytes of fp32 block sums on the side. ``config``: one of
+    ``_EXP_CONFIGS`` to launch the elementwise pass with instead of the autotuned choice (benchmarks)."""
     _check(logits)
     n, v = logits.shape
     if not n:
         return torch.empty(0, device=logits.device), torch.empty(0, device=logits.device)
     labels = local_labels.contiguous()
-    target = logits.gather(1, labels[:, None])  # [n, 1], raw: the elementwise pass overwrites the logits
+    # Raw target logits first: the elementwise pass overwrites them.
+    target = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _target_kernel[(triton.cdiv(n, 1024),)](logits, logits.stride(0), n, labels, target, BLOCK=1024, num_warps=4)
     psum = torch.empty(n, triton.cdiv(v, _EXP_MIN_BLOCK), dtype=torch.float32, device=logits.device)
 
     def grid(meta):
         return (triton.cdiv(n, meta["ROWS"]), triton.cdiv(v, meta["BLOCK"]))
 
-    _shifted_exp_kernel[grid](logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, margin)
-    return _sft_finish(logits, labels, target, weights, psum, _shifted_exp_kernel.best_config.kwargs["BLOCK"],
-                       inv_temp)
+    args = (logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, math.exp(margin))
+    if config is None:
+        _shifted_exp_kernel[grid](*args)
+        config = _shifted_exp_kernel.best_config
+    else:
+        _shifted_exp_kernel.fn[grid(config.kwargs)](*args, **config.kwargs, num_warps=config.num_warps)
+    block = config.kwargs["BLOCK"]
+    out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
+    nb = triton.cdiv(v, block)
+    if rows is None:
+        src = dst = out  # unused: SCALE_ROWS is off
+        hidden = 0
+    else:
+        src, dst = rows
+        _check(src)
+        _check(dst)
+        hidden = src.shape[1]
+    _sft_finish_kernel[(n,)](logits, logits.stride(0), v, labels, target, weights.contiguous(), psum, psum.stride(0),
+                             nb, out[0], out[1], inv_temp, src, src.stride(0), dst, dst.stride(0), hidden,
+                             BLOCK=block, PB=triton.next_power_of_2(nb), SCALE_ROWS=rows is not None,
+                             HBLOCK=_rows_block(hidden), num_warps=4)
+    return out[0], out[1]

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RowStats", "SHIFT_MARGIN", "tp_rank_and_size", "shard_local_labels", "chunk_bounds",
-           "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_", "sft_chunk_"]
+           "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_",
+           "defers_normalisation", "sft_chunk_", "scale_rows_"]
 
 
 class RowStats:
@@ -165,13 +166,30 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
     return logits
 
 
-# Deferred-normalisation shift: the target logit, unless the row maximum exceeds it by more than this (nats);
-# then exp(x - t) could reach e^SHIFT_MARGIN ~ 1e13 and the row uses its maximum instead.
+# Deferred-normalisation shift: the target logit, unless exp(x - t) could exceed e^SHIFT_MARGIN ~ 1e13 (then the row
+# uses its maximum instead).
 SHIFT_MARGIN = 30.0
 
 
+def defers_normalisation(dtype: torch.dtype, tp_group: dist.ProcessGroup | None) -> bool:
+    """Whether :func:`sft_chunk_` takes the deferred-normalisation path (and returns a row scale) for logits of
+    ``dtype``: bf16 or fp32 without a TP split."""
+    return tp_rank_and_size(tp_group)[1] == 1 and dtype in (torch.bfloat16, torch.float32)
+
+
+def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (stride 1 along H) and fp32 ``scale`` ``[n]``, the
+    product formed in fp32 and rounded to ``x.dtype`` once. Returns ``x``."""
+    if _use_triton(x):
+        from sftprof.ops import triton_kernels
+
+        return triton_kernels.scale_rows_(x, scale)
+    return x.mul_(scale[:, None])
+
+
 def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
-               tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               tp_group: dist.ProcessGroup | None, rows: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of a chunk, and ``d(-sum_i w_i logprob_i)/dlogits`` written in place, up to a per-row scale.
 
     Args:
@@ -179,23 +197,28 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
         local_labels: ``[n]`` int64 from :func:`shard_local_labels`.
         weights: fp32 ``[n]`` per-token loss weights ``w``.
         inv_temp: ``1 / temperature``.
+        rows: optional ``(src, dst)`` pair of ``[n, H]`` tensors (stride 1 along H; ``dst`` may be ``src``):
+            on the deferred path ``dst <- row_scale[:, None] * src`` is written too (fused into the per-row
+            finisher on CUDA), the operand the caller's ``d/dweight`` GEMM needs; untouched otherwise.
     Returns:
         ``(logprob, row_scale)``: fp32 ``[n]`` log-probs, and ``row_scale`` such that the gradient is
         ``row_scale[:, None] * logits`` after the call (``None``: ``logits`` holds the gradient itself).
 
-    bf16/fp32 without a TP split (deferred normalisation, ``row_scale`` fp32 ``[n]``): with ``x = logits / T``,
-    target ``t = x_y`` and a per-row shift ``s`` (``t``, or the row maximum when that exceeds ``t`` by more
-    than :data:`SHIFT_MARGIN`), ``S = sum_j exp(x_j - s)``, ``logprob = t - s - log S`` and
-    ``d(-w logprob)/dx_j = (w / S) (exp(x_j - s) - S [j == y])``. The logits are overwritten with
-    ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs one read and one
-    write (no statistics pass; rows beyond the margin are read and written once more): the scale is folded
-    into the GEMMs' small operands by the caller (``d/dweight = E^T (row_scale * hidden)``,
-    ``d/dhidden = row_scale * (E @ W)``). ``E`` reaches ``e^SHIFT_MARGIN`` and ``S`` ``V e^SHIFT_MARGIN``,
-    beyond fp16's range, so fp16 takes the general path, as does a TP split (its global statistics come
-    first: :func:`chunk_stats`, one all-reduce set): the gradient itself is written
-    (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
+    Deferred normalisation (:func:`defers_normalisation`: bf16/fp32 without a TP split; ``row_scale`` fp32 ``[n]``):
+    with ``x = logits / T``, target ``t = x_y`` and a per-row shift ``s``, ``S = sum_j exp(x_j - s)``,
+    ``logprob = t - s - log S`` and ``d(-w logprob)/dx_j = (w / S) (exp(x_j - s) - S [j == y])``. The logits
+    are overwritten with ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs
+    one read and one write (no statistics pass): the scale is folded into the GEMMs' small operands by the
+    caller (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). The shift is ``t``
+    unless that lets ``exp(x_j - t)`` exceed ``e^SHIFT_MARGIN``; then it is the row maximum (on CUDA: a
+    column block whose ``sum exp(x - t)`` exceeds ``e^SHIFT_MARGIN`` is left raw and its row rewritten by
+    the finisher, 2-3 extra passes over such rows only; on CPU: rows whose maximum exceeds ``t`` by more than
+    :data:`SHIFT_MARGIN`). ``E`` reaches ``e^SHIFT_MARGIN`` and ``S`` ``V e^SHIFT_MARGIN``, beyond fp16's
+    range, so fp16 takes the general path, as does a TP split (its global statistics come first:
+    :func:`chunk_stats`, one all-reduce set): the gradient itself is written (:func:`write_softmax_grad_`) and
+    ``row_scale`` is ``None``.
     """
-    if tp_rank_and_size(tp_group)[1] > 1 or logits.dtype not in (torch.bfloat16, torch.float32):
+    if not defers_normalisation(logits.dtype, tp_group):
         st = chunk_stats(logits, local_labels, inv_temp, tp_group)
         coef = grad_coefficients(-weights, None, st.entropy, inv_temp, logits.shape[0], logits.device)
         write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
@@ -203,18 +226,20 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
     if _use_triton(logits):
         from sftprof.ops import triton_kernels
 
-        logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN)
+        logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN, rows)
     else:
         x = logits.float() * inv_temp
-        rows = torch.arange(x.shape[0], device=x.device)
-        t = x[rows, local_labels]
+        idx = torch.arange(x.shape[0], device=x.device)
+        t = x[idx, local_labels]
         m = x.max(dim=1).values
         s = torch.where(m - t > SHIFT_MARGIN, m, t)
         e = (x - s[:, None]).exp()
         total = e.sum(dim=1)
-        e[rows, local_labels] = (t - s).exp() - total
+        e[idx, local_labels] = (t - s).exp() - total
         with torch.no_grad():
             logits.copy_(e)
         logprob, scale = t - s - total.log(), weights * inv_temp / total
+        if rows is not None:
+            torch.mul(rows[0], scale[:, None], out=rows[1])
     torch.autograd.graph.increment_version(logits)
     return logprob, scale
