@@ -185,12 +185,18 @@ def main():
             torch.cuda.empty_cache()
         for _ in range(args.reps or (5 if n >= 65536 else 7)):  # timed calls, round-robin over the rows
             for rec, fn, reset, times in live:
-                times.append(time_ms(fn, h, w, y, reset))
+                if rec["note"].startswith("OOM"):
+                    continue
+                try:
+                    times.append(time_ms(fn, h, w, y, reset))
+                except torch.OutOfMemoryError:
+                    rec["note"] = "OOM in a timed call"
                 h.grad = w.grad = None
                 restore()
         for rec, _, _, times in live:
-            ms = statistics.median(times)
-            rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1))
+            if times and not rec["note"].startswith("OOM"):
+                ms = statistics.median(times)
+                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1))
         print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
         for rec in recs:
             print(f"{n:>7} {rec['method']:<56} {_fmt(rec['ms'], '{:.1f}'):>9} {_fmt(rec['tflops'], '{:.0f}'):>8} "

@@ -80,8 +80,10 @@ def main():
                 tk.scale_rows_(grad_hidden, scale)
 
             ms = median_ms(deferred, x, x_src, args.reps)
+            # Bytes: the chunk read and written once, and two [n, H] row scalings (read + write each).
+            moved = 2 * nbytes + 4 * hidden.numel() * hidden.element_size()
             print(f"{n:>6} {'2-pass':>7} {f'{rows_per}x{block}':>9} {cfg.num_warps:>5} {ms:>8.3f} "
-                  f"{2 * nbytes / ms / 1e9:>6.2f}", flush=True)
+                  f"{moved / ms / 1e9:>6.2f}", flush=True)
         ms_mm = median_ms(lambda: torch.mm(hidden, weight.t(), out=x), x, x_src, args.reps)
         print(f"{n:>6} {'cuBLAS':>7} {'mm':>9} {'':>5} {ms_mm:>8.3f} {'':>6}  logits GEMM alone", flush=True)
         print(f"chunk {n}: floor at 4.8 TB/s: 3 passes {3 * nbytes / 4.8e9:.3f} ms, "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import StaleBufferError, linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
-from sftprof.ops.vocab_softmax import SHIFT_MARGIN
+from sftprof.ops.vocab_softmax import SHIFT_MARGIN, sft_chunk_
 
 
 def make_problem(seed: int, n: int, h: int, v: int, tp: int, device="cpu"):
@@ -200,10 +200,11 @@ def test_parity_tp1_single_chunk_and_temperature_one():
 
 
 def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, device="cpu", chunk_size=40,
-                          grad_in_hidden=False):
+                          grad_in_hidden=False, strided_hidden=False):
     """linear_sft_loss where many targets lie more than SHIFT_MARGIN nats below their row's maximum (the
     deferred-normalisation shift falls back to the row maximum there) and the rest do not: loss,
-    d/dhidden and d/dweight against the fp64 reference with the tolerances of check_all."""
+    d/dhidden and d/dweight against the fp64 reference with the tolerances of check_all.
+    ``strided_hidden``: pass hidden as a transposed view (column stride n, not 1)."""
     hidden64, weight64, labels, _, _, lw = make_problem(seed, n, h, v, 1, device)
     temperature = 0.05  # x / T spans hundreds of nats
     hq, wq = hidden64.to(dtype), weight64.to(dtype)
@@ -216,7 +217,8 @@ def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, d
     ref_lp, _, _ = reference(rh, rw, labels, temperature, dtype)
     ref_loss = -(ref_lp * lw.to(dtype).double()).sum()
     ref_gh, ref_gw = torch.autograd.grad(ref_loss, (rh, rw))
-    src = hq.clone().requires_grad_()
+    src = (hq.t().contiguous().t() if strided_hidden else hq.clone()).requires_grad_()
+    assert (src.stride(1) != 1) == strided_hidden
     h_in = src * 1 if grad_in_hidden else src
     w_in = wq.clone().requires_grad_()
     loss = linear_sft_loss(h_in, w_in, labels, lw.to(dtype), chunk_size=chunk_size, temperature=temperature,
@@ -233,6 +235,59 @@ def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sft_loss_targets_far_below_the_row_max(dtype):
     check_sft_far_targets(fresh_seed(), dtype, grad_in_hidden=dtype == torch.bfloat16)
+
+
+def check_minus_inf_logits(seed: int, dtype: torch.dtype, device="cpu", *, n=64, v=5000, h=48):
+    """-inf logits (masked vocabulary entries) give p = 0 and no NaN.
+
+    1. ``vocab_parallel_logprobs`` with about 10 % of the entries at -inf (never a label): log-probs, entropy
+       and d/dlogits against fp64 (log_softmax; entropy with 0 log 0 = 0).
+    2. ``sft_chunk_`` (the SFT loss's chunk step, both its paths: deferred for bf16/fp32, general for fp16)
+       with some *targets* at -inf: log-prob -inf there, finite elsewhere; the gradient
+       ``w / T (p - [j == y])`` and the ``[n, h]`` scaled rows finite and equal to fp64."""
+    g = torch.Generator().manual_seed(seed)
+    x64 = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, v, (n,), generator=g)
+    masked = torch.rand(n, v, generator=g) < 0.1
+    masked[torch.arange(n), labels] = False
+    x64 = x64.masked_fill(masked, float("-inf")).to(dtype).double()  # the values the op sees
+    g_lp, g_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    ref = x64.clone().requires_grad_()
+    logp = (ref / 0.9).log_softmax(-1)
+    ref_lp = logp.gather(1, labels[:, None]).squeeze(1)
+    ref_ent = -(logp.exp() * logp.masked_fill(masked, 0.0)).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * g_lp + ref_ent * g_ent).sum(), ref)
+    logits = x64.to(dtype).to(device).requires_grad_()
+    lp, ent = vocab_parallel_logprobs(logits, labels.to(device), chunk_size=24, temperature=0.9, return_entropy=True)
+    (lp * g_lp.to(device) + ent * g_ent.to(device)).sum().backward()
+    vtol = dict(rtol=0, atol=2 ** -7 * 4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    _close(lp, ref_lp.detach(), f"{dtype} masked entries: log-probs", **vtol)
+    _close(ent, ref_ent.detach(), f"{dtype} masked entries: entropy", **vtol)
+    gtol = torch.bfloat16 if dtype == torch.float16 else dtype  # fp16 gradients: bf16's tolerance, as elsewhere
+    _close(logits.grad, ref_grad, f"{dtype} masked entries: d/dlogits", **_tol(gtol, ref_grad))
+
+    far = torch.arange(0, n, 7)  # targets at -inf
+    x = x64.clone()
+    x[far, labels[far]] = float("-inf")
+    w = torch.rand(n, generator=g, dtype=torch.float64)
+    p = (x / 0.9).softmax(-1)
+    ref_g = (p - torch.nn.functional.one_hot(labels, v)) * (w / 0.9)[:, None]
+    ref_lp = (x / 0.9).log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+    src = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype)
+    lg, dst = x.to(dtype).to(device), torch.empty(n, h, dtype=dtype, device=device)
+    lp, scale = sft_chunk_(lg, labels.to(device), w.float().to(device), 1 / 0.9, None, (src.to(device), dst))
+    grad = lg.double() if scale is None else lg.double() * scale.double()[:, None]
+    assert torch.isneginf(lp[far]).all() and torch.isfinite(lp[lp.new_ones(n, dtype=torch.bool).index_fill_(
+        0, far.to(device), False)]).all(), f"{dtype}: log-probs {lp}"
+    _close(grad, ref_g, f"{dtype} -inf targets: d/dlogits", **_tol(gtol, ref_g))
+    if scale is not None:
+        _close(dst, src.double() * scale.double().cpu()[:, None], f"{dtype} -inf targets: scaled rows",
+               **_tol(dtype, src.double()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_minus_inf_logits_give_no_nan(dtype):
+    check_minus_inf_logits(fresh_seed(), dtype)
 
 
 def test_sft_loss_fp16_stays_finite_and_exact():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
-from test_ops import _free_port, check_all, check_sft_far_targets, fresh_seed
+from test_ops import _free_port, check_all, check_minus_inf_logits, check_sft_far_targets, fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +29,20 @@ def test_sft_loss_far_targets_cuda(dtype):
     # transformed blocks), V not a multiple of the blocks, ragged last chunk.
     check_sft_far_targets(fresh_seed(), dtype, n=1000, h=64, v=30011, device="cuda", chunk_size=384,
                           grad_in_hidden=dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sft_loss_strided_hidden_cuda(dtype):
+    # A hidden whose columns are not contiguous (a transposed view): the finisher and the row scaling take
+    # both strides.
+    check_sft_far_targets(fresh_seed(), dtype, n=1000, h=64, v=30011, device="cuda", chunk_size=384,
+                          strided_hidden=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_minus_inf_logits_give_no_nan_cuda(dtype):
+    # Triton kernels: masked (-inf) vocabulary entries; -inf targets (the raw-block test must catch NaN sums).
+    check_minus_inf_logits(fresh_seed(), dtype, "cuda", n=300, v=30011)
 
 
 def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):

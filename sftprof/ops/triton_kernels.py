@@ -10,10 +10,10 @@ column stride 1) and compute in fp32. Row offsets are formed in int64, so chunks
 - ``sft_shifted_exp_``: for an unsplit vocabulary, the SFT loss with deferred normalisation (see
   :func:`sftprof.ops.vocab_softmax.sft_chunk_`): a gather of the target logits, an elementwise pass over
   ``(row, column block)`` that overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums
-  (-1 for a block left raw because its sum exceeds ``e^margin``; one read + one write of the chunk), then a
-  per-row finisher that combines the block sums, patches the label column, rewrites rows with a raw block
-  using the row maximum as the shift, and optionally scales a row of the ``[n, H]`` hidden states by the
-  row's gradient scale (the ``d/dweight`` GEMM's operand).
+  (-1 for a block left raw because its sum exceeds ``e^margin`` or is not finite; one read + one write of the
+  chunk), then a per-row finisher that combines the block sums, patches the label column, rewrites rows with a
+  raw block using the largest logit of those blocks as the shift, and optionally scales a row of the
+  ``[n, H]`` hidden states by the row's gradient scale (the ``d/dweight`` GEMM's operand).
 - ``scale_rows_``: in-place ``[n, H]`` row scaling (the ``d/dhidden`` rows of the SFT loss).
 - ``softmax_grad_``: elementwise over ``(row, column block)``, overwrites the logits with
   ``a [j == y] - p_j (b + c log p_j)`` (see :mod:`sftprof.ops.vocab_softmax`).
@@ -66,7 +66,8 @@ def _online_row_stats(base, n_cols, inv_temp, BLOCK: tl.constexpr):
         m_new = tl.maximum(m, tl.max(x, axis=0))
         scale = tl.exp(m - m_new)
         e = tl.exp(x - m_new)
-        a = scale * (a + (m - m_new) * s) + tl.sum(tl.where(mask, e * (x - m_new), 0.0), axis=0)
+        # e > 0: a -inf logit (masked vocabulary entry) adds nothing (not 0 * -inf = NaN).
+        a = scale * (a + (m - m_new) * s) + tl.sum(tl.where(e > 0, e * (x - m_new), 0.0), axis=0)
         s = s * scale + tl.sum(e, axis=0)
         m = m_new
     return m, s, a
@@ -120,8 +121,9 @@ def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, st
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (ROWS rows, column block): x = logits * inv_temp, t = target logit * inv_temp (``tgt_ptr``: the
     raw target logits as fp32, gathered before the launch since this pass overwrites them). A block whose sum
-    of exp(x - t) exceeds ``keep_above`` (e^margin; also inf and overflow) is written back unchanged (a select,
-    not a branch, so every row streams); a block that passes holds no element above e^margin."""
+    of exp(x - t) exceeds ``keep_above`` (e^margin), or is inf or NaN (overflow; a -inf target logit), is
+    written back unchanged (a select, not a branch, so every row streams); a block that passes holds no
+    element above e^margin."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -131,18 +133,20 @@ def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, st
     t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0) * inv_temp
     e = tl.exp(raw.to(tl.float32) * inv_temp - t[:, None])
     total = tl.sum(e, axis=1)
-    keep = total > keep_above
+    keep = ~(total <= keep_above)  # NaN (a -inf target logit: exp(-inf + inf)) counts as raw too
     tl.store(ptrs, tl.where(keep[:, None], raw, e.to(x_ptr.dtype.element_ty)), mask=mask)
     tl.store(psum_ptr + rows * stride_p + blk, tl.where(keep, -1.0, total), mask=rows < n_rows)
 
 
 @triton.jit
 def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_ptr, stride_p, n_blocks,
-                       lp_ptr, scale_ptr, inv_temp, src_ptr, stride_src, dst_ptr, stride_dst, n_hidden,
+                       lp_ptr, scale_ptr, inv_temp, src_ptr, src_row, src_col, dst_ptr, dst_row, dst_col, n_hidden,
                        BLOCK: tl.constexpr, PB: tl.constexpr, SCALE_ROWS: tl.constexpr, HBLOCK: tl.constexpr):
     """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some
-    block was left raw, the row maximum m (found in the raw blocks): raw blocks -> exp(x - m), the others
-    rescaled by exp(t - m), all rewritten but the label column, which is stored once, at the end.
+    block was left raw, the largest value m in the raw blocks: raw blocks -> exp(x - m), the others rescaled
+    by exp(t - m), all rewritten but the label column, which is stored once, at the end. A raw block's sum
+    exceeds e^margin, so m >= t + margin - ln(BLOCK), while the other blocks hold no x above t + margin: every
+    rewritten value is at most BLOCK.
     S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here); logprob = t - s - log S;
     the label column gets exp(t - s) - S; scale = w * inv_temp / S. With SCALE_ROWS also
     dst[row, :n_hidden] = scale * src[row, :n_hidden] (dst may be src: each program reads its row first)."""
@@ -188,17 +192,18 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
         for start in range(0, n_hidden, HBLOCK):
             hc = start + tl.arange(0, HBLOCK)
             hm = hc < n_hidden
-            hv = tl.load(src_ptr + row * stride_src + hc, mask=hm, other=0.0).to(tl.float32)
-            tl.store(dst_ptr + row * stride_dst + hc, (hv * scale).to(dst_ptr.dtype.element_ty), mask=hm)
+            hc64 = hc.to(tl.int64)
+            hv = tl.load(src_ptr + row * src_row + hc64 * src_col, mask=hm, other=0.0).to(tl.float32)
+            tl.store(dst_ptr + row * dst_row + hc64 * dst_col, (hv * scale).to(dst_ptr.dtype.element_ty), mask=hm)
 
 
 @triton.jit
-def _scale_rows_kernel(x_ptr, stride_row, n_cols, scale_ptr, BLOCK: tl.constexpr):
+def _scale_rows_kernel(x_ptr, stride_row, stride_col, n_cols, scale_ptr, BLOCK: tl.constexpr):
     """In place: x[row, block] *= scale[row] (fp32 math), one program per (row, column block)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    ptrs = x_ptr + row * stride_row + cols
+    ptrs = x_ptr + row * stride_row + cols.to(tl.int64) * stride_col
     v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + row)
     tl.store(ptrs, v.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -219,7 +224,7 @@ def _softmax_grad_kernel(x_ptr, stride_row, n_cols, n_rows, lab_ptr, lse_ptr, co
     cc = tl.load(coef_ptr + 2 * n_rows + row)
     idx = tl.load(lab_ptr + row)
     logp = x - lse
-    g = -tl.exp(logp) * (cb + cc * logp)
+    g = tl.where(logp > float("-inf"), -tl.exp(logp) * (cb + cc * logp), 0.0)  # p = 0: no gradient, not NaN
     g = tl.where(cols == idx, g + ca, g)
     tl.store(ptrs, g.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -260,14 +265,13 @@ def _rows_block(n_cols: int) -> int:
 
 
 def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (bf16/fp16/fp32, stride 1 along H) and fp32 ``scale``
+    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (bf16/fp16/fp32, any strides) and fp32 ``scale``
     ``[n]``; the product is formed in fp32 and rounded to ``x.dtype`` once. Returns ``x``."""
-    _check(x)
     n, h = x.shape
     if n and h:
         block = _rows_block(h)
-        _scale_rows_kernel[(n, triton.cdiv(h, block))](x, x.stride(0), h, scale.contiguous(), BLOCK=block,
-                                                       num_warps=4)
+        _scale_rows_kernel[(n, triton.cdiv(h, block))](x, x.stride(0), x.stride(1), h, scale.contiguous(),
+                                                       BLOCK=block, num_warps=4)
     return x
 
 
@@ -276,7 +280,7 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
                      config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift and sum of
     :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. ``rows``: an
-    optional ``(src, dst)`` pair of ``[n, H]`` tensors (stride 1 along H; ``dst`` may be ``src``): the finisher
+    optional ``(src, dst)`` pair of ``[n, H]`` tensors (any strides; ``dst`` may be ``src``): the finisher
     also writes ``dst <- scale[:, None] * src``. Launches: the target gather, the elementwise pass over
     ``(row, block)`` (one read + one write of the chunk; a block whose ``sum exp(x - t)`` exceeds
     ``e^margin`` is left raw, and its row is read and rewritten again by the finisher) and the per-row
@@ -304,16 +308,10 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
     block = config.kwargs["BLOCK"]
     out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
     nb = triton.cdiv(v, block)
-    if rows is None:
-        src = dst = out  # unused: SCALE_ROWS is off
-        hidden = 0
-    else:
-        src, dst = rows
-        _check(src)
-        _check(dst)
-        hidden = src.shape[1]
+    src, dst = (out, out) if rows is None else rows  # out: unused, SCALE_ROWS is off
+    hidden = 0 if rows is None else src.shape[1]
     _sft_finish_kernel[(n,)](logits, logits.stride(0), v, labels, target, weights.contiguous(), psum, psum.stride(0),
-                             nb, out[0], out[1], inv_temp, src, src.stride(0), dst, dst.stride(0), hidden,
+                             nb, out[0], out[1], inv_temp, src, *src.stride(), dst, *dst.stride(), hidden,
                              BLOCK=block, PB=triton.next_power_of_2(nb), SCALE_ROWS=rows is not None,
                              HBLOCK=_rows_block(hidden), num_warps=4)
     return out[0], out[1]

@@ -95,7 +95,7 @@ def _local_stats_torch(logits: torch.Tensor, local_labels: torch.Tensor, inv_tem
     d = x - m[:, None]
     e = d.exp()
     s = e.sum(dim=1)
-    a = (e * d).sum(dim=1)
+    a = torch.where(e > 0, e * d, 0.0).sum(dim=1)  # a -inf logit adds nothing (not 0 * -inf = NaN)
     idx = local_labels.clamp(min=0)[:, None]
     t = torch.where(local_labels >= 0, x.gather(1, idx).squeeze(1), torch.zeros_like(m))
     return m, s, a, t
@@ -158,7 +158,7 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
         return logits
     a, b, c = coef.unbind(0)
     logp = logits.float() * inv_temp - lse[:, None]
-    g = -logp.exp() * (b[:, None] + c[:, None] * logp)
+    g = torch.where(logp > float("-inf"), -logp.exp() * (b[:, None] + c[:, None] * logp), 0.0)
     rows = torch.nonzero(local_labels >= 0).squeeze(1)
     g[rows, local_labels[rows]] += a[rows]
     with torch.no_grad():
@@ -178,7 +178,7 @@ def defers_normalisation(dtype: torch.dtype, tp_group: dist.ProcessGroup | None)
 
 
 def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (stride 1 along H) and fp32 ``scale`` ``[n]``, the
+    """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (any strides) and fp32 ``scale`` ``[n]``, the
     product formed in fp32 and rounded to ``x.dtype`` once. Returns ``x``."""
     if _use_triton(x):
         from sftprof.ops import triton_kernels
@@ -197,7 +197,7 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
         local_labels: ``[n]`` int64 from :func:`shard_local_labels`.
         weights: fp32 ``[n]`` per-token loss weights ``w``.
         inv_temp: ``1 / temperature``.
-        rows: optional ``(src, dst)`` pair of ``[n, H]`` tensors (stride 1 along H; ``dst`` may be ``src``):
+        rows: optional ``(src, dst)`` pair of ``[n, H]`` tensors (any strides; ``dst`` may be ``src``):
             on the deferred path ``dst <- row_scale[:, None] * src`` is written too (fused into the per-row
             finisher on CUDA), the operand the caller's ``d/dweight`` GEMM needs; untouched otherwise.
     Returns:
@@ -210,13 +210,14 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
     are overwritten with ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs
     one read and one write (no statistics pass): the scale is folded into the GEMMs' small operands by the
     caller (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). The shift is ``t``
-    unless that lets ``exp(x_j - t)`` exceed ``e^SHIFT_MARGIN``; then it is the row maximum (on CUDA: a
-    column block whose ``sum exp(x - t)`` exceeds ``e^SHIFT_MARGIN`` is left raw and its row rewritten by
-    the finisher, 2-3 extra passes over such rows only; on CPU: rows whose maximum exceeds ``t`` by more than
-    :data:`SHIFT_MARGIN`). ``E`` reaches ``e^SHIFT_MARGIN`` and ``S`` ``V e^SHIFT_MARGIN``, beyond fp16's
-    range, so fp16 takes the general path, as does a TP split (its global statistics come first:
-    :func:`chunk_stats`, one all-reduce set): the gradient itself is written (:func:`write_softmax_grad_`) and
-    ``row_scale`` is ``None``.
+    unless that lets ``exp(x_j - t)`` exceed ``e^SHIFT_MARGIN``. On CUDA a column block whose
+    ``sum exp(x - t)`` exceeds ``e^SHIFT_MARGIN`` (or is inf/NaN) is left raw, and the finisher rewrites its
+    row shifted by the largest logit of its raw blocks (every shifted exponential then stays at most the
+    block width; 2-3 extra passes over such rows only); on CPU rows whose maximum exceeds ``t`` by more than
+    :data:`SHIFT_MARGIN` are shifted by that maximum. ``E`` reaches ``e^SHIFT_MARGIN`` and ``S``
+    ``V e^SHIFT_MARGIN``, beyond fp16's range, so fp16 takes the general path, as does a TP split (its global
+    statistics come first: :func:`chunk_stats`, one all-reduce set): the gradient itself is written
+    (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
     """
     if not defers_normalisation(logits.dtype, tp_group):
         st = chunk_stats(logits, local_labels, inv_temp, tp_group)
