@@ -116,10 +116,9 @@ def peak_gib(fn, h, w, y, reset):
     return above - grad_bytes / 2 ** 30, above
 
 
-def time_ms(fn, h, w, y, reset):
-    """ms of one fwd+bwd (CUDA events); grads are reset and ``reset()`` runs (untimed) first."""
+def time_ms(fn, h, w, y):
+    """ms of one fwd+bwd (CUDA events), with the grads reset first."""
     h.grad = w.grad = None
-    reset()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn(h, w, y)
@@ -188,11 +187,11 @@ def main():
                 if rec["note"].startswith("OOM"):
                     continue
                 try:
-                    times.append(time_ms(fn, h, w, y, reset))
+                    times.append(time_ms(fn, h, w, y))
                 except torch.OutOfMemoryError:
                     rec["note"] = "OOM in a timed call"
                 h.grad = w.grad = None
-                restore()
+                reset()  # untimed: a grad_in_hidden row puts the inputs back for the next row
         for rec, _, _, times in live:
             if times and not rec["note"].startswith("OOM"):
                 ms = statistics.median(times)
