@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sftprof.ops import triton_kernels as tk  # noqa: E402
-from sftprof.ops.vocab_softmax import SHIFT_MARGIN  # noqa: E402
+from sftprof.ops.vocab_softmax import SHIFT_MARGIN, shift_offset  # noqa: E402
 
 
 def median_ms(fn, x, x_src, reps):
@@ -76,7 +76,8 @@ def main():
             rows_per, block = cfg.kwargs["ROWS"], cfg.kwargs["BLOCK"]
 
             def deferred():
-                _, scale = tk.sft_shifted_exp_(x, labels, weights, 1.0, SHIFT_MARGIN, (hidden, scaled), cfg)
+                _, scale = tk.sft_shifted_exp_(x, labels, weights, 1.0, SHIFT_MARGIN, shift_offset(args.vocab),
+                                               (hidden, scaled), cfg)
                 tk.scale_rows_(grad_hidden, scale)
 
             ms = median_ms(deferred, x, x_src, args.reps)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import StaleBufferError, linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
-from sftprof.ops.vocab_softmax import SHIFT_MARGIN, sft_chunk_
+from sftprof.ops.vocab_softmax import SHIFT_MARGIN, sft_chunk_, shift_offset
 
 
 def make_problem(seed: int, n: int, h: int, v: int, tp: int, device="cpu"):
@@ -201,8 +201,8 @@ def test_parity_tp1_single_chunk_and_temperature_one():
 
 def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, device="cpu", chunk_size=40,
                           grad_in_hidden=False, strided_hidden=False):
-    """linear_sft_loss where many targets lie more than SHIFT_MARGIN nats below their row's maximum (the
-    deferred-normalisation shift falls back to the row maximum there) and the rest do not: loss,
+    """linear_sft_loss where many targets lie more than SHIFT_MARGIN + shift_offset(v) nats below their row's
+    maximum (the deferred-normalisation shift falls back to the row maximum there) and the rest do not: loss,
     d/dhidden and d/dweight against the fp64 reference with the tolerances of check_all.
     ``strided_hidden``: pass hidden as a transposed view (column stride n, not 1)."""
     hidden64, weight64, labels, _, _, lw = make_problem(seed, n, h, v, 1, device)
@@ -211,7 +211,7 @@ def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, d
     x = (hq.double() @ wq.double().t()).to(dtype).double() / temperature
     labels[::3] = x[::3].argmax(dim=1)  # a third of the rows: the target is the maximum (shift = target)
     gap = x.max(dim=1).values - x.gather(1, labels[:, None]).squeeze(1)
-    far = int((gap > SHIFT_MARGIN).sum())
+    far = int((gap > SHIFT_MARGIN + shift_offset(v)).sum())
     assert 0 < far < n, f"want both kinds of rows, got {far} of {n} beyond the margin"
     rh, rw = hq.double().requires_grad_(), wq.double().requires_grad_()
     ref_lp, _, _ = reference(rh, rw, labels, temperature, dtype)
@@ -290,6 +290,26 @@ def check_minus_inf_logits(seed: int, dtype: torch.dtype, device="cpu", *, n=64,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_minus_inf_logits_give_no_nan(dtype):
     check_minus_inf_logits(fresh_seed(), dtype)
+
+
+def check_flat_row_shift_offset(device="cpu", v=1000):
+    """The deferred path shifts by the target logit + ln V: for all-equal rows of V fp32 logits every written
+    ``E_j`` is 1/V (the label column 1/V - S), ``S`` = 1 and the row scale is ``w / T`` (with shift ``t``
+    alone they would be 1, V and ``w / (T V)``); the log-prob stays -ln V."""
+    temperature = 2.0
+    assert shift_offset(v) == pytest.approx(math.log(v), rel=1e-15)
+    logits = torch.full((2, v), 3.0, device=device)
+    w = torch.tensor([1.0, 0.5], device=device)
+    lp, scale = sft_chunk_(logits, torch.tensor([0, 7], device=device), w, 1 / temperature, None)
+    expect = torch.full((2, v), 1 / v)
+    expect[0, 0] = expect[1, 7] = 1 / v - 1
+    torch.testing.assert_close(logits.cpu(), expect, rtol=1e-6, atol=0)
+    torch.testing.assert_close(scale, w / temperature, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lp.cpu(), torch.full((2,), -math.log(v)), rtol=1e-6, atol=0)
+
+
+def test_sft_chunk_shift_offset_puts_a_flat_row_at_probability_scale():
+    check_flat_row_shift_offset()
 
 
 def test_sft_loss_fp16_stays_finite_and_exact():

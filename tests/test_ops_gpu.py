@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
-from test_ops import _free_port, check_all, check_minus_inf_logits, check_sft_far_targets, fresh_seed
+from test_ops import (_free_port, check_all, check_flat_row_shift_offset, check_minus_inf_logits, check_sft_far_targets,
+                      fresh_seed)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,6 +44,12 @@ def test_sft_loss_strided_hidden_cuda(dtype):
 def test_minus_inf_logits_give_no_nan_cuda(dtype):
     # Triton kernels: masked (-inf) vocabulary entries; -inf targets (the raw-block test must catch NaN sums).
     check_minus_inf_logits(fresh_seed(), dtype, "cuda", n=300, v=30011)
+
+
+def test_flat_row_shift_offset_cuda():
+    # Triton path: the elementwise pass and the finisher shift by the target logit + ln V (V = 30011: a ragged
+    # last column block).
+    check_flat_row_shift_offset("cuda", v=30011)
 
 
 def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):

@@ -10,7 +10,7 @@ correctly.
   calculation for softmax", 2018, extended with the entropy accumulator), plus the target logit.
 - ``sft_shifted_exp_``: for an unsplit vocabulary, the SFT loss with deferred normalisation (see
   :func:`sftprof.ops.vocab_softmax.sft_chunk_`): a gather of the target logits, an elementwise pass over
-  ``(row, column block)`` that overwrites the logits with ``exp(x - x_y)`` and stores per-block fp32 sums
+  ``(row, column block)`` that overwrites the logits with ``exp(x - x_y - offset)`` and stores per-block fp32 sums
   (-1 for a block left raw because its sum exceeds ``e^margin`` or is not finite; one read + one write of the
   chunk), then a per-row finisher that combines the block sums, patches the label column, rewrites rows with a
   raw block using the largest logit of those blocks as the shift, and optionally scales a row of the
@@ -97,8 +97,8 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
 
 # SFT loss, unsplit vocabulary, deferred normalisation (see sftprof.ops.vocab_softmax.sft_chunk_):
 # _target_kernel gathers the target logits; _shifted_exp_kernel overwrites each (row, column block) of the logits
-# with exp(x - t) and stores the block's fp32 sum, or, if that sum exceeds e^margin or is not finite, leaves the
-# block raw and stores -1; then _sft_finish_kernel, per row. Tiles measured at chunk 1760 x 151936 bf16 on an H200
+# with exp(x - t - offset) and stores the block's fp32 sum, or, if that sum exceeds e^margin or is not finite,
+# leaves the block raw and stores -1; then _sft_finish_kernel, per row. Tiles measured at chunk 1760 x 151936 bf16 on an H200
 # (bench/NOTES.md):
 # 1 row x 1024-4096 columns with 2-4 warps are within 1 % of each other; 8 warps or 2-row tiles are 3-4 % slower.
 _EXP_CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
@@ -119,20 +119,20 @@ def _target_kernel(x_ptr, stride_row, n_rows, lab_ptr, out_ptr, BLOCK: tl.conste
 # In place: restore the logits between the autotuner's timing launches.
 @triton.autotune(configs=_EXP_CONFIGS, key=_KEY, restore_value=["x_ptr"])
 @triton.jit
-def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, stride_p, inv_temp, keep_above,
+def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, stride_p, inv_temp, offset, keep_above,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (ROWS rows, column block): x = logits * inv_temp, t = target logit * inv_temp (``tgt_ptr``: the
-    raw target logits as fp32, gathered before the launch since this pass overwrites them). A block whose sum
-    of exp(x - t) exceeds ``keep_above`` (e^margin), or is inf or NaN (overflow; a -inf target logit), is
-    written back unchanged (a select, not a branch, so every row streams); a block that passes holds no
-    element above e^margin."""
+    """Program (ROWS rows, column block): x = logits * inv_temp, shift s = t + offset with t = target logit *
+    inv_temp (``tgt_ptr``: the raw target logits as fp32, gathered before the launch since this pass overwrites
+    them). A block whose sum of exp(x - s) exceeds ``keep_above`` (e^margin), or is inf or NaN (overflow; a -inf
+    target logit), is written back unchanged (a select, not a branch, so every row streams); a block that
+    passes holds no element above e^margin."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     ptrs = x_ptr + rows[:, None] * stride_row + cols[None, :]
     raw = tl.load(ptrs, mask=mask, other=float("-inf"))
-    t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0) * inv_temp
+    t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=0.0) * inv_temp + offset
     e = tl.exp(raw.to(tl.float32) * inv_temp - t[:, None])
     total = tl.sum(e, axis=1)
     keep = ~(total <= keep_above)  # NaN (a -inf target logit: exp(-inf + inf)) counts as raw too
@@ -142,13 +142,14 @@ def _shifted_exp_kernel(x_ptr, stride_row, n_rows, n_cols, tgt_ptr, psum_ptr, st
 
 @triton.jit
 def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_ptr, stride_p, n_blocks,
-                       lp_ptr, scale_ptr, inv_temp, src_ptr, src_row, src_col, dst_ptr, dst_row, dst_col, n_hidden,
-                       BLOCK: tl.constexpr, PB: tl.constexpr, SCALE_ROWS: tl.constexpr, HBLOCK: tl.constexpr):
-    """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK. Shift s = t, or, if some
-    block was left raw, the largest value m in the raw blocks: raw blocks -> exp(x - m), the others rescaled
-    by exp(t - m), all rewritten but the label column, which is stored once, at the end. A raw block's sum
-    exceeds e^margin, so m >= t + margin - ln(BLOCK), while the other blocks hold no x above t + margin: every
-    rewritten value is at most BLOCK.
+                       lp_ptr, scale_ptr, inv_temp, offset, src_ptr, src_row, src_col, dst_ptr, dst_row, dst_col,
+                       n_hidden, BLOCK: tl.constexpr, PB: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                       HBLOCK: tl.constexpr):
+    """Program per row, after _shifted_exp_kernel with column blocks of width BLOCK and the same ``offset``.
+    Shift s = s0 = t + offset, or, if some block was left raw, the largest value m in the raw blocks: raw
+    blocks -> exp(x - m), the others rescaled by exp(s0 - m), all rewritten but the label column, which is
+    stored once, at the end. A raw block's sum exceeds e^margin, so m >= s0 + margin - ln(BLOCK), while the
+    other blocks hold no x above s0 + margin: every rewritten value is at most BLOCK.
     S = sum_j exp(x_j - s) from the fp32 block sums (the raw blocks' summed here); logprob = t - s - log S;
     the label column gets exp(t - s) - S; scale = w * inv_temp / S. With SCALE_ROWS also
     dst[row, :n_hidden] = scale * src[row, :n_hidden] (dst may be src: each program reads its row first)."""
@@ -157,6 +158,7 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
     prow = psum_ptr + row * stride_p
     y = tl.load(lab_ptr + row)
     t = tl.load(tgt_ptr + row) * inv_temp
+    s0 = t + offset
     bo = tl.arange(0, PB)
     psum = tl.load(prow + bo, mask=bo < n_blocks, other=0.0)
     if tl.min(psum, axis=0) < 0:
@@ -167,7 +169,7 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
                 cols = b * BLOCK + offs
                 v = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
                 m = tl.maximum(m, tl.max(v * inv_temp, axis=0))
-        rescale = tl.exp(t - m)
+        rescale = tl.exp(s0 - m)
         total = 0.0
         for b in range(n_blocks):
             cols = b * BLOCK + offs
@@ -184,7 +186,7 @@ def _sft_finish_kernel(x_ptr, stride_row, n_cols, lab_ptr, tgt_ptr, w_ptr, psum_
             tl.store(base + cols, e.to(x_ptr.dtype.element_ty), mask=mask & (cols != y))
         s = m
     else:
-        s = t
+        s = s0
         total = tl.sum(psum, axis=0)
     scale = tl.load(w_ptr + row) * inv_temp / total
     tl.store(lp_ptr + row, t - s - tl.log(total))
@@ -278,13 +280,14 @@ def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.Tensor, inv_temp: float,
-                     margin: float, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     margin: float, offset: float, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                      config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift and sum of
+    """Unsplit vocabulary, in place: ``logits <- exp(x - s) - S [j == y]`` with the per-row shift (target logit
+    + ``offset``, or the row's largest logit, see below) and sum of
     :func:`sftprof.ops.vocab_softmax.sft_chunk_`; returns fp32 ``[n]`` log-probs and row scales. ``rows``: an
     optional ``(src, dst)`` pair of ``[n, H]`` tensors (any strides; ``dst`` may be ``src``): the finisher
     also writes ``dst <- scale[:, None] * src``. Launches: the target gather, the elementwise pass over
-    ``(row, block)`` (one read + one write of the chunk; a block whose ``sum exp(x - t)`` exceeds
+    ``(row, block)`` (one read + one write of the chunk; a block whose ``sum exp(x - t - offset)`` exceeds
     ``e^margin`` is left raw, and its row is read and rewritten again by the finisher) and the per-row
     finisher; ``4 x n x ceil(V / 1024)`` bytes of fp32 block sums on the side. ``config``: one of
     ``_EXP_CONFIGS`` to launch the elementwise pass with instead of the autotuned choice (benchmarks)."""
@@ -301,7 +304,7 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
     def grid(meta):
         return (triton.cdiv(n, meta["ROWS"]), triton.cdiv(v, meta["BLOCK"]))
 
-    args = (logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, math.exp(margin))
+    args = (logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, offset, math.exp(margin))
     if config is None:
         _shifted_exp_kernel[grid](*args)
         config = _shifted_exp_kernel.best_config
@@ -313,7 +316,7 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
     src, dst = (out, out) if rows is None else rows  # out: unused, SCALE_ROWS is off
     hidden = 0 if rows is None else src.shape[1]
     _sft_finish_kernel[(n,)](logits, logits.stride(0), v, labels, target, weights.contiguous(), psum, psum.stride(0),
-                             nb, out[0], out[1], inv_temp, src, *src.stride(), dst, *dst.stride(), hidden,
+                             nb, out[0], out[1], inv_temp, offset, src, *src.stride(), dst, *dst.stride(), hidden,
                              BLOCK=block, PB=triton.next_power_of_2(nb), SCALE_ROWS=rows is not None,
                              HBLOCK=_rows_block(hidden), num_warps=4)
     return out[0], out[1]

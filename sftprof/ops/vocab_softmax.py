@@ -24,10 +24,12 @@ target logit rather than the row maximum, ``exp(x - shift)`` can be written whil
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["RowStats", "SHIFT_MARGIN", "tp_rank_and_size", "shard_local_labels", "chunk_bounds",
+__all__ = ["RowStats", "SHIFT_MARGIN", "shift_offset", "tp_rank_and_size", "shard_local_labels", "chunk_bounds",
            "check_labels_and_temperature", "chunk_stats", "grad_coefficients", "write_softmax_grad_",
            "defers_normalisation", "sft_chunk_", "scale_rows_"]
 
@@ -166,9 +168,22 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
     return logits
 
 
-# Deferred-normalisation shift: the target logit, unless exp(x - t) could exceed e^SHIFT_MARGIN ~ 1e13 (then the row
-# uses its maximum instead).
+# Deferred-normalisation shift: the target logit plus shift_offset(V_local), unless exp(x - shift) could exceed
+# e^SHIFT_MARGIN ~ 1e13 (then the row uses its maximum instead).
 SHIFT_MARGIN = 30.0
+
+
+def shift_offset(n_cols: int) -> float:
+    """``ln(n_cols)``, in nats: the deferred-normalisation shift is the target logit plus this.
+
+    The offset changes no result (``S`` and the row scale absorb it), only where the written values ``E`` and the
+    scaled hidden rows sit in the floating-point range: a flat row's ``E`` then sums to ~1, like softmax
+    probabilities, and the scaled hidden rows are ~``w * hidden``, instead of ``E ~ 1`` and ``hidden / V``.
+    This matters for speed: under the H200's 700 W cap the two gradient GEMMs run at a clock set by their
+    power, which depends on the operands' bits (``bf16`` values straddling 1.0 flip all exponent bits);
+    measured in bench/NOTES.md (fifth session).
+    """
+    return math.log(max(n_cols, 1))
 
 
 def defers_normalisation(dtype: torch.dtype, tp_group: dist.ProcessGroup | None) -> bool:
@@ -209,12 +224,12 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
     ``logprob = t - s - log S`` and ``d(-w logprob)/dx_j = (w / S) (exp(x_j - s) - S [j == y])``. The logits
     are overwritten with ``E_j = exp(x_j - s) - S [j == y]`` and ``row_scale = w / (T S)``, so the chunk needs
     one read and one write (no statistics pass): the scale is folded into the GEMMs' small operands by the
-    caller (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). The shift is ``t``
-    unless that lets ``exp(x_j - t)`` exceed ``e^SHIFT_MARGIN``. On CUDA a column block whose
-    ``sum exp(x - t)`` exceeds ``e^SHIFT_MARGIN`` (or is inf/NaN) is left raw, and the finisher rewrites its
-    row shifted by the largest logit of its raw blocks (every shifted exponential then stays at most the
-    block width; 2-3 extra passes over such rows only); on CPU rows whose maximum exceeds ``t`` by more than
-    :data:`SHIFT_MARGIN` are shifted by that maximum. ``E`` reaches ``e^SHIFT_MARGIN`` and ``S``
+    caller (``d/dweight = E^T (row_scale * hidden)``, ``d/dhidden = row_scale * (E @ W)``). The shift is
+    ``s0 = t + shift_offset(V_local)`` unless that lets ``exp(x_j - s0)`` exceed ``e^SHIFT_MARGIN``. On CUDA a
+    column block whose ``sum exp(x - s0)`` exceeds ``e^SHIFT_MARGIN`` (or is inf/NaN) is left raw, and the
+    finisher rewrites its row shifted by the largest logit of its raw blocks (every shifted exponential then
+    stays at most the block width; 2-3 extra passes over such rows only); on CPU rows whose maximum exceeds
+    ``s0`` by more than :data:`SHIFT_MARGIN` are shifted by that maximum. ``E`` reaches ``e^SHIFT_MARGIN`` and ``S``
     ``V e^SHIFT_MARGIN``, beyond fp16's range, so fp16 takes the general path, as does a TP split (its global
     statistics come first: :func:`chunk_stats`, one all-reduce set): the gradient itself is written
     (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
@@ -227,13 +242,15 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
     if _use_triton(logits):
         from sftprof.ops import triton_kernels
 
-        logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN, rows)
+        logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN,
+                                                         shift_offset(logits.shape[1]), rows)
     else:
         x = logits.float() * inv_temp
         idx = torch.arange(x.shape[0], device=x.device)
         t = x[idx, local_labels]
         m = x.max(dim=1).values
-        s = torch.where(m - t > SHIFT_MARGIN, m, t)
+        s0 = t + shift_offset(x.shape[1])
+        s = torch.where(m - s0 > SHIFT_MARGIN, m, s0)
         e = (x - s[:, None]).exp()
         total = e.sum(dim=1)
         e[idx, local_labels] = (t - s).exp() - total
