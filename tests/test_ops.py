@@ -209,7 +209,7 @@ def check_sft_far_targets(seed: int, dtype: torch.dtype, *, n=96, h=16, v=700, d
     temperature = 0.05  # x / T spans hundreds of nats
     hq, wq = hidden64.to(dtype), weight64.to(dtype)
     x = (hq.double() @ wq.double().t()).to(dtype).double() / temperature
-    labels[::3] = x[::3].argmax(dim=1)  # a third of the rows: the target is the maximum (shift = target)
+    labels[::3] = x[::3].argmax(dim=1)  # a third of the rows: the target is the maximum (shift = target + ln V)
     gap = x.max(dim=1).values - x.gather(1, labels[:, None]).squeeze(1)
     far = int((gap > SHIFT_MARGIN + shift_offset(v)).sum())
     assert 0 < far < n, f"want both kinds of rows, got {far} of {n} beyond the margin"

@@ -26,7 +26,7 @@ def test_parity_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sft_loss_far_targets_cuda(dtype):
-    # Triton path: rows shifted by their target and rows rewritten by the finisher (some with both raw and
+    # Triton path: rows shifted by their target + ln V and rows rewritten by the finisher (some with both raw and
     # transformed blocks), V not a multiple of the blocks, ragged last chunk.
     check_sft_far_targets(fresh_seed(), dtype, n=1000, h=64, v=30011, device="cuda", chunk_size=384,
                           grad_in_hidden=dtype == torch.bfloat16)

@@ -312,7 +312,7 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     Because the loss is linear in the log-probs, ``d loss / d logits`` of each chunk is known as soon as its
     softmax statistics are: the forward writes it in place of the chunk's logits and runs the ``d/dweight``
     and ``d/dhidden`` GEMMs right away (3 GEMMs in all, no recompute). Without a TP split it writes the
-    gradient up to a per-row factor (``exp(x - x_y) - S [j == y]``, one read and one write of the chunk; see
+    gradient up to a per-row factor (``exp(x - x_y - ln V) - S [j == y]``, one read and one write of the chunk; see
     :func:`sftprof.ops.vocab_softmax.sft_chunk_`) and applies the factor to the ``[chunk, H]`` operands:
     ``d/dweight`` from the scaled hidden rows (in place with ``grad_in_hidden``, else in a ``[chunk, H]``
     scratch buffer), ``d/dhidden`` scaled after its GEMM. The backward only scales the stored gradients by

@@ -98,9 +98,9 @@ def _row_stats_kernel(x_ptr, stride_row, n_cols, lab_ptr, m_ptr, s_ptr, a_ptr, t
 # SFT loss, unsplit vocabulary, deferred normalisation (see sftprof.ops.vocab_softmax.sft_chunk_):
 # _target_kernel gathers the target logits; _shifted_exp_kernel overwrites each (row, column block) of the logits
 # with exp(x - t - offset) and stores the block's fp32 sum, or, if that sum exceeds e^margin or is not finite,
-# leaves the block raw and stores -1; then _sft_finish_kernel, per row. Tiles measured at chunk 1760 x 151936 bf16 on an H200
-# (bench/NOTES.md):
-# 1 row x 1024-4096 columns with 2-4 warps are within 1 % of each other; 8 warps or 2-row tiles are 3-4 % slower.
+# leaves the block raw and stores -1; then _sft_finish_kernel, per row. Tiles measured at chunk 1760 x 151936 bf16
+# on an H200 (bench/NOTES.md): 1 row x 1024-4096 columns with 2-4 warps are within 1 % of each other; 8 warps or
+# 2-row tiles are 3-4 % slower.
 _EXP_CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
                 for r, b, w in ((1, 1024, 2), (1, 2048, 2), (1, 2048, 4), (1, 4096, 4))]
 _EXP_MIN_BLOCK = 1024

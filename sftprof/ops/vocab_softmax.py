@@ -19,8 +19,8 @@ Gradient of ``L = sum_i g_lp[i] * logprob[i] + g_ent[i] * entropy[i]`` w.r.t. th
 ``a = g_lp / T``, ``b = (g_lp + g_ent * entropy) / T``, ``c = g_ent / T``.
 
 The SFT loss without a TP split (:func:`sft_chunk_`) defers the normalisation instead: shifting by the
-target logit rather than the row maximum, ``exp(x - shift)`` can be written while the row is read, and
-``1 / S`` becomes a per-row factor on the small GEMM operands, so the chunk is read and written once.
+target logit (plus ``ln V``) rather than the row maximum, ``exp(x - shift)`` can be written while the row is
+read, and ``1 / S`` becomes a per-row factor on the small GEMM operands, so the chunk is read and written once.
 """
 from __future__ import annotations
 
@@ -176,9 +176,11 @@ SHIFT_MARGIN = 30.0
 def shift_offset(n_cols: int) -> float:
     """``ln(n_cols)``, in nats: the deferred-normalisation shift is the target logit plus this.
 
-    The offset changes no result (``S`` and the row scale absorb it), only where the written values ``E`` and the
-    scaled hidden rows sit in the floating-point range: a flat row's ``E`` then sums to ~1, like softmax
-    probabilities, and the scaled hidden rows are ~``w * hidden``, instead of ``E ~ 1`` and ``hidden / V``.
+    The offset changes no result beyond rounding (``S`` and the row scale absorb it; exponentials underflow
+    ``ln V`` nats earlier, below ~1e-35 of the row's gradient), only where the written exponentials and the
+    scaled hidden rows sit in the floating-point range: for a flat row ``S`` is ~1 and the exponentials are
+    ~``1/V``, like softmax probabilities, and the scaled hidden rows are ~``w * hidden / T``, instead of
+    exponentials ~1 and ``w * hidden / (T V)``.
     This matters for speed: under the H200's 700 W cap the two gradient GEMMs run at a clock set by their
     power, which depends on the operands' bits (``bf16`` values straddling 1.0 flip all exponent bits);
     measured in bench/NOTES.md (fifth session).
@@ -229,10 +231,11 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
     column block whose ``sum exp(x - s0)`` exceeds ``e^SHIFT_MARGIN`` (or is inf/NaN) is left raw, and the
     finisher rewrites its row shifted by the largest logit of its raw blocks (every shifted exponential then
     stays at most the block width; 2-3 extra passes over such rows only); on CPU rows whose maximum exceeds
-    ``s0`` by more than :data:`SHIFT_MARGIN` are shifted by that maximum. ``E`` reaches ``e^SHIFT_MARGIN`` and ``S``
-    ``V e^SHIFT_MARGIN``, beyond fp16's range, so fp16 takes the general path, as does a TP split (its global
-    statistics come first: :func:`chunk_stats`, one all-reduce set): the gradient itself is written
-    (:func:`write_softmax_grad_`) and ``row_scale`` is ``None``.
+    ``s0`` by more than :data:`SHIFT_MARGIN` are shifted by that maximum. The exponentials reach
+    ``e^SHIFT_MARGIN``, and ``S`` (so the label column's ``-S``) ``V e^SHIFT_MARGIN``, beyond fp16's range, so
+    fp16 takes the general path, as does a TP split (its global statistics come first: :func:`chunk_stats`,
+    one all-reduce set): the gradient itself is written (:func:`write_softmax_grad_`) and ``row_scale`` is
+    ``None``.
     """
     if not defers_normalisation(logits.dtype, tp_group):
         st = chunk_stats(logits, local_labels, inv_temp, tp_group)
