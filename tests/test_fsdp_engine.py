@@ -9,7 +9,8 @@ from transformers import Qwen3MoeForCausalLM
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import load_config
-from sftprof.data import global_loss_tokens, load_tokenizer, make_fake_sample, step_micro_batches
+from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+from sftprof.tokenizer import load_tokenizer
 from sftprof.engine import build_engine
 from sftprof.flops import ModelShape, train_step_flops
 from sftprof.models.hf import load_hf_config
@@ -46,7 +47,7 @@ def test_fsdp_step0_loss_matches_reference(gloo_world_1, head_chunk):
                                    "actor.optimizer.gradient_clipping=0.5", "actor.mb_spec.max_tokens_per_mb=0"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf_config = load_hf_config(cfg.actor.path)
-    tok = load_tokenizer("", cfg.actor.path, hf_config.vocab_size)
+    tok = load_tokenizer("", cfg.actor.path, hf_config.model_type)
     sample = make_fake_sample(tok, 32, 0.5, hf_config.vocab_size)
     torch.manual_seed(cfg.seed)
     engine = build_engine(cfg, layout, hf_config, torch.device("cpu"))

@@ -23,7 +23,8 @@ def _run(path: str):
 
     from sftprof.allocation import parse_allocation_mode
     from sftprof.config import load_config
-    from sftprof.data import global_loss_tokens, load_tokenizer, make_fake_sample, step_micro_batches
+    from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+    from sftprof.tokenizer import load_tokenizer
     from sftprof.engine.megatron import MegatronEngine
     from sftprof.models.hf import load_hf_config
 
@@ -40,7 +41,7 @@ def _run(path: str):
         f"actor.megatron.lm_head_loss_chunk_size={300 if path == 'lm_head' else 0}"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
-    sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.vocab_size), SEQ, 0.5, hf.vocab_size)
+    sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), SEQ, 0.5, hf.vocab_size)
     torch.manual_seed(cfg.seed)  # as the trainer does in a fresh process: every build gets the same weights
     torch.cuda.manual_seed_all(cfg.seed)
     engine = (NaiveLossEngine if path == "naive" else MegatronEngine)(cfg, layout, hf, torch.device("cuda", 0))
