@@ -28,8 +28,11 @@ MFU = model FLOPs / (step time * GPUs * peak), against the dense bf16 peak of th
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak in FLOP/s, from NVIDIA's H100/H200 SXM datasheets.
 # Checked in order: the PCIe and NVL parts before the plain (SXM) names.
@@ -73,6 +76,17 @@ class ModelShape:
                    head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
                    num_experts=experts, topk=hf.num_experts_per_tok, moe_ffn=hf.moe_intermediate_size,
                    vocab=hf.vocab_size, shared_ffn=shared, shared_gate=bool(shared))
+
+
+def countable_shape(hf: Any) -> Optional[ModelShape]:
+    """:meth:`ModelShape.from_hf`, or ``None`` (logged once at INFO with the reason) for a model whose FLOPs
+    this module does not count, such as Qwen3.5's gated delta-net layers: its steps report no model FLOPs
+    or MFU rather than a wrong number."""
+    try:
+        return ModelShape.from_hf(hf)
+    except NotImplementedError as err:
+        log.info("model FLOPs, TFLOP/s and MFU are not reported: %s", err)
+        return None
 
 
 @dataclass(frozen=True)

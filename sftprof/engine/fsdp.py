@@ -1,4 +1,4 @@
-"""FSDP2 engine: Hugging Face ``Qwen3MoeForCausalLM`` sharded with ``fully_shard`` (data parallel).
+"""FSDP2 engine: Hugging Face ``Qwen3MoeForCausalLM`` / ``Qwen3_5MoeForCausalLM`` sharded with ``fully_shard``.
 
 Layout ``fsdp:d<N>``: every rank holds ``1/N`` of every parameter, gradient and AdamW state;
 parameters are all-gathered per decoder layer for its forward and backward and gradients are
@@ -15,6 +15,12 @@ from the final hidden states either by the logits path (``lm_head(hidden)`` then
 ``actor.megatron.lm_head_loss_chunk_size == 0``, or by ``sftprof.ops.linear_sft_loss`` (chunked
 LM head + loss, logits never held for all tokens) otherwise. The MoE load-balancing auxiliary
 loss is not added (the reported loss is the pure SFT loss).
+
+Qwen3.5 (``qwen3_5_moe_text``): Hugging Face's text model runs its gated delta-net layers on
+flash-linear-attention / causal-conv1d kernels when they are installed, else on its PyTorch reference
+implementation (CPU runs); its multi-token-prediction (MTP) block is not built or trained. Inputs may
+come padded (``attention_mask``): outputs and labels are repacked to the packed token order
+(:mod:`sftprof.models.bshd`) before the LM head and loss.
 """
 from __future__ import annotations
 
@@ -31,12 +37,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from sftprof.config import effective_logprobs_chunk_size
 from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
-from sftprof.flops import ModelShape, train_step_flops
+from sftprof.flops import countable_shape, train_step_flops
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# (text) model_type -> the Hugging Face causal-LM class this backend trains.
+CAUSAL_LM_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 class LMHeadLoss(nn.Module):
@@ -60,6 +68,20 @@ class LMHeadLoss(nn.Module):
         self.logprobs_chunk_size = logprobs_chunk_size
         self.lm_head_loss_chunk_size = lm_head_loss_chunk_size
 
+    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T]`` log-probs of ``labels`` (``[T]`` int64) from ``hidden`` (``[T, H]``).
+
+        The logits path (``vocab_parallel_logprobs``) or, with ``lm_head_loss_chunk_size > 0``, the
+        chunked ``linear_logprobs`` (logits recomputed in the backward). Call it on an unsharded module
+        (FSDP2 unshards the weight only around ``forward``).
+        """
+        from sftprof.ops import linear_logprobs, vocab_parallel_logprobs
+
+        if self.lm_head_loss_chunk_size:
+            return linear_logprobs(hidden, self.weight, labels, chunk_size=self.lm_head_loss_chunk_size).float()
+        return vocab_parallel_logprobs(nn.functional.linear(hidden, self.weight), labels,
+                                       chunk_size=self.logprobs_chunk_size).float()
+
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
         """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
 
@@ -69,21 +91,22 @@ class LMHeadLoss(nn.Module):
             labels: ``[T]`` int64 next-token ids.
             loss_weight: ``[T]`` fp32 (0/1 loss mask).
         """
-        from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
+        from sftprof.ops import linear_sft_loss
 
         if self.lm_head_loss_chunk_size:
             # hidden (the final norm's output) feeds only the LM head: its storage takes d loss / d hidden.
             return linear_sft_loss(hidden, self.weight, labels, loss_weight, chunk_size=self.lm_head_loss_chunk_size,
                                    grad_in_hidden=True)
-        logits = nn.functional.linear(hidden, self.weight)
-        logprobs = vocab_parallel_logprobs(logits, labels, chunk_size=self.logprobs_chunk_size)
-        return -(logprobs.float() * loss_weight).sum()
+        return -(self.logprobs(hidden, labels) * loss_weight).sum()
 
 
 class CausalLMForSFT(nn.Module):
     """``model`` (the HF decoder, e.g. ``Qwen3MoeModel``) + ``lm_head`` (:class:`LMHeadLoss`).
 
-    Parameter names equal those of the Hugging Face ``*ForCausalLM`` it was built from.
+    Parameter names equal those of the Hugging Face ``*ForCausalLM`` it was built from. Inputs are
+    ``[B, L]``; with ``attention_mask`` (``[B, L]`` bool, right padding: :func:`sftprof.models.bshd.
+    pad_sequences`) the hidden states, labels and loss weights are repacked to the packed ``[T]`` token
+    order first, so padding never reaches the LM head or the loss.
     """
 
     def __init__(self, causal_lm: nn.Module, logprobs_chunk_size: int, lm_head_loss_chunk_size: int) -> None:
@@ -91,37 +114,54 @@ class CausalLMForSFT(nn.Module):
         self.model = causal_lm.model
         self.lm_head = LMHeadLoss(causal_lm.lm_head, logprobs_chunk_size, lm_head_loss_chunk_size)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
+    def _packed(self, input_ids, attention_mask, *per_token):
+        from sftprof.models.bshd import repack
+
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if attention_mask is None:
+            return [hidden.flatten(0, 1)] + [t.flatten() for t in per_token]
+        return [repack(t, attention_mask) for t in (hidden,) + per_token]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids``/``labels``/``loss_weight`` ``[B, L]`` -> fp32 scalar loss sum (see LMHeadLoss)."""
-        hidden = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return self.lm_head(hidden.flatten(0, 1), labels.flatten(), loss_weight.flatten())
+        return self.lm_head(*self._packed(input_ids, attention_mask, labels, loss_weight))
+
+    def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 log-probs ``[T]`` of ``labels`` in packed token order (:meth:`LMHeadLoss.logprobs`; unsharded model)."""
+        return self.lm_head.logprobs(*self._packed(input_ids, attention_mask, labels))
 
 
 def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
-    """Build ``Qwen3MoeForCausalLM`` in ``actor.dtype`` on the CPU (SDPA attention).
+    """Build the causal LM of :data:`CAUSAL_LM_CLASSES` in ``actor.dtype`` on the CPU (SDPA attention).
 
     Random init from the current RNG state (seed it first for identical weights on every rank)
     when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``.
 
     Raises:
-        ValueError: the config is not a ``qwen3_moe`` model, or ``init_from_scratch=false`` and
-            the model directory holds no weights.
+        ValueError: the (text) config's ``model_type`` is not in :data:`CAUSAL_LM_CLASSES`, or
+            ``init_from_scratch=false`` and the model directory holds no weights.
     """
-    from transformers import Qwen3MoeForCausalLM
+    import transformers
 
     from sftprof.models.hf import has_weights, resolve_model_dir
 
-    if hf_config.model_type != "qwen3_moe":
+    if hf_config.model_type not in CAUSAL_LM_CLASSES:
         raise ValueError(f"actor.path={cfg.actor.path!r}: model_type {hf_config.model_type!r} is not supported by "
-                         "the fsdp backend; accepted: qwen3_moe (use a megatron allocation mode for others)")
+                         f"the fsdp backend; accepted: {list(CAUSAL_LM_CLASSES)}")
+    causal_lm_cls = getattr(transformers, CAUSAL_LM_CLASSES[hf_config.model_type])
     dtype = DTYPES[cfg.actor.dtype]
+    if getattr(hf_config, "mtp_num_hidden_layers", 0):
+        log.info("fsdp engine: the model's multi-token-prediction block (%d layer(s)) is not built or trained",
+                 hf_config.mtp_num_hidden_layers)
     if cfg.actor.init_from_scratch:
-        return Qwen3MoeForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
+        return causal_lm_cls._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
     model_dir = resolve_model_dir(cfg.actor.path)
     if not has_weights(model_dir):
         raise ValueError(f"actor.init_from_scratch=false: {model_dir} holds no weights; accepted: "
                          "init_from_scratch=true or a model directory with *.safetensors/*.bin")
-    return Qwen3MoeForCausalLM.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa", dtype=dtype)
+    return causal_lm_cls.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa", dtype=dtype)
 
 
 def _lr_factor(kind: str, step: int, total: int) -> float:
@@ -140,7 +180,7 @@ class FSDPEngine(Engine):
         cfg: trial config. Uses ``actor.{dtype, gradient_checkpointing, logprobs_chunk_size,
             optimizer.*, megatron.lm_head_loss_chunk_size}`` and ``total_train_steps``.
         layout: ``fsdp:d<N>`` layout; ``N`` must equal the world size.
-        hf_config: ``qwen3_moe`` Hugging Face config.
+        hf_config: ``qwen3_moe`` or ``qwen3_5_moe_text`` Hugging Face (text) config.
         device: this rank's device.
 
     Raises:
@@ -156,6 +196,7 @@ class FSDPEngine(Engine):
         self.hf_config = hf_config
         self.device = device
         self._rank_coords = layout.rank_coords(dist.get_rank())
+        self.shape = countable_shape(hf_config)
         a = cfg.actor
         causal_lm = build_hf_causal_lm(cfg, hf_config)
         if a.gradient_checkpointing:
@@ -219,7 +260,7 @@ class FSDPEngine(Engine):
         dist.all_reduce(local_sum)
         seq_len = micro_batches[0].input_ids.shape[1]
         # HF gradient checkpointing re-runs every decoder layer's forward: Megatron's full/uniform recompute.
-        flops = train_step_flops(ModelShape.from_hf(self.hf_config), [seq_len] * (n_seqs * self.layout.dp),
-                                 "full" if self.cfg.actor.gradient_checkpointing else "none")
+        flops = train_step_flops(self.shape, [seq_len] * (n_seqs * self.layout.dp),
+                                 "full" if self.cfg.actor.gradient_checkpointing else "none") if self.shape else None
         return StepResult(loss=float(local_sum) / global_loss_tokens, grad_norm=float(grad_norm),
-                          model_flops=flops.model, recompute_flops=flops.recompute)
+                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None)
