@@ -35,6 +35,7 @@ from typing import Callable, Mapping
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config, to_yaml, trial_log_dir
 from sftprof.models.hf import ModelPathError, load_hf_config
+from sftprof.models.specs import check_linear_attention_layout
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -215,13 +216,17 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
     except ConfigError as err:
         raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
     try:
-        load_hf_config(probe.actor.path, probe.actor.num_layers)
+        model_type = load_hf_config(probe.actor.path, probe.actor.num_layers).model_type
     except (ModelPathError, ValueError) as err:
         raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
     if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
         raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
                           "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
     layout = parse_allocation_mode(probe.actor.backend)
+    try:
+        check_linear_attention_layout(model_type, layout)
+    except ConfigError as err:
+        raise DriverError(f"{err} (CONFIG / MODEL_PATH)") from err
     n_nodes = n_nodes or probe.cluster.n_nodes
     if node_rank >= n_nodes:
         raise DriverError(f"NODE_RANK={node_rank}: must be in [0, N_NODES={n_nodes})")

@@ -136,6 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sftprof.allocation import parse_allocation_mode
     from sftprof.data import make_fake_sample
     from sftprof.models.hf import load_hf_config
+    from sftprof.models.specs import check_linear_attention_layout
     from sftprof.tokenizer import load_tokenizer
 
     layout = parse_allocation_mode(cfg.actor.backend)
@@ -145,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
+        check_linear_attention_layout(hf_config.model_type, layout)
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.model_type)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
                                   hf_config.vocab_size)

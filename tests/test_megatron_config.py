@@ -157,8 +157,17 @@ def test_qwen3_5_mapping_and_support_check():
     assert (gpt["rotary_base"], gpt["rotary_percent"], gpt["vocab_size"]) == (10_000_000.0, 0.25, 248320)
     cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO + ["actor.path=qwen3_5_35b_a3b"])
     tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:d1"), have_te=False)
-    with pytest.raises(NotImplementedError, match="transformer_engine.*flash-linear-attention"):
-        check_model_supported(tc, have_te=False)
+    from unittest import mock
+
+    from megatron.core.ssm import gated_delta_net
+
+    with mock.patch.object(gated_delta_net, "HAVE_FLA", False):
+        with pytest.raises(NotImplementedError, match="need flash-linear-attention kernels: install "
+                                                      "flash-linear-attention==0.6.0 and fla-core==0.6.0"):
+            check_model_supported(tc)
+    # megatron-core's own config validation refuses CP too (sftprof stops earlier: check_linear_attention_layout)
+    with pytest.raises(AssertionError, match="Gated delta net does not support context parallel"):
+        mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:(attn:c2|ffn:e2)"), have_te=False)
 
 
 def test_unsupported_hf_configs():

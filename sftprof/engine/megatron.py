@@ -37,7 +37,7 @@ from sftprof.allocation import Layout
 from sftprof.config import ConfigError, SFTProfileConfig, effective_logprobs_chunk_size
 from sftprof.data import MicroBatch, cp_shard
 from sftprof.engine.base import Engine, StepResult
-from sftprof.flops import ModelShape, train_step_flops
+from sftprof.flops import countable_shape, train_step_flops
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import has_weights, resolve_model_dir
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
@@ -87,12 +87,12 @@ class MegatronEngine(Engine):
     Args:
         cfg: trial config; ``actor.*`` and ``actor.megatron.*`` are used.
         layout: a ``megatron`` layout whose world size equals the process-group size.
-        hf_config: HF (text) config of a ``qwen3_moe`` model (``qwen3_5_moe`` needs TE + fla).
+        hf_config: HF (text) config of a ``qwen3_moe`` or ``qwen3_5_moe_text`` model (the latter needs fla, CP = 1).
         device: this rank's CUDA device (``torch.cuda.set_device`` done by the trainer).
     Raises:
         ConfigError: precision settings (e.g. the precision-aware optimizer without TE:
             ``USE_PRECISION_AWARE_OPTIMIZER``), a non-megatron layout, init_from_scratch without weights.
-        NotImplementedError: weight loading requested; Qwen3.5 without TE/fla.
+        NotImplementedError: weight loading requested; Qwen3.5 without fla or with CP > 1.
         RuntimeError: no CUDA device, or the world size does not match the layout.
     """
 
@@ -161,7 +161,7 @@ class MegatronEngine(Engine):
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self._rank_coords = layout.rank_coords(dist.get_rank())
-        self.shape = ModelShape.from_hf(hf_config)
+        self.shape = countable_shape(hf_config)
         self._bwd_regions: Dict[int, contextlib.ExitStack] = {}
         self._mb_index = 0
         self._flops_logged = False
@@ -284,10 +284,11 @@ class MegatronEngine(Engine):
         seqs = [seq_len] * (sum(mb.input_ids.shape[0] for mb in micro_batches) * self.layout.dp)
         m = self.cfg.actor.megatron
         gran = m.recompute_granularity if self.cfg.actor.gradient_checkpointing else "none"
-        flops = train_step_flops(self.shape, seqs, gran, m.recompute_method, m.recompute_num_layers, self.layout.pp)
-        if not self._flops_logged and dist.get_rank() == 0:
+        flops = (train_step_flops(self.shape, seqs, gran, m.recompute_method, m.recompute_num_layers, self.layout.pp)
+                 if self.shape else None)
+        if flops and not self._flops_logged and dist.get_rank() == 0:
             log.info("megatron: step FLOPs (global batch) model %.4g, recompute %.4g (%s; not in model FLOPs/MFU)",
                      flops.model, flops.recompute, gran)
         self._flops_logged = True
         return StepResult(loss=loss_sum / global_loss_tokens, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                          model_flops=flops.model, recompute_flops=flops.recompute)
+                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None)

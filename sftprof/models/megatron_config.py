@@ -34,15 +34,17 @@ initializer_range              init_method_std
 shared_expert_intermediate_size -> moe_shared_expert_intermediate_size (+ moe_shared_expert_gate),
 attn_output_gate -> attention_output_gate, layernorm_zero_centered_gamma=True and
 partial_rotary_factor -> rotary_percent. Its text-only positions make the interleaved M-RoPE equal to
-plain RoPE on the rotary dims. Multi-token prediction layers are not built (SFT profile). Building
-such a model needs the gated delta-net kernels of flash-linear-attention; see
-:func:`sftprof.models.specs.check_model_supported`.
+plain RoPE on the rotary dims. Multi-token prediction layers (``mtp_num_hidden_layers``) are not
+built or trained (SFT profile; ``mtp_num_layers`` stays unset and the log says so). Building such a
+model needs the gated delta-net kernels of flash-linear-attention and CP = 1; see
+:func:`sftprof.models.specs.check_linear_attention_layout`.
 
 Nothing here constructs CUDA state, so the mapping is testable on CPU. ``megatron.core`` is imported
 inside the functions that need it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,8 @@ from sftprof.config import ConfigError, MegatronSettings, SFTProfileConfig
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 _ROUTER_DTYPES = {"fp32": "fp32", "fp64": "fp64", "none": None}
+
+log = logging.getLogger(__name__)
 
 
 def _get(hf: Any, *names: str, default: Any = None) -> Any:
@@ -152,6 +156,9 @@ def hf_to_transformer_kwargs(hf: Any) -> dict:
             attention_output_gate=bool(_get(hf, "attn_output_gate", default=True)),
             layernorm_zero_centered_gamma=True,
         )
+    if _get(hf, "mtp_num_hidden_layers", default=0):
+        log.info("megatron mapping: the model's multi-token-prediction block (%d layer(s)) is not built or trained",
+                 hf.mtp_num_hidden_layers)
     return kw
 
 

@@ -6,7 +6,14 @@
   :class:`sftprof.models.norm.RMSNorm` (sequence parallel, zero-centred gamma),
   :class:`sftprof.models.attention.SDPACoreAttention` (SDPA, GQA, context parallel) and
   :class:`sftprof.models.experts.GroupedGemmExperts` (``torch._grouped_mm``; ``SequentialMLP`` where
-  grouped GEMM is not available). The final norm of the block is the same RMSNorm.
+  grouped GEMM is not available); a shared expert (``SharedExpertMLP``, its sigmoid gate when
+  ``moe_shared_expert_gate``) when the config has one. The final norm of the block is the same RMSNorm.
+- Qwen3.5 without TE: the layer pattern of megatron-core's ``get_linear_attention_pattern``; gated
+  delta-net layers are megatron-core's ``GatedDeltaNet`` (flash-linear-attention kernels) with local
+  column/row-parallel linears and :class:`RMSNorm` as its per-head output norm; the full-attention layers
+  are the self-attention above with ``attention_output_gate`` (megatron-core's sigmoid output gate) and
+  partial RoPE (``GPTModel(rotary_percent=...)``). Sequence parallelism works as for the other layers:
+  ``in_proj`` all-gathers the sequence, ``out_proj`` reduce-scatters it.
 """
 from __future__ import annotations
 
@@ -25,26 +32,53 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def check_model_supported(config, have_te: bool) -> None:
-    """Refuse model variants this environment cannot build, naming what is missing.
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+FLA_PACKAGES = "flash-linear-attention==0.6.0 and fla-core==0.6.0 (pip install -e '.[qwen3_5]')"
 
-    Qwen3.5 (``experimental_attention_variant="gated_delta_net"``): megatron-core 0.16.1 builds its
-    gated delta-net layers only with Transformer Engine specs (``experimental_attention_variant_module_
-    specs._get_backend_spec_provider`` asserts ``transformer_impl == "transformer_engine"``) and runs them
-    with flash-linear-attention (``fla``) kernels.
+
+def check_linear_attention_layout(model_type: str, layout) -> None:
+    """Refuse, before launch, a megatron trial of a gated delta-net model that cannot run here.
+
+    Cheap (no megatron or transformers import): the driver's plan and the trainer call it before any
+    process starts. Qwen3.5's gated delta-net layers are megatron-core 0.16.1's ``GatedDeltaNet``, which
+    runs on flash-linear-attention's kernels (package ``fla``) and has no context parallelism ("TODO:
+    support CP" in ``megatron/core/ssm/gated_delta_net.py``).
+
+    Args:
+        model_type: the (text) HF ``model_type`` (:func:`sftprof.models.hf.read_model_type`).
+        layout: the trial's :class:`sftprof.allocation.Layout`; only ``megatron`` layouts are checked.
+    Raises:
+        ConfigError: CP > 1 (names ``actor.backend`` and the accepted layouts), or ``fla`` not importable
+            (names the packages to install).
+    """
+    from sftprof.config import ConfigError
+
+    if model_type not in LINEAR_ATTENTION_MODEL_TYPES or layout.backend != "megatron":
+        return
+    if layout.cp > 1:
+        raise ConfigError(f"actor.backend={layout.describe()}: context parallelism (CP={layout.cp}) is not supported "
+                          f"for {model_type}: megatron-core 0.16.1's gated delta-net layers have no context "
+                          "parallelism; accepted: a layout with c1 (TP with sequence parallelism, e.g. "
+                          "megatron:(attn:d4t2|ffn:d1e8))")
+    if importlib.util.find_spec("fla") is None:
+        raise ConfigError(f"actor.path: {model_type} (gated delta-net linear attention) on the megatron backend needs "
+                          f"the Python package 'fla' from {FLA_PACKAGES}; it is not installed")
+
+
+def check_model_supported(config) -> None:
+    """Last guard before a gated delta-net model is built (after :func:`check_linear_attention_layout`; CP > 1
+    is already refused by megatron-core's ``TransformerConfig`` validation).
 
     Raises:
-        NotImplementedError: gated delta-net without TE or without ``fla``.
+        NotImplementedError: ``experimental_attention_variant="gated_delta_net"`` and megatron-core's
+            ``gated_delta_net`` module could not import ``fla``'s kernels.
     """
-    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
-        missing = []
-        if not have_te:
-            missing.append("transformer_engine (megatron-core 0.16.1 builds gated delta-net layers only from TE specs)")
-        if importlib.util.find_spec("fla") is None:
-            missing.append("flash-linear-attention (package 'fla', gated delta-rule kernels)")
-        if missing:
-            raise NotImplementedError("qwen3_5_moe (gated delta-net linear attention) cannot be built with "
-                                      "megatron-core 0.16.1 here; missing: " + "; ".join(missing))
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+        return
+    from megatron.core.ssm import gated_delta_net
+
+    if not gated_delta_net.HAVE_FLA:
+        raise NotImplementedError(f"gated delta-net layers need flash-linear-attention kernels: install {FLA_PACKAGES}")
 
 
 def _moe_spec(config) -> Any:
@@ -66,8 +100,27 @@ def _moe_spec(config) -> Any:
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
-def local_layer_spec(config) -> Any:
-    """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring)."""
+def _gated_delta_net_spec() -> Any:
+    """megatron-core's ``GatedDeltaNet`` with local linears: ``in_proj`` (column parallel, gathers the sequence
+    under sequence parallelism), ``out_norm`` (:class:`RMSNorm` over each value head), ``out_proj`` (row parallel)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from sftprof.models.norm import RMSNorm
+
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
+
+
+def local_layer_spec(config, linear_attention: bool = False) -> Any:
+    """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
+
+    Args:
+        config: the megatron ``TransformerConfig``.
+        linear_attention: a gated delta-net layer (:func:`_gated_delta_net_spec`) instead of self-attention
+            (SDPA core attention; ``config.attention_output_gate`` adds the sigmoid output gate).
+    """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -79,13 +132,16 @@ def local_layer_spec(config) -> Any:
     from sftprof.models.attention import SDPACoreAttention
     from sftprof.models.norm import RMSNorm
 
-    qk_norm = RMSNorm if config.qk_layernorm else IdentityOp
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention,
-                                           linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
-    )
+    if linear_attention:
+        attention = _gated_delta_net_spec()
+    else:
+        qk_norm = RMSNorm if config.qk_layernorm else IdentityOp
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention,
+                                               linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
+        )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -97,18 +153,23 @@ def local_layer_spec(config) -> Any:
 def decoder_block_spec(config, have_te: bool, vp_stage=None) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
+    Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
+    ``get_linear_attention_pattern`` (``linear_attention_freq=4``: layers 1-3 of every 4 are gated
+    delta-net, the 4th full attention), cut to this stage's layers.
+
     Args:
         config: the megatron ``TransformerConfig`` (MoE, RMSNorm, qk-layernorm).
         have_te: :func:`have_transformer_engine`.
     Returns:
-        A ``ModuleSpec`` (TE) or ``TransformerBlockSubmodules`` (local: layer specs for this stage's
-        layers plus the final RMSNorm).
+        A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
+        layer specs for this stage's layers plus the final RMSNorm).
     Raises:
         NotImplementedError: see :func:`check_model_supported`.
     """
-    check_model_supported(config, have_te)
+    check_model_supported(config)
+    variant = getattr(config, "experimental_attention_variant", None)
     if have_te:
-        if getattr(config, "experimental_attention_variant", None):
+        if variant:
             from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
                 get_transformer_block_with_experimental_attention_variant_spec,
             )
@@ -116,9 +177,14 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=config.qk_layernorm)
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from sftprof.models.norm import RMSNorm
 
+    pattern = get_linear_attention_pattern(config) if variant == "gated_delta_net" else [0] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(config)] * n, layer_norm=RMSNorm)
+    specs = {flag: local_layer_spec(config, linear_attention=bool(flag)) for flag in set(pattern[offset:offset + n])}
+    return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)

@@ -1,0 +1,172 @@
+"""Qwen3.5 megatron mapping on CPU (gloo, 1 rank, fp32): the local layer spec and its two attention layers
+against Hugging Face's Qwen3.5 layers.
+
+megatron-core 0.16.1's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
+needs flash-linear-attention's Triton kernels, so on CPU the test builds it with ``torch.cuda.current_device``
+answering ``"cpu"`` and runs its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
+PyTorch L2 norm in place of fla's. What runs is the rest of the module as shipped: ``in_proj`` / ``out_proj``
+(local column/row-parallel linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output
+RMSNorm (this project's, zero-centred). The weight correspondence used here is the one a Qwen3.5
+HF -> megatron mapping needs (see ``_gdn_weights`` / ``_attention_weights``).
+"""
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.config import ConfigError, load_config
+from sftprof.models import megatron_config as mc
+from sftprof.models.experts import grouped_mm_supported
+from sftprof.models.hf import load_hf_config
+from sftprof.models.specs import check_linear_attention_layout, decoder_block_spec
+
+NO_PAO = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32"]
+
+
+def _torch_l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@pytest.fixture(scope="module")
+def mcore_cpu(tmp_path_factory):
+    from megatron.core import parallel_state
+    from megatron.core.ssm import gated_delta_net
+
+    store = tmp_path_factory.mktemp("store") / "filestore"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
+            mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
+            mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _tconfig(hf, mode="megatron:d1"):
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = load_config("tiny_qwen3_5_cpu", NO_PAO + [f"actor.backend={mode}"])
+    kw = mc.hf_to_transformer_kwargs(hf)
+    kw.update(mc.parallel_config_kwargs(parse_allocation_mode(mode)))
+    kw.update(mc.training_config_kwargs(cfg, have_te=False))
+    # CPU: parameters on the CPU, no CUDA RNG tracker (the weights are copied from the HF layers), PyTorch GDN path
+    kw.update(use_cpu_initialization=True, perform_initialization=False, deterministic_mode=True)
+    return TransformerConfig(**kw)
+
+
+def test_layer_pattern_and_module_types(mcore_cpu):
+    hf = load_hf_config("qwen3_5_35b_a3b", num_layers=8)
+    for mode, n in (("megatron:d1", 8), ("megatron:(attn:t2|ffn:e2)", 8)):
+        spec_config = _tconfig(hf, mode)
+        spec = decoder_block_spec(spec_config, have_te=False)
+        kinds = [s.submodules.self_attention.module.__name__ for s in spec.layer_specs]
+        assert kinds == (["GatedDeltaNet"] * 3 + ["SelfAttention"]) * 2 and len(kinds) == n
+        gdn = spec.layer_specs[0].submodules.self_attention.submodules
+        assert [c.__name__ for c in (gdn.in_proj, gdn.out_norm, gdn.out_proj)] == \
+            ["ColumnParallelLinear", "RMSNorm", "RowParallelLinear"]
+        mlp = spec.layer_specs[3].submodules.mlp.submodules
+        experts = "GroupedGemmExperts" if grouped_mm_supported(spec_config) else "SequentialMLP"  # CUDA-only GEMM
+        assert (mlp.experts.module.__name__, mlp.shared_experts.module.__name__) == (experts, "SharedExpertMLP")
+    tc = _tconfig(hf, "megatron:(attn:t2|ffn:e2)")
+    assert (tc.sequence_parallel, tc.attention_output_gate, tc.moe_shared_expert_gate, tc.mtp_num_layers,
+            tc.layernorm_zero_centered_gamma, tc.linear_attention_freq) == (True, True, True, None, True, 4)
+    gpt = mc.gpt_model_kwargs(hf)
+    assert (gpt["rotary_percent"], gpt["share_embeddings_and_output_weights"]) == (0.25, False)
+
+
+def test_cp_layout_and_missing_fla_stop_before_launch():
+    with pytest.raises(ConfigError, match=r"context parallelism \(CP=2\) is not supported for qwen3_5_moe_text"):
+        check_linear_attention_layout("qwen3_5_moe_text", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
+    with mock.patch("importlib.util.find_spec", lambda name: None):
+        with pytest.raises(ConfigError, match=r"needs the Python package 'fla' from flash-linear-attention==0.6.0 "
+                                              r"and fla-core==0.6.0"):
+            check_linear_attention_layout("qwen3_5_moe_text", parse_allocation_mode("megatron:(attn:d4t2|ffn:d1e8)"))
+        check_linear_attention_layout("qwen3_5_moe_text", parse_allocation_mode("fsdp:d2"))  # HF's torch fallback
+        check_linear_attention_layout("qwen3_moe", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
+
+
+def _gdn_weights(hf_layer) -> dict:
+    """HF ``linear_attn.*`` -> megatron ``self_attention.*`` (TP = 1; with TP each rank's ``in_proj`` shard is
+    the concatenation of that rank's slices of q, k, v, z, b, a, and its conv1d shard that of q, k, v)."""
+    return {"in_proj.weight": torch.cat([hf_layer.in_proj_qkv.weight, hf_layer.in_proj_z.weight,
+                                         hf_layer.in_proj_b.weight, hf_layer.in_proj_a.weight]),
+            "conv1d.weight": hf_layer.conv1d.weight, "A_log": hf_layer.A_log, "dt_bias": hf_layer.dt_bias,
+            "out_norm.weight": hf_layer.norm.weight - 1,  # HF gamma = weight; megatron zero-centred: 1 + weight
+            "out_proj.weight": hf_layer.out_proj.weight}
+
+
+def _attention_weights(hf_layer, groups: int) -> dict:
+    """HF ``self_attn.*`` -> megatron: ``q_proj`` rows are per head [query(d), gate(d)]; ``linear_qkv`` rows
+    are per KV group [queries of the group, their gates, key, value]."""
+    d = hf_layer.head_dim
+    qg = hf_layer.q_proj.weight.view(-1, 2, d, hf_layer.q_proj.in_features)  # [heads, (query, gate), d, H]
+    per_group = qg.shape[0] // groups
+    k = hf_layer.k_proj.weight.view(groups, d, -1)
+    v = hf_layer.v_proj.weight.view(groups, d, -1)
+    rows = []
+    for g in range(groups):
+        heads = qg[g * per_group:(g + 1) * per_group]
+        rows += [heads[:, 0].reshape(-1, qg.shape[-1]), heads[:, 1].reshape(-1, qg.shape[-1]), k[g], v[g]]
+    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": hf_layer.o_proj.weight,
+            "q_layernorm.weight": hf_layer.q_norm.weight, "k_layernorm.weight": hf_layer.k_norm.weight}
+
+
+def _build(spec, tc, layer_number):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(spec, config=tc, layer_number=layer_number,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _randomise(module, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+
+def test_gated_delta_net_layer_matches_hugging_face(mcore_cpu):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    hf = load_hf_config("tiny_qwen3_5_moe")
+    tc = _tconfig(hf)
+    ref = Qwen3_5MoeGatedDeltaNet(hf, layer_idx=0)
+    _randomise(ref, 0)
+    ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
+    ours.load_state_dict(_gdn_weights(ref), strict=True)
+    x = torch.randn(2, 70, hf.hidden_size)  # 70 tokens: two 64-token chunks of the chunked delta rule
+    with torch.no_grad():
+        expected = ref(x)
+        out, bias = ours(x.transpose(0, 1), attention_mask=None)
+    assert bias is None and out.shape == (70, 2, hf.hidden_size)
+    err = (out.transpose(0, 1) - expected).abs().max().item()
+    assert err < 1e-5 * expected.abs().max().item() + 1e-6, err
+
+
+def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention, Qwen3_5MoeTextRotaryEmbedding
+
+    hf = load_hf_config("tiny_qwen3_5_moe")
+    hf._attn_implementation = "sdpa"
+    tc = _tconfig(hf)
+    ref = Qwen3_5MoeAttention(hf, layer_idx=3)
+    _randomise(ref, 1)
+    ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[3].submodules.self_attention, tc, 4)
+    ours.load_state_dict(_attention_weights(ref, hf.num_key_value_heads), strict=True)
+    b, s = 2, 40
+    x = torch.randn(b, s, hf.hidden_size)
+    gpt = mc.gpt_model_kwargs(hf)
+    rope = RotaryEmbedding(tc.kv_channels, gpt["rotary_percent"], rotary_base=gpt["rotary_base"],
+                           use_cpu_initialization=True)
+    positions = torch.arange(s).expand(3, b, s)  # text-only: the three M-RoPE position rows are equal
+    with torch.no_grad():
+        expected, _ = ref(x, Qwen3_5MoeTextRotaryEmbedding(hf)(x, positions), attention_mask=None)
+        out, bias = ours(x.transpose(0, 1), attention_mask=None, rotary_pos_emb=rope(s))
+    assert bias is None
+    err = (out.transpose(0, 1) - expected).abs().max().item()
+    assert err < 1e-5 * expected.abs().max().item() + 1e-6, err
