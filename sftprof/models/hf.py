@@ -5,7 +5,10 @@ Bundled configs (``sftprof/models/configs/<name>/config.json``):
 - ``qwen3_30b_a3b``: Qwen3-30B-A3B (``qwen3_moe``), the public config;
 - ``qwen3_5_35b_a3b``: Qwen3.5-35B-A3B (``qwen3_5_moe``), the public config;
 - ``tiny_qwen3_moe``: a 2-layer Qwen3-MoE-shaped model (hidden 128, 8 experts top-2) with the
-  real Qwen3 vocabulary (151936), for CPU runs and tests.
+  real Qwen3 vocabulary (151936), for CPU runs and tests;
+- ``tiny_qwen3_5_moe``: a 4-layer Qwen3.5-MoE-shaped text model (``qwen3_5_moe_text``: 3 gated
+  delta-net + 1 gated full-attention layer, hidden 64, 4 experts top-2 and a gated shared expert,
+  partial RoPE 0.25) with the real Qwen3.5 vocabulary (248320), for CPU runs and tests.
 """
 from __future__ import annotations
 
