@@ -1,5 +1,5 @@
-"""Qwen3.5 megatron mapping on CPU (gloo, 1 rank, fp32): the local layer spec and its two attention layers
-against Hugging Face's Qwen3.5 layers.
+"""Qwen3.5 megatron mapping on CPU (gloo, fp32): the local layer spec and its two attention layers against
+Hugging Face's Qwen3.5 layers, on 1 rank and with TP = 2 plus sequence parallelism on 2 ranks.
 
 megatron-core 0.16.1's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
 needs flash-linear-attention's Triton kernels, so on CPU the test builds it with ``torch.cuda.current_device``
@@ -88,29 +88,38 @@ def test_cp_layout_and_missing_fla_stop_before_launch():
         check_linear_attention_layout("qwen3_moe", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
 
 
-def _gdn_weights(hf_layer) -> dict:
-    """HF ``linear_attn.*`` -> megatron ``self_attention.*`` (TP = 1; with TP each rank's ``in_proj`` shard is
-    the concatenation of that rank's slices of q, k, v, z, b, a, and its conv1d shard that of q, k, v)."""
-    return {"in_proj.weight": torch.cat([hf_layer.in_proj_qkv.weight, hf_layer.in_proj_z.weight,
-                                         hf_layer.in_proj_b.weight, hf_layer.in_proj_a.weight]),
-            "conv1d.weight": hf_layer.conv1d.weight, "A_log": hf_layer.A_log, "dt_bias": hf_layer.dt_bias,
-            "out_norm.weight": hf_layer.norm.weight - 1,  # HF gamma = weight; megatron zero-centred: 1 + weight
-            "out_proj.weight": hf_layer.out_proj.weight}
+def _gdn_weights(hf_layer, tp_rank: int = 0, tp: int = 1) -> dict:
+    """HF ``linear_attn.*`` -> TP rank ``tp_rank``'s megatron ``self_attention.*``: ``in_proj`` holds this rank's
+    slices (by heads) of q, k, v (rows of ``in_proj_qkv``), z, b, a in that order, ``conv1d`` its q, k, v
+    channels; ``out_norm`` is zero-centred in megatron (HF's gated norm multiplies by ``weight``)."""
+    key_dim = hf_layer.key_dim
+
+    def mine(t, dim=0):
+        return t.chunk(tp, dim=dim)[tp_rank]
+
+    q, k, v = hf_layer.in_proj_qkv.weight.split([key_dim, key_dim, hf_layer.value_dim])
+    cq, ck, cv = hf_layer.conv1d.weight.split([key_dim, key_dim, hf_layer.value_dim])
+    return {"in_proj.weight": torch.cat([mine(t) for t in (q, k, v, hf_layer.in_proj_z.weight,
+                                                             hf_layer.in_proj_b.weight, hf_layer.in_proj_a.weight)]),
+            "conv1d.weight": torch.cat([mine(cq), mine(ck), mine(cv)]), "A_log": mine(hf_layer.A_log),
+            "dt_bias": mine(hf_layer.dt_bias), "out_norm.weight": hf_layer.norm.weight - 1,
+            "out_proj.weight": mine(hf_layer.out_proj.weight, dim=1)}
 
 
-def _attention_weights(hf_layer, groups: int) -> dict:
-    """HF ``self_attn.*`` -> megatron: ``q_proj`` rows are per head [query(d), gate(d)]; ``linear_qkv`` rows
-    are per KV group [queries of the group, their gates, key, value]."""
+def _attention_weights(hf_layer, groups: int, tp_rank: int = 0, tp: int = 1) -> dict:
+    """HF ``self_attn.*`` -> TP rank ``tp_rank``'s megatron weights: ``q_proj`` rows are per head [query(d),
+    gate(d)]; ``linear_qkv`` rows are per KV group [queries of the group, their gates, key, value], and a
+    rank holds ``groups / tp`` consecutive groups (and their heads' columns of ``linear_proj``)."""
     d = hf_layer.head_dim
     qg = hf_layer.q_proj.weight.view(-1, 2, d, hf_layer.q_proj.in_features)  # [heads, (query, gate), d, H]
     per_group = qg.shape[0] // groups
     k = hf_layer.k_proj.weight.view(groups, d, -1)
     v = hf_layer.v_proj.weight.view(groups, d, -1)
     rows = []
-    for g in range(groups):
+    for g in range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp):
         heads = qg[g * per_group:(g + 1) * per_group]
         rows += [heads[:, 0].reshape(-1, qg.shape[-1]), heads[:, 1].reshape(-1, qg.shape[-1]), k[g], v[g]]
-    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": hf_layer.o_proj.weight,
+    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": hf_layer.o_proj.weight.chunk(tp, dim=1)[tp_rank],
             "q_layernorm.weight": hf_layer.q_norm.weight, "k_layernorm.weight": hf_layer.k_norm.weight}
 
 
@@ -170,3 +179,77 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     assert bias is None
     err = (out.transpose(0, 1) - expected).abs().max().item()
     assert err < 1e-5 * expected.abs().max().item() + 1e-6, err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
+    import os
+
+    from megatron.core import parallel_state
+    from megatron.core.ssm import gated_delta_net
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet,
+                                                                        Qwen3_5MoeTextRotaryEmbedding)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
+                mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
+                mock.patch("torch.cuda.current_device", lambda: "cpu"):
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            hf = load_hf_config("tiny_qwen3_5_moe")
+            hf._attn_implementation = "sdpa"
+            tc = _tconfig(hf, "megatron:(attn:t2|ffn:e2)")
+            assert tc.sequence_parallel
+            specs = decoder_block_spec(tc, have_te=False).layer_specs
+            b, s = 2, 40
+            torch.manual_seed(5)
+            x = torch.randn(b, s, hf.hidden_size)
+            rows = slice(rank * s // 2, (rank + 1) * s // 2)  # this rank's sequence-parallel shard
+            gpt = mc.gpt_model_kwargs(hf)
+            rope = RotaryEmbedding(tc.kv_channels, gpt["rotary_percent"], rotary_base=gpt["rotary_base"],
+                                   use_cpu_initialization=True)(s)
+            for layer, ref_cls in ((0, Qwen3_5MoeGatedDeltaNet), (3, Qwen3_5MoeAttention)):
+                ref = ref_cls(hf, layer)
+                _randomise(ref, 7 + layer)
+                ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
+                weights = (_gdn_weights(ref, rank, 2) if layer == 0 else
+                           _attention_weights(ref, hf.num_key_value_heads, rank, 2))
+                ours.load_state_dict(weights, strict=True)
+                x_ref = x.clone().requires_grad_(True)
+                x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
+                if layer == 0:
+                    expected = ref(x_ref)
+                    out, _ = ours(x_ours, attention_mask=None)
+                else:
+                    positions = torch.arange(s).expand(3, b, s)
+                    expected, _ = ref(x_ref, Qwen3_5MoeTextRotaryEmbedding(hf)(x_ref, positions), attention_mask=None)
+                    out, _ = ours(x_ours, attention_mask=None, rotary_pos_emb=rope)
+                probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
+                (expected * probe).sum().backward()
+                (out * probe.transpose(0, 1)[rows]).sum().backward()
+                scale = expected.abs().max().item()
+                assert out.shape == (s // 2, b, hf.hidden_size)
+                assert (out - expected.transpose(0, 1)[rows]).abs().max().item() < 1e-5 * scale + 1e-6, layer
+                grad_err = (x_ours.grad - x_ref.grad.transpose(0, 1)[rows]).abs().max().item()
+                assert grad_err < 1e-5 * x_ref.grad.abs().max().item() + 1e-6, (layer, grad_err)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_tp2_sequence_parallel_layers_match_hugging_face():
+    """Both attention kinds with TP = 2 and sequence parallelism (2 gloo ranks): each rank's output shard
+    and input-gradient shard equal Hugging Face's single-device layer."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp2_sequence_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
