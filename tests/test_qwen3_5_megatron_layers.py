@@ -1,14 +1,18 @@
-"""Qwen3.5 megatron mapping on CPU (gloo, fp32): the local layer spec and its two attention layers against
-Hugging Face's Qwen3.5 layers, on 1 rank and with TP = 2 plus sequence parallelism on 2 ranks.
+"""Qwen3.5 megatron mapping on CPU (gloo, fp32): the local layer spec, its two attention layers against
+Hugging Face's Qwen3.5 layers (1 rank, and TP = 2 with sequence parallelism on 2 ranks), and the whole
+4-layer GPTModel loaded from a ``save_pretrained`` checkpoint against ``Qwen3_5MoeForCausalLM``.
 
 megatron-core 0.16.1's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
-needs flash-linear-attention's Triton kernels, so on CPU the test builds it with ``torch.cuda.current_device``
-answering ``"cpu"`` and runs its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
-PyTorch L2 norm in place of fla's. What runs is the rest of the module as shipped: ``in_proj`` / ``out_proj``
-(local column/row-parallel linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output
-RMSNorm (this project's, zero-centred). The weight correspondence used here is the one a Qwen3.5
-HF -> megatron mapping needs (see ``_gdn_weights`` / ``_attention_weights``).
+needs flash-linear-attention's Triton kernels, so on CPU the tests build it with ``torch.cuda.current_device``
+answering ``"cpu"`` and run its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
+PyTorch L2 norm in place of fla's; the MoE alltoall dispatcher gets a host stand-in for its CUDA side
+stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
+linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
+zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
+``_megatron_state`` is the HF -> megatron table a Qwen3.5 weight mapping needs (TP = 1; the per-rank slices
+of the attention weights are in ``_gdn_weights`` / ``_attention_weights``).
 """
+import contextlib
 from unittest import mock
 
 import pytest
@@ -29,17 +33,39 @@ def _torch_l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+class _HostStream:
+    """Stands in for ``torch.cuda.Stream`` / ``current_stream`` on CPU: megatron's alltoall dispatcher moves
+    its split sizes to the host on a side stream; on CPU that copy is synchronous."""
+
+    def __eq__(self, other) -> bool:  # one host "stream": no side-stream copies
+        return isinstance(other, _HostStream)
+
+    __hash__ = object.__hash__
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self):
+        return mock.Mock(synchronize=lambda: None)
+
+
 @pytest.fixture(scope="module")
 def mcore_cpu(tmp_path_factory):
     from megatron.core import parallel_state
     from megatron.core.ssm import gated_delta_net
 
+    from sftprof.compat import apply_megatron_compat
+
+    apply_megatron_compat()
     store = tmp_path_factory.mktemp("store") / "filestore"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
             mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
-            mock.patch("torch.cuda.current_device", lambda: "cpu"):
+            mock.patch("torch.cuda.current_device", lambda: "cpu"), \
+            mock.patch("torch.cuda.Stream", _HostStream), \
+            mock.patch("torch.cuda.current_stream", _HostStream), \
+            mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()):
         yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -48,7 +74,8 @@ def mcore_cpu(tmp_path_factory):
 def _tconfig(hf, mode="megatron:d1"):
     from megatron.core.transformer import TransformerConfig
 
-    cfg = load_config("tiny_qwen3_5_cpu", NO_PAO + [f"actor.backend={mode}"])
+    # no recompute: megatron's checkpointing saves the CUDA RNG state
+    cfg = load_config("tiny_qwen3_5_cpu", NO_PAO + [f"actor.backend={mode}", "actor.gradient_checkpointing=false"])
     kw = mc.hf_to_transformer_kwargs(hf)
     kw.update(mc.parallel_config_kwargs(parse_allocation_mode(mode)))
     kw.update(mc.training_config_kwargs(cfg, have_te=False))
@@ -88,39 +115,39 @@ def test_cp_layout_and_missing_fla_stop_before_launch():
         check_linear_attention_layout("qwen3_moe", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
 
 
-def _gdn_weights(hf_layer, tp_rank: int = 0, tp: int = 1) -> dict:
-    """HF ``linear_attn.*`` -> TP rank ``tp_rank``'s megatron ``self_attention.*``: ``in_proj`` holds this rank's
-    slices (by heads) of q, k, v (rows of ``in_proj_qkv``), z, b, a in that order, ``conv1d`` its q, k, v
-    channels; ``out_norm`` is zero-centred in megatron (HF's gated norm multiplies by ``weight``)."""
-    key_dim = hf_layer.key_dim
+def _gdn_weights(w, hf, tp_rank: int = 0, tp: int = 1) -> dict:
+    """HF ``linear_attn.*`` (state dict ``w`` of one layer's module) -> TP rank ``tp_rank``'s megatron
+    ``self_attention.*``: ``in_proj`` holds this rank's slices (by heads) of q, k, v (rows of ``in_proj_qkv``),
+    z, b, a in that order, ``conv1d`` its q, k, v channels; ``out_norm`` is zero-centred in megatron (HF's gated
+    norm multiplies by ``weight``)."""
+    key_dim, value_dim = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * hf.linear_value_head_dim
 
     def mine(t, dim=0):
         return t.chunk(tp, dim=dim)[tp_rank]
 
-    q, k, v = hf_layer.in_proj_qkv.weight.split([key_dim, key_dim, hf_layer.value_dim])
-    cq, ck, cv = hf_layer.conv1d.weight.split([key_dim, key_dim, hf_layer.value_dim])
-    return {"in_proj.weight": torch.cat([mine(t) for t in (q, k, v, hf_layer.in_proj_z.weight,
-                                                             hf_layer.in_proj_b.weight, hf_layer.in_proj_a.weight)]),
-            "conv1d.weight": torch.cat([mine(cq), mine(ck), mine(cv)]), "A_log": mine(hf_layer.A_log),
-            "dt_bias": mine(hf_layer.dt_bias), "out_norm.weight": hf_layer.norm.weight - 1,
-            "out_proj.weight": mine(hf_layer.out_proj.weight, dim=1)}
+    q, k, v = w["in_proj_qkv.weight"].split([key_dim, key_dim, value_dim])
+    cq, ck, cv = w["conv1d.weight"].split([key_dim, key_dim, value_dim])
+    return {"in_proj.weight": torch.cat([mine(t) for t in (q, k, v, w["in_proj_z.weight"], w["in_proj_b.weight"],
+                                                             w["in_proj_a.weight"])]),
+            "conv1d.weight": torch.cat([mine(cq), mine(ck), mine(cv)]), "A_log": mine(w["A_log"]),
+            "dt_bias": mine(w["dt_bias"]), "out_norm.weight": w["norm.weight"] - 1,
+            "out_proj.weight": mine(w["out_proj.weight"], dim=1)}
 
 
-def _attention_weights(hf_layer, groups: int, tp_rank: int = 0, tp: int = 1) -> dict:
-    """HF ``self_attn.*`` -> TP rank ``tp_rank``'s megatron weights: ``q_proj`` rows are per head [query(d),
-    gate(d)]; ``linear_qkv`` rows are per KV group [queries of the group, their gates, key, value], and a
-    rank holds ``groups / tp`` consecutive groups (and their heads' columns of ``linear_proj``)."""
-    d = hf_layer.head_dim
-    qg = hf_layer.q_proj.weight.view(-1, 2, d, hf_layer.q_proj.in_features)  # [heads, (query, gate), d, H]
+def _attention_weights(w, hf, tp_rank: int = 0, tp: int = 1) -> dict:
+    """HF ``self_attn.*`` (state dict ``w``) -> TP rank ``tp_rank``'s megatron weights: ``q_proj`` rows are per
+    head [query(d), gate(d)]; ``linear_qkv`` rows are per KV group [queries of the group, their gates, key,
+    value], and a rank holds ``groups / tp`` consecutive groups (and their heads' columns of ``linear_proj``)."""
+    d, groups = hf.head_dim, hf.num_key_value_heads
+    qg = w["q_proj.weight"].view(-1, 2, d, hf.hidden_size)  # [heads, (query, gate), d, H]
     per_group = qg.shape[0] // groups
-    k = hf_layer.k_proj.weight.view(groups, d, -1)
-    v = hf_layer.v_proj.weight.view(groups, d, -1)
+    k, v = w["k_proj.weight"].view(groups, d, -1), w["v_proj.weight"].view(groups, d, -1)
     rows = []
     for g in range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp):
         heads = qg[g * per_group:(g + 1) * per_group]
-        rows += [heads[:, 0].reshape(-1, qg.shape[-1]), heads[:, 1].reshape(-1, qg.shape[-1]), k[g], v[g]]
-    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": hf_layer.o_proj.weight.chunk(tp, dim=1)[tp_rank],
-            "q_layernorm.weight": hf_layer.q_norm.weight, "k_layernorm.weight": hf_layer.k_norm.weight}
+        rows += [heads[:, 0].reshape(-1, hf.hidden_size), heads[:, 1].reshape(-1, hf.hidden_size), k[g], v[g]]
+    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": w["o_proj.weight"].chunk(tp, dim=1)[tp_rank],
+            "q_layernorm.weight": w["q_norm.weight"], "k_layernorm.weight": w["k_norm.weight"]}
 
 
 def _build(spec, tc, layer_number):
@@ -146,7 +173,7 @@ def test_gated_delta_net_layer_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeGatedDeltaNet(hf, layer_idx=0)
     _randomise(ref, 0)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
-    ours.load_state_dict(_gdn_weights(ref), strict=True)
+    ours.load_state_dict(_gdn_weights(ref.state_dict(), hf), strict=True)
     x = torch.randn(2, 70, hf.hidden_size)  # 70 tokens: two 64-token chunks of the chunked delta rule
     with torch.no_grad():
         expected = ref(x)
@@ -166,7 +193,7 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeAttention(hf, layer_idx=3)
     _randomise(ref, 1)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[3].submodules.self_attention, tc, 4)
-    ours.load_state_dict(_attention_weights(ref, hf.num_key_value_heads), strict=True)
+    ours.load_state_dict(_attention_weights(ref.state_dict(), hf), strict=True)
     b, s = 2, 40
     x = torch.randn(b, s, hf.hidden_size)
     gpt = mc.gpt_model_kwargs(hf)
@@ -222,8 +249,7 @@ def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
                 ref = ref_cls(hf, layer)
                 _randomise(ref, 7 + layer)
                 ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
-                weights = (_gdn_weights(ref, rank, 2) if layer == 0 else
-                           _attention_weights(ref, hf.num_key_value_heads, rank, 2))
+                weights = (_gdn_weights if layer == 0 else _attention_weights)(ref.state_dict(), hf, rank, 2)
                 ours.load_state_dict(weights, strict=True)
                 x_ref = x.clone().requires_grad_(True)
                 x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
@@ -253,3 +279,98 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
     import torch.multiprocessing as mp
 
     mp.spawn(_tp2_sequence_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+class _Reads(dict):
+    """A checkpoint's tensors by name that records every name read (each must be read exactly once)."""
+
+    def __init__(self, tensors: dict) -> None:
+        super().__init__(tensors)
+        self.read: list = []
+
+    def __getitem__(self, name):
+        self.read.append(name)
+        return super().__getitem__(name)
+
+    def prefixed(self, prefix: str):
+        return _Prefixed(self, prefix)
+
+
+class _Prefixed:
+    def __init__(self, tensors: _Reads, prefix: str) -> None:
+        self.tensors, self.prefix = tensors, prefix
+
+    def __getitem__(self, name):
+        return self.tensors[self.prefix + name]
+
+
+def _megatron_state(ckpt: _Reads, hf) -> dict:
+    """Megatron ``GPTModel`` parameters (TP = 1, ``SequentialMLP`` experts) from the tensors of a Hugging Face
+    Qwen3.5 text checkpoint as ``save_pretrained`` writes them (per-expert ``mlp.experts.<e>.*_proj``)."""
+    out = {"embedding.word_embeddings.weight": ckpt["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": ckpt["model.norm.weight"],  # zero-centred on both sides
+           "output_layer.weight": ckpt["lm_head.weight"]}  # untied
+    for i, kind in enumerate(hf.layer_types):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "input_layernorm.weight"] = ckpt[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = ckpt[src + "post_attention_layernorm.weight"]
+        if kind == "linear_attention":
+            attention = _gdn_weights(ckpt.prefixed(src + "linear_attn."), hf)
+        else:
+            attention = _attention_weights(ckpt.prefixed(src + "self_attn."), hf)
+        out.update({dst + "self_attention." + k: v for k, v in attention.items()})
+        out[dst + "mlp.router.weight"] = ckpt[src + "mlp.gate.weight"]
+        for e in range(hf.num_experts):
+            x = f"{src}mlp.experts.{e}."
+            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
+                [ckpt[x + "gate_proj.weight"], ckpt[x + "up_proj.weight"]])  # SwiGLU: act(first half) * second
+            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc2.weight"] = ckpt[x + "down_proj.weight"]
+        out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [ckpt[src + "mlp.shared_expert.gate_proj.weight"], ckpt[src + "mlp.shared_expert.up_proj.weight"]])
+        out[dst + "mlp.shared_experts.linear_fc2.weight"] = ckpt[src + "mlp.shared_expert.down_proj.weight"]
+        out[dst + "mlp.shared_experts.gate_weight"] = ckpt[src + "mlp.shared_expert_gate.weight"]
+    return out
+
+
+def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, tmp_path):
+    """The whole local-spec GPTModel (4 layers: 3 gated delta-net + 1 gated attention, MoE with a gated shared
+    expert) with a save_pretrained checkpoint's weights gives Hugging Face's per-token log-probs (fp32, CPU).
+    Every checkpoint tensor is read exactly once and every megatron parameter is set."""
+    from megatron.core.models.gpt import GPTModel
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5MoeForCausalLM
+
+    hf = load_hf_config("tiny_qwen3_5_moe")
+    hf.vocab_size = 4096
+    torch.manual_seed(13)
+    ref = Qwen3_5MoeForCausalLM._from_config(hf, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():  # HF initialises norms, A_log and dt_bias to constants: randomise them
+        for name, p in ref.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path)
+    ckpt = _Reads(load_file(str(tmp_path / "model.safetensors")))
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa", dtype=torch.float32)
+    loaded = load_hf_config(str(tmp_path))
+    tc = _tconfig(loaded)
+    gpt = GPTModel(config=tc, transformer_layer_spec=decoder_block_spec(tc, have_te=False), pre_process=True,
+                   post_process=True, **mc.gpt_model_kwargs(loaded))
+    state = _megatron_state(ckpt, loaded)
+    assert sorted(ckpt.read) == sorted(ckpt)  # every checkpoint tensor read exactly once
+    params = dict(gpt.named_parameters())
+    assert sorted(state) == sorted(params)
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
+    gen = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, hf.vocab_size, (2, 80), generator=gen)
+    labels = torch.roll(input_ids, -1, dims=1)
+    gpt.eval()
+    with torch.no_grad():
+        logits = gpt(input_ids, torch.arange(80).expand(2, 80), None)
+        expected = ref(input_ids=input_ids, use_cache=False).logits
+    ours = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None])
+    theirs = torch.log_softmax(expected.double(), -1).gather(-1, labels[..., None])
+    err = (ours - theirs).abs().max().item()
+    assert err < 1e-5, err
+    assert theirs.std() > 0.01
