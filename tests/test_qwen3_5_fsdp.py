@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.qwen3_5 import save_tiny_checkpoint
 from sftprof.config import load_config
 from sftprof.engine.fsdp import CausalLMForSFT, build_hf_causal_lm
 from sftprof.models.bshd import pad_sequences, repack
@@ -81,19 +82,12 @@ def test_repack_refuses_left_padding():
 def test_save_pretrained_checkpoint_logprobs_match_hugging_face(tmp_path):
     from transformers import Qwen3_5MoeForCausalLM
 
-    hf_config = _tiny_config()
-    torch.manual_seed(11)
-    ref = Qwen3_5MoeForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
-    with torch.no_grad():  # HF initialises the norms to 0 / 1 and A_log / dt_bias to constants: randomise them
-        for name, p in ref.named_parameters():
-            if "norm" in name or "dt_bias" in name or "A_log" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    ref.save_pretrained(tmp_path)
+    hf_config = save_tiny_checkpoint(tmp_path)
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa", dtype=torch.float32)
     loaded = load_hf_config(str(tmp_path))
     causal_lm, model = _sft_model([f"actor.path={tmp_path}", "actor.init_from_scratch=false"], loaded)
     assert type(causal_lm).__name__ == "Qwen3_5MoeForCausalLM"
     assert all(torch.equal(p, ref.state_dict()[n]) for n, p in causal_lm.state_dict().items())
-    ref = Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa", dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, hf_config.vocab_size, (2, 80), generator=gen)
     labels = torch.roll(input_ids, -1, dims=1)

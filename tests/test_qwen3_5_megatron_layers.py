@@ -9,8 +9,8 @@ PyTorch L2 norm in place of fla's; the MoE alltoall dispatcher gets a host stand
 stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
 linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
 zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
-``_megatron_state`` is the HF -> megatron table a Qwen3.5 weight mapping needs (TP = 1; the per-rank slices
-of the attention weights are in ``_gdn_weights`` / ``_attention_weights``).
+``megatron_state`` is the HF -> megatron table a Qwen3.5 weight mapping needs (TP = 1; the per-rank slices
+of the attention weights are in ``gdn_weights`` / ``attention_weights``).
 """
 import contextlib
 from unittest import mock
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fixtures.qwen3_5 import Reads, attention_weights, gdn_weights, megatron_state, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
 from sftprof.models import megatron_config as mc
@@ -115,41 +116,6 @@ def test_cp_layout_and_missing_fla_stop_before_launch():
         check_linear_attention_layout("qwen3_moe", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
 
 
-def _gdn_weights(w, hf, tp_rank: int = 0, tp: int = 1) -> dict:
-    """HF ``linear_attn.*`` (state dict ``w`` of one layer's module) -> TP rank ``tp_rank``'s megatron
-    ``self_attention.*``: ``in_proj`` holds this rank's slices (by heads) of q, k, v (rows of ``in_proj_qkv``),
-    z, b, a in that order, ``conv1d`` its q, k, v channels; ``out_norm`` is zero-centred in megatron (HF's gated
-    norm multiplies by ``weight``)."""
-    key_dim, value_dim = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * hf.linear_value_head_dim
-
-    def mine(t, dim=0):
-        return t.chunk(tp, dim=dim)[tp_rank]
-
-    q, k, v = w["in_proj_qkv.weight"].split([key_dim, key_dim, value_dim])
-    cq, ck, cv = w["conv1d.weight"].split([key_dim, key_dim, value_dim])
-    return {"in_proj.weight": torch.cat([mine(t) for t in (q, k, v, w["in_proj_z.weight"], w["in_proj_b.weight"],
-                                                             w["in_proj_a.weight"])]),
-            "conv1d.weight": torch.cat([mine(cq), mine(ck), mine(cv)]), "A_log": mine(w["A_log"]),
-            "dt_bias": mine(w["dt_bias"]), "out_norm.weight": w["norm.weight"] - 1,
-            "out_proj.weight": mine(w["out_proj.weight"], dim=1)}
-
-
-def _attention_weights(w, hf, tp_rank: int = 0, tp: int = 1) -> dict:
-    """HF ``self_attn.*`` (state dict ``w``) -> TP rank ``tp_rank``'s megatron weights: ``q_proj`` rows are per
-    head [query(d), gate(d)]; ``linear_qkv`` rows are per KV group [queries of the group, their gates, key,
-    value], and a rank holds ``groups / tp`` consecutive groups (and their heads' columns of ``linear_proj``)."""
-    d, groups = hf.head_dim, hf.num_key_value_heads
-    qg = w["q_proj.weight"].view(-1, 2, d, hf.hidden_size)  # [heads, (query, gate), d, H]
-    per_group = qg.shape[0] // groups
-    k, v = w["k_proj.weight"].view(groups, d, -1), w["v_proj.weight"].view(groups, d, -1)
-    rows = []
-    for g in range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp):
-        heads = qg[g * per_group:(g + 1) * per_group]
-        rows += [heads[:, 0].reshape(-1, hf.hidden_size), heads[:, 1].reshape(-1, hf.hidden_size), k[g], v[g]]
-    return {"linear_qkv.weight": torch.cat(rows), "linear_proj.weight": w["o_proj.weight"].chunk(tp, dim=1)[tp_rank],
-            "q_layernorm.weight": w["q_norm.weight"], "k_layernorm.weight": w["k_norm.weight"]}
-
-
 def _build(spec, tc, layer_number):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
@@ -173,7 +139,7 @@ def test_gated_delta_net_layer_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeGatedDeltaNet(hf, layer_idx=0)
     _randomise(ref, 0)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
-    ours.load_state_dict(_gdn_weights(ref.state_dict(), hf), strict=True)
+    ours.load_state_dict(gdn_weights(ref.state_dict(), hf), strict=True)
     x = torch.randn(2, 70, hf.hidden_size)  # 70 tokens: two 64-token chunks of the chunked delta rule
     with torch.no_grad():
         expected = ref(x)
@@ -193,7 +159,7 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeAttention(hf, layer_idx=3)
     _randomise(ref, 1)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[3].submodules.self_attention, tc, 4)
-    ours.load_state_dict(_attention_weights(ref.state_dict(), hf), strict=True)
+    ours.load_state_dict(attention_weights(ref.state_dict(), hf), strict=True)
     b, s = 2, 40
     x = torch.randn(b, s, hf.hidden_size)
     gpt = mc.gpt_model_kwargs(hf)
@@ -249,7 +215,7 @@ def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
                 ref = ref_cls(hf, layer)
                 _randomise(ref, 7 + layer)
                 ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
-                weights = (_gdn_weights if layer == 0 else _attention_weights)(ref.state_dict(), hf, rank, 2)
+                weights = (gdn_weights if layer == 0 else attention_weights)(ref.state_dict(), hf, rank, 2)
                 ours.load_state_dict(weights, strict=True)
                 x_ref = x.clone().requires_grad_(True)
                 x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
@@ -281,57 +247,6 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
     mp.spawn(_tp2_sequence_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
 
 
-class _Reads(dict):
-    """A checkpoint's tensors by name that records every name read (each must be read exactly once)."""
-
-    def __init__(self, tensors: dict) -> None:
-        super().__init__(tensors)
-        self.read: list = []
-
-    def __getitem__(self, name):
-        self.read.append(name)
-        return super().__getitem__(name)
-
-    def prefixed(self, prefix: str):
-        return _Prefixed(self, prefix)
-
-
-class _Prefixed:
-    def __init__(self, tensors: _Reads, prefix: str) -> None:
-        self.tensors, self.prefix = tensors, prefix
-
-    def __getitem__(self, name):
-        return self.tensors[self.prefix + name]
-
-
-def _megatron_state(ckpt: _Reads, hf) -> dict:
-    """Megatron ``GPTModel`` parameters (TP = 1, ``SequentialMLP`` experts) from the tensors of a Hugging Face
-    Qwen3.5 text checkpoint as ``save_pretrained`` writes them (per-expert ``mlp.experts.<e>.*_proj``)."""
-    out = {"embedding.word_embeddings.weight": ckpt["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": ckpt["model.norm.weight"],  # zero-centred on both sides
-           "output_layer.weight": ckpt["lm_head.weight"]}  # untied
-    for i, kind in enumerate(hf.layer_types):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[dst + "input_layernorm.weight"] = ckpt[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = ckpt[src + "post_attention_layernorm.weight"]
-        if kind == "linear_attention":
-            attention = _gdn_weights(ckpt.prefixed(src + "linear_attn."), hf)
-        else:
-            attention = _attention_weights(ckpt.prefixed(src + "self_attn."), hf)
-        out.update({dst + "self_attention." + k: v for k, v in attention.items()})
-        out[dst + "mlp.router.weight"] = ckpt[src + "mlp.gate.weight"]
-        for e in range(hf.num_experts):
-            x = f"{src}mlp.experts.{e}."
-            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
-                [ckpt[x + "gate_proj.weight"], ckpt[x + "up_proj.weight"]])  # SwiGLU: act(first half) * second
-            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc2.weight"] = ckpt[x + "down_proj.weight"]
-        out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [ckpt[src + "mlp.shared_expert.gate_proj.weight"], ckpt[src + "mlp.shared_expert.up_proj.weight"]])
-        out[dst + "mlp.shared_experts.linear_fc2.weight"] = ckpt[src + "mlp.shared_expert.down_proj.weight"]
-        out[dst + "mlp.shared_experts.gate_weight"] = ckpt[src + "mlp.shared_expert_gate.weight"]
-    return out
-
-
 def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, tmp_path):
     """The whole local-spec GPTModel (4 layers: 3 gated delta-net + 1 gated attention, MoE with a gated shared
     expert) with a save_pretrained checkpoint's weights gives Hugging Face's per-token log-probs (fp32, CPU).
@@ -340,22 +255,14 @@ def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, 
     from safetensors.torch import load_file
     from transformers import Qwen3_5MoeForCausalLM
 
-    hf = load_hf_config("tiny_qwen3_5_moe")
-    hf.vocab_size = 4096
-    torch.manual_seed(13)
-    ref = Qwen3_5MoeForCausalLM._from_config(hf, attn_implementation="sdpa", dtype=torch.float32)
-    with torch.no_grad():  # HF initialises norms, A_log and dt_bias to constants: randomise them
-        for name, p in ref.named_parameters():
-            if "norm" in name or "dt_bias" in name or "A_log" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    ref.save_pretrained(tmp_path)
-    ckpt = _Reads(load_file(str(tmp_path / "model.safetensors")))
+    hf = save_tiny_checkpoint(tmp_path)
+    ckpt = Reads(load_file(str(tmp_path / "model.safetensors")))
     ref = Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa", dtype=torch.float32)
     loaded = load_hf_config(str(tmp_path))
     tc = _tconfig(loaded)
     gpt = GPTModel(config=tc, transformer_layer_spec=decoder_block_spec(tc, have_te=False), pre_process=True,
                    post_process=True, **mc.gpt_model_kwargs(loaded))
-    state = _megatron_state(ckpt, loaded)
+    state = megatron_state(ckpt, loaded)
     assert sorted(ckpt.read) == sorted(ckpt)  # every checkpoint tensor read exactly once
     params = dict(gpt.named_parameters())
     assert sorted(state) == sorted(params)
