@@ -215,9 +215,15 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
     except ConfigError as err:
         raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
     try:
-        load_hf_config(probe.actor.path, probe.actor.num_layers)
+        hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
     except (ModelPathError, ValueError) as err:
         raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
+    if parse_allocation_mode(probe.actor.backend).backend == "megatron":
+        from sftprof.models.megatron_config import check_model_settings
+        try:
+            check_model_settings(probe, hf_config, parse_allocation_mode(probe.actor.backend))
+        except ConfigError as err:
+            raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
     if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
         raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
                           "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")

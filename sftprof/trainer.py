@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -144,6 +145,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
+        if layout.backend == "megatron":
+            from sftprof.models.megatron_config import check_model_settings
+            check_model_settings(cfg, hf_config, layout)
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.vocab_size)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
                                   hf_config.vocab_size)
@@ -221,20 +225,24 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                       if result.model_flops is not None and on_gpu else None)
             recompute_tflops = (result.recompute_flops / step_time / layout.world_size / 1e12
                                 if result.recompute_flops is not None and on_gpu else None)
-            record = {"type": "step", "step": step, "loss": result.loss, "step_time_s": step_time, "tokens": tokens,
+            record = {"type": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
+                      "step_time_s": step_time, "tokens": tokens,
                       "tokens_per_s": tokens / step_time, "mem_allocated_gb": mem["allocated"],
                       "mem_reserved_gb": mem["reserved"], "mem_peak_allocated_gb": mem["peak_allocated"],
                       "mem_peak_reserved_gb": mem["peak_reserved"], "ranks": ranks, "tflops_per_gpu": tflops,
                       "mfu": mfu(result.model_flops, step_time, layout.world_size, peak) if tflops is not None else None,
-                      "recompute_tflops_per_gpu": recompute_tflops,
+                      "recompute_tflops_per_gpu": recompute_tflops, "moe_load": result.moe_load,
                       "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
             stats.write(json.dumps(record) + "\n")
             stats.flush()
             mem_text = ("mem GiB allocated {allocated:.2f} reserved {reserved:.2f} peak allocated {peak_allocated:.2f} "
                         "peak reserved {peak_reserved:.2f}".format(**mem) if on_gpu else "mem n/a (CPU)")
-            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s", step,
+            load = result.moe_load or {}
+            load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
+                         f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
+            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s%s", step,
                      result.loss, result.grad_norm, step_time, tokens / step_time, mem_text,
-                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "",
+                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "", load_text,
                      " | profiled" if record["profiled"] else "")
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)

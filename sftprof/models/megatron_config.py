@@ -155,16 +155,22 @@ def hf_to_transformer_kwargs(hf: Any) -> dict:
     return kw
 
 
-def gpt_model_kwargs(hf: Any) -> dict:
+def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
     """``GPTModel`` keyword arguments besides config and layer spec.
 
+    Args:
+        hf: the (text) HF config.
+        tp_size: tensor-parallel size; the vocabulary is padded to a multiple of it
+            (:func:`sftprof.models.qwen3_moe_weights.padded_vocab_size`; the engine masks the padding's logits).
     Returns:
-        ``vocab_size``, ``max_sequence_length``, ``position_embedding_type="rope"``, ``rotary_base``
+        ``vocab_size`` (padded), ``max_sequence_length``, ``position_embedding_type="rope"``, ``rotary_base``
         (float RoPE theta), ``rotary_percent``, ``share_embeddings_and_output_weights``,
         ``parallel_output=True`` (vocab-parallel logits: the loss runs on each rank's vocabulary shard).
     """
+    from sftprof.models.qwen3_moe_weights import padded_vocab_size
+
     return dict(
-        vocab_size=hf.vocab_size,
+        vocab_size=padded_vocab_size(hf.vocab_size, tp_size),
         max_sequence_length=hf.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
@@ -172,6 +178,37 @@ def gpt_model_kwargs(hf: Any) -> dict:
         share_embeddings_and_output_weights=bool(_get(hf, "tie_word_embeddings", default=False)),
         parallel_output=True,
     )
+
+
+def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None:
+    """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
+
+    - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
+      checkpoint of a family that has a weight mapping (:data:`sftprof.models.megatron_load.MAPPINGS`);
+    - the chunked LM-head loss (``lm_head_loss_chunk_size > 0``) needs a vocabulary that TP divides (it
+      has no mask for padded vocabulary rows; the logits path has).
+
+    Raises:
+        ConfigError: naming the setting, the value and what is accepted.
+    """
+    from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
+    from sftprof.models.hf import resolve_model_dir
+    from sftprof.models.megatron_load import MAPPINGS
+
+    if not cfg.actor.init_from_scratch:
+        model_dir = resolve_model_dir(cfg.actor.path)
+        if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
+            raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no safetensors checkpoint ({INDEX_NAME} "
+                              f"or {SINGLE_NAME}); accepted: a Hugging Face model directory with safetensors weights, "
+                              "or actor.init_from_scratch=true (random init)")
+        if hf.model_type not in MAPPINGS:
+            raise ConfigError(f"actor.init_from_scratch=false: the megatron backend loads weights of {sorted(MAPPINGS)}, "
+                              f"not model_type {hf.model_type!r}; set actor.init_from_scratch=true")
+    chunk = cfg.actor.megatron.lm_head_loss_chunk_size
+    if chunk and hf.vocab_size % layout.tp:
+        raise ConfigError(f"actor.megatron.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
+                          f"divisible by TP={layout.tp} (vocab_size {hf.vocab_size}); accepted: 0 (logits path, which "
+                          "masks the padded vocabulary) or a TP that divides the vocabulary")
 
 
 def _parallel_sizes(layout: Layout) -> dict:
