@@ -76,7 +76,7 @@ def test_kernel_trial_records(kernel_trial):
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
-                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled"}
+                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
@@ -87,6 +87,15 @@ def test_kernel_trial_records(kernel_trial):
         assert s["step_time_s"] == max(r["step_time_s"] for r in s["ranks"]) > 0
         assert s["tflops_per_gpu"] is None and s["mfu"] is None and s["recompute_tflops_per_gpu"] is None  # CPU
         assert s["mem_peak_allocated_gb"] is None                   # no CUDA allocator on CPU
+        assert math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
+        # Routing load over both ranks: 2 sequences x SEQ tokens x top-2 slots over 8 experts per layer, counted
+        # once although gradient checkpointing re-runs every router in backward.
+        load = s["moe_load"]
+        assert load["tokens_per_expert_mean"] == [2 * SEQ * 2 / 8] * 2
+        assert all(m >= 2 * SEQ * 2 / 8 for m in load["tokens_per_expert_max"])
+        assert load["max_over_mean"] == [m / (2 * SEQ * 2 / 8) for m in load["tokens_per_expert_max"]]
+        assert load["ep_max_over_mean"] == [1.0, 1.0] and load["ep_max_over_mean_max"] == 1.0
+        assert load["max_over_mean_max"] == max(load["max_over_mean"])
     assert json.loads((log_dir / "rank_coords.json").read_text()) == {
         "world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp",
         "ranks": {"0": {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "etp": 0},

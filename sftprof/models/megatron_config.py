@@ -239,7 +239,8 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
     """Precision, recompute, routing and fusion ``TransformerConfig`` fields from the trial settings.
 
     - ``actor.dtype`` -> ``bf16``/``fp16``/``params_dtype``/``pipeline_dtype``;
-    - ``actor.megatron.recompute_*`` (``none`` -> no recompute; ``method``/``num_layers`` only for ``full``);
+    - ``actor.megatron.recompute_*`` (``none`` -> no recompute; ``method``/``num_layers`` only for ``full``,
+      ``recompute_modules`` only for ``selective``);
       recompute is on only when ``actor.gradient_checkpointing`` is true;
     - ``use_deterministic_algorithms`` -> ``deterministic_mode``;
     - ``moe_router_dtype`` (``none`` -> router in the model dtype), ``moe_token_dispatcher_type``,
@@ -275,6 +276,8 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         if m.recompute_granularity == "full":
             kw["recompute_method"] = m.recompute_method
             kw["recompute_num_layers"] = m.recompute_num_layers
+        else:
+            kw["recompute_modules"] = list(m.recompute_modules)
     return kw
 
 
