@@ -1,10 +1,11 @@
 """Train three optimizer steps of the shipped YAML's settings, and of each variation of them, and print one table.
 
-Run under torchrun on 1 GPU (``megatron:d1`` cases) or 2 GPUs (``(attn:c2|ffn:e2)``, ``(attn:t2|ffn:e2)``,
-``d2``, ``p2`` cases); the cases whose world size matches run, one after the other in this process::
+``--nproc 1`` runs the ``megatron:d1`` cases, ``--nproc 2`` the two-GPU layouts (``(attn:c2|ffn:e2)``,
+``(attn:t2|ffn:e2)``, ``d2``, ``p2``); each case runs in its own ``torchrun`` (a fresh CUDA context, so its
+peak memory is its own), as many side by side as the visible GPUs allow::
 
-    python bench/settings_matrix.py --checkpoint /tmp/q3_2l            # writes the checkpoint, then trains
-    torchrun --nproc_per_node 2 bench/settings_matrix.py --checkpoint /tmp/q3_2l --out m2.json
+    python bench/settings_matrix.py --nproc 1 --checkpoint /tmp/q3_2l --out m1.json   # writes the checkpoint first
+    python bench/settings_matrix.py --nproc 2 --checkpoint /tmp/q3_2l --out m2.json
 
 Model: Qwen3-30B-A3B cut to ``--layers`` (2) at ``--seq`` (8192) tokens, loaded from a random bf16 Hugging
 Face checkpoint (written with :func:`sftprof.models.hf.save_random_checkpoint` when missing) so that every
@@ -19,9 +20,10 @@ Output: a table (loss and grad norm of each step, step time of the last step, pe
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -62,12 +64,11 @@ CASES = {
 
 
 def ensure_checkpoint(path: Path, layers: int) -> None:
-    """Rank 0 writes a random bf16 Qwen3-30B-A3B checkpoint cut to ``layers`` unless ``path`` has one."""
+    """Write a random bf16 Qwen3-30B-A3B checkpoint cut to ``layers`` unless ``path`` has one."""
     from sftprof.models.hf import load_hf_config, save_random_checkpoint
 
-    if dist.get_rank() == 0 and not (path / "model.safetensors.index.json").is_file():
+    if not (path / "model.safetensors.index.json").is_file():
         save_random_checkpoint(load_hf_config("qwen3_30b_a3b", layers), path, torch.bfloat16, seed=0, device="cuda")
-    dist.barrier()
 
 
 def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
@@ -103,56 +104,82 @@ def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
             row["loss"].append(result.loss)
             row["grad_norm"].append(result.grad_norm)
         row["moe_max_over_mean"] = result.moe_load["max_over_mean_max"]
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_gib_rank0"] = torch.cuda.max_memory_allocated() / 2**30
         row["ok"] = all(math.isfinite(x) for x in row["loss"] + row["grad_norm"])
     except Exception as err:  # recorded; the matrix goes on with the next case
         row.update(ok=False, error=f"{type(err).__name__}: {err}"[:400], traceback=traceback.format_exc()[-2000:])
     finally:
         del engine
         parallel_state.destroy_model_parallel()
-        gc.collect()
-        torch.cuda.empty_cache()
     return row
+
+
+def _case_main(name: str, args) -> int:
+    """One case under torchrun: train it and print ``RESULT <json>`` on rank 0."""
+    from sftprof.trainer import init_distributed
+
+    init_distributed()
+    row = run_case(name, *CASES[name], args)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+    dist.destroy_process_group()
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="HF checkpoint dir (written when missing)")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs: runs the cases whose layout has this world size")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
-    ap.add_argument("--out", type=Path, help="JSON output (rank 0)")
+    ap.add_argument("--out", type=Path, help="JSON output")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA GPUs", file=sys.stderr)
         return 2
+    if args.case:
+        return _case_main(args.case, args)
     from sftprof.allocation import parse_allocation_mode
-    from sftprof.trainer import init_distributed
 
-    init_distributed()
-    world = dist.get_world_size()
     wanted = [c for c in args.cases.split(",") if c] or list(CASES)
     unknown = sorted(set(wanted) - set(CASES))
     if unknown:
         print(f"--cases: unknown {unknown}; accepted: {list(CASES)}", file=sys.stderr)
         return 2
     ensure_checkpoint(args.checkpoint, args.layers)
-    rows = [run_case(name, *CASES[name], args) for name in wanted
-            if parse_allocation_mode(CASES[name][0]).world_size == world]
-    if dist.get_rank() == 0:
-        print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
-              f"{'peak GiB':>8} {'moe max/mean':>12}")
-        for r in rows:
-            if not r["ok"]:
-                print(f"{r['case']:<30} {r['layout']:<26} FAILED: {r.get('error', 'non-finite values')}")
-                continue
-            print(f"{r['case']:<30} {r['layout']:<26} {'/'.join(f'{x:.6f}' for x in r['loss']):<28} "
-                  f"{'/'.join(f'{x:.4f}' for x in r['grad_norm']):<26} {r['step_s']:>7.3f} {r['peak_gib']:>8.2f} "
-                  f"{r['moe_max_over_mean']:>12.3f}")
-        if args.out:
-            args.out.write_text(json.dumps(rows, indent=1))
-    dist.destroy_process_group()
+    names = [n for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc]
+    slots = max(1, torch.cuda.device_count() // args.nproc)  # cases run side by side on disjoint GPUs
+    rows = []
+    for first in range(0, len(names), slots):
+        procs = []
+        for i, name in enumerate(names[first:first + slots]):
+            gpus = ",".join(str(i * args.nproc + k) for k in range(args.nproc))
+            procs.append((name, subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                 f"--master_port={29751 + i}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
+                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)))
+        for name, proc in procs:
+            stdout, stderr = proc.communicate()
+            found = [ln[len("RESULT "):] for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            rows.append(json.loads(found[-1]) if found else {
+                "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
+                "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]})
+    print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
+          f"{'peak GiB r0':>11} {'moe max/mean':>12}")
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['case']:<30} {r['layout']:<26} FAILED: {r.get('error', 'non-finite values')}")
+            continue
+        print(f"{r['case']:<30} {r['layout']:<26} {'/'.join(f'{x:.6f}' for x in r['loss']):<28} "
+              f"{'/'.join(f'{x:.4f}' for x in r['grad_norm']):<26} {r['step_s']:>7.3f} {r['peak_gib_rank0']:>11.2f} "
+              f"{r['moe_max_over_mean']:>12.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

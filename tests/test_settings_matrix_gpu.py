@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29741",
-           str(REPO / "bench" / "settings_matrix.py"), "--checkpoint", str(ckpt), "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "settings_matrix.py"), "--nproc", str(nproc), "--checkpoint", str(ckpt),
+           "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     print(proc.stdout[-6000:])
     rows = json.loads(out.read_text())

@@ -172,6 +172,10 @@ class MegatronEngine(Engine):
             load_hf_checkpoint(gpt, resolve_model_dir(cfg.actor.path), hf_config)
         log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s",
                  cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(), have_te)
+        # megatron-core creates some parameters on the CPU (the MoE router's weight: TopKRouter.__init__) and
+        # moves them at their first forward by replacing .data, which detaches the gradient accumulator DDP
+        # hooked below: the router's gradients would never reach main_grad. Move everything before DDP.
+        gpt.cuda(device)
         self.lm_head_loss = None
         if m.lm_head_loss_chunk_size and self.post_process:
             # GPTModel returns the final (normed) hidden states instead of logits when post_process is False.
