@@ -169,6 +169,7 @@ def main() -> int:
             rows.append(json.loads(found[-1]) if found else {
                 "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
                 "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]})
+            print("ROW " + json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
     print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
           f"{'peak GiB r0':>11} {'moe max/mean':>12}")
     for r in rows:
