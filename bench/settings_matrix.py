@@ -151,12 +151,14 @@ def main() -> int:
         return 2
     ensure_checkpoint(args.checkpoint, args.layers)
     names = [n for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc]
-    slots = max(1, torch.cuda.device_count() // args.nproc)  # cases run side by side on disjoint GPUs
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    slots = max(1, len(devices) // args.nproc)  # cases run side by side on disjoint GPUs
     rows = []
     for first in range(0, len(names), slots):
         procs = []
         for i, name in enumerate(names[first:first + slots]):
-            gpus = ",".join(str(i * args.nproc + k) for k in range(args.nproc))
+            gpus = ",".join(devices[i * args.nproc:(i + 1) * args.nproc])
             procs.append((name, subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                  f"--master_port={29751 + i}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
