@@ -200,3 +200,18 @@ def test_chunked_lm_head_needs_vocab_divisible_by_tp():
     mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:d2"))
     assert mc.gpt_model_kwargs(hf, 2)["vocab_size"] == 151938
     assert mc.gpt_model_kwargs(hf, 1)["vocab_size"] == 151937
+
+
+@pytest.mark.parametrize("backend,overrides,message", [
+    ("megatron:t8", [], "num_key_value_heads=4 is not divisible by TP=8"),
+    ("megatron:(attn:d3|ffn:e3)", ["train_dataset.batch_size=3"], "num_experts=128 is not divisible by EP=3"),
+    ("megatron:p5", [], "num_hidden_layers=48 is not divisible by PP=5"),
+    ("megatron:c4", ["profile.fake_seq_len=1004"], "fake_seq_len=1004: must be divisible by 2\\*CP=8"),
+    ("megatron:(attn:c2t4|ffn:e8)", ["profile.fake_seq_len=1020"], "per-CP-rank length by TP=4"),
+])
+def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, message):
+    hf = load_hf_config("qwen3_30b_a3b")
+    layout = parse_allocation_mode(backend)
+    cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"] + overrides)
+    with pytest.raises(ConfigError, match=message):
+        mc.check_model_settings(cfg, hf, layout)

@@ -185,6 +185,9 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
 
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
       checkpoint of a family that has a weight mapping (:data:`sftprof.models.megatron_load.MAPPINGS`);
+    - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
+      expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
+      divides (sequence parallelism);
     - the chunked LM-head loss (``lm_head_loss_chunk_size > 0``) needs a vocabulary that TP divides (it
       has no mask for padded vocabulary rows; the logits path has).
 
@@ -204,6 +207,20 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
         if hf.model_type not in MAPPINGS:
             raise ConfigError(f"actor.init_from_scratch=false: the megatron backend loads weights of {sorted(MAPPINGS)}, "
                               f"not model_type {hf.model_type!r}; set actor.init_from_scratch=true")
+    heads = hf.num_attention_heads
+    groups = _get(hf, "num_key_value_heads", default=heads)
+    experts = _get(hf, "num_experts", "num_local_experts")
+    for what, size, name, parts in (
+            ("num_attention_heads", heads, "TP", layout.tp), ("num_key_value_heads", groups, "TP", layout.tp),
+            ("num_experts", experts, "EP", layout.ep), ("moe_intermediate_size", hf.moe_intermediate_size, "ETP", layout.etp),
+            ("num_hidden_layers", hf.num_hidden_layers, "PP", layout.pp)):
+        if size % parts:
+            raise ConfigError(f"actor.backend={cfg.actor.backend!r}: the model's {what}={size} is not divisible by "
+                              f"{name}={parts}; accepted: a layout whose {name} divides it (actor.num_layers cuts layers)")
+    seq, cp = cfg.profile.fake_seq_len, layout.cp
+    if (cp > 1 and seq % (2 * cp)) or (seq // cp) % layout.tp:
+        raise ConfigError(f"profile.fake_seq_len={seq}: must be divisible by 2*CP={2 * cp} (load-balanced context "
+                          f"parallel chunks) and the per-CP-rank length by TP={layout.tp} (sequence parallel)")
     chunk = cfg.actor.megatron.lm_head_loss_chunk_size
     if chunk and hf.vocab_size % layout.tp:
         raise ConfigError(f"actor.megatron.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
