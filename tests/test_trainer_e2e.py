@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -146,10 +145,10 @@ def test_failure_writes_failed_record(tmp_path):
 ])
 def test_config_errors_exit_2_before_process_group(tmp_path, args, env, message):
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", *args]
-    t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**_env(), **env}, capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
-    assert elapsed < 10
-    assert not (tmp_path / "logs").exists()   # nothing written: no process group, no LOG_DIR
+    # No process group started: a rank logs its first line only after init_process_group, and no
+    # LOG_DIR was created (how fast this happens is the bench's business, not a test's).
+    assert proc.stdout == ""
+    assert not (tmp_path / "logs").exists()
