@@ -99,10 +99,16 @@ def test_kernel_trial_records(kernel_trial):
 def test_kernel_trial_trace_only_on_selected_rank(kernel_trial):
     log_dir, _ = kernel_trial
     # perf_tracer.ranks = pp_rank0 -> rank 0 only (pp=1).
-    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["traces-r0.chrome.json"]
-    events = json.loads((log_dir / "perf_tracer" / "traces-r0.chrome.json").read_text())["traceEvents"]
+    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["rank0.pt.trace.json"]
+    events = json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
     assert {"sftprof/step", "sftprof/forward/mb0", "sftprof/backward/mb0", "sftprof/optimizer_step"} <= names
+    # Step 0 is profiled (no warm-up step before it): it is ProfilerStep#0 and holds every sftprof region.
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("ph") == "X"]
+    assert [e["name"] for e in steps] == ["ProfilerStep#0"]
+    lo, hi = steps[0]["ts"], steps[0]["ts"] + steps[0]["dur"]
+    ours = [e for e in events if e["name"].startswith("sftprof/") and e.get("cat") == "user_annotation"]
+    assert ours and all(lo <= e["ts"] and e["ts"] + e["dur"] <= hi for e in ours)
     assert not (log_dir / "memory_snapshots").exists()
 
 

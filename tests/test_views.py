@@ -137,10 +137,12 @@ def test_compressed_views_equal_plain(gpu_split, tmp_path):
 def test_large_view_is_split_into_time_windows(gpu_split, tmp_path):
     _, views, paths, _ = gpu_split
     limit = os.path.getsize(paths["gpu_only.chrome"][0]) // 4
-    copy = tmp_path / "traces-r0.gpu_only.chrome.json"
+    copy = tmp_path / "gpu_only" / "rank0.pt.trace.json"
+    copy.parent.mkdir()
     copy.write_bytes(open(paths["gpu_only.chrome"][0], "rb").read())
     parts = split_into_windows(str(copy), limit, progress=False)
-    assert len(parts) >= 3 and parts[0].endswith("traces-r0.gpu_only.chrome.part0.json")
+    assert parts == [str(tmp_path / f"gpu_only.part{k}" / "rank0.pt.trace.json") for k in range(len(parts))]
+    assert len(parts) >= 3
     assert not copy.exists()
     whole = views["gpu_only.chrome"]["traceEvents"]
     meta = sorted(json.dumps(e) for e in whole if e["ph"] == "M")
