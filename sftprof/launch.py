@@ -580,8 +580,10 @@ def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float 
     return [problems[k] for k in sorted(problems)]
 
 
-def _gib(value) -> str:
-    return f"{value:.2f} GiB" if isinstance(value, (int, float)) else "n/a (CPU)"
+def _gib(value, device: str | None) -> str:
+    if isinstance(value, (int, float)):
+        return f"{value:.2f} GiB"
+    return "n/a (CPU)" if device == "cpu" else "-"
 
 
 def top_finding(summary: dict) -> str:
@@ -612,6 +614,8 @@ def top_finding(summary: dict) -> str:
                 (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
     if summary.get("errors"):
         return f"{len(summary['errors'])} unreadable artifact(s): see profile_summary.md"
+    if summary.get("status") not in (None, "ok"):
+        return "trial failed: see profile_summary.md and launcher.log"
     if summary.get("profile_kind") == "memory" and (summary.get("completion") or {}).get("device") == "cpu":
         return "allocator snapshots need CUDA"
     return "-"
@@ -636,12 +640,13 @@ def report(run_root: Path, node_rank: int = 0) -> str:
         except (OSError, ValueError):
             summary = {}
         stats = summary.get("stats") or {}
-        cpu_memory = (row["kind"] == "memory" and (summary.get("completion") or {}).get("device") == "cpu")
+        device = (summary.get("completion") or {}).get("device")
+        cpu_memory = row["kind"] == "memory" and device == "cpu"
         status = ("FAILED (" + row["status"] + ")" if row["status"] != "0" else
                   "no snapshot (CPU)" if cpu_memory else "ok")
         step = stats.get("step_time_s")
         table.append((f"{row['kind']} step {row['step']}", status, f"{step:.2f} s" if step is not None else "-",
-                      _gib(stats.get("mem_peak_allocated_gb")) if summary else "-",
+                      _gib(stats.get("mem_peak_allocated_gb"), device),
                       top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
         if path.is_file():
             summaries.append(str(path))
