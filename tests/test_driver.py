@@ -78,7 +78,7 @@ def test_plan_is_step_major_kernel_first(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
     assert [(r[1], r[2]) for r in rows] == [("kernel", "0"), ("memory", "0"), ("kernel", "2"), ("memory", "2")]
-    assert rows[2][0] == "tiny_qwen3_moe_fake2k_kernel_step2_t1"
+    assert rows[2][0] == "tiny_qwen3_moe_fake1k_kernel_step2_t1"
     args = Path(rows[2][5]).read_text().splitlines()
     assert "total_train_steps=3" in args and "perf_tracer.profile_steps=[2]" in args
     assert "actor.logprobs_chunk_size=64" in args and "memory_profiler.profile_steps=[]" in args

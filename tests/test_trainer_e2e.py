@@ -158,3 +158,15 @@ def test_config_errors_exit_2_before_process_group(tmp_path, args, env, message)
     # LOG_DIR was created (how fast this happens is the bench's business, not a test's).
     assert proc.stdout == ""
     assert not (tmp_path / "logs").exists()
+
+
+def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):
+    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    from hta.trace_analysis import TraceAnalysis
+
+    log_dir, _ = kernel_trial
+    analysis = TraceAnalysis(trace_dir=str(log_dir / "perf_tracer"))   # the raw folder, as the trainer wrote it
+    df = analysis.t.get_trace(0)
+    assert sorted(df["iteration"].unique().tolist()) == [0]   # every event inside ProfilerStep#0
+    assert "ProfilerStep#0" in analysis.t.symbol_table.sym_index
+    assert "ProfilerStep not found" not in caplog.text
