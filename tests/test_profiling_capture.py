@@ -108,6 +108,21 @@ def test_memory_profiler_on_cpu_logs_and_writes_nothing(tmp_path, caplog):
 
 
 @pytest.mark.gpu
+def test_kernel_profiler_records_cuda_kernels_and_sync_events(tmp_path):
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
+    for step in range(2):
+        with prof.step(step), region(forward(0)):
+            torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
+            torch.cuda.synchronize()
+    events = json.loads(trace_path(tmp_path, 0).read_text())["traceEvents"]
+    cats = {e.get("cat") for e in events}
+    assert "kernel" in cats and "gpu_user_annotation" in cats
+    # enable_cuda_sync_events: the torch.cuda.synchronize() above shows as a CUDA sync event.
+    assert any(e.get("cat") == "cuda_sync" for e in events), sorted(c for c in cats if c)
+    assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#") and e.get("ph") == "X"] == ["ProfilerStep#1"]
+
+
+@pytest.mark.gpu
 def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
     cfg = _cfg("memory_profiler.profile_steps=[2,3]", "memory_profiler.max_entries=5000")
     coords = LAYOUT.rank_coords(0)
