@@ -166,6 +166,16 @@ def test_devices_checked_before_launch(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.skipif(launch.visible_gpus() > 0, reason="checks the refusal on a machine without CUDA")
+def test_default_config_without_cuda_exits_2_before_launch(tmp_path):
+    out = run_driver({"CONFIG": ""}, tmp_path)   # empty: the shipped YAML (megatron, 8 GPUs)
+    assert out.returncode == 2
+    assert out.stderr == ("sftprof: actor.backend='megatron:(attn:d2c4|ffn:d1e8)': the megatron backend needs CUDA GPUs "
+                          f"and this node has none (CONFIG={ROOT / 'qwen3_30b_a3b_sft_profile.yaml'}); on a machine "
+                          "without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)\n")
+    assert not (tmp_path / "run").exists() and out.stdout == ""
+
+
 def test_master_port_busy_or_picked(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
