@@ -49,10 +49,12 @@ import torch.distributed as dist
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.profiling.regions import STEP, region
+from sftprof.progress import StepProgress
 
 log = logging.getLogger("sftprof")
 
 GIB = float(1 << 30)
+HEARTBEAT_S = 20.0  # seconds between "still running" lines of a long step (rank 0)
 
 
 class _Terminated(RuntimeError):
@@ -182,6 +184,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         raise _Terminated("terminated by SIGTERM (another rank failed or the launcher stopped the trial)")
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    progress = StepProgress(heartbeat_s=HEARTBEAT_S)  # started on rank 0 once the engine is built
     try:
         coords = layout.rank_coords(rank)
         if rank == 0:
@@ -195,7 +198,11 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         _seed(cfg.seed)
         kernel = KernelProfiler(cfg, layout, rank, log_dir)
         memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
+        t_build = time.perf_counter()
         engine = build_engine(cfg, layout, hf_config, device)
+        if rank == 0:
+            log.info("engine built in %.1f s; %d step(s) to run", time.perf_counter() - t_build, cfg.total_train_steps)
+            progress.start()
         loss_tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
         tokens = cfg.train_dataset.batch_size * cfg.profile.fake_seq_len
         peak = gpu_peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -204,6 +211,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
+            progress.begin_step(step)
             with kernel.step(step), memory.step(step):
                 # Timed inside the profilers: their start/stop, trace export and snapshot dump stay out.
                 t0 = time.perf_counter()
@@ -211,6 +219,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                     result = engine.train_step(mbs, loss_tokens)
                     _sync(device)
                 dt = time.perf_counter() - t0
+            progress.end_step()
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"]}
@@ -253,6 +262,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             raise  # after the finally below has written the failed completion record
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        progress.stop()
         if stats is not None:
             stats.write(json.dumps({"type": "complete", "status": "failed" if error else "ok", "error": error,
                                     "steps_done": steps_done, "world_size": layout.world_size,
