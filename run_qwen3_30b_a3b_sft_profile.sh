@@ -1,33 +1,38 @@
 #!/usr/bin/env bash
 # Profile SFT steps of Qwen3-30B-A3B (or any config): one torchrun trial per (profile step, kind).
 #
-#   bash run_qwen3_30b_a3b_sft_profile.sh [key=value ...]      # extra config overrides for every trial
+#   [VAR=value ...] bash run_qwen3_30b_a3b_sft_profile.sh [key=value ...]   # overrides for every trial
+#   bash run_qwen3_30b_a3b_sft_profile.sh --help                           # variables, defaults, examples
 #
-# Environment variables (see README.md; config-mapped ones override the YAML only when set):
-#   CONFIG (qwen3_30b_a3b_sft_profile.yaml; or a preset name such as tiny_cpu), MODEL_PATH, FILEROOT,
-#   EXPERIMENT_NAME, PROFILE_STEPS=0,1, TOTAL_STEPS (unset: step+1), PROFILE_RANKS (unset: rank 0 of
-#   each PP stage; empty: all; 0,2-4), PROFILE_KINDS=kernel,memory, N_GPUS_PER_NODE (unset: world
-#   size / N_NODES), N_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PROFILE_FAKE_SEQ_LEN,
-#   PROFILE_FAKE_DATASET_SIZE, PROFILE_FAKE_LOSS_START_RATIO, TRAIN_BATCH_SIZE, PROFILE_N_MBS,
-#   MEMORY_MAX_ENTRIES, LOGPROBS_CHUNK_SIZE, LM_HEAD_LOSS_CHUNK_SIZE, USE_PRECISION_AWARE_OPTIMIZER,
-#   MAIN_GRADS_DTYPE, USE_DETERMINISTIC_ALGORITHMS, STOP_ON_FAILURE=1, RUN_ROOT, PROFILE_STAMP.
+# The variables and their defaults live in sftprof/launch.py (DRIVER_VARS) and README.md.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # torchrun's own default, stated so it does not warn
+export PYTHONUNBUFFERED=1                         # progress lines as they happen, not at exit
+
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) exec "$PYTHON" -m sftprof.launch usage ;;
+  esac
+done
 
 # 1. Validate everything and write RUN_ROOT/{profile_settings.log,trials.tsv} before launching anything.
 plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?
-eval "$plan_out"   # RUN_ROOT, STOP_ON_FAILURE, NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+# RUN_ROOT STOP_ON_FAILURE TRIALS NODE_TIMEOUT NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
+eval "$plan_out"
 summary="$RUN_ROOT/summary.tsv"
 printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n' > "$summary"
 echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
 
 final_rc=0
+n=0
+run_start=$(date +%s)
 while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # fd 3: children keep stdin
+  n=$((n + 1))
   mapfile -t train_args < "$args_file"
-  echo "sftprof: trial $trial (kind=$kind step=$step)"
+  echo "sftprof: [$n/$TRIALS] trial $trial (kind=$kind step=$step) started $(date +%H:%M:%S)"
   smi_pid=""
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total \
@@ -35,16 +40,26 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
     smi_pid=$!
   fi
   start=$(date +%s)
+  # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous).
   "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
-    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --rdzv-conf "timeout=$NODE_TIMEOUT" \
     "$HERE/train_sft_profile.py" "${train_args[@]}" 2>&1 | tee "$run_dir/launcher.log"
   torchrun_rc=${PIPESTATUS[0]}
   elapsed=$(( $(date +%s) - start ))
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
+  if [ "$NNODES" -gt 1 ]; then
+    "$PYTHON" -m sftprof.launch node-record "$log_dir" "$NODE_RANK" "$torchrun_rc" "$elapsed"
+  fi
   if [ "$NODE_RANK" = "0" ]; then
     # Success is the trainer's completion record (written by global rank 0), not a log grep.
     train_rc=$("$PYTHON" -m sftprof.launch status "$log_dir")
     [ "$torchrun_rc" -ne 0 ] && train_rc=$torchrun_rc
+    if [ "$NNODES" -gt 1 ]; then   # every other node's end record, each failure named
+      "$PYTHON" -m sftprof.launch wait-nodes "$log_dir" "$NNODES" "$NODE_TIMEOUT" 2>&1 | tee -a "$run_dir/launcher.log"
+      nodes_rc=${PIPESTATUS[0]}
+      [ "$train_rc" -eq 0 ] && train_rc=$nodes_rc
+    fi
+    echo "sftprof: [$n/$TRIALS] postprocessing $trial"
     pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
              --trainer-log "$log_dir/trainer.log")
     [ -s "$run_dir/nvidia_smi.csv" ] && pp_args+=(--nvidia-smi-csv "$run_dir/nvidia_smi.csv")
@@ -59,6 +74,13 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   [ "$status" -eq 0 ] && status=$pp_rc
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$trial" "$kind" "$step" "$status" "$train_rc" "$pp_rc" \
     "$elapsed" "$run_dir" "$log_dir" >> "$summary"
+  done_s=$(( $(date +%s) - run_start ))
+  left=$(( TRIALS - n ))
+  if [ "$left" -gt 0 ]; then
+    echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); about $(( done_s * left / n )) s more for $left trial(s)"
+  else
+    echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); all trials took $done_s s"
+  fi
   if [ "$status" -ne 0 ]; then
     final_rc=$status
     echo "sftprof: trial $trial FAILED (status $status; logs in $run_dir/launcher.log and $log_dir)" >&2
@@ -69,5 +91,6 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   fi
 done 3< "$RUN_ROOT/trials.tsv"
 
-column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary"
+echo
+"$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK"
 exit "$final_rc"

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sftprof.profiling.layout import trace_name  # noqa: E402
 from sftprof.profiling.trace_io import TraceReader, TraceWriter  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "h200_mcore_qwen3moe_4l_8k.trace.json.gz"
@@ -69,8 +70,7 @@ def run_postprocess(trace: Path, work: Path, compress: bool) -> tuple[float, flo
     log = work / f"log_{trace.stem}"
     shutil.rmtree(log, ignore_errors=True)
     (log / "perf_tracer").mkdir(parents=True)
-    suffix = ".chrome.json.gz" if trace.name.endswith(".gz") else ".chrome.json"
-    os.link(trace, log / "perf_tracer" / f"traces-r0{suffix}")
+    os.link(trace, log / "perf_tracer" / trace_name(0, compress=trace.name.endswith(".gz")))
     run = work / f"run_{trace.stem}"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, str(REPO / "postprocess_profile.py"), "--log-dir", str(log), "--run-dir", str(run),

@@ -30,6 +30,9 @@ MAIN_PARAMS_DTYPES = ("float32", "float16")
 EXP_AVG_DTYPES = ("float32", "float16", "bfloat16", "uint8")
 RECOMPUTE_GRANULARITIES = ("full", "selective", "none")
 RECOMPUTE_METHODS = ("uniform", "block")
+# megatron-core 0.16.1 TransformerConfig.recompute_modules choices that this project's layer specs support
+# ("moe_act" needs TE's grouped GEMM, "mla_up_proj" multi-latent attention: neither is built here).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 MOE_ROUTER_DTYPES = ("fp32", "fp64", "none")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -105,6 +108,8 @@ class MegatronSettings:
     recompute_granularity: str = "full"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    # Modules re-run in backward with recompute_granularity=selective (megatron-core's names).
+    recompute_modules: List[str] = field(default_factory=lambda: ["core_attn"])
     moe_router_dtype: str = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_bias_update_rate: float = 0.0
@@ -303,6 +308,9 @@ def validate(cfg: SFTProfileConfig) -> None:
     _choice("actor.megatron.recompute_granularity", m.recompute_granularity, RECOMPUTE_GRANULARITIES)
     _choice("actor.megatron.recompute_method", m.recompute_method, RECOMPUTE_METHODS)
     _check(m.recompute_num_layers >= 1, "actor.megatron.recompute_num_layers", m.recompute_num_layers, "an integer >= 1")
+    mods = list(m.recompute_modules)
+    _check(bool(mods) and set(mods) <= set(RECOMPUTE_MODULES) and len(set(mods)) == len(mods),
+           "actor.megatron.recompute_modules", mods, f"a non-empty list without repeats of {list(RECOMPUTE_MODULES)}")
     _choice("actor.megatron.moe_router_dtype", m.moe_router_dtype, MOE_ROUTER_DTYPES)
     _choice("actor.megatron.moe_token_dispatcher_type", m.moe_token_dispatcher_type, MOE_DISPATCHERS)
     _check(m.moe_router_bias_update_rate >= 0, "actor.megatron.moe_router_bias_update_rate", m.moe_router_bias_update_rate, "a number >= 0")

@@ -16,18 +16,31 @@ micro-batches, logprobs chunk 128, precision-aware optimizer with bf16 main grad
 such as ``CONFIG=tiny_cpu`` keeps its own sizes. Any bad value exits 2 with a message naming the
 variable, the value and what is accepted.
 
-``python -m sftprof.launch status LOG_DIR`` prints ``0`` when the trial's ``stats.jsonl`` ends
-with a completion record of status ``ok`` and ``1`` otherwise (the driver reads success from it).
+Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument, the
+megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
+``MASTER_PORT`` on node 0 (unset on one node: a free port is picked); it warns about environment
+variables that look like misspelled driver variables, skips memory trials without CUDA unless
+``PROFILE_KINDS`` asks for them, and prints the plan of all trials (to stderr; stdout carries the
+shell variables the driver evaluates).
+
+Other subcommands the driver calls: ``usage`` (its ``--help``), ``status LOG_DIR`` (``0`` when the
+trial's ``stats.jsonl`` ends with a completion record of status ``ok``, else ``1``),
+``node-record`` / ``wait-nodes`` (multi-node end records, ``LOG_DIR/nodes/node<k>.json``) and
+``report RUN_ROOT`` (the end-of-run table).
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as _dt
+import difflib
 import json
 import os
 import re
 import shlex
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -35,7 +48,6 @@ from typing import Callable, Mapping
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config, to_yaml, trial_log_dir
 from sftprof.models.hf import ModelPathError, load_hf_config
-from sftprof.models.specs import check_linear_attention_layout
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +57,109 @@ BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
+DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
+
+
 class DriverError(ValueError):
     """A driver environment variable is invalid (message names it, its value and what is accepted)."""
+
+
+@dataclass(frozen=True)
+class DriverVar:
+    """A driver environment variable as ``--help`` and README.md list it."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+DRIVER_VARS = (
+    DriverVar("CONFIG", DEFAULT_CONFIG, "YAML path or bundled preset (tiny_cpu)"),
+    DriverVar("MODEL_PATH", "qwen3_30b_a3b (bundled config, random init)", "HF model dir (actor.path)"),
+    DriverVar("FILEROOT", "/tmp/sftprof", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/"),
+    DriverVar("EXPERIMENT_NAME", "from the YAML", "experiment_name"),
+    DriverVar("PROFILE_STEPS", "0,1", "steps to profile, one trial per step and kind"),
+    DriverVar("TOTAL_STEPS", "profile step + 1", "steps each trial runs (must exceed the profile step)"),
+    DriverVar("PROFILE_RANKS", "rank 0 of every PP stage", "empty: all ranks; 0,2-4: those ranks"),
+    DriverVar("PROFILE_KINDS", "kernel,memory (kernel without CUDA)", "subset of kernel,memory"),
+    DriverVar("N_GPUS_PER_NODE", "world size / N_NODES", "torchrun --nproc_per_node"),
+    DriverVar("N_NODES", "1", "nodes; run the driver on each with the same PROFILE_STAMP and a shared FILEROOT"),
+    DriverVar("NODE_RANK", "0", "this node (node 0 postprocesses every rank)"),
+    DriverVar("MASTER_ADDR", "127.0.0.1", "address of node 0"),
+    DriverVar("MASTER_PORT", "a free port (1 node), 29500 (several)", "torchrun rendezvous port on node 0"),
+    DriverVar("NODE_TIMEOUT", str(DEFAULT_NODE_TIMEOUT_S), "seconds a node waits for the others to join, and "
+              "node 0 for their end records"),
+    DriverVar("PROFILE_FAKE_SEQ_LEN", "131072", "tokens per sample (profile.fake_seq_len)"),
+    DriverVar("PROFILE_FAKE_DATASET_SIZE", "8", "samples in the fake dataset"),
+    DriverVar("PROFILE_FAKE_LOSS_START_RATIO", "0.5", "loss mask starts at this fraction of the sample"),
+    DriverVar("TRAIN_BATCH_SIZE", "4", "global batch (sequences per step)"),
+    DriverVar("PROFILE_N_MBS", "2", "micro-batches per data-parallel rank"),
+    DriverVar("MEMORY_MAX_ENTRIES", "100000", "allocator history entries kept for snapshots"),
+    DriverVar("LOGPROBS_CHUNK_SIZE", "128", "tokens per chunk of the fused vocab-parallel logprob (0 = all at once)"),
+    DriverVar("LM_HEAD_LOSS_CHUNK_SIZE", "0", "> 0: chunked LM-head loss with that many tokens per chunk"),
+    DriverVar("USE_PRECISION_AWARE_OPTIMIZER", "true", "Megatron precision-aware optimizer (needs Transformer Engine)"),
+    DriverVar("MAIN_GRADS_DTYPE", "bfloat16", "float32 or bfloat16 main grads"),
+    DriverVar("USE_DETERMINISTIC_ALGORITHMS", "false", "deterministic kernels"),
+    DriverVar("STOP_ON_FAILURE", "1", "stop after the first failed trial"),
+    DriverVar("RUN_ROOT", "./sftprof_runs/<experiment>_<stamp>[_node<k>]", "where trial outputs and summary.tsv go; "
+              "never overwritten"),
+    DriverVar("PROFILE_STAMP", "now (%Y%m%d_%H%M%S)", "suffix of trial names"),
+    DriverVar("PYTHON", "python3", "the Python that runs everything"),
+)
+# Unknown variables that start like a driver variable are probably misspelled ones.
+_DRIVER_PREFIXES = ("PROFILE_", "MEMORY_", "LOGPROBS_", "LM_HEAD_", "TRAIN_", "TOTAL_", "N_GPU", "N_NODE",
+                    "USE_PRECISION", "USE_DETERMINISTIC", "MAIN_GRAD", "STOP_ON", "EXPERIMENT_")
+
+
+def _closest(name: str, cutoff: float) -> str | None:
+    match = difflib.get_close_matches(name, [v.name for v in DRIVER_VARS], n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
+def unknown_variable_warnings(env: Mapping[str, str]) -> list[str]:
+    """One warning per environment variable that looks like a misspelled driver variable.
+
+    A variable is suspect when it is not a driver variable and starts with a driver prefix
+    (``PROFILE_``, ``MEMORY_``, ...) or is close to a driver variable's name (difflib ratio >= 0.85);
+    the warning names the closest driver variable (ratio >= 0.8) when there is one.
+    """
+    known = {v.name for v in DRIVER_VARS}
+    out = []
+    for name in sorted(env):
+        if name in known:
+            continue
+        if name.startswith(_DRIVER_PREFIXES) or _closest(name, 0.85):
+            near = _closest(name, 0.8)
+            out.append(f"{name} is not a driver variable and is ignored" +
+                       (f"; did you mean {near}?" if near else f" (`bash {DRIVER_SCRIPT} --help` lists them)"))
+    return out
+
+
+def usage() -> str:
+    """The driver's ``--help`` text: synopsis, every variable with its default, examples."""
+    width = max(len(v.name) for v in DRIVER_VARS)
+    lines = [f"usage: [VAR=value ...] bash {DRIVER_SCRIPT} [key=value ...]",
+             "",
+             "Profile SFT training steps: one torchrun trial per (profile step, kind); kernel trials record",
+             "PyTorch-profiler traces, memory trials CUDA allocator snapshots; each trial is postprocessed into",
+             "trace views and profile_summary.{json,md}. Arguments after the script are config overrides for every",
+             "trial (dotted keys, e.g. actor.num_layers=4); driver variables go before `bash`.",
+             "",
+             "Driver variables (config-mapped ones override the YAML only when set):"]
+    for v in DRIVER_VARS:
+        lines.append(f"  {v.name:<{width}}  {v.meaning} [default: {v.default}]")
+    lines += ["",
+              "Examples:",
+              f"  CONFIG=tiny_cpu bash {DRIVER_SCRIPT}                       # whole workflow on CPU",
+              f"  PROFILE_STEPS=1 PROFILE_KINDS=kernel bash {DRIVER_SCRIPT}   # one kernel trial, 8 GPUs",
+              f"  USE_PRECISION_AWARE_OPTIMIZER=false TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 bash {DRIVER_SCRIPT} "
+              "actor.backend=megatron:d1 actor.num_layers=3",
+              f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof bash {DRIVER_SCRIPT}",
+              "",
+              "Exit status: 0 all trials ok, 2 bad input (nothing launched), else that of the last failing trial.",
+              "See README.md for the artifacts and how to read them."]
+    return "\n".join(lines) + "\n"
 
 
 def _int(name: str, text: str, minimum: int) -> int:
@@ -160,17 +273,76 @@ def seq_tag(n_tokens: int) -> str:
     return f"{n_tokens // 1024}k" if n_tokens % 1024 == 0 else str(n_tokens)
 
 
-def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial], list[str], dict]:
-    """Validate the driver environment and return ``(trials, settings_lines, torchrun)``.
+def visible_gpus() -> int:
+    """CUDA devices torch sees on this node (0 without CUDA)."""
+    import torch
 
-    ``torchrun`` holds ``nproc_per_node, nnodes, node_rank, master_addr, master_port``.
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def port_in_use(port: int) -> bool:
+    """True when a socket on this node already listens on TCP ``port`` (any address).
+
+    ``SO_REUSEADDR`` is set as torchrun's TCPStore sets it, so connections of an earlier run in
+    TIME_WAIT do not count as busy; a listener does (the bind fails with EADDRINUSE).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port() -> int:
+    """A TCP port that no socket on this node uses now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
+    """Raise DriverError for an argument written like a driver variable (``NAME=value``, upper case)."""
+    overrides = "arguments after the script are config overrides, dotted lower-case keys such as actor.num_layers=4"
+    for arg in extra_overrides:
+        m = re.fullmatch(r"([A-Z][A-Z0-9_]*)=(.*)", arg, flags=re.S)
+        if m is None:
+            continue
+        name, value = m.groups()
+        if name in {v.name for v in DRIVER_VARS}:
+            raise DriverError(f"argument {arg!r} is a driver variable: put it before `bash` "
+                              f"({shlex.quote(arg)} bash {DRIVER_SCRIPT}); {overrides}")
+        near = _closest(name, 0.8)
+        if near:
+            raise DriverError(f"argument {arg!r} is not a config override ({overrides}); did you mean the driver "
+                              f"variable {near}, set before `bash` ({shlex.quote(f'{near}={value}')} bash {DRIVER_SCRIPT})?")
+        raise DriverError(f"argument {arg!r} is neither a config override ({overrides}) nor a driver variable "
+                          f"(`bash {DRIVER_SCRIPT} --help` lists them)")
+
+
+def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = None,
+         ) -> tuple[list[Trial], list[str], dict]:
+    """Validate the driver environment and return ``(trials, settings_lines, info)``.
+
+    Args:
+        env: the driver's environment variables.
+        extra_overrides: the driver's arguments (config overrides for every trial).
+        gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
+
+    ``info`` holds ``stop_on_failure, run_root, trials, node_timeout`` and the torchrun settings
+    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, which the driver reads as shell
+    variables, and ``notices``: lines for the user (skipped trials, a picked port, suspect variables).
 
     Raises:
-        DriverError: a variable is invalid, the config they produce is invalid, the torchrun
-            world size does not match the allocation mode, or RUN_ROOT exists and is not empty.
+        DriverError: a variable or argument is invalid, the config they produce is invalid, the
+            torchrun world size does not match the allocation mode, this node lacks the GPUs the
+            layout needs, MASTER_PORT is busy on node 0, or RUN_ROOT exists and is not empty.
     """
     get = env.get
     settings: list[str] = []
+    notices = [f"warning: {w}" for w in unknown_variable_warnings(env)]
+    _reject_driver_variables_as_arguments(extra_overrides)
 
     def note(name: str, value: object, source: str) -> None:
         settings.append(f"{name}={value}\t# {source}")
@@ -201,9 +373,10 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
         set_keys.add(var.name)
     n_nodes = _int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None
     node_rank = _int("NODE_RANK", get("NODE_RANK") or "0", 0)
-    master_port = _int("MASTER_PORT", get("MASTER_PORT") or "29500", 1)
-    if master_port > 65535:
+    master_port = _int("MASTER_PORT", get("MASTER_PORT"), 1) if get("MASTER_PORT") else None
+    if master_port is not None and master_port > 65535:
         raise DriverError(f"MASTER_PORT={master_port}: must be in [1, 65535]")
+    node_timeout = _int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1) if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S
     nproc = _int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None
 
     if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not _bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
@@ -216,17 +389,19 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
     except ConfigError as err:
         raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
     try:
-        model_type = load_hf_config(probe.actor.path, probe.actor.num_layers).model_type
+        hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
     except (ModelPathError, ValueError) as err:
         raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
+    if parse_allocation_mode(probe.actor.backend).backend == "megatron":
+        from sftprof.models.megatron_config import check_model_settings
+        try:
+            check_model_settings(probe, hf_config, parse_allocation_mode(probe.actor.backend))
+        except ConfigError as err:
+            raise DriverError(f"{err} (from CONFIG={config}, MODEL_PATH and the driver variables)") from err
     if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
         raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
                           "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
     layout = parse_allocation_mode(probe.actor.backend)
-    try:
-        check_linear_attention_layout(model_type, layout)
-    except ConfigError as err:
-        raise DriverError(f"{err} (CONFIG / MODEL_PATH)") from err
     n_nodes = n_nodes or probe.cluster.n_nodes
     if node_rank >= n_nodes:
         raise DriverError(f"NODE_RANK={node_rank}: must be in [0, N_NODES={n_nodes})")
@@ -237,6 +412,21 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
             f"{probe.actor.backend!r} needs world size {layout.world_size}")
     overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
+    gpus = visible_gpus() if gpus is None else gpus
+    if layout.backend == "megatron" and gpus == 0:
+        raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
+                          f"none (CONFIG={config}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+    if 0 < gpus < nproc:
+        raise DriverError(f"N_GPUS_PER_NODE={nproc} processes on this node, one GPU each, but it has {gpus} visible "
+                          f"GPU(s) (CUDA_VISIBLE_DEVICES={get('CUDA_VISIBLE_DEVICES', 'unset')}); actor.backend="
+                          f"{probe.actor.backend!r} needs world size {layout.world_size}")
+    if gpus == 0 and "memory" in kinds:
+        if get("PROFILE_KINDS") is None:
+            kinds = [k for k in kinds if k != "memory"]
+            notices.append("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
+                           "PROFILE_KINDS=kernel,memory runs them anyway")
+        else:
+            notices.append("no CUDA on this node: memory trials run but record no snapshot (CPU)")
     ranks_env = get("PROFILE_RANKS")
     ranks_spec = "pp_rank0" if ranks_env is None else ranks_env.strip()
     try:
@@ -263,11 +453,13 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
     if not stamp.replace("_", "").replace("-", "").isalnum():
         raise DriverError(f"PROFILE_STAMP={stamp!r}: use letters, digits, '_' and '-' only")
     model_tag = Path(probe.actor.path.rstrip("/")).name.lower().replace("-", "_").replace(".", "_")
-    run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{probe.experiment_name}_{stamp}")).expanduser().resolve()
+    node_tag = f"_node{node_rank}" if node_rank else ""  # nodes may share the working directory
+    run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{probe.experiment_name}_{stamp}{node_tag}")
+                    ).expanduser().resolve()
     if run_root.exists() and (not run_root.is_dir() or any(run_root.iterdir())):
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not empty; nothing was overwritten. "
                           "Choose another RUN_ROOT or PROFILE_STAMP")
-    note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>")
+    note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
     note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
 
     trials, first_cfg = [], None
@@ -284,18 +476,37 @@ def plan(env: Mapping[str, str], extra_overrides: list[str]) -> tuple[list[Trial
             cfg = load_config(config, trial_overrides)
             first_cfg = first_cfg or cfg
             log_dir = trial_log_dir(cfg)
-            if log_dir.exists() and any(log_dir.iterdir()):
+            # Node 0 checks: other nodes may plan after node 0's first trial has started writing there.
+            if node_rank == 0 and log_dir.exists() and any(p.name != NODES_DIR for p in log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
             trials.append(Trial(name, kind, step, run_root / name, log_dir,
                                 ["--config", str(Path(config).resolve()) if Path(config).is_file() else config,
                                  *trial_overrides]))
+    master_addr = _host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1")
+    if master_port is None and n_nodes == 1:
+        master_port = free_port()
+        note("MASTER_PORT", master_port, "default: a free port of this node")
+    elif master_port is None:
+        master_port = 29500  # every node must agree on it: no per-node pick
+        note("MASTER_PORT", master_port, "default with N_NODES > 1")
+    else:
+        note("MASTER_PORT", master_port, "env")
+    if node_rank == 0 and port_in_use(master_port):
+        raise DriverError(f"MASTER_PORT={master_port}: already in use on this node (torchrun's rendezvous would fail "
+                          "with EADDRINUSE); choose a free port" + (" or leave MASTER_PORT unset to pick one"
+                                                                    if n_nodes == 1 else " on node 0"))
+    note("NODE_TIMEOUT", node_timeout, "env" if get("NODE_TIMEOUT") else "default")
     torchrun = {"nproc_per_node": nproc, "nnodes": n_nodes, "node_rank": node_rank,
-                "master_addr": _host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), "master_port": master_port}
+                "master_addr": master_addr, "master_port": master_port}
     settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
     settings.append("# resolved config of the first trial:")
     settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
-    return trials, settings, {"stop_on_failure": int(stop), "run_root": str(run_root), **torchrun}
+    device = f"{gpus} GPU(s) on this node" if gpus else "CPU (no CUDA)"
+    notices.append(f"plan: {len(trials)} trial(s) on {layout.world_size} rank(s) ({n_nodes} node(s) x {nproc}, "
+                   f"{probe.actor.backend}, {device}): " + ", ".join(f"{t.kind} step {t.step}" for t in trials))
+    return trials, settings, {"stop_on_failure": int(stop), "run_root": str(run_root), "trials": len(trials),
+                              "node_timeout": node_timeout, **torchrun, "notices": notices}
 
 
 def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
@@ -328,6 +539,134 @@ def trial_status(log_dir: Path) -> int:
     return 0 if last is not None and last.get("status") == "ok" else 1
 
 
+NODES_DIR = "nodes"  # LOG_DIR/nodes/node<k>.json: each node's end record of a trial (multi-node)
+
+
+def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int) -> Path:
+    """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s"}`` (seconds)."""
+    path = Path(log_dir) / NODES_DIR / f"node{node_rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"node_rank": node_rank, "host": socket.gethostname(), "torchrun_rc": torchrun_rc,
+                               "elapsed_s": elapsed_s}) + "\n")
+    tmp.replace(path)  # readers never see half a record
+    return path
+
+
+def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float = 1.0) -> list[str]:
+    """Wait up to ``timeout_s`` seconds for the end records of nodes 1..n_nodes-1; one line per node that failed.
+
+    A node is reported by its rank (and host, when its record names it): a non-zero torchrun exit
+    status, or no record within the timeout (it never started, or died before writing it). An
+    unreadable record is reported as such. Returns an empty list when every node ended with 0.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(1, n_nodes))
+    problems: dict[int, str] = {}
+    while True:
+        for k in sorted(pending):
+            path = Path(log_dir) / NODES_DIR / f"node{k}.json"
+            if not path.is_file():
+                continue
+            pending.discard(k)
+            try:
+                rec = json.loads(path.read_text())
+                rc = int(rec["torchrun_rc"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                problems[k] = f"node {k}: unreadable end record {path}: {err}"
+                continue
+            if rc != 0:
+                problems[k] = f"node {k} ({rec.get('host', '?')}): torchrun exited with status {rc} (see its launcher.log)"
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    for k in sorted(pending):
+        problems[k] = (f"node {k}: no end record after {timeout_s:g} s (NODE_TIMEOUT): it never started this trial "
+                       f"or died before finishing it ({Path(log_dir) / NODES_DIR} holds the records that came)")
+    return [problems[k] for k in sorted(problems)]
+
+
+def _gib(value, device: str | None) -> str:
+    if isinstance(value, (int, float)):
+        return f"{value:.2f} GiB"
+    return "n/a (CPU)" if device == "cpu" else "-"
+
+
+def top_finding(summary: dict) -> str:
+    """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
+
+    Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
+    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak, its phase
+    and the allocation site holding most memory at the peak. The rank is named: it is one rank's figure.
+    """
+    for t in summary.get("kernel_traces") or []:
+        if "summary" not in t:
+            continue
+        k, r = t["summary"], t["rank"]
+        if k["gpu"]["activities"] and k["categories"]:
+            c = k["categories"][0]
+            return (f"{c['category']} {c['share_pct']:.0f}% of GPU time, GPU idle {k['gpu']['idle_share_pct']:.0f}% "
+                    f"(rank {r})")
+        regions = [x for x in k.get("regions") or [] if x["name"] != "sftprof/step" and x.get("cpu_ms") is not None]
+        if regions:
+            x = max(regions, key=lambda x: x["cpu_ms"])
+            return f"slowest region {x['name']} {x['cpu_ms'] / 1e3:.1f} s CPU (rank {r})"
+    for m in summary.get("memory_snapshots") or []:
+        if "summary" not in m:
+            continue
+        x, r = m["summary"], m["rank"]
+        site = (x.get("top_sites") or [{}])[0]
+        return (f"peak {x['peak_allocated_gib']:.2f} GiB in {x.get('peak_phase') or '?'}" +
+                (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
+    if summary.get("errors"):
+        return f"{len(summary['errors'])} unreadable artifact(s): see profile_summary.md"
+    if summary.get("status") not in (None, "ok"):
+        return "trial failed: see profile_summary.md and launcher.log"
+    if summary.get("profile_kind") == "memory" and (summary.get("completion") or {}).get("device") == "cpu":
+        return "allocator snapshots need CUDA"
+    return "-"
+
+
+def report(run_root: Path, node_rank: int = 0) -> str:
+    """The end-of-run text: a narrow table of trials, the summaries to open and the compare command.
+
+    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``),
+    step time (s, slowest rank of the profiled step), peak memory (GiB allocated, rank 0) and the top
+    finding (:func:`top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``;
+    a missing or unreadable summary leaves ``-`` in its row.
+    """
+    with open(Path(run_root) / "summary.tsv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    table = [("trial", "status", "step time", "peak mem", "top finding")]
+    summaries = []
+    for row in rows:
+        path = Path(row["run_dir"]) / "profile_summary.md"
+        try:
+            summary = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {}
+        stats = summary.get("stats") or {}
+        device = (summary.get("completion") or {}).get("device")
+        cpu_memory = row["kind"] == "memory" and device == "cpu"
+        status = ("FAILED (" + row["status"] + ")" if row["status"] != "0" else
+                  "no snapshot (CPU)" if cpu_memory else "ok")
+        step = stats.get("step_time_s")
+        table.append((f"{row['kind']} step {row['step']}", status, f"{step:.2f} s" if step is not None else "-",
+                      _gib(stats.get("mem_peak_allocated_gb"), device),
+                      top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
+        if path.is_file():
+            summaries.append(str(path))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in table]
+    if summaries:
+        lines += ["", "summaries (Markdown; the .json next to each holds every figure):"] + [f"  {p}" for p in summaries]
+        lines += ["", "compare with another run (run roots or trial dirs):",
+                  f"  python postprocess_profile.py compare {shlex.quote(str(run_root))} OTHER_RUN_ROOT"]
+    elif node_rank:
+        lines += ["", f"node {node_rank}: node 0 postprocesses every rank; its RUN_ROOT holds the summaries"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``plan`` (exit 2 on bad input) or ``status LOG_DIR``; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m sftprof.launch", description="sftprof driver helper")
@@ -336,16 +675,45 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("overrides", nargs="*", help="extra key=value config overrides for every trial")
     p_status = sub.add_parser("status", help="print 0 if the trial completed ok, else 1")
     p_status.add_argument("log_dir")
+    sub.add_parser("usage", help="print the driver's --help text")
+    p_report = sub.add_parser("report", help="print the end-of-run table, the summaries and the compare command")
+    p_report.add_argument("run_root")
+    p_report.add_argument("--node-rank", type=int, default=0)
+    p_node = sub.add_parser("node-record", help="write LOG_DIR/nodes/node<k>.json after a trial")
+    p_node.add_argument("log_dir")
+    p_node.add_argument("node_rank", type=int)
+    p_node.add_argument("torchrun_rc", type=int)
+    p_node.add_argument("elapsed_s", type=int)
+    p_wait = sub.add_parser("wait-nodes", help="node 0: wait for the other nodes' end records; exit 1 if one failed")
+    p_wait.add_argument("log_dir")
+    p_wait.add_argument("n_nodes", type=int)
+    p_wait.add_argument("timeout_s", type=float)
     args = ap.parse_args(argv)
     if args.cmd == "status":
         print(trial_status(Path(args.log_dir)))
         return 0
+    if args.cmd == "usage":
+        print(usage(), end="")
+        return 0
+    if args.cmd == "report":
+        print(report(Path(args.run_root), args.node_rank), end="")
+        return 0
+    if args.cmd == "node-record":
+        write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s)
+        return 0
+    if args.cmd == "wait-nodes":
+        problems = wait_for_nodes(Path(args.log_dir), args.n_nodes, args.timeout_s)
+        for line in problems:
+            print(f"sftprof: {line}", file=sys.stderr)
+        return 1 if problems else 0
     try:
         trials, settings, info = plan(os.environ, args.overrides)
     except (DriverError, ConfigError) as err:
         print(f"sftprof: {err}", file=sys.stderr)
         return 2
     write_plan(trials, settings, info)
+    for line in info.pop("notices"):
+        print(f"sftprof: {line}", file=sys.stderr)
     for key, value in info.items():
         print(f"{key.upper()}={shlex.quote(str(value))}")  # the driver evals these lines
     return 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -48,10 +49,12 @@ import torch.distributed as dist
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.profiling.regions import STEP, region
+from sftprof.progress import StepProgress
 
 log = logging.getLogger("sftprof")
 
 GIB = float(1 << 30)
+HEARTBEAT_S = 20.0  # seconds between "still running" lines of a long step (rank 0)
 
 
 class _Terminated(RuntimeError):
@@ -136,7 +139,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sftprof.allocation import parse_allocation_mode
     from sftprof.data import make_fake_sample
     from sftprof.models.hf import load_hf_config
-    from sftprof.models.specs import check_linear_attention_layout
     from sftprof.tokenizer import load_tokenizer
 
     layout = parse_allocation_mode(cfg.actor.backend)
@@ -146,7 +148,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
-        check_linear_attention_layout(hf_config.model_type, layout)
+        if layout.backend == "megatron":
+            from sftprof.models.megatron_config import check_model_settings
+            check_model_settings(cfg, hf_config, layout)
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.model_type)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
                                   hf_config.vocab_size)
@@ -181,6 +185,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         raise _Terminated("terminated by SIGTERM (another rank failed or the launcher stopped the trial)")
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    progress = StepProgress(heartbeat_s=HEARTBEAT_S)  # started on rank 0 once the engine is built
     try:
         coords = layout.rank_coords(rank)
         if rank == 0:
@@ -194,7 +199,11 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         _seed(cfg.seed)
         kernel = KernelProfiler(cfg, layout, rank, log_dir)
         memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
+        t_build = time.perf_counter()
         engine = build_engine(cfg, layout, hf_config, device)
+        if rank == 0:
+            log.info("engine built in %.1f s; %d step(s) to run", time.perf_counter() - t_build, cfg.total_train_steps)
+            progress.start()
         loss_tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
         tokens = cfg.train_dataset.batch_size * cfg.profile.fake_seq_len
         peak = gpu_peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -203,6 +212,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
+            progress.begin_step(step)
             with kernel.step(step), memory.step(step):
                 # Timed inside the profilers: their start/stop, trace export and snapshot dump stay out.
                 t0 = time.perf_counter()
@@ -210,6 +220,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                     result = engine.train_step(mbs, loss_tokens)
                     _sync(device)
                 dt = time.perf_counter() - t0
+            progress.end_step()
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"]}
@@ -224,20 +235,24 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                       if result.model_flops is not None and on_gpu else None)
             recompute_tflops = (result.recompute_flops / step_time / layout.world_size / 1e12
                                 if result.recompute_flops is not None and on_gpu else None)
-            record = {"type": "step", "step": step, "loss": result.loss, "step_time_s": step_time, "tokens": tokens,
+            record = {"type": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
+                      "step_time_s": step_time, "tokens": tokens,
                       "tokens_per_s": tokens / step_time, "mem_allocated_gb": mem["allocated"],
                       "mem_reserved_gb": mem["reserved"], "mem_peak_allocated_gb": mem["peak_allocated"],
                       "mem_peak_reserved_gb": mem["peak_reserved"], "ranks": ranks, "tflops_per_gpu": tflops,
                       "mfu": mfu(result.model_flops, step_time, layout.world_size, peak) if tflops is not None else None,
-                      "recompute_tflops_per_gpu": recompute_tflops,
+                      "recompute_tflops_per_gpu": recompute_tflops, "moe_load": result.moe_load,
                       "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
             stats.write(json.dumps(record) + "\n")
             stats.flush()
             mem_text = ("mem GiB allocated {allocated:.2f} reserved {reserved:.2f} peak allocated {peak_allocated:.2f} "
                         "peak reserved {peak_reserved:.2f}".format(**mem) if on_gpu else "mem n/a (CPU)")
-            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s", step,
+            load = result.moe_load or {}
+            load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
+                         f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
+            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s%s", step,
                      result.loss, result.grad_norm, step_time, tokens / step_time, mem_text,
-                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "",
+                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "", load_text,
                      " | profiled" if record["profiled"] else "")
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
@@ -248,6 +263,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             raise  # after the finally below has written the failed completion record
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        progress.stop()
         if stats is not None:
             stats.write(json.dumps({"type": "complete", "status": "failed" if error else "ok", "error": error,
                                     "steps_done": steps_done, "world_size": layout.world_size,

@@ -19,7 +19,7 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
     env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"),
                PROFILE_STEPS="0,1", PROFILE_KINDS="kernel,memory", PROFILE_STAMP="e2e",
-               PROFILE_FAKE_SEQ_LEN="512", MASTER_PORT="29611", OMP_NUM_THREADS="1")
+               PROFILE_FAKE_SEQ_LEN="512", OMP_NUM_THREADS="1")
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env,
                          capture_output=True, text=True, timeout=900)
     return out, base / "run"
@@ -37,6 +37,20 @@ def test_four_trials_succeed(run):
     assert [(r["kind"], r["step"], r["status"]) for r in rows] == [
         ("kernel", "0", "0"), ("memory", "0", "0"), ("kernel", "1", "0"), ("memory", "1", "0")]
     assert (run_root / "profile_settings.log").read_text().startswith("CONFIG=tiny_cpu")
+    assert "sftprof: no CUDA on this node: memory trials run but record no snapshot (CPU)" in out.stderr
+    assert "sftprof: plan: 4 trial(s) on 2 rank(s) (1 node(s) x 2, fsdp:d2, CPU (no CUDA)): kernel step 0, " \
+           "memory step 0, kernel step 1, memory step 1" in out.stderr
+    # The narrow end table, the summaries under it and the compare command.
+    table = out.stdout[out.stdout.index("trial          status"):].splitlines()
+    assert table[0].split() == ["trial", "status", "step", "time", "peak", "mem", "top", "finding"]
+    assert [" ".join(line.split()[:4]) for line in table[1:5]] == [
+        "kernel step 0 ok", "memory step 0 no", "kernel step 1 ok", "memory step 1 no"]
+    assert all("no snapshot (CPU)" in line for line in (table[2], table[4]))
+    assert max(map(len, table[:5])) <= 120
+    assert table[6:11] == ["summaries (Markdown; the .json next to each holds every figure):"] + [
+        f"  {row['run_dir']}/profile_summary.md" for row in summary_rows(run_root)]
+    assert table[12:14] == ["compare with another run (run roots or trial dirs):",
+                            f"  python postprocess_profile.py compare {run_root} OTHER_RUN_ROOT"]
 
 
 def test_views_are_valid_and_separated(run):
@@ -44,13 +58,16 @@ def test_views_are_valid_and_separated(run):
     for row in summary_rows(run_root):
         if row["kind"] != "kernel":
             continue
-        master = Path(row["run_dir"]) / "kernel_traces" / "master"
+        traces = Path(row["run_dir"]) / "kernel_traces"
         for view in VIEWS:
-            data = json.loads((master / f"traces-r0.{view}.json").read_text())
+            data = json.loads((traces / view.removesuffix(".chrome") / "rank0.pt.trace.json").read_text())
             events = data["traceEvents"] if isinstance(data, dict) else data
             cats = {e.get("cat") for e in events}
             if view in ("gpu_only.chrome", "cuda_api_only.chrome"):
-                assert cats <= {None}, (view, cats)  # a CPU run has no GPU work and no CUDA API calls
+                # A CPU run has no GPU work and no CUDA API calls: the view holds only the record saying so.
+                assert events == [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0,
+                                   "cat": "__metadata", "args": {"name": f"{view.removesuffix('.chrome')}: "
+                                                                         "no events in this trace"}}]
             else:
                 assert "cpu_op" in cats, view
             if view == "gpu_only.chrome":

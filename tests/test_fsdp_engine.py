@@ -65,3 +65,40 @@ def test_fsdp_step0_loss_matches_reference(gloo_world_1, head_chunk):
     assert ref_norm > 0.5  # so clipping at 0.5 was active in the step
     flops = train_step_flops(ModelShape.from_hf(hf_config), [32] * 3, "full")
     assert (result.model_flops, result.recompute_flops) == (flops.model, flops.recompute)
+
+
+def test_fsdp_loads_hf_checkpoint_and_matches_transformers(gloo_world_1, tmp_path):
+    """fsdp backend on a save_pretrained checkpoint: per-token log-probs (our op on its LM head) and the step-0
+    loss equal Qwen3MoeForCausalLM's on the same tokens (fp32)."""
+    from hf_checkpoints import write_qwen3_moe
+
+    from sftprof.data import MicroBatch
+    from sftprof.ops import vocab_parallel_logprobs
+
+    ckpt = write_qwen3_moe(tmp_path / "ckpt")
+    cfg = load_config("tiny_cpu", ["actor.backend=fsdp:d1", f"actor.path={ckpt}", "actor.init_from_scratch=false",
+                                   "actor.dtype=float32", "profile.fake_seq_len=48", "train_dataset.batch_size=2",
+                                   "actor.mb_spec.n_mbs=1", "actor.logprobs_chunk_size=16"])
+    hf_config = load_hf_config(cfg.actor.path)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, hf_config.vocab_size, (2, 49), generator=g)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 20:] = True
+    ref = Qwen3MoeForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        ref_logp = torch.log_softmax(ref(input_ids=ids, use_cache=False).logits, -1).gather(-1, labels[..., None])[..., 0]
+    engine = build_engine(cfg, parse_allocation_mode(cfg.actor.backend), hf_config, torch.device("cpu"))
+    captured = []  # the decoder's output inside the FSDP root's forward (its parameters are unsharded only there)
+    handle = engine.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state))
+    with torch.no_grad():
+        engine.model(ids, labels, mask.float())
+        handle.remove()
+        hidden = captured[0]
+        weight = engine.model.lm_head.weight
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        logp = vocab_parallel_logprobs((hidden @ weight.t()).flatten(0, 1), labels.flatten(), chunk_size=16)
+    assert (logp.view(2, 48) - ref_logp).abs().max().item() < 1e-5
+    result = engine.train_step([MicroBatch(ids, labels, mask, (0, 1))], int(mask.sum()))
+    ref_loss = -(ref_logp * mask).sum().item() / int(mask.sum())
+    assert result.loss == pytest.approx(ref_loss, rel=1e-6)

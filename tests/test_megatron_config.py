@@ -182,16 +182,45 @@ def test_unsupported_hf_configs():
 
 
 def test_init_from_scratch_false_messages(tmp_path):
-    from sftprof.engine.megatron import check_init_from_scratch
-
     model_dir = tmp_path / "m"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text((CONFIG_DIR / "tiny_qwen3_moe" /
-                                            "config.json").read_text())
+    (model_dir / "config.json").write_text((CONFIG_DIR / "tiny_qwen3_moe" / "config.json").read_text())
+    hf = load_hf_config(str(model_dir))
+    layout = parse_allocation_mode("megatron:d1")
     cfg = load_config("tiny_cpu", [f"actor.path={model_dir}", "actor.init_from_scratch=false"])
-    with pytest.raises(ConfigError, match="holds no weight files.*actor.init_from_scratch=true"):
-        check_init_from_scratch(cfg)
+    with pytest.raises(ConfigError, match=r"holds no safetensors checkpoint \(model.safetensors.index.json or "
+                                          r"model.safetensors\).*actor.init_from_scratch=true"):
+        mc.check_model_settings(cfg, hf, layout)
     (model_dir / "model.safetensors").write_bytes(b"")
-    with pytest.raises(NotImplementedError, match="set actor.init_from_scratch=true"):
-        check_init_from_scratch(cfg)
-    check_init_from_scratch(load_config("tiny_cpu", [f"actor.path={model_dir}"]))  # random init: no error
+    mc.check_model_settings(cfg, hf, layout)  # a checkpoint is present (read later, by the engine)
+    hf.model_type = "qwen3_5_moe_text"
+    with pytest.raises(ConfigError, match="loads weights of \\['qwen3_moe'\\], not model_type 'qwen3_5_moe_text'"):
+        mc.check_model_settings(cfg, hf, layout)
+    mc.check_model_settings(load_config("tiny_cpu", [f"actor.path={model_dir}"]), hf, layout)  # random init
+
+
+def test_chunked_lm_head_needs_vocab_divisible_by_tp():
+    hf = load_hf_config("tiny_qwen3_moe")
+    hf.vocab_size = 151937
+    cfg = load_config("tiny_cpu", ["actor.megatron.lm_head_loss_chunk_size=2048"])
+    with pytest.raises(ConfigError, match="lm_head_loss_chunk_size=2048: the chunked LM-head loss needs a vocabulary "
+                                          "divisible by TP=2 \\(vocab_size 151937\\)"):
+        mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:t2"))
+    mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:d2"))
+    assert mc.gpt_model_kwargs(hf, 2)["vocab_size"] == 151938
+    assert mc.gpt_model_kwargs(hf, 1)["vocab_size"] == 151937
+
+
+@pytest.mark.parametrize("backend,overrides,message", [
+    ("megatron:t8", [], "num_key_value_heads=4 is not divisible by TP=8"),
+    ("megatron:(attn:d3|ffn:e3)", ["train_dataset.batch_size=3"], "num_experts=128 is not divisible by EP=3"),
+    ("megatron:p5", [], "num_hidden_layers=48 is not divisible by PP=5"),
+    ("megatron:c4", ["profile.fake_seq_len=1004"], "fake_seq_len=1004: must be divisible by 2\\*CP=8"),
+    ("megatron:(attn:c2t4|ffn:e8)", ["profile.fake_seq_len=1020"], "per-CP-rank length by TP=4"),
+])
+def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, message):
+    hf = load_hf_config("qwen3_30b_a3b")
+    layout = parse_allocation_mode(backend)
+    cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"] + overrides)
+    with pytest.raises(ConfigError, match=message):
+        mc.check_model_settings(cfg, hf, layout)

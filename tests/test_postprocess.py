@@ -13,6 +13,7 @@ import pytest
 from fixtures import gpu_snapshot_fixtures, make_cpu_trace
 from sftprof.profiling.memory_summary import analyze_snapshot
 from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.profiling.layout import view_path
 from sftprof.profiling.summary import read_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,8 @@ def _kernel_log_dir(root, traces, step_time=2.0):
     log = root / "log"
     (log / "perf_tracer").mkdir(parents=True)
     for r, t in enumerate(traces):
-        shutil.copy(t, log / "perf_tracer" / f"traces-r{r}.chrome.json")
+        # rank 1 keeps the name of earlier releases (traces-r<r>.chrome.json): both are read
+        shutil.copy(t, log / "perf_tracer" / (f"rank{r}.pt.trace.json" if r == 0 else f"traces-r{r}.chrome.json"))
     _stats(log / "stats.jsonl", step_time=step_time)
     (log / "rank_coords.json").write_text(json.dumps(
         {"world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp", "ranks": COORDS}))
@@ -71,7 +73,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     assert "[postprocess]" in res.stderr
     for r in (0, 1):
         for v in VIEWS:
-            json.load(open(run / "kernel_traces" / "master" / f"traces-r{r}.{v}.json"))
+            json.load(open(view_path(str(run / "kernel_traces"), r, v)))
     s = json.load(open(run / "profile_summary.json"))
     assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0}
     assert s["status"] == "ok" and s["errors"] == [] and s["completion"]["device"] == "cuda"
@@ -98,18 +100,31 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
 def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
     log = _kernel_log_dir(tmp_path, cpu_traces)
     data = Path(cpu_traces[0]).read_bytes()
-    (log / "perf_tracer" / "traces-r2.chrome.json.gz").write_bytes(gzip.compress(data)[:-100])
+    (log / "perf_tracer" / "rank2.pt.trace.json.gz").write_bytes(gzip.compress(data)[:-100])
     run = tmp_path / "run"
     assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
     # Rerun with --compress: the plain views of the first run are replaced, not left stale.
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1, "--compress")
     assert res.returncode == 1
     s = json.load(open(run / "profile_summary.json"))
-    assert [e["file"] for e in s["errors"]] == ["perf_tracer/traces-r2.chrome.json.gz"]
-    assert "traces-r2.chrome.json.gz" in s["errors"][0]["error"] and "traces-r2" in res.stderr
+    assert [e["file"] for e in s["errors"]] == ["perf_tracer/rank2.pt.trace.json.gz"]
+    assert "rank2.pt.trace.json.gz" in s["errors"][0]["error"] and "rank2.pt.trace" in res.stderr
     assert s["counts"]["traces"] == 3 and s["counts"]["traces_ok"] == 2 and s["counts"]["views"] == 10
-    assert sorted(os.listdir(run / "kernel_traces" / "master")) == sorted(
-        f"traces-r{r}.{v}.json.gz" for r in (0, 1) for v in VIEWS)
+    # One folder per view, one trace per rank in each (what HTA's TraceAnalysis(trace_dir=...) needs).
+    folders = ["chrome", "split_clean", "gpu_only", "cpu_only", "cuda_api_only"]
+    assert sorted(os.listdir(run / "kernel_traces")) == sorted(folders)
+    for folder in folders:
+        assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
+
+
+def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    shutil.copy(cpu_traces[0], log / "perf_tracer" / "traces-r0.chrome.json")  # legacy name next to the new one
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": "perf_tracer/traces-r0.chrome.json", "error": f"{log}/perf_tracer/traces-r0.chrome.json: "
+                            "a second trace for rank 0; only rank0.pt.trace.json was processed"}]
 
 
 def test_failed_trial_still_gets_a_summary(tmp_path):

@@ -8,7 +8,9 @@ import torch
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import load_config
-from sftprof.profiling.kernel import KernelProfiler, trace_path
+from torch.profiler import ProfilerAction
+
+from sftprof.profiling.kernel import KernelProfiler, profile_schedule, trace_path
 from sftprof.profiling.memory import MemoryProfileOOM, MemoryProfiler, snapshot_dir, snapshot_name
 from sftprof.profiling.regions import forward, region
 
@@ -28,21 +30,61 @@ def test_snapshot_name_and_dir(tmp_path):
     coords = LAYOUT.rank_coords(5)
     assert snapshot_name(5, coords) == "snapshot_rank5_pp1_dp0_cp0_tp1_ep0.pickle"
     assert snapshot_dir(tmp_path, 3) == tmp_path / "memory_snapshots" / "step_3"
-    assert trace_path(tmp_path, 4) == tmp_path / "perf_tracer" / "traces-r4.chrome.json"
+    assert trace_path(tmp_path, 4) == tmp_path / "perf_tracer" / "rank4.pt.trace.json"
 
 
-@pytest.mark.parametrize("rank,step,written", [(4, 1, True), (1, 1, False), (4, 0, False)])
-def test_kernel_profiler_selects_step_and_rank(tmp_path, rank, step, written):
-    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, rank, tmp_path)
-    assert prof.ranks == [0, 4] and prof.is_profiled(1) and not prof.is_profiled(0)
-    with prof.step(step):
-        _work()
+def test_schedule_matches_torch_schedule_for_one_step():
+    ours = profile_schedule([3])
+    theirs = torch.profiler.schedule(skip_first=2, wait=0, warmup=1, active=1, repeat=1)
+    assert [ours(n) for n in range(8)] == [theirs(n) for n in range(8)]
+    assert [ours(n) for n in range(5)] == [ProfilerAction.NONE] * 2 + [ProfilerAction.WARMUP,
+                                                                       ProfilerAction.RECORD_AND_SAVE, ProfilerAction.NONE]
+    both = profile_schedule([0, 1])
+    assert [both(n) for n in range(3)] == [ProfilerAction.RECORD_AND_SAVE] * 2 + [ProfilerAction.NONE]
+
+
+def _slice_of(events, name):
+    found = [e for e in events if e.get("name") == name and e.get("ph") == "X"]
+    assert len(found) == 1, (name, len(found))
+    return found[0]
+
+
+@pytest.mark.parametrize("rank,written", [(4, True), (1, False)])
+def test_kernel_profiler_records_profiler_step_with_our_regions(tmp_path, rank, written):
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[2]"), LAYOUT, rank, tmp_path)
+    assert prof.ranks == [0, 4] and prof.is_profiled(2) and not prof.is_profiled(1)
+    for step in range(4):
+        with prof.step(step), region(f"sftprof/step{step}"):
+            _work()
     path = trace_path(tmp_path, rank)
     assert path.exists() is written and prof.traces_written == int(written)
     if written:
         events = json.loads(path.read_text())["traceEvents"]
-        assert any(e.get("cat") == "user_annotation" and e["name"] == "sftprof/forward/mb0" for e in events)
+        names = {e.get("name") for e in events}
+        # Only the profiled step is in the trace: not the warm-up step 1, nor steps 0 and 3.
+        assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#2"}
+        assert {n for n in names if n.startswith("sftprof/step")} == {"sftprof/step2"}
+        outer, inner = _slice_of(events, "ProfilerStep#2"), _slice_of(events, "sftprof/forward/mb0")
+        assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
         assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)  # record_shapes
+
+
+def test_kernel_profiler_exports_nothing_when_the_step_fails(tmp_path):
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
+    with prof.step(0):
+        _work()
+    with pytest.raises(RuntimeError, match="boom"):
+        with prof.step(1):
+            raise RuntimeError("boom")
+    assert prof.traces_written == 0 and not (tmp_path / "perf_tracer").exists()
+    with prof.step(2):  # after a failure the profiler is off
+        _work()
+    other = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[3]"), LAYOUT, 0, tmp_path)
+    with other.step(0):
+        pass
+    with pytest.raises(ValueError, match="expected step 1, got 2"):
+        with other.step(2):
+            pass
 
 
 def test_kernel_profiler_needs_enabled(tmp_path, caplog):
@@ -63,6 +105,21 @@ def test_memory_profiler_on_cpu_logs_and_writes_nothing(tmp_path, caplog):
             _work()
     assert "allocator snapshots need CUDA" in caplog.text
     assert prof.snapshots_written == 0 and not (tmp_path / "memory_snapshots").exists()
+
+
+@pytest.mark.gpu
+def test_kernel_profiler_records_cuda_kernels_and_sync_events(tmp_path):
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
+    for step in range(2):
+        with prof.step(step), region(forward(0)):
+            torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
+            torch.cuda.synchronize()
+    events = json.loads(trace_path(tmp_path, 0).read_text())["traceEvents"]
+    cats = {e.get("cat") for e in events}
+    assert "kernel" in cats and "gpu_user_annotation" in cats
+    # enable_cuda_sync_events: the torch.cuda.synchronize() above shows as a CUDA sync event.
+    assert any(e.get("cat") == "cuda_sync" for e in events), sorted(c for c in cats if c)
+    assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#") and e.get("ph") == "X"] == ["ProfilerStep#1"]
 
 
 @pytest.mark.gpu

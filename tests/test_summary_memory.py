@@ -78,6 +78,17 @@ def test_peak_phase_from_sidecar(snap, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_memory_plot_y_axis_starts_at_zero(snap, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)  # keep the figure to read its axes
+    s = analyze_snapshot(snap)
+    plot_memory(s, "snapshot", str(tmp_path / "m.png"))
+    (ax,) = closed[0].axes
+    low, high = ax.get_ylim()
+    assert low == 0 and high >= s["peak_reserved_gib"] > 0
+
+
 def test_allocation_site_rules():
     frames = [
         {"name": "malloc", "filename": "CUDACachingAllocator.cpp", "line": 0},

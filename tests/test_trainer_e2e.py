@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -76,7 +75,7 @@ def test_kernel_trial_records(kernel_trial):
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
-                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled"}
+                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
@@ -87,6 +86,15 @@ def test_kernel_trial_records(kernel_trial):
         assert s["step_time_s"] == max(r["step_time_s"] for r in s["ranks"]) > 0
         assert s["tflops_per_gpu"] is None and s["mfu"] is None and s["recompute_tflops_per_gpu"] is None  # CPU
         assert s["mem_peak_allocated_gb"] is None                   # no CUDA allocator on CPU
+        assert math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
+        # Routing load over both ranks: 2 sequences x SEQ tokens x top-2 slots over 8 experts per layer, counted
+        # once although gradient checkpointing re-runs every router in backward.
+        load = s["moe_load"]
+        assert load["tokens_per_expert_mean"] == [2 * SEQ * 2 / 8] * 2
+        assert all(m >= 2 * SEQ * 2 / 8 for m in load["tokens_per_expert_max"])
+        assert load["max_over_mean"] == [m / (2 * SEQ * 2 / 8) for m in load["tokens_per_expert_max"]]
+        assert load["ep_max_over_mean"] == [1.0, 1.0] and load["ep_max_over_mean_max"] == 1.0
+        assert load["max_over_mean_max"] == max(load["max_over_mean"])
     assert json.loads((log_dir / "rank_coords.json").read_text()) == {
         "world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp",
         "ranks": {"0": {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "etp": 0},
@@ -100,10 +108,16 @@ def test_kernel_trial_records(kernel_trial):
 def test_kernel_trial_trace_only_on_selected_rank(kernel_trial):
     log_dir, _ = kernel_trial
     # perf_tracer.ranks = pp_rank0 -> rank 0 only (pp=1).
-    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["traces-r0.chrome.json"]
-    events = json.loads((log_dir / "perf_tracer" / "traces-r0.chrome.json").read_text())["traceEvents"]
+    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["rank0.pt.trace.json"]
+    events = json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
     assert {"sftprof/step", "sftprof/forward/mb0", "sftprof/backward/mb0", "sftprof/optimizer_step"} <= names
+    # Step 0 is profiled (no warm-up step before it): it is ProfilerStep#0 and holds every sftprof region.
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("ph") == "X"]
+    assert [e["name"] for e in steps] == ["ProfilerStep#0"]
+    lo, hi = steps[0]["ts"], steps[0]["ts"] + steps[0]["dur"]
+    ours = [e for e in events if e["name"].startswith("sftprof/") and e.get("cat") == "user_annotation"]
+    assert ours and all(lo <= e["ts"] and e["ts"] + e["dur"] <= hi for e in ours)
     assert not (log_dir / "memory_snapshots").exists()
 
 
@@ -146,10 +160,22 @@ def test_failure_writes_failed_record(tmp_path):
 ])
 def test_config_errors_exit_2_before_process_group(tmp_path, args, env, message):
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", *args]
-    t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**_env(), **env}, capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
-    assert elapsed < 10
-    assert not (tmp_path / "logs").exists()   # nothing written: no process group, no LOG_DIR
+    # No process group started: a rank logs its first line only after init_process_group, and no
+    # LOG_DIR was created (how fast this happens is the bench's business, not a test's).
+    assert proc.stdout == ""
+    assert not (tmp_path / "logs").exists()
+
+
+def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):
+    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    from hta.trace_analysis import TraceAnalysis
+
+    log_dir, _ = kernel_trial
+    analysis = TraceAnalysis(trace_dir=str(log_dir / "perf_tracer"))   # the raw folder, as the trainer wrote it
+    df = analysis.t.get_trace(0)
+    assert sorted(df["iteration"].unique().tolist()) == [0]   # every event inside ProfilerStep#0
+    assert "ProfilerStep#0" in analysis.t.symbol_table.sym_index
+    assert "ProfilerStep not found" not in caplog.text

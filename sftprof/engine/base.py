@@ -52,12 +52,15 @@ class StepResult:
             count them. The trainer divides by step time and world size for TFLOP/s per GPU and MFU.
         recompute_flops: FLOPs re-run by activation recompute in the step (all ranks), reported
             separately and never added to ``model_flops``; None when not counted.
+        moe_load: routing load of the step summed over all ranks
+            (:meth:`sftprof.models.routing.RoutingLoadMeter.step_record`), or None when not measured.
     """
 
     loss: float
     grad_norm: float
     model_flops: Optional[float]
     recompute_flops: Optional[float] = None
+    moe_load: Optional[dict] = None
 
 
 class Engine(abc.ABC):

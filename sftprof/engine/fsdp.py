@@ -38,6 +38,7 @@ from sftprof.config import effective_logprobs_chunk_size
 from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
+from sftprof.models.routing import RoutingLoadMeter
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,9 @@ class FSDPEngine(Engine):
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
+        self.routing = RoutingLoadMeter(
+            [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")],
+            hf_config.num_hidden_layers, hf_config.num_experts, 1, device)
         o = a.optimizer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -258,9 +262,11 @@ class FSDPEngine(Engine):
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(local_sum)
+        moe_load = self.routing.step_record()
         seq_len = micro_batches[0].input_ids.shape[1]
         # HF gradient checkpointing re-runs every decoder layer's forward: Megatron's full/uniform recompute.
         flops = train_step_flops(self.shape, [seq_len] * (n_seqs * self.layout.dp),
                                  "full" if self.cfg.actor.gradient_checkpointing else "none") if self.shape else None
         return StepResult(loss=float(local_sum) / global_loss_tokens, grad_norm=float(grad_norm),
-                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None)
+                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None,
+                          moe_load=moe_load)

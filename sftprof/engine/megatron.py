@@ -9,15 +9,20 @@ Build (:class:`MegatronEngine`):
 3. ``TransformerConfig`` from the HF config (:mod:`sftprof.models.megatron_config`): sequence parallel
    when TP > 1, alltoall token dispatcher, recompute, deterministic mode, router dtype;
 4. ``GPTModel`` with the layer spec of :mod:`sftprof.models.specs` (TE or local + SDPA/grouped GEMM),
-   random init (weight loading is not implemented: ``actor.init_from_scratch=false`` with weights stops);
-5. megatron ``DistributedDataParallel`` and the (distributed) optimizer over DP x CP.
+   random init, or with ``actor.init_from_scratch=false`` the Hugging Face safetensors checkpoint in
+   ``actor.path`` (:func:`sftprof.models.megatron_load.load_hf_checkpoint`: each rank reads only its
+   shard); the vocabulary is padded to a multiple of TP and the padding's logits are masked;
+5. with ``lm_head_loss_chunk_size > 0``, :class:`LMHeadLoss` joins the model as a submodule that holds the
+   output weight, so megatron's DDP hooks see the weight used (see the class);
+6. megatron ``DistributedDataParallel`` and the (distributed) optimizer over DP x CP.
 
 Step (:meth:`MegatronEngine.train_step`): micro-batches go through ``get_forward_backward_func()``
 (no pipelining or 1F1B with PP). Each CP rank keeps its load-balanced slice of the sequence
 (:func:`sftprof.data.cp_shard`). On the last pipeline stage the loss is computed from the
 vocab-parallel output with :mod:`sftprof.ops`: ``vocab_parallel_logprobs`` on the logits (chunked by
 ``actor.logprobs_chunk_size``), or ``linear_sft_loss`` on the final hidden states when
-``actor.megatron.lm_head_loss_chunk_size > 0`` (no full logits). The loss function returns the local
+``actor.megatron.lm_head_loss_chunk_size > 0`` (no full logits, :class:`LMHeadLoss`). The routers' load
+(:class:`sftprof.models.routing.RoutingLoadMeter`) is summed over all ranks once per step. The loss function returns the local
 loss sum and local loss-token count with ``calculate_per_token_loss=True``; Megatron sums gradients over
 DP x CP and divides them by the all-reduced token count, so gradients are those of the global
 token-mean loss. (Megatron then also scales the MoE auxiliary loss as in its per-token-loss mode.)
@@ -34,33 +39,55 @@ import torch
 import torch.distributed as dist
 
 from sftprof.allocation import Layout
-from sftprof.config import ConfigError, SFTProfileConfig, effective_logprobs_chunk_size
+from sftprof.config import SFTProfileConfig, effective_logprobs_chunk_size
 from sftprof.data import MicroBatch, cp_shard
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.models import megatron_config as mc
-from sftprof.models.hf import has_weights, resolve_model_dir
+from sftprof.models.hf import resolve_model_dir
+from sftprof.models.routing import RoutingLoadMeter
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
 
 
-def check_init_from_scratch(cfg: SFTProfileConfig) -> None:
-    """Stop unless the model is randomly initialised (weight loading is not implemented yet).
+class LMHeadLoss(torch.nn.Module):
+    """The chunked LM-head loss (``sftprof.ops.linear_sft_loss``) as a submodule of ``GPTModel``.
 
-    Raises:
-        NotImplementedError: ``actor.init_from_scratch=false`` and ``actor.path`` holds weights.
-        ConfigError: ``actor.init_from_scratch=false`` and ``actor.path`` holds no weights.
+    With the distributed optimizer and ``overlap_param_gather``, megatron-core's DDP all-gathers updated
+    parameters asynchronously after the optimizer step and waits for each bucket in a forward pre-hook
+    of the module that holds the parameter. The chunked loss reads the output weight without calling
+    ``output_layer``, so no hook waited for that bucket: the loss could read a half-gathered weight, and
+    the next step's ``start_param_sync`` asserted on the still-pending handle. This module registers the
+    same ``Parameter`` (shared with ``output_layer``, or the embedding when tied), so DDP's pre-hook on
+    it waits for the weight's all-gather whenever the loss runs.
+
+    Args:
+        weight: the output-layer weight ``[V/tp, H]`` (vocab-parallel rows).
+        tp_group: the tensor-parallel process group.
+        chunk_size: tokens per chunk (``actor.megatron.lm_head_loss_chunk_size``, > 0).
+        sequence_parallel: the hidden states are sequence-parallel shards (TP > 1).
     """
-    if cfg.actor.init_from_scratch:
-        return
-    model_dir = resolve_model_dir(cfg.actor.path)
-    if has_weights(model_dir):
-        raise NotImplementedError(
-            f"actor.init_from_scratch=false: loading the weights in {model_dir} into the megatron backend is not "
-            "implemented yet; set actor.init_from_scratch=true (random init) to profile")
-    raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weight files (*.safetensors, *.bin, "
-                      "*.pt); set actor.init_from_scratch=true")
+
+    def __init__(self, weight: torch.nn.Parameter, tp_group, chunk_size: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = weight
+        self.tp_group, self.chunk_size, self.sequence_parallel = tp_group, chunk_size, sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
+        """fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
+
+        Args:
+            hidden: ``[s_local (/tp under SP), b, H]`` final hidden states; afterwards it holds d loss / d hidden
+                (``grad_in_hidden=True``: the normed hidden states feed only the LM head).
+            labels: ``[s_local * b]`` int64 in ``[s, b]`` token order (all TP ranks' tokens under SP).
+            loss_weight: ``[s_local * b]`` fp32.
+        """
+        from sftprof.ops import linear_sft_loss
+
+        return linear_sft_loss(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, loss_weight,
+                               tp_group=self.tp_group, chunk_size=self.chunk_size,
+                               sequence_parallel=self.sequence_parallel, grad_in_hidden=True)
 
 
 class _BackwardRegionMark(torch.autograd.Function):
@@ -91,8 +118,10 @@ class MegatronEngine(Engine):
         device: this rank's CUDA device (``torch.cuda.set_device`` done by the trainer).
     Raises:
         ConfigError: precision settings (e.g. the precision-aware optimizer without TE:
-            ``USE_PRECISION_AWARE_OPTIMIZER``), a non-megatron layout, init_from_scratch without weights.
-        NotImplementedError: weight loading requested; Qwen3.5 without fla or with CP > 1.
+            ``USE_PRECISION_AWARE_OPTIMIZER``), a non-megatron layout, or a combination
+            :func:`sftprof.models.megatron_config.check_model_settings` refuses.
+        CheckpointError: ``init_from_scratch=false`` and the checkpoint cannot be loaded (names the file or tensors).
+        NotImplementedError: Qwen3.5 without fla or with CP > 1.
         RuntimeError: no CUDA device, or the world size does not match the layout.
     """
 
@@ -115,7 +144,7 @@ class MegatronEngine(Engine):
         self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
         have_te = have_transformer_engine()
         opt_kwargs = mc.optimizer_config_kwargs(cfg, have_te)
-        check_init_from_scratch(cfg)
+        mc.check_model_settings(cfg, hf_config, layout)
         m = cfg.actor.megatron
         if m.use_deterministic_algorithms:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -128,22 +157,40 @@ class MegatronEngine(Engine):
         self.tcfg = tcfg
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        gpt_kwargs = mc.gpt_model_kwargs(hf_config)
-        self.vocab_size = gpt_kwargs["vocab_size"]
+        gpt_kwargs = mc.gpt_model_kwargs(hf_config, layout.tp)
+        self.vocab_size = hf_config.vocab_size
         gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te),
                        pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
-        self.lm_head_chunk = m.lm_head_loss_chunk_size
-        if self.lm_head_chunk and self.post_process:
-            # GPTModel returns the final (normed) hidden states instead of logits when post_process is False;
-            # the output layer's weight stays in the model and is used by sftprof.ops.linear_sft_loss.
+        # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
+        tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp
+        self.vocab_valid_local = min(v_local, max(0, self.vocab_size - tp_rank * v_local))
+        self.n_params = sum(p.numel() for p in gpt.parameters())
+        if cfg.actor.init_from_scratch:
+            log.info("megatron: random initialisation (actor.init_from_scratch=true) of %s", cfg.actor.path)
+        else:
+            from sftprof.models.megatron_load import load_hf_checkpoint
+            load_hf_checkpoint(gpt, resolve_model_dir(cfg.actor.path), hf_config)
+        log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s",
+                 cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(), have_te)
+        # megatron-core creates some parameters on the CPU (the MoE router's weight: TopKRouter.__init__) and
+        # moves them at their first forward by replacing .data, which detaches the gradient accumulator DDP
+        # hooked below: the router's gradients would never reach main_grad. Move everything before DDP.
+        gpt.cuda(device)
+        self.lm_head_loss = None
+        if m.lm_head_loss_chunk_size and self.post_process:
+            # GPTModel returns the final (normed) hidden states instead of logits when post_process is False.
             gpt.post_process = False
+            tied = gpt.share_embeddings_and_output_weights
+            weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+            gpt.lm_head_loss = self.lm_head_loss = LMHeadLoss(
+                weight, parallel_state.get_tensor_model_parallel_group(), m.lm_head_loss_chunk_size,
+                tcfg.sequence_parallel)
         if self.pre_process:
             gpt.embedding.register_forward_hook(self._mark_stage_input)
         self.gpt = gpt
-        self.n_params = sum(p.numel() for p in gpt.parameters())
-        log.info("megatron: random initialisation (actor.init_from_scratch=true, no weights loaded) of %s: %d "
-                 "layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s", cfg.actor.path,
-                 len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(), have_te)
+        self.routing = RoutingLoadMeter(
+            [(layer.layer_number - 1, layer.mlp.router) for layer in gpt.decoder.layers],
+            hf_config.num_hidden_layers, tcfg.num_moe_experts, layout.ep, device)
 
         ddp_config = DistributedDataParallelConfig(**mc.ddp_config_kwargs(cfg))
         self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)
@@ -202,22 +249,25 @@ class MegatronEngine(Engine):
 
     def _loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         """Local sum of ``-logprob * loss_mask`` (fp32 scalar) from the last stage's output."""
-        from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
+        from sftprof.ops import vocab_parallel_logprobs
 
         mask = batch["loss_mask"]
-        if self.lm_head_chunk:
+        if self.lm_head_loss is not None:
             # output: final hidden states [s_local(/tp under SP), b, h]; tokens in [s, b] order.
-            h = output.shape[-1]
-            tied = self.gpt.share_embeddings_and_output_weights
-            weight = self.gpt.shared_embedding_or_output_weight() if tied else self.gpt.output_layer.weight
-            return linear_sft_loss(output.reshape(-1, h), weight, batch["labels"].t().reshape(-1),
-                                   mask.t().reshape(-1).to(torch.float32), tp_group=self.tp_group,
-                                   chunk_size=self.lm_head_chunk, sequence_parallel=self.tcfg.sequence_parallel,
-                                   grad_in_hidden=True)  # the normed hidden states feed only the LM head
-        # output: vocab-parallel logits [b, s_local, V/tp]
-        logprobs = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), batch["labels"].reshape(-1),
+            return self.lm_head_loss(output, batch["labels"].t().reshape(-1), mask.t().reshape(-1).to(torch.float32))
+        # output: vocab-parallel logits [b, s_local, V'/tp]
+        logits = self.mask_vocab_padding(output)
+        logprobs = vocab_parallel_logprobs(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
                                            tp_group=self.tp_group, chunk_size=effective_logprobs_chunk_size(self.cfg))
         return -(logprobs * mask.reshape(-1).to(logprobs.dtype)).sum()
+
+    def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [..., V'/tp]`` with the padded vocabulary columns of this TP rank set to -inf (no-op
+        without padding), so the log-softmax runs over the model's real vocabulary only."""
+        if self.vocab_valid_local == logits.shape[-1]:
+            return logits
+        return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_valid_local,
+                                  float("-inf"))
 
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
@@ -269,6 +319,7 @@ class MegatronEngine(Engine):
                 self._close_backward_region(mb)
         with region(OPTIMIZER_STEP):
             _, grad_norm, _ = self.optimizer.step()
+        moe_load = self.routing.step_record()
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.post_process:
             for d in losses:
@@ -291,4 +342,5 @@ class MegatronEngine(Engine):
                      flops.model, flops.recompute, gran)
         self._flops_logged = True
         return StepResult(loss=loss_sum / global_loss_tokens, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None)
+                          model_flops=flops.model if flops else None, recompute_flops=flops.recompute if flops else None,
+                          moe_load=moe_load)

@@ -90,3 +90,28 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
         if hasattr(config, "max_window_layers"):
             config.max_window_layers = min(config.max_window_layers, num_layers)
     return config
+
+
+def save_random_checkpoint(hf_config: PretrainedConfig, out_dir: str | Path, dtype=None, seed: int = 0,
+                           device: str = "cpu", max_shard_size: str = "2GB") -> Path:
+    """Write a randomly initialised ``*ForCausalLM`` of ``hf_config`` with ``save_pretrained`` (sharded
+    safetensors + index) to ``out_dir``, for profiling or testing the weight-loading path without a download.
+
+    Args:
+        hf_config: the (text) config, e.g. from :func:`load_hf_config` (cut to fewer layers if wanted).
+        out_dir: target directory (created; existing files of the same names are replaced).
+        dtype: torch dtype of the weights (default: the config's ``torch_dtype`` or float32).
+        seed: torch seed of the initialisation (the same seed gives the same weights on the same device).
+        device: where the model is initialised (``"cuda"`` is much faster for billions of parameters).
+        max_shard_size: ``save_pretrained``'s shard size.
+    Returns:
+        ``Path(out_dir)``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype or getattr(hf_config, "torch_dtype", None))
+    model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
+    return Path(out_dir)

@@ -162,16 +162,22 @@ def hf_to_transformer_kwargs(hf: Any) -> dict:
     return kw
 
 
-def gpt_model_kwargs(hf: Any) -> dict:
+def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
     """``GPTModel`` keyword arguments besides config and layer spec.
 
+    Args:
+        hf: the (text) HF config.
+        tp_size: tensor-parallel size; the vocabulary is padded to a multiple of it
+            (:func:`sftprof.models.qwen3_moe_weights.padded_vocab_size`; the engine masks the padding's logits).
     Returns:
-        ``vocab_size``, ``max_sequence_length``, ``position_embedding_type="rope"``, ``rotary_base``
+        ``vocab_size`` (padded), ``max_sequence_length``, ``position_embedding_type="rope"``, ``rotary_base``
         (float RoPE theta), ``rotary_percent``, ``share_embeddings_and_output_weights``,
         ``parallel_output=True`` (vocab-parallel logits: the loss runs on each rank's vocabulary shard).
     """
+    from sftprof.models.qwen3_moe_weights import padded_vocab_size
+
     return dict(
-        vocab_size=hf.vocab_size,
+        vocab_size=padded_vocab_size(hf.vocab_size, tp_size),
         max_sequence_length=hf.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
@@ -179,6 +185,60 @@ def gpt_model_kwargs(hf: Any) -> dict:
         share_embeddings_and_output_weights=bool(_get(hf, "tie_word_embeddings", default=False)),
         parallel_output=True,
     )
+
+
+def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None:
+    """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
+
+    - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
+      checkpoint of a family that has a weight mapping (:data:`sftprof.models.megatron_load.MAPPINGS`);
+    - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
+    - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
+      expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
+      divides (sequence parallelism);
+    - the chunked LM-head loss (``lm_head_loss_chunk_size > 0``) needs a vocabulary that TP divides (it
+      has no mask for padded vocabulary rows; the logits path has).
+
+    Raises:
+        ConfigError: naming the setting, the value and what is accepted.
+    """
+    from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
+    from sftprof.models.hf import resolve_model_dir
+    from sftprof.models.megatron_load import MAPPINGS
+
+    if not cfg.actor.init_from_scratch:
+        model_dir = resolve_model_dir(cfg.actor.path)
+        if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
+            raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no safetensors checkpoint ({INDEX_NAME} "
+                              f"or {SINGLE_NAME}); accepted: a Hugging Face model directory with safetensors weights, "
+                              "or actor.init_from_scratch=true (random init)")
+        if hf.model_type not in MAPPINGS:
+            raise ConfigError(f"actor.init_from_scratch=false: the megatron backend loads weights of {sorted(MAPPINGS)}, "
+                              f"not model_type {hf.model_type!r}; set actor.init_from_scratch=true")
+    from sftprof.models.specs import check_linear_attention_layout
+
+    check_linear_attention_layout(hf.model_type, layout)
+    heads = hf.num_attention_heads
+    groups = _get(hf, "num_key_value_heads", default=heads)
+    experts = _get(hf, "num_experts", "num_local_experts")
+    for what, size, name, parts in (
+            ("num_attention_heads", heads, "TP", layout.tp), ("num_key_value_heads", groups, "TP", layout.tp),
+            ("num_experts", experts, "EP", layout.ep), ("moe_intermediate_size", hf.moe_intermediate_size, "ETP", layout.etp),
+            ("num_hidden_layers", hf.num_hidden_layers, "PP", layout.pp),
+            ("linear_num_key_heads", _get(hf, "linear_num_key_heads", default=0), "TP", layout.tp),
+            ("linear_num_value_heads", _get(hf, "linear_num_value_heads", default=0), "TP", layout.tp)):
+        if size % parts:
+            raise ConfigError(f"actor.backend={cfg.actor.backend!r}: the model's {what}={size} is not divisible by "
+                              f"{name}={parts}; accepted: a layout whose {name} divides it (actor.num_layers cuts layers)")
+    seq, cp = cfg.profile.fake_seq_len, layout.cp
+    if (cp > 1 and seq % (2 * cp)) or (seq // cp) % layout.tp:
+        raise ConfigError(f"profile.fake_seq_len={seq}: must be divisible by 2*CP={2 * cp} (load-balanced context "
+                          f"parallel chunks) and the per-CP-rank length by TP={layout.tp} (sequence parallel)")
+    chunk = cfg.actor.megatron.lm_head_loss_chunk_size
+    if chunk and hf.vocab_size % layout.tp:
+        raise ConfigError(f"actor.megatron.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
+                          f"divisible by TP={layout.tp} (vocab_size {hf.vocab_size}); accepted: 0 (logits path, which "
+                          "masks the padded vocabulary) or a TP that divides the vocabulary")
 
 
 def _parallel_sizes(layout: Layout) -> dict:
@@ -209,7 +269,8 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
     """Precision, recompute, routing and fusion ``TransformerConfig`` fields from the trial settings.
 
     - ``actor.dtype`` -> ``bf16``/``fp16``/``params_dtype``/``pipeline_dtype``;
-    - ``actor.megatron.recompute_*`` (``none`` -> no recompute; ``method``/``num_layers`` only for ``full``);
+    - ``actor.megatron.recompute_*`` (``none`` -> no recompute; ``method``/``num_layers`` only for ``full``,
+      ``recompute_modules`` only for ``selective``);
       recompute is on only when ``actor.gradient_checkpointing`` is true;
     - ``use_deterministic_algorithms`` -> ``deterministic_mode``;
     - ``moe_router_dtype`` (``none`` -> router in the model dtype), ``moe_token_dispatcher_type``,
@@ -245,6 +306,8 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         if m.recompute_granularity == "full":
             kw["recompute_method"] = m.recompute_method
             kw["recompute_num_layers"] = m.recompute_num_layers
+        else:
+            kw["recompute_modules"] = list(m.recompute_modules)
     return kw
 
 

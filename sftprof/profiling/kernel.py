@@ -1,34 +1,77 @@
 """Kernel trials: a ``torch.profiler`` trace of the chosen steps on the chosen ranks.
 
-The profiler runs only around a profiled step (``perf_tracer.enabled=true`` and the step in
-``perf_tracer.profile_steps``) and only on the ranks of ``perf_tracer.ranks``
-(:func:`sftprof.ranks.resolve_ranks`). It records CPU activity, plus CUDA activity when CUDA is
-available, with ``record_shapes=True``; the regions of :mod:`sftprof.profiling.regions` show as
-``user_annotation`` events. Each profiled step is exported with ``export_chrome_trace`` to
-``LOG_DIR/perf_tracer/traces-r<rank>.chrome.json`` (a later profiled step of the same trial
-overwrites it: profile one step per trial, as the driver does).
+On the ranks of ``perf_tracer.ranks`` (:func:`sftprof.ranks.resolve_ranks`), when
+``perf_tracer.enabled=true`` and ``perf_tracer.profile_steps`` is not empty, one
+``torch.profiler.profile`` runs across the training loop from step 0 with a schedule
+(:func:`profile_schedule`): nothing is collected before a profiled step's warm-up step, the step
+before it warms the profiler up (as torchtitan's schedule does; step 0 has no warm-up), and the
+profiled step is recorded and saved. The profiler's step counter is the trainer's step, so the
+profiled step shows as ``ProfilerStep#<step>`` in the trace (what HolisticTraceAnalysis and
+TensorBoard's profiler plugin split steps by) with the regions of
+:mod:`sftprof.profiling.regions` (``user_annotation`` events) inside it.
+
+Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
+synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
+critical-path analysis) where this torch accepts that option. Each profiled step is exported with
+``export_chrome_trace`` to ``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json`` (the
+``<worker>.pt.trace.json`` name TensorBoard's profiler plugin looks for; a later profiled step of the
+same trial overwrites it: profile one step per trial, as the driver does).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
+from torch.profiler import ProfilerAction
 
+from sftprof.profiling.layout import trace_name
 from sftprof.ranks import resolve_ranks
 
 log = logging.getLogger(__name__)
 
 
 def trace_path(log_dir: Path, rank: int) -> Path:
-    """``LOG_DIR/perf_tracer/traces-r<rank>.chrome.json``."""
-    return Path(log_dir) / "perf_tracer" / f"traces-r{rank}.chrome.json"
+    """``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json``."""
+    return Path(log_dir) / "perf_tracer" / trace_name(rank)
+
+
+def profile_schedule(steps: Iterable[int]) -> Callable[[int], ProfilerAction]:
+    """Profiler schedule over trainer step numbers: record each step of ``steps``, warm up the one before.
+
+    ``action(n)`` is ``RECORD_AND_SAVE`` for ``n`` in ``steps``, ``WARMUP`` for ``n + 1`` in
+    ``steps`` (a one-step warm-up), ``NONE`` otherwise. For one step ``s >= 1`` this is
+    ``torch.profiler.schedule(skip_first=s - 1, wait=0, warmup=1, active=1, repeat=1)``; it also
+    covers several (even adjacent) steps.
+    """
+    chosen = frozenset(steps)
+
+    def action(n: int) -> ProfilerAction:
+        if n in chosen:
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.WARMUP if n + 1 in chosen else ProfilerAction.NONE
+
+    return action
+
+
+def _experimental_config(cuda: bool):
+    """``_ExperimentalConfig(enable_cuda_sync_events=True)`` on CUDA where torch has it, else None."""
+    if not cuda:
+        return None
+    try:
+        return torch._C._profiler._ExperimentalConfig(enable_cuda_sync_events=True)
+    except (AttributeError, TypeError):
+        log.info("this torch records no CUDA sync events (no enable_cuda_sync_events); traces have none")
+        return None
 
 
 class KernelProfiler:
-    """Per-rank switch that wraps a training step in ``torch.profiler.profile`` when selected.
+    """Per-rank profiler over the training loop that records the chosen steps (module docstring).
+
+    Call :meth:`step` for every trainer step in order from 0; it is a no-op on ranks and trials
+    that profile nothing.
 
     Args:
         cfg: trial config (``perf_tracer.{enabled, profile_steps, ranks}``).
@@ -49,6 +92,8 @@ class KernelProfiler:
         self.rank = rank
         self.log_dir = Path(log_dir)
         self.traces_written = 0
+        self._prof: torch.profiler.profile | None = None
+        self._failed = False
 
     def is_profiled(self, step: int) -> bool:
         """True when ``step`` is a kernel-profile step on some rank."""
@@ -56,20 +101,57 @@ class KernelProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Profile the enclosed block if ``step`` is profiled and this rank is selected.
+        """Run trainer step ``step`` (0, 1, 2, ... in order) under the profiler when this rank profiles.
 
-        The trace is exported when the block ends normally (not when it raises).
+        The profiler starts with step 0 and stops after the last profiled step. A profiled step's
+        trace is exported when its block ends normally; when a block raises, the profiler stops and
+        nothing more is exported.
+
+        Raises:
+            ValueError: steps are not entered in order 0, 1, 2, ... on a profiling rank.
         """
-        if step not in self.steps or self.rank not in self.ranks:
+        if not self.steps or self.rank not in self.ranks or self._failed or step > max(self.steps):
             yield
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        if self._prof is None:
+            if step != 0:
+                raise ValueError(f"KernelProfiler.step: the first step must be 0, got {step}")
+            if 0 in self.steps:
+                log.info("kernel profile of step 0 has no warm-up step (the first step is profiled)")
+            cuda = torch.cuda.is_available()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(
+                activities=activities, schedule=profile_schedule(self.steps), record_shapes=True,
+                on_trace_ready=self._export, experimental_config=_experimental_config(cuda))
+            self._prof.start()
+        else:
+            if step != self._prof.step_num + 1:
+                expected = self._prof.step_num + 1
+                self._failed = True
+                self._stop()
+                raise ValueError(f"KernelProfiler.step: expected step {expected}, got {step}")
+            self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
+        try:
             yield
+        except BaseException:
+            self._failed = True
+            self._stop()
+            raise
+        if step == max(self.steps):
+            self._stop()  # saves the last profiled step (RECORD_AND_SAVE -> stop)
+
+    def _stop(self) -> None:
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            prof.stop()
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        if self._failed:
+            return
         path = trace_path(self.log_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         self.traces_written += 1
-        log.info("kernel trace of step %d written to %s", step, path)
+        log.info("kernel trace of step %d written to %s", prof.step_num, path)

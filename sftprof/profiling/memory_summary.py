@@ -221,7 +221,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
 
 
 def plot_memory(summary: dict, title: str, out_png: str) -> None:
-    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window, peak marked.
+    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window, peak marked (y from 0).
 
     Args:
         summary: output of :func:`analyze_snapshot` (needs its ``series``).
@@ -255,6 +255,7 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
                   (f" ({summary['peak_phase']})" if summary.get("peak_phase") else ""))
     ax.set_xlabel("time since first recorded allocator event [ms]")
     ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)  # from 0, so the height of the curve reads as the memory it is
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)

@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from sftprof.progress import StepProgress
+
 STEP = "sftprof/step"
 OPTIMIZER_STEP = "sftprof/optimizer_step"
 
@@ -65,12 +67,18 @@ class PhaseRecorder:
 
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
-    """Annotate a region: ``record_function(name)`` plus a phase record when one is active."""
+    """Annotate a region: ``record_function(name)``, a phase record when a :class:`PhaseRecorder` is
+    active, and progress lines when a :class:`sftprof.progress.StepProgress` is active (rank 0)."""
     rec = PhaseRecorder._active
+    progress = StepProgress._active
     start = rec.now_us() if rec else None
+    if progress is not None:
+        progress.enter(name)
     try:
         with torch.profiler.record_function(name):
             yield
     finally:  # also when the region dies (CUDA OOM): the snapshot's peak still gets its phase
         if rec is not None:
             rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
+        if progress is not None:
+            progress.exit(name)

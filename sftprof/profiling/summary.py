@@ -1,7 +1,7 @@
 """Postprocess one profiled trial: trace views, archived snapshots, ``profile_summary.{json,md}``.
 
 Inputs are the trial's log dir (``LOG_DIR``: ``stats.jsonl``, ``rank_coords.json``,
-``perf_tracer/traces-r<rank>.chrome.json[.gz]``, ``memory_snapshots/step_<N>/...``) and
+``perf_tracer/rank<rank>.pt.trace.json[.gz]``, ``memory_snapshots/step_<N>/...``) and
 optionally the driver's ``nvidia_smi.csv`` and the trainer log. Outputs go to the trial's run
 dir (``RUN_DIR``). The summary is a pure function of the inputs (no wall-clock timestamps), so
 rerunning reproduces it byte for byte.
@@ -21,6 +21,7 @@ from sftprof.profiling.memory_summary import analyze_snapshot, plot_memory
 from sftprof.profiling.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.profiling.trace_io import TraceFormatError
 from sftprof.profiling.trace_summary import KernelTraceAnalyzer, short_kernel_name
+from sftprof.profiling.layout import KERNEL_TRACES, raw_trace_rank, trace_name
 from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
@@ -29,7 +30,6 @@ __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi"
 PROFILE_KINDS = ("kernel", "memory")
 SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
-_TRACE_RE = re.compile(r"^traces-r(\d+)\.chrome\.json(\.gz)?$")
 _SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_reserved_gb")
@@ -166,9 +166,10 @@ def _trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
 # --------------------------------------------------------------------------------------------
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
     if os.path.isdir(out_dir):  # views of an earlier run (other compression, other windows) would go stale
-        for name in os.listdir(out_dir):
-            if name.startswith(f"traces-r{rank}."):
-                os.remove(os.path.join(out_dir, name))
+        for folder in os.listdir(out_dir):
+            for name in (trace_name(rank), trace_name(rank, compress=True)):
+                if os.path.isfile(os.path.join(out_dir, folder, name)):
+                    os.remove(os.path.join(out_dir, folder, name))
     analyzer = KernelTraceAnalyzer()
     try:
         views = split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
@@ -180,17 +181,20 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
 
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
     trace_dir = os.path.join(log_dir, "perf_tracer")
-    out_dir = os.path.join(run_dir, "kernel_traces", "master")
+    out_dir = os.path.join(run_dir, KERNEL_TRACES)
     found, traces = [], []
     if os.path.isdir(trace_dir):
-        for name in sorted(os.listdir(trace_dir)):  # "x.json" sorts before "x.json.gz"
-            m = _TRACE_RE.match(name)
-            if not m:
+        # "x.json" sorts before "x.json.gz", and rank<r>.pt.trace.json before the legacy traces-r<r>.chrome.json
+        for name in sorted(os.listdir(trace_dir)):
+            rank = raw_trace_rank(name)
+            if rank is None:
                 continue
-            rank, src = int(m.group(1)), os.path.join(trace_dir, name)
-            if any(r == rank for r, _ in found):
+            src = os.path.join(trace_dir, name)
+            first = next((s for r, s in found if r == rank), None)
+            if first is not None:
                 traces.append({"rank": rank, "source": os.path.relpath(src, log_dir),
-                               "error": f"{src}: a second trace for rank {rank}; only the .json one was processed"})
+                               "error": f"{src}: a second trace for rank {rank}; only "
+                                        f"{os.path.basename(first)} was processed"})
             else:
                 found.append((rank, src))
     found.sort()
@@ -393,7 +397,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
             warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled {key}={recorded!r}, "
                                                                f"not the requested {asked!r}"})
     if status == "ok" and not items:
-        where = "perf_tracer/traces-r<rank>.chrome.json" if profile_kind == "kernel" else \
+        where = "perf_tracer/rank<rank>.pt.trace.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
         if profile_kind == "memory" and device == "cpu":
             warnings.append({"file": where, "warning": "no allocator snapshots: the trial ran on CPU "

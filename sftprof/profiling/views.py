@@ -1,6 +1,7 @@
 """Split one rank's Chrome trace into the five views users open in Perfetto.
 
-One streaming pass over ``traces-r<rank>.chrome.json[.gz]`` writes, side by side:
+One streaming pass over a rank's raw trace writes, side by side (file layout:
+:mod:`sftprof.profiling.layout`, ``<out_dir>/<view>/rank<rank>.pt.trace.json``):
 
 ============================  ==================================================================
 ``chrome``                    the whole trace, normalised (top-level members first, one event a
@@ -15,11 +16,12 @@ One streaming pass over ``traces-r<rank>.chrome.json[.gz]`` writes, side by side
 
 Metadata events (``ph == "M"``) are buffered (there are few) and written at the end of each
 view, filtered to the processes/threads that view contains. A view larger than
-``max_view_bytes`` is rewritten into time windows ``<view>.part<k>.json`` (each with all the
+``max_view_bytes`` is rewritten into time windows in ``<view>.part<k>/`` folders (each with all the
 metadata) so that every file opens in Perfetto's web UI.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from sftprof.profiling.layout import view_path, window_path
 from sftprof.profiling.trace_io import Progress, TraceReader, TraceWriter
 
 __all__ = ["VIEWS", "MAX_VIEW_BYTES", "API_TID_OFFSET", "view_path", "split_trace", "split_into_windows"]
@@ -43,13 +46,20 @@ _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _COMPACT = (",", ":")
 
 
-def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str:
-    """Path of one view file: ``<out_dir>/traces-r<rank>.<view>.json[.gz]``."""
-    return os.path.join(out_dir, f"traces-r{rank}.{view}.json" + (".gz" if compress else ""))
-
-
 def _meta(name: str, pid, tid, args: dict) -> str:
     return json.dumps({"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}, separators=_COMPACT)
+
+
+def _empty_view_event(view: str) -> str:
+    """The one event of a view that selected nothing (e.g. ``gpu_only`` of a CPU run).
+
+    A ``process_name`` metadata record that says so; it carries ``ts``, ``dur`` and ``cat``
+    (``__metadata``, as Chrome writes for metadata) because HolisticTraceAnalysis 0.5.0 cannot load
+    a trace whose events lack those columns (``KeyError: 'ts'``).
+    """
+    return json.dumps({"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+                       "args": {"name": f"{view.removesuffix('.chrome')}: no events in this trace"}},
+                      separators=_COMPACT)
 
 
 def _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names: dict) -> list[str]:
@@ -116,7 +126,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         header = dict(reader.header)
         header.setdefault("displayTimeUnit", "ms")
         for view in VIEWS:
-            writers[view] = TraceWriter(view_path(out_dir, rank, view, compress), header)
+            path = view_path(out_dir, rank, view, compress)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            writers[view] = TraceWriter(path, header)
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
         full, clean = writers["chrome"].pending.append, writers["split_clean.chrome"].pending.append
         gpu_w, cpu_w = writers["gpu_only.chrome"].pending.append, writers["cpu_only.chrome"].pending.append
@@ -177,9 +189,14 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                     writers[view].write(raw)
         for raw in _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names):
             clean(raw)
+        for view, w in writers.items():
+            if not (w.n_events or w.pending):
+                w.write(_empty_view_event(view))
     except BaseException:
         for w in writers.values():
             w.abort()
+            with contextlib.suppress(OSError):  # the view folder, unless other ranks' views are in it
+                os.rmdir(os.path.dirname(w.path))
         raise
     if on_header is not None:
         on_header(dict(reader.header))
@@ -219,9 +236,9 @@ def _chain(first: list, rest):
 def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> list[str]:
     """Rewrite one view into consecutive time windows of at most ~``max_bytes`` of events each.
 
-    Two streaming passes: the first records each event's ``ts`` and size, the second writes
-    ``<stem>.part<k>.json[.gz]``; every part carries the header and all metadata events. The
-    original file is removed. Flow arrows whose ends fall into different windows are cut.
+    Two streaming passes: the first records each event's ``ts`` and size, the second writes the
+    parts to ``<view>.part<k>/`` folders (:func:`sftprof.profiling.layout.window_path`); every part
+    carries the header and all metadata events. The original file is removed. Flow arrows whose ends fall into different windows are cut.
 
     Args:
         path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
@@ -252,8 +269,9 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
             acc = 0
         acc += size
     del ts_sorted, size_sorted, ts_list, sizes
-    stem, ext = (path[:-len(".json.gz")], ".json.gz") if path.endswith(".json.gz") else (path[:-5], ".json")
-    parts = [TraceWriter(f"{stem}.part{k}{ext}", header) for k in range(len(cuts) + 1)]
+    for k in range(len(cuts) + 1):
+        os.makedirs(os.path.dirname(window_path(path, k)), exist_ok=True)
+    parts = [TraceWriter(window_path(path, k), header) for k in range(len(cuts) + 1)]
     metadata = []
     reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 2)",
                                         os.path.getsize(path)) if progress else None)

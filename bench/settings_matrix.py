@@ -1,0 +1,191 @@
+"""Train three optimizer steps of the shipped YAML's settings, and of each variation of them, and print one table.
+
+``--nproc 1`` runs the ``megatron:d1`` cases, ``--nproc 2`` the two-GPU layouts (``(attn:c2|ffn:e2)``,
+``(attn:t2|ffn:e2)``, ``d2``, ``p2``); each case runs in its own ``torchrun`` (a fresh CUDA context, so its
+peak memory is its own), as many side by side as the visible GPUs allow::
+
+    python bench/settings_matrix.py --nproc 1 --checkpoint /tmp/q3_2l --out m1.json   # writes the checkpoint first
+    python bench/settings_matrix.py --nproc 2 --checkpoint /tmp/q3_2l --out m2.json
+
+Model: Qwen3-30B-A3B cut to ``--layers`` (2) at ``--seq`` (8192) tokens, loaded from a random bf16 Hugging
+Face checkpoint (written with :func:`sftprof.models.hf.save_random_checkpoint` when missing) so that every
+case and every layout starts from the same weights. Base settings: ``qwen3_30b_a3b_sft_profile.yaml`` with
+``USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32`` (Transformer Engine is absent), batch 4,
+2 micro-batches per DP rank. Each case changes one thing (see :data:`CASES`). A case that raises is
+recorded with its error and the matrix goes on.
+
+Output: a table (loss and grad norm of each step, step time of the last step, peak GiB) and, with
+``--out``, JSON with the same rows; ``tests/test_settings_matrix_gpu.py`` asserts on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+YAML = REPO / "qwen3_30b_a3b_sft_profile.yaml"
+BASE = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32",
+        "actor.megatron.main_params_dtype=float32", "actor.megatron.exp_avg_dtype=float32",
+        "actor.megatron.exp_avg_sq_dtype=float32", "actor.init_from_scratch=false"]
+ONE_GPU = "megatron:d1"
+# name -> (layout, overrides on top of BASE); "base" cases are the shipped settings on that layout.
+CASES = {
+    "base": (ONE_GPU, []),
+    "overlap_param_gather=false": (ONE_GPU, ["actor.megatron.ddp.overlap_param_gather=false"]),
+    "overlap_grad_reduce=false": (ONE_GPU, ["actor.megatron.ddp.overlap_grad_reduce=false"]),
+    "both overlaps false": (ONE_GPU, ["actor.megatron.ddp.overlap_param_gather=false",
+                                      "actor.megatron.ddp.overlap_grad_reduce=false"]),
+    "lm_head_loss_chunk_size=2048": (ONE_GPU, ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "logprobs_chunk_size=0": (ONE_GPU, ["actor.logprobs_chunk_size=0"]),
+    "recompute selective": (ONE_GPU, ["actor.megatron.recompute_granularity=selective",
+                                      "actor.megatron.recompute_modules=[core_attn,layernorm,moe]"]),
+    "recompute none": (ONE_GPU, ["actor.megatron.recompute_granularity=none"]),
+    "deterministic": (ONE_GPU, ["actor.megatron.use_deterministic_algorithms=true"]),
+    "n_mbs=1": (ONE_GPU, ["actor.mb_spec.n_mbs=1"]),
+    "c2e2 base": ("megatron:(attn:c2|ffn:e2)", []),
+    "c2e2 lm_head 2048": ("megatron:(attn:c2|ffn:e2)", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "t2e2 base": ("megatron:(attn:t2|ffn:e2)", []),
+    "t2e2 lm_head 2048": ("megatron:(attn:t2|ffn:e2)", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "d2 base": ("megatron:d2", []),
+    "d2 lm_head 2048": ("megatron:d2", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "p2 base": ("megatron:p2", []),
+    "p2 lm_head 2048": ("megatron:p2", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+}
+
+
+def ensure_checkpoint(path: Path, layers: int) -> None:
+    """Write a random bf16 Qwen3-30B-A3B checkpoint cut to ``layers`` unless ``path`` has one."""
+    from sftprof.models.hf import load_hf_config, save_random_checkpoint
+
+    if not (path / "model.safetensors.index.json").is_file():
+        save_random_checkpoint(load_hf_config("qwen3_30b_a3b", layers), path, torch.bfloat16, seed=0, device="cuda")
+
+
+def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
+    """Build the engine of one case, train ``args.steps`` steps, return losses, grad norms, time and peak."""
+    from megatron.core import parallel_state
+
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.config import load_config
+    from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+    from sftprof.engine.megatron import MegatronEngine
+    from sftprof.models.hf import load_hf_config
+    from sftprof.tokenizer import load_tokenizer
+
+    row = {"case": name, "layout": layout_text, "loss": [], "grad_norm": []}
+    engine = None
+    try:
+        cfg = load_config(str(YAML), BASE + [f"actor.backend={layout_text}", f"actor.path={args.checkpoint}",
+                                             f"profile.fake_seq_len={args.seq}"] + overrides)
+        layout = parse_allocation_mode(cfg.actor.backend)
+        hf = load_hf_config(cfg.actor.path)
+        sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), args.seq,
+                                  cfg.profile.fake_loss_start_ratio, hf.vocab_size)
+        tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
+        dp_rank = layout.rank_coords(dist.get_rank())["dp"]
+        torch.cuda.reset_peak_memory_stats()
+        engine = MegatronEngine(cfg, layout, hf, torch.device("cuda", torch.cuda.current_device()))
+        for step in range(args.steps):
+            mbs = step_micro_batches(cfg, sample, step, layout.dp, dp_rank)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = engine.train_step(mbs, tokens)
+            torch.cuda.synchronize()
+            row["step_s"] = time.perf_counter() - t0
+            row["loss"].append(result.loss)
+            row["grad_norm"].append(result.grad_norm)
+        row["moe_max_over_mean"] = result.moe_load["max_over_mean_max"]
+        row["peak_gib_rank0"] = torch.cuda.max_memory_allocated() / 2**30
+        row["ok"] = all(math.isfinite(x) for x in row["loss"] + row["grad_norm"])
+    except Exception as err:  # recorded; the matrix goes on with the next case
+        row.update(ok=False, error=f"{type(err).__name__}: {err}"[:400], traceback=traceback.format_exc()[-2000:])
+    finally:
+        del engine
+        parallel_state.destroy_model_parallel()
+    return row
+
+
+def _case_main(name: str, args) -> int:
+    """One case under torchrun: train it and print ``RESULT <json>`` on rank 0."""
+    from sftprof.trainer import init_distributed
+
+    init_distributed()
+    row = run_case(name, *CASES[name], args)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, required=True, help="HF checkpoint dir (written when missing)")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs: runs the cases whose layout has this world size")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
+    ap.add_argument("--out", type=Path, help="JSON output")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA GPUs", file=sys.stderr)
+        return 2
+    if args.case:
+        return _case_main(args.case, args)
+    from sftprof.allocation import parse_allocation_mode
+
+    wanted = [c for c in args.cases.split(",") if c] or list(CASES)
+    unknown = sorted(set(wanted) - set(CASES))
+    if unknown:
+        print(f"--cases: unknown {unknown}; accepted: {list(CASES)}", file=sys.stderr)
+        return 2
+    ensure_checkpoint(args.checkpoint, args.layers)
+    names = [n for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    slots = max(1, len(devices) // args.nproc)  # cases run side by side on disjoint GPUs
+    rows = []
+    for first in range(0, len(names), slots):
+        procs = []
+        for i, name in enumerate(names[first:first + slots]):
+            gpus = ",".join(devices[i * args.nproc:(i + 1) * args.nproc])
+            procs.append((name, subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                 f"--master_port={29751 + i}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
+                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)))
+        for name, proc in procs:
+            stdout, stderr = proc.communicate()
+            found = [ln[len("RESULT "):] for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            rows.append(json.loads(found[-1]) if found else {
+                "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
+                "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]})
+            print("ROW " + json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
+    print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
+          f"{'peak GiB r0':>11} {'moe max/mean':>12}")
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['case']:<30} {r['layout']:<26} FAILED: {r.get('error', 'non-finite values')}")
+            continue
+        print(f"{r['case']:<30} {r['layout']:<26} {'/'.join(f'{x:.6f}' for x in r['loss']):<28} "
+              f"{'/'.join(f'{x:.4f}' for x in r['grad_norm']):<26} {r['step_s']:>7.3f} {r['peak_gib_rank0']:>11.2f} "
+              f"{r['moe_max_over_mean']:>12.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

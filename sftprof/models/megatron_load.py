@@ -1,0 +1,97 @@
+"""Load a Hugging Face safetensors checkpoint into this rank's megatron-core ``GPTModel``.
+
+Each rank builds its own parameters from the checkpoint slices it needs (memory-mapped reads, see
+:mod:`sftprof.models.checkpoint`) with the mapping module of the model family (``qwen3_moe``:
+:mod:`sftprof.models.qwen3_moe_weights`), then all ranks prove together that every checkpoint tensor
+was loaded somewhere. Call it after ``GPTModel(...)`` and before megatron's ``DistributedDataParallel``
+and optimizer are built: DDP copies the parameters into its buffers and the optimizer takes its fp32
+main copies from them.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sftprof.models import qwen3_moe_weights
+from sftprof.models.checkpoint import CheckpointError, SafetensorsCheckpoint, check_all_consumed
+
+log = logging.getLogger(__name__)
+
+MAPPINGS = {"qwen3_moe": qwen3_moe_weights}
+
+
+def mapping_for(hf_config):
+    """The weight-mapping module of ``hf_config.model_type``.
+
+    Raises:
+        CheckpointError: no mapping for that model type (names the accepted ones).
+    """
+    module = MAPPINGS.get(hf_config.model_type)
+    if module is None:
+        raise CheckpointError(f"loading Hugging Face weights into the megatron backend is implemented for "
+                              f"{sorted(MAPPINGS)}, not model_type {hf_config.model_type!r}; set "
+                              "actor.init_from_scratch=true to profile it with random weights")
+    return module
+
+
+def shard_context(gpt, hf_config) -> qwen3_moe_weights.ShardContext:
+    """This rank's :class:`~sftprof.models.qwen3_moe_weights.ShardContext` from megatron's ``parallel_state``
+    and the layers ``gpt`` holds (global layer index = ``layer_number - 1``)."""
+    from megatron.core import parallel_state as ps
+
+    heads = hf_config.num_attention_heads
+    return qwen3_moe_weights.ShardContext(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        num_heads=heads, num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        num_experts=getattr(hf_config, "num_experts", None) or hf_config.num_local_experts,
+        vocab_size=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        layer_numbers=tuple(layer.layer_number - 1 for layer in gpt.decoder.layers))
+
+
+def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -> dict:
+    """Copy this rank's shard of every parameter of ``gpt`` from the checkpoint in ``model_dir``.
+
+    Collective over the default process group (every rank must call it).
+
+    Args:
+        gpt: the unwrapped megatron-core ``GPTModel`` of this rank (parameters in any dtype; the
+            checkpoint's values are cast to it).
+        model_dir: Hugging Face model directory with safetensors weights.
+        hf_config: its (text) config, cut to ``actor.num_layers`` if the model is cut (the checkpoint's
+            other layers are then expected to stay unread and are not reported).
+    Returns:
+        ``{"tensors_read": int, "bytes_read": int}`` for this rank (bytes as stored in the checkpoint).
+    Raises:
+        CheckpointError: unknown model family, missing/damaged files or tensors, a parameter whose shape
+            differs from the mapped checkpoint slice, or checkpoint tensors no rank loaded.
+    """
+    mapping = mapping_for(hf_config)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    ctx = shard_context(gpt, hf_config)
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            value = mapping.local_tensor(name, ckpt, ctx)
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(f"{model_dir}: megatron parameter {name} has shape {tuple(param.shape)} on this "
+                                      f"rank, the mapped checkpoint slice {tuple(value.shape)}")
+            param.copy_(value)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(ckpt.consumed))
+    n_layers = hf_config.num_hidden_layers
+    expected = {n for n in ckpt.names if not _beyond_cut(n, n_layers)}
+    check_all_consumed(expected, gathered, str(model_dir))
+    log.info("megatron: loaded %d checkpoint tensors (%.3f GB read on this rank) from %s", len(ckpt.consumed),
+             ckpt.bytes_read / 1e9, model_dir)
+    return {"tensors_read": len(ckpt.consumed), "bytes_read": ckpt.bytes_read}
+
+
+def _beyond_cut(name: str, n_layers: int) -> bool:
+    """True for ``model.layers.<g>.*`` with ``g >= n_layers`` (layers dropped by ``actor.num_layers``)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= n_layers

@@ -1,0 +1,89 @@
+"""Trace folders open in the tools users already have: HolisticTraceAnalysis 0.5.0 and TensorBoard's profiler plugin.
+
+Both are optional test extras (``pip install -e ".[test,peer-tools]"``); their tests skip when absent.
+The inputs are a real H200 kernel trace of this project (``tests/fixtures``) and a real CPU trace,
+laid out as postprocessing lays them out: the raw trace as ``raw/rank0.pt.trace.json[.gz]`` and the
+views in ``kernel_traces/<view>/rank0.pt.trace.json``.
+"""
+import gzip
+import json
+import logging
+import shutil
+
+import pytest
+
+from fixtures import gpu_trace_fixtures, make_cpu_trace
+from sftprof.profiling.layout import raw_trace_rank, trace_name, view_dir
+from sftprof.profiling.views import VIEWS, split_trace
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+@pytest.fixture(scope="module", params=["h200_trace", "cpu_trace"])
+def folders(request, tmp_path_factory):
+    """``{folder name: path}`` of the raw folder and the five view folders, plus the GPU activity count."""
+    base = tmp_path_factory.mktemp(f"peer_{request.param}")
+    if request.param == "h200_trace":
+        src = gpu_trace_fixtures()[0]
+        raw = base / "raw" / trace_name(0, compress=True)
+    else:
+        src = make_cpu_trace(base / "cpu.json")
+        raw = base / "raw" / trace_name(0)
+    raw.parent.mkdir()
+    shutil.copy(src, raw)
+    split_trace(str(raw), str(base / "kernel_traces"), 0, progress=False)
+    opener = gzip.open if str(raw).endswith(".gz") else open
+    with opener(raw, "rt") as f:
+        n_gpu = sum(1 for e in json.load(f)["traceEvents"] if e.get("cat") in GPU_CATS)
+    out = {"raw": base / "raw"}
+    out.update({v.removesuffix(".chrome"): base / "kernel_traces" / v.removesuffix(".chrome") for v in VIEWS})
+    assert [view_dir(str(base / "kernel_traces"), v) for v in VIEWS] == [str(out[k]) for k in list(out)[1:]]
+    return request.param, out, n_gpu
+
+
+def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
+    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    from hta.trace_analysis import TraceAnalysis
+
+    kind, dirs, n_gpu = folders
+    assert (n_gpu > 0) is (kind == "h200_trace")
+    breakdowns = {}
+    with caplog.at_level(logging.ERROR):
+        for name, path in dirs.items():
+            analysis = TraceAnalysis(trace_dir=str(path))
+            assert sorted(analysis.t.traces) == [0], name  # one trace for rank 0: nothing dropped or mixed
+            df = analysis.t.get_trace(0)
+            with_gpu = name in ("raw", "chrome", "split_clean", "gpu_only")
+            assert int((df["stream"] >= 0).sum()) == (n_gpu if with_gpu else 0), name
+            if with_gpu and n_gpu:
+                row = analysis.get_temporal_breakdown(visualize=False).to_dict("records")
+                assert len(row) == 1 and row[0]["rank"] == 0 and row[0]["kernel_time(us)"] > 0
+                breakdowns[name] = row[0]
+    # HTA 0.5.0's temporal breakdown needs at least one GPU kernel (it fails with IndexError without):
+    # every folder with GPU work gives the same breakdown as the raw trace.
+    if kind == "h200_trace":
+        assert list(breakdowns) == ["raw", "chrome", "split_clean", "gpu_only"]
+        assert all(b == breakdowns["raw"] for b in breakdowns.values())
+    else:
+        assert breakdowns == {}
+
+
+def test_tensorboard_plugin_pattern_lists_every_folder_as_a_run(folders):
+    pytest.importorskip("torch_tb_profiler", reason="TensorBoard's profiler plugin is an optional test extra")
+    from torch_tb_profiler import utils
+    from torch_tb_profiler.consts import WORKER_PATTERN
+
+    _, dirs, _ = folders
+    for name, path in dirs.items():
+        files = sorted(p.name for p in path.iterdir())
+        assert len(files) == 1 and utils.is_chrome_trace_file(files[0]), (name, files)  # the plugin's run test
+        assert WORKER_PATTERN.match(files[0]).group(1) == "rank0"
+    # The names of earlier releases matched no run.
+    assert not utils.is_chrome_trace_file("traces-r0.chrome.json")
+    assert not utils.is_chrome_trace_file("traces-r0.split_clean.chrome.json")
+
+
+def test_raw_trace_names_new_and_legacy():
+    assert trace_name(3) == "rank3.pt.trace.json" and trace_name(3, compress=True) == "rank3.pt.trace.json.gz"
+    assert [raw_trace_rank(n) for n in ("rank12.pt.trace.json.gz", "traces-r7.chrome.json", "rank1.pt.trace.json.tmp",
+                                        "traces-r0.gpu_only.chrome.json", "rankx.pt.trace.json")] == [12, 7, None, None, None]
