@@ -4,43 +4,65 @@ One streaming pass over ``traces-r<rank>.chrome.json[.gz]`` writes, side by side
 
 ============================  ==================================================================
 ``chrome``                    the whole trace, normalised (top-level members first, one event a
-                              line, metadata events last)
-``split_clean.chrome``        host CPU ops, CUDA runtime/driver API calls and GPU work on separate,
-                              named tracks; CPU->GPU flow arrows (``ac2g``) kept and re-anchored on
-                              the API track; profiler bookkeeping (overhead, string-pid spans) dropped
+                              line, flows and metadata events last)
+``split_clean.chrome``        host CPU ops, CUDA runtime/driver API calls, user annotations and GPU
+                              work on separate, named tracks; CPU->GPU flow arrows (``ac2g``) kept,
+                              both ends bound on the tracks their slices moved to; profiler
+                              overhead dropped
 ``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations + GPU track metadata
 ``cpu_only.chrome``           cpu_op, user_annotation, python_function events (+ fwd/bwd flows)
 ``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
 ============================  ==================================================================
 
-Metadata events (``ph == "M"``) are buffered (there are few) and written at the end of each
-view, filtered to the processes/threads that view contains. A view larger than
-``max_view_bytes`` is rewritten into time windows ``<view>.part<k>.json`` (each with all the
-metadata) so that every file opens in Perfetto's web UI.
+Every view satisfies the Trace Event Format rules of ``sftprof/profiling/trace_check.py`` (what
+Perfetto's JSON importer needs), so each view differs from the raw trace in these ways:
+
+- events :func:`~sftprof.profiling.trace_check.event_problem` rejects (no time, negative or
+  non-finite ``dur``, ...) are left out of every view and reported through ``on_invalid``; non-finite
+  numbers elsewhere in an event (``NaN`` in ``args``) become ``null``;
+- profiler bookkeeping without a 32-bit integer ``pid``/``tid`` (the ``Spans``/``Traces``
+  pseudo-processes, overhead events of pid -1) is left out;
+- flow events whose partner is missing are left out (flows are written after the other events);
+- user annotations (``record_function`` ranges such as ``sftprof/backward/mb0``) can open inside
+  one op and close after it on the same thread, which does not nest; in the views with CPU ops they
+  sit on their own track per thread (``Annotations: thread N``), next to the thread's ops;
+- one ``process_name`` per process and one ``thread_name`` per track (a thread renamed during the
+  trace gets both names: ``thread 3658 (python, pt_autograd_0)``).
+
+Tracks made up by the views (CUDA API calls and annotations of host thread ``t``) get thread ids
+counting down from ``2**31 - 1`` that no real thread of the process uses.
+
+A view larger than ``max_view_bytes`` is rewritten into time windows ``<view>.part<k>.json`` (each
+with all the metadata) so that every file opens in Perfetto's web UI.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import tempfile
 from array import array
 from bisect import bisect_right
+from collections import defaultdict
 from typing import Callable
 
 import numpy as np
 
+from sftprof.profiling.trace_check import MAX_TID, event_problem, finite_json
 from sftprof.profiling.trace_io import Progress, TraceReader, TraceWriter
 
-__all__ = ["VIEWS", "MAX_VIEW_BYTES", "API_TID_OFFSET", "view_path", "split_trace", "split_into_windows"]
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
-API_TID_OFFSET = 1_000_000_000  # split_clean: CUDA API track of host thread t is tid t + offset
 
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event"})
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_FLOW_PHASES = frozenset("stf")
 _COMPACT = (",", ":")
+_THREAD_LABEL = re.compile(r"^thread \d+ \((.*)\)$")
+_CHROME, _CLEAN, _GPU, _CPU, _API = VIEWS
 
 
 def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str:
@@ -52,38 +74,67 @@ def _meta(name: str, pid, tid, args: dict) -> str:
     return json.dumps({"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}, separators=_COMPACT)
 
 
-def _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names: dict) -> list[str]:
-    """Fresh process/thread names and sort order for the split_clean view."""
-    out = []
-    host_pids = sorted({p for p, _ in cpu_tracks} | {p for p, _ in api_tracks})
-    for order, pid in enumerate(host_pids):
-        out.append(_meta("process_name", pid, 0, {"name": f"Host process {pid}"}))
-        out.append(_meta("process_sort_index", pid, 0, {"sort_index": order}))
-    host_tids = sorted(set(cpu_tracks) | {(p, t - API_TID_OFFSET) for p, t in api_tracks})
-    for order, (pid, tid) in enumerate(host_tids):
-        orig = thread_names.get((pid, tid))
-        suffix = f" ({orig})" if orig else ""
-        if (pid, tid) in cpu_tracks:
-            out.append(_meta("thread_name", pid, tid, {"name": f"CPU ops: thread {tid}{suffix}"}))
-            out.append(_meta("thread_sort_index", pid, tid, {"sort_index": 2 * order}))
-        if (pid, tid + API_TID_OFFSET) in api_tracks:
-            out.append(_meta("thread_name", pid, tid + API_TID_OFFSET,
-                             {"name": f"CUDA API (runtime/driver): thread {tid}"}))
-            out.append(_meta("thread_sort_index", pid, tid + API_TID_OFFSET, {"sort_index": 2 * order + 1}))
-    for order, dev in enumerate(sorted({p for p, _ in gpu_tracks})):
-        out.append(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
-        out.append(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
-    for pid, tid in sorted(gpu_tracks):
-        out.append(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
-        out.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
-    return out
+def _track_id(v) -> bool:
+    return type(v) is int and 0 <= v <= MAX_TID
+
+
+class _SyntheticTids:
+    """Thread ids for made-up tracks: per process, counting down from ``2**31 - 1``, skipping every
+    tid a real event of that process used so far and every tid in ``avoid``."""
+
+    def __init__(self, avoid: dict[int, set]):
+        self.avoid = avoid
+        self.real: dict[int, set] = defaultdict(set)
+        self.assigned: dict[tuple, int] = {}  # (pid, kind, host tid) -> synthetic tid
+        self._next: dict[int, int] = {}
+        self.owner: dict[tuple, tuple] = {}  # (pid, synthetic tid) -> (kind, host tid)
+
+    def get(self, pid: int, kind: str, tid: int) -> int:
+        key = (pid, kind, tid)
+        out = self.assigned.get(key)
+        if out is None:
+            out = self._next.get(pid, MAX_TID)
+            avoid = self.avoid.get(pid, ())
+            while out in self.real[pid] or out in avoid:
+                out -= 1
+            self._next[pid] = out - 1
+            self.assigned[key] = out
+            self.owner[(pid, out)] = (kind, tid)
+        return out
+
+    def collisions(self) -> bool:
+        """Whether a real tid seen after its assignment equals a synthetic one."""
+        return any(t in self.real[p] for (p, t) in self.owner)
+
+
+def _moved(raw: str, ev: dict, tid: int) -> str:
+    """``ev`` with its ``tid`` set to ``tid`` (text edited in place when the field is plain, else re-encoded)."""
+    old = ev["tid"]
+    m = re.search(r'"tid"\s*:\s*(\d+)', raw)
+    ev["tid"] = tid
+    if m is not None and int(m.group(1)) == old and raw.count('"tid"') == 1:
+        return f"{raw[:m.start(1)]}{tid}{raw[m.end(1):]}"
+    return json.dumps(ev, separators=_COMPACT)
+
+
+def _thread_label(names: list[str], tid) -> str:
+    """One label from a thread's ``thread_name`` records: ``thread 3658 (python, pt_autograd_0)``."""
+    inner = []
+    for n in names:
+        m = _THREAD_LABEL.match(n)
+        n = m.group(1) if m else n
+        if n not in inner:
+            inner.append(n)
+    return f"thread {tid} ({', '.join(inner)})" if inner else f"thread {tid}"
 
 
 def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 max_view_bytes: int = MAX_VIEW_BYTES,
                 on_header: Callable[[dict], None] | None = None,
                 on_event: Callable[[dict], None] | None = None,
-                progress: bool = True) -> dict[str, list[str]]:
+                on_invalid: Callable[[str, str], None] | None = None,
+                on_note: Callable[[str, int], None] | None = None,
+                progress: bool = True, _avoid: dict[int, set] | None = None) -> dict[str, list[str]]:
     """Write the five views of one rank's trace in a single streaming pass.
 
     Args:
@@ -92,8 +143,14 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         rank: global rank, used in the output names.
         compress: write ``.json.gz`` instead of ``.json``.
         max_view_bytes: views with more event bytes than this are split into time windows.
-        on_header: called once, after the last event, with all top-level members except ``traceEvents``.
-        on_event: called with every parsed event dict (e.g. ``KernelTraceAnalyzer.add``).
+        on_header: called once, after the last event, with all top-level members except ``traceEvents``
+            (non-finite numbers replaced by None).
+        on_event: called with every usable event dict (e.g. ``KernelTraceAnalyzer.add``).
+        on_invalid: called as ``on_invalid(kind, raw_text)`` for every event left out because
+            :func:`~sftprof.profiling.trace_check.event_problem` rejects it (``kind`` is its answer).
+        on_note: called as ``on_note(what, count)`` at the end for repairs that keep every figure
+            intact: ``"non-finite numbers written as null"``, ``"profiler bookkeeping events left out"``,
+            ``"unpaired flow events left out"`` (only non-zero counts).
         progress: print progress lines to stderr.
 
     Returns:
@@ -105,22 +162,26 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     os.makedirs(out_dir, exist_ok=True)
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
     writers: dict[str, TraceWriter] = {}
-    metadata: list[tuple[str, dict]] = []
-    cpu_tracks: set = set()
-    api_tracks: set = set()
-    gpu_tracks: set = set()
-    thread_names: dict = {}
+    metadata: list[dict] = []
+    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set()}
+    tids = _SyntheticTids(_avoid or {})
+    notes: dict[str, int] = defaultdict(int)
+    flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)
+    flow_ends: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (cat, id) -> [n starts, n ends]
+    header: dict = {}
     try:
         events = reader.events()
         first = next(events, None)
-        header = dict(reader.header)
+        header, n_bad = finite_json(dict(reader.header))
+        notes["non-finite numbers written as null"] += n_bad
         header.setdefault("displayTimeUnit", "ms")
         for view in VIEWS:
             writers[view] = TraceWriter(view_path(out_dir, rank, view, compress), header)
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
-        full, clean = writers["chrome"].pending.append, writers["split_clean.chrome"].pending.append
-        gpu_w, cpu_w = writers["gpu_only.chrome"].pending.append, writers["cpu_only.chrome"].pending.append
-        api_w = writers["cuda_api_only.chrome"].pending.append
+        full, clean = writers[_CHROME].pending.append, writers[_CLEAN].pending.append
+        gpu_w, cpu_w = writers[_GPU].pending.append, writers[_CPU].pending.append
+        api_w = writers[_API].pending.append
+        real = tids.real
         flush_every = TraceWriter.FLUSH_EVENTS
         countdown = flush_every
         for raw, ev in _chain([first] if first is not None else [], events):
@@ -129,61 +190,83 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 countdown = flush_every
                 for w in writers.values():
                     w.flush()
+            problem = event_problem(ev)
+            if problem is not None:
+                if on_invalid is not None:
+                    on_invalid(problem, raw)
+                continue
+            if "NaN" in raw or "Infinity" in raw:
+                ev, n_bad = finite_json(ev)
+                if n_bad:
+                    notes["non-finite numbers written as null"] += n_bad
+                    raw = json.dumps(ev, separators=_COMPACT)
             if on_event is not None:
                 on_event(ev)
-            ph = ev.get("ph")
+            ph = ev["ph"]
+            pid, tid = ev.get("pid"), ev.get("tid")
             if ph == "M":
-                metadata.append((raw, ev))
-                if ev.get("name") == "thread_name":
-                    thread_names.setdefault((ev.get("pid"), ev.get("tid")), (ev.get("args") or {}).get("name"))
+                if _track_id(pid):
+                    metadata.append(ev)
+                    if _track_id(tid):
+                        real[pid].add(tid)
+                else:
+                    notes["profiler bookkeeping events left out"] += 1
+                continue
+            if not (_track_id(pid) and _track_id(tid)):
+                notes["profiler bookkeeping events left out"] += 1
+                continue
+            real[pid].add(tid)
+            cat = ev.get("cat")
+            if ph in _FLOW_PHASES:
+                if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
+                    key = (cat, ev["id"] if type(ev["id"]) in (int, str) else json.dumps(ev["id"]))
+                    flow_ends[key][ph == "f"] += 1
+                    flow_file.write(json.dumps(raw) + "\n")  # one line even when the source text spans several
+                else:
+                    notes["unpaired flow events left out"] += 1
+                continue
+            if cat == "user_annotation":  # own track: annotations need not nest with the thread's ops
+                tracks["ann"].add((pid, tid))
+                raw = _moved(raw, ev, tids.get(pid, "ann", tid))
+                full(raw)
+                cpu_w(raw)
+                clean(raw)
                 continue
             full(raw)
-            cat = ev.get("cat")
-            pid = ev.get("pid")
-            if type(pid) is not int:
-                continue  # profiler bookkeeping ("Spans", "Traces" pseudo-processes): full view only
             if cat in _CPU_CATS:
-                cpu_tracks.add((pid, ev.get("tid")))
-                clean(raw)
+                tracks["cpu"].add((pid, tid))
                 cpu_w(raw)
+                clean(raw)
             elif cat in _GPU_CATS:
-                gpu_tracks.add((pid, ev.get("tid")))
+                tracks["gpu"].add((pid, tid))
                 clean(raw)
                 gpu_w(raw)
             elif cat in _API_CATS:
+                tracks["api"].add((pid, tid))
                 api_w(raw)
-                clean(_move_to_api_track(raw, ev))
-                if type(ev.get("tid")) is int:
-                    api_tracks.add((pid, ev["tid"]))
-            elif cat == "ac2g":
-                # The launch side (ph "s") sits on the host thread: it follows its API call.
-                clean(_move_to_api_track(raw, ev) if ph == "s" else raw)
-            elif cat == "fwdbwd":
-                clean(raw)
-                cpu_w(raw)
-        # Metadata at the end, filtered per view.
-        cpu_pids = {p for p, _ in cpu_tracks}
-        gpu_pids = {p for p, _ in gpu_tracks}
-        api_pids = {p for p, _ in api_tracks}
-        api_host_tracks = {(p, t - API_TID_OFFSET) for p, t in api_tracks}
-        for raw, ev in metadata:
-            full(raw)
-            pid, tid = ev.get("pid"), ev.get("tid")
-            thread_level = ev.get("name", "").startswith("thread_")
-            for view, pids, tracks in (("gpu_only.chrome", gpu_pids, gpu_tracks),
-                                       ("cpu_only.chrome", cpu_pids, cpu_tracks),
-                                       ("cuda_api_only.chrome", api_pids, api_host_tracks)):
-                if (pid, tid) in tracks if thread_level else pid in pids:
-                    writers[view].write(raw)
-        for raw in _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names):
-            clean(raw)
+                clean(_moved(raw, ev, tids.get(pid, "api", tid)))
+        _write_flows(flow_file, flow_ends, writers, tracks, tids, notes)
+        _write_metadata(metadata, writers, tracks, tids)
     except BaseException:
+        flow_file.close()
         for w in writers.values():
             w.abort()
         raise
+    flow_file.close()
+    if tids.collisions():  # a real tid appeared after a synthetic one was handed out: redo, avoiding them all
+        for w in writers.values():
+            w.abort()
+        avoid = {p: set(t) | set((_avoid or {}).get(p, ())) for p, t in tids.real.items()}
+        # on_event / on_invalid already saw every event of this trace once.
+        return split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
+                           on_header=on_header, on_note=on_note, progress=progress, _avoid=avoid)
     if on_header is not None:
-        on_header(dict(reader.header))
-    trailer = {k: v for k, v in reader.header.items() if k not in header}
+        on_header(finite_json(dict(reader.header))[0])
+    if on_note is not None:
+        for what, n in sorted(notes.items()):
+            if n:
+                on_note(what, n)
+    trailer = {k: v for k, v in finite_json(reader.header)[0].items() if k not in header}
     result = {}
     for view, w in writers.items():
         w.close(trailer)  # flushes; w.chars is final afterwards
@@ -192,23 +275,95 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     return result
 
 
-_TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
+def _write_flows(flow_file, flow_ends, writers, tracks, tids, notes) -> None:
+    """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
 
-
-def _move_to_api_track(raw: str, ev: dict) -> str:
-    """Event text with ``tid`` moved by :data:`API_TID_OFFSET` (``ev['tid']`` updated too).
-
-    Edits the first ``"tid": <int>`` of the source text (cheaper than re-encoding); falls back to
-    ``json.dumps`` when that field does not hold the event's tid.
+    ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the launch, or a
+    synchronising call): in ``split_clean`` they move with it to the thread's API track.
     """
-    tid = ev.get("tid")
-    if type(tid) is not int:
-        return raw  # not a host thread id: leave the event where it is
-    ev["tid"] = tid + API_TID_OFFSET
-    m = _TID_FIELD.search(raw)
-    if m is not None and int(m.group(1)) == tid:
-        return f"{raw[:m.start(1)]}{tid + API_TID_OFFSET}{raw[m.end(1):]}"
-    return json.dumps(ev, separators=_COMPACT)
+    flow_file.seek(0)
+    full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
+    api_threads = tracks["api"]
+    for line in flow_file:
+        raw = json.loads(line)
+        ev = json.loads(raw)
+        cat = ev["cat"]
+        key = (cat, ev["id"] if type(ev["id"]) in (int, str) else json.dumps(ev["id"]))
+        if flow_ends[key] != [1, 1]:
+            notes["unpaired flow events left out"] += 1
+            continue
+        full(raw)
+        if cat == "fwdbwd":
+            clean(raw)
+            cpu_w(raw)
+        elif (ev["pid"], ev["tid"]) in api_threads:
+            clean(_moved(raw, ev, tids.get(ev["pid"], "api", ev["tid"])))
+        else:
+            clean(raw)
+
+
+def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
+    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean."""
+    proc: dict[int, dict[str, dict]] = defaultdict(dict)  # pid -> metadata name -> last record
+    thread_names: dict[tuple, list[str]] = defaultdict(list)
+    thread_other: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for ev in metadata:
+        name, pid, tid = ev.get("name"), ev["pid"], ev.get("tid")
+        if not isinstance(name, str) or not isinstance(ev.get("args"), dict):
+            continue
+        if name == "thread_name" and _track_id(tid) and isinstance(ev["args"].get("name"), str):
+            thread_names[(pid, tid)].append(ev["args"]["name"])
+        elif name == "thread_sort_index" and _track_id(tid) and type(ev["args"].get("sort_index")) is int:
+            thread_other[(pid, tid)][name] = ev
+        elif name == "process_name" and isinstance(ev["args"].get("name"), str) or \
+                name == "process_labels" and isinstance(ev["args"].get("labels"), str) or \
+                name == "process_sort_index" and type(ev["args"].get("sort_index")) is int:
+            proc[pid][name] = ev
+    host_tracks = tracks["cpu"] | tracks["api"] | tracks["ann"]
+    per_view = {_CHROME: (None, None), _GPU: ({p for p, _ in tracks["gpu"]}, tracks["gpu"]),
+                _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
+                _API: ({p for p, _ in tracks["api"]}, tracks["api"])}
+    for view, (pids, view_tracks) in per_view.items():
+        w = writers[view]
+        for pid in sorted(proc):
+            if pids is None or pid in pids:
+                for ev in proc[pid].values():
+                    w.write(json.dumps(ev, separators=_COMPACT))
+        for track in sorted(set(thread_names) | set(thread_other)):
+            if view_tracks is not None and track not in view_tracks:
+                continue
+            if track in thread_names:
+                w.write(_meta("thread_name", *track, {"name": _thread_label(thread_names[track], track[1])}))
+            for ev in thread_other[track].values():
+                w.write(json.dumps(ev, separators=_COMPACT))
+        if view in (_CHROME, _CPU):  # the made-up annotation tracks
+            _annotation_names(w, tracks["ann"], tids, thread_names)
+    clean = writers[_CLEAN]
+    host_pids = sorted({p for p, _ in host_tracks})
+    for order, pid in enumerate(host_pids):
+        clean.write(_meta("process_name", pid, 0, {"name": f"Host process {pid}"}))
+        clean.write(_meta("process_sort_index", pid, 0, {"sort_index": order}))
+    for order, (pid, tid) in enumerate(sorted(host_tracks)):
+        label = _thread_label(thread_names.get((pid, tid), []), tid)
+        for k, (kind, title) in enumerate((("cpu", "CPU ops"), ("ann", "Annotations"),
+                                           ("api", "CUDA API (runtime/driver)"))):
+            if (pid, tid) not in tracks[kind]:
+                continue
+            t = tid if kind == "cpu" else tids.get(pid, kind, tid)
+            clean.write(_meta("thread_name", pid, t, {"name": f"{title}: {label}"}))
+            clean.write(_meta("thread_sort_index", pid, t, {"sort_index": 3 * order + k}))
+    for order, dev in enumerate(sorted({p for p, _ in tracks["gpu"]})):
+        clean.write(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
+        clean.write(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
+    for pid, tid in sorted(tracks["gpu"]):
+        clean.write(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
+        clean.write(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+
+
+def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thread_names: dict) -> None:
+    for pid, tid in sorted(ann_tracks):
+        w.write(_meta("thread_name", pid, tids.get(pid, "ann", tid),
+                      {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))
 
 
 def _chain(first: list, rest):
