@@ -22,6 +22,7 @@ import yaml
 
 from sftprof.profiling.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.profiling.trace_check import finite_json
 from sftprof.profiling.failure import first_failure
 from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
                                               short_kernel_name)
@@ -528,7 +529,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     }
     summary["ranks"] = rank_table(summary)
     with open(os.path.join(run_dir, SUMMARY_JSON), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1, sort_keys=True)
+        json.dump(finite_json(summary)[0], f, indent=1, sort_keys=True, allow_nan=False)  # strict JSON
         f.write("\n")
     with open(os.path.join(run_dir, SUMMARY_MD), "w", encoding="utf-8") as f:
         f.write(render_markdown(summary))
