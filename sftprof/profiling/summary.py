@@ -123,7 +123,7 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
             elif rec.get("type") == "complete":
                 out["complete"] = rec
     for k in _PROFILE_STEP_FIELDS:
-        if not k.startswith("mem_peak_"):
+        if not k.startswith("mem_peak_") and k != "n_ranks":
             out[k] = (out["profile_step_record"] or {}).get(k)
     for key in ("mem_peak_allocated", "mem_peak_reserved"):
         vals = [(s[f"{key}_gb"], s[f"{key}_rank"]) for s in out["steps"] if s[f"{key}_gb"] is not None]
