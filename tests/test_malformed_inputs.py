@@ -397,3 +397,79 @@ def test_made_up_tids_never_collide_with_real_ones(tmp_path, small_trace):
     assert made_up and all(MAX_TID - 8 < t < MAX_TID for t in made_up)
     assert {e["tid"] for e in clean if e.get("cat") == "cuda_runtime"} <= made_up
     assert summary["kernel_traces"][0]["summary"]["n_events"] == len(bad["traceEvents"])  # counted once, not twice
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fuzz: seeded truncations and single-byte changes of the real (cut) fixtures
+# ---------------------------------------------------------------------------------------------------------
+_FUZZ_PER_KIND = 300  # inputs per fixture kind (half truncations, half single-byte changes)
+_BATCH = 30  # damaged files per postprocessed trial (one rank each)
+
+
+def _mutations(data: bytes, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(_FUZZ_PER_KIND):
+        if k % 2 == 0:
+            out.append(data[: rng.randrange(len(data))])
+        else:
+            i = rng.randrange(len(data))
+            out.append(data[:i] + bytes([(data[i] + rng.randrange(1, 256)) % 256]) + data[i + 1:])
+    return out
+
+
+def _check_fuzz_summary(summary, code, run, files):
+    assert code in (0, 1)
+    _strict((run / "profile_summary.json").read_text())
+    errors = {e["file"]: e["error"] for e in summary["errors"]}
+    for f in files:
+        if f in errors:
+            assert Path(f).name in errors[f]  # the damaged file is named in its own error
+    return errors
+
+
+def test_fuzz_traces(tmp_path, small_trace):
+    data = _trace_text(small_trace).encode()
+    inputs = _mutations(data, seed=14)
+    n_errors = 0
+    for b in range(0, len(inputs), _BATCH):
+        log = _log_dir(tmp_path / f"b{b}")
+        for r, blob in enumerate(inputs[b:b + _BATCH]):
+            _put_trace(log, r, blob)
+        run = tmp_path / f"run{b}"
+        summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+        files = [f"perf_tracer/traces-r{r}.chrome.json" for r in range(len(inputs[b:b + _BATCH]))]
+        n_errors += len(_check_fuzz_summary(summary, code, run, files))
+        for t in summary["kernel_traces"]:
+            for paths in (t.get("views") or {}).values():
+                for p in paths:
+                    _strict((run / p).read_text())
+    assert 0 < n_errors < len(inputs)  # truncations fail, most single-byte changes do not
+
+
+def test_fuzz_snapshots(tmp_path, small_snapshot):
+    data = pickle.dumps(small_snapshot, protocol=4)
+    inputs = _mutations(data, seed=15)
+    n_errors = 0
+    for b in range(0, len(inputs), _BATCH):
+        log = _log_dir(tmp_path / f"b{b}", kind="memory")
+        for r, blob in enumerate(inputs[b:b + _BATCH]):
+            _put_snapshot(log, SNAP_NAME.format(r=r), blob)
+        run = tmp_path / f"run{b}"
+        summary, code = postprocess_trial(str(log), str(run), "memory", 1)
+        files = [f"memory_snapshots/step_1/{SNAP_NAME.format(r=r)}" for r in range(len(inputs[b:b + _BATCH]))]
+        n_errors += len(_check_fuzz_summary(summary, code, run, files))
+    assert 0 < n_errors < len(inputs)
+
+
+def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):
+    """A few damaged inputs through the command line: exit 0 or 1, never a traceback."""
+    for kind, data, put, name in (("kernel", _trace_text(small_trace).encode(), _put_trace, None),
+                                  ("memory", pickle.dumps(small_snapshot, protocol=4), _put_snapshot, SNAP_NAME)):
+        log = _log_dir(tmp_path / kind, kind=kind)
+        for r, blob in enumerate(_mutations(data, seed=16)[:6]):
+            put(log, r, blob) if name is None else put(log, name.format(r=r), blob)
+        res = _cli("--log-dir", log, "--run-dir", tmp_path / f"run_{kind}", "--profile-kind", kind,
+                   "--profile-step", 1)
+        assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr
+        assert (tmp_path / f"run_{kind}" / "profile_summary.json").exists()
