@@ -218,6 +218,7 @@ def test_large_view_is_split_into_time_windows(gpu_split, tmp_path):
         last_end = max(e["ts"] for e in body)
         got += body
     assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in whole if e["ph"] != "M")
+    assert all(validate_trace(p) == [] for p in parts)
 
 
 def test_cpu_trace_views(tmp_path):
@@ -228,11 +229,16 @@ def test_cpu_trace_views(tmp_path):
     assert _counts(cpu)[("X", "user_annotation")] == _counts(ref)[("X", "user_annotation")] == 8
     assert [e for e in _load(paths["gpu_only.chrome"][0])["traceEvents"]] == []
     assert [e for e in _load(paths["cuda_api_only.chrome"][0])["traceEvents"]] == []
+    assert all(validate_trace(paths[v][0]) == [] for v in VIEWS)
     # split_trace windows any view above the limit, and only those.
     small = split_trace(str(src), str(tmp_path / "win"), 1, max_view_bytes=20_000, progress=False)
     assert len(small["cpu_only.chrome"]) > 1 and len(small["gpu_only.chrome"]) == 1
     got = [e for p in small["cpu_only.chrome"] for e in _load(p)["traceEvents"] if e["ph"] != "M"]
-    assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in cpu if e["ph"] != "M")
+    flows = [e for e in cpu if e["ph"] in ("s", "f")]
+    cut = {e["id"] for e in flows} - {e["id"] for e in got if e["ph"] in ("s", "f")}
+    assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in cpu if e["ph"] != "M" and
+                                                  not (e["ph"] in ("s", "f") and e["id"] in cut))
+    assert all(validate_trace(p) == [] for v in VIEWS for p in small[v])  # windows leave out the flows they cut
 
 
 @pytest.mark.parametrize("text,events,header", [

@@ -219,8 +219,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             cat = ev.get("cat")
             if ph in _FLOW_PHASES:
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
-                    key = (cat, ev["id"] if type(ev["id"]) in (int, str) else json.dumps(ev["id"]))
-                    flow_ends[key][ph == "f"] += 1
+                    flow_ends[_flow_key(ev)][ph == "f"] += 1
                     flow_file.write(json.dumps(raw) + "\n")  # one line even when the source text spans several
                 else:
                     notes["unpaired flow events left out"] += 1
@@ -288,8 +287,7 @@ def _write_flows(flow_file, flow_ends, writers, tracks, tids, notes) -> None:
         raw = json.loads(line)
         ev = json.loads(raw)
         cat = ev["cat"]
-        key = (cat, ev["id"] if type(ev["id"]) in (int, str) else json.dumps(ev["id"]))
-        if flow_ends[key] != [1, 1]:
+        if flow_ends[_flow_key(ev)] != [1, 1]:
             notes["unpaired flow events left out"] += 1
             continue
         full(raw)
@@ -366,6 +364,12 @@ def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thr
                       {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))
 
 
+def _flow_key(ev: dict) -> tuple:
+    """``(cat, id)`` of a flow event (an id that is neither int nor str is keyed by its JSON text)."""
+    fid = ev.get("id")
+    return ev.get("cat"), fid if type(fid) in (int, str) else json.dumps(fid)
+
+
 def _chain(first: list, rest):
     yield from first
     yield from rest
@@ -376,7 +380,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
 
     Two streaming passes: the first records each event's ``ts`` and size, the second writes
     ``<stem>.part<k>.json[.gz]``; every part carries the header and all metadata events. The
-    original file is removed. Flow arrows whose ends fall into different windows are cut.
+    original file is removed. Flow arrows whose ends fall into different windows are left out (each part
+    keeps the rules of ``sftprof/profiling/trace_check.py``).
 
     Args:
         path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
@@ -387,6 +392,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
     """
     ts_list = array("d")
     sizes = array("q")
+    flow_ts: dict[tuple, list[float]] = defaultdict(list)
     reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 1)",
                                         os.path.getsize(path)) if progress else None)
     for raw, ev in reader.events():
@@ -394,6 +400,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
         if ev.get("ph") != "M" and isinstance(ts, (int, float)):
             ts_list.append(float(ts))
             sizes.append(len(raw) + 2)
+            if ev["ph"] in _FLOW_PHASES:
+                flow_ts[_flow_key(ev)].append(float(ts))
     header = reader.header
     ts_arr = np.frombuffer(ts_list, dtype=np.float64)
     order = np.argsort(ts_arr, kind="stable")
@@ -407,6 +415,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
             acc = 0
         acc += size
     del ts_sorted, size_sorted, ts_list, sizes
+    cut_flows = {k for k, tss in flow_ts.items() if len({bisect_right(cuts, t) for t in tss}) > 1}
+    del flow_ts
     stem, ext = (path[:-len(".json.gz")], ".json.gz") if path.endswith(".json.gz") else (path[:-5], ".json")
     parts = [TraceWriter(f"{stem}.part{k}{ext}", header) for k in range(len(cuts) + 1)]
     metadata = []
@@ -417,7 +427,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
             ts = ev.get("ts")
             if ev.get("ph") == "M" or not isinstance(ts, (int, float)):
                 metadata.append(raw)
-            else:
+            elif ev["ph"] not in _FLOW_PHASES or _flow_key(ev) not in cut_flows:
                 parts[bisect_right(cuts, ts)].write(raw)
         for w in parts:
             for raw in metadata:
