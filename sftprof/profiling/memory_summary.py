@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from sftprof.profiling.trace_check import is_finite_number
+
 __all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES"]
 
 TOP_SITES = 20
@@ -91,10 +93,6 @@ def _primary_device(snapshot: dict) -> int:
     return max(sorted(candidates), key=lambda d: (reserved.get(d, 0), len(traces[d]) if d < len(traces) else 0))
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
-
-
 def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
     inside = [p for p in phases if p.get("start_us", np.inf) <= t_us <= p.get("end_us", -np.inf)]
     if not inside:
@@ -118,8 +116,7 @@ _NONNEG_INT = (lambda v: _int(v) and v >= 0, "an int >= 0")
 _SEGMENT_FIELDS = {"device": _NONNEG_INT, "total_size": _NONNEG_INT, "blocks": (lambda v: isinstance(v, list), "a list")}
 _BLOCK_FIELDS = {"address": (_int, "an int"), "size": _NONNEG_INT, "frames": (lambda v: isinstance(v, list), "a list")}
 _EVENT_FIELDS = {"action": (lambda v: isinstance(v, str), "a str"), "addr": (_int, "an int"), "size": _NONNEG_INT,
-                 "time_us": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v),
-                             "a finite number"),
+                 "time_us": (is_finite_number, "a finite number"),
                  "frames": (lambda v: isinstance(v, list), "a list")}
 
 
@@ -206,7 +203,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     check_snapshot(snapshot)
     if phases is not None and not (isinstance(phases, dict) and isinstance(phases.get("phases", []), list)
                                    and all(isinstance(p, dict) and isinstance(p.get("name"), str)
-                                           and _finite(p.get("start_us")) and _finite(p.get("end_us"))
+                                           and is_finite_number(p.get("start_us")) and is_finite_number(p.get("end_us"))
                                            for p in phases.get("phases", []))):
         raise ValueError("phases sidecar: expected {'phases': [{'name': str, 'start_us': number, 'end_us': number}]}")
     dev = _primary_device(snapshot)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import re
 import shutil
@@ -22,7 +21,7 @@ import yaml
 
 from sftprof.profiling.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.profiling.safe_pickle import safe_load_file
-from sftprof.profiling.trace_check import finite_json
+from sftprof.profiling.trace_check import finite_json, is_finite_number
 from sftprof.profiling.failure import first_failure
 from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
                                               short_kernel_name)
@@ -52,7 +51,7 @@ _RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_
 # --------------------------------------------------------------------------------------------
 def _finite(v) -> float | int | None:
     """``v`` when it is a finite int/float (not a bool), else None."""
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    return v if is_finite_number(v) else None
 
 
 def _per_rank(rec: dict) -> dict[int, dict]:
@@ -62,7 +61,7 @@ def _per_rank(rec: dict) -> dict[int, dict]:
     holds global rank 0's figures at top level (the trainer writes ``stats.jsonl`` on rank 0).
     """
     ranks = rec.get("ranks")
-    rows = [r for r in ranks if isinstance(r, dict) and _finite(r.get("rank")) is not None] \
+    rows = [r for r in ranks if isinstance(r, dict) and type(r.get("rank")) is int] \
         if isinstance(ranks, list) else []
     if not rows:
         rows = [dict(rec, rank=0)]

@@ -33,7 +33,7 @@ from collections import defaultdict
 from typing import Any
 
 
-__all__ = ["MAX_TID", "event_problem", "finite_json", "validate_trace"]
+__all__ = ["MAX_TID", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
 
 MAX_TID = 2**31 - 1
 _METADATA = {"process_name": ("name", str), "thread_name": ("name", str), "process_labels": ("labels", str),
@@ -43,6 +43,11 @@ _TIMED = frozenset("XBEiIstfCbenPOND")
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_finite_number(v) -> bool:
+    """Whether ``v`` is an int or float (not a bool) with a finite value."""
+    return _number(v) and math.isfinite(v)
 
 
 def _id(v) -> bool:

@@ -167,7 +167,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
     flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)
-    flow_ends: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (cat, id) -> [n starts, n ends]
+    flow_pairs = _FlowPairs()
     header: dict = {}
     try:
         events = reader.events()
@@ -219,7 +219,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             cat = ev.get("cat")
             if ph in _FLOW_PHASES:
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
-                    flow_ends[_flow_key(ev)][ph == "f"] += 1
+                    flow_pairs.add(cat, ev["id"], ph)
                     flow_file.write(json.dumps(raw) + "\n")  # one line even when the source text spans several
                 else:
                     notes["unpaired flow events left out"] += 1
@@ -244,7 +244,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 tracks["api"].add((pid, tid))
                 api_w(raw)
                 clean(_moved(raw, ev, tids.get(pid, "api", tid)))
-        _write_flows(flow_file, flow_ends, writers, tracks, tids, notes)
+        _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes)
         _write_metadata(metadata, writers, tracks, tids)
     except BaseException:
         flow_file.close()
@@ -274,12 +274,52 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     return result
 
 
-def _write_flows(flow_file, flow_ends, writers, tracks, tids, notes) -> None:
+class _FlowPairs:
+    """Which flows ``(cat, id)`` have exactly one start (``s``) and one end (``f``), in 8 bytes per flow event.
+
+    Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase) and matched with numpy
+    once, at the end; other ids in a dict.
+    """
+
+    def __init__(self):
+        self._ids: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
+        self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._paired: dict[str, np.ndarray] = {}
+
+    def add(self, cat: str, fid, ph: str) -> None:
+        if type(fid) is int and -2**63 <= fid < 2**63:
+            self._ids[(cat, ph)].append(fid)
+        else:
+            self._other[(cat, json.dumps(fid))][ph == "f"] += 1
+
+    def finish(self) -> None:
+        """Match starts and ends (call once, after the last :meth:`add`)."""
+        for cat in {c for c, _ in self._ids}:
+            once = []
+            for ph in ("s", "f"):
+                ids, counts = np.unique(np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64),
+                                        return_counts=True)
+                once.append(ids[counts == 1])
+            self._paired[cat] = np.intersect1d(*once, assume_unique=True)
+        self._ids.clear()
+
+    def paired(self, cat: str, fid) -> bool:
+        if type(fid) is int and -2**63 <= fid < 2**63:
+            ids = self._paired.get(cat)
+            if ids is None:
+                return False
+            i = int(np.searchsorted(ids, fid))
+            return i < ids.size and int(ids[i]) == fid
+        return self._other.get((cat, json.dumps(fid))) == [1, 1]
+
+
+def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes) -> None:
     """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
 
     ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the launch, or a
     synchronising call): in ``split_clean`` they move with it to the thread's API track.
     """
+    flow_pairs.finish()
     flow_file.seek(0)
     full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
     api_threads = tracks["api"]
@@ -287,7 +327,7 @@ def _write_flows(flow_file, flow_ends, writers, tracks, tids, notes) -> None:
         raw = json.loads(line)
         ev = json.loads(raw)
         cat = ev["cat"]
-        if flow_ends[_flow_key(ev)] != [1, 1]:
+        if not flow_pairs.paired(cat, ev["id"]):
             notes["unpaired flow events left out"] += 1
             continue
         full(raw)
