@@ -294,7 +294,7 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
     md = (run / "profile_summary.md").read_text()
     assert ("- first failing rank: **1** (killed by SIGKILL (exit code -9), host localhost): "
             "`Signal 9 (SIGKILL) received by PID 7899`\n- then: rank 0 killed by SIGTERM (exit code -15)") in md
-    assert md.index("## Failure") < md.index("## Trainer log (tail)")
+    assert md.index("## Failure") < md.index("## Log tail: launcher.log")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -473,3 +473,18 @@ def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):
                    "--profile-step", 1)
         assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr
         assert (tmp_path / f"run_{kind}" / "profile_summary.json").exists()
+
+
+@pytest.mark.parametrize("event,kind", [
+    ({"ph": "X", "ts": 1, "dur": -1}, "negative dur"), ({"ph": "X", "ts": 1}, "missing dur"),
+    ({"ph": "X", "ts": float("nan"), "dur": 1}, "non-finite ts"), ({"ph": "X", "ts": True, "dur": 1}, "non-numeric ts"),
+    ({"ph": "X", "ts": 1, "dur": float("inf")}, "non-finite dur"), ({"ph": "X", "ts": 1, "dur": "2"}, "non-numeric dur"),
+    ({"ts": 1}, "no phase"), ({"ph": 5, "ts": 1}, "no phase"), ({"ph": "i"}, "missing ts"),
+    ({"ph": "X", "ts": 1, "dur": 2, "args": "x"}, "args not an object"), ({"ph": "M", "name": 3}, "non-string name"),
+    ({"ph": "f", "ts": 1, "cat": ["ac2g"]}, "non-string cat"),
+    ({"ph": "X", "ts": 1, "dur": 0}, None), ({"ph": "M", "name": "thread_name", "args": {}}, None),
+])
+def test_event_problem_kinds(event, kind):
+    from sftprof.profiling.trace_check import event_problem
+
+    assert event_problem(event) == kind

@@ -480,7 +480,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if status != "ok":
         launcher_log = os.path.join(run_dir, "launcher.log")
         summary["failure"] = first_failure(launcher_log)
-        summary["trainer_log_tail"] = _trainer_log_tail(trainer_log) or _trainer_log_tail(launcher_log)
+        tail = _trainer_log_tail(trainer_log)
+        summary["trainer_log_tail"] = tail or _trainer_log_tail(launcher_log)
+        summary["log_tail_source"] = "trainer.log (rank 0)" if tail else "launcher.log"
     if profile_kind == "kernel":
         summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
         items = summary["kernel_traces"]
@@ -584,15 +586,17 @@ def render_markdown(s: dict) -> str:
     fail = s.get("failure")
     if fail:
         out.append("## Failure\n")
+        first_line = (fail["traceback"].splitlines() or [""])[0]
         out.append(f"- first failing rank: **{fail['rank']}** ({fail['how']}, host {_fmt(fail['host'])}): "
-                   f"`{fail['traceback']}`")
+                   f"`{first_line}`")
         if fail["others"]:
             out.append("- then: " + ", ".join(f"rank {o['rank']} {o['how']}" for o in fail["others"]))
-        if fail["log_tail"]:
-            out.append(f"\nRank {fail['rank']}'s log (tail):\n\n```\n" + "\n".join(fail["log_tail"]) + "\n```")
+        tail = fail["log_tail"] + (fail["traceback"].splitlines()[1:] if "\n" in fail["traceback"] else [])
+        if tail:
+            out.append(f"\nRank {fail['rank']}'s log (tail):\n\n```\n" + "\n".join(tail) + "\n```")
         out.append("")
     if s.get("trainer_log_tail"):
-        out.append("## Trainer log (tail)\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
+        out.append(f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
     st = s["stats"]
     if st["steps"]:
         out.append("## Steps (stats.jsonl)\n")

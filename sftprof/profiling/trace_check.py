@@ -39,6 +39,7 @@ MAX_TID = 2**31 - 1
 _METADATA = {"process_name": ("name", str), "thread_name": ("name", str), "process_labels": ("labels", str),
              "process_sort_index": ("sort_index", int), "thread_sort_index": ("sort_index", int)}
 _TIMED = frozenset("XBEiIstfCbenPOND")
+_NUMBERS = (int, float)
 
 
 def _number(v) -> bool:
@@ -62,10 +63,21 @@ def event_problem(ev: dict) -> str | None:
     ``"non-finite ts"``, and for complete (``X``) events ``"missing dur"``, ``"non-numeric dur"``,
     ``"non-finite dur"``, ``"negative dur"``. Metadata events (``M``) need no time.
     """
-    ph = ev.get("ph")
+    ph, name, cat, args = ev.get("ph"), ev.get("name"), ev.get("cat"), ev.get("args")
+    # Fast path (nearly every event): plain types, finite times (x - x == 0 is False for NaN and ±inf).
+    if (name is None or type(name) is str) and (cat is None or type(cat) is str) and \
+            (args is None or type(args) is dict):
+        if ph == "M":
+            return None
+        ts = ev.get("ts")
+        if type(ts) in _NUMBERS and ts - ts == 0 and type(ph) is str:
+            if ph != "X":
+                return None
+            dur = ev.get("dur")
+            if type(dur) in _NUMBERS and dur - dur == 0 and dur >= 0:
+                return None
     if not isinstance(ph, str):
         return "no phase"
-    name, cat, args = ev.get("name"), ev.get("cat"), ev.get("args")
     if name is not None and not isinstance(name, str):
         return "non-string name"
     if cat is not None and not isinstance(cat, str):

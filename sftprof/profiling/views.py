@@ -61,6 +61,8 @@ _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotatio
 _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _FLOW_PHASES = frozenset("stf")
 _COMPACT = (",", ":")
+_SYNTHETIC_FLOOR = MAX_TID - 2**20  # made-up tids stay above this
+_TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
 _THREAD_LABEL = re.compile(r"^thread \d+ \((.*)\)$")
 _CHROME, _CLEAN, _GPU, _CPU, _API = VIEWS
 
@@ -80,7 +82,11 @@ def _track_id(v) -> bool:
 
 class _SyntheticTids:
     """Thread ids for made-up tracks: per process, counting down from ``2**31 - 1``, skipping every
-    tid a real event of that process used so far and every tid in ``avoid``."""
+    tid a real event of that process used so far and every tid in ``avoid``.
+
+    Only real tids above :data:`_SYNTHETIC_FLOOR` can collide with made-up ones (a process would need
+    2**20 made-up tracks to reach it), so only those are recorded in :attr:`real`.
+    """
 
     def __init__(self, avoid: dict[int, set]):
         self.avoid = avoid
@@ -97,6 +103,8 @@ class _SyntheticTids:
             avoid = self.avoid.get(pid, ())
             while out in self.real[pid] or out in avoid:
                 out -= 1
+            if out <= _SYNTHETIC_FLOOR:
+                raise ValueError(f"pid {pid}: no free thread id above {_SYNTHETIC_FLOOR} for a made-up track")
             self._next[pid] = out - 1
             self.assigned[key] = out
             self.owner[(pid, out)] = (kind, tid)
@@ -107,13 +115,15 @@ class _SyntheticTids:
         return any(t in self.real[p] for (p, t) in self.owner)
 
 
-def _moved(raw: str, ev: dict, tid: int) -> str:
-    """``ev`` with its ``tid`` set to ``tid`` (text edited in place when the field is plain, else re-encoded)."""
-    old = ev["tid"]
-    m = re.search(r'"tid"\s*:\s*(\d+)', raw)
-    ev["tid"] = tid
+def _moved(raw: str, ev: dict | None, old: int, tid: int) -> str:
+    """Event text with its ``tid`` (``old``) set to ``tid``: the text is edited in place when the field is
+    plain, else the event (``ev``, or ``raw`` parsed) is re-encoded. ``ev['tid']`` is updated too."""
+    if ev is not None:
+        ev["tid"] = tid
+    m = _TID_FIELD.search(raw)
     if m is not None and int(m.group(1)) == old and raw.count('"tid"') == 1:
         return f"{raw[:m.start(1)]}{tid}{raw[m.end(1):]}"
+    ev = dict(json.loads(raw) if ev is None else ev, tid=tid)
     return json.dumps(ev, separators=_COMPACT)
 
 
@@ -166,7 +176,8 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set()}
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
-    flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)
+    flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
+    flow_lines: list[str] = []
     flow_pairs = _FlowPairs()
     header: dict = {}
     try:
@@ -207,26 +218,32 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             if ph == "M":
                 if _track_id(pid):
                     metadata.append(ev)
-                    if _track_id(tid):
+                    if _track_id(tid) and tid > _SYNTHETIC_FLOOR:
                         real[pid].add(tid)
                 else:
                     notes["profiler bookkeeping events left out"] += 1
                 continue
-            if not (_track_id(pid) and _track_id(tid)):
+            if not (type(pid) is int and type(tid) is int and 0 <= pid <= MAX_TID and 0 <= tid <= MAX_TID):
                 notes["profiler bookkeeping events left out"] += 1
                 continue
-            real[pid].add(tid)
+            if tid > _SYNTHETIC_FLOOR:
+                real[pid].add(tid)
             cat = ev.get("cat")
             if ph in _FLOW_PHASES:
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
                     flow_pairs.add(cat, ev["id"], ph)
-                    flow_file.write(json.dumps(raw) + "\n")  # one line even when the source text spans several
+                    # One line per event: line breaks in JSON text are only whitespace between tokens.
+                    flow_lines.append(f"{cat}\t{json.dumps(ev['id'])}\t{pid}\t{tid}\t"
+                                      f"{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
+                    if len(flow_lines) >= flush_every:
+                        flow_file.writelines(flow_lines)
+                        flow_lines.clear()
                 else:
                     notes["unpaired flow events left out"] += 1
                 continue
             if cat == "user_annotation":  # own track: annotations need not nest with the thread's ops
                 tracks["ann"].add((pid, tid))
-                raw = _moved(raw, ev, tids.get(pid, "ann", tid))
+                raw = _moved(raw, ev, tid, tids.get(pid, "ann", tid))
                 full(raw)
                 cpu_w(raw)
                 clean(raw)
@@ -243,7 +260,8 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             elif cat in _API_CATS:
                 tracks["api"].add((pid, tid))
                 api_w(raw)
-                clean(_moved(raw, ev, tids.get(pid, "api", tid)))
+                clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
+        flow_file.writelines(flow_lines)
         _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes)
         _write_metadata(metadata, writers, tracks, tids)
     except BaseException:
@@ -324,18 +342,17 @@ def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes
     full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
     api_threads = tracks["api"]
     for line in flow_file:
-        raw = json.loads(line)
-        ev = json.loads(raw)
-        cat = ev["cat"]
-        if not flow_pairs.paired(cat, ev["id"]):
+        cat, fid, pid, tid, raw = line.rstrip("\n").split("\t", 4)
+        if not flow_pairs.paired(cat, int(fid) if fid.isdigit() else json.loads(fid)):
             notes["unpaired flow events left out"] += 1
             continue
         full(raw)
+        pid, tid = int(pid), int(tid)
         if cat == "fwdbwd":
             clean(raw)
             cpu_w(raw)
-        elif (ev["pid"], ev["tid"]) in api_threads:
-            clean(_moved(raw, ev, tids.get(ev["pid"], "api", ev["tid"])))
+        elif (pid, tid) in api_threads:
+            clean(_moved(raw, None, tid, tids.get(pid, "api", tid)))
         else:
             clean(raw)
 
