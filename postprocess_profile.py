@@ -6,7 +6,9 @@
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
 
 Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
-names the file and its error), 2 on bad arguments.
+names the file and its error), 2 on bad arguments: a --log-dir that does not exist (the trial's
+summary is still written, as failed), compare inputs that are missing or not profile summaries,
+an --out whose directory does not exist; the message names the file or setting.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from sftprof.profiling.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_t
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.profiling.compare import compare_runs
+    from sftprof.profiling.compare import CompareInputError, compare_runs
 
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
@@ -28,13 +30,18 @@ def _compare(argv: list[str]) -> int:
     p.add_argument("--out", metavar="FILE.md",
                    help="where to write the report (default: RUN_B/compare_vs_<basename of RUN_A>.md)")
     args = p.parse_args(argv)
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f"--out {args.out}: directory {os.path.dirname(os.path.abspath(args.out))} does not exist")
     try:
         report = compare_runs(args.run_a, args.run_b)
-    except (FileNotFoundError, ValueError) as exc:
+    except CompareInputError as exc:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(report)
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(report)
+    except OSError as exc:
+        p.error(f"--out {out}: cannot be written ({exc.strerror})")
     print(report)
     print(f"[postprocess] wrote {out}", file=sys.stderr)
     return 0
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                       compress=args.compress)
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
+    for skip in summary["skipped"]:
+        print(f"[postprocess] skipped {skip['file']}: {skip['reason']}", file=sys.stderr)
     print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "
           f"(trial status {summary['status']}, {summary['counts']})", file=sys.stderr)
     return code

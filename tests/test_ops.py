@@ -495,3 +495,56 @@ def test_mismatched_shapes_raise():
         linear_sft_loss(h, w, labels, lw[:10])
     with pytest.raises(ValueError, match="contiguous last dim"):
         vocab_parallel_logprobs((h @ w.t()).detach().t(), labels)
+
+
+def _value_error(fn, *args, **kwargs) -> str | None:
+    """The message of the ValueError ``fn`` raises (None if none); keeps no traceback, whose frames would
+    hold tensors and the process group past ``destroy_process_group`` (gloo then aborts at exit)."""
+    try:
+        fn(*args, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _shard_check_worker(rank, world, port, seed):
+    """Rule: inconsistent vocabulary shards across the TP group raise on every rank, naming the widths."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = dist.group.WORLD
+        hidden, weight, labels, _, _, lw = make_problem(seed, 8, 16, 300, 1)  # V = 300, identical on both ranks
+        hidden, weight, lw = hidden.float(), weight.float(), lw.float()
+        logits = (hidden.double() @ weight.double().t()).float()
+        # Full-vocabulary logits on every rank: without vocab_size this is silently ln 2 too low (the fault) ...
+        lp = vocab_parallel_logprobs(logits.clone(), labels, tp_group=g)
+        ref = torch.log_softmax(logits.double(), -1).gather(1, labels[:, None])[:, 0]
+        torch.testing.assert_close(lp.double(), ref - math.log(2), rtol=0, atol=1e-5)
+        # ... and with the vocabulary size the op refuses it, on every rank alike.
+        full = ("the TP group's vocabulary shards have widths [300, 300], summing to 600, not vocab_size=300; "
+                "pass each rank its own V/tp shard (full-vocabulary tensors on every rank make every log-prob "
+                "ln(tp) too low)")
+        assert _value_error(vocab_parallel_logprobs, logits.clone(), labels, tp_group=g, vocab_size=300) == \
+            "logits: " + full
+        for fn, args in ((linear_logprobs, ()), (linear_sft_loss, (lw,))):
+            assert _value_error(fn, hidden.clone(), weight.clone(), labels, *args, tp_group=g, vocab_size=300) == \
+                "weight: " + full
+        # Shards of unequal width (151 and 149 columns): refused even without vocab_size.
+        width = 151 if rank == 0 else 149
+        uneven = ("the TP group's vocabulary shards have widths [151, 149] (ranks 0..1); "
+                  "every rank must hold V/tp columns")
+        assert _value_error(vocab_parallel_logprobs, logits[:, :width].contiguous(), labels % 298, tp_group=g) == \
+            "logits: " + uneven
+        assert _value_error(linear_sft_loss, hidden.clone(), weight[:width].clone(), labels % 298, lw, tp_group=g) == \
+            "weight: " + uneven
+        # Consistent shards with the right vocab_size pass and match the fp64 reference.
+        shard = logits[:, rank * 150:(rank + 1) * 150].contiguous()
+        lp = vocab_parallel_logprobs(shard, labels, tp_group=g, vocab_size=300)
+        torch.testing.assert_close(lp.double(), ref, rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_inconsistent_vocab_shards_are_refused_gloo():
+    mp.spawn(_shard_check_worker, args=(2, _free_port(), fresh_seed()), nprocs=2, join=True)

@@ -75,7 +75,8 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
         for v in VIEWS:
             json.load(open(view_path(str(run / "kernel_traces"), r, v)))
     s = json.load(open(run / "profile_summary.json"))
-    assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0}
+    assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0,
+                           "skipped": 0}
     assert s["status"] == "ok" and s["errors"] == [] and s["completion"]["device"] == "cuda"
     assert s["stats"]["step_time_s"] == s["stats"]["profile_step_record"]["step_time_s"] == 2.0
     assert s["stats"]["max_mem_peak_allocated_gb"] == 4.0
@@ -271,11 +272,14 @@ def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
     (run / "launcher.log").write_text("torchrun: ChildFailedError\nsftprof: configuration error: boom\n")
     res = _cli("--log-dir", tmp_path / "never_written", "--run-dir", run, "--profile-kind", "kernel",
                "--profile-step", 0)
-    assert res.returncode == 0, res.stderr
+    # A missing log dir is bad input (exit 2, naming it); the failed trial's summary is still written.
+    assert res.returncode == 2, res.stderr
+    assert f"[postprocess] ERROR --log-dir: {tmp_path / 'never_written'} does not exist\n" in res.stderr
     s = json.load(open(run / "profile_summary.json"))
     assert s["status"] == "failed" and "does not exist" in s["completion"]["error"]
     assert s["trainer_log_tail"] == ["torchrun: ChildFailedError", "sftprof: configuration error: boom"]
-    assert s["errors"] == [] and s["counts"]["traces"] == 0
+    assert s["errors"] == [{"file": "--log-dir", "error": f"{tmp_path / 'never_written'} does not exist"}]
+    assert s["counts"]["traces"] == 0 and s["failure"] is None
 
 
 def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):

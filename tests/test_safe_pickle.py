@@ -42,10 +42,46 @@ def test_malicious_pickle_is_refused_without_side_effect(tmp_path):
     assert marker.exists()
 
 
-def test_builtin_containers_of_old_protocols_are_admitted():
-    data = {"s": {1, 2}, "f": frozenset({3}), "o": OrderedDict(a=1), "t": (1.5, None, True, "x", 2**70)}
-    for proto in (0, 2, pickle.HIGHEST_PROTOCOL):
-        assert safe_load(pickle.dumps(data, protocol=proto)) == data
+def test_real_snapshots_use_no_global():
+    """What the allocator's own pickles need: no GLOBAL/STACK_GLOBAL/REDUCE/BUILD opcode at all."""
+    import pickletools
+
+    for path in gpu_snapshot_fixtures():
+        ops = {op.name for op, _, _ in pickletools.genops(gzip.decompress(path.read_bytes()))}
+        assert not ops & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ"}, path
+
+
+# 34-46 byte pickles that call a builtin with a huge argument (memory amplification).
+_AMPLIFIERS = {
+    "bytearray": b"cbuiltins\nbytearray\n(\x8a\x08" + (2**62).to_bytes(8, "little") + b"tR.",
+    "range": b"\x80\x02c__builtin__\nrange\n\x8a\x05\x00\x00\x00\x00\x01\x85R.",
+    "set": b"\x80\x02c__builtin__\nset\nc__builtin__\nrange\n\x8a\x05\x00\x00\x00\x00\x01\x85R\x85R.",
+    "OrderedDict": pickle.dumps(OrderedDict(a=1), protocol=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_AMPLIFIERS))
+def test_no_callable_is_reachable(tmp_path, name):
+    path = tmp_path / f"{name}.pickle"
+    path.write_bytes(_AMPLIFIERS[name])
+    with pytest.raises(UnsafePickleError) as err:
+        safe_load_file(path)
+    module = "collections" if name == "OrderedDict" else ("__builtin__" if name in ("range", "set") else "builtins")
+    assert str(err.value) == (f"{path}: refusing to unpickle global '{module}.{name}' (memory snapshots hold only "
+                              "dicts, lists, tuples, str, int, float, bool and None; no callable is admitted)")
+
+
+@pytest.mark.parametrize("suffix", [".pickle", ".pickle.gz"])
+def test_huge_length_field_is_a_truncation_not_a_memory_error(tmp_path, suffix):
+    """A real snapshot whose first FRAME claims 2**62 bytes: loading reads what exists, then stops."""
+    raw = gzip.decompress(gpu_snapshot_fixtures()[0].read_bytes())
+    assert raw[2:3] == b"\x95"  # FRAME after PROTO 4
+    bad = raw[:3] + (2**62).to_bytes(8, "little") + raw[11:]
+    path = tmp_path / f"snap{suffix}"
+    path.write_bytes(gzip.compress(bad) if suffix.endswith(".gz") else bad)
+    with pytest.raises(ValueError) as err:
+        safe_load_file(path)
+    assert str(err.value) == f"{path}: not a readable snapshot pickle (UnpicklingError: pickle data was truncated)"
 
 
 def test_truncated_snapshot_names_the_file(tmp_path):

@@ -1,4 +1,5 @@
 """Trace views on real traces: the H200 reference trace(s) and CPU traces profiled in the test."""
+import bisect
 import collections
 import gzip
 import json
@@ -9,7 +10,8 @@ import pytest
 from fixtures import gpu_trace_fixtures, make_cpu_trace
 from sftprof.profiling import trace_io
 from sftprof.profiling.trace_io import TraceFormatError, TraceReader
-from sftprof.profiling.views import API_TID_OFFSET, VIEWS, split_into_windows, split_trace, view_path
+from sftprof.profiling.trace_check import MAX_TID, validate_trace
+from sftprof.profiling.views import VIEWS, split_into_windows, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures()
 
@@ -69,11 +71,41 @@ def _counts(events):
     return collections.Counter((e.get("ph"), e.get("cat")) for e in events)
 
 
+def _tracked(e):
+    return isinstance(e.get("pid"), int) and 0 <= e["pid"] < 2**31 and isinstance(e.get("tid"), int)
+
+
+def _paired_flows(events):
+    ends = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") in ("s", "f") and e.get("cat") in ("ac2g", "fwdbwd") and _tracked(e):
+            ends[(e["cat"], e["id"])].append(e["ph"])
+    return {k for k, v in ends.items() if sorted(v) == ["f", "s"]}
+
+
+def test_every_view_passes_the_trace_event_format_rules(gpu_split):
+    _, _, paths, _ = gpu_split
+    for v in VIEWS:
+        assert validate_trace(paths[v][0]) == [], v
+
+
 def test_views_content(gpu_split):
     src, views, _, _ = gpu_split
     ev = src["traceEvents"]
     full = views["chrome"]["traceEvents"]
-    assert sorted(map(json.dumps, full)) == sorted(map(json.dumps, ev))  # same events, only reordered
+    # Everything but profiler bookkeeping and unpaired flow ends, unchanged except annotations' track.
+    paired = _paired_flows(ev)
+    keep = [e for e in ev if _tracked(e) and e["ph"] not in ("M", "s", "f", "t")]
+    flows = [e for e in ev if e.get("ph") in ("s", "f") and (e.get("cat"), e.get("id")) in paired]
+    assert len(flows) == 2 * len(paired) > 0
+
+    def no_tid(e):
+        return json.dumps({k: v for k, v in e.items() if k != "tid" or e.get("cat") != "user_annotation"},
+                          sort_keys=True)
+
+    assert sorted(map(no_tid, [e for e in full if e["ph"] != "M"])) == sorted(map(no_tid, keep + flows))
+    ann = [e for e in full if e.get("cat") == "user_annotation"]
+    assert len(ann) == _counts(ev)[("X", "user_annotation")] and all(e["tid"] > MAX_TID - 16 for e in ann)
     assert {k: v for k, v in views["chrome"].items() if k != "traceEvents"} == \
         {k: v for k, v in src.items() if k != "traceEvents"}
     src_counts = _counts(ev)
@@ -91,6 +123,24 @@ def test_views_content(gpu_split):
     assert len([e for e in api if e["ph"] != "M"]) == src_counts[("X", "cuda_runtime")] + src_counts[("X", "cuda_driver")]
 
 
+def test_thread_renamed_during_the_trace_gets_one_label(gpu_split):
+    src, views, _, _ = gpu_split
+    renamed = collections.defaultdict(list)
+    for e in src["traceEvents"]:
+        if e.get("name") == "thread_name":
+            renamed[(e["pid"], e["tid"])].append(e["args"]["name"])
+    (track, names), = [(t, n) for t, n in renamed.items() if len(n) > 1]  # both fixtures: the autograd thread
+    inner = ", ".join(n.split("(", 1)[1].rstrip(")") for n in names)
+    for v in ("chrome", "cpu_only.chrome", "cuda_api_only.chrome"):
+        labels = [e["args"]["name"] for e in views[v]["traceEvents"]
+                  if e.get("name") == "thread_name" and (e["pid"], e["tid"]) == track]
+        assert labels == [f"thread {track[1]} ({inner})"], v
+    clean = [e["args"]["name"] for e in views["split_clean.chrome"]["traceEvents"]
+             if e.get("name") == "thread_name" and e["pid"] == track[0]]
+    assert f"CPU ops: thread {track[1]} ({inner})" in clean
+    assert f"CUDA API (runtime/driver): thread {track[1]} ({inner})" in clean
+
+
 def test_split_clean_tracks_and_flows(gpu_split):
     src, views, _, _ = gpu_split
     clean = views["split_clean.chrome"]["traceEvents"]
@@ -101,13 +151,20 @@ def test_split_clean_tracks_and_flows(gpu_split):
             tracks[e["cat"]].add((e["pid"], e["tid"]))
     api = tracks["cuda_runtime"] | tracks["cuda_driver"]
     gpu = tracks["kernel"] | tracks["gpu_memcpy"] | tracks["gpu_memset"]
-    assert api and gpu and tracks["cpu_op"]
-    assert not api & tracks["cpu_op"] and not gpu & tracks["cpu_op"] and not api & gpu
+    ann = tracks["user_annotation"]
+    assert api and gpu and tracks["cpu_op"] and len(ann) == len({(e["pid"], e["tid"]) for e in src["traceEvents"]
+                                                                 if e.get("cat") == "user_annotation"})
+    groups = (api, gpu, ann, tracks["cpu_op"])
+    assert all(not a & b for i, a in enumerate(groups) for b in groups[i + 1:])
     assert all(names[t].startswith("CUDA API") for t in api)
     assert all(names[t].startswith("CPU ops") for t in tracks["cpu_op"])
+    assert all(names[t].startswith("Annotations: thread ") for t in ann)
     assert all(names[t].startswith("GPU ") for t in gpu)
-    assert all(t[1] >= API_TID_OFFSET for t in api)
-    # Every ac2g flow start still lies inside a CUDA API call on its own track, every end on a GPU activity.
+    # Made-up tracks: 32-bit, counting down from 2**31 - 1, no real tid of the process reused.
+    real = {(e["pid"], e["tid"]) for e in src["traceEvents"] if _tracked(e)}
+    made_up = api | ann
+    assert all(MAX_TID - len(made_up) < t <= MAX_TID for _, t in made_up) and not made_up & real
+    # Every paired ac2g flow: start inside a CUDA API call on its own track, end on a GPU activity or an API call.
     calls = collections.defaultdict(list)
     gpu_starts = set()
     for e in clean:
@@ -115,14 +172,21 @@ def test_split_clean_tracks_and_flows(gpu_split):
             calls[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
         elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             gpu_starts.add((e["pid"], e["tid"], e["ts"]))
+    for c in calls.values():
+        c.sort()
+
+    def in_call(e):  # API calls of one thread do not overlap: the last one starting at or before ts
+        c = calls[(e["pid"], e["tid"])]
+        i = bisect.bisect_right(c, (e["ts"], float("inf"))) - 1
+        return i >= 0 and c[i][0] <= e["ts"] <= c[i][1]
+
     starts = [e for e in clean if e.get("cat") == "ac2g" and e["ph"] == "s"]
     ends = [e for e in clean if e.get("cat") == "ac2g" and e["ph"] == "f"]
-    assert len(starts) == _counts(src["traceEvents"])[("s", "ac2g")] > 0
-    for s in starts:
-        assert any(lo <= s["ts"] <= hi for lo, hi in calls[(s["pid"], s["tid"])]), s
-    start_ids = {s["id"] for s in starts}
-    matched = [f for f in ends if f["id"] in start_ids]
-    assert matched and all((f["pid"], f["tid"], f["ts"]) in gpu_starts for f in matched)
+    assert len(starts) == len(ends) == len([k for k in _paired_flows(src["traceEvents"]) if k[0] == "ac2g"]) > 0
+    assert all(in_call(s) for s in starts)
+    on_gpu = [f for f in ends if (f["pid"], f["tid"], f["ts"]) in gpu_starts]
+    on_api = [f for f in ends if in_call(f)]
+    assert on_gpu and len(on_gpu) + len(on_api) == len(ends)
 
 
 def test_compressed_views_equal_plain(gpu_split, tmp_path):
@@ -156,6 +220,7 @@ def test_large_view_is_split_into_time_windows(gpu_split, tmp_path):
         last_end = max(e["ts"] for e in body)
         got += body
     assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in whole if e["ph"] != "M")
+    assert all(validate_trace(p) == [] for p in parts)
 
 
 def test_cpu_trace_views(tmp_path):
@@ -168,11 +233,16 @@ def test_cpu_trace_views(tmp_path):
         assert _load(paths[f"{view}.chrome"][0])["traceEvents"] == [
             {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
              "args": {"name": f"{view}: no events in this trace"}}]
+    assert all(validate_trace(paths[v][0]) == [] for v in VIEWS)
     # split_trace windows any view above the limit, and only those.
     small = split_trace(str(src), str(tmp_path / "win"), 1, max_view_bytes=20_000, progress=False)
     assert len(small["cpu_only.chrome"]) > 1 and len(small["gpu_only.chrome"]) == 1
     got = [e for p in small["cpu_only.chrome"] for e in _load(p)["traceEvents"] if e["ph"] != "M"]
-    assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in cpu if e["ph"] != "M")
+    flows = [e for e in cpu if e["ph"] in ("s", "f")]
+    cut = {e["id"] for e in flows} - {e["id"] for e in got if e["ph"] in ("s", "f")}
+    assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in cpu if e["ph"] != "M" and
+                                                  not (e["ph"] in ("s", "f") and e["id"] in cut))
+    assert all(validate_trace(p) == [] for v in VIEWS for p in small[v])  # windows leave out the flows they cut
 
 
 @pytest.mark.parametrize("text,events,header", [

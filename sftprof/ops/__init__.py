@@ -17,6 +17,9 @@ Public API
 - ``grad_in_hidden=True`` writes ``d/dhidden`` over ``hidden``'s storage (saves ``N x H`` elements; the
   hidden states are consumed, autograd's version counter catches any other saved use).
 - :class:`StaleBufferError`: raised when a tensor kept for the backward was modified or replaced.
+- All three take ``vocab_size=`` (optional, the full padded vocabulary) and check, with one all-gather of
+  the shard width per call, that the TP group's shards have equal widths summing to it
+  (:func:`sftprof.ops.guards.check_vocab_shards`; ``ValueError`` naming the widths otherwise).
 
 How the trainer's settings map onto these (both backends)
 ---------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sftprof.ops.guards import SavedBuffer, StaleBufferError
+from sftprof.ops.guards import SavedBuffer, StaleBufferError, check_vocab_shards
 from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, defers_normalisation,
                                        grad_coefficients, scale_rows_, sft_chunk_, shard_local_labels, tp_rank_and_size,
                                        write_softmax_grad_)
@@ -18,7 +18,8 @@ from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bound
 __all__ = ["linear_logprobs", "linear_sft_loss"]
 
 
-def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden) -> int:
+def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden,
+                         vocab_size) -> int:
     """Validate and return ``N``, the number of tokens of the full (gathered) sequence."""
     if grad_in_hidden and not _reuses_gathered_copy(tp_group, sequence_parallel) and not hidden.is_contiguous():
         raise ValueError(f"grad_in_hidden=True needs a contiguous hidden, got strides {hidden.stride()}")
@@ -28,6 +29,7 @@ def _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
     _, tp = tp_rank_and_size(tp_group)
+    check_vocab_shards(weight.shape[0], tp_group, weight.device, "weight", vocab_size)
     n = hidden.shape[0] * (tp if sequence_parallel else 1)
     check_labels_and_temperature(labels, n, weight.shape[0] * tp, temperature)
     return n
@@ -267,7 +269,8 @@ class _LinearSFTLoss(torch.autograd.Function):
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                     tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
-                    return_entropy: bool = False, sequence_parallel: bool = False, grad_in_hidden: bool = False):
+                    return_entropy: bool = False, sequence_parallel: bool = False, grad_in_hidden: bool = False,
+                    vocab_size: int | None = None):
     """Token log-probs (and entropy) of ``hidden @ weight.T`` without materialising more than
     ``chunk_size x V_local`` logits; the backward recomputes the logits chunk by chunk.
 
@@ -291,14 +294,17 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             chunk's recompute and ``d/dweight`` GEMM) and hand that storage on as the gradient: saves ``N x H``
             elements. ``hidden`` is consumed by the backward; see :func:`linear_sft_loss` for the version-counter
             safety net. Requires a contiguous ``hidden``; ignored under sequence parallelism with tp > 1.
+        vocab_size: the full (padded) vocabulary size, when known; the TP group's weight shards must sum to it
+            (catches the full LM-head weight passed on every rank).
     Returns:
         fp32 ``[N]`` log-probs, or ``(logprobs, entropy)``; identical on all TP ranks.
     Raises:
         ValueError: bad shapes/dtypes/labels/temperature/chunk_size; ``grad_in_hidden`` with a non-contiguous
-            ``hidden``.
+            ``hidden``; weight shards of unequal width across ``tp_group`` or not summing to ``vocab_size``
+            (:func:`sftprof.ops.guards.check_vocab_shards`; one all-gather of one int per call).
         sftprof.ops.guards.StaleBufferError: ``hidden``/``weight`` modified or swapped before the backward.
     """
-    _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden)
+    _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden, vocab_size)
     logprobs, entropy = _LinearLogprobs.apply(hidden, weight, labels, tp_group, chunk_size, float(temperature),
                                               sequence_parallel, grad_in_hidden)
     return (logprobs, entropy) if return_entropy else logprobs
@@ -306,7 +312,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor, *,
                     tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
-                    sequence_parallel: bool = False, grad_in_hidden: bool = False) -> torch.Tensor:
+                    sequence_parallel: bool = False, grad_in_hidden: bool = False,
+                    vocab_size: int | None = None) -> torch.Tensor:
     """``sum_i -logprob_i * loss_weight_i`` of ``hidden @ weight.T`` with gradients formed in the forward.
 
     Because the loss is linear in the log-probs, ``d loss / d logits`` of each chunk is known as soon as its
@@ -323,7 +330,7 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     scratch buffer; on CUDA the first call also autotunes the elementwise kernel on a copy of one chunk.
 
     Args:
-        hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel: as in
+        hidden, weight, labels, tp_group, chunk_size, temperature, sequence_parallel, vocab_size: as in
             :func:`linear_logprobs`.
         loss_weight: ``[N]`` per-token weights (any float dtype; 0 masks a token). Put normalisation
             (1/num_tokens, 1/num_microbatches) here. If it requires grad it gets ``-logprob`` (times the
@@ -342,7 +349,8 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     Returns:
         fp32 scalar loss, identical on all TP ranks.
     Raises:
-        ValueError: bad inputs (``grad_in_hidden`` with a non-contiguous ``hidden``); or, when
+        ValueError: bad inputs (``grad_in_hidden`` with a non-contiguous ``hidden``, weight shards inconsistent
+            with ``tp_group`` as in :func:`linear_logprobs`); or, when
             ``weight.main_grad`` exists (its gradient is added there during the forward), a backward with an
             incoming gradient other than 1.
         sftprof.ops.guards.StaleBufferError: in the backward, if the stored d/dhidden (``hidden`` itself with
@@ -351,7 +359,8 @@ def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         In ``main_grad`` mode the weight gradient lands in ``weight.main_grad`` during this call, so call it
         with gradients enabled only when a backward will follow.
     """
-    n = _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden)
+    n = _check_linear_inputs(hidden, weight, labels, tp_group, temperature, sequence_parallel, grad_in_hidden,
+                             vocab_size)
     if loss_weight.shape != (n,) or not loss_weight.is_floating_point():
         raise ValueError(f"loss_weight must be a float tensor of shape ({n},), got {loss_weight.dtype} "
                          f"{tuple(loss_weight.shape)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sftprof.ops.guards import SavedBuffer
+from sftprof.ops.guards import SavedBuffer, check_vocab_shards
 from sftprof.ops.vocab_softmax import (check_labels_and_temperature, chunk_bounds, chunk_stats, grad_coefficients,
                                        shard_local_labels, tp_rank_and_size, write_softmax_grad_)
 
@@ -42,7 +42,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: dist.ProcessGroup | None = None,
-                            chunk_size: int = 0, temperature: float = 1.0, return_entropy: bool = False):
+                            chunk_size: int = 0, temperature: float = 1.0, return_entropy: bool = False,
+                            vocab_size: int | None = None):
     """Log-probabilities of ``labels`` (and softmax entropy) from this rank's vocabulary shard of the logits.
 
     Computed in fp32, ``chunk_size`` tokens at a time, with one all-reduce set (a MAX, then one SUM of
@@ -65,15 +66,20 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tp_gr
         temperature: logits are divided by it before the softmax (> 0).
         return_entropy: also return the entropy; it is differentiable (detach it when the trainer's
             ``entropy_requires_grad`` is false).
+        vocab_size: the full (padded) vocabulary size, when known; the TP group's shard widths must sum to
+            it (catches full-vocabulary logits passed on every rank).
     Returns:
         fp32 ``[N]`` log-probs, or ``(logprobs, entropy)`` fp32 ``[N]`` each (nats), identical on all TP ranks.
     Raises:
-        ValueError: bad shapes/dtypes, labels out of range, ``chunk_size < 0`` or ``temperature <= 0``.
+        ValueError: bad shapes/dtypes, labels out of range, ``chunk_size < 0`` or ``temperature <= 0``;
+            vocabulary shards of unequal width across ``tp_group`` or not summing to ``vocab_size``
+            (:func:`sftprof.ops.guards.check_vocab_shards`; one all-gather of one int per call).
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [N, V_local] with a contiguous last dim, got shape {tuple(logits.shape)} "
                          f"stride {logits.stride()}")
     _, tp = tp_rank_and_size(tp_group)
+    check_vocab_shards(logits.shape[1], tp_group, logits.device, "logits", vocab_size)
     check_labels_and_temperature(labels, logits.shape[0], logits.shape[1] * tp, temperature)
     logprobs, entropy = _VocabParallelLogprobs.apply(logits, labels, tp_group, chunk_size, float(temperature))
     return (logprobs, entropy) if return_entropy else logprobs

@@ -18,31 +18,57 @@ import yaml
 from sftprof.profiling.summary import SUMMARY_JSON
 from sftprof.profiling.trace_summary import short_kernel_name
 
-__all__ = ["find_trials", "compare_runs"]
+__all__ = ["CompareInputError", "find_trials", "compare_runs"]
 
 _ROWS = 15  # rows per top-kernel / site table
+_REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
+
+
+class CompareInputError(ValueError):
+    """A compare input is missing or is not a usable profile summary; the message names the file."""
+
+
+def _load_summary(path: str) -> dict:
+    """One ``profile_summary.json``, checked for the members compare reads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            s = json.load(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CompareInputError(f"{path}: cannot be read ({exc})") from None
+    except ValueError as exc:
+        raise CompareInputError(f"{path}: not valid JSON ({exc}); rerun postprocess_profile.py for that trial") from None
+    if not isinstance(s, dict):
+        raise CompareInputError(f"{path}: not a profile summary (a JSON {type(s).__name__}, expected an object)")
+    missing = [k for k in _REQUIRED if k not in s]
+    if missing:
+        raise CompareInputError(f"{path}: not a profile summary of this version: missing {', '.join(missing)}; "
+                                "rerun postprocess_profile.py for that trial")
+    if s["profile_kind"] not in ("kernel", "memory") or not isinstance(s["profile_step"], int):
+        raise CompareInputError(f"{path}: profile_kind={s['profile_kind']!r} / profile_step={s['profile_step']!r}: "
+                                "expected 'kernel' or 'memory' and an int")
+    return s
 
 
 def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT.
 
     Raises:
-        FileNotFoundError: ``run`` is not a directory or holds no ``profile_summary.json``.
-        ValueError: two trials of one RUN_ROOT share kind and step.
+        CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json``, a summary is
+            unreadable, not JSON or lacks ``profile_kind`` / ``profile_step`` / ``stats`` / ``ranks``, or two
+            trials of one RUN_ROOT share kind and step (each message names the file or directory).
     """
     if not os.path.isdir(run):
-        raise FileNotFoundError(f"{run}: not a directory (expected a trial run dir or a RUN_ROOT)")
+        raise CompareInputError(f"{run}: not a directory (expected a trial run dir or a RUN_ROOT)")
     dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
         [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
     if not dirs:
-        raise FileNotFoundError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
+        raise CompareInputError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
     out: dict[tuple[str, int], tuple[str, dict]] = {}
     for d in dirs:
-        with open(os.path.join(d, SUMMARY_JSON), encoding="utf-8") as f:
-            s = json.load(f)
+        s = _load_summary(os.path.join(d, SUMMARY_JSON))
         key = (s["profile_kind"], s["profile_step"])
         if key in out:
-            raise ValueError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
+            raise CompareInputError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
         out[key] = (d, s)
     return out
 
@@ -127,25 +153,38 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     kind, step = key
     out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
     out += _settings_diff(a, b)
-    sa, sb = a["stats"].get("profile_step_record") or {}, b["stats"].get("profile_step_record") or {}
-    rows = [("step time s (stats.jsonl, profiled step)", sa.get("step_time_s"), sb.get("step_time_s")),
-            ("peak allocated GB (stats.jsonl, profiled step)", sa.get("mem_peak_allocated_gb"),
-             sb.get("mem_peak_allocated_gb")),
-            ("peak reserved GB (stats.jsonl, profiled step)", sa.get("mem_peak_reserved_gb"),
-             sb.get("mem_peak_reserved_gb")),
-            ("max peak allocated GB over steps", a["stats"].get("max_mem_peak_allocated_gb"),
-             b["stats"].get("max_mem_peak_allocated_gb"))]
+    sa, sb = a["stats"], b["stats"]
+
+    def peak(st: dict, key: str) -> str:
+        rank = st.get(f"{key}_rank")
+        return "–" if rank is None else f"r{rank}" + (" only" if (st.get("n_ranks") or 1) == 1 else "")
+
+    rows = [("step time s (stats.jsonl, profiled step, slowest rank)", sa.get("step_time_s"), sb.get("step_time_s"))]
+    for key, what in (("mem_peak_allocated", "peak allocated"), ("mem_peak_reserved", "peak reserved")):
+        rows.append((f"{what} GB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
+                     sa.get(f"{key}_gb"), sb.get(f"{key}_gb")))
+    rows.append(("max peak allocated GB over steps and ranks", sa.get("max_mem_peak_allocated_gb"),
+                 sb.get("max_mem_peak_allocated_gb")))
     out += _table("metric", "", rows)
+    # Every rank of stats.jsonl, profiled or not, then the profiled ranks' trace/snapshot figures.
+    pa, pb = sa.get("per_rank") or {}, sb.get("per_rank") or {}
+    per_rank = []
+    for rank in sorted(set(pa) | set(pb), key=int):
+        for col, label in (("step_time_s", "step time s"), ("mem_peak_allocated_gb", "peak allocated GB"),
+                           ("mem_peak_reserved_gb", "peak reserved GB")):
+            per_rank.append((f"rank {rank} {label}", (pa.get(rank) or {}).get(col), (pb.get(rank) or {}).get(col)))
+    if per_rank:
+        out += ["### Per rank (stats.jsonl, every rank)", ""] + _table("rank metric", "", per_rank)
     ra = {r["rank"]: r for r in a["ranks"]["rows"]}
     rb = {r["rank"]: r for r in b["ranks"]["rows"]}
-    per_rank = []
+    profiled = []
     for rank in sorted(set(ra) & set(rb)):
-        for col in ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+        for col in ("step_ms", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
                     "comm_ms", "exposed_comm_ms", "host_comm_ms"):
             if col in ra[rank] or col in rb[rank]:
-                per_rank.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
-    if per_rank:
-        out += ["### Per rank", ""] + _table("rank metric", "", per_rank)
+                profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
+    if profiled:
+        out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
     ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
     kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
     for rank in sorted(set(ka) & set(kb)):
@@ -187,7 +226,12 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
 
 
 def compare_runs(run_a: str, run_b: str) -> str:
-    """Markdown report comparing two runs (see the module docstring); raises like :func:`find_trials`."""
+    """Markdown report comparing two runs (see the module docstring).
+
+    Raises:
+        CompareInputError: as :func:`find_trials`, or a matched summary whose members have an unexpected
+            shape (the message names both files).
+    """
     ta, tb = find_trials(run_a), find_trials(run_b)
     out = ["# Profile comparison", "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`", ""]
     common = sorted(set(ta) & set(tb))
@@ -198,5 +242,10 @@ def compare_runs(run_a: str, run_b: str) -> str:
     if not common:
         out.append("\nNo trials match by (kind, step).")
     for key in common:
-        out += [""] + _pair(key, *ta[key], *tb[key])
+        try:
+            out += [""] + _pair(key, *ta[key], *tb[key])
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            files = " and ".join(os.path.join(ta[key][0] if side == 0 else tb[key][0], SUMMARY_JSON) for side in (0, 1))
+            raise CompareInputError(f"cannot compare {files}: a member has an unexpected shape "
+                                    f"({type(exc).__name__}: {exc}); rerun postprocess_profile.py for them") from None
     return "\n".join(out).rstrip() + "\n"

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["analyze_snapshot", "allocation_site", "plot_memory", "TOP_SITES"]
+from sftprof.profiling.trace_check import is_finite_number
+
+__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES"]
 
 TOP_SITES = 20
 TOP_ALLOCATIONS = 10
@@ -59,10 +61,13 @@ def allocation_site(frames: list[dict]) -> str:
     node = None
     first_py = None
     for f in frames:
-        fn = f.get("filename") or ""
+        if not isinstance(f, dict):
+            continue
+        fn = f.get("filename")
+        fn = fn if isinstance(fn, str) else ""
         if not fn.endswith(".py"):
             if node is None:
-                m = _AUTOGRAD_NODE.search(f.get("name") or "")
+                m = _AUTOGRAD_NODE.search(str(f.get("name") or ""))
                 if m:
                     node = m.group(1)
             continue
@@ -95,6 +100,87 @@ def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
     return min(inside, key=lambda p: (p["end_us"] - p["start_us"], p.get("name", "")))["name"]
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(where: str, rec, fields: dict) -> None:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where} is {type(rec).__name__}, expected a dict")
+    for key, (check, what) in fields.items():
+        if key in rec and not check(rec[key]):
+            raise ValueError(f"{where}['{key}'] is {rec[key]!r:.60}, expected {what}")
+
+
+_NONNEG_INT = (lambda v: _int(v) and v >= 0, "an int >= 0")
+_SEGMENT_FIELDS = {"device": _NONNEG_INT, "total_size": _NONNEG_INT, "blocks": (lambda v: isinstance(v, list), "a list")}
+_BLOCK_FIELDS = {"address": (_int, "an int"), "size": _NONNEG_INT, "frames": (lambda v: isinstance(v, list), "a list")}
+_EVENT_FIELDS = {"action": (lambda v: isinstance(v, str), "a str"), "addr": (_int, "an int"), "size": _NONNEG_INT,
+                 "time_us": (is_finite_number, "a finite number"),
+                 "frames": (lambda v: isinstance(v, list), "a list")}
+
+
+def check_snapshot(snapshot) -> None:
+    """Check the structure :func:`analyze_snapshot` relies on; the message says where it breaks.
+
+    Expected (``torch.cuda.memory._snapshot()``): a dict with ``segments``, a list of dicts
+    (``device``, ``total_size`` ints >= 0, ``blocks`` a list of dicts with int ``address``, int
+    ``size`` >= 0, ``state`` str, ``frames`` list) and ``device_traces``, a list (per device) of
+    lists of dicts (``action`` str, ``addr`` int, ``size`` int >= 0, finite ``time_us``, ``frames`` list).
+
+    Raises:
+        ValueError: e.g. ``"segments[0] is int, expected a dict"`` or
+            ``"device_traces[0][12]['size'] is -5, expected an int >= 0"``.
+    """
+    if not isinstance(snapshot, dict) or "segments" not in snapshot:
+        raise ValueError("not a CUDA allocator snapshot: expected a dict with 'segments' and 'device_traces'")
+    segments, traces = snapshot["segments"], snapshot.get("device_traces", [])
+    for name, value in (("segments", segments), ("device_traces", traces)):
+        if not isinstance(value, list):
+            raise ValueError(f"'{name}' is {type(value).__name__}, expected a list")
+    for i, seg in enumerate(segments):
+        _check_fields(f"segments[{i}]", seg, _SEGMENT_FIELDS)
+        for j, block in enumerate(seg.get("blocks", [])):
+            _check_fields(f"segments[{i}]['blocks'][{j}]", block, _BLOCK_FIELDS)
+            if block.get("state") in _ALLOCATED_STATES and not ("address" in block and "size" in block):
+                raise ValueError(f"segments[{i}]['blocks'][{j}] is allocated but has no 'address'/'size'")
+    for d, trace in enumerate(traces):
+        if not isinstance(trace, list):
+            raise ValueError(f"device_traces[{d}] is {type(trace).__name__}, expected a list")
+        for k, event in enumerate(trace):
+            _check_fields(f"device_traces[{d}][{k}]", event, _EVENT_FIELDS)
+            if event.get("action") in ("alloc", "free_completed") and "addr" not in event:
+                raise ValueError(f"device_traces[{d}][{k}] is an {event['action']} without 'addr'")
+
+
+def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
+    """Whether the allocator history ring buffer overflowed, so the recorded window is truncated.
+
+    ``torch.cuda.memory._record_memory_history(max_entries=N)`` keeps only the newest ``N`` events
+    (``sftprof/profiling/memory.py``); a trace holding ``N`` entries has lost its earliest events, so
+    the peak and its time are those of the kept window only.
+
+    Args:
+        summary: output of :func:`analyze_snapshot` (``trace_entries``, ``window_start_us``, ``peak_time_ms``).
+        max_entries: the trial's ``memory_profiler.max_entries`` (``MEMORY_MAX_ENTRIES``), None if unknown.
+
+    Returns:
+        ``{"max_entries", "entries", "truncated"}`` (``truncated`` None when ``max_entries`` is unknown)
+        plus, when truncated, ``window_start_us`` (unix us of the first kept event) and ``message``.
+    """
+    n = summary["trace_entries"]
+    out: dict[str, Any] = {"max_entries": max_entries, "entries": n,
+                           "truncated": None if max_entries is None else n >= max_entries}
+    if out["truncated"]:
+        out["window_start_us"] = summary["window_start_us"]
+        out["message"] = (f"the allocator history holds max_entries={max_entries} entries: the ring buffer "
+                          f"overflowed, events before the first kept one (unix time {summary['window_start_us']:.0f} us, "
+                          f"{summary['peak_time_ms']:.3f} ms before the reported peak) are lost, so the peak and its "
+                          "time are those of the truncated window only; raise MEMORY_MAX_ENTRIES "
+                          "(memory_profiler.max_entries)")
+    return out
+
+
 def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, Any]:
     """Memory summary of one snapshot.
 
@@ -112,10 +198,14 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
 
     Raises:
-        ValueError: the object is not an allocator snapshot (no ``segments``/``device_traces``).
+        ValueError: the object is not a well-formed allocator snapshot (see :func:`check_snapshot`).
     """
-    if not isinstance(snapshot, dict) or "segments" not in snapshot:
-        raise ValueError("not a CUDA allocator snapshot: expected a dict with 'segments' and 'device_traces'")
+    check_snapshot(snapshot)
+    if phases is not None and not (isinstance(phases, dict) and isinstance(phases.get("phases", []), list)
+                                   and all(isinstance(p, dict) and isinstance(p.get("name"), str)
+                                           and is_finite_number(p.get("start_us")) and is_finite_number(p.get("end_us"))
+                                           for p in phases.get("phases", []))):
+        raise ValueError("phases sidecar: expected {'phases': [{'name': str, 'start_us': number, 'end_us': number}]}")
     dev = _primary_device(snapshot)
     traces = snapshot.get("device_traces") or []
     trace = traces[dev] if dev < len(traces) else []
@@ -201,6 +291,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         "device": dev,
         "trace_entries": n,
         "window_ms": round((float(times[-1]) - t0) / 1e3, 3) if n else 0.0,
+        "window_start_us": t0 if n else None,
         "peak_allocated_bytes": peak_alloc,
         "peak_allocated_gib": round(peak_alloc / _GIB, 4),
         "peak_reserved_bytes": peak_res,

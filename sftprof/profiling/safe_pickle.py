@@ -1,11 +1,18 @@
 """Restricted unpickling of CUDA caching-allocator snapshots.
 
-``torch.cuda.memory._dump_snapshot`` writes a pickle of plain data (dicts, lists, tuples, str,
-int, float, bool, None). Unpickling an untrusted file with :func:`pickle.load` can call any
-importable function (``os.system`` via ``__reduce__``), so snapshots are loaded with an
-unpickler whose ``find_class`` admits only a handful of builtin container/scalar types and
-whose ``persistent_load`` refuses persistent ids. Every other global stops the load with
-:class:`UnsafePickleError` before anything is called.
+``torch.cuda.memory._dump_snapshot`` writes a protocol-4 pickle of plain data built only from
+opcodes that need no global at all (dicts, lists, tuples, str, int, float, bool, None: the real
+fixtures in ``tests/fixtures/`` use no ``GLOBAL``/``STACK_GLOBAL``/``REDUCE``). Unpickling an
+untrusted file with :func:`pickle.load` can call any importable function (``os.system`` via
+``__reduce__``), and even "harmless" builtins amplify resources (``bytearray(2**62)``,
+``range``/``set`` of a huge argument from a 46-byte file). So no callable is reachable here:
+``find_class`` refuses every global and ``persistent_load`` every persistent id, with
+:class:`UnsafePickleError`, before anything is called.
+
+Without callables every object the unpickler builds is made from bytes of the input, so the
+input's (decompressed) size bounds what loading allocates; the one remaining amplifier is a
+length field (``FRAME``, ``BINBYTES8``, ...) that asks the file object for more bytes than exist,
+which :class:`_BoundedReader` answers with at most what the file holds, in bounded pieces.
 """
 from __future__ import annotations
 
@@ -13,56 +20,79 @@ import gzip
 import io
 import os
 import pickle
+import zlib
 from typing import Any
 
-__all__ = ["UnsafePickleError", "ALLOWED_GLOBALS", "safe_load", "safe_load_file"]
+__all__ = ["UnsafePickleError", "safe_load", "safe_load_file"]
 
-# Builtin containers and scalars that older pickle protocols reference by name.
-ALLOWED_GLOBALS = frozenset({
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"),
-    ("builtins", "bytearray"), ("builtins", "slice"), ("builtins", "range"),
-    ("collections", "OrderedDict"),
-})
+_READ_PIECE = 64 << 20  # bytes asked of the underlying stream per read (bounds one allocation)
 
 
 class UnsafePickleError(pickle.UnpicklingError):
-    """A pickle references a global outside :data:`ALLOWED_GLOBALS`; the message names the file."""
+    """A pickle references a global or a persistent id (a callable); the message names the file."""
+
+
+class _BoundedReader:
+    """File-like wrapper whose ``read(n)`` never allocates more than what the stream really holds.
+
+    ``BufferedReader.read(n)`` (and so ``GzipFile.read``) allocates ``n`` bytes up front; a corrupt
+    length field of 2**60 then raises ``MemoryError``. Reading in pieces of at most
+    :data:`_READ_PIECE` bytes stops at the real end of the stream instead.
+    """
+
+    def __init__(self, f):
+        self._f = f
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            return self._f.read()
+        if n <= _READ_PIECE:
+            return self._f.read(n)
+        pieces = []
+        while n > 0:
+            piece = self._f.read(min(n, _READ_PIECE))
+            if not piece:
+                break
+            pieces.append(piece)
+            n -= len(piece)
+        return b"".join(pieces)
+
+    def readline(self) -> bytes:
+        return self._f.readline(_READ_PIECE)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, file, source: str):
-        super().__init__(file)
+        super().__init__(_BoundedReader(file))
         self._source = source
 
     def find_class(self, module: str, name: str):
-        if module == "__builtin__":  # protocols 0-2 spell builtins the Python 2 way
-            module = "builtins"
-        if (module, name) in ALLOWED_GLOBALS:
-            return super().find_class(module, name)
         raise UnsafePickleError(
-            f"{self._source}: refusing to unpickle global '{module}.{name}' "
-            "(memory snapshots may only contain builtin containers and scalars)")
+            f"{self._source}: refusing to unpickle global '{module}.{name}' (memory snapshots hold only "
+            "dicts, lists, tuples, str, int, float, bool and None; no callable is admitted)")
 
     def persistent_load(self, pid):
         raise UnsafePickleError(f"{self._source}: refusing pickle persistent id {pid!r}")
 
 
 def safe_load(data: bytes, source: str = "<bytes>") -> Any:
-    """Unpickle ``data`` admitting only builtin containers and scalars.
+    """Unpickle ``data`` admitting only plain data (no global, no persistent id).
 
     Raises:
-        UnsafePickleError: the pickle references any other global (``source`` names the file).
+        UnsafePickleError: the pickle references a global (``source`` names the file).
         pickle.UnpicklingError, EOFError: truncated or corrupt pickle.
     """
     return _RestrictedUnpickler(io.BytesIO(data), source).load()
 
 
 def safe_load_file(path: str | os.PathLike) -> Any:
-    """Load a snapshot file (``.pickle`` or gzip ``.pickle.gz``) with :func:`safe_load`.
+    """Load a snapshot file (``.pickle`` or gzip ``.pickle.gz``) with :func:`safe_load`'s rules.
 
     Raises:
-        UnsafePickleError: a disallowed global (message names ``path``).
-        ValueError: truncated or corrupt file (message names ``path``).
+        UnsafePickleError: a global or persistent id (message names ``path``).
+        ValueError: truncated or corrupt file, whatever the unpickler raised on it (message names
+            ``path`` and the original exception type).
+        OSError: the file cannot be opened.
     """
     path = os.fspath(path)
     opener = gzip.open if path.endswith(".gz") else open
@@ -71,5 +101,6 @@ def safe_load_file(path: str | os.PathLike) -> Any:
             return _RestrictedUnpickler(f, path).load()
     except UnsafePickleError:
         raise
-    except (pickle.UnpicklingError, EOFError, gzip.BadGzipFile, ValueError, IndexError, KeyError) as exc:
+    except (pickle.UnpicklingError, EOFError, gzip.BadGzipFile, zlib.error, ValueError, IndexError, KeyError,
+            TypeError, AttributeError, MemoryError, OverflowError, RecursionError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a readable snapshot pickle ({type(exc).__name__}: {exc})") from None

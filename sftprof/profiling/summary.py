@@ -17,11 +17,15 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from sftprof.profiling.memory_summary import analyze_snapshot, plot_memory
-from sftprof.profiling.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.profiling.trace_io import TraceFormatError
-from sftprof.profiling.trace_summary import KernelTraceAnalyzer, short_kernel_name
+import yaml
+
+from sftprof.profiling.failure import first_failure
 from sftprof.profiling.layout import KERNEL_TRACES, raw_trace_rank, trace_name
+from sftprof.profiling.memory_summary import analyze_snapshot, history_status, plot_memory
+from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.profiling.trace_check import finite_json, is_finite_number
+from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
+                                              short_kernel_name)
 from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
@@ -31,8 +35,13 @@ PROFILE_KINDS = ("kernel", "memory")
 SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 _SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
+_SNAP_SUFFIXES = (".pickle", ".pickle.gz")
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_PHASES_RE = re.compile(r"^phases_rank\d+\.json$")
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
-                        "mem_peak_allocated_gb", "mem_peak_reserved_gb")
+                        "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
+                        "mem_peak_reserved_rank", "n_ranks")
+_RANK_STAT_FIELDS = ("step_time_s", "mem_peak_allocated_gb", "mem_peak_reserved_gb")
 _RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
                  "comm_ms", "exposed_comm_ms", "host_comm_ms")
 
@@ -40,18 +49,50 @@ _RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_
 # --------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------
+def _finite(v) -> float | int | None:
+    """``v`` when it is a finite int/float (not a bool), else None."""
+    return v if is_finite_number(v) else None
+
+
+def _per_rank(rec: dict) -> dict[int, dict]:
+    """``{rank: {step_time_s, mem_peak_allocated_gb, mem_peak_reserved_gb}}`` of one step record.
+
+    From the record's ``ranks`` list (every rank, as the trainer all-gathers it); a record without it
+    holds global rank 0's figures at top level (the trainer writes ``stats.jsonl`` on rank 0).
+    """
+    ranks = rec.get("ranks")
+    rows = [r for r in ranks if isinstance(r, dict) and type(r.get("rank")) is int] \
+        if isinstance(ranks, list) else []
+    if not rows:
+        rows = [dict(rec, rank=0)]
+    return {int(r["rank"]): {k: _finite(r.get(k)) for k in _RANK_STAT_FIELDS} for r in rows}
+
+
+def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, int | None]:
+    vals = [(v[key], r) for r, v in per_rank.items() if v[key] is not None]
+    if not vals:
+        return None, None
+    value, rank = max(vals, key=lambda x: (x[0], -x[1]))
+    return value, rank
+
+
 def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     """Step records and the completion record of ``stats.jsonl``.
 
-    Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "complete",
-    "max_mem_peak_allocated_gb", "max_mem_peak_reserved_gb"}`` plus the profiled step's
-    ``step_time_s``, ``tokens``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``,
-    ``mem_peak_allocated_gb``, ``mem_peak_reserved_gb`` at top level (None when absent; ``*_gb``
-    are GiB as the trainer writes them).
-    A missing file gives ``available: False``; unparsable lines are counted, not fatal.
+    Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "per_rank", "complete",
+    "max_mem_peak_allocated_gb", "max_mem_peak_allocated_rank", "max_mem_peak_reserved_gb",
+    "max_mem_peak_reserved_rank"}`` plus the profiled step's ``step_time_s``, ``tokens``, ``tokens_per_s``,
+    ``tflops_per_gpu``, ``mfu`` and ``mem_peak_{allocated,reserved}_{gb,rank}`` at top level (None when
+    absent; ``*_gb`` are GiB as the trainer writes them).
+
+    Memory peaks are the maximum over the ranks of the step record's ``ranks`` list, with the rank that
+    holds it (``*_rank``) and ``n_ranks``, the number of ranks the figure is taken over (1 when the record
+    has no per-rank list: then it is rank 0's alone). ``per_rank`` maps every rank of the profiled step's
+    record, profiled or not, to its ``step_time_s`` and peaks. Non-finite or non-numeric values count as
+    absent. A missing file gives ``available: False``; unparsable lines are counted in ``bad_lines``.
     """
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
-                           "profile_step_record": None, "complete": None}
+                           "profile_step_record": None, "per_rank": {}, "complete": None}
     out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
     if not out["available"]:
         return out
@@ -67,19 +108,26 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
             if not isinstance(rec, dict):
                 out["bad_lines"] += 1
             elif rec.get("type") == "step":
-                out["steps"].append({k: rec.get(k) for k in (
-                    "step", "step_time_s", "tokens", "tokens_per_s", "mem_peak_allocated_gb",
-                    "mem_peak_reserved_gb", "tflops_per_gpu", "mfu", "profiled")})
+                row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu",
+                                                 "mfu", "profiled")}
+                per_rank = _per_rank(rec)
+                for key in ("mem_peak_allocated", "mem_peak_reserved"):
+                    row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
+                row["n_ranks"] = len(per_rank)
+                out["steps"].append(row)
                 if profile_step is not None and rec.get("step") == profile_step:
                     out["profile_step_record"] = rec
+                    out["per_rank"] = {str(r): v for r, v in sorted(per_rank.items())}
+                    out.update({k: v for k, v in row.items() if k.startswith("mem_peak_") or k == "n_ranks"})
             elif rec.get("type") == "complete":
                 out["complete"] = rec
     for k in _PROFILE_STEP_FIELDS:
-        out[k] = (out["profile_step_record"] or {}).get(k)
-    peaks_a = [s["mem_peak_allocated_gb"] for s in out["steps"] if isinstance(s["mem_peak_allocated_gb"], (int, float))]
-    peaks_r = [s["mem_peak_reserved_gb"] for s in out["steps"] if isinstance(s["mem_peak_reserved_gb"], (int, float))]
-    out["max_mem_peak_allocated_gb"] = max(peaks_a) if peaks_a else None
-    out["max_mem_peak_reserved_gb"] = max(peaks_r) if peaks_r else None
+        if not k.startswith("mem_peak_") and k != "n_ranks":
+            out[k] = (out["profile_step_record"] or {}).get(k)
+    for key in ("mem_peak_allocated", "mem_peak_reserved"):
+        vals = [(s[f"{key}_gb"], s[f"{key}_rank"]) for s in out["steps"] if s[f"{key}_gb"] is not None]
+        best = max(vals, key=lambda x: x[0]) if vals else (None, None)
+        out[f"max_{key}_gb"], out[f"max_{key}_rank"] = best
     return out
 
 
@@ -164,30 +212,51 @@ def _trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
 # --------------------------------------------------------------------------------------------
 # Kernel traces
 # --------------------------------------------------------------------------------------------
-def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
-    if os.path.isdir(out_dir):  # views of an earlier run (other compression, other windows) would go stale
+def _file_error(path: str, exc: BaseException) -> str:
+    """``"<path>: <Type>: <message>"`` (the path once, even when the message already names it)."""
+    msg = f"{type(exc).__name__}: {exc}"
+    return msg if path in msg else f"{path}: {msg}"
+
+
+def _remove_rank_views(out_dir: str, rank: int) -> None:
+    """Remove rank ``rank``'s files from every view (and time-window) folder under ``out_dir``."""
+    if os.path.isdir(out_dir):
         for folder in os.listdir(out_dir):
             for name in (trace_name(rank), trace_name(rank, compress=True)):
                 if os.path.isfile(os.path.join(out_dir, folder, name)):
                     os.remove(os.path.join(out_dir, folder, name))
+
+
+def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
+    _remove_rank_views(out_dir, rank)  # views of an earlier run (other compression, other windows) would go stale
     analyzer = KernelTraceAnalyzer()
     try:
         views = split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
-                            on_header=analyzer.set_header, on_event=analyzer.add)
-    except (TraceFormatError, OSError) as exc:
-        return {"rank": rank, "error": str(exc)}
-    return {"rank": rank, "views": views, "summary": analyzer.summary()}
+                            on_header=analyzer.set_header, on_event=analyzer.add,
+                            on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
+        summary = analyzer.summary()
+        error = invalid_events_error(summary["invalid_events"])
+    except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
+        _remove_rank_views(out_dir, rank)  # no half-valid views of a trace that failed
+        return {"rank": rank, "error": _file_error(src, exc)}
+    out = {"rank": rank, "views": views, "summary": summary}
+    if error:
+        out["error"] = f"{src}: {error}"
+    return out
 
 
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
     trace_dir = os.path.join(log_dir, "perf_tracer")
     out_dir = os.path.join(run_dir, KERNEL_TRACES)
-    found, traces = [], []
+    found, traces, skipped = [], [], []
     if os.path.isdir(trace_dir):
         # "x.json" sorts before "x.json.gz", and rank<r>.pt.trace.json before the legacy traces-r<r>.chrome.json
         for name in sorted(os.listdir(trace_dir)):
             rank = raw_trace_rank(name)
             if rank is None:
+                skipped.append({"file": os.path.join("perf_tracer", name),
+                                "reason": "not a trace name the trainer writes (rank<r>.pt.trace.json[.gz], or the "
+                                          "earlier traces-r<r>.chrome.json[.gz])"})
                 continue
             src = os.path.join(trace_dir, name)
             first = next((s for r, s in found if r == rank), None)
@@ -201,62 +270,94 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
     args = [(src, out_dir, rank, compress, max_view_bytes) for rank, src in found]
     if jobs > 1 and len(args) > 1:
         with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
-            results = list(pool.map(_process_trace, *zip(*args)))
+            futures = [pool.submit(_process_trace, *a) for a in args]
+            results = []
+            for (src, _, rank, _, _), fut in zip(args, futures):
+                try:
+                    results.append(fut.result())
+                except Exception as exc:  # a worker that died (killed, out of memory) fails its trace only
+                    results.append({"rank": rank, "error": _file_error(src, exc)})
     else:
         results = [_process_trace(*a) for a in args]
     for (rank, src), res in zip(found, results):
         entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
         if "error" in res:
             entry["error"] = res["error"]
-        else:
+        if "views" in res:
             entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
             entry["summary"] = res["summary"]
         traces.append(entry)
-    return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"]))}
+    return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped}
 
 
 # --------------------------------------------------------------------------------------------
 # Memory snapshots
 # --------------------------------------------------------------------------------------------
+def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
+    """Rank (and coordinates) read from a snapshot file name; ``(None, None)`` when it names no rank.
+
+    The trainer's ``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` gives both; other names give
+    the rank when they hold ``rank<r>`` or ``rank_<r>`` / ``rank-<r>`` (``snapshot_rank0.pickle``).
+    """
+    m = _SNAP_RE.match(name)
+    if m:
+        return int(m.group(1)), dict(zip(("pp", "dp", "cp", "tp", "ep"), map(int, m.group(2, 3, 4, 5, 6))))
+    m = _RANK_IN_NAME.search(name)
+    return (int(m.group(1)), None) if m else (None, None)
+
+
+def _max_entries(log_dir: str) -> int | None:
+    """``memory_profiler.max_entries`` of the trial (``LOG_DIR/config.yaml``), None when unknown."""
+    path = os.path.join(log_dir, "config.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = (yaml.safe_load(f) or {}).get("memory_profiler", {}).get("max_entries")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
     src_dir = os.path.join(log_dir, "memory_snapshots", f"step_{step}")
     dst_dir = os.path.join(run_dir, "memory_snapshots", f"step_{step}")
-    snapshots = []
+    snapshots, skipped = [], []
     if not os.path.isdir(src_dir):
-        return {"memory_snapshots": snapshots}
+        return {"memory_snapshots": snapshots, "skipped": skipped}
     os.makedirs(dst_dir, exist_ok=True)
     names = sorted(os.listdir(src_dir))
     for name in names:
         if os.path.isfile(os.path.join(src_dir, name)):
             shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    max_entries = _max_entries(log_dir)
     for name in names:
-        m = _SNAP_RE.match(name)
-        if not m:
+        if not name.endswith(_SNAP_SUFFIXES) or not os.path.isfile(os.path.join(src_dir, name)):
+            if not _PHASES_RE.match(name):
+                skipped.append({"file": os.path.join("memory_snapshots", f"step_{step}", name),
+                                "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
             continue
-        rank = int(m.group(1))
-        entry: dict[str, Any] = {
-            "rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
-            "coords_from_name": dict(zip(("pp", "dp", "cp", "tp", "ep"), map(int, m.group(2, 3, 4, 5, 6)))),
-        }
+        rank, coords = _snapshot_rank(name)
+        entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
+                                 "coords_from_name": coords}
+        src = os.path.join(src_dir, name)
         phases_path = os.path.join(src_dir, f"phases_rank{rank}.json")
         try:
             phases = None
-            if os.path.isfile(phases_path):
+            if rank is not None and os.path.isfile(phases_path):
                 with open(phases_path, encoding="utf-8") as f:
                     phases = json.load(f)
                 entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, f"phases_rank{rank}.json"), run_dir)
             print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
-            summary = analyze_snapshot(safe_load_file(os.path.join(src_dir, name)), phases)
+            summary = analyze_snapshot(safe_load_file(src), phases)
             png = os.path.join(dst_dir, re.sub(r"\.pickle(\.gz)?$", ".png", name))
             plot_memory(summary, f"{name} (step {step})", png)
             summary.pop("series")
             entry["plot"] = os.path.relpath(png, run_dir)
+            summary["history"] = history_status(summary, max_entries)
             entry["summary"] = summary
-        except (UnsafePickleError, ValueError, OSError, KeyError, TypeError) as exc:
-            msg = f"{type(exc).__name__}: {exc}"
-            entry["error"] = msg if name in msg else f"{name}: {msg}"
+        except Exception as exc:  # whatever one snapshot raises is that snapshot's error
+            entry["error"] = _file_error(src, exc)
         snapshots.append(entry)
-    return {"memory_snapshots": snapshots}
+    return {"memory_snapshots": snapshots, "skipped": skipped}
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,7 +380,7 @@ def rank_table(summary: dict) -> dict[str, Any]:
     rows: dict[int, dict] = {}
     for t in summary.get("kernel_traces") or []:
         s = t.get("summary")
-        if s is None:
+        if s is None or "error" in t:
             continue
         sr = stats_ranks.get(t["rank"], {})
         rows[t["rank"]] = {
@@ -293,7 +394,7 @@ def rank_table(summary: dict) -> dict[str, Any]:
         }
     for snap in summary.get("memory_snapshots") or []:
         s = snap.get("summary")
-        if s is None:
+        if s is None or snap["rank"] is None:
             continue
         sr = stats_ranks.get(snap["rank"], {})
         step_s = sr.get("step_time_s")
@@ -304,7 +405,8 @@ def rank_table(summary: dict) -> dict[str, Any]:
             "snapshot_peak_allocated_gib": s["peak_allocated_gib"],
             "snapshot_peak_reserved_gib": s["peak_reserved_gib"],
         }
-        coords.setdefault(snap["rank"], snap["coords_from_name"])
+        if snap["coords_from_name"]:
+            coords.setdefault(snap["rank"], snap["coords_from_name"])
     for r, row in rows.items():
         row["coords"] = coords.get(r)
     ordered = [rows[r] for r in sorted(rows)]
@@ -344,9 +446,12 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         jobs: parallel trace conversions (default: CPU count).
 
     Returns:
-        ``(summary, exit_code)``: exit code 1 when any trace/snapshot (or ``rank_coords.json``) could
-        not be processed or an ``ok`` trial lacks its artifacts, else 0. Failed trials may lack
-        artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
+        ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
+        written: a trial that died before the trainer's first write is reported as failed, with the
+        launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``) could not be processed,
+        a trace's invalid events dominate it, or an ``ok`` trial lacks its artifacts; else 0. Whatever
+        one file raises is that file's error; every other file is still processed. Failed trials may
+        lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
         ValueError: unknown ``profile_kind`` or negative ``profile_step``.
@@ -358,8 +463,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     os.makedirs(run_dir, exist_ok=True)
     coords, coords_error = _read_rank_coords(log_dir)
     stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
-    complete = stats.get("complete") or {}
-    if not os.path.isdir(log_dir):  # torchrun or the trainer died before the trainer's first write
+    complete = stats.get("complete") if isinstance(stats.get("complete"), dict) else {}
+    log_dir_missing = not os.path.isdir(log_dir)
+    if log_dir_missing:  # torchrun or the trainer died before the trainer's first write
         complete = {"status": "failed", "error": f"log dir {log_dir} does not exist: the trial failed before the "
                                                  "trainer wrote anything (see launcher.log in the run dir)"}
     status = complete.get("status", "unknown")
@@ -379,8 +485,11 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         "rank_coords": {str(k): v for k, v in sorted(coords.items())},
     }
     if status != "ok":
-        summary["trainer_log_tail"] = (_trainer_log_tail(trainer_log)
-                                       or _trainer_log_tail(os.path.join(run_dir, "launcher.log")))
+        launcher_log = os.path.join(run_dir, "launcher.log")
+        summary["failure"] = first_failure(launcher_log)
+        tail = _trainer_log_tail(trainer_log)
+        summary["trainer_log_tail"] = tail or _trainer_log_tail(launcher_log)
+        summary["log_tail_source"] = "trainer.log (rank 0)" if tail else "launcher.log"
     if profile_kind == "kernel":
         summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
         items = summary["kernel_traces"]
@@ -390,12 +499,23 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
+    if log_dir_missing:
+        errors.insert(0, {"file": "--log-dir", "error": f"{log_dir} does not exist"})
     warnings = []
     for key, asked in (("profile_kind", profile_kind), ("profile_step", profile_step)):
         recorded = complete.get(key)
         if recorded is not None and recorded != asked:
             warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled {key}={recorded!r}, "
                                                                f"not the requested {asked!r}"})
+    for it in items:
+        s = it.get("summary") or {}
+        if (s.get("history") or {}).get("truncated"):
+            warnings.append({"file": it["file"], "warning": s["history"]["message"]})
+        inv = s.get("invalid_events") or {}
+        if inv.get("total") and "error" not in it:
+            warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
+    if stats["bad_lines"]:
+        warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped"})
     if status == "ok" and not items:
         where = "perf_tracer/rank<rank>.pt.trace.json" if profile_kind == "kernel" else \
             f"memory_snapshots/step_{profile_step}/snapshot_rank*.pickle"
@@ -413,14 +533,15 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         "snapshots": sum(1 for it in items if profile_kind == "memory"),
         "plots": sum(1 for it in items if "plot" in it),
         "errors": len(errors),
+        "skipped": len(summary["skipped"]),
     }
     summary["ranks"] = rank_table(summary)
     with open(os.path.join(run_dir, SUMMARY_JSON), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1, sort_keys=True)
+        json.dump(finite_json(summary)[0], f, indent=1, sort_keys=True, allow_nan=False)  # strict JSON
         f.write("\n")
     with open(os.path.join(run_dir, SUMMARY_MD), "w", encoding="utf-8") as f:
         f.write(render_markdown(summary))
-    return summary, 1 if errors else 0
+    return summary, 2 if log_dir_missing else (1 if errors else 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,6 +553,10 @@ def _fmt(v, nd=3) -> str:
     if isinstance(v, float):
         return f"{v:.{nd}f}"
     return str(v)
+
+
+def _with_rank(value, rank) -> str:
+    return "–" if value is None else f"{_fmt(value)} (r{rank})"
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -462,14 +587,33 @@ def render_markdown(s: dict) -> str:
     if s["warnings"]:
         out.append("## Warnings\n")
         out.append(_table(["file", "warning"], [[e["file"], e["warning"]] for e in s["warnings"]]))
+    if s.get("skipped"):
+        out.append("## Skipped files\n")
+        out.append(_table(["file", "why"], [[e["file"], e["reason"]] for e in s["skipped"]]))
+    fail = s.get("failure")
+    if fail:
+        out.append("## Failure\n")
+        first_line = (fail["traceback"].splitlines() or [""])[0]
+        out.append(f"- first failing rank: **{fail['rank']}** ({fail['how']}, host {_fmt(fail['host'])}): "
+                   f"`{first_line}`")
+        if fail["others"]:
+            out.append("- then: " + ", ".join(f"rank {o['rank']} {o['how']}" for o in fail["others"]))
+        tail = fail["log_tail"] + (fail["traceback"].splitlines()[1:] if "\n" in fail["traceback"] else [])
+        if tail:
+            out.append(f"\nRank {fail['rank']}'s log (tail):\n\n```\n" + "\n".join(tail) + "\n```")
+        out.append("")
     if s.get("trainer_log_tail"):
-        out.append("## Trainer log (tail)\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
+        out.append(f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n")
     st = s["stats"]
     if st["steps"]:
         out.append("## Steps (stats.jsonl)\n")
-        out.append(_table(["step", "step time s", "tokens/s", "peak alloc GiB", "peak reserved GiB", "MFU", "profiled"],
-                          [[x["step"], x["step_time_s"], x["tokens_per_s"], x["mem_peak_allocated_gb"],
-                            x["mem_peak_reserved_gb"], x["mfu"], x["profiled"]] for x in st["steps"]]))
+        out.append(_table(["step", "step time s", "tokens/s", "peak alloc GiB (rank)", "peak reserved GiB (rank)",
+                           "over ranks", "MFU", "profiled"],
+                          [[x["step"], x["step_time_s"], x["tokens_per_s"],
+                            _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
+                            _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
+                            "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"], x["profiled"]]
+                           for x in st["steps"]]))
     smi = s["nvidia_smi"]
     if smi["available"]:
         out.append(f"## nvidia-smi ({smi['samples']} samples)\n")
@@ -495,6 +639,8 @@ def render_markdown(s: dict) -> str:
             out.append(f"**error:** {t['error']}\n")
             continue
         k = t["summary"]
+        if k["invalid_events"]["total"]:
+            out.append(f"- {invalid_events_message(k['invalid_events'])}")
         g, c = k["gpu"], k["communication"]
         out.append(f"- step wall time: {_fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
         if g["activities"]:
@@ -540,6 +686,8 @@ def render_markdown(s: dict) -> str:
                    f"of a {_fmt(x['window_ms'])} ms window, phase: {_fmt(x['peak_phase'])}")
         out.append(f"- peak reserved {_fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
                    f"{_fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB")
+        if x["history"]["truncated"]:
+            out.append(f"- **truncated window:** {x['history']['message']}")
         out.append(f"- plot: `{m['plot']}`\n")
         out.append("### Alive at the peak, by allocation site\n")
         out.append(_table(["site", "GiB", "blocks", "share %"],

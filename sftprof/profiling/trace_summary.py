@@ -1,8 +1,9 @@
 """Kernel summary of one rank's torch.profiler Chrome trace, computed in a single streaming pass.
 
-Feed every event to :meth:`KernelTraceAnalyzer.add` (``sftprof.profiling.views.split_trace``
-does this while it writes the views) and call :meth:`KernelTraceAnalyzer.summary`. Memory is
-O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
+Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
+negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
+(``sftprof.profiling.views.split_trace`` does both while it writes the views), then call
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
 
 Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 
@@ -31,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS"]
+__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS",
+           "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT"]
 
 TOP_KERNELS = 20
+INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
+_INVALID_EXAMPLES = 3
 TOP_CPU_OPS = 15
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 REGION_PREFIX = "sftprof/"
@@ -173,6 +177,26 @@ def _clip(iv: tuple[np.ndarray, np.ndarray], lo: float, hi: float) -> tuple[np.n
     return s[keep], e[keep]
 
 
+def _int_id(v) -> int:
+    """A correlation / External id as an int; -1 when absent or not an integer."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def invalid_events_error(invalid: dict) -> str | None:
+    """The error of a trace whose invalid events dominate it (more than :data:`INVALID_SHARE_LIMIT`), else None."""
+    total, events = invalid["total"], invalid["total"] + invalid["valid_events"]
+    if total and total > INVALID_SHARE_LIMIT * events:
+        return (f"{total} of {events} events are invalid ({invalid_events_message(invalid)}); "
+                "the trace is not usable")
+    return None
+
+
+def invalid_events_message(invalid: dict) -> str:
+    """``"3 invalid events left out of every figure and view: negative dur 2, missing ts 1"``."""
+    kinds = ", ".join(f"{k} {n}" for k, n in invalid["by_kind"].items())
+    return f"{invalid['total']} invalid events left out of every figure and view: {kinds}"
+
+
 def _ms(us: float) -> float:
     return round(us / 1000.0, 4)
 
@@ -209,15 +233,34 @@ class KernelTraceAnalyzer:
         self._pg_desc: dict[str, str] = {}
         self._cpu_us: dict[str, float] = defaultdict(float)  # cpu_op name -> inclusive time (us)
         self._cpu_calls: dict[str, int] = defaultdict(int)
+        self._invalid: dict[str, int] = defaultdict(int)
+        self._invalid_examples: list[str] = []
+        self._notes: dict[str, int] = {}
         if header:
             self.set_header(header)
 
     def set_header(self, header: dict) -> None:
-        """Read process-group descriptions from ``header['distributedInfo']['pg_config']``."""
-        info = header.get("distributedInfo") or {}
-        for pg in info.get("pg_config") or []:
+        """Read process-group descriptions from ``header['distributedInfo']['pg_config']``.
+
+        A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
+        are then labelled by the process-group names their own events carry.
+        """
+        info = header.get("distributedInfo") if isinstance(header, dict) else None
+        pgs = info.get("pg_config") if isinstance(info, dict) else None
+        for pg in pgs if isinstance(pgs, list) else ():
             if isinstance(pg, dict) and "pg_name" in pg:
-                self._pg_desc[str(pg["pg_name"])] = pg.get("pg_desc")
+                desc = pg.get("pg_desc")
+                self._pg_desc[str(pg["pg_name"])] = desc if isinstance(desc, str) else None
+
+    def add_invalid(self, kind: str, raw: str) -> None:
+        """Count one event left out of every figure (``kind`` from ``trace_check.event_problem``)."""
+        self._invalid[kind] += 1
+        if len(self._invalid_examples) < _INVALID_EXAMPLES:
+            self._invalid_examples.append(f"{kind}: {' '.join(raw.split())[:200]}")
+
+    def add_note(self, what: str, count: int) -> None:
+        """Record a repair of the views that changes no figure (e.g. non-finite numbers written as null)."""
+        self._notes[what] = count
 
     @staticmethod
     def _pg_ref(args: dict) -> tuple[str | None, str | None] | None:
@@ -225,7 +268,7 @@ class KernelTraceAnalyzer:
         name, desc = args.get("Process Group Name"), args.get("Process Group Description")
         if name is None and desc is None:
             return None
-        return desc, None if name is None else str(name)
+        return desc if isinstance(desc, str) else None, None if name is None else str(name)
 
     def _pg_label(self, ref: tuple[str | None, str | None] | None) -> str | None:
         if ref is None:
@@ -234,7 +277,11 @@ class KernelTraceAnalyzer:
         return collective_group_label(desc or self._pg_desc.get(name), name)
 
     def add(self, ev: dict) -> None:
-        """Consume one trace event (any phase/category; irrelevant ones are ignored cheaply)."""
+        """Consume one usable trace event (any phase/category; irrelevant ones are ignored cheaply).
+
+        Events that ``sftprof.profiling.trace_check.event_problem`` rejects go to :meth:`add_invalid`
+        instead (``split_trace`` does this), so that no figure includes them.
+        """
         self.n_events += 1
         if ev.get("ph") != "X":
             return
@@ -248,7 +295,7 @@ class KernelTraceAnalyzer:
             self._t_max = ts + dur
         cat = ev.get("cat")
         if cat in GPU_ACTIVITY_CATS:
-            name = ev.get("name", "")
+            name = ev.get("name") or ""
             idx = self._names.get(name)
             if idx is None:
                 idx = self._names[name] = len(self._name_list)
@@ -260,15 +307,15 @@ class KernelTraceAnalyzer:
             self._a_dur.append(dur)
             dev = ev.get("pid")
             self._a_dev.append(dev if isinstance(dev, int) else -1)
-            self._a_corr.append(int(args.get("correlation", -1)))
-            self._a_ext.append(int(args.get("External id", -1)))
+            self._a_corr.append(_int_id(args.get("correlation")))
+            self._a_ext.append(_int_id(args.get("External id")))
             self._a_pg.append(self._pg_ref(args))
         elif cat == "cuda_runtime" or cat == "cuda_driver":
-            corr = (ev.get("args") or {}).get("correlation")
-            if corr is not None:
-                self._launch_ts[int(corr)] = ts
+            corr = _int_id((ev.get("args") or {}).get("correlation"))
+            if corr != -1:
+                self._launch_ts[corr] = ts
         elif cat == "user_annotation":
-            name = ev.get("name", "")
+            name = ev.get("name") or ""
             if name.startswith(REGION_PREFIX):
                 self._regions.append((name, ts, ts + dur))
             elif name.startswith("ProfilerStep#"):
@@ -276,16 +323,16 @@ class KernelTraceAnalyzer:
             elif name.startswith(_HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
         elif cat == "cpu_op":
-            name = ev.get("name", "")
+            name = ev.get("name") or ""
             self._cpu_us[name] += dur
             self._cpu_calls[name] += 1
             if name.startswith(_HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
             args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
-                ext = args.get("External id")
-                if ext is not None:
-                    self._comm_ops[int(ext)] = self._pg_ref(args)
+                ext = _int_id(args.get("External id"))
+                if ext != -1:
+                    self._comm_ops[ext] = self._pg_ref(args)
 
     # -- summary ------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -401,6 +448,10 @@ class KernelTraceAnalyzer:
             })
         return {
             "n_events": self.n_events,
+            "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
+                               "by_kind": dict(sorted(self._invalid.items(), key=lambda kv: (-kv[1], kv[0]))),
+                               "examples": list(self._invalid_examples)},
+            "view_repairs": dict(sorted(self._notes.items())),
             "step_window": {"source": window_src, "start_us": lo, "end_us": hi,
                             "wall_ms": _ms(hi - lo) if lo is not None else None},
             "gpu": gpu,

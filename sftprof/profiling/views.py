@@ -5,19 +5,37 @@ One streaming pass over a rank's raw trace writes, side by side (file layout:
 
 ============================  ==================================================================
 ``chrome``                    the whole trace, normalised (top-level members first, one event a
-                              line, metadata events last)
-``split_clean.chrome``        host CPU ops, CUDA runtime/driver API calls and GPU work on separate,
-                              named tracks; CPU->GPU flow arrows (``ac2g``) kept and re-anchored on
-                              the API track; profiler bookkeeping (overhead, string-pid spans) dropped
+                              line, flows and metadata events last)
+``split_clean.chrome``        host CPU ops, CUDA runtime/driver API calls, user annotations and GPU
+                              work on separate, named tracks; CPU->GPU flow arrows (``ac2g``) kept,
+                              both ends bound on the tracks their slices moved to; profiler
+                              overhead dropped
 ``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations + GPU track metadata
 ``cpu_only.chrome``           cpu_op, user_annotation, python_function events (+ fwd/bwd flows)
 ``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
 ============================  ==================================================================
 
-Metadata events (``ph == "M"``) are buffered (there are few) and written at the end of each
-view, filtered to the processes/threads that view contains. A view larger than
-``max_view_bytes`` is rewritten into time windows in ``<view>.part<k>/`` folders (each with all the
-metadata) so that every file opens in Perfetto's web UI.
+Every view satisfies the Trace Event Format rules of ``sftprof/profiling/trace_check.py`` (what
+Perfetto's JSON importer needs), so each view differs from the raw trace in these ways:
+
+- events :func:`~sftprof.profiling.trace_check.event_problem` rejects (no time, negative or
+  non-finite ``dur``, ...) are left out of every view and reported through ``on_invalid``; non-finite
+  numbers elsewhere in an event (``NaN`` in ``args``) become ``null``;
+- profiler bookkeeping without a 32-bit integer ``pid``/``tid`` (the ``Spans``/``Traces``
+  pseudo-processes, overhead events of pid -1) is left out;
+- flow events whose partner is missing are left out (flows are written after the other events);
+- user annotations (``record_function`` ranges such as ``sftprof/backward/mb0``) can open inside
+  one op and close after it on the same thread, which does not nest; in the views with CPU ops they
+  sit on their own track per thread (``Annotations: thread N``), next to the thread's ops;
+- one ``process_name`` per process and one ``thread_name`` per track (a thread renamed during the
+  trace gets both names: ``thread 3658 (python, pt_autograd_0)``).
+
+Tracks made up by the views (CUDA API calls and annotations of host thread ``t``) get thread ids
+counting down from ``2**31 - 1`` that no real thread of the process uses.
+
+A view that selects nothing (``gpu_only`` of a CPU run) holds one metadata record saying so
+(:func:`_empty_view_event`). A view larger than ``max_view_bytes`` is rewritten into time windows in
+``<view>.part<k>/`` folders (each with all the metadata) so that every file opens in Perfetto's web UI.
 """
 from __future__ import annotations
 
@@ -25,25 +43,32 @@ import contextlib
 import json
 import os
 import re
+import tempfile
 from array import array
 from bisect import bisect_right
+from collections import defaultdict
 from typing import Callable
 
 import numpy as np
 
 from sftprof.profiling.layout import view_path, window_path
+from sftprof.profiling.trace_check import MAX_TID, event_problem, finite_json
 from sftprof.profiling.trace_io import Progress, TraceReader, TraceWriter
 
-__all__ = ["VIEWS", "MAX_VIEW_BYTES", "API_TID_OFFSET", "view_path", "split_trace", "split_into_windows"]
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
-API_TID_OFFSET = 1_000_000_000  # split_clean: CUDA API track of host thread t is tid t + offset
 
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event"})
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_FLOW_PHASES = frozenset("stf")
 _COMPACT = (",", ":")
+_SYNTHETIC_FLOOR = MAX_TID - 2**20  # made-up tids stay above this
+_TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
+_THREAD_LABEL = re.compile(r"^thread \d+ \((.*)\)$")
+_CHROME, _CLEAN, _GPU, _CPU, _API = VIEWS
 
 
 def _meta(name: str, pid, tid, args: dict) -> str:
@@ -62,38 +87,75 @@ def _empty_view_event(view: str) -> str:
                       separators=_COMPACT)
 
 
-def _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names: dict) -> list[str]:
-    """Fresh process/thread names and sort order for the split_clean view."""
-    out = []
-    host_pids = sorted({p for p, _ in cpu_tracks} | {p for p, _ in api_tracks})
-    for order, pid in enumerate(host_pids):
-        out.append(_meta("process_name", pid, 0, {"name": f"Host process {pid}"}))
-        out.append(_meta("process_sort_index", pid, 0, {"sort_index": order}))
-    host_tids = sorted(set(cpu_tracks) | {(p, t - API_TID_OFFSET) for p, t in api_tracks})
-    for order, (pid, tid) in enumerate(host_tids):
-        orig = thread_names.get((pid, tid))
-        suffix = f" ({orig})" if orig else ""
-        if (pid, tid) in cpu_tracks:
-            out.append(_meta("thread_name", pid, tid, {"name": f"CPU ops: thread {tid}{suffix}"}))
-            out.append(_meta("thread_sort_index", pid, tid, {"sort_index": 2 * order}))
-        if (pid, tid + API_TID_OFFSET) in api_tracks:
-            out.append(_meta("thread_name", pid, tid + API_TID_OFFSET,
-                             {"name": f"CUDA API (runtime/driver): thread {tid}"}))
-            out.append(_meta("thread_sort_index", pid, tid + API_TID_OFFSET, {"sort_index": 2 * order + 1}))
-    for order, dev in enumerate(sorted({p for p, _ in gpu_tracks})):
-        out.append(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
-        out.append(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
-    for pid, tid in sorted(gpu_tracks):
-        out.append(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
-        out.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
-    return out
+def _track_id(v) -> bool:
+    return type(v) is int and 0 <= v <= MAX_TID
+
+
+class _SyntheticTids:
+    """Thread ids for made-up tracks: per process, counting down from ``2**31 - 1``, skipping every
+    tid a real event of that process used so far and every tid in ``avoid``.
+
+    Only real tids above :data:`_SYNTHETIC_FLOOR` can collide with made-up ones (a process would need
+    2**20 made-up tracks to reach it), so only those are recorded in :attr:`real`.
+    """
+
+    def __init__(self, avoid: dict[int, set]):
+        self.avoid = avoid
+        self.real: dict[int, set] = defaultdict(set)
+        self.assigned: dict[tuple, int] = {}  # (pid, kind, host tid) -> synthetic tid
+        self._next: dict[int, int] = {}
+        self.owner: dict[tuple, tuple] = {}  # (pid, synthetic tid) -> (kind, host tid)
+
+    def get(self, pid: int, kind: str, tid: int) -> int:
+        key = (pid, kind, tid)
+        out = self.assigned.get(key)
+        if out is None:
+            out = self._next.get(pid, MAX_TID)
+            avoid = self.avoid.get(pid, ())
+            while out in self.real[pid] or out in avoid:
+                out -= 1
+            if out <= _SYNTHETIC_FLOOR:
+                raise ValueError(f"pid {pid}: no free thread id above {_SYNTHETIC_FLOOR} for a made-up track")
+            self._next[pid] = out - 1
+            self.assigned[key] = out
+            self.owner[(pid, out)] = (kind, tid)
+        return out
+
+    def collisions(self) -> bool:
+        """Whether a real tid seen after its assignment equals a synthetic one."""
+        return any(t in self.real[p] for (p, t) in self.owner)
+
+
+def _moved(raw: str, ev: dict | None, old: int, tid: int) -> str:
+    """Event text with its ``tid`` (``old``) set to ``tid``: the text is edited in place when the field is
+    plain, else the event (``ev``, or ``raw`` parsed) is re-encoded. ``ev['tid']`` is updated too."""
+    if ev is not None:
+        ev["tid"] = tid
+    m = _TID_FIELD.search(raw)
+    if m is not None and int(m.group(1)) == old and raw.count('"tid"') == 1:
+        return f"{raw[:m.start(1)]}{tid}{raw[m.end(1):]}"
+    ev = dict(json.loads(raw) if ev is None else ev, tid=tid)
+    return json.dumps(ev, separators=_COMPACT)
+
+
+def _thread_label(names: list[str], tid) -> str:
+    """One label from a thread's ``thread_name`` records: ``thread 3658 (python, pt_autograd_0)``."""
+    inner = []
+    for n in names:
+        m = _THREAD_LABEL.match(n)
+        n = m.group(1) if m else n
+        if n not in inner:
+            inner.append(n)
+    return f"thread {tid} ({', '.join(inner)})" if inner else f"thread {tid}"
 
 
 def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 max_view_bytes: int = MAX_VIEW_BYTES,
                 on_header: Callable[[dict], None] | None = None,
                 on_event: Callable[[dict], None] | None = None,
-                progress: bool = True) -> dict[str, list[str]]:
+                on_invalid: Callable[[str, str], None] | None = None,
+                on_note: Callable[[str, int], None] | None = None,
+                progress: bool = True, _avoid: dict[int, set] | None = None) -> dict[str, list[str]]:
     """Write the five views of one rank's trace in a single streaming pass.
 
     Args:
@@ -102,8 +164,14 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         rank: global rank, used in the output names.
         compress: write ``.json.gz`` instead of ``.json``.
         max_view_bytes: views with more event bytes than this are split into time windows.
-        on_header: called once, after the last event, with all top-level members except ``traceEvents``.
-        on_event: called with every parsed event dict (e.g. ``KernelTraceAnalyzer.add``).
+        on_header: called once, after the last event, with all top-level members except ``traceEvents``
+            (non-finite numbers replaced by None).
+        on_event: called with every usable event dict (e.g. ``KernelTraceAnalyzer.add``).
+        on_invalid: called as ``on_invalid(kind, raw_text)`` for every event left out because
+            :func:`~sftprof.profiling.trace_check.event_problem` rejects it (``kind`` is its answer).
+        on_note: called as ``on_note(what, count)`` at the end for repairs that keep every figure
+            intact: ``"non-finite numbers written as null"``, ``"profiler bookkeeping events left out"``,
+            ``"unpaired flow events left out"`` (only non-zero counts).
         progress: print progress lines to stderr.
 
     Returns:
@@ -115,24 +183,29 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     os.makedirs(out_dir, exist_ok=True)
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
     writers: dict[str, TraceWriter] = {}
-    metadata: list[tuple[str, dict]] = []
-    cpu_tracks: set = set()
-    api_tracks: set = set()
-    gpu_tracks: set = set()
-    thread_names: dict = {}
+    metadata: list[dict] = []
+    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set()}
+    tids = _SyntheticTids(_avoid or {})
+    notes: dict[str, int] = defaultdict(int)
+    flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
+    flow_lines: list[str] = []
+    flow_pairs = _FlowPairs()
+    header: dict = {}
     try:
         events = reader.events()
         first = next(events, None)
-        header = dict(reader.header)
+        header, n_bad = finite_json(dict(reader.header))
+        notes["non-finite numbers written as null"] += n_bad
         header.setdefault("displayTimeUnit", "ms")
         for view in VIEWS:
             path = view_path(out_dir, rank, view, compress)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             writers[view] = TraceWriter(path, header)
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
-        full, clean = writers["chrome"].pending.append, writers["split_clean.chrome"].pending.append
-        gpu_w, cpu_w = writers["gpu_only.chrome"].pending.append, writers["cpu_only.chrome"].pending.append
-        api_w = writers["cuda_api_only.chrome"].pending.append
+        full, clean = writers[_CHROME].pending.append, writers[_CLEAN].pending.append
+        gpu_w, cpu_w = writers[_GPU].pending.append, writers[_CPU].pending.append
+        api_w = writers[_API].pending.append
+        real = tids.real
         flush_every = TraceWriter.FLUSH_EVENTS
         countdown = flush_every
         for raw, ev in _chain([first] if first is not None else [], events):
@@ -141,66 +214,94 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 countdown = flush_every
                 for w in writers.values():
                     w.flush()
+            problem = event_problem(ev)
+            if problem is not None:
+                if on_invalid is not None:
+                    on_invalid(problem, raw)
+                continue
+            if "NaN" in raw or "Infinity" in raw:
+                ev, n_bad = finite_json(ev)
+                if n_bad:
+                    notes["non-finite numbers written as null"] += n_bad
+                    raw = json.dumps(ev, separators=_COMPACT)
             if on_event is not None:
                 on_event(ev)
-            ph = ev.get("ph")
+            ph = ev["ph"]
+            pid, tid = ev.get("pid"), ev.get("tid")
             if ph == "M":
-                metadata.append((raw, ev))
-                if ev.get("name") == "thread_name":
-                    thread_names.setdefault((ev.get("pid"), ev.get("tid")), (ev.get("args") or {}).get("name"))
+                if _track_id(pid):
+                    metadata.append(ev)
+                    if _track_id(tid) and tid > _SYNTHETIC_FLOOR:
+                        real[pid].add(tid)
+                else:
+                    notes["profiler bookkeeping events left out"] += 1
+                continue
+            if not (type(pid) is int and type(tid) is int and 0 <= pid <= MAX_TID and 0 <= tid <= MAX_TID):
+                notes["profiler bookkeeping events left out"] += 1
+                continue
+            if tid > _SYNTHETIC_FLOOR:
+                real[pid].add(tid)
+            cat = ev.get("cat")
+            if ph in _FLOW_PHASES:
+                if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
+                    flow_pairs.add(cat, ev["id"], ph)
+                    # One line per event: line breaks in JSON text are only whitespace between tokens.
+                    flow_lines.append(f"{cat}\t{json.dumps(ev['id'])}\t{pid}\t{tid}\t"
+                                      f"{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
+                    if len(flow_lines) >= flush_every:
+                        flow_file.writelines(flow_lines)
+                        flow_lines.clear()
+                else:
+                    notes["unpaired flow events left out"] += 1
+                continue
+            if cat == "user_annotation":  # own track: annotations need not nest with the thread's ops
+                tracks["ann"].add((pid, tid))
+                raw = _moved(raw, ev, tid, tids.get(pid, "ann", tid))
+                full(raw)
+                cpu_w(raw)
+                clean(raw)
                 continue
             full(raw)
-            cat = ev.get("cat")
-            pid = ev.get("pid")
-            if type(pid) is not int:
-                continue  # profiler bookkeeping ("Spans", "Traces" pseudo-processes): full view only
             if cat in _CPU_CATS:
-                cpu_tracks.add((pid, ev.get("tid")))
-                clean(raw)
+                tracks["cpu"].add((pid, tid))
                 cpu_w(raw)
+                clean(raw)
             elif cat in _GPU_CATS:
-                gpu_tracks.add((pid, ev.get("tid")))
+                tracks["gpu"].add((pid, tid))
                 clean(raw)
                 gpu_w(raw)
             elif cat in _API_CATS:
+                tracks["api"].add((pid, tid))
                 api_w(raw)
-                clean(_move_to_api_track(raw, ev))
-                if type(ev.get("tid")) is int:
-                    api_tracks.add((pid, ev["tid"]))
-            elif cat == "ac2g":
-                # The launch side (ph "s") sits on the host thread: it follows its API call.
-                clean(_move_to_api_track(raw, ev) if ph == "s" else raw)
-            elif cat == "fwdbwd":
-                clean(raw)
-                cpu_w(raw)
-        # Metadata at the end, filtered per view.
-        cpu_pids = {p for p, _ in cpu_tracks}
-        gpu_pids = {p for p, _ in gpu_tracks}
-        api_pids = {p for p, _ in api_tracks}
-        api_host_tracks = {(p, t - API_TID_OFFSET) for p, t in api_tracks}
-        for raw, ev in metadata:
-            full(raw)
-            pid, tid = ev.get("pid"), ev.get("tid")
-            thread_level = ev.get("name", "").startswith("thread_")
-            for view, pids, tracks in (("gpu_only.chrome", gpu_pids, gpu_tracks),
-                                       ("cpu_only.chrome", cpu_pids, cpu_tracks),
-                                       ("cuda_api_only.chrome", api_pids, api_host_tracks)):
-                if (pid, tid) in tracks if thread_level else pid in pids:
-                    writers[view].write(raw)
-        for raw in _split_clean_metadata(cpu_tracks, api_tracks, gpu_tracks, thread_names):
-            clean(raw)
+                clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
+        flow_file.writelines(flow_lines)
+        _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes)
+        _write_metadata(metadata, writers, tracks, tids)
         for view, w in writers.items():
             if not (w.n_events or w.pending):
                 w.write(_empty_view_event(view))
     except BaseException:
+        flow_file.close()
         for w in writers.values():
             w.abort()
             with contextlib.suppress(OSError):  # the view folder, unless other ranks' views are in it
                 os.rmdir(os.path.dirname(w.path))
         raise
+    flow_file.close()
+    if tids.collisions():  # a real tid appeared after a synthetic one was handed out: redo, avoiding them all
+        for w in writers.values():
+            w.abort()
+        avoid = {p: set(t) | set((_avoid or {}).get(p, ())) for p, t in tids.real.items()}
+        # on_event / on_invalid already saw every event of this trace once.
+        return split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
+                           on_header=on_header, on_note=on_note, progress=progress, _avoid=avoid)
     if on_header is not None:
-        on_header(dict(reader.header))
-    trailer = {k: v for k, v in reader.header.items() if k not in header}
+        on_header(finite_json(dict(reader.header))[0])
+    if on_note is not None:
+        for what, n in sorted(notes.items()):
+            if n:
+                on_note(what, n)
+    trailer = {k: v for k, v in finite_json(reader.header)[0].items() if k not in header}
     result = {}
     for view, w in writers.items():
         w.close(trailer)  # flushes; w.chars is final afterwards
@@ -209,23 +310,139 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     return result
 
 
-_TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
+class _FlowPairs:
+    """Which flows ``(cat, id)`` have exactly one start (``s``) and one end (``f``), in 8 bytes per flow event.
 
-
-def _move_to_api_track(raw: str, ev: dict) -> str:
-    """Event text with ``tid`` moved by :data:`API_TID_OFFSET` (``ev['tid']`` updated too).
-
-    Edits the first ``"tid": <int>`` of the source text (cheaper than re-encoding); falls back to
-    ``json.dumps`` when that field does not hold the event's tid.
+    Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase) and matched with numpy
+    once, at the end; other ids in a dict.
     """
-    tid = ev.get("tid")
-    if type(tid) is not int:
-        return raw  # not a host thread id: leave the event where it is
-    ev["tid"] = tid + API_TID_OFFSET
-    m = _TID_FIELD.search(raw)
-    if m is not None and int(m.group(1)) == tid:
-        return f"{raw[:m.start(1)]}{tid + API_TID_OFFSET}{raw[m.end(1):]}"
-    return json.dumps(ev, separators=_COMPACT)
+
+    def __init__(self):
+        self._ids: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
+        self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._paired: dict[str, np.ndarray] = {}
+
+    def add(self, cat: str, fid, ph: str) -> None:
+        if type(fid) is int and -2**63 <= fid < 2**63:
+            self._ids[(cat, ph)].append(fid)
+        else:
+            self._other[(cat, json.dumps(fid))][ph == "f"] += 1
+
+    def finish(self) -> None:
+        """Match starts and ends (call once, after the last :meth:`add`)."""
+        for cat in {c for c, _ in self._ids}:
+            once = []
+            for ph in ("s", "f"):
+                ids, counts = np.unique(np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64),
+                                        return_counts=True)
+                once.append(ids[counts == 1])
+            self._paired[cat] = np.intersect1d(*once, assume_unique=True)
+        self._ids.clear()
+
+    def paired(self, cat: str, fid) -> bool:
+        if type(fid) is int and -2**63 <= fid < 2**63:
+            ids = self._paired.get(cat)
+            if ids is None:
+                return False
+            i = int(np.searchsorted(ids, fid))
+            return i < ids.size and int(ids[i]) == fid
+        return self._other.get((cat, json.dumps(fid))) == [1, 1]
+
+
+def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes) -> None:
+    """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
+
+    ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the launch, or a
+    synchronising call): in ``split_clean`` they move with it to the thread's API track.
+    """
+    flow_pairs.finish()
+    flow_file.seek(0)
+    full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
+    api_threads = tracks["api"]
+    for line in flow_file:
+        cat, fid, pid, tid, raw = line.rstrip("\n").split("\t", 4)
+        if not flow_pairs.paired(cat, int(fid) if fid.isdigit() else json.loads(fid)):
+            notes["unpaired flow events left out"] += 1
+            continue
+        full(raw)
+        pid, tid = int(pid), int(tid)
+        if cat == "fwdbwd":
+            clean(raw)
+            cpu_w(raw)
+        elif (pid, tid) in api_threads:
+            clean(_moved(raw, None, tid, tids.get(pid, "api", tid)))
+        else:
+            clean(raw)
+
+
+def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
+    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean."""
+    proc: dict[int, dict[str, dict]] = defaultdict(dict)  # pid -> metadata name -> last record
+    thread_names: dict[tuple, list[str]] = defaultdict(list)
+    thread_other: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for ev in metadata:
+        name, pid, tid = ev.get("name"), ev["pid"], ev.get("tid")
+        if not isinstance(name, str) or not isinstance(ev.get("args"), dict):
+            continue
+        if name == "thread_name" and _track_id(tid) and isinstance(ev["args"].get("name"), str):
+            thread_names[(pid, tid)].append(ev["args"]["name"])
+        elif name == "thread_sort_index" and _track_id(tid) and type(ev["args"].get("sort_index")) is int:
+            thread_other[(pid, tid)][name] = ev
+        elif name == "process_name" and isinstance(ev["args"].get("name"), str) or \
+                name == "process_labels" and isinstance(ev["args"].get("labels"), str) or \
+                name == "process_sort_index" and type(ev["args"].get("sort_index")) is int:
+            proc[pid][name] = ev
+    host_tracks = tracks["cpu"] | tracks["api"] | tracks["ann"]
+    per_view = {_CHROME: (None, None), _GPU: ({p for p, _ in tracks["gpu"]}, tracks["gpu"]),
+                _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
+                _API: ({p for p, _ in tracks["api"]}, tracks["api"])}
+    for view, (pids, view_tracks) in per_view.items():
+        w = writers[view]
+        for pid in sorted(proc):
+            if pids is None or pid in pids:
+                for ev in proc[pid].values():
+                    w.write(json.dumps(ev, separators=_COMPACT))
+        for track in sorted(set(thread_names) | set(thread_other)):
+            if view_tracks is not None and track not in view_tracks:
+                continue
+            if track in thread_names:
+                w.write(_meta("thread_name", *track, {"name": _thread_label(thread_names[track], track[1])}))
+            for ev in thread_other[track].values():
+                w.write(json.dumps(ev, separators=_COMPACT))
+        if view in (_CHROME, _CPU):  # the made-up annotation tracks
+            _annotation_names(w, tracks["ann"], tids, thread_names)
+    clean = writers[_CLEAN]
+    host_pids = sorted({p for p, _ in host_tracks})
+    for order, pid in enumerate(host_pids):
+        clean.write(_meta("process_name", pid, 0, {"name": f"Host process {pid}"}))
+        clean.write(_meta("process_sort_index", pid, 0, {"sort_index": order}))
+    for order, (pid, tid) in enumerate(sorted(host_tracks)):
+        label = _thread_label(thread_names.get((pid, tid), []), tid)
+        for k, (kind, title) in enumerate((("cpu", "CPU ops"), ("ann", "Annotations"),
+                                           ("api", "CUDA API (runtime/driver)"))):
+            if (pid, tid) not in tracks[kind]:
+                continue
+            t = tid if kind == "cpu" else tids.get(pid, kind, tid)
+            clean.write(_meta("thread_name", pid, t, {"name": f"{title}: {label}"}))
+            clean.write(_meta("thread_sort_index", pid, t, {"sort_index": 3 * order + k}))
+    for order, dev in enumerate(sorted({p for p, _ in tracks["gpu"]})):
+        clean.write(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
+        clean.write(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
+    for pid, tid in sorted(tracks["gpu"]):
+        clean.write(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
+        clean.write(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+
+
+def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thread_names: dict) -> None:
+    for pid, tid in sorted(ann_tracks):
+        w.write(_meta("thread_name", pid, tids.get(pid, "ann", tid),
+                      {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))
+
+
+def _flow_key(ev: dict) -> tuple:
+    """``(cat, id)`` of a flow event (an id that is neither int nor str is keyed by its JSON text)."""
+    fid = ev.get("id")
+    return ev.get("cat"), fid if type(fid) in (int, str) else json.dumps(fid)
 
 
 def _chain(first: list, rest):
@@ -238,7 +455,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
 
     Two streaming passes: the first records each event's ``ts`` and size, the second writes the
     parts to ``<view>.part<k>/`` folders (:func:`sftprof.profiling.layout.window_path`); every part
-    carries the header and all metadata events. The original file is removed. Flow arrows whose ends fall into different windows are cut.
+    carries the header and all metadata events. The original file is removed. Flow arrows whose ends fall
+    into different windows are left out (each part keeps the rules of ``sftprof/profiling/trace_check.py``).
 
     Args:
         path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
@@ -249,6 +467,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
     """
     ts_list = array("d")
     sizes = array("q")
+    flow_ts: dict[tuple, list[float]] = defaultdict(list)
     reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 1)",
                                         os.path.getsize(path)) if progress else None)
     for raw, ev in reader.events():
@@ -256,6 +475,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
         if ev.get("ph") != "M" and isinstance(ts, (int, float)):
             ts_list.append(float(ts))
             sizes.append(len(raw) + 2)
+            if ev["ph"] in _FLOW_PHASES:
+                flow_ts[_flow_key(ev)].append(float(ts))
     header = reader.header
     ts_arr = np.frombuffer(ts_list, dtype=np.float64)
     order = np.argsort(ts_arr, kind="stable")
@@ -269,6 +490,8 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
             acc = 0
         acc += size
     del ts_sorted, size_sorted, ts_list, sizes
+    cut_flows = {k for k, tss in flow_ts.items() if len({bisect_right(cuts, t) for t in tss}) > 1}
+    del flow_ts
     for k in range(len(cuts) + 1):
         os.makedirs(os.path.dirname(window_path(path, k)), exist_ok=True)
     parts = [TraceWriter(window_path(path, k), header) for k in range(len(cuts) + 1)]
@@ -280,7 +503,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
             ts = ev.get("ts")
             if ev.get("ph") == "M" or not isinstance(ts, (int, float)):
                 metadata.append(raw)
-            else:
+            elif ev["ph"] not in _FLOW_PHASES or _flow_key(ev) not in cut_flows:
                 parts[bisect_right(cuts, ts)].write(raw)
         for w in parts:
             for raw in metadata:

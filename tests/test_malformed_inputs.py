@@ -1,0 +1,490 @@
+"""Issue 14: postprocessing survives every malformed input and never reports a wrong number quietly.
+
+Inputs are derived from the real H200 fixtures (a cut of the project's kernel trace, a cut of its memory
+snapshot) and from a real torchrun failure log; each test asserts exact counts, messages and exit codes.
+"""
+import gzip
+import json
+import math
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import FIXTURE_DIR
+from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.profiling.summary import postprocess_trial
+from sftprof.profiling.trace_check import MAX_TID, validate_trace
+from sftprof.profiling.views import VIEWS
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_TRACE = FIXTURE_DIR / "h200_sftprof_kernel.trace.json.gz"
+SNAPSHOT = FIXTURE_DIR / "h200_sftprof_memory.snapshot.pickle.gz"
+SNAP_NAME = "snapshot_rank{r}_pp0_dp0_cp0_tp0_ep0.pickle"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+def _strict(text):
+    def refuse(token):
+        raise ValueError(f"non-finite {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _trace_text(trace: dict) -> str:
+    """Chrome-trace text laid out as torch.profiler writes it (one event per line)."""
+    head = "".join(f"{json.dumps(k)}: {json.dumps(v)},\n" for k, v in trace.items() if k != "traceEvents")
+    return "{\n" + head + '"traceEvents": [\n' + ",\n".join(json.dumps(e) for e in trace["traceEvents"]) + "\n]}\n"
+
+
+@pytest.fixture(scope="module")
+def full_trace():
+    return json.loads(gzip.decompress(KERNEL_TRACE.read_bytes()))
+
+
+@pytest.fixture(scope="module")
+def small_trace(full_trace):
+    """The real kernel trace cut to the first 3 ms of the forward (330 events: CPU ops, CUDA API calls,
+    33 kernels, flows, annotations) + its metadata."""
+    ev = full_trace["traceEvents"]
+    t0 = next(e["ts"] for e in ev if e.get("name") == "sftprof/forward/mb0")
+    keep = [e for e in ev if e.get("ph") == "M" or t0 <= e.get("ts", -1) < t0 + 3000]
+    return {**{k: v for k, v in full_trace.items() if k != "traceEvents"}, "traceEvents": keep}
+
+
+@pytest.fixture(scope="module")
+def small_snapshot():
+    """The real memory snapshot with its newest 300 allocator events (the ring buffer keeps the newest)."""
+    snap = safe_load_file(SNAPSHOT)
+    snap["device_traces"] = [t[-300:] for t in snap["device_traces"]]
+    return snap
+
+
+def _log_dir(root: Path, kind="kernel", status="ok", ranks=None) -> Path:
+    log = root / "log"
+    log.mkdir(parents=True)
+    ranks = ranks or [{"rank": 0, "step_time_s": 0.2, "mem_peak_allocated_gb": 21.0, "mem_peak_reserved_gb": 22.0}]
+    recs = [{"type": "step", "step": 1, "step_time_s": 0.2, "tokens": 4096, "tokens_per_s": 20480.0,
+             "mem_peak_allocated_gb": ranks[0]["mem_peak_allocated_gb"],
+             "mem_peak_reserved_gb": ranks[0]["mem_peak_reserved_gb"], "profiled": True, "ranks": ranks},
+            {"type": "complete", "status": status, "error": None if status == "ok" else "ChildFailedError",
+             "steps_done": 2, "world_size": len(ranks), "backend": "megatron", "device": "cuda",
+             "profile_kind": kind, "profile_step": 1}]
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return log
+
+
+def _put_trace(log: Path, rank: int, text: str | bytes) -> Path:
+    d = log / "perf_tracer"
+    d.mkdir(exist_ok=True)
+    p = d / f"traces-r{rank}.chrome.json"
+    (p.write_bytes if isinstance(text, bytes) else p.write_text)(text)
+    return p
+
+
+def _put_snapshot(log: Path, name: str, data: bytes) -> Path:
+    d = log / "memory_snapshots" / "step_1"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data)
+    return d / name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 1: one odd file is that file's error; every other file is processed; the summary is written; exit 1
+# ---------------------------------------------------------------------------------------------------------
+def test_odd_snapshot_is_its_own_error(tmp_path, small_snapshot):
+    log = _log_dir(tmp_path, kind="memory")
+    _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps({"segments": [1, 2], "device_traces": []}))
+    _put_snapshot(log, SNAP_NAME.format(r=1), pickle.dumps(small_snapshot, protocol=4))
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    s = json.load(open(tmp_path / "run" / "profile_summary.json"))
+    src = log / "memory_snapshots" / "step_1" / SNAP_NAME.format(r=0)
+    assert s["errors"] == [{"file": f"memory_snapshots/step_1/{SNAP_NAME.format(r=0)}",
+                            "error": f"{src}: ValueError: segments[0] is int, expected a dict"}]
+    assert [m["rank"] for m in s["memory_snapshots"] if "summary" in m] == [1]
+
+
+def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):
+    """distributedInfo as a string, kernel args as a string: the worker pool (2 traces) survives both."""
+    log = _log_dir(tmp_path)
+    bad = json.loads(json.dumps(small_trace))
+    bad["distributedInfo"] = "rank 0"
+    kernels = [e for e in bad["traceEvents"] if e.get("cat") == "kernel"]
+    kernels[0]["args"] = "grid [1, 1, 1]"
+    _put_trace(log, 0, _trace_text(bad))
+    _put_trace(log, 1, _trace_text(small_trace))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=2)
+    assert code == 0 and summary["errors"] == []
+    inv = summary["kernel_traces"][0]["summary"]["invalid_events"]
+    assert (inv["total"], inv["by_kind"]) == (1, {"args not an object": 1})
+    assert summary["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning":
+                                    "1 invalid events left out of every figure and view: args not an object 1"}]
+    ok = summary["kernel_traces"][1]["summary"]["gpu"]
+    assert summary["kernel_traces"][0]["summary"]["gpu"]["activities"] == ok["activities"] - 1
+
+
+def test_any_exception_in_one_trace_is_that_trace_error(tmp_path, small_trace, monkeypatch):
+    """An exception type nobody expected (raised here inside the analysis of rank 1 only)."""
+    from sftprof.profiling import trace_summary
+
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(small_trace))
+    marked = json.loads(json.dumps(small_trace))
+    marked["traceName"] = "boom"
+    _put_trace(log, 1, _trace_text(marked))
+    real = trace_summary.KernelTraceAnalyzer.set_header
+
+    def explode(self, header):
+        if header.get("traceName") == "boom":
+            raise LookupError("unexpected")
+        real(self, header)
+
+    monkeypatch.setattr(trace_summary.KernelTraceAnalyzer, "set_header", explode)
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 1
+    assert summary["errors"] == [{"file": "perf_tracer/traces-r1.chrome.json",
+                                  "error": f"{log / 'perf_tracer' / 'traces-r1.chrome.json'}: LookupError: unexpected"}]
+    assert "summary" in summary["kernel_traces"][0]
+    assert sorted(p.name for p in (tmp_path / "run" / "kernel_traces" / "master").iterdir()) == \
+        sorted(f"traces-r0.{v}.json" for v in VIEWS)  # no half-written views of rank 1
+    assert (tmp_path / "run" / "profile_summary.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 2: invalid events are counted, excluded from every figure, named; dominating them is an error
+# ---------------------------------------------------------------------------------------------------------
+def test_impossible_times_are_counted_and_excluded(tmp_path, full_trace):
+    bad = json.loads(json.dumps(full_trace))
+    ev = bad["traceEvents"]
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    for e in kernels[:100]:
+        e["dur"] = -e["dur"]
+    for e in kernels[100:103]:
+        e["dur"] = float("nan")
+    cpu = [e for e in ev if e.get("cat") == "cpu_op"]
+    for e in cpu[:5]:
+        del e["ts"]
+    ok_kernels = kernels[103:]
+    expect_ms = sum(e["dur"] for e in ev if e.get("cat") in ("gpu_memcpy", "gpu_memset")) + \
+        sum(e["dur"] for e in ok_kernels)
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(bad))  # json.dumps writes the nan durations as NaN
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(tmp_path / "run" / "profile_summary.json"))
+    k = s["kernel_traces"][0]["summary"]
+    assert k["invalid_events"]["total"] == 108
+    assert k["invalid_events"]["by_kind"] == {"negative dur": 100, "missing ts": 5, "non-finite dur": 3}
+    assert len(k["invalid_events"]["examples"]) == 3  # the first ones in file order, each with its kind
+    assert all(x.split(": ", 1)[0] in ("negative dur", "missing ts", "non-finite dur") for x in
+               k["invalid_events"]["examples"])
+    assert k["gpu"]["activities"] == len(ok_kernels) + 180 + 48
+    assert k["gpu"]["total_ms"] == pytest.approx(expect_ms / 1e3, abs=1e-3)
+    assert 0 < k["gpu"]["busy_share_pct"] <= 100
+    assert s["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning":
+                              "108 invalid events left out of every figure and view: negative dur 100, "
+                              "missing ts 5, non-finite dur 3"}]
+    views = tmp_path / "run" / "kernel_traces" / "master"
+    chrome = _strict((views / "traces-r0.chrome.json").read_text())["traceEvents"]
+    assert sum(e.get("cat") == "kernel" for e in chrome) == len(ok_kernels)
+    assert "108 invalid events" in (tmp_path / "run" / "profile_summary.md").read_text()
+
+
+def test_trace_dominated_by_invalid_events_is_an_error(tmp_path, small_trace):
+    bad = json.loads(json.dumps(small_trace))
+    timed = [e for e in bad["traceEvents"] if e.get("ph") == "X"]
+    for e in timed:
+        e["dur"] = -1.0
+    n_all = sum(1 for e in bad["traceEvents"])
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(bad))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 1
+    assert summary["errors"] == [{"file": "perf_tracer/traces-r0.chrome.json", "error":
+                                  f"{log / 'perf_tracer' / 'traces-r0.chrome.json'}: {len(timed)} of {n_all} events "
+                                  f"are invalid ({len(timed)} invalid events left out of every figure and view: "
+                                  f"negative dur {len(timed)}); the trace is not usable"}]
+    assert summary["ranks"]["rows"] == []  # no figure of that trace in the rank table
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 3: every view is strict JSON; non-finite numbers become null and are counted
+# ---------------------------------------------------------------------------------------------------------
+def test_views_are_strict_json(tmp_path, small_trace):
+    bad = json.loads(json.dumps(small_trace))
+    bad["deviceProperties"][0]["clockRateNaN"] = float("inf")
+    cpu = [e for e in bad["traceEvents"] if e.get("cat") == "cpu_op"]
+    for e in cpu[:4]:
+        e["args"]["Input Dims"] = [[float("nan")], float("-inf")]
+    log = _log_dir(tmp_path)
+    text = _trace_text(bad)
+    assert text.count("NaN") == 5 and text.count("-Infinity") == 4
+    _put_trace(log, 0, text)
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["errors"] == []
+    k = summary["kernel_traces"][0]["summary"]
+    assert k["view_repairs"]["non-finite numbers written as null"] == 9  # 1 in the header + 2 x 4 in args
+    assert k["invalid_events"]["total"] == 0
+    for v in VIEWS:
+        path = tmp_path / "run" / "kernel_traces" / "master" / f"traces-r0.{v}.json"
+        _strict(path.read_text())
+        assert validate_trace(str(path)) == [], v
+    chrome = _strict((tmp_path / "run" / "kernel_traces" / "master" / "traces-r0.chrome.json").read_text())
+    assert chrome["deviceProperties"][0]["clockRateNaN"] is None
+    assert sum(e.get("args", {}).get("Input Dims") == [[None], None] for e in chrome["traceEvents"]) == 4
+    _strict((tmp_path / "run" / "profile_summary.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 6: headline peaks are the max over ranks, rank named; compare shows every rank of stats.jsonl
+# ---------------------------------------------------------------------------------------------------------
+def _ranks(peak3):
+    return [{"rank": r, "step_time_s": 0.2 + 0.01 * r, "mem_peak_allocated_gb": 21.0 if r != 3 else peak3,
+             "mem_peak_reserved_gb": 22.0 + r} for r in range(4)]
+
+
+def test_peak_of_another_rank_shows_in_summary_and_compare(tmp_path, small_snapshot):
+    runs = {}
+    for side, peak3 in (("A", 21.0), ("B", 26.0)):
+        log = _log_dir(tmp_path / side, kind="memory", ranks=_ranks(peak3))
+        _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps(small_snapshot, protocol=4))
+        runs[side] = tmp_path / f"root{side}" / "memory_step1"
+        summary, code = postprocess_trial(str(log), str(runs[side]), "memory", 1)
+        assert code == 0, summary["errors"]
+    st = summary["stats"]
+    assert (st["mem_peak_allocated_gb"], st["mem_peak_allocated_rank"], st["n_ranks"]) == (26.0, 3, 4)
+    assert (st["mem_peak_reserved_gb"], st["mem_peak_reserved_rank"]) == (25.0, 3)
+    assert st["per_rank"]["3"] == {"step_time_s": 0.23, "mem_peak_allocated_gb": 26.0, "mem_peak_reserved_gb": 25.0}
+    md = (runs["B"] / "profile_summary.md").read_text()
+    assert "| 1 | 0.200 | 20480.000 | 26.000 (r3) | 25.000 (r3) | max of all | – | True |" in md
+    res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "cmp.md")
+    assert res.returncode == 0, res.stderr
+    cmp = (tmp_path / "cmp.md").read_text()
+    assert ("| peak allocated GB (stats.jsonl, profiled step, max over ranks: A r0, B r3) | 21.000 | 26.000 | "
+            "+5.000 | +23.8% |") in cmp
+    assert "| rank 3 peak allocated GB | 21.000 | 26.000 | +5.000 | +23.8% |" in cmp
+    assert "| rank 2 peak allocated GB | 21.000 | 21.000 | +0.000 | +0.0% |" in cmp  # ranks without a snapshot too
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 7: the failure section names the first failing rank, how it ended, and its log tail
+# ---------------------------------------------------------------------------------------------------------
+def test_first_failing_rank_from_torchrun_report(tmp_path):
+    log = _log_dir(tmp_path, status="failed")
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(FIXTURE_DIR / "torchrun_sigkill_launcher.log", run / "launcher.log")
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["failure"] == {
+        "rank": 1, "exitcode": -9, "signal": "SIGKILL", "how": "killed by SIGKILL (exit code -9)", "host": "localhost",
+        "error_file": None, "traceback": "Signal 9 (SIGKILL) received by PID 7899",
+        "log_tail": ["2026-11-30 08:56:04,771 [rank 1] INFO hello from rank 1",
+                     "2026-11-30 08:56:04,771 [rank 1] INFO rank 1 about to die"],
+        "others": [{"rank": 0, "exitcode": -15, "signal": "SIGTERM", "how": "killed by SIGTERM (exit code -15)"}]}
+    md = (run / "profile_summary.md").read_text()
+    assert ("- first failing rank: **1** (killed by SIGKILL (exit code -9), host localhost): "
+            "`Signal 9 (SIGKILL) received by PID 7899`\n- then: rank 0 killed by SIGTERM (exit code -15)") in md
+    assert md.index("## Failure") < md.index("## Log tail: launcher.log")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 8: a full allocator history is flagged with its window start and the setting to raise
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_entries,truncated", [(300, True), (20000, False)])
+def test_full_allocator_history_is_flagged(tmp_path, small_snapshot, max_entries, truncated):
+    log = _log_dir(tmp_path, kind="memory")
+    (log / "config.yaml").write_text(f"memory_profiler:\n  max_entries: {max_entries}\n")
+    _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps(small_snapshot, protocol=4))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 1)
+    x = summary["memory_snapshots"][0]["summary"]
+    assert code == 0 and x["trace_entries"] == 300 and x["history"]["truncated"] is truncated
+    t0 = small_snapshot["device_traces"][0][0]["time_us"]
+    if truncated:
+        msg = (f"the allocator history holds max_entries=300 entries: the ring buffer overflowed, events before the "
+               f"first kept one (unix time {t0:.0f} us, {x['peak_time_ms']:.3f} ms before the reported peak) are "
+               "lost, so the peak and its time are those of the truncated window only; raise MEMORY_MAX_ENTRIES "
+               "(memory_profiler.max_entries)")
+        assert summary["warnings"] == [{"file": f"memory_snapshots/step_1/{SNAP_NAME.format(r=0)}", "warning": msg}]
+        assert f"**truncated window:** {msg}" in (tmp_path / "run" / "profile_summary.md").read_text()
+    else:
+        assert summary["warnings"] == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 9: compare's input errors exit 2 naming the file
+# ---------------------------------------------------------------------------------------------------------
+def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
+    log = _log_dir(tmp_path, kind="memory")
+    _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps(small_snapshot, protocol=4))
+    good = tmp_path / "good"
+    assert postprocess_trial(str(log), str(good), "memory", 1)[1] == 0
+    text = (good / "profile_summary.json").read_text()
+    cut, nokind = tmp_path / "cut", tmp_path / "nokind"
+    cut.mkdir()
+    nokind.mkdir()
+    (cut / "profile_summary.json").write_text(text[: len(text) // 2])
+    s = json.loads(text)
+    del s["profile_kind"]
+    (nokind / "profile_summary.json").write_text(json.dumps(s))
+    res = _cli("compare", good, cut)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"error: {cut / 'profile_summary.json'}: not valid JSON (" in res.stderr
+    res = _cli("compare", nokind, good)
+    assert res.returncode == 2 and (f"error: {nokind / 'profile_summary.json'}: not a profile summary of this "
+                                    "version: missing profile_kind; rerun postprocess_profile.py") in res.stderr
+    res = _cli("compare", good, good, "--out", tmp_path / "no" / "such" / "cmp.md")
+    assert res.returncode == 2 and (f"error: --out {tmp_path / 'no' / 'such' / 'cmp.md'}: directory "
+                                    f"{tmp_path / 'no' / 'such'} does not exist") in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 10: unrecognised files are listed as skipped; snapshots named any reasonable way are analysed
+# ---------------------------------------------------------------------------------------------------------
+def test_snapshot_names_and_skipped_files(tmp_path, small_snapshot, small_trace):
+    log = _log_dir(tmp_path, kind="memory")
+    data = pickle.dumps(small_snapshot, protocol=4)
+    _put_snapshot(log, "snapshot_rank2.pickle", data)
+    _put_snapshot(log, "from_other_tool.pickle.gz", gzip.compress(data))
+    _put_snapshot(log, "notes.txt", b"hello")
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(tmp_path / "run" / "profile_summary.json"))
+    got = [(m["rank"], m["file"], m["coords_from_name"], "summary" in m) for m in s["memory_snapshots"]]
+    assert got == [(None, "memory_snapshots/step_1/from_other_tool.pickle.gz", None, True),
+                   (2, "memory_snapshots/step_1/snapshot_rank2.pickle", None, True)]
+    assert s["skipped"] == [{"file": "memory_snapshots/step_1/notes.txt",
+                             "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"}]
+    assert "[postprocess] skipped memory_snapshots/step_1/notes.txt: not a snapshot" in res.stderr
+    assert [r["rank"] for r in s["ranks"]["rows"]] == [2]
+    klog = _log_dir(tmp_path / "k")
+    _put_trace(klog, 0, _trace_text(small_trace))
+    (klog / "perf_tracer" / "rank0.pt.trace.json").write_text("{}")
+    summary, code = postprocess_trial(str(klog), str(tmp_path / "krun"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["skipped"] == [{"file": "perf_tracer/rank0.pt.trace.json", "reason":
+                                                 "not a trace name the trainer writes (traces-r<rank>.chrome.json[.gz])"}]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rule 11 (+ issue 15 item 4): made-up tracks use 32-bit tids that no real thread of the process uses
+# ---------------------------------------------------------------------------------------------------------
+def test_made_up_tids_never_collide_with_real_ones(tmp_path, small_trace):
+    bad = json.loads(json.dumps(small_trace))
+    host_pid = next(e["pid"] for e in bad["traceEvents"] if e.get("cat") == "cuda_runtime")
+    t_end = max(e.get("ts", 0) for e in bad["traceEvents"])
+    # A real thread with tid 2**31 - 1, listed after the CUDA API calls (so after the first made-up tid).
+    bad["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": host_pid, "tid": MAX_TID,
+                               "ts": t_end, "dur": 1.0, "args": {}})
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(bad))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0
+    path = tmp_path / "run" / "kernel_traces" / "master" / "traces-r0.split_clean.chrome.json"
+    assert validate_trace(str(path)) == []
+    clean = json.load(open(path))["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in clean if e.get("name") == "thread_name" and e["pid"] == host_pid}
+    assert names[MAX_TID] == f"CPU ops: thread {MAX_TID}"
+    made_up = {t for t, n in names.items() if n.startswith(("CUDA API", "Annotations"))}
+    assert made_up and all(MAX_TID - 8 < t < MAX_TID for t in made_up)
+    assert {e["tid"] for e in clean if e.get("cat") == "cuda_runtime"} <= made_up
+    assert summary["kernel_traces"][0]["summary"]["n_events"] == len(bad["traceEvents"])  # counted once, not twice
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fuzz: seeded truncations and single-byte changes of the real (cut) fixtures
+# ---------------------------------------------------------------------------------------------------------
+_FUZZ_PER_KIND = 300  # inputs per fixture kind (half truncations, half single-byte changes)
+_BATCH = 30  # damaged files per postprocessed trial (one rank each)
+
+
+def _mutations(data: bytes, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(_FUZZ_PER_KIND):
+        if k % 2 == 0:
+            out.append(data[: rng.randrange(len(data))])
+        else:
+            i = rng.randrange(len(data))
+            out.append(data[:i] + bytes([(data[i] + rng.randrange(1, 256)) % 256]) + data[i + 1:])
+    return out
+
+
+def _check_fuzz_summary(summary, code, run, files):
+    assert code in (0, 1)
+    _strict((run / "profile_summary.json").read_text())
+    errors = {e["file"]: e["error"] for e in summary["errors"]}
+    for f in files:
+        if f in errors:
+            assert Path(f).name in errors[f]  # the damaged file is named in its own error
+    return errors
+
+
+def test_fuzz_traces(tmp_path, small_trace):
+    data = _trace_text(small_trace).encode()
+    inputs = _mutations(data, seed=14)
+    n_errors = 0
+    for b in range(0, len(inputs), _BATCH):
+        log = _log_dir(tmp_path / f"b{b}")
+        for r, blob in enumerate(inputs[b:b + _BATCH]):
+            _put_trace(log, r, blob)
+        run = tmp_path / f"run{b}"
+        summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+        files = [f"perf_tracer/traces-r{r}.chrome.json" for r in range(len(inputs[b:b + _BATCH]))]
+        n_errors += len(_check_fuzz_summary(summary, code, run, files))
+        for t in summary["kernel_traces"]:
+            for paths in (t.get("views") or {}).values():
+                for p in paths:
+                    _strict((run / p).read_text())
+    assert 0 < n_errors < len(inputs)  # truncations fail, most single-byte changes do not
+
+
+def test_fuzz_snapshots(tmp_path, small_snapshot):
+    data = pickle.dumps(small_snapshot, protocol=4)
+    inputs = _mutations(data, seed=15)
+    n_errors = 0
+    for b in range(0, len(inputs), _BATCH):
+        log = _log_dir(tmp_path / f"b{b}", kind="memory")
+        for r, blob in enumerate(inputs[b:b + _BATCH]):
+            _put_snapshot(log, SNAP_NAME.format(r=r), blob)
+        run = tmp_path / f"run{b}"
+        summary, code = postprocess_trial(str(log), str(run), "memory", 1)
+        files = [f"memory_snapshots/step_1/{SNAP_NAME.format(r=r)}" for r in range(len(inputs[b:b + _BATCH]))]
+        n_errors += len(_check_fuzz_summary(summary, code, run, files))
+    assert 0 < n_errors < len(inputs)
+
+
+def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):
+    """A few damaged inputs through the command line: exit 0 or 1, never a traceback."""
+    for kind, data, put, name in (("kernel", _trace_text(small_trace).encode(), _put_trace, None),
+                                  ("memory", pickle.dumps(small_snapshot, protocol=4), _put_snapshot, SNAP_NAME)):
+        log = _log_dir(tmp_path / kind, kind=kind)
+        for r, blob in enumerate(_mutations(data, seed=16)[:6]):
+            put(log, r, blob) if name is None else put(log, name.format(r=r), blob)
+        res = _cli("--log-dir", log, "--run-dir", tmp_path / f"run_{kind}", "--profile-kind", kind,
+                   "--profile-step", 1)
+        assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr
+        assert (tmp_path / f"run_{kind}" / "profile_summary.json").exists()
+
+
+@pytest.mark.parametrize("event,kind", [
+    ({"ph": "X", "ts": 1, "dur": -1}, "negative dur"), ({"ph": "X", "ts": 1}, "missing dur"),
+    ({"ph": "X", "ts": float("nan"), "dur": 1}, "non-finite ts"), ({"ph": "X", "ts": True, "dur": 1}, "non-numeric ts"),
+    ({"ph": "X", "ts": 1, "dur": float("inf")}, "non-finite dur"), ({"ph": "X", "ts": 1, "dur": "2"}, "non-numeric dur"),
+    ({"ts": 1}, "no phase"), ({"ph": 5, "ts": 1}, "no phase"), ({"ph": "i"}, "missing ts"),
+    ({"ph": "X", "ts": 1, "dur": 2, "args": "x"}, "args not an object"), ({"ph": "M", "name": 3}, "non-string name"),
+    ({"ph": "f", "ts": 1, "cat": ["ac2g"]}, "non-string cat"),
+    ({"ph": "X", "ts": 1, "dur": 0}, None), ({"ph": "M", "name": "thread_name", "args": {}}, None),
+])
+def test_event_problem_kinds(event, kind):
+    from sftprof.profiling.trace_check import event_problem
+
+    assert event_problem(event) == kind
