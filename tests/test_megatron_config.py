@@ -194,7 +194,7 @@ def test_init_from_scratch_false_messages(tmp_path):
     (model_dir / "model.safetensors").write_bytes(b"")
     mc.check_model_settings(cfg, hf, layout)  # a checkpoint is present (read later, by the engine)
     hf.model_type = "qwen2_moe"
-    with pytest.raises(ConfigError, match="loads weights of \\['qwen3_moe'\\], not model_type 'qwen2_moe'"):
+    with pytest.raises(ConfigError, match="loads weights of \\['qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_moe'\\], not model_type 'qwen2_moe'"):
         mc.check_model_settings(cfg, hf, layout)
     mc.check_model_settings(load_config("tiny_cpu", [f"actor.path={model_dir}"]), hf, layout)  # random init
 

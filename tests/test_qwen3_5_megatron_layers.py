@@ -9,8 +9,8 @@ PyTorch L2 norm in place of fla's; the MoE alltoall dispatcher gets a host stand
 stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
 linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
 zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
-``megatron_state`` is the HF -> megatron table a Qwen3.5 weight mapping needs (TP = 1; the per-rank slices
-of the attention weights are in ``gdn_weights`` / ``attention_weights``).
+Weights go through the project's mapping (:mod:`sftprof.models.qwen3_5_moe_weights`): per layer for the
+layer tests (TP rank slices included), and through the loader for the whole model.
 """
 import contextlib
 from unittest import mock
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fixtures.qwen3_5 import attention_weights, gdn_weights, megatron_logprob_errors, save_tiny_checkpoint
+from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
 from sftprof.models import megatron_config as mc
@@ -139,7 +139,7 @@ def test_gated_delta_net_layer_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeGatedDeltaNet(hf, layer_idx=0)
     _randomise(ref, 0)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
-    ours.load_state_dict(gdn_weights(ref.state_dict(), hf), strict=True)
+    load_mapped_attention(ours, ref, hf, 0)
     x = torch.randn(2, 70, hf.hidden_size)  # 70 tokens: two 64-token chunks of the chunked delta rule
     with torch.no_grad():
         expected = ref(x)
@@ -159,7 +159,7 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     ref = Qwen3_5MoeAttention(hf, layer_idx=3)
     _randomise(ref, 1)
     ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[3].submodules.self_attention, tc, 4)
-    ours.load_state_dict(attention_weights(ref.state_dict(), hf), strict=True)
+    load_mapped_attention(ours, ref, hf, 3)
     b, s = 2, 40
     x = torch.randn(b, s, hf.hidden_size)
     gpt = mc.gpt_model_kwargs(hf)
@@ -215,8 +215,7 @@ def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
                 ref = ref_cls(hf, layer)
                 _randomise(ref, 7 + layer)
                 ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
-                weights = (gdn_weights if layer == 0 else attention_weights)(ref.state_dict(), hf, rank, 2)
-                ours.load_state_dict(weights, strict=True)
+                load_mapped_attention(ours, ref, hf, layer, rank, 2)
                 x_ref = x.clone().requires_grad_(True)
                 x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
                 if layer == 0:

@@ -1,6 +1,6 @@
 """GPU: the tiny Qwen3.5 ``save_pretrained`` checkpoint in megatron-core's local-spec GPTModel (fp32, one GPU,
 flash-linear-attention's gated delta-rule kernels) against ``Qwen3_5MoeForCausalLM`` on the CPU (fp32, PyTorch
-reference code), through the test-side weight table of ``tests/fixtures/qwen3_5.py``.
+reference code), through the project's loader (``sftprof.models.megatron_load``).
 
 fla's Triton kernels run their fp32 dot products in TF32 on Hopper, so the log-probs agree to ~1e-3 rather than
 the CPU test's 1e-5: the test prints the error and bounds it at 2e-2 nats.

@@ -10,17 +10,19 @@ main copies from them.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sftprof.models import qwen3_moe_weights
+from sftprof.models import qwen3_5_moe_weights, qwen3_moe_weights
 from sftprof.models.checkpoint import CheckpointError, SafetensorsCheckpoint, check_all_consumed
 
 log = logging.getLogger(__name__)
 
-MAPPINGS = {"qwen3_moe": qwen3_moe_weights}
+MAPPINGS = {"qwen3_moe": qwen3_moe_weights, "qwen3_5_moe": qwen3_5_moe_weights,
+            "qwen3_5_moe_text": qwen3_5_moe_weights}
 
 
 def mapping_for(hf_config):
@@ -51,7 +53,9 @@ def shard_context(gpt, hf_config) -> qwen3_moe_weights.ShardContext:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         num_experts=getattr(hf_config, "num_experts", None) or hf_config.num_local_experts,
         vocab_size=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        layer_numbers=tuple(layer.layer_number - 1 for layer in gpt.decoder.layers))
+        layer_numbers=tuple(layer.layer_number - 1 for layer in gpt.decoder.layers),
+        **{k: getattr(hf_config, k, 0) or 0 for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                       "linear_key_head_dim", "linear_value_head_dim")})
 
 
 def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -> dict:
@@ -64,7 +68,9 @@ def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -
             checkpoint's values are cast to it).
         model_dir: Hugging Face model directory with safetensors weights.
         hf_config: its (text) config, cut to ``actor.num_layers`` if the model is cut (the checkpoint's
-            other layers are then expected to stay unread and are not reported).
+            other layers are then expected to stay unread), vision-tower and MTP tensors of a multimodal
+            Qwen3.5 checkpoint (:data:`sftprof.models.qwen3_5_moe_weights.NOT_LOADED_PREFIXES`) are not
+            part of the profiled text model: both are counted in the log, not loaded.
     Returns:
         ``{"tensors_read": int, "bytes_read": int}`` for this rank (bytes as stored in the checkpoint).
     Raises:
@@ -83,15 +89,19 @@ def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -
             param.copy_(value)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(ckpt.consumed))
-    n_layers = hf_config.num_hidden_layers
-    expected = {n for n in ckpt.names if not _beyond_cut(n, n_layers)}
-    check_all_consumed(expected, gathered, str(model_dir))
-    log.info("megatron: loaded %d checkpoint tensors (%.3f GB read on this rank) from %s", len(ckpt.consumed),
-             ckpt.bytes_read / 1e9, model_dir)
-    return {"tensors_read": len(ckpt.consumed), "bytes_read": ckpt.bytes_read}
+    not_loaded = {n for n in ckpt.names if _not_loaded(n, hf_config.num_hidden_layers)}
+    check_all_consumed(ckpt.names - not_loaded, gathered, str(model_dir))
+    log.info("megatron: loaded %d checkpoint tensors (%.3f GB read on this rank) from %s; %d tensors not part of the "
+             "profiled model (layers beyond actor.num_layers, vision tower, MTP) left unread", len(ckpt.consumed),
+             ckpt.bytes_read / 1e9, model_dir, len(not_loaded))
+    return {"tensors_read": len(ckpt.consumed), "bytes_read": ckpt.bytes_read, "not_loaded": len(not_loaded)}
 
 
-def _beyond_cut(name: str, n_layers: int) -> bool:
-    """True for ``model.layers.<g>.*`` with ``g >= n_layers`` (layers dropped by ``actor.num_layers``)."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= n_layers
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+
+
+def _not_loaded(name: str, n_layers: int) -> bool:
+    """Checkpoint tensors outside the profiled model: layers ``>= n_layers`` (cut by ``actor.num_layers``),
+    and the vision tower and MTP block of a multimodal Qwen3.5 checkpoint."""
+    m = _LAYER.match(name)
+    return bool(m and int(m.group(1)) >= n_layers) or name.startswith(qwen3_5_moe_weights.NOT_LOADED_PREFIXES)

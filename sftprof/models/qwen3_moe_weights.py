@@ -62,6 +62,9 @@ class ShardContext:
         vocab_size: the Hugging Face vocabulary size ``V``.
         tied: ``tie_word_embeddings`` (the output layer reads ``model.embed_tokens.weight``).
         layer_numbers: global index ``g`` of each local layer ``i`` (``layer_number - 1``).
+        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim: the gated
+            delta-net shape of Qwen3.5 (0 for models without linear attention;
+            :mod:`sftprof.models.qwen3_5_moe_weights`).
     """
 
     tp_rank: int
@@ -77,6 +80,10 @@ class ShardContext:
     vocab_size: int
     tied: bool
     layer_numbers: Tuple[int, ...]
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for kind in ("tp", "etp", "ep"):
@@ -154,13 +161,13 @@ def _grouped(src: TensorSource, g: int, ctx: ShardContext, fc: int) -> torch.Ten
 Builder = Callable[[TensorSource, ShardContext, int, int], torch.Tensor]  # (src, ctx, g, j) -> local tensor
 
 _L = r"decoder\.layers\.(\d+)\."
-RULES: List[Tuple[str, Builder]] = [
+# Rules every Qwen MoE family shares (Qwen3-MoE, Qwen3.5-MoE): embeddings, norms, output projection, router, experts.
+COMMON_RULES: List[Tuple[str, Builder]] = [
     (r"embedding\.word_embeddings\.weight", lambda s, c, g, j: _vocab_rows(s, "model.embed_tokens.weight", c)),
     (r"output_layer\.weight", lambda s, c, g, j: _vocab_rows(
         s, "model.embed_tokens.weight" if c.tied else "lm_head.weight", c)),
     (r"decoder\.final_layernorm\.weight", lambda s, c, g, j: s.read("model.norm.weight")),
     (_L + r"input_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.input_layernorm.weight")),
-    (_L + r"self_attention\.linear_qkv\.weight", lambda s, c, g, j: _qkv(s, g, c)),
     (_L + r"self_attention\.q_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.q_norm.weight")),
     (_L + r"self_attention\.k_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.k_norm.weight")),
     (_L + r"self_attention\.linear_proj\.weight", lambda s, c, g, j: s.read(
@@ -175,7 +182,33 @@ RULES: List[Tuple[str, Builder]] = [
     (_L + r"mlp\.experts\.weight1", lambda s, c, g, j: _grouped(s, g, c, 1)),
     (_L + r"mlp\.experts\.weight2", lambda s, c, g, j: _grouped(s, g, c, 2)),
 ]
-_COMPILED = [(re.compile(pattern + r"$"), build) for pattern, build in RULES]
+RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
+    (_L + r"self_attention\.linear_qkv\.weight", lambda s, c, g, j: _qkv(s, g, c)),
+]
+
+
+def compile_rules(rules: List[Tuple[str, Builder]]) -> List[Tuple[re.Pattern, Builder]]:
+    """``rules`` with their name patterns compiled (anchored at the end)."""
+    return [(re.compile(pattern + r"$"), build) for pattern, build in rules]
+
+
+def apply_rules(name: str, src: TensorSource, ctx: ShardContext, compiled, family: str) -> torch.Tensor:
+    """The first rule of ``compiled`` whose pattern matches ``name`` builds its local tensor (see :func:`local_tensor`).
+
+    Raises:
+        CheckpointError: no rule matches ``name`` (names ``family``).
+    """
+    for pattern, build in compiled:
+        m = pattern.match(name)
+        if m:
+            groups = m.groups()
+            g = ctx.layer_numbers[int(groups[0])] if groups else -1
+            j = int(groups[1]) if len(groups) > 1 else -1
+            return build(src, ctx, g, j)
+    raise CheckpointError(f"megatron parameter {name!r} has no {family} mapping rule (sftprof.models.{family}_weights)")
+
+
+_COMPILED = compile_rules(RULES)
 
 
 def local_tensor(name: str, src: TensorSource, ctx: ShardContext) -> torch.Tensor:
@@ -192,11 +225,4 @@ def local_tensor(name: str, src: TensorSource, ctx: ShardContext) -> torch.Tenso
         CheckpointError: no rule for ``name`` (the model has a parameter this mapping does not know), a
             source tensor is missing, or a dimension does not split evenly over the parallel ranks.
     """
-    for pattern, build in _COMPILED:
-        m = pattern.match(name)
-        if m:
-            groups = m.groups()
-            g = ctx.layer_numbers[int(groups[0])] if groups else -1
-            j = int(groups[1]) if len(groups) > 1 else -1
-            return build(src, ctx, g, j)
-    raise CheckpointError(f"megatron parameter {name!r} has no qwen3_moe mapping rule (sftprof.models.qwen3_moe_weights)")
+    return apply_rules(name, src, ctx, _COMPILED, "qwen3_moe")
