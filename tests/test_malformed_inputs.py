@@ -6,6 +6,7 @@ snapshot) and from a real torchrun failure log; each test asserts exact counts, 
 import gzip
 import json
 import math
+import os
 import pickle
 import random
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import FIXTURE_DIR
+from sftprof.profiling.layout import view_path
 from sftprof.profiling.safe_pickle import safe_load_file
 from sftprof.profiling.summary import postprocess_trial
 from sftprof.profiling.trace_check import MAX_TID, validate_trace
@@ -153,8 +155,9 @@ def test_any_exception_in_one_trace_is_that_trace_error(tmp_path, small_trace, m
     assert summary["errors"] == [{"file": "perf_tracer/traces-r1.chrome.json",
                                   "error": f"{log / 'perf_tracer' / 'traces-r1.chrome.json'}: LookupError: unexpected"}]
     assert "summary" in summary["kernel_traces"][0]
-    assert sorted(p.name for p in (tmp_path / "run" / "kernel_traces" / "master").iterdir()) == \
-        sorted(f"traces-r0.{v}.json" for v in VIEWS)  # no half-written views of rank 1
+    views = tmp_path / "run" / "kernel_traces"
+    assert sorted(str(p.relative_to(views)) for p in views.rglob("*.json")) == \
+        sorted(os.path.relpath(view_path(str(views), 0, v), views) for v in VIEWS)  # no half-written views of rank 1
     assert (tmp_path / "run" / "profile_summary.json").exists()
 
 
@@ -192,8 +195,8 @@ def test_impossible_times_are_counted_and_excluded(tmp_path, full_trace):
     assert s["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning":
                               "108 invalid events left out of every figure and view: negative dur 100, "
                               "missing ts 5, non-finite dur 3"}]
-    views = tmp_path / "run" / "kernel_traces" / "master"
-    chrome = _strict((views / "traces-r0.chrome.json").read_text())["traceEvents"]
+    views = str(tmp_path / "run" / "kernel_traces")
+    chrome = _strict(open(view_path(views, 0, "chrome")).read())["traceEvents"]
     assert sum(e.get("cat") == "kernel" for e in chrome) == len(ok_kernels)
     assert "108 invalid events" in (tmp_path / "run" / "profile_summary.md").read_text()
 
@@ -234,10 +237,10 @@ def test_views_are_strict_json(tmp_path, small_trace):
     assert k["view_repairs"]["non-finite numbers written as null"] == 9  # 1 in the header + 2 x 4 in args
     assert k["invalid_events"]["total"] == 0
     for v in VIEWS:
-        path = tmp_path / "run" / "kernel_traces" / "master" / f"traces-r0.{v}.json"
-        _strict(path.read_text())
+        path = view_path(str(tmp_path / "run" / "kernel_traces"), 0, v)
+        _strict(open(path).read())
         assert validate_trace(str(path)) == [], v
-    chrome = _strict((tmp_path / "run" / "kernel_traces" / "master" / "traces-r0.chrome.json").read_text())
+    chrome = _strict(open(view_path(str(tmp_path / "run" / "kernel_traces"), 0, "chrome")).read())
     assert chrome["deviceProperties"][0]["clockRateNaN"] is None
     assert sum(e.get("args", {}).get("Input Dims") == [[None], None] for e in chrome["traceEvents"]) == 4
     _strict((tmp_path / "run" / "profile_summary.json").read_text())
@@ -368,10 +371,11 @@ def test_snapshot_names_and_skipped_files(tmp_path, small_snapshot, small_trace)
     assert [r["rank"] for r in s["ranks"]["rows"]] == [2]
     klog = _log_dir(tmp_path / "k")
     _put_trace(klog, 0, _trace_text(small_trace))
-    (klog / "perf_tracer" / "rank0.pt.trace.json").write_text("{}")
+    (klog / "perf_tracer" / "notes.json").write_text("{}")
     summary, code = postprocess_trial(str(klog), str(tmp_path / "krun"), "kernel", 1, jobs=1)
-    assert code == 0 and summary["skipped"] == [{"file": "perf_tracer/rank0.pt.trace.json", "reason":
-                                                 "not a trace name the trainer writes (traces-r<rank>.chrome.json[.gz])"}]
+    assert code == 0 and summary["skipped"] == [{"file": "perf_tracer/notes.json", "reason":
+                                                 "not a trace name the trainer writes (rank<r>.pt.trace.json[.gz], "
+                                                 "or the earlier traces-r<r>.chrome.json[.gz])"}]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -388,7 +392,7 @@ def test_made_up_tids_never_collide_with_real_ones(tmp_path, small_trace):
     _put_trace(log, 0, _trace_text(bad))
     summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
     assert code == 0
-    path = tmp_path / "run" / "kernel_traces" / "master" / "traces-r0.split_clean.chrome.json"
+    path = view_path(str(tmp_path / "run" / "kernel_traces"), 0, "split_clean.chrome")
     assert validate_trace(str(path)) == []
     clean = json.load(open(path))["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in clean if e.get("name") == "thread_name" and e["pid"] == host_pid}

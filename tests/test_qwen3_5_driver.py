@@ -29,7 +29,7 @@ def _fla(present: bool):
 def test_trial_names_derive_from_the_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with _fla(True):
-        trials, settings, info = plan(_env(tmp_path), [])
+        trials, settings, info = plan(_env(tmp_path), [], gpus=8)
     assert [t.name for t in trials] == [f"qwen3_5_35b_a3b_fake32k_{k}_step{s}_s1"
                                         for s in (0, 1) for k in ("kernel", "memory")]
     assert info["nproc_per_node"] == 8
@@ -40,10 +40,10 @@ def test_trial_names_derive_from_the_model(tmp_path, monkeypatch):
 def test_without_fla_the_plan_stops_naming_the_package(tmp_path):
     with _fla(False), pytest.raises(DriverError, match=r"needs the Python package 'fla' from "
                                                        r"flash-linear-attention==0.6.0 and fla-core==0.6.0"):
-        plan(_env(tmp_path), [])
+        plan(_env(tmp_path), [], gpus=8)
 
 
 def test_context_parallel_layout_stops_before_launch(tmp_path):
     with _fla(True), pytest.raises(DriverError, match=r"context parallelism \(CP=4\) is not supported for "
                                                       r"qwen3_5_moe_text"):
-        plan(_env(tmp_path), ["actor.backend=megatron:(attn:d2c4|ffn:d1e8)"])
+        plan(_env(tmp_path), ["actor.backend=megatron:(attn:d2c4|ffn:d1e8)"], gpus=8)
