@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.config import ConfigError, load_config, to_yaml, trial_log_dir
+from sftprof.config import PRECISION_FIELDS, ConfigError, load_config, to_yaml, trial_log_dir
 from sftprof.models.hf import ModelPathError, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -243,13 +243,12 @@ CONFIG_VARS = (
     ConfigVar("TRAIN_BATCH_SIZE", "train_dataset.batch_size", lambda n, t: _int(n, t, 1)),
     ConfigVar("PROFILE_N_MBS", "actor.mb_spec.n_mbs", lambda n, t: _int(n, t, 1)),
     ConfigVar("MEMORY_MAX_ENTRIES", "memory_profiler.max_entries", lambda n, t: _int(n, t, 1)),
-    ConfigVar("LOGPROBS_CHUNK_SIZE", "actor.logprobs_chunk_size", lambda n, t: _int(n, t, 0)),
-    ConfigVar("LM_HEAD_LOSS_CHUNK_SIZE", "actor.megatron.lm_head_loss_chunk_size", lambda n, t: _int(n, t, 0)),
+    ConfigVar("LOGPROBS_CHUNK_SIZE", "actor.loss.logprobs_chunk_size", lambda n, t: _int(n, t, 0)),
+    ConfigVar("LM_HEAD_LOSS_CHUNK_SIZE", "actor.loss.lm_head_loss_chunk_size", lambda n, t: _int(n, t, 0)),
     ConfigVar("USE_PRECISION_AWARE_OPTIMIZER", "actor.megatron.use_precision_aware_optimizer", _bool),
     ConfigVar("MAIN_GRADS_DTYPE", "actor.megatron.main_grads_dtype", _dtype),
     ConfigVar("USE_DETERMINISTIC_ALGORITHMS", "actor.megatron.use_deterministic_algorithms", _bool),
 )
-PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 
 
 def _yaml_value(value: object) -> str:
