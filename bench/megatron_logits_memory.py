@@ -109,15 +109,15 @@ def main() -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one SEQ:PATH case per process
     args = ap.parse_args()
+    unknown = [p for p in args.paths.split(",") if p not in PATHS]
+    if unknown:
+        print(f"--paths={args.paths}: unknown {unknown}; accepted a comma list of {list(PATHS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.case:
         return _case_main(args.case, args)
-    unknown = [p for p in args.paths.split(",") if p not in PATHS]
-    if unknown:
-        print(f"--paths={args.paths}: unknown {unknown}; accepted a comma list of {list(PATHS)}", file=sys.stderr)
-        return 2
     rows = []
     common = ["--layers", str(args.layers), "--steps", str(args.steps), "--logprobs-chunk", str(args.logprobs_chunk),
               "--lm-head-chunk", str(args.lm_head_chunk)]
