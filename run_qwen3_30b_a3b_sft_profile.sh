@@ -20,9 +20,10 @@ done
 
 # 1. Validate everything and write RUN_ROOT/{profile_settings.log,trials.tsv} before launching anything.
 plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?
-# RUN_ROOT STOP_ON_FAILURE TRIALS NODE_TIMEOUT NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
+# RUN_ROOT STOP_ON_FAILURE TRIALS NODE_TIMEOUT NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT, and the
+# artifact names (sftprof/artifacts.py): TRIALS_TSV SUMMARY_TSV LAUNCHER_LOG NVIDIA_SMI_CSV TRAINER_LOG
 eval "$plan_out"
-summary="$RUN_ROOT/summary.tsv"
+summary="$RUN_ROOT/$SUMMARY_TSV"
 printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n' > "$summary"
 echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
 
@@ -36,14 +37,14 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   smi_pid=""
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total \
-      --format=csv,nounits -lms 500 > "$run_dir/nvidia_smi.csv" 2>/dev/null &
+      --format=csv,nounits -lms 500 > "$run_dir/$NVIDIA_SMI_CSV" 2>/dev/null &
     smi_pid=$!
   fi
   start=$(date +%s)
   # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous).
   "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --rdzv-conf "timeout=$NODE_TIMEOUT" \
-    "$HERE/train_sft_profile.py" "${train_args[@]}" 2>&1 | tee "$run_dir/launcher.log"
+    "$HERE/train_sft_profile.py" "${train_args[@]}" 2>&1 | tee "$run_dir/$LAUNCHER_LOG"
   torchrun_rc=${PIPESTATUS[0]}
   elapsed=$(( $(date +%s) - start ))
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
@@ -55,15 +56,15 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
     train_rc=$("$PYTHON" -m sftprof.launch status "$log_dir")
     [ "$torchrun_rc" -ne 0 ] && train_rc=$torchrun_rc
     if [ "$NNODES" -gt 1 ]; then   # every other node's end record, each failure named
-      "$PYTHON" -m sftprof.launch wait-nodes "$log_dir" "$NNODES" "$NODE_TIMEOUT" 2>&1 | tee -a "$run_dir/launcher.log"
+      "$PYTHON" -m sftprof.launch wait-nodes "$log_dir" "$NNODES" "$NODE_TIMEOUT" 2>&1 | tee -a "$run_dir/$LAUNCHER_LOG"
       nodes_rc=${PIPESTATUS[0]}
       [ "$train_rc" -eq 0 ] && train_rc=$nodes_rc
     fi
     echo "sftprof: [$n/$TRIALS] postprocessing $trial"
     pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
-             --trainer-log "$log_dir/trainer.log")
-    [ -s "$run_dir/nvidia_smi.csv" ] && pp_args+=(--nvidia-smi-csv "$run_dir/nvidia_smi.csv")
-    "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/launcher.log"
+             --trainer-log "$log_dir/$TRAINER_LOG")
+    [ -s "$run_dir/$NVIDIA_SMI_CSV" ] && pp_args+=(--nvidia-smi-csv "$run_dir/$NVIDIA_SMI_CSV")
+    "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/$LAUNCHER_LOG"
     pp_rc=${PIPESTATUS[0]}
   else
     # Other nodes: torchrun's exit status; node 0 postprocesses every rank from the shared FILEROOT.
@@ -83,13 +84,13 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   fi
   if [ "$status" -ne 0 ]; then
     final_rc=$status
-    echo "sftprof: trial $trial FAILED (status $status; logs in $run_dir/launcher.log and $log_dir)" >&2
+    echo "sftprof: trial $trial FAILED (status $status; logs in $run_dir/$LAUNCHER_LOG and $log_dir)" >&2
     if [ "$STOP_ON_FAILURE" = "1" ]; then
       echo "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" >&2
       break
     fi
   fi
-done 3< "$RUN_ROOT/trials.tsv"
+done 3< "$RUN_ROOT/$TRIALS_TSV"
 
 echo
 "$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK"

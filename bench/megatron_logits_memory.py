@@ -6,12 +6,14 @@ One process, one GPU. For each sequence length and loss path the megatron engine
 init, full recompute, one sequence per step) runs ``--steps`` training steps; the last one is measured
 (``torch.cuda.max_memory_allocated`` reset before it, wall time with device synchronisation). Paths:
 
-- ``naive``: ``log_softmax`` in fp32 over the full ``[N, V]`` logits, then gather (what a plain
-  PyTorch SFT loss does);
-- ``chunked_logprobs``: :func:`sftprof.ops.vocab_parallel_logprobs` on the logits, ``--logprobs-chunk``
-  tokens at a time, gradient written in place of the logits;
-- ``chunked_lm_head``: :func:`sftprof.ops.linear_sft_loss` on the final hidden states
-  (``actor.megatron.lm_head_loss_chunk_size``), no full logits.
+- ``naive``: ``actor.loss.path=reference``, ``log_softmax`` in fp32 over the full ``[N, V]`` logits, then
+  gather (what a plain PyTorch SFT loss does);
+- ``chunked_logprobs``: ``actor.loss.path=logprobs``, :func:`sftprof.ops.vocab_parallel_logprobs` on the
+  logits, ``--logprobs-chunk`` tokens at a time, gradient written in place of the logits;
+- ``chunked_lm_head``: ``actor.loss.path=lm_head``, :func:`sftprof.ops.linear_sft_loss` on the final hidden
+  states (``actor.loss.lm_head_loss_chunk_size``), no full logits.
+
+The three differ only in ``actor.loss`` (:class:`sftprof.loss.SFTLoss`), so they run the same engine.
 
 Each case runs in its own process, so no memory of an earlier case is held. A path that runs out of
 memory is reported as ``OOM``. The table is printed last, side by side.
@@ -34,24 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PATHS = ("chunked_lm_head", "chunked_logprobs", "naive")
-
-
-def _engine_class(path: str):
-    from sftprof.engine.megatron import MegatronEngine
-
-    if path != "naive":
-        return MegatronEngine
-
-    class NaiveLossEngine(MegatronEngine):
-        """The megatron engine with a plain fp32 ``log_softmax`` over the full logits (baseline)."""
-
-        def _loss_sum(self, output, batch):
-            logp = torch.log_softmax(output.float(), dim=-1)
-            tok = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-            return -(tok * batch["loss_mask"].to(tok.dtype)).sum()
-
-    return NaiveLossEngine
+# Bench case -> actor.loss.path.
+PATHS = {"chunked_lm_head": "lm_head", "chunked_logprobs": "logprobs", "naive": "reference"}
 
 
 def run_case(seq_len: int, path: str, args) -> dict:
@@ -61,6 +47,7 @@ def run_case(seq_len: int, path: str, args) -> dict:
     from sftprof.allocation import parse_allocation_mode
     from sftprof.config import load_config
     from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+    from sftprof.engine.megatron import MegatronEngine
     from sftprof.tokenizer import load_tokenizer
     from sftprof.models.hf import load_hf_config
 
@@ -68,8 +55,9 @@ def run_case(seq_len: int, path: str, args) -> dict:
         "actor.backend=megatron:d1", f"actor.num_layers={args.layers}", f"profile.fake_seq_len={seq_len}",
         "train_dataset.batch_size=1", "actor.mb_spec.n_mbs=1", "actor.megatron.use_precision_aware_optimizer=false",
         "actor.megatron.main_grads_dtype=float32", "actor.megatron.ddp.overlap_grad_reduce=false",
-        "actor.megatron.ddp.overlap_param_gather=false", f"actor.logprobs_chunk_size={args.logprobs_chunk}",
-        f"actor.megatron.lm_head_loss_chunk_size={args.lm_head_chunk if path == 'chunked_lm_head' else 0}"]
+        "actor.megatron.ddp.overlap_param_gather=false", f"actor.loss.path={PATHS[path]}",
+        f"actor.loss.logprobs_chunk_size={args.logprobs_chunk}",
+        f"actor.loss.lm_head_loss_chunk_size={args.lm_head_chunk if PATHS[path] == 'lm_head' else 0}"]
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "qwen3_30b_a3b_sft_profile.yaml"), overrides)
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
@@ -78,7 +66,7 @@ def run_case(seq_len: int, path: str, args) -> dict:
     result = {"seq_len": seq_len, "path": path, "losses": []}
     engine = None
     try:
-        engine = _engine_class(path)(cfg, layout, hf, torch.device("cuda", 0))
+        engine = MegatronEngine(cfg, layout, hf, torch.device("cuda", 0))
         for step in range(args.steps):
             mbs = step_micro_batches(cfg, sample, step, 1, 0)
             torch.cuda.synchronize()
@@ -117,11 +105,15 @@ def main() -> int:
     ap.add_argument("--seq-lens", default="131072", help="comma list of tokens per sequence")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B shape")
     ap.add_argument("--steps", type=int, default=2, help="steps per case; the last is measured")
-    ap.add_argument("--logprobs-chunk", type=int, default=4096, help="actor.logprobs_chunk_size")
-    ap.add_argument("--lm-head-chunk", type=int, default=4096, help="actor.megatron.lm_head_loss_chunk_size")
-    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
+    ap.add_argument("--logprobs-chunk", type=int, default=4096, help="actor.loss.logprobs_chunk_size")
+    ap.add_argument("--lm-head-chunk", type=int, default=4096, help="actor.loss.lm_head_loss_chunk_size")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one SEQ:PATH case per process
     args = ap.parse_args()
+    unknown = [p for p in args.paths.split(",") if p not in PATHS]
+    if unknown:
+        print(f"--paths={args.paths}: unknown {unknown}; accepted a comma list of {list(PATHS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -2,12 +2,19 @@
 
 The schema is a tree of dataclasses used as OmegaConf structured configs, so unknown keys and
 wrong types are rejected by OmegaConf itself; value ranges and choices are checked afterwards by
-:func:`validate`. Every failure is raised as :class:`ConfigError`, whose message names the dotted
+:func:`validate`, which runs each section's ``check`` method (next to its dataclass) and then the
+checks that span sections. Every failure is raised as :class:`ConfigError`, whose message names the dotted
 key, the offending value and what is accepted. Entry points turn it into exit code 2 before any
 process group starts (:func:`load_config_or_exit`).
 
-Key names follow ``shared/DESIGN.md`` (and the AReaL-style seed config): for example
-``actor.megatron.lm_head_loss_chunk_size`` or ``profile.fake_seq_len``.
+Key names follow the AReaL-style seed config: for example ``actor.mb_spec.n_mbs`` or
+``profile.fake_seq_len``. Old names kept for compatibility (:data:`LEGACY_LOSS_KEYS`):
+``actor.logprobs_chunk_size`` and ``actor.megatron.lm_head_loss_chunk_size`` are read as
+``actor.loss.logprobs_chunk_size`` and ``actor.loss.lm_head_loss_chunk_size``, and
+``actor.megatron.enable_chunked_logits=false`` as ``actor.loss.logprobs_chunk_size=0``. The mapping
+is done per source (the YAML file, then the overrides), before they are merged: a later source
+overrides an earlier one whichever name it uses, and one source giving a setting under both names
+with different values is an error.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -28,6 +35,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 MAIN_GRADS_DTYPES = ("float32", "bfloat16")
 MAIN_PARAMS_DTYPES = ("float32", "float16")
 EXP_AVG_DTYPES = ("float32", "float16", "bfloat16", "uint8")
+# The actor.megatron fields the precision-aware optimizer sets (float32 without it).
+PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 RECOMPUTE_GRANULARITIES = ("full", "selective", "none")
 RECOMPUTE_METHODS = ("uniform", "block")
 # megatron-core 0.16.1 TransformerConfig.recompute_modules choices that this project's layer specs support
@@ -36,6 +45,12 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 MOE_ROUTER_DTYPES = ("fp32", "fp64", "none")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+# actor.loss.path: "auto" = lm_head when lm_head_loss_chunk_size > 0, else logprobs (sftprof.loss).
+LOSS_PATHS = ("auto", "lm_head", "logprobs", "reference")
+# Old key -> key under actor.loss (see the module docstring for the mapping rule).
+LEGACY_LOSS_KEYS = {"actor.logprobs_chunk_size": "logprobs_chunk_size",
+                    "actor.megatron.lm_head_loss_chunk_size": "lm_head_loss_chunk_size"}
+LEGACY_CHUNKED_LOGITS_KEY = "actor.megatron.enable_chunked_logits"
 
 
 class ConfigError(ValueError):
@@ -46,6 +61,22 @@ class ConfigError(ValueError):
     """
 
 
+def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: must be {accepted}")
+
+
+def _choice(key: str, value: str, choices: tuple) -> None:
+    _check(value in choices, key, value, f"one of {list(choices)}")
+
+
+def _at_least(section: Any, prefix: str, minimums: dict) -> None:
+    """``_check(getattr(section, name) >= lo)`` for each ``name: (lo, accepted)`` of ``minimums``."""
+    for name, (lo, accepted) in minimums.items():
+        value = getattr(section, name)
+        _check(value >= lo, f"{prefix}.{name}", value, accepted)
+
+
 @dataclass
 class ClusterConfig:
     """Where logs go (``fileroot``) and the torchrun layout (nodes x processes per node)."""
@@ -53,6 +84,10 @@ class ClusterConfig:
     fileroot: str = "/tmp/sftprof"
     n_nodes: int = 1
     n_gpus_per_node: int = 8
+
+    def check(self) -> None:
+        """Raises ConfigError: ``cluster.n_nodes`` or ``cluster.n_gpus_per_node`` < 1."""
+        _at_least(self, "cluster", {"n_nodes": (1, "an integer >= 1"), "n_gpus_per_node": (1, "an integer >= 1")})
 
 
 @dataclass
@@ -63,6 +98,11 @@ class MicroBatchSpec:
     n_mbs: int = 1
     n_mbs_divisor: int = 1
     max_tokens_per_mb: int = 0
+
+    def check(self) -> None:
+        """Raises ConfigError: a count below its minimum (``actor.mb_spec.*``)."""
+        _at_least(self, "actor.mb_spec", {"n_mbs": (1, "an integer >= 1"), "n_mbs_divisor": (1, "an integer >= 1"),
+                                          "max_tokens_per_mb": (0, "an integer >= 0 (0 = no limit)")})
 
 
 @dataclass
@@ -76,6 +116,55 @@ class OptimizerSettings:
     eps: float = 1e-8
     gradient_clipping: float = 1.0
     lr_scheduler_type: str = "constant"
+
+    def check(self) -> None:
+        """Raises ConfigError: a value out of range (``actor.optimizer.*``)."""
+        k = "actor.optimizer"
+        _check(self.lr > 0, f"{k}.lr", self.lr, "a number > 0")
+        _check(self.weight_decay >= 0, f"{k}.weight_decay", self.weight_decay, "a number >= 0")
+        _check(0 <= self.beta1 < 1, f"{k}.beta1", self.beta1, "a number in [0, 1)")
+        _check(0 <= self.beta2 < 1, f"{k}.beta2", self.beta2, "a number in [0, 1)")
+        _check(self.eps > 0, f"{k}.eps", self.eps, "a number > 0")
+        _check(self.gradient_clipping >= 0, f"{k}.gradient_clipping", self.gradient_clipping,
+               "a number >= 0 (0 = no clipping)")
+        _choice(f"{k}.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+
+
+@dataclass
+class LossSettings:
+    """How the token loss is computed from the final hidden states (:mod:`sftprof.loss`).
+
+    ``path``: ``lm_head`` (chunked LM head fused with the loss, no full logits; ``lm_head_loss_chunk_size``
+    tokens per chunk, > 0), ``logprobs`` (full logits, then the vocab-parallel log-probs
+    ``logprobs_chunk_size`` tokens at a time, 0 = all at once), ``reference`` (full logits, fp32
+    ``log_softmax`` and gather: the textbook baseline of tests and benchmarks, TP = 1 only) or ``auto``
+    (``lm_head`` when ``lm_head_loss_chunk_size > 0``, else ``logprobs``). Driver variables:
+    ``LOGPROBS_CHUNK_SIZE``, ``LM_HEAD_LOSS_CHUNK_SIZE``.
+    """
+
+    path: str = "auto"
+    logprobs_chunk_size: int = 0
+    lm_head_loss_chunk_size: int = 0
+
+    def resolved_path(self) -> str:
+        """``lm_head``, ``logprobs`` or ``reference``: ``path`` with ``auto`` decided."""
+        if self.path != "auto":
+            return self.path
+        return "lm_head" if self.lm_head_loss_chunk_size > 0 else "logprobs"
+
+    def check(self) -> None:
+        """Raises ConfigError: a negative chunk size, an unknown path, or a chunk size the path does not use
+        (``lm_head`` needs ``lm_head_loss_chunk_size > 0``; ``logprobs``/``reference`` need it 0)."""
+        k = "actor.loss"
+        _choice(f"{k}.path", self.path, LOSS_PATHS)
+        _at_least(self, k, {"logprobs_chunk_size": (0, "an integer >= 0 (0 = all tokens at once)"),
+                            "lm_head_loss_chunk_size": (0, "an integer >= 0 (0 = logits path)")})
+        chunk = self.lm_head_loss_chunk_size
+        if self.path == "lm_head":
+            _check(chunk > 0, f"{k}.lm_head_loss_chunk_size", chunk, "> 0 with actor.loss.path=lm_head (tokens per chunk)")
+        elif self.path in ("logprobs", "reference"):
+            _check(chunk == 0, f"{k}.lm_head_loss_chunk_size", chunk,
+                   f"0 with actor.loss.path={self.path} (only the lm_head path uses it; or set path=auto)")
 
 
 @dataclass
@@ -91,7 +180,7 @@ class DDPSettings:
 @dataclass
 class MegatronSettings:
     """Megatron engine and memory-saving settings (precision-aware optimizer dtypes, recompute,
-    MoE routing, chunked LM-head loss)."""
+    MoE routing). The loss settings that used to live here are in :class:`LossSettings`."""
 
     use_precision_aware_optimizer: bool = False
     main_grads_dtype: str = "float32"
@@ -100,11 +189,8 @@ class MegatronSettings:
     exp_avg_sq_dtype: str = "float32"
     ddp: DDPSettings = field(default_factory=DDPSettings)
     use_deterministic_algorithms: bool = False
-    # false: ignore actor.logprobs_chunk_size and compute log-probs over all tokens at once (baseline).
-    enable_chunked_logits: bool = True
     # Kept from the seed config; the SFT loss has no entropy term, so it changes nothing here.
     entropy_requires_grad: bool = False
-    lm_head_loss_chunk_size: int = 0
     recompute_granularity: str = "full"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
@@ -114,10 +200,45 @@ class MegatronSettings:
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_bias_update_rate: float = 0.0
 
+    def check_optimizer_precision(self) -> None:
+        """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).
+
+        Raises:
+            ConfigError: a main-grads/main-params/Adam-moment dtype other than float32 without
+                ``use_precision_aware_optimizer`` (``USE_PRECISION_AWARE_OPTIMIZER``), or the precision-aware
+                optimizer without ``ddp.use_distributed_optimizer``.
+        """
+        if not self.use_precision_aware_optimizer:
+            for name in PRECISION_FIELDS:
+                value = getattr(self, name)
+                _check(value == "float32", f"actor.megatron.{name}", value,
+                       "float32 unless actor.megatron.use_precision_aware_optimizer=true (USE_PRECISION_AWARE_OPTIMIZER)")
+        elif not self.ddp.use_distributed_optimizer:
+            raise ConfigError("actor.megatron.use_precision_aware_optimizer=True: needs "
+                              "actor.megatron.ddp.use_distributed_optimizer=true")
+
+    def check(self) -> None:
+        """Raises ConfigError: an unknown choice, a value out of range, or see :meth:`check_optimizer_precision`."""
+        k = "actor.megatron"
+        for name, choices in (("main_grads_dtype", MAIN_GRADS_DTYPES), ("main_params_dtype", MAIN_PARAMS_DTYPES),
+                              ("exp_avg_dtype", EXP_AVG_DTYPES), ("exp_avg_sq_dtype", EXP_AVG_DTYPES)):
+            _choice(f"{k}.{name}", getattr(self, name), choices)
+        self.check_optimizer_precision()
+        _choice(f"{k}.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        _choice(f"{k}.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        _check(self.recompute_num_layers >= 1, f"{k}.recompute_num_layers", self.recompute_num_layers, "an integer >= 1")
+        mods = list(self.recompute_modules)
+        _check(bool(mods) and set(mods) <= set(RECOMPUTE_MODULES) and len(set(mods)) == len(mods),
+               f"{k}.recompute_modules", mods, f"a non-empty list without repeats of {list(RECOMPUTE_MODULES)}")
+        _choice(f"{k}.moe_router_dtype", self.moe_router_dtype, MOE_ROUTER_DTYPES)
+        _choice(f"{k}.moe_token_dispatcher_type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)
+        _check(self.moe_router_bias_update_rate >= 0, f"{k}.moe_router_bias_update_rate",
+               self.moe_router_bias_update_rate, "a number >= 0")
+
 
 @dataclass
 class ActorConfig:
-    """The trained model: allocation mode (``backend``), model path, dtype, micro-batches, optimizer."""
+    """The trained model: allocation mode (``backend``), model path, dtype, micro-batches, optimizer, loss."""
 
     # Allocation mode: backend plus parallel layout, e.g. "megatron:(attn:d2c4|ffn:d1e8)" or "fsdp:d2".
     backend: str = "fsdp:d1"
@@ -129,10 +250,23 @@ class ActorConfig:
     init_from_scratch: bool = True
     dtype: str = "bfloat16"
     gradient_checkpointing: bool = True
-    logprobs_chunk_size: int = 0
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
     megatron: MegatronSettings = field(default_factory=MegatronSettings)
+
+    def check(self) -> None:
+        """Raises ConfigError: a bad allocation mode, layer count or dtype, or a subsection's error."""
+        from sftprof.allocation import AllocationError, parse_allocation_mode
+
+        try:
+            parse_allocation_mode(self.backend)
+        except AllocationError as err:
+            raise ConfigError(f"actor.backend={self.backend!r}: {err}") from err
+        _check(self.num_layers >= 0, "actor.num_layers", self.num_layers, "an integer >= 0 (0 = as in the model config)")
+        _choice("actor.dtype", self.dtype, DTYPES)
+        for section in (self.mb_spec, self.optimizer, self.loss, self.megatron):
+            section.check()
 
 
 @dataclass
@@ -143,6 +277,12 @@ class FakeDataConfig:
     fake_dataset_size: int = 8
     fake_loss_start_ratio: float = 0.5
 
+    def check(self) -> None:
+        """Raises ConfigError: a value out of range (``profile.*``)."""
+        _at_least(self, "profile", {"fake_seq_len": (2, "an integer >= 2"), "fake_dataset_size": (1, "an integer >= 1")})
+        _check(0 <= self.fake_loss_start_ratio < 1, "profile.fake_loss_start_ratio", self.fake_loss_start_ratio,
+               "a number in [0, 1)")
+
 
 @dataclass
 class TrainDatasetConfig:
@@ -150,6 +290,23 @@ class TrainDatasetConfig:
 
     batch_size: int = 1
     max_length: int = 0
+
+    def check(self) -> None:
+        """Raises ConfigError: a value out of range (``train_dataset.*``)."""
+        _at_least(self, "train_dataset", {"batch_size": (1, "an integer >= 1"),
+                                          "max_length": (0, "an integer >= 0 (0 = no limit)")})
+
+
+def _check_profile_section(section: str, steps: List[int], ranks: str) -> None:
+    """``<section>.profile_steps`` non-negative and ``<section>.ranks`` a valid rank spec."""
+    from sftprof.ranks import RankSpecError, check_rank_spec_syntax
+
+    for s in steps:
+        _check(s >= 0, f"{section}.profile_steps", list(steps), "a list of integers >= 0")
+    try:
+        check_rank_spec_syntax(ranks)
+    except RankSpecError as err:
+        raise ConfigError(f"{section}.ranks={ranks!r}: {err}") from err
 
 
 @dataclass
@@ -161,6 +318,10 @@ class PerfTracerConfig:
     # Rank spec: "pp_rank0" (rank 0 of every pipeline stage), "" (all ranks) or "0,2-4".
     ranks: str = "pp_rank0"
 
+    def check(self) -> None:
+        """Raises ConfigError: a negative step or a malformed rank spec."""
+        _check_profile_section("perf_tracer", self.profile_steps, self.ranks)
+
 
 @dataclass
 class MemoryProfilerConfig:
@@ -169,6 +330,11 @@ class MemoryProfilerConfig:
     profile_steps: List[int] = field(default_factory=list)
     max_entries: int = 100000
     ranks: str = "pp_rank0"
+
+    def check(self) -> None:
+        """Raises ConfigError: a negative step, a malformed rank spec or ``max_entries`` < 1."""
+        _check_profile_section("memory_profiler", self.profile_steps, self.ranks)
+        _check(self.max_entries >= 1, "memory_profiler.max_entries", self.max_entries, "an integer >= 1")
 
 
 @dataclass
@@ -212,13 +378,63 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     return f"{key}: {msg}"
 
 
+def _is_interpolation(value: Any) -> bool:
+    return isinstance(value, str) and "${" in value
+
+
+def map_legacy_loss_keys(tree: dict, source: str) -> dict:
+    """Move the old loss keys of one config source to ``actor.loss`` (in place; returns ``tree``).
+
+    ``tree`` is one source as a plain container (the YAML file, or the overrides). Mapping
+    (:data:`LEGACY_LOSS_KEYS`): ``actor.logprobs_chunk_size`` -> ``actor.loss.logprobs_chunk_size``,
+    ``actor.megatron.lm_head_loss_chunk_size`` -> ``actor.loss.lm_head_loss_chunk_size``;
+    ``actor.megatron.enable_chunked_logits=false`` -> ``actor.loss.logprobs_chunk_size=0`` (as before:
+    it overrides a chunk size of the same source), ``true`` -> nothing.
+
+    Raises:
+        ConfigError: an old key whose value is not an integer >= 0 (chunk sizes) or a boolean
+            (``enable_chunked_logits``), or an old and a new key of the same setting in ``source`` with
+            different values (the message names both and ``source``).
+    """
+    actor = tree.get("actor")
+    if not isinstance(actor, dict):
+        return tree
+    megatron = actor.get("megatron") if isinstance(actor.get("megatron"), dict) else {}
+    found = {}
+    for old, new in LEGACY_LOSS_KEYS.items():
+        parent, key = (megatron, old.rsplit(".", 1)[1]) if ".megatron." in old else (actor, old.rsplit(".", 1)[1])
+        if key not in parent:
+            continue
+        value = parent.pop(key)
+        _check(_is_interpolation(value) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+               old, value, "an integer >= 0")
+        found[new] = (old, value)
+    chunked = megatron.pop("enable_chunked_logits", True)
+    _check(isinstance(chunked, bool), LEGACY_CHUNKED_LOGITS_KEY, chunked, "true or false")
+    if not chunked:
+        found["logprobs_chunk_size"] = (f"{LEGACY_CHUNKED_LOGITS_KEY}=false", 0)
+    if not found:
+        return tree
+    loss = actor.setdefault("loss", {})
+    if not isinstance(loss, dict):
+        return tree  # OmegaConf names the bad actor.loss value
+    for new, (old, value) in found.items():
+        if new in loss and loss[new] != value:
+            raise ConfigError(f"{old}={value!r} and actor.loss.{new}={loss[new]!r} in {source}: one setting under its "
+                              f"old and new name with different values; keep actor.loss.{new} (the old name is "
+                              "still read)")
+        loss[new] = value
+    return tree
+
+
 def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProfileConfig:
     """Load a YAML file (or preset name), apply ``key=value`` dotted overrides and validate.
 
     Args:
         path: YAML file path or bundled preset name (:func:`resolve_config_path`).
-        overrides: dotted overrides such as ``["actor.logprobs_chunk_size=128"]``; list values use
-            YAML syntax (``perf_tracer.profile_steps=[0,1]``).
+        overrides: dotted overrides such as ``["actor.loss.logprobs_chunk_size=128"]``; list values use
+            YAML syntax (``perf_tracer.profile_steps=[0,1]``). Old key names are mapped
+            (:func:`map_legacy_loss_keys`) in the file and in the overrides separately.
 
     Returns:
         The typed config with every ``${...}`` interpolation resolved.
@@ -236,11 +452,15 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
     dotlist = []
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value with a dotted key, e.g. actor.logprobs_chunk_size=128")
+            raise ConfigError(f"override {item!r}: expected key=value with a dotted key, e.g. actor.num_layers=4")
         dotlist.append(item)
     try:
-        merged = OmegaConf.merge(schema, file_cfg)
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+        layers = [OmegaConf.to_container(file_cfg, resolve=False) if isinstance(file_cfg, DictConfig) else file_cfg,
+                  OmegaConf.to_container(OmegaConf.from_dotlist(dotlist), resolve=False)]
+        for layer, source in zip(layers, (f"config {yaml_path}", "the overrides")):
+            if isinstance(layer, dict):
+                map_legacy_loss_keys(layer, source)
+        merged = OmegaConf.merge(schema, *layers)
         OmegaConf.resolve(merged)
         cfg: SFTProfileConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -249,104 +469,39 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
     return cfg
 
 
-def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: must be {accepted}")
-
-
-def _choice(key: str, value: str, choices: tuple) -> None:
-    _check(value in choices, key, value, f"one of {list(choices)}")
-
-
 def validate(cfg: SFTProfileConfig) -> None:
     """Check value ranges and choices that the type system cannot express.
+
+    Each section checks itself (the ``check`` methods above); what spans sections is checked here:
+    ``train_dataset.batch_size`` against the data-parallel size, ``actor.mb_spec`` against the sequence
+    length and the batch, one profile kind per trial, the ``reference`` loss path only without TP.
 
     Raises:
         ConfigError: the first violation found, naming the dotted key, value and accepted values.
     """
-    from sftprof.allocation import AllocationError, parse_allocation_mode
-    from sftprof.ranks import RankSpecError, check_rank_spec_syntax
+    from sftprof.allocation import parse_allocation_mode
 
     _check(cfg.seed >= 0, "seed", cfg.seed, "an integer >= 0")
     _check(cfg.total_train_steps >= 1, "total_train_steps", cfg.total_train_steps, "an integer >= 1")
-    _check(cfg.cluster.n_nodes >= 1, "cluster.n_nodes", cfg.cluster.n_nodes, "an integer >= 1")
-    _check(cfg.cluster.n_gpus_per_node >= 1, "cluster.n_gpus_per_node", cfg.cluster.n_gpus_per_node, "an integer >= 1")
-    try:
-        parse_allocation_mode(cfg.actor.backend)
-    except AllocationError as err:
-        raise ConfigError(f"actor.backend={cfg.actor.backend!r}: {err}") from err
-    a = cfg.actor
-    _check(a.num_layers >= 0, "actor.num_layers", a.num_layers, "an integer >= 0 (0 = as in the model config)")
-    _choice("actor.dtype", a.dtype, DTYPES)
-    _check(a.logprobs_chunk_size >= 0, "actor.logprobs_chunk_size", a.logprobs_chunk_size, "an integer >= 0 (0 = all tokens at once)")
-    _check(a.mb_spec.n_mbs >= 1, "actor.mb_spec.n_mbs", a.mb_spec.n_mbs, "an integer >= 1")
-    _check(a.mb_spec.n_mbs_divisor >= 1, "actor.mb_spec.n_mbs_divisor", a.mb_spec.n_mbs_divisor, "an integer >= 1")
-    _check(a.mb_spec.max_tokens_per_mb >= 0, "actor.mb_spec.max_tokens_per_mb", a.mb_spec.max_tokens_per_mb, "an integer >= 0 (0 = no limit)")
-    o = a.optimizer
-    _check(o.lr > 0, "actor.optimizer.lr", o.lr, "a number > 0")
-    _check(o.weight_decay >= 0, "actor.optimizer.weight_decay", o.weight_decay, "a number >= 0")
-    _check(0 <= o.beta1 < 1, "actor.optimizer.beta1", o.beta1, "a number in [0, 1)")
-    _check(0 <= o.beta2 < 1, "actor.optimizer.beta2", o.beta2, "a number in [0, 1)")
-    _check(o.eps > 0, "actor.optimizer.eps", o.eps, "a number > 0")
-    _check(o.gradient_clipping >= 0, "actor.optimizer.gradient_clipping", o.gradient_clipping, "a number >= 0 (0 = no clipping)")
-    _choice("actor.optimizer.lr_scheduler_type", o.lr_scheduler_type, LR_SCHEDULERS)
-    m = a.megatron
-    _choice("actor.megatron.main_grads_dtype", m.main_grads_dtype, MAIN_GRADS_DTYPES)
-    _choice("actor.megatron.main_params_dtype", m.main_params_dtype, MAIN_PARAMS_DTYPES)
-    _choice("actor.megatron.exp_avg_dtype", m.exp_avg_dtype, EXP_AVG_DTYPES)
-    _choice("actor.megatron.exp_avg_sq_dtype", m.exp_avg_sq_dtype, EXP_AVG_DTYPES)
-    if not m.use_precision_aware_optimizer:
-        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-            value = getattr(m, name)
-            _check(value == "float32", f"actor.megatron.{name}", value,
-                   "float32 unless actor.megatron.use_precision_aware_optimizer=true (USE_PRECISION_AWARE_OPTIMIZER)")
-    elif not m.ddp.use_distributed_optimizer:
-        raise ConfigError("actor.megatron.use_precision_aware_optimizer=True: needs "
-                          "actor.megatron.ddp.use_distributed_optimizer=true")
-    _check(m.lm_head_loss_chunk_size >= 0, "actor.megatron.lm_head_loss_chunk_size", m.lm_head_loss_chunk_size,
-           "an integer >= 0 (0 = logits path)")
-    _choice("actor.megatron.recompute_granularity", m.recompute_granularity, RECOMPUTE_GRANULARITIES)
-    _choice("actor.megatron.recompute_method", m.recompute_method, RECOMPUTE_METHODS)
-    _check(m.recompute_num_layers >= 1, "actor.megatron.recompute_num_layers", m.recompute_num_layers, "an integer >= 1")
-    mods = list(m.recompute_modules)
-    _check(bool(mods) and set(mods) <= set(RECOMPUTE_MODULES) and len(set(mods)) == len(mods),
-           "actor.megatron.recompute_modules", mods, f"a non-empty list without repeats of {list(RECOMPUTE_MODULES)}")
-    _choice("actor.megatron.moe_router_dtype", m.moe_router_dtype, MOE_ROUTER_DTYPES)
-    _choice("actor.megatron.moe_token_dispatcher_type", m.moe_token_dispatcher_type, MOE_DISPATCHERS)
-    _check(m.moe_router_bias_update_rate >= 0, "actor.megatron.moe_router_bias_update_rate", m.moe_router_bias_update_rate, "a number >= 0")
-    p = cfg.profile
-    _check(p.fake_seq_len >= 2, "profile.fake_seq_len", p.fake_seq_len, "an integer >= 2")
-    _check(p.fake_dataset_size >= 1, "profile.fake_dataset_size", p.fake_dataset_size, "an integer >= 1")
-    _check(0 <= p.fake_loss_start_ratio < 1, "profile.fake_loss_start_ratio", p.fake_loss_start_ratio, "a number in [0, 1)")
+    for section in (cfg.cluster, cfg.actor, cfg.profile, cfg.train_dataset, cfg.perf_tracer, cfg.memory_profiler):
+        section.check()
+    a, p = cfg.actor, cfg.profile
     mbt = a.mb_spec.max_tokens_per_mb
     _check(mbt == 0 or mbt >= p.fake_seq_len, "actor.mb_spec.max_tokens_per_mb", mbt,
            f"0 (no limit) or >= one sequence (profile.fake_seq_len={p.fake_seq_len})")
-    _check(cfg.train_dataset.batch_size >= 1, "train_dataset.batch_size", cfg.train_dataset.batch_size, "an integer >= 1")
-    _check(cfg.train_dataset.max_length >= 0, "train_dataset.max_length", cfg.train_dataset.max_length, "an integer >= 0 (0 = no limit)")
-    dp = parse_allocation_mode(a.backend).dp
+    layout = parse_allocation_mode(a.backend)
     bs = cfg.train_dataset.batch_size
-    _check(bs % dp == 0, "train_dataset.batch_size", bs, f"a multiple of the data-parallel size {dp} of actor.backend={a.backend!r}")
-    _check(a.mb_spec.n_mbs <= bs // dp, "actor.mb_spec.n_mbs", a.mb_spec.n_mbs,
-           f"<= sequences per data-parallel rank (train_dataset.batch_size / dp = {bs // dp})")
-    for section in ("perf_tracer", "memory_profiler"):
-        sec = getattr(cfg, section)
-        for s in sec.profile_steps:
-            _check(s >= 0, f"{section}.profile_steps", list(sec.profile_steps), "a list of integers >= 0")
-        try:
-            check_rank_spec_syntax(sec.ranks)
-        except RankSpecError as err:
-            raise ConfigError(f"{section}.ranks={sec.ranks!r}: {err}") from err
+    _check(bs % layout.dp == 0, "train_dataset.batch_size", bs,
+           f"a multiple of the data-parallel size {layout.dp} of actor.backend={a.backend!r}")
+    _check(a.mb_spec.n_mbs <= bs // layout.dp, "actor.mb_spec.n_mbs", a.mb_spec.n_mbs,
+           f"<= sequences per data-parallel rank (train_dataset.batch_size / dp = {bs // layout.dp})")
     if cfg.memory_profiler.profile_steps and cfg.perf_tracer.enabled and cfg.perf_tracer.profile_steps:
         raise ConfigError(f"perf_tracer.profile_steps={list(cfg.perf_tracer.profile_steps)} and memory_profiler.profile_steps="
                           f"{list(cfg.memory_profiler.profile_steps)}: set one profile kind per trial (allocator history "
                           "distorts kernel timings)")
-    _check(cfg.memory_profiler.max_entries >= 1, "memory_profiler.max_entries", cfg.memory_profiler.max_entries, "an integer >= 1")
-
-
-def effective_logprobs_chunk_size(cfg: SFTProfileConfig) -> int:
-    """Tokens per chunk of the logits path: ``actor.logprobs_chunk_size``, or 0 (all tokens at once)
-    when ``actor.megatron.enable_chunked_logits`` is false."""
-    return cfg.actor.logprobs_chunk_size if cfg.actor.megatron.enable_chunked_logits else 0
+    if a.loss.path == "reference" and layout.tp > 1:
+        raise ConfigError(f"actor.loss.path='reference': needs TP=1 (a plain log_softmax over the whole vocabulary), "
+                          f"actor.backend={a.backend!r} has TP={layout.tp}; accepted: auto, lm_head, logprobs")
 
 
 def trial_log_dir(cfg: SFTProfileConfig) -> Path:

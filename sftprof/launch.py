@@ -41,12 +41,14 @@ import shlex
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from sftprof.allocation import parse_allocation_mode
-from sftprof.config import ConfigError, load_config, to_yaml, trial_log_dir
+from sftprof import artifacts
+from sftprof.allocation import Layout, parse_allocation_mode
+from sftprof.artifacts import read_stats
+from sftprof.config import PRECISION_FIELDS, ConfigError, SFTProfileConfig, load_config, to_yaml, trial_log_dir
 from sftprof.models.hf import ModelPathError, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -243,13 +245,12 @@ CONFIG_VARS = (
     ConfigVar("TRAIN_BATCH_SIZE", "train_dataset.batch_size", lambda n, t: _int(n, t, 1)),
     ConfigVar("PROFILE_N_MBS", "actor.mb_spec.n_mbs", lambda n, t: _int(n, t, 1)),
     ConfigVar("MEMORY_MAX_ENTRIES", "memory_profiler.max_entries", lambda n, t: _int(n, t, 1)),
-    ConfigVar("LOGPROBS_CHUNK_SIZE", "actor.logprobs_chunk_size", lambda n, t: _int(n, t, 0)),
-    ConfigVar("LM_HEAD_LOSS_CHUNK_SIZE", "actor.megatron.lm_head_loss_chunk_size", lambda n, t: _int(n, t, 0)),
+    ConfigVar("LOGPROBS_CHUNK_SIZE", "actor.loss.logprobs_chunk_size", lambda n, t: _int(n, t, 0)),
+    ConfigVar("LM_HEAD_LOSS_CHUNK_SIZE", "actor.loss.lm_head_loss_chunk_size", lambda n, t: _int(n, t, 0)),
     ConfigVar("USE_PRECISION_AWARE_OPTIMIZER", "actor.megatron.use_precision_aware_optimizer", _bool),
     ConfigVar("MAIN_GRADS_DTYPE", "actor.megatron.main_grads_dtype", _dtype),
     ConfigVar("USE_DETERMINISTIC_ALGORITHMS", "actor.megatron.use_deterministic_algorithms", _bool),
 )
-PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 
 
 def _yaml_value(value: object) -> str:
@@ -321,34 +322,70 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = None,
-         ) -> tuple[list[Trial], list[str], dict]:
-    """Validate the driver environment and return ``(trials, settings_lines, info)``.
+# Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
+DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
+                    "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
+                    "trainer_log": artifacts.TRAINER_LOG}
 
-    Args:
-        env: the driver's environment variables.
-        extra_overrides: the driver's arguments (config overrides for every trial).
-        gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
 
-    ``info`` holds ``stop_on_failure, run_root, trials, node_timeout`` and the torchrun settings
-    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, which the driver reads as shell
-    variables, and ``notices``: lines for the user (skipped trials, a picked port, suspect variables).
+@dataclass
+class PlanLog:
+    """What planning tells the user: ``settings`` (lines of ``profile_settings.log``) and ``notices``
+    (lines printed to stderr: warnings, skipped trials, a picked port)."""
+
+    settings: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+    def note(self, name: str, value: object, source: str) -> None:
+        """Record a driver variable's effective value and where it came from."""
+        self.settings.append(f"{name}={value}\t# {source}")
+
+
+@dataclass
+class DriverEnv:
+    """The driver variables, parsed and range-checked (step 1 of :func:`plan`); None = unset."""
+
+    get: Callable[..., str | None]
+    config: str
+    steps: list[int]
+    kinds: list[str]
+    total_steps: int | None
+    stop: bool
+    overrides: list[str]
+    extra_overrides: list[str]
+    set_keys: set[str]
+    n_nodes: int | None
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    node_timeout: int
+    nproc: int | None
+
+
+@dataclass
+class Probe:
+    """The config the driver variables produce and the torchrun layout it needs (step 2 of :func:`plan`)."""
+
+    cfg: SFTProfileConfig
+    layout: Layout
+    n_nodes: int
+    nproc: int
+    gpus: int
+    kinds: list[str]
+    ranks_spec: str
+
+
+def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: PlanLog) -> DriverEnv:
+    """Step 1: parse every driver variable (no config is read yet).
 
     Raises:
-        DriverError: a variable or argument is invalid, the config they produce is invalid, the
-            torchrun world size does not match the allocation mode, this node lacks the GPUs the
-            layout needs, MASTER_PORT is busy on node 0, or RUN_ROOT exists and is not empty.
+        DriverError: a variable or argument is invalid (see :func:`plan`).
     """
     get = env.get
-    settings: list[str] = []
-    notices = [f"warning: {w}" for w in unknown_variable_warnings(env)]
+    log.notices += [f"warning: {w}" for w in unknown_variable_warnings(env)]
     _reject_driver_variables_as_arguments(extra_overrides)
-
-    def note(name: str, value: object, source: str) -> None:
-        settings.append(f"{name}={value}\t# {source}")
-
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
-    note("CONFIG", config, "env" if get("CONFIG") else "default")
+    log.note("CONFIG", config, "env" if get("CONFIG") else "default")
     steps = _int_list("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None else "0,1")
     kinds = _kinds("PROFILE_KINDS", get("PROFILE_KINDS") if get("PROFILE_KINDS") is not None else "kernel,memory")
     total_steps = _int("TOTAL_STEPS", get("TOTAL_STEPS"), 1) if get("TOTAL_STEPS") else None
@@ -356,10 +393,10 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
                           "(or unset: profile step + 1)")
     stop = _bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE") if get("STOP_ON_FAILURE") is not None else "1")
-    note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
-    note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
-    note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
-    note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
+    log.note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
+    log.note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
+    log.note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
+    log.note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
 
     overrides: list[str] = []
     set_keys: set[str] = set()
@@ -371,23 +408,30 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
         overrides.append(f"{var.key}={json.dumps(value) if isinstance(value, str) else _yaml_value(value)}")
         set_keys.add(var.name)
-    n_nodes = _int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None
-    node_rank = _int("NODE_RANK", get("NODE_RANK") or "0", 0)
     master_port = _int("MASTER_PORT", get("MASTER_PORT"), 1) if get("MASTER_PORT") else None
     if master_port is not None and master_port > 65535:
         raise DriverError(f"MASTER_PORT={master_port}: must be in [1, 65535]")
-    node_timeout = _int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1) if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S
-    nproc = _int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None
-
     if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not _bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
             and "MAIN_GRADS_DTYPE" not in set_keys:
         # USE_PRECISION_AWARE_OPTIMIZER=false alone: the optimizer dtypes follow it back to float32.
         overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
-        settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
+        log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
+    return DriverEnv(
+        get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
+        extra_overrides=list(extra_overrides), set_keys=set_keys,
+        n_nodes=_int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None,
+        node_rank=_int("NODE_RANK", get("NODE_RANK") or "0", 0),
+        master_addr=_host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), master_port=master_port,
+        node_timeout=_int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1) if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S,
+        nproc=_int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None)
+
+
+def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
+    """The config of ``d`` (without trial settings), its model config and tokenizer path checked."""
     try:
-        probe = load_config(config, overrides + extra_overrides)
+        probe = load_config(d.config, d.overrides + d.extra_overrides)
     except ConfigError as err:
-        raise DriverError(f"{err} (from CONFIG={config} and the driver variables)") from err
+        raise DriverError(f"{err} (from CONFIG={d.config} and the driver variables)") from err
     try:
         hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
     except (ModelPathError, ValueError) as err:
@@ -397,21 +441,34 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         try:
             check_model_settings(probe, hf_config, parse_allocation_mode(probe.actor.backend))
         except ConfigError as err:
-            raise DriverError(f"{err} (from CONFIG={config}, MODEL_PATH and the driver variables)") from err
+            raise DriverError(f"{err} (from CONFIG={d.config}, MODEL_PATH and the driver variables)") from err
     if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
         raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
                           "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
+    return probe
+
+
+def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
+    """Step 2: load the config the variables produce and check the torchrun layout against this node.
+
+    Adds ``cluster.*`` and the profiled ranks to ``d.overrides``. Without CUDA, memory trials are dropped
+    unless ``PROFILE_KINDS`` asked for them.
+
+    Raises:
+        DriverError: see :func:`plan`.
+    """
+    get, config = d.get, d.config
+    probe = _load_probe_config(d)
     layout = parse_allocation_mode(probe.actor.backend)
-    n_nodes = n_nodes or probe.cluster.n_nodes
-    if node_rank >= n_nodes:
-        raise DriverError(f"NODE_RANK={node_rank}: must be in [0, N_NODES={n_nodes})")
-    if nproc is None:
-        nproc = layout.world_size // n_nodes
+    n_nodes = d.n_nodes or probe.cluster.n_nodes
+    if d.node_rank >= n_nodes:
+        raise DriverError(f"NODE_RANK={d.node_rank}: must be in [0, N_NODES={n_nodes})")
+    nproc = d.nproc if d.nproc is not None else layout.world_size // n_nodes
     if nproc * n_nodes != layout.world_size:
         raise DriverError(
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
             f"{probe.actor.backend!r} needs world size {layout.world_size}")
-    overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
+    d.overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
     gpus = visible_gpus() if gpus is None else gpus
     if layout.backend == "megatron" and gpus == 0:
         raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
@@ -420,131 +477,178 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         raise DriverError(f"N_GPUS_PER_NODE={nproc} processes on this node, one GPU each, but it has {gpus} visible "
                           f"GPU(s) (CUDA_VISIBLE_DEVICES={get('CUDA_VISIBLE_DEVICES', 'unset')}); actor.backend="
                           f"{probe.actor.backend!r} needs world size {layout.world_size}")
+    kinds = d.kinds
     if gpus == 0 and "memory" in kinds:
         if get("PROFILE_KINDS") is None:
             kinds = [k for k in kinds if k != "memory"]
-            notices.append("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
-                           "PROFILE_KINDS=kernel,memory runs them anyway")
+            log.notices.append("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
+                               "PROFILE_KINDS=kernel,memory runs them anyway")
         else:
-            notices.append("no CUDA on this node: memory trials run but record no snapshot (CPU)")
+            log.notices.append("no CUDA on this node: memory trials run but record no snapshot (CPU)")
     ranks_env = get("PROFILE_RANKS")
     ranks_spec = "pp_rank0" if ranks_env is None else ranks_env.strip()
     try:
         ranks = resolve_ranks(ranks_spec, layout)
     except RankSpecError as err:
         raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err} (actor.backend={probe.actor.backend})") from err
-    overrides += [f"perf_tracer.ranks='{ranks_spec}'", f"memory_profiler.ranks='{ranks_spec}'"]
+    d.overrides += [f"perf_tracer.ranks='{ranks_spec}'", f"memory_profiler.ranks='{ranks_spec}'"]
     for var in CONFIG_VARS:
         node = probe
         for part in var.key.split("."):
             node = getattr(node, part)
-        note(var.name, _yaml_value(node), f"env -> {var.key}" if var.name in set_keys else f"config {var.key}")
-    note("PROFILE_RANKS", format_ranks(ranks) if ranks_spec else "all", "env" if ranks_env is not None else "default pp_rank0")
-    note("N_GPUS_PER_NODE", nproc, "env" if get("N_GPUS_PER_NODE") else f"world size {layout.world_size} / N_NODES")
-    note("N_NODES", n_nodes, "env" if get("N_NODES") else "config cluster.n_nodes")
-    if extra_overrides:
-        settings.append(f"# extra overrides: {' '.join(extra_overrides)}")
-    settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
+        log.note(var.name, _yaml_value(node), f"env -> {var.key}" if var.name in d.set_keys else f"config {var.key}")
+    log.note("PROFILE_RANKS", format_ranks(ranks) if ranks_spec else "all",
+             "env" if ranks_env is not None else "default pp_rank0")
+    log.note("N_GPUS_PER_NODE", nproc, "env" if get("N_GPUS_PER_NODE") else f"world size {layout.world_size} / N_NODES")
+    log.note("N_NODES", n_nodes, "env" if get("N_NODES") else "config cluster.n_nodes")
+    if d.extra_overrides:
+        log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
+    log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
+    return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_spec=ranks_spec)
 
-    if n_nodes > 1 and not get("PROFILE_STAMP"):
-        raise DriverError(f"PROFILE_STAMP is unset with N_NODES={n_nodes}: set the same PROFILE_STAMP on every node "
+
+def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
+    """``(RUN_ROOT, PROFILE_STAMP)``; RUN_ROOT must not exist or be empty."""
+    get = d.get
+    if p.n_nodes > 1 and not get("PROFILE_STAMP"):
+        raise DriverError(f"PROFILE_STAMP is unset with N_NODES={p.n_nodes}: set the same PROFILE_STAMP on every node "
                           "(trial names must match), and put FILEROOT on a filesystem all nodes share")
     stamp = get("PROFILE_STAMP") or _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     if not stamp.replace("_", "").replace("-", "").isalnum():
         raise DriverError(f"PROFILE_STAMP={stamp!r}: use letters, digits, '_' and '-' only")
-    model_tag = Path(probe.actor.path.rstrip("/")).name.lower().replace("-", "_").replace(".", "_")
-    node_tag = f"_node{node_rank}" if node_rank else ""  # nodes may share the working directory
-    run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{probe.experiment_name}_{stamp}{node_tag}")
+    node_tag = f"_node{d.node_rank}" if d.node_rank else ""  # nodes may share the working directory
+    run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{p.cfg.experiment_name}_{stamp}{node_tag}")
                     ).expanduser().resolve()
     if run_root.exists() and (not run_root.is_dir() or any(run_root.iterdir())):
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not empty; nothing was overwritten. "
                           "Choose another RUN_ROOT or PROFILE_STAMP")
-    note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
-    note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
+    log.note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
+    log.note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
+    return run_root, stamp
 
+
+def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Path, SFTProfileConfig]:
+    """Step 3: one :class:`Trial` per (profile step, kind), step-major, kernel before memory; RUN_ROOT; and
+    the first trial's resolved config.
+
+    Each trial's config is loaded (and so validated) with its own overrides: trial name, total steps and
+    the profile settings of its kind and step.
+
+    Raises:
+        DriverError: see :func:`plan`.
+    """
+    run_root, stamp = _run_root(d, p, log)
+    model_tag = Path(p.cfg.actor.path.rstrip("/")).name.lower().replace("-", "_").replace(".", "_")
     trials, first_cfg = [], None
-    for step in steps:
-        for kind in kinds:
-            name = f"{model_tag}_fake{seq_tag(probe.profile.fake_seq_len)}_{kind}_step{step}_{stamp}"
-            trial_overrides = overrides + extra_overrides + [
+    for step in d.steps:
+        for kind in p.kinds:
+            name = f"{model_tag}_fake{seq_tag(p.cfg.profile.fake_seq_len)}_{kind}_step{step}_{stamp}"
+            trial_overrides = d.overrides + d.extra_overrides + [
                 f"trial_name={name}",
-                f"total_train_steps={total_steps or step + 1}",
+                f"total_train_steps={d.total_steps or step + 1}",
                 f"perf_tracer.enabled={'true' if kind == 'kernel' else 'false'}",
                 f"perf_tracer.profile_steps=[{step}]" if kind == "kernel" else "perf_tracer.profile_steps=[]",
                 f"memory_profiler.profile_steps=[{step}]" if kind == "memory" else "memory_profiler.profile_steps=[]",
             ]
-            cfg = load_config(config, trial_overrides)
+            cfg = load_config(d.config, trial_overrides)
             first_cfg = first_cfg or cfg
             log_dir = trial_log_dir(cfg)
             # Node 0 checks: other nodes may plan after node 0's first trial has started writing there.
-            if node_rank == 0 and log_dir.exists() and any(p.name != NODES_DIR for p in log_dir.iterdir()):
+            if d.node_rank == 0 and log_dir.exists() and any(q.name != artifacts.NODES for q in log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
             trials.append(Trial(name, kind, step, run_root / name, log_dir,
-                                ["--config", str(Path(config).resolve()) if Path(config).is_file() else config,
+                                ["--config", str(Path(d.config).resolve()) if Path(d.config).is_file() else d.config,
                                  *trial_overrides]))
-    master_addr = _host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1")
-    if master_port is None and n_nodes == 1:
+    return trials, run_root, first_cfg
+
+
+def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
+    """torchrun's ``nproc_per_node, nnodes, node_rank, master_addr, master_port`` (a free port on one node)."""
+    master_port = d.master_port
+    if master_port is None and p.n_nodes == 1:
         master_port = free_port()
-        note("MASTER_PORT", master_port, "default: a free port of this node")
+        log.note("MASTER_PORT", master_port, "default: a free port of this node")
     elif master_port is None:
         master_port = 29500  # every node must agree on it: no per-node pick
-        note("MASTER_PORT", master_port, "default with N_NODES > 1")
+        log.note("MASTER_PORT", master_port, "default with N_NODES > 1")
     else:
-        note("MASTER_PORT", master_port, "env")
-    if node_rank == 0 and port_in_use(master_port):
+        log.note("MASTER_PORT", master_port, "env")
+    if d.node_rank == 0 and port_in_use(master_port):
         raise DriverError(f"MASTER_PORT={master_port}: already in use on this node (torchrun's rendezvous would fail "
                           "with EADDRINUSE); choose a free port" + (" or leave MASTER_PORT unset to pick one"
-                                                                    if n_nodes == 1 else " on node 0"))
-    note("NODE_TIMEOUT", node_timeout, "env" if get("NODE_TIMEOUT") else "default")
-    torchrun = {"nproc_per_node": nproc, "nnodes": n_nodes, "node_rank": node_rank,
-                "master_addr": master_addr, "master_port": master_port}
-    settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
-    settings.append("# resolved config of the first trial:")
-    settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
-    device = f"{gpus} GPU(s) on this node" if gpus else "CPU (no CUDA)"
-    notices.append(f"plan: {len(trials)} trial(s) on {layout.world_size} rank(s) ({n_nodes} node(s) x {nproc}, "
-                   f"{probe.actor.backend}, {device}): " + ", ".join(f"{t.kind} step {t.step}" for t in trials))
-    return trials, settings, {"stop_on_failure": int(stop), "run_root": str(run_root), "trials": len(trials),
-                              "node_timeout": node_timeout, **torchrun, "notices": notices}
+                                                                    if p.n_nodes == 1 else " on node 0"))
+    log.note("NODE_TIMEOUT", d.node_timeout, "env" if d.get("NODE_TIMEOUT") else "default")
+    torchrun = {"nproc_per_node": p.nproc, "nnodes": p.n_nodes, "node_rank": d.node_rank,
+                "master_addr": d.master_addr, "master_port": master_port}
+    log.settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
+    return torchrun
+
+
+def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = None,
+         ) -> tuple[list[Trial], list[str], dict]:
+    """Validate the driver environment and return ``(trials, settings_lines, info)``.
+
+    Three steps: :func:`read_driver_env` (parse the variables), :func:`probe_config` (the config they
+    produce, checked against this node) and :func:`expand_trials` (one trial per step and kind), then the
+    torchrun settings.
+
+    Args:
+        env: the driver's environment variables.
+        extra_overrides: the driver's arguments (config overrides for every trial).
+        gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
+
+    ``info`` holds ``stop_on_failure, run_root, trials, node_timeout`` and the torchrun settings
+    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, the artifact names the driver script
+    writes or reads (:data:`DRIVER_ARTIFACTS`), all of which the driver reads as shell variables, and
+    ``notices``: lines for the user (skipped trials, a picked port, suspect variables).
+
+    Raises:
+        DriverError: a variable or argument is invalid, the config they produce is invalid, the
+            torchrun world size does not match the allocation mode, this node lacks the GPUs the
+            layout needs, MASTER_PORT is busy on node 0, or RUN_ROOT exists and is not empty.
+    """
+    log = PlanLog()
+    d = read_driver_env(env, extra_overrides, log)
+    p = probe_config(d, gpus, log)
+    trials, run_root, first_cfg = expand_trials(d, p, log)
+    torchrun = _torchrun_settings(d, p, log)
+    log.settings.append("# resolved config of the first trial:")
+    log.settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
+    device = f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)"
+    log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
+                       f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
+                       + ", ".join(f"{t.kind} step {t.step}" for t in trials))
+    return trials, log.settings, {"stop_on_failure": int(d.stop), "run_root": str(run_root), "trials": len(trials),
+                                  "node_timeout": d.node_timeout, **torchrun, **DRIVER_ARTIFACTS, "notices": log.notices}
 
 
 def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
     """Create RUN_ROOT with ``profile_settings.log``, ``trials.tsv`` and per-trial argument files."""
     run_root = Path(info["run_root"])
     run_root.mkdir(parents=True, exist_ok=True)
-    (run_root / "profile_settings.log").write_text("\n".join(settings) + "\n")
+    (run_root / artifacts.PROFILE_SETTINGS).write_text("\n".join(settings) + "\n")
     rows = []
     for t in trials:
         t.run_dir.mkdir(parents=True, exist_ok=False)
-        args_file = t.run_dir / "train_args.txt"
+        args_file = t.run_dir / artifacts.TRAIN_ARGS
         args_file.write_text("\n".join(t.args) + "\n")
         rows.append("\t".join([t.name, t.kind, str(t.step), str(t.run_dir), str(t.log_dir), str(args_file)]))
-    (run_root / "trials.tsv").write_text("\n".join(rows) + "\n")
+    (run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
 
 
 def trial_status(log_dir: Path) -> int:
     """0 if ``log_dir/stats.jsonl`` ends with ``{"type": "complete", "status": "ok"}``, else 1."""
-    path = Path(log_dir) / "stats.jsonl"
-    if not path.is_file():
+    try:
+        completion = read_stats(Path(log_dir) / artifacts.STATS).completion
+    except OSError:  # no stats.jsonl: the trainer never started
         return 1
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("type") == "complete":
-            last = rec
-    return 0 if last is not None and last.get("status") == "ok" else 1
-
-
-NODES_DIR = "nodes"  # LOG_DIR/nodes/node<k>.json: each node's end record of a trial (multi-node)
+    return 0 if completion is not None and completion.status == "ok" else 1
 
 
 def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int) -> Path:
     """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s"}`` (seconds)."""
-    path = Path(log_dir) / NODES_DIR / f"node{node_rank}.json"
+    path = artifacts.node_record_path(log_dir, node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"node_rank": node_rank, "host": socket.gethostname(), "torchrun_rc": torchrun_rc,
@@ -565,7 +669,7 @@ def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float 
     problems: dict[int, str] = {}
     while True:
         for k in sorted(pending):
-            path = Path(log_dir) / NODES_DIR / f"node{k}.json"
+            path = artifacts.node_record_path(log_dir, k)
             if not path.is_file():
                 continue
             pending.discard(k)
@@ -582,7 +686,7 @@ def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float 
         time.sleep(poll_s)
     for k in sorted(pending):
         problems[k] = (f"node {k}: no end record after {timeout_s:g} s (NODE_TIMEOUT): it never started this trial "
-                       f"or died before finishing it ({Path(log_dir) / NODES_DIR} holds the records that came)")
+                       f"or died before finishing it ({Path(log_dir) / artifacts.NODES} holds the records that came)")
     return [problems[k] for k in sorted(problems)]
 
 
@@ -607,7 +711,7 @@ def top_finding(summary: dict) -> str:
             c = k["categories"][0]
             return (f"{c['category']} {c['share_pct']:.0f}% of GPU time, GPU idle {k['gpu']['idle_share_pct']:.0f}% "
                     f"(rank {r})")
-        regions = [x for x in k.get("regions") or [] if x["name"] != "sftprof/step" and x.get("cpu_ms") is not None]
+        regions = [x for x in k.get("regions") or [] if x["name"] != artifacts.STEP and x.get("cpu_ms") is not None]
         if regions:
             x = max(regions, key=lambda x: x["cpu_ms"])
             return f"slowest region {x['name']} {x['cpu_ms'] / 1e3:.1f} s CPU (rank {r})"
@@ -619,9 +723,9 @@ def top_finding(summary: dict) -> str:
         return (f"peak {x['peak_allocated_gib']:.2f} GiB in {x.get('peak_phase') or '?'}" +
                 (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
     if summary.get("errors"):
-        return f"{len(summary['errors'])} unreadable artifact(s): see profile_summary.md"
+        return f"{len(summary['errors'])} unreadable artifact(s): see {artifacts.SUMMARY_MD}"
     if summary.get("status") not in (None, "ok"):
-        return "trial failed: see profile_summary.md and launcher.log"
+        return f"trial failed: see {artifacts.SUMMARY_MD} and {artifacts.LAUNCHER_LOG}"
     if summary.get("profile_kind") == "memory" and (summary.get("completion") or {}).get("device") == "cpu":
         return "allocator snapshots need CUDA"
     return "-"
@@ -635,14 +739,14 @@ def report(run_root: Path, node_rank: int = 0) -> str:
     finding (:func:`top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``;
     a missing or unreadable summary leaves ``-`` in its row.
     """
-    with open(Path(run_root) / "summary.tsv", encoding="utf-8") as f:
+    with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     table = [("trial", "status", "step time", "peak mem", "top finding")]
     summaries = []
     for row in rows:
-        path = Path(row["run_dir"]) / "profile_summary.md"
+        path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
         try:
-            summary = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
+            summary = json.loads((Path(row["run_dir"]) / artifacts.SUMMARY_JSON).read_text())
         except (OSError, ValueError):
             summary = {}
         stats = summary.get("stats") or {}

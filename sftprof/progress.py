@@ -1,8 +1,8 @@
 """Progress lines while a trial runs (rank 0): each phase's end with its time, and a heartbeat.
 
 The trainer activates one :class:`StepProgress` on rank 0. Every region of
-:mod:`sftprof.profiling.regions` (``sftprof/forward/mb<i>``, ``sftprof/backward/mb<i>``,
-``sftprof/optimizer_step``) logs a line when it ends, with its host wall time in seconds and the
+:mod:`sftprof.profiling.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
+``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``) logs a line when it ends, with its host wall time in seconds and the
 time since the step began; while a step runs, a background thread logs a heartbeat every
 ``heartbeat_s`` seconds naming the innermost region open at that moment. Times are host wall
 clock (``time.monotonic``): on CUDA a region's kernels may still run after its line.
@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 from typing import Optional
+
+from sftprof.artifacts import STEP
 
 log = logging.getLogger("sftprof")
 
@@ -69,7 +71,7 @@ class StepProgress:
         now = time.monotonic()
         start = next((t for n, t in reversed(self._open) if n == name), None)
         self._open = [(n, t) for n, t in self._open if n != name]
-        if start is None or self._step is None or name.endswith("/step"):
+        if start is None or self._step is None or name == STEP:
             return
         step, step_start = self._step
         log.info("step %d | %s done in %.1f s (step at %.1f s)", step, name, now - start, now - step_start)
@@ -81,7 +83,7 @@ class StepProgress:
             return None
         step, step_start = current
         now = time.monotonic()
-        inner = next((r for r in reversed(open_regions) if not r[0].endswith("/step")), None)
+        inner = next((r for r in reversed(open_regions) if r[0] != STEP), None)
         where = f"; in {inner[0]} for {now - inner[1]:.0f} s" if inner else ""
         return f"step {step} | still running after {now - step_start:.0f} s{where}"
 

@@ -15,17 +15,10 @@
 4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
    error and the process exits with status 1.
 
-Step record fields (units): ``loss`` nats (global token mean); ``step_time_s`` seconds, the
-slowest rank's wall time of the step (device synchronised); ``tokens`` tokens of the global
-batch (``train_dataset.batch_size * profile.fake_seq_len``); ``tokens_per_s`` =
-tokens / step_time_s; ``mem_*_gb`` GiB (2^30 bytes) from the CUDA caching allocator of rank 0
-(current allocated/reserved after the step, peak during the step; null on CPU); ``ranks`` per-rank
-step time and peaks; ``tflops_per_gpu`` = model FLOPs / step_time_s / world_size / 1e12 and
-``mfu`` = tflops_per_gpu / peak dense BF16 TFLOP/s of the GPU (:data:`sftprof.flops.PEAK_BF16_FLOPS`;
-null for other GPUs), both null on CPU or when the engine cannot count FLOPs;
-``recompute_tflops_per_gpu`` the same rate for the FLOPs re-run by activation recompute (not in MFU);
-``profiled`` whether
-the step was a kernel- or memory-profile step.
+``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
+:class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there) and a
+:class:`sftprof.artifacts.CompletionRecord` at the end. The file names in LOG_DIR come from
+:mod:`sftprof.artifacts` as well.
 """
 from __future__ import annotations
 
@@ -46,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sftprof import artifacts
+from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.profiling.regions import STEP, region
@@ -81,7 +76,7 @@ def _setup_logging(rank: int, log_dir: Path) -> None:
     out.setFormatter(fmt)
     root.addHandler(out)
     if rank == 0:
-        fh = logging.FileHandler(log_dir / "trainer.log", mode="w")
+        fh = logging.FileHandler(log_dir / artifacts.TRAINER_LOG, mode="w")
         fh.setFormatter(fmt)
         root.addHandler(fh)
 
@@ -104,6 +99,39 @@ def _memory_gib(device: torch.device) -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _step_record(step: int, result, ranks: list, mem: dict, tokens: int, world_size: int, peak: float | None,
+                 on_gpu: bool, profiled: bool) -> StepRecord:
+    """The step's :class:`sftprof.artifacts.StepRecord` (units there) from the engine's result, the ranks'
+    gathered times and peaks, rank 0's allocator figures (``mem``, GiB) and the GPU's peak FLOP/s."""
+    step_time = max(r["step_time_s"] for r in ranks)
+    tflops = (result.model_flops / step_time / world_size / 1e12
+              if result.model_flops is not None and on_gpu else None)
+    recompute_tflops = (result.recompute_flops / step_time / world_size / 1e12
+                        if result.recompute_flops is not None and on_gpu else None)
+    return StepRecord(
+        step=step, loss=result.loss, grad_norm=result.grad_norm if math.isfinite(result.grad_norm) else None,
+        step_time_s=step_time, tokens=tokens, tokens_per_s=tokens / step_time,
+        mem_allocated_gb=mem["allocated"], mem_reserved_gb=mem["reserved"],
+        mem_peak_allocated_gb=mem["peak_allocated"], mem_peak_reserved_gb=mem["peak_reserved"], ranks=ranks,
+        tflops_per_gpu=tflops,
+        mfu=mfu(result.model_flops, step_time, world_size, peak) if tflops is not None else None,
+        recompute_tflops_per_gpu=recompute_tflops, moe_load=result.moe_load, profiled=profiled)
+
+
+def _step_line(r: StepRecord, result) -> str:
+    """The human log line of a step (rank 0)."""
+    mem_text = (f"mem GiB allocated {r.mem_allocated_gb:.2f} reserved {r.mem_reserved_gb:.2f} peak allocated "
+                f"{r.mem_peak_allocated_gb:.2f} peak reserved {r.mem_peak_reserved_gb:.2f}"
+                if r.mem_allocated_gb is not None else "mem n/a (CPU)")
+    load = r.moe_load or {}
+    load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
+                 f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
+    return (f"step {r.step} | loss {result.loss:.4f} | grad norm {result.grad_norm:.4f} | step time {r.step_time_s:.3f} s "
+            f"| {r.tokens_per_s:.1f} tokens/s | {mem_text}"
+            + (f" | {r.tflops_per_gpu:.1f} TFLOP/s/GPU" if r.tflops_per_gpu is not None else "") + load_text
+            + (" | profiled" if r.profiled else ""))
 
 
 def init_distributed() -> tuple[int, torch.device]:
@@ -174,7 +202,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     from sftprof.profiling.kernel import KernelProfiler
     from sftprof.profiling.memory import MemoryProfiler
 
-    stats = open(log_dir / "stats.jsonl", "w") if rank == 0 else None
+    stats = StatsWriter(log_dir / artifacts.STATS) if rank == 0 else None
     kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []
     mem_steps = list(cfg.memory_profiler.profile_steps)
     profile_kind = "kernel" if kernel_steps else "memory" if mem_steps else None
@@ -189,8 +217,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     try:
         coords = layout.rank_coords(rank)
         if rank == 0:
-            (log_dir / "config.yaml").write_text(to_yaml(cfg))
-            (log_dir / "rank_coords.json").write_text(json.dumps({
+            (log_dir / artifacts.CONFIG_YAML).write_text(to_yaml(cfg))
+            (log_dir / artifacts.RANK_COORDS).write_text(json.dumps({
                 "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,
                 "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)}}, indent=1))
             log.info("trial %s/%s: %s, %s, model %s (%d layers), tokenizer: %s, LOG_DIR %s", cfg.experiment_name,
@@ -229,31 +257,10 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             steps_done = step + 1
             if rank != 0:
                 continue
-            step_time = max(r["step_time_s"] for r in ranks)
-            on_gpu = device.type == "cuda"
-            tflops = (result.model_flops / step_time / layout.world_size / 1e12
-                      if result.model_flops is not None and on_gpu else None)
-            recompute_tflops = (result.recompute_flops / step_time / layout.world_size / 1e12
-                                if result.recompute_flops is not None and on_gpu else None)
-            record = {"type": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
-                      "step_time_s": step_time, "tokens": tokens,
-                      "tokens_per_s": tokens / step_time, "mem_allocated_gb": mem["allocated"],
-                      "mem_reserved_gb": mem["reserved"], "mem_peak_allocated_gb": mem["peak_allocated"],
-                      "mem_peak_reserved_gb": mem["peak_reserved"], "ranks": ranks, "tflops_per_gpu": tflops,
-                      "mfu": mfu(result.model_flops, step_time, layout.world_size, peak) if tflops is not None else None,
-                      "recompute_tflops_per_gpu": recompute_tflops, "moe_load": result.moe_load,
-                      "profiled": kernel.is_profiled(step) or memory.is_profiled(step)}
-            stats.write(json.dumps(record) + "\n")
-            stats.flush()
-            mem_text = ("mem GiB allocated {allocated:.2f} reserved {reserved:.2f} peak allocated {peak_allocated:.2f} "
-                        "peak reserved {peak_reserved:.2f}".format(**mem) if on_gpu else "mem n/a (CPU)")
-            load = result.moe_load or {}
-            load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
-                         f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
-            log.info("step %d | loss %.4f | grad norm %.4f | step time %.3f s | %.1f tokens/s | %s%s%s%s", step,
-                     result.loss, result.grad_norm, step_time, tokens / step_time, mem_text,
-                     f" | {tflops:.1f} TFLOP/s/GPU" if tflops is not None else "", load_text,
-                     " | profiled" if record["profiled"] else "")
+            record = _step_record(step, result, ranks, mem, tokens, layout.world_size, peak, device.type == "cuda",
+                                  kernel.is_profiled(step) or memory.is_profiled(step))
+            stats.write(record)
+            log.info(_step_line(record, result))
         if mem_steps:
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
     except BaseException as err:  # includes _Terminated (SIGTERM) and KeyboardInterrupt
@@ -265,9 +272,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         progress.stop()
         if stats is not None:
-            stats.write(json.dumps({"type": "complete", "status": "failed" if error else "ok", "error": error,
-                                    "steps_done": steps_done, "world_size": layout.world_size,
-                                    "backend": layout.backend, "device": device.type, "profile_kind": profile_kind,
-                                    "profile_step": profile_step}) + "\n")
+            stats.write(CompletionRecord(status="failed" if error else "ok", error=error, steps_done=steps_done,
+                                         world_size=layout.world_size, backend=layout.backend, device=device.type,
+                                         profile_kind=profile_kind, profile_step=profile_step))
             stats.close()
     return 1 if error else 0

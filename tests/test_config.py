@@ -18,7 +18,7 @@ def test_flagship_seed_settings():
     assert cfg.actor.megatron.use_precision_aware_optimizer is True
     assert cfg.actor.megatron.main_grads_dtype == "bfloat16"
     assert cfg.actor.megatron.ddp.grad_reduce_in_fp32 is False
-    assert cfg.actor.logprobs_chunk_size == 128
+    assert cfg.actor.loss.logprobs_chunk_size == 128 and cfg.actor.loss.resolved_path() == "logprobs"
 
 
 def test_qwen35_and_tiny_preset():
@@ -76,8 +76,43 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_enable_chunked_logits_false_means_unchunked():
-    from sftprof.config import effective_logprobs_chunk_size
-
-    assert effective_logprobs_chunk_size(load_config(FLAGSHIP)) == 128
+    assert load_config(FLAGSHIP).actor.loss.logprobs_chunk_size == 128
     cfg = load_config(FLAGSHIP, ["actor.megatron.enable_chunked_logits=false"])
-    assert effective_logprobs_chunk_size(cfg) == 0
+    assert cfg.actor.loss.logprobs_chunk_size == 0
+
+
+def test_loss_section_and_old_key_names(tmp_path):
+    """Old loss keys map onto actor.loss per source; a later source wins whichever name it uses."""
+    assert load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64"]).actor.loss.logprobs_chunk_size == 64
+    cfg = load_config(FLAGSHIP, ["actor.megatron.lm_head_loss_chunk_size=2048"])
+    assert (cfg.actor.loss.lm_head_loss_chunk_size, cfg.actor.loss.resolved_path()) == (2048, "lm_head")
+    old_style = tmp_path / "old.yaml"  # the tiny preset as releases before actor.loss wrote it
+    tiny = (ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()
+    loss_block = tiny[tiny.index("  loss:\n"):tiny.index("profile:\n")]
+    old_style.write_text(tiny.replace(loss_block, "  logprobs_chunk_size: 256\n  megatron:\n    lm_head_loss_chunk_size: 512\n"))
+    cfg = load_config(old_style)
+    assert (cfg.actor.loss.logprobs_chunk_size, cfg.actor.loss.lm_head_loss_chunk_size) == (256, 512)
+    cfg = load_config(old_style, ["actor.loss.logprobs_chunk_size=32", "actor.loss.lm_head_loss_chunk_size=0"])
+    assert (cfg.actor.loss.logprobs_chunk_size, cfg.actor.loss.resolved_path()) == (32, "logprobs")
+    assert load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64", "actor.loss.logprobs_chunk_size=64"]
+                       ).actor.loss.logprobs_chunk_size == 64
+    with pytest.raises(ConfigError) as exc:
+        load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64", "actor.loss.logprobs_chunk_size=32"])
+    assert str(exc.value) == ("actor.logprobs_chunk_size=64 and actor.loss.logprobs_chunk_size=32 in the overrides: one "
+                              "setting under its old and new name with different values; keep "
+                              "actor.loss.logprobs_chunk_size (the old name is still read)")
+    assert "actor.logprobs_chunk_size" not in to_yaml(cfg) and "enable_chunked_logits" not in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.loss.path=lm_head"], "actor.loss.lm_head_loss_chunk_size=0: must be > 0 with actor.loss.path=lm_head"),
+    (["actor.loss.path=logprobs", "actor.loss.lm_head_loss_chunk_size=8"],
+     "actor.loss.lm_head_loss_chunk_size=8: must be 0 with actor.loss.path=logprobs"),
+    (["actor.loss.path=fused"], "actor.loss.path='fused': must be one of ['auto', 'lm_head', 'logprobs', 'reference']"),
+    (["actor.loss.path=reference", "actor.backend=megatron:t2"], "actor.loss.path='reference': needs TP=1"),
+    (["actor.megatron.enable_chunked_logits=maybe"], "actor.megatron.enable_chunked_logits='maybe': must be true or false"),
+])
+def test_bad_loss_settings(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(FLAGSHIP, overrides)
+    assert message in str(exc.value)

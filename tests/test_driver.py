@@ -52,7 +52,7 @@ def test_misspelled_config_key_exits_2(tmp_path):
     cfg.write_text(text.replace("logprobs_chunk_size:", "logprob_chunk_size:"))
     out = run_driver({"CONFIG": str(cfg)}, tmp_path)
     assert out.returncode == 2
-    assert "actor.logprob_chunk_size" in out.stderr and "Did you mean" in out.stderr
+    assert "actor.loss.logprob_chunk_size" in out.stderr and "Did you mean" in out.stderr
     out = run_driver({}, tmp_path, "actor.optimizer.learning_rate=1")
     assert out.returncode == 2 and "actor.optimizer.learning_rate" in out.stderr
     out = run_driver({}, tmp_path, "tokenizer_path=/no/such/tokenizer")
@@ -81,9 +81,9 @@ def test_plan_is_step_major_kernel_first(tmp_path):
     assert rows[2][0] == "tiny_qwen3_moe_fake1k_kernel_step2_t1"
     args = Path(rows[2][5]).read_text().splitlines()
     assert "total_train_steps=3" in args and "perf_tracer.profile_steps=[2]" in args
-    assert "actor.logprobs_chunk_size=64" in args and "memory_profiler.profile_steps=[]" in args
+    assert "actor.loss.logprobs_chunk_size=64" in args and "memory_profiler.profile_steps=[]" in args
     settings = (tmp_path / "run" / "profile_settings.log").read_text()
-    assert "LOGPROBS_CHUNK_SIZE=64\t# env -> actor.logprobs_chunk_size" in settings
+    assert "LOGPROBS_CHUNK_SIZE=64\t# env -> actor.loss.logprobs_chunk_size" in settings
     assert "PROFILE_RANKS=0\t# default pp_rank0" in settings
     assert "N_GPUS_PER_NODE=2\t# world size 2 / N_NODES" in settings
 

@@ -1,11 +1,13 @@
 """GPU: the megatron engine's three loss paths give the same loss and gradients.
 
 One process, one GPU, the tiny Qwen3-MoE config (real 151936 vocabulary) in fp32. The same seed builds
-the same weights three times; each engine runs one training step with a different loss path:
+the same weights three times; each engine runs one training step with a different ``actor.loss`` path
+(:class:`sftprof.loss.SFTLoss`):
 
-- naive: fp32 ``log_softmax`` over the full logits, then gather (the textbook reference);
-- chunked logprobs: :func:`sftprof.ops.vocab_parallel_logprobs` (``actor.logprobs_chunk_size``);
-- chunked LM head: :func:`sftprof.ops.linear_sft_loss` (``actor.megatron.lm_head_loss_chunk_size``).
+- naive: ``actor.loss.path=reference``, fp32 ``log_softmax`` over the full logits, then gather (the
+  textbook reference);
+- chunked logprobs: :func:`sftprof.ops.vocab_parallel_logprobs` (``actor.loss.logprobs_chunk_size``);
+- chunked LM head: :func:`sftprof.ops.linear_sft_loss` (``actor.loss.lm_head_loss_chunk_size``).
 
 Every parameter's ``main_grad`` after the step, and the loss of a second step, must agree with the
 naive path to fp32 accuracy (relative norm error < 1e-4).
@@ -28,24 +30,20 @@ def _run(path: str):
     from sftprof.engine.megatron import MegatronEngine
     from sftprof.models.hf import load_hf_config
 
-    class NaiveLossEngine(MegatronEngine):
-        def _loss_sum(self, output, batch):
-            logp = torch.log_softmax(output.float(), dim=-1)
-            tok = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-            return -(tok * batch["loss_mask"].to(tok.dtype)).sum()
-
     cfg = load_config("tiny_cpu", [
         "actor.backend=megatron:d1", "actor.dtype=float32", f"profile.fake_seq_len={SEQ}", "train_dataset.batch_size=2",
         "actor.mb_spec.n_mbs=2", "actor.megatron.ddp.overlap_grad_reduce=true",
-        f"actor.logprobs_chunk_size={100 if path == 'logprobs' else 0}",
-        f"actor.megatron.lm_head_loss_chunk_size={300 if path == 'lm_head' else 0}"])
+        f"actor.loss.path={'reference' if path == 'naive' else 'auto'}",
+        f"actor.loss.logprobs_chunk_size={100 if path == 'logprobs' else 0}",
+        f"actor.loss.lm_head_loss_chunk_size={300 if path == 'lm_head' else 0}"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
     sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), SEQ, 0.5, hf.vocab_size)
     torch.manual_seed(cfg.seed)  # as the trainer does in a fresh process: every build gets the same weights
     torch.cuda.manual_seed_all(cfg.seed)
-    engine = (NaiveLossEngine if path == "naive" else MegatronEngine)(cfg, layout, hf, torch.device("cuda", 0))
+    engine = MegatronEngine(cfg, layout, hf, torch.device("cuda", 0))
     try:
+        assert engine.loss.path == {"naive": "reference"}.get(path, path)
         init = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
         tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
         r0 = engine.train_step(step_micro_batches(cfg, sample, 0, 1, 0), tokens)

@@ -10,8 +10,10 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.config import load_config
 from torch.profiler import ProfilerAction
 
-from sftprof.profiling.kernel import KernelProfiler, profile_schedule, trace_path
-from sftprof.profiling.memory import MemoryProfileOOM, MemoryProfiler, snapshot_dir, snapshot_name
+from sftprof.artifacts import raw_trace_path as trace_path
+from sftprof.artifacts import snapshot_dir, snapshot_name
+from sftprof.profiling.kernel import KernelProfiler, profile_schedule
+from sftprof.profiling.memory import MemoryProfileOOM, MemoryProfiler
 from sftprof.profiling.regions import forward, region
 
 LAYOUT = parse_allocation_mode("megatron:d2t2p2")   # pp_rank0 -> ranks [0, 4]

@@ -2,10 +2,10 @@
 
 The trainer (:mod:`sftprof.trainer`) only talks to an :class:`Engine`:
 
-1. ``engine = build_engine(cfg, layout, hf_config, device)`` after the default process group
-   is up (one process per rank, ``torchrun``). The engine builds its model (random init unless
-   ``actor.init_from_scratch=false`` and the model directory holds weights), its optimizer and
-   any parallel groups it needs.
+1. ``engine = build_engine(cfg, layout, hf_config, device)`` (:mod:`sftprof.engine.factory`) after
+   the default process group is up (one process per rank, ``torchrun``). The engine builds its model
+   (random init unless ``actor.init_from_scratch=false`` and the model directory holds weights), its
+   optimizer and any parallel groups it needs.
 2. Once per step: ``result = engine.train_step(micro_batches, global_loss_tokens)`` with the
    micro-batches of this rank's DP rank (:func:`sftprof.data.step_micro_batches`; ranks that
    share a DP rank, i.e. CP/TP/PP peers, get the same full-length micro-batches and slice them
@@ -18,8 +18,8 @@ Contract of ``train_step`` (every backend):
   token-mean SFT loss; gradients are those of that loss whatever the DP size and micro-batch
   count (gradient accumulation over micro-batches, then one optimizer step with gradient-norm
   clipping at ``actor.optimizer.gradient_clipping``).
-- Annotations (:mod:`sftprof.profiling.regions`): the forward of micro-batch ``i`` runs inside
-  ``region(forward(i))``, its backward inside ``region(backward(i))``, the optimizer step
+- Annotations (:func:`sftprof.profiling.regions.region`, names from :mod:`sftprof.artifacts`): the
+  forward of micro-batch ``i`` runs inside ``region(forward(i))``, its backward inside ``region(backward(i))``, the optimizer step
   (clipping included) inside ``region(OPTIMIZER_STEP)``. The trainer wraps the whole step in
   ``region(STEP)``. Pipeline schedules that interleave micro-batches annotate each micro-batch's
   forward/backward where it runs.
@@ -34,8 +34,6 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from typing import List, Optional
-
-import torch
 
 from sftprof.data import MicroBatch
 
@@ -83,23 +81,3 @@ class Engine(abc.ABC):
             :class:`StepResult`, identical on every rank.
         """
 
-
-def build_engine(cfg, layout, hf_config, device: torch.device) -> Engine:
-    """Build the engine of ``layout.backend`` (``fsdp`` or ``megatron``; megatron imported lazily).
-
-    Args:
-        cfg: the trial's :class:`sftprof.config.SFTProfileConfig`.
-        layout: :class:`sftprof.allocation.Layout` parsed from ``actor.backend``.
-        hf_config: the Hugging Face (text) config from :func:`sftprof.models.hf.load_hf_config`.
-        device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
-
-    Raises:
-        ValueError: unknown backend.
-    """
-    if layout.backend == "fsdp":
-        from sftprof.engine.fsdp import FSDPEngine
-        return FSDPEngine(cfg, layout, hf_config, device)
-    if layout.backend == "megatron":
-        from sftprof.engine.megatron import MegatronEngine
-        return MegatronEngine(cfg, layout, hf_config, device)
-    raise ValueError(f"actor.backend={cfg.actor.backend!r}: unknown backend {layout.backend!r}; accepted fsdp, megatron")

@@ -10,11 +10,10 @@ module's forward, so the loss op that reads it (``sftprof.ops``) must run inside
 that is why the head and the loss form one module.
 
 Loss of a micro-batch (fp32): ``sum(-logprob(label) * loss_mask)`` over its tokens, computed
-from the final hidden states either by the logits path (``lm_head(hidden)`` then
-``sftprof.ops.vocab_parallel_logprobs`` chunked over ``actor.logprobs_chunk_size`` tokens) when
-``actor.megatron.lm_head_loss_chunk_size == 0``, or by ``sftprof.ops.linear_sft_loss`` (chunked
-LM head + loss, logits never held for all tokens) otherwise. The MoE load-balancing auxiliary
-loss is not added (the reported loss is the pure SFT loss).
+from the final hidden states by the path of ``actor.loss`` (:class:`sftprof.loss.SFTLoss`: the
+chunked LM-head loss, or full logits then the chunked vocab-parallel log-probs or the fp32
+reference). The MoE load-balancing auxiliary loss is not added (the reported loss is the pure SFT
+loss).
 
 Qwen3.5 (``qwen3_5_moe_text``): Hugging Face's text model runs its gated delta-net layers on
 flash-linear-attention / causal-conv1d kernels when they are installed, else on its PyTorch reference
@@ -34,10 +33,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from sftprof.config import effective_logprobs_chunk_size
 from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
+from sftprof.loss import SFTLoss
 from sftprof.models.routing import RoutingLoadMeter
 from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
 
@@ -56,49 +55,35 @@ class LMHeadLoss(nn.Module):
 
     Args:
         lm_head: the model's ``nn.Linear(H, V, bias=False)``.
-        logprobs_chunk_size: tokens per chunk of the logits path (0 = all at once).
-        lm_head_loss_chunk_size: 0 = logits path; > 0 = tokens per chunk of the fused
-            ``linear_sft_loss``.
+        loss: the trial's loss path (:class:`sftprof.loss.SFTLoss`).
+
+    Raises:
+        ValueError: the LM head has a bias.
     """
 
-    def __init__(self, lm_head: nn.Linear, logprobs_chunk_size: int, lm_head_loss_chunk_size: int) -> None:
+    def __init__(self, lm_head: nn.Linear, loss: SFTLoss) -> None:
         super().__init__()
         if lm_head.bias is not None:
             raise ValueError("LMHeadLoss: an LM head with bias is not supported")
         self.weight = lm_head.weight
-        self.logprobs_chunk_size = logprobs_chunk_size
-        self.lm_head_loss_chunk_size = lm_head_loss_chunk_size
+        self.loss = loss
 
     def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[T]`` log-probs of ``labels`` (``[T]`` int64) from ``hidden`` (``[T, H]``).
-
-        The logits path (``vocab_parallel_logprobs``) or, with ``lm_head_loss_chunk_size > 0``, the
-        chunked ``linear_logprobs`` (logits recomputed in the backward). Call it on an unsharded module
-        (FSDP2 unshards the weight only around ``forward``).
-        """
-        from sftprof.ops import linear_logprobs, vocab_parallel_logprobs
-
-        if self.lm_head_loss_chunk_size:
-            return linear_logprobs(hidden, self.weight, labels, chunk_size=self.lm_head_loss_chunk_size).float()
-        return vocab_parallel_logprobs(nn.functional.linear(hidden, self.weight), labels,
-                                       chunk_size=self.logprobs_chunk_size).float()
+        """fp32 ``[T]`` log-probs of ``labels`` (``[T]`` int64) from ``hidden`` (``[T, H]``) by the trial's loss path
+        (:meth:`sftprof.loss.SFTLoss.token_logprobs`). Call it on an unsharded module (FSDP2 unshards the weight
+        only around ``forward``)."""
+        return self.loss.token_logprobs(hidden, self.weight, labels)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
-        """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
+        """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)`` (:meth:`sftprof.loss.SFTLoss.from_hidden`).
 
         Args:
-            hidden: ``[T, H]`` final hidden states (model dtype). The chunked path consumes it: afterwards it
-                holds ``d loss / d hidden`` (``linear_sft_loss(..., grad_in_hidden=True)``).
+            hidden: ``[T, H]`` final hidden states (model dtype), fed only to the LM head: the chunked path
+                consumes it (afterwards it holds ``d loss / d hidden``).
             labels: ``[T]`` int64 next-token ids.
             loss_weight: ``[T]`` fp32 (0/1 loss mask).
         """
-        from sftprof.ops import linear_sft_loss
-
-        if self.lm_head_loss_chunk_size:
-            # hidden (the final norm's output) feeds only the LM head: its storage takes d loss / d hidden.
-            return linear_sft_loss(hidden, self.weight, labels, loss_weight, chunk_size=self.lm_head_loss_chunk_size,
-                                   grad_in_hidden=True)
-        return -(self.logprobs(hidden, labels) * loss_weight).sum()
+        return self.loss.from_hidden(hidden, self.weight, labels, loss_weight)
 
 
 class CausalLMForSFT(nn.Module):
@@ -110,10 +95,10 @@ class CausalLMForSFT(nn.Module):
     order first, so padding never reaches the LM head or the loss.
     """
 
-    def __init__(self, causal_lm: nn.Module, logprobs_chunk_size: int, lm_head_loss_chunk_size: int) -> None:
+    def __init__(self, causal_lm: nn.Module, loss: SFTLoss) -> None:
         super().__init__()
         self.model = causal_lm.model
-        self.lm_head = LMHeadLoss(causal_lm.lm_head, logprobs_chunk_size, lm_head_loss_chunk_size)
+        self.lm_head = LMHeadLoss(causal_lm.lm_head, loss)
 
     def _packed(self, input_ids, attention_mask, *per_token):
         from sftprof.models.bshd import repack
@@ -178,8 +163,8 @@ class FSDPEngine(Engine):
     """FSDP2 data-parallel engine (see module docstring and :mod:`sftprof.engine.base`).
 
     Args:
-        cfg: trial config. Uses ``actor.{dtype, gradient_checkpointing, logprobs_chunk_size,
-            optimizer.*, megatron.lm_head_loss_chunk_size}`` and ``total_train_steps``.
+        cfg: trial config. Uses ``actor.{dtype, gradient_checkpointing, optimizer.*, loss.*}`` and
+            ``total_train_steps``.
         layout: ``fsdp:d<N>`` layout; ``N`` must equal the world size.
         hf_config: ``qwen3_moe`` or ``qwen3_5_moe_text`` Hugging Face (text) config.
         device: this rank's device.
@@ -202,7 +187,8 @@ class FSDPEngine(Engine):
         causal_lm = build_hf_causal_lm(cfg, hf_config)
         if a.gradient_checkpointing:
             causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = CausalLMForSFT(causal_lm, effective_logprobs_chunk_size(cfg), a.megatron.lm_head_loss_chunk_size)
+        loss = SFTLoss.from_config(cfg, hf_config.vocab_size)
+        model = CausalLMForSFT(causal_lm, loss)
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         # Parameters stay in actor.dtype; gradients are reduced in fp32 for bf16/fp16 models.
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -224,8 +210,7 @@ class FSDPEngine(Engine):
         n_params = sum(p.numel() for p in model.parameters())
         log.info("fsdp engine: %s, %.3fB parameters, dtype %s, dp=%d, gradient checkpointing %s, loss path %s",
                  type(causal_lm).__name__, n_params / 1e9, a.dtype, layout.dp, a.gradient_checkpointing,
-                 f"linear_sft_loss chunk {a.megatron.lm_head_loss_chunk_size}" if a.megatron.lm_head_loss_chunk_size
-                 else f"logits + vocab_parallel_logprobs chunk {effective_logprobs_chunk_size(cfg)}")
+                 loss.describe())
 
     @property
     def rank_coords(self) -> dict:

@@ -12,16 +12,16 @@ Build (:class:`MegatronEngine`):
    random init, or with ``actor.init_from_scratch=false`` the Hugging Face safetensors checkpoint in
    ``actor.path`` (:func:`sftprof.models.megatron_load.load_hf_checkpoint`: each rank reads only its
    shard); the vocabulary is padded to a multiple of TP and the padding's logits are masked;
-5. with ``lm_head_loss_chunk_size > 0``, :class:`LMHeadLoss` joins the model as a submodule that holds the
-   output weight, so megatron's DDP hooks see the weight used (see the class);
+5. on the ``lm_head`` loss path (``actor.loss``), :class:`LMHeadLoss` joins the model as a submodule that
+   holds the output weight, so megatron's DDP hooks see the weight used (see the class);
 6. megatron ``DistributedDataParallel`` and the (distributed) optimizer over DP x CP.
 
 Step (:meth:`MegatronEngine.train_step`): micro-batches go through ``get_forward_backward_func()``
 (no pipelining or 1F1B with PP). Each CP rank keeps its load-balanced slice of the sequence
-(:func:`sftprof.data.cp_shard`). On the last pipeline stage the loss is computed from the
-vocab-parallel output with :mod:`sftprof.ops`: ``vocab_parallel_logprobs`` on the logits (chunked by
-``actor.logprobs_chunk_size``), or ``linear_sft_loss`` on the final hidden states when
-``actor.megatron.lm_head_loss_chunk_size > 0`` (no full logits, :class:`LMHeadLoss`). The routers' load
+(:func:`sftprof.data.cp_shard`). On the last pipeline stage the loss is computed by the path of
+``actor.loss`` (:class:`sftprof.loss.SFTLoss`, chosen once at build): on the vocab-parallel logits, with
+the padded vocabulary masked (``logprobs`` and ``reference`` paths), or on the final hidden states by
+:class:`LMHeadLoss` (``lm_head`` path, no full logits). The routers' load
 (:class:`sftprof.models.routing.RoutingLoadMeter`) is summed over all ranks once per step. The loss function returns the local
 loss sum and local loss-token count with ``calculate_per_token_loss=True``; Megatron sums gradients over
 DP x CP and divides them by the all-reduced token count, so gradients are those of the global
@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from sftprof.allocation import Layout
-from sftprof.config import SFTProfileConfig, effective_logprobs_chunk_size
+from sftprof.config import SFTProfileConfig
 from sftprof.data import MicroBatch, cp_shard
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
+from sftprof.loss import SFTLoss
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import resolve_model_dir
 from sftprof.models.routing import RoutingLoadMeter
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class LMHeadLoss(torch.nn.Module):
-    """The chunked LM-head loss (``sftprof.ops.linear_sft_loss``) as a submodule of ``GPTModel``.
+    """The chunked LM-head loss (:meth:`sftprof.loss.SFTLoss.from_hidden`) as a submodule of ``GPTModel``.
 
     With the distributed optimizer and ``overlap_param_gather``, megatron-core's DDP all-gathers updated
     parameters asynchronously after the optimizer step and waits for each bucket in a forward pre-hook
@@ -65,14 +66,14 @@ class LMHeadLoss(torch.nn.Module):
     Args:
         weight: the output-layer weight ``[V/tp, H]`` (vocab-parallel rows).
         tp_group: the tensor-parallel process group.
-        chunk_size: tokens per chunk (``actor.megatron.lm_head_loss_chunk_size``, > 0).
+        loss: the trial's loss, on the ``lm_head`` path (``actor.loss.lm_head_loss_chunk_size`` tokens per chunk).
         sequence_parallel: the hidden states are sequence-parallel shards (TP > 1).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, tp_group, chunk_size: int, sequence_parallel: bool) -> None:
+    def __init__(self, weight: torch.nn.Parameter, tp_group, loss: SFTLoss, sequence_parallel: bool) -> None:
         super().__init__()
         self.weight = weight
-        self.tp_group, self.chunk_size, self.sequence_parallel = tp_group, chunk_size, sequence_parallel
+        self.tp_group, self.loss, self.sequence_parallel = tp_group, loss, sequence_parallel
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
         """fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
@@ -83,11 +84,8 @@ class LMHeadLoss(torch.nn.Module):
             labels: ``[s_local * b]`` int64 in ``[s, b]`` token order (all TP ranks' tokens under SP).
             loss_weight: ``[s_local * b]`` fp32.
         """
-        from sftprof.ops import linear_sft_loss
-
-        return linear_sft_loss(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, loss_weight,
-                               tp_group=self.tp_group, chunk_size=self.chunk_size,
-                               sequence_parallel=self.sequence_parallel, grad_in_hidden=True)
+        return self.loss.from_hidden(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, loss_weight,
+                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel)
 
 
 class _BackwardRegionMark(torch.autograd.Function):
@@ -112,7 +110,7 @@ class MegatronEngine(Engine):
     """megatron-core model + DDP + optimizer on this rank (see the module docstring).
 
     Args:
-        cfg: trial config; ``actor.*`` and ``actor.megatron.*`` are used.
+        cfg: trial config; ``actor.*`` (``actor.loss`` picks the loss path) and ``actor.megatron.*`` are used.
         layout: a ``megatron`` layout whose world size equals the process-group size.
         hf_config: HF (text) config of a ``qwen3_moe`` or ``qwen3_5_moe_text`` model (the latter needs fla, CP = 1).
         device: this rank's CUDA device (``torch.cuda.set_device`` done by the trainer).
@@ -142,6 +140,8 @@ class MegatronEngine(Engine):
         from sftprof.models.specs import decoder_block_spec, have_transformer_engine
 
         self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
+        # the loss path, chosen once; the ops check the TP shards against the padded vocabulary
+        self.loss = SFTLoss.from_config(cfg, mc.gpt_model_kwargs(hf_config, layout.tp)["vocab_size"])
         have_te = have_transformer_engine()
         opt_kwargs = mc.optimizer_config_kwargs(cfg, have_te)
         mc.check_model_settings(cfg, hf_config, layout)
@@ -170,21 +170,21 @@ class MegatronEngine(Engine):
         else:
             from sftprof.models.megatron_load import load_hf_checkpoint
             load_hf_checkpoint(gpt, resolve_model_dir(cfg.actor.path), hf_config)
-        log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s",
-                 cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(), have_te)
+        log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s; "
+                 "loss path %s", cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(),
+                 have_te, self.loss.describe())
         # megatron-core creates some parameters on the CPU (the MoE router's weight: TopKRouter.__init__) and
         # moves them at their first forward by replacing .data, which detaches the gradient accumulator DDP
         # hooked below: the router's gradients would never reach main_grad. Move everything before DDP.
         gpt.cuda(device)
         self.lm_head_loss = None
-        if m.lm_head_loss_chunk_size and self.post_process:
+        if not self.loss.uses_logits and self.post_process:
             # GPTModel returns the final (normed) hidden states instead of logits when post_process is False.
             gpt.post_process = False
             tied = gpt.share_embeddings_and_output_weights
             weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
             gpt.lm_head_loss = self.lm_head_loss = LMHeadLoss(
-                weight, parallel_state.get_tensor_model_parallel_group(), m.lm_head_loss_chunk_size,
-                tcfg.sequence_parallel)
+                weight, parallel_state.get_tensor_model_parallel_group(), self.loss, tcfg.sequence_parallel)
         if self.pre_process:
             gpt.embedding.register_forward_hook(self._mark_stage_input)
         self.gpt = gpt
@@ -248,18 +248,15 @@ class MegatronEngine(Engine):
                 "loss_mask": shard(mb.loss_mask)}
 
     def _loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
-        """Local sum of ``-logprob * loss_mask`` (fp32 scalar) from the last stage's output."""
-        from sftprof.ops import vocab_parallel_logprobs
-
+        """Local sum of ``-logprob * loss_mask`` (fp32 scalar) from the last stage's output (:attr:`loss`'s path)."""
         mask = batch["loss_mask"]
         if self.lm_head_loss is not None:
             # output: final hidden states [s_local(/tp under SP), b, h]; tokens in [s, b] order.
             return self.lm_head_loss(output, batch["labels"].t().reshape(-1), mask.t().reshape(-1).to(torch.float32))
         # output: vocab-parallel logits [b, s_local, V'/tp]
         logits = self.mask_vocab_padding(output)
-        logprobs = vocab_parallel_logprobs(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                                           tp_group=self.tp_group, chunk_size=effective_logprobs_chunk_size(self.cfg))
-        return -(logprobs * mask.reshape(-1).to(logprobs.dtype)).sum()
+        return self.loss.from_logits(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                     mask.reshape(-1).to(torch.float32), tp_group=self.tp_group)
 
     def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [..., V'/tp]`` with the padded vocabulary columns of this TP rank set to -inf (no-op

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from sftprof.allocation import Layout
-from sftprof.config import ConfigError, MegatronSettings, SFTProfileConfig
+from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -196,7 +196,7 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
       expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
       divides (sequence parallelism);
-    - the chunked LM-head loss (``lm_head_loss_chunk_size > 0``) needs a vocabulary that TP divides (it
+    - the chunked LM-head loss (``actor.loss`` path ``lm_head``) needs a vocabulary that TP divides (it
       has no mask for padded vocabulary rows; the logits path has).
 
     Raises:
@@ -234,9 +234,9 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     if (cp > 1 and seq % (2 * cp)) or (seq // cp) % layout.tp:
         raise ConfigError(f"profile.fake_seq_len={seq}: must be divisible by 2*CP={2 * cp} (load-balanced context "
                           f"parallel chunks) and the per-CP-rank length by TP={layout.tp} (sequence parallel)")
-    chunk = cfg.actor.megatron.lm_head_loss_chunk_size
-    if chunk and hf.vocab_size % layout.tp:
-        raise ConfigError(f"actor.megatron.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
+    chunk = cfg.actor.loss.lm_head_loss_chunk_size
+    if cfg.actor.loss.resolved_path() == "lm_head" and hf.vocab_size % layout.tp:
+        raise ConfigError(f"actor.loss.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
                           f"divisible by TP={layout.tp} (vocab_size {hf.vocab_size}); accepted: 0 (logits path, which "
                           "masks the padded vocabulary) or a TP that divides the vocabulary")
 
@@ -350,7 +350,8 @@ def optimizer_precision(m: MegatronSettings, have_te: bool) -> OptimizerPrecisio
     Raises:
         ConfigError: ``use_precision_aware_optimizer=true`` without ``transformer_engine`` (message names
             ``USE_PRECISION_AWARE_OPTIMIZER`` and the settings to use instead); a non-fp32 dtype without
-            the precision-aware optimizer; precision-aware without the distributed optimizer.
+            the precision-aware optimizer; precision-aware without the distributed optimizer
+            (:meth:`sftprof.config.MegatronSettings.check_optimizer_precision`).
     """
     if m.use_precision_aware_optimizer and not have_te:
         raise ConfigError(
@@ -358,17 +359,8 @@ def optimizer_precision(m: MegatronSettings, have_te: bool) -> OptimizerPrecisio
             "Transformer Engine's FusedAdam, but transformer_engine does not import here. Set "
             "USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32 (actor.megatron."
             "use_precision_aware_optimizer=false actor.megatron.main_grads_dtype=float32) or install transformer-engine")
-    names = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
-    if not m.use_precision_aware_optimizer:
-        for name in names:
-            if getattr(m, name) != "float32":
-                raise ConfigError(
-                    f"actor.megatron.{name}={getattr(m, name)!r}: must be float32 unless "
-                    "actor.megatron.use_precision_aware_optimizer=true (USE_PRECISION_AWARE_OPTIMIZER)")
-    elif not m.ddp.use_distributed_optimizer:
-        raise ConfigError("actor.megatron.use_precision_aware_optimizer=True: needs "
-                          "actor.megatron.ddp.use_distributed_optimizer=true")
-    return OptimizerPrecision(m.use_precision_aware_optimizer, *(_DTYPES[getattr(m, n)] for n in names))
+    m.check_optimizer_precision()  # the dtype rules, shared with config validation
+    return OptimizerPrecision(m.use_precision_aware_optimizer, *(_DTYPES[getattr(m, n)] for n in PRECISION_FIELDS))
 
 
 def optimizer_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:

@@ -21,20 +21,16 @@ Public API
   the shard width per call, that the TP group's shards have equal widths summing to it
   (:func:`sftprof.ops.guards.check_vocab_shards`; ``ValueError`` naming the widths otherwise).
 
-How the trainer's settings map onto these (both backends)
----------------------------------------------------------
-- ``actor.megatron.lm_head_loss_chunk_size > 0``: call ``linear_sft_loss(hidden, output_weight, labels,
-  loss_weight, tp_group=<TP group>, chunk_size=lm_head_loss_chunk_size, temperature=...,
-  sequence_parallel=<SP on>, grad_in_hidden=True)`` instead of the output layer + log-softmax (both engines
-  pass their final norm's output, used by nothing else). ``loss_weight`` carries the loss
-  mask and all normalisation; with Megatron's ``weight.main_grad`` the backward must receive gradient 1.
-- ``lm_head_loss_chunk_size == 0``: run the output layer as usual and call
-  ``vocab_parallel_logprobs(logits.view(-1, V/tp), labels, tp_group=<TP group>,
-  chunk_size=actor.logprobs_chunk_size, temperature=..., return_entropy=<entropy wanted>)``.
-- ``actor.megatron.enable_chunked_logits``: use ``linear_logprobs`` (``chunk_size=lm_head_loss_chunk_size``
-  or ``logprobs_chunk_size``) when per-token log-probs/entropy are needed without full logits.
-- ``actor.megatron.entropy_requires_grad``: entropy from these functions is differentiable; detach it
-  when the setting is false.
+How the trainer uses these
+--------------------------
+The trial's ``actor.loss`` section picks one path for both engines (``sftprof/loss.py``): ``lm_head`` calls
+``linear_sft_loss(hidden, output_weight, labels, loss_weight, tp_group=<TP group>,
+chunk_size=lm_head_loss_chunk_size, sequence_parallel=<SP on>, grad_in_hidden=True)`` on the final norm's
+output (used by nothing else; ``loss_weight`` carries the loss mask and all normalisation; with Megatron's
+``weight.main_grad`` the backward must receive gradient 1); ``logprobs`` runs the output layer and calls
+``vocab_parallel_logprobs(logits.view(-1, V/tp), labels, tp_group=<TP group>, chunk_size=logprobs_chunk_size)``.
+``linear_logprobs`` serves callers that need per-token log-probs or entropy without full logits; entropy
+from these functions is differentiable (detach it when no gradient should flow through it).
 """
 from sftprof.ops.guards import StaleBufferError
 from sftprof.ops.lm_head import linear_logprobs, linear_sft_loss

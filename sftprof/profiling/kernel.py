@@ -13,7 +13,7 @@ TensorBoard's profiler plugin split steps by) with the regions of
 Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
 critical-path analysis) where this torch accepts that option. Each profiled step is exported with
-``export_chrome_trace`` to ``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json`` (the
+``export_chrome_trace`` to ``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json`` (:func:`sftprof.artifacts.raw_trace_path`; the
 ``<worker>.pt.trace.json`` name TensorBoard's profiler plugin looks for; a later profiled step of the
 same trial overwrites it: profile one step per trial, as the driver does).
 """
@@ -27,15 +27,10 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.profiler import ProfilerAction
 
-from sftprof.profiling.layout import trace_name
+from sftprof.artifacts import raw_trace_path
 from sftprof.ranks import resolve_ranks
 
 log = logging.getLogger(__name__)
-
-
-def trace_path(log_dir: Path, rank: int) -> Path:
-    """``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json``."""
-    return Path(log_dir) / "perf_tracer" / trace_name(rank)
 
 
 def profile_schedule(steps: Iterable[int]) -> Callable[[int], ProfilerAction]:
@@ -150,7 +145,7 @@ class KernelProfiler:
     def _export(self, prof: torch.profiler.profile) -> None:
         if self._failed:
             return
-        path = trace_path(self.log_dir, self.rank)
+        path = raw_trace_path(self.log_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         self.traces_written += 1

@@ -7,8 +7,9 @@ that weights, gradient buffers and optimizer states carry the Python stack that 
 the snapshot (the trace ring buffer keeps only the newest ``max_entries`` events; a block's stack
 stays with the block). At the end of each step in ``memory_profiler.profile_steps`` the snapshot
 is dumped (``torch.cuda.memory._dump_snapshot``) at its end to
-``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``, with
-the phase sidecar ``phases_rank<r>.json`` (:class:`sftprof.profiling.regions.PhaseRecorder`,
+``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``
+(:func:`sftprof.artifacts.snapshot_dir`, :func:`sftprof.artifacts.snapshot_name`), with the phase
+sidecar ``phases_rank<r>.json`` (:class:`sftprof.profiling.regions.PhaseRecorder`,
 Unix-epoch microseconds, the clock of the snapshot's ``time_us``). When the step dies of CUDA
 out-of-memory the snapshot and sidecar are still written and :class:`MemoryProfileOOM` is
 raised naming them. On CPU there is no allocator to snapshot: a log line says so and no file
@@ -23,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from sftprof.artifacts import phases_name, snapshot_dir, snapshot_name
 from sftprof.profiling.regions import PhaseRecorder
 from sftprof.ranks import resolve_ranks
 
@@ -31,17 +33,6 @@ log = logging.getLogger(__name__)
 
 class MemoryProfileOOM(RuntimeError):
     """A memory-profiled step ran out of CUDA memory (snapshot written; message says where)."""
-
-
-def snapshot_dir(log_dir: Path, step: int) -> Path:
-    """``LOG_DIR/memory_snapshots/step_<step>``."""
-    return Path(log_dir) / "memory_snapshots" / f"step_{step}"
-
-
-def snapshot_name(rank: int, coords: dict) -> str:
-    """``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` for ``coords`` of ``rank``."""
-    return (f"snapshot_rank{rank}_pp{coords['pp']}_dp{coords['dp']}_cp{coords['cp']}"
-            f"_tp{coords['tp']}_ep{coords['ep']}.pickle")
 
 
 class MemoryProfiler:
@@ -93,7 +84,7 @@ class MemoryProfiler:
         out = snapshot_dir(self.log_dir, step)
         out.mkdir(parents=True, exist_ok=True)
         snap = out / snapshot_name(self.rank, self.coords)
-        phases = out / f"phases_rank{self.rank}.json"
+        phases = out / phases_name(self.rank)
         try:
             with PhaseRecorder(sync_cuda=True) as rec:
                 try:

@@ -6,8 +6,8 @@ Every region is a ``torch.profiler.record_function`` (it shows in kernel traces 
 memory-snapshot analysis can say which phase held the peak (the allocator trace's ``time_us``
 uses the same clock).
 
-Region names: ``sftprof/step``, ``sftprof/forward/mb<i>``, ``sftprof/backward/mb<i>``,
-``sftprof/optimizer_step``.
+Region names (owned by :mod:`sftprof.artifacts`, re-exported here for the engines): ``sftprof/step``,
+``sftprof/forward/mb<i>``, ``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``.
 """
 from __future__ import annotations
 
@@ -19,20 +19,10 @@ from typing import Iterator, Optional
 
 import torch
 
+from sftprof.artifacts import OPTIMIZER_STEP, STEP, backward, forward
 from sftprof.progress import StepProgress
 
-STEP = "sftprof/step"
-OPTIMIZER_STEP = "sftprof/optimizer_step"
-
-
-def forward(mb: int) -> str:
-    """Region name of the forward pass of micro-batch ``mb``."""
-    return f"sftprof/forward/mb{mb}"
-
-
-def backward(mb: int) -> str:
-    """Region name of the backward pass of micro-batch ``mb``."""
-    return f"sftprof/backward/mb{mb}"
+__all__ = ["STEP", "OPTIMIZER_STEP", "forward", "backward", "PhaseRecorder", "region"]
 
 
 class PhaseRecorder:

@@ -1,0 +1,296 @@
+"""The artifact contract between capture (trainer, launcher) and analysis (postprocessing): names and records.
+
+Torch-free and importing nothing else of the project, so every side can use it. It owns:
+
+- **Region names** (``record_function`` annotations and memory phases): :data:`STEP`,
+  :data:`OPTIMIZER_STEP`, :func:`forward`, :func:`backward`, and :func:`parse_region` to read them back.
+- **File and folder names** with their builders and parsers: a trial's log dir (``LOG_DIR``, written by the
+  trainer), its run dir (``RUN_DIR``, written by the driver and postprocessing) and the run root
+  (``RUN_ROOT``, written by the launcher). ``docs/ARCHITECTURE.md`` lists who writes and who reads each.
+- **``stats.jsonl`` records**: :class:`StepRecord` (one per training step, every field with its unit) and
+  :class:`CompletionRecord` (the last line), written by :class:`StatsWriter` (the trainer, rank 0) and
+  read by :func:`read_stats`.
+
+Layout::
+
+    RUN_ROOT/  profile_settings.log  trials.tsv  summary.tsv
+      <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  profile_summary.{json,md}
+        kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
+        memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
+    LOG_DIR = FILEROOT/logs/<user>/<experiment>/<trial>/
+        trainer.log  stats.jsonl  config.yaml  rank_coords.json
+        perf_tracer/rank<r>.pt.trace.json   memory_snapshots/step_<N>/...   nodes/node<k>.json
+
+Raw-trace names of earlier releases (``perf_tracer/traces-r<r>.chrome.json[.gz]``) are still parsed
+(:data:`RAW_TRACE_RE`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any, Optional
+
+# ---------------------------------------------------------------------------------------------------------
+# Region names
+# ---------------------------------------------------------------------------------------------------------
+REGION_PREFIX = "sftprof/"
+STEP = "sftprof/step"
+OPTIMIZER_STEP = "sftprof/optimizer_step"
+# Group 1: the phase (step, optimizer_step, forward, backward); group 2: the micro-batch of forward/backward.
+REGION_RE = re.compile(r"^sftprof/(?:(step|optimizer_step)|(forward|backward)/mb(\d+))$")
+
+
+def forward(mb: int) -> str:
+    """Region name of the forward pass of micro-batch ``mb``: ``sftprof/forward/mb<mb>``."""
+    return f"{REGION_PREFIX}forward/mb{mb}"
+
+
+def backward(mb: int) -> str:
+    """Region name of the backward pass of micro-batch ``mb``: ``sftprof/backward/mb<mb>``."""
+    return f"{REGION_PREFIX}backward/mb{mb}"
+
+
+def parse_region(name: str) -> tuple[str, Optional[int]] | None:
+    """``(phase, micro-batch)`` of a region name (``("forward", 0)``, ``("step", None)``), None for other names."""
+    m = REGION_RE.match(name)
+    if m is None:
+        return None
+    return (m.group(1), None) if m.group(1) else (m.group(2), int(m.group(3)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LOG_DIR (the trainer)
+# ---------------------------------------------------------------------------------------------------------
+TRAINER_LOG = "trainer.log"
+STATS = "stats.jsonl"
+CONFIG_YAML = "config.yaml"
+RANK_COORDS = "rank_coords.json"
+PERF_TRACER = "perf_tracer"
+MEMORY_SNAPSHOTS = "memory_snapshots"
+NODES = "nodes"
+
+# Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.
+RAW_TRACE_RE = re.compile(r"^(?:traces-r(\d+)\.chrome|rank(\d+)\.pt\.trace)\.json(\.gz)?$")
+# Groups: rank, pp, dp, cp, tp, ep.
+SNAPSHOT_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
+_SNAPSHOT_COORDS = ("pp", "dp", "cp", "tp", "ep")
+
+
+def trace_name(rank: int, compress: bool = False) -> str:
+    """``rank<rank>.pt.trace.json`` (``.gz`` appended when ``compress``): the ``<worker>.pt.trace.json`` name
+    TensorBoard's profiler plugin lists, with worker ``rank<rank>``."""
+    return f"rank{rank}.pt.trace.json" + (".gz" if compress else "")
+
+
+def raw_trace_rank(name: str) -> int | None:
+    """The rank in a raw trace file name (new or legacy form), or None when ``name`` is not one."""
+    m = RAW_TRACE_RE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def raw_trace_path(log_dir: str | Path, rank: int) -> Path:
+    """``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json``: the kernel trace the trainer exports."""
+    return Path(log_dir) / PERF_TRACER / trace_name(rank)
+
+
+def snapshot_dir(root: str | Path, step: int) -> Path:
+    """``<root>/memory_snapshots/step_<step>`` (``root``: a LOG_DIR, or a RUN_DIR after archiving)."""
+    return Path(root) / MEMORY_SNAPSHOTS / f"step_{step}"
+
+
+def snapshot_name(rank: int, coords: dict) -> str:
+    """``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` for ``coords`` (``Layout.rank_coords``) of ``rank``."""
+    return f"snapshot_rank{rank}_" + "_".join(f"{k}{coords[k]}" for k in _SNAPSHOT_COORDS) + ".pickle"
+
+
+def parse_snapshot_name(name: str) -> tuple[int, dict] | None:
+    """``(rank, {"pp", "dp", "cp", "tp", "ep"})`` of a snapshot file name (``.pickle[.gz]``), None otherwise."""
+    m = SNAPSHOT_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), dict(zip(_SNAPSHOT_COORDS, map(int, m.group(2, 3, 4, 5, 6))))
+
+
+def phases_name(rank: int) -> str:
+    """``phases_rank<rank>.json``: the region sidecar of a memory snapshot (same folder)."""
+    return f"phases_rank{rank}.json"
+
+
+def node_record_path(log_dir: str | Path, node_rank: int) -> Path:
+    """``LOG_DIR/nodes/node<k>.json``: node ``k``'s end record of a multi-node trial."""
+    return Path(log_dir) / NODES / f"node{node_rank}.json"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RUN_ROOT and RUN_DIR (the launcher, the driver script, postprocessing)
+# ---------------------------------------------------------------------------------------------------------
+PROFILE_SETTINGS = "profile_settings.log"
+TRIALS_TSV = "trials.tsv"
+SUMMARY_TSV = "summary.tsv"
+TRAIN_ARGS = "train_args.txt"
+LAUNCHER_LOG = "launcher.log"
+NVIDIA_SMI_CSV = "nvidia_smi.csv"
+SUMMARY_JSON = "profile_summary.json"
+SUMMARY_MD = "profile_summary.md"
+KERNEL_TRACES = "kernel_traces"
+
+
+def view_dir(out_dir: str, view: str) -> str:
+    """``<out_dir>/<view>`` with the ``.chrome`` suffix of the view id dropped (``split_clean.chrome`` -> ``split_clean``)."""
+    return os.path.join(out_dir, view.removesuffix(".chrome"))
+
+
+def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str:
+    """Path of one view file: ``<out_dir>/<view>/rank<rank>.pt.trace.json[.gz]``."""
+    return os.path.join(view_dir(out_dir, view), trace_name(rank, compress))
+
+
+def window_path(path: str, k: int) -> str:
+    """Time window ``k`` of the view file ``path``: ``<view folder>.part<k>/<same file name>``."""
+    folder, name = os.path.split(path)
+    return os.path.join(f"{folder}.part{k}", name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stats.jsonl
+# ---------------------------------------------------------------------------------------------------------
+def _unit(unit: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"unit": unit})
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step, written by rank 0 after the step (``{"type": "step", ...}``).
+
+    Every field's unit is in its ``metadata["unit"]`` (:func:`field_units`). Memory figures are GiB
+    (2^30 bytes) from rank 0's CUDA caching allocator (None on CPU: no allocator, not a measured 0); the
+    step time is the slowest rank's; throughput figures are None on CPU or when the engine counts no FLOPs.
+    Records written by earlier releases may lack fields: they read as None.
+    """
+
+    step: int = _unit("step index, from 0")
+    loss: float = _unit("nats: global token-mean of -logprob over the step's loss tokens")
+    grad_norm: Optional[float] = _unit("L2 norm of all gradients before clipping (None when not finite)")
+    step_time_s: float = _unit("s: wall time of the step, slowest rank, device synchronised")
+    tokens: int = _unit("tokens of the global batch (train_dataset.batch_size * profile.fake_seq_len)")
+    tokens_per_s: float = _unit("tokens/s: tokens / step_time_s")
+    mem_allocated_gb: Optional[float] = _unit("GiB allocated after the step, rank 0")
+    mem_reserved_gb: Optional[float] = _unit("GiB reserved after the step, rank 0")
+    mem_peak_allocated_gb: Optional[float] = _unit("GiB peak allocated during the step, rank 0")
+    mem_peak_reserved_gb: Optional[float] = _unit("GiB peak reserved during the step, rank 0")
+    ranks: Optional[list] = _unit("per rank: {rank, step_time_s (s), mem_peak_allocated_gb, mem_peak_reserved_gb (GiB)}")
+    tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU: model FLOPs / step_time_s / world size / 1e12")
+    mfu: Optional[float] = _unit("fraction: tflops_per_gpu / the GPU's peak dense BF16 TFLOP/s (sftprof.flops)")
+    recompute_tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU re-run by activation recompute (not in mfu)")
+    moe_load: Optional[dict] = _unit("routing load summed over ranks (sftprof.models.routing.RoutingLoadMeter)")
+    profiled: bool = _unit("whether the step was a kernel- or memory-profile step", False)
+
+    TYPE = "step"
+
+    def to_json(self) -> dict:
+        """``{"type": "step", <field>: value, ...}`` in field order (the line the trainer writes)."""
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """The last line of ``stats.jsonl`` (``{"type": "complete", ...}``), written even when the trial fails.
+
+    Attributes:
+        status: ``ok`` or ``failed``.
+        error: ``"<ExceptionType>: <message>"`` of the failure, None when ok.
+        steps_done: steps finished (count).
+        world_size: ranks of the trial.
+        backend: ``fsdp`` or ``megatron``.
+        device: ``cuda`` or ``cpu``.
+        profile_kind: ``kernel``, ``memory`` or None (nothing profiled).
+        profile_step: the (first) profiled step, or None.
+    """
+
+    status: str = "failed"
+    error: Optional[str] = None
+    steps_done: int = 0
+    world_size: Optional[int] = None
+    backend: Optional[str] = None
+    device: Optional[str] = None
+    profile_kind: Optional[str] = None
+    profile_step: Optional[int] = None
+
+    TYPE = "complete"
+
+    def to_json(self) -> dict:
+        """``{"type": "complete", <field>: value, ...}`` in field order."""
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+def field_units(record_type: type = StepRecord) -> dict[str, str]:
+    """``{field: unit and meaning}`` of a record type, from its field metadata."""
+    return {f.name: f.metadata.get("unit", "") for f in fields(record_type)}
+
+
+def _from_json(record_type: type, rec: dict):
+    return record_type(**{f.name: rec.get(f.name, f.default) for f in fields(record_type)})
+
+
+class StatsWriter:
+    """Writes ``stats.jsonl``: one JSON line per record, flushed at once (a crash loses no written step).
+
+    Args:
+        path: the file (``LOG_DIR/stats.jsonl``); created or truncated.
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self._f: IO[str] | None = open(path, "w", encoding="utf-8")
+
+    def write(self, record: StepRecord | CompletionRecord) -> None:
+        """Append ``record.to_json()`` as one line and flush."""
+        self._f.write(json.dumps(record.to_json()) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+@dataclass
+class StatsLog:
+    """``stats.jsonl`` as read back: the step records in file order, the last completion record (None when
+    the trial never wrote one: it was killed) and the count of lines that are not a JSON object of a known
+    type (``bad_lines``: counted, never fatal)."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    completion: Optional[CompletionRecord] = None
+    bad_lines: int = 0
+
+
+def read_stats(path: str | Path) -> StatsLog:
+    """Read ``stats.jsonl`` (:class:`StatsLog`).
+
+    Raises:
+        OSError: the file is missing or unreadable (callers decide what a missing file means).
+    """
+    out = StatsLog()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                out.bad_lines += 1
+                continue
+            kind = rec.get("type") if isinstance(rec, dict) else None
+            if kind == StepRecord.TYPE:
+                out.steps.append(_from_json(StepRecord, rec))
+            elif kind == CompletionRecord.TYPE:
+                out.completion = _from_json(CompletionRecord, rec)
+            else:
+                out.bad_lines += 1
+    return out

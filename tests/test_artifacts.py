@@ -1,0 +1,56 @@
+"""sftprof.artifacts: names round-trip through their parsers; stats.jsonl records are written and read back."""
+import json
+
+import pytest
+
+from sftprof import artifacts as a
+
+
+def test_region_names_and_parser():
+    assert (a.STEP, a.OPTIMIZER_STEP, a.forward(3), a.backward(12)) == (
+        "sftprof/step", "sftprof/optimizer_step", "sftprof/forward/mb3", "sftprof/backward/mb12")
+    assert [a.parse_region(n) for n in (a.STEP, a.OPTIMIZER_STEP, a.forward(3), a.backward(12))] == [
+        ("step", None), ("optimizer_step", None), ("forward", 3), ("backward", 12)]
+    assert [a.parse_region(n) for n in ("sftprof/forward", "ProfilerStep#1", "sftprof/step/x")] == [None, None, None]
+
+
+def test_file_names_round_trip(tmp_path):
+    coords = {"pp": 1, "dp": 0, "cp": 2, "tp": 1, "ep": 3, "etp": 0}
+    name = a.snapshot_name(5, coords)
+    assert name == "snapshot_rank5_pp1_dp0_cp2_tp1_ep3.pickle"
+    assert a.parse_snapshot_name(name) == (5, {"pp": 1, "dp": 0, "cp": 2, "tp": 1, "ep": 3})
+    assert a.parse_snapshot_name(name + ".gz")[0] == 5 and a.parse_snapshot_name("phases_rank5.json") is None
+    assert a.raw_trace_path(tmp_path, 4) == tmp_path / "perf_tracer" / "rank4.pt.trace.json"
+    assert [a.raw_trace_rank(n) for n in ("rank4.pt.trace.json", "traces-r7.chrome.json.gz", "rank4.json")] == [4, 7, None]
+    assert a.node_record_path(tmp_path, 2) == tmp_path / "nodes" / "node2.json"
+    assert a.view_path("out", 3, "split_clean.chrome", compress=True) == "out/split_clean/rank3.pt.trace.json.gz"
+    assert a.window_path("out/gpu_only/rank3.pt.trace.json", 1) == "out/gpu_only.part1/rank3.pt.trace.json"
+
+
+def test_stats_written_and_read_back(tmp_path):
+    path = tmp_path / "stats.jsonl"
+    w = a.StatsWriter(path)
+    step = a.StepRecord(step=0, loss=2.5, grad_norm=None, step_time_s=2.0, tokens=2048, tokens_per_s=1024.0,
+                        ranks=[{"rank": 0, "step_time_s": 2.0, "mem_peak_allocated_gb": None,
+                                "mem_peak_reserved_gb": None}], profiled=True)
+    w.write(step)
+    assert json.loads(path.read_text()) == step.to_json()  # flushed at once
+    w.write(a.CompletionRecord(status="ok", steps_done=2, world_size=2, backend="fsdp", device="cpu",
+                               profile_kind="kernel", profile_step=0))
+    w.close()
+    lines = path.read_text().splitlines()
+    with open(path, "a") as f:  # damaged lines and a step record of an earlier release (no grad_norm, ...)
+        f.write("not json\n[1, 2]\n" + json.dumps({"type": "step", "step": 1, "loss": 2.0}) + "\n")
+    assert list(json.loads(lines[0])) == [
+        "type", "step", "loss", "grad_norm", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
+        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks", "tflops_per_gpu", "mfu",
+        "recompute_tflops_per_gpu", "moe_load", "profiled"]
+    assert json.loads(lines[1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
+                                     "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0}
+    log = a.read_stats(path)
+    assert log.bad_lines == 2 and log.steps[0] == step
+    assert (log.steps[1].step, log.steps[1].loss, log.steps[1].grad_norm, log.steps[1].profiled) == (1, 2.0, None, False)
+    assert log.completion.status == "ok" and log.completion.profile_step == 0
+    assert a.field_units()["step_time_s"].startswith("s: ") and a.field_units()["mem_peak_allocated_gb"].startswith("GiB")
+    with pytest.raises(OSError):
+        a.read_stats(tmp_path / "missing.jsonl")
