@@ -12,6 +12,7 @@ import torch
 from fixtures.qwen3_5 import save_tiny_checkpoint
 from sftprof.config import load_config
 from sftprof.engine.fsdp import CausalLMForSFT, build_hf_causal_lm
+from sftprof.loss import SFTLoss
 from sftprof.models.bshd import pad_sequences, repack
 from sftprof.models.hf import load_hf_config
 
@@ -44,8 +45,7 @@ def _tiny_config(vocab=4096):
 def _sft_model(cfg_overrides, hf_config):
     cfg = load_config("tiny_qwen3_5_cpu", cfg_overrides)
     causal_lm = build_hf_causal_lm(cfg, hf_config)
-    a = cfg.actor
-    return causal_lm, CausalLMForSFT(causal_lm, a.logprobs_chunk_size, a.megatron.lm_head_loss_chunk_size)
+    return causal_lm, CausalLMForSFT(causal_lm, SFTLoss.from_config(cfg, hf_config.vocab_size))
 
 
 @pytest.mark.parametrize("head_chunk", [0, 5])
