@@ -228,6 +228,19 @@ def global_loss_tokens(sample: FakeSample, batch_size: int) -> int:
     return int(sample.loss_mask.sum()) * batch_size
 
 
+def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """Global chunk indices ``(r, 2 * cp_size - 1 - r)`` held by CP rank ``r`` out of the sequence's
+    ``2 * cp_size`` equal chunks: the one definition of the load-balanced context-parallel layout (used by
+    :func:`cp_shard` and by :mod:`sftprof.models.attention`).
+
+    Raises:
+        ValueError: ``cp_rank`` outside ``[0, cp_size)``.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
 def cp_shard(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
     """Load-balanced context-parallel slice of ``t`` along ``dim``.
 
@@ -249,11 +262,10 @@ def cp_shard(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch
     """
     if cp_size == 1:
         return t
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    first, second = cp_chunk_ids(cp_size, cp_rank)
     s = t.shape[dim]
     if s % (2 * cp_size):
         raise ValueError(f"sequence length {s} is not divisible by 2 * context-parallel size = {2 * cp_size}; "
                          "choose profile.fake_seq_len as a multiple of it")
     chunks = t.chunk(2 * cp_size, dim=dim)
-    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=dim)
+    return torch.cat((chunks[first], chunks[second]), dim=dim)

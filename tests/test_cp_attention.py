@@ -7,9 +7,8 @@ causal attention.
 import pytest
 import torch
 
-from sftprof.data import cp_shard
-from sftprof.models.attention import (cp_causal_attention, cp_chunk_ids, natural_to_rank_order,
-                                      rank_order_to_natural)
+from sftprof.data import cp_chunk_ids, cp_shard
+from sftprof.models.attention import cp_causal_attention, natural_to_rank_order, rank_order_to_natural
 
 
 def _reference(q, k, v):

@@ -29,16 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-
-def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """Global chunk indices ``(r, 2 * cp_size - 1 - r)`` held by CP rank ``r`` (out of ``2 * cp_size``).
-
-    Raises:
-        ValueError: ``cp_rank`` outside ``[0, cp_size)``.
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
-    return cp_rank, 2 * cp_size - 1 - cp_rank
+from sftprof.data import cp_chunk_ids
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
