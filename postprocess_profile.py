@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 
-from sftprof.profiling.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
+from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.profiling.compare import CompareInputError, compare_runs
+    from sftprof.analysis.compare import CompareInputError, compare_runs
 
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "

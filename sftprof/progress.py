@@ -1,7 +1,7 @@
 """Progress lines while a trial runs (rank 0): each phase's end with its time, and a heartbeat.
 
 The trainer activates one :class:`StepProgress` on rank 0. Every region of
-:mod:`sftprof.profiling.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
+:mod:`sftprof.capture.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
 ``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``) logs a line when it ends, with its host wall time in seconds and the
 time since the step began; while a step runs, a background thread logs a heartbeat every
 ``heartbeat_s`` seconds naming the innermost region open at that moment. Times are host wall
@@ -63,7 +63,7 @@ class StepProgress:
         self._step = None
 
     def enter(self, name: str) -> None:
-        """A region opened (called by :func:`sftprof.profiling.regions.region`)."""
+        """A region opened (called by :func:`sftprof.capture.regions.region`)."""
         self._open = self._open + [(name, time.monotonic())]
 
     def exit(self, name: str) -> None:

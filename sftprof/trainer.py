@@ -11,7 +11,7 @@
 3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
    for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
    ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
-   steps (:mod:`sftprof.profiling.kernel`, :mod:`sftprof.profiling.memory`).
+   steps (:mod:`sftprof.capture.kernel`, :mod:`sftprof.capture.memory`).
 4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
    error and the process exits with status 1.
 
@@ -43,7 +43,7 @@ from sftprof import artifacts
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
-from sftprof.profiling.regions import STEP, region
+from sftprof.capture.regions import STEP, region
 from sftprof.progress import StepProgress
 
 log = logging.getLogger("sftprof")
@@ -199,8 +199,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir) -> int:
     from sftprof.data import global_loss_tokens, step_micro_batches
     from sftprof.engine import build_engine
-    from sftprof.profiling.kernel import KernelProfiler
-    from sftprof.profiling.memory import MemoryProfiler
+    from sftprof.capture.kernel import KernelProfiler
+    from sftprof.capture.memory import MemoryProfiler
 
     stats = StatsWriter(log_dir / artifacts.STATS) if rank == 0 else None
     kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from fixtures import FIXTURE_DIR
-from sftprof.profiling.layout import view_path
-from sftprof.profiling.safe_pickle import safe_load_file
-from sftprof.profiling.summary import postprocess_trial
-from sftprof.profiling.trace_check import MAX_TID, validate_trace
-from sftprof.profiling.views import VIEWS
+from sftprof.artifacts import view_path
+from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.summary import postprocess_trial
+from sftprof.analysis.trace_check import MAX_TID, validate_trace
+from sftprof.analysis.views import VIEWS
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_TRACE = FIXTURE_DIR / "h200_sftprof_kernel.trace.json.gz"
@@ -135,7 +135,7 @@ def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):
 
 def test_any_exception_in_one_trace_is_that_trace_error(tmp_path, small_trace, monkeypatch):
     """An exception type nobody expected (raised here inside the analysis of rank 1 only)."""
-    from sftprof.profiling import trace_summary
+    from sftprof.analysis import trace_summary
 
     log = _log_dir(tmp_path)
     _put_trace(log, 0, _trace_text(small_trace))
@@ -489,6 +489,6 @@ def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):
     ({"ph": "X", "ts": 1, "dur": 0}, None), ({"ph": "M", "name": "thread_name", "args": {}}, None),
 ])
 def test_event_problem_kinds(event, kind):
-    from sftprof.profiling.trace_check import event_problem
+    from sftprof.analysis.trace_check import event_problem
 
     assert event_problem(event) == kind

@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace
-from sftprof.profiling.layout import raw_trace_rank, trace_name, view_dir
-from sftprof.profiling.views import VIEWS, split_trace
+from sftprof.artifacts import raw_trace_rank, trace_name, view_dir
+from sftprof.analysis.views import VIEWS, split_trace
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 

@@ -12,9 +12,9 @@ from torch.profiler import ProfilerAction
 
 from sftprof.artifacts import raw_trace_path as trace_path
 from sftprof.artifacts import snapshot_dir, snapshot_name
-from sftprof.profiling.kernel import KernelProfiler, profile_schedule
-from sftprof.profiling.memory import MemoryProfileOOM, MemoryProfiler
-from sftprof.profiling.regions import forward, region
+from sftprof.capture.kernel import KernelProfiler, profile_schedule
+from sftprof.capture.memory import MemoryProfileOOM, MemoryProfiler
+from sftprof.capture.regions import forward, region
 
 LAYOUT = parse_allocation_mode("megatron:d2t2p2")   # pp_rank0 -> ranks [0, 4]
 
@@ -154,7 +154,7 @@ def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
 
 
 def test_region_records_its_phase_when_it_dies():
-    from sftprof.profiling.regions import PhaseRecorder
+    from sftprof.capture.regions import PhaseRecorder
 
     with PhaseRecorder(sync_cuda=False) as rec:
         with pytest.raises(RuntimeError, match="simulated OOM"):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from sftprof.profiling.regions import STEP, backward, forward, region
+from sftprof.capture.regions import STEP, backward, forward, region
 from sftprof.progress import StepProgress
 
 

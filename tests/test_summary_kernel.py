@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace
-from sftprof.profiling.trace_io import TraceReader
-from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, _intersection_length, _union,
+from sftprof.analysis.trace_io import TraceReader
+from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, _intersection_length, _union,
                                              collective_group_label, kernel_category)
 
 GPU_TRACES = gpu_trace_fixtures()

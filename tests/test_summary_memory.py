@@ -3,8 +3,8 @@ import pytest
 from torch.cuda import _memory_viz
 
 from fixtures import gpu_snapshot_fixtures
-from sftprof.profiling.memory_summary import allocation_site, analyze_snapshot, plot_memory
-from sftprof.profiling.safe_pickle import safe_load_file
+from sftprof.analysis.memory_summary import allocation_site, analyze_snapshot, plot_memory
+from sftprof.analysis.safe_pickle import safe_load_file
 
 SNAPSHOTS = gpu_snapshot_fixtures()
 

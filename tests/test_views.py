@@ -8,10 +8,10 @@ import os
 import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace
-from sftprof.profiling import trace_io
-from sftprof.profiling.trace_io import TraceFormatError, TraceReader
-from sftprof.profiling.trace_check import MAX_TID, validate_trace
-from sftprof.profiling.views import VIEWS, split_into_windows, split_trace, view_path
+from sftprof.analysis import trace_io
+from sftprof.analysis.trace_io import TraceFormatError, TraceReader
+from sftprof.analysis.trace_check import MAX_TID, validate_trace
+from sftprof.analysis.views import VIEWS, split_into_windows, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures()
 

@@ -18,7 +18,7 @@ Contract of ``train_step`` (every backend):
   token-mean SFT loss; gradients are those of that loss whatever the DP size and micro-batch
   count (gradient accumulation over micro-batches, then one optimizer step with gradient-norm
   clipping at ``actor.optimizer.gradient_clipping``).
-- Annotations (:func:`sftprof.profiling.regions.region`, names from :mod:`sftprof.artifacts`): the
+- Annotations (:func:`sftprof.capture.regions.region`, names from :mod:`sftprof.artifacts`): the
   forward of micro-batch ``i`` runs inside ``region(forward(i))``, its backward inside ``region(backward(i))``, the optimizer step
   (clipping included) inside ``region(OPTIMIZER_STEP)``. The trainer wraps the whole step in
   ``region(STEP)``. Pipeline schedules that interleave micro-batches annotate each micro-batch's

@@ -38,7 +38,7 @@ from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.loss import SFTLoss
 from sftprof.models.routing import RoutingLoadMeter
-from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
+from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
 

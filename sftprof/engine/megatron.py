@@ -47,7 +47,7 @@ from sftprof.loss import SFTLoss
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import resolve_model_dir
 from sftprof.models.routing import RoutingLoadMeter
-from sftprof.profiling.regions import OPTIMIZER_STEP, backward, forward, region
+from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
 

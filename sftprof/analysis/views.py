@@ -1,7 +1,7 @@
 """Split one rank's Chrome trace into the five views users open in Perfetto.
 
 One streaming pass over a rank's raw trace writes, side by side (file layout:
-:mod:`sftprof.profiling.layout`, ``<out_dir>/<view>/rank<rank>.pt.trace.json``):
+:mod:`sftprof.artifacts`, ``<out_dir>/<view>/rank<rank>.pt.trace.json``):
 
 ============================  ==================================================================
 ``chrome``                    the whole trace, normalised (top-level members first, one event a
@@ -15,10 +15,10 @@ One streaming pass over a rank's raw trace writes, side by side (file layout:
 ``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
 ============================  ==================================================================
 
-Every view satisfies the Trace Event Format rules of ``sftprof/profiling/trace_check.py`` (what
+Every view satisfies the Trace Event Format rules of ``sftprof/analysis/trace_check.py`` (what
 Perfetto's JSON importer needs), so each view differs from the raw trace in these ways:
 
-- events :func:`~sftprof.profiling.trace_check.event_problem` rejects (no time, negative or
+- events :func:`~sftprof.analysis.trace_check.event_problem` rejects (no time, negative or
   non-finite ``dur``, ...) are left out of every view and reported through ``on_invalid``; non-finite
   numbers elsewhere in an event (``NaN`` in ``args``) become ``null``;
 - profiler bookkeeping without a 32-bit integer ``pid``/``tid`` (the ``Spans``/``Traces``
@@ -51,9 +51,9 @@ from typing import Callable
 
 import numpy as np
 
-from sftprof.profiling.layout import view_path, window_path
-from sftprof.profiling.trace_check import MAX_TID, event_problem, finite_json
-from sftprof.profiling.trace_io import Progress, TraceReader, TraceWriter
+from sftprof.artifacts import view_path, window_path
+from sftprof.analysis.trace_check import MAX_TID, event_problem, finite_json
+from sftprof.analysis.trace_io import Progress, TraceReader, TraceWriter
 
 __all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows"]
 
@@ -168,7 +168,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             (non-finite numbers replaced by None).
         on_event: called with every usable event dict (e.g. ``KernelTraceAnalyzer.add``).
         on_invalid: called as ``on_invalid(kind, raw_text)`` for every event left out because
-            :func:`~sftprof.profiling.trace_check.event_problem` rejects it (``kind`` is its answer).
+            :func:`~sftprof.analysis.trace_check.event_problem` rejects it (``kind`` is its answer).
         on_note: called as ``on_note(what, count)`` at the end for repairs that keep every figure
             intact: ``"non-finite numbers written as null"``, ``"profiler bookkeeping events left out"``,
             ``"unpaired flow events left out"`` (only non-zero counts).
@@ -454,9 +454,9 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
     """Rewrite one view into consecutive time windows of at most ~``max_bytes`` of events each.
 
     Two streaming passes: the first records each event's ``ts`` and size, the second writes the
-    parts to ``<view>.part<k>/`` folders (:func:`sftprof.profiling.layout.window_path`); every part
+    parts to ``<view>.part<k>/`` folders (:func:`sftprof.artifacts.window_path`); every part
     carries the header and all metadata events. The original file is removed. Flow arrows whose ends fall
-    into different windows are left out (each part keeps the rules of ``sftprof/profiling/trace_check.py``).
+    into different windows are left out (each part keeps the rules of ``sftprof/analysis/trace_check.py``).
 
     Args:
         path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from sftprof.profiling.summary import SUMMARY_JSON
-from sftprof.profiling.trace_summary import short_kernel_name
+from sftprof.analysis.summary import SUMMARY_JSON
+from sftprof.analysis.trace_summary import short_kernel_name
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 

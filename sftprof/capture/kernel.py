@@ -8,7 +8,7 @@ before it warms the profiler up (as torchtitan's schedule does; step 0 has no wa
 profiled step is recorded and saved. The profiler's step counter is the trainer's step, so the
 profiled step shows as ``ProfilerStep#<step>`` in the trace (what HolisticTraceAnalysis and
 TensorBoard's profiler plugin split steps by) with the regions of
-:mod:`sftprof.profiling.regions` (``user_annotation`` events) inside it.
+:mod:`sftprof.capture.regions` (``user_annotation`` events) inside it.
 
 Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's

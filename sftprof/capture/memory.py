@@ -9,7 +9,7 @@ stays with the block). At the end of each step in ``memory_profiler.profile_step
 is dumped (``torch.cuda.memory._dump_snapshot``) at its end to
 ``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``
 (:func:`sftprof.artifacts.snapshot_dir`, :func:`sftprof.artifacts.snapshot_name`), with the phase
-sidecar ``phases_rank<r>.json`` (:class:`sftprof.profiling.regions.PhaseRecorder`,
+sidecar ``phases_rank<r>.json`` (:class:`sftprof.capture.regions.PhaseRecorder`,
 Unix-epoch microseconds, the clock of the snapshot's ``time_us``). When the step dies of CUDA
 out-of-memory the snapshot and sidecar are still written and :class:`MemoryProfileOOM` is
 raised naming them. On CPU there is no allocator to snapshot: a log line says so and no file
@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from sftprof.artifacts import phases_name, snapshot_dir, snapshot_name
-from sftprof.profiling.regions import PhaseRecorder
+from sftprof.capture.regions import PhaseRecorder
 from sftprof.ranks import resolve_ranks
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from sftprof.profiling.trace_check import is_finite_number
+from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES"]
 
@@ -157,7 +157,7 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
     """Whether the allocator history ring buffer overflowed, so the recorded window is truncated.
 
     ``torch.cuda.memory._record_memory_history(max_entries=N)`` keeps only the newest ``N`` events
-    (``sftprof/profiling/memory.py``); a trace holding ``N`` entries has lost its earliest events, so
+    (``sftprof/capture/memory.py``); a trace holding ``N`` entries has lost its earliest events, so
     the peak and its time are those of the kept window only.
 
     Args:
@@ -185,7 +185,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     """Memory summary of one snapshot.
 
     Args:
-        snapshot: the unpickled snapshot (see :func:`sftprof.profiling.safe_pickle.safe_load_file`).
+        snapshot: the unpickled snapshot (see :func:`sftprof.analysis.safe_pickle.safe_load_file`).
         phases: the ``phases_rank<r>.json`` sidecar content, or None.
 
     Returns:

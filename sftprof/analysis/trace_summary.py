@@ -2,7 +2,7 @@
 
 Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
-(``sftprof.profiling.views.split_trace`` does both while it writes the views), then call
+(``sftprof.analysis.views.split_trace`` does both while it writes the views), then call
 :meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
 
 Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
@@ -279,7 +279,7 @@ class KernelTraceAnalyzer:
     def add(self, ev: dict) -> None:
         """Consume one usable trace event (any phase/category; irrelevant ones are ignored cheaply).
 
-        Events that ``sftprof.profiling.trace_check.event_problem`` rejects go to :meth:`add_invalid`
+        Events that ``sftprof.analysis.trace_check.event_problem`` rejects go to :meth:`add_invalid`
         instead (``split_trace`` does this), so that no figure includes them.
         """
         self.n_events += 1

@@ -19,14 +19,14 @@ from typing import Any
 
 import yaml
 
-from sftprof.profiling.failure import first_failure
-from sftprof.profiling.layout import KERNEL_TRACES, raw_trace_rank, trace_name
-from sftprof.profiling.memory_summary import analyze_snapshot, history_status, plot_memory
-from sftprof.profiling.safe_pickle import safe_load_file
-from sftprof.profiling.trace_check import finite_json, is_finite_number
-from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
+from sftprof.analysis.failure import first_failure
+from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
+from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
+from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.trace_check import finite_json, is_finite_number
+from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
                                               short_kernel_name)
-from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
+from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
            "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
@@ -579,7 +579,7 @@ def render_markdown(s: dict) -> str:
                                                  if s["completion"].get("error") else ""),
            f"- steps done: {_fmt(s['completion']['steps_done'])}, world size: {_fmt(s['completion']['world_size'])}, "
            f"backend: {_fmt(s['completion']['backend'])}, device: {_fmt(s['completion']['device'])}",
-           f"- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
+           "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
            f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
     if s["errors"]:
         out.append("## Errors\n")

@@ -4,9 +4,9 @@ Two uses:
 
 - :func:`event_problem` says why one input event cannot be used (missing or impossible times, a
   field of the wrong type); postprocessing counts such events, keeps them out of every figure and
-  every view, and names them in the summary (``sftprof/profiling/trace_summary.py``).
+  every view, and names them in the summary (``sftprof/analysis/trace_summary.py``).
 - :func:`validate_trace` checks a written view against the rules below; the tests run it on
-  every view (``python -m sftprof.profiling.trace_check FILE...`` runs it from the shell).
+  every view (``python -m sftprof.analysis.trace_check FILE...`` runs it from the shell).
 
 Rules (Trace Event Format, https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU,
 as Perfetto's JSON importer applies them):

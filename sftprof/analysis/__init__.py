@@ -1,0 +1,1 @@
+"""Analysis of kernel traces and memory snapshots (postprocessing; no torch): views, summaries, compare."""
