@@ -8,7 +8,8 @@ before it warms the profiler up (as torchtitan's schedule does; step 0 has no wa
 profiled step is recorded and saved. The profiler's step counter is the trainer's step, so the
 profiled step shows as ``ProfilerStep#<step>`` in the trace (what HolisticTraceAnalysis and
 TensorBoard's profiler plugin split steps by) with the regions of
-:mod:`sftprof.profiling.regions` (``user_annotation`` events) inside it.
+:mod:`sftprof.profiling.regions` (``user_annotation`` events) inside it, and, while the profiled step
+runs, the model-part ranges of :mod:`sftprof.profiling.module_regions` (engines register their model).
 
 Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.profiler import ProfilerAction
 
+from sftprof.profiling import module_regions
 from sftprof.profiling.layout import trace_name
 from sftprof.ranks import resolve_ranks
 
@@ -134,7 +136,8 @@ class KernelProfiler:
                 raise ValueError(f"KernelProfiler.step: expected step {expected}, got {step}")
             self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
         try:
-            yield
+            with module_regions.recording(step in self.steps):
+                yield
         except BaseException:
             self._failed = True
             self._stop()

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from sftprof.profiling import step_breakdown
+
 __all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS",
            "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT"]
 
@@ -236,6 +238,9 @@ class KernelTraceAnalyzer:
         self._invalid: dict[str, int] = defaultdict(int)
         self._invalid_examples: list[str] = []
         self._notes: dict[str, int] = {}
+        self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
+        self._ops = step_breakdown.OpCollector()
+        self._device_name: str | None = None
         if header:
             self.set_header(header)
 
@@ -245,6 +250,9 @@ class KernelTraceAnalyzer:
         A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
         are then labelled by the process-group names their own events carry.
         """
+        props = header.get("deviceProperties") if isinstance(header, dict) else None
+        if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
+            self._device_name = props[0]["name"]
         info = header.get("distributedInfo") if isinstance(header, dict) else None
         pgs = info.get("pg_config") if isinstance(info, dict) else None
         for pg in pgs if isinstance(pgs, list) else ():
@@ -283,12 +291,16 @@ class KernelTraceAnalyzer:
         instead (``split_trace`` does this), so that no figure includes them.
         """
         self.n_events += 1
-        if ev.get("ph") != "X":
+        ph = ev.get("ph")
+        if ph != "X":
+            if ph in ("s", "f") and ev.get("cat") == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
+                self._ops.add(ev, ev["ts"], 0.0)
             return
         ts = ev.get("ts")
         dur = ev.get("dur")
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
+        self._ops.add(ev, ts, dur)
         if ts < self._t_min:
             self._t_min = ts
         if ts + dur > self._t_max:
@@ -310,6 +322,8 @@ class KernelTraceAnalyzer:
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
             self._a_pg.append(self._pg_ref(args))
+            nb = args.get("bytes")
+            self._a_bytes.append(nb if isinstance(nb, int) and not isinstance(nb, bool) and nb > 0 else 0)
         elif cat == "cuda_runtime" or cat == "cuda_driver":
             corr = _int_id((ev.get("args") or {}).get("correlation"))
             if corr != -1:
@@ -436,6 +450,12 @@ class KernelTraceAnalyzer:
             by_op[name] += h_hi - h_lo
         communication["host_ops"] = {"ops": len(self._host_comm), "wall_ms": _ms(_length(*_union(host_s, host_e))),
                                      "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}}
+        details = step_breakdown.analyze(
+            self._ops, ts=ts, dur=dur, devs=devs, corr=self._a_corr, ext=self._a_ext, cats=cats, is_comm=is_comm,
+            groups=groups, names=[self._name_list[k] for k in self._a_name], kinds=kinds,
+            nbytes=np.asarray(self._a_bytes, dtype=np.float64), window=(lo, hi),
+            optimizer_windows=[(a, b) for _, a, b in opt], device_name=self._device_name,
+            intersection=_intersection_length, union=_union)
         region_rows = []
         for name, r_lo, r_hi in regions:
             inside = (launch >= r_lo) & (launch <= r_hi)
@@ -461,6 +481,7 @@ class KernelTraceAnalyzer:
             "categories": categories,
             "communication": communication,
             "regions": region_rows,
+            **details,
         }
 
     @staticmethod
