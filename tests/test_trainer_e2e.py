@@ -179,3 +179,26 @@ def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):
     assert sorted(df["iteration"].unique().tolist()) == [0]   # every event inside ProfilerStep#0
     assert "ProfilerStep#0" in analysis.t.symbol_table.sym_index
     assert "ProfilerStep not found" not in caplog.text
+
+
+def test_kernel_trace_holds_model_part_ranges_with_recompute(kernel_trial):
+    """The trainer's module hooks put one range per registered module call in the profiled step; HF gradient
+    checkpointing re-runs each layer's forward inside backward, which the ranges mark as recompute."""
+    from collections import Counter
+
+    from sftprof.profiling.module_regions import PREFIX, parse_region
+
+    log_dir, _ = kernel_trial
+    events = json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]
+    names = Counter(e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PREFIX))
+    parsed = Counter()
+    for name, n in names.items():
+        part, layer, rec = parse_region(name)
+        parsed[(part, layer, rec)] += n
+    for layer in (0, 1):  # tiny_cpu: 2 layers, 1 micro-batch per rank
+        for part, calls in (("attn_qkv", 3), ("attn_out", 1), ("router", 1), ("experts", 1), ("dispatch_combine", 1),
+                            ("attn_other", 1), ("layer_other", 1), ("norm", 4)):
+            assert parsed[(part, layer, False)] == calls, (part, layer, parsed)
+            # re-run once in backward; the decoder layer's own call is not: HF's checkpoint wraps inside it
+            assert parsed[(part, layer, True)] == (0 if part == "layer_other" else calls), (part, layer, parsed)
+    assert parsed[("embedding", None, False)] == 1 and parsed[("lm_head_loss", None, True)] == 0

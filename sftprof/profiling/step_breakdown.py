@@ -50,7 +50,8 @@ import numpy as np
 from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.profiling import module_regions
 
-__all__ = ["OpCollector", "op_flops", "attention_pairs", "bus_factor", "PEAK_HBM_BYTES_PER_S"]
+__all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
+           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES"]
 
 _BWD_NODE = "autograd::engine::evaluate_function: "
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -579,3 +580,42 @@ def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection,
     return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())},
             "note": "exposed = the group's NCCL kernel time not overlapped by non-communication GPU work on "
                     "the same device; groups that overlap each other each count their own exposed time"}
+
+
+def plot_parts(parts: dict, title: str, out_png: str) -> None:
+    """Stacked-bar PNG of GPU time (ms) per decoder layer (one bar per layer, then one for the parts
+    outside the layers), a colour per part; each segment is the part's forward + recompute + backward
+    (+ optimizer, other) time, the split by phase is in the tables.
+
+    Args:
+        parts: the ``parts`` member of a kernel summary (:func:`analyze`).
+        title: plot title; out_png: destination path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"L{x['layer']}", x["rows"]) for x in parts["layers"]]
+    if parts["outside_layers"]:
+        bars.append(("outside\nlayers", parts["outside_layers"]))
+    labels = []
+    for _, rows in bars:
+        for r in rows:
+            if r["label"] not in labels:
+                labels.append(r["label"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(bars) + 4), 5), dpi=100)
+    bottom = np.zeros(len(bars))
+    cmap = plt.get_cmap("tab20")
+    for k, label in enumerate(labels):
+        vals = np.array([next((r["total_ms"] for r in rows if r["label"] == label), 0.0) for _, rows in bars])
+        ax.bar(range(len(bars)), vals, bottom=bottom, color=cmap(k % 20), label=label, width=0.7)
+        bottom += vals
+    ax.set_xticks(range(len(bars)), [b for b, _ in bars], fontsize=8)
+    ax.set_ylabel("GPU time [ms] (all phases)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, metadata={"Software": None})
+    plt.close(fig)
