@@ -148,7 +148,7 @@ def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
     for cat in ("parameters", "gradients", "optimizer", "activations"):
         rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
     if meas.get("before_window"):
-        rows.append({"category": "before_window (vs parameters + gradients + optimizer)",
+        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
                      "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
                      "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
     for r in rows:
