@@ -12,7 +12,8 @@ Attribution of one GPU activity (kernel, memcpy, memset) launched inside the ste
    and the autograd backward nodes (``autograd::engine::evaluate_function: ...`` ops), decides:
    a model-part range gives its part and layer, phase ``forward`` or ``recompute`` (its name says which);
    a backward node gives phase ``backward`` and the part and layer of the range that contained the
-   forward op that created the node (the profiler's ``fwdbwd`` flow links the two ops).
+   forward op that created the node (the profiler's ``fwdbwd`` flow links that op to the node's
+   ``XBackward`` op inside the ``evaluate_function`` op).
 3. Otherwise: ``optimizer`` inside ``sftprof/optimizer_step``; NCCL kernels outside every part are
    ``communication outside model parts`` (gradient reduce-scatter, parameter all-gather); the rest is
    ``outside model parts``.
@@ -200,7 +201,7 @@ class OpCollector:
         self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
         self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
         self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
-        self._flow_end: dict[tuple[int, float], int] = {}  # backward node (tid, ts) -> fwdbwd id
+        self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
         self.sync_calls: list[tuple[str, float, float]] = []  # blocking CUDA runtime calls
         self.cpu_ops = _Intervals()  # every cpu_op for self time; payload: name index
@@ -303,18 +304,21 @@ class OpCollector:
         rst = np.frombuffer(self.regions.start, dtype=np.float64)
         rpay = np.frombuffer(self.regions.payload, dtype=np.int64)
         nst = np.frombuffer(self.bwd_nodes.start, dtype=np.float64)
-        ntid = np.frombuffer(self.bwd_nodes.tid, dtype=np.int64)
-        # Forward op of each backward node used: the region containing it.
+        # Forward op of each backward node: the flow ending inside the node (at its XBackward op) starts at
+        # the forward op; the model-part range containing that op gives the part.
         fwd_key: dict[int, int] = {}
-        need = sorted({int(x) for x in node[node >= 0]})
+        ends = [(t, x, fid) for (t, x), fid in self._flow_end.items() if fid in self._flow_start]
         f_tids, f_pts, f_nodes = [], [], []
-        for j in need:
-            fid = self._flow_end.get((int(ntid[j]), float(nst[j])))
-            start = self._flow_start.get(fid) if fid is not None else None
-            if start is not None:
-                f_tids.append(start[0])
-                f_pts.append(start[1])
-                f_nodes.append(j)
+        if ends:
+            owner = self.bwd_nodes.innermost(np.array([e[0] for e in ends], dtype=np.int64),
+                                             np.array([e[1] for e in ends], dtype=np.float64))
+            seen: set[int] = set()
+            for (_, _, fid), j in zip(ends, owner):
+                if j >= 0 and int(j) not in seen:
+                    seen.add(int(j))
+                    f_tids.append(self._flow_start[fid][0])
+                    f_pts.append(self._flow_start[fid][1])
+                    f_nodes.append(int(j))
         if f_nodes:
             at = self.regions.innermost(np.asarray(f_tids, dtype=np.int64), np.asarray(f_pts, dtype=np.float64))
             fwd_key = {j: int(rpay[r]) for j, r in zip(f_nodes, at) if r >= 0}
