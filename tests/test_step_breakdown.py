@@ -115,3 +115,55 @@ def test_compare_noise_from_unprofiled_steps():
     # noise 0.5 s on a 5 s step = 10 %: 100 -> 105 ms is within it, 100 -> 120 ms above it
     assert _noise_rows([("a", 100.0, 105.0), ("b", 100.0, 120.0), ("c", None, 1.0)], 0.1) == [
         ("a", 100.0, 105.0, "no"), ("b", 100.0, 120.0, "yes"), ("c", None, 1.0, "–")]
+
+
+def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
+    _, _, s = analysed
+    idle = s["host"]["gpu_idle"]
+    assert idle["host_wait_ms"] + idle["kernel_wait_ms"] + idle["after_last_activity_ms"] == pytest.approx(idle["idle_ms"], abs=1e-3)
+    assert idle["idle_ms"] + s["gpu"]["busy_ms"] == pytest.approx(s["step_window"]["wall_ms"], abs=2e-3)
+
+
+def test_nvidia_smi_utilisation_inside_the_profiled_window(tmp_path):
+    import datetime
+
+    from sftprof.profiling.summary import read_nvidia_smi, smi_in_window
+
+    t0 = datetime.datetime(2026, 11, 29, 23, 2, 19)
+    rows = ["timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]"]
+    for k, util in enumerate([0, 10, 90, 100, 95, 5]):  # one sample every 0.5 s
+        stamp = (t0 + datetime.timedelta(seconds=0.5 * k)).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        rows.append(f"{stamp}, 0, {util}, {1000 + k}, 143771")
+    path = tmp_path / "nvidia_smi.csv"
+    path.write_text("\n".join(rows) + "\n")
+    smi = read_nvidia_smi(str(path))
+    assert smi["gpus"][0]["mean_utilization_pct"] == 50.0  # whole trial
+    got = smi_in_window(smi, t0.timestamp() + 0.9, t0.timestamp() + 2.1)  # samples 2, 3, 4
+    assert got["gpus"] == [{"index": 0, "samples": 3, "mean_utilization_pct": 95.0, "peak_utilization_pct": 100.0,
+                            "peak_memory_used_mib": 1004.0}]
+
+
+def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.models.hf import load_hf_config
+    from sftprof.profiling.memory_estimate import estimate_memory
+
+    hf = load_hf_config("qwen3_30b_a3b", 4)
+    cfg = {"actor": {"dtype": "bfloat16", "megatron": {"use_precision_aware_optimizer": False, "lm_head_loss_chunk_size": 0,
+                                                         "ddp": {"use_distributed_optimizer": True}}}}
+    one = parse_allocation_mode("megatron:d1")
+    est = estimate_memory(cfg, hf, one, one.rank_coords(0), 131072)
+    # per layer: attention 2048*(32+8)*128 + 4096*2048, norms 2*2048 + 2*128, router 2048*128; experts 128*3*2048*768
+    layer_dense = 2048 * 40 * 128 + 4096 * 2048 + 2 * 2048 + 2 * 128 + 2048 * 128
+    assert est["params_dense"] == 4 * layer_dense + 2 * 151936 * 2048 + 2048
+    assert est["params_expert"] == 4 * 128 * 3 * 2048 * 768
+    n = est["params_dense"] + est["params_expert"]  # 3,114,814,464 (3.115 B)
+    rows = {r["category"]: r["bytes"] for r in est["rows"]}
+    assert (rows["parameters"], rows["gradients"], rows["optimizer"]) == (2 * n, 2 * n, 16 * n)
+    assert rows["activations"] == 4 * 131072 * 2048 * 2 + 131072 * 151936 * 2
+    # CP2 + EP2 on two GPUs: each rank keeps half the experts, the distributed optimizer shards dense state over 2
+    two = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    est2 = estimate_memory(cfg, hf, two, two.rank_coords(1), 131072)
+    assert est2["params_expert"] == est["params_expert"] // 2
+    opt = {r["category"]: r["bytes"] for r in est2["rows"]}["optimizer"]
+    assert opt == 16 * est2["params_dense"] // 2 + 16 * est2["params_expert"]

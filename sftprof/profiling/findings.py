@@ -7,7 +7,8 @@ Each finding is ``{"text", "section", "weight"}``: ``weight`` is the share of th
 What-if lines (``what_if``) are first-order estimates computed from measured numbers and the trial's
 configuration; each carries its assumption:
 
-- distributed optimizer when off: optimizer state x (1 - 1/DP) saved;
+- distributed optimizer: when off, the optimizer state divided by the DP size of each parameter (DP x CP
+  dense, expert DP for the experts); when on, what it already divides by;
 - ``expandable_segments:True``: at most the measured allocator slack at the peak is returned
   (assumes the slack is fragmentation, which expandable segments avoid);
 - selective recompute (``core_attn``) instead of full: saves the measured recompute GPU time minus
@@ -116,10 +117,24 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
     a = (cfg or {}).get("actor") or {}
     m = a.get("megatron") or {}
     rows = {r["category"]: r for r in (estimate or {}).get("rows") or []}
-    if estimate and not (m.get("ddp") or {}).get("use_distributed_optimizer", True) and "optimizer" in rows:
-        what.append({"text": f"distributed optimizer: optimizer state {rows['optimizer']['gib']:.1f} GiB would be "
-                             "divided by the DP size of each parameter",
-                     "assumption": "megatron-core's distributed optimizer shards main params and moments over DP"})
+    if estimate and "optimizer" in rows and str(a.get("backend", "")).startswith("megatron"):
+        from sftprof.allocation import parse_allocation_mode
+
+        lay = parse_allocation_mode(a["backend"])
+        dense, expert = estimate["params_dense"], estimate["params_expert"]
+        if (m.get("ddp") or {}).get("use_distributed_optimizer", True):
+            text = (f"distributed optimizer (on): the optimizer state ({rows['optimizer']['gib']:.1f} GiB estimated) is "
+                    f"already divided by DP x CP = {lay.dp * lay.cp} (dense) and expert DP = {lay.edp}"
+                    + ("; at DP 1 it shards nothing, more data-parallel ranks would divide it further"
+                       if lay.dp * lay.cp == 1 and lay.edp == 1 else ""))
+        else:
+            full = rows["optimizer"]["bytes"]
+            sharded = full * (dense / (lay.dp * lay.cp) + expert / lay.edp) / max(dense + expert, 1)
+            text = (f"distributed optimizer at DP x CP = {lay.dp * lay.cp}, expert DP = {lay.edp}: optimizer state "
+                    f"{full / gib:.1f} -> {sharded / gib:.1f} GiB on rank {rank}")
+        what.append({"text": text, "assumption": "megatron-core's distributed optimizer shards main params, moments "
+                                                 "(and the fp32 gradient copy) over the data-parallel ranks of each "
+                                                 "parameter; gradient buffers stay whole"})
     if estimate and not m.get("lm_head_loss_chunk_size") and "activations" in rows:
         logits = rows["activations"].get("logits_bytes")
         if logits:

@@ -464,10 +464,42 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
     parts_out["outside_window"] = int((~inside).sum())
     parts_out["total_ms"] = _ms(total)
     host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS) if lo is not None else [],
-            "sync": ops.host_sync_ms(lo, hi) if lo is not None else {"total_ms": 0.0, "by_call": {}}}
+            "sync": ops.host_sync_ms(lo, hi) if lo is not None else {"total_ms": 0.0, "by_call": {}},
+            "gpu_idle": _idle_split(ts, dur, pts, lo, hi) if lo is not None else None}
     return {"parts": parts_out, "host": host,
             "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
             "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union)}
+
+
+def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float) -> dict[str, Any]:
+    """GPU idle time in ``[lo, hi]`` split by why the GPU waited (in the spirit of HTA's idle time breakdown).
+
+    Idle gaps are the gaps of the union of all activity intervals. A gap before an activity whose launch
+    call started after the gap began is ``host_wait`` (the host had not launched the next work yet);
+    otherwise ``kernel_wait`` (the work was queued but waited on a dependency: another stream, an event,
+    a collective's peer; also when the launch is not in the trace). Idle time before the first activity is
+    ``host_wait``. Every activity running in the window counts, so idle + GPU busy = the window.
+    """
+    keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
+    order = np.argsort(ts[keep], kind="stable")
+    t, e = np.clip(ts[keep][order], lo, hi), np.clip((ts + dur)[keep][order], lo, hi)
+    ln = launch[keep][order]
+    if not t.size:
+        return {"idle_ms": round((hi - lo) / 1e3, 4), "host_wait_ms": round((hi - lo) / 1e3, 4), "kernel_wait_ms": 0.0,
+                "after_last_activity_ms": 0.0}
+    run_end = np.maximum.accumulate(e)
+    host = max(t[0] - lo, 0.0)
+    kernel = 0.0
+    gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
+    for g in gaps:
+        gap = t[g] - run_end[g - 1]
+        if ln[g] > run_end[g - 1]:
+            host += gap
+        else:
+            kernel += gap
+    tail = max(hi - run_end[-1], 0.0)
+    return {"idle_ms": round((host + kernel + tail) / 1e3, 4), "host_wait_ms": round(host / 1e3, 4),
+            "kernel_wait_ms": round(kernel / 1e3, 4), "after_last_activity_ms": round(tail / 1e3, 4)}
 
 
 def _parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ rerunning reproduces it byte for byte.
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from sftprof.profiling.trace_summary import (KernelTraceAnalyzer, invalid_events
                                               short_kernel_name)
 from sftprof.profiling.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "smi_in_window", "render_markdown",
            "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
 
 PROFILE_KINDS = ("kernel", "memory")
@@ -144,7 +145,9 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     --format=csv[,nounits]`` log.
 
     Returns ``{"available", "samples", "gpus": [{"index", "peak_memory_used_mib", "memory_total_mib",
-    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct"}``.
+    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct",
+    "timed_samples"}``; ``timed_samples`` lists ``(unix s, GPU index, util %, memory MiB)`` of the rows whose
+    timestamp parses (:func:`smi_in_window` reads it; the summary drops it before writing JSON).
     Absent or empty files and ``[N/A]`` values are tolerated; units in values (``MiB``, ``%``) are stripped.
     """
     out: dict[str, Any] = {"available": False, "samples": 0, "gpus": [],
@@ -152,6 +155,7 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     if not path or not os.path.isfile(path):
         return out
     per: dict[int, dict[str, list[float]]] = {}
+    timed: list[tuple] = []
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         rows = csv.reader(f)
         header = None
@@ -173,6 +177,9 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
                 v = _number(rec.get(col, ""))
                 if v is not None:
                     d[key].append(v)
+            t = _smi_time(rec.get("timestamp", ""))
+            if t is not None:
+                timed.append((t, int(idx), _number(rec.get("utilization.gpu", "")), _number(rec.get("memory.used", ""))))
             out["samples"] += 1
     out["available"] = out["samples"] > 0
     for idx in sorted(per):
@@ -188,7 +195,39 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     utils = [g["peak_utilization_pct"] for g in out["gpus"] if g["peak_utilization_pct"] is not None]
     out["peak_memory_used_mib"] = max(mems) if mems else None
     out["peak_utilization_pct"] = max(utils) if utils else None
+    out["timed_samples"] = timed  # (unix s, GPU index, util %, memory MiB); dropped before JSON
     return out
+
+
+def _smi_time(text: str) -> float | None:
+    """Unix seconds of an nvidia-smi ``timestamp`` (``2026/11/30 09:45:39.123``, local time of this machine)."""
+    try:
+        return datetime.datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+def smi_in_window(smi: dict, lo_s: float, hi_s: float) -> dict[str, Any]:
+    """nvidia-smi samples inside ``[lo_s, hi_s]`` (unix seconds): per GPU the sample count, mean and peak
+    ``utilization.gpu`` and peak ``memory.used`` (MiB).
+
+    ``utilization.gpu`` is the share of nvidia-smi's sample period in which at least one kernel ran on
+    the GPU: a busy-ness figure like the trace's GPU busy %, not SM occupancy or tensor-core use.
+    Timestamps are read as local time of the machine that postprocesses (the driver runs it where
+    nvidia-smi ran).
+    """
+    per: dict[int, list] = {}
+    for t, idx, util, mem in smi.get("timed_samples") or []:
+        if lo_s <= t <= hi_s:
+            per.setdefault(idx, []).append((util, mem))
+    gpus = []
+    for idx in sorted(per):
+        u = [x for x, _ in per[idx] if x is not None]
+        m = [y for _, y in per[idx] if y is not None]
+        gpus.append({"index": idx, "samples": len(per[idx]),
+                     "mean_utilization_pct": round(sum(u) / len(u), 2) if u else None,
+                     "peak_utilization_pct": max(u) if u else None, "peak_memory_used_mib": max(m) if m else None})
+    return {"window_unix_s": [lo_s, hi_s], "gpus": gpus}
 
 
 def _read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
@@ -558,9 +597,15 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if profile_kind == "kernel":
         summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
         items = summary["kernel_traces"]
+        windows = [t["summary"]["step_window"] for t in items if "summary" in t]
+        windows = [w for w in windows if w.get("unix_start_s") is not None]
+        if windows and summary["nvidia_smi"]["available"]:
+            summary["nvidia_smi"]["profiled_step"] = smi_in_window(
+                summary["nvidia_smi"], min(w["unix_start_s"] for w in windows), max(w["unix_end_s"] for w in windows))
     else:
         summary.update(_memory_part(log_dir, run_dir, profile_step))
         items = summary["memory_snapshots"]
+    summary["nvidia_smi"].pop("timed_samples", None)
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
@@ -689,6 +734,12 @@ def _kernel_details(t: dict) -> list[str]:
         out.append(f"Blocking CUDA calls in the step window: {_fmt(host['sync']['total_ms'])} ms host wait ("
                    + ", ".join(f"{c} {v['calls']}x {_fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
                    + "). An op with sync wait spends that time waiting for the GPU, not working.\n")
+        idle = host.get("gpu_idle")
+        if idle:
+            out.append(f"GPU idle in the step window {_fmt(idle['idle_ms'])} ms: host wait (next work launched after "
+                       f"the GPU went idle) {_fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
+                       f"dependency) {_fmt(idle['kernel_wait_ms'])} ms, after the last activity "
+                       f"{_fmt(idle.get('after_last_activity_ms'))} ms.\n")
         out.append(_table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
                           [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
                            for r in host["top_self"]]))
@@ -782,9 +833,18 @@ def render_markdown(s: dict) -> str:
     smi = s["nvidia_smi"]
     if smi["available"]:
         out.append(f"## nvidia-smi ({smi['samples']} samples)\n")
-        out.append(_table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util %"],
+        out.append(_table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util % (whole trial)"],
                           [[g["index"], g["peak_memory_used_mib"], g["memory_total_mib"], g["peak_utilization_pct"],
                             g["mean_utilization_pct"]] for g in smi["gpus"]]))
+        ps = smi.get("profiled_step")
+        if ps:
+            out.append("\nInside the profiled step's window (from the trace; nvidia-smi timestamps read as local time). "
+                       "utilization.gpu is the share of time any kernel ran, like GPU busy %, not SM or tensor-core "
+                       "use; the whole-trial mean includes start-up, checkpoint loading and idle time:\n")
+            out.append(_table(["GPU", "samples", "mean util %", "peak util %", "peak used MiB"],
+                              [[g["index"], g["samples"], g["mean_utilization_pct"], g["peak_utilization_pct"],
+                                g["peak_memory_used_mib"]] for g in ps["gpus"]]
+                              or [["–", 0, None, None, None]]))
     rows = s["ranks"]["rows"]
     if rows:
         out.append("## Ranks\n")

@@ -241,6 +241,7 @@ class KernelTraceAnalyzer:
         self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
         self._ops = step_breakdown.OpCollector()
         self._device_name: str | None = None
+        self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
         if header:
             self.set_header(header)
 
@@ -250,6 +251,9 @@ class KernelTraceAnalyzer:
         A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
         are then labelled by the process-group names their own events carry.
         """
+        base = header.get("baseTimeNanoseconds") if isinstance(header, dict) else None
+        if isinstance(base, int) and not isinstance(base, bool):
+            self._base_ns = base
         props = header.get("deviceProperties") if isinstance(header, dict) else None
         if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
             self._device_name = props[0]["name"]
@@ -352,7 +356,8 @@ class KernelTraceAnalyzer:
     def summary(self) -> dict[str, Any]:
         """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
 
-        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms),
+        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms, and
+        unix_start_s/unix_end_s from the header's ``baseTimeNanoseconds``, None without it),
         ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
         ``top_kernels`` (name, calls, total_ms, share_pct), ``top_cpu_ops`` (name, calls,
         inclusive_ms: an op's own time plus the ops nested in it, over the whole trace), ``categories`` (category, calls,
@@ -473,7 +478,9 @@ class KernelTraceAnalyzer:
                                "examples": list(self._invalid_examples)},
             "view_repairs": dict(sorted(self._notes.items())),
             "step_window": {"source": window_src, "start_us": lo, "end_us": hi,
-                            "wall_ms": _ms(hi - lo) if lo is not None else None},
+                            "wall_ms": _ms(hi - lo) if lo is not None else None,
+                            "unix_start_s": (lo + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None,
+                            "unix_end_s": (hi + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None},
             "gpu": gpu,
             "top_kernels": top_kernels,
             "top_cpu_ops": [{"name": k, "calls": self._cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
