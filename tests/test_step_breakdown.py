@@ -81,6 +81,17 @@ def test_op_flops_for_known_shapes():
               "Concrete Inputs": ["", "", "", "", "0.", "False", "", "True"]}
     assert op_flops("aten::scaled_dot_product_attention", masked) is None
     assert attention_pairs(4, 4, True) == 10 and attention_pairs(4, 2, True) == 3 + 2 * 2 and attention_pairs(3, 5, False) == 15
+    for sq in range(1, 7):
+        for sk in range(1, 7):
+            for lower_right in (False, True):
+                shift = sk - sq if lower_right else 0
+                brute = sum(1 for i in range(sq) for j in range(sk) if j <= i + shift)
+                assert attention_pairs(sq, sk, True, lower_right) == brute, (sq, sk, lower_right)
+    # a context-parallel chunk through xformers-style efficient attention: q [b, s, h, d], lower-right mask (2)
+    eff = {"Input Dims": [[1, 2048, 32, 128], [1, 6144, 32, 128], [1, 6144, 32, 128], [], [], [], [], [], [], [], [], []],
+           "Concrete Inputs": ["", "", "", "", "", "", "", "", "0.", "2", "True", ""], "Input type": ["c10::BFloat16"] * 3}
+    pairs = 2048 * 6144 - 2048 * 2047 // 2
+    assert op_flops("aten::_efficient_attention_forward", eff) == ("attention", 4.0 * 32 * 128 * pairs, "BFloat16")
     assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_to_all", 2) == 0.5 and bus_factor("broadcast", 8) == 1.0
 
 

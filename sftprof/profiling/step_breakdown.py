@@ -29,8 +29,8 @@ FLOP rates (:func:`op_flops`): an activity's op is the innermost op with a known
 contains its launch point; an op's GPU time is the sum of its activities' durations. Counting rules:
 a GEMM ``[m, k] x [k, n]`` costs ``2 m k n`` (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
 ``_grouped_mm``); scaled-dot-product attention forward costs ``4 b h d P`` with ``P`` the query-key
-pairs computed (causal: ``key <= query``, top-left aligned as torch's ``is_causal``), as in
-``sftprof/flops.py``; its backward is counted as 2x the forward (the model-FLOPs convention of
+pairs computed (:func:`attention_pairs`; causal top-left as torch's ``is_causal``, lower-right for the
+flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as in ``sftprof/flops.py``; its backward is counted as 2x the forward (the model-FLOPs convention of
 ``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
 attention (an explicit ``attn_mask``) has no FLOP count here.
 
@@ -63,22 +63,38 @@ _DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3f
                 "Int": 4, "Long": 8, "Char": 1, "Byte": 1, "Bool": 1}
 _GEMMS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
           "aten::_grouped_mm": (0, 1)}
-# attention op -> (index of q, index of k, index of is_causal in Concrete Inputs, index of attn_mask or None, bwd)
+# attention op -> (index of q, index of k, index in Concrete Inputs of the causal flag, index of an explicit
+# mask/bias or None, backward?, layout of q/k, what the causal flag means). Layouts: "bhsd" = [b, h, s, d],
+# "bshd" = [b, s, h, d]. Causal kinds: "top_left" (torch's is_causal), "lower_right" (the flash kernels'
+# causal, which CausalBias(LOWER_RIGHT) uses for context-parallel chunks), "mask_type" (xformers-style
+# custom_mask_type: 0 none, 1 top-left, 2 lower-right).
 _ATTENTION = {
-    "aten::scaled_dot_product_attention": (0, 1, 5, 3, False),
-    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, None, True),
-    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, 4, True),
-    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, 6, True),
+    "aten::scaled_dot_product_attention": (0, 1, 5, 3, False, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_flash_attention": (0, 1, 4, None, False, "bhsd", "lower_right"),
+    "aten::_scaled_dot_product_efficient_attention": (0, 1, 6, 3, False, "bhsd", "top_left"),
+    "aten::_efficient_attention_forward": (0, 1, 9, 3, False, "bshd", "mask_type"),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, None, True, "bhsd", "lower_right"),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, 4, True, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, 6, True, "bhsd", "top_left"),
+    "aten::_efficient_attention_backward": (1, 2, 14, 4, True, "bshd", "mask_type"),
 }
 
 
-def attention_pairs(sq: int, sk: int, causal: bool) -> int:
-    """Query-key pairs one head computes: ``sq * sk``, or with a top-left causal mask ``sum_i min(i+1, sk)``."""
+def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -> int:
+    """Query-key pairs one head computes: ``sq * sk``; causal top-left (query ``i`` sees keys ``j <= i``):
+    ``sum_i min(i + 1, sk)``; causal lower-right (``j <= i + sk - sq``): ``sum_i clamp(i + 1 + sk - sq, 0, sk)``."""
     if not causal:
         return sq * sk
-    if sq <= sk:
-        return sq * (sq + 1) // 2
-    return sk * (sk + 1) // 2 + (sq - sk) * sk
+    shift = sk - sq if lower_right else 0
+    # sum over i in [0, sq) of clamp(i + 1 + shift, 0, sk), in closed form per linear piece
+    lo = max(0, -shift)  # first query that sees any key: i + 1 + shift >= 1
+    hi = min(sq, max(sk - shift, 0))  # queries with i + 1 + shift <= sk see a prefix
+    total = 0
+    if hi > lo:
+        a, b = lo + 1 + shift, hi + shift  # arithmetic series a..b
+        total += (a + b) * (hi - lo) // 2
+    total += max(sq - max(hi, lo), 0) * sk
+    return total
 
 
 def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
@@ -109,17 +125,31 @@ def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
                 return "GEMM", 2.0 * a[0] * a[1] * a[2] * b[2], dtype
             return None
         if name in _ATTENTION:
-            iq, ik, ic, im, bwd = _ATTENTION[name]
+            iq, ik, ic, im, bwd, layout, kind = _ATTENTION[name]
             q, k = dims[iq], dims[ik]
             concrete = args.get("Concrete Inputs") or []
             if im is not None and im < len(dims) and dims[im]:
-                return None  # explicit mask: pairs unknown
-            if len(q) != 4 or len(k) != 4 or ic >= len(concrete) or concrete[ic] not in ("True", "False"):
+                return None  # explicit mask or bias: pairs unknown
+            if len(q) != 4 or len(k) != 4 or ic >= len(concrete):
                 return None
-            b, h, sq, d = q
-            fwd = 4.0 * b * h * d * attention_pairs(sq, k[2], concrete[ic] == "True")
+            flag = concrete[ic]
+            if kind == "mask_type":
+                if flag not in ("0", "1", "2"):
+                    return None
+                causal, lower_right = flag != "0", flag == "2"
+            elif flag in ("True", "False"):
+                causal, lower_right = flag == "True", kind == "lower_right"
+            else:
+                return None
+            if layout == "bhsd":
+                b, h, sq, d = q
+                sk = k[2]
+            else:
+                b, sq, h, d = q
+                sk = k[1]
+            fwd = 4.0 * b * h * d * attention_pairs(sq, sk, causal, lower_right)
             return ("attention backward", 2 * fwd, dtype) if bwd else ("attention", fwd, dtype)
-    except (TypeError, IndexError):
+    except (TypeError, IndexError, ValueError):
         return None
     return None
 
@@ -253,7 +283,7 @@ class OpCollector:
         elif cat in ("cuda_runtime", "cuda_driver"):
             args = ev.get("args") or {}
             corr = args.get("correlation")
-            if isinstance(corr, int):
+            if isinstance(corr, int) and not isinstance(corr, bool):
                 self._launch[corr] = (tid, ts)
             if ev.get("name") in _SYNC_CALLS:
                 self.sync_calls.append((ev["name"], ts, ts + dur))

@@ -3,7 +3,7 @@
 Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.profiling.views.split_trace`` does both while it writes the views), then call
-:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen bytes each, never O(trace bytes).
 
 Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 
@@ -224,7 +224,6 @@ class KernelTraceAnalyzer:
         self._a_corr: list[int] = []
         self._a_ext: list[int] = []
         self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
-        self._launch_ts: dict[int, float] = {}  # correlation -> CUDA API call start (us)
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
         self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective ops on the host
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
@@ -328,10 +327,6 @@ class KernelTraceAnalyzer:
             self._a_pg.append(self._pg_ref(args))
             nb = args.get("bytes")
             self._a_bytes.append(nb if isinstance(nb, int) and not isinstance(nb, bool) and nb > 0 else 0)
-        elif cat == "cuda_runtime" or cat == "cuda_driver":
-            corr = _int_id((ev.get("args") or {}).get("correlation"))
-            if corr != -1:
-                self._launch_ts[corr] = ts
         elif cat == "user_annotation":
             name = ev.get("name") or ""
             if name.startswith(REGION_PREFIX):
@@ -370,7 +365,7 @@ class KernelTraceAnalyzer:
         end = ts + dur
         kinds = np.asarray(self._a_kind, dtype=np.int64)
         devs = np.asarray(self._a_dev, dtype=np.int64)
-        launch = np.array([self._launch_ts.get(c, np.nan) for c in self._a_corr], dtype=np.float64)
+        launch = self._ops.launch_points(self._a_corr)[1]  # CUDA API call start (us) per activity, NaN if absent
 
         regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
