@@ -605,7 +605,8 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
     return {"peak": peaks, "rows": out_rows, "memory_bound": mem_rows,
             "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x); "
                     "% of peak only for bf16/fp16 ops, against the dense bf16 peak; memory-bound rows: bytes "
-                    "moved by copies/fills over their time, against the HBM bandwidth"}
+                    "moved by copies/fills over their time, against the HBM bandwidth (a device-to-device copy "
+                    "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}
 
 
 def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union) -> dict:
