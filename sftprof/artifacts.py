@@ -61,6 +61,44 @@ def parse_region(name: str) -> tuple[str, Optional[int]] | None:
     return (m.group(1), None) if m.group(1) else (m.group(2), int(m.group(3)))
 
 
+# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.step_breakdown reads them):
+# sftprof.module/<part>[/L<layer>][/recompute].
+MODULE_REGION_PREFIX = "sftprof.module/"
+MODULE_RECOMPUTE_SUFFIX = "/recompute"
+# part -> label, in the order tables show them.
+MODEL_PART_LABELS = {
+    "attn_qkv": "attention QKV projection",
+    "attn_core": "attention core",
+    "attn_out": "attention output projection",
+    "attn_other": "attention other (RoPE, reshapes)",
+    "norm": "norms",
+    "router": "MoE router",
+    "dispatch_combine": "MoE dispatch/combine (permute, all-to-all)",
+    "experts": "expert GEMMs (routed)",
+    "shared_experts": "shared experts",
+    "layer_other": "layer other (residuals)",
+    "embedding": "embedding",
+    "lm_head_loss": "LM head + loss",
+}
+MODEL_PARTS = tuple(MODEL_PART_LABELS)
+_MODULE_REGION_RE = re.compile(r"^" + re.escape(MODULE_REGION_PREFIX) + r"([a-z_]+)(?:/L(\d+))?(/recompute)?$")
+
+
+def module_region_name(part: str, layer: Optional[int], recompute: bool) -> str:
+    """``sftprof.module/<part>[/L<layer>][/recompute]``: the range of model part ``part`` (:data:`MODEL_PARTS`) in
+    global decoder layer ``layer`` (None outside the layers), ``/recompute`` for a forward re-run in backward."""
+    name = MODULE_REGION_PREFIX + part + (f"/L{layer}" if layer is not None else "")
+    return name + MODULE_RECOMPUTE_SUFFIX if recompute else name
+
+
+def parse_module_region(name: str) -> Optional[tuple[str, Optional[int], bool]]:
+    """``(part, layer or None, recompute)`` of a range name made by :func:`module_region_name`, else None."""
+    m = _MODULE_REGION_RE.match(name)
+    if not m or m.group(1) not in MODEL_PART_LABELS:
+        return None
+    return m.group(1), None if m.group(2) is None else int(m.group(2)), bool(m.group(3))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # LOG_DIR (the trainer)
 # ---------------------------------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ def test_peak_of_another_rank_shows_in_summary_and_compare(tmp_path, small_snaps
     assert (st["mem_peak_reserved_gb"], st["mem_peak_reserved_rank"]) == (25.0, 3)
     assert st["per_rank"]["3"] == {"step_time_s": 0.23, "mem_peak_allocated_gb": 26.0, "mem_peak_reserved_gb": 25.0}
     md = (runs["B"] / "profile_summary.md").read_text()
-    assert "| 1 | 0.200 | 20480.000 | 26.000 (r3) | 25.000 (r3) | max of all | – | True |" in md
+    assert "| 1 | 0.200 | 20480.000 | 26.000 (r3) | 25.000 (r3) | max of all | – | – | True |" in md
     res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "cmp.md")
     assert res.returncode == 0, res.stderr
     cmp = (tmp_path / "cmp.md").read_text()

@@ -179,3 +179,58 @@ def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):
     assert sorted(df["iteration"].unique().tolist()) == [0]   # every event inside ProfilerStep#0
     assert "ProfilerStep#0" in analysis.t.symbol_table.sym_index
     assert "ProfilerStep not found" not in caplog.text
+
+
+def test_kernel_trace_holds_model_part_ranges_with_recompute(kernel_trial):
+    """The trainer's module hooks put one range per registered module call in the profiled step; HF gradient
+    checkpointing re-runs each layer's forward inside backward, which the ranges mark as recompute."""
+    from collections import Counter
+
+    from sftprof.capture.module_regions import PREFIX, parse_region
+
+    log_dir, _ = kernel_trial
+    events = json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]
+    names = Counter(e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PREFIX))
+    parsed = Counter()
+    for name, n in names.items():
+        part, layer, rec = parse_region(name)
+        parsed[(part, layer, rec)] += n
+    for layer in (0, 1):  # tiny_cpu: 2 layers, 1 micro-batch per rank
+        for part, calls in (("attn_qkv", 3), ("attn_out", 1), ("router", 1), ("experts", 1), ("dispatch_combine", 1),
+                            ("attn_other", 1), ("layer_other", 1), ("norm", 4)):
+            assert parsed[(part, layer, False)] == calls, (part, layer, parsed)
+            # re-run once in backward; the decoder layer's own call is not: HF's checkpoint wraps inside it
+            assert parsed[(part, layer, True)] == (0 if part == "layer_other" else calls), (part, layer, parsed)
+    assert parsed[("embedding", None, False)] == 1 and parsed[("lm_head_loss", None, True)] == 0
+
+
+def test_backward_gemms_get_the_part_of_their_forward(kernel_trial):
+    """On the trainer's own trace, every GEMM op is attributed to a model part: forward and recompute by the
+    range around it, backward through the fwd/bwd flow to the (recomputed) forward op. Each forward GEMM has
+    two backward GEMMs (input and weight gradients), so per part backward = 2 x recompute = 2 x forward."""
+    from collections import Counter
+
+    import numpy as np
+
+    from sftprof.analysis.step_breakdown import OpCollector
+
+    log_dir, _ = kernel_trial
+    ops, points = OpCollector(), []
+    for e in json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]:
+        if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float)):
+            ops.add(e, e["ts"], e["dur"])
+            if e.get("cat") == "cpu_op" and e["name"] in ("aten::mm", "aten::addmm", "aten::bmm"):
+                points.append((e["tid"], e["ts"] + 1e-3))  # a launch point inside the op
+        elif e.get("cat") == "fwdbwd":
+            ops.add(e, e["ts"], 0.0)
+    n = len(points)
+    parts, layers, phases, source = ops.attribute(np.array([p[0] for p in points]), np.array([p[1] for p in points]),
+                                                  ["GEMM"] * n, np.zeros(n, bool), np.zeros(n, bool))
+    assert source == "module_regions"
+    got = Counter(zip(parts, layers, phases))
+    assert not [k for k in got if k[0] in ("outside_parts", "comm_outside")], got
+    for layer in (0, 1):
+        for part in ("attn_qkv", "attn_out", "router", "experts"):
+            fwd = got[(part, layer, "forward")]
+            assert fwd > 0 and got[(part, layer, "recompute")] == fwd and got[(part, layer, "backward")] == 2 * fwd, got
+    assert got[("lm_head_loss", None, "backward")] == 2 * got[("lm_head_loss", None, "forward")] > 0

@@ -195,3 +195,19 @@ def test_checkpoint_errors_name_the_file_or_tensors(ckpt, tmp_path):
 
 class SimpleHF:
     num_attention_heads, num_key_value_heads, head_dim, num_experts, vocab_size = 4, 2, 16, 4, 250
+
+
+def test_model_part_registration_of_the_megatron_model(megatron_cpu):
+    """Every model part of megatron-core's GPTModel is registered for the trace ranges, with its global layer."""
+    from sftprof.capture import module_regions
+
+    gpt, hf = megatron_cpu
+    module_regions.register_model(gpt)
+    mine = Counter(module_regions.module_part(path) for path, _ in gpt.named_modules())
+    for layer in range(hf.num_hidden_layers):
+        assert {p: mine[(p, layer)] for p in module_regions.PARTS[:10]} == {
+            "attn_qkv": 1, "attn_core": 1, "attn_out": 1, "attn_other": 1, "norm": 4, "router": 1,
+            "dispatch_combine": 1, "experts": 1, "shared_experts": 0, "layer_other": 1}, layer
+    assert (mine[("embedding", None)], mine[("norm", None)], mine[("lm_head_loss", None)]) == (1, 1, 1)
+    live = Counter(module_regions.registered_modules())
+    assert live[("attn_core", hf.num_hidden_layers - 1)] >= 1  # layer_number - 1 of the last layer

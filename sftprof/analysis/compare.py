@@ -87,13 +87,34 @@ def _delta(a, b) -> tuple[str, str]:
     return f"{d:+.3f}", pct
 
 
-def _table(title: str, unit: str, rows: list[tuple[str, Any, Any]]) -> list[str]:
+def _table(title: str, unit: str, rows: list[tuple], noise: bool = False) -> list[str]:
     a_col, b_col = f"A {unit}".strip(), f"B {unit}".strip()
-    out = [f"| {title} | {a_col} | {b_col} | Δ (B−A) | Δ % |", "|---|---|---|---|---|"]
-    for name, a, b in rows:
+    extra = " above noise |" if noise else ""
+    out = [f"| {title} | {a_col} | {b_col} | Δ (B−A) | Δ % |{extra}", "|---|---|---|---|---|" + ("---|" if noise else "")]
+    for row in rows:
+        name, a, b = row[:3]
         d, p = _delta(a, b)
-        out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |")
+        tail = f" {row[3]} |" if noise else ""
+        out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |{tail}")
     return out + [""]
+
+
+def _noise(stats: dict) -> tuple[float | None, int]:
+    """(max - min step time in s, count) over the unprofiled steps after step 0; (None, count) below 2 steps."""
+    t = [x["step_time_s"] for x in stats.get("steps") or [] if not x.get("profiled") and x.get("step") != 0
+         and isinstance(x.get("step_time_s"), (int, float))]
+    return (max(t) - min(t), len(t)) if len(t) >= 2 else (None, len(t))
+
+
+def _noise_rows(rows: list[tuple], rel: float | None) -> list[tuple]:
+    """Rows with an "above noise" cell: |Δ| > rel x the larger value (rel = noise spread / step time)."""
+    out = []
+    for name, a, b in rows:
+        if rel is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            out.append((name, a, b, "–"))
+        else:
+            out.append((name, a, b, "yes" if abs(b - a) > rel * max(abs(a), abs(b)) else "no"))
+    return out
 
 
 def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tuple[str, Any, Any]]:
@@ -159,6 +180,14 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
         rank = st.get(f"{key}_rank")
         return "–" if rank is None else f"r{rank}" + (" only" if (st.get("n_ranks") or 1) == 1 else "")
 
+    na, nb = _noise(sa), _noise(sb)
+    out += [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
+            f"stats.jsonl): A {_f(na[0])} s over {na[1]} steps, B {_f(nb[0])} s over {nb[1]} steps."
+            + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
+               "its share of the step time." if na[0] is not None and nb[0] is not None else
+               " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
+    rel = ((na[0] + nb[0]) / sa["step_time_s"]) if (na[0] is not None and nb[0] is not None
+                                                  and sa.get("step_time_s")) else None
     rows = [("step time s (stats.jsonl, profiled step, slowest rank)", sa.get("step_time_s"), sb.get("step_time_s"))]
     for key, what in (("mem_peak_allocated", "peak allocated"), ("mem_peak_reserved", "peak reserved")):
         rows.append((f"{what} GB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
@@ -198,6 +227,13 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
         out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100))
         if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
             out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100))
+        if "parts" in x and "parts" in y:
+            out += _table("model part, summed over layers", "ms", _noise_rows(_union_rows(
+                {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
+                {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel), noise=rel is not None)
+            out += _table("exposed communication by process group", "ms", _noise_rows(_union_rows(
+                x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel),
+                noise=rel is not None)
         out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
                                                     {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
         out += _table("kernel (– = not in that run's top 20)", "ms",
@@ -218,6 +254,10 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
             ("reserved − allocated at peak", x["reserved_minus_allocated_at_peak_gib"],
              y["reserved_minus_allocated_at_peak_gib"])])
         out.append(f"Peak phase: A {x['peak_phase'] or '–'}, B {y['peak_phase'] or '–'}\n")
+        if "categories_at_peak" in x and "categories_at_peak" in y:
+            out += _table("memory at the peak by category", "GiB", _union_rows(
+                {c["label"]: c["gib"] for c in x["categories_at_peak"]},
+                {c["label"]: c["gib"] for c in y["categories_at_peak"]}, 100))
         out += _table("alive at peak by site (– = not in that run's top 20)", "GiB",
                       [(_short(n, 140), p, q) for n, p, q in _union_rows(
                           {s["site"]: s["gib"] for s in x["top_sites"]},

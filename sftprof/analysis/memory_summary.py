@@ -28,7 +28,26 @@ import numpy as np
 
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES"]
+__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES",
+           "site_category", "MEMORY_CATEGORIES"]
+
+# Category of a block alive at the peak, from its allocation site (first match wins). Line numbers of
+# megatron-core's _ParamAndGradBuffer are those of the pinned megatron-core 0.16.1
+# (distributed/param_and_grad_buffer.py: param_data at line 797, grad_data at 803).
+MEMORY_CATEGORIES = {
+    "parameters": "parameters (model weights, param buffers)",
+    "gradients": "gradient buffers",
+    "optimizer": "optimizer state and step buffers (main params, moments, fp32 main grads)",
+    "activations": "activations and autograd temporaries",
+    "before_window": "allocated before the recorded window (stack unknown)",
+}
+_CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
+    ("before_window", re.compile(r"^<allocated before the recorded window>$")),
+    ("gradients", re.compile(r"param_and_grad_buffer\.py:(80[3-9]|81\d) |\bgrad_data\b|main_grad")),
+    ("parameters", re.compile(r"param_and_grad_buffer\.py:(7[89]\d|80[0-2]) |\bparam_data\b|reset_parameters|"
+                              r"_initialize_affine_weight|\b__init__$|init_method|_load_hf_checkpoint|safetensors")),
+    ("optimizer", re.compile(r"(^|/)optimizer/|optim|adam", re.IGNORECASE)),
+)
 
 TOP_SITES = 20
 TOP_ALLOCATIONS = 10
@@ -80,6 +99,53 @@ def allocation_site(frames: list[dict]) -> str:
     if first_py is not None:
         return f"{node} (autograd) via {first_py}" if node else first_py
     return f"{node} (autograd)" if node else "<no Python frame>"
+
+
+def site_category(site: str) -> str:
+    """Category key of :data:`MEMORY_CATEGORIES` for an allocation site (:func:`allocation_site`).
+
+    Rules (first match): stack unknown -> ``before_window``; megatron-core gradient buffers ->
+    ``gradients``; parameter buffers and module ``__init__``/weight-init frames -> ``parameters``;
+    optimizer code (``optimizer/``, ``optim``, ``adam``) -> ``optimizer``; anything else, allocated
+    while the step ran, -> ``activations``.
+    """
+    for key, pattern in _CATEGORY_RULES:
+        if pattern.search(site):
+            return key
+    return "activations"
+
+
+def _categories(by_site: dict[str, list[int]], peak: int, reserved: int) -> list[dict]:
+    """Bytes alive at the peak per category (sum = allocated at the peak) plus allocator slack."""
+    tot: dict[str, list[int]] = {k: [0, 0] for k in MEMORY_CATEGORIES}
+    for site, (b, c) in by_site.items():
+        t = tot[site_category(site)]
+        t[0] += b
+        t[1] += c
+    rows = [{"category": k, "label": MEMORY_CATEGORIES[k], "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
+             "share_pct": round(100 * b / peak, 3) if peak else 0.0} for k, (b, c) in tot.items()]
+    rows.append({"category": "allocator_slack", "label": "allocator slack (reserved - allocated)",
+                 "bytes": reserved - peak, "gib": round((reserved - peak) / _GIB, 4), "blocks": None, "share_pct": None})
+    return rows
+
+
+def _spikes(trace: list, peak_i: int, allocated: np.ndarray, limit: int = 5) -> list[dict]:
+    """Largest short-lived allocations of the window: blocks allocated and freed again, by size.
+
+    A transient spike is a block freed within the window; its ``lifetime_ms`` is free minus alloc time.
+    """
+    born: dict[int, tuple[int, float, list]] = {}
+    out = []
+    for e in trace:
+        a = e.get("action")
+        if a == "alloc":
+            born[e["addr"]] = (int(e.get("size", 0)), float(e.get("time_us", 0)), e.get("frames") or [])
+        elif a == "free_completed" and e["addr"] in born:
+            size, t0, frames = born.pop(e["addr"])
+            out.append((size, float(e.get("time_us", 0)) - t0, t0, frames))
+    out.sort(key=lambda x: (-x[0], x[2]))
+    return [{"bytes": size, "gib": round(size / _GIB, 4), "lifetime_ms": round(life / 1e3, 3),
+             "site": allocation_site(frames)} for size, life, _, frames in out[:limit]]
 
 
 def _primary_device(snapshot: dict) -> int:
@@ -194,7 +260,10 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         ``peak_reserved_bytes``, ``reserved_at_peak_bytes``, ``reserved_minus_allocated_at_peak_bytes``,
         ``peak_time_ms`` (from the first recorded event), ``peak_phase`` (None without sidecar),
         ``end_allocated_bytes``, ``end_reserved_bytes``, ``top_sites`` (site, bytes, blocks,
-        share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), and ``series``
+        share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
+        (:data:`MEMORY_CATEGORIES` rows whose bytes sum to the allocated bytes at the peak, then the
+        allocator slack row), ``transient_spikes`` (largest blocks allocated and freed inside the window:
+        bytes, lifetime_ms, site), and ``series``
         (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
 
     Raises:
@@ -286,6 +355,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
 
     t0 = float(times[0]) if n else 0.0
     peak_t = float(times[peak_i]) if peak_i >= 0 else t0
+    categories = _categories(by_site, live_total, res_at_peak)
+    spikes = _spikes(trace, peak_i, allocated)
     phase_list = (phases or {}).get("phases") or []
     return {
         "device": dev,
@@ -306,6 +377,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         "end_reserved_bytes": end_reserved,
         "top_sites": top_sites,
         "top_allocations": top_allocs,
+        "categories_at_peak": categories,
+        "transient_spikes": spikes,
         "series": {"t_us": times, "allocated": allocated, "reserved": reserved, "peak_index": peak_i,
                    "start_allocated": start_alloc, "start_reserved": start_res, "phases": phase_list},
     }

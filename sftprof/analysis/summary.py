@@ -9,6 +9,7 @@ rerunning reproduces it byte for byte.
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import os
 import re
@@ -19,19 +20,22 @@ from typing import Any
 
 import yaml
 
+from sftprof.analysis import findings as fnd
 from sftprof.analysis.failure import first_failure
-from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
 from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.step_breakdown import PHASES, plot_parts
 from sftprof.analysis.trace_check import finite_json, is_finite_number
+from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
 from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
                                               short_kernel_name)
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "render_markdown",
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "smi_in_window", "render_markdown",
            "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
 
 PROFILE_KINDS = ("kernel", "memory")
+MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of GPU time by part and layer
 SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 _SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
@@ -109,7 +113,7 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
                 out["bad_lines"] += 1
             elif rec.get("type") == "step":
                 row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu",
-                                                 "mfu", "profiled")}
+                                                 "mfu", "recompute_tflops_per_gpu", "profiled")}
                 per_rank = _per_rank(rec)
                 for key in ("mem_peak_allocated", "mem_peak_reserved"):
                     row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
@@ -141,7 +145,9 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     --format=csv[,nounits]`` log.
 
     Returns ``{"available", "samples", "gpus": [{"index", "peak_memory_used_mib", "memory_total_mib",
-    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct"}``.
+    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct",
+    "timed_samples"}``; ``timed_samples`` lists ``(unix s, GPU index, util %, memory MiB)`` of the rows whose
+    timestamp parses (:func:`smi_in_window` reads it; the summary drops it before writing JSON).
     Absent or empty files and ``[N/A]`` values are tolerated; units in values (``MiB``, ``%``) are stripped.
     """
     out: dict[str, Any] = {"available": False, "samples": 0, "gpus": [],
@@ -149,6 +155,7 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     if not path or not os.path.isfile(path):
         return out
     per: dict[int, dict[str, list[float]]] = {}
+    timed: list[tuple] = []
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         rows = csv.reader(f)
         header = None
@@ -170,6 +177,9 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
                 v = _number(rec.get(col, ""))
                 if v is not None:
                     d[key].append(v)
+            t = _smi_time(rec.get("timestamp", ""))
+            if t is not None:
+                timed.append((t, int(idx), _number(rec.get("utilization.gpu", "")), _number(rec.get("memory.used", ""))))
             out["samples"] += 1
     out["available"] = out["samples"] > 0
     for idx in sorted(per):
@@ -185,7 +195,39 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     utils = [g["peak_utilization_pct"] for g in out["gpus"] if g["peak_utilization_pct"] is not None]
     out["peak_memory_used_mib"] = max(mems) if mems else None
     out["peak_utilization_pct"] = max(utils) if utils else None
+    out["timed_samples"] = timed  # (unix s, GPU index, util %, memory MiB); dropped before JSON
     return out
+
+
+def _smi_time(text: str) -> float | None:
+    """Unix seconds of an nvidia-smi ``timestamp`` (``2026/11/30 09:45:39.123``, local time of this machine)."""
+    try:
+        return datetime.datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+def smi_in_window(smi: dict, lo_s: float, hi_s: float) -> dict[str, Any]:
+    """nvidia-smi samples inside ``[lo_s, hi_s]`` (unix seconds): per GPU the sample count, mean and peak
+    ``utilization.gpu`` and peak ``memory.used`` (MiB).
+
+    ``utilization.gpu`` is the share of nvidia-smi's sample period in which at least one kernel ran on
+    the GPU: a busy-ness figure like the trace's GPU busy %, not SM occupancy or tensor-core use.
+    Timestamps are read as local time of the machine that postprocesses (the driver runs it where
+    nvidia-smi ran).
+    """
+    per: dict[int, list] = {}
+    for t, idx, util, mem in smi.get("timed_samples") or []:
+        if lo_s <= t <= hi_s:
+            per.setdefault(idx, []).append((util, mem))
+    gpus = []
+    for idx in sorted(per):
+        u = [x for x, _ in per[idx] if x is not None]
+        m = [y for _, y in per[idx] if y is not None]
+        gpus.append({"index": idx, "samples": len(per[idx]),
+                     "mean_utilization_pct": round(sum(u) / len(u), 2) if u else None,
+                     "peak_utilization_pct": max(u) if u else None, "peak_memory_used_mib": max(m) if m else None})
+    return {"window_unix_s": [lo_s, hi_s], "gpus": gpus}
 
 
 def _read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
@@ -286,6 +328,11 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
         if "views" in res:
             entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
             entry["summary"] = res["summary"]
+            if res["summary"]["parts"]["total_ms"]:
+                png = os.path.join(run_dir, MODEL_PARTS_DIR, f"rank{rank}.png")
+                os.makedirs(os.path.dirname(png), exist_ok=True)
+                plot_parts(res["summary"]["parts"], f"GPU time by model part, rank {rank} ({os.path.basename(src)})", png)
+                entry["parts_plot"] = os.path.relpath(png, run_dir)
         traces.append(entry)
     return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped}
 
@@ -315,6 +362,34 @@ def _max_entries(log_dir: str) -> int | None:
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _trial_config(log_dir: str) -> dict | None:
+    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, None when absent or unreadable."""
+    try:
+        with open(os.path.join(log_dir, "config.yaml"), encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
+    """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory_estimate.estimate_memory`) and why not."""
+    cfg = _trial_config(log_dir)
+    if cfg is None or rank is None:
+        return None, "no config.yaml in the log dir or no rank in the snapshot name: no theoretical estimate"
+    try:
+        from sftprof.allocation import parse_allocation_mode
+        from sftprof.models.hf import load_hf_config
+        from sftprof.analysis.memory_estimate import estimate_memory
+
+        a = cfg["actor"]
+        layout = parse_allocation_mode(a["backend"])
+        hf = load_hf_config(a["path"], a.get("num_layers"))
+        return estimate_memory(cfg, hf, layout, layout.rank_coords(rank), int(cfg["profile"]["fake_seq_len"])), None
+    except Exception as exc:  # an estimate that cannot be made is a note, never the trial's error
+        return None, f"no theoretical estimate: {type(exc).__name__}: {exc}"
 
 
 def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
@@ -354,6 +429,7 @@ def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
             entry["plot"] = os.path.relpath(png, run_dir)
             summary["history"] = history_status(summary, max_entries)
             entry["summary"] = summary
+            entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
         except Exception as exc:  # whatever one snapshot raises is that snapshot's error
             entry["error"] = _file_error(src, exc)
         snapshots.append(entry)
@@ -419,6 +495,34 @@ def rank_table(summary: dict) -> dict[str, Any]:
         imbalance[col] = {"max": hi[0], "max_rank": hi[1], "min": lo[0], "min_rank": lo[1],
                           "max_over_min": round(hi[0] / lo[0], 4) if len(vals) > 1 and lo[0] > 0 else None}
     return {"rows": ordered, "imbalance": imbalance}
+
+
+def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
+    """Top findings over all profiled ranks (:mod:`sftprof.analysis.findings`) and the what-if lines."""
+    found, what = [], []
+    traces = [t for t in summary.get("kernel_traces") or [] if "summary" in t and "error" not in t]
+    for t in traces:
+        f, w = fnd.kernel_findings(t["rank"], t["summary"], cfg)
+        found += f
+        what += w
+    if len(traces) > 1:
+        exp = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traces}
+        hi, lo = max(exp, key=exp.get), min(exp, key=exp.get)
+        g_hi = next(t for t in traces if t["rank"] == hi)["summary"]["collectives"]["exposed_by_group_ms"]
+        g_lo = next(t for t in traces if t["rank"] == lo)["summary"]["collectives"]["exposed_by_group_ms"]
+        diff = {g: g_hi.get(g, 0.0) - g_lo.get(g, 0.0) for g in set(g_hi) | set(g_lo)}
+        if diff and exp[hi] > exp[lo]:
+            g = max(diff, key=diff.get)
+            total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
+            found.append({"text": f"rank {hi} has {exp[hi] - exp[lo]:.1f} ms more exposed communication than rank {lo} "
+                                  f"({exp[hi]:.1f} vs {exp[lo]:.1f} ms); group {g} explains {diff[g]:.1f} ms of it",
+                          "section": "#ranks", "weight": (exp[hi] - exp[lo]) / total})
+    for m in summary.get("memory_snapshots") or []:
+        if "summary" in m and "error" not in m and m["rank"] is not None:
+            f, w = fnd.memory_findings(m["rank"], m["summary"], m.get("estimate"), cfg)
+            found += f
+            what += w
+    return fnd.top(found), what
 
 
 def _num(v) -> float | None:
@@ -493,9 +597,15 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     if profile_kind == "kernel":
         summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1))
         items = summary["kernel_traces"]
+        windows = [t["summary"]["step_window"] for t in items if "summary" in t]
+        windows = [w for w in windows if w.get("unix_start_s") is not None]
+        if windows and summary["nvidia_smi"]["available"]:
+            summary["nvidia_smi"]["profiled_step"] = smi_in_window(
+                summary["nvidia_smi"], min(w["unix_start_s"] for w in windows), max(w["unix_end_s"] for w in windows))
     else:
         summary.update(_memory_part(log_dir, run_dir, profile_step))
         items = summary["memory_snapshots"]
+    summary["nvidia_smi"].pop("timed_samples", None)
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
     if coords_error:
         errors.append({"file": "rank_coords.json", "error": coords_error})
@@ -536,6 +646,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         "skipped": len(summary["skipped"]),
     }
     summary["ranks"] = rank_table(summary)
+    summary["findings"], summary["what_if"] = _findings(summary, _trial_config(log_dir))
     with open(os.path.join(run_dir, SUMMARY_JSON), "w", encoding="utf-8") as f:
         json.dump(finite_json(summary)[0], f, indent=1, sort_keys=True, allow_nan=False)  # strict JSON
         f.write("\n")
@@ -571,6 +682,100 @@ def _short(name: str, n: int = 110) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
+def _parts_table(rows: list[dict]) -> str:
+    return _table(["part"] + [f"{p} ms" for p in PHASES] + ["total ms", "share %"],
+                  [[r["label"]] + [r[f"{p}_ms"] for p in PHASES] + [r["total_ms"], r["share_pct"]] for r in rows])
+
+
+def _kernel_details(t: dict) -> list[str]:
+    """Markdown of one rank's model-part breakdown, kernel efficiency, collectives and host sections."""
+    k, rank = t["summary"], t["rank"]
+    parts, out = k["parts"], []
+    if parts["total_ms"]:
+        out.append(f"\n### {fnd.parts_heading(rank)}\n")
+        how = ("model-part ranges placed by the trainer's module hooks" if parts["source"] == "module_regions" else
+               "**no model-part ranges in this trace**: split by kernel name only")
+        out.append(f"GPU time of the activities launched in the step window: {_fmt(parts['total_ms'])} ms ({how}; "
+                   f"{parts['outside_window']} activities launched outside the window left out)."
+                   + (f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else "") + "\n")
+        out.append("Summed over layers:\n")
+        out.append(_parts_table(parts["summed"]))
+        for layer in parts["layers"]:
+            out.append(f"\nLayer {layer['layer']}:\n")
+            out.append(_parts_table(layer["rows"]))
+        if parts["outside_layers"] and parts["layers"]:
+            out.append("\nOutside the decoder layers:\n")
+            out.append(_parts_table(parts["outside_layers"]))
+    eff = k["efficiency"]
+    if eff["rows"] or eff["memory_bound"]:
+        peak = eff["peak"]
+        out.append(f"\n### Kernel efficiency, rank {rank}\n")
+        out.append(f"Device {_fmt(peak['device'])}: dense bf16 peak "
+                   f"{_fmt(peak['bf16_flops'] / 1e12 if peak['bf16_flops'] else None, 1)} TFLOP/s, HBM "
+                   f"{_fmt(peak['hbm_bytes_per_s'] / 1e12 if peak['hbm_bytes_per_s'] else None, 2)} TB/s. {eff['note']}.\n")
+        out.append(_table(["kind", "part", "phase", "dtype", "ops", "TFLOP", "GPU ms", "TFLOP/s", "% of peak"],
+                          [[r["kind"], r["part"], r["phase"], r["dtype"], r["calls"], r["tflop"], r["gpu_ms"],
+                            r["tflops_per_s"], r["pct_of_peak"]] for r in eff["rows"]]))
+        if eff["memory_bound"]:
+            out.append(_table(["copy / fill", "calls", "GiB", "GPU ms", "GB/s", "% of HBM"],
+                              [[r["name"], r["calls"], r["gib"], r["gpu_ms"], r["gb_per_s"], r["pct_of_hbm"]]
+                               for r in eff["memory_bound"]]))
+    coll = k["collectives"]
+    if coll["rows"]:
+        out.append(f"\n### Communication by process group, rank {rank}\n")
+        out.append(_table(["group", "collective", "calls", "GiB", "GPU ms", "group size", "algbw GB/s", "busbw GB/s"],
+                          [[r["group"], r["collective"], r["calls"], r["gib"], r["gpu_ms"], r["group_size"],
+                            r["algbw_gb_per_s"], r["busbw_gb_per_s"]] for r in coll["rows"]]))
+        out.append(_table(["group", "exposed ms"], [[g, v] for g, v in coll["exposed_by_group_ms"].items()]))
+        out.append(f"{coll['note']}.\n")
+    host = k["host"]
+    if host["top_self"]:
+        out.append(f"\n### Host, rank {rank}\n")
+        out.append(f"Blocking CUDA calls in the step window: {_fmt(host['sync']['total_ms'])} ms host wait ("
+                   + ", ".join(f"{c} {v['calls']}x {_fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
+                   + "). An op with sync wait spends that time waiting for the GPU, not working.\n")
+        idle = host.get("gpu_idle")
+        if idle:
+            out.append(f"GPU idle in the step window {_fmt(idle['idle_ms'])} ms: host wait (next work launched after "
+                       f"the GPU went idle) {_fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
+                       f"dependency) {_fmt(idle['kernel_wait_ms'])} ms, after the last activity "
+                       f"{_fmt(idle.get('after_last_activity_ms'))} ms.\n")
+        out.append(_table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
+                          [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
+                           for r in host["top_self"]]))
+    return out
+
+
+def _memory_details(m: dict) -> list[str]:
+    """Markdown of one snapshot's categories at the peak, theoretical estimate and transient spikes."""
+    x, rank, out = m["summary"], m["rank"], []
+    out.append(f"### {fnd.memory_heading(rank)}\n")
+    out.append(_table(["category", "GiB", "blocks", "share % of allocated"],
+                      [[r["label"], r["gib"], r["blocks"], r["share_pct"]] for r in x["categories_at_peak"]]))
+    est = m.get("estimate")
+    if est:
+        cmp_rows = fnd.explain_estimate(x, est) or []
+        out.append(f"\nTheoretical estimate ({est['params_dense'] + est['params_expert']:,} parameters on this rank: "
+                   f"{est['params_dense']:,} dense, {est['params_expert']:,} expert; "
+                   + "; ".join(est["assumptions"]) + "):\n")
+        out.append(_table(["category", "estimated GiB", "formula"],
+                          [[r["category"], r["gib"], r["formula"]] for r in est["rows"]]))
+        out.append(_table(["category", "measured GiB", "estimated GiB", "measured - estimated GiB"],
+                          [[r["category"], round(r["measured_bytes"] / 2**30, 4), round(r["estimated_bytes"] / 2**30, 4),
+                            round(r["difference_bytes"] / 2**30, 4)] for r in cmp_rows]))
+        out.append("Differences: the activation estimate is a lower bound (the working set of the layer in "
+                   "backward is not counted); blocks allocated before the recorded window carry no stack and are "
+                   "set against parameters, gradients and optimizer state together.\n")
+    elif m.get("estimate_note"):
+        out.append(f"\n{m['estimate_note']}\n")
+    if x.get("transient_spikes"):
+        out.append("\nTransient spikes (largest blocks allocated and freed inside the window):\n")
+        out.append(_table(["GiB", "lifetime ms", "site"],
+                          [[r["gib"], r["lifetime_ms"], _short(r["site"], 140)] for r in x["transient_spikes"]]))
+    out.append("")
+    return out
+
+
 def render_markdown(s: dict) -> str:
     """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file)."""
     out = [f"# Profile summary: {s['trial']}\n",
@@ -581,6 +786,14 @@ def render_markdown(s: dict) -> str:
            f"backend: {_fmt(s['completion']['backend'])}, device: {_fmt(s['completion']['device'])}",
            "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
            f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
+    if s.get("findings"):
+        out.append("## Findings\n")
+        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))" for i, f in enumerate(s["findings"])]
+        out.append("")
+    if s.get("what_if"):
+        out.append("## What if\n")
+        out += [f"- {w['text']}. Assumes: {w['assumption']}." for w in s["what_if"]]
+        out.append("")
     if s["errors"]:
         out.append("## Errors\n")
         out.append(_table(["file", "error"], [[e["file"], e["error"]] for e in s["errors"]]))
@@ -607,19 +820,31 @@ def render_markdown(s: dict) -> str:
     st = s["stats"]
     if st["steps"]:
         out.append("## Steps (stats.jsonl)\n")
+        out.append("Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
+                   "GPU does on top of the model FLOPs; not in MFU).\n")
         out.append(_table(["step", "step time s", "tokens/s", "peak alloc GiB (rank)", "peak reserved GiB (rank)",
-                           "over ranks", "MFU", "profiled"],
+                           "over ranks", "MFU", "recompute TFLOP/s/GPU", "profiled"],
                           [[x["step"], x["step_time_s"], x["tokens_per_s"],
                             _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
                             _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
-                            "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"], x["profiled"]]
+                            "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
+                            x.get("recompute_tflops_per_gpu"), x["profiled"]]
                            for x in st["steps"]]))
     smi = s["nvidia_smi"]
     if smi["available"]:
         out.append(f"## nvidia-smi ({smi['samples']} samples)\n")
-        out.append(_table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util %"],
+        out.append(_table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util % (whole trial)"],
                           [[g["index"], g["peak_memory_used_mib"], g["memory_total_mib"], g["peak_utilization_pct"],
                             g["mean_utilization_pct"]] for g in smi["gpus"]]))
+        ps = smi.get("profiled_step")
+        if ps:
+            out.append("\nInside the profiled step's window (from the trace; nvidia-smi timestamps read as local time). "
+                       "utilization.gpu is the share of time any kernel ran, like GPU busy %, not SM or tensor-core "
+                       "use; the whole-trial mean includes start-up, checkpoint loading and idle time:\n")
+            out.append(_table(["GPU", "samples", "mean util %", "peak util %", "peak used MiB"],
+                              [[g["index"], g["samples"], g["mean_utilization_pct"], g["peak_utilization_pct"],
+                                g["peak_memory_used_mib"]] for g in ps["gpus"]]
+                              or [["–", 0, None, None, None]]))
     rows = s["ranks"]["rows"]
     if rows:
         out.append("## Ranks\n")
@@ -671,6 +896,7 @@ def render_markdown(s: dict) -> str:
             out.append("\n### Collectives\n")
             out.append(_table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))
             out.append(_table(["by process group", "ms"], [[a, b] for a, b in c["by_group_ms"].items()]))
+        out += _kernel_details(t)
         if k["regions"]:
             out.append("\n### Annotated regions\n")
             out.append(_table(["region", "start ms", "CPU ms", "GPU ms"],
@@ -689,6 +915,7 @@ def render_markdown(s: dict) -> str:
         if x["history"]["truncated"]:
             out.append(f"- **truncated window:** {x['history']['message']}")
         out.append(f"- plot: `{m['plot']}`\n")
+        out += _memory_details(m)
         out.append("### Alive at the peak, by allocation site\n")
         out.append(_table(["site", "GiB", "blocks", "share %"],
                           [[_short(y["site"], 140), y["gib"], y["blocks"], y["share_pct"]] for y in x["top_sites"]]))

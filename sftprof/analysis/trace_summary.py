@@ -3,7 +3,7 @@
 Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.analysis.views.split_trace`` does both while it writes the views), then call
-:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches), a few dozen bytes each, never O(trace bytes).
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen bytes each, never O(trace bytes).
 
 Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 
@@ -31,6 +31,8 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+
+from sftprof.analysis import step_breakdown
 
 __all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS",
            "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT"]
@@ -222,7 +224,6 @@ class KernelTraceAnalyzer:
         self._a_corr: list[int] = []
         self._a_ext: list[int] = []
         self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
-        self._launch_ts: dict[int, float] = {}  # correlation -> CUDA API call start (us)
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
         self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective ops on the host
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
@@ -236,6 +237,10 @@ class KernelTraceAnalyzer:
         self._invalid: dict[str, int] = defaultdict(int)
         self._invalid_examples: list[str] = []
         self._notes: dict[str, int] = {}
+        self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
+        self._ops = step_breakdown.OpCollector()
+        self._device_name: str | None = None
+        self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
         if header:
             self.set_header(header)
 
@@ -245,6 +250,12 @@ class KernelTraceAnalyzer:
         A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
         are then labelled by the process-group names their own events carry.
         """
+        base = header.get("baseTimeNanoseconds") if isinstance(header, dict) else None
+        if isinstance(base, int) and not isinstance(base, bool):
+            self._base_ns = base
+        props = header.get("deviceProperties") if isinstance(header, dict) else None
+        if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
+            self._device_name = props[0]["name"]
         info = header.get("distributedInfo") if isinstance(header, dict) else None
         pgs = info.get("pg_config") if isinstance(info, dict) else None
         for pg in pgs if isinstance(pgs, list) else ():
@@ -283,12 +294,16 @@ class KernelTraceAnalyzer:
         instead (``split_trace`` does this), so that no figure includes them.
         """
         self.n_events += 1
-        if ev.get("ph") != "X":
+        ph = ev.get("ph")
+        if ph != "X":
+            if ph in ("s", "f") and ev.get("cat") == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
+                self._ops.add(ev, ev["ts"], 0.0)
             return
         ts = ev.get("ts")
         dur = ev.get("dur")
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
+        self._ops.add(ev, ts, dur)
         if ts < self._t_min:
             self._t_min = ts
         if ts + dur > self._t_max:
@@ -310,10 +325,8 @@ class KernelTraceAnalyzer:
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
             self._a_pg.append(self._pg_ref(args))
-        elif cat == "cuda_runtime" or cat == "cuda_driver":
-            corr = _int_id((ev.get("args") or {}).get("correlation"))
-            if corr != -1:
-                self._launch_ts[corr] = ts
+            nb = args.get("bytes")
+            self._a_bytes.append(nb if isinstance(nb, int) and not isinstance(nb, bool) and nb > 0 else 0)
         elif cat == "user_annotation":
             name = ev.get("name") or ""
             if name.startswith(REGION_PREFIX):
@@ -338,7 +351,8 @@ class KernelTraceAnalyzer:
     def summary(self) -> dict[str, Any]:
         """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
 
-        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms),
+        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms, and
+        unix_start_s/unix_end_s from the header's ``baseTimeNanoseconds``, None without it),
         ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
         ``top_kernels`` (name, calls, total_ms, share_pct), ``top_cpu_ops`` (name, calls,
         inclusive_ms: an op's own time plus the ops nested in it, over the whole trace), ``categories`` (category, calls,
@@ -351,7 +365,7 @@ class KernelTraceAnalyzer:
         end = ts + dur
         kinds = np.asarray(self._a_kind, dtype=np.int64)
         devs = np.asarray(self._a_dev, dtype=np.int64)
-        launch = np.array([self._launch_ts.get(c, np.nan) for c in self._a_corr], dtype=np.float64)
+        launch = self._ops.launch_points(self._a_corr)[1]  # CUDA API call start (us) per activity, NaN if absent
 
         regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
@@ -436,6 +450,12 @@ class KernelTraceAnalyzer:
             by_op[name] += h_hi - h_lo
         communication["host_ops"] = {"ops": len(self._host_comm), "wall_ms": _ms(_length(*_union(host_s, host_e))),
                                      "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}}
+        details = step_breakdown.analyze(
+            self._ops, ts=ts, dur=dur, devs=devs, corr=self._a_corr, ext=self._a_ext, cats=cats, is_comm=is_comm,
+            groups=groups, names=[self._name_list[k] for k in self._a_name], kinds=kinds,
+            nbytes=np.asarray(self._a_bytes, dtype=np.float64), window=(lo, hi),
+            optimizer_windows=[(a, b) for _, a, b in opt], device_name=self._device_name,
+            intersection=_intersection_length, union=_union)
         region_rows = []
         for name, r_lo, r_hi in regions:
             inside = (launch >= r_lo) & (launch <= r_hi)
@@ -453,7 +473,9 @@ class KernelTraceAnalyzer:
                                "examples": list(self._invalid_examples)},
             "view_repairs": dict(sorted(self._notes.items())),
             "step_window": {"source": window_src, "start_us": lo, "end_us": hi,
-                            "wall_ms": _ms(hi - lo) if lo is not None else None},
+                            "wall_ms": _ms(hi - lo) if lo is not None else None,
+                            "unix_start_s": (lo + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None,
+                            "unix_end_s": (hi + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None},
             "gpu": gpu,
             "top_kernels": top_kernels,
             "top_cpu_ops": [{"name": k, "calls": self._cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
@@ -461,6 +483,7 @@ class KernelTraceAnalyzer:
             "categories": categories,
             "communication": communication,
             "regions": region_rows,
+            **details,
         }
 
     @staticmethod

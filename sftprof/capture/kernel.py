@@ -8,7 +8,8 @@ before it warms the profiler up (as torchtitan's schedule does; step 0 has no wa
 profiled step is recorded and saved. The profiler's step counter is the trainer's step, so the
 profiled step shows as ``ProfilerStep#<step>`` in the trace (what HolisticTraceAnalysis and
 TensorBoard's profiler plugin split steps by) with the regions of
-:mod:`sftprof.capture.regions` (``user_annotation`` events) inside it.
+:mod:`sftprof.capture.regions` (``user_annotation`` events) inside it, and, while the profiled step
+runs, the model-part ranges of :mod:`sftprof.capture.module_regions` (engines register their model).
 
 Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
@@ -28,6 +29,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from sftprof.artifacts import raw_trace_path
+from sftprof.capture import module_regions
 from sftprof.ranks import resolve_ranks
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,8 @@ class KernelProfiler:
                 raise ValueError(f"KernelProfiler.step: expected step {expected}, got {step}")
             self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
         try:
-            yield
+            with module_regions.recording(step in self.steps):
+                yield
         except BaseException:
             self._failed = True
             self._stop()

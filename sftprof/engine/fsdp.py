@@ -38,6 +38,7 @@ from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.loss import SFTLoss
 from sftprof.models.routing import RoutingLoadMeter
+from sftprof.capture.module_regions import register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ class FSDPEngine(Engine):
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
+        register_model(model)  # model-part ranges in kernel traces (sftprof.capture.module_regions)
         self.routing = RoutingLoadMeter(
             [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")],
             hf_config.num_hidden_layers, hf_config.num_experts, 1, device)

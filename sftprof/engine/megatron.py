@@ -47,6 +47,7 @@ from sftprof.loss import SFTLoss
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import resolve_model_dir
 from sftprof.models.routing import RoutingLoadMeter
+from sftprof.capture.module_regions import register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class MegatronEngine(Engine):
         if self.pre_process:
             gpt.embedding.register_forward_hook(self._mark_stage_input)
         self.gpt = gpt
+        register_model(gpt)  # model-part ranges in kernel traces (sftprof.capture.module_regions)
         self.routing = RoutingLoadMeter(
             [(layer.layer_number - 1, layer.mlp.router) for layer in gpt.decoder.layers],
             hf_config.num_hidden_layers, tcfg.num_moe_experts, layout.ep, device)

@@ -1,0 +1,172 @@
+"""The top of ``profile_summary.md``: the largest levers of a trial, and what-if lines, from its figures.
+
+Each finding is ``{"text", "section", "weight"}``: ``weight`` is the share of the step's GPU time
+(kernel trials) or of the peak allocated memory (memory trials) the lever concerns, and orders them;
+``section`` is the Markdown heading the finding points to. Figures are per profiled rank and say so.
+
+What-if lines (``what_if``) are first-order estimates computed from measured numbers and the trial's
+configuration; each carries its assumption:
+
+- distributed optimizer: when off, the optimizer state divided by the DP size of each parameter (DP x CP
+  dense, expert DP for the experts); when on, what it already divides by;
+- ``expandable_segments:True``: at most the measured allocator slack at the peak is returned
+  (assumes the slack is fragmentation, which expandable segments avoid);
+- selective recompute (``core_attn``) instead of full: saves the measured recompute GPU time minus
+  the attention core's recompute time; adds the activations full recompute drops (not estimated here);
+- chunked LM head when ``lm_head_loss_chunk_size`` is 0: frees the logits (``s V / t`` in the model
+  dtype, :mod:`sftprof.analysis.memory_estimate`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["kernel_findings", "memory_findings", "top", "explain_estimate", "MAX_FINDINGS", "parts_heading",
+           "memory_heading"]
+
+MAX_FINDINGS = 5
+
+
+def parts_heading(rank: int) -> str:
+    return f"Time by model part, rank {rank}"
+
+
+def memory_heading(rank: int) -> str:
+    return f"Memory at the peak by category, rank {rank}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub-style anchor of a Markdown heading."""
+    out = "".join(c for c in heading.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+    return "#" + out
+
+
+def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
+    """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output)."""
+    parts = s.get("parts") or {}
+    total = parts.get("total_ms") or 0.0
+    if not total:
+        return [], []
+    sec = _anchor(parts_heading(rank))
+    eff = {(r["kind"], r["phase"]): r for r in (s.get("efficiency") or {}).get("rows") or []
+           if r["kind"] == "attention"}
+    out: list[dict] = []
+    for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
+        text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of GPU time ({r['total_ms']:.1f} ms"
+        if r["recompute_ms"]:
+            text += f", of which recompute {r['recompute_ms']:.1f} ms"
+        text += ")"
+        if "attention" in r["label"] and "core" in r["label"]:
+            rates = [f"{eff[('attention', ph)]['tflops_per_s']:.0f} TFLOP/s {ph}" for ph in ("forward", "backward")
+                     if ("attention", ph) in eff and eff[("attention", ph)]["tflops_per_s"]]
+            if rates:
+                text += " at " + " / ".join(rates)
+        out.append({"text": text, "section": sec, "weight": r["total_ms"] / total})
+    rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
+    if rec:
+        out.append({"text": f"rank {rank}: activation recompute re-runs {rec:.1f} ms of forward work "
+                            f"({100 * rec / total:.1f} % of GPU time)", "section": sec, "weight": rec / total})
+    coll = s.get("collectives") or {}
+    exposed = coll.get("exposed_by_group_ms") or {}
+    if exposed:
+        g, ms = max(exposed.items(), key=lambda kv: kv[1])
+        out.append({"text": f"rank {rank}: exposed communication {s['communication']['exposed_ms']:.1f} ms; "
+                            f"largest exposed group {g} {ms:.1f} ms",
+                    "section": _anchor(f"Communication by process group, rank {rank}"), "weight": ms / total})
+    sync = ((s.get("host") or {}).get("sync") or {}).get("total_ms") or 0.0
+    wall = (s.get("step_window") or {}).get("wall_ms") or 0.0
+    if sync and wall:
+        out.append({"text": f"rank {rank}: the host waited {sync:.1f} ms on blocking CUDA calls "
+                            f"({100 * sync / wall:.1f} % of the step's wall time)",
+                    "section": _anchor(f"Host, rank {rank}"), "weight": sync / wall})
+    what = []
+    m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
+    if rec and m.get("recompute_granularity") == "full":
+        core = next((r["recompute_ms"] for r in parts.get("summed") or [] if r["part"] == "attn_core"), 0.0)
+        what.append({"text": f"selective recompute (core_attn) instead of full: about {rec - core:.1f} ms less GPU "
+                             f"time per step on rank {rank} (measured recompute {rec:.1f} ms minus the attention "
+                             f"core's {core:.1f} ms)", "assumption": "the recomputed work is removed one for one; the "
+                             "activation memory that full recompute avoids comes back (see the memory trial)"})
+    return out, what
+
+
+def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
+    """``(findings, what_if)`` of one rank's snapshot summary ``s`` (:func:`analyze_snapshot` output)."""
+    peak = s.get("peak_allocated_bytes") or 0
+    if not peak:
+        return [], []
+    gib = 2.0**30
+    sec = _anchor(memory_heading(rank))
+    out = []
+    for r in sorted(s.get("categories_at_peak") or [], key=lambda r: -r["bytes"])[:3]:
+        if r["bytes"] > 0:
+            out.append({"text": f"rank {rank}: {r['label']} {r['gib']:.1f} GiB of the {peak / gib:.1f} GiB peak"
+                                + (f" ({s['peak_phase']})" if s.get("peak_phase") else ""),
+                        "section": sec, "weight": r["bytes"] / peak})
+    spikes = s.get("transient_spikes") or []
+    if spikes:
+        sp = spikes[0]
+        out.append({"text": f"rank {rank}: largest transient block {sp['gib']:.2f} GiB for {sp['lifetime_ms']:.1f} ms "
+                            f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak})
+    what = []
+    slack = s.get("reserved_minus_allocated_at_peak_bytes") or 0
+    if slack > 0:
+        what.append({"text": f"expandable_segments:True: up to {slack / gib:.2f} GiB of reserved memory on rank {rank} "
+                             "returned (the slack at the peak)",
+                     "assumption": "the slack is fragmentation of the caching allocator, which expandable "
+                                   "segments avoid; reserved-but-cached blocks of other sizes are not separated"})
+    a = (cfg or {}).get("actor") or {}
+    m = a.get("megatron") or {}
+    rows = {r["category"]: r for r in (estimate or {}).get("rows") or []}
+    if estimate and "optimizer" in rows and str(a.get("backend", "")).startswith("megatron"):
+        from sftprof.allocation import parse_allocation_mode
+
+        lay = parse_allocation_mode(a["backend"])
+        dense, expert = estimate["params_dense"], estimate["params_expert"]
+        if (m.get("ddp") or {}).get("use_distributed_optimizer", True):
+            text = (f"distributed optimizer (on): the optimizer state ({rows['optimizer']['gib']:.1f} GiB estimated) is "
+                    f"already divided by DP x CP = {lay.dp * lay.cp} (dense) and expert DP = {lay.edp}"
+                    + ("; at DP 1 it shards nothing, more data-parallel ranks would divide it further"
+                       if lay.dp * lay.cp == 1 and lay.edp == 1 else ""))
+        else:
+            full = rows["optimizer"]["bytes"]
+            sharded = full * (dense / (lay.dp * lay.cp) + expert / lay.edp) / max(dense + expert, 1)
+            text = (f"distributed optimizer at DP x CP = {lay.dp * lay.cp}, expert DP = {lay.edp}: optimizer state "
+                    f"{full / gib:.1f} -> {sharded / gib:.1f} GiB on rank {rank}")
+        what.append({"text": text, "assumption": "megatron-core's distributed optimizer shards main params, moments "
+                                                 "(and the fp32 gradient copy) over the data-parallel ranks of each "
+                                                 "parameter; gradient buffers stay whole"})
+    if estimate and not m.get("lm_head_loss_chunk_size") and "activations" in rows:
+        logits = rows["activations"].get("logits_bytes")
+        if logits:
+            what.append({"text": f"chunked LM head (LM_HEAD_LOSS_CHUNK_SIZE > 0): about {logits / gib:.2f} GiB of "
+                                 f"logits on rank {rank} not held", "assumption": "logits s x V/tp in the model "
+                                 "dtype, as in sftprof/analysis/memory_estimate.py; one chunk stays"})
+    return out, what
+
+
+def top(findings: list[dict]) -> list[dict]:
+    """The :data:`MAX_FINDINGS` heaviest findings."""
+    return sorted(findings, key=lambda f: -f["weight"])[:MAX_FINDINGS]
+
+
+def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
+    """Measured vs estimated bytes per category, with the difference (bytes); None without an estimate.
+
+    Blocks allocated before the recorded window have no stack: they are set against parameters,
+    gradients and optimizer state together.
+    """
+    if not estimate:
+        return None
+    meas = {r["category"]: r["bytes"] for r in s.get("categories_at_peak") or []}
+    est = {r["category"]: r["bytes"] for r in estimate["rows"]}
+    rows = []
+    for cat in ("parameters", "gradients", "optimizer", "activations"):
+        rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
+    if meas.get("before_window"):
+        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
+                     "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
+                     "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
+    for r in rows:
+        r["difference_bytes"] = r["measured_bytes"] - r["estimated_bytes"]
+    return rows
+

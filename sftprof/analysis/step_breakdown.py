@@ -1,0 +1,688 @@
+"""What a kernel-trace step spent its GPU time on: model parts per layer, kernel efficiency, collectives.
+
+Fed by :class:`sftprof.analysis.trace_summary.KernelTraceAnalyzer` (one streaming pass): every CPU op,
+``sftprof.module/*`` range (:mod:`sftprof.capture.module_regions`), forward->backward flow
+(``fwdbwd``) and CUDA runtime call goes to :meth:`OpCollector.add`; :meth:`OpCollector.analyze` then
+receives the GPU activities.
+
+Attribution of one GPU activity (kernel, memcpy, memset) launched inside the step window:
+
+1. Its launch point is the CUDA runtime call with the same ``correlation`` id (thread, start time).
+2. The innermost interval on that thread that contains the launch point, among the model-part ranges
+   and the autograd backward nodes (``autograd::engine::evaluate_function: ...`` ops), decides:
+   a model-part range gives its part and layer, phase ``forward`` or ``recompute`` (its name says which);
+   a backward node gives phase ``backward`` and the part and layer of the range that contained the
+   forward op that created the node (the profiler's ``fwdbwd`` flow links that op to the node's
+   ``XBackward`` op inside the ``evaluate_function`` op).
+3. Otherwise: ``optimizer`` inside ``sftprof/optimizer_step``; NCCL kernels outside every part are
+   ``communication outside model parts`` (gradient reduce-scatter, parameter all-gather); the rest is
+   ``outside model parts``.
+
+Traces without model-part ranges (recorded before they existed) are split by kernel name
+(:func:`sftprof.analysis.trace_summary.kernel_category`) and say so (``source: kernel_name``).
+
+Every activity launched in the window lands in exactly one (part, layer, phase) cell, so the cells sum
+to the step's GPU time (sum of activity durations, all streams; overlapping streams count twice, as in
+the category table).
+
+FLOP rates (:func:`op_flops`): an activity's op is the innermost op with a known FLOP count that
+contains its launch point; an op's GPU time is the sum of its activities' durations. Counting rules:
+a GEMM ``[m, k] x [k, n]`` costs ``2 m k n`` (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
+``_grouped_mm``); scaled-dot-product attention forward costs ``4 b h d P`` with ``P`` the query-key
+pairs computed (:func:`attention_pairs`; causal top-left as torch's ``is_causal``, lower-right for the
+flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as in ``sftprof/flops.py``; its backward is counted as 2x the forward (the model-FLOPs convention of
+``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
+attention (an explicit ``attn_mask``) has no FLOP count here.
+
+Bus bandwidth of a collective follows NCCL's performance notes (nccl-tests ``PERFORMANCE.md``):
+``algbw = S / t`` with ``S`` the larger of the input and output message sizes, ``busbw = algbw * f``
+with ``f = 2 (n - 1) / n`` for all-reduce, ``(n - 1) / n`` for all-gather, reduce-scatter and
+all-to-all, 1 otherwise, ``n`` the process-group size.
+"""
+from __future__ import annotations
+
+import re
+from array import array
+from collections import defaultdict
+from typing import Any, Optional
+
+import numpy as np
+
+from sftprof.flops import gpu_peak_bf16_flops
+from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
+
+__all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
+           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES"]
+
+_BWD_NODE = "autograd::engine::evaluate_function: "
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "cudaMemcpy2D")  # blocking calls: the host waits for the device
+# HBM bandwidth in bytes/s from NVIDIA's H100 SXM / H200 datasheets (first match in order).
+PEAK_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12}
+_DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+                "Int": 4, "Long": 8, "Char": 1, "Byte": 1, "Bool": 1}
+_GEMMS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+          "aten::_grouped_mm": (0, 1)}
+# attention op -> (index of q, index of k, index in Concrete Inputs of the causal flag, index of an explicit
+# mask/bias or None, backward?, layout of q/k, what the causal flag means). Layouts: "bhsd" = [b, h, s, d],
+# "bshd" = [b, s, h, d]. Causal kinds: "top_left" (torch's is_causal), "lower_right" (the flash kernels'
+# causal, which CausalBias(LOWER_RIGHT) uses for context-parallel chunks), "mask_type" (xformers-style
+# custom_mask_type: 0 none, 1 top-left, 2 lower-right).
+_ATTENTION = {
+    "aten::scaled_dot_product_attention": (0, 1, 5, 3, False, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_flash_attention": (0, 1, 4, None, False, "bhsd", "lower_right"),
+    "aten::_scaled_dot_product_efficient_attention": (0, 1, 6, 3, False, "bhsd", "top_left"),
+    "aten::_efficient_attention_forward": (0, 1, 9, 3, False, "bshd", "mask_type"),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, None, True, "bhsd", "lower_right"),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, 4, True, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, 6, True, "bhsd", "top_left"),
+    "aten::_efficient_attention_backward": (1, 2, 14, 4, True, "bshd", "mask_type"),
+}
+
+
+def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -> int:
+    """Query-key pairs one head computes: ``sq * sk``; causal top-left (query ``i`` sees keys ``j <= i``):
+    ``sum_i min(i + 1, sk)``; causal lower-right (``j <= i + sk - sq``): ``sum_i clamp(i + 1 + sk - sq, 0, sk)``."""
+    if not causal:
+        return sq * sk
+    shift = sk - sq if lower_right else 0
+    # sum over i in [0, sq) of clamp(i + 1 + shift, 0, sk), in closed form per linear piece
+    lo = max(0, -shift)  # first query that sees any key: i + 1 + shift >= 1
+    hi = min(sq, max(sk - shift, 0))  # queries with i + 1 + shift <= sk see a prefix
+    total = 0
+    if hi > lo:
+        a, b = lo + 1 + shift, hi + shift  # arithmetic series a..b
+        total += (a + b) * (hi - lo) // 2
+    total += max(sq - max(hi, lo), 0) * sk
+    return total
+
+
+def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
+    """``(kind, FLOPs, dtype)`` of one recorded op (``record_shapes``), or None when unknown.
+
+    ``kind`` is ``GEMM``, ``attention`` or ``attention backward``; rules in the module docstring.
+    """
+    dims, types = args.get("Input Dims"), args.get("Input type") or []
+    if not isinstance(dims, list):
+        return None
+    dtype = next((t for t in types if isinstance(t, str) and t and t not in ("Scalar", "ScalarList", "")), "?")
+    dtype = dtype.replace("c10::", "")
+    try:
+        if name in _GEMMS:
+            ia, ib = _GEMMS[name]
+            a, b = dims[ia], dims[ib]
+            if name == "aten::_grouped_mm":
+                if len(a) == 2 and len(b) == 3:  # [M, K] x [G, K, N]
+                    return "GEMM", 2.0 * a[0] * a[1] * b[2], dtype
+                if len(a) == 2 and len(b) == 2:  # [K, M] x [M, N] grouped over M (weight gradients)
+                    return "GEMM", 2.0 * a[0] * a[1] * b[1], dtype
+                if len(a) == 3 and len(b) == 3:  # batched [G, M, K] x [G, K, N]
+                    return "GEMM", 2.0 * a[0] * a[1] * a[2] * b[2], dtype
+                return None
+            if len(a) == 2 and len(b) == 2:
+                return "GEMM", 2.0 * a[0] * a[1] * b[1], dtype
+            if len(a) == 3 and len(b) == 3:
+                return "GEMM", 2.0 * a[0] * a[1] * a[2] * b[2], dtype
+            return None
+        if name in _ATTENTION:
+            iq, ik, ic, im, bwd, layout, kind = _ATTENTION[name]
+            q, k = dims[iq], dims[ik]
+            concrete = args.get("Concrete Inputs") or []
+            if im is not None and im < len(dims) and dims[im]:
+                return None  # explicit mask or bias: pairs unknown
+            if len(q) != 4 or len(k) != 4 or ic >= len(concrete):
+                return None
+            flag = concrete[ic]
+            if kind == "mask_type":
+                if flag not in ("0", "1", "2"):
+                    return None
+                causal, lower_right = flag != "0", flag == "2"
+            elif flag in ("True", "False"):
+                causal, lower_right = flag == "True", kind == "lower_right"
+            else:
+                return None
+            if layout == "bhsd":
+                b, h, sq, d = q
+                sk = k[2]
+            else:
+                b, sq, h, d = q
+                sk = k[1]
+            fwd = 4.0 * b * h * d * attention_pairs(sq, sk, causal, lower_right)
+            return ("attention backward", 2 * fwd, dtype) if bwd else ("attention", fwd, dtype)
+    except (TypeError, IndexError, ValueError):
+        return None
+    return None
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """NCCL bus-bandwidth factor of a collective over ``n`` ranks (module docstring)."""
+    c = collective.lower()
+    if n <= 1:
+        return 0.0
+    if "all_reduce" in c or "allreduce" in c:
+        return 2.0 * (n - 1) / n
+    if any(x in c for x in ("all_gather", "allgather", "reduce_scatter", "reducescatter", "all_to_all", "alltoall")):
+        return (n - 1) / n
+    return 1.0
+
+
+def _collective_name(name: str) -> str:
+    return re.sub(r"(_into_tensor|_tensor)?(_coalesced|_base)?$", "", name.replace("nccl:", "").replace("gloo:", ""))
+
+
+class _Intervals:
+    """Per-thread intervals (start, end, payload) with an innermost-containment query."""
+
+    def __init__(self) -> None:
+        self.tid = array("q")
+        self.start = array("d")
+        self.end = array("d")
+        self.payload = array("q")
+
+    def add(self, tid: int, start: float, end: float, payload: int) -> None:
+        self.tid.append(tid)
+        self.start.append(start)
+        self.end.append(end)
+        self.payload.append(payload)
+
+    def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
+        """Index (into this collection) of the innermost interval containing each point, -1 if none.
+
+        Intervals on one thread nest (ranges and ops of one thread do); ties at equal starts put the
+        longer interval outside.
+        """
+        out = np.full(points.size, -1, dtype=np.int64)
+        if not len(self.start) or not points.size:
+            return out
+        itid = np.frombuffer(self.tid, dtype=np.int64)
+        ist, ien = np.frombuffer(self.start, dtype=np.float64), np.frombuffer(self.end, dtype=np.float64)
+        for t in np.unique(tids):
+            sel = np.flatnonzero(itid == t)
+            if not sel.size:
+                continue
+            order = sel[np.lexsort((-ien[sel], ist[sel]))]
+            pts = np.flatnonzero(tids == t)
+            pts = pts[np.argsort(points[pts], kind="stable")]
+            stack: list[int] = []
+            j = 0
+            for p in pts:
+                x = points[p]
+                while j < order.size and ist[order[j]] <= x:
+                    while stack and ien[stack[-1]] < ist[order[j]]:
+                        stack.pop()
+                    stack.append(int(order[j]))
+                    j += 1
+                while stack and ien[stack[-1]] < x:
+                    stack.pop()
+                if stack:
+                    out[p] = stack[-1]
+        return out
+
+
+class OpCollector:
+    """Collects the CPU side of a trace for :meth:`analyze` (module docstring)."""
+
+    def __init__(self) -> None:
+        self.regions = _Intervals()  # model-part ranges; payload: index into _region_keys
+        self._region_keys: list[tuple[str, Optional[int], bool]] = []
+        self._region_index: dict[str, int] = {}
+        self.bwd_nodes = _Intervals()  # payload: 1 for megatron-core's CheckpointFunctionBackward
+        self.flop_ops = _Intervals()  # payload: index into _flop_info
+        self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
+        self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
+        self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
+        self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
+        self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
+        self.sync_calls: list[tuple[str, float, float]] = []  # blocking CUDA runtime calls
+        self.cpu_ops = _Intervals()  # every cpu_op for self time; payload: name index
+        self._op_names: dict[str, int] = {}
+        self.op_name_list: list[str] = []
+
+    def add(self, ev: dict, ts: float, dur: float) -> None:
+        """Consume one complete (``ph: X``) or flow event with a valid ``ts`` (and ``dur`` for X)."""
+        cat = ev.get("cat")
+        tid = ev.get("tid")
+        tid = tid if isinstance(tid, int) and not isinstance(tid, bool) else -1
+        if cat == "cpu_op":
+            name = ev.get("name") or ""
+            idx = self._op_names.get(name)
+            if idx is None:
+                idx = self._op_names[name] = len(self.op_name_list)
+                self.op_name_list.append(name)
+            self.cpu_ops.add(tid, ts, ts + dur, idx)
+            if name.startswith(_BWD_NODE):
+                self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
+                return
+            args = ev.get("args") or {}
+            if name in _GEMMS or name in _ATTENTION:
+                f = op_flops(name, args)
+                if f is not None:
+                    self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
+                    self._flop_info.append((name, *f))
+            if "Collective name" in args:
+                ext = args.get("External id")
+                if isinstance(ext, int):
+                    nel = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if isinstance(v, int)]
+                    size = args.get("Group size")
+                    self.comm_ops[ext] = {"collective": _collective_name(str(args["Collective name"])),
+                                          "pg": (args.get("Process Group Description"), args.get("Process Group Name")),
+                                          "group_size": size if isinstance(size, int) else None,
+                                          "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
+                                          if nel and args.get("dtype") in _DTYPE_BYTES else None}
+        elif cat == "user_annotation":
+            name = ev.get("name") or ""
+            if name.startswith(MODULE_REGION_PREFIX):
+                idx = self._region_index.get(name)
+                if idx is None:
+                    key = parse_module_region(name)
+                    if key is None:
+                        return
+                    idx = self._region_index[name] = len(self._region_keys)
+                    self._region_keys.append(key)
+                self.regions.add(tid, ts, ts + dur, idx)
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            args = ev.get("args") or {}
+            corr = args.get("correlation")
+            if isinstance(corr, int) and not isinstance(corr, bool):
+                self._launch[corr] = (tid, ts)
+            if ev.get("name") in _SYNC_CALLS:
+                self.sync_calls.append((ev["name"], ts, ts + dur))
+        elif cat == "fwdbwd":
+            fid = ev.get("id")
+            if isinstance(fid, (int, str)):
+                if ev.get("ph") == "s":
+                    self._flow_start[hash(fid)] = (tid, ts)
+                elif ev.get("ph") == "f":
+                    self._flow_end[(tid, ts)] = hash(fid)
+
+    @property
+    def has_regions(self) -> bool:
+        return bool(self._region_keys)
+
+    # -- analysis ---------------------------------------------------------------------------------
+    def launch_points(self, corr: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(tid, ts) of each activity's launch call; tid -1 / ts NaN when the call is not in the trace."""
+        tids = np.full(len(corr), -1, dtype=np.int64)
+        pts = np.full(len(corr), np.nan)
+        for i, c in enumerate(corr):
+            hit = self._launch.get(c)
+            if hit is not None:
+                tids[i], pts[i] = hit
+        return tids, pts
+
+    def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: list[str], in_optimizer: np.ndarray,
+                  is_comm: np.ndarray) -> tuple[list[str], list[Optional[int]], list[str], str]:
+        """(part, layer, phase) per activity and the source (``module_regions`` or ``kernel_name``)."""
+        n = pts.size
+        parts: list[str] = ["outside_parts"] * n
+        layers: list[Optional[int]] = [None] * n
+        phases: list[str] = ["other"] * n
+        valid = ~np.isnan(pts)
+        safe = np.where(valid, pts, -np.inf)
+        node = self.bwd_nodes.innermost(tids, safe)
+        if not self.has_regions:
+            # Phase without ranges: inside a backward node is backward, except directly inside megatron-core's
+            # CheckpointFunctionBackward, which re-runs the forward (full recompute).
+            ckpt = np.frombuffer(self.bwd_nodes.payload, dtype=np.int64)
+            for i in range(n):
+                b = int(node[i])
+                parts[i] = "optimizer" if in_optimizer[i] else f"kernel:{cats[i]}"
+                phases[i] = ("optimizer" if in_optimizer[i] else "forward" if b < 0 and valid[i] else
+                             "recompute" if b >= 0 and ckpt[b] else "backward" if b >= 0 else "other")
+            return parts, layers, phases, "kernel_name"
+        reg = self.regions.innermost(tids, safe)
+        rst = np.frombuffer(self.regions.start, dtype=np.float64)
+        rpay = np.frombuffer(self.regions.payload, dtype=np.int64)
+        nst = np.frombuffer(self.bwd_nodes.start, dtype=np.float64)
+        # Forward op of each backward node: the flow ending inside the node (at its XBackward op) starts at
+        # the forward op; the model-part range containing that op gives the part.
+        fwd_key: dict[int, int] = {}
+        ends = [(t, x, fid) for (t, x), fid in self._flow_end.items() if fid in self._flow_start]
+        f_tids, f_pts, f_nodes = [], [], []
+        if ends:
+            owner = self.bwd_nodes.innermost(np.array([e[0] for e in ends], dtype=np.int64),
+                                             np.array([e[1] for e in ends], dtype=np.float64))
+            seen: set[int] = set()
+            for (_, _, fid), j in zip(ends, owner):
+                if j >= 0 and int(j) not in seen:
+                    seen.add(int(j))
+                    f_tids.append(self._flow_start[fid][0])
+                    f_pts.append(self._flow_start[fid][1])
+                    f_nodes.append(int(j))
+        if f_nodes:
+            at = self.regions.innermost(np.asarray(f_tids, dtype=np.int64), np.asarray(f_pts, dtype=np.float64))
+            fwd_key = {j: int(rpay[r]) for j, r in zip(f_nodes, at) if r >= 0}
+        for i in range(n):
+            r, b = int(reg[i]), int(node[i])
+            if r >= 0 and (b < 0 or rst[r] >= nst[b]):  # a range inside the node (recompute in backward) wins
+                part, layer, rec = self._region_keys[int(rpay[r])]
+                phases[i] = "recompute" if rec else "forward"
+            elif b >= 0:
+                phases[i] = "backward"
+                k = fwd_key.get(b)
+                if k is None:
+                    parts[i] = "optimizer" if in_optimizer[i] else "comm_outside" if is_comm[i] else "outside_parts"
+                    continue
+                part, layer, _ = self._region_keys[k]
+            else:
+                parts[i] = "optimizer" if in_optimizer[i] else "comm_outside" if is_comm[i] else "outside_parts"
+                if in_optimizer[i]:
+                    phases[i] = "optimizer"
+                continue
+            if part == "attn_other" and cats[i] == "attention":
+                part = "attn_core"  # Hugging Face attention: the core is a function inside the attention module
+            parts[i], layers[i] = part, layer
+        return parts, layers, phases, "module_regions"
+
+    def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
+        """Index into the FLOP-known ops (innermost containing the launch point), -1 when none."""
+        return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
+
+    def flop_info(self, k: int) -> tuple[str, str, float, str]:
+        return self._flop_info[int(np.frombuffer(self.flop_ops.payload, dtype=np.int64)[k])]
+
+    def self_times(self, lo: float, hi: float, top: int) -> list[dict]:
+        """CPU ops in [lo, hi] by self time (own time minus the ops nested directly in it), top ``top``.
+
+        Also gives the inclusive time, and flags ops that contain a blocking CUDA call
+        (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, ``cudaMemcpy``):
+        their ``sync_wait_ms`` is the time of those calls inside them.
+        """
+        c = self.cpu_ops
+        if not len(c.start):
+            return []
+        tid = np.frombuffer(c.tid, dtype=np.int64)
+        st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
+        name = np.frombuffer(c.payload, dtype=np.int64)
+        keep = np.flatnonzero((st >= lo) & (st <= hi))
+        child = np.zeros(st.size)
+        order = keep[np.lexsort((-en[keep], st[keep], tid[keep]))]
+        stack: list[int] = []
+        cur_tid = None
+        for i in order:
+            if tid[i] != cur_tid:
+                stack, cur_tid = [], tid[i]
+            while stack and en[stack[-1]] <= st[i]:
+                stack.pop()
+            if stack:
+                child[stack[-1]] += en[i] - st[i]
+            stack.append(int(i))
+        sync = np.zeros(st.size)
+        if self.sync_calls:
+            s_st = np.array([s[1] for s in self.sync_calls])
+            s_en = np.array([s[2] for s in self.sync_calls])
+            for a, b in zip(s_st, s_en):
+                inside = keep[(st[keep] <= a) & (en[keep] >= b)]
+                if inside.size:
+                    sync[inside[np.argmin(en[inside] - st[inside])]] += b - a  # the innermost op waited
+        self_t: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+        for i in keep:
+            row = self_t[int(name[i])]
+            row[0] += max(en[i] - st[i] - child[i], 0.0)
+            row[1] += en[i] - st[i]
+            row[2] += 1
+            row[3] += sync[i]
+        rows = sorted(self_t.items(), key=lambda kv: (-kv[1][0], self.op_name_list[kv[0]]))[:top]
+        return [{"name": self.op_name_list[k], "calls": int(v[2]), "self_ms": round(v[0] / 1e3, 4),
+                 "inclusive_ms": round(v[1] / 1e3, 4), "sync_wait_ms": round(v[3] / 1e3, 4)} for k, v in rows]
+
+    def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
+        """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
+        by: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for name, a, b in self.sync_calls:
+            if lo <= a <= hi:
+                by[name][0] += 1
+                by[name][1] += b - a
+        return {"total_ms": round(sum(v[1] for v in by.values()) / 1e3, 4),
+                "by_call": {k: {"calls": v[0], "ms": round(v[1] / 1e3, 4)} for k, v in sorted(by.items())}}
+
+
+def device_peaks(device_name: Optional[str]) -> dict[str, Any]:
+    """Stated peaks of a GPU by name: dense bf16 FLOP/s (``sftprof/flops.py``) and HBM bytes/s."""
+    if not device_name:
+        return {"device": None, "bf16_flops": None, "hbm_bytes_per_s": None}
+    hbm = next((v for k, v in PEAK_HBM_BYTES_PER_S.items() if k in device_name), None)
+    return {"device": device_name, "bf16_flops": gpu_peak_bf16_flops(device_name), "hbm_bytes_per_s": hbm}
+
+
+TOP_HOST_OPS = 15
+PHASES = ("forward", "recompute", "backward", "optimizer", "other")
+_OUTSIDE_LABELS = {"optimizer": "optimizer", "comm_outside": "communication outside model parts",
+                   "outside_parts": "outside model parts (loss, glue, unlinked backward)"}
+
+
+def part_label(part: str) -> str:
+    """Table label of a part key (model part, ``optimizer``, ``kernel:<category>`` ...)."""
+    if part.startswith("kernel:"):
+        return f"{part[7:]} (by kernel name)"
+    return MODEL_PART_LABELS.get(part) or _OUTSIDE_LABELS.get(part, part)
+
+
+def _ms(us: float) -> float:
+    return round(float(us) / 1000.0, 4)
+
+
+def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, corr: list[int],
+            ext: list[int], cats: list[str], is_comm: np.ndarray, groups: list[Optional[str]],
+            names: list[str], kinds: np.ndarray, nbytes: np.ndarray, window: tuple[Optional[float], Optional[float]],
+            optimizer_windows: list[tuple[float, float]], device_name: Optional[str],
+            intersection, union) -> dict[str, Any]:
+    """Model-part breakdown, kernel efficiency and per-group collectives of one rank (module docstring).
+
+    Args are the analyzer's per-activity arrays (``ts``/``dur`` in us on the trace clock) and the step
+    window ``(lo, hi)``; ``intersection``/``union`` are the analyzer's interval helpers.
+
+    Returns:
+        ``{"parts": {...}, "efficiency": {...}, "collectives": {...}, "host": {...}}`` (times in ms).
+    """
+    lo, hi = window
+    tids, pts = ops.launch_points(corr)
+    n = pts.size
+    if lo is None:
+        inside = np.zeros(n, dtype=bool)
+    else:
+        inside = ~np.isnan(pts) & (pts >= lo) & (pts <= hi)
+    in_opt = np.zeros(n, dtype=bool)
+    for a, b in optimizer_windows:
+        in_opt |= (pts >= a) & (pts <= b)
+    parts, layers, phases, source = ops.attribute(tids, pts, cats, in_opt, is_comm)
+    cells: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
+    for i in np.flatnonzero(inside):
+        cells[(parts[i], layers[i], phases[i])] += dur[i]
+    total = float(dur[inside].sum())
+    parts_out = _parts_tables(cells, total, source)
+    parts_out["outside_window"] = int((~inside).sum())
+    parts_out["total_ms"] = _ms(total)
+    host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS) if lo is not None else [],
+            "sync": ops.host_sync_ms(lo, hi) if lo is not None else {"total_ms": 0.0, "by_call": {}},
+            "gpu_idle": _idle_split(ts, dur, pts, lo, hi) if lo is not None else None}
+    return {"parts": parts_out, "host": host,
+            "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
+            "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union)}
+
+
+def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float) -> dict[str, Any]:
+    """GPU idle time in ``[lo, hi]`` split by why the GPU waited (in the spirit of HTA's idle time breakdown).
+
+    Idle gaps are the gaps of the union of all activity intervals. A gap before an activity whose launch
+    call started after the gap began is ``host_wait`` (the host had not launched the next work yet);
+    otherwise ``kernel_wait`` (the work was queued but waited on a dependency: another stream, an event,
+    a collective's peer; also when the launch is not in the trace). Idle time before the first activity is
+    ``host_wait``. Every activity running in the window counts, so idle + GPU busy = the window.
+    """
+    keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
+    order = np.argsort(ts[keep], kind="stable")
+    t, e = np.clip(ts[keep][order], lo, hi), np.clip((ts + dur)[keep][order], lo, hi)
+    ln = launch[keep][order]
+    if not t.size:
+        return {"idle_ms": round((hi - lo) / 1e3, 4), "host_wait_ms": round((hi - lo) / 1e3, 4), "kernel_wait_ms": 0.0,
+                "after_last_activity_ms": 0.0}
+    run_end = np.maximum.accumulate(e)
+    host = max(t[0] - lo, 0.0)
+    kernel = 0.0
+    gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
+    for g in gaps:
+        gap = t[g] - run_end[g - 1]
+        if ln[g] > run_end[g - 1]:
+            host += gap
+        else:
+            kernel += gap
+    tail = max(hi - run_end[-1], 0.0)
+    return {"idle_ms": round((host + kernel + tail) / 1e3, 4), "host_wait_ms": round(host / 1e3, 4),
+            "kernel_wait_ms": round(kernel / 1e3, 4), "after_last_activity_ms": round(tail / 1e3, 4)}
+
+
+def _parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
+    by_layer: dict[Optional[int], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    for (part, layer, phase), us in cells.items():
+        by_layer[layer][part][phase] += us
+
+    def rows(table: dict[str, dict[str, float]]) -> list[dict]:
+        order = {p: i for i, p in enumerate(MODEL_PARTS + ("optimizer", "comm_outside", "outside_parts"))}
+        out = []
+        for part in sorted(table, key=lambda p: (order.get(p, len(order)), p)):
+            ph = table[part]
+            t = sum(ph.values())
+            out.append({"part": part, "label": part_label(part), **{f"{k}_ms": _ms(ph.get(k, 0.0)) for k in PHASES},
+                        "total_ms": _ms(t), "share_pct": round(100 * t / total, 3) if total else 0.0})
+        return out
+
+    summed: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for layer, table in by_layer.items():
+        for part, ph in table.items():
+            for k, v in ph.items():
+                summed[part][k] += v
+    return {"source": source,
+            "layers": [{"layer": layer, "rows": rows(by_layer[layer])} for layer in sorted(l for l in by_layer if l is not None)],
+            "outside_layers": rows(by_layer[None]) if None in by_layer else [],
+            "summed": rows(summed)}
+
+
+def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name) -> dict:
+    peaks = device_peaks(device_name)
+    op_idx = ops.flop_op_of(tids, pts)
+    per_op: dict[int, float] = defaultdict(float)
+    op_part: dict[int, tuple[str, str]] = {}
+    for i in np.flatnonzero(inside & (op_idx >= 0) & (kinds == 0)):
+        per_op[int(op_idx[i])] += dur[i]
+        op_part.setdefault(int(op_idx[i]), (parts[i], phases[i]))
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for k, us in per_op.items():
+        name, kind, flops, dtype = ops.flop_info(k)
+        part, phase = op_part[k]
+        if kind == "attention backward":
+            kind, phase = "attention", "backward"
+        label = part_label(part)
+        if kind == "attention" and part not in MODEL_PART_LABELS:
+            label = MODEL_PART_LABELS["attn_core"]
+        elif part.startswith("kernel:"):
+            label = "GEMM (by kernel name)"
+        r = rows[(kind, label, phase, dtype)]
+        r[0] += flops
+        r[1] += us
+        r[2] += 1
+    peak = peaks["bf16_flops"]
+    out_rows = []
+    for (kind, part, phase, dtype), (flops, us, calls) in sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0])):
+        rate = flops / (us * 1e-6) if us > 0 else None
+        low_precision = dtype in ("BFloat16", "Half")
+        out_rows.append({"kind": kind, "part": part, "phase": phase, "dtype": dtype, "calls": calls,
+                         "tflop": round(flops / 1e12, 6), "gpu_ms": _ms(us),
+                         "tflops_per_s": round(rate / 1e12, 3) if rate else None,
+                         "pct_of_peak": round(100 * rate / peak, 2) if rate and peak and low_precision else None})
+    # Memory-bound: copies and fills, whose events carry their byte count.
+    mem: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for i in np.flatnonzero(inside & (kinds != 0) & (nbytes > 0)):
+        m = mem[names[i]]
+        m[0] += nbytes[i]
+        m[1] += dur[i]
+        m[2] += 1
+    bw = peaks["hbm_bytes_per_s"]
+    mem_rows = [{"name": k, "calls": int(c), "gib": round(b / 2**30, 4), "gpu_ms": _ms(us),
+                 "gb_per_s": round(b / (us * 1e-6) / 1e9, 2) if us > 0 else None,
+                 "pct_of_hbm": round(100 * b / (us * 1e-6) / bw, 2) if us > 0 and bw else None}
+                for k, (b, us, c) in sorted(mem.items(), key=lambda kv: (-kv[1][1], kv[0]))]
+    return {"peak": peaks, "rows": out_rows, "memory_bound": mem_rows,
+            "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x); "
+                    "% of peak only for bf16/fp16 ops, against the dense bf16 peak; memory-bound rows: bytes "
+                    "moved by copies/fills over their time, against the HBM bandwidth (a device-to-device copy "
+                    "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}
+
+
+def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union) -> dict:
+    """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group."""
+    end = ts + dur
+    rows: dict[tuple[str, str], dict] = {}
+    seen_ops: set[int] = set()
+    for i in np.flatnonzero(inside & is_comm):
+        info = ops.comm_ops.get(ext[i]) or {}
+        key = (groups[i] or "unknown", info.get("collective") or "?")
+        r = rows.setdefault(key, {"group": key[0], "collective": key[1], "calls": 0, "bytes": 0, "bytes_known": True,
+                                  "us": 0.0, "group_size": info.get("group_size")})
+        r["us"] += dur[i]
+        if ext[i] not in seen_ops:  # one call per launching op (a coalesced call may launch several kernels)
+            seen_ops.add(ext[i])
+            r["calls"] += 1
+            if info.get("bytes") is None:
+                r["bytes_known"] = False
+            else:
+                r["bytes"] += info["bytes"]
+    out_rows = []
+    for r in sorted(rows.values(), key=lambda r: (-r["us"], r["group"], r["collective"])):
+        t = r["us"] * 1e-6
+        alg = r["bytes"] / t / 1e9 if r["bytes_known"] and t > 0 and r["bytes"] else None
+        n = r["group_size"]
+        out_rows.append({"group": r["group"], "collective": r["collective"], "calls": r["calls"],
+                         "gib": round(r["bytes"] / 2**30, 4) if r["bytes_known"] else None, "gpu_ms": _ms(r["us"]),
+                         "group_size": n, "algbw_gb_per_s": round(alg, 2) if alg else None,
+                         "busbw_gb_per_s": round(alg * bus_factor(r["collective"], n), 2) if alg and n else None})
+    exposed: dict[str, float] = defaultdict(float)
+    for dev in np.unique(devs):
+        on = (devs == dev) & inside
+        comp = union(ts[on & ~is_comm], end[on & ~is_comm])
+        for g in sorted({groups[i] or "unknown" for i in np.flatnonzero(on & is_comm)}):
+            sel = on & is_comm & np.array([(x or "unknown") == g for x in groups], dtype=bool)
+            c = union(ts[sel], end[sel])
+            exposed[g] += float(np.sum(c[1] - c[0])) - intersection(c, comp)
+    return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())},
+            "note": "exposed = the group's NCCL kernel time not overlapped by non-communication GPU work on "
+                    "the same device; groups that overlap each other each count their own exposed time"}
+
+
+def plot_parts(parts: dict, title: str, out_png: str) -> None:
+    """Stacked-bar PNG of GPU time (ms) per decoder layer (one bar per layer, then one for the parts
+    outside the layers), a colour per part; each segment is the part's forward + recompute + backward
+    (+ optimizer, other) time, the split by phase is in the tables.
+
+    Args:
+        parts: the ``parts`` member of a kernel summary (:func:`analyze`).
+        title: plot title; out_png: destination path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"L{x['layer']}", x["rows"]) for x in parts["layers"]]
+    if parts["outside_layers"]:
+        bars.append(("outside\nlayers", parts["outside_layers"]))
+    labels = []
+    for _, rows in bars:
+        for r in rows:
+            if r["label"] not in labels:
+                labels.append(r["label"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(bars) + 4), 5), dpi=100)
+    bottom = np.zeros(len(bars))
+    cmap = plt.get_cmap("tab20")
+    for k, label in enumerate(labels):
+        vals = np.array([next((r["total_ms"] for r in rows if r["label"] == label), 0.0) for _, rows in bars])
+        ax.bar(range(len(bars)), vals, bottom=bottom, color=cmap(k % 20), label=label, width=0.7)
+        bottom += vals
+    ax.set_xticks(range(len(bars)), [b for b, _ in bars], fontsize=8)
+    ax.set_ylabel("GPU time [ms] (all phases)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, metadata={"Software": None})
+    plt.close(fig)

@@ -1,0 +1,180 @@
+"""Model-part breakdown, FLOP rates and memory categories on the real H200 fixtures (issue 17)."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from sftprof.capture import module_regions
+from sftprof.analysis.memory_summary import analyze_snapshot
+from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.step_breakdown import attention_pairs, bus_factor, op_flops
+from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from tests.fixtures import gpu_snapshot_fixtures, gpu_trace_fixtures
+
+TRACES = {p.name: p for p in gpu_trace_fixtures()}
+SFTPROF_TRACE = "h200_sftprof_kernel.trace.json.gz"
+
+
+def _load(path):
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module", params=sorted(TRACES))
+def analysed(request):
+    data = _load(TRACES[request.param])
+    a = KernelTraceAnalyzer({k: v for k, v in data.items() if k != "traceEvents"})
+    for ev in data["traceEvents"]:
+        a.add(ev)
+    return request.param, data["traceEvents"], a.summary()
+
+
+def test_parts_sum_to_the_steps_gpu_time(analysed):
+    name, events, s = analysed
+    # Independently: GPU activities whose launching runtime call lies in the step window.
+    lo, hi = s["step_window"]["start_us"], s["step_window"]["end_us"]
+    launch = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    gpu_us = sum(e["dur"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                 and lo <= launch.get(e["args"].get("correlation"), -1) <= hi)
+    assert gpu_us > 0
+    cells = sum(r["total_ms"] for r in s["parts"]["summed"])
+    assert cells == pytest.approx(gpu_us / 1e3, rel=0.01)
+    assert s["parts"]["total_ms"] == pytest.approx(gpu_us / 1e3, rel=1e-6)
+    phases = sum(r[f"{p}_ms"] for r in s["parts"]["summed"] for p in ("forward", "recompute", "backward", "optimizer", "other"))
+    assert phases == pytest.approx(cells, rel=1e-4)
+
+
+def test_attention_flop_rate_matches_the_hand_computed_one():
+    data = _load(TRACES[SFTPROF_TRACE])
+    a = KernelTraceAnalyzer({k: v for k, v in data.items() if k != "traceEvents"})
+    for ev in data["traceEvents"]:
+        a.add(ev)
+    rows = [r for r in a.summary()["efficiency"]["rows"] if r["kind"] == "attention"]
+    # 2 layers, full recompute: 2 first-pass forwards, 2 recomputes (inside CheckpointFunctionBackward), 2 backwards.
+    by_phase = {r["phase"]: r for r in rows}
+    assert sorted(by_phase) == ["backward", "forward", "recompute"]
+    assert [by_phase[p]["calls"] for p in ("forward", "recompute", "backward")] == [2, 2, 2]
+    # q [1, 32, 4096, 128], causal: 4 * b * h * d * s (s + 1) / 2 per call.
+    per_call = 4 * 1 * 32 * 128 * 4096 * 4097 // 2
+    assert by_phase["forward"]["tflop"] == pytest.approx(2 * per_call / 1e12, abs=1e-6)
+    assert by_phase["backward"]["tflop"] == pytest.approx(2 * 2 * per_call / 1e12, abs=1e-6)
+    # The rate is the FLOPs over the GPU time of the kernels the SDPA ops launched (cuDNN fprop here).
+    fprop_us = sum(e["dur"] for e in data["traceEvents"] if e.get("cat") == "kernel" and "flash_fprop" in e["name"])
+    fwd_ms = by_phase["forward"]["gpu_ms"] + by_phase["recompute"]["gpu_ms"]
+    assert fwd_ms == pytest.approx(fprop_us / 1e3, rel=1e-3)
+    rate = 2 * per_call / (by_phase["forward"]["gpu_ms"] * 1e-3) / 1e12
+    assert by_phase["forward"]["tflops_per_s"] == pytest.approx(rate, rel=1e-3)
+    assert by_phase["forward"]["pct_of_peak"] == pytest.approx(100 * rate / 989.4, rel=1e-3)
+
+
+def test_op_flops_for_known_shapes():
+    assert op_flops("aten::mm", {"Input Dims": [[8192, 2048], [2048, 5120]], "Input type": ["c10::BFloat16"] * 2}) \
+        == ("GEMM", 2.0 * 8192 * 2048 * 5120, "BFloat16")
+    assert op_flops("aten::addmm", {"Input Dims": [[5120], [64, 2048], [2048, 5120]], "Input type": ["float"] * 3}) \
+        == ("GEMM", 2.0 * 64 * 2048 * 5120, "float")
+    # grouped experts: tokens [T, h] x weights [E, h, 2f]; weight gradient [h, T] x [T, 2f] grouped over T
+    assert op_flops("aten::_grouped_mm", {"Input Dims": [[1000, 2048], [16, 2048, 1536], [16]]})[1] == 2.0 * 1000 * 2048 * 1536
+    assert op_flops("aten::_grouped_mm", {"Input Dims": [[2048, 1000], [1000, 1536], [16]]})[1] == 2.0 * 2048 * 1000 * 1536
+    masked = {"Input Dims": [[1, 32, 64, 128], [1, 4, 128, 128], [1, 4, 128, 128], [64, 128]],
+              "Concrete Inputs": ["", "", "", "", "0.", "False", "", "True"]}
+    assert op_flops("aten::scaled_dot_product_attention", masked) is None
+    assert attention_pairs(4, 4, True) == 10 and attention_pairs(4, 2, True) == 3 + 2 * 2 and attention_pairs(3, 5, False) == 15
+    for sq in range(1, 7):
+        for sk in range(1, 7):
+            for lower_right in (False, True):
+                shift = sk - sq if lower_right else 0
+                brute = sum(1 for i in range(sq) for j in range(sk) if j <= i + shift)
+                assert attention_pairs(sq, sk, True, lower_right) == brute, (sq, sk, lower_right)
+    # a context-parallel chunk through xformers-style efficient attention: q [b, s, h, d], lower-right mask (2)
+    eff = {"Input Dims": [[1, 2048, 32, 128], [1, 6144, 32, 128], [1, 6144, 32, 128], [], [], [], [], [], [], [], [], []],
+           "Concrete Inputs": ["", "", "", "", "", "", "", "", "0.", "2", "True", ""], "Input type": ["c10::BFloat16"] * 3}
+    pairs = 2048 * 6144 - 2048 * 2047 // 2
+    assert op_flops("aten::_efficient_attention_forward", eff) == ("attention", 4.0 * 32 * 128 * pairs, "BFloat16")
+    assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_to_all", 2) == 0.5 and bus_factor("broadcast", 8) == 1.0
+
+
+@pytest.mark.parametrize("path", gpu_snapshot_fixtures(), ids=lambda p: p.name)
+def test_memory_categories_sum_to_the_allocated_bytes_at_the_peak(path):
+    s = analyze_snapshot(safe_load_file(str(path)))
+    cats = {r["category"]: r for r in s["categories_at_peak"]}
+    assert sum(r["bytes"] for k, r in cats.items() if k != "allocator_slack") == s["peak_allocated_bytes"]
+    assert cats["allocator_slack"]["bytes"] == s["reserved_at_peak_bytes"] - s["peak_allocated_bytes"]
+    if path.name == "h200_sftprof_memory.snapshot.pickle.gz":
+        # The optimizer step holds the fp32 gradient copy (copy_group_grads) and Adam's state there.
+        assert cats["optimizer"]["bytes"] == sum(t["bytes"] for t in s["top_sites"] if "megatron/core/optimizer/" in t["site"])
+        assert cats["optimizer"]["blocks"] == 33
+
+
+def test_module_part_names():
+    assert module_regions.module_part("decoder.layers.3.self_attention.linear_qkv") == ("attn_qkv", 3)
+    assert module_regions.module_part("decoder.layers.3.mlp") == ("dispatch_combine", 3)
+    assert module_regions.module_part("decoder.layers.3.mlp.experts.linear_fc1") is None
+    assert module_regions.module_part("module.output_layer") == ("lm_head_loss", None)
+    assert module_regions.parse_region(module_regions.region_name("experts", 5, True)) == ("experts", 5, True)
+    assert module_regions.parse_region("sftprof.module/nonsense/L1") is None
+
+
+def test_compare_noise_from_unprofiled_steps():
+    from sftprof.analysis.compare import _noise, _noise_rows
+
+    steps = [{"step": 0, "step_time_s": 9.0, "profiled": False}, {"step": 1, "step_time_s": 5.0, "profiled": True},
+             {"step": 2, "step_time_s": 4.0, "profiled": False}, {"step": 3, "step_time_s": 4.25, "profiled": False}]
+    assert _noise({"steps": steps}) == (0.25, 2)
+    assert _noise({"steps": steps[:3]}) == (None, 1)
+    # noise 0.5 s on a 5 s step = 10 %: 100 -> 105 ms is within it, 100 -> 120 ms above it
+    assert _noise_rows([("a", 100.0, 105.0), ("b", 100.0, 120.0), ("c", None, 1.0)], 0.1) == [
+        ("a", 100.0, 105.0, "no"), ("b", 100.0, 120.0, "yes"), ("c", None, 1.0, "–")]
+
+
+def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
+    _, _, s = analysed
+    idle = s["host"]["gpu_idle"]
+    assert idle["host_wait_ms"] + idle["kernel_wait_ms"] + idle["after_last_activity_ms"] == pytest.approx(idle["idle_ms"], abs=1e-3)
+    assert idle["idle_ms"] + s["gpu"]["busy_ms"] == pytest.approx(s["step_window"]["wall_ms"], abs=2e-3)
+
+
+def test_nvidia_smi_utilisation_inside_the_profiled_window(tmp_path):
+    import datetime
+
+    from sftprof.analysis.summary import read_nvidia_smi, smi_in_window
+
+    t0 = datetime.datetime(2026, 11, 29, 23, 2, 19)
+    rows = ["timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]"]
+    for k, util in enumerate([0, 10, 90, 100, 95, 5]):  # one sample every 0.5 s
+        stamp = (t0 + datetime.timedelta(seconds=0.5 * k)).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        rows.append(f"{stamp}, 0, {util}, {1000 + k}, 143771")
+    path = tmp_path / "nvidia_smi.csv"
+    path.write_text("\n".join(rows) + "\n")
+    smi = read_nvidia_smi(str(path))
+    assert smi["gpus"][0]["mean_utilization_pct"] == 50.0  # whole trial
+    got = smi_in_window(smi, t0.timestamp() + 0.9, t0.timestamp() + 2.1)  # samples 2, 3, 4
+    assert got["gpus"] == [{"index": 0, "samples": 3, "mean_utilization_pct": 95.0, "peak_utilization_pct": 100.0,
+                            "peak_memory_used_mib": 1004.0}]
+
+
+def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.models.hf import load_hf_config
+    from sftprof.analysis.memory_estimate import estimate_memory
+
+    hf = load_hf_config("qwen3_30b_a3b", 4)
+    cfg = {"actor": {"dtype": "bfloat16", "megatron": {"use_precision_aware_optimizer": False, "lm_head_loss_chunk_size": 0,
+                                                         "ddp": {"use_distributed_optimizer": True}}}}
+    one = parse_allocation_mode("megatron:d1")
+    est = estimate_memory(cfg, hf, one, one.rank_coords(0), 131072)
+    # per layer: attention 2048*(32+8)*128 + 4096*2048, norms 2*2048 + 2*128, router 2048*128; experts 128*3*2048*768
+    layer_dense = 2048 * 40 * 128 + 4096 * 2048 + 2 * 2048 + 2 * 128 + 2048 * 128
+    assert est["params_dense"] == 4 * layer_dense + 2 * 151936 * 2048 + 2048
+    assert est["params_expert"] == 4 * 128 * 3 * 2048 * 768
+    n = est["params_dense"] + est["params_expert"]  # 3,114,814,464 (3.115 B)
+    rows = {r["category"]: r["bytes"] for r in est["rows"]}
+    assert (rows["parameters"], rows["gradients"], rows["optimizer"]) == (2 * n, 2 * n, 16 * n)
+    assert rows["activations"] == 4 * 131072 * 2048 * 2 + 131072 * 151936 * 2
+    # CP2 + EP2 on two GPUs: each rank keeps half the experts, the distributed optimizer shards dense state over 2
+    two = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    est2 = estimate_memory(cfg, hf, two, two.rank_coords(1), 131072)
+    assert est2["params_expert"] == est["params_expert"] // 2
+    opt = {r["category"]: r["bytes"] for r in est2["rows"]}["optimizer"]
+    assert opt == 16 * est2["params_dense"] // 2 + 16 * est2["params_expert"]
