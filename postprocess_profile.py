@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Postprocess a profiled trial, or compare two runs.
 
-  postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR --profile-kind {kernel,memory} \\
-      --profile-step N [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
+  postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
+      [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
+
+The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
+check (a mismatch is a warning in the summary).
 
 Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
 names the file and its error), 2 on bad arguments: a --log-dir that does not exist (the trial's
@@ -56,18 +59,22 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="Compare two runs: postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]")
     p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
     p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
-    p.add_argument("--profile-kind", required=True, choices=PROFILE_KINDS)
-    p.add_argument("--profile-step", required=True, type=int)
+    p.add_argument("--profile-kind", choices=PROFILE_KINDS,
+                   help="default: the kind the trial's completion record names; given, a check (a mismatch is a warning)")
+    p.add_argument("--profile-step", type=int, help="default: the step the trial's completion record names; given, a check")
     p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial")
     p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
     args = p.parse_args(argv)
-    if args.profile_step < 0:
+    if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
-    summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
-                                      trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,
-                                      compress=args.compress)
+    try:
+        summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
+                                          trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,
+                                          compress=args.compress)
+    except ValueError as exc:
+        p.error(str(exc))
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
     for skip in summary["skipped"]:

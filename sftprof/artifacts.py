@@ -152,6 +152,9 @@ def parse_snapshot_name(name: str) -> tuple[int, dict] | None:
     return int(m.group(1)), dict(zip(_SNAPSHOT_COORDS, map(int, m.group(2, 3, 4, 5, 6))))
 
 
+PHASES_RE = re.compile(r"^phases_rank(\d+)\.json$")
+
+
 def phases_name(rank: int) -> str:
     """``phases_rank<rank>.json``: the region sidecar of a memory snapshot (same folder)."""
     return f"phases_rank{rank}.json"

@@ -290,3 +290,17 @@ def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
     assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot
     s = json.load(open(tmp_path / "run" / "profile_summary.json"))
     assert any("profile_step=1, not the requested 7" in w["warning"] for w in s["warnings"]), s["warnings"]
+
+
+def test_kind_and_step_come_from_the_trials_own_record(tmp_path, cpu_traces):
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run")  # no --profile-kind / --profile-step
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(tmp_path / "run" / "profile_summary.json"))
+    assert (s["profile_kind"], s["profile_step"], s["warnings"]) == ("kernel", 1, [])
+    assert s["counts"]["traces"] == 2
+    (tmp_path / "bare").mkdir()
+    res = _cli("--log-dir", tmp_path / "bare", "--run-dir", tmp_path / "run2")
+    assert res.returncode == 2
+    assert (f"--profile-kind: not given, and {tmp_path / 'bare' / 'stats.jsonl'} has no completion record naming "
+            "it; pass one of ('kernel', 'memory')") in res.stderr

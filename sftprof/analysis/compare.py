@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from sftprof import artifacts
 from sftprof.analysis.summary import SUMMARY_JSON
 from sftprof.analysis.trace_summary import short_kernel_name
 
@@ -146,7 +147,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _settings(summary: dict) -> dict[str, Any] | None:
     """The trial's resolved config (``LOG_DIR/config.yaml`` written by the trainer), flattened; None if absent."""
-    path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", "config.yaml")
+    path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", artifacts.CONFIG_YAML)
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:

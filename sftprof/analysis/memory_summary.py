@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from sftprof import artifacts
 from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES",
@@ -409,7 +410,7 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
         if hi < x[0] or lo > x[-1] or ph["name"].endswith("/step"):
             continue
         ax.axvspan(lo, hi, color=f"C{2 + k % 6}", alpha=0.12, lw=0)
-        ax.text((lo + hi) / 2, 0.01, ph["name"].replace("sftprof/", ""), rotation=90, fontsize=7,
+        ax.text((lo + hi) / 2, 0.01, ph["name"].replace(artifacts.REGION_PREFIX, ""), rotation=90, fontsize=7,
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
     ax.step(x, alloc, where="post", lw=1.0, color="C0", label="allocated")
     ax.step(x, res, where="post", lw=1.0, ls="--", color="C1", label="reserved")

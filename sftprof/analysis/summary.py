@@ -26,6 +26,7 @@ from sftprof.analysis.memory_summary import analyze_snapshot, history_status, pl
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.analysis.step_breakdown import PHASES, plot_parts
 from sftprof.analysis.trace_check import finite_json, is_finite_number
+from sftprof import artifacts
 from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
 from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
                                               short_kernel_name)
@@ -36,12 +37,10 @@ __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi"
 
 PROFILE_KINDS = ("kernel", "memory")
 MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of GPU time by part and layer
-SUMMARY_JSON = "profile_summary.json"
-SUMMARY_MD = "profile_summary.md"
-_SNAP_RE = re.compile(r"^snapshot_rank(\d+)_pp(\d+)_dp(\d+)_cp(\d+)_tp(\d+)_ep(\d+)\.pickle(\.gz)?$")
+SUMMARY_JSON = artifacts.SUMMARY_JSON
+SUMMARY_MD = artifacts.SUMMARY_MD
 _SNAP_SUFFIXES = (".pickle", ".pickle.gz")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
-_PHASES_RE = re.compile(r"^phases_rank\d+\.json$")
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
                         "mem_peak_reserved_rank", "n_ranks")
@@ -100,31 +99,23 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
     if not out["available"]:
         return out
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                out["bad_lines"] += 1
-                continue
-            if not isinstance(rec, dict):
-                out["bad_lines"] += 1
-            elif rec.get("type") == "step":
-                row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu",
-                                                 "mfu", "recompute_tflops_per_gpu", "profiled")}
-                per_rank = _per_rank(rec)
-                for key in ("mem_peak_allocated", "mem_peak_reserved"):
-                    row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
-                row["n_ranks"] = len(per_rank)
-                out["steps"].append(row)
-                if profile_step is not None and rec.get("step") == profile_step:
-                    out["profile_step_record"] = rec
-                    out["per_rank"] = {str(r): v for r, v in sorted(per_rank.items())}
-                    out.update({k: v for k, v in row.items() if k.startswith("mem_peak_") or k == "n_ranks"})
-            elif rec.get("type") == "complete":
-                out["complete"] = rec
+    log = artifacts.read_stats(path)
+    out["bad_lines"] = log.bad_lines
+    for step_record in log.steps:
+        rec = step_record.to_json()
+        row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
+                                       "recompute_tflops_per_gpu", "profiled")}
+        per_rank = _per_rank(rec)
+        for key in ("mem_peak_allocated", "mem_peak_reserved"):
+            row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
+        row["n_ranks"] = len(per_rank)
+        out["steps"].append(row)
+        if profile_step is not None and rec.get("step") == profile_step:
+            out["profile_step_record"] = rec
+            out["per_rank"] = {str(r): v for r, v in sorted(per_rank.items())}
+            out.update({k: v for k, v in row.items() if k.startswith("mem_peak_") or k == "n_ranks"})
+    if log.completion is not None:
+        out["complete"] = log.completion.to_json()
     for k in _PROFILE_STEP_FIELDS:
         if not k.startswith("mem_peak_") and k != "n_ranks":
             out[k] = (out["profile_step_record"] or {}).get(k)
@@ -232,7 +223,7 @@ def smi_in_window(smi: dict, lo_s: float, hi_s: float) -> dict[str, Any]:
 
 def _read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
     """Rank -> coordinates from ``rank_coords.json`` and an error message if it is unreadable."""
-    path = os.path.join(log_dir, "rank_coords.json")
+    path = os.path.join(log_dir, artifacts.RANK_COORDS)
     if not os.path.isfile(path):
         return {}, None
     try:
@@ -288,7 +279,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
 
 
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
-    trace_dir = os.path.join(log_dir, "perf_tracer")
+    trace_dir = os.path.join(log_dir, artifacts.PERF_TRACER)
     out_dir = os.path.join(run_dir, KERNEL_TRACES)
     found, traces, skipped = [], [], []
     if os.path.isdir(trace_dir):
@@ -296,7 +287,7 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
         for name in sorted(os.listdir(trace_dir)):
             rank = raw_trace_rank(name)
             if rank is None:
-                skipped.append({"file": os.path.join("perf_tracer", name),
+                skipped.append({"file": os.path.join(artifacts.PERF_TRACER, name),
                                 "reason": "not a trace name the trainer writes (rank<r>.pt.trace.json[.gz], or the "
                                           "earlier traces-r<r>.chrome.json[.gz])"})
                 continue
@@ -346,16 +337,16 @@ def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
     The trainer's ``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` gives both; other names give
     the rank when they hold ``rank<r>`` or ``rank_<r>`` / ``rank-<r>`` (``snapshot_rank0.pickle``).
     """
-    m = _SNAP_RE.match(name)
-    if m:
-        return int(m.group(1)), dict(zip(("pp", "dp", "cp", "tp", "ep"), map(int, m.group(2, 3, 4, 5, 6))))
+    parsed = artifacts.parse_snapshot_name(name)
+    if parsed:
+        return parsed
     m = _RANK_IN_NAME.search(name)
     return (int(m.group(1)), None) if m else (None, None)
 
 
 def _max_entries(log_dir: str) -> int | None:
     """``memory_profiler.max_entries`` of the trial (``LOG_DIR/config.yaml``), None when unknown."""
-    path = os.path.join(log_dir, "config.yaml")
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
     try:
         with open(path, encoding="utf-8") as f:
             value = (yaml.safe_load(f) or {}).get("memory_profiler", {}).get("max_entries")
@@ -367,7 +358,7 @@ def _max_entries(log_dir: str) -> int | None:
 def _trial_config(log_dir: str) -> dict | None:
     """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, None when absent or unreadable."""
     try:
-        with open(os.path.join(log_dir, "config.yaml"), encoding="utf-8") as f:
+        with open(os.path.join(log_dir, artifacts.CONFIG_YAML), encoding="utf-8") as f:
             cfg = yaml.safe_load(f)
     except (OSError, yaml.YAMLError):
         return None
@@ -393,8 +384,8 @@ def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict
 
 
 def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
-    src_dir = os.path.join(log_dir, "memory_snapshots", f"step_{step}")
-    dst_dir = os.path.join(run_dir, "memory_snapshots", f"step_{step}")
+    src_dir = str(artifacts.snapshot_dir(log_dir, step))
+    dst_dir = str(artifacts.snapshot_dir(run_dir, step))
     snapshots, skipped = [], []
     if not os.path.isdir(src_dir):
         return {"memory_snapshots": snapshots, "skipped": skipped}
@@ -406,21 +397,21 @@ def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
     max_entries = _max_entries(log_dir)
     for name in names:
         if not name.endswith(_SNAP_SUFFIXES) or not os.path.isfile(os.path.join(src_dir, name)):
-            if not _PHASES_RE.match(name):
-                skipped.append({"file": os.path.join("memory_snapshots", f"step_{step}", name),
+            if not artifacts.PHASES_RE.match(name):
+                skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
                                 "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
             continue
         rank, coords = _snapshot_rank(name)
         entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
                                  "coords_from_name": coords}
         src = os.path.join(src_dir, name)
-        phases_path = os.path.join(src_dir, f"phases_rank{rank}.json")
+        phases_path = os.path.join(src_dir, artifacts.phases_name(rank))
         try:
             phases = None
             if rank is not None and os.path.isfile(phases_path):
                 with open(phases_path, encoding="utf-8") as f:
                     phases = json.load(f)
-                entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, f"phases_rank{rank}.json"), run_dir)
+                entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, artifacts.phases_name(rank)), run_dir)
             print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
             summary = analyze_snapshot(safe_load_file(src), phases)
             png = os.path.join(dst_dir, re.sub(r"\.pickle(\.gz)?$", ".png", name))
@@ -532,7 +523,20 @@ def _num(v) -> float | None:
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
-def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step: int, *,
+def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
+    """``(profile_kind, profile_step)`` of the trial's completion record in ``stats.jsonl`` (what the trainer
+    profiled), ``(None, None)`` when the file or the record is missing."""
+    path = os.path.join(log_dir, artifacts.STATS)
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        done = artifacts.read_stats(path).completion
+    except OSError:
+        return None, None
+    return (done.profile_kind, done.profile_step) if done is not None else (None, None)
+
+
+def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = None, profile_step: int | None = None, *,
                       trainer_log: str | None = None, nvidia_smi_csv: str | None = None,
                       compress: bool = False, max_view_bytes: int = MAX_VIEW_BYTES,
                       jobs: int | None = None) -> tuple[dict, int]:
@@ -541,8 +545,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
     Args:
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
-        profile_kind: ``kernel`` or ``memory``.
-        profile_step: the profiled training step.
+        profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
+            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is a warning.
+        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``).
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).
         nvidia_smi_csv: the driver's nvidia-smi log (optional).
         compress: write trace views as ``.json.gz``.
@@ -558,15 +563,27 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str, profile_ste
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
-        ValueError: unknown ``profile_kind`` or negative ``profile_step``.
+        ValueError: unknown ``profile_kind`` or negative ``profile_step``, or either not given while the trial
+            recorded none (it died before its completion record).
     """
+    recorded_kind, recorded_step = recorded_profile(log_dir)
+    if profile_kind is None:
+        profile_kind = recorded_kind
+        if profile_kind is None:
+            raise ValueError(f"--profile-kind: not given, and {os.path.join(log_dir, artifacts.STATS)} has no completion "
+                             f"record naming it; pass one of {PROFILE_KINDS}")
+    if profile_step is None:
+        profile_step = recorded_step
+        if profile_step is None:
+            raise ValueError(f"--profile-step: not given, and {os.path.join(log_dir, artifacts.STATS)} has no "
+                             "completion record naming it; pass the profiled step (an integer >= 0)")
     if profile_kind not in PROFILE_KINDS:
         raise ValueError(f"--profile-kind must be one of {PROFILE_KINDS}, got {profile_kind!r}")
     if profile_step < 0:
         raise ValueError(f"--profile-step must be >= 0, got {profile_step}")
     os.makedirs(run_dir, exist_ok=True)
     coords, coords_error = _read_rank_coords(log_dir)
-    stats = read_stats(os.path.join(log_dir, "stats.jsonl"), profile_step)
+    stats = read_stats(os.path.join(log_dir, artifacts.STATS), profile_step)
     complete = stats.get("complete") if isinstance(stats.get("complete"), dict) else {}
     log_dir_missing = not os.path.isdir(log_dir)
     if log_dir_missing:  # torchrun or the trainer died before the trainer's first write

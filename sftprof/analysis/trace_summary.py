@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from sftprof import artifacts
 from sftprof.analysis import step_breakdown
 
 __all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS",
@@ -42,9 +43,9 @@ INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of i
 _INVALID_EXAMPLES = 3
 TOP_CPU_OPS = 15
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-REGION_PREFIX = "sftprof/"
-OPTIMIZER_REGION = "sftprof/optimizer_step"
-STEP_REGION = "sftprof/step"
+REGION_PREFIX = artifacts.REGION_PREFIX
+OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
+STEP_REGION = artifacts.STEP
 
 # Ordered (category, pattern) rules on the lower-cased kernel name; first match wins.
 _RULES: tuple[tuple[str, re.Pattern], ...] = (
