@@ -49,7 +49,7 @@ from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.artifacts import read_stats
 from sftprof.config import PRECISION_FIELDS, ConfigError, SFTProfileConfig, load_config, to_yaml, trial_log_dir
-from sftprof.models.hf import ModelPathError, load_hf_config
+from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ class DriverVar:
 
 
 DRIVER_VARS = (
-    DriverVar("CONFIG", DEFAULT_CONFIG, "YAML path or bundled preset (tiny_cpu)"),
+    DriverVar("CONFIG", DEFAULT_CONFIG, "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)"),
     DriverVar("MODEL_PATH", "qwen3_30b_a3b (bundled config, random init)", "HF model dir (actor.path)"),
     DriverVar("FILEROOT", "/tmp/sftprof", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/"),
     DriverVar("EXPERIMENT_NAME", "from the YAML", "experiment_name"),
@@ -434,6 +434,7 @@ def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
         raise DriverError(f"{err} (from CONFIG={d.config} and the driver variables)") from err
     try:
         hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
+        check_weights_present(probe.actor)
     except (ModelPathError, ValueError) as err:
         raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
     if parse_allocation_mode(probe.actor.backend).backend == "megatron":

@@ -166,7 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Inputs checked before any process group: every failure here is bad input (exit 2).
     from sftprof.allocation import parse_allocation_mode
     from sftprof.data import make_fake_sample
-    from sftprof.models.hf import load_hf_config
+    from sftprof.models.hf import check_weights_present, load_hf_config
     from sftprof.tokenizer import load_tokenizer
 
     layout = parse_allocation_mode(cfg.actor.backend)
@@ -176,6 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     try:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
+        check_weights_present(cfg.actor)
         if layout.backend == "megatron":
             from sftprof.models.megatron_config import check_model_settings
             check_model_settings(cfg, hf_config, layout)

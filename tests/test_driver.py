@@ -224,3 +224,10 @@ def test_driver_variable_given_as_argument(arg, message, tmp_path):
     out = run_driver({}, tmp_path, arg)
     assert out.returncode == 2 and out.stderr == f"sftprof: {message}\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_missing_weights_stop_the_plan(tmp_path):
+    with pytest.raises(launch.DriverError, match=r"actor.init_from_scratch=false: .*tiny_qwen3_moe holds no weights "
+                                                 r"\(\*\.safetensors, \*\.bin, \*\.pt\).*\(MODEL_PATH / actor.path\)"):
+        launch.plan(_plan_env(tmp_path), ["actor.init_from_scratch=false"], gpus=0)
+    assert not (tmp_path / "run").exists()

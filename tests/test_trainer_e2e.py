@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from sftprof.config import load_config
+from sftprof.models.hf import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_sft_profile.py"
@@ -141,13 +143,20 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
 
 
 def test_failure_writes_failed_record(tmp_path):
+    # A model directory whose weight file is damaged: accepted before launch (a weight file is there), fails when
+    # the engine loads it.
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(CONFIG_DIR / "tiny_qwen3_moe" / "config.json", model / "config.json")
+    (model / "model.safetensors").write_bytes(b"\x00" * 64)
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", "experiment_name=e2e",
-           "trial_name=fail", "actor.backend=fsdp:d1", "actor.init_from_scratch=false", "profile.fake_seq_len=16"]
+           "trial_name=fail", "actor.backend=fsdp:d1", "actor.init_from_scratch=false", f"actor.path={model}",
+           "profile.fake_seq_len=16"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     rec = _records(_log_dir(tmp_path, "fail"))[-1]
     assert rec["type"] == "complete" and rec["status"] == "failed" and rec["steps_done"] == 0
-    assert "actor.init_from_scratch=false" in rec["error"] and "holds no weights" in rec["error"]
+    assert rec["error"].startswith(("SafetensorError", "OSError", "HeaderTooLarge")), rec["error"]
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -155,6 +164,7 @@ def test_failure_writes_failed_record(tmp_path):
     (["profile.fake_seq_len=1"], {}, "profile.fake_seq_len=1"),
     ([], {"WORLD_SIZE": "1"}, "actor.backend='fsdp:d2' needs 2 ranks"),
     (["actor.backend=fsdp:d1", "actor.path=/no/such/model"], {}, "actor.path='/no/such/model'"),
+    (["actor.backend=fsdp:d1", "actor.init_from_scratch=false"], {}, "tiny_qwen3_moe holds no weights"),
     (["actor.backend=fsdp:d1", "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]", "memory_profiler.profile_steps=[0]"], {},
      "one profile kind per trial"),
 ])

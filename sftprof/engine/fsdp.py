@@ -132,7 +132,7 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
     """
     import transformers
 
-    from sftprof.models.hf import has_weights, resolve_model_dir
+    from sftprof.models.hf import check_weights_present, resolve_model_dir
 
     if hf_config.model_type not in CAUSAL_LM_CLASSES:
         raise ValueError(f"actor.path={cfg.actor.path!r}: model_type {hf_config.model_type!r} is not supported by "
@@ -144,11 +144,8 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
                  hf_config.mtp_num_hidden_layers)
     if cfg.actor.init_from_scratch:
         return causal_lm_cls._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
-    model_dir = resolve_model_dir(cfg.actor.path)
-    if not has_weights(model_dir):
-        raise ValueError(f"actor.init_from_scratch=false: {model_dir} holds no weights; accepted: "
-                         "init_from_scratch=true or a model directory with *.safetensors/*.bin")
-    return causal_lm_cls.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa", dtype=dtype)
+    check_weights_present(cfg.actor)  # the driver and the trainer checked it before launch; kept for direct callers
+    return causal_lm_cls.from_pretrained(str(resolve_model_dir(cfg.actor.path)), config=hf_config, attn_implementation="sdpa", dtype=dtype)
 
 
 def _lr_factor(kind: str, step: int, total: int) -> float:

@@ -52,6 +52,27 @@ def has_weights(model_dir: Path) -> bool:
     return any(any(model_dir.glob(pat)) for pat in WEIGHT_PATTERNS)
 
 
+def check_weights_present(actor) -> None:
+    """Refuse ``actor.init_from_scratch=false`` when ``actor.path`` holds no weight files (checked before launch).
+
+    Args:
+        actor: the ``actor`` section of the trial config (``path``, ``init_from_scratch``).
+    Raises:
+        ConfigError: no weight file (``*.safetensors``, ``*.bin``, ``*.pt``) in the model directory; names the
+            directory and the accepted settings.
+        ModelPathError: ``actor.path`` is neither a model directory nor a bundled config.
+    """
+    from sftprof.config import ConfigError
+
+    if actor.init_from_scratch:
+        return
+    model_dir = resolve_model_dir(actor.path)
+    if not has_weights(model_dir):
+        raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weights ({', '.join(WEIGHT_PATTERNS)}); "
+                          "accepted: actor.init_from_scratch=true (random init), or MODEL_PATH / actor.path = a "
+                          "Hugging Face model directory with weights")
+
+
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The language-model part of ``config`` (``text_config`` for multimodal Qwen3.5 configs)."""
     return getattr(config, "text_config", None) or config
