@@ -17,7 +17,7 @@ import yaml
 
 from sftprof import artifacts
 from sftprof.analysis.summary import SUMMARY_JSON
-from sftprof.analysis.trace_summary import short_kernel_name
+from sftprof.analysis.kernel_names import short_kernel_name
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 

@@ -28,8 +28,8 @@ from sftprof.analysis.step_breakdown import PHASES, plot_parts
 from sftprof.analysis.trace_check import finite_json, is_finite_number
 from sftprof import artifacts
 from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
-from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, invalid_events_error, invalid_events_message,
-                                              short_kernel_name)
+from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_error, invalid_events_message
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "read_stats", "read_nvidia_smi", "smi_in_window", "render_markdown",
