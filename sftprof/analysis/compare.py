@@ -16,8 +16,9 @@ from typing import Any
 import yaml
 
 from sftprof import artifacts
-from sftprof.analysis.summary import SUMMARY_JSON
+from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.report import fmt, short, table
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 
@@ -74,12 +75,6 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     return out
 
 
-def _f(v, nd=3) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
-
-
 def _delta(a, b) -> tuple[str, str]:
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
         return "–", "–"
@@ -89,15 +84,13 @@ def _delta(a, b) -> tuple[str, str]:
 
 
 def _table(title: str, unit: str, rows: list[tuple], noise: bool = False) -> list[str]:
-    a_col, b_col = f"A {unit}".strip(), f"B {unit}".strip()
-    extra = " above noise |" if noise else ""
-    out = [f"| {title} | {a_col} | {b_col} | Δ (B−A) | Δ % |{extra}", "|---|---|---|---|---|" + ("---|" if noise else "")]
+    """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list."""
+    headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %"] + (["above noise"] if noise else [])
+    cells = []
     for row in rows:
         name, a, b = row[:3]
-        d, p = _delta(a, b)
-        tail = f" {row[3]} |" if noise else ""
-        out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |{tail}")
-    return out + [""]
+        cells.append([str(name).replace("|", "/"), fmt(a), fmt(b), *_delta(a, b)] + ([row[3]] if noise else []))
+    return [table(headers, cells, cell=str)]
 
 
 def _noise(stats: dict) -> tuple[float | None, int]:
@@ -126,10 +119,6 @@ def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tu
 def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
     """``{region name: ms}`` of the annotated regions of one rank trace (regions without a value left out)."""
     return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
-
-
-def _short(name: str, n: int = 100) -> str:
-    return name if len(name) <= n else name[: n - 1] + "…"
 
 
 _SAME_BY_DESIGN = ("trial_name",)  # differs between any two trials
@@ -183,7 +172,7 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
 
     na, nb = _noise(sa), _noise(sb)
     out += [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
-            f"stats.jsonl): A {_f(na[0])} s over {na[1]} steps, B {_f(nb[0])} s over {nb[1]} steps."
+            f"stats.jsonl): A {fmt(na[0])} s over {na[1]} steps, B {fmt(nb[0])} s over {nb[1]} steps."
             + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
                "its share of the step time." if na[0] is not None and nb[0] is not None else
                " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
@@ -260,7 +249,7 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
                 {c["label"]: c["gib"] for c in x["categories_at_peak"]},
                 {c["label"]: c["gib"] for c in y["categories_at_peak"]}, 100))
         out += _table("alive at peak by site (– = not in that run's top 20)", "GiB",
-                      [(_short(n, 140), p, q) for n, p, q in _union_rows(
+                      [(short(n, 140), p, q) for n, p, q in _union_rows(
                           {s["site"]: s["gib"] for s in x["top_sites"]},
                           {s["site"]: s["gib"] for s in y["top_sites"]}, _ROWS)])
     return out
