@@ -14,7 +14,7 @@ from fixtures import gpu_snapshot_fixtures, make_cpu_trace
 from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
-from sftprof.analysis.summary import read_nvidia_smi
+from sftprof.analysis.inputs import read_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[1]
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")

@@ -138,7 +138,7 @@ def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
 def test_nvidia_smi_utilisation_inside_the_profiled_window(tmp_path):
     import datetime
 
-    from sftprof.analysis.summary import read_nvidia_smi, smi_in_window
+    from sftprof.analysis.inputs import read_nvidia_smi, smi_in_window
 
     t0 = datetime.datetime(2026, 11, 29, 23, 2, 19)
     rows = ["timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]"]

@@ -8,8 +8,9 @@ import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace
 from sftprof.analysis.trace_io import TraceReader
-from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, _intersection_length, _union,
-                                             collective_group_label, kernel_category)
+from sftprof.analysis.intervals import intersection_length, union
+from sftprof.analysis.kernel_names import collective_group_label, kernel_category
+from sftprof.analysis.trace_summary import KernelTraceAnalyzer
 
 GPU_TRACES = gpu_trace_fixtures()
 
@@ -95,7 +96,7 @@ def test_interval_overlap_matches_brute_force():
             in_a |= (grid >= s) & (grid < e)
         for s, e in zip(b_s, b_e):
             in_b |= (grid >= s) & (grid < e)
-        got = _intersection_length(_union(a_s, a_e), _union(b_s, b_e))
+        got = intersection_length(union(a_s, a_e), union(b_s, b_e))
         assert got == pytest.approx((in_a & in_b).sum() * 0.001, abs=0.05)
 
 

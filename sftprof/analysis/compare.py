@@ -16,8 +16,9 @@ from typing import Any
 import yaml
 
 from sftprof import artifacts
-from sftprof.analysis.summary import SUMMARY_JSON
-from sftprof.analysis.trace_summary import short_kernel_name
+from sftprof.artifacts import SUMMARY_JSON
+from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.report import fmt, short, table
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 
@@ -74,12 +75,6 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     return out
 
 
-def _f(v, nd=3) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
-
-
 def _delta(a, b) -> tuple[str, str]:
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
         return "–", "–"
@@ -89,15 +84,13 @@ def _delta(a, b) -> tuple[str, str]:
 
 
 def _table(title: str, unit: str, rows: list[tuple], noise: bool = False) -> list[str]:
-    a_col, b_col = f"A {unit}".strip(), f"B {unit}".strip()
-    extra = " above noise |" if noise else ""
-    out = [f"| {title} | {a_col} | {b_col} | Δ (B−A) | Δ % |{extra}", "|---|---|---|---|---|" + ("---|" if noise else "")]
+    """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list."""
+    headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %"] + (["above noise"] if noise else [])
+    cells = []
     for row in rows:
         name, a, b = row[:3]
-        d, p = _delta(a, b)
-        tail = f" {row[3]} |" if noise else ""
-        out.append(f"| {str(name).replace('|', '/')} | {_f(a)} | {_f(b)} | {d} | {p} |{tail}")
-    return out + [""]
+        cells.append([str(name).replace("|", "/"), fmt(a), fmt(b), *_delta(a, b)] + ([row[3]] if noise else []))
+    return [table(headers, cells, cell=str)]
 
 
 def _noise(stats: dict) -> tuple[float | None, int]:
@@ -126,10 +119,6 @@ def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tu
 def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
     """``{region name: ms}`` of the annotated regions of one rank trace (regions without a value left out)."""
     return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
-
-
-def _short(name: str, n: int = 100) -> str:
-    return name if len(name) <= n else name[: n - 1] + "…"
 
 
 _SAME_BY_DESIGN = ("trial_name",)  # differs between any two trials
@@ -172,30 +161,51 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
 
 
 def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
+    """The report section of one matched pair of trials: settings, step figures, per rank, kernels, memory."""
     kind, step = key
     out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
     out += _settings_diff(a, b)
+    noise_lines, rel = _noise_note(a["stats"], b["stats"])
+    out += noise_lines + _step_tables(a, b)
+    ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
+    kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
+    for rank in sorted(set(ka) & set(kb)):
+        out += _kernel_tables(rank, ka[rank], kb[rank], rel)
+    ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
+    mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
+    for rank in sorted(set(ma) & set(mb)):
+        out += _memory_tables(rank, ma[rank], mb[rank])
+    return out
+
+
+def _noise_note(sa: dict, sb: dict) -> tuple[list[str], float | None]:
+    """The run-to-run noise lines and the relative noise ``rel`` (:func:`_noise_rows`; None when unknown)."""
+    na, nb = _noise(sa), _noise(sb)
+    lines = [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
+             f"stats.jsonl): A {fmt(na[0])} s over {na[1]} steps, B {fmt(nb[0])} s over {nb[1]} steps."
+             + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
+                "its share of the step time." if na[0] is not None and nb[0] is not None else
+                " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
+    rel = ((na[0] + nb[0]) / sa["step_time_s"]) if (na[0] is not None and nb[0] is not None
+                                                   and sa.get("step_time_s")) else None
+    return lines, rel
+
+
+def _step_tables(a: dict, b: dict) -> list[str]:
+    """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots)."""
     sa, sb = a["stats"], b["stats"]
 
     def peak(st: dict, key: str) -> str:
         rank = st.get(f"{key}_rank")
         return "–" if rank is None else f"r{rank}" + (" only" if (st.get("n_ranks") or 1) == 1 else "")
 
-    na, nb = _noise(sa), _noise(sb)
-    out += [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
-            f"stats.jsonl): A {_f(na[0])} s over {na[1]} steps, B {_f(nb[0])} s over {nb[1]} steps."
-            + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
-               "its share of the step time." if na[0] is not None and nb[0] is not None else
-               " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
-    rel = ((na[0] + nb[0]) / sa["step_time_s"]) if (na[0] is not None and nb[0] is not None
-                                                  and sa.get("step_time_s")) else None
     rows = [("step time s (stats.jsonl, profiled step, slowest rank)", sa.get("step_time_s"), sb.get("step_time_s"))]
     for key, what in (("mem_peak_allocated", "peak allocated"), ("mem_peak_reserved", "peak reserved")):
         rows.append((f"{what} GB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
                      sa.get(f"{key}_gb"), sb.get(f"{key}_gb")))
     rows.append(("max peak allocated GB over steps and ranks", sa.get("max_mem_peak_allocated_gb"),
                  sb.get("max_mem_peak_allocated_gb")))
-    out += _table("metric", "", rows)
+    out = _table("metric", "", rows)
     # Every rank of stats.jsonl, profiled or not, then the profiled ranks' trace/snapshot figures.
     pa, pb = sa.get("per_rank") or {}, sb.get("per_rank") or {}
     per_rank = []
@@ -215,54 +225,56 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
                 profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
     if profiled:
         out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
-    ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
-    kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
-    for rank in sorted(set(ka) & set(kb)):
-        x, y = ka[rank], kb[rank]
-        out += [f"### Kernels, rank {rank}", ""]
-        out += _table("metric", "ms", [
-            ("step wall", x["step_window"]["wall_ms"], y["step_window"]["wall_ms"]),
-            ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
-            ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
-            ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])])
-        out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100))
-        if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
-            out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100))
-        if "parts" in x and "parts" in y:
-            out += _table("model part, summed over layers", "ms", _noise_rows(_union_rows(
-                {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
-                {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel), noise=rel is not None)
-            out += _table("exposed communication by process group", "ms", _noise_rows(_union_rows(
-                x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel),
-                noise=rel is not None)
-        out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
-                                                    {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
-        out += _table("kernel (– = not in that run's top 20)", "ms",
-                      [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
-                          {k["name"]: k["total_ms"] for k in x["top_kernels"]},
-                          {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
-        out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _union_rows(
-            {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []},
-            {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS))
-    ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
-    mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
-    for rank in sorted(set(ma) & set(mb)):
-        x, y = ma[rank], mb[rank]
-        out += [f"### Memory, rank {rank}", ""]
-        out += _table("metric", "GiB", [
-            ("peak allocated", x["peak_allocated_gib"], y["peak_allocated_gib"]),
-            ("peak reserved", x["peak_reserved_gib"], y["peak_reserved_gib"]),
-            ("reserved − allocated at peak", x["reserved_minus_allocated_at_peak_gib"],
-             y["reserved_minus_allocated_at_peak_gib"])])
-        out.append(f"Peak phase: A {x['peak_phase'] or '–'}, B {y['peak_phase'] or '–'}\n")
-        if "categories_at_peak" in x and "categories_at_peak" in y:
-            out += _table("memory at the peak by category", "GiB", _union_rows(
-                {c["label"]: c["gib"] for c in x["categories_at_peak"]},
-                {c["label"]: c["gib"] for c in y["categories_at_peak"]}, 100))
-        out += _table("alive at peak by site (– = not in that run's top 20)", "GiB",
-                      [(_short(n, 140), p, q) for n, p, q in _union_rows(
-                          {s["site"]: s["gib"] for s in x["top_sites"]},
-                          {s["site"]: s["gib"] for s in y["top_sites"]}, _ROWS)])
+    return out
+
+
+def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
+    """Kernel-trace deltas of one rank: step, regions, model parts, exposed communication, categories, top lists."""
+    out = [f"### Kernels, rank {rank}", ""]
+    out += _table("metric", "ms", [
+        ("step wall", x["step_window"]["wall_ms"], y["step_window"]["wall_ms"]),
+        ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
+        ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
+        ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])])
+    out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100))
+    if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
+        out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100))
+    if "parts" in x and "parts" in y:
+        out += _table("model part, summed over layers", "ms", _noise_rows(_union_rows(
+            {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
+            {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel), noise=rel is not None)
+        out += _table("exposed communication by process group", "ms", _noise_rows(_union_rows(
+            x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel),
+            noise=rel is not None)
+    out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
+                                                {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
+    out += _table("kernel (– = not in that run's top 20)", "ms",
+                  [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
+                      {k["name"]: k["total_ms"] for k in x["top_kernels"]},
+                      {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
+    out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _union_rows(
+        {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []},
+        {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS))
+    return out
+
+
+def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
+    """Snapshot deltas of one rank: peaks, peak phase, memory by category and by site at the peak."""
+    out = [f"### Memory, rank {rank}", ""]
+    out += _table("metric", "GiB", [
+        ("peak allocated", x["peak_allocated_gib"], y["peak_allocated_gib"]),
+        ("peak reserved", x["peak_reserved_gib"], y["peak_reserved_gib"]),
+        ("reserved − allocated at peak", x["reserved_minus_allocated_at_peak_gib"],
+         y["reserved_minus_allocated_at_peak_gib"])])
+    out.append(f"Peak phase: A {x['peak_phase'] or '–'}, B {y['peak_phase'] or '–'}\n")
+    if "categories_at_peak" in x and "categories_at_peak" in y:
+        out += _table("memory at the peak by category", "GiB", _union_rows(
+            {c["label"]: c["gib"] for c in x["categories_at_peak"]},
+            {c["label"]: c["gib"] for c in y["categories_at_peak"]}, 100))
+    out += _table("alive at peak by site (– = not in that run's top 20)", "GiB",
+                  [(short(n, 140), p, q) for n, p, q in _union_rows(
+                      {s["site"]: s["gib"] for s in x["top_sites"]},
+                      {s["site"]: s["gib"] for s in y["top_sites"]}, _ROWS)])
     return out
 
 

@@ -19,7 +19,7 @@ Attribution of one GPU activity (kernel, memcpy, memset) launched inside the ste
    ``outside model parts``.
 
 Traces without model-part ranges (recorded before they existed) are split by kernel name
-(:func:`sftprof.analysis.trace_summary.kernel_category`) and say so (``source: kernel_name``).
+(:func:`sftprof.analysis.kernel_names.kernel_category`) and say so (``source: kernel_name``).
 
 Every activity launched in the window lands in exactly one (part, layer, phase) cell, so the cells sum
 to the step's GPU time (sum of activity durations, all streams; overlapping streams count twice, as in
@@ -48,6 +48,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from sftprof.analysis import intervals
 from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
@@ -465,12 +466,11 @@ def _ms(us: float) -> float:
 def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, corr: list[int],
             ext: list[int], cats: list[str], is_comm: np.ndarray, groups: list[Optional[str]],
             names: list[str], kinds: np.ndarray, nbytes: np.ndarray, window: tuple[Optional[float], Optional[float]],
-            optimizer_windows: list[tuple[float, float]], device_name: Optional[str],
-            intersection, union) -> dict[str, Any]:
+            optimizer_windows: list[tuple[float, float]], device_name: Optional[str]) -> dict[str, Any]:
     """Model-part breakdown, kernel efficiency and per-group collectives of one rank (module docstring).
 
     Args are the analyzer's per-activity arrays (``ts``/``dur`` in us on the trace clock) and the step
-    window ``(lo, hi)``; ``intersection``/``union`` are the analyzer's interval helpers.
+    window ``(lo, hi)``.
 
     Returns:
         ``{"parts": {...}, "efficiency": {...}, "collectives": {...}, "host": {...}}`` (times in ms).
@@ -498,7 +498,7 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
             "gpu_idle": _idle_split(ts, dur, pts, lo, hi) if lo is not None else None}
     return {"parts": parts_out, "host": host,
             "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
-            "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union)}
+            "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext)}
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float) -> dict[str, Any]:
@@ -609,7 +609,7 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
                     "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}
 
 
-def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection, union) -> dict:
+def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext) -> dict:
     """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group."""
     end = ts + dur
     rows: dict[tuple[str, str], dict] = {}
@@ -639,11 +639,11 @@ def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, intersection,
     exposed: dict[str, float] = defaultdict(float)
     for dev in np.unique(devs):
         on = (devs == dev) & inside
-        comp = union(ts[on & ~is_comm], end[on & ~is_comm])
+        comp = intervals.union(ts[on & ~is_comm], end[on & ~is_comm])
         for g in sorted({groups[i] or "unknown" for i in np.flatnonzero(on & is_comm)}):
             sel = on & is_comm & np.array([(x or "unknown") == g for x in groups], dtype=bool)
-            c = union(ts[sel], end[sel])
-            exposed[g] += float(np.sum(c[1] - c[0])) - intersection(c, comp)
+            c = intervals.union(ts[sel], end[sel])
+            exposed[g] += intervals.length(*c) - intervals.intersection_length(c, comp)
     return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())},
             "note": "exposed = the group's NCCL kernel time not overlapped by non-communication GPU work on "
                     "the same device; groups that overlap each other each count their own exposed time"}

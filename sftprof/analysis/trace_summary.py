@@ -26,17 +26,20 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sftprof import artifacts
 from sftprof.analysis import step_breakdown
+from sftprof.analysis.intervals import clip, intersection_length, length, union
+from sftprof.analysis.kernel_names import COMM_PREFIX, collective_group_label, kernel_category
 
-__all__ = ["KernelTraceAnalyzer", "kernel_category", "collective_group_label", "short_kernel_name", "TOP_KERNELS",
-           "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT"]
+__all__ = ["KernelTraceAnalyzer", "ActivityTable", "step_window", "gpu_time", "top_kernels", "time_by_category",
+           "communication", "region_times", "top_cpu_ops", "TOP_KERNELS", "invalid_events_error",
+           "invalid_events_message", "INVALID_SHARE_LIMIT"]
 
 TOP_KERNELS = 20
 INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
@@ -46,139 +49,7 @@ GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 STEP_REGION = artifacts.STEP
-
-# Ordered (category, pattern) rules on the lower-cased kernel name; first match wins.
-_RULES: tuple[tuple[str, re.Pattern], ...] = (
-    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|softmax_warp_forward_causal|mha_")),
-    ("MoE routing/permutation", re.compile(
-        r"moe|permut|topk|top_k|sort|radix|scatter|gather|index|histogram|histc|bincount|cumsum|"
-        r"router|token_dispatch|masked_select|masked_scatter|nonzero|cub::|write_indices")),
-    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|lamb_|sgd_|l2norm")),
-    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|_mm_|wgmma|splitk|hgemm|sgemm|dot_kernel")),
-    ("elementwise/reduction", re.compile(
-        r"elementwise|reduce|copy|fill|cat|norm|softmax|triton|unary|binary|functor|pow|mul|add|"
-        r"silu|gelu|exp|log|where|clamp|sum|mean|max|min|cross_entropy|rms")),
-)
 _HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
-_NCCL = re.compile(r"nccl(?:dev)?kernel_([a-z]+)", re.IGNORECASE)
-
-# megatron-core / torch process-group descriptions -> parallelism label.
-_PG_LABELS = {
-    "TENSOR_MODEL_PARALLEL_GROUP": "TP",
-    "CONTEXT_PARALLEL_GROUP": "CP",
-    "PIPELINE_MODEL_PARALLEL_GROUP": "PP",
-    "DATA_PARALLEL_GROUP": "DP",
-    "DATA_PARALLEL_GROUP_WITH_CP": "DP-CP",
-    "EXPERT_MODEL_PARALLEL_GROUP": "EP",
-    "EXPERT_TENSOR_PARALLEL_GROUP": "ETP",
-    "EXPERT_DATA_PARALLEL_GROUP": "EDP",
-    "TENSOR_AND_DATA_PARALLEL_GROUP": "TP-DP",
-    "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "TP-DP-CP",
-    "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "TP-CP",
-    "TENSOR_AND_EXPERT_PARALLEL_GROUP": "TP-EP",
-    "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "ETP-EP",
-    "EMBEDDING_GROUP": "EMB",
-    "POSITION_EMBEDDING_GROUP": "POS-EMB",
-    "MODEL_PARALLEL_GROUP": "MP",
-    "default_pg": "WORLD",
-}
-
-
-def kernel_category(name: str, cat: str = "kernel") -> str:
-    """Category of one GPU activity from its trace category and kernel name.
-
-    Args:
-        name: kernel name as recorded by CUPTI (e.g. ``nvjet_sm90_tst_256x128_...``).
-        cat: trace category, one of ``kernel``, ``gpu_memcpy``, ``gpu_memset``.
-
-    Returns:
-        ``memcpy/memset``, ``NCCL <Collective>`` for NCCL kernels (group added by the analyzer),
-        or one of ``attention``, ``MoE routing/permutation``, ``optimizer``, ``GEMM``,
-        ``elementwise/reduction``, ``other`` (name rules in ``_RULES``, first match wins).
-    """
-    if cat != "kernel":
-        return "memcpy/memset"
-    m = _NCCL.search(name)
-    if m:
-        return f"NCCL {m.group(1)}"
-    low = name.lower()
-    for label, pattern in _RULES:
-        if pattern.search(low):
-            return label
-    return "other"
-
-
-_NAMESPACES = re.compile(r"\(anonymous namespace\)::|\b(?:at::native|at::cuda|at|c10|std|cuda::std)::")
-
-
-def short_kernel_name(name: str, limit: int = 140) -> str:
-    """Readable kernel name for tables: no ``void``, common namespaces or parameter list.
-
-    ``void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...Functor<float, 1, 1, 0>,
-    std::multiplies<float>, float>(...)`` becomes ``multi_tensor_apply_kernel<..., multiplies<float>,
-    float>``; the template arguments are kept because they tell kernels apart. Cut to ``limit`` chars.
-    """
-    text = _NAMESPACES.sub("", name[5:] if name.startswith("void ") else name)
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif ch == "(" and depth == 0 and i > 0:
-            text = text[:i]
-            break
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def collective_group_label(pg_desc: str | None, pg_name: str | None) -> str | None:
-    """Short parallelism label (TP, CP, EP, DP, ...) of a process group, or its description/name."""
-    if pg_desc:
-        return _PG_LABELS.get(pg_desc, pg_desc)
-    return f"pg{pg_name}" if pg_name not in (None, "") else None
-
-
-def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge intervals [starts[i], ends[i]) into sorted disjoint intervals."""
-    if starts.size == 0:
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    run_end = np.maximum.accumulate(e)
-    new = np.empty(s.size, dtype=bool)
-    new[0] = True
-    new[1:] = s[1:] > run_end[:-1]
-    idx = np.flatnonzero(new)
-    return s[idx], np.append(run_end[idx[1:] - 1], run_end[-1])
-
-
-def _length(starts: np.ndarray, ends: np.ndarray) -> float:
-    return float(np.sum(ends - starts)) if starts.size else 0.0
-
-
-def _intersection_length(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
-    """Total length of the intersection of two disjoint, sorted interval sets."""
-    (a_s, a_e), (b_s, b_e) = a, b
-    if a_s.size == 0 or b_s.size == 0:
-        return 0.0
-    # Prefix lengths of b; the covered length of b in [x, y) is cov(y) - cov(x).
-    prefix = np.concatenate(([0.0], np.cumsum(b_e - b_s)))
-
-    def covered_upto(x: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(b_s, x, side="right")  # intervals starting at or before x
-        full = prefix[np.maximum(i - 1, 0)]
-        partial = np.where(i > 0, np.clip(x - b_s[np.maximum(i - 1, 0)], 0, None), 0.0)
-        partial = np.minimum(partial, np.where(i > 0, b_e[np.maximum(i - 1, 0)] - b_s[np.maximum(i - 1, 0)], 0.0))
-        return full + partial
-
-    return float(np.sum(covered_upto(a_e) - covered_upto(a_s)))
-
-
-def _clip(iv: tuple[np.ndarray, np.ndarray], lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-    s, e = np.clip(iv[0], lo, hi), np.clip(iv[1], lo, hi)
-    keep = e > s
-    return s[keep], e[keep]
-
 
 def _int_id(v) -> int:
     """A correlation / External id as an int; -1 when absent or not an integer."""
@@ -202,6 +73,56 @@ def invalid_events_message(invalid: dict) -> str:
 
 def _ms(us: float) -> float:
     return round(us / 1000.0, 4)
+
+
+Span = tuple[str, float, float]  # (annotation name, start us, end us) on the trace clock
+
+
+@dataclass
+class ActivityTable:
+    """The GPU activities of one trace, one row per activity (kernel, memcpy, memset), in trace order.
+
+    Built once by :meth:`KernelTraceAnalyzer.activity_table`; every question function of this module
+    reads it. Arrays have length ``n`` (times in us on the trace clock).
+
+    Attributes:
+        names: unique activity names; ``name_idx[i]`` indexes it.
+        name_idx: per activity, index into ``names``.
+        kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
+        ts, dur, end: float64 start, duration and end (us).
+        dev: int64 device (trace ``pid``), -1 when absent.
+        corr, ext: ``correlation`` and ``External id`` per activity (-1 when absent).
+        launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
+        category: :func:`~sftprof.analysis.kernel_names.kernel_category`, ``optimizer`` for non-collective
+            kernels launched inside ``sftprof/optimizer_step``.
+        is_comm: bool, NCCL kernel.
+        group: parallelism label of a collective's process group (None when unknown or not a collective).
+        nbytes: float64 bytes of memcpy/memset activities (0 when not given).
+    """
+
+    names: list[str]
+    name_idx: list[int]
+    kind: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    end: np.ndarray
+    dev: np.ndarray
+    corr: list[int]
+    ext: list[int]
+    launch: np.ndarray
+    category: list[str]
+    is_comm: np.ndarray
+    group: list[str | None]
+    nbytes: np.ndarray
+
+    @property
+    def n(self) -> int:
+        """Number of activities."""
+        return len(self.name_idx)
+
+    def labels(self) -> list[str]:
+        """Category per activity, collectives with their group: ``NCCL AllReduce [TP]``."""
+        return [f"{c} [{g}]" if self.is_comm[i] and g else c for i, (c, g) in enumerate(zip(self.category, self.group))]
 
 
 class KernelTraceAnalyzer:
@@ -348,27 +269,11 @@ class KernelTraceAnalyzer:
                 if ext != -1:
                     self._comm_ops[ext] = self._pg_ref(args)
 
-    # -- summary ------------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
-
-        Keys: ``n_events``, ``step_window`` (source, start_us/end_us on the trace clock, wall_ms, and
-        unix_start_s/unix_end_s from the header's ``baseTimeNanoseconds``, None without it),
-        ``gpu`` (activities, total_ms, busy_ms, busy_share_pct, idle_share_pct),
-        ``top_kernels`` (name, calls, total_ms, share_pct), ``top_cpu_ops`` (name, calls,
-        inclusive_ms: an op's own time plus the ops nested in it, over the whole trace), ``categories`` (category, calls,
-        total_ms, share_pct; sums to 100 %), ``communication`` (total_ms, hidden_ms, exposed_ms,
-        by_type, by_group), ``regions`` (name, start_ms relative to the window, cpu_ms, gpu_ms).
-        """
+    def activity_table(self, regions: list[Span]) -> ActivityTable:
+        """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
         n = len(self._a_ts)
-        ts = np.asarray(self._a_ts, dtype=np.float64)
-        dur = np.asarray(self._a_dur, dtype=np.float64)
-        end = ts + dur
         kinds = np.asarray(self._a_kind, dtype=np.int64)
-        devs = np.asarray(self._a_dev, dtype=np.int64)
-        launch = self._ops.launch_points(self._a_corr)[1]  # CUDA API call start (us) per activity, NaN if absent
-
-        regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
+        launch = self._ops.launch_points(self._a_corr)[1]
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
         cat_cache: dict[tuple[int, int], str] = {}
         cats: list[str] = []
@@ -378,7 +283,7 @@ class KernelTraceAnalyzer:
             if c is None:
                 c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
             cats.append(c)
-        is_comm = np.array([c.startswith("NCCL ") for c in cats], dtype=bool)
+        is_comm = np.array([c.startswith(COMM_PREFIX) for c in cats], dtype=bool)
         opt = [r for r in regions if r[0] == OPTIMIZER_REGION]
         if opt and n:
             in_opt = np.zeros(n, dtype=bool)
@@ -392,121 +297,188 @@ class KernelTraceAnalyzer:
             if ref is None and is_comm[i]:
                 ref = self._comm_ops.get(self._a_ext[i])
             groups.append(self._pg_label(ref))
-        labels = [f"{c} [{g}]" if is_comm[i] and g else c for i, (c, g) in enumerate(zip(cats, groups))]
+        ts = np.asarray(self._a_ts, dtype=np.float64)
+        dur = np.asarray(self._a_dur, dtype=np.float64)
+        return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
+                             dev=np.asarray(self._a_dev, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
+                             launch=launch, category=cats, is_comm=is_comm, group=groups,
+                             nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
-        # Step window.
-        window_src = "none"
-        lo = hi = None
-        steps = [r for r in regions if r[0] == STEP_REGION]
-        if steps:
-            _, lo, hi = max(steps, key=lambda r: r[2] - r[1])
-            window_src = STEP_REGION
-        elif self._profiler_steps:
-            _, lo, hi = max(self._profiler_steps, key=lambda r: r[2] - r[1])
-            window_src = "ProfilerStep"
-        elif n:
-            lo, hi = float(ts.min()), float(end.max())
-            window_src = "gpu_activity_span"
-        elif self._t_min < self._t_max:
-            lo, hi = self._t_min, self._t_max
-            window_src = "trace_span"
-        if lo is not None and window_src in (STEP_REGION, "ProfilerStep") and n:
-            launched = (launch >= lo) & (launch <= hi)
-            if launched.any():
-                hi = max(hi, float(end[launched].max()))
+    def summary(self) -> dict[str, Any]:
+        """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
 
-        total_us = float(dur.sum())
-        gpu: dict[str, Any] = {"activities": n, "total_ms": _ms(total_us)}
-        if n and lo is not None and hi > lo:
-            busy = _length(*_clip(_union(ts, end), lo, hi))
-            gpu.update(busy_ms=_ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
-                       idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
-        else:
-            gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
-
-        # Top kernels (category 'kernel' only), shares of total GPU activity time.
-        k_tot: dict[int, float] = defaultdict(float)
-        k_calls: dict[int, int] = defaultdict(int)
-        for i in np.flatnonzero(kinds == 0):
-            k_tot[self._a_name[i]] += self._a_dur[i]
-            k_calls[self._a_name[i]] += 1
-        top = sorted(k_tot.items(), key=lambda kv: (-kv[1], self._name_list[kv[0]]))[:TOP_KERNELS]
-        top_kernels = [{"name": self._name_list[k], "calls": k_calls[k], "total_ms": _ms(t),
-                        "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
-
-        c_tot: dict[str, float] = defaultdict(float)
-        c_calls: dict[str, int] = defaultdict(int)
-        for lab, d in zip(labels, self._a_dur):
-            c_tot[lab] += d
-            c_calls[lab] += 1
-        categories = [{"category": c, "calls": c_calls[c], "total_ms": _ms(t),
-                       "share_pct": round(100 * t / total_us, 3) if total_us else 0.0}
-                      for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
-
-        communication = self._communication(ts, end, devs, is_comm, cats, groups)
-        host_s = np.array([h[1] for h in self._host_comm], dtype=np.float64)
-        host_e = np.array([h[2] for h in self._host_comm], dtype=np.float64)
-        by_op: dict[str, float] = defaultdict(float)
-        for name, h_lo, h_hi in self._host_comm:
-            by_op[name] += h_hi - h_lo
-        communication["host_ops"] = {"ops": len(self._host_comm), "wall_ms": _ms(_length(*_union(host_s, host_e))),
-                                     "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}}
+        Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``step_window`` (:func:`step_window`),
+        ``gpu`` (:func:`gpu_time`), ``top_kernels`` (:func:`top_kernels`), ``top_cpu_ops``
+        (:func:`top_cpu_ops`), ``categories`` (:func:`time_by_category`), ``communication``
+        (:func:`communication`), ``regions`` (:func:`region_times`), and the step breakdown's ``parts``,
+        ``host``, ``efficiency``, ``collectives`` (:func:`sftprof.analysis.step_breakdown.analyze`).
+        """
+        regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
+        table = self.activity_table(regions)
+        window = step_window(table, regions, self._profiler_steps, (self._t_min, self._t_max), self._base_ns)
+        lo, hi = window["start_us"], window["end_us"]
         details = step_breakdown.analyze(
-            self._ops, ts=ts, dur=dur, devs=devs, corr=self._a_corr, ext=self._a_ext, cats=cats, is_comm=is_comm,
-            groups=groups, names=[self._name_list[k] for k in self._a_name], kinds=kinds,
-            nbytes=np.asarray(self._a_bytes, dtype=np.float64), window=(lo, hi),
-            optimizer_windows=[(a, b) for _, a, b in opt], device_name=self._device_name,
-            intersection=_intersection_length, union=_union)
-        region_rows = []
-        for name, r_lo, r_hi in regions:
-            inside = (launch >= r_lo) & (launch <= r_hi)
-            region_rows.append({
-                "name": name,
-                "start_ms": _ms(r_lo - lo) if lo is not None else None,
-                "cpu_ms": _ms(r_hi - r_lo),
-                "gpu_ms": _ms(float(dur[inside].sum())) if n else None,
-                "gpu_activities": int(inside.sum()),
-            })
+            self._ops, ts=table.ts, dur=table.dur, devs=table.dev, corr=table.corr, ext=table.ext,
+            cats=table.category, is_comm=table.is_comm, groups=table.group,
+            names=[table.names[k] for k in table.name_idx], kinds=table.kind, nbytes=table.nbytes, window=(lo, hi),
+            optimizer_windows=[(a, b) for name, a, b in regions if name == OPTIMIZER_REGION],
+            device_name=self._device_name)
         return {
             "n_events": self.n_events,
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
                                "by_kind": dict(sorted(self._invalid.items(), key=lambda kv: (-kv[1], kv[0]))),
                                "examples": list(self._invalid_examples)},
             "view_repairs": dict(sorted(self._notes.items())),
-            "step_window": {"source": window_src, "start_us": lo, "end_us": hi,
-                            "wall_ms": _ms(hi - lo) if lo is not None else None,
-                            "unix_start_s": (lo + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None,
-                            "unix_end_s": (hi + self._base_ns / 1e3) / 1e6 if lo is not None and self._base_ns else None},
-            "gpu": gpu,
-            "top_kernels": top_kernels,
-            "top_cpu_ops": [{"name": k, "calls": self._cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
-                            sorted(self._cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_CPU_OPS]],
-            "categories": categories,
-            "communication": communication,
-            "regions": region_rows,
+            "step_window": window,
+            "gpu": gpu_time(table, lo, hi),
+            "top_kernels": top_kernels(table),
+            "top_cpu_ops": top_cpu_ops(self._cpu_us, self._cpu_calls),
+            "categories": time_by_category(table),
+            "communication": communication(table, self._host_comm),
+            "regions": region_times(table, regions, lo),
             **details,
         }
 
-    @staticmethod
-    def _communication(ts, end, devs, is_comm, cats, groups) -> dict[str, Any]:
-        total = hidden = 0.0
-        for dev in np.unique(devs):
-            on = devs == dev
-            comm = _union(ts[on & is_comm], end[on & is_comm])
-            comp = _union(ts[on & ~is_comm], end[on & ~is_comm])
-            total += _length(*comm)
-            hidden += _intersection_length(comm, comp)
-        by_type: dict[str, float] = defaultdict(float)
-        by_group: dict[str, float] = defaultdict(float)
-        for i in np.flatnonzero(is_comm):
-            d = float(end[i] - ts[i])
-            by_type[cats[i][len("NCCL "):]] += d
-            by_group[groups[i] or "unknown"] += d
-        return {
-            "kernels": int(is_comm.sum()),
-            "total_ms": _ms(total),
-            "hidden_ms": _ms(hidden),
-            "exposed_ms": _ms(total - hidden),
-            "by_type_ms": {k: _ms(v) for k, v in sorted(by_type.items())},
-            "by_group_ms": {k: _ms(v) for k, v in sorted(by_group.items())},
-        }
+
+# -- one function per question over the activity table -----------------------------------------------------
+def step_window(table: ActivityTable, regions: list[Span], profiler_steps: list[Span],
+                trace_span: tuple[float, float], base_ns: int | None) -> dict[str, Any]:
+    """The step window (module docstring): ``{source, start_us, end_us, wall_ms, unix_start_s, unix_end_s}``.
+
+    ``source`` is ``sftprof/step``, ``ProfilerStep``, ``gpu_activity_span``, ``trace_span`` or ``none``
+    (then the times are None); a step annotation's window is extended to the end of the last activity
+    launched inside it. ``unix_*_s`` use the header's ``baseTimeNanoseconds`` (None without it).
+    """
+    source, lo, hi = "none", None, None
+    steps = [r for r in regions if r[0] == STEP_REGION]
+    if steps:
+        _, lo, hi = max(steps, key=lambda r: r[2] - r[1])
+        source = STEP_REGION
+    elif profiler_steps:
+        _, lo, hi = max(profiler_steps, key=lambda r: r[2] - r[1])
+        source = "ProfilerStep"
+    elif table.n:
+        lo, hi = float(table.ts.min()), float(table.end.max())
+        source = "gpu_activity_span"
+    elif trace_span[0] < trace_span[1]:
+        lo, hi = trace_span
+        source = "trace_span"
+    if lo is not None and source in (STEP_REGION, "ProfilerStep") and table.n:
+        launched = (table.launch >= lo) & (table.launch <= hi)
+        if launched.any():
+            hi = max(hi, float(table.end[launched].max()))
+    unix = lo is not None and base_ns
+    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": _ms(hi - lo) if lo is not None else None,
+            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if unix else None,
+            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if unix else None}
+
+
+def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> dict[str, Any]:
+    """GPU time in the window ``[lo, hi]`` (us): ``{activities, total_ms, busy_ms, busy_share_pct, idle_share_pct}``.
+
+    Busy = length of the union of all activity intervals (all streams) inside the window; the shares are
+    None without a window.
+    """
+    gpu: dict[str, Any] = {"activities": table.n, "total_ms": _ms(float(table.dur.sum()))}
+    if table.n and lo is not None and hi > lo:
+        busy = length(*clip(union(table.ts, table.end), lo, hi))
+        gpu.update(busy_ms=_ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
+                   idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
+    else:
+        gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
+    return gpu
+
+
+def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[dict]:
+    """The ``limit`` kernels (trace category ``kernel``) with the most GPU time: ``{name, calls, total_ms, share_pct}``.
+
+    Shares are of the total GPU activity time (all activities); ties are ordered by name.
+    """
+    total_us = float(table.dur.sum())
+    durs = table.dur.tolist()
+    k_tot: dict[int, float] = defaultdict(float)
+    k_calls: dict[int, int] = defaultdict(int)
+    for i in np.flatnonzero(table.kind == 0):
+        k_tot[table.name_idx[i]] += durs[i]
+        k_calls[table.name_idx[i]] += 1
+    top = sorted(k_tot.items(), key=lambda kv: (-kv[1], table.names[kv[0]]))[:limit]
+    return [{"name": table.names[k], "calls": k_calls[k], "total_ms": _ms(t),
+             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
+
+
+def time_by_category(table: ActivityTable) -> list[dict]:
+    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to 100 %."""
+    total_us = float(table.dur.sum())
+    c_tot: dict[str, float] = defaultdict(float)
+    c_calls: dict[str, int] = defaultdict(int)
+    for lab, d in zip(table.labels(), table.dur.tolist()):
+        c_tot[lab] += d
+        c_calls[lab] += 1
+    return [{"category": c, "calls": c_calls[c], "total_ms": _ms(t),
+             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0}
+            for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def communication(table: ActivityTable, host_comm: list[Span]) -> dict[str, Any]:
+    """NCCL kernel time and its overlap with computation, plus host-side collective ops (module docstring).
+
+    Returns:
+        ``{kernels, total_ms, hidden_ms, exposed_ms, by_type_ms, by_group_ms, host_ops}``; per device,
+        total = |C| and hidden = |C ∩ K| with C the union of NCCL kernel intervals and K the union of the
+        other activities; ``host_ops`` = ``{ops, wall_ms (union of their intervals), by_op_ms}``.
+    """
+    ts, end, devs, is_comm = table.ts, table.end, table.dev, table.is_comm
+    total = hidden = 0.0
+    for dev in np.unique(devs):
+        on = devs == dev
+        comm = union(ts[on & is_comm], end[on & is_comm])
+        comp = union(ts[on & ~is_comm], end[on & ~is_comm])
+        total += length(*comm)
+        hidden += intersection_length(comm, comp)
+    by_type: dict[str, float] = defaultdict(float)
+    by_group: dict[str, float] = defaultdict(float)
+    for i in np.flatnonzero(is_comm):
+        d = float(end[i] - ts[i])
+        by_type[table.category[i][len(COMM_PREFIX):]] += d
+        by_group[table.group[i] or "unknown"] += d
+    host_s = np.array([h[1] for h in host_comm], dtype=np.float64)
+    host_e = np.array([h[2] for h in host_comm], dtype=np.float64)
+    by_op: dict[str, float] = defaultdict(float)
+    for name, h_lo, h_hi in host_comm:
+        by_op[name] += h_hi - h_lo
+    return {
+        "kernels": int(is_comm.sum()),
+        "total_ms": _ms(total),
+        "hidden_ms": _ms(hidden),
+        "exposed_ms": _ms(total - hidden),
+        "by_type_ms": {k: _ms(v) for k, v in sorted(by_type.items())},
+        "by_group_ms": {k: _ms(v) for k, v in sorted(by_group.items())},
+        "host_ops": {"ops": len(host_comm), "wall_ms": _ms(length(*union(host_s, host_e))),
+                     "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}},
+    }
+
+
+def region_times(table: ActivityTable, regions: list[Span], lo: float | None) -> list[dict]:
+    """Per ``sftprof/*`` region: ``{name, start_ms (from the window start lo), cpu_ms, gpu_ms, gpu_activities}``.
+
+    GPU time is the sum of the durations of the activities whose launching call lies inside the region
+    (None when the trace has no GPU activity).
+    """
+    rows = []
+    for name, r_lo, r_hi in regions:
+        inside = (table.launch >= r_lo) & (table.launch <= r_hi)
+        rows.append({
+            "name": name,
+            "start_ms": _ms(r_lo - lo) if lo is not None else None,
+            "cpu_ms": _ms(r_hi - r_lo),
+            "gpu_ms": _ms(float(table.dur[inside].sum())) if table.n else None,
+            "gpu_activities": int(inside.sum()),
+        })
+    return rows
+
+
+def top_cpu_ops(cpu_us: dict[str, float], cpu_calls: dict[str, int], limit: int = TOP_CPU_OPS) -> list[dict]:
+    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, whole trace, us in):
+    ``{name, calls, inclusive_ms}``."""
+    return [{"name": k, "calls": cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
+            sorted(cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]

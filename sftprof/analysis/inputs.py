@@ -1,0 +1,253 @@
+"""Readers of a trial's inputs: ``stats.jsonl`` (through :mod:`sftprof.artifacts`), ``rank_coords.json``,
+``config.yaml``, the driver's ``nvidia_smi.csv`` and the tail of the trainer log.
+
+Each reader tolerates a missing or damaged file (it says so in what it returns) so that one bad input
+never stops the postprocessing of the others (:func:`sftprof.analysis.summary.postprocess_trial`).
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import re
+from typing import Any
+
+import yaml
+
+from sftprof import artifacts
+from sftprof.analysis.trace_check import is_finite_number
+
+__all__ = ["read_stats", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
+           "trainer_log_tail", "trial_config", "max_entries"]
+
+_PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
+                        "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
+                        "mem_peak_reserved_rank", "n_ranks")
+_RANK_STAT_FIELDS = ("step_time_s", "mem_peak_allocated_gb", "mem_peak_reserved_gb")
+
+
+def _finite(v) -> float | int | None:
+    """``v`` when it is a finite int/float (not a bool), else None."""
+    return v if is_finite_number(v) else None
+
+
+def _per_rank(rec: dict) -> dict[int, dict]:
+    """``{rank: {step_time_s, mem_peak_allocated_gb, mem_peak_reserved_gb}}`` of one step record.
+
+    From the record's ``ranks`` list (every rank, as the trainer all-gathers it); a record without it
+    holds global rank 0's figures at top level (the trainer writes ``stats.jsonl`` on rank 0).
+    """
+    ranks = rec.get("ranks")
+    rows = [r for r in ranks if isinstance(r, dict) and type(r.get("rank")) is int] \
+        if isinstance(ranks, list) else []
+    if not rows:
+        rows = [dict(rec, rank=0)]
+    return {int(r["rank"]): {k: _finite(r.get(k)) for k in _RANK_STAT_FIELDS} for r in rows}
+
+
+def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, int | None]:
+    vals = [(v[key], r) for r, v in per_rank.items() if v[key] is not None]
+    if not vals:
+        return None, None
+    value, rank = max(vals, key=lambda x: (x[0], -x[1]))
+    return value, rank
+
+
+def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
+    """Step records and the completion record of ``stats.jsonl``.
+
+    Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "per_rank", "complete",
+    "max_mem_peak_allocated_gb", "max_mem_peak_allocated_rank", "max_mem_peak_reserved_gb",
+    "max_mem_peak_reserved_rank"}`` plus the profiled step's ``step_time_s``, ``tokens``, ``tokens_per_s``,
+    ``tflops_per_gpu``, ``mfu`` and ``mem_peak_{allocated,reserved}_{gb,rank}`` at top level (None when
+    absent; ``*_gb`` are GiB as the trainer writes them).
+
+    Memory peaks are the maximum over the ranks of the step record's ``ranks`` list, with the rank that
+    holds it (``*_rank``) and ``n_ranks``, the number of ranks the figure is taken over (1 when the record
+    has no per-rank list: then it is rank 0's alone). ``per_rank`` maps every rank of the profiled step's
+    record, profiled or not, to its ``step_time_s`` and peaks. Non-finite or non-numeric values count as
+    absent. A missing file gives ``available: False``; unparsable lines are counted in ``bad_lines``.
+    """
+    out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
+                           "profile_step_record": None, "per_rank": {}, "complete": None}
+    out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
+    if not out["available"]:
+        return out
+    log = artifacts.read_stats(path)
+    out["bad_lines"] = log.bad_lines
+    for step_record in log.steps:
+        rec = step_record.to_json()
+        row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
+                                       "recompute_tflops_per_gpu", "profiled")}
+        per_rank = _per_rank(rec)
+        for key in ("mem_peak_allocated", "mem_peak_reserved"):
+            row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
+        row["n_ranks"] = len(per_rank)
+        out["steps"].append(row)
+        if profile_step is not None and rec.get("step") == profile_step:
+            out["profile_step_record"] = rec
+            out["per_rank"] = {str(r): v for r, v in sorted(per_rank.items())}
+            out.update({k: v for k, v in row.items() if k.startswith("mem_peak_") or k == "n_ranks"})
+    if log.completion is not None:
+        out["complete"] = log.completion.to_json()
+    for k in _PROFILE_STEP_FIELDS:
+        if not k.startswith("mem_peak_") and k != "n_ranks":
+            out[k] = (out["profile_step_record"] or {}).get(k)
+    for key in ("mem_peak_allocated", "mem_peak_reserved"):
+        vals = [(s[f"{key}_gb"], s[f"{key}_rank"]) for s in out["steps"] if s[f"{key}_gb"] is not None]
+        best = max(vals, key=lambda x: x[0]) if vals else (None, None)
+        out[f"max_{key}_gb"], out[f"max_{key}_rank"] = best
+    return out
+
+
+def _number(text: str) -> float | None:
+    m = re.match(r"\s*(-?\d+(?:\.\d+)?)", text or "")
+    return float(m.group(1)) if m else None
+
+
+def read_nvidia_smi(path: str | None) -> dict[str, Any]:
+    """Peaks from an ``nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total
+    --format=csv[,nounits]`` log.
+
+    Returns ``{"available", "samples", "gpus": [{"index", "peak_memory_used_mib", "memory_total_mib",
+    "peak_utilization_pct", "mean_utilization_pct"}], "peak_memory_used_mib", "peak_utilization_pct",
+    "timed_samples"}``; ``timed_samples`` lists ``(unix s, GPU index, util %, memory MiB)`` of the rows whose
+    timestamp parses (:func:`smi_in_window` reads it; the summary drops it before writing JSON).
+    Absent or empty files and ``[N/A]`` values are tolerated; units in values (``MiB``, ``%``) are stripped.
+    """
+    out: dict[str, Any] = {"available": False, "samples": 0, "gpus": [],
+                           "peak_memory_used_mib": None, "peak_utilization_pct": None}
+    if not path or not os.path.isfile(path):
+        return out
+    per: dict[int, dict[str, list[float]]] = {}
+    timed: list[tuple] = []
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        rows = csv.reader(f)
+        header = None
+        for row in rows:
+            if not row:
+                continue
+            names = [re.sub(r"\s*\[.*?\]\s*$", "", c.strip()) for c in row]
+            if "index" in names and "memory.used" in names:
+                header = names  # (repeated headers from restarted loggers are fine)
+                continue
+            if header is None or len(row) != len(header):
+                continue
+            rec = dict(zip(header, row))
+            idx = _number(rec.get("index", ""))
+            if idx is None:
+                continue
+            d = per.setdefault(int(idx), {"mem": [], "total": [], "util": []})
+            for key, col in (("mem", "memory.used"), ("total", "memory.total"), ("util", "utilization.gpu")):
+                v = _number(rec.get(col, ""))
+                if v is not None:
+                    d[key].append(v)
+            t = _smi_time(rec.get("timestamp", ""))
+            if t is not None:
+                timed.append((t, int(idx), _number(rec.get("utilization.gpu", "")), _number(rec.get("memory.used", ""))))
+            out["samples"] += 1
+    out["available"] = out["samples"] > 0
+    for idx in sorted(per):
+        d = per[idx]
+        out["gpus"].append({
+            "index": idx,
+            "peak_memory_used_mib": max(d["mem"]) if d["mem"] else None,
+            "memory_total_mib": max(d["total"]) if d["total"] else None,
+            "peak_utilization_pct": max(d["util"]) if d["util"] else None,
+            "mean_utilization_pct": round(sum(d["util"]) / len(d["util"]), 2) if d["util"] else None,
+        })
+    mems = [g["peak_memory_used_mib"] for g in out["gpus"] if g["peak_memory_used_mib"] is not None]
+    utils = [g["peak_utilization_pct"] for g in out["gpus"] if g["peak_utilization_pct"] is not None]
+    out["peak_memory_used_mib"] = max(mems) if mems else None
+    out["peak_utilization_pct"] = max(utils) if utils else None
+    out["timed_samples"] = timed  # (unix s, GPU index, util %, memory MiB); dropped before JSON
+    return out
+
+
+def _smi_time(text: str) -> float | None:
+    """Unix seconds of an nvidia-smi ``timestamp`` (``2026/11/30 09:45:39.123``, local time of this machine)."""
+    try:
+        return datetime.datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+def smi_in_window(smi: dict, lo_s: float, hi_s: float) -> dict[str, Any]:
+    """nvidia-smi samples inside ``[lo_s, hi_s]`` (unix seconds): per GPU the sample count, mean and peak
+    ``utilization.gpu`` and peak ``memory.used`` (MiB).
+
+    ``utilization.gpu`` is the share of nvidia-smi's sample period in which at least one kernel ran on
+    the GPU: a busy-ness figure like the trace's GPU busy %, not SM occupancy or tensor-core use.
+    Timestamps are read as local time of the machine that postprocesses (the driver runs it where
+    nvidia-smi ran).
+    """
+    per: dict[int, list] = {}
+    for t, idx, util, mem in smi.get("timed_samples") or []:
+        if lo_s <= t <= hi_s:
+            per.setdefault(idx, []).append((util, mem))
+    gpus = []
+    for idx in sorted(per):
+        u = [x for x, _ in per[idx] if x is not None]
+        m = [y for _, y in per[idx] if y is not None]
+        gpus.append({"index": idx, "samples": len(per[idx]),
+                     "mean_utilization_pct": round(sum(u) / len(u), 2) if u else None,
+                     "peak_utilization_pct": max(u) if u else None, "peak_memory_used_mib": max(m) if m else None})
+    return {"window_unix_s": [lo_s, hi_s], "gpus": gpus}
+
+
+def read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
+    """Rank -> coordinates (``{"pp": 0, "dp": 1, ...}``) from ``LOG_DIR/rank_coords.json``, and an error message
+    naming the file when it is unreadable (``({}, None)`` when it is absent)."""
+    path = os.path.join(log_dir, artifacts.RANK_COORDS)
+    if not os.path.isfile(path):
+        return {}, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return {int(r): c for r, c in (data.get("ranks") or {}).items()}, None
+    except (ValueError, AttributeError, TypeError) as exc:
+        return {}, f"{path}: unreadable ({type(exc).__name__}: {exc})"
+
+
+def trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
+    """The last ``lines`` lines of a log file (newlines stripped), None when ``path`` is not given or not a file."""
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    return [t.rstrip("\n") for t in tail]
+
+
+def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
+    """``(profile_kind, profile_step)`` of the trial's completion record in ``stats.jsonl`` (what the trainer
+    profiled), ``(None, None)`` when the file or the record is missing."""
+    path = os.path.join(log_dir, artifacts.STATS)
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        done = artifacts.read_stats(path).completion
+    except OSError:
+        return None, None
+    return (done.profile_kind, done.profile_step) if done is not None else (None, None)
+
+
+def max_entries(log_dir: str) -> int | None:
+    """``memory_profiler.max_entries`` of the trial (``LOG_DIR/config.yaml``), None when unknown."""
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = (yaml.safe_load(f) or {}).get("memory_profiler", {}).get("max_entries")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def trial_config(log_dir: str) -> dict | None:
+    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, None when absent or unreadable."""
+    try:
+        with open(os.path.join(log_dir, artifacts.CONFIG_YAML), encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return cfg if isinstance(cfg, dict) else None

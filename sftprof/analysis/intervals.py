@@ -1,0 +1,59 @@
+"""Interval arithmetic over time intervals held as two float arrays (starts, ends), in trace microseconds.
+
+One interval set is a pair ``(starts, ends)`` of 1-D float64 arrays of equal length with
+``starts[i] <= ends[i]``; :func:`union` turns any set into its sorted, disjoint form, which
+:func:`intersection_length` and :func:`clip` expect. Used by the kernel summary
+(:mod:`sftprof.analysis.trace_summary`: GPU busy time, hidden/exposed communication) and the step
+breakdown (:mod:`sftprof.analysis.step_breakdown`: exposed time per process group).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["union", "length", "intersection_length", "clip"]
+
+Intervals = tuple[np.ndarray, np.ndarray]
+
+
+def union(starts: np.ndarray, ends: np.ndarray) -> Intervals:
+    """Merge intervals ``[starts[i], ends[i])`` into sorted disjoint intervals (touching ones merge too)."""
+    if starts.size == 0:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    run_end = np.maximum.accumulate(e)
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > run_end[:-1]
+    idx = np.flatnonzero(new)
+    return s[idx], np.append(run_end[idx[1:] - 1], run_end[-1])
+
+
+def length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length of a disjoint interval set (0.0 when empty); same unit as the inputs."""
+    return float(np.sum(ends - starts)) if starts.size else 0.0
+
+
+def intersection_length(a: Intervals, b: Intervals) -> float:
+    """Total length of the intersection of two disjoint, sorted interval sets (outputs of :func:`union`)."""
+    (a_s, a_e), (b_s, b_e) = a, b
+    if a_s.size == 0 or b_s.size == 0:
+        return 0.0
+    # Prefix lengths of b; the covered length of b in [x, y) is cov(y) - cov(x).
+    prefix = np.concatenate(([0.0], np.cumsum(b_e - b_s)))
+
+    def covered_upto(x: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(b_s, x, side="right")  # intervals starting at or before x
+        full = prefix[np.maximum(i - 1, 0)]
+        partial = np.where(i > 0, np.clip(x - b_s[np.maximum(i - 1, 0)], 0, None), 0.0)
+        partial = np.minimum(partial, np.where(i > 0, b_e[np.maximum(i - 1, 0)] - b_s[np.maximum(i - 1, 0)], 0.0))
+        return full + partial
+
+    return float(np.sum(covered_upto(a_e) - covered_upto(a_s)))
+
+
+def clip(iv: Intervals, lo: float, hi: float) -> Intervals:
+    """The parts of a disjoint interval set inside ``[lo, hi]`` (empty pieces dropped)."""
+    s, e = np.clip(iv[0], lo, hi), np.clip(iv[1], lo, hi)
+    keep = e > s
+    return s[keep], e[keep]

@@ -1,0 +1,371 @@
+"""Markdown rendering of a profile summary (``profile_summary.md``) and the table helpers shared with
+:mod:`sftprof.analysis.compare`.
+
+:func:`render_markdown` joins the sections of :data:`SECTIONS` in order; each section is a function of the
+summary dict (:func:`sftprof.analysis.summary.postprocess_trial`) returning its Markdown lines (none when
+the summary has nothing for it). Numbers are printed as the summary holds them (floats with 3 decimals).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from sftprof.analysis import findings as fnd
+from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.step_breakdown import PHASES
+from sftprof.analysis.trace_summary import invalid_events_message
+from sftprof.analysis.views import VIEWS
+
+__all__ = ["render_markdown", "SECTIONS", "RANK_COLUMNS", "fmt", "table", "short"]
+
+# Columns of the rank table (:func:`sftprof.analysis.summary.rank_table`), in display order; the summary
+# reports the max/min imbalance of each.
+RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+                "comm_ms", "exposed_comm_ms", "host_comm_ms")
+
+
+# -- shared table helpers ------------------------------------------------------------------------------------
+def fmt(v: Any, nd: int = 3) -> str:
+    """A table cell: ``–`` for None, floats with ``nd`` decimals, anything else as ``str``."""
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _cell(x: Any) -> str:
+    return fmt(x).replace("|", "\\|")
+
+
+def table(headers: list[str], rows: Iterable[list], cell: Callable[[Any], str] = _cell) -> str:
+    """A Markdown table (ending in a newline); each value goes through ``cell`` (default: :func:`fmt`, ``|`` escaped)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def short(name: str, n: int) -> str:
+    """``name`` cut to ``n`` characters (the last one ``…``) when longer."""
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def _with_rank(value, rank) -> str:
+    return "–" if value is None else f"{fmt(value)} (r{rank})"
+
+
+def _parts_table(rows: list[dict]) -> str:
+    return table(["part"] + [f"{p} ms" for p in PHASES] + ["total ms", "share %"],
+                 [[r["label"]] + [r[f"{p}_ms"] for p in PHASES] + [r["total_ms"], r["share_pct"]] for r in rows])
+
+
+# -- trial-level sections ------------------------------------------------------------------------------------
+def _header(s: dict) -> list[str]:
+    c = s["completion"]
+    return [f"# Profile summary: {s['trial']}\n",
+            f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
+            f"- trial status: **{s['status']}**" + (f" — error: `{c['error']}`" if c.get("error") else ""),
+            f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
+            f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
+            "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
+            f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
+
+
+def _findings(s: dict) -> list[str]:
+    out = []
+    if s.get("findings"):
+        out.append("## Findings\n")
+        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))" for i, f in enumerate(s["findings"])]
+        out.append("")
+    if s.get("what_if"):
+        out.append("## What if\n")
+        out += [f"- {w['text']}. Assumes: {w['assumption']}." for w in s["what_if"]]
+        out.append("")
+    return out
+
+
+def _problems(s: dict) -> list[str]:
+    out = []
+    for key, title, col, field in (("errors", "Errors", "error", "error"), ("warnings", "Warnings", "warning", "warning"),
+                                   ("skipped", "Skipped files", "why", "reason")):
+        if s.get(key):
+            out.append(f"## {title}\n")
+            out.append(table(["file", col], [[e["file"], e[field]] for e in s[key]]))
+    return out
+
+
+def _failure(s: dict) -> list[str]:
+    fail = s.get("failure")
+    if not fail:
+        return []
+    first_line = (fail["traceback"].splitlines() or [""])[0]
+    out = ["## Failure\n", f"- first failing rank: **{fail['rank']}** ({fail['how']}, host {fmt(fail['host'])}): "
+                           f"`{first_line}`"]
+    if fail["others"]:
+        out.append("- then: " + ", ".join(f"rank {o['rank']} {o['how']}" for o in fail["others"]))
+    tail = fail["log_tail"] + (fail["traceback"].splitlines()[1:] if "\n" in fail["traceback"] else [])
+    if tail:
+        out.append(f"\nRank {fail['rank']}'s log (tail):\n\n```\n" + "\n".join(tail) + "\n```")
+    out.append("")
+    return out
+
+
+def _log_tail(s: dict) -> list[str]:
+    if not s.get("trainer_log_tail"):
+        return []
+    return [f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n"]
+
+
+def _steps(s: dict) -> list[str]:
+    st = s["stats"]
+    if not st["steps"]:
+        return []
+    return ["## Steps (stats.jsonl)\n",
+            "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
+            "GPU does on top of the model FLOPs; not in MFU).\n",
+            table(["step", "step time s", "tokens/s", "peak alloc GiB (rank)", "peak reserved GiB (rank)",
+                   "over ranks", "MFU", "recompute TFLOP/s/GPU", "profiled"],
+                  [[x["step"], x["step_time_s"], x["tokens_per_s"],
+                    _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
+                    _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
+                    "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
+                    x.get("recompute_tflops_per_gpu"), x["profiled"]]
+                   for x in st["steps"]])]
+
+
+def _nvidia_smi(s: dict) -> list[str]:
+    smi = s["nvidia_smi"]
+    if not smi["available"]:
+        return []
+    out = [f"## nvidia-smi ({smi['samples']} samples)\n",
+           table(["GPU", "peak used MiB", "total MiB", "peak util %", "mean util % (whole trial)"],
+                 [[g["index"], g["peak_memory_used_mib"], g["memory_total_mib"], g["peak_utilization_pct"],
+                   g["mean_utilization_pct"]] for g in smi["gpus"]])]
+    ps = smi.get("profiled_step")
+    if ps:
+        out.append("\nInside the profiled step's window (from the trace; nvidia-smi timestamps read as local time). "
+                   "utilization.gpu is the share of time any kernel ran, like GPU busy %, not SM or tensor-core "
+                   "use; the whole-trial mean includes start-up, checkpoint loading and idle time:\n")
+        out.append(table(["GPU", "samples", "mean util %", "peak util %", "peak used MiB"],
+                         [[g["index"], g["samples"], g["mean_utilization_pct"], g["peak_utilization_pct"],
+                           g["peak_memory_used_mib"]] for g in ps["gpus"]]
+                         or [["–", 0, None, None, None]]))
+    return out
+
+
+def _ranks(s: dict) -> list[str]:
+    rows = s["ranks"]["rows"]
+    if not rows:
+        return []
+    cols = [c for c in RANK_COLUMNS + ("gpu_busy_pct",) if any(c in r for r in rows)]
+    out = ["## Ranks\n", table(["rank", "coords"] + cols,
+                               [[r["rank"], " ".join(f"{k}{v}" for k, v in (r["coords"] or {}).items())]
+                                + [r.get(c) for c in cols] for r in rows])]
+    imb = s["ranks"]["imbalance"]
+    if len(rows) > 1 and imb:
+        out.append("\nImbalance (max/min):\n")
+        out.append(table(["metric", "max (rank)", "min (rank)", "max/min"],
+                         [[k, f"{fmt(v['max'])} (r{v['max_rank']})", f"{fmt(v['min'])} (r{v['min_rank']})",
+                           v["max_over_min"]] for k, v in imb.items()]))
+    return out
+
+
+# -- one kernel trace ------------------------------------------------------------------------------------------
+def _kernel_overview(t: dict) -> list[str]:
+    k = t["summary"]
+    out = []
+    if k["invalid_events"]["total"]:
+        out.append(f"- {invalid_events_message(k['invalid_events'])}")
+    g, c = k["gpu"], k["communication"]
+    out.append(f"- step wall time: {fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
+    if g["activities"]:
+        out.append(f"- GPU busy {fmt(g['busy_share_pct'])} % / idle {fmt(g['idle_share_pct'])} %; "
+                   f"GPU activity total {fmt(g['total_ms'])} ms in {g['activities']} kernels/memcpy/memset")
+        out.append(f"- communication {fmt(c['total_ms'])} ms: hidden under compute {fmt(c['hidden_ms'])} ms, "
+                   f"exposed {fmt(c['exposed_ms'])} ms")
+    else:
+        out.append("- no GPU activity in this trace (CPU-only run)")
+    if c["host_ops"]["ops"]:
+        out.append(f"- host-side collective ops (gloo:/nccl:): {c['host_ops']['ops']} ops, "
+                   f"{fmt(c['host_ops']['wall_ms'])} ms wall: " +
+                   ", ".join(f"{name} {fmt(v)} ms" for name, v in c["host_ops"]["by_op_ms"].items()))
+    out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
+    return out
+
+
+def _kernel_tables(k: dict) -> list[str]:
+    """Top kernels, time by category, top CPU ops and collectives of one rank."""
+    out = []
+    if k["gpu"]["activities"]:
+        out.append("### Top kernels\n")
+        out.append(table(["#", "kernel", "calls", "total ms", "share %"],
+                         [[i + 1, short_kernel_name(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
+                          for i, x in enumerate(k["top_kernels"])]))
+        out.append("\n### Time by category\n")
+        out.append(table(["category", "calls", "total ms", "share %"],
+                         [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
+    if k.get("top_cpu_ops"):
+        out.append("\n### Top CPU ops (inclusive: nested ops count in their parents too)\n")
+        out.append(table(["op", "calls", "inclusive ms"],
+                         [[x["name"], x["calls"], x["inclusive_ms"]] for x in k["top_cpu_ops"]]))
+    c = k["communication"]
+    if c["kernels"]:
+        out.append("\n### Collectives\n")
+        out.append(table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))
+        out.append(table(["by process group", "ms"], [[a, b] for a, b in c["by_group_ms"].items()]))
+    return out
+
+
+def _parts(t: dict) -> list[str]:
+    parts, rank = t["summary"]["parts"], t["rank"]
+    if not parts["total_ms"]:
+        return []
+    how = ("model-part ranges placed by the trainer's module hooks" if parts["source"] == "module_regions" else
+           "**no model-part ranges in this trace**: split by kernel name only")
+    out = [f"\n### {fnd.parts_heading(rank)}\n",
+           f"GPU time of the activities launched in the step window: {fmt(parts['total_ms'])} ms ({how}; "
+           f"{parts['outside_window']} activities launched outside the window left out)."
+           + (f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else "") + "\n",
+           "Summed over layers:\n", _parts_table(parts["summed"])]
+    for layer in parts["layers"]:
+        out.append(f"\nLayer {layer['layer']}:\n")
+        out.append(_parts_table(layer["rows"]))
+    if parts["outside_layers"] and parts["layers"]:
+        out.append("\nOutside the decoder layers:\n")
+        out.append(_parts_table(parts["outside_layers"]))
+    return out
+
+
+def _efficiency(k: dict, rank: int) -> list[str]:
+    eff = k["efficiency"]
+    if not (eff["rows"] or eff["memory_bound"]):
+        return []
+    peak = eff["peak"]
+    out = [f"\n### Kernel efficiency, rank {rank}\n",
+           f"Device {fmt(peak['device'])}: dense bf16 peak "
+           f"{fmt(peak['bf16_flops'] / 1e12 if peak['bf16_flops'] else None, 1)} TFLOP/s, HBM "
+           f"{fmt(peak['hbm_bytes_per_s'] / 1e12 if peak['hbm_bytes_per_s'] else None, 2)} TB/s. {eff['note']}.\n",
+           table(["kind", "part", "phase", "dtype", "ops", "TFLOP", "GPU ms", "TFLOP/s", "% of peak"],
+                 [[r["kind"], r["part"], r["phase"], r["dtype"], r["calls"], r["tflop"], r["gpu_ms"],
+                   r["tflops_per_s"], r["pct_of_peak"]] for r in eff["rows"]])]
+    if eff["memory_bound"]:
+        out.append(table(["copy / fill", "calls", "GiB", "GPU ms", "GB/s", "% of HBM"],
+                         [[r["name"], r["calls"], r["gib"], r["gpu_ms"], r["gb_per_s"], r["pct_of_hbm"]]
+                          for r in eff["memory_bound"]]))
+    return out
+
+
+def _collectives_by_group(k: dict, rank: int) -> list[str]:
+    coll = k["collectives"]
+    if not coll["rows"]:
+        return []
+    return [f"\n### Communication by process group, rank {rank}\n",
+            table(["group", "collective", "calls", "GiB", "GPU ms", "group size", "algbw GB/s", "busbw GB/s"],
+                  [[r["group"], r["collective"], r["calls"], r["gib"], r["gpu_ms"], r["group_size"],
+                    r["algbw_gb_per_s"], r["busbw_gb_per_s"]] for r in coll["rows"]]),
+            table(["group", "exposed ms"], [[g, v] for g, v in coll["exposed_by_group_ms"].items()]),
+            f"{coll['note']}.\n"]
+
+
+def _host(k: dict, rank: int) -> list[str]:
+    host = k["host"]
+    if not host["top_self"]:
+        return []
+    out = [f"\n### Host, rank {rank}\n",
+           f"Blocking CUDA calls in the step window: {fmt(host['sync']['total_ms'])} ms host wait ("
+           + ", ".join(f"{c} {v['calls']}x {fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
+           + "). An op with sync wait spends that time waiting for the GPU, not working.\n"]
+    idle = host.get("gpu_idle")
+    if idle:
+        out.append(f"GPU idle in the step window {fmt(idle['idle_ms'])} ms: host wait (next work launched after "
+                   f"the GPU went idle) {fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
+                   f"dependency) {fmt(idle['kernel_wait_ms'])} ms, after the last activity "
+                   f"{fmt(idle.get('after_last_activity_ms'))} ms.\n")
+    out.append(table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
+                     [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
+                      for r in host["top_self"]]))
+    return out
+
+
+def _regions(k: dict) -> list[str]:
+    if not k["regions"]:
+        return []
+    return ["\n### Annotated regions\n",
+            table(["region", "start ms", "CPU ms", "GPU ms"],
+                  [[r["name"], r["start_ms"], r["cpu_ms"], r["gpu_ms"]] for r in k["regions"]])]
+
+
+def _kernel_trace(t: dict) -> list[str]:
+    out = [f"## Kernel trace rank {t['rank']} (`{t['source']}`)\n"]
+    if "error" in t:
+        return out + [f"**error:** {t['error']}\n"]
+    k, rank = t["summary"], t["rank"]
+    out += _kernel_overview(t) + _kernel_tables(k)
+    out += _parts(t) + _efficiency(k, rank) + _collectives_by_group(k, rank) + _host(k, rank)
+    return out + _regions(k) + [""]
+
+
+def _kernel_traces(s: dict) -> list[str]:
+    return [line for t in s.get("kernel_traces") or [] for line in _kernel_trace(t)]
+
+
+# -- one memory snapshot ---------------------------------------------------------------------------------------
+def _estimate(m: dict) -> list[str]:
+    """The theoretical estimate of one snapshot's rank against what the snapshot measured."""
+    x, est = m["summary"], m.get("estimate")
+    if not est:
+        return [f"\n{m['estimate_note']}\n"] if m.get("estimate_note") else []
+    cmp_rows = fnd.explain_estimate(x, est) or []
+    return [f"\nTheoretical estimate ({est['params_dense'] + est['params_expert']:,} parameters on this rank: "
+            f"{est['params_dense']:,} dense, {est['params_expert']:,} expert; "
+            + "; ".join(est["assumptions"]) + "):\n",
+            table(["category", "estimated GiB", "formula"],
+                  [[r["category"], r["gib"], r["formula"]] for r in est["rows"]]),
+            table(["category", "measured GiB", "estimated GiB", "measured - estimated GiB"],
+                  [[r["category"], round(r["measured_bytes"] / 2**30, 4), round(r["estimated_bytes"] / 2**30, 4),
+                    round(r["difference_bytes"] / 2**30, 4)] for r in cmp_rows]),
+            "Differences: the activation estimate is a lower bound (the working set of the layer in "
+            "backward is not counted); blocks allocated before the recorded window carry no stack and are "
+            "set against parameters, gradients and optimizer state together.\n"]
+
+
+def _memory_snapshot(m: dict) -> list[str]:
+    out = [f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n"]
+    if "error" in m:
+        return out + [f"**error:** {m['error']}\n"]
+    x = m["summary"]
+    out.append(f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms "
+               f"of a {fmt(x['window_ms'])} ms window, phase: {fmt(x['peak_phase'])}")
+    out.append(f"- peak reserved {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
+               f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB")
+    if x["history"]["truncated"]:
+        out.append(f"- **truncated window:** {x['history']['message']}")
+    out.append(f"- plot: `{m['plot']}`\n")
+    out.append(f"### {fnd.memory_heading(m['rank'])}\n")
+    out.append(table(["category", "GiB", "blocks", "share % of allocated"],
+                     [[r["label"], r["gib"], r["blocks"], r["share_pct"]] for r in x["categories_at_peak"]]))
+    out += _estimate(m)
+    if x.get("transient_spikes"):
+        out.append("\nTransient spikes (largest blocks allocated and freed inside the window):\n")
+        out.append(table(["GiB", "lifetime ms", "site"],
+                         [[r["gib"], r["lifetime_ms"], short(r["site"], 140)] for r in x["transient_spikes"]]))
+    out += ["", "### Alive at the peak, by allocation site\n",
+            table(["site", "GiB", "blocks", "share %"],
+                  [[short(y["site"], 140), y["gib"], y["blocks"], y["share_pct"]] for y in x["top_sites"]]), ""]
+    return out
+
+
+def _memory_snapshots(s: dict) -> list[str]:
+    return [line for m in s.get("memory_snapshots") or [] for line in _memory_snapshot(m)]
+
+
+SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
+    _header, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, _kernel_traces, _memory_snapshots)
+
+
+def render_markdown(s: dict) -> str:
+    """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file): the :data:`SECTIONS` in order.
+
+    Raises:
+        KeyError, TypeError: a summary without the members :func:`sftprof.analysis.summary.postprocess_trial` writes.
+    """
+    return "\n".join(line for section in SECTIONS for line in section(s)) + "\n"
