@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
+    for warn in summary["warnings"]:
+        print(f"[postprocess] WARNING {warn['file']}: {warn['warning']}", file=sys.stderr)
     for skip in summary["skipped"]:
         print(f"[postprocess] skipped {skip['file']}: {skip['reason']}", file=sys.stderr)
     print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "

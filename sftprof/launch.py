@@ -520,7 +520,10 @@ def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     node_tag = f"_node{d.node_rank}" if d.node_rank else ""  # nodes may share the working directory
     run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{p.cfg.experiment_name}_{stamp}{node_tag}")
                     ).expanduser().resolve()
-    if run_root.exists() and (not run_root.is_dir() or any(run_root.iterdir())):
+    if run_root.exists() and not run_root.is_dir():
+        raise DriverError(f"RUN_ROOT={run_root}: exists and is not a directory; nothing was overwritten. "
+                          "Choose another RUN_ROOT or PROFILE_STAMP")
+    if run_root.exists() and any(run_root.iterdir()):
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not empty; nothing was overwritten. "
                           "Choose another RUN_ROOT or PROFILE_STAMP")
     log.note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")

@@ -182,6 +182,9 @@ def test_memory_trial(tmp_path, snapshot):
     assert "refusing to unpickle global" in s["errors"][0]["error"]
     dst = run / "memory_snapshots" / "step_1"
     assert (dst / name).read_bytes() == raw  # archived untouched ...
+    # ... and the refused one is not archived: memory_viz would unpickle it with plain pickle and run its global
+    assert not (dst / "snapshot_rank1_pp0_dp1_cp0_tp0_ep0.pickle").exists()
+    assert s["errors"][0]["error"].endswith("(not archived: opening it with pickle would run that global)")
     from torch.cuda import _memory_viz
     assert len(_memory_viz.trace_plot(pickle.loads((dst / name).read_bytes()))) > 1000  # ... and memory_viz loads it
     assert (dst / "snapshot_rank0_pp0_dp0_cp1_tp0_ep0.png").read_bytes()[:4] == b"\x89PNG"
@@ -246,6 +249,17 @@ def test_compare_runs(tmp_path, cpu_traces):
         str(tmp_path / "rootB"), str(tmp_path / "rootB" / "tiny_kernel_step1_B"))
     res = _cli("compare", tmp_path / "rootA", tmp_path / "nothing")
     assert res.returncode == 2 and "not a directory" in res.stderr
+    assert "status" not in md  # both trials ok: no status line
+    # A failed trial B is said to be failed before any table (its figures are missing, not equal).
+    log = tmp_path / "F" / "log"
+    log.mkdir(parents=True)
+    _stats(log / "stats.jsonl", status="failed", error="RuntimeError: boom")
+    run_f = tmp_path / "rootF" / "tiny_kernel_step1_F"
+    _cli("--log-dir", log, "--run-dir", run_f, "--profile-kind", "kernel", "--profile-step", 1)
+    res = _cli("compare", tmp_path / "rootA", tmp_path / "rootF", "--out", tmp_path / "cmpF.md")
+    assert res.returncode == 0, res.stderr
+    assert ("**Trial B status: failed** (RuntimeError: boom): its figures are missing below, not zero."
+            in (tmp_path / "cmpF.md").read_text())
 
 
 def test_ok_trial_without_artifacts(tmp_path):
@@ -290,6 +304,7 @@ def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
     assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot
     s = json.load(open(tmp_path / "run" / "profile_summary.json"))
     assert any("profile_step=1, not the requested 7" in w["warning"] for w in s["warnings"]), s["warnings"]
+    assert "[postprocess] WARNING stats.jsonl: the trial profiled profile_step=1, not the requested 7" in res.stderr
 
 
 def test_kind_and_step_come_from_the_trials_own_record(tmp_path, cpu_traces):

@@ -164,6 +164,11 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     """The report section of one matched pair of trials: settings, step figures, per rank, kernels, memory."""
     kind, step = key
     out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
+    for side, s in (("A", a), ("B", b)):
+        if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
+            error = (s.get("completion") or {}).get("error")
+            out += [f"**Trial {side} status: {s.get('status')}**" + (f" ({error})" if error else "")
+                    + ": its figures are missing below, not zero.", ""]
     out += _settings_diff(a, b)
     noise_lines, rel = _noise_note(a["stats"], b["stats"])
     out += noise_lines + _step_tables(a, b)

@@ -407,7 +407,7 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 4.5), dpi=100)
     for k, ph in enumerate(sorted(s["phases"], key=lambda p: p["start_us"])):
         lo, hi = (ph["start_us"] - t0) / 1e3, (ph["end_us"] - t0) / 1e3
-        if hi < x[0] or lo > x[-1] or ph["name"].endswith("/step"):
+        if hi < x[0] or lo > x[-1] or ph["name"] == artifacts.STEP:
             continue
         ax.axvspan(lo, hi, color=f"C{2 + k % 6}", alpha=0.12, lw=0)
         ax.text((lo + hi) / 2, 0.01, ph["name"].replace(artifacts.REGION_PREFIX, ""), rotation=90, fontsize=7,

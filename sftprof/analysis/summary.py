@@ -22,7 +22,7 @@ from sftprof.analysis import inputs
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.analysis.report import RANK_COLUMNS, render_markdown
-from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.step_breakdown import plot_parts
 from sftprof.analysis.trace_check import finite_json
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_error, invalid_events_message
@@ -199,6 +199,12 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
         summary["history"] = history_status(summary, max_entries)
         entry["summary"] = summary
         entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
+    except UnsafePickleError as exc:
+        # The archive copy would be run by whoever opens it with plain pickle (torch.cuda._memory_viz does):
+        # a snapshot that calls a global the allocator's snapshots never use is not archived.
+        os.remove(os.path.join(dst_dir, name))
+        entry["error"] = _file_error(src, exc) + " (not archived: opening it with pickle would run that global)"
+        entry["archived"] = False
     except Exception as exc:  # whatever one snapshot raises is that snapshot's error
         entry["error"] = _file_error(src, exc)
     return entry

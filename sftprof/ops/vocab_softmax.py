@@ -116,7 +116,7 @@ def chunk_stats(logits: torch.Tensor, local_labels: torch.Tensor, inv_temp: floa
         :class:`RowStats` with fp32 ``[n]`` tensors, identical on every rank of ``tp_group``.
     """
     if _use_triton(logits):
-        from sftprof.ops import triton_kernels
+        import sftprof.ops.triton_kernels as triton_kernels
 
         m, s, a, t = triton_kernels.row_stats(logits, local_labels, inv_temp)
     else:
@@ -153,7 +153,7 @@ def write_softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: t
     Bumps the autograd version counter of ``logits`` so stale saved references fail loudly.
     """
     if _use_triton(logits):
-        from sftprof.ops import triton_kernels
+        import sftprof.ops.triton_kernels as triton_kernels
 
         triton_kernels.softmax_grad_(logits, local_labels, lse, coef, inv_temp)
         torch.autograd.graph.increment_version(logits)
@@ -198,7 +198,7 @@ def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """In place ``x[i, :] *= scale[i]`` for ``x`` ``[n, H]`` (any strides) and fp32 ``scale`` ``[n]``, the
     product formed in fp32 and rounded to ``x.dtype`` once. Returns ``x``."""
     if _use_triton(x):
-        from sftprof.ops import triton_kernels
+        import sftprof.ops.triton_kernels as triton_kernels
 
         return triton_kernels.scale_rows_(x, scale)
     return x.mul_(scale[:, None])
@@ -243,7 +243,7 @@ def sft_chunk_(logits: torch.Tensor, local_labels: torch.Tensor, weights: torch.
         write_softmax_grad_(logits, local_labels, st.lse, coef, inv_temp)
         return st.logprob, None
     if _use_triton(logits):
-        from sftprof.ops import triton_kernels
+        import sftprof.ops.triton_kernels as triton_kernels
 
         logprob, scale = triton_kernels.sft_shifted_exp_(logits, local_labels, weights, inv_temp, SHIFT_MARGIN,
                                                          shift_offset(logits.shape[1]), rows)
