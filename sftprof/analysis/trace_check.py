@@ -197,7 +197,9 @@ def validate_trace(path: str, max_problems: int = 20) -> list[str]:
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
             data = json.loads(f.read(), parse_constant=_refuse_constant)
-    except (ValueError, OSError, EOFError) as exc:
+    except OSError as exc:
+        return [f"{path}: cannot be read: {exc.strerror or exc}"]
+    except (ValueError, EOFError) as exc:
         return [f"{path}: not strict JSON: {exc}"]
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
