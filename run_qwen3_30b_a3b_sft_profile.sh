@@ -12,6 +12,10 @@ export PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # torchrun's own default, stated so it does not warn
 export PYTHONUNBUFFERED=1                         # progress lines as they happen, not at exit
 
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  echo "sftprof: PYTHON=$PYTHON: not an executable on PATH; accepted: a Python interpreter with sftprof's requirements (default python3)" >&2
+  exit 2
+fi
 for arg in "$@"; do
   case "$arg" in
     -h|--help) exec "$PYTHON" -m sftprof.launch usage ;;

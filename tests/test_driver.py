@@ -231,3 +231,11 @@ def test_missing_weights_stop_the_plan(tmp_path):
                                                  r"\(\*\.safetensors, \*\.bin, \*\.pt\).*\(MODEL_PATH / actor.path\)"):
         launch.plan(_plan_env(tmp_path), ["actor.init_from_scratch=false"], gpus=0)
     assert not (tmp_path / "run").exists()
+
+
+def test_missing_python_interpreter_exits_2(tmp_path):
+    out = run_driver({"PYTHON": str(tmp_path / "no_python")}, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"sftprof: PYTHON={tmp_path / 'no_python'}: not an executable on PATH; accepted: a Python "
+                          "interpreter with sftprof's requirements (default python3)\n")
+    assert not (tmp_path / "run").exists()
