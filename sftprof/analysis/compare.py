@@ -84,7 +84,10 @@ def _delta(a, b) -> tuple[str, str]:
 
 
 def _table(title: str, unit: str, rows: list[tuple], noise: bool = False) -> list[str]:
-    """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list."""
+    """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list; nothing when
+    neither run has a row (e.g. model parts or communication of CPU runs)."""
+    if not rows:
+        return []
     headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %"] + (["above noise"] if noise else [])
     cells = []
     for row in rows:

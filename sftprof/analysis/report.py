@@ -270,11 +270,14 @@ def _host(k: dict, rank: int) -> list[str]:
     host = k["host"]
     if not host["top_self"]:
         return []
-    out = [f"\n### Host, rank {rank}\n",
-           f"Blocking CUDA calls in the step window: {fmt(host['sync']['total_ms'])} ms host wait ("
-           + ", ".join(f"{c} {v['calls']}x {fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
-           + "). An op with sync wait spends that time waiting for the GPU, not working.\n"]
-    idle = host.get("gpu_idle")
+    out = [f"\n### Host, rank {rank}\n"]
+    if not (k.get("gpu") or {}).get("activities"):  # a CPU run: no device to wait for
+        out.append("No GPU activity in this trace: no device waits or GPU idle time to report.\n")
+    else:
+        out.append(f"Blocking CUDA calls in the step window: {fmt(host['sync']['total_ms'])} ms host wait ("
+                   + ", ".join(f"{c} {v['calls']}x {fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
+                   + "). An op with sync wait spends that time waiting for the GPU, not working.\n")
+    idle = host.get("gpu_idle") if (k.get("gpu") or {}).get("activities") else None
     if idle:
         out.append(f"GPU idle in the step window {fmt(idle['idle_ms'])} ms: host wait (next work launched after "
                    f"the GPU went idle) {fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
