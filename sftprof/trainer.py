@@ -190,8 +190,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     log_dir = trial_log_dir(cfg)
     log_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(rank, log_dir)
+    status = 1
     try:
         status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)
+        if status == 0:
+            # Leave together: a rank that tears its process group down while another still works (rank 0
+            # exporting its trace) can abort inside gloo ("terminate called without an active exception").
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     return status
