@@ -141,8 +141,9 @@ class MegatronEngine(Engine):
         from sftprof.models.specs import decoder_block_spec, have_transformer_engine
 
         self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
+        gpt_kwargs = mc.gpt_model_kwargs(hf_config, layout.tp)
         # the loss path, chosen once; the ops check the TP shards against the padded vocabulary
-        self.loss = SFTLoss.from_config(cfg, mc.gpt_model_kwargs(hf_config, layout.tp)["vocab_size"])
+        self.loss = SFTLoss.from_config(cfg, gpt_kwargs["vocab_size"])
         have_te = have_transformer_engine()
         opt_kwargs = mc.optimizer_config_kwargs(cfg, have_te)
         mc.check_model_settings(cfg, hf_config, layout)
@@ -158,7 +159,6 @@ class MegatronEngine(Engine):
         self.tcfg = tcfg
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        gpt_kwargs = mc.gpt_model_kwargs(hf_config, layout.tp)
         self.vocab_size = hf_config.vocab_size
         gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te),
                        pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)

@@ -38,11 +38,11 @@ import torch
 
 from sftprof.models.checkpoint import TensorSource
 from sftprof.models.qwen3_moe_weights import (
-    _L,
+    LAYER_PATTERN,
     COMMON_RULES,
     Builder,
     ShardContext,
-    _chunk,
+    rank_slice,
     apply_rules,
     compile_rules,
 )
@@ -74,7 +74,7 @@ class TextPrefixSource:
 
 def _heads(n_heads: int, head_dim: int, ctx: ShardContext, what: str) -> slice:
     """Rows (or columns) of TP rank ``ctx.tp_rank``'s heads in a ``[n_heads * head_dim, ...]`` projection."""
-    h = _chunk(n_heads, ctx.tp_size, ctx.tp_rank, what)
+    h = rank_slice(n_heads, ctx.tp_size, ctx.tp_rank, what)
     return slice(h.start * head_dim, h.stop * head_dim)
 
 
@@ -108,7 +108,7 @@ def _gated_qkv(src: TensorSource, g: int, ctx: ShardContext) -> torch.Tensor:
     """Per query group of this TP rank: its heads' queries, their gates, then key and value."""
     p = f"model.layers.{g}.self_attn."
     d, h = ctx.head_dim, src.shape(p + "k_proj.weight")[1]
-    groups = _chunk(ctx.num_query_groups, ctx.tp_size, ctx.tp_rank, "num_key_value_heads")
+    groups = rank_slice(ctx.num_query_groups, ctx.tp_size, ctx.tp_rank, "num_key_value_heads")
     per_group = ctx.num_heads // ctx.num_query_groups
     q = src.read(p + "q_proj.weight", (slice(groups.start * per_group * 2 * d, groups.stop * per_group * 2 * d),))
     q = q.view(groups.stop - groups.start, per_group, 2, d, h)  # [group, head, (query, gate), d, H]
@@ -121,13 +121,13 @@ def _gated_qkv(src: TensorSource, g: int, ctx: ShardContext) -> torch.Tensor:
 def _shared_fc(src: TensorSource, g: int, ctx: ShardContext, fc: int) -> torch.Tensor:
     p = f"model.layers.{g}.mlp.shared_expert."
     f = src.shape(p + "down_proj.weight")[1]
-    rows = _chunk(f, ctx.tp_size, ctx.tp_rank, "shared_expert_intermediate_size")
+    rows = rank_slice(f, ctx.tp_size, ctx.tp_rank, "shared_expert_intermediate_size")
     if fc == 2:
         return src.read(p + "down_proj.weight", (slice(None), rows))
     return torch.cat([src.read(p + "gate_proj.weight", (rows,)), src.read(p + "up_proj.weight", (rows,))])
 
 
-_SA = _L + r"self_attention\."
+_SA = LAYER_PATTERN + r"self_attention\."
 RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
     (_SA + r"in_proj\.weight", lambda s, c, g, j: _gdn_in_proj(s, g, c)),
     (_SA + r"conv1d\.weight", lambda s, c, g, j: _gdn_conv(s, g, c)),
@@ -139,9 +139,9 @@ RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
     (_SA + r"out_proj\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.linear_attn.out_proj.weight", (
         slice(None), _heads(c.linear_num_value_heads, c.linear_value_head_dim, c, "linear_num_value_heads")))),
     (_SA + r"linear_qkv\.weight", lambda s, c, g, j: _gated_qkv(s, g, c)),
-    (_L + r"mlp\.shared_experts\.linear_fc1\.weight", lambda s, c, g, j: _shared_fc(s, g, c, 1)),
-    (_L + r"mlp\.shared_experts\.linear_fc2\.weight", lambda s, c, g, j: _shared_fc(s, g, c, 2)),
-    (_L + r"mlp\.shared_experts\.gate_weight", lambda s, c, g, j: s.read(f"model.layers.{g}.mlp.shared_expert_gate.weight")),
+    (LAYER_PATTERN + r"mlp\.shared_experts\.linear_fc1\.weight", lambda s, c, g, j: _shared_fc(s, g, c, 1)),
+    (LAYER_PATTERN + r"mlp\.shared_experts\.linear_fc2\.weight", lambda s, c, g, j: _shared_fc(s, g, c, 2)),
+    (LAYER_PATTERN + r"mlp\.shared_experts\.gate_weight", lambda s, c, g, j: s.read(f"model.layers.{g}.mlp.shared_expert_gate.weight")),
 ]
 _COMPILED = compile_rules(RULES)
 

@@ -108,7 +108,12 @@ def _vocab_rows(src: TensorSource, name: str, ctx: ShardContext) -> torch.Tensor
     return rows
 
 
-def _chunk(size: int, parts: int, rank: int, what: str) -> slice:
+def rank_slice(size: int, parts: int, rank: int, what: str) -> slice:
+    """Rank ``rank``'s contiguous share of ``size`` items split over ``parts`` ranks.
+
+    Raises:
+        CheckpointError: ``size`` is not divisible by ``parts`` (names ``what``).
+    """
     if size % parts:
         raise CheckpointError(f"{what}: size {size} is not divisible by {parts} parallel ranks")
     per = size // parts
@@ -117,7 +122,7 @@ def _chunk(size: int, parts: int, rank: int, what: str) -> slice:
 
 def _qkv(src: TensorSource, g: int, ctx: ShardContext) -> torch.Tensor:
     p = f"model.layers.{g}.self_attn."
-    groups = _chunk(ctx.num_query_groups, ctx.tp_size, ctx.tp_rank, "num_key_value_heads")
+    groups = rank_slice(ctx.num_query_groups, ctx.tp_size, ctx.tp_rank, "num_key_value_heads")
     n_local = groups.stop - groups.start
     per_group = ctx.num_heads // ctx.num_query_groups * ctx.head_dim
     d = ctx.head_dim
@@ -135,14 +140,14 @@ def _expert(src: TensorSource, g: int, e: int, ctx: ShardContext, fc: int) -> to
     p = f"model.layers.{g}.mlp.experts."
     if p + f"{e}.gate_proj.weight" in src or p + "gate_up_proj" not in src:
         f = src.shape(p + f"{e}.down_proj.weight")[1]
-        rows = _chunk(f, ctx.etp_size, ctx.etp_rank, "moe_intermediate_size")
+        rows = rank_slice(f, ctx.etp_size, ctx.etp_rank, "moe_intermediate_size")
         if fc == 2:
             return src.read(p + f"{e}.down_proj.weight", (slice(None), rows))
         return torch.cat([src.read(p + f"{e}.gate_proj.weight", (rows, slice(None))),
                           src.read(p + f"{e}.up_proj.weight", (rows, slice(None)))])
     # fused layout: gate_up_proj [E, 2F, H] (gate rows then up rows), down_proj [E, H, F]
     f = src.shape(p + "down_proj")[2]
-    rows = _chunk(f, ctx.etp_size, ctx.etp_rank, "moe_intermediate_size")
+    rows = rank_slice(f, ctx.etp_size, ctx.etp_rank, "moe_intermediate_size")
     if fc == 2:
         return src.read(p + "down_proj", (e, slice(None), rows))
     return torch.cat([src.read(p + "gate_up_proj", (e, rows, slice(None))),
@@ -160,30 +165,31 @@ def _grouped(src: TensorSource, g: int, ctx: ShardContext, fc: int) -> torch.Ten
 
 Builder = Callable[[TensorSource, ShardContext, int, int], torch.Tensor]  # (src, ctx, g, j) -> local tensor
 
-_L = r"decoder\.layers\.(\d+)\."
+# Megatron parameter names of decoder layer i (group 1: the local layer index).
+LAYER_PATTERN = r"decoder\.layers\.(\d+)\."
 # Rules every Qwen MoE family shares (Qwen3-MoE, Qwen3.5-MoE): embeddings, norms, output projection, router, experts.
 COMMON_RULES: List[Tuple[str, Builder]] = [
     (r"embedding\.word_embeddings\.weight", lambda s, c, g, j: _vocab_rows(s, "model.embed_tokens.weight", c)),
     (r"output_layer\.weight", lambda s, c, g, j: _vocab_rows(
         s, "model.embed_tokens.weight" if c.tied else "lm_head.weight", c)),
     (r"decoder\.final_layernorm\.weight", lambda s, c, g, j: s.read("model.norm.weight")),
-    (_L + r"input_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.input_layernorm.weight")),
-    (_L + r"self_attention\.q_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.q_norm.weight")),
-    (_L + r"self_attention\.k_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.k_norm.weight")),
-    (_L + r"self_attention\.linear_proj\.weight", lambda s, c, g, j: s.read(
+    (LAYER_PATTERN + r"input_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.input_layernorm.weight")),
+    (LAYER_PATTERN + r"self_attention\.q_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.q_norm.weight")),
+    (LAYER_PATTERN + r"self_attention\.k_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.self_attn.k_norm.weight")),
+    (LAYER_PATTERN + r"self_attention\.linear_proj\.weight", lambda s, c, g, j: s.read(
         f"model.layers.{g}.self_attn.o_proj.weight",
-        (slice(None), _chunk(c.num_heads * c.head_dim, c.tp_size, c.tp_rank, "num_attention_heads * head_dim")))),
-    (_L + r"pre_mlp_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.post_attention_layernorm.weight")),
-    (_L + r"mlp\.router\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.mlp.gate.weight")),
-    (_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
+        (slice(None), rank_slice(c.num_heads * c.head_dim, c.tp_size, c.tp_rank, "num_attention_heads * head_dim")))),
+    (LAYER_PATTERN + r"pre_mlp_layernorm\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.post_attention_layernorm.weight")),
+    (LAYER_PATTERN + r"mlp\.router\.weight", lambda s, c, g, j: s.read(f"model.layers.{g}.mlp.gate.weight")),
+    (LAYER_PATTERN + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
      lambda s, c, g, j: _expert(s, g, _global_expert(c, j), c, 1)),
-    (_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
+    (LAYER_PATTERN + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
      lambda s, c, g, j: _expert(s, g, _global_expert(c, j), c, 2)),
-    (_L + r"mlp\.experts\.weight1", lambda s, c, g, j: _grouped(s, g, c, 1)),
-    (_L + r"mlp\.experts\.weight2", lambda s, c, g, j: _grouped(s, g, c, 2)),
+    (LAYER_PATTERN + r"mlp\.experts\.weight1", lambda s, c, g, j: _grouped(s, g, c, 1)),
+    (LAYER_PATTERN + r"mlp\.experts\.weight2", lambda s, c, g, j: _grouped(s, g, c, 2)),
 ]
 RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
-    (_L + r"self_attention\.linear_qkv\.weight", lambda s, c, g, j: _qkv(s, g, c)),
+    (LAYER_PATTERN + r"self_attention\.linear_qkv\.weight", lambda s, c, g, j: _qkv(s, g, c)),
 ]
 
 

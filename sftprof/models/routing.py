@@ -46,7 +46,8 @@ class RoutingLoadMeter:
                  ep_size: int, device: torch.device) -> None:
         self.num_experts, self.ep_size = num_experts, ep_size
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-        self._handles = [router.register_forward_hook(self._hook(g)) for g, router in routers]
+        for g, router in routers:
+            router.register_forward_hook(self._hook(g))
 
     def _hook(self, layer: int):
         def hook(module, inputs, output):
@@ -90,9 +91,3 @@ class RoutingLoadMeter:
                 "max_over_mean": ratio, "ep_max_over_mean": ep_ratio, "worst_layer": worst,
                 "max_over_mean_max": ratio[worst] if worst is not None else None,
                 "ep_max_over_mean_max": max((r for r in ep_ratio if r is not None), default=None)}
-
-    def remove(self) -> None:
-        """Remove the router hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
