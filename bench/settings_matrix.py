@@ -2,7 +2,7 @@
 
 ``--nproc 1`` runs the ``megatron:d1`` cases, ``--nproc 2`` the two-GPU layouts (``(attn:c2|ffn:e2)``,
 ``(attn:t2|ffn:e2)``, ``d2``, ``p2``); each case runs in its own ``torchrun`` (a fresh CUDA context, so its
-peak memory is its own), as many side by side as the visible GPUs allow::
+peak memory is its own), ``--per-gpu`` of them sharing each GPU (group) of the visible GPUs::
 
     python bench/settings_matrix.py --nproc 1 --checkpoint /tmp/q3_2l --out m1.json   # writes the checkpoint first
     python bench/settings_matrix.py --nproc 2 --checkpoint /tmp/q3_2l --out m2.json
@@ -127,6 +127,44 @@ def _case_main(name: str, args) -> int:
     return 0
 
 
+def _run_pool(names: list, slots: list, args) -> list:
+    """Run each case in its own ``torchrun``, one per slot (a slot is a comma list of GPUs; a GPU group may
+    appear in several slots, so cases share it), starting the next case when a slot frees up. Output goes
+    to files (pipes of concurrent children would fill and block); returns the rows in ``names`` order."""
+    import tempfile
+
+    logs = Path(tempfile.mkdtemp(prefix="settings_matrix_"))
+    pending, running, rows = list(names), {}, {}
+    while pending or running:
+        for slot, gpus in enumerate(slots):
+            if slot in running or not pending:
+                continue
+            name = pending.pop(0)
+            out, err = (open(logs / f"{len(rows) + len(running)}_{i}.log", "w+") for i in ("out", "err"))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                 f"--master_port={29751 + slot}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
+                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=out, stderr=err, text=True)
+            running[slot] = (name, proc, out, err)
+        time.sleep(1.0)
+        for slot, (name, proc, out, err) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[slot]
+            out.seek(0)
+            err.seek(0)
+            found = [ln[len("RESULT "):] for ln in out.read().splitlines() if ln.startswith("RESULT ")]
+            stderr = err.read()
+            rows[name] = json.loads(found[-1]) if found else {
+                "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
+                "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]}
+            print("ROW " + json.dumps({k: v for k, v in rows[name].items() if k != "traceback"}), flush=True)
+            out.close()
+            err.close()
+    return [rows[n] for n in names]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="HF checkpoint dir (written when missing)")
@@ -136,6 +174,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
     ap.add_argument("--out", type=Path, help="JSON output")
+    ap.add_argument("--per-gpu", type=int, default=2,
+                    help="cases that share one GPU (group) at a time (default 2: ~42 GiB each at 2 layers, 8192 "
+                         "tokens; step times then include the neighbour's load)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -154,25 +195,11 @@ def main() -> int:
     names = [n for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    slots = max(1, len(devices) // args.nproc)  # cases run side by side on disjoint GPUs
-    rows = []
-    for first in range(0, len(names), slots):
-        procs = []
-        for i, name in enumerate(names[first:first + slots]):
-            gpus = ",".join(devices[i * args.nproc:(i + 1) * args.nproc])
-            procs.append((name, subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                 f"--master_port={29751 + i}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
-                 "--seq", str(args.seq), "--steps", str(args.steps)],
-                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True)))
-        for name, proc in procs:
-            stdout, stderr = proc.communicate()
-            found = [ln[len("RESULT "):] for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-            rows.append(json.loads(found[-1]) if found else {
-                "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
-                "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]})
-            print("ROW " + json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
+    groups = [",".join(devices[g * args.nproc:(g + 1) * args.nproc]) for g in range(len(devices) // args.nproc)]
+    if not groups:
+        print(f"--nproc {args.nproc}: only {len(devices)} GPU(s) visible", file=sys.stderr)
+        return 2
+    rows = _run_pool(names, [g for _ in range(args.per_gpu) for g in groups], args)
     print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
           f"{'peak GiB r0':>11} {'moe max/mean':>12}")
     for r in rows:

@@ -12,6 +12,7 @@ the cases start from the same weights:
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     print(proc.stdout[-6000:])
     rows = json.loads(out.read_text())
+    if os.environ.get("SFTPROF_GPU_OUT"):  # keep the rows for the run's record (e.g. the device's $OUT)
+        shutil.copy(out, Path(os.environ["SFTPROF_GPU_OUT"]) / out.name)
     failed = [(r["case"], r.get("error"), r.get("traceback")) for r in rows if not r["ok"]]
     assert not failed, failed
     assert proc.returncode == 0, proc.stderr[-4000:]
