@@ -1,27 +1,109 @@
-"""The one compatibility patch this project applies to megatron-core 0.16.1 (used without Transformer Engine).
+"""Compatibility patches for third-party code as this project uses it (megatron-core 0.16.1 without Transformer
+Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that torch pins).
 
-megatron-core 0.16.1, ``megatron/core/transformer/moe/moe_utils.py``, imports ``te_general_gemm`` from
-Transformer Engine inside a ``try`` block and, when TE is missing, never binds the name. The MoE
-router's fp32/fp64 gating GEMM (``RouterGatingLinearFunction``) then tests ``te_general_gemm is not None``
-and fails with ``NameError: name 'te_general_gemm' is not defined``. Binding the name to ``None``
-selects the plain ``torch`` GEMM path that the same function already contains. Nothing else changes.
+megatron-core 0.16.1 without Transformer Engine (TE), :func:`apply_megatron_compat`:
 
-:func:`apply_megatron_compat` is idempotent and leaves a working TE import untouched.
+1. ``megatron/core/transformer/moe/moe_utils.py`` imports ``te_general_gemm`` from TE inside a ``try``
+   block and, when TE is missing, never binds the name. The MoE router's fp32/fp64 gating GEMM
+   (``RouterGatingLinearFunction``) then tests ``te_general_gemm is not None`` and fails with
+   ``NameError: name 'te_general_gemm' is not defined``. Binding the name to ``None`` selects the plain
+   ``torch`` GEMM path that the same function already contains.
+2. ``megatron/core/tensor_parallel/random.py``: ``CheckpointWithoutOutput.__init__(fp8=False)`` sets
+   ``self.fp8 = fp8 is not None``, which is ``True`` for the default ``False``, so every output-discarding
+   checkpoint (selective recompute of ``layernorm``, ``moe_act``, ...) calls TE's ``FP8GlobalStateManager``
+   and fails with ``NameError`` when TE is missing. Without TE there is no FP8, so ``fp8`` is set to
+   ``False`` after construction, which selects the plain-context branch the class already has.
+
+flash-linear-attention 0.6.0 on Hopper, :func:`narrow_fla_hopper_guard`: fla's gated
+``chunk_bwd_dqkwg`` (the backward of Qwen3.5's gated delta rule) raises on Hopper with Triton in
+``[3.4.0, 3.7.1)`` (fla issue #640: a Triton code-generation fault that corrupts ``dk``). The bisection in
+that issue found the fault at a key block width ``BK`` of 64 only (32 and 128 gave correct gradients); fla's
+guard refuses every width. The function lifts the guard only for models whose key head dim gives
+``BK != 64`` and refuses the others; ``tests/test_fla_gated_delta_gpu.py`` checks fla's gradients against an
+fp64 reference on the GPU at the head dims the project uses.
 """
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
 
 def apply_megatron_compat() -> bool:
-    """Bind ``moe_utils.te_general_gemm = None`` when megatron-core left it undefined (no TE).
+    """Apply the megatron-core 0.16.1 patches of the module docstring when Transformer Engine is missing.
+
+    Idempotent; leaves a working TE import untouched.
 
     Returns:
-        True when the patch was applied now, False when the name already existed (TE present, or
-        already patched).
+        True when a patch was applied now, False when nothing was needed (TE present, or already patched).
     """
+    from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
-    if hasattr(moe_utils, "te_general_gemm"):
-        return False
-    # megatron-core 0.16.1 without Transformer Engine: see the module docstring.
-    moe_utils.te_general_gemm = None
-    return True
+    applied = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # item 1 of the module docstring
+        applied = True
+    cls = mrandom.CheckpointWithoutOutput
+    if not mrandom.HAVE_TE and not getattr(cls, "_sftprof_no_fp8", False):
+        init = cls.__init__
+
+        def __init__(self, *args, **kwargs):  # item 2 of the module docstring
+            init(self, *args, **kwargs)
+            self.fp8 = False
+
+        cls.__init__ = __init__
+        cls._sftprof_no_fp8 = True
+        applied = True
+    return applied
+
+
+def fla_key_block_width(key_head_dim: int, hopper_shared_mem: bool) -> int:
+    """The key block width ``BK`` that fla 0.6.0's ``chunk_bwd_dqkwg`` picks for a key head dim.
+
+    Mirrors ``fla/ops/common/chunk_o.py``: ``min(max(next_power_of_2(K), 16), T)`` with ``T = 128`` on GPUs
+    with Hopper-sized shared memory, else 64 or less (64 is returned as the bound then).
+
+    Args:
+        key_head_dim: ``K``, the gated delta net's key head dim (Qwen3.5-35B-A3B: 128).
+        hopper_shared_mem: fla's ``check_shared_mem('hopper')`` for the device.
+    """
+    pow2 = 1 << max(key_head_dim - 1, 0).bit_length()
+    return min(max(pow2, 16), 128 if hopper_shared_mem else 64)
+
+
+def narrow_fla_hopper_guard(key_head_dim: int) -> Optional[str]:
+    """Lift fla's Hopper/Triton guard on the gated ``chunk_bwd_dqkwg`` when this model's ``BK`` is not 64.
+
+    See the module docstring. Does nothing when fla is not importable or the guard does not apply (not
+    Hopper, or Triton outside ``[3.4.0, 3.7.1)``).
+
+    Args:
+        key_head_dim: the model's ``linear_key_head_dim``.
+    Returns:
+        A message to log when the guard was lifted, else None.
+    Raises:
+        sftprof.config.ConfigError: the guard applies and ``BK`` is 64 (the width with the known fault):
+            names ``actor.path`` and the fix (Triton >= 3.7.1).
+    """
+    try:
+        import torch
+        import triton
+        from fla.ops.common import chunk_o
+    except ImportError:
+        return None
+    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+        return None
+    bk = fla_key_block_width(key_head_dim, chunk_o.check_shared_mem(
+        "hopper", torch.cuda.current_device() if torch.cuda.is_available() else 0))
+    if bk == 64:
+        from sftprof.config import ConfigError
+
+        raise ConfigError(f"actor.path: linear_key_head_dim={key_head_dim} gives fla's gated chunk_bwd_dqkwg a key "
+                          f"block of 64, the width at which Triton {triton.__version__} on Hopper computes wrong "
+                          "gradients (fla issue #640); install triton>=3.7.1")
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return (f"fla gated delta rule: lifted fla's guard against Triton {triton.__version__} on Hopper (fla issue #640, "
+            f"a fault at key block 64) because linear_key_head_dim={key_head_dim} uses key block {bk}; "
+            "tests/test_fla_gated_delta_gpu.py checks these gradients against fp64")

@@ -27,7 +27,10 @@ def _py(*args: str, timeout: int) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "q3_4l"
+    """``SFTPROF_CKPT_DIR`` (when set): a checkpoint written there earlier by the same command is reused."""
+    out = Path(os.environ.get("SFTPROF_CKPT_DIR") or tmp_path_factory.mktemp("ckpt") / "q3_4l")
+    if (out / "model.safetensors.index.json").is_file():
+        return out
     proc = _py(str(ROOT / "bench" / "checkpoint_loss.py"), "write", "--layers", "4", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "model.safetensors.index.json").is_file()

@@ -5,8 +5,8 @@ the cases start from the same weights:
 
 - every case's three losses and grad norms are finite (no case crashes at step 1 or 2);
 - on one GPU, settings that change no arithmetic (overlap options, loss chunking, recompute, micro-batch
-  count, deterministic kernels) give the base case's step-0 loss within 1e-5 and grad norm within 1e-3
-  (relative), and its step-2 loss within 1e-3;
+  count) give the base case's step-0 loss within 1e-5 and grad norm within 1e-3 (relative), and its step-2
+  loss within 1e-3; deterministic kernels (other bf16 kernels) within 1e-4 / 1e-2 / 1e-3;
 - on two GPUs, each layout's step-0 loss is the one-GPU loss within 2e-3 (relative; TP and EP reduce bf16
   partial results in another order).
 """
@@ -21,6 +21,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Cases that run other bf16 kernels than the base case: deterministic mode makes torch refuse kernels with a
+# nondeterministic backward (cuDNN's SDPA among them; the step takes ~20 % longer), so their rounding differs:
+# step-0 loss within 1e-4 and grad norm within 1e-2 (measured on 1x H200: 1.7e-5 and 5.7e-3).
+OTHER_KERNELS = {"deterministic"}
 
 
 def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
@@ -51,8 +55,9 @@ def test_one_gpu_cases_train_and_agree(one_gpu):
     assert len(rows) == 10
     for r in rows:
         assert len(r["loss"]) == 3
-        assert abs(r["loss"][0] - base["loss"][0]) <= 1e-5 * base["loss"][0], r["case"]
-        assert abs(r["grad_norm"][0] - base["grad_norm"][0]) <= 1e-3 * base["grad_norm"][0], r["case"]
+        loss_tol, norm_tol = (1e-4, 1e-2) if r["case"] in OTHER_KERNELS else (1e-5, 1e-3)
+        assert abs(r["loss"][0] - base["loss"][0]) <= loss_tol * base["loss"][0], r["case"]
+        assert abs(r["grad_norm"][0] - base["grad_norm"][0]) <= norm_tol * base["grad_norm"][0], r["case"]
         assert abs(r["loss"][2] - base["loss"][2]) <= 1e-3 * base["loss"][2], r["case"]
 
 

@@ -18,7 +18,12 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
+
+from sftprof.compat import narrow_fla_hopper_guard
+
+log = logging.getLogger(__name__)
 
 
 def have_transformer_engine() -> bool:
@@ -72,6 +77,8 @@ def check_model_supported(config) -> None:
     Raises:
         NotImplementedError: ``experimental_attention_variant="gated_delta_net"`` and megatron-core's
             ``gated_delta_net`` module could not import ``fla``'s kernels.
+        ConfigError: fla's Hopper/Triton guard applies at this model's key block width
+            (:func:`sftprof.compat.narrow_fla_hopper_guard`, which lifts it otherwise and logs so).
     """
     if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
         return
@@ -79,6 +86,9 @@ def check_model_supported(config) -> None:
 
     if not gated_delta_net.HAVE_FLA:
         raise NotImplementedError(f"gated delta-net layers need flash-linear-attention kernels: install {FLA_PACKAGES}")
+    note = narrow_fla_hopper_guard(config.linear_key_head_dim)
+    if note:
+        log.warning(note)
 
 
 def _moe_spec(config) -> Any:

@@ -1,0 +1,57 @@
+"""The compatibility patches of ``sftprof.compat`` (megatron-core without TE; fla's Hopper/Triton guard)."""
+import sys
+import types
+
+import pytest
+
+from sftprof.compat import apply_megatron_compat, fla_key_block_width, narrow_fla_hopper_guard
+from sftprof.config import ConfigError
+
+
+def test_checkpoint_without_output_has_no_fp8_without_te():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    apply_megatron_compat()
+    assert not mrandom.HAVE_TE
+    assert mrandom.CheckpointWithoutOutput().fp8 is False
+    assert mrandom.CheckpointWithoutOutput(fp8=None).fp8 is False
+    assert apply_megatron_compat() is False  # idempotent: nothing left to patch
+
+
+@pytest.mark.parametrize("dim,hopper,bk", [(16, True, 16), (8, True, 16), (32, True, 32), (33, True, 64),
+                                           (64, True, 64), (65, True, 128), (128, True, 128), (256, True, 128),
+                                           (128, False, 64)])
+def test_fla_key_block_width_follows_fla(dim, hopper, bk):
+    assert fla_key_block_width(dim, hopper) == bk
+
+
+@pytest.fixture
+def fake_chunk_o(monkeypatch):
+    """A stand-in for ``fla.ops.common.chunk_o`` as it is on an H200 with Triton 3.6 (only the names read)."""
+    mod = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False,
+                                check_shared_mem=lambda arch, index: arch == "hopper")
+    for name in ("fla", "fla.ops", "fla.ops.common"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", mod)
+    sys.modules["fla.ops.common"].chunk_o = mod
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    return mod
+
+
+def test_fla_guard_lifted_for_key_block_128(fake_chunk_o):
+    note = narrow_fla_hopper_guard(128)
+    assert fake_chunk_o.TRITON_ABOVE_3_7_1 is True
+    assert note.startswith("fla gated delta rule: lifted fla's guard against Triton 3.6.0 on Hopper")
+    assert "linear_key_head_dim=128 uses key block 128" in note
+
+
+def test_fla_guard_kept_for_key_block_64(fake_chunk_o):
+    with pytest.raises(ConfigError, match=r"^actor.path: linear_key_head_dim=64 gives fla's gated chunk_bwd_dqkwg a "
+                                          r"key block of 64, .* Triton 3.6.0 .*install triton>=3.7.1$"):
+        narrow_fla_hopper_guard(64)
+    assert fake_chunk_o.TRITON_ABOVE_3_7_1 is False
+
+
+def test_fla_guard_untouched_off_hopper(fake_chunk_o):
+    fake_chunk_o.IS_NVIDIA_HOPPER = False
+    assert narrow_fla_hopper_guard(64) is None and fake_chunk_o.TRITON_ABOVE_3_7_1 is False
