@@ -175,9 +175,8 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
     ap.add_argument("--out", type=Path, help="JSON output")
     ap.add_argument("--per-gpu", type=int, default=0,
-                    help="cases that share one GPU (group) at a time; 0 (default): one per 45 GiB of the first "
-                         "GPU's memory (a case takes ~42 GiB at 2 layers, 8192 tokens; step times then include "
-                         "the neighbours' load)")
+                    help="cases that share one GPU (group) at a time; 0 (default): one per 60 GiB of the first "
+                         "GPU's memory (2 layers, 8192 tokens; step times then include the neighbours' load)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -200,7 +199,8 @@ def main() -> int:
     if not groups:
         print(f"--nproc {args.nproc}: only {len(devices)} GPU(s) visible", file=sys.stderr)
         return 2
-    per_gpu = args.per_gpu or max(1, int(torch.cuda.get_device_properties(0).total_memory / 2**30 // 45))
+    # a one-GPU case reserves ~50 GiB (42 GiB allocated); 3 of them ran out of memory on a 139.8 GiB H200
+    per_gpu = args.per_gpu or max(1, int(torch.cuda.get_device_properties(0).total_memory / 2**30 // 60))
     print(f"{len(names)} cases, {per_gpu} per GPU group of {groups}", flush=True)
     rows = _run_pool(names, [g for _ in range(per_gpu) for g in groups], args)
     print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "

@@ -19,8 +19,8 @@ flash-linear-attention 0.6.0 on Hopper, :func:`narrow_fla_hopper_guard`: fla's g
 ``[3.4.0, 3.7.1)`` (fla issue #640: a Triton code-generation fault that corrupts ``dk``). The bisection in
 that issue found the fault at a key block width ``BK`` of 64 only (32 and 128 gave correct gradients); fla's
 guard refuses every width. The function lifts the guard only for models whose key head dim gives
-``BK != 64`` and refuses the others; ``tests/test_fla_gated_delta_gpu.py`` checks fla's gradients against an
-fp64 reference on the GPU at the head dims the project uses.
+``BK != 64`` and refuses the others; ``tests/test_fla_gated_delta_gpu.py`` checks fla's gradients against a
+token-by-token fp32 reference on the GPU at the head dims the project uses.
 """
 from __future__ import annotations
 
@@ -106,4 +106,4 @@ def narrow_fla_hopper_guard(key_head_dim: int) -> Optional[str]:
     chunk_o.TRITON_ABOVE_3_7_1 = True
     return (f"fla gated delta rule: lifted fla's guard against Triton {triton.__version__} on Hopper (fla issue #640, "
             f"a fault at key block 64) because linear_key_head_dim={key_head_dim} uses key block {bk}; "
-            "tests/test_fla_gated_delta_gpu.py checks these gradients against fp64")
+            "tests/test_fla_gated_delta_gpu.py checks these gradients against an fp32 reference")

@@ -4,11 +4,13 @@ fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla issue #6
 key block width of 64); ``sftprof.compat.narrow_fla_hopper_guard`` lifts that guard for key head dims whose
 block is not 64. This test is the evidence: at the key head dims the project runs (16: the tiny preset,
 128: Qwen3.5-35B-A3B) fla's forward and every input gradient (``q, k, v, g, beta``), bf16 as in training,
-match transformers' token-by-token fp32 reference (``torch_recurrent_gated_delta_rule``) on the same
-bf16 values: relative error norm below 2e-2 (bf16 kernels; the #640 fault gives errors of order 1).
+match a token-by-token fp32 reference (``fixtures.qwen3_5.gated_delta_rule_reference``, checked against
+transformers' torch code on CPU in ``tests/test_qwen3_5_fsdp.py``) on the same bf16 values: relative error
+norm below 2e-2 (bf16 kernels; the #640 fault gives errors of order 1).
 """
 import pytest
 import torch
+from fixtures.qwen3_5 import gated_delta_rule_reference
 
 from sftprof.compat import narrow_fla_hopper_guard
 
@@ -23,7 +25,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_fla_gated_delta_rule_gradients_match_fp32_reference(head_dim):
     pytest.importorskip("fla", reason="flash-linear-attention is not installed (pip install -e '.[qwen3_5]')")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
 
     print("guard:", narrow_fla_hopper_guard(head_dim))
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -43,8 +44,7 @@ def test_fla_gated_delta_rule_gradients_match_fp32_reference(head_dim):
     out, _ = chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=False)
     out.backward(grad_out)
     ref_leaves = [x.detach().float().requires_grad_() for x in (q, k, v, g, beta)]
-    ref, _ = torch_recurrent_gated_delta_rule(*ref_leaves, initial_state=None, output_final_state=False,
-                                              use_qk_l2norm_in_kernel=False)
+    ref = gated_delta_rule_reference(*ref_leaves)
     ref.backward(grad_out.float())
     errors = {"out": _rel(out, ref)}
     errors.update({name: _rel(x.grad, r.grad) for name, x, r in zip("q k v g beta".split(), leaves, ref_leaves)})

@@ -121,3 +121,19 @@ def test_tiny_qwen3_5_preset_through_the_driver(tmp_path):
     assert step["loss"] > 0 and step["tflops_per_gpu"] is None
     summary = json.loads((Path(rows[0]["run_dir"]) / "profile_summary.json").read_text())
     assert summary["status"] == "ok"
+
+
+def test_gated_delta_rule_reference_matches_transformers_torch_code():
+    """The fp32 reference that the GPU test holds fla's gradients to is transformers' recurrence."""
+    from fixtures.qwen3_5 import gated_delta_rule_reference, hf_torch_linear_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 96, 3, 16, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(2, 96, 3, 8, generator=gen)
+    g, beta = -torch.rand(2, 96, 3, generator=gen), torch.rand(2, 96, 3, generator=gen)
+    with hf_torch_linear_attention():
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+        expected, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
+                                                            output_final_state=False, use_qk_l2norm_in_kernel=False)
+    assert torch.allclose(gated_delta_rule_reference(q, k, v, g, beta), expected.float(), atol=2e-5, rtol=1e-4)
