@@ -173,3 +173,35 @@ def test_cp_attention_config_key():
     with pytest.raises(ValueError, match="needs attention dropout 0"):
         SDPACoreAttention(SimpleNamespace(attention_dropout=0.1, context_parallel_size=2), 1, AttnMaskType.causal,
                           "self", pg_collection=SimpleNamespace(cp=None), cp_attention="blocks")
+
+
+def _load_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "cp_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_cp_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_bench_causal_pairs_and_no_cuda_exit():
+    import subprocess
+    import sys
+
+    bench, path = _load_bench()
+    # CP=2, S=8, L=2: rank 0 holds chunks 0 and 3 (3 + 3*4 + 3 pairs), rank 1 chunks 1 and 2 (4 + 3 + 8 + 3)
+    assert [bench.causal_pairs(8, 2, r) for r in range(2)] == [18, 18]
+    assert bench.causal_pairs(8) == 36
+    assert [bench.causal_pairs(64, 4, r) for r in range(4)] == [520, 520, 520, 520] and bench.causal_pairs(64) == 2080
+    # 131072 tokens, 32 heads x 128: 3.5 x 4 x 4096 x 8,590,000,128 pairs
+    assert bench.fwd_bwd_flops(bench.causal_pairs(131072), 32, 128) == 3.5 * 4 * 4096 * 8_590_000_128
+    with pytest.raises(ValueError, match="--seq 12 must be a multiple of 2 x CP = 8"):
+        bench.causal_pairs(12, 4, 0)
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == ("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+                                   "nothing was measured")
