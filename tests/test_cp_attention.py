@@ -153,7 +153,7 @@ def test_cp_attention_setting_errors():
     with pytest.raises(ValueError, match="actor.megatron.cp_attention='blocks' needs attention dropout 0, got 0.1"):
         check_cp_attention("blocks", 0.1, 2)
     check_cp_attention("blocks", 0.1, 1)  # CP=1 never uses the blocks
-    with pytest.raises(ValueError, match=r"kernel='fa3': must be one of \['cudnn', 'flash', 'math'\]"):
+    with pytest.raises(ValueError, match=r"kernel='fa3': must be one of \['cudnn', 'flash', 'cudnn_gqa', 'flash_gqa', 'math'\]"):
         blockwise_cp_attention(q, q[:, :, :4], q[:, :, :4], cp_size=2, cp_rank=0, kernel="fa3")
     with pytest.raises(ValueError, match="3 query heads must be a multiple of the K/V heads"):
         blockwise_cp_attention(torch.randn(1, 3, 4, 4), q, q, cp_size=2, cp_rank=0, kernel="math")

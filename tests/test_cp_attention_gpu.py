@@ -7,7 +7,8 @@ and the Q/K/V input gradients of its shard (bf16 tolerance). Cases: ``actor.mega
 ``masked``, ``blocks`` (cuDNN block kernels where SDPA's cuDNN backend is enabled), and ``blocks`` with
 SDPA's cuDNN backend disabled (the flash block kernels, the fallback).
 
-A one-GPU test runs the block kernels (``cudnn``, ``flash``) of every simulated CP rank (CP=2 and 4, no
+A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same ops without the GQA
+expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
 process group) against SDPA's single-call causal attention: each rank's output and query gradient, and
 the K/V gradients summed over the ranks.
 """
@@ -70,7 +71,7 @@ def _worker(out_path: str, case: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "cudnn_gqa", "flash_gqa"])
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
     import torch.nn.functional as F

@@ -17,7 +17,8 @@ MERGED ``O`` and ``lse`` (then ``exp(S_i - lse)`` is the block's slice of the ch
 Block kernels (:data:`BLOCK_KERNELS`), each ``forward(q, k, v, causal, scale) -> (out, lse, aux)`` and
 ``backward(dout, q, k, v, out, lse, aux, causal, scale) -> (dq, dk, dv)`` on ``[b, h, n, d]`` tensors with
 as many K/V heads as query heads (GQA K/V are expanded with ``repeat_interleave`` before the call and
-their gradients summed back over each group), ``lse`` ``[b, h, n]``:
+their gradients summed back over each group; ``cudnn_gqa`` / ``flash_gqa`` are the same ops given the
+GQA K/V as they are), ``lse`` ``[b, h, n]``:
 
 - ``cudnn``: ``torch.ops.aten._scaled_dot_product_cudnn_attention`` (``compute_log_sumexp=True``) and
   ``_scaled_dot_product_cudnn_attention_backward``, the kernels of SDPA's cuDNN backend;
@@ -33,7 +34,7 @@ inputs are made contiguous: the cuDNN op is reported to give wrong results on no
 Dropout is not supported (the blocks would need one shared random stream).
 
 Memory beyond the masked path, per call: the expanded K/V of the largest block and, in the backward,
-its expanded gradients (``2 * b * h * n_keys * d`` elements each), the fp32 K/V gradient accumulators
+its expanded gradients (neither with the ``_gqa`` kernels) (``2 * b * h * n_keys * d`` elements each), the fp32 K/V gradient accumulators
 (``2 * b * g * S * d * 4`` bytes) and the fp32 merge of one chunk (``b * h * L * d * 4`` bytes).
 """
 from __future__ import annotations
@@ -158,15 +159,24 @@ def _flash_backward(dout, q, k, v, out, lse, aux, causal, scale):
 
 
 class BlockKernel(NamedTuple):
-    """A block attention kernel: ``forward`` returns ``(out, lse [b, h, n], aux)``; ``backward`` the input grads."""
+    """A block attention kernel: ``forward`` returns ``(out, lse [b, h, n], aux)``; ``backward`` the input grads.
+
+    ``native_gqa``: the kernel takes K/V with fewer heads than Q (``h`` a multiple of ``g``) and returns their
+    gradients with ``g`` heads; otherwise the caller expands K/V to ``h`` heads and sums the gradients back.
+    """
 
     forward: Callable
     backward: Callable
+    native_gqa: bool = False
 
 
 BLOCK_KERNELS = {
     "cudnn": BlockKernel(_cudnn_forward, _cudnn_backward),
     "flash": BlockKernel(_flash_forward, _flash_backward),
+    # the same ops given GQA K/V as they are: SDPA's own dispatch hands GQA K/V to both without expansion
+    # (cuDNN since torch 2.7, pytorch/pytorch#150337); not the default until measured on the GPU
+    "cudnn_gqa": BlockKernel(_cudnn_forward, _cudnn_backward, native_gqa=True),
+    "flash_gqa": BlockKernel(_flash_forward, _flash_backward, native_gqa=True),
     "math": BlockKernel(_math_forward, _math_backward),
 }
 
@@ -179,6 +189,11 @@ def default_block_kernel(q: torch.Tensor) -> str:
     if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled():
         return "cudnn"
     return "flash"
+
+
+def _expansion(q: torch.Tensor, k: torch.Tensor, kernel: str) -> int:
+    # how many times each K/V head is repeated before the kernel call (1: none)
+    return 1 if BLOCK_KERNELS[kernel].native_gqa else q.shape[1] // k.shape[1]
 
 
 def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -197,7 +212,7 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, chunks, length, scale, kernel):
         fwd = BLOCK_KERNELS[kernel].forward
-        group = q.shape[1] // k.shape[1]
+        group = _expansion(q, k, kernel)
         outs, lses, auxes = [], [], []
         for j, chunk in enumerate(chunks):
             qj = q[:, :, j * length:(j + 1) * length]
@@ -219,7 +234,7 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         bwd = BLOCK_KERNELS[ctx.kernel].backward
-        length, group = ctx.length, q.shape[1] // k.shape[1]
+        length, group = ctx.length, _expansion(q, k, ctx.kernel)
         acc = _acc_dtype(k.dtype)
         dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
         dqs, auxes = [], iter(ctx.auxes)
