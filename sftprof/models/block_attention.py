@@ -86,9 +86,9 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
         return parts[0]
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
     out = None
-    for o, part_lse in parts:
-        term = torch.exp(part_lse - lse).unsqueeze(-1) * o.to(lse.dtype)
-        out = term if out is None else out.add_(term)
+    for o, part_lse in parts:  # one [b, h, n, d] buffer in lse's dtype; the parts are left as they are
+        weight = torch.exp(part_lse - lse).unsqueeze(-1)
+        out = torch.mul(o, weight) if out is None else out.addcmul_(o, weight)
     return out.to(parts[0][0].dtype), lse
 
 
