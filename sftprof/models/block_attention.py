@@ -34,8 +34,9 @@ inputs are made contiguous: the cuDNN op is reported to give wrong results on no
 Dropout is not supported (the blocks would need one shared random stream).
 
 Memory beyond the masked path, per call: the expanded K/V of the largest block and, in the backward,
-its expanded gradients (neither with the ``_gqa`` kernels) (``2 * b * h * n_keys * d`` elements each), the fp32 K/V gradient accumulators
-(``2 * b * g * S * d * 4`` bytes) and the fp32 merge of one chunk (``b * h * L * d * 4`` bytes).
+their expanded gradients (``2 * b * h * n_keys * d`` elements each; neither with the ``_gqa`` kernels), the
+fp32 K/V gradient accumulators (``2 * b * g * S * d * 4`` bytes) and the fp32 merge of one chunk
+(``b * h * L * d * 4`` bytes).
 """
 from __future__ import annotations
 
