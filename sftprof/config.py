@@ -44,6 +44,9 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 MOE_ROUTER_DTYPES = ("fp32", "fp64", "none")
 MOE_DISPATCHERS = ("alltoall", "allgather")
+# actor.megatron.cp_attention: how a CP rank's attention is computed (sftprof.models.attention, item 2 of its
+# docstring); used by the local layer spec (no Transformer Engine) with CP > 1.
+CP_ATTENTION_METHODS = ("masked", "blocks")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # actor.loss.path: "auto" = lm_head when lm_head_loss_chunk_size > 0, else logprobs (sftprof.loss).
 LOSS_PATHS = ("auto", "lm_head", "logprobs", "reference")
@@ -199,6 +202,9 @@ class MegatronSettings:
     moe_router_dtype: str = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_bias_update_rate: float = 0.0
+    # CP > 1 without TE: "masked" (one SDPA call per chunk with a bottom-right causal mask) or "blocks"
+    # (causal diagonal + full off-diagonal block, merged by log-sum-exp); see CP_ATTENTION_METHODS.
+    cp_attention: str = "masked"
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).
@@ -234,6 +240,7 @@ class MegatronSettings:
         _choice(f"{k}.moe_token_dispatcher_type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)
         _check(self.moe_router_bias_update_rate >= 0, f"{k}.moe_router_bias_update_rate",
                self.moe_router_bias_update_rate, "a number >= 0")
+        _choice(f"{k}.cp_attention", self.cp_attention, CP_ATTENTION_METHODS)
 
 
 @dataclass

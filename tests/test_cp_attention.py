@@ -1,14 +1,19 @@
 """CPU tests of the context-parallel attention chunking (sftprof.models.attention), fp64 references.
 
 A single process simulates every CP rank: each rank's load-balanced query chunks (sftprof.data.cp_shard)
-attend to the full K/V with cp_causal_attention; outputs and the summed K/V gradients must equal full
-causal attention.
+attend to the full K/V with cp_causal_attention, by both methods ("masked": one SDPA call per chunk;
+"blocks": diagonal + off-diagonal blocks merged by log-sum-exp, sftprof.models.block_attention with its
+math kernel); outputs, query gradients and the K/V gradients summed over ranks must equal full causal
+attention.
 """
 import pytest
 import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
-from sftprof.models.attention import cp_causal_attention, natural_to_rank_order, rank_order_to_natural
+from sftprof.config import ConfigError, load_config
+from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
+                                      natural_to_rank_order, rank_order_to_natural)
+from sftprof.models.block_attention import BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks, merge_partials
 
 
 def _reference(q, k, v):
@@ -32,9 +37,10 @@ def test_chunk_ids_and_orders():
         cp_chunk_ids(4, 4)
 
 
+@pytest.mark.parametrize("method", ["masked", "blocks"])
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
-def test_cp_causal_attention_matches_full_fp64(cp_size, heads, kv_heads):
+def test_cp_causal_attention_matches_full_fp64(cp_size, heads, kv_heads, method):
     torch.manual_seed(cp_size * 10 + kv_heads)
     b, s, d = 2, 48, 16
     q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
@@ -49,7 +55,7 @@ def test_cp_causal_attention_matches_full_fp64(cp_size, heads, kv_heads):
     for r in range(cp_size):
         q_loc = cp_shard(q.detach(), cp_size, r, dim=2).requires_grad_()
         k_full, v_full = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
-        out = cp_causal_attention(q_loc, k_full, v_full, cp_size=cp_size, cp_rank=r)
+        out = cp_causal_attention(q_loc, k_full, v_full, cp_size=cp_size, cp_rank=r, method=method)
         torch.testing.assert_close(out, cp_shard(ref.detach(), cp_size, r, dim=2), rtol=1e-10, atol=1e-10)
         dq, dk, dv = torch.autograd.grad(out, (q_loc, k_full, v_full), cp_shard(dout, cp_size, r, dim=2))
         # scatter this rank's query grads back to their natural positions; K/V grads sum over ranks
@@ -69,3 +75,133 @@ def test_cp_causal_attention_rejects_bad_shapes():
         cp_causal_attention(q, k, k, cp_size=2, cp_rank=0)
     with pytest.raises(ValueError, match="as many queries as keys"):
         cp_causal_attention(q, k, k, cp_size=1, cp_rank=0)
+
+
+def test_chunk_blocks():
+    assert chunk_blocks(0, 8) == [(0, 8, True)]  # chunk 0: the diagonal block only
+    assert chunk_blocks(3, 8) == [(24, 32, True), (0, 24, False)]
+    with pytest.raises(ValueError, match="chunk -1 must be >= 0"):
+        chunk_blocks(-1, 8)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_blocks_math_kernel_fp32_close_to_fp64(cp_size):
+    # fp32 inputs through the math kernel (as on CPU in a run): each rank's output and grads vs the fp64 reference
+    torch.manual_seed(5)
+    b, h, g, s, d = 1, 4, 2, 32, 8
+    q, k, v, dout = (torch.randn(b, n, s, d, dtype=torch.float64) for n in (h, g, g, h))
+    ref = _reference(q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
+    k_grad, v_grad = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(cp_size):
+        q_loc = cp_shard(q.detach(), cp_size, r, dim=2).float().requires_grad_()
+        k32, v32 = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+        out = blockwise_cp_attention(q_loc, k32, v32, cp_size=cp_size, cp_rank=r, kernel="math")
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), cp_shard(ref.detach(), cp_size, r, dim=2), rtol=1e-5, atol=1e-5)
+        dq, dk, dv = torch.autograd.grad(out, (q_loc, k32, v32), cp_shard(dout, cp_size, r, dim=2).float())
+        torch.testing.assert_close(dq.double(), cp_shard(gq, cp_size, r, dim=2), rtol=1e-5, atol=1e-5)
+        k_grad += dk.double()
+        v_grad += dv.double()
+    torch.testing.assert_close(k_grad, gk, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_grad, gv, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_with_absent_or_empty_off_diagonal_block():
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    fwd = BLOCK_KERNELS["math"].forward
+    diag_out, diag_lse, _ = fwd(q, k, v, True, 0.5)
+    # chunk 0: one block, returned as it is
+    out, lse = merge_partials([(diag_out, diag_lse)])
+    assert out is diag_out and lse is diag_lse
+    # an empty key set: lse = -inf, output zeros; merging it changes nothing
+    empty_out, empty_lse, _ = fwd(q, k[:, :, :0], v[:, :, :0], False, 0.5)
+    assert torch.equal(empty_out, torch.zeros_like(q)) and bool((empty_lse == float("-inf")).all())
+    out, lse = merge_partials([(diag_out, diag_lse), (empty_out, empty_lse)])
+    assert torch.equal(lse, diag_lse)
+    torch.testing.assert_close(out, diag_out, rtol=0, atol=0)
+    # two disjoint key sets merge to attention over their union
+    a_out, a_lse, _ = fwd(q, k[:, :, :3], v[:, :, :3], False, 0.5)
+    b_out, b_lse, _ = fwd(q, k[:, :, 3:], v[:, :, 3:], False, 0.5)
+    full_out, full_lse, _ = fwd(q, k, v, False, 0.5)
+    out, lse = merge_partials([(a_out, a_lse), (b_out, b_lse)])
+    torch.testing.assert_close(out, full_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="no blocks to merge"):
+        merge_partials([])
+
+
+def test_math_kernel_backward_is_exact():
+    # the hand-written backward equals autograd through the same forward (fp64, causal and full blocks)
+    torch.manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(4))
+    kern = BLOCK_KERNELS["math"]
+    for causal in (True, False):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse, aux = kern.forward(qq, kk, vv, causal, 0.3)
+        want = torch.autograd.grad(out, (qq, kk, vv), dout)
+        got = kern.backward(dout, q, k, v, out.detach(), lse.detach(), aux, causal, 0.3)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_cp_attention_setting_errors():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"actor.megatron.cp_attention='ring': must be one of \['masked', 'blocks'\]"):
+        cp_causal_attention(q, q, q, cp_size=1, cp_rank=0, method="ring")
+    with pytest.raises(ValueError, match="actor.megatron.cp_attention='blocks' needs attention dropout 0, got 0.1"):
+        check_cp_attention("blocks", 0.1, 2)
+    check_cp_attention("blocks", 0.1, 1)  # CP=1 never uses the blocks
+    with pytest.raises(ValueError, match=r"kernel='fa3': must be one of \['cudnn', 'flash', 'cudnn_gqa', 'flash_gqa', 'math'\]"):
+        blockwise_cp_attention(q, q[:, :, :4], q[:, :, :4], cp_size=2, cp_rank=0, kernel="fa3")
+    with pytest.raises(ValueError, match="3 query heads must be a multiple of the K/V heads"):
+        blockwise_cp_attention(torch.randn(1, 3, 4, 4), q, q, cp_size=2, cp_rank=0, kernel="math")
+
+
+def test_cp_attention_config_key():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sftprof.config import PRESET_DIR
+    cfg = load_config(PRESET_DIR / "tiny_cpu.yaml", [])
+    assert cfg.actor.megatron.cp_attention == "masked"
+    assert load_config(PRESET_DIR / "tiny_cpu.yaml", ["actor.megatron.cp_attention=blocks"]).actor.megatron.cp_attention == "blocks"
+    with pytest.raises(ConfigError, match=r"actor.megatron.cp_attention='ring': must be one of \['masked', 'blocks'\]"):
+        load_config(PRESET_DIR / "tiny_cpu.yaml", ["actor.megatron.cp_attention=ring"])
+    with pytest.raises(ValueError, match="needs attention dropout 0"):
+        SDPACoreAttention(SimpleNamespace(attention_dropout=0.1, context_parallel_size=2), 1, AttnMaskType.causal,
+                          "self", pg_collection=SimpleNamespace(cp=None), cp_attention="blocks")
+
+
+def _load_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "cp_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_cp_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_bench_causal_pairs_and_no_cuda_exit():
+    import subprocess
+    import sys
+
+    bench, path = _load_bench()
+    # CP=2, S=8, L=2: rank 0 holds chunks 0 and 3 (3 + 3*4 + 3 pairs), rank 1 chunks 1 and 2 (4 + 3 + 8 + 3)
+    assert [bench.causal_pairs(8, 2, r) for r in range(2)] == [18, 18]
+    assert bench.causal_pairs(8) == 36
+    assert [bench.causal_pairs(64, 4, r) for r in range(4)] == [520, 520, 520, 520] and bench.causal_pairs(64) == 2080
+    # 131072 tokens, 32 heads x 128: 3.5 x 4 x 4096 x 8,590,000,128 pairs
+    assert bench.fwd_bwd_flops(bench.causal_pairs(131072), 32, 128) == 3.5 * 4 * 4096 * 8_590_000_128
+    with pytest.raises(ValueError, match="--seq 12 must be a multiple of 2 x CP = 8"):
+        bench.causal_pairs(12, 4, 0)
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == ("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+                                   "nothing was measured")

@@ -3,7 +3,14 @@
 The test launches this file under ``torchrun --nproc-per-node 2``; each rank builds the same random
 bf16 Q/K/V ``[S, b, heads, d]`` (GQA 8 q / 2 kv heads, head_dim 128), runs single-GPU SDPA causal
 attention on the full sequence and the CP=2 module on its load-balanced shard, and compares outputs
-and the Q/K/V input gradients of its shard (bf16 tolerance).
+and the Q/K/V input gradients of its shard (bf16 tolerance). Cases: ``actor.megatron.cp_attention``
+``masked``, ``blocks`` (cuDNN block kernels where SDPA's cuDNN backend is enabled), and ``blocks`` with
+SDPA's cuDNN backend disabled (the flash block kernels, the fallback).
+
+A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same ops without the GQA
+expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
+process group) against SDPA's single-call causal attention: each rank's output and query gradient, and
+the K/V gradients summed over the ranks.
 """
 import json
 import os
@@ -17,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _worker(out_path: str) -> None:
+def _worker(out_path: str, case: str) -> None:
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -25,7 +32,10 @@ def _worker(out_path: str) -> None:
 
     from sftprof.data import cp_shard
     from sftprof.models.attention import SDPACoreAttention
+    from sftprof.models.block_attention import default_block_kernel
 
+    if case == "blocks-flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -40,14 +50,15 @@ def _worker(out_path: str) -> None:
     config = SimpleNamespace(attention_dropout=0.0, context_parallel_size=cp)
     full_mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1,
                                  AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=None))
-    cp_mod = SDPACoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=dist.group.WORLD))
+    cp_mod = SDPACoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=dist.group.WORLD),
+                               cp_attention=case.split("-")[0])
     fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
     ref = full_mod(fq, fk, fv, None)
     ref.backward(dout)
     lq, lk, lv = (cp_shard(t, cp, rank, dim=0).requires_grad_() for t in (q, k, v))
     out = cp_mod(lq, lk, lv, None)
     out.backward(cp_shard(dout, cp, rank, dim=0))
-    errs = {}
+    errs = {"block_kernel": default_block_kernel(q)}
     for name, got, want in [("out", out, ref), ("dq", lq.grad, fq.grad), ("dk", lk.grad, fk.grad),
                             ("dv", lv.grad, fv.grad)]:
         want = cp_shard(want.detach(), cp, rank, dim=0)
@@ -60,20 +71,55 @@ def _worker(out_path: str) -> None:
 
 
 @pytest.mark.gpu
-def test_cp2_sdpa_attention_matches_single_gpu(tmp_path):
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "cudnn_gqa", "flash_gqa"])
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
+    import torch.nn.functional as F
+
+    from sftprof.data import cp_shard
+    from sftprof.models.block_attention import blockwise_cp_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(cp_size)
+    b, h, g, s, d = 1, 8, 2, 4096, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, dout = rand(b, h, s, d), rand(b, g, s, d), rand(b, g, s, d), rand(b, h, s, d)
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True)
+    ref.backward(dout)
+    dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    for r in range(cp_size):
+        lq, lk, lv = cp_shard(q, cp_size, r, dim=2).requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()
+        out = blockwise_cp_attention(lq, lk, lv, cp_size=cp_size, cp_rank=r, kernel=kernel)
+        out.backward(cp_shard(dout, cp_size, r, dim=2))
+        torch.testing.assert_close(out, cp_shard(ref.detach(), cp_size, r, dim=2), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lq.grad, cp_shard(fq.grad, cp_size, r, dim=2), rtol=2e-2, atol=2e-2)
+        dk += lk.grad.float()
+        dv += lv.grad.float()
+    torch.testing.assert_close(dk, fk.grad.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dv, fv.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["masked", "blocks", "blocks-flash"])
+def test_cp2_sdpa_attention_matches_single_gpu(tmp_path, case):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "errs.json"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", "29511", __file__, str(out)], env=env, capture_output=True, text=True,
+                           "--master-port", "29511", __file__, str(out), case], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errs = json.loads(out.read_text())
-    print("CP=2 vs single-GPU max abs errors:", errs)
+    print(f"CP=2 ({case}) vs single-GPU max abs errors:", errs)
+    if case == "blocks-flash":
+        assert errs["block_kernel"] == "flash", errs
     for name in ("out", "dq", "dk", "dv"):  # bf16: within ~1 ulp of the largest value
         assert errs[name] <= 2e-2 + 1e-2 * errs[name + "_scale"], (name, errs)
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

@@ -86,10 +86,12 @@ def _tconfig(hf, mode="megatron:d1"):
 
 
 def test_layer_pattern_and_module_types(mcore_cpu):
+    from megatron.core.transformer.enums import AttnMaskType
+
     hf = load_hf_config("qwen3_5_35b_a3b", num_layers=8)
     for mode, n in (("megatron:d1", 8), ("megatron:(attn:t2|ffn:e2)", 8)):
         spec_config = _tconfig(hf, mode)
-        spec = decoder_block_spec(spec_config, have_te=False)
+        spec = decoder_block_spec(spec_config, have_te=False, cp_attention="blocks")
         kinds = [s.submodules.self_attention.module.__name__ for s in spec.layer_specs]
         assert kinds == (["GatedDeltaNet"] * 3 + ["SelfAttention"]) * 2 and len(kinds) == n
         gdn = spec.layer_specs[0].submodules.self_attention.submodules
@@ -98,6 +100,11 @@ def test_layer_pattern_and_module_types(mcore_cpu):
         mlp = spec.layer_specs[3].submodules.mlp.submodules
         experts = "GroupedGemmExperts" if grouped_mm_supported(spec_config) else "SequentialMLP"  # CUDA-only GEMM
         assert (mlp.experts.module.__name__, mlp.shared_experts.module.__name__) == (experts, "SharedExpertMLP")
+        # actor.megatron.cp_attention reaches the core attention megatron-core builds
+        core = spec.layer_specs[3].submodules.self_attention.submodules.core_attention(
+            config=spec_config, layer_number=4, attn_mask_type=AttnMaskType.causal, attention_type="self",
+            cp_comm_type=None, softmax_scale=None, pg_collection=None)
+        assert (type(core).__name__, core.cp_attention) == ("SDPACoreAttention", "blocks")
     tc = _tconfig(hf, "megatron:(attn:t2|ffn:e2)")
     assert (tc.sequence_parallel, tc.attention_output_gate, tc.moe_shared_expert_gate, tc.mtp_num_layers,
             tc.layernorm_zero_centered_gamma, tc.linear_attention_freq) == (True, True, True, None, True, 4)

@@ -160,7 +160,7 @@ class MegatronEngine(Engine):
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = hf_config.vocab_size
-        gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te),
+        gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention),
                        pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
         # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
         tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp

@@ -12,10 +12,18 @@ holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal wor
 1. K and V (``[S/CP, b, g, d]`` per rank) are all-gathered across the CP group and put back in natural
    order (``[S, b, g, d]``). The backward reduce-scatters their gradients (sum over the ranks whose
    queries used them) back to the owning rank, so gradients are exact.
-2. Each local query chunk with global index ``c`` attends to keys ``[0, (c + 1) * L)`` with the causal
-   mask aligned to the bottom-right corner (``torch.nn.attention.bias.causal_lower_right``): query ``j``
-   of the chunk (global position ``c * L + j``) sees keys ``<= c * L + j``. That is exactly the full
-   causal mask restricted to those rows, so the result equals single-device causal attention.
+2. Each local query chunk with global index ``c`` attends to keys ``[0, (c + 1) * L)`` under the causal
+   mask; that is exactly the full causal mask restricted to those rows, so the result equals
+   single-device causal attention. Two methods (``actor.megatron.cp_attention``,
+   :data:`sftprof.config.CP_ATTENTION_METHODS`):
+
+   - ``masked``: one SDPA call per chunk with the mask aligned to the bottom-right corner
+     (``torch.nn.attention.bias.causal_lower_right``): query ``j`` of the chunk (global position
+     ``c * L + j``) sees keys ``<= c * L + j``. On an H200 SDPA runs this on its FA2 (``pytorch_flash``)
+     kernels.
+   - ``blocks``: a causal diagonal block plus one unmasked off-diagonal block per chunk, merged by
+     log-sum-exp (:mod:`sftprof.models.block_attention`), so each block is a shape the cuDNN kernels of
+     the single-GPU ``is_causal`` call take.
 
 Memory per rank beyond the local Q/K/V: the gathered K and V (``S * b * g * d`` elements each; small
 with GQA) and SDPA's own workspace.
@@ -29,7 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
+from sftprof.models.block_attention import blockwise_cp_attention
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -88,7 +98,7 @@ def gather_sequence_cp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> t
 
 
 def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
-                        scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
+                        scale: Optional[float] = None, dropout_p: float = 0.0, method: str = "masked") -> torch.Tensor:
     """Exact causal attention of this CP rank's load-balanced query chunks against the full K/V.
 
     Args:
@@ -96,12 +106,15 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
         k, v: ``[b, g, S, d]`` in natural sequence order (``h`` a multiple of ``g``: GQA).
         cp_size, cp_rank: CP group size and rank (``cp_size=1``: plain causal attention, ``S/1 == S``).
         scale: softmax scale (default ``1/sqrt(d)``).
-        dropout_p: attention dropout probability.
+        dropout_p: attention dropout probability (``blocks``: 0 only).
+        method: one of :data:`sftprof.config.CP_ATTENTION_METHODS` (see the module docstring); ``cp_size=1`` always makes
+            one plain ``is_causal`` SDPA call.
     Returns:
         ``[b, h, S/cp_size, d]``, rows in the order of ``q``.
     Raises:
-        ValueError: shapes inconsistent with the layout.
+        ValueError: shapes inconsistent with the layout, an unknown method, or dropout with ``blocks``.
     """
+    check_cp_attention(method, dropout_p, cp_size)
     gqa = q.shape[1] != k.shape[1]
     if cp_size == 1:
         if q.shape[2] != k.shape[2]:
@@ -112,6 +125,8 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
     if s_local * cp_size != s_full or s_local % 2:
         raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
                          "and the local length must be even (two chunks)")
+    if method == "blocks":
+        return blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=scale)
     length = s_local // 2
     outs = []
     for j, c in enumerate(cp_chunk_ids(cp_size, cp_rank)):
@@ -122,22 +137,35 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
     return torch.cat(outs, dim=2)
 
 
+def check_cp_attention(method: str, dropout_p: float, cp_size: int) -> None:
+    """Raises ValueError naming ``actor.megatron.cp_attention``: a method not in
+    :data:`sftprof.config.CP_ATTENTION_METHODS`, or ``blocks`` with CP > 1 and attention dropout > 0 (the
+    blocks share no random stream)."""
+    if method not in CP_ATTENTION_METHODS:
+        raise ValueError(f"actor.megatron.cp_attention={method!r}: must be one of {list(CP_ATTENTION_METHODS)}")
+    if method == "blocks" and cp_size > 1 and dropout_p > 0:
+        raise ValueError(f"actor.megatron.cp_attention='blocks' needs attention dropout 0, got {dropout_p}; "
+                         "use cp_attention=masked")
+
+
 class SDPACoreAttention(torch.nn.Module):
     """megatron-core ``core_attention`` module on SDPA: causal, GQA, context parallel.
 
-    Constructor arguments follow megatron-core's ``DotProductAttention`` (built by ``SelfAttention``).
+    Constructor arguments follow megatron-core's ``DotProductAttention`` (built by ``SelfAttention``), plus
+    ``cp_attention`` (one of :data:`sftprof.config.CP_ATTENTION_METHODS`, from ``actor.megatron.cp_attention`` through the
+    layer spec's params; used only with CP > 1).
 
     Forward:
         query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` (this rank's TP heads and CP tokens);
         returns ``[sq, b, np * hn]``.
     Raises:
         ValueError: a mask type other than causal, packed sequences, an attention bias, or an explicit
-            attention mask (padding masks are not supported).
+            attention mask (padding masks are not supported); at construction, see :func:`check_cp_attention`.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None) -> None:
+                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "masked") -> None:
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.transformer.enums import AttnMaskType
@@ -147,6 +175,8 @@ class SDPACoreAttention(torch.nn.Module):
         self.config = config
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        check_cp_attention(cp_attention, self.dropout_p, config.context_parallel_size)
+        self.cp_attention = cp_attention
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None and config.context_parallel_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
@@ -165,6 +195,6 @@ class SDPACoreAttention(torch.nn.Module):
         # [s, b, heads, d] -> [b, heads, s, d] (views; head_dim stays contiguous)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=self.softmax_scale,
-                                  dropout_p=self.dropout_p if self.training else 0.0)
+                                  dropout_p=self.dropout_p if self.training else 0.0, method=self.cp_attention)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

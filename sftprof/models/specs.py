@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from typing import Any
@@ -123,13 +124,14 @@ def _gated_delta_net_spec() -> Any:
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
 
 
-def local_layer_spec(config, linear_attention: bool = False) -> Any:
+def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "masked") -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
         config: the megatron ``TransformerConfig``.
         linear_attention: a gated delta-net layer (:func:`_gated_delta_net_spec`) instead of self-attention
             (SDPA core attention; ``config.attention_output_gate`` adds the sigmoid output gate).
+        cp_attention: ``actor.megatron.cp_attention``, passed to :class:`SDPACoreAttention` (used with CP > 1).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -149,7 +151,10 @@ def local_layer_spec(config, linear_attention: bool = False) -> Any:
         attention = ModuleSpec(
             module=SelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention,
+            # megatron-core calls core_attention as a builder (keyword arguments), so a partial carries the setting
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                               core_attention=functools.partial(SDPACoreAttention,
+                                                                                cp_attention=cp_attention),
                                                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
         )
     return ModuleSpec(
@@ -160,7 +165,7 @@ def local_layer_spec(config, linear_attention: bool = False) -> Any:
     )
 
 
-def decoder_block_spec(config, have_te: bool, vp_stage=None) -> Any:
+def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "masked") -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -170,6 +175,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None) -> Any:
     Args:
         config: the megatron ``TransformerConfig`` (MoE, RMSNorm, qk-layernorm).
         have_te: :func:`have_transformer_engine`.
+        cp_attention: ``actor.megatron.cp_attention`` for the local spec's attention (TE has its own CP).
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -196,5 +202,6 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None) -> Any:
     pattern = get_linear_attention_pattern(config) if variant == "gated_delta_net" else [0] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    specs = {flag: local_layer_spec(config, linear_attention=bool(flag)) for flag in set(pattern[offset:offset + n])}
+    specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention)
+             for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)

@@ -1,0 +1,224 @@
+"""Context-parallel causal attention per rank vs single-GPU causal attention, fwd+bwd on ONE GPU (bench/NOTES.md).
+
+Rows (bf16, batch 1, ``--heads`` query / ``--kv-heads`` key-value heads of ``--head-dim``; defaults 32 / 4 /
+128, Qwen3-30B-A3B's attention, at ``--seq`` 131072 tokens):
+
+- ``single GPU causal (S)``: ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
+  the whole sequence (what the CP=1 path of ``sftprof.models.attention.cp_causal_attention`` calls);
+- ``CP=<n> rank <r>, masked`` / ``CP=<n> rank <r>, blocks (<kernel>)``: exactly one CP rank's attention
+  work, ``cp_causal_attention(..., method="masked")`` or ``sftprof.models.block_attention.
+  blockwise_cp_attention(..., kernel=...)``, for its ``S/n`` load-balanced queries against random full
+  K/V (no process group: the K/V all-gather and the gradient reduce-scatter are not in these rows).
+
+Columns: ``ms`` = median over ``--reps`` timed calls (CUDA events around one fwd+bwd; after one untimed
+warm-up call and one memory call per row, the timed calls go round-robin over the rows, repetition i of
+every row before repetition i + 1 of any); ``TFLOP/s`` = the causal FLOPs the row needs / time:
+forward ``4 * b * h * d * pairs`` over the unmasked query-key pairs (``key <= query``; the counting rule
+of ``sftprof/flops.py``: ``Q K^T`` and ``P V`` at ``2 d`` FLOPs per pair each), fwd+bwd = 3.5 x forward
+(the backward runs five such GEMMs: ``Q K^T`` again, ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``,
+``dK = dS^T Q``; 7 / 2 = 3.5); ``extra GiB`` = peak allocated during one fwd+bwd minus (allocated before
+the call + bytes of the Q/K/V gradients); ``x single`` = the row's ms / the single-GPU row's ms (issue 18's
+goal for CP=2: <= 0.55).
+
+Block kernels (``--kernels``, default all): ``cudnn`` and ``flash`` (the private SDPA ops with K/V expanded
+to the query heads), ``cudnn_gqa`` and ``flash_gqa`` (the same ops given the 4 K/V heads as they are); a
+kernel that raises is reported in its row's note and left out of the timing.
+
+Exactness check (the GPU run doubles as one): for every CP rank, the max abs difference of the output and
+of the Q/K/V gradients of each blocks kernel against the masked path on the same inputs, printed after
+the table.
+
+Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--kernels cudnn ...] [--reps 5] [--json F]
+Without CUDA it prints that it needs a GPU and exits with status 1, measuring nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sftprof.data import cp_chunk_ids, cp_shard  # noqa: E402
+
+CUDA_KERNELS = ("cudnn", "flash", "cudnn_gqa", "flash_gqa")
+
+
+def causal_pairs(seq: int, cp_size: int = 1, cp_rank: int = 0) -> int:
+    """Unmasked query-key pairs (``key <= query``) of a CP rank's two chunks of ``seq / (2 cp_size)`` tokens.
+
+    ``cp_size=1``: the whole sequence, ``seq (seq + 1) / 2``. Chunk ``c`` of length ``L`` has
+    ``c L^2 + L (L + 1) / 2`` pairs. Raises ValueError when ``seq`` is not a multiple of ``2 cp_size``.
+    """
+    if cp_size == 1:
+        return seq * (seq + 1) // 2
+    if seq % (2 * cp_size):
+        raise ValueError(f"--seq {seq} must be a multiple of 2 x CP = {2 * cp_size}")
+    length = seq // (2 * cp_size)
+    return sum(c * length * length + length * (length + 1) // 2 for c in cp_chunk_ids(cp_size, cp_rank))
+
+
+def fwd_bwd_flops(pairs: int, heads: int, head_dim: int, batch: int = 1) -> float:
+    """Causal attention FLOPs of one fwd+bwd: ``3.5 * 4 * b * h * d * pairs`` (module docstring)."""
+    return 3.5 * 4 * batch * heads * head_dim * pairs
+
+
+def _single(q, k, v, dout):
+    import torch.nn.functional as F
+
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+
+
+def _cp_row(cp_size, cp_rank, method, kernel=None):
+    from sftprof.models.attention import cp_causal_attention
+    from sftprof.models.block_attention import blockwise_cp_attention
+
+    def run(q, k, v, dout):
+        if method == "masked":
+            out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, method="masked")
+        else:
+            out = blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, kernel=kernel)
+        out.backward(dout)
+        return out
+    return run
+
+
+def _reset(tensors):
+    for t in tensors[:3]:
+        t.grad = None
+
+
+def peak_extra_gib(fn, tensors) -> float:
+    """Peak allocated GiB of one fwd+bwd beyond the memory before it and the Q/K/V gradients."""
+    _reset(tensors)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*tensors)
+    torch.cuda.synchronize()
+    grads = sum(t.numel() * t.element_size() for t in tensors[:3])
+    return (torch.cuda.max_memory_allocated() - base - grads) / 2 ** 30
+
+
+def time_ms(fn, tensors) -> float:
+    _reset(tensors)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*tensors)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+
+
+def _exactness(cp_size, cp_rank, kernels, tensors) -> dict:
+    """Max abs diff of out / dq / dk / dv of each blocks kernel vs the masked path (same inputs)."""
+    _reset(tensors)
+    want_out = _cp_row(cp_size, cp_rank, "masked")(*tensors).detach()
+    want = [want_out] + [t.grad for t in tensors[:3]]
+    diffs = {}
+    for kernel in kernels:
+        _reset(tensors)
+        try:
+            got_out = _cp_row(cp_size, cp_rank, "blocks", kernel)(*tensors).detach()
+        except RuntimeError as exc:  # e.g. an op refusing GQA K/V (the _gqa kernels): reported, not fatal
+            diffs[kernel] = {"error": _first_line(exc)}
+            continue
+        got = [got_out] + [t.grad for t in tensors[:3]]
+        diffs[kernel] = {name: float((g.float() - w.float()).abs().max())
+                         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+        diffs[kernel]["out_scale"] = float(want_out.float().abs().max())
+    _reset(tensors)
+    return diffs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=131072, help="tokens of the sequence (S)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--cp", type=int, nargs="+", default=[2], help="CP sizes to simulate (e.g. 2 4)")
+    ap.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS), choices=CUDA_KERNELS,
+                    help="block kernels of the blocks rows (sftprof.models.block_attention.BLOCK_KERNELS)")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per row")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows and the exactness check here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
+              file=sys.stderr)
+        return 1
+    for cp in args.cp:
+        if cp < 2:
+            ap.error(f"--cp {cp}: must be >= 2 (CP=1 is the single-GPU row)")
+        causal_pairs(args.seq, cp, 0)  # checks divisibility before any GPU work
+    torch.manual_seed(0)
+    dev, s, h, g, d = torch.device("cuda"), args.seq, args.heads, args.kv_heads, args.head_dim
+
+    def rand(*shape, grad=True):
+        t = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+        return t.requires_grad_() if grad else t
+
+    k, v = rand(1, g, s, d), rand(1, g, s, d)
+    q_full, dout_full = rand(1, h, s, d), rand(1, h, s, d, grad=False)
+    rows = [dict(name=f"single GPU causal ({s})", pairs=causal_pairs(s), fn=_single, tensors=(q_full, k, v, dout_full))]
+    exact = {}
+    for cp in args.cp:
+        for r in range(cp):
+            local = (cp_shard(q_full.detach(), cp, r, dim=2).clone().requires_grad_(), k, v,
+                     cp_shard(dout_full, cp, r, dim=2).clone())
+            pairs = causal_pairs(s, cp, r)
+            rows.append(dict(name=f"CP={cp} rank {r}, masked", pairs=pairs, fn=_cp_row(cp, r, "masked"), tensors=local))
+            rows += [dict(name=f"CP={cp} rank {r}, blocks ({kern})", pairs=pairs, fn=_cp_row(cp, r, "blocks", kern),
+                          tensors=local) for kern in args.kernels]
+            exact[f"CP={cp} rank {r}"] = _exactness(cp, r, args.kernels, local)
+    for row in rows:  # warm-up and peak memory, one row after the other
+        row.update(times=[], note="")
+        try:
+            row["fn"](*row["tensors"])
+            row["extra_gib"] = peak_extra_gib(row["fn"], row["tensors"])
+        except torch.OutOfMemoryError:
+            row["note"] = "OOM"
+        except RuntimeError as exc:  # the row is left out of the timing and says why
+            row["note"] = f"failed: {_first_line(exc)}"
+        _reset(row["tensors"])
+        torch.cuda.empty_cache()
+    for _ in range(args.reps):  # timed calls, round-robin over the rows
+        for row in rows:
+            if not row["note"]:
+                row["times"].append(time_ms(row["fn"], row["tensors"]))
+                _reset(row["tensors"])
+    single_ms = statistics.median(rows[0]["times"]) if rows[0]["times"] else None
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, S={s}, {h} q / {g} kv heads, head_dim {d}, "
+          f"bf16, batch 1, fwd+bwd, median of {args.reps} round-robin reps; TFLOP/s = 3.5 x 4 b h d (causal pairs)")
+    print(f"{'row':<34} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
+    out_rows = []
+    for row in rows:
+        ms = statistics.median(row["times"]) if row["times"] else None
+        tflops = fwd_bwd_flops(row["pairs"], h, d) / ms / 1e9 if ms else None
+        ratio = ms / single_ms if ms and single_ms else None
+        extra = row.get("extra_gib")
+        print(f"{row['name']:<34} {ms if ms else float('nan'):>8.1f} {tflops if tflops else float('nan'):>8.0f} "
+              f"{extra if extra is not None else float('nan'):>9.2f} {ratio if ratio else float('nan'):>8.3f}  "
+              f"{row['note']}")
+        out_rows.append(dict(row=row["name"], ms=ms, tflops=tflops, extra_gib=extra, ratio_to_single=ratio,
+                             pairs=row["pairs"], note=row["note"]))
+    print("exactness (max abs diff vs the masked path on the same inputs; bf16):")
+    for rank, by_kernel in exact.items():
+        for kern, diffs in by_kernel.items():
+            print(f"  {rank}, blocks ({kern}): " + ", ".join(
+                f"{k_}={v_:.3g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in diffs.items()))
+    if args.json:
+        args.json.write_text(json.dumps(dict(rows=out_rows, exactness=exact), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

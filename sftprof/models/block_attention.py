@@ -1,0 +1,285 @@
+"""Context-parallel causal attention decomposed into blocks merged by log-sum-exp ("blocks" method).
+
+A CP rank holds two load-balanced query chunks of ``L`` tokens (global chunk indices from
+:func:`sftprof.data.cp_chunk_ids`). Chunk ``c`` attends to keys ``[0, (c + 1) L)`` under the causal mask,
+which splits into
+
+- the diagonal block: keys ``[c L, (c + 1) L)``, a square causal block (``is_causal`` with ``s_q == s_k``),
+- the off-diagonal block: keys ``[0, c L)``, no mask (absent for ``c = 0``).
+
+Each block returns its output ``O_i`` (softmax over its own keys) and the row log-sum-exp ``lse_i`` of its
+scaled scores; the chunk's result is the standard online-softmax merge (flash-attention's rescaling):
+``lse = logsumexp_i(lse_i)``, ``O = sum_i exp(lse_i - lse) * O_i``. The backward gives every block the
+MERGED ``O`` and ``lse`` (then ``exp(S_i - lse)`` is the block's slice of the chunk's true softmax, and
+``rowsum(dO * O)`` the chunk's true correction term), so each block's ``dQ/dK/dV`` is its exact share:
+``dQ`` sums over the blocks, ``dK/dV`` accumulate (fp32) into the full-sequence K/V gradient.
+
+Block kernels (:data:`BLOCK_KERNELS`), each ``forward(q, k, v, causal, scale) -> (out, lse, aux)`` and
+``backward(dout, q, k, v, out, lse, aux, causal, scale) -> (dq, dk, dv)`` on ``[b, h, n, d]`` tensors with
+as many K/V heads as query heads (GQA K/V are expanded with ``repeat_interleave`` before the call and
+their gradients summed back over each group; ``cudnn_gqa`` / ``flash_gqa`` are the same ops given the
+GQA K/V as they are), ``lse`` ``[b, h, n]``:
+
+- ``cudnn``: ``torch.ops.aten._scaled_dot_product_cudnn_attention`` (``compute_log_sumexp=True``) and
+  ``_scaled_dot_product_cudnn_attention_backward``, the kernels of SDPA's cuDNN backend;
+- ``flash``: ``torch.ops.aten._scaled_dot_product_flash_attention`` and ``..._backward`` (FA2);
+- ``math``: explicit scores in at least fp32 with the exact backward
+  ``dS = P * (dP - rowsum(dO * O))``, ``dQ = dS K * scale``, ``dK = dS^T Q * scale``, ``dV = P^T dO``
+  (the reference, and the CPU path).
+
+The schemas of the private ops are the same in torch 2.11 (the GPU machine) and 2.13 (checked with
+``torch.ops.aten.<op>.default._schema``; torch 2.13's ring attention in
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` calls them the same way). Their
+inputs are made contiguous: the cuDNN op is reported to give wrong results on non-contiguous inputs.
+Dropout is not supported (the blocks would need one shared random stream).
+
+Memory beyond the masked path, per call: the expanded K/V of the largest block and, in the backward,
+their expanded gradients (``2 * b * h * n_keys * d`` elements each; neither with the ``_gqa`` kernels), the
+fp32 K/V gradient accumulators (``2 * b * g * S * d * 4`` bytes) and the fp32 merge of one chunk
+(``b * h * L * d * 4`` bytes).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from sftprof.data import cp_chunk_ids
+
+
+class Block(NamedTuple):
+    """Keys ``[lo, hi)`` of one query chunk's block; ``causal``: square causal mask (diagonal block)."""
+
+    lo: int
+    hi: int
+    causal: bool
+
+
+def chunk_blocks(chunk: int, length: int) -> list[Block]:
+    """The blocks of query chunk ``chunk`` (``length`` tokens): the diagonal block, then the off-diagonal one.
+
+    Chunk 0 has no off-diagonal block. Raises ValueError for a negative chunk or a length < 1.
+    """
+    if chunk < 0 or length < 1:
+        raise ValueError(f"chunk_blocks: chunk {chunk} must be >= 0 and length {length} >= 1")
+    blocks = [Block(chunk * length, (chunk + 1) * length, True)]
+    if chunk > 0:
+        blocks.append(Block(0, chunk * length, False))
+    return blocks
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-block attention results over disjoint key sets by log-sum-exp.
+
+    Args:
+        parts: ``(out_i [b, h, n, d], lse_i [b, h, n])``; ``lse_i`` in fp32 or fp64, ``-inf`` for a block with
+            no keys (its ``out_i`` must be finite, e.g. zeros: it then contributes nothing).
+    Returns:
+        ``(out [b, h, n, d]`` in the dtype of ``out_0``, ``lse [b, h, n]`` in the dtype of ``lse_0``):
+        ``lse = logsumexp_i(lse_i)``, ``out = sum_i exp(lse_i - lse) * out_i`` (computed in ``lse``'s dtype).
+        One part is returned as it is.
+    Raises:
+        ValueError: no parts.
+    """
+    if not parts:
+        raise ValueError("merge_partials: no blocks to merge")
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    out = None
+    for o, part_lse in parts:  # one [b, h, n, d] buffer in lse's dtype; the parts are left as they are
+        weight = torch.exp(part_lse - lse).unsqueeze(-1)
+        out = torch.mul(o, weight) if out is None else out.addcmul_(o, weight)
+    return out.to(parts[0][0].dtype), lse
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _math_scores(q, k, causal, scale):
+    acc = _acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        n, m = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal, scale):
+    s = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.to(s.dtype)).to(q.dtype), lse, None
+
+
+def _math_backward(dout, q, k, v, out, lse, aux, causal, scale):
+    s = _math_scores(q, k, causal, scale)
+    acc = s.dtype
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    do = dout.to(acc)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, v.to(acc).transpose(-1, -2))
+    ds = p * (dp - (do * out.to(acc)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.to(acc)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _native_lse(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    # [b, h, n] -> the op's own lse shape ([b, h, n] or [b, h, n, 1]), contiguous
+    return lse.reshape(shape).contiguous()
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse.reshape(q.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, aux, causal, scale):
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        _native_lse(lse, lse_shape), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+def _flash_forward(q, k, v, causal, scale):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse.reshape(q.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+
+def _flash_backward(dout, q, k, v, out, lse, aux, causal, scale):
+    lse_shape, cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        _native_lse(lse, lse_shape), cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+
+
+class BlockKernel(NamedTuple):
+    """A block attention kernel: ``forward`` returns ``(out, lse [b, h, n], aux)``; ``backward`` the input grads.
+
+    ``native_gqa``: the kernel takes K/V with fewer heads than Q (``h`` a multiple of ``g``) and returns their
+    gradients with ``g`` heads; otherwise the caller expands K/V to ``h`` heads and sums the gradients back.
+    """
+
+    forward: Callable
+    backward: Callable
+    native_gqa: bool = False
+
+
+BLOCK_KERNELS = {
+    "cudnn": BlockKernel(_cudnn_forward, _cudnn_backward),
+    "flash": BlockKernel(_flash_forward, _flash_backward),
+    # the same ops given GQA K/V as they are: SDPA's own dispatch hands GQA K/V to both without expansion
+    # (cuDNN since torch 2.7, pytorch/pytorch#150337); not the default until measured on the GPU
+    "cudnn_gqa": BlockKernel(_cudnn_forward, _cudnn_backward, native_gqa=True),
+    "flash_gqa": BlockKernel(_flash_forward, _flash_backward, native_gqa=True),
+    "math": BlockKernel(_math_forward, _math_backward),
+}
+
+
+def default_block_kernel(q: torch.Tensor) -> str:
+    """``cudnn`` for fp16/bf16 CUDA tensors when SDPA's cuDNN backend is enabled and cuDNN is available,
+    else ``flash`` for fp16/bf16 CUDA tensors, else ``math``."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return "math"
+    if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled():
+        return "cudnn"
+    return "flash"
+
+
+def _expansion(q: torch.Tensor, k: torch.Tensor, kernel: str) -> int:
+    # how many times each K/V head is repeated before the kernel call (1: none)
+    return 1 if BLOCK_KERNELS[kernel].native_gqa else q.shape[1] // k.shape[1]
+
+
+def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _reduce_group(grad: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    if group == 1:
+        return grad.to(dtype)
+    return grad.unflatten(1, (grad.shape[1] // group, group)).sum(2, dtype=dtype)
+
+
+class _BlockwiseCausalAttention(torch.autograd.Function):
+    """Forward/backward of :func:`blockwise_cp_attention` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks, length, scale, kernel):
+        fwd = BLOCK_KERNELS[kernel].forward
+        group = _expansion(q, k, kernel)
+        outs, lses, auxes = [], [], []
+        for j, chunk in enumerate(chunks):
+            qj = q[:, :, j * length:(j + 1) * length]
+            parts = []
+            for blk in chunk_blocks(chunk, length):
+                o, lse, aux = fwd(qj, _expand(k[:, :, blk.lo:blk.hi], group), _expand(v[:, :, blk.lo:blk.hi], group),
+                                  blk.causal, scale)
+                parts.append((o, lse))
+                auxes.append(aux)
+            o, lse = merge_partials(parts)
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.length, ctx.scale, ctx.kernel, ctx.auxes = chunks, length, scale, kernel, auxes
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        bwd = BLOCK_KERNELS[ctx.kernel].backward
+        length, group = ctx.length, _expansion(q, k, ctx.kernel)
+        acc = _acc_dtype(k.dtype)
+        dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+        dqs, auxes = [], iter(ctx.auxes)
+        for j, chunk in enumerate(ctx.chunks):
+            rows = slice(j * length, (j + 1) * length)
+            qj, oj, doj, lsej = q[:, :, rows], out[:, :, rows], dout[:, :, rows], lse[:, :, rows]
+            dq = None
+            for blk in chunk_blocks(chunk, length):
+                dq_b, dk_b, dv_b = bwd(doj, qj, _expand(k[:, :, blk.lo:blk.hi], group),
+                                       _expand(v[:, :, blk.lo:blk.hi], group), oj, lsej, next(auxes), blk.causal,
+                                       ctx.scale)
+                dq = dq_b.to(acc) if dq is None else dq.add_(dq_b)
+                dk[:, :, blk.lo:blk.hi] += _reduce_group(dk_b, group, acc)
+                dv[:, :, blk.lo:blk.hi] += _reduce_group(dv_b, group, acc)
+            dqs.append(dq)
+        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def blockwise_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
+                           scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    """This CP rank's causal attention as diagonal + off-diagonal blocks merged by log-sum-exp (autograd-aware).
+
+    Args:
+        q: ``[b, h, S/cp_size, d]``: this rank's query chunks ``cp_chunk_ids(cp_size, cp_rank)`` in that order.
+        k, v: ``[b, g, S, d]`` in natural sequence order, ``h`` a multiple of ``g`` (GQA).
+        cp_size, cp_rank: CP group size (>= 1) and rank.
+        scale: softmax scale (default ``1/sqrt(d)``).
+        kernel: a key of :data:`BLOCK_KERNELS` (default :func:`default_block_kernel`).
+    Returns:
+        ``[b, h, S/cp_size, d]`` in ``q``'s dtype, rows in the order of ``q``; equal to those rows of full
+        causal attention (the math kernel computes in at least fp32).
+    Raises:
+        ValueError: an unknown kernel, or shapes inconsistent with the layout (local length x cp_size !=
+            keys, odd local length, query heads not a multiple of K/V heads).
+    """
+    kernel = default_block_kernel(q) if kernel is None else kernel
+    if kernel not in BLOCK_KERNELS:
+        raise ValueError(f"blockwise_cp_attention: kernel={kernel!r}: must be one of {list(BLOCK_KERNELS)}")
+    s_local, s_full = q.shape[2], k.shape[2]
+    if s_local * cp_size != s_full or s_local % 2:
+        raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
+                         "and the local length must be even (two chunks)")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"blockwise_cp_attention: {q.shape[1]} query heads must be a multiple of the K/V heads "
+                         f"({k.shape[1]} K, {v.shape[1]} V, equal)")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _BlockwiseCausalAttention.apply(q, k, v, cp_chunk_ids(cp_size, cp_rank), s_local // 2, scale, kernel)
