@@ -71,6 +71,7 @@ MODEL_PART_LABELS = {
     "attn_core": "attention core",
     "attn_out": "attention output projection",
     "attn_other": "attention other (RoPE, reshapes)",
+    "linear_attn": "linear attention (gated delta net)",
     "norm": "norms",
     "router": "MoE router",
     "dispatch_combine": "MoE dispatch/combine (permute, all-to-all)",

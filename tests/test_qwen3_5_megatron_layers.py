@@ -260,3 +260,23 @@ def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, 
     save_tiny_checkpoint(tmp_path)
     err = megatron_logprob_errors(_tconfig(load_hf_config(str(tmp_path))), tmp_path, seq_len=80).max().item()
     assert err < 1e-5, err
+
+
+def test_model_part_registration_shows_linear_and_full_attention_layers_apart(mcore_cpu):
+    """The trace ranges name megatron-core's GatedDeltaNet layers ``linear_attn`` and the gated full-attention
+    layer's core ``attn_core``, so the summary's time by model part keeps the two kinds apart."""
+    from collections import Counter
+
+    from megatron.core.models.gpt import GPTModel
+
+    from sftprof.capture import module_regions
+
+    hf = load_hf_config("tiny_qwen3_5_moe")
+    tc = _tconfig(hf)
+    gpt = GPTModel(config=tc, transformer_layer_spec=decoder_block_spec(tc, have_te=False), pre_process=True,
+                   post_process=True, **mc.gpt_model_kwargs(hf))
+    live = Counter(module_regions.module_part(path, mod) for path, mod in gpt.named_modules())
+    for layer in (0, 1, 2):  # gated delta net: in_proj -> QKV projection, out_proj -> output projection
+        assert [live[(p, layer)] for p in ("linear_attn", "attn_core", "attn_other", "attn_qkv", "attn_out")] == \
+            [1, 0, 0, 1, 1], layer
+    assert [live[(p, 3)] for p in ("linear_attn", "attn_core", "attn_other", "attn_qkv", "attn_out")] == [0, 1, 1, 1, 1]

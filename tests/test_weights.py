@@ -205,8 +205,8 @@ def test_model_part_registration_of_the_megatron_model(megatron_cpu):
     module_regions.register_model(gpt)
     mine = Counter(module_regions.module_part(path) for path, _ in gpt.named_modules())
     for layer in range(hf.num_hidden_layers):
-        assert {p: mine[(p, layer)] for p in module_regions.PARTS[:10]} == {
-            "attn_qkv": 1, "attn_core": 1, "attn_out": 1, "attn_other": 1, "norm": 4, "router": 1,
+        assert {p: mine[(p, layer)] for p in module_regions.PARTS[:11]} == {
+            "attn_qkv": 1, "attn_core": 1, "attn_out": 1, "attn_other": 1, "linear_attn": 0, "norm": 4, "router": 1,
             "dispatch_combine": 1, "experts": 1, "shared_experts": 0, "layer_other": 1}, layer
     assert (mine[("embedding", None)], mine[("norm", None)], mine[("lm_head_loss", None)]) == (1, 1, 1)
     live = Counter(module_regions.registered_modules())

@@ -26,8 +26,11 @@ megatron-core's ``GPTModel`` (``decoder.layers.<i>.self_attention.linear_qkv``, 
 ``decoder.final_layernorm``, ``output_layer``, the engine's ``lm_head_loss``) and Hugging Face
 Qwen3-MoE / Qwen3.5-MoE models (``model.layers.<i>.self_attn.{q,k,v,o}_proj``, ``q_norm``/``k_norm``,
 ``linear_attn``, ``mlp.gate``, ``mlp.experts``, ``mlp.shared_expert``, ``model.embed_tokens``,
-``model.norm``, ``lm_head``). Time that a part's module spends outside its registered children is its
-own: the ``MoELayer``'s own kernels (permutation, all-to-all, unpermutation) are the token
+``model.norm``, ``lm_head``). Qwen3.5's gated delta-net layers are the part ``linear_attn`` (Hugging Face's
+``linear_attn`` module; megatron-core's ``GatedDeltaNet`` at ``self_attention``, whose ``in_proj`` /
+``out_proj`` / ``out_norm`` count as QKV projection, output projection and norms), so a summary shows
+linear-attention and full-attention layers apart. Time that a part's module spends outside its registered
+children is its own: the ``MoELayer``'s own kernels (permutation, all-to-all, unpermutation) are the token
 dispatch/combine, the self-attention module's own kernels are RoPE and reshapes (``attn_other``;
 for Hugging Face models, whose attention core is a function, the analysis moves attention kernels of
 ``attn_other`` to ``attn_core``).
@@ -49,10 +52,11 @@ __all__ = ["PREFIX", "PARTS", "PART_LABELS", "module_part", "region_name", "pars
 
 # (regex on the path below a decoder layer, part); first match wins.
 _LAYER_RULES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), part) for p, part in (
-    (r"^(self_attention|self_attn)\.(linear_qkv|q_proj|k_proj|v_proj|linear_q|linear_kv)$", "attn_qkv"),
+    (r"^(self_attention|self_attn)\.(linear_qkv|q_proj|k_proj|v_proj|linear_q|linear_kv|in_proj)$", "attn_qkv"),
     (r"^(self_attention|self_attn)\.core_attention$", "attn_core"),
-    (r"^linear_attn$", "attn_core"),  # Qwen3.5 gated delta-net layers (HF): the whole token mixer
-    (r"^(self_attention|self_attn)\.(linear_proj|o_proj)$", "attn_out"),
+    (r"^linear_attn$", "linear_attn"),  # Qwen3.5 gated delta-net layers (HF): the whole token mixer
+    (r"^(self_attention|self_attn)\.(linear_proj|o_proj|out_proj)$", "attn_out"),
+    (r"^self_attention\.out_norm$", "norm"),  # megatron-core GatedDeltaNet's gated norm over value heads
     (r"^(self_attention|self_attn)$", "attn_other"),
     (r"(^|\.)(input_layernorm|pre_mlp_layernorm|post_attention_layernorm|q_layernorm|k_layernorm|q_norm|k_norm)$",
      "norm"),
@@ -70,8 +74,11 @@ _TOP_RULES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), part) for
 _LAYER_PATH = re.compile(r"^(?:.*\.)?layers\.(\d+)(?:\.(.*))?$")
 
 
-def module_part(path: str) -> Optional[tuple[str, Optional[int]]]:
+def module_part(path: str, module: Optional[torch.nn.Module] = None) -> Optional[tuple[str, Optional[int]]]:
     """``(part, local layer index or None)`` of a module path from ``named_modules()``, or None.
+
+    ``module`` (optional) refines the part by class: megatron-core's ``GatedDeltaNet`` sits at
+    ``self_attention`` like a self-attention module and is ``linear_attn``.
 
     >>> module_part("decoder.layers.3.self_attention.core_attention")
     ('attn_core', 3)
@@ -85,6 +92,8 @@ def module_part(path: str) -> Optional[tuple[str, Optional[int]]]:
         rest = m.group(2) or ""
         for pattern, part in _LAYER_RULES:
             if pattern.search(rest):
+                if part == "attn_other" and type(module).__name__ == "GatedDeltaNet":
+                    part = "linear_attn"
                 return part, int(m.group(1))
         return None
     if ".layers." in f".{path}.":
@@ -113,7 +122,7 @@ def register_model(model: torch.nn.Module) -> int:
         m = _LAYER_PATH.match(path)
         if m and not m.group(2) and isinstance(getattr(mod, "layer_number", None), int):
             layer_offset[path] = mod.layer_number - 1
-        found = module_part(path)
+        found = module_part(path, mod)
         if found is None:
             continue
         part, layer = found
