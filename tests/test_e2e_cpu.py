@@ -104,3 +104,38 @@ def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
             assert "need CUDA" in log or "needs CUDA" in log
             summary = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
             assert summary["counts"]["snapshots"] == 0
+
+
+def _bench_step():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_step_row_of_a_real_trial(run):
+    """``bench/step.py`` reads a kernel trial's row from its summary: step times as in ``stats.jsonl`` (max over
+    ranks), no GPU figures on CPU; ratios and the table against a one-GPU row."""
+    _, run_root = run
+    bench = _bench_step()
+    trial = next(r for r in summary_rows(run_root) if (r["kind"], r["step"]) == ("kernel", "1"))
+    stats_file = next(run_root.parent.glob(f"fileroot/logs/*/*/{trial['trial']}/stats.jsonl"))
+    steps = {r["step"]: r for r in map(json.loads, stats_file.read_text().splitlines()) if r["type"] == "step"}
+    row = bench.trial_row(Path(trial["run_dir"]))
+    assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
+    assert row["unprofiled_step_s"] == max(r["step_time_s"] for r in steps[0]["ranks"])
+    assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 2, trial["trial"])
+    assert [row[k] for k in ("attn_ms", "attn_fwd_tflops", "exposed_comm_ms", "gpu_busy_pct", "peak_gib", "mfu")] \
+        == [None] * 6  # CPU: no kernels, no CUDA memory
+    one = {"layout": "megatron:d1", "world_size": 1, "status": "ok", "step_s": 6.0, "attn_ms": 4000.0}
+    two = {"layout": "megatron:(attn:c2|ffn:e2)", "world_size": 2, "status": "ok", "step_s": 4.5, "attn_ms": 2200.0,
+           "exposed_comm_pct": 7.3}
+    lines = bench.ratios([one, two], one)
+    assert lines == [{"layout": two["layout"], "vs": "megatron:d1", "attn_ms": {"ratio": 0.55, "goal": 0.55},
+                      "step_s": {"ratio": 0.75, "goal": 0.55}, "exposed_comm_pct": {"value": 7.3, "goal": 3.0}}]
+    text = bench.format_table([one, two], lines).splitlines()
+    assert text[0].split()[:4] == ["layout", "gpus", "step", "s"]
+    assert text[-1] == ("megatron:(attn:c2|ffn:e2) vs megatron:d1: attention per rank 0.550x (goal <= 0.55x); "
+                        "step 0.750x (goal <= 0.55x); exposed comm 7.3 % of the step (goal <= 3.0 %)")

@@ -1,0 +1,205 @@
+"""One profiled training step per layout through the driver, and one table side by side (issue 18's measure).
+
+    python bench/step.py --layouts megatron:d1 --json step_1gpu.json                              # 1x H200
+    python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' --baseline step_1gpu.json           # 2x H200
+    python bench/step.py --layouts megatron:d1 'megatron:(attn:c2|ffn:e2)' -- actor.megatron.cp_attention=blocks
+
+Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
+precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
+sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of which the last is profiled (one kernel trial,
+every rank traced). Arguments after ``--`` are config overrides for every layout. The row of a layout is
+read from the trial's ``profile_summary.json`` (:func:`trial_row`):
+
+- ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
+  the step before it (no profiler);
+- ``attn_ms``: attention-core GPU time per rank (model part ``attn_core``: forward, recompute and backward
+  kernels inside the attention modules), the maximum over ranks; ``attn_fwd_tflops`` / ``attn_bwd_tflops``:
+  achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
+  kernel-efficiency rows; backward FLOPs = 2x forward);
+- ``exposed_comm_ms``: NCCL kernel time not overlapped with compute on that rank (max over ranks) and its
+  share of the step; ``gpu_busy_pct`` (min over ranks);
+- ``peak_gib``: peak allocated memory of the profiled step (max over ranks, ``stats.jsonl``); ``mfu``.
+
+Ratios against the one-GPU row (of this run, or of ``--baseline`` JSON written by an earlier run): the
+issue's goals are attention per rank <= 0.55x at CP = 2, two-GPU step <= 0.55x, exposed communication
+<= 3 % of the step. Exit status: 0 when every layout's trial succeeded, else 1 (its row names the status).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sftprof.allocation import parse_allocation_mode  # noqa: E402
+
+DRIVER_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32", "PROFILE_N_MBS": "1",
+              "PROFILE_KINDS": "kernel", "PROFILE_RANKS": ""}
+COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", "step_s", "{:.3f}"),
+           ("unprof. s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
+           ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
+           ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
+           ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"))
+
+
+def _num(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _attention_tflops(rows: list) -> dict[str, Optional[float]]:
+    """Model TFLOP/s of the summary's attention efficiency rows, forward (first pass and recompute) and backward."""
+    acc = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}
+    for r in rows:
+        if r.get("kind") != "attention" or not _num(r.get("gpu_ms")):
+            continue
+        a = acc["backward" if r.get("phase") == "backward" else "forward"]
+        a[0] += r["tflop"]
+        a[1] += r["gpu_ms"]
+    return {k: (t / (ms / 1e3) if ms else None) for k, (t, ms) in acc.items()}
+
+
+def trial_row(run_dir: Path) -> dict[str, Any]:
+    """The table row of one kernel trial from its ``profile_summary.json`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError / json.JSONDecodeError: no readable ``profile_summary.json`` in ``run_dir``.
+    """
+    summary = json.loads((run_dir / "profile_summary.json").read_text())
+    stats = summary.get("stats") or {}
+    steps = {s.get("step"): s for s in stats.get("steps") or []}
+    profiled = summary.get("profile_step")
+    traces = [t for t in summary.get("kernel_traces") or [] if t.get("summary")]
+    attn = {t["rank"]: next((p["total_ms"] for p in t["summary"]["parts"]["summed"] if p["part"] == "attn_core"),
+                            None) for t in traces}
+    attn_known = {r: v for r, v in attn.items() if v is not None}
+    busiest = max(attn_known, key=attn_known.get) if attn_known else None
+    rates = _attention_tflops(next(t for t in traces if t["rank"] == busiest)["summary"]["efficiency"]["rows"]) \
+        if busiest is not None else {"forward": None, "backward": None}
+    step_s = _num((steps.get(profiled) or {}).get("step_time_s"))
+    on_gpu = [t for t in traces if t["summary"]["gpu"]["activities"]]  # CPU runs: no GPU figures
+    exposed = [t["summary"]["communication"]["exposed_ms"] for t in on_gpu]
+    busy = [t["summary"]["gpu"]["busy_share_pct"] for t in on_gpu if _num(t["summary"]["gpu"]["busy_share_pct"])]
+    return {
+        "trial": summary.get("trial"), "status": summary.get("status"), "ranks_traced": len(traces),
+        "step_s": step_s, "unprofiled_step_s": _num((steps.get(profiled - 1) or {}).get("step_time_s"))
+        if isinstance(profiled, int) else None,
+        "attn_ms": attn_known[busiest] if busiest is not None else None, "attn_rank": busiest,
+        "attn_fwd_tflops": rates["forward"], "attn_bwd_tflops": rates["backward"],
+        "exposed_comm_ms": max(exposed) if exposed else None,
+        "exposed_comm_pct": 100 * max(exposed) / (step_s * 1e3) if exposed and step_s else None,
+        "gpu_busy_pct": min(busy) if busy else None,
+        "peak_gib": _num((steps.get(profiled) or {}).get("mem_peak_allocated_gb")),
+        "mfu": _num((steps.get(profiled) or {}).get("mfu")),
+    }
+
+
+def ratios(rows: list[dict], baseline: Optional[dict]) -> list[dict]:
+    """Each multi-GPU row against the one-GPU row ``baseline``: attention per rank, step, and the goals."""
+    out = []
+    for r in rows:
+        if baseline is None or r is baseline or r.get("world_size", 1) == 1:
+            continue
+        line = {"layout": r["layout"], "vs": baseline["layout"]}
+        for key, goal in (("attn_ms", 0.55), ("step_s", 0.55)):
+            a, b = _num(r.get(key)), _num(baseline.get(key))
+            line[key] = {"ratio": a / b if a is not None and b else None, "goal": goal}
+        pct = _num(r.get("exposed_comm_pct"))
+        line["exposed_comm_pct"] = {"value": pct, "goal": 3.0}
+        out.append(line)
+    return out
+
+
+def format_table(rows: list[dict], lines: list[dict]) -> str:
+    """The side-by-side table and the ratio lines as text."""
+    cells = [[h for h, _, _ in COLUMNS]]
+    for r in rows:
+        cells.append([("-" if r.get(k) is None else f.format(r[k])) for _, k, f in COLUMNS])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    text = ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(len(c)))
+            for c in cells]
+    for r in rows:
+        if r.get("status") != "ok":
+            text.append(f"{r['layout']}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
+    for line in lines:
+        parts = []
+        for key, label in (("attn_ms", "attention per rank"), ("step_s", "step")):
+            ratio, goal = line[key]["ratio"], line[key]["goal"]
+            parts.append(f"{label} {'-' if ratio is None else format(ratio, '.3f') + 'x'} (goal <= {goal}x)")
+        pct, goal = line["exposed_comm_pct"]["value"], line["exposed_comm_pct"]["goal"]
+        parts.append(f"exposed comm {'-' if pct is None else format(pct, '.1f') + ' %'} of the step (goal <= {goal} %)")
+        text.append(f"{line['layout']} vs {line['vs']}: " + "; ".join(parts))
+    return "\n".join(text)
+
+
+def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
+    """Run the driver for one layout (one kernel trial of the last step) and return its row."""
+    parsed = parse_allocation_mode(layout)
+    world = parsed.world_size
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    run_root = out_dir / f"{layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')}_{stamp}"
+    env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
+    env.update(DRIVER_ENV, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp), RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(world),
+               PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),
+               PROFILE_STAMP=stamp, FILEROOT=str(out_dir / "fileroot"))
+    cmd = ["bash", str(REPO / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={layout}"]
+    if args.layers:
+        cmd.append(f"actor.num_layers={args.layers}")
+    proc = subprocess.run(cmd + overrides, env=env, text=True)
+    row: dict[str, Any] = {"layout": layout, "world_size": world, "sequences": parsed.dp, "driver_exit": proc.returncode,
+                           "run_root": str(run_root)}
+    try:
+        with open(run_root / "summary.tsv") as f:
+            trial = next(csv.DictReader(f, delimiter="\t"))
+        row["run_dir"] = trial["run_dir"]
+        row.update(trial_row(Path(trial["run_dir"])))
+    except (OSError, StopIteration, KeyError, ValueError) as err:
+        row.update(status=f"no summary ({type(err).__name__}: {err})")
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", nargs="+", required=True, help="actor.backend values, e.g. megatron:d1")
+    ap.add_argument("--config", default=str(REPO / "qwen3_30b_a3b_sft_profile.yaml"), help="driver CONFIG")
+    ap.add_argument("--layers", type=int, default=4, help="actor.num_layers (0: the config's)")
+    ap.add_argument("--seq", type=int, default=131072, help="tokens per sequence (one sequence per step)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per trial; the last one is profiled (>= 2)")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench_step_runs"), help="run roots go here")
+    ap.add_argument("--baseline", type=Path, help="JSON of an earlier run whose one-GPU row is the reference")
+    ap.add_argument("--json", type=Path, help="write the rows and ratios here")
+    args, extra = ap.parse_known_args()
+    overrides = [x for x in extra if x != "--"]
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: need >= 2 (an unprofiled step before the profiled one)")
+    for layout in args.layouts:
+        try:
+            parse_allocation_mode(layout)
+        except ValueError as err:
+            ap.error(f"--layouts {layout!r}: {err}")
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = next(r for r in json.loads(args.baseline.read_text())["rows"] if r.get("world_size") == 1)
+        except (OSError, ValueError, KeyError, StopIteration) as err:
+            ap.error(f"--baseline {args.baseline}: no readable one-GPU row ({type(err).__name__}: {err})")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [run_layout(layout, args, overrides, args.out_dir.resolve()) for layout in args.layouts]
+    baseline = baseline or next((r for r in rows if r["world_size"] == 1 and r.get("status") == "ok"), None)
+    lines = ratios(rows, baseline)
+    print("\n" + format_table(rows, lines))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "ratios": lines, "overrides": overrides,
+                                         "seq": args.seq, "layers": args.layers}, indent=1))
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
