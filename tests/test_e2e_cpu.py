@@ -126,7 +126,7 @@ def test_bench_step_row_of_a_real_trial(run):
     row = bench.trial_row(Path(trial["run_dir"]))
     assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
     assert row["unprofiled_step_s"] == max(r["step_time_s"] for r in steps[0]["ranks"])
-    assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 2, trial["trial"])
+    assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 1, trial["trial"])  # default: rank 0 traced
     assert [row[k] for k in ("attn_ms", "attn_fwd_tflops", "exposed_comm_ms", "gpu_busy_pct", "peak_gib", "mfu")] \
         == [None] * 6  # CPU: no kernels, no CUDA memory
     one = {"layout": "megatron:d1", "world_size": 1, "status": "ok", "step_s": 6.0, "attn_ms": 4000.0}
