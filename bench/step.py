@@ -3,6 +3,7 @@
     python bench/step.py --layouts megatron:d1 --json step_1gpu.json                              # 1x H200
     python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' --baseline step_1gpu.json           # 2x H200
     python bench/step.py --layouts megatron:d1 'megatron:(attn:c2|ffn:e2)' -- actor.megatron.cp_attention=blocks
+    python bench/step.py --runs RUN_ROOT_1GPU RUN_ROOT_2GPU        # rows from driver runs made earlier
 
 Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
 precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
@@ -105,7 +106,7 @@ def ratios(rows: list[dict], baseline: Optional[dict]) -> list[dict]:
     """Each multi-GPU row against the one-GPU row ``baseline``: attention per rank, step, and the goals."""
     out = []
     for r in rows:
-        if baseline is None or r is baseline or r.get("world_size", 1) == 1:
+        if baseline is None or r is baseline or r.get("status") != "ok" or (r.get("world_size") or 1) == 1:
             continue
         line = {"layout": r["layout"], "vs": baseline["layout"]}
         for key, goal in (("attn_ms", 0.55), ("step_s", 0.55)):
@@ -127,7 +128,7 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
             for c in cells]
     for r in rows:
         if r.get("status") != "ok":
-            text.append(f"{r['layout']}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
+            text.append(f"{r['layout'] or r['run_root']}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
     for line in lines:
         parts = []
         for key, label in (("attn_ms", "attention per rank"), ("step_s", "step")):
@@ -137,6 +138,25 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
         parts.append(f"exposed comm {'-' if pct is None else format(pct, '.1f') + ' %'} of the step (goal <= {goal} %)")
         text.append(f"{line['layout']} vs {line['vs']}: " + "; ".join(parts))
     return "\n".join(text)
+
+
+def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
+    """The row of the last-step kernel trial listed in ``run_root/summary.tsv`` (a driver run root); layout and
+    world size come from the trial's ``config.yaml`` (``actor.backend``)."""
+    import yaml
+
+    row: dict[str, Any] = {"layout": None, "world_size": None, "run_root": str(run_root), **(extra or {})}
+    try:
+        with open(run_root / "summary.tsv") as f:
+            trial = max((t for t in csv.DictReader(f, delimiter="\t") if t.get("kind") == "kernel"),
+                        key=lambda t: int(t["step"]))
+        row["run_dir"] = trial["run_dir"]
+        backend = yaml.safe_load((Path(trial["log_dir"]) / "config.yaml").read_text())["actor"]["backend"]
+        row.update(layout=backend, world_size=parse_allocation_mode(backend).world_size)
+        row.update(trial_row(Path(trial["run_dir"])))
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:  # ValueError: no kernel trial (max)
+        row.update(status=f"no kernel trial summary ({type(err).__name__}: {err})")
+    return row
 
 
 def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
@@ -153,21 +173,17 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
     if args.layers:
         cmd.append(f"actor.num_layers={args.layers}")
     proc = subprocess.run(cmd + overrides, env=env, text=True)
-    row: dict[str, Any] = {"layout": layout, "world_size": world, "sequences": parsed.dp, "driver_exit": proc.returncode,
-                           "run_root": str(run_root)}
-    try:
-        with open(run_root / "summary.tsv") as f:
-            trial = next(csv.DictReader(f, delimiter="\t"))
-        row["run_dir"] = trial["run_dir"]
-        row.update(trial_row(Path(trial["run_dir"])))
-    except (OSError, StopIteration, KeyError, ValueError) as err:
-        row.update(status=f"no summary ({type(err).__name__}: {err})")
+    row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
+    row.update(layout=row["layout"] or layout, world_size=row["world_size"] or world)
     return row
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", required=True, help="actor.backend values, e.g. megatron:d1")
+    ap.add_argument("--layouts", nargs="+", default=[], help="actor.backend values, e.g. megatron:d1")
+    ap.add_argument("--runs", nargs="+", type=Path, default=[],
+                    help="driver run roots made earlier (e.g. kernel+memory trials for the summaries): their "
+                         "last-step kernel trials become rows without running anything")
     ap.add_argument("--config", default=str(REPO / "qwen3_30b_a3b_sft_profile.yaml"), help="driver CONFIG")
     ap.add_argument("--layers", type=int, default=4, help="actor.num_layers (0: the config's)")
     ap.add_argument("--seq", type=int, default=131072, help="tokens per sequence (one sequence per step)")
@@ -177,6 +193,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
     args, extra = ap.parse_known_args()
     overrides = [x for x in extra if x != "--"]
+    if not args.layouts and not args.runs:
+        ap.error("give --layouts to run, or --runs of earlier driver runs")
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: need >= 2 (an unprofiled step before the profiled one)")
     for layout in args.layouts:
@@ -190,9 +208,11 @@ def main() -> int:
             baseline = next(r for r in json.loads(args.baseline.read_text())["rows"] if r.get("world_size") == 1)
         except (OSError, ValueError, KeyError, StopIteration) as err:
             ap.error(f"--baseline {args.baseline}: no readable one-GPU row ({type(err).__name__}: {err})")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [run_layout(layout, args, overrides, args.out_dir.resolve()) for layout in args.layouts]
-    baseline = baseline or next((r for r in rows if r["world_size"] == 1 and r.get("status") == "ok"), None)
+    if args.layouts:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [existing for existing in map(run_root_row, args.runs)]
+    rows += [run_layout(layout, args, overrides, args.out_dir.resolve()) for layout in args.layouts]
+    baseline = baseline or next((r for r in rows if r.get("world_size") == 1 and r.get("status") == "ok"), None)
     lines = ratios(rows, baseline)
     print("\n" + format_table(rows, lines))
     if args.json:

@@ -123,7 +123,8 @@ def test_bench_step_row_of_a_real_trial(run):
     trial = next(r for r in summary_rows(run_root) if (r["kind"], r["step"]) == ("kernel", "1"))
     stats_file = next(run_root.parent.glob(f"fileroot/logs/*/*/{trial['trial']}/stats.jsonl"))
     steps = {r["step"]: r for r in map(json.loads, stats_file.read_text().splitlines()) if r["type"] == "step"}
-    row = bench.trial_row(Path(trial["run_dir"]))
+    row = bench.run_root_row(run_root)  # the last-step kernel trial of the run root, layout from its config.yaml
+    assert (row["layout"], row["world_size"], row["run_dir"]) == ("fsdp:d2", 2, trial["run_dir"])
     assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
     assert row["unprofiled_step_s"] == max(r["step_time_s"] for r in steps[0]["ranks"])
     assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 1, trial["trial"])  # default: rank 0 traced
