@@ -817,6 +817,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trials, settings, info = plan(os.environ, args.overrides)
     except (DriverError, ConfigError) as err:
+        # a misspelled variable may be why the plan failed (N_GPU_PER_NODE ignored, then too few GPUs)
+        for line in unknown_variable_warnings(os.environ):
+            print(f"sftprof: warning: {line}", file=sys.stderr)
         print(f"sftprof: {err}", file=sys.stderr)
         return 2
     write_plan(trials, settings, info)

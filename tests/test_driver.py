@@ -207,6 +207,13 @@ def test_misspelled_variables_warned_with_the_closest_name(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "sftprof: warning: PROFILE_STEP is not a driver variable and is ignored; did you mean PROFILE_STEPS?\n" \
         in out.stderr
+    # also when planning fails: the misspelling may be the cause, and nothing else would name it
+    plan_env.update(TOTAL_STEPS="1")
+    out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=plan_env, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("sftprof: warning: PROFILE_STEP is not a driver variable and is ignored; did you mean "
+                          "PROFILE_STEPS?\nsftprof: TOTAL_STEPS=1: must be > the largest profile step 1 (or unset: "
+                          "profile step + 1)\n")
 
 
 @pytest.mark.parametrize("arg,message", [
