@@ -179,6 +179,8 @@ def main() -> int:
                          "GPU's memory (2 layers, 8192 tokens; step times then include the neighbours' load)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     args = ap.parse_args()
+    if args.nproc < 1 or args.per_gpu < 0:  # --per-gpu < 0 left the pool no slot: it waited forever
+        ap.error(f"--nproc {args.nproc} must be >= 1 and --per-gpu {args.per_gpu} >= 0 (0: from the GPU's memory)")
     if not torch.cuda.is_available():
         print("needs CUDA GPUs", file=sys.stderr)
         return 2
