@@ -246,3 +246,14 @@ def test_missing_python_interpreter_exits_2(tmp_path):
     assert out.stderr == (f"sftprof: PYTHON={tmp_path / 'no_python'}: not an executable on PATH; accepted: a Python "
                           "interpreter with sftprof's requirements (default python3)\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_config_error_names_where_the_value_came_from(tmp_path):
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), ["actor.megatron.cp_attention=ring"], gpus=0)
+    assert str(err.value) == ("actor.megatron.cp_attention='ring': must be one of ['masked', 'blocks'] (from "
+                              "CONFIG=tiny_cpu, the driver variables and the arguments actor.megatron.cp_attention=ring)")
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, TRAIN_BATCH_SIZE="3"), [], gpus=0)
+    assert str(err.value).endswith("(from CONFIG=tiny_cpu and the driver variables)")
+    assert not (tmp_path / "run").exists()
