@@ -10,8 +10,9 @@ check (a mismatch is a warning in the summary).
 
 Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
 names the file and its error), 2 on bad arguments: a --log-dir that does not exist (the trial's
-summary is still written, as failed), compare inputs that are missing or not profile summaries,
-an --out whose directory does not exist; the message names the file or setting.
+summary is still written, as failed, unless the run dir already holds one: then nothing is written), compare inputs that are missing or not profile summaries,
+an --out whose directory does not exist or that names an existing file other than an earlier comparison
+report (never overwritten); the message names the file or setting.
 """
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ import os
 import sys
 
 from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
+
+
+def _is_compare_report(path: str) -> bool:
+    """True when ``path`` is a file that starts like a report of ``compare`` (its first line)."""
+    from sftprof.analysis.compare import REPORT_TITLE
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\n") == REPORT_TITLE
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _compare(argv: list[str]) -> int:
@@ -40,6 +52,8 @@ def _compare(argv: list[str]) -> int:
     except CompareInputError as exc:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
+    if os.path.exists(out) and not _is_compare_report(out):  # an earlier report is replaced, nothing else
+        p.error(f"--out {out}: exists and is not a comparison report; nothing was overwritten (choose another --out)")
     try:
         with open(out, "w", encoding="utf-8") as f:
             f.write(report)
@@ -69,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
+    earlier = os.path.join(args.run_dir, SUMMARY_JSON)
+    if not os.path.isdir(args.log_dir) and os.path.exists(earlier):  # a mistyped --log-dir: keep what is there
+        p.error(f"--log-dir {args.log_dir} does not exist and {earlier} is already written; nothing was overwritten "
+                "(a failed trial's summary is written only into a run dir without one)")
     try:
         summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
                                           trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,

@@ -130,17 +130,19 @@ def _case_main(name: str, args) -> int:
 def _run_pool(names: list, slots: list, args) -> list:
     """Run each case in its own ``torchrun``, one per slot (a slot is a comma list of GPUs; a GPU group may
     appear in several slots, so cases share it), starting the next case when a slot frees up. Output goes
-    to files (pipes of concurrent children would fill and block); returns the rows in ``names`` order."""
+    to files named by case in a printed temporary folder (pipes of concurrent children would fill and block);
+    returns the rows in ``names`` order."""
     import tempfile
 
     logs = Path(tempfile.mkdtemp(prefix="settings_matrix_"))
+    print(f"each case's stdout/stderr: {logs}/<case>.out.log, .err.log", flush=True)
     pending, running, rows = list(names), {}, {}
     while pending or running:
         for slot, gpus in enumerate(slots):
             if slot in running or not pending:
                 continue
             name = pending.pop(0)
-            out, err = (open(logs / f"{len(rows) + len(running)}_{i}.log", "w+") for i in ("out", "err"))
+            out, err = (open(logs / f"{name}.{i}.log", "w+") for i in ("out", "err"))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                  f"--master_port={29751 + slot}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
@@ -179,6 +181,8 @@ def main() -> int:
                          "GPU's memory (2 layers, 8192 tokens; step times then include the neighbours' load)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     args = ap.parse_args()
+    if args.nproc < 1 or args.per_gpu < 0:  # --per-gpu < 0 left the pool no slot: it waited forever
+        ap.error(f"--nproc {args.nproc} must be >= 1 and --per-gpu {args.per_gpu} >= 0 (0: from the GPU's memory)")
     if not torch.cuda.is_available():
         print("needs CUDA GPUs", file=sys.stderr)
         return 2

@@ -426,12 +426,20 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         nproc=_int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None)
 
 
+def _sources(d: DriverEnv, model: bool = False) -> str:
+    """Where a config error's value can come from, for its message (the arguments only when given)."""
+    names = [f"CONFIG={d.config}"] + (["MODEL_PATH"] if model else []) + ["the driver variables"]
+    if d.extra_overrides:
+        names.append("the arguments " + " ".join(d.extra_overrides))
+    return f"(from {', '.join(names[:-1])} and {names[-1]})"
+
+
 def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
     """The config of ``d`` (without trial settings), its model config and tokenizer path checked."""
     try:
         probe = load_config(d.config, d.overrides + d.extra_overrides)
     except ConfigError as err:
-        raise DriverError(f"{err} (from CONFIG={d.config} and the driver variables)") from err
+        raise DriverError(f"{err} {_sources(d)}") from err
     try:
         hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
         check_weights_present(probe.actor)
@@ -442,7 +450,7 @@ def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
         try:
             check_model_settings(probe, hf_config, parse_allocation_mode(probe.actor.backend))
         except ConfigError as err:
-            raise DriverError(f"{err} (from CONFIG={d.config}, MODEL_PATH and the driver variables)") from err
+            raise DriverError(f"{err} {_sources(d, model=True)}") from err
     if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
         raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
                           "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
@@ -817,6 +825,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trials, settings, info = plan(os.environ, args.overrides)
     except (DriverError, ConfigError) as err:
+        # a misspelled variable may be why the plan failed (N_GPU_PER_NODE ignored, then too few GPUs)
+        for line in unknown_variable_warnings(os.environ):
+            print(f"sftprof: warning: {line}", file=sys.stderr)
         print(f"sftprof: {err}", file=sys.stderr)
         return 2
     write_plan(trials, settings, info)

@@ -207,6 +207,13 @@ def test_misspelled_variables_warned_with_the_closest_name(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "sftprof: warning: PROFILE_STEP is not a driver variable and is ignored; did you mean PROFILE_STEPS?\n" \
         in out.stderr
+    # also when planning fails: the misspelling may be the cause, and nothing else would name it
+    plan_env.update(TOTAL_STEPS="1")
+    out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=plan_env, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("sftprof: warning: PROFILE_STEP is not a driver variable and is ignored; did you mean "
+                          "PROFILE_STEPS?\nsftprof: TOTAL_STEPS=1: must be > the largest profile step 1 (or unset: "
+                          "profile step + 1)\n")
 
 
 @pytest.mark.parametrize("arg,message", [
@@ -238,4 +245,15 @@ def test_missing_python_interpreter_exits_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr == (f"sftprof: PYTHON={tmp_path / 'no_python'}: not an executable on PATH; accepted: a Python "
                           "interpreter with sftprof's requirements (default python3)\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_error_names_where_the_value_came_from(tmp_path):
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), ["actor.megatron.cp_attention=ring"], gpus=0)
+    assert str(err.value) == ("actor.megatron.cp_attention='ring': must be one of ['masked', 'blocks'] (from "
+                              "CONFIG=tiny_cpu, the driver variables and the arguments actor.megatron.cp_attention=ring)")
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, TRAIN_BATCH_SIZE="3"), [], gpus=0)
+    assert str(err.value).endswith("(from CONFIG=tiny_cpu and the driver variables)")
     assert not (tmp_path / "run").exists()

@@ -348,6 +348,19 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
     res = _cli("compare", good, good, "--out", tmp_path / "no" / "such" / "cmp.md")
     assert res.returncode == 2 and (f"error: --out {tmp_path / 'no' / 'such' / 'cmp.md'}: directory "
                                     f"{tmp_path / 'no' / 'such'} does not exist") in res.stderr
+    # an existing file is overwritten only when it is an earlier comparison report
+    summary_md = good / "profile_summary.md"
+    before = summary_md.read_bytes()
+    res = _cli("compare", good, good, "--out", summary_md)
+    assert res.returncode == 2 and res.stdout == "" and (f"error: --out {summary_md}: exists and is not a comparison "
+                                                         "report; nothing was overwritten (choose another --out)"
+                                                         ) in res.stderr
+    assert summary_md.read_bytes() == before
+    report = tmp_path / "cmp.md"
+    assert _cli("compare", good, good, "--out", report).returncode == 0
+    report.write_text(report.read_text() + "stale line\n")
+    assert _cli("compare", good, good, "--out", report).returncode == 0
+    assert report.read_text().startswith("# Profile comparison\n") and "stale line" not in report.read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------

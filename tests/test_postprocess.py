@@ -297,6 +297,13 @@ def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
     assert s["trainer_log_tail"] == ["torchrun: ChildFailedError", "sftprof: configuration error: boom"]
     assert s["errors"] == [{"file": "--log-dir", "error": f"{tmp_path / 'never_written'} does not exist"}]
     assert s["counts"]["traces"] == 0 and s["failure"] is None
+    # a mistyped --log-dir later does not replace a summary that is already written
+    before = {name: (run / name).read_bytes() for name in ("profile_summary.json", "profile_summary.md")}
+    res = _cli("--log-dir", tmp_path / "typo", "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 0)
+    assert res.returncode == 2 and res.stderr.endswith(
+        f"error: --log-dir {tmp_path / 'typo'} does not exist and {run / 'profile_summary.json'} is already written; "
+        "nothing was overwritten (a failed trial's summary is written only into a run dir without one)\n")
+    assert {name: (run / name).read_bytes() for name in before} == before
 
 
 def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):

@@ -131,9 +131,16 @@ def test_gated_delta_rule_reference_matches_transformers_torch_code():
     q, k = (torch.nn.functional.normalize(torch.randn(2, 96, 3, 16, generator=gen), dim=-1) for _ in range(2))
     v = torch.randn(2, 96, 3, 8, generator=gen)
     g, beta = -torch.rand(2, 96, 3, generator=gen), torch.rand(2, 96, 3, generator=gen)
-    with hf_torch_linear_attention():
-        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
 
+    kernels = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+               "causal_conv1d_update")
+    wrappers = {name: getattr(modeling, name) for name in kernels + ("create_causal_mask",)}
+    with hf_torch_linear_attention():
+        # every kernel wrapper is its torch function inside (the mask builder is left alone), restored after
+        assert {n: getattr(modeling, n) for n in kernels} == {n: wrappers[n].__wrapped__ for n in kernels}
+        assert modeling.create_causal_mask is wrappers["create_causal_mask"]
         expected, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
                                                             output_final_state=False, use_qk_l2norm_in_kernel=False)
     assert torch.allclose(gated_delta_rule_reference(q, k, v, g, beta), expected.float(), atol=2e-5, rtol=1e-4)
+    assert {n: getattr(modeling, n) for n in wrappers} == wrappers

@@ -71,3 +71,15 @@ def test_two_gpu_layouts_train_and_agree(one_gpu, tmp_path):
     assert len(rows) == 8
     for r in rows:
         assert abs(r["loss"][0] - base["loss"][0]) <= 2e-3 * base["loss"][0], (r["case"], r["loss"], base["loss"])
+
+
+@pytest.mark.parametrize("flag,value", [("--per-gpu", "-1"), ("--nproc", "0")])
+def test_matrix_refuses_bad_counts_before_anything(flag, value, tmp_path):
+    """CPU: checked before CUDA is looked for (``--per-gpu -1`` used to leave the pool with no slot, waiting forever)."""
+    args = {"--nproc": "1", "--per-gpu": "0", flag: value}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "settings_matrix.py"), "--checkpoint", str(tmp_path / "c"),
+                           *[x for kv in args.items() for x in kv]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.endswith(f"error: --nproc {args['--nproc']} must be >= 1 and --per-gpu {args['--per-gpu']} >= 0 "
+                                "(0: from the GPU's memory)\n"), proc.stderr
+    assert not (tmp_path / "c").exists()

@@ -23,6 +23,7 @@ from sftprof.analysis.report import fmt, short, table
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 
 _ROWS = 15  # rows per top-kernel / site table
+REPORT_TITLE = "# Profile comparison"  # first line of every report (postprocess_profile.py replaces only those)
 _REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
 
 
@@ -294,7 +295,7 @@ def compare_runs(run_a: str, run_b: str) -> str:
             shape (the message names both files).
     """
     ta, tb = find_trials(run_a), find_trials(run_b)
-    out = ["# Profile comparison", "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`", ""]
+    out = [REPORT_TITLE, "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`", ""]
     common = sorted(set(ta) & set(tb))
     for key in sorted(set(ta) ^ set(tb)):
         side = "A" if key in ta else "B"
