@@ -121,6 +121,26 @@ def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
         assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
 
 
+def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
+    """Postprocessing a run dir again after its trace got damaged keeps the rank's earlier views and the earlier
+    summary (as profile_summary.prev1.{json,md}); the new summary reports the error and where the old one is."""
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
+    views = {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in ("chrome", "gpu_only")}
+    first = ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes())
+    raw = log / "perf_tracer" / "rank0.pt.trace.json"
+    raw.write_bytes(raw.read_bytes()[: len(raw.read_bytes()) // 2])  # truncated
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    assert {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in views} == views
+    assert ((run / "profile_summary.prev1.json").read_bytes(), (run / "profile_summary.prev1.md").read_bytes()) == first
+    s = json.load(open(run / "profile_summary.json"))
+    assert [e["file"] for e in s["errors"]] == ["perf_tracer/rank0.pt.trace.json"]
+    assert {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: kept as "
+            "profile_summary.prev1.json"} in s["warnings"]
+    assert not [n for n in os.listdir(run) if n.startswith(".staging")]
+
+
 def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):
     log = _kernel_log_dir(tmp_path, cpu_traces)
     shutil.copy(cpu_traces[0], log / "perf_tracer" / "traces-r0.chrome.json")  # legacy name next to the new one

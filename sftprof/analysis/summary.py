@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -59,17 +60,33 @@ def _remove_rank_views(out_dir: str, rank: int) -> None:
 
 
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
-    _remove_rank_views(out_dir, rank)  # views of an earlier run (other compression, other windows) would go stale
+    """Split one rank's trace into ``out_dir`` and summarise it. The views are written to a staging folder
+    next to ``out_dir`` and replace the rank's earlier views (other compression, other windows) only when
+    the split succeeded: a trace that fails leaves what an earlier postprocess wrote."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f".staging_rank{rank}_", dir=parent)
     analyzer = KernelTraceAnalyzer()
     try:
-        views = split_trace(src, out_dir, rank, compress=compress, max_view_bytes=max_view_bytes,
-                            on_header=analyzer.set_header, on_event=analyzer.add,
-                            on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
-        summary = analyzer.summary()
-        error = invalid_events_error(summary["invalid_events"])
-    except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
-        _remove_rank_views(out_dir, rank)  # no half-valid views of a trace that failed
-        return {"rank": rank, "error": _file_error(src, exc)}
+        try:
+            staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
+                                 on_header=analyzer.set_header, on_event=analyzer.add,
+                                 on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
+            summary = analyzer.summary()
+            error = invalid_events_error(summary["invalid_events"])
+        except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
+            return {"rank": rank, "error": _file_error(src, exc)}
+        _remove_rank_views(out_dir, rank)
+        views = {}
+        for view, paths in staged.items():
+            views[view] = []
+            for path in paths:
+                dst = os.path.join(out_dir, os.path.relpath(path, stage))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.replace(path, dst)
+                views[view].append(dst)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     out = {"rank": rank, "views": views, "summary": summary}
     if error:
         out["error"] = f"{src}: {error}"
@@ -502,10 +519,41 @@ def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict
     }
 
 
+def _keep_previous_summary(run_dir: str) -> str:
+    """Rename ``profile_summary.{json,md}`` of ``run_dir`` to ``profile_summary.prev<N>.{json,md}`` (the first free
+    ``N`` from 1); returns the new JSON name."""
+    stem_json, stem_md = SUMMARY_JSON[: -len(".json")], SUMMARY_MD[: -len(".md")]
+    n = 1
+    while any(os.path.exists(os.path.join(run_dir, f"{stem}.prev{n}{ext}"))
+              for stem, ext in ((stem_json, ".json"), (stem_md, ".md"))):
+        n += 1
+    os.replace(os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, f"{stem_json}.prev{n}.json"))
+    if os.path.isfile(os.path.join(run_dir, SUMMARY_MD)):
+        os.replace(os.path.join(run_dir, SUMMARY_MD), os.path.join(run_dir, f"{stem_md}.prev{n}.md"))
+    return f"{stem_json}.prev{n}.json"
+
+
 def _write(summary: dict, run_dir: str) -> None:
-    """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``."""
-    with open(os.path.join(run_dir, SUMMARY_JSON), "w", encoding="utf-8") as f:
-        json.dump(finite_json(summary)[0], f, indent=1, sort_keys=True, allow_nan=False)  # strict JSON
-        f.write("\n")
+    """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
+
+    A summary already there from an earlier postprocess is left as it is when the new one is the same (a
+    rerun on the same inputs), else kept as ``profile_summary.prev<N>.{json,md}`` and the new summary says so
+    in its warnings: a rerun on damaged or other inputs loses nothing.
+    """
+    def render(s: dict) -> tuple[str, str]:
+        return json.dumps(finite_json(s)[0], indent=1, sort_keys=True, allow_nan=False) + "\n", render_markdown(s)
+
+    text, md = render(summary)
+    old = os.path.join(run_dir, SUMMARY_JSON)
+    if os.path.isfile(old):
+        with open(old, encoding="utf-8", errors="replace") as f:
+            same = f.read() == text
+        if not same:
+            kept = _keep_previous_summary(run_dir)
+            summary.setdefault("warnings", []).append({"file": SUMMARY_JSON, "warning": "this run dir had a summary "
+                                                       f"from an earlier postprocess: kept as {kept}"})
+            text, md = render(summary)
+    with open(old, "w", encoding="utf-8") as f:
+        f.write(text)
     with open(os.path.join(run_dir, SUMMARY_MD), "w", encoding="utf-8") as f:
-        f.write(render_markdown(summary))
+        f.write(md)
