@@ -505,3 +505,18 @@ def test_event_problem_kinds(event, kind):
     from sftprof.analysis.trace_check import event_problem
 
     assert event_problem(event) == kind
+
+
+def test_empty_log_dir_is_an_error_not_a_silent_pass(tmp_path):
+    """A log dir with neither stats.jsonl nor traces: exit 1, an error for the missing traces and a warning for the
+    missing step records, instead of a summary that reads as 'nothing to report'."""
+    (tmp_path / "log").mkdir()
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "kernel",
+               "--profile-step", "1")
+    assert res.returncode == 1, res.stderr
+    s = json.loads((tmp_path / "run" / "profile_summary.json").read_text())
+    assert s["status"] == "unknown"
+    assert s["errors"] == [{"file": "perf_tracer/rank<rank>.pt.trace.json",
+                            "error": "trial status unknown but no artifacts found in the log dir"}]
+    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
+                                                                "completion record (trial status unknown)"}]

@@ -495,14 +495,18 @@ def _problems(summary: dict, items: list[dict], complete: dict, coords_error: st
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
     if summary["stats"]["bad_lines"]:
         warnings.append({"file": "stats.jsonl", "warning": f"{summary['stats']['bad_lines']} unparsable lines skipped"})
-    if summary["status"] == "ok" and not items:
+    if not summary["stats"].get("available") and not missing_log_dir:
+        warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
+                                                           "completion record (trial status unknown)"})
+    if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
         if kind == "memory" and complete.get("device") == "cpu":
             warnings.append({"file": where, "warning": "no allocator snapshots: the trial ran on CPU "
                                                        "(CUDA caching-allocator snapshots need CUDA)"})
         else:
-            errors.append({"file": where, "error": "trial status ok but no artifacts found in the log dir"})
+            errors.append({"file": where, "error": f"trial status {summary['status']} but no artifacts found in the "
+                                                   "log dir"})
     return errors, warnings
 
 
