@@ -162,6 +162,10 @@ class MegatronEngine(Engine):
         self.vocab_size = hf_config.vocab_size
         gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention),
                        pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
+        if m.cp_attention != "masked" and (layout.cp == 1 or have_te):
+            log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
+                     "Transformer Engine's attention does its own context parallelism" if have_te else
+                     "CP = 1: one plain causal SDPA call")
         # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
         tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp
         self.vocab_valid_local = min(v_local, max(0, self.vocab_size - tp_rank * v_local))
