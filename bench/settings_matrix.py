@@ -137,6 +137,34 @@ def _run_pool(names: list, slots: list, args) -> list:
     logs = Path(tempfile.mkdtemp(prefix="settings_matrix_"))
     print(f"each case's stdout/stderr: {logs}/<case>.out.log, .err.log", flush=True)
     pending, running, rows = list(names), {}, {}
+    try:
+        _pool_loop(pending, running, rows, slots, logs, args)
+    finally:  # an interrupted matrix leaves no case running
+        for name, proc, *_ in running.values():
+            _kill_case(proc)
+    return [rows[n] for n in names]
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn`` of a case: Linux sends the case's torchrun SIGTERM when this script dies (even by SIGKILL,
+    e.g. a test's timeout), and torchrun stops its workers."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _kill_case(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _pool_loop(pending: list, running: dict, rows: dict, slots: list, logs: Path, args) -> None:
     while pending or running:
         for slot, gpus in enumerate(slots):
             if slot in running or not pending:
@@ -147,10 +175,15 @@ def _run_pool(names: list, slots: list, args) -> list:
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                  f"--master_port={29751 + slot}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
                  "--seq", str(args.seq), "--steps", str(args.steps)],
-                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=out, stderr=err, text=True)
-            running[slot] = (name, proc, out, err)
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=out, stderr=err, text=True,
+                start_new_session=True, preexec_fn=_die_with_parent)
+            running[slot] = (name, proc, out, err, time.monotonic())
         time.sleep(1.0)
-        for slot, (name, proc, out, err) in list(running.items()):
+        for slot, (name, proc, out, err, started) in list(running.items()):
+            timed_out = proc.poll() is None and time.monotonic() - started > args.case_timeout
+            if timed_out:
+                _kill_case(proc)
+                err.write(f"\nsettings_matrix: case stopped after --case-timeout {args.case_timeout:g} s\n")
             if proc.poll() is None:
                 continue
             del running[slot]
@@ -164,7 +197,6 @@ def _run_pool(names: list, slots: list, args) -> list:
             print("ROW " + json.dumps({k: v for k, v in rows[name].items() if k != "traceback"}), flush=True)
             out.close()
             err.close()
-    return [rows[n] for n in names]
 
 
 def main() -> int:
@@ -176,6 +208,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
     ap.add_argument("--out", type=Path, help="JSON output")
+    ap.add_argument("--case-timeout", type=float, default=900.0,
+                    help="seconds after which a case's torchrun is stopped and the case recorded as failed")
     ap.add_argument("--per-gpu", type=int, default=0,
                     help="cases that share one GPU (group) at a time; 0 (default): one per 60 GiB of the first "
                          "GPU's memory (2 layers, 8192 tokens; step times then include the neighbours' load)")

@@ -8,6 +8,7 @@ runs ``AutoModelForCausalLM`` on the same step-0 tokens: the trial's step-0 loss
 (relative; bf16 on both sides, rounded in different orders).
 """
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,8 @@ def checkpoint(tmp_path_factory):
     """``SFTPROF_CKPT_DIR`` (when set): a checkpoint written there earlier by the same command is reused."""
     out = Path(os.environ.get("SFTPROF_CKPT_DIR") or tmp_path_factory.mktemp("ckpt") / "q3_4l")
     if (out / "model.safetensors.index.json").is_file():
+        layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+        assert layers == 4, f"SFTPROF_CKPT_DIR={out} holds a {layers}-layer checkpoint; this test needs 4"
         return out
     proc = _py(str(ROOT / "bench" / "checkpoint_loss.py"), "write", "--layers", "4", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

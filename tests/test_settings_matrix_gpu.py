@@ -83,3 +83,29 @@ def test_matrix_refuses_bad_counts_before_anything(flag, value, tmp_path):
     assert proc.stderr.endswith(f"error: --nproc {args['--nproc']} must be >= 1 and --per-gpu {args['--per-gpu']} >= 0 "
                                 "(0: from the GPU's memory)\n"), proc.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_pool_parses_results_and_stops_a_case_past_its_timeout(tmp_path, monkeypatch):
+    """CPU: the pool with a stand-in for ``python -m torch.distributed.run`` (a script that prints a RESULT line
+    for one case and hangs for the other): the first row is parsed, the hung case is stopped after
+    ``--case-timeout`` and recorded as failed with its exit status; no child is left running."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("settings_matrix", REPO / "bench" / "settings_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    fake = tmp_path / "fake_python"
+    pidfile = tmp_path / "pids"
+    fake.write_text("#!/bin/bash\necho $$ >> %s\ncase \"$*\" in\n  *'--case base '*) echo 'RESULT {\"case\": \"base\", "
+                    "\"ok\": true, \"loss\": [1.5], \"grad_norm\": [2.5]}' ;;\n  *) exec sleep 600 ;;\nesac\n" % pidfile)
+    fake.chmod(0o755)
+    monkeypatch.setattr(matrix.sys, "executable", str(fake))
+    args = argparse.Namespace(nproc=1, checkpoint=tmp_path / "c", seq=8, steps=1, case_timeout=3.0)
+    rows = matrix._run_pool(["base", "n_mbs=1"], ["0", "0"], args)
+    assert rows[0] == {"case": "base", "ok": True, "loss": [1.5], "grad_norm": [2.5]}
+    assert (rows[1]["case"], rows[1]["ok"], rows[1]["error"]) == (
+        "n_mbs=1", False, "exit -9: settings_matrix: case stopped after --case-timeout 3 s")
+    for pid in map(int, pidfile.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
