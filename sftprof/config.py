@@ -467,11 +467,18 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
         for layer, source in zip(layers, (f"config {yaml_path}", "the overrides")):
             if isinstance(layer, dict):
                 map_legacy_loss_keys(layer, source)
-        merged = OmegaConf.merge(schema, *layers)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{_omegaconf_message(err)} (config {yaml_path})") from err
+    source = f"config {yaml_path}"  # which layer a merge error comes from: the file, else the overrides
+    try:
+        merged = OmegaConf.merge(schema, layers[0])
+        source = "overrides " + " ".join(dotlist) if dotlist else source
+        merged = OmegaConf.merge(merged, layers[1])
+        source = f"config {yaml_path}" + (" with overrides " + " ".join(dotlist) if dotlist else "")
         OmegaConf.resolve(merged)
         cfg: SFTProfileConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{_omegaconf_message(err)} (config {yaml_path})") from err
+        raise ConfigError(f"{_omegaconf_message(err)} ({source})") from err
     validate(cfg)
     return cfg
 

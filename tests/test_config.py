@@ -116,3 +116,10 @@ def test_bad_loss_settings(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(FLAGSHIP, overrides)
     assert message in str(exc.value)
+
+
+def test_type_error_names_the_layer_it_comes_from():
+    """A value of the wrong type is attributed to the override that set it, not to the YAML file."""
+    with pytest.raises(ConfigError, match=r"^actor\.mb_spec\.n_mbs: Value 'abc' of type 'str' could not be converted "
+                                          r"to Integer \(overrides actor\.mb_spec\.n_mbs=abc\)$"):
+        load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
