@@ -139,6 +139,9 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
     assert {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: kept as "
             "profile_summary.prev1.json"} in s["warnings"]
     assert not [n for n in os.listdir(run) if n.startswith(".staging")]
+    second = (run / "profile_summary.json").read_bytes()  # the same damaged inputs again: nothing new to keep
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
 
 
 def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):

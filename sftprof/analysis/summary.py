@@ -537,6 +537,21 @@ def _keep_previous_summary(run_dir: str) -> str:
     return f"{stem_json}.prev{n}.json"
 
 
+_KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "
+
+
+def _without_kept_note(text: str) -> str | None:
+    """An earlier summary's JSON text re-rendered without the warning :func:`_write` added about the summary
+    before it (so a second rerun on the same inputs is recognised as the same); None if it is not JSON."""
+    try:
+        earlier = json.loads(text)
+        earlier["warnings"] = [w for w in earlier.get("warnings") or []
+                               if not str(w.get("warning", "")).startswith(_KEPT_NOTE)]
+        return json.dumps(earlier, indent=1, sort_keys=True, allow_nan=False) + "\n"
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
 def _write(summary: dict, run_dir: str) -> None:
     """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
 
@@ -551,11 +566,12 @@ def _write(summary: dict, run_dir: str) -> None:
     old = os.path.join(run_dir, SUMMARY_JSON)
     if os.path.isfile(old):
         with open(old, encoding="utf-8", errors="replace") as f:
-            same = f.read() == text
-        if not same:
+            earlier = f.read()
+        if earlier != text and _without_kept_note(earlier) == text:
+            return  # the same inputs as the rerun that wrote it (with its note about the summary before): as it is
+        if earlier != text:
             kept = _keep_previous_summary(run_dir)
-            summary.setdefault("warnings", []).append({"file": SUMMARY_JSON, "warning": "this run dir had a summary "
-                                                       f"from an earlier postprocess: kept as {kept}"})
+            summary.setdefault("warnings", []).append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
             text, md = render(summary)
     with open(old, "w", encoding="utf-8") as f:
         f.write(text)
