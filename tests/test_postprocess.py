@@ -144,6 +144,22 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
     assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
 
 
+def test_rerun_without_time_windows_leaves_no_empty_window_folders(tmp_path, cpu_traces):
+    """Views split into time windows (small max_view_bytes), then a rerun with the default: the kernel_traces
+    folder holds the five view folders only, one trace per rank in each."""
+    from sftprof.analysis.summary import postprocess_trial
+
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    assert postprocess_trial(str(log), str(run), "kernel", 1, max_view_bytes=20000, jobs=1)[1] == 0
+    assert "chrome.part1" in os.listdir(run / "kernel_traces")
+    assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
+    folders = ["chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"]
+    assert sorted(os.listdir(run / "kernel_traces")) == folders
+    for folder in folders:
+        assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+
+
 def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):
     log = _kernel_log_dir(tmp_path, cpu_traces)
     shutil.copy(cpu_traces[0], log / "perf_tracer" / "traces-r0.chrome.json")  # legacy name next to the new one

@@ -154,7 +154,12 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
     """``{"kernel_traces": [...], "skipped": [...]}``: every rank's trace split into views and summarised."""
     found, traces, skipped = _find_traces(log_dir)
-    results = _process_traces(found, os.path.join(run_dir, KERNEL_TRACES), compress, max_view_bytes, jobs)
+    out_dir = os.path.join(run_dir, KERNEL_TRACES)
+    results = _process_traces(found, out_dir, compress, max_view_bytes, jobs)
+    if os.path.isdir(out_dir):  # time-window folders of an earlier postprocess that no rank's views are in now
+        for folder in os.listdir(out_dir):
+            if os.path.isdir(os.path.join(out_dir, folder)) and not os.listdir(os.path.join(out_dir, folder)):
+                os.rmdir(os.path.join(out_dir, folder))
     traces += [_trace_entry(log_dir, run_dir, rank, src, res) for (rank, src), res in zip(found, results)]
     return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped}
 
