@@ -160,6 +160,26 @@ def test_rerun_without_time_windows_leaves_no_empty_window_folders(tmp_path, cpu
         assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
 
 
+def test_identical_rerun_after_a_changed_one_keeps_no_further_summary(tmp_path, cpu_traces):
+    """Plain, then --compress twice: the second --compress rerun leaves the summary (with its "kept as prev1"
+    warning) byte for byte and keeps no profile_summary.prev2."""
+    from sftprof.analysis.summary import postprocess_trial
+
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
+    s, rc = postprocess_trial(str(log), str(run), "kernel", 1, compress=True, jobs=1)
+    kept = {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: "
+            "kept as profile_summary.prev1.json"}
+    assert rc == 0 and s["warnings"] == [kept]
+    after = ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes())
+    s, rc = postprocess_trial(str(log), str(run), "kernel", 1, compress=True, jobs=1)
+    assert rc == 0 and s["warnings"] == [kept]
+    assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes()) == after
+    assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
+        "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]
+
+
 def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):
     log = _kernel_log_dir(tmp_path, cpu_traces)
     shutil.copy(cpu_traces[0], log / "perf_tracer" / "traces-r0.chrome.json")  # legacy name next to the new one

@@ -545,16 +545,18 @@ def _keep_previous_summary(run_dir: str) -> str:
 _KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "
 
 
-def _without_kept_note(text: str) -> str | None:
+def _split_kept_note(text: str) -> tuple[str | None, list[dict]]:
     """An earlier summary's JSON text re-rendered without the warning :func:`_write` added about the summary
-    before it (so a second rerun on the same inputs is recognised as the same); None if it is not JSON."""
+    before it (None if the text is not a JSON object), and that warning (so a later rerun on the same inputs
+    is recognised as the same and keeps it)."""
     try:
         earlier = json.loads(text)
-        earlier["warnings"] = [w for w in earlier.get("warnings") or []
-                               if not str(w.get("warning", "")).startswith(_KEPT_NOTE)]
-        return json.dumps(earlier, indent=1, sort_keys=True, allow_nan=False) + "\n"
+        warnings = earlier.get("warnings") or []
+        notes = [w for w in warnings if str(w.get("warning", "")).startswith(_KEPT_NOTE)]
+        earlier["warnings"] = [w for w in warnings if w not in notes]
+        return json.dumps(earlier, indent=1, sort_keys=True, allow_nan=False) + "\n", notes
     except (ValueError, AttributeError, TypeError):
-        return None
+        return None, []
 
 
 def _write(summary: dict, run_dir: str) -> None:
@@ -572,8 +574,10 @@ def _write(summary: dict, run_dir: str) -> None:
     if os.path.isfile(old):
         with open(old, encoding="utf-8", errors="replace") as f:
             earlier = f.read()
-        if earlier != text and _without_kept_note(earlier) == text:
-            return  # the same inputs as the rerun that wrote it (with its note about the summary before): as it is
+        stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
+        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is,
+            summary.setdefault("warnings", []).extend(notes)  # note about the summary before it included
+            return
         if earlier != text:
             kept = _keep_previous_summary(run_dir)
             summary.setdefault("warnings", []).append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
