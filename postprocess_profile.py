@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
 
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.log_dir) and os.path.exists(earlier):  # a mistyped --log-dir: keep what is there
         p.error(f"--log-dir {args.log_dir} does not exist and {earlier} is already written; nothing was overwritten "
                 "(a failed trial's summary is written only into a run dir without one)")
+    try:  # a run dir that cannot be written is the user's error, found before any trace is read
+        os.makedirs(args.run_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.run_dir):
+            pass
+    except OSError as exc:
+        p.error(f"--run-dir {args.run_dir}: cannot be written ({exc.strerror})")
     try:
         summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
                                           trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,

@@ -12,7 +12,7 @@ every rank traced). Arguments after ``--`` are config overrides for every layout
 read from the trial's ``profile_summary.json`` (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
-  the step before it (no profiler);
+  the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0);
 - ``attn_ms``: attention-core GPU time per rank (model part ``attn_core``: forward, recompute and backward
   kernels inside the attention modules), the maximum over ranks; ``attn_fwd_tflops`` / ``attn_bwd_tflops``:
   achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
@@ -148,13 +148,15 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
     row: dict[str, Any] = {"layout": None, "world_size": None, "run_root": str(run_root), **(extra or {})}
     try:
         with open(run_root / "summary.tsv") as f:
-            trial = max((t for t in csv.DictReader(f, delimiter="\t") if t.get("kind") == "kernel"),
-                        key=lambda t: int(t["step"]))
+            kernel = [t for t in csv.DictReader(f, delimiter="\t") if t.get("kind") == "kernel"]
+        if not kernel:
+            raise ValueError("no kernel trial in summary.tsv")
+        trial = max(kernel, key=lambda t: int(t["step"]))
         row["run_dir"] = trial["run_dir"]
         backend = yaml.safe_load((Path(trial["log_dir"]) / "config.yaml").read_text())["actor"]["backend"]
         row.update(layout=backend, world_size=parse_allocation_mode(backend).world_size)
         row.update(trial_row(Path(trial["run_dir"])))
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:  # ValueError: no kernel trial (max)
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         row.update(status=f"no kernel trial summary ({type(err).__name__}: {err})")
     return row
 
@@ -175,6 +177,8 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
     proc = subprocess.run(cmd + overrides, env=env, text=True)
     row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
     row.update(layout=row["layout"] or layout, world_size=row["world_size"] or world)
+    if row.get("status") != "ok" and proc.returncode:
+        row["status"] = f"driver exit {proc.returncode} (its output is above); {row.get('status')}"
     return row
 
 
@@ -187,16 +191,25 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "qwen3_30b_a3b_sft_profile.yaml"), help="driver CONFIG")
     ap.add_argument("--layers", type=int, default=4, help="actor.num_layers (0: the config's)")
     ap.add_argument("--seq", type=int, default=131072, help="tokens per sequence (one sequence per step)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per trial; the last one is profiled (>= 2)")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps per trial (>= 3): step 0 warms up, the last one is profiled, the one before it is "
+                         "the unprofiled reference")
     ap.add_argument("--out-dir", type=Path, default=Path("bench_step_runs"), help="run roots go here")
     ap.add_argument("--baseline", type=Path, help="JSON of an earlier run whose one-GPU row is the reference")
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
-    args, extra = ap.parse_known_args()
-    overrides = [x for x in extra if x != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, overrides = ap.parse_args(argv[:cut]), argv[cut + 1:]  # overrides only after "--": a typo is an error
     if not args.layouts and not args.runs:
         ap.error("give --layouts to run, or --runs of earlier driver runs")
-    if args.steps < 2:
-        ap.error(f"--steps {args.steps}: need >= 2 (an unprofiled step before the profiled one)")
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: need >= 3 (step 0 warms up; the unprofiled step before the profiled one "
+                 "is the reference)")
+    if args.json and not args.json.resolve().parent.is_dir():
+        ap.error(f"--json {args.json}: folder {args.json.resolve().parent} does not exist")
+    missing = [str(r) for r in args.runs if not (r / "summary.tsv").is_file()]
+    if missing:
+        ap.error(f"--runs: no summary.tsv (not a driver run root) in {missing}")
     for layout in args.layouts:
         try:
             parse_allocation_mode(layout)
@@ -216,8 +229,9 @@ def main() -> int:
     lines = ratios(rows, baseline)
     print("\n" + format_table(rows, lines))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "ratios": lines, "overrides": overrides,
-                                         "seq": args.seq, "layers": args.layers}, indent=1))
+        run_settings = {"seq": args.seq, "layers": args.layers, "steps": args.steps} if args.layouts else {}
+        args.json.write_text(json.dumps({"rows": rows, "ratios": lines, "overrides": overrides, **run_settings},
+                                        indent=1))
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 

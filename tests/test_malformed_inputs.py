@@ -520,3 +520,13 @@ def test_empty_log_dir_is_an_error_not_a_silent_pass(tmp_path):
                             "error": "trial status unknown but no artifacts found in the log dir"}]
     assert s["warnings"] == [{"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
                                                                 "completion record (trial status unknown)"}]
+
+
+def test_run_dir_that_cannot_be_written_exits_2_before_reading(tmp_path):
+    """A --run-dir under a regular file: exit 2 naming the option and the reason, no traceback."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "log").mkdir()
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "file" / "run")
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[-1] == (f"postprocess_profile.py: error: --run-dir {tmp_path / 'file' / 'run'}: "
+                                           "cannot be written (Not a directory)")
