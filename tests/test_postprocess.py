@@ -138,6 +138,10 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
     assert [e["file"] for e in s["errors"]] == ["perf_tracer/rank0.pt.trace.json"]
     assert {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: kept as "
             "profile_summary.prev1.json"} in s["warnings"]
+    assert {"file": "perf_tracer/rank0.pt.trace.json", "warning": "rank 0: 5 view file(s) of an earlier postprocess are "
+            "kept in kernel_traces/ (not from this trace, which failed)"} in s["warnings"]
+    assert s["kernel_traces"][0]["kept_views"] == sorted(f"kernel_traces/{v}/rank0.pt.trace.json" for v in
+                                                          ("chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"))
     assert not [n for n in os.listdir(run) if n.startswith(".staging")]
     second = (run / "profile_summary.json").read_bytes()  # the same damaged inputs again: nothing new to keep
     assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
@@ -178,6 +182,20 @@ def test_identical_rerun_after_a_changed_one_keeps_no_further_summary(tmp_path, 
     assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes()) == after
     assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
         "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]
+
+
+def test_leftover_staging_folder_is_reported_not_used(tmp_path, cpu_traces):
+    """A staging folder left by an interrupted postprocess is named in a warning and left alone."""
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    (run / ".staging_rank0_zzz" / "chrome").mkdir(parents=True)
+    (run / ".staging_rank0_zzz" / "chrome" / "rank0.pt.trace.json").write_text("{}")
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["warnings"] == [{"file": ".staging_rank0_zzz", "warning": "staging folders of an interrupted (or concurrent) "
+                              "postprocess: partial views, not part of this summary; safe to delete when no postprocess "
+                              "runs"}]
+    assert (run / ".staging_rank0_zzz" / "chrome" / "rank0.pt.trace.json").read_text() == "{}"
 
 
 def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):

@@ -50,13 +50,12 @@ def _file_error(path: str, exc: BaseException) -> str:
     return msg if path in msg else f"{path}: {msg}"
 
 
-def _remove_rank_views(out_dir: str, rank: int) -> None:
-    """Remove rank ``rank``'s files from every view (and time-window) folder under ``out_dir``."""
-    if os.path.isdir(out_dir):
-        for folder in os.listdir(out_dir):
-            for name in (trace_name(rank), trace_name(rank, compress=True)):
-                if os.path.isfile(os.path.join(out_dir, folder, name)):
-                    os.remove(os.path.join(out_dir, folder, name))
+def _rank_views(out_dir: str, rank: int) -> list[str]:
+    """Paths of rank ``rank``'s files in every view (and time-window) folder under ``out_dir``, sorted."""
+    folders = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(os.path.join(out_dir, folder, name) for folder in folders
+                  for name in (trace_name(rank), trace_name(rank, compress=True))
+                  if os.path.isfile(os.path.join(out_dir, folder, name)))
 
 
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
@@ -75,8 +74,10 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
             summary = analyzer.summary()
             error = invalid_events_error(summary["invalid_events"])
         except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
-            return {"rank": rank, "error": _file_error(src, exc)}
-        _remove_rank_views(out_dir, rank)
+            kept = _rank_views(out_dir, rank)
+            return {"rank": rank, "error": _file_error(src, exc), **({"kept_views": kept} if kept else {})}
+        for path in _rank_views(out_dir, rank):  # an earlier postprocess's (other compression, other windows)
+            os.remove(path)
         views = {}
         for view, paths in staged.items():
             views[view] = []
@@ -140,6 +141,8 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
     entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
     if "error" in res:
         entry["error"] = res["error"]
+    if "kept_views" in res:
+        entry["kept_views"] = [os.path.relpath(p, run_dir) for p in res["kept_views"]]
     if "views" in res:
         entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
         entry["summary"] = res["summary"]
@@ -396,6 +399,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, coords_error, log_dir if log_dir_missing else None)
+    leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
+    if leftovers:
+        warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
+                         "postprocess: partial views, not part of this summary; safe to delete when no postprocess runs"})
     summary["errors"] = errors
     summary["warnings"] = warnings
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
@@ -495,6 +502,9 @@ def _problems(summary: dict, items: list[dict], complete: dict, coords_error: st
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):
             warnings.append({"file": it["file"], "warning": s["history"]["message"]})
+        if it.get("kept_views"):
+            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: {len(it['kept_views'])} view file(s) "
+                             "of an earlier postprocess are kept in kernel_traces/ (not from this trace, which failed)"})
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
