@@ -9,10 +9,11 @@ The kind and step default to what the trial's own completion record (stats.jsonl
 check (a mismatch is a warning in the summary).
 
 Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
-names the file and its error), 2 on bad arguments: a --log-dir that does not exist (the trial's
-summary is still written, as failed, unless the run dir already holds one: then nothing is written), compare inputs that are missing or not profile summaries,
-an --out whose directory does not exist or that names an existing file other than an earlier comparison
-report (never overwritten); the message names the file or setting.
+names the file and its error), 2 on bad arguments: a --run-dir that cannot be written; a --log-dir that
+does not exist (the trial's summary is still written, as failed, unless the run dir already holds one:
+then nothing is written); compare inputs that are missing or not profile summaries; an --out whose
+directory does not exist or that names an existing file other than an earlier comparison report (never
+overwritten). The message names the file or setting.
 """
 from __future__ import annotations
 

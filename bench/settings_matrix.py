@@ -180,8 +180,7 @@ def _pool_loop(pending: list, running: dict, rows: dict, slots: list, logs: Path
             running[slot] = (name, proc, out, err, time.monotonic())
         time.sleep(1.0)
         for slot, (name, proc, out, err, started) in list(running.items()):
-            timed_out = proc.poll() is None and time.monotonic() - started > args.case_timeout
-            if timed_out:
+            if proc.poll() is None and time.monotonic() - started > args.case_timeout:
                 _kill_case(proc)
                 err.write(f"\nsettings_matrix: case stopped after --case-timeout {args.case_timeout:g} s\n")
             if proc.poll() is None:

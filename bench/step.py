@@ -7,8 +7,8 @@
 
 Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
 precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
-sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of which the last is profiled (one kernel trial,
-every rank traced). Arguments after ``--`` are config overrides for every layout. The row of a layout is
+sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of
+which the last is profiled (one kernel trial, every rank traced). Arguments after ``--`` are config overrides for every layout. The row of a layout is
 read from the trial's ``profile_summary.json`` (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
@@ -128,7 +128,8 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
             for c in cells]
     for r in rows:
         if r.get("status") != "ok":
-            text.append(f"{r['layout'] or r['run_root']}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
+            name = r["layout"] or r["run_root"]
+            text.append(f"{name}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
     for line in lines:
         parts = []
         for key, label in (("attn_ms", "attention per rank"), ("step_s", "step")):
@@ -168,7 +169,8 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
     stamp = time.strftime("%Y%m%d_%H%M%S")
     run_root = out_dir / f"{layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')}_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
-    env.update(DRIVER_ENV, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp), RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(world),
+    env.update(DRIVER_ENV, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp), RUN_ROOT=str(run_root),
+               N_GPUS_PER_NODE=str(world),
                PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),
                PROFILE_STAMP=stamp, FILEROOT=str(out_dir / "fileroot"))
     cmd = ["bash", str(REPO / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={layout}"]

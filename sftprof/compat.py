@@ -24,10 +24,7 @@ token-by-token fp32 reference on the GPU at the head dims the project uses.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
-
-log = logging.getLogger(__name__)
 
 
 def apply_megatron_compat() -> bool:

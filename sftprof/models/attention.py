@@ -39,7 +39,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
-from sftprof.models.block_attention import blockwise_cp_attention
+from sftprof.models.block_attention import blockwise_cp_attention, check_cp_lengths
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -121,10 +121,7 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
             raise ValueError(f"cp_size=1 needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=gqa)
-    s_local, s_full = q.shape[2], k.shape[2]
-    if s_local * cp_size != s_full or s_local % 2:
-        raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
-                         "and the local length must be even (two chunks)")
+    s_local = check_cp_lengths(q.shape[2], k.shape[2], cp_size)
     if method == "blocks":
         return blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=scale)
     length = s_local // 2

@@ -254,6 +254,15 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
         return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
+def check_cp_lengths(s_local: int, s_full: int, cp_size: int) -> int:
+    """Return ``s_local`` after checking that this CP rank's ``s_local`` queries are two equal load-balanced chunks
+    of a sequence of ``s_full`` keys; raises ValueError naming the three numbers otherwise."""
+    if s_local * cp_size != s_full or s_local % 2:
+        raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
+                         "and the local length must be even (two chunks)")
+    return s_local
+
+
 def blockwise_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
                            scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """This CP rank's causal attention as diagonal + off-diagonal blocks merged by log-sum-exp (autograd-aware).
@@ -274,10 +283,7 @@ def blockwise_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     kernel = default_block_kernel(q) if kernel is None else kernel
     if kernel not in BLOCK_KERNELS:
         raise ValueError(f"blockwise_cp_attention: kernel={kernel!r}: must be one of {list(BLOCK_KERNELS)}")
-    s_local, s_full = q.shape[2], k.shape[2]
-    if s_local * cp_size != s_full or s_local % 2:
-        raise ValueError(f"context parallel: local queries {s_local} x cp_size {cp_size} must equal keys {s_full}, "
-                         "and the local length must be even (two chunks)")
+    s_local = check_cp_lengths(q.shape[2], k.shape[2], cp_size)
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"blockwise_cp_attention: {q.shape[1]} query heads must be a multiple of the K/V heads "
                          f"({k.shape[1]} K, {v.shape[1]} V, equal)")
