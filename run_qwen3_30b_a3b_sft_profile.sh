@@ -11,6 +11,9 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # torchrun's own default, stated so it does not warn
 export PYTHONUNBUFFERED=1                         # progress lines as they happen, not at exit
+# Triton autotuning results kept on disk (TRITON_CACHE_DIR, default ~/.triton/cache), so each trial after the first
+# reuses them instead of re-timing every config at step 0 (fla's Gated DeltaNet kernels, sftprof/ops' row kernels).
+export TRITON_CACHE_AUTOTUNING="${TRITON_CACHE_AUTOTUNING:-1}"
 
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "sftprof: PYTHON=$PYTHON: not an executable on PATH; accepted: a Python interpreter with sftprof's requirements (default python3)" >&2

@@ -8,8 +8,10 @@
 Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
 precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
 sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of
-which the last is profiled (one kernel trial, every rank traced). Arguments after ``--`` are config overrides for every layout. The row of a layout is
-read from the trial's ``profile_summary.json`` (:func:`trial_row`):
+which the last is profiled (one kernel trial, every rank traced; ``--kinds kernel,memory`` adds the memory trial of
+the same step, so one invocation is also the shipped YAML's both-kinds check). Arguments after ``--`` are config
+overrides for every layout. The row of a layout is read from its kernel trial's ``profile_summary.json``
+(:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
   the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0);
@@ -43,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
 
 DRIVER_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32", "PROFILE_N_MBS": "1",
-              "PROFILE_KINDS": "kernel", "PROFILE_RANKS": ""}
+              "PROFILE_RANKS": ""}
 COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", "step_s", "{:.3f}"),
            ("unprof. s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
            ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
@@ -163,14 +165,15 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
 
 
 def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
-    """Run the driver for one layout (one kernel trial of the last step) and return its row."""
+    """Run the driver for one layout (the last step's kernel trial, and its memory trial with ``--kinds
+    kernel,memory``) and return the kernel trial's row."""
     parsed = parse_allocation_mode(layout)
     world = parsed.world_size
     stamp = time.strftime("%Y%m%d_%H%M%S")
     run_root = out_dir / f"{layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')}_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
-    env.update(DRIVER_ENV, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp), RUN_ROOT=str(run_root),
-               N_GPUS_PER_NODE=str(world),
+    env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
+               RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(world),
                PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),
                PROFILE_STAMP=stamp, FILEROOT=str(out_dir / "fileroot"))
     cmd = ["bash", str(REPO / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={layout}"]
@@ -179,8 +182,8 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
     proc = subprocess.run(cmd + overrides, env=env, text=True)
     row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
     row.update(layout=row["layout"] or layout, world_size=row["world_size"] or world)
-    if row.get("status") != "ok" and proc.returncode:
-        row["status"] = f"driver exit {proc.returncode} (its output is above); {row.get('status')}"
+    if proc.returncode:  # also when the kernel trial is fine and the memory trial failed
+        row["status"] = f"driver exit {proc.returncode} (its output is above); kernel trial: {row.get('status')}"
     return row
 
 
@@ -196,6 +199,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3,
                     help="steps per trial (>= 3): step 0 warms up, the last one is profiled, the one before it is "
                          "the unprofiled reference")
+    ap.add_argument("--kinds", default="kernel", choices=("kernel", "kernel,memory"),
+                    help="profile kinds per layout (PROFILE_KINDS); the row always comes from the kernel trial")
     ap.add_argument("--out-dir", type=Path, default=Path("bench_step_runs"), help="run roots go here")
     ap.add_argument("--baseline", type=Path, help="JSON of an earlier run whose one-GPU row is the reference")
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
@@ -231,7 +236,8 @@ def main() -> int:
     lines = ratios(rows, baseline)
     print("\n" + format_table(rows, lines))
     if args.json:
-        run_settings = {"seq": args.seq, "layers": args.layers, "steps": args.steps} if args.layouts else {}
+        run_settings = ({"seq": args.seq, "layers": args.layers, "steps": args.steps, "kinds": args.kinds}
+                        if args.layouts else {})
         args.json.write_text(json.dumps({"rows": rows, "ratios": lines, "overrides": overrides, **run_settings},
                                         indent=1))
     return 0 if all(r.get("status") == "ok" for r in rows) else 1

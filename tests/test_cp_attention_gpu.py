@@ -4,8 +4,8 @@ The test launches this file under ``torchrun --nproc-per-node 2``; each rank bui
 bf16 Q/K/V ``[S, b, heads, d]`` (GQA 8 q / 2 kv heads, head_dim 128), runs single-GPU SDPA causal
 attention on the full sequence and the CP=2 module on its load-balanced shard, and compares outputs
 and the Q/K/V input gradients of its shard (bf16 tolerance). Cases: ``actor.megatron.cp_attention``
-``masked``, ``blocks`` (cuDNN block kernels where SDPA's cuDNN backend is enabled), and ``blocks`` with
-SDPA's cuDNN backend disabled (the flash block kernels, the fallback).
+``masked``, ``blocks`` (the default block kernel, ``cudnn_gqa`` where SDPA's cuDNN backend is enabled), and
+``blocks`` with SDPA's cuDNN backend disabled (``flash_gqa``, the fallback).
 
 A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same ops without the GQA
 expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
@@ -116,7 +116,7 @@ def test_cp2_sdpa_attention_matches_single_gpu(tmp_path, case):
     errs = json.loads(out.read_text())
     print(f"CP=2 ({case}) vs single-GPU max abs errors:", errs)
     if case == "blocks-flash":
-        assert errs["block_kernel"] == "flash", errs
+        assert errs["block_kernel"] == "flash_gqa", errs
     for name in ("out", "dq", "dk", "dv"):  # bf16: within ~1 ulp of the largest value
         assert errs[name] <= 2e-2 + 1e-2 * errs[name + "_scale"], (name, errs)
 

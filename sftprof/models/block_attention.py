@@ -183,13 +183,20 @@ BLOCK_KERNELS = {
 
 
 def default_block_kernel(q: torch.Tensor) -> str:
-    """``cudnn`` for fp16/bf16 CUDA tensors when SDPA's cuDNN backend is enabled and cuDNN is available,
-    else ``flash`` for fp16/bf16 CUDA tensors, else ``math``."""
+    """The block kernel for ``q``: ``math`` unless ``q`` is an fp16/bf16 CUDA tensor; then ``cudnn`` when SDPA's
+    cuDNN backend is enabled and cuDNN is available, else ``flash``, each as its ``_gqa`` form (GQA K/V passed
+    as they are) from torch 2.7 on.
+
+    Why ``_gqa`` and cuDNN: ``bench/cp_attention.py`` on one H200 (torch 2.11, bench/NOTES.md), CP = 2 rank 0 of
+    a 131072-token Qwen3-30B-A3B attention, fwd+bwd: ``cudnn_gqa`` 458 ms and 4.95 GiB extra, ``cudnn`` 472 ms
+    and 6.52 GiB (the K/V expansion), ``flash_gqa`` 769 ms, ``flash`` 776 ms; all within bf16 rounding of the
+    masked path. Before torch 2.7 the cuDNN op did not take unequal head counts (pytorch/pytorch#150337).
+    """
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return "math"
-    if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled():
-        return "cudnn"
-    return "flash"
+    kernel = "cudnn" if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled() else "flash"
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return f"{kernel}_gqa" if (major, minor) >= (2, 7) else kernel
 
 
 def _expansion(q: torch.Tensor, k: torch.Tensor, kernel: str) -> int:
