@@ -202,9 +202,10 @@ class MegatronSettings:
     moe_router_dtype: str = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_bias_update_rate: float = 0.0
-    # CP > 1 without TE: "masked" (one SDPA call per chunk with a bottom-right causal mask) or "blocks"
-    # (causal diagonal + full off-diagonal block, merged by log-sum-exp); see CP_ATTENTION_METHODS.
-    cp_attention: str = "masked"
+    # CP > 1 without TE: "blocks" (causal diagonal + full off-diagonal block, merged by log-sum-exp; on an H200
+    # 0.50x the single-GPU attention time per CP = 2 rank against 0.79-0.85x, bench/NOTES.md) or "masked" (one
+    # SDPA call per chunk with a bottom-right causal mask; also takes attention dropout); see CP_ATTENTION_METHODS.
+    cp_attention: str = "blocks"
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).

@@ -166,8 +166,8 @@ def test_cp_attention_config_key():
 
     from sftprof.config import PRESET_DIR
     cfg = load_config(PRESET_DIR / "tiny_cpu.yaml", [])
-    assert cfg.actor.megatron.cp_attention == "masked"
-    assert load_config(PRESET_DIR / "tiny_cpu.yaml", ["actor.megatron.cp_attention=blocks"]).actor.megatron.cp_attention == "blocks"
+    assert cfg.actor.megatron.cp_attention == "blocks"
+    assert load_config(PRESET_DIR / "tiny_cpu.yaml", ["actor.megatron.cp_attention=masked"]).actor.megatron.cp_attention == "masked"
     with pytest.raises(ConfigError, match=r"actor.megatron.cp_attention='ring': must be one of \['masked', 'blocks'\]"):
         load_config(PRESET_DIR / "tiny_cpu.yaml", ["actor.megatron.cp_attention=ring"])
     with pytest.raises(ValueError, match="needs attention dropout 0"):

@@ -92,6 +92,18 @@ def test_op_flops_for_known_shapes():
            "Concrete Inputs": ["", "", "", "", "", "", "", "", "0.", "2", "True", ""], "Input type": ["c10::BFloat16"] * 3}
     pairs = 2048 * 6144 - 2048 * 2047 // 2
     assert op_flops("aten::_efficient_attention_forward", eff) == ("attention", 4.0 * 32 * 128 * pairs, "BFloat16")
+    # the CP "blocks" path calls cuDNN's private SDPA ops directly (args as recorded on an H200: rank 0's diagonal
+    # block of 32768 queries, causal, and its off-diagonal block against 98304 earlier keys, GQA K/V of 4 heads)
+    bf16 = ["c10::BFloat16"] * 3
+    diag = {"Input Dims": [[1, 32, 32768, 128], [1, 4, 32768, 128], [1, 4, 32768, 128], [], [], [], [], [], []],
+            "Concrete Inputs": ["", "", "", "", "True", "0.", "True", "False", "0.088388347648318447"], "Input type": bf16}
+    assert op_flops("aten::_scaled_dot_product_cudnn_attention", diag) == (
+        "attention", 4.0 * 32 * 128 * (32768 * 32769 // 2), "BFloat16")
+    off_bwd = {"Input Dims": [[1, 32, 32768, 128], [1, 32, 32768, 128], [1, 4, 98304, 128], [1, 4, 98304, 128],
+                              [1, 32, 32768, 128], [1, 32, 32768, 1]] + [[]] * 10,
+               "Concrete Inputs": [""] * 11 + ["32768", "98304", "0.", "False", "0.088388347648318447"], "Input type": bf16}
+    assert op_flops("aten::_scaled_dot_product_cudnn_attention_backward", off_bwd) == (
+        "attention backward", 2 * 4.0 * 32 * 128 * 32768 * 98304, "BFloat16")
     assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_to_all", 2) == 0.5 and bus_factor("broadcast", 8) == 1.0
 
 

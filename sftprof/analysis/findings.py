@@ -1,8 +1,9 @@
 """The top of ``profile_summary.md``: the largest levers of a trial, and what-if lines, from its figures.
 
-Each finding is ``{"text", "section", "weight"}``: ``weight`` is the share of the step's GPU time
-(kernel trials) or of the peak allocated memory (memory trials) the lever concerns, and orders them;
-``section`` is the Markdown heading the finding points to. Figures are per profiled rank and say so.
+Each finding is ``{"text", "section", "weight", "key", "rank"}``: ``weight`` is the share of the step's GPU
+time (kernel trials) or of the peak allocated memory (memory trials) the lever concerns, and orders them;
+``section`` is the Markdown heading the finding points to; ``key`` names the lever (the same on every rank, so
+:func:`top` states each lever once). Figures are per profiled rank and say so.
 
 What-if lines (``what_if``) are first-order estimates computed from measured numbers and the trial's
 configuration; each carries its assumption:
@@ -60,24 +61,38 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                      if ("attention", ph) in eff and eff[("attention", ph)]["tflops_per_s"]]
             if rates:
                 text += " at " + " / ".join(rates)
-        out.append({"text": text, "section": sec, "weight": r["total_ms"] / total})
+        out.append({"text": text, "section": sec, "weight": r["total_ms"] / total, "key": f"part {r['part']}"})
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:
         out.append({"text": f"rank {rank}: activation recompute re-runs {rec:.1f} ms of forward work "
-                            f"({100 * rec / total:.1f} % of GPU time)", "section": sec, "weight": rec / total})
+                            f"({100 * rec / total:.1f} % of GPU time)", "section": sec, "weight": rec / total,
+                    "key": "recompute"})
     coll = s.get("collectives") or {}
     exposed = coll.get("exposed_by_group_ms") or {}
     if exposed:
         g, ms = max(exposed.items(), key=lambda kv: kv[1])
         out.append({"text": f"rank {rank}: exposed communication {s['communication']['exposed_ms']:.1f} ms; "
                             f"largest exposed group {g} {ms:.1f} ms",
-                    "section": _anchor(f"Communication by process group, rank {rank}"), "weight": ms / total})
-    sync = ((s.get("host") or {}).get("sync") or {}).get("total_ms") or 0.0
+                    "section": _anchor(f"Communication by process group, rank {rank}"),
+                    "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
+    host = s.get("host") or {}
+    idle = host.get("gpu_idle") or {}
+    sync = (host.get("sync") or {}).get("total_ms") or 0.0
     wall = (s.get("step_window") or {}).get("wall_ms") or 0.0
-    if sync and wall:
-        out.append({"text": f"rank {rank}: the host waited {sync:.1f} ms on blocking CUDA calls "
-                            f"({100 * sync / wall:.1f} % of the step's wall time)",
-                    "section": _anchor(f"Host, rank {rank}"), "weight": sync / wall})
+    if wall and (idle.get("idle_ms") or sync):
+        # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
+        # calls overlaps a busy GPU and costs nothing by itself
+        idle_ms = idle.get("idle_ms") or 0.0
+        text = (f"rank {rank}: GPU idle {idle_ms:.1f} ms ({100 * idle_ms / wall:.1f} % of the step's wall time), "
+                f"{idle.get('host_wait_ms') or 0.0:.1f} ms of it waiting for the host to launch work")
+        waits = sorted((r for r in host.get("top_self") or [] if r.get("sync_wait_ms")),
+                       key=lambda r: -r["sync_wait_ms"])[:2]
+        if sync:
+            ops = " (" + ", ".join(f"{r['name']} {r['sync_wait_ms']:.1f} ms" for r in waits) + ")" if waits else ""
+            text += (f"; the host spent {sync:.1f} ms in blocking CUDA calls{ops}, waiting for the GPU's queue to "
+                     "drain, not working")
+        out.append({"text": text, "section": _anchor(f"Host, rank {rank}"),
+                    "weight": (idle.get("host_wait_ms") or 0.0) / wall, "key": "gpu idle"})
     what = []
     m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
     if rec and m.get("recompute_granularity") == "full":
@@ -86,7 +101,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                              f"time per step on rank {rank} (measured recompute {rec:.1f} ms minus the attention "
                              f"core's {core:.1f} ms)", "assumption": "the recomputed work is removed one for one; the "
                              "activation memory that full recompute avoids comes back (see the memory trial)"})
-    return out, what
+    return [dict(f, rank=rank) for f in out], what
 
 
 def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
@@ -101,12 +116,12 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
         if r["bytes"] > 0:
             out.append({"text": f"rank {rank}: {r['label']} {r['gib']:.1f} GiB of the {peak / gib:.1f} GiB peak"
                                 + (f" ({s['peak_phase']})" if s.get("peak_phase") else ""),
-                        "section": sec, "weight": r["bytes"] / peak})
+                        "section": sec, "weight": r["bytes"] / peak, "key": f"memory {r['category']}"})
     spikes = s.get("transient_spikes") or []
     if spikes:
         sp = spikes[0]
         out.append({"text": f"rank {rank}: largest transient block {sp['gib']:.2f} GiB for {sp['lifetime_ms']:.1f} ms "
-                            f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak})
+                            f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak, "key": "transient"})
     what = []
     slack = s.get("reserved_minus_allocated_at_peak_bytes") or 0
     if slack > 0:
@@ -141,12 +156,23 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
             what.append({"text": f"chunked LM head (LM_HEAD_LOSS_CHUNK_SIZE > 0): about {logits / gib:.2f} GiB of "
                                  f"logits on rank {rank} not held", "assumption": "logits s x V/tp in the model "
                                  "dtype, as in sftprof/analysis/memory_estimate.py; one chunk stays"})
-    return out, what
+    return [dict(f, rank=rank) for f in out], what
 
 
 def top(findings: list[dict]) -> list[dict]:
-    """The :data:`MAX_FINDINGS` heaviest findings."""
-    return sorted(findings, key=lambda f: -f["weight"])[:MAX_FINDINGS]
+    """The :data:`MAX_FINDINGS` heaviest findings, one per lever (``key``): a lever seen on several ranks is
+    stated for the rank where it weighs most, and its text names the other ranks that have it."""
+    best: dict[str, dict] = {}
+    ranks: dict[str, list[int]] = {}
+    for f in sorted(findings, key=lambda f: -f["weight"]):
+        key = f.get("key") or f["text"]
+        ranks.setdefault(key, []).append(f.get("rank"))
+        best.setdefault(key, f)
+    out = []
+    for key, f in sorted(best.items(), key=lambda kv: -kv[1]["weight"])[:MAX_FINDINGS]:
+        others = [r for r in ranks[key][1:] if r is not None]
+        out.append(dict(f, text=f["text"] + (f" (also on rank {', '.join(map(str, sorted(others)))})" if others else "")))
+    return out
 
 
 def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:

@@ -166,6 +166,18 @@ def _ranks(s: dict) -> list[str]:
         out.append(table(["metric", "max (rank)", "min (rank)", "max/min"],
                          [[k, f"{fmt(v['max'])} (r{v['max_rank']})", f"{fmt(v['min'])} (r{v['min_rank']})",
                            v["max_over_min"]] for k, v in imb.items()]))
+    ex = s["ranks"].get("exposed_by_group")
+    if ex and ex["groups"]:
+        out.append("\nExposed communication by process group and rank (ms):\n")
+        out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]],
+                         [[g["group"]] + [g["ms"][r] for r in ex["ranks"]] for g in ex["groups"]]))
+        if ex["extra_ms"] > 0:
+            parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= 0.05)
+            out.append(f"\nThe groups' exposed times sum to {ex['extra_ms']:.1f} ms more on rank {ex['max_rank']} than on "
+                       f"rank {ex['min_rank']} (groups that overlap each other each count); by group (ms): {parts}. A "
+                       "collective's kernel runs from its own rank's launch until every rank has joined, so a rank that "
+                       "arrives first shows the others' lateness as exposed time: where the bytes are the same on both "
+                       "ranks, the extra is load imbalance before the collective, not transfer.\n")
     return out
 
 

@@ -73,10 +73,11 @@ _ATTENTION = {
     "aten::scaled_dot_product_attention": (0, 1, 5, 3, False, "bhsd", "top_left"),
     "aten::_scaled_dot_product_flash_attention": (0, 1, 4, None, False, "bhsd", "lower_right"),
     "aten::_scaled_dot_product_efficient_attention": (0, 1, 6, 3, False, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_cudnn_attention": (0, 1, 6, 3, False, "bhsd", "top_left"),
     "aten::_efficient_attention_forward": (0, 1, 9, 3, False, "bshd", "mask_type"),
     "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, None, True, "bhsd", "lower_right"),
     "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, 4, True, "bhsd", "top_left"),
-    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, 6, True, "bhsd", "top_left"),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, 8, True, "bhsd", "top_left"),
     "aten::_efficient_attention_backward": (1, 2, 14, 4, True, "bshd", "mask_type"),
 }
 

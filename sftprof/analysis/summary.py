@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 from sftprof import artifacts
 from sftprof.analysis import findings as fnd
@@ -309,6 +309,8 @@ def rank_table(summary: dict) -> dict[str, Any]:
     for r, row in rows.items():
         row["coords"] = coords.get(r)
     ordered = [rows[r] for r in sorted(rows)]
+    exposed = {t["rank"]: (t["summary"].get("collectives") or {}).get("exposed_by_group_ms") or {}
+               for t in summary.get("kernel_traces") or [] if t.get("summary") is not None and "error" not in t}
     imbalance = {}
     for col in RANK_COLUMNS:
         vals = [(row[col], row["rank"]) for row in ordered if isinstance(row.get(col), (int, float))]
@@ -317,7 +319,31 @@ def rank_table(summary: dict) -> dict[str, Any]:
         hi, lo = max(vals), min(vals)
         imbalance[col] = {"max": hi[0], "max_rank": hi[1], "min": lo[0], "min_rank": lo[1],
                           "max_over_min": round(hi[0] / lo[0], 4) if len(vals) > 1 and lo[0] > 0 else None}
-    return {"rows": ordered, "imbalance": imbalance}
+    return {"rows": ordered, "imbalance": imbalance, "exposed_by_group": exposed_by_group(exposed)}
+
+
+def exposed_by_group(exposed: dict[int, dict[str, float]]) -> Optional[dict[str, Any]]:
+    """Which process groups explain the difference in exposed communication between ranks.
+
+    Args:
+        exposed: rank -> {process group -> exposed NCCL kernel ms} (each rank's ``exposed_by_group_ms``).
+
+    Returns:
+        None with fewer than 2 ranks; else ``{"ranks": [...], "groups": [{"group", "ms": {rank: ms}}, ...],
+        "max_rank", "min_rank", "extra_ms", "extra_by_group": [(group, ms), ...]}``: the rank with the most
+        exposed communication against the one with the least, and per group its ms minus theirs, largest first.
+    """
+    if len(exposed) < 2:
+        return None
+    totals = {r: sum(g.values()) for r, g in exposed.items()}
+    hi = max(totals, key=lambda r: (totals[r], -r))
+    lo = min(totals, key=lambda r: (totals[r], r))
+    names = sorted({g for v in exposed.values() for g in v})
+    extra = sorted(((g, round(exposed[hi].get(g, 0.0) - exposed[lo].get(g, 0.0), 3)) for g in names),
+                   key=lambda kv: -kv[1])
+    return {"ranks": sorted(exposed), "groups": [{"group": g, "ms": {r: exposed[r].get(g, 0.0) for r in sorted(exposed)}}
+                                                  for g in names],
+            "max_rank": hi, "min_rank": lo, "extra_ms": round(totals[hi] - totals[lo], 3), "extra_by_group": extra}
 
 
 def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:

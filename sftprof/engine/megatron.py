@@ -162,7 +162,7 @@ class MegatronEngine(Engine):
         self.vocab_size = hf_config.vocab_size
         gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention),
                        pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
-        if m.cp_attention != "masked" and (layout.cp == 1 or have_te):
+        if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
             log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
                      "Transformer Engine's attention does its own context parallelism" if have_te else
                      "CP = 1: one plain causal SDPA call")

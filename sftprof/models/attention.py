@@ -98,7 +98,7 @@ def gather_sequence_cp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> t
 
 
 def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
-                        scale: Optional[float] = None, dropout_p: float = 0.0, method: str = "masked") -> torch.Tensor:
+                        scale: Optional[float] = None, dropout_p: float = 0.0, method: str = "blocks") -> torch.Tensor:
     """Exact causal attention of this CP rank's load-balanced query chunks against the full K/V.
 
     Args:
@@ -162,7 +162,7 @@ class SDPACoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "masked") -> None:
+                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "blocks") -> None:
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.transformer.enums import AttnMaskType

@@ -124,7 +124,7 @@ def _gated_delta_net_spec() -> Any:
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
 
 
-def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "masked") -> Any:
+def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks") -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -165,7 +165,7 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
     )
 
 
-def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "masked") -> Any:
+def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks") -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's

@@ -1,0 +1,50 @@
+"""The summary's findings (one per lever, heaviest first) and the cross-rank split of exposed communication."""
+from sftprof.analysis import findings as fnd
+from sftprof.analysis.summary import exposed_by_group
+
+
+def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
+    total = 1000.0
+    return {
+        "parts": {"total_ms": total, "summed": [
+            {"part": "attn_core", "label": "attention core", "total_ms": attn_ms, "share_pct": attn_ms / 10,
+             "recompute_ms": 100.0},
+            {"part": "moe_dispatch", "label": "MoE dispatch/combine", "total_ms": 50.0, "share_pct": 5.0,
+             "recompute_ms": 0.0}]},
+        "efficiency": {"rows": [{"kind": "attention", "phase": "forward", "tflops_per_s": 600.0},
+                                {"kind": "attention", "phase": "backward", "tflops_per_s": 440.0}]},
+        "collectives": {"exposed_by_group_ms": {"EP": exposed_ms, "CP": 1.0}},
+        "communication": {"exposed_ms": exposed_ms + 1.0},
+        "host": {"gpu_idle": {"idle_ms": idle_ms, "host_wait_ms": host_wait_ms},
+                 "sync": {"total_ms": sync_ms},
+                 "top_self": [{"name": "aten::nonzero", "sync_wait_ms": sync_ms - 10.0},
+                              {"name": "aten::add", "sync_wait_ms": 0.0}]},
+        "step_window": {"wall_ms": 1100.0},
+    }
+
+
+def test_one_finding_per_lever_over_ranks():
+    found = []
+    for rank, attn in ((0, 700.0), (1, 720.0)):
+        f, _ = fnd.kernel_findings(rank, _kernel_summary(attn, 80.0 + rank, 66.0, 60.0, 900.0), None)
+        found += f
+    top = fnd.top(found)
+    assert [f["text"] for f in top] == [
+        "rank 1: attention core 72.0 % of GPU time (720.0 ms, of which recompute 100.0 ms) at 600 TFLOP/s forward / "
+        "440 TFLOP/s backward (also on rank 0)",
+        "rank 0: activation recompute re-runs 100.0 ms of forward work (10.0 % of GPU time) (also on rank 1)",
+        "rank 1: exposed communication 82.0 ms; largest exposed group EP 81.0 ms (also on rank 0)",
+        "rank 0: GPU idle 66.0 ms (6.0 % of the step's wall time), 60.0 ms of it waiting for the host to launch work; "
+        "the host spent 900.0 ms in blocking CUDA calls (aten::nonzero 890.0 ms), waiting for the GPU's queue to "
+        "drain, not working (also on rank 1)",
+        "rank 0: MoE dispatch/combine 5.0 % of GPU time (50.0 ms) (also on rank 1)"]
+    assert [f["section"] for f in top][2:4] == ["#communication-by-process-group-rank-1", "#host-rank-0"]
+
+
+def test_exposed_communication_split_by_group_between_ranks():
+    ex = exposed_by_group({0: {"CP": 64.68, "EP": 143.524, "WORLD": 0.133}, 1: {"CP": 13.052, "EP": 125.828,
+                                                                                "WORLD": 0.585}})
+    assert (ex["max_rank"], ex["min_rank"], ex["extra_ms"]) == (0, 1, 68.872)
+    assert ex["extra_by_group"] == [("CP", 51.628), ("EP", 17.696), ("WORLD", -0.452)]
+    assert ex["groups"][0] == {"group": "CP", "ms": {0: 64.68, 1: 13.052}}
+    assert exposed_by_group({0: {"CP": 1.0}}) is None
