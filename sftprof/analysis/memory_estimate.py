@@ -86,7 +86,7 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         step_copy = 0 if pa else 4 * (dense / dp_dense + expert / dp_exp)
         rows += [{"category": "parameters", "bytes": wb * n, "formula": f"{wb} B x {n:,} params"},
                  {"category": "gradients", "bytes": grad_b * n, "formula": f"{grad_b} B x {n:,} params"},
-                 {"category": "optimizer", "bytes": int(opt + step_copy),
+                 {"category": "optimizer", "bytes": int(opt + step_copy), "step_copy_bytes": int(step_copy),
                   "formula": f"{state_b} B state" + ("" if pa else " + 4 B fp32 grad copy") +
                              f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params"}]
         assumptions.append(f"distributed optimizer {'on' if dist_opt else 'off'}; precision-aware optimizer "

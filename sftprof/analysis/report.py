@@ -340,7 +340,18 @@ def _estimate(m: dict) -> list[str]:
                     round(r["difference_bytes"] / 2**30, 4)] for r in cmp_rows]),
             "Differences: the activation estimate is a lower bound (the working set of the layer in "
             "backward is not counted); blocks allocated before the recorded window carry no stack and are "
-            "set against parameters, gradients and optimizer state together.\n"]
+            "set against parameters, gradients and optimizer state together." + _step_copy_note(cmp_rows, est) + "\n"]
+
+
+def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
+    """Says so when the measured optimizer state is the estimate without the fp32 gradient copy (within 1 %)."""
+    copy = next((r.get("step_copy_bytes") or 0 for r in est["rows"] if r["category"] == "optimizer"), 0)
+    opt = next((r for r in cmp_rows if r["category"] == "optimizer"), None)
+    if not copy or not opt or abs(-opt["difference_bytes"] - copy) > 0.01 * copy:
+        return ""
+    return (f" Optimizer: the measured state is the estimate less the fp32 gradient copy ({copy / 2**30:.2f} GiB), "
+            "which megatron-core's distributed optimizer holds only during the optimizer step: this peak is "
+            "outside it.")
 
 
 def _memory_snapshot(m: dict) -> list[str]:
