@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from sftprof.capture import module_regions
 from sftprof.analysis.memory_summary import analyze_snapshot
@@ -201,3 +202,34 @@ def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
         "distributed optimizer holds only during the optimizer step: this peak is outside it.")
     measured["categories_at_peak"][0]["bytes"] = 16 * n
     assert report._step_copy_note(findings.explain_estimate(measured, est), est) == ""
+
+
+def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
+    """A real CPU trace whose step compiles a function (first call) and one that reuses it: the compile time is
+    the union of dynamo's ops in the step, and it becomes the heaviest finding."""
+    from sftprof.analysis import findings
+
+    f = torch.compile(lambda x: torch.sin(x) * 2, backend="eager")
+    summaries = []
+    for i in range(2):  # step 0 compiles, step 1 reuses the compiled code
+        with torch.profiler.profile() as prof:
+            with torch.profiler.record_function("sftprof/step"):
+                f(torch.randn(64))
+        path = tmp_path / f"step{i}.json"
+        prof.export_chrome_trace(str(path))
+        data = json.loads(path.read_text())
+        a = KernelTraceAnalyzer({k: v for k, v in data.items() if k != "traceEvents"})
+        for ev in data["traceEvents"]:
+            a.add(ev)
+        summaries.append((data["traceEvents"], a.summary()))
+    events, s = summaries[0]
+    outer = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "dynamo"]
+    assert len(outer) == 1 and s["host"]["compile"]["ms"] == pytest.approx(outer[0]["dur"] / 1e3, abs=1e-3)
+    assert s["host"]["compile"]["compile_ids"] == ["0/0"]
+    found, _ = findings.kernel_findings(0, s, None)
+    wall = s["step_window"]["wall_ms"]
+    assert [f["text"] for f in found if f["key"] == "compile"] == [
+        f"rank 0: torch.compile compiled inside the profiled step: {s['host']['compile']['ms']:.1f} ms of its "
+        f"{wall:.1f} ms wall time in dynamo/inductor (1 compile(s): 0/0); the step time and GPU idle include it, so "
+        "this step is not steady state: profile a later step (PROFILE_STEPS)"]
+    assert summaries[1][1]["host"]["compile"] == {"ms": 0.0, "compile_ids": []}

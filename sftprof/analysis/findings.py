@@ -43,14 +43,26 @@ def _anchor(heading: str) -> str:
 
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
     """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output)."""
+    out: list[dict] = []
+    host = s.get("host") or {}
+    comp = host.get("compile") or {}
+    wall_ms = (s.get("step_window") or {}).get("wall_ms") or 0.0
+    if comp.get("ms") and wall_ms:
+        ids = comp.get("compile_ids") or []
+        out.append({"text": f"rank {rank}: torch.compile compiled inside the profiled step: {comp['ms']:.1f} ms of "
+                            f"its {wall_ms:.1f} ms wall time in dynamo/inductor"
+                            + (f" ({len(ids)} compile(s): {', '.join(ids[:6])}{', ...' if len(ids) > 6 else ''})"
+                               if ids else "")
+                            + "; the step time and GPU idle include it, so this step is not steady state: profile a "
+                              "later step (PROFILE_STEPS)",
+                    "section": _anchor(f"Host, rank {rank}"), "weight": comp["ms"] / wall_ms, "key": "compile"})
     parts = s.get("parts") or {}
     total = parts.get("total_ms") or 0.0
     if not total:
-        return [], []
+        return [dict(f, rank=rank) for f in out], []
     sec = _anchor(parts_heading(rank))
     eff = {(r["kind"], r["phase"]): r for r in (s.get("efficiency") or {}).get("rows") or []
            if r["kind"] == "attention"}
-    out: list[dict] = []
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
         text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of GPU time ({r['total_ms']:.1f} ms"
         if r["recompute_ms"]:
@@ -75,10 +87,9 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                             f"largest exposed group {g} {ms:.1f} ms",
                     "section": _anchor(f"Communication by process group, rank {rank}"),
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
-    host = s.get("host") or {}
     idle = host.get("gpu_idle") or {}
     sync = (host.get("sync") or {}).get("total_ms") or 0.0
-    wall = (s.get("step_window") or {}).get("wall_ms") or 0.0
+    wall = wall_ms
     if wall and (idle.get("idle_ms") or sync):
         # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
         # calls overlaps a busy GPU and costs nothing by itself

@@ -289,6 +289,12 @@ def _host(k: dict, rank: int) -> list[str]:
         out.append(f"Blocking CUDA calls in the step window: {fmt(host['sync']['total_ms'])} ms host wait ("
                    + ", ".join(f"{c} {v['calls']}x {fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
                    + "). An op with sync wait spends that time waiting for the GPU, not working.\n")
+    comp = host.get("compile") or {}
+    if comp.get("ms"):
+        out.append(f"torch.compile in the step window: {fmt(comp['ms'])} ms of host time compiling (dynamo's "
+                   "`dynamo` and `(dynamo_timed)` ops, nested ones counted once"
+                   + (f"; compile ids {', '.join(comp['compile_ids'])}" if comp.get("compile_ids") else "")
+                   + "): this step includes compilation and is not steady state.\n")
     idle = host.get("gpu_idle") if (k.get("gpu") or {}).get("activities") else None
     if idle:
         out.append(f"GPU idle in the step window {fmt(idle['idle_ms'])} ms: host wait (next work launched after "

@@ -237,6 +237,8 @@ class OpCollector:
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
         self.sync_calls: list[tuple[str, float, float]] = []  # blocking CUDA runtime calls
         self.cpu_ops = _Intervals()  # every cpu_op for self time; payload: name index
+        self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
+        self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
 
@@ -252,6 +254,8 @@ class OpCollector:
                 idx = self._op_names[name] = len(self.op_name_list)
                 self.op_name_list.append(name)
             self.cpu_ops.add(tid, ts, ts + dur, idx)
+            if name == "dynamo" or name.endswith(" (dynamo_timed)"):
+                self.compile_spans.append((tid, ts, ts + dur))
             if name.startswith(_BWD_NODE):
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
@@ -273,6 +277,8 @@ class OpCollector:
                                           if nel and args.get("dtype") in _DTYPE_BYTES else None}
         elif cat == "user_annotation":
             name = ev.get("name") or ""
+            if name.startswith("dynamo_data: compile_id="):
+                self.compile_ids.append((ts, name.split("=", 1)[1]))
             if name.startswith(MODULE_REGION_PREFIX):
                 idx = self._region_index.get(name)
                 if idx is None:
@@ -428,6 +434,24 @@ class OpCollector:
         return [{"name": self.op_name_list[k], "calls": int(v[2]), "self_ms": round(v[0] / 1e3, 4),
                  "inclusive_ms": round(v[1] / 1e3, 4), "sync_wait_ms": round(v[3] / 1e3, 4)} for k, v in rows]
 
+    def compile_ms(self, lo: float, hi: float) -> dict[str, Any]:
+        """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and
+        ``... (dynamo_timed)`` ops per thread, so nested ones count once) and the compile ids dynamo
+        annotated (``"frame/attempt"``; ``"4/0"`` is frame 4's first compile)."""
+        total = 0.0
+        by_tid: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for tid, a, b in self.compile_spans:
+            if lo <= a <= hi:
+                by_tid[tid].append((a, b))
+        for spans in by_tid.values():
+            end = -np.inf
+            for a, b in sorted(spans):
+                if b > end:
+                    total += b - max(a, end)
+                    end = b
+        ids = sorted({c for ts, c in self.compile_ids if lo <= ts <= hi})
+        return {"ms": round(total / 1e3, 4), "compile_ids": ids}
+
     def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
         by: dict[str, list] = defaultdict(lambda: [0, 0.0])
@@ -496,6 +520,7 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
     parts_out["total_ms"] = _ms(total)
     host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS) if lo is not None else [],
             "sync": ops.host_sync_ms(lo, hi) if lo is not None else {"total_ms": 0.0, "by_call": {}},
+            "compile": ops.compile_ms(lo, hi) if lo is not None else {"ms": 0.0, "compile_ids": []},
             "gpu_idle": _idle_split(ts, dur, pts, lo, hi) if lo is not None else None}
     return {"parts": parts_out, "host": host,
             "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
