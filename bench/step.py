@@ -143,11 +143,27 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
     return "\n".join(text)
 
 
-def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
-    """The row of the last-step kernel trial listed in ``run_root/summary.tsv`` (a driver run root); layout and
-    world size come from the trial's ``config.yaml`` (``actor.backend``)."""
+def _backend_of(log_dir: Path, run_dir: Path) -> Optional[str]:
+    """``actor.backend`` of a trial: its LOG_DIR's ``config.yaml``, else the last ``actor.backend=`` line of the
+    run dir's ``train_args.txt``; None when neither is readable."""
     import yaml
 
+    try:
+        return yaml.safe_load((log_dir / "config.yaml").read_text())["actor"]["backend"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        pass
+    try:
+        lines = (run_dir / "train_args.txt").read_text().splitlines()
+    except OSError:
+        return None
+    values = [x.split("=", 1)[1] for x in lines if x.startswith("actor.backend=")]
+    return values[-1] if values else None
+
+
+def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
+    """The row of the last-step kernel trial listed in ``run_root/summary.tsv`` (a driver run root). A run root
+    copied or moved from the machine that ran it is read from where it is now (``run_root/<trial>``). Layout:
+    :func:`_backend_of`; world size: from the layout, else the trial's completion record."""
     row: dict[str, Any] = {"layout": None, "world_size": None, "run_root": str(run_root), **(extra or {})}
     try:
         with open(run_root / "summary.tsv") as f:
@@ -155,11 +171,16 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
         if not kernel:
             raise ValueError("no kernel trial in summary.tsv")
         trial = max(kernel, key=lambda t: int(t["step"]))
-        row["run_dir"] = trial["run_dir"]
-        backend = yaml.safe_load((Path(trial["log_dir"]) / "config.yaml").read_text())["actor"]["backend"]
-        row.update(layout=backend, world_size=parse_allocation_mode(backend).world_size)
-        row.update(trial_row(Path(trial["run_dir"])))
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+        run_dir = run_root / trial["trial"]  # where the driver puts it; summary.tsv's path if it is not there
+        if not run_dir.is_dir():
+            run_dir = Path(trial["run_dir"])
+        row["run_dir"] = str(run_dir)
+        backend = _backend_of(Path(trial["log_dir"]), run_dir)
+        row.update(trial_row(run_dir))
+        completion = json.loads((run_dir / "profile_summary.json").read_text()).get("completion") or {}
+        row.update(layout=backend or f"unknown layout ({run_root.name})",
+                   world_size=parse_allocation_mode(backend).world_size if backend else completion.get("world_size"))
+    except (OSError, KeyError, TypeError, ValueError) as err:
         row.update(status=f"no kernel trial summary ({type(err).__name__}: {err})")
     return row
 
@@ -181,7 +202,7 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
         cmd.append(f"actor.num_layers={args.layers}")
     proc = subprocess.run(cmd + overrides, env=env, text=True)
     row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
-    row.update(layout=row["layout"] or layout, world_size=row["world_size"] or world)
+    row.update(layout=layout, world_size=row["world_size"] or world)
     if proc.returncode:  # also when the kernel trial is fine and the memory trial failed
         row["status"] = f"driver exit {proc.returncode} (its output is above); kernel trial: {row.get('status')}"
     return row

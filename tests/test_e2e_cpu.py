@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,7 @@ def _bench_step():
     return mod
 
 
-def test_bench_step_row_of_a_real_trial(run):
+def test_bench_step_row_of_a_real_trial(run, tmp_path):
     """``bench/step.py`` reads a kernel trial's row from its summary: step times as in ``stats.jsonl`` (max over
     ranks), no GPU figures on CPU; ratios and the table against a one-GPU row."""
     _, run_root = run
@@ -124,7 +125,7 @@ def test_bench_step_row_of_a_real_trial(run):
     stats_file = next(run_root.parent.glob(f"fileroot/logs/*/*/{trial['trial']}/stats.jsonl"))
     steps = {r["step"]: r for r in map(json.loads, stats_file.read_text().splitlines()) if r["type"] == "step"}
     row = bench.run_root_row(run_root)  # the last-step kernel trial of the run root, layout from its config.yaml
-    assert (row["layout"], row["world_size"], row["run_dir"]) == ("fsdp:d2", 2, trial["run_dir"])
+    assert (row["layout"], row["world_size"], row["run_dir"]) == ("fsdp:d2", 2, str(run_root / trial["trial"]))
     assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
     assert row["unprofiled_step_s"] == max(r["step_time_s"] for r in steps[0]["ranks"])
     assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 1, trial["trial"])  # default: rank 0 traced
@@ -138,5 +139,13 @@ def test_bench_step_row_of_a_real_trial(run):
                       "step_s": {"ratio": 0.75, "goal": 0.55}, "exposed_comm_pct": {"value": 7.3, "goal": 3.0}}]
     text = bench.format_table([one, two], lines).splitlines()
     assert text[0].split()[:4] == ["layout", "gpus", "step", "s"]
+    # a run root copied to another machine without its FILEROOT: run dirs found under it, layout from train_args.txt
+    moved = tmp_path / "copied" / run_root.name
+    shutil.copytree(run_root, moved)
+    tsv = moved / "summary.tsv"  # as on the new machine: the recorded FILEROOT paths do not exist there
+    tsv.write_text(tsv.read_text().replace(str(run_root.parent), "/nonexistent"))
+    row2 = bench.run_root_row(moved)
+    assert (row2["layout"], row2["world_size"], row2["run_dir"]) == ("fsdp:d2", 2, str(moved / trial["trial"]))
+    assert {k: row2[k] for k in ("step_s", "unprofiled_step_s", "status")} == {k: row[k] for k in ("step_s", "unprofiled_step_s", "status")}
     assert text[-1] == ("megatron:(attn:c2|ffn:e2) vs megatron:d1: attention per rank 0.550x (goal <= 0.55x); "
                         "step 0.750x (goal <= 0.55x); exposed comm 7.3 % of the step (goal <= 3.0 %)")
