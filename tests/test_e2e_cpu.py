@@ -139,13 +139,16 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
                       "step_s": {"ratio": 0.75, "goal": 0.55}, "exposed_comm_pct": {"value": 7.3, "goal": 3.0}}]
     text = bench.format_table([one, two], lines).splitlines()
     assert text[0].split()[:4] == ["layout", "gpus", "step", "s"]
-    # a run root copied to another machine without its FILEROOT: run dirs found under it, layout from train_args.txt
+    # a run root copied to another machine without its FILEROOT: run dirs found under it; this run's layout comes from
+    # its preset, not from an actor.backend= argument in train_args.txt, so the row says so and takes the world size
+    # from the completion record
     moved = tmp_path / "copied" / run_root.name
     shutil.copytree(run_root, moved)
     tsv = moved / "summary.tsv"  # as on the new machine: the recorded FILEROOT paths do not exist there
     tsv.write_text(tsv.read_text().replace(str(run_root.parent), "/nonexistent"))
     row2 = bench.run_root_row(moved)
-    assert (row2["layout"], row2["world_size"], row2["run_dir"]) == ("fsdp:d2", 2, str(moved / trial["trial"]))
+    assert (row2["layout"], row2["world_size"], row2["run_dir"]) == (
+        f"unknown layout ({moved.name})", 2, str(moved / trial["trial"]))
     assert {k: row2[k] for k in ("step_s", "unprofiled_step_s", "status")} == {k: row[k] for k in ("step_s", "unprofiled_step_s", "status")}
     assert text[-1] == ("megatron:(attn:c2|ffn:e2) vs megatron:d1: attention per rank 0.550x (goal <= 0.55x); "
                         "step 0.750x (goal <= 0.55x); exposed comm 7.3 % of the step (goal <= 3.0 %)")
