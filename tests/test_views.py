@@ -126,8 +126,15 @@ def test_views_content(gpu_split):
     assert {k: v for k, v in views["chrome"].items() if k != "traceEvents"} == \
         {k: v for k, v in src.items() if k != "traceEvents"}
     src_counts = _counts(ev)
+    # The profiler's step slices are in every view (HTA and TensorBoard look for them).
+    steps = sorted(e["name"] for e in ev if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    for v in VIEWS:
+        assert sorted(e["name"] for e in views[v]["traceEvents"] if e.get("cat") == "user_annotation"
+                      and e["name"].startswith("ProfilerStep#")) == steps, v
     gpu = views["gpu_only.chrome"]["traceEvents"]
-    assert {c for _, c in _counts(gpu) if c} <= {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "cuda_sync"}
+    assert [e["name"] for e in gpu if e.get("cat") == "user_annotation"] == steps
+    assert {c for _, c in _counts(gpu) if c} <= {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "cuda_sync",
+                                                 "user_annotation"}
     for cat in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_sync"):
         assert _counts(gpu)[("X", cat)] == src_counts[("X", cat)]
     gpu_pids = {e["pid"] for e in gpu if e["ph"] != "M"}
@@ -135,7 +142,7 @@ def test_views_content(gpu_split):
     cpu = views["cpu_only.chrome"]["traceEvents"]
     assert not any(e.get("cat") in ("kernel", "cuda_runtime", "cuda_driver", "ac2g") for e in cpu)
     assert _counts(cpu)[("X", "cpu_op")] == src_counts[("X", "cpu_op")]
-    api = views["cuda_api_only.chrome"]["traceEvents"]
+    api = [e for e in views["cuda_api_only.chrome"]["traceEvents"] if e.get("cat") != "user_annotation"]
     assert {e.get("cat") for e in api if e["ph"] != "M"} == {"cuda_runtime", "cuda_driver"}
     assert len([e for e in api if e["ph"] != "M"]) == src_counts[("X", "cuda_runtime")] + src_counts[("X", "cuda_driver")]
 
@@ -255,10 +262,17 @@ def test_cpu_trace_views(tmp_path):
     ref = _load(src)["traceEvents"]
     cpu = _load(paths["cpu_only.chrome"][0])["traceEvents"]
     assert _counts(cpu)[("X", "user_annotation")] == _counts(ref)[("X", "user_annotation")] == 8
-    for view in ("gpu_only", "cuda_api_only"):  # nothing selected: the one record saying so (HTA loads it)
-        assert _load(paths[f"{view}.chrome"][0])["traceEvents"] == [
-            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
-             "args": {"name": f"{view}: no events in this trace"}}]
+    # Nothing selected: the one record saying so (HTA loads it), also when the trace has a profiler step
+    # slice (a kernel trial on CPU), which these views carry only beside events of their own.
+    stepped = split_trace(str(make_cpu_trace(tmp_path / "cpu_step.json", profiler_step=True)), str(tmp_path / "step"), 1,
+                          progress=False)
+    assert [e["name"] for e in _load(stepped["cpu_only.chrome"][0])["traceEvents"]
+            if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#0"]
+    for view in ("gpu_only", "cuda_api_only"):
+        for p in (paths, stepped):
+            assert _load(p[f"{view}.chrome"][0])["traceEvents"] == [
+                {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+                 "args": {"name": f"{view}: no events in this trace"}}]
     assert all(validate_trace(paths[v][0]) == [] for v in VIEWS)
     # split_trace windows any view above the limit, and only those.
     small = split_trace(str(src), str(tmp_path / "win"), 1, max_view_bytes=20_000, progress=False)

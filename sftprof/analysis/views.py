@@ -11,9 +11,9 @@ One streaming pass over a rank's raw trace writes, side by side (file layout:
                               both ends bound on the tracks their slices moved to; profiler
                               overhead dropped
 ``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations, CUDA sync events + GPU
-                              track metadata
+                              track metadata, and the profiler's step slice(s) (below)
 ``cpu_only.chrome``           cpu_op, user_annotation, python_function events (+ fwd/bwd flows)
-``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
+``cuda_api_only.chrome``      cuda_runtime and cuda_driver events, and the profiler's step slice(s)
 ============================  ==================================================================
 
 Every view satisfies the Trace Event Format rules of ``sftprof/analysis/trace_check.py`` (what
@@ -33,6 +33,10 @@ Perfetto's JSON importer needs), so each view differs from the raw trace in thes
   kernels they wait for without nesting; in the views with GPU work they sit on their own track per
   stream (``CUDA sync: <stream's name>``), and the ``ac2g`` arrow that ends at one moves with it. HTA
   reads the stream from the event's ``args``, so its analyses see them unchanged;
+- the profiler's step slices (the user annotations ``ProfilerStep#<n>``) are also in ``gpu_only`` and
+  ``cuda_api_only`` when those select anything, on their annotation track: HTA and TensorBoard's
+  profiler plugin find the profiled step there (without it HTA warns ``ProfilerStep not found`` and the
+  plugin's overview shows a step 0 of negative length);
 - one ``process_name`` per process and one ``thread_name`` per track (a thread renamed during the
   trace gets both names: ``thread 3658 (python, pt_autograd_0)``).
 
@@ -191,8 +195,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
     writers: dict[str, TraceWriter] = {}
     metadata: list[dict] = []
-    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set()}
+    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set(), "step": set()}
     sync_ends: set[tuple] = set()  # (pid, tid, correlation) of the CUDA sync events: their ac2g arrows' ends
+    step_slices: list[str] = []  # ProfilerStep#<n> slices, for gpu_only and cuda_api_only
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
     flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
@@ -268,6 +273,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 full(raw)
                 cpu_w(raw)
                 clean(raw)
+                if str(ev.get("name")).startswith("ProfilerStep#"):  # the step, for HTA and TensorBoard
+                    tracks["step"].add((pid, tid))
+                    step_slices.append(raw)
                 continue
             if cat == _SYNC_CAT:  # own track: a sync spans the kernels it waits for on the same stream
                 tracks["sync"].add((pid, tid))
@@ -293,8 +301,12 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 api_w(raw)
                 clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
         flow_file.writelines(flow_lines)
+        step_views = {v for v in (_GPU, _API) if writers[v].n_events or writers[v].pending}
+        for v in step_views:
+            for raw in step_slices:
+                writers[v].write(raw)
         _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes, sync_ends)
-        _write_metadata(metadata, writers, tracks, tids)
+        _write_metadata(metadata, writers, tracks, tids, step_views)
         for view, w in writers.items():
             if not (w.n_events or w.pending):
                 w.write(_empty_view_event(view))
@@ -401,8 +413,12 @@ def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes
             clean(raw)
 
 
-def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
-    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean."""
+def _write_metadata(metadata: list[dict], writers, tracks, tids, step_views: set) -> None:
+    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean.
+
+    ``step_views``: the views among ``gpu_only`` and ``cuda_api_only`` that hold the step slices
+    (``tracks["step"]``), whose process and annotation track they name too.
+    """
     proc: dict[int, dict[str, dict]] = defaultdict(dict)  # pid -> metadata name -> last record
     thread_names: dict[tuple, list[str]] = defaultdict(list)
     thread_other: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -420,9 +436,10 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
             proc[pid][name] = ev
     host_tracks = tracks["cpu"] | tracks["api"] | tracks["ann"]
     gpu_pids = {p for p, _ in tracks["gpu"] | tracks["sync"]}
-    per_view = {_CHROME: (None, None), _GPU: (gpu_pids, tracks["gpu"]),
+    step_pids = {v: {p for p, _ in tracks["step"]} if v in step_views else set() for v in (_GPU, _API)}
+    per_view = {_CHROME: (None, None), _GPU: (gpu_pids | step_pids[_GPU], tracks["gpu"]),
                 _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
-                _API: ({p for p, _ in tracks["api"]}, tracks["api"])}
+                _API: ({p for p, _ in tracks["api"]} | step_pids[_API], tracks["api"])}
     for view, (pids, view_tracks) in per_view.items():
         w = writers[view]
         for pid in sorted(proc):
@@ -438,6 +455,8 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
                 w.write(json.dumps(ev, separators=_COMPACT))
         if view in (_CHROME, _CPU):  # the made-up annotation tracks
             _annotation_names(w, tracks["ann"], tids, thread_names)
+        elif view in step_views:  # the annotation tracks of the step slices
+            _annotation_names(w, tracks["step"], tids, thread_names)
         if view in (_CHROME, _GPU):  # the made-up CUDA sync tracks
             for pid, tid in sorted(tracks["sync"]):
                 w.write(_meta("thread_name", pid, tids.get(pid, "sync", tid),
