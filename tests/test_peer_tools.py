@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from fixtures import gpu_trace_fixtures, make_cpu_trace
+from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.artifacts import raw_trace_rank, trace_name, view_dir
 from sftprof.analysis.views import VIEWS, split_trace
 
@@ -66,6 +66,69 @@ def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
         assert all(b == breakdowns["raw"] for b in breakdowns.values())
     else:
         assert breakdowns == {}
+
+
+def test_hta_two_ranks_with_cuda_sync_events_same_figures_in_every_gpu_folder(tmp_path, caplog):
+    """The 2-GPU H200 excerpt: every folder README.md names for HTA gives both ranks, the same GPU events
+    (kernels, memcpy, memset and the stream-bound CUDA sync events) and the same figures as the raw folder."""
+    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    from hta.trace_analysis import TraceAnalysis
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    n_gpu = {}
+    for rank, src in enumerate(two_gpu_sync_traces()):
+        shutil.copy(src, raw / src.name)
+        split_trace(str(src), str(tmp_path / "kernel_traces"), rank, progress=False)
+        with gzip.open(src, "rt") as f:
+            n_gpu[rank] = sum(1 for e in json.load(f)["traceEvents"] if e.get("cat") in GPU_CATS or
+                              e.get("cat") == "cuda_sync" and e["args"]["stream"] >= 0)
+    assert n_gpu == {0: 56, 1: 84}
+    figures = {}
+    for name in ("raw", "chrome", "split_clean", "gpu_only"):
+        path = raw if name == "raw" else tmp_path / "kernel_traces" / name
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hta"):
+            analysis = TraceAnalysis(trace_dir=str(path))
+        assert "ProfilerStep not found" not in caplog.text, name  # the step slice is in gpu_only too
+        assert sorted(analysis.t.traces) == [0, 1], name
+        assert {r: int((analysis.t.get_trace(r)["stream"] >= 0).sum()) for r in (0, 1)} == n_gpu, name
+        figures[name] = (analysis.get_temporal_breakdown(visualize=False).to_dict("records"),
+                         analysis.get_comm_comp_overlap(visualize=False).to_dict("records"))
+    breakdown, overlap = figures["raw"]
+    assert [(b["rank"], b["kernel_time(us)"], b["idle_time(us)"]) for b in breakdown] == \
+        [(0, 9651.0, 2628.0), (1, 12414.0, 2737.0)]
+    assert all(f == figures["raw"] for f in figures.values())
+
+
+def test_tensorboard_plugin_overview_finds_the_profiled_step_in_every_view(tmp_path):
+    """TensorBoard's profiler plugin, through its own parser and run generator, on the 2-GPU H200 excerpt:
+    every view of each rank is step 2 lasting ``ProfilerStep#2``'s duration, and the views with GPU work
+    agree on the GPU figures."""
+    pytest.importorskip("torch_tb_profiler", reason="TensorBoard's profiler plugin is an optional test extra")
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    step_us = {}
+    for rank, src in enumerate(two_gpu_sync_traces()):
+        split_trace(str(src), str(tmp_path / "kernel_traces"), rank, progress=False)
+        with gzip.open(src, "rt") as f:
+            (step,) = [e for e in json.load(f)["traceEvents"] if e.get("name") == "ProfilerStep#2"]
+        step_us[rank] = round(step["dur"])
+    assert step_us == {0: 3409121, 1: 3409727}
+    for rank in (0, 1):
+        gpu = {}
+        for view in VIEWS:
+            name = view.removesuffix(".chrome")
+            data = RunProfileData.parse(f"rank{rank}", None, str(tmp_path / "kernel_traces" / name / trace_name(rank)),
+                                        str(tmp_path))
+            overview = RunGenerator(f"rank{rank}", None, data).generate_run_profile().overview
+            assert [row[0] for row in overview["steps"]["rows"]] == ["2"], (name, rank)
+            times = {c["name"]: c["value"] for c in overview["performance"][0]["children"]}
+            assert overview["performance"][0]["value"] == step_us[rank], (name, rank)
+            if name in ("chrome", "split_clean", "gpu_only"):
+                gpu[name] = (times["Kernel"], times["Memcpy"], times["Memset"])
+        assert len(set(gpu.values())) == 1 and gpu["chrome"][0] > 0, gpu
 
 
 def test_tensorboard_plugin_pattern_lists_every_folder_as_a_run(folders):

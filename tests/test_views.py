@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from fixtures import gpu_trace_fixtures, make_cpu_trace
+from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis import trace_io
 from sftprof.analysis.trace_io import TraceFormatError, TraceReader
 from sftprof.analysis.trace_check import MAX_TID, validate_trace
 from sftprof.analysis.views import VIEWS, split_into_windows, split_trace, view_path
 
-GPU_TRACES = gpu_trace_fixtures()
+GPU_TRACES = gpu_trace_fixtures() + two_gpu_sync_traces()
 
 
 def _load(path):
@@ -83,6 +83,15 @@ def _paired_flows(events):
     return {k for k, v in ends.items() if sorted(v) == ["f", "s"]}
 
 
+def _sync_ends(events):
+    """``(pid, tid, correlation)`` of the CUDA sync events: where their ac2g arrows end."""
+    return {(e["pid"], e["tid"], e["args"]["correlation"]) for e in events if e.get("cat") == "cuda_sync"}
+
+
+def _is_sync_end(e, sync_ends):
+    return e.get("cat") == "ac2g" and e.get("ph") == "f" and (e["pid"], e["tid"], e["id"]) in sync_ends
+
+
 def test_every_view_passes_the_trace_event_format_rules(gpu_split):
     _, _, paths, _ = gpu_split
     for v in VIEWS:
@@ -93,32 +102,47 @@ def test_views_content(gpu_split):
     src, views, _, _ = gpu_split
     ev = src["traceEvents"]
     full = views["chrome"]["traceEvents"]
-    # Everything but profiler bookkeeping and unpaired flow ends, unchanged except annotations' track.
+    # Everything but profiler bookkeeping and unpaired flow ends, unchanged except the track of
+    # annotations, CUDA sync events and the ac2g arrow ends at those syncs.
     paired = _paired_flows(ev)
+    sync_ends = _sync_ends(ev)
     keep = [e for e in ev if _tracked(e) and e["ph"] not in ("M", "s", "f", "t")]
     flows = [e for e in ev if e.get("ph") in ("s", "f") and (e.get("cat"), e.get("id")) in paired]
     assert len(flows) == 2 * len(paired) > 0
 
+    sync_ids = {c for _, _, c in sync_ends}
+
+    def moved(e):  # (the moved events' tids differ: compare arrow ends by id)
+        return e.get("cat") in ("user_annotation", "cuda_sync") or \
+            (e.get("cat") == "ac2g" and e["ph"] == "f" and e["id"] in sync_ids)
+
     def no_tid(e):
-        return json.dumps({k: v for k, v in e.items() if k != "tid" or e.get("cat") != "user_annotation"},
-                          sort_keys=True)
+        return json.dumps({k: v for k, v in e.items() if k != "tid" or not moved(e)}, sort_keys=True)
 
     assert sorted(map(no_tid, [e for e in full if e["ph"] != "M"])) == sorted(map(no_tid, keep + flows))
-    ann = [e for e in full if e.get("cat") == "user_annotation"]
-    assert len(ann) == _counts(ev)[("X", "user_annotation")] and all(e["tid"] > MAX_TID - 16 for e in ann)
+    for cat in ("user_annotation", "cuda_sync"):
+        got = [e for e in full if e.get("cat") == cat]
+        assert len(got) == _counts(ev)[("X", cat)] and all(e["tid"] > MAX_TID - 16 for e in got), cat
     assert {k: v for k, v in views["chrome"].items() if k != "traceEvents"} == \
         {k: v for k, v in src.items() if k != "traceEvents"}
     src_counts = _counts(ev)
+    # The profiler's step slices are in every view (HTA and TensorBoard look for them).
+    steps = sorted(e["name"] for e in ev if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    for v in VIEWS:
+        assert sorted(e["name"] for e in views[v]["traceEvents"] if e.get("cat") == "user_annotation"
+                      and e["name"].startswith("ProfilerStep#")) == steps, v
     gpu = views["gpu_only.chrome"]["traceEvents"]
-    assert {c for _, c in _counts(gpu) if c} <= {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
-    for cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+    assert [e["name"] for e in gpu if e.get("cat") == "user_annotation"] == steps
+    assert {c for _, c in _counts(gpu) if c} <= {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "cuda_sync",
+                                                 "user_annotation"}
+    for cat in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_sync"):
         assert _counts(gpu)[("X", cat)] == src_counts[("X", cat)]
     gpu_pids = {e["pid"] for e in gpu if e["ph"] != "M"}
     assert {e["pid"] for e in gpu if e["ph"] == "M"} <= gpu_pids  # only GPU track metadata
     cpu = views["cpu_only.chrome"]["traceEvents"]
     assert not any(e.get("cat") in ("kernel", "cuda_runtime", "cuda_driver", "ac2g") for e in cpu)
     assert _counts(cpu)[("X", "cpu_op")] == src_counts[("X", "cpu_op")]
-    api = views["cuda_api_only.chrome"]["traceEvents"]
+    api = [e for e in views["cuda_api_only.chrome"]["traceEvents"] if e.get("cat") != "user_annotation"]
     assert {e.get("cat") for e in api if e["ph"] != "M"} == {"cuda_runtime", "cuda_driver"}
     assert len([e for e in api if e["ph"] != "M"]) == src_counts[("X", "cuda_runtime")] + src_counts[("X", "cuda_driver")]
 
@@ -152,21 +176,26 @@ def test_split_clean_tracks_and_flows(gpu_split):
     api = tracks["cuda_runtime"] | tracks["cuda_driver"]
     gpu = tracks["kernel"] | tracks["gpu_memcpy"] | tracks["gpu_memset"]
     ann = tracks["user_annotation"]
+    sync = tracks["cuda_sync"]
     assert api and gpu and tracks["cpu_op"] and len(ann) == len({(e["pid"], e["tid"]) for e in src["traceEvents"]
                                                                  if e.get("cat") == "user_annotation"})
-    groups = (api, gpu, ann, tracks["cpu_op"])
+    groups = (api, gpu, ann, tracks["cpu_op"], sync)
     assert all(not a & b for i, a in enumerate(groups) for b in groups[i + 1:])
     assert all(names[t].startswith("CUDA API") for t in api)
     assert all(names[t].startswith("CPU ops") for t in tracks["cpu_op"])
     assert all(names[t].startswith("Annotations: thread ") for t in ann)
     assert all(names[t].startswith("GPU ") for t in gpu)
+    src_sync = {(e["pid"], e["tid"]) for e in src["traceEvents"] if e.get("cat") == "cuda_sync"}
+    assert len(sync) == len(src_sync) and all(names[t].startswith(f"GPU {t[0]} CUDA sync: ") for t in sync)
     # Made-up tracks: 32-bit, counting down from 2**31 - 1, no real tid of the process reused.
     real = {(e["pid"], e["tid"]) for e in src["traceEvents"] if _tracked(e)}
-    made_up = api | ann
+    made_up = api | ann | sync
     assert all(MAX_TID - len(made_up) < t <= MAX_TID for _, t in made_up) and not made_up & real
-    # Every paired ac2g flow: start inside a CUDA API call on its own track, end on a GPU activity or an API call.
+    # Every paired ac2g flow: start inside a CUDA API call on its own track, end on a GPU activity, a CUDA
+    # sync event (at its start, on the sync's track) or an API call.
     calls = collections.defaultdict(list)
     gpu_starts = set()
+    sync_starts = {(e["pid"], e["tid"], e["ts"]) for e in clean if e.get("cat") == "cuda_sync"}
     for e in clean:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             calls[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
@@ -185,8 +214,12 @@ def test_split_clean_tracks_and_flows(gpu_split):
     assert len(starts) == len(ends) == len([k for k in _paired_flows(src["traceEvents"]) if k[0] == "ac2g"]) > 0
     assert all(in_call(s) for s in starts)
     on_gpu = [f for f in ends if (f["pid"], f["tid"], f["ts"]) in gpu_starts]
+    on_sync = [f for f in ends if (f["pid"], f["tid"], f["ts"]) in sync_starts]
     on_api = [f for f in ends if in_call(f)]
-    assert on_gpu and len(on_gpu) + len(on_api) == len(ends)
+    assert on_gpu and len(on_gpu) + len(on_sync) + len(on_api) == len(ends)
+    src_sync_ends, src_paired = _sync_ends(src["traceEvents"]), _paired_flows(src["traceEvents"])
+    assert len(on_sync) == len([e for e in src["traceEvents"] if _is_sync_end(e, src_sync_ends)
+                                and (e["cat"], e["id"]) in src_paired])
 
 
 def test_compressed_views_equal_plain(gpu_split, tmp_path):
@@ -229,10 +262,17 @@ def test_cpu_trace_views(tmp_path):
     ref = _load(src)["traceEvents"]
     cpu = _load(paths["cpu_only.chrome"][0])["traceEvents"]
     assert _counts(cpu)[("X", "user_annotation")] == _counts(ref)[("X", "user_annotation")] == 8
-    for view in ("gpu_only", "cuda_api_only"):  # nothing selected: the one record saying so (HTA loads it)
-        assert _load(paths[f"{view}.chrome"][0])["traceEvents"] == [
-            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
-             "args": {"name": f"{view}: no events in this trace"}}]
+    # Nothing selected: the one record saying so (HTA loads it), also when the trace has a profiler step
+    # slice (a kernel trial on CPU), which these views carry only beside events of their own.
+    stepped = split_trace(str(make_cpu_trace(tmp_path / "cpu_step.json", profiler_step=True)), str(tmp_path / "step"), 1,
+                          progress=False)
+    assert [e["name"] for e in _load(stepped["cpu_only.chrome"][0])["traceEvents"]
+            if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#0"]
+    for view in ("gpu_only", "cuda_api_only"):
+        for p in (paths, stepped):
+            assert _load(p[f"{view}.chrome"][0])["traceEvents"] == [
+                {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+                 "args": {"name": f"{view}: no events in this trace"}}]
     assert all(validate_trace(paths[v][0]) == [] for v in VIEWS)
     # split_trace windows any view above the limit, and only those.
     small = split_trace(str(src), str(tmp_path / "win"), 1, max_view_bytes=20_000, progress=False)

@@ -10,9 +10,10 @@ One streaming pass over a rank's raw trace writes, side by side (file layout:
                               work on separate, named tracks; CPU->GPU flow arrows (``ac2g``) kept,
                               both ends bound on the tracks their slices moved to; profiler
                               overhead dropped
-``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations + GPU track metadata
+``gpu_only.chrome``           kernels, memcpy, memset, GPU user annotations, CUDA sync events + GPU
+                              track metadata, and the profiler's step slice(s) (below)
 ``cpu_only.chrome``           cpu_op, user_annotation, python_function events (+ fwd/bwd flows)
-``cuda_api_only.chrome``      cuda_runtime and cuda_driver events
+``cuda_api_only.chrome``      cuda_runtime and cuda_driver events, and the profiler's step slice(s)
 ============================  ==================================================================
 
 Every view satisfies the Trace Event Format rules of ``sftprof/analysis/trace_check.py`` (what
@@ -27,6 +28,15 @@ Perfetto's JSON importer needs), so each view differs from the raw trace in thes
 - user annotations (``record_function`` ranges such as ``sftprof/backward/mb0``) can open inside
   one op and close after it on the same thread, which does not nest; in the views with CPU ops they
   sit on their own track per thread (``Annotations: thread N``), next to the thread's ops;
+- CUDA sync events (category ``cuda_sync``, recorded with ``enable_cuda_sync_events``: ``Stream Sync``,
+  ``Stream Wait Event``, ``Event Sync``, ``Context Sync``) span the wait, so on a stream they overlap the
+  kernels they wait for without nesting; in the views with GPU work they sit on their own track per
+  stream (``CUDA sync: <stream's name>``), and the ``ac2g`` arrow that ends at one moves with it. HTA
+  reads the stream from the event's ``args``, so its analyses see them unchanged;
+- the profiler's step slices (the user annotations ``ProfilerStep#<n>``) are also in ``gpu_only`` and
+  ``cuda_api_only`` when those select anything, on their annotation track: HTA and TensorBoard's
+  profiler plugin find the profiled step there (without it HTA warns ``ProfilerStep not found`` and the
+  plugin's overview shows a step 0 of negative length);
 - one ``process_name`` per process and one ``thread_name`` per track (a thread renamed during the
   trace gets both names: ``thread 3658 (python, pt_autograd_0)``).
 
@@ -63,6 +73,7 @@ MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON f
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event"})
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_SYNC_CAT = "cuda_sync"
 _FLOW_PHASES = frozenset("stf")
 _COMPACT = (",", ":")
 _SYNTHETIC_FLOOR = MAX_TID - 2**20  # made-up tids stay above this
@@ -184,7 +195,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
     writers: dict[str, TraceWriter] = {}
     metadata: list[dict] = []
-    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set()}
+    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set(), "step": set()}
+    sync_ends: set[tuple] = set()  # (pid, tid, correlation) of the CUDA sync events: their ac2g arrows' ends
+    step_slices: list[str] = []  # ProfilerStep#<n> slices, for gpu_only and cuda_api_only
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
     flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
@@ -246,7 +259,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
                     flow_pairs.add(cat, ev["id"], ph)
                     # One line per event: line breaks in JSON text are only whitespace between tokens.
-                    flow_lines.append(f"{cat}\t{json.dumps(ev['id'])}\t{pid}\t{tid}\t"
+                    flow_lines.append(f"{cat}\t{json.dumps(ev['id'])}\t{ph}\t{pid}\t{tid}\t"
                                       f"{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
                     if len(flow_lines) >= flush_every:
                         flow_file.writelines(flow_lines)
@@ -260,6 +273,19 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 full(raw)
                 cpu_w(raw)
                 clean(raw)
+                if str(ev.get("name")).startswith("ProfilerStep#"):  # the step, for HTA and TensorBoard
+                    tracks["step"].add((pid, tid))
+                    step_slices.append(raw)
+                continue
+            if cat == _SYNC_CAT:  # own track: a sync spans the kernels it waits for on the same stream
+                tracks["sync"].add((pid, tid))
+                args = ev.get("args")
+                if isinstance(args, dict) and "correlation" in args:
+                    sync_ends.add((pid, tid, args["correlation"]))
+                raw = _moved(raw, ev, tid, tids.get(pid, "sync", tid))
+                full(raw)
+                clean(raw)
+                gpu_w(raw)
                 continue
             full(raw)
             if cat in _CPU_CATS:
@@ -275,8 +301,12 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 api_w(raw)
                 clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
         flow_file.writelines(flow_lines)
-        _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes)
-        _write_metadata(metadata, writers, tracks, tids)
+        step_views = {v for v in (_GPU, _API) if writers[v].n_events or writers[v].pending}
+        for v in step_views:
+            for raw in step_slices:
+                writers[v].write(raw)
+        _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes, sync_ends)
+        _write_metadata(metadata, writers, tracks, tids, step_views)
         for view, w in writers.items():
             if not (w.n_events or w.pending):
                 w.write(_empty_view_event(view))
@@ -349,23 +379,31 @@ class _FlowPairs:
         return self._other.get((cat, json.dumps(fid))) == [1, 1]
 
 
-def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes) -> None:
+def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes, sync_ends: set) -> None:
     """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
 
     ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the launch, or a
-    synchronising call): in ``split_clean`` they move with it to the thread's API track.
+    synchronising call): in ``split_clean`` they move with it to the thread's API track. An ``ac2g``
+    end (``f``) whose ``(pid, tid, id)`` is a CUDA sync event's ``(pid, tid, correlation)`` (``sync_ends``)
+    moves with that event to its sync track, in every view.
     """
     flow_pairs.finish()
     flow_file.seek(0)
     full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
     api_threads = tracks["api"]
     for line in flow_file:
-        cat, fid, pid, tid, raw = line.rstrip("\n").split("\t", 4)
-        if not flow_pairs.paired(cat, int(fid) if fid.isdigit() else json.loads(fid)):
+        cat, fid, ph, pid, tid, raw = line.rstrip("\n").split("\t", 5)
+        fid = int(fid) if fid.isdigit() else json.loads(fid)
+        if not flow_pairs.paired(cat, fid):
             notes["unpaired flow events left out"] += 1
             continue
-        full(raw)
         pid, tid = int(pid), int(tid)
+        if cat == "ac2g" and ph == "f" and type(fid) is int and (pid, tid, fid) in sync_ends:
+            raw = _moved(raw, None, tid, tids.get(pid, "sync", tid))
+            full(raw)
+            clean(raw)
+            continue
+        full(raw)
         if cat == "fwdbwd":
             clean(raw)
             cpu_w(raw)
@@ -375,8 +413,12 @@ def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes
             clean(raw)
 
 
-def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
-    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean."""
+def _write_metadata(metadata: list[dict], writers, tracks, tids, step_views: set) -> None:
+    """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean.
+
+    ``step_views``: the views among ``gpu_only`` and ``cuda_api_only`` that hold the step slices
+    (``tracks["step"]``), whose process and annotation track they name too.
+    """
     proc: dict[int, dict[str, dict]] = defaultdict(dict)  # pid -> metadata name -> last record
     thread_names: dict[tuple, list[str]] = defaultdict(list)
     thread_other: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -393,9 +435,11 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
                 name == "process_sort_index" and type(ev["args"].get("sort_index")) is int:
             proc[pid][name] = ev
     host_tracks = tracks["cpu"] | tracks["api"] | tracks["ann"]
-    per_view = {_CHROME: (None, None), _GPU: ({p for p, _ in tracks["gpu"]}, tracks["gpu"]),
+    gpu_pids = {p for p, _ in tracks["gpu"] | tracks["sync"]}
+    step_pids = {v: {p for p, _ in tracks["step"]} if v in step_views else set() for v in (_GPU, _API)}
+    per_view = {_CHROME: (None, None), _GPU: (gpu_pids | step_pids[_GPU], tracks["gpu"]),
                 _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
-                _API: ({p for p, _ in tracks["api"]}, tracks["api"])}
+                _API: ({p for p, _ in tracks["api"]} | step_pids[_API], tracks["api"])}
     for view, (pids, view_tracks) in per_view.items():
         w = writers[view]
         for pid in sorted(proc):
@@ -411,6 +455,12 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
                 w.write(json.dumps(ev, separators=_COMPACT))
         if view in (_CHROME, _CPU):  # the made-up annotation tracks
             _annotation_names(w, tracks["ann"], tids, thread_names)
+        elif view in step_views:  # the annotation tracks of the step slices
+            _annotation_names(w, tracks["step"], tids, thread_names)
+        if view in (_CHROME, _GPU):  # the made-up CUDA sync tracks
+            for pid, tid in sorted(tracks["sync"]):
+                w.write(_meta("thread_name", pid, tids.get(pid, "sync", tid),
+                              {"name": _sync_label(thread_names, pid, tid)}))
     clean = writers[_CLEAN]
     host_pids = sorted({p for p, _ in host_tracks})
     for order, pid in enumerate(host_pids):
@@ -425,12 +475,22 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids) -> None:
             t = tid if kind == "cpu" else tids.get(pid, kind, tid)
             clean.write(_meta("thread_name", pid, t, {"name": f"{title}: {label}"}))
             clean.write(_meta("thread_sort_index", pid, t, {"sort_index": 3 * order + k}))
-    for order, dev in enumerate(sorted({p for p, _ in tracks["gpu"]})):
+    for order, dev in enumerate(sorted(gpu_pids)):
         clean.write(_meta("process_name", dev, 0, {"name": f"GPU {dev}"}))
         clean.write(_meta("process_sort_index", dev, 0, {"sort_index": 1_000_000 + order}))
     for pid, tid in sorted(tracks["gpu"]):
         clean.write(_meta("thread_name", pid, tid, {"name": f"GPU {pid} stream {tid}"}))
         clean.write(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+    for pid, tid in sorted(tracks["sync"]):
+        t = tids.get(pid, "sync", tid)
+        clean.write(_meta("thread_name", pid, t, {"name": f"GPU {pid} {_sync_label(thread_names, pid, tid)}"}))
+        clean.write(_meta("thread_sort_index", pid, t, {"sort_index": tid}))
+
+
+def _sync_label(thread_names: dict, pid: int, tid: int) -> str:
+    """``CUDA sync: stream 7`` for the sync track of GPU track ``(pid, tid)`` (its names, else its tid)."""
+    names = list(dict.fromkeys(n.strip() for n in thread_names.get((pid, tid), []) if n.strip()))
+    return f"CUDA sync: {', '.join(names) if names else f'thread {tid}'}"
 
 
 def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thread_names: dict) -> None:
