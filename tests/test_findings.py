@@ -42,9 +42,25 @@ def test_one_finding_per_lever_over_ranks():
 
 
 def test_exposed_communication_split_by_group_between_ranks():
+    # rank 0 / 1 of the 2x H200 blocks run (bench/NOTES.md), three of its groups; totals as the ranks measured them
     ex = exposed_by_group({0: {"CP": 64.68, "EP": 143.524, "WORLD": 0.133}, 1: {"CP": 13.052, "EP": 125.828,
-                                                                                "WORLD": 0.585}})
-    assert (ex["max_rank"], ex["min_rank"], ex["extra_ms"]) == (0, 1, 68.872)
+                                                                                "WORLD": 0.585}}, {0: 246.217, 1: 146.201})
+    assert (ex["max_rank"], ex["min_rank"], ex["extra_ms"]) == (0, 1, 100.016)
     assert ex["extra_by_group"] == [("CP", 51.628), ("EP", 17.696), ("WORLD", -0.452)]
     assert ex["groups"][0] == {"group": "CP", "ms": {0: 64.68, 1: 13.052}}
-    assert exposed_by_group({0: {"CP": 1.0}}) is None
+    assert exposed_by_group({0: {"CP": 1.0}}, {0: 1.0}) is None
+
+
+def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group():
+    from sftprof.analysis import summary as sm
+
+    # the 2x H200 masked-CP run (bench/NOTES.md): rank 0 waits at every collective for rank 1
+    groups = {0: {"CP": 235.258, "DP-CP": 85.842, "EP": 141.226}, 1: {"CP": 7.422, "DP-CP": 2.658, "EP": 123.619}}
+    totals = {0: 465.8, 1: 135.7}
+    traces = [{"rank": r, "summary": dict(_kernel_summary(700.0, 0.0, 0.0, 0.0, 0.0), communication={"exposed_ms": totals[r]},
+                                          collectives={"exposed_by_group_ms": groups[r]})} for r in (0, 1)]
+    summary = {"kernel_traces": traces, "ranks": {"exposed_by_group": exposed_by_group(groups, totals)}}
+    found, _ = sm._findings(summary, None)
+    assert [f["text"] for f in found if f["section"] == "#ranks"] == [
+        "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); group CP explains 227.8 ms "
+        "of it"]

@@ -173,8 +173,9 @@ def _ranks(s: dict) -> list[str]:
                          [[g["group"]] + [g["ms"][r] for r in ex["ranks"]] for g in ex["groups"]]))
         if ex["extra_ms"] > 0:
             parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= 0.05)
-            out.append(f"\nThe groups' exposed times sum to {ex['extra_ms']:.1f} ms more on rank {ex['max_rank']} than on "
-                       f"rank {ex['min_rank']} (groups that overlap each other each count); by group (ms): {parts}. A "
+            out.append(f"\nRank {ex['max_rank']} has {ex['extra_ms']:.1f} ms more exposed communication than rank "
+                       f"{ex['min_rank']}; by group (ms; groups that overlap each other each count, so they need not add "
+                       f"up to it): {parts}. A "
                        "collective's kernel runs from its own rank's launch until every rank has joined, so a rank that "
                        "arrives first shows the others' lateness as exposed time: where the bytes are the same on both "
                        "ranks, the extra is load imbalance before the collective, not transfer.\n")

@@ -309,8 +309,9 @@ def rank_table(summary: dict) -> dict[str, Any]:
     for r, row in rows.items():
         row["coords"] = coords.get(r)
     ordered = [rows[r] for r in sorted(rows)]
-    exposed = {t["rank"]: (t["summary"].get("collectives") or {}).get("exposed_by_group_ms") or {}
-               for t in summary.get("kernel_traces") or [] if t.get("summary") is not None and "error" not in t}
+    traced = [t for t in summary.get("kernel_traces") or [] if t.get("summary") is not None and "error" not in t]
+    exposed = {t["rank"]: (t["summary"].get("collectives") or {}).get("exposed_by_group_ms") or {} for t in traced}
+    exposed_total = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traced}
     imbalance = {}
     for col in RANK_COLUMNS:
         vals = [(row[col], row["rank"]) for row in ordered if isinstance(row.get(col), (int, float))]
@@ -319,23 +320,25 @@ def rank_table(summary: dict) -> dict[str, Any]:
         hi, lo = max(vals), min(vals)
         imbalance[col] = {"max": hi[0], "max_rank": hi[1], "min": lo[0], "min_rank": lo[1],
                           "max_over_min": round(hi[0] / lo[0], 4) if len(vals) > 1 and lo[0] > 0 else None}
-    return {"rows": ordered, "imbalance": imbalance, "exposed_by_group": exposed_by_group(exposed)}
+    return {"rows": ordered, "imbalance": imbalance, "exposed_by_group": exposed_by_group(exposed, exposed_total)}
 
 
-def exposed_by_group(exposed: dict[int, dict[str, float]]) -> Optional[dict[str, Any]]:
+def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, float]) -> Optional[dict[str, Any]]:
     """Which process groups explain the difference in exposed communication between ranks.
 
     Args:
         exposed: rank -> {process group -> exposed NCCL kernel ms} (each rank's ``exposed_by_group_ms``).
+        totals: rank -> the rank's exposed NCCL kernel ms (``communication.exposed_ms``; groups that overlap
+            each other count once there, once each in ``exposed``).
 
     Returns:
         None with fewer than 2 ranks; else ``{"ranks": [...], "groups": [{"group", "ms": {rank: ms}}, ...],
         "max_rank", "min_rank", "extra_ms", "extra_by_group": [(group, ms), ...]}``: the rank with the most
-        exposed communication against the one with the least, and per group its ms minus theirs, largest first.
+        exposed communication against the one with the least (``extra_ms``: the difference of their totals),
+        and per group its ms minus theirs, largest first.
     """
     if len(exposed) < 2:
         return None
-    totals = {r: sum(g.values()) for r, g in exposed.items()}
     hi = max(totals, key=lambda r: (totals[r], -r))
     lo = min(totals, key=lambda r: (totals[r], r))
     names = sorted({g for v in exposed.values() for g in v})
@@ -354,18 +357,15 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
         f, w = fnd.kernel_findings(t["rank"], t["summary"], cfg)
         found += f
         what += w
-    if len(traces) > 1:
-        exp = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traces}
-        hi, lo = max(exp, key=exp.get), min(exp, key=exp.get)
-        g_hi = next(t for t in traces if t["rank"] == hi)["summary"]["collectives"]["exposed_by_group_ms"]
-        g_lo = next(t for t in traces if t["rank"] == lo)["summary"]["collectives"]["exposed_by_group_ms"]
-        diff = {g: g_hi.get(g, 0.0) - g_lo.get(g, 0.0) for g in set(g_hi) | set(g_lo)}
-        if diff and exp[hi] > exp[lo]:
-            g = max(diff, key=diff.get)
-            total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
-            found.append({"text": f"rank {hi} has {exp[hi] - exp[lo]:.1f} ms more exposed communication than rank {lo} "
-                                  f"({exp[hi]:.1f} vs {exp[lo]:.1f} ms); group {g} explains {diff[g]:.1f} ms of it",
-                          "section": "#ranks", "weight": (exp[hi] - exp[lo]) / total})
+    ex = (summary.get("ranks") or {}).get("exposed_by_group")
+    if ex and ex["extra_ms"] > 0 and ex["extra_by_group"]:
+        g, ms = ex["extra_by_group"][0]
+        total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
+        hi, lo = ex["max_rank"], ex["min_rank"]
+        tot = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traces}
+        found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
+                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); group {g} explains {ms:.1f} ms of it",
+                      "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
     for m in summary.get("memory_snapshots") or []:
         if "summary" in m and "error" not in m and m["rank"] is not None:
             f, w = fnd.memory_findings(m["rank"], m["summary"], m.get("estimate"), cfg)
