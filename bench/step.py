@@ -14,7 +14,8 @@ overrides for every layout. The row of a layout is read from its kernel trial's 
 (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
-  the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0);
+  the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0; none, shown ``-``, for a
+  ``--runs`` trial that profiled step 1, whose step before is the warm-up);
 - ``attn_ms``: attention-core GPU time per rank (model part ``attn_core``: forward, recompute and backward
   kernels inside the attention modules), the maximum over ranks; ``attn_fwd_tflops`` / ``attn_bwd_tflops``:
   achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
@@ -93,7 +94,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     return {
         "trial": summary.get("trial"), "status": summary.get("status"), "ranks_traced": len(traces),
         "step_s": step_s, "unprofiled_step_s": _num((steps.get(profiled - 1) or {}).get("step_time_s"))
-        if isinstance(profiled, int) else None,
+        if isinstance(profiled, int) and profiled >= 2 else None,  # step 0 warms up: never the reference
         "attn_ms": attn_known[busiest] if busiest is not None else None, "attn_rank": busiest,
         "attn_fwd_tflops": rates["forward"], "attn_bwd_tflops": rates["backward"],
         "exposed_comm_ms": max(exposed) if exposed else None,
@@ -104,13 +105,24 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _problem(row: dict) -> Optional[str]:
+    """``<model>_fake<len>`` of a row's trial name (the driver's ``<model>_fake<len>_<kind>_step<N>_<stamp>``)."""
+    trial = row.get("trial") or ""
+    return trial.split("_kernel_step")[0] if "_kernel_step" in trial else None
+
+
 def ratios(rows: list[dict], baseline: Optional[dict]) -> list[dict]:
-    """Each multi-GPU row against the one-GPU row ``baseline``: attention per rank, step, and the goals."""
+    """Each multi-GPU row against the one-GPU row ``baseline``: attention per rank, step, and the goals; a row of
+    another model or sequence length (its trial name's ``<model>_fake<len>``) gets ``"skipped"`` instead."""
     out = []
     for r in rows:
         if baseline is None or r is baseline or r.get("status") != "ok" or (r.get("world_size") or 1) == 1:
             continue
         line = {"layout": r["layout"], "vs": baseline["layout"]}
+        if None not in (_problem(r), _problem(baseline)) and _problem(r) != _problem(baseline):
+            out.append(dict(line, skipped=f"no ratios: another model or sequence length ({_problem(r)} vs "
+                                          f"{_problem(baseline)})"))
+            continue
         for key, goal in (("attn_ms", 0.55), ("step_s", 0.55)):
             a, b = _num(r.get(key)), _num(baseline.get(key))
             line[key] = {"ratio": a / b if a is not None and b else None, "goal": goal}
@@ -133,6 +145,9 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
             name = r["layout"] or r["run_root"]
             text.append(f"{name}: trial status {r.get('status')!r} (run dir {r.get('run_dir')})")
     for line in lines:
+        if "skipped" in line:
+            text.append(f"{line['layout']} vs {line['vs']}: {line['skipped']}")
+            continue
         parts = []
         for key, label in (("attn_ms", "attention per rank"), ("step_s", "step")):
             ratio, goal = line[key]["ratio"], line[key]["goal"]
@@ -143,15 +158,18 @@ def format_table(rows: list[dict], lines: list[dict]) -> str:
     return "\n".join(text)
 
 
-def _backend_of(log_dir: Path, run_dir: Path) -> Optional[str]:
-    """``actor.backend`` of a trial: its LOG_DIR's ``config.yaml``, else the last ``actor.backend=`` line of the
-    run dir's ``train_args.txt``; None when neither is readable."""
+def _backend_of(log_dirs: list[Path], run_dir: Path) -> Optional[str]:
+    """``actor.backend`` of a trial: the ``config.yaml`` of the first readable LOG_DIR of ``log_dirs`` (the one
+    ``summary.tsv`` records, then the one the trial's ``profile_summary.json`` names: a run re-postprocessed where
+    it was copied to), else the last ``actor.backend=`` line of the run dir's ``train_args.txt``; None when none is
+    readable."""
     import yaml
 
-    try:
-        return yaml.safe_load((log_dir / "config.yaml").read_text())["actor"]["backend"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        pass
+    for log_dir in log_dirs:
+        try:
+            return yaml.safe_load((log_dir / "config.yaml").read_text())["actor"]["backend"]
+        except (OSError, KeyError, TypeError, yaml.YAMLError):
+            pass
     try:
         lines = (run_dir / "train_args.txt").read_text().splitlines()
     except OSError:
@@ -175,9 +193,11 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
         if not run_dir.is_dir():
             run_dir = Path(trial["run_dir"])
         row["run_dir"] = str(run_dir)
-        backend = _backend_of(Path(trial["log_dir"]), run_dir)
         row.update(trial_row(run_dir))
-        completion = json.loads((run_dir / "profile_summary.json").read_text()).get("completion") or {}
+        summary = json.loads((run_dir / "profile_summary.json").read_text())
+        completion = summary.get("completion") or {}
+        backend = _backend_of([Path(d) for d in (trial["log_dir"], (summary.get("paths") or {}).get("log_dir")) if d],
+                              run_dir)
         row.update(layout=backend or f"unknown layout ({run_root.name})",
                    world_size=parse_allocation_mode(backend).world_size if backend else completion.get("world_size"))
     except (OSError, KeyError, TypeError, ValueError) as err:
@@ -220,8 +240,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3,
                     help="steps per trial (>= 3): step 0 warms up, the last one is profiled, the one before it is "
                          "the unprofiled reference")
-    ap.add_argument("--kinds", default="kernel", choices=("kernel", "kernel,memory"),
-                    help="profile kinds per layout (PROFILE_KINDS); the row always comes from the kernel trial")
+    ap.add_argument("--kinds", choices=("kernel", "kernel,memory"), metavar="{kernel | kernel,memory}",
+                    help="profile kinds per layout run here (PROFILE_KINDS; default kernel); the row always comes "
+                         "from the kernel trial")
     ap.add_argument("--out-dir", type=Path, default=Path("bench_step_runs"), help="run roots go here")
     ap.add_argument("--baseline", type=Path, help="JSON of an earlier run whose one-GPU row is the reference")
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
@@ -233,8 +254,15 @@ def main() -> int:
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: need >= 3 (step 0 warms up; the unprofiled step before the profiled one "
                  "is the reference)")
+    if args.kinds and not args.layouts:
+        ap.error(f"--kinds {args.kinds}: applies to --layouts run here; the rows of --runs come from their kernel "
+                 "trials as they are")
+    args.kinds = args.kinds or "kernel"
     if args.json and not args.json.resolve().parent.is_dir():
         ap.error(f"--json {args.json}: folder {args.json.resolve().parent} does not exist")
+    if args.json and args.json.exists():
+        ap.error(f"--json {args.json}: exists (rows of an earlier run, or a --baseline); never overwritten: "
+                 "name a new file")
     missing = [str(r) for r in args.runs if not (r / "summary.tsv").is_file()]
     if missing:
         ap.error(f"--runs: no summary.tsv (not a driver run root) in {missing}")

@@ -127,7 +127,7 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     row = bench.run_root_row(run_root)  # the last-step kernel trial of the run root, layout from its config.yaml
     assert (row["layout"], row["world_size"], row["run_dir"]) == ("fsdp:d2", 2, str(run_root / trial["trial"]))
     assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
-    assert row["unprofiled_step_s"] == max(r["step_time_s"] for r in steps[0]["ranks"])
+    assert steps[0]["ranks"] and row["unprofiled_step_s"] is None  # the step before step 1 is the warm-up step 0
     assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 1, trial["trial"])  # default: rank 0 traced
     assert [row[k] for k in ("attn_ms", "attn_fwd_tflops", "exposed_comm_ms", "gpu_busy_pct", "peak_gib", "mfu")] \
         == [None] * 6  # CPU: no kernels, no CUDA memory
@@ -137,6 +137,11 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     lines = bench.ratios([one, two], one)
     assert lines == [{"layout": two["layout"], "vs": "megatron:d1", "attn_ms": {"ratio": 0.55, "goal": 0.55},
                       "step_s": {"ratio": 0.75, "goal": 0.55}, "exposed_comm_pct": {"value": 7.3, "goal": 3.0}}]
+    # this run's row against a one-GPU row of another model and length: no ratio, and the line says why
+    other = dict(one, trial="qwen3_30b_a3b_fake128k_kernel_step2_20261130_133304")
+    assert bench.format_table([other, row], bench.ratios([other, row], other)).splitlines()[-1] == (
+        f"fsdp:d2 vs megatron:d1: no ratios: another model or sequence length (tiny_qwen3_moe_fake512 vs "
+        "qwen3_30b_a3b_fake128k)")
     text = bench.format_table([one, two], lines).splitlines()
     assert text[0].split()[:4] == ["layout", "gpus", "step", "s"]
     # a run root copied to another machine without its FILEROOT: run dirs found under it; this run's layout comes from
@@ -146,9 +151,31 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     shutil.copytree(run_root, moved)
     tsv = moved / "summary.tsv"  # as on the new machine: the recorded FILEROOT paths do not exist there
     tsv.write_text(tsv.read_text().replace(str(run_root.parent), "/nonexistent"))
+    row2 = bench.run_root_row(moved)  # the trial's profile_summary.json still names a readable LOG_DIR
+    assert (row2["layout"], row2["world_size"], row2["run_dir"]) == ("fsdp:d2", 2, str(moved / trial["trial"]))
+    moved_summary = moved / trial["trial"] / "profile_summary.json"
+    moved_summary.write_text(moved_summary.read_text().replace(str(run_root.parent), "/nonexistent"))
     row2 = bench.run_root_row(moved)
     assert (row2["layout"], row2["world_size"], row2["run_dir"]) == (
         f"unknown layout ({moved.name})", 2, str(moved / trial["trial"]))
     assert {k: row2[k] for k in ("step_s", "unprofiled_step_s", "status")} == {k: row[k] for k in ("step_s", "unprofiled_step_s", "status")}
     assert text[-1] == ("megatron:(attn:c2|ffn:e2) vs megatron:d1: attention per rank 0.550x (goal <= 0.55x); "
                         "step 0.750x (goal <= 0.55x); exposed comm 7.3 % of the step (goal <= 3.0 %)")
+
+
+def test_bench_step_refuses_kinds_for_runs_and_an_existing_json(tmp_path):
+    """``bench/step.py`` stops before reading anything: ``--kinds`` with only ``--runs`` (it would be ignored), and a
+    ``--json`` file that exists (an earlier table or the ``--baseline``: never overwritten)."""
+    baseline = tmp_path / "step_1gpu.json"
+    baseline.write_text('{"rows": []}')
+    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--runs", str(tmp_path)]
+    p = subprocess.run(cmd + ["--kinds", "kernel,memory"], capture_output=True, text=True)
+    assert (p.returncode, p.stderr.splitlines()[-1]) == (2, "step.py: error: --kinds kernel,memory: applies to "
+                                                            "--layouts run here; the rows of --runs come from their "
+                                                            "kernel trials as they are")
+    assert "[--kinds {kernel | kernel,memory}]" in p.stderr
+    p = subprocess.run(cmd + ["--json", str(baseline), "--baseline", str(baseline)], capture_output=True, text=True)
+    assert (p.returncode, p.stderr.splitlines()[-1]) == (2, f"step.py: error: --json {baseline}: exists (rows of an "
+                                                            "earlier run, or a --baseline); never overwritten: name a "
+                                                            "new file")
+    assert baseline.read_text() == '{"rows": []}'

@@ -406,3 +406,30 @@ def test_kind_and_step_come_from_the_trials_own_record(tmp_path, cpu_traces):
     assert res.returncode == 2
     assert (f"--profile-kind: not given, and {tmp_path / 'bare' / 'stats.jsonl'} has no completion record naming "
             "it; pass one of ('kernel', 'memory')") in res.stderr
+
+
+def test_compare_says_when_cp_attention_cannot_act(tmp_path):
+    """The settings diff of two trials that differ in ``actor.megatron.cp_attention`` says the setting had no effect
+    when neither trial runs megatron with CP > 1 (bench/NOTES.md's one-GPU rows: masked before the default changed,
+    blocks after), and says nothing more when one of them has CP = 2."""
+    from sftprof.analysis import compare
+
+    def summary(name, backend, method):
+        log = tmp_path / name
+        log.mkdir()
+        (log / "config.yaml").write_text(f"actor:\n  backend: {backend}\n  megatron:\n    cp_attention: {method}\n")
+        return {"paths": {"log_dir": str(log)}}
+
+    d1_masked, d1_blocks = summary("a", "megatron:d1", "masked"), summary("b", "megatron:d1", "blocks")
+    assert compare._settings_diff(d1_masked, d1_blocks) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `actor.megatron.cp_attention` | masked | blocks |", "",
+        "`actor.megatron.cp_attention` has no effect in either trial (it applies to the megatron backend with CP > 1): "
+        "its difference is not what the deltas measure.", ""]
+    cp2 = summary("c", "megatron:(attn:c2|ffn:e2)", "masked")
+    assert compare._settings_diff(d1_blocks, cp2) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `actor.backend` | megatron:d1 | megatron:(attn:c2\\|ffn:e2) |",  # "|" escaped: still three cells
+        "| `actor.megatron.cp_attention` | blocks | masked |", "",
+        "**Warning:** the runs differ in actor.backend: time and memory deltas mix the change under test with a "
+        "different problem size.", ""]

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from sftprof import artifacts
+from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
@@ -147,6 +148,19 @@ def _settings(summary: dict) -> dict[str, Any] | None:
         return _flat(yaml.safe_load(f) or {})
 
 
+_CP_ATTENTION = "actor.megatron.cp_attention"
+
+
+def _uses_cp_attention(flat_cfg: dict[str, Any]) -> bool:
+    """Whether ``actor.megatron.cp_attention`` can act in a trial: the megatron backend with CP > 1 (True when the
+    backend does not parse: not known to be without effect)."""
+    try:
+        layout = parse_allocation_mode(str(flat_cfg.get("actor.backend")))
+    except ValueError:
+        return True
+    return layout.backend == "megatron" and layout.cp > 1
+
+
 def _settings_diff(a: dict, b: dict) -> list[str]:
     """What was changed between the two trials (the experiment), and a warning when sizes differ."""
     ca, cb = _settings(a), _settings(b)
@@ -156,7 +170,11 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
     if not keys:
         return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
     out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
-    out += [f"| `{k}` | {ca.get(k, '–')} | {cb.get(k, '–')} |" for k in keys]
+    out += [f"| `{k}` | " + " | ".join(str(c.get(k, "–")).replace("|", "\\|") for c in (ca, cb)) + " |"
+            for k in keys]  # a layout's "|" escaped, so that the row keeps its three cells
+    if _CP_ATTENTION in keys and not any(_uses_cp_attention(c) for c in (ca, cb)):
+        out += ["", f"`{_CP_ATTENTION}` has no effect in either trial (it applies to the megatron backend with CP > 1): "
+                    "its difference is not what the deltas measure."]
     sized = [k for k in keys if k in _SIZE_KEYS]
     if sized:
         out += ["", f"**Warning:** the runs differ in {', '.join(sized)}: time and memory deltas mix the "

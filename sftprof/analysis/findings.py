@@ -53,8 +53,9 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                             f"its {wall_ms:.1f} ms wall time in dynamo/inductor"
                             + (f" ({len(ids)} compile(s): {', '.join(ids[:6])}{', ...' if len(ids) > 6 else ''})"
                                if ids else "")
-                            + "; the step time and GPU idle include it, so this step is not steady state: profile a "
-                              "later step (PROFILE_STEPS)",
+                            + ("; the step time and GPU idle include it" if (s.get("gpu") or {}).get("activities")
+                               else "; the step time includes it")  # a CPU run has no GPU idle to speak of
+                            + ", so this step is not steady state: profile a later step (PROFILE_STEPS)",
                     "section": _anchor(f"Host, rank {rank}"), "weight": comp["ms"] / wall_ms, "key": "compile"})
     parts = s.get("parts") or {}
     total = parts.get("total_ms") or 0.0
