@@ -62,5 +62,5 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
     summary = {"kernel_traces": traces, "ranks": {"exposed_by_group": exposed_by_group(groups, totals)}}
     found, _ = sm._findings(summary, None)
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
-        "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); group CP explains 227.8 ms "
-        "of it"]
+        "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
+        "difference is CP, +227.8 ms"]

@@ -199,7 +199,7 @@ def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
     cmp_rows = findings.explain_estimate(measured, est)
     assert report._step_copy_note(cmp_rows, est) == (
         " Optimizer: the measured state is the estimate less the fp32 gradient copy (11.60 GiB), which megatron-core's "
-        "distributed optimizer holds only during the optimizer step: this peak is outside it.")
+        "optimizers make in the optimizer step (`_copy_model_grads_to_main_grads`): this peak is outside it.")
     measured["categories_at_peak"][0]["bytes"] = 16 * n
     assert report._step_copy_note(findings.explain_estimate(measured, est), est) == ""
 

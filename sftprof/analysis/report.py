@@ -357,8 +357,8 @@ def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
     if not copy or not opt or abs(-opt["difference_bytes"] - copy) > 0.01 * copy:
         return ""
     return (f" Optimizer: the measured state is the estimate less the fp32 gradient copy ({copy / 2**30:.2f} GiB), "
-            "which megatron-core's distributed optimizer holds only during the optimizer step: this peak is "
-            "outside it.")
+            "which megatron-core's optimizers make in the optimizer step (`_copy_model_grads_to_main_grads`): "
+            "this peak is outside it.")
 
 
 def _memory_snapshot(m: dict) -> list[str]:

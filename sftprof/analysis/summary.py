@@ -364,7 +364,7 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
         hi, lo = ex["max_rank"], ex["min_rank"]
         tot = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traces}
         found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
-                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); group {g} explains {ms:.1f} ms of it",
+                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, +{ms:.1f} ms",
                       "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
     for m in summary.get("memory_snapshots") or []:
         if "summary" in m and "error" not in m and m["rank"] is not None:
