@@ -90,12 +90,11 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
     idle = host.get("gpu_idle") or {}
     sync = (host.get("sync") or {}).get("total_ms") or 0.0
-    wall = wall_ms
-    if wall and (idle.get("idle_ms") or sync):
+    if wall_ms and (idle.get("idle_ms") or sync):
         # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
         # calls overlaps a busy GPU and costs nothing by itself
         idle_ms = idle.get("idle_ms") or 0.0
-        text = (f"rank {rank}: GPU idle {idle_ms:.1f} ms ({100 * idle_ms / wall:.1f} % of the step's wall time), "
+        text = (f"rank {rank}: GPU idle {idle_ms:.1f} ms ({100 * idle_ms / wall_ms:.1f} % of the step's wall time), "
                 f"{idle.get('host_wait_ms') or 0.0:.1f} ms of it waiting for the host to launch work")
         waits = sorted((r for r in host.get("top_self") or [] if r.get("sync_wait_ms")),
                        key=lambda r: -r["sync_wait_ms"])[:2]
@@ -104,7 +103,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
             text += (f"; the host spent {sync:.1f} ms in blocking CUDA calls{ops}, waiting for the GPU's queue to "
                      "drain, not working")
         out.append({"text": text, "section": _anchor(f"Host, rank {rank}"),
-                    "weight": (idle.get("host_wait_ms") or 0.0) / wall, "key": "gpu idle"})
+                    "weight": (idle.get("host_wait_ms") or 0.0) / wall_ms, "key": "gpu idle"})
     what = []
     m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
     if rec and m.get("recompute_granularity") == "full":

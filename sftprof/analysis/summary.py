@@ -333,7 +333,7 @@ def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, flo
 
     Returns:
         None with fewer than 2 ranks; else ``{"ranks": [...], "groups": [{"group", "ms": {rank: ms}}, ...],
-        "max_rank", "min_rank", "extra_ms", "extra_by_group": [(group, ms), ...]}``: the rank with the most
+        "max_rank", "min_rank", "totals", "extra_ms", "extra_by_group": [(group, ms), ...]}``: the rank with the most
         exposed communication against the one with the least (``extra_ms``: the difference of their totals),
         and per group its ms minus theirs, largest first.
     """
@@ -346,7 +346,8 @@ def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, flo
                    key=lambda kv: -kv[1])
     return {"ranks": sorted(exposed), "groups": [{"group": g, "ms": {r: exposed[r].get(g, 0.0) for r in sorted(exposed)}}
                                                   for g in names],
-            "max_rank": hi, "min_rank": lo, "extra_ms": round(totals[hi] - totals[lo], 3), "extra_by_group": extra}
+            "max_rank": hi, "min_rank": lo, "totals": dict(totals), "extra_ms": round(totals[hi] - totals[lo], 3),
+            "extra_by_group": extra}
 
 
 def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
@@ -361,8 +362,7 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
     if ex and ex["extra_ms"] > 0 and ex["extra_by_group"]:
         g, ms = ex["extra_by_group"][0]
         total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
-        hi, lo = ex["max_rank"], ex["min_rank"]
-        tot = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traces}
+        hi, lo, tot = ex["max_rank"], ex["min_rank"], ex["totals"]
         found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
                               f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, +{ms:.1f} ms",
                       "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
