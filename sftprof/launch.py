@@ -98,7 +98,7 @@ DRIVER_VARS = (
     DriverVar("TRAIN_BATCH_SIZE", "4", "global batch (sequences per step)"),
     DriverVar("PROFILE_N_MBS", "2", "micro-batches per data-parallel rank"),
     DriverVar("MEMORY_MAX_ENTRIES", "100000", "allocator history entries kept for snapshots"),
-    DriverVar("LOGPROBS_CHUNK_SIZE", "128", "tokens per chunk of the fused vocab-parallel logprob (0 = all at once)"),
+    DriverVar("LOGPROBS_CHUNK_SIZE", "128", "tokens per chunk of the fused vocab-parallel logprob on CPU (0 = all at once; CUDA: one launch)"),
     DriverVar("LM_HEAD_LOSS_CHUNK_SIZE", "0", "> 0: chunked LM-head loss with that many tokens per chunk"),
     DriverVar("USE_PRECISION_AWARE_OPTIMIZER", "true", "Megatron precision-aware optimizer (needs Transformer Engine)"),
     DriverVar("MAIN_GRADS_DTYPE", "bfloat16", "float32 or bfloat16 main grads"),

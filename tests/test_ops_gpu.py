@@ -52,6 +52,30 @@ def test_flat_row_shift_offset_cuda():
     check_flat_row_shift_offset("cuda", v=30011)
 
 
+def test_logprobs_take_all_rows_in_one_launch_cuda():
+    """On CUDA ``chunk_size`` adds no launches: one row-statistics and one gradient kernel for 1000 rows at
+    chunk_size=128 (per-chunk launches left the GPU idle over ~400 ms of a 131072-token step; bench/NOTES.md),
+    and the result equals the chunk_size=0 call bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    base = torch.randn(1000, 30011, device="cuda", dtype=torch.bfloat16, generator=g)
+    labels = torch.randint(0, 30011, (1000,), device="cuda", generator=g)
+    grads = {}
+    for chunk in (0, 128):
+        logits = base.clone().requires_grad_()
+        vocab_parallel_logprobs(logits, labels, chunk_size=chunk).sum().backward()  # warm the autotuner
+        logits = base.clone().requires_grad_()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            lp = vocab_parallel_logprobs(logits, labels, chunk_size=chunk)
+            lp.sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert names.count("_row_stats_kernel") == 1 and names.count("_softmax_grad_kernel") == 1, chunk
+        grads[chunk] = (lp, logits.grad)
+    assert torch.equal(grads[0][0], grads[128][0]) and torch.equal(grads[0][1], grads[128][1])
+
+
 def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     """fp64 log-probs and d(sum -w*logprob)/dlogits for a few rows."""
     z = logits_rows.double()

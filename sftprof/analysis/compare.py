@@ -4,7 +4,7 @@ A run argument is either one trial run dir (it holds ``profile_summary.json``) o
 whose immediate sub-directories are trial run dirs. Trials are matched by
 ``(profile_kind, profile_step)``; unmatched trials are listed. For each pair the report shows
 step time, peak memory per rank, top kernels, time by category and, for memory trials, memory
-alive at the peak by allocation site. Typical use: prove that ``LOGPROBS_CHUNK_SIZE=128``
+alive at the peak by allocation site. Typical use: prove that ``LM_HEAD_LOSS_CHUNK_SIZE=4096``
 lowers the peak against ``0``.
 """
 from __future__ import annotations

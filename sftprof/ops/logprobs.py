@@ -1,4 +1,4 @@
-"""Token log-probs / entropy from vocab-parallel logits, chunked over tokens, backward in place."""
+"""Token log-probs / entropy from vocab-parallel logits, chunked over tokens on CPU, backward in place."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         inv_t = 1.0 / temperature
         local = shard_local_labels(labels, rank * v_local, v_local)
         logprob, entropy, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
-        bounds = chunk_bounds(n, chunk_size)
+        # The Triton kernels keep no [chunk, V] temporaries: on CUDA, chunks would only add launches (a 131072-token
+        # sequence in chunks of 128 is ~15000 kernels of a few us each, and the GPU idles between them).
+        bounds = chunk_bounds(n, chunk_size)  # validates chunk_size on every device
+        if logits.is_cuda:
+            bounds = chunk_bounds(n, 0)
         for s, e in bounds:
             st = chunk_stats(logits[s:e], local[s:e], inv_t, tp_group)
             logprob[s:e], entropy[s:e], lse[s:e] = st.logprob, st.entropy, st.lse
@@ -46,8 +50,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tp_gr
                             vocab_size: int | None = None):
     """Log-probabilities of ``labels`` (and softmax entropy) from this rank's vocabulary shard of the logits.
 
-    Computed in fp32, ``chunk_size`` tokens at a time, with one all-reduce set (a MAX, then one SUM of
-    three ``[chunk]`` fp32 vectors) per chunk across ``tp_group``. Rank ``r`` of ``tp_group`` holds
+    Computed in fp32, with one all-reduce set (a MAX, then one SUM of three ``[chunk]`` fp32 vectors) per chunk
+    across ``tp_group``; on CPU ``chunk_size`` tokens at a time, on CUDA all ``N`` rows at once whatever
+    ``chunk_size`` is (the Triton kernels stream each row and keep only ``[N]`` fp32 statistics, so there is
+    nothing for a chunk to bound, and per-chunk launches would leave the GPU idle). Rank ``r`` of ``tp_group`` holds
     vocabulary ids ``[r * V_local, (r + 1) * V_local)`` (Megatron's vocab-parallel layout).
 
     The backward writes ``d loss / d logits`` into the storage of ``logits`` itself (no new ``[N, V_local]``
@@ -62,7 +68,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tp_gr
             ("fp32 logprob storage"); bf16 logits get a bf16 gradient.
         labels: ``[N]`` int64 global vocabulary ids in ``[0, V_local * tp)``.
         tp_group: tensor-parallel group the vocabulary is split over (``None``: unsplit).
-        chunk_size: tokens per chunk (0: all ``N`` at once); bounds the fp32 temporaries on CPU.
+        chunk_size: tokens per chunk on CPU (0: all ``N`` at once), where it bounds the fp32 ``[chunk, V_local]``
+            temporaries; ignored on CUDA (see above). Still validated (>= 0) on both.
         temperature: logits are divided by it before the softmax (> 0).
         return_entropy: also return the entropy; it is differentiable (detach it when the trainer's
             ``entropy_requires_grad`` is false).
