@@ -32,9 +32,13 @@ def test_qwen3_30b_a3b_transformer_config_fields(cfg):
         tensor_model_parallel_size=1, expert_model_parallel_size=1, moe_token_dispatcher_type="alltoall",
         moe_router_dtype="fp32", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
         deterministic_mode=False, calculate_per_token_loss=True, gradient_accumulation_fusion=False,
-        moe_grouped_gemm=False, apply_rope_fusion=False, layernorm_zero_centered_gamma=False)
+        moe_grouped_gemm=False, apply_rope_fusion=True, layernorm_zero_centered_gamma=False)
     for key, value in expected.items():
         assert getattr(tc, key) == value, key
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from sftprof.models.rope import fused_apply_rotary_pos_emb
+    assert rope_utils.fused_apply_rotary_pos_emb is fused_apply_rotary_pos_emb  # RoPE fusion without TE: ours
     assert tc.activation_func is F.silu
     assert tc.experimental_attention_variant is None
     gpt = mc.gpt_model_kwargs(hf)

@@ -52,6 +52,7 @@ import torch
 
 from sftprof.allocation import Layout
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
+from sftprof.models.rope import install_in_megatron
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -277,8 +278,10 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
       ``moe_router_bias_update_rate``;
     - ``calculate_per_token_loss=True``: the loss function returns the local loss sum and its token
       count and Megatron divides the DP x CP-summed gradients by the global token count;
-    - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, RoPE fusion, permute
-      fusion, grouped GEMM of TE) are on only when ``have_te``.
+    - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, permute fusion, grouped GEMM
+      of TE) are on only when ``have_te``; RoPE fusion is always on: TE's kernel, or without TE
+      :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`, bound into megatron-core here
+      (:func:`sftprof.models.rope.install_in_megatron`).
     """
     a, m = cfg.actor, cfg.actor.megatron
     dtype = _DTYPES[a.dtype]
@@ -293,7 +296,7 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         moe_router_bias_update_rate=float(m.moe_router_bias_update_rate),
         calculate_per_token_loss=True,
         gradient_accumulation_fusion=have_te,
-        apply_rope_fusion=have_te,
+        apply_rope_fusion=have_te or install_in_megatron(),
         moe_permute_fusion=have_te,
         moe_grouped_gemm=have_te,
         masked_softmax_fusion=False,

@@ -34,18 +34,18 @@ class _SwiGLUWithProbs(torch.autograd.Function):
     def forward(ctx, fc1, probs):
         ctx.save_for_backward(fc1, probs)
         if fc1.is_cuda:
-            from sftprof.models import swiglu_triton
+            from sftprof.models import triton_kernels
 
-            return swiglu_triton.forward(fc1, probs)
+            return triton_kernels.swiglu_forward(fc1, probs)
         return _reference(fc1, probs)
 
     @staticmethod
     def backward(ctx, d_out):
         fc1, probs = ctx.saved_tensors
         if fc1.is_cuda:
-            from sftprof.models import swiglu_triton
+            from sftprof.models import triton_kernels
 
-            d_fc1, d_probs = swiglu_triton.backward(fc1, probs, d_out.contiguous())
+            d_fc1, d_probs = triton_kernels.swiglu_backward(fc1, probs, d_out.contiguous())
         else:
             ct = _compute_dtype(fc1)
             g, u = fc1.to(ct).chunk(2, dim=-1)
@@ -65,7 +65,7 @@ def swiglu_with_probs(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         probs: ``[M]`` routing probabilities (fp32 or ``fc1``'s dtype), one per permuted token.
     Returns:
         ``[M, F]`` in ``fc1``'s dtype. Differentiable in ``fc1`` and ``probs`` (``d probs`` in ``probs``' dtype).
-        On CUDA both directions run in Triton kernels (:mod:`sftprof.models.swiglu_triton`); elsewhere in torch.
+        On CUDA both directions run in Triton kernels (:mod:`sftprof.models.triton_kernels`); elsewhere in torch.
     Raises:
         ValueError: ``fc1`` not 2-D contiguous with an even column count, or ``probs`` not ``[M]``.
     """

@@ -1,0 +1,126 @@
+"""Triton kernels of the model's fused elementwise ops (CUDA only; imported lazily by their modules).
+
+- :func:`swiglu_forward` / :func:`swiglu_backward` for :func:`sftprof.models.swiglu.swiglu_with_probs`: one
+  program per row of ``fc1`` ``[M, 2F]``, streaming the ``F`` gate and up columns in ``BLOCK``-wide steps.
+- :func:`rope_apply` for :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`: one program per ``(s, b)`` row
+  of ``t`` ``[S, B, H, D]``, all heads in ``[BLOCK_H, half]`` tiles, the row's cos/sin computed once.
+
+fp32 arithmetic, one rounding per stored element. The math is in each op's module.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_fwd_kernel(fc1_ptr, probs_ptr, out_ptr, n_ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.load(probs_ptr + row).to(tl.float32)
+    base = fc1_ptr + row * 2 * n_ffn
+    for start in range(0, n_ffn, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_ffn
+        g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + n_ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u * p
+        tl.store(out_ptr + row * n_ffn + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(fc1_ptr, probs_ptr, dout_ptr, dfc1_ptr, dprobs_ptr, n_ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.load(probs_ptr + row).to(tl.float32)
+    base = fc1_ptr + row * 2 * n_ffn
+    dbase = dfc1_ptr + row * 2 * n_ffn
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_ffn, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_ffn
+        g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + n_ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(dout_ptr + row * n_ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        dg = d * u * p * s * (1.0 + g * (1.0 - s))
+        tl.store(dbase + cols, dg.to(dfc1_ptr.dtype.element_ty), mask=mask)
+        tl.store(dbase + n_ffn + cols, (d * silu * p).to(dfc1_ptr.dtype.element_ty), mask=mask)
+        acc += d * silu * u
+    tl.store(dprobs_ptr + row, tl.sum(acc, axis=0))
+
+
+def _block(n_ffn: int) -> int:
+    return min(triton.next_power_of_2(max(n_ffn, 16)), 2048)
+
+
+def swiglu_forward(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``[M, F]`` output in ``fc1``'s dtype from contiguous ``fc1`` ``[M, 2F]`` and ``probs`` ``[M]``."""
+    m, f = fc1.shape[0], fc1.shape[1] // 2
+    out = torch.empty(m, f, dtype=fc1.dtype, device=fc1.device)
+    if m:
+        _swiglu_fwd_kernel[(m,)](fc1, probs.contiguous(), out, f, BLOCK=_block(f), num_warps=4)
+    return out
+
+
+def swiglu_backward(fc1: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d fc1 [M, 2F] in fc1's dtype, d probs [M] fp32)`` from contiguous ``d_out`` ``[M, F]``."""
+    m, f = fc1.shape[0], fc1.shape[1] // 2
+    d_fc1 = torch.empty_like(fc1)
+    d_probs = torch.empty(m, dtype=torch.float32, device=fc1.device)
+    if m:
+        _swiglu_bwd_kernel[(m,)](fc1, probs.contiguous(), d_out, d_fc1, d_probs, f, BLOCK=_block(f), num_warps=4)
+    return d_fc1, d_probs
+
+
+@triton.jit
+def _rope_kernel(x_ptr, f_ptr, out_ptr, n_b, n_heads, head_dim, half, stride_fs, stride_fb,
+                 BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s_idx = row // n_b
+    b_idx = row % n_b
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < half
+    fbase = f_ptr + s_idx * stride_fs + b_idx * stride_fb
+    f1 = tl.load(fbase + cols, mask=cm, other=0.0).to(tl.float32)
+    f2 = tl.load(fbase + half + cols, mask=cm, other=0.0).to(tl.float32)
+    c1, s1, c2, s2 = tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
+    base = row * n_heads * head_dim
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        hm = heads < n_heads
+        m = hm[:, None] & cm[None, :]
+        off = base + heads[:, None] * head_dim + cols[None, :]
+        x1 = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + off + half, mask=m, other=0.0).to(tl.float32)
+        if BACKWARD:  # transpose of the rotation: d1 c1 + d2 s2 | d2 c2 - d1 s1
+            o1 = x1 * c1[None, :] + x2 * s2[None, :]
+            o2 = x2 * c2[None, :] - x1 * s1[None, :]
+        else:  # x1 c1 - x2 s1 | x2 c2 + x1 s2
+            o1 = x1 * c1[None, :] - x2 * s1[None, :]
+            o2 = x2 * c2[None, :] + x1 * s2[None, :]
+        tl.store(out_ptr + off, o1.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + off + half, o2.to(out_ptr.dtype.element_ty), mask=m)
+        if BLOCK_T > 0:  # columns past the rotary dim pass through (partial rotary)
+            tcols = 2 * half + tl.arange(0, BLOCK_T)
+            tm = tcols < head_dim
+            toff = base + heads[:, None] * head_dim + tcols[None, :]
+            tmask = hm[:, None] & tm[None, :]
+            tl.store(out_ptr + toff, tl.load(x_ptr + toff, mask=tmask, other=0.0), mask=tmask)
+
+
+def rope_apply(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tensor:
+    """Rotate contiguous ``t`` ``[S, B, H, D]`` by angles ``freqs`` ``[S, 1 or B, 1, R]`` (R even, <= D); with
+    ``backward`` apply the transposed rotation (the gradient). Returns a new tensor like ``t``."""
+    n_s, n_b, n_heads, head_dim = t.shape
+    half = freqs.shape[-1] // 2
+    out = torch.empty_like(t)
+    if t.numel():
+        block_d = triton.next_power_of_2(max(half, 1))
+        tail = head_dim - 2 * half
+        _rope_kernel[(n_s * n_b,)](t, freqs, out, n_b, n_heads, head_dim, half, freqs.stride(0),
+                                   freqs.stride(1) if freqs.shape[1] > 1 else 0, BACKWARD=backward,
+                                   BLOCK_H=max(1, min(triton.next_power_of_2(n_heads), 4096 // block_d)),
+                                   BLOCK_D=block_d, BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
+                                   num_warps=4)
+    return out
