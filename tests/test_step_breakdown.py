@@ -235,3 +235,80 @@ def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
         "step is not steady state: profile a later step (PROFILE_STEPS)"]  # a CPU trace: no GPU idle named
     assert s["gpu"]["activities"] == 0
     assert summaries[1][1]["host"]["compile"] == {"ms": 0.0, "compile_ids": []}
+
+
+def _idle_places_trace() -> list[dict]:
+    """A hand-built step (times in units of 100 us): a MoE router forward whose second kernel waits for the
+    host after an ``aten::nonzero`` sync, then an LM-head loss Function whose forward (4 kernels) and backward
+    (3 kernels) are launch-bound loops of short kernels. Host thread 1, autograd thread 2, GPU stream 7."""
+    u = 100.0
+    evs: list[dict] = []
+
+    def x(cat, name, ts, dur, tid=1, pid=100, **args):
+        evs.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts * u, "dur": dur * u,
+                    "args": args})
+
+    def launch(corr, at, start, dur, tid=1, op="aten::add"):
+        x("cpu_op", op, at - 1, 6, tid)
+        x("cuda_runtime", "cudaLaunchKernel", at, 1, tid, correlation=corr)
+        x("kernel", f"k{corr}", start, dur, 7, 0, correlation=corr)
+
+    x("user_annotation", "sftprof/step", 0, 440)
+    x("user_annotation", "sftprof.module/router/L0", 10, 200)
+    x("cpu_op", "aten::nonzero", 20, 100)
+    x("cuda_runtime", "cudaLaunchKernel", 22, 3, correlation=1)
+    x("kernel", "k1", 30, 50, 7, 0, correlation=1)
+    x("cuda_runtime", "cudaStreamSynchronize", 26, 56, correlation=2)  # returns at 82, 2 after the GPU drained
+    launch(3, 135, 140, 30, op="aten::index")  # gap 80-140 after the sync
+    x("user_annotation", "sftprof.module/lm_head_loss", 200, 100)
+    x("cpu_op", "_VocabParallelLogprobs", 205, 90)
+    evs.append({"ph": "s", "cat": "fwdbwd", "name": "fwdbwd", "id": 5, "pid": 100, "tid": 1, "ts": 205 * u})
+    for k in range(4):  # kernels of 2 launched every 10: gaps of 8 (45 before the first)
+        launch(10 + k, 210 + 10 * k, 215 + 10 * k, 2)
+    x("cpu_op", "autograd::engine::evaluate_function: _VocabParallelLogprobsBackward", 400, 40, 2)
+    x("cpu_op", "_VocabParallelLogprobsBackward", 401, 38, 2)
+    evs.append({"ph": "f", "bp": "e", "cat": "fwdbwd", "name": "fwdbwd", "id": 5, "pid": 100, "tid": 2, "ts": 401 * u})
+    for k in range(3):  # kernels of 4 launched every 10: gaps of 6 (165 before the first)
+        launch(20 + k, 410 + 10 * k, 412 + 10 * k, 4, tid=2, op="aten::mul")
+    return evs
+
+
+def test_gpu_idle_waiting_for_the_host_by_place():
+    """Each host-wait gap goes to the place of the activity that ends it; the gap after the sync is 'after
+    blocking calls', the loops are launch-bound; the HTA-style totals are unchanged."""
+    from sftprof.analysis import findings, report
+
+    a = KernelTraceAnalyzer({})
+    for ev in _idle_places_trace():
+        a.add(ev)
+    s = a.summary()
+    idle = s["host"]["gpu_idle"]
+    # host wait: 30 before k1 + 60 after the sync + 45 + 3 x 8 in the forward loop + 165 + 2 x 6 in the backward
+    assert {k: v for k, v in idle.items() if k != "host_wait_by_place"} == {
+        "idle_ms": 34.0, "host_wait_ms": 33.6, "kernel_wait_ms": 0.0, "after_last_activity_ms": 0.4}
+    places = idle["host_wait_by_place"]
+    assert places["rows"] == [
+        {"part": "lm_head_loss", "label": "LM head + loss", "phase": "backward",
+         "launched_under": "_VocabParallelLogprobsBackward", "idle_ms": 17.7, "gaps": 3, "activities": 3,
+         "mean_activity_us": 400.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "launch-bound"},
+        {"part": "router", "label": "MoE router", "phase": "forward", "launched_under": None, "idle_ms": 9.0,
+         "gaps": 2, "activities": 2, "mean_activity_us": 4000.0, "after_blocking_ms": 6.0,
+         "after_blocking_pct": 66.667, "kind": "after blocking calls"},
+        {"part": "lm_head_loss", "label": "LM head + loss", "phase": "forward",
+         "launched_under": "_VocabParallelLogprobs", "idle_ms": 6.9, "gaps": 4, "activities": 4,
+         "mean_activity_us": 200.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "launch-bound"}]
+    assert (places["rest"], places["after_blocking_ms"], places["after_blocking_by_op"]) == (
+        None, 6.0, {"aten::nonzero": 6.0})
+    found, _ = findings.kernel_findings(0, s, None)
+    assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
+        "rank 0: GPU idle 34.0 ms (77.3 % of the step's wall time), 33.6 ms of it waiting for the host to launch "
+        "work: 17.7 ms in LM head + loss, phase backward, under _VocabParallelLogprobsBackward (launch-bound: 3 GPU "
+        "activities averaging 400.0 µs); 9.0 ms in MoE router, phase forward (67 % of it after blocking CUDA calls); "
+        "6.0 ms of the wait follows blocking CUDA calls (aten::nonzero 6.0 ms)"]
+    md = "".join(report._host(s, 0))
+    assert ("| part | phase | launched under | idle ms | gaps | GPU activities | mean µs | after blocking call % |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+            "| LM head + loss | backward | _VocabParallelLogprobsBackward | 17.700 | 3 | 3 | 400.000 | 0.000 |\n"
+            "| MoE router | forward | – | 9.000 | 2 | 2 | 4000.000 | 66.667 |\n"
+            "| LM head + loss | forward | _VocabParallelLogprobs | 6.900 | 4 | 4 | 200.000 | 0.000 |\n"
+            "Idle after blocking CUDA calls: 6.000 ms (aten::nonzero 6.000 ms).\n") in md

@@ -279,6 +279,27 @@ def _collectives_by_group(k: dict, rank: int) -> list[str]:
             f"{coll['note']}.\n"]
 
 
+def _host_wait_places(places: dict | None) -> list[str]:
+    """The host wait by place (:func:`sftprof.analysis.step_breakdown._host_wait_places`); none in older summaries."""
+    if not places or not places["rows"]:
+        return []
+    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["activities"],
+             r["mean_activity_us"], r["after_blocking_pct"]] for r in places["rows"]]
+    if places.get("rest"):
+        rest = places["rest"]
+        rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None])
+    blocked = places.get("after_blocking_by_op") or {}
+    return ["GPU idle waiting for the host, by the place of the work that ended each gap (its model part and phase, "
+            "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
+            "kernels, copies and fills in the step, with their mean duration; after blocking call: the share of the "
+            "idle that follows a blocking CUDA call (the host waited for the GPU to drain, then launched late), the "
+            "rest is launch-bound (the host launched the next work after the GPU had finished the previous):\n",
+            table(["part", "phase", "launched under", "idle ms", "gaps", "GPU activities", "mean µs",
+                   "after blocking call %"], rows),
+            f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"
+            + (" (" + ", ".join(f"{k} {fmt(v)} ms" for k, v in blocked.items()) + ")" if blocked else "") + ".\n"]
+
+
 def _host(k: dict, rank: int) -> list[str]:
     host = k["host"]
     if not host["top_self"]:
@@ -302,6 +323,7 @@ def _host(k: dict, rank: int) -> list[str]:
                    f"the GPU went idle) {fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
                    f"dependency) {fmt(idle['kernel_wait_ms'])} ms, after the last activity "
                    f"{fmt(idle.get('after_last_activity_ms'))} ms.\n")
+        out += _host_wait_places(idle.get("host_wait_by_place"))
     out.append(table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
                      [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
                       for r in host["top_self"]]))
