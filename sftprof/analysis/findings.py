@@ -50,10 +50,13 @@ def _idle_place(r: dict) -> str:
     text = f"{r['idle_ms']:.1f} ms in {r['label']}, phase {r['phase']}"
     if r.get("launched_under"):
         text += f", under {r['launched_under']}"
-    if r["kind"] == "launch-bound":
-        return text + (f" (launch-bound: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs)"
-                       if r.get("activities") else " (launch-bound)")
-    return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
+    if r["kind"] == "after blocking calls":
+        return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
+    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {r['mean_gap_us']:.1f} µs"
+    if r["kind"] == "launch-bound" and r.get("activities"):
+        return text + (f" (launch-bound: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs, "
+                       f"{gaps})")
+    return text + f" ({r['kind']}: {gaps})"
 
 
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:

@@ -53,7 +53,7 @@ from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
-           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES"]
+           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
 
 _BWD_NODE = "autograd::engine::evaluate_function: "
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -610,6 +610,10 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
 
 
 TOP_IDLE_PLACES = 10
+# A place whose host-wait gaps average under this (us) is launch-bound: the host's cost per launch (CUDA runtime,
+# PyTorch dispatcher, Python) exceeds the kernels' run time. Longer gaps mean the host did other work between
+# launches. On the 131072-token 1x H200 trace the chunked loss loop's gaps averaged 25 us, its kernels 4 us.
+LAUNCH_GAP_US = 100.0
 
 
 def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]], *, launch: np.ndarray,
@@ -621,18 +625,19 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     and the named op it was launched under (:meth:`OpCollector.launch_sites`). A gap is *after a blocking
     call* when a blocking CUDA call (``cudaStreamSynchronize`` ...; :meth:`OpCollector.blocking_calls`) ended
     between the gap's start and the launch of the activity that ends it: the host waited for the GPU's queue
-    to drain, then took the gap's time to launch more work. The other gaps are *launch-bound*: the host
-    launched the next work only after the GPU had finished the previous (per-launch host cost above the
-    kernels' run time, or host work between launches).
+    to drain, then took the gap's time to launch more work. In the other gaps the host launched the next work
+    only after the GPU had finished the previous: a place is *launch-bound* when those gaps are short
+    (mean under :data:`LAUNCH_GAP_US`: the per-launch host cost exceeds the kernels' run time), else *host
+    busy* (the host did other work between launches).
 
     Returns:
         ``{"rows": [...], "rest": {...} or None, "after_blocking_ms", "after_blocking_by_op": {op: ms}}``;
         rows (at most :data:`TOP_IDLE_PLACES`, most idle first) have ``part``, ``label``, ``phase``,
         ``launched_under`` (None when no named op), ``idle_ms``, ``gaps``, ``activities`` (the GPU activities of
         that place launched in the step window: kernels, copies, fills; the gaps end at all three kinds),
-        ``mean_activity_us`` (their mean duration), ``after_blocking_ms``,
+        ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``after_blocking_ms``,
         ``after_blocking_pct`` (of the row's idle) and ``kind`` (``after blocking calls`` when at least half the
-        row's idle follows one, else ``launch-bound``); ``rest`` sums the rows left out (``places``,
+        row's idle follows one, else ``launch-bound`` or ``host busy``); ``rest`` sums the rows left out (``places``,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
@@ -658,11 +663,13 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     out = []
     for (part, phase, site), (us, n, blocked) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
+        kind = ("after blocking calls" if 2 * blocked >= us else
+                "launch-bound" if us / n < LAUNCH_GAP_US else "host busy")
         out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
                     "idle_ms": _ms(us), "gaps": int(n), "activities": int(k),
-                    "mean_activity_us": round(kus / k, 3) if k else None, "after_blocking_ms": _ms(blocked),
-                    "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
-                    "kind": "after blocking calls" if 2 * blocked >= us else "launch-bound"})
+                    "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
+                    "after_blocking_ms": _ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
+                    "kind": kind})
     left = ordered[TOP_IDLE_PLACES:]
     return {"rows": out,
             "rest": {"places": len(left), "idle_ms": _ms(sum(v[0] for _, v in left)),
