@@ -34,6 +34,11 @@ flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as
 ``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
 attention (an explicit ``attn_mask``) has no FLOP count here.
 
+GPU idle waiting for the host (:func:`_idle_split`, :func:`_host_wait_places`): each host-wait gap goes to the
+place of the activity that ends it, its (part, layer summed, phase) from the attribution above and the innermost
+named op around its launch (an autograd Function's forward or a backward node, :meth:`OpCollector.launch_sites`),
+and counts as after a blocking call when a blocking CUDA call ended inside it before that launch.
+
 Bus bandwidth of a collective follows NCCL's performance notes (nccl-tests ``PERFORMANCE.md``):
 ``algbw = S / t`` with ``S`` the larger of the input and output message sizes, ``busbw = algbw * f``
 with ``f = 2 (n - 1) / n`` for all-reduce, ``(n - 1) / n`` for all-gather, reduce-scatter and
