@@ -15,8 +15,16 @@ def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
                                 {"kind": "attention", "phase": "backward", "tflops_per_s": 440.0}]},
         "collectives": {"exposed_by_group_ms": {"EP": exposed_ms, "CP": 1.0}},
         "communication": {"exposed_ms": exposed_ms + 1.0},
-        "host": {"gpu_idle": {"idle_ms": idle_ms, "host_wait_ms": host_wait_ms},
-                 "sync": {"total_ms": sync_ms},
+        "host": {"gpu_idle": {"idle_ms": idle_ms, "host_wait_ms": host_wait_ms, "host_wait_by_place": {
+                     "rows": [{"label": "LM head + loss", "phase": "backward", "idle_ms": host_wait_ms - 20.0,
+                               "launched_under": "_VocabParallelLogprobsBackward", "activities": 6145,
+                               "mean_activity_us": 4.45, "gaps": 6145, "mean_gap_us": 26.8, "after_blocking_pct": 0.0,
+                               "kind": "launch-bound"},
+                              {"label": "MoE router", "phase": "forward", "idle_ms": 3.0, "launched_under": None,
+                               "activities": 20, "mean_activity_us": 30.0, "gaps": 5, "mean_gap_us": 600.0, "after_blocking_pct": 80.0,
+                               "kind": "after blocking calls"}],
+                     "after_blocking_ms": 2.4, "after_blocking_by_op": {"aten::nonzero": 2.4}}},
+                 "sync": {"total_ms": sync_ms},  # the host's time in blocking calls: no finding by itself
                  "top_self": [{"name": "aten::nonzero", "sync_wait_ms": sync_ms - 10.0},
                               {"name": "aten::add", "sync_wait_ms": 0.0}]},
         "step_window": {"wall_ms": 1100.0},
@@ -34,9 +42,11 @@ def test_one_finding_per_lever_over_ranks():
         "440 TFLOP/s backward (also on rank 0)",
         "rank 0: activation recompute re-runs 100.0 ms of forward work (10.0 % of GPU time) (also on rank 1)",
         "rank 1: exposed communication 82.0 ms; largest exposed group EP 81.0 ms (also on rank 0)",
-        "rank 0: GPU idle 66.0 ms (6.0 % of the step's wall time), 60.0 ms of it waiting for the host to launch work; "
-        "the host spent 900.0 ms in blocking CUDA calls (aten::nonzero 890.0 ms), waiting for the GPU's queue to "
-        "drain, not working (also on rank 1)",
+        # the router's 3.0 ms is under a tenth of the host wait: not named, but the idle after its sync is
+        "rank 0: GPU idle 66.0 ms (6.0 % of the step's wall time), 60.0 ms of it waiting for the host to launch work: "
+        "40.0 ms in LM head + loss, phase backward, under _VocabParallelLogprobsBackward (launch-bound: 6145 GPU "
+        "activities averaging 4.5 µs, 6145 gaps averaging 26.8 µs); 2.4 ms of the wait follows blocking CUDA calls (aten::nonzero 2.4 ms) "
+        "(also on rank 1)",
         "rank 0: MoE dispatch/combine 5.0 % of GPU time (50.0 ms) (also on rank 1)"]
     assert [f["section"] for f in top][2:4] == ["#communication-by-process-group-rank-1", "#host-rank-0"]
 

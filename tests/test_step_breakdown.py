@@ -235,3 +235,92 @@ def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
         "step is not steady state: profile a later step (PROFILE_STEPS)"]  # a CPU trace: no GPU idle named
     assert s["gpu"]["activities"] == 0
     assert summaries[1][1]["host"]["compile"] == {"ms": 0.0, "compile_ids": []}
+
+
+
+def _idle_places_trace() -> list[dict]:
+    """A hand-built step (times in units of 10 us): a MoE router forward whose second kernel waits for the host
+    after an ``aten::nonzero`` sync; an LM-head loss Function whose forward (20 kernels) and backward (10 kernels)
+    are launch-bound loops of short kernels; one kernel launched after long host work. Host thread 1, autograd
+    thread 2, GPU stream 7."""
+    u = 10.0
+    evs: list[dict] = []
+
+    def x(cat, name, ts, dur, tid=1, pid=100, **args):
+        evs.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts * u, "dur": dur * u,
+                    "args": args})
+
+    def launch(corr, at, start, dur, tid=1, op="aten::add"):
+        x("cpu_op", op, at - 1, 6, tid)
+        x("cuda_runtime", "cudaLaunchKernel", at, 1, tid, correlation=corr)
+        x("kernel", f"k{corr}", start, dur, 7, 0, correlation=corr)
+
+    x("user_annotation", "sftprof/step", 0, 480)
+    x("user_annotation", "sftprof.module/router/L0", 10, 150)
+    x("cpu_op", "aten::nonzero", 20, 100)
+    x("cuda_runtime", "cudaLaunchKernel", 22, 3, correlation=1)
+    x("kernel", "k1", 30, 50, 7, 0, correlation=1)  # 30 idle before it
+    x("cuda_runtime", "cudaStreamSynchronize", 26, 56, correlation=2)  # returns at 82, 2 after the GPU drained
+    launch(3, 135, 140, 30, op="aten::index")  # gap 80-140 after the sync
+    x("user_annotation", "sftprof.module/lm_head_loss", 170.5, 160)
+    x("cpu_op", "_VocabParallelLogprobs", 170.5, 159)
+    evs.append({"ph": "s", "cat": "fwdbwd", "name": "fwdbwd", "id": 5, "pid": 100, "tid": 1, "ts": 170.5 * u})
+    for k in range(20):  # kernels of 2 launched every 8: gaps 3, then 6
+        launch(10 + k, 172 + 8 * k, 173 + 8 * k, 2)
+    x("cpu_op", "autograd::engine::evaluate_function: _VocabParallelLogprobsBackward", 330, 90, 2)
+    x("cpu_op", "_VocabParallelLogprobsBackward", 330.5, 89, 2)
+    evs.append({"ph": "f", "bp": "e", "cat": "fwdbwd", "name": "fwdbwd", "id": 5, "pid": 100, "tid": 2, "ts": 330.5 * u})
+    for k in range(10):  # kernels of 4 launched every 8: gaps 6, then 4
+        launch(40 + k, 332 + 8 * k, 333 + 8 * k, 4, tid=2, op="aten::mul")
+    launch(60, 459, 460, 10, op="aten::sum")  # 409-460: the host worked elsewhere
+    return evs
+
+
+def test_gpu_idle_waiting_for_the_host_by_place():
+    """Each host-wait gap goes to the place of the activity that ends it; the gap after the sync is 'after
+    blocking calls', the loops are launch-bound, the long gap is host busy; the HTA-style totals are unchanged."""
+    from sftprof.analysis import findings, report
+
+    a = KernelTraceAnalyzer({})
+    for ev in _idle_places_trace():
+        a.add(ev)
+    s = a.summary()
+    idle = s["host"]["gpu_idle"]
+    # host wait (x 10 us): 30 before k1 + 60 after the sync + 3 + 19 x 6 in the forward loop + 6 + 9 x 4 in the
+    # backward loop + 51; busy 50 + 30 + 20 x 2 + 10 x 4 + 10 = 170 of the 480 window
+    assert {k: v for k, v in idle.items() if k != "host_wait_by_place"} == {
+        "idle_ms": 3.1, "host_wait_ms": 3.0, "kernel_wait_ms": 0.0, "after_last_activity_ms": 0.1}
+    assert s["gpu"]["busy_ms"] == 1.7
+    places = idle["host_wait_by_place"]
+    lm = {"part": "lm_head_loss", "label": "LM head + loss", "after_blocking_ms": 0.0, "after_blocking_pct": 0.0,
+          "kind": "launch-bound"}
+    assert places["rows"] == [
+        {**lm, "phase": "forward", "launched_under": "_VocabParallelLogprobs", "idle_ms": 1.17, "gaps": 20,
+         "activities": 20, "mean_activity_us": 20.0, "mean_gap_us": 58.5},
+        {"part": "router", "label": "MoE router", "phase": "forward", "launched_under": None, "idle_ms": 0.9,
+         "gaps": 2, "activities": 2, "mean_activity_us": 400.0, "mean_gap_us": 450.0, "after_blocking_ms": 0.6,
+         "after_blocking_pct": 66.667, "kind": "after blocking calls"},
+        {"part": "outside_parts", "label": "outside model parts (loss, glue, unlinked backward)", "phase": "other",
+         "launched_under": None, "idle_ms": 0.51, "gaps": 1, "activities": 1, "mean_activity_us": 100.0,
+         "mean_gap_us": 510.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"},
+        {**lm, "phase": "backward", "launched_under": "_VocabParallelLogprobsBackward", "idle_ms": 0.42, "gaps": 10,
+         "activities": 10, "mean_activity_us": 40.0, "mean_gap_us": 42.0}]
+    assert (places["rest"], places["after_blocking_ms"], places["after_blocking_by_op"]) == (
+        None, 0.6, {"aten::nonzero": 0.6})
+    found, _ = findings.kernel_findings(0, s, None)
+    assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
+        "rank 0: GPU idle 3.1 ms (64.6 % of the step's wall time), 3.0 ms of it waiting for the host to launch work: "
+        "1.2 ms in LM head + loss, phase forward, under _VocabParallelLogprobs (launch-bound: 20 GPU activities "
+        "averaging 20.0 µs, 20 gaps averaging 58.5 µs); 0.9 ms in MoE router, phase forward (67 % of it after "
+        "blocking CUDA calls); 0.6 ms of the wait follows blocking CUDA calls (aten::nonzero 0.6 ms)"]
+    md = "".join(report._host(s, 0))
+    assert ("| part | phase | launched under | idle ms | gaps | mean gap µs | GPU activities | mean µs | after blocking "
+            "call % | kind |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            "| LM head + loss | forward | _VocabParallelLogprobs | 1.170 | 20 | 58.500 | 20 | 20.000 | 0.000 | "
+            "launch-bound |\n"
+            "| MoE router | forward | – | 0.900 | 2 | 450.000 | 2 | 400.000 | 66.667 | after blocking calls |\n"
+            "| outside model parts (loss, glue, unlinked backward) | other | – | 0.510 | 1 | 510.000 | 1 | 100.000 | "
+            "0.000 | host busy |\n"
+            "| LM head + loss | backward | _VocabParallelLogprobsBackward | 0.420 | 10 | 42.000 | 10 | 40.000 | 0.000 | "
+            "launch-bound |\n"
+            "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md

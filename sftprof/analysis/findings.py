@@ -41,6 +41,24 @@ def _anchor(heading: str) -> str:
     return "#" + out
 
 
+IDLE_PLACES = 2  # places of the host wait a GPU-idle finding names at most
+IDLE_PLACE_SHARE = 0.1  # ... each holding at least this share of the host wait
+
+
+def _idle_place(r: dict) -> str:
+    """One place of the host wait (a row of ``host_wait_by_place``) in words."""
+    text = f"{r['idle_ms']:.1f} ms in {r['label']}, phase {r['phase']}"
+    if r.get("launched_under"):
+        text += f", under {r['launched_under']}"
+    if r["kind"] == "after blocking calls":
+        return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
+    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {r['mean_gap_us']:.1f} µs"
+    if r["kind"] == "launch-bound" and r.get("activities"):
+        return text + (f" (launch-bound: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs, "
+                       f"{gaps})")
+    return text + f" ({r['kind']}: {gaps})"
+
+
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
     """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output)."""
     out: list[dict] = []
@@ -89,21 +107,22 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
                     "section": _anchor(f"Communication by process group, rank {rank}"),
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
     idle = host.get("gpu_idle") or {}
-    sync = (host.get("sync") or {}).get("total_ms") or 0.0
-    if wall_ms and (idle.get("idle_ms") or sync):
+    if wall_ms and idle.get("idle_ms"):
         # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
-        # calls overlaps a busy GPU and costs nothing by itself
-        idle_ms = idle.get("idle_ms") or 0.0
+        # calls overlaps a busy GPU and costs nothing by itself, so only the idle that follows one is named
+        idle_ms, wait = idle["idle_ms"], idle.get("host_wait_ms") or 0.0
         text = (f"rank {rank}: GPU idle {idle_ms:.1f} ms ({100 * idle_ms / wall_ms:.1f} % of the step's wall time), "
-                f"{idle.get('host_wait_ms') or 0.0:.1f} ms of it waiting for the host to launch work")
-        waits = sorted((r for r in host.get("top_self") or [] if r.get("sync_wait_ms")),
-                       key=lambda r: -r["sync_wait_ms"])[:2]
-        if sync:
-            ops = " (" + ", ".join(f"{r['name']} {r['sync_wait_ms']:.1f} ms" for r in waits) + ")" if waits else ""
-            text += (f"; the host spent {sync:.1f} ms in blocking CUDA calls{ops}, waiting for the GPU's queue to "
-                     "drain, not working")
-        out.append({"text": text, "section": _anchor(f"Host, rank {rank}"),
-                    "weight": (idle.get("host_wait_ms") or 0.0) / wall_ms, "key": "gpu idle"})
+                f"{wait:.1f} ms of it waiting for the host to launch work")
+        places = idle.get("host_wait_by_place") or {}
+        where = [r for r in (places.get("rows") or [])[:IDLE_PLACES] if r["idle_ms"] >= IDLE_PLACE_SHARE * wait]
+        if where:
+            text += ": " + "; ".join(_idle_place(r) for r in where)
+        if places.get("after_blocking_ms"):
+            ops = places.get("after_blocking_by_op") or {}
+            text += (f"; {places['after_blocking_ms']:.1f} ms of the wait follows blocking CUDA calls ("
+                     + ", ".join(f"{k} {v:.1f} ms" for k, v in list(ops.items())[:2]) + ")")
+        out.append({"text": text, "section": _anchor(f"Host, rank {rank}"), "weight": wait / wall_ms,
+                    "key": "gpu idle"})
     what = []
     m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
     if rec and m.get("recompute_granularity") == "full":

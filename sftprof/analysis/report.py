@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.kernel_names import short_kernel_name
-from sftprof.analysis.step_breakdown import PHASES
+from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.analysis.views import VIEWS
 
@@ -279,6 +279,30 @@ def _collectives_by_group(k: dict, rank: int) -> list[str]:
             f"{coll['note']}.\n"]
 
 
+def _host_wait_places(places: dict | None) -> list[str]:
+    """The host wait by place (:func:`sftprof.analysis.step_breakdown._host_wait_places`); none in older summaries."""
+    if not places or not places["rows"]:
+        return []
+    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"], r["activities"],
+             r["mean_activity_us"], r["after_blocking_pct"], r["kind"]] for r in places["rows"]]
+    if places.get("rest"):
+        rest = places["rest"]
+        rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None, None,
+                     None])
+    blocked = places.get("after_blocking_by_op") or {}
+    return ["GPU idle waiting for the host, by the place of the work that ended each gap (its model part and phase, "
+            "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
+            "kernels, copies and fills in the step, with their mean duration; after blocking call: the share of the "
+            "idle that follows a blocking CUDA call (the host waited for the GPU to drain, then launched late); "
+            f"kind: after blocking calls (half the idle or more), launch-bound (gaps under {LAUNCH_GAP_US:.0f} µs on "
+            "average: the host's cost per launch exceeds the kernels' run time) or host busy (longer gaps: the host "
+            "did other work between launches):\n",
+            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "GPU activities", "mean µs",
+                   "after blocking call %", "kind"], rows),
+            f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"
+            + (" (" + ", ".join(f"{k} {fmt(v)} ms" for k, v in blocked.items()) + ")" if blocked else "") + ".\n"]
+
+
 def _host(k: dict, rank: int) -> list[str]:
     host = k["host"]
     if not host["top_self"]:
@@ -302,6 +326,7 @@ def _host(k: dict, rank: int) -> list[str]:
                    f"the GPU went idle) {fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
                    f"dependency) {fmt(idle['kernel_wait_ms'])} ms, after the last activity "
                    f"{fmt(idle.get('after_last_activity_ms'))} ms.\n")
+        out += _host_wait_places(idle.get("host_wait_by_place"))
     out.append(table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
                      [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
                       for r in host["top_self"]]))

@@ -34,6 +34,11 @@ flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as
 ``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
 attention (an explicit ``attn_mask``) has no FLOP count here.
 
+GPU idle waiting for the host (:func:`_idle_split`, :func:`_host_wait_places`): each host-wait gap goes to the
+place of the activity that ends it, its (part, layer summed, phase) from the attribution above and the innermost
+named op around its launch (an autograd Function's forward or a backward node, :meth:`OpCollector.launch_sites`),
+and counts as after a blocking call when a blocking CUDA call ended inside it before that launch.
+
 Bus bandwidth of a collective follows NCCL's performance notes (nccl-tests ``PERFORMANCE.md``):
 ``algbw = S / t`` with ``S`` the larger of the input and output message sizes, ``busbw = algbw * f``
 with ``f = 2 (n - 1) / n`` for all-reduce, ``(n - 1) / n`` for all-gather, reduce-scatter and
@@ -53,7 +58,7 @@ from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
-           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES"]
+           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
 
 _BWD_NODE = "autograd::engine::evaluate_function: "
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -235,7 +240,7 @@ class OpCollector:
         self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
         self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
-        self.sync_calls: list[tuple[str, float, float]] = []  # blocking CUDA runtime calls
+        self.sync_calls: list[tuple[str, float, float, int]] = []  # blocking CUDA runtime calls: (name, start, end, tid)
         self.cpu_ops = _Intervals()  # every cpu_op for self time; payload: name index
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
@@ -294,7 +299,7 @@ class OpCollector:
             if isinstance(corr, int) and not isinstance(corr, bool):
                 self._launch[corr] = (tid, ts)
             if ev.get("name") in _SYNC_CALLS:
-                self.sync_calls.append((ev["name"], ts, ts + dur))
+                self.sync_calls.append((ev["name"], ts, ts + dur, tid))
         elif cat == "fwdbwd":
             fid = ev.get("id")
             if isinstance(fid, (int, str)):
@@ -382,6 +387,42 @@ class OpCollector:
             parts[i], layers[i] = part, layer
         return parts, layers, phases, "module_regions"
 
+    def launch_sites(self, tids: np.ndarray, pts: np.ndarray) -> list[Optional[str]]:
+        """Name of the innermost named op around each launch point (None when there is none).
+
+        A named op is a CPU op whose name is not a library op (no ``::``, so ``aten::*`` is left out): a
+        custom autograd Function's forward (``_VocabParallelLogprobs``, ``CheckpointFunction``), an autograd
+        node in backward (``_VocabParallelLogprobsBackward``, ``MulBackward0``; a node's
+        ``autograd::engine::evaluate_function: X`` op counts as ``X``), ``record_param_comms`` ...
+
+        Args:
+            tids, pts: launch thread (int64) and launch time (us, NaN when unknown) per activity, as
+                :meth:`launch_points` gives them.
+        """
+        named = _Intervals()
+        c = self.cpu_ops
+        labels = [n[len(_BWD_NODE):] if n.startswith(_BWD_NODE) else n if "::" not in n else None
+                  for n in self.op_name_list]
+        for k in range(len(c.start)):
+            if labels[c.payload[k]] is not None:
+                named.add(c.tid[k], c.start[k], c.end[k], c.payload[k])
+        at = named.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
+        pay = np.frombuffer(named.payload, dtype=np.int64) if len(named.payload) else np.zeros(0, dtype=np.int64)
+        return [labels[int(pay[j])] if j >= 0 else None for j in at]
+
+    def blocking_calls(self) -> tuple[np.ndarray, list[str]]:
+        """End times (us, sorted) of the blocking CUDA calls and, for each, the innermost CPU op on its
+        thread around it (``aten::nonzero``, ``aten::_local_scalar_dense``; the call's own name when it
+        was made outside every op)."""
+        if not self.sync_calls:
+            return np.zeros(0), []
+        calls = sorted(self.sync_calls, key=lambda s: s[2])
+        at = self.cpu_ops.innermost(np.array([s[3] for s in calls], dtype=np.int64),
+                                    np.array([s[1] for s in calls], dtype=np.float64))
+        pay = np.frombuffer(self.cpu_ops.payload, dtype=np.int64)
+        return (np.array([s[2] for s in calls], dtype=np.float64),
+                [self.op_name_list[int(pay[j])] if j >= 0 else s[0] for s, j in zip(calls, at)])
+
     def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
         """Index into the FLOP-known ops (innermost containing the launch point), -1 when none."""
         return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
@@ -455,7 +496,7 @@ class OpCollector:
     def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
         by: dict[str, list] = defaultdict(lambda: [0, 0.0])
-        for name, a, b in self.sync_calls:
+        for name, a, b, _ in self.sync_calls:
             if lo <= a <= hi:
                 by[name][0] += 1
                 by[name][1] += b - a
@@ -521,13 +562,20 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
     host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS) if lo is not None else [],
             "sync": ops.host_sync_ms(lo, hi) if lo is not None else {"total_ms": 0.0, "by_call": {}},
             "compile": ops.compile_ms(lo, hi) if lo is not None else {"ms": 0.0, "compile_ids": []},
-            "gpu_idle": _idle_split(ts, dur, pts, lo, hi) if lo is not None else None}
+            "gpu_idle": None}
+    if lo is not None:
+        idle, host_gaps = _idle_split(ts, dur, pts, lo, hi)
+        idle["host_wait_by_place"] = _host_wait_places(
+            ops, host_gaps, launch=pts, sites=ops.launch_sites(tids, pts), parts=parts, phases=phases, dur=dur,
+            inside=inside)
+        host["gpu_idle"] = idle
     return {"parts": parts_out, "host": host,
             "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
             "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext)}
 
 
-def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float) -> dict[str, Any]:
+def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
+                ) -> tuple[dict[str, Any], list[tuple[int, float, float]]]:
     """GPU idle time in ``[lo, hi]`` split by why the GPU waited (in the spirit of HTA's idle time breakdown).
 
     Idle gaps are the gaps of the union of all activity intervals. A gap before an activity whose launch
@@ -535,27 +583,104 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     otherwise ``kernel_wait`` (the work was queued but waited on a dependency: another stream, an event,
     a collective's peer; also when the launch is not in the trace). Idle time before the first activity is
     ``host_wait``. Every activity running in the window counts, so idle + GPU busy = the window.
+
+    Returns:
+        ``({idle_ms, host_wait_ms, kernel_wait_ms, after_last_activity_ms}, host_gaps)``; ``host_gaps`` lists
+        each host-wait gap as ``(index of the activity that ends it, gap start us, gap end us)``, the indexes
+        into ``ts``; the gaps' lengths sum to ``host_wait_ms``.
     """
     keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
     order = np.argsort(ts[keep], kind="stable")
+    idx = np.flatnonzero(keep)[order]
     t, e = np.clip(ts[keep][order], lo, hi), np.clip((ts + dur)[keep][order], lo, hi)
     ln = launch[keep][order]
     if not t.size:
         return {"idle_ms": round((hi - lo) / 1e3, 4), "host_wait_ms": round((hi - lo) / 1e3, 4), "kernel_wait_ms": 0.0,
-                "after_last_activity_ms": 0.0}
+                "after_last_activity_ms": 0.0}, []
     run_end = np.maximum.accumulate(e)
     host = max(t[0] - lo, 0.0)
+    host_gaps = [(int(idx[0]), float(lo), float(t[0]))] if host > 0 else []
     kernel = 0.0
     gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
     for g in gaps:
         gap = t[g] - run_end[g - 1]
         if ln[g] > run_end[g - 1]:
             host += gap
+            host_gaps.append((int(idx[g]), float(run_end[g - 1]), float(t[g])))
         else:
             kernel += gap
     tail = max(hi - run_end[-1], 0.0)
-    return {"idle_ms": round((host + kernel + tail) / 1e3, 4), "host_wait_ms": round(host / 1e3, 4),
-            "kernel_wait_ms": round(kernel / 1e3, 4), "after_last_activity_ms": round(tail / 1e3, 4)}
+    return ({"idle_ms": round((host + kernel + tail) / 1e3, 4), "host_wait_ms": round(host / 1e3, 4),
+             "kernel_wait_ms": round(kernel / 1e3, 4), "after_last_activity_ms": round(tail / 1e3, 4)}, host_gaps)
+
+
+TOP_IDLE_PLACES = 10
+# A place whose host-wait gaps average under this (us) is launch-bound: the host's cost per launch (CUDA runtime,
+# PyTorch dispatcher, Python) exceeds the kernels' run time. Longer gaps mean the host did other work between
+# launches. On the 131072-token 1x H200 trace the chunked loss loop's gaps averaged 25 us, its kernels 4 us.
+LAUNCH_GAP_US = 100.0
+
+
+def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]], *, launch: np.ndarray,
+                      sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
+                      inside: np.ndarray) -> dict[str, Any]:
+    """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
+
+    A gap's place is that of the activity that ends it: its (part, phase) from :meth:`OpCollector.attribute`
+    and the named op it was launched under (:meth:`OpCollector.launch_sites`). A gap is *after a blocking
+    call* when a blocking CUDA call (``cudaStreamSynchronize`` ...; :meth:`OpCollector.blocking_calls`) ended
+    between the gap's start and the launch of the activity that ends it: the host waited for the GPU's queue
+    to drain, then took the gap's time to launch more work. In the other gaps the host launched the next work
+    only after the GPU had finished the previous: a place is *launch-bound* when those gaps are short
+    (mean under :data:`LAUNCH_GAP_US`: the per-launch host cost exceeds the kernels' run time), else *host
+    busy* (the host did other work between launches).
+
+    Returns:
+        ``{"rows": [...], "rest": {...} or None, "after_blocking_ms", "after_blocking_by_op": {op: ms}}``;
+        rows (at most :data:`TOP_IDLE_PLACES`, most idle first) have ``part``, ``label``, ``phase``,
+        ``launched_under`` (None when no named op), ``idle_ms``, ``gaps``, ``activities`` (the GPU activities of
+        that place launched in the step window: kernels, copies, fills; the gaps end at all three kinds),
+        ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``after_blocking_ms``,
+        ``after_blocking_pct`` (of the row's idle) and ``kind`` (``after blocking calls`` when at least half the
+        row's idle follows one, else ``launch-bound`` or ``host busy``); ``rest`` sums the rows left out (``places``,
+        ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
+    """
+    sync_end, sync_op = ops.blocking_calls()
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])  # idle us, gaps, after-blocking us
+    by_op: dict[str, float] = defaultdict(float)
+    for i, g0, g1 in host_gaps:
+        key = (parts[i], phases[i], sites[i])
+        r = rows[key]
+        r[0] += g1 - g0
+        r[1] += 1
+        upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
+        j = int(np.searchsorted(sync_end, g0, side="left"))
+        if j < sync_end.size and sync_end[j] <= upto:
+            r[2] += g1 - g0
+            by_op[sync_op[j]] += g1 - g0
+    count: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    for i in np.flatnonzero(inside):
+        key = (parts[i], phases[i], sites[i])
+        if key in rows:
+            count[key][0] += 1
+            count[key][1] += dur[i]
+    ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
+    out = []
+    for (part, phase, site), (us, n, blocked) in ordered[:TOP_IDLE_PLACES]:
+        k, kus = count.get((part, phase, site), (0, 0.0))
+        kind = ("after blocking calls" if 2 * blocked >= us else
+                "launch-bound" if us / n < LAUNCH_GAP_US else "host busy")
+        out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
+                    "idle_ms": _ms(us), "gaps": int(n), "activities": int(k),
+                    "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
+                    "after_blocking_ms": _ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
+                    "kind": kind})
+    left = ordered[TOP_IDLE_PLACES:]
+    return {"rows": out,
+            "rest": {"places": len(left), "idle_ms": _ms(sum(v[0] for _, v in left)),
+                     "gaps": int(sum(v[1] for _, v in left))} if left else None,
+            "after_blocking_ms": _ms(sum(by_op.values())),
+            "after_blocking_by_op": {k: _ms(v) for k, v in sorted(by_op.items(), key=lambda kv: (-kv[1], kv[0]))}}
 
 
 def _parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
