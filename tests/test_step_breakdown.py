@@ -324,3 +324,37 @@ def test_gpu_idle_waiting_for_the_host_by_place():
             "| LM head + loss | backward | _VocabParallelLogprobsBackward | 0.420 | 10 | 42.000 | 10 | 40.000 | 0.000 | "
             "launch-bound |\n"
             "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md
+
+
+def test_part_range_marks_work_outside_modules_only_while_recording():
+    """The megatron engine's loss on the logits path runs in no module: part_range gives it the LM head's range,
+    forward and (inside a backward) recompute-named, and only inside recording()."""
+    net = torch.nn.Sequential()
+    net.add_module("output_layer", torch.nn.Linear(3, 3))
+    assert module_regions.register_model(net) == 1
+    x = torch.ones(2, 3, requires_grad=True)
+
+    class _Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            with module_regions.part_range("lm_head_loss"):
+                return g * 2
+
+    def names(record: bool) -> list[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with module_regions.recording(record):
+                with module_regions.part_range("lm_head_loss"):
+                    y = _Twice.apply(net(x)).sum()
+                y.backward()
+        return [e.name for e in prof.events() if e.name.startswith(module_regions.PREFIX)]
+
+    assert sorted(names(True)) == ["sftprof.module/lm_head_loss", "sftprof.module/lm_head_loss",
+                                   "sftprof.module/lm_head_loss/recompute"]
+    assert names(False) == []
+    with pytest.raises(ValueError, match="part must be one of"):
+        with module_regions.part_range("lm_head"):
+            pass

@@ -48,7 +48,7 @@ from sftprof.artifacts import (MODEL_PART_LABELS as PART_LABELS, MODEL_PARTS as 
                                module_region_name as region_name, parse_module_region as parse_region)
 
 __all__ = ["PREFIX", "PARTS", "PART_LABELS", "module_part", "region_name", "parse_region", "register_model",
-           "recording", "registered_modules"]
+           "part_range", "recording", "registered_modules"]
 
 # (regex on the path below a decoder layer, part); first match wins.
 _LAYER_RULES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), part) for p, part in (
@@ -107,6 +107,7 @@ def module_part(path: str, module: Optional[torch.nn.Module] = None) -> Optional
 # id(module) -> (weak reference, part, global layer); filled by register_model.
 _REGISTRY: dict[int, tuple[weakref.ref, str, Optional[int]]] = {}
 _OPEN: dict[int, list] = {}  # id(module) -> stack of open record_function ranges
+_RECORDING = [False]  # inside recording(): part_range opens its range
 
 
 def register_model(model: torch.nn.Module) -> int:
@@ -170,12 +171,32 @@ def recording(enabled: bool = True) -> Iterator[None]:
         return
     pre = torch.nn.modules.module.register_module_forward_pre_hook(_pre_hook)
     post = torch.nn.modules.module.register_module_forward_hook(_post_hook, always_call=True)
+    _RECORDING[0] = True
     try:
         yield
     finally:
+        _RECORDING[0] = False
         pre.remove()
         post.remove()
         for stack in _OPEN.values():
             while stack:
                 stack.pop().__exit__(None, None, None)
         _OPEN.clear()
+
+
+@contextlib.contextmanager
+def part_range(part: str) -> Iterator[None]:
+    """The model-part range of ``part`` (outside the decoder layers) around work that runs outside every registered
+    module's forward, e.g. the megatron engine's loss on the logits path, which follows ``output_layer``. Only while
+    :func:`recording` is active (otherwise nothing); a recompute range inside a backward, as for modules.
+
+    Raises:
+        ValueError: ``part`` is not one of :data:`PARTS`.
+    """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if not _RECORDING[0]:
+        yield
+        return
+    with torch.profiler.record_function(region_name(part, None, torch._C._current_graph_task_id() != -1)):
+        yield

@@ -47,7 +47,7 @@ from sftprof.loss import SFTLoss
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import resolve_model_dir
 from sftprof.models.routing import RoutingLoadMeter
-from sftprof.capture.module_regions import register_model
+from sftprof.capture.module_regions import part_range, register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
@@ -261,8 +261,9 @@ class MegatronEngine(Engine):
             return self.lm_head_loss(output, batch["labels"].t().reshape(-1), mask.t().reshape(-1).to(torch.float32))
         # output: vocab-parallel logits [b, s_local, V'/tp]
         logits = self.mask_vocab_padding(output)
-        return self.loss.from_logits(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                                     mask.reshape(-1).to(torch.float32), tp_group=self.tp_group)
+        with part_range("lm_head_loss"):  # no module runs the loss here: its kernels are still the LM head's
+            return self.loss.from_logits(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                         mask.reshape(-1).to(torch.float32), tp_group=self.tp_group)
 
     def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [..., V'/tp]`` with the padded vocabulary columns of this TP rank set to -inf (no-op
