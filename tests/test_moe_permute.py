@@ -115,6 +115,21 @@ def test_errors_name_the_setting():
         gather_sum(y, idx)
 
 
+def test_chunk_sort_skips_only_the_identity():
+    from megatron.core.transformer.moe import moe_utils
+
+    from sftprof.models.moe_permute import sort_chunks_unless_identity
+
+    x, probs = torch.randn(10, 4), torch.randn(10)
+    sizes = torch.tensor([3, 0, 5, 2])
+    out, out_probs = sort_chunks_unless_identity(x, sizes, torch.arange(4), probs=probs)
+    assert out is x and out_probs is probs
+    ours = sort_chunks_unless_identity(x, sizes, torch.tensor([2, 0, 3, 1]), probs=probs)
+    theirs = moe_utils.sort_chunks_by_idxs(x, sizes, torch.tensor([2, 0, 3, 1]), probs=probs)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(ours[0], torch.cat([x[3:8], x[:3], x[8:]]))  # chunks x[:3], x[3:3], x[3:8], x[8:]
+
+
 def test_no_tokens():
     routing_map = torch.zeros(0, 8, dtype=torch.bool)
     x = torch.randn(0, 4, requires_grad=True)
@@ -164,8 +179,8 @@ def _moe_forward_backward(config, sorted_permute_on, x, probe):
 def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cpu):
     """The local spec's MoE layer (router, alltoall dispatcher, SequentialMLP experts, shared expert) gives the
     same output and gradients with the sorted permutation as with megatron-core's; the sorted path ran (two
-    gather-sums per step: unpermute forward, permute backward) and megatron's permute/unpermute and their
-    masked_select (on CUDA an aten::nonzero, a host sync) did not."""
+    gather-sums per step: unpermute forward, permute backward) and megatron's permute/unpermute, their
+    masked_select (on CUDA an aten::nonzero, a host sync) and its identity chunk sort did not."""
     from unittest import mock
 
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -181,14 +196,16 @@ def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cp
         with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
                 mock.patch.object(token_dispatcher, "unpermute", wraps=moe_utils.unpermute) as mu, \
                 mock.patch.object(moe_permute, "gather_sum", wraps=moe_permute.gather_sum) as gs, \
+                mock.patch.object(token_dispatcher, "sort_chunks_by_idxs", wraps=moe_utils.sort_chunks_by_idxs) as sc, \
                 torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             layer, out, dx, grads = _moe_forward_backward(config, on, x, probe)
         ops = {e.key: e.count for e in prof.key_averages()}
         results[on] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, mu.call_count,
-                       gs.call_count, ops.get("aten::masked_select", 0), out, dx, grads)
-    # megatron's permute: masked_select of the token indices and of the probs
-    assert results[True][:6] == ("SortedPermuteMoELayer", "SortedPermuteAlltoAllTokenDispatcher", 0, 0, 2, 0)
-    assert results[False][:6] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1, 1, 0, 2)
+                       gs.call_count, ops.get("aten::masked_select", 0), sc.call_count, out, dx, grads)
+    # megatron's permute: masked_select of the token indices and of the probs; its chunk sort by local expert
+    # (8 local experts, EP = TP = 1: the identity) in dispatch_postprocess and combine_preprocess
+    assert results[True][:7] == ("SortedPermuteMoELayer", "SortedPermuteAlltoAllTokenDispatcher", 0, 0, 2, 0, 0)
+    assert results[False][:7] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1, 1, 0, 2, 2)
     (*_, out_on, dx_on, g_on), (*_, out_off, dx_off, g_off) = results[True], results[False]
     scale = out_off.abs().max().item()
     assert (out_on - out_off).abs().max().item() <= 1e-6 * scale

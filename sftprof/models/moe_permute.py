@@ -17,14 +17,18 @@ true entries, and the same layout comes from sorts and gathers only:
 
 Then permute is a row gather whose backward is, per token, the sum of its ``topk`` rows' gradients (a
 gather-sum through ``inverse``), and unpermute is that gather-sum (fp32 accumulation, one rounding) whose
-backward is a row gather: no atomics. On CUDA the gather-sum is a small Triton kernel (no ``[T, topk, H]``
-temporary); on CPU, or without Triton, the same sum in torch, one ``[T, H]`` fp32 accumulator.
+backward is a row gather: no atomics on ``[*, H]`` rows. (The permuted probs are a gather of ``T * topk`` fp32
+scalars; their backward is torch's scatter into ``[T, E]``, each position written once.) On CUDA the gather-sum
+is a small Triton kernel (no ``[T, topk, H]`` temporary); on CPU, or without Triton, the same sum in torch, one
+``[T, H]`` fp32 accumulator.
 
 The hook (:class:`SortedPermuteMoELayer`, picked by :func:`sftprof.models.specs.local_layer_spec` when
 :func:`sorted_permute_applies`) runs megatron-core's own ``MoEAlltoAllTokenDispatcher`` code with its
 module-level ``permute`` / ``unpermute`` names bound to :func:`sorted_permute` / :func:`sorted_unpermute`
-for the duration of ``dispatch_preprocess`` / ``combine_postprocess``; the rest of the dispatcher (splits
-from ``tokens_per_expert``, the all-to-all, ``sort_chunks_by_idxs`` for EP > 1) is unchanged.
+for the duration of ``dispatch_preprocess`` / ``combine_postprocess``, and ``sort_chunks_by_idxs`` (the
+reorder by local expert) to :func:`sort_chunks_unless_identity` in ``dispatch_postprocess`` /
+``combine_preprocess``: megatron's own function except where the reorder is the identity (TP = EP = 1).
+The rest of the dispatcher (splits from ``tokens_per_expert``, the all-to-all) is unchanged.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import functools
 from typing import Iterator, Optional, Tuple
 
 import torch
-from megatron.core.transformer.moe import moe_layer, token_dispatcher
+from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
 
 
 def sorted_permute_applies(config) -> bool:
@@ -230,6 +234,27 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
     return _GatherSumRows.apply(permuted_tokens, sorted_indices, inverse)
 
 
+def sort_chunks_unless_identity(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
+                                probs: Optional[torch.Tensor] = None,
+                                fused: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """megatron-core's ``moe_utils.sort_chunks_by_idxs`` (same arguments and results), returning ``input`` and
+    ``probs`` themselves when ``sorted_idxs`` is the identity ``0, 1, ..., n - 1``.
+
+    The alltoall dispatcher reorders its per-(rank, local expert) chunks with this function whenever a rank has
+    more than one local expert; with TP = EP = 1 the order is the identity and megatron's split + cat is a copy
+    of the whole permuted tensor (``[T * topk, H]``) per call, forward and backward.
+
+    Args:
+        input: ``[N, H]`` rows in chunks of ``split_sizes``; split_sizes: ``[n]`` int64 (host);
+        sorted_idxs: ``[n]`` int64 (host, as the unfused dispatcher keeps it); probs: optional ``[N]``.
+        fused: passed on (TE's fused sort).
+    """
+    n = sorted_idxs.numel()
+    if not sorted_idxs.is_cuda and torch.equal(sorted_idxs, torch.arange(n, dtype=sorted_idxs.dtype)):
+        return input, probs
+    return moe_utils.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
 @contextlib.contextmanager
 def _bound(module, **names) -> Iterator[None]:
     """Bind ``module.<name>`` to the given objects for the duration of the block, then restore them."""
@@ -245,7 +270,8 @@ def _bound(module, **names) -> Iterator[None]:
 
 class SortedPermuteAlltoAllTokenDispatcher(token_dispatcher.MoEAlltoAllTokenDispatcher):
     """megatron-core's ``MoEAlltoAllTokenDispatcher`` with :func:`sorted_permute` / :func:`sorted_unpermute` as
-    its permutation 1 and unpermutation 1 (same arguments and return values as the base class methods).
+    its permutation 1 and unpermutation 1, and :func:`sort_chunks_unless_identity` as its permutation 2 and
+    unpermutation 2 (same arguments and return values as the base class methods).
 
     Only valid when :func:`sorted_permute_applies` to the config (:class:`SortedPermuteMoELayer` checks).
     """
@@ -254,6 +280,16 @@ class SortedPermuteAlltoAllTokenDispatcher(token_dispatcher.MoEAlltoAllTokenDisp
         """The base method with ``permute`` bound to :func:`sorted_permute`."""
         with _bound(token_dispatcher, permute=sorted_permute):
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
+        """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
+        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
+        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+            return super().combine_preprocess(hidden_states)
 
     def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor):
         """The base method with ``unpermute`` bound to :func:`sorted_unpermute`."""
