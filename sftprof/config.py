@@ -206,6 +206,9 @@ class MegatronSettings:
     # 0.50x the single-GPU attention time per CP = 2 rank against 0.79-0.85x, bench/NOTES.md) or "masked" (one
     # SDPA call per chunk with a bottom-right causal mask; also takes attention dropout); see CP_ATTENTION_METHODS.
     cp_attention: str = "blocks"
+    # Without TE, alltoall dispatcher, dropless routing: megatron-core's token permutation by sorts and gathers, no
+    # host sync, no atomics (sftprof.models.moe_permute); false = megatron-core's masked_select/scatter_add path.
+    moe_sorted_permute: bool = True
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).

@@ -123,3 +123,14 @@ def test_type_error_names_the_layer_it_comes_from():
     with pytest.raises(ConfigError, match=r"^actor\.mb_spec\.n_mbs: Value 'abc' of type 'str' could not be converted "
                                           r"to Integer \(overrides actor\.mb_spec\.n_mbs=abc\)$"):
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
+
+
+def test_moe_sorted_permute_default_on_and_bool_only():
+    """``actor.megatron.moe_sorted_permute``: on in the defaults and the shipped YAML, off by override, and a
+    non-boolean is refused naming the key and the override."""
+    assert load_config("tiny_cpu").actor.megatron.moe_sorted_permute is True
+    assert load_config(FLAGSHIP).actor.megatron.moe_sorted_permute is True
+    assert load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=false"]).actor.megatron.moe_sorted_permute is False
+    with pytest.raises(ConfigError, match=r"^actor\.megatron\.moe_sorted_permute: Value 'maybe' is not a valid bool "
+                                          r"\(type str\) \(overrides actor\.megatron\.moe_sorted_permute=maybe\)$"):
+        load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=maybe"])

@@ -12,13 +12,13 @@ zero-centred), the gated SDPA attention with partial RoPE, router, experts and g
 Weights go through the project's mapping (:mod:`sftprof.models.qwen3_5_moe_weights`): per layer for the
 layer tests (TP rank slices included), and through the loader for the whole model.
 """
-import contextlib
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from fixtures.megatron_cpu import megatron_cpu
 from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
@@ -34,42 +34,14 @@ def _torch_l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class _HostStream:
-    """Stands in for ``torch.cuda.Stream`` / ``current_stream`` on CPU: megatron's alltoall dispatcher moves
-    its split sizes to the host on a side stream; on CPU that copy is synchronous."""
-
-    def __eq__(self, other) -> bool:  # one host "stream": no side-stream copies
-        return isinstance(other, _HostStream)
-
-    __hash__ = object.__hash__
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def record_event(self):
-        return mock.Mock(synchronize=lambda: None)
-
-
 @pytest.fixture(scope="module")
 def mcore_cpu(tmp_path_factory):
-    from megatron.core import parallel_state
     from megatron.core.ssm import gated_delta_net
 
-    from sftprof.compat import apply_megatron_compat
-
-    apply_megatron_compat()
-    store = tmp_path_factory.mktemp("store") / "filestore"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
-            mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
-            mock.patch("torch.cuda.current_device", lambda: "cpu"), \
-            mock.patch("torch.cuda.Stream", _HostStream), \
-            mock.patch("torch.cuda.current_stream", _HostStream), \
-            mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()):
+    with megatron_cpu(tmp_path_factory.mktemp("store") / "filestore"), \
+            mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
+            mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True):
         yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _tconfig(hf, mode="megatron:d1"):

@@ -160,8 +160,9 @@ class MegatronEngine(Engine):
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = hf_config.vocab_size
-        gpt = GPTModel(config=tcfg, transformer_layer_spec=decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention),
-                       pre_process=self.pre_process, post_process=self.post_process, **gpt_kwargs)
+        spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute)
+        gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
+                       post_process=self.post_process, **gpt_kwargs)
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
             log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
                      "Transformer Engine's attention does its own context parallelism" if have_te else

@@ -7,7 +7,10 @@
   :class:`sftprof.models.attention.SDPACoreAttention` (SDPA, GQA, context parallel) and
   :class:`sftprof.models.experts.GroupedGemmExperts` (``torch._grouped_mm``; ``SequentialMLP`` where
   grouped GEMM is not available); a shared expert (``SharedExpertMLP``, its sigmoid gate when
-  ``moe_shared_expert_gate``) when the config has one. The final norm of the block is the same RMSNorm.
+  ``moe_shared_expert_gate``) when the config has one; the MoE layer is
+  :class:`sftprof.models.moe_permute.SortedPermuteMoELayer` (sync-free, atomic-free token permutation of the
+  alltoall dispatcher) where it applies and ``actor.megatron.moe_sorted_permute`` is on, else megatron-core's
+  ``MoELayer``. The final norm of the block is the same RMSNorm.
 - Qwen3.5 without TE: the layer pattern of megatron-core's ``get_linear_attention_pattern``; gated
   delta-net layers are megatron-core's ``GatedDeltaNet`` (flash-linear-attention kernels) with local
   column/row-parallel linears and :class:`RMSNorm` as its per-head output norm; the full-attention layers
@@ -92,7 +95,8 @@ def check_model_supported(config) -> None:
         log.warning(note)
 
 
-def _moe_spec(config) -> Any:
+def _moe_spec(config, sorted_permute: bool = True) -> Any:
+    """The MoE layer's ``ModuleSpec`` (module docstring); ``sorted_permute``: ``actor.megatron.moe_sorted_permute``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -101,6 +105,7 @@ def _moe_spec(config) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from sftprof.models.experts import GroupedGemmExperts, grouped_mm_supported
+    from sftprof.models.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
 
     linear = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if grouped_mm_supported(config):
@@ -108,7 +113,8 @@ def _moe_spec(config) -> Any:
     else:
         experts = ModuleSpec(module=SequentialMLP, submodules=linear)
     shared = ModuleSpec(module=SharedExpertMLP, submodules=linear) if config.moe_shared_expert_intermediate_size else None
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+    layer = SortedPermuteMoELayer if sorted_permute and sorted_permute_applies(config) else MoELayer
+    return ModuleSpec(module=layer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
 def _gated_delta_net_spec() -> Any:
@@ -124,7 +130,8 @@ def _gated_delta_net_spec() -> Any:
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
 
 
-def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks") -> Any:
+def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks",
+                     moe_sorted_permute: bool = True) -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -132,6 +139,7 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         linear_attention: a gated delta-net layer (:func:`_gated_delta_net_spec`) instead of self-attention
             (SDPA core attention; ``config.attention_output_gate`` adds the sigmoid output gate).
         cp_attention: ``actor.megatron.cp_attention``, passed to :class:`SDPACoreAttention` (used with CP > 1).
+        moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` (see the module docstring).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -161,11 +169,12 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config), mlp_bda=get_bias_dropout_add),
+            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config, moe_sorted_permute), mlp_bda=get_bias_dropout_add),
     )
 
 
-def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks") -> Any:
+def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks",
+                       moe_sorted_permute: bool = True) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -176,6 +185,8 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
         config: the megatron ``TransformerConfig`` (MoE, RMSNorm, qk-layernorm).
         have_te: :func:`have_transformer_engine`.
         cp_attention: ``actor.megatron.cp_attention`` for the local spec's attention (TE has its own CP).
+        moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` for the local spec's MoE layers (with TE,
+            megatron-core's ``moe_permute_fusion`` is the fused permutation).
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -202,6 +213,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     pattern = get_linear_attention_pattern(config) if variant == "gated_delta_net" else [0] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention)
+    specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention,
+                                    moe_sorted_permute=moe_sorted_permute)
              for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)

@@ -1,0 +1,314 @@
+"""Sync-free, atomic-free token permutation for megatron-core's alltoall MoE token dispatcher (no TE).
+
+megatron-core 0.16.1's unfused ``permute`` / ``unpermute`` (``megatron/core/transformer/moe/moe_utils.py``)
+find each expert's tokens with ``masked_select`` (``aten::nonzero``: a device-to-host sync per call) and
+move gradients back with bf16 atomics: the backward of ``tokens.index_select(0, sorted_indices)`` is an
+``index_add_``, and ``unpermute`` is a ``scatter_add_`` into zeros. Its fused alternative needs Transformer
+Engine. When routing drops no token and pads nothing, every row of the routing map has exactly ``topk``
+true entries, and the same layout comes from sorts and gathers only:
+
+- ``expert_idx [T, topk]``: each token's experts in ascending order (``topk`` of the int8 routing map,
+  then a sort along the row; no host sync);
+- a stable sort of the ``T * topk`` expert ids (flattened token-major), i.e. of the keys
+  ``expert * T + token``: slot ``j`` of the permuted tensor holds token ``sorted_indices[j]``; the order is
+  megatron's (expert-major, ascending token index within an expert);
+- the inverse map ``inverse [T, topk]``: the slots of token ``t``, ascending (``inverse[t, k]`` is the slot of
+  its ``k``-th smallest expert).
+
+Then permute is a row gather whose backward is, per token, the sum of its ``topk`` rows' gradients (a
+gather-sum through ``inverse``), and unpermute is that gather-sum (fp32 accumulation, one rounding) whose
+backward is a row gather: no atomics on ``[*, H]`` rows. (The permuted probs are a gather of ``T * topk`` fp32
+scalars; their backward is torch's scatter into ``[T, E]``, each position written once.) On CUDA the gather-sum
+is a small Triton kernel (no ``[T, topk, H]`` temporary); on CPU, or without Triton, the same sum in torch, one
+``[T, H]`` fp32 accumulator.
+
+The hook (:class:`SortedPermuteMoELayer`, picked by :func:`sftprof.models.specs.local_layer_spec` when
+:func:`sorted_permute_applies`) runs megatron-core's own ``MoEAlltoAllTokenDispatcher`` code with its
+module-level ``permute`` / ``unpermute`` names bound to :func:`sorted_permute` / :func:`sorted_unpermute`
+for the duration of ``dispatch_preprocess`` / ``combine_postprocess``, and ``sort_chunks_by_idxs`` (the
+reorder by local expert) to :func:`sort_chunks_unless_identity` in ``dispatch_postprocess`` /
+``combine_preprocess``: megatron's own function except where the reorder is the identity (TP = EP = 1).
+The rest of the dispatcher (splits from ``tokens_per_expert``, the all-to-all) is unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Optional, Tuple
+
+import torch
+from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+
+
+def sorted_permute_applies(config) -> bool:
+    """True when every routing-map row of megatron-core's alltoall dispatcher has exactly ``moe_router_topk``
+    true entries and megatron's unfused permutation would run: ``moe_token_dispatcher_type="alltoall"``,
+    ``moe_permute_fusion`` off (TE's fused permute), ``moe_expert_capacity_factor`` None (no token drop, no
+    padding to capacity) and ``moe_router_padding_for_quantization`` off.
+
+    Args:
+        config: the megatron ``TransformerConfig``.
+    """
+    return (config.moe_token_dispatcher_type == "alltoall" and not config.moe_permute_fusion
+            and config.moe_expert_capacity_factor is None and not config.moe_pad_expert_input_to_capacity
+            and not config.moe_router_padding_for_quantization)
+
+
+def _gather_sum_torch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    acc = x.index_select(0, inverse[:, 0]).to(torch.promote_types(x.dtype, torch.float32))
+    for k in range(1, inverse.shape[1]):
+        acc += x.index_select(0, inverse[:, k])
+    return acc.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_gather_sum():
+    """The Triton kernel (compiled lazily), or None when Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(x_ptr, idx_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(TOPK):  # the torch path's order: k = 0, 1, ... in fp32
+            row = tl.load(idx_ptr + t * TOPK + k).to(tl.int64)
+            acc += tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    def launch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        t, topk = inverse.shape
+        h = x.shape[1]
+        out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+        block = min(1024, triton.next_power_of_2(h))
+        kernel[(t, triton.cdiv(h, block))](x, inverse, out, h, TOPK=topk, BLOCK_H=block, num_warps=4)
+        return out
+
+    return launch
+
+
+def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k x[inverse[t, k]]`` with fp32 accumulation (fp64 for fp64 ``x``; k ascending) and one
+    rounding to ``x``'s dtype.
+
+    CUDA with Triton, bf16/fp16/fp32: one kernel, no ``[T, topk, H]`` temporary; otherwise torch with one
+    ``[T, H]`` accumulator. Both add in the same order, so they give the same bits.
+
+    Args:
+        x: ``[N, H]`` rows (any float dtype).
+        inverse: ``[T, topk]`` int64 row indices into ``x``, ``topk >= 1``.
+    Returns:
+        ``[T, H]``, ``x``'s dtype and device.
+    Raises:
+        ValueError: ``x`` is not 2-D, or ``inverse`` is not ``[T, topk]`` with ``topk >= 1``.
+    """
+    if x.dim() != 2 or inverse.dim() != 2 or inverse.shape[1] < 1:
+        raise ValueError(f"gather_sum: needs x [N, H] and inverse [T, topk >= 1], got {tuple(x.shape)} and "
+                         f"{tuple(inverse.shape)}")
+    x, inverse = x.contiguous(), inverse.contiguous()
+    launch = _triton_gather_sum() if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+    if launch is None or inverse.shape[0] == 0 or x.shape[1] == 0:
+        return _gather_sum_torch(x, inverse)
+    return launch(x, inverse)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward ``x[sorted_indices]``; backward the gather-sum of the gradient through ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x, sorted_indices, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return gather_sum(grad, inverse), None, None
+
+
+class _GatherSumRows(torch.autograd.Function):
+    """Forward the gather-sum through ``inverse``; backward ``grad[sorted_indices]``."""
+
+    @staticmethod
+    def forward(ctx, x, sorted_indices, inverse):
+        ctx.save_for_backward(sorted_indices)
+        return gather_sum(x, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad.contiguous().index_select(0, sorted_indices), None, None
+
+
+def _refuse(name: str, fused: bool, drop_and_pad: bool) -> None:
+    if fused or drop_and_pad:
+        raise ValueError(f"{name}: fused={fused}, drop_and_pad={drop_and_pad}: only the unfused dropless path is "
+                         "implemented (see sorted_permute_applies)")
+
+
+def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
+                   num_out_tokens: Optional[int] = None, fused: bool = False,
+                   drop_and_pad: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """megatron-core's ``moe_utils.permute`` (same arguments, same outputs in the same order) for routing maps
+    with exactly ``topk = num_out_tokens / T`` true entries per row; see the module docstring.
+
+    No host sync. The "exactly topk per row" assumption is checked with ``torch._assert_async`` on the row
+    counts: on CPU a failure raises at once; on CUDA it is a device-side assert that surfaces at a later
+    kernel launch (and leaves the CUDA context unusable), never a wrong result.
+
+    Args:
+        tokens: ``[T, H]`` hidden states (any float dtype).
+        routing_map: ``[T, E]`` bool, ``topk`` true entries per row.
+        probs: optional ``[T, E]`` router probabilities (fp32 with ``moe_router_dtype=fp32``).
+        num_out_tokens: ``T * topk`` (an int, as the dispatcher passes it for dropless routing).
+        fused, drop_and_pad: must be False.
+    Returns:
+        ``(permuted_tokens [T * topk, H], permuted_probs [T * topk] or None, sorted_indices [T * topk] int64)``:
+        expert-major, ascending token index within an expert; ``permuted_probs[j] = probs[sorted_indices[j],
+        e(j)]``, the order of megatron's ``probs.T.masked_select(routing_map.T)``.
+    Raises:
+        ValueError: ``fused`` or ``drop_and_pad``; ``num_out_tokens`` not an int multiple of ``T``; shapes that
+            do not match.
+        RuntimeError: (CPU) a routing-map row without exactly ``topk`` true entries.
+    """
+    _refuse("sorted_permute", fused, drop_and_pad)
+    n_tokens = tokens.shape[0]
+    if tokens.dim() != 2 or routing_map.shape[0] != n_tokens or routing_map.dim() != 2:
+        raise ValueError(f"sorted_permute: needs tokens [T, H] and routing_map [T, E], got {tuple(tokens.shape)} and "
+                         f"{tuple(routing_map.shape)}")
+    if not (isinstance(num_out_tokens, int) and num_out_tokens >= 0
+            and (num_out_tokens % n_tokens == 0 if n_tokens else num_out_tokens == 0)):
+        raise ValueError(f"sorted_permute: num_out_tokens={num_out_tokens!r} must be T * topk (T={n_tokens}) for "
+                         "dropless routing")
+    topk = num_out_tokens // n_tokens if n_tokens else 0
+    torch._assert_async((routing_map.sum(dim=1) == topk).all(),
+                        f"sorted_permute: a routing-map row does not have exactly topk={topk} true entries")
+    expert_idx = routing_map.to(torch.int8).topk(topk, dim=1, sorted=False).indices.sort(dim=1).values
+    order = torch.sort(expert_idx.reshape(-1), stable=True).indices  # slot -> flat (token, k) position
+    sorted_indices = order // max(topk, 1)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    inverse = inverse.view(n_tokens, topk)
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs.gather(1, expert_idx).reshape(-1).index_select(0, order)
+    if topk == 0:  # no token: an empty gather, nothing to sum in backward
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    return _GatherRows.apply(tokens, sorted_indices, inverse), permuted_probs, sorted_indices
+
+
+def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+                     probs: Optional[torch.Tensor] = None, routing_map: Optional[torch.Tensor] = None,
+                     fused: bool = False, drop_and_pad: bool = False) -> torch.Tensor:
+    """megatron-core's ``moe_utils.unpermute`` without ``probs`` (as the alltoall dispatcher calls it) for a
+    permutation from :func:`sorted_permute`: ``out[t] = sum of the rows of token t``, fp32 accumulation and one
+    rounding (megatron adds in the tokens' dtype with atomics). The inverse map is a stable argsort of
+    ``sorted_indices`` (each token appears exactly ``topk`` times, which :func:`sorted_permute` checked).
+
+    Args:
+        permuted_tokens: ``[T * topk, H]`` expert outputs in permuted order.
+        sorted_indices: ``[T * topk]`` int64, from :func:`sorted_permute`.
+        restore_shape: ``(T, H)``.
+        probs: must be None; routing_map: unused (megatron uses it only with ``probs``).
+        fused, drop_and_pad: must be False.
+    Returns:
+        ``[T, H]`` in ``permuted_tokens``' dtype.
+    Raises:
+        ValueError: ``probs`` given, ``fused`` or ``drop_and_pad``, or ``sorted_indices`` not ``T * topk`` long.
+    """
+    _refuse("sorted_unpermute", fused, drop_and_pad)
+    if probs is not None:
+        raise ValueError("sorted_unpermute: probs must be None (the alltoall dispatcher applies them in the experts)")
+    n_tokens, hidden = restore_shape
+    n = sorted_indices.numel()
+    if (n_tokens == 0) != (n == 0) or (n_tokens and n % n_tokens) or permuted_tokens.shape != (n, hidden):
+        raise ValueError(f"sorted_unpermute: {n} sorted indices and permuted tokens {tuple(permuted_tokens.shape)} "
+                         f"do not fit restore_shape {tuple(restore_shape)} (needs T * topk rows of H)")
+    if n == 0:
+        return permuted_tokens.new_zeros(restore_shape)
+    inverse = torch.sort(sorted_indices, stable=True).indices.view(n_tokens, n // n_tokens)
+    return _GatherSumRows.apply(permuted_tokens, sorted_indices, inverse)
+
+
+def sort_chunks_unless_identity(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
+                                probs: Optional[torch.Tensor] = None,
+                                fused: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """megatron-core's ``moe_utils.sort_chunks_by_idxs`` (same arguments and results), returning ``input`` and
+    ``probs`` themselves when ``sorted_idxs`` is the identity ``0, 1, ..., n - 1``.
+
+    The alltoall dispatcher reorders its per-(rank, local expert) chunks with this function whenever a rank has
+    more than one local expert; with TP = EP = 1 the order is the identity and megatron's split + cat is a copy
+    of the whole permuted tensor (``[T * topk, H]``) per call, forward and backward.
+
+    Args:
+        input: ``[N, H]`` rows in chunks of ``split_sizes``; split_sizes: ``[n]`` int64 (host);
+        sorted_idxs: ``[n]`` int64 (host, as the unfused dispatcher keeps it); probs: optional ``[N]``.
+        fused: passed on (TE's fused sort).
+    """
+    n = sorted_idxs.numel()
+    if not sorted_idxs.is_cuda and torch.equal(sorted_idxs, torch.arange(n, dtype=sorted_idxs.dtype)):
+        return input, probs
+    return moe_utils.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
+@contextlib.contextmanager
+def _bound(module, **names) -> Iterator[None]:
+    """Bind ``module.<name>`` to the given objects for the duration of the block, then restore them."""
+    saved = {name: getattr(module, name) for name in names}
+    for name, value in names.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+class SortedPermuteAlltoAllTokenDispatcher(token_dispatcher.MoEAlltoAllTokenDispatcher):
+    """megatron-core's ``MoEAlltoAllTokenDispatcher`` with :func:`sorted_permute` / :func:`sorted_unpermute` as
+    its permutation 1 and unpermutation 1, and :func:`sort_chunks_unless_identity` as its permutation 2 and
+    unpermutation 2 (same arguments and return values as the base class methods).
+
+    Only valid when :func:`sorted_permute_applies` to the config (:class:`SortedPermuteMoELayer` checks).
+    """
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """The base method with ``permute`` bound to :func:`sorted_permute`."""
+        with _bound(token_dispatcher, permute=sorted_permute):
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
+        """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
+        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
+        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+            return super().combine_preprocess(hidden_states)
+
+    def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor):
+        """The base method with ``unpermute`` bound to :func:`sorted_unpermute`."""
+        with _bound(token_dispatcher, unpermute=sorted_unpermute):
+            return super().combine_postprocess(permutated_local_input_tokens)
+
+
+class SortedPermuteMoELayer(moe_layer.MoELayer):
+    """megatron-core's ``MoELayer`` whose alltoall token dispatcher is
+    :class:`SortedPermuteAlltoAllTokenDispatcher` (constructor arguments of ``MoELayer``).
+
+    Raises:
+        ValueError: :func:`sorted_permute_applies` is False for ``config`` (the spec must pick ``MoELayer``).
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None) -> None:
+        if not sorted_permute_applies(config):
+            raise ValueError("SortedPermuteMoELayer: needs moe_token_dispatcher_type='alltoall', "
+                             "moe_permute_fusion=False, moe_expert_capacity_factor=None and no router padding "
+                             "for quantization (use megatron-core's MoELayer otherwise)")
+        with _bound(moe_layer, MoEAlltoAllTokenDispatcher=SortedPermuteAlltoAllTokenDispatcher):
+            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
