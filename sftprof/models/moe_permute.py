@@ -33,7 +33,6 @@ The rest of the dispatcher (splits from ``tokens_per_expert``, the all-to-all) i
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -61,42 +60,11 @@ def _gather_sum_torch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_gather_sum():
-    """The Triton kernel (compiled lazily), or None when Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(x_ptr, idx_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = cols < H
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(TOPK):  # the torch path's order: k = 0, 1, ... in fp32
-            row = tl.load(idx_ptr + t * TOPK + k).to(tl.int64)
-            acc += tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    def launch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        t, topk = inverse.shape
-        h = x.shape[1]
-        out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-        block = min(1024, triton.next_power_of_2(h))
-        kernel[(t, triton.cdiv(h, block))](x, inverse, out, h, TOPK=topk, BLOCK_H=block, num_warps=4)
-        return out
-
-    return launch
-
-
 def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k x[inverse[t, k]]`` with fp32 accumulation (fp64 for fp64 ``x``; k ascending) and one
     rounding to ``x``'s dtype.
 
-    CUDA with Triton, bf16/fp16/fp32: one kernel, no ``[T, topk, H]`` temporary; otherwise torch with one
+    CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.triton_kernels.gather_sum`), no ``[T, topk, H]`` temporary; otherwise torch with one
     ``[T, H]`` accumulator. Both add in the same order, so they give the same bits.
 
     Args:
@@ -111,10 +79,12 @@ def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gather_sum: needs x [N, H] and inverse [T, topk >= 1], got {tuple(x.shape)} and "
                          f"{tuple(inverse.shape)}")
     x, inverse = x.contiguous(), inverse.contiguous()
-    launch = _triton_gather_sum() if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
-    if launch is None or inverse.shape[0] == 0 or x.shape[1] == 0:
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or inverse.shape[0] == 0 \
+            or x.shape[1] == 0:
         return _gather_sum_torch(x, inverse)
-    return launch(x, inverse)
+    from sftprof.models import triton_kernels
+
+    return triton_kernels.gather_sum(x, inverse)
 
 
 class _GatherRows(torch.autograd.Function):

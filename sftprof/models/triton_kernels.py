@@ -2,6 +2,8 @@
 
 - :func:`swiglu_forward` / :func:`swiglu_backward` for :func:`sftprof.models.swiglu.swiglu_with_probs`: one
   program per row of ``fc1`` ``[M, 2F]``, streaming the ``F`` gate and up columns in ``BLOCK``-wide steps.
+- :func:`gather_sum` for :func:`sftprof.models.moe_permute.gather_sum`: one program per (token, ``BLOCK_H``
+  columns), its ``topk`` rows added in fp32 in ``k`` order.
 - :func:`rope_apply` for :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`: one program per ``(s, b)`` row
   of ``t`` ``[S, B, H, D]``, all heads in ``[BLOCK_H, half]`` tiles, the row's cos/sin computed once.
 
@@ -123,4 +125,26 @@ def rope_apply(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Te
                                    BLOCK_H=max(1, min(triton.next_power_of_2(n_heads), 4096 // block_d)),
                                    BLOCK_D=block_d, BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
                                    num_warps=4)
+    return out
+
+
+@triton.jit
+def _gather_sum_kernel(x_ptr, idx_ptr, out_ptr, n_cols, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < n_cols
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):  # the torch path's order: k = 0, 1, ... in fp32
+        row = tl.load(idx_ptr + t * TOPK + k).to(tl.int64)
+        acc += tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``out [T, H] = sum_k x[inverse[t, k]]`` for contiguous ``x`` ``[N, H]`` and ``inverse`` ``[T, topk]``."""
+    t, topk = inverse.shape
+    h = x.shape[1]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _gather_sum_kernel[(t, triton.cdiv(h, block))](x, inverse, out, h, TOPK=topk, BLOCK_H=block, num_warps=4)
     return out
