@@ -228,3 +228,32 @@ def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, mes
     cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"] + overrides)
     with pytest.raises(ConfigError, match=message):
         mc.check_model_settings(cfg, hf, layout)
+
+
+def test_use_fused_torch_adam_switches_torch_adam_before_the_first_step_only():
+    """megatron-core's torch fallback Adam gets torch's fused kernel; the step matches foreach's to fp32 rounding;
+    an optimizer that has stepped, or SGD, is left alone."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    w = [torch.randn(5, 7), torch.randn(7)]
+    grads = [torch.randn(5, 7), torch.randn(7)]
+
+    def build(cls=torch.optim.AdamW, **kw):
+        params = [torch.nn.Parameter(t.clone()) for t in w]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return params, cls(params, lr=1e-2, weight_decay=0.05, **kw)
+
+    ref_params, ref = build(betas=(0.9, 0.95), eps=1e-5, foreach=True)
+    params, opt = build(betas=(0.9, 0.95), eps=1e-5)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)])
+    assert mc.use_fused_torch_adam(chained) == 1 and opt.param_groups[0]["fused"] is True
+    for _ in range(3):
+        ref.step()
+        opt.step()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert mc.use_fused_torch_adam(chained) == 0  # state exists now: nothing changes
+    _, sgd = build(torch.optim.SGD)
+    assert mc.use_fused_torch_adam(SimpleNamespace(optimizer=sgd)) == 0

@@ -202,6 +202,7 @@ class MegatronEngine(Engine):
         ddp_config = DistributedDataParallelConfig(**mc.ddp_config_kwargs(cfg))
         self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [self.model])
+        mc.use_fused_torch_adam(self.optimizer)  # the fused Adam that TE/Apex would give (no-op with them)
         tcfg.finalize_model_grads_func = finalize_model_grads
         tcfg.grad_scale_func = self.optimizer.scale_loss
         if ddp_config.overlap_grad_reduce:
