@@ -209,6 +209,9 @@ class MegatronSettings:
     # Without TE, alltoall dispatcher, dropless routing: megatron-core's token permutation by sorts and gathers, no
     # host sync, no atomics (sftprof.models.moe_permute); false = megatron-core's masked_select/scatter_add path.
     moe_sorted_permute: bool = True
+    # EP > 1, expert TP 1, dropless alltoall, without TE: one all-to-all row per (token, destination EP rank) instead
+    # of one per (token, expert) (sftprof.models.moe_dedup); false = megatron-core's alltoall dispatcher.
+    moe_dedup_alltoall: bool = True
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).

@@ -125,12 +125,13 @@ def test_type_error_names_the_layer_it_comes_from():
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
 
 
-def test_moe_sorted_permute_default_on_and_bool_only():
-    """``actor.megatron.moe_sorted_permute``: on in the defaults and the shipped YAML, off by override, and a
-    non-boolean is refused naming the key and the override."""
-    assert load_config("tiny_cpu").actor.megatron.moe_sorted_permute is True
-    assert load_config(FLAGSHIP).actor.megatron.moe_sorted_permute is True
-    assert load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=false"]).actor.megatron.moe_sorted_permute is False
-    with pytest.raises(ConfigError, match=r"^actor\.megatron\.moe_sorted_permute: Value 'maybe' is not a valid bool "
-                                          r"\(type str\) \(overrides actor\.megatron\.moe_sorted_permute=maybe\)$"):
-        load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=maybe"])
+@pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall"])
+def test_moe_dispatch_switches_default_on_and_bool_only(key):
+    """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall``: on in the defaults and the shipped YAML,
+    off by override, and a non-boolean is refused naming the key and the override."""
+    assert getattr(load_config("tiny_cpu").actor.megatron, key) is True
+    assert getattr(load_config(FLAGSHIP).actor.megatron, key) is True
+    assert getattr(load_config(FLAGSHIP, [f"actor.megatron.{key}=false"]).actor.megatron, key) is False
+    with pytest.raises(ConfigError, match=rf"^actor\.megatron\.{key}: Value 'maybe' is not a valid bool "
+                                          rf"\(type str\) \(overrides actor\.megatron\.{key}=maybe\)$"):
+        load_config(FLAGSHIP, [f"actor.megatron.{key}=maybe"])

@@ -235,7 +235,8 @@ def test_spec_keeps_megatron_layer_where_sorted_permute_does_not_apply(mcore_cpu
 
 @pytest.mark.gpu
 def test_triton_gather_sum_matches_torch_path_on_cuda():
-    """The Triton gather-sum (bf16, T = 8192 tokens, topk 8, H 2048) gives the torch path's bits, and the whole
+    """The Triton gather-sum (bf16, T = 8192 tokens, topk 8, H 2048; also with -1 padding) gives the torch path's
+    bits, and the whole
     permute/unpermute round trip on CUDA equals the CPU result."""
     from sftprof.models.moe_permute import _gather_sum_torch
     n_tokens, n_experts, topk, hidden = 8192, 128, 8, 2048
@@ -248,6 +249,11 @@ def test_triton_gather_sum_matches_torch_path_on_cuda():
     inverse = torch.sort(idx, stable=True).indices.view(n_tokens, topk)
     y_cuda = y.cuda()
     assert torch.equal(gather_sum(y_cuda, inverse), _gather_sum_torch(y_cuda, inverse))
+    padded = inverse.clone()
+    padded[::3, 2] = -1  # padding entries (the dedup dispatcher's inverse maps) add nothing
+    padded[5] = -1
+    assert torch.equal(gather_sum(y_cuda, padded), _gather_sum_torch(y_cuda, padded))
+    assert torch.equal(gather_sum(y_cuda, padded)[5], torch.zeros(hidden, dtype=torch.bfloat16, device="cuda"))
     permuted.backward(y_cuda)  # the permute backward: a gather-sum through the inverse map
     x_cpu = x.clone().requires_grad_(True)
     cpu = sorted_permute(x_cpu, routing_map, probs=probs, num_out_tokens=n_tokens * topk)

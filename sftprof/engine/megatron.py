@@ -160,7 +160,8 @@ class MegatronEngine(Engine):
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = hf_config.vocab_size
-        spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute)
+        spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute,
+                                  moe_dedup_alltoall=m.moe_dedup_alltoall)
         gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
                        post_process=self.post_process, **gpt_kwargs)
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose

@@ -54,22 +54,25 @@ def sorted_permute_applies(config) -> bool:
 
 
 def _gather_sum_torch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    acc = x.index_select(0, inverse[:, 0]).to(torch.promote_types(x.dtype, torch.float32))
-    for k in range(1, inverse.shape[1]):
-        acc += x.index_select(0, inverse[:, k])
+    acc = x.new_zeros(inverse.shape[0], x.shape[1], dtype=torch.promote_types(x.dtype, torch.float32))
+    for k in range(inverse.shape[1]):  # 0 + a == a exactly: the same bits as starting from row k = 0
+        idx = inverse[:, k]
+        valid = (idx >= 0).unsqueeze(1)
+        acc += torch.where(valid, x.index_select(0, idx.clamp(min=0)), 0)
     return acc.to(x.dtype)
 
 
 def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k x[inverse[t, k]]`` with fp32 accumulation (fp64 for fp64 ``x``; k ascending) and one
-    rounding to ``x``'s dtype.
+    """``out[t] = sum_k x[inverse[t, k]]`` over the entries ``inverse[t, k] >= 0`` (a negative entry is padding
+    and adds nothing; a row of padding gives zeros), with fp32 accumulation (fp64 for fp64 ``x``; k ascending,
+    from 0) and one rounding to ``x``'s dtype.
 
     CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.triton_kernels.gather_sum`), no ``[T, topk, H]`` temporary; otherwise torch with one
     ``[T, H]`` accumulator. Both add in the same order, so they give the same bits.
 
     Args:
         x: ``[N, H]`` rows (any float dtype).
-        inverse: ``[T, topk]`` int64 row indices into ``x``, ``topk >= 1``.
+        inverse: ``[T, topk]`` int64 row indices into ``x`` (``-1``: padding), ``topk >= 1``.
     Returns:
         ``[T, H]``, ``x``'s dtype and device.
     Raises:
@@ -113,6 +116,35 @@ class _GatherSumRows(torch.autograd.Function):
     def backward(ctx, grad):
         (sorted_indices,) = ctx.saved_tensors
         return grad.contiguous().index_select(0, sorted_indices), None, None
+
+
+def gather_rows(x: torch.Tensor, indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[indices]`` (differentiable in ``x``) whose backward is the atomic-free :func:`gather_sum` of the
+    gradient through ``inverse`` instead of torch's ``index_add_``.
+
+    Args:
+        x: ``[T, H]`` rows (any float dtype).
+        indices: ``[N]`` int64 rows of ``x``.
+        inverse: ``[T, K]`` int64, -1 padded: the positions ``j`` with ``indices[j] == t`` in row ``t`` (each
+            ``j`` exactly once in the whole map; not checked).
+    Returns:
+        ``[N, H]`` in ``x``'s dtype.
+    """
+    return _GatherRows.apply(x, indices, inverse)
+
+
+def gather_sum_rows(x: torch.Tensor, indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_sum` of ``x`` through ``inverse`` (differentiable in ``x``) whose backward is the row gather
+    ``grad[indices]``: the transpose of :func:`gather_rows`.
+
+    Args:
+        x: ``[N, H]`` rows (any float dtype).
+        indices: ``[N]`` int64: the output row of each row of ``x``.
+        inverse: ``[T, K]`` int64, -1 padded, consistent with ``indices`` as in :func:`gather_rows`.
+    Returns:
+        ``[T, H]`` in ``x``'s dtype.
+    """
+    return _GatherSumRows.apply(x, indices, inverse)
 
 
 def _refuse(name: str, fused: bool, drop_and_pad: bool) -> None:
@@ -168,7 +200,7 @@ def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optio
         permuted_probs = probs.gather(1, expert_idx).reshape(-1).index_select(0, order)
     if topk == 0:  # no token: an empty gather, nothing to sum in backward
         return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
-    return _GatherRows.apply(tokens, sorted_indices, inverse), permuted_probs, sorted_indices
+    return gather_rows(tokens, sorted_indices, inverse), permuted_probs, sorted_indices
 
 
 def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
@@ -201,7 +233,7 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
     if n == 0:
         return permuted_tokens.new_zeros(restore_shape)
     inverse = torch.sort(sorted_indices, stable=True).indices.view(n_tokens, n // n_tokens)
-    return _GatherSumRows.apply(permuted_tokens, sorted_indices, inverse)
+    return gather_sum_rows(permuted_tokens, sorted_indices, inverse)
 
 
 def sort_chunks_unless_identity(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
@@ -226,7 +258,7 @@ def sort_chunks_unless_identity(input: torch.Tensor, split_sizes: torch.Tensor, 
 
 
 @contextlib.contextmanager
-def _bound(module, **names) -> Iterator[None]:
+def bound(module, **names) -> Iterator[None]:
     """Bind ``module.<name>`` to the given objects for the duration of the block, then restore them."""
     saved = {name: getattr(module, name) for name in names}
     for name, value in names.items():
@@ -248,22 +280,22 @@ class SortedPermuteAlltoAllTokenDispatcher(token_dispatcher.MoEAlltoAllTokenDisp
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """The base method with ``permute`` bound to :func:`sorted_permute`."""
-        with _bound(token_dispatcher, permute=sorted_permute):
+        with bound(token_dispatcher, permute=sorted_permute):
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
 
     def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
         """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
-        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+        with bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
             return super().dispatch_postprocess(global_input_tokens, global_probs)
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """The base method with ``sort_chunks_by_idxs`` bound to :func:`sort_chunks_unless_identity`."""
-        with _bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
+        with bound(token_dispatcher, sort_chunks_by_idxs=sort_chunks_unless_identity):
             return super().combine_preprocess(hidden_states)
 
     def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor):
         """The base method with ``unpermute`` bound to :func:`sorted_unpermute`."""
-        with _bound(token_dispatcher, unpermute=sorted_unpermute):
+        with bound(token_dispatcher, unpermute=sorted_unpermute):
             return super().combine_postprocess(permutated_local_input_tokens)
 
 
@@ -280,5 +312,5 @@ class SortedPermuteMoELayer(moe_layer.MoELayer):
             raise ValueError("SortedPermuteMoELayer: needs moe_token_dispatcher_type='alltoall', "
                              "moe_permute_fusion=False, moe_expert_capacity_factor=None and no router padding "
                              "for quantization (use megatron-core's MoELayer otherwise)")
-        with _bound(moe_layer, MoEAlltoAllTokenDispatcher=SortedPermuteAlltoAllTokenDispatcher):
+        with bound(moe_layer, MoEAlltoAllTokenDispatcher=SortedPermuteAlltoAllTokenDispatcher):
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)

@@ -8,9 +8,11 @@
   :class:`sftprof.models.experts.GroupedGemmExperts` (``torch._grouped_mm``; ``SequentialMLP`` where
   grouped GEMM is not available); a shared expert (``SharedExpertMLP``, its sigmoid gate when
   ``moe_shared_expert_gate``) when the config has one; the MoE layer is
-  :class:`sftprof.models.moe_permute.SortedPermuteMoELayer` (sync-free, atomic-free token permutation of the
-  alltoall dispatcher) where it applies and ``actor.megatron.moe_sorted_permute`` is on, else megatron-core's
-  ``MoELayer``. The final norm of the block is the same RMSNorm.
+  :class:`sftprof.models.moe_dedup.DedupAlltoAllMoELayer` (one all-to-all row per token and destination EP
+  rank) where it applies (EP > 1, expert TP 1, dropless alltoall) and ``actor.megatron.moe_dedup_alltoall`` is
+  on; else :class:`sftprof.models.moe_permute.SortedPermuteMoELayer` (sync-free, atomic-free token permutation
+  of the alltoall dispatcher) where it applies and ``actor.megatron.moe_sorted_permute`` is on; else
+  megatron-core's ``MoELayer``. The final norm of the block is the same RMSNorm.
 - Qwen3.5 without TE: the layer pattern of megatron-core's ``get_linear_attention_pattern``; gated
   delta-net layers are megatron-core's ``GatedDeltaNet`` (flash-linear-attention kernels) with local
   column/row-parallel linears and :class:`RMSNorm` as its per-head output norm; the full-attention layers
@@ -95,8 +97,9 @@ def check_model_supported(config) -> None:
         log.warning(note)
 
 
-def _moe_spec(config, sorted_permute: bool = True) -> Any:
-    """The MoE layer's ``ModuleSpec`` (module docstring); ``sorted_permute``: ``actor.megatron.moe_sorted_permute``."""
+def _moe_spec(config, sorted_permute: bool = True, dedup_alltoall: bool = True) -> Any:
+    """The MoE layer's ``ModuleSpec`` (module docstring); ``sorted_permute``: ``actor.megatron.moe_sorted_permute``,
+    ``dedup_alltoall``: ``actor.megatron.moe_dedup_alltoall``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -105,6 +108,7 @@ def _moe_spec(config, sorted_permute: bool = True) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from sftprof.models.experts import GroupedGemmExperts, grouped_mm_supported
+    from sftprof.models.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
     from sftprof.models.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
 
     linear = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -113,7 +117,12 @@ def _moe_spec(config, sorted_permute: bool = True) -> Any:
     else:
         experts = ModuleSpec(module=SequentialMLP, submodules=linear)
     shared = ModuleSpec(module=SharedExpertMLP, submodules=linear) if config.moe_shared_expert_intermediate_size else None
-    layer = SortedPermuteMoELayer if sorted_permute and sorted_permute_applies(config) else MoELayer
+    if dedup_alltoall and dedup_alltoall_applies(config):
+        layer = DedupAlltoAllMoELayer
+    elif sorted_permute and sorted_permute_applies(config):
+        layer = SortedPermuteMoELayer
+    else:
+        layer = MoELayer
     return ModuleSpec(module=layer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
@@ -131,7 +140,7 @@ def _gated_delta_net_spec() -> Any:
 
 
 def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks",
-                     moe_sorted_permute: bool = True) -> Any:
+                     moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True) -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -140,6 +149,7 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
             (SDPA core attention; ``config.attention_output_gate`` adds the sigmoid output gate).
         cp_attention: ``actor.megatron.cp_attention``, passed to :class:`SDPACoreAttention` (used with CP > 1).
         moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` (see the module docstring).
+        moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` (see the module docstring).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -169,12 +179,12 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config, moe_sorted_permute), mlp_bda=get_bias_dropout_add),
+            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config, moe_sorted_permute, moe_dedup_alltoall), mlp_bda=get_bias_dropout_add),
     )
 
 
 def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks",
-                       moe_sorted_permute: bool = True) -> Any:
+                       moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -187,6 +197,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
         cp_attention: ``actor.megatron.cp_attention`` for the local spec's attention (TE has its own CP).
         moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` for the local spec's MoE layers (with TE,
             megatron-core's ``moe_permute_fusion`` is the fused permutation).
+        moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` for the local spec's MoE layers (not with TE).
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -214,6 +225,6 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention,
-                                    moe_sorted_permute=moe_sorted_permute)
+                                    moe_sorted_permute=moe_sorted_permute, moe_dedup_alltoall=moe_dedup_alltoall)
              for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)

@@ -3,7 +3,7 @@
 - :func:`swiglu_forward` / :func:`swiglu_backward` for :func:`sftprof.models.swiglu.swiglu_with_probs`: one
   program per row of ``fc1`` ``[M, 2F]``, streaming the ``F`` gate and up columns in ``BLOCK``-wide steps.
 - :func:`gather_sum` for :func:`sftprof.models.moe_permute.gather_sum`: one program per (token, ``BLOCK_H``
-  columns), its ``topk`` rows added in fp32 in ``k`` order.
+  columns), its ``topk`` rows added in fp32 in ``k`` order (negative indices are padding: skipped).
 - :func:`rope_apply` for :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`: one program per ``(s, b)`` row
   of ``t`` ``[S, B, H, D]``, all heads in ``[BLOCK_H, half]`` tiles, the row's cos/sin computed once.
 
@@ -135,13 +135,14 @@ def _gather_sum_kernel(x_ptr, idx_ptr, out_ptr, n_cols, TOPK: tl.constexpr, BLOC
     mask = cols < n_cols
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOPK):  # the torch path's order: k = 0, 1, ... in fp32
-        row = tl.load(idx_ptr + t * TOPK + k).to(tl.int64)
-        acc += tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(idx_ptr + t * TOPK + k).to(tl.int64)  # < 0: padding, adds nothing
+        acc += tl.load(x_ptr + row * n_cols + cols, mask=mask & (row >= 0), other=0.0).to(tl.float32)
     tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``out [T, H] = sum_k x[inverse[t, k]]`` for contiguous ``x`` ``[N, H]`` and ``inverse`` ``[T, topk]``."""
+    """``out [T, H] = sum_k x[inverse[t, k]]`` over ``inverse[t, k] >= 0`` (negative: padding) for contiguous ``x``
+    ``[N, H]`` and ``inverse`` ``[T, topk]``."""
     t, topk = inverse.shape
     h = x.shape[1]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)

@@ -1,0 +1,150 @@
+"""The deduplicating all-to-all MoE token dispatcher (:mod:`sftprof.models.moe_dedup`): a real megatron-core MoE
+layer with EP = 2 on two gloo ranks against megatron-core's own dispatcher (same weights, fp32), the -1-padded
+gather-sum it relies on, and the settings that pick or refuse it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sftprof.models.moe_permute import gather_rows, gather_sum, gather_sum_rows
+
+
+def test_gather_sum_skips_padding_exactly():
+    """-1 entries add nothing; the sums are fp32 in k order, rounded once (bf16); a row of padding is zero."""
+    a = 3 * 2.0 ** -10  # 0.375 ulp of bf16 at 1.0
+    x = torch.tensor([[1.0, 2.0], [a, -1.0], [a, 4.0], [8.0, 0.5]], dtype=torch.bfloat16)
+    inverse = torch.tensor([[0, -1, 1, 2], [-1, -1, -1, -1], [3, -1, -1, -1], [-1, 2, -1, 1]])
+    assert gather_sum(x, inverse).tolist() == [[1.0 + 2.0 ** -7, 5.0], [0.0, 0.0], [8.0, 0.5], [2 * a, 3.0]]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    inverse = torch.tensor([[6, -1, 0], [-1, -1, -1], [2, 3, -1], [-1, 5, 1], [4, -1, -1]])
+    ref = torch.stack([sum((x[i] for i in row if i >= 0), torch.zeros(5, dtype=torch.float64)) for row in inverse.tolist()])
+    assert torch.equal(gather_sum(x, inverse), ref)
+
+
+def test_padded_gather_and_gather_sum_backward():
+    """``gather_rows`` / ``gather_sum_rows`` through a -1-padded inverse map: values and gradients equal torch's
+    index_select / index_add in fp64 (each token's rows summed; a token with no row gets a zero gradient)."""
+    g = torch.Generator().manual_seed(1)
+    indices = torch.tensor([0, 2, 3, 0, 3, 4])  # token 1 has no row
+    inverse = torch.tensor([[0, 3], [-1, -1], [1, -1], [2, 4], [5, -1]])  # [T=5, K=2]
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    rows = gather_rows(x, indices, inverse)
+    rows.backward(up)
+    assert torch.equal(rows, x.detach()[indices])
+    assert torch.equal(x.grad, torch.zeros(5, 3, dtype=torch.float64).index_add_(0, indices, up))
+    y = torch.randn(6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    up2 = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    sums = gather_sum_rows(y, indices, inverse)
+    sums.backward(up2)
+    assert torch.equal(sums, torch.zeros(5, 3, dtype=torch.float64).index_add_(0, indices, y.detach()))
+    assert torch.equal(y.grad, up2[indices])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A megatron-core MoE layer with EP = 2 on two gloo ranks
+
+
+def _moe_config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=16, num_moe_experts=8,
+              moe_router_topk=3, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+              moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", gated_linear_unit=True,
+              activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True, perform_initialization=True,
+              expert_model_parallel_size=2)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _ep2_worker(rank: int, store: str) -> None:
+    from unittest import mock
+
+    from fixtures.megatron_cpu import megatron_cpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.spec_utils import build_module
+
+    from sftprof.models import moe_dedup
+    from sftprof.models.specs import _moe_spec
+
+    with megatron_cpu(store, rank=rank, world_size=2, expert_model_parallel_size=2):
+        config = _moe_config()
+        g = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
+        x = torch.randn(32, 2, 32, generator=g)  # [s, b, h]: 64 tokens
+        probe = torch.randn(32, 2, 32, generator=g)
+        results = {}
+        for dedup in (True, False):
+            torch.manual_seed(3)  # the same weights on and off (and the same router on both ranks)
+            layer = build_module(_moe_spec(config, sorted_permute=False, dedup_alltoall=dedup), config=config,
+                                 layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+            xi = x.clone().requires_grad_(True)
+            with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
+                    mock.patch.object(moe_dedup, "all_to_all", wraps=moe_dedup.all_to_all) as a2a:
+                out, _ = layer(xi)
+                (out * probe).sum().backward()
+            rows = [c.args[1].shape[0] for c in a2a.call_args_list]
+            results[dedup] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
+                              layer.token_dispatcher, out, xi.grad,
+                              {n: p.grad for n, p in layer.named_parameters()})
+        (name, disp_name, permutes, rows, disp, out_on, dx_on, g_on) = results[True]
+        assert (name, disp_name, permutes) == ("DedupAlltoAllMoELayer", "DedupAlltoAllTokenDispatcher", 0)
+        assert results[False][:3] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1)
+        # which EP ranks each of this rank's 40 tokens went to: tokens for the local rank only, the other rank
+        # only, and both are all present; one row per (token, rank) pair was sent
+        sent = disp.send_inverse >= 0  # [T, EP]
+        other = 1 - rank
+        kinds = (int((sent[:, rank] & ~sent[:, other]).sum()), int((~sent[:, rank] & sent[:, other]).sum()),
+                 int((sent[:, rank] & sent[:, other]).sum()))
+        assert min(kinds) > 0 and sum(kinds) == 64, kinds
+        assert disp.input_splits == sent.sum(dim=0).tolist()
+        n_send, n_recv = sum(disp.input_splits), sum(disp.output_splits)
+        # the forward's all-to-alls: counts [EP], hidden rows, probability sub-rows, sub-maps; the combine
+        assert rows == [2, n_send, n_send, n_send, n_recv], rows
+        assert n_send == sent.sum().item() < 64 * 3
+        with pytest.raises(ValueError, match=r"^DedupAlltoAllTokenDispatcher: needs a bool routing_map and probs of "
+                                             r"\[T, E\] = \(4, 8\), got torch.bool \(4, 4\) and \(4, 8\)$"):
+            disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 4, dtype=torch.bool), torch.zeros(4, 8))
+        (*_, out_off, dx_off, g_off) = results[False]
+        assert (out_on - out_off).abs().max().item() <= 1e-6 * out_off.abs().max().item()
+        assert (dx_on - dx_off).abs().max().item() <= 1e-6 * dx_off.abs().max().item()
+        assert sorted(g_on) == sorted(g_off) and len(g_on) == 4 * 2 + 2 + 1  # 4 local experts' fc1/fc2, shared, router
+        for n in g_on:
+            assert (g_on[n] - g_off[n]).abs().max().item() <= 1e-6 * g_off[n].abs().max().item(), n
+
+
+def test_ep2_moe_layer_same_output_and_grads_as_megatron_dispatcher(tmp_path):
+    """EP = 2 on two gloo ranks, fp32, SequentialMLP experts (4 local each), topk 2 of 8, shared expert: the
+    deduplicating dispatcher gives megatron-core's alltoall dispatcher's output, input gradient and every
+    parameter gradient (router, local experts, shared expert) within fp32 rounding, on both ranks; it sent one
+    row per (token, destination rank) and megatron's permute did not run."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ep2_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def test_spec_picks_dedup_only_where_it_applies():
+    """EP > 1 with expert TP 1 and dropless alltoall routing: the dedup layer (unless the setting is off); any
+    other layout or feature keeps the sorted-permute or megatron-core layer; the layer refuses a config the
+    spec would not give it, naming the setting."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from sftprof.models.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
+    from sftprof.models.moe_permute import SortedPermuteMoELayer
+    from sftprof.models.specs import _moe_spec
+
+    assert _moe_spec(_moe_config(), True, True).module is DedupAlltoAllMoELayer
+    assert _moe_spec(_moe_config(), True, False).module is SortedPermuteMoELayer
+    assert _moe_spec(_moe_config(), False, False).module is MoELayer
+    assert _moe_spec(_moe_config(expert_model_parallel_size=1), True, True).module is SortedPermuteMoELayer
+    for kw in (dict(expert_tensor_parallel_size=2), dict(moe_shared_expert_overlap=True),
+               dict(overlap_moe_expert_parallel_comm=True), dict(cuda_graph_impl="local"),
+               dict(moe_token_dispatcher_type="allgather"), dict(moe_expert_capacity_factor=1.0),
+               dict(moe_permute_fusion=True), dict(moe_router_padding_for_quantization=True)):
+        config = _moe_config()
+        for name, value in kw.items():  # set after construction: megatron's checks want TE/fp8/more ranks for some
+            setattr(config, name, value)
+        assert not dedup_alltoall_applies(config) and _moe_spec(config, True, True).module is not DedupAlltoAllMoELayer, kw
+    with pytest.raises(ValueError, match=r"^actor\.megatron\.moe_dedup_alltoall: DedupAlltoAllMoELayer needs EP > 1, "
+                                         r"expert TP 1,"):
+        DedupAlltoAllMoELayer(_moe_config(expert_model_parallel_size=1))
