@@ -79,20 +79,23 @@ def _ep2_worker(rank: int, store: str) -> None:
             layer = build_module(_moe_spec(config, sorted_permute=False, dedup_alltoall=dedup), config=config,
                                  layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
             xi = x.clone().requires_grad_(True)
+            maps = []
+            layer.router.register_forward_hook(lambda m, i, o: maps.append(o[1]))  # routing_map [T, E]
             with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
                     mock.patch.object(moe_dedup, "all_to_all", wraps=moe_dedup.all_to_all) as a2a:
                 out, _ = layer(xi)
                 (out * probe).sum().backward()
             rows = [c.args[1].shape[0] for c in a2a.call_args_list]
             results[dedup] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
-                              layer.token_dispatcher, out, xi.grad,
+                              layer.token_dispatcher, maps, out, xi.grad,
                               {n: p.grad for n, p in layer.named_parameters()})
-        (name, disp_name, permutes, rows, disp, out_on, dx_on, g_on) = results[True]
+        (name, disp_name, permutes, rows, disp, maps, out_on, dx_on, g_on) = results[True]
         assert (name, disp_name, permutes) == ("DedupAlltoAllMoELayer", "DedupAlltoAllTokenDispatcher", 0)
         assert results[False][:3] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1)
-        # which EP ranks each of this rank's 40 tokens went to: tokens for the local rank only, the other rank
+        # which EP ranks each of this rank's 64 tokens went to: tokens for the local rank only, the other rank
         # only, and both are all present; one row per (token, rank) pair was sent
-        sent = disp.send_inverse >= 0  # [T, EP]
+        assert len(maps) == 1
+        sent = maps[0].view(64, 2, 4).any(dim=2)  # [T, EP]: tokens with >= 1 of their experts on each rank
         other = 1 - rank
         kinds = (int((sent[:, rank] & ~sent[:, other]).sum()), int((~sent[:, rank] & sent[:, other]).sum()),
                  int((sent[:, rank] & sent[:, other]).sum()))
@@ -102,6 +105,9 @@ def _ep2_worker(rank: int, store: str) -> None:
         # the forward's all-to-alls: counts [EP], hidden rows, probability sub-rows, sub-maps; the combine
         assert rows == [2, n_send, n_send, n_send, n_recv], rows
         assert n_send == sent.sum().item() < 64 * 3
+        # the index maps do not outlive the forward
+        assert [getattr(disp, n) for n in ("send_map", "recv_map", "send_tokens", "send_inverse", "recv_rows",
+                                           "recv_inverse")] == [None] * 6
         with pytest.raises(ValueError, match=r"^DedupAlltoAllTokenDispatcher: needs a bool routing_map and probs of "
                                              r"\[T, E\] = \(4, 8\), got torch.bool \(4, 4\) and \(4, 8\)$"):
             disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 4, dtype=torch.bool), torch.zeros(4, 8))
@@ -114,7 +120,7 @@ def _ep2_worker(rank: int, store: str) -> None:
 
 
 def test_ep2_moe_layer_same_output_and_grads_as_megatron_dispatcher(tmp_path):
-    """EP = 2 on two gloo ranks, fp32, SequentialMLP experts (4 local each), topk 2 of 8, shared expert: the
+    """EP = 2 on two gloo ranks, fp32, SequentialMLP experts (4 local each), topk 3 of 8, shared expert: the
     deduplicating dispatcher gives megatron-core's alltoall dispatcher's output, input gradient and every
     parameter gradient (router, local experts, shared expert) within fp32 rounding, on both ranks; it sent one
     row per (token, destination rank) and megatron's permute did not run."""

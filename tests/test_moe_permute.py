@@ -236,8 +236,7 @@ def test_spec_keeps_megatron_layer_where_sorted_permute_does_not_apply(mcore_cpu
 @pytest.mark.gpu
 def test_triton_gather_sum_matches_torch_path_on_cuda():
     """The Triton gather-sum (bf16, T = 8192 tokens, topk 8, H 2048; also with -1 padding) gives the torch path's
-    bits, and the whole
-    permute/unpermute round trip on CUDA equals the CPU result."""
+    bits, and the whole permute/unpermute round trip on CUDA equals the CPU result."""
     from sftprof.models.moe_permute import _gather_sum_torch
     n_tokens, n_experts, topk, hidden = 8192, 128, 8, 2048
     routing_map, probs = _routing(n_tokens, n_experts, topk, 7)

@@ -27,6 +27,9 @@ and its gradient back), instead of megatron-core's ``T * topk_r * H * b`` (``top
 experts on other ranks). At EP = 2 with topk 8 of 128 experts, ``H = 2048``, bf16 and fp32 router
 probabilities the hidden rows shrink ~4x and the sub-rows add ``64 * 5 = 320`` bytes per 4096-byte row.
 
+The index maps live on the dispatcher from ``dispatch_preprocess`` to the method that last needs them, then are
+dropped (autograd keeps its own references for the backward): no per-layer state outlives the layer's forward.
+
 Every gather has an atomic-free backward and every sum accumulates in fp32 with one rounding
 (:func:`sftprof.models.moe_permute.gather_rows` / :func:`~sftprof.models.moe_permute.gather_sum_rows` through
 -1-padded inverse maps ``[T, EP]`` and ``[N_recv, min(topk, L)]``). The all-to-alls are megatron-core's autograd
@@ -143,6 +146,7 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         received = all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits)
         received_probs = all_to_all(self.ep_group, probs, self.output_splits, self.input_splits)
         self.recv_map = all_to_all(self.ep_group, self.send_map, self.output_splits, self.input_splits)
+        self.send_map = None
         return received, received_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor,
@@ -160,7 +164,7 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         """
         n_recv, n_local = self.recv_map.shape
         width = self.max_local_experts
-        local = self.recv_map.bool()
+        local, self.recv_map = self.recv_map.bool(), None
         torch._assert_async((local.sum(dim=1) <= width).all(),
                             f"DedupAlltoAllTokenDispatcher: a received row has more than min(topk, L)={width} experts")
         tokens_per_expert = local.sum(dim=0)
@@ -175,7 +179,9 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum each received row's expert outputs: ``[S, H] -> [N_recv, H]`` (fp32 accumulation, one rounding)."""
-        return gather_sum_rows(hidden_states, self.recv_rows, self.recv_inverse)
+        out = gather_sum_rows(hidden_states, self.recv_rows, self.recv_inverse)
+        self.recv_rows = self.recv_inverse = None
+        return out
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The all-to-all back to the sending ranks: ``[N_recv, H] -> [N_send, H]``."""
@@ -185,6 +191,7 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         """Sum each token's rows over the ranks it went to: ``[N_send, H]`` -> the input's shape ``[..., H]``
         (a token routed nowhere gets zeros)."""
         out = gather_sum_rows(hidden_states, self.send_tokens, self.send_inverse)
+        self.send_tokens = self.send_inverse = None
         return out.view(self.hidden_shape)
 
 
