@@ -154,3 +154,24 @@ def test_spec_picks_dedup_only_where_it_applies():
     with pytest.raises(ValueError, match=r"^actor\.megatron\.moe_dedup_alltoall: DedupAlltoAllMoELayer needs EP > 1, "
                                          r"expert TP 1,"):
         DedupAlltoAllMoELayer(_moe_config(expert_model_parallel_size=1))
+
+
+@pytest.mark.parametrize("layout,layer", [("megatron:(attn:c2|ffn:e2)", "DedupAlltoAllMoELayer"),
+                                          ("megatron:(attn:t2|ffn:e2)", "DedupAlltoAllMoELayer"),
+                                          ("megatron:d1", "SortedPermuteMoELayer"),
+                                          ("megatron:d2t2p2", "SortedPermuteMoELayer")])
+def test_shipped_config_picks_dedup_at_ep_layouts(layout, layer):
+    """The shipped YAML's Qwen3-30B-A3B config without TE: the dedup layer at EP = 2 with expert TP 1 (the
+    bench's ``(attn:c2|ffn:e2)``), the sorted permutation without EP or with expert TP 2."""
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.config import load_config
+    from sftprof.models import megatron_config as mc
+    from sftprof.models.hf import load_hf_config
+    from sftprof.models.specs import _moe_spec
+
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", ["actor.megatron.use_precision_aware_optimizer=false",
+                                                         "actor.megatron.main_grads_dtype=float32"])
+    m = cfg.actor.megatron
+    tc = mc.build_transformer_config(load_hf_config("qwen3_30b_a3b", 4), cfg, parse_allocation_mode(layout),
+                                     have_te=False)
+    assert _moe_spec(tc, m.moe_sorted_permute, m.moe_dedup_alltoall).module.__name__ == layer

@@ -96,9 +96,8 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         if (self.ep_size < 2 or self.tp_size != 1 or self.local_expert_indices != expected
                 or config.num_moe_experts != num_local_experts * self.ep_size):
             raise ValueError(f"actor.megatron.moe_dedup_alltoall: needs EP > 1 (got {self.ep_size}), expert TP 1 (got "
-                             f"{self.tp_size}) and local experts {expected[:1]}..{expected[-1:]} of "
-                             f"{config.num_moe_experts} (got {self.local_expert_indices[:1]}.."
-                             f"{self.local_expert_indices[-1:]}); set it false for this layout")
+                             f"{self.tp_size}) and local experts {expected[0]}..{expected[-1]} of "
+                             f"{config.num_moe_experts} (got {self.local_expert_indices}); set it false for this layout")
         self.max_local_experts = min(config.moe_router_topk, num_local_experts)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
@@ -126,10 +125,10 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         self.input_splits = self.send_counts.tolist()  # the host sync of the dispatch
         flat = torch.nonzero_static(to_rank.T.reshape(-1), size=sum(self.input_splits)).squeeze(1)  # r * T + t
         rank, token = flat // n_tokens, flat % n_tokens
+        sub_rows = token * ep + rank  # rows of the [T * EP, L] views; flat positions of [T, EP]
         self.send_tokens = token
         # [T, EP]: the sent row of (token, rank), -1 where the token does not go to that rank
-        self.send_inverse = _inverse(token * ep + rank, n_tokens, ep)
-        sub_rows = token * ep + rank  # rows of the [T * EP, L] views
+        self.send_inverse = _inverse(sub_rows, n_tokens, ep)
         self.send_map = per_rank.reshape(-1, n_local).index_select(0, sub_rows).to(torch.uint8)
         send_probs = probs.reshape(-1, n_local).index_select(0, sub_rows)
         return gather_rows(x, token, self.send_inverse), send_probs
