@@ -131,6 +131,25 @@ def test_moe_sorted_permute_default_on_and_bool_only():
     assert load_config("tiny_cpu").actor.megatron.moe_sorted_permute is True
     assert load_config(FLAGSHIP).actor.megatron.moe_sorted_permute is True
     assert load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=false"]).actor.megatron.moe_sorted_permute is False
+    accepted = r"; accepted: true or false \(also yes/no, on/off, 1/0\)"
     with pytest.raises(ConfigError, match=r"^actor\.megatron\.moe_sorted_permute: Value 'maybe' is not a valid bool "
-                                          r"\(type str\) \(overrides actor\.megatron\.moe_sorted_permute=maybe\)$"):
+                                          r"\(type str\)" + accepted +
+                                          r" \(overrides actor\.megatron\.moe_sorted_permute=maybe\)$"):
         load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=maybe"])
+    # 1 and 0 are booleans; OmegaConf would read any other integer (2, -1) as true
+    assert load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=0"]).actor.megatron.moe_sorted_permute is False
+    assert load_config(FLAGSHIP, ["actor.megatron.moe_sorted_permute=1"]).actor.megatron.moe_sorted_permute is True
+    for value in ("-1", "2"):
+        with pytest.raises(ConfigError, match=rf"^actor\.megatron\.moe_sorted_permute={value}: not a boolean"
+                                              + accepted + r" \(the overrides\)$"):
+            load_config(FLAGSHIP, [f"actor.megatron.moe_sorted_permute={value}"])
+
+
+def test_integer_for_a_boolean_in_the_yaml_is_refused(tmp_path):
+    """The same check on the YAML file's layer, for any boolean key (here ``actor.gradient_checkpointing``)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(FLAGSHIP.read_text().replace("gradient_checkpointing: true", "gradient_checkpointing: 5"))
+    with pytest.raises(ConfigError, match=r"^actor\.gradient_checkpointing=5: not a boolean; accepted: true or false "
+                                          rf"\(also yes/no, on/off, 1/0\) \(config {cfg}\)$"):
+        load_config(cfg)
+
