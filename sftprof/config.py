@@ -140,7 +140,7 @@ class LossSettings:
 
     ``path``: ``lm_head`` (chunked LM head fused with the loss, no full logits; ``lm_head_loss_chunk_size``
     tokens per chunk, > 0), ``logprobs`` (full logits, then the vocab-parallel log-probs
-    ``logprobs_chunk_size`` tokens at a time, 0 = all at once), ``reference`` (full logits, fp32
+    ``logprobs_chunk_size`` tokens at a time on CPU, 0 = all at once; on CUDA all at once), ``reference`` (full logits, fp32
     ``log_softmax`` and gather: the textbook baseline of tests and benchmarks, TP = 1 only) or ``auto``
     (``lm_head`` when ``lm_head_loss_chunk_size > 0``, else ``logprobs``). Driver variables:
     ``LOGPROBS_CHUNK_SIZE``, ``LM_HEAD_LOSS_CHUNK_SIZE``.
