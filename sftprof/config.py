@@ -26,6 +26,7 @@ from typing import Any, List
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import BooleanNode
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PRESET_DIR = PACKAGE_DIR / "presets"
@@ -139,7 +140,7 @@ class LossSettings:
 
     ``path``: ``lm_head`` (chunked LM head fused with the loss, no full logits; ``lm_head_loss_chunk_size``
     tokens per chunk, > 0), ``logprobs`` (full logits, then the vocab-parallel log-probs
-    ``logprobs_chunk_size`` tokens at a time, 0 = all at once), ``reference`` (full logits, fp32
+    ``logprobs_chunk_size`` tokens at a time on CPU, 0 = all at once; on CUDA all at once), ``reference`` (full logits, fp32
     ``log_softmax`` and gather: the textbook baseline of tests and benchmarks, TP = 1 only) or ``auto``
     (``lm_head`` when ``lm_head_loss_chunk_size > 0``, else ``logprobs``). Driver variables:
     ``LOGPROBS_CHUNK_SIZE``, ``LM_HEAD_LOSS_CHUNK_SIZE``.
@@ -386,10 +387,35 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config={path!r}: no such file; accepted: a YAML path or a bundled preset {presets}")
 
 
+BOOL_ACCEPTED = "accepted: true or false (also yes/no, on/off, 1/0)"
+
+
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).splitlines()[0]
+    if "not a valid bool" in msg or "field of type 'bool'" in msg:
+        msg += f"; {BOOL_ACCEPTED}"
     return f"{key}: {msg}"
+
+
+def _check_bool_ints(tree: Any, node: Any, prefix: str = "") -> None:
+    """Refuse an integer other than 0 or 1 for a boolean key of the schema ``node`` in one config source ``tree``
+    (OmegaConf reads any non-zero integer as true: ``actor.megatron.moe_sorted_permute=-1`` would be on).
+
+    Raises:
+        ConfigError: naming the dotted key, the value and the accepted values.
+    """
+    if not isinstance(tree, dict) or not isinstance(node, DictConfig):
+        return
+    for key, value in tree.items():
+        try:
+            child = node._get_node(key)
+        except OmegaConfBaseException:  # an unknown key: the merge names it
+            continue
+        if isinstance(child, BooleanNode) and isinstance(value, int) and not isinstance(value, bool) \
+                and value not in (0, 1):
+            raise ConfigError(f"{prefix}{key}={value!r}: not a boolean; {BOOL_ACCEPTED}")
+        _check_bool_ints(value, child, f"{prefix}{key}.")
 
 
 def _is_interpolation(value: Any) -> bool:
@@ -474,6 +500,10 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
         for layer, source in zip(layers, (f"config {yaml_path}", "the overrides")):
             if isinstance(layer, dict):
                 map_legacy_loss_keys(layer, source)
+                try:
+                    _check_bool_ints(layer, schema)
+                except ConfigError as err:
+                    raise ConfigError(f"{err} ({source})") from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"{_omegaconf_message(err)} (config {yaml_path})") from err
     source = f"config {yaml_path}"  # which layer a merge error comes from: the file, else the overrides

@@ -10,7 +10,8 @@ parameter all-gather, or megatron's own output layer on the logits paths). Paths
   tokens per chunk; the full ``[N, V]`` logits never exist and ``hidden`` is consumed (its storage
   takes ``d loss / d hidden``).
 - ``logprobs``: full logits, then :func:`sftprof.ops.vocab_parallel_logprobs`, ``logprobs_chunk_size``
-  tokens per chunk (0 = all at once); the backward writes the gradient over the logits.
+  tokens per chunk on CPU (0 = all at once; on CUDA always all at once); the backward writes the gradient over
+  the logits.
 - ``reference``: full logits, ``log_softmax`` in fp32 and a gather (:func:`reference_logprobs`): the
   textbook computation, one fp32 ``[N, V]`` copy and its gradient; the baseline of the GPU parity test
   and of ``bench/megatron_logits_memory.py``. TP = 1 only (it sees one vocabulary shard).
@@ -40,7 +41,7 @@ class SFTLoss:
 
     Attributes:
         path: ``lm_head``, ``logprobs`` or ``reference``.
-        logprobs_chunk_size: tokens per chunk of the ``logprobs`` path (0 = all at once).
+        logprobs_chunk_size: tokens per chunk of the ``logprobs`` path on CPU (0 = all at once; CUDA: all at once).
         lm_head_loss_chunk_size: tokens per chunk of the ``lm_head`` path (> 0 there, else 0).
         vocab_size: the model's full (padded) vocabulary, when known: the ops then check that the TP ranks'
             shards add up to it (:func:`sftprof.ops.guards.check_vocab_shards`; full-vocabulary logits on every
@@ -64,13 +65,16 @@ class SFTLoss:
         """True when the model must produce full (vocab-parallel) logits: every path but ``lm_head``."""
         return self.path != "lm_head"
 
-    def describe(self) -> str:
-        """One line for logs, e.g. ``lm_head (linear_sft_loss, chunk 2048 tokens)``."""
+    def describe(self, cuda: bool = False) -> str:
+        """One line for logs, e.g. ``lm_head (linear_sft_loss, chunk 2048 tokens)``; ``cuda``: the loss runs on CUDA,
+        where :func:`sftprof.ops.vocab_parallel_logprobs` takes all tokens at once whatever its chunk size."""
         if self.path == "lm_head":
             return f"lm_head (linear_sft_loss, chunk {self.lm_head_loss_chunk_size} tokens)"
         if self.path == "logprobs":
             chunk = self.logprobs_chunk_size
-            return f"logprobs (logits + vocab_parallel_logprobs, {f'chunk {chunk} tokens' if chunk else 'unchunked'})"
+            how = ("unchunked" if not chunk else f"all tokens at once on CUDA (chunk {chunk} tokens applies on CPU)"
+                   if cuda else f"chunk {chunk} tokens")
+            return f"logprobs (logits + vocab_parallel_logprobs, {how})"
         return "reference (logits + fp32 log_softmax + gather)"
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

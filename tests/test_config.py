@@ -128,10 +128,29 @@ def test_type_error_names_the_layer_it_comes_from():
 @pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall"])
 def test_moe_dispatch_switches_default_on_and_bool_only(key):
     """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall``: on in the defaults and the shipped YAML,
-    off by override, and a non-boolean is refused naming the key and the override."""
+    off by override, and a non-boolean is refused naming the key, the accepted values and the override."""
     assert getattr(load_config("tiny_cpu").actor.megatron, key) is True
     assert getattr(load_config(FLAGSHIP).actor.megatron, key) is True
     assert getattr(load_config(FLAGSHIP, [f"actor.megatron.{key}=false"]).actor.megatron, key) is False
+    accepted = r"; accepted: true or false \(also yes/no, on/off, 1/0\)"
     with pytest.raises(ConfigError, match=rf"^actor\.megatron\.{key}: Value 'maybe' is not a valid bool "
-                                          rf"\(type str\) \(overrides actor\.megatron\.{key}=maybe\)$"):
+                                          r"\(type str\)" + accepted +
+                                          rf" \(overrides actor\.megatron\.{key}=maybe\)$"):
         load_config(FLAGSHIP, [f"actor.megatron.{key}=maybe"])
+    # 1 and 0 are booleans; OmegaConf would read any other integer (2, -1) as true
+    assert getattr(load_config(FLAGSHIP, [f"actor.megatron.{key}=0"]).actor.megatron, key) is False
+    assert getattr(load_config(FLAGSHIP, [f"actor.megatron.{key}=1"]).actor.megatron, key) is True
+    for value in ("-1", "2"):
+        with pytest.raises(ConfigError, match=rf"^actor\.megatron\.{key}={value}: not a boolean"
+                                              + accepted + r" \(the overrides\)$"):
+            load_config(FLAGSHIP, [f"actor.megatron.{key}={value}"])
+
+
+def test_integer_for_a_boolean_in_the_yaml_is_refused(tmp_path):
+    """The same check on the YAML file's layer, for any boolean key (here ``actor.gradient_checkpointing``)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(FLAGSHIP.read_text().replace("gradient_checkpointing: true", "gradient_checkpointing: 5"))
+    with pytest.raises(ConfigError, match=r"^actor\.gradient_checkpointing=5: not a boolean; accepted: true or false "
+                                          rf"\(also yes/no, on/off, 1/0\) \(config {cfg}\)$"):
+        load_config(cfg)
+

@@ -115,6 +115,48 @@ def test_errors_name_the_setting():
         gather_sum(y, idx)
 
 
+def test_wrong_types_shapes_and_indices_raise_never_a_silent_result():
+    """Each of these used to return a result (probs of the wrong width gathered the wrong experts' probabilities;
+    sorted indices that do not hold each token topk times, or out of range, gave a wrong sum) or an unclear error."""
+    routing_map, probs = _routing(8, 4, 2, 0)
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"sorted_permute: routing_map must be a torch.Tensor of torch.bool on cpu, "
+                                         r"got torch.int32 on cpu"):
+        sorted_permute(x, routing_map.int(), probs, num_out_tokens=16)
+    with pytest.raises(ValueError, match=r"sorted_permute: routing_map must be .* on cpu, got torch.bool on meta"):
+        sorted_permute(x, routing_map.to("meta"), probs, num_out_tokens=16)
+    with pytest.raises(ValueError, match=r"sorted_permute: tokens must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 or torch.float64, got torch.int64"):
+        sorted_permute(x.long(), routing_map, probs, num_out_tokens=16)
+    with pytest.raises(ValueError, match=r"sorted_permute: needs tokens \[T, H\], routing_map \[T, E\] and probs None "
+                                         r"or \[T, E\], got \(8, 4\), \(8, 4\) and \(8, 3\)"):
+        sorted_permute(x, routing_map, probs[:, :3], num_out_tokens=16)
+    with pytest.raises(ValueError, match=r"got \(\), \(8, 4\) and None"):
+        sorted_permute(torch.tensor(1.0), routing_map, num_out_tokens=16)
+    y, _, idx = sorted_permute(x, routing_map, probs, num_out_tokens=16)
+    with pytest.raises(ValueError, match=r"sorted_unpermute: sorted_indices must be a torch.Tensor of torch.int64 on "
+                                         r"cpu, got torch.float32 on cpu"):
+        sorted_unpermute(y, idx.float(), x.shape)
+    with pytest.raises(ValueError, match=r"sorted_unpermute: needs sorted_indices \[T \* topk\] and restore_shape "
+                                         r"\(T, H\), got \(8, 2\) and \(8, 4\)"):
+        sorted_unpermute(y, idx.view(8, 2), x.shape)
+    with pytest.raises(ValueError, match=r"got \(16,\) and \(8, 4, 1\)"):
+        sorted_unpermute(y, idx, (8, 4, 1))
+    for bad in (torch.tensor([0, 0, 0] + [1] * 13), idx + 100):
+        with pytest.raises(RuntimeError, match=r"sorted_unpermute: sorted_indices must hold each token 0..7 exactly "
+                                               r"topk=2 times"):
+            sorted_unpermute(y, bad, x.shape)
+    inverse = torch.tensor([[0, 1], [2, 15]])
+    with pytest.raises(ValueError, match=r"gather_sum: x must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 or torch.float64, got torch.int64 on cpu"):
+        gather_sum(y.long(), inverse)
+    with pytest.raises(ValueError, match=r"gather_sum: inverse must be a torch.Tensor of torch.int64 on cpu, got "
+                                         r"torch.int32 on cpu"):
+        gather_sum(y, inverse.int())
+    for bad in (inverse + 1, inverse - 2):  # -1 is padding, -2 is not
+        with pytest.raises(RuntimeError, match=r"gather_sum: inverse holds an entry outside \[-1, 16\) \(x has 16 "
+                                               r"rows; -1 is padding\)"):
+            gather_sum(y, bad)
+
+
 def test_chunk_sort_skips_only_the_identity():
     from megatron.core.transformer.moe import moe_utils
 
@@ -195,7 +237,7 @@ def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cp
     for on in (True, False):
         with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
                 mock.patch.object(token_dispatcher, "unpermute", wraps=moe_utils.unpermute) as mu, \
-                mock.patch.object(moe_permute, "gather_sum", wraps=moe_permute.gather_sum) as gs, \
+                mock.patch.object(moe_permute, "_gather_sum", wraps=moe_permute._gather_sum) as gs, \
                 mock.patch.object(token_dispatcher, "sort_chunks_by_idxs", wraps=moe_utils.sort_chunks_by_idxs) as sc, \
                 torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             layer, out, dx, grads = _moe_forward_backward(config, on, x, probe)

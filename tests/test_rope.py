@@ -69,6 +69,19 @@ def test_bad_inputs_raise(kwargs, match):
         fused_apply_rotary_pos_emb(t, f, **kwargs)
 
 
+@pytest.mark.parametrize("t, freqs, match", [
+    (torch.ones(4, 1, 2, 8, dtype=torch.int32), torch.zeros(4, 1, 1, 8),
+     "t must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 \\(also torch.float64 on cpu\\), got torch.int32 on cpu"),
+    (torch.ones(4, 1, 2, 8), torch.zeros(4, 1, 1, 8, dtype=torch.int64),
+     "freqs must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 \\(also torch.float64 on cpu\\) on cpu, got torch.int64 on cpu"),
+    (torch.ones(4, 1, 2, 8), torch.zeros(4, 1, 1, 8, device="meta"), "freqs must be .* on cpu, got torch.float32 on meta"),
+])
+def test_wrong_dtype_or_device_raise_before_any_kernel(t, freqs, match):
+    """An integer t used to come back rotated and truncated to integers, silently."""
+    with pytest.raises(ValueError, match="fused_apply_rotary_pos_emb: " + match):
+        fused_apply_rotary_pos_emb(t, freqs)
+
+
 def test_megatron_apply_rotary_pos_emb_routes_to_it(monkeypatch):
     install_in_megatron()
     calls = []

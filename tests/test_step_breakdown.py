@@ -326,6 +326,38 @@ def test_gpu_idle_waiting_for_the_host_by_place():
             "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md
 
 
+def test_short_gaps_after_long_kernels_are_host_busy_not_launch_bound():
+    """Gaps under LAUNCH_GAP_US after 2 ms kernels (the 1x H200 expert recompute: 2072 us activities, 79 us gaps)
+    are not launch-bound, which needs short kernels too: the host, not its launch cost, made the GPU wait; the finding
+    gives the activities' length that tells the two apart."""
+    from sftprof.analysis import findings
+
+    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": 10000.0, "args": {}},
+           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/experts/L0", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": 9000.0, "args": {}}]
+    for k in range(4):  # kernels of 2000 us, each launched 80 us after the previous one ended
+        start = 100.0 + 2080.0 * k
+        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1,
+                 "ts": start - 2.0, "dur": 1.0, "args": {"correlation": k + 1}},
+                {"ph": "X", "cat": "kernel", "name": f"k{k}", "pid": 0, "tid": 7, "ts": start, "dur": 2000.0,
+                 "args": {"correlation": k + 1}}]
+    a = KernelTraceAnalyzer({})
+    for ev in evs:
+        a.add(ev)
+    s = a.summary()
+    places = s["host"]["gpu_idle"]["host_wait_by_place"]
+    assert places["rows"] == [
+        {"part": "experts", "label": "expert GEMMs (routed)", "phase": "forward", "launched_under": None,
+         "idle_ms": 0.34, "gaps": 4, "activities": 4, "mean_activity_us": 2000.0, "mean_gap_us": 85.0,
+         "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"}]
+    found, _ = findings.kernel_findings(0, s, None)  # busy 4 x 2000 us of the 10000 us step
+    assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
+        "rank 0: GPU idle 2.0 ms (20.0 % of the step's wall time), 0.3 ms of it waiting for the host to launch work: "
+        "0.3 ms in expert GEMMs (routed), phase forward (host busy: 4 GPU activities averaging 2000.0 µs, 4 gaps "
+        "averaging 85.0 µs)"]
+
+
 def test_part_range_marks_work_outside_modules_only_while_recording():
     """The megatron engine's loss on the logits path runs in no module: part_range gives it the LM head's range,
     forward and (inside a backward) recompute-named, and only inside recording()."""

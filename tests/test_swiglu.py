@@ -70,6 +70,20 @@ def test_non_contiguous_fc1_raises():
         swiglu_with_probs(torch.zeros(6, 4).t(), torch.zeros(4))
 
 
+@pytest.mark.parametrize("fc1, probs, match", [
+    (torch.ones(4, 6, dtype=torch.int32), torch.ones(4), "fc1 must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 \\(also torch.float64 on cpu\\), got torch.int32 on cpu"),
+    (torch.ones(4, 6), torch.ones(4, dtype=torch.int64),
+     "probs must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 \\(also torch.float64 on cpu\\) on cpu, got torch.int64 on cpu"),
+    (torch.ones(4, 6), torch.ones(4, device="meta"), "probs must be .* on cpu, got torch.float32 on meta"),
+    (torch.ones(4, 6), [1.0] * 4, "probs must be .* on cpu, got list"),
+])
+def test_wrong_dtype_device_or_type_raise_before_any_kernel(fc1, probs, match):
+    """An integer fc1 used to come back as silently truncated integers; a probs on another device reached the
+    Triton kernel on CUDA."""
+    with pytest.raises(ValueError, match="swiglu_with_probs: " + match):
+        swiglu_with_probs(fc1, probs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

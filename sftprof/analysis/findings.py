@@ -53,8 +53,8 @@ def _idle_place(r: dict) -> str:
     if r["kind"] == "after blocking calls":
         return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
     gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {r['mean_gap_us']:.1f} µs"
-    if r["kind"] == "launch-bound" and r.get("activities"):
-        return text + (f" (launch-bound: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs, "
+    if r.get("activities"):  # the activities' length is what tells launch-bound from host busy
+        return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs, "
                        f"{gaps})")
     return text + f" ({r['kind']}: {gaps})"
 

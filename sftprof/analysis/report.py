@@ -294,9 +294,10 @@ def _host_wait_places(places: dict | None) -> list[str]:
             "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
             "kernels, copies and fills in the step, with their mean duration; after blocking call: the share of the "
             "idle that follows a blocking CUDA call (the host waited for the GPU to drain, then launched late); "
-            f"kind: after blocking calls (half the idle or more), launch-bound (gaps under {LAUNCH_GAP_US:.0f} µs on "
-            "average: the host's cost per launch exceeds the kernels' run time) or host busy (longer gaps: the host "
-            "did other work between launches):\n",
+            f"kind: after blocking calls (half the idle or more), launch-bound (the other gaps and the place's GPU "
+            f"activities both under {LAUNCH_GAP_US:.0f} µs on average: short kernels, each costing the host more to "
+            "launch than it runs) or host busy (longer gaps, or gaps after longer activities: the host did other work "
+            "between launches):\n",
             table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "GPU activities", "mean µs",
                    "after blocking call %", "kind"], rows),
             f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"

@@ -615,9 +615,10 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
 
 
 TOP_IDLE_PLACES = 10
-# A place whose host-wait gaps average under this (us) is launch-bound: the host's cost per launch (CUDA runtime,
-# PyTorch dispatcher, Python) exceeds the kernels' run time. Longer gaps mean the host did other work between
-# launches. On the 131072-token 1x H200 trace the chunked loss loop's gaps averaged 25 us, its kernels 4 us.
+# A place whose host-wait gaps (those not after a blocking call) and GPU activities both average under this (us) is
+# launch-bound: short kernels, each costing the host (CUDA runtime, PyTorch dispatcher, Python) more than it runs.
+# Short gaps after long activities, or long gaps, mean the host did other work between launches. On the
+# 131072-token 1x H200 trace the chunked loss loop's gaps averaged 25 us, its kernels 4 us.
 LAUNCH_GAP_US = 100.0
 
 
@@ -631,9 +632,10 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     call* when a blocking CUDA call (``cudaStreamSynchronize`` ...; :meth:`OpCollector.blocking_calls`) ended
     between the gap's start and the launch of the activity that ends it: the host waited for the GPU's queue
     to drain, then took the gap's time to launch more work. In the other gaps the host launched the next work
-    only after the GPU had finished the previous: a place is *launch-bound* when those gaps are short
-    (mean under :data:`LAUNCH_GAP_US`: the per-launch host cost exceeds the kernels' run time), else *host
-    busy* (the host did other work between launches).
+    only after the GPU had finished the previous: a place is *launch-bound* when those gaps and the place's GPU
+    activities both average under :data:`LAUNCH_GAP_US` (short kernels whose per-launch host cost exceeds their
+    run time), else *host busy* (the host did other work between launches: long gaps, or gaps after long
+    activities, which a launch alone cannot explain).
 
     Returns:
         ``{"rows": [...], "rest": {...} or None, "after_blocking_ms", "after_blocking_by_op": {op: ms}}``;
@@ -642,11 +644,12 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         that place launched in the step window: kernels, copies, fills; the gaps end at all three kinds),
         ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``after_blocking_ms``,
         ``after_blocking_pct`` (of the row's idle) and ``kind`` (``after blocking calls`` when at least half the
-        row's idle follows one, else ``launch-bound`` or ``host busy``); ``rest`` sums the rows left out (``places``,
+        row's idle follows one, else ``launch-bound`` or ``host busy`` as above; ``mean_gap_us`` is over all the
+        row's gaps); ``rest`` sums the rows left out (``places``,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])  # idle us, gaps, after-blocking us
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0])  # idle us, gaps, after-blocking us, gaps
     by_op: dict[str, float] = defaultdict(float)
     for i, g0, g1 in host_gaps:
         key = (parts[i], phases[i], sites[i])
@@ -657,6 +660,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         j = int(np.searchsorted(sync_end, g0, side="left"))
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
+            r[3] += 1
             by_op[sync_op[j]] += g1 - g0
     count: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
     for i in np.flatnonzero(inside):
@@ -666,10 +670,10 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
     out = []
-    for (part, phase, site), (us, n, blocked) in ordered[:TOP_IDLE_PLACES]:
+    for (part, phase, site), (us, n, blocked, n_blocked) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
-        kind = ("after blocking calls" if 2 * blocked >= us else
-                "launch-bound" if us / n < LAUNCH_GAP_US else "host busy")
+        short = (us - blocked) / (n - n_blocked) < LAUNCH_GAP_US and k and kus / k < LAUNCH_GAP_US
+        kind = "after blocking calls" if 2 * blocked >= us else "launch-bound" if short else "host busy"
         out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
                     "idle_ms": _ms(us), "gaps": int(n), "activities": int(k),
                     "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),

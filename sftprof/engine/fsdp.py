@@ -209,7 +209,7 @@ class FSDPEngine(Engine):
         n_params = sum(p.numel() for p in model.parameters())
         log.info("fsdp engine: %s, %.3fB parameters, dtype %s, dp=%d, gradient checkpointing %s, loss path %s",
                  type(causal_lm).__name__, n_params / 1e9, a.dtype, layout.dp, a.gradient_checkpointing,
-                 loss.describe())
+                 loss.describe(cuda=device.type == "cuda"))
 
     @property
     def rank_coords(self) -> dict:

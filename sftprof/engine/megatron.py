@@ -179,7 +179,7 @@ class MegatronEngine(Engine):
             load_hf_checkpoint(gpt, resolve_model_dir(cfg.actor.path), hf_config)
         log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s; "
                  "loss path %s", cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(),
-                 have_te, self.loss.describe())
+                 have_te, self.loss.describe(cuda=True))
         # megatron-core creates some parameters on the CPU (the MoE router's weight: TopKRouter.__init__) and
         # moves them at their first forward by replacing .data, which detaches the gradient accumulator DDP
         # hooked below: the router's gradients would never reach main_grad. Move everything before DDP.

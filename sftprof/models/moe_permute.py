@@ -38,6 +38,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
 
+from sftprof.models.op_inputs import check_tensor
+
 
 def sorted_permute_applies(config) -> bool:
     """True when every routing-map row of megatron-core's alltoall dispatcher has exactly ``moe_router_topk``
@@ -62,25 +64,43 @@ def _gather_sum_torch(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k x[inverse[t, k]]`` over the entries ``inverse[t, k] >= 0`` (a negative entry is padding
     and adds nothing; a row of padding gives zeros), with fp32 accumulation (fp64 for fp64 ``x``; k ascending,
     from 0) and one rounding to ``x``'s dtype.
 
-    CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.triton_kernels.gather_sum`), no ``[T, topk, H]`` temporary; otherwise torch with one
-    ``[T, H]`` accumulator. Both add in the same order, so they give the same bits.
+    CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.triton_kernels.gather_sum`), no ``[T, topk, H]``
+    temporary; otherwise torch with one ``[T, H]`` accumulator. Both add in the same order, so they give the same
+    bits. The entries are checked to lie in ``[-1, N)`` without a host sync (``torch._assert_async``: on CPU a
+    failure raises at once; on CUDA it is a device-side assert at a later launch, never a read out of bounds).
+    :func:`sorted_permute` / :func:`sorted_unpermute` build their indices in range and call the unchecked sum.
 
     Args:
-        x: ``[N, H]`` rows (any float dtype).
-        inverse: ``[T, topk]`` int64 row indices into ``x`` (``-1``: padding), ``topk >= 1``.
+        x: ``[N, H]`` rows, bf16/fp16/fp32/fp64.
+        inverse: ``[T, topk]`` int64 row indices into ``x`` (``-1``: padding), ``topk >= 1``, on ``x``'s device.
     Returns:
         ``[T, H]``, ``x``'s dtype and device.
     Raises:
-        ValueError: ``x`` is not 2-D, or ``inverse`` is not ``[T, topk]`` with ``topk >= 1``.
+        ValueError: ``x`` or ``inverse`` not a tensor of an accepted dtype, ``inverse`` on another device; ``x`` is
+            not 2-D, or ``inverse`` is not ``[T, topk]`` with ``topk >= 1``.
+        RuntimeError: (CPU) an index outside ``[0, N)``.
     """
+    check_tensor("gather_sum", "x", x, _FLOATS)
+    check_tensor("gather_sum", "inverse", inverse, (torch.int64,), device=x.device)
     if x.dim() != 2 or inverse.dim() != 2 or inverse.shape[1] < 1:
         raise ValueError(f"gather_sum: needs x [N, H] and inverse [T, topk >= 1], got {tuple(x.shape)} and "
                          f"{tuple(inverse.shape)}")
+    torch._assert_async(((inverse >= -1) & (inverse < x.shape[0])).all(),
+                        f"gather_sum: inverse holds an entry outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows; "
+                        "-1 is padding)")
+    return _gather_sum(x, inverse)
+
+
+def _gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_sum` without the checks (for indices built in range here)."""
     x, inverse = x.contiguous(), inverse.contiguous()
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or inverse.shape[0] == 0 \
             or x.shape[1] == 0:
@@ -101,7 +121,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return gather_sum(grad, inverse), None, None
+        return _gather_sum(grad, inverse), None, None
 
 
 class _GatherSumRows(torch.autograd.Function):
@@ -110,7 +130,7 @@ class _GatherSumRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sorted_indices, inverse):
         ctx.save_for_backward(sorted_indices)
-        return gather_sum(x, inverse)
+        return _gather_sum(x, inverse)
 
     @staticmethod
     def backward(ctx, grad):
@@ -174,15 +194,22 @@ def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optio
         expert-major, ascending token index within an expert; ``permuted_probs[j] = probs[sorted_indices[j],
         e(j)]``, the order of megatron's ``probs.T.masked_select(routing_map.T)``.
     Raises:
-        ValueError: ``fused`` or ``drop_and_pad``; ``num_out_tokens`` not an int multiple of ``T``; shapes that
-            do not match.
+        ValueError: ``fused`` or ``drop_and_pad``; ``tokens`` not a float tensor, ``routing_map`` not a bool tensor,
+            ``probs`` not a float tensor, or one on another device than ``tokens``; ``num_out_tokens`` not an int
+            multiple of ``T``; shapes that do not match (``probs`` must have ``routing_map``'s shape).
         RuntimeError: (CPU) a routing-map row without exactly ``topk`` true entries.
     """
     _refuse("sorted_permute", fused, drop_and_pad)
+    check_tensor("sorted_permute", "tokens", tokens, _FLOATS)
+    check_tensor("sorted_permute", "routing_map", routing_map, (torch.bool,), device=tokens.device)
+    if probs is not None:
+        check_tensor("sorted_permute", "probs", probs, _FLOATS, device=tokens.device)
+    if tokens.dim() != 2 or routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0] \
+            or (probs is not None and probs.shape != routing_map.shape):
+        raise ValueError(f"sorted_permute: needs tokens [T, H], routing_map [T, E] and probs None or [T, E], got "
+                         f"{tuple(tokens.shape)}, {tuple(routing_map.shape)} and "
+                         f"{None if probs is None else tuple(probs.shape)}")
     n_tokens = tokens.shape[0]
-    if tokens.dim() != 2 or routing_map.shape[0] != n_tokens or routing_map.dim() != 2:
-        raise ValueError(f"sorted_permute: needs tokens [T, H] and routing_map [T, E], got {tuple(tokens.shape)} and "
-                         f"{tuple(routing_map.shape)}")
     if not (isinstance(num_out_tokens, int) and num_out_tokens >= 0
             and (num_out_tokens % n_tokens == 0 if n_tokens else num_out_tokens == 0)):
         raise ValueError(f"sorted_permute: num_out_tokens={num_out_tokens!r} must be T * topk (T={n_tokens}) for "
@@ -211,20 +238,32 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
     rounding (megatron adds in the tokens' dtype with atomics). The inverse map is a stable argsort of
     ``sorted_indices`` (each token appears exactly ``topk`` times, which :func:`sorted_permute` checked).
 
+    That each token ``0 .. T - 1`` appears exactly ``topk`` times in ``sorted_indices`` is checked without a host
+    sync (``torch._assert_async`` on the sorted indices, which the inverse map's sort yields anyway): on CPU a
+    failure raises at once; on CUDA it is a device-side assert at a later launch, never a wrong sum.
+
     Args:
-        permuted_tokens: ``[T * topk, H]`` expert outputs in permuted order.
-        sorted_indices: ``[T * topk]`` int64, from :func:`sorted_permute`.
+        permuted_tokens: ``[T * topk, H]`` expert outputs in permuted order, bf16/fp16/fp32/fp64.
+        sorted_indices: ``[T * topk]`` int64, from :func:`sorted_permute`, on ``permuted_tokens``' device.
         restore_shape: ``(T, H)``.
         probs: must be None; routing_map: unused (megatron uses it only with ``probs``).
         fused, drop_and_pad: must be False.
     Returns:
         ``[T, H]`` in ``permuted_tokens``' dtype.
     Raises:
-        ValueError: ``probs`` given, ``fused`` or ``drop_and_pad``, or ``sorted_indices`` not ``T * topk`` long.
+        ValueError: ``probs`` given, ``fused`` or ``drop_and_pad``; ``permuted_tokens`` not a float tensor,
+            ``sorted_indices`` not a 1-D int64 tensor on its device; ``restore_shape`` not ``(T, H)``, or
+            ``sorted_indices`` not ``T * topk`` long.
+        RuntimeError: (CPU) ``sorted_indices`` does not hold each token exactly ``topk`` times.
     """
     _refuse("sorted_unpermute", fused, drop_and_pad)
     if probs is not None:
         raise ValueError("sorted_unpermute: probs must be None (the alltoall dispatcher applies them in the experts)")
+    check_tensor("sorted_unpermute", "permuted_tokens", permuted_tokens, _FLOATS)
+    check_tensor("sorted_unpermute", "sorted_indices", sorted_indices, (torch.int64,), device=permuted_tokens.device)
+    if sorted_indices.dim() != 1 or len(restore_shape) != 2:
+        raise ValueError(f"sorted_unpermute: needs sorted_indices [T * topk] and restore_shape (T, H), got "
+                         f"{tuple(sorted_indices.shape)} and {tuple(restore_shape)}")
     n_tokens, hidden = restore_shape
     n = sorted_indices.numel()
     if (n_tokens == 0) != (n == 0) or (n_tokens and n % n_tokens) or permuted_tokens.shape != (n, hidden):
@@ -232,8 +271,13 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
                          f"do not fit restore_shape {tuple(restore_shape)} (needs T * topk rows of H)")
     if n == 0:
         return permuted_tokens.new_zeros(restore_shape)
-    inverse = torch.sort(sorted_indices, stable=True).indices.view(n_tokens, n // n_tokens)
-    return gather_sum_rows(permuted_tokens, sorted_indices, inverse)
+    topk = n // n_tokens
+    tokens_sorted, inverse = torch.sort(sorted_indices, stable=True)
+    torch._assert_async((tokens_sorted.view(n_tokens, topk)
+                         == torch.arange(n_tokens, device=sorted_indices.device).unsqueeze(1)).all(),
+                        f"sorted_unpermute: sorted_indices must hold each token 0..{n_tokens - 1} exactly topk={topk} "
+                        "times (as sorted_permute returns them)")
+    return gather_sum_rows(permuted_tokens, sorted_indices, inverse.view(n_tokens, topk))
 
 
 def sort_chunks_unless_identity(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
+
 __all__ = ["fused_apply_rotary_pos_emb"]
 
 
@@ -57,17 +59,22 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     """RoPE on ``t`` ``[S, B, H, D]`` (megatron-core's ``sbhd``) with angles ``freqs`` ``[S, 1 or B, 1, R]``.
 
     Args:
-        t: query or key, bf16/fp16/fp32 (made contiguous if it is not: one copy).
-        freqs: rotation angles in radians (fp32 from megatron-core's ``RotaryEmbedding``), ``R`` even, ``R <= D``;
-            not differentiated.
+        t: query or key, bf16/fp16/fp32, or fp64 on CPU (made contiguous if it is not: one copy).
+        freqs: rotation angles in radians (fp32 from megatron-core's ``RotaryEmbedding``; bf16/fp16/fp32, or fp64
+            on CPU) on ``t``'s device, ``R`` even, ``R <= D``; not differentiated.
         transpose_output_memory: accepted for TE's signature; must be False.
         interleaved: accepted for TE's signature; must be False (megatron-core's ``rotary_interleaved``).
     Returns:
         ``[S, B, H, D]`` in ``t``'s dtype, differentiable in ``t``. Triton on CUDA
         (:func:`sftprof.models.triton_kernels.rope_apply`), torch elsewhere.
     Raises:
-        ValueError: interleaved or transposed output asked for, or shapes that do not match (named in the message).
+        ValueError: interleaved or transposed output asked for; ``t`` or ``freqs`` not a tensor of an accepted dtype,
+            ``freqs`` on another device (:func:`sftprof.models.op_inputs.check_tensor`); or shapes that do not match
+            (named in the message).
     """
+    check_tensor("fused_apply_rotary_pos_emb", "t", t, FLOAT_DTYPES, cpu_dtypes=(torch.float64,))
+    check_tensor("fused_apply_rotary_pos_emb", "freqs", freqs, FLOAT_DTYPES, device=t.device,
+                 cpu_dtypes=(torch.float64,))
     if interleaved or transpose_output_memory:
         raise ValueError("fused_apply_rotary_pos_emb supports interleaved=False and transpose_output_memory=False "
                          f"only, got interleaved={interleaved} transpose_output_memory={transpose_output_memory}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
+
 __all__ = ["swiglu_with_probs"]
 
 
@@ -60,15 +62,20 @@ def swiglu_with_probs(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up * probs[:, None]`` of ``fc1 = [gate | up]``, computed in fp32, rounded once.
 
     Args:
-        fc1: ``[M, 2F]`` bf16/fp16/fp32 (the first expert GEMM's output: gate columns, then up columns);
-            must be contiguous.
-        probs: ``[M]`` routing probabilities (fp32 or ``fc1``'s dtype), one per permuted token.
+        fc1: ``[M, 2F]`` bf16/fp16/fp32, or fp64 on CPU (the first expert GEMM's output: gate columns, then up
+            columns); must be contiguous.
+        probs: ``[M]`` routing probabilities (bf16/fp16/fp32, or fp64 on CPU; megatron's are fp32), one per
+            permuted token, on ``fc1``'s device.
     Returns:
         ``[M, F]`` in ``fc1``'s dtype. Differentiable in ``fc1`` and ``probs`` (``d probs`` in ``probs``' dtype).
         On CUDA both directions run in Triton kernels (:mod:`sftprof.models.triton_kernels`); elsewhere in torch.
     Raises:
-        ValueError: ``fc1`` not 2-D contiguous with an even column count, or ``probs`` not ``[M]``.
+        ValueError: ``fc1`` or ``probs`` not a tensor of an accepted dtype, ``probs`` on another device
+            (:func:`sftprof.models.op_inputs.check_tensor`); ``fc1`` not 2-D contiguous with an even column count,
+            or ``probs`` not ``[M]``.
     """
+    check_tensor("swiglu_with_probs", "fc1", fc1, FLOAT_DTYPES, cpu_dtypes=(torch.float64,))
+    check_tensor("swiglu_with_probs", "probs", probs, FLOAT_DTYPES, device=fc1.device, cpu_dtypes=(torch.float64,))
     if fc1.dim() != 2 or fc1.shape[1] % 2 or not fc1.is_contiguous():
         raise ValueError(f"fc1 must be a contiguous [M, 2F] tensor, got shape {tuple(fc1.shape)} "
                          f"stride {fc1.stride()}")
