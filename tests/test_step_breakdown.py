@@ -390,3 +390,34 @@ def test_part_range_marks_work_outside_modules_only_while_recording():
     with pytest.raises(ValueError, match="part must be one of"):
         with module_regions.part_range("lm_head"):
             pass
+
+
+def test_place_whose_every_gap_follows_a_blocking_call():
+    """A place whose only host-wait gap follows a blocking call (here one gap after ``aten::nonzero``'s sync in the
+    router) is 'after blocking calls'; it left no other gap to average, which used to divide by zero and stop the
+    summary."""
+    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": 1000.0, "args": {}},
+           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/router/L0", "pid": 100, "tid": 1, "ts": 200.0,
+            "dur": 700.0, "args": {}},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1, "ts": 5.0, "dur": 1.0,
+            "args": {"correlation": 1}},
+           {"ph": "X", "cat": "kernel", "name": "k0", "pid": 0, "tid": 7, "ts": 10.0, "dur": 100.0,
+            "args": {"correlation": 1}},
+           {"ph": "X", "cat": "cpu_op", "name": "aten::nonzero", "pid": 100, "tid": 1, "ts": 20.0, "dur": 95.0,
+            "args": {}},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 100, "tid": 1, "ts": 21.0,
+            "dur": 92.0, "args": {}},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1, "ts": 300.0, "dur": 1.0,
+            "args": {"correlation": 2}},
+           {"ph": "X", "cat": "kernel", "name": "k1", "pid": 0, "tid": 7, "ts": 310.0, "dur": 100.0,
+            "args": {"correlation": 2}}]
+    a = KernelTraceAnalyzer({})
+    for ev in evs:
+        a.add(ev)
+    places = a.summary()["host"]["gpu_idle"]["host_wait_by_place"]
+    assert places["rows"][0] == {
+        "part": "router", "label": "MoE router", "phase": "forward", "launched_under": None, "idle_ms": 0.2,
+        "gaps": 1, "activities": 1, "mean_activity_us": 100.0, "mean_gap_us": 200.0, "after_blocking_ms": 0.2,
+        "after_blocking_pct": 100.0, "kind": "after blocking calls"}
+    assert places["after_blocking_by_op"] == {"aten::nonzero": 0.2}

@@ -672,8 +672,12 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     out = []
     for (part, phase, site), (us, n, blocked, n_blocked) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
-        short = (us - blocked) / (n - n_blocked) < LAUNCH_GAP_US and k and kus / k < LAUNCH_GAP_US
-        kind = "after blocking calls" if 2 * blocked >= us else "launch-bound" if short else "host busy"
+        if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
+            kind = "after blocking calls"
+        elif (us - blocked) / (n - n_blocked) < LAUNCH_GAP_US and k and kus / k < LAUNCH_GAP_US:
+            kind = "launch-bound"
+        else:
+            kind = "host busy"
         out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
                     "idle_ms": _ms(us), "gaps": int(n), "activities": int(k),
                     "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
