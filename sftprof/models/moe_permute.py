@@ -19,8 +19,8 @@ Then permute is a row gather whose backward is, per token, the sum of its ``topk
 gather-sum through ``inverse``), and unpermute is that gather-sum (fp32 accumulation, one rounding) whose
 backward is a row gather: no atomics on ``[*, H]`` rows. (The permuted probs are a gather of ``T * topk`` fp32
 scalars; their backward is torch's scatter into ``[T, E]``, each position written once.) On CUDA the gather-sum
-is a small Triton kernel (no ``[T, topk, H]`` temporary); on CPU, or without Triton, the same sum in torch, one
-``[T, H]`` fp32 accumulator.
+is a small Triton kernel (no ``[T, topk, H]`` temporary); on CPU the same sum in torch, one ``[T, H]`` fp32
+accumulator.
 
 The hook (:class:`SortedPermuteMoELayer`, picked by :func:`sftprof.models.specs.local_layer_spec` when
 :func:`sorted_permute_applies`) runs megatron-core's own ``MoEAlltoAllTokenDispatcher`` code with its

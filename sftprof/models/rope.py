@@ -5,9 +5,9 @@ TE's ``fused_apply_rotary_pos_emb``; without TE it runs ``_apply_rotary_pos_emb_
 per call (split, two multiplies, a negation, two concatenations) and their saved intermediates. At 131072 tokens,
 32 query heads of 128 that is ~10 ms per layer and pass on an H200 (bench/NOTES.md, ninth session).
 :func:`fused_apply_rotary_pos_emb` has TE's signature for the case megatron-core sends it (``sbhd`` layout,
-non-interleaved); :func:`sftprof.compat.apply_megatron_compat` binds it in ``megatron.core.models.common.
-embeddings.rope_utils`` when TE is missing, and :func:`sftprof.models.megatron_config.build_transformer_config`
-then turns ``apply_rope_fusion`` on.
+non-interleaved); :func:`install_in_megatron` binds it in ``megatron.core.models.common.embeddings.rope_utils``
+when TE is missing, called by :func:`sftprof.models.megatron_config.training_config_kwargs`, which turns
+``apply_rope_fusion`` on.
 
 Math (RoFormer, Su et al. 2021; the ``rotate_half`` convention of megatron-core and Hugging Face): for each head
 with the first ``R`` of its ``D`` channels rotated (``R`` even; the rest pass through), halves ``x1, x2`` of

@@ -25,7 +25,7 @@ def _compute_dtype(fc1: torch.Tensor) -> torch.dtype:
     return torch.promote_types(fc1.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
 
 
-def _reference(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def _forward_torch(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     ct = _compute_dtype(fc1)
     gate, up = fc1.to(ct).chunk(2, dim=-1)
     return (F.silu(gate) * up * probs.to(ct).unsqueeze(-1)).to(fc1.dtype)
@@ -39,7 +39,7 @@ class _SwiGLUWithProbs(torch.autograd.Function):
             from sftprof.models import triton_kernels
 
             return triton_kernels.swiglu_forward(fc1, probs)
-        return _reference(fc1, probs)
+        return _forward_torch(fc1, probs)
 
     @staticmethod
     def backward(ctx, d_out):
