@@ -5,18 +5,22 @@ Rows (bf16, batch 1, ``--heads`` query / ``--kv-heads`` key-value heads of ``--h
 
 - ``single GPU causal (S)``: ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
   the whole sequence (what the CP=1 path of ``sftprof.models.attention.cp_causal_attention`` calls);
+- ``single GPU, chunked forward (n)``: ``sftprof.models.block_attention.chunked_causal_attention(..., chunks=n)``
+  (``--chunks``, default 2 4 8): the forward as n diagonal causal blocks plus unmasked off-diagonal blocks merged
+  by log-sum-exp, the backward as one causal call given the merged output and log-sum-exp;
 - ``CP=<n> rank <r>, masked`` / ``CP=<n> rank <r>, blocks (<kernel>)``: exactly one CP rank's attention
   work, ``cp_causal_attention(..., method="masked")`` or ``sftprof.models.block_attention.
   blockwise_cp_attention(..., kernel=...)``, for its ``S/n`` load-balanced queries against random full
   K/V (no process group: the K/V all-gather and the gradient reduce-scatter are not in these rows).
 
-Columns: ``ms`` = median over ``--reps`` timed calls (CUDA events around one fwd+bwd; after one untimed
+Columns: ``fwd ms`` / ``ms`` = median over ``--reps`` timed calls of the forward alone / the fwd+bwd (CUDA events
+before the forward, between forward and backward, after the backward; after one untimed
 warm-up call and one memory call per row, the timed calls go round-robin over the rows, repetition i of
 every row before repetition i + 1 of any); ``TFLOP/s`` = the causal FLOPs the row needs / time:
 forward ``4 * b * h * d * pairs`` over the unmasked query-key pairs (``key <= query``; the counting rule
 of ``sftprof/flops.py``: ``Q K^T`` and ``P V`` at ``2 d`` FLOPs per pair each), fwd+bwd = 3.5 x forward
 (the backward runs five such GEMMs: ``Q K^T`` again, ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``,
-``dK = dS^T Q``; 7 / 2 = 3.5); ``extra GiB`` = peak allocated during one fwd+bwd minus (allocated before
+``dK = dS^T Q``; 7 / 2 = 3.5), ``fwd TF/s`` the forward's FLOPs / ``fwd ms``; ``extra GiB`` = peak allocated during one fwd+bwd minus (allocated before
 the call + bytes of the Q/K/V gradients); ``x single`` = the row's ms / the single-GPU row's ms (issue 18's
 goal for CP=2: <= 0.55).
 
@@ -25,10 +29,10 @@ to the query heads), ``cudnn_gqa`` and ``flash_gqa`` (the same ops given the 4 K
 kernel that raises is reported in its row's note and left out of the timing.
 
 Exactness check (the GPU run doubles as one): for every CP rank, the max abs difference of the output and
-of the Q/K/V gradients of each blocks kernel against the masked path on the same inputs, printed after
-the table.
+of the Q/K/V gradients of each blocks kernel against the masked path on the same inputs, and for each chunked
+single-GPU row against the one SDPA call, printed after the table.
 
-Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--kernels cudnn ...] [--reps 5] [--json F]
+Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...] [--reps 5] [--json F]
 Without CUDA it prints that it needs a GPU and exits with status 1, measuring nothing.
 """
 from __future__ import annotations
@@ -66,24 +70,33 @@ def fwd_bwd_flops(pairs: int, heads: int, head_dim: int, batch: int = 1) -> floa
     return 3.5 * 4 * batch * heads * head_dim * pairs
 
 
-def _single(q, k, v, dout):
+def _single(q, k, v):
     import torch.nn.functional as F
 
-    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _chunked(chunks):
+    from sftprof.models.block_attention import chunked_causal_attention
+
+    return lambda q, k, v: chunked_causal_attention(q, k, v, chunks=chunks)
 
 
 def _cp_row(cp_size, cp_rank, method, kernel=None):
     from sftprof.models.attention import cp_causal_attention
     from sftprof.models.block_attention import blockwise_cp_attention
 
-    def run(q, k, v, dout):
+    def run(q, k, v):
         if method == "masked":
-            out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, method="masked")
-        else:
-            out = blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, kernel=kernel)
-        out.backward(dout)
-        return out
+            return cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, method="masked")
+        return blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, kernel=kernel)
     return run
+
+
+def _fwd_bwd(fn, q, k, v, dout):
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out
 
 
 def _reset(tensors):
@@ -98,36 +111,40 @@ def peak_extra_gib(fn, tensors) -> float:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn(*tensors)
+    _fwd_bwd(fn, *tensors)
     torch.cuda.synchronize()
     grads = sum(t.numel() * t.element_size() for t in tensors[:3])
     return (torch.cuda.max_memory_allocated() - base - grads) / 2 ** 30
 
 
-def time_ms(fn, tensors) -> float:
+def time_ms(fn, tensors) -> tuple[float, float]:
+    """(forward ms, forward + backward ms) of one call, CUDA events around the forward and the backward."""
     _reset(tensors)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    q, k, v, dout = tensors
     start.record()
-    fn(*tensors)
+    out = fn(q, k, v)
+    mid.record()
+    out.backward(dout)
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(mid), start.elapsed_time(end)
 
 
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
 
 
-def _exactness(cp_size, cp_rank, kernels, tensors) -> dict:
-    """Max abs diff of out / dq / dk / dv of each blocks kernel vs the masked path (same inputs)."""
+def _exactness(reference, candidates: dict, tensors) -> dict:
+    """Max abs diff of out / dq / dk / dv of each candidate forward vs ``reference`` (same inputs)."""
     _reset(tensors)
-    want_out = _cp_row(cp_size, cp_rank, "masked")(*tensors).detach()
+    want_out = _fwd_bwd(reference, *tensors).detach()
     want = [want_out] + [t.grad for t in tensors[:3]]
     diffs = {}
-    for kernel in kernels:
+    for kernel, fn in candidates.items():
         _reset(tensors)
         try:
-            got_out = _cp_row(cp_size, cp_rank, "blocks", kernel)(*tensors).detach()
+            got_out = _fwd_bwd(fn, *tensors).detach()
         except RuntimeError as exc:  # e.g. an op refusing GQA K/V (the _gqa kernels): reported, not fatal
             diffs[kernel] = {"error": _first_line(exc)}
             continue
@@ -148,6 +165,8 @@ def main() -> int:
     ap.add_argument("--cp", type=int, nargs="+", default=[2], help="CP sizes to simulate (e.g. 2 4)")
     ap.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS), choices=CUDA_KERNELS,
                     help="block kernels of the blocks rows (sftprof.models.block_attention.BLOCK_KERNELS)")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8],
+                    help="single-GPU rows of chunked_causal_attention with these query-chunk counts")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row")
     ap.add_argument("--json", type=Path, default=None, help="write the rows and the exactness check here")
     args = ap.parse_args()
@@ -159,6 +178,9 @@ def main() -> int:
         if cp < 2:
             ap.error(f"--cp {cp}: must be >= 2 (CP=1 is the single-GPU row)")
         causal_pairs(args.seq, cp, 0)  # checks divisibility before any GPU work
+    for n in args.chunks:
+        if n < 1 or args.seq % n:
+            ap.error(f"--chunks {n}: must be >= 1 and divide --seq {args.seq}")
     torch.manual_seed(0)
     dev, s, h, g, d = torch.device("cuda"), args.seq, args.heads, args.kv_heads, args.head_dim
 
@@ -168,8 +190,11 @@ def main() -> int:
 
     k, v = rand(1, g, s, d), rand(1, g, s, d)
     q_full, dout_full = rand(1, h, s, d), rand(1, h, s, d, grad=False)
-    rows = [dict(name=f"single GPU causal ({s})", pairs=causal_pairs(s), fn=_single, tensors=(q_full, k, v, dout_full))]
-    exact = {}
+    full = (q_full, k, v, dout_full)
+    rows = [dict(name=f"single GPU causal ({s})", pairs=causal_pairs(s), fn=_single, tensors=full)]
+    rows += [dict(name=f"single GPU, chunked forward ({n})", pairs=causal_pairs(s), fn=_chunked(n), tensors=full)
+             for n in args.chunks]
+    exact = {"single GPU": _exactness(_single, {f"chunked forward ({n})": _chunked(n) for n in args.chunks}, full)}
     for cp in args.cp:
         for r in range(cp):
             local = (cp_shard(q_full.detach(), cp, r, dim=2).clone().requires_grad_(), k, v,
@@ -178,11 +203,12 @@ def main() -> int:
             rows.append(dict(name=f"CP={cp} rank {r}, masked", pairs=pairs, fn=_cp_row(cp, r, "masked"), tensors=local))
             rows += [dict(name=f"CP={cp} rank {r}, blocks ({kern})", pairs=pairs, fn=_cp_row(cp, r, "blocks", kern),
                           tensors=local) for kern in args.kernels]
-            exact[f"CP={cp} rank {r}"] = _exactness(cp, r, args.kernels, local)
+            exact[f"CP={cp} rank {r}"] = _exactness(_cp_row(cp, r, "masked"), {
+                f"blocks ({kern})": _cp_row(cp, r, "blocks", kern) for kern in args.kernels}, local)
     for row in rows:  # warm-up and peak memory, one row after the other
         row.update(times=[], note="")
         try:
-            row["fn"](*row["tensors"])
+            _fwd_bwd(row["fn"], *row["tensors"])
             row["extra_gib"] = peak_extra_gib(row["fn"], row["tensors"])
         except torch.OutOfMemoryError:
             row["note"] = "OOM"
@@ -195,25 +221,28 @@ def main() -> int:
             if not row["note"]:
                 row["times"].append(time_ms(row["fn"], row["tensors"]))
                 _reset(row["tensors"])
-    single_ms = statistics.median(rows[0]["times"]) if rows[0]["times"] else None
+    single_ms = statistics.median(t[1] for t in rows[0]["times"]) if rows[0]["times"] else None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, S={s}, {h} q / {g} kv heads, head_dim {d}, "
           f"bf16, batch 1, fwd+bwd, median of {args.reps} round-robin reps; TFLOP/s = 3.5 x 4 b h d (causal pairs)")
-    print(f"{'row':<34} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
+    nan = float("nan")
+    print(f"{'row':<36} {'fwd ms':>8} {'fwd TF/s':>8} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
     out_rows = []
     for row in rows:
-        ms = statistics.median(row["times"]) if row["times"] else None
+        fwd_ms = statistics.median(t[0] for t in row["times"]) if row["times"] else None
+        ms = statistics.median(t[1] for t in row["times"]) if row["times"] else None
         tflops = fwd_bwd_flops(row["pairs"], h, d) / ms / 1e9 if ms else None
+        fwd_tflops = fwd_bwd_flops(row["pairs"], h, d) / 3.5 / fwd_ms / 1e9 if fwd_ms else None
         ratio = ms / single_ms if ms and single_ms else None
         extra = row.get("extra_gib")
-        print(f"{row['name']:<34} {ms if ms else float('nan'):>8.1f} {tflops if tflops else float('nan'):>8.0f} "
-              f"{extra if extra is not None else float('nan'):>9.2f} {ratio if ratio else float('nan'):>8.3f}  "
-              f"{row['note']}")
-        out_rows.append(dict(row=row["name"], ms=ms, tflops=tflops, extra_gib=extra, ratio_to_single=ratio,
-                             pairs=row["pairs"], note=row["note"]))
-    print("exactness (max abs diff vs the masked path on the same inputs; bf16):")
+        print(f"{row['name']:<36} {fwd_ms or nan:>8.1f} {fwd_tflops or nan:>8.0f} {ms or nan:>8.1f} "
+              f"{tflops or nan:>8.0f} {extra if extra is not None else nan:>9.2f} {ratio or nan:>8.3f}  {row['note']}")
+        out_rows.append(dict(row=row["name"], fwd_ms=fwd_ms, fwd_tflops=fwd_tflops, ms=ms, tflops=tflops,
+                             extra_gib=extra, ratio_to_single=ratio, pairs=row["pairs"], note=row["note"]))
+    print("exactness (max abs diff vs the reference on the same inputs: the masked path for CP rows, one SDPA call "
+          "for the single-GPU rows; bf16):")
     for rank, by_kernel in exact.items():
         for kern, diffs in by_kernel.items():
-            print(f"  {rank}, blocks ({kern}): " + ", ".join(
+            print(f"  {rank}, {kern}: " + ", ".join(
                 f"{k_}={v_:.3g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in diffs.items()))
     if args.json:
         args.json.write_text(json.dumps(dict(rows=out_rows, exactness=exact), indent=1))

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
-from sftprof.config import ConfigError, load_config
+from sftprof.config import PRESET_DIR, ConfigError, load_config
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       natural_to_rank_order, rank_order_to_natural)
-from sftprof.models.block_attention import BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks, merge_partials
+from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
+                                            chunked_causal_attention, merge_partials)
 
 
 def _reference(q, k, v):
@@ -144,6 +145,61 @@ def test_math_kernel_backward_is_exact():
         got = kern.backward(dout, q, k, v, out.detach(), lse.detach(), aux, causal, 0.3)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 6])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_chunked_forward_attention_matches_full_fp64(chunks, heads, kv_heads):
+    """chunked_causal_attention (blocks forward, one-call backward) equals causal attention and its gradients in
+    fp64 (math kernel), through cp_causal_attention's CP = 1 path; and the module uses it for forward_chunks > 1."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    torch.manual_seed(chunks * 10 + kv_heads)
+    b, s, d = 2, 48, 16
+    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(b, heads, s, d, dtype=torch.float64)
+    ref = _reference(q, k, v)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    out = chunked_causal_attention(q, k, v, chunks=chunks, kernel="math")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-10)
+    out = cp_causal_attention(q, k, v, cp_size=1, cp_rank=0, forward_chunks=chunks)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    # the module: [s, b, heads, d] in, [s, b, heads * d] out, the same numbers
+    mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1, AttnMaskType.causal,
+                            "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=chunks)
+    got = mod(*(t.detach().permute(2, 0, 1, 3) for t in (q, k, v)), None)
+    torch.testing.assert_close(got, ref.detach().permute(2, 0, 1, 3).reshape(s, b, -1), rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_forward_attention_errors():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"actor.megatron.attention_forward_chunks=3: must be an integer >= 1 "
+                                         r"dividing the sequence length 8"):
+        chunked_causal_attention(q, q, q, chunks=3, kernel="math")
+    with pytest.raises(ValueError, match=r"actor.megatron.attention_forward_chunks=0"):
+        chunked_causal_attention(q, q, q, chunks=0, kernel="math")
+    with pytest.raises(ValueError, match=r"kernel='fa3': must be one of"):
+        chunked_causal_attention(q, q, q, chunks=2, kernel="fa3")
+    with pytest.raises(ValueError, match=r"need equal lengths"):
+        chunked_causal_attention(q, q[:, :, :4], q[:, :, :4], chunks=2, kernel="math")
+    # not dividing the length, or dropout: one plain SDPA call (same result as the reference)
+    torch.testing.assert_close(cp_causal_attention(q, q, q, cp_size=1, cp_rank=0, forward_chunks=3),
+                               _reference(q, q, q))
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=rf"actor.megatron.attention_forward_chunks={bad}: must be an integer >= 1"):
+            load_config(PRESET_DIR / "tiny_cpu.yaml", [f"actor.megatron.attention_forward_chunks={bad}"])
+    for bad in ("1.5", "true", "two"):
+        with pytest.raises(ConfigError, match=r"actor.megatron.attention_forward_chunks: Value .* could not be "
+                                              r"converted to Integer"):
+            load_config(PRESET_DIR / "tiny_cpu.yaml", [f"actor.megatron.attention_forward_chunks={bad}"])
+    assert load_config(PRESET_DIR / "tiny_cpu.yaml",
+                       ["actor.megatron.attention_forward_chunks=4"]).actor.megatron.attention_forward_chunks == 4
 
 
 def test_cp_attention_setting_errors():

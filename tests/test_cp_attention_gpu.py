@@ -10,7 +10,8 @@ and the Q/K/V input gradients of its shard (bf16 tolerance). Cases: ``actor.mega
 A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same ops without the GQA
 expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
 process group) against SDPA's single-call causal attention: each rank's output and query gradient, and
-the K/V gradients summed over the ranks.
+the K/V gradients summed over the ranks. Another runs the single-GPU chunked forward
+(``chunked_causal_attention``, every CUDA block kernel, 2 and 4 chunks) against the same single call.
 """
 import json
 import os
@@ -100,6 +101,34 @@ def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
         dv += lv.grad.float()
     torch.testing.assert_close(dk, fk.grad.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dv, fv.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "cudnn_gqa", "flash_gqa"])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
+    """chunked_causal_attention (blocks forward, one causal backward call given the merged output and lse) against
+    SDPA's single causal call: output and Q/K/V gradients within bf16 tolerance, for every CUDA block kernel."""
+    import torch.nn.functional as F
+
+    from sftprof.models.block_attention import chunked_causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(chunks)
+    b, h, g, s, d = 1, 8, 2, 4096, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, dout = rand(b, h, s, d), rand(b, g, s, d), rand(b, g, s, d), rand(b, h, s, d)
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True)
+    ref.backward(dout)
+    cq, ck, cv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = chunked_causal_attention(cq, ck, cv, chunks=chunks, kernel=kernel)
+    out.backward(dout)
+    for got, want in ((out, ref), (cq.grad, fq.grad), (ck.grad, fk.grad), (cv.grad, fv.grad)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

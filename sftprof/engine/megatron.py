@@ -161,13 +161,18 @@ class MegatronEngine(Engine):
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = hf_config.vocab_size
         spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute,
-                                  moe_dedup_alltoall=m.moe_dedup_alltoall)
+                                  moe_dedup_alltoall=m.moe_dedup_alltoall,
+                                  attention_forward_chunks=m.attention_forward_chunks)
         gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
                        post_process=self.post_process, **gpt_kwargs)
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
             log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
                      "Transformer Engine's attention does its own context parallelism" if have_te else
                      "CP = 1: one plain causal SDPA call")
+        if m.attention_forward_chunks != type(m).attention_forward_chunks and (layout.cp > 1 or have_te):
+            log.info("megatron: actor.megatron.attention_forward_chunks=%s has no effect here (%s)",
+                     m.attention_forward_chunks, "Transformer Engine's attention" if have_te else
+                     "CP > 1: actor.megatron.cp_attention decides")
         # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
         tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp
         self.vocab_valid_local = min(v_local, max(0, self.vocab_size - tp_rank * v_local))

@@ -25,6 +25,12 @@ holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal wor
      log-sum-exp (:mod:`sftprof.models.block_attention`), so each block is a shape the cuDNN kernels of
      the single-GPU ``is_causal`` call take.
 
+Without context parallelism (CP = 1) the attention is one causal call each way, or, with
+``actor.megatron.attention_forward_chunks`` > 1 (default 2), the forward as that many query chunks of diagonal
+causal blocks plus unmasked off-diagonal blocks merged by log-sum-exp and the backward as one causal call given the
+merged output (:func:`sftprof.models.block_attention.chunked_causal_attention`): on an H200 the cuDNN forward of
+unmasked blocks is faster than its causal call (bench/NOTES.md, tenth session).
+
 Memory per rank beyond the local Q/K/V: the gathered K and V (``S * b * g * d`` elements each; small
 with GQA) and SDPA's own workspace.
 """
@@ -39,7 +45,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
-from sftprof.models.block_attention import blockwise_cp_attention, check_cp_lengths
+from sftprof.models.block_attention import blockwise_cp_attention, check_cp_lengths, chunked_causal_attention
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -98,7 +104,8 @@ def gather_sequence_cp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> t
 
 
 def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int,
-                        scale: Optional[float] = None, dropout_p: float = 0.0, method: str = "blocks") -> torch.Tensor:
+                        scale: Optional[float] = None, dropout_p: float = 0.0, method: str = "blocks",
+                        forward_chunks: int = 1) -> torch.Tensor:
     """Exact causal attention of this CP rank's load-balanced query chunks against the full K/V.
 
     Args:
@@ -107,8 +114,11 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
         cp_size, cp_rank: CP group size and rank (``cp_size=1``: plain causal attention, ``S/1 == S``).
         scale: softmax scale (default ``1/sqrt(d)``).
         dropout_p: attention dropout probability (``blocks``: 0 only).
-        method: one of :data:`sftprof.config.CP_ATTENTION_METHODS` (see the module docstring); ``cp_size=1`` always makes
-            one plain ``is_causal`` SDPA call.
+        method: one of :data:`sftprof.config.CP_ATTENTION_METHODS` (see the module docstring), for ``cp_size > 1``.
+        forward_chunks: ``cp_size=1`` only: > 1 runs :func:`sftprof.models.block_attention.chunked_causal_attention`
+            with that many query chunks for CUDA tensors when the sequence length is a multiple of it and there is
+            no dropout; else one plain ``is_causal`` SDPA call (on CPU the block kernel would be the fp32 math
+            kernel, whose score matrices SDPA's CPU kernel does not keep).
     Returns:
         ``[b, h, S/cp_size, d]``, rows in the order of ``q``.
     Raises:
@@ -119,6 +129,8 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
     if cp_size == 1:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"cp_size=1 needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
+        if forward_chunks > 1 and q.is_cuda and dropout_p == 0 and q.shape[2] % forward_chunks == 0:
+            return chunked_causal_attention(q, k, v, chunks=forward_chunks, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=gqa)
     s_local = check_cp_lengths(q.shape[2], k.shape[2], cp_size)
@@ -150,7 +162,8 @@ class SDPACoreAttention(torch.nn.Module):
 
     Constructor arguments follow megatron-core's ``DotProductAttention`` (built by ``SelfAttention``), plus
     ``cp_attention`` (one of :data:`sftprof.config.CP_ATTENTION_METHODS`, from ``actor.megatron.cp_attention`` through the
-    layer spec's params; used only with CP > 1).
+    layer spec's params; used only with CP > 1) and ``forward_chunks`` (``actor.megatron.attention_forward_chunks``;
+    used only with CP = 1, see :func:`cp_causal_attention`).
 
     Forward:
         query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` (this rank's TP heads and CP tokens);
@@ -162,7 +175,8 @@ class SDPACoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "blocks") -> None:
+                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "blocks",
+                 forward_chunks: int = 1) -> None:
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.transformer.enums import AttnMaskType
@@ -174,6 +188,7 @@ class SDPACoreAttention(torch.nn.Module):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         check_cp_attention(cp_attention, self.dropout_p, config.context_parallel_size)
         self.cp_attention = cp_attention
+        self.forward_chunks = forward_chunks
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None and config.context_parallel_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
@@ -192,6 +207,7 @@ class SDPACoreAttention(torch.nn.Module):
         # [s, b, heads, d] -> [b, heads, s, d] (views; head_dim stays contiguous)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=self.softmax_scale,
-                                  dropout_p=self.dropout_p if self.training else 0.0, method=self.cp_attention)
+                                  dropout_p=self.dropout_p if self.training else 0.0, method=self.cp_attention,
+                                  forward_chunks=self.forward_chunks)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -214,26 +214,32 @@ def _reduce_group(grad: torch.Tensor, group: int, dtype: torch.dtype) -> torch.T
     return grad.unflatten(1, (grad.shape[1] // group, group)).sum(2, dtype=dtype)
 
 
+def _blocks_forward(q, k, v, chunks, length, scale, kernel):
+    """Forward of query chunks ``chunks`` (``length`` rows each, in ``q``'s row order) as merged blocks:
+    ``(out [b, h, n, d], lse [b, h, n] fp32, auxes)`` with one ``aux`` per block in :func:`chunk_blocks` order."""
+    fwd = BLOCK_KERNELS[kernel].forward
+    group = _expansion(q, k, kernel)
+    outs, lses, auxes = [], [], []
+    for j, chunk in enumerate(chunks):
+        qj = q[:, :, j * length:(j + 1) * length]
+        parts = []
+        for blk in chunk_blocks(chunk, length):
+            o, lse, aux = fwd(qj, _expand(k[:, :, blk.lo:blk.hi], group), _expand(v[:, :, blk.lo:blk.hi], group),
+                              blk.causal, scale)
+            parts.append((o, lse))
+            auxes.append(aux)
+        o, lse = merge_partials(parts)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), auxes
+
+
 class _BlockwiseCausalAttention(torch.autograd.Function):
     """Forward/backward of :func:`blockwise_cp_attention` (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, chunks, length, scale, kernel):
-        fwd = BLOCK_KERNELS[kernel].forward
-        group = _expansion(q, k, kernel)
-        outs, lses, auxes = [], [], []
-        for j, chunk in enumerate(chunks):
-            qj = q[:, :, j * length:(j + 1) * length]
-            parts = []
-            for blk in chunk_blocks(chunk, length):
-                o, lse, aux = fwd(qj, _expand(k[:, :, blk.lo:blk.hi], group), _expand(v[:, :, blk.lo:blk.hi], group),
-                                  blk.causal, scale)
-                parts.append((o, lse))
-                auxes.append(aux)
-            o, lse = merge_partials(parts)
-            outs.append(o)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse, auxes = _blocks_forward(q, k, v, chunks, length, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.chunks, ctx.length, ctx.scale, ctx.kernel, ctx.auxes = chunks, length, scale, kernel, auxes
         return out
@@ -259,6 +265,75 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
                 dv[:, :, blk.lo:blk.hi] += _reduce_group(dv_b, group, acc)
             dqs.append(dq)
         return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _full_call_aux(aux, b: int, h: int, s: int):
+    # the aux of one causal call over the whole sequence, from the aux of a diagonal block (same kernel): the
+    # op's lse shape with s rows and max_q = max_k = s; cumulative lengths and random state as the block's
+    # (dense inputs, no dropout). The math kernel has no aux.
+    if aux is None:
+        return None
+    lse_shape = torch.Size((b, h, s) + tuple(aux[0][3:]))
+    return (lse_shape, aux[1], aux[2], s, s) + tuple(aux[5:])
+
+
+class _ChunkedForwardCausalAttention(torch.autograd.Function):
+    """Forward/backward of :func:`chunked_causal_attention` (see there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, n_chunks, scale, kernel):
+        out, lse, auxes = _blocks_forward(q, k, v, list(range(n_chunks)), q.shape[2] // n_chunks, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.aux = _full_call_aux(auxes[0], q.shape[0], q.shape[1], q.shape[2])
+        ctx.scale, ctx.kernel = scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = _expansion(q, k, ctx.kernel)
+        dq, dk, dv = BLOCK_KERNELS[ctx.kernel].backward(dout, q, _expand(k, group), _expand(v, group), out, lse,
+                                                        ctx.aux, True, ctx.scale)
+        return dq, _reduce_group(dk, group, k.dtype), _reduce_group(dv, group, v.dtype), None, None, None
+
+
+def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunks: int,
+                             scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    """Single-device causal attention: the forward as blocks, the backward as one causal call (autograd-aware).
+
+    The sequence is cut into ``chunks`` query chunks of ``L = S / chunks`` rows; chunk ``c``'s forward is its causal
+    diagonal block plus one unmasked block over keys ``[0, c L)``, merged by log-sum-exp (:func:`merge_partials`),
+    so ``(chunks - 1) / chunks`` of the causal work runs in unmasked blocks. The backward is ONE causal call of the
+    kernel's backward over the whole sequence, given the merged output and log-sum-exp: the backward only needs
+    ``(dO, Q, K, V, O, lse)``, and those are the single call's up to rounding, so the gradients are the exact
+    gradients of causal attention (the reasoning of the module docstring, with one block). Why: on an H200 the
+    cuDNN forward runs unmasked blocks faster than the causal call (bench/NOTES.md, tenth session), while its
+    causal backward is as fast as the blocks'.
+
+    Args:
+        q: ``[b, h, S, d]``; k, v: ``[b, g, S, d]`` (``h`` a multiple of ``g``: GQA), natural order.
+        chunks: number of query chunks (>= 1; ``S`` a multiple of it). 1 is one causal call each way.
+        scale: softmax scale (default ``1/sqrt(d)``).
+        kernel: a key of :data:`BLOCK_KERNELS` (default :func:`default_block_kernel`).
+    Returns:
+        ``[b, h, S, d]`` in ``q``'s dtype.
+    Memory beyond one causal call: the forward's block outputs and the fp32 merge of one chunk
+    (``b * h * L * d * 4`` bytes), released before it returns.
+    Raises:
+        ValueError: an unknown kernel, ``chunks`` < 1 or not dividing ``S``, query/key lengths that differ, or
+            query heads not a multiple of the K/V heads.
+    """
+    kernel = default_block_kernel(q) if kernel is None else kernel
+    if kernel not in BLOCK_KERNELS:
+        raise ValueError(f"chunked_causal_attention: kernel={kernel!r}: must be one of {list(BLOCK_KERNELS)}")
+    if not isinstance(chunks, int) or chunks < 1 or q.shape[2] % chunks:
+        raise ValueError(f"actor.megatron.attention_forward_chunks={chunks!r}: must be an integer >= 1 dividing the "
+                         f"sequence length {q.shape[2]}")
+    if q.shape[2] != k.shape[2] or k.shape != v.shape or q.shape[1] % k.shape[1]:
+        raise ValueError(f"chunked_causal_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         "need equal lengths, k and v alike, query heads a multiple of the K/V heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _ChunkedForwardCausalAttention.apply(q, k, v, chunks, scale, kernel)
 
 
 def check_cp_lengths(s_local: int, s_full: int, cp_size: int) -> int:

@@ -140,7 +140,8 @@ def _gated_delta_net_spec() -> Any:
 
 
 def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks",
-                     moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True) -> Any:
+                     moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
+                     attention_forward_chunks: int = 1) -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -150,6 +151,8 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         cp_attention: ``actor.megatron.cp_attention``, passed to :class:`SDPACoreAttention` (used with CP > 1).
         moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` (see the module docstring).
         moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` (see the module docstring).
+        attention_forward_chunks: ``actor.megatron.attention_forward_chunks``, passed to :class:`SDPACoreAttention`
+            (used with CP = 1).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -171,8 +174,9 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
             params={"attn_mask_type": AttnMaskType.causal},
             # megatron-core calls core_attention as a builder (keyword arguments), so a partial carries the setting
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                               core_attention=functools.partial(SDPACoreAttention,
-                                                                                cp_attention=cp_attention),
+                                               core_attention=functools.partial(
+                                                   SDPACoreAttention, cp_attention=cp_attention,
+                                                   forward_chunks=attention_forward_chunks),
                                                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
         )
     return ModuleSpec(
@@ -184,7 +188,8 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
 
 
 def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks",
-                       moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True) -> Any:
+                       moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
+                       attention_forward_chunks: int = 1) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -198,6 +203,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
         moe_sorted_permute: ``actor.megatron.moe_sorted_permute`` for the local spec's MoE layers (with TE,
             megatron-core's ``moe_permute_fusion`` is the fused permutation).
         moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` for the local spec's MoE layers (not with TE).
+        attention_forward_chunks: ``actor.megatron.attention_forward_chunks`` for the local spec's attention.
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -225,6 +231,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention,
-                                    moe_sorted_permute=moe_sorted_permute, moe_dedup_alltoall=moe_dedup_alltoall)
+                                    moe_sorted_permute=moe_sorted_permute, moe_dedup_alltoall=moe_dedup_alltoall,
+                                    attention_forward_chunks=attention_forward_chunks)
              for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)
