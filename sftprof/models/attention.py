@@ -45,7 +45,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
-from sftprof.models.block_attention import blockwise_cp_attention, check_cp_lengths, chunked_causal_attention
+from sftprof.models.block_attention import (blockwise_cp_attention, check_cp_lengths, chunked_causal_attention,
+                                            default_block_kernel)
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -116,9 +117,10 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
         dropout_p: attention dropout probability (``blocks``: 0 only).
         method: one of :data:`sftprof.config.CP_ATTENTION_METHODS` (see the module docstring), for ``cp_size > 1``.
         forward_chunks: ``cp_size=1`` only: > 1 runs :func:`sftprof.models.block_attention.chunked_causal_attention`
-            with that many query chunks for CUDA tensors when the sequence length is a multiple of it and there is
-            no dropout; else one plain ``is_causal`` SDPA call (on CPU the block kernel would be the fp32 math
-            kernel, whose score matrices SDPA's CPU kernel does not keep).
+            with that many query chunks where it was measured to pay: the cuDNN block kernels (bf16/fp16 CUDA
+            tensors, SDPA's cuDNN backend on), head_dim <= 128, no dropout, the sequence length a multiple of the
+            count; else one plain ``is_causal`` SDPA call (on CPU the block kernel would be the fp32 math kernel,
+            whose score matrices SDPA's CPU kernel does not keep; head_dim 256, Qwen3.5's, is not measured).
     Returns:
         ``[b, h, S/cp_size, d]``, rows in the order of ``q``.
     Raises:
@@ -129,7 +131,8 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
     if cp_size == 1:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"cp_size=1 needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
-        if forward_chunks > 1 and q.is_cuda and dropout_p == 0 and q.shape[2] % forward_chunks == 0:
+        if (forward_chunks > 1 and dropout_p == 0 and q.shape[2] % forward_chunks == 0 and q.shape[-1] <= 128
+                and default_block_kernel(q).startswith("cudnn")):
             return chunked_causal_attention(q, k, v, chunks=forward_chunks, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=gqa)
