@@ -39,7 +39,7 @@ import torch
 __all__ = ["MAX_EXPERTS", "fused_router_applies", "topk_routing_with_score_function",
            "compute_routing_scores_for_aux_loss", "install_in_megatron"]
 
-MAX_EXPERTS = 512  # the Triton kernel holds one [BLOCK_T, next_pow2(E)] fp32 tile per program
+MAX_EXPERTS = 512  # the largest E the tests run (a row is one tile of next_pow2(E) fp32 across 128 threads)
 
 
 def _kernel_runs_on(t: torch.Tensor) -> bool:

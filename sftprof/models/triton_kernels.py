@@ -162,8 +162,9 @@ def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _router_topk_kernel(x_ptr, probs_ptr, map_ptr, scores_ptr, n_rows, n_experts, scale, K: tl.constexpr,
-                        PRE_SOFTMAX: tl.constexpr, WRITE_PROBS: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                        PRE_SOFTMAX: tl.constexpr, ROW_SOFTMAX: tl.constexpr, WRITE_PROBS: tl.constexpr,
+                        WRITE_SCORES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        LIBDEVICE_EXP: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     cm = cols[None, :] < n_experts
@@ -172,14 +173,14 @@ def _router_topk_kernel(x_ptr, probs_ptr, map_ptr, scores_ptr, n_rows, n_experts
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     x = tl.where(cm, x, float("-inf"))  # padding columns: never picked, exp() = 0
     key = tl.where(x != x, float("inf"), x)  # NaN ranks first, as in torch.topk
-    taken = cols[None, :] < 0  # [1, BLOCK_E] all false; broadcast to [BLOCK_T, BLOCK_E] in the loop
+    taken = (rows[:, None] < 0) & (cols[None, :] < 0)  # [BLOCK_T, BLOCK_E], all false (a loop keeps its shape)
     for _ in range(K):  # the row's largest key not yet taken; among equal keys the lowest column
         avail = cm & (taken == 0)
         kv = tl.where(avail, key, float("-inf"))
         best = tl.max(kv, axis=1)
         pick = tl.min(tl.where(avail & (kv == best[:, None]), cols[None, :], BLOCK_E), axis=1)
         taken = taken | (cols[None, :] == pick[:, None])
-    if PRE_SOFTMAX or WRITE_SCORES:  # softmax over the whole row
+    if ROW_SOFTMAX:  # softmax over the whole row (PRE_SOFTMAX or WRITE_SCORES)
         if LIBDEVICE_EXP:
             e = libdevice.exp(x - tl.max(x, axis=1)[:, None])
         else:
@@ -198,7 +199,7 @@ def _router_topk_kernel(x_ptr, probs_ptr, map_ptr, scores_ptr, n_rows, n_experts
                 et = tl.exp(xt - tl.max(xt, axis=1)[:, None])
             p = et / tl.sum(et, axis=1)[:, None]
         tl.store(probs_ptr + off, p * scale, mask=m)
-    tl.store(map_ptr + off, taken.to(tl.int8), mask=m)
+    tl.store(map_ptr + off, taken.to(tl.uint8), mask=m)
 
 
 def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool, scale: float, write_probs: bool,
@@ -217,10 +218,10 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool, scale: float
     routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
     if t:
         block_e = triton.next_power_of_2(e)
-        block_t = max(1, min(64, 4096 // block_e))
+        block_t = max(1, 1024 // block_e)  # 8 logits per thread: ~70 registers at E = 128 and 512 (ptxas, sm_90a)
         _router_topk_kernel[(triton.cdiv(t, block_t),)](
             logits, probs if write_probs else logits, routing_map.view(torch.uint8),
             scores if write_scores else logits, t, e, float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
-            WRITE_PROBS=write_probs, WRITE_SCORES=write_scores, BLOCK_T=block_t, BLOCK_E=block_e,
-            LIBDEVICE_EXP=not _INTERPRET, num_warps=4)
+            ROW_SOFTMAX=pre_softmax or write_scores, WRITE_PROBS=write_probs, WRITE_SCORES=write_scores,
+            BLOCK_T=block_t, BLOCK_E=block_e, LIBDEVICE_EXP=not _INTERPRET, num_warps=4)
     return probs, routing_map, scores
