@@ -69,8 +69,8 @@ def main() -> None:
             cells = [_median_ms(fn, args.min_run_time) for fn in (fwd_routing, fwd_aux, fwd_bwd)]
             print(f"| {name} | {pre_softmax} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     mib = t * e * 4 / 2 ** 20
-    print(f"\nHBM traffic of one fused forward: reads {mib:.0f} MiB of logits, writes {mib:.0f} MiB (probs or scores) "
-          f"+ {mib / 4:.0f} MiB (bool routing map)")
+    print(f"\nHBM traffic of one fused forward: reads {mib:.1f} MiB of logits, writes {mib:.1f} MiB (probs or scores) "
+          f"+ {mib / 4:.1f} MiB (bool routing map)")
 
 
 if __name__ == "__main__":
