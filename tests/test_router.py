@@ -23,16 +23,8 @@ from sftprof.models.router import compute_routing_scores_for_aux_loss, install_i
     topk_routing_with_score_function
 
 
-def _interpreting() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
 DEVICE = "cuda" if torch.cuda.is_available() and importlib.util.find_spec("triton") else \
-    "cpu" if _interpreting() else None
+    "cpu" if router._kernel_runs_on(torch.empty(0)) else None
 needs_kernel = pytest.mark.skipif(DEVICE is None, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with triton "
                                                          "installed (see the module docstring)")
 

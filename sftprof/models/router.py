@@ -49,10 +49,10 @@ def _kernel_runs_on(t: torch.Tensor) -> bool:
     if t.device.type != "cpu":
         return False
     try:
-        import triton
-    except ImportError:
+        from sftprof.models import triton_kernels
+    except ImportError:  # no triton (CPU installs)
         return False
-    return bool(triton.knobs.runtime.interpret)
+    return triton_kernels.INTERPRET
 
 
 def fused_router_applies(logits, topk, score_function: str = "softmax", fused: bool = False) -> bool:

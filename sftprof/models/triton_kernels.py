@@ -15,6 +15,8 @@ fp32 arithmetic, one rounding per stored element. The math is in each op's modul
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,8 @@ from triton.language.extra import libdevice
 
 # Triton's interpreter (TRITON_INTERPRET=1: kernels on CPU tensors, the CPU tests) runs no libdevice call; its tl.exp
 # is numpy's. On the GPU tl.exp of fp32 is ex2.approx (relative error ~|x| * 1e-7): libdevice's expf there instead.
-_INTERPRET = bool(triton.knobs.runtime.interpret)
+INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else \
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")  # Triton < 3.4
 
 
 @triton.jit
@@ -223,5 +226,5 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool, scale: float
             logits, probs if write_probs else logits, routing_map.view(torch.uint8),
             scores if write_scores else logits, t, e, float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
             ROW_SOFTMAX=pre_softmax or write_scores, WRITE_PROBS=write_probs, WRITE_SCORES=write_scores,
-            BLOCK_T=block_t, BLOCK_E=block_e, LIBDEVICE_EXP=not _INTERPRET, num_warps=4)
+            BLOCK_T=block_t, BLOCK_E=block_e, LIBDEVICE_EXP=not INTERPRET, num_warps=4)
     return probs, routing_map, scores
