@@ -218,6 +218,9 @@ class MegatronSettings:
     # EP > 1, expert TP 1, dropless alltoall, without TE: one all-to-all row per (token, destination EP rank) instead
     # of one per (token, expert) (sftprof.models.moe_dedup); false = megatron-core's alltoall dispatcher.
     moe_dedup_alltoall: bool = True
+    # Without TE: the MoE router's top-k, softmaxes and dense [T, E] probs / routing map in one Triton kernel per
+    # call (softmax routers, fp32 logits; sftprof.models.router); false = megatron-core's unfused torch.topk path.
+    moe_fused_router: bool = True
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).

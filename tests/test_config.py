@@ -125,9 +125,9 @@ def test_type_error_names_the_layer_it_comes_from():
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
 
 
-@pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall"])
+@pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router"])
 def test_moe_dispatch_switches_default_on_and_bool_only(key):
-    """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall``: on in the defaults and the shipped YAML,
+    """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall`` / ``moe_fused_router``: on in the defaults and the shipped YAML,
     off by override, and a non-boolean is refused naming the key, the accepted values and the override."""
     assert getattr(load_config("tiny_cpu").actor.megatron, key) is True
     assert getattr(load_config(FLAGSHIP).actor.megatron, key) is True

@@ -53,6 +53,7 @@ import torch
 from sftprof.allocation import Layout
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
 from sftprof.models.rope import install_in_megatron
+from sftprof.models.router import install_in_megatron as install_router
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -281,10 +282,14 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
     - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, permute fusion, grouped GEMM
       of TE) are on only when ``have_te``; RoPE fusion is always on: TE's kernel, or without TE
       :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`, bound into megatron-core here
-      (:func:`sftprof.models.rope.install_in_megatron`).
+      (:func:`sftprof.models.rope.install_in_megatron`);
+    - ``moe_fused_router``: without TE, the MoE router's Triton top-k bound into megatron-core here, or megatron's
+      unfused functions bound back (:func:`sftprof.models.router.install_in_megatron`; no ``TransformerConfig``
+      field: with TE megatron-core's own ``moe_router_fusion`` is left off as before).
     """
     a, m = cfg.actor, cfg.actor.megatron
     dtype = _DTYPES[a.dtype]
+    install_router(enable=m.moe_fused_router and not have_te)
     kw = dict(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
