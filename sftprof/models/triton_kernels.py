@@ -6,6 +6,10 @@
   columns), its ``topk`` rows added in fp32 in ``k`` order (negative indices are padding: skipped).
 - :func:`rope_apply` for :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`: one program per ``(s, b)`` row
   of ``t`` ``[S, B, H, D]``, all heads in ``[BLOCK_H, half]`` tiles, the row's cos/sin computed once.
+- :func:`rms_norm_forward` / :func:`rms_norm_backward` for :mod:`sftprof.models.norm`: ``[BLOCK_ROWS, BLOCK_D]``
+  tiles of rows (many rows per program when ``D`` is small), rows addressed by a row stride (no copy of a strided
+  view); the backward runs a fixed grid of programs that loop over the row tiles and write fp32 partial weight
+  gradients ``[programs, D]``, summed by torch (no atomics: deterministic).
 
 fp32 arithmetic, one rounding per stored element. The math is in each op's module.
 """
@@ -149,3 +153,87 @@ def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(h))
     _gather_sum_kernel[(t, triton.cdiv(h, block))](x, inverse, out, h, TOPK=topk, BLOCK_H=block, num_warps=4)
     return out
+
+
+_NORM_TILE = 4096  # elements per [BLOCK_ROWS, BLOCK_D] tile (BLOCK_ROWS = 1 for rows wider than this)
+_NORM_PROGRAMS_PER_SM = 4  # backward grid: programs per streaming multiprocessor, each looping over row tiles
+
+
+def _norm_config(n_cols: int) -> tuple[int, int, int]:
+    """``(BLOCK_ROWS, BLOCK_D, num_warps)`` for rows of ``n_cols``: about 16 fp32 elements of the tile per thread."""
+    block_d = triton.next_power_of_2(n_cols)
+    block_rows = max(1, _NORM_TILE // block_d)
+    return block_rows, block_d, min(16, max(4, block_rows * block_d // 512))
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, eps, ZERO_CENTERED: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < n_cols
+    m = (rows < n_rows)[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    y = (x * rstd[:, None]) * g[None, :]  # torch's order: gamma * (rstd * x)
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, n_cols, stride_x, stride_dy, eps,
+                         ZERO_CENTERED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < n_cols
+    g = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = tl.arange(0, BLOCK_ROWS).to(tl.int64) + tile * BLOCK_ROWS  # tile * BLOCK_ROWS < n_rows + BLOCK_ROWS
+        rm = rows < n_rows
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        # rstd recomputed from the row in registers (0 on padding rows: no inf * 0 when eps = 0)
+        rstd = tl.where(rm, tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps), 0.0)
+        gdy = dy * g[None, :]
+        c = tl.sum(gdy * x, axis=1) / n_cols * rstd * rstd
+        dx = (gdy - x * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+        acc += dy * (x * rstd[:, None])
+    tl.store(dw_ptr + pid * n_cols + cols, tl.sum(acc, axis=0), mask=cm)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """``y [M, D]`` (contiguous, ``x``'s dtype) of rows ``x`` ``[M, D]`` (last dim contiguous, any row stride),
+    ``weight`` ``[D]`` in its own dtype; ``D <= sftprof.models.norm.FUSED_MAX_D`` (one tile holds a row)."""
+    n_rows, n_cols = x.shape
+    y = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
+    if n_rows:
+        block_rows, block_d, warps = _norm_config(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, weight, y, n_rows, n_cols, x.stride(0), eps, ZERO_CENTERED=zero_centered, BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d, num_warps=warps)
+    return y
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, d_y: torch.Tensor, eps: float,
+                      zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d x [M, D] contiguous in x's dtype, d weight [D] fp32)`` from rows ``x`` and ``d_y`` ``[M, D]`` (last dims
+    contiguous, any row strides). The grid is ``_NORM_PROGRAMS_PER_SM`` programs per SM on CUDA (4 programs on the
+    Triton CPU interpreter), capped at the number of row tiles; ``d weight`` is the sum of their fp32 partials."""
+    n_rows, n_cols = x.shape
+    d_x = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
+    block_rows, block_d, warps = _norm_config(n_cols)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    programs = max(1, min(sms * _NORM_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_rows)))
+    partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_bwd_kernel[(programs,)](
+            x, weight, d_y, d_x, partial, n_rows, n_cols, x.stride(0), d_y.stride(0), eps,
+            ZERO_CENTERED=zero_centered, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=warps)
+    return d_x, partial.sum(0)
