@@ -18,12 +18,16 @@ Two paths, one contract (output ``[..., D]`` in ``x``'s dtype, ``dweight`` in th
   row stride (the key, a slice of the fused QKV projection's output) is read in place, not copied. Statistics and
   products in fp32, one rounding per stored element: ``y = (x r) g`` in fp32 as torch's CUDA kernel orders it, with
   the weight read in its own dtype and ``1 + weight`` formed in fp32. torch's path below rounds ``g`` to ``x``'s
-  dtype first (``gamma.to(x.dtype)``, and ``1 + weight`` to the weight's dtype): the fused path agrees with it exactly
-  when the weight is in ``x``'s dtype and not zero-centred, and is otherwise the more exact (one rounding fewer).
-  The backward recomputes ``r`` rather than saving it: it reads the whole row of ``x`` for ``c`` anyway, so the
-  recompute moves no extra bytes, while a saved fp32 ``r`` is 4 bytes per row written and read again and held from
-  forward to backward (16 MiB per query norm call at 131072 tokens). ``dweight``: fp32 partial sums per program,
-  summed by torch, rounded once to the weight's dtype (deterministic: no atomics).
+  dtype first (``gamma.to(x.dtype)``, and ``1 + weight`` to the weight's dtype): with the weight in ``x``'s dtype and
+  not zero-centred both compute the same fp32 expression and differ only by the order of the fp32 sum of squares
+  (``tests/test_norm.py`` checks one bf16 ulp at most on the GPU); otherwise the fused path is the more exact (one
+  rounding fewer). The backward recomputes ``r`` rather than saving it: it reads the whole row of ``x`` for ``c``
+  anyway, so the recompute moves no extra bytes, while a saved fp32 ``r`` is 4 bytes per row written and read again
+  and held from forward to backward (16 MiB per query norm call at 131072 tokens). ``dweight``: fp32 partial sums
+  per program, summed by torch, rounded once to the weight's dtype (deterministic on a given GPU model: no atomics,
+  a grid fixed by the SM count). Memory: the saved ``x`` of a strided view is the view, which keeps its base alive
+  to the backward (for the key: the whole QKV projection output, which the value, another view of it, also holds
+  until the attention's backward when the attention saves it as given).
 - CPU, other devices, wider rows: ``torch.nn.functional.rms_norm(x, (D,), g.to(x.dtype), eps)`` (statistics in fp32:
   torch upcasts bf16 internally).
 
@@ -41,7 +45,7 @@ from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
 
 __all__ = ["FUSED_MAX_D", "RMSNorm", "rms_norm"]
 
-FUSED_MAX_D = 16384  # widest row (last dim) the Triton kernels take: one [1, D] tile per row
+FUSED_MAX_D = 8192  # widest row (last dim) the Triton kernels take in one tile (16384 spills registers on sm_90)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +81,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
-    """RMSNorm of ``x`` over its last dimension: ``x / sqrt(mean(x**2, -1) + eps) * g``, ``g = weight`` or ``1 + weight``.
+    """RMSNorm of ``x`` over its last dim: ``x / sqrt(mean(x**2, -1) + eps) * g``, ``g = weight`` or ``1 + weight``.
 
     Args:
         x: ``[..., D]`` bf16/fp16/fp32, or fp64 on CPU; any strides (see the module docstring for which are read in
