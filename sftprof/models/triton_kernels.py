@@ -215,14 +215,14 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, n_cols, s
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """``y [M, D]`` (contiguous, ``x``'s dtype) of rows ``x`` ``[M, D]`` (last dim contiguous, any row stride),
-    ``weight`` ``[D]`` in its own dtype; ``D <= sftprof.models.norm.FUSED_MAX_D`` (one tile holds a row)."""
+    ``weight`` ``[D]`` (any stride) in its own dtype; ``D <= sftprof.models.norm.FUSED_MAX_D`` (a row per tile)."""
     n_rows, n_cols = x.shape
     y = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
     if n_rows:
         block_rows, block_d, warps = _norm_config(n_cols, _NORM_FWD_TILE)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x, weight, y, n_rows, n_cols, x.stride(0), eps, ZERO_CENTERED=zero_centered, BLOCK_ROWS=block_rows,
-            BLOCK_D=block_d, num_warps=warps)
+            x, weight.contiguous(), y, n_rows, n_cols, x.stride(0), eps, ZERO_CENTERED=zero_centered,
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=warps)
     return y
 
 
@@ -233,8 +233,9 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, d_y: torch.Tensor, 
 
     Each program loops over every ``programs``-th row tile and sums its share of ``d weight`` in fp32; torch sums the
     ``[programs, D]`` partials. ``programs``: as many as ``_NORM_PARTIAL_BYTES`` of partials hold, at least 4 per SM
-    (several waves of equal programs at any occupancy: 32768 for ``D = 128``, 2048 for ``D = 2048``, 528 for ``D = 8192`` on 132 SMs),
-    at most one per row tile; 4 on the Triton CPU interpreter (so that its tests run the loop).
+    (several waves of equal programs at any occupancy: 32768 for ``D = 128``, 2048 for ``D = 2048``, 528 for
+    ``D = 8192`` on 132 SMs), at most one per row tile; 4 on the Triton CPU interpreter (so that its tests run the
+    loop).
     """
     n_rows, n_cols = x.shape
     d_x = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
@@ -245,9 +246,10 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, d_y: torch.Tensor, 
     else:
         programs = 4
     programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
-    partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
+    # every launched program stores its row of partials; no launch without rows
+    partial = (torch.empty if n_rows else torch.zeros)(programs, n_cols, dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_bwd_kernel[(programs,)](
-            x, weight, d_y, d_x, partial, n_rows, n_cols, x.stride(0), d_y.stride(0), eps,
+            x, weight.contiguous(), d_y, d_x, partial, n_rows, n_cols, x.stride(0), d_y.stride(0), eps,
             ZERO_CENTERED=zero_centered, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=warps)
     return d_x, partial.sum(0)
