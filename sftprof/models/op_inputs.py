@@ -1,7 +1,7 @@
 """Input checks shared by the model's fused ops (:mod:`sftprof.models.swiglu`, :mod:`sftprof.models.rope`,
-:mod:`sftprof.models.moe_permute`): a wrong type, dtype or device is a ``ValueError`` naming the op, the argument,
-what it got and what is accepted, raised on the host before any kernel runs (a Triton kernel handed a CPU pointer or
-an integer tensor would fault or compute garbage)."""
+:mod:`sftprof.models.moe_permute`, :mod:`sftprof.models.norm`): a wrong type, dtype or device is a ``ValueError``
+naming the op, the argument, what it got and what is accepted, raised on the host before any kernel runs (a Triton
+kernel handed a CPU pointer or an integer tensor would fault or compute garbage)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
