@@ -3,7 +3,8 @@
 A run argument is either one trial run dir (it holds ``profile_summary.json``) or a RUN_ROOT
 whose immediate sub-directories are trial run dirs. Trials are matched by
 ``(profile_kind, profile_step)``; unmatched trials are listed. For each pair the report shows
-step time, peak memory per rank, top kernels, time by category and, for memory trials, memory
+step time, peak memory per rank, top kernels, time by category, each rank's exposed communication split into
+waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for memory trials, memory
 alive at the peak by allocation site. Typical use: prove that ``LM_HEAD_LOSS_CHUNK_SIZE=4096``
 lowers the peak against ``0``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from typing import Any
 
 import yaml
@@ -252,7 +254,26 @@ def _step_tables(a: dict, b: dict) -> list[str]:
                 profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
     if profiled:
         out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
+    wa, wb = _wait_rows(a), _wait_rows(b)
+    names = sorted(set(wa) | set(wb), key=lambda n: (int(n.split()[1]), "split groups" not in n, n))
+    out += _table("exposed communication, waiting for the last rank vs transfer (– = not split in that run)", "ms",
+                  [(n, wa.get(n), wb.get(n)) for n in names])
     return out
+
+
+def _wait_rows(s: dict) -> dict[str, float]:
+    """``{"rank 1 exposed wait, all split groups": ms, ..., "rank 1 EP exposed wait": ms, ...}``: a summary's split of
+    each rank's exposed communication (:func:`sftprof.analysis.comm_wait.split`; empty when it has none)."""
+    cw = s.get("comm_wait") or {}
+    out: dict[str, float] = defaultdict(float)  # groups with the same label add up
+    for r in cw.get("ranks") or []:
+        out[f"rank {r['rank']} exposed wait, all split groups"] = r["exposed_wait_ms"]
+        out[f"rank {r['rank']} exposed transfer, all split groups"] = r["exposed_transfer_ms"]
+    for g in cw.get("groups") or []:
+        for r in g["ranks"]:
+            out[f"rank {r['rank']} {g['label']} exposed wait"] += r["exposed_wait_ms"]
+            out[f"rank {r['rank']} {g['label']} exposed transfer"] += r["exposed_transfer_ms"]
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:

@@ -59,8 +59,28 @@ def _idle_place(r: dict) -> str:
     return text + f" ({r['kind']}: {gaps})"
 
 
-def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
-    """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output)."""
+def _wait_split(exposed_ms: float, w: dict) -> str:
+    """``", of which 71.2 ms waiting for rank 0 to arrive (...) and 37.0 ms transfer"``: a rank row of
+    :func:`sftprof.analysis.comm_wait.split` in words, against the rank's exposed communication ``exposed_ms``."""
+    late = [x for x in w["waited_for"] if x["exposed_wait_ms"] >= 0.05]
+    if len(late) == 1:
+        whom = f"rank {late[0]['rank']}"
+    else:
+        whom = "the last rank" + (" (" + ", ".join(f"rank {x['rank']} {x['exposed_wait_ms']:.1f} ms" for x in late[:2])
+                                  + (", ..." if len(late) > 2 else "") + ")" if late else "")
+    text = (f", of which {w['exposed_wait_ms']:.1f} ms waiting for {whom} to arrive (load imbalance before the "
+            f"collective) and {w['exposed_transfer_ms']:.1f} ms transfer")
+    rest = exposed_ms - w["exposed_ms"]
+    if rest >= 0.05:
+        text += f", {rest:.1f} ms not split (process groups not split by rank, or kernels outside the step window)"
+    return text
+
+
+def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
+                    wait: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
+    """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output); ``wait``:
+    the rank's row of the trial's :func:`sftprof.analysis.comm_wait.split` (``ranks``), whose split of the exposed
+    communication into waiting for the last rank and transfer the exposed-communication finding states."""
     out: list[dict] = []
     host = s.get("host") or {}
     comp = host.get("compile") or {}
@@ -102,7 +122,9 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict]) -> tuple[list[dict]
     exposed = coll.get("exposed_by_group_ms") or {}
     if exposed:
         g, ms = max(exposed.items(), key=lambda kv: kv[1])
-        out.append({"text": f"rank {rank}: exposed communication {s['communication']['exposed_ms']:.1f} ms; "
+        total_exposed = s["communication"]["exposed_ms"]
+        split = _wait_split(total_exposed, wait) if wait and wait["exposed_ms"] else ""
+        out.append({"text": f"rank {rank}: exposed communication {total_exposed:.1f} ms{split}; "
                             f"largest exposed group {g} {ms:.1f} ms",
                     "section": _anchor(f"Communication by process group, rank {rank}"),
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})

@@ -4,13 +4,14 @@ One interval set is a pair ``(starts, ends)`` of 1-D float64 arrays of equal len
 ``starts[i] <= ends[i]``; :func:`union` turns any set into its sorted, disjoint form, which
 :func:`intersection_length` and :func:`clip` expect. Used by the kernel summary
 (:mod:`sftprof.analysis.trace_summary`: GPU busy time, hidden/exposed communication) and the step
-breakdown (:mod:`sftprof.analysis.step_breakdown`: exposed time per process group).
+breakdown (:mod:`sftprof.analysis.step_breakdown`: exposed time per process group) and the cross-rank split of
+communication into waiting and transfer (:mod:`sftprof.analysis.comm_wait`: a collective's exposed pieces).
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["union", "length", "intersection_length", "clip"]
+__all__ = ["union", "length", "intersection_length", "clip", "difference"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -57,3 +58,24 @@ def clip(iv: Intervals, lo: float, hi: float) -> Intervals:
     s, e = np.clip(iv[0], lo, hi), np.clip(iv[1], lo, hi)
     keep = e > s
     return s[keep], e[keep]
+
+
+def difference(a: Intervals, b: Intervals) -> Intervals:
+    """The parts of ``a`` not covered by ``b``; both disjoint and sorted (outputs of :func:`union`), and so is the
+    result (empty pieces dropped)."""
+    (a_s, a_e), (b_s, b_e) = a, b
+    out_s: list[float] = []
+    out_e: list[float] = []
+    for s, e in zip(a_s.tolist(), a_e.tolist()):
+        i = int(np.searchsorted(b_e, s, side="right"))  # first interval of b that ends after s
+        cur = s
+        while i < b_s.size and b_s[i] < e:
+            if b_s[i] > cur:
+                out_s.append(cur)
+                out_e.append(float(b_s[i]))
+            cur = max(cur, float(b_e[i]))
+            i += 1
+        if cur < e:
+            out_s.append(cur)
+            out_e.append(e)
+    return np.asarray(out_s, dtype=np.float64), np.asarray(out_e, dtype=np.float64)

@@ -179,6 +179,51 @@ def _ranks(s: dict) -> list[str]:
                        "collective's kernel runs from its own rank's launch until every rank has joined, so a rank that "
                        "arrives first shows the others' lateness as exposed time: where the bytes are the same on both "
                        "ranks, the extra is load imbalance before the collective, not transfer.\n")
+    return out + _comm_wait(s.get("comm_wait"))
+
+
+def _waited_for(rows: list[dict], key: str) -> str:
+    return ", ".join(f"r{x['rank']} {x[key]:.1f}" for x in rows) or "–"
+
+
+def _comm_wait(cw: dict | None) -> list[str]:
+    """The Ranks section's split of communication into waiting for the last rank and transfer
+    (:func:`sftprof.analysis.comm_wait.split`)."""
+    if not cw:
+        return []
+    out = []
+    if cw["groups"]:
+        out.append("\nCommunication split into waiting for the last rank to arrive and transfer, matched call by call "
+                   "across the ranks' traces (ms; wait = the part of a rank's NCCL kernel time before the last member "
+                   "rank launched the same call, the rest is transfer; exposed = not overlapped by computation):\n")
+        out.append(table(["group", "rank", "calls", "NCCL", "wait", "transfer", "exposed", "exposed wait",
+                          "exposed transfer", "arrived last (calls)", "waited for (rank ms)"],
+                         [[g["label"], r["rank"], r["calls"], r["comm_ms"], r["wait_ms"], r["transfer_ms"], r["exposed_ms"],
+                           r["exposed_wait_ms"], r["exposed_transfer_ms"], r["last_arrivals"],
+                           _waited_for(r["waited_for"], "wait_ms")] for g in cw["groups"] for r in g["ranks"]]))
+        out.append("")
+        for g in cw["groups"]:
+            st = g["straggler"]
+            if st["others_wait_ms"] > 0:
+                out.append(f"- {g['label']}: rank {st['rank']} arrived last in {st['last_arrivals']} of {g['calls']} "
+                           f"calls; the other ranks waited {st['others_wait_ms']:.1f} ms for it "
+                           f"({st['others_exposed_wait_ms']:.1f} ms exposed)")
+        for r in cw["ranks"]:
+            if r["exposed_ms"]:
+                out.append(f"- rank {r['rank']}: exposed communication in the split groups {r['exposed_ms']:.1f} ms: "
+                           f"{r['exposed_wait_ms']:.1f} ms waiting (for {_waited_for(r['waited_for'], 'exposed_wait_ms')}) "
+                           f"and {r['exposed_transfer_ms']:.1f} ms transfer (groups that overlap each other count once)")
+        out.append("- clocks: " + "; ".join(
+            f"ranks {o['ranks'][0]} and {o['ranks'][1]}: matched calls end {o['median_end_difference_us']:+.1f} µs "
+            f"apart (median of {o['calls']})" for o in cw["clock_offsets"])
+            + f"; a pair beyond ±{cw['clock_tolerance_us']:g} µs (clocks of different hosts) is not split")
+    if cw["not_split"]:
+        out.append(f"\nNot split ({len(cw['not_split'])} process group{'s' if len(cw['not_split']) > 1 else ''}):\n")
+        out += [f"- {g['label']} (process group {g['group']}): {g['reason']}" for g in cw["not_split"]]
+    if cw["unnamed_kernels"]:
+        out.append("- NCCL kernels without a process group, left out: "
+                   + ", ".join(f"rank {u['rank']} {u['kernels']}" for u in cw["unnamed_kernels"]))
+    out.append("")
     return out
 
 

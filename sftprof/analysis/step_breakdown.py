@@ -53,7 +53,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from sftprof.analysis import intervals
+from sftprof.analysis import comm_wait, intervals
 from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
@@ -531,15 +531,20 @@ def _ms(us: float) -> float:
 
 def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, corr: list[int],
             ext: list[int], cats: list[str], is_comm: np.ndarray, groups: list[Optional[str]],
+            pg_names: list[Optional[str]], pg_members: dict[str, list[int]],
             names: list[str], kinds: np.ndarray, nbytes: np.ndarray, window: tuple[Optional[float], Optional[float]],
             optimizer_windows: list[tuple[float, float]], device_name: Optional[str]) -> dict[str, Any]:
     """Model-part breakdown, kernel efficiency and per-group collectives of one rank (module docstring).
 
-    Args are the analyzer's per-activity arrays (``ts``/``dur`` in us on the trace clock) and the step
-    window ``(lo, hi)``.
+    Args are the analyzer's per-activity arrays (``ts``/``dur`` in us on the trace clock; ``groups`` the
+    parallelism label and ``pg_names`` the process-group name of each collective), the process groups' member
+    ranks by name, and the step window ``(lo, hi)``.
 
     Returns:
-        ``{"parts": {...}, "efficiency": {...}, "collectives": {...}, "host": {...}}`` (times in ms).
+        ``{"parts": {...}, "efficiency": {...}, "collectives": {...}, "host": {...}}`` (times in ms);
+        ``collectives["calls"]`` is this rank's call timeline per process group
+        (:func:`sftprof.analysis.comm_wait.call_records`), which the trial summary matches across ranks and
+        leaves out of ``profile_summary.json``.
     """
     lo, hi = window
     tids, pts = ops.launch_points(corr)
@@ -571,7 +576,7 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
         host["gpu_idle"] = idle
     return {"parts": parts_out, "host": host,
             "efficiency": _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes, device_name),
-            "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext)}
+            "collectives": _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, pg_names, pg_members)}
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
@@ -768,8 +773,9 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
                     "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}
 
 
-def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext) -> dict:
-    """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group."""
+def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, pg_names, pg_members) -> dict:
+    """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group; the
+    calls' timeline per process group (:func:`sftprof.analysis.comm_wait.call_records`)."""
     end = ts + dur
     rows: dict[tuple[str, str], dict] = {}
     seen_ops: set[int] = set()
@@ -796,14 +802,19 @@ def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext) -> dict:
                          "group_size": n, "algbw_gb_per_s": round(alg, 2) if alg else None,
                          "busbw_gb_per_s": round(alg * bus_factor(r["collective"], n), 2) if alg and n else None})
     exposed: dict[str, float] = defaultdict(float)
+    comp_by_dev = {}
     for dev in np.unique(devs):
         on = (devs == dev) & inside
-        comp = intervals.union(ts[on & ~is_comm], end[on & ~is_comm])
+        comp = comp_by_dev[int(dev)] = intervals.union(ts[on & ~is_comm], end[on & ~is_comm])
         for g in sorted({groups[i] or "unknown" for i in np.flatnonzero(on & is_comm)}):
             sel = on & is_comm & np.array([(x or "unknown") == g for x in groups], dtype=bool)
             c = intervals.union(ts[sel], end[sel])
             exposed[g] += intervals.length(*c) - intervals.intersection_length(c, comp)
-    return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())},
+    coll = [(ops.comm_ops.get(x) or {}).get("collective") or "?" for x in ext]
+    calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=np.flatnonzero(inside & is_comm), ext=ext,
+                                   pg_names=pg_names, labels=groups, collectives=coll, members=pg_members,
+                                   comp_by_dev=comp_by_dev)
+    return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())}, "calls": calls,
             "note": "exposed = the group's NCCL kernel time not overlapped by non-communication GPU work on "
                     "the same device; groups that overlap each other each count their own exposed time"}
 

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Optional
 
 from sftprof import artifacts
+from sftprof.analysis import comm_wait
 from sftprof.analysis import findings as fnd
 from sftprof.analysis import inputs
 from sftprof.analysis.failure import first_failure
@@ -72,6 +73,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                                  on_header=analyzer.set_header, on_event=analyzer.add,
                                  on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
             summary = analyzer.summary()
+            calls = summary["collectives"].pop("calls")  # matched across ranks by _kernel_part, not written
             error = invalid_events_error(summary["invalid_events"])
         except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
             kept = _rank_views(out_dir, rank)
@@ -88,7 +90,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 views[view].append(dst)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    out = {"rank": rank, "views": views, "summary": summary}
+    out = {"rank": rank, "views": views, "summary": summary, "calls": calls}
     if error:
         out["error"] = f"{src}: {error}"
     return out
@@ -155,7 +157,9 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
 
 
 def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
-    """``{"kernel_traces": [...], "skipped": [...]}``: every rank's trace split into views and summarised."""
+    """``{"kernel_traces": [...], "skipped": [...], "comm_wait": ...}``: every rank's trace split into views and
+    summarised, and the communication of the traces without errors split into waiting for the last rank and
+    transfer (:func:`sftprof.analysis.comm_wait.split`; None when no trace has a collective)."""
     found, traces, skipped = _find_traces(log_dir)
     out_dir = os.path.join(run_dir, KERNEL_TRACES)
     results = _process_traces(found, out_dir, compress, max_view_bytes, jobs)
@@ -164,7 +168,9 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
             if os.path.isdir(os.path.join(out_dir, folder)) and not os.listdir(os.path.join(out_dir, folder)):
                 os.rmdir(os.path.join(out_dir, folder))
     traces += [_trace_entry(log_dir, run_dir, rank, src, res) for (rank, src), res in zip(found, results)]
-    return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped}
+    records = {rank: res["calls"] for (rank, _), res in zip(found, results) if "calls" in res and "error" not in res}
+    return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped,
+            "comm_wait": comm_wait.split(records)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,8 +360,9 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
     """Top findings over all profiled ranks (:mod:`sftprof.analysis.findings`) and the what-if lines."""
     found, what = [], []
     traces = [t for t in summary.get("kernel_traces") or [] if "summary" in t and "error" not in t]
+    waits = {w["rank"]: w for w in (summary.get("comm_wait") or {}).get("ranks") or []}
     for t in traces:
-        f, w = fnd.kernel_findings(t["rank"], t["summary"], cfg)
+        f, w = fnd.kernel_findings(t["rank"], t["summary"], cfg, waits.get(t["rank"]))
         found += f
         what += w
     ex = (summary.get("ranks") or {}).get("exposed_by_group")
@@ -386,6 +393,11 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                       compress: bool = False, max_view_bytes: int = MAX_VIEW_BYTES,
                       jobs: int | None = None) -> tuple[dict, int]:
     """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}``.
+
+    Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
+    (:meth:`KernelTraceAnalyzer.summary`) and the ``ranks`` table (:func:`rank_table`), ``comm_wait``: the
+    traced ranks' communication split into waiting for the last rank and transfer
+    (:func:`sftprof.analysis.comm_wait.split`, None when no trace has a collective).
 
     Args:
         log_dir: trial log dir written by the trainer.

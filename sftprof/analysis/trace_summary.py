@@ -26,6 +26,7 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,12 @@ _HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 def _int_id(v) -> int:
     """A correlation / External id as an int; -1 when absent or not an integer."""
     return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _rank_list(v) -> bool:
+    """Whether ``v`` is a non-empty list of distinct global ranks (ints >= 0)."""
+    return (isinstance(v, list) and bool(v) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v)
+            and len(set(v)) == len(v))
 
 
 def invalid_events_error(invalid: dict) -> str | None:
@@ -97,6 +104,8 @@ class ActivityTable:
             kernels launched inside ``sftprof/optimizer_step``.
         is_comm: bool, NCCL kernel.
         group: parallelism label of a collective's process group (None when unknown or not a collective).
+        pg_name: the process group's name as the trace records it (``Process Group Name``; the same on every
+            member rank, so it identifies the group across the ranks' traces), None when unknown.
         nbytes: float64 bytes of memcpy/memset activities (0 when not given).
     """
 
@@ -113,6 +122,7 @@ class ActivityTable:
     category: list[str]
     is_comm: np.ndarray
     group: list[str | None]
+    pg_name: list[str | None]
     nbytes: np.ndarray
 
     @property
@@ -154,6 +164,8 @@ class KernelTraceAnalyzer:
         self._t_max = float("-inf")
         self.n_events = 0
         self._pg_desc: dict[str, str] = {}
+        self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
+        self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
         self._cpu_us: dict[str, float] = defaultdict(float)  # cpu_op name -> inclusive time (us)
         self._cpu_calls: dict[str, int] = defaultdict(int)
         self._invalid: dict[str, int] = defaultdict(int)
@@ -167,7 +179,7 @@ class KernelTraceAnalyzer:
             self.set_header(header)
 
     def set_header(self, header: dict) -> None:
-        """Read process-group descriptions from ``header['distributedInfo']['pg_config']``.
+        """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``.
 
         A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
         are then labelled by the process-group names their own events carry.
@@ -184,7 +196,26 @@ class KernelTraceAnalyzer:
             if isinstance(pg, dict) and "pg_name" in pg:
                 desc = pg.get("pg_desc")
                 self._pg_desc[str(pg["pg_name"])] = desc if isinstance(desc, str) else None
+                ranks, size = pg.get("ranks"), pg.get("pg_size", pg.get("group_size"))
+                world = info.get("world_size")
+                if ranks == [] and isinstance(size, int) and size == world:  # torch writes [] for "every rank"
+                    ranks = list(range(world))
+                if _rank_list(ranks):
+                    self._pg_header_ranks[str(pg["pg_name"])] = ranks
 
+    def pg_members(self) -> dict[str, list[int]]:
+        """Global ranks of each process group, by name: the ``Process Group Ranks`` its events carry (a JSON list
+        such as ``"[0, 1]"``), else the header's ``pg_config``; a group whose list is cut short or unreadable
+        (torch shortens long lists) is left out."""
+        out = dict(self._pg_header_ranks)
+        for name, raw in self._pg_ranks.items():
+            try:
+                ranks = json.loads(raw) if isinstance(raw, str) else raw
+            except ValueError:
+                continue
+            if _rank_list(ranks):
+                out[name] = ranks
+        return out
     def add_invalid(self, kind: str, raw: str) -> None:
         """Count one event left out of every figure (``kind`` from ``trace_check.event_problem``)."""
         self._invalid[kind] += 1
@@ -247,6 +278,8 @@ class KernelTraceAnalyzer:
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
             self._a_pg.append(self._pg_ref(args))
+            if "Process Group Ranks" in args and "Process Group Name" in args:
+                self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
             nb = args.get("bytes")
             self._a_bytes.append(nb if isinstance(nb, int) and not isinstance(nb, bool) and nb > 0 else 0)
         elif cat == "user_annotation":
@@ -268,6 +301,8 @@ class KernelTraceAnalyzer:
                 ext = _int_id(args.get("External id"))
                 if ext != -1:
                     self._comm_ops[ext] = self._pg_ref(args)
+                if "Process Group Ranks" in args and "Process Group Name" in args:
+                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
 
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
@@ -292,16 +327,18 @@ class KernelTraceAnalyzer:
             for i in np.flatnonzero(in_opt & ~is_comm & (kinds == 0)):
                 cats[i] = "optimizer"
         groups: list[str | None] = []
+        pg_names: list[str | None] = []
         for i in range(n):
             ref = self._a_pg[i]
             if ref is None and is_comm[i]:
                 ref = self._comm_ops.get(self._a_ext[i])
             groups.append(self._pg_label(ref))
+            pg_names.append(ref[1] if ref is not None else None)
         ts = np.asarray(self._a_ts, dtype=np.float64)
         dur = np.asarray(self._a_dur, dtype=np.float64)
         return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
                              dev=np.asarray(self._a_dev, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
-                             launch=launch, category=cats, is_comm=is_comm, group=groups,
+                             launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
                              nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> dict[str, Any]:
@@ -319,7 +356,8 @@ class KernelTraceAnalyzer:
         lo, hi = window["start_us"], window["end_us"]
         details = step_breakdown.analyze(
             self._ops, ts=table.ts, dur=table.dur, devs=table.dev, corr=table.corr, ext=table.ext,
-            cats=table.category, is_comm=table.is_comm, groups=table.group,
+            cats=table.category, is_comm=table.is_comm, groups=table.group, pg_names=table.pg_name,
+            pg_members=self.pg_members(),
             names=[table.names[k] for k in table.name_idx], kinds=table.kind, nbytes=table.nbytes, window=(lo, hi),
             optimizer_windows=[(a, b) for name, a, b in regions if name == OPTIMIZER_REGION],
             device_name=self._device_name)

@@ -1,0 +1,151 @@
+"""Communication split into waiting for the last rank and transfer, across two ranks' synthetic traces with known
+kernel times (sftprof/analysis/comm_wait.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from sftprof.analysis import comm_wait
+from sftprof.analysis.compare import compare_runs
+from sftprof.analysis.intervals import difference, union
+from sftprof.analysis.summary import postprocess_trial
+from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+
+S = 100.0  # us per time unit of the layouts below: [100, 300] is 10-30 ms
+EP = {"Process Group Name": "22", "Process Group Description": "EXPERT_MODEL_PARALLEL_GROUP"}  # members: header
+CP = {"Process Group Name": "7", "Process Group Description": "CONTEXT_PARALLEL_GROUP", "Process Group Ranks": "[0, 1]"}
+DP = {"Process Group Name": "30", "Process Group Description": "DATA_PARALLEL_GROUP", "Process Group Ranks": "[0, 2]"}
+# rank -> NCCL calls (group args, collective, start, end) and GEMMs (start, end) on another stream
+LAYOUT = {
+    0: ([(EP, "all_to_allv", 100, 300), (EP, "all_to_allv", 500, 560), (CP, "_allgather_base", 600, 620),
+         (CP, "_allgather_base", 640, 650), (DP, "allreduce", 700, 710)], [(50, 200)]),
+    1: ([(EP, "all_to_allv", 250, 300), (EP, "all_to_allv", 420, 560), (CP, "_allgather_base", 600, 625)],
+        [(400, 450)]),
+}
+
+
+def _trace(rank: int, shift: float = 0.0, calls=None) -> dict:
+    """One rank's Chrome trace: the step annotation, and per kernel its launch, its collective op and itself."""
+    nccl, gemms = LAYOUT[rank]
+    calls = nccl if calls is None else calls
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 1, "tid": 1, "ts": 0.0 + shift,
+           "dur": 1000 * S}]
+    for k, (pg, coll, t0, t1) in enumerate([(None, None, a, b) for a, b in gemms] + calls):
+        corr, ext = 1000 + k, 500 + k
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                   "ts": t0 * S - 10 + shift, "dur": 5.0, "args": {"correlation": corr, "External id": ext}})
+        if pg is None:
+            ev.append({"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "pid": rank, "tid": 7,
+                       "ts": t0 * S + shift, "dur": (t1 - t0) * S, "args": {"correlation": corr, "External id": ext}})
+            continue
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1,
+                   "ts": t0 * S - 11 + shift, "dur": 7.0, "args": {"External id": ext, "Collective name": coll, **pg}})
+        ev.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                   "pid": rank, "tid": 20, "ts": t0 * S + shift, "dur": (t1 - t0) * S,
+                   "args": {"correlation": corr, "External id": ext, "Collective name": coll, **pg}})
+    return {"traceEvents": ev, "baseTimeNanoseconds": 1790857026000000000,
+            "distributedInfo": {"rank": rank, "world_size": 3, "pg_config": [
+                {"pg_name": "22", "pg_desc": "EXPERT_MODEL_PARALLEL_GROUP", "pg_size": 2, "ranks": [0, 1]}]}}
+
+
+def _records(trace: dict) -> dict:
+    a = KernelTraceAnalyzer(trace)
+    for e in trace["traceEvents"]:
+        a.add(e)
+    return a.summary()["collectives"]["calls"]
+
+
+def test_difference_of_interval_sets_matches_a_grid():
+    rng = np.random.default_rng(3)
+    a_s = rng.uniform(0, 100, 20)
+    b_s = rng.uniform(0, 100, 30)
+    a, b = union(a_s, a_s + rng.uniform(0, 8, 20)), union(b_s, b_s + rng.uniform(0, 5, 30))
+    d_s, d_e = difference(a, b)
+    grid = np.arange(0, 115, 0.001) + 0.0005
+    inside = lambda iv: np.any((grid[:, None] >= iv[0]) & (grid[:, None] < iv[1]), axis=1)  # noqa: E731
+    assert np.all(d_e > d_s) and np.all(d_s[1:] >= d_e[:-1])
+    assert float(np.sum(d_e - d_s)) == pytest.approx((inside(a) & ~inside(b)).sum() * 0.001, abs=0.02)
+
+
+def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
+    log = tmp_path / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    for r in (0, 1):
+        (log / "perf_tracer" / f"rank{r}.pt.trace.json").write_text(json.dumps(_trace(r)))
+    run = tmp_path / "run"
+    s, rc = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+    assert rc == 0
+    on_disk = json.loads((run / "profile_summary.json").read_text())
+    assert all("calls" not in t["summary"]["collectives"] for t in on_disk["kernel_traces"])  # matched, not written
+    cw = on_disk["comm_wait"]
+    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 0.0, "calls": 2}]
+    # call 0: rank 1 arrives last at 250, rank 0 waits 150 of its 200 (50 of them exposed: [200, 250] after
+    # its GEMM); call 1: rank 0 arrives last at 500, rank 1 waits 80 of 140, 50 exposed ([450, 500])
+    assert cw["groups"] == [{
+        "group": "22", "label": "EP", "members": [0, 1], "calls": 2,
+        "ranks": [{"rank": 0, "calls": 2, "comm_ms": 26.0, "wait_ms": 15.0, "transfer_ms": 11.0, "exposed_ms": 16.0,
+                   "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0, "last_arrivals": 1,
+                   "waited_for": [{"rank": 1, "wait_ms": 15.0, "exposed_wait_ms": 5.0}]},
+                  {"rank": 1, "calls": 2, "comm_ms": 19.0, "wait_ms": 8.0, "transfer_ms": 11.0, "exposed_ms": 16.0,
+                   "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0, "last_arrivals": 1,
+                   "waited_for": [{"rank": 0, "wait_ms": 8.0, "exposed_wait_ms": 5.0}]}],
+        "straggler": {"rank": 1, "last_arrivals": 1, "others_wait_ms": 15.0, "others_exposed_wait_ms": 5.0}}]
+    assert cw["not_split"] == [
+        {"group": "7", "label": "CP", "reason": "the member ranks ran different numbers of its calls in the step "
+                                                "window (rank 0: 2, rank 1: 1), so they cannot be paired"},
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+                                                 "profiles only some ranks, or the trace failed)"}]
+    assert cw["ranks"] == [
+        {"rank": 0, "exposed_ms": 16.0, "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0,
+         "waited_for": [{"rank": 1, "exposed_wait_ms": 5.0}]},
+        {"rank": 1, "exposed_ms": 16.0, "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0,
+         "waited_for": [{"rank": 0, "exposed_wait_ms": 5.0}]}]
+    # rank 1's exposed communication: EP 16 + CP 2.5 ms (a larger share of its GPU time than rank 0's 20 ms, so
+    # the finding is stated for rank 1); the finding states the split and what is not split
+    found = [f["text"] for f in s["findings"] if "exposed communication" in f["text"] and f["section"] != "#ranks"]
+    assert found == ["rank 1: exposed communication 18.5 ms, of which 5.0 ms waiting for rank 0 to arrive (load "
+                     "imbalance before the collective) and 11.0 ms transfer, 2.5 ms not split (process groups not "
+                     "split by rank, or kernels outside the step window); largest exposed group EP 16.0 ms "
+                     "(also on rank 0)"]
+    md = (run / "profile_summary.md").read_text()
+    assert "| EP | 0 | 2 | 26.000 | 15.000 | 11.000 | 16.000 | 5.000 | 11.000 | 1 | r1 15.0 |" in md
+    assert ("- EP: rank 1 arrived last in 1 of 2 calls; the other ranks waited 15.0 ms for it (5.0 ms exposed)"
+            in md)
+    assert ("- rank 1: exposed communication in the split groups 16.0 ms: 5.0 ms waiting (for r0 5.0) and 11.0 ms "
+            "transfer (groups that overlap each other count once)") in md
+    assert "Not split (2 process groups):" in md
+    assert "- DP (process group 30): no trace of rank 2 in this run" in md
+    # compare: rank 1 reaches EP call 0 at 200 instead of 250, so rank 0 waits 100 us, none of it exposed
+    earlier = [(EP, "all_to_allv", 200, 300)] + LAYOUT[1][0][1:]
+    (log / "perf_tracer" / "rank1.pt.trace.json").write_text(json.dumps(_trace(1, calls=earlier)))
+    assert postprocess_trial(str(log), str(tmp_path / "run_b"), "kernel", 1, jobs=1)[1] == 0
+    report = compare_runs(str(run), str(tmp_path / "run_b"))
+    assert "| rank 0 exposed wait, all split groups | 5.000 | 0.000 | -5.000 | -100.0% |" in report
+    assert "| rank 0 EP exposed transfer | 11.000 | 16.000 | +5.000 | +45.5% |" in report
+
+
+def test_clocks_that_disagree_refuse_the_split():
+    # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
+    cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})
+    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 200.0, "calls": 2}]
+    assert cw["groups"] == []
+    assert cw["not_split"][1] == {"group": "22", "label": "EP", "reason": (
+        "the clocks of ranks 0 and 1 disagree: their matched calls end +200.0 µs apart (median over 2 calls; "
+        "tolerance 50 µs), as on different hosts; a wait measured across them would be off by as much")}
+    assert [r["exposed_ms"] for r in cw["ranks"]] == [0.0, 0.0]
+    # within the tolerance the split stands, shifted by the offset: rank 0 waits 40 us longer in call 0
+    near = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=40.0))})
+    assert near["groups"][0]["ranks"][0]["wait_ms"] == 15.04
+
+
+def test_calls_of_different_collectives_are_not_paired():
+    other = [(EP, "all_to_allv", 250, 300), (EP, "allreduce", 420, 560)]
+    cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, calls=other))})
+    assert cw["not_split"] == [
+        {"group": "7", "label": "CP", "reason": "the member ranks ran different numbers of its calls in the step "
+                                                "window (rank 0: 2, rank 1: 0), so they cannot be paired"},
+        {"group": "22", "label": "EP", "reason": (
+            "call 1 is all_to_allv on rank 0 but allreduce on rank 1, so the calls cannot be paired")},
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+                                                 "profiles only some ranks, or the trace failed)"}]
+    assert comm_wait.split({0: {"groups": {}, "unnamed_kernels": 0}}) is None
