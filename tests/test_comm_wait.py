@@ -93,7 +93,7 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     assert cw["not_split"] == [
         {"group": "7", "label": "CP", "reason": "the member ranks ran different numbers of its calls in the step "
                                                 "window (rank 0: 2, rank 1: 1), so they cannot be paired"},
-        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (perf_tracer.ranks "
                                                  "profiles only some ranks, or the trace failed)"}]
     assert cw["ranks"] == [
         {"rank": 0, "exposed_ms": 16.0, "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0,
@@ -124,6 +124,29 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     assert "| rank 0 EP exposed transfer | 11.000 | 16.000 | +5.000 | +45.5% |" in report
 
 
+def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
+    def run(name: str, shift: float = 0.0, calls1=None) -> str:
+        log = tmp_path / name / "log"
+        (log / "perf_tracer").mkdir(parents=True)
+        (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
+        (log / "perf_tracer" / "rank1.pt.trace.json").write_text(json.dumps(_trace(1, shift=shift, calls=calls1)))
+        assert postprocess_trial(str(log), str(tmp_path / name / "run"), "kernel", 1, jobs=1)[1] == 0
+        return str(tmp_path / name / "run")
+
+    ep_only = run("a")
+    # rank 1's clock 200 us ahead: nothing is split, so there is no wait to compare (not 0 ms)
+    report = compare_runs(ep_only, run("clock", shift=200.0))
+    assert "| rank 0 exposed wait, all split groups | 5.000 | – | – | – |" in report
+    assert "| rank 1 exposed transfer, all split groups | 11.000 | – | – | – |" in report
+    # rank 1 also runs CP's second call: B splits CP and EP, A only EP; the per-group rows stay
+    report = compare_runs(ep_only, run("cp", calls1=LAYOUT[1][0] + [(CP, "_allgather_base", 640, 650)]))
+    assert "all split groups" not in report
+    assert ("Rank 0: the runs split different process groups (A: EP; B: CP, EP), so its all-split-groups totals "
+            "are not compared; the per-group rows are.") in report
+    assert "| rank 0 EP exposed wait | 5.000 | 5.000 | +0.000 | +0.0% |" in report
+    assert "| rank 0 CP exposed wait | – | 0.000 | – | – |" in report
+
+
 def test_clocks_that_disagree_refuse_the_split():
     # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
     cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})
@@ -132,7 +155,7 @@ def test_clocks_that_disagree_refuse_the_split():
     assert cw["not_split"][1] == {"group": "22", "label": "EP", "reason": (
         "the clocks of ranks 0 and 1 disagree: their matched calls end +200.0 µs apart (median over 2 calls; "
         "tolerance 50 µs), as on different hosts; a wait measured across them would be off by as much")}
-    assert [r["exposed_ms"] for r in cw["ranks"]] == [0.0, 0.0]
+    assert cw["ranks"] == []  # no split group: no rank row (not a 0 ms wait)
     # within the tolerance the split stands, shifted by the offset: rank 0 waits 40 us longer in call 0
     near = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=40.0))})
     assert near["groups"][0]["ranks"][0]["wait_ms"] == 15.04
@@ -146,6 +169,6 @@ def test_calls_of_different_collectives_are_not_paired():
                                                 "window (rank 0: 2, rank 1: 0), so they cannot be paired"},
         {"group": "22", "label": "EP", "reason": (
             "call 1 is all_to_allv on rank 0 but allreduce on rank 1, so the calls cannot be paired")},
-        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (perf_tracer.ranks "
                                                  "profiles only some ranks, or the trace failed)"}]
     assert comm_wait.split({0: {"groups": {}, "unnamed_kernels": 0}}) is None

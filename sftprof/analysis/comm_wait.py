@@ -18,7 +18,7 @@ not transfer. With the traces of all member ranks on one clock this is measured 
    ``[s_r, L]`` (``clip(L - s_r, 0, dur_r)`` for one kernel) and transfers for the rest; its exposed wait is
    the part of its exposed pieces inside ``[s_r, L]``. The wait is owed to the rank that arrived last.
 
-Groups with a member rank whose trace is not in the run (``profile.perf_tracer.ranks`` profiles only some
+Groups with a member rank whose trace is not in the run (``perf_tracer.ranks`` profiles only some
 ranks, or its trace failed) are not split. Nor are groups whose ranks' clocks disagree: kernel times are
 on each rank's host clock, and a collective ends on every member at nearly the same moment, so the median
 over all matched calls of two ranks of the difference of their calls' end times is the offset between
@@ -107,7 +107,7 @@ def _pair_or_reason(recs: dict[int, dict], traced: set[int]) -> tuple[Optional[l
     missing = [r for r in members if r not in traced]
     if missing:
         return None, (f"no trace of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} in this "
-                      "run (profile.perf_tracer.ranks profiles only some ranks, or the trace failed)")
+                      "run (perf_tracer.ranks profiles only some ranks, or the trace failed)")
     counts = {r: len(recs[r]["calls"]) if r in recs else 0 for r in members}
     if len(set(counts.values())) > 1:
         return None, ("the member ranks ran different numbers of its calls in the step window ("
@@ -139,7 +139,7 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         "exposed_wait_ms"}]}], "straggler": {"rank", "last_arrivals", "others_wait_ms", "others_exposed_wait_ms"}}``
         (``straggler``: the rank that arrived last most often, ties to the one the others waited for longest),
         most exposed first.
-        A rank row (every traced rank, over its split groups): ``{"rank", "exposed_ms", "exposed_wait_ms",
+        A rank row (every rank that is a member of a split group, over its split groups): ``{"rank", "exposed_ms", "exposed_wait_ms",
         "exposed_transfer_ms", "waited_for": [{"rank", "exposed_wait_ms"}]}``, with ``exposed_ms`` the union of
         the split groups' exposed pieces (groups that overlap each other count once), ``exposed_wait_ms`` the
         union of their parts spent waiting, and ``waited_for`` that union per rank waited for. Times in ms.
@@ -186,7 +186,7 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         groups.append(_group_split(name, label, members, {r: calls_by_rank[r][name]["calls"] for r in members},
                                    rank_wait, rank_exposed, rank_for))
     ranks = []
-    for r in sorted(traced):
+    for r in sorted({r for g in groups for r in g["members"]}):  # a rank in no split group has no row
         exp = intervals.union(*_arrays(rank_exposed[r]))
         wait = intervals.union(*_arrays(rank_wait[r]))
         e_ms, w_ms = _ms(intervals.length(*exp)), _ms(intervals.length(*wait))
