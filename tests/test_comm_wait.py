@@ -109,8 +109,8 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
                      "(also on rank 0)"]
     md = (run / "profile_summary.md").read_text()
     assert "| EP | 0 | 2 | 26.000 | 15.000 | 11.000 | 16.000 | 5.000 | 11.000 | 1 | r1 15.0 |" in md
-    assert ("- EP: rank 1 arrived last in 1 of 2 calls; the other ranks waited 15.0 ms for it (5.0 ms exposed)"
-            in md)
+    assert ("- EP: the other ranks waited longest for rank 1: 15.0 ms (5.0 ms exposed); it arrived last in 1 of 2 "
+            "calls") in md
     assert ("- rank 1: exposed communication in the split groups 16.0 ms: 5.0 ms waiting (for r0 5.0) and 11.0 ms "
             "transfer (groups that overlap each other count once)") in md
     assert "Not split (2 process groups):" in md
@@ -159,6 +159,16 @@ def test_clocks_that_disagree_refuse_the_split():
     # within the tolerance the split stands, shifted by the offset: rank 0 waits 40 us longer in call 0
     near = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=40.0))})
     assert near["groups"][0]["ranks"][0]["wait_ms"] == 15.04
+
+
+def test_the_straggler_is_the_rank_waited_for_longest_not_the_one_last_most_often():
+    # rank 0 arrives last in calls 0 and 1 by 10 units each (rank 1 waits 2 ms), rank 1 in call 2 by 90 (9 ms)
+    ep = {0: [(EP, "all_to_allv", 110, 200), (EP, "all_to_allv", 310, 400), (EP, "all_to_allv", 600, 700)],
+          1: [(EP, "all_to_allv", 100, 200), (EP, "all_to_allv", 300, 400), (EP, "all_to_allv", 690, 700)]}
+    cw = comm_wait.split({r: _records(_trace(r, calls=ep[r])) for r in (0, 1)})
+    (g,) = cw["groups"]
+    assert [(r["rank"], r["last_arrivals"], r["wait_ms"]) for r in g["ranks"]] == [(0, 2, 9.0), (1, 1, 2.0)]
+    assert g["straggler"] == {"rank": 1, "last_arrivals": 1, "others_wait_ms": 9.0, "others_exposed_wait_ms": 9.0}
 
 
 def test_calls_of_different_collectives_are_not_paired():

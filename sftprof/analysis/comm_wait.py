@@ -137,7 +137,8 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         "members", "calls", "ranks": [{"rank", "calls", "comm_ms", "wait_ms", "transfer_ms", "exposed_ms",
         "exposed_wait_ms", "exposed_transfer_ms", "last_arrivals", "waited_for": [{"rank", "wait_ms",
         "exposed_wait_ms"}]}], "straggler": {"rank", "last_arrivals", "others_wait_ms", "others_exposed_wait_ms"}}``
-        (``straggler``: the rank that arrived last most often, ties to the one the others waited for longest),
+        (``straggler``: the rank the others waited for longest, ties to the one that arrived last most often; a rank
+        that arrives last in more calls but by less is not it),
         most exposed first.
         A rank row (every rank that is a member of a split group, over its split groups): ``{"rank", "exposed_ms", "exposed_wait_ms",
         "exposed_transfer_ms", "waited_for": [{"rank", "exposed_wait_ms"}]}``, with ``exposed_ms`` the union of
@@ -245,7 +246,7 @@ def _group_split(name: str, label: Optional[str], members: list[int], calls: dic
                      "waited_for": [{"rank": s, "wait_ms": _ms(v[0]), "exposed_wait_ms": _ms(v[1])}
                                     for s, v in sorted(owed[r].items(), key=lambda kv: (-kv[1][0], kv[0]))]})
     caused = {s: [sum(owed[r][s][i] for r in members if s in owed[r]) for i in (0, 1)] for s in members}
-    strag = max(members, key=lambda s: (acc[s]["last"], caused[s][0], -s))
+    strag = max(members, key=lambda s: (caused[s][0], acc[s]["last"], -s))
     return {"group": name, "label": label, "members": members, "calls": len(calls[members[0]]), "ranks": rows,
             "straggler": {"rank": strag, "last_arrivals": int(acc[strag]["last"]),
                           "others_wait_ms": _ms(caused[strag][0]), "others_exposed_wait_ms": _ms(caused[strag][1])}}
