@@ -147,6 +147,19 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
     assert "| rank 0 CP exposed wait | – | 0.000 | – | – |" in report
 
 
+@pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])
+def test_a_missing_trace_of_a_profiled_rank_is_named(tmp_path, spec, warned):
+    log = tmp_path / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
+    (log / "config.yaml").write_text(json.dumps({"actor": {"backend": "megatron:d2"}, "perf_tracer": {"ranks": spec}}))
+    s, rc = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert rc == 0 and s["counts"]["traces_ok"] == 1
+    assert [w for w in s["warnings"] if w["file"].startswith("perf_tracer/")] == [
+        {"file": f"perf_tracer/rank{r}.pt.trace.json", "warning": f"rank {r}: no trace in the log dir, though "
+         f"perf_tracer.ranks={spec!r} profiles it; this summary leaves that rank out"} for r in warned]
+
+
 def test_clocks_that_disagree_refuse_the_split():
     # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
     cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})
