@@ -17,6 +17,15 @@ from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attentio
                                             chunked_causal_attention, merge_partials)
 
 
+def _fp64_inputs(seed: int, b: int, heads: int, kv_heads: int, s: int, d: int):
+    """``(q [b, heads, s, d], k, v [b, kv_heads, s, d] requiring grad, dout [b, heads, s, d])``, fp64, seeded."""
+    torch.manual_seed(seed)
+    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    return q, k, v, torch.randn(b, heads, s, d, dtype=torch.float64)
+
+
 def _reference(q, k, v):
     # explicit fp64 causal attention with GQA expansion (independent of SDPA)
     groups = q.shape[1] // k.shape[1]
@@ -42,12 +51,8 @@ def test_chunk_ids_and_orders():
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
 def test_cp_causal_attention_matches_full_fp64(cp_size, heads, kv_heads, method):
-    torch.manual_seed(cp_size * 10 + kv_heads)
     b, s, d = 2, 48, 16
-    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(b, heads, s, d, dtype=torch.float64)
+    q, k, v, dout = _fp64_inputs(cp_size * 10 + kv_heads, b, heads, kv_heads, s, d)
     ref = _reference(q, k, v)
     gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
 
@@ -156,12 +161,8 @@ def test_chunked_forward_attention_matches_full_fp64(chunks, heads, kv_heads):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    torch.manual_seed(chunks * 10 + kv_heads)
     b, s, d = 2, 48, 16
-    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(b, heads, s, d, dtype=torch.float64)
+    q, k, v, dout = _fp64_inputs(chunks * 10 + kv_heads, b, heads, kv_heads, s, d)
     ref = _reference(q, k, v)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     out = chunked_causal_attention(q, k, v, chunks=chunks, kernel="math")

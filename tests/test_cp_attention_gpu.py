@@ -71,25 +71,32 @@ def _worker(out_path: str, case: str) -> None:
     dist.destroy_process_group()
 
 
+def _single_call_case(seed: int, device: str = "cuda"):
+    """``(q [1, 8, 4096, 128], k, v [1, 2, 4096, 128], dout [1, 8, 4096, 128], ref, (fq, fk, fv))``: seeded bf16
+    inputs, and SDPA's single causal GQA call ``ref`` on leaf copies ``fq, fk, fv`` whose grads hold its backward."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, h, g, s, d = 1, 8, 2, 4096, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+    q, k, v, dout = rand(b, h, s, d), rand(b, g, s, d), rand(b, g, s, d), rand(b, h, s, d)
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    ref.backward(dout)
+    return q, k, v, dout, ref, leaves
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "cudnn_gqa", "flash_gqa"])
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
-    import torch.nn.functional as F
-
     from sftprof.data import cp_shard
     from sftprof.models.block_attention import blockwise_cp_attention
 
-    gen = torch.Generator(device="cuda").manual_seed(cp_size)
-    b, h, g, s, d = 1, 8, 2, 4096, 128
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v, dout = rand(b, h, s, d), rand(b, g, s, d), rand(b, g, s, d), rand(b, h, s, d)
-    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True)
-    ref.backward(dout)
+    q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(cp_size)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     for r in range(cp_size):
         lq, lk, lv = cp_shard(q, cp_size, r, dim=2).requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()
@@ -109,20 +116,9 @@ def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
 def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
     """chunked_causal_attention (blocks forward, one causal backward call given the merged output and lse) against
     SDPA's single causal call: output and Q/K/V gradients within bf16 tolerance, for every CUDA block kernel."""
-    import torch.nn.functional as F
-
     from sftprof.models.block_attention import chunked_causal_attention
 
-    gen = torch.Generator(device="cuda").manual_seed(chunks)
-    b, h, g, s, d = 1, 8, 2, 4096, 128
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v, dout = rand(b, h, s, d), rand(b, g, s, d), rand(b, g, s, d), rand(b, h, s, d)
-    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True)
-    ref.backward(dout)
+    q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(chunks)
     cq, ck, cv = (t.clone().requires_grad_() for t in (q, k, v))
     out = chunked_causal_attention(cq, ck, cv, chunks=chunks, kernel=kernel)
     out.backward(dout)
