@@ -14,7 +14,8 @@ Rows (one per collective and size; ``n`` = ranks, ``B`` = ``--mib`` MiB of bf16 
 - ``send/recv pairs``: ``batch_isend_irecv`` of ``B / n`` to and from every other rank (the all-to-all
   without the local copy).
 
-Columns, per setting: ``ms`` = median over ``--reps`` timed calls (CUDA events, after ``--warmup`` calls);
+Columns, per setting: ``ms`` = median over ``--reps`` timed calls on rank 0 (CUDA events, after ``--warmup`` calls;
+every call starts after a barrier, so the ranks start together and rank 0's time stands for the collective's);
 ``GB/s`` = bytes that cross links per rank / time: ``B (n - 1) / n`` for every row (what each rank sends to
 the others; 1 GB = 1e9 bytes). The ``x first`` column of each later setting is its ms / the first setting's.
 
@@ -178,7 +179,7 @@ def main() -> int:
     names = list(runs)
     head = "| collective | MiB/rank | " + " | ".join(
         f"{n} ms | {n} GB/s" + (f" | {n} x {names[0]}" if i else "") for i, n in enumerate(names)) + " |"
-    print(f"ranks: {nproc}; settings: " + "; ".join(f"{n}: {dict(e) or 'NCCL defaults'}" for n, e in settings))
+    print(f"ranks: {nproc} (times: rank 0's median); settings: " + "; ".join(f"{n}: {dict(e) or 'NCCL defaults'}" for n, e in settings))
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for op in OPS:
