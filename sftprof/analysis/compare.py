@@ -277,14 +277,14 @@ def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
     labels: dict[int, set] = defaultdict(set)
     for g in cw.get("groups") or []:
         for r in g["ranks"]:
-            labels[r["rank"]].add(g["label"])
+            labels[r["rank"]].add(str(g["label"]))  # None: a group of unknown parallelism
             out[f"rank {r['rank']} {g['label']} exposed wait"] += r["exposed_wait_ms"]
             out[f"rank {r['rank']} {g['label']} exposed transfer"] += r["exposed_transfer_ms"]
     for r in cw.get("ranks") or []:
         if r["rank"] in labels:
             out[f"rank {r['rank']} exposed wait, all split groups"] = r["exposed_wait_ms"]
             out[f"rank {r['rank']} exposed transfer, all split groups"] = r["exposed_transfer_ms"]
-    return {k: round(v, 4) for k, v in out.items()}, {r: sorted(v, key=str) for r, v in labels.items()}
+    return {k: round(v, 4) for k, v in out.items()}, {r: sorted(v) for r, v in labels.items()}
 
 
 def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
