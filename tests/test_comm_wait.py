@@ -145,6 +145,13 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
             "are not compared; the per-group rows are.") in report
     assert "| rank 0 EP exposed wait | 5.000 | 5.000 | +0.000 | +0.0% |" in report
     assert "| rank 0 CP exposed wait | – | 0.000 | – | – |" in report
+    # a split group of unknown parallelism (label None) is named as such in the note
+    summary = json.loads((tmp_path / "cp" / "run" / "profile_summary.json").read_text())
+    for g in summary["comm_wait"]["groups"]:
+        g["label"] = None if g["label"] == "CP" else g["label"]
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "profile_summary.json").write_text(json.dumps(summary))
+    assert "(A: EP; B: EP, None)" in compare_runs(ep_only, str(tmp_path / "unknown"))
 
 
 @pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])
