@@ -14,7 +14,8 @@ Rows (one per collective and size; ``n`` = ranks, ``B`` = ``--mib`` MiB of bf16 
 - ``send/recv pairs``: ``batch_isend_irecv`` of ``B / n`` to and from every other rank (the all-to-all
   without the local copy).
 
-Columns, per setting: ``ms`` = median over ``--reps`` timed calls (CUDA events, after ``--warmup`` calls);
+Columns, per setting: ``ms`` = median over ``--reps`` timed calls on rank 0 (CUDA events, after ``--warmup`` calls;
+every call starts after a barrier, so the ranks start together and rank 0's time stands for the collective's);
 ``GB/s`` = bytes that cross links per rank / time: ``B (n - 1) / n`` for every row (what each rank sends to
 the others; 1 GB = 1e9 bytes). The ``x first`` column of each later setting is its ms / the first setting's.
 
@@ -23,7 +24,9 @@ Settings (``--setting NAME=VAR=VAL[,VAR=VAL...]``, repeatable; default ``default
 table. ``--nproc`` ranks per run (default: all visible GPUs).
 
 Usage: python bench/collectives.py [--mib 256 512] [--setting default=] [--setting p2p32=NCCL_MIN_P2P_NCHANNELS=32]
-Without two CUDA devices it prints that it needs them and exits with status 1, measuring nothing.
+A bad argument (a malformed or repeated ``--setting``, ``--mib`` < 1, ``--reps`` < 1, an existing ``--json``) is
+refused with exit status 2 before anything runs. Without two CUDA devices it prints that it needs them and exits
+with status 1, measuring nothing.
 """
 from __future__ import annotations
 
@@ -64,6 +67,23 @@ def parse_setting(text: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"--setting {text!r}: {pair!r} is not VAR=VAL")
         env[var] = val
     return name, env
+
+
+def check_args(args, settings: list[tuple[str, dict[str, str]]]) -> list[str]:
+    """What is wrong with the command line before anything runs (empty when nothing): ``--mib`` sizes >= 1,
+    ``--reps`` >= 1, ``--warmup`` >= 0, ``--nproc`` >= 0, setting names unique and made of letters, digits, ``.``,
+    ``_``, ``-`` (each names a JSON file and a table column), and no existing ``--json`` file (never overwritten)."""
+    out = [f"--mib {m}: must be an integer >= 1 (MiB of bf16 per rank)" for m in args.mib if m < 1]
+    out += [f"--{k} {v}: must be an integer >= {lo}" for k, v, lo in
+            (("reps", args.reps, 1), ("warmup", args.warmup, 0), ("nproc", args.nproc, 0)) if v < lo]
+    names = [n for n, _ in settings]
+    out += [f"--setting {n!r}: the name must be letters, digits, '.', '_' or '-'" for n in names
+            if not all(c.isascii() and (c.isalnum() or c in "._-") for c in n)]
+    out += [f"--setting {n!r}: the name is given {names.count(n)} times; names must be unique"
+            for n in dict.fromkeys(names) if names.count(n) > 1]
+    if args.json and os.path.exists(args.json):
+        out.append(f"--json {args.json}: exists; give a new file (results are never overwritten)")
+    return out
 
 
 def _worker(args) -> int:
@@ -134,6 +154,10 @@ def main() -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    problems = check_args(args, settings)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
     nproc = args.nproc or torch.cuda.device_count()
     if nproc < 2 or torch.cuda.device_count() < nproc:
         print(f"bench/collectives.py needs >= 2 CUDA devices (visible: {torch.cuda.device_count()}); nothing measured")
@@ -155,7 +179,7 @@ def main() -> int:
     names = list(runs)
     head = "| collective | MiB/rank | " + " | ".join(
         f"{n} ms | {n} GB/s" + (f" | {n} x {names[0]}" if i else "") for i, n in enumerate(names)) + " |"
-    print(f"ranks: {nproc}; settings: " + "; ".join(f"{n}: {dict(e) or 'NCCL defaults'}" for n, e in settings))
+    print(f"ranks: {nproc} (times: rank 0's median); settings: " + "; ".join(f"{n}: {dict(e) or 'NCCL defaults'}" for n, e in settings))
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for op in OPS:

@@ -33,7 +33,9 @@ of the Q/K/V gradients of each blocks kernel against the masked path on the same
 single-GPU row against the one SDPA call, printed after the table.
 
 Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...] [--reps 5] [--json F]
-Without CUDA it prints that it needs a GPU and exits with status 1, measuring nothing.
+A bad argument (``--chunks`` < 1 or not dividing ``--seq``, ``--cp`` < 2 or not dividing it into 2 x CP chunks) is
+refused with exit status 2 first; without CUDA it then prints that it needs a GPU and exits with status 1, measuring
+nothing.
 """
 from __future__ import annotations
 
@@ -170,17 +172,22 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row")
     ap.add_argument("--json", type=Path, default=None, help="write the rows and the exactness check here")
     args = ap.parse_args()
+    if args.seq < 1 or args.reps < 1:
+        ap.error(f"--seq {args.seq} and --reps {args.reps}: each must be an integer >= 1")
+    for cp in args.cp:
+        if cp < 2:
+            ap.error(f"--cp {cp}: must be >= 2 (CP=1 is the single-GPU row)")
+        try:
+            causal_pairs(args.seq, cp, 0)  # checks divisibility before any GPU work
+        except ValueError as exc:
+            ap.error(str(exc))
+    for n in args.chunks:
+        if n < 1 or args.seq % n:
+            ap.error(f"--chunks {n}: must be >= 1 and divide --seq {args.seq}")
     if not torch.cuda.is_available():
         print("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
               file=sys.stderr)
         return 1
-    for cp in args.cp:
-        if cp < 2:
-            ap.error(f"--cp {cp}: must be >= 2 (CP=1 is the single-GPU row)")
-        causal_pairs(args.seq, cp, 0)  # checks divisibility before any GPU work
-    for n in args.chunks:
-        if n < 1 or args.seq % n:
-            ap.error(f"--chunks {n}: must be >= 1 and divide --seq {args.seq}")
     torch.manual_seed(0)
     dev, s, h, g, d = torch.device("cuda"), args.seq, args.heads, args.kv_heads, args.head_dim
 

@@ -22,7 +22,8 @@ BLOCK_D]`` tile (8 per thread) set to each value given (module defaults otherwis
 ``sftprof.models.triton_kernels._NORM_FWD_TILE`` / ``_NORM_BWD_TILE`` in one run.
 
 Usage: python bench/norm.py [--tokens 131072] [--reps 10] [--fwd-tile 1024 2048] [--bwd-tile 512 1024]
-Without CUDA it prints that it needs a GPU and exits with status 1, measuring nothing.
+A bad argument (``--tokens`` or ``--reps`` < 1, a tile that is not a power of 2) is refused with exit status 2 first;
+without CUDA it then prints that it needs a GPU and exits with status 1, measuring nothing.
 """
 from __future__ import annotations
 
@@ -91,8 +92,15 @@ def main() -> int:
     ap.add_argument("--fwd-tile", type=int, nargs="*", default=[], help="extra fused rows: forward tile sizes")
     ap.add_argument("--bwd-tile", type=int, nargs="*", default=[], help="extra fused rows: backward tile sizes")
     args = ap.parse_args()
+    if args.tokens < 1 or args.reps < 1:
+        ap.error(f"--tokens {args.tokens} and --reps {args.reps}: each must be an integer >= 1")
+    for flag, tiles in (("--fwd-tile", args.fwd_tile), ("--bwd-tile", args.bwd_tile)):
+        for t in tiles:
+            if t < 1 or t & (t - 1):
+                ap.error(f"{flag} {t}: must be a power of 2 (elements per tile; Triton blocks are powers of 2)")
     if not torch.cuda.is_available():
-        print("bench/norm.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/norm.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
+              file=sys.stderr)
         return 1
     from sftprof.models import triton_kernels
 

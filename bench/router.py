@@ -9,6 +9,9 @@ ms (``torch.utils.benchmark``, CUDA synchronised) of the routing call's forward,
 forwards plus the backward to the logits (upstream gradients on the probs and the scores).
 
 Usage: python bench/router.py [--tokens 131072] [--experts 128] [--topk 8] [--min-run-time 1.0]
+Arguments outside the fused kernel's range (``1 <= topk <= experts <= sftprof.models.router.MAX_EXPERTS``), where the
+fused functions would run megatron's code, are refused with exit status 2; without CUDA it prints that it needs a GPU
+and exits with status 1, measuring nothing.
 """
 from __future__ import annotations
 
@@ -35,15 +38,22 @@ def _median_ms(fn, min_run_time: float) -> float:
     return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timed calls per cell")
     args = ap.parse_args()
+    # outside these the fused functions fall back to megatron's, and the "fused" rows would time the unfused code
+    if args.tokens < 1 or not 1 <= args.topk <= args.experts <= router.MAX_EXPERTS or args.min_run_time <= 0:
+        ap.error(f"--tokens {args.tokens}, --experts {args.experts}, --topk {args.topk}, --min-run-time "
+                 f"{args.min_run_time}: need tokens >= 1, 1 <= topk <= experts <= {router.MAX_EXPERTS} (the fused "
+                 "kernel's range) and a min run time > 0")
     if not torch.cuda.is_available():
-        sys.exit("bench/router.py: needs CUDA")
+        print("bench/router.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
+              file=sys.stderr)
+        return 1
     t, e, k = args.tokens, args.experts, args.topk
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(t, e, generator=g, device="cuda") * 2).requires_grad_(True)
@@ -71,7 +81,8 @@ def main() -> None:
     mib = t * e * 4 / 2 ** 20
     print(f"\nHBM traffic of one fused forward: reads {mib:.1f} MiB of logits, writes {mib:.1f} MiB (probs or scores) "
           f"+ {mib / 4:.1f} MiB (bool routing map)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

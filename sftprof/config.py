@@ -406,6 +406,10 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     msg = str(err).splitlines()[0]
     if "not a valid bool" in msg or "field of type 'bool'" in msg:
         msg += f"; {BOOL_ACCEPTED}"
+    elif msg.endswith("could not be converted to Integer"):
+        msg += "; accepted: an integer (the key's range is checked once it is one)"
+    elif msg.endswith("could not be converted to Float"):
+        msg += "; accepted: a number (the key's range is checked once it is one)"
     return f"{key}: {msg}"
 
 

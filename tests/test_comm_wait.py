@@ -93,7 +93,7 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     assert cw["not_split"] == [
         {"group": "7", "label": "CP", "reason": "the member ranks ran different numbers of its calls in the step "
                                                 "window (rank 0: 2, rank 1: 1), so they cannot be paired"},
-        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (perf_tracer.ranks "
                                                  "profiles only some ranks, or the trace failed)"}]
     assert cw["ranks"] == [
         {"rank": 0, "exposed_ms": 16.0, "exposed_wait_ms": 5.0, "exposed_transfer_ms": 11.0,
@@ -109,8 +109,8 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
                      "(also on rank 0)"]
     md = (run / "profile_summary.md").read_text()
     assert "| EP | 0 | 2 | 26.000 | 15.000 | 11.000 | 16.000 | 5.000 | 11.000 | 1 | r1 15.0 |" in md
-    assert ("- EP: rank 1 arrived last in 1 of 2 calls; the other ranks waited 15.0 ms for it (5.0 ms exposed)"
-            in md)
+    assert ("- EP: the other ranks waited longest for rank 1: 15.0 ms (5.0 ms exposed); it arrived last in 1 of 2 "
+            "calls") in md
     assert ("- rank 1: exposed communication in the split groups 16.0 ms: 5.0 ms waiting (for r0 5.0) and 11.0 ms "
             "transfer (groups that overlap each other count once)") in md
     assert "Not split (2 process groups):" in md
@@ -124,6 +124,49 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     assert "| rank 0 EP exposed transfer | 11.000 | 16.000 | +5.000 | +45.5% |" in report
 
 
+def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
+    def run(name: str, shift: float = 0.0, calls1=None) -> str:
+        log = tmp_path / name / "log"
+        (log / "perf_tracer").mkdir(parents=True)
+        (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
+        (log / "perf_tracer" / "rank1.pt.trace.json").write_text(json.dumps(_trace(1, shift=shift, calls=calls1)))
+        assert postprocess_trial(str(log), str(tmp_path / name / "run"), "kernel", 1, jobs=1)[1] == 0
+        return str(tmp_path / name / "run")
+
+    ep_only = run("a")
+    # rank 1's clock 200 us ahead: nothing is split, so there is no wait to compare (not 0 ms)
+    report = compare_runs(ep_only, run("clock", shift=200.0))
+    assert "| rank 0 exposed wait, all split groups | 5.000 | – | – | – |" in report
+    assert "| rank 1 exposed transfer, all split groups | 11.000 | – | – | – |" in report
+    # rank 1 also runs CP's second call: B splits CP and EP, A only EP; the per-group rows stay
+    report = compare_runs(ep_only, run("cp", calls1=LAYOUT[1][0] + [(CP, "_allgather_base", 640, 650)]))
+    assert "all split groups" not in report
+    assert ("Rank 0: the runs split different process groups (A: EP; B: CP, EP), so its all-split-groups totals "
+            "are not compared; the per-group rows are.") in report
+    assert "| rank 0 EP exposed wait | 5.000 | 5.000 | +0.000 | +0.0% |" in report
+    assert "| rank 0 CP exposed wait | – | 0.000 | – | – |" in report
+    # a split group of unknown parallelism (label None) is named as such in the note
+    summary = json.loads((tmp_path / "cp" / "run" / "profile_summary.json").read_text())
+    for g in summary["comm_wait"]["groups"]:
+        g["label"] = None if g["label"] == "CP" else g["label"]
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "profile_summary.json").write_text(json.dumps(summary))
+    assert "(A: EP; B: EP, None)" in compare_runs(ep_only, str(tmp_path / "unknown"))
+
+
+@pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])
+def test_a_missing_trace_of_a_profiled_rank_is_named(tmp_path, spec, warned):
+    log = tmp_path / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
+    (log / "config.yaml").write_text(json.dumps({"actor": {"backend": "megatron:d2"}, "perf_tracer": {"ranks": spec}}))
+    s, rc = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert rc == 0 and s["counts"]["traces_ok"] == 1
+    assert [w for w in s["warnings"] if w["file"].startswith("perf_tracer/")] == [
+        {"file": f"perf_tracer/rank{r}.pt.trace.json", "warning": f"rank {r}: no trace in the log dir, though "
+         f"perf_tracer.ranks={spec!r} profiles it; this summary leaves that rank out"} for r in warned]
+
+
 def test_clocks_that_disagree_refuse_the_split():
     # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
     cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})
@@ -132,10 +175,20 @@ def test_clocks_that_disagree_refuse_the_split():
     assert cw["not_split"][1] == {"group": "22", "label": "EP", "reason": (
         "the clocks of ranks 0 and 1 disagree: their matched calls end +200.0 µs apart (median over 2 calls; "
         "tolerance 50 µs), as on different hosts; a wait measured across them would be off by as much")}
-    assert [r["exposed_ms"] for r in cw["ranks"]] == [0.0, 0.0]
+    assert cw["ranks"] == []  # no split group: no rank row (not a 0 ms wait)
     # within the tolerance the split stands, shifted by the offset: rank 0 waits 40 us longer in call 0
     near = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=40.0))})
     assert near["groups"][0]["ranks"][0]["wait_ms"] == 15.04
+
+
+def test_the_straggler_is_the_rank_waited_for_longest_not_the_one_last_most_often():
+    # rank 0 arrives last in calls 0 and 1 by 10 units each (rank 1 waits 2 ms), rank 1 in call 2 by 90 (9 ms)
+    ep = {0: [(EP, "all_to_allv", 110, 200), (EP, "all_to_allv", 310, 400), (EP, "all_to_allv", 600, 700)],
+          1: [(EP, "all_to_allv", 100, 200), (EP, "all_to_allv", 300, 400), (EP, "all_to_allv", 690, 700)]}
+    cw = comm_wait.split({r: _records(_trace(r, calls=ep[r])) for r in (0, 1)})
+    (g,) = cw["groups"]
+    assert [(r["rank"], r["last_arrivals"], r["wait_ms"]) for r in g["ranks"]] == [(0, 2, 9.0), (1, 1, 2.0)]
+    assert g["straggler"] == {"rank": 1, "last_arrivals": 1, "others_wait_ms": 9.0, "others_exposed_wait_ms": 9.0}
 
 
 def test_calls_of_different_collectives_are_not_paired():
@@ -146,6 +199,6 @@ def test_calls_of_different_collectives_are_not_paired():
                                                 "window (rank 0: 2, rank 1: 0), so they cannot be paired"},
         {"group": "22", "label": "EP", "reason": (
             "call 1 is all_to_allv on rank 0 but allreduce on rank 1, so the calls cannot be paired")},
-        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (profile.perf_tracer.ranks "
+        {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (perf_tracer.ranks "
                                                  "profiles only some ranks, or the trace failed)"}]
     assert comm_wait.split({0: {"groups": {}, "unnamed_kernels": 0}}) is None

@@ -121,8 +121,28 @@ def test_bad_loss_settings(overrides, message):
 def test_type_error_names_the_layer_it_comes_from():
     """A value of the wrong type is attributed to the override that set it, not to the YAML file."""
     with pytest.raises(ConfigError, match=r"^actor\.mb_spec\.n_mbs: Value 'abc' of type 'str' could not be converted "
-                                          r"to Integer \(overrides actor\.mb_spec\.n_mbs=abc\)$"):
+                                          r"to Integer; accepted: an integer \(the key's range is checked once it is "
+                                          r"one\) \(overrides actor\.mb_spec\.n_mbs=abc\)$"):
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "actor.megatron.attention_forward_chunks=0: must be an integer >= 1"),
+    ("-1", "actor.megatron.attention_forward_chunks=-1: must be an integer >= 1"),
+    ("1.5", "actor.megatron.attention_forward_chunks: Value '1.5' of type 'float' could not be converted to Integer; "
+            "accepted: an integer (the key's range is checked once it is one) (overrides "
+            "actor.megatron.attention_forward_chunks=1.5)"),
+    ("x", "actor.megatron.attention_forward_chunks: Value 'x' of type 'str' could not be converted to Integer; "
+          "accepted: an integer (the key's range is checked once it is one) (overrides "
+          "actor.megatron.attention_forward_chunks=x)"),
+    ("true", "actor.megatron.attention_forward_chunks: Value 'True' of type 'bool' could not be converted to Integer; "
+             "accepted: an integer (the key's range is checked once it is one) (overrides "
+             "actor.megatron.attention_forward_chunks=true)"),
+])
+def test_attention_forward_chunks_refused_with_what_is_accepted(value, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", [f"actor.megatron.attention_forward_chunks={value}"])
+    assert str(exc.value) == message
 
 
 @pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router"])

@@ -17,6 +17,15 @@ from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attentio
                                             chunked_causal_attention, merge_partials)
 
 
+def _fp64_inputs(seed: int, b: int, heads: int, kv_heads: int, s: int, d: int):
+    """``(q [b, heads, s, d], k, v [b, kv_heads, s, d] requiring grad, dout [b, heads, s, d])``, fp64, seeded."""
+    torch.manual_seed(seed)
+    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
+    return q, k, v, torch.randn(b, heads, s, d, dtype=torch.float64)
+
+
 def _reference(q, k, v):
     # explicit fp64 causal attention with GQA expansion (independent of SDPA)
     groups = q.shape[1] // k.shape[1]
@@ -38,24 +47,14 @@ def test_chunk_ids_and_orders():
         cp_chunk_ids(4, 4)
 
 
-def _fp64_case(seed, heads, kv_heads, b=2, s=48, d=16):
-    """Random fp64 q [b, heads, s, d], k/v [b, kv_heads, s, d] (leaf, requiring grad), dout, the fp64 reference
-    output and its (dq, dk, dv)."""
-    torch.manual_seed(seed)
-    q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(b, heads, s, d, dtype=torch.float64)
-    ref = _reference(q, k, v)
-    return q, k, v, dout, ref, torch.autograd.grad(ref, (q, k, v), dout)
-
-
 @pytest.mark.parametrize("method", ["masked", "blocks"])
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
 def test_cp_causal_attention_matches_full_fp64(cp_size, heads, kv_heads, method):
-    q, k, v, dout, ref, (gq, gk, gv) = _fp64_case(cp_size * 10 + kv_heads, heads, kv_heads)
-    b, s = q.shape[0], q.shape[2]
+    b, s, d = 2, 48, 16
+    q, k, v, dout = _fp64_inputs(cp_size * 10 + kv_heads, b, heads, kv_heads, s, d)
+    ref = _reference(q, k, v)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
 
     q_grad = torch.zeros_like(q)
     k_grad, v_grad = torch.zeros_like(k), torch.zeros_like(v)
@@ -162,8 +161,10 @@ def test_chunked_forward_attention_matches_full_fp64(chunks, heads, kv_heads):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    q, k, v, dout, ref, want = _fp64_case(chunks * 10 + kv_heads, heads, kv_heads)
-    b, s = q.shape[0], q.shape[2]
+    b, s, d = 2, 48, 16
+    q, k, v, dout = _fp64_inputs(chunks * 10 + kv_heads, b, heads, kv_heads, s, d)
+    ref = _reference(q, k, v)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
     out = chunked_causal_attention(q, k, v, chunks=chunks, kernel="math")
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want):

@@ -71,9 +71,9 @@ def _worker(out_path: str, case: str) -> None:
     dist.destroy_process_group()
 
 
-def _single_call_case(seed, device="cuda"):
-    """Random bf16 q/dout [1, 8, 4096, 128], k/v [1, 2, 4096, 128] on ``device``, SDPA's single causal call on
-    leaf copies of q/k/v, backward run: ``((q, k, v, dout), out, (q', k', v') with .grad)``."""
+def _single_call_case(seed: int, device: str = "cuda"):
+    """``(q [1, 8, 4096, 128], k, v [1, 2, 4096, 128], dout [1, 8, 4096, 128], ref, (fq, fk, fv))``: seeded bf16
+    inputs, and SDPA's single causal GQA call ``ref`` on leaf copies ``fq, fk, fv`` whose grads hold its backward."""
     import torch.nn.functional as F
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -86,7 +86,7 @@ def _single_call_case(seed, device="cuda"):
     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     ref.backward(dout)
-    return (q, k, v, dout), ref, leaves
+    return q, k, v, dout, ref, leaves
 
 
 @pytest.mark.gpu
@@ -96,7 +96,7 @@ def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
     from sftprof.data import cp_shard
     from sftprof.models.block_attention import blockwise_cp_attention
 
-    (q, k, v, dout), ref, (fq, fk, fv) = _single_call_case(cp_size)
+    q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(cp_size)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     for r in range(cp_size):
         lq, lk, lv = cp_shard(q, cp_size, r, dim=2).requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()
@@ -118,7 +118,7 @@ def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
     SDPA's single causal call: output and Q/K/V gradients within bf16 tolerance, for every CUDA block kernel."""
     from sftprof.models.block_attention import chunked_causal_attention
 
-    (q, k, v, dout), ref, (fq, fk, fv) = _single_call_case(chunks)
+    q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(chunks)
     cq, ck, cv = (t.clone().requires_grad_() for t in (q, k, v))
     out = chunked_causal_attention(cq, ck, cv, chunks=chunks, kernel=kernel)
     out.backward(dout)

@@ -18,7 +18,7 @@ not transfer. With the traces of all member ranks on one clock this is measured 
    ``[s_r, L]`` (``clip(L - s_r, 0, dur_r)`` for one kernel) and transfers for the rest; its exposed wait is
    the part of its exposed pieces inside ``[s_r, L]``. The wait is owed to the rank that arrived last.
 
-Groups with a member rank whose trace is not in the run (``profile.perf_tracer.ranks`` profiles only some
+Groups with a member rank whose trace is not in the run (``perf_tracer.ranks`` profiles only some
 ranks, or its trace failed) are not split. Nor are groups whose ranks' clocks disagree: kernel times are
 on each rank's host clock, and a collective ends on every member at nearly the same moment, so the median
 over all matched calls of two ranks of the difference of their calls' end times is the offset between
@@ -107,7 +107,7 @@ def _pair_or_reason(recs: dict[int, dict], traced: set[int]) -> tuple[Optional[l
     missing = [r for r in members if r not in traced]
     if missing:
         return None, (f"no trace of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} in this "
-                      "run (profile.perf_tracer.ranks profiles only some ranks, or the trace failed)")
+                      "run (perf_tracer.ranks profiles only some ranks, or the trace failed)")
     counts = {r: len(recs[r]["calls"]) if r in recs else 0 for r in members}
     if len(set(counts.values())) > 1:
         return None, ("the member ranks ran different numbers of its calls in the step window ("
@@ -137,9 +137,10 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         "members", "calls", "ranks": [{"rank", "calls", "comm_ms", "wait_ms", "transfer_ms", "exposed_ms",
         "exposed_wait_ms", "exposed_transfer_ms", "last_arrivals", "waited_for": [{"rank", "wait_ms",
         "exposed_wait_ms"}]}], "straggler": {"rank", "last_arrivals", "others_wait_ms", "others_exposed_wait_ms"}}``
-        (``straggler``: the rank that arrived last most often, ties to the one the others waited for longest),
+        (``straggler``: the rank the others waited for longest, ties to the one that arrived last most often; a rank
+        that arrives last in more calls but by less is not it),
         most exposed first.
-        A rank row (every traced rank, over its split groups): ``{"rank", "exposed_ms", "exposed_wait_ms",
+        A rank row (every rank that is a member of a split group, over its split groups): ``{"rank", "exposed_ms", "exposed_wait_ms",
         "exposed_transfer_ms", "waited_for": [{"rank", "exposed_wait_ms"}]}``, with ``exposed_ms`` the union of
         the split groups' exposed pieces (groups that overlap each other count once), ``exposed_wait_ms`` the
         union of their parts spent waiting, and ``waited_for`` that union per rank waited for. Times in ms.
@@ -186,7 +187,7 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         groups.append(_group_split(name, label, members, {r: calls_by_rank[r][name]["calls"] for r in members},
                                    rank_wait, rank_exposed, rank_for))
     ranks = []
-    for r in sorted(traced):
+    for r in sorted({r for g in groups for r in g["members"]}):  # a rank in no split group has no row
         exp = intervals.union(*_arrays(rank_exposed[r]))
         wait = intervals.union(*_arrays(rank_wait[r]))
         e_ms, w_ms = _ms(intervals.length(*exp)), _ms(intervals.length(*wait))
@@ -245,7 +246,7 @@ def _group_split(name: str, label: Optional[str], members: list[int], calls: dic
                      "waited_for": [{"rank": s, "wait_ms": _ms(v[0]), "exposed_wait_ms": _ms(v[1])}
                                     for s, v in sorted(owed[r].items(), key=lambda kv: (-kv[1][0], kv[0]))]})
     caused = {s: [sum(owed[r][s][i] for r in members if s in owed[r]) for i in (0, 1)] for s in members}
-    strag = max(members, key=lambda s: (acc[s]["last"], caused[s][0], -s))
+    strag = max(members, key=lambda s: (caused[s][0], acc[s]["last"], -s))
     return {"group": name, "label": label, "members": members, "calls": len(calls[members[0]]), "ranks": rows,
             "straggler": {"rank": strag, "last_arrivals": int(acc[strag]["last"]),
                           "others_wait_ms": _ms(caused[strag][0]), "others_exposed_wait_ms": _ms(caused[strag][1])}}

@@ -254,26 +254,37 @@ def _step_tables(a: dict, b: dict) -> list[str]:
                 profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
     if profiled:
         out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
-    wa, wb = _wait_rows(a), _wait_rows(b)
+    (wa, ga), (wb, gb) = _wait_rows(a), _wait_rows(b)
+    differ = sorted(r for r in set(ga) & set(gb) if ga[r] != gb[r])
+    for r in differ:  # the all-groups totals of different sets of groups are not comparable
+        for n in (f"rank {r} exposed wait, all split groups", f"rank {r} exposed transfer, all split groups"):
+            wa.pop(n, None), wb.pop(n, None)
     names = sorted(set(wa) | set(wb), key=lambda n: (int(n.split()[1]), "split groups" not in n, n))
     out += _table("exposed communication, waiting for the last rank vs transfer (– = not split in that run)", "ms",
                   [(n, wa.get(n), wb.get(n)) for n in names])
+    out += [f"Rank {r}: the runs split different process groups (A: {', '.join(ga[r])}; B: {', '.join(gb[r])}), so "
+            "its all-split-groups totals are not compared; the per-group rows are.\n" for r in differ]
     return out
 
 
-def _wait_rows(s: dict) -> dict[str, float]:
-    """``{"rank 1 exposed wait, all split groups": ms, ..., "rank 1 EP exposed wait": ms, ...}``: a summary's split of
-    each rank's exposed communication (:func:`sftprof.analysis.comm_wait.split`; empty when it has none)."""
+def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
+    """``({"rank 1 exposed wait, all split groups": ms, ..., "rank 1 EP exposed wait": ms, ...}, {rank: sorted labels
+    of its split groups})``: a summary's split of each rank's exposed communication
+    (:func:`sftprof.analysis.comm_wait.split`; both empty when it has none). A rank in no split group has no rows
+    (summaries of earlier versions listed it with 0 ms)."""
     cw = s.get("comm_wait") or {}
     out: dict[str, float] = defaultdict(float)  # groups with the same label add up
-    for r in cw.get("ranks") or []:
-        out[f"rank {r['rank']} exposed wait, all split groups"] = r["exposed_wait_ms"]
-        out[f"rank {r['rank']} exposed transfer, all split groups"] = r["exposed_transfer_ms"]
+    labels: dict[int, set] = defaultdict(set)
     for g in cw.get("groups") or []:
         for r in g["ranks"]:
+            labels[r["rank"]].add(str(g["label"]))  # None: a group of unknown parallelism
             out[f"rank {r['rank']} {g['label']} exposed wait"] += r["exposed_wait_ms"]
             out[f"rank {r['rank']} {g['label']} exposed transfer"] += r["exposed_transfer_ms"]
-    return {k: round(v, 4) for k, v in out.items()}
+    for r in cw.get("ranks") or []:
+        if r["rank"] in labels:
+            out[f"rank {r['rank']} exposed wait, all split groups"] = r["exposed_wait_ms"]
+            out[f"rank {r['rank']} exposed transfer, all split groups"] = r["exposed_transfer_ms"]
+    return {k: round(v, 4) for k, v in out.items()}, {r: sorted(v) for r, v in labels.items()}
 
 
 def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:

@@ -205,9 +205,9 @@ def _comm_wait(cw: dict | None) -> list[str]:
         for g in cw["groups"]:
             st = g["straggler"]
             if st["others_wait_ms"] > 0:
-                out.append(f"- {g['label']}: rank {st['rank']} arrived last in {st['last_arrivals']} of {g['calls']} "
-                           f"calls; the other ranks waited {st['others_wait_ms']:.1f} ms for it "
-                           f"({st['others_exposed_wait_ms']:.1f} ms exposed)")
+                out.append(f"- {g['label']}: the other ranks waited longest for rank {st['rank']}: "
+                           f"{st['others_wait_ms']:.1f} ms ({st['others_exposed_wait_ms']:.1f} ms exposed); it arrived "
+                           f"last in {st['last_arrivals']} of {g['calls']} calls")
         for r in cw["ranks"]:
             if r["exposed_ms"]:
                 out.append(f"- rank {r['rank']}: exposed communication in the split groups {r['exposed_ms']:.1f} ms: "

@@ -437,6 +437,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, coords_error, log_dir if log_dir_missing else None)
+    if profile_kind == "kernel" and items:
+        warnings += _missing_traces(inputs.trial_config(log_dir), items)
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
         warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
@@ -518,6 +520,25 @@ def _artifacts_part(summary: dict, log_dir: str, run_dir: str, compress: bool, m
         summary["nvidia_smi"]["profiled_step"] = inputs.smi_in_window(
             summary["nvidia_smi"], min(w["unix_start_s"] for w in windows), max(w["unix_end_s"] for w in windows))
     return items
+
+
+def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
+    """A warning ``{"file": "perf_tracer/rank<r>.pt.trace.json", "warning"}`` per rank that the trial's
+    ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on ``actor.backend``'s layout) but whose
+    trace is not in the log dir (deleted, never written): the summary's figures leave that rank out. None when
+    the config is absent or does not resolve (nothing is assumed)."""
+    from sftprof.allocation import parse_allocation_mode
+    from sftprof.ranks import resolve_ranks
+
+    try:
+        expected = resolve_ranks(cfg["perf_tracer"].get("ranks"), parse_allocation_mode(cfg["actor"]["backend"]))
+    except Exception:  # no config, another schema, a spec that does not resolve: no expectation to check
+        return []
+    spec = cfg["perf_tracer"].get("ranks")
+    have = {it["rank"] for it in items}
+    return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
+             "warning": f"rank {r}: no trace in the log dir, though perf_tracer.ranks={spec!r} profiles it; this "
+                        "summary leaves that rank out"} for r in expected if r not in have]
 
 
 def _problems(summary: dict, items: list[dict], complete: dict, coords_error: str | None,

@@ -1,0 +1,88 @@
+"""Command lines of the benchmarks added for the collectives, the chunked attention, the fused norm and the fused
+router: a bad argument is refused (exit status 2, the flag and what it accepts named) before the CUDA check and
+before anything is measured; parsing helpers give exact values. Runs in-process: no GPU, no torchrun."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(monkeypatch, capsys, name: str, *argv: str) -> tuple[int, str]:
+    """``(exit status, stderr)`` of ``bench/<name>.py argv`` run in this process (argparse's exit included)."""
+    module = _load(name)
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *argv])
+    try:
+        rc = module.main()
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def test_collectives_settings_and_sizes():
+    bench = _load("collectives")
+    assert bench.parse_setting("p2p32=NCCL_MIN_P2P_NCHANNELS=32,NCCL_ALGO=Ring") == (
+        "p2p32", {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_ALGO": "Ring"})
+    assert bench.parse_setting("default=") == ("default", {})
+    assert bench.remote_bytes(512 * 2 ** 20, 2) == 256 * 2 ** 20
+    with pytest.raises(ValueError, match=r"--setting 'a=X': 'X' is not VAR=VAL"):
+        bench.parse_setting("a=X")
+    with pytest.raises(ValueError, match=r"need >= 2 ranks dividing the size, got 3 ranks and 8 bytes"):
+        bench.remote_bytes(8, 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--setting", "a=NCCL_ALGO=Ring", "--setting", "a=NCCL_ALGO=Tree"],
+     "--setting 'a': the name is given 2 times; names must be unique"),
+    (["--setting", "a/b=NCCL_ALGO=Ring"], "--setting 'a/b': the name must be letters, digits, '.', '_' or '-'"),
+    (["--mib", "64", "0"], "--mib 0: must be an integer >= 1 (MiB of bf16 per rank)"),
+    (["--reps", "0"], "--reps 0: must be an integer >= 1"),
+    (["--setting", "=NCCL_ALGO=Ring"], "--setting '=NCCL_ALGO=Ring': expected NAME=VAR=VAL[,VAR=VAL...] or NAME="),
+])
+def test_collectives_refuses_bad_arguments_before_the_gpu_check(monkeypatch, capsys, argv, message):
+    assert _run(monkeypatch, capsys, "collectives", *argv) == (2, message + "\n")
+
+
+def test_collectives_never_overwrites_its_json(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("earlier results")
+    assert _run(monkeypatch, capsys, "collectives", "--json", str(out)) == (
+        2, f"--json {out}: exists; give a new file (results are never overwritten)\n")
+    assert out.read_text() == "earlier results"
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("cp_attention", ["--chunks", "0"], "--chunks 0: must be >= 1 and divide --seq 131072"),
+    ("cp_attention", ["--chunks", "3"], "--chunks 3: must be >= 1 and divide --seq 131072"),
+    ("cp_attention", ["--seq", "12", "--cp", "4"], "--seq 12 must be a multiple of 2 x CP = 8"),
+    ("norm", ["--fwd-tile", "1000"],
+     "--fwd-tile 1000: must be a power of 2 (elements per tile; Triton blocks are powers of 2)"),
+    ("norm", ["--reps", "0"], "--tokens 131072 and --reps 0: each must be an integer >= 1"),
+    ("router", ["--experts", "1024"], "--tokens 131072, --experts 1024, --topk 8, --min-run-time 1.0: need tokens "
+     ">= 1, 1 <= topk <= experts <= 512 (the fused kernel's range) and a min run time > 0"),
+    ("router", ["--experts", "4", "--topk", "8"], "--tokens 131072, --experts 4, --topk 8, --min-run-time 1.0: "
+     "need tokens >= 1, 1 <= topk <= experts <= 512 (the fused kernel's range) and a min run time > 0"),
+])
+def test_benches_refuse_bad_arguments_before_the_gpu_check(monkeypatch, capsys, name, argv, message):
+    rc, err = _run(monkeypatch, capsys, name, *argv)
+    assert rc == 2 and err.endswith(f"\n{name}.py: error: {message}\n")
+
+
+@pytest.mark.parametrize("name", ["norm", "router"])
+def test_benches_without_cuda_measure_nothing(monkeypatch, capsys, name):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the machine without CUDA")
+    assert _run(monkeypatch, capsys, name) == (
+        1, f"bench/{name}.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured\n")
+    assert capsys.readouterr().out == ""
