@@ -207,10 +207,11 @@ class MegatronSettings:
     # 0.50x the single-GPU attention time per CP = 2 rank against 0.79-0.85x, bench/NOTES.md) or "masked" (one
     # SDPA call per chunk with a bottom-right causal mask; also takes attention dropout); see CP_ATTENTION_METHODS.
     cp_attention: str = "blocks"
-    # CP = 1 without TE, cuDNN, head_dim <= 128: the causal attention's forward as this many query chunks (causal diagonal blocks plus
-    # unmasked off-diagonal blocks merged by log-sum-exp), its backward one causal call given the merged output
-    # (sftprof.models.block_attention.chunked_causal_attention); 1 = one SDPA call each way. 2: the forward of a
-    # 131072-token Qwen3-30B-A3B attention 255.0 -> 242.1 ms on an H200, backward unchanged (bench/NOTES.md).
+    # CP = 1 without TE, cuDNN, head_dim <= 128: the causal attention's forward as this many query chunks (causal
+    # diagonal blocks plus unmasked off-diagonal blocks merged by log-sum-exp), its backward one causal call given
+    # the merged output (sftprof.models.block_attention.chunked_causal_attention); 1 = one SDPA call each way.
+    # 2: the forward of a 131072-token Qwen3-30B-A3B attention 255.0 -> 242.1 ms on an H200, backward unchanged
+    # (bench/NOTES.md).
     attention_forward_chunks: int = 2
     # Without TE, alltoall dispatcher, dropless routing: megatron-core's token permutation by sorts and gathers, no
     # host sync, no atomics (sftprof.models.moe_permute); false = megatron-core's masked_select/scatter_add path.
