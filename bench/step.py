@@ -4,13 +4,16 @@
     python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' --baseline step_1gpu.json           # 2x H200
     python bench/step.py --layouts megatron:d1 'megatron:(attn:c2|ffn:e2)' -- actor.megatron.cp_attention=blocks
     python bench/step.py --runs RUN_ROOT_1GPU RUN_ROOT_2GPU        # rows from driver runs made earlier
+    python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' \
+        'megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false'  # A/B: one setting per row
 
 Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
 precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
 sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of
 which the last is profiled (one kernel trial, every rank traced; ``--kinds kernel,memory`` adds the memory trial of
 the same step, so one invocation is also the shipped YAML's both-kinds check). Arguments after ``--`` are config
-overrides for every layout. The row of a layout is read from its kernel trial's ``profile_summary.json``
+overrides for every layout; ``LAYOUT@key=value[@key=value...]`` adds overrides for that row only (its label is the
+whole spec), so one invocation compares a setting on and off. The row of a layout is read from its kernel trial's ``profile_summary.json``
 (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
@@ -205,13 +208,27 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
     return row
 
 
-def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
-    """Run the driver for one layout (the last step's kernel trial, and its memory trial with ``--kinds
-    kernel,memory``) and return the kernel trial's row."""
+def split_layout_spec(spec: str) -> tuple[str, list[str]]:
+    """``LAYOUT@key=value@...`` -> ``(LAYOUT, ["key=value", ...])``. Raises ValueError naming the spec: a bad
+    layout (:func:`parse_allocation_mode`'s message) or an override that is not ``key=value``."""
+    layout, *extra = spec.split("@")
+    parse_allocation_mode(layout)
+    bad = [x for x in extra if "=" not in x or not x.split("=", 1)[0]]
+    if bad:
+        raise ValueError(f"overrides after '@' must be key=value, got {bad}")
+    return layout, extra
+
+
+def run_layout(spec: str, args, overrides: list[str], out_dir: Path) -> dict:
+    """Run the driver for one layout spec (``LAYOUT[@key=value...]``: the last step's kernel trial, and its memory
+    trial with ``--kinds kernel,memory``) and return the kernel trial's row, labelled ``spec``."""
+    layout, extra = split_layout_spec(spec)
+    overrides = overrides + extra
     parsed = parse_allocation_mode(layout)
     world = parsed.world_size
     stamp = time.strftime("%Y%m%d_%H%M%S")
-    run_root = out_dir / f"{layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')}_{stamp}"
+    name = layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')
+    run_root = out_dir / f"{name}_{stamp}" if not extra else out_dir / f"{name}_{len(extra)}ov_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
     env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
                RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(world),
@@ -222,7 +239,7 @@ def run_layout(layout: str, args, overrides: list[str], out_dir: Path) -> dict:
         cmd.append(f"actor.num_layers={args.layers}")
     proc = subprocess.run(cmd + overrides, env=env, text=True)
     row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
-    row.update(layout=layout, world_size=row["world_size"] or world)
+    row.update(layout=spec, world_size=row["world_size"] or world)
     if proc.returncode:  # also when the kernel trial is fine and the memory trial failed
         row["status"] = f"driver exit {proc.returncode} (its output is above); kernel trial: {row.get('status')}"
     return row
@@ -266,11 +283,13 @@ def main() -> int:
     missing = [str(r) for r in args.runs if not (r / "summary.tsv").is_file()]
     if missing:
         ap.error(f"--runs: no summary.tsv (not a driver run root) in {missing}")
-    for layout in args.layouts:
+    for spec in args.layouts:
         try:
-            parse_allocation_mode(layout)
+            split_layout_spec(spec)
         except ValueError as err:
-            ap.error(f"--layouts {layout!r}: {err}")
+            ap.error(f"--layouts {spec!r}: {err}")
+    if len(set(args.layouts)) != len(args.layouts):
+        ap.error(f"--layouts {args.layouts}: a spec is repeated (rows are told apart by their spec)")
     baseline = None
     if args.baseline:
         try:

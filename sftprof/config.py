@@ -207,6 +207,10 @@ class MegatronSettings:
     # 0.50x the single-GPU attention time per CP = 2 rank against 0.79-0.85x, bench/NOTES.md) or "masked" (one
     # SDPA call per chunk with a bottom-right causal mask; also takes attention dropout); see CP_ATTENTION_METHODS.
     cp_attention: str = "blocks"
+    # CP > 1, cp_attention=blocks, without TE: the K/V all-gather and the K/V-gradient reduce-scatter are
+    # asynchronous and run while the causal diagonal blocks (this rank's own keys) compute
+    # (sftprof.models.block_attention.overlapped_cp_attention); false = all-gather first, then the blocks.
+    cp_comm_overlap: bool = True
     # CP = 1 without TE, cuDNN, head_dim <= 128: the causal attention's forward as this many query chunks (causal
     # diagonal blocks plus unmasked off-diagonal blocks merged by log-sum-exp), its backward one causal call given
     # the merged output (sftprof.models.block_attention.chunked_causal_attention); 1 = one SDPA call each way.

@@ -145,9 +145,10 @@ def test_attention_forward_chunks_refused_with_what_is_accepted(value, message):
     assert str(exc.value) == message
 
 
-@pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router"])
+@pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router", "cp_comm_overlap"])
 def test_moe_dispatch_switches_default_on_and_bool_only(key):
-    """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall`` / ``moe_fused_router``: on in the defaults and the shipped YAML,
+    """``actor.megatron.moe_sorted_permute`` / ``moe_dedup_alltoall`` / ``moe_fused_router`` / ``cp_comm_overlap``:
+    on in the defaults and the shipped YAML,
     off by override, and a non-boolean is refused naming the key, the accepted values and the override."""
     assert getattr(load_config("tiny_cpu").actor.megatron, key) is True
     assert getattr(load_config(FLAGSHIP).actor.megatron, key) is True

@@ -5,7 +5,8 @@ bf16 Q/K/V ``[S, b, heads, d]`` (GQA 8 q / 2 kv heads, head_dim 128), runs singl
 attention on the full sequence and the CP=2 module on its load-balanced shard, and compares outputs
 and the Q/K/V input gradients of its shard (bf16 tolerance). Cases: ``actor.megatron.cp_attention``
 ``masked``, ``blocks`` (the default block kernel, ``cudnn_gqa`` where SDPA's cuDNN backend is enabled), and
-``blocks`` with SDPA's cuDNN backend disabled (``flash_gqa``, the fallback).
+``blocks`` with SDPA's cuDNN backend disabled (``flash_gqa``, the fallback), both with the CP communication
+overlapped (``actor.megatron.cp_comm_overlap``, the default), and ``blocks`` without the overlap (``-serial``).
 
 A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same ops without the GQA
 expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
@@ -52,7 +53,7 @@ def _worker(out_path: str, case: str) -> None:
     full_mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1,
                                  AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=None))
     cp_mod = SDPACoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=dist.group.WORLD),
-                               cp_attention=case.split("-")[0])
+                               cp_attention=case.split("-")[0], cp_comm_overlap=not case.endswith("-serial"))
     fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
     ref = full_mod(fq, fk, fv, None)
     ref.backward(dout)
@@ -128,7 +129,7 @@ def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["masked", "blocks", "blocks-flash"])
+@pytest.mark.parametrize("case", ["masked", "blocks", "blocks-flash", "blocks-serial"])
 def test_cp2_sdpa_attention_matches_single_gpu(tmp_path, case):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

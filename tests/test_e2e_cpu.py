@@ -179,3 +179,24 @@ def test_bench_step_refuses_kinds_for_runs_and_an_existing_json(tmp_path):
                                                             "earlier run, or a --baseline); never overwritten: name a "
                                                             "new file")
     assert baseline.read_text() == '{"rows": []}'
+
+
+def test_bench_step_layout_spec_with_row_overrides(tmp_path):
+    """``LAYOUT@key=value...`` gives one row's own overrides; a bad layout, an override that is not key=value, or a
+    repeated spec stops ``bench/step.py`` (exit 2, naming the spec) before anything runs."""
+    bench = _bench_step()
+    assert bench.split_layout_spec("megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false@a.b=1") == (
+        "megatron:(attn:c2|ffn:e2)", ["actor.megatron.cp_comm_overlap=false", "a.b=1"])
+    assert bench.split_layout_spec("megatron:d1") == ("megatron:d1", [])
+    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--out-dir", str(tmp_path / "runs"), "--layouts"]
+    p = subprocess.run(cmd + ["megatron:d1@cp_comm_overlap"], capture_output=True, text=True)
+    assert (p.returncode, p.stderr.splitlines()[-1]) == (
+        2, "step.py: error: --layouts 'megatron:d1@cp_comm_overlap': overrides after '@' must be key=value, got "
+           "['cp_comm_overlap']")
+    p = subprocess.run(cmd + ["megatron:d1", "megatron:d1"], capture_output=True, text=True)
+    assert (p.returncode, p.stderr.splitlines()[-1]) == (
+        2, "step.py: error: --layouts ['megatron:d1', 'megatron:d1']: a spec is repeated (rows are told apart by "
+           "their spec)")
+    p = subprocess.run(cmd + ["megatron:x9@a=1"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1].startswith("step.py: error: --layouts 'megatron:x9@a=1': ")
+    assert not (tmp_path / "runs").exists()

@@ -162,13 +162,18 @@ class MegatronEngine(Engine):
         self.vocab_size = hf_config.vocab_size
         spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute,
                                   moe_dedup_alltoall=m.moe_dedup_alltoall,
-                                  attention_forward_chunks=m.attention_forward_chunks)
+                                  attention_forward_chunks=m.attention_forward_chunks,
+                                  cp_comm_overlap=m.cp_comm_overlap)
         gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
                        post_process=self.post_process, **gpt_kwargs)
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
             log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
                      "Transformer Engine's attention does its own context parallelism" if have_te else
                      "CP = 1: one plain causal SDPA call")
+        if m.cp_comm_overlap != type(m).cp_comm_overlap and (layout.cp == 1 or have_te or m.cp_attention != "blocks"):
+            log.info("megatron: actor.megatron.cp_comm_overlap=%s has no effect here (%s)", m.cp_comm_overlap,
+                     "Transformer Engine's attention" if have_te else "CP = 1" if layout.cp == 1 else
+                     "it applies to actor.megatron.cp_attention=blocks")
         if m.attention_forward_chunks != type(m).attention_forward_chunks and (layout.cp > 1 or have_te):
             log.info("megatron: actor.megatron.attention_forward_chunks=%s has no effect here (%s)",
                      m.attention_forward_chunks, "Transformer Engine's attention" if have_te else

@@ -11,7 +11,10 @@ holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal wor
 
 1. K and V (``[S/CP, b, g, d]`` per rank) are all-gathered across the CP group and put back in natural
    order (``[S, b, g, d]``). The backward reduce-scatters their gradients (sum over the ranks whose
-   queries used them) back to the owning rank, so gradients are exact.
+   queries used them) back to the owning rank, so gradients are exact. With ``blocks`` and
+   ``actor.megatron.cp_comm_overlap`` (default true) both collectives are asynchronous and overlap the
+   diagonal blocks, which need only the rank's own K/V
+   (:func:`sftprof.models.block_attention.overlapped_cp_attention`).
 2. Each local query chunk with global index ``c`` attends to keys ``[0, (c + 1) * L)`` under the causal
    mask; that is exactly the full causal mask restricted to those rows, so the result equals
    single-device causal attention. Two methods (``actor.megatron.cp_attention``,
@@ -46,7 +49,7 @@ from torch.nn.attention.bias import causal_lower_right
 from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
 from sftprof.models.block_attention import (blockwise_cp_attention, check_cp_lengths, chunked_causal_attention,
-                                            default_block_kernel)
+                                            default_block_kernel, overlapped_cp_attention)
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -165,8 +168,11 @@ class SDPACoreAttention(torch.nn.Module):
 
     Constructor arguments follow megatron-core's ``DotProductAttention`` (built by ``SelfAttention``), plus
     ``cp_attention`` (one of :data:`sftprof.config.CP_ATTENTION_METHODS`, from ``actor.megatron.cp_attention`` through the
-    layer spec's params; used only with CP > 1) and ``forward_chunks`` (``actor.megatron.attention_forward_chunks``;
-    used only with CP = 1, see :func:`cp_causal_attention`).
+    layer spec's params; used only with CP > 1), ``forward_chunks`` (``actor.megatron.attention_forward_chunks``;
+    used only with CP = 1, see :func:`cp_causal_attention`) and ``cp_comm_overlap``
+    (``actor.megatron.cp_comm_overlap``; with ``blocks`` and CP > 1 the K/V all-gather and the gradient
+    reduce-scatter run during the diagonal blocks: :func:`sftprof.models.block_attention.overlapped_cp_attention`;
+    false: the all-gather, then :func:`cp_causal_attention`).
 
     Forward:
         query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` (this rank's TP heads and CP tokens);
@@ -179,7 +185,7 @@ class SDPACoreAttention(torch.nn.Module):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None, cp_attention: str = "blocks",
-                 forward_chunks: int = 1) -> None:
+                 forward_chunks: int = 1, cp_comm_overlap: bool = True) -> None:
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.transformer.enums import AttnMaskType
@@ -192,6 +198,7 @@ class SDPACoreAttention(torch.nn.Module):
         check_cp_attention(cp_attention, self.dropout_p, config.context_parallel_size)
         self.cp_attention = cp_attention
         self.forward_chunks = forward_chunks
+        self.cp_comm_overlap = cp_comm_overlap
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None and config.context_parallel_size > 1:
             cp_group = parallel_state.get_context_parallel_group()
@@ -205,6 +212,12 @@ class SDPACoreAttention(torch.nn.Module):
             raise ValueError("SDPACoreAttention: explicit attention masks are not supported (causal only)")
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
+        sq, b = query.shape[0], query.shape[1]
+        if cp_size > 1 and self.cp_attention == "blocks" and self.cp_comm_overlap:
+            check_cp_lengths(sq, sq * cp_size, cp_size)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = overlapped_cp_attention(q, k, v, group=self.cp_group, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
         key = gather_sequence_cp(key, self.cp_group)
         value = gather_sequence_cp(value, self.cp_group)
         # [s, b, heads, d] -> [b, heads, s, d] (views; head_dim stays contiguous)
@@ -212,5 +225,4 @@ class SDPACoreAttention(torch.nn.Module):
         out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=self.softmax_scale,
                                   dropout_p=self.dropout_p if self.training else 0.0, method=self.cp_attention,
                                   forward_chunks=self.forward_chunks)
-        sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

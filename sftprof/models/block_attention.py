@@ -336,6 +336,135 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return _ChunkedForwardCausalAttention.apply(q, k, v, chunks, scale, kernel)
 
 
+def _natural_kv(recv: torch.Tensor, cp_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # recv [cp, 2, 2 L, b, g, d] (rank r's K rows then V rows, its two chunks each) -> K, V [S, b, g, d] natural order
+    where = {c: (r, j) for r in range(cp_size) for j, c in enumerate(cp_chunk_ids(cp_size, r))}
+    order = [where[c] for c in range(2 * cp_size)]
+    return tuple(torch.cat([recv[r, t, j * length:(j + 1) * length] for r, j in order]) for t in (0, 1))
+
+
+class _OverlappedCPBlocks(torch.autograd.Function):
+    """Forward/backward of :func:`overlapped_cp_attention` (see there)."""
+
+    @staticmethod
+    def forward(ctx, q, k_loc, v_loc, group, scale, kernel):
+        cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        chunks, length = cp_chunk_ids(cp, rank), q.shape[2] // 2
+        fwd, gqa = BLOCK_KERNELS[kernel].forward, _expansion(q, k_loc, kernel)
+        # one all-gather of [K rows; V rows] ([2 s_local, b, g, d]), in flight during the diagonal blocks
+        send = torch.cat((k_loc.permute(2, 0, 1, 3), v_loc.permute(2, 0, 1, 3)))
+        recv = send.new_empty((cp,) + send.shape)
+        work = torch.distributed.all_gather_into_tensor(recv.view((-1,) + send.shape[1:]), send, group=group,
+                                                        async_op=True)
+        rows = [slice(j * length, (j + 1) * length) for j in range(2)]
+        diag = [fwd(q[:, :, r], _expand(k_loc[:, :, r], gqa), _expand(v_loc[:, :, r], gqa), True, scale)
+                for r in rows]
+        work.wait()
+        k_full, v_full = (t.permute(1, 2, 0, 3) for t in _natural_kv(recv.view(cp, 2, -1, *send.shape[1:]), cp,
+                                                                      length))
+        del recv
+        outs, lses, off_aux = [], [], []
+        for j, c in enumerate(chunks):
+            parts = [diag[j][:2]]
+            if c > 0:
+                o, lse, aux = fwd(q[:, :, rows[j]], _expand(k_full[:, :, :c * length], gqa),
+                                  _expand(v_full[:, :, :c * length], gqa), False, scale)
+                parts.append((o, lse))
+                off_aux.append(aux)
+            o, lse = merge_partials(parts)
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k_loc, v_loc, k_full, v_full, out, lse)
+        ctx.group, ctx.chunks, ctx.length, ctx.scale, ctx.kernel = group, chunks, length, scale, kernel
+        ctx.diag_aux, ctx.off_aux = [d[2] for d in diag], off_aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_loc, v_loc, k_full, v_full, out, lse = ctx.saved_tensors
+        bwd, gqa, length = BLOCK_KERNELS[ctx.kernel].backward, _expansion(q, k_loc, ctx.kernel), ctx.length
+        cp, acc = torch.distributed.get_world_size(ctx.group), _acc_dtype(k_loc.dtype)
+        rows = [slice(j * length, (j + 1) * length) for j in range(2)]
+        # off-diagonal blocks first: their K/V gradients (keys of every rank) go into one fp32 reduce-scatter,
+        # in flight during the diagonal blocks, whose K/V gradients are this rank's own rows
+        send = torch.zeros((cp, 2, 2 * length) + tuple(k_loc.permute(2, 0, 1, 3).shape[1:]), dtype=acc,
+                           device=k_loc.device)
+        where = {c: (r, j) for r in range(cp) for j, c in enumerate(cp_chunk_ids(cp, r))}
+        dqs, off_aux = [None, None], iter(ctx.off_aux)
+        for j, c in enumerate(ctx.chunks):
+            if c == 0:
+                continue
+            dq, dk, dv = bwd(dout[:, :, rows[j]], q[:, :, rows[j]], _expand(k_full[:, :, :c * length], gqa),
+                             _expand(v_full[:, :, :c * length], gqa), out[:, :, rows[j]], lse[:, :, rows[j]],
+                             next(off_aux), False, ctx.scale)
+            dqs[j] = dq.to(acc)
+            for t, grad in ((0, dk), (1, dv)):
+                grad = _reduce_group(grad, gqa, acc)  # [b, g, c L, d]
+                for key_chunk in range(c):
+                    r, i = where[key_chunk]
+                    send[r, t, i * length:(i + 1) * length] += grad[:, :, key_chunk * length:(key_chunk + 1)
+                                                                    * length].permute(2, 0, 1, 3)
+        recv = send.new_empty(send.shape[1:])
+        work = torch.distributed.reduce_scatter_tensor(recv.view((-1,) + send.shape[3:]),
+                                                       send.view((-1,) + send.shape[3:]), group=ctx.group,
+                                                       async_op=True)
+        diag_grads = []
+        for j in range(2):
+            dq, dk, dv = bwd(dout[:, :, rows[j]], q[:, :, rows[j]], _expand(k_loc[:, :, rows[j]], gqa),
+                             _expand(v_loc[:, :, rows[j]], gqa), out[:, :, rows[j]], lse[:, :, rows[j]],
+                             ctx.diag_aux[j], True, ctx.scale)
+            dqs[j] = dq.to(acc) if dqs[j] is None else dqs[j].add_(dq)
+            diag_grads.append((_reduce_group(dk, gqa, acc), _reduce_group(dv, gqa, acc)))
+        work.wait()
+        dk_loc, dv_loc = (recv[t].permute(1, 2, 0, 3) + torch.cat([g[t] for g in diag_grads], dim=2)
+                          for t in (0, 1))
+        return torch.cat(dqs, dim=2).to(q.dtype), dk_loc.to(k_loc.dtype), dv_loc.to(v_loc.dtype), None, None, None
+
+
+def overlapped_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                            scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    """This CP rank's causal attention from its LOCAL K/V, the CP communication overlapped with the diagonal blocks.
+
+    The same blocks and merge as :func:`blockwise_cp_attention`, but it does the K/V all-gather itself so that
+    the work that needs only this rank's own tokens runs while the collective is in flight:
+
+    - forward: one asynchronous all-gather of this rank's ``[K; V]`` rows is issued, then the two diagonal
+      (causal) blocks run on the local K/V; after the wait, the off-diagonal blocks run on the gathered K/V;
+    - backward: the off-diagonal blocks run first and their K/V gradients (keys of every rank) go into one
+      asynchronous fp32 reduce-scatter; the diagonal blocks run while it is in flight, and their K/V gradients
+      (this rank's own keys) are added to its result.
+
+    On NCCL an asynchronous collective runs on the process group's own stream, so the block kernels issued
+    after it run concurrently with it; a rank that arrives at the collective before its peers computes instead of
+    waiting. Exact: the K/V gradient of a key is the fp32 sum of every block's share (module docstring).
+
+    Args:
+        q: ``[b, h, S/cp, d]``: this rank's query chunks ``cp_chunk_ids(cp, rank)`` in that order.
+        k, v: ``[b, g, S/cp, d]``: this rank's key/value rows, same chunks and order (``h`` a multiple of ``g``).
+        group: the CP process group (its size and this rank's rank in it give the layout).
+        scale: softmax scale (default ``1/sqrt(d)``).
+        kernel: a key of :data:`BLOCK_KERNELS` (default :func:`default_block_kernel`).
+    Returns:
+        ``[b, h, S/cp, d]`` in ``q``'s dtype: those rows of full causal attention over the whole sequence.
+    Memory beyond :func:`blockwise_cp_attention`'s: the ``[K; V]`` send buffer (``2 * S/cp * b * g * d``
+    elements) during the forward, and fp32 reduce-scatter buffers (``2 * S * b * g * d * 4`` bytes in,
+    ``1/cp`` of that out) in the backward.
+    Raises:
+        ValueError: an unknown kernel; an odd local length, or K/V rows different from the query rows; query
+            heads not a multiple of the K/V heads.
+    """
+    kernel = default_block_kernel(q) if kernel is None else kernel
+    if kernel not in BLOCK_KERNELS:
+        raise ValueError(f"overlapped_cp_attention: kernel={kernel!r}: must be one of {list(BLOCK_KERNELS)}")
+    if q.shape[2] % 2 or k.shape[2] != q.shape[2] or k.shape != v.shape or q.shape[1] % k.shape[1]:
+        raise ValueError(f"overlapped_cp_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         "need an even local length, K/V rows equal to the query rows, k and v alike, query heads "
+                         "a multiple of the K/V heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _OverlappedCPBlocks.apply(q, k, v, group, scale, kernel)
+
+
 def check_cp_lengths(s_local: int, s_full: int, cp_size: int) -> int:
     """Return ``s_local`` after checking that this CP rank's ``s_local`` queries are two equal load-balanced chunks
     of a sequence of ``s_full`` keys; raises ValueError naming the three numbers otherwise."""

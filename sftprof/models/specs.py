@@ -141,7 +141,7 @@ def _gated_delta_net_spec() -> Any:
 
 def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks",
                      moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
-                     attention_forward_chunks: int = 1) -> Any:
+                     attention_forward_chunks: int = 1, cp_comm_overlap: bool = True) -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -153,6 +153,8 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` (see the module docstring).
         attention_forward_chunks: ``actor.megatron.attention_forward_chunks``, passed to :class:`SDPACoreAttention`
             (used with CP = 1).
+        cp_comm_overlap: ``actor.megatron.cp_comm_overlap``, passed to :class:`SDPACoreAttention` (used with CP > 1
+            and ``blocks``).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -176,7 +178,8 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
                                                core_attention=functools.partial(
                                                    SDPACoreAttention, cp_attention=cp_attention,
-                                                   forward_chunks=attention_forward_chunks),
+                                                   forward_chunks=attention_forward_chunks,
+                                                   cp_comm_overlap=cp_comm_overlap),
                                                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
         )
     return ModuleSpec(
@@ -189,7 +192,7 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
 
 def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks",
                        moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
-                       attention_forward_chunks: int = 1) -> Any:
+                       attention_forward_chunks: int = 1, cp_comm_overlap: bool = True) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -204,6 +207,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
             megatron-core's ``moe_permute_fusion`` is the fused permutation).
         moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` for the local spec's MoE layers (not with TE).
         attention_forward_chunks: ``actor.megatron.attention_forward_chunks`` for the local spec's attention.
+        cp_comm_overlap: ``actor.megatron.cp_comm_overlap`` for the local spec's attention.
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -232,6 +236,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention,
                                     moe_sorted_permute=moe_sorted_permute, moe_dedup_alltoall=moe_dedup_alltoall,
-                                    attention_forward_chunks=attention_forward_chunks)
+                                    attention_forward_chunks=attention_forward_chunks,
+                                    cp_comm_overlap=cp_comm_overlap)
              for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)
