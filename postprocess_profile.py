@@ -12,8 +12,8 @@ Exit status: 0 on success, 1 when a trace or snapshot could not be processed (th
 names the file and its error), 2 on bad arguments: a --run-dir that cannot be written; a --log-dir that
 does not exist (the trial's summary is still written, as failed, unless the run dir already holds one:
 then nothing is written); compare inputs that are missing or not profile summaries; an --out whose
-directory does not exist or that names an existing file other than an earlier comparison report (never
-overwritten). The message names the file or setting.
+directory does not exist or that names an existing file (never overwritten; without --out an earlier report at
+the default path is kept as compare_vs_<A>.prev<N>.md). The message names the file or setting.
 """
 from __future__ import annotations
 
@@ -23,17 +23,7 @@ import sys
 import tempfile
 
 from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
-
-
-def _is_compare_report(path: str) -> bool:
-    """True when ``path`` is a file that starts like a report of ``compare`` (its first line)."""
-    from sftprof.analysis.compare import REPORT_TITLE
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline().rstrip("\n") == REPORT_TITLE
-    except (OSError, UnicodeDecodeError):
-        return False
+from sftprof.artifacts import keep_previous
 
 
 def _compare(argv: list[str]) -> int:
@@ -45,20 +35,26 @@ def _compare(argv: list[str]) -> int:
     p.add_argument("run_a", metavar="RUN_A", help="trial run dir or RUN_ROOT (baseline)")
     p.add_argument("run_b", metavar="RUN_B", help="trial run dir or RUN_ROOT (candidate)")
     p.add_argument("--out", metavar="FILE.md",
-                   help="where to write the report (default: RUN_B/compare_vs_<basename of RUN_A>.md)")
+                   help="a new file to write the report to (an existing one is refused; default: "
+                        "RUN_B/compare_vs_<basename of RUN_A>.md, an earlier report there kept as .prev<N>.md)")
     args = p.parse_args(argv)
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         p.error(f"--out {args.out}: directory {os.path.dirname(os.path.abspath(args.out))} does not exist")
+    if args.out and os.path.lexists(args.out):
+        p.error(f"--out {args.out}: exists; never overwritten: name a new file")
     try:
         report = compare_runs(args.run_a, args.run_b)
     except CompareInputError as exc:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
-    if os.path.exists(out) and not _is_compare_report(out):  # an earlier report is replaced, nothing else
-        p.error(f"--out {out}: exists and is not a comparison report; nothing was overwritten (choose another --out)")
     try:
-        with open(out, "w", encoding="utf-8") as f:
+        if not args.out and os.path.lexists(out):
+            kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
+            print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
+        with open(out, "x", encoding="utf-8") as f:
             f.write(report)
+    except FileExistsError:  # created by someone else since the check above
+        p.error(f"--out {out}: exists; never overwritten: name a new file")
     except OSError as exc:
         p.error(f"--out {out}: cannot be written ({exc.strerror})")
     print(report)

@@ -180,6 +180,24 @@ SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
 
 
+def keep_previous(paths: list[str]) -> int:
+    """Rename each existing file ``<stem><ext>`` of ``paths`` (``ext`` its last suffix, e.g. ``.md``) to
+    ``<stem>.prev<N><ext>``, one ``N`` for all: the first from 1 for which none of those names exists, so that
+    nothing already written is overwritten. Returns ``N``.
+
+    Raises:
+        OSError: a rename fails (the file's own error).
+    """
+    split = [os.path.splitext(p) for p in paths]
+    n = 1
+    while any(os.path.lexists(f"{stem}.prev{n}{ext}") for stem, ext in split):
+        n += 1
+    for path, (stem, ext) in zip(paths, split):
+        if os.path.lexists(path):
+            os.replace(path, f"{stem}.prev{n}{ext}")
+    return n
+
+
 def view_dir(out_dir: str, view: str) -> str:
     """``<out_dir>/<view>`` with the ``.chrome`` suffix of the view id dropped (``split_clean.chrome`` -> ``split_clean``)."""
     return os.path.join(out_dir, view.removesuffix(".chrome"))

@@ -81,11 +81,17 @@ def _at_least(section: Any, prefix: str, minimums: dict) -> None:
         _check(value >= lo, f"{prefix}.{name}", value, accepted)
 
 
+# Not /tmp/sftprof (the default before): a folder named like the package shadows it for a Python started in its
+# parent (``cd /tmp && python -c "import sftprof"`` imports the empty folder as a namespace package).
+DEFAULT_FILEROOT = "/tmp/sftprof_fileroot"
+
+
 @dataclass
 class ClusterConfig:
-    """Where logs go (``fileroot``) and the torchrun layout (nodes x processes per node)."""
+    """Where logs go (``fileroot``, default :data:`DEFAULT_FILEROOT`) and the torchrun layout (nodes x processes per
+    node)."""
 
-    fileroot: str = "/tmp/sftprof"
+    fileroot: str = DEFAULT_FILEROOT
     n_nodes: int = 1
     n_gpus_per_node: int = 8
 

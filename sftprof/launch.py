@@ -19,7 +19,8 @@ variable, the value and what is accepted.
 Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument, the
 megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
 ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked); it warns about environment
-variables that look like misspelled driver variables, skips memory trials without CUDA unless
+variables that look like misspelled driver variables and about a ``FILEROOT`` folder named ``sftprof`` (which a
+Python started in its parent imports instead of the package), skips memory trials without CUDA unless
 ``PROFILE_KINDS`` asks for them, and prints the plan of all trials (to stderr; stdout carries the
 shell variables the driver evaluates).
 
@@ -48,7 +49,8 @@ from typing import Callable, Mapping
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.artifacts import read_stats
-from sftprof.config import PRECISION_FIELDS, ConfigError, SFTProfileConfig, load_config, to_yaml, trial_log_dir
+from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, load_config, to_yaml,
+                            trial_log_dir)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -79,7 +81,7 @@ class DriverVar:
 DRIVER_VARS = (
     DriverVar("CONFIG", DEFAULT_CONFIG, "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)"),
     DriverVar("MODEL_PATH", "qwen3_30b_a3b (bundled config, random init)", "HF model dir (actor.path)"),
-    DriverVar("FILEROOT", "/tmp/sftprof", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/"),
+    DriverVar("FILEROOT", f"{DEFAULT_FILEROOT} (config cluster.fileroot)", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/"),
     DriverVar("EXPERIMENT_NAME", "from the YAML", "experiment_name"),
     DriverVar("PROFILE_STEPS", "0,1", "steps to profile, one trial per step and kind"),
     DriverVar("TOTAL_STEPS", "profile step + 1", "steps each trial runs (must exceed the profile step)"),
@@ -157,7 +159,7 @@ def usage() -> str:
               f"  PROFILE_STEPS=1 PROFILE_KINDS=kernel bash {DRIVER_SCRIPT}   # one kernel trial, 8 GPUs",
               f"  USE_PRECISION_AWARE_OPTIMIZER=false TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 bash {DRIVER_SCRIPT} "
               "actor.backend=megatron:d1 actor.num_layers=3",
-              f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof bash {DRIVER_SCRIPT}",
+              f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof_fileroot bash {DRIVER_SCRIPT}",
               "",
               "Exit status: 0 all trials ok, 2 bad input (nothing launched), else that of the last failing trial.",
               "See README.md for the artifacts and how to read them."]
@@ -506,6 +508,11 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
         for part in var.key.split("."):
             node = getattr(node, part)
         log.note(var.name, _yaml_value(node), f"env -> {var.key}" if var.name in d.set_keys else f"config {var.key}")
+    fileroot, package = Path(probe.cluster.fileroot), __name__.partition(".")[0]
+    if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
+        log.notices.append(f"warning: FILEROOT {fileroot} is a folder named {package}: a Python started in "
+                           f"{fileroot.parent} imports it (an empty namespace package) instead of the {package} "
+                           f"package; name it otherwise, e.g. FILEROOT={DEFAULT_FILEROOT}")
     log.note("PROFILE_RANKS", format_ranks(ranks) if ranks_spec else "all",
              "env" if ranks_env is not None else "default pp_rank0")
     log.note("N_GPUS_PER_NODE", nproc, "env" if get("N_GPUS_PER_NODE") else f"world size {layout.world_size} / N_NODES")

@@ -11,8 +11,9 @@ import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
 from sftprof.config import PRESET_DIR, ConfigError, load_config
+from sftprof.models import attention
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
-                                      natural_to_rank_order, rank_order_to_natural)
+                                      forward_chunks_skip_reason, natural_to_rank_order, rank_order_to_natural)
 from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
                                             chunked_causal_attention, merge_partials)
 
@@ -176,6 +177,29 @@ def test_chunked_forward_attention_matches_full_fp64(chunks, heads, kv_heads):
                             "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=chunks)
     got = mod(*(t.detach().permute(2, 0, 1, 3) for t in (q, k, v)), None)
     torch.testing.assert_close(got, ref.detach().permute(2, 0, 1, 3).reshape(s, b, -1), rtol=1e-10, atol=1e-10)
+
+
+def test_forward_chunks_skip_reason_and_one_log_line(monkeypatch, caplog):
+    """attention_forward_chunks > 1 that does not apply at CP = 1 names every reason, and is logged once per
+    process however many calls fall back."""
+    import logging
+
+    q = torch.randn(1, 2, 10, 256)
+    assert forward_chunks_skip_reason(q, 3, 0.1) == (
+        "cpu tensors (the cuDNN SDPA kernels need CUDA); head_dim 256 > 128 (not measured; Qwen3.5's is 256); "
+        "attention dropout 0.1 > 0; sequence length 10 not a multiple of 3")
+    assert forward_chunks_skip_reason(q[..., :128], 2, 0.0) == "cpu tensors (the cuDNN SDPA kernels need CUDA)"
+    monkeypatch.setattr(attention, "_forward_chunks_skip_logged", False)
+    with caplog.at_level(logging.INFO, logger="sftprof.models.attention"):
+        for s in (10, 12):  # two calls, two layers' worth: one line
+            x = torch.randn(1, 2, s, 8)
+            torch.testing.assert_close(cp_causal_attention(x, x, x, cp_size=1, cp_rank=0, forward_chunks=3),
+                                       _reference(x, x, x))
+        cp_causal_attention(x, x, x, cp_size=1, cp_rank=0, forward_chunks=1)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
+        "INFO", "actor.megatron.attention_forward_chunks=3 has no effect at CP = 1 here: cpu tensors (the cuDNN SDPA "
+        "kernels need CUDA); sequence length 10 not a multiple of 3; the attention runs as one causal SDPA call each "
+        "way (logged once per process)")]
 
 
 def test_chunked_forward_attention_errors():

@@ -129,6 +129,26 @@ def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
 
 
 @pytest.mark.gpu
+def test_forward_chunks_skip_reason_cuda():
+    """The CUDA reasons attention_forward_chunks > 1 does not apply at CP = 1: fp32 (math kernel), SDPA's cuDNN
+    backend off (flash kernel); none for a bf16 head_dim-128 query whose length the count divides (cuDNN on)."""
+    from sftprof.models.attention import forward_chunks_skip_reason
+
+    q = torch.zeros(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert forward_chunks_skip_reason(q.float(), 2, 0.0) == "dtype float32 (the cuDNN SDPA kernels take bf16/fp16)"
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("cuDNN unavailable")
+    cudnn_on = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        assert forward_chunks_skip_reason(q, 2, 0.0) is None
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        assert forward_chunks_skip_reason(q, 2, 0.0) == "SDPA's cuDNN backend is off or cuDNN is unavailable"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_on)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["masked", "blocks", "blocks-flash", "blocks-serial"])
 def test_cp2_sdpa_attention_matches_single_gpu(tmp_path, case):
     if torch.cuda.device_count() < 2:

@@ -154,6 +154,31 @@ def test_memory_trials_skipped_without_cuda_unless_asked(tmp_path):
     assert [t.kind for t in trials] == ["kernel", "memory"] and len(info["notices"]) == 1
 
 
+def test_fileroot_default_cannot_shadow_the_package_and_a_shadowing_one_warns(tmp_path):
+    """The default FILEROOT (config cluster.fileroot, every bundled YAML) is not a folder named like the package,
+    which a Python started in its parent would import instead of it; an explicit one so named is used, with a
+    warning."""
+    from sftprof.config import DEFAULT_FILEROOT, PRESET_DIR, load_config
+
+    assert DEFAULT_FILEROOT == "/tmp/sftprof_fileroot"
+    for yaml in (ROOT / "qwen3_30b_a3b_sft_profile.yaml", ROOT / "qwen3_5_35b_a3b_sft_profile.yaml",
+                 PRESET_DIR / "tiny_cpu.yaml", PRESET_DIR / "tiny_qwen3_5_cpu.yaml"):
+        assert load_config(yaml, []).cluster.fileroot == DEFAULT_FILEROOT, yaml
+    env = _plan_env(tmp_path, PROFILE_STEPS="1")
+    del env["FILEROOT"]
+    trials, settings, info = launch.plan(env, [], gpus=0)
+    assert f"FILEROOT={DEFAULT_FILEROOT}\t# config cluster.fileroot" in settings
+    assert trials[0].log_dir.parents[2] == Path(DEFAULT_FILEROOT) / "logs"
+    assert not any("is a folder named" in n for n in info["notices"])
+    old = tmp_path / "sftprof"
+    trials, _, info = launch.plan(_plan_env(tmp_path, FILEROOT=str(old), PROFILE_STEPS="1", RUN_ROOT=str(tmp_path / "r2")),
+                                  [], gpus=0)
+    assert trials[0].log_dir.parents[2] == old / "logs"
+    assert [n for n in info["notices"] if n.startswith("warning: FILEROOT")] == [
+        f"warning: FILEROOT {old} is a folder named sftprof: a Python started in {tmp_path} imports it (an empty "
+        f"namespace package) instead of the sftprof package; name it otherwise, e.g. FILEROOT=/tmp/sftprof_fileroot"]
+
+
 def test_devices_checked_before_launch(tmp_path):
     with pytest.raises(launch.DriverError) as err:
         launch.plan(_plan_env(tmp_path, CONFIG=str(ROOT / "qwen3_30b_a3b_sft_profile.yaml")), [], gpus=0)

@@ -348,19 +348,31 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
     res = _cli("compare", good, good, "--out", tmp_path / "no" / "such" / "cmp.md")
     assert res.returncode == 2 and (f"error: --out {tmp_path / 'no' / 'such' / 'cmp.md'}: directory "
                                     f"{tmp_path / 'no' / 'such'} does not exist") in res.stderr
-    # an existing file is overwritten only when it is an earlier comparison report
+    # an existing --out is never overwritten, even an earlier report, and refused before the inputs are read
     summary_md = good / "profile_summary.md"
     before = summary_md.read_bytes()
     res = _cli("compare", good, good, "--out", summary_md)
-    assert res.returncode == 2 and res.stdout == "" and (f"error: --out {summary_md}: exists and is not a comparison "
-                                                         "report; nothing was overwritten (choose another --out)"
-                                                         ) in res.stderr
+    assert res.returncode == 2 and res.stdout == "" and (
+        f"error: --out {summary_md}: exists; never overwritten: name a new file") in res.stderr
     assert summary_md.read_bytes() == before
     report = tmp_path / "cmp.md"
     assert _cli("compare", good, good, "--out", report).returncode == 0
-    report.write_text(report.read_text() + "stale line\n")
-    assert _cli("compare", good, good, "--out", report).returncode == 0
-    assert report.read_text().startswith("# Profile comparison\n") and "stale line" not in report.read_text()
+    report.write_text(report.read_text() + "earlier line\n")
+    earlier = report.read_bytes()
+    res = _cli("compare", tmp_path / "missing", good, "--out", report)
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: --out {report}: exists; never overwritten: name a new file")
+    assert report.read_bytes() == earlier
+    # the default path keeps an earlier report as .prev<N>.md
+    default = good / f"compare_vs_{good.name}.md"
+    assert _cli("compare", good, good).returncode == 0
+    first = default.read_bytes()
+    res = _cli("compare", good, good)
+    assert res.returncode == 0 and (f"[postprocess] kept the earlier report {default} as "
+                                    f"{good / f'compare_vs_{good.name}.prev1.md'}") in res.stderr
+    assert (good / f"compare_vs_{good.name}.prev1.md").read_bytes() == first and default.read_bytes() == first
+    assert sorted(p.name for p in good.glob("compare_vs_*")) == [f"compare_vs_{good.name}.md",
+                                                                 f"compare_vs_{good.name}.prev1.md"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.norm import RMSNorm, _FusedRMSNorm, _rows, rms_norm
+from sftprof.models.norm import FUSED_MAX_D, RMSNorm, _FusedRMSNorm, _rows, fused_path, rms_norm
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -105,10 +105,27 @@ def test_module_weight_init_and_sequence_parallel_mark(sequence_parallel, zero_c
     assert norm.weight.dtype == torch.bfloat16 and torch.equal(norm.weight, init)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                               (torch.float32, torch.float64)])
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_torch_path_matches_fp64(dtype, zero_centered):
-    _check(rms_norm, *_problem((37, 96), dtype, dtype, zero_centered), 1e-6, zero_centered)
+def test_torch_path_matches_fp64(x_dtype, w_dtype, zero_centered):
+    """The unfused path (CPU, and on CUDA every input with fp64, see test_fused_path_decision) against fp64. (An fp64
+    ``x`` with a narrower zero-centred weight carries the rounding of ``1 + weight`` to the weight's dtype, as this
+    path always has: not an fp64 result.)"""
+    _check(rms_norm, *_problem((37, 96), x_dtype, w_dtype, zero_centered), 1e-6, zero_centered)
+
+
+def test_fused_path_decision():
+    """The Triton kernels on CUDA for bf16/fp16/fp32 rows up to FUSED_MAX_D wide; fp64 x or weight (which the kernels
+    do not load), wider rows and other devices take the torch path."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    assert [fused_path(cuda, d, d, 128) for d in dtypes] == [True, True, True, False]
+    assert [fused_path(cuda, torch.bfloat16, d, 128) for d in dtypes] == [True, True, True, False]
+    assert [fused_path(cuda, d, torch.float32, 128) for d in dtypes] == [True, True, True, False]
+    assert fused_path(cuda, torch.bfloat16, torch.float32, FUSED_MAX_D)
+    assert not fused_path(cuda, torch.bfloat16, torch.float32, FUSED_MAX_D + 1)
+    assert [fused_path(cpu, d, d, 128) for d in dtypes] == [False] * 4
 
 
 def test_rows_reads_a_key_slice_in_place_and_copies_only_when_it_must():
@@ -125,8 +142,8 @@ def test_rows_reads_a_key_slice_in_place_and_copies_only_when_it_must():
 
 @pytest.mark.parametrize("x, w, match", [
     (torch.ones(4, 8, dtype=torch.int32), torch.ones(8),
-     "rms_norm: x must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 \\(also torch.float64 on "
-     "cpu\\), got torch.int32 on cpu"),
+     "rms_norm: x must be a torch.Tensor of torch.bfloat16 or torch.float16 or torch.float32 or torch.float64, "
+     "got torch.int32 on cpu"),
     (torch.ones(4, 8), torch.ones(8, device="meta"), "rms_norm: weight must be .* on cpu, got torch.float32 on meta"),
     (torch.ones(4, 8), [1.0] * 8, "rms_norm: weight must be .* on cpu, got list"),
     (torch.ones(4, 8), torch.ones(7),
@@ -194,6 +211,17 @@ def test_triton_kernels_match_fp64_on_gpu(dtype):
         _check(rms_norm, *_problem(shape, dtype, dtype, zero_centered, "cuda", seed=1), 1e-6, zero_centered)
     k = _kv_slice(8192, 1, 4, 128, "cuda", dtype)
     _check(rms_norm, k, torch.randn(128, device="cuda").to(dtype), torch.randn_like(k), 1e-6, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float64)])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_fp64_on_gpu_takes_the_torch_path(x_dtype, w_dtype, zero_centered):
+    """fp64 on CUDA (which the Triton kernels do not load) runs the unfused torch computation, against fp64."""
+    x, w, dy = _problem((1000, 3, 128), x_dtype, w_dtype, zero_centered, "cuda", seed=2)
+    assert type(rms_norm(x, w, 1e-6, zero_centered).grad_fn).__name__ != "_FusedRMSNormBackward"
+    _check(rms_norm, x, w.requires_grad_(), dy, 1e-6, zero_centered)
 
 
 @pytest.mark.gpu

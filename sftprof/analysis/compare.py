@@ -26,7 +26,7 @@ from sftprof.analysis.report import fmt, short, table
 __all__ = ["CompareInputError", "find_trials", "compare_runs"]
 
 _ROWS = 15  # rows per top-kernel / site table
-REPORT_TITLE = "# Profile comparison"  # first line of every report (postprocess_profile.py replaces only those)
+REPORT_TITLE = "# Profile comparison"  # first line of every report
 _REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
 
 

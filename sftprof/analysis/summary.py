@@ -29,7 +29,7 @@ from sftprof.analysis.step_breakdown import plot_parts
 from sftprof.analysis.trace_check import finite_json
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_error, invalid_events_message
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
-from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
+from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
 
@@ -599,16 +599,9 @@ def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict
 
 def _keep_previous_summary(run_dir: str) -> str:
     """Rename ``profile_summary.{json,md}`` of ``run_dir`` to ``profile_summary.prev<N>.{json,md}`` (the first free
-    ``N`` from 1); returns the new JSON name."""
-    stem_json, stem_md = SUMMARY_JSON[: -len(".json")], SUMMARY_MD[: -len(".md")]
-    n = 1
-    while any(os.path.exists(os.path.join(run_dir, f"{stem}.prev{n}{ext}"))
-              for stem, ext in ((stem_json, ".json"), (stem_md, ".md"))):
-        n += 1
-    os.replace(os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, f"{stem_json}.prev{n}.json"))
-    if os.path.isfile(os.path.join(run_dir, SUMMARY_MD)):
-        os.replace(os.path.join(run_dir, SUMMARY_MD), os.path.join(run_dir, f"{stem_md}.prev{n}.md"))
-    return f"{stem_json}.prev{n}.json"
+    ``N`` from 1, :func:`sftprof.artifacts.keep_previous`); returns the new JSON name."""
+    n = keep_previous([os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, SUMMARY_MD)])
+    return f"{SUMMARY_JSON[: -len('.json')]}.prev{n}.json"
 
 
 _KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "

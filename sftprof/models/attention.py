@@ -39,6 +39,7 @@ with GQA) and SDPA's own workspace.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -50,6 +51,9 @@ from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
 from sftprof.models.block_attention import (blockwise_cp_attention, check_cp_lengths, chunked_causal_attention,
                                             default_block_kernel, overlapped_cp_attention)
+
+log = logging.getLogger(__name__)
+_forward_chunks_skip_logged = False  # one log line per process when attention_forward_chunks > 1 does not apply
 
 
 def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.Tensor:
@@ -123,7 +127,8 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
             with that many query chunks where it was measured to pay: the cuDNN block kernels (bf16/fp16 CUDA
             tensors, SDPA's cuDNN backend on), head_dim <= 128, no dropout, the sequence length a multiple of the
             count; else one plain ``is_causal`` SDPA call (on CPU the block kernel would be the fp32 math kernel,
-            whose score matrices SDPA's CPU kernel does not keep; head_dim 256, Qwen3.5's, is not measured).
+            whose score matrices SDPA's CPU kernel does not keep; head_dim 256, Qwen3.5's, is not measured), and
+            the first such call of the process logs why (:func:`forward_chunks_skip_reason`).
     Returns:
         ``[b, h, S/cp_size, d]``, rows in the order of ``q``.
     Raises:
@@ -134,9 +139,11 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
     if cp_size == 1:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"cp_size=1 needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
-        if (forward_chunks > 1 and dropout_p == 0 and q.shape[2] % forward_chunks == 0 and q.shape[-1] <= 128
-                and default_block_kernel(q).startswith("cudnn")):
-            return chunked_causal_attention(q, k, v, chunks=forward_chunks, scale=scale)
+        if forward_chunks > 1:
+            skip = forward_chunks_skip_reason(q, forward_chunks, dropout_p)
+            if skip is None:
+                return chunked_causal_attention(q, k, v, chunks=forward_chunks, scale=scale)
+            _log_forward_chunks_skip(forward_chunks, skip)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=gqa)
     s_local = check_cp_lengths(q.shape[2], k.shape[2], cp_size)
@@ -150,6 +157,42 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
             q[:, :, j * length:(j + 1) * length], k[:, :, :kv_len], v[:, :, :kv_len],
             attn_mask=causal_lower_right(length, kv_len), scale=scale, dropout_p=dropout_p, enable_gqa=gqa))
     return torch.cat(outs, dim=2)
+
+
+def forward_chunks_skip_reason(q: torch.Tensor, forward_chunks: int, dropout_p: float) -> Optional[str]:
+    """Why ``actor.megatron.attention_forward_chunks`` = ``forward_chunks`` (> 1) does not apply at CP = 1 to the
+    query ``q`` (``[b, h, S, d]``), or ``None`` when :func:`cp_causal_attention` runs the chunked forward.
+
+    The chunked forward is used only where it was measured to pay (bench/NOTES.md, tenth session): the cuDNN block
+    kernels (:func:`sftprof.models.block_attention.default_block_kernel`: bf16/fp16 CUDA tensors, SDPA's cuDNN
+    backend on), head_dim <= 128, attention dropout 0, ``S`` a multiple of ``forward_chunks``. Every reason that
+    holds is named, joined by ``"; "``.
+    """
+    reasons = []
+    kernel = default_block_kernel(q)
+    if not kernel.startswith("cudnn"):
+        if q.device.type != "cuda":
+            reasons.append(f"{q.device.type} tensors (the cuDNN SDPA kernels need CUDA)")
+        elif kernel.startswith("flash"):
+            reasons.append("SDPA's cuDNN backend is off or cuDNN is unavailable")
+        else:
+            reasons.append(f"dtype {str(q.dtype).removeprefix('torch.')} (the cuDNN SDPA kernels take bf16/fp16)")
+    if q.shape[-1] > 128:
+        reasons.append(f"head_dim {q.shape[-1]} > 128 (not measured; Qwen3.5's is 256)")
+    if dropout_p > 0:
+        reasons.append(f"attention dropout {dropout_p} > 0")
+    if q.shape[2] % forward_chunks:
+        reasons.append(f"sequence length {q.shape[2]} not a multiple of {forward_chunks}")
+    return "; ".join(reasons) or None
+
+
+def _log_forward_chunks_skip(forward_chunks: int, reason: str) -> None:
+    """Logs (INFO) that ``attention_forward_chunks`` falls back to one causal call, the first time only."""
+    global _forward_chunks_skip_logged
+    if not _forward_chunks_skip_logged:
+        _forward_chunks_skip_logged = True
+        log.info("actor.megatron.attention_forward_chunks=%d has no effect at CP = 1 here: %s; the attention runs "
+                 "as one causal SDPA call each way (logged once per process)", forward_chunks, reason)
 
 
 def check_cp_attention(method: str, dropout_p: float, cp_size: int) -> None:

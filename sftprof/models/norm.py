@@ -11,7 +11,7 @@ per row: ``dx = r (g dy - x r**2 c)``; ``dweight = sum over rows of dy x r`` (th
 
 Two paths, one contract (output ``[..., D]`` in ``x``'s dtype, ``dweight`` in the weight's dtype):
 
-- CUDA, ``D <= FUSED_MAX_D``: :func:`sftprof.models.triton_kernels.rms_norm_forward` / ``rms_norm_backward``. torch's
+- CUDA, ``D <= FUSED_MAX_D``, bf16/fp16/fp32 ``x`` and weight: :func:`sftprof.models.triton_kernels.rms_norm_forward` / ``rms_norm_backward``. torch's
   ``F.rms_norm`` runs one CUDA block per row, which for the per-head q/k norms (rows of 128) costs ~7x the memory
   floor (3.37 ms per layer for the query ``[131072, 1, 32, 128]`` bf16 on an H200, whose 2 GiB of reads and writes
   take ~0.45 ms); the Triton kernels take ``[BLOCK_ROWS, BLOCK_D]`` tiles of rows. A strided view whose rows have one
@@ -28,8 +28,9 @@ Two paths, one contract (output ``[..., D]`` in ``x``'s dtype, ``dweight`` in th
   a grid fixed by the SM count). Memory: the saved ``x`` of a strided view is the view, which keeps its base alive
   to the backward (for the key: the whole QKV projection output, which the value, another view of it, also holds
   until the attention's backward when the attention saves it as given).
-- CPU, other devices, wider rows: ``torch.nn.functional.rms_norm(x, (D,), g.to(x.dtype), eps)`` (statistics in fp32:
-  torch upcasts bf16 internally).
+- CPU, other devices, wider rows, and a dtype the kernels do not take (fp64 ``x`` or weight, on any device; see
+  :func:`fused_path`): ``torch.nn.functional.rms_norm(x, (D,), g.to(x.dtype), eps)`` (statistics in fp32: torch
+  upcasts bf16 internally; fp64 in fp64).
 
 Under sequence parallelism each TP rank normalises a different slice of the tokens, so the weight's
 gradient is partial per rank: the weight carries ``sequence_parallel = config.sequence_parallel``, the
@@ -43,9 +44,19 @@ import torch.nn.functional as F
 
 from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
 
-__all__ = ["FUSED_MAX_D", "RMSNorm", "rms_norm"]
+__all__ = ["FUSED_MAX_D", "RMSNorm", "fused_path", "rms_norm"]
 
 FUSED_MAX_D = 8192  # widest row (last dim) the Triton kernels take in one tile (16384 spills registers on sm_90)
+_DTYPES = FLOAT_DTYPES + (torch.float64,)  # fp64: the torch path, on any device
+
+
+def fused_path(device: torch.device, x_dtype: torch.dtype, weight_dtype: torch.dtype, d: int) -> bool:
+    """Whether :func:`rms_norm` runs the Triton kernels for an ``x`` ``[..., d]`` of ``x_dtype`` and a weight of
+    ``weight_dtype`` on ``device``: CUDA, ``d <= FUSED_MAX_D``, both dtypes bf16/fp16/fp32
+    (:data:`sftprof.models.op_inputs.FLOAT_DTYPES`, what the kernels load and store). Otherwise (fp64 included) the
+    unfused torch computation, with the same semantics."""
+    return (device.type == "cuda" and d <= FUSED_MAX_D and x_dtype in FLOAT_DTYPES
+            and weight_dtype in FLOAT_DTYPES)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -84,27 +95,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_ga
     """RMSNorm of ``x`` over its last dim: ``x / sqrt(mean(x**2, -1) + eps) * g``, ``g = weight`` or ``1 + weight``.
 
     Args:
-        x: ``[..., D]`` bf16/fp16/fp32, or fp64 on CPU; any strides (see the module docstring for which are read in
-            place on CUDA).
-        weight: ``[D]`` bf16/fp16/fp32 (fp64 on CPU) on ``x``'s device (megatron's params dtype; it may differ from
-            ``x``'s).
+        x: ``[..., D]`` bf16/fp16/fp32/fp64; any strides (see the module docstring for which are read in place on
+            CUDA).
+        weight: ``[D]`` bf16/fp16/fp32/fp64 on ``x``'s device (megatron's params dtype; it may differ from ``x``'s).
         eps: added to the mean square.
         zero_centered_gamma: ``g = 1 + weight``.
     Returns:
         ``[..., D]`` in ``x``'s dtype, differentiable in ``x`` and ``weight`` (``dweight`` in ``weight``'s dtype).
-        Triton kernels on CUDA when ``D <= FUSED_MAX_D``; ``torch.nn.functional.rms_norm`` otherwise (the module
-        docstring gives how their roundings differ).
+        Triton kernels where :func:`fused_path` says so (CUDA, ``D <= FUSED_MAX_D``, no fp64);
+        ``torch.nn.functional.rms_norm`` otherwise (the module docstring gives how their roundings differ).
     Raises:
         ValueError: ``x`` or ``weight`` not a tensor of an accepted dtype, ``weight`` on another device
             (:func:`sftprof.models.op_inputs.check_tensor`); ``x`` without dimensions or ``weight`` not ``[D]``
             with ``D = x.shape[-1] >= 1``.
     """
-    check_tensor("rms_norm", "x", x, FLOAT_DTYPES, cpu_dtypes=(torch.float64,))
-    check_tensor("rms_norm", "weight", weight, FLOAT_DTYPES, device=x.device, cpu_dtypes=(torch.float64,))
+    check_tensor("rms_norm", "x", x, _DTYPES)
+    check_tensor("rms_norm", "weight", weight, _DTYPES, device=x.device)
     if x.dim() < 1 or x.shape[-1] < 1 or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm: x must be [..., D] and weight [D] with D >= 1, got x {tuple(x.shape)} "
                          f"weight {tuple(weight.shape)}")
-    if x.is_cuda and x.shape[-1] <= FUSED_MAX_D:
+    if fused_path(x.device, x.dtype, weight.dtype, x.shape[-1]):
         return _FusedRMSNorm.apply(x, weight, float(eps), bool(zero_centered_gamma))
     gamma = weight + 1 if zero_centered_gamma else weight
     return F.rms_norm(x, (x.shape[-1],), gamma.to(x.dtype), eps)
