@@ -14,7 +14,8 @@ from sftprof.config import PRESET_DIR, ConfigError, load_config
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       natural_to_rank_order, rank_order_to_natural)
 from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
-                                            chunked_causal_attention, merge_partials)
+                                            chunked_causal_attention, kernel_input, merge_partials,
+                                            with_output_layout)
 
 
 def _fp64_inputs(seed: int, b: int, heads: int, kv_heads: int, s: int, d: int):
@@ -134,6 +135,13 @@ def test_merge_with_absent_or_empty_off_diagonal_block():
     out, lse = merge_partials([(a_out, a_lse), (b_out, b_lse)])
     torch.testing.assert_close(out, full_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
+    # into a given strided output (rows of a [s, b, h, d]-ordered buffer), converted to its dtype
+    dest = torch.zeros(8, 1, 2, 4, dtype=torch.float32).permute(1, 2, 0, 3)[:, :, 1:7]
+    got, got_lse = merge_partials([(a_out, a_lse), (b_out, b_lse)], out=dest)
+    assert got is dest and torch.equal(got_lse, lse)
+    torch.testing.assert_close(dest, full_out.float(), rtol=1e-6, atol=1e-6)
+    got, _ = merge_partials([(diag_out, diag_lse)], out=dest)
+    assert got is dest and torch.equal(dest, diag_out.float())
     with pytest.raises(ValueError, match="no blocks to merge"):
         merge_partials([])
 
@@ -176,6 +184,82 @@ def test_chunked_forward_attention_matches_full_fp64(chunks, heads, kv_heads):
                             "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=chunks)
     got = mod(*(t.detach().permute(2, 0, 1, 3) for t in (q, k, v)), None)
     torch.testing.assert_close(got, ref.detach().permute(2, 0, 1, 3).reshape(s, b, -1), rtol=1e-10, atol=1e-10)
+
+
+def _megatron_layout(seed: int, b: int, s: int = 24, heads: int = 4, kv_heads: int = 2, d: int = 8):
+    """fp64 leaves as megatron-core hands them to the core attention: q ``[s, b, heads, d]``, k/v the two halves
+    of one ``[s, b, kv_heads, 2 d]`` tensor (a split of a fused projection: strided views), dout ``[s, b, heads * d]``."""
+    torch.manual_seed(seed)
+    q = torch.randn(s, b, heads, d, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(s, b, kv_heads, 2 * d, dtype=torch.float64, requires_grad=True)
+    return q, kv, kv[..., :d], kv[..., d:], torch.randn(s, b, heads * d, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_chunked_forward_megatron_layout_fp64(b):
+    """The chunked path on megatron's layout (permuted [s, b, heads, d] views, dout [s, b, heads * d]): output and
+    Q/K/V gradients equal the fp64 reference, the output is allocated in [s, b, heads, d] order so that the module's
+    final flatten is a view, and the module (CP = 1, forward_chunks 2) gives the same numbers."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    q, kv, k, v, dout = _megatron_layout(40 + b, b)
+    s = q.shape[0]
+    qc, kc, vc = (t.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for t in (q, k, v))
+    ref = _reference(qc, kc, vc)
+    want = torch.autograd.grad(ref, (qc, kc, vc), dout.view(s, b, -1, q.shape[-1]).permute(1, 2, 0, 3))
+    want = [w.permute(2, 0, 1, 3) for w in want]  # back to [s, b, heads, d]
+    ref = ref.detach().permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    views = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    assert not views[0].is_contiguous() and not views[1].is_contiguous()
+    out = chunked_causal_attention(*views, chunks=2, kernel="math")
+    assert out.stride() == views[0].stride()  # [s, b, heads, d] order, like q
+    flat = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    assert flat._base is out and flat.data_ptr() == out.data_ptr()  # the module's flatten copies nothing
+    torch.testing.assert_close(flat, ref, rtol=1e-10, atol=1e-10)
+    for got, w in zip(torch.autograd.grad(flat, (q, k, v), dout), want):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-10)
+
+    mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1, AttnMaskType.causal,
+                            "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=2)
+    got = mod(q, k, v, None)
+    assert got.shape == (s, b, q.shape[2] * q.shape[3])
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_block_kernel_layout_helpers():
+    """kernel_input passes unit-last-stride, 16-byte-aligned views through and copies the rest; with_output_layout
+    gives a tensor the strides of one allocated like q (q's when q is dense, else contiguous), copying only then."""
+    x = torch.randn(6, 2, 4, 8).permute(1, 2, 0, 3)  # megatron's permuted view
+    assert kernel_input(x) is x
+    rows = x[:, :, 2:4]
+    assert kernel_input(rows) is rows
+    fused = torch.randn(6, 2, 2, 16)[..., 8:].permute(1, 2, 0, 3)  # half of a fused projection: strided, not dense
+    assert kernel_input(fused) is fused
+    transposed = torch.randn(2, 4, 8, 6).transpose(-1, -2)  # last dimension strided
+    got = kernel_input(transposed)
+    assert got.is_contiguous() and torch.equal(got, transposed)
+    misaligned = torch.randn(1 + 6 * 2 * 4 * 8)[1:].view(6, 2, 4, 8).permute(1, 2, 0, 3)  # pointer off by 4 bytes
+    got = kernel_input(misaligned)
+    assert got.is_contiguous() and got.data_ptr() != misaligned.data_ptr() and torch.equal(got, misaligned)
+    broadcast = torch.randn(1, 4, 6, 8).expand(2, 4, 6, 8)  # a stride-0 batch dimension
+    got = kernel_input(broadcast)
+    assert got.is_contiguous() and torch.equal(got, broadcast)
+
+    o = torch.randn(2, 4, 6, 8)  # contiguous [b, h, s, d] for a q in [s, b, h, d] order: copied into q's strides
+    got = with_output_layout(o, x)
+    assert got.stride() == x.stride() and torch.equal(got, o)
+    assert with_output_layout(got, x) is got
+    dout = torch.randn(6, 1, 32).view(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the size-1 stride does not matter
+    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)
+    assert with_output_layout(dout, q1) is dout
+    q_rows = torch.randn(2, 4, 12, 8)[:, :, 2:8]  # a row slice of [b, h, S, d]: not dense, so contiguous
+    got = with_output_layout(torch.randn(2, 4, 12, 8)[:, :, 4:10], q_rows)
+    assert got.is_contiguous() and got.shape == q_rows.shape
 
 
 def test_chunked_forward_attention_errors():
