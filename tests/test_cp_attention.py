@@ -254,9 +254,9 @@ def test_block_kernel_layout_helpers():
     got = with_output_layout(o, x)
     assert got.stride() == x.stride() and torch.equal(got, o)
     assert with_output_layout(got, x) is got
-    dout = torch.randn(6, 1, 32).view(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the size-1 stride does not matter
-    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)
-    assert with_output_layout(dout, q1) is dout
+    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension does not matter
+    dout = torch.randn(6, 1, 4, 8).as_strided((6, 1, 4, 8), (32, 7, 8, 1)).permute(1, 2, 0, 3)
+    assert dout.stride() != q1.stride() and with_output_layout(dout, q1) is dout
     q_rows = torch.randn(2, 4, 12, 8)[:, :, 2:8]  # a row slice of [b, h, S, d]: not dense, so contiguous
     got = with_output_layout(torch.randn(2, 4, 12, 8)[:, :, 4:10], q_rows)
     assert got.is_contiguous() and got.shape == q_rows.shape
