@@ -8,6 +8,11 @@ Rows (bf16, batch 1, ``--heads`` query / ``--kv-heads`` key-value heads of ``--h
 - ``single GPU, chunked forward (n)``: ``sftprof.models.block_attention.chunked_causal_attention(..., chunks=n)``
   (``--chunks``, default 2 4 8): the forward as n diagonal causal blocks plus unmasked off-diagonal blocks merged
   by log-sum-exp, the backward as one causal call given the merged output and log-sum-exp;
+- with ``--layouts ... sbhd``, the two single-GPU row kinds again with the suffix ``, sbhd``: on megatron-core's
+  layout, as ``sftprof.models.attention.SDPACoreAttention`` calls them (the same numbers held as contiguous
+  ``[s, b, heads, d]`` tensors, passed as permuted ``[b, heads, s, d]`` views, the output flattened to
+  ``[s, b, heads * d]`` and the gradient given in that layout), so the cost of layout copies shows against the
+  default ``bhsd`` rows (contiguous ``[b, heads, s, d]``);
 - ``CP=<n> rank <r>, masked`` / ``CP=<n> rank <r>, blocks (<kernel>)``: exactly one CP rank's attention
   work, ``cp_causal_attention(..., method="masked")`` or ``sftprof.models.block_attention.
   blockwise_cp_attention(..., kernel=...)``, for its ``S/n`` load-balanced queries against random full
@@ -21,7 +26,7 @@ forward ``4 * b * h * d * pairs`` over the unmasked query-key pairs (``key <= qu
 of ``sftprof/flops.py``: ``Q K^T`` and ``P V`` at ``2 d`` FLOPs per pair each), fwd+bwd = 3.5 x forward
 (the backward runs five such GEMMs: ``Q K^T`` again, ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``,
 ``dK = dS^T Q``; 7 / 2 = 3.5), ``fwd TF/s`` the forward's FLOPs / ``fwd ms``; ``extra GiB`` = peak allocated during one fwd+bwd minus (allocated before
-the call + bytes of the Q/K/V gradients); ``x single`` = the row's ms / the single-GPU row's ms (issue 18's
+the call + bytes of the Q/K/V gradients); ``x single`` = the row's ms / the first single-GPU causal row's ms (issue 18's
 goal for CP=2: <= 0.55).
 
 Block kernels (``--kernels``, default all): ``cudnn`` and ``flash`` (the private SDPA ops with K/V expanded
@@ -32,7 +37,8 @@ Exactness check (the GPU run doubles as one): for every CP rank, the max abs dif
 of the Q/K/V gradients of each blocks kernel against the masked path on the same inputs, and for each chunked
 single-GPU row against the one SDPA call, printed after the table.
 
-Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...] [--reps 5] [--json F]
+Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...]
+[--layouts bhsd sbhd] [--reps 5] [--json F]
 A bad argument (``--chunks`` < 1 or not dividing ``--seq``, ``--cp`` < 2 or not dividing it into 2 x CP chunks) is
 refused with exit status 2 first; without CUDA it then prints that it needs a GPU and exits with status 1, measuring
 nothing.
@@ -82,6 +88,14 @@ def _chunked(chunks):
     from sftprof.models.block_attention import chunked_causal_attention
 
     return lambda q, k, v: chunked_causal_attention(q, k, v, chunks=chunks)
+
+
+def _megatron_layout(fn):
+    """``fn`` on ``[s, b, heads, d]`` tensors as SDPACoreAttention calls it: permuted views in, output flattened."""
+    def run(q, k, v):
+        out = fn(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))
+        return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+    return run
 
 
 def _cp_row(cp_size, cp_rank, method, kernel=None):
@@ -169,6 +183,9 @@ def main() -> int:
                     help="block kernels of the blocks rows (sftprof.models.block_attention.BLOCK_KERNELS)")
     ap.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8],
                     help="single-GPU rows of chunked_causal_attention with these query-chunk counts")
+    ap.add_argument("--layouts", nargs="+", default=["bhsd"], choices=("bhsd", "sbhd"),
+                    help="layouts of the single-GPU rows: bhsd = contiguous [b, heads, s, d]; sbhd = megatron-core's "
+                         "(permuted views of [s, b, heads, d], output and gradient [s, b, heads * d])")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row")
     ap.add_argument("--json", type=Path, default=None, help="write the rows and the exactness check here")
     args = ap.parse_args()
@@ -198,10 +215,20 @@ def main() -> int:
     k, v = rand(1, g, s, d), rand(1, g, s, d)
     q_full, dout_full = rand(1, h, s, d), rand(1, h, s, d, grad=False)
     full = (q_full, k, v, dout_full)
-    rows = [dict(name=f"single GPU causal ({s})", pairs=causal_pairs(s), fn=_single, tensors=full)]
-    rows += [dict(name=f"single GPU, chunked forward ({n})", pairs=causal_pairs(s), fn=_chunked(n), tensors=full)
-             for n in args.chunks]
-    exact = {"single GPU": _exactness(_single, {f"chunked forward ({n})": _chunked(n) for n in args.chunks}, full)}
+    rows, exact = [], {}
+    for layout in args.layouts:
+        if layout == "bhsd":
+            tensors, wrap, suffix = full, (lambda fn: fn), ""
+        else:  # the same numbers held as [s, b, heads, d]; output and its gradient [s, b, heads * d]
+            tensors = tuple(t.detach().permute(2, 0, 1, 3).contiguous().requires_grad_() for t in (q_full, k, v))
+            tensors += (dout_full.permute(2, 0, 1, 3).reshape(s, 1, h * d).contiguous(),)
+            wrap, suffix = _megatron_layout, ", sbhd"
+        rows.append(dict(name=f"single GPU causal ({s}){suffix}", pairs=causal_pairs(s), fn=wrap(_single),
+                         tensors=tensors))
+        rows += [dict(name=f"single GPU, chunked forward ({n}){suffix}", pairs=causal_pairs(s),
+                      fn=wrap(_chunked(n)), tensors=tensors) for n in args.chunks]
+        exact[f"single GPU{suffix}"] = _exactness(wrap(_single), {
+            f"chunked forward ({n})": wrap(_chunked(n)) for n in args.chunks}, tensors)
     for cp in args.cp:
         for r in range(cp):
             local = (cp_shard(q_full.detach(), cp, r, dim=2).clone().requires_grad_(), k, v,
@@ -232,7 +259,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, S={s}, {h} q / {g} kv heads, head_dim {d}, "
           f"bf16, batch 1, fwd+bwd, median of {args.reps} round-robin reps; TFLOP/s = 3.5 x 4 b h d (causal pairs)")
     nan = float("nan")
-    print(f"{'row':<36} {'fwd ms':>8} {'fwd TF/s':>8} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
+    print(f"{'row':<40} {'fwd ms':>8} {'fwd TF/s':>8} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
     out_rows = []
     for row in rows:
         fwd_ms = statistics.median(t[0] for t in row["times"]) if row["times"] else None
@@ -241,7 +268,7 @@ def main() -> int:
         fwd_tflops = fwd_bwd_flops(row["pairs"], h, d) / 3.5 / fwd_ms / 1e9 if fwd_ms else None
         ratio = ms / single_ms if ms and single_ms else None
         extra = row.get("extra_gib")
-        print(f"{row['name']:<36} {fwd_ms or nan:>8.1f} {fwd_tflops or nan:>8.0f} {ms or nan:>8.1f} "
+        print(f"{row['name']:<40} {fwd_ms or nan:>8.1f} {fwd_tflops or nan:>8.0f} {ms or nan:>8.1f} "
               f"{tflops or nan:>8.0f} {extra if extra is not None else nan:>9.2f} {ratio or nan:>8.3f}  {row['note']}")
         out_rows.append(dict(row=row["name"], fwd_ms=fwd_ms, fwd_tflops=fwd_tflops, ms=ms, tflops=tflops,
                              extra_gib=extra, ratio_to_single=ratio, pairs=row["pairs"], note=row["note"]))

@@ -15,7 +15,8 @@ from sftprof.models import attention
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       forward_chunks_skip_reason, natural_to_rank_order, rank_order_to_natural)
 from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
-                                            chunked_causal_attention, merge_partials)
+                                            chunked_causal_attention, kernel_input, merge_partials,
+                                            with_output_layout)
 
 
 def _fp64_inputs(seed: int, b: int, heads: int, kv_heads: int, s: int, d: int):
@@ -135,6 +136,13 @@ def test_merge_with_absent_or_empty_off_diagonal_block():
     out, lse = merge_partials([(a_out, a_lse), (b_out, b_lse)])
     torch.testing.assert_close(out, full_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
+    # into a given strided output (rows of a [s, b, h, d]-ordered buffer), converted to its dtype
+    dest = torch.zeros(8, 1, 2, 4, dtype=torch.float32).permute(1, 2, 0, 3)[:, :, 1:7]
+    got, got_lse = merge_partials([(a_out, a_lse), (b_out, b_lse)], out=dest)
+    assert got is dest and torch.equal(got_lse, lse)
+    torch.testing.assert_close(dest, full_out.float(), rtol=1e-6, atol=1e-6)
+    got, _ = merge_partials([(diag_out, diag_lse)], out=dest)
+    assert got is dest and torch.equal(dest, diag_out.float())
     with pytest.raises(ValueError, match="no blocks to merge"):
         merge_partials([])
 
@@ -200,6 +208,83 @@ def test_forward_chunks_skip_reason_and_one_log_line(monkeypatch, caplog):
         "INFO", "actor.megatron.attention_forward_chunks=3 has no effect at CP = 1 here: cpu tensors (the cuDNN SDPA "
         "kernels need CUDA); sequence length 10 not a multiple of 3; the attention runs as one causal SDPA call each "
         "way (logged once per process)")]
+        # a view when out is in [s, b, heads, d] order: at CP = 1 it is allocated like the query view
+
+
+def _megatron_layout(seed: int, b: int, s: int = 24, heads: int = 4, kv_heads: int = 2, d: int = 8):
+    """fp64 leaves as megatron-core hands them to the core attention: q ``[s, b, heads, d]``, k/v the two halves
+    of one ``[s, b, kv_heads, 2 d]`` tensor (a split of a fused projection: strided views), dout ``[s, b, heads * d]``."""
+    torch.manual_seed(seed)
+    q = torch.randn(s, b, heads, d, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(s, b, kv_heads, 2 * d, dtype=torch.float64, requires_grad=True)
+    return q, kv, kv[..., :d], kv[..., d:], torch.randn(s, b, heads * d, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_chunked_forward_megatron_layout_fp64(b):
+    """The chunked path on megatron's layout (permuted [s, b, heads, d] views, dout [s, b, heads * d]): output and
+    Q/K/V gradients equal the fp64 reference, the output is allocated in [s, b, heads, d] order so that the module's
+    final flatten is a view, and the module (CP = 1, forward_chunks 2) gives the same numbers."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    q, kv, k, v, dout = _megatron_layout(40 + b, b)
+    s = q.shape[0]
+    qc, kc, vc = (t.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for t in (q, k, v))
+    ref = _reference(qc, kc, vc)
+    want = torch.autograd.grad(ref, (qc, kc, vc), dout.view(s, b, -1, q.shape[-1]).permute(1, 2, 0, 3))
+    want = [w.permute(2, 0, 1, 3) for w in want]  # back to [s, b, heads, d]
+    ref = ref.detach().permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    views = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    assert not views[0].is_contiguous() and not views[1].is_contiguous()
+    out = chunked_causal_attention(*views, chunks=2, kernel="math")
+    assert out.stride() == views[0].stride()  # [s, b, heads, d] order, like q
+    flat = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    assert flat._base is out and flat.data_ptr() == out.data_ptr()  # the module's flatten copies nothing
+    torch.testing.assert_close(flat, ref, rtol=1e-10, atol=1e-10)
+    for got, w in zip(torch.autograd.grad(flat, (q, k, v), dout), want):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-10)
+
+    mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1, AttnMaskType.causal,
+                            "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=2)
+    got = mod(q, k, v, None)
+    assert got.shape == (s, b, q.shape[2] * q.shape[3])
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_block_kernel_layout_helpers():
+    """kernel_input passes unit-last-stride, 16-byte-aligned views through and copies the rest; with_output_layout
+    gives a tensor the strides of one allocated like q (q's when q is dense, else contiguous), copying only then."""
+    x = torch.randn(6, 2, 4, 8).permute(1, 2, 0, 3)  # megatron's permuted view
+    assert kernel_input(x) is x
+    rows = x[:, :, 2:4]
+    assert kernel_input(rows) is rows
+    fused = torch.randn(6, 2, 2, 16)[..., 8:].permute(1, 2, 0, 3)  # half of a fused projection: strided, not dense
+    assert kernel_input(fused) is fused
+    transposed = torch.randn(2, 4, 8, 6).transpose(-1, -2)  # last dimension strided
+    got = kernel_input(transposed)
+    assert got.is_contiguous() and torch.equal(got, transposed)
+    misaligned = torch.randn(1 + 6 * 2 * 4 * 8)[1:].view(6, 2, 4, 8).permute(1, 2, 0, 3)  # pointer off by 4 bytes
+    got = kernel_input(misaligned)
+    assert got.is_contiguous() and got.data_ptr() != misaligned.data_ptr() and torch.equal(got, misaligned)
+    broadcast = torch.randn(1, 4, 6, 8).expand(2, 4, 6, 8)  # a stride-0 batch dimension
+    got = kernel_input(broadcast)
+    assert got.is_contiguous() and torch.equal(got, broadcast)
+
+    o = torch.randn(2, 4, 6, 8)  # contiguous [b, h, s, d] for a q in [s, b, h, d] order: copied into q's strides
+    got = with_output_layout(o, x)
+    assert got.stride() == x.stride() and torch.equal(got, o)
+    assert with_output_layout(got, x) is got
+    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension does not matter
+    dout = torch.randn(6, 1, 4, 8).as_strided((6, 1, 4, 8), (32, 7, 8, 1)).permute(1, 2, 0, 3)
+    assert dout.stride() != q1.stride() and with_output_layout(dout, q1) is dout
+    q_rows = torch.randn(2, 4, 12, 8)[:, :, 2:8]  # a row slice of [b, h, S, d]: not dense, so contiguous
+    got = with_output_layout(torch.randn(2, 4, 12, 8)[:, :, 4:10], q_rows)
+    assert got.is_contiguous() and got.shape == q_rows.shape
 
 
 def test_chunked_forward_attention_errors():
@@ -325,6 +410,7 @@ def _gloo_cp_worker(rank: int, cp: int, store: str, results: str) -> None:
         want_out = cp_shard(to_sbhd(ref).reshape(s, b, h * d), cp, rank, dim=0)
         errs[f"{method}-{overlap}"] = {
             "overlapped": overlapped.apply.call_count,
+            "flatten_is_view": out._base is not None,  # the attention output was allocated in [s, b, h, d] order
             "out": float((out - want_out).abs().max()),
             "dq": float((lq.grad - cp_shard(to_sbhd(gq), cp, rank, dim=0)).abs().max()),
             "dk": float((lk.grad - cp_shard(to_sbhd(gk), cp, rank, dim=0)).abs().max()),
@@ -338,8 +424,9 @@ def _gloo_cp_worker(rank: int, cp: int, store: str, results: str) -> None:
 def test_sdpa_core_attention_with_a_gloo_cp_group_matches_full_fp64(tmp_path, cp):
     """SDPACoreAttention on ``cp`` gloo ranks (megatron's ``[s, b, heads, d]`` layout, GQA 4/2 heads, V a strided
     view): every rank's output and Q/K/V gradients equal the single-process fp64 causal attention's rows to
-    1e-10, for ``blocks`` with the communication overlapped (the overlapped path ran once per rank) and not
-    (it did not run), and for ``masked``."""
+    1e-10, for ``blocks`` with the communication overlapped (the overlapped path ran once per rank, and its
+    output is allocated in megatron's order, so the module's flatten is a view) and not (it did not run), and for
+    ``masked``."""
     import torch.multiprocessing as mp
 
     results = str(tmp_path / "errs")
@@ -347,6 +434,8 @@ def test_sdpa_core_attention_with_a_gloo_cp_group_matches_full_fp64(tmp_path, cp
     for rank in range(cp):
         errs = torch.load(f"{results}.{rank}")
         assert [errs[c]["overlapped"] for c in ("blocks-True", "blocks-False", "masked-True")] == [1, 0, 0]
+        assert [errs[c]["flatten_is_view"] for c in ("blocks-True", "blocks-False", "masked-True")] == [True, False,
+                                                                                                      False]
         for case, e in errs.items():
             for name in ("out", "dq", "dk", "dv"):
                 assert e[name] < 1e-10, (rank, case, name, e)

@@ -12,7 +12,12 @@ A one-GPU test runs the CUDA block kernels (``cudnn``, ``flash``, and the same o
 expansion, ``cudnn_gqa``, ``flash_gqa``) of every simulated CP rank (CP=2 and 4, no
 process group) against SDPA's single-call causal attention: each rank's output and query gradient, and
 the K/V gradients summed over the ranks. Another runs the single-GPU chunked forward
-(``chunked_causal_attention``, every CUDA block kernel, 2 and 4 chunks) against the same single call.
+(``chunked_causal_attention``, every CUDA block kernel, 2 and 4 chunks) against the same single call. Two more
+feed megatron-core's layout (permuted views of ``[s, b, heads, d]`` tensors, batch 1 and 2, K/V also as the
+strided halves of one fused tensor, dout as ``[s, b, heads * d]``) to the chunked forward of every CUDA block
+kernel and to ``SDPACoreAttention`` (CP = 1, forward_chunks 2), against SDPA's single causal call on contiguous
+copies, and check that the output comes back in ``[s, b, heads, d]`` order (the module's flatten is a view). One
+checks that the cuDNN kernel's backward gives the same gradients for O/dO in Q's layout or contiguous.
 """
 import json
 import os
@@ -126,6 +131,108 @@ def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
     for got, want in ((out, ref), (cq.grad, fq.grad), (ck.grad, fk.grad), (cv.grad, fv.grad)):
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _megatron_case(seed: int, batch: int, fused_kv: bool):
+    """bf16 tensors as megatron-core hands them to the core attention: ``q [4096, batch, 8, 128]`` and ``k, v
+    [4096, batch, 2, 128]`` requiring grad (``fused_kv``: k and v are the two halves of one ``[4096, batch, 2, 256]``
+    leaf, strided views as split from a fused projection), ``dout [4096, batch, 8 * 128]`` (the output projection's
+    gradient); and the reference: SDPA's single causal GQA call on contiguous ``[b, heads, s, d]`` copies, as
+    ``(out [s, b, heads * d], (dq, dk, dv) [s, b, heads, d])``."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s, h, g, d = 4096, 8, 2, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q = rand(s, batch, h, d).requires_grad_()
+    if fused_kv:
+        kv = rand(s, batch, g, 2 * d).requires_grad_()
+        k, v = kv[..., :d], kv[..., d:]
+    else:
+        k, v = rand(s, batch, g, d).requires_grad_(), rand(s, batch, g, d).requires_grad_()
+    dout = rand(s, batch, h * d)
+    qc, kc, vc = (t.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+    ref.backward(dout.view(s, batch, h, d).permute(1, 2, 0, 3).contiguous())
+    want = (ref.detach().permute(2, 0, 1, 3).reshape(s, batch, -1),
+            tuple(t.grad.permute(2, 0, 1, 3) for t in (qc, kc, vc)))
+    return q, k, v, dout, want
+
+
+def _check_megatron_case(got, grads, want):
+    assert got._base is not None  # the [s, b, heads * d] flatten of the attention output is a view, no copy
+    for name, g, w in [("out", got, want[0])] + list(zip(("dq", "dk", "dv"), grads, want[1])):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "cudnn_gqa", "flash_gqa"])
+@pytest.mark.parametrize("batch,fused_kv", [(1, False), (2, False), (2, True)])
+def test_chunked_forward_megatron_layout_one_gpu(kernel, batch, fused_kv):
+    """chunked_causal_attention on megatron's layout, as SDPACoreAttention calls it (permuted views in, the output
+    flattened to [s, b, heads * d], its gradient given in that layout): output in [s, b, heads, d] order, output and
+    Q/K/V gradients within bf16 tolerance of SDPA's single causal call on contiguous copies."""
+    from sftprof.models.block_attention import chunked_causal_attention
+
+    q, k, v, dout, want = _megatron_case(3 * batch + fused_kv, batch, fused_kv)
+    views = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    out = chunked_causal_attention(*views, chunks=2, kernel=kernel)
+    assert out.stride() == views[0].stride(), (out.stride(), views[0].stride())
+    got = out.permute(2, 0, 1, 3).reshape(q.shape[0], batch, -1)
+    _check_megatron_case(got, torch.autograd.grad(got, (q, k, v), dout), want)
+
+
+@pytest.mark.gpu
+def test_cudnn_backward_any_output_layout_one_gpu():
+    """The cuDNN block kernel's backward gives the same gradients, those of SDPA's single call, whether O and dO come
+    in Q's layout or contiguous (the wrapper hands them to the op in the layout that follows from Q's: torch caches
+    the cuDNN backward graph under a key of Q/K/V shapes and strides only). Prints what the raw op gives for O and
+    dO contiguous under the graph cached for them in Q's layout (run with ``-s``): a large difference is that
+    cache hazard in this torch build."""
+    from sftprof.models.block_attention import BLOCK_KERNELS
+
+    q, k, v, dout, want = _megatron_case(7, 2, False)
+    views = [t.detach().permute(1, 2, 0, 3) for t in (q, k, v)]
+    scale = q.shape[-1] ** -0.5
+    kern = BLOCK_KERNELS["cudnn_gqa"]
+    out, lse, aux = kern.forward(*views, True, scale)
+    assert out.stride() == views[0].stride()  # the op allocates its output like q
+    dout_q = dout.view(q.shape).permute(1, 2, 0, 3)  # megatron's gradient: in the output's strides
+    matched = kern.backward(dout_q, *views, out, lse, aux, True, scale)
+    other = kern.backward(dout_q.contiguous(), *views, out.contiguous(), lse, aux, True, scale)
+    for name, a, b, w in zip(("dq", "dk", "dv"), matched, other, want[1]):
+        torch.testing.assert_close(a.permute(2, 0, 1, 3), w, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}, O/dO contiguous: {m}")
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    raw = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout_q.contiguous(), *views, out.contiguous(), lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q,
+        cum_k, max_q, max_k, 0.0, True, scale=scale)
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}: raw cuDNN backward with O/dO "
+          "contiguous after a graph was cached for them in Q's layout, max abs diff vs the matched call: "
+          + ", ".join(f"{n}={float((r.float() - a.float()).abs().max()):.3g}"
+                      for n, r, a in zip(("dq", "dk", "dv"), raw, matched)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,fused_kv", [(1, False), (2, True)])
+def test_sdpa_core_attention_chunked_megatron_layout_one_gpu(batch, fused_kv):
+    """SDPACoreAttention at CP = 1 with forward_chunks 2 (the shipped default: the chunked path with the default
+    block kernel) on megatron's layout against SDPA's single causal call on contiguous copies."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sftprof.models.attention import SDPACoreAttention
+
+    q, k, v, dout, want = _megatron_case(20 + batch, batch, fused_kv)
+    mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1, AttnMaskType.causal,
+                            "self", pg_collection=SimpleNamespace(cp=None), forward_chunks=2)
+    got = mod(q, k, v, None)
+    _check_megatron_case(got, torch.autograd.grad(got, (q, k, v), dout), want)
 
 
 @pytest.mark.gpu

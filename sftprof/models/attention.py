@@ -34,6 +34,12 @@ causal blocks plus unmasked off-diagonal blocks merged by log-sum-exp and the ba
 merged output (:func:`sftprof.models.block_attention.chunked_causal_attention`): on an H200 the cuDNN forward of
 unmasked blocks is faster than its causal call (bench/NOTES.md, tenth session).
 
+Layout: the ``[s, b, heads, d]`` tensors are handed over as permuted ``[b, heads, s, d]`` views, not copies. SDPA's
+CUDA kernels and the block kernels read such views in place (:mod:`sftprof.models.block_attention`, "Layouts").
+At CP = 1 the output (one SDPA call's, or the chunked path's) is allocated in the query's layout, so the final
+flatten to ``[s, b, heads * d]`` is a view, and megatron's output gradient, which comes in that flattened layout,
+is already in the output's strides, as the cuDNN backward wants it.
+
 Memory per rank beyond the local Q/K/V: the gathered K and V (``S * b * g * d`` elements each; small
 with GQA) and SDPA's own workspace.
 """
@@ -268,4 +274,5 @@ class SDPACoreAttention(torch.nn.Module):
         out = cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, scale=self.softmax_scale,
                                   dropout_p=self.dropout_p if self.training else 0.0, method=self.cp_attention,
                                   forward_chunks=self.forward_chunks)
+        # a view when out is in [s, b, heads, d] order: at CP = 1 it is allocated like the query view
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

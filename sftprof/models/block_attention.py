@@ -29,9 +29,38 @@ GQA K/V as they are), ``lse`` ``[b, h, n]``:
 
 The schemas of the private ops are the same in torch 2.11 (the GPU machine) and 2.13 (checked with
 ``torch.ops.aten.<op>.default._schema``; torch 2.13's ring attention in
-``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` calls them the same way). Their
-inputs are made contiguous: the cuDNN op is reported to give wrong results on non-contiguous inputs.
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` calls them the same way).
 Dropout is not supported (the blocks would need one shared random stream).
+
+Layouts (what the ``cudnn``/``flash`` wrappers copy, and why the rest is safe). megatron-core's tensors are
+``[s, b, heads, d]``; :class:`sftprof.models.attention.SDPACoreAttention` hands over their permuted
+``[b, heads, s, d]`` views, and value is often a strided slice of the fused QKV projection.
+
+- Q, K, V (and their row slices) are passed as they are when their last dimension is contiguous and their
+  data pointer and other strides are multiples of 16 bytes (:func:`kernel_input`; the kernels load 16-byte
+  vectors); anything else is copied with ``.contiguous()``. Both ops describe each input to the kernel by its own
+  strides (the cuDNN op builds its cuDNN graph from them, the flash op passes batch, row and head strides), and
+  torch's SDPA dispatch hands these ops exactly such views in the plain ``is_causal`` call: the layout
+  requirement it checks for these backends is a unit last stride.
+- The output of each forward op is allocated by the op "like Q": Q's strides when Q is non-overlapping and
+  dense (a permuted view of a contiguous tensor, or a row slice of one whose sequence dimension is outermost),
+  else contiguous. :func:`chunked_causal_attention` allocates its merged output the same way, so megatron's
+  ``out.permute(2, 0, 1, 3).reshape(s, b, -1)`` is a view, not a copy.
+- The cuDNN backward is given O and dO in exactly that layout (:func:`with_output_layout`: passed as they are
+  when their strides already match, copied otherwise) and the log-sum-exp contiguous. The reason, from torch's
+  cuDNN SDPA source (its MHA.cpp, as read for this change): it caches one cuDNN backward graph per Q/K/V
+  shape-and-stride combination, but the graph also fixes the strides of O, dO and the log-sum-exp, which are
+  not part of that cache key, so a later call with the same Q/K/V layout and O or dO in another layout would
+  run the cached graph on wrongly strided memory, silently. With O and dO always in the layout that follows
+  from Q's (the layout SDPA's own backward sees when dO arrives in O's strides, as megatron's
+  ``[s, b, heads * d]`` output gradient does), every call for one Q/K/V layout builds the same graph. cuDNN
+  releases before 9.26 also do not handle softmax statistics outside ``[b, h, s]`` order (cuDNN frontend now
+  rejects them there), hence the contiguous log-sum-exp. These two are the likely causes of the wrong results
+  torch's own ring attention reports when its K/V or log-sum-exp are not contiguous (for K/V its comment says
+  the cause was not found). dQ/dK/dV are allocated by the op like Q/K/V, so megatron gets its gradients in its
+  own layout.
+- The flash backward makes O and dO contiguous itself (in its ``[b, s, heads, d]`` view: no copy for megatron's
+  layout at batch 1), so its wrapper passes them as they are.
 
 Memory beyond the masked path, per call: the expanded K/V of the largest block and, in the backward,
 their expanded gradients (``2 * b * h * n_keys * d`` elements each; neither with the ``_gqa`` kernels), the
@@ -68,29 +97,32 @@ def chunk_blocks(chunk: int, length: int) -> list[Block]:
     return blocks
 
 
-def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge per-block attention results over disjoint key sets by log-sum-exp.
 
     Args:
         parts: ``(out_i [b, h, n, d], lse_i [b, h, n])``; ``lse_i`` in fp32 or fp64, ``-inf`` for a block with
             no keys (its ``out_i`` must be finite, e.g. zeros: it then contributes nothing).
+        out: optional ``[b, h, n, d]`` tensor (any strides, e.g. a row slice of a preallocated output) that
+            receives the merged output, converted to its dtype.
     Returns:
-        ``(out [b, h, n, d]`` in the dtype of ``out_0``, ``lse [b, h, n]`` in the dtype of ``lse_0``):
-        ``lse = logsumexp_i(lse_i)``, ``out = sum_i exp(lse_i - lse) * out_i`` (computed in ``lse``'s dtype).
-        One part is returned as it is.
+        ``(out [b, h, n, d]`` in the dtype of ``out_0`` (``out`` itself when given), ``lse [b, h, n]`` in the
+        dtype of ``lse_0``): ``lse = logsumexp_i(lse_i)``, ``out = sum_i exp(lse_i - lse) * out_i`` (computed in
+        ``lse``'s dtype). One part is returned as it is (copied into ``out`` when given).
     Raises:
         ValueError: no parts.
     """
     if not parts:
         raise ValueError("merge_partials: no blocks to merge")
     if len(parts) == 1:
-        return parts[0]
+        return parts[0] if out is None else (out.copy_(parts[0][0]), parts[0][1])
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-    out = None
+    acc = None
     for o, part_lse in parts:  # one [b, h, n, d] buffer in lse's dtype; the parts are left as they are
         weight = torch.exp(part_lse - lse).unsqueeze(-1)
-        out = torch.mul(o, weight) if out is None else out.addcmul_(o, weight)
-    return out.to(parts[0][0].dtype), lse
+        acc = torch.mul(o, weight) if acc is None else acc.addcmul_(o, weight)
+    return (acc.to(parts[0][0].dtype) if out is None else out.copy_(acc)), lse
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,8 +163,33 @@ def _native_lse(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return lse.reshape(shape).contiguous()
 
 
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the ``cudnn``/``flash`` block kernels read it in place, else ``x.contiguous()``.
+
+    In place: the last dimension has stride 1, and the data pointer and the strides of the other dimensions
+    (those of size > 1) are nonzero multiples of 16 bytes, e.g. megatron's permuted ``[s, b, heads, d]`` views, a
+    slice of the fused QKV projection, or a row slice of either (see the module docstring for why that is safe).
+    A broadcast (stride 0) or misaligned tensor is copied.
+    """
+    size = x.element_size()
+    aligned = x.data_ptr() % 16 == 0 and all(st != 0 and st * size % 16 == 0
+                                             for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
+
+
+def with_output_layout(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``x`` (shaped like ``q``) in the layout of a tensor allocated like ``q``: ``q``'s strides when ``q`` is
+    non-overlapping and dense, else contiguous (``torch.empty_like``'s rule, the one SDPA's forward ops apply to
+    their output). ``x`` itself when its strides already match on every dimension of size > 1, else a copy.
+    """
+    want = torch.empty_like(q, device="meta").stride()
+    if all(a == b for a, b, n in zip(x.stride(), want, x.shape) if n > 1):
+        return x
+    return torch.empty_like(q, dtype=x.dtype).copy_(x)
+
+
 def _cudnn_forward(q, k, v, causal, scale):
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out, lse.reshape(q.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
@@ -140,23 +197,25 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 def _cudnn_backward(dout, q, k, v, out, lse, aux, causal, scale):
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-        _native_lse(lse, lse_shape), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+        with_output_layout(dout, q), q, k, v, with_output_layout(out, q), _native_lse(lse, lse_shape), seed, offset,
+        None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
 
 
 def _flash_forward(q, k, v, causal, scale):
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale)
     return out, lse.reshape(q.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, rng_state, unused)
 
 
 def _flash_backward(dout, q, k, v, out, lse, aux, causal, scale):
+    # the op makes dout and out contiguous in its [b, s, h, d] view itself
     lse_shape, cum_q, cum_k, max_q, max_k, rng_state, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-        _native_lse(lse, lse_shape), cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+        dout, kernel_input(q), kernel_input(k), kernel_input(v), out, _native_lse(lse, lse_shape), cum_q, cum_k,
+        max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
 
 
 class BlockKernel(NamedTuple):
@@ -214,24 +273,27 @@ def _reduce_group(grad: torch.Tensor, group: int, dtype: torch.dtype) -> torch.T
     return grad.unflatten(1, (grad.shape[1] // group, group)).sum(2, dtype=dtype)
 
 
-def _blocks_forward(q, k, v, chunks, length, scale, kernel):
+def _blocks_forward(q, k, v, chunks, length, scale, kernel, out=None):
     """Forward of query chunks ``chunks`` (``length`` rows each, in ``q``'s row order) as merged blocks:
-    ``(out [b, h, n, d], lse [b, h, n] fp32, auxes)`` with one ``aux`` per block in :func:`chunk_blocks` order."""
+    ``(out [b, h, n, d], lse [b, h, n] fp32, auxes)`` with one ``aux`` per block in :func:`chunk_blocks` order.
+    ``out``: optional preallocated ``[b, h, n, d]`` output (any strides); each chunk's merge is written into its
+    rows and ``out`` is returned (default: a new contiguous tensor)."""
     fwd = BLOCK_KERNELS[kernel].forward
     group = _expansion(q, k, kernel)
     outs, lses, auxes = [], [], []
     for j, chunk in enumerate(chunks):
-        qj = q[:, :, j * length:(j + 1) * length]
+        rows = slice(j * length, (j + 1) * length)
+        qj = q[:, :, rows]
         parts = []
         for blk in chunk_blocks(chunk, length):
             o, lse, aux = fwd(qj, _expand(k[:, :, blk.lo:blk.hi], group), _expand(v[:, :, blk.lo:blk.hi], group),
                               blk.causal, scale)
             parts.append((o, lse))
             auxes.append(aux)
-        o, lse = merge_partials(parts)
+        o, lse = merge_partials(parts, out=None if out is None else out[:, :, rows])
         outs.append(o)
         lses.append(lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), auxes
+    return torch.cat(outs, dim=2) if out is None else out, torch.cat(lses, dim=2), auxes
 
 
 class _BlockwiseCausalAttention(torch.autograd.Function):
@@ -282,7 +344,9 @@ class _ChunkedForwardCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, n_chunks, scale, kernel):
-        out, lse, auxes = _blocks_forward(q, k, v, list(range(n_chunks)), q.shape[2] // n_chunks, scale, kernel)
+        # the output is allocated like q, as the kernels allocate theirs (module docstring: layouts)
+        out, lse, auxes = _blocks_forward(q, k, v, list(range(n_chunks)), q.shape[2] // n_chunks, scale, kernel,
+                                          out=torch.empty_like(q))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.aux = _full_call_aux(auxes[0], q.shape[0], q.shape[1], q.shape[2])
         ctx.scale, ctx.kernel = scale, kernel
@@ -311,12 +375,15 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     causal backward is as fast as the blocks'.
 
     Args:
-        q: ``[b, h, S, d]``; k, v: ``[b, g, S, d]`` (``h`` a multiple of ``g``: GQA), natural order.
+        q: ``[b, h, S, d]``; k, v: ``[b, g, S, d]`` (``h`` a multiple of ``g``: GQA), natural order; any strides
+            (megatron's permuted ``[S, b, heads, d]`` views are read in place, see the module docstring).
         chunks: number of query chunks (>= 1; ``S`` a multiple of it). 1 is one causal call each way.
         scale: softmax scale (default ``1/sqrt(d)``).
         kernel: a key of :data:`BLOCK_KERNELS` (default :func:`default_block_kernel`).
     Returns:
-        ``[b, h, S, d]`` in ``q``'s dtype.
+        ``[b, h, S, d]`` in ``q``'s dtype, allocated like ``q`` (``torch.empty_like``: ``q``'s strides when ``q`` is
+        non-overlapping and dense), so for ``q`` a permuted view of a contiguous ``[S, b, h, d]`` tensor
+        ``out.permute(2, 0, 1, 3).reshape(S, b, h * d)`` is a view. Its gradient may come in any layout.
     Memory beyond one causal call: the forward's block outputs and the fp32 merge of one chunk
     (``b * h * L * d * 4`` bytes), released before it returns.
     Raises:
@@ -363,7 +430,8 @@ class _OverlappedCPBlocks(torch.autograd.Function):
         k_full, v_full = (t.permute(1, 2, 0, 3) for t in _natural_kv(recv.view(cp, 2, -1, *send.shape[1:]), cp,
                                                                       length))
         del recv
-        outs, lses, off_aux = [], [], []
+        out = torch.empty_like(q)  # q's layout (megatron's [s, b, h, d] order): the caller's flatten is a view
+        lses, off_aux = [], []
         for j, c in enumerate(chunks):
             parts = [diag[j][:2]]
             if c > 0:
@@ -371,10 +439,8 @@ class _OverlappedCPBlocks(torch.autograd.Function):
                                   _expand(v_full[:, :, :c * length], gqa), False, scale)
                 parts.append((o, lse))
                 off_aux.append(aux)
-            o, lse = merge_partials(parts)
-            outs.append(o)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+            lses.append(merge_partials(parts, out=out[:, :, rows[j]])[1])
+        lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k_loc, v_loc, k_full, v_full, out, lse)
         ctx.group, ctx.chunks, ctx.length, ctx.scale, ctx.kernel = group, chunks, length, scale, kernel
         ctx.diag_aux, ctx.off_aux = [d[2] for d in diag], off_aux
@@ -446,7 +512,8 @@ def overlapped_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         scale: softmax scale (default ``1/sqrt(d)``).
         kernel: a key of :data:`BLOCK_KERNELS` (default :func:`default_block_kernel`).
     Returns:
-        ``[b, h, S/cp, d]`` in ``q``'s dtype: those rows of full causal attention over the whole sequence.
+        ``[b, h, S/cp, d]`` in ``q``'s dtype and layout (``torch.empty_like(q)``): those rows of full causal
+        attention over the whole sequence.
     Memory beyond :func:`blockwise_cp_attention`'s: the ``[K; V]`` send buffer (``2 * S/cp * b * g * d``
     elements) during the forward, and fp32 reduce-scatter buffers (``2 * S * b * g * d * 4`` bytes in,
     ``1/cp`` of that out) in the backward.
