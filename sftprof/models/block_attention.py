@@ -5,8 +5,7 @@ A CP rank holds two load-balanced query chunks of ``L`` tokens (global chunk ind
 which splits into
 
 - the diagonal block: keys ``[c L, (c + 1) L)``, a square causal block (``is_causal`` with ``s_q == s_k``),
-- the off-diagonal keys ``[0, c L)``, no mask (absent for ``c = 0``), as blocks of ``2^i L`` keys, one per set bit
-  of ``c`` (:func:`chunk_blocks`: equal block shapes on every CP rank).
+- the off-diagonal block: keys ``[0, c L)``, no mask (absent for ``c = 0``).
 
 Each block returns its output ``O_i`` (softmax over its own keys) and the row log-sum-exp ``lse_i`` of its
 scaled scores; the chunk's result is the standard online-softmax merge (flash-attention's rescaling):
@@ -86,22 +85,15 @@ class Block(NamedTuple):
 
 
 def chunk_blocks(chunk: int, length: int) -> list[Block]:
-    """The blocks of query chunk ``chunk`` (``length`` tokens): the diagonal block, then the off-diagonal keys
-    ``[0, chunk L)`` as unmasked blocks of ``2^i L`` keys, one per set bit ``i`` of ``chunk``, largest first.
+    """The blocks of query chunk ``chunk`` (``length`` tokens): the diagonal block, then the off-diagonal one.
 
-    Why the powers of two: CP rank ``r``'s chunks ``r`` and ``2 CP - 1 - r`` have complementary bits when CP is a
-    power of two (they sum to ``2 CP - 1``, all ones), so every rank runs the same block shapes (``L`` x ``L``,
-    ``L`` x ``2L``, ... ``L`` x ``CP L``) and none waits for another's slower shape: on an H200 the cuDNN backward
-    of one ``L`` x ``3L`` block took ~10 ms longer than ``L`` x ``L`` plus ``L`` x ``2L`` (bench/NOTES.md, eleventh
-    session). Chunk 0 has no off-diagonal block. Raises ValueError for a negative chunk or a length < 1.
+    Chunk 0 has no off-diagonal block. Raises ValueError for a negative chunk or a length < 1.
     """
     if chunk < 0 or length < 1:
         raise ValueError(f"chunk_blocks: chunk {chunk} must be >= 0 and length {length} >= 1")
-    blocks, lo = [Block(chunk * length, (chunk + 1) * length, True)], 0
-    for bit in reversed(range(chunk.bit_length())):
-        if chunk >> bit & 1:
-            blocks.append(Block(lo, lo + (length << bit), False))
-            lo += length << bit
+    blocks = [Block(chunk * length, (chunk + 1) * length, True)]
+    if chunk > 0:
+        blocks.append(Block(0, chunk * length, False))
     return blocks
 
 
@@ -442,9 +434,9 @@ class _OverlappedCPBlocks(torch.autograd.Function):
         lses, off_aux = [], []
         for j, c in enumerate(chunks):
             parts = [diag[j][:2]]
-            for blk in chunk_blocks(c, length)[1:]:
-                o, lse, aux = fwd(q[:, :, rows[j]], _expand(k_full[:, :, blk.lo:blk.hi], gqa),
-                                  _expand(v_full[:, :, blk.lo:blk.hi], gqa), False, scale)
+            if c > 0:
+                o, lse, aux = fwd(q[:, :, rows[j]], _expand(k_full[:, :, :c * length], gqa),
+                                  _expand(v_full[:, :, :c * length], gqa), False, scale)
                 parts.append((o, lse))
                 off_aux.append(aux)
             lses.append(merge_partials(parts, out=out[:, :, rows[j]])[1])
@@ -467,17 +459,18 @@ class _OverlappedCPBlocks(torch.autograd.Function):
         where = {c: (r, j) for r in range(cp) for j, c in enumerate(cp_chunk_ids(cp, r))}
         dqs, off_aux = [None, None], iter(ctx.off_aux)
         for j, c in enumerate(ctx.chunks):
-            for blk in chunk_blocks(c, length)[1:]:
-                dq, dk, dv = bwd(dout[:, :, rows[j]], q[:, :, rows[j]], _expand(k_full[:, :, blk.lo:blk.hi], gqa),
-                                 _expand(v_full[:, :, blk.lo:blk.hi], gqa), out[:, :, rows[j]], lse[:, :, rows[j]],
-                                 next(off_aux), False, ctx.scale)
-                dqs[j] = dq.to(acc) if dqs[j] is None else dqs[j].add_(dq)
-                for t, grad in ((0, dk), (1, dv)):
-                    grad = _reduce_group(grad, gqa, acc)  # [b, g, hi - lo, d]
-                    for key_chunk in range(blk.lo // length, blk.hi // length):
-                        r, i = where[key_chunk]
-                        off = key_chunk * length - blk.lo
-                        send[r, t, i * length:(i + 1) * length] += grad[:, :, off:off + length].permute(2, 0, 1, 3)
+            if c == 0:
+                continue
+            dq, dk, dv = bwd(dout[:, :, rows[j]], q[:, :, rows[j]], _expand(k_full[:, :, :c * length], gqa),
+                             _expand(v_full[:, :, :c * length], gqa), out[:, :, rows[j]], lse[:, :, rows[j]],
+                             next(off_aux), False, ctx.scale)
+            dqs[j] = dq.to(acc)
+            for t, grad in ((0, dk), (1, dv)):
+                grad = _reduce_group(grad, gqa, acc)  # [b, g, c L, d]
+                for key_chunk in range(c):
+                    r, i = where[key_chunk]
+                    send[r, t, i * length:(i + 1) * length] += grad[:, :, key_chunk * length:(key_chunk + 1)
+                                                                    * length].permute(2, 0, 1, 3)
         recv = send.new_empty(send.shape[1:])
         work = torch.distributed.reduce_scatter_tensor(recv.view((-1,) + send.shape[3:]),
                                                        send.view((-1,) + send.shape[3:]), group=ctx.group,
