@@ -11,7 +11,7 @@ import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
 from sftprof.config import PRESET_DIR, ConfigError, load_config
-from sftprof.models import attention
+from sftprof.models import attention, block_attention
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       forward_chunks_skip_reason, natural_to_rank_order, rank_order_to_natural)
 from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
@@ -279,9 +279,22 @@ def test_block_kernel_layout_helpers():
     got = with_output_layout(o, x)
     assert got.stride() == x.stride() and torch.equal(got, o)
     assert with_output_layout(got, x) is got
-    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension does not matter
+    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension counts too
     dout = torch.randn(6, 1, 4, 8).as_strided((6, 1, 4, 8), (32, 7, 8, 1)).permute(1, 2, 0, 3)
-    assert dout.stride() != q1.stride() and with_output_layout(dout, q1) is dout
+    got = with_output_layout(dout, q1)
+    assert dout.stride() == (7, 8, 32, 1) and got.stride() == q1.stride() == (32, 8, 32, 1) and torch.equal(got, dout)
+    same = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)
+    assert with_output_layout(same, q1) is same
+    # q's strides but a storage offset of one element (4 bytes): copied to an aligned tensor
+    shifted = torch.randn(1 + 6 * 4 * 8)[1:].view(6, 1, 4, 8).permute(1, 2, 0, 3)
+    got = with_output_layout(shifted, q1)
+    assert shifted.stride() == q1.stride() and shifted.data_ptr() % 16 == 4
+    assert got.stride() == q1.stride() and got.data_ptr() % 16 == 0 and torch.equal(got, shifted)
+    lse = torch.randn(1, 1, 12)[:, :, 3:9]  # contiguous, 12 bytes past an aligned start: the op gets an aligned copy
+    got = block_attention._native_lse(lse, torch.Size((1, 1, 6, 1)))
+    assert lse.is_contiguous() and lse.data_ptr() % 16 == 12
+    assert got.shape == (1, 1, 6, 1) and got.is_contiguous() and got.data_ptr() % 16 == 0
+    assert torch.equal(got.flatten(), lse.flatten())
     q_rows = torch.randn(2, 4, 12, 8)[:, :, 2:8]  # a row slice of [b, h, S, d]: not dense, so contiguous
     got = with_output_layout(torch.randn(2, 4, 12, 8)[:, :, 4:10], q_rows)
     assert got.is_contiguous() and got.shape == q_rows.shape
