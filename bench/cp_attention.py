@@ -39,8 +39,9 @@ single-GPU row against the one SDPA call, printed after the table.
 
 Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...]
 [--layouts bhsd sbhd] [--reps 5] [--json F]
-A bad argument (``--chunks`` < 1 or not dividing ``--seq``, ``--cp`` < 2 or not dividing it into 2 x CP chunks) is
-refused with exit status 2 first; without CUDA it then prints that it needs a GPU and exits with status 1, measuring
+A bad argument (``--chunks`` < 1 or not dividing ``--seq``, ``--cp`` < 2 or not dividing it into 2 x CP chunks, a
+value repeated in ``--cp``/``--chunks``/``--kernels``/``--layouts``, a ``--json`` file that exists or whose folder does
+not) is refused with exit status 2 first; without CUDA it then prints that it needs a GPU and exits with status 1, measuring
 nothing.
 """
 from __future__ import annotations
@@ -201,6 +202,14 @@ def main() -> int:
     for n in args.chunks:
         if n < 1 or args.seq % n:
             ap.error(f"--chunks {n}: must be >= 1 and divide --seq {args.seq}")
+    for flag in ("cp", "chunks", "kernels", "layouts"):  # a repeat would give two rows of one name
+        values = getattr(args, flag)
+        if len(set(values)) != len(values):
+            ap.error(f"--{flag} {' '.join(map(str, values))}: a value is repeated (each gives its own rows)")
+    if args.json and args.json.exists():
+        ap.error(f"--json {args.json}: exists; give a new file (results are never overwritten)")
+    if args.json and not args.json.resolve().parent.is_dir():
+        ap.error(f"--json {args.json}: folder {args.json.resolve().parent} does not exist")
     if not torch.cuda.is_available():
         print("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
               file=sys.stderr)

@@ -29,7 +29,9 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
 
 Ratios against the one-GPU row (of this run, or of ``--baseline`` JSON written by an earlier run): the
 issue's goals are attention per rank <= 0.55x at CP = 2, two-GPU step <= 0.55x, exposed communication
-<= 3 % of the step. Exit status: 0 when every layout's trial succeeded, else 1 (its row names the status).
+<= 3 % of the step. Before the first layout runs, every row's driver run is checked as the driver would
+(:func:`check_layout`): a bad setting in any row stops the bench with exit status 2 and nothing run or written.
+Exit status: 0 when every layout's trial succeeded, else 1 (its row names the status).
 """
 from __future__ import annotations
 
@@ -219,27 +221,43 @@ def split_layout_spec(spec: str) -> tuple[str, list[str]]:
     return layout, extra
 
 
-def run_layout(spec: str, args, overrides: list[str], out_dir: Path) -> dict:
-    """Run the driver for one layout spec (``LAYOUT[@key=value...]``: the last step's kernel trial, and its memory
-    trial with ``--kinds kernel,memory``) and return the kernel trial's row, labelled ``spec``."""
+def driver_call(spec: str, args, overrides: list[str], out_dir: Path, stamp: str) -> tuple[dict, list[str], Path]:
+    """``(env, command, run_root)`` of the driver run for one layout spec (``LAYOUT[@key=value...]``), its run root
+    named after the layout, the number of row overrides and ``stamp``. Raises ValueError as :func:`split_layout_spec`."""
     layout, extra = split_layout_spec(spec)
-    overrides = overrides + extra
     parsed = parse_allocation_mode(layout)
-    world = parsed.world_size
-    stamp = time.strftime("%Y%m%d_%H%M%S")
     name = layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')
     run_root = out_dir / f"{name}_{stamp}" if not extra else out_dir / f"{name}_{len(extra)}ov_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
     env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
-               RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(world),
+               RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(parsed.world_size),
                PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),
                PROFILE_STAMP=stamp, FILEROOT=str(out_dir / "fileroot"))
     cmd = ["bash", str(REPO / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={layout}"]
     if args.layers:
         cmd.append(f"actor.num_layers={args.layers}")
-    proc = subprocess.run(cmd + overrides, env=env, text=True)
+    return env, cmd + overrides + extra, run_root
+
+
+def check_layout(spec: str, args, overrides: list[str], out_dir: Path) -> None:
+    """Validate one layout spec's driver run as the driver would (:func:`sftprof.launch.plan`, given the GPUs
+    its layout needs), writing and launching nothing, so that a bad row override stops the bench before the
+    first layout runs. Raises ValueError (``sftprof.launch.DriverError`` included) naming the setting."""
+    from sftprof.launch import plan
+
+    env, cmd, _ = driver_call(spec, args, overrides, out_dir, "check")
+    env["RUN_ROOT"] = str(out_dir / f".check_{os.getpid()}")  # absent: plan refuses only a non-empty RUN_ROOT
+    plan(env, cmd[2:], gpus=parse_allocation_mode(split_layout_spec(spec)[0]).world_size)
+
+
+def run_layout(spec: str, args, overrides: list[str], out_dir: Path) -> dict:
+    """Run the driver for one layout spec (``LAYOUT[@key=value...]``: the last step's kernel trial, and its memory
+    trial with ``--kinds kernel,memory``) and return the kernel trial's row, labelled ``spec``."""
+    parsed = parse_allocation_mode(split_layout_spec(spec)[0])
+    env, cmd, run_root = driver_call(spec, args, overrides, out_dir, time.strftime("%Y%m%d_%H%M%S"))
+    proc = subprocess.run(cmd, env=env, text=True)
     row = run_root_row(run_root, {"sequences": parsed.dp, "driver_exit": proc.returncode})
-    row.update(layout=spec, world_size=row["world_size"] or world)
+    row.update(layout=spec, world_size=row["world_size"] or parsed.world_size)
     if proc.returncode:  # also when the kernel trial is fine and the memory trial failed
         row["status"] = f"driver exit {proc.returncode} (its output is above); kernel trial: {row.get('status')}"
     return row
@@ -290,6 +308,11 @@ def main() -> int:
             ap.error(f"--layouts {spec!r}: {err}")
     if len(set(args.layouts)) != len(args.layouts):
         ap.error(f"--layouts {args.layouts}: a spec is repeated (rows are told apart by their spec)")
+    for spec in args.layouts:  # every row's driver run is valid before the first one starts
+        try:
+            check_layout(spec, args, overrides, args.out_dir.resolve())
+        except ValueError as err:
+            ap.error(f"--layouts {spec!r}: {err}")
     baseline = None
     if args.baseline:
         try:

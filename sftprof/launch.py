@@ -41,6 +41,7 @@ import re
 import shlex
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -509,6 +510,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
             node = getattr(node, part)
         log.note(var.name, _yaml_value(node), f"env -> {var.key}" if var.name in d.set_keys else f"config {var.key}")
     fileroot, package = Path(probe.cluster.fileroot), __name__.partition(".")[0]
+    check_writable_folder("FILEROOT", fileroot)
     if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
         log.notices.append(f"warning: FILEROOT {fileroot} is a folder named {package}: a Python started in "
                            f"{fileroot.parent} imports it (an empty namespace package) instead of the {package} "
@@ -521,6 +523,22 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
         log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
     log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
     return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_spec=ranks_spec)
+
+
+def check_writable_folder(name: str, path: Path) -> None:
+    """Raises DriverError naming ``name`` unless folders can be made under ``path``: its nearest existing ancestor
+    (``path`` itself when it exists) is a folder in which a probe folder can be created; the probe is removed
+    at once, so nothing is left behind (``path`` itself is not created here)."""
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    try:
+        if not base.is_dir():
+            raise NotADirectoryError(f"{base} is not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".sftprof_probe_", dir=base))
+    except OSError as err:
+        raise DriverError(f"{name}={path}: cannot create folders there ({err}); accepted: a folder path that this "
+                          "user can write (it is created if missing)") from err
 
 
 def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:

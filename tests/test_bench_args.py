@@ -60,10 +60,23 @@ def test_collectives_never_overwrites_its_json(monkeypatch, capsys, tmp_path):
     assert out.read_text() == "earlier results"
 
 
+def test_cp_attention_never_overwrites_its_json(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("earlier results")
+    rc, err = _run(monkeypatch, capsys, "cp_attention", "--json", str(out))
+    assert rc == 2 and err.endswith(
+        f"\ncp_attention.py: error: --json {out}: exists; give a new file (results are never overwritten)\n")
+    assert out.read_text() == "earlier results"
+
+
 @pytest.mark.parametrize("name, argv, message", [
     ("cp_attention", ["--chunks", "0"], "--chunks 0: must be >= 1 and divide --seq 131072"),
     ("cp_attention", ["--chunks", "3"], "--chunks 3: must be >= 1 and divide --seq 131072"),
     ("cp_attention", ["--seq", "12", "--cp", "4"], "--seq 12 must be a multiple of 2 x CP = 8"),
+    ("cp_attention", ["--layouts", "sbhd", "sbhd"], "--layouts sbhd sbhd: a value is repeated (each gives its own rows)"),
+    ("cp_attention", ["--chunks", "2", "4", "2"], "--chunks 2 4 2: a value is repeated (each gives its own rows)"),
+    ("cp_attention", ["--json", "/nonexistent_dir/r.json"], "--json /nonexistent_dir/r.json: folder /nonexistent_dir "
+     "does not exist"),
     ("norm", ["--fwd-tile", "1000"],
      "--fwd-tile 1000: must be a power of 2 (elements per tile; Triton blocks are powers of 2)"),
     ("norm", ["--reps", "0"], "--tokens 131072 and --reps 0: each must be an integer >= 1"),

@@ -11,7 +11,7 @@ import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
 from sftprof.config import PRESET_DIR, ConfigError, load_config
-from sftprof.models import attention
+from sftprof.models import attention, block_attention
 from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       forward_chunks_skip_reason, natural_to_rank_order, rank_order_to_natural)
 from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
@@ -279,9 +279,22 @@ def test_block_kernel_layout_helpers():
     got = with_output_layout(o, x)
     assert got.stride() == x.stride() and torch.equal(got, o)
     assert with_output_layout(got, x) is got
-    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension does not matter
+    q1 = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # b = 1: the stride of the size-1 dimension counts too
     dout = torch.randn(6, 1, 4, 8).as_strided((6, 1, 4, 8), (32, 7, 8, 1)).permute(1, 2, 0, 3)
-    assert dout.stride() != q1.stride() and with_output_layout(dout, q1) is dout
+    got = with_output_layout(dout, q1)
+    assert dout.stride() == (7, 8, 32, 1) and got.stride() == q1.stride() == (32, 8, 32, 1) and torch.equal(got, dout)
+    same = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)
+    assert with_output_layout(same, q1) is same
+    # q's strides but a storage offset of one element (4 bytes): copied to an aligned tensor
+    shifted = torch.randn(1 + 6 * 4 * 8)[1:].view(6, 1, 4, 8).permute(1, 2, 0, 3)
+    got = with_output_layout(shifted, q1)
+    assert shifted.stride() == q1.stride() and shifted.data_ptr() % 16 == 4
+    assert got.stride() == q1.stride() and got.data_ptr() % 16 == 0 and torch.equal(got, shifted)
+    lse = torch.randn(1, 1, 12)[:, :, 3:9]  # contiguous, 12 bytes past an aligned start: the op gets an aligned copy
+    got = block_attention._native_lse(lse, torch.Size((1, 1, 6, 1)))
+    assert lse.is_contiguous() and lse.data_ptr() % 16 == 12
+    assert got.shape == (1, 1, 6, 1) and got.is_contiguous() and got.data_ptr() % 16 == 0
+    assert torch.equal(got.flatten(), lse.flatten())
     q_rows = torch.randn(2, 4, 12, 8)[:, :, 2:8]  # a row slice of [b, h, S, d]: not dense, so contiguous
     got = with_output_layout(torch.randn(2, 4, 12, 8)[:, :, 4:10], q_rows)
     assert got.is_contiguous() and got.shape == q_rows.shape
@@ -439,3 +452,63 @@ def test_sdpa_core_attention_with_a_gloo_cp_group_matches_full_fp64(tmp_path, cp
         for case, e in errs.items():
             for name in ("out", "dq", "dk", "dv"):
                 assert e[name] < 1e-10, (rank, case, name, e)
+
+
+def _overlapped_direct_worker(rank: int, cp: int, store: str, results: str) -> None:
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    from sftprof.models.block_attention import overlapped_cp_attention
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
+    own = [dist.new_group([r]) for r in range(cp)][rank]  # every rank creates every group, uses its own
+    b, h, d, s = 1, 2, 8, 8 * cp
+    q, k, v, dout = _fp64_inputs(11, b, h, h, s, d)  # MHA: as many K/V heads as query heads
+    ref = _reference(q, k, v)
+    want = [ref.detach()] + list(torch.autograd.grad(ref, (q, k, v), dout))
+    local = lambda t: cp_shard(t.detach(), cp, rank, dim=2)  # noqa: E731
+
+    def run(dtype, wrap=None):
+        lq, lk, lv = (local(t).to(dtype).requires_grad_() for t in (q, k, v))
+        fn = lambda a, b_, c: overlapped_cp_attention(a, b_, c, group=dist.group.WORLD, kernel="math")  # noqa: E731
+        out = fn(lq, lk, lv) if wrap is None else wrap(fn, lq, lk, lv)
+        out.backward(local(dout).to(dtype))
+        return [out.detach(), lq.grad, lk.grad, lv.grad]
+
+    def err(got):
+        return max(float((g.double() - local(w)).abs().max()) for g, w in zip(got, want))
+
+    errs = {"fp64": err(run(torch.float64)), "fp32": err(run(torch.float32)),
+            "checkpoint": err(run(torch.float64, lambda f, *a: checkpoint(f, *a, use_reentrant=False))),
+            "checkpoint_reentrant": err(run(torch.float64, lambda f, *a: checkpoint(f, *a, use_reentrant=True)))}
+    with torch.no_grad():
+        out = overlapped_cp_attention(*(local(t).requires_grad_() for t in (q, k, v)), group=dist.group.WORLD,
+                                      kernel="math")
+    errs["no_grad"] = float((out - local(ref)).abs().max())
+    errs["no_grad_fn"] = out.grad_fn is None
+    # a process group of one rank: this rank holds the whole sequence as chunks 0 and 1
+    fq, fk, fv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = overlapped_cp_attention(fq, fk, fv, group=own, kernel="math")
+    out.backward(dout)
+    errs["group_of_one"] = max(float((g - w).abs().max()) for g, w in zip((out.detach(), fq.grad, fk.grad, fv.grad),
+                                                                           want))
+    torch.save(errs, f"{results}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_overlapped_cp_attention_direct_calls_mha_fp32_checkpoint_no_grad_and_a_group_of_one(tmp_path):
+    """overlapped_cp_attention called directly on 2 gloo ranks with as many K/V heads as query heads (MHA): fp64
+    and fp32 inputs, under torch.utils.checkpoint (both forms: the forward and its collective run again in the
+    backward), under no_grad (same output, no graph), and on a process group of one rank (the whole sequence):
+    outputs and Q/K/V gradients equal the fp64 reference (fp32: to 1e-5)."""
+    import torch.multiprocessing as mp
+
+    results = str(tmp_path / "errs")
+    mp.spawn(_overlapped_direct_worker, args=(2, str(tmp_path / "store"), results), nprocs=2, join=True)
+    for rank in range(2):
+        errs = torch.load(f"{results}.{rank}")
+        assert errs.pop("no_grad_fn") is True
+        assert errs.pop("fp32") < 1e-5, (rank, errs)
+        assert sorted(errs) == ["checkpoint", "checkpoint_reentrant", "fp64", "group_of_one", "no_grad"]
+        for case, e in errs.items():
+            assert e < 1e-10, (rank, case, e)

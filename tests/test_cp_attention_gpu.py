@@ -218,6 +218,40 @@ def test_cudnn_backward_any_output_layout_one_gpu():
 
 
 @pytest.mark.gpu
+def test_cudnn_backward_size_one_stride_and_misaligned_output_gradient_one_gpu():
+    """Batch 1, megatron's layout, after the cuDNN backward graph was cached for O/dO in Q's strides: a dO whose
+    size-1 (batch) dimension has another stride, and a dO and an O with Q's strides but a storage offset of one
+    element (2 bytes: not 16-byte aligned), give the gradients of the matched call (with_output_layout copies
+    them into Q's exact layout; before, the size-1 stride and the pointer were passed to the cached graph as
+    they were)."""
+    from sftprof.models.block_attention import BLOCK_KERNELS
+
+    q, k, v, dout, want = _megatron_case(7, 1, False)
+    views = [t.detach().permute(1, 2, 0, 3) for t in (q, k, v)]
+    scale = q.shape[-1] ** -0.5
+    kern = BLOCK_KERNELS["cudnn_gqa"]
+    out, lse, aux = kern.forward(*views, True, scale)
+    dout_sbhd = dout.view(q.shape)
+    matched = kern.backward(dout_sbhd.permute(1, 2, 0, 3), *views, out, lse, aux, True, scale)
+
+    def shifted(x):  # x's values and strides, one element past a 16-byte boundary
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:]
+        return buf.view(x.shape).copy_(x)
+
+    st = dout_sbhd.stride()
+    other_b = dout_sbhd.as_strided(q.shape, (st[0], 8, st[2], st[3])).permute(1, 2, 0, 3)
+    out_sbhd = out.permute(2, 0, 1, 3)
+    cases = {"size-1 stride": (other_b, out),
+             "misaligned dO": (shifted(dout_sbhd).permute(1, 2, 0, 3), out),
+             "misaligned O": (dout_sbhd.permute(1, 2, 0, 3), shifted(out_sbhd).permute(1, 2, 0, 3))}
+    assert other_b.stride()[0] == 8 and cases["misaligned dO"][0].data_ptr() % 16 == 2
+    for case, (d_o, o) in cases.items():
+        got = kern.backward(d_o, *views, o, lse, aux, True, scale)
+        for name, g, a in zip(("dq", "dk", "dv"), got, matched):
+            torch.testing.assert_close(g, a, rtol=2e-2, atol=2e-2, msg=lambda m: f"{case}, {name}: {m}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,fused_kv", [(1, False), (2, True)])
 def test_sdpa_core_attention_chunked_megatron_layout_one_gpu(batch, fused_kv):
     """SDPACoreAttention at CP = 1 with forward_chunks 2 (the shipped default: the chunked path with the default

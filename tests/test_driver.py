@@ -46,6 +46,19 @@ def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path
     assert "torchrun" not in out.stdout
 
 
+def test_unwritable_fileroot_exits_2_and_leaves_nothing(tmp_path):
+    """A FILEROOT under which no folder can be made (here: below a file) is refused by the plan, naming it, before
+    any trial; the probe of a writable FILEROOT's parent leaves nothing there."""
+    (tmp_path / "a_file").write_text("x")
+    bad = tmp_path / "a_file" / "fileroot"
+    out = run_driver({"FILEROOT": str(bad)}, tmp_path)
+    assert out.returncode == 2 and "torchrun" not in out.stdout and not (tmp_path / "run").exists()
+    assert (f"FILEROOT={bad}: cannot create folders there ({tmp_path / 'a_file'} is not a folder); accepted: a folder "
+            "path that this user can write (it is created if missing)") in out.stderr
+    launch.check_writable_folder("FILEROOT", tmp_path / "new" / "fileroot")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
 def test_misspelled_config_key_exits_2(tmp_path):
     cfg = tmp_path / "typo.yaml"
     text = (ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()

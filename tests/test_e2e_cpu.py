@@ -182,8 +182,9 @@ def test_bench_step_refuses_kinds_for_runs_and_an_existing_json(tmp_path):
 
 
 def test_bench_step_layout_spec_with_row_overrides(tmp_path):
-    """``LAYOUT@key=value...`` gives one row's own overrides; a bad layout, an override that is not key=value, or a
-    repeated spec stops ``bench/step.py`` (exit 2, naming the spec) before anything runs."""
+    """``LAYOUT@key=value...`` gives one row's own overrides; a bad layout, an override that is not key=value, a
+    repeated spec, or any row's driver run that the driver would refuse (a bad override value) stops
+    ``bench/step.py`` (exit 2, naming the spec) before anything runs."""
     bench = _bench_step()
     assert bench.split_layout_spec("megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false@a.b=1") == (
         "megatron:(attn:c2|ffn:e2)", ["actor.megatron.cp_comm_overlap=false", "a.b=1"])
@@ -199,4 +200,10 @@ def test_bench_step_layout_spec_with_row_overrides(tmp_path):
            "their spec)")
     p = subprocess.run(cmd + ["megatron:x9@a=1"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.splitlines()[-1].startswith("step.py: error: --layouts 'megatron:x9@a=1': ")
+    # a bad override VALUE of the second row stops the bench before the first row runs (the driver's own check)
+    p = subprocess.run(cmd + ["megatron:d1", "megatron:d1@actor.megatron.cp_comm_overlap=maybe"], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.splitlines()[-1].startswith(
+        "step.py: error: --layouts 'megatron:d1@actor.megatron.cp_comm_overlap=maybe': actor.megatron.cp_comm_overlap: "
+        "Value 'maybe' is not a valid bool (type str); accepted: true or false (also yes/no, on/off, 1/0)")
     assert not (tmp_path / "runs").exists()

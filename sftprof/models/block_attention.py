@@ -47,7 +47,8 @@ Layouts (what the ``cudnn``/``flash`` wrappers copy, and why the rest is safe). 
   else contiguous. :func:`chunked_causal_attention` allocates its merged output the same way, so megatron's
   ``out.permute(2, 0, 1, 3).reshape(s, b, -1)`` is a view, not a copy.
 - The cuDNN backward is given O and dO in exactly that layout (:func:`with_output_layout`: passed as they are
-  when their strides already match, copied otherwise) and the log-sum-exp contiguous. The reason, from torch's
+  when all their strides, those of size-1 dimensions included, already match and they are 16-byte aligned,
+  copied otherwise) and the log-sum-exp contiguous and 16-byte aligned. The reason, from torch's
   cuDNN SDPA source (its MHA.cpp, as read for this change): it caches one cuDNN backward graph per Q/K/V
   shape-and-stride combination, but the graph also fixes the strides of O, dO and the log-sum-exp, which are
   not part of that cache key, so a later call with the same Q/K/V layout and O or dO in another layout would
@@ -159,8 +160,9 @@ def _math_backward(dout, q, k, v, out, lse, aux, causal, scale):
 
 
 def _native_lse(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    # [b, h, n] -> the op's own lse shape ([b, h, n] or [b, h, n, 1]), contiguous
-    return lse.reshape(shape).contiguous()
+    # [b, h, n] -> the op's own lse shape ([b, h, n] or [b, h, n, 1]), contiguous and 16-byte aligned
+    lse = lse.reshape(shape).contiguous()
+    return lse if lse.data_ptr() % 16 == 0 else lse.clone()
 
 
 def kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -180,10 +182,17 @@ def kernel_input(x: torch.Tensor) -> torch.Tensor:
 def with_output_layout(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``x`` (shaped like ``q``) in the layout of a tensor allocated like ``q``: ``q``'s strides when ``q`` is
     non-overlapping and dense, else contiguous (``torch.empty_like``'s rule, the one SDPA's forward ops apply to
-    their output). ``x`` itself when its strides already match on every dimension of size > 1, else a copy.
+    their output). ``x`` itself when ALL its strides match, those of size-1 dimensions included, and its data
+    pointer is a multiple of 16 bytes; else a copy (16-byte aligned, as every new allocation).
+
+    Why all strides: the cuDNN backward graph takes O's and dO's strides as given, size-1 dimensions included, and
+    a cached graph is reused for any later call with the same Q/K/V (module docstring, "Layouts"); so every call
+    must hand over the very same O/dO strides. Why the alignment: the kernels load 16-byte vectors, and a dO with
+    O's strides but an odd storage offset is a misaligned-address fault (pytorch/pytorch#191576 and cuDNN
+    frontend's own torch op copy dO for either reason; cited as read, not as files of this repository).
     """
     want = torch.empty_like(q, device="meta").stride()
-    if all(a == b for a, b, n in zip(x.stride(), want, x.shape) if n > 1):
+    if tuple(x.stride()) == tuple(want) and x.data_ptr() % 16 == 0:
         return x
     return torch.empty_like(q, dtype=x.dtype).copy_(x)
 
