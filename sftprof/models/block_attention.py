@@ -412,9 +412,14 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return _ChunkedForwardCausalAttention.apply(q, k, v, chunks, scale, kernel)
 
 
+def _chunk_owners(cp_size: int) -> dict[int, tuple[int, int]]:
+    # global chunk index -> (the CP rank that holds it, its position 0 or 1 among that rank's two chunks)
+    return {c: (r, j) for r in range(cp_size) for j, c in enumerate(cp_chunk_ids(cp_size, r))}
+
+
 def _natural_kv(recv: torch.Tensor, cp_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     # recv [cp, 2, 2 L, b, g, d] (rank r's K rows then V rows, its two chunks each) -> K, V [S, b, g, d] natural order
-    where = {c: (r, j) for r in range(cp_size) for j, c in enumerate(cp_chunk_ids(cp_size, r))}
+    where = _chunk_owners(cp_size)
     order = [where[c] for c in range(2 * cp_size)]
     return tuple(torch.cat([recv[r, t, j * length:(j + 1) * length] for r, j in order]) for t in (0, 1))
 
@@ -465,7 +470,7 @@ class _OverlappedCPBlocks(torch.autograd.Function):
         # in flight during the diagonal blocks, whose K/V gradients are this rank's own rows
         send = torch.zeros((cp, 2, 2 * length) + tuple(k_loc.permute(2, 0, 1, 3).shape[1:]), dtype=acc,
                            device=k_loc.device)
-        where = {c: (r, j) for r in range(cp) for j, c in enumerate(cp_chunk_ids(cp, r))}
+        where = _chunk_owners(cp)
         dqs, off_aux = [None, None], iter(ctx.off_aux)
         for j, c in enumerate(ctx.chunks):
             if c == 0:
