@@ -13,8 +13,8 @@ sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP
 which the last is profiled (one kernel trial, every rank traced; ``--kinds kernel,memory`` adds the memory trial of
 the same step, so one invocation is also the shipped YAML's both-kinds check). Arguments after ``--`` are config
 overrides for every layout; ``LAYOUT@key=value[@key=value...]`` adds overrides for that row only (its label is the
-whole spec), so one invocation compares a setting on and off. The row of a layout is read from its kernel trial's ``profile_summary.json``
-(:func:`trial_row`):
+whole spec), so one invocation compares a setting on and off. The row of a layout is read from its kernel trial's
+``profile_summary.json`` (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
   the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0; none, shown ``-``, for a
@@ -247,7 +247,7 @@ def check_layout(spec: str, args, overrides: list[str], out_dir: Path) -> None:
 
     env, cmd, _ = driver_call(spec, args, overrides, out_dir, "check")
     env["RUN_ROOT"] = str(out_dir / f".check_{os.getpid()}")  # absent: plan refuses only a non-empty RUN_ROOT
-    plan(env, cmd[2:], gpus=parse_allocation_mode(split_layout_spec(spec)[0]).world_size)
+    plan(env, cmd[2:], gpus=int(env["N_GPUS_PER_NODE"]))
 
 
 def run_layout(spec: str, args, overrides: list[str], out_dir: Path) -> dict:
@@ -301,14 +301,9 @@ def main() -> int:
     missing = [str(r) for r in args.runs if not (r / "summary.tsv").is_file()]
     if missing:
         ap.error(f"--runs: no summary.tsv (not a driver run root) in {missing}")
-    for spec in args.layouts:
-        try:
-            split_layout_spec(spec)
-        except ValueError as err:
-            ap.error(f"--layouts {spec!r}: {err}")
     if len(set(args.layouts)) != len(args.layouts):
         ap.error(f"--layouts {args.layouts}: a spec is repeated (rows are told apart by their spec)")
-    for spec in args.layouts:  # every row's driver run is valid before the first one starts
+    for spec in args.layouts:  # every row's spec and driver run are valid before the first one starts
         try:
             check_layout(spec, args, overrides, args.out_dir.resolve())
         except ValueError as err:
