@@ -229,6 +229,10 @@ class MegatronSettings:
     # EP > 1, expert TP 1, dropless alltoall, without TE: one all-to-all row per (token, destination EP rank) instead
     # of one per (token, expert) (sftprof.models.moe_dedup); false = megatron-core's alltoall dispatcher.
     moe_dedup_alltoall: bool = True
+    # With moe_dedup_alltoall: each MoE layer's all-to-alls in this many token chunks, asynchronous, so that chunk
+    # c's experts run while chunk c + 1's rows and chunk c - 1's outputs are in flight (forward and backward);
+    # 1 = one all-to-all each way, the experts waiting for it.
+    moe_alltoall_chunks: int = 2
     # Without TE: the MoE router's top-k, softmaxes and dense [T, E] probs / routing map in one Triton kernel per
     # call (softmax routers, fp32 logits; sftprof.models.router); false = megatron-core's unfused torch.topk path.
     moe_fused_router: bool = True
@@ -271,6 +275,8 @@ class MegatronSettings:
         _check(isinstance(self.attention_forward_chunks, int) and not isinstance(self.attention_forward_chunks, bool)
                and self.attention_forward_chunks >= 1, f"{k}.attention_forward_chunks", self.attention_forward_chunks,
                "an integer >= 1")
+        _check(isinstance(self.moe_alltoall_chunks, int) and not isinstance(self.moe_alltoall_chunks, bool)
+               and self.moe_alltoall_chunks >= 1, f"{k}.moe_alltoall_chunks", self.moe_alltoall_chunks, "an integer >= 1")
 
 
 @dataclass

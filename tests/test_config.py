@@ -126,23 +126,25 @@ def test_type_error_names_the_layer_it_comes_from():
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
 
 
+@pytest.mark.parametrize("key", ["attention_forward_chunks", "moe_alltoall_chunks"])
 @pytest.mark.parametrize("value, message", [
-    ("0", "actor.megatron.attention_forward_chunks=0: must be an integer >= 1"),
-    ("-1", "actor.megatron.attention_forward_chunks=-1: must be an integer >= 1"),
-    ("1.5", "actor.megatron.attention_forward_chunks: Value '1.5' of type 'float' could not be converted to Integer; "
+    ("0", "actor.megatron.{key}=0: must be an integer >= 1"),
+    ("-1", "actor.megatron.{key}=-1: must be an integer >= 1"),
+    ("1.5", "actor.megatron.{key}: Value '1.5' of type 'float' could not be converted to Integer; "
             "accepted: an integer (the key's range is checked once it is one) (overrides "
-            "actor.megatron.attention_forward_chunks=1.5)"),
-    ("x", "actor.megatron.attention_forward_chunks: Value 'x' of type 'str' could not be converted to Integer; "
+            "actor.megatron.{key}=1.5)"),
+    ("x", "actor.megatron.{key}: Value 'x' of type 'str' could not be converted to Integer; "
           "accepted: an integer (the key's range is checked once it is one) (overrides "
-          "actor.megatron.attention_forward_chunks=x)"),
-    ("true", "actor.megatron.attention_forward_chunks: Value 'True' of type 'bool' could not be converted to Integer; "
+          "actor.megatron.{key}=x)"),
+    ("true", "actor.megatron.{key}: Value 'True' of type 'bool' could not be converted to Integer; "
              "accepted: an integer (the key's range is checked once it is one) (overrides "
-             "actor.megatron.attention_forward_chunks=true)"),
+             "actor.megatron.{key}=true)"),
 ])
-def test_attention_forward_chunks_refused_with_what_is_accepted(value, message):
+def test_chunk_counts_refused_with_what_is_accepted(key, value, message):
+    """``attention_forward_chunks`` and ``moe_alltoall_chunks`` take integers >= 1 only, refused with the key."""
     with pytest.raises(ConfigError) as exc:
-        load_config("tiny_cpu", [f"actor.megatron.attention_forward_chunks={value}"])
-    assert str(exc.value) == message
+        load_config("tiny_cpu", [f"actor.megatron.{key}={value}"])
+    assert str(exc.value) == message.format(key=key)
 
 
 @pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router", "cp_comm_overlap"])

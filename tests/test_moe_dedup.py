@@ -74,49 +74,61 @@ def _ep2_worker(rank: int, store: str) -> None:
         x = torch.randn(32, 2, 32, generator=g)  # [s, b, h]: 64 tokens
         probe = torch.randn(32, 2, 32, generator=g)
         results = {}
-        for dedup in (True, False):
-            torch.manual_seed(3)  # the same weights on and off (and the same router on both ranks)
-            layer = build_module(_moe_spec(config, sorted_permute=False, dedup_alltoall=dedup), config=config,
-                                 layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        for chunks in (1, 3, 0):  # 0: megatron-core's dispatcher
+            torch.manual_seed(3)  # the same weights in every case (and the same router on both ranks)
+            spec = _moe_spec(config, sorted_permute=False, dedup_alltoall=chunks > 0, alltoall_chunks=max(chunks, 1))
+            layer = build_module(spec, config=config, layer_number=1,
+                                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
             xi = x.clone().requires_grad_(True)
             maps = []
             layer.router.register_forward_hook(lambda m, i, o: maps.append(o[1]))  # routing_map [T, E]
             with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
-                    mock.patch.object(moe_dedup, "all_to_all", wraps=moe_dedup.all_to_all) as a2a:
+                    mock.patch.object(moe_dedup, "all_to_all_single", wraps=moe_dedup.all_to_all_single) as a2a:
                 out, _ = layer(xi)
+                n_forward = a2a.call_count
                 (out * probe).sum().backward()
             rows = [c.args[1].shape[0] for c in a2a.call_args_list]
-            results[dedup] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
-                              layer.token_dispatcher, maps, out, xi.grad,
-                              {n: p.grad for n, p in layer.named_parameters()})
-        (name, disp_name, permutes, rows, disp, maps, out_on, dx_on, g_on) = results[True]
-        assert (name, disp_name, permutes) == ("DedupAlltoAllMoELayer", "DedupAlltoAllTokenDispatcher", 0)
-        assert results[False][:3] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1)
-        # which EP ranks each of this rank's 64 tokens went to: tokens for the local rank only, the other rank
-        # only, and both are all present; one row per (token, rank) pair was sent
-        assert len(maps) == 1
-        sent = maps[0].view(64, 2, 4).any(dim=2)  # [T, EP]: tokens with >= 1 of their experts on each rank
-        other = 1 - rank
-        kinds = (int((sent[:, rank] & ~sent[:, other]).sum()), int((~sent[:, rank] & sent[:, other]).sum()),
-                 int((sent[:, rank] & sent[:, other]).sum()))
-        assert min(kinds) > 0 and sum(kinds) == 64, kinds
-        assert disp.input_splits == sent.sum(dim=0).tolist()
-        n_send, n_recv = sum(disp.input_splits), sum(disp.output_splits)
-        # the forward's all-to-alls: counts [EP], hidden rows, probability sub-rows, sub-maps; the combine
-        assert rows == [2, n_send, n_send, n_send, n_recv], rows
-        assert n_send == sent.sum().item() < 64 * 3
-        # the index maps do not outlive the forward
-        assert [getattr(disp, n) for n in ("send_map", "recv_map", "send_tokens", "send_inverse", "recv_rows",
-                                           "recv_inverse")] == [None] * 6
+            results[chunks] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
+                               n_forward, layer.token_dispatcher, maps, out, xi.grad,
+                               {n: p.grad for n, p in layer.named_parameters()})
+        assert results[0][:3] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1)
+        *_, out_off, dx_off, g_off = results[0]
+        for chunks in (1, 3):
+            (name, disp_name, permutes, rows, n_forward, disp, maps, out_on, dx_on, g_on) = results[chunks]
+            assert (name, disp_name, permutes, disp.chunks) == ("DedupAlltoAllMoELayer", "DedupAlltoAllTokenDispatcher",
+                                                                0, chunks)
+            # which EP ranks each of this rank's 64 tokens went to: tokens for the local rank only, the other rank
+            # only, and both are all present; one row per (token, rank) pair was sent
+            assert len(maps) == 1
+            sent = maps[0].view(64, 2, 4).any(dim=2)  # [T, EP]: tokens with >= 1 of their experts on each rank
+            other = 1 - rank
+            kinds = (int((sent[:, rank] & ~sent[:, other]).sum()), int((~sent[:, rank] & sent[:, other]).sum()),
+                     int((sent[:, rank] & sent[:, other]).sum()))
+            assert min(kinds) > 0 and sum(kinds) == 64, kinds
+            bounds = [64 * c // chunks for c in range(chunks + 1)]  # token chunks
+            assert disp.send_splits == [sent[lo:hi].sum(dim=0).tolist() for lo, hi in zip(bounds, bounds[1:])]
+            n_send = [sum(s) for s in disp.send_splits]
+            n_recv = [sum(s) for s in disp.recv_splits]
+            assert sum(n_send) == sent.sum().item() < 64 * 3
+            # forward: the counts [EP, K, 2], each chunk's rows, probability sub-rows and sub-maps, each chunk's
+            # rows back; backward: every chunk's gradient back, then the dispatch gradients (rows, probabilities)
+            # chunk by chunk from the last, each started as soon as that chunk's experts' backward is done
+            assert n_forward == 1 + 4 * chunks
+            assert rows == [2, *[n for c in range(chunks) for n in [n_send[c]] * 3], *n_recv, *n_send,
+                            *[n for c in reversed(range(chunks)) for n in [n_recv[c]] * 2]], rows
+            # the index maps and exchanges do not outlive the forward
+            assert [getattr(disp, n) for n in ("send_map", "send_tokens", "send_inverse", "combine_exchange")] == [None] * 4
+            assert (out_on - out_off).abs().max().item() <= 1e-6 * out_off.abs().max().item()
+            assert (dx_on - dx_off).abs().max().item() <= 1e-6 * dx_off.abs().max().item()
+            assert sorted(g_on) == sorted(g_off) and len(g_on) == 4 * 2 + 2 + 1  # 4 local experts' fc1/fc2, shared, router
+            for n in g_on:
+                assert (g_on[n] - g_off[n]).abs().max().item() <= 1e-6 * g_off[n].abs().max().item(), n
         with pytest.raises(ValueError, match=r"^DedupAlltoAllTokenDispatcher: needs a bool routing_map and probs of "
                                              r"\[T, E\] = \(4, 8\), got torch.bool \(4, 4\) and \(4, 8\)$"):
             disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 4, dtype=torch.bool), torch.zeros(4, 8))
-        (*_, out_off, dx_off, g_off) = results[False]
-        assert (out_on - out_off).abs().max().item() <= 1e-6 * out_off.abs().max().item()
-        assert (dx_on - dx_off).abs().max().item() <= 1e-6 * dx_off.abs().max().item()
-        assert sorted(g_on) == sorted(g_off) and len(g_on) == 4 * 2 + 2 + 1  # 4 local experts' fc1/fc2, shared, router
-        for n in g_on:
-            assert (g_on[n] - g_off[n]).abs().max().item() <= 1e-6 * g_off[n].abs().max().item(), n
+        disp.chunks = 5
+        with pytest.raises(ValueError, match=r"^actor\.megatron\.moe_alltoall_chunks=5: more chunks than the 4 tokens "):
+            disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 8, dtype=torch.bool), torch.zeros(4, 8))
 
 
 def test_ep2_moe_layer_same_output_and_grads_as_megatron_dispatcher(tmp_path):

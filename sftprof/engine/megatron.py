@@ -163,7 +163,7 @@ class MegatronEngine(Engine):
         spec = decoder_block_spec(tcfg, have_te, cp_attention=m.cp_attention, moe_sorted_permute=m.moe_sorted_permute,
                                   moe_dedup_alltoall=m.moe_dedup_alltoall,
                                   attention_forward_chunks=m.attention_forward_chunks,
-                                  cp_comm_overlap=m.cp_comm_overlap)
+                                  cp_comm_overlap=m.cp_comm_overlap, moe_alltoall_chunks=m.moe_alltoall_chunks)
         gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
                        post_process=self.post_process, **gpt_kwargs)
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
@@ -178,6 +178,13 @@ class MegatronEngine(Engine):
             log.info("megatron: actor.megatron.attention_forward_chunks=%s has no effect here (%s)",
                      m.attention_forward_chunks, "Transformer Engine's attention" if have_te else
                      "CP > 1: actor.megatron.cp_attention decides")
+        if m.moe_alltoall_chunks != type(m).moe_alltoall_chunks:
+            from sftprof.models.moe_dedup import dedup_alltoall_applies
+
+            if have_te or not m.moe_dedup_alltoall or not dedup_alltoall_applies(tcfg):
+                log.info("megatron: actor.megatron.moe_alltoall_chunks=%s has no effect here (it applies to the "
+                         "deduplicating all-to-all dispatcher: actor.megatron.moe_dedup_alltoall, EP > 1, expert TP 1, "
+                         "without Transformer Engine)", m.moe_alltoall_chunks)
         # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
         tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp
         self.vocab_valid_local = min(v_local, max(0, self.vocab_size - tp_rank * v_local))

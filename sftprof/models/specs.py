@@ -97,9 +97,10 @@ def check_model_supported(config) -> None:
         log.warning(note)
 
 
-def _moe_spec(config, sorted_permute: bool = True, dedup_alltoall: bool = True) -> Any:
+def _moe_spec(config, sorted_permute: bool = True, dedup_alltoall: bool = True, alltoall_chunks: int = 1) -> Any:
     """The MoE layer's ``ModuleSpec`` (module docstring); ``sorted_permute``: ``actor.megatron.moe_sorted_permute``,
-    ``dedup_alltoall``: ``actor.megatron.moe_dedup_alltoall``."""
+    ``dedup_alltoall``: ``actor.megatron.moe_dedup_alltoall``, ``alltoall_chunks``:
+    ``actor.megatron.moe_alltoall_chunks`` (for the dedup layer)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -117,13 +118,14 @@ def _moe_spec(config, sorted_permute: bool = True, dedup_alltoall: bool = True) 
     else:
         experts = ModuleSpec(module=SequentialMLP, submodules=linear)
     shared = ModuleSpec(module=SharedExpertMLP, submodules=linear) if config.moe_shared_expert_intermediate_size else None
+    params = {}
     if dedup_alltoall and dedup_alltoall_applies(config):
-        layer = DedupAlltoAllMoELayer
+        layer, params = DedupAlltoAllMoELayer, {"alltoall_chunks": alltoall_chunks}
     elif sorted_permute and sorted_permute_applies(config):
         layer = SortedPermuteMoELayer
     else:
         layer = MoELayer
-    return ModuleSpec(module=layer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+    return ModuleSpec(module=layer, params=params, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
 def _gated_delta_net_spec() -> Any:
@@ -141,7 +143,7 @@ def _gated_delta_net_spec() -> Any:
 
 def local_layer_spec(config, linear_attention: bool = False, cp_attention: str = "blocks",
                      moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
-                     attention_forward_chunks: int = 1, cp_comm_overlap: bool = True) -> Any:
+                     attention_forward_chunks: int = 1, cp_comm_overlap: bool = True, moe_alltoall_chunks: int = 1) -> Any:
     """Decoder layer ``ModuleSpec`` without Transformer Engine (see module docstring).
 
     Args:
@@ -155,6 +157,7 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
             (used with CP = 1).
         cp_comm_overlap: ``actor.megatron.cp_comm_overlap``, passed to :class:`SDPACoreAttention` (used with CP > 1
             and ``blocks``).
+        moe_alltoall_chunks: ``actor.megatron.moe_alltoall_chunks``, passed to the dedup MoE layer.
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -186,13 +189,15 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config, moe_sorted_permute, moe_dedup_alltoall), mlp_bda=get_bias_dropout_add),
+            pre_mlp_layernorm=RMSNorm, mlp=_moe_spec(config, moe_sorted_permute, moe_dedup_alltoall, moe_alltoall_chunks),
+            mlp_bda=get_bias_dropout_add),
     )
 
 
 def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str = "blocks",
                        moe_sorted_permute: bool = True, moe_dedup_alltoall: bool = True,
-                       attention_forward_chunks: int = 1, cp_comm_overlap: bool = True) -> Any:
+                       attention_forward_chunks: int = 1, cp_comm_overlap: bool = True,
+                       moe_alltoall_chunks: int = 1) -> Any:
     """The ``transformer_layer_spec`` argument of ``GPTModel`` for this rank's pipeline stage.
 
     Without TE, a gated delta-net model (Qwen3.5) gets per-layer specs from megatron-core's
@@ -208,6 +213,7 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
         moe_dedup_alltoall: ``actor.megatron.moe_dedup_alltoall`` for the local spec's MoE layers (not with TE).
         attention_forward_chunks: ``actor.megatron.attention_forward_chunks`` for the local spec's attention.
         cp_comm_overlap: ``actor.megatron.cp_comm_overlap`` for the local spec's attention.
+        moe_alltoall_chunks: ``actor.megatron.moe_alltoall_chunks`` for the local spec's dedup MoE layers.
     Returns:
         A ``ModuleSpec`` (TE, Qwen3-MoE) or ``TransformerBlockSubmodules`` (TE gated delta-net, or local:
         layer specs for this stage's layers plus the final RMSNorm).
@@ -237,6 +243,6 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     specs = {flag: local_layer_spec(config, linear_attention=bool(flag), cp_attention=cp_attention,
                                     moe_sorted_permute=moe_sorted_permute, moe_dedup_alltoall=moe_dedup_alltoall,
                                     attention_forward_chunks=attention_forward_chunks,
-                                    cp_comm_overlap=cp_comm_overlap)
+                                    cp_comm_overlap=cp_comm_overlap, moe_alltoall_chunks=moe_alltoall_chunks)
              for flag in set(pattern[offset:offset + n])}
     return TransformerBlockSubmodules(layer_specs=[specs[flag] for flag in pattern[offset:offset + n]], layer_norm=RMSNorm)
