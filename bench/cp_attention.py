@@ -162,6 +162,8 @@ def _exactness(reference, candidates: dict, tensors) -> dict:
         _reset(tensors)
         try:
             got_out = _fwd_bwd(fn, *tensors).detach()
+        except torch.AcceleratorError as exc:  # a device fault leaves the CUDA context unusable: stop here
+            raise RuntimeError(f"exactness check of {kernel}: {_first_line(exc)}") from exc
         except RuntimeError as exc:  # e.g. an op refusing GQA K/V (the _gqa kernels): reported, not fatal
             diffs[kernel] = {"error": _first_line(exc)}
             continue
@@ -255,6 +257,10 @@ def main() -> int:
             row["extra_gib"] = peak_extra_gib(row["fn"], row["tensors"])
         except torch.OutOfMemoryError:
             row["note"] = "OOM"
+        except torch.AcceleratorError as exc:  # a device fault leaves the CUDA context unusable: name the row, stop
+            print(f"bench/cp_attention.py: row {row['name']!r} faulted in its warm-up call: {_first_line(exc)}; "
+                  "nothing was timed", file=sys.stderr)
+            return 1
         except RuntimeError as exc:  # the row is left out of the timing and says why
             row["note"] = f"failed: {_first_line(exc)}"
         _reset(row["tensors"])
