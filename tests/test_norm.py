@@ -237,3 +237,15 @@ def test_module_on_gpu_uses_the_fused_path_within_one_ulp_of_torch():
     want = F.rms_norm(x, (128,), norm.weight, 1e-6)
     assert got.grad_fn is not None and type(got.grad_fn).__name__ == "_FusedRMSNormBackward"
     assert bool(((got.double() - want.double()).abs() <= 2 ** -7 * want.double().abs()).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_fused_path_inside_torch_compile_matches_fp64(zero_centered):
+    """Inside a ``torch.compile``'d function (megatron-core compiles parts of Qwen3.5's gated delta-net layers)
+    Inductor hands ``eps`` to the Triton kernels as an fp64 scalar; the kernels keep their statistics in fp32, so they
+    compile and stay within the fused path's bounds against fp64 (the eleventh session's kernels failed to compile
+    there: "Loop-carried variable acc ... re-assigned to fp64")."""
+    x, w, dy = _problem((4096, 2048), torch.bfloat16, torch.bfloat16, zero_centered, "cuda", seed=3)
+    _check(torch.compile(rms_norm), x, w.requires_grad_(), dy, 1e-6, zero_centered)

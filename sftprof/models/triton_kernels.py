@@ -259,7 +259,8 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, eps, ZER
     g = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         g = g + 1.0
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    # fp32 whatever eps's type: Inductor passes a Python float to a user kernel as fp64 (torch.compile'd callers)
+    rstd = tl.rsqrt((tl.sum(x * x, axis=1) / n_cols + eps).to(tl.float32))
     y = (x * rstd[:, None]) * g[None, :]  # torch's order: gamma * (rstd * x)
     tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -281,7 +282,8 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, n_cols, s
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         # rstd recomputed from the row in registers (0 on padding rows: no inf * 0 when eps = 0)
-        rstd = tl.where(rm, tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps), 0.0)
+        # (fp32 whatever eps's type: Inductor passes a Python float to a user kernel as fp64)
+        rstd = tl.where(rm, tl.rsqrt((tl.sum(x * x, axis=1) / n_cols + eps).to(tl.float32)), 0.0)
         gdy = dy * g[None, :]
         c = tl.sum(gdy * x, axis=1) / n_cols * rstd * rstd
         dx = (gdy - x * c[:, None]) * rstd[:, None]
