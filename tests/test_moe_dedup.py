@@ -74,7 +74,10 @@ def _ep2_worker(rank: int, store: str) -> None:
         x = torch.randn(32, 2, 32, generator=g)  # [s, b, h]: 64 tokens
         probe = torch.randn(32, 2, 32, generator=g)
         results = {}
-        for chunks in (1, 3, 0):  # 0: megatron-core's dispatcher
+        # 80 > 64 tokens: some chunks empty; 0: megatron-core's dispatcher; "3r": 3 chunks under reentrant activation
+        # checkpointing (the forward without grad, then again inside the backward, as megatron's full recompute)
+        for case in (1, 3, 80, "3r", 0):
+            chunks = 3 if case == "3r" else case
             torch.manual_seed(3)  # the same weights in every case (and the same router on both ranks)
             spec = _moe_spec(config, sorted_permute=False, dedup_alltoall=chunks > 0, alltoall_chunks=max(chunks, 1))
             layer = build_module(spec, config=config, layer_number=1,
@@ -84,16 +87,19 @@ def _ep2_worker(rank: int, store: str) -> None:
             layer.router.register_forward_hook(lambda m, i, o: maps.append(o[1]))  # routing_map [T, E]
             with mock.patch.object(token_dispatcher, "permute", wraps=moe_utils.permute) as mp, \
                     mock.patch.object(moe_dedup, "all_to_all_single", wraps=moe_dedup.all_to_all_single) as a2a:
-                out, _ = layer(xi)
+                if case == "3r":
+                    out = torch.utils.checkpoint.checkpoint(lambda t: layer(t)[0], xi, use_reentrant=True)
+                else:
+                    out, _ = layer(xi)
                 n_forward = a2a.call_count
                 (out * probe).sum().backward()
             rows = [c.args[1].shape[0] for c in a2a.call_args_list]
-            results[chunks] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
+            results[case] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, rows,
                                n_forward, layer.token_dispatcher, maps, out, xi.grad,
                                {n: p.grad for n, p in layer.named_parameters()})
         assert results[0][:3] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1)
         *_, out_off, dx_off, g_off = results[0]
-        for chunks in (1, 3):
+        for chunks in (1, 3, 80):
             (name, disp_name, permutes, rows, n_forward, disp, maps, out_on, dx_on, g_on) = results[chunks]
             assert (name, disp_name, permutes, disp.chunks) == ("DedupAlltoAllMoELayer", "DedupAlltoAllTokenDispatcher",
                                                                 0, chunks)
@@ -123,19 +129,21 @@ def _ep2_worker(rank: int, store: str) -> None:
             assert sorted(g_on) == sorted(g_off) and len(g_on) == 4 * 2 + 2 + 1  # 4 local experts' fc1/fc2, shared, router
             for n in g_on:
                 assert (g_on[n] - g_off[n]).abs().max().item() <= 1e-6 * g_off[n].abs().max().item(), n
+        *_, out_r, dx_r, g_r = results["3r"]
+        assert torch.equal(out_r, results[3][7]) and torch.equal(dx_r, results[3][8])
+        assert all(torch.equal(g_r[n], results[3][9][n]) for n in g_r)
         with pytest.raises(ValueError, match=r"^DedupAlltoAllTokenDispatcher: needs a bool routing_map and probs of "
                                              r"\[T, E\] = \(4, 8\), got torch.bool \(4, 4\) and \(4, 8\)$"):
             disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 4, dtype=torch.bool), torch.zeros(4, 8))
-        disp.chunks = 5
-        with pytest.raises(ValueError, match=r"^actor\.megatron\.moe_alltoall_chunks=5: more chunks than the 4 tokens "):
-            disp.dispatch_preprocess(torch.zeros(4, 32), torch.zeros(4, 8, dtype=torch.bool), torch.zeros(4, 8))
 
 
 def test_ep2_moe_layer_same_output_and_grads_as_megatron_dispatcher(tmp_path):
     """EP = 2 on two gloo ranks, fp32, SequentialMLP experts (4 local each), topk 3 of 8, shared expert: the
-    deduplicating dispatcher gives megatron-core's alltoall dispatcher's output, input gradient and every
-    parameter gradient (router, local experts, shared expert) within fp32 rounding, on both ranks; it sent one
-    row per (token, destination rank) and megatron's permute did not run."""
+    deduplicating dispatcher, its all-to-alls in 1, 3 or 80 token chunks (more chunks than tokens), gives
+    megatron-core's alltoall dispatcher's output, input gradient and every parameter gradient (router, local experts,
+    shared expert) within fp32 rounding, on both ranks; it sent one row per (token, destination rank), made exactly
+    the collectives of the pipelined schedule in order, and megatron's permute did not run. Under reentrant activation
+    checkpointing the results are bit-identical to the plain call."""
     import torch.multiprocessing as mp
 
     mp.spawn(_ep2_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)

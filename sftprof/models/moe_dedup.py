@@ -23,7 +23,8 @@ with one row per (token, destination EP rank):
 - ``combine_postprocess``: each token's sum over the ranks it went to, reshaped to the input's shape.
 
 Pipelining (``actor.megatron.moe_alltoall_chunks`` = ``K``, :class:`DedupAlltoAllMoELayer`): the tokens of the
-micro-batch are cut into ``K`` contiguous chunks, and every all-to-all is asynchronous (``async_op=True``; on
+micro-batch are cut into ``K`` contiguous chunks (some empty when there are fewer than ``K`` tokens: every rank
+of the EP group makes the same collectives whatever its token count), and every all-to-all is asynchronous (``async_op=True``; on
 CUDA the compute stream, not the host, waits). Forward: all ``K`` dispatches start at once; chunk ``c``'s
 experts run as soon as its rows arrive, while chunk ``c + 1``'s are still in flight and chunk ``c - 1``'s
 outputs go back. Backward, in the order autograd runs the nodes (the last created first): every chunk's
@@ -284,8 +285,7 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
             ``(rows [N_send, H] in hidden_states' dtype, probability sub-rows [N_send, L] in probs' dtype)``,
             ordered by (token chunk, destination rank, token).
         Raises:
-            ValueError: ``routing_map`` / ``probs`` not ``[T, E]``, ``routing_map`` not bool, or fewer tokens
-                than :attr:`chunks`.
+            ValueError: ``routing_map`` / ``probs`` not ``[T, E]``, or ``routing_map`` not bool.
         """
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -294,9 +294,6 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         if tuple(routing_map.shape) != shape or tuple(probs.shape) != shape or routing_map.dtype != torch.bool:
             raise ValueError(f"DedupAlltoAllTokenDispatcher: needs a bool routing_map and probs of [T, E] = {shape}, "
                              f"got {routing_map.dtype} {tuple(routing_map.shape)} and {tuple(probs.shape)}")
-        if n_tokens < n_chunks:
-            raise ValueError(f"actor.megatron.moe_alltoall_chunks={n_chunks}: more chunks than the {n_tokens} tokens "
-                             "of this rank's micro-batch; use at most that many")
         per_rank = routing_map.view(n_tokens, ep, n_local)
         to_rank = per_rank.any(dim=2)  # [T, EP]
         bounds = [n_tokens * c // n_chunks for c in range(n_chunks + 1)]
@@ -313,8 +310,9 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         ranks, tokens = [], []
         for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             flat = torch.nonzero_static(to_rank[lo:hi].T.reshape(-1), size=sum(self.send_splits[c])).squeeze(1)
-            ranks.append(flat // (hi - lo))
-            tokens.append(flat % (hi - lo) + lo)
+            width = max(hi - lo, 1)  # an empty chunk (fewer tokens than chunks) still takes part in the exchanges
+            ranks.append(flat // width)
+            tokens.append(flat % width + lo)
         rank, token = torch.cat(ranks), torch.cat(tokens)
         sub_rows = token * ep + rank  # rows of the [T * EP, L] views; flat positions of [T, EP]
         self.send_tokens = token
