@@ -152,8 +152,10 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
 
 
-def _exactness(reference, candidates: dict, tensors) -> dict:
-    """Max abs diff of out / dq / dk / dv of each candidate forward vs ``reference`` (same inputs)."""
+def _exactness(reference, candidates: dict, tensors, group: str) -> dict:
+    """Max abs diff of out / dq / dk / dv of each candidate forward vs ``reference`` (same inputs); a candidate's
+    RuntimeError is its entry (``{"error": ...}``). Raises RuntimeError naming ``group`` and the candidate when it
+    faults the device (``torch.AcceleratorError``: the CUDA context is unusable after it)."""
     _reset(tensors)
     want_out = _fwd_bwd(reference, *tensors).detach()
     want = [want_out] + [t.grad for t in tensors[:3]]
@@ -162,8 +164,10 @@ def _exactness(reference, candidates: dict, tensors) -> dict:
         _reset(tensors)
         try:
             got_out = _fwd_bwd(fn, *tensors).detach()
+            if got_out.is_cuda:
+                torch.cuda.synchronize()  # an asynchronous fault of this candidate's kernels surfaces here
         except torch.AcceleratorError as exc:  # a device fault leaves the CUDA context unusable: stop here
-            raise RuntimeError(f"exactness check of {kernel}: {_first_line(exc)}") from exc
+            raise RuntimeError(f"exactness check of {group}, {kernel}: {_first_line(exc)}") from exc
         except RuntimeError as exc:  # e.g. an op refusing GQA K/V (the _gqa kernels): reported, not fatal
             diffs[kernel] = {"error": _first_line(exc)}
             continue
@@ -239,7 +243,7 @@ def main() -> int:
         rows += [dict(name=f"single GPU, chunked forward ({n}){suffix}", pairs=causal_pairs(s),
                       fn=wrap(_chunked(n)), tensors=tensors) for n in args.chunks]
         exact[f"single GPU{suffix}"] = _exactness(wrap(_single), {
-            f"chunked forward ({n})": wrap(_chunked(n)) for n in args.chunks}, tensors)
+            f"chunked forward ({n})": wrap(_chunked(n)) for n in args.chunks}, tensors, f"single GPU{suffix}")
     for cp in args.cp:
         for r in range(cp):
             local = (cp_shard(q_full.detach(), cp, r, dim=2).clone().requires_grad_(), k, v,
@@ -248,8 +252,9 @@ def main() -> int:
             rows.append(dict(name=f"CP={cp} rank {r}, masked", pairs=pairs, fn=_cp_row(cp, r, "masked"), tensors=local))
             rows += [dict(name=f"CP={cp} rank {r}, blocks ({kern})", pairs=pairs, fn=_cp_row(cp, r, "blocks", kern),
                           tensors=local) for kern in args.kernels]
-            exact[f"CP={cp} rank {r}"] = _exactness(_cp_row(cp, r, "masked"), {
-                f"blocks ({kern})": _cp_row(cp, r, "blocks", kern) for kern in args.kernels}, local)
+            group = f"CP={cp} rank {r}"
+            exact[group] = _exactness(_cp_row(cp, r, "masked"), {
+                f"blocks ({kern})": _cp_row(cp, r, "blocks", kern) for kern in args.kernels}, local, group)
     for row in rows:  # warm-up and peak memory, one row after the other
         row.update(times=[], note="")
         try:

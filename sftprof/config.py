@@ -48,6 +48,12 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # actor.megatron.cp_attention: how a CP rank's attention is computed (sftprof.models.attention, item 2 of its
 # docstring); used by the local layer spec (no Transformer Engine) with CP > 1.
 CP_ATTENTION_METHODS = ("masked", "blocks")
+# actor.megatron.moe_alltoall_chunks: each chunk adds 4 all-to-alls per MoE layer to the forward and 3 to the backward
+# (sftprof.models.moe_dedup), each with a fixed cost; 64 chunks of 65536 tokens (131072 over CP 2) are 1024 tokens
+# each, far past the 2 measured in bench/NOTES.md (twelfth session: what stays exposed at 2 chunks is mostly waiting
+# for the slower rank, which more chunks cannot hide). The bound refuses a typo (or a token count given here by
+# mistake) before any trial instead of a step of millions of collectives.
+MOE_ALLTOALL_CHUNKS_MAX = 64
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # actor.loss.path: "auto" = lm_head when lm_head_loss_chunk_size > 0, else logprobs (sftprof.loss).
 LOSS_PATHS = ("auto", "lm_head", "logprobs", "reference")
@@ -231,7 +237,7 @@ class MegatronSettings:
     moe_dedup_alltoall: bool = True
     # With moe_dedup_alltoall: each MoE layer's all-to-alls in this many token chunks, asynchronous, so that chunk
     # c's experts run while chunk c + 1's rows and chunk c - 1's outputs are in flight (forward and backward);
-    # 1 = one all-to-all each way, the experts waiting for it.
+    # 1 = one all-to-all each way, the experts waiting for it. At most MOE_ALLTOALL_CHUNKS_MAX.
     moe_alltoall_chunks: int = 2
     # Without TE: the MoE router's top-k, softmaxes and dense [T, E] probs / routing map in one Triton kernel per
     # call (softmax routers, fp32 logits; sftprof.models.router); false = megatron-core's unfused torch.topk path.
@@ -276,7 +282,8 @@ class MegatronSettings:
                and self.attention_forward_chunks >= 1, f"{k}.attention_forward_chunks", self.attention_forward_chunks,
                "an integer >= 1")
         _check(isinstance(self.moe_alltoall_chunks, int) and not isinstance(self.moe_alltoall_chunks, bool)
-               and self.moe_alltoall_chunks >= 1, f"{k}.moe_alltoall_chunks", self.moe_alltoall_chunks, "an integer >= 1")
+               and 1 <= self.moe_alltoall_chunks <= MOE_ALLTOALL_CHUNKS_MAX, f"{k}.moe_alltoall_chunks",
+               self.moe_alltoall_chunks, f"an integer from 1 to {MOE_ALLTOALL_CHUNKS_MAX}")
 
 
 @dataclass

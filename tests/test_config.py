@@ -126,10 +126,11 @@ def test_type_error_names_the_layer_it_comes_from():
         load_config("tiny_cpu", ["actor.mb_spec.n_mbs=abc"])
 
 
-@pytest.mark.parametrize("key", ["attention_forward_chunks", "moe_alltoall_chunks"])
+@pytest.mark.parametrize("key, accepted", [("attention_forward_chunks", "an integer >= 1"),
+                                           ("moe_alltoall_chunks", "an integer from 1 to 64")])
 @pytest.mark.parametrize("value, message", [
-    ("0", "actor.megatron.{key}=0: must be an integer >= 1"),
-    ("-1", "actor.megatron.{key}=-1: must be an integer >= 1"),
+    ("0", "actor.megatron.{key}=0: must be {accepted}"),
+    ("-1", "actor.megatron.{key}=-1: must be {accepted}"),
     ("1.5", "actor.megatron.{key}: Value '1.5' of type 'float' could not be converted to Integer; "
             "accepted: an integer (the key's range is checked once it is one) (overrides "
             "actor.megatron.{key}=1.5)"),
@@ -140,11 +141,21 @@ def test_type_error_names_the_layer_it_comes_from():
              "accepted: an integer (the key's range is checked once it is one) (overrides "
              "actor.megatron.{key}=true)"),
 ])
-def test_chunk_counts_refused_with_what_is_accepted(key, value, message):
-    """``attention_forward_chunks`` and ``moe_alltoall_chunks`` take integers >= 1 only, refused with the key."""
+def test_chunk_counts_refused_with_what_is_accepted(key, accepted, value, message):
+    """``attention_forward_chunks`` takes integers >= 1 only, ``moe_alltoall_chunks`` 1 to 64; refused with the key."""
     with pytest.raises(ConfigError) as exc:
         load_config("tiny_cpu", [f"actor.megatron.{key}={value}"])
-    assert str(exc.value) == message.format(key=key)
+    assert str(exc.value) == message.format(key=key, accepted=accepted)
+
+
+@pytest.mark.parametrize("value", ["65", "99999999999"])
+def test_moe_alltoall_chunks_bounded(value):
+    """More than 64 chunks (a typo, or a token count) is refused before any trial; 64 and 1 are taken."""
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", [f"actor.megatron.moe_alltoall_chunks={value}"])
+    assert str(exc.value) == f"actor.megatron.moe_alltoall_chunks={value}: must be an integer from 1 to 64"
+    assert [load_config("tiny_cpu", [f"actor.megatron.moe_alltoall_chunks={n}"]).actor.megatron.moe_alltoall_chunks
+            for n in (1, 64)] == [1, 64]
 
 
 @pytest.mark.parametrize("key", ["moe_sorted_permute", "moe_dedup_alltoall", "moe_fused_router", "cp_comm_overlap"])

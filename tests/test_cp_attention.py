@@ -386,6 +386,35 @@ def test_bench_causal_pairs_and_no_cuda_exit():
                                    "nothing was measured")
 
 
+def test_bench_exactness_reports_refusals_and_stops_on_a_device_fault():
+    """bench/cp_attention.py's exactness check: a candidate's RuntimeError (an op refusing the inputs) is its entry
+    and the others are still checked; a device fault (``torch.AcceleratorError``) stops the check with the group and
+    the candidate named."""
+    bench, _ = _load_bench()
+    g = torch.Generator().manual_seed(0)
+    tensors = tuple(torch.randn(2, 3, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    tensors += (torch.randn(2, 3, generator=g, dtype=torch.float64),)
+
+    def reference(q, k, v):
+        return q * k + v
+
+    def refuses(q, k, v):
+        raise RuntimeError("No available kernel.\nsecond line")
+
+    def faults(q, k, v):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    diffs = bench._exactness(reference, {"refuses": refuses, "same": lambda q, k, v: k * q + v}, tensors, "CP=2 rank 1")
+    out_scale = float((tensors[0] * tensors[1] + tensors[2]).detach().float().abs().max())  # the bench reads fp32
+    assert diffs == {"refuses": {"error": "RuntimeError: No available kernel."},
+                     "same": {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "out_scale": out_scale}}
+    assert all(t.grad is None for t in tensors[:3])
+    with pytest.raises(RuntimeError) as exc:
+        bench._exactness(reference, {"same": reference, "blocks (cudnn)": faults}, tensors, "CP=2 rank 1")
+    assert str(exc.value) == ("exactness check of CP=2 rank 1, blocks (cudnn): AcceleratorError: CUDA error: an illegal "
+                              "memory access was encountered")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # SDPACoreAttention with a real CP process group (gloo ranks), against the single-process fp64 reference
 

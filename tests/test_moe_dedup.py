@@ -1,6 +1,9 @@
 """The deduplicating all-to-all MoE token dispatcher (:mod:`sftprof.models.moe_dedup`): a real megatron-core MoE
 layer with EP = 2 on two gloo ranks against megatron-core's own dispatcher (same weights, fp32), the -1-padded
 gather-sum it relies on, and the settings that pick or refuse it."""
+import time
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,7 +61,6 @@ def _moe_config(**overrides):
 
 
 def _ep2_worker(rank: int, store: str) -> None:
-    from unittest import mock
 
     from fixtures.megatron_cpu import megatron_cpu
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -147,6 +149,78 @@ def test_ep2_moe_layer_same_output_and_grads_as_megatron_dispatcher(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_ep2_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def _one_sided_probs_worker(rank: int, store: str) -> None:
+    from fixtures.megatron_cpu import megatron_cpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from sftprof.models import moe_dedup
+    from sftprof.models.specs import _moe_spec
+
+    with megatron_cpu(store, rank=rank, world_size=2, expert_model_parallel_size=2):
+        config = _moe_config()
+        g = torch.Generator().manual_seed(20 + rank)
+        x = torch.randn(16, 2, 32, generator=g)  # 32 tokens
+        probe = torch.randn(16, 2, 32, generator=g)
+        results = {}
+        # rank 0's experts: the probabilities' value without their gradient. "detach": no gradient reaches the
+        # received probabilities (None in the chunks' backward on rank 0 only); "zero": a gradient of zeros (the
+        # reference: the same values and the same collectives on both ranks)
+        for case in ("zero", "detach"):
+            torch.manual_seed(3)
+            layer = build_module(_moe_spec(config, sorted_permute=False, dedup_alltoall=True, alltoall_chunks=2),
+                                 config=config, layer_number=1,
+                                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+            forward = layer.experts.forward
+
+            def experts(rows, tokens_per_expert, probs, forward=forward, case=case):
+                if rank == 0:
+                    probs = probs.detach() if case == "detach" else probs * 0 + probs.detach()
+                return forward(rows, tokens_per_expert, probs)
+
+            layer.experts.forward = experts
+            xi = x.clone().requires_grad_(True)
+            with mock.patch.object(moe_dedup, "all_to_all_single", wraps=moe_dedup.all_to_all_single) as a2a:
+                out, _ = layer(xi)
+                (out * probe).sum().backward()
+            rows = [c.args[1].shape[0] for c in a2a.call_args_list]
+            everyone = [None, None]
+            torch.distributed.all_gather_object(everyone, len(rows))
+            results[case] = (everyone, out, xi.grad, {n: p.grad for n, p in layer.named_parameters()})
+        for case in results:
+            assert results[case][0][0] == results[case][0][1] == 1 + 4 * 2 + 2 + 2 * 2, (case, results[case][0])
+        _, out_ref, dx_ref, g_ref = results["zero"]
+        _, out, dx, grads = results["detach"]
+        assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+        assert sorted(grads) == sorted(g_ref) and all(torch.equal(grads[n], g_ref[n]) for n in grads)
+        # the router's gradient does get the other rank's contribution through rank 0's zeros (not all zero)
+        assert grads["router.weight"].abs().max().item() > 0
+
+
+def _spawn_with_timeout(worker, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """``torch.multiprocessing.spawn`` that fails (terminating the workers) instead of hanging when a collective
+    is left unmatched on one rank."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    # join() returns False while a rank is still running (it returns when one ends, or raises for a failed one)
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            pytest.fail(f"{worker.__name__}: ranks still running after {timeout_s} s (an unmatched collective?)")
+
+
+def test_ep2_gradient_missing_on_one_rank_keeps_the_collectives_matched(tmp_path):
+    """EP = 2, 2 chunks, gloo: when one rank's experts leave the received probabilities without a gradient (None in
+    that rank's chunk backward only), that rank still sends its (zero) gradients, so both ranks make the same 15
+    all-to-alls and the output, input gradient and parameter gradients are bit-identical to a zero gradient's; it
+    used to skip that collective on one rank only (a hang under NCCL)."""
+    _spawn_with_timeout(_one_sided_probs_worker, (str(tmp_path / "store"),), 2, timeout_s=120)
 
 
 def test_spec_picks_dedup_only_where_it_applies():

@@ -177,15 +177,16 @@ class _DispatchWait(torch.autograd.Function):
             ex.grads = [torch.empty(shape, dtype=dtype, device=device) if floating else None
                         for shape, dtype, device, floating in ctx.metas]
         lo, hi = ex.send_offsets[c], ex.send_offsets[c + 1]
+        n_recv = ex.recv_offsets[c + 1] - ex.recv_offsets[c]
         outs, ins = [], []
         for full, grad in zip(ex.grads, grads):
-            if full is None:
+            if full is None:  # not floating (the routing sub-maps): no gradient, no exchange, on every rank
                 continue
-            if grad is None:
-                full[lo:hi].zero_()
-            else:
-                outs.append(full[lo:hi])
-                ins.append(grad)
+            # A gradient missing on this rank only (its experts did not use the tensor) still takes part as zeros:
+            # every rank of the EP group makes the same collectives, and the rows this rank sent get the other
+            # ranks' gradients.
+            outs.append(full[lo:hi])
+            ins.append(grad if grad is not None else full.new_zeros((n_recv,) + tuple(full.shape[1:])))
         ex.grad_works[c] = ex.launch(c, outs, ins, reverse=True)
         dtype, device = ctx.token
         return (None, None, None, torch.zeros(0, dtype=dtype, device=device), *([None] * len(grads)))
