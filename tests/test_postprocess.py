@@ -299,14 +299,17 @@ def _cell(md, row_prefix, col):
 
 def test_compare_runs(tmp_path, cpu_traces):
     summaries = {}
-    for side, step_time, traces in (("A", 2.0, cpu_traces), ("B", 1.5, cpu_traces[::-1])):
+    for side, step_time, traces, chunk in (("A", 2.0, cpu_traces, 0), ("B", 1.5, cpu_traces[::-1], 128)):
         log = _kernel_log_dir(tmp_path / side, traces, step_time=step_time)
+        (log / "config.yaml").write_text(  # the trainer's resolved config, as in a real log dir
+            f"trial_name: t{side}\nactor:\n  logprobs_chunk_size: {chunk}\nprofile:\n  fake_seq_len: 4096\n")
         run = tmp_path / f"root{side}" / f"tiny_kernel_step1_{side}"
         assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
         summaries[side] = json.load(open(run / "profile_summary.json"))
-    for side, chunk in (("A", 0), ("B", 128)):  # the trainer's resolved config, as in a real log dir
-        (Path(summaries[side]["paths"]["log_dir"]) / "config.yaml").write_text(
-            f"trial_name: t{side}\nactor:\n  logprobs_chunk_size: {chunk}\nprofile:\n  fake_seq_len: 4096\n")
+        # the summary carries the config; the log dirs are moved away (a run root copied off the GPU machine)
+        assert summaries[side]["config"] == {"trial_name": f"t{side}", "actor": {"logprobs_chunk_size": chunk},
+                                             "profile": {"fake_seq_len": 4096}}
+        log.rename(log.with_name(log.name + "_moved"))
     out = tmp_path / "cmp.md"
     res = _cli("compare", tmp_path / "rootA", tmp_path / "rootB", "--out", out)
     assert res.returncode == 0, res.stderr

@@ -142,7 +142,10 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _settings(summary: dict) -> dict[str, Any] | None:
-    """The trial's resolved config (``LOG_DIR/config.yaml`` written by the trainer), flattened; None if absent."""
+    """The trial's resolved config, flattened: the copy in the summary (``config``), else ``LOG_DIR/config.yaml``
+    written by the trainer (summaries of earlier releases); None if neither is there."""
+    if isinstance(summary.get("config"), dict):
+        return _flat(summary["config"])
     path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", artifacts.CONFIG_YAML)
     if not os.path.isfile(path):
         return None

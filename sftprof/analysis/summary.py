@@ -430,7 +430,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     log_dir_missing = not os.path.isdir(log_dir)
     complete = _completion(log_dir, stats, log_dir_missing)
     summary = _trial_header(log_dir, run_dir, profile_kind, profile_step, complete, trainer_log, nvidia_smi_csv)
-    summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv),
+    cfg = inputs.trial_config(log_dir)
+    # the resolved config travels with the summary, so that a run root copied off the training machine still
+    # tells what differs between two runs (compare); None when config.yaml is absent or unreadable
+    summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
                    rank_coords={str(k): v for k, v in sorted(coords.items())})
     if summary["status"] != "ok":
         summary.update(_failure_part(run_dir, trainer_log))
@@ -438,7 +441,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, coords_error, log_dir if log_dir_missing else None)
     if profile_kind == "kernel" and items:
-        warnings += _missing_traces(inputs.trial_config(log_dir), items)
+        warnings += _missing_traces(cfg, items)
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
         warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
@@ -447,7 +450,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["warnings"] = warnings
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
     summary["ranks"] = rank_table(summary)
-    summary["findings"], summary["what_if"] = _findings(summary, inputs.trial_config(log_dir))
+    summary["findings"], summary["what_if"] = _findings(summary, cfg)
     _write(summary, run_dir)
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 
