@@ -24,7 +24,9 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
   achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
   kernel-efficiency rows; backward FLOPs = 2x forward);
 - ``exposed_comm_ms``: NCCL kernel time not overlapped with compute on that rank (max over ranks) and its
-  share of the step; ``gpu_busy_pct`` (min over ranks);
+  share of the step; ``exposed_wait_ms``: the part of that rank's exposed time spent waiting for another rank to
+  join the collective (load imbalance before it, not transfer; the summary's ``comm_wait``, matched call by
+  call; ``-`` where the traces were not split); ``gpu_busy_pct`` (min over ranks);
 - ``peak_gib``: peak allocated memory of the profiled step (max over ranks, ``stats.jsonl``); ``mfu``.
 
 Ratios against the one-GPU row (of this run, or of ``--baseline`` JSON written by an earlier run): the
@@ -56,6 +58,7 @@ COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", 
            ("unprof. s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
            ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
            ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
+           ("of which wait ms", "exposed_wait_ms", "{:.1f}"),
            ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"))
 
 
@@ -95,6 +98,8 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     step_s = _num((steps.get(profiled) or {}).get("step_time_s"))
     on_gpu = [t for t in traces if t["summary"]["gpu"]["activities"]]  # CPU runs: no GPU figures
     exposed = [t["summary"]["communication"]["exposed_ms"] for t in on_gpu]
+    worst = max(on_gpu, key=lambda t: t["summary"]["communication"]["exposed_ms"])["rank"] if on_gpu else None
+    waits = {r.get("rank"): _num(r.get("exposed_wait_ms")) for r in (summary.get("comm_wait") or {}).get("ranks") or []}
     busy = [t["summary"]["gpu"]["busy_share_pct"] for t in on_gpu if _num(t["summary"]["gpu"]["busy_share_pct"])]
     return {
         "trial": summary.get("trial"), "status": summary.get("status"), "ranks_traced": len(traces),
@@ -104,6 +109,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
         "attn_fwd_tflops": rates["forward"], "attn_bwd_tflops": rates["backward"],
         "exposed_comm_ms": max(exposed) if exposed else None,
         "exposed_comm_pct": 100 * max(exposed) / (step_s * 1e3) if exposed and step_s else None,
+        "exposed_wait_ms": waits.get(worst),
         "gpu_busy_pct": min(busy) if busy else None,
         "peak_gib": _num((steps.get(profiled) or {}).get("mem_peak_allocated_gb")),
         "mfu": _num((steps.get(profiled) or {}).get("mfu")),

@@ -99,3 +99,35 @@ def test_benches_without_cuda_measure_nothing(monkeypatch, capsys, name):
     assert _run(monkeypatch, capsys, name) == (
         1, f"bench/{name}.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured\n")
     assert capsys.readouterr().out == ""
+
+
+def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
+    """``bench/step.py``'s row of a two-GPU kernel trial: exposed communication of the rank with the most (rank 1
+    here), its share of the step, and the part of it that rank spent waiting for the other (``comm_wait``), read from
+    ``profile_summary.json`` (the figures of this session's c2e2 run with 2 chunks); ``-`` when not split."""
+    step = _load("step")
+
+    def trace(rank, exposed, attn):
+        return {"rank": rank, "summary": {"gpu": {"activities": 1900, "busy_share_pct": 99.0},
+                                          "communication": {"exposed_ms": exposed},
+                                          "parts": {"summed": [{"part": "attn_core", "total_ms": attn}]},
+                                          "efficiency": {"rows": []}}}
+
+    summary = {"trial": "qwen3_30b_a3b_fake128k_kernel_step2_x", "status": "ok", "profile_step": 2,
+               "stats": {"steps": [{"step": 1, "step_time_s": 2.863}, {"step": 2, "step_time_s": 2.868,
+                                                                        "mem_peak_allocated_gb": 45.48, "mfu": 0.372}]},
+               "kernel_traces": [trace(0, 52.829, 2330.0), trace(1, 85.6263, 2300.0)],
+               "comm_wait": {"ranks": [{"rank": 0, "exposed_ms": 52.829, "exposed_wait_ms": 31.4368},
+                                       {"rank": 1, "exposed_ms": 85.6263, "exposed_wait_ms": 61.4192}]}}
+    run = tmp_path / "trial"
+    run.mkdir()
+    (run / "profile_summary.json").write_text(__import__("json").dumps(summary))
+    row = step.trial_row(run)
+    assert (row["exposed_comm_ms"], row["exposed_wait_ms"], row["attn_ms"], row["attn_rank"]) == (
+        85.6263, 61.4192, 2330.0, 0)
+    assert row["exposed_comm_pct"] == pytest.approx(100 * 85.6263 / 2868)
+    table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)", world_size=2)], []).splitlines()
+    assert "of which wait ms" in table[0] and table[1].split()[7:10] == ["85.6", "3.0", "61.4"]
+    del summary["comm_wait"]
+    (run / "profile_summary.json").write_text(__import__("json").dumps(summary))
+    assert step.trial_row(run)["exposed_wait_ms"] is None

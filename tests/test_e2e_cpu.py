@@ -129,8 +129,9 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     assert row["step_s"] == max(r["step_time_s"] for r in steps[1]["ranks"])
     assert steps[0]["ranks"] and row["unprofiled_step_s"] is None  # the step before step 1 is the warm-up step 0
     assert (row["status"], row["ranks_traced"], row["trial"]) == ("ok", 1, trial["trial"])  # default: rank 0 traced
-    assert [row[k] for k in ("attn_ms", "attn_fwd_tflops", "exposed_comm_ms", "gpu_busy_pct", "peak_gib", "mfu")] \
-        == [None] * 6  # CPU: no kernels, no CUDA memory
+    assert [row[k] for k in ("attn_ms", "attn_fwd_tflops", "exposed_comm_ms", "exposed_wait_ms", "gpu_busy_pct", "peak_gib",
+                             "mfu")] \
+        == [None] * 7  # CPU: no kernels, no CUDA memory
     one = {"layout": "megatron:d1", "world_size": 1, "status": "ok", "step_s": 6.0, "attn_ms": 4000.0}
     two = {"layout": "megatron:(attn:c2|ffn:e2)", "world_size": 2, "status": "ok", "step_s": 4.5, "attn_ms": 2200.0,
            "exposed_comm_pct": 7.3}
