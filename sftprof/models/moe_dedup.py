@@ -56,6 +56,7 @@ inside this module's autograd functions (:class:`_DispatchStart` / :class:`_Disp
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -97,14 +98,11 @@ class _Exchange:
 
     def __init__(self, group, send_splits: List[List[int]], recv_splits: List[List[int]]) -> None:
         self.group, self.send_splits, self.recv_splits = group, send_splits, recv_splits
-        self.send_offsets = [0]
-        for splits in send_splits:
-            self.send_offsets.append(self.send_offsets[-1] + sum(splits))
-        self.recv_offsets = [0]
-        for splits in recv_splits:
-            self.recv_offsets.append(self.recv_offsets[-1] + sum(splits))
+        self.send_offsets = [0, *itertools.accumulate(map(sum, send_splits))]  # chunk c: rows [off[c], off[c + 1])
+        self.recv_offsets = [0, *itertools.accumulate(map(sum, recv_splits))]
         self.works: List[list] = [[] for _ in send_splits]
         self.grad_works: List[list] = [[] for _ in send_splits]
+        self.metas: list = []  # (shape, dtype, device, floating) of each tensor a dispatch sends
         self.out: Optional[torch.Tensor] = None
         self.grads: Optional[List[torch.Tensor]] = None
 
@@ -134,6 +132,7 @@ class _DispatchStart(torch.autograd.Function):
     def forward(ctx, ex: _Exchange, *ins):
         ctx.ex = ex
         ctx.set_materialize_grads(False)
+        ex.metas = [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in ins]
         outs = []
         for c in range(len(ex.send_splits)):
             chunk_outs = [t.new_empty((ex.recv_offsets[c + 1] - ex.recv_offsets[c],) + tuple(t.shape[1:])) for t in ins]
@@ -162,10 +161,9 @@ class _DispatchWait(torch.autograd.Function):
     the token's (empty) gradient so that :class:`_DispatchStart`'s backward runs after every chunk's."""
 
     @staticmethod
-    def forward(ctx, ex: _Exchange, chunk: int, metas, token, *outs):
-        ctx.ex, ctx.chunk, ctx.metas = ex, chunk, metas
+    def forward(ctx, ex: _Exchange, chunk: int, token, *outs):
+        ctx.ex, ctx.chunk = ex, chunk
         ctx.set_materialize_grads(False)
-        ctx.token = (token.dtype, token.device)
         _wait(ex.works[chunk])
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         return outs if len(outs) > 1 else outs[0]
@@ -175,7 +173,7 @@ class _DispatchWait(torch.autograd.Function):
         ex, c = ctx.ex, ctx.chunk
         if ex.grads is None:
             ex.grads = [torch.empty(shape, dtype=dtype, device=device) if floating else None
-                        for shape, dtype, device, floating in ctx.metas]
+                        for shape, dtype, device, floating in ex.metas]
         lo, hi = ex.send_offsets[c], ex.send_offsets[c + 1]
         n_recv = ex.recv_offsets[c + 1] - ex.recv_offsets[c]
         outs, ins = [], []
@@ -188,8 +186,8 @@ class _DispatchWait(torch.autograd.Function):
             outs.append(full[lo:hi])
             ins.append(grad if grad is not None else full.new_zeros((n_recv,) + tuple(full.shape[1:])))
         ex.grad_works[c] = ex.launch(c, outs, ins, reverse=True)
-        dtype, device = ctx.token
-        return (None, None, None, torch.zeros(0, dtype=dtype, device=device), *([None] * len(grads)))
+        _, dtype, device, _ = ex.metas[0]  # the token is an empty tensor like the first (hidden) input
+        return (None, None, torch.zeros(0, dtype=dtype, device=device), *([None] * len(grads)))
 
 
 class _CombineStart(torch.autograd.Function):
@@ -310,10 +308,10 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         self.recv_pairs = [sum(received[r][c][1] for r in range(ep)) for c in range(n_chunks)]
         ranks, tokens = [], []
         for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            # an empty chunk (fewer tokens than chunks) still takes part in the exchanges, with no rows
             flat = torch.nonzero_static(to_rank[lo:hi].T.reshape(-1), size=sum(self.send_splits[c])).squeeze(1)
-            width = max(hi - lo, 1)  # an empty chunk (fewer tokens than chunks) still takes part in the exchanges
-            ranks.append(flat // width)
-            tokens.append(flat % width + lo)
+            ranks.append(flat // (hi - lo))
+            tokens.append(flat % (hi - lo) + lo)
         rank, token = torch.cat(ranks), torch.cat(tokens)
         sub_rows = token * ep + rank  # rows of the [T * EP, L] views; flat positions of [T, EP]
         self.send_tokens = token
@@ -336,10 +334,9 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
         ins = (hidden_states, probs, self.send_map)
         self.send_map = None
         out = _DispatchStart.apply(ex, *ins)
-        n, metas = len(ins), [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in ins]
-        tokens = out[n * self.chunks:]
+        n, tokens = len(ins), out[len(ins) * self.chunks:]
         self.combine_exchange = _Exchange(self.ep_group, self.recv_splits, self.send_splits)
-        return [_Chunk(c, (ex, c, metas, tokens[c], *out[n * c:n * (c + 1)])) for c in range(self.chunks)], None
+        return [_Chunk(c, (ex, c, tokens[c], *out[n * c:n * (c + 1)])) for c in range(self.chunks)], None
 
     def dispatch_postprocess(self, chunk: _Chunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wait for one chunk's rows and permute them by local expert.
