@@ -340,8 +340,14 @@ class PlanLog:
     notices: list[str] = field(default_factory=list)
 
     def note(self, name: str, value: object, source: str) -> None:
-        """Record a driver variable's effective value and where it came from."""
-        self.settings.append(f"{name}={value}\t# {source}")
+        """Record a driver variable's effective value and where it came from; a later note of the same
+        variable (a value this node changed, e.g. the kinds without CUDA) replaces the earlier line in place."""
+        line = f"{name}={value}\t# {source}"
+        same = [i for i, s in enumerate(self.settings) if s.startswith(f"{name}=")]
+        if same:
+            self.settings[same[0]] = line
+        else:
+            self.settings.append(line)
 
 
 @dataclass
@@ -493,6 +499,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     if gpus == 0 and "memory" in kinds:
         if get("PROFILE_KINDS") is None:
             kinds = [k for k in kinds if k != "memory"]
+            log.note("PROFILE_KINDS", ",".join(kinds), "default without CUDA (kernel,memory with CUDA)")
             log.notices.append("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
                                "PROFILE_KINDS=kernel,memory runs them anyway")
         else:

@@ -154,17 +154,21 @@ def test_readme_lists_the_driver_variables():
 
 
 def test_memory_trials_skipped_without_cuda_unless_asked(tmp_path):
-    trials, _, info = launch.plan(_plan_env(tmp_path), [], gpus=0)
+    trials, settings, info = launch.plan(_plan_env(tmp_path), [], gpus=0)
     assert [(t.kind, t.step) for t in trials] == [("kernel", 0), ("kernel", 1)] and info["trials"] == 2
+    assert [s for s in settings if s.startswith("PROFILE_KINDS")] == [
+        "PROFILE_KINDS=kernel\t# default without CUDA (kernel,memory with CUDA)"]
     assert info["notices"][0] == ("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
                                   "PROFILE_KINDS=kernel,memory runs them anyway")
     assert info["notices"][-1] == ("plan: 2 trial(s) on 2 rank(s) (1 node(s) x 2, fsdp:d2, CPU (no CUDA)): "
                                    "kernel step 0, kernel step 1")
-    trials, _, info = launch.plan(_plan_env(tmp_path, PROFILE_KINDS="kernel,memory", PROFILE_STEPS="1"), [], gpus=0)
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_KINDS="kernel,memory", PROFILE_STEPS="1"), [], gpus=0)
     assert [t.kind for t in trials] == ["kernel", "memory"]
+    assert [s for s in settings if s.startswith("PROFILE_KINDS")] == ["PROFILE_KINDS=kernel,memory\t# env"]
     assert info["notices"][0] == "no CUDA on this node: memory trials run but record no snapshot (CPU)"
-    trials, _, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"), [], gpus=2)
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"), [], gpus=2)
     assert [t.kind for t in trials] == ["kernel", "memory"] and len(info["notices"]) == 1
+    assert [s for s in settings if s.startswith("PROFILE_KINDS")] == ["PROFILE_KINDS=kernel,memory\t# default"]
 
 
 def test_fileroot_default_cannot_shadow_the_package_and_a_shadowing_one_warns(tmp_path):
