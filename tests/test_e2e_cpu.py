@@ -138,6 +138,12 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     lines = bench.ratios([one, two], one)
     assert lines == [{"layout": two["layout"], "vs": "megatron:d1", "attn_ms": {"ratio": 0.55, "goal": 0.55},
                       "step_s": {"ratio": 0.75, "goal": 0.55}, "exposed_comm_pct": {"value": 7.3, "goal": 3.0}}]
+    # with the exposed wait known, the share is split into transfer and waiting for another rank
+    waited = dict(two, exposed_comm_ms=328.5, exposed_wait_ms=246.375)
+    assert bench.ratios([one, waited], one)[0]["exposed_comm_pct"] == pytest.approx(
+        {"value": 7.3, "goal": 3.0, "wait_pct": 7.3 * 0.75})
+    assert bench.format_table([one, waited], bench.ratios([one, waited], one)).splitlines()[-1].endswith(
+        "exposed comm 7.3 % of the step (goal <= 3.0 %): 1.8 % transfer, 5.5 % waiting for another rank")
     # this run's row against a one-GPU row of another model and length: no ratio, and the line says why
     other = dict(one, trial="qwen3_30b_a3b_fake128k_kernel_step2_20261130_133304")
     assert bench.format_table([other, row], bench.ratios([other, row], other)).splitlines()[-1] == (
