@@ -19,6 +19,7 @@ with different values is an error.
 from __future__ import annotations
 
 import getpass
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,16 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: must be {accepted}")
+
+
+# Names that become one folder of a path (experiment_name, the driver's EXPERIMENT_NAME and PROFILE_STAMP):
+# no '/', '.' or '..' can lead outside the folder they are put in.
+NAME_ACCEPTED = "letters, digits, '_' and '-' only"
+
+
+def is_folder_name(text: str) -> bool:
+    """True when ``text`` is a non-empty name of :data:`NAME_ACCEPTED` characters (safe as one path component)."""
+    return text.replace("_", "").replace("-", "").isalnum()
 
 
 def _choice(key: str, value: str, choices: tuple) -> None:
@@ -410,7 +421,7 @@ def resolve_config_path(path: str | Path) -> Path:
     Bundled presets live in ``sftprof/presets/<name>.yaml`` (e.g. ``tiny_cpu``).
 
     Raises:
-        ConfigError: neither a file nor a preset of that name exists.
+        ConfigError: neither a file nor a preset of that name exists (a directory is named as one).
     """
     p = Path(path)
     if p.is_file():
@@ -419,21 +430,33 @@ def resolve_config_path(path: str | Path) -> Path:
     if preset.is_file():
         return preset
     presets = sorted(q.stem for q in PRESET_DIR.glob("*.yaml"))
+    if p.is_dir():
+        raise ConfigError(f"config={path!r}: is a directory; accepted: a YAML file or a bundled preset {presets}")
     raise ConfigError(f"config={path!r}: no such file; accepted: a YAML path or a bundled preset {presets}")
 
 
 BOOL_ACCEPTED = "accepted: true or false (also yes/no, on/off, 1/0)"
 
 
+INT_ACCEPTED = "accepted: an integer (the key's range is checked once it is one)"
+FLOAT_ACCEPTED = "accepted: a number (the key's range is checked once it is one)"
+# What an empty value (``key=``, read as None) of a schema field of each type is refused with.
+EMPTY_ACCEPTED = {"int": INT_ACCEPTED, "float": FLOAT_ACCEPTED, "bool": BOOL_ACCEPTED,
+                  "str": "accepted: a text value (an empty one is written key='')"}
+
+
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).splitlines()[0]
-    if "not a valid bool" in msg or "field of type 'bool'" in msg:
+    empty = re.fullmatch(r"Incompatible value 'None' for field of type '(\w+)'", msg)
+    if empty and empty.group(1) in EMPTY_ACCEPTED:
+        msg = f"empty value; {EMPTY_ACCEPTED[empty.group(1)]}"
+    elif "not a valid bool" in msg or "field of type 'bool'" in msg:
         msg += f"; {BOOL_ACCEPTED}"
     elif msg.endswith("could not be converted to Integer"):
-        msg += "; accepted: an integer (the key's range is checked once it is one)"
+        msg += f"; {INT_ACCEPTED}"
     elif msg.endswith("could not be converted to Float"):
-        msg += "; accepted: a number (the key's range is checked once it is one)"
+        msg += f"; {FLOAT_ACCEPTED}"
     return f"{key}: {msg}"
 
 
@@ -519,7 +542,7 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
         The typed config with every ``${...}`` interpolation resolved.
 
     Raises:
-        ConfigError: unreadable YAML, unknown key, wrong type, bad interpolation, or a value
+        ConfigError: unreadable, empty or non-mapping YAML, unknown key, wrong type, bad interpolation, or a value
             outside its accepted range (message names the dotted key, value and accepted values).
     """
     yaml_path = resolve_config_path(path)
@@ -528,13 +551,19 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
         file_cfg = OmegaConf.load(yaml_path)
     except Exception as err:  # yaml.YAMLError and OSError alike
         raise ConfigError(f"config={yaml_path}: cannot read YAML: {err}") from err
+    if not isinstance(file_cfg, DictConfig):
+        raise ConfigError(f"config file {yaml_path}: must be a mapping of config keys (key: value lines), "
+                          f"not a {type(OmegaConf.to_container(file_cfg)).__name__}")
+    if not file_cfg:
+        raise ConfigError(f"config file {yaml_path} is empty; accepted: a YAML mapping of config keys, e.g. "
+                          f"the bundled preset {PRESET_DIR / 'tiny_cpu.yaml'}")
     dotlist = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value with a dotted key, e.g. actor.num_layers=4")
         dotlist.append(item)
     try:
-        layers = [OmegaConf.to_container(file_cfg, resolve=False) if isinstance(file_cfg, DictConfig) else file_cfg,
+        layers = [OmegaConf.to_container(file_cfg, resolve=False),
                   OmegaConf.to_container(OmegaConf.from_dotlist(dotlist), resolve=False)]
         for layer, source in zip(layers, (f"config {yaml_path}", "the overrides")):
             if isinstance(layer, dict):
@@ -562,7 +591,9 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
 def validate(cfg: SFTProfileConfig) -> None:
     """Check value ranges and choices that the type system cannot express.
 
-    Each section checks itself (the ``check`` methods above); what spans sections is checked here:
+    ``experiment_name`` must be one folder name (:data:`NAME_ACCEPTED`: it becomes a folder of the trial's
+    LOG_DIR, :func:`trial_log_dir`). Each section checks itself (the ``check`` methods above); what spans
+    sections is checked here:
     ``train_dataset.batch_size`` against the data-parallel size, ``actor.mb_spec`` against the sequence
     length and the batch, one profile kind per trial, the ``reference`` loss path only without TP.
 
@@ -571,6 +602,7 @@ def validate(cfg: SFTProfileConfig) -> None:
     """
     from sftprof.allocation import parse_allocation_mode
 
+    _check(is_folder_name(cfg.experiment_name), "experiment_name", cfg.experiment_name, NAME_ACCEPTED)
     _check(cfg.seed >= 0, "seed", cfg.seed, "an integer >= 0")
     _check(cfg.total_train_steps >= 1, "total_train_steps", cfg.total_train_steps, "an integer >= 1")
     for section in (cfg.cluster, cfg.actor, cfg.profile, cfg.train_dataset, cfg.perf_tracer, cfg.memory_profiler):

@@ -50,8 +50,8 @@ from typing import Callable, Mapping
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.artifacts import read_stats
-from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, load_config, to_yaml,
-                            trial_log_dir)
+from sftprof.config import (DEFAULT_FILEROOT, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
+                            is_folder_name, load_config, to_yaml, trial_log_dir)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -63,6 +63,8 @@ DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16"
 
 
 DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
+# Largest step count + 1 the driver takes (PROFILE_STEPS, TOTAL_STEPS): a longer run is a typo, not a profile.
+MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
 
 
@@ -83,9 +85,9 @@ DRIVER_VARS = (
     DriverVar("CONFIG", DEFAULT_CONFIG, "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)"),
     DriverVar("MODEL_PATH", "qwen3_30b_a3b (bundled config, random init)", "HF model dir (actor.path)"),
     DriverVar("FILEROOT", f"{DEFAULT_FILEROOT} (config cluster.fileroot)", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/"),
-    DriverVar("EXPERIMENT_NAME", "from the YAML", "experiment_name"),
-    DriverVar("PROFILE_STEPS", "0,1", "steps to profile, one trial per step and kind"),
-    DriverVar("TOTAL_STEPS", "profile step + 1", "steps each trial runs (must exceed the profile step)"),
+    DriverVar("EXPERIMENT_NAME", "from the YAML", "experiment_name (letters, digits, '_' and '-')"),
+    DriverVar("PROFILE_STEPS", "0,1", "steps to profile (each < 10**9), one trial per step and kind"),
+    DriverVar("TOTAL_STEPS", "profile step + 1", "steps each trial runs (must exceed the profile step; <= 10**9)"),
     DriverVar("PROFILE_RANKS", "rank 0 of every PP stage", "empty: all ranks; 0,2-4: those ranks"),
     DriverVar("PROFILE_KINDS", "kernel,memory (kernel without CUDA)", "subset of kernel,memory"),
     DriverVar("N_GPUS_PER_NODE", "world size / N_NODES", "torchrun --nproc_per_node"),
@@ -109,7 +111,7 @@ DRIVER_VARS = (
     DriverVar("STOP_ON_FAILURE", "1", "stop after the first failed trial"),
     DriverVar("RUN_ROOT", "./sftprof_runs/<experiment>_<stamp>[_node<k>]", "where trial outputs and summary.tsv go; "
               "never overwritten"),
-    DriverVar("PROFILE_STAMP", "now (%Y%m%d_%H%M%S)", "suffix of trial names"),
+    DriverVar("PROFILE_STAMP", "now (%Y%m%d_%H%M%S)", "suffix of trial names (letters, digits, '_' and '-')"),
     DriverVar("PYTHON", "python3", "the Python that runs everything"),
 )
 # Unknown variables that start like a driver variable are probably misspelled ones.
@@ -209,6 +211,8 @@ def _int_list(name: str, text: str) -> list[int]:
     items = [t.strip() for t in text.split(",")]
     if not text.strip() or any(not t.isdigit() for t in items):
         raise DriverError(f"{name}={text!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
+    if any(int(t) >= MAX_STEPS for t in items):
+        raise DriverError(f"{name}={text!r}: must list integers below {MAX_STEPS} (10**9)")
     _no_repeats(name, text, [int(t) for t in items])
     return sorted(int(t) for t in items)
 
@@ -221,6 +225,12 @@ def _kinds(name: str, text: str) -> list[str]:
                           + (f" (unknown: {','.join(bad)})" if text.strip() and bad else ""))
     _no_repeats(name, text, items)
     return [k for k in KINDS if k in items]
+
+
+def _folder_name(name: str, text: str) -> str:
+    if not is_folder_name(text):
+        raise DriverError(f"{name}={text!r}: use {NAME_ACCEPTED}")
+    return text
 
 
 def _host(name: str, text: str) -> str:
@@ -241,7 +251,7 @@ class ConfigVar:
 CONFIG_VARS = (
     ConfigVar("MODEL_PATH", "actor.path", lambda n, t: t),
     ConfigVar("FILEROOT", "cluster.fileroot", lambda n, t: str(Path(t).expanduser().resolve())),
-    ConfigVar("EXPERIMENT_NAME", "experiment_name", lambda n, t: t),
+    ConfigVar("EXPERIMENT_NAME", "experiment_name", _folder_name),
     ConfigVar("PROFILE_FAKE_SEQ_LEN", "profile.fake_seq_len", lambda n, t: _int(n, t, 2)),
     ConfigVar("PROFILE_FAKE_DATASET_SIZE", "profile.fake_dataset_size", lambda n, t: _int(n, t, 1)),
     ConfigVar("PROFILE_FAKE_LOSS_START_RATIO", "profile.fake_loss_start_ratio", _float_ratio),
@@ -325,6 +335,20 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
+def _reject_repeated_keys(extra_overrides: list[str]) -> None:
+    """Raise DriverError for a config key that two arguments set to different values (OmegaConf would keep the
+    last one silently); the same value twice is taken. Old and new names of a loss key are checked by
+    :func:`sftprof.config.map_legacy_loss_keys`."""
+    seen: dict[str, str] = {}
+    for arg in extra_overrides:
+        key, sep, value = arg.partition("=")
+        key = key.strip()
+        if sep and key in seen and seen[key] != value:
+            raise DriverError(f"arguments {key}={seen[key]} and {key}={value}: one config key given twice with "
+                              f"different values; give {key} once")
+        seen.setdefault(key, value)
+
+
 # Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
 DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
                     "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
@@ -393,11 +417,14 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     log.notices += [f"warning: {w}" for w in unknown_variable_warnings(env)]
     _reject_driver_variables_as_arguments(extra_overrides)
+    _reject_repeated_keys(extra_overrides)
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
     steps = _int_list("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None else "0,1")
     kinds = _kinds("PROFILE_KINDS", get("PROFILE_KINDS") if get("PROFILE_KINDS") is not None else "kernel,memory")
     total_steps = _int("TOTAL_STEPS", get("TOTAL_STEPS"), 1) if get("TOTAL_STEPS") else None
+    if total_steps is not None and total_steps > MAX_STEPS:
+        raise DriverError(f"TOTAL_STEPS={total_steps}: must be an integer from 1 to {MAX_STEPS} (10**9)")
     if total_steps is not None and total_steps <= max(steps):
         raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
                           "(or unset: profile step + 1)")
@@ -555,8 +582,7 @@ def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
         raise DriverError(f"PROFILE_STAMP is unset with N_NODES={p.n_nodes}: set the same PROFILE_STAMP on every node "
                           "(trial names must match), and put FILEROOT on a filesystem all nodes share")
     stamp = get("PROFILE_STAMP") or _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
-    if not stamp.replace("_", "").replace("-", "").isalnum():
-        raise DriverError(f"PROFILE_STAMP={stamp!r}: use letters, digits, '_' and '-' only")
+    _folder_name("PROFILE_STAMP", stamp)
     node_tag = f"_node{d.node_rank}" if d.node_rank else ""  # nodes may share the working directory
     run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{p.cfg.experiment_name}_{stamp}{node_tag}")
                     ).expanduser().resolve()

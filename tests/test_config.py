@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from sftprof.config import ConfigError, load_config, to_yaml
+from sftprof.config import PRESET_DIR, ConfigError, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGSHIP = ROOT / "qwen3_30b_a3b_sft_profile.yaml"
@@ -55,6 +55,8 @@ def test_interpolation_follows_overrides():
     ("nonsense", "override 'nonsense': expected key=value"),
     ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
     ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8: must be 0 (no limit) or >= one sequence (profile.fake_seq_len=131072)"),
+    ("experiment_name=../../etc", "experiment_name='../../etc': must be letters, digits, '_' and '-' only"),
+    ("experiment_name=/abs", "experiment_name='/abs': must be letters, digits, '_' and '-' only"),
 ])
 def test_bad_values_name_key_value_and_accepted(override, message):
     with pytest.raises(ConfigError) as exc:
@@ -69,6 +71,22 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="no such file; accepted: a YAML path or a bundled preset"):
         load_config(tmp_path / "missing.yaml")
+    empty = tmp_path / "empty.yaml"
+    for text in ("", "# only a comment\n"):
+        empty.write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            load_config(empty)
+        assert str(exc.value) == (f"config file {empty} is empty; accepted: a YAML mapping of config keys, e.g. the "
+                                  f"bundled preset {PRESET_DIR / 'tiny_cpu.yaml'}")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(listed)
+    assert str(exc.value) == f"config file {listed}: must be a mapping of config keys (key: value lines), not a list"
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path)
+    assert str(exc.value) == (f"config={tmp_path!r}: is a directory; accepted: a YAML file or a bundled preset "
+                              "['tiny_cpu', 'tiny_qwen3_5_cpu']")
     typo = tmp_path / "typo.yaml"
     typo.write_text(FLAGSHIP.read_text().replace("fake_seq_len:", "fake_seq_length:"))
     with pytest.raises(ConfigError, match="profile.fake_seq_length"):
@@ -140,12 +158,26 @@ def test_type_error_names_the_layer_it_comes_from():
     ("true", "actor.megatron.{key}: Value 'True' of type 'bool' could not be converted to Integer; "
              "accepted: an integer (the key's range is checked once it is one) (overrides "
              "actor.megatron.{key}=true)"),
+    ("", "actor.megatron.{key}: empty value; accepted: an integer (the key's range is checked once it is one) "
+         "(overrides actor.megatron.{key}=)"),
 ])
 def test_chunk_counts_refused_with_what_is_accepted(key, accepted, value, message):
     """``attention_forward_chunks`` takes integers >= 1 only, ``moe_alltoall_chunks`` 1 to 64; refused with the key."""
     with pytest.raises(ConfigError) as exc:
         load_config("tiny_cpu", [f"actor.megatron.{key}={value}"])
     assert str(exc.value) == message.format(key=key, accepted=accepted)
+
+
+@pytest.mark.parametrize("key,accepted", [
+    ("profile.fake_loss_start_ratio", "a number (the key's range is checked once it is one)"),
+    ("actor.megatron.moe_sorted_permute", "true or false (also yes/no, on/off, 1/0)"),
+    ("actor.dtype", "a text value (an empty one is written key='')"),
+])
+def test_empty_override_names_key_and_accepted(key, accepted):
+    """``key=`` (read as None) is refused naming the key and what its type accepts."""
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", [f"{key}="])
+    assert str(exc.value) == f"{key}: empty value; accepted: {accepted} (overrides {key}=)"
 
 
 @pytest.mark.parametrize("value", ["65", "99999999999"])

@@ -37,6 +37,11 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
     ({"PROFILE_KINDS": ""}, "PROFILE_KINDS='': must be a non-empty comma-separated subset of kernel,memory"),
     ({"MASTER_ADDR": "$(touch x)"}, "MASTER_ADDR='$(touch x)': must be a host name or IP address"),
     ({"TRAIN_BATCH_SIZE": "3"}, "train_dataset.batch_size=3: must be a multiple of the data-parallel size 2"),
+    ({"EXPERIMENT_NAME": "../../etc"}, "sftprof: EXPERIMENT_NAME='../../etc': use letters, digits, '_' and '-' only\n"),
+    ({"EXPERIMENT_NAME": "/abs"}, "sftprof: EXPERIMENT_NAME='/abs': use letters, digits, '_' and '-' only\n"),
+    ({"PROFILE_STEPS": "99999999999999999999"},
+     "sftprof: PROFILE_STEPS='99999999999999999999': must list integers below 1000000000 (10**9)\n"),
+    ({"TOTAL_STEPS": "1000000001"}, "sftprof: TOTAL_STEPS=1000000001: must be an integer from 1 to 1000000000 (10**9)\n"),
 ])
 def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path):
     out = run_driver(env_extra, tmp_path)
@@ -273,6 +278,35 @@ def test_driver_variable_given_as_argument(arg, message, tmp_path):
     out = run_driver({}, tmp_path, arg)
     assert out.returncode == 2 and out.stderr == f"sftprof: {message}\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_repeated_override_key_is_refused(tmp_path):
+    """Two arguments setting one key differently are refused (OmegaConf would keep the last); the same value is taken."""
+    out = run_driver({}, tmp_path, "actor.backend=fsdp:d2", "actor.backend=fsdp:d1")
+    assert out.returncode == 2 and out.stderr == ("sftprof: arguments actor.backend=fsdp:d2 and actor.backend=fsdp:d1: "
+                                                  "one config key given twice with different values; give actor.backend "
+                                                  "once\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+    log = launch.PlanLog()
+    assert launch.read_driver_env({}, ["actor.num_layers=2", "actor.num_layers=2"], log).extra_overrides == \
+        ["actor.num_layers=2", "actor.num_layers=2"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset "
+         "{preset}"),
+    ("- 1\n- 2\n", "config file {path}: must be a mapping of config keys (key: value lines), not a list"),
+    (None, "config='{path}': is a directory; accepted: a YAML file or a bundled preset ['tiny_cpu', 'tiny_qwen3_5_cpu']"),
+])
+def test_unusable_config_file_exits_2(content, message, tmp_path):
+    """An empty file, a YAML list or a directory as CONFIG is refused before anything is written or launched."""
+    path = tmp_path / "c.yaml"
+    path.mkdir() if content is None else path.write_text(content)
+    out = run_driver({"CONFIG": str(path)}, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("sftprof: " + message.format(path=path, preset=ROOT / "sftprof/presets/tiny_cpu.yaml")
+                                 + f" (from CONFIG={path} and the driver variables)"), out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
 
 
 def test_missing_weights_stop_the_plan(tmp_path):
