@@ -196,6 +196,14 @@ def test_bench_step_layout_spec_with_row_overrides(tmp_path):
     assert bench.split_layout_spec("megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false@a.b=1") == (
         "megatron:(attn:c2|ffn:e2)", ["actor.megatron.cp_comm_overlap=false", "a.b=1"])
     assert bench.split_layout_spec("megatron:d1") == ("megatron:d1", [])
+    # a row's own value of a key replaces the common one (--layers, arguments after --): the driver refuses a key
+    # given twice with different values
+    import argparse
+    args = argparse.Namespace(kinds="kernel", config="c.yaml", seq=4096, steps=3, layers=4)
+    _, call, _ = bench.driver_call("megatron:d1@actor.num_layers=2@a.b=3", args, ["a.b=1", "c.d=2"], tmp_path, "s")
+    assert call[2:] == ["actor.backend=megatron:d1", "c.d=2", "actor.num_layers=2", "a.b=3"]
+    _, call, _ = bench.driver_call("megatron:d1", args, ["a.b=1"], tmp_path, "s")
+    assert call[2:] == ["actor.backend=megatron:d1", "actor.num_layers=4", "a.b=1"]
     cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--out-dir", str(tmp_path / "runs"), "--layouts"]
     p = subprocess.run(cmd + ["megatron:d1@cp_comm_overlap"], capture_output=True, text=True)
     assert (p.returncode, p.stderr.splitlines()[-1]) == (
