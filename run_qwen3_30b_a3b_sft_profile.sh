@@ -22,6 +22,8 @@ fi
 for arg in "$@"; do
   case "$arg" in
     -h|--help) exec "$PYTHON" -m sftprof.launch usage ;;
+    -*) echo "sftprof: unknown option $arg; accepted: -h/--help, otherwise key=value config overrides (and driver variables in the environment): bash $0 --help" >&2
+        exit 2 ;;
   esac
 done
 

@@ -333,3 +333,13 @@ def test_config_error_names_where_the_value_came_from(tmp_path):
         launch.plan(_plan_env(tmp_path, TRAIN_BATCH_SIZE="3"), [], gpus=0)
     assert str(err.value).endswith("(from CONFIG=tiny_cpu and the driver variables)")
     assert not (tmp_path / "run").exists()
+
+
+def test_unknown_option_is_refused_with_the_drivers_usage(tmp_path):
+    """An option the driver does not take (``--dry-run``) stops it before planning, naming the option and what it
+    accepts, with nothing written (it used to print the internal ``sftprof.launch`` tool's usage)."""
+    out = run_driver({}, tmp_path, "actor.num_layers=1", "--dry-run")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: unknown option --dry-run; accepted: -h/--help, otherwise key=value config overrides "
+                          f"(and driver variables in the environment): bash {DRIVER} --help\n")
+    assert not (tmp_path / "run").exists()
