@@ -8,12 +8,15 @@
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check (a mismatch is a warning in the summary).
 
-Exit status: 0 on success, 1 when a trace or snapshot could not be processed (the summary still
-names the file and its error), 2 on bad arguments: a --run-dir that cannot be written; a --log-dir that
-does not exist (the trial's summary is still written, as failed, unless the run dir already holds one:
-then nothing is written); compare inputs that are missing or not profile summaries; an --out whose
-directory does not exist or that names an existing file (never overwritten; without --out an earlier report at
-the default path is kept as compare_vs_<A>.prev<N>.md). The message names the file or setting.
+Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing or holds nothing usable is
+a warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed (the summary
+still names the file and its error) or when compare finds no trials that match by kind and step (the
+report is still written), 2 on bad arguments: a --run-dir that cannot be written; a --log-dir that does
+not exist (with --profile-kind and --profile-step given, the trial's summary is still written, as failed,
+unless the run dir already holds one; otherwise nothing is written, not even the run dir); compare inputs
+that are missing or not profile summaries; an --out whose directory does not exist or that names an
+existing file (never overwritten; without --out an earlier report at the default path is kept as
+compare_vs_<A>.prev<N>.md). The message names the file or setting.
 """
 from __future__ import annotations
 
@@ -22,12 +25,12 @@ import os
 import sys
 import tempfile
 
-from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial
+from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial, resolve_profile
 from sftprof.artifacts import keep_previous
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.analysis.compare import CompareInputError, compare_runs
+    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
 
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
@@ -59,6 +62,9 @@ def _compare(argv: list[str]) -> int:
         p.error(f"--out {out}: cannot be written ({exc.strerror})")
     print(report)
     print(f"[postprocess] wrote {out}", file=sys.stderr)
+    if report.rstrip().endswith(NO_MATCH):
+        print(f"[postprocess] ERROR: {NO_MATCH} Nothing was compared.", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -81,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
+    if not os.path.isdir(args.log_dir):  # without --profile-kind/--profile-step: refused before anything is created
+        try:
+            resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
+        except ValueError as exc:
+            p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)
     if not os.path.isdir(args.log_dir) and os.path.exists(earlier):  # a mistyped --log-dir: keep what is there
         p.error(f"--log-dir {args.log_dir} does not exist and {earlier} is already written; nothing was overwritten "

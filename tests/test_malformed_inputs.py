@@ -542,3 +542,89 @@ def test_run_dir_that_cannot_be_written_exits_2_before_reading(tmp_path):
     assert res.returncode == 2
     assert res.stderr.splitlines()[-1] == (f"postprocess_profile.py: error: --run-dir {tmp_path / 'file' / 'run'}: "
                                            "cannot be written (Not a directory)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reviewer's defects (session 13): damaged config.yaml, missing optional inputs, a missing log dir without
+# kind/step, run-root trials without a summary, no matching trials
+# ---------------------------------------------------------------------------------------------------------
+def _memory_trial(root: Path, small_snapshot) -> Path:
+    log = _log_dir(root, kind="memory")
+    _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps(small_snapshot, protocol=4))
+    return log
+
+
+def test_damaged_config_yaml_is_its_own_error_and_compare_says_settings_unknown(tmp_path, small_snapshot):
+    good_log = _memory_trial(tmp_path / "g", small_snapshot)
+    (good_log / "config.yaml").write_text("trial_name: g\nactor:\n  num_layers: 2\n")
+    good = tmp_path / "good"
+    assert postprocess_trial(str(good_log), str(good), "memory", 1)[1] == 0
+    log = _memory_trial(tmp_path / "b", small_snapshot)
+    (log / "config.yaml").write_text(": : :\n")
+    bad = tmp_path / "bad"
+    res = _cli("--log-dir", log, "--run-dir", bad)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    s = json.loads((bad / "profile_summary.json").read_text())
+    message = (f"{log / 'config.yaml'}: unreadable (ParserError: while parsing a block mapping expected <block end>, "
+               f"but found ':' in \"{log / 'config.yaml'}\", line 1, column 1)")
+    assert s["config"] is None and s["errors"] == [{"file": "config.yaml", "error": message}]
+    assert f"[postprocess] ERROR config.yaml: {message}\n" in res.stderr
+    assert s["counts"]["snapshots"] == 1 and "summary" in s["memory_snapshots"][0]  # the rest is processed
+    res = _cli("compare", good, bad, "--out", tmp_path / "cmp.md")
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    assert (f"Settings unknown (the trial's config.yaml, B: `{log / 'config.yaml'}` unreadable (ParserError)); "
+            "cannot tell what differs.") in (tmp_path / "cmp.md").read_text().splitlines()
+
+
+def test_missing_or_empty_optional_inputs_are_warnings(tmp_path, small_snapshot):
+    log = _memory_trial(tmp_path, small_snapshot)
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--nvidia-smi-csv", tmp_path / "none.csv",
+               "--trainer-log", tmp_path / "none.log")
+    assert res.returncode == 0, res.stderr
+    s = json.loads((tmp_path / "run" / "profile_summary.json").read_text())
+    assert s["errors"] == [] and s["warnings"] == [
+        {"file": str(tmp_path / "none.log"), "warning": "--trainer-log: not found; the summary goes without it"},
+        {"file": str(tmp_path / "none.csv"), "warning": "--nvidia-smi-csv: not found; the summary goes without it"}]
+    assert res.stderr.count("[postprocess] WARNING") == 2
+    assert f"[postprocess] WARNING {tmp_path / 'none.csv'}: --nvidia-smi-csv: not found" in res.stderr
+    (tmp_path / "x.csv").write_text("x\n")
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run2"), nvidia_smi_csv=str(tmp_path / "x.csv"))
+    assert code == 0 and summary["warnings"] == [
+        {"file": str(tmp_path / "x.csv"), "warning": "--nvidia-smi-csv: no sample read (no header naming index and "
+                                                     "memory.used, or no row under it); the summary goes without it"}]
+
+
+def test_missing_log_dir_without_kind_creates_nothing(tmp_path):
+    run = tmp_path / "x" / "run"
+    res = _cli("--log-dir", tmp_path / "nonexistent", "--run-dir", run)
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir {tmp_path / 'nonexistent'} does not exist, so --profile-kind and "
+        "--profile-step cannot be read from its stats.jsonl; nothing was written (given both, the trial's summary "
+        "is written, as failed)")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp_path, small_snapshot):
+    good = tmp_path / "rootA" / "mem_step1"
+    assert postprocess_trial(str(_memory_trial(tmp_path, small_snapshot)), str(good), "memory", 1)[1] == 0
+    root_b = tmp_path / "rootB"
+    shutil.copytree(good.parent, root_b)
+    (root_b / "mem_step2").mkdir()  # planned, never run (STOP_ON_FAILURE) or not postprocessed
+    res = _cli("compare", good.parent, root_b, "--out", tmp_path / "cmp.md")
+    assert res.returncode == 0, res.stderr
+    assert ("- not compared: `mem_step2` in B has no profile_summary.json (a trial not run, e.g. after "
+            "STOP_ON_FAILURE, or not postprocessed)") in (tmp_path / "cmp.md").read_text().splitlines()
+    (root_b / "mem_step1" / "profile_summary.json").unlink()  # now nothing in B has a summary
+    res = _cli("compare", good.parent, root_b, "--out", tmp_path / "cmp2.md")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: {root_b}: no profile_summary.json in it or in its sub-directories; "
+        "run postprocess first")
+    # No trial matches by (kind, step): the report is written and printed, exit 1
+    s = json.loads((good / "profile_summary.json").read_text())
+    s["profile_step"] = 2
+    (root_b / "mem_step2" / "profile_summary.json").write_text(json.dumps(s))
+    res = _cli("compare", good.parent, root_b, "--out", tmp_path / "cmp3.md")
+    report = (tmp_path / "cmp3.md").read_text()
+    assert res.returncode == 1 and report.splitlines()[-1] == "No trials match by (kind, step)."
+    assert "- unmatched: memory step 2 only in B (`mem_step2`)" in report and res.stdout == report + "\n"
+    assert res.stderr.splitlines()[-1] == "[postprocess] ERROR: No trials match by (kind, step). Nothing was compared."

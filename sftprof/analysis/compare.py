@@ -23,10 +23,11 @@ from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
 
-__all__ = ["CompareInputError", "find_trials", "compare_runs"]
+__all__ = ["CompareInputError", "find_trials", "compare_runs", "NO_MATCH"]
 
 _ROWS = 15  # rows per top-kernel / site table
 REPORT_TITLE = "# Profile comparison"  # first line of every report
+NO_MATCH = "No trials match by (kind, step)."  # last line of a report that compares nothing
 _REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
 
 
@@ -77,6 +78,15 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
             raise CompareInputError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
         out[key] = (d, s)
     return out
+
+
+def _without_summary(run: str) -> list[str]:
+    """Sub-directories of a RUN_ROOT without ``profile_summary.json`` (trials not run, e.g. after STOP_ON_FAILURE,
+    or not postprocessed); none for a trial dir."""
+    if os.path.isfile(os.path.join(run, SUMMARY_JSON)):
+        return []
+    return [d for d in sorted(os.listdir(run))
+            if os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
 
 
 def _delta(a, b) -> tuple[str, str]:
@@ -141,16 +151,21 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _settings(summary: dict) -> dict[str, Any] | None:
+def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
     """The trial's resolved config, flattened: the copy in the summary (``config``), else ``LOG_DIR/config.yaml``
-    written by the trainer (summaries of earlier releases); None if neither is there."""
+    written by the trainer (summaries of earlier releases, or a config.yaml that postprocess could not read), and
+    why it is unknown (``(None, reason)`` when neither is there or the file is unreadable; ``""`` when known)."""
     if isinstance(summary.get("config"), dict):
-        return _flat(summary["config"])
+        return _flat(summary["config"]), ""
     path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", artifacts.CONFIG_YAML)
     if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return _flat(yaml.safe_load(f) or {})
+        return None, "not available"
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        return None, f"`{path}` unreadable ({type(exc).__name__})"
+    return _flat(cfg or {}), ""
 
 
 _CP_ATTENTION = "actor.megatron.cp_attention"
@@ -168,9 +183,10 @@ def _uses_cp_attention(flat_cfg: dict[str, Any]) -> bool:
 
 def _settings_diff(a: dict, b: dict) -> list[str]:
     """What was changed between the two trials (the experiment), and a warning when sizes differ."""
-    ca, cb = _settings(a), _settings(b)
+    (ca, why_a), (cb, why_b) = _settings(a), _settings(b)
     if ca is None or cb is None:
-        return ["Settings: the trials' config.yaml is not available; cannot tell what differs.", ""]
+        why = "; ".join(f"{side}: {why}" for side, c, why in (("A", ca, why_a), ("B", cb, why_b)) if c is None)
+        return [f"Settings unknown (the trial's config.yaml, {why}); cannot tell what differs.", ""]
     keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
     if not keys:
         return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
@@ -341,7 +357,8 @@ def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
 
 
 def compare_runs(run_a: str, run_b: str) -> str:
-    """Markdown report comparing two runs (see the module docstring).
+    """Markdown report comparing two runs (see the module docstring); it ends with :data:`NO_MATCH` when no
+    trial matches. Sub-directories of a RUN_ROOT without ``profile_summary.json`` are listed as not compared.
 
     Raises:
         CompareInputError: as :func:`find_trials`, or a matched summary whose members have an unexpected
@@ -354,8 +371,11 @@ def compare_runs(run_a: str, run_b: str) -> str:
         side = "A" if key in ta else "B"
         out.append(f"- unmatched: {key[0]} step {key[1]} only in {side} "
                    f"(`{os.path.basename((ta if key in ta else tb)[key][0])}`)")
+    for side, run in (("A", run_a), ("B", run_b)):
+        out += [f"- not compared: `{d}` in {side} has no {SUMMARY_JSON} (a trial not run, e.g. after STOP_ON_FAILURE, "
+                "or not postprocessed)" for d in _without_summary(run)]
     if not common:
-        out.append("\nNo trials match by (kind, step).")
+        out.append(f"\n{NO_MATCH}")
     for key in common:
         try:
             out += [""] + _pair(key, *ta[key], *tb[key])

@@ -243,11 +243,17 @@ def max_entries(log_dir: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def trial_config(log_dir: str) -> dict | None:
-    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, None when absent or unreadable."""
+def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
+    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
+    it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+    if not os.path.isfile(path):
+        return None, None
     try:
-        with open(os.path.join(log_dir, artifacts.CONFIG_YAML), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             cfg = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        return None, f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
+    if cfg is not None and not isinstance(cfg, dict):
+        return None, f"{path}: not a YAML mapping (a {type(cfg).__name__})"
+    return cfg, None

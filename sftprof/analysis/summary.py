@@ -31,7 +31,7 @@ from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_e
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
 
 PROFILE_KINDS = ("kernel", "memory")
 MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of GPU time by part and layer
@@ -191,7 +191,7 @@ def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
 
 def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
     """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory_estimate.estimate_memory`) and why not."""
-    cfg = inputs.trial_config(log_dir)
+    cfg, _ = inputs.trial_config(log_dir)  # (an unreadable one is the summary's error: postprocess_trial)
     if cfg is None or rank is None:
         return None, "no config.yaml in the log dir or no rank in the snapshot name: no theoretical estimate"
     try:
@@ -414,32 +414,37 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     Returns:
         ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
         written: a trial that died before the trainer's first write is reported as failed, with the
-        launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``) could not be processed,
+        launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
+        processed,
         a trace's invalid events dominate it, or an ``ok`` trial lacks its artifacts; else 0. Whatever
         one file raises is that file's error; every other file is still processed. Failed trials may
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
         ValueError: unknown ``profile_kind`` or negative ``profile_step``, or either not given while the trial
-            recorded none (it died before its completion record).
+            recorded none (it died before its completion record; the message says so when ``log_dir`` does not
+        exist).
     """
-    profile_kind, profile_step = _resolve_profile(log_dir, profile_kind, profile_step)
+    profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
     os.makedirs(run_dir, exist_ok=True)
     coords, coords_error = inputs.read_rank_coords(log_dir)
+    cfg, cfg_error = inputs.trial_config(log_dir)
+    input_errors = [{"file": name, "error": err} for name, err in ((artifacts.RANK_COORDS, coords_error),
+                                                                  (artifacts.CONFIG_YAML, cfg_error)) if err]
     stats = inputs.read_stats(os.path.join(log_dir, artifacts.STATS), profile_step)
     log_dir_missing = not os.path.isdir(log_dir)
     complete = _completion(log_dir, stats, log_dir_missing)
     summary = _trial_header(log_dir, run_dir, profile_kind, profile_step, complete, trainer_log, nvidia_smi_csv)
-    cfg = inputs.trial_config(log_dir)
     # the resolved config travels with the summary, so that a run root copied off the training machine still
-    # tells what differs between two runs (compare); None when config.yaml is absent or unreadable
+    # tells what differs between two runs (compare); None when config.yaml is absent or unreadable (an error)
     summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
                    rank_coords={str(k): v for k, v in sorted(coords.items())})
     if summary["status"] != "ok":
         summary.update(_failure_part(run_dir, trainer_log))
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
-    errors, warnings = _problems(summary, items, complete, coords_error, log_dir if log_dir_missing else None)
+    errors, warnings = _problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
+    warnings += _optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
     if profile_kind == "kernel" and items:
         warnings += _missing_traces(cfg, items)
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
@@ -455,8 +460,16 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 
 
-def _resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:
-    """The kind and step to process: as given, else the trial's recorded ones (errors: :func:`postprocess_trial`)."""
+def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:
+    """The kind and step to process: as given, else the trial's recorded ones (``stats.jsonl``'s completion record).
+
+    Raises:
+        ValueError: as :func:`postprocess_trial` (the message names the setting).
+    """
+    if (kind is None or step is None) and not os.path.isdir(log_dir):
+        raise ValueError(f"--log-dir {log_dir} does not exist, so --profile-kind and --profile-step cannot be read "
+                         "from its stats.jsonl; nothing was written (given both, the trial's summary is written, "
+                         "as failed)")
     recorded_kind, recorded_step = inputs.recorded_profile(log_dir)
     if kind is None:
         kind = recorded_kind
@@ -544,14 +557,14 @@ def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
                         "summary leaves that rank out"} for r in expected if r not in have]
 
 
-def _problems(summary: dict, items: list[dict], complete: dict, coords_error: str | None,
+def _problems(summary: dict, items: list[dict], complete: dict, input_errors: list[dict],
               missing_log_dir: str | None) -> tuple[list[dict], list[dict]]:
     """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
-    (``missing_log_dir``: the log dir when it does not exist, first error)."""
+    (``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
+    does not exist, first error)."""
     kind, step = summary["profile_kind"], summary["profile_step"]
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
-    if coords_error:
-        errors.append({"file": "rank_coords.json", "error": coords_error})
+    errors += input_errors
     if missing_log_dir:
         errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
     warnings = []
@@ -585,6 +598,18 @@ def _problems(summary: dict, items: list[dict], complete: dict, coords_error: st
             errors.append({"file": where, "error": f"trial status {summary['status']} but no artifacts found in the "
                                                    "log dir"})
     return errors, warnings
+
+
+def _optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[dict]:
+    """A warning per input file given by option (``--trainer-log``, ``--nvidia-smi-csv``) that is not a file, or
+    (nvidia-smi) holds no sample: the summary goes without it."""
+    out = [{"file": path, "warning": f"{option}: not found; the summary goes without it"}
+           for option, path in (("--trainer-log", trainer_log), ("--nvidia-smi-csv", nvidia_smi_csv))
+           if path and not os.path.isfile(path)]
+    if nvidia_smi_csv and os.path.isfile(nvidia_smi_csv) and not smi["samples"]:
+        out.append({"file": nvidia_smi_csv, "warning": "--nvidia-smi-csv: no sample read (no header naming index and "
+                                                       "memory.used, or no row under it); the summary goes without it"})
+    return out
 
 
 def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict]) -> dict[str, int]:
