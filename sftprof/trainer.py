@@ -271,7 +271,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             log.info("memory profiler: %d snapshot(s) written on rank %d", memory.snapshots_written, rank)
     except BaseException as err:  # includes _Terminated (SIGTERM) and KeyboardInterrupt
         error = f"{type(err).__name__}: {err}"
-        log.exception("trial failed at step %d", steps_done)
+        log.exception("trial failed after %d completed step(s): %s", steps_done, error)
         if not isinstance(err, Exception):
             raise  # after the finally below has written the failed completion record
     finally:

@@ -300,6 +300,28 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
     assert md.index("## Failure") < md.index("## Log tail: launcher.log")
 
 
+def test_failure_without_error_file_quotes_the_error_the_trainer_logged(tmp_path):
+    """A rank that exits with an exception writes no torchrun error file: torchrun's traceback field is then only a
+    pointer to its docs, so the Failure line quotes the error the trainer logged for that rank instead (the
+    reviewer's case: a damaged safetensors file quoted as torchrun's docs link)."""
+    from sftprof.analysis.failure import first_failure
+    text = (FIXTURE_DIR / "torchrun_sigkill_launcher.log").read_text()
+    text = text.replace("2026-11-30 08:56:04,771 [rank 1] INFO rank 1 about to die",
+                        "2026-11-30 08:56:04,771 [rank 1] ERROR trial failed after 0 completed step(s): SafetensorError: "
+                        "Error while deserializing header: header too large\nTraceback (most recent call last):")
+    text = text.replace("exitcode  : -9 (pid: 7899)  (SIGKILL)", "exitcode  : 1 (pid: 7899)")
+    text = text.replace("traceback : Signal 9 (SIGKILL) received by PID 7899",
+                        "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+    (tmp_path / "launcher.log").write_text(text)
+    fail = first_failure(str(tmp_path / "launcher.log"))
+    assert (fail["rank"], fail["how"], fail["traceback"]) == (
+        1, "exit code 1", "SafetensorError: Error while deserializing header: header too large")
+    # a rank that logged no such line keeps torchrun's field as it was
+    (tmp_path / "launcher.log").write_text(text.replace("ERROR trial failed after 0 completed step(s)", "ERROR other"))
+    assert first_failure(str(tmp_path / "launcher.log"))["traceback"] == (
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rule 8: a full allocator history is flagged with its window start and the setting to raise
 # ---------------------------------------------------------------------------------------------------------

@@ -39,6 +39,11 @@ _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*
 _RANK = re.compile(r"^(\d+)")
 _EXITCODE = re.compile(r"^(-?\d+)")
 _TAIL_LINES = 20
+# torchrun's traceback field when the rank wrote no error file: a pointer to its docs, not the error
+_NO_ERROR_FILE = "To enable traceback see:"
+# the trainer's log line when a trial fails (sftprof/trainer.py): "... [rank N] ERROR trial failed after K completed
+# step(s): SomeError: message"
+_TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$")
 
 
 def _signal_name(code: int) -> str | None:
@@ -124,7 +129,8 @@ def first_failure(launcher_log: str) -> dict[str, Any] | None:
     Returns:
         None when the log is absent or holds no torchrun failure report, else ``{"rank", "exitcode",
         "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``), "host", "error_file",
-        "traceback", "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message),
+        "traceback" (torchrun's; where it is only torchrun's pointer to its docs, the rank wrote no error file,
+        the error the trainer logged for that rank), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message),
         "others": [{"rank", "exitcode", "signal", "how"}]}``.
     """
     if not os.path.isfile(launcher_log):
@@ -146,5 +152,9 @@ def first_failure(launcher_log: str) -> dict[str, Any] | None:
     if message:
         tail += message.splitlines()[-_TAIL_LINES:]
     keep = ("rank", "exitcode", "signal", "how", "host", "error_file", "traceback")
-    return {**{k: first[k] for k in keep}, "log_tail": tail,
+    out = {k: first[k] for k in keep}
+    if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: the error the trainer logged
+        found = [m.group(1) for m in map(_TRAINER_ERROR.search, tail) if m]
+        out["traceback"] = found[-1] if found else out["traceback"]
+    return {**out, "log_tail": tail,
             "others": [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures if f is not first]}
