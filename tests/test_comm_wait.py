@@ -152,6 +152,14 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "profile_summary.json").write_text(json.dumps(summary))
     assert "(A: EP; B: EP, None)" in compare_runs(ep_only, str(tmp_path / "unknown"))
+    # a run that traced rank 0 only: rank 1's trace figures in A are named as not compared, not silently dropped
+    log = tmp_path / "r0" / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
+    assert postprocess_trial(str(log), str(tmp_path / "r0" / "run"), "kernel", 1, jobs=1)[1] == 0
+    report = compare_runs(ep_only, str(tmp_path / "r0" / "run"))
+    assert report.count("only in run") == 1 and ("Rank(s) 1: a trace only in run A; not compared below (the runs "
+                                                 "profiled different ranks).") in report
 
 
 @pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])

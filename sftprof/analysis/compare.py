@@ -217,12 +217,25 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     out += noise_lines + _step_tables(a, b)
     ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
     kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
-    for rank in sorted(set(ka) & set(kb)):
-        out += _kernel_tables(rank, ka[rank], kb[rank], rel)
     ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
     mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
+    out += _one_sided(ka, kb, "trace") + _one_sided(ma, mb, "memory snapshot")
+    for rank in sorted(set(ka) & set(kb)):
+        out += _kernel_tables(rank, ka[rank], kb[rank], rel)
     for rank in sorted(set(ma) & set(mb)):
         out += _memory_tables(rank, ma[rank], mb[rank])
+    return out
+
+
+def _one_sided(in_a: dict, in_b: dict, what: str) -> list[str]:
+    """A line per run naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their figures
+    have nothing to be compared with and are left out of the per-rank tables below (e.g. ``PROFILE_RANKS`` differed)."""
+    out = []
+    for side, mine, other in (("A", in_a, in_b), ("B", in_b, in_a)):
+        only = sorted(set(mine) - set(other))
+        if only:
+            out += [f"Rank(s) {', '.join(map(str, only))}: a {what} only in run {side}; not compared below "
+                    "(the runs profiled different ranks).", ""]
     return out
 
 
