@@ -249,9 +249,10 @@ def driver_call(spec: str, args, overrides: list[str], out_dir: Path, stamp: str
                PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),
                PROFILE_STAMP=stamp, FILEROOT=str(out_dir / "fileroot"))
     cmd = ["bash", str(REPO / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={layout}"]
+    # the row's own value of a key replaces the common one (the driver refuses a key given twice)
     common = ([f"actor.num_layers={args.layers}"] if args.layers else []) + overrides
-    row_keys = {e.split("=", 1)[0] for e in extra}  # the row's own value replaces the common one (the driver
-    common = [o for o in common if o.split("=", 1)[0] not in row_keys]  # refuses a key given twice)
+    row_keys = {e.split("=", 1)[0] for e in extra}
+    common = [o for o in common if o.split("=", 1)[0] not in row_keys]
     return env, cmd + common + extra, run_root
 
 

@@ -594,8 +594,8 @@ def test_damaged_config_yaml_is_its_own_error_and_compare_says_settings_unknown(
     assert s["counts"]["snapshots"] == 1 and "summary" in s["memory_snapshots"][0]  # the rest is processed
     res = _cli("compare", good, bad, "--out", tmp_path / "cmp.md")
     assert res.returncode == 0 and "Traceback" not in res.stderr
-    assert (f"Settings unknown (the trial's config.yaml, B: `{log / 'config.yaml'}` unreadable (ParserError)); "
-            "cannot tell what differs.") in (tmp_path / "cmp.md").read_text().splitlines()
+    assert f"Settings unknown (the trial's config.yaml, B: {message}); cannot tell what differs." in (
+        tmp_path / "cmp.md").read_text().splitlines()
 
 
 def test_missing_or_empty_optional_inputs_are_warnings(tmp_path, small_snapshot):

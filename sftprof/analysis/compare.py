@@ -15,11 +15,9 @@ import os
 from collections import defaultdict
 from typing import Any
 
-import yaml
-
-from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
+from sftprof.analysis import inputs
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
 
@@ -157,15 +155,10 @@ def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
     why it is unknown (``(None, reason)`` when neither is there or the file is unreadable; ``""`` when known)."""
     if isinstance(summary.get("config"), dict):
         return _flat(summary["config"]), ""
-    path = os.path.join((summary.get("paths") or {}).get("log_dir") or "", artifacts.CONFIG_YAML)
-    if not os.path.isfile(path):
-        return None, "not available"
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        return None, f"`{path}` unreadable ({type(exc).__name__})"
-    return _flat(cfg or {}), ""
+    cfg, error = inputs.trial_config((summary.get("paths") or {}).get("log_dir") or "")
+    if error:
+        return None, error
+    return (None, "not available") if cfg is None else (_flat(cfg), "")
 
 
 _CP_ATTENTION = "actor.megatron.cp_attention"

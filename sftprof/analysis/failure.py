@@ -130,7 +130,8 @@ def first_failure(launcher_log: str) -> dict[str, Any] | None:
         None when the log is absent or holds no torchrun failure report, else ``{"rank", "exitcode",
         "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``), "host", "error_file",
         "traceback" (torchrun's; where it is only torchrun's pointer to its docs, the rank wrote no error file,
-        the error the trainer logged for that rank), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message),
+        the error the trainer logged for that rank), "log_tail" (the rank's last ``[rank N]`` lines, or its
+        error file's message),
         "others": [{"rank", "exitcode", "signal", "how"}]}``.
     """
     if not os.path.isfile(launcher_log):

@@ -415,15 +415,14 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
         written: a trial that died before the trainer's first write is reported as failed, with the
         launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
-        processed,
-        a trace's invalid events dominate it, or an ``ok`` trial lacks its artifacts; else 0. Whatever
+        processed, a trace's invalid events dominate it, or an ``ok`` trial lacks its artifacts; else 0. Whatever
         one file raises is that file's error; every other file is still processed. Failed trials may
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
         ValueError: unknown ``profile_kind`` or negative ``profile_step``, or either not given while the trial
-            recorded none (it died before its completion record; the message says so when ``log_dir`` does not
-        exist).
+            recorded none (it died before its completion record; the message says so when ``log_dir`` does
+            not exist).
     """
     profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
     os.makedirs(run_dir, exist_ok=True)
