@@ -253,6 +253,11 @@ class MegatronSettings:
     # Without TE: the MoE router's top-k, softmaxes and dense [T, E] probs / routing map in one Triton kernel per
     # call (softmax routers, fp32 logits; sftprof.models.router); false = megatron-core's unfused torch.topk path.
     moe_fused_router: bool = True
+    # megatron-core's moe_router_force_load_balancing: every MoE router's logits replaced by random normal values
+    # (straight-through gradient), so each expert receives about top_k / E of the tokens. For profiling without the
+    # checkpoint: a randomly initialised router sends almost every token of the repeated fake sample to one expert
+    # per layer (bench/NOTES.md), which no trained model does. Not the Hugging Face model's routing: off by default.
+    moe_router_force_load_balancing: bool = False
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).
@@ -621,6 +626,9 @@ def validate(cfg: SFTProfileConfig) -> None:
         raise ConfigError(f"perf_tracer.profile_steps={list(cfg.perf_tracer.profile_steps)} and memory_profiler.profile_steps="
                           f"{list(cfg.memory_profiler.profile_steps)}: set one profile kind per trial (allocator history "
                           "distorts kernel timings)")
+    if a.megatron.moe_router_force_load_balancing and layout.backend != "megatron":
+        raise ConfigError(f"actor.megatron.moe_router_force_load_balancing=True: megatron-core's router option, for "
+                          f"the megatron backend only; actor.backend={a.backend!r}; accepted here: false")
     if a.loss.path == "reference" and layout.tp > 1:
         raise ConfigError(f"actor.loss.path='reference': needs TP=1 (a plain log_softmax over the whole vocabulary), "
                           f"actor.backend={a.backend!r} has TP={layout.tp}; accepted: auto, lm_head, logprobs")

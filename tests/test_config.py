@@ -220,3 +220,20 @@ def test_integer_for_a_boolean_in_the_yaml_is_refused(tmp_path):
                                           rf"\(also yes/no, on/off, 1/0\) \(config {cfg}\)$"):
         load_config(cfg)
 
+
+
+def test_force_load_balancing_is_off_by_default_and_megatron_only():
+    """``actor.megatron.moe_router_force_load_balancing``: off in the defaults and the shipped YAML (not the HF
+    model's routing), passed to megatron-core's field of the same name, refused for the fsdp backend."""
+    from sftprof.models import megatron_config as mc
+
+    assert load_config("tiny_cpu").actor.megatron.moe_router_force_load_balancing is False
+    flagship = load_config(FLAGSHIP)
+    assert flagship.actor.megatron.moe_router_force_load_balancing is False
+    assert mc.training_config_kwargs(flagship, have_te=True)["moe_router_force_load_balancing"] is False
+    on = load_config(FLAGSHIP, ["actor.megatron.moe_router_force_load_balancing=true"])
+    assert mc.training_config_kwargs(on, have_te=True)["moe_router_force_load_balancing"] is True
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", ["actor.megatron.moe_router_force_load_balancing=true"])
+    assert str(exc.value) == ("actor.megatron.moe_router_force_load_balancing=True: megatron-core's router option, for "
+                              "the megatron backend only; actor.backend='fsdp:d2'; accepted here: false")

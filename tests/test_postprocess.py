@@ -436,3 +436,54 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
         "| `actor.megatron.cp_attention` | blocks | masked |", "",
         "**Warning:** the runs differ in actor.backend: time and memory deltas mix the change under test with a "
         "different problem size.", ""]
+
+
+# moe_load of steps 0 and 2 of the 2x H200 run of the shipped YAML at (attn:c2|ffn:e2), random weights
+# (bench/NOTES.md, fourteenth session): one expert takes almost every token of layers 1-3
+_COLLAPSED = {"tokens_per_expert_max": [118123.0, 130964.0, 131064.0, 131058.0],
+              "tokens_per_expert_mean": [8192.0] * 4,
+              "max_over_mean": [14.4193115234375, 15.98681640625, 15.9990234375, 15.998291015625],
+              "ep_max_over_mean": [1.2751617431640625, 1.5141429901123047, 1.6437015533447266, 1.4988269805908203],
+              "worst_layer": 2, "max_over_mean_max": 15.9990234375, "ep_max_over_mean_max": 1.6437015533447266}
+_BALANCED = {"tokens_per_expert_max": [9000.0, 8800.0, None, 9500.0], "tokens_per_expert_mean": [8192.0] * 4,
+             "max_over_mean": [1.0986328125, 1.07421875, None, 1.1596679688],
+             "ep_max_over_mean": [1.01, 1.02, None, 1.005], "worst_layer": 3, "max_over_mean_max": 1.1596679688,
+             "ep_max_over_mean_max": 1.02}
+
+
+@pytest.mark.parametrize("profiled_load, warned", [(_COLLAPSED, True), (_BALANCED, False)])
+def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, warned):
+    """The Steps table shows each step's busiest expert and EP rank over the mean, at their worst layers; when one
+    expert took >= half of a layer's tokens in the profiled step the summary warns that the routing collapsed."""
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", kind="memory", device="cpu")
+    recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
+    recs[0].update(moe_load=_BALANCED if warned else _COLLAPSED, tokens=131072)
+    recs[1].update(moe_load=profiled_load, tokens=131072)
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    md = (run / "profile_summary.md").read_text()
+    rows = {"collapsed": "| 15.999 (L2) | 1.644 (L2) |", "balanced": "| 1.160 (L3) | 1.020 (L1) |"}
+    step0, step1 = (rows["balanced"], rows["collapsed"]) if warned else (rows["collapsed"], rows["balanced"])
+    lines = md.splitlines()
+    assert lines[lines.index("| step | step time s | tokens/s | peak alloc GiB (rank) | peak reserved GiB (rank) | "
+                             "over ranks | MFU | recompute TFLOP/s/GPU | expert max/mean (L) | EP rank max/mean (L) | "
+                             "profiled |") + 2].endswith(step0 + " False |")
+    assert step1 + " True |" in md
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["stats"]["steps"][1]["moe"] == (
+        {"max_over_mean": 15.9990234375, "worst_layer": 2, "ep_max_over_mean": 1.6437015533447266,
+         "ep_worst_layer": 2, "top_share": 131064.0 / 131072, "top_share_layer": 2} if warned else
+        {"max_over_mean": 1.1596679688, "worst_layer": 3, "ep_max_over_mean": 1.02, "ep_worst_layer": 1,
+         "top_share": 9500.0 / 131072, "top_share_layer": 3})
+    collapse = [w["warning"] for w in s["warnings"] if "routing collapsed" in w["warning"]]
+    assert collapse == ([
+        "step 1: MoE routing collapsed: one expert received 99.99 % of the tokens in layer 2 (busiest expert 16.00x "
+        "the mean); the busiest EP rank got 1.64x the mean per EP rank (layer 2). A randomly initialised "
+        "router does this on the repeated fake sample, a trained one spreads the tokens: with random weights, this "
+        "profile's expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the checkpoint (actor.path), or set "
+        "actor.megatron.moe_router_force_load_balancing=true (random router logits, balanced load) to profile "
+        "balanced routing"] if warned else [])

@@ -18,7 +18,7 @@ import yaml
 from sftprof import artifacts
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["read_stats", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
+__all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
            "trainer_log_tail", "trial_config", "max_entries"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
@@ -66,7 +66,8 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     Memory peaks are the maximum over the ranks of the step record's ``ranks`` list, with the rank that
     holds it (``*_rank``) and ``n_ranks``, the number of ranks the figure is taken over (1 when the record
     has no per-rank list: then it is rank 0's alone). ``per_rank`` maps every rank of the profiled step's
-    record, profiled or not, to its ``step_time_s`` and peaks. Non-finite or non-numeric values count as
+    record, profiled or not, to its ``step_time_s`` and peaks. Each step row's ``moe`` holds its routing figures
+    (:func:`moe_load`; None for a model without MoE layers). Non-finite or non-numeric values count as
     absent. A missing file gives ``available: False``; unparsable lines are counted in ``bad_lines``.
     """
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
@@ -84,6 +85,7 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
         for key in ("mem_peak_allocated", "mem_peak_reserved"):
             row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
         row["n_ranks"] = len(per_rank)
+        row["moe"] = moe_load(rec.get("moe_load"), rec.get("tokens"))
         out["steps"].append(row)
         if profile_step is not None and rec.get("step") == profile_step:
             out["profile_step_record"] = rec
@@ -99,6 +101,39 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
         best = max(vals, key=lambda x: x[0]) if vals else (None, None)
         out[f"max_{key}_gb"], out[f"max_{key}_rank"] = best
     return out
+
+
+def moe_load(load, tokens) -> dict[str, Any] | None:
+    """The routing figures of one step record's ``moe_load`` (:meth:`sftprof.models.routing.RoutingLoadMeter.step_record`).
+
+    Args:
+        load: the record's ``moe_load`` (per-layer lists ``tokens_per_expert_max``, ``max_over_mean``,
+            ``ep_max_over_mean``); anything else gives None.
+        tokens: the step's tokens (the record's ``tokens``, all ranks): the tokens every MoE layer routed once.
+
+    Returns:
+        None without a usable record; else ``{"max_over_mean", "worst_layer"}`` (the busiest expert's tokens
+        over the mean per expert, at the layer where that is largest), ``{"ep_max_over_mean", "ep_worst_layer"}``
+        (the busiest EP rank's over the mean per EP rank) and ``{"top_share", "top_share_layer"}`` (the busiest
+        expert's tokens as a share of the step's tokens, 0..1, at its largest layer; None without ``tokens``).
+        Layers with a non-finite or missing value are left out of each maximum.
+    """
+    if not isinstance(load, dict):
+        return None
+
+    def worst(key: str, scale: float = 1.0) -> tuple[float | None, int | None]:
+        vals = load.get(key)
+        vals = [(v / scale, i) for i, v in enumerate(vals) if _finite(v) is not None] if isinstance(vals, list) else []
+        return max(vals, key=lambda x: (x[0], -x[1])) if vals else (None, None)
+
+    ratio, layer = worst("max_over_mean")
+    if ratio is None:
+        return None
+    ep, ep_layer = worst("ep_max_over_mean")
+    share, share_layer = (worst("tokens_per_expert_max", float(tokens)) if _finite(tokens) and tokens > 0
+                          else (None, None))
+    return {"max_over_mean": ratio, "worst_layer": layer, "ep_max_over_mean": ep, "ep_worst_layer": ep_layer,
+            "top_share": share, "top_share_layer": share_layer}
 
 
 def _number(text: str) -> float | None:

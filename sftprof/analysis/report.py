@@ -49,8 +49,9 @@ def short(name: str, n: int) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
-def _with_rank(value, rank) -> str:
-    return "–" if value is None else f"{fmt(value)} (r{rank})"
+def _with_rank(value, rank, prefix: str = "r") -> str:
+    """``"45.485 (r0)"``: a value and where it was found (``prefix`` ``"L"``: a layer); ``–`` for None."""
+    return "–" if value is None else f"{fmt(value)} ({prefix}{rank})"
 
 
 def _parts_table(rows: list[dict]) -> str:
@@ -119,17 +120,32 @@ def _steps(s: dict) -> list[str]:
     st = s["stats"]
     if not st["steps"]:
         return []
-    return ["## Steps (stats.jsonl)\n",
-            "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
-            "GPU does on top of the model FLOPs; not in MFU).\n",
-            table(["step", "step time s", "tokens/s", "peak alloc GiB (rank)", "peak reserved GiB (rank)",
-                   "over ranks", "MFU", "recompute TFLOP/s/GPU", "profiled"],
-                  [[x["step"], x["step_time_s"], x["tokens_per_s"],
-                    _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
-                    _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
-                    "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
-                    x.get("recompute_tflops_per_gpu"), x["profiled"]]
-                   for x in st["steps"]])]
+    moe = any(x.get("moe") for x in st["steps"])
+    out = ["## Steps (stats.jsonl)\n",
+           "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
+           "GPU does on top of the model FLOPs; not in MFU)."
+           + (" MoE routing, over the layers, summed over all ranks (first-pass forwards): the busiest expert's "
+              "tokens over the mean per expert, and the busiest EP rank's over the mean per EP rank (1.0 = "
+              "balanced), each at its worst layer (L)." if moe else "") + "\n"]
+    out.append(table(["step", "step time s", "tokens/s", "peak alloc GiB (rank)", "peak reserved GiB (rank)",
+                      "over ranks", "MFU", "recompute TFLOP/s/GPU"]
+                     + (["expert max/mean (L)", "EP rank max/mean (L)"] if moe else []) + ["profiled"],
+                     [[x["step"], x["step_time_s"], x["tokens_per_s"],
+                       _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
+                       _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
+                       "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
+                       x.get("recompute_tflops_per_gpu")]
+                      + (_moe_cells(x.get("moe")) if moe else []) + [x["profiled"]]
+                      for x in st["steps"]]))
+    return out
+
+
+def _moe_cells(m: dict | None) -> list:
+    """The two routing cells of a Steps row: ``"16.000 (L3)"`` and the EP rank's (``–`` without data)."""
+    if not m:
+        return [None, None]
+    return [_with_rank(m["max_over_mean"], m["worst_layer"], "L"),
+            _with_rank(m["ep_max_over_mean"], m["ep_worst_layer"], "L")]
 
 
 def _nvidia_smi(s: dict) -> list[str]:

@@ -185,6 +185,9 @@ class MegatronEngine(Engine):
                 log.info("megatron: actor.megatron.moe_alltoall_chunks=%s has no effect here (it applies to the "
                          "deduplicating all-to-all dispatcher: actor.megatron.moe_dedup_alltoall, EP > 1, expert TP 1, "
                          "without Transformer Engine)", m.moe_alltoall_chunks)
+        if m.moe_router_force_load_balancing:
+            log.info("megatron: actor.megatron.moe_router_force_load_balancing=true: every MoE router's logits are "
+                     "random (megatron-core's benchmark option); the routing is not the model's")
         # Vocabulary padding (V' > V, only when V is not a multiple of TP) lives on the last TP rank.
         tp_rank, v_local = parallel_state.get_tensor_model_parallel_rank(), gpt_kwargs["vocab_size"] // layout.tp
         self.vocab_valid_local = min(v_local, max(0, self.vocab_size - tp_rank * v_local))

@@ -276,7 +276,7 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
       recompute is on only when ``actor.gradient_checkpointing`` is true;
     - ``use_deterministic_algorithms`` -> ``deterministic_mode``;
     - ``moe_router_dtype`` (``none`` -> router in the model dtype), ``moe_token_dispatcher_type``,
-      ``moe_router_bias_update_rate``;
+      ``moe_router_bias_update_rate``, ``moe_router_force_load_balancing``;
     - ``calculate_per_token_loss=True``: the loss function returns the local loss sum and its token
       count and Megatron divides the DP x CP-summed gradients by the global token count;
     - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, permute fusion, grouped GEMM
@@ -299,6 +299,7 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         moe_router_dtype=_ROUTER_DTYPES[m.moe_router_dtype],
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_router_bias_update_rate=float(m.moe_router_bias_update_rate),
+        moe_router_force_load_balancing=bool(m.moe_router_force_load_balancing),
         calculate_per_token_loss=True,
         gradient_accumulation_fusion=have_te,
         apply_rope_fusion=have_te or install_in_megatron(),
