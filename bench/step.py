@@ -27,7 +27,10 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
   share of the step; ``exposed_wait_ms``: the part of that rank's exposed time spent waiting for another rank to
   join the collective (load imbalance before it, not transfer; the summary's ``comm_wait``, matched call by
   call; ``-`` where the traces were not split); ``gpu_busy_pct`` (min over ranks);
-- ``peak_gib``: peak allocated memory of the profiled step (max over ranks, ``stats.jsonl``); ``mfu``.
+- ``peak_gib``: peak allocated memory of the profiled step (max over ranks, ``stats.jsonl``); ``mfu``;
+- ``expert_max_over_mean`` / ``ep_max_over_mean``: the profiled step's MoE routing at its worst layer (the
+  summary's Steps table): the busiest expert's tokens over the mean per expert (16.0 = one expert of 128 at top-8
+  took every token: the routing of random weights) and the busiest EP rank's over the mean per EP rank.
 
 Ratios against the one-GPU row (of this run, or of ``--baseline`` JSON written by an earlier run): the
 issue's goals are attention per rank <= 0.55x at CP = 2, two-GPU step <= 0.55x, exposed communication
@@ -59,7 +62,8 @@ COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", 
            ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
            ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
            ("of which wait ms", "exposed_wait_ms", "{:.1f}"),
-           ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"))
+           ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"),
+           ("expert max/mean", "expert_max_over_mean", "{:.2f}"), ("EP max/mean", "ep_max_over_mean", "{:.2f}"))
 
 
 def _num(x: Any) -> Optional[float]:
@@ -101,6 +105,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     worst = max(on_gpu, key=lambda t: t["summary"]["communication"]["exposed_ms"])["rank"] if on_gpu else None
     waits = {r.get("rank"): _num(r.get("exposed_wait_ms")) for r in (summary.get("comm_wait") or {}).get("ranks") or []}
     busy = [t["summary"]["gpu"]["busy_share_pct"] for t in on_gpu if _num(t["summary"]["gpu"]["busy_share_pct"])]
+    moe = (steps.get(profiled) or {}).get("moe") or {}
     return {
         "trial": summary.get("trial"), "status": summary.get("status"), "ranks_traced": len(traces),
         "step_s": step_s, "unprofiled_step_s": _num((steps.get(profiled - 1) or {}).get("step_time_s"))
@@ -113,6 +118,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
         "gpu_busy_pct": min(busy) if busy else None,
         "peak_gib": _num((steps.get(profiled) or {}).get("mem_peak_allocated_gb")),
         "mfu": _num((steps.get(profiled) or {}).get("mfu")),
+        "expert_max_over_mean": _num(moe.get("max_over_mean")), "ep_max_over_mean": _num(moe.get("ep_max_over_mean")),
     }
 
 

@@ -115,7 +115,9 @@ def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
 
     summary = {"trial": "qwen3_30b_a3b_fake128k_kernel_step2_x", "status": "ok", "profile_step": 2,
                "stats": {"steps": [{"step": 1, "step_time_s": 2.863}, {"step": 2, "step_time_s": 2.868,
-                                                                        "mem_peak_allocated_gb": 45.48, "mfu": 0.372}]},
+                                                                        "mem_peak_allocated_gb": 45.48, "mfu": 0.372,
+                                                                        "moe": {"max_over_mean": 15.9990234375,
+                                                                                "ep_max_over_mean": 1.2580242156}}]},
                "kernel_traces": [trace(0, 52.829, 2330.0), trace(1, 85.6263, 2300.0)],
                "comm_wait": {"ranks": [{"rank": 0, "exposed_ms": 52.829, "exposed_wait_ms": 31.4368},
                                        {"rank": 1, "exposed_ms": 85.6263, "exposed_wait_ms": 61.4192}]}}
@@ -128,6 +130,7 @@ def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
     assert row["exposed_comm_pct"] == pytest.approx(100 * 85.6263 / 2868)
     table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)", world_size=2)], []).splitlines()
     assert "of which wait ms" in table[0] and table[1].split()[7:10] == ["85.6", "3.0", "61.4"]
+    assert table[0].endswith("MFU  expert max/mean  EP max/mean") and table[1].split()[-3:] == ["0.372", "16.00", "1.26"]
     del summary["comm_wait"]
     (run / "profile_summary.json").write_text(__import__("json").dumps(summary))
     assert step.trial_row(run)["exposed_wait_ms"] is None
