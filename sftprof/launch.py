@@ -49,6 +49,7 @@ from typing import Callable, Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
+from sftprof.analysis.failure import headline
 from sftprof.artifacts import read_stats
 from sftprof.config import (DEFAULT_FILEROOT, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
                             is_folder_name, load_config, to_yaml, trial_log_dir)
@@ -716,13 +717,16 @@ def trial_status(log_dir: Path) -> int:
     return 0 if completion is not None and completion.status == "ok" else 1
 
 
-def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int) -> Path:
-    """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s"}`` (seconds)."""
+def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int, n_nodes: int,
+                      nproc_per_node: int) -> Path:
+    """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s" (seconds), "n_nodes",
+    "nproc_per_node"}`` (read back by :func:`sftprof.artifacts.read_node_record`; the layout lets postprocessing name
+    the ranks of a node that wrote no record)."""
     path = artifacts.node_record_path(log_dir, node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"node_rank": node_rank, "host": socket.gethostname(), "torchrun_rc": torchrun_rc,
-                               "elapsed_s": elapsed_s}) + "\n")
+                               "elapsed_s": elapsed_s, "n_nodes": n_nodes, "nproc_per_node": nproc_per_node}) + "\n")
     tmp.replace(path)  # readers never see half a record
     return path
 
@@ -744,13 +748,13 @@ def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float 
                 continue
             pending.discard(k)
             try:
-                rec = json.loads(path.read_text())
-                rc = int(rec["torchrun_rc"])
-            except (OSError, ValueError, KeyError, TypeError) as err:
+                rec = artifacts.read_node_record(path)
+            except (OSError, ValueError) as err:
                 problems[k] = f"node {k}: unreadable end record {path}: {err}"
                 continue
-            if rc != 0:
-                problems[k] = f"node {k} ({rec.get('host', '?')}): torchrun exited with status {rc} (see its launcher.log)"
+            if rec["torchrun_rc"] != 0:
+                problems[k] = (f"node {k} ({rec['host'] or '?'}): torchrun exited with status {rec['torchrun_rc']} "
+                               "(see its launcher.log)")
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
@@ -772,6 +776,7 @@ def top_finding(summary: dict) -> str:
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
     without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak, its phase
     and the allocation site holding most memory at the peak. The rank is named: it is one rank's figure.
+    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`).
     """
     for t in summary.get("kernel_traces") or []:
         if "summary" not in t:
@@ -792,6 +797,8 @@ def top_finding(summary: dict) -> str:
         site = (x.get("top_sites") or [{}])[0]
         return (f"peak {x['peak_allocated_gib']:.2f} GiB in {x.get('peak_phase') or '?'}" +
                 (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
+    if summary.get("failure"):
+        return f"first failure: {headline(summary['failure'])} (see {artifacts.SUMMARY_MD})"
     if summary.get("errors"):
         return f"{len(summary['errors'])} unreadable artifact(s): see {artifacts.SUMMARY_MD}"
     if summary.get("status") not in (None, "ok"):
@@ -858,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
     p_node.add_argument("node_rank", type=int)
     p_node.add_argument("torchrun_rc", type=int)
     p_node.add_argument("elapsed_s", type=int)
+    p_node.add_argument("n_nodes", type=int)
+    p_node.add_argument("nproc_per_node", type=int)
     p_wait = sub.add_parser("wait-nodes", help="node 0: wait for the other nodes' end records; exit 1 if one failed")
     p_wait.add_argument("log_dir")
     p_wait.add_argument("n_nodes", type=int)
@@ -873,7 +882,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report(Path(args.run_root), args.node_rank), end="")
         return 0
     if args.cmd == "node-record":
-        write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s)
+        write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s, args.n_nodes,
+                          args.nproc_per_node)
         return 0
     if args.cmd == "wait-nodes":
         problems = wait_for_nodes(Path(args.log_dir), args.n_nodes, args.timeout_s)

@@ -439,7 +439,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
                    rank_coords={str(k): v for k, v in sorted(coords.items())})
     if summary["status"] != "ok":
-        summary.update(_failure_part(run_dir, trainer_log))
+        summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
+        if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
+            summary["status"] = "failed"
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
@@ -511,11 +513,14 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int, complete: di
     }
 
 
-def _failure_part(run_dir: str, trainer_log: str | None) -> dict[str, Any]:
-    """First failing rank (launcher log) and a log tail: the trainer log's, else the launcher log's."""
+def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict | None) -> dict[str, Any]:
+    """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
+    it) and a log tail: the trainer log's, else the launcher log's."""
     launcher_log = os.path.join(run_dir, "launcher.log")
+    cluster = (cfg or {}).get("cluster") if isinstance((cfg or {}).get("cluster"), dict) else {}
+    layout = tuple(v if isinstance(v, int) else None for v in (cluster.get("n_nodes"), cluster.get("n_gpus_per_node")))
     tail = inputs.trainer_log_tail(trainer_log)
-    return {"failure": first_failure(launcher_log),
+    return {"failure": first_failure(launcher_log, log_dir, layout),
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log"}
 
@@ -586,7 +591,9 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         warnings.append({"file": "stats.jsonl", "warning": f"{summary['stats']['bad_lines']} unparsable lines skipped"})
     if not summary["stats"].get("available") and not missing_log_dir:
         warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
-                                                           "completion record (trial status unknown)"})
+                                                           "completion record (" + ("the trainer never wrote it: see "
+                                                           "the Failure section" if summary.get("failure") else
+                                                           "trial status unknown") + ")"})
     if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
