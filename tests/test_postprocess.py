@@ -436,3 +436,20 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
         "| `actor.megatron.cp_attention` | blocks | masked |", "",
         "**Warning:** the runs differ in actor.backend: time and memory deltas mix the change under test with a "
         "different problem size.", ""]
+
+
+def test_compare_settings_table_shows_empty_values():
+    """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
+    rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""
+    from sftprof.analysis import compare
+
+    a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
+                    "actor": {"loss": {"path": "auto"}}}}
+    b = {"config": {"perf_tracer": {"ranks": "pp_rank0"}, "memory_profiler": {"ranks": ""}, "tokenizer_path": "/tok",
+                    "actor": {}}}
+    assert compare._settings_diff(a, b) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `actor.loss.path` | auto | – |",
+        '| `memory_profiler.ranks` | 0 | "" (all ranks) |',
+        '| `perf_tracer.ranks` | "" (all ranks) | pp_rank0 |',
+        '| `tokenizer_path` | "" | /tok |', ""]
