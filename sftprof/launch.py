@@ -52,7 +52,8 @@ from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.failure import headline
 from sftprof.artifacts import read_stats
 from sftprof.config import (DEFAULT_FILEROOT, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
-                            is_folder_name, load_config, to_yaml, trial_log_dir)
+                            is_folder_name, last_value_per_key, load_config, reject_repeated_keys, to_yaml,
+                            trial_log_dir)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -336,20 +337,6 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-def _reject_repeated_keys(extra_overrides: list[str]) -> None:
-    """Raise DriverError for a config key that two arguments set to different values (OmegaConf would keep the
-    last one silently); the same value twice is taken. Old and new names of a loss key are checked by
-    :func:`sftprof.config.map_legacy_loss_keys`."""
-    seen: dict[str, str] = {}
-    for arg in extra_overrides:
-        key, sep, value = arg.partition("=")
-        key = key.strip()
-        if sep and key in seen and seen[key] != value:
-            raise DriverError(f"arguments {key}={seen[key]} and {key}={value}: one config key given twice with "
-                              f"different values; give {key} once")
-        seen.setdefault(key, value)
-
-
 # Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
 DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
                     "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
@@ -418,7 +405,10 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     log.notices += [f"warning: {w}" for w in unknown_variable_warnings(env)]
     _reject_driver_variables_as_arguments(extra_overrides)
-    _reject_repeated_keys(extra_overrides)
+    try:
+        reject_repeated_keys(extra_overrides)
+    except ConfigError as err:
+        raise DriverError(str(err)) from None
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
     steps = _int_list("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None else "0,1")
@@ -628,9 +618,10 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
             if d.node_rank == 0 and log_dir.exists() and any(q.name != artifacts.NODES for q in log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
+            # the trainer refuses a key given twice with different values: hand it the values that won here
             trials.append(Trial(name, kind, step, run_root / name, log_dir,
                                 ["--config", str(Path(d.config).resolve()) if Path(d.config).is_file() else d.config,
-                                 *trial_overrides]))
+                                 *last_value_per_key(trial_overrides)]))
     return trials, run_root, first_cfg
 
 
