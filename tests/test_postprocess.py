@@ -386,9 +386,18 @@ def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
-def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
+def test_kind_other_than_the_trial_profiled_is_an_error_and_step_a_warning(tmp_path):
+    """A trial profiles one kind, so another --profile-kind would process it as what it is not: exit 2, naming the
+    setting, the given and the recorded kind, nothing written. The record names only the first profiled step (a
+    direct trainer run may profile several, postprocessed once per step), so another --profile-step is a warning."""
     (tmp_path / "log").mkdir()
     _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "kernel",
+               "--profile-step", 1)
+    assert res.returncode == 2 and res.stderr.endswith(
+        f"error: --profile-kind kernel: the trial recorded profile_kind='memory' in {tmp_path / 'log' / 'stats.jsonl'}; "
+        "pass --profile-kind memory or leave it out; nothing was written\n")
+    assert not (tmp_path / "run").exists()
     res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "memory",
                "--profile-step", 7)
     assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot

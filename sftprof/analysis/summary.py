@@ -403,8 +403,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
-            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is a warning.
-        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``).
+            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is an error.
+        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a
+            different recorded step is a warning (the record names the first of several profiled steps).
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).
         nvidia_smi_csv: the driver's nvidia-smi log (optional).
         compress: write trace views as ``.json.gz``.
@@ -420,8 +421,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
-        ValueError: unknown ``profile_kind`` or negative ``profile_step``, or either not given while the trial
-            recorded none (it died before its completion record; the message says so when ``log_dir`` does
+        ValueError: unknown ``profile_kind``, one other than the trial recorded, or negative ``profile_step``, or
+            either not given while the trial recorded none (it died before its completion record; the message says so when ``log_dir`` does
             not exist).
     """
     profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
@@ -484,9 +485,25 @@ def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[s
                              "completion record naming it; pass the profiled step (an integer >= 0)")
     if kind not in PROFILE_KINDS:
         raise ValueError(f"--profile-kind must be one of {PROFILE_KINDS}, got {kind!r}")
+    check_recorded_kind(log_dir, kind)
     if step < 0:
         raise ValueError(f"--profile-step must be >= 0, got {step}")
     return kind, step
+
+
+def check_recorded_kind(log_dir: str, kind: str) -> None:
+    """Refuse a profile kind other than the one the trial's completion record names (a trial profiles one kind,
+    :func:`sftprof.config.validate`; processed as the other, its summary would describe what it is not). No record
+    (a trial that died before writing it): nothing to check.
+
+    Raises:
+        ValueError: ``--profile-kind K: the trial recorded profile_kind='R' in LOG_DIR/stats.jsonl; ...``.
+    """
+    recorded_kind, _ = inputs.recorded_profile(log_dir)
+    if recorded_kind is not None and kind != recorded_kind:
+        raise ValueError(f"--profile-kind {kind}: the trial recorded profile_kind={recorded_kind!r} in "
+                         f"{os.path.join(log_dir, artifacts.STATS)}; pass --profile-kind {recorded_kind} or leave it "
+                         "out; nothing was written")
 
 
 def _completion(log_dir: str, stats: dict, log_dir_missing: bool) -> dict:
@@ -572,11 +589,12 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
     if missing_log_dir:
         errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
     warnings = []
-    for key, asked in (("profile_kind", kind), ("profile_step", step)):
-        recorded = complete.get(key)
-        if recorded is not None and recorded != asked:
-            warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled {key}={recorded!r}, "
-                                                               f"not the requested {asked!r}"})
+    # another kind is refused (resolve_profile); another step is not: the record names the first profiled step
+    # only, and a trial run with several profile_steps is postprocessed once per step
+    recorded = complete.get("profile_step")
+    if recorded is not None and recorded != step:
+        warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled profile_step={recorded!r}, "
+                                                           f"not the requested {step!r}"})
     for it in items:
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):
