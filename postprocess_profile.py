@@ -6,12 +6,14 @@
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
-check (a mismatch is a warning in the summary).
+check: another kind than the recorded one is an error (exit 2, nothing written), another step a warning in the
+summary (the record names the first profiled step; a trial that profiled several is postprocessed once per step).
 
 Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing or holds nothing usable is
 a warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed (the summary
 still names the file and its error) or when compare finds no trials that match by kind and step (the
-report is still written), 2 on bad arguments: a --run-dir that cannot be written; a --log-dir that does
+report is still written), 2 on bad arguments: a --profile-kind the trial did not record; a --run-dir that
+cannot be written; a --log-dir that does
 not exist (with --profile-kind and --profile-step given, the trial's summary is still written, as failed,
 unless the run dir already holds one; otherwise nothing is written, not even the run dir); compare inputs
 that are missing or not profile summaries; an --out whose directory does not exist or that names an
@@ -25,7 +27,8 @@ import os
 import sys
 import tempfile
 
-from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial, resolve_profile
+from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_recorded_kind, postprocess_trial,
+                                     resolve_profile)
 from sftprof.artifacts import keep_previous
 
 
@@ -78,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
     p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
     p.add_argument("--profile-kind", choices=PROFILE_KINDS,
-                   help="default: the kind the trial's completion record names; given, a check (a mismatch is a warning)")
-    p.add_argument("--profile-step", type=int, help="default: the step the trial's completion record names; given, a check")
+                   help="default: the kind the trial's completion record names; given, a check (another kind is an "
+                        "error)")
+    p.add_argument("--profile-step", type=int, help="default: the step the trial's completion record names; given, a "
+                                                    "check (another step is a warning: a trial may profile several)")
     p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial")
     p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
                                            "memory.used,memory.total --format=csv,nounits log")
@@ -87,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
-    if not os.path.isdir(args.log_dir):  # without --profile-kind/--profile-step: refused before anything is created
-        try:
+    try:  # refused before anything is created: a kind the trial did not record; a missing log dir without kind/step
+        if args.profile_kind is not None:
+            check_recorded_kind(args.log_dir, args.profile_kind)
+        if not os.path.isdir(args.log_dir):
             resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
-        except ValueError as exc:
-            p.error(str(exc))
+    except ValueError as exc:
+        p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)
     if not os.path.isdir(args.log_dir) and os.path.exists(earlier):  # a mistyped --log-dir: keep what is there
         p.error(f"--log-dir {args.log_dir} does not exist and {earlier} is already written; nothing was overwritten "

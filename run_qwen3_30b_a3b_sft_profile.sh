@@ -58,7 +58,7 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   elapsed=$(( $(date +%s) - start ))
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
   if [ "$NNODES" -gt 1 ]; then
-    "$PYTHON" -m sftprof.launch node-record "$log_dir" "$NODE_RANK" "$torchrun_rc" "$elapsed"
+    "$PYTHON" -m sftprof.launch node-record "$log_dir" "$NODE_RANK" "$torchrun_rc" "$elapsed" "$NNODES" "$NPROC_PER_NODE"
   fi
   if [ "$NODE_RANK" = "0" ]; then
     # Success is the trainer's completion record (written by global rank 0), not a log grep.

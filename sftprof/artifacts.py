@@ -166,6 +166,41 @@ def node_record_path(log_dir: str | Path, node_rank: int) -> Path:
     return Path(log_dir) / NODES / f"node{node_rank}.json"
 
 
+NODE_RECORD_RE = re.compile(r"^node(\d+)\.json$")
+
+
+def read_node_record(path: str | Path) -> dict[str, Any]:
+    """One node's end record (written by ``python -m sftprof.launch node-record``).
+
+    Returns:
+        ``{"node_rank": int, "host": str or None, "torchrun_rc": int, "elapsed_s": int or None (seconds),
+        "n_nodes": int or None, "nproc_per_node": int or None}``; the last two are None in records of
+        earlier releases, which did not write them.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: it is not a JSON object with an integer ``torchrun_rc``
+        (and, where present, integer ``node_rank`` / ``n_nodes`` / ``nproc_per_node``).
+    """
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    if not isinstance(rec, dict):
+        raise ValueError(f"not a JSON object: {type(rec).__name__}")
+    out = {"host": rec.get("host") if isinstance(rec.get("host"), str) else None, "elapsed_s": rec.get("elapsed_s")}
+    for key in ("node_rank", "torchrun_rc", "n_nodes", "nproc_per_node"):
+        value = rec.get(key)
+        if (value is None and key != "torchrun_rc") or (isinstance(value, int) and not isinstance(value, bool)):
+            out[key] = value
+        else:
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+    return out
+
+
+def node_ranks(node_rank: int, nproc_per_node: int) -> list[int]:
+    """The global ranks torchrun gives node ``node_rank`` when every node runs ``nproc_per_node`` processes
+    (static rendezvous: group rank = node rank, global rank = group rank x nproc_per_node + local rank)."""
+    return list(range(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # RUN_ROOT and RUN_DIR (the launcher, the driver script, postprocessing)
 # ---------------------------------------------------------------------------------------------------------

@@ -639,9 +639,38 @@ def trial_log_dir(cfg: SFTProfileConfig) -> Path:
     return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
 
 
+def reject_repeated_keys(overrides: List[str]) -> None:
+    """Refuse a config key that two ``key=value`` arguments set to different values (OmegaConf's dot list would keep
+    the last one without a word); the same value twice is taken. Old and new names of a loss key are checked by
+    :func:`map_legacy_loss_keys`.
+
+    Raises:
+        ConfigError: ``arguments K=A and K=B: one config key given twice with different values; give K once``.
+    """
+    seen: dict[str, str] = {}
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        key = key.strip()
+        if sep and key in seen and seen[key] != value:
+            raise ConfigError(f"arguments {key}={seen[key]} and {key}={value}: one config key given twice with "
+                              f"different values; give {key} once")
+        seen.setdefault(key, value)
+
+
+def last_value_per_key(overrides: List[str]) -> List[str]:
+    """``overrides`` with each key once, at its last place with its last value: the same config OmegaConf makes of
+    the whole list (a later value of a key replaces the earlier one), in a form :func:`reject_repeated_keys` takes.
+    The driver layers its settings and the user's arguments this way before handing them to the trainer."""
+    last = {arg.partition("=")[0].strip(): i for i, arg in enumerate(overrides)}
+    return [arg for i, arg in enumerate(overrides) if last[arg.partition("=")[0].strip()] == i]
+
+
 def load_config_or_exit(path: str | Path, overrides: List[str] | None = None) -> SFTProfileConfig:
-    """:func:`load_config` for entry points: print the error to stderr and exit with status 2."""
+    """:func:`load_config` for entry points (the trainer, ``profile_rank_utils.py``), after
+    :func:`reject_repeated_keys` on the command line's overrides: print the error to stderr and exit with
+    status 2."""
     try:
+        reject_repeated_keys(overrides or [])
         return load_config(path, overrides)
     except ConfigError as err:
         print(f"sftprof: configuration error: {err}", file=sys.stderr)

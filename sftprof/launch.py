@@ -49,9 +49,11 @@ from typing import Callable, Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
+from sftprof.analysis.failure import headline
 from sftprof.artifacts import read_stats
 from sftprof.config import (DEFAULT_FILEROOT, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
-                            is_folder_name, load_config, to_yaml, trial_log_dir)
+                            is_folder_name, last_value_per_key, load_config, reject_repeated_keys, to_yaml,
+                            trial_log_dir)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -335,20 +337,6 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-def _reject_repeated_keys(extra_overrides: list[str]) -> None:
-    """Raise DriverError for a config key that two arguments set to different values (OmegaConf would keep the
-    last one silently); the same value twice is taken. Old and new names of a loss key are checked by
-    :func:`sftprof.config.map_legacy_loss_keys`."""
-    seen: dict[str, str] = {}
-    for arg in extra_overrides:
-        key, sep, value = arg.partition("=")
-        key = key.strip()
-        if sep and key in seen and seen[key] != value:
-            raise DriverError(f"arguments {key}={seen[key]} and {key}={value}: one config key given twice with "
-                              f"different values; give {key} once")
-        seen.setdefault(key, value)
-
-
 # Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
 DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
                     "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
@@ -417,7 +405,10 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     log.notices += [f"warning: {w}" for w in unknown_variable_warnings(env)]
     _reject_driver_variables_as_arguments(extra_overrides)
-    _reject_repeated_keys(extra_overrides)
+    try:
+        reject_repeated_keys(extra_overrides)
+    except ConfigError as err:
+        raise DriverError(str(err)) from None
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
     steps = _int_list("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None else "0,1")
@@ -627,9 +618,10 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
             if d.node_rank == 0 and log_dir.exists() and any(q.name != artifacts.NODES for q in log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
+            # the trainer refuses a key given twice with different values: hand it the values that won here
             trials.append(Trial(name, kind, step, run_root / name, log_dir,
                                 ["--config", str(Path(d.config).resolve()) if Path(d.config).is_file() else d.config,
-                                 *trial_overrides]))
+                                 *last_value_per_key(trial_overrides)]))
     return trials, run_root, first_cfg
 
 
@@ -716,13 +708,16 @@ def trial_status(log_dir: Path) -> int:
     return 0 if completion is not None and completion.status == "ok" else 1
 
 
-def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int) -> Path:
-    """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s"}`` (seconds)."""
+def write_node_record(log_dir: Path, node_rank: int, torchrun_rc: int, elapsed_s: int, n_nodes: int,
+                      nproc_per_node: int) -> Path:
+    """Write ``LOG_DIR/nodes/node<k>.json``: ``{"node_rank", "host", "torchrun_rc", "elapsed_s" (seconds), "n_nodes",
+    "nproc_per_node"}`` (read back by :func:`sftprof.artifacts.read_node_record`; the layout lets postprocessing name
+    the ranks of a node that wrote no record)."""
     path = artifacts.node_record_path(log_dir, node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"node_rank": node_rank, "host": socket.gethostname(), "torchrun_rc": torchrun_rc,
-                               "elapsed_s": elapsed_s}) + "\n")
+                               "elapsed_s": elapsed_s, "n_nodes": n_nodes, "nproc_per_node": nproc_per_node}) + "\n")
     tmp.replace(path)  # readers never see half a record
     return path
 
@@ -744,13 +739,13 @@ def wait_for_nodes(log_dir: Path, n_nodes: int, timeout_s: float, poll_s: float 
                 continue
             pending.discard(k)
             try:
-                rec = json.loads(path.read_text())
-                rc = int(rec["torchrun_rc"])
-            except (OSError, ValueError, KeyError, TypeError) as err:
+                rec = artifacts.read_node_record(path)
+            except (OSError, ValueError) as err:
                 problems[k] = f"node {k}: unreadable end record {path}: {err}"
                 continue
-            if rc != 0:
-                problems[k] = f"node {k} ({rec.get('host', '?')}): torchrun exited with status {rc} (see its launcher.log)"
+            if rec["torchrun_rc"] != 0:
+                problems[k] = (f"node {k} ({rec['host'] or '?'}): torchrun exited with status {rec['torchrun_rc']} "
+                               "(see its launcher.log)")
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
@@ -772,6 +767,7 @@ def top_finding(summary: dict) -> str:
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
     without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak, its phase
     and the allocation site holding most memory at the peak. The rank is named: it is one rank's figure.
+    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`).
     """
     for t in summary.get("kernel_traces") or []:
         if "summary" not in t:
@@ -792,6 +788,8 @@ def top_finding(summary: dict) -> str:
         site = (x.get("top_sites") or [{}])[0]
         return (f"peak {x['peak_allocated_gib']:.2f} GiB in {x.get('peak_phase') or '?'}" +
                 (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
+    if summary.get("failure"):
+        return f"first failure: {headline(summary['failure'])} (see {artifacts.SUMMARY_MD})"
     if summary.get("errors"):
         return f"{len(summary['errors'])} unreadable artifact(s): see {artifacts.SUMMARY_MD}"
     if summary.get("status") not in (None, "ok"):
@@ -858,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     p_node.add_argument("node_rank", type=int)
     p_node.add_argument("torchrun_rc", type=int)
     p_node.add_argument("elapsed_s", type=int)
+    p_node.add_argument("n_nodes", type=int)
+    p_node.add_argument("nproc_per_node", type=int)
     p_wait = sub.add_parser("wait-nodes", help="node 0: wait for the other nodes' end records; exit 1 if one failed")
     p_wait.add_argument("log_dir")
     p_wait.add_argument("n_nodes", type=int)
@@ -873,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report(Path(args.run_root), args.node_rank), end="")
         return 0
     if args.cmd == "node-record":
-        write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s)
+        write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s, args.n_nodes,
+                          args.nproc_per_node)
         return 0
     if args.cmd == "wait-nodes":
         problems = wait_for_nodes(Path(args.log_dir), args.n_nodes, args.timeout_s)

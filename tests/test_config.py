@@ -237,3 +237,27 @@ def test_force_load_balancing_is_off_by_default_and_megatron_only():
         load_config("tiny_cpu", ["actor.megatron.moe_router_force_load_balancing=true"])
     assert str(exc.value) == ("actor.megatron.moe_router_force_load_balancing=True: megatron-core's router option, for "
                               "the megatron backend only; actor.backend='fsdp:d2'; accepted here: false")
+
+
+def test_entry_points_refuse_a_key_given_twice_with_different_values(tmp_path):
+    """``python train_sft_profile.py`` (and ``profile_rank_utils.py``) refuse a key set twice to different values, as
+    the driver does, before any process group (OmegaConf alone would keep the last value); the same value is taken."""
+    import subprocess
+    import sys
+
+    from sftprof.config import last_value_per_key, load_config_or_exit, reject_repeated_keys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "train_sft_profile.py"), "--config", "tiny_cpu",
+                           "actor.num_layers=1", "actor.num_layers=2"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == (
+        "sftprof: configuration error: arguments actor.num_layers=1 and actor.num_layers=2: one config key given twice "
+        "with different values; give actor.num_layers once\n")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    with pytest.raises(SystemExit) as exc:
+        load_config_or_exit("tiny_cpu", ["seed=1", " seed =2"])
+    assert exc.value.code == 2
+    assert load_config_or_exit("tiny_cpu", ["actor.num_layers=1", "actor.num_layers=1"]).actor.num_layers == 1
+    reject_repeated_keys(["a.b=1", "a.c=1", "a.b=1"])
+    assert last_value_per_key(["a=1", "b=2", "a=3", "c", "b=2"]) == ["a=3", "c", "b=2"]

@@ -292,6 +292,20 @@ def test_repeated_override_key_is_refused(tmp_path):
         ["actor.num_layers=2", "actor.num_layers=2"]
 
 
+def test_trainer_gets_each_key_once_with_the_value_the_driver_resolved(tmp_path):
+    """The driver layers its own settings, the arguments and each trial's (later ones win); the trainer refuses a key
+    given twice with different values, so each trial's train_args.txt holds every key once, with the winning value."""
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"),
+                                         ["perf_tracer.ranks=1", "total_train_steps=9"], gpus=0)
+    launch.write_plan(trials, settings, info)
+    (trial,) = trials
+    keys = [a.partition("=")[0] for a in trial.args[2:]]
+    assert len(keys) == len(set(keys)) and "--config" not in keys
+    assert [a for a in trial.args if a.startswith(("perf_tracer.ranks=", "total_train_steps="))] == [
+        "perf_tracer.ranks=1", "total_train_steps=2"]
+    assert (trial.run_dir / "train_args.txt").read_text().splitlines() == trial.args
+
+
 @pytest.mark.parametrize("content,message", [
     ("", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset "
          "{preset}"),

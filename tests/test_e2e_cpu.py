@@ -65,14 +65,24 @@ def test_views_are_valid_and_separated(run):
             events = data["traceEvents"] if isinstance(data, dict) else data
             cats = {e.get("cat") for e in events}
             if view in ("gpu_only.chrome", "cuda_api_only.chrome"):
-                # A CPU run has no GPU work and no CUDA API calls: the view holds only the record saying so.
-                assert events == [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0,
-                                   "cat": "__metadata", "args": {"name": f"{view.removesuffix('.chrome')}: "
-                                                                         "no events in this trace"}}]
+                # A CPU run has no GPU work and no CUDA API calls: the view holds the profiler's step slice (for
+                # TensorBoard's profiler plugin), its process's and track's names, and the record saying so.
+                step = events[0]
+                assert (step["name"], step["cat"], step["ph"]) == (f"ProfilerStep#{row['step']}", "user_annotation", "X")
+                assert {(e["ph"], e["pid"]) for e in events[1:-1]} == {("M", step["pid"])}
+                chrome = json.loads((traces / "chrome" / "rank0.pt.trace.json").read_text())["traceEvents"]
+                (label,) = [e["args"]["name"] for e in chrome if e["name"] == "thread_name" and
+                            (e["pid"], e["tid"]) == (step["pid"], step["tid"])]
+                assert label.startswith(f"Annotations: thread {step['pid']} (python")  # python or python3
+                assert [e["args"]["name"] for e in events[1:-1] if e["name"] == "thread_name"] == [label]
+                assert events[-1] == {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0,
+                                      "cat": "__metadata", "args": {"name": f"{view.removesuffix('.chrome')}: "
+                                                                            "no events in this trace but the profiler step"}}
             else:
                 assert "cpu_op" in cats, view
-            if view == "gpu_only.chrome":
-                assert "cpu_op" not in cats and "user_annotation" not in cats
+            if view == "gpu_only.chrome":  # of the host's annotations, only the profiler's step slice
+                assert "cpu_op" not in cats
+                assert [e["name"] for e in events if e.get("cat") == "user_annotation"] == [f"ProfilerStep#{row['step']}"]
             if view == "cpu_only.chrome":
                 assert not cats & KERNEL_CATS
                 names = {e.get("name") for e in events}

@@ -289,7 +289,7 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
     assert res.returncode == 0, res.stderr
     s = json.load(open(run / "profile_summary.json"))
     assert s["failure"] == {
-        "rank": 1, "exitcode": -9, "signal": "SIGKILL", "how": "killed by SIGKILL (exit code -9)", "host": "localhost",
+        "node": None, "ranks": None, "nodes": [], "rank": 1, "exitcode": -9, "signal": "SIGKILL", "how": "killed by SIGKILL (exit code -9)", "host": "localhost",
         "error_file": None, "traceback": "Signal 9 (SIGKILL) received by PID 7899",
         "log_tail": ["2026-11-30 08:56:04,771 [rank 1] INFO hello from rank 1",
                      "2026-11-30 08:56:04,771 [rank 1] INFO rank 1 about to die"],

@@ -55,12 +55,30 @@ def test_a_node_that_never_starts_is_named(tmp_path):
     assert node0.returncode == 1, out[-3000:]
     assert "Timed out after" in out and "1/2 clients joined" in out   # torchrun's static rendezvous gave up
     assert f"sftprof: node 1: no end record after {timeout_s} s (NODE_TIMEOUT): it never started this trial" in out
-    assert "kernel step 0  FAILED (1)" in out
+    # the end table and the summary name the node that never joined, with its ranks, as the first failure
+    assert ("kernel step 0  FAILED (1)  -          -         first failure: node 1 (rank 1) never joined the trial "
+            "(see profile_summary.md)\n") in out
+    run_dir = tmp_path / "run_node0" / "tiny_qwen3_moe_fake128_kernel_step0_alone"
+    summary = json.loads((run_dir / "profile_summary.json").read_text())
+    host = json.loads((Path(summary["paths"]["log_dir"]) / "nodes" / "node0.json").read_text())["host"]
+    assert summary["status"] == "failed" and summary["errors"] == []
+    assert summary["failure"] == {
+        "node": 1, "ranks": [1], "rank": None, "exitcode": None, "signal": None, "how": "never joined the trial",
+        "host": None, "error_file": None, "log_tail": [], "others": [],
+        "traceback": "torchrun's rendezvous on node 0 timed out with 1/2 nodes joined (NODE_TIMEOUT), and node 1 "
+                     "wrote no end record (nodes/node1.json)",
+        "nodes": [{"node": 0, "ranks": [0], "host": host, "how": "torchrun exited with status 1",
+                   "detail": "see launcher.log in this run dir"}]}
+    md = (run_dir / "profile_summary.md").read_text()
+    assert ("## Failure\n\n- first failure: **node 1 (rank 1) never joined the trial** (host –): torchrun's rendezvous "
+            "on node 0 timed out with 1/2 nodes joined (NODE_TIMEOUT), and node 1 wrote no end record "
+            f"(nodes/node1.json)\n- also: node 0 (rank 0) torchrun exited with status 1 (host {host}): see launcher.log "
+            "in this run dir\n") in md
 
 
 def test_wait_for_nodes_reports_each_failed_node(tmp_path):
-    launch.write_node_record(tmp_path, 1, 0, 12)
-    launch.write_node_record(tmp_path, 2, 137, 30)
+    launch.write_node_record(tmp_path, 1, 0, 12, 5, 8)
+    launch.write_node_record(tmp_path, 2, 137, 30, 5, 8)
     (tmp_path / "nodes" / "node3.json").write_text("{not json")
     host = json.loads((tmp_path / "nodes" / "node2.json").read_text())["host"]
     assert launch.wait_for_nodes(tmp_path, 5, timeout_s=0) == [
@@ -70,3 +88,45 @@ def test_wait_for_nodes_reports_each_failed_node(tmp_path):
         f"node 4: no end record after 0 s (NODE_TIMEOUT): it never started this trial or died before finishing it "
         f"({tmp_path}/nodes holds the records that came)"]
     assert launch.wait_for_nodes(tmp_path, 2, timeout_s=0) == []
+
+
+def test_node_failures_name_each_node_and_its_ranks(tmp_path):
+    """The summary's view of the same records: 5 nodes x 8 ranks; node 4 wrote no record and node 0's torchrun
+    printed no rendezvous timeout, so node 4 may have joined and died: it is the first failure all the same, and
+    torchrun's own rank failures on node 0 follow it."""
+    from sftprof.analysis.failure import first_failure, node_failures
+    launch.write_node_record(tmp_path, 0, 1, 40, 5, 8)
+    launch.write_node_record(tmp_path, 1, 0, 12, 5, 8)
+    launch.write_node_record(tmp_path, 2, 137, 30, 5, 8)
+    (tmp_path / "nodes" / "node3.json").write_text('{"torchrun_rc": "0"}')
+    host = json.loads((tmp_path / "nodes" / "node2.json").read_text())["host"]
+    assert node_failures(str(tmp_path), []) == [
+        {"node": 4, "ranks": list(range(32, 40)), "host": None, "how": "wrote no end record",
+         "detail": "no nodes/node4.json in the log dir: node 4 never started the trial or died before its driver "
+                   "wrote the record (see that node's launcher.log)"},
+        {"node": 0, "ranks": list(range(0, 8)), "host": host, "how": "torchrun exited with status 1",
+         "detail": "see launcher.log in this run dir"},
+        {"node": 2, "ranks": list(range(16, 24)), "host": host, "how": "torchrun exited with status 137",
+         "detail": "see node 2's launcher.log (in its RUN_ROOT)"},
+        {"node": 3, "ranks": list(range(24, 32)), "host": None, "how": "unreadable end record",
+         "detail": "nodes/node3.json: ValueError: torchrun_rc: expected an integer, got '0'"}]
+    launcher = tmp_path / "launcher.log"
+    launcher.write_text((Path(__file__).parent / "fixtures" / "torchrun_sigkill_launcher.log").read_text())
+    fail = first_failure(str(launcher), str(tmp_path))
+    assert (fail["node"], fail["ranks"][:2], fail["how"], [n["node"] for n in fail["nodes"]]) == (
+        4, [32, 33], "wrote no end record", [0, 2, 3])
+    assert fail["others"] == [{"rank": 1, "exitcode": -9, "signal": "SIGKILL", "how": "killed by SIGKILL (exit code -9)"},
+                              {"rank": 0, "exitcode": -15, "signal": "SIGTERM", "how": "killed by SIGTERM (exit code -15)"}]
+    # every node wrote its record: torchrun's first failing rank leads, the failed nodes follow it
+    launch.write_node_record(tmp_path, 4, 0, 30, 5, 8)
+    (tmp_path / "nodes" / "node3.json").unlink()
+    launch.write_node_record(tmp_path, 3, 0, 30, 5, 8)
+    fail = first_failure(str(launcher), str(tmp_path))
+    assert (fail["node"], fail["rank"], fail["how"], [n["node"] for n in fail["nodes"]]) == (
+        None, 1, "killed by SIGKILL (exit code -9)", [0, 2])
+    # records of earlier releases carry no layout: the config's (n_nodes, nproc_per_node) names the ranks
+    (tmp_path / "nodes" / "node4.json").unlink()
+    for k in range(4):
+        (tmp_path / "nodes" / f"node{k}.json").write_text('{"node_rank": %d, "torchrun_rc": 0}' % k)
+    assert [(n["node"], n["ranks"]) for n in node_failures(str(tmp_path), [], (5, 2))] == [(4, [8, 9])]
+    assert node_failures(str(tmp_path), []) == []  # no layout anywhere: a missing node cannot be known

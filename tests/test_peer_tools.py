@@ -131,6 +131,26 @@ def test_tensorboard_plugin_overview_finds_the_profiled_step_in_every_view(tmp_p
         assert len(set(gpu.values())) == 1 and gpu["chrome"][0] > 0, gpu
 
 
+def test_tensorboard_plugin_reads_the_profiled_step_in_the_empty_views_of_a_cpu_trial(tmp_path):
+    """A kernel trial on CPU: ``gpu_only`` and ``cuda_api_only`` select nothing but keep the profiler step slice,
+    so the plugin's overview shows step 0 lasting ``ProfilerStep#0``'s duration, all of it "Other" (it showed a
+    step total of -18446744073709551615 us when those views held only the record saying they are empty)."""
+    pytest.importorskip("torch_tb_profiler", reason="TensorBoard's profiler plugin is an optional test extra")
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    src = make_cpu_trace(tmp_path / "cpu.json", profiler_step=True)
+    split_trace(str(src), str(tmp_path / "kernel_traces"), 0, progress=False)
+    (step,) = [e for e in json.loads(src.read_text())["traceEvents"] if e.get("name") == "ProfilerStep#0"]
+    for name in ("gpu_only", "cuda_api_only"):
+        data = RunProfileData.parse("rank0", None, str(tmp_path / "kernel_traces" / name / trace_name(0)), str(tmp_path))
+        overview = RunGenerator("rank0", None, data).generate_run_profile().overview
+        assert [row[0] for row in overview["steps"]["rows"]] == ["0"], name
+        assert overview["performance"][0]["value"] == round(step["dur"]) > 0, name
+        assert {c["name"]: c["value"] for c in overview["performance"][0]["children"]} == {
+            "DataLoader": 0, "CPU Exec": 0, "Other": round(step["dur"])}, name
+
+
 def test_tensorboard_plugin_pattern_lists_every_folder_as_a_run(folders):
     pytest.importorskip("torch_tb_profiler", reason="TensorBoard's profiler plugin is an optional test extra")
     from torch_tb_profiler import utils

@@ -386,9 +386,18 @@ def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
-def test_kind_or_step_other_than_the_trial_profiled_is_a_warning(tmp_path):
+def test_kind_other_than_the_trial_profiled_is_an_error_and_step_a_warning(tmp_path):
+    """A trial profiles one kind, so another --profile-kind would process it as what it is not: exit 2, naming the
+    setting, the given and the recorded kind, nothing written. The record names only the first profiled step (a
+    direct trainer run may profile several, postprocessed once per step), so another --profile-step is a warning."""
     (tmp_path / "log").mkdir()
     _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "kernel",
+               "--profile-step", 1)
+    assert res.returncode == 2 and res.stderr.endswith(
+        f"error: --profile-kind kernel: the trial recorded profile_kind='memory' in {tmp_path / 'log' / 'stats.jsonl'}; "
+        "pass --profile-kind memory or leave it out; nothing was written\n")
+    assert not (tmp_path / "run").exists()
     res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "memory",
                "--profile-step", 7)
     assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot
@@ -487,3 +496,20 @@ def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, wa
         "profile's expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the checkpoint (actor.path), or set "
         "actor.megatron.moe_router_force_load_balancing=true (random router logits, balanced load) to profile "
         "balanced routing"] if warned else [])
+
+
+def test_compare_settings_table_shows_empty_values():
+    """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
+    rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""
+    from sftprof.analysis import compare
+
+    a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
+                    "actor": {"loss": {"path": "auto"}}}}
+    b = {"config": {"perf_tracer": {"ranks": "pp_rank0"}, "memory_profiler": {"ranks": ""}, "tokenizer_path": "/tok",
+                    "actor": {}}}
+    assert compare._settings_diff(a, b) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `actor.loss.path` | auto | – |",
+        '| `memory_profiler.ranks` | 0 | "" (all ranks) |',
+        '| `perf_tracer.ranks` | "" (all ranks) | pp_rank0 |',
+        '| `tokenizer_path` | "" | /tok |', ""]

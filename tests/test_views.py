@@ -11,7 +11,7 @@ from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis import trace_io
 from sftprof.analysis.trace_io import TraceFormatError, TraceReader
 from sftprof.analysis.trace_check import MAX_TID, validate_trace
-from sftprof.analysis.views import VIEWS, split_into_windows, split_trace, view_path
+from sftprof.analysis.views import VIEWS, _empty_view_event, split_into_windows, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures() + two_gpu_sync_traces()
 
@@ -262,18 +262,29 @@ def test_cpu_trace_views(tmp_path):
     ref = _load(src)["traceEvents"]
     cpu = _load(paths["cpu_only.chrome"][0])["traceEvents"]
     assert _counts(cpu)[("X", "user_annotation")] == _counts(ref)[("X", "user_annotation")] == 8
-    # Nothing selected: the one record saying so (HTA loads it), also when the trace has a profiler step
-    # slice (a kernel trial on CPU), which these views carry only beside events of their own.
+    # Nothing selected: the one record saying so (HTA loads it). With a profiler step slice (a kernel trial on
+    # CPU) the views keep that slice, its process's records and its track's name beside the record, so that
+    # TensorBoard's profiler plugin finds the step (without it, its overview's step total is -2**64 + 1 us).
     stepped = split_trace(str(make_cpu_trace(tmp_path / "cpu_step.json", profiler_step=True)), str(tmp_path / "step"), 1,
                           progress=False)
-    assert [e["name"] for e in _load(stepped["cpu_only.chrome"][0])["traceEvents"]
-            if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#0"]
+    cpu_step = _load(stepped["cpu_only.chrome"][0])["traceEvents"]
+    (step,) = [e for e in cpu_step if e["name"].startswith("ProfilerStep#")]
+    assert step["name"] == "ProfilerStep#0" and step["cat"] == "user_annotation"
+    step_meta = [e for e in cpu_step if e["ph"] == "M" and e["pid"] == step["pid"] and
+                 (e["name"].startswith("process_") or e["tid"] == step["tid"])]
+    assert [(e["name"], e["args"]) for e in step_meta] == [
+        ("process_name", {"name": "python"}), ("process_labels", {"labels": "CPU"}),
+        ("process_sort_index", {"sort_index": step["pid"]}),
+        ("thread_name", {"name": f"Annotations: thread {step['pid']} (python)"})]
     for view in ("gpu_only", "cuda_api_only"):
-        for p in (paths, stepped):
-            assert _load(p[f"{view}.chrome"][0])["traceEvents"] == [
-                {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
-                 "args": {"name": f"{view}: no events in this trace"}}]
-    assert all(validate_trace(paths[v][0]) == [] for v in VIEWS)
+        assert _load(paths[f"{view}.chrome"][0])["traceEvents"] == [
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+             "args": {"name": f"{view}: no events in this trace"}}]
+        assert _load(stepped[f"{view}.chrome"][0])["traceEvents"] == [step] + step_meta + [
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+             "args": {"name": f"{view}: no events in this trace but the profiler step"}}]
+    assert all(validate_trace(p[v][0]) == [] for p in (paths, stepped) for v in VIEWS)
+    assert json.loads(_empty_view_event("gpu_only.chrome", {0, 2}))["pid"] == 1  # a pid the step slices do not use
     # split_trace windows any view above the limit, and only those.
     small = split_trace(str(src), str(tmp_path / "win"), 1, max_view_bytes=20_000, progress=False)
     assert len(small["cpu_only.chrome"]) > 1 and len(small["gpu_only.chrome"]) == 1

@@ -174,6 +174,22 @@ def _uses_cp_attention(flat_cfg: dict[str, Any]) -> bool:
     return layout.backend == "megatron" and layout.cp > 1
 
 
+# settings whose empty value has a meaning of its own (sftprof/config.py: PerfTracerConfig, MemoryProfilerConfig)
+_EMPTY_MEANS = {"perf_tracer.ranks": "all ranks", "memory_profiler.ranks": "all ranks"}
+
+
+def _setting_cell(key: str, flat_cfg: dict[str, Any]) -> str:
+    """One trial's value of a setting in the settings table: ``–`` when the trial's config has no such key, ``""``
+    for an empty text (with its meaning where it has one: ``"" (all ranks)`` for ``perf_tracer.ranks``), else the
+    value; a layout's ``|`` is escaped, so that the row keeps its three cells."""
+    if key not in flat_cfg:
+        return "–"
+    value = flat_cfg[key]
+    if value == "":
+        return f'"" ({_EMPTY_MEANS[key]})' if key in _EMPTY_MEANS else '""'
+    return str(value).replace("|", "\\|")
+
+
 def _settings_diff(a: dict, b: dict) -> list[str]:
     """What was changed between the two trials (the experiment), and a warning when sizes differ."""
     (ca, why_a), (cb, why_b) = _settings(a), _settings(b)
@@ -184,8 +200,7 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
     if not keys:
         return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
     out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
-    out += [f"| `{k}` | " + " | ".join(str(c.get(k, "–")).replace("|", "\\|") for c in (ca, cb)) + " |"
-            for k in keys]  # a layout's "|" escaped, so that the row keeps its three cells
+    out += [f"| `{k}` | " + " | ".join(_setting_cell(k, c) for c in (ca, cb)) + " |" for k in keys]
     if _CP_ATTENTION in keys and not any(_uses_cp_attention(c) for c in (ca, cb)):
         out += ["", f"`{_CP_ATTENTION}` has no effect in either trial (it applies to the megatron backend with CP > 1): "
                     "its difference is not what the deltas measure."]

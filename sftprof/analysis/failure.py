@@ -1,4 +1,4 @@
-"""Which rank of a failed trial died first, and how, from torchrun's failure report.
+"""Which rank (or node) of a failed trial failed first, and how, from torchrun's failure report and the node records.
 
 When a worker fails, ``torch.distributed.run`` (torchrun) stops the others with SIGTERM and prints
 a ``ChildFailedError`` report into the launcher log (the driver tees torchrun's output into
@@ -23,6 +23,12 @@ a ``ChildFailedError`` report into the launcher log (the driver tees torchrun's 
 time it observed them, and ranks it stopped itself show up as SIGTERM; so the first failing rank is
 torchrun's root cause unless that is a SIGTERM while another rank failed otherwise. The rank's own
 log lines are those of the trainer's ``[rank N]`` log prefix (``sftprof/trainer.py``).
+
+A multi-node trial also has one end record per node (``LOG_DIR/nodes/node<k>.json``, written by each node's
+driver: ``python -m sftprof.launch node-record``). A node that wrote none never joined the trial (node 0's
+torchrun then reports its static rendezvous timing out: ``Timed out after N seconds waiting for clients.
+1/2 clients joined.``) or died before its driver could write it; either way its ranks are the root cause,
+so such a node is the first failure, ahead of node 0's torchrun report (whose ranks lost their peers).
 """
 from __future__ import annotations
 
@@ -30,9 +36,12 @@ import json
 import os
 import re
 import signal
+from pathlib import Path
 from typing import Any
 
-__all__ = ["first_failure", "parse_torchrun_failures"]
+from sftprof import artifacts
+
+__all__ = ["first_failure", "headline", "node_failures", "parse_torchrun_failures"]
 
 _ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
 _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
@@ -44,6 +53,8 @@ _NO_ERROR_FILE = "To enable traceback see:"
 # the trainer's log line when a trial fails (sftprof/trainer.py): "... [rank N] ERROR trial failed after K completed
 # step(s): SomeError: message"
 _TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$")
+# torchrun's static rendezvous giving up on node 0 (torch.distributed's TCPStore: one client per node)
+_RDZV_TIMEOUT = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
 
 
 def _signal_name(code: int) -> str | None:
@@ -120,42 +131,129 @@ def _error_file_message(path: str | None) -> str | None:
     return msg if isinstance(msg, str) else None
 
 
-def first_failure(launcher_log: str) -> dict[str, Any] | None:
-    """The first failing rank of a trial, how it ended, its log tail, and the other ranks' ends.
+def _ranks_text(ranks: list[int] | None) -> str:
+    if not ranks:
+        return "ranks unknown"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def node_failures(log_dir: str | None, launcher_lines: list[str],
+                  layout: tuple[int | None, int | None] = (None, None)) -> list[dict[str, Any]]:
+    """The nodes of a multi-node trial that failed, from their end records in ``LOG_DIR/nodes/``.
+
+    Args:
+        log_dir: the trial's log dir (None, or no ``nodes/`` folder: a one-node trial, no node fails).
+        launcher_lines: node 0's ``launcher.log`` lines (a rendezvous timeout there tells that a node without
+            a record never joined).
+        layout: ``(n_nodes, nproc_per_node)`` from the trial's config, used where no record carries them
+            (records of earlier releases).
+
+    Returns:
+        ``[{"node", "ranks" (list of global ranks, None when the layout is unknown), "host" (None when unknown),
+        "how" (one phrase: ``never joined the trial``, ``wrote no end record``, ``unreadable end record``,
+        ``torchrun exited with status <rc>``), "detail" (what that means and where to look)}]``, nodes without
+        a record first (the root cause), then by node rank. Nodes without a record are known only when a
+        record or the config gives ``n_nodes``.
+    """
+    folder = Path(log_dir) / artifacts.NODES if log_dir else None
+    if folder is None or not folder.is_dir():
+        return []
+    records, out = {}, []
+    for path in sorted(folder.iterdir()):
+        m = artifacts.NODE_RECORD_RE.match(path.name)
+        if not m:
+            continue
+        try:
+            records[int(m.group(1))] = artifacts.read_node_record(path)
+        except (OSError, ValueError) as err:
+            records[int(m.group(1))] = {"error": f"{type(err).__name__}: {err}", "host": None}
+    n_nodes, nproc = layout
+    for rec in records.values():
+        n_nodes, nproc = rec.get("n_nodes") or n_nodes, rec.get("nproc_per_node") or nproc
+    joined = [tuple(map(int, m.groups())) for m in map(_RDZV_TIMEOUT.search, launcher_lines) if m]
+    for k in range(n_nodes or 0):
+        if k in records:
+            continue
+        rel = str(artifacts.node_record_path("", k))
+        if joined:
+            how, detail = "never joined the trial", (
+                f"torchrun's rendezvous on node 0 timed out with {joined[-1][0]}/{joined[-1][1]} nodes joined "
+                f"(NODE_TIMEOUT), and node {k} wrote no end record ({rel})")
+        else:
+            how, detail = "wrote no end record", (
+                f"no {rel} in the log dir: node {k} never started the trial or died before its driver wrote the "
+                "record (see that node's launcher.log)")
+        out.append({"node": k, "ranks": artifacts.node_ranks(k, nproc) if nproc else None, "host": None,
+                    "how": how, "detail": detail})
+    for k, rec in sorted(records.items()):
+        ranks = artifacts.node_ranks(k, nproc) if nproc else None
+        if "error" in rec:
+            out.append({"node": k, "ranks": ranks, "host": None, "how": "unreadable end record",
+                        "detail": f"{artifacts.node_record_path('', k)}: {rec['error']}"})
+        elif rec["torchrun_rc"] != 0:
+            out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun exited with status "
+                        f"{rec['torchrun_rc']}", "detail": "see launcher.log in this run dir" if k == 0 else
+                        f"see node {k}'s launcher.log (in its RUN_ROOT)"})
+    return out
+
+
+def headline(fail: dict[str, Any]) -> str:
+    """The first failure of :func:`first_failure` in one line: ``node 1 (rank 1) never joined the trial`` or
+    ``rank 1 killed by SIGKILL (exit code -9)``."""
+    if fail.get("node") is not None:
+        return f"node {fail['node']} ({_ranks_text(fail['ranks'])}) {fail['how']}"
+    return f"rank {fail['rank']} {fail['how']}"
+
+
+def first_failure(launcher_log: str, log_dir: str | None = None,
+                  layout: tuple[int | None, int | None] = (None, None)) -> dict[str, Any] | None:
+    """The first failure of a trial: a node that never joined (or wrote no end record), else torchrun's first
+    failing rank; how it ended, its log tail, and how the other ranks and nodes ended.
 
     Args:
         launcher_log: the trial's ``launcher.log`` (torchrun's output as the driver tees it).
+        log_dir: the trial's log dir, whose ``nodes/`` end records name failed nodes (:func:`node_failures`).
+        layout: ``(n_nodes, nproc_per_node)`` of the trial's config, where the records lack them.
 
     Returns:
-        None when the log is absent or holds no torchrun failure report, else ``{"rank", "exitcode",
-        "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``), "host", "error_file",
-        "traceback" (torchrun's; where it is only torchrun's pointer to its docs, the rank wrote no error file,
-        the error the trainer logged for that rank), "log_tail" (the rank's last ``[rank N]`` lines, or its
-        error file's message),
-        "others": [{"rank", "exitcode", "signal", "how"}]}``.
+        None when no node failed and the log is absent or holds no torchrun failure report, else ``{"node"
+        (the failed node when the first failure is a node's, else None), "ranks" (that node's global ranks),
+        "rank", "exitcode", "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``, or
+        ``"never joined the trial"``), "host", "error_file", "traceback" (torchrun's; where it is only torchrun's
+        pointer to its docs, the rank wrote no error file, the error the trainer logged for that rank; for a
+        node, what its failure means), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message;
+        empty for a node), "others": [{"rank", "exitcode", "signal", "how"}] (torchrun's other failed ranks),
+        "nodes": [the other failed nodes, as :func:`node_failures`]}``.
     """
-    if not os.path.isfile(launcher_log):
-        return None
-    with open(launcher_log, encoding="utf-8", errors="replace") as fh:
-        lines = fh.read().splitlines()
+    lines: list[str] = []
+    if os.path.isfile(launcher_log):
+        with open(launcher_log, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
     failures = parse_torchrun_failures(lines)
-    if not failures:
-        return None
-    own = [f for f in failures if not _stopped_by_torchrun(f)]
-    first = own[0] if own else failures[0]
+    nodes = node_failures(log_dir, lines, layout)
     for f in failures:
         code, sig = f["exitcode"], f["signal"]
         f["how"] = (f"killed by {sig} (exit code {code})" if sig else
                     f"exit code {code}" if code is not None else "unknown")
+    others = [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures]
+    if nodes and (not failures or nodes[0]["how"] in ("never joined the trial", "wrote no end record")):
+        n = nodes[0]
+        return {"node": n["node"], "ranks": n["ranks"], "rank": None, "exitcode": None, "signal": None,
+                "how": n["how"], "host": n["host"], "error_file": None, "traceback": n["detail"], "log_tail": [],
+                "others": others, "nodes": nodes[1:]}
+    if not failures:
+        return None
+    own = [f for f in failures if not _stopped_by_torchrun(f)]
+    first = own[0] if own else failures[0]
     prefix = f"[rank {first['rank']}]"
     tail = [line for line in lines if prefix in line][-_TAIL_LINES:]
     message = _error_file_message(first["error_file"])
     if message:
         tail += message.splitlines()[-_TAIL_LINES:]
     keep = ("rank", "exitcode", "signal", "how", "host", "error_file", "traceback")
-    out = {k: first[k] for k in keep}
+    out = {"node": None, "ranks": None, **{k: first[k] for k in keep}}
     if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: the error the trainer logged
         found = [m.group(1) for m in map(_TRAINER_ERROR.search, tail) if m]
         out["traceback"] = found[-1] if found else out["traceback"]
-    return {**out, "log_tail": tail,
-            "others": [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures if f is not first]}
+    return {**out, "log_tail": tail, "others": [o for o, f in zip(others, failures) if f is not first],
+            "nodes": nodes}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from sftprof.analysis import findings as fnd
+from sftprof.analysis.failure import headline
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES
 from sftprof.analysis.trace_summary import invalid_events_message
@@ -99,10 +100,15 @@ def _failure(s: dict) -> list[str]:
     if not fail:
         return []
     first_line = (fail["traceback"].splitlines() or [""])[0]
-    out = ["## Failure\n", f"- first failing rank: **{fail['rank']}** ({fail['how']}, host {fmt(fail['host'])}): "
-                           f"`{first_line}`"]
+    if fail.get("node") is not None:
+        out = ["## Failure\n", f"- first failure: **{headline(fail)}** (host {fmt(fail['host'])}): {first_line}"]
+    else:
+        out = ["## Failure\n", f"- first failing rank: **{fail['rank']}** ({fail['how']}, host {fmt(fail['host'])}): "
+                               f"`{first_line}`"]
     if fail["others"]:
         out.append("- then: " + ", ".join(f"rank {o['rank']} {o['how']}" for o in fail["others"]))
+    for n in fail.get("nodes") or []:
+        out.append(f"- also: {headline(n)} (host {fmt(n['host'])}): {n['detail']}")
     tail = fail["log_tail"] + (fail["traceback"].splitlines()[1:] if "\n" in fail["traceback"] else [])
     if tail:
         out.append(f"\nRank {fail['rank']}'s log (tail):\n\n```\n" + "\n".join(tail) + "\n```")

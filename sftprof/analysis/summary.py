@@ -403,8 +403,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
-            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is a warning.
-        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``).
+            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is an error.
+        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a
+            different recorded step is a warning (the record names the first of several profiled steps).
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).
         nvidia_smi_csv: the driver's nvidia-smi log (optional).
         compress: write trace views as ``.json.gz``.
@@ -420,8 +421,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
-        ValueError: unknown ``profile_kind`` or negative ``profile_step``, or either not given while the trial
-            recorded none (it died before its completion record; the message says so when ``log_dir`` does
+        ValueError: unknown ``profile_kind``, one other than the trial recorded, or negative ``profile_step``, or
+            either not given while the trial recorded none (it died before its completion record; the message says so when ``log_dir`` does
             not exist).
     """
     profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
@@ -439,7 +440,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
                    rank_coords={str(k): v for k, v in sorted(coords.items())})
     if summary["status"] != "ok":
-        summary.update(_failure_part(run_dir, trainer_log))
+        summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
+        if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
+            summary["status"] = "failed"
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
@@ -483,9 +486,25 @@ def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[s
                              "completion record naming it; pass the profiled step (an integer >= 0)")
     if kind not in PROFILE_KINDS:
         raise ValueError(f"--profile-kind must be one of {PROFILE_KINDS}, got {kind!r}")
+    check_recorded_kind(log_dir, kind)
     if step < 0:
         raise ValueError(f"--profile-step must be >= 0, got {step}")
     return kind, step
+
+
+def check_recorded_kind(log_dir: str, kind: str) -> None:
+    """Refuse a profile kind other than the one the trial's completion record names (a trial profiles one kind,
+    :func:`sftprof.config.validate`; processed as the other, its summary would describe what it is not). No record
+    (a trial that died before writing it): nothing to check.
+
+    Raises:
+        ValueError: ``--profile-kind K: the trial recorded profile_kind='R' in LOG_DIR/stats.jsonl; ...``.
+    """
+    recorded_kind, _ = inputs.recorded_profile(log_dir)
+    if recorded_kind is not None and kind != recorded_kind:
+        raise ValueError(f"--profile-kind {kind}: the trial recorded profile_kind={recorded_kind!r} in "
+                         f"{os.path.join(log_dir, artifacts.STATS)}; pass --profile-kind {recorded_kind} or leave it "
+                         "out; nothing was written")
 
 
 def _completion(log_dir: str, stats: dict, log_dir_missing: bool) -> dict:
@@ -512,11 +531,14 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int, complete: di
     }
 
 
-def _failure_part(run_dir: str, trainer_log: str | None) -> dict[str, Any]:
-    """First failing rank (launcher log) and a log tail: the trainer log's, else the launcher log's."""
+def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict | None) -> dict[str, Any]:
+    """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
+    it) and a log tail: the trainer log's, else the launcher log's."""
     launcher_log = os.path.join(run_dir, "launcher.log")
+    cluster = (cfg or {}).get("cluster") if isinstance((cfg or {}).get("cluster"), dict) else {}
+    layout = tuple(v if isinstance(v, int) else None for v in (cluster.get("n_nodes"), cluster.get("n_gpus_per_node")))
     tail = inputs.trainer_log_tail(trainer_log)
-    return {"failure": first_failure(launcher_log),
+    return {"failure": first_failure(launcher_log, log_dir, layout),
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log"}
 
@@ -568,11 +590,12 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
     if missing_log_dir:
         errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
     warnings = []
-    for key, asked in (("profile_kind", kind), ("profile_step", step)):
-        recorded = complete.get(key)
-        if recorded is not None and recorded != asked:
-            warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled {key}={recorded!r}, "
-                                                               f"not the requested {asked!r}"})
+    # another kind is refused (resolve_profile); another step is not: the record names the first profiled step
+    # only, and a trial run with several profile_steps is postprocessed once per step
+    recorded = complete.get("profile_step")
+    if recorded is not None and recorded != step:
+        warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled profile_step={recorded!r}, "
+                                                           f"not the requested {step!r}"})
     for it in items:
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):
@@ -587,7 +610,9 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         warnings.append({"file": "stats.jsonl", "warning": f"{summary['stats']['bad_lines']} unparsable lines skipped"})
     if not summary["stats"].get("available") and not missing_log_dir:
         warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
-                                                           "completion record (trial status unknown)"})
+                                                           "completion record (" + ("the trainer never wrote it: see "
+                                                           "the Failure section" if summary.get("failure") else
+                                                           "trial status unknown") + ")"})
     if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"

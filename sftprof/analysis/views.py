@@ -34,7 +34,7 @@ Perfetto's JSON importer needs), so each view differs from the raw trace in thes
   stream (``CUDA sync: <stream's name>``), and the ``ac2g`` arrow that ends at one moves with it. HTA
   reads the stream from the event's ``args``, so its analyses see them unchanged;
 - the profiler's step slices (the user annotations ``ProfilerStep#<n>``) are also in ``gpu_only`` and
-  ``cuda_api_only`` when those select anything, on their annotation track: HTA and TensorBoard's
+  ``cuda_api_only`` (also when those select nothing else), on their annotation track: HTA and TensorBoard's
   profiler plugin find the profiled step there (without it HTA warns ``ProfilerStep not found`` and the
   plugin's overview shows a step 0 of negative length);
 - one ``process_name`` per process and one ``thread_name`` per track (a thread renamed during the
@@ -44,7 +44,7 @@ Tracks made up by the views (CUDA API calls and annotations of host thread ``t``
 counting down from ``2**31 - 1`` that no real thread of the process uses.
 
 A view that selects nothing (``gpu_only`` of a CPU run) holds one metadata record saying so
-(:func:`_empty_view_event`). A view larger than ``max_view_bytes`` is rewritten into time windows in
+(:func:`_empty_view_event`), beside the step slices where it gets them. A view larger than ``max_view_bytes`` is rewritten into time windows in
 ``<view>.part<k>/`` folders (each with all the metadata) so that every file opens in Perfetto's web UI.
 """
 from __future__ import annotations
@@ -86,16 +86,21 @@ def _meta(name: str, pid, tid, args: dict) -> str:
     return json.dumps({"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}, separators=_COMPACT)
 
 
-def _empty_view_event(view: str) -> str:
-    """The one event of a view that selected nothing (e.g. ``gpu_only`` of a CPU run).
+def _empty_view_event(view: str, step_pids: set[int]) -> str:
+    """The record saying that a view selected nothing (e.g. ``gpu_only`` of a CPU run).
 
-    A ``process_name`` metadata record that says so; it carries ``ts``, ``dur`` and ``cat``
-    (``__metadata``, as Chrome writes for metadata) because HolisticTraceAnalysis 0.5.0 cannot load
-    a trace whose events lack those columns (``KeyError: 'ts'``).
+    A ``process_name`` metadata record of a process id no event of the view uses (0 unless a step slice is
+    on pid 0). ``step_pids``: the processes of the profiler's step slices (``ProfilerStep#<n>``) written into
+    the view all the same (``gpu_only`` and ``cuda_api_only``), empty if none: TensorBoard's profiler plugin
+    (torch-tb-profiler 0.4.3) needs that slice, and reports a step total of -18446744073709551615 µs in a
+    trace without it. The record carries ``ts``, ``dur`` and ``cat`` (``__metadata``, as Chrome writes for
+    metadata) because HolisticTraceAnalysis 0.5.0 cannot load a trace whose events lack those columns
+    (``KeyError: 'ts'``).
     """
-    return json.dumps({"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
-                       "args": {"name": f"{view.removesuffix('.chrome')}: no events in this trace"}},
-                      separators=_COMPACT)
+    pid = next(p for p in range(len(step_pids) + 1) if p not in step_pids)
+    what = "no events in this trace" + (" but the profiler step" if step_pids else "")
+    return json.dumps({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "dur": 0, "cat": "__metadata",
+                       "args": {"name": f"{view.removesuffix('.chrome')}: {what}"}}, separators=_COMPACT)
 
 
 def _track_id(v) -> bool:
@@ -301,15 +306,16 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 api_w(raw)
                 clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
         flow_file.writelines(flow_lines)
-        step_views = {v for v in (_GPU, _API) if writers[v].n_events or writers[v].pending}
+        selected_nothing = {v for v, w in writers.items() if not (w.n_events or w.pending)}
+        step_views = {_GPU, _API} if step_slices else set()
         for v in step_views:
             for raw in step_slices:
                 writers[v].write(raw)
         _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes, sync_ends)
         _write_metadata(metadata, writers, tracks, tids, step_views)
-        for view, w in writers.items():
-            if not (w.n_events or w.pending):
-                w.write(_empty_view_event(view))
+        step_pids = {p for p, _ in tracks["step"]}
+        for view in sorted(selected_nothing):
+            writers[view].write(_empty_view_event(view, step_pids if view in step_views else set()))
     except BaseException:
         flow_file.close()
         for w in writers.values():
