@@ -114,6 +114,12 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     assert ("- rank 1: exposed communication in the split groups 16.0 ms: 5.0 ms waiting (for r0 5.0) and 11.0 ms "
             "transfer (groups that overlap each other count once)") in md
     assert "Not split (2 process groups):" in md
+    # the ranks' own work (NCCL kernels left out): rank 0's GEMM ran 15 ms, rank 1's 5 ms
+    assert on_disk["ranks"]["work_spread"] == {
+        "ranks": [0, 1], "min_spread_ms": 0.5, "compared_ms": {"0": 15.0, "1": 5.0},
+        "rows": [{"part": "kernel:GEMM", "label": "GEMM (by kernel name)", "layer": None, "phase": "forward",
+                  "min_ms": 5.0, "min_rank": 1, "max_ms": 15.0, "max_rank": 0, "spread_ms": 10.0}]}
+    assert "| GEMM (by kernel name) | – | forward | 5.000 (r1) | 15.000 (r0) | 10.000 |" in md
     assert "- DP (process group 30): no trace of rank 2 in this run" in md
     # compare: rank 1 reaches EP call 0 at 200 instead of 250, so rank 0 waits 100 us, none of it exposed
     earlier = [(EP, "all_to_allv", 200, 300)] + LAYOUT[1][0][1:]
@@ -210,3 +216,23 @@ def test_calls_of_different_collectives_are_not_paired():
         {"group": "30", "label": "DP", "reason": "no trace of rank 2 in this run (perf_tracer.ranks "
                                                  "profiles only some ranks, or the trace failed)"}]
     assert comm_wait.split({0: {"groups": {}, "unnamed_kernels": 0}}) is None
+
+
+def test_work_spread_compares_only_ranks_that_ran_a_cell():
+    """Per (part, layer, phase) the fastest and slowest rank among those that ran it (pipeline stages hold other
+    layers: a cell of one rank only is not compared), spreads under 0.5 ms left out, the largest first, 8 at most."""
+    from sftprof.analysis.summary import work_spread
+
+    cells = {0: [["experts", 0, "forward", 10.0], ["experts", 0, "backward", 20.0], ["attn_core", 0,
+                                                                                              "forward", 100.0]],
+             1: [["experts", 0, "forward", 13.5], ["experts", 0, "backward", 20.4], ["attn_core", 0,
+                                                                                              "forward", 99.0]],
+             2: [["experts", 0, "forward", 12.0], ["attn_core", 5, "forward", 300.0]],
+             3: None}
+    assert work_spread(cells) == {
+        "ranks": [0, 1, 2], "min_spread_ms": 0.5, "compared_ms": {0: 130.0, 1: 132.9, 2: 12.0},
+        "rows": [{"part": "experts", "label": "expert GEMMs (routed)", "layer": 0, "phase": "forward",
+                  "min_ms": 10.0, "min_rank": 0, "max_ms": 13.5, "max_rank": 1, "spread_ms": 3.5},
+                 {"part": "attn_core", "label": "attention core", "layer": 0, "phase": "forward",
+                  "min_ms": 99.0, "min_rank": 1, "max_ms": 100.0, "max_rank": 0, "spread_ms": 1.0}]}
+    assert work_spread({0: cells[0], 3: None}) is None

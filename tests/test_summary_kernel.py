@@ -145,3 +145,19 @@ def test_regions_on_a_real_cpu_trace(tmp_path):
     assert host["ops"] == len(gloo) == 4  # one all_reduce per parameter tensor of the MLP
     assert host["by_op_ms"] == {"gloo:all_reduce": pytest.approx(sum(e["dur"] for e in gloo) / 1e3, abs=1e-3)}
     assert 0 < host["wall_ms"] <= host["by_op_ms"]["gloo:all_reduce"] + 1e-3
+
+
+@pytest.mark.parametrize("path", GPU_TRACES, ids=lambda p: p.name)
+def test_compute_cells_are_the_part_cells_without_nccl(path):
+    """``parts["compute_cells"]``: per (part, layer, phase) the GPU time without NCCL kernels; these one-GPU traces
+    have none, so each cell is its part table's phase value (up to the 0.1 us rounding of each)."""
+    s = _summarise(path)
+    parts = s["parts"]
+    table = {(r["part"], layer["layer"], ph): r[f"{ph}_ms"] for layer in parts["layers"] for r in layer["rows"]
+             for ph in ("forward", "recompute", "backward", "optimizer", "other")}
+    table.update({(r["part"], None, ph): r[f"{ph}_ms"] for r in parts["outside_layers"]
+                  for ph in ("forward", "recompute", "backward", "optimizer", "other")})
+    cells = parts["compute_cells"]
+    assert s["communication"]["total_ms"] == 0 and len(cells) == len({tuple(c[:3]) for c in cells}) > 5
+    assert all(ms == pytest.approx(table[(part, layer, phase)], abs=2e-4) for part, layer, phase, ms in cells)
+    assert sum(c[3] for c in cells) == pytest.approx(parts["total_ms"], abs=1e-3)

@@ -174,6 +174,26 @@ def _nvidia_smi(s: dict) -> list[str]:
     return out
 
 
+def _work_spread(w: dict | None) -> list[str]:
+    """The Ranks section's table of the model parts whose compute time differs most between ranks."""
+    if not w:
+        return []
+    total = ", ".join(f"rank {r} {ms:.1f}" for r, ms in w["compared_ms"].items())
+    out = [f"\nWhere the ranks' own GPU work differs: compute kernel time (NCCL kernels left out, their time includes "
+           f"waiting) per model part, layer and phase, on the fastest and slowest rank that ran it. A rank whose work "
+           f"between two collectives runs longer arrives late at the second and the others wait there: with the same "
+           f"shapes on every rank (attention under CP, dense layers) a spread is device speed (clocks under the power "
+           f"cap), with data-dependent shapes (routed experts: see the routing in Steps) it is the load. Compute time "
+           f"in the cells compared (ms): {total}.\n"]
+    if not w["rows"]:
+        return out + [f"No cell differs by {w['min_spread_ms']:g} ms or more.\n"]
+    out.append(table(["part", "layer", "phase", "min ms (rank)", "max ms (rank)", "spread ms"],
+                     [[r["label"], "–" if r["layer"] is None else r["layer"], r["phase"],
+                       _with_rank(r["min_ms"], r["min_rank"]), _with_rank(r["max_ms"], r["max_rank"]), r["spread_ms"]]
+                      for r in w["rows"]]))
+    return out
+
+
 def _ranks(s: dict) -> list[str]:
     rows = s["ranks"]["rows"]
     if not rows:
@@ -188,6 +208,7 @@ def _ranks(s: dict) -> list[str]:
         out.append(table(["metric", "max (rank)", "min (rank)", "max/min"],
                          [[k, f"{fmt(v['max'])} (r{v['max_rank']})", f"{fmt(v['min'])} (r{v['min_rank']})",
                            v["max_over_min"]] for k, v in imb.items()]))
+    out += _work_spread(s["ranks"].get("work_spread"))
     ex = s["ranks"].get("exposed_by_group")
     if ex and ex["groups"]:
         out.append("\nExposed communication by process group and rank (ms):\n")

@@ -542,6 +542,8 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
 
     Returns:
         ``{"parts": {...}, "efficiency": {...}, "collectives": {...}, "host": {...}}`` (times in ms);
+        ``parts["compute_cells"]``: ``[part, layer, phase, ms]`` per cell without its NCCL kernels (layer None:
+        outside the decoder layers);
         ``collectives["calls"]`` is this rank's call timeline per process group
         (:func:`sftprof.analysis.comm_wait.call_records`), which the trial summary matches across ranks and
         leaves out of ``profile_summary.json``.
@@ -558,10 +560,18 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
         in_opt |= (pts >= a) & (pts <= b)
     parts, layers, phases, source = ops.attribute(tids, pts, cats, in_opt, is_comm)
     cells: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
+    compute: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
     for i in np.flatnonzero(inside):
         cells[(parts[i], layers[i], phases[i])] += dur[i]
+        if not is_comm[i]:
+            compute[(parts[i], layers[i], phases[i])] += dur[i]
     total = float(dur[inside].sum())
     parts_out = _parts_tables(cells, total, source)
+    # the same cells without NCCL kernels (whose time includes waiting for other ranks): the rank's own work, which
+    # the trial summary compares across ranks (sftprof.analysis.summary.work_spread)
+    parts_out["compute_cells"] = [[part, layer, phase, _ms(us)] for (part, layer, phase), us in
+                                  sorted(compute.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0],
+                                                                          kv[0][2]))]
     parts_out["outside_window"] = int((~inside).sum())
     parts_out["total_ms"] = _ms(total)
     host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS) if lo is not None else [],

@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ from sftprof.analysis.failure import first_failure
 from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.analysis.report import RANK_COLUMNS, render_markdown
 from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.analysis.step_breakdown import plot_parts
+from sftprof.analysis.step_breakdown import part_label, plot_parts
 from sftprof.analysis.trace_check import finite_json
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_error, invalid_events_message
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
@@ -326,7 +327,51 @@ def rank_table(summary: dict) -> dict[str, Any]:
         hi, lo = max(vals), min(vals)
         imbalance[col] = {"max": hi[0], "max_rank": hi[1], "min": lo[0], "min_rank": lo[1],
                           "max_over_min": round(hi[0] / lo[0], 4) if len(vals) > 1 and lo[0] > 0 else None}
-    return {"rows": ordered, "imbalance": imbalance, "exposed_by_group": exposed_by_group(exposed, exposed_total)}
+    return {"rows": ordered, "imbalance": imbalance, "exposed_by_group": exposed_by_group(exposed, exposed_total),
+            "work_spread": work_spread({t["rank"]: t["summary"]["parts"].get("compute_cells") for t in traced})}
+
+
+WORK_SPREAD_ROWS = 8  # cells a work-spread table shows at most
+WORK_SPREAD_MIN_MS = 0.5  # ... each differing by at least this much between ranks
+
+
+def work_spread(cells: dict[int, Optional[list]]) -> Optional[dict[str, Any]]:
+    """Where the profiled ranks' own GPU work differs: per (model part, layer, phase) the compute kernel time
+    (NCCL kernels left out, whose time includes waiting for the other ranks) on the slowest and fastest rank.
+
+    A rank whose work between two collectives takes longer arrives late at the second, and the others wait there
+    (:mod:`sftprof.analysis.comm_wait`); this says which work made it late. Only ranks that ran a cell are compared
+    (pipeline stages hold other layers).
+
+    Args:
+        cells: rank -> its ``parts["compute_cells"]`` (``[part, layer, phase, ms]``; None for a trace without them).
+
+    Returns:
+        None with fewer than two ranks with cells; else ``{"ranks": [...], "compared_ms": {rank: ms}, "min_spread_ms",
+        "rows": [{"part", "label", "layer", "phase", "min_ms", "min_rank", "max_ms", "max_rank", "spread_ms"}]}``:
+        at most :data:`WORK_SPREAD_ROWS` cells whose spread (max - min over the ranks that ran them, ms) is at least
+        :data:`WORK_SPREAD_MIN_MS`, largest first; ``compared_ms``: each rank's compute time in the cells that at
+        least two ranks ran.
+    """
+    have = {r: c for r, c in cells.items() if c}
+    if len(have) < 2:
+        return None
+    by_cell: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r, rows in have.items():
+        for part, layer, phase, ms in rows:
+            by_cell[(part, layer, phase)][r] = ms
+    shared = {k: v for k, v in by_cell.items() if len(v) > 1}
+    out = []
+    for (part, layer, phase), vals in shared.items():
+        hi = max(vals, key=lambda r: (vals[r], -r))
+        lo = min(vals, key=lambda r: (vals[r], r))
+        spread = round(vals[hi] - vals[lo], 4)
+        if spread >= WORK_SPREAD_MIN_MS:
+            out.append({"part": part, "label": part_label(part), "layer": layer, "phase": phase, "min_ms": vals[lo],
+                        "min_rank": lo, "max_ms": vals[hi], "max_rank": hi, "spread_ms": spread})
+    out.sort(key=lambda x: (-x["spread_ms"], x["layer"] is None, x["layer"] or 0, x["part"], x["phase"]))
+    return {"ranks": sorted(have), "rows": out[:WORK_SPREAD_ROWS], "min_spread_ms": WORK_SPREAD_MIN_MS,
+            "compared_ms": {r: round(sum(v[r] for v in shared.values() if r in v), 3) for r in sorted(have)}}
 
 
 def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, float]) -> Optional[dict[str, Any]]:
