@@ -74,3 +74,11 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
         "difference is CP, +227.8 ms"]
+    # with the ranks' work spread, the finding names the work that differs most (here: rank 1's routed experts)
+    summary["ranks"]["work_spread"] = sm.work_spread({0: [["experts", 3, "backward", 12.765]],
+                                                      1: [["experts", 3, "backward", 21.571]]})
+    found, _ = sm._findings(summary, None)
+    assert [f["text"] for f in found if f["section"] == "#ranks"] == [
+        "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
+        "difference is CP, +227.8 ms; the ranks' own work differs most in expert GEMMs (routed), layer 3 backward: "
+        "rank 1 8.8 ms longer than rank 0"]

@@ -415,8 +415,16 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
         g, ms = ex["extra_by_group"][0]
         total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
         hi, lo, tot = ex["max_rank"], ex["min_rank"], ex["totals"]
+        spread = ((summary.get("ranks") or {}).get("work_spread") or {}).get("rows") or []
+        why = ""
+        if spread:
+            w = spread[0]
+            where = f"layer {w['layer']} " if w["layer"] is not None else ""
+            why = (f"; the ranks' own work differs most in {w['label']}, {where}{w['phase']}: rank {w['max_rank']} "
+                   f"{w['spread_ms']:.1f} ms longer than rank {w['min_rank']}")
         found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
-                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, +{ms:.1f} ms",
+                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, "
+                              f"+{ms:.1f} ms{why}",
                       "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
     for m in summary.get("memory_snapshots") or []:
         if "summary" in m and "error" not in m and m["rank"] is not None:
