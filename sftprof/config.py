@@ -627,7 +627,7 @@ def validate(cfg: SFTProfileConfig) -> None:
                           f"{list(cfg.memory_profiler.profile_steps)}: set one profile kind per trial (allocator history "
                           "distorts kernel timings)")
     if a.megatron.moe_router_force_load_balancing and layout.backend != "megatron":
-        raise ConfigError(f"actor.megatron.moe_router_force_load_balancing=True: megatron-core's router option, for "
+        raise ConfigError(f"actor.megatron.moe_router_force_load_balancing=true: megatron-core's router option, for "
                           f"the megatron backend only; actor.backend={a.backend!r}; accepted here: false")
     if a.loss.path == "reference" and layout.tp > 1:
         raise ConfigError(f"actor.loss.path='reference': needs TP=1 (a plain log_softmax over the whole vocabulary), "

@@ -235,7 +235,7 @@ def test_force_load_balancing_is_off_by_default_and_megatron_only():
     assert mc.training_config_kwargs(on, have_te=True)["moe_router_force_load_balancing"] is True
     with pytest.raises(ConfigError) as exc:
         load_config("tiny_cpu", ["actor.megatron.moe_router_force_load_balancing=true"])
-    assert str(exc.value) == ("actor.megatron.moe_router_force_load_balancing=True: megatron-core's router option, for "
+    assert str(exc.value) == ("actor.megatron.moe_router_force_load_balancing=true: megatron-core's router option, for "
                               "the megatron backend only; actor.backend='fsdp:d2'; accepted here: false")
 
 

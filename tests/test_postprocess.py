@@ -470,13 +470,24 @@ _BALANCED = {"tokens_per_expert_max": [9000.0, 8800.0, None, 9500.0], "tokens_pe
              "ep_max_over_mean_max": 1.02}
 
 
-@pytest.mark.parametrize("profiled_load, warned", [(_COLLAPSED, True), (_BALANCED, False)])
-def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, warned):
+_ADVICE = {
+    "megatron:(attn:c2|ffn:e2)": ", or set actor.megatron.moe_router_force_load_balancing=true (random router logits, "
+                                 "balanced load) to profile balanced routing",
+    "fsdp:d2": " (the megatron backend also offers balanced routing for profiling, "
+               "actor.megatron.moe_router_force_load_balancing; the fsdp backend does not)"}
+
+
+@pytest.mark.parametrize("profiled_load, backend", [(_COLLAPSED, "megatron:(attn:c2|ffn:e2)"), (_COLLAPSED, "fsdp:d2"),
+                                                    (_BALANCED, "megatron:(attn:c2|ffn:e2)")])
+def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, backend):
     """The Steps table shows each step's busiest expert and EP rank over the mean, at their worst layers; when one
-    expert took >= half of a layer's tokens in the profiled step the summary warns that the routing collapsed."""
+    expert took >= half of a layer's tokens in the profiled step the summary warns that the routing collapsed, with
+    the advice the trial's backend accepts."""
+    warned = profiled_load is _COLLAPSED
     log = tmp_path / "log"
     log.mkdir()
     _stats(log / "stats.jsonl", kind="memory", device="cpu")
+    (log / "config.yaml").write_text(f"actor:\n  backend: '{backend}'\n")
     recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
     recs[0].update(moe_load=_BALANCED if warned else _COLLAPSED, tokens=131072)
     recs[1].update(moe_load=profiled_load, tokens=131072)
@@ -495,17 +506,39 @@ def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, wa
     s = json.load(open(run / "profile_summary.json"))
     assert s["stats"]["steps"][1]["moe"] == (
         {"max_over_mean": 15.9990234375, "worst_layer": 2, "ep_max_over_mean": 1.6437015533447266,
-         "ep_worst_layer": 2, "top_share": 131064.0 / 131072, "top_share_layer": 2} if warned else
+         "ep_worst_layer": 2, "top_share": 131064.0 / 131072, "top_share_layer": 2, "invalid": 0} if warned else
         {"max_over_mean": 1.1596679688, "worst_layer": 3, "ep_max_over_mean": 1.02, "ep_worst_layer": 1,
-         "top_share": 9500.0 / 131072, "top_share_layer": 3})
-    collapse = [w["warning"] for w in s["warnings"] if "routing collapsed" in w["warning"]]
+         "top_share": 9500.0 / 131072, "top_share_layer": 3, "invalid": 0})
+    collapse = [w["warning"] for w in s["warnings"] if "routing" in w["warning"]]
     assert collapse == ([
         "step 1: MoE routing collapsed: one expert received 99.99 % of the tokens in layer 2 (busiest expert 16.00x "
-        "the mean); the busiest EP rank got 1.64x the mean per EP rank (layer 2). A randomly initialised "
-        "router does this on the repeated fake sample, a trained one spreads the tokens: with random weights, this "
-        "profile's expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the checkpoint (actor.path), or set "
-        "actor.megatron.moe_router_force_load_balancing=true (random router logits, balanced load) to profile "
-        "balanced routing"] if warned else [])
+        "the mean); the busiest EP rank got 1.64x the mean per EP rank (layer 2). A randomly initialised router does "
+        "this on the repeated fake sample, a trained one spreads the tokens: with random weights, this profile's "
+        "expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the checkpoint (MODEL_PATH, "
+        "i.e. actor.path, with actor.init_from_scratch=false)" + _ADVICE[backend]] if warned else [])
+
+
+def test_routing_values_that_cannot_be_true_are_left_out_and_counted(tmp_path):
+    """A damaged ``moe_load``: a busiest expert below the mean, more tokens for one expert than the step had and a
+    negative ratio are left out (counted, warned), the layers still valid are shown; no collapse is claimed."""
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", kind="memory", device="cpu")
+    recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
+    recs[1].update(tokens=2048, moe_load={"tokens_per_expert_max": [5000.0, 600.0], "max_over_mean": [-3.0, 2.34375],
+                                          "ep_max_over_mean": [0.5, None]})
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1).returncode == 0
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["stats"]["steps"][1]["moe"] == {"max_over_mean": 2.34375, "worst_layer": 1, "ep_max_over_mean": None,
+                                             "ep_worst_layer": None, "top_share": 600.0 / 2048, "top_share_layer": 1,
+                                             "invalid": 3}
+    assert [w["warning"] for w in s["warnings"] if "routing" in w["warning"]] == [
+        "step 1: 3 MoE routing value(s) that cannot be true (a busiest expert or EP rank below the mean, one expert "
+        "with more tokens than the step, a negative count) left out"]
+    assert "| 2.344 (L1) | – | True |" in (run / "profile_summary.md").read_text()
+
 
 
 def test_compare_settings_table_shows_empty_values():

@@ -115,25 +115,32 @@ def moe_load(load, tokens) -> dict[str, Any] | None:
         None without a usable record; else ``{"max_over_mean", "worst_layer"}`` (the busiest expert's tokens
         over the mean per expert, at the layer where that is largest), ``{"ep_max_over_mean", "ep_worst_layer"}``
         (the busiest EP rank's over the mean per EP rank) and ``{"top_share", "top_share_layer"}`` (the busiest
-        expert's tokens as a share of the step's tokens, 0..1, at its largest layer; None without ``tokens``).
-        Layers with a non-finite or missing value are left out of each maximum.
+        expert's tokens as a share of the step's tokens, 0..1, at its largest layer; None without ``tokens``), and
+        ``invalid``: the number of per-layer values left out because they cannot be true (a busiest expert or EP
+        rank below the mean, more tokens for one expert than the step had, or a negative count). Missing,
+        null and non-finite values are left out too, without counting (a layer without MoE routing has none).
     """
     if not isinstance(load, dict):
         return None
+    invalid = 0
 
-    def worst(key: str, scale: float = 1.0) -> tuple[float | None, int | None]:
+    def worst(key: str, ok, scale: float = 1.0) -> tuple[float | None, int | None]:
+        nonlocal invalid
         vals = load.get(key)
         vals = [(v / scale, i) for i, v in enumerate(vals) if _finite(v) is not None] if isinstance(vals, list) else []
-        return max(vals, key=lambda x: (x[0], -x[1])) if vals else (None, None)
+        good = [x for x in vals if ok(x[0])]
+        invalid += len(vals) - len(good)
+        return max(good, key=lambda x: (x[0], -x[1])) if good else (None, None)
 
-    ratio, layer = worst("max_over_mean")
-    if ratio is None:
+    at_least_mean = lambda r: r >= 1.0 - 1e-9  # noqa: E731 -- a maximum is never below the mean
+    ratio, layer = worst("max_over_mean", at_least_mean)
+    ep, ep_layer = worst("ep_max_over_mean", at_least_mean)
+    share, share_layer = (worst("tokens_per_expert_max", lambda x: 0.0 <= x <= 1.0, float(tokens))
+                          if _finite(tokens) and tokens > 0 else (None, None))
+    if ratio is None and not invalid:
         return None
-    ep, ep_layer = worst("ep_max_over_mean")
-    share, share_layer = (worst("tokens_per_expert_max", float(tokens)) if _finite(tokens) and tokens > 0
-                          else (None, None))
     return {"max_over_mean": ratio, "worst_layer": layer, "ep_max_over_mean": ep, "ep_worst_layer": ep_layer,
-            "top_share": share, "top_share_layer": share_layer}
+            "top_share": share, "top_share_layer": share_layer, "invalid": invalid}
 
 
 def _number(text: str) -> float | None:

@@ -500,7 +500,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = _problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
     warnings += _optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
-    warnings += _routing_collapse(stats, profile_step)
+    warnings += _routing_warnings(stats, profile_step, cfg)
     if profile_kind == "kernel" and items:
         warnings += _missing_traces(cfg, items)
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
@@ -681,25 +681,35 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
 ROUTING_COLLAPSE_SHARE = 0.5  # a busiest expert receiving at least this share of a step's tokens: collapsed routing
 
 
-def _routing_collapse(stats: dict, profile_step: int | None) -> list[dict]:
-    """A warning when one expert received at least :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in
+def _routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -> list[dict]:
+    """Per step whose ``moe_load`` held values that cannot be true, a warning that they were left out
+    (:func:`sftprof.analysis.inputs.moe_load`); and a warning when one expert received at least :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in
     the profiled step (the last step record when the profiled one is absent): the profile's expert, dispatch and
     EP-wait figures are those of that routing, unlike a trained router's (balanced top-``k``: ``k / E`` of the
-    tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128)."""
+    tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). The advice names what the trial's backend
+    (``actor.backend`` of ``cfg``, the trial's config) accepts."""
+    out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE routing value(s) that "
+                                              "cannot be true (a busiest expert or EP rank below the mean, one expert "
+                                              "with more tokens than the step, a negative count) left out"}
+           for x in stats["steps"] if (x.get("moe") or {}).get("invalid")]
     rows = [x for x in stats["steps"] if x.get("moe")]
     row = next((x for x in rows if x["step"] == profile_step), rows[-1] if rows else None)
     m = (row or {}).get("moe") or {}
     if m.get("top_share") is None or m["top_share"] < ROUTING_COLLAPSE_SHARE:
-        return []
+        return out
     ep = (f"; the busiest EP rank got {m['ep_max_over_mean']:.2f}x the mean per EP rank (layer {m['ep_worst_layer']})"
           if m.get("ep_max_over_mean") is not None and m["ep_max_over_mean"] > 1.0 else "")
-    return [{"file": "stats.jsonl", "warning": (
+    backend = str(((cfg or {}).get("actor") or {}).get("backend") or "")
+    balanced = (", or set actor.megatron.moe_router_force_load_balancing=true (random router logits, balanced load) "
+                "to profile balanced routing" if backend.startswith("megatron") else
+                " (the megatron backend also offers balanced routing for profiling, "
+                "actor.megatron.moe_router_force_load_balancing; the fsdp backend does not)")
+    return out + [{"file": "stats.jsonl", "warning": (
         f"step {row['step']}: MoE routing collapsed: one expert received {100 * m['top_share']:.2f} % of the "
         f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}. A randomly "
         "initialised router does this on the repeated fake sample, a trained one spreads the tokens: with random "
         "weights, this profile's expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the "
-        "checkpoint (actor.path), or set actor.megatron.moe_router_force_load_balancing=true (random router "
-        "logits, balanced load) to profile balanced routing")}]
+        "checkpoint (MODEL_PATH, i.e. actor.path, with actor.init_from_scratch=false)" + balanced)}]
 
 
 def _optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[dict]:
