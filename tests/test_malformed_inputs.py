@@ -650,3 +650,33 @@ def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp
     assert res.returncode == 1 and report.splitlines()[-1] == "No trials match by (kind, step)."
     assert "- unmatched: memory step 2 only in B (`mem_step2`)" in report and res.stdout == report + "\n"
     assert res.stderr.splitlines()[-1] == "[postprocess] ERROR: No trials match by (kind, step). Nothing was compared."
+
+
+def test_empty_stats_and_a_step_record_without_a_step_index_are_warned(tmp_path, small_trace):
+    """An empty stats.jsonl is a warning (not a silent 'status unknown'); a step record whose step is not a
+    non-negative integer is an unparsable line: counted, left out of the Steps table, warned."""
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(small_trace))
+    good = (log / "stats.jsonl").read_text()
+    (log / "stats.jsonl").write_text("")
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "kernel", "--profile-step", "1")
+    s = json.loads((tmp_path / "run" / "profile_summary.json").read_text())
+    assert res.returncode == 0 and s["status"] == "unknown" and s["errors"] == [], res.stderr
+    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "empty: no step records and no completion record "
+                                                                "(trial status unknown)"}]
+    assert ("[postprocess] WARNING stats.jsonl: empty: no step records and no completion record (trial status "
+            "unknown)") in res.stderr.splitlines()
+    (log / "stats.jsonl").write_text("garbage\n" + json.dumps({"type": "step", "step": "x"}) + "\n" + good)
+    s, code = postprocess_trial(str(log), str(tmp_path / "run2"), "kernel", 1, jobs=1)
+    assert code == 0 and s["status"] == "ok" and [x["step"] for x in s["stats"]["steps"]] == [1]
+    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "2 unparsable lines skipped (not a JSON object of a "
+                              "known type, or a step record whose step is not a non-negative integer)"}]
+    md = (tmp_path / "run2" / "profile_summary.md").read_text()
+    assert "| 1 |" in md and "| x |" not in md
+    (log / "stats.jsonl").write_text("garbage\n")  # nothing valid in it
+    s, code = postprocess_trial(str(log), str(tmp_path / "run3"), "kernel", 1, jobs=1)
+    assert code == 0 and s["warnings"] == [
+        {"file": "stats.jsonl", "warning": "1 unparsable lines skipped (not a JSON object of a known type, or a step "
+                                           "record whose step is not a non-negative integer)"},
+        {"file": "stats.jsonl", "warning": "no valid line: no step records and no completion record (trial status "
+                                           "unknown)"}]

@@ -659,13 +659,18 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
-    if summary["stats"]["bad_lines"]:
-        warnings.append({"file": "stats.jsonl", "warning": f"{summary['stats']['bad_lines']} unparsable lines skipped"})
-    if not summary["stats"].get("available") and not missing_log_dir:
+    stats = summary["stats"]
+    if stats["bad_lines"]:
+        warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped (not a "
+                         "JSON object of a known type, or a step record whose step is not a non-negative integer)"})
+    status = "see the Failure section" if summary.get("failure") else "trial status unknown"
+    if not stats.get("available") and not missing_log_dir:
         warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
-                                                           "completion record (" + ("the trainer never wrote it: see "
-                                                           "the Failure section" if summary.get("failure") else
-                                                           "trial status unknown") + ")"})
+                         "completion record (" + ("the trainer never wrote it: " if summary.get("failure") else "")
+                         + status + ")"})
+    elif stats.get("available") and not stats["steps"] and stats.get("complete") is None:
+        warnings.append({"file": "stats.jsonl", "warning": ("empty" if not stats["bad_lines"] else "no valid line")
+                         + ": no step records and no completion record (" + status + ")"})
     if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
