@@ -144,7 +144,10 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
                                                           ("chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"))
     assert not [n for n in os.listdir(run) if n.startswith(".staging")]
     second = (run / "profile_summary.json").read_bytes()  # the same damaged inputs again: nothing new to keep
-    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 1 and "kept as" not in res.stderr
+    assert ("[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
+            "inputs), left as it is; profile_summary.prev1.json holds the one before it") in res.stderr.splitlines()
     assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
 
 
@@ -178,7 +181,9 @@ def test_identical_rerun_after_a_changed_one_keeps_no_further_summary(tmp_path, 
     assert rc == 0 and s["warnings"] == [kept]
     after = ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes())
     s, rc = postprocess_trial(str(log), str(run), "kernel", 1, compress=True, jobs=1)
-    assert rc == 0 and s["warnings"] == [kept]
+    assert rc == 0 and s["warnings"] == [{"file": "profile_summary.json", "warning": "the summary is unchanged since "
+                                          "the last postprocess (same inputs), left as it is; profile_summary.prev1.json "
+                                          "holds the one before it"}]  # nothing was kept now: it does not say 'kept'
     assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes()) == after
     assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
         "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]

@@ -756,12 +756,22 @@ def _split_kept_note(text: str) -> tuple[str | None, list[dict]]:
         return None, []
 
 
+def _unchanged_note(note: dict) -> dict:
+    """The warning of a rerun that left a summary as it was (same inputs), from that summary's note that an
+    earlier postprocess kept the one before it: nothing is kept now, so it does not say 'kept'."""
+    kept = note["warning"][len(_KEPT_NOTE):]
+    return {"file": note["file"], "warning": "the summary is unchanged since the last postprocess (same inputs), left "
+                                             f"as it is; {kept} holds the one before it"}
+
+
 def _write(summary: dict, run_dir: str) -> None:
     """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
 
     A summary already there from an earlier postprocess is left as it is when the new one is the same (a
-    rerun on the same inputs), else kept as ``profile_summary.prev<N>.{json,md}`` and the new summary says so
-    in its warnings: a rerun on damaged or other inputs loses nothing.
+    rerun on the same inputs; when that summary noted an earlier summary kept as ``.prev<N>``, the returned
+    summary's warnings say that it is unchanged and where the one before it is), else kept as
+    ``profile_summary.prev<N>.{json,md}`` and the new summary says so in its warnings: a rerun on damaged or other
+    inputs loses nothing.
     """
     def render(s: dict) -> tuple[str, str]:
         return json.dumps(finite_json(s)[0], indent=1, sort_keys=True, allow_nan=False) + "\n", render_markdown(s)
@@ -772,8 +782,8 @@ def _write(summary: dict, run_dir: str) -> None:
         with open(old, encoding="utf-8", errors="replace") as f:
             earlier = f.read()
         stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
-        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is,
-            summary.setdefault("warnings", []).extend(notes)  # note about the summary before it included
+        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is; its
+            summary.setdefault("warnings", []).extend(_unchanged_note(n) for n in notes)  # note is not news now
             return
         if earlier != text:
             kept = _keep_previous_summary(run_dir)
