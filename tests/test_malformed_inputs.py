@@ -647,6 +647,22 @@ def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp
     assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
         f"postprocess_profile.py compare: error: {root_b}: no profile_summary.json in it or in its sub-directories; "
         "run postprocess first")
+    # a folder of run roots is not guessed at: the message names them
+    multi = tmp_path / "multi"
+    shutil.copytree(good.parent, multi / "rootA")
+    res = _cli("compare", good.parent, multi, "--out", tmp_path / "cmp_multi.md")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: {multi}: not a trial run dir or a RUN_ROOT: it holds a run root "
+        f"(rootA) whose trials have profile_summary.json; pass it (e.g. {multi / 'rootA'}): compare takes one trial "
+        "run dir or RUN_ROOT per side")
+    shutil.copytree(good.parent, multi / "rootC")
+    (multi / "notes").mkdir()
+    res = _cli("compare", good.parent, multi, "--out", tmp_path / "cmp_multi.md")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: {multi}: not a trial run dir or a RUN_ROOT: it holds run roots "
+        f"(rootA, rootC) whose trials have profile_summary.json; pass one of them (e.g. {multi / 'rootA'}): compare "
+        "takes one trial run dir or RUN_ROOT per side")
+    assert not (tmp_path / "cmp_multi.md").exists()
     # No trial matches by (kind, step): the report is written and printed, exit 1
     s = json.loads((good / "profile_summary.json").read_text())
     s["profile_step"] = 2

@@ -58,7 +58,8 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT.
 
     Raises:
-        CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json``, a summary is
+        CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json`` (the message names
+            the run roots it holds one level down, when it is a folder of run roots), a summary is
             unreadable, not JSON or lacks ``profile_kind`` / ``profile_step`` / ``stats`` / ``ranks``, or two
             trials of one RUN_ROOT share kind and step (each message names the file or directory).
     """
@@ -67,6 +68,14 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
         [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
     if not dirs:
+        roots = [d for d in sorted(os.listdir(run)) if os.path.isdir(os.path.join(run, d)) and any(
+            os.path.isfile(os.path.join(run, d, t, SUMMARY_JSON)) for t in os.listdir(os.path.join(run, d)))]
+        if roots:  # a folder of run roots: which one is meant is the user's choice, never guessed
+            several = len(roots) > 1
+            raise CompareInputError(
+                f"{run}: not a trial run dir or a RUN_ROOT: it holds {'run roots' if several else 'a run root'} "
+                f"({', '.join(roots)}) whose trials have {SUMMARY_JSON}; pass {'one of them' if several else 'it'} "
+                f"(e.g. {os.path.join(run, roots[0])}): compare takes one trial run dir or RUN_ROOT per side")
         raise CompareInputError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
     out: dict[tuple[str, int], tuple[str, dict]] = {}
     for d in dirs:
