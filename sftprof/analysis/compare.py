@@ -236,7 +236,8 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
     ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
     mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
-    out += _one_sided(ka, kb, "trace") + _one_sided(ma, mb, "memory snapshot")
+    out += _one_sided(ka, kb, "trace", a, b, "kernel_traces") + _one_sided(ma, mb, "memory snapshot", a, b,
+                                                                          "memory_snapshots")
     for rank in sorted(set(ka) & set(kb)):
         out += _kernel_tables(rank, ka[rank], kb[rank], rel)
     for rank in sorted(set(ma) & set(mb)):
@@ -244,15 +245,30 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     return out
 
 
-def _one_sided(in_a: dict, in_b: dict, what: str) -> list[str]:
-    """A line per run naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their figures
-    have nothing to be compared with and are left out of the per-rank tables below (e.g. ``PROFILE_RANKS`` differed)."""
+def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str) -> list[str]:
+    """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
+    figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
+    the other run's summary (``a``, ``b``): its entry of that rank in ``member`` (``kernel_traces``,
+    ``memory_snapshots``) failed to process; its trial failed (``status``); its status is unknown (no completion
+    record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
     out = []
-    for side, mine, other in (("A", in_a, in_b), ("B", in_b, in_a)):
-        only = sorted(set(mine) - set(other))
-        if only:
-            out += [f"Rank(s) {', '.join(map(str, only))}: a {what} only in run {side}; not compared below "
-                    "(the runs profiled different ranks).", ""]
+    for side, mine, other, other_side, summary in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
+        errored = {e.get("rank") for e in summary.get(member) or [] if "error" in e}
+        status = summary.get("status")
+        reasons: dict[str, list[int]] = defaultdict(list)
+        for rank in sorted(set(mine) - set(other)):
+            if rank in errored:
+                why = f"run {other_side}'s {what} of that rank could not be processed (its error is in that summary)"
+            elif status == "failed":
+                why = f"run {other_side}'s trial failed (status failed) and left no {what} of that rank"
+            elif status == "unknown":
+                why = (f"run {other_side}'s trial status is unknown (no completion record): it stopped before writing "
+                       f"that {what}, or profiled other ranks")
+            else:
+                why = "the runs profiled different ranks"
+            reasons[why].append(rank)
+        for why, ranks in reasons.items():
+            out += [f"Rank(s) {', '.join(map(str, ranks))}: a {what} only in run {side}; not compared below ({why}).", ""]
     return out
 
 
