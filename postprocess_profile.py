@@ -18,7 +18,8 @@ not exist (with --profile-kind and --profile-step given, the trial's summary is 
 unless the run dir already holds one; otherwise nothing is written, not even the run dir); compare inputs
 that are missing or not profile summaries; an --out whose directory does not exist or that names an
 existing file (never overwritten; without --out an earlier report at the default path is kept as
-compare_vs_<A>.prev<N>.md). The message names the file or setting.
+compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it is). The message names
+the file or setting.
 """
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ import tempfile
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_recorded_kind, postprocess_trial,
                                      resolve_profile)
 from sftprof.artifacts import keep_previous
+
+
+def _same_text(path: str, text: str) -> bool:
+    """Whether ``path`` is a regular file holding exactly ``text`` (UTF-8); False when it cannot be read."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read() == text
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _compare(argv: list[str]) -> int:
@@ -54,11 +66,14 @@ def _compare(argv: list[str]) -> int:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
     try:
-        if not args.out and os.path.lexists(out):
-            kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
-            print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
-        with open(out, "x", encoding="utf-8") as f:
-            f.write(report)
+        if not args.out and _same_text(out, report):  # a rerun on the same summaries: nothing new to keep
+            print(f"[postprocess] {out} already holds this report (same inputs): left as it is", file=sys.stderr)
+        else:
+            if not args.out and os.path.lexists(out):
+                kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
+                print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
+            with open(out, "x", encoding="utf-8") as f:
+                f.write(report)
     except FileExistsError:  # created by someone else since the check above
         p.error(f"--out {out}: exists; never overwritten: name a new file")
     except OSError as exc:

@@ -354,11 +354,17 @@ class StatsWriter:
             self._f = None
 
 
+def is_step_index(value: Any) -> bool:
+    """Whether ``value`` is a step index as :class:`StepRecord` holds it: a non-negative ``int`` (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class StatsLog:
     """``stats.jsonl`` as read back: the step records in file order, the last completion record (None when
     the trial never wrote one: it was killed) and the count of lines that are not a JSON object of a known
-    type (``bad_lines``: counted, never fatal)."""
+    type, or are a step record whose ``step`` is not a non-negative integer (``bad_lines``: counted and left
+    out, never fatal)."""
 
     steps: list[StepRecord] = field(default_factory=list)
     completion: Optional[CompletionRecord] = None
@@ -382,7 +388,7 @@ def read_stats(path: str | Path) -> StatsLog:
                 out.bad_lines += 1
                 continue
             kind = rec.get("type") if isinstance(rec, dict) else None
-            if kind == StepRecord.TYPE:
+            if kind == StepRecord.TYPE and is_step_index(rec.get("step")):
                 out.steps.append(_from_json(StepRecord, rec))
             elif kind == CompletionRecord.TYPE:
                 out.completion = _from_json(CompletionRecord, rec)

@@ -41,6 +41,9 @@ def test_stats_written_and_read_back(tmp_path):
     lines = path.read_text().splitlines()
     with open(path, "a") as f:  # damaged lines and a step record of an earlier release (no grad_norm, ...)
         f.write("not json\n[1, 2]\n" + json.dumps({"type": "step", "step": 1, "loss": 2.0}) + "\n")
+        # step records whose step is not a non-negative integer: invalid lines, counted and left out
+        for bad in ("x", True, -1, 1.0, None):
+            f.write(json.dumps({"type": "step", "step": bad, "loss": 2.0}) + "\n")
     assert list(json.loads(lines[0])) == [
         "type", "step", "loss", "grad_norm", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
         "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks", "tflops_per_gpu", "mfu",
@@ -48,7 +51,7 @@ def test_stats_written_and_read_back(tmp_path):
     assert json.loads(lines[1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
                                      "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0}
     log = a.read_stats(path)
-    assert log.bad_lines == 2 and log.steps[0] == step
+    assert log.bad_lines == 7 and len(log.steps) == 2 and log.steps[0] == step
     assert (log.steps[1].step, log.steps[1].loss, log.steps[1].grad_norm, log.steps[1].profiled) == (1, 2.0, None, False)
     assert log.completion.status == "ok" and log.completion.profile_step == 0
     assert a.field_units()["step_time_s"].startswith("s: ") and a.field_units()["mem_peak_allocated_gb"].startswith("GiB")

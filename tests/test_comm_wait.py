@@ -163,9 +163,24 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
     (log / "perf_tracer").mkdir(parents=True)
     (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
     assert postprocess_trial(str(log), str(tmp_path / "r0" / "run"), "kernel", 1, jobs=1)[1] == 0
-    report = compare_runs(ep_only, str(tmp_path / "r0" / "run"))
-    assert report.count("only in run") == 1 and ("Rank(s) 1: a trace only in run A; not compared below (the runs "
-                                                 "profiled different ranks).") in report
+    report = compare_runs(ep_only, str(tmp_path / "r0" / "run"))  # B has no stats.jsonl: status unknown
+    assert report.count("only in run") == 1 and ("Rank(s) 1: a trace only in run A; not compared below (run B's "
+                                                 "trial status is unknown (no completion record): it stopped before "
+                                                 "writing that trace, or profiled other ranks).") in report
+    # the reason comes from run B's summary: an ok trial profiled other ranks; a failed one left no trace of the
+    # rank; a trace of the rank that failed to process is named as such
+    summary = json.loads((tmp_path / "r0" / "run" / "profile_summary.json").read_text())
+    errored = dict(summary, status="ok", kernel_traces=summary["kernel_traces"] + [{"rank": 1, "error": "truncated"}])
+    for name, changed, why in (
+            ("ok", dict(summary, status="ok"), "the runs profiled different ranks"),
+            ("failed", dict(summary, status="failed"), "run B's trial failed (status failed) and left no trace of "
+                                                       "that rank"),
+            ("errored", errored, "run B's trace of that rank could not be processed (its error is in that summary)")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile_summary.json").write_text(json.dumps(changed))
+        report = compare_runs(ep_only, str(tmp_path / name))
+        assert report.count("only in run") == 1 and (
+            f"Rank(s) 1: a trace only in run A; not compared below ({why}).") in report.splitlines(), name
 
 
 @pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])

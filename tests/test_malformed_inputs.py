@@ -389,10 +389,16 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
     default = good / f"compare_vs_{good.name}.md"
     assert _cli("compare", good, good).returncode == 0
     first = default.read_bytes()
+    res = _cli("compare", good, good)  # the same report again: nothing kept, nothing said to be kept
+    assert res.returncode == 0 and "kept" not in res.stderr and (
+        f"[postprocess] {default} already holds this report (same inputs): left as it is") in res.stderr.splitlines()
+    assert default.read_bytes() == first and sorted(p.name for p in good.glob("compare_vs_*")) == [default.name]
+    default.write_bytes(first + b"earlier line\n")  # an earlier report that differs is kept
     res = _cli("compare", good, good)
     assert res.returncode == 0 and (f"[postprocess] kept the earlier report {default} as "
                                     f"{good / f'compare_vs_{good.name}.prev1.md'}") in res.stderr
-    assert (good / f"compare_vs_{good.name}.prev1.md").read_bytes() == first and default.read_bytes() == first
+    assert (good / f"compare_vs_{good.name}.prev1.md").read_bytes() == first + b"earlier line\n"
+    assert default.read_bytes() == first
     assert sorted(p.name for p in good.glob("compare_vs_*")) == [f"compare_vs_{good.name}.md",
                                                                  f"compare_vs_{good.name}.prev1.md"]
 
@@ -641,6 +647,22 @@ def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp
     assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
         f"postprocess_profile.py compare: error: {root_b}: no profile_summary.json in it or in its sub-directories; "
         "run postprocess first")
+    # a folder of run roots is not guessed at: the message names them
+    multi = tmp_path / "multi"
+    shutil.copytree(good.parent, multi / "rootA")
+    res = _cli("compare", good.parent, multi, "--out", tmp_path / "cmp_multi.md")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: {multi}: not a trial run dir or a RUN_ROOT: it holds a run root "
+        f"(rootA) whose trials have profile_summary.json; pass it (e.g. {multi / 'rootA'}): compare takes one trial "
+        "run dir or RUN_ROOT per side")
+    shutil.copytree(good.parent, multi / "rootC")
+    (multi / "notes").mkdir()
+    res = _cli("compare", good.parent, multi, "--out", tmp_path / "cmp_multi.md")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py compare: error: {multi}: not a trial run dir or a RUN_ROOT: it holds run roots "
+        f"(rootA, rootC) whose trials have profile_summary.json; pass one of them (e.g. {multi / 'rootA'}): compare "
+        "takes one trial run dir or RUN_ROOT per side")
+    assert not (tmp_path / "cmp_multi.md").exists()
     # No trial matches by (kind, step): the report is written and printed, exit 1
     s = json.loads((good / "profile_summary.json").read_text())
     s["profile_step"] = 2
@@ -650,3 +672,33 @@ def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp
     assert res.returncode == 1 and report.splitlines()[-1] == "No trials match by (kind, step)."
     assert "- unmatched: memory step 2 only in B (`mem_step2`)" in report and res.stdout == report + "\n"
     assert res.stderr.splitlines()[-1] == "[postprocess] ERROR: No trials match by (kind, step). Nothing was compared."
+
+
+def test_empty_stats_and_a_step_record_without_a_step_index_are_warned(tmp_path, small_trace):
+    """An empty stats.jsonl is a warning (not a silent 'status unknown'); a step record whose step is not a
+    non-negative integer is an unparsable line: counted, left out of the Steps table, warned."""
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(small_trace))
+    good = (log / "stats.jsonl").read_text()
+    (log / "stats.jsonl").write_text("")
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "kernel", "--profile-step", "1")
+    s = json.loads((tmp_path / "run" / "profile_summary.json").read_text())
+    assert res.returncode == 0 and s["status"] == "unknown" and s["errors"] == [], res.stderr
+    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "empty: no step records and no completion record "
+                                                                "(trial status unknown)"}]
+    assert ("[postprocess] WARNING stats.jsonl: empty: no step records and no completion record (trial status "
+            "unknown)") in res.stderr.splitlines()
+    (log / "stats.jsonl").write_text("garbage\n" + json.dumps({"type": "step", "step": "x"}) + "\n" + good)
+    s, code = postprocess_trial(str(log), str(tmp_path / "run2"), "kernel", 1, jobs=1)
+    assert code == 0 and s["status"] == "ok" and [x["step"] for x in s["stats"]["steps"]] == [1]
+    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "2 unparsable lines skipped (not a JSON object of a "
+                              "known type, or a step record whose step is not a non-negative integer)"}]
+    md = (tmp_path / "run2" / "profile_summary.md").read_text()
+    assert "| 1 |" in md and "| x |" not in md
+    (log / "stats.jsonl").write_text("garbage\n")  # nothing valid in it
+    s, code = postprocess_trial(str(log), str(tmp_path / "run3"), "kernel", 1, jobs=1)
+    assert code == 0 and s["warnings"] == [
+        {"file": "stats.jsonl", "warning": "1 unparsable lines skipped (not a JSON object of a known type, or a step "
+                                           "record whose step is not a non-negative integer)"},
+        {"file": "stats.jsonl", "warning": "no valid line: no step records and no completion record (trial status "
+                                           "unknown)"}]

@@ -144,7 +144,10 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
                                                           ("chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"))
     assert not [n for n in os.listdir(run) if n.startswith(".staging")]
     second = (run / "profile_summary.json").read_bytes()  # the same damaged inputs again: nothing new to keep
-    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 1 and "kept as" not in res.stderr
+    assert ("[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
+            "inputs), left as it is; profile_summary.prev1.json holds the one before it") in res.stderr.splitlines()
     assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
 
 
@@ -178,7 +181,9 @@ def test_identical_rerun_after_a_changed_one_keeps_no_further_summary(tmp_path, 
     assert rc == 0 and s["warnings"] == [kept]
     after = ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes())
     s, rc = postprocess_trial(str(log), str(run), "kernel", 1, compress=True, jobs=1)
-    assert rc == 0 and s["warnings"] == [kept]
+    assert rc == 0 and s["warnings"] == [{"file": "profile_summary.json", "warning": "the summary is unchanged since "
+                                          "the last postprocess (same inputs), left as it is; profile_summary.prev1.json "
+                                          "holds the one before it"}]  # nothing was kept now: it does not say 'kept'
     assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes()) == after
     assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
         "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]
@@ -353,6 +358,45 @@ def test_compare_runs(tmp_path, cpu_traces):
     assert res.returncode == 0, res.stderr
     assert ("**Trial B status: failed** (RuntimeError: boom): its figures are missing below, not zero."
             in (tmp_path / "cmpF.md").read_text())
+    # both ranks were profiled in B too: the report says why B has no trace of them (its trial failed)
+    assert ("Rank(s) 0, 1: a trace only in run A; not compared below (run B's trial failed (status failed) and left "
+            "no trace of that rank).") in (tmp_path / "cmpF.md").read_text().splitlines()
+
+
+def test_compare_says_above_noise_for_every_time_row(tmp_path, cpu_traces):
+    """Two runs with 2 unprofiled steps after step 0 (noise known): every table of times (the step time of
+    stats.jsonl, per rank, per profiled rank, kernels) has the "above noise" column with one rule; memory rows
+    say n/a."""
+    runs = {}
+    for side, step_time, later in (("A", 2.0, (2.1, 2.2)), ("B", 1.9, (1.95, 2.0)), ("C", 1.5, (1.55, 1.6))):
+        log = _kernel_log_dir(tmp_path / side, cpu_traces, step_time=step_time)
+        with open(log / "stats.jsonl", "a") as f:  # steps 2 and 3, unprofiled: the run-to-run noise
+            for step, t in zip((2, 3), later):
+                f.write(json.dumps({"type": "step", "step": step, "step_time_s": t, "profiled": False}) + "\n")
+        runs[side] = tmp_path / f"run{side}"
+        assert _cli("--log-dir", log, "--run-dir", runs[side], "--profile-kind", "kernel", "--profile-step", 1,
+                    ).returncode == 0
+    out = tmp_path / "cmp.md"
+    assert _cli("compare", runs["A"], runs["B"], "--out", out).returncode == 0
+    md = out.read_text()
+    assert ("Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in stats.jsonl): "
+            "A 0.100 s over 2 steps, B 0.050 s over 2 steps. A delta counts as above noise when it exceeds the sum of "
+            "both spreads, scaled to each figure by its share of the step time (time rows; memory rows: n/a).") in md
+    # relative noise (0.1 + 0.05) / 2.0 s (A's step time) = 0.075; 2.0 -> 1.9 s: |-0.1| <= 0.075 x 2.0; rank 1 (1.1x): 2.2 -> 2.09 s, also within the noise
+    assert [_cell(md, "step time s (stats.jsonl", c) for c in (4, 6)] == ["-0.100", "no"]
+    assert _cell(md, "rank 1 step time s", 6) == "no" and _cell(md, "rank 0 peak allocated GB", 6) == "n/a"
+    assert _cell(md, "peak allocated GB (stats.jsonl", 6) == "n/a"
+    # the same traces in both runs: their figures are equal, within any noise
+    verdicts = [line.split("|")[6].strip() for line in md.splitlines() if line.startswith("| step wall |")]
+    assert verdicts == ["no", "no"] and [_cell(md, f"rank {r} step_ms", c) for r in (0, 1) for c in (4, 6)] == [
+        "+0.000", "no", "+0.000", "no"]
+    # 2.0 -> 1.5 s with noise 0.1 + 0.05 s: above it (|-0.5| > 0.075 x 2.0), as is rank 1's 2.2 -> 1.65 s
+    assert _cli("compare", runs["A"], runs["C"], "--out", tmp_path / "cmpC.md").returncode == 0
+    md = (tmp_path / "cmpC.md").read_text()
+    assert [_cell(md, "step time s (stats.jsonl", c) for c in (4, 6)] == ["-0.500", "yes"]
+    assert _cell(md, "rank 1 step time s", 6) == "yes" and _cell(md, "rank 0 step_ms", 6) == "no"
+    header = "| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % | above noise |"
+    assert md.count(header) == 2 and md.count("| metric | A | B | Δ (B−A) | Δ % | above noise |") == 1
 
 
 def test_ok_trial_without_artifacts(tmp_path):

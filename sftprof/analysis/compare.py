@@ -5,8 +5,9 @@ whose immediate sub-directories are trial run dirs. Trials are matched by
 ``(profile_kind, profile_step)``; unmatched trials are listed. For each pair the report shows
 step time, peak memory per rank, top kernels, time by category, each rank's exposed communication split into
 waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for memory trials, memory
-alive at the peak by allocation site. Typical use: prove that ``LM_HEAD_LOSS_CHUNK_SIZE=4096``
-lowers the peak against ``0``.
+alive at the peak by allocation site. When both runs' run-to-run noise is known (:func:`_noise_note`), every
+table of times has an "above noise" column, one rule for all (:func:`_noise_rows`). Typical use: prove that
+``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT.
 
     Raises:
-        CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json``, a summary is
+        CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json`` (the message names
+            the run roots it holds one level down, when it is a folder of run roots), a summary is
             unreadable, not JSON or lacks ``profile_kind`` / ``profile_step`` / ``stats`` / ``ranks``, or two
             trials of one RUN_ROOT share kind and step (each message names the file or directory).
     """
@@ -67,6 +69,14 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
         [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
     if not dirs:
+        roots = [d for d in sorted(os.listdir(run)) if os.path.isdir(os.path.join(run, d)) and any(
+            os.path.isfile(os.path.join(run, d, t, SUMMARY_JSON)) for t in os.listdir(os.path.join(run, d)))]
+        if roots:  # a folder of run roots: which one is meant is the user's choice, never guessed
+            several = len(roots) > 1
+            raise CompareInputError(
+                f"{run}: not a trial run dir or a RUN_ROOT: it holds {'run roots' if several else 'a run root'} "
+                f"({', '.join(roots)}) whose trials have {SUMMARY_JSON}; pass {'one of them' if several else 'it'} "
+                f"(e.g. {os.path.join(run, roots[0])}): compare takes one trial run dir or RUN_ROOT per side")
         raise CompareInputError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
     out: dict[tuple[str, int], tuple[str, dict]] = {}
     for d in dirs:
@@ -95,17 +105,30 @@ def _delta(a, b) -> tuple[str, str]:
     return f"{d:+.3f}", pct
 
 
-def _table(title: str, unit: str, rows: list[tuple], noise: bool = False) -> list[str]:
+def _table(title: str, unit: str, rows: list[tuple], rel: float | None = None, is_time=lambda name: True) -> list[str]:
     """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list; nothing when
-    neither run has a row (e.g. model parts or communication of CPU runs)."""
+    neither run has a row (e.g. model parts or communication of CPU runs).
+
+    Args:
+        rows: ``(name, A value, B value)``.
+        rel: the relative run-to-run noise (:func:`_noise_note`); given, the table has an "above noise" column:
+            :func:`_noise_rows`' verdict for the rows whose name ``is_time`` accepts, ``n/a`` for the others (the
+            step time's spread says nothing about memory). None (noise unknown): no such column.
+    """
     if not rows:
         return []
+    noise = rel is not None
     headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %"] + (["above noise"] if noise else [])
+    verdicts = [v[3] if is_time(v[0]) else "n/a" for v in _noise_rows(rows, rel)] if noise else [None] * len(rows)
     cells = []
-    for row in rows:
-        name, a, b = row[:3]
-        cells.append([str(name).replace("|", "/"), fmt(a), fmt(b), *_delta(a, b)] + ([row[3]] if noise else []))
+    for (name, a, b), verdict in zip(rows, verdicts):
+        cells.append([str(name).replace("|", "/"), fmt(a), fmt(b), *_delta(a, b)] + ([verdict] if noise else []))
     return [table(headers, cells, cell=str)]
+
+
+def _is_time(name: str) -> bool:
+    """Whether a row of the step tables (:func:`_step_tables`) is a time (step time, ``*_ms``), not memory."""
+    return "step time" in name or name.endswith("_ms")
 
 
 def _noise(stats: dict) -> tuple[float | None, int]:
@@ -222,12 +245,13 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
                     + ": its figures are missing below, not zero.", ""]
     out += _settings_diff(a, b)
     noise_lines, rel = _noise_note(a["stats"], b["stats"])
-    out += noise_lines + _step_tables(a, b)
+    out += noise_lines + _step_tables(a, b, rel)
     ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
     kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
     ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
     mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
-    out += _one_sided(ka, kb, "trace") + _one_sided(ma, mb, "memory snapshot")
+    out += _one_sided(ka, kb, "trace", a, b, "kernel_traces") + _one_sided(ma, mb, "memory snapshot", a, b,
+                                                                          "memory_snapshots")
     for rank in sorted(set(ka) & set(kb)):
         out += _kernel_tables(rank, ka[rank], kb[rank], rel)
     for rank in sorted(set(ma) & set(mb)):
@@ -235,15 +259,30 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     return out
 
 
-def _one_sided(in_a: dict, in_b: dict, what: str) -> list[str]:
-    """A line per run naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their figures
-    have nothing to be compared with and are left out of the per-rank tables below (e.g. ``PROFILE_RANKS`` differed)."""
+def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str) -> list[str]:
+    """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
+    figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
+    the other run's summary (``a``, ``b``): its entry of that rank in ``member`` (``kernel_traces``,
+    ``memory_snapshots``) failed to process; its trial failed (``status``); its status is unknown (no completion
+    record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
     out = []
-    for side, mine, other in (("A", in_a, in_b), ("B", in_b, in_a)):
-        only = sorted(set(mine) - set(other))
-        if only:
-            out += [f"Rank(s) {', '.join(map(str, only))}: a {what} only in run {side}; not compared below "
-                    "(the runs profiled different ranks).", ""]
+    for side, mine, other, other_side, summary in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
+        errored = {e.get("rank") for e in summary.get(member) or [] if "error" in e}
+        status = summary.get("status")
+        reasons: dict[str, list[int]] = defaultdict(list)
+        for rank in sorted(set(mine) - set(other)):
+            if rank in errored:
+                why = f"run {other_side}'s {what} of that rank could not be processed (its error is in that summary)"
+            elif status == "failed":
+                why = f"run {other_side}'s trial failed (status failed) and left no {what} of that rank"
+            elif status == "unknown":
+                why = (f"run {other_side}'s trial status is unknown (no completion record): it stopped before writing "
+                       f"that {what}, or profiled other ranks")
+            else:
+                why = "the runs profiled different ranks"
+            reasons[why].append(rank)
+        for why, ranks in reasons.items():
+            out += [f"Rank(s) {', '.join(map(str, ranks))}: a {what} only in run {side}; not compared below ({why}).", ""]
     return out
 
 
@@ -253,15 +292,16 @@ def _noise_note(sa: dict, sb: dict) -> tuple[list[str], float | None]:
     lines = [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
              f"stats.jsonl): A {fmt(na[0])} s over {na[1]} steps, B {fmt(nb[0])} s over {nb[1]} steps."
              + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
-                "its share of the step time." if na[0] is not None and nb[0] is not None else
+                "its share of the step time (time rows; memory rows: n/a)." if na[0] is not None and nb[0] is not None else
                 " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
     rel = ((na[0] + nb[0]) / sa["step_time_s"]) if (na[0] is not None and nb[0] is not None
                                                    and sa.get("step_time_s")) else None
     return lines, rel
 
 
-def _step_tables(a: dict, b: dict) -> list[str]:
-    """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots)."""
+def _step_tables(a: dict, b: dict, rel: float | None) -> list[str]:
+    """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots);
+    the time rows with the "above noise" verdict of the relative noise ``rel`` (:func:`_table`)."""
     sa, sb = a["stats"], b["stats"]
 
     def peak(st: dict, key: str) -> str:
@@ -274,7 +314,7 @@ def _step_tables(a: dict, b: dict) -> list[str]:
                      sa.get(f"{key}_gb"), sb.get(f"{key}_gb")))
     rows.append(("max peak allocated GB over steps and ranks", sa.get("max_mem_peak_allocated_gb"),
                  sb.get("max_mem_peak_allocated_gb")))
-    out = _table("metric", "", rows)
+    out = _table("metric", "", rows, rel, _is_time)
     # Every rank of stats.jsonl, profiled or not, then the profiled ranks' trace/snapshot figures.
     pa, pb = sa.get("per_rank") or {}, sb.get("per_rank") or {}
     per_rank = []
@@ -283,7 +323,7 @@ def _step_tables(a: dict, b: dict) -> list[str]:
                            ("mem_peak_reserved_gb", "peak reserved GB")):
             per_rank.append((f"rank {rank} {label}", (pa.get(rank) or {}).get(col), (pb.get(rank) or {}).get(col)))
     if per_rank:
-        out += ["### Per rank (stats.jsonl, every rank)", ""] + _table("rank metric", "", per_rank)
+        out += ["### Per rank (stats.jsonl, every rank)", ""] + _table("rank metric", "", per_rank, rel, _is_time)
     ra = {r["rank"]: r for r in a["ranks"]["rows"]}
     rb = {r["rank"]: r for r in b["ranks"]["rows"]}
     profiled = []
@@ -293,7 +333,7 @@ def _step_tables(a: dict, b: dict) -> list[str]:
             if col in ra[rank] or col in rb[rank]:
                 profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
     if profiled:
-        out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
+        out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled, rel, _is_time)
     (wa, ga), (wb, gb) = _wait_rows(a), _wait_rows(b)
     differ = sorted(r for r in set(ga) & set(gb) if ga[r] != gb[r])
     for r in differ:  # the all-groups totals of different sets of groups are not comparable
@@ -301,7 +341,7 @@ def _step_tables(a: dict, b: dict) -> list[str]:
             wa.pop(n, None), wb.pop(n, None)
     names = sorted(set(wa) | set(wb), key=lambda n: (int(n.split()[1]), "split groups" not in n, n))
     out += _table("exposed communication, waiting for the last rank vs transfer (– = not split in that run)", "ms",
-                  [(n, wa.get(n), wb.get(n)) for n in names])
+                  [(n, wa.get(n), wb.get(n)) for n in names], rel)
     out += [f"Rank {r}: the runs split different process groups (A: {', '.join(ga[r])}; B: {', '.join(gb[r])}), so "
             "its all-split-groups totals are not compared; the per-group rows are.\n" for r in differ]
     return out
@@ -328,32 +368,32 @@ def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
 
 
 def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
-    """Kernel-trace deltas of one rank: step, regions, model parts, exposed communication, categories, top lists."""
+    """Kernel-trace deltas of one rank: step, regions, model parts, exposed communication, categories, top lists;
+    every row a time, with the "above noise" verdict of the relative noise ``rel`` (:func:`_table`)."""
     out = [f"### Kernels, rank {rank}", ""]
     out += _table("metric", "ms", [
         ("step wall", x["step_window"]["wall_ms"], y["step_window"]["wall_ms"]),
         ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
         ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
-        ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])])
-    out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100))
+        ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])], rel)
+    out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100), rel)
     if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
-        out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100))
+        out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100), rel)
     if "parts" in x and "parts" in y:
-        out += _table("model part, summed over layers", "ms", _noise_rows(_union_rows(
+        out += _table("model part, summed over layers", "ms", _union_rows(
             {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
-            {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel), noise=rel is not None)
-        out += _table("exposed communication by process group", "ms", _noise_rows(_union_rows(
-            x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel),
-            noise=rel is not None)
+            {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel)
+        out += _table("exposed communication by process group", "ms", _union_rows(
+            x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel)
     out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
-                                                {c["category"]: c["total_ms"] for c in y["categories"]}, 100))
+                                                {c["category"]: c["total_ms"] for c in y["categories"]}, 100), rel)
     out += _table("kernel (– = not in that run's top 20)", "ms",
                   [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
                       {k["name"]: k["total_ms"] for k in x["top_kernels"]},
-                      {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)])
+                      {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)], rel)
     out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _union_rows(
         {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []},
-        {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS))
+        {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS), rel)
     return out
 
 

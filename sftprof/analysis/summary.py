@@ -659,13 +659,18 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
-    if summary["stats"]["bad_lines"]:
-        warnings.append({"file": "stats.jsonl", "warning": f"{summary['stats']['bad_lines']} unparsable lines skipped"})
-    if not summary["stats"].get("available") and not missing_log_dir:
+    stats = summary["stats"]
+    if stats["bad_lines"]:
+        warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped (not a "
+                         "JSON object of a known type, or a step record whose step is not a non-negative integer)"})
+    status = "see the Failure section" if summary.get("failure") else "trial status unknown"
+    if not stats.get("available") and not missing_log_dir:
         warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
-                                                           "completion record (" + ("the trainer never wrote it: see "
-                                                           "the Failure section" if summary.get("failure") else
-                                                           "trial status unknown") + ")"})
+                         "completion record (" + ("the trainer never wrote it: " if summary.get("failure") else "")
+                         + status + ")"})
+    elif stats.get("available") and not stats["steps"] and stats.get("complete") is None:
+        warnings.append({"file": "stats.jsonl", "warning": ("empty" if not stats["bad_lines"] else "no valid line")
+                         + ": no step records and no completion record (" + status + ")"})
     if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
@@ -761,12 +766,22 @@ def _split_kept_note(text: str) -> tuple[str | None, list[dict]]:
         return None, []
 
 
+def _unchanged_note(note: dict) -> dict:
+    """The warning of a rerun that left a summary as it was (same inputs), from that summary's note that an
+    earlier postprocess kept the one before it: nothing is kept now, so it does not say 'kept'."""
+    kept = note["warning"][len(_KEPT_NOTE):]
+    return {"file": note["file"], "warning": "the summary is unchanged since the last postprocess (same inputs), left "
+                                             f"as it is; {kept} holds the one before it"}
+
+
 def _write(summary: dict, run_dir: str) -> None:
     """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
 
     A summary already there from an earlier postprocess is left as it is when the new one is the same (a
-    rerun on the same inputs), else kept as ``profile_summary.prev<N>.{json,md}`` and the new summary says so
-    in its warnings: a rerun on damaged or other inputs loses nothing.
+    rerun on the same inputs; when that summary noted an earlier summary kept as ``.prev<N>``, the returned
+    summary's warnings say that it is unchanged and where the one before it is), else kept as
+    ``profile_summary.prev<N>.{json,md}`` and the new summary says so in its warnings: a rerun on damaged or other
+    inputs loses nothing.
     """
     def render(s: dict) -> tuple[str, str]:
         return json.dumps(finite_json(s)[0], indent=1, sort_keys=True, allow_nan=False) + "\n", render_markdown(s)
@@ -777,8 +792,8 @@ def _write(summary: dict, run_dir: str) -> None:
         with open(old, encoding="utf-8", errors="replace") as f:
             earlier = f.read()
         stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
-        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is,
-            summary.setdefault("warnings", []).extend(notes)  # note about the summary before it included
+        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is; its
+            summary.setdefault("warnings", []).extend(_unchanged_note(n) for n in notes)  # note is not news now
             return
         if earlier != text:
             kept = _keep_previous_summary(run_dir)
