@@ -310,10 +310,17 @@ def test_trainer_gets_each_key_once_with_the_value_the_driver_resolved(tmp_path)
     ("", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset "
          "{preset}"),
     ("- 1\n- 2\n", "config file {path}: must be a mapping of config keys (key: value lines), not a list"),
+    # a wrong file (CONFIG=/etc/passwd) or one word: not echoed as a key name
+    ("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n",
+     "config file {path}: must be a mapping of config keys (key: value lines), not a string"),
+    ("hello\n", "config file {path}: must be a mapping of config keys (key: value lines), not a string"),
+    ("42\n", "config file {path}: must be a mapping of config keys (key: value lines), not a number"),
+    ("{}\n", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset {preset}"),
     (None, "config='{path}': is a directory; accepted: a YAML file or a bundled preset ['tiny_cpu', 'tiny_qwen3_5_cpu']"),
 ])
 def test_unusable_config_file_exits_2(content, message, tmp_path):
-    """An empty file, a YAML list or a directory as CONFIG is refused before anything is written or launched."""
+    """An empty file, a YAML list or scalar or a directory as CONFIG is refused before anything is written or
+    launched, without echoing the file's content."""
     path = tmp_path / "c.yaml"
     path.mkdir() if content is None else path.write_text(content)
     out = run_driver({"CONFIG": str(path)}, tmp_path)
