@@ -129,17 +129,22 @@ def _closest(name: str, cutoff: float) -> str | None:
 def unknown_variable_warnings(env: Mapping[str, str]) -> list[str]:
     """One warning per environment variable that looks like a misspelled driver variable.
 
-    A variable is suspect when it is not a driver variable and starts with a driver prefix
-    (``PROFILE_``, ``MEMORY_``, ...) or is close to a driver variable's name (difflib ratio >= 0.85);
-    the warning names the closest driver variable (ratio >= 0.8) when there is one.
+    A variable is suspect when it is not a driver variable and, in upper case, is one (``profile_steps``: the
+    driver reads upper-case names only), starts with a driver prefix (``PROFILE_``, ``MEMORY_``, ...) or is close
+    to a driver variable's name (difflib ratio >= 0.85); the warning names the closest driver variable
+    (ratio >= 0.8) when there is one.
     """
     known = {v.name for v in DRIVER_VARS}
     out = []
     for name in sorted(env):
+        upper = name.upper()
         if name in known:
             continue
-        if name.startswith(_DRIVER_PREFIXES) or _closest(name, 0.85):
-            near = _closest(name, 0.8)
+        if upper in known:
+            out.append(f"{name} is not a driver variable and is ignored (driver variables are upper case); "
+                       f"did you mean {upper}?")
+        elif upper.startswith(_DRIVER_PREFIXES) or _closest(upper, 0.85):
+            near = _closest(upper, 0.8)
             out.append(f"{name} is not a driver variable and is ignored" +
                        (f"; did you mean {near}?" if near else f" (`bash {DRIVER_SCRIPT} --help` lists them)"))
     return out

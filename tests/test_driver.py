@@ -240,6 +240,22 @@ def test_master_port_busy_or_picked(tmp_path):
     assert info["run_root"] == str(tmp_path / "run")
 
 
+def test_lower_case_driver_variables_warned(tmp_path):
+    """The driver reads upper-case names only: a lower- or mixed-case spelling of a driver variable is named."""
+    env = _plan_env(tmp_path, profile_steps="1", Profile_Kinds="kernel", n_gpus_per_nodes="2", http_proxy="x",
+                    no_proxy="localhost", home="/root")
+    assert launch.unknown_variable_warnings(env) == [
+        "Profile_Kinds is not a driver variable and is ignored (driver variables are upper case); did you mean "
+        "PROFILE_KINDS?",
+        "n_gpus_per_nodes is not a driver variable and is ignored; did you mean N_GPUS_PER_NODE?",
+        "profile_steps is not a driver variable and is ignored (driver variables are upper case); did you mean "
+        "PROFILE_STEPS?"]
+    trials, _, info = launch.plan(_plan_env(tmp_path, profile_steps="1"), [], gpus=0)
+    assert info["notices"][0] == ("warning: profile_steps is not a driver variable and is ignored (driver variables "
+                                  "are upper case); did you mean PROFILE_STEPS?")
+    assert [t.step for t in trials] == [0, 1]   # the default steps: profile_steps was not read
+
+
 def test_misspelled_variables_warned_with_the_closest_name(tmp_path):
     env = _plan_env(tmp_path, PROFILE_STEP="1", N_GPU_PER_NODE="2", MASTERPORT="1", PROFILE_FOO="x",
                     NODE_OPTIONS="--x", HOME="/root", RUN_ID="7")
