@@ -346,6 +346,28 @@ def test_unusable_config_file_exits_2(content, message, tmp_path):
     assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
 
 
+@pytest.mark.parametrize("content,problem", [
+    ("{bad\n", "is not a valid JSON file (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                "accepted: a Hugging Face model directory whose config.json holds the model's config"),
+    ('{"model_type": "llama", "vocab_size": 8}', "has model_type 'llama', a model family sftprof does not build; "
+                                                 "accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
+                                                 "(Qwen3-MoE, Qwen3.5-MoE)"),
+    ("[]", "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text (Qwen3-MoE, "
+           "Qwen3.5-MoE)"),
+])
+def test_unusable_model_config_exits_2(content, problem, tmp_path):
+    """A MODEL_PATH whose config.json is damaged or of a family sftprof does not build stops the driver (exit 2, one
+    line naming MODEL_PATH and the file) before anything is written or launched."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(content)
+    out = run_driver({"MODEL_PATH": str(model)}, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"sftprof: actor.path='{model}': {model / 'config.json'} {problem} (MODEL_PATH / "
+                          "actor.path)\n")
+    assert out.stdout == "" and not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
 def test_missing_weights_stop_the_plan(tmp_path):
     with pytest.raises(launch.DriverError, match=r"actor.init_from_scratch=false: .*tiny_qwen3_moe holds no weights "
                                                  r"\(\*\.safetensors, \*\.bin, \*\.pt\).*\(MODEL_PATH / actor.path\)"):
