@@ -375,6 +375,40 @@ def test_missing_weights_stop_the_plan(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
+    """A trial that fails (a damaged tokenizer.json in MODEL_PATH: the trainer refuses it) with STOP_ON_FAILURE=1:
+    no time estimate for trials that will not run; summary.tsv and the end table have a `not run` row for each."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
+    (model / "tokenizer.json").write_text("not a tokenizer\n")
+    out = run_driver({"MODEL_PATH": str(model), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1",
+                      "PROFILE_STAMP": "s", "PROFILE_FAKE_SEQ_LEN": "128"}, tmp_path, "actor.backend=fsdp:d1",
+                     timeout=300)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    run, logs = tmp_path / "run", tmp_path / "fileroot" / "logs"
+    names = ["model_fake128_kernel_step0_s", "model_fake128_kernel_step1_s"]
+    launcher_log = (run / names[0] / "launcher.log").read_text()
+    assert (f"sftprof: configuration error: {model}: cannot load its Hugging Face tokenizer (JSONDecodeError: "
+            "Expecting value: line 1 column 1 (char 0)); accepted: a directory with readable tokenizer files"
+            ) in launcher_log
+    assert re.search(r"^sftprof: \[1/2\] done in \d+ s \(status 1\); 1 trial\(s\) will not run$", out.stdout, re.M)
+    assert "more for" not in out.stdout and "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" in out.stderr
+    rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()]
+    assert rows[0] == ["trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
+                       "log_dir"]
+    log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()]
+    assert [r[:6] + r[7:] for r in rows[1:]] == [
+        [names[0], "kernel", "0", "1", "1", "2", str(run / names[0]), str(log_dirs[0])],
+        [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1])]]
+    assert rows[2][6] == "-" and log_dirs[1].parent.parent.parent == logs
+    table = out.stdout[out.stdout.index("trial          status"):].splitlines()
+    assert table[2] == "kernel step 1  not run     -          -         -"
+    assert table[1].startswith("kernel step 0  FAILED (1)  -          -         first failure: rank 0 exit code 2")
+    assert launch.record_trials_not_run(run) == []   # every trial has its row now: nothing added twice
+    assert len((run / "summary.tsv").read_text().splitlines()) == 3
+
+
 def test_missing_python_interpreter_exits_2(tmp_path):
     out = run_driver({"PYTHON": str(tmp_path / "no_python")}, tmp_path)
     assert out.returncode == 2
