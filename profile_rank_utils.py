@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Print the ranks to profile for a config: ``profile_rank_utils.py --config FILE [--profile-ranks SPEC] [key=value ...]``.
 
-SPEC: absent -> rank 0 of every pipeline stage (``pp_rank0``); ``""`` -> prints an empty line
-(all ranks); ``0,2-4`` -> ``0,2,3,4``. Bad specs or ranks outside the world size exit 2.
+SPEC: absent -> rank 0 of every pipeline stage (``pp_rank0``); ``""`` -> every rank of the config's world size
+(``actor.backend``), e.g. ``0,1,2,3,4,5,6,7``; ``0,2-4`` -> ``0,2,3,4``. Bad specs or ranks outside the world
+size exit 2.
 """
 import argparse
 import sys
@@ -20,9 +21,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     layout = parse_allocation_mode(cfg.actor.backend)
-    if args.profile_ranks is not None and not args.profile_ranks.strip():
-        print("")
-        return 0
     try:
         ranks = resolve_ranks(args.profile_ranks, layout)
     except RankSpecError as err:

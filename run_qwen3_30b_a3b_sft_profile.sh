@@ -86,20 +86,26 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
     "$elapsed" "$run_dir" "$log_dir" >> "$summary"
   done_s=$(( $(date +%s) - run_start ))
   left=$(( TRIALS - n ))
-  if [ "$left" -gt 0 ]; then
-    echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); about $(( done_s * left / n )) s more for $left trial(s)"
-  else
+  stopping=0
+  [ "$status" -ne 0 ] && [ "$STOP_ON_FAILURE" = "1" ] && stopping=1
+  if [ "$left" -eq 0 ]; then
     echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); all trials took $done_s s"
+  elif [ "$stopping" = "1" ]; then
+    echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); $left trial(s) will not run"
+  else
+    echo "sftprof: [$n/$TRIALS] done in $(( $(date +%s) - start )) s (status $status); about $(( done_s * left / n )) s more for $left trial(s)"
   fi
   if [ "$status" -ne 0 ]; then
     final_rc=$status
     echo "sftprof: trial $trial FAILED (status $status; logs in $run_dir/$LAUNCHER_LOG and $log_dir)" >&2
-    if [ "$STOP_ON_FAILURE" = "1" ]; then
+    if [ "$stopping" = "1" ]; then
       echo "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" >&2
       break
     fi
   fi
 done 3< "$RUN_ROOT/$TRIALS_TSV"
+# A row for each planned trial that did not run (STOP_ON_FAILURE), so summary.tsv has one row per trial.
+"$PYTHON" -m sftprof.launch not-run "$RUN_ROOT"
 
 echo
 "$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK"

@@ -211,7 +211,8 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
     row: dict[str, Any] = {"layout": None, "world_size": None, "run_root": str(run_root), **(extra or {})}
     try:
         with open(run_root / "summary.tsv") as f:
-            kernel = [t for t in csv.DictReader(f, delimiter="\t") if t.get("kind") == "kernel"]
+            kernel = [t for t in csv.DictReader(f, delimiter="\t")
+                      if t.get("kind") == "kernel" and t.get("status") != "not run"]   # not run: STOP_ON_FAILURE
         if not kernel:
             raise ValueError("no kernel trial in summary.tsv")
         trial = max(kernel, key=lambda t: int(t["step"]))

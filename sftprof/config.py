@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import BooleanNode
@@ -79,6 +80,8 @@ def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
 
 # Names that become one folder of a path (experiment_name, the driver's EXPERIMENT_NAME and PROFILE_STAMP):
 # no '/', '.' or '..' can lead outside the folder they are put in.
+# What a config file's top level is instead of a mapping, in its error message.
+_YAML_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "list"}
 NAME_ACCEPTED = "letters, digits, '_' and '-' only"
 
 
@@ -553,13 +556,16 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
     yaml_path = resolve_config_path(path)
     schema = OmegaConf.structured(SFTProfileConfig)
     try:
-        file_cfg = OmegaConf.load(yaml_path)
+        with open(yaml_path, encoding="utf-8") as f:
+            top = yaml.safe_load(f)   # the top level as written: OmegaConf reads a lone string as a key
+        file_cfg = OmegaConf.load(yaml_path) if isinstance(top, dict) else None
     except Exception as err:  # yaml.YAMLError and OSError alike
         raise ConfigError(f"config={yaml_path}: cannot read YAML: {err}") from err
-    if not isinstance(file_cfg, DictConfig):
+    if top is not None and not isinstance(top, dict):
+        # the content is not echoed: a wrong file (CONFIG=/etc/passwd) is one long string
         raise ConfigError(f"config file {yaml_path}: must be a mapping of config keys (key: value lines), "
-                          f"not a {type(OmegaConf.to_container(file_cfg)).__name__}")
-    if not file_cfg:
+                          f"not a {_YAML_KINDS.get(type(top), type(top).__name__)}")
+    if not file_cfg:  # an empty file, or an empty mapping
         raise ConfigError(f"config file {yaml_path} is empty; accepted: a YAML mapping of config keys, e.g. "
                           f"the bundled preset {PRESET_DIR / 'tiny_cpu.yaml'}")
     dotlist = []

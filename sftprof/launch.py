@@ -26,7 +26,8 @@ shell variables the driver evaluates).
 
 Other subcommands the driver calls: ``usage`` (its ``--help``), ``status LOG_DIR`` (``0`` when the
 trial's ``stats.jsonl`` ends with a completion record of status ``ok``, else ``1``),
-``node-record`` / ``wait-nodes`` (multi-node end records, ``LOG_DIR/nodes/node<k>.json``) and
+``node-record`` / ``wait-nodes`` (multi-node end records, ``LOG_DIR/nodes/node<k>.json``), ``not-run RUN_ROOT``
+(a ``not run`` row in ``summary.tsv`` for each planned trial that did not run: :func:`record_trials_not_run`) and
 ``report RUN_ROOT`` (the end-of-run table).
 """
 from __future__ import annotations
@@ -110,7 +111,7 @@ DRIVER_VARS = (
     DriverVar("USE_PRECISION_AWARE_OPTIMIZER", "true", "Megatron precision-aware optimizer (needs Transformer Engine)"),
     DriverVar("MAIN_GRADS_DTYPE", "bfloat16", "float32 or bfloat16 main grads"),
     DriverVar("USE_DETERMINISTIC_ALGORITHMS", "false", "deterministic kernels"),
-    DriverVar("STOP_ON_FAILURE", "1", "stop after the first failed trial"),
+    DriverVar("STOP_ON_FAILURE", "1", "stop after the first failed trial (the rest are listed as `not run`)"),
     DriverVar("RUN_ROOT", "./sftprof_runs/<experiment>_<stamp>[_node<k>]", "where trial outputs and summary.tsv go; "
               "never overwritten"),
     DriverVar("PROFILE_STAMP", "now (%Y%m%d_%H%M%S)", "suffix of trial names (letters, digits, '_' and '-')"),
@@ -129,17 +130,22 @@ def _closest(name: str, cutoff: float) -> str | None:
 def unknown_variable_warnings(env: Mapping[str, str]) -> list[str]:
     """One warning per environment variable that looks like a misspelled driver variable.
 
-    A variable is suspect when it is not a driver variable and starts with a driver prefix
-    (``PROFILE_``, ``MEMORY_``, ...) or is close to a driver variable's name (difflib ratio >= 0.85);
-    the warning names the closest driver variable (ratio >= 0.8) when there is one.
+    A variable is suspect when it is not a driver variable and, in upper case, is one (``profile_steps``: the
+    driver reads upper-case names only), starts with a driver prefix (``PROFILE_``, ``MEMORY_``, ...) or is close
+    to a driver variable's name (difflib ratio >= 0.85); the warning names the closest driver variable
+    (ratio >= 0.8) when there is one.
     """
     known = {v.name for v in DRIVER_VARS}
     out = []
     for name in sorted(env):
+        upper = name.upper()
         if name in known:
             continue
-        if name.startswith(_DRIVER_PREFIXES) or _closest(name, 0.85):
-            near = _closest(name, 0.8)
+        if upper in known:
+            out.append(f"{name} is not a driver variable and is ignored (driver variables are upper case); "
+                       f"did you mean {upper}?")
+        elif upper.startswith(_DRIVER_PREFIXES) or _closest(upper, 0.85):
+            near = _closest(upper, 0.8)
             out.append(f"{name} is not a driver variable and is ignored" +
                        (f"; did you mean {near}?" if near else f" (`bash {DRIVER_SCRIPT} --help` lists them)"))
     return out
@@ -699,6 +705,34 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
     (run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
 
 
+NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1)
+
+
+def record_trials_not_run(run_root: Path) -> list[str]:
+    """Append to ``RUN_ROOT/summary.tsv`` a row of status ``not run`` for each trial of ``trials.tsv`` that has no
+    row there (those after a failure with ``STOP_ON_FAILURE=1``), so summary.tsv has one row per planned trial.
+
+    The row keeps the trial's name, kind, step, run dir and log dir; its other statuses and ``elapsed_s`` are ``-``.
+    Returns the names of the trials added (in plan order; none when every trial ran).
+
+    Raises:
+        OSError: ``trials.tsv`` or ``summary.tsv`` cannot be read or written.
+    """
+    run_root = Path(run_root)
+    with open(run_root / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
+        done = {row["trial"] for row in csv.DictReader(f, delimiter="\t")}
+    added, rows = [], []
+    for line in (run_root / artifacts.TRIALS_TSV).read_text(encoding="utf-8").splitlines():
+        name, kind, step, run_dir, log_dir, _ = line.split("\t")
+        if name not in done:
+            added.append(name)
+            rows.append("\t".join([name, kind, step, NOT_RUN, "-", "-", "-", run_dir, log_dir]) + "\n")
+    if rows:
+        with open(run_root / artifacts.SUMMARY_TSV, "a", encoding="utf-8") as f:
+            f.writelines(rows)
+    return added
+
+
 def trial_status(log_dir: Path) -> int:
     """0 if ``log_dir/stats.jsonl`` ends with ``{"type": "complete", "status": "ok"}``, else 1."""
     try:
@@ -802,7 +836,7 @@ def top_finding(summary: dict) -> str:
 def report(run_root: Path, node_rank: int = 0) -> str:
     """The end-of-run text: a narrow table of trials, the summaries to open and the compare command.
 
-    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``),
+    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``),
     step time (s, slowest rank of the profiled step), peak memory (GiB allocated, rank 0) and the top
     finding (:func:`top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``;
     a missing or unreadable summary leaves ``-`` in its row.
@@ -820,8 +854,8 @@ def report(run_root: Path, node_rank: int = 0) -> str:
         stats = summary.get("stats") or {}
         device = (summary.get("completion") or {}).get("device")
         cpu_memory = row["kind"] == "memory" and device == "cpu"
-        status = ("FAILED (" + row["status"] + ")" if row["status"] != "0" else
-                  "no snapshot (CPU)" if cpu_memory else "ok")
+        status = (NOT_RUN if row["status"] == NOT_RUN else "FAILED (" + row["status"] + ")" if row["status"] != "0"
+                  else "no snapshot (CPU)" if cpu_memory else "ok")
         step = stats.get("step_time_s")
         table.append((f"{row['kind']} step {row['step']}", status, f"{step:.2f} s" if step is not None else "-",
                       _gib(stats.get("mem_peak_allocated_gb"), device),
@@ -858,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     p_node.add_argument("elapsed_s", type=int)
     p_node.add_argument("n_nodes", type=int)
     p_node.add_argument("nproc_per_node", type=int)
+    p_not_run = sub.add_parser("not-run", help="add a 'not run' row to summary.tsv for each planned trial without one")
+    p_not_run.add_argument("run_root")
     p_wait = sub.add_parser("wait-nodes", help="node 0: wait for the other nodes' end records; exit 1 if one failed")
     p_wait.add_argument("log_dir")
     p_wait.add_argument("n_nodes", type=int)
@@ -875,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "node-record":
         write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s, args.n_nodes,
                           args.nproc_per_node)
+        return 0
+    if args.cmd == "not-run":
+        record_trials_not_run(Path(args.run_root))
         return 0
     if args.cmd == "wait-nodes":
         problems = wait_for_nodes(Path(args.log_dir), args.n_nodes, args.timeout_s)

@@ -3,8 +3,9 @@
 The trainer activates one :class:`StepProgress` on rank 0. Every region of
 :mod:`sftprof.capture.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
 ``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``) logs a line when it ends, with its host wall time in seconds and the
-time since the step began; while a step runs, a background thread logs a heartbeat every
-``heartbeat_s`` seconds naming the innermost region open at that moment. Times are host wall
+time since the step began; while a step runs, a background thread logs a heartbeat each time another
+``heartbeat_s`` seconds of that step have passed (at 20, 40, ... s of a step with the trainer's 20 s), naming the
+innermost region open at that moment: a step shorter than ``heartbeat_s`` logs none. Times are host wall
 clock (``time.monotonic``): on CUDA a region's kernels may still run after its line.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from sftprof.artifacts import STEP
 
@@ -23,19 +24,29 @@ class StepProgress:
     """Rank-0 progress reporter, active between :meth:`start` and :meth:`stop`.
 
     Args:
-        heartbeat_s: seconds between heartbeat lines while a step runs (> 0).
+        heartbeat_s: seconds of a step between its heartbeat lines (> 0): the k-th line comes once the step has
+            run ``k * heartbeat_s`` seconds.
+        clock: the time source in seconds (``time.monotonic``; tests pass their own).
+        poll_s: seconds between the heartbeat thread's looks at the clock (> 0), so a line comes at most that
+            late; at most ``heartbeat_s``.
 
     Raises:
-        ValueError: ``heartbeat_s`` is not positive.
+        ValueError: ``heartbeat_s`` or ``poll_s`` is not positive.
     """
 
     _active: Optional["StepProgress"] = None
 
-    def __init__(self, heartbeat_s: float = 20.0) -> None:
+    def __init__(self, heartbeat_s: float = 20.0, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 1.0) -> None:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s={heartbeat_s}: must be > 0")
+        if poll_s <= 0:
+            raise ValueError(f"poll_s={poll_s}: must be > 0")
         self.heartbeat_s = heartbeat_s
+        self.poll_s = min(poll_s, heartbeat_s)
+        self._clock = clock
         self._step: Optional[tuple[int, float]] = None   # (step, start) while a step runs
+        self._beats: tuple[float, int] = (0.0, 0)         # (start of the step, its heartbeat lines so far)
         self._open: list[tuple[str, float]] = []          # regions open now, outermost first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="sftprof-heartbeat", daemon=True)
@@ -55,7 +66,7 @@ class StepProgress:
 
     def begin_step(self, step: int) -> None:
         """Mark the start of trainer step ``step``."""
-        self._step = (step, time.monotonic())
+        self._step = (step, self._clock())
         self._open = []
 
     def end_step(self) -> None:
@@ -64,11 +75,11 @@ class StepProgress:
 
     def enter(self, name: str) -> None:
         """A region opened (called by :func:`sftprof.capture.regions.region`)."""
-        self._open = self._open + [(name, time.monotonic())]
+        self._open = self._open + [(name, self._clock())]
 
     def exit(self, name: str) -> None:
         """A region closed: log ``step N | <name> done in X s (step at Y s)`` unless it is the whole step."""
-        now = time.monotonic()
+        now = self._clock()
         start = next((t for n, t in reversed(self._open) if n == name), None)
         self._open = [(n, t) for n, t in self._open if n != name]
         if start is None or self._step is None or name == STEP:
@@ -82,13 +93,27 @@ class StepProgress:
         if current is None:
             return None
         step, step_start = current
-        now = time.monotonic()
+        now = self._clock()
         inner = next((r for r in reversed(open_regions) if r[0] != STEP), None)
         where = f"; in {inner[0]} for {now - inner[1]:.0f} s" if inner else ""
         return f"step {step} | still running after {now - step_start:.0f} s{where}"
 
+    def due_heartbeat(self) -> Optional[str]:
+        """:meth:`heartbeat_line` when the current step has run another ``heartbeat_s`` seconds since its last
+        heartbeat (the k-th once it has run ``k * heartbeat_s`` s; one line however late the look), else None."""
+        current = self._step
+        if current is None:
+            return None
+        start, beats = self._beats
+        beats = beats if start == current[1] else 0   # a new step: no line yet
+        ran = self._clock() - current[1]
+        if ran < (beats + 1) * self.heartbeat_s:
+            return None
+        self._beats = (current[1], int(ran // self.heartbeat_s))
+        return self.heartbeat_line()
+
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            line = self.heartbeat_line()
+        while not self._stop.wait(self.poll_s):
+            line = self.due_heartbeat()
             if line is not None:
                 log.info("%s", line)

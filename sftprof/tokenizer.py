@@ -75,7 +75,12 @@ def bundled_qwen_tokenizer(model_type: str) -> TextTokenizer:
 def _hf_tokenizer(path: Path) -> TextTokenizer:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # tokenizers and transformers raise many kinds for a damaged file
+        raise ValueError(f"{path}: cannot load its Hugging Face tokenizer ({type(err).__name__}: {err}); accepted: a "
+                         f"directory with readable tokenizer files ({', '.join(TOKENIZER_FILES)}), or none of them "
+                         "(the bundled Qwen BPE of the model's family)") from err
     return TextTokenizer(f"Hugging Face tokenizer {path}", lambda text: tok.encode(text, add_special_tokens=False))
 
 
@@ -92,8 +97,8 @@ def load_tokenizer(tokenizer_path: str, model_path: str, model_type: str) -> Tex
         model_type: the (text) HF config's ``model_type``, e.g. ``qwen3_moe`` or ``qwen3_5_moe_text``.
 
     Raises:
-        ValueError: ``tokenizer_path`` is set but is not a directory; no bundled tokenizer for
-            ``model_type``.
+        ValueError: ``tokenizer_path`` is set but is not a directory; the tokenizer files there cannot be loaded
+            (message names the directory); no bundled tokenizer for ``model_type``.
     """
     from sftprof.models.hf import resolve_model_dir
 

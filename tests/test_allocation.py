@@ -81,8 +81,11 @@ def test_profile_rank_utils_cli():
     assert (out.returncode, out.stdout) == (0, "0,4\n")
     out = _cli("--config", cfg, "--profile-ranks", "0,2-4")
     assert (out.returncode, out.stdout) == (0, "0,2,3,4\n")
-    out = _cli("--config", cfg, "--profile-ranks", "")
-    assert (out.returncode, out.stdout) == (0, "\n")
+    for every in ("", " "):   # empty: every rank of the world size
+        out = _cli("--config", cfg, "--profile-ranks", every)
+        assert (out.returncode, out.stdout) == (0, "0,1,2,3,4,5,6,7\n")
+    out = _cli("--config", cfg, "--profile-ranks", "", "actor.backend=megatron:d1")
+    assert (out.returncode, out.stdout) == (0, "0\n")
     for bad in ("0-99", "3-1", "junk"):
         out = _cli("--config", cfg, "--profile-ranks", bad)
         assert out.returncode == 2 and "PROFILE_RANKS" in out.stderr and out.stdout == ""

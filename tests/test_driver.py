@@ -240,6 +240,22 @@ def test_master_port_busy_or_picked(tmp_path):
     assert info["run_root"] == str(tmp_path / "run")
 
 
+def test_lower_case_driver_variables_warned(tmp_path):
+    """The driver reads upper-case names only: a lower- or mixed-case spelling of a driver variable is named."""
+    env = _plan_env(tmp_path, profile_steps="1", Profile_Kinds="kernel", n_gpus_per_nodes="2", http_proxy="x",
+                    no_proxy="localhost", home="/root")
+    assert launch.unknown_variable_warnings(env) == [
+        "Profile_Kinds is not a driver variable and is ignored (driver variables are upper case); did you mean "
+        "PROFILE_KINDS?",
+        "n_gpus_per_nodes is not a driver variable and is ignored; did you mean N_GPUS_PER_NODE?",
+        "profile_steps is not a driver variable and is ignored (driver variables are upper case); did you mean "
+        "PROFILE_STEPS?"]
+    trials, _, info = launch.plan(_plan_env(tmp_path, profile_steps="1"), [], gpus=0)
+    assert info["notices"][0] == ("warning: profile_steps is not a driver variable and is ignored (driver variables "
+                                  "are upper case); did you mean PROFILE_STEPS?")
+    assert [t.step for t in trials] == [0, 1]   # the default steps: profile_steps was not read
+
+
 def test_misspelled_variables_warned_with_the_closest_name(tmp_path):
     env = _plan_env(tmp_path, PROFILE_STEP="1", N_GPU_PER_NODE="2", MASTERPORT="1", PROFILE_FOO="x",
                     NODE_OPTIONS="--x", HOME="/root", RUN_ID="7")
@@ -310,10 +326,17 @@ def test_trainer_gets_each_key_once_with_the_value_the_driver_resolved(tmp_path)
     ("", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset "
          "{preset}"),
     ("- 1\n- 2\n", "config file {path}: must be a mapping of config keys (key: value lines), not a list"),
+    # a wrong file (CONFIG=/etc/passwd) or one word: not echoed as a key name
+    ("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n",
+     "config file {path}: must be a mapping of config keys (key: value lines), not a string"),
+    ("hello\n", "config file {path}: must be a mapping of config keys (key: value lines), not a string"),
+    ("42\n", "config file {path}: must be a mapping of config keys (key: value lines), not a number"),
+    ("{}\n", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset {preset}"),
     (None, "config='{path}': is a directory; accepted: a YAML file or a bundled preset ['tiny_cpu', 'tiny_qwen3_5_cpu']"),
 ])
 def test_unusable_config_file_exits_2(content, message, tmp_path):
-    """An empty file, a YAML list or a directory as CONFIG is refused before anything is written or launched."""
+    """An empty file, a YAML list or scalar or a directory as CONFIG is refused before anything is written or
+    launched, without echoing the file's content."""
     path = tmp_path / "c.yaml"
     path.mkdir() if content is None else path.write_text(content)
     out = run_driver({"CONFIG": str(path)}, tmp_path)
@@ -323,11 +346,67 @@ def test_unusable_config_file_exits_2(content, message, tmp_path):
     assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
 
 
+@pytest.mark.parametrize("content,problem", [
+    ("{bad\n", "is not a valid JSON file (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                "accepted: a Hugging Face model directory whose config.json holds the model's config"),
+    ('{"model_type": "llama", "vocab_size": 8}', "has model_type 'llama', a model family sftprof does not build; "
+                                                 "accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
+                                                 "(Qwen3-MoE, Qwen3.5-MoE)"),
+    ("[]", "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text (Qwen3-MoE, "
+           "Qwen3.5-MoE)"),
+])
+def test_unusable_model_config_exits_2(content, problem, tmp_path):
+    """A MODEL_PATH whose config.json is damaged or of a family sftprof does not build stops the driver (exit 2, one
+    line naming MODEL_PATH and the file) before anything is written or launched."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(content)
+    out = run_driver({"MODEL_PATH": str(model)}, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"sftprof: actor.path='{model}': {model / 'config.json'} {problem} (MODEL_PATH / "
+                          "actor.path)\n")
+    assert out.stdout == "" and not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
 def test_missing_weights_stop_the_plan(tmp_path):
     with pytest.raises(launch.DriverError, match=r"actor.init_from_scratch=false: .*tiny_qwen3_moe holds no weights "
                                                  r"\(\*\.safetensors, \*\.bin, \*\.pt\).*\(MODEL_PATH / actor.path\)"):
         launch.plan(_plan_env(tmp_path), ["actor.init_from_scratch=false"], gpus=0)
     assert not (tmp_path / "run").exists()
+
+
+def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
+    """A trial that fails (a damaged tokenizer.json in MODEL_PATH: the trainer refuses it) with STOP_ON_FAILURE=1:
+    no time estimate for trials that will not run; summary.tsv and the end table have a `not run` row for each."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
+    (model / "tokenizer.json").write_text("not a tokenizer\n")
+    out = run_driver({"MODEL_PATH": str(model), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1",
+                      "PROFILE_STAMP": "s", "PROFILE_FAKE_SEQ_LEN": "128"}, tmp_path, "actor.backend=fsdp:d1",
+                     timeout=300)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    run, logs = tmp_path / "run", tmp_path / "fileroot" / "logs"
+    names = ["model_fake128_kernel_step0_s", "model_fake128_kernel_step1_s"]
+    launcher_log = (run / names[0] / "launcher.log").read_text()
+    assert (f"sftprof: configuration error: {model}: cannot load its Hugging Face tokenizer (JSONDecodeError: "
+            "Expecting value: line 1 column 1 (char 0)); accepted: a directory with readable tokenizer files"
+            ) in launcher_log
+    assert re.search(r"^sftprof: \[1/2\] done in \d+ s \(status 1\); 1 trial\(s\) will not run$", out.stdout, re.M)
+    assert "more for" not in out.stdout and "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" in out.stderr
+    rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()]
+    assert rows[0] == ["trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
+                       "log_dir"]
+    log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()]
+    assert [r[:6] + r[7:] for r in rows[1:]] == [
+        [names[0], "kernel", "0", "1", "1", "2", str(run / names[0]), str(log_dirs[0])],
+        [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1])]]
+    assert rows[2][6] == "-" and log_dirs[1].parent.parent.parent == logs
+    table = out.stdout[out.stdout.index("trial          status"):].splitlines()
+    assert table[2] == "kernel step 1  not run     -          -         -"
+    assert table[1].startswith("kernel step 0  FAILED (1)  -          -         first failure: rank 0 exit code 2")
+    assert launch.record_trials_not_run(run) == []   # every trial has its row now: nothing added twice
+    assert len((run / "summary.tsv").read_text().splitlines()) == 3
 
 
 def test_missing_python_interpreter_exits_2(tmp_path):

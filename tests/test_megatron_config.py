@@ -185,6 +185,22 @@ def test_unsupported_hf_configs():
         mc.hf_to_transformer_kwargs(hf)
 
 
+def test_every_accepted_model_type_builds_on_both_backends():
+    """load_hf_config accepts the model types of MODEL_TYPES only (the driver and trainer refuse others before
+    launch): each one's text model is one the fsdp backend builds (a transformers class) and megatron maps."""
+    import transformers
+
+    from sftprof.models.hf import BUNDLED_CONFIGS, CAUSAL_LM_CLASSES, MODEL_TYPES
+
+    raw_types = {json.loads((CONFIG_DIR / name / "config.json").read_text())["model_type"]: name
+                 for name in BUNDLED_CONFIGS}
+    assert sorted(raw_types) == sorted(MODEL_TYPES) == sorted(mc.SUPPORTED_MODEL_TYPES)   # each one has a config here
+    for model_type, name in raw_types.items():
+        text_type = load_hf_config(name).model_type
+        assert text_type in mc.SUPPORTED_MODEL_TYPES, (model_type, text_type)
+        assert isinstance(getattr(transformers, CAUSAL_LM_CLASSES[text_type]), type), (model_type, text_type)
+
+
 def test_init_from_scratch_false_messages(tmp_path):
     model_dir = tmp_path / "m"
     model_dir.mkdir()

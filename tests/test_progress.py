@@ -38,3 +38,51 @@ def test_phase_lines_and_heartbeat(caplog):
 def test_heartbeat_interval_must_be_positive():
     with pytest.raises(ValueError, match="heartbeat_s=0: must be > 0"):
         StepProgress(heartbeat_s=0)
+
+
+class _Clock:
+    """A hand-moved clock (seconds) for StepProgress, so no test waits on the wall clock."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_heartbeat_every_interval_of_a_long_step_and_none_in_short_steps():
+    clock = _Clock()
+    progress = StepProgress(heartbeat_s=20, clock=clock)  # never started: the lines are asked for directly
+    assert progress.poll_s == 1.0
+    progress.begin_step(0)
+    clock.t += 15
+    assert progress.due_heartbeat() is None      # a 15 s step: no heartbeat
+    progress.end_step()
+    clock.t += 10
+    assert progress.due_heartbeat() is None      # between steps
+    progress.begin_step(1)
+    beats = []
+    for dt in (5, 3, 8, 3.5, 0.5, 1, 18, 2, 30, 1):   # 4 looks at 5, 8, 16, 19.5 s: too early
+        clock.t += dt
+        if dt == 18:
+            progress.enter(forward(0))   # a region opened at 39 s
+        beats.append(progress.due_heartbeat())
+    progress.end_step()
+    assert beats == [None, None, None, None,
+                     "step 1 | still running after 20 s",                                      # 20 s
+                     None,                                                                     # 21 s
+                     None,                                                                     # 39 s
+                     "step 1 | still running after 41 s; in sftprof/forward/mb0 for 2 s",      # 41 s
+                     "step 1 | still running after 71 s; in sftprof/forward/mb0 for 32 s",     # 71 s: one line for 60
+                     None]                                                                     # 72 s
+    progress.begin_step(2)   # a new step counts from its own start
+    clock.t += 19
+    assert progress.due_heartbeat() is None
+    clock.t += 1
+    assert progress.due_heartbeat() == "step 2 | still running after 20 s"
+
+
+def test_heartbeat_poll_is_at_most_the_interval():
+    assert StepProgress(heartbeat_s=0.5).poll_s == 0.5
+    with pytest.raises(ValueError, match="poll_s=0: must be > 0"):
+        StepProgress(poll_s=0)

@@ -37,6 +37,7 @@ from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.loss import SFTLoss
+from sftprof.models.hf import CAUSAL_LM_CLASSES  # (text) model_type -> the HF causal-LM class this backend trains
 from sftprof.models.routing import RoutingLoadMeter
 from sftprof.capture.module_regions import register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
@@ -44,8 +45,6 @@ from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# (text) model_type -> the Hugging Face causal-LM class this backend trains.
-CAUSAL_LM_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 class LMHeadLoss(nn.Module):

@@ -12,6 +12,7 @@ Bundled configs (``sftprof/models/configs/<name>/config.json``):
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,12 @@ if TYPE_CHECKING:  # transformers is imported lazily: the driver's checks stay f
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED_CONFIGS = tuple(sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file()))
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+# The model families sftprof builds, by config.json's model_type (a multimodal Qwen3.5 config is read for its text
+# model, qwen3_5_moe_text): the megatron backend maps these configs (sftprof/models/megatron_config.py) and weights
+# (sftprof/models/megatron_load.py); the fsdp backend trains the Hugging Face causal-LM class of the text model_type
+# (CAUSAL_LM_CLASSES, sftprof/engine/fsdp.py).
+MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+CAUSAL_LM_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +97,29 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
         The (text) config, e.g. ``Qwen3MoeConfig``.
 
     Raises:
-        ModelPathError: see :func:`resolve_model_dir`.
+        ModelPathError: see :func:`resolve_model_dir`; ``config.json`` is not valid JSON, its ``model_type`` is
+            not one of :data:`MODEL_TYPES`, or transformers cannot read it (each message names the file).
         ValueError: ``num_layers`` exceeds the configured number of layers.
     """
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(path)
-    config = text_config(AutoConfig.from_pretrained(str(model_dir)))
+    config_file = model_dir / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelPathError(f"actor.path={path!r}: {config_file} is not a valid JSON file ({err}); accepted: a "
+                             "Hugging Face model directory whose config.json holds the model's config") from err
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in MODEL_TYPES:
+        what = (f"has model_type {model_type!r}, a model family sftprof does not build" if isinstance(model_type, str)
+                else "names no model_type")
+        raise ModelPathError(f"actor.path={path!r}: {config_file} {what}; accepted: model_type "
+                             f"{' / '.join(MODEL_TYPES)} (Qwen3-MoE, Qwen3.5-MoE)")
+    try:
+        config = text_config(AutoConfig.from_pretrained(str(model_dir)))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # e.g. a field of the wrong type
+        raise ModelPathError(f"actor.path={path!r}: transformers cannot read {config_file}: {err}") from err
     if num_layers:
         full = config.num_hidden_layers
         if num_layers > full:

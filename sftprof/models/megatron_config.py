@@ -52,10 +52,11 @@ import torch
 
 from sftprof.allocation import Layout
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
+from sftprof.models.hf import MODEL_TYPES
 from sftprof.models.rope import install_in_megatron
 from sftprof.models.router import install_in_megatron as install_router
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = MODEL_TYPES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 _ROUTER_DTYPES = {"fp32": "fp32", "fp64": "fp64", "none": None}
 
