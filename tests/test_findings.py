@@ -74,11 +74,19 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
         "difference is CP, +227.8 ms"]
-    # with the ranks' work spread, the finding names the work that differs most (here: rank 1's routed experts)
-    summary["ranks"]["work_spread"] = sm.work_spread({0: [["experts", 3, "backward", 12.765]],
-                                                      1: [["experts", 3, "backward", 21.571]]})
+    # with the ranks' work spread, the finding names the waited-for rank's (1's) longest extra work: its routed
+    # experts of layer 3, not rank 0's larger attention spread (rank 0's longer work does not make rank 0 wait)
+    summary["ranks"]["work_spread"] = sm.work_spread({0: [["experts", 3, "backward", 12.765],
+                                                          ["attn_core", 3, "backward", 332.009]],
+                                                      1: [["experts", 3, "backward", 21.571],
+                                                          ["attn_core", 3, "backward", 322.892]]})
     found, _ = sm._findings(summary, None)
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
-        "difference is CP, +227.8 ms; the ranks' own work differs most in expert GEMMs (routed), layer 3 backward: "
-        "rank 1 8.8 ms longer than rank 0"]
+        "difference is CP, +227.8 ms; rank 1's own work runs longest against another rank in expert GEMMs (routed), "
+        "layer 3 backward: 8.8 ms more than rank 0"]
+    summary["ranks"]["work_spread"] = sm.work_spread({0: [["attn_core", 3, "backward", 332.009]],
+                                                      1: [["attn_core", 3, "backward", 322.892]]})
+    found, _ = sm._findings(summary, None)  # only rank 0 (the waiting rank) ran longer: no work named
+    assert [f["text"] for f in found if f["section"] == "#ranks"][0].endswith("the largest per-group difference is "
+                                                                              "CP, +227.8 ms")

@@ -563,26 +563,55 @@ def test_routing_of_each_step_and_a_collapse_warning(tmp_path, profiled_load, ba
 
 
 def test_routing_values_that_cannot_be_true_are_left_out_and_counted(tmp_path):
-    """A damaged ``moe_load``: a busiest expert below the mean, more tokens for one expert than the step had and a
-    negative ratio are left out (counted, warned), the layers still valid are shown; no collapse is claimed."""
+    """A damaged ``moe_load``: a layer with a value that cannot be true (a busiest expert below the mean, more tokens
+    for one expert than the step had, an EP rank below the mean) is left out whole, counted and warned; the valid
+    layer is shown and no collapse is claimed from the left-out layers."""
     log = tmp_path / "log"
     log.mkdir()
     _stats(log / "stats.jsonl", kind="memory", device="cpu")
     recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
-    recs[1].update(tokens=2048, moe_load={"tokens_per_expert_max": [5000.0, 600.0], "max_over_mean": [-3.0, 2.34375],
-                                          "ep_max_over_mean": [0.5, None]})
+    recs[1].update(tokens=2048, moe_load={"tokens_per_expert_max": [5000.0, 600.0, 5000.0],
+                                          "max_over_mean": [-3.0, 2.34375, 9.77], "ep_max_over_mean": [0.5, None, 1.1]})
     (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     run = tmp_path / "run"
     assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1).returncode == 0
     s = json.load(open(run / "profile_summary.json"))
     assert s["stats"]["steps"][1]["moe"] == {"max_over_mean": 2.34375, "worst_layer": 1, "ep_max_over_mean": None,
                                              "ep_worst_layer": None, "top_share": 600.0 / 2048, "top_share_layer": 1,
-                                             "invalid": 3}
+                                             "invalid": 2}
     assert [w["warning"] for w in s["warnings"] if "routing" in w["warning"]] == [
-        "step 1: 3 MoE routing value(s) that cannot be true (a busiest expert or EP rank below the mean, one expert "
-        "with more tokens than the step, a negative count) left out"]
+        "step 1: 2 MoE layer(s) left out of the routing figures: a value that cannot be true (a busiest expert or EP "
+        "rank below the mean, one expert with more tokens than the step, a negative count)"]
     assert "| 2.344 (L1) | – | True |" in (run / "profile_summary.md").read_text()
 
+
+@pytest.mark.parametrize("actor_yaml, tail", [
+    ("  backend: 'megatron:d1'\n  init_from_scratch: false\n",
+     ". The trial loaded the checkpoint (actor.init_from_scratch=false): this is how its router routes the repeated "
+     "fake sample, which a real dataset need not reproduce; actor.megatron.moe_router_force_load_balancing=true (random "
+     "router logits, balanced load) profiles balanced routing"),
+    ("  backend: 'fsdp:d2'\n  init_from_scratch: false\n",
+     ". The trial loaded the checkpoint (actor.init_from_scratch=false): this is how its router routes the repeated "
+     "fake sample, which a real dataset need not reproduce"),
+    ("  backend: 'megatron:d1'\n  megatron:\n    moe_router_force_load_balancing: true\n",
+     " although actor.megatron.moe_router_force_load_balancing=true (random router logits) was set: check the "
+     "routing counts")])
+def test_collapse_warning_follows_the_trials_weights_and_routing_settings(tmp_path, actor_yaml, tail):
+    """With the checkpoint loaded the warning does not blame random weights nor advise loading it; with balanced
+    routing already on it does not advise setting it."""
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", kind="memory", device="cpu")
+    (log / "config.yaml").write_text("actor:\n" + actor_yaml)
+    recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
+    recs[1].update(moe_load=_COLLAPSED, tokens=131072)
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "memory", "--profile-step", 1).returncode == 0
+    s = json.load(open(run / "profile_summary.json"))
+    assert [w["warning"] for w in s["warnings"] if "routing" in w["warning"]] == [
+        "step 1: MoE routing collapsed: one expert received 99.99 % of the tokens in layer 2 (busiest expert 16.00x "
+        "the mean); the busiest EP rank got 1.64x the mean per EP rank (layer 2)" + tail]
 
 
 def test_compare_settings_table_shows_empty_values():

@@ -116,31 +116,33 @@ def moe_load(load, tokens) -> dict[str, Any] | None:
         over the mean per expert, at the layer where that is largest), ``{"ep_max_over_mean", "ep_worst_layer"}``
         (the busiest EP rank's over the mean per EP rank) and ``{"top_share", "top_share_layer"}`` (the busiest
         expert's tokens as a share of the step's tokens, 0..1, at its largest layer; None without ``tokens``), and
-        ``invalid``: the number of per-layer values left out because they cannot be true (a busiest expert or EP
-        rank below the mean, more tokens for one expert than the step had, or a negative count). Missing,
-        null and non-finite values are left out too, without counting (a layer without MoE routing has none).
+        ``invalid``: the number of layers left out whole because one of their values cannot be true (a busiest
+        expert or EP rank below the mean, more tokens for one expert than the step had, or a negative count).
+        Missing, null and non-finite values are left out too, without counting (a layer without MoE routing has
+        none).
     """
     if not isinstance(load, dict):
         return None
-    invalid = 0
+    scale = float(tokens) if _finite(tokens) and tokens > 0 else None
+    checks = {"max_over_mean": lambda r: r >= 1.0 - 1e-9,  # a maximum is never below the mean
+              "ep_max_over_mean": lambda r: r >= 1.0 - 1e-9,
+              "tokens_per_expert_max": lambda n: n >= 0 and (scale is None or n <= scale)}
+    lists = {k: (load.get(k) if isinstance(load.get(k), list) else []) for k in checks}
+    layers = max(map(len, lists.values()))
+    value = {k: [_finite(v[i]) if i < len(v) else None for i in range(layers)] for k, v in lists.items()}
+    bad = {i for i in range(layers) if any(value[k][i] is not None and not ok(value[k][i]) for k, ok in checks.items())}
 
-    def worst(key: str, ok, scale: float = 1.0) -> tuple[float | None, int | None]:
-        nonlocal invalid
-        vals = load.get(key)
-        vals = [(v / scale, i) for i, v in enumerate(vals) if _finite(v) is not None] if isinstance(vals, list) else []
-        good = [x for x in vals if ok(x[0])]
-        invalid += len(vals) - len(good)
-        return max(good, key=lambda x: (x[0], -x[1])) if good else (None, None)
+    def worst(key: str, div: float = 1.0) -> tuple[float | None, int | None]:
+        vals = [(v / div, i) for i, v in enumerate(value[key]) if v is not None and i not in bad]
+        return max(vals, key=lambda x: (x[0], -x[1])) if vals else (None, None)
 
-    at_least_mean = lambda r: r >= 1.0 - 1e-9  # noqa: E731 -- a maximum is never below the mean
-    ratio, layer = worst("max_over_mean", at_least_mean)
-    ep, ep_layer = worst("ep_max_over_mean", at_least_mean)
-    share, share_layer = (worst("tokens_per_expert_max", lambda x: 0.0 <= x <= 1.0, float(tokens))
-                          if _finite(tokens) and tokens > 0 else (None, None))
-    if ratio is None and not invalid:
+    ratio, layer = worst("max_over_mean")
+    if ratio is None and not bad:
         return None
+    ep, ep_layer = worst("ep_max_over_mean")
+    share, share_layer = worst("tokens_per_expert_max", scale) if scale else (None, None)
     return {"max_over_mean": ratio, "worst_layer": layer, "ep_max_over_mean": ep, "ep_worst_layer": ep_layer,
-            "top_share": share, "top_share_layer": share_layer, "invalid": invalid}
+            "top_share": share, "top_share_layer": share_layer, "invalid": len(bad)}
 
 
 def _number(text: str) -> float | None:

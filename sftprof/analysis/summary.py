@@ -415,13 +415,15 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
         g, ms = ex["extra_by_group"][0]
         total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
         hi, lo, tot = ex["max_rank"], ex["min_rank"], ex["totals"]
-        spread = ((summary.get("ranks") or {}).get("work_spread") or {}).get("rows") or []
+        # the rank with the least exposed communication is the one the others wait for: name its longest extra work
+        spread = [w for w in ((summary.get("ranks") or {}).get("work_spread") or {}).get("rows") or []
+                  if w["max_rank"] == lo]
         why = ""
         if spread:
             w = spread[0]
             where = f"layer {w['layer']} " if w["layer"] is not None else ""
-            why = (f"; the ranks' own work differs most in {w['label']}, {where}{w['phase']}: rank {w['max_rank']} "
-                   f"{w['spread_ms']:.1f} ms longer than rank {w['min_rank']}")
+            why = (f"; rank {lo}'s own work runs longest against another rank in {w['label']}, {where}{w['phase']}: "
+                   f"{w['spread_ms']:.1f} ms more than rank {w['min_rank']}")
         found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
                               f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, "
                               f"+{ms:.1f} ms{why}",
@@ -691,11 +693,13 @@ def _routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -
     (:func:`sftprof.analysis.inputs.moe_load`); and a warning when one expert received at least :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in
     the profiled step (the last step record when the profiled one is absent): the profile's expert, dispatch and
     EP-wait figures are those of that routing, unlike a trained router's (balanced top-``k``: ``k / E`` of the
-    tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). The advice names what the trial's backend
-    (``actor.backend`` of ``cfg``, the trial's config) accepts."""
-    out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE routing value(s) that "
-                                              "cannot be true (a busiest expert or EP rank below the mean, one expert "
-                                              "with more tokens than the step, a negative count) left out"}
+    tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). What it says follows the trial's config ``cfg``:
+    random or loaded weights (``actor.init_from_scratch``), balanced routing already on, and what the backend
+    (``actor.backend``) accepts."""
+    out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE layer(s) left out of the "
+                                              "routing figures: a value that cannot be true (a busiest expert or EP "
+                                              "rank below the mean, one expert with more tokens than the step, a "
+                                              "negative count)"}
            for x in stats["steps"] if (x.get("moe") or {}).get("invalid")]
     rows = [x for x in stats["steps"] if x.get("moe")]
     row = next((x for x in rows if x["step"] == profile_step), rows[-1] if rows else None)
@@ -704,17 +708,25 @@ def _routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -
         return out
     ep = (f"; the busiest EP rank got {m['ep_max_over_mean']:.2f}x the mean per EP rank (layer {m['ep_worst_layer']})"
           if m.get("ep_max_over_mean") is not None and m["ep_max_over_mean"] > 1.0 else "")
-    backend = str(((cfg or {}).get("actor") or {}).get("backend") or "")
-    balanced = (", or set actor.megatron.moe_router_force_load_balancing=true (random router logits, balanced load) "
-                "to profile balanced routing" if backend.startswith("megatron") else
-                " (the megatron backend also offers balanced routing for profiling, "
-                "actor.megatron.moe_router_force_load_balancing; the fsdp backend does not)")
+    actor = (cfg or {}).get("actor") or {}
+    megatron = str(actor.get("backend") or "").startswith("megatron")
+    knob = "actor.megatron.moe_router_force_load_balancing"
+    if (actor.get("megatron") or {}).get("moe_router_force_load_balancing"):  # random logits do not collapse so
+        why = f" although {knob}=true (random router logits) was set: check the routing counts"
+    elif actor.get("init_from_scratch") is False:
+        why = (". The trial loaded the checkpoint (actor.init_from_scratch=false): this is how its router routes the "
+               "repeated fake sample, which a real dataset need not reproduce"
+               + (f"; {knob}=true (random router logits, balanced load) profiles balanced routing" if megatron else ""))
+    else:
+        why = (". A randomly initialised router does this on the repeated fake sample, a trained one spreads the "
+               "tokens: with random weights, this profile's expert GEMM, dispatch and EP waiting figures are not the "
+               "trained model's. Load the checkpoint (MODEL_PATH, i.e. actor.path, with actor.init_from_scratch=false)"
+               + (f", or set {knob}=true (random router logits, balanced load) to profile balanced routing" if megatron
+                  else f" (the megatron backend also offers balanced routing for profiling, {knob}; the fsdp backend "
+                       "does not)"))
     return out + [{"file": "stats.jsonl", "warning": (
         f"step {row['step']}: MoE routing collapsed: one expert received {100 * m['top_share']:.2f} % of the "
-        f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}. A randomly "
-        "initialised router does this on the repeated fake sample, a trained one spreads the tokens: with random "
-        "weights, this profile's expert GEMM, dispatch and EP waiting figures are not the trained model's. Load the "
-        "checkpoint (MODEL_PATH, i.e. actor.path, with actor.init_from_scratch=false)" + balanced)}]
+        f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}" + why)}]
 
 
 def _optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[dict]:
