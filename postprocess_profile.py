@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_recorded_kind, postprocess_trial,
-                                     resolve_profile)
+                                     resolve_profile, summary_left_unchanged)
 from sftprof.artifacts import keep_previous
 
 
@@ -67,19 +67,20 @@ def _compare(argv: list[str]) -> int:
     out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
     try:
         if not args.out and _same_text(out, report):  # a rerun on the same summaries: nothing new to keep
-            print(f"[postprocess] {out} already holds this report (same inputs): left as it is", file=sys.stderr)
+            print(f"[postprocess] {out} unchanged (it already holds this report: same inputs), left as it is",
+                  file=sys.stderr)
         else:
             if not args.out and os.path.lexists(out):
                 kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
                 print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
             with open(out, "x", encoding="utf-8") as f:
                 f.write(report)
+            print(f"[postprocess] wrote {out}", file=sys.stderr)
     except FileExistsError:  # created by someone else since the check above
         p.error(f"--out {out}: exists; never overwritten: name a new file")
     except OSError as exc:
         p.error(f"--out {out}: cannot be written ({exc.strerror})")
     print(report)
-    print(f"[postprocess] wrote {out}", file=sys.stderr)
     if report.rstrip().endswith(NO_MATCH):
         print(f"[postprocess] ERROR: {NO_MATCH} Nothing was compared.", file=sys.stderr)
         return 1
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[postprocess] WARNING {warn['file']}: {warn['warning']}", file=sys.stderr)
     for skip in summary["skipped"]:
         print(f"[postprocess] skipped {skip['file']}: {skip['reason']}", file=sys.stderr)
-    print(f"[postprocess] wrote {os.path.join(args.run_dir, SUMMARY_JSON)} "
-          f"(trial status {summary['status']}, {summary['counts']})", file=sys.stderr)
+    path = os.path.join(args.run_dir, SUMMARY_JSON)
+    done = f"{path} unchanged (same inputs), left as it is" if summary_left_unchanged(summary) else f"wrote {path}"
+    print(f"[postprocess] {done} (trial status {summary['status']}, {summary['counts']})", file=sys.stderr)
     return code
 
 

@@ -389,14 +389,17 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
     default = good / f"compare_vs_{good.name}.md"
     assert _cli("compare", good, good).returncode == 0
     first = default.read_bytes()
-    res = _cli("compare", good, good)  # the same report again: nothing kept, nothing said to be kept
-    assert res.returncode == 0 and "kept" not in res.stderr and (
-        f"[postprocess] {default} already holds this report (same inputs): left as it is") in res.stderr.splitlines()
+    os.utime(default, (1, 1))  # a rerun that wrote it again would move its modification time
+    res = _cli("compare", good, good)  # the same report again: nothing kept, nothing said to be kept or written
+    assert res.returncode == 0 and res.stderr.splitlines() == [
+        f"[postprocess] {default} unchanged (it already holds this report: same inputs), left as it is"]
+    assert default.stat().st_mtime == 1
     assert default.read_bytes() == first and sorted(p.name for p in good.glob("compare_vs_*")) == [default.name]
     default.write_bytes(first + b"earlier line\n")  # an earlier report that differs is kept
     res = _cli("compare", good, good)
-    assert res.returncode == 0 and (f"[postprocess] kept the earlier report {default} as "
-                                    f"{good / f'compare_vs_{good.name}.prev1.md'}") in res.stderr
+    assert res.returncode == 0 and res.stderr.splitlines() == [
+        f"[postprocess] kept the earlier report {default} as {good / f'compare_vs_{good.name}.prev1.md'}",
+        f"[postprocess] wrote {default}"]
     assert (good / f"compare_vs_{good.name}.prev1.md").read_bytes() == first + b"earlier line\n"
     assert default.read_bytes() == first
     assert sorted(p.name for p in good.glob("compare_vs_*")) == [f"compare_vs_{good.name}.md",

@@ -96,9 +96,21 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     md = (run / "profile_summary.md").read_text()
     assert "## Ranks" in md and "sftprof/backward/mb2" in md
     before = ((run / "profile_summary.json").read_bytes(), md)
-    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
-                "--nvidia-smi-csv", smi).returncode == 0
+    counts = "{'traces': 2, 'traces_ok': 2, 'views': 10, 'snapshots': 0, 'plots': 0, 'errors': 0, 'skipped': 0}"
+    assert res.stderr.splitlines()[-1] == f"[postprocess] wrote {run / 'profile_summary.json'} (trial status ok, {counts})"
+    for name in ("profile_summary.json", "profile_summary.md"):
+        os.utime(run / name, (1, 1))  # a rerun that wrote them again would move their modification time
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
+               "--nvidia-smi-csv", smi)
+    assert res.returncode == 0 and "wrote" not in res.stderr and "kept" not in res.stderr
+    assert res.stderr.splitlines()[-2:] == [  # the same inputs: left as it is, and said so (README)
+        "[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
+        "inputs), left as it is",
+        f"[postprocess] {run / 'profile_summary.json'} unchanged (same inputs), left as it is (trial status ok, {counts})"]
     assert ((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_text()) == before
+    assert [(run / n).stat().st_mtime for n in ("profile_summary.json", "profile_summary.md")] == [1, 1]
+    assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
+        "profile_summary.json", "profile_summary.md"]
 
 
 def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
@@ -146,8 +158,11 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
     second = (run / "profile_summary.json").read_bytes()  # the same damaged inputs again: nothing new to keep
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
     assert res.returncode == 1 and "kept as" not in res.stderr
-    assert ("[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
-            "inputs), left as it is; profile_summary.prev1.json holds the one before it") in res.stderr.splitlines()
+    assert res.stderr.splitlines()[-2:] == [
+        "[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
+        "inputs), left as it is; profile_summary.prev1.json holds the one before it",
+        f"[postprocess] {run / 'profile_summary.json'} unchanged (same inputs), left as it is (trial status ok, "
+        "{'traces': 2, 'traces_ok': 1, 'views': 5, 'snapshots': 0, 'plots': 0, 'errors': 1, 'skipped': 0})"]
     assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
 
 

@@ -32,7 +32,8 @@ from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_e
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "SUMMARY_JSON", "SUMMARY_MD"]
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "summary_left_unchanged", "SUMMARY_JSON",
+           "SUMMARY_MD"]
 
 PROFILE_KINDS = ("kernel", "memory")
 MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of GPU time by part and layer
@@ -447,7 +448,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                       trainer_log: str | None = None, nvidia_smi_csv: str | None = None,
                       compress: bool = False, max_view_bytes: int = MAX_VIEW_BYTES,
                       jobs: int | None = None) -> tuple[dict, int]:
-    """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}``.
+    """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}`` (an earlier summary that is
+    the same is left as it is, one that differs kept as ``profile_summary.prev<N>.{json,md}``: :func:`_write`).
 
     Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
     (:meth:`KernelTraceAnalyzer.summary`) and the ``ranks`` table (:func:`rank_table`), ``comm_wait``: the
@@ -778,40 +780,65 @@ def _split_kept_note(text: str) -> tuple[str | None, list[dict]]:
         return None, []
 
 
-def _unchanged_note(note: dict) -> dict:
-    """The warning of a rerun that left a summary as it was (same inputs), from that summary's note that an
-    earlier postprocess kept the one before it: nothing is kept now, so it does not say 'kept'."""
-    kept = note["warning"][len(_KEPT_NOTE):]
-    return {"file": note["file"], "warning": "the summary is unchanged since the last postprocess (same inputs), left "
-                                             f"as it is; {kept} holds the one before it"}
+_UNCHANGED_NOTE = "the summary is unchanged since the last postprocess (same inputs), left as it is"
 
 
-def _write(summary: dict, run_dir: str) -> None:
+def _unchanged_note(notes: list[dict]) -> dict:
+    """The warning of a rerun that left a summary as it was (same inputs); where that summary noted that an
+    earlier postprocess kept the one before it (``notes``), it names that file: nothing is kept now, so it does not
+    say 'kept'."""
+    kept = "".join(f"; {n['warning'][len(_KEPT_NOTE):]} holds the one before it" for n in notes)
+    return {"file": SUMMARY_JSON, "warning": _UNCHANGED_NOTE + kept}
+
+
+def summary_left_unchanged(summary: dict) -> bool:
+    """Whether :func:`postprocess_trial` left the run dir's summary as it was (a rerun on the same inputs: the
+    summary's warnings say so) rather than writing it."""
+    return any(w.get("file") == SUMMARY_JSON and str(w.get("warning", "")).startswith(_UNCHANGED_NOTE)
+               for w in summary.get("warnings") or [])
+
+
+def _read_text(path: str) -> str | None:
+    """The text of ``path`` (UTF-8, undecodable bytes replaced), None when it is not a readable file."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _write(summary: dict, run_dir: str) -> bool:
     """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
 
-    A summary already there from an earlier postprocess is left as it is when the new one is the same (a
-    rerun on the same inputs; when that summary noted an earlier summary kept as ``.prev<N>``, the returned
-    summary's warnings say that it is unchanged and where the one before it is), else kept as
-    ``profile_summary.prev<N>.{json,md}`` and the new summary says so in its warnings: a rerun on damaged or other
-    inputs loses nothing.
+    A summary already there from an earlier postprocess is left as it is, file for file, when the new one is the
+    same (a rerun on the same inputs: both files would read the same, apart from that summary's note that an
+    earlier summary was kept as ``.prev<N>``); the returned summary's warnings then say that it is unchanged (and
+    where the one before it is). Else the earlier one is kept as ``profile_summary.prev<N>.{json,md}`` and the new
+    summary says so in its warnings: a rerun on damaged or other inputs loses nothing.
+
+    Returns:
+        True when the summary was written, False when the earlier one was left as it is.
+
+    Raises:
+        OSError: the run dir cannot be written (the file's own error).
     """
     def render(s: dict) -> tuple[str, str]:
         return json.dumps(finite_json(s)[0], indent=1, sort_keys=True, allow_nan=False) + "\n", render_markdown(s)
 
     text, md = render(summary)
-    old = os.path.join(run_dir, SUMMARY_JSON)
-    if os.path.isfile(old):
-        with open(old, encoding="utf-8", errors="replace") as f:
-            earlier = f.read()
+    old, old_md = os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, SUMMARY_MD)
+    earlier = _read_text(old) if os.path.isfile(old) else None
+    if earlier is not None:
         stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
-        if earlier != text and stripped == text:  # the same inputs as the rerun that wrote it: left as it is; its
-            summary.setdefault("warnings", []).extend(_unchanged_note(n) for n in notes)  # note is not news now
-            return
-        if earlier != text:
-            kept = _keep_previous_summary(run_dir)
-            summary.setdefault("warnings", []).append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
-            text, md = render(summary)
+        if stripped == text and _read_text(old_md) == render({**summary,
+                                                               "warnings": summary["warnings"] + notes})[1]:
+            summary["warnings"].append(_unchanged_note(notes))  # the same inputs as the postprocess that wrote it
+            return False
+        kept = _keep_previous_summary(run_dir)
+        summary["warnings"].append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
+        text, md = render(summary)
     with open(old, "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(run_dir, SUMMARY_MD), "w", encoding="utf-8") as f:
+    with open(old_md, "w", encoding="utf-8") as f:
         f.write(md)
+    return True
