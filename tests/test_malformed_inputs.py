@@ -322,6 +322,34 @@ def test_failure_without_error_file_quotes_the_error_the_trainer_logged(tmp_path
         "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
 
 
+def test_failure_before_the_log_dir_quotes_the_trainers_configuration_error(tmp_path):
+    """A trial whose trainer refused its configuration (here a model dir with a damaged tokenizer.json, the
+    reviewer's case) exits with status 2 before its log dir or its [rank N] logging exist: the Failure line quotes
+    the trainer's 'sftprof: configuration error: ...' line from launcher.log (a real one), not torchrun's docs
+    pointer."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(FIXTURE_DIR / "torchrun_config_error_launcher.log", run / "launcher.log")
+    res = _cli("--log-dir", tmp_path / "never_created", "--run-dir", run, "--profile-kind", "kernel",
+               "--profile-step", 0)
+    assert res.returncode == 2
+    error = ("sftprof: configuration error: /tmp/pp14b_repro/D: cannot load its Hugging Face tokenizer (JSONDecodeError: "
+             "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); accepted: a directory with "
+             "readable tokenizer files (tokenizer.json, tokenizer.model, vocab.json, tokenizer_config.json), or none "
+             "of them (the bundled Qwen BPE of the model's family)")
+    s = json.load(open(run / "profile_summary.json"))
+    assert (s["status"], s["failure"]["rank"], s["failure"]["how"], s["failure"]["traceback"]) == (
+        "failed", 1, "exit code 2", error)
+    assert (f"- first failing rank: **1** (exit code 2, host localhost): `{error}`\n"
+            "- then: rank 0 killed by SIGTERM (exit code -15)") in (run / "profile_summary.md").read_text()
+    # another exit status is not the trainer's configuration error: torchrun's field stays as it was
+    from sftprof.analysis.failure import first_failure
+    text = (run / "launcher.log").read_text().replace("exitcode  : 2 (pid: 15763)", "exitcode  : 1 (pid: 15763)")
+    (run / "launcher.log").write_text(text)
+    assert first_failure(str(run / "launcher.log"))["traceback"] == (
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rule 8: a full allocator history is flagged with its window start and the setting to raise
 # ---------------------------------------------------------------------------------------------------------

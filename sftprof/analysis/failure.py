@@ -53,6 +53,11 @@ _NO_ERROR_FILE = "To enable traceback see:"
 # the trainer's log line when a trial fails (sftprof/trainer.py): "... [rank N] ERROR trial failed after K completed
 # step(s): SomeError: message"
 _TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$")
+# the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config.py
+# ``load_config_or_exit``): printed to stderr before the ``[rank N]`` logging exists, so without a rank prefix (every
+# rank reads the same config and prints the same line), then exit status 2
+_CONFIG_ERROR = re.compile(r"^sftprof: configuration error: .+$")
+_CONFIG_ERROR_EXIT = 2
 # torchrun's static rendezvous giving up on node 0 (torch.distributed's TCPStore: one client per node)
 _RDZV_TIMEOUT = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
 
@@ -64,6 +69,11 @@ def _signal_name(code: int) -> str | None:
         return None
 
 
+def _report_start(lines: list[str]) -> int:
+    """The index of the ``Failures:`` line of torchrun's last failure report in ``lines``; ``len(lines)`` if none."""
+    return max((i for i, line in enumerate(lines) if line.startswith("Failures:")), default=len(lines))
+
+
 def parse_torchrun_failures(lines: list[str]) -> list[dict[str, Any]]:
     """Failures of torchrun's last ``ChildFailedError`` report in ``lines``, root cause first.
 
@@ -72,8 +82,8 @@ def parse_torchrun_failures(lines: list[str]) -> list[dict[str, Any]]:
         "host", "time", "error_file" (None for ``<N/A>``), "traceback" (str), "root_cause" (bool)}]``;
         empty when the log holds no report.
     """
-    start = max((i for i, line in enumerate(lines) if line.startswith("Failures:")), default=None)
-    if start is None:
+    start = _report_start(lines)
+    if start == len(lines):
         return []
     out: list[dict[str, Any]] = []
     root = False
@@ -220,8 +230,10 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         (the failed node when the first failure is a node's, else None), "ranks" (that node's global ranks),
         "rank", "exitcode", "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``, or
         ``"never joined the trial"``), "host", "error_file", "traceback" (torchrun's; where it is only torchrun's
-        pointer to its docs, the rank wrote no error file, the error the trainer logged for that rank; for a
-        node, what its failure means), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message;
+        pointer to its docs, the rank wrote no error file, the error the trainer logged for that rank, or, for a
+        rank that exited with status 2 before its log began, the trainer's ``sftprof: configuration error: ...``
+        line (the last one above torchrun's report; every rank prints the same); for a node, what its failure
+        means), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message;
         empty for a node), "others": [{"rank", "exitcode", "signal", "how"}] (torchrun's other failed ranks),
         "nodes": [the other failed nodes, as :func:`node_failures`]}``.
     """
@@ -230,6 +242,7 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         with open(launcher_log, encoding="utf-8", errors="replace") as fh:
             lines = fh.read().splitlines()
     failures = parse_torchrun_failures(lines)
+    report = _report_start(lines)
     nodes = node_failures(log_dir, lines, layout)
     for f in failures:
         code, sig = f["exitcode"], f["signal"]
@@ -254,6 +267,8 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
     out = {"node": None, "ranks": None, **{k: first[k] for k in keep}}
     if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: the error the trainer logged
         found = [m.group(1) for m in map(_TRAINER_ERROR.search, tail) if m]
+        if not found and first["exitcode"] == _CONFIG_ERROR_EXIT:  # refused its configuration before logging began
+            found = [m.group(0) for m in map(_CONFIG_ERROR.match, lines[:report]) if m]
         out["traceback"] = found[-1] if found else out["traceback"]
     return {**out, "log_tail": tail, "others": [o for o, f in zip(others, failures) if f is not first],
             "nodes": nodes}
