@@ -181,6 +181,16 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
         report = compare_runs(ep_only, str(tmp_path / name))
         assert report.count("only in run") == 1 and (
             f"Rank(s) 1: a trace only in run A; not compared below ({why}).") in report.splitlines(), name
+    # run B's config profiles rank 1 (perf_tracer.ranks='' on 2 ranks) but its log dir has no trace of it: its
+    # summary's warning says so, and so does the report (the reviewer's case), not 'profiled different ranks'
+    (log / "config.yaml").write_text(json.dumps({"actor": {"backend": "megatron:d2"}, "perf_tracer": {"ranks": ""}}))
+    s, _ = postprocess_trial(str(log), str(tmp_path / "r0" / "cfg"), "kernel", 1, jobs=1)
+    assert {"file": "perf_tracer/rank1.pt.trace.json", "warning": "rank 1: no trace in the log dir, though "
+            "perf_tracer.ranks='' profiles it; this summary leaves that rank out"} in s["warnings"]
+    report = compare_runs(ep_only, str(tmp_path / "r0" / "cfg"))
+    assert report.count("only in run") == 1 and (
+        "Rank(s) 1: a trace only in run A; not compared below (run B profiled that rank but has no trace of it in its "
+        "log dir: deleted or never written (a warning in that summary)).") in report.splitlines()
 
 
 @pytest.mark.parametrize("spec, warned", [("", [1]), ("pp_rank0", []), ("0-1", [1]), ("0", [])])

@@ -21,6 +21,7 @@ from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis import inputs
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
+from sftprof.analysis.summary import MISSING_TRACE
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs", "NO_MATCH"]
 
@@ -263,18 +264,24 @@ def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str)
     """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
     figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
     the other run's summary (``a``, ``b``): its entry of that rank in ``member`` (``kernel_traces``,
-    ``memory_snapshots``) failed to process; its trial failed (``status``); its status is unknown (no completion
-    record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
+    ``memory_snapshots``) failed to process; its trial failed (``status``); its warnings say that the trace of a rank
+    its ``perf_tracer.ranks`` profiles is not in its log dir (deleted, never written); its status is unknown (no
+    completion record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
     out = []
     for side, mine, other, other_side, summary in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
         errored = {e.get("rank") for e in summary.get(member) or [] if "error" in e}
         status = summary.get("status")
+        notes = [str(w.get("warning")) for w in summary.get("warnings") or [] if what == "trace"]
+        missing = {note.partition(":")[0] for note in notes if MISSING_TRACE in note}  # "rank <r>" of each
         reasons: dict[str, list[int]] = defaultdict(list)
         for rank in sorted(set(mine) - set(other)):
             if rank in errored:
                 why = f"run {other_side}'s {what} of that rank could not be processed (its error is in that summary)"
             elif status == "failed":
                 why = f"run {other_side}'s trial failed (status failed) and left no {what} of that rank"
+            elif f"rank {rank}" in missing:
+                why = (f"run {other_side} profiled that rank but has no {what} of it in its log dir: deleted or never "
+                       "written (a warning in that summary)")
             elif status == "unknown":
                 why = (f"run {other_side}'s trial status is unknown (no completion record): it stopped before writing "
                        f"that {what}, or profiled other ranks")

@@ -617,6 +617,9 @@ def _artifacts_part(summary: dict, log_dir: str, run_dir: str, compress: bool, m
     return items
 
 
+MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`_missing_traces`
+
+
 def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
     """A warning ``{"file": "perf_tracer/rank<r>.pt.trace.json", "warning"}`` per rank that the trial's
     ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on ``actor.backend``'s layout) but whose
@@ -632,7 +635,7 @@ def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
     spec = cfg["perf_tracer"].get("ranks")
     have = {it["rank"] for it in items}
     return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
-             "warning": f"rank {r}: no trace in the log dir, though perf_tracer.ranks={spec!r} profiles it; this "
+             "warning": f"rank {r}: {MISSING_TRACE}{spec!r} profiles it; this "
                         "summary leaves that rank out"} for r in expected if r not in have]
 
 
