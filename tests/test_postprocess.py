@@ -81,6 +81,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     md = (run / "profile_summary.md").read_text()  # CPU traces: no GPU wording about waits that cannot exist
     assert md.count("No GPU activity in this trace: no device waits or GPU idle time to report.") == 2
     assert "GPU idle in the step window" not in md and "Blocking CUDA calls" not in md
+    assert "Where the ranks' own GPU work differs" not in md and s["ranks"]["work_spread"] is None  # README
     assert s["stats"]["step_time_s"] == s["stats"]["profile_step_record"]["step_time_s"] == 2.0
     assert s["stats"]["max_mem_peak_allocated_gb"] == 4.0
     assert s["nvidia_smi"]["peak_memory_used_mib"] == 90000 and s["nvidia_smi"]["peak_utilization_pct"] == 97
