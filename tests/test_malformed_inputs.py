@@ -333,8 +333,8 @@ def test_failure_before_the_log_dir_quotes_the_trainers_configuration_error(tmp_
     res = _cli("--log-dir", tmp_path / "never_created", "--run-dir", run, "--profile-kind", "kernel",
                "--profile-step", 0)
     assert res.returncode == 2
-    error = ("sftprof: configuration error: /tmp/pp14b_repro/D: cannot load its Hugging Face tokenizer (JSONDecodeError: "
-             "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); accepted: a directory with "
+    error = ("sftprof: configuration error: /tmp/pp14b_repro/D: cannot load its Hugging Face tokenizer "
+             "(JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); accepted: a directory with "
              "readable tokenizer files (tokenizer.json, tokenizer.model, vocab.json, tokenizer_config.json), or none "
              "of them (the bundled Qwen BPE of the model's family)")
     s = json.load(open(run / "profile_summary.json"))

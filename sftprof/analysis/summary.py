@@ -32,8 +32,8 @@ from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_e
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "summary_left_unchanged", "SUMMARY_JSON",
-           "SUMMARY_MD"]
+__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "summary_left_unchanged",
+           "SUMMARY_JSON", "SUMMARY_MD"]
 
 PROFILE_KINDS = ("kernel", "memory")
 MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of GPU time by part and layer
@@ -769,10 +769,10 @@ def _keep_previous_summary(run_dir: str) -> str:
 _KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "
 
 
-def _split_kept_note(text: str) -> tuple[str | None, list[dict]]:
-    """An earlier summary's JSON text re-rendered without the warning :func:`_write` added about the summary
-    before it (None if the text is not a JSON object), and that warning (so a later rerun on the same inputs
-    is recognised as the same and keeps it)."""
+def _split_kept_note(text: str | None) -> tuple[str | None, list[dict]]:
+    """An earlier summary's JSON text (None: unreadable) re-rendered without the warning :func:`_write` added about
+    the summary before it (None if the text is not a JSON object), and that warning (so a later rerun on the same
+    inputs is recognised as the same and keeps it)."""
     try:
         earlier = json.loads(text)
         warnings = earlier.get("warnings") or []
@@ -810,17 +810,15 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _write(summary: dict, run_dir: str) -> bool:
+def _write(summary: dict, run_dir: str) -> None:
     """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
 
     A summary already there from an earlier postprocess is left as it is, file for file, when the new one is the
     same (a rerun on the same inputs: both files would read the same, apart from that summary's note that an
     earlier summary was kept as ``.prev<N>``); the returned summary's warnings then say that it is unchanged (and
-    where the one before it is). Else the earlier one is kept as ``profile_summary.prev<N>.{json,md}`` and the new
-    summary says so in its warnings: a rerun on damaged or other inputs loses nothing.
-
-    Returns:
-        True when the summary was written, False when the earlier one was left as it is.
+    where the one before it is: :func:`summary_left_unchanged`). Else the earlier one is kept as
+    ``profile_summary.prev<N>.{json,md}`` and the new summary says so in its warnings: a rerun on damaged or other
+    inputs loses nothing.
 
     Raises:
         OSError: the run dir cannot be written (the file's own error).
@@ -830,13 +828,13 @@ def _write(summary: dict, run_dir: str) -> bool:
 
     text, md = render(summary)
     old, old_md = os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, SUMMARY_MD)
-    earlier = _read_text(old) if os.path.isfile(old) else None
-    if earlier is not None:
+    if os.path.isfile(old):
+        earlier = _read_text(old)  # None when unreadable: kept as .prev<N>, as a summary that differs
         stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
         if stripped == text and _read_text(old_md) == render({**summary,
                                                                "warnings": summary["warnings"] + notes})[1]:
             summary["warnings"].append(_unchanged_note(notes))  # the same inputs as the postprocess that wrote it
-            return False
+            return
         kept = _keep_previous_summary(run_dir)
         summary["warnings"].append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
         text, md = render(summary)
@@ -844,4 +842,3 @@ def _write(summary: dict, run_dir: str) -> bool:
         f.write(text)
     with open(old_md, "w", encoding="utf-8") as f:
         f.write(md)
-    return True
