@@ -352,8 +352,12 @@ def test_unusable_config_file_exits_2(content, message, tmp_path):
     ('{"model_type": "llama", "vocab_size": 8}', "has model_type 'llama', a model family sftprof does not build; "
                                                  "accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
                                                  "(Qwen3-MoE, Qwen3.5-MoE)"),
-    ("[]", "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text (Qwen3-MoE, "
-           "Qwen3.5-MoE)"),
+    ("[1, 2]", "holds a JSON array, not an object of config keys; accepted: model_type qwen3_moe / qwen3_5_moe / "
+               "qwen3_5_moe_text (Qwen3-MoE, Qwen3.5-MoE)"),
+    ('{"model_type": 123}', "has model_type 123, not a string; accepted: model_type qwen3_moe / qwen3_5_moe / "
+                            "qwen3_5_moe_text (Qwen3-MoE, Qwen3.5-MoE)"),
+    ('{"vocab_size": 8}', "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
+                          "(Qwen3-MoE, Qwen3.5-MoE)"),
 ])
 def test_unusable_model_config_exits_2(content, problem, tmp_path):
     """A MODEL_PATH whose config.json is damaged or of a family sftprof does not build stops the driver (exit 2, one
