@@ -2,7 +2,7 @@
 
 ``run_qwen3_30b_a3b_sft_profile.sh`` calls ``python -m sftprof.launch plan`` once before launching
 anything. It validates every environment variable and the config they produce, resolves the
-profiled ranks, refuses an existing non-empty ``RUN_ROOT``, and writes:
+profiled ranks, refuses an existing non-empty ``RUN_ROOT`` or one where no folder can be made, and writes:
 
 - ``RUN_ROOT/profile_settings.log``: every driver variable with its effective value and source,
   the torchrun layout, and the resolved config of the first trial;
@@ -16,7 +16,8 @@ micro-batches, logprobs chunk 128, precision-aware optimizer with bf16 main grad
 such as ``CONFIG=tiny_cpu`` keeps its own sizes. Any bad value exits 2 with a message naming the
 variable, the value and what is accepted.
 
-Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument, the
+Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument (or in lower case), a
+driver variable and an argument that set one config key to different values, the
 megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
 ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked); it warns about environment
 variables that look like misspelled driver variables and about a ``FILEROOT`` folder named ``sftprof`` (which a
@@ -175,7 +176,8 @@ def usage() -> str:
               "actor.backend=megatron:d1 actor.num_layers=3",
               f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof_fileroot bash {DRIVER_SCRIPT}",
               "",
-              "Exit status: 0 all trials ok, 2 bad input (nothing launched), else that of the last failing trial.",
+              "Exit status: 0 all trials ok, 2 bad input (nothing launched), 130 Ctrl-C (143 SIGTERM: either stops",
+              "the whole run), else that of the last failing trial.",
               "See README.md for the artifacts and how to read them."]
     return "\n".join(lines) + "\n"
 
@@ -354,10 +356,13 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-# Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
+NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
+INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped (the driver's trap)
+# Artifact names the driver script uses and the summary.tsv status it writes for an interrupted trial, handed to it
+# with the plan (shell variables of the same names, upper case).
 DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
                     "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
-                    "trainer_log": artifacts.TRAINER_LOG}
+                    "trainer_log": artifacts.TRAINER_LOG, "interrupted_status": INTERRUPTED}
 
 
 @dataclass
@@ -751,9 +756,6 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
     (run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
 
 
-NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1)
-
-
 def record_trials_not_run(run_root: Path) -> list[str]:
     """Append to ``RUN_ROOT/summary.tsv`` a row of status ``not run`` for each trial of ``trials.tsv`` that has no
     row there (those after a failure with ``STOP_ON_FAILURE=1``), so summary.tsv has one row per planned trial.
@@ -883,7 +885,8 @@ def top_finding(summary: dict) -> str:
 def report(run_root: Path, node_rank: int = 0) -> str:
     """The end-of-run text: a narrow table of trials, the summaries to open and the compare command.
 
-    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``),
+    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``,
+    ``interrupted``),
     step time (s, slowest rank of the profiled step), peak memory (GiB allocated, rank 0) and the top
     finding (:func:`top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``;
     a missing or unreadable summary leaves ``-`` in its row.
@@ -904,7 +907,8 @@ def report(run_root: Path, node_rank: int = 0) -> str:
         stats = summary.get("stats") or {}
         device = (summary.get("completion") or {}).get("device")
         cpu_memory = row["kind"] == "memory" and device == "cpu"
-        status = (NOT_RUN if row["status"] == NOT_RUN else "FAILED (" + row["status"] + ")" if row["status"] != "0"
+        status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED)
+                  else "FAILED (" + row["status"] + ")" if row["status"] != "0"
                   else "no snapshot (CPU)" if cpu_memory else "ok")
         step = stats.get("step_time_s")
         table.append((f"{row['kind']} step {row['step']}", status, f"{step:.2f} s" if step is not None else "-",
