@@ -30,7 +30,8 @@ done
 # 1. Validate everything and write RUN_ROOT/{profile_settings.log,trials.tsv} before launching anything.
 plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?
 # RUN_ROOT STOP_ON_FAILURE TRIALS NODE_TIMEOUT NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT, and the
-# artifact names (sftprof/artifacts.py): TRIALS_TSV SUMMARY_TSV LAUNCHER_LOG NVIDIA_SMI_CSV TRAINER_LOG
+# artifact names (sftprof/artifacts.py): TRIALS_TSV SUMMARY_TSV LAUNCHER_LOG NVIDIA_SMI_CSV TRAINER_LOG, and the
+# summary.tsv status of an interrupted trial: INTERRUPTED_STATUS
 eval "$plan_out"
 summary="$RUN_ROOT/$SUMMARY_TSV"
 printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n' > "$summary"
@@ -39,7 +40,24 @@ echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
 final_rc=0
 n=0
 run_start=$(date +%s)
+# Ctrl-C / SIGTERM stop the whole run: the running torchrun gets SIGTERM (it stops its workers), the trial is
+# recorded as interrupted, the trials after it as not run, and the driver exits 128 + the signal (130 for SIGINT).
+# torchrun runs in the background so that the trap runs at once, not when the trial ends; its output goes through
+# a FIFO to tee (launcher.log), which the driver waits for before appending to that log.
+interrupted=0
+torch_pid=""
+on_signal() {
+  interrupted=$1
+  echo "sftprof: $2 received: stopping the run" >&2
+  [ -n "$torch_pid" ] && kill -TERM "$torch_pid" 2>/dev/null
+}
+trap 'on_signal 130 SIGINT' INT
+trap 'on_signal 143 SIGTERM' TERM
+fifo_dir="$(mktemp -d)"
+trap 'rm -rf "$fifo_dir"' EXIT
+mkfifo "$fifo_dir/torchrun_out"
 while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # fd 3: children keep stdin
+  [ "$interrupted" != 0 ] && break   # a signal between two trials: the next one does not start
   n=$((n + 1))
   mapfile -t train_args < "$args_file"
   echo "sftprof: [$n/$TRIALS] trial $trial (kind=$kind step=$step) started $(date +%H:%M:%S)"
@@ -50,15 +68,32 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
     smi_pid=$!
   fi
   start=$(date +%s)
+  tee "$run_dir/$LAUNCHER_LOG" < "$fifo_dir/torchrun_out" &
+  tee_pid=$!
   # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous).
   "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --rdzv-conf "timeout=$NODE_TIMEOUT" \
-    "$HERE/train_sft_profile.py" "${train_args[@]}" 2>&1 | tee "$run_dir/$LAUNCHER_LOG"
-  torchrun_rc=${PIPESTATUS[0]}
+    "$HERE/train_sft_profile.py" "${train_args[@]}" > "$fifo_dir/torchrun_out" 2>&1 &
+  torch_pid=$!
+  [ "$interrupted" != 0 ] && kill -TERM "$torch_pid" 2>/dev/null   # a signal between the trap and $!
+  wait "$torch_pid"
+  torchrun_rc=$?
+  while [ "$interrupted" != 0 ] && kill -0 "$torch_pid" 2>/dev/null; do   # the trap ended the wait, not torchrun
+    wait "$torch_pid"
+    torchrun_rc=$?
+  done
+  torch_pid=""
+  wait "$tee_pid"
   elapsed=$(( $(date +%s) - start ))
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
   if [ "$NNODES" -gt 1 ]; then
     "$PYTHON" -m sftprof.launch node-record "$log_dir" "$NODE_RANK" "$torchrun_rc" "$elapsed" "$NNODES" "$NPROC_PER_NODE"
+  fi
+  if [ "$interrupted" != 0 ]; then   # neither the other nodes' records nor postprocessing are waited for
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$trial" "$kind" "$step" "$INTERRUPTED_STATUS" "$torchrun_rc" "-" \
+      "$elapsed" "$run_dir" "$log_dir" >> "$summary"
+    echo "sftprof: [$n/$TRIALS] trial $trial interrupted after $elapsed s (torchrun status $torchrun_rc); $(( TRIALS - n )) trial(s) will not run" >&2
+    break
   fi
   if [ "$NODE_RANK" = "0" ]; then
     # Success is the trainer's completion record (written by global rank 0), not a log grep.
@@ -103,10 +138,17 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
       break
     fi
   fi
+  if [ "$interrupted" != 0 ]; then   # the signal came while postprocessing: this trial's row is complete
+    echo "sftprof: [$n/$TRIALS] $(( TRIALS - n )) trial(s) will not run" >&2
+    break
+  fi
 done 3< "$RUN_ROOT/$TRIALS_TSV"
-# A row for each planned trial that did not run (STOP_ON_FAILURE), so summary.tsv has one row per trial.
+# The rest of the run is not interrupted again: the not-run rows and the end table are written in any case.
+trap '' INT TERM
+# A row for each planned trial that did not run (STOP_ON_FAILURE, an interrupt), so summary.tsv has one row per trial.
 "$PYTHON" -m sftprof.launch not-run "$RUN_ROOT"
 
 echo
 "$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK"
+[ "$interrupted" != 0 ] && exit "$interrupted"
 exit "$final_rc"

@@ -2,7 +2,7 @@
 
 ``run_qwen3_30b_a3b_sft_profile.sh`` calls ``python -m sftprof.launch plan`` once before launching
 anything. It validates every environment variable and the config they produce, resolves the
-profiled ranks, refuses an existing non-empty ``RUN_ROOT``, and writes:
+profiled ranks, refuses an existing non-empty ``RUN_ROOT`` or one where no folder can be made, and writes:
 
 - ``RUN_ROOT/profile_settings.log``: every driver variable with its effective value and source,
   the torchrun layout, and the resolved config of the first trial;
@@ -16,7 +16,8 @@ micro-batches, logprobs chunk 128, precision-aware optimizer with bf16 main grad
 such as ``CONFIG=tiny_cpu`` keeps its own sizes. Any bad value exits 2 with a message naming the
 variable, the value and what is accepted.
 
-Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument, the
+Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument (or in lower case), a
+driver variable and an argument that set one config key to different values, the
 megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
 ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked); it warns about environment
 variables that look like misspelled driver variables and about a ``FILEROOT`` folder named ``sftprof`` (which a
@@ -44,15 +45,18 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Mapping
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.failure import headline
 from sftprof.artifacts import read_stats
-from sftprof.config import (DEFAULT_FILEROOT, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
+from sftprof.config import (DEFAULT_FILEROOT, LEGACY_LOSS_KEYS, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
                             is_folder_name, last_value_per_key, load_config, reject_repeated_keys, to_yaml,
                             trial_log_dir)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
@@ -172,7 +176,8 @@ def usage() -> str:
               "actor.backend=megatron:d1 actor.num_layers=3",
               f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof_fileroot bash {DRIVER_SCRIPT}",
               "",
-              "Exit status: 0 all trials ok, 2 bad input (nothing launched), else that of the last failing trial.",
+              "Exit status: 0 all trials ok, 2 bad input (nothing launched), 130 Ctrl-C (143 SIGTERM: either stops",
+              "the whole run), else that of the last failing trial.",
               "See README.md for the artifacts and how to read them."]
     return "\n".join(lines) + "\n"
 
@@ -325,9 +330,17 @@ def free_port() -> int:
 
 
 def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
-    """Raise DriverError for an argument written like a driver variable (``NAME=value``, upper case)."""
+    """Raise DriverError for an argument written like a driver variable (``NAME=value``, upper case, or a driver
+    variable's name in lower case that is no top-level config key: ``profile_steps=1``, not ``experiment_name=x``)."""
     overrides = "arguments after the script are config overrides, dotted lower-case keys such as actor.num_layers=4"
+    config_keys = {f.name for f in fields(SFTProfileConfig)}
     for arg in extra_overrides:
+        lower = re.fullmatch(r"([a-z][a-z0-9_]*)=(.*)", arg, flags=re.S)
+        if lower and lower.group(1).upper() in {v.name for v in DRIVER_VARS} and lower.group(1) not in config_keys:
+            name = lower.group(1).upper()
+            raise DriverError(f"argument {arg!r} is not a config key but the driver variable {name} in lower case: "
+                              "driver variables are upper case and go in the environment, before `bash` ("
+                              f"{shlex.quote(f'{name}={lower.group(2)}')} bash {DRIVER_SCRIPT}); {overrides}")
         m = re.fullmatch(r"([A-Z][A-Z0-9_]*)=(.*)", arg, flags=re.S)
         if m is None:
             continue
@@ -343,10 +356,13 @@ def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-# Artifact names the driver script uses, handed to it with the plan (shell variables of the same names).
+NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
+INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped (the driver's trap)
+# Artifact names the driver script uses and the summary.tsv status it writes for an interrupted trial, handed to it
+# with the plan (shell variables of the same names, upper case).
 DRIVER_ARTIFACTS = {"trials_tsv": artifacts.TRIALS_TSV, "summary_tsv": artifacts.SUMMARY_TSV,
                     "launcher_log": artifacts.LAUNCHER_LOG, "nvidia_smi_csv": artifacts.NVIDIA_SMI_CSV,
-                    "trainer_log": artifacts.TRAINER_LOG}
+                    "trainer_log": artifacts.TRAINER_LOG, "interrupted_status": INTERRUPTED}
 
 
 @dataclass
@@ -381,6 +397,7 @@ class DriverEnv:
     overrides: list[str]
     extra_overrides: list[str]
     set_keys: set[str]
+    agreeing: dict[str, str]
     n_nodes: int | None
     node_rank: int
     master_addr: str
@@ -433,6 +450,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
 
     overrides: list[str] = []
     set_keys: set[str] = set()
+    agreeing: dict[str, str] = {}
     for var in CONFIG_VARS:
         text = get(var.name)
         if not text:  # unset or empty: the config's value stands
@@ -441,6 +459,13 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
         overrides.append(f"{var.key}={json.dumps(value) if isinstance(value, str) else _yaml_value(value)}")
         set_keys.add(var.name)
+        arguments = _arguments_setting(var.key, extra_overrides)
+        for arg in arguments:
+            if _argument_value(var, arg) != value:
+                raise DriverError(f"{var.name}={text} (a driver variable, sets {var.key}) and the argument {arg}: one "
+                                  f"config key set to different values; set it once, as the variable or as the argument")
+        if arguments:
+            agreeing[var.name] = arguments[-1]
     master_port = _int("MASTER_PORT", get("MASTER_PORT"), 1) if get("MASTER_PORT") else None
     if master_port is not None and master_port > 65535:
         raise DriverError(f"MASTER_PORT={master_port}: must be in [1, 65535]")
@@ -451,12 +476,29 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
-        extra_overrides=list(extra_overrides), set_keys=set_keys,
+        extra_overrides=list(extra_overrides), set_keys=set_keys, agreeing=agreeing,
         n_nodes=_int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None,
         node_rank=_int("NODE_RANK", get("NODE_RANK") or "0", 0),
         master_addr=_host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), master_port=master_port,
         node_timeout=_int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1) if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S,
         nproc=_int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None)
+
+
+def _arguments_setting(key: str, extra_overrides: list[str]) -> list[str]:
+    """The ``key=value`` arguments that set config ``key``, under its name or an old name of it
+    (:data:`sftprof.config.LEGACY_LOSS_KEYS`)."""
+    names = {key} | {old for old, new in LEGACY_LOSS_KEYS.items() if key == f"actor.loss.{new}"}
+    return [arg for arg in extra_overrides if arg.partition("=")[0].strip() in names]
+
+
+def _argument_value(var: ConfigVar, arg: str) -> object:
+    """The value argument ``arg`` gives ``var``'s key, read as OmegaConf reads it and then as the driver reads
+    ``var`` (so ``cluster.fileroot=rel`` compares as the resolved path); None when the driver would refuse it."""
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={arg.partition('=')[2]}"]), resolve=False)["v"]
+        return var.parse(var.name, _yaml_value(value))
+    except (DriverError, OmegaConfBaseException):
+        return None
 
 
 def _sources(d: DriverEnv, model: bool = False) -> str:
@@ -539,7 +581,13 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
         node = probe
         for part in var.key.split("."):
             node = getattr(node, part)
-        log.note(var.name, _yaml_value(node), f"env -> {var.key}" if var.name in d.set_keys else f"config {var.key}")
+        arguments = _arguments_setting(var.key, d.extra_overrides)
+        if var.name in d.set_keys:
+            source = f"env -> {var.key}" + (f" (the argument {d.agreeing[var.name]} agrees)"
+                                            if var.name in d.agreeing else "")
+        else:
+            source = f"argument {arguments[-1]}" if arguments else f"config {var.key}"
+        log.note(var.name, _yaml_value(node), source)
     fileroot, package = Path(probe.cluster.fileroot), __name__.partition(".")[0]
     check_writable_folder("FILEROOT", fileroot)
     if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
@@ -573,7 +621,8 @@ def check_writable_folder(name: str, path: Path) -> None:
 
 
 def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
-    """``(RUN_ROOT, PROFILE_STAMP)``; RUN_ROOT must not exist or be empty."""
+    """``(RUN_ROOT, PROFILE_STAMP)``; RUN_ROOT must not exist or be empty, and folders must be creatable there
+    (:func:`check_writable_folder`)."""
     get = d.get
     if p.n_nodes > 1 and not get("PROFILE_STAMP"):
         raise DriverError(f"PROFILE_STAMP is unset with N_NODES={p.n_nodes}: set the same PROFILE_STAMP on every node "
@@ -589,6 +638,7 @@ def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     if run_root.exists() and any(run_root.iterdir()):
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not empty; nothing was overwritten. "
                           "Choose another RUN_ROOT or PROFILE_STAMP")
+    check_writable_folder("RUN_ROOT", run_root)
     log.note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
     log.note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
     return run_root, stamp
@@ -674,7 +724,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     Raises:
         DriverError: a variable or argument is invalid, the config they produce is invalid, the
             torchrun world size does not match the allocation mode, this node lacks the GPUs the
-            layout needs, MASTER_PORT is busy on node 0, or RUN_ROOT exists and is not empty.
+            layout needs, MASTER_PORT is busy on node 0, a driver variable and an argument set one config key to
+            different values, or RUN_ROOT exists and is not empty or cannot be created.
     """
     log = PlanLog()
     d = read_driver_env(env, extra_overrides, log)
@@ -705,9 +756,6 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
     (run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
 
 
-NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1)
-
-
 def record_trials_not_run(run_root: Path) -> list[str]:
     """Append to ``RUN_ROOT/summary.tsv`` a row of status ``not run`` for each trial of ``trials.tsv`` that has no
     row there (those after a failure with ``STOP_ON_FAILURE=1``), so summary.tsv has one row per planned trial.
@@ -716,7 +764,8 @@ def record_trials_not_run(run_root: Path) -> list[str]:
     Returns the names of the trials added (in plan order; none when every trial ran).
 
     Raises:
-        OSError: ``trials.tsv`` or ``summary.tsv`` cannot be read or written.
+        OSError: ``trials.tsv`` or ``summary.tsv`` cannot be read or written (the ``not-run`` subcommand prints it
+            in one line and exits 2).
     """
     run_root = Path(run_root)
     with open(run_root / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
@@ -836,10 +885,14 @@ def top_finding(summary: dict) -> str:
 def report(run_root: Path, node_rank: int = 0) -> str:
     """The end-of-run text: a narrow table of trials, the summaries to open and the compare command.
 
-    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``),
+    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``,
+    ``interrupted``),
     step time (s, slowest rank of the profiled step), peak memory (GiB allocated, rank 0) and the top
     finding (:func:`top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``;
     a missing or unreadable summary leaves ``-`` in its row.
+
+    Raises:
+        OSError: ``summary.tsv`` cannot be read (the ``report`` subcommand prints it in one line and exits 2).
     """
     with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
@@ -854,7 +907,8 @@ def report(run_root: Path, node_rank: int = 0) -> str:
         stats = summary.get("stats") or {}
         device = (summary.get("completion") or {}).get("device")
         cpu_memory = row["kind"] == "memory" and device == "cpu"
-        status = (NOT_RUN if row["status"] == NOT_RUN else "FAILED (" + row["status"] + ")" if row["status"] != "0"
+        status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED)
+                  else "FAILED (" + row["status"] + ")" if row["status"] != "0"
                   else "no snapshot (CPU)" if cpu_memory else "ok")
         step = stats.get("step_time_s")
         table.append((f"{row['kind']} step {row['step']}", status, f"{step:.2f} s" if step is not None else "-",
@@ -905,15 +959,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "usage":
         print(usage(), end="")
         return 0
-    if args.cmd == "report":
-        print(report(Path(args.run_root), args.node_rank), end="")
+    if args.cmd in ("report", "not-run"):
+        try:
+            if args.cmd == "report":
+                print(report(Path(args.run_root), args.node_rank), end="")
+            else:
+                record_trials_not_run(Path(args.run_root))
+        except OSError as err:
+            print(f"sftprof: {args.cmd} {args.run_root}: cannot read or write {err.filename} ({err.strerror}); "
+                  f"accepted: a RUN_ROOT the driver planned ({artifacts.TRIALS_TSV}) and started "
+                  f"({artifacts.SUMMARY_TSV})", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "node-record":
         write_node_record(Path(args.log_dir), args.node_rank, args.torchrun_rc, args.elapsed_s, args.n_nodes,
                           args.nproc_per_node)
-        return 0
-    if args.cmd == "not-run":
-        record_trials_not_run(Path(args.run_root))
         return 0
     if args.cmd == "wait-nodes":
         problems = wait_for_nodes(Path(args.log_dir), args.n_nodes, args.timeout_s)

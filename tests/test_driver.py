@@ -1,8 +1,11 @@
 """The shell driver: bad input exits 2 and launches nothing; the plan it writes."""
 import os
 import re
+import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,17 @@ def test_unwritable_fileroot_exits_2_and_leaves_nothing(tmp_path):
             "path that this user can write (it is created if missing)") in out.stderr
     launch.check_writable_folder("FILEROOT", tmp_path / "new" / "fileroot")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_run_root_below_a_file_exits_2_and_leaves_nothing(tmp_path):
+    """RUN_ROOT is checked as FILEROOT is (it used to end in a NotADirectoryError traceback from write_plan)."""
+    (tmp_path / "a_file").write_text("x")
+    bad = tmp_path / "a_file" / "sub"
+    out = run_driver({"RUN_ROOT": str(bad)}, tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: RUN_ROOT={bad}: cannot create folders there ({tmp_path / 'a_file'} is not a "
+                          "folder); accepted: a folder path that this user can write (it is created if missing)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "x"
 
 
 def test_misspelled_config_key_exits_2(tmp_path):
@@ -286,6 +300,10 @@ def test_misspelled_variables_warned_with_the_closest_name(tmp_path):
     ("PROFILE_STEP=1", "argument 'PROFILE_STEP=1' is not a config override (arguments after the script are config "
                        "overrides, dotted lower-case keys such as actor.num_layers=4); did you mean the driver variable "
                        "PROFILE_STEPS, set before `bash` (PROFILE_STEPS=1 bash run_qwen3_30b_a3b_sft_profile.sh)?"),
+    ("profile_steps=1", "argument 'profile_steps=1' is not a config key but the driver variable PROFILE_STEPS in lower "
+                        "case: driver variables are upper case and go in the environment, before `bash` "
+                        "(PROFILE_STEPS=1 bash run_qwen3_30b_a3b_sft_profile.sh); arguments after the script are "
+                        "config overrides, dotted lower-case keys such as actor.num_layers=4"),
     ("XYZZY=1", "argument 'XYZZY=1' is neither a config override (arguments after the script are config overrides, "
                 "dotted lower-case keys such as actor.num_layers=4) nor a driver variable "
                 "(`bash run_qwen3_30b_a3b_sft_profile.sh --help` lists them)"),
@@ -294,6 +312,48 @@ def test_driver_variable_given_as_argument(arg, message, tmp_path):
     out = run_driver({}, tmp_path, arg)
     assert out.returncode == 2 and out.stderr == f"sftprof: {message}\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_config_key_named_like_a_driver_variable_stays_a_config_override(tmp_path):
+    """experiment_name is a config key as well as (upper case) a driver variable: as an argument it is an override."""
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"), ["experiment_name=abc"], gpus=0)
+    assert [t.log_dir.parent.name for t in trials] == ["abc"]
+    assert "EXPERIMENT_NAME=abc\t# argument experiment_name=abc" in settings
+
+
+@pytest.mark.parametrize("env_extra,arg,message", [
+    ({"TRAIN_BATCH_SIZE": "4"}, "train_dataset.batch_size=2",
+     "TRAIN_BATCH_SIZE=4 (a driver variable, sets train_dataset.batch_size) and the argument train_dataset.batch_size=2"),
+    ({"LOGPROBS_CHUNK_SIZE": "16"}, "actor.loss.logprobs_chunk_size=64",
+     "LOGPROBS_CHUNK_SIZE=16 (a driver variable, sets actor.loss.logprobs_chunk_size) and the argument "
+     "actor.loss.logprobs_chunk_size=64"),
+    ({"LOGPROBS_CHUNK_SIZE": "16"}, "actor.logprobs_chunk_size=64",   # the key's old name
+     "LOGPROBS_CHUNK_SIZE=16 (a driver variable, sets actor.loss.logprobs_chunk_size) and the argument "
+     "actor.logprobs_chunk_size=64"),
+])
+def test_driver_variable_and_argument_setting_one_key_differently_are_refused(env_extra, arg, message, tmp_path):
+    """A driver variable and an argument for the same config key with different values stop the plan, naming both
+    (the argument used to win silently while profile_settings.log credited the variable)."""
+    out = run_driver(env_extra, tmp_path, arg)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: {message}: one config key set to different values; set it once, as the variable "
+                          "or as the argument\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+def test_settings_log_names_the_argument_that_set_or_agrees_with_a_key(tmp_path):
+    """The same value from a variable and an argument is taken and logged as such; a key only an argument sets is
+    logged with that argument, not as the config's value."""
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1", TRAIN_BATCH_SIZE="2",
+                                                   FILEROOT=str(tmp_path / "x" / ".." / "fr")),
+                                         ["train_dataset.batch_size=2", "actor.loss.logprobs_chunk_size=64",
+                                          f"cluster.fileroot={tmp_path / 'fr'}"], gpus=0)
+    assert "TRAIN_BATCH_SIZE=2\t# env -> train_dataset.batch_size (the argument train_dataset.batch_size=2 agrees)" \
+        in settings
+    assert f"FILEROOT={tmp_path / 'fr'}\t# env -> cluster.fileroot (the argument cluster.fileroot={tmp_path / 'fr'} " \
+           "agrees)" in settings
+    assert "LOGPROBS_CHUNK_SIZE=64\t# argument actor.loss.logprobs_chunk_size=64" in settings
+    assert "MODEL_PATH=tiny_qwen3_moe\t# config actor.path" in settings
 
 
 def test_repeated_override_key_is_refused(tmp_path):
@@ -352,8 +412,12 @@ def test_unusable_config_file_exits_2(content, message, tmp_path):
     ('{"model_type": "llama", "vocab_size": 8}', "has model_type 'llama', a model family sftprof does not build; "
                                                  "accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
                                                  "(Qwen3-MoE, Qwen3.5-MoE)"),
-    ("[]", "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text (Qwen3-MoE, "
-           "Qwen3.5-MoE)"),
+    ("[1, 2]", "holds a JSON array, not an object of config keys; accepted: model_type qwen3_moe / qwen3_5_moe / "
+               "qwen3_5_moe_text (Qwen3-MoE, Qwen3.5-MoE)"),
+    ('{"model_type": 123}', "has model_type 123, not a string; accepted: model_type qwen3_moe / qwen3_5_moe / "
+                            "qwen3_5_moe_text (Qwen3-MoE, Qwen3.5-MoE)"),
+    ('{"vocab_size": 8}', "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
+                          "(Qwen3-MoE, Qwen3.5-MoE)"),
 ])
 def test_unusable_model_config_exits_2(content, problem, tmp_path):
     """A MODEL_PATH whose config.json is damaged or of a family sftprof does not build stops the driver (exit 2, one
@@ -407,6 +471,75 @@ def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
     assert table[1].startswith("kernel step 0  FAILED (1)  -          -         first failure: rank 0 exit code 2")
     assert launch.record_trials_not_run(run) == []   # every trial has its row now: nothing added twice
     assert len((run / "summary.tsv").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("cmd", ["report", "not-run"])
+def test_report_and_not_run_on_a_folder_without_the_plan_exit_2_in_one_line(cmd, tmp_path):
+    """The driver's end-of-run helpers on a RUN_ROOT without summary.tsv or trials.tsv: one line, exit 2, nothing
+    written (they used to end in a traceback; not-run even with status 0)."""
+    def helper(*args):
+        return subprocess.run([sys.executable, "-m", "sftprof.launch", cmd, str(tmp_path), *args], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = helper()
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: {cmd} {tmp_path}: cannot read or write {tmp_path / 'summary.tsv'} (No such file "
+                          "or directory); accepted: a RUN_ROOT the driver planned (trials.tsv) and started "
+                          "(summary.tsv)\n")
+    (tmp_path / "summary.tsv").write_text("trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\t"
+                                          "run_dir\tlog_dir\n")
+    out = helper()
+    if cmd == "not-run":   # summary.tsv without trials.tsv
+        assert out.returncode == 2 and out.stderr == (
+            f"sftprof: not-run {tmp_path}: cannot read or write {tmp_path / 'trials.tsv'} (No such file or "
+            "directory); accepted: a RUN_ROOT the driver planned (trials.tsv) and started (summary.tsv)\n")
+    else:                  # an empty table: nothing ran yet
+        assert out.returncode == 0 and out.stdout == "trial  status  step time  peak mem  top finding\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.tsv"]
+
+
+def test_interrupt_stops_the_whole_run(tmp_path):
+    """SIGINT to the driver (Ctrl-C) with STOP_ON_FAILURE=0 stops the running torchrun and the run: the trial is
+    recorded as interrupted, the next one as not run (it never starts), the end table is printed, exit 130, and no
+    process of the trial is left."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
+    env.update({"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
+                "STOP_ON_FAILURE": "0", "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
+                "PROFILE_FAKE_SEQ_LEN": "128", "TOTAL_STEPS": "1000000"})   # the first trial runs until stopped
+    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    names = ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"]
+    try:
+        trainer_log = None
+        while proc.poll() is None and trainer_log is None:   # the condition: the first trial's trainer has started
+            trainer_log = next((tmp_path / "fileroot").glob(f"logs/*/*/{names[0]}/trainer.log"), None)
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    assert "sftprof: SIGINT received: stopping the run\n" in err
+    assert re.search(rf"^sftprof: \[1/2\] trial {names[0]} interrupted after \d+ s \(torchrun status [1-9]\d*\); "
+                     r"1 trial\(s\) will not run$", err, re.M), err[-3000:]
+    run = tmp_path / "run"
+    rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()[1:]]
+    assert [r[:3] + r[3:4] + r[5:6] for r in rows] == [[names[0], "kernel", "0", "interrupted", "-"],
+                                                       [names[1], "kernel", "1", "not run", "-"]]
+    assert rows[0][4] != "0" and rows[1][4] == rows[1][6] == "-"
+    table = out[out.index("trial          status"):].splitlines()
+    assert table[1].startswith("kernel step 0  interrupted  ") and table[2].startswith("kernel step 1  not run      ")
+    assert not list((tmp_path / "fileroot").glob(f"logs/*/*/{names[1]}"))   # the second trial never started
+    assert "sftprof: [2/2]" not in out + err
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(tmp_path / "fileroot").encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:   # a process that ended while listed
+            pass
+    assert left == []
 
 
 def test_missing_python_interpreter_exits_2(tmp_path):

@@ -80,6 +80,10 @@ def check_weights_present(actor) -> None:
                           "Hugging Face model directory with weights")
 
 
+# JSON's names for what json.loads returns (a config.json that is not an object is named by its kind)
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The language-model part of ``config`` (``text_config`` for multimodal Qwen3.5 configs)."""
     return getattr(config, "text_config", None) or config
@@ -97,8 +101,8 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
         The (text) config, e.g. ``Qwen3MoeConfig``.
 
     Raises:
-        ModelPathError: see :func:`resolve_model_dir`; ``config.json`` is not valid JSON, its ``model_type`` is
-            not one of :data:`MODEL_TYPES`, or transformers cannot read it (each message names the file).
+        ModelPathError: see :func:`resolve_model_dir`; ``config.json`` is not valid JSON or not a JSON object, its
+            ``model_type`` is missing, not a string or not one of :data:`MODEL_TYPES`, or transformers cannot read it (each message names the file).
         ValueError: ``num_layers`` exceeds the configured number of layers.
     """
     from transformers import AutoConfig
@@ -112,8 +116,14 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
                              "Hugging Face model directory whose config.json holds the model's config") from err
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in MODEL_TYPES:
-        what = (f"has model_type {model_type!r}, a model family sftprof does not build" if isinstance(model_type, str)
-                else "names no model_type")
+        if not isinstance(raw, dict):
+            what = f"holds a JSON {_JSON_KINDS.get(type(raw), type(raw).__name__)}, not an object of config keys"
+        elif "model_type" not in raw:
+            what = "names no model_type"
+        elif not isinstance(model_type, str):
+            what = f"has model_type {model_type!r}, not a string"
+        else:
+            what = f"has model_type {model_type!r}, a model family sftprof does not build"
         raise ModelPathError(f"actor.path={path!r}: {config_file} {what}; accepted: model_type "
                              f"{' / '.join(MODEL_TYPES)} (Qwen3-MoE, Qwen3.5-MoE)")
     try:
