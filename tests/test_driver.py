@@ -505,8 +505,11 @@ def test_interrupt_stops_the_whole_run(tmp_path):
     env.update({"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
                 "STOP_ON_FAILURE": "0", "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
                 "PROFILE_FAKE_SEQ_LEN": "128", "TOTAL_STEPS": "1000000"})   # the first trial runs until stopped
+    # as from a terminal: a test runner started in the background (CI, nohup) passes SIGINT on ignored, and a
+    # non-interactive bash cannot trap a signal ignored on entry, so the child gets the default disposition back
     proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     names = ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"]
     try:
         trainer_log = None
@@ -515,7 +518,7 @@ def test_interrupt_stops_the_whole_run(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
