@@ -508,7 +508,7 @@ def test_interrupt_stops_the_whole_run(tmp_path):
     # as from a terminal: a test runner started in the background (CI, nohup) passes SIGINT on ignored, and a
     # non-interactive bash cannot trap a signal ignored on entry, so the child gets the default disposition back
     proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     names = ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"]
     try:
@@ -519,9 +519,9 @@ def test_interrupt_stops_the_whole_run(tmp_path):
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    finally:
+    finally:  # a driver that did not stop: nothing of the run may outlive the test (torchrun, trainer: same group)
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:] + err[-3000:]
     assert "sftprof: SIGINT received: stopping the run\n" in err
     assert re.search(rf"^sftprof: \[1/2\] trial {names[0]} interrupted after \d+ s \(torchrun status [1-9]\d*\); "
@@ -541,6 +541,11 @@ def test_interrupt_stops_the_whole_run(tmp_path):
             if str(tmp_path / "fileroot").encode() in cmdline.read_bytes():
                 left.append(cmdline.parent.name)
         except OSError:   # a process that ended while listed
+            pass
+    for pid in left:  # what the driver left running is named below, and does not outlive the test
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
             pass
     assert left == []
 
