@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 
-from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_recorded_kind, postprocess_trial,
+from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, postprocess_trial,
                                      resolve_profile, summary_left_unchanged)
 from sftprof.artifacts import keep_previous
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: the kind the trial's completion record names; given, a check (another kind is an "
                         "error)")
     p.add_argument("--profile-step", type=int, help="default: the step the trial's completion record names; given, a "
-                                                    "check (another step is a warning: a trial may profile several)")
+                                                    "check (a step the trial did not profile is an error)")
     p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial")
     p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
                                            "memory.used,memory.total --format=csv,nounits log")
@@ -108,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
-    try:  # refused before anything is created: a kind the trial did not record; a missing log dir without kind/step
-        if args.profile_kind is not None:
-            check_recorded_kind(args.log_dir, args.profile_kind)
-        if not os.path.isdir(args.log_dir):
-            resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
+    try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
+        resolve_profile(args.log_dir, args.profile_kind, args.profile_step)  # without kind/step
     except ValueError as exc:
         p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)

@@ -456,10 +456,11 @@ def test_trial_that_died_before_logging_still_gets_a_summary(tmp_path):
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
-def test_kind_other_than_the_trial_profiled_is_an_error_and_step_a_warning(tmp_path):
+def test_kind_or_step_other_than_the_trial_profiled_is_an_error(tmp_path):
     """A trial profiles one kind, so another --profile-kind would process it as what it is not: exit 2, naming the
-    setting, the given and the recorded kind, nothing written. The record names only the first profiled step (a
-    direct trainer run may profile several, postprocessed once per step), so another --profile-step is a warning."""
+    setting, the given and the recorded kind, nothing written. A step the trial did not profile would label another
+    step's artifacts (or none) with it: exit 2 too, naming the steps the trial's config.yaml lists (a direct trainer
+    run may profile several, each postprocessed on its own), else the one its completion record names."""
     (tmp_path / "log").mkdir()
     _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
     res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "kernel",
@@ -470,10 +471,22 @@ def test_kind_other_than_the_trial_profiled_is_an_error_and_step_a_warning(tmp_p
     assert not (tmp_path / "run").exists()
     res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-kind", "memory",
                "--profile-step", 7)
-    assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 7 has no snapshot
+    assert res.returncode == 2 and res.stderr.endswith(
+        f"error: --profile-step 7: the trial profiled step(s) [1] (the completion record in "
+        f"{tmp_path / 'log' / 'stats.jsonl'}); pass one of them or leave it out; nothing was written\n")
+    assert not (tmp_path / "run").exists()
+    # the trial's config lists every profiled step of its kind: each of them is accepted, others are not
+    (tmp_path / "log" / "config.yaml").write_text("memory_profiler:\n  profile_steps: [3, 1]\n"
+                                                  "perf_tracer:\n  profile_steps: [7]\n")
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-step", 7)
+    assert res.returncode == 2 and res.stderr.endswith(
+        f"error: --profile-step 7: the trial profiled step(s) [1, 3] (memory_profiler.profile_steps in "
+        f"{tmp_path / 'log' / 'config.yaml'}); pass one of them or leave it out; nothing was written\n")
+    assert not (tmp_path / "run").exists()
+    res = _cli("--log-dir", tmp_path / "log", "--run-dir", tmp_path / "run", "--profile-step", 3)
+    assert res.returncode == 1 and "no artifacts found" in res.stderr  # CUDA trial: step 3 has no snapshot here
     s = json.load(open(tmp_path / "run" / "profile_summary.json"))
-    assert any("profile_step=1, not the requested 7" in w["warning"] for w in s["warnings"]), s["warnings"]
-    assert "[postprocess] WARNING stats.jsonl: the trial profiled profile_step=1, not the requested 7" in res.stderr
+    assert s["profile_step"] == 3 and not any("requested" in w["warning"] for w in s["warnings"]), s["warnings"]
 
 
 def test_kind_and_step_come_from_the_trials_own_record(tmp_path, cpu_traces):

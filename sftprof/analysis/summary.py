@@ -461,8 +461,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
             (:func:`recorded_profile`). Given, it is a check: a different recorded kind is an error.
-        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a
-            different recorded step is a warning (the record names the first of several profiled steps).
+        profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a check:
+            a step the trial did not profile (:func:`profiled_steps`) is an error.
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).
         nvidia_smi_csv: the driver's nvidia-smi log (optional).
         compress: write trace views as ``.json.gz``.
@@ -478,7 +478,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
 
     Raises:
-        ValueError: unknown ``profile_kind``, one other than the trial recorded, or negative ``profile_step``, or
+        ValueError: unknown ``profile_kind``, one other than the trial recorded, negative ``profile_step`` or one
+            the trial did not profile, or
             either not given while the trial recorded none (it died before its completion record; the message says so when ``log_dir`` does
             not exist).
     """
@@ -546,7 +547,37 @@ def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[s
     check_recorded_kind(log_dir, kind)
     if step < 0:
         raise ValueError(f"--profile-step must be >= 0, got {step}")
+    check_profiled_step(log_dir, kind, step)
     return kind, step
+
+
+def profiled_steps(log_dir: str, kind: str) -> tuple[list[int], str]:
+    """The steps the trial profiled for ``kind`` and where that is written: ``<section>.profile_steps`` of the trial's
+    ``config.yaml`` (``perf_tracer`` for kernel, ``memory_profiler`` for memory), else the step of its completion
+    record in ``stats.jsonl``; ``([], "")`` when neither can be read (a trial that died early)."""
+    section = "perf_tracer" if kind == "kernel" else "memory_profiler"
+    cfg, _ = inputs.trial_config(log_dir)
+    steps = ((cfg or {}).get(section) or {}).get("profile_steps") if isinstance(cfg, dict) else None
+    if isinstance(steps, list) and steps and all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        return sorted(set(steps)), f"{section}.profile_steps in {os.path.join(log_dir, artifacts.CONFIG_YAML)}"
+    _, recorded = inputs.recorded_profile(log_dir)
+    if recorded is not None:
+        return [recorded], f"the completion record in {os.path.join(log_dir, artifacts.STATS)}"
+    return [], ""
+
+
+def check_profiled_step(log_dir: str, kind: str, step: int) -> None:
+    """Refuse a profile step the trial did not profile: its summary would label another step's trace (or no
+    artifact at all) with it. Nothing known of the trial's steps (it died before writing them): nothing to check.
+
+    Raises:
+        ValueError: ``--profile-step S: the trial profiled step(s) [..] (<where>); pass one of them or leave it
+            out; nothing was written``.
+    """
+    steps, where = profiled_steps(log_dir, kind)
+    if steps and step not in steps:
+        raise ValueError(f"--profile-step {step}: the trial profiled step(s) {steps} ({where}); pass one of them or "
+                         "leave it out; nothing was written")
 
 
 def check_recorded_kind(log_dir: str, kind: str) -> None:
@@ -649,13 +680,7 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
     errors += input_errors
     if missing_log_dir:
         errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
-    warnings = []
-    # another kind is refused (resolve_profile); another step is not: the record names the first profiled step
-    # only, and a trial run with several profile_steps is postprocessed once per step
-    recorded = complete.get("profile_step")
-    if recorded is not None and recorded != step:
-        warnings.append({"file": "stats.jsonl", "warning": f"the trial profiled profile_step={recorded!r}, "
-                                                           f"not the requested {step!r}"})
+    warnings = []  # a kind or step the trial did not profile is refused before this (resolve_profile)
     for it in items:
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):
