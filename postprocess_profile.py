@@ -28,8 +28,9 @@ import os
 import sys
 import tempfile
 
-from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, postprocess_trial,
-                                     resolve_profile, summary_left_unchanged)
+from sftprof.analysis.inputs import recorded_profile
+from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
+                                     postprocess_trial, resolve_profile, summary_left_unchanged)
 from sftprof.artifacts import keep_previous
 
 
@@ -109,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
-        resolve_profile(args.log_dir, args.profile_kind, args.profile_step)  # without kind/step
+        if not os.path.isdir(args.log_dir):  # without kind and step
+            resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
+        if args.profile_kind is not None:
+            check_recorded_kind(args.log_dir, args.profile_kind)
+        kind = args.profile_kind or recorded_profile(args.log_dir)[0]
+        if args.profile_step is not None and kind is not None:
+            check_profiled_step(args.log_dir, kind, args.profile_step)
     except ValueError as exc:
         p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)

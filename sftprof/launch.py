@@ -510,7 +510,8 @@ def _sources(d: DriverEnv, model: bool = False) -> str:
 
 
 def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
-    """The config of ``d`` (without trial settings), its model config and tokenizer path checked."""
+    """The config of ``d`` (without trial settings), its model config and the Hugging Face tokenizer a trial would
+    load (none: the bundled BPE) checked."""
     try:
         probe = load_config(d.config, d.overrides + d.extra_overrides)
     except ConfigError as err:
@@ -526,9 +527,12 @@ def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
             check_model_settings(probe, hf_config, parse_allocation_mode(probe.actor.backend))
         except ConfigError as err:
             raise DriverError(f"{err} {_sources(d, model=True)}") from err
-    if probe.tokenizer_path and not Path(probe.tokenizer_path).expanduser().is_dir():
-        raise DriverError(f"tokenizer_path={probe.tokenizer_path!r}: not a directory; accepted: a Hugging Face "
-                          "tokenizer directory, or empty for the model's tokenizer / the bundled Qwen3 BPE")
+    from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
+    try:  # a damaged Hugging Face tokenizer stops the plan, not every trial (the bundled one is the package's)
+        if hf_tokenizer_dir(probe.tokenizer_path, probe.actor.path) is not None:
+            load_tokenizer(probe.tokenizer_path, probe.actor.path, hf_config.model_type)
+    except ValueError as err:
+        raise DriverError(f"{err} (tokenizer_path / MODEL_PATH)") from err
     return probe
 
 

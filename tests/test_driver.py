@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from sftprof import launch
 
@@ -439,23 +440,65 @@ def test_missing_weights_stop_the_plan(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
-    """A trial that fails (a damaged tokenizer.json in MODEL_PATH: the trainer refuses it) with STOP_ON_FAILURE=1:
-    no time estimate for trials that will not run; summary.tsv and the end table have a `not run` row for each."""
+@pytest.mark.parametrize("damage", ["tokenizer", "single", "index", "shard"])
+def test_damaged_model_files_stop_the_plan(damage, tmp_path):
+    """A MODEL_PATH whose Hugging Face tokenizer or safetensors checkpoint (with actor.init_from_scratch=false)
+    cannot be opened stops the driver (exit 2, one line naming the file and MODEL_PATH) before anything is written
+    or launched, not each trial at its start."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
-    (model / "tokenizer.json").write_text("not a tokenizer\n")
+    args = () if damage == "tokenizer" else ("actor.init_from_scratch=false",)
+    if damage == "tokenizer":
+        (model / "tokenizer.json").write_text("not a tokenizer\n")
+        problem = (f"{model}: cannot load its Hugging Face tokenizer (JSONDecodeError: Expecting value: line 1 column 1 "
+                   "(char 0)); accepted: a directory with readable tokenizer files (tokenizer.json, tokenizer.model, "
+                   "vocab.json, tokenizer_config.json), or none of them (the bundled Qwen BPE of the model's family) "
+                   "(tokenizer_path / MODEL_PATH)")
+    elif damage == "single":
+        (model / "model.safetensors").write_bytes(b"garbage\n")
+        problem = (f"{model / 'model.safetensors'}: not a readable safetensors file: Error while deserializing "
+                   "header: header too large (MODEL_PATH / actor.path)")
+    else:
+        (model / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"a": "model-00001.safetensors", "b": "model-00002.safetensors"}}')
+        from safetensors.torch import save_file
+        save_file({"a": torch.zeros(2)}, str(model / "model-00001.safetensors"))
+        if damage == "shard":
+            (model / "model-00002.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+            problem = (f"{model / 'model-00002.safetensors'}: not a readable safetensors file: Error while "
+                       "deserializing header: ")
+        else:
+            problem = (f"{model / 'model-00002.safetensors'}: shard named by model.safetensors.index.json is missing "
+                       "(MODEL_PATH / actor.path)")
+    out = run_driver({"MODEL_PATH": str(model)}, tmp_path, *args)
+    assert out.returncode == 2, out.stderr
+    if damage == "shard":  # the parser's own words after the file name vary with the safetensors version
+        assert out.stderr.startswith("sftprof: " + problem) and out.stderr.endswith(" (MODEL_PATH / actor.path)\n")
+    else:
+        assert out.stderr == f"sftprof: {problem}\n"
+    assert out.stdout == "" and not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
+    """A trial that fails (a checkpoint whose embedding has the wrong shape: its header reads, so the plan passes,
+    and transformers refuses it when the trial loads it) with STOP_ON_FAILURE=1: no time estimate for trials that
+    will not run; summary.tsv and the end table have a `not run` row for each."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(model / "model.safetensors"))
     out = run_driver({"MODEL_PATH": str(model), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1",
                       "PROFILE_STAMP": "s", "PROFILE_FAKE_SEQ_LEN": "128"}, tmp_path, "actor.backend=fsdp:d1",
-                     timeout=300)
+                     "actor.init_from_scratch=false", timeout=300)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     run, logs = tmp_path / "run", tmp_path / "fileroot" / "logs"
     names = ["model_fake128_kernel_step0_s", "model_fake128_kernel_step1_s"]
     launcher_log = (run / names[0] / "launcher.log").read_text()
-    assert (f"sftprof: configuration error: {model}: cannot load its Hugging Face tokenizer (JSONDecodeError: "
-            "Expecting value: line 1 column 1 (char 0)); accepted: a directory with readable tokenizer files"
-            ) in launcher_log
+    assert ("[rank 0] ERROR trial failed after 0 completed step(s): RuntimeError: You set `ignore_mismatched_sizes` "
+            "to `False`, thus raising an error.") in launcher_log
     assert re.search(r"^sftprof: \[1/2\] done in \d+ s \(status 1\); 1 trial\(s\) will not run$", out.stdout, re.M)
     assert "more for" not in out.stdout and "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" in out.stderr
     rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()]
@@ -463,12 +506,13 @@ def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
                        "log_dir"]
     log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()]
     assert [r[:6] + r[7:] for r in rows[1:]] == [
-        [names[0], "kernel", "0", "1", "1", "2", str(run / names[0]), str(log_dirs[0])],
+        [names[0], "kernel", "0", "1", "1", "0", str(run / names[0]), str(log_dirs[0])],
         [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1])]]
     assert rows[2][6] == "-" and log_dirs[1].parent.parent.parent == logs
     table = out.stdout[out.stdout.index("trial          status"):].splitlines()
-    assert table[2] == "kernel step 1  not run     -          -         -"
-    assert table[1].startswith("kernel step 0  FAILED (1)  -          -         first failure: rank 0 exit code 2")
+    assert table[2] == "kernel step 1  not run     -          -          -"
+    assert table[1] == ("kernel step 0  FAILED (1)  -          n/a (CPU)  first failure: rank 0 exit code 1 (see "
+                        "profile_summary.md)")
     assert launch.record_trials_not_run(run) == []   # every trial has its row now: nothing added twice
     assert len((run / "summary.tsv").read_text().splitlines()) == 3
 

@@ -115,6 +115,15 @@ class SafetensorsCheckpoint:
             self._handles[fname] = handle
         return handle
 
+    def open_all(self) -> None:
+        """Open every shard (memory-mapped; reads only each file's header, no tensor data).
+
+        Raises:
+            CheckpointError: a shard is not a readable safetensors file (the message names it).
+        """
+        for fname in sorted(set(self._file_of.values())):
+            self._open(fname)
+
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 

@@ -60,13 +60,16 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def check_weights_present(actor) -> None:
-    """Refuse ``actor.init_from_scratch=false`` when ``actor.path`` holds no weight files (checked before launch).
+    """Refuse ``actor.init_from_scratch=false`` when ``actor.path`` holds no weight files, or safetensors files that
+    cannot be opened (checked before launch; only each shard's header is read).
 
     Args:
         actor: the ``actor`` section of the trial config (``path``, ``init_from_scratch``).
     Raises:
         ConfigError: no weight file (``*.safetensors``, ``*.bin``, ``*.pt``) in the model directory; names the
             directory and the accepted settings.
+        CheckpointError: the safetensors index is damaged or names a missing shard, or a shard's header cannot be
+            read (:class:`sftprof.models.checkpoint.SafetensorsCheckpoint`; the message names the file).
         ModelPathError: ``actor.path`` is neither a model directory nor a bundled config.
     """
     from sftprof.config import ConfigError
@@ -78,6 +81,10 @@ def check_weights_present(actor) -> None:
         raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weights ({', '.join(WEIGHT_PATTERNS)}); "
                           "accepted: actor.init_from_scratch=true (random init), or MODEL_PATH / actor.path = a "
                           "Hugging Face model directory with weights")
+    from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
+
+    if (model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file():
+        SafetensorsCheckpoint(model_dir).open_all()
 
 
 # JSON's names for what json.loads returns (a config.json that is not an object is named by its kind)
