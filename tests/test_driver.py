@@ -541,35 +541,39 @@ def test_report_and_not_run_on_a_folder_without_the_plan_exit_2_in_one_line(cmd,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.tsv"]
 
 
-def test_interrupt_stops_the_whole_run(tmp_path):
-    """SIGINT to the driver (Ctrl-C) with STOP_ON_FAILURE=0 stops the running torchrun and the run: the trial is
-    recorded as interrupted, the next one as not run (it never starts), the end table is printed, exit 130, and no
-    process of the trial is left."""
+def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
+                   to_group: bool, timeout: float) -> None:
+    """Start the driver in its own session, wait for ``started`` (a glob under the first trial's log dir) to exist,
+    send SIGINT to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check that the
+    run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit 130, and
+    no process of the run left (any left is named and killed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
-    env.update({"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
-                "STOP_ON_FAILURE": "0", "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
-                "PROFILE_FAKE_SEQ_LEN": "128", "TOTAL_STEPS": "1000000"})   # the first trial runs until stopped
+    env.update({"FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"), "STOP_ON_FAILURE": "0",
+                "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
+                "TOTAL_STEPS": "1000000"}, **env_extra)   # the first trial runs until stopped
     # as from a terminal: a test runner started in the background (CI, nohup) passes SIGINT on ignored, and a
     # non-interactive bash cannot trap a signal ignored on entry, so the child gets the default disposition back
-    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", str(DRIVER), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    names = ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"]
     try:
-        trainer_log = None
-        while proc.poll() is None and trainer_log is None:   # the condition: the first trial's trainer has started
-            trainer_log = next((tmp_path / "fileroot").glob(f"logs/*/*/{names[0]}/trainer.log"), None)
+        seen = None
+        while proc.poll() is None and seen is None:
+            seen = next((tmp_path / "fileroot").glob(f"logs/*/*/{names[0]}/{started}"), None)
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
     finally:  # a driver that did not stop: nothing of the run may outlive the test (torchrun, trainer: same group)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:] + err[-3000:]
     assert "sftprof: SIGINT received: stopping the run\n" in err
-    assert re.search(rf"^sftprof: \[1/2\] trial {names[0]} interrupted after \d+ s \(torchrun status [1-9]\d*\); "
-                     r"1 trial\(s\) will not run$", err, re.M), err[-3000:]
+    assert re.search(rf"^sftprof: \[1/2\] trial {re.escape(names[0])} interrupted after \d+ s \(torchrun status "
+                     r"[1-9]\d*\); 1 trial\(s\) will not run$", err, re.M), err[-3000:]
     run = tmp_path / "run"
     rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()[1:]]
     assert [r[:3] + r[3:4] + r[5:6] for r in rows] == [[names[0], "kernel", "0", "interrupted", "-"],
@@ -592,6 +596,28 @@ def test_interrupt_stops_the_whole_run(tmp_path):
         except OSError:
             pass
     assert left == []
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["driver", "process_group"])
+def test_interrupt_stops_the_whole_run(tmp_path, to_group):
+    """SIGINT (Ctrl-C) with STOP_ON_FAILURE=0, to the driver alone or to its process group as a terminal sends it,
+    stops the running torchrun and the run (:func:`_interrupt_run`)."""
+    _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128"}, ["actor.backend=fsdp:d1"],
+                   ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
+                   "trainer.log", to_group, timeout=120)
+
+
+@pytest.mark.gpu
+def test_interrupt_stops_a_megatron_run_on_a_gpu(tmp_path):
+    """Ctrl-C (SIGINT to the process group) during the shipped YAML's training on ``megatron:d1`` (NCCL process
+    groups, CUDA work in flight), after its first step: the run stops as on CPU and leaves no process."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _interrupt_run(tmp_path, {"PROFILE_FAKE_SEQ_LEN": "8192", "USE_PRECISION_AWARE_OPTIMIZER": "false",
+                              "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "N_GPUS_PER_NODE": "1"},
+                   ["actor.backend=megatron:d1", "actor.num_layers=2"],
+                   ["qwen3_30b_a3b_fake8192_kernel_step0_s", "qwen3_30b_a3b_fake8192_kernel_step1_s"],
+                   "stats.jsonl", to_group=True, timeout=180)
 
 
 def test_missing_python_interpreter_exits_2(tmp_path):
