@@ -85,6 +85,15 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
   torch_pid=""
   wait "$tee_pid"
   elapsed=$(( $(date +%s) - start ))
+  # torchrun signalled but not the driver (Ctrl-C to a driver started in the background, where SIGINT is ignored
+  # and cannot be trapped; a kill of torchrun): the run stops as after the driver's own trap
+  if [ "$interrupted" = 0 ] && [ "$torchrun_rc" -ne 0 ]; then
+    sig=$(grep -aoE 'SignalException: Process [0-9]+ got signal: [0-9]+' "$run_dir/$LAUNCHER_LOG" | tail -n 1)
+    if [ -n "$sig" ]; then
+      interrupted=$(( 128 + ${sig##* } ))
+      echo "sftprof: torchrun got signal ${sig##* } (not the driver): stopping the run" >&2
+    fi
+  fi
   [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null && wait "$smi_pid" 2>/dev/null
   if [ "$NNODES" -gt 1 ]; then
     "$PYTHON" -m sftprof.launch node-record "$log_dir" "$NODE_RANK" "$torchrun_rc" "$elapsed" "$NNODES" "$NPROC_PER_NODE"

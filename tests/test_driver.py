@@ -542,26 +542,29 @@ def test_report_and_not_run_on_a_folder_without_the_plan_exit_2_in_one_line(cmd,
 
 
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
-                   to_group: bool, timeout: float) -> None:
+                   to_group: bool, timeout: float, driver_ignores: bool = False) -> None:
     """Start the driver in its own session, wait for ``started`` (a glob under the first trial's log dir) to exist,
     send SIGINT to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check that the
     run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit 130, and
-    no process of the run left (any left is named and killed)."""
+    no process of the run left (any left is named and killed). ``driver_ignores``: the driver starts with SIGINT
+    ignored (as a job started with ``&`` from a script), so only torchrun and the trainer see it."""
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
     env.update({"FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"), "STOP_ON_FAILURE": "0",
                 "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
                 "TOTAL_STEPS": "1000000"}, **env_extra)   # the first trial runs until stopped
     # as from a terminal: a test runner started in the background (CI, nohup) passes SIGINT on ignored, and a
     # non-interactive bash cannot trap a signal ignored on entry, so the child gets the default disposition back
+    disposition = signal.SIG_IGN if driver_ignores else signal.SIG_DFL
     proc = subprocess.Popen(["bash", str(DRIVER), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     try:
-        seen = None
-        while proc.poll() is None and seen is None:
+        seen, deadline = None, time.monotonic() + 600
+        while proc.poll() is None and seen is None and time.monotonic() < deadline:
             seen = next((tmp_path / "fileroot").glob(f"logs/*/*/{names[0]}/{started}"), None)
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
+        assert seen is not None, f"no {started} of trial {names[0]} after 600 s"
         if to_group:
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -571,7 +574,8 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:] + err[-3000:]
-    assert "sftprof: SIGINT received: stopping the run\n" in err
+    assert ("sftprof: torchrun got signal 2 (not the driver): stopping the run\n" if driver_ignores
+            else "sftprof: SIGINT received: stopping the run\n") in err
     assert re.search(rf"^sftprof: \[1/2\] trial {re.escape(names[0])} interrupted after \d+ s \(torchrun status "
                      r"[1-9]\d*\); 1 trial\(s\) will not run$", err, re.M), err[-3000:]
     run = tmp_path / "run"
@@ -598,13 +602,15 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     assert left == []
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["driver", "process_group"])
-def test_interrupt_stops_the_whole_run(tmp_path, to_group):
+@pytest.mark.parametrize("to_group,driver_ignores", [(False, False), (True, False), (True, True)],
+                         ids=["driver", "process_group", "process_group_driver_ignores_sigint"])
+def test_interrupt_stops_the_whole_run(tmp_path, to_group, driver_ignores):
     """SIGINT (Ctrl-C) with STOP_ON_FAILURE=0, to the driver alone or to its process group as a terminal sends it,
-    stops the running torchrun and the run (:func:`_interrupt_run`)."""
+    stops the running torchrun and the run (:func:`_interrupt_run`); so does a group SIGINT that the driver ignores
+    (started in the background from a script), through torchrun's record of the signal in launcher.log."""
     _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128"}, ["actor.backend=fsdp:d1"],
                    ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
-                   "trainer.log", to_group, timeout=120)
+                   "trainer.log", to_group, timeout=120, driver_ignores=driver_ignores)
 
 
 @pytest.mark.gpu
@@ -616,7 +622,7 @@ def test_interrupt_stops_a_megatron_run_on_a_gpu(tmp_path):
     _interrupt_run(tmp_path, {"PROFILE_FAKE_SEQ_LEN": "8192", "USE_PRECISION_AWARE_OPTIMIZER": "false",
                               "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "N_GPUS_PER_NODE": "1"},
                    ["actor.backend=megatron:d1", "actor.num_layers=2"],
-                   ["qwen3_30b_a3b_fake8192_kernel_step0_s", "qwen3_30b_a3b_fake8192_kernel_step1_s"],
+                   ["qwen3_30b_a3b_fake8k_kernel_step0_s", "qwen3_30b_a3b_fake8k_kernel_step1_s"],
                    "stats.jsonl", to_group=True, timeout=180)
 
 
