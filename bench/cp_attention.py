@@ -33,9 +33,18 @@ Block kernels (``--kernels``, default all): ``cudnn`` and ``flash`` (the private
 to the query heads), ``cudnn_gqa`` and ``flash_gqa`` (the same ops given the 4 K/V heads as they are); a
 kernel that raises is reported in its row's note and left out of the timing.
 
-Exactness check (the GPU run doubles as one): for every CP rank, the max abs difference of the output and
-of the Q/K/V gradients of each blocks kernel against the masked path on the same inputs, and for each chunked
-single-GPU row against the one SDPA call, printed after the table.
+Two processes, one after the other (the table is printed by the first): the rows that call SDPA's public op
+(``single GPU causal``, ``masked``) and the rows that call its private cuDNN/flash ops (``chunked forward``,
+``blocks``). torch (2.11) keys its cached cuDNN SDPA graphs by the Q/K/V shapes and strides only, and in one
+process a graph cached by one kind of caller gave the other wrong gradients on the same shapes (dq off by 2x its
+scale at S = 8192) and, at S >= 32768, an illegal memory access (bench/NOTES.md, fifteenth session); training runs
+one kind per process. The timed calls go round-robin within each process, so ``x single`` compares rows timed in
+different processes for the private rows.
+
+Exactness check (the GPU run doubles as one): the max abs difference of the output and of the Q/K/V gradients of
+every row against a reference on the flash backend (SDPA's public op under ``sdpa_kernel(FLASH_ATTENTION)``, which
+caches no cuDNN graph): one causal call for the single-GPU rows, the masked path for the CP rows; printed after
+the table.
 
 Usage: python bench/cp_attention.py [--seq 131072] [--cp 2 [4]] [--chunks 2 4 8] [--kernels cudnn ...]
 [--layouts bhsd sbhd] [--reps 5] [--json F]
@@ -58,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sftprof.data import cp_chunk_ids, cp_shard  # noqa: E402
 
 CUDA_KERNELS = ("cudnn", "flash", "cudnn_gqa", "flash_gqa")
+PARTS = ("public", "private")  # rows of SDPA's public op / of its private ops, each part in its own process
 
 
 def causal_pairs(seq: int, cp_size: int = 1, cp_rank: int = 0) -> int:
@@ -107,6 +117,16 @@ def _cp_row(cp_size, cp_rank, method, kernel=None):
         if method == "masked":
             return cp_causal_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, method="masked")
         return blockwise_cp_attention(q, k, v, cp_size=cp_size, cp_rank=cp_rank, kernel=kernel)
+    return run
+
+
+def _on_flash(fn):
+    """``fn`` with SDPA's public op held to its flash backend (the exactness references: no cuDNN graph cache)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return fn(q, k, v)
     return run
 
 
@@ -195,7 +215,10 @@ def main() -> int:
                          "(permuted views of [s, b, heads, d], output and gradient [s, b, heads * d])")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row")
     ap.add_argument("--json", type=Path, default=None, help="write the rows and the exactness check here")
-    args = ap.parse_args()
+    ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # one process's rows (_run_parts)
+    ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    args = ap.parse_args(argv)
     if args.seq < 1 or args.reps < 1:
         ap.error(f"--seq {args.seq} and --reps {args.reps}: each must be an integer >= 1")
     for cp in args.cp:
@@ -220,6 +243,18 @@ def main() -> int:
         print("bench/cp_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
               file=sys.stderr)
         return 1
+    if args.part:
+        return _run_part(args)
+    parts = _run_parts(args, argv)
+    if parts is None:
+        return 1
+    _print_table(args, *parts)
+    return 0
+
+
+def _run_part(args) -> int:
+    """Warm up, measure and time this process's rows (``args.part``), check them against the flash references,
+    and write them to ``args.part_out``; 1 when a row faults the device."""
     torch.manual_seed(0)
     dev, s, h, g, d = torch.device("cuda"), args.seq, args.heads, args.kv_heads, args.head_dim
 
@@ -231,6 +266,14 @@ def main() -> int:
     q_full, dout_full = rand(1, h, s, d), rand(1, h, s, d, grad=False)
     full = (q_full, k, v, dout_full)
     rows, exact = [], {}
+
+    def add(name, pairs, fn, tensors, part):
+        rows.append(dict(index=len(rows), name=name, pairs=pairs, fn=fn, tensors=tensors, part=part))
+
+    def check(group, reference, candidates, tensors):  # this part's candidates only, against a flash reference
+        if candidates:
+            exact.setdefault(group, {}).update(_exactness(_on_flash(reference), candidates, tensors, group))
+
     for layout in args.layouts:
         if layout == "bhsd":
             tensors, wrap, suffix = full, (lambda fn: fn), ""
@@ -238,23 +281,24 @@ def main() -> int:
             tensors = tuple(t.detach().permute(2, 0, 1, 3).contiguous().requires_grad_() for t in (q_full, k, v))
             tensors += (dout_full.permute(2, 0, 1, 3).reshape(s, 1, h * d).contiguous(),)
             wrap, suffix = _megatron_layout, ", sbhd"
-        rows.append(dict(name=f"single GPU causal ({s}){suffix}", pairs=causal_pairs(s), fn=wrap(_single),
-                         tensors=tensors))
-        rows += [dict(name=f"single GPU, chunked forward ({n}){suffix}", pairs=causal_pairs(s),
-                      fn=wrap(_chunked(n)), tensors=tensors) for n in args.chunks]
-        exact[f"single GPU{suffix}"] = _exactness(wrap(_single), {
-            f"chunked forward ({n})": wrap(_chunked(n)) for n in args.chunks}, tensors, f"single GPU{suffix}")
+        add(f"single GPU causal ({s}){suffix}", causal_pairs(s), wrap(_single), tensors, "public")
+        for n in args.chunks:
+            add(f"single GPU, chunked forward ({n}){suffix}", causal_pairs(s), wrap(_chunked(n)), tensors, "private")
+        candidates = ({"one SDPA call": wrap(_single)} if args.part == "public" else
+                      {f"chunked forward ({n})": wrap(_chunked(n)) for n in args.chunks})
+        check(f"single GPU{suffix}", wrap(_single), candidates, tensors)
     for cp in args.cp:
         for r in range(cp):
             local = (cp_shard(q_full.detach(), cp, r, dim=2).clone().requires_grad_(), k, v,
                      cp_shard(dout_full, cp, r, dim=2).clone())
             pairs = causal_pairs(s, cp, r)
-            rows.append(dict(name=f"CP={cp} rank {r}, masked", pairs=pairs, fn=_cp_row(cp, r, "masked"), tensors=local))
-            rows += [dict(name=f"CP={cp} rank {r}, blocks ({kern})", pairs=pairs, fn=_cp_row(cp, r, "blocks", kern),
-                          tensors=local) for kern in args.kernels]
-            group = f"CP={cp} rank {r}"
-            exact[group] = _exactness(_cp_row(cp, r, "masked"), {
-                f"blocks ({kern})": _cp_row(cp, r, "blocks", kern) for kern in args.kernels}, local, group)
+            add(f"CP={cp} rank {r}, masked", pairs, _cp_row(cp, r, "masked"), local, "public")
+            for kern in args.kernels:
+                add(f"CP={cp} rank {r}, blocks ({kern})", pairs, _cp_row(cp, r, "blocks", kern), local, "private")
+            candidates = ({"masked": _cp_row(cp, r, "masked")} if args.part == "public" else
+                          {f"blocks ({kern})": _cp_row(cp, r, "blocks", kern) for kern in args.kernels})
+            check(f"CP={cp} rank {r}", _cp_row(cp, r, "masked"), candidates, local)
+    rows = [row for row in rows if row["part"] == args.part]
     for row in rows:  # warm-up and peak memory, one row after the other
         row.update(times=[], note="")
         try:
@@ -275,9 +319,40 @@ def main() -> int:
             if not row["note"]:
                 row["times"].append(time_ms(row["fn"], row["tensors"]))
                 _reset(row["tensors"])
+    args.part_out.write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, exactness=exact,
+        rows=[{k_: row.get(k_) for k_ in ("index", "name", "pairs", "times", "extra_gib", "note")} for row in rows])))
+    return 0
+
+
+def _run_parts(args, argv: list[str]) -> tuple[list[dict], dict, dict] | None:
+    """Run the public and the private part each in its own process; ``(rows in table order, exactness, header)``,
+    None when a part failed (its stderr already printed)."""
+    import subprocess
+    import tempfile
+
+    rows, exact, head = [], {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in PARTS:
+            out = Path(tmp) / f"{part}.json"
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--part", part,
+                                   "--part-out", str(out)])
+            if proc.returncode != 0:
+                print(f"bench/cp_attention.py: the {part} part stopped with status {proc.returncode}", file=sys.stderr)
+                return None
+            got = json.loads(out.read_text())
+            rows += got["rows"]
+            for group, by_kernel in got["exactness"].items():
+                exact.setdefault(group, {}).update(by_kernel)
+            head = dict(device=got["device"], torch=got["torch"])
+    return sorted(rows, key=lambda r: r["index"]), exact, head
+
+
+def _print_table(args, rows: list[dict], exact: dict, head: dict) -> None:
+    s, h, g, d = args.seq, args.heads, args.kv_heads, args.head_dim
     single_ms = statistics.median(t[1] for t in rows[0]["times"]) if rows[0]["times"] else None
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, S={s}, {h} q / {g} kv heads, head_dim {d}, "
-          f"bf16, batch 1, fwd+bwd, median of {args.reps} round-robin reps; TFLOP/s = 3.5 x 4 b h d (causal pairs)")
+    print(f"{head['device']}, torch {head['torch']}, S={s}, {h} q / {g} kv heads, head_dim {d}, bf16, batch 1, "
+          f"fwd+bwd, median of {args.reps} round-robin reps per process; TFLOP/s = 3.5 x 4 b h d (causal pairs)")
     nan = float("nan")
     print(f"{'row':<40} {'fwd ms':>8} {'fwd TF/s':>8} {'ms':>8} {'TFLOP/s':>8} {'extra GiB':>9} {'x single':>8}  note")
     out_rows = []
@@ -292,15 +367,14 @@ def main() -> int:
               f"{tflops or nan:>8.0f} {extra if extra is not None else nan:>9.2f} {ratio or nan:>8.3f}  {row['note']}")
         out_rows.append(dict(row=row["name"], fwd_ms=fwd_ms, fwd_tflops=fwd_tflops, ms=ms, tflops=tflops,
                              extra_gib=extra, ratio_to_single=ratio, pairs=row["pairs"], note=row["note"]))
-    print("exactness (max abs diff vs the reference on the same inputs: the masked path for CP rows, one SDPA call "
-          "for the single-GPU rows; bf16):")
+    print("exactness (max abs diff vs a flash-backend reference on the same inputs: the masked path for CP rows, "
+          "one SDPA call for the single-GPU rows; bf16):")
     for rank, by_kernel in exact.items():
         for kern, diffs in by_kernel.items():
             print(f"  {rank}, {kern}: " + ", ".join(
                 f"{k_}={v_:.3g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in diffs.items()))
     if args.json:
         args.json.write_text(json.dumps(dict(rows=out_rows, exactness=exact), indent=1))
-    return 0
 
 
 if __name__ == "__main__":
