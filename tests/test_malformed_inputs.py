@@ -110,7 +110,7 @@ def test_odd_snapshot_is_its_own_error(tmp_path, small_snapshot):
     s = json.load(open(tmp_path / "run" / "profile_summary.json"))
     src = log / "memory_snapshots" / "step_1" / SNAP_NAME.format(r=0)
     assert s["errors"] == [{"file": f"memory_snapshots/step_1/{SNAP_NAME.format(r=0)}",
-                            "error": f"{src}: ValueError: segments[0] is int, expected a dict"}]
+                            "error": f"{src}: ValueError: segments[0] is int, expected a dict (not archived)"}]
     assert [m["rank"] for m in s["memory_snapshots"] if "summary" in m] == [1]
 
 

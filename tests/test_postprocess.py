@@ -214,8 +214,8 @@ def test_leftover_staging_folder_is_reported_not_used(tmp_path, cpu_traces):
     assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
     s = json.load(open(run / "profile_summary.json"))
     assert s["warnings"] == [{"file": ".staging_rank0_zzz", "warning": "staging folders of an interrupted (or concurrent) "
-                              "postprocess: partial views, not part of this summary; safe to delete when no postprocess "
-                              "runs"}]
+                              "postprocess: partial views or snapshot copies, not part of this summary; safe to delete "
+                              "when no postprocess runs"}]
     assert (run / ".staging_rank0_zzz" / "chrome" / "rank0.pt.trace.json").read_text() == "{}"
 
 
@@ -298,6 +298,126 @@ def test_memory_trial(tmp_path, snapshot):
     assert row["coords"] == {"pp": 0, "dp": 0, "cp": 1, "tp": 0, "ep": 0}
     assert row["snapshot_peak_allocated_gib"] == round(ref["peak_allocated_bytes"] / 2**30, 4)
     assert row["step_ms"] == 2000.0
+
+
+H200_SNAPSHOT = REPO / "tests" / "fixtures" / "h200_sftprof_memory.snapshot.pickle.gz"
+SNAP1 = "snapshot_rank1_pp0_dp1_cp0_tp0_ep0.pickle"
+PNG1 = "snapshot_rank1_pp0_dp1_cp0_tp0_ep0.png"
+
+
+def _memory_log_dir(root, snapshot):
+    """The H200 snapshot as rank 0 (.pickle.gz, as checked in) and rank 1 (plain pickle, with a phases sidecar)."""
+    src = root / "log" / "memory_snapshots" / "step_1"
+    src.mkdir(parents=True)
+    (src / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz").write_bytes(snapshot.read_bytes())
+    (src / SNAP1).write_bytes(gzip.decompress(snapshot.read_bytes()))
+    (src / "phases_rank1.json").write_text(json.dumps({"clock": "unix_us", "phases": []}))
+    _stats(root / "log" / "stats.jsonl", kind="memory")
+    return root / "log", src
+
+
+def test_rerun_on_a_damaged_snapshot_keeps_the_earlier_archive_and_plot(tmp_path, snapshot=H200_SNAPSHOT):
+    """A rerun after rank 1's snapshot got truncated: its error, and the archived snapshot, plot and phases sidecar
+    of the earlier postprocess stay byte for byte, named in a warning; a rerun on a good snapshot replaces them."""
+    log, src = _memory_log_dir(tmp_path, snapshot)
+    run = tmp_path / "run"
+    dst = run / "memory_snapshots" / "step_1"
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["counts"] == {"traces": 0, "traces_ok": 0, "views": 0, "snapshots": 2, "plots": 2, "errors": 0,
+                           "skipped": 0}
+    assert [m["plot"] for m in s["memory_snapshots"]] == [
+        "memory_snapshots/step_1/snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png", f"memory_snapshots/step_1/{PNG1}"]
+    earlier = {n: (dst / n).read_bytes() for n in (SNAP1, PNG1, "phases_rank1.json")}
+    assert len(earlier[SNAP1]) == 1_009_092 and earlier[PNG1][:4] == b"\x89PNG"
+
+    (src / SNAP1).write_bytes((src / SNAP1).read_bytes()[:50_000])  # head -c 50000
+    (src / "phases_rank1.json").write_text(json.dumps({"clock": "unix_us", "phases": [
+        {"name": "sftprof/step", "start_us": 0, "end_us": 1}]}))
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 1
+    assert {n: (dst / n).read_bytes() for n in earlier} == earlier  # the earlier archive, byte for byte
+    s = json.load(open(run / "profile_summary.json"))
+    error = (f"ValueError: {src / SNAP1}: not a readable snapshot pickle (UnpicklingError: pickle data was truncated) "
+             "(not archived)")
+    assert s["errors"] == [{"file": f"memory_snapshots/step_1/{SNAP1}", "error": error}]
+    kept = (f"rank 1: 3 file(s) of an earlier postprocess are kept in memory_snapshots/step_1/ (not from this "
+            f"snapshot, which failed): phases_rank1.json, {SNAP1}, {PNG1}")
+    assert s["warnings"] == [
+        {"file": f"memory_snapshots/step_1/{SNAP1}", "warning": kept},
+        {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: kept as "
+                                                    "profile_summary.prev1.json"}]
+    assert f"[postprocess] WARNING memory_snapshots/step_1/{SNAP1}: {kept}" in res.stderr.splitlines()
+    m = s["memory_snapshots"][1]
+    assert m["archived"] is False and "plot" not in m and m["kept_files"] == [
+        f"memory_snapshots/step_1/{n}" for n in ("phases_rank1.json", SNAP1, PNG1)]
+    assert s["counts"]["plots"] == 1  # rank 0's, written now; rank 1's is the earlier one
+    md = (run / "profile_summary.md").read_text()
+    assert (f"Kept from an earlier postprocess (not from this snapshot): `memory_snapshots/step_1/phases_rank1.json`, "
+            f"`memory_snapshots/step_1/{SNAP1}`, `memory_snapshots/step_1/{PNG1}`") in md
+    assert sorted(os.listdir(run)) == ["memory_snapshots", "profile_summary.json", "profile_summary.md",
+                                       "profile_summary.prev1.json", "profile_summary.prev1.md"]  # no staging left
+
+    snap = safe_load_file(snapshot)  # a good, different snapshot (the newest 300 events): replaces all three
+    snap["device_traces"] = [t[-300:] for t in snap["device_traces"]]
+    good = pickle.dumps(snap, protocol=4)
+    (src / SNAP1).write_bytes(good)
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [] and [w["file"] for w in s["warnings"]] == ["profile_summary.json"]
+    assert s["counts"]["plots"] == 2 and "kept_files" not in s["memory_snapshots"][1]
+    assert (dst / SNAP1).read_bytes() == good
+    assert (dst / "phases_rank1.json").read_text() == (src / "phases_rank1.json").read_text()
+    assert (dst / PNG1).read_bytes()[:4] == b"\x89PNG" and (dst / PNG1).read_bytes() != earlier[PNG1]
+
+
+def test_first_postprocess_of_a_damaged_snapshot_archives_none_of_it(tmp_path, snapshot=H200_SNAPSHOT):
+    """No earlier archive: the truncated snapshot, its sidecar and a plot are not written to the run dir."""
+    log, src = _memory_log_dir(tmp_path, snapshot)
+    (src / SNAP1).write_bytes((src / SNAP1).read_bytes()[:50_000])
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"][0]["error"].endswith("(UnpicklingError: pickle data was truncated) (not archived)")
+    assert s["warnings"] == [] and "kept_files" not in s["memory_snapshots"][1]
+    assert sorted(os.listdir(run / "memory_snapshots" / "step_1")) == [
+        "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz", "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png"]
+    assert s["counts"]["plots"] == 1
+
+
+def test_plots_count_includes_the_model_part_plot(tmp_path):
+    """The H200 kernel trace: its model-part plot is written, linked and counted; a rerun on the trace truncated
+    keeps that plot and the views, says so, and counts no plot."""
+    log = tmp_path / "L_gpu"
+    (log / "perf_tracer").mkdir(parents=True)
+    trace = log / "perf_tracer" / "rank0.pt.trace.json.gz"
+    shutil.copy(REPO / "tests" / "fixtures" / "h200_sftprof_kernel.trace.json.gz", trace)
+    run = tmp_path / "R_gpu"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["kernel_traces"][0]["parts_plot"] == "model_parts/rank0.png"
+    assert os.listdir(run / "model_parts") == ["rank0.png"]
+    assert s["counts"] == {"traces": 1, "traces_ok": 1, "views": 5, "snapshots": 0, "plots": 1, "errors": 0,
+                           "skipped": 0}
+    assert "- counts: traces 1, traces_ok 1, views 5, snapshots 0, plots 1, errors 0, skipped 0" in (
+        run / "profile_summary.md").read_text().splitlines()
+    plot = (run / "model_parts" / "rank0.png").read_bytes()
+    trace.write_bytes(trace.read_bytes()[:100_000])
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["counts"]["plots"] == 0 and (run / "model_parts" / "rank0.png").read_bytes() == plot
+    assert s["kernel_traces"][0]["kept_files"] == ["model_parts/rank0.png"]
+    assert s["warnings"][:3] == [
+        {"file": "perf_tracer/rank0.pt.trace.json.gz", "warning": "rank 0: 5 view file(s) of an earlier postprocess are "
+                                                                  "kept in kernel_traces/ (not from this trace, which failed)"},
+        {"file": "perf_tracer/rank0.pt.trace.json.gz", "warning": "rank 0: 1 file(s) of an earlier postprocess are kept "
+                                                                  "in model_parts/ (not from this trace, which failed): "
+                                                                  "rank0.png"},
+        {"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no completion record (trial "
+                                           "status unknown)"}]
 
 
 def test_nvidia_smi_variants(tmp_path):

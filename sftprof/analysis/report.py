@@ -478,7 +478,9 @@ def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
 def _memory_snapshot(m: dict) -> list[str]:
     out = [f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n"]
     if "error" in m:
-        return out + [f"**error:** {m['error']}\n"]
+        kept = ", ".join(f"`{f}`" for f in m.get("kept_files") or [])
+        return out + [f"**error:** {m['error']}\n"] + (
+            [f"Kept from an earlier postprocess (not from this snapshot): {kept}\n"] if kept else [])
     x = m["summary"]
     out.append(f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms "
                f"of a {fmt(x['window_ms'])} ms window, phase: {fmt(x['peak_phase'])}")

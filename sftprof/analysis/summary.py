@@ -141,17 +141,20 @@ def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, 
 
 
 def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> dict:
-    """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown."""
+    """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown. A trace
+    that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``."""
     entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
     if "error" in res:
         entry["error"] = res["error"]
     if "kept_views" in res:
         entry["kept_views"] = [os.path.relpath(p, run_dir) for p in res["kept_views"]]
+    png = os.path.join(run_dir, MODEL_PARTS_DIR, f"rank{rank}.png")
+    if "views" not in res and os.path.isfile(png):  # an earlier postprocess's, left as it is: said so
+        entry["kept_files"] = [os.path.relpath(png, run_dir)]
     if "views" in res:
         entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
         entry["summary"] = res["summary"]
         if res["summary"]["parts"]["total_ms"]:
-            png = os.path.join(run_dir, MODEL_PARTS_DIR, f"rank{rank}.png")
             os.makedirs(os.path.dirname(png), exist_ok=True)
             plot_parts(res["summary"]["parts"], f"GPU time by model part, rank {rank} ({os.path.basename(src)})", png)
             entry["parts_plot"] = os.path.relpath(png, run_dir)
@@ -210,42 +213,69 @@ def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict
 
 
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
-                    max_entries: int | None) -> dict:
-    """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error."""
+                    max_entries: int | None, written: set[str]) -> dict:
+    """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
+
+    The snapshot is read, analysed and plotted from the log dir; only then are the snapshot, its plot and its rank's
+    phases sidecar moved into ``dst_dir`` (from a staging folder ``RUN_DIR/.staging_rank<r>_*``), replacing the
+    files of an earlier postprocess. A snapshot that fails (whatever it raises) is that snapshot's error and is not
+    archived (``"archived": false``, the error ends in ``(not archived...)``): no copy of it is written, and the
+    archived snapshot, plot and sidecar of an earlier postprocess under the same names stay as they are, listed in
+    ``kept_files`` (run-dir relative; a warning names them, :func:`_kept_warning`). ``written``: names this
+    postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
+    """
     rank, coords = _snapshot_rank(name)
     entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
                              "coords_from_name": coords}
     src = os.path.join(src_dir, name)
-    phases_path = os.path.join(src_dir, artifacts.phases_name(rank))
+    png_name = re.sub(r"\.pickle(\.gz)?$", ".png", name)
+    phases_name = artifacts.phases_name(rank) if rank is not None else None
+    stage = tempfile.mkdtemp(prefix=f".staging_rank{'' if rank is None else rank}_", dir=run_dir)
     try:
-        phases = None
-        if rank is not None and os.path.isfile(phases_path):
-            with open(phases_path, encoding="utf-8") as f:
-                phases = json.load(f)
-            entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, artifacts.phases_name(rank)), run_dir)
-        print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
-        summary = analyze_snapshot(safe_load_file(src), phases)
-        png = os.path.join(dst_dir, re.sub(r"\.pickle(\.gz)?$", ".png", name))
-        plot_memory(summary, f"{name} (step {step})", png)
-        summary.pop("series")
-        entry["plot"] = os.path.relpath(png, run_dir)
-        summary["history"] = history_status(summary, max_entries)
-        entry["summary"] = summary
-        entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
-    except UnsafePickleError as exc:
-        # The archive copy would be run by whoever opens it with plain pickle (torch.cuda._memory_viz does):
-        # a snapshot that calls a global the allocator's snapshots never use is not archived.
-        os.remove(os.path.join(dst_dir, name))
-        entry["error"] = _file_error(src, exc) + " (not archived: opening it with pickle would run that global)"
-        entry["archived"] = False
-    except Exception as exc:  # whatever one snapshot raises is that snapshot's error
-        entry["error"] = _file_error(src, exc)
+        try:
+            copies = {}  # name in dst_dir -> the log dir's file to copy there as it is
+            phases = None
+            if phases_name and os.path.isfile(os.path.join(src_dir, phases_name)):
+                with open(os.path.join(src_dir, phases_name), encoding="utf-8") as f:
+                    phases = json.load(f)
+                copies[phases_name] = os.path.join(src_dir, phases_name)
+            print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
+            summary = analyze_snapshot(safe_load_file(src), phases)
+            plot_memory(summary, f"{name} (step {step})", os.path.join(stage, png_name))
+            summary.pop("series")
+            summary["history"] = history_status(summary, max_entries)
+            copies[name] = src
+            for n, path in copies.items():  # the inputs, copied as they are
+                shutil.copyfile(path, os.path.join(stage, n))
+        except Exception as exc:  # whatever one snapshot raises is that snapshot's error, never the whole run's
+            why = (": opening it with pickle would run that global" if isinstance(exc, UnsafePickleError) else "")
+            # The archive copy of an unsafe one would be run by whoever opens it with plain pickle
+            # (torch.cuda._memory_viz does); a damaged one would look like a snapshot there. Neither is archived.
+            entry["error"] = _file_error(src, exc) + f" (not archived{why})"
+            entry["archived"] = False
+            kept = sorted(os.path.relpath(os.path.join(dst_dir, n), run_dir) for n in {name, png_name, phases_name}
+                          if n and n not in written and os.path.isfile(os.path.join(dst_dir, n)))
+            if kept:
+                entry["kept_files"] = kept
+            return entry
+        for n in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, n), os.path.join(dst_dir, n))
+            written.add(n)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if phases_name in copies:
+        entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
+    entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
+    entry["summary"] = summary
+    entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
     return entry
 
 
 def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
-    """``{"memory_snapshots": [...], "skipped": [...]}``: the step's snapshot dir archived to the run dir as is,
-    and each snapshot in it analysed."""
+    """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
+    that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
+    snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's
+    other files (skipped ones, sidecars of ranks without a snapshot there) are copied as they are."""
     src_dir = str(artifacts.snapshot_dir(log_dir, step))
     dst_dir = str(artifacts.snapshot_dir(run_dir, step))
     snapshots, skipped = [], []
@@ -253,17 +283,19 @@ def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
         return {"memory_snapshots": snapshots, "skipped": skipped}
     os.makedirs(dst_dir, exist_ok=True)
     names = sorted(os.listdir(src_dir))
-    for name in names:
-        if os.path.isfile(os.path.join(src_dir, name)):
-            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    snaps = [n for n in names if n.endswith(_SNAP_SUFFIXES) and os.path.isfile(os.path.join(src_dir, n))]
+    sidecars = {artifacts.phases_name(r) for r in (_snapshot_rank(n)[0] for n in snaps) if r is not None}
     max_entries = inputs.max_entries(log_dir)
+    written: set[str] = set()
     for name in names:
-        if not name.endswith(_SNAP_SUFFIXES) or not os.path.isfile(os.path.join(src_dir, name)):
-            if not artifacts.PHASES_RE.match(name):
-                skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
-                                "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
+        if name in snaps:
+            snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written))
             continue
-        snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries))
+        if not artifacts.PHASES_RE.match(name):
+            skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
+                            "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
+        if name not in sidecars and os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
     return {"memory_snapshots": snapshots, "skipped": skipped}
 
 
@@ -450,6 +482,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                       jobs: int | None = None) -> tuple[dict, int]:
     """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}`` (an earlier summary that is
     the same is left as it is, one that differs kept as ``profile_summary.prev<N>.{json,md}``: :func:`_write`).
+    A rank's views and model-part plot, and a snapshot's archived copy, plot and phases sidecar, are replaced only by
+    those of a file processed without error; a snapshot that fails is not archived, and what an earlier postprocess
+    wrote for a failed file stays, named in a warning (:func:`_kept_warnings`). ``counts["plots"]``: the PNGs this
+    postprocess wrote (memory and model-part plots).
 
     Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
     (:meth:`KernelTraceAnalyzer.summary`) and the ``ranks`` table (:func:`rank_table`), ``comm_wait``: the
@@ -511,7 +547,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
         warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
-                         "postprocess: partial views, not part of this summary; safe to delete when no postprocess runs"})
+                         "postprocess: partial views or snapshot copies, not part of this summary; safe to delete "
+                         "when no postprocess runs"})
     summary["errors"] = errors
     summary["warnings"] = warnings
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
@@ -670,6 +707,26 @@ def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
                         "summary leaves that rank out"} for r in expected if r not in have]
 
 
+def _kept_warnings(it: dict) -> list[dict]:
+    """The warnings of a trace or snapshot that failed while files an earlier postprocess wrote from it stay in the
+    run dir: its entry's ``kept_views`` (a trace's views, counted) and ``kept_files`` (a snapshot's archive, plot
+    and phases sidecar; a trace's model-part plot: named). They are not from this file."""
+    who = f"rank {it['rank']}: " if it["rank"] is not None else ""
+    what = "trace" if "source" in it else "snapshot"
+    out = []
+    if it.get("kept_views"):
+        out.append({"file": it["source"], "warning": f"{who}{len(it['kept_views'])} view file(s) of an earlier "
+                                                     f"postprocess are kept in {KERNEL_TRACES}/ (not from this trace, "
+                                                     "which failed)"})
+    if it.get("kept_files"):
+        kept = it["kept_files"]
+        out.append({"file": it.get("source") or it["file"],
+                    "warning": f"{who}{len(kept)} file(s) of an earlier postprocess are kept in "
+                               f"{os.path.dirname(kept[0])}/ (not from this {what}, which failed): "
+                               + ", ".join(os.path.basename(p) for p in kept)})
+    return out
+
+
 def _problems(summary: dict, items: list[dict], complete: dict, input_errors: list[dict],
               missing_log_dir: str | None) -> tuple[list[dict], list[dict]]:
     """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
@@ -685,9 +742,7 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):
             warnings.append({"file": it["file"], "warning": s["history"]["message"]})
-        if it.get("kept_views"):
-            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: {len(it['kept_views'])} view file(s) "
-                             "of an earlier postprocess are kept in kernel_traces/ (not from this trace, which failed)"})
+        warnings += _kept_warnings(it)
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
@@ -772,13 +827,15 @@ def _optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None
 
 
 def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict]) -> dict[str, int]:
-    """Numbers of traces (processed, ok), views, snapshots, plots, errors and skipped files."""
+    """Numbers of traces (processed, ok), views, snapshots, plots, errors and skipped files. ``plots``: the PNGs this
+    postprocess wrote (a snapshot's memory plot, a trace's model-part plot ``model_parts/rank<r>.png``), not those
+    an earlier postprocess left."""
     return {
         "traces": sum(1 for it in items if kind == "kernel"),
         "traces_ok": sum(1 for it in items if kind == "kernel" and "error" not in it),
         "views": sum(len(p) for it in items if kind == "kernel" for p in (it.get("views") or {}).values()),
         "snapshots": sum(1 for it in items if kind == "memory"),
-        "plots": sum(1 for it in items if "plot" in it),
+        "plots": sum(("plot" in it) + ("parts_plot" in it) for it in items),
         "errors": len(errors),
         "skipped": len(skipped),
     }
