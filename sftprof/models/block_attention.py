@@ -62,6 +62,13 @@ Layouts (what the ``cudnn``/``flash`` wrappers copy, and why the rest is safe). 
   own layout.
 - The flash backward makes O and dO contiguous itself (in its ``[b, s, heads, d]`` view: no copy for megatron's
   layout at batch 1), so its wrapper passes them as they are.
+- One process, one kind of cuDNN caller per Q/K/V shape: SDPA's public op and these private ops share that cache,
+  and the public op's backward does not see O/dO as these wrappers hand them over. Measured on an H200 (torch
+  2.11): a square causal call of the public op (the ``masked`` path's first chunk) and a diagonal block of
+  ``blocks`` on the same shapes in one process gave whichever ran second wrong gradients (dq off by ~2x its scale),
+  and at 32K+ tokens an illegal memory access (bench/NOTES.md, fifteenth session). Training runs one method per
+  process (``actor.megatron.cp_attention``; at CP=1 the chunked forward or the one public call for every layer of
+  a shape); ``bench/cp_attention.py`` runs the two kinds of row in separate processes.
 
 Memory beyond the masked path, per call: the expanded K/V of the largest block and, in the backward,
 their expanded gradients (``2 * b * h * n_keys * d`` elements each; neither with the ``_gqa`` kernels), the
