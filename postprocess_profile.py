@@ -6,20 +6,20 @@
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
-check: another kind than the recorded one is an error (exit 2, nothing written), another step a warning in the
-summary (the record names the first profiled step; a trial that profiled several is postprocessed once per step).
+check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
+written; the record names the first profiled step; a trial that profiled several is postprocessed once per step).
 
-Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing or holds nothing usable is
-a warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed (the summary
-still names the file and its error) or when compare finds no trials that match by kind and step (the
-report is still written), 2 on bad arguments: a --profile-kind the trial did not record; a --run-dir that
-cannot be written; a --log-dir that does
-not exist (with --profile-kind and --profile-step given, the trial's summary is still written, as failed,
-unless the run dir already holds one; otherwise nothing is written, not even the run dir); compare inputs
-that are missing or not profile summaries; an --out whose directory does not exist or that names an
-existing file (never overwritten; without --out an earlier report at the default path is kept as
-compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it is). The message names
-the file or setting.
+Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing or holds nothing usable is a
+warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed, or a trace or
+snapshot is not the trial's (another step's or rank's trace, a rank in its name at or above the trial's world
+size: not summarised; the summary still names the file and its error) or when compare finds no trials that match
+by kind and step (the report is still written), 2 on bad arguments: a --profile-kind the trial did not record; a
+--run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
+the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
+written, not even the run dir); compare inputs that are missing or not profile summaries; an --out whose
+directory does not exist or that names an existing file (never overwritten; without --out an earlier report at
+the default path is kept as compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it
+is). The message names the file or setting.
 """
 from __future__ import annotations
 

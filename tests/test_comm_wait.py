@@ -25,11 +25,12 @@ LAYOUT = {
 
 
 def _trace(rank: int, shift: float = 0.0, calls=None) -> dict:
-    """One rank's Chrome trace: the step annotation, and per kernel its launch, its collective op and itself."""
+    """One rank's Chrome trace of step 1: the step annotations, and per kernel its launch, its collective op and
+    itself."""
     nccl, gemms = LAYOUT[rank]
     calls = nccl if calls is None else calls
-    ev = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 1, "tid": 1, "ts": 0.0 + shift,
-           "dur": 1000 * S}]
+    ev = [{"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": 1, "ts": 0.0 + shift, "dur": 1000 * S}
+          for name in ("ProfilerStep#1", "sftprof/step")]  # step 1, as the trainer's traces record it
     for k, (pg, coll, t0, t1) in enumerate([(None, None, a, b) for a, b in gemms] + calls):
         corr, ext = 1000 + k, 500 + k
         ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,

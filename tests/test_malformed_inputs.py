@@ -54,11 +54,13 @@ def full_trace():
 @pytest.fixture(scope="module")
 def small_trace(full_trace):
     """The real kernel trace cut to the first 3 ms of the forward (330 events: CPU ops, CUDA API calls,
-    33 kernels, flows, annotations) + its metadata."""
+    33 kernels, flows, annotations) + its metadata, less the header's ``distributedInfo.rank`` (0), so that the
+    tests may place it as any rank's trace (a trace that records another rank than its name is that file's error)."""
     ev = full_trace["traceEvents"]
     t0 = next(e["ts"] for e in ev if e.get("name") == "sftprof/forward/mb0")
     keep = [e for e in ev if e.get("ph") == "M" or t0 <= e.get("ts", -1) < t0 + 3000]
-    return {**{k: v for k, v in full_trace.items() if k != "traceEvents"}, "traceEvents": keep}
+    info = {k: v for k, v in full_trace["distributedInfo"].items() if k != "rank"}
+    return {**{k: v for k, v in full_trace.items() if k != "traceEvents"}, "distributedInfo": info, "traceEvents": keep}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,12 @@ def small_snapshot():
     return snap
 
 
+WORLD_SIZE = 32  # the trials' world size: room for every rank the tests place (the fuzz tests' _BATCH)
+# The real kernel trace is of an earlier release, which profiled step 1 without a schedule: no ProfilerStep#1 slice
+NO_PROFILER_STEP = ("the trace holds no ProfilerStep#<N> slice (a trace of an earlier release, or not recorded with "
+                    "the trainer's profiler schedule): that it is step 1 cannot be confirmed; summarised as step 1")
+
+
 def _log_dir(root: Path, kind="kernel", status="ok", ranks=None) -> Path:
     log = root / "log"
     log.mkdir(parents=True)
@@ -77,7 +85,7 @@ def _log_dir(root: Path, kind="kernel", status="ok", ranks=None) -> Path:
              "mem_peak_allocated_gb": ranks[0]["mem_peak_allocated_gb"],
              "mem_peak_reserved_gb": ranks[0]["mem_peak_reserved_gb"], "profiled": True, "ranks": ranks},
             {"type": "complete", "status": status, "error": None if status == "ok" else "ChildFailedError",
-             "steps_done": 2, "world_size": len(ranks), "backend": "megatron", "device": "cuda",
+             "steps_done": 2, "world_size": WORLD_SIZE, "backend": "megatron", "device": "cuda",
              "profile_kind": kind, "profile_step": 1}]
     (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return log
@@ -128,7 +136,9 @@ def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):
     inv = summary["kernel_traces"][0]["summary"]["invalid_events"]
     assert (inv["total"], inv["by_kind"]) == (1, {"args not an object": 1})
     assert summary["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning":
-                                    "1 invalid events left out of every figure and view: args not an object 1"}]
+                                    "1 invalid events left out of every figure and view: args not an object 1"},
+                                   {"file": "perf_tracer/traces-r0.chrome.json", "warning": NO_PROFILER_STEP},
+                                   {"file": "perf_tracer/traces-r1.chrome.json", "warning": NO_PROFILER_STEP}]
     ok = summary["kernel_traces"][1]["summary"]["gpu"]
     assert summary["kernel_traces"][0]["summary"]["gpu"]["activities"] == ok["activities"] - 1
 
@@ -194,7 +204,8 @@ def test_impossible_times_are_counted_and_excluded(tmp_path, full_trace):
     assert 0 < k["gpu"]["busy_share_pct"] <= 100
     assert s["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning":
                               "108 invalid events left out of every figure and view: negative dur 100, "
-                              "missing ts 5, non-finite dur 3"}]
+                              "missing ts 5, non-finite dur 3"},
+                             {"file": "perf_tracer/traces-r0.chrome.json", "warning": NO_PROFILER_STEP}]
     views = str(tmp_path / "run" / "kernel_traces")
     chrome = _strict(open(view_path(views, 0, "chrome")).read())["traceEvents"]
     assert sum(e.get("cat") == "kernel" for e in chrome) == len(ok_kernels)
@@ -715,20 +726,23 @@ def test_empty_stats_and_a_step_record_without_a_step_index_are_warned(tmp_path,
     res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--profile-kind", "kernel", "--profile-step", "1")
     s = json.loads((tmp_path / "run" / "profile_summary.json").read_text())
     assert res.returncode == 0 and s["status"] == "unknown" and s["errors"] == [], res.stderr
-    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "empty: no step records and no completion record "
+    assert s["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning": NO_PROFILER_STEP},
+                             {"file": "stats.jsonl", "warning": "empty: no step records and no completion record "
                                                                 "(trial status unknown)"}]
     assert ("[postprocess] WARNING stats.jsonl: empty: no step records and no completion record (trial status "
             "unknown)") in res.stderr.splitlines()
     (log / "stats.jsonl").write_text("garbage\n" + json.dumps({"type": "step", "step": "x"}) + "\n" + good)
     s, code = postprocess_trial(str(log), str(tmp_path / "run2"), "kernel", 1, jobs=1)
     assert code == 0 and s["status"] == "ok" and [x["step"] for x in s["stats"]["steps"]] == [1]
-    assert s["warnings"] == [{"file": "stats.jsonl", "warning": "2 unparsable lines skipped (not a JSON object of a "
+    assert s["warnings"] == [{"file": "perf_tracer/traces-r0.chrome.json", "warning": NO_PROFILER_STEP},
+                             {"file": "stats.jsonl", "warning": "2 unparsable lines skipped (not a JSON object of a "
                               "known type, or a step record whose step is not a non-negative integer)"}]
     md = (tmp_path / "run2" / "profile_summary.md").read_text()
     assert "| 1 |" in md and "| x |" not in md
     (log / "stats.jsonl").write_text("garbage\n")  # nothing valid in it
     s, code = postprocess_trial(str(log), str(tmp_path / "run3"), "kernel", 1, jobs=1)
     assert code == 0 and s["warnings"] == [
+        {"file": "perf_tracer/traces-r0.chrome.json", "warning": NO_PROFILER_STEP},
         {"file": "stats.jsonl", "warning": "1 unparsable lines skipped (not a JSON object of a known type, or a step "
                                            "record whose step is not a non-negative integer)"},
         {"file": "stats.jsonl", "warning": "no valid line: no step records and no completion record (trial status "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import gpu_snapshot_fixtures, make_cpu_trace
+from fixtures import gpu_snapshot_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
@@ -27,7 +27,7 @@ def _cli(*args):
                           cwd=REPO, capture_output=True, text=True)
 
 
-def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", device="cuda"):
+def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", device="cuda", world_size=2):
     recs = []
     for s in range(step + 1 if status == "ok" else step):
         t = step_time + 0.5 * (s != step)
@@ -37,7 +37,8 @@ def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", 
                      "ranks": [{"rank": 0, "step_time_s": t, "mem_peak_allocated_gb": 3.0 + s, "mem_peak_reserved_gb": 4.0},
                                {"rank": 1, "step_time_s": t * 1.1, "mem_peak_allocated_gb": 2.5 + s,
                                 "mem_peak_reserved_gb": 4.0}]})
-    recs.append({"type": "complete", "status": status, "error": error, "steps_done": len(recs), "world_size": 2,
+    recs.append({"type": "complete", "status": status, "error": error, "steps_done": len(recs),
+                 "world_size": world_size,
                  "backend": "fsdp", "device": device, "profile_kind": kind, "profile_step": step})
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 
@@ -45,18 +46,20 @@ def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", 
 @pytest.fixture(scope="module")
 def cpu_traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("cpu_traces")
-    return [make_cpu_trace(d / "r0.json", n_mbs=2), make_cpu_trace(d / "r1.json", n_mbs=3, seed=1)]
+    # step 1 of the trials below, recorded as the trainer records it (ProfilerStep#1)
+    return [make_cpu_trace(d / "r0.json", n_mbs=2, profiler_step=True, step=1),
+            make_cpu_trace(d / "r1.json", n_mbs=3, seed=1, profiler_step=True, step=1)]
 
 
-def _kernel_log_dir(root, traces, step_time=2.0):
+def _kernel_log_dir(root, traces, step_time=2.0, world_size=2):
     log = root / "log"
     (log / "perf_tracer").mkdir(parents=True)
     for r, t in enumerate(traces):
         # rank 1 keeps the name of earlier releases (traces-r<r>.chrome.json): both are read
         shutil.copy(t, log / "perf_tracer" / (f"rank{r}.pt.trace.json" if r == 0 else f"traces-r{r}.chrome.json"))
-    _stats(log / "stats.jsonl", step_time=step_time)
+    _stats(log / "stats.jsonl", step_time=step_time, world_size=world_size)
     (log / "rank_coords.json").write_text(json.dumps(
-        {"world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp", "ranks": COORDS}))
+        {"world_size": world_size, "allocation_mode": f"fsdp:d{world_size}", "backend": "fsdp", "ranks": COORDS}))
     return log
 
 
@@ -115,7 +118,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
 
 
 def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
-    log = _kernel_log_dir(tmp_path, cpu_traces)
+    log = _kernel_log_dir(tmp_path, cpu_traces, world_size=3)  # rank 2 is one of the trial's
     data = Path(cpu_traces[0]).read_bytes()
     (log / "perf_tracer" / "rank2.pt.trace.json.gz").write_bytes(gzip.compress(data)[:-100])
     run = tmp_path / "run"
@@ -125,7 +128,9 @@ def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
     assert res.returncode == 1
     s = json.load(open(run / "profile_summary.json"))
     assert [e["file"] for e in s["errors"]] == ["perf_tracer/rank2.pt.trace.json.gz"]
-    assert "rank2.pt.trace.json.gz" in s["errors"][0]["error"] and "rank2.pt.trace" in res.stderr
+    assert s["errors"][0]["error"] == (f"TraceFormatError: {log / 'perf_tracer' / 'rank2.pt.trace.json.gz'}: corrupt "
+                                       "compressed stream (Compressed file ended before the end-of-stream marker was "
+                                       "reached) near character 0") and "rank2.pt.trace" in res.stderr
     assert s["counts"]["traces"] == 3 and s["counts"]["traces_ok"] == 2 and s["counts"]["views"] == 10
     # One folder per view, one trace per rank in each (what HTA's TraceAnalysis(trace_dir=...) needs).
     folders = ["chrome", "split_clean", "gpu_only", "cpu_only", "cuda_api_only"]
@@ -227,6 +232,91 @@ def test_second_trace_of_a_rank_is_reported(tmp_path, cpu_traces):
     s = json.load(open(run / "profile_summary.json"))
     assert s["errors"] == [{"file": "perf_tracer/traces-r0.chrome.json", "error": f"{log}/perf_tracer/traces-r0.chrome.json: "
                             "a second trace for rank 0; only rank0.pt.trace.json was processed"}]
+
+
+def test_a_trace_of_another_step_is_that_files_error(tmp_path, cpu_traces):
+    """A step-0 trace copied into a step-1 trial is its file's error, named with the steps it holds; a trace without
+    any ProfilerStep slice (earlier releases) is summarised with a warning that its step cannot be confirmed."""
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    step0 = make_cpu_trace(tmp_path / "step0.json", profiler_step=True)  # ProfilerStep#0
+    shutil.copy(step0, log / "perf_tracer" / "rank0.pt.trace.json")
+    make_cpu_trace(log / "perf_tracer" / "traces-r1.chrome.json", n_mbs=3, seed=1)  # no ProfilerStep at all
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run)  # the step from the trial's record: 1
+    assert res.returncode == 1
+    src = log / "perf_tracer" / "rank0.pt.trace.json"
+    assert (f"[postprocess] ERROR perf_tracer/rank0.pt.trace.json: {src}: the trace holds step 0 (ProfilerStep#0), "
+            "not step 1, the step postprocessed: another step's trace, not summarised as step 1"
+            ) in res.stderr.splitlines()
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["profile_step"] == 1 and s["errors"] == [{"file": "perf_tracer/rank0.pt.trace.json", "error": (
+        f"{src}: the trace holds step 0 (ProfilerStep#0), not step 1, the step postprocessed: another step's trace, "
+        "not summarised as step 1")}]
+    assert s["warnings"] == [{"file": "perf_tracer/traces-r1.chrome.json", "warning": (
+        "the trace holds no ProfilerStep#<N> slice (a trace of an earlier release, or not recorded with the trainer's "
+        "profiler schedule): that it is step 1 cannot be confirmed; summarised as step 1")}]
+    assert s["counts"]["traces"] == 2 and s["counts"]["traces_ok"] == 1 and s["counts"]["views"] == 5
+    assert "summary" not in s["kernel_traces"][0] and [r["rank"] for r in s["ranks"]["rows"]] == [1]
+    assert s["kernel_traces"][1]["summary"]["identity"] == {"profiler_steps": [], "recorded_rank": None}
+    assert os.listdir(run / "kernel_traces" / "chrome") == ["rank1.pt.trace.json"]
+    # the trial's own step-1 trace: summarised, and its identity recorded
+    shutil.copy(cpu_traces[0], src)
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 0
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["kernel_traces"][0]["summary"]["identity"] == {"profiler_steps": [1], "recorded_rank": None}
+    assert [r["rank"] for r in s["ranks"]["rows"]] == [0, 1]
+
+
+def test_a_rank_outside_the_world_size_is_that_files_error(tmp_path, cpu_traces):
+    """rank0's trace renamed rank5 in a world of 2: its file's error, not read, no row in the Ranks table."""
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    os.rename(log / "perf_tracer" / "rank0.pt.trace.json", log / "perf_tracer" / "rank5.pt.trace.json")
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": "perf_tracer/rank5.pt.trace.json", "error": (
+        f"{log}/perf_tracer/rank5.pt.trace.json: rank 5 in the file name is not a rank of the trial: its world size is "
+        "2 (the completion record in stats.jsonl); the trace was not read")}]
+    assert [r["rank"] for r in s["ranks"]["rows"]] == [1] and s["ranks"]["imbalance"]["step_ms"]["max_over_min"] is None
+    assert sorted(os.listdir(run / "kernel_traces" / "chrome")) == ["rank1.pt.trace.json"]
+    # without a completion record, the world size comes from rank_coords.json, then from config.yaml's layout
+    (log / "stats.jsonl").unlink()
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "run2", "--profile-kind", "kernel",
+                "--profile-step", 1).returncode == 1
+    s = json.load(open(tmp_path / "run2" / "profile_summary.json"))
+    assert s["errors"][0]["error"].endswith("its world size is 2 (rank_coords.json); the trace was not read")
+    (log / "rank_coords.json").unlink()
+    (log / "config.yaml").write_text("actor:\n  backend: fsdp:d4\n")
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "run3", "--profile-kind", "kernel",
+                "--profile-step", 1).returncode == 1
+    s = json.load(open(tmp_path / "run3" / "profile_summary.json"))
+    assert s["errors"][0]["error"].endswith("its world size is 4 (actor.backend='fsdp:d4' in config.yaml); the trace "
+                                            "was not read")
+
+
+def test_a_copy_of_another_ranks_trace_is_that_files_error(tmp_path):
+    """The real 2-GPU traces (distributedInfo.rank 0 and 1, ProfilerStep#2): rank 0's copied as rank 1's is rank
+    1's error, and the summary has no imbalance built on identical figures; the real pair passes."""
+    rank0, rank1 = two_gpu_sync_traces()
+    log = tmp_path / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    _stats(log / "stats.jsonl", step=2)
+    shutil.copy(rank0, log / "perf_tracer" / "rank0.pt.trace.json.gz")
+    shutil.copy(rank0, log / "perf_tracer" / "rank1.pt.trace.json.gz")
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": "perf_tracer/rank1.pt.trace.json.gz", "error": (
+        f"{log}/perf_tracer/rank1.pt.trace.json.gz: the trace records distributedInfo.rank 0 but its file name says "
+        "rank 1: another rank's trace, not summarised as rank 1")}]
+    assert s["warnings"] == [] and [r["rank"] for r in s["ranks"]["rows"]] == [0]
+    assert s["ranks"]["imbalance"]["step_ms"]["max_over_min"] is None and s["ranks"]["exposed_by_group"] is None
+    shutil.copy(rank1, log / "perf_tracer" / "rank1.pt.trace.json.gz")
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 0
+    s = json.load(open(run / "profile_summary.json"))
+    assert [t["summary"]["identity"] for t in s["kernel_traces"]] == [
+        {"profiler_steps": [2], "recorded_rank": 0}, {"profiler_steps": [2], "recorded_rank": 1}]
+    assert s["errors"] == [] and [r["rank"] for r in s["ranks"]["rows"]] == [0, 1]
 
 
 def test_failed_trial_still_gets_a_summary(tmp_path):
@@ -418,6 +508,30 @@ def test_plots_count_includes_the_model_part_plot(tmp_path):
                                                                   "rank0.png"},
         {"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no completion record (trial "
                                            "status unknown)"}]
+
+
+@pytest.mark.parametrize("snapshot", gpu_snapshot_fixtures()[:1], ids=lambda p: p.name)
+def test_snapshots_of_ranks_outside_the_world_size_are_their_files_errors(tmp_path, snapshot):
+    """Copies of rank 0's snapshot named rank8 / rank10 in a world of 2: not analysed, not archived, in no table or
+    finding (snapshots hold no rank of their own: only the world size is checked)."""
+    src = tmp_path / "log" / "memory_snapshots" / "step_1"
+    src.mkdir(parents=True)
+    raw = gzip.decompress(snapshot.read_bytes())
+    names = ["snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle", "snapshot_rank10.pickle",
+             "snapshot_rank8_pp0_dp0_cp0_tp0_ep0.pickle"]
+    for name in names:
+        (src / name).write_bytes(raw)
+    _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    run = tmp_path / "run"
+    assert _cli("--log-dir", tmp_path / "log", "--run-dir", run).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": f"memory_snapshots/step_1/{name}", "error": (
+        f"{src / name}: rank {r} in the file name is not a rank of the trial: its world size is 2 (the completion "
+        "record in stats.jsonl); not analysed (not archived)")} for name, r in zip(names[1:], (10, 8))]
+    assert [r["rank"] for r in s["ranks"]["rows"]] == [0] and s["counts"]["plots"] == 1
+    assert s["findings"] and not any("also on" in f["text"] for f in s["findings"])
+    assert sorted(os.listdir(run / "memory_snapshots" / "step_1")) == [
+        "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle", "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png"]
 
 
 def test_nvidia_smi_variants(tmp_path):

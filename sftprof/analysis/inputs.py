@@ -19,7 +19,7 @@ from sftprof import artifacts
 from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
-           "trainer_log_tail", "trial_config", "max_entries"]
+           "trainer_log_tail", "trial_config", "max_entries", "world_size"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -274,6 +274,37 @@ def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
     except OSError:
         return None, None
     return (done.profile_kind, done.profile_step) if done is not None else (None, None)
+
+
+def world_size(log_dir: str) -> tuple[int | None, str]:
+    """The trial's number of ranks and where it is read: the completion record's ``world_size`` in ``stats.jsonl``,
+    else ``rank_coords.json``'s ``world_size``, else the layout of ``actor.backend`` in ``config.yaml``
+    (:func:`sftprof.allocation.parse_allocation_mode`); ``(None, "")`` when none of them holds one (a missing,
+    damaged or other file; then no file's rank can be checked against it)."""
+    def count(v) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    try:
+        done = artifacts.read_stats(os.path.join(log_dir, artifacts.STATS)).completion
+    except OSError:
+        done = None
+    if done is not None and count(done.world_size):
+        return done.world_size, f"the completion record in {artifacts.STATS}"
+    try:
+        with open(os.path.join(log_dir, artifacts.RANK_COORDS), encoding="utf-8") as f:
+            n = count(json.load(f).get("world_size"))
+    except (OSError, ValueError, AttributeError):
+        n = None
+    if n:
+        return n, artifacts.RANK_COORDS
+    cfg, _ = trial_config(log_dir)
+    try:
+        from sftprof.allocation import parse_allocation_mode
+
+        backend = cfg["actor"]["backend"]
+        return parse_allocation_mode(backend).world_size, f"actor.backend={backend!r} in {artifacts.CONFIG_YAML}"
+    except Exception:  # no config, another schema, a layout that does not parse: the world size is unknown
+        return None, ""
 
 
 def max_entries(log_dir: str) -> int | None:

@@ -28,7 +28,8 @@ from sftprof.analysis.report import RANK_COLUMNS, render_markdown
 from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.step_breakdown import part_label, plot_parts
 from sftprof.analysis.trace_check import finite_json
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer, invalid_events_error, invalid_events_message
+from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, identity_problems, invalid_events_error,
+                                            invalid_events_message)
 from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
 from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
 
@@ -53,6 +54,18 @@ def _file_error(path: str, exc: BaseException) -> str:
     return msg if path in msg else f"{path}: {msg}"
 
 
+World = tuple[Optional[int], str]  # the trial's number of ranks and where it is read (inputs.world_size)
+
+
+def _outside_world(rank: int | None, world: World) -> str | None:
+    """The error of a trace or snapshot whose file name's rank is not a rank of the trial (``rank >= world size``:
+    a file of another trial), None when it is one or either is unknown."""
+    n, where = world
+    if rank is None or n is None or rank < n:
+        return None
+    return f"rank {rank} in the file name is not a rank of the trial: its world size is {n} ({where})"
+
+
 def _rank_views(out_dir: str, rank: int) -> list[str]:
     """Paths of rank ``rank``'s files in every view (and time-window) folder under ``out_dir``, sorted."""
     folders = os.listdir(out_dir) if os.path.isdir(out_dir) else []
@@ -61,10 +74,22 @@ def _rank_views(out_dir: str, rank: int) -> list[str]:
                   if os.path.isfile(os.path.join(out_dir, folder, name)))
 
 
-def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int) -> dict:
-    """Split one rank's trace into ``out_dir`` and summarise it. The views are written to a staging folder
-    next to ``out_dir`` and replace the rank's earlier views (other compression, other windows) only when
-    the split succeeded: a trace that fails leaves what an earlier postprocess wrote."""
+def _failed_trace(out_dir: str, rank: int, error: str) -> dict:
+    """The result of a trace that is not summarised (``error``), with the rank's views an earlier postprocess left."""
+    kept = _rank_views(out_dir, rank)
+    return {"rank": rank, "error": error, **({"kept_views": kept} if kept else {})}
+
+
+def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int, step: int,
+                   world: World) -> dict:
+    """Split one rank's trace into ``out_dir`` and summarise it as rank ``rank``'s trace of step ``step``. The views
+    are written to a staging folder next to ``out_dir`` and replace the rank's earlier views (other compression,
+    other windows) only when the split succeeded: a trace that fails leaves what an earlier postprocess wrote. So
+    does one that is not this trial's: a rank outside its world size ``world`` (not read), or a trace whose own
+    steps and rank say it is another step's or another rank's (:func:`identity_problems`)."""
+    outside = _outside_world(rank, world)
+    if outside:
+        return _failed_trace(out_dir, rank, f"{src}: {outside}; the trace was not read")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".staging_rank{rank}_", dir=parent)
@@ -77,9 +102,11 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
             summary = analyzer.summary()
             calls = summary["collectives"].pop("calls")  # matched across ranks by _kernel_part, not written
             error = invalid_events_error(summary["invalid_events"])
+            wrong, unconfirmed = identity_problems(summary["identity"], rank, step)
         except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
-            kept = _rank_views(out_dir, rank)
-            return {"rank": rank, "error": _file_error(src, exc), **({"kept_views": kept} if kept else {})}
+            return _failed_trace(out_dir, rank, _file_error(src, exc))
+        if wrong:  # another step's or rank's trace: its views and figures would stand for what they are not
+            return _failed_trace(out_dir, rank, f"{src}: {wrong}")
         for path in _rank_views(out_dir, rank):  # an earlier postprocess's (other compression, other windows)
             os.remove(path)
         views = {}
@@ -95,6 +122,8 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     out = {"rank": rank, "views": views, "summary": summary, "calls": calls}
     if error:
         out["error"] = f"{src}: {error}"
+    elif unconfirmed:
+        out["warning"] = unconfirmed
     return out
 
 
@@ -124,15 +153,15 @@ def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[dict], list[
 
 
 def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, max_view_bytes: int,
-                    jobs: int) -> list[dict]:
+                    jobs: int, step: int, world: World) -> list[dict]:
     """:func:`_process_trace` of each found trace, in ``jobs`` worker processes when more than one."""
-    args = [(src, out_dir, rank, compress, max_view_bytes) for rank, src in found]
+    args = [(src, out_dir, rank, compress, max_view_bytes, step, world) for rank, src in found]
     if jobs <= 1 or len(args) <= 1:
         return [_process_trace(*a) for a in args]
     with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
         futures = [pool.submit(_process_trace, *a) for a in args]
         results = []
-        for (src, _, rank, _, _), fut in zip(args, futures):
+        for (src, _, rank, *_), fut in zip(args, futures):
             try:
                 results.append(fut.result())
             except Exception as exc:  # a worker that died (killed, out of memory) fails its trace only
@@ -144,8 +173,9 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
     """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown. A trace
     that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``."""
     entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
-    if "error" in res:
-        entry["error"] = res["error"]
+    for key in ("error", "warning"):
+        if key in res:
+            entry[key] = res[key]
     if "kept_views" in res:
         entry["kept_views"] = [os.path.relpath(p, run_dir) for p in res["kept_views"]]
     png = os.path.join(run_dir, MODEL_PARTS_DIR, f"rank{rank}.png")
@@ -161,13 +191,16 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
     return entry
 
 
-def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int) -> dict:
+def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int, step: int,
+                 world: World) -> dict:
     """``{"kernel_traces": [...], "skipped": [...], "comm_wait": ...}``: every rank's trace split into views and
-    summarised, and the communication of the traces without errors split into waiting for the last rank and
-    transfer (:func:`sftprof.analysis.comm_wait.split`; None when no trace has a collective)."""
+    summarised as step ``step`` (:func:`_process_trace`: a trace of another step, of another rank or of a rank
+    outside the trial's world size ``world`` is that trace's error), and the communication of the traces without
+    errors split into waiting for the last rank and transfer (:func:`sftprof.analysis.comm_wait.split`; None when
+    no trace has a collective)."""
     found, traces, skipped = _find_traces(log_dir)
     out_dir = os.path.join(run_dir, KERNEL_TRACES)
-    results = _process_traces(found, out_dir, compress, max_view_bytes, jobs)
+    results = _process_traces(found, out_dir, compress, max_view_bytes, jobs, step, world)
     if os.path.isdir(out_dir):  # time-window folders of an earlier postprocess that no rank's views are in now
         for folder in os.listdir(out_dir):
             if os.path.isdir(os.path.join(out_dir, folder)) and not os.listdir(os.path.join(out_dir, folder)):
@@ -213,7 +246,7 @@ def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict
 
 
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
-                    max_entries: int | None, written: set[str]) -> dict:
+                    max_entries: int | None, written: set[str], world: World) -> dict:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
 
     The snapshot is read, analysed and plotted from the log dir; only then are the snapshot, its plot and its rank's
@@ -223,11 +256,18 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     archived snapshot, plot and sidecar of an earlier postprocess under the same names stay as they are, listed in
     ``kept_files`` (run-dir relative; a warning names them, :func:`_kept_warning`). ``written``: names this
     postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
+    A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
+    own, so the name's rank is checked only against the world size): not analysed, not archived.
     """
     rank, coords = _snapshot_rank(name)
     entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
                              "coords_from_name": coords}
     src = os.path.join(src_dir, name)
+    outside = _outside_world(rank, world)
+    if outside:
+        entry["error"] = f"{src}: {outside}; not analysed (not archived)"
+        entry["archived"] = False
+        return entry
     png_name = re.sub(r"\.pickle(\.gz)?$", ".png", name)
     phases_name = artifacts.phases_name(rank) if rank is not None else None
     stage = tempfile.mkdtemp(prefix=f".staging_rank{'' if rank is None else rank}_", dir=run_dir)
@@ -271,7 +311,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     return entry
 
 
-def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
+def _memory_part(log_dir: str, run_dir: str, step: int, world: World) -> dict:
     """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
     that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
     snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's
@@ -289,7 +329,8 @@ def _memory_part(log_dir: str, run_dir: str, step: int) -> dict:
     written: set[str] = set()
     for name in names:
         if name in snaps:
-            snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written))
+            snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written,
+                                             world))
             continue
         if not artifacts.PHASES_RE.match(name):
             skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
@@ -509,9 +550,12 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
         written: a trial that died before the trainer's first write is reported as failed, with the
         launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
-        processed, a trace's invalid events dominate it, or an ``ok`` trial lacks its artifacts; else 0. Whatever
-        one file raises is that file's error; every other file is still processed. Failed trials may
-        lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a warning.
+        processed, a trace's invalid events dominate it, a trace or snapshot is not the trial's (a trace of another
+        step or rank, :func:`sftprof.analysis.trace_summary.identity_problems`; a rank in its name at or above the
+        trial's world size, :func:`sftprof.analysis.inputs.world_size`: not summarised), or an ``ok`` trial lacks
+        its artifacts; else 0. Whatever one file raises is that file's error; every other file is still processed.
+        Failed trials may lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a
+        warning.
 
     Raises:
         ValueError: unknown ``profile_kind``, one other than the trial recorded, negative ``profile_step`` or one
@@ -672,10 +716,11 @@ def _artifacts_part(summary: dict, log_dir: str, run_dir: str, compress: bool, m
                     jobs: int) -> list[dict]:
     """Add the kernel traces (with the nvidia-smi samples of their step window) or the memory snapshots to
     ``summary``; returns their entries."""
+    world = inputs.world_size(log_dir)
     if summary["profile_kind"] == "memory":
-        summary.update(_memory_part(log_dir, run_dir, summary["profile_step"]))
+        summary.update(_memory_part(log_dir, run_dir, summary["profile_step"], world))
         return summary["memory_snapshots"]
-    summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs))
+    summary.update(_kernel_part(log_dir, run_dir, compress, max_view_bytes, jobs, summary["profile_step"], world))
     items = summary["kernel_traces"]
     windows = [t["summary"]["step_window"] for t in items if "summary" in t]
     windows = [w for w in windows if w.get("unix_start_s") is not None]
@@ -746,6 +791,8 @@ def _problems(summary: dict, items: list[dict], complete: dict, input_errors: li
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
+        if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
+            warnings.append({"file": it["source"], "warning": it["warning"]})
     stats = summary["stats"]
     if stats["bad_lines"]:
         warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped (not a "

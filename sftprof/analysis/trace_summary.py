@@ -27,6 +27,7 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from sftprof.analysis.kernel_names import COMM_PREFIX, collective_group_label, k
 
 __all__ = ["KernelTraceAnalyzer", "ActivityTable", "step_window", "gpu_time", "top_kernels", "time_by_category",
            "communication", "region_times", "top_cpu_ops", "TOP_KERNELS", "invalid_events_error",
-           "invalid_events_message", "INVALID_SHARE_LIMIT"]
+           "invalid_events_message", "INVALID_SHARE_LIMIT", "identity_problems"]
 
 TOP_KERNELS = 20
 INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
@@ -51,6 +52,7 @@ REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 STEP_REGION = artifacts.STEP
 _HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
+_PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
 
 def _int_id(v) -> int:
     """A correlation / External id as an int; -1 when absent or not an integer."""
@@ -70,6 +72,35 @@ def invalid_events_error(invalid: dict) -> str | None:
         return (f"{total} of {events} events are invalid ({invalid_events_message(invalid)}); "
                 "the trace is not usable")
     return None
+
+
+def identity_problems(identity: dict, rank: int, step: int) -> tuple[str | None, str | None]:
+    """``(error, warning)`` of a trace whose own record of its step and rank (``identity``, the summary's: sorted
+    ``profiler_steps`` and ``recorded_rank``) is checked against the rank in its file name and the step postprocessed.
+
+    The error (None when both agree) says the trace is another's: it holds ``ProfilerStep#N`` slices but none of
+    ``step`` (another step's trace, e.g. copied from another trial), or its header's ``distributedInfo.rank``
+    differs from ``rank`` (another rank's trace under this rank's name); it is then not summarised. The trainer's
+    kernel trials always record the profiled step as ``ProfilerStep#<step>`` (:mod:`sftprof.capture.kernel`) and run
+    under torch.distributed, whose rank the profiler writes to the header. A trace without any ``ProfilerStep``
+    slice (traces of earlier releases, which profiled without a schedule, such as the legacy
+    ``traces-r<r>.chrome.json``; traces recorded without a profiler schedule) gets the warning (None otherwise) that
+    its step cannot be confirmed, and is summarised as ``step``; one without ``distributedInfo.rank`` (not recorded
+    under torch.distributed) is taken for the rank its name says, without a warning.
+    """
+    steps, recorded = identity["profiler_steps"], identity["recorded_rank"]
+    wrong = []
+    if steps and step not in steps:
+        held = ", ".join(f"ProfilerStep#{s}" for s in steps)
+        wrong.append(f"the trace holds step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} ({held}), "
+                     f"not step {step}, the step postprocessed: another step's trace, not summarised as step {step}")
+    if recorded is not None and recorded != rank:
+        wrong.append(f"the trace records distributedInfo.rank {recorded} but its file name says rank {rank}: "
+                     f"another rank's trace, not summarised as rank {rank}")
+    warning = None if steps else (f"the trace holds no ProfilerStep#<N> slice (a trace of an earlier release, or not "
+                                  f"recorded with the trainer's profiler schedule): that it is step {step} cannot be "
+                                  f"confirmed; summarised as step {step}")
+    return "; ".join(wrong) or None, warning
 
 
 def invalid_events_message(invalid: dict) -> str:
@@ -175,11 +206,13 @@ class KernelTraceAnalyzer:
         self._ops = step_breakdown.OpCollector()
         self._device_name: str | None = None
         self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
+        self._recorded_rank: int | None = None  # the header's distributedInfo.rank
         if header:
             self.set_header(header)
 
     def set_header(self, header: dict) -> None:
-        """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``.
+        """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``, and the
+        rank that wrote the trace from ``header['distributedInfo']['rank']``.
 
         A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
         are then labelled by the process-group names their own events carry.
@@ -191,6 +224,8 @@ class KernelTraceAnalyzer:
         if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
             self._device_name = props[0]["name"]
         info = header.get("distributedInfo") if isinstance(header, dict) else None
+        rank = info.get("rank") if isinstance(info, dict) else None
+        self._recorded_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
         pgs = info.get("pg_config") if isinstance(info, dict) else None
         for pg in pgs if isinstance(pgs, list) else ():
             if isinstance(pg, dict) and "pg_name" in pg:
@@ -344,7 +379,10 @@ class KernelTraceAnalyzer:
     def summary(self) -> dict[str, Any]:
         """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
 
-        Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``step_window`` (:func:`step_window`),
+        Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``identity`` (what the trace says of itself:
+        ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
+        its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
+        the file name's rank and the step postprocessed), ``step_window`` (:func:`step_window`),
         ``gpu`` (:func:`gpu_time`), ``top_kernels`` (:func:`top_kernels`), ``top_cpu_ops``
         (:func:`top_cpu_ops`), ``categories`` (:func:`time_by_category`), ``communication``
         (:func:`communication`), ``regions`` (:func:`region_times`), and the step breakdown's ``parts``,
@@ -367,6 +405,9 @@ class KernelTraceAnalyzer:
                                "by_kind": dict(sorted(self._invalid.items(), key=lambda kv: (-kv[1], kv[0]))),
                                "examples": list(self._invalid_examples)},
             "view_repairs": dict(sorted(self._notes.items())),
+            "identity": {"profiler_steps": sorted({int(m.group(1)) for name, _, _ in self._profiler_steps
+                                                   if (m := _PROFILER_STEP.match(name))}),
+                         "recorded_rank": self._recorded_rank},
             "step_window": window,
             "gpu": gpu_time(table, lo, hi),
             "top_kernels": top_kernels(table),
