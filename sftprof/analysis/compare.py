@@ -21,6 +21,7 @@ from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis import inputs
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
+from sftprof.analysis.step_breakdown import exposed_groups
 from sftprof.analysis.summary import MISSING_TRACE
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs", "NO_MATCH"]
@@ -391,7 +392,7 @@ def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
             {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
             {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel)
         out += _table("exposed communication by process group", "ms", _union_rows(
-            x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel)
+            exposed_groups(x["collectives"]), exposed_groups(y["collectives"]), 100), rel)
     out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
                                                 {c["category"]: c["total_ms"] for c in y["categories"]}, 100), rel)
     out += _table("kernel (– = not in that run's top 20)", "ms",
