@@ -20,6 +20,8 @@ that are missing or not profile summaries; an --out whose directory does not exi
 existing file (never overwritten; without --out an earlier report at the default path is kept as
 compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it is). The message names
 the file or setting.
+
+<A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def _same_text(path: str, text: str) -> bool:
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
+    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
 
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
@@ -65,7 +67,7 @@ def _compare(argv: list[str]) -> int:
         report = compare_runs(args.run_a, args.run_b)
     except CompareInputError as exc:
         p.error(str(exc))
-    out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
+    out = args.out or os.path.join(args.run_b, f"compare_vs_{dir_name(args.run_a)}.md")  # "." named as its dir
     try:
         if not args.out and _same_text(out, report):  # a rerun on the same summaries: nothing new to keep
             print(f"[postprocess] {out} unchanged (it already holds this report: same inputs), left as it is",
