@@ -19,7 +19,8 @@ unless the run dir already holds one; otherwise nothing is written, not even the
 that are missing or not profile summaries; an --out whose directory does not exist or that names an
 existing file (never overwritten; without --out an earlier report at the default path is kept as
 compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it is). The message names
-the file or setting.
+the file or setting. 141 (128 + SIGPIPE) when standard output is a pipe its reader closed early (| head): what
+was to be written is written, the rest of the output is dropped without a traceback.
 
 <A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """
@@ -34,6 +35,7 @@ from sftprof.analysis.inputs import recorded_profile
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile, summary_left_unchanged)
 from sftprof.artifacts import keep_previous
+from sftprof.cli import run_main
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -150,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
