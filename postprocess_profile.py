@@ -19,7 +19,10 @@ the trial's summary is still written, as failed, unless the run dir already hold
 written, not even the run dir); compare inputs that are missing or not profile summaries; an --out whose
 directory does not exist or that names an existing file (never overwritten; without --out an earlier report at
 the default path is kept as compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it
-is). The message names the file or setting.
+is). The message names the file or setting. 141 (128 + SIGPIPE) when standard output is a pipe its reader
+closed early (| head): what was to be written is written, the rest of the output is dropped without a traceback.
+
+<A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from sftprof.analysis.inputs import recorded_profile
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile, summary_left_unchanged)
 from sftprof.artifacts import keep_previous
+from sftprof.cli import run_main
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -46,7 +50,7 @@ def _same_text(path: str, text: str) -> bool:
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
+    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
 
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
@@ -65,7 +69,7 @@ def _compare(argv: list[str]) -> int:
         report = compare_runs(args.run_a, args.run_b)
     except CompareInputError as exc:
         p.error(str(exc))
-    out = args.out or os.path.join(args.run_b, f"compare_vs_{os.path.basename(os.path.normpath(args.run_a))}.md")
+    out = args.out or os.path.join(args.run_b, f"compare_vs_{dir_name(args.run_a)}.md")  # "." named as its dir
     try:
         if not args.out and _same_text(out, report):  # a rerun on the same summaries: nothing new to keep
             print(f"[postprocess] {out} unchanged (it already holds this report: same inputs), left as it is",
@@ -148,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

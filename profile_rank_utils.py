@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from sftprof.allocation import parse_allocation_mode
+from sftprof.cli import run_main
 from sftprof.config import load_config_or_exit
 from sftprof.ranks import RankSpecError, resolve_ranks
 
@@ -32,4 +33,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

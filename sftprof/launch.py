@@ -56,6 +56,7 @@ from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.failure import headline
 from sftprof.artifacts import read_stats
+from sftprof.cli import run_main
 from sftprof.config import (DEFAULT_FILEROOT, LEGACY_LOSS_KEYS, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
                             is_folder_name, last_value_per_key, load_config, reject_repeated_keys, to_yaml,
                             trial_log_dir)
@@ -1001,4 +1002,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from sftprof import artifacts
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
+from sftprof.cli import PipeSafeStreamHandler
 from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
@@ -72,7 +73,7 @@ def _setup_logging(rank: int, log_dir: Path) -> None:
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    out = logging.StreamHandler(sys.stdout)
+    out = PipeSafeStreamHandler(sys.stdout)  # a reader that stops early (| head) is no error of the run
     out.setFormatter(fmt)
     root.addHandler(out)
     if rank == 0:

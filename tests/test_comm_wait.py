@@ -1,6 +1,9 @@
 """Communication split into waiting for the last rank and transfer, across two ranks' synthetic traces with known
 kernel times (sftprof/analysis/comm_wait.py)."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,10 @@ from sftprof.analysis.compare import compare_runs
 from sftprof.analysis.intervals import difference, union
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+
+from fixtures import two_gpu_sync_log_dir
+
+REPO = Path(__file__).resolve().parents[1]
 
 S = 100.0  # us per time unit of the layouts below: [100, 300] is 10-30 ms
 EP = {"Process Group Name": "22", "Process Group Description": "EXPERT_MODEL_PARALLEL_GROUP"}  # members: header
@@ -262,3 +269,90 @@ def test_work_spread_compares_only_ranks_that_ran_a_cell():
                  {"part": "attn_core", "label": "attention core", "layer": 0, "phase": "forward",
                   "min_ms": 99.0, "min_rank": 1, "max_ms": 100.0, "max_rank": 0, "spread_ms": 1.0}]}
     assert work_spread({0: cells[0], 3: None}) is None
+
+
+def test_excerpt_kernels_whose_launch_is_cut_off_count_in_their_group(tmp_path):
+    """The 2-GPU H200 excerpt through the CLI: the TP-CP all-reduce on rank 1 and the ETP-EP all-gather on both ranks
+    started inside ``ProfilerStep#2``, but their launching CUDA calls (and collective records) lie before the excerpt.
+    They were left out of the by-group table as "outside the step window" while the totals counted them, so the
+    0.235 ms gap was put down to EP (+0.017 ms) and the Ranks text listed no group at all."""
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), "--log-dir",
+                          str(two_gpu_sync_log_dir(tmp_path)), "--run-dir", str(run)],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    s = json.loads((run / "profile_summary.json").read_text())
+    for t in s["kernel_traces"]:  # every group of the totals has its row (all of it exposed here)
+        k = t["summary"]
+        assert k["collectives"]["exposed_by_group_ms"] == k["communication"]["by_group_ms"], t["rank"]
+        assert k["collectives"]["exposed_outside_window_ms"] == 0.0
+        assert k["parts"]["outside_window"] == 0
+    assert [(r["group"], r["collective"], r["calls"], r["gpu_ms"]) for r in s["kernel_traces"][1]["summary"][
+        "collectives"]["rows"]] == [("EP", "all_to_allv", 2, 3.9078), ("TP-CP", "?", 1, 0.2201),
+                                    ("ETP-EP", "?", 1, 0.0668)]
+    assert s["ranks"]["exposed_by_group"] == {
+        "ranks": [0, 1], "max_rank": 1, "min_rank": 0, "totals": {"0": 3.9599, "1": 4.1948}, "extra_ms": 0.235,
+        "groups": [{"group": "EP", "ms": {"0": 3.8912, "1": 3.9078}}, {"group": "ETP-EP", "ms": {"0": 0.0687,
+                                                                                                "1": 0.0668}},
+                   {"group": "TP-CP", "ms": {"0": 0.0, "1": 0.2201}}],
+        "extra_by_group": [["TP-CP", 0.22], ["EP", 0.017], ["ETP-EP", -0.002]]}
+    assert [f["text"] for f in s["findings"] if f["section"] == "#ranks"] == [
+        "rank 1 has 0.2 ms more exposed communication than rank 0 (4.2 vs 4.0 ms); the largest per-group difference "
+        "is TP-CP, +0.2 ms"]
+    # the ETP-EP call is now on both ranks' timelines and is split; rank 0's TP-CP call lies before the excerpt
+    assert [g["label"] for g in s["comm_wait"]["groups"]] == ["EP", "ETP-EP"]
+    assert s["comm_wait"]["not_split"] == [{"group": "21", "label": "TP-CP", "reason": (
+        "the member ranks ran different numbers of its calls in the step window (rank 0: 0, rank 1: 1), so they "
+        "cannot be paired")}]
+    md = (run / "profile_summary.md").read_text()
+    lines = md.splitlines()
+    start = lines.index("| group | rank 0 | rank 1 |")
+    assert lines[start:start + 5] == ["| group | rank 0 | rank 1 |", "|---|---|---|", "| EP | 3.891 | 3.908 |",
+                                      "| ETP-EP | 0.069 | 0.067 |", "| TP-CP | 0.000 | 0.220 |"]
+    assert ("Rank 1 has 0.2 ms more exposed communication than rank 0; by group (ms; groups that overlap each other "
+            "each count, so they need not add up to it): TP-CP +0.2. A collective's") in md
+    assert "): ." not in md
+    start = lines.index("### Communication by process group, rank 1")
+    table = lines[start:].index("| group | exposed ms |") + start
+    assert lines[table:table + 6] == ["| group | exposed ms |", "|---|---|", "| EP | 3.908 |", "| ETP-EP | 0.067 |",
+                                      "| TP-CP | 0.220 |", ""]
+
+
+def test_nccl_kernels_outside_the_step_window_have_a_row_of_their_own(tmp_path):
+    """Rank 0 runs a 3 ms all-reduce after its step window (counted in its exposed total, in no group of the window):
+    it is the row 'outside the step window' and, as the largest difference, the finding says so instead of naming a
+    group. Rank 1's CP kernel has no launch record (cut off): it starts in the window, so it counts in CP."""
+    log = tmp_path / "log"
+    (log / "perf_tracer").mkdir(parents=True)
+    rank0 = _trace(0, calls=LAYOUT[0][0] + [(EP, "allreduce", 1100, 1130)])
+    rank1 = _trace(1)
+    cp_corr = next(e["args"]["correlation"] for e in rank1["traceEvents"]
+                   if e["cat"] == "kernel" and e["ts"] == 600 * S)
+    rank1["traceEvents"] = [e for e in rank1["traceEvents"] if not (
+        e["cat"] == "cuda_runtime" and e["args"]["correlation"] == cp_corr)]
+    for r, trace in ((0, rank0), (1, rank1)):
+        (log / "perf_tracer" / f"rank{r}.pt.trace.json").write_text(json.dumps(trace))
+    s, rc = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert rc == 0
+    coll = [t["summary"]["collectives"] for t in s["kernel_traces"]]
+    assert [(c["exposed_by_group_ms"], c["exposed_outside_window_ms"]) for c in coll] == [
+        ({"CP": 3.0, "DP": 1.0, "EP": 16.0}, 3.0), ({"CP": 2.5, "EP": 16.0}, 0.0)]
+    assert [t["summary"]["communication"]["exposed_ms"] for t in s["kernel_traces"]] == [23.0, 18.5]
+    ex = s["ranks"]["exposed_by_group"]
+    assert ex["groups"] == [{"group": "CP", "ms": {0: 3.0, 1: 2.5}}, {"group": "DP", "ms": {0: 1.0, 1: 0.0}},
+                            {"group": "EP", "ms": {0: 16.0, 1: 16.0}},
+                            {"group": "outside the step window", "ms": {0: 3.0, 1: 0.0}}]
+    assert ex["extra_by_group"] == [("outside the step window", 3.0), ("DP", 1.0), ("CP", 0.5), ("EP", 0.0)]
+    assert [f["text"] for f in s["findings"] if f["section"] == "#ranks"] == [
+        "rank 0 has 4.5 ms more exposed communication than rank 1 (23.0 vs 18.5 ms); the largest difference, +3.0 ms, "
+        "is in NCCL kernels outside the step window, not attributed to a group"]
+    md = (tmp_path / "run" / "profile_summary.md").read_text()
+    assert "| outside the step window | 3.000 | 0.000 |" in md.splitlines()
+    assert ("by group (ms; groups that overlap each other each count, so they need not add up to it): outside the "
+            "step window +3.0, DP +1.0, CP +0.5. A collective's") in md
+    # rank 0's own table has the row; rank 1's, without such kernels, has none
+    assert md.count("| outside the step window | 3.000 |\n") == 1
+    # the call outside the window is in no timeline: the pairing is that of the test above
+    assert s["comm_wait"]["not_split"][0]["reason"] == (
+        "the member ranks ran different numbers of its calls in the step window (rank 0: 2, rank 1: 1), so they "
+        "cannot be paired")

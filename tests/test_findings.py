@@ -90,3 +90,33 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
     found, _ = sm._findings(summary, None)  # only rank 0 (the waiting rank) ran longer: no work named
     assert [f["text"] for f in found if f["section"] == "#ranks"][0].endswith("the largest per-group difference is "
                                                                               "CP, +227.8 ms")
+
+
+def test_a_gap_no_group_accounts_for_is_not_attributed_to_one():
+    """Groups that overlap each other on rank 0 but not on rank 1: the same exposed time per group, 2.0 ms apart in
+    total. No ~0 ms group is named as the cause, and the Ranks text renders no empty list."""
+    from sftprof.analysis import summary as sm
+    from sftprof.analysis.report import _ranks
+
+    groups = {0: {"CP": 3.0, "EP": 5.0}, 1: {"CP": 3.02, "EP": 5.0}}
+    totals = {0: 6.0, 1: 8.0}
+    ex = exposed_by_group(groups, totals)
+    assert (ex["max_rank"], ex["min_rank"], ex["extra_ms"], ex["extra_by_group"]) == (1, 0, 2.0, [("CP", 0.02),
+                                                                                                  ("EP", 0.0)])
+    assert fnd.exposed_gap_cause(ex) == (None, 0.2)
+    traces = [{"rank": r, "summary": dict(_kernel_summary(700.0, 0.0, 0.0, 0.0, 0.0),
+                                          communication={"exposed_ms": totals[r]},
+                                          collectives={"exposed_by_group_ms": groups[r]})} for r in (0, 1)]
+    found, _ = sm._findings({"kernel_traces": traces, "ranks": {"exposed_by_group": ex}}, None)
+    assert [f["text"] for f in found if f["section"] == "#ranks"] == [
+        "rank 1 has 2.0 ms more exposed communication than rank 0 (8.0 vs 6.0 ms); no process group accounts for it "
+        "(none differs by 0.20 ms or more), so it is not attributed to a group"]
+    md = "".join(_ranks({"ranks": {"rows": [{"rank": 0, "coords": None}, {"rank": 1, "coords": None}],
+                                   "imbalance": {}, "exposed_by_group": ex}}))
+    assert ("\nRank 1 has 2.0 ms more exposed communication than rank 0; no process group's exposed time differs "
+            "between them by 0.05 ms or more, so the difference is not attributed to a group. A collective's") in md
+    # a group under a tenth of the gap is not named either, though it differs by more than 0.05 ms
+    ex = exposed_by_group({0: {"CP": 3.0}, 1: {"CP": 3.1}}, {0: 6.0, 1: 8.0})
+    assert fnd.exposed_gap_cause(ex) == (None, 0.2)
+    assert fnd.exposed_gap_cause(exposed_by_group({0: {"CP": 3.0}, 1: {"CP": 3.2}}, {0: 6.0, 1: 8.0})) == (
+        ("CP", 0.2), 0.2)

@@ -21,9 +21,10 @@ from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis import inputs
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.report import fmt, short, table
+from sftprof.analysis.step_breakdown import exposed_groups
 from sftprof.analysis.summary import MISSING_TRACE
 
-__all__ = ["CompareInputError", "find_trials", "compare_runs", "NO_MATCH"]
+__all__ = ["CompareInputError", "find_trials", "compare_runs", "dir_name", "NO_MATCH"]
 
 _ROWS = 15  # rows per top-kernel / site table
 REPORT_TITLE = "# Profile comparison"  # first line of every report
@@ -54,6 +55,12 @@ def _load_summary(path: str) -> dict:
         raise CompareInputError(f"{path}: profile_kind={s['profile_kind']!r} / profile_step={s['profile_step']!r}: "
                                 "expected 'kernel' or 'memory' and an int")
     return s
+
+
+def dir_name(path: str) -> str:
+    """The name of the directory ``path`` names, also when it is relative (``.``, ``..``) or ends in a slash: the
+    last component of its absolute path (``compare . ../B`` run inside ``runs/A`` names A ``A``, not ``.``)."""
+    return os.path.basename(os.path.abspath(path))
 
 
 def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
@@ -238,7 +245,7 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
 def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     """The report section of one matched pair of trials: settings, step figures, per rank, kernels, memory."""
     kind, step = key
-    out = [f"## {kind} step {step}: `{os.path.basename(dir_a)}` (A) vs `{os.path.basename(dir_b)}` (B)", ""]
+    out = [f"## {kind} step {step}: `{dir_name(dir_a)}` (A) vs `{dir_name(dir_b)}` (B)", ""]
     for side, s in (("A", a), ("B", b)):
         if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
             error = (s.get("completion") or {}).get("error")
@@ -391,7 +398,7 @@ def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
             {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
             {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel)
         out += _table("exposed communication by process group", "ms", _union_rows(
-            x["collectives"]["exposed_by_group_ms"], y["collectives"]["exposed_by_group_ms"], 100), rel)
+            exposed_groups(x["collectives"]), exposed_groups(y["collectives"]), 100), rel)
     out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
                                                 {c["category"]: c["total_ms"] for c in y["categories"]}, 100), rel)
     out += _table("kernel (– = not in that run's top 20)", "ms",
@@ -438,7 +445,7 @@ def compare_runs(run_a: str, run_b: str) -> str:
     for key in sorted(set(ta) ^ set(tb)):
         side = "A" if key in ta else "B"
         out.append(f"- unmatched: {key[0]} step {key[1]} only in {side} "
-                   f"(`{os.path.basename((ta if key in ta else tb)[key][0])}`)")
+                   f"(`{dir_name((ta if key in ta else tb)[key][0])}`)")
     for side, run in (("A", run_a), ("B", run_b)):
         out += [f"- not compared: `{d}` in {side} has no {SUMMARY_JSON} (a trial not run, e.g. after STOP_ON_FAILURE, "
                 "or not postprocessed)" for d in _without_summary(run)]

@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["kernel_findings", "memory_findings", "top", "explain_estimate", "MAX_FINDINGS", "parts_heading",
-           "memory_heading"]
+           "memory_heading", "exposed_gap_cause", "EXPOSED_GAP_MIN_MS", "EXPOSED_GAP_MIN_SHARE"]
 
 MAX_FINDINGS = 5
+EXPOSED_GAP_MIN_MS = 0.05  # a per-group difference under this (0.0 at the 0.1 ms shown) is never named as a cause
+EXPOSED_GAP_MIN_SHARE = 0.1  # ... nor one under this share of the gap between the two ranks' exposed totals
 
 
 def parts_heading(rank: int) -> str:
@@ -39,6 +41,27 @@ def _anchor(heading: str) -> str:
     """GitHub-style anchor of a Markdown heading."""
     out = "".join(c for c in heading.lower() if c.isalnum() or c in " -_").replace(" ", "-")
     return "#" + out
+
+
+def exposed_gap_cause(ex: dict) -> tuple[Optional[tuple[str, float]], float]:
+    """What the gap in exposed communication between two ranks is put down to.
+
+    Args:
+        ex: the ranks table's ``exposed_by_group`` (:func:`sftprof.analysis.summary.exposed_by_group`): its
+            ``extra_ms`` (ms, the gap between the ranks' totals) and ``extra_by_group`` (``(group, ms)`` rows,
+            largest first; a row :data:`sftprof.analysis.step_breakdown.OUTSIDE_WINDOW` for the NCCL kernels
+            outside the step window).
+
+    Returns:
+        ``(row, threshold_ms)``: the largest row when its difference is at least ``threshold_ms`` =
+        max(:data:`EXPOSED_GAP_MIN_MS`, :data:`EXPOSED_GAP_MIN_SHARE` x ``extra_ms``), else None (no group
+        accounts for the gap: it is not attributed to one).
+    """
+    threshold = max(EXPOSED_GAP_MIN_MS, EXPOSED_GAP_MIN_SHARE * ex["extra_ms"])
+    rows = list(ex.get("extra_by_group") or [])
+    if rows and rows[0][1] >= threshold:
+        return (rows[0][0], rows[0][1]), threshold
+    return None, threshold
 
 
 IDLE_PLACES = 2  # places of the host wait a GPU-idle finding names at most

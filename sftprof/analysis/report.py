@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.failure import headline
 from sftprof.analysis.kernel_names import short_kernel_name
-from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES
+from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES, exposed_groups
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.analysis.views import VIEWS
 
@@ -215,10 +215,13 @@ def _ranks(s: dict) -> list[str]:
         out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]],
                          [[g["group"]] + [g["ms"][r] for r in ex["ranks"]] for g in ex["groups"]]))
         if ex["extra_ms"] > 0:
-            parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= 0.05)
+            parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= fnd.EXPOSED_GAP_MIN_MS)
+            by_group = (f"by group (ms; groups that overlap each other each count, so they need not add up to it): "
+                        f"{parts}" if parts else
+                        f"no process group's exposed time differs between them by {fnd.EXPOSED_GAP_MIN_MS} ms or "
+                        "more, so the difference is not attributed to a group")
             out.append(f"\nRank {ex['max_rank']} has {ex['extra_ms']:.1f} ms more exposed communication than rank "
-                       f"{ex['min_rank']}; by group (ms; groups that overlap each other each count, so they need not add "
-                       f"up to it): {parts}. A "
+                       f"{ex['min_rank']}; {by_group}. A "
                        "collective's kernel runs from its own rank's launch until every rank has joined, so a rank that "
                        "arrives first shows the others' lateness as exposed time: where the bytes are the same on both "
                        "ranks, the extra is load imbalance before the collective, not transfer.\n")
@@ -324,7 +327,8 @@ def _parts(t: dict) -> list[str]:
            "**no model-part ranges in this trace**: split by kernel name only")
     out = [f"\n### {fnd.parts_heading(rank)}\n",
            f"GPU time of the activities launched in the step window: {fmt(parts['total_ms'])} ms ({how}; "
-           f"{parts['outside_window']} activities launched outside the window left out)."
+           f"{parts['outside_window']} activities launched outside the window, or without a launch record starting "
+           "outside it, left out)."
            + (f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else "") + "\n",
            "Summed over layers:\n", _parts_table(parts["summed"])]
     for layer in parts["layers"]:
@@ -363,7 +367,7 @@ def _collectives_by_group(k: dict, rank: int) -> list[str]:
             table(["group", "collective", "calls", "GiB", "GPU ms", "group size", "algbw GB/s", "busbw GB/s"],
                   [[r["group"], r["collective"], r["calls"], r["gib"], r["gpu_ms"], r["group_size"],
                     r["algbw_gb_per_s"], r["busbw_gb_per_s"]] for r in coll["rows"]]),
-            table(["group", "exposed ms"], [[g, v] for g, v in coll["exposed_by_group_ms"].items()]),
+            table(["group", "exposed ms"], [[g, v] for g, v in exposed_groups(coll).items()]),
             f"{coll['note']}.\n"]
 
 

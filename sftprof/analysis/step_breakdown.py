@@ -5,7 +5,9 @@ Fed by :class:`sftprof.analysis.trace_summary.KernelTraceAnalyzer` (one streamin
 (``fwdbwd``) and CUDA runtime call goes to :meth:`OpCollector.add`; :meth:`OpCollector.analyze` then
 receives the GPU activities.
 
-Attribution of one GPU activity (kernel, memcpy, memset) launched inside the step window:
+Attribution of one GPU activity (kernel, memcpy, memset) launched inside the step window (an activity whose
+launching CUDA call is not in the trace, as in a trace cut to an excerpt or one whose host records were dropped,
+counts as launched inside it when it starts inside it: it ran in the step, and its part is then unknown):
 
 1. Its launch point is the CUDA runtime call with the same ``correlation`` id (thread, start time).
 2. The innermost interval on that thread that contains the launch point, among the model-part ranges
@@ -58,7 +60,8 @@ from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
-           "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
+           "exposed_groups", "OUTSIDE_WINDOW", "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES", "LAUNCH_GAP_US",
+           "TOP_IDLE_PLACES"]
 
 _BWD_NODE = "autograd::engine::evaluate_function: "
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -553,8 +556,8 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
     n = pts.size
     if lo is None:
         inside = np.zeros(n, dtype=bool)
-    else:
-        inside = ~np.isnan(pts) & (pts >= lo) & (pts <= hi)
+    else:  # launched in the window; without a launch record (cut off): started in it (module docstring)
+        inside = np.where(np.isnan(pts), (ts >= lo) & (ts <= hi), (pts >= lo) & (pts <= hi))
     in_opt = np.zeros(n, dtype=bool)
     for a, b in optimizer_windows:
         in_opt |= (pts >= a) & (pts <= b)
@@ -784,8 +787,15 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
 
 
 def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, pg_names, pg_members) -> dict:
-    """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group; the
-    calls' timeline per process group (:func:`sftprof.analysis.comm_wait.call_records`)."""
+    """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group and of the
+    NCCL kernels outside the step window; the calls' timeline per process group
+    (:func:`sftprof.analysis.comm_wait.call_records`).
+
+    Exposed time is counted as ``communication.exposed_ms`` counts it (:func:`sftprof.analysis.trace_summary.
+    communication`): NCCL kernel time not overlapped by any non-communication GPU activity of the trace on the same
+    device. So ``exposed_outside_window_ms`` (that total minus the exposed time of the union of the NCCL kernels in
+    the window) and the groups' rows together cover every NCCL kernel of the trace.
+    """
     end = ts + dur
     rows: dict[tuple[str, str], dict] = {}
     seen_ops: set[int] = set()
@@ -812,21 +822,51 @@ def _collectives(ops, ts, dur, devs, inside, is_comm, groups, ext, pg_names, pg_
                          "group_size": n, "algbw_gb_per_s": round(alg, 2) if alg else None,
                          "busbw_gb_per_s": round(alg * bus_factor(r["collective"], n), 2) if alg and n else None})
     exposed: dict[str, float] = defaultdict(float)
+    outside = 0.0  # exposed time of all NCCL kernels minus that of the window's (union per device)
     comp_by_dev = {}
+    labels = np.array([g or "unknown" for g in groups], dtype=object)
     for dev in np.unique(devs):
-        on = (devs == dev) & inside
+        on = devs == dev
         comp = comp_by_dev[int(dev)] = intervals.union(ts[on & ~is_comm], end[on & ~is_comm])
-        for g in sorted({groups[i] or "unknown" for i in np.flatnonzero(on & is_comm)}):
-            sel = on & is_comm & np.array([(x or "unknown") == g for x in groups], dtype=bool)
+        for g in sorted(set(labels[on & is_comm & inside].tolist())):
+            sel = on & is_comm & inside & (labels == g)
             c = intervals.union(ts[sel], end[sel])
             exposed[g] += intervals.length(*c) - intervals.intersection_length(c, comp)
+        c_all = intervals.union(ts[on & is_comm], end[on & is_comm])
+        c_in = intervals.union(ts[on & is_comm & inside], end[on & is_comm & inside])
+        outside += (intervals.length(*c_all) - intervals.intersection_length(c_all, comp)
+                    - intervals.length(*c_in) + intervals.intersection_length(c_in, comp))
     coll = [(ops.comm_ops.get(x) or {}).get("collective") or "?" for x in ext]
     calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=np.flatnonzero(inside & is_comm), ext=ext,
                                    pg_names=pg_names, labels=groups, collectives=coll, members=pg_members,
                                    comp_by_dev=comp_by_dev)
-    return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())}, "calls": calls,
+    return {"rows": out_rows, "exposed_by_group_ms": {g: _ms(v) for g, v in sorted(exposed.items())},
+            "exposed_outside_window_ms": _ms(max(outside, 0.0)), "calls": calls,
             "note": "exposed = the group's NCCL kernel time not overlapped by non-communication GPU work on "
-                    "the same device; groups that overlap each other each count their own exposed time"}
+                    "the same device; groups that overlap each other each count their own exposed time; a row "
+                    f"'{OUTSIDE_WINDOW}' (when there is any) holds the exposed time of the NCCL kernels outside the "
+                    "step window, so the rows cover every kernel of the rank's exposed communication"}
+
+
+OUTSIDE_WINDOW = "outside the step window"  # the row of exposed_groups for NCCL kernels not in the step window
+
+
+def exposed_groups(collectives: dict) -> dict[str, float]:
+    """One rank's exposed NCCL kernel time (ms) per process-group label (``unknown``: kernels without a group),
+    plus a row :data:`OUTSIDE_WINDOW` for the NCCL kernels outside the step window when they have exposed time
+    (``collectives["exposed_outside_window_ms"]``; summaries written before it have no such row).
+
+    Together the rows cover every NCCL kernel that ``communication.exposed_ms`` counts; groups that overlap each
+    other each count their own exposed time, so the rows need not add up to it.
+
+    Args:
+        collectives: the ``collectives`` member of a kernel summary (:func:`analyze`).
+    """
+    out = dict(collectives.get("exposed_by_group_ms") or {})
+    rest = collectives.get("exposed_outside_window_ms") or 0.0
+    if rest > 0:
+        out[OUTSIDE_WINDOW] = rest
+    return out
 
 
 def plot_parts(parts: dict, title: str, out_png: str) -> None:

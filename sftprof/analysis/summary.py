@@ -26,7 +26,7 @@ from sftprof.analysis.failure import first_failure
 from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.analysis.report import RANK_COLUMNS, render_markdown
 from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.analysis.step_breakdown import part_label, plot_parts
+from sftprof.analysis.step_breakdown import OUTSIDE_WINDOW, exposed_groups, part_label, plot_parts
 from sftprof.analysis.trace_check import finite_json
 from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, identity_problems, invalid_events_error,
                                             invalid_events_message)
@@ -391,7 +391,7 @@ def rank_table(summary: dict) -> dict[str, Any]:
         row["coords"] = coords.get(r)
     ordered = [rows[r] for r in sorted(rows)]
     traced = [t for t in summary.get("kernel_traces") or [] if t.get("summary") is not None and "error" not in t]
-    exposed = {t["rank"]: (t["summary"].get("collectives") or {}).get("exposed_by_group_ms") or {} for t in traced}
+    exposed = {t["rank"]: exposed_groups(t["summary"].get("collectives") or {}) for t in traced}
     exposed_total = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traced}
     imbalance = {}
     for col in RANK_COLUMNS:
@@ -452,7 +452,10 @@ def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, flo
     """Which process groups explain the difference in exposed communication between ranks.
 
     Args:
-        exposed: rank -> {process group -> exposed NCCL kernel ms} (each rank's ``exposed_by_group_ms``).
+        exposed: rank -> {process group -> exposed NCCL kernel ms} (each rank's
+            :func:`sftprof.analysis.step_breakdown.exposed_groups`: every group of its step window, and a row
+            ``outside the step window`` for its other NCCL kernels, so that the rows cover every kernel its total
+            counts).
         totals: rank -> the rank's exposed NCCL kernel ms (``communication.exposed_ms``; groups that overlap
             each other count once there, once each in ``exposed``).
 
@@ -460,13 +463,13 @@ def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, flo
         None with fewer than 2 ranks; else ``{"ranks": [...], "groups": [{"group", "ms": {rank: ms}}, ...],
         "max_rank", "min_rank", "totals", "extra_ms", "extra_by_group": [(group, ms), ...]}``: the rank with the most
         exposed communication against the one with the least (``extra_ms``: the difference of their totals),
-        and per group its ms minus theirs, largest first.
+        and per group its ms minus theirs, largest first (the ``outside the step window`` row last among equals).
     """
     if len(exposed) < 2:
         return None
     hi = max(totals, key=lambda r: (totals[r], -r))
     lo = min(totals, key=lambda r: (totals[r], r))
-    names = sorted({g for v in exposed.values() for g in v})
+    names = sorted({g for v in exposed.values() for g in v}, key=lambda g: (g == OUTSIDE_WINDOW, g))
     extra = sorted(((g, round(exposed[hi].get(g, 0.0) - exposed[lo].get(g, 0.0), 3)) for g in names),
                    key=lambda kv: -kv[1])
     return {"ranks": sorted(exposed), "groups": [{"group": g, "ms": {r: exposed[r].get(g, 0.0) for r in sorted(exposed)}}
@@ -485,10 +488,18 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
         found += f
         what += w
     ex = (summary.get("ranks") or {}).get("exposed_by_group")
-    if ex and ex["extra_ms"] > 0 and ex["extra_by_group"]:
-        g, ms = ex["extra_by_group"][0]
+    if ex and ex["extra_ms"] > 0:
         total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
         hi, lo, tot = ex["max_rank"], ex["min_rank"], ex["totals"]
+        cause, threshold = fnd.exposed_gap_cause(ex)
+        if cause is None:  # never a ~0 ms group named as the cause of a larger gap
+            said = (f"no process group accounts for it (none differs by {threshold:.2f} ms or more), so it is not "
+                    "attributed to a group")
+        elif cause[0] == OUTSIDE_WINDOW:
+            said = (f"the largest difference, +{cause[1]:.1f} ms, is in NCCL kernels outside the step window, not "
+                    "attributed to a group")
+        else:
+            said = f"the largest per-group difference is {cause[0]}, +{cause[1]:.1f} ms"
         # the rank with the least exposed communication is the one the others wait for: name its longest extra work
         spread = [w for w in ((summary.get("ranks") or {}).get("work_spread") or {}).get("rows") or []
                   if w["max_rank"] == lo]
@@ -499,8 +510,7 @@ def _findings(summary: dict, cfg: dict | None) -> tuple[list[dict], list[dict]]:
             why = (f"; rank {lo}'s own work runs longest against another rank in {w['label']}, {where}{w['phase']}: "
                    f"{w['spread_ms']:.1f} ms more than rank {w['min_rank']}")
         found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
-                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); the largest per-group difference is {g}, "
-                              f"+{ms:.1f} ms{why}",
+                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); {said}{why}",
                       "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
     for m in summary.get("memory_snapshots") or []:
         if "summary" in m and "error" not in m and m["rank"] is not None:

@@ -273,4 +273,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sftprof.cli import run_main
+
+    run_main(main)

@@ -1,0 +1,66 @@
+"""What the command-line entry points share: a quiet exit when the reader of their output goes away.
+
+``postprocess_profile.py compare A B | head -3`` closes the pipe after three lines; the next write to it raises
+``BrokenPipeError``, which Python would print as a traceback (and again, as "Exception ignored", when it flushes
+standard output at exit). :func:`run_main` follows Python's documented recipe (the ``signal`` module's note on
+SIGPIPE): catch it at the entry point, point standard output (and error) at ``/dev/null`` so that nothing else
+can raise, and exit with the status a shell gives a command stopped by a closed pipe.
+
+The trainer (``train_sft_profile.py``, one process per rank) logs to standard output through ``logging``, which
+does not raise but printed a "--- Logging error ---" traceback for every record once the pipe was closed
+(``torchrun ... | head``); its :class:`PipeSafeStreamHandler` drops them quietly instead and the step goes on (its
+records still reach ``trainer.log``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, NoReturn, Optional, TextIO
+
+__all__ = ["run_main", "PipeSafeStreamHandler", "BROKEN_PIPE_STATUS"]
+
+BROKEN_PIPE_STATUS = 141  # 128 + SIGPIPE (13): what a shell reports for a command stopped by a closed pipe
+
+
+def run_main(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Exit with ``main()``'s status (None counts as 0; a ``SystemExit`` it raises, such as argparse's exit 2,
+    passes through), or quietly with :data:`BROKEN_PIPE_STATUS` when standard output or error is a pipe whose
+    reader has closed it.
+
+    What ``main`` wrote to files before the pipe broke is kept; what it had still to print is dropped (no
+    traceback, no message).
+    """
+    try:
+        code = main()
+        sys.stdout.flush()  # a pipe closed after main's last print breaks here, inside the try, not at exit
+    except BrokenPipeError:
+        _to_devnull(sys.stdout, sys.stderr)  # the interpreter flushes both at exit: neither may raise again
+        code = BROKEN_PIPE_STATUS
+    sys.exit(code)
+
+
+class PipeSafeStreamHandler(logging.StreamHandler):
+    """A ``logging.StreamHandler`` whose stream may be a pipe its reader closes: from the first write that finds it
+    closed on, its records are dropped quietly (the stream points at ``/dev/null``) instead of a "--- Logging
+    error ---" traceback each; the process goes on, and other handlers still get every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            _to_devnull(self.stream)
+            return
+        super().handleError(record)
+
+
+def _to_devnull(*streams: TextIO) -> None:
+    """Point the file descriptors of ``streams`` at ``/dev/null``: what is still buffered or written later goes
+    nowhere, without an error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in streams:
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError, AttributeError):  # a replaced or closed stream: nothing to write to it
+                pass
+    finally:
+        os.close(devnull)

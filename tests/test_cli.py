@@ -1,0 +1,98 @@
+"""The entry points as a shell runs them: compare's default report name for a relative RUN_A, and a quiet exit when
+the reader of their output goes away (``... | head -3``), for every entry point and the trainer's log lines."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import two_gpu_sync_log_dir, two_gpu_sync_traces
+from sftprof.cli import BROKEN_PIPE_STATUS, run_main
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's sftprof, whatever the editable install points at
+
+
+def _run(args, cwd=REPO):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=ENV, capture_output=True, text=True)
+
+
+def _reader_gone(args, cwd=REPO) -> tuple[int, str]:
+    """Run ``args`` with standard output a pipe whose reader closed it before the first write (what ``| head``
+    does once it has its lines, made deterministic): ``(exit status, standard error)``."""
+    p = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    p.stderr.close()
+    return p.wait(), err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two run dirs, RUN_A and RUN_B, of the 2-GPU H200 excerpt, postprocessed by the CLI."""
+    root = tmp_path_factory.mktemp("runs")
+    log = two_gpu_sync_log_dir(root)
+    for name in ("RUN_A", "RUN_B"):
+        res = _run([REPO / "postprocess_profile.py", "--log-dir", log, "--run-dir", root / name])
+        assert res.returncode == 0, res.stderr
+    return root / "RUN_A", root / "RUN_B"
+
+
+def test_compare_names_the_report_after_run_a_also_when_it_is_given_as_dot(runs):
+    run_a, run_b = runs
+    res = _run([REPO / "postprocess_profile.py", "compare", ".", "../RUN_B"], cwd=run_a)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == "[postprocess] wrote ../RUN_B/compare_vs_RUN_A.md\n"  # was ../RUN_B/compare_vs_..md
+    assert sorted(p.name for p in run_b.glob("compare_vs_*")) == ["compare_vs_RUN_A.md"]
+    assert (run_b / "compare_vs_RUN_A.md").read_text() + "\n" == res.stdout  # print() adds a newline
+    assert res.stdout.startswith(f"# Profile comparison\n\n- A: `{run_a}`\n")
+    assert "## kernel step 2: `RUN_A` (A) vs `RUN_B` (B)" in res.stdout.splitlines()  # was `.` (A)
+    # the same run named with a trailing slash, from inside RUN_B: the same report, left as it is
+    res = _run([REPO / "postprocess_profile.py", "compare", "../RUN_A/", "."], cwd=run_b)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ("[postprocess] ./compare_vs_RUN_A.md unchanged (it already holds this report: same inputs), "
+                          "left as it is\n")
+
+
+@pytest.mark.parametrize("cmd, usual", [
+    (["postprocess_profile.py", "compare", "RUN_A", "RUN_B", "--out", "c.md"], 0),
+    (["profile_rank_utils.py", "--config", "tiny_cpu", "--profile-ranks", ""], 0),
+    (["-m", "sftprof.launch", "usage"], 0),
+    (["-m", "sftprof.analysis.trace_check", two_gpu_sync_traces()[0]], 1),  # the excerpt's cut flows: problems
+], ids=["compare", "profile_rank_utils", "launch_usage", "trace_check"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(runs, tmp_path, cmd, usual):
+    root = runs[0].parent
+    args = [REPO / cmd[0] if cmd[0].endswith(".py") else cmd[0]] + [
+        str(root / a) if a in ("RUN_A", "RUN_B") else tmp_path / a if a == "c.md" else a for a in cmd[1:]]
+    rc, err = _reader_gone(args)
+    # was: exit 1 and "Traceback ... BrokenPipeError: [Errno 32] Broken pipe"
+    assert (rc, err) == (BROKEN_PIPE_STATUS, f"[postprocess] wrote {tmp_path / 'c.md'}\n" if "c.md" in cmd else "")
+    full = _run([a if a != tmp_path / "c.md" else tmp_path / "full.md" for a in args])
+    assert full.returncode == usual and full.stdout  # with a reader: the usual status and output
+    if "c.md" in cmd:  # the report was written in full before the pipe broke
+        assert (tmp_path / "c.md").read_text() + "\n" == full.stdout
+
+
+def test_run_main_exits_with_mains_status():
+    for ret, code in ((0, 0), (1, 1), (2, 2), (None, None)):
+        with pytest.raises(SystemExit) as exc:
+            run_main(lambda: ret)
+        assert exc.value.code == code
+
+
+def test_trainer_log_lines_to_a_closed_pipe_are_dropped_quietly(tmp_path):
+    """The trainer logs to standard output (and rank 0 to trainer.log): once the pipe's reader is gone its records
+    are dropped without a "--- Logging error ---" traceback each, and the process goes on; trainer.log has them all."""
+    script = ("import logging, sys\n"
+              "from pathlib import Path\n"
+              "from sftprof.trainer import _setup_logging\n"
+              f"_setup_logging(0, Path({str(tmp_path)!r}))\n"
+              "for i in range(2000):\n"
+              "    logging.getLogger('sftprof').info('step %d', i)\n"
+              "print('went on', file=sys.stderr)\n")
+    rc, err = _reader_gone(["-c", script])
+    assert (rc, err) == (0, "went on\n")  # was: 2000 "--- Logging error ---" tracebacks
+    lines = (tmp_path / "trainer.log").read_text().splitlines()
+    assert len(lines) == 2000 and lines[-1].endswith("[rank 0] INFO step 1999")
