@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, List
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import BooleanNode
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PRESET_DIR = PACKAGE_DIR / "presets"
@@ -56,6 +56,18 @@ CP_ATTENTION_METHODS = ("masked", "blocks")
 # for the slower rank, which more chunks cannot hide). The bound refuses a typo (or a token count given here by
 # mistake) before any trial instead of a step of millions of collectives.
 MOE_ALLTOALL_CHUNKS_MAX = 64
+# Largest profile.fake_seq_len, and largest number of tokens a data-parallel rank's micro-batches hold per step
+# (train_dataset.batch_size / dp x profile.fake_seq_len): 2**27 = 134217728 tokens, 1024x the shipped 131072 and far
+# inside int32 token positions (< 2**31). The data builder holds them on every rank as int64 ids and labels and a bool
+# loss mask (17 bytes a token, sftprof.data): 2.1 GiB per rank at the bound. A longer sample is a typo:
+# PROFILE_FAKE_SEQ_LEN=99999999999999999999 launched and every rank died of MemoryError in make_fake_sample.
+TOKENS_PER_RANK_MAX = 2**27
+FAKE_SEQ_LEN_WHY = " (2**27: token positions within int32, and the fake sample every rank builds fits in memory)"
+FAKE_SEQ_LEN_ACCEPTED = f"an integer from 2 to {TOKENS_PER_RANK_MAX}{FAKE_SEQ_LEN_WHY}"
+# seed seeds NumPy as well (sftprof.trainer), which takes 0 to 2**32 - 1.
+SEED_MAX = 2**32 - 1
+# memory_profiler.max_entries: torch's _record_memory_history takes up to sys.maxsize (its default) = 2**63 - 1.
+MEMORY_MAX_ENTRIES_MAX = 2**63 - 1
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # actor.loss.path: "auto" = lm_head when lm_head_loss_chunk_size > 0, else logprobs (sftprof.loss).
 LOSS_PATHS = ("auto", "lm_head", "logprobs", "reference")
@@ -348,7 +360,9 @@ class FakeDataConfig:
 
     def check(self) -> None:
         """Raises ConfigError: a value out of range (``profile.*``)."""
-        _at_least(self, "profile", {"fake_seq_len": (2, "an integer >= 2"), "fake_dataset_size": (1, "an integer >= 1")})
+        _check(2 <= self.fake_seq_len <= TOKENS_PER_RANK_MAX, "profile.fake_seq_len", self.fake_seq_len,
+               FAKE_SEQ_LEN_ACCEPTED)
+        _at_least(self, "profile", {"fake_dataset_size": (1, "an integer >= 1")})
         _check(0 <= self.fake_loss_start_ratio < 1, "profile.fake_loss_start_ratio", self.fake_loss_start_ratio,
                "a number in [0, 1)")
 
@@ -403,7 +417,8 @@ class MemoryProfilerConfig:
     def check(self) -> None:
         """Raises ConfigError: a negative step, a malformed rank spec or ``max_entries`` < 1."""
         _check_profile_section("memory_profiler", self.profile_steps, self.ranks)
-        _check(self.max_entries >= 1, "memory_profiler.max_entries", self.max_entries, "an integer >= 1")
+        _check(1 <= self.max_entries <= MEMORY_MAX_ENTRIES_MAX, "memory_profiler.max_entries", self.max_entries,
+               f"an integer from 1 to {MEMORY_MAX_ENTRIES_MAX} (2**63 - 1, what torch's allocator history takes)")
 
 
 @dataclass
@@ -492,6 +507,70 @@ def _is_interpolation(value: Any) -> bool:
     return isinstance(value, str) and "${" in value
 
 
+# What a key takes, where its type alone says too little (a value of the wrong shape is refused with it).
+ACCEPTED_BY_KEY = {
+    "actor.backend": "an allocation mode BACKEND:LAYOUT, e.g. fsdp:d2, megatron:d2t2p2 or megatron:(attn:d2c4|ffn:d1e8)",
+    "actor.megatron.recompute_modules": f"a list in brackets of {list(RECOMPUTE_MODULES)}, e.g. [core_attn]",
+    "perf_tracer.profile_steps": "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)",
+    "memory_profiler.profile_steps": "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)",
+}
+# What YAML made of a value, in a message
+_SHAPES = {dict: "a mapping", list: "a list", str: "text", int: "a number", float: "a number", bool: "a boolean"}
+_LEAF_ACCEPTED = {StringNode: "a text value", IntegerNode: "an integer", FloatNode: "a number",
+                  BooleanNode: "true or false"}
+
+
+def _shape_accepted(node: Any, key: str) -> tuple[str, str]:
+    """``(shape, accepted)`` of schema ``node`` at dotted ``key``: e.g. ``("a list", "a list of step numbers ...")``."""
+    if isinstance(node, DictConfig):
+        first = next(iter(node.keys()), "key")
+        return "a section", f"keys below it, e.g. {key}.{first}=..."
+    if isinstance(node, ListConfig):
+        item = {int: "integers", str: "names", float: "numbers"}.get(node._metadata.element_type, "values")
+        return "a list", ACCEPTED_BY_KEY.get(key, f"a list of {item} in brackets, e.g. [a,b] ([] for none)")
+    wanted = {StringNode: "text", IntegerNode: "a number", FloatNode: "a number", BooleanNode: "a boolean"}.get(
+        type(node), "a single value")
+    return wanted, ACCEPTED_BY_KEY.get(key, _LEAF_ACCEPTED.get(type(node), "a single value"))
+
+
+def _check_value_shapes(tree: Any, node: Any, raw: dict[str, str], prefix: str = "") -> None:
+    """Refuse a value of the wrong shape for a key of the schema ``node`` in one config source ``tree``: a mapping or
+    list for a single-value key (``actor.backend=megatron:``, which YAML reads as ``{'megatron': None}``), anything
+    but a list for a list key (``perf_tracer.profile_steps=abc``), anything but a mapping for a section
+    (``actor=3``). OmegaConf's own messages for these name the key but not what it takes (``Cannot convert
+    'DictConfig' to string``), and a mapping for a list key ended in a bare ``TypeError``. ``raw`` maps the
+    dotted keys of command-line overrides to the text given (shown instead of what YAML made of it).
+
+    Raises:
+        ConfigError: ``KEY=VALUE: read as <shape> (<value>), not <shape>; accepted: <what KEY takes>``.
+    """
+    if not isinstance(tree, dict) or not isinstance(node, DictConfig):
+        return
+    for key, value in tree.items():
+        try:
+            child = node._get_node(key)
+        except OmegaConfBaseException:  # an unknown key: the merge names it
+            continue
+        dotted = f"{prefix}{key}"
+        if child is None or _is_interpolation(value):
+            continue
+        if isinstance(child, DictConfig) and isinstance(value, dict):
+            _check_value_shapes(value, child, raw, f"{dotted}.")
+            continue
+        wanted, accepted = _shape_accepted(child, dotted)
+        if value is None and isinstance(child, (DictConfig, ListConfig)):
+            raise ConfigError(f"{dotted}: empty value; accepted: {accepted}")
+        got = next((name for t, name in _SHAPES.items() if isinstance(value, t)), type(value).__name__)
+        container = wanted in ("a list", "a section")
+        if (not container and isinstance(value, (dict, list))) or (wanted == "a list" and not isinstance(value, list)) \
+                or wanted == "a section":
+            shown = repr(raw[dotted]) if dotted in raw else repr(value)
+            seen = f" ({value!r})" if dotted in raw and isinstance(value, (dict, list)) else ""
+            hint = (f" (text that YAML reads as a mapping or list is quoted: {dotted}='...')"
+                    if isinstance(child, StringNode) else "")
+            raise ConfigError(f"{dotted}={shown}: read as {got}{seen}, not {wanted}; accepted: {accepted}{hint}")
+
+
 def map_legacy_loss_keys(tree: dict, source: str) -> dict:
     """Move the old loss keys of one config source to ``actor.loss`` (in place; returns ``tree``).
 
@@ -573,6 +652,7 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value with a dotted key, e.g. actor.num_layers=4")
         dotlist.append(item)
+    raw = {k.strip(): v for k, _, v in (item.partition("=") for item in dotlist)}
     try:
         layers = [OmegaConf.to_container(file_cfg, resolve=False),
                   OmegaConf.to_container(OmegaConf.from_dotlist(dotlist), resolve=False)]
@@ -581,6 +661,7 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
                 map_legacy_loss_keys(layer, source)
                 try:
                     _check_bool_ints(layer, schema)
+                    _check_value_shapes(layer, schema, raw if source == "the overrides" else {})
                 except ConfigError as err:
                     raise ConfigError(f"{err} ({source})") from None
     except OmegaConfBaseException as err:
@@ -602,11 +683,13 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
 def validate(cfg: SFTProfileConfig) -> None:
     """Check value ranges and choices that the type system cannot express.
 
-    ``experiment_name`` must be one folder name (:data:`NAME_ACCEPTED`: it becomes a folder of the trial's
-    LOG_DIR, :func:`trial_log_dir`). Each section checks itself (the ``check`` methods above); what spans
-    sections is checked here:
-    ``train_dataset.batch_size`` against the data-parallel size, ``actor.mb_spec`` against the sequence
-    length and the batch, one profile kind per trial, the ``reference`` loss path only without TP.
+    ``experiment_name`` and ``trial_name`` must each be one folder name (:data:`NAME_ACCEPTED`: they become
+    folders of the trial's LOG_DIR, :func:`trial_log_dir`); ``seed`` at most :data:`SEED_MAX`. Each section checks
+    itself (the ``check`` methods above); what spans sections is checked here: the profile steps below
+    ``total_train_steps`` (``perf_tracer``'s when it is enabled, ``memory_profiler``'s always),
+    ``train_dataset.batch_size`` against the data-parallel size and against :data:`TOKENS_PER_RANK_MAX` tokens per
+    data-parallel rank and step, ``actor.mb_spec`` against the sequence length and the batch, one profile kind per
+    trial, the ``reference`` loss path only without TP.
 
     Raises:
         ConfigError: the first violation found, naming the dotted key, value and accepted values.
@@ -614,10 +697,19 @@ def validate(cfg: SFTProfileConfig) -> None:
     from sftprof.allocation import parse_allocation_mode
 
     _check(is_folder_name(cfg.experiment_name), "experiment_name", cfg.experiment_name, NAME_ACCEPTED)
-    _check(cfg.seed >= 0, "seed", cfg.seed, "an integer >= 0")
+    _check(is_folder_name(cfg.trial_name), "trial_name", cfg.trial_name, NAME_ACCEPTED)
+    _check(0 <= cfg.seed <= SEED_MAX, "seed", cfg.seed, f"an integer from 0 to {SEED_MAX} (2**32 - 1, NumPy's range)")
     _check(cfg.total_train_steps >= 1, "total_train_steps", cfg.total_train_steps, "an integer >= 1")
     for section in (cfg.cluster, cfg.actor, cfg.profile, cfg.train_dataset, cfg.perf_tracer, cfg.memory_profiler):
         section.check()
+    for section, steps in (("perf_tracer", cfg.perf_tracer.profile_steps if cfg.perf_tracer.enabled else []),
+                           ("memory_profiler", cfg.memory_profiler.profile_steps)):
+        late = [s for s in steps if s >= cfg.total_train_steps]
+        if late:
+            runs = "step 0" if cfg.total_train_steps == 1 else f"steps 0 to {cfg.total_train_steps - 1}"
+            raise ConfigError(f"{section}.profile_steps={list(steps)}: step(s) {late} never run with total_train_steps="
+                              f"{cfg.total_train_steps} (it runs {runs}); accepted: steps < total_train_steps "
+                              f"(or raise total_train_steps to {max(late) + 1} or more)")
     a, p = cfg.actor, cfg.profile
     mbt = a.mb_spec.max_tokens_per_mb
     _check(mbt == 0 or mbt >= p.fake_seq_len, "actor.mb_spec.max_tokens_per_mb", mbt,
@@ -626,6 +718,10 @@ def validate(cfg: SFTProfileConfig) -> None:
     bs = cfg.train_dataset.batch_size
     _check(bs % layout.dp == 0, "train_dataset.batch_size", bs,
            f"a multiple of the data-parallel size {layout.dp} of actor.backend={a.backend!r}")
+    rank_seqs_max = TOKENS_PER_RANK_MAX // p.fake_seq_len * layout.dp
+    _check(bs <= rank_seqs_max, "train_dataset.batch_size", bs,
+           f"<= {rank_seqs_max}: a data-parallel rank's micro-batches hold batch_size / dp x profile.fake_seq_len "
+           f"tokens a step (dp={layout.dp}, fake_seq_len={p.fake_seq_len}), at most {TOKENS_PER_RANK_MAX} (2**27)")
     _check(a.mb_spec.n_mbs <= bs // layout.dp, "actor.mb_spec.n_mbs", a.mb_spec.n_mbs,
            f"<= sequences per data-parallel rank (train_dataset.batch_size / dp = {bs // layout.dp})")
     if cfg.memory_profiler.profile_steps and cfg.perf_tracer.enabled and cfg.perf_tracer.profile_steps:
@@ -679,8 +775,22 @@ def load_config_or_exit(path: str | Path, overrides: List[str] | None = None) ->
         reject_repeated_keys(overrides or [])
         return load_config(path, overrides)
     except ConfigError as err:
-        print(f"sftprof: configuration error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_config_error(str(err))
+
+
+CONFIG_ERROR_PREFIX = "sftprof: configuration error: "
+
+
+def exit_config_error(message: str) -> None:
+    """Print ``sftprof: configuration error: <message>`` to stderr in one write and exit with status 2.
+
+    One write (not ``print``, which writes the text and the newline separately): every rank of a trial refuses the
+    same configuration at the same moment into one pipe (torchrun's output, ``launcher.log``), and with
+    ``PYTHONUNBUFFERED=1`` two writes per rank let another rank's message land between one's text and its newline.
+    """
+    sys.stderr.write(f"{CONFIG_ERROR_PREFIX}{message}\n")
+    sys.stderr.flush()
+    sys.exit(2)
 
 
 def to_yaml(cfg: SFTProfileConfig) -> str:

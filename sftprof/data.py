@@ -119,7 +119,7 @@ def make_fake_sample(tokenizer: TextTokenizer, seq_len: int, loss_start_ratio: f
         raise ValueError(f"tokenizer ({tokenizer.source}) produced id {max(ids)} >= the model's vocab_size "
                          f"{vocab_size}; set tokenizer_path to the model's tokenizer")
     reps = math.ceil(seq_len / len(ids))
-    input_ids = torch.tensor(ids * reps, dtype=torch.int64)[:seq_len]
+    input_ids = torch.tensor(ids, dtype=torch.int64).repeat(reps)[:seq_len].clone()  # no Python list of L ints
     labels = torch.full_like(input_ids, PAD_LABEL)
     labels[:-1] = input_ids[1:]
     b = loss_start(seq_len, loss_start_ratio)

@@ -60,6 +60,7 @@ from sftprof.cli import run_main
 from sftprof.config import (DEFAULT_FILEROOT, LEGACY_LOSS_KEYS, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
                             is_folder_name, last_value_per_key, load_config, reject_repeated_keys, to_yaml,
                             trial_log_dir)
+from sftprof.config import FAKE_SEQ_LEN_WHY, TOKENS_PER_RANK_MAX  # PROFILE_FAKE_SEQ_LEN's bound
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 
@@ -74,6 +75,7 @@ DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
 # Largest step count + 1 the driver takes (PROFILE_STEPS, TOTAL_STEPS): a longer run is a typo, not a profile.
 MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
+NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 
 
 class DriverError(ValueError):
@@ -104,8 +106,8 @@ DRIVER_VARS = (
     DriverVar("MASTER_ADDR", "127.0.0.1", "address of node 0"),
     DriverVar("MASTER_PORT", "a free port (1 node), 29500 (several)", "torchrun rendezvous port on node 0"),
     DriverVar("NODE_TIMEOUT", str(DEFAULT_NODE_TIMEOUT_S), "seconds a node waits for the others to join, and "
-              "node 0 for their end records"),
-    DriverVar("PROFILE_FAKE_SEQ_LEN", "131072", "tokens per sample (profile.fake_seq_len)"),
+              "node 0 for their end records (1 to 2**31 - 1)"),
+    DriverVar("PROFILE_FAKE_SEQ_LEN", "131072", "tokens per sample (profile.fake_seq_len, 2 to 2**27)"),
     DriverVar("PROFILE_FAKE_DATASET_SIZE", "8", "samples in the fake dataset"),
     DriverVar("PROFILE_FAKE_LOSS_START_RATIO", "0.5", "loss mask starts at this fraction of the sample"),
     DriverVar("TRAIN_BATCH_SIZE", "4", "global batch (sequences per step)"),
@@ -183,13 +185,14 @@ def usage() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _int(name: str, text: str, minimum: int) -> int:
+def _int(name: str, text: str, minimum: int, maximum: int | None = None, why: str = "") -> int:
     try:
         value = int(text.strip())
     except ValueError:
         value = None
-    if value is None or value < minimum or text.strip().startswith("+"):
-        raise DriverError(f"{name}={text!r}: must be an integer >= {minimum}")
+    if value is None or value < minimum or text.strip().startswith("+") or (maximum is not None and value > maximum):
+        raise DriverError(f"{name}={text!r}: must be an integer " + (f">= {minimum}" if maximum is None else
+                                                                     f"from {minimum} to {maximum}{why}"))
     return value
 
 
@@ -266,7 +269,8 @@ CONFIG_VARS = (
     ConfigVar("MODEL_PATH", "actor.path", lambda n, t: t),
     ConfigVar("FILEROOT", "cluster.fileroot", lambda n, t: str(Path(t).expanduser().resolve())),
     ConfigVar("EXPERIMENT_NAME", "experiment_name", _folder_name),
-    ConfigVar("PROFILE_FAKE_SEQ_LEN", "profile.fake_seq_len", lambda n, t: _int(n, t, 2)),
+    ConfigVar("PROFILE_FAKE_SEQ_LEN", "profile.fake_seq_len",
+              lambda n, t: _int(n, t, 2, TOKENS_PER_RANK_MAX, FAKE_SEQ_LEN_WHY)),
     ConfigVar("PROFILE_FAKE_DATASET_SIZE", "profile.fake_dataset_size", lambda n, t: _int(n, t, 1)),
     ConfigVar("PROFILE_FAKE_LOSS_START_RATIO", "profile.fake_loss_start_ratio", _float_ratio),
     ConfigVar("TRAIN_BATCH_SIZE", "train_dataset.batch_size", lambda n, t: _int(n, t, 1)),
@@ -481,7 +485,8 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         n_nodes=_int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None,
         node_rank=_int("NODE_RANK", get("NODE_RANK") or "0", 0),
         master_addr=_host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), master_port=master_port,
-        node_timeout=_int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1) if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S,
+        node_timeout=_int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1, NODE_TIMEOUT_MAX_S, " (2**31 - 1 seconds: torchrun's "
+                          "rendezvous timeout is a C int)") if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S,
         nproc=_int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None)
 
 
@@ -660,7 +665,8 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
         DriverError: see :func:`plan`.
     """
     run_root, stamp = _run_root(d, p, log)
-    model_tag = Path(p.cfg.actor.path.rstrip("/")).name.lower().replace("-", "_").replace(".", "_")
+    # a folder name (trial_name takes NAME_ACCEPTED): a model dir named "Qwen3+ft v2" gives qwen3_ft_v2
+    model_tag = re.sub(r"[^a-z0-9_]", "_", Path(p.cfg.actor.path.rstrip("/")).name.lower())
     trials, first_cfg = [], None
     for step in d.steps:
         for kind in p.kinds:

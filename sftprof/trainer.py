@@ -4,7 +4,8 @@
 
 1. Load and validate the config, the model's HF config and the tokenizer *before* any process
    group starts: bad input exits with status 2 within seconds. The world size of the launch
-   (``WORLD_SIZE``, 1 without torchrun) must equal the allocation mode's world size.
+   (``WORLD_SIZE``, 1 without torchrun) must equal the allocation mode's world size, and (rank 0) the
+   trial's LOG_DIR must not hold an earlier trial's files (:func:`check_new_log_dir`).
 2. Start the default process group (NCCL on CUDA, gloo on CPU), create LOG_DIR =
    ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` and (rank 0) write
    ``config.yaml`` (resolved config), ``rank_coords.json``, ``trainer.log``, ``stats.jsonl``.
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from sftprof import artifacts
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.cli import PipeSafeStreamHandler
-from sftprof.config import ConfigError, load_config_or_exit, to_yaml, trial_log_dir
+from sftprof.config import ConfigError, exit_config_error, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
 from sftprof.progress import StepProgress
@@ -65,8 +66,30 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def _exit_config_error(msg: str) -> None:
-    print(f"sftprof: configuration error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    exit_config_error(msg)  # message and newline in one write: ranks print at once into one pipe
+
+
+# What a trial writes into its LOG_DIR (besides nodes/, the drivers' end records): a log dir holding any of them was
+# used by a trial before, and a new trial would replace them (trainer.log, config.yaml, stats.jsonl).
+TRIAL_FILES = (artifacts.CONFIG_YAML, artifacts.STATS, artifacts.TRAINER_LOG, artifacts.RANK_COORDS,
+               artifacts.PERF_TRACER, artifacts.MEMORY_SNAPSHOTS)
+
+
+def check_new_log_dir(cfg) -> None:
+    """Refuse a trial whose LOG_DIR (:func:`sftprof.config.trial_log_dir`) already holds a trial's files
+    (:data:`TRIAL_FILES`): a second trial of the same ``cluster.fileroot``, ``experiment_name`` and ``trial_name``
+    would overwrite them. A missing or empty log dir (or one with only ``nodes/`` or other files) is accepted.
+
+    Raises:
+        ConfigError: naming the log dir, the files found and the settings that choose another one.
+    """
+    log_dir = trial_log_dir(cfg)
+    found = [name for name in TRIAL_FILES if (log_dir / name).exists()] if log_dir.is_dir() else []
+    if found:
+        raise ConfigError(f"trial log dir {log_dir} already holds a trial's files ({', '.join(found)}): "
+                          f"trial_name={cfg.trial_name!r} of experiment_name={cfg.experiment_name!r} ran before; "
+                          "nothing was overwritten. Accepted: another trial_name (or experiment_name / cluster.fileroot), "
+                          "whose log dir is new")
 
 
 def _setup_logging(rank: int, log_dir: Path) -> None:
@@ -164,6 +187,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run one trial (see module docstring). Returns 0; exits 2 on bad input, 1 on failure."""
     args = _parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the log dir; the others may start after it began
+        try:
+            check_new_log_dir(cfg)
+        except ConfigError as err:
+            _exit_config_error(str(err))
     # Inputs checked before any process group: every failure here is bad input (exit 2).
     from sftprof.allocation import parse_allocation_mode
     from sftprof.data import make_fake_sample

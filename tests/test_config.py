@@ -40,7 +40,8 @@ def test_interpolation_follows_overrides():
     ("actor.logprobs_chunk_size=-1", "actor.logprobs_chunk_size=-1: must be an integer >= 0"),
     ("actor.logprob_chunk_size=128", "actor.logprob_chunk_size: Key 'logprob_chunk_size' not in 'ActorConfig'"),
     ("profile.fake_seq_len=abc", "profile.fake_seq_len: Value 'abc' of type 'str' could not be converted to Integer"),
-    ("profile.fake_seq_len=1", "profile.fake_seq_len=1: must be an integer >= 2"),
+    ("profile.fake_seq_len=1", "profile.fake_seq_len=1: must be an integer from 2 to 134217728 (2**27: token "
+                               "positions within int32, and the fake sample every rank builds fits in memory)"),
     ("profile.fake_dataset_size=0", "profile.fake_dataset_size=0: must be an integer >= 1"),
     ("profile.fake_loss_start_ratio=1.0", "profile.fake_loss_start_ratio=1.0: must be a number in [0, 1)"),
     ("actor.dtype=fp8", "actor.dtype='fp8': must be one of ['bfloat16', 'float16', 'float32']"),
@@ -51,7 +52,8 @@ def test_interpolation_follows_overrides():
     ("perf_tracer.ranks=5-2", "perf_tracer.ranks='5-2': range '5-2' is reversed"),
     ("train_dataset.batch_size=3", "train_dataset.batch_size=3: must be a multiple of the data-parallel size 2"),
     ("actor.mb_spec.n_mbs=3", "actor.mb_spec.n_mbs=3: must be <= sequences per data-parallel rank"),
-    ("memory_profiler.max_entries=0", "memory_profiler.max_entries=0: must be an integer >= 1"),
+    ("memory_profiler.max_entries=0", "memory_profiler.max_entries=0: must be an integer from 1 to "
+                                      "9223372036854775807 (2**63 - 1, what torch's allocator history takes)"),
     ("nonsense", "override 'nonsense': expected key=value"),
     ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
     ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8: must be 0 (no limit) or >= one sequence (profile.fake_seq_len=131072)"),
@@ -261,3 +263,102 @@ def test_entry_points_refuse_a_key_given_twice_with_different_values(tmp_path):
     assert load_config_or_exit("tiny_cpu", ["actor.num_layers=1", "actor.num_layers=1"]).actor.num_layers == 1
     reject_repeated_keys(["a.b=1", "a.c=1", "a.b=1"])
     assert last_value_per_key(["a=1", "b=2", "a=3", "c", "b=2"]) == ["a=3", "c", "b=2"]
+
+
+SEQ_ACCEPTED = ("must be an integer from 2 to 134217728 (2**27: token positions within int32, and the fake sample "
+                "every rank builds fits in memory)")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # the reviewer's case: PROFILE_FAKE_SEQ_LEN=99999999999999999999 launched, and every rank died of MemoryError
+    (["profile.fake_seq_len=99999999999999999999"], f"profile.fake_seq_len=99999999999999999999: {SEQ_ACCEPTED}"),
+    (["profile.fake_seq_len=134217729"], f"profile.fake_seq_len=134217729: {SEQ_ACCEPTED}"),
+    # tiny_cpu: fsdp:d2, 1024 tokens: at most 2**27 / 1024 = 131072 sequences per DP rank, 262144 in all
+    (["train_dataset.batch_size=262146"], "train_dataset.batch_size=262146: must be <= 262144: a data-parallel rank's "
+     "micro-batches hold batch_size / dp x profile.fake_seq_len tokens a step (dp=2, fake_seq_len=1024), at most "
+     "134217728 (2**27)"),
+    (["seed=4294967296"], "seed=4294967296: must be an integer from 0 to 4294967295 (2**32 - 1, NumPy's range)"),
+    (["memory_profiler.max_entries=9223372036854775808"], "memory_profiler.max_entries=9223372036854775808: must be "
+     "an integer from 1 to 9223372036854775807 (2**63 - 1, what torch's allocator history takes)"),
+    (["trial_name=../../x"], "trial_name='../../x': must be letters, digits, '_' and '-' only"),
+    (["trial_name=a/b"], "trial_name='a/b': must be letters, digits, '_' and '-' only"),
+    (["perf_tracer.enabled=true", "perf_tracer.profile_steps=[5]", "total_train_steps=1"],
+     "perf_tracer.profile_steps=[5]: step(s) [5] never run with total_train_steps=1 (it runs step 0); accepted: "
+     "steps < total_train_steps (or raise total_train_steps to 6 or more)"),
+    (["memory_profiler.profile_steps=[0,2,3]", "total_train_steps=2"],
+     "memory_profiler.profile_steps=[0, 2, 3]: step(s) [2, 3] never run with total_train_steps=2 (it runs steps 0 to "
+     "1); accepted: steps < total_train_steps (or raise total_train_steps to 4 or more)"),
+])
+def test_out_of_range_values_are_refused_with_the_accepted_range(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", overrides)
+    assert str(exc.value) == message
+
+
+def test_upper_bounds_and_profile_steps_accept_their_limits():
+    cfg = load_config("tiny_cpu", ["profile.fake_seq_len=134217728", "train_dataset.batch_size=2", "seed=4294967295",
+                                   "memory_profiler.profile_steps=[1]", "total_train_steps=2", "trial_name=a-b_1"])
+    assert (cfg.profile.fake_seq_len, cfg.seed, cfg.trial_name) == (2**27, 2**32 - 1, "a-b_1")
+    # a disabled tracer's steps are not run: not checked against total_train_steps
+    assert load_config("tiny_cpu", ["perf_tracer.profile_steps=[5]", "total_train_steps=1"]).perf_tracer.enabled is False
+
+
+BACKEND_ACCEPTED = "an allocation mode BACKEND:LAYOUT, e.g. fsdp:d2, megatron:d2t2p2 or megatron:(attn:d2c4|ffn:d1e8)"
+STEPS_ACCEPTED = "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)"
+
+
+@pytest.mark.parametrize("override,message", [
+    # the reviewer's cases: OmegaConf said "Cannot convert 'DictConfig' to string" / "AnyNode is not a ListConfig"
+    ("actor.backend=megatron:", f"actor.backend='megatron:': read as a mapping ({{'megatron': None}}), not text; "
+     f"accepted: {BACKEND_ACCEPTED} (text that YAML reads as a mapping or list is quoted: actor.backend='...') "
+     "(the overrides)"),
+    ("perf_tracer.profile_steps=abc", f"perf_tracer.profile_steps='abc': read as text, not a list; accepted: "
+     f"{STEPS_ACCEPTED} (the overrides)"),
+    ("perf_tracer.profile_steps=1", f"perf_tracer.profile_steps='1': read as a number, not a list; accepted: "
+     f"{STEPS_ACCEPTED} (the overrides)"),
+    ("memory_profiler.profile_steps=", f"memory_profiler.profile_steps: empty value; accepted: {STEPS_ACCEPTED} "
+     "(the overrides)"),
+    # was an uncaught TypeError: Cannot merge incompatible container types
+    ("actor.megatron.recompute_modules={a: 1}", "actor.megatron.recompute_modules='{a: 1}': read as a mapping "
+     "({'a': 1}), not a list; accepted: a list in brackets of ['core_attn', 'layernorm', 'mlp', 'moe', "
+     "'shared_experts'], e.g. [core_attn] (the overrides)"),
+    ("actor.num_layers=[1]", "actor.num_layers='[1]': read as a list ([1]), not a number; accepted: an integer "
+     "(the overrides)"),
+    ("actor=3", "actor='3': read as a number, not a section; accepted: keys below it, e.g. actor.backend=... "
+     "(the overrides)"),
+])
+def test_values_of_the_wrong_shape_name_key_value_and_accepted(override, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", [override])
+    assert str(exc.value) == message
+
+
+def test_wrong_shape_in_the_config_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text((PRESET_DIR / "tiny_cpu.yaml").read_text().replace('backend: "fsdp:d2"', "backend: {megatron: d2}"))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value) == (f"actor.backend={{'megatron': 'd2'}}: read as a mapping, not text; accepted: "
+                              f"{BACKEND_ACCEPTED} (text that YAML reads as a mapping or list is quoted: "
+                              f"actor.backend='...') (config {path})")
+
+
+def test_configuration_error_is_one_write(monkeypatch):
+    """Every rank prints its configuration error into one pipe at once: one write per message (print wrote the text
+    and the newline separately, and one run's launcher.log held two ranks' messages glued on one line)."""
+    from sftprof.config import exit_config_error
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stderr", Recorder())
+    with pytest.raises(SystemExit) as exc:
+        exit_config_error("profile.fake_seq_len=1: must be ...")
+    assert exc.value.code == 2
+    assert writes == ["sftprof: configuration error: profile.fake_seq_len=1: must be ...\n"]

@@ -15,6 +15,7 @@ from sftprof import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "run_qwen3_30b_a3b_sft_profile.sh"
+TINY_CONFIG = (ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text()
 
 
 def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -46,6 +47,14 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
     ({"PROFILE_STEPS": "99999999999999999999"},
      "sftprof: PROFILE_STEPS='99999999999999999999': must list integers below 1000000000 (10**9)\n"),
     ({"TOTAL_STEPS": "1000000001"}, "sftprof: TOTAL_STEPS=1000000001: must be an integer from 1 to 1000000000 (10**9)\n"),
+    # the reviewer's cases: every rank died of MemoryError building the sample / torchrun crashed (OverflowError)
+    ({"PROFILE_FAKE_SEQ_LEN": "99999999999999999999"}, "sftprof: PROFILE_FAKE_SEQ_LEN='99999999999999999999': must be "
+     "an integer from 2 to 134217728 (2**27: token positions within int32, and the fake sample every rank builds fits "
+     "in memory)\n"),
+    ({"NODE_TIMEOUT": "99999999999999999999999"}, "sftprof: NODE_TIMEOUT='99999999999999999999999': must be an integer "
+     "from 1 to 2147483647 (2**31 - 1 seconds: torchrun's rendezvous timeout is a C int)\n"),
+    ({"NODE_TIMEOUT": "0"}, "sftprof: NODE_TIMEOUT='0': must be an integer from 1 to 2147483647 (2**31 - 1 seconds: "
+     "torchrun's rendezvous timeout is a C int)\n"),
 ])
 def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path):
     out = run_driver(env_extra, tmp_path)
@@ -419,6 +428,10 @@ def test_unusable_config_file_exits_2(content, message, tmp_path):
                             "qwen3_5_moe_text (Qwen3-MoE, Qwen3.5-MoE)"),
     ('{"vocab_size": 8}', "names no model_type; accepted: model_type qwen3_moe / qwen3_5_moe / qwen3_5_moe_text "
                           "(Qwen3-MoE, Qwen3.5-MoE)"),
+    # the reviewer's case: launched, and every rank failed with RuntimeError: selected index k out of range
+    (TINY_CONFIG.replace('"num_experts_per_tok": 2', '"num_experts_per_tok": 16'),
+     "has num_experts_per_tok=16 > num_experts=8; accepted: num_experts_per_tok from 1 to num_experts (each token's "
+     "router picks that many experts)"),
 ])
 def test_unusable_model_config_exits_2(content, problem, tmp_path):
     """A MODEL_PATH whose config.json is damaged or of a family sftprof does not build stops the driver (exit 2, one
@@ -431,6 +444,47 @@ def test_unusable_model_config_exits_2(content, problem, tmp_path):
     assert out.stderr == (f"sftprof: actor.path='{model}': {model / 'config.json'} {problem} (MODEL_PATH / "
                           "actor.path)\n")
     assert out.stdout == "" and not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+@pytest.mark.parametrize("family,changes,problem", [
+    ("tiny_qwen3_moe", {"hidden_size": 0}, "has hidden_size=0; accepted: an integer >= 1"),
+    ("tiny_qwen3_moe", {"decoder_sparse_step": 0}, "has decoder_sparse_step=0; accepted: an integer >= 1"),
+    ("tiny_qwen3_moe", {"num_key_value_heads": 3}, "has num_attention_heads=4 and num_key_value_heads=3; accepted: "
+     "num_key_value_heads dividing num_attention_heads (each key/value head serves a whole group of heads)"),
+    ("tiny_qwen3_moe", {"num_experts": 2.5}, "transformers cannot read {file}: Validation error for field "
+     "'num_experts': TypeError: Field 'num_experts' expected int, got float (value: 2.5)"),
+    ("tiny_qwen3_5_moe", {"linear_num_key_heads": 3}, "has linear_num_value_heads=4 and linear_num_key_heads=3; "
+     "accepted: linear_num_key_heads dividing linear_num_value_heads (each key/value head serves a whole group of "
+     "heads)"),
+    ("tiny_qwen3_5_moe", {"num_hidden_layers": 3}, "transformers cannot read {file}: Class validation error for "
+     "validator 'validate_layer_type': ValueError: `num_hidden_layers` (3) must be equal to the number of "
+     "`layer_types` (4)"),
+    ("qwen3_5_35b_a3b", {"num_experts_per_tok": 257}, "has text_config.num_experts_per_tok=257 > "
+     "text_config.num_experts=256; accepted: num_experts_per_tok from 1 to num_experts (each token's router picks "
+     "that many experts)"),
+])
+def test_impossible_model_configs_are_refused_naming_file_and_key(family, changes, problem, tmp_path):
+    import json
+
+    from sftprof.models.hf import CONFIG_DIR, ModelPathError, load_hf_config
+    raw = json.loads((CONFIG_DIR / family / "config.json").read_text())
+    (raw["text_config"] if "text_config" in raw else raw).update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelPathError) as exc:
+        load_hf_config(str(tmp_path))
+    file = tmp_path / "config.json"
+    assert str(exc.value) == f"actor.path='{tmp_path}': " + (
+        problem.format(file=file) if "{file}" in problem else f"{file} {problem}")
+
+
+def test_trial_names_are_folder_names_whatever_the_model_dir_is_called(tmp_path):
+    """trial_name takes letters, digits, '_' and '-' (as experiment_name): the model dir's name in the driver's trial
+    names is cut to those, so a model dir named with other characters still plans."""
+    model = tmp_path / "Qwen3-MoE+ft v2.1"
+    model.mkdir()
+    (model / "config.json").write_text(TINY_CONFIG)
+    trials, _, _ = launch.plan(_plan_env(tmp_path, MODEL_PATH=str(model), PROFILE_STEPS="0"), [], gpus=0)
+    assert [t.name for t in trials] == ["qwen3_moe_ft_v2_1_fake1k_kernel_step0_p"]
 
 
 def test_missing_weights_stop_the_plan(tmp_path):

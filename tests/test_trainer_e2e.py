@@ -143,12 +143,15 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
 
 
 def test_failure_writes_failed_record(tmp_path):
-    # A model directory whose weight file is damaged: accepted before launch (a weight file is there), fails when
-    # the engine loads it.
+    # A checkpoint whose embedding has the wrong shape: its header reads, so the checks before the process group
+    # pass (a damaged header is refused there, exit 2), and transformers refuses it when the engine loads it.
+    import torch
+    from safetensors.torch import save_file
+
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy(CONFIG_DIR / "tiny_qwen3_moe" / "config.json", model / "config.json")
-    (model / "model.safetensors").write_bytes(b"\x00" * 64)
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(model / "model.safetensors"))
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", "experiment_name=e2e",
            "trial_name=fail", "actor.backend=fsdp:d1", "actor.init_from_scratch=false", f"actor.path={model}",
            "profile.fake_seq_len=16"]
@@ -156,7 +159,8 @@ def test_failure_writes_failed_record(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     rec = _records(_log_dir(tmp_path, "fail"))[-1]
     assert rec["type"] == "complete" and rec["status"] == "failed" and rec["steps_done"] == 0
-    assert rec["error"].startswith(("SafetensorError", "OSError", "HeaderTooLarge")), rec["error"]
+    assert rec["error"].startswith("RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an "
+                                   "error."), rec["error"]
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -177,6 +181,32 @@ def test_config_errors_exit_2_before_process_group(tmp_path, args, env, message)
     # LOG_DIR was created (how fast this happens is the bench's business, not a test's).
     assert proc.stdout == ""
     assert not (tmp_path / "logs").exists()
+
+
+def test_trial_log_dir_of_an_earlier_trial_is_refused_before_writing(tmp_path):
+    """Running the trainer twice with one trial_name replaced the first trial's config.yaml, stats.jsonl and
+    trainer.log: a log dir that holds a trial's files is refused (exit 2, naming it), nothing in it touched."""
+    log_dir = _log_dir(tmp_path, "t")
+    log_dir.mkdir(parents=True)
+    earlier = {"config.yaml": "trial_name: t\n", "stats.jsonl": '{"type": "complete"}\n', "trainer.log": "first\n"}
+    for name, text in earlier.items():
+        (log_dir / name).write_text(text)
+    cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", "experiment_name=e2e",
+           "trial_name=t", "actor.backend=fsdp:d1"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (f"sftprof: configuration error: trial log dir {log_dir} already holds a trial's files "
+                           "(config.yaml, stats.jsonl, trainer.log): trial_name='t' of experiment_name='e2e' ran before; "
+                           "nothing was overwritten. Accepted: another trial_name (or experiment_name / "
+                           "cluster.fileroot), whose log dir is new\n")
+    assert proc.stdout == "" and sorted(p.name for p in log_dir.iterdir()) == sorted(earlier)
+    assert {name: (log_dir / name).read_text() for name in earlier} == earlier
+    # an empty log dir, or one with only the drivers' node records, is a new trial's
+    from sftprof.trainer import check_new_log_dir
+    for name in earlier:
+        (log_dir / name).unlink()
+    (log_dir / "nodes").mkdir()
+    check_new_log_dir(load_config("tiny_cpu", [f"cluster.fileroot={tmp_path}", "experiment_name=e2e", "trial_name=t"]))
 
 
 def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):

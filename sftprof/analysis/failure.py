@@ -41,7 +41,7 @@ from typing import Any
 
 from sftprof import artifacts
 
-__all__ = ["first_failure", "headline", "node_failures", "parse_torchrun_failures"]
+__all__ = ["config_errors", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
 
 _ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
 _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
@@ -56,8 +56,20 @@ _TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$"
 # the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config.py
 # ``load_config_or_exit``): printed to stderr before the ``[rank N]`` logging exists, so without a rank prefix (every
 # rank reads the same config and prints the same line), then exit status 2
-_CONFIG_ERROR = re.compile(r"^sftprof: configuration error: .+$")
+_CONFIG_ERROR_MARK = "sftprof: configuration error: "
 _CONFIG_ERROR_EXIT = 2
+# A Python traceback in the launcher log (a worker's uncaught exception on stderr, or torchrun's own): it starts with
+# _TRACEBACK, its frames are indented, and its exception line is a (dotted) exception class name, then ": message"
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
+_CHAINED = ("During handling of the above exception, another exception occurred:",
+            "The above exception was the direct cause of the following exception:")
+# a frame of torchrun itself (torch/distributed/run.py): the traceback is torchrun's, not a worker's
+_TORCHRUN_FRAME = re.compile(r"""^\s*File ".*torch[/\\]distributed[/\\]run\.py", line""")
+_TORCHRUN_REPORT_ERROR = "ChildFailedError"  # the exception torchrun raises to print its failure report
+# what the Failure section says where torchrun's field is only its docs pointer and no error text was found
+NO_ERROR_TEXT = ("no error text found: the rank wrote no torchrun error file and left no traceback, `trial failed` or "
+                 "configuration error line in launcher.log (or rank 0's trainer.log)")
 # torchrun's static rendezvous giving up on node 0 (torch.distributed's TCPStore: one client per node)
 _RDZV_TIMEOUT = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
 
@@ -121,6 +133,85 @@ def parse_torchrun_failures(lines: list[str]) -> list[dict[str, Any]]:
                        "error_file": None if f.get("error_file") in (None, "<N/A>") else f["error_file"],
                        "traceback": f.get("traceback", "").strip(), "root_cause": f["root_cause"]})
     return sorted(result, key=lambda f: not f["root_cause"])
+
+
+def config_errors(lines: list[str]) -> list[str]:
+    """The trainer's ``sftprof: configuration error: ...`` messages in ``lines``, in order, one per message even where
+    two ranks' messages share a line (written as text then newline, one rank's text could land before another's
+    newline: ``...family)sftprof: configuration error: ...``)."""
+    out = []
+    for line in lines:
+        if _CONFIG_ERROR_MARK in line:
+            out += [p.strip() for p in line.split(_CONFIG_ERROR_MARK)[1:] if p.strip()]
+    return [_CONFIG_ERROR_MARK + p for p in out]
+
+
+def traceback_errors(lines: list[str]) -> list[tuple[str, bool]]:
+    """The error of each Python traceback in ``lines``: ``[(exception line, torchrun's own)]`` in order.
+
+    A chain of tracebacks (``During handling of the above exception, ...``) counts once, with its last exception
+    line, the one that ended the process. Lines of other processes between a traceback's frames (several ranks
+    write to one launcher log) are passed over. A traceback is torchrun's own when a frame is in
+    ``torch/distributed/run.py`` (a worker's traceback runs in its own process, under ``train_sft_profile.py``).
+    """
+    out: list[tuple[str, bool]] = []
+    inside, torchrun, chained = False, False, False
+    for line in lines:
+        text = line.rstrip()
+        if text.startswith(_TRACEBACK):
+            if not chained:
+                torchrun = False
+            inside, chained = True, False
+            continue
+        if text in _CHAINED and out:
+            out.pop()  # the chain goes on: its last exception ends it
+            chained = True
+            continue
+        if not inside:
+            continue
+        if _TORCHRUN_FRAME.match(text):
+            torchrun = True
+        elif _EXCEPTION_LINE.match(text):
+            out.append((text, torchrun))
+            inside = False
+    return out
+
+
+def _rank_error(first: dict, lines: list[str], report: int, tail: list[str], log_dir: str | None) -> str:
+    """The error to quote for ``first``, whose torchrun traceback field is only torchrun's docs pointer (the rank
+    wrote no error file): the error the trainer logged for that rank; for exit status 2, the trainer's configuration
+    error; the first worker traceback's exception in the launcher log above torchrun's report (the first failing
+    rank fails first: later tracebacks are the others being stopped); for rank 0, the same from ``trainer.log``;
+    else :data:`NO_ERROR_TEXT`."""
+    found = [m.group(1) for m in map(_TRAINER_ERROR.search, tail) if m]
+    if not found and first["exitcode"] == _CONFIG_ERROR_EXIT:  # refused its configuration before logging began
+        found = config_errors(lines[:report])[-1:]
+    if not found:
+        found = [e for e, torchrun in traceback_errors(lines[:report])
+                 if not torchrun and _TORCHRUN_REPORT_ERROR not in e][:1]
+    trainer_log = os.path.join(log_dir, artifacts.TRAINER_LOG) if log_dir else None
+    if not found and first["rank"] == 0 and trainer_log and os.path.isfile(trainer_log):
+        with open(trainer_log, encoding="utf-8", errors="replace") as fh:
+            own = fh.read().splitlines()
+        found = [m.group(1) for m in map(_TRAINER_ERROR.search, own) if m][-1:] or \
+            [e for e, _ in traceback_errors(own)][:1]
+    return found[-1] if found else NO_ERROR_TEXT
+
+
+def _torchrun_crash(lines: list[str], nodes: list[dict], layout: tuple[int | None, int | None]) -> dict | None:
+    """torchrun's own failure on this node (node 0: its launcher log is the one postprocessed) when it printed no
+    failure report: its traceback's exception (``OverflowError: ...`` from a rendezvous timeout it cannot take);
+    None when the log holds no traceback of torchrun's."""
+    crash = [e for e, torchrun in traceback_errors(lines) if torchrun]
+    if not crash:
+        return None
+    workers = any(re.search(r"\[rank \d+\]", line) for line in lines) or \
+        any(not torchrun for _, torchrun in traceback_errors(lines))
+    nproc = layout[1]
+    return {"node": 0, "ranks": artifacts.node_ranks(0, nproc) if nproc else None, "rank": None, "exitcode": None,
+            "signal": None, "how": "failed without a failure report" if workers else
+            "failed before any worker logged a line", "host": None, "error_file": None, "traceback": crash[-1],
+            "log_tail": [], "others": [], "nodes": [n for n in nodes if n["node"] != 0], "torchrun": True}
 
 
 def _stopped_by_torchrun(f: dict) -> bool:
@@ -208,8 +299,10 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
 
 
 def headline(fail: dict[str, Any]) -> str:
-    """The first failure of :func:`first_failure` in one line: ``node 1 (rank 1) never joined the trial`` or
-    ``rank 1 killed by SIGKILL (exit code -9)``."""
+    """The first failure of :func:`first_failure` in one line: ``node 1 (rank 1) never joined the trial``,
+    ``torchrun on node 0 failed before any worker logged a line`` or ``rank 1 killed by SIGKILL (exit code -9)``."""
+    if fail.get("torchrun"):
+        return f"torchrun on node {fail['node']} {fail['how']}"
     if fail.get("node") is not None:
         return f"node {fail['node']} ({_ranks_text(fail['ranks'])}) {fail['how']}"
     return f"rank {fail['rank']} {fail['how']}"
@@ -217,8 +310,9 @@ def headline(fail: dict[str, Any]) -> str:
 
 def first_failure(launcher_log: str, log_dir: str | None = None,
                   layout: tuple[int | None, int | None] = (None, None)) -> dict[str, Any] | None:
-    """The first failure of a trial: a node that never joined (or wrote no end record), else torchrun's first
-    failing rank; how it ended, its log tail, and how the other ranks and nodes ended.
+    """The first failure of a trial: a node that never joined (or wrote no end record), else torchrun itself when it
+    died without a failure report, else torchrun's first failing rank; how it ended, its log tail, and how the other
+    ranks and nodes ended.
 
     Args:
         launcher_log: the trial's ``launcher.log`` (torchrun's output as the driver tees it).
@@ -226,16 +320,20 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         layout: ``(n_nodes, nproc_per_node)`` of the trial's config, where the records lack them.
 
     Returns:
-        None when no node failed and the log is absent or holds no torchrun failure report, else ``{"node"
-        (the failed node when the first failure is a node's, else None), "ranks" (that node's global ranks),
-        "rank", "exitcode", "signal", "how" (e.g. ``"killed by SIGKILL (exit code -9)"``, or
-        ``"never joined the trial"``), "host", "error_file", "traceback" (torchrun's; where it is only torchrun's
-        pointer to its docs, the rank wrote no error file, the error the trainer logged for that rank, or, for a
-        rank that exited with status 2 before its log began, the trainer's ``sftprof: configuration error: ...``
-        line (the last one above torchrun's report; every rank prints the same); for a node, what its failure
-        means), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message;
+        None when no node failed and the log is absent or holds neither a torchrun failure report nor a traceback
+        of torchrun's own, else ``{"node" (the failed node when the first failure is a node's or its torchrun's,
+        else None), "ranks" (that node's global ranks), "rank", "exitcode", "signal", "how" (e.g. ``"killed by
+        SIGKILL (exit code -9)"``, ``"never joined the trial"``, or for torchrun ``"failed before any worker logged
+        a line"``), "host", "error_file", "traceback" (torchrun's; never its pointer to its docs, which it prints
+        where the rank wrote no error file: then the error the trainer logged for that rank, or, for a rank that
+        exited with status 2 before its log began, the trainer's ``sftprof: configuration error: ...`` message
+        (the last one above torchrun's report; every rank prints the same), or the exception line of the first
+        worker traceback above the report (an uncaught error before the trainer's logging began), or rank 0's
+        ``trainer.log``'s, else :data:`NO_ERROR_TEXT`; for torchrun's own failure, its exception line; for a node,
+        what its failure means), "log_tail" (the rank's last ``[rank N]`` lines, or its error file's message;
         empty for a node), "others": [{"rank", "exitcode", "signal", "how"}] (torchrun's other failed ranks),
-        "nodes": [the other failed nodes, as :func:`node_failures`]}``.
+        "nodes": [the other failed nodes, as :func:`node_failures`]}``, and ``"torchrun": True`` for torchrun's own
+        failure.
     """
     lines: list[str] = []
     if os.path.isfile(launcher_log):
@@ -249,7 +347,11 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         f["how"] = (f"killed by {sig} (exit code {code})" if sig else
                     f"exit code {code}" if code is not None else "unknown")
     others = [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures]
-    if nodes and (not failures or nodes[0]["how"] in ("never joined the trial", "wrote no end record")):
+    missing = bool(nodes) and nodes[0]["how"] in ("never joined the trial", "wrote no end record")
+    crash = None if failures or missing else _torchrun_crash(lines, nodes, layout)
+    if crash:
+        return crash
+    if nodes and (not failures or missing):
         n = nodes[0]
         return {"node": n["node"], "ranks": n["ranks"], "rank": None, "exitcode": None, "signal": None,
                 "how": n["how"], "host": n["host"], "error_file": None, "traceback": n["detail"], "log_tail": [],
@@ -265,10 +367,7 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         tail += message.splitlines()[-_TAIL_LINES:]
     keep = ("rank", "exitcode", "signal", "how", "host", "error_file", "traceback")
     out = {"node": None, "ranks": None, **{k: first[k] for k in keep}}
-    if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: the error the trainer logged
-        found = [m.group(1) for m in map(_TRAINER_ERROR.search, tail) if m]
-        if not found and first["exitcode"] == _CONFIG_ERROR_EXIT:  # refused its configuration before logging began
-            found = [m.group(0) for m in map(_CONFIG_ERROR.match, lines[:report]) if m]
-        out["traceback"] = found[-1] if found else out["traceback"]
+    if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: never quote torchrun's pointer
+        out["traceback"] = _rank_error(first, lines, report, tail, log_dir)
     return {**out, "log_tail": tail, "others": [o for o, f in zip(others, failures) if f is not first],
             "nodes": nodes}

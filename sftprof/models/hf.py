@@ -91,6 +91,49 @@ def check_weights_present(actor) -> None:
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
+# Sizes of the model config that must be positive integers where the config has them (the text model's keys)
+POSITIVE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "num_experts", "num_experts_per_tok", "decoder_sparse_step", "linear_num_key_heads",
+                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def check_model_config(config: PretrainedConfig, where: str, prefix: str = "") -> None:
+    """Refuse a model config that no layout can build, before any trial starts.
+
+    Checked on the (text) config as transformers read it: each of :data:`POSITIVE_KEYS` that it has is an integer
+    >= 1; ``num_experts_per_tok`` (the router's top-k) at most ``num_experts`` (else every rank fails at its first
+    forward: ``RuntimeError: selected index k out of range``); ``num_key_value_heads`` divides
+    ``num_attention_heads`` (GQA); ``linear_num_key_heads`` divides ``linear_num_value_heads`` (Qwen3.5's gated
+    delta-net). (transformers checks ``layer_types`` against ``num_hidden_layers`` itself.)
+
+    Args:
+        config: the text config (:func:`text_config`).
+        where: the message's start, naming ``actor.path`` and the file (``"actor.path='m': m/config.json"``).
+        prefix: the keys' place in the file (``"text_config."`` for a multimodal Qwen3.5 config).
+
+    Raises:
+        ModelPathError: ``<where> has <prefix><key>=<value>...; accepted: ...``, the first violation found.
+    """
+    def get(key):
+        return getattr(config, key, None)
+
+    for key in POSITIVE_KEYS:
+        value = get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ModelPathError(f"{where} has {prefix}{key}={value!r}; accepted: an integer >= 1")
+    k, e = get("num_experts_per_tok"), get("num_experts")
+    if k is not None and e is not None and k > e:
+        raise ModelPathError(f"{where} has {prefix}num_experts_per_tok={k} > {prefix}num_experts={e}; accepted: "
+                             f"num_experts_per_tok from 1 to num_experts (each token's router picks that many experts)")
+    for heads, groups in (("num_attention_heads", "num_key_value_heads"),
+                          ("linear_num_value_heads", "linear_num_key_heads")):
+        h, g = get(heads), get(groups)
+        if h is not None and g is not None and h % g:
+            raise ModelPathError(f"{where} has {prefix}{heads}={h} and {prefix}{groups}={g}; accepted: {groups} "
+                                 f"dividing {heads} (each key/value head serves a whole group of heads)")
+
+
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The language-model part of ``config`` (``text_config`` for multimodal Qwen3.5 configs)."""
     return getattr(config, "text_config", None) or config
@@ -109,7 +152,9 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
 
     Raises:
         ModelPathError: see :func:`resolve_model_dir`; ``config.json`` is not valid JSON or not a JSON object, its
-            ``model_type`` is missing, not a string or not one of :data:`MODEL_TYPES`, or transformers cannot read it (each message names the file).
+            ``model_type`` is missing, not a string or not one of :data:`MODEL_TYPES`, transformers cannot read it,
+            or it describes a model no layout can build (:func:`check_model_config`: a size that is not a positive
+            integer, top-k above the number of experts, ...); each message names the file and the key.
         ValueError: ``num_layers`` exceeds the configured number of layers.
     """
     from transformers import AutoConfig
@@ -135,8 +180,11 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
                              f"{' / '.join(MODEL_TYPES)} (Qwen3-MoE, Qwen3.5-MoE)")
     try:
         config = text_config(AutoConfig.from_pretrained(str(model_dir)))
-    except (OSError, ValueError, KeyError, TypeError) as err:  # e.g. a field of the wrong type
-        raise ModelPathError(f"actor.path={path!r}: transformers cannot read {config_file}: {err}") from err
+    except Exception as err:  # e.g. a field of the wrong type (huggingface_hub's StrictDataclassError is no ValueError)
+        raise ModelPathError(f"actor.path={path!r}: transformers cannot read {config_file}: "
+                             f"{' '.join(str(err).split())}") from err
+    check_model_config(config, f"actor.path={path!r}: {config_file}",
+                       "text_config." if isinstance(raw.get("text_config"), dict) else "")
     if num_layers:
         full = config.num_hidden_layers
         if num_layers > full:
