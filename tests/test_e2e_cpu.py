@@ -50,8 +50,9 @@ def test_four_trials_succeed(run):
     assert max(map(len, table[:5])) <= 120
     assert table[6:11] == ["summaries (Markdown; the .json next to each holds every figure):"] + [
         f"  {row['run_dir']}/profile_summary.md" for row in summary_rows(run_root)]
+    python = shutil.which(os.environ.get("PYTHON", "python3"))   # the driver's PYTHON, runnable from any folder
     assert table[12:14] == ["compare with another run (run roots or trial dirs):",
-                            f"  python postprocess_profile.py compare {run_root} OTHER_RUN_ROOT"]
+                            f"  {python} {ROOT / 'postprocess_profile.py'} compare {run_root} OTHER_RUN_ROOT"]
 
 
 def test_views_are_valid_and_separated(run):
