@@ -20,7 +20,8 @@ LAYOUT = parse_allocation_mode("megatron:d2t2p2")   # pp_rank0 -> ranks [0, 4]
 
 
 def _cfg(*overrides):
-    return load_config("tiny_cpu", list(overrides))
+    # the tests below run steps 0-3: profile steps up to 3 are steps the trial runs (sftprof.config.validate)
+    return load_config("tiny_cpu", ["total_train_steps=4", *overrides])
 
 
 def _work():
