@@ -1072,8 +1072,11 @@ def top_finding(summary: dict) -> str:
     """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
 
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
-    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak, its phase
-    and the allocation site holding most memory at the peak. The rank is named: it is one rank's figure.
+    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak (the profiled
+    step's, ``step peak``, when the phases sidecar had phases; else the recorded window's), where it lies in
+    words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
+    then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
+    it is one rank's figure.
     A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`).
     """
     for t in summary.get("kernel_traces") or []:
@@ -1091,10 +1094,16 @@ def top_finding(summary: dict) -> str:
     for m in summary.get("memory_snapshots") or []:
         if "summary" not in m:
             continue
+        from sftprof.analysis.memory_summary import peak_where  # numpy: only when a memory summary is read
+
         x, r = m["summary"], m["rank"]
         site = (x.get("top_sites") or [{}])[0]
-        return (f"peak {x['peak_allocated_gib']:.2f} GiB in {x.get('peak_phase') or '?'}" +
-                (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + f" (rank {r})")
+        noun = "step peak" if x.get("peak_scope") == "profiled_step" else "peak"
+        higher = ""
+        if x.get("window_peak_position") in ("before_step", "after_step"):
+            higher = f"; higher peak {x['window_peak_allocated_gib']:.2f} GiB {peak_where(x, 'window')}"
+        return (f"{noun} {x['peak_allocated_gib']:.2f} GiB {peak_where(x)}" +
+                (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + higher + f" (rank {r})")
     if summary.get("failure"):
         return f"first failure: {headline(summary['failure'])} (see {artifacts.SUMMARY_MD})"
     if summary.get("errors"):

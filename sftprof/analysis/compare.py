@@ -20,6 +20,7 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis import inputs
 from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
 from sftprof.analysis.report import fmt, short, table
 from sftprof.analysis.step_breakdown import exposed_groups
 from sftprof.analysis.summary import MISSING_TRACE
@@ -411,15 +412,39 @@ def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
     return out
 
 
+def _scope(x: dict) -> str:
+    """Whose peak a snapshot summary's headline peak is (:data:`PEAK_SCOPES`; an older summary's is the window's)."""
+    return PEAK_SCOPES[x.get("peak_scope") or "recorded_window"]
+
+
+def _window_peak_gib(x: dict):
+    """The whole recorded window's peak allocated GiB (an older summary's ``peak_allocated_gib`` is that)."""
+    return x.get("window_peak_allocated_gib", x["peak_allocated_gib"] if "peak_scope" not in x else None)
+
+
 def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
-    """Snapshot deltas of one rank: peaks, peak phase, memory by category and by site at the peak."""
+    """Snapshot deltas of one rank: peaks, where they lie, memory by category and by site at the peak.
+
+    The peak is each summary's headline peak (the profiled step's when its phases sidecar had phases, else the
+    recorded window's: :func:`sftprof.analysis.memory_summary.analyze_snapshot`); the whole window's peak has a
+    row of its own (a summary of an older sftprof, without ``peak_scope``, holds only the window's peak). A line
+    says so when the two runs' peaks are of different scopes.
+    """
     out = [f"### Memory, rank {rank}", ""]
     out += _table("metric", "GiB", [
         ("peak allocated", x["peak_allocated_gib"], y["peak_allocated_gib"]),
         ("peak reserved", x["peak_reserved_gib"], y["peak_reserved_gib"]),
         ("reserved − allocated at peak", x["reserved_minus_allocated_at_peak_gib"],
-         y["reserved_minus_allocated_at_peak_gib"])])
-    out.append(f"Peak phase: A {x['peak_phase'] or '–'}, B {y['peak_phase'] or '–'}\n")
+         y["reserved_minus_allocated_at_peak_gib"]),
+        ("peak allocated, whole recorded window", _window_peak_gib(x), _window_peak_gib(y))])
+    out.append(f"Peak: A {_scope(x)}, {peak_where(x)}; B {_scope(y)}, {peak_where(y)}\n")
+    if _scope(x) != _scope(y):
+        out.append("The two peaks are not of the same scope (a run without phases, or summarised by an older "
+                   "sftprof, has only the recorded window's): the whole-window row compares like with like.\n")
+    for side, z in (("A", x), ("B", y)):
+        if z.get("window_peak_position") in ("before_step", "after_step"):
+            out.append(f"Run {side}'s recorded window peaks higher, {fmt(z['window_peak_allocated_gib'])} GiB "
+                       f"{peak_where(z, 'window')}.\n")
     if "categories_at_peak" in x and "categories_at_peak" in y:
         out += _table("memory at the peak by category", "GiB", _union_rows(
             {c["label"]: c["gib"] for c in x["categories_at_peak"]},

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from sftprof.analysis.memory_summary import peak_where
+
 __all__ = ["kernel_findings", "memory_findings", "top", "explain_estimate", "MAX_FINDINGS", "parts_heading",
            "memory_heading", "exposed_gap_cause", "EXPOSED_GAP_MIN_MS", "EXPOSED_GAP_MIN_SHARE"]
 
@@ -180,18 +182,30 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
 
 
 def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
-    """``(findings, what_if)`` of one rank's snapshot summary ``s`` (:func:`analyze_snapshot` output)."""
+    """``(findings, what_if)`` of one rank's snapshot summary ``s`` (:func:`analyze_snapshot` output).
+
+    The peak is the summary's headline peak (the profiled step's when the phases sidecar has phases) and its place
+    is worded by :func:`peak_where`; a higher peak of the recorded window outside the profiled step is a finding
+    of its own (weight: its excess over the step's peak as a share of it, key ``memory window peak``).
+    """
     peak = s.get("peak_allocated_bytes") or 0
     if not peak:
         return [], []
     gib = 2.0**30
     sec = _anchor(memory_heading(rank))
+    noun = "step peak" if s.get("peak_scope") == "profiled_step" else "peak"
     out = []
     for r in sorted(s.get("categories_at_peak") or [], key=lambda r: -r["bytes"])[:3]:
         if r["bytes"] > 0:
-            out.append({"text": f"rank {rank}: {r['label']} {r['gib']:.1f} GiB of the {peak / gib:.1f} GiB peak"
-                                + (f" ({s['peak_phase']})" if s.get("peak_phase") else ""),
+            out.append({"text": f"rank {rank}: {r['label']} {r['gib']:.1f} GiB of the {peak / gib:.1f} GiB {noun} "
+                                f"{peak_where(s)}",
                         "section": sec, "weight": r["bytes"] / peak, "key": f"memory {r['category']}"})
+    window = s.get("window_peak_allocated_bytes") or 0
+    if s.get("window_peak_position") in ("before_step", "after_step") and window > peak:
+        out.append({"text": f"rank {rank}: the recorded allocator history peaks higher, {window / gib:.2f} GiB "
+                            f"{peak_where(s, 'window')}, than the profiled step ({peak / gib:.2f} GiB "
+                            f"{peak_where(s)}); the figures at the peak are the step's",
+                    "section": sec, "weight": (window - peak) / peak, "key": "memory window peak"})
     spikes = s.get("transient_spikes") or []
     if spikes:
         sp = spikes[0]

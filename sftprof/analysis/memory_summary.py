@@ -15,8 +15,18 @@ grouped by their innermost project-or-library Python frame (``file:line function
 own frames and the standard library are skipped, C++ frames only name autograd nodes).
 
 Phase attribution uses the ``phases_rank<r>.json`` sidecar written by the trainer
-(``{"clock": "unix_us", "phases": [{"name", "start_us", "end_us"}]}``); the peak belongs to the
+(``{"clock": "unix_us", "phases": [{"name", "start_us", "end_us"}]}``); a peak belongs to the
 innermost (shortest) phase containing its time.
+
+Which peak is "the peak": the allocator history is recorded from before the model is built
+(``sftprof/capture/memory.py``), so the recorded window can hold model setup and the steps before
+the profiled one, and its highest point may lie there. With a sidecar holding phases the summary's
+headline peak (``peak_*``, ``top_sites``, ``categories_at_peak``, ...; ``peak_scope="profiled_step"``)
+is the profiled step's own: the highest allocated level inside the step's window (``sftprof/step``,
+else the span of the recorded phases), counting the level the step starts from. The highest point
+of the whole recorded window is kept as ``window_peak_*`` with ``window_peak_position`` (``in_step``,
+``before_step``, ``after_step``). Without a sidecar (or with no phases in it) the headline is the
+window's peak (``peak_scope="recorded_window"``). :func:`peak_where` says where a peak lies in words.
 """
 from __future__ import annotations
 
@@ -29,8 +39,8 @@ import numpy as np
 from sftprof import artifacts
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "plot_memory", "TOP_SITES",
-           "site_category", "MEMORY_CATEGORIES"]
+__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "peak_where", "plot_memory",
+           "TOP_SITES", "site_category", "MEMORY_CATEGORIES", "PEAK_SCOPES", "WINDOW_PEAK_POSITIONS"]
 
 # Category of a block alive at the peak, from its allocation site (first match wins). Line numbers of
 # megatron-core's _ParamAndGradBuffer are those of the pinned megatron-core 0.16.1
@@ -130,10 +140,9 @@ def _categories(by_site: dict[str, list[int]], peak: int, reserved: int) -> list
     return rows
 
 
-def _spikes(trace: list, peak_i: int, allocated: np.ndarray, limit: int = 5) -> list[dict]:
-    """Largest short-lived allocations of the window: blocks allocated and freed again, by size.
-
-    A transient spike is a block freed within the window; its ``lifetime_ms`` is free minus alloc time.
+def _spikes(trace: list, lo_us: float, hi_us: float, limit: int = 5) -> list[dict]:
+    """Largest short-lived allocations: blocks allocated at ``lo_us <= time_us <= hi_us`` and freed within the
+    recorded window, by size. A block's ``lifetime_ms`` is its free minus alloc time.
     """
     born: dict[int, tuple[int, float, list]] = {}
     out = []
@@ -143,7 +152,8 @@ def _spikes(trace: list, peak_i: int, allocated: np.ndarray, limit: int = 5) -> 
             born[e["addr"]] = (int(e.get("size", 0)), float(e.get("time_us", 0)), e.get("frames") or [])
         elif a == "free_completed" and e["addr"] in born:
             size, t0, frames = born.pop(e["addr"])
-            out.append((size, float(e.get("time_us", 0)) - t0, t0, frames))
+            if lo_us <= t0 <= hi_us:
+                out.append((size, float(e.get("time_us", 0)) - t0, t0, frames))
     out.sort(key=lambda x: (-x[0], x[2]))
     return [{"bytes": size, "gib": round(size / _GIB, 4), "lifetime_ms": round(life / 1e3, 3),
              "site": allocation_site(frames)} for size, life, _, frames in out[:limit]]
@@ -165,6 +175,101 @@ def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
     if not inside:
         return None
     return min(inside, key=lambda p: (p["end_us"] - p["start_us"], p.get("name", "")))["name"]
+
+
+def _step_window(phases: list[dict]) -> tuple[float, float, str] | None:
+    """``(start_us, end_us, source)`` of the profiled step: the ``sftprof/step`` phase(s) (``source`` that name),
+    else the span of all recorded phases (``source`` ``"span of the recorded phases"``); None without phases."""
+    if not phases:
+        return None
+    step = [p for p in phases if p["name"] == artifacts.STEP] or phases
+    return (float(min(p["start_us"] for p in step)), float(max(p["end_us"] for p in step)),
+            artifacts.STEP if step is not phases else "span of the recorded phases")
+
+
+def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: int, reserved_at: int) -> dict[str, Any]:
+    """What is allocated right after event ``peak_i`` of ``trace`` (-1: before the first recorded event), walked
+    back from the final state ``final_blocks`` (addr -> (bytes, frames)): ``live_bytes``, ``top_sites``,
+    ``top_allocations`` and ``categories`` (with the slack against ``reserved_at`` bytes reserved then)."""
+    live = dict(final_blocks)  # addr -> (size, frames or None)
+    touched: set[int] = set()
+    for e in reversed(trace[peak_i + 1:]):
+        a = e.get("action")
+        if a == "alloc":
+            live.pop(e["addr"], None)
+            touched.add(e["addr"])
+        elif a == "free_completed":
+            live[e["addr"]] = (int(e["size"]), None)
+            touched.add(e["addr"])
+    alloc_frames: dict[int, list] = {}  # blocks allocated inside the window and not yet freed
+    for e in trace[:peak_i + 1]:
+        a = e.get("action")
+        if a == "alloc":
+            alloc_frames[e["addr"]] = e.get("frames") or []
+        elif a == "free_completed":
+            alloc_frames.pop(e["addr"], None)
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    allocations = []
+    for addr, (size, frames) in live.items():
+        if addr in alloc_frames:
+            frames = alloc_frames[addr]
+        elif addr in touched or not frames:
+            frames = None  # allocated before the first recorded event: its stack is unknown
+        site = allocation_site(frames) if frames is not None else "<allocated before the recorded window>"
+        by_site[site][0] += size
+        by_site[site][1] += 1
+        allocations.append((size, site, addr))
+    live_total = sum(v[0] for v in by_site.values())
+    top_sites = [{"site": s, "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
+                  "share_pct": round(100 * b / live_total, 3) if live_total else 0.0}
+                 for s, (b, c) in sorted(by_site.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_SITES]]
+    top_allocs = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
+                  for s, site, _ in sorted(allocations, key=lambda x: (-x[0], x[1], x[2]))[:TOP_ALLOCATIONS]]
+    return {"live_bytes": live_total, "top_sites": top_sites, "top_allocations": top_allocs,
+            "categories": _categories(by_site, live_total, reserved_at)}
+
+
+PEAK_SCOPES = {"profiled_step": "the profiled step's peak", "recorded_window": "the recorded window's peak"}
+WINDOW_PEAK_POSITIONS = {
+    "in_step": None,  # worded by its phase
+    "before_step": "before the profiled step (model setup or earlier steps in the recorded history)",
+    "after_step": "after the profiled step (before the snapshot was taken)",
+}
+_IN_STEP_NO_PHASE = "in the profiled step, outside its recorded phases"
+_NO_PHASES = "in the recorded window, with no phases recorded"
+
+
+def peak_where(summary: dict, which: str = "peak") -> str:
+    """Where a peak of :func:`analyze_snapshot`'s summary lies, in words (never ``None`` or ``?``).
+
+    Args:
+        summary: an :func:`analyze_snapshot` output (also one of an older sftprof, without ``peak_scope``).
+        which: ``"peak"`` (the headline peak) or ``"window"`` (the whole recorded window's peak).
+
+    Returns:
+        ``"in <phase>"``; ``"in the profiled step, outside its recorded phases"``; for the window's peak
+        :data:`WINDOW_PEAK_POSITIONS`' words when it lies outside the profiled step; without phases
+        ``"in the recorded window, with no phases recorded"``; for a summary of an older sftprof whose peak has no
+        phase, ``"with no phase recorded"``.
+
+    Raises:
+        ValueError: ``which`` is neither ``"peak"`` nor ``"window"``.
+    """
+    if which not in ("peak", "window"):
+        raise ValueError(f"which={which!r}: expected 'peak' or 'window'")
+    scope = summary.get("peak_scope")
+    if which == "window" and scope is not None:
+        pos, phase = summary.get("window_peak_position"), summary.get("window_peak_phase")
+        if pos in ("before_step", "after_step"):
+            return WINDOW_PEAK_POSITIONS[pos]
+    else:  # the headline peak; an older summary's only peak is its window's
+        phase = summary.get("peak_phase")
+        pos = "in_step" if scope == "profiled_step" else None
+    if phase:
+        return f"in {phase}"
+    if pos == "in_step":
+        return _IN_STEP_NO_PHASE
+    return _NO_PHASES if scope is not None else "with no phase recorded"
 
 
 def _int(v) -> bool:
@@ -249,26 +354,42 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
 
 
 def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, Any]:
-    """Memory summary of one snapshot.
+    """Memory summary of one snapshot: the profiled step's peak when ``phases`` holds phases, else the recorded
+    window's (module docstring), and the whole window's peak beside it.
 
     Args:
-        snapshot: the unpickled snapshot (see :func:`sftprof.analysis.safe_pickle.safe_load_file`).
+        snapshot: the unpickled snapshot (see :func:`sftprof.analysis.safe_pickle.safe_load_file`). Its events
+            are taken to be in time order (the allocator appends them as they happen).
         phases: the ``phases_rank<r>.json`` sidecar content, or None.
 
     Returns:
-        JSON-serialisable dict (bytes are ints; ``*_gib`` floats are GiB = 2**30 bytes):
-        ``device``, ``trace_entries``, ``window_ms``, ``peak_allocated_bytes``,
-        ``peak_reserved_bytes``, ``reserved_at_peak_bytes``, ``reserved_minus_allocated_at_peak_bytes``,
-        ``peak_time_ms`` (from the first recorded event), ``peak_phase`` (None without sidecar),
-        ``end_allocated_bytes``, ``end_reserved_bytes``, ``top_sites`` (site, bytes, blocks,
-        share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
-        (:data:`MEMORY_CATEGORIES` rows whose bytes sum to the allocated bytes at the peak, then the
-        allocator slack row), ``transient_spikes`` (largest blocks allocated and freed inside the window:
-        bytes, lifetime_ms, site), and ``series``
-        (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
+        JSON-serialisable dict (bytes are ints; ``*_gib`` floats are GiB = 2**30 bytes; ``*_ms`` from the first
+        recorded event):
+
+        - ``device``, ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us, None without events);
+        - ``peak_scope``: ``"profiled_step"`` (sidecar with phases) or ``"recorded_window"`` (:data:`PEAK_SCOPES`);
+          ``step_window``: ``{"source": "sftprof/step" | "span of the recorded phases", "start_ms", "end_ms"}``,
+          None without phases;
+        - the headline peak, of that scope: ``peak_allocated_bytes``/``_gib`` (highest allocated level; in the
+          step, the level it starts from counts), ``peak_time_ms`` (the step's start when that starting level is
+          the peak), ``peak_phase`` (innermost phase at that time, None outside every phase and without phases),
+          ``peak_reserved_bytes``/``_gib`` (highest reserved level of the scope), ``reserved_at_peak_bytes``,
+          ``reserved_minus_allocated_at_peak_bytes``/``_gib``, ``live_at_peak_bytes``, ``top_sites`` (site, bytes,
+          blocks, share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
+          (:data:`MEMORY_CATEGORIES` rows whose bytes sum to the allocated bytes at the peak, then the allocator
+          slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
+          window: bytes, lifetime_ms, site);
+        - the whole recorded window's peak: ``window_peak_allocated_bytes``/``_gib``, ``window_peak_time_ms``,
+          ``window_peak_phase``, ``window_peak_reserved_bytes``/``_gib``, ``window_top_sites`` (as ``top_sites``)
+          and ``window_peak_position``: ``"in_step"`` (the step reaches the window's highest level; then the
+          window's peak is the step's), ``"before_step"`` or ``"after_step"`` (higher than anything in the step),
+          None without phases (then it is the headline peak);
+        - ``end_allocated_bytes``, ``end_reserved_bytes``;
+        - ``series`` (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
 
     Raises:
-        ValueError: the object is not a well-formed allocator snapshot (see :func:`check_snapshot`).
+        ValueError: the object is not a well-formed allocator snapshot (see :func:`check_snapshot`), or the
+            sidecar is not ``{'phases': [{'name': str, 'start_us': number, 'end_us': number}]}``.
     """
     check_snapshot(snapshot)
     if phases is not None and not (isinstance(phases, dict) and isinstance(phases.get("phases", []), list)
@@ -308,62 +429,59 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     allocated = start_alloc + np.cumsum(d_alloc)
     reserved = start_res + np.cumsum(d_res)
 
-    if n:
-        peak_i = int(np.argmax(allocated))
-        peak_alloc = int(allocated[peak_i])
-        if start_alloc > peak_alloc:  # the peak was before the first recorded event
-            peak_i, peak_alloc = -1, start_alloc
-    else:
-        peak_i, peak_alloc = -1, end_alloc
-    res_at_peak = int(reserved[peak_i]) if peak_i >= 0 else start_res
-    peak_res = max(int(reserved.max()) if n else end_reserved, start_res)
+    def alloc_after(i: int) -> int:  # allocated right after event i (-1: before the first)
+        return int(allocated[i]) if i >= 0 else start_alloc
 
-    # Blocks alive right after event peak_i: walk back from the final state.
-    live = dict(final_blocks)  # addr -> (size, frames or None)
-    touched: set[int] = set()
-    for e in reversed(trace[peak_i + 1:]):
-        a = e.get("action")
-        if a == "alloc":
-            live.pop(e["addr"], None)
-            touched.add(e["addr"])
-        elif a == "free_completed":
-            live[e["addr"]] = (int(e["size"]), None)
-            touched.add(e["addr"])
-    alloc_frames: dict[int, list] = {}  # blocks allocated inside the window and not yet freed
-    for e in trace[:peak_i + 1]:
-        a = e.get("action")
-        if a == "alloc":
-            alloc_frames[e["addr"]] = e.get("frames") or []
-        elif a == "free_completed":
-            alloc_frames.pop(e["addr"], None)
-    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    allocations = []
-    for addr, (size, frames) in live.items():
-        if addr in alloc_frames:
-            frames = alloc_frames[addr]
-        elif addr in touched or not frames:
-            frames = None  # allocated before the first recorded event: its stack is unknown
-        site = allocation_site(frames) if frames is not None else "<allocated before the recorded window>"
-        by_site[site][0] += size
-        by_site[site][1] += 1
-        allocations.append((size, site, addr))
-    live_total = sum(v[0] for v in by_site.values())
-    top_sites = [{"site": s, "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
-                  "share_pct": round(100 * b / live_total, 3) if live_total else 0.0}
-                 for s, (b, c) in sorted(by_site.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_SITES]]
-    top_allocs = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
-                  for s, site, _ in sorted(allocations, key=lambda x: (-x[0], x[1], x[2]))[:TOP_ALLOCATIONS]]
+    def res_after(i: int) -> int:
+        return int(reserved[i]) if i >= 0 else start_res
 
-    t0 = float(times[0]) if n else 0.0
-    peak_t = float(times[peak_i]) if peak_i >= 0 else t0
-    categories = _categories(by_site, live_total, res_at_peak)
-    spikes = _spikes(trace, peak_i, allocated)
+    def highest(lo: int, hi: int) -> tuple[int, int, int]:
+        """(event index, level) of the highest allocated level right after events lo..hi-1 (the first event
+        reaching it; event lo only when no later one does), and the highest reserved level there."""
+        idx = np.arange(lo + 1, hi)
+        best_i, best, res = lo, alloc_after(lo), res_after(lo)
+        if idx.size:
+            k = int(np.argmax(allocated[idx]))
+            if int(allocated[idx[k]]) >= best:
+                best_i, best = int(idx[k]), int(allocated[idx[k]])
+            res = max(res, int(reserved[idx].max()))
+        return best_i, best, res
+
     phase_list = (phases or {}).get("phases") or []
+    t0 = float(times[0]) if n else 0.0
+    # The whole recorded window: the level before the first event, then after each event.
+    win_i, win_alloc, win_res = highest(-1, n)
+    win_t = float(times[win_i]) if win_i >= 0 else t0
+    step = _step_window(phase_list)
+    if step is not None:
+        s_us, e_us, source = step
+        # first event at or after the step's start, one past the last event at or before its end (by position)
+        started, ended = times >= s_us, times <= e_us
+        first_in = int(np.argmax(started)) if started.any() else n
+        after = n - int(np.argmax(ended[::-1])) if ended.any() else 0
+        # The level the step starts from (after the last event before it), then after each event inside it.
+        peak_i, peak_alloc, peak_res = highest(first_in - 1, max(after, first_in))
+        # the starting level is known from the step's start (or the first recorded event, if later)
+        peak_t = float(times[peak_i]) if peak_i >= first_in else (max(s_us, t0) if n else t0)
+        if peak_alloc == win_alloc:  # the step reaches the window's highest level: that is the window's peak
+            win_i, win_t, position = peak_i, peak_t, "in_step"
+        else:
+            position = "before_step" if win_t < s_us else "after_step" if win_t > e_us else "in_step"
+        step_window = {"source": source, "start_ms": round((s_us - t0) / 1e3, 3) if n else None,
+                       "end_ms": round((e_us - t0) / 1e3, 3) if n else None}
+    else:
+        peak_i, peak_alloc, peak_res, peak_t, position, step_window = win_i, win_alloc, win_res, win_t, None, None
+        s_us, e_us = -np.inf, np.inf
+    res_at_peak = res_after(peak_i)
+    at_peak = _alive_at(trace, final_blocks, peak_i, res_at_peak)
+    at_win = at_peak if win_i == peak_i else _alive_at(trace, final_blocks, win_i, res_after(win_i))
     return {
         "device": dev,
         "trace_entries": n,
         "window_ms": round((float(times[-1]) - t0) / 1e3, 3) if n else 0.0,
         "window_start_us": t0 if n else None,
+        "peak_scope": "profiled_step" if step is not None else "recorded_window",
+        "step_window": step_window,
         "peak_allocated_bytes": peak_alloc,
         "peak_allocated_gib": round(peak_alloc / _GIB, 4),
         "peak_reserved_bytes": peak_res,
@@ -372,21 +490,32 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         "reserved_minus_allocated_at_peak_bytes": res_at_peak - peak_alloc,
         "reserved_minus_allocated_at_peak_gib": round((res_at_peak - peak_alloc) / _GIB, 4),
         "peak_time_ms": round((peak_t - t0) / 1e3, 3),
-        "peak_phase": _innermost_phase(phase_list, peak_t) if phases is not None else None,
-        "live_at_peak_bytes": live_total,
+        "peak_phase": _innermost_phase(phase_list, peak_t) if phase_list else None,
+        "live_at_peak_bytes": at_peak["live_bytes"],
+        "window_peak_allocated_bytes": win_alloc,
+        "window_peak_allocated_gib": round(win_alloc / _GIB, 4),
+        "window_peak_reserved_bytes": win_res,
+        "window_peak_reserved_gib": round(win_res / _GIB, 4),
+        "window_peak_time_ms": round((win_t - t0) / 1e3, 3),
+        "window_peak_phase": _innermost_phase(phase_list, win_t) if phase_list else None,
+        "window_peak_position": position,
         "end_allocated_bytes": end_alloc,
         "end_reserved_bytes": end_reserved,
-        "top_sites": top_sites,
-        "top_allocations": top_allocs,
-        "categories_at_peak": categories,
-        "transient_spikes": spikes,
+        "top_sites": at_peak["top_sites"],
+        "top_allocations": at_peak["top_allocations"],
+        "categories_at_peak": at_peak["categories"],
+        "transient_spikes": _spikes(trace, s_us, e_us),
+        "window_top_sites": at_win["top_sites"],
         "series": {"t_us": times, "allocated": allocated, "reserved": reserved, "peak_index": peak_i,
-                   "start_allocated": start_alloc, "start_reserved": start_res, "phases": phase_list},
+                   "window_peak_index": win_i, "start_allocated": start_alloc, "start_reserved": start_res,
+                   "phases": phase_list},
     }
 
 
 def plot_memory(summary: dict, title: str, out_png: str) -> None:
-    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window, peak marked (y from 0).
+    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window (y from 0): the headline peak
+    marked (red dot), the profiled step's window by dotted lines and, when higher and outside the step, the
+    window's peak (open diamond).
 
     Args:
         summary: output of :func:`analyze_snapshot` (needs its ``series``).
@@ -414,10 +543,17 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
     ax.step(x, alloc, where="post", lw=1.0, color="C0", label="allocated")
     ax.step(x, res, where="post", lw=1.0, ls="--", color="C1", label="reserved")
-    pi = s["peak_index"] + 1
-    ax.plot([x[pi]], [alloc[pi]], "o", color="red", ms=6,
-            label=f"peak {summary['peak_allocated_gib']:.2f} GiB" +
-                  (f" ({summary['peak_phase']})" if summary.get("peak_phase") else ""))
+    step = summary.get("step_window")
+    if step and step["start_ms"] is not None:
+        for edge in (step["start_ms"], step["end_ms"]):
+            ax.axvline(edge, color="0.4", lw=0.8, ls=":")
+    noun = "step peak" if summary.get("peak_scope") == "profiled_step" else "peak"
+    ax.plot([summary["peak_time_ms"]], [summary["peak_allocated_gib"]], "o", color="red", ms=6,
+            label=f"{noun} {summary['peak_allocated_gib']:.2f} GiB {peak_where(summary)}")
+    if summary.get("window_peak_position") in ("before_step", "after_step"):
+        ax.plot([summary["window_peak_time_ms"]], [summary["window_peak_allocated_gib"]], "D", color="C3",
+                ms=5, mfc="none", label=f"window peak {summary['window_peak_allocated_gib']:.2f} GiB, "
+                                        f"{summary['window_peak_position'].replace('_', ' ')}")
     ax.set_xlabel("time since first recorded allocator event [ms]")
     ax.set_ylabel("GiB")
     ax.set_ylim(bottom=0)  # from 0, so the height of the curve reads as the memory it is

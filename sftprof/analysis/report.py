@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.failure import headline
 from sftprof.analysis.kernel_names import short_kernel_name
+from sftprof.analysis.memory_summary import peak_where
 from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES, exposed_groups
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.analysis.views import VIEWS
@@ -479,6 +480,35 @@ def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
             "this peak is outside it.")
 
 
+def _memory_peaks(x: dict) -> list[str]:
+    """The peak lines of one snapshot summary (:func:`sftprof.analysis.memory_summary.analyze_snapshot`): the
+    headline peak, named the profiled step's or the recorded window's, with its place in words
+    (:func:`peak_where`), and the whole window's peak beside it (where it lies and what was alive then when it is
+    outside the step)."""
+    if x.get("peak_scope") == "profiled_step":
+        w = x["step_window"]
+        out = [f"- peak allocated in the profiled step **{fmt(x['peak_allocated_gib'])} GiB** at "
+               f"{fmt(x['peak_time_ms'])} ms, {peak_where(x)} (step {fmt(w['start_ms'])}–{fmt(w['end_ms'])} ms, from "
+               f"`{w['source']}`, of a {fmt(x['window_ms'])} ms recorded window; times from its first event)",
+               f"- peak reserved in the profiled step {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at "
+               f"the peak {fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
+        if x["window_peak_position"] == "in_step":
+            out.append(f"- the whole recorded window peaks in the profiled step too (reserved peak "
+                       f"{fmt(x['window_peak_reserved_gib'])} GiB)")
+        else:
+            alive = ", ".join(f"`{short(y['site'], 80)}` {fmt(y['gib'])} GiB" for y in x["window_top_sites"][:3])
+            out.append(f"- **the recorded window peaks higher, outside the profiled step:** "
+                       f"{fmt(x['window_peak_allocated_gib'])} GiB allocated at {fmt(x['window_peak_time_ms'])} ms, "
+                       f"{peak_where(x, 'window')}; reserved peak {fmt(x['window_peak_reserved_gib'])} GiB; "
+                       f"alive then: {alive}. The figures below are the profiled step's peak")
+        return out
+    return [f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms of the "
+            f"{fmt(x['window_ms'])} ms recorded window (from its first event); no phases recorded, so neither its "
+            "phase nor the profiled step's own peak is known",
+            f"- peak reserved {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
+            f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
+
+
 def _memory_snapshot(m: dict) -> list[str]:
     out = [f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n"]
     if "error" in m:
@@ -486,10 +516,7 @@ def _memory_snapshot(m: dict) -> list[str]:
         return out + [f"**error:** {m['error']}\n"] + (
             [f"Kept from an earlier postprocess (not from this snapshot): {kept}\n"] if kept else [])
     x = m["summary"]
-    out.append(f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms "
-               f"of a {fmt(x['window_ms'])} ms window, phase: {fmt(x['peak_phase'])}")
-    out.append(f"- peak reserved {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
-               f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB")
+    out += _memory_peaks(x)
     if x["history"]["truncated"]:
         out.append(f"- **truncated window:** {x['history']['message']}")
     out.append(f"- plot: `{m['plot']}`\n")
@@ -498,7 +525,8 @@ def _memory_snapshot(m: dict) -> list[str]:
                      [[r["label"], r["gib"], r["blocks"], r["share_pct"]] for r in x["categories_at_peak"]]))
     out += _estimate(m)
     if x.get("transient_spikes"):
-        out.append("\nTransient spikes (largest blocks allocated and freed inside the window):\n")
+        scope = "the profiled step" if x.get("peak_scope") == "profiled_step" else "the window"
+        out.append(f"\nTransient spikes (largest blocks allocated inside {scope} and freed inside the window):\n")
         out.append(table(["GiB", "lifetime ms", "site"],
                          [[r["gib"], r["lifetime_ms"], short(r["site"], 140)] for r in x["transient_spikes"]]))
     out += ["", "### Alive at the peak, by allocation site\n",
