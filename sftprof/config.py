@@ -511,7 +511,8 @@ def _is_interpolation(value: Any) -> bool:
 ACCEPTED_BY_KEY = {
     "actor.backend": "an allocation mode BACKEND:LAYOUT, e.g. fsdp:d2, megatron:d2t2p2 or megatron:(attn:d2c4|ffn:d1e8)",
     "actor.megatron.recompute_modules": f"a list in brackets of {list(RECOMPUTE_MODULES)}, e.g. [core_attn]",
-    "perf_tracer.profile_steps": "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)",
+    "perf_tracer.profile_steps": "a list of step numbers in brackets, e.g. [0] (one step per trial when "
+                                 "perf_tracer.enabled=true; [] for none)",
     "memory_profiler.profile_steps": "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)",
 }
 # What YAML made of a value, in a message
@@ -622,7 +623,7 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
     Args:
         path: YAML file path or bundled preset name (:func:`resolve_config_path`).
         overrides: dotted overrides such as ``["actor.loss.logprobs_chunk_size=128"]``; list values use
-            YAML syntax (``perf_tracer.profile_steps=[0,1]``). Old key names are mapped
+            YAML syntax (``memory_profiler.profile_steps=[0,1]``). Old key names are mapped
             (:func:`map_legacy_loss_keys`) in the file and in the overrides separately.
 
     Returns:
@@ -686,7 +687,9 @@ def validate(cfg: SFTProfileConfig) -> None:
     ``experiment_name`` and ``trial_name`` must each be one folder name (:data:`NAME_ACCEPTED`: they become
     folders of the trial's LOG_DIR, :func:`trial_log_dir`); ``seed`` at most :data:`SEED_MAX`. Each section checks
     itself (the ``check`` methods above); what spans sections is checked here: the profile steps below
-    ``total_train_steps`` (``perf_tracer``'s when it is enabled, ``memory_profiler``'s always),
+    ``total_train_steps`` (``perf_tracer``'s when it is enabled, ``memory_profiler``'s always), at most one
+    ``perf_tracer.profile_steps`` entry when it is enabled (a rank's kernel trace file holds one step; memory
+    snapshots go to one ``step_<N>/`` folder per step, so ``memory_profiler`` may list several),
     ``train_dataset.batch_size`` against the data-parallel size and against :data:`TOKENS_PER_RANK_MAX` tokens per
     data-parallel rank and step, ``actor.mb_spec`` against the sequence length and the batch, one profile kind per
     trial, the ``reference`` loss path only without TP.
@@ -710,6 +713,13 @@ def validate(cfg: SFTProfileConfig) -> None:
             raise ConfigError(f"{section}.profile_steps={list(steps)}: step(s) {late} never run with total_train_steps="
                               f"{cfg.total_train_steps} (it runs {runs}); accepted: steps < total_train_steps "
                               f"(or raise total_train_steps to {max(late) + 1} or more)")
+    kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []
+    if len(kernel_steps) > 1:
+        raise ConfigError(f"perf_tracer.profile_steps={kernel_steps}: one kernel-profiled step per trial (each rank's "
+                          "trace is LOG_DIR/perf_tracer/rank<rank>.pt.trace.json, which a second step would "
+                          f"overwrite); accepted: one step, e.g. [{kernel_steps[0]}], or [] for none; to profile several "
+                          "steps, run one trial per step: the driver does, PROFILE_STEPS="
+                          f"{','.join(str(s) for s in kernel_steps)}")
     a, p = cfg.actor, cfg.profile
     mbt = a.mb_spec.max_tokens_per_mb
     _check(mbt == 0 or mbt >= p.fake_seq_len, "actor.mb_spec.max_tokens_per_mb", mbt,

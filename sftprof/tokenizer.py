@@ -72,15 +72,41 @@ def bundled_qwen_tokenizer(model_type: str) -> TextTokenizer:
                      "tokenizer directory")
 
 
+# A tokenizer directory's files, named when its tokenizer turns out empty (what was found there)
+TOKENIZER_DIR_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                       "special_tokens_map.json", "added_tokens.json")
+# An HF tokenizer must encode this to at least one token and have at least MIN_VOCAB entries (a byte-level BPE has
+# its 256 byte tokens): AutoTokenizer builds an empty tokenizer from a tokenizer_config.json alone, whose encode()
+# returns [] for every text, and every trial then failed far from the cause.
+PROBE_TEXT = "Hello, world!"
+MIN_VOCAB = 256
+
+
 def _hf_tokenizer(path: Path) -> TextTokenizer:
+    """The Hugging Face tokenizer of directory ``path`` (``AutoTokenizer``), checked to be a real one.
+
+    Raises:
+        ValueError: it cannot be loaded, or it is empty: :data:`PROBE_TEXT` encodes to no token or it has fewer than
+            :data:`MIN_VOCAB` entries (message names the directory, the files found and the files accepted).
+    """
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
+        probe = tok.encode(PROBE_TEXT, add_special_tokens=False)
+        size = len(tok)
     except Exception as err:  # tokenizers and transformers raise many kinds for a damaged file
         raise ValueError(f"{path}: cannot load its Hugging Face tokenizer ({type(err).__name__}: {err}); accepted: a "
                          f"directory with readable tokenizer files ({', '.join(TOKENIZER_FILES)}), or none of them "
                          "(the bundled Qwen BPE of the model's family)") from err
+    if not probe or size < MIN_VOCAB:
+        found = [name for name in TOKENIZER_DIR_FILES if (path / name).is_file()]
+        raise ValueError(f"{path}: its Hugging Face tokenizer is empty or incomplete ({type(tok).__name__}, "
+                         f"vocabulary size {size}, {PROBE_TEXT!r} encodes to {probe}; tokenizer files found: "
+                         f"{', '.join(found) or 'none'}); accepted: the model's tokenizer files (tokenizer.json, or "
+                         f"vocab.json + merges.txt, or tokenizer.model, beside tokenizer_config.json) making a "
+                         f"vocabulary of at least {MIN_VOCAB} entries, or none of {', '.join(TOKENIZER_FILES)} "
+                         "(the bundled Qwen BPE of the model's family)")
     return TextTokenizer(f"Hugging Face tokenizer {path}", lambda text: tok.encode(text, add_special_tokens=False))
 
 
@@ -115,8 +141,8 @@ def load_tokenizer(tokenizer_path: str, model_path: str, model_type: str) -> Tex
         model_type: the (text) HF config's ``model_type``, e.g. ``qwen3_moe`` or ``qwen3_5_moe_text``.
 
     Raises:
-        ValueError: ``tokenizer_path`` is set but is not a directory; the tokenizer files there cannot be loaded
-            (message names the directory); no bundled tokenizer for ``model_type``.
+        ValueError: ``tokenizer_path`` is set but is not a directory; the tokenizer files there cannot be loaded or
+            make an empty tokenizer (message names the directory); no bundled tokenizer for ``model_type``.
     """
     hf_dir = hf_tokenizer_dir(tokenizer_path, model_path)
     return _hf_tokenizer(hf_dir) if hf_dir is not None else bundled_qwen_tokenizer(model_type)

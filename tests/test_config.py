@@ -285,6 +285,11 @@ SEQ_ACCEPTED = ("must be an integer from 2 to 134217728 (2**27: token positions 
     (["perf_tracer.enabled=true", "perf_tracer.profile_steps=[5]", "total_train_steps=1"],
      "perf_tracer.profile_steps=[5]: step(s) [5] never run with total_train_steps=1 (it runs step 0); accepted: "
      "steps < total_train_steps (or raise total_train_steps to 6 or more)"),
+    # the reviewer's case: both steps' traces went to rank0.pt.trace.json, step 0's overwritten by step 1's
+    (["perf_tracer.enabled=true", "perf_tracer.profile_steps=[0,1]", "total_train_steps=2"],
+     "perf_tracer.profile_steps=[0, 1]: one kernel-profiled step per trial (each rank's trace is "
+     "LOG_DIR/perf_tracer/rank<rank>.pt.trace.json, which a second step would overwrite); accepted: one step, e.g. "
+     "[0], or [] for none; to profile several steps, run one trial per step: the driver does, PROFILE_STEPS=0,1"),
     (["memory_profiler.profile_steps=[0,2,3]", "total_train_steps=2"],
      "memory_profiler.profile_steps=[0, 2, 3]: step(s) [2, 3] never run with total_train_steps=2 (it runs steps 0 to "
      "1); accepted: steps < total_train_steps (or raise total_train_steps to 4 or more)"),
@@ -299,12 +304,20 @@ def test_upper_bounds_and_profile_steps_accept_their_limits():
     cfg = load_config("tiny_cpu", ["profile.fake_seq_len=134217728", "train_dataset.batch_size=2", "seed=4294967295",
                                    "memory_profiler.profile_steps=[1]", "total_train_steps=2", "trial_name=a-b_1"])
     assert (cfg.profile.fake_seq_len, cfg.seed, cfg.trial_name) == (2**27, 2**32 - 1, "a-b_1")
-    # a disabled tracer's steps are not run: not checked against total_train_steps
+    # a disabled tracer's steps are not run: not checked against total_train_steps, nor counted
     assert load_config("tiny_cpu", ["perf_tracer.profile_steps=[5]", "total_train_steps=1"]).perf_tracer.enabled is False
+    assert load_config("tiny_cpu", ["perf_tracer.profile_steps=[0,1]", "total_train_steps=2"]).perf_tracer.enabled is False
+    # one kernel step per trial; memory snapshots of several steps go to their own step_<N>/ folders
+    assert load_config("tiny_cpu", ["perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]",
+                                    "total_train_steps=2"]).perf_tracer.profile_steps == [1]
+    assert load_config("tiny_cpu", ["memory_profiler.profile_steps=[0,1]",
+                                    "total_train_steps=2"]).memory_profiler.profile_steps == [0, 1]
 
 
 BACKEND_ACCEPTED = "an allocation mode BACKEND:LAYOUT, e.g. fsdp:d2, megatron:d2t2p2 or megatron:(attn:d2c4|ffn:d1e8)"
 STEPS_ACCEPTED = "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for none)"
+KERNEL_STEPS_ACCEPTED = ("a list of step numbers in brackets, e.g. [0] (one step per trial when perf_tracer.enabled=true; "
+                         "[] for none)")
 
 
 @pytest.mark.parametrize("override,message", [
@@ -313,9 +326,9 @@ STEPS_ACCEPTED = "a list of step numbers in brackets, e.g. [0] or [0,1] ([] for 
      f"accepted: {BACKEND_ACCEPTED} (text that YAML reads as a mapping or list is quoted: actor.backend='...') "
      "(the overrides)"),
     ("perf_tracer.profile_steps=abc", f"perf_tracer.profile_steps='abc': read as text, not a list; accepted: "
-     f"{STEPS_ACCEPTED} (the overrides)"),
+     f"{KERNEL_STEPS_ACCEPTED} (the overrides)"),
     ("perf_tracer.profile_steps=1", f"perf_tracer.profile_steps='1': read as a number, not a list; accepted: "
-     f"{STEPS_ACCEPTED} (the overrides)"),
+     f"{KERNEL_STEPS_ACCEPTED} (the overrides)"),
     ("memory_profiler.profile_steps=", f"memory_profiler.profile_steps: empty value; accepted: {STEPS_ACCEPTED} "
      "(the overrides)"),
     # was an uncaught TypeError: Cannot merge incompatible container types

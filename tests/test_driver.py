@@ -469,19 +469,64 @@ def test_unusable_model_config_exits_2(content, problem, tmp_path):
     ("qwen3_5_35b_a3b", {"num_experts_per_tok": 257}, "has text_config.num_experts_per_tok=257 > "
      "text_config.num_experts=256; accepted: num_experts_per_tok from 1 to num_experts (each token's router picks "
      "that many experts)"),
+    # the reviewer's case: saved by transformers 5, which reads num_local_experts as num_experts and keeps the null;
+    # every trial died with TypeError: '>' not supported between instances of 'NoneType' and 'int'
+    ("tiny_qwen3_moe", {"num_experts": "DROP", "num_local_experts": None}, "has num_local_experts=null (transformers "
+     "reads it as num_experts); accepted: an integer >= 1"),
+    ("tiny_qwen3_moe", {"head_dim": None}, "has head_dim=null; accepted: an integer >= 1"),  # also kept by transformers
+    # transformers refuses most nulls itself
+    ("tiny_qwen3_moe", {"num_experts_per_tok": None}, "transformers cannot read {file}: Validation error for field "
+     "'num_experts_per_tok': TypeError: Field 'num_experts_per_tok' expected int, got NoneType (value: None)"),
 ])
 def test_impossible_model_configs_are_refused_naming_file_and_key(family, changes, problem, tmp_path):
     import json
 
     from sftprof.models.hf import CONFIG_DIR, ModelPathError, load_hf_config
     raw = json.loads((CONFIG_DIR / family / "config.json").read_text())
-    (raw["text_config"] if "text_config" in raw else raw).update(changes)
+    section = raw["text_config"] if "text_config" in raw else raw
+    section.update(changes)
+    for key in [k for k, v in changes.items() if v == "DROP"]:
+        del section[key]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelPathError) as exc:
         load_hf_config(str(tmp_path))
     file = tmp_path / "config.json"
     assert str(exc.value) == f"actor.path='{tmp_path}': " + (
         problem.format(file=file) if "{file}" in problem else f"{file} {problem}")
+
+
+def test_model_config_missing_a_size_the_model_needs_is_refused():
+    """transformers fills in a default for a size the file leaves out; a config object without one of REQUIRED_KEYS
+    of its model type (another transformers version) is refused naming the key, one without an optional key is not
+    (Qwen3-MoE's head_dim: hidden_size / num_attention_heads)."""
+    import json
+    from types import SimpleNamespace
+
+    from sftprof.models.hf import CONFIG_DIR, ModelPathError, check_model_config
+    raw = json.loads((CONFIG_DIR / "tiny_qwen3_moe" / "config.json").read_text())
+    del raw["head_dim"]
+    check_model_config(SimpleNamespace(**raw), "m/config.json")
+    del raw["num_experts"]
+    with pytest.raises(ModelPathError) as exc:
+        check_model_config(SimpleNamespace(**raw), "m/config.json")
+    assert str(exc.value) == "m/config.json names no num_experts; accepted: an integer >= 1 (a qwen3_moe model is built from it)"
+
+
+def test_unusable_model_config_null_size_stops_the_plan(tmp_path):
+    """The transformers-5 config with "num_local_experts": null stops the driver's plan (DriverError: exit 2)."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    raw = json.loads(TINY_CONFIG)
+    del raw["num_experts"]
+    raw["num_local_experts"] = None
+    (model / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(launch.DriverError) as exc:
+        launch.plan(_plan_env(tmp_path, MODEL_PATH=str(model), PROFILE_STEPS="0"), [], gpus=0)
+    assert str(exc.value) == (f"actor.path='{model}': {model / 'config.json'} has num_local_experts=null (transformers "
+                              "reads it as num_experts); accepted: an integer >= 1 (MODEL_PATH / actor.path)")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fr").exists()
 
 
 def test_trial_names_are_folder_names_whatever_the_model_dir_is_called(tmp_path):
@@ -539,6 +584,25 @@ def test_damaged_model_files_stop_the_plan(damage, tmp_path):
     else:
         assert out.stderr == f"sftprof: {problem}\n"
     assert out.stdout == "" and not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
+def test_unusable_empty_model_tokenizer_stops_the_plan(tmp_path):
+    """A MODEL_PATH whose tokenizer loads but is empty (a tokenizer_config.json naming a class, no vocabulary) stops
+    the plan (DriverError: exit 2) before anything is written; every trial failed with `sftprof: configuration
+    error: max() arg is an empty sequence`."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(TINY_CONFIG)
+    (model / "tokenizer_config.json").write_text('{"tokenizer_class":"Qwen2Tokenizer"}')
+    with pytest.raises(launch.DriverError) as exc:
+        launch.plan(_plan_env(tmp_path, MODEL_PATH=str(model), PROFILE_STEPS="0"), [], gpus=0)
+    assert str(exc.value) == (
+        f"{model}: its Hugging Face tokenizer is empty or incomplete (Qwen2Tokenizer, vocabulary size 1, 'Hello, "
+        "world!' encodes to []; tokenizer files found: tokenizer_config.json); accepted: the model's tokenizer files "
+        "(tokenizer.json, or vocab.json + merges.txt, or tokenizer.model, beside tokenizer_config.json) making a "
+        "vocabulary of at least 256 entries, or none of tokenizer.json, tokenizer.model, vocab.json, "
+        "tokenizer_config.json (the bundled Qwen BPE of the model's family) (tokenizer_path / MODEL_PATH)")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fr").exists()
 
 
 def test_stop_on_failure_lists_the_trials_not_run(tmp_path):

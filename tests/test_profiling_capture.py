@@ -72,6 +72,22 @@ def test_kernel_profiler_records_profiler_step_with_our_regions(tmp_path, rank, 
         assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)  # record_shapes
 
 
+def test_kernel_trace_log_names_the_step_each_export_holds(tmp_path, caplog):
+    """The config refuses several kernel steps (one trace file per rank); a profiler built around that check still
+    logs the step each export holds: the export of step 0 runs inside prof.step() of step 1 (the reviewer's log said
+    "kernel trace of step 1 written" twice)."""
+    cfg = _cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]")
+    cfg.perf_tracer.profile_steps = [0, 1]  # past sftprof.config.validate
+    prof = KernelProfiler(cfg, LAYOUT, 0, tmp_path)
+    with caplog.at_level(logging.INFO, logger="sftprof.capture.kernel"):
+        for step in range(3):
+            with prof.step(step):
+                _work()
+    written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel trace of step")]
+    assert written == [f"kernel trace of step {s} written to {trace_path(tmp_path, 0)}" for s in (0, 1)]
+    assert prof.traces_written == 2
+
+
 def test_kernel_profiler_exports_nothing_when_the_step_fails(tmp_path):
     prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
     with prof.step(0):

@@ -59,3 +59,54 @@ def test_full_multimodal_config_dir_profiles_the_text_model(tmp_path):
 def test_tokenizer_path_must_be_a_directory(tmp_path):
     with pytest.raises(ValueError, match="tokenizer_path="):
         load_tokenizer(str(tmp_path / "missing"), "tiny_qwen3_moe", "qwen3_moe")
+
+
+def _empty_tokenizer_dir(path):
+    """The reviewer's model dir: config.json and a tokenizer_config.json that names a class and nothing else
+    (AutoTokenizer builds a Qwen2Tokenizer whose encode() returns [] for every text)."""
+    shutil.copy(CONFIG_DIR / "tiny_qwen3_moe" / "config.json", path / "config.json")
+    (path / "tokenizer_config.json").write_text('{"tokenizer_class":"Qwen2Tokenizer"}')
+    return path
+
+
+def empty_tokenizer_message(path, kind="Qwen2Tokenizer", size=1, ids="[]", found="tokenizer_config.json"):
+    return (f"{path}: its Hugging Face tokenizer is empty or incomplete ({kind}, vocabulary size {size}, "
+            f"'Hello, world!' encodes to {ids}; tokenizer files found: {found}); accepted: the model's tokenizer "
+            "files (tokenizer.json, or vocab.json + merges.txt, or tokenizer.model, beside tokenizer_config.json) "
+            "making a vocabulary of at least 256 entries, or none of tokenizer.json, tokenizer.model, vocab.json, "
+            "tokenizer_config.json (the bundled Qwen BPE of the model's family)")
+
+
+def test_empty_hf_tokenizer_is_refused_naming_the_dir_and_files(tmp_path):
+    """Was: every trial failed with `max() arg is an empty sequence` (the fake sample tokenized to nothing)."""
+    model = _empty_tokenizer_dir(tmp_path)
+    with pytest.raises(ValueError) as exc:
+        load_tokenizer("", str(model), "qwen3_moe")
+    assert str(exc.value) == empty_tokenizer_message(model)
+
+
+def _tokenizer_json(path, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size == 256:  # a byte-level BPE of the 256 bytes alone, no merges: one token a byte
+        tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                   merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:  # one token per character of a few
+        tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate("Helo,wrd! ")}, unk_token="H"))
+        tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_hf_tokenizer_needs_a_vocabulary_of_256_entries(tmp_path):
+    small = _tokenizer_json(tmp_path / "small", 10)
+    with pytest.raises(ValueError) as exc:
+        load_tokenizer(str(small), "tiny_qwen3_moe", "qwen3_moe")
+    assert str(exc.value) == empty_tokenizer_message(small, "TokenizersBackend", 10, "[0, 1, 2, 2, 3, 4, 9, 5, 3, 6, 2, 7, 8]",
+                                                     "tokenizer.json")
+    bytes_only = _tokenizer_json(tmp_path / "bytes", 256)
+    tok = load_tokenizer(str(bytes_only), "tiny_qwen3_moe", "qwen3_moe")
+    assert tok.source == f"Hugging Face tokenizer {bytes_only}" and len(tok.encode("Hello, world!")) == 13

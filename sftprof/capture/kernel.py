@@ -15,8 +15,10 @@ Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; 
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
 critical-path analysis) where this torch accepts that option. Each profiled step is exported with
 ``export_chrome_trace`` to ``LOG_DIR/perf_tracer/rank<rank>.pt.trace.json`` (:func:`sftprof.artifacts.raw_trace_path`; the
-``<worker>.pt.trace.json`` name TensorBoard's profiler plugin looks for; a later profiled step of the
-same trial overwrites it: profile one step per trial, as the driver does).
+``<worker>.pt.trace.json`` name TensorBoard's profiler plugin looks for). That name holds one step, so a trial
+profiles one kernel step: :func:`sftprof.config.validate` refuses more than one ``perf_tracer.profile_steps``
+entry (the driver runs one trial per step of ``PROFILE_STEPS``). A profiler built from an unvalidated config with
+several steps records each of them, and each export replaces the file (the log names the step each export holds).
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class KernelProfiler:
         self.traces_written = 0
         self._prof: torch.profiler.profile | None = None
         self._failed = False
+        self._recording: int | None = None  # the profiled step being recorded (what the next export holds)
 
     def is_profiled(self, step: int) -> bool:
         """True when ``step`` is a kernel-profile step on some rank."""
@@ -130,6 +133,9 @@ class KernelProfiler:
                 self._stop()
                 raise ValueError(f"KernelProfiler.step: expected step {expected}, got {step}")
             self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
+        if step in self.steps:
+            # set after prof.step(): that call exports the previous profiled step (torch has already counted on)
+            self._recording = step
         try:
             with module_regions.recording(step in self.steps):
                 yield
@@ -152,4 +158,5 @@ class KernelProfiler:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         self.traces_written += 1
-        log.info("kernel trace of step %d written to %s", prof.step_num, path)
+        # not prof.step_num: an export made by prof.step() runs after torch has counted on to the next step
+        log.info("kernel trace of step %d written to %s", self._recording, path)

@@ -98,11 +98,36 @@ POSITIVE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attentio
                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
-def check_model_config(config: PretrainedConfig, where: str, prefix: str = "") -> None:
+# The sizes each (text) model type is built from: transformers fills in a default for each one the file leaves out,
+# but keeps a JSON null (config.json saved by transformers 5 with "num_local_experts": null gave num_experts=None, and
+# every trial died with TypeError: '>' not supported between instances of 'NoneType' and 'int').
+_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+          "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+REQUIRED_KEYS = {
+    "qwen3_moe": _SIZES + ("intermediate_size", "decoder_sparse_step"),  # head_dim: hidden_size / heads when absent
+    "qwen3_5_moe_text": _SIZES + ("head_dim", "shared_expert_intermediate_size", "linear_num_key_heads",
+                                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                                  "linear_conv_kernel_dim"),
+}
+
+
+def _file_key(config, key: str, raw: dict | None) -> str:
+    """``key`` as ``config.json`` (``raw``, the text model's keys) spells it: the key itself, or the alias transformers
+    reads as it (its ``attribute_map``: Qwen3-MoE's ``num_local_experts`` for ``num_experts``)."""
+    if raw is None or key in raw:
+        return key
+    amap = getattr(config, "attribute_map", None) or {}
+    aliases = [v for k, v in amap.items() if k == key] + [k for k, v in amap.items() if v == key]
+    alias = next((a for a in aliases if a in raw), None)
+    return key if alias is None else alias
+
+
+def check_model_config(config: PretrainedConfig, where: str, prefix: str = "", raw: dict | None = None) -> None:
     """Refuse a model config that no layout can build, before any trial starts.
 
     Checked on the (text) config as transformers read it: each of :data:`POSITIVE_KEYS` that it has is an integer
-    >= 1; ``num_experts_per_tok`` (the router's top-k) at most ``num_experts`` (else every rank fails at its first
+    >= 1 (a JSON ``null`` included: transformers keeps it), and each of :data:`REQUIRED_KEYS` of its ``model_type``
+    is there; ``num_experts_per_tok`` (the router's top-k) at most ``num_experts`` (else every rank fails at its first
     forward: ``RuntimeError: selected index k out of range``); ``num_key_value_heads`` divides
     ``num_attention_heads`` (GQA); ``linear_num_key_heads`` divides ``linear_num_value_heads`` (Qwen3.5's gated
     delta-net). (transformers checks ``layer_types`` against ``num_hidden_layers`` itself.)
@@ -111,17 +136,29 @@ def check_model_config(config: PretrainedConfig, where: str, prefix: str = "") -
         config: the text config (:func:`text_config`).
         where: the message's start, naming ``actor.path`` and the file (``"actor.path='m': m/config.json"``).
         prefix: the keys' place in the file (``"text_config."`` for a multimodal Qwen3.5 config).
+        raw: the file's keys at that place (to name a key as the file spells it), None: name transformers' keys.
 
     Raises:
-        ModelPathError: ``<where> has <prefix><key>=<value>...; accepted: ...``, the first violation found.
+        ModelPathError: ``<where> has <prefix><key>=<value>...; accepted: ...`` (``null`` for a JSON null, with
+            ``(transformers reads it as <key>)`` where the file spells the key otherwise) or ``<where> names no
+            <prefix><key>; ...``, the first violation found.
     """
     def get(key):
         return getattr(config, key, None)
 
+    required = REQUIRED_KEYS.get(getattr(config, "model_type", None), ())
     for key in POSITIVE_KEYS:
+        if not hasattr(config, key):
+            if key in required:
+                raise ModelPathError(f"{where} names no {prefix}{key}; accepted: an integer >= 1 (a "
+                                     f"{config.model_type} model is built from it)")
+            continue
         value = get(key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ModelPathError(f"{where} has {prefix}{key}={value!r}; accepted: an integer >= 1")
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            name = _file_key(config, key, raw)
+            shown = "null" if value is None else repr(value)
+            read_as = "" if name == key else f" (transformers reads it as {key})"
+            raise ModelPathError(f"{where} has {prefix}{name}={shown}{read_as}; accepted: an integer >= 1")
     k, e = get("num_experts_per_tok"), get("num_experts")
     if k is not None and e is not None and k > e:
         raise ModelPathError(f"{where} has {prefix}num_experts_per_tok={k} > {prefix}num_experts={e}; accepted: "
@@ -154,7 +191,8 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
         ModelPathError: see :func:`resolve_model_dir`; ``config.json`` is not valid JSON or not a JSON object, its
             ``model_type`` is missing, not a string or not one of :data:`MODEL_TYPES`, transformers cannot read it,
             or it describes a model no layout can build (:func:`check_model_config`: a size that is not a positive
-            integer, top-k above the number of experts, ...); each message names the file and the key.
+            integer, a JSON null or missing where the model needs it, top-k above the number of experts, ...); each
+            message names the file and the key.
         ValueError: ``num_layers`` exceeds the configured number of layers.
     """
     from transformers import AutoConfig
@@ -183,8 +221,9 @@ def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
     except Exception as err:  # e.g. a field of the wrong type (huggingface_hub's StrictDataclassError is no ValueError)
         raise ModelPathError(f"actor.path={path!r}: transformers cannot read {config_file}: "
                              f"{' '.join(str(err).split())}") from err
-    check_model_config(config, f"actor.path={path!r}: {config_file}",
-                       "text_config." if isinstance(raw.get("text_config"), dict) else "")
+    nested = isinstance(raw.get("text_config"), dict)
+    check_model_config(config, f"actor.path={path!r}: {config_file}", "text_config." if nested else "",
+                       raw["text_config"] if nested else raw)
     if num_layers:
         full = config.num_hidden_layers
         if num_layers > full:
