@@ -3,6 +3,7 @@
 
   postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
       [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
+  (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
@@ -34,7 +35,7 @@ import tempfile
 from sftprof.analysis.inputs import recorded_profile
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile, summary_left_unchanged)
-from sftprof.artifacts import keep_previous
+from sftprof.artifacts import TRAINER_LOG, keep_previous
 from sftprof.cli import run_main
 
 
@@ -106,13 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                         "error)")
     p.add_argument("--profile-step", type=int, help="default: the step the trial's completion record names; given, a "
                                                     "check (a step the trial did not profile is an error)")
-    p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial")
+    p.add_argument("--trainer-log", help="trainer log; its tail is kept in the summary of a failed trial (default: "
+                                         f"LOG_DIR/{TRAINER_LOG} when that file exists, as the driver passes it)")
     p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
     args = p.parse_args(argv)
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
+    if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):
+        # what the driver passes: a standalone rerun reads the same inputs (and a failed trial gets its log's tail)
+        args.trainer_log = os.path.join(args.log_dir, TRAINER_LOG)
     try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
         if not os.path.isdir(args.log_dir):  # without kind and step
             resolve_profile(args.log_dir, args.profile_kind, args.profile_step)

@@ -39,8 +39,60 @@ for arg in "$@"; do
   esac
 done
 
+# Ctrl-C / SIGTERM stop the whole run (set before the plan, so that a signal during it stops it as well): during the
+# plan, the plan gets SIGTERM and removes what it wrote (sftprof/launch.py, remove_plan); later, the running torchrun
+# gets SIGTERM (it stops its workers), the trial is recorded as interrupted (also when the signal comes while it is
+# postprocessed), the trials after it as not run, and the driver exits 128 + the signal (130 for SIGINT).
+# The plan and torchrun run in the background so that the trap runs at once, not when they end.
+interrupted=0
+signal_name=""
+planning=1
+plan_pid=""
+torch_pid=""
+on_signal() {
+  interrupted=$1
+  signal_name=$2
+  if [ "$planning" = 1 ]; then   # the plan's end says what it removed: one line, below
+    [ -n "$plan_pid" ] && kill -TERM "$plan_pid" 2>/dev/null
+    return
+  fi
+  echo "sftprof: $2 received: stopping the run" >&2
+  [ -n "$torch_pid" ] && kill -TERM "$torch_pid" 2>/dev/null
+}
+trap 'on_signal 130 SIGINT' INT
+trap 'on_signal 143 SIGTERM' TERM
+fifo_dir="$(mktemp -d)"
+trap 'rm -rf "$fifo_dir"' EXIT
+
 # 1. Validate everything and write RUN_ROOT/{profile_settings.log,trials.tsv} before launching anything.
-plan_out="$("$PYTHON" -m sftprof.launch plan "$@")" || exit $?
+"$PYTHON" -m sftprof.launch plan "$@" > "$fifo_dir/plan_out" &
+plan_pid=$!
+[ "$interrupted" != 0 ] && kill -TERM "$plan_pid" 2>/dev/null   # a signal between the trap and $!
+wait "$plan_pid"
+plan_rc=$?
+while [ "$interrupted" != 0 ] && kill -0 "$plan_pid" 2>/dev/null; do   # the trap ended the wait, not the plan
+  wait "$plan_pid"
+  plan_rc=$?
+done
+planning=0
+plan_out="$(cat "$fifo_dir/plan_out")"
+# What the plan printed tells how it ended (its status may be the interrupted wait's): interrupted, with what it
+# removed (PLAN_INTERRUPTED=...); complete (its variables, RUN_ROOT=... among them); or neither (nothing written).
+stopped="$(printf '%s\n' "$plan_out" | sed -n 's/^PLAN_INTERRUPTED=//p' | tail -n 1)"
+if [ -n "$stopped" ]; then
+  eval "stopped=$stopped"   # the plan's shlex-quoted words
+elif ! printf '%s\n' "$plan_out" | grep -q '^RUN_ROOT='; then
+  stopped="nothing was written"   # the plan ended before it wrote anything (a signal before its handler, bad input)
+fi
+if [ "$interrupted" != 0 ] && [ -n "$stopped" ]; then
+  echo "sftprof: $signal_name received during the plan: nothing was launched; $stopped" >&2
+  exit "$interrupted"
+fi
+if [ "$plan_rc" = 130 ] || [ "$plan_rc" = 143 ] && [ -n "$stopped" ]; then   # the plan signalled, not the driver
+  echo "sftprof: the plan got signal $(( plan_rc - 128 )) (not the driver): nothing was launched; $stopped" >&2
+  exit "$plan_rc"
+fi
+[ "$plan_rc" -ne 0 ] && [ "$interrupted" = 0 ] && exit "$plan_rc"
 # RUN_ROOT STOP_ON_FAILURE TRIALS NODE_TIMEOUT NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT, and the
 # artifact names (sftprof/artifacts.py): TRIALS_TSV SUMMARY_TSV LAUNCHER_LOG NVIDIA_SMI_CSV TRAINER_LOG, and the
 # summary.tsv status of an interrupted trial: INTERRUPTED_STATUS
@@ -52,26 +104,14 @@ fi
 summary="$RUN_ROOT/$SUMMARY_TSV"
 printf 'trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n' > "$summary"
 echo "sftprof: run root $RUN_ROOT (settings in profile_settings.log)"
+# a signal after the plan was complete, before the first trial: no trial starts (the loop's first check)
+[ "$interrupted" != 0 ] && echo "sftprof: $signal_name received: stopping the run" >&2
 
 final_rc=0
 n=0
 run_start=$(date +%s)
-# Ctrl-C / SIGTERM stop the whole run: the running torchrun gets SIGTERM (it stops its workers), the trial is
-# recorded as interrupted (also when the signal comes while it is postprocessed), the trials after it as not run, and
-# the driver exits 128 + the signal (130 for SIGINT).
-# torchrun runs in the background so that the trap runs at once, not when the trial ends; its output goes through
+# torchrun runs in the background (the traps above run at once, not when the trial ends); its output goes through
 # a FIFO to tee (launcher.log), which the driver waits for before appending to that log.
-interrupted=0
-torch_pid=""
-on_signal() {
-  interrupted=$1
-  echo "sftprof: $2 received: stopping the run" >&2
-  [ -n "$torch_pid" ] && kill -TERM "$torch_pid" 2>/dev/null
-}
-trap 'on_signal 130 SIGINT' INT
-trap 'on_signal 143 SIGTERM' TERM
-fifo_dir="$(mktemp -d)"
-trap 'rm -rf "$fifo_dir"' EXIT
 mkfifo "$fifo_dir/torchrun_out"
 while IFS=$'\t' read -r -u 3 trial kind step run_dir log_dir args_file; do   # fd 3: children keep stdin
   [ "$interrupted" != 0 ] && break   # a signal between two trials: the next one does not start

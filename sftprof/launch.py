@@ -25,7 +25,9 @@ megatron backend on a node without CUDA, fewer visible GPUs than processes per n
 variables that look like misspelled driver variables and about a ``FILEROOT`` folder named ``sftprof`` (which a
 Python started in its parent imports instead of the package), skips memory trials without CUDA unless
 ``PROFILE_KINDS`` asks for them, and prints the plan of all trials (to stderr; stdout carries the
-shell variables the driver evaluates).
+shell variables the driver evaluates). SIGINT or SIGTERM while it plans removes what it wrote (only that: a
+RUN_ROOT it made, else the files it made in an empty one; :func:`remove_plan`), prints
+``PLAN_INTERRUPTED='<what was removed or left>'`` on stdout and exits 128 + the signal.
 
 Other subcommands the driver calls: ``usage`` (its ``--help``), ``status LOG_DIR`` (``0`` when the
 trial's ``stats.jsonl`` ends with a completion record of status ``ok``, else ``1``),
@@ -36,6 +38,7 @@ trial's ``stats.jsonl`` ends with a completion record of status ``ok``, else ``1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
 import difflib
@@ -45,6 +48,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -688,6 +692,64 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
     return specs
 
 
+PLAN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class PlanInterrupted(BaseException):
+    """SIGINT or SIGTERM arrived while ``python -m sftprof.launch plan`` ran (``signum``: the signal's number).
+    A BaseException, as KeyboardInterrupt, so that no ``except Exception`` of the plan takes it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold SIGINT and SIGTERM (:data:`PLAN_SIGNALS`) for the ``with`` block: one that arrives inside is delivered
+    when the block ends, so the block runs whole (what it creates is all made and recorded, or not begun)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, PLAN_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _on_plan_signal(signum: int, frame) -> None:
+    for sig in PLAN_SIGNALS:  # once: removing what the plan wrote is not interrupted by a second signal
+        signal.signal(sig, signal.SIG_IGN)
+    raise PlanInterrupted(signum)
+
+
+def remove_plan(run_root: Path | None, created: list[Path]) -> str:
+    """Remove what :func:`write_plan` created (``created``, in the order made) after the plan was interrupted, and
+    say in words what happened: ``nothing was written``; ``RUN_ROOT <path>, which the plan had created, was removed``
+    (with the folders above it that it made); ``what the plan had written in RUN_ROOT <path> was removed (the folder
+    was there before, empty: kept)``; or, when a removal fails, the error and each path left. Only paths in
+    ``created`` are touched: a RUN_ROOT the plan made holds only what it wrote there (it refuses a non-empty one), and
+    a folder above it is removed only when empty."""
+    if not created:
+        return "nothing was written"
+    try:
+        for path in reversed(created):
+            if path.is_dir() and not path.is_symlink():
+                if path == run_root or run_root in path.parents:
+                    shutil.rmtree(path)
+                else:
+                    path.rmdir()  # a folder above RUN_ROOT the plan made: removed only when empty
+            else:
+                path.unlink()
+    except OSError as err:
+        left = [str(p) for p in created if os.path.lexists(p)]
+        return (f"removing what the plan had written failed ({err.strerror}: {err.filename}); left: " + ", ".join(left)
+                + " (remove them before using this RUN_ROOT again)")
+    if run_root in created:
+        above = [str(p) for p in created if p != run_root]
+        return (f"RUN_ROOT {run_root}, which the plan had created, was removed"
+                + (f", and the folder(s) it had made above it ({', '.join(above)})" if above else ""))
+    return f"what the plan had written in RUN_ROOT {run_root} was removed (the folder was there before, empty: kept)"
+
+
 def check_writable_folder(name: str, path: Path) -> None:
     """Raises DriverError naming ``name`` unless folders can be made under ``path``: its nearest existing ancestor
     (``path`` itself when it exists) is a folder in which a probe folder can be created; the probe is removed
@@ -700,7 +762,8 @@ def check_writable_folder(name: str, path: Path) -> None:
     try:
         if not base.is_dir():
             raise NotADirectoryError(f"{base} is not a folder")
-        os.rmdir(tempfile.mkdtemp(prefix=".sftprof_probe_", dir=base))
+        with signals_held():  # a signal between the two is handled after the rmdir: no probe is left behind
+            os.rmdir(tempfile.mkdtemp(prefix=".sftprof_probe_", dir=base))
     except OSError as err:
         raise DriverError(f"{name}={path}: cannot create folders there ({err}); accepted: a folder path that this "
                           "user can write (it is created if missing)") from err
@@ -966,18 +1029,43 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                                   "node_timeout": d.node_timeout, **torchrun, **DRIVER_ARTIFACTS, "notices": log.notices}
 
 
-def write_plan(trials: list[Trial], settings: list[str], info: dict) -> None:
-    """Create RUN_ROOT with ``profile_settings.log``, ``trials.tsv`` and per-trial argument files."""
+def write_plan(trials: list[Trial], settings: list[str], info: dict, created: list[Path] | None = None) -> None:
+    """Create RUN_ROOT with ``profile_settings.log``, ``trials.tsv`` and per-trial argument files.
+
+    SIGINT and SIGTERM are held while it runs (:func:`signals_held`): it writes the whole plan, and ``created``
+    (when given) lists what it made, in order: each missing folder above and including RUN_ROOT, and when RUN_ROOT
+    was there before (empty), each file and trial folder made in it; :func:`remove_plan` removes them.
+    """
+    created = [] if created is None else created
     run_root = Path(info["run_root"])
-    run_root.mkdir(parents=True, exist_ok=True)
-    (run_root / artifacts.PROFILE_SETTINGS).write_text("\n".join(settings) + "\n")
-    rows = []
-    for t in trials:
-        t.run_dir.mkdir(parents=True, exist_ok=False)
-        args_file = t.run_dir / artifacts.TRAIN_ARGS
-        args_file.write_text("\n".join(t.args) + "\n")
-        rows.append("\t".join([t.name, t.kind, str(t.step), str(t.run_dir), str(t.log_dir), str(args_file)]))
-    (run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
+    with signals_held():
+        missing = []
+        folder = run_root
+        while not folder.exists() and folder != folder.parent:
+            missing.append(folder)
+            folder = folder.parent
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:  # made by someone else meanwhile: not the plan's
+                continue
+            created.append(folder)
+        own_root = run_root in created
+
+        def made(path: Path) -> Path:
+            if not own_root:
+                created.append(path)
+            return path
+
+        made(run_root / artifacts.PROFILE_SETTINGS).write_text("\n".join(settings) + "\n")
+        rows = []
+        for t in trials:
+            t.run_dir.mkdir(parents=True, exist_ok=False)
+            made(t.run_dir)
+            args_file = t.run_dir / artifacts.TRAIN_ARGS
+            args_file.write_text("\n".join(t.args) + "\n")
+            rows.append("\t".join([t.name, t.kind, str(t.step), str(t.run_dir), str(t.log_dir), str(args_file)]))
+        made(run_root / artifacts.TRIALS_TSV).write_text("\n".join(rows) + "\n")
 
 
 def record_trials_not_run(run_root: Path) -> list[str]:
@@ -1229,20 +1317,37 @@ def main(argv: list[str] | None = None) -> int:
         for line in problems:
             print(f"sftprof: {line}", file=sys.stderr)
         return 1 if problems else 0
+    # SIGINT or SIGTERM during the plan: what it wrote is removed and the last line printed is
+    # PLAN_INTERRUPTED='<what was removed or left, in words>' (the driver's message says it); exit 128 + the signal.
+    # A SIGINT ignored on entry (a job started with & by a script, as the driver starts the plan) stays ignored.
+    for sig in PLAN_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _on_plan_signal)
+    created: list[Path] = []
+    run_root = None
     try:
-        trials, settings, info = plan(os.environ, args.overrides)
-    except (DriverError, ConfigError) as err:
-        # a misspelled variable may be why the plan failed (N_GPU_PER_NODE ignored, then too few GPUs)
-        for line in unknown_variable_warnings(os.environ):
-            print(f"sftprof: warning: {line}", file=sys.stderr)
-        print(f"sftprof: {err}", file=sys.stderr)
-        return 2
-    write_plan(trials, settings, info)
-    for line in info.pop("notices"):
-        print(f"sftprof: {line}", file=sys.stderr)
-    for key, value in info.items():
-        print(f"{key.upper()}={shlex.quote(str(value))}")  # the driver evals these lines
-    return 0
+        try:
+            trials, settings, info = plan(os.environ, args.overrides)
+        except (DriverError, ConfigError) as err:
+            # a misspelled variable may be why the plan failed (N_GPU_PER_NODE ignored, then too few GPUs)
+            for line in unknown_variable_warnings(os.environ):
+                print(f"sftprof: warning: {line}", file=sys.stderr)
+            print(f"sftprof: {err}", file=sys.stderr)
+            return 2
+        run_root = Path(info["run_root"])
+        write_plan(trials, settings, info, created)
+        with signals_held():  # the plan is complete once printed: a signal after that is the driver's to handle
+            for line in info.pop("notices"):
+                print(f"sftprof: {line}", file=sys.stderr)
+            for key, value in info.items():
+                print(f"{key.upper()}={shlex.quote(str(value))}")  # the driver evals these lines
+            sys.stdout.flush()
+            for sig in PLAN_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+        return 0
+    except PlanInterrupted as stop:
+        print(f"PLAN_INTERRUPTED={shlex.quote(remove_plan(run_root, created))}", flush=True)
+        return 128 + stop.signum
 
 
 if __name__ == "__main__":

@@ -819,6 +819,75 @@ def test_signal_to_the_driver_alone_while_postprocessing_lets_the_trial_finish(t
         assert line not in out + err, line
 
 
+@pytest.mark.parametrize("where,sig,to_group", [
+    ("new_folders", signal.SIGTERM, False), ("existing_empty", signal.SIGINT, True),
+    ("before_writing", signal.SIGTERM, False)])
+def test_signal_during_the_plan_stops_it_and_leaves_nothing_that_blocks_a_rerun(tmp_path, where, sig, to_group):
+    """SIGTERM to the driver (or Ctrl-C: SIGINT to its process group) while its plan runs used to kill it silently
+    (exit -15), leaving RUN_ROOT with profile_settings.log, trials.tsv and the trial folders, so that a rerun with the
+    same RUN_ROOT was refused. Now the plan stops, removes what it wrote (and only that), the driver says so in one
+    line and exits 128 + the signal, and the same RUN_ROOT plans again. PYTHON is a wrapper whose plan pauses
+    (``paused`` written) right after writing the plan (new_folders: RUN_ROOT and two folders above it made by the
+    plan; existing_empty: an empty RUN_ROOT that was there before, kept) or before writing anything (the signal comes
+    as soon as the plan process starts: before or after its handler, nothing is written)."""
+    run = tmp_path / "a" / "b" / "run" if where == "new_folders" else tmp_path / "run"
+    if where == "existing_empty":
+        run.mkdir()
+    flag = tmp_path / ("started" if where == "before_writing" else "paused")
+    hook = "\n".join([
+        "import sys, time",
+        *([f"open({str(flag)!r}, 'w').close()"] if where == "before_writing" else []),
+        "from sftprof import launch",
+        "from sftprof.cli import run_main",
+        "write_plan = launch.write_plan",
+        "def paused(*args):",
+        *(["    time.sleep(300)"] if where == "before_writing" else
+          ["    write_plan(*args)", f"    open({str(flag)!r}, 'w').close()", "    time.sleep(300)"]),
+        "launch.write_plan = paused",
+        "run_main(lambda: launch.main(['plan', *sys.argv[1:]]))"])
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text('#!/bin/bash\nif [ "$1 $2 $3" = "-m sftprof.launch plan" ]; then\n  shift 3\n'
+                       f'  exec {shlex.quote(sys.executable)} -c {shlex.quote(hook)} "$@"\nfi\n'
+                       f'exec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
+    env.update({"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(run),
+                "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s"})
+    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env={**env, "PYTHON": str(wrapper)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and flag.exists(), proc.communicate()
+        if where != "before_writing":
+            assert sorted(p.name for p in run.iterdir()) == [
+                "profile_settings.log", "tiny_qwen3_moe_fake1k_kernel_step0_s", "tiny_qwen3_moe_fake1k_kernel_step1_s",
+                "trials.tsv"]
+        os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    outcome = {"new_folders": f"RUN_ROOT {run}, which the plan had created, was removed, and the folder(s) it had "
+                              f"made above it ({tmp_path / 'a'}, {tmp_path / 'a' / 'b'})",
+               "existing_empty": f"what the plan had written in RUN_ROOT {run} was removed (the folder was there "
+                                 "before, empty: kept)",
+               "before_writing": "nothing was written"}[where]
+    assert (proc.returncode, out, err) == (
+        128 + sig, "", f"sftprof: {signal.Signals(sig).name} received during the plan: nothing was launched; {outcome}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["python_wrapper", flag.name] + (["run"] if where == "existing_empty" else []))
+    if where == "existing_empty":
+        assert list(run.iterdir()) == []
+    # the same RUN_ROOT plans again
+    res = subprocess.run([sys.executable, "-m", "sftprof.launch", "plan", "actor.backend=fsdp:d1"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"RUN_ROOT={shlex.quote(str(run))}\n" in res.stdout and (run / "trials.tsv").is_file()
+
+
 @pytest.mark.gpu
 def test_interrupt_stops_a_megatron_run_on_a_gpu(tmp_path):
     """Ctrl-C (SIGINT to the process group) during the shipped YAML's training on ``megatron:d1`` (NCCL process

@@ -311,6 +311,48 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
     assert md.index("## Failure") < md.index("## Log tail: launcher.log")
 
 
+def test_failed_trials_header_and_compare_name_the_first_failure_not_the_stopped_rank(tmp_path):
+    """Rank 1 SIGKILLed (a real torchrun launcher.log), rank 0 then stopped by torchrun: rank 0's completion record
+    says `_Terminated: terminated by SIGTERM ...`, but the summary's header and compare name the first failure, as
+    the Failure section does (they used to repeat rank 0's _Terminated); without a Failure section (no launcher.log)
+    the completion record's error is the cause."""
+    log = _log_dir(tmp_path, status="failed")
+    recs = [json.loads(line) for line in (log / "stats.jsonl").read_text().splitlines()]
+    recs[-1]["error"] = "_Terminated: terminated by SIGTERM (another rank failed or the launcher stopped the trial)"
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    runs = [tmp_path / "A" / "trial_A", tmp_path / "B" / "trial_B"]
+    for run in runs:
+        run.mkdir(parents=True)
+        shutil.copy(FIXTURE_DIR / "torchrun_sigkill_launcher.log", run / "launcher.log")
+        res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+        assert res.returncode == 0, res.stderr
+    md = (runs[1] / "profile_summary.md").read_text().splitlines()
+    assert md[3] == ("- trial status: **failed** — first failure: `rank 1 killed by SIGKILL (exit code -9): Signal 9 "
+                     "(SIGKILL) received by PID 7899`")
+    assert "_Terminated" not in "\n".join(md)
+    assert ("- first failing rank: **1** (killed by SIGKILL (exit code -9), host localhost): "
+            "`Signal 9 (SIGKILL) received by PID 7899`") in md
+    res = _cli("compare", runs[0], runs[1], "--out", tmp_path / "cmp.md")
+    assert res.returncode == 0, res.stderr
+    cmp = (tmp_path / "cmp.md").read_text().splitlines()
+    for side in "AB":
+        assert (f"**Trial {side} status: failed** (first failure: rank 1 killed by SIGKILL (exit code -9): Signal 9 "
+                "(SIGKILL) received by PID 7899): its figures are missing below, not zero.") in cmp
+    assert not any("_Terminated" in line for line in cmp)
+    # no launcher.log, so no Failure section: the completion record's error is all there is
+    run = tmp_path / "C" / "trial_C"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 0, res.stderr
+    md = (run / "profile_summary.md").read_text()
+    assert "## Failure" not in md
+    assert md.splitlines()[3] == ("- trial status: **failed** — error: `_Terminated: terminated by SIGTERM (another "
+                                  "rank failed or the launcher stopped the trial)`")
+    res = _cli("compare", runs[0], run, "--out", tmp_path / "cmp2.md")
+    assert res.returncode == 0, res.stderr
+    assert ("**Trial B status: failed** (_Terminated: terminated by SIGTERM (another rank failed or the launcher "
+            "stopped the trial)): its figures are missing below, not zero.") in (tmp_path / "cmp2.md").read_text()
+
+
 def test_failure_without_error_file_quotes_the_error_the_trainer_logged(tmp_path):
     """A rank that exits with an exception writes no torchrun error file: torchrun's traceback field is then only a
     pointer to its docs, so the Failure line quotes the error the trainer logged for that rank instead (the

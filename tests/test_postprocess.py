@@ -336,6 +336,40 @@ def test_failed_trial_still_gets_a_summary(tmp_path):
     assert "**failed**" in (run / "profile_summary.md").read_text()
 
 
+def test_standalone_rerun_after_the_driver_reads_the_same_trainer_log_and_leaves_the_summary(tmp_path):
+    """The driver passes --trainer-log LOG_DIR/trainer.log; a standalone run without it takes that file by default
+    (README), so rerunning it on a trial the driver postprocessed leaves the summary as it is (it used to write a new
+    one, keeping the driver's as profile_summary.prev1.*, with trainer_log None its only change), and a failed trial
+    postprocessed standalone gets the log's tail."""
+    log = tmp_path / "log"
+    log.mkdir()
+    _stats(log / "stats.jsonl", status="failed", error="torch.OutOfMemoryError: CUDA out of memory")
+    (log / "trainer.log").write_text("step 0 ok\nTraceback (most recent call last):\n"
+                                     "torch.OutOfMemoryError: CUDA out of memory\n")
+    run = tmp_path / "run"
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-step", 1, "--profile-kind", "kernel",
+               "--trainer-log", log / "trainer.log")   # as the driver runs it
+    assert res.returncode == 0, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["paths"]["trainer_log"] == str(log / "trainer.log")
+    assert s["trainer_log_tail"] == ["step 0 ok", "Traceback (most recent call last):",
+                                     "torch.OutOfMemoryError: CUDA out of memory"]
+    before = {n: (run / n).read_bytes() for n in ("profile_summary.json", "profile_summary.md")}
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-step", 1, "--profile-kind", "kernel")   # standalone
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[-1].startswith(
+        f"[postprocess] {run / 'profile_summary.json'} unchanged (same inputs), left as it is (trial status failed, ")
+    assert "kept" not in res.stderr and "wrote" not in res.stderr
+    assert {n: (run / n).read_bytes() for n in before} == before
+    assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
+        "profile_summary.json", "profile_summary.md"]
+    # standalone from the start (another run dir): the same tail, the same trainer log path
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "run2", "--profile-step", 1, "--profile-kind", "kernel")
+    assert res.returncode == 0, res.stderr
+    s2 = json.load(open(tmp_path / "run2" / "profile_summary.json"))
+    assert (s2["paths"]["trainer_log"], s2["trainer_log_tail"]) == (s["paths"]["trainer_log"], s["trainer_log_tail"])
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     res = _cli("--log-dir", tmp_path, "--run-dir", tmp_path / "r", "--profile-kind", "cpu", "--profile-step", 1)
     assert res.returncode == 2 and "invalid choice: 'cpu'" in res.stderr and "kernel" in res.stderr

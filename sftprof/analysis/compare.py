@@ -19,6 +19,7 @@ from typing import Any
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
 from sftprof.analysis import inputs
+from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
 from sftprof.analysis.report import fmt, short, table
@@ -249,8 +250,9 @@ def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
     out = [f"## {kind} step {step}: `{dir_name(dir_a)}` (A) vs `{dir_name(dir_b)}` (B)", ""]
     for side, s in (("A", a), ("B", b)):
         if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
-            error = (s.get("completion") or {}).get("error")
-            out += [f"**Trial {side} status: {s.get('status')}**" + (f" ({error})" if error else "")
+            cause = failure_cause(s)  # the first failure (its Failure section), else the completion record's error
+            why = f" ({cause[1]})" if cause and cause[0] == "error" else f" ({cause[0]}: {cause[1]})" if cause else ""
+            out += [f"**Trial {side} status: {s.get('status')}**" + why
                     + ": its figures are missing below, not zero.", ""]
     out += _settings_diff(a, b)
     noise_lines, rel = _noise_note(a["stats"], b["stats"])

@@ -41,7 +41,7 @@ from typing import Any
 
 from sftprof import artifacts
 
-__all__ = ["config_errors", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
+__all__ = ["config_errors", "failure_cause", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
 
 _ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
 _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
@@ -306,6 +306,20 @@ def headline(fail: dict[str, Any]) -> str:
     if fail.get("node") is not None:
         return f"node {fail['node']} ({_ranks_text(fail['ranks'])}) {fail['how']}"
     return f"rank {fail['rank']} {fail['how']}"
+
+
+def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
+    """A trial's cause of failure in one line, for the places that name it beside its status (the summary's header,
+    compare): ``("first failure", "rank 1 killed by SIGKILL (exit code -9): Signal 9 (SIGKILL) received by PID
+    7899")`` from its Failure section (``summary["failure"]``: :func:`headline` and the first line of its error
+    text), so a rank that torchrun stopped (its completion record's ``_Terminated: terminated by SIGTERM ...``) is
+    never named as the cause; else ``("error", <the completion record's error>)``; None when there is neither."""
+    fail = summary.get("failure")
+    if fail:
+        first = ((fail.get("traceback") or "").splitlines() or [""])[0].strip()
+        return "first failure", headline(fail) + (f": {first}" if first else "")
+    error = (summary.get("completion") or {}).get("error")
+    return ("error", error) if error else None
 
 
 def first_failure(launcher_log: str, log_dir: str | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from sftprof.analysis import findings as fnd
-from sftprof.analysis.failure import headline
+from sftprof.analysis.failure import failure_cause, headline
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import peak_where
 from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES, exposed_groups
@@ -64,9 +64,10 @@ def _parts_table(rows: list[dict]) -> str:
 # -- trial-level sections ------------------------------------------------------------------------------------
 def _header(s: dict) -> list[str]:
     c = s["completion"]
+    cause = failure_cause(s)  # the Failure section's first failure, else the completion record's error
     return [f"# Profile summary: {s['trial']}\n",
             f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
-            f"- trial status: **{s['status']}**" + (f" — error: `{c['error']}`" if c.get("error") else ""),
+            f"- trial status: **{s['status']}**" + (f" — {cause[0]}: `{cause[1]}`" if cause else ""),
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
             f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
             "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
