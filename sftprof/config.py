@@ -483,6 +483,18 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     return f"{key}: {msg}"
 
 
+def _known_keys(tree: Any, node: Any):
+    """``(key, value, schema node)`` for each key of one level of a config source ``tree`` that the schema level
+    ``node`` knows (an unknown key is left to the merge, which names it); nothing when either is not a mapping."""
+    if not isinstance(tree, dict) or not isinstance(node, DictConfig):
+        return
+    for key, value in tree.items():
+        try:
+            yield key, value, node._get_node(key)
+        except OmegaConfBaseException:
+            continue
+
+
 def _check_bool_ints(tree: Any, node: Any, prefix: str = "") -> None:
     """Refuse an integer other than 0 or 1 for a boolean key of the schema ``node`` in one config source ``tree``
     (OmegaConf reads any non-zero integer as true: ``actor.megatron.moe_sorted_permute=-1`` would be on).
@@ -490,13 +502,7 @@ def _check_bool_ints(tree: Any, node: Any, prefix: str = "") -> None:
     Raises:
         ConfigError: naming the dotted key, the value and the accepted values.
     """
-    if not isinstance(tree, dict) or not isinstance(node, DictConfig):
-        return
-    for key, value in tree.items():
-        try:
-            child = node._get_node(key)
-        except OmegaConfBaseException:  # an unknown key: the merge names it
-            continue
+    for key, value, child in _known_keys(tree, node):
         if isinstance(child, BooleanNode) and isinstance(value, int) and not isinstance(value, bool) \
                 and value not in (0, 1):
             raise ConfigError(f"{prefix}{key}={value!r}: not a boolean; {BOOL_ACCEPTED}")
@@ -545,13 +551,7 @@ def _check_value_shapes(tree: Any, node: Any, raw: dict[str, str], prefix: str =
     Raises:
         ConfigError: ``KEY=VALUE: read as <shape> (<value>), not <shape>; accepted: <what KEY takes>``.
     """
-    if not isinstance(tree, dict) or not isinstance(node, DictConfig):
-        return
-    for key, value in tree.items():
-        try:
-            child = node._get_node(key)
-        except OmegaConfBaseException:  # an unknown key: the merge names it
-            continue
+    for key, value, child in _known_keys(tree, node):
         dotted = f"{prefix}{key}"
         if child is None or _is_interpolation(value):
             continue
