@@ -147,7 +147,7 @@ def test_shell_metacharacters_in_values_are_not_executed(tmp_path):
     env.pop("PROFILE_RANKS", None)
     plan = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
-    shown = subprocess.run(["bash", "-c", f'eval "$1"; printf %s "$RUN_ROOT"', "_", plan.stdout],
+    shown = subprocess.run(["bash", "-c", 'eval "$1"; printf %s "$RUN_ROOT"', "_", plan.stdout],
                            capture_output=True, text=True)
     assert shown.stdout == str(run_root) and not marker.exists()
 

@@ -158,7 +158,7 @@ def test_bench_step_row_of_a_real_trial(run, tmp_path):
     # this run's row against a one-GPU row of another model and length: no ratio, and the line says why
     other = dict(one, trial="qwen3_30b_a3b_fake128k_kernel_step2_20261130_133304")
     assert bench.format_table([other, row], bench.ratios([other, row], other)).splitlines()[-1] == (
-        f"fsdp:d2 vs megatron:d1: no ratios: another model or sequence length (tiny_qwen3_moe_fake512 vs "
+        "fsdp:d2 vs megatron:d1: no ratios: another model or sequence length (tiny_qwen3_moe_fake512 vs "
         "qwen3_30b_a3b_fake128k)")
     text = bench.format_table([one, two], lines).splitlines()
     assert text[0].split()[:4] == ["layout", "gpus", "step", "s"]

@@ -5,7 +5,6 @@ snapshot) and from a real torchrun failure log; each test asserts exact counts, 
 """
 import gzip
 import json
-import math
 import os
 import pickle
 import random
