@@ -1,5 +1,17 @@
-"""Compatibility patches for third-party code as this project uses it (megatron-core 0.16.1 without Transformer
-Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that torch pins).
+"""Compatibility patches for third-party code as this project uses it (megatron-core 0.16.1 with and without
+Transformer Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that torch pins).
+
+Transformer Engine (TE) in a trial's process, :func:`setup_transformer_engine` (before anything imports megatron):
+
+- ``actor.megatron.transformer_engine=off`` hides TE (``sys.modules`` entries of ``None``, which make every
+  ``import transformer_engine`` raise ``ModuleNotFoundError`` and ``importlib.util.find_spec`` return ``None``),
+  so megatron-core, TE present on the machine, builds the local specs and torch's Adam as on a machine without it.
+- cuDNN: TE's loader (``transformer_engine/common/__init__.py``) loads ``libcudnn`` from ``CUDNN_HOME``,
+  ``CUDNN_PATH``, ``CUDA_HOME`` or ``/usr/local/cuda`` before the Python packages, with ``RTLD_GLOBAL``. On a
+  machine whose system cuDNN is older than the pip cuDNN torch was built against (seen on the H200: 9.14 against
+  9.19) torch then finds the older one and ``torch.backends.cudnn.version()`` raises a version clash. Loading
+  torch's cuDNN first and pointing ``CUDNN_HOME`` at its folder makes TE open the same file; a clash that remains
+  is a start-up error naming both versions and the fix.
 
 megatron-core 0.16.1 without Transformer Engine (TE), :func:`apply_megatron_compat`:
 
@@ -24,7 +36,14 @@ token-by-token fp32 reference on the GPU at the head dims the project uses.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
+import importlib.util
+import os
+import sys
 from typing import Optional
+
+TE_MODULES = ("transformer_engine", "transformer_engine_torch")
 
 
 def apply_megatron_compat() -> bool:
@@ -104,3 +123,108 @@ def narrow_fla_hopper_guard(key_head_dim: int) -> Optional[str]:
     return (f"fla gated delta rule: lifted fla's guard against Triton {triton.__version__} on Hopper (fla issue #640, "
             f"a fault at key block 64) because linear_key_head_dim={key_head_dim} uses key block {bk}; "
             "tests/test_fla_gated_delta_gpu.py checks these gradients against an fp32 reference")
+
+
+def _loaded_library(stem: str) -> Optional[str]:
+    """Path of the shared library ``<stem>.so*`` mapped into this process (``/proc/self/maps``), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if os.path.basename(path).startswith(stem + ".so"):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def build_with_te_wgrad_fusion(build):
+    """``build()`` (a megatron-core model) with weight-gradient accumulation fused in TE's layers only.
+
+    ``TransformerConfig.gradient_accumulation_fusion`` serves two kinds of layer: TE's linears fuse the accumulation
+    into ``main_grad`` with TE's own GEMM, megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the
+    output layer of a TE model) need APEX's ``fused_weight_gradient_mlp_cuda`` and refuse to build without it.
+    Without APEX the model is built with the refusal lifted and megatron-core's own linears are then switched to
+    their unfused path, so TE's layers keep the fusion.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return build()
+    layers._grad_accum_fusion_available = True
+    try:
+        model = build()
+    finally:
+        layers._grad_accum_fusion_available = False
+    for module in model.modules():
+        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+            module.gradient_accumulation_fusion = False
+    return model
+
+
+def setup_transformer_engine(mode: str) -> tuple[bool, list[str]]:
+    """Apply ``actor.megatron.transformer_engine`` (module docstring) in this process; call before megatron imports.
+
+    Args:
+        mode: ``auto``, ``on`` or ``off`` (:data:`sftprof.config.TRANSFORMER_ENGINE_MODES`).
+    Returns:
+        ``(have_te, notes)``: whether ``transformer_engine.pytorch`` imports now, and lines to log (the cuDNN
+        library TE and torch use, the gradient-accumulation fusion kernel).
+    Raises:
+        ConfigError: ``mode=on`` and TE does not import (names the import error); torch and TE load different
+            cuDNN versions (names both and ``CUDNN_HOME``).
+    """
+    from sftprof.config import ConfigError
+
+    if mode == "off":
+        for name in TE_MODULES:
+            if sys.modules.get(name) is not None:
+                raise ConfigError(f"actor.megatron.transformer_engine=off: {name} was imported before the trial "
+                                  "could hide it")
+            sys.modules[name] = None
+        return False, ["transformer_engine: hidden (actor.megatron.transformer_engine=off): local specs, torch Adam"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        if mode == "on":
+            raise ConfigError("actor.megatron.transformer_engine=on: transformer_engine is not installed; accepted: "
+                              "auto or off, or install transformer-engine[pytorch]")
+        return False, []
+    import torch
+
+    notes = []
+    if torch.cuda.is_available() and "transformer_engine" not in sys.modules:
+        torch_cudnn = torch.backends.cudnn.version()  # loads torch's libcudnn before TE's loader runs
+        lib = _loaded_library("libcudnn")
+        if lib and not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):
+            # TE's core library needs cuDNN's sub-libraries too: load torch's, so none comes from the system
+            for sub in sorted(glob.glob(os.path.join(os.path.dirname(lib), "libcudnn*.so*"))):
+                ctypes.CDLL(sub, mode=ctypes.RTLD_GLOBAL)
+            os.environ["CUDNN_HOME"] = os.path.dirname(lib)
+            notes.append(f"cuDNN: CUDNN_HOME={os.path.dirname(lib)} (torch's cuDNN {torch_cudnn}), so that "
+                         "Transformer Engine loads the same library")
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine_torch as tex
+    except Exception as err:  # a broken TE install behaves as no TE, unless TE is required
+        if mode == "on":
+            raise ConfigError(f"actor.megatron.transformer_engine=on: transformer_engine does not import: "
+                              f"{type(err).__name__}: {err}") from err
+        return False, [f"transformer_engine does not import ({type(err).__name__}: {err}): local specs"]
+    if torch.cuda.is_available():
+        te_cudnn = tex.get_cudnn_version()
+        try:
+            torch_cudnn = torch.backends.cudnn.version()
+        except RuntimeError as err:
+            torch_cudnn = f"error ({' '.join(str(err).split())})"
+        if te_cudnn != torch_cudnn:
+            raise ConfigError(f"cuDNN: Transformer Engine loaded cuDNN {te_cudnn}, torch {torch_cudnn} "
+                              f"(libcudnn {_loaded_library('libcudnn')}); set CUDNN_HOME to the folder of the "
+                              "libcudnn.so.* that torch was built against (its nvidia/cudnn/lib), or install a "
+                              "matching system cuDNN")
+        notes.append(f"transformer_engine {transformer_engine.__version__}, cuDNN {te_cudnn} (same library as torch)")
+    fusion = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    notes.append("gradient-accumulation fusion: TE layers fuse weight-gradient accumulation into main_grad; "
+                 + ("megatron-core's own linears too (APEX's fused_weight_gradient_mlp_cuda)" if fusion else
+                    "megatron-core's own linears (the output layer) do not: APEX's fused_weight_gradient_mlp_cuda "
+                    "is not installed"))
+    return True, notes

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from sftprof import artifacts
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.cli import PipeSafeStreamHandler
+from sftprof.compat import setup_transformer_engine
 from sftprof.config import ConfigError, exit_config_error, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
@@ -203,7 +204,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if world != layout.world_size:
         _exit_config_error(f"actor.backend={cfg.actor.backend!r} needs {layout.world_size} ranks ({layout.describe()}), "
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
+    te_notes: List[str] = []
     try:
+        if layout.backend == "megatron":  # before anything imports megatron-core (which imports TE)
+            _, te_notes = setup_transformer_engine(cfg.actor.megatron.transformer_engine)
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
         check_weights_present(cfg.actor)
         if layout.backend == "megatron":
@@ -219,6 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     log_dir = trial_log_dir(cfg)
     log_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(rank, log_dir)
+    for note in te_notes if rank == 0 else ():
+        log.info(note)
     status = 1
     try:
         status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)

@@ -137,7 +137,7 @@ class MegatronEngine(Engine):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from sftprof.compat import apply_megatron_compat
+        from sftprof.compat import apply_megatron_compat, build_with_te_wgrad_fusion
         from sftprof.models.specs import decoder_block_spec, have_transformer_engine
 
         self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
@@ -164,8 +164,11 @@ class MegatronEngine(Engine):
                                   moe_dedup_alltoall=m.moe_dedup_alltoall,
                                   attention_forward_chunks=m.attention_forward_chunks,
                                   cp_comm_overlap=m.cp_comm_overlap, moe_alltoall_chunks=m.moe_alltoall_chunks)
-        gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
-                       post_process=self.post_process, **gpt_kwargs)
+        def build():
+            return GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=self.pre_process,
+                            post_process=self.post_process, **gpt_kwargs)
+
+        gpt = build_with_te_wgrad_fusion(build) if tcfg.gradient_accumulation_fusion else build()
         if m.cp_attention != type(m).cp_attention and (layout.cp == 1 or have_te):  # a value set on purpose
             log.info("megatron: actor.megatron.cp_attention=%s has no effect here (%s)", m.cp_attention,
                      "Transformer Engine's attention does its own context parallelism" if have_te else
