@@ -1,6 +1,13 @@
-"""Shared pytest setup: GPU tests are marked ``gpu`` and skipped cleanly without CUDA."""
+"""Shared pytest setup: GPU tests are marked ``gpu`` and skipped cleanly without CUDA. On a GPU machine with
+Transformer Engine, torch's cuDNN is loaded before anything imports TE, as the trainer does
+(:func:`sftprof.compat.setup_transformer_engine`)."""
 import pytest
 import torch
+
+if torch.cuda.is_available():
+    from sftprof.compat import setup_transformer_engine
+
+    setup_transformer_engine("auto")
 
 
 def pytest_collection_modifyitems(config, items):
