@@ -101,6 +101,10 @@ def _wait_split(exposed_ms: float, w: dict) -> str:
     return text
 
 
+# model part -> (efficiency kind of its core kernels, how the finding names their rate)
+_CORE_KIND = {"attn_core": ("attention", " at "), "linear_attn": ("linear attention", ", delta rule at ")}
+
+
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                     wait: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
     """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output); ``wait``:
@@ -126,17 +130,18 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
         return [dict(f, rank=rank) for f in out], []
     sec = _anchor(parts_heading(rank))
     eff = {(r["kind"], r["phase"]): r for r in (s.get("efficiency") or {}).get("rows") or []
-           if r["kind"] == "attention"}
+           if r["kind"] in ("attention", "linear attention")}
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
         text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of GPU time ({r['total_ms']:.1f} ms"
         if r["recompute_ms"]:
             text += f", of which recompute {r['recompute_ms']:.1f} ms"
         text += ")"
-        if "attention" in r["label"] and "core" in r["label"]:
-            rates = [f"{eff[('attention', ph)]['tflops_per_s']:.0f} TFLOP/s {ph}" for ph in ("forward", "backward")
-                     if ("attention", ph) in eff and eff[("attention", ph)]["tflops_per_s"]]
-            if rates:
-                text += " at " + " / ".join(rates)
+        # the rate of the part's core kernels: attention's; the delta rule's in a gated delta-net layer
+        kind, what = _CORE_KIND.get(r.get("part"), (None, ""))
+        rates = [f"{eff[(kind, ph)]['tflops_per_s']:.0f} TFLOP/s {ph}" for ph in ("forward", "backward")
+                 if (kind, ph) in eff and eff[(kind, ph)]["tflops_per_s"]]
+        if rates:
+            text += what + " / ".join(rates)
         out.append({"text": text, "section": sec, "weight": r["total_ms"] / total, "key": f"part {r['part']}"})
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:

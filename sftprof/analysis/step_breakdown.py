@@ -34,7 +34,13 @@ a GEMM ``[m, k] x [k, n]`` costs ``2 m k n`` (``aten::mm``, ``addmm``, ``bmm``, 
 pairs computed (:func:`attention_pairs`; causal top-left as torch's ``is_causal``, lower-right for the
 flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as in ``sftprof/flops.py``; its backward is counted as 2x the forward (the model-FLOPs convention of
 ``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
-attention (an explicit ``attn_mask``) has no FLOP count here.
+attention (an explicit ``attn_mask``) has no FLOP count here. flash-linear-attention's chunked gated delta rule
+(kind ``linear attention``) launches its Triton kernels inside the autograd Function
+``ChunkGatedDeltaRuleFunction``, whose forward op is recorded with its inputs (fla 0.6.0's 20 arguments: q
+``[b, t, h, d_k]``, v ``[b, t, h_v, d_v]``, ..., the chunk size last): ``b h_v`` times
+:func:`sftprof.flops.delta_rule_flops` of ``t`` tokens (none for variable-length calls, ``cu_seqlens`` given,
+whose chunks per sequence the shapes do not say); its backward op ``ChunkGatedDeltaRuleFunctionBackward`` records
+only the output gradient, so it gets 2x the FLOPs of the forward op its ``fwdbwd`` flow starts at.
 
 GPU idle waiting for the host (:func:`_idle_split`, :func:`_host_wait_places`): each host-wait gap goes to the
 place of the activity that ends it, its (part, layer summed, phase) from the attribution above and the innermost
@@ -56,7 +62,7 @@ from typing import Any, Optional
 import numpy as np
 
 from sftprof.analysis import comm_wait, intervals
-from sftprof.flops import gpu_peak_bf16_flops
+from sftprof.flops import delta_rule_flops, gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
@@ -89,6 +95,13 @@ _ATTENTION = {
     "aten::_efficient_attention_backward": (1, 2, 14, 4, True, "bshd", "mask_type"),
 }
 
+# flash-linear-attention's gated delta rule (module docstring): the autograd Function's forward op and backward op
+_DELTA_RULE = "ChunkGatedDeltaRuleFunction"
+_DELTA_RULE_BACKWARD = _DELTA_RULE + "Backward"
+# kinds of op_flops whose backward op is a kind of its own, and the model part of their core when the trace has
+# no model-part ranges
+_CORE_PART = {"attention": "attn_core", "linear attention": "linear_attn"}
+
 
 def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -> int:
     """Query-key pairs one head computes: ``sq * sk``; causal top-left (query ``i`` sees keys ``j <= i``):
@@ -110,7 +123,8 @@ def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -
 def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
     """``(kind, FLOPs, dtype)`` of one recorded op (``record_shapes``), or None when unknown.
 
-    ``kind`` is ``GEMM``, ``attention`` or ``attention backward``; rules in the module docstring.
+    ``kind`` is ``GEMM``, ``attention``, ``attention backward`` or ``linear attention``; rules in the module
+    docstring.
     """
     dims, types = args.get("Input Dims"), args.get("Input type") or []
     if not isinstance(dims, list):
@@ -159,6 +173,12 @@ def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
                 sk = k[1]
             fwd = 4.0 * b * h * d * attention_pairs(sq, sk, causal, lower_right)
             return ("attention backward", 2 * fwd, dtype) if bwd else ("attention", fwd, dtype)
+        if name == _DELTA_RULE:
+            concrete = args.get("Concrete Inputs") or []
+            if len(dims) != 20 or len(concrete) != 20 or dims[9] or not str(concrete[19]).isdigit():
+                return None  # another fla version's arguments, or variable-length sequences (cu_seqlens)
+            (b, t, _, dk), (_, _, hv, dv) = dims[0], dims[2]
+            return "linear attention", float(b * hv * delta_rule_flops(t, dk, dv, int(concrete[19]))), dtype
     except (TypeError, IndexError, ValueError):
         return None
     return None
@@ -239,6 +259,8 @@ class OpCollector:
         self.bwd_nodes = _Intervals()  # payload: 1 for megatron-core's CheckpointFunctionBackward
         self.flop_ops = _Intervals()  # payload: index into _flop_info
         self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
+        self._delta_rule_fwd: dict[tuple[int, float], tuple[str, float, str]] = {}  # forward op (tid, ts) -> op_flops
+        self._delta_rule_bwd: list[tuple[int, float, float]] = []  # backward ops (tid, start, end), FLOPs not yet known
         self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
         self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
         self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
@@ -268,11 +290,15 @@ class OpCollector:
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
             args = ev.get("args") or {}
-            if name in _GEMMS or name in _ATTENTION:
+            if name in _GEMMS or name in _ATTENTION or name == _DELTA_RULE:
                 f = op_flops(name, args)
                 if f is not None:
                     self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
                     self._flop_info.append((name, *f))
+                    if name == _DELTA_RULE:
+                        self._delta_rule_fwd[(tid, ts)] = f
+            elif name == _DELTA_RULE_BACKWARD:
+                self._delta_rule_bwd.append((tid, ts, ts + dur))
             if "Collective name" in args:
                 ext = args.get("External id")
                 if isinstance(ext, int):
@@ -428,6 +454,13 @@ class OpCollector:
 
     def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
         """Index into the FLOP-known ops (innermost containing the launch point), -1 when none."""
+        for tid, start, end in self._delta_rule_bwd:  # 2x the forward op that its fwdbwd flow starts at
+            fid = self._flow_end.get((tid, start))
+            fwd = self._delta_rule_fwd.get(self._flow_start.get(fid)) if fid is not None else None
+            if fwd is not None:
+                self.flop_ops.add(tid, start, end, len(self._flop_info))
+                self._flop_info.append((_DELTA_RULE_BACKWARD, f"{fwd[0]} backward", 2 * fwd[1], fwd[2]))
+        self._delta_rule_bwd.clear()
         return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
 
     def flop_info(self, k: int) -> tuple[str, str, float, str]:
@@ -747,11 +780,11 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
     for k, us in per_op.items():
         name, kind, flops, dtype = ops.flop_info(k)
         part, phase = op_part[k]
-        if kind == "attention backward":
-            kind, phase = "attention", "backward"
+        if kind.endswith(" backward"):
+            kind, phase = kind.removesuffix(" backward"), "backward"
         label = part_label(part)
-        if kind == "attention" and part not in MODEL_PART_LABELS:
-            label = MODEL_PART_LABELS["attn_core"]
+        if kind in _CORE_PART and part not in MODEL_PART_LABELS:
+            label = MODEL_PART_LABELS[_CORE_PART[kind]]
         elif part.startswith("kernel:"):
             label = "GEMM (by kernel name)"
         r = rows[(kind, label, phase, dtype)]
@@ -780,7 +813,8 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
                  "pct_of_hbm": round(100 * b / (us * 1e-6) / bw, 2) if us > 0 and bw else None}
                 for k, (b, us, c) in sorted(mem.items(), key=lambda kv: (-kv[1][1], kv[0]))]
     return {"peak": peaks, "rows": out_rows, "memory_bound": mem_rows,
-            "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x); "
+            "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x), as are linear "
+                    "attention's (fla's chunked gated delta rule, chunks of 64 tokens; its kernels do about 2.8x); "
                     "% of peak only for bf16/fp16 ops, against the dense bf16 peak; memory-bound rows: bytes "
                     "moved by copies/fills over their time, against the HBM bandwidth (a device-to-device copy "
                     "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}
