@@ -29,6 +29,7 @@ into time windows like any view (:func:`sftprof.analysis.views.split_into_window
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -37,6 +38,7 @@ import re
 import shutil
 import tempfile
 from collections import defaultdict, deque
+from concurrent.futures import ProcessPoolExecutor
 from typing import Optional
 
 from sftprof.artifacts import MERGED_VIEW, merged_view_path
@@ -50,6 +52,9 @@ _FLOWS = frozenset("stf")
 _MARGIN_US = 3_600_000_000  # the merged clock starts an hour before the lowest rank's first event
 _WRAPPED = re.compile(r"^thread \d+ \((.*)\)$")  # views' label of a renamed thread: "thread 7 (stream 7 )"
 _NUMBER = re.compile(r"(?:thread|stream|Device) (\d+)")
+# torch's order of the fields the merge rewrites: ["id": N, ]"pid": N, "tid": N, "ts": T
+_PID_TID_TS = re.compile(r'"pid":\s*(?P<pid>\d+),\s*"tid":\s*(?P<tid>\d+),\s*"ts":\s*(?P<ts>-?[0-9.]+(?:[eE][-+]?\d+)?)')
+_ID_PID_TID_TS = re.compile(r'"id":\s*(?P<id>\d+),\s*' + _PID_TID_TS.pattern)
 
 
 def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[int, int]) -> dict[int, dict]:
@@ -115,20 +120,25 @@ def _track_label(proc: dict[str, str], thread: Optional[str], pid: int, tid: int
 
 
 def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optional[list[dict]], *,
-                      max_view_bytes: int = MAX_VIEW_BYTES, progress: bool = True) -> tuple[list[str], dict[int, dict]]:
+                      max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1,
+                      progress: bool = True) -> tuple[list[str], dict[int, dict]]:
     """Write the ranks' ``chrome`` views as one trace (module docstring).
+
+    Each rank's events are rewritten in a worker process of their own (``jobs`` at a time) into a temporary file next
+    to ``out_path``, which are then copied one after another into the merged file.
 
     Args:
         views: rank -> the paths of its ``chrome`` view (one file, or its time windows in order).
         out_path: the merged file (``.json`` or ``.json.gz``); its folder is created.
         offsets: :func:`sftprof.analysis.comm_wait.split`'s ``clock_offsets`` (None: no collective was matched).
         max_view_bytes: a larger merged file is cut into time windows.
+        jobs: worker processes.
 
     Returns:
         The merged file's path (or its windows' paths) and each rank's :func:`clock_shifts`.
 
     Raises:
-        TraceFormatError: a view cannot be read (the partly written file is deleted).
+        TraceFormatError: a view cannot be read (the partly written files are deleted).
     """
     ranks = sorted(views)
     first, headers = {}, {}
@@ -145,51 +155,82 @@ def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optio
               "baseTimeNanoseconds": int(headers[ranks[0]].get("baseTimeNanoseconds") or 0) + base_us * 1000,
               "traceName": "all ranks: " + ", ".join(f"rank {r}" for r in ranks),
               "sftprof_ranks": [dict(rank=r, **shifts[r]) for r in ranks]}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    writer = TraceWriter(out_path, header)
+    folder = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(folder, exist_ok=True)
+    parts = {r: os.path.join(folder, f".rank{r}.events") for r in ranks}
+    args = [(views[r], parts[r], r, k, len(ranks), base_us, shifts[r]["shift_us"]) for k, r in enumerate(ranks)]
+    writer = None
     try:
-        meta = []
-        for k, r in enumerate(ranks):
-            meta += _merge_rank(writer, r, k, len(ranks), _events(views[r]), base_us, shifts[r]["shift_us"])
-        for raw in meta:
-            writer.write(raw)
+        if jobs <= 1:
+            meta = [_convert_rank(*a) for a in args]
+        else:
+            with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
+                meta = list(pool.map(_convert_rank, *zip(*args)))
+        writer = TraceWriter(out_path, header)
+        for r in ranks:
+            with open(parts[r], encoding="utf-8") as f:
+                for line in f:
+                    writer.write(line.rstrip("\n"))
+        for lines in meta:
+            for raw in lines:
+                writer.write(raw)
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
+    finally:
+        for path in parts.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     writer.close()
     if writer.chars > max_view_bytes:
         return split_into_windows(out_path, max_view_bytes, progress=progress), shifts
     return [out_path], shifts
 
 
-def _merge_rank(writer: TraceWriter, rank: int, k: int, n: int, events, base_us: int, shift_us: float) -> list[str]:
-    """Write rank ``rank``'s events (the ``k``-th of ``n`` ranks) with times ``ts - base_us + shift_us``; return
-    the metadata of its process and tracks (written after all events)."""
+def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us: int, shift_us: float) -> list[str]:
+    """Write rank ``rank``'s events (the ``k``-th of ``n`` ranks; its view's ``paths``) to ``out``, one a line, on its
+    process, with times ``ts - base_us + shift_us``; return the metadata of its process and tracks."""
     tracks: dict[tuple, int] = {}  # (view pid, view tid) -> tid in the rank's process
     proc: dict[int, dict[str, str]] = defaultdict(dict)
     thread: dict[tuple, str] = {}
-    for raw, ev in events:
-        pid, tid = ev.get("pid"), ev.get("tid")
-        if ev.get("ph") == "M":
-            args = ev.get("args") or {}
-            name = ev.get("name")
-            if name in ("process_name", "process_labels"):
-                proc[pid][name] = str(args.get("name", args.get("labels", "")))
-            elif name == "thread_name":
-                thread[(pid, tid)] = str(args.get("name", ""))
-            continue
-        track = tracks.setdefault((pid, tid), len(tracks) + 1)
-        ev["pid"], ev["tid"] = rank, track
-        ev["ts"] = round(ev["ts"] - base_us + shift_us, 3)  # ts - base_us is exact in float64 (module docstring)
-        if ev.get("ph") in _FLOWS and "id" in ev:
-            fid = ev["id"]
-            ev["id"] = fid * n + k if type(fid) is int else f"rank{rank}:{fid}"
-        writer.write(json.dumps(ev, separators=_COMPACT))
+    with open(out, "w", encoding="utf-8", buffering=1 << 20) as f:
+        write = f.write
+        for raw, ev in _events(paths):
+            pid, tid, ph = ev.get("pid"), ev.get("tid"), ev.get("ph")
+            if ph == "M":
+                args = ev.get("args") or {}
+                name = ev.get("name")
+                if name in ("process_name", "process_labels"):
+                    proc[pid][name] = str(args.get("name", args.get("labels", "")))
+                elif name == "thread_name":
+                    thread[(pid, tid)] = str(args.get("name", ""))
+                continue
+            track = tracks.get((pid, tid))
+            if track is None:
+                track = tracks[(pid, tid)] = len(tracks) + 1
+            ts = round(ev["ts"] - base_us + shift_us, 3)  # ts - base_us is exact in float64 (module docstring)
+            fid = ev.get("id") if ph in _FLOWS else None
+            new_id = None if fid is None else fid * n + k if type(fid) is int else f"rank{rank}:{fid}"
+            # the fields in place where torch wrote them side by side (the first such run, holding the event's own
+            # values: torch writes args last); else the event re-encoded
+            m = (_PID_TID_TS if fid is None else _ID_PID_TID_TS).search(raw)
+            if (m is not None and int(m.group("pid")) == pid and int(m.group("tid")) == tid
+                    and float(m.group("ts")) == ev["ts"] and (fid is None or m.group("id") == str(fid))):
+                ident = "" if fid is None else f'"id":{new_id},'
+                text = f'{raw[:m.start()]}{ident}"pid":{rank},"tid":{track},"ts":{ts!r}{raw[m.end():]}'
+            else:
+                ev["pid"], ev["tid"], ev["ts"] = rank, track, ts
+                if fid is not None:
+                    ev["id"] = new_id
+                text = json.dumps(ev, separators=_COMPACT)
+            if "\n" in text or "\r" in text:  # line breaks in JSON text are whitespace between tokens
+                text = text.replace("\n", " ").replace("\r", " ")
+            write(text + "\n")
     labels = {key: _track_label(proc.get(key[0], {}), thread.get(key), *key) for key in tracks}
-    order = sorted(tracks, key=lambda key: labels[key][1])
     meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
-    for i, key in enumerate(order):
+    for i, key in enumerate(sorted(tracks, key=lambda key: labels[key][1])):
         meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tracks[key],
                      "args": {"name": labels[key][0]}})
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tracks[key],
@@ -198,7 +239,7 @@ def _merge_rank(writer: TraceWriter, rank: int, k: int, n: int, events, base_us:
 
 
 def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[dict]], *, compress: bool,
-                max_view_bytes: int = MAX_VIEW_BYTES, rel_to: str) -> Optional[dict]:
+                max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[dict]:
     """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``, :func:`sftprof.artifacts.merged_view_path`).
 
     Written to a staging folder next to ``out_dir`` (``.staging_ranks_all_*``), then replacing an earlier postprocess's
@@ -208,6 +249,7 @@ def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[lis
         views: rank -> the paths of its ``chrome`` view written by this postprocess.
         out_dir: the trial's ``kernel_traces`` folder.
         offsets: :func:`sftprof.analysis.comm_wait.split`'s ``clock_offsets`` (None: no collective was matched).
+        jobs: worker processes (:func:`write_merged_view`).
         rel_to: the folder the returned paths are relative to.
 
     Returns:
@@ -219,7 +261,7 @@ def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[lis
     stage = tempfile.mkdtemp(prefix=".staging_ranks_all_", dir=os.path.dirname(os.path.abspath(out_dir)))
     try:
         staged, shifts = write_merged_view(views, merged_view_path(stage, compress), offsets,
-                                           max_view_bytes=max_view_bytes, progress=False)
+                                           max_view_bytes=max_view_bytes, jobs=jobs, progress=False)
         for old in glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".pt.trace.json*")):
             os.remove(old)  # an earlier postprocess's (other compression, other windows)
             if not os.listdir(os.path.dirname(old)):

@@ -211,7 +211,7 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
     cw = comm_wait.split(records)
     merged = merged_view.merge_trial({rank: res["views"]["chrome"] for (rank, _), res in zip(found, results)
                                       if "views" in res}, out_dir, cw and cw["clock_offsets"], compress=compress,
-                                     max_view_bytes=max_view_bytes, rel_to=run_dir)
+                                     max_view_bytes=max_view_bytes, jobs=jobs, rel_to=run_dir)
     return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped,
             "comm_wait": cw, "merged_view": merged}
 
