@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger(__name__)
@@ -182,15 +182,15 @@ class ForwardFlops:
     chunked delta rule).
     """
 
-    attn_linear: float
-    attn_core: float
-    gdn_proj: float
-    gdn_conv: float
-    gdn_core: float
-    router: float
-    routed_experts: float
-    shared_experts: float
-    lm_head: float
+    attn_linear: float = 0.0
+    attn_core: float = 0.0
+    gdn_proj: float = 0.0
+    gdn_conv: float = 0.0
+    gdn_core: float = 0.0
+    router: float = 0.0
+    routed_experts: float = 0.0
+    shared_experts: float = 0.0
+    lm_head: float = 0.0
 
     @property
     def decoder(self) -> float:
@@ -205,28 +205,27 @@ class ForwardFlops:
 
 def _per_layer(shape: ModelShape, seq_lens: Sequence[int]) -> dict[str, ForwardFlops]:
     """Forward FLOPs of one layer of each type (``full_attention``, ``linear_attention``) over ``seq_lens``."""
-    m = shape
+    m, g = shape, shape.gdn
     tokens = float(sum(seq_lens))
+    moe = ForwardFlops(router=tokens * 2 * m.hidden * m.num_experts,
+                       routed_experts=tokens * m.topk * 6 * m.hidden * m.moe_ffn,
+                       shared_experts=tokens * (6 * m.hidden * m.shared_ffn + (2 * m.hidden if m.shared_gate else 0)))
     q_dim, kv_dim = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    q_out = q_dim * (2 if m.attn_output_gate else 1)  # q_proj emits the output gate too
     pairs = float(sum(s * (s + 1) // 2 for s in seq_lens))
-    base = dict(attn_linear=0.0, attn_core=0.0, gdn_proj=0.0, gdn_conv=0.0, gdn_core=0.0, lm_head=0.0,
-                router=tokens * 2 * m.hidden * m.num_experts,
-                routed_experts=tokens * m.topk * 6 * m.hidden * m.moe_ffn,
-                shared_experts=tokens * (6 * m.hidden * m.shared_ffn + (2 * m.hidden if m.shared_gate else 0)))
-    q_out = q_dim * (2 if m.attn_output_gate else 1)
-    out = {FULL_ATTENTION: ForwardFlops(**{**base, "attn_linear": tokens * (
-        2 * m.hidden * (q_out + 2 * kv_dim) + 2 * q_dim * m.hidden), "attn_core": 4 * q_dim * pairs})}
-    g = m.gdn
+    out = {FULL_ATTENTION: replace(moe, attn_core=4 * q_dim * pairs,
+                                   attn_linear=tokens * (2 * m.hidden * (q_out + 2 * kv_dim) + 2 * q_dim * m.hidden))}
     if g is not None:
         qk, v = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
-        out[LINEAR_ATTENTION] = ForwardFlops(**{
-            **base, "gdn_proj": tokens * (2 * m.hidden * (2 * qk + 2 * v + 2 * g.num_value_heads) + 2 * v * m.hidden),
-            "gdn_conv": tokens * 2 * g.conv_kernel * (2 * qk + v),
-            "gdn_core": g.num_value_heads * sum(delta_rule_flops(s, g.key_head_dim, g.value_head_dim) for s in seq_lens)})
+        core = sum(delta_rule_flops(s, g.key_head_dim, g.value_head_dim) for s in seq_lens)
+        out[LINEAR_ATTENTION] = replace(
+            moe, gdn_proj=tokens * (2 * m.hidden * (2 * qk + 2 * v + 2 * g.num_value_heads) + 2 * v * m.hidden),
+            gdn_conv=tokens * 2 * g.conv_kernel * (2 * qk + v), gdn_core=g.num_value_heads * core)
     return out
 
 
 def _sum(parts: Sequence[ForwardFlops], lm_head: float) -> ForwardFlops:
+    """The layers' FLOPs added up, with ``lm_head`` as the LM head's."""
     total = {k: sum(getattr(p, k) for p in parts) for k in ForwardFlops.__dataclass_fields__}
     return ForwardFlops(**{**total, "lm_head": lm_head})
 

@@ -449,7 +449,8 @@ def test_gated_delta_rule_flops_forward_as_recorded_and_backward_through_its_flo
     h200 = {"Concrete Inputs": ["", "", "", "", "", "0.25", "", "False", "False", "", "", "", "False", "False", "", "",
                                 "False", "False", "", "64"],
             "Input type": ["c10::BFloat16", "c10::BFloat16", "c10::BFloat16", "float", "c10::BFloat16", "Scalar", "",
-                           "Scalar", "Scalar", "", "", "", "Scalar", "Scalar", "", "", "Scalar", "Scalar", "", "Scalar"],
+                           "Scalar", "Scalar", "", "", "", "Scalar", "Scalar", "", "", "Scalar", "Scalar", "",
+                           "Scalar"],
             "Input Dims": [[1, 256, 4, 16], [1, 256, 4, 16], [1, 256, 4, 16], [1, 256, 4], [1, 256, 4]] + [[]] * 15}
     # 4 chunks of 64 per head: 6 C dk dv + 6 C^2 dk + 4 C^2 dv + C^3 / 3 each
     per_chunk = 6 * 64 * 16 * 16 + 6 * 64 * 64 * 16 + 4 * 64 * 64 * 16 + 64 ** 3 / 3

@@ -53,7 +53,8 @@ _MARGIN_US = 3_600_000_000  # the merged clock starts an hour before the lowest 
 _WRAPPED = re.compile(r"^thread \d+ \((.*)\)$")  # views' label of a renamed thread: "thread 7 (stream 7 )"
 _NUMBER = re.compile(r"(?:thread|stream|Device) (\d+)")
 # torch's order of the fields the merge rewrites: ["id": N, ]"pid": N, "tid": N, "ts": T
-_PID_TID_TS = re.compile(r'"pid":\s*(?P<pid>\d+),\s*"tid":\s*(?P<tid>\d+),\s*"ts":\s*(?P<ts>-?[0-9.]+(?:[eE][-+]?\d+)?)')
+_PID_TID_TS = re.compile(r'"pid":\s*(?P<pid>\d+),\s*"tid":\s*(?P<tid>\d+),\s*'
+                         r'"ts":\s*(?P<ts>-?[0-9.]+(?:[eE][-+]?\d+)?)')
 _ID_PID_TID_TS = re.compile(r'"id":\s*(?P<id>\d+),\s*' + _PID_TID_TS.pattern)
 
 
@@ -240,7 +241,8 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
 
 def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[dict]], *, compress: bool,
                 max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[dict]:
-    """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``, :func:`sftprof.artifacts.merged_view_path`).
+    """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``:
+    :func:`sftprof.artifacts.merged_view_path`).
 
     Written to a staging folder next to ``out_dir`` (``.staging_ranks_all_*``), then replacing an earlier postprocess's
     all-ranks files only when it is complete; fewer than two ranks' views leave everything as it is.
