@@ -243,6 +243,14 @@ def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str
     return os.path.join(view_dir(out_dir, view), trace_name(rank, compress))
 
 
+MERGED_VIEW = "all_ranks"  # the view that merges every rank's trace (sftprof.analysis.merged_view)
+
+
+def merged_view_path(out_dir: str, compress: bool = False) -> str:
+    """Path of the all-ranks view: ``<out_dir>/all_ranks/all_ranks.pt.trace.json[.gz]``."""
+    return os.path.join(out_dir, MERGED_VIEW, f"{MERGED_VIEW}.pt.trace.json" + (".gz" if compress else ""))
+
+
 def window_path(path: str, k: int) -> str:
     """Time window ``k`` of the view file ``path``: ``<view folder>.part<k>/<same file name>``."""
     folder, name = os.path.split(path)

@@ -86,7 +86,8 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     on_disk = json.loads((run / "profile_summary.json").read_text())
     assert all("calls" not in t["summary"]["collectives"] for t in on_disk["kernel_traces"])  # matched, not written
     cw = on_disk["comm_wait"]
-    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 0.0, "calls": 2}]
+    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 0.0, "end_difference_mad_us": 0.0,
+                                     "calls": 2}]
     # call 0: rank 1 arrives last at 250, rank 0 waits 150 of its 200 (50 of them exposed: [200, 250] after
     # its GEMM); call 1: rank 0 arrives last at 500, rank 1 waits 80 of 140, 50 exposed ([450, 500])
     assert cw["groups"] == [{
@@ -217,7 +218,8 @@ def test_a_missing_trace_of_a_profiled_rank_is_named(tmp_path, spec, warned):
 def test_clocks_that_disagree_refuse_the_split():
     # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
     cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})
-    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 200.0, "calls": 2}]
+    assert cw["clock_offsets"] == [{"ranks": [0, 1], "median_end_difference_us": 200.0, "end_difference_mad_us": 0.0,
+                                     "calls": 2}]
     assert cw["groups"] == []
     assert cw["not_split"][1] == {"group": "22", "label": "EP", "reason": (
         "the clocks of ranks 0 and 1 disagree: their matched calls end +200.0 µs apart (median over 2 calls; "

@@ -122,3 +122,19 @@ def test_a_gap_no_group_accounts_for_is_not_attributed_to_one():
     assert fnd.exposed_gap_cause(ex) == (None, 0.2)
     assert fnd.exposed_gap_cause(exposed_by_group({0: {"CP": 3.0}, 1: {"CP": 3.2}}, {0: 6.0, 1: 8.0})) == (
         ("CP", 0.2), 0.2)
+
+
+def test_gated_delta_net_part_carries_the_delta_rules_rates():
+    s = _kernel_summary(700.0, 0.0, 0.0, 0.0, 0.0)
+    s["parts"]["summed"][0] = {"part": "linear_attn", "label": "linear attention (gated delta net)", "total_ms": 300.0,
+                               "share_pct": 30.0, "recompute_ms": 0.0}
+    label = "linear attention (gated delta net)"
+    s["efficiency"]["rows"] += [{"kind": "linear attention", "part": label, "phase": "forward", "tflop": 0.1214,
+                                 "gpu_ms": 1.0, "tflops_per_s": 121.4},
+                                {"kind": "linear attention", "part": label, "phase": "backward", "tflop": 0.1772,
+                                 "gpu_ms": 2.0, "tflops_per_s": 88.6},
+                                {"kind": "GEMM", "part": label, "phase": "forward", "tflop": 0.9, "gpu_ms": 1.0,
+                                 "tflops_per_s": 900.0}]  # the layer's projections: not the delta rule's rate
+    found, _ = fnd.kernel_findings(0, s, None)
+    assert found[0]["text"] == ("rank 0: linear attention (gated delta net) 30.0 % of GPU time (300.0 ms), delta rule "
+                                "at 121 TFLOP/s forward / 89 TFLOP/s backward")

@@ -12,7 +12,7 @@ from sftprof.config import load_config
 from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
 from sftprof.tokenizer import load_tokenizer
 from sftprof.engine import build_engine
-from sftprof.flops import ModelShape, train_step_flops
+from sftprof.flops import ModelShape, forward_flops, train_step_flops
 from sftprof.models.hf import load_hf_config
 
 
@@ -102,3 +102,19 @@ def test_fsdp_loads_hf_checkpoint_and_matches_transformers(gloo_world_1, tmp_pat
     result = engine.train_step([MicroBatch(ids, labels, mask, (0, 1))], int(mask.sum()))
     ref_loss = -(ref_logp * mask).sum().item() / int(mask.sum())
     assert result.loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_fsdp_qwen3_5_step_reports_model_flops(gloo_world_1):
+    """Qwen3.5 (gated delta-net and gated full-attention layers) on the fsdp backend: the step's model FLOPs are
+    sftprof.flops' count of its global batch, its recompute that of HF gradient checkpointing (every layer)."""
+    from sftprof.data import MicroBatch
+
+    cfg = load_config("tiny_qwen3_5_cpu", ["actor.backend=fsdp:d1", "profile.fake_seq_len=64"])
+    hf_config = load_hf_config(cfg.actor.path)
+    engine = build_engine(cfg, parse_allocation_mode(cfg.actor.backend), hf_config, torch.device("cpu"))
+    ids = torch.randint(0, hf_config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    result = engine.train_step([MicroBatch(ids, ids, mask, (0, 1))], int(mask.sum()))
+    flops = train_step_flops(ModelShape.from_hf(hf_config), [64, 64], "full")
+    assert flops.recompute == pytest.approx(forward_flops(ModelShape.from_hf(hf_config), [64, 64]).decoder, rel=1e-12)
+    assert (result.model_flops, result.recompute_flops) == (flops.model, flops.recompute) and flops.model > 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sftprof import launch
+from sftprof.analysis.trace_check import validate_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "run_qwen3_30b_a3b_sft_profile.sh"
@@ -40,6 +41,11 @@ def test_two_nodes_one_rank_each(tmp_path):
     assert summary["status"] == "ok" and summary["completion"]["world_size"] == 2
     assert [(t["rank"], t["source"]) for t in summary["kernel_traces"]] == [
         (0, "perf_tracer/rank0.pt.trace.json"), (1, "perf_tracer/rank1.pt.trace.json")]
+    merged = summary["merged_view"]  # the two ranks' traces on one timeline, each rank its own process
+    assert [(r["rank"], r["aligned_by"]) for r in merged["ranks"]] == [(0, "reference"), (1, "trace clock")]
+    events = json.loads((tmp_path / "run_node0" / trial / merged["files"][0]).read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+    assert validate_trace(str(tmp_path / "run_node0" / trial / merged["files"][0])) == []
     log_dir = Path(summary["paths"]["log_dir"])
     records = [json.loads((log_dir / "nodes" / f"node{k}.json").read_text()) for k in (0, 1)]
     assert [(r["node_rank"], r["torchrun_rc"]) for r in records] == [(0, 0), (1, 0)]

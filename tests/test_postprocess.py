@@ -15,6 +15,7 @@ from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
 from sftprof.analysis.inputs import read_nvidia_smi
+from sftprof.analysis.trace_check import validate_trace
 
 REPO = Path(__file__).resolve().parents[1]
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
@@ -81,6 +82,15 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     assert s["counts"] == {"traces": 2, "traces_ok": 2, "views": 10, "snapshots": 0, "plots": 0, "errors": 0,
                            "skipped": 0}
     assert s["status"] == "ok" and s["errors"] == [] and s["completion"]["device"] == "cuda"
+    # both ranks on one timeline: gloo's collectives run on the host, so no kernel end aligns them (one host, one clock)
+    merged = s["merged_view"]
+    assert merged["files"] == ["kernel_traces/all_ranks/all_ranks.pt.trace.json"]
+    assert [(r["rank"], r["aligned_by"]) for r in merged["ranks"]] == [(0, "reference"), (1, "trace clock")]
+    assert validate_trace(str(run / merged["files"][0])) == []
+    events = json.load(open(run / merged["files"][0]))["traceEvents"]
+    for r in (0, 1):
+        view = json.load(open(view_path(str(run / "kernel_traces"), r, "chrome")))["traceEvents"]
+        assert sum(e["ph"] != "M" for e in events if e["pid"] == r) == sum(e["ph"] != "M" for e in view) > 0
     md = (run / "profile_summary.md").read_text()  # CPU traces: no GPU wording about waits that cannot exist
     assert md.count("No GPU activity in this trace: no device waits or GPU idle time to report.") == 2
     assert "GPU idle in the step window" not in md and "Blocking CUDA calls" not in md
@@ -134,7 +144,7 @@ def test_corrupt_trace_is_reported_and_others_processed(tmp_path, cpu_traces):
     assert s["counts"]["traces"] == 3 and s["counts"]["traces_ok"] == 2 and s["counts"]["views"] == 10
     # One folder per view, one trace per rank in each (what HTA's TraceAnalysis(trace_dir=...) needs).
     folders = ["chrome", "split_clean", "gpu_only", "cpu_only", "cuda_api_only"]
-    assert sorted(os.listdir(run / "kernel_traces")) == sorted(folders)
+    assert sorted(os.listdir(run / "kernel_traces")) == sorted(folders + ["all_ranks"])  # all_ranks: both ranks in one
     for folder in folders:
         assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
 
@@ -174,16 +184,17 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
 
 def test_rerun_without_time_windows_leaves_no_empty_window_folders(tmp_path, cpu_traces):
     """Views split into time windows (small max_view_bytes), then a rerun with the default: the kernel_traces
-    folder holds the five view folders only, one trace per rank in each."""
+    folder holds the five view folders only, one trace per rank in each, and the all-ranks view in one file."""
     from sftprof.analysis.summary import postprocess_trial
 
     log = _kernel_log_dir(tmp_path, cpu_traces)
     run = tmp_path / "run"
     assert postprocess_trial(str(log), str(run), "kernel", 1, max_view_bytes=20000, jobs=1)[1] == 0
-    assert "chrome.part1" in os.listdir(run / "kernel_traces")
+    assert {"chrome.part1", "all_ranks.part1"} <= set(os.listdir(run / "kernel_traces"))
     assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
     folders = ["chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"]
-    assert sorted(os.listdir(run / "kernel_traces")) == folders
+    assert sorted(os.listdir(run / "kernel_traces")) == ["all_ranks"] + folders
+    assert os.listdir(run / "kernel_traces" / "all_ranks") == ["all_ranks.pt.trace.json"]
     for folder in folders:
         assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
 

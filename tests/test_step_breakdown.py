@@ -9,9 +9,10 @@ import torch
 from sftprof.capture import module_regions
 from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
-from sftprof.analysis.step_breakdown import attention_pairs, bus_factor, op_flops
+from sftprof.analysis.step_breakdown import OpCollector, attention_pairs, bus_factor, op_flops
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer
 from tests.fixtures import gpu_snapshot_fixtures, gpu_trace_fixtures
+from tests.fixtures.qwen3_5 import gated_delta_rule_reference
 
 TRACES = {p.name: p for p in gpu_trace_fixtures()}
 SFTPROF_TRACE = "h200_sftprof_kernel.trace.json.gz"
@@ -421,3 +422,65 @@ def test_place_whose_every_gap_follows_a_blocking_call():
         "gaps": 1, "activities": 1, "mean_activity_us": 100.0, "mean_gap_us": 200.0, "after_blocking_ms": 0.2,
         "after_blocking_pct": 100.0, "kind": "after blocking calls"}
     assert places["after_blocking_by_op"] == {"aten::nonzero": 0.2}
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """fla 0.6.0's autograd Function by name and signature (what the profiler records of it), computing the gated
+    delta rule with the fp32 reference of tests/fixtures/qwen3_5.py, so that it runs on the CPU."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=False, cu_seqlens=None,
+                cu_seqlens_cpu=None, chunk_indices=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cp_context=None,
+                chunk_size=64):
+        ctx.save_for_backward(q, k, v, g, beta)
+        return gated_delta_rule_reference(q, k, v, g, beta), None
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_() for x in ctx.saved_tensors]
+            grads = torch.autograd.grad(gated_delta_rule_reference(*xs), xs, do)
+        return (*grads, *[None] * 15)
+
+
+def test_gated_delta_rule_flops_forward_as_recorded_and_backward_through_its_flow(tmp_path):
+    # ChunkGatedDeltaRuleFunction's args as recorded on an H200 (fla 0.6.0, tiny Qwen3.5: q/k/v [1, 256, 4, 16])
+    h200 = {"Concrete Inputs": ["", "", "", "", "", "0.25", "", "False", "False", "", "", "", "False", "False", "", "",
+                                "False", "False", "", "64"],
+            "Input type": ["c10::BFloat16", "c10::BFloat16", "c10::BFloat16", "float", "c10::BFloat16", "Scalar", "",
+                           "Scalar", "Scalar", "", "", "", "Scalar", "Scalar", "", "", "Scalar", "Scalar", "",
+                           "Scalar"],
+            "Input Dims": [[1, 256, 4, 16], [1, 256, 4, 16], [1, 256, 4, 16], [1, 256, 4], [1, 256, 4]] + [[]] * 15}
+    # 4 chunks of 64 per head: 6 C dk dv + 6 C^2 dk + 4 C^2 dv + C^3 / 3 each
+    per_chunk = 6 * 64 * 16 * 16 + 6 * 64 * 64 * 16 + 4 * 64 * 64 * 16 + 64 ** 3 / 3
+    assert op_flops("ChunkGatedDeltaRuleFunction", h200) == ("linear attention", 4 * 4 * per_chunk, "BFloat16")
+    varlen = dict(h200, **{"Input Dims": h200["Input Dims"][:9] + [[5]] + h200["Input Dims"][10:]})
+    assert op_flops("ChunkGatedDeltaRuleFunction", varlen) is None  # chunks per sequence unknown
+    # a real trace: the backward op records only dO, so it gets 2x the forward op its fwdbwd flow starts at
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 80, 3, 8, generator=gen), dim=-1).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(2, 80, 6, 8, generator=gen).requires_grad_()
+    g, beta = -torch.rand(2, 80, 6, generator=gen), torch.rand(2, 80, 6, generator=gen)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        o, _ = ChunkGatedDeltaRuleFunction.apply(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta,
+                                                 8 ** -0.5, None, False, False, None, None, None, False, False, None,
+                                                 None, False, False, None, 64)
+        o.sum().backward()
+    trace = tmp_path / "t.json"
+    prof.export_chrome_trace(str(trace))
+    collector = OpCollector()
+    events = json.loads(trace.read_text())["traceEvents"]
+    for ev in events:  # as KernelTraceAnalyzer feeds it: complete events and fwdbwd flows
+        if ev.get("ph") == "X" or ev.get("cat") == "fwdbwd":
+            collector.add(ev, ev["ts"], ev.get("dur", 0.0))
+    ops = {e["name"]: e for e in events if e.get("name", "").startswith("ChunkGatedDeltaRuleFunction")}
+    names = ["ChunkGatedDeltaRuleFunction", "ChunkGatedDeltaRuleFunctionBackward"]
+    idx = collector.flop_op_of(np.array([ops[n]["tid"] for n in names]),
+                               np.array([ops[n]["ts"] + ops[n]["dur"] / 2 for n in names]))
+    # b = 2, 6 value heads (q and k repeated to them), 80 tokens = 2 chunks of 64, d_k = d_v = 8
+    fwd = 2 * 6 * 2 * (6 * 64 * 8 * 8 + 6 * 64 * 64 * 8 + 4 * 64 * 64 * 8 + 64 ** 3 / 3)
+    assert [collector.flop_info(int(i)) for i in idx] == [
+        ("ChunkGatedDeltaRuleFunction", "linear attention", fwd, "float"),
+        ("ChunkGatedDeltaRuleFunctionBackward", "linear attention backward", 2 * fwd, "float")]

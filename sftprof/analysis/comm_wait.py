@@ -131,7 +131,8 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
 
     Returns:
         None when no trace has a collective; else ``{"clock_tolerance_us", "clock_offsets": [{"ranks": [a, b],
-        "median_end_difference_us", "calls"}], "groups": [...], "not_split": [{"group", "label", "reason"}],
+        "median_end_difference_us", "end_difference_mad_us" (median absolute deviation of the calls' differences),
+        "calls"}], "groups": [...], "not_split": [{"group", "label", "reason"}],
         "unnamed_kernels": [{"rank", "kernels"}] (NCCL kernels without a process group, left out), "ranks": [...]}``.
         A group row: ``{"group" (process-group name), "label",
         "members", "calls", "ranks": [{"rank", "calls", "comm_ms", "wait_ms", "transfer_ms", "exposed_ms",
@@ -167,8 +168,9 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         for r in members[1:]:
             for a, b in zip(calls_by_rank[ref][name]["calls"], calls_by_rank[r][name]["calls"]):
                 diffs[(ref, r)].append(b[1][-1][1] - a[1][-1][1])
-    offsets = [{"ranks": list(p), "median_end_difference_us": round(float(np.median(d)), 3), "calls": len(d)}
-               for p, d in sorted(diffs.items())]
+    offsets = [{"ranks": list(p), "median_end_difference_us": round(float(np.median(d)), 3),
+                "end_difference_mad_us": round(float(np.median(np.abs(np.asarray(d) - np.median(d)))), 3),
+                "calls": len(d)} for p, d in sorted(diffs.items())]
     bad = {tuple(o["ranks"]): o for o in offsets if abs(o["median_end_difference_us"]) > tolerance_us}
     groups = []
     rank_wait: dict[int, list[list[float]]] = defaultdict(list)

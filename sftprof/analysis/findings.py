@@ -101,14 +101,18 @@ def _wait_split(exposed_ms: float, w: dict) -> str:
     return text
 
 
-def _part_rates(rows: list[dict], label: str) -> list[str]:
+# model part -> (efficiency kind of its core kernels, how the finding names their rate)
+_CORE_KIND = {"attn_core": ("attention", " at "), "linear_attn": ("linear attention", ", delta rule at ")}
+
+
+def _part_rates(rows: list[dict], label: str, kind: Optional[str] = None) -> list[str]:
     """``["629 TFLOP/s forward", "428 TFLOP/s backward"]``: achieved model TFLOP/s of a model part's FLOP-counted
-    ops (the kernel-efficiency rows of that part, dtypes summed) in its first-pass forward (or, where that has no
-    counted op, its recompute: Transformer Engine's linears run their first forward under full recompute without
-    an op record) and its backward."""
+    ops (its kernel-efficiency rows, of ``kind`` when given, dtypes summed) in its first-pass forward (or, where that
+    has no counted op, its recompute: Transformer Engine's linears run their first forward under full recompute
+    without an op record) and its backward."""
     acc: dict[str, list[float]] = {}
     for row in rows:
-        if row["part"] == label and row.get("tflop") and row.get("gpu_ms"):
+        if row["part"] == label and kind in (None, row["kind"]) and row.get("tflop") and row.get("gpu_ms"):
             a = acc.setdefault(row["phase"], [0.0, 0.0])
             a[0] += row["tflop"]
             a[1] += row["gpu_ms"]
@@ -146,9 +150,12 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
         if r["recompute_ms"]:
             text += f", of which recompute {r['recompute_ms']:.1f} ms"
         text += ")"
-        rates = _part_rates(eff_rows, r["label"])
+        # the rate of the part's core kernels (attention's; the delta rule's in a gated delta-net layer), else of
+        # all its FLOP-counted ops (GEMMs)
+        kind, what = _CORE_KIND.get(r.get("part"), (None, " at "))
+        rates = _part_rates(eff_rows, r["label"], kind)
         if rates:
-            text += " at " + " / ".join(rates)
+            text += what + " / ".join(rates)
         out.append({"text": text, "section": sec, "weight": r["total_ms"] / total, "key": f"part {r['part']}"})
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:

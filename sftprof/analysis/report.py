@@ -227,7 +227,22 @@ def _ranks(s: dict) -> list[str]:
                        "collective's kernel runs from its own rank's launch until every rank has joined, so a rank that "
                        "arrives first shows the others' lateness as exposed time: where the bytes are the same on both "
                        "ranks, the extra is load imbalance before the collective, not transfer.\n")
-    return out + _comm_wait(s.get("comm_wait"))
+    return out + _comm_wait(s.get("comm_wait")) + _merged_view(s.get("merged_view"))
+
+
+def _merged_view(m: dict | None) -> list[str]:
+    """Where the all-ranks timeline is and how each rank's clock was aligned (:mod:`sftprof.analysis.merged_view`)."""
+    if not m:
+        return []
+    if "error" in m:
+        return [f"- all ranks on one timeline: {m['error']}\n"]
+    how = {"reference": "the reference clock", "trace clock": "its trace clock (no collective in common: unaligned "
+           "across hosts)"}
+    ranks = "; ".join(f"rank {r['rank']} " + (
+        f"{r['shift_us']:+.3f} µs (collective ends, ±{max(p['end_difference_mad_us'] for p in r['path']):.1f} µs)"
+        if r["aligned_by"] == "collective ends" else how[r["aligned_by"]]) for r in m["ranks"])
+    return [f"- all ranks on one timeline (one process per rank; open in Perfetto): "
+            + ", ".join(f"`{f}`" for f in m["files"]) + f"; clocks: {ranks}\n"]
 
 
 def _waited_for(rows: list[dict], key: str) -> str:

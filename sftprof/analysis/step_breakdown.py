@@ -34,7 +34,13 @@ a GEMM ``[m, k] x [k, n]`` costs ``2 m k n`` (``aten::mm``, ``addmm``, ``bmm``, 
 pairs computed (:func:`attention_pairs`; causal top-left as torch's ``is_causal``, lower-right for the
 flash kernels and ``custom_mask_type=2``, which context-parallel chunks use), as in ``sftprof/flops.py``; its backward is counted as 2x the forward (the model-FLOPs convention of
 ``sftprof/flops.py``; the fused kernels also recompute ``Q K^T``, 2.5x in hardware work). Masked
-attention (an explicit ``attn_mask``) has no FLOP count here.
+attention (an explicit ``attn_mask``) has no FLOP count here. flash-linear-attention's chunked gated delta rule
+(kind ``linear attention``) launches its Triton kernels inside the autograd Function
+``ChunkGatedDeltaRuleFunction``, whose forward op is recorded with its inputs (fla 0.6.0's 20 arguments: q
+``[b, t, h, d_k]``, v ``[b, t, h_v, d_v]``, ..., the chunk size last): ``b h_v`` times
+:func:`sftprof.flops.delta_rule_flops` of ``t`` tokens (none for variable-length calls, ``cu_seqlens`` given,
+whose chunks per sequence the shapes do not say); its backward op ``ChunkGatedDeltaRuleFunctionBackward`` records
+only the output gradient, so it gets 2x the FLOPs of the forward op its ``fwdbwd`` flow starts at.
 
 GPU idle waiting for the host (:func:`_idle_split`, :func:`_host_wait_places`): each host-wait gap goes to the
 place of the activity that ends it, its (part, layer summed, phase) from the attribution above and the innermost
@@ -56,7 +62,7 @@ from typing import Any, Optional
 import numpy as np
 
 from sftprof.analysis import comm_wait, intervals
-from sftprof.flops import gpu_peak_bf16_flops
+from sftprof.flops import delta_rule_flops, gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
@@ -89,13 +95,21 @@ _ATTENTION = {
     "aten::_efficient_attention_backward": (1, 2, 14, 4, True, "bshd", "mask_type"),
 }
 
+# flash-linear-attention's gated delta rule (module docstring): the autograd Function's forward op and backward op
+_DELTA_RULE = "ChunkGatedDeltaRuleFunction"
+# kinds of op_flops whose backward op is a kind of its own, and the model part of their core when the trace has
+# no model-part ranges
+_CORE_PART = {"attention": "attn_core", "linear attention": "linear_attn"}
+
 
 # Transformer Engine's autograd Functions (TE 2.x): their forward ops carry the input dims; their backward nodes
 # (``<name>Backward``) only the output gradient's, so a backward node's FLOPs are 2x those of the forward op the
 # profiler's fwdbwd flow links it to. ``FusedAttnFunc`` is TE's fused attention without context parallelism, q/k in
 # megatron-core's ``sbhd`` layout ([s, b, h, d]), causal (megatron-core's GPT attention mask).
 _TE_FORWARD = ("FusedAttnFunc", "_Linear", "_LayerNormLinear", "_GroupedLinear", "RouterGatingLinearFunction")
-_TE_BACKWARD = {f"{n}Backward": n for n in _TE_FORWARD}
+# autograd Functions whose backward op gets 2x the FLOPs of the forward op its fwdbwd flow starts at
+_FLOW_FORWARD = (*_TE_FORWARD, _DELTA_RULE)
+_FLOW_BACKWARD = {f"{n}Backward" for n in _FLOW_FORWARD}
 
 
 def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -> int:
@@ -132,7 +146,8 @@ def _te_linear_flops(name: str, dims: list) -> Optional[float]:
 def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
     """``(kind, FLOPs, dtype)`` of one recorded op (``record_shapes``), or None when unknown.
 
-    ``kind`` is ``GEMM``, ``attention`` or ``attention backward``; rules in the module docstring.
+    ``kind`` is ``GEMM``, ``attention``, ``attention backward`` or ``linear attention``; rules in the module
+    docstring.
     """
     dims, types = args.get("Input Dims"), args.get("Input type") or []
     if not isinstance(dims, list):
@@ -190,6 +205,12 @@ def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
                 sk = k[1]
             fwd = 4.0 * b * h * d * attention_pairs(sq, sk, causal, lower_right)
             return ("attention backward", 2 * fwd, dtype) if bwd else ("attention", fwd, dtype)
+        if name == _DELTA_RULE:
+            concrete = args.get("Concrete Inputs") or []
+            if len(dims) != 20 or len(concrete) != 20 or dims[9] or not str(concrete[19]).isdigit():
+                return None  # another fla version's arguments, or variable-length sequences (cu_seqlens)
+            (b, t, _, dk), (_, _, hv, dv) = dims[0], dims[2]
+            return "linear attention", float(b * hv * delta_rule_flops(t, dk, dv, int(concrete[19]))), dtype
     except (TypeError, IndexError, ValueError):
         return None
     return None
@@ -280,8 +301,8 @@ class OpCollector:
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
-        self._te_forward: dict[tuple[int, float], int] = {}  # TE forward op (tid, ts) -> index into _flop_info
-        self._te_backward: list[tuple[str, int, float, float]] = []  # TE backward node ops: (name, tid, ts, dur)
+        self._flow_fwd_op: dict[tuple[int, float], int] = {}  # _FLOW_FORWARD op (tid, ts) -> index into _flop_info
+        self._flow_bwd_ops: list[tuple[str, int, float, float]] = []  # _FLOW_BACKWARD ops: (name, tid, ts, dur)
 
     def add(self, ev: dict, ts: float, dur: float) -> None:
         """Consume one complete (``ph: X``) or flow event with a valid ``ts`` (and ``dur`` for X)."""
@@ -301,15 +322,15 @@ class OpCollector:
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
             args = ev.get("args") or {}
-            if name in _GEMMS or name in _ATTENTION or name in _TE_FORWARD:
+            if name in _GEMMS or name in _ATTENTION or name in _FLOW_FORWARD:
                 f = op_flops(name, args)
                 if f is not None:
-                    if name in _TE_FORWARD:
-                        self._te_forward[(tid, ts)] = len(self._flop_info)
+                    if name in _FLOW_FORWARD:
+                        self._flow_fwd_op[(tid, ts)] = len(self._flop_info)
                     self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
                     self._flop_info.append((name, *f))
-            elif name in _TE_BACKWARD:
-                self._te_backward.append((name, tid, ts, dur))
+            elif name in _FLOW_BACKWARD:
+                self._flow_bwd_ops.append((name, tid, ts, dur))
             if "Collective name" in args:
                 ext = args.get("External id")
                 if isinstance(ext, int):
@@ -463,22 +484,22 @@ class OpCollector:
         return (np.array([s[2] for s in calls], dtype=np.float64),
                 [self.op_name_list[int(pay[j])] if j >= 0 else s[0] for s, j in zip(calls, at)])
 
-    def _link_te_backward(self) -> None:
-        """Give each TE backward node op 2x the FLOPs of the forward op its fwdbwd flow starts at (once, after the
-        pass: flows and ops arrive in any order); nodes without a linked forward op stay without FLOPs."""
-        for name, tid, ts, dur in self._te_backward:
+    def _link_flow_backward(self) -> None:
+        """Give each backward op of :data:`_FLOW_BACKWARD` 2x the FLOPs of the forward op its fwdbwd flow starts at
+        (once, after the pass: flows and ops arrive in any order); one without a linked forward op stays without."""
+        for name, tid, ts, dur in self._flow_bwd_ops:
             start = self._flow_start.get(self._flow_end.get((tid, ts)))
-            k = self._te_forward.get(start) if start is not None else None
+            k = self._flow_fwd_op.get(start) if start is not None else None
             if k is None:
                 continue
             _, kind, flops, dtype = self._flop_info[k]
             self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
-            self._flop_info.append((name, "attention backward" if kind == "attention" else kind, 2 * flops, dtype))
-        self._te_backward = []
+            self._flop_info.append((name, f"{kind} backward" if kind in _CORE_PART else kind, 2 * flops, dtype))
+        self._flow_bwd_ops = []
 
     def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
         """Index into the FLOP-known ops (innermost containing the launch point), -1 when none."""
-        self._link_te_backward()
+        self._link_flow_backward()
         return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
 
     def flop_info(self, k: int) -> tuple[str, str, float, str]:
@@ -798,11 +819,11 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
     for k, us in per_op.items():
         name, kind, flops, dtype = ops.flop_info(k)
         part, phase = op_part[k]
-        if kind == "attention backward":
-            kind, phase = "attention", "backward"
+        if kind.endswith(" backward"):
+            kind, phase = kind.removesuffix(" backward"), "backward"
         label = part_label(part)
-        if kind == "attention" and part not in MODEL_PART_LABELS:
-            label = MODEL_PART_LABELS["attn_core"]
+        if kind in _CORE_PART and part not in MODEL_PART_LABELS:
+            label = MODEL_PART_LABELS[_CORE_PART[kind]]
         elif part.startswith("kernel:"):
             label = "GEMM (by kernel name)"
         r = rows[(kind, label, phase, dtype)]
@@ -831,7 +852,8 @@ def _efficiency(ops, tids, pts, dur, inside, parts, phases, kinds, names, nbytes
                  "pct_of_hbm": round(100 * b / (us * 1e-6) / bw, 2) if us > 0 and bw else None}
                 for k, (b, us, c) in sorted(mem.items(), key=lambda kv: (-kv[1][1], kv[0]))]
     return {"peak": peaks, "rows": out_rows, "memory_bound": mem_rows,
-            "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x); "
+            "note": "attention backward FLOPs = 2x forward (model FLOPs; fused kernels do 2.5x), as are linear "
+                    "attention's (fla's chunked gated delta rule, chunks of 64 tokens; its kernels do about 2.8x); "
                     "% of peak only for bf16/fp16 ops, against the dense bf16 peak; memory-bound rows: bytes "
                     "moved by copies/fills over their time, against the HBM bandwidth (a device-to-device copy "
                     "reads and writes each byte, so its HBM traffic is twice the bytes shown)"}

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Optional
 
 from sftprof import artifacts
-from sftprof.analysis import comm_wait
+from sftprof.analysis import comm_wait, merged_view
 from sftprof.analysis import findings as fnd
 from sftprof.analysis import inputs
 from sftprof.analysis.failure import first_failure
@@ -197,7 +197,8 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
     summarised as step ``step`` (:func:`_process_trace`: a trace of another step, of another rank or of a rank
     outside the trial's world size ``world`` is that trace's error), and the communication of the traces without
     errors split into waiting for the last rank and transfer (:func:`sftprof.analysis.comm_wait.split`; None when
-    no trace has a collective)."""
+    no trace has a collective), and ``merged_view``: the ranks' views as one timeline
+    (:func:`sftprof.analysis.merged_view.merge_trial`; None with fewer than two ranks)."""
     found, traces, skipped = _find_traces(log_dir)
     out_dir = os.path.join(run_dir, KERNEL_TRACES)
     results = _process_traces(found, out_dir, compress, max_view_bytes, jobs, step, world)
@@ -207,8 +208,12 @@ def _kernel_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int
                 os.rmdir(os.path.join(out_dir, folder))
     traces += [_trace_entry(log_dir, run_dir, rank, src, res) for (rank, src), res in zip(found, results)]
     records = {rank: res["calls"] for (rank, _), res in zip(found, results) if "calls" in res and "error" not in res}
+    cw = comm_wait.split(records)
+    merged = merged_view.merge_trial({rank: res["views"]["chrome"] for (rank, _), res in zip(found, results)
+                                      if "views" in res}, out_dir, cw and cw["clock_offsets"], compress=compress,
+                                     max_view_bytes=max_view_bytes, jobs=jobs, rel_to=run_dir)
     return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped,
-            "comm_wait": comm_wait.split(records)}
+            "comm_wait": cw, "merged_view": merged}
 
 
 # --------------------------------------------------------------------------------------------
