@@ -29,6 +29,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -37,7 +38,9 @@ from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.loss import SFTLoss
-from sftprof.models.hf import CAUSAL_LM_CLASSES  # (text) model_type -> the HF causal-LM class this backend trains
+from sftprof.models.checkpoint import CheckpointError, name_list
+from sftprof.models.hf import CAUSAL_LM_CLASSES, check_weights_present, resolve_model_dir
+from sftprof.models.weights import not_loaded
 from sftprof.models.routing import RoutingLoadMeter
 from sftprof.capture.module_regions import register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
@@ -123,16 +126,15 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
     """Build the causal LM of :data:`CAUSAL_LM_CLASSES` in ``actor.dtype`` on the CPU (SDPA attention).
 
     Random init from the current RNG state (seed it first for identical weights on every rank)
-    when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``.
+    when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``, every parameter
+    from the checkpoint (:func:`check_loading_info`).
 
     Raises:
         ValueError: the (text) config's ``model_type`` is not in :data:`CAUSAL_LM_CLASSES`, or
             ``init_from_scratch=false`` and the model directory holds no weights.
+        CheckpointError: the checkpoint does not hold exactly the model's tensors
+            (:func:`sftprof.models.hf.check_weights_present`, :func:`check_loading_info`).
     """
-    import transformers
-
-    from sftprof.models.hf import check_weights_present, resolve_model_dir
-
     if hf_config.model_type not in CAUSAL_LM_CLASSES:
         raise ValueError(f"actor.path={cfg.actor.path!r}: model_type {hf_config.model_type!r} is not supported by "
                          f"the fsdp backend; accepted: {list(CAUSAL_LM_CLASSES)}")
@@ -144,7 +146,42 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
     if cfg.actor.init_from_scratch:
         return causal_lm_cls._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
     check_weights_present(cfg.actor)  # the driver and the trainer checked it before launch; kept for direct callers
-    return causal_lm_cls.from_pretrained(str(resolve_model_dir(cfg.actor.path)), config=hf_config, attn_implementation="sdpa", dtype=dtype)
+    model_dir = resolve_model_dir(cfg.actor.path)
+    model, info = causal_lm_cls.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa",
+                                                dtype=dtype, output_loading_info=True)
+    check_loading_info(info, model_dir, causal_lm_cls.__name__, hf_config.num_hidden_layers)
+    return model
+
+
+def check_loading_info(info: dict, model_dir, model_class: str, n_layers: int) -> None:
+    """Refuse what transformers' ``from_pretrained`` would only log: parameters left at their random
+    initialisation because the checkpoint lacks them (``missing_keys``), checkpoint tensors the model has no place
+    for (``unexpected_keys``, apart from those outside the profiled model: layers beyond ``n_layers``, a
+    multimodal checkpoint's vision tower and MTP block, :func:`sftprof.models.weights.not_loaded`), and shapes or
+    load errors it reports.
+
+    Args:
+        info: the loading info of ``from_pretrained(..., output_loading_info=True)``.
+        model_dir: the checkpoint directory, for the message.
+        model_class: the causal-LM class name, for the message.
+        n_layers: the model's decoder layers (``actor.num_layers`` when it cuts them).
+    Raises:
+        CheckpointError: naming the directory, the class and the tensors of each kind.
+    """
+    problems = []
+    for key, what in (("missing_keys", "parameter(s) missing from the checkpoint (left at random initialisation)"),
+                      ("unexpected_keys", "checkpoint tensor(s) the model has no parameter for"),
+                      ("mismatched_keys", "tensor(s) whose shape differs from the parameter's")):
+        names = {k[0] if isinstance(k, tuple) else k for k in info.get(key) or ()}
+        if key == "unexpected_keys":
+            names = {n for n in names if not not_loaded(n, n_layers)}
+        if names:
+            problems.append(f"{len(names)} {what}: {name_list(names)}")
+    problems += [str(msg) for msg in info.get("error_msgs") or ()]
+    if problems:
+        raise CheckpointError(f"{model_dir}: {model_class}.from_pretrained: " + "; ".join(problems) + "; accepted: a "
+                              "checkpoint holding every tensor of the model, or actor.init_from_scratch=true "
+                              "(random weights)")
 
 
 def _lr_factor(kind: str, step: int, total: int) -> float:

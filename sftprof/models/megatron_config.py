@@ -194,7 +194,7 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
 
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
-      checkpoint of a family that has a weight mapping (:data:`sftprof.models.megatron_load.MAPPINGS`);
+      checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
     - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
     - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
       expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
@@ -207,7 +207,7 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     """
     from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
     from sftprof.models.hf import resolve_model_dir
-    from sftprof.models.megatron_load import MAPPINGS
+    from sftprof.models.weights import MAPPINGS
 
     if not cfg.actor.init_from_scratch:
         model_dir = resolve_model_dir(cfg.actor.path)
