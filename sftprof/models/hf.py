@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sftprof.config import ConfigError
+
 if TYPE_CHECKING:  # transformers is imported lazily: the driver's checks stay fast
     from transformers import PretrainedConfig
 
@@ -79,8 +81,6 @@ def check_weights_present(actor) -> None:
         ModelPathError: ``actor.path`` is neither a model directory nor a bundled config, or its config is invalid
             (:func:`load_hf_config`).
     """
-    from sftprof.config import ConfigError
-
     if actor.init_from_scratch:
         return
     model_dir = resolve_model_dir(actor.path)
@@ -88,7 +88,7 @@ def check_weights_present(actor) -> None:
         raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weights ({', '.join(WEIGHT_PATTERNS)}); "
                           "accepted: actor.init_from_scratch=true (random init), or MODEL_PATH / actor.path = a "
                           "Hugging Face model directory with weights")
-    # torch and the weight rules are imported only here: the driver's checks without a checkpoint stay fast
+    # imported here: they import torch, which the driver (sftprof.launch imports this module) does not import
     from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
     from sftprof.models.weights import check_checkpoint
 
