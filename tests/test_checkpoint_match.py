@@ -223,9 +223,10 @@ def test_trainer_refuses_a_checkpoint_without_its_router_before_launch(qwen3, tm
 
 
 def test_fsdp_load_refuses_what_transformers_would_initialise_at_random(qwen3, tmp_path):
-    """A weight file the pre-launch check does not read (pytorch_model.bin) without its LM head: the fsdp engine
-    refuses transformers' load (which reports the head as newly initialised); a model cut by actor.num_layers
-    loads with the checkpoint's other layers left out."""
+    """A weight file the pre-launch check does not read (pytorch_model.bin) without its LM head and with a tensor the
+    model has no parameter for: the fsdp engine refuses transformers' load (which reports the head as newly
+    initialised and the extra tensor as unexpected); a model cut by actor.num_layers loads with the checkpoint's other
+    layers left out."""
     from sftprof.config import load_config
     from sftprof.engine.fsdp import build_hf_causal_lm
 
@@ -233,14 +234,16 @@ def test_fsdp_load_refuses_what_transformers_would_initialise_at_random(qwen3, t
     ckpt.mkdir()
     shutil.copy(qwen3 / "config.json", ckpt / "config.json")
     state = {k: v for shard in sorted(set(_weight_map(qwen3).values())) for k, v in load_file(qwen3 / shard).items()}
-    torch.save({k: v for k, v in state.items() if k != "lm_head.weight"}, ckpt / "pytorch_model.bin")
+    torch.save({**{k: v for k, v in state.items() if k != "lm_head.weight"}, "model.extra.weight": torch.zeros(2)},
+               ckpt / "pytorch_model.bin")
     cfg = load_config("tiny_cpu", ["actor.backend=fsdp:d1", f"actor.path={ckpt}", "actor.init_from_scratch=false",
                                    "actor.dtype=float32"])
     with pytest.raises(CheckpointError) as err:
         build_hf_causal_lm(cfg, load_hf_config(str(ckpt)))
     assert str(err.value) == (f"{ckpt}: Qwen3MoeForCausalLM.from_pretrained: 1 parameter(s) missing from the checkpoint "
-                              "(left at random initialisation): lm_head.weight; accepted: a checkpoint holding every "
-                              "tensor of the model, or actor.init_from_scratch=true (random weights)")
+                              "(left at random initialisation): lm_head.weight; 1 checkpoint tensor(s) the model has "
+                              "no parameter for: model.extra.weight; accepted: a checkpoint holding every tensor of the "
+                              "model, or actor.init_from_scratch=true (random weights)")
     cut = load_config("tiny_cpu", ["actor.backend=fsdp:d1", f"actor.path={qwen3}", "actor.init_from_scratch=false",
                                    "actor.dtype=float32", "actor.num_layers=1"])
     model = build_hf_causal_lm(cut, load_hf_config(str(qwen3), 1))

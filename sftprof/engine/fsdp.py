@@ -123,8 +123,8 @@ def check_loading_info(info: dict, model_dir, model_class: str, n_layers: int) -
     """Refuse what transformers' ``from_pretrained`` would only log: parameters left at their random
     initialisation because the checkpoint lacks them (``missing_keys``), checkpoint tensors the model has no place
     for (``unexpected_keys``, apart from those outside the profiled model: layers beyond ``n_layers``, a
-    multimodal checkpoint's vision tower and MTP block, :func:`sftprof.models.weights.not_loaded`), and shapes or
-    load errors it reports.
+    multimodal checkpoint's vision tower and MTP block, :func:`sftprof.models.weights.not_loaded`). (A shape that
+    differs from the parameter's, transformers raises itself.)
 
     Args:
         info: the loading info of ``from_pretrained(..., output_loading_info=True)``.
@@ -135,15 +135,12 @@ def check_loading_info(info: dict, model_dir, model_class: str, n_layers: int) -
         CheckpointError: naming the directory, the class and the tensors of each kind.
     """
     problems = []
-    for key, what in (("missing_keys", "parameter(s) missing from the checkpoint (left at random initialisation)"),
-                      ("unexpected_keys", "checkpoint tensor(s) the model has no parameter for"),
-                      ("mismatched_keys", "tensor(s) whose shape differs from the parameter's")):
-        names = {k[0] if isinstance(k, tuple) else k for k in info.get(key) or ()}
-        if key == "unexpected_keys":
-            names = {n for n in names if not not_loaded(n, n_layers)}
+    unexpected = {n for n in info["unexpected_keys"] if not not_loaded(n, n_layers)}
+    for names, what in ((set(info["missing_keys"]), "parameter(s) missing from the checkpoint (left at random "
+                                                    "initialisation)"),
+                        (unexpected, "checkpoint tensor(s) the model has no parameter for")):
         if names:
             problems.append(f"{len(names)} {what}: {name_list(names)}")
-    problems += [str(msg) for msg in info.get("error_msgs") or ()]
     if problems:
         raise CheckpointError(f"{model_dir}: {model_class}.from_pretrained: " + "; ".join(problems) + "; accepted: a "
                               "checkpoint holding every tensor of the model, or actor.init_from_scratch=true "
