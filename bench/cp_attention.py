@@ -4,17 +4,17 @@ Rows (bf16, batch 1, ``--heads`` query / ``--kv-heads`` key-value heads of ``--h
 128, Qwen3-30B-A3B's attention, at ``--seq`` 131072 tokens):
 
 - ``single GPU causal (S)``: ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
-  the whole sequence (what the CP=1 path of ``sftprof.models.attention.cp_causal_attention`` calls);
-- ``single GPU, chunked forward (n)``: ``sftprof.models.block_attention.chunked_causal_attention(..., chunks=n)``
+  the whole sequence (what the CP=1 path of ``sftprof.models.layers.attention.cp_causal_attention`` calls);
+- ``single GPU, chunked forward (n)``: ``sftprof.models.layers.block_attention.chunked_causal_attention(..., chunks=n)``
   (``--chunks``, default 2 4 8): the forward as n diagonal causal blocks plus unmasked off-diagonal blocks merged
   by log-sum-exp, the backward as one causal call given the merged output and log-sum-exp;
 - with ``--layouts ... sbhd``, the two single-GPU row kinds again with the suffix ``, sbhd``: on megatron-core's
-  layout, as ``sftprof.models.attention.SDPACoreAttention`` calls them (the same numbers held as contiguous
+  layout, as ``sftprof.models.layers.attention.SDPACoreAttention`` calls them (the same numbers held as contiguous
   ``[s, b, heads, d]`` tensors, passed as permuted ``[b, heads, s, d]`` views, the output flattened to
   ``[s, b, heads * d]`` and the gradient given in that layout), so the cost of layout copies shows against the
   default ``bhsd`` rows (contiguous ``[b, heads, s, d]``);
 - ``CP=<n> rank <r>, masked`` / ``CP=<n> rank <r>, blocks (<kernel>)``: exactly one CP rank's attention
-  work, ``cp_causal_attention(..., method="masked")`` or ``sftprof.models.block_attention.
+  work, ``cp_causal_attention(..., method="masked")`` or ``sftprof.models.layers.block_attention.
   blockwise_cp_attention(..., kernel=...)``, for its ``S/n`` load-balanced queries against random full
   K/V (no process group: the K/V all-gather and the gradient reduce-scatter are not in these rows).
 
@@ -96,7 +96,7 @@ def _single(q, k, v):
 
 
 def _chunked(chunks):
-    from sftprof.models.block_attention import chunked_causal_attention
+    from sftprof.models.layers.block_attention import chunked_causal_attention
 
     return lambda q, k, v: chunked_causal_attention(q, k, v, chunks=chunks)
 
@@ -110,8 +110,8 @@ def _megatron_layout(fn):
 
 
 def _cp_row(cp_size, cp_rank, method, kernel=None):
-    from sftprof.models.attention import cp_causal_attention
-    from sftprof.models.block_attention import blockwise_cp_attention
+    from sftprof.models.layers.attention import cp_causal_attention
+    from sftprof.models.layers.block_attention import blockwise_cp_attention
 
     def run(q, k, v):
         if method == "masked":
@@ -207,7 +207,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--cp", type=int, nargs="+", default=[2], help="CP sizes to simulate (e.g. 2 4)")
     ap.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS), choices=CUDA_KERNELS,
-                    help="block kernels of the blocks rows (sftprof.models.block_attention.BLOCK_KERNELS)")
+                    help="block kernels of the blocks rows (sftprof.models.layers.block_attention.BLOCK_KERNELS)")
     ap.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8],
                     help="single-GPU rows of chunked_causal_attention with these query-chunk counts")
     ap.add_argument("--layouts", nargs="+", default=["bhsd"], choices=("bhsd", "sbhd"),

@@ -1,4 +1,4 @@
-"""RMSNorm on ONE GPU: torch's ``F.rms_norm`` against the fused Triton path of ``sftprof.models.norm.rms_norm``.
+"""RMSNorm on ONE GPU: torch's ``F.rms_norm`` against the fused Triton path of ``sftprof.models.layers.norm.rms_norm``.
 
 Rows (bf16 input and weight, eps 1e-6; Qwen3-30B-A3B's norms at ``--tokens`` 131072):
 
@@ -19,7 +19,7 @@ After the table, for every row: the max abs difference of the fused ``y``, ``dx`
 
 ``--fwd-tile`` / ``--bwd-tile``: extra fused rows with the forward's / backward's elements per ``[BLOCK_ROWS,
 BLOCK_D]`` tile (8 per thread) set to each value given (module defaults otherwise), to tune
-``sftprof.models.triton_kernels._NORM_FWD_TILE`` / ``_NORM_BWD_TILE`` in one run.
+``sftprof.models.layers.norm_kernels._NORM_FWD_TILE`` / ``_NORM_BWD_TILE`` in one run.
 
 Usage: python bench/norm.py [--tokens 131072] [--reps 10] [--fwd-tile 1024 2048] [--bwd-tile 512 1024]
 A bad argument (``--tokens`` or ``--reps`` < 1, a tile that is not a power of 2) is refused with exit status 2 first;
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sftprof.models import norm  # noqa: E402
+from sftprof.models.layers import norm  # noqa: E402
 
 EPS = 1e-6
 
@@ -102,9 +102,9 @@ def main() -> int:
         print("bench/norm.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
               file=sys.stderr)
         return 1
-    from sftprof.models import triton_kernels
+    from sftprof.models.layers import norm_kernels
 
-    defaults = (triton_kernels._NORM_FWD_TILE, triton_kernels._NORM_BWD_TILE)
+    defaults = (norm_kernels._NORM_FWD_TILE, norm_kernels._NORM_BWD_TILE)
     settings = [None] + [s for s in itertools.product(args.fwd_tile or [defaults[0]], args.bwd_tile or [defaults[1]])
                          if s != defaults]
     print(f"# {torch.cuda.get_device_name()}, {args.tokens} tokens, bf16, median of {args.reps}; "
@@ -119,7 +119,7 @@ def main() -> int:
         for setting in [("torch", None)] + [("fused", s) for s in settings]:
             path, tune = setting
             if path == "fused":
-                triton_kernels._NORM_FWD_TILE, triton_kernels._NORM_BWD_TILE = tune or defaults
+                norm_kernels._NORM_FWD_TILE, norm_kernels._NORM_BWD_TILE = tune or defaults
             op = _torch if path == "torch" else _fused
             fwd = _median_ms(lambda: op(x, w), args.reps)
             both = _median_ms(_fwd_bwd(op, x, w, dy), args.reps)
@@ -128,7 +128,7 @@ def main() -> int:
             print(f"| {name} | {label} | {fwd:.3f} | {floor_fwd / fwd / 1e6:.0f} | {both:.3f} | "
                   f"{floor_all / both / 1e6:.0f} | {ratio} |")
             base = base or (fwd, both)
-        triton_kernels._NORM_FWD_TILE, triton_kernels._NORM_BWD_TILE = defaults
+        norm_kernels._NORM_FWD_TILE, norm_kernels._NORM_BWD_TILE = defaults
         want = (_torch(x, w),) + _fwd_bwd(_torch, x, w, dy)()
         got = (_fused(x, w),) + _fwd_bwd(_fused, x, w, dy)()
         diffs = [float((a - b).abs().max()) for a, b in zip(got, want)]

@@ -4,12 +4,12 @@ The two calls ``TopKRouter.routing`` makes per layer and pass with the auxiliary
 softmax score function): ``topk_routing_with_score_function`` (probs and routing map) and
 ``compute_routing_scores_for_aux_loss`` (routing map and full softmax), on fp32 logits ``[T, E]`` (Qwen3-30B-A3B:
 E = 128, top-8, ``moe_router_pre_softmax=False``). Rows: each path (``unfused``: megatron's
-``moe_utils`` functions; ``fused``: :mod:`sftprof.models.router`) for each ``pre_softmax`` setting; columns: median
+``moe_utils`` functions; ``fused``: :mod:`sftprof.models.layers.router`) for each ``pre_softmax`` setting; columns: median
 ms (``torch.utils.benchmark``, CUDA synchronised) of the routing call's forward, the aux call's forward, and both
 forwards plus the backward to the logits (upstream gradients on the probs and the scores).
 
 Usage: python bench/router.py [--tokens 131072] [--experts 128] [--topk 8] [--min-run-time 1.0]
-Arguments outside the fused kernel's range (``1 <= topk <= experts <= sftprof.models.router.MAX_EXPERTS``), where the
+Arguments outside the fused kernel's range (``1 <= topk <= experts <= sftprof.models.layers.router.MAX_EXPERTS``), where the
 fused functions would run megatron's code, are refused with exit status 2; without CUDA it prints that it needs a GPU
 and exits with status 1, measuring nothing.
 """
@@ -23,7 +23,7 @@ import torch
 from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sftprof.models import router  # noqa: E402
+from sftprof.models.layers import router  # noqa: E402
 
 
 def _paths():

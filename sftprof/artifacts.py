@@ -288,7 +288,7 @@ class StepRecord:
     tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU: model FLOPs / step_time_s / world size / 1e12")
     mfu: Optional[float] = _unit("fraction: tflops_per_gpu / the GPU's peak dense BF16 TFLOP/s (sftprof.flops)")
     recompute_tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU re-run by activation recompute (not in mfu)")
-    moe_load: Optional[dict] = _unit("routing load summed over ranks (sftprof.models.routing.RoutingLoadMeter)")
+    moe_load: Optional[dict] = _unit("routing load summed over ranks (sftprof.models.layers.routing.RoutingLoadMeter)")
     profiled: bool = _unit("whether the step was a kernel- or memory-profile step", False)
 
     TYPE = "step"

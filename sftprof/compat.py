@@ -43,6 +43,8 @@ import os
 import sys
 from typing import Optional
 
+from sftprof.config import ConfigError
+
 TE_MODULES = ("transformer_engine", "transformer_engine_torch")
 
 
@@ -114,8 +116,6 @@ def narrow_fla_hopper_guard(key_head_dim: int) -> Optional[str]:
     bk = fla_key_block_width(key_head_dim, chunk_o.check_shared_mem(
         "hopper", torch.cuda.current_device() if torch.cuda.is_available() else 0))
     if bk == 64:
-        from sftprof.config import ConfigError
-
         raise ConfigError(f"actor.path: linear_key_head_dim={key_head_dim} gives fla's gated chunk_bwd_dqkwg a key "
                           f"block of 64, the width at which Triton {triton.__version__} on Hopper computes wrong "
                           "gradients (fla issue #640); install triton>=3.7.1")
@@ -174,8 +174,6 @@ def setup_transformer_engine(mode: str) -> tuple[bool, list[str]]:
         ConfigError: ``mode=on`` and TE does not import (names the import error); torch and TE load different
             cuDNN versions (names both and ``CUDNN_HOME``).
     """
-    from sftprof.config import ConfigError
-
     if mode == "off":
         for name in TE_MODULES:
             if sys.modules.get(name) is not None:

@@ -47,12 +47,12 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 MOE_ROUTER_DTYPES = ("fp32", "fp64", "none")
 MOE_DISPATCHERS = ("alltoall", "allgather")
-# actor.megatron.cp_attention: how a CP rank's attention is computed (sftprof.models.attention, item 2 of its
+# actor.megatron.cp_attention: how a CP rank's attention is computed (sftprof.models.layers.attention, item 2 of its
 # docstring); used by the local layer spec (no Transformer Engine) with CP > 1.
 CP_ATTENTION_METHODS = ("masked", "blocks")
 TRANSFORMER_ENGINE_MODES = ("auto", "on", "off")
 # actor.megatron.moe_alltoall_chunks: each chunk adds 4 all-to-alls per MoE layer to the forward and 3 to the backward
-# (sftprof.models.moe_dedup), each with a fixed cost; 64 chunks of 65536 tokens (131072 over CP 2) are 1024 tokens
+# (sftprof.models.layers.moe_dedup), each with a fixed cost; 64 chunks of 65536 tokens (131072 over CP 2) are 1024 tokens
 # each, far past the 2 measured in bench/NOTES.md (twelfth session: what stays exposed at 2 chunks is mostly waiting
 # for the slower rank, which more chunks cannot hide). The bound refuses a typo (or a token count given here by
 # mistake) before any trial instead of a step of millions of collectives.
@@ -248,26 +248,26 @@ class MegatronSettings:
     cp_attention: str = "blocks"
     # CP > 1, cp_attention=blocks, without TE: the K/V all-gather and the K/V-gradient reduce-scatter are
     # asynchronous and run while the causal diagonal blocks (this rank's own keys) compute
-    # (sftprof.models.block_attention.overlapped_cp_attention); false = all-gather first, then the blocks.
+    # (sftprof.models.layers.block_attention.overlapped_cp_attention); false = all-gather first, then the blocks.
     cp_comm_overlap: bool = True
     # CP = 1 without TE, cuDNN, head_dim <= 128: the causal attention's forward as this many query chunks (causal
     # diagonal blocks plus unmasked off-diagonal blocks merged by log-sum-exp), its backward one causal call given
-    # the merged output (sftprof.models.block_attention.chunked_causal_attention); 1 = one SDPA call each way.
+    # the merged output (sftprof.models.layers.block_attention.chunked_causal_attention); 1 = one SDPA call each way.
     # 2: the forward of a 131072-token Qwen3-30B-A3B attention 255.0 -> 242.1 ms on an H200, backward unchanged
     # (bench/NOTES.md).
     attention_forward_chunks: int = 2
     # Without TE, alltoall dispatcher, dropless routing: megatron-core's token permutation by sorts and gathers, no
-    # host sync, no atomics (sftprof.models.moe_permute); false = megatron-core's masked_select/scatter_add path.
+    # host sync, no atomics (sftprof.models.layers.moe_permute); false = megatron-core's masked_select/scatter_add path.
     moe_sorted_permute: bool = True
     # EP > 1, expert TP 1, dropless alltoall, without TE: one all-to-all row per (token, destination EP rank) instead
-    # of one per (token, expert) (sftprof.models.moe_dedup); false = megatron-core's alltoall dispatcher.
+    # of one per (token, expert) (sftprof.models.layers.moe_dedup); false = megatron-core's alltoall dispatcher.
     moe_dedup_alltoall: bool = True
     # With moe_dedup_alltoall: each MoE layer's all-to-alls in this many token chunks, asynchronous, so that chunk
     # c's experts run while chunk c + 1's rows and chunk c - 1's outputs are in flight (forward and backward);
     # 1 = one all-to-all each way, the experts waiting for it. At most MOE_ALLTOALL_CHUNKS_MAX.
     moe_alltoall_chunks: int = 2
     # Without TE: the MoE router's top-k, softmaxes and dense [T, E] probs / routing map in one Triton kernel per
-    # call (softmax routers, fp32 logits; sftprof.models.router); false = megatron-core's unfused torch.topk path.
+    # call (softmax routers, fp32 logits; sftprof.models.layers.router); false = megatron-core's unfused torch.topk path.
     moe_fused_router: bool = True
     # megatron-core's moe_router_force_load_balancing: every MoE router's logits replaced by random normal values
     # (straight-through gradient), so each expert receives about top_k / E of the tokens. For profiling without the

@@ -231,7 +231,7 @@ def global_loss_tokens(sample: FakeSample, batch_size: int) -> int:
 def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
     """Global chunk indices ``(r, 2 * cp_size - 1 - r)`` held by CP rank ``r`` out of the sequence's
     ``2 * cp_size`` equal chunks: the one definition of the load-balanced context-parallel layout (used by
-    :func:`cp_shard` and by :mod:`sftprof.models.attention`).
+    :func:`cp_shard` and by :mod:`sftprof.models.layers.attention`).
 
     Raises:
         ValueError: ``cp_rank`` outside ``[0, cp_size)``.

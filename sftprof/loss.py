@@ -1,10 +1,10 @@
 """The SFT token loss of both engines: ``sum(-logprob(label) * loss_weight)``, its path chosen once.
 
 :class:`SFTLoss` is built once per engine from ``actor.loss`` (:class:`sftprof.config.LossSettings`)
-and holds the resolved path; each engine calls it from the module that owns the LM-head weight
-(the FSDP engine's ``LMHeadLoss``, which FSDP2 shards so the weight is unsharded inside its forward;
-the megatron engine's ``LMHeadLoss`` inside ``GPTModel``, whose forward pre-hook waits for DDP's
-parameter all-gather, or megatron's own output layer on the logits paths). Paths:
+and holds the resolved path; each engine calls it from the module that owns the LM-head weight,
+:class:`LMHeadLoss` (the FSDP engine shards it so FSDP2 unshards the weight inside its forward; the megatron
+engine registers it inside ``GPTModel``, where DDP's forward pre-hook waits for the weight's all-gather), or
+megatron's own output layer on the logits paths. Paths:
 
 - ``lm_head``: :func:`sftprof.ops.linear_sft_loss` on the final hidden states, ``lm_head_loss_chunk_size``
   tokens per chunk; the full ``[N, V]`` logits never exist and ``hidden`` is consumed (its storage
@@ -24,8 +24,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["SFTLoss", "reference_logprobs"]
+from sftprof.ops import linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
+
+__all__ = ["LMHeadLoss", "SFTLoss", "reference_logprobs"]
 
 
 def reference_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,8 +97,6 @@ class SFTLoss:
             ValueError: ``sequence_parallel`` on a logits path, or see :meth:`from_logits` and
                 :func:`sftprof.ops.linear_sft_loss`.
         """
-        from sftprof.ops import linear_sft_loss
-
         if self.path == "lm_head":
             return linear_sft_loss(hidden, weight, labels, loss_weight, tp_group=tp_group,
                                    chunk_size=self.lm_head_loss_chunk_size, sequence_parallel=sequence_parallel,
@@ -111,8 +112,6 @@ class SFTLoss:
         ``[V/tp, H]`` by this path: ``lm_head`` -> :func:`sftprof.ops.linear_logprobs` (chunked, logits
         recomputed in the backward), ``logprobs`` -> full logits + :func:`sftprof.ops.vocab_parallel_logprobs`,
         ``reference`` -> :func:`reference_logprobs` (TP = 1)."""
-        from sftprof.ops import linear_logprobs, vocab_parallel_logprobs
-
         if self.path == "lm_head":
             return linear_logprobs(hidden, weight, labels, tp_group=tp_group, chunk_size=self.lm_head_loss_chunk_size,
                                    vocab_size=self.vocab_size).float()
@@ -136,8 +135,6 @@ class SFTLoss:
         Raises:
             ValueError: the ``lm_head`` path (it never forms logits), or the ``reference`` path with TP > 1.
         """
-        from sftprof.ops import vocab_parallel_logprobs
-
         if self.path == "logprobs":
             logprobs = vocab_parallel_logprobs(logits, labels, tp_group=tp_group, chunk_size=self.logprobs_chunk_size,
                                                vocab_size=self.vocab_size)
@@ -150,3 +147,49 @@ class SFTLoss:
             raise ValueError(f"actor.loss.path={self.path}: the chunked LM-head loss takes hidden states (from_hidden), "
                              "not logits")
         return -(logprobs * loss_weight.to(logprobs.dtype)).sum()
+
+
+class LMHeadLoss(nn.Module):
+    """The LM head and the token loss as one module that holds the head weight, for both engines.
+
+    Where the loss runs is not free (docs/ARCHITECTURE.md, "The loss seam"): FSDP2 unshards a sharded module's
+    parameters only inside that module's forward, and megatron-core's DDP with ``overlap_param_gather`` waits for a
+    parameter's all-gather in a forward pre-hook of the module that holds it. The loss reads the weight without
+    calling the output layer, so it runs in the forward of this module, which registers the same ``Parameter``:
+    the FSDP engine shards it as the model's ``lm_head`` (so the parameter keeps the Hugging Face name
+    ``lm_head.weight``); the megatron engine adds it to ``GPTModel`` sharing ``output_layer``'s weight (or the
+    embedding's when tied).
+
+    Args:
+        weight: the LM-head weight ``[V/tp, H]`` (vocab-parallel rows; the whole vocabulary when ``tp_group`` is
+            None).
+        loss: the trial's loss (:class:`SFTLoss`).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: unsplit).
+        sequence_parallel: the hidden states are this TP rank's share of the tokens (megatron, TP > 1).
+    """
+
+    def __init__(self, weight: nn.Parameter, loss: SFTLoss, tp_group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.loss, self.tp_group, self.sequence_parallel = loss, tp_group, sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
+        """fp32 scalar ``sum(-logprob(labels) * loss_weight)`` (:meth:`SFTLoss.from_hidden`).
+
+        Args:
+            hidden: ``[..., H]`` final (normed) hidden states (``[T, H]``, or megatron's ``[s_local (/tp under
+                SP), b, H]``), model dtype, fed only to the LM head: the ``lm_head`` path consumes it (afterwards
+                it holds ``d loss / d hidden``).
+            labels: ``[N]`` int64 next-token ids in ``hidden``'s token order (all TP ranks' tokens under SP).
+            loss_weight: ``[N]`` fp32 (0/1 loss mask).
+        """
+        return self.loss.from_hidden(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, loss_weight,
+                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel)
+
+    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N]`` log-probs of ``labels`` (``[N]`` int64) from ``hidden`` (``[..., H]``) by the trial's loss
+        path (:meth:`SFTLoss.token_logprobs`). Call it where the weight is whole (FSDP2 unshards it only around
+        ``forward``)."""
+        return self.loss.token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels,
+                                        tp_group=self.tp_group)

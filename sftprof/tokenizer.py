@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List
 
+from sftprof.models.hf import resolve_model_dir
+
 # Qwen3 added tokens (ids from 151643), as in the model's tokenizer_config.json.
 QWEN3_SPECIAL_TOKENS = tuple(enumerate((
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -116,8 +118,6 @@ def hf_tokenizer_dir(tokenizer_path: str, model_path: str) -> Path | None:
     Raises:
         ValueError: ``tokenizer_path`` is set but is not a directory (the message names the setting).
     """
-    from sftprof.models.hf import resolve_model_dir
-
     if tokenizer_path:
         p = Path(tokenizer_path).expanduser()
         if not p.is_dir():

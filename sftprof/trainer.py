@@ -41,13 +41,21 @@ import torch
 import torch.distributed as dist
 
 from sftprof import artifacts
+from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
+from sftprof.capture.kernel import KernelProfiler
+from sftprof.capture.memory import MemoryProfiler
 from sftprof.cli import PipeSafeStreamHandler
 from sftprof.compat import setup_transformer_engine
 from sftprof.config import ConfigError, exit_config_error, load_config_or_exit, to_yaml, trial_log_dir
+from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
+from sftprof.engine import build_engine
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
+from sftprof.models.hf import check_weights_present, load_hf_config
+from sftprof.models.megatron_config import check_model_settings
 from sftprof.progress import StepProgress
+from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
 
@@ -194,11 +202,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ConfigError as err:
             _exit_config_error(str(err))
     # Inputs checked before any process group: every failure here is bad input (exit 2).
-    from sftprof.allocation import parse_allocation_mode
-    from sftprof.data import make_fake_sample
-    from sftprof.models.hf import check_weights_present, load_hf_config
-    from sftprof.tokenizer import load_tokenizer
-
     layout = parse_allocation_mode(cfg.actor.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != layout.world_size:
@@ -211,7 +214,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
         check_weights_present(cfg.actor)
         if layout.backend == "megatron":
-            from sftprof.models.megatron_config import check_model_settings
             check_model_settings(cfg, hf_config, layout)
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.model_type)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
@@ -238,11 +240,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir) -> int:
-    from sftprof.data import global_loss_tokens, step_micro_batches
-    from sftprof.engine import build_engine
-    from sftprof.capture.kernel import KernelProfiler
-    from sftprof.capture.memory import MemoryProfiler
-
     stats = StatsWriter(log_dir / artifacts.STATS) if rank == 0 else None
     kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []
     mem_steps = list(cfg.memory_profiler.profile_steps)

@@ -1,8 +1,8 @@
-"""CPU tests of the context-parallel attention chunking (sftprof.models.attention), fp64 references.
+"""CPU tests of the context-parallel attention chunking (sftprof.models.layers.attention), fp64 references.
 
 A single process simulates every CP rank: each rank's load-balanced query chunks (sftprof.data.cp_shard)
 attend to the full K/V with cp_causal_attention, by both methods ("masked": one SDPA call per chunk;
-"blocks": diagonal + off-diagonal blocks merged by log-sum-exp, sftprof.models.block_attention with its
+"blocks": diagonal + off-diagonal blocks merged by log-sum-exp, sftprof.models.layers.block_attention with its
 math kernel); outputs, query gradients and the K/V gradients summed over ranks must equal full causal
 attention.
 """
@@ -11,10 +11,10 @@ import torch
 
 from sftprof.data import cp_chunk_ids, cp_shard
 from sftprof.config import PRESET_DIR, ConfigError, load_config
-from sftprof.models import attention, block_attention
-from sftprof.models.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
+from sftprof.models.layers import attention, block_attention
+from sftprof.models.layers.attention import (SDPACoreAttention, check_cp_attention, cp_causal_attention,
                                       forward_chunks_skip_reason, natural_to_rank_order, rank_order_to_natural)
-from sftprof.models.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
+from sftprof.models.layers.block_attention import (BLOCK_KERNELS, blockwise_cp_attention, chunk_blocks,
                                             chunked_causal_attention, kernel_input, merge_partials,
                                             with_output_layout)
 
@@ -198,7 +198,7 @@ def test_forward_chunks_skip_reason_and_one_log_line(monkeypatch, caplog):
         "attention dropout 0.1 > 0; sequence length 10 not a multiple of 3")
     assert forward_chunks_skip_reason(q[..., :128], 2, 0.0) == "cpu tensors (the cuDNN SDPA kernels need CUDA)"
     monkeypatch.setattr(attention, "_forward_chunks_skip_logged", False)
-    with caplog.at_level(logging.INFO, logger="sftprof.models.attention"):
+    with caplog.at_level(logging.INFO, logger="sftprof.models.layers.attention"):
         for s in (10, 12):  # two calls, two layers' worth: one line
             x = torch.randn(1, 2, s, 8)
             torch.testing.assert_close(cp_causal_attention(x, x, x, cp_size=1, cp_rank=0, forward_chunks=3),
@@ -426,7 +426,7 @@ def _gloo_cp_worker(rank: int, cp: int, store: str, results: str) -> None:
     import torch.distributed as dist
     from megatron.core.transformer.enums import AttnMaskType
 
-    from sftprof.models import block_attention
+    from sftprof.models.layers import block_attention
 
     dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
     b, h, g, d, s = 2, 4, 2, 8, 16 * cp
@@ -487,7 +487,7 @@ def _overlapped_direct_worker(rank: int, cp: int, store: str, results: str) -> N
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
 
-    from sftprof.models.block_attention import overlapped_cp_attention
+    from sftprof.models.layers.block_attention import overlapped_cp_attention
 
     dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
     own = [dist.new_group([r]) for r in range(cp)][rank]  # every rank creates every group, uses its own

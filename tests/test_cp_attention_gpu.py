@@ -38,8 +38,8 @@ def _worker(out_path: str, case: str) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from sftprof.data import cp_shard
-    from sftprof.models.attention import SDPACoreAttention
-    from sftprof.models.block_attention import default_block_kernel
+    from sftprof.models.layers.attention import SDPACoreAttention
+    from sftprof.models.layers.block_attention import default_block_kernel
 
     if case == "blocks-flash":
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -100,7 +100,7 @@ def _single_call_case(seed: int, device: str = "cuda"):
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
     from sftprof.data import cp_shard
-    from sftprof.models.block_attention import blockwise_cp_attention
+    from sftprof.models.layers.block_attention import blockwise_cp_attention
 
     q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(cp_size)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
@@ -122,7 +122,7 @@ def test_block_kernels_match_single_call_one_gpu(kernel, cp_size):
 def test_chunked_forward_matches_single_call_one_gpu(kernel, chunks):
     """chunked_causal_attention (blocks forward, one causal backward call given the merged output and lse) against
     SDPA's single causal call: output and Q/K/V gradients within bf16 tolerance, for every CUDA block kernel."""
-    from sftprof.models.block_attention import chunked_causal_attention
+    from sftprof.models.layers.block_attention import chunked_causal_attention
 
     q, k, v, dout, ref, (fq, fk, fv) = _single_call_case(chunks)
     cq, ck, cv = (t.clone().requires_grad_() for t in (q, k, v))
@@ -176,7 +176,7 @@ def test_chunked_forward_megatron_layout_one_gpu(kernel, batch, fused_kv):
     """chunked_causal_attention on megatron's layout, as SDPACoreAttention calls it (permuted views in, the output
     flattened to [s, b, heads * d], its gradient given in that layout): output in [s, b, heads, d] order, output and
     Q/K/V gradients within bf16 tolerance of SDPA's single causal call on contiguous copies."""
-    from sftprof.models.block_attention import chunked_causal_attention
+    from sftprof.models.layers.block_attention import chunked_causal_attention
 
     q, k, v, dout, want = _megatron_case(3 * batch + fused_kv, batch, fused_kv)
     views = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
@@ -193,7 +193,7 @@ def test_cudnn_backward_any_output_layout_one_gpu():
     the cuDNN backward graph under a key of Q/K/V shapes and strides only). Prints what the raw op gives for O and
     dO contiguous under the graph cached for them in Q's layout (run with ``-s``): a large difference is that
     cache hazard in this torch build."""
-    from sftprof.models.block_attention import BLOCK_KERNELS
+    from sftprof.models.layers.block_attention import BLOCK_KERNELS
 
     q, k, v, dout, want = _megatron_case(7, 2, False)
     views = [t.detach().permute(1, 2, 0, 3) for t in (q, k, v)]
@@ -224,7 +224,7 @@ def test_cudnn_backward_size_one_stride_and_misaligned_output_gradient_one_gpu()
     element (2 bytes: not 16-byte aligned), give the gradients of the matched call (with_output_layout copies
     them into Q's exact layout; before, the size-1 stride and the pointer were passed to the cached graph as
     they were)."""
-    from sftprof.models.block_attention import BLOCK_KERNELS
+    from sftprof.models.layers.block_attention import BLOCK_KERNELS
 
     q, k, v, dout, want = _megatron_case(7, 1, False)
     views = [t.detach().permute(1, 2, 0, 3) for t in (q, k, v)]
@@ -260,7 +260,7 @@ def test_sdpa_core_attention_chunked_megatron_layout_one_gpu(batch, fused_kv):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from sftprof.models.attention import SDPACoreAttention
+    from sftprof.models.layers.attention import SDPACoreAttention
 
     q, k, v, dout, want = _megatron_case(20 + batch, batch, fused_kv)
     mod = SDPACoreAttention(SimpleNamespace(attention_dropout=0.0, context_parallel_size=1), 1, AttnMaskType.causal,
@@ -273,7 +273,7 @@ def test_sdpa_core_attention_chunked_megatron_layout_one_gpu(batch, fused_kv):
 def test_forward_chunks_skip_reason_cuda():
     """The CUDA reasons attention_forward_chunks > 1 does not apply at CP = 1: fp32 (math kernel), SDPA's cuDNN
     backend off (flash kernel); none for a bf16 head_dim-128 query whose length the count divides (cuDNN on)."""
-    from sftprof.models.attention import forward_chunks_skip_reason
+    from sftprof.models.layers.attention import forward_chunks_skip_reason
 
     q = torch.zeros(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
     assert forward_chunks_skip_reason(q.float(), 2, 0.0) == "dtype float32 (the cuDNN SDPA kernels take bf16/fp16)"

@@ -606,15 +606,20 @@ def test_unusable_empty_model_tokenizer_stops_the_plan(tmp_path):
 
 
 def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
-    """A trial that fails (a checkpoint whose embedding has the wrong shape: its header reads, so the plan passes,
-    and transformers refuses it when the trial loads it) with STOP_ON_FAILURE=1: no time estimate for trials that
-    will not run; summary.tsv and the end table have a `not run` row for each."""
+    """A trial that fails (a checkpoint holding every tensor the model reads, each of the wrong shape: its header
+    reads and names what the model needs, so the plan passes, and transformers refuses it when the trial loads it)
+    with STOP_ON_FAILURE=1: no time estimate for trials that will not run; summary.tsv and the end table have a
+    `not run` row for each."""
     from safetensors.torch import save_file
+
+    from sftprof.models.hf import load_hf_config
+    from sftprof.models.qwen3_moe_weights import required_tensors
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text((ROOT / "sftprof/models/configs/tiny_qwen3_moe/config.json").read_text())
-    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(model / "model.safetensors"))
+    names = required_tensors(load_hf_config(str(model)), set())
+    save_file({name: torch.zeros(2, 2) for name in names}, str(model / "model.safetensors"))
     out = run_driver({"MODEL_PATH": str(model), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1",
                       "PROFILE_STAMP": "s", "PROFILE_FAKE_SEQ_LEN": "128"}, tmp_path, "actor.backend=fsdp:d1",
                      "actor.init_from_scratch=false", timeout=300)

@@ -37,7 +37,7 @@ def test_qwen3_30b_a3b_transformer_config_fields(cfg):
         assert getattr(tc, key) == value, key
     from megatron.core.models.common.embeddings import rope_utils
 
-    from sftprof.models.rope import fused_apply_rotary_pos_emb
+    from sftprof.models.layers.rope import fused_apply_rotary_pos_emb
     assert rope_utils.fused_apply_rotary_pos_emb is fused_apply_rotary_pos_emb  # RoPE fusion without TE: ours
     assert tc.activation_func is F.silu
     assert tc.experimental_attention_variant is None

@@ -1,4 +1,4 @@
-"""The deduplicating all-to-all MoE token dispatcher (:mod:`sftprof.models.moe_dedup`): a real megatron-core MoE
+"""The deduplicating all-to-all MoE token dispatcher (:mod:`sftprof.models.layers.moe_dedup`): a real megatron-core MoE
 layer with EP = 2 on two gloo ranks against megatron-core's own dispatcher (same weights, fp32), the -1-padded
 gather-sum it relies on, and the settings that pick or refuse it."""
 import time
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.moe_permute import gather_rows, gather_sum, gather_sum_rows
+from sftprof.models.layers.moe_permute import gather_rows, gather_sum, gather_sum_rows
 
 
 def test_gather_sum_skips_padding_exactly():
@@ -67,7 +67,7 @@ def _ep2_worker(rank: int, store: str) -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.spec_utils import build_module
 
-    from sftprof.models import moe_dedup
+    from sftprof.models.layers import moe_dedup
     from sftprof.models.specs import _moe_spec
 
     with megatron_cpu(store, rank=rank, world_size=2, expert_model_parallel_size=2):
@@ -156,7 +156,7 @@ def _one_sided_probs_worker(rank: int, store: str) -> None:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from sftprof.models import moe_dedup
+    from sftprof.models.layers import moe_dedup
     from sftprof.models.specs import _moe_spec
 
     with megatron_cpu(store, rank=rank, world_size=2, expert_model_parallel_size=2):
@@ -229,8 +229,8 @@ def test_spec_picks_dedup_only_where_it_applies():
     spec would not give it, naming the setting."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from sftprof.models.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
-    from sftprof.models.moe_permute import SortedPermuteMoELayer
+    from sftprof.models.layers.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
+    from sftprof.models.layers.moe_permute import SortedPermuteMoELayer
     from sftprof.models.specs import _moe_spec
 
     assert _moe_spec(_moe_config(), True, True).module is DedupAlltoAllMoELayer

@@ -1,11 +1,11 @@
-"""The sync-free, atomic-free MoE token permutation (:mod:`sftprof.models.moe_permute`) against megatron-core
+"""The sync-free, atomic-free MoE token permutation (:mod:`sftprof.models.layers.moe_permute`) against megatron-core
 0.16.1's ``moe_utils.permute`` / ``unpermute`` (exact layout; fp64 references for sums and gradients), and its
 wiring into a megatron-core MoE layer on CPU (gloo)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.moe_permute import gather_sum, sorted_permute, sorted_unpermute
+from sftprof.models.layers.moe_permute import gather_sum, sorted_permute, sorted_unpermute
 
 BF16_HALF_ULP = 2.0 ** -8  # one round-to-nearest of bf16 (8 significant bits): relative error <= 2^-8
 
@@ -160,7 +160,7 @@ def test_wrong_types_shapes_and_indices_raise_never_a_silent_result():
 def test_chunk_sort_skips_only_the_identity():
     from megatron.core.transformer.moe import moe_utils
 
-    from sftprof.models.moe_permute import sort_chunks_unless_identity
+    from sftprof.models.layers.moe_permute import sort_chunks_unless_identity
 
     x, probs = torch.randn(10, 4), torch.randn(10)
     sizes = torch.tensor([3, 0, 5, 2])
@@ -227,7 +227,7 @@ def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cp
 
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    from sftprof.models import moe_permute
+    from sftprof.models.layers import moe_permute
 
     config = _moe_config()
     g = torch.Generator().manual_seed(4)
@@ -260,7 +260,7 @@ def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cp
 def test_spec_keeps_megatron_layer_where_sorted_permute_does_not_apply(mcore_cpu):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from sftprof.models.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
+    from sftprof.models.layers.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
     from sftprof.models.specs import _moe_spec
 
     assert _moe_spec(_moe_config(), True).module is SortedPermuteMoELayer
@@ -279,7 +279,7 @@ def test_spec_keeps_megatron_layer_where_sorted_permute_does_not_apply(mcore_cpu
 def test_triton_gather_sum_matches_torch_path_on_cuda():
     """The Triton gather-sum (bf16, T = 8192 tokens, topk 8, H 2048; also with -1 padding) gives the torch path's
     bits, and the whole permute/unpermute round trip on CUDA equals the CPU result."""
-    from sftprof.models.moe_permute import _gather_sum_torch
+    from sftprof.models.layers.moe_permute import _gather_sum_torch
     n_tokens, n_experts, topk, hidden = 8192, 128, 8, 2048
     routing_map, probs = _routing(n_tokens, n_experts, topk, 7)
     x = torch.randn(n_tokens, hidden, generator=torch.Generator().manual_seed(8)).bfloat16()

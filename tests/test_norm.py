@@ -1,4 +1,4 @@
-"""sftprof.models.norm: the RMSNorm of the local megatron specs and its fused Triton path.
+"""sftprof.models.layers.norm: the RMSNorm of the local megatron specs and its fused Triton path.
 
 CPU: the module's torch path is unchanged (bit-identical to ``F.rms_norm`` with ``g`` rounded to ``x``'s dtype), the
 torch path against fp64, sequence-parallel marking, which inputs are read in place, bad inputs. Triton CPU interpreter
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.norm import FUSED_MAX_D, RMSNorm, _FusedRMSNorm, _rows, fused_path, rms_norm
+from sftprof.models.layers.norm import FUSED_MAX_D, RMSNorm, _FusedRMSNorm, _rows, fused_path, rms_norm
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,

@@ -13,7 +13,7 @@ from fixtures.qwen3_5 import save_tiny_checkpoint
 from sftprof.config import load_config
 from sftprof.engine.fsdp import CausalLMForSFT, build_hf_causal_lm
 from sftprof.loss import SFTLoss
-from sftprof.models.bshd import pad_sequences, repack
+from sftprof.models.layers.bshd import pad_sequences, repack
 from sftprof.models.hf import load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]

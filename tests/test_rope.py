@@ -1,4 +1,4 @@
-"""sftprof.models.rope: the fused RoPE that stands in for Transformer Engine's in megatron-core.
+"""sftprof.models.layers.rope: the fused RoPE that stands in for Transformer Engine's in megatron-core.
 
 CPU: the torch path against megatron-core's unfused ``_apply_rotary_pos_emb_bshd`` in fp64 (values and, via
 autograd, gradients), partial rotary, per-batch angles, bad inputs, and megatron-core's ``apply_rotary_pos_emb``
@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from sftprof.models.rope import fused_apply_rotary_pos_emb, install_in_megatron
+from sftprof.models.layers.rope import fused_apply_rotary_pos_emb, install_in_megatron
 
 CASES = [  # (S, B, H, D, R, freqs batch): full rotary; partial rotary (Qwen3.5's 0.25 of 256 = 64); per-batch angles
     (33, 1, 4, 16, 16, 1), (17, 2, 3, 32, 8, 1), (9, 2, 5, 20, 6, 2)]

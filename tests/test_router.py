@@ -1,4 +1,4 @@
-"""The fused MoE router top-k (:mod:`sftprof.models.router`) against megatron-core 0.16.1's unfused
+"""The fused MoE router top-k (:mod:`sftprof.models.layers.router`) against megatron-core 0.16.1's unfused
 ``topk_routing_with_score_function`` / ``compute_routing_scores_for_aux_loss``.
 
 The Triton kernel runs on CUDA, or on CPU tensors under Triton's interpreter: ``PYTHONPATH=<numpy 2>:<triton 3.5>:.
@@ -18,8 +18,8 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as mrouter
 
-from sftprof.models import router
-from sftprof.models.router import compute_routing_scores_for_aux_loss, install_in_megatron, \
+from sftprof.models.layers import router
+from sftprof.models.layers.router import compute_routing_scores_for_aux_loss, install_in_megatron, \
     topk_routing_with_score_function
 
 

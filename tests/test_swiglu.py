@@ -1,4 +1,4 @@
-"""sftprof.models.swiglu: the fused SwiGLU-with-probabilities op of the grouped-GEMM experts.
+"""sftprof.models.layers.swiglu: the fused SwiGLU-with-probabilities op of the grouped-GEMM experts.
 
 CPU: the torch path against fp64 autograd of the unfused expression (gradcheck), bf16 rounding bounds, bad
 inputs. GPU (``gpu`` mark): the Triton kernels against the same fp64 reference at the experts' real shape.
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.swiglu import swiglu_with_probs
+from sftprof.models.layers.swiglu import swiglu_with_probs
 
 
 def _unfused64(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -143,15 +143,20 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
 
 
 def test_failure_writes_failed_record(tmp_path):
-    # A checkpoint whose embedding has the wrong shape: its header reads, so the checks before the process group
-    # pass (a damaged header is refused there, exit 2), and transformers refuses it when the engine loads it.
+    # A checkpoint holding every tensor the model reads, each of the wrong shape: its header reads and names what the
+    # model needs, so the checks before the process group pass (a damaged header or a missing tensor is refused
+    # there, exit 2), and transformers refuses the shapes when the engine loads it.
     import torch
     from safetensors.torch import save_file
+
+    from sftprof.models.hf import load_hf_config
+    from sftprof.models.qwen3_moe_weights import required_tensors
 
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy(CONFIG_DIR / "tiny_qwen3_moe" / "config.json", model / "config.json")
-    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(model / "model.safetensors"))
+    names = required_tensors(load_hf_config(str(model)), set())
+    save_file({name: torch.zeros(2, 2) for name in names}, str(model / "model.safetensors"))
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", f"cluster.fileroot={tmp_path}", "experiment_name=e2e",
            "trial_name=fail", "actor.backend=fsdp:d1", "actor.init_from_scratch=false", f"actor.path={model}",
            "profile.fake_seq_len=16"]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hf_checkpoints import write_qwen3_moe
+from safetensors.torch import load_file, save_file
 
 from sftprof.models.checkpoint import CheckpointError, DictSource, SafetensorsCheckpoint
 from sftprof.models.qwen3_moe_weights import ShardContext, local_tensor, padded_vocab_size
@@ -108,6 +109,25 @@ def test_every_checkpoint_tensor_is_read_by_exactly_one_parameter(ckpt, megatron
         readers.update(src.consumed)
     assert set(readers) == files.names
     assert [n for n, c in readers.items() if c != 1] == []
+
+
+def test_megatron_load_matches_the_checkpoint_whole_first(ckpt, megatron_cpu, tmp_path):
+    """A checkpoint without a layer's router is refused before any parameter is written, naming the tensor."""
+    from sftprof.models.megatron_load import load_hf_checkpoint
+
+    gpt, hf = megatron_cpu
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.gate.weight"
+    shard = bad / index["weight_map"].pop(name)
+    save_file({k: v for k, v in load_file(shard).items() if k != name}, str(shard), metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = {n: p.clone() for n, p in gpt.named_parameters()}
+    with pytest.raises(CheckpointError, match=rf"^{bad}/model.safetensors.index.json: 1 tensor\(s\) that the qwen3_moe "
+                                              rf"model of 2 layer\(s\) reads are not in the checkpoint: {name}; "):
+        load_hf_checkpoint(gpt, bad, hf)
+    assert all(torch.equal(p, before[n]) for n, p in gpt.named_parameters())
 
 
 def _ctx(hf, tp=(0, 1), etp=(0, 1), ep=(0, 1), layers=(0, 1)) -> ShardContext:

@@ -104,7 +104,7 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
 
 
 def moe_load(load, tokens) -> dict[str, Any] | None:
-    """The routing figures of one step record's ``moe_load`` (:meth:`sftprof.models.routing.RoutingLoadMeter.step_record`).
+    """The routing figures of one step record's ``moe_load`` (:meth:`sftprof.models.layers.routing.RoutingLoadMeter.step_record`).
 
     Args:
         load: the record's ``moe_load`` (per-layer lists ``tokens_per_expert_max``, ``max_over_mean``,

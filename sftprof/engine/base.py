@@ -51,7 +51,7 @@ class StepResult:
         recompute_flops: FLOPs re-run by activation recompute in the step (all ranks), reported
             separately and never added to ``model_flops``; None when not counted.
         moe_load: routing load of the step summed over all ranks
-            (:meth:`sftprof.models.routing.RoutingLoadMeter.step_record`), or None when not measured.
+            (:meth:`sftprof.models.layers.routing.RoutingLoadMeter.step_record`), or None when not measured.
     """
 
     loss: float

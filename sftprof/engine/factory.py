@@ -8,7 +8,8 @@ from sftprof.engine.base import Engine
 
 
 def build_engine(cfg, layout, hf_config, device: torch.device) -> Engine:
-    """Build the engine of ``layout.backend`` (``fsdp`` or ``megatron``; each imported only when used).
+    """Build the engine of ``layout.backend`` (``fsdp`` or ``megatron``; each imported only when used: the megatron
+    engine imports megatron-core, optional and loaded only after :func:`sftprof.compat.setup_transformer_engine`).
 
     Args:
         cfg: the trial's :class:`sftprof.config.SFTProfileConfig`.

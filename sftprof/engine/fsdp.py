@@ -4,7 +4,7 @@ Layout ``fsdp:d<N>``: every rank holds ``1/N`` of every parameter, gradient and 
 parameters are all-gathered per decoder layer for its forward and backward and gradients are
 reduce-scattered (averaged over the DP ranks). Runs on CUDA with NCCL and on CPU with gloo.
 
-Sharding units: each decoder layer, the LM head together with the loss (:class:`LMHeadLoss`),
+Sharding units: each decoder layer, the LM head together with the loss (:class:`sftprof.loss.LMHeadLoss`),
 then the root (embedding and final norm). The LM-head weight is unsharded only inside its own
 module's forward, so the loss op that reads it (``sftprof.ops``) must run inside that forward:
 that is why the head and the loss form one module.
@@ -19,7 +19,7 @@ Qwen3.5 (``qwen3_5_moe_text``): Hugging Face's text model runs its gated delta-n
 flash-linear-attention / causal-conv1d kernels when they are installed, else on its PyTorch reference
 implementation (CPU runs); its multi-token-prediction (MTP) block is not built or trained. Inputs may
 come padded (``attention_mask``): outputs and labels are repacked to the packed token order
-(:mod:`sftprof.models.bshd`) before the LM head and loss.
+(:mod:`sftprof.models.layers.bshd`) before the LM head and loss.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -36,9 +37,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from sftprof.data import MicroBatch
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
-from sftprof.loss import SFTLoss
-from sftprof.models.hf import CAUSAL_LM_CLASSES  # (text) model_type -> the HF causal-LM class this backend trains
-from sftprof.models.routing import RoutingLoadMeter
+from sftprof.loss import LMHeadLoss, SFTLoss
+from sftprof.models.checkpoint import CheckpointError, name_list
+from sftprof.models.hf import CAUSAL_LM_CLASSES, check_weights_present, resolve_model_dir
+from sftprof.models.weights import not_loaded
+from sftprof.models.layers.bshd import repack
+from sftprof.models.layers.routing import RoutingLoadMeter
 from sftprof.capture.module_regions import register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
@@ -47,62 +51,27 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class LMHeadLoss(nn.Module):
-    """LM head + token loss as one module, so FSDP2 unshards the head weight around the loss.
+class CausalLMForSFT(nn.Module):
+    """``model`` (the HF decoder, e.g. ``Qwen3MoeModel``) + ``lm_head`` (:class:`sftprof.loss.LMHeadLoss` holding
+    the HF LM head's weight).
 
-    Holds the head weight as ``weight`` (``[V, H]``) so that a model wrapped as
-    ``root.lm_head = LMHeadLoss(...)`` keeps the Hugging Face parameter name ``lm_head.weight``.
-
-    Args:
-        lm_head: the model's ``nn.Linear(H, V, bias=False)``.
-        loss: the trial's loss path (:class:`sftprof.loss.SFTLoss`).
+    Parameter names equal those of the Hugging Face ``*ForCausalLM`` it was built from. Inputs are
+    ``[B, L]``; with ``attention_mask`` (``[B, L]`` bool, right padding: :func:`sftprof.models.layers.bshd.
+    pad_sequences`) the hidden states, labels and loss weights are repacked to the packed ``[T]`` token
+    order first, so padding never reaches the LM head or the loss.
 
     Raises:
         ValueError: the LM head has a bias.
     """
 
-    def __init__(self, lm_head: nn.Linear, loss: SFTLoss) -> None:
-        super().__init__()
-        if lm_head.bias is not None:
-            raise ValueError("LMHeadLoss: an LM head with bias is not supported")
-        self.weight = lm_head.weight
-        self.loss = loss
-
-    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[T]`` log-probs of ``labels`` (``[T]`` int64) from ``hidden`` (``[T, H]``) by the trial's loss path
-        (:meth:`sftprof.loss.SFTLoss.token_logprobs`). Call it on an unsharded module (FSDP2 unshards the weight
-        only around ``forward``)."""
-        return self.loss.token_logprobs(hidden, self.weight, labels)
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
-        """Return the fp32 scalar ``sum(-logprob(labels) * loss_weight)`` (:meth:`sftprof.loss.SFTLoss.from_hidden`).
-
-        Args:
-            hidden: ``[T, H]`` final hidden states (model dtype), fed only to the LM head: the chunked path
-                consumes it (afterwards it holds ``d loss / d hidden``).
-            labels: ``[T]`` int64 next-token ids.
-            loss_weight: ``[T]`` fp32 (0/1 loss mask).
-        """
-        return self.loss.from_hidden(hidden, self.weight, labels, loss_weight)
-
-
-class CausalLMForSFT(nn.Module):
-    """``model`` (the HF decoder, e.g. ``Qwen3MoeModel``) + ``lm_head`` (:class:`LMHeadLoss`).
-
-    Parameter names equal those of the Hugging Face ``*ForCausalLM`` it was built from. Inputs are
-    ``[B, L]``; with ``attention_mask`` (``[B, L]`` bool, right padding: :func:`sftprof.models.bshd.
-    pad_sequences`) the hidden states, labels and loss weights are repacked to the packed ``[T]`` token
-    order first, so padding never reaches the LM head or the loss.
-    """
-
     def __init__(self, causal_lm: nn.Module, loss: SFTLoss) -> None:
         super().__init__()
+        if causal_lm.lm_head.bias is not None:
+            raise ValueError("CausalLMForSFT: an LM head with bias is not supported")
         self.model = causal_lm.model
-        self.lm_head = LMHeadLoss(causal_lm.lm_head, loss)
+        self.lm_head = LMHeadLoss(causal_lm.lm_head.weight, loss)
 
     def _packed(self, input_ids, attention_mask, *per_token):
-        from sftprof.models.bshd import repack
-
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         if attention_mask is None:
             return [hidden.flatten(0, 1)] + [t.flatten() for t in per_token]
@@ -110,7 +79,7 @@ class CausalLMForSFT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``input_ids``/``labels``/``loss_weight`` ``[B, L]`` -> fp32 scalar loss sum (see LMHeadLoss)."""
+        """``input_ids``/``labels``/``loss_weight`` ``[B, L]`` -> fp32 scalar loss sum (:class:`LMHeadLoss`)."""
         return self.lm_head(*self._packed(input_ids, attention_mask, labels, loss_weight))
 
     def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -123,16 +92,15 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
     """Build the causal LM of :data:`CAUSAL_LM_CLASSES` in ``actor.dtype`` on the CPU (SDPA attention).
 
     Random init from the current RNG state (seed it first for identical weights on every rank)
-    when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``.
+    when ``actor.init_from_scratch`` is true; otherwise loads the weights of ``actor.path``, every parameter
+    from the checkpoint (:func:`check_loading_info`).
 
     Raises:
         ValueError: the (text) config's ``model_type`` is not in :data:`CAUSAL_LM_CLASSES`, or
             ``init_from_scratch=false`` and the model directory holds no weights.
+        CheckpointError: the checkpoint does not hold exactly the model's tensors
+            (:func:`sftprof.models.hf.check_weights_present`, :func:`check_loading_info`).
     """
-    import transformers
-
-    from sftprof.models.hf import check_weights_present, resolve_model_dir
-
     if hf_config.model_type not in CAUSAL_LM_CLASSES:
         raise ValueError(f"actor.path={cfg.actor.path!r}: model_type {hf_config.model_type!r} is not supported by "
                          f"the fsdp backend; accepted: {list(CAUSAL_LM_CLASSES)}")
@@ -144,7 +112,39 @@ def build_hf_causal_lm(cfg, hf_config) -> nn.Module:
     if cfg.actor.init_from_scratch:
         return causal_lm_cls._from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
     check_weights_present(cfg.actor)  # the driver and the trainer checked it before launch; kept for direct callers
-    return causal_lm_cls.from_pretrained(str(resolve_model_dir(cfg.actor.path)), config=hf_config, attn_implementation="sdpa", dtype=dtype)
+    model_dir = resolve_model_dir(cfg.actor.path)
+    model, info = causal_lm_cls.from_pretrained(str(model_dir), config=hf_config, attn_implementation="sdpa",
+                                                dtype=dtype, output_loading_info=True)
+    check_loading_info(info, model_dir, causal_lm_cls.__name__, hf_config.num_hidden_layers)
+    return model
+
+
+def check_loading_info(info: dict, model_dir, model_class: str, n_layers: int) -> None:
+    """Refuse what transformers' ``from_pretrained`` would only log: parameters left at their random
+    initialisation because the checkpoint lacks them (``missing_keys``), checkpoint tensors the model has no place
+    for (``unexpected_keys``, apart from those outside the profiled model: layers beyond ``n_layers``, a
+    multimodal checkpoint's vision tower and MTP block, :func:`sftprof.models.weights.not_loaded`). (A shape that
+    differs from the parameter's, transformers raises itself.)
+
+    Args:
+        info: the loading info of ``from_pretrained(..., output_loading_info=True)``.
+        model_dir: the checkpoint directory, for the message.
+        model_class: the causal-LM class name, for the message.
+        n_layers: the model's decoder layers (``actor.num_layers`` when it cuts them).
+    Raises:
+        CheckpointError: naming the directory, the class and the tensors of each kind.
+    """
+    problems = []
+    unexpected = {n for n in info["unexpected_keys"] if not not_loaded(n, n_layers)}
+    for names, what in ((set(info["missing_keys"]), "parameter(s) missing from the checkpoint (left at random "
+                                                    "initialisation)"),
+                        (unexpected, "checkpoint tensor(s) the model has no parameter for")):
+        if names:
+            problems.append(f"{len(names)} {what}: {name_list(names)}")
+    if problems:
+        raise CheckpointError(f"{model_dir}: {model_class}.from_pretrained: " + "; ".join(problems) + "; accepted: a "
+                              "checkpoint holding every tensor of the model, or actor.init_from_scratch=true "
+                              "(random weights)")
 
 
 def _lr_factor(kind: str, step: int, total: int) -> float:

@@ -12,8 +12,8 @@ Build (:class:`MegatronEngine`):
    random init, or with ``actor.init_from_scratch=false`` the Hugging Face safetensors checkpoint in
    ``actor.path`` (:func:`sftprof.models.megatron_load.load_hf_checkpoint`: each rank reads only its
    shard); the vocabulary is padded to a multiple of TP and the padding's logits are masked;
-5. on the ``lm_head`` loss path (``actor.loss``), :class:`LMHeadLoss` joins the model as a submodule that
-   holds the output weight, so megatron's DDP hooks see the weight used (see the class);
+5. on the ``lm_head`` loss path (``actor.loss``), :class:`sftprof.loss.LMHeadLoss` joins the model as a
+   submodule that holds the output weight, so megatron's DDP hooks see the weight used (see the class);
 6. megatron ``DistributedDataParallel`` and the (distributed) optimizer over DP x CP.
 
 Step (:meth:`MegatronEngine.train_step`): micro-batches go through ``get_forward_backward_func()``
@@ -21,8 +21,8 @@ Step (:meth:`MegatronEngine.train_step`): micro-batches go through ``get_forward
 (:func:`sftprof.data.cp_shard`). On the last pipeline stage the loss is computed by the path of
 ``actor.loss`` (:class:`sftprof.loss.SFTLoss`, chosen once at build): on the vocab-parallel logits, with
 the padded vocabulary masked (``logprobs`` and ``reference`` paths), or on the final hidden states by
-:class:`LMHeadLoss` (``lm_head`` path, no full logits). The routers' load
-(:class:`sftprof.models.routing.RoutingLoadMeter`) is summed over all ranks once per step. The loss function returns the local
+:class:`sftprof.loss.LMHeadLoss` (``lm_head`` path, no full logits). The routers' load
+(:class:`sftprof.models.layers.routing.RoutingLoadMeter`) is summed over all ranks once per step. The loss function returns the local
 loss sum and local loss-token count with ``calculate_per_token_loss=True``; Megatron sums gradients over
 DP x CP and divides them by the all-reduced token count, so gradients are those of the global
 token-mean loss. (Megatron then also scales the MoE auxiliary loss as in its per-token-loss mode.)
@@ -39,54 +39,21 @@ import torch
 import torch.distributed as dist
 
 from sftprof.allocation import Layout
+from sftprof.compat import apply_megatron_compat, build_with_te_wgrad_fusion
 from sftprof.config import SFTProfileConfig
 from sftprof.data import MicroBatch, cp_shard
 from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
-from sftprof.loss import SFTLoss
+from sftprof.loss import LMHeadLoss, SFTLoss
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import resolve_model_dir
-from sftprof.models.routing import RoutingLoadMeter
+from sftprof.models.megatron_load import load_hf_checkpoint
+from sftprof.models.layers.routing import RoutingLoadMeter
+from sftprof.models.specs import decoder_block_spec, have_transformer_engine
 from sftprof.capture.module_regions import part_range, register_model
 from sftprof.capture.regions import OPTIMIZER_STEP, backward, forward, region
 
 log = logging.getLogger(__name__)
-
-
-class LMHeadLoss(torch.nn.Module):
-    """The chunked LM-head loss (:meth:`sftprof.loss.SFTLoss.from_hidden`) as a submodule of ``GPTModel``.
-
-    With the distributed optimizer and ``overlap_param_gather``, megatron-core's DDP all-gathers updated
-    parameters asynchronously after the optimizer step and waits for each bucket in a forward pre-hook
-    of the module that holds the parameter. The chunked loss reads the output weight without calling
-    ``output_layer``, so no hook waited for that bucket: the loss could read a half-gathered weight, and
-    the next step's ``start_param_sync`` asserted on the still-pending handle. This module registers the
-    same ``Parameter`` (shared with ``output_layer``, or the embedding when tied), so DDP's pre-hook on
-    it waits for the weight's all-gather whenever the loss runs.
-
-    Args:
-        weight: the output-layer weight ``[V/tp, H]`` (vocab-parallel rows).
-        tp_group: the tensor-parallel process group.
-        loss: the trial's loss, on the ``lm_head`` path (``actor.loss.lm_head_loss_chunk_size`` tokens per chunk).
-        sequence_parallel: the hidden states are sequence-parallel shards (TP > 1).
-    """
-
-    def __init__(self, weight: torch.nn.Parameter, tp_group, loss: SFTLoss, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.weight = weight
-        self.tp_group, self.loss, self.sequence_parallel = tp_group, loss, sequence_parallel
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
-        """fp32 scalar ``sum(-logprob(labels) * loss_weight)``.
-
-        Args:
-            hidden: ``[s_local (/tp under SP), b, H]`` final hidden states; afterwards it holds d loss / d hidden
-                (``grad_in_hidden=True``: the normed hidden states feed only the LM head).
-            labels: ``[s_local * b]`` int64 in ``[s, b]`` token order (all TP ranks' tokens under SP).
-            loss_weight: ``[s_local * b]`` fp32.
-        """
-        return self.loss.from_hidden(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, loss_weight,
-                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel)
 
 
 class _BackwardRegionMark(torch.autograd.Function):
@@ -137,9 +104,6 @@ class MegatronEngine(Engine):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from sftprof.compat import apply_megatron_compat, build_with_te_wgrad_fusion
-        from sftprof.models.specs import decoder_block_spec, have_transformer_engine
-
         self.cfg, self.layout, self.hf_config, self.device = cfg, layout, hf_config, device
         gpt_kwargs = mc.gpt_model_kwargs(hf_config, layout.tp)
         # the loss path, chosen once; the ops check the TP shards against the padded vocabulary
@@ -187,7 +151,7 @@ class MegatronEngine(Engine):
                      m.attention_forward_chunks, "Transformer Engine's attention" if have_te else
                      "CP > 1: actor.megatron.cp_attention decides")
         if m.moe_alltoall_chunks != type(m).moe_alltoall_chunks:
-            from sftprof.models.moe_dedup import dedup_alltoall_applies
+            from sftprof.models.layers.moe_dedup import dedup_alltoall_applies  # imports megatron-core
 
             if have_te or not m.moe_dedup_alltoall or not dedup_alltoall_applies(tcfg):
                 log.info("megatron: actor.megatron.moe_alltoall_chunks=%s has no effect here (it applies to the "
@@ -203,7 +167,6 @@ class MegatronEngine(Engine):
         if cfg.actor.init_from_scratch:
             log.info("megatron: random initialisation (actor.init_from_scratch=true) of %s", cfg.actor.path)
         else:
-            from sftprof.models.megatron_load import load_hf_checkpoint
             load_hf_checkpoint(gpt, resolve_model_dir(cfg.actor.path), hf_config)
         log.info("megatron: %s, %d layers on this stage, %.3f B parameters on this rank; %s; transformer_engine=%s; "
                  "loss path %s", cfg.actor.path, len(gpt.decoder.layers), self.n_params / 1e9, layout.describe(),
@@ -219,7 +182,7 @@ class MegatronEngine(Engine):
             tied = gpt.share_embeddings_and_output_weights
             weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
             gpt.lm_head_loss = self.lm_head_loss = LMHeadLoss(
-                weight, parallel_state.get_tensor_model_parallel_group(), self.loss, tcfg.sequence_parallel)
+                weight, self.loss, parallel_state.get_tensor_model_parallel_group(), tcfg.sequence_parallel)
         if self.pre_process:
             gpt.embedding.register_forward_hook(self._mark_stage_input)
         self.gpt = gpt

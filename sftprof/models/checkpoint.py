@@ -23,6 +23,7 @@ import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+SHARD_PATTERN = "model-*-of-*.safetensors"  # save_pretrained's shard names (model-00001-of-00016.safetensors)
 
 
 class CheckpointError(ValueError):
@@ -70,7 +71,8 @@ class SafetensorsCheckpoint:
     Args:
         model_dir: directory holding ``model.safetensors.index.json`` and its shards, or ``model.safetensors``.
     Attributes:
-        names: every tensor name in the checkpoint.
+        listing: the file that lists the tensors (the index, or the single ``model.safetensors``).
+        names: every tensor name in the checkpoint (as listed).
         consumed: names read so far (any slice counts).
         bytes_read: bytes of tensor data read so far (slices only; int).
     Raises:
@@ -99,6 +101,7 @@ class SafetensorsCheckpoint:
         else:
             raise CheckpointError(f"{self.model_dir}: no {INDEX_NAME} or {SINGLE_NAME} (safetensors checkpoint "
                                   "as written by transformers' save_pretrained)")
+        self.listing = index if index.is_file() else single
         self.names: Set[str] = set(self._file_of)
         self.consumed: Set[str] = set()
         self.bytes_read = 0
@@ -115,14 +118,32 @@ class SafetensorsCheckpoint:
             self._handles[fname] = handle
         return handle
 
-    def open_all(self) -> None:
-        """Open every shard (memory-mapped; reads only each file's header, no tensor data).
+    def check_shards(self) -> None:
+        """Open every shard (memory-mapped: only each file's header is read, no tensor data) and match the index
+        against the headers: each tensor the index places in a shard is in that shard, and each shard holds only
+        tensors the index places in it (a file named like a shard, :data:`SHARD_PATTERN`, that the index leaves
+        out holds none).
 
         Raises:
-            CheckpointError: a shard is not a readable safetensors file (the message names it).
+            CheckpointError: a shard is not a readable safetensors file, or lacks tensors the index places in it, or
+                holds tensors the index does not name there (the message names each such shard and its tensors).
         """
-        for fname in sorted(set(self._file_of.values())):
-            self._open(fname)
+        problems = []
+        shards = set(self._file_of.values())
+        if self.listing.name == INDEX_NAME:  # shards named as save_pretrained names them but left out of the index
+            shards.update(p.name for p in self.model_dir.glob(SHARD_PATTERN))
+        for fname in sorted(shards):
+            held = set(self._open(fname).keys())
+            promised = {name for name, f in self._file_of.items() if f == fname}
+            if promised - held:
+                problems.append(f"{self.model_dir / fname} lacks {len(promised - held)} tensor(s) that {INDEX_NAME} "
+                                f"places in it: {name_list(promised - held)}")
+            if held - promised:
+                problems.append(f"{self.model_dir / fname} holds {len(held - promised)} tensor(s) that {INDEX_NAME} "
+                                f"does not place in it: {name_list(held - promised)}")
+        if problems:
+            raise CheckpointError("; ".join(problems) + "; accepted: an index whose weight_map names exactly the "
+                                  "tensors of each shard (as save_pretrained writes it)")
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -159,12 +180,18 @@ def check_all_consumed(names: Iterable[str], consumed_per_rank: Iterable[Iterabl
         consumed_per_rank: the ``consumed`` set of each rank.
         where: the checkpoint path, for the message.
     Raises:
-        CheckpointError: names that no rank read (the first 20 are listed, with the count).
+        CheckpointError: names that no rank read (:func:`name_list`).
     """
     used: Set[str] = set()
     for c in consumed_per_rank:
         used.update(c)
-    left = sorted(set(names) - used)
+    left = set(names) - used
     if left:
-        shown = ", ".join(left[:20]) + (" ..." if len(left) > 20 else "")
-        raise CheckpointError(f"{where}: {len(left)} checkpoint tensor(s) were not loaded into the model: {shown}")
+        raise CheckpointError(f"{where}: {len(left)} checkpoint tensor(s) were not loaded into the model: "
+                              f"{name_list(left)}")
+
+
+def name_list(names: Iterable[str], limit: int = 20) -> str:
+    """Tensor names for a message: the first ``limit`` sorted names, ``" ..."`` after them when there are more."""
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")

@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sftprof.config import ConfigError
+
 if TYPE_CHECKING:  # transformers is imported lazily: the driver's checks stay fast
     from transformers import PretrainedConfig
 
@@ -60,20 +62,25 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def check_weights_present(actor) -> None:
-    """Refuse ``actor.init_from_scratch=false`` when ``actor.path`` holds no weight files, or safetensors files that
-    cannot be opened (checked before launch; only each shard's header is read).
+    """Refuse ``actor.init_from_scratch=false`` unless ``actor.path`` holds weights that build the whole model
+    (checked before launch; of the weights only the safetensors headers are read).
+
+    A safetensors checkpoint is matched whole against the model of ``actor.path``'s config cut to
+    ``actor.num_layers`` (:func:`sftprof.models.weights.check_checkpoint`): the index against its shards, the
+    tensors the family's weight rules read against the checkpoint's. Other weight files (``*.bin``, ``*.pt``; the
+    fsdp backend loads them) are matched when the trial loads them.
 
     Args:
-        actor: the ``actor`` section of the trial config (``path``, ``init_from_scratch``).
+        actor: the ``actor`` section of the trial config (``path``, ``init_from_scratch``, ``num_layers``).
     Raises:
         ConfigError: no weight file (``*.safetensors``, ``*.bin``, ``*.pt``) in the model directory; names the
             directory and the accepted settings.
-        CheckpointError: the safetensors index is damaged or names a missing shard, or a shard's header cannot be
-            read (:class:`sftprof.models.checkpoint.SafetensorsCheckpoint`; the message names the file).
-        ModelPathError: ``actor.path`` is neither a model directory nor a bundled config.
+        CheckpointError: the safetensors index is damaged or names a missing shard, a shard's header cannot be
+            read, the index and the shards' headers disagree, the model needs tensors the checkpoint lacks or the
+            checkpoint holds tensors the model does not read (each message names the file and the tensors).
+        ModelPathError: ``actor.path`` is neither a model directory nor a bundled config, or its config is invalid
+            (:func:`load_hf_config`).
     """
-    from sftprof.config import ConfigError
-
     if actor.init_from_scratch:
         return
     model_dir = resolve_model_dir(actor.path)
@@ -81,10 +88,12 @@ def check_weights_present(actor) -> None:
         raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no weights ({', '.join(WEIGHT_PATTERNS)}); "
                           "accepted: actor.init_from_scratch=true (random init), or MODEL_PATH / actor.path = a "
                           "Hugging Face model directory with weights")
+    # imported here: they import torch, which the driver (sftprof.launch imports this module) does not import
     from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
+    from sftprof.models.weights import check_checkpoint
 
     if (model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file():
-        SafetensorsCheckpoint(model_dir).open_all()
+        check_checkpoint(SafetensorsCheckpoint(model_dir), load_hf_config(actor.path, actor.num_layers))
 
 
 # JSON's names for what json.loads returns (a config.json that is not an object is named by its kind)

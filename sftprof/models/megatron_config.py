@@ -52,9 +52,13 @@ import torch
 
 from sftprof.allocation import Layout
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
-from sftprof.models.hf import MODEL_TYPES
-from sftprof.models.rope import install_in_megatron
-from sftprof.models.router import install_in_megatron as install_router
+from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
+from sftprof.models.hf import MODEL_TYPES, resolve_model_dir
+from sftprof.models.layers.rope import install_in_megatron
+from sftprof.models.layers.router import install_in_megatron as install_router
+from sftprof.models.qwen3_moe_weights import padded_vocab_size
+from sftprof.models.specs import check_linear_attention_layout
+from sftprof.models.weights import MAPPINGS
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -177,8 +181,6 @@ def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
         (float RoPE theta), ``rotary_percent``, ``share_embeddings_and_output_weights``,
         ``parallel_output=True`` (vocab-parallel logits: the loss runs on each rank's vocabulary shard).
     """
-    from sftprof.models.qwen3_moe_weights import padded_vocab_size
-
     return dict(
         vocab_size=padded_vocab_size(hf.vocab_size, tp_size),
         max_sequence_length=hf.max_position_embeddings,
@@ -194,7 +196,7 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
 
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
-      checkpoint of a family that has a weight mapping (:data:`sftprof.models.megatron_load.MAPPINGS`);
+      checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
     - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
     - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
       expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
@@ -205,10 +207,6 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     Raises:
         ConfigError: naming the setting, the value and what is accepted.
     """
-    from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
-    from sftprof.models.hf import resolve_model_dir
-    from sftprof.models.megatron_load import MAPPINGS
-
     if not cfg.actor.init_from_scratch:
         model_dir = resolve_model_dir(cfg.actor.path)
         if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
@@ -218,8 +216,6 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
         if hf.model_type not in MAPPINGS:
             raise ConfigError(f"actor.init_from_scratch=false: the megatron backend loads weights of {sorted(MAPPINGS)}, "
                               f"not model_type {hf.model_type!r}; set actor.init_from_scratch=true")
-    from sftprof.models.specs import check_linear_attention_layout
-
     check_linear_attention_layout(hf.model_type, layout)
     heads = hf.num_attention_heads
     groups = _get(hf, "num_key_value_heads", default=heads)
@@ -282,10 +278,10 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
       count and Megatron divides the DP x CP-summed gradients by the global token count;
     - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, permute fusion, grouped GEMM
       of TE) are on only when ``have_te``; RoPE fusion is always on: TE's kernel, or without TE
-      :func:`sftprof.models.rope.fused_apply_rotary_pos_emb`, bound into megatron-core here
-      (:func:`sftprof.models.rope.install_in_megatron`);
+      :func:`sftprof.models.layers.rope.fused_apply_rotary_pos_emb`, bound into megatron-core here
+      (:func:`sftprof.models.layers.rope.install_in_megatron`);
     - ``moe_fused_router``: without TE, the MoE router's Triton top-k bound into megatron-core here, or megatron's
-      unfused functions bound back (:func:`sftprof.models.router.install_in_megatron`; no ``TransformerConfig``
+      unfused functions bound back (:func:`sftprof.models.layers.router.install_in_megatron`; no ``TransformerConfig``
       field: with TE megatron-core's own ``moe_router_fusion`` is left off as before).
     """
     a, m = cfg.actor, cfg.actor.megatron

@@ -1,6 +1,7 @@
 """Load a Hugging Face safetensors checkpoint into this rank's megatron-core ``GPTModel``.
 
-Each rank builds its own parameters from the checkpoint slices it needs (memory-mapped reads, see
+Each rank matches the checkpoint whole against the model first (:func:`sftprof.models.weights.check_checkpoint`,
+headers only), builds its own parameters from the checkpoint slices it needs (memory-mapped reads, see
 :mod:`sftprof.models.checkpoint`) with the mapping module of the model family (``qwen3_moe``:
 :mod:`sftprof.models.qwen3_moe_weights`), then all ranks prove together that every checkpoint tensor
 was loaded somewhere. Call it after ``GPTModel(...)`` and before megatron's ``DistributedDataParallel``
@@ -10,33 +11,16 @@ main copies from them.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sftprof.models import qwen3_5_moe_weights, qwen3_moe_weights
+from sftprof.models import qwen3_moe_weights
 from sftprof.models.checkpoint import CheckpointError, SafetensorsCheckpoint, check_all_consumed
+from sftprof.models.weights import check_checkpoint, mapping_for
 
 log = logging.getLogger(__name__)
-
-MAPPINGS = {"qwen3_moe": qwen3_moe_weights, "qwen3_5_moe": qwen3_5_moe_weights,
-            "qwen3_5_moe_text": qwen3_5_moe_weights}
-
-
-def mapping_for(hf_config):
-    """The weight-mapping module of ``hf_config.model_type``.
-
-    Raises:
-        CheckpointError: no mapping for that model type (names the accepted ones).
-    """
-    module = MAPPINGS.get(hf_config.model_type)
-    if module is None:
-        raise CheckpointError(f"loading Hugging Face weights into the megatron backend is implemented for "
-                              f"{sorted(MAPPINGS)}, not model_type {hf_config.model_type!r}; set "
-                              "actor.init_from_scratch=true to profile it with random weights")
-    return module
 
 
 def shard_context(gpt, hf_config) -> qwen3_moe_weights.ShardContext:
@@ -52,7 +36,7 @@ def shard_context(gpt, hf_config) -> qwen3_moe_weights.ShardContext:
         num_heads=heads, num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         num_experts=getattr(hf_config, "num_experts", None) or hf_config.num_local_experts,
-        vocab_size=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        vocab_size=hf_config.vocab_size, tied=qwen3_moe_weights.tied_embeddings(hf_config),
         layer_numbers=tuple(layer.layer_number - 1 for layer in gpt.decoder.layers),
         **{k: getattr(hf_config, k, 0) or 0 for k in ("linear_num_key_heads", "linear_num_value_heads",
                                                        "linear_key_head_dim", "linear_value_head_dim")})
@@ -69,16 +53,18 @@ def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -
         model_dir: Hugging Face model directory with safetensors weights.
         hf_config: its (text) config, cut to ``actor.num_layers`` if the model is cut (the checkpoint's
             other layers are then expected to stay unread), vision-tower and MTP tensors of a multimodal
-            Qwen3.5 checkpoint (:data:`sftprof.models.qwen3_5_moe_weights.NOT_LOADED_PREFIXES`) are not
-            part of the profiled text model: both are counted in the log, not loaded.
+            Qwen3.5 checkpoint (:func:`sftprof.models.weights.not_loaded`) are not part of the profiled text
+            model: both are counted in the log, not loaded.
     Returns:
         ``{"tensors_read": int, "bytes_read": int}`` for this rank (bytes as stored in the checkpoint).
     Raises:
-        CheckpointError: unknown model family, missing/damaged files or tensors, a parameter whose shape
+        CheckpointError: unknown model family, missing/damaged files, a checkpoint that does not match the model
+            (:func:`sftprof.models.weights.check_checkpoint`), a parameter whose shape
             differs from the mapped checkpoint slice, or checkpoint tensors no rank loaded.
     """
     mapping = mapping_for(hf_config)
     ckpt = SafetensorsCheckpoint(model_dir)
+    not_loaded = check_checkpoint(ckpt, hf_config)
     ctx = shard_context(gpt, hf_config)
     with torch.no_grad():
         for name, param in gpt.named_parameters():
@@ -89,19 +75,8 @@ def load_hf_checkpoint(gpt: torch.nn.Module, model_dir: str | Path, hf_config) -
             param.copy_(value)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(ckpt.consumed))
-    not_loaded = {n for n in ckpt.names if _not_loaded(n, hf_config.num_hidden_layers)}
     check_all_consumed(ckpt.names - not_loaded, gathered, str(model_dir))
     log.info("megatron: loaded %d checkpoint tensors (%.3f GB read on this rank) from %s; %d tensors not part of the "
              "profiled model (layers beyond actor.num_layers, vision tower, MTP) left unread", len(ckpt.consumed),
              ckpt.bytes_read / 1e9, model_dir, len(not_loaded))
     return {"tensors_read": len(ckpt.consumed), "bytes_read": ckpt.bytes_read, "not_loaded": len(not_loaded)}
-
-
-_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
-
-
-def _not_loaded(name: str, n_layers: int) -> bool:
-    """Checkpoint tensors outside the profiled model: layers ``>= n_layers`` (cut by ``actor.num_layers``),
-    and the vision tower and MTP block of a multimodal Qwen3.5 checkpoint."""
-    m = _LAYER.match(name)
-    return bool(m and int(m.group(1)) >= n_layers) or name.startswith(qwen3_5_moe_weights.NOT_LOADED_PREFIXES)

@@ -32,7 +32,7 @@ part of the profiled text model.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Collection, List, Tuple
 
 import torch
 
@@ -44,11 +44,15 @@ from sftprof.models.qwen3_moe_weights import (
     ShardContext,
     rank_slice,
     apply_rules,
+    attention_tensors,
     compile_rules,
+    model_tensors,
 )
 
 # Checkpoint tensors outside the profiled text model (not loaded; reported as skipped).
 NOT_LOADED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+# Where a multimodal (Qwen3_5MoeForConditionalGeneration) checkpoint keeps the text model's ``model.*`` tensors.
+TEXT_PREFIX = "model.language_model."
 
 
 class TextPrefixSource:
@@ -59,7 +63,7 @@ class TextPrefixSource:
         self.src = src
 
     def _name(self, name: str) -> str:
-        alt = "model.language_model." + name[len("model."):]
+        alt = TEXT_PREFIX + name[len("model."):]
         return alt if name.startswith("model.") and name not in self.src and alt in self.src else name
 
     def __contains__(self, name: str) -> bool:
@@ -144,6 +148,29 @@ RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
     (LAYER_PATTERN + r"mlp\.shared_experts\.gate_weight", lambda s, c, g, j: s.read(f"model.layers.{g}.mlp.shared_expert_gate.weight")),
 ]
 _COMPILED = compile_rules(RULES)
+LINEAR_ATTENTION_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                            "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+
+
+def required_tensors(hf_config, names: Collection[str]) -> List[str]:
+    """Every Hugging Face tensor :data:`RULES` read to build the model of ``hf_config`` (its layers cut to
+    ``actor.num_layers``; on any spec and layout) from a checkpoint holding ``names``: the common tensors
+    (:func:`sftprof.models.qwen3_moe_weights.model_tensors`), per layer its gated delta-net
+    (:data:`LINEAR_ATTENTION_TENSORS` of ``linear_attn``) or gated attention (by ``layer_types``), the shared expert
+    and its gate. A multimodal checkpoint's names (``model.language_model.*``: :data:`TEXT_PREFIX`) are given as it
+    spells them."""
+    prefix = TEXT_PREFIX if any(n.startswith(TEXT_PREFIX) for n in names) else "model."
+    text_names = {"model." + n[len(prefix):] if n.startswith(prefix) else n for n in names}
+
+    def layer(g: int) -> List[str]:
+        p = f"model.layers.{g}."
+        mixer = ([p + "linear_attn." + n for n in LINEAR_ATTENTION_TENSORS]
+                 if hf_config.layer_types[g] == "linear_attention" else attention_tensors(g))
+        return mixer + [p + f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")] + [
+            p + "mlp.shared_expert_gate.weight"]
+
+    return [prefix + n[len("model."):] if n.startswith("model.") else n
+            for n in model_tensors(hf_config, text_names, layer)]
 
 
 def local_tensor(name: str, src: TensorSource, ctx: ShardContext) -> torch.Tensor:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, Collection, List, Tuple
 
 import torch
 
@@ -141,11 +141,18 @@ def _qkv(src: TensorSource, g: int, ctx: ShardContext) -> torch.Tensor:
     return fused.reshape(-1, h)
 
 
+def _fused_expert(names: Collection[str], g: int, e: int) -> bool:
+    """Whether expert ``e`` of layer ``g`` is read from the fused layout (``gate_up_proj``/``down_proj`` of all
+    experts): the checkpoint has it and no per-expert ``gate_proj`` of ``e``."""
+    p = f"model.layers.{g}.mlp.experts."
+    return p + f"{e}.gate_proj.weight" not in names and p + "gate_up_proj" in names
+
+
 def _expert(src: TensorSource, g: int, e: int, ctx: ShardContext, fc: int) -> torch.Tensor:
     """Global expert ``e`` of layer ``g`` on this ETP rank: ``fc=1`` -> fc1 ``[2F/etp, H]`` (gate rows then up
     rows), ``fc=2`` -> fc2 ``[H, F/etp]``."""
     p = f"model.layers.{g}.mlp.experts."
-    if p + f"{e}.gate_proj.weight" in src or p + "gate_up_proj" not in src:
+    if not _fused_expert(src, g, e):
         f = src.shape(p + f"{e}.down_proj.weight")[1]
         rows = rank_slice(f, ctx.etp_size, ctx.etp_rank, "moe_intermediate_size")
         if fc == 2:
@@ -227,6 +234,45 @@ def apply_rules(name: str, src: TensorSource, ctx: ShardContext, compiled, famil
 
 
 _COMPILED = compile_rules(RULES)
+
+
+def tied_embeddings(hf_config) -> bool:
+    """``tie_word_embeddings`` of the (text) config: the output layer reads ``model.embed_tokens.weight``."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+def attention_tensors(g: int) -> List[str]:
+    """The Hugging Face tensors of layer ``g``'s (full) attention that :data:`RULES` read: q, k, v, o projections
+    and the q/k norms."""
+    p = f"model.layers.{g}.self_attn."
+    return [p + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+                            "k_norm.weight")]
+
+
+def model_tensors(hf_config, names: Collection[str], layer_tensors: Callable[[int], List[str]]) -> List[str]:
+    """The Hugging Face tensors :data:`COMMON_RULES` read for the model of ``hf_config``, with ``layer_tensors(g)``
+    (the family's token mixer and what else it adds) of each layer ``g``.
+
+    Common: the embedding, final norm and LM head (none when tied); per layer the input and post-attention norms,
+    the router and the routed experts, each in the layout ``names`` (the checkpoint's tensors) holds it
+    (per expert ``gate_proj``/``up_proj``/``down_proj``, or fused ``gate_up_proj``/``down_proj``).
+    """
+    out = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied_embeddings(hf_config) else ["lm_head.weight"])
+    for g in range(hf_config.num_hidden_layers):
+        p = f"model.layers.{g}."
+        out += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight"]
+        for e in range(hf_config.num_experts):
+            out += ([p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"] if _fused_expert(names, g, e) else
+                    [p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")])
+        out += layer_tensors(g)
+    return list(dict.fromkeys(out))
+
+
+def required_tensors(hf_config, names: Collection[str]) -> List[str]:
+    """Every Hugging Face tensor :data:`RULES` read to build the model of ``hf_config`` (its layers cut to
+    ``actor.num_layers``; on any spec and layout: the Transformer Engine names read the same tensors) from a
+    checkpoint holding ``names``: :func:`model_tensors` with each layer's :func:`attention_tensors`."""
+    return model_tensors(hf_config, names, attention_tensors)
 
 
 def local_tensor(name: str, src: TensorSource, ctx: ShardContext) -> torch.Tensor:

@@ -3,14 +3,14 @@
 - TE present: megatron-core's ``get_gpt_layer_with_transformer_engine_spec`` (TE linear/norm/attention,
   TE grouped-GEMM experts); Qwen3.5 (gated delta-net) through megatron-core's experimental block spec.
 - TE absent (the lent H200s): megatron-core's local linear layers plus this project's modules:
-  :class:`sftprof.models.norm.RMSNorm` (sequence parallel, zero-centred gamma),
-  :class:`sftprof.models.attention.SDPACoreAttention` (SDPA, GQA, context parallel) and
-  :class:`sftprof.models.experts.GroupedGemmExperts` (``torch._grouped_mm``; ``SequentialMLP`` where
+  :class:`sftprof.models.layers.norm.RMSNorm` (sequence parallel, zero-centred gamma),
+  :class:`sftprof.models.layers.attention.SDPACoreAttention` (SDPA, GQA, context parallel) and
+  :class:`sftprof.models.layers.experts.GroupedGemmExperts` (``torch._grouped_mm``; ``SequentialMLP`` where
   grouped GEMM is not available); a shared expert (``SharedExpertMLP``, its sigmoid gate when
   ``moe_shared_expert_gate``) when the config has one; the MoE layer is
-  :class:`sftprof.models.moe_dedup.DedupAlltoAllMoELayer` (one all-to-all row per token and destination EP
+  :class:`sftprof.models.layers.moe_dedup.DedupAlltoAllMoELayer` (one all-to-all row per token and destination EP
   rank) where it applies (EP > 1, expert TP 1, dropless alltoall) and ``actor.megatron.moe_dedup_alltoall`` is
-  on; else :class:`sftprof.models.moe_permute.SortedPermuteMoELayer` (sync-free, atomic-free token permutation
+  on; else :class:`sftprof.models.layers.moe_permute.SortedPermuteMoELayer` (sync-free, atomic-free token permutation
   of the alltoall dispatcher) where it applies and ``actor.megatron.moe_sorted_permute`` is on; else
   megatron-core's ``MoELayer``. The final norm of the block is the same RMSNorm.
 - Qwen3.5 without TE: the layer pattern of megatron-core's ``get_linear_attention_pattern``; gated
@@ -28,6 +28,10 @@ import logging
 from typing import Any
 
 from sftprof.compat import narrow_fla_hopper_guard
+from sftprof.config import ConfigError
+from sftprof.models.layers.attention import SDPACoreAttention
+from sftprof.models.layers.experts import GroupedGemmExperts, grouped_mm_supported
+from sftprof.models.layers.norm import RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +66,6 @@ def check_linear_attention_layout(model_type: str, layout) -> None:
         ConfigError: CP > 1 (names ``actor.backend`` and the accepted layouts), or ``fla`` not importable
             (names the packages to install).
     """
-    from sftprof.config import ConfigError
-
     if model_type not in LINEAR_ATTENTION_MODEL_TYPES or layout.backend != "megatron":
         return
     if layout.cp > 1:
@@ -108,9 +110,9 @@ def _moe_spec(config, sorted_permute: bool = True, dedup_alltoall: bool = True, 
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from sftprof.models.experts import GroupedGemmExperts, grouped_mm_supported
-    from sftprof.models.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
-    from sftprof.models.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
+    # imported here: both import megatron-core at module level
+    from sftprof.models.layers.moe_dedup import DedupAlltoAllMoELayer, dedup_alltoall_applies
+    from sftprof.models.layers.moe_permute import SortedPermuteMoELayer, sorted_permute_applies
 
     linear = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if grouped_mm_supported(config):
@@ -134,8 +136,6 @@ def _gated_delta_net_spec() -> Any:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from sftprof.models.norm import RMSNorm
 
     return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
@@ -166,9 +166,6 @@ def local_layer_spec(config, linear_attention: bool = False, cp_attention: str =
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from sftprof.models.attention import SDPACoreAttention
-    from sftprof.models.norm import RMSNorm
 
     if linear_attention:
         attention = _gated_delta_net_spec()
@@ -234,8 +231,6 @@ def decoder_block_spec(config, have_te: bool, vp_stage=None, cp_attention: str =
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from sftprof.models.norm import RMSNorm
 
     pattern = get_linear_attention_pattern(config) if variant == "gated_delta_net" else [0] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)

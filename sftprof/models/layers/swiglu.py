@@ -1,6 +1,6 @@
 """SwiGLU with the router's probabilities, fused: ``out = silu(gate) * up * p`` in one pass each way.
 
-The grouped-GEMM experts (:mod:`sftprof.models.experts`) apply megatron-core's per-token routing probability
+The grouped-GEMM experts (:mod:`sftprof.models.layers.experts`) apply megatron-core's per-token routing probability
 between the two expert GEMMs. Unfused, ``silu(gate) * up * probs[:, None]`` is four elementwise kernels over
 ``[tokens * topk, ffn]`` (fp32 after the multiply by fp32 probs, then a cast back), and autograd keeps their
 intermediates; at 131072 tokens x topk 8 x ffn 768 each pass moves several GiB. Fused, the forward reads ``fc1``
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
+from sftprof.models.layers.op_inputs import FLOAT_DTYPES, check_tensor
 
 __all__ = ["swiglu_with_probs"]
 
@@ -36,18 +36,18 @@ class _SwiGLUWithProbs(torch.autograd.Function):
     def forward(ctx, fc1, probs):
         ctx.save_for_backward(fc1, probs)
         if fc1.is_cuda:
-            from sftprof.models import triton_kernels
+            from sftprof.models.layers import swiglu_kernels
 
-            return triton_kernels.swiglu_forward(fc1, probs)
+            return swiglu_kernels.swiglu_forward(fc1, probs)
         return _forward_torch(fc1, probs)
 
     @staticmethod
     def backward(ctx, d_out):
         fc1, probs = ctx.saved_tensors
         if fc1.is_cuda:
-            from sftprof.models import triton_kernels
+            from sftprof.models.layers import swiglu_kernels
 
-            d_fc1, d_probs = triton_kernels.swiglu_backward(fc1, probs, d_out.contiguous())
+            d_fc1, d_probs = swiglu_kernels.swiglu_backward(fc1, probs, d_out.contiguous())
         else:
             ct = _compute_dtype(fc1)
             g, u = fc1.to(ct).chunk(2, dim=-1)
@@ -68,10 +68,10 @@ def swiglu_with_probs(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
             permuted token, on ``fc1``'s device.
     Returns:
         ``[M, F]`` in ``fc1``'s dtype. Differentiable in ``fc1`` and ``probs`` (``d probs`` in ``probs``' dtype).
-        On CUDA both directions run in Triton kernels (:mod:`sftprof.models.triton_kernels`); elsewhere in torch.
+        On CUDA both directions run in Triton kernels (:mod:`sftprof.models.layers.swiglu_kernels`); elsewhere in torch.
     Raises:
         ValueError: ``fc1`` or ``probs`` not a tensor of an accepted dtype, ``probs`` on another device
-            (:func:`sftprof.models.op_inputs.check_tensor`); ``fc1`` not 2-D contiguous with an even column count,
+            (:func:`sftprof.models.layers.op_inputs.check_tensor`); ``fc1`` not 2-D contiguous with an even column count,
             or ``probs`` not ``[M]``.
     """
     check_tensor("swiglu_with_probs", "fc1", fc1, FLOAT_DTYPES, cpu_dtypes=(torch.float64,))

@@ -14,7 +14,7 @@ holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal wor
    queries used them) back to the owning rank, so gradients are exact. With ``blocks`` and
    ``actor.megatron.cp_comm_overlap`` (default true) both collectives are asynchronous and overlap the
    diagonal blocks, which need only the rank's own K/V
-   (:func:`sftprof.models.block_attention.overlapped_cp_attention`).
+   (:func:`sftprof.models.layers.block_attention.overlapped_cp_attention`).
 2. Each local query chunk with global index ``c`` attends to keys ``[0, (c + 1) * L)`` under the causal
    mask; that is exactly the full causal mask restricted to those rows, so the result equals
    single-device causal attention. Two methods (``actor.megatron.cp_attention``,
@@ -25,17 +25,17 @@ holds chunks ``r`` and ``2 * CP - 1 - r``, so every rank has the same causal wor
      ``c * L + j``) sees keys ``<= c * L + j``. On an H200 SDPA runs this on its FA2 (``pytorch_flash``)
      kernels.
    - ``blocks``: a causal diagonal block plus one unmasked off-diagonal block per chunk, merged by
-     log-sum-exp (:mod:`sftprof.models.block_attention`), so each block is a shape the cuDNN kernels of
+     log-sum-exp (:mod:`sftprof.models.layers.block_attention`), so each block is a shape the cuDNN kernels of
      the single-GPU ``is_causal`` call take.
 
 Without context parallelism (CP = 1) the attention is one causal call each way, or, with
 ``actor.megatron.attention_forward_chunks`` > 1 (default 2), the forward as that many query chunks of diagonal
 causal blocks plus unmasked off-diagonal blocks merged by log-sum-exp and the backward as one causal call given the
-merged output (:func:`sftprof.models.block_attention.chunked_causal_attention`): on an H200 the cuDNN forward of
+merged output (:func:`sftprof.models.layers.block_attention.chunked_causal_attention`): on an H200 the cuDNN forward of
 unmasked blocks is faster than its causal call (bench/NOTES.md, tenth session).
 
 Layout: the ``[s, b, heads, d]`` tensors are handed over as permuted ``[b, heads, s, d]`` views, not copies. SDPA's
-CUDA kernels and the block kernels read such views in place (:mod:`sftprof.models.block_attention`, "Layouts").
+CUDA kernels and the block kernels read such views in place (:mod:`sftprof.models.layers.block_attention`, "Layouts").
 At CP = 1 the output (one SDPA call's, or the chunked path's) is allocated in the query's layout, so the final
 flatten to ``[s, b, heads * d]`` is a view, and megatron's output gradient, which comes in that flattened layout,
 is already in the output's strides, as the cuDNN backward wants it.
@@ -55,7 +55,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sftprof.config import CP_ATTENTION_METHODS
 from sftprof.data import cp_chunk_ids
-from sftprof.models.block_attention import (blockwise_cp_attention, check_cp_lengths, chunked_causal_attention,
+from sftprof.models.layers.block_attention import (blockwise_cp_attention, check_cp_lengths, chunked_causal_attention,
                                             default_block_kernel, overlapped_cp_attention)
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp
         scale: softmax scale (default ``1/sqrt(d)``).
         dropout_p: attention dropout probability (``blocks``: 0 only).
         method: one of :data:`sftprof.config.CP_ATTENTION_METHODS` (see the module docstring), for ``cp_size > 1``.
-        forward_chunks: ``cp_size=1`` only: > 1 runs :func:`sftprof.models.block_attention.chunked_causal_attention`
+        forward_chunks: ``cp_size=1`` only: > 1 runs :func:`sftprof.models.layers.block_attention.chunked_causal_attention`
             with that many query chunks where it was measured to pay: the cuDNN block kernels (bf16/fp16 CUDA
             tensors, SDPA's cuDNN backend on), head_dim <= 128, no dropout, the sequence length a multiple of the
             count; else one plain ``is_causal`` SDPA call (on CPU the block kernel would be the fp32 math kernel,
@@ -170,7 +170,7 @@ def forward_chunks_skip_reason(q: torch.Tensor, forward_chunks: int, dropout_p: 
     query ``q`` (``[b, h, S, d]``), or ``None`` when :func:`cp_causal_attention` runs the chunked forward.
 
     The chunked forward is used only where it was measured to pay (bench/NOTES.md, tenth session): the cuDNN block
-    kernels (:func:`sftprof.models.block_attention.default_block_kernel`: bf16/fp16 CUDA tensors, SDPA's cuDNN
+    kernels (:func:`sftprof.models.layers.block_attention.default_block_kernel`: bf16/fp16 CUDA tensors, SDPA's cuDNN
     backend on), head_dim <= 128, attention dropout 0, ``S`` a multiple of ``forward_chunks``. Every reason that
     holds is named, joined by ``"; "``.
     """
@@ -220,7 +220,7 @@ class SDPACoreAttention(torch.nn.Module):
     layer spec's params; used only with CP > 1), ``forward_chunks`` (``actor.megatron.attention_forward_chunks``;
     used only with CP = 1, see :func:`cp_causal_attention`) and ``cp_comm_overlap``
     (``actor.megatron.cp_comm_overlap``; with ``blocks`` and CP > 1 the K/V all-gather and the gradient
-    reduce-scatter run during the diagonal blocks: :func:`sftprof.models.block_attention.overlapped_cp_attention`;
+    reduce-scatter run during the diagonal blocks: :func:`sftprof.models.layers.block_attention.overlapped_cp_attention`;
     false: the all-gather, then :func:`cp_causal_attention`).
 
     Forward:

@@ -8,7 +8,7 @@ loss counts). Unfused, each runs a ``torch.topk`` over ``[T, E]`` (~1 ms each at
 issue 18), softmaxes, and zeros + ``scatter`` into ``[T, E]``; ``moe_router_fusion`` replaces them with TE's
 kernels and raises without TE. :func:`topk_routing_with_score_function` and
 :func:`compute_routing_scores_for_aux_loss` have megatron's signatures; where :func:`fused_router_applies` they run
-one Triton kernel each (:func:`sftprof.models.triton_kernels.router_topk`), otherwise megatron's own function.
+one Triton kernel each (:func:`sftprof.models.layers.router_kernels.router_topk`), otherwise megatron's own function.
 :func:`install_in_megatron` binds them in ``megatron.core.transformer.moe.router`` (where ``TopKRouter`` looks them
 up) when TE is missing; :func:`sftprof.models.megatron_config.training_config_kwargs` calls it
 (``actor.megatron.moe_fused_router``).
@@ -49,10 +49,10 @@ def _kernel_runs_on(t: torch.Tensor) -> bool:
     if t.device.type != "cpu":
         return False
     try:
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import router_kernels
     except ImportError:  # no triton (CPU installs)
         return False
-    return triton_kernels.INTERPRET
+    return router_kernels.INTERPRET
 
 
 def fused_router_applies(logits, topk, score_function: str = "softmax", fused: bool = False) -> bool:
@@ -71,9 +71,9 @@ def fused_router_applies(logits, topk, score_function: str = "softmax", fused: b
 class _TopkRouting(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, topk, pre_softmax, scale):
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import router_kernels
 
-        probs, routing_map, _ = triton_kernels.router_topk(logits.contiguous(), topk, pre_softmax, scale,
+        probs, routing_map, _ = router_kernels.router_topk(logits.contiguous(), topk, pre_softmax, scale,
                                                            write_probs=True, write_scores=False)
         ctx.mark_non_differentiable(routing_map)
         ctx.pre_softmax, ctx.scale = pre_softmax, scale
@@ -95,9 +95,9 @@ class _TopkRouting(torch.autograd.Function):
 class _AuxScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, topk):
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import router_kernels
 
-        _, routing_map, scores = triton_kernels.router_topk(logits.contiguous(), topk, True, 1.0,
+        _, routing_map, scores = router_kernels.router_topk(logits.contiguous(), topk, True, 1.0,
                                                             write_probs=False, write_scores=True)
         ctx.mark_non_differentiable(routing_map)
         ctx.save_for_backward(scores)

@@ -33,7 +33,7 @@ The schemas of the private ops are the same in torch 2.11 (the GPU machine) and 
 Dropout is not supported (the blocks would need one shared random stream).
 
 Layouts (what the ``cudnn``/``flash`` wrappers copy, and why the rest is safe). megatron-core's tensors are
-``[s, b, heads, d]``; :class:`sftprof.models.attention.SDPACoreAttention` hands over their permuted
+``[s, b, heads, d]``; :class:`sftprof.models.layers.attention.SDPACoreAttention` hands over their permuted
 ``[b, heads, s, d]`` views, and value is often a strided slice of the fused QKV projection.
 
 - Q, K, V (and their row slices) are passed as they are when their last dimension is contiguous and their

@@ -45,7 +45,7 @@ The index maps live on the dispatcher (and a chunk's on its :class:`_Chunk`) fro
 the one that last needs them, then are dropped (autograd keeps its own references for the backward): no per-layer state outlives the layer's forward.
 
 Every gather has an atomic-free backward and every sum accumulates in fp32 with one rounding
-(:func:`sftprof.models.moe_permute.gather_rows` / :func:`~sftprof.models.moe_permute.gather_sum_rows` through
+(:func:`sftprof.models.layers.moe_permute.gather_rows` / :func:`~sftprof.models.layers.moe_permute.gather_sum_rows` through
 -1-padded inverse maps ``[T, EP]`` and ``[N_recv, min(topk, L)]``). The all-to-alls are ``torch.distributed.all_to_all_single``
 inside this module's autograd functions (:class:`_DispatchStart` / :class:`_DispatchWait`,
 :class:`_CombineStart` / :class:`_CombineWait`).
@@ -64,13 +64,13 @@ from megatron.core import utils
 from megatron.core.transformer.moe import moe_layer, token_dispatcher
 from torch.distributed import all_to_all_single
 
-from sftprof.models.moe_permute import bound, gather_rows, gather_sum_rows, sorted_permute_applies
+from sftprof.models.layers.moe_permute import bound, gather_rows, gather_sum_rows, sorted_permute_applies
 
 
 def dedup_alltoall_applies(config) -> bool:
     """True when the deduplicating dispatcher can stand in for megatron-core's alltoall dispatcher: EP > 1,
     experts without tensor parallelism (``expert_tensor_parallel_size`` 1, or unset with TP 1), dropless
-    unfused routing (:func:`sftprof.models.moe_permute.sorted_permute_applies`: alltoall dispatcher, no
+    unfused routing (:func:`sftprof.models.layers.moe_permute.sorted_permute_applies`: alltoall dispatcher, no
     ``moe_permute_fusion``, no capacity factor or padding, no padding for quantization), and none of the
     features that reach into megatron's dispatcher state: ``moe_shared_expert_overlap``,
     ``overlap_moe_expert_parallel_comm``, CUDA graphs (``cuda_graph_impl``), ``moe_latent_size``.

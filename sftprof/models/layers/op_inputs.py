@@ -1,5 +1,5 @@
-"""Input checks shared by the model's fused ops (:mod:`sftprof.models.swiglu`, :mod:`sftprof.models.rope`,
-:mod:`sftprof.models.moe_permute`, :mod:`sftprof.models.norm`): a wrong type, dtype or device is a ``ValueError``
+"""Input checks shared by the model's fused ops (:mod:`sftprof.models.layers.swiglu`, :mod:`sftprof.models.layers.rope`,
+:mod:`sftprof.models.layers.moe_permute`, :mod:`sftprof.models.layers.norm`): a wrong type, dtype or device is a ``ValueError``
 naming the op, the argument, what it got and what is accepted, raised on the host before any kernel runs (a Triton
 kernel handed a CPU pointer or an integer tensor would fault or compute garbage)."""
 from __future__ import annotations

@@ -38,7 +38,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
 
-from sftprof.models.op_inputs import check_tensor
+from sftprof.models.layers.op_inputs import check_tensor
 
 
 def sorted_permute_applies(config) -> bool:
@@ -72,7 +72,7 @@ def gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     and adds nothing; a row of padding gives zeros), with fp32 accumulation (fp64 for fp64 ``x``; k ascending,
     from 0) and one rounding to ``x``'s dtype.
 
-    CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.triton_kernels.gather_sum`), no ``[T, topk, H]``
+    CUDA, bf16/fp16/fp32: one Triton kernel (:func:`sftprof.models.layers.moe_permute_kernels.gather_sum`), no ``[T, topk, H]``
     temporary; otherwise torch with one ``[T, H]`` accumulator. Both add in the same order, so they give the same
     bits. The entries are checked to lie in ``[-1, N)`` without a host sync (``torch._assert_async``: on CPU a
     failure raises at once; on CUDA it is a device-side assert at a later launch, never a read out of bounds).
@@ -105,9 +105,9 @@ def _gather_sum(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or inverse.shape[0] == 0 \
             or x.shape[1] == 0:
         return _gather_sum_torch(x, inverse)
-    from sftprof.models import triton_kernels
+    from sftprof.models.layers import moe_permute_kernels
 
-    return triton_kernels.gather_sum(x, inverse)
+    return moe_permute_kernels.gather_sum(x, inverse)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
+from sftprof.models.layers.op_inputs import FLOAT_DTYPES, check_tensor
 
 __all__ = ["fused_apply_rotary_pos_emb"]
 
 
 def _rotate(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tensor:
     if t.is_cuda:
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import rope_kernels
 
-        return triton_kernels.rope_apply(t, freqs, backward)
+        return rope_kernels.rope_apply(t, freqs, backward)
     ct = torch.promote_types(t.dtype, torch.float32)
     half = freqs.shape[-1] // 2
     f = freqs.to(ct)
@@ -66,10 +66,10 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
         interleaved: accepted for TE's signature; must be False (megatron-core's ``rotary_interleaved``).
     Returns:
         ``[S, B, H, D]`` in ``t``'s dtype, differentiable in ``t``. Triton on CUDA
-        (:func:`sftprof.models.triton_kernels.rope_apply`), torch elsewhere.
+        (:func:`sftprof.models.layers.rope_kernels.rope_apply`), torch elsewhere.
     Raises:
         ValueError: interleaved or transposed output asked for; ``t`` or ``freqs`` not a tensor of an accepted dtype,
-            ``freqs`` on another device (:func:`sftprof.models.op_inputs.check_tensor`); or shapes that do not match
+            ``freqs`` on another device (:func:`sftprof.models.layers.op_inputs.check_tensor`); or shapes that do not match
             (named in the message).
     """
     check_tensor("fused_apply_rotary_pos_emb", "t", t, FLOAT_DTYPES, cpu_dtypes=(torch.float64,))

@@ -10,7 +10,7 @@ Per expert ``e`` with tokens ``x_e`` (rows ``offs[e-1]:offs[e]`` of the permuted
 probabilities ``p_e``: ``y_e = (silu(x_e W1g_e) * (x_e W1u_e) * p_e) W2_e`` (SwiGLU; Shazeer 2020,
 "GLU Variants Improve Transformer"), the same computation as megatron-core's experts with
 ``gated_linear_unit=True`` and probabilities applied after the activation. With ``silu`` the activation and
-the multiply by ``p_e`` are one fused op (:func:`sftprof.models.swiglu.swiglu_with_probs`).
+the multiply by ``p_e`` are one fused op (:func:`sftprof.models.layers.swiglu.swiglu_with_probs`).
 
 Weights: ``weight1 [E_local, hidden, 2 * ffn / ETP]`` (gate half then up half of this ETP rank's
 shard) and ``weight2 [E_local, ffn / ETP, hidden]``; bf16. The expert-TP partial sums of fc2 are
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.swiglu import swiglu_with_probs
+from sftprof.models.layers.swiglu import swiglu_with_probs
 
 
 def grouped_mm_supported(config) -> bool:
@@ -82,7 +82,7 @@ class GroupedGemmExperts(torch.nn.Module):
     def _activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         act = self.config.activation_func
         if self.config.gated_linear_unit and act is F.silu:
-            return swiglu_with_probs(fc1, probs)  # one fused pass each way (sftprof.models.swiglu)
+            return swiglu_with_probs(fc1, probs)  # one fused pass each way (sftprof.models.layers.swiglu)
         if self.config.gated_linear_unit:
             gate, up = fc1.chunk(2, dim=-1)
             out = act(gate) * up

@@ -11,7 +11,7 @@ per row: ``dx = r (g dy - x r**2 c)``; ``dweight = sum over rows of dy x r`` (th
 
 Two paths, one contract (output ``[..., D]`` in ``x``'s dtype, ``dweight`` in the weight's dtype):
 
-- CUDA, ``D <= FUSED_MAX_D``, bf16/fp16/fp32 ``x`` and weight: :func:`sftprof.models.triton_kernels.rms_norm_forward` / ``rms_norm_backward``. torch's
+- CUDA, ``D <= FUSED_MAX_D``, bf16/fp16/fp32 ``x`` and weight: :func:`sftprof.models.layers.norm_kernels.rms_norm_forward` / ``rms_norm_backward``. torch's
   ``F.rms_norm`` runs one CUDA block per row, which for the per-head q/k norms (rows of 128) costs ~7x the memory
   floor (3.37 ms per layer for the query ``[131072, 1, 32, 128]`` bf16 on an H200, whose 2 GiB of reads and writes
   take ~0.45 ms); the Triton kernels take ``[BLOCK_ROWS, BLOCK_D]`` tiles of rows. A strided view whose rows have one
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sftprof.models.op_inputs import FLOAT_DTYPES, check_tensor
+from sftprof.models.layers.op_inputs import FLOAT_DTYPES, check_tensor
 
 __all__ = ["FUSED_MAX_D", "RMSNorm", "fused_path", "rms_norm"]
 
@@ -53,7 +53,7 @@ _DTYPES = FLOAT_DTYPES + (torch.float64,)  # fp64: the torch path, on any device
 def fused_path(device: torch.device, x_dtype: torch.dtype, weight_dtype: torch.dtype, d: int) -> bool:
     """Whether :func:`rms_norm` runs the Triton kernels for an ``x`` ``[..., d]`` of ``x_dtype`` and a weight of
     ``weight_dtype`` on ``device``: CUDA, ``d <= FUSED_MAX_D``, both dtypes bf16/fp16/fp32
-    (:data:`sftprof.models.op_inputs.FLOAT_DTYPES`, what the kernels load and store). Otherwise (fp64 included) the
+    (:data:`sftprof.models.layers.op_inputs.FLOAT_DTYPES`, what the kernels load and store). Otherwise (fp64 included) the
     unfused torch computation, with the same semantics."""
     return (device.type == "cuda" and d <= FUSED_MAX_D and x_dtype in FLOAT_DTYPES
             and weight_dtype in FLOAT_DTYPES)
@@ -75,19 +75,19 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered):
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import norm_kernels
 
         rows = _rows(x)
         ctx.save_for_backward(rows, weight)
         ctx.eps, ctx.zero_centered = eps, zero_centered
-        return triton_kernels.rms_norm_forward(rows, weight, eps, zero_centered).view(x.shape)
+        return norm_kernels.rms_norm_forward(rows, weight, eps, zero_centered).view(x.shape)
 
     @staticmethod
     def backward(ctx, d_y):
-        from sftprof.models import triton_kernels
+        from sftprof.models.layers import norm_kernels
 
         rows, weight = ctx.saved_tensors
-        d_x, d_w = triton_kernels.rms_norm_backward(rows, weight, _rows(d_y), ctx.eps, ctx.zero_centered)
+        d_x, d_w = norm_kernels.rms_norm_backward(rows, weight, _rows(d_y), ctx.eps, ctx.zero_centered)
         return d_x.view(d_y.shape), d_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
 
 
@@ -106,7 +106,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_ga
         ``torch.nn.functional.rms_norm`` otherwise (the module docstring gives how their roundings differ).
     Raises:
         ValueError: ``x`` or ``weight`` not a tensor of an accepted dtype, ``weight`` on another device
-            (:func:`sftprof.models.op_inputs.check_tensor`); ``x`` without dimensions or ``weight`` not ``[D]``
+            (:func:`sftprof.models.layers.op_inputs.check_tensor`); ``x`` without dimensions or ``weight`` not ``[D]``
             with ``D = x.shape[-1] >= 1``.
     """
     check_tensor("rms_norm", "x", x, _DTYPES)
