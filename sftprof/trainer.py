@@ -44,10 +44,11 @@ from sftprof import artifacts
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.cli import PipeSafeStreamHandler
 from sftprof.compat import setup_transformer_engine
+from sftprof.console import THIRD_PARTY, ConsoleFilter, capture_warnings, summary_line
 from sftprof.config import ConfigError, exit_config_error, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
-from sftprof.progress import StepProgress
+from sftprof.progress import StepProgress, duration_text
 
 log = logging.getLogger("sftprof")
 
@@ -99,7 +100,9 @@ def _setup_logging(rank: int, log_dir: Path) -> None:
     root.setLevel(logging.INFO)
     out = PipeSafeStreamHandler(sys.stdout)  # a reader that stops early (| head) is no error of the run
     out.setFormatter(fmt)
+    out.addFilter(ConsoleFilter())  # third-party messages: trainer.log only (sftprof.console)
     root.addHandler(out)
+    capture_warnings()
     if rank == 0:
         fh = logging.FileHandler(log_dir / artifacts.TRAINER_LOG, mode="w")
         fh.setFormatter(fmt)
@@ -153,7 +156,8 @@ def _step_line(r: StepRecord, result) -> str:
     load = r.moe_load or {}
     load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
                  f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
-    return (f"step {r.step} | loss {result.loss:.4f} | grad norm {result.grad_norm:.4f} | step time {r.step_time_s:.3f} s "
+    return (f"step {r.step} | loss {result.loss:.4f} | grad norm {result.grad_norm:.4f} | step time "
+            f"{duration_text(r.step_time_s)} "
             f"| {r.tokens_per_s:.1f} tokens/s | {mem_text}"
             + (f" | {r.tflops_per_gpu:.1f} TFLOP/s/GPU" if r.tflops_per_gpu is not None else "") + load_text
             + (" | profiled" if r.profiled else ""))
@@ -312,6 +316,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         progress.stop()
+        if rank == 0 and summary_line():
+            THIRD_PARTY.info(summary_line())
         if stats is not None:
             stats.write(CompletionRecord(status="failed" if error else "ok", error=error, steps_done=steps_done,
                                          world_size=layout.world_size, backend=layout.backend, device=device.type,

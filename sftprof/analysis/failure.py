@@ -25,10 +25,12 @@ torchrun's root cause unless that is a SIGTERM while another rank failed otherwi
 log lines are those of the trainer's ``[rank N]`` log prefix (``sftprof/trainer.py``).
 
 A multi-node trial also has one end record per node (``LOG_DIR/nodes/node<k>.json``, written by each node's
-driver: ``python -m sftprof.launch node-record``). A node that wrote none never joined the trial (node 0's
+launcher: :func:`sftprof.launch.nodes.write_node_record`). A node that wrote none never joined the trial (node 0's
 torchrun then reports its static rendezvous timing out: ``Timed out after N seconds waiting for clients.
 1/2 clients joined.``) or died before its driver could write it; either way its ranks are the root cause,
-so such a node is the first failure, ahead of node 0's torchrun report (whose ranks lost their peers).
+so such a node is the first failure, ahead of node 0's torchrun report (whose ranks lost their peers). So is a
+node whose torchrun was killed outright (SIGKILL: it printed no report): its record names the signal and the
+ranks whose workers the launcher found still running and stopped (a one-node trial has a record only then).
 """
 from __future__ import annotations
 
@@ -252,8 +254,8 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
     Returns:
         ``[{"node", "ranks" (list of global ranks, None when the layout is unknown), "host" (None when unknown),
         "how" (one phrase: ``never joined the trial``, ``wrote no end record``, ``unreadable end record``,
-        ``torchrun exited with status <rc>``), "detail" (what that means and where to look)}]``, nodes without
-        a record first (the root cause), then by node rank. Nodes without a record are known only when a
+        ``torchrun killed by <signal> (status <rc>)``, ``torchrun exited with status <rc>``), "detail" (what that
+        means and where to look)}]``, nodes without a record first (the root cause), then by node rank. Nodes without a record are known only when a
         record or the config gives ``n_nodes``.
     """
     folder = Path(log_dir) / artifacts.NODES if log_dir else None
@@ -291,6 +293,14 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
         if "error" in rec:
             out.append({"node": k, "ranks": ranks, "host": None, "how": "unreadable end record",
                         "detail": f"{artifacts.node_record_path('', k)}: {rec['error']}"})
+        elif rec["torchrun_signal"]:  # torchrun itself killed: it printed no report, its workers may have lived on
+            stopped = rec["ranks_stopped"] or []
+            died = [r for r in ranks or [] if r not in stopped]
+            out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun killed by "
+                        f"{rec['torchrun_signal']} (status {rec['torchrun_rc']})", "detail": (
+                            f"the launcher stopped the workers it left running ({_ranks_text(stopped)})" if stopped
+                            else "no worker was left running") + (
+                            f"; {_ranks_text(died)} had ended before" if stopped and died else "")})
         elif rec["torchrun_rc"] != 0:
             out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun exited with status "
                         f"{rec['torchrun_rc']}", "detail": "see launcher.log in this run dir" if k == 0 else
@@ -361,7 +371,9 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         f["how"] = (f"killed by {sig} (exit code {code})" if sig else
                     f"exit code {code}" if code is not None else "unknown")
     others = [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures]
-    missing = bool(nodes) and nodes[0]["how"] in ("never joined the trial", "wrote no end record")
+    # a node that never joined, or whose torchrun was killed, is the root cause: the others' failures follow from it
+    missing = bool(nodes) and (nodes[0]["how"] in ("never joined the trial", "wrote no end record")
+                               or nodes[0]["how"].startswith("torchrun killed by"))
     crash = None if failures or missing else _torchrun_crash(lines, nodes, layout)
     if crash:
         return crash
