@@ -1187,3 +1187,126 @@ def test_compare_command_runs_from_any_folder(tmp_path, monkeypatch):
         lines = launch.report(run_root, python=python).splitlines()
         assert lines[-2:] == ["compare with another run (run roots or trial dirs):",
                               f"  {shown} {script} compare '{run_root}' OTHER_RUN_ROOT"]
+
+
+@pytest.mark.parametrize("name", [v.name for v in launch.VARIABLES])
+def test_control_characters_in_any_variable_are_refused_alike(name, tmp_path):
+    """A variable sourced from a file with CRLF line endings (or holding a tab or newline) is refused, path-like or
+    value-like, with one message: FILEROOT and RUN_ROOT were accepted (folders `fr\\r`, `run\\r`)."""
+    for bad in ("\r", "\t", "\n"):
+        value = (str(tmp_path / "x") if name in ("FILEROOT", "RUN_ROOT", "MODEL_PATH", "CONFIG") else "1") + bad
+        with pytest.raises(launch.DriverError) as err:
+            launch.plan(_plan_env(tmp_path, **{name: value}), [], gpus=0)
+        assert str(err.value) == (f"{name}={value!r}: holds the control character {bad!r} (a variable read from a file "
+                                  "with CRLF line endings?); accepted: a value without control characters (CR, LF, tab)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_control_character_in_run_root_stops_the_driver(tmp_path):
+    out = run_driver({"RUN_ROOT": str(tmp_path / "run") + "\r"}, tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: RUN_ROOT={str(tmp_path / 'run') + chr(13)!r}: holds the control character '\\r' (a "
+                          "variable read from a file with CRLF line endings?); accepted: a value without control "
+                          "characters (CR, LF, tab)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_root_is_claimed_by_one_driver(tmp_path, monkeypatch, capsys):
+    """Two drivers that planned into one RUN_ROOT at once: the first to write its plan claims the folder, the other is
+    refused (exit 2) and writes nothing; profile_settings.log holds the winner's settings (it used to hold the
+    loser's, and the loser ended in a FileExistsError traceback)."""
+    from sftprof.launch import cli
+
+    env = _plan_env(tmp_path, PROFILE_STEPS="0")
+    first = launch.plan(env, [], gpus=0)
+    second = launch.plan({**env, "LOGPROBS_CHUNK_SIZE": "64"}, [], gpus=0)   # planned before the first wrote
+    launch.write_plan(*first)
+    written = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    created = []
+    with pytest.raises(launch.DriverError) as err:
+        launch.write_plan(*second, created)
+    message = (f"RUN_ROOT={tmp_path / 'run'}: another driver claimed it while this one planned (its "
+               "profile_settings.log appeared); nothing was written. Choose another RUN_ROOT or PROFILE_STAMP")
+    assert str(err.value) == message and created == []
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
+    assert "LOGPROBS_CHUNK_SIZE=128\t# config actor.loss.logprobs_chunk_size" in \
+        (tmp_path / "run" / "profile_settings.log").read_text()
+    monkeypatch.setattr(cli, "plan", lambda env, overrides: second)   # the launcher's path: exit 2, one line
+    assert cli.plan_run(env, [], lambda: None) == 2
+    assert capsys.readouterr().err == f"sftprof: {message}\n"
+
+
+def test_yaml_ranks_are_kept_when_profile_ranks_is_unset(tmp_path):
+    """Without PROFILE_RANKS each kind keeps its profiler's ranks of the YAML (they used to become pp_rank0)."""
+    yaml = tmp_path / "ranks.yaml"
+    yaml.write_text((ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()
+                    .replace("perf_tracer:\n  profile_steps: []\n  ranks: pp_rank0",
+                             "perf_tracer:\n  profile_steps: []\n  ranks: '1'")
+                    .replace("max_entries: 100000\n  ranks: pp_rank0", "max_entries: 100000\n  ranks: ''"))
+    trials, settings, _ = launch.plan(_plan_env(tmp_path, CONFIG=str(yaml), PROFILE_STEPS="0"), [], gpus=2)
+    assert [[a for a in t.args if ".ranks=" in a] for t in trials] == [
+        ["perf_tracer.ranks='1'", "memory_profiler.ranks=''"]] * 2
+    assert ("PROFILE_RANKS=kernel 1, memory all\t# config perf_tracer.ranks and memory_profiler.ranks") in settings
+    trials, settings, _ = launch.plan(_plan_env(tmp_path, CONFIG=str(yaml), PROFILE_STEPS="0", PROFILE_RANKS="0"), [],
+                                      gpus=2)
+    assert [[a for a in t.args if ".ranks=" in a] for t in trials] == [
+        ["perf_tracer.ranks='0'", "memory_profiler.ranks='0'"]] * 2 and "PROFILE_RANKS=0\t# env" in settings
+
+
+def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
+    """The processes whose command line holds ``fileroot`` and ``word``: ``{pid: environment}``."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes()
+            env = dict(e.split("=", 1) for e in cmdline.with_name("environ").read_text().split("\0") if "=" in e)
+        except OSError:
+            continue
+        if str(fileroot).encode() in cmd and word.encode() in cmd:
+            found[int(cmdline.parent.name)] = env
+    return found
+
+
+def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tmp_path):
+    """SIGKILL of torchrun alone (its workers, each in its own session, lived on and finished their step; the end
+    table said FAILED while the summary said ok): the launcher stops the workers torchrun left, the trial fails with
+    status 137 in summary.tsv and the end table, and its summary names torchrun's signal and the ranks stopped."""
+    fileroot = tmp_path / "fileroot"
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
+    env.update(CONFIG="tiny_cpu", FILEROOT=str(fileroot), RUN_ROOT=str(tmp_path / "run"), PROFILE_KINDS="kernel",
+               PROFILE_STEPS="0", PROFILE_STAMP="k", PROFILE_FAKE_SEQ_LEN="128", TOTAL_STEPS="1000000")
+    proc = subprocess.Popen(["bash", str(DRIVER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        log = None
+        while proc.poll() is None and time.monotonic() < deadline and not (log and "engine built" in log.read_text()):
+            log = next(fileroot.glob("logs/*/*/*/trainer.log"), None)
+            time.sleep(0.2)
+        assert proc.poll() is None and log is not None, proc.communicate()
+        (torchrun,) = _processes_of(fileroot, "torch.distributed.run")
+        workers = [e["RANK"] for e in _processes_of(fileroot, "train_sft_profile.py").values() if "RANK" in e]
+        assert sorted(workers) == ["0", "1"]   # torchrun's command line names the script too; only workers have RANK
+        os.kill(torchrun, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 137, out[-3000:] + err[-3000:]
+    assert _processes_of(fileroot, "") == {}   # nothing of the trial left running
+    trial = "tiny_qwen3_moe_fake128_kernel_step0_k"
+    run_dir = tmp_path / "run" / trial
+    assert ("sftprof: torchrun was killed by SIGKILL (status 137) and left the workers of rank(s) 0,1 running: the "
+            "launcher stopped them\n") in (run_dir / "launcher.log").read_text()
+    rows = [line.split("\t") for line in (tmp_path / "run" / "summary.tsv").read_text().splitlines()[1:]]
+    assert [r[:6] for r in rows] == [[trial, "kernel", "0", "137", "137", "0"]]   # postprocessed without error
+    import json
+    summary = json.loads((run_dir / "profile_summary.json").read_text())
+    assert summary["status"] == "failed"
+    failure = summary["failure"]
+    assert (failure["node"], failure["ranks"], failure["how"], failure["traceback"]) == (
+        0, [0, 1], "torchrun killed by SIGKILL (status 137)", "the launcher stopped the workers it left running "
+                                                                "(ranks 0, 1)")
+    table = out[out.index("trial          status"):].splitlines()
+    assert table[1].startswith("kernel step 0  FAILED (137)") and table[1].endswith(
+        "first failure: node 0 (ranks 0-1) torchrun killed by SIGKILL (status 137) (see profile_summary.md)")

@@ -296,11 +296,14 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
         elif rec["torchrun_signal"]:  # torchrun itself killed: it printed no report, its workers may have lived on
             stopped = rec["ranks_stopped"] or []
             died = [r for r in ranks or [] if r not in stopped]
+            listed = {True: "rank {}", False: "ranks {}"}
             out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun killed by "
                         f"{rec['torchrun_signal']} (status {rec['torchrun_rc']})", "detail": (
-                            f"the launcher stopped the workers it left running ({_ranks_text(stopped)})" if stopped
+                            "the launcher stopped the workers it left running ("
+                            + listed[len(stopped) == 1].format(", ".join(map(str, stopped))) + ")" if stopped
                             else "no worker was left running") + (
-                            f"; {_ranks_text(died)} had ended before" if stopped and died else "")})
+                            "; " + listed[len(died) == 1].format(", ".join(map(str, died))) + " had already ended"
+                            if stopped and died else "")})
         elif rec["torchrun_rc"] != 0:
             out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun exited with status "
                         f"{rec['torchrun_rc']}", "detail": "see launcher.log in this run dir" if k == 0 else

@@ -4,6 +4,8 @@ one torchrun per trial, postprocesses each and prints the end table. One module 
 - :mod:`~sftprof.launch.variables`: the driver's environment variables, one table (config key, parser, default,
   doc) that the launcher, ``--help``, the docs and the checks read;
 - :mod:`~sftprof.launch.planning`: variables and arguments -> validated trials (:func:`plan`);
+- :mod:`~sftprof.launch.arguments`: the ``key=value`` arguments against the variables (one rule for a key both set)
+  and the keys the driver sets for each trial;
 - :mod:`~sftprof.launch.folders`: folder names and paths, RUN_ROOT chosen and claimed, the plan written
   (:func:`write_plan`) or removed;
 - :mod:`~sftprof.launch.signals`: SIGINT / SIGTERM while planning and while trials run;
@@ -15,9 +17,10 @@ one torchrun per trial, postprocesses each and prints the end table. One module 
 
 This package's names below are its public surface.
 """
+from sftprof.launch.arguments import TRIAL_KEYS
 from sftprof.launch.folders import check_writable_folder, log_user, model_tag, write_plan
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
-from sftprof.launch.planning import TRIAL_KEYS, PlanLog, Trial, free_port, plan, port_in_use, read_driver_env, visible_gpus
+from sftprof.launch.planning import PlanLog, Trial, free_port, plan, port_in_use, read_driver_env, visible_gpus
 from sftprof.launch.report import report
 from sftprof.launch.summaries import top_finding
 from sftprof.launch.trials import record_trials_not_run

@@ -22,38 +22,27 @@ name, the megatron backend on a node without CUDA, fewer visible GPUs than proce
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, to_yaml, trial_log_dir)
 from sftprof.launch import folders
-from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG,
-                                      DEFAULT_NODE_TIMEOUT_S, DRIVER_SCRIPT, KINDS, REPO_ROOT, DriverError, Variable,
-                                      check_text, closest_variable, parse_bool, suspect_variables)
+from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
+                                      check_trial_arguments, config_value, reject_driver_variables_as_arguments,
+                                      variable_conflict, yaml_value)
+from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
+                                      KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable, check_text, parse_bool,
+                                      suspect_variables)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
 
-# Config keys the driver sets for each trial (expand_trials) -> the driver variables that decide them (trial_name: none,
-# the driver's own). An argument may give one only the value the driver gives it.
-TRIAL_KEYS = {"trial_name": (), "total_train_steps": ("TOTAL_STEPS",), "perf_tracer.enabled": ("PROFILE_KINDS",),
-              "perf_tracer.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS"),
-              "memory_profiler.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS")}
 RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profiler's ranks key
-
-
-def _yaml_value(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass
@@ -95,33 +84,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def _reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
-    """Raise DriverError for an argument written like a driver variable (``NAME=value``, upper case, or a driver
-    variable's name in lower case that is no top-level config key: ``profile_steps=1``, not ``experiment_name=x``)."""
-    overrides = "arguments after the script are config overrides, dotted lower-case keys such as actor.num_layers=4"
-    config_keys = {f.name for f in fields(SFTProfileConfig)}
-    for arg in extra_overrides:
-        lower = re.fullmatch(r"([a-z][a-z0-9_]*)=(.*)", arg, flags=re.S)
-        if lower and lower.group(1).upper() in BY_NAME and lower.group(1) not in config_keys:
-            name = lower.group(1).upper()
-            raise DriverError(f"argument {arg!r} is not a config key but the driver variable {name} in lower case: "
-                              "driver variables are upper case and go in the environment, before `bash` ("
-                              f"{shlex.quote(f'{name}={lower.group(2)}')} bash {DRIVER_SCRIPT}); {overrides}")
-        m = re.fullmatch(r"([A-Z][A-Z0-9_]*)=(.*)", arg, flags=re.S)
-        if m is None:
-            continue
-        name, value = m.groups()
-        if name in BY_NAME:
-            raise DriverError(f"argument {arg!r} is a driver variable: put it before `bash` "
-                              f"({shlex.quote(arg)} bash {DRIVER_SCRIPT}); {overrides}")
-        near = closest_variable(name)
-        if near:
-            raise DriverError(f"argument {arg!r} is not a config override ({overrides}); did you mean the driver "
-                              f"variable {near}, set before `bash` ({shlex.quote(f'{near}={value}')} bash {DRIVER_SCRIPT})?")
-        raise DriverError(f"argument {arg!r} is neither a config override ({overrides}) nor a driver variable "
-                          f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
 @dataclass
@@ -216,12 +178,6 @@ def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:
         log.warn(message)
 
 
-def _value(v: Variable, env: Mapping[str, str]) -> object | None:
-    """``v``'s parsed value in ``env``; None when unset or empty (its default applies)."""
-    text = env.get(v.name)
-    return v.parse(v.name, text) if text else None
-
-
 def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: PlanLog) -> DriverEnv:
     """Step 1: parse every driver variable (no config is read yet), and apply the one rule to each config variable:
     set, it overrides its key, and an argument giving that key another value is refused.
@@ -232,7 +188,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     check_text(env)
     _check_suspects(env, log)
-    _reject_driver_variables_as_arguments(extra_overrides)
+    reject_driver_variables_as_arguments(extra_overrides)
     try:
         reject_repeated_keys(extra_overrides)
     except ConfigError as err:
@@ -243,7 +199,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
                                            else BY_NAME["PROFILE_STEPS"].default)
     kinds = BY_NAME["PROFILE_KINDS"].parse("PROFILE_KINDS", get("PROFILE_KINDS") if get("PROFILE_KINDS") is not None
                                            else ",".join(KINDS))
-    total_steps = _value(BY_NAME["TOTAL_STEPS"], env)
+    total_steps = BY_NAME["TOTAL_STEPS"].value(env)
     if total_steps is not None and total_steps <= max(steps):
         raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
                           "(or unset: profile step + 1)")
@@ -257,62 +213,29 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     overrides: list[str] = []
     set_keys: set[str] = set()
     for var in CONFIG_VARIABLES:
-        value = _value(var, env)
+        value = var.value(env)
         if value is None:  # unset or empty: the config's value stands
             continue
         (key,) = var.keys
         # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
-        overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else _yaml_value(value)}")
+        overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else yaml_value(value)}")
         set_keys.add(var.name)
-        _arguments_agree(var.name, arguments_setting(key, extra_overrides),
-                         lambda arg: _argument_value(var, arg) == value,
-                         lambda arg: _variable_conflict(f"{var.name}={get(var.name)}", key, arg), log)
+        arguments_agree(var.name, arguments_setting(key, extra_overrides),
+                         lambda arg: argument_value(var, arg) == value,
+                         lambda arg: variable_conflict(f"{var.name}={get(var.name)}", key, arg), log)
     if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not parse_bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
             and "MAIN_GRADS_DTYPE" not in set_keys:
         # USE_PRECISION_AWARE_OPTIMIZER=false alone: the optimizer dtypes follow it back to float32.
         overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
         log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
-    master_port = _value(BY_NAME["MASTER_PORT"], env)
-    node_timeout = _value(BY_NAME["NODE_TIMEOUT"], env)
+    master_port = BY_NAME["MASTER_PORT"].value(env)
+    node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
         extra_overrides=list(extra_overrides), set_keys=set_keys,
         node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
         master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
         master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S)
-
-
-def _arguments_agree(name: str, arguments: list[str], agrees: Callable[[str], bool], conflict: Callable[[str], str],
-                     log: PlanLog) -> None:
-    """The check of every argument that sets a config key the driver sets itself (a config variable's key, the
-    profiled ranks, a trial's own settings): DriverError(``conflict(arg)``) for the first argument that gives the key
-    another value than the driver (``agrees(arg)`` false); else the arguments are taken and ``profile_settings.log``
-    names them on variable ``name``'s line as agreeing (:meth:`PlanLog.agree`)."""
-    for arg in arguments:
-        if not agrees(arg):
-            raise DriverError(conflict(arg))
-    log.agree(name, arguments)
-
-
-def _variable_conflict(variable: str, keys: str, arg: str) -> str:
-    """The message of a driver variable (``NAME=value``) and an argument that set its config key(s) differently."""
-    return (f"{variable} (a driver variable, sets {keys}) and the argument {arg}: one config key set to different "
-            "values; set it once, as the variable or as the argument")
-
-
-def arguments_setting(key: str, extra_overrides: list[str]) -> list[str]:
-    """The ``key=value`` arguments that set config ``key``."""
-    return [arg for arg in extra_overrides if arg.partition("=")[0].strip() == key]
-
-
-def _argument_value(var: Variable, arg: str) -> object:
-    """The value argument ``arg`` gives ``var``'s key, read as OmegaConf reads it and then as the driver reads
-    ``var`` (so ``cluster.fileroot=rel`` compares as the resolved path); None when the driver would refuse it."""
-    try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={arg.partition('=')[2]}"]), resolve=False)["v"]
-        return var.parse(var.name, _yaml_value(value))
-    except (DriverError, OmegaConfBaseException):
-        return None
 
 
 def _sources(d: DriverEnv, model: bool = False) -> str:
@@ -349,12 +272,6 @@ def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
     except ValueError as err:
         raise DriverError(f"{err} (tokenizer_path / MODEL_PATH)") from err
     return probe
-
-
-def _config_value(cfg: SFTProfileConfig, key: str) -> object:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def _source(var: Variable, d: DriverEnv) -> str:
@@ -409,7 +326,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     d.overrides += [f"{RANK_KEYS[kind]}='{spec}'" for kind, spec in ranks_specs.items()]
     for var in CONFIG_VARIABLES:
         if not var.default:  # its default is the YAML's (N_GPUS_PER_NODE's is derived: noted below)
-            log.note(var.name, _yaml_value(_config_value(probe, var.keys[0])), _source(var, d))
+            log.note(var.name, yaml_value(config_value(probe, var.keys[0])), _source(var, d))
     # the package's own folder name: sftprof
     fileroot, package = Path(probe.cluster.fileroot), Path(__file__).resolve().parents[1].name
     folders.check_writable_folder("FILEROOT", fileroot)
@@ -447,7 +364,7 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
     specs, shown, sources = {}, {}, {}
     for kind, key in RANK_KEYS.items():
         arguments = arguments_setting(key, d.extra_overrides)
-        spec = _config_value(probe, key).strip()  # the YAML's, or the arguments' (as the trainer reads it)
+        spec = config_value(probe, key).strip()  # the YAML's, or the arguments' (as the trainer reads it)
         where = f"argument {arguments[-1]}" if arguments else "config"
         try:
             ranks = resolve_ranks(spec, layout)
@@ -455,8 +372,8 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
             raise DriverError(f"{where if arguments else 'config ' + key}: {err} (actor.backend="
                               f"{probe.actor.backend})") from err
         if env_ranks is not None:
-            _arguments_agree("PROFILE_RANKS", arguments, lambda arg: ranks == env_ranks,
-                             lambda arg: _variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
+            arguments_agree("PROFILE_RANKS", arguments, lambda arg: ranks == env_ranks,
+                             lambda arg: variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
                                                             arg), log)
             spec, ranks, where = ranks_env.strip(), env_ranks, "env"
         specs[kind], shown[kind], sources[kind] = spec, format_ranks(ranks) if spec else "all", where
@@ -471,35 +388,6 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
                            for k in planned)
     log.note("PROFILE_RANKS", shown[planned[0]] if same else ", ".join(f"{k} {shown[k]}" for k in planned), source)
     return specs
-
-
-def _check_trial_arguments(d: DriverEnv, owned: dict[str, list[str]], settings: dict[str, str],
-                           cfg: SFTProfileConfig, trial: str, log: PlanLog) -> None:
-    """Refuse (DriverError) an argument that sets a key of :data:`TRIAL_KEYS` to another value than the driver's
-    for this trial (``settings``: key -> ``key=value``; ``cfg``: the trial's config), naming the argument and the
-    driver variable that sets the key; an argument that agrees is noted on that variable's line
-    (:func:`_arguments_agree`). The argument's value is read as the trainer would: the config with it last."""
-    try:
-        theirs = load_config(d.config, d.overrides + list(settings.values()) + d.extra_overrides)
-    except ConfigError:  # an invalid value is not the driver's (which loaded above)
-        theirs = None
-    for key, arguments in owned.items():
-        variables = " and ".join(TRIAL_KEYS[key])
-        if variables:
-            remedy = (f"set {variables} before `bash` instead" + (
-                f" ({shlex.quote('TOTAL_STEPS=' + arguments[-1].partition('=')[2])} bash {DRIVER_SCRIPT})"
-                if key == "total_train_steps" else ""))
-            conflict = (lambda arg, key=key, variables=variables, remedy=remedy:
-                        f"argument {arg}: the driver sets {key} for each trial from {variables} ({settings[key]} for "
-                        f"{trial}); {remedy}")
-        else:
-            conflict = (lambda arg: f"argument {arg}: trial_name is the driver's own: it names each trial "
-                        f"<model>_fake<len>_<kind>_step<N>_<stamp> ({settings['trial_name']} for {trial}); leave the "
-                        "argument out (EXPERIMENT_NAME and PROFILE_STAMP name the run)")
-        same = theirs is not None and _config_value(theirs, key) == _config_value(cfg, key)
-        _arguments_agree(TRIAL_KEYS[key][0] if variables else "trial_name", arguments, lambda arg: same, conflict, log)
-        if not variables:
-            log.note("trial_name", cfg.trial_name, "the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp>")
 
 
 def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Path, SFTProfileConfig]:
@@ -530,7 +418,7 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
             trial_overrides = d.overrides + d.extra_overrides + list(settings.values())
             cfg = load_config(d.config, trial_overrides)
             if owned:
-                _check_trial_arguments(d, owned, settings, cfg, f"the {kind} trial of step {step}", log)
+                check_trial_arguments(d, owned, settings, cfg, f"the {kind} trial of step {step}", log)
             first_cfg = first_cfg or cfg
             log_dir = trial_log_dir(cfg)
             folders.check_path_fits("FILEROOT, EXPERIMENT_NAME or PROFILE_STAMP", log_dir,
@@ -553,7 +441,7 @@ def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
         master_port = free_port()
         log.note("MASTER_PORT", master_port, "default: a free port of this node")
     elif master_port is None:
-        master_port = 29500  # every node must agree on it: no per-node pick
+        master_port = MULTI_NODE_PORT
         log.note("MASTER_PORT", master_port, "default with N_NODES > 1")
     else:
         log.note("MASTER_PORT", master_port, "env")

@@ -300,6 +300,7 @@ class TrialRunner:
             kill_group(self.torchrun.pid, signal.SIGTERM)
         pump = _tee(self.torchrun, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)
         returncode = self.torchrun.wait()
+        ranks = stop_marked(self.marker)  # before the tee ends: workers left running hold torchrun's output pipe open
         pump.join()
         rc = exit_status(returncode)
         launcher_log = t.run_dir / artifacts.LAUNCHER_LOG
@@ -309,7 +310,6 @@ class TrialRunner:
                 self.stop.stopped(int(got[-1]), by_driver=False)
                 self.console.muted = True
                 say(f"torchrun got signal {got[-1]} (not the driver): stopping the run")
-        ranks = stop_marked(self.marker)
         killed = name(-returncode) if returncode < 0 else None
         if killed or ranks:
             line = ("sftprof: torchrun " + (f"was killed by {killed} (status {rc})" if killed else f"exited ({rc})")

@@ -35,6 +35,7 @@ KINDS = ("kernel", "memory")
 # Largest step count + 1 the driver takes (PROFILE_STEPS, TOTAL_STEPS): a longer run is a typo, not a profile.
 MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
+MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -186,7 +187,7 @@ VARIABLES = (
              default="0"),
     Variable("MASTER_ADDR", "launcher", "address of node 0", parse=_host, default="127.0.0.1"),
     Variable("MASTER_PORT", "launcher", "torchrun rendezvous port on node 0", parse=_port,
-             default="a free port (1 node), 29500 (several)"),
+             default=f"a free port (1 node), {MULTI_NODE_PORT} (several)"),
     Variable("NODE_TIMEOUT", "launcher", "seconds a node waits for the others to join, and node 0 for their end "
              "records (1 to 2**31 - 1)", parse=lambda n, t: _int(n, t, 1, NODE_TIMEOUT_MAX_S, " (2**31 - 1 seconds: "
                                                                     "torchrun's rendezvous timeout is a C int)"),
