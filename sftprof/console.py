@@ -42,7 +42,7 @@ def _keep_off(text: str) -> None:
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
-    if os.path.abspath(filename).startswith(PACKAGE_DIR):
+    if os.path.abspath(filename).startswith(PACKAGE_DIR + os.sep):
         logging.getLogger("sftprof").warning("%s", text)
     else:
         _keep_off(text)

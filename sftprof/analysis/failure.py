@@ -55,7 +55,7 @@ _NO_ERROR_FILE = "To enable traceback see:"
 # the trainer's log line when a trial fails (sftprof/trainer.py): "... [rank N] ERROR trial failed after K completed
 # step(s): SomeError: message"
 _TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$")
-# the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config.py
+# the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config/loading.py
 # ``load_config_or_exit``): printed to stderr before the ``[rank N]`` logging exists, so without a rank prefix (every
 # rank reads the same config and prints the same line), then exit status 2
 _CONFIG_ERROR_MARK = "sftprof: configuration error: "

@@ -27,8 +27,8 @@ from sftprof.launch.report import report
 from sftprof.launch.signals import PlanInterrupted, ignore_signals, plan_handlers, say, signals_held
 from sftprof.launch.signals import name as signal_name
 from sftprof.launch.trials import TrialRunner
-from sftprof.launch.variables import (ALLOW_UNKNOWN, DRIVER_SCRIPT, REPO_ROOT, DriverError, markdown_table,
-                                      suspect_variables, usage)
+from sftprof.launch.variables import (DRIVER_SCRIPT, REPO_ROOT, DriverError, markdown_table, suspect_variables,
+                                      unknown_allowed, usage)
 
 # The settings ``plan`` prints (KEY=value lines).
 PLAN_KEYS = ("run_root", "trials", "stop_on_failure", "node_timeout", "nproc_per_node", "nnodes", "node_rank",
@@ -51,7 +51,10 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
             run_root = Path(info["run_root"])
             write_plan(trials, settings, info, created)
         except (DriverError, ConfigError) as err:
-            allowed = (env.get(ALLOW_UNKNOWN) or "").strip().lower() in ("1", "true")
+            try:
+                allowed = unknown_allowed(env)
+            except DriverError:  # that is the error
+                allowed = False
             for _, near, message in suspect_variables(env):  # one may be why the plan failed (N_GPU_PER_NODE ignored)
                 if allowed or not near:  # the others are the error itself
                     say(f"warning: {message}")

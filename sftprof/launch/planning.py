@@ -37,7 +37,7 @@ from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agre
                                       variable_conflict, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
                                       KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable, check_text, parse_bool,
-                                      suspect_variables)
+                                      suspect_variables, unknown_allowed)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
@@ -166,7 +166,7 @@ def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:
     stops the plan when a driver variable is close to its name, unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``: it would be
     ignored and every trial run with the default. Allowed, or without a close name, it is a warning."""
     suspects = suspect_variables(env)
-    allowed = parse_bool(ALLOW_UNKNOWN, env.get(ALLOW_UNKNOWN) or "0")
+    allowed = unknown_allowed(env)
     typos = [f"{name}={env[name]!r} (did you mean {near}?" + (" Driver variables are upper case)" if near == name.upper()
                                                                else ")") for name, near, _ in suspects if near]
     if typos and not allowed:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -65,7 +65,6 @@ class RunStop:
     on_first: Callable[[int], None]
     on_again: Callable[[int], None]
     signum: int | None = None
-    extra: list[int] = field(default_factory=list)
 
     @property
     def status(self) -> int:
@@ -79,7 +78,6 @@ class RunStop:
             if by_driver:
                 self.on_first(signum)
         elif by_driver:
-            self.extra.append(signum)
             self.on_again(signum)
 
     def handle(self, signum: int, frame) -> None:

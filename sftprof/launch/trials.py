@@ -189,6 +189,13 @@ class TrialRunner:
             for pid in marked_processes(self.marker):
                 _signal(pid, signal.SIGKILL)
 
+    def _child_stopped(self, child: str, signum: int) -> None:
+        """A child got SIGINT or SIGTERM that the launcher did not (a ``kill`` of it): the run stops as after the
+        launcher's own signal."""
+        self.stop.stopped(signum, by_driver=False)
+        self.console.muted = True
+        say(f"{child} got signal {signum} (not the driver): stopping the run")
+
     def run(self, trials: list[Trial], info: dict) -> int:
         """Run every trial of the plan (``info``: its settings, :func:`sftprof.launch.planning.plan`), or until a
         signal or, with ``STOP_ON_FAILURE=1``, a failure; then the not-run rows and the end table; returns the exit
@@ -248,9 +255,7 @@ class TrialRunner:
                 self.console.line(f"sftprof: [{n}/{total}] postprocessing {t.name}")
                 pp_rc = self._postprocess(t)
                 if self.stop.signum is None and pp_rc in (130, 143):  # a signal the launcher did not get
-                    self.stop.stopped(pp_rc - 128, by_driver=False)
-                    self.console.muted = True
-                    say(f"postprocessing got signal {pp_rc - 128} (not the driver): stopping the run")
+                    self._child_stopped("postprocessing", pp_rc - 128)
         else:  # other nodes: torchrun's status; node 0 postprocesses every rank from the shared FILEROOT
             train_rc, pp_rc = torchrun_rc, 0
         if self.stop.signum is not None:  # the signal came after training: while postprocessing or reading the status
@@ -307,9 +312,7 @@ class TrialRunner:
         if self.stop.signum is None and rc != 0:  # torchrun signalled, not the launcher (a kill of torchrun)
             got = _TORCHRUN_SIGNAL.findall(launcher_log.read_text(errors="replace"))
             if got:
-                self.stop.stopped(int(got[-1]), by_driver=False)
-                self.console.muted = True
-                say(f"torchrun got signal {got[-1]} (not the driver): stopping the run")
+                self._child_stopped("torchrun", int(got[-1]))
         killed = name(-returncode) if returncode < 0 else None
         if killed or ranks:
             line = ("sftprof: torchrun " + (f"was killed by {killed} (status {rc})" if killed else f"exited ({rc})")

@@ -282,6 +282,11 @@ def suspect_variables(env: Mapping[str, str]) -> list[tuple[str, str | None, str
     return out
 
 
+def unknown_allowed(env: Mapping[str, str]) -> bool:
+    """``SFTPROF_ALLOW_UNKNOWN_VARS`` of ``env`` (default 0). Raises DriverError when it is not a boolean."""
+    return parse_bool(ALLOW_UNKNOWN, env.get(ALLOW_UNKNOWN) or BY_NAME[ALLOW_UNKNOWN].default)
+
+
 def unknown_variable_warnings(env: Mapping[str, str]) -> list[str]:
     """The message of each :func:`suspect_variables` entry."""
     return [message for _, _, message in suspect_variables(env)]
