@@ -1269,14 +1269,15 @@ def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
 
 def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tmp_path):
     """SIGKILL of torchrun alone (its workers, each in its own session, lived on and finished their step; the end
-    table said FAILED while the summary said ok): the launcher stops the workers torchrun left, the trial fails with
-    status 137 in summary.tsv and the end table, and its summary names torchrun's signal and the ranks stopped."""
+    table said FAILED while the summary said ok): the launcher stops the worker torchrun left, the trial fails with
+    status 137 in summary.tsv and the end table, and its summary names torchrun's signal and the rank stopped (the
+    rank that died with torchrun: tests/test_multinode.py)."""
     fileroot = tmp_path / "fileroot"
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
     env.update(CONFIG="tiny_cpu", FILEROOT=str(fileroot), RUN_ROOT=str(tmp_path / "run"), PROFILE_KINDS="kernel",
                PROFILE_STEPS="0", PROFILE_STAMP="k", PROFILE_FAKE_SEQ_LEN="128", TOTAL_STEPS="1000000")
-    proc = subprocess.Popen(["bash", str(DRIVER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         log = None
@@ -1286,17 +1287,23 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
         assert proc.poll() is None and log is not None, proc.communicate()
         (torchrun,) = _processes_of(fileroot, "torch.distributed.run")
         workers = [e["RANK"] for e in _processes_of(fileroot, "train_sft_profile.py").values() if "RANK" in e]
-        assert sorted(workers) == ["0", "1"]   # torchrun's command line names the script too; only workers have RANK
+        assert workers == ["0"]   # torchrun's command line names the script too; only its worker has RANK
         os.kill(torchrun, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        left = _processes_of(fileroot, "")   # torchrun and its workers are in sessions of their own
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:   # ended meanwhile
+                pass
     assert proc.returncode == 137, out[-3000:] + err[-3000:]
-    assert _processes_of(fileroot, "") == {}   # nothing of the trial left running
+    assert left == {}   # nothing of the trial left running
     trial = "tiny_qwen3_moe_fake128_kernel_step0_k"
     run_dir = tmp_path / "run" / trial
-    assert ("sftprof: torchrun was killed by SIGKILL (status 137) and left the workers of rank(s) 0,1 running: the "
+    assert ("sftprof: torchrun was killed by SIGKILL (status 137) and left the workers of rank(s) 0 running: the "
             "launcher stopped them\n") in (run_dir / "launcher.log").read_text()
     rows = [line.split("\t") for line in (tmp_path / "run" / "summary.tsv").read_text().splitlines()[1:]]
     assert [r[:6] for r in rows] == [[trial, "kernel", "0", "137", "137", "0"]]   # postprocessed without error
@@ -1305,8 +1312,7 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
     assert summary["status"] == "failed"
     failure = summary["failure"]
     assert (failure["node"], failure["ranks"], failure["how"], failure["traceback"]) == (
-        0, [0, 1], "torchrun killed by SIGKILL (status 137)", "the launcher stopped the workers it left running "
-                                                                "(ranks 0, 1)")
+        0, [0], "torchrun killed by SIGKILL (status 137)", "the launcher stopped the workers it left running (rank 0)")
     table = out[out.index("trial          status"):].splitlines()
     assert table[1].startswith("kernel step 0  FAILED (137)") and table[1].endswith(
-        "first failure: node 0 (ranks 0-1) torchrun killed by SIGKILL (status 137) (see profile_summary.md)")
+        "first failure: node 0 (rank 0) torchrun killed by SIGKILL (status 137) (see profile_summary.md)")
