@@ -162,7 +162,8 @@ def phases_name(rank: int) -> str:
 
 
 def node_record_path(log_dir: str | Path, node_rank: int) -> Path:
-    """``LOG_DIR/nodes/node<k>.json``: node ``k``'s end record of a multi-node trial."""
+    """``LOG_DIR/nodes/node<k>.json``: node ``k``'s end record of a multi-node trial (or of a one-node trial whose
+    torchrun was killed)."""
     return Path(log_dir) / NODES / f"node{node_rank}.json"
 
 
@@ -170,12 +171,14 @@ NODE_RECORD_RE = re.compile(r"^node(\d+)\.json$")
 
 
 def read_node_record(path: str | Path) -> dict[str, Any]:
-    """One node's end record (written by ``python -m sftprof.launch node-record``).
+    """One node's end record (written by the launcher: :func:`sftprof.launch.nodes.write_node_record`).
 
     Returns:
         ``{"node_rank": int, "host": str or None, "torchrun_rc": int, "elapsed_s": int or None (seconds),
-        "n_nodes": int or None, "nproc_per_node": int or None}``; the last two are None in records of
-        earlier releases, which did not write them.
+        "n_nodes": int or None, "nproc_per_node": int or None, "torchrun_signal": str or None, "ranks_stopped":
+        list of int or None}``; ``n_nodes`` and ``nproc_per_node`` are None in records of earlier releases, which
+        did not write them; ``torchrun_signal`` names the signal that killed torchrun itself (``SIGKILL``) and
+        ``ranks_stopped`` the ranks whose workers it left running, which the launcher then stopped.
 
     Raises:
         OSError: the file cannot be read. ValueError: it is not a JSON object with an integer ``torchrun_rc``
@@ -185,7 +188,11 @@ def read_node_record(path: str | Path) -> dict[str, Any]:
         rec = json.load(f)
     if not isinstance(rec, dict):
         raise ValueError(f"not a JSON object: {type(rec).__name__}")
-    out = {"host": rec.get("host") if isinstance(rec.get("host"), str) else None, "elapsed_s": rec.get("elapsed_s")}
+    stopped = rec.get("ranks_stopped")
+    out = {"host": rec.get("host") if isinstance(rec.get("host"), str) else None, "elapsed_s": rec.get("elapsed_s"),
+           "torchrun_signal": rec.get("torchrun_signal") if isinstance(rec.get("torchrun_signal"), str) else None,
+           "ranks_stopped": stopped if isinstance(stopped, list) and all(
+               isinstance(r, int) and not isinstance(r, bool) for r in stopped) else None}
     for key in ("node_rank", "torchrun_rc", "n_nodes", "nproc_per_node"):
         value = rec.get(key)
         if (value is None and key != "torchrun_rc") or (isinstance(value, int) and not isinstance(value, bool)):
@@ -202,7 +209,7 @@ def node_ranks(node_rank: int, nproc_per_node: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# RUN_ROOT and RUN_DIR (the launcher, the driver script, postprocessing)
+# RUN_ROOT and RUN_DIR (the launcher, postprocessing)
 # ---------------------------------------------------------------------------------------------------------
 PROFILE_SETTINGS = "profile_settings.log"
 TRIALS_TSV = "trials.tsv"

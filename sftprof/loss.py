@@ -14,7 +14,8 @@ megatron's own output layer on the logits paths. Paths:
   the logits.
 - ``reference``: full logits, ``log_softmax`` in fp32 and a gather (:func:`reference_logprobs`): the
   textbook computation, one fp32 ``[N, V]`` copy and its gradient; the baseline of the GPU parity test
-  and of ``bench/megatron_logits_memory.py``. TP = 1 only (it sees one vocabulary shard).
+  and of ``bench/megatron_logits_memory.py``. TP = 1 only (it sees one vocabulary shard; the config's validation
+  refuses it with TP > 1).
 
 All paths return an fp32 scalar; the loss weights carry the mask and any normalisation.
 """
@@ -133,15 +134,12 @@ class SFTLoss:
             loss_weight: ``[N]`` float weights (0 masks a token).
             tp_group: the group the vocabulary is split over (None: unsplit).
         Raises:
-            ValueError: the ``lm_head`` path (it never forms logits), or the ``reference`` path with TP > 1.
+            ValueError: the ``lm_head`` path (it never forms logits).
         """
         if self.path == "logprobs":
             logprobs = vocab_parallel_logprobs(logits, labels, tp_group=tp_group, chunk_size=self.logprobs_chunk_size,
                                                vocab_size=self.vocab_size)
-        elif self.path == "reference":
-            if tp_group is not None and dist.get_world_size(tp_group) > 1:
-                raise ValueError("actor.loss.path=reference: needs TP=1 (it takes a log_softmax over the local vocabulary "
-                                 "shard); accepted with TP > 1: auto, lm_head, logprobs")
+        elif self.path == "reference":  # TP = 1: sftprof.config.validate refuses it with TP > 1
             logprobs = reference_logprobs(logits, labels)
         else:
             raise ValueError(f"actor.loss.path={self.path}: the chunked LM-head loss takes hidden states (from_hidden), "

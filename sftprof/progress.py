@@ -2,15 +2,17 @@
 
 The trainer activates one :class:`StepProgress` on rank 0. Every region of
 :mod:`sftprof.capture.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
-``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``) logs a line when it ends, with its host wall time in seconds and the
-time since the step began; while a step runs, a background thread logs a heartbeat each time another
-``heartbeat_s`` seconds of that step have passed (at 20, 40, ... s of a step with the trainer's 20 s), naming the
-innermost region open at that moment: a step shorter than ``heartbeat_s`` logs none. Times are host wall
-clock (``time.monotonic``): on CUDA a region's kernels may still run after its line.
+``sftprof/backward/mb<i>``, ``sftprof/optimizer_step``) logs a line when it ends, with its host wall time and the
+time since the step began (:func:`duration_text`: 3 significant digits, ms below a second); while a step runs, a
+background thread logs a heartbeat each time another ``heartbeat_s`` seconds of that step have passed (at 20,
+40, ... s of a step with the trainer's 20 s), naming the innermost region open at that moment: a step shorter than
+``heartbeat_s`` logs none. Times are host wall clock (``time.monotonic``): on CUDA a region's kernels may still run
+after its line.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Optional
@@ -18,6 +20,15 @@ from typing import Callable, Optional
 from sftprof.artifacts import STEP
 
 log = logging.getLogger("sftprof")
+
+
+def duration_text(seconds: float) -> str:
+    """A duration for a console line, 3 significant digits: seconds from 1 s (``17.3 s``, ``1234 s``: whole seconds
+    from 100 s), milliseconds below (``412 ms``, ``4.12 ms``)."""
+    value, unit = (seconds, "s") if seconds >= 1 else (seconds * 1e3, "ms")
+    value = float(f"{value:.3g}") if value < 100 else value  # 9.999 -> 10.0, not 10.00
+    decimals = 0 if value <= 0 else max(0, 2 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f} {unit}"
 
 
 class StepProgress:
@@ -78,14 +89,15 @@ class StepProgress:
         self._open = self._open + [(name, self._clock())]
 
     def exit(self, name: str) -> None:
-        """A region closed: log ``step N | <name> done in X s (step at Y s)`` unless it is the whole step."""
+        """A region closed: log ``step N | <name> done in 412 ms (step at 1.23 s)`` unless it is the whole step."""
         now = self._clock()
         start = next((t for n, t in reversed(self._open) if n == name), None)
         self._open = [(n, t) for n, t in self._open if n != name]
         if start is None or self._step is None or name == STEP:
             return
         step, step_start = self._step
-        log.info("step %d | %s done in %.1f s (step at %.1f s)", step, name, now - start, now - step_start)
+        log.info("step %d | %s done in %s (step at %s)", step, name, duration_text(now - start),
+                 duration_text(now - step_start))
 
     def heartbeat_line(self) -> Optional[str]:
         """``step N | still running after X s; in <innermost region> for Y s``, or None between steps."""

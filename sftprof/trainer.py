@@ -47,6 +47,7 @@ from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
 from sftprof.cli import PipeSafeStreamHandler
 from sftprof.compat import setup_transformer_engine
+from sftprof.console import THIRD_PARTY, ConsoleFilter, capture_warnings, summary_line
 from sftprof.config import ConfigError, exit_config_error, load_config_or_exit, to_yaml, trial_log_dir
 from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batches
 from sftprof.engine import build_engine
@@ -54,7 +55,7 @@ from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
 from sftprof.models.hf import check_weights_present, load_hf_config
 from sftprof.models.megatron_config import check_model_settings
-from sftprof.progress import StepProgress
+from sftprof.progress import StepProgress, duration_text
 from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
@@ -107,7 +108,9 @@ def _setup_logging(rank: int, log_dir: Path) -> None:
     root.setLevel(logging.INFO)
     out = PipeSafeStreamHandler(sys.stdout)  # a reader that stops early (| head) is no error of the run
     out.setFormatter(fmt)
+    out.addFilter(ConsoleFilter())  # third-party messages: trainer.log only (sftprof.console)
     root.addHandler(out)
+    capture_warnings()
     if rank == 0:
         fh = logging.FileHandler(log_dir / artifacts.TRAINER_LOG, mode="w")
         fh.setFormatter(fmt)
@@ -161,7 +164,8 @@ def _step_line(r: StepRecord, result) -> str:
     load = r.moe_load or {}
     load_text = (f" | MoE load max/mean {load['max_over_mean_max']:.2f} (layer {load['worst_layer']}), "
                  f"EP rank max/mean {load['ep_max_over_mean_max']:.2f}" if load.get("worst_layer") is not None else "")
-    return (f"step {r.step} | loss {result.loss:.4f} | grad norm {result.grad_norm:.4f} | step time {r.step_time_s:.3f} s "
+    return (f"step {r.step} | loss {result.loss:.4f} | grad norm {result.grad_norm:.4f} | step time "
+            f"{duration_text(r.step_time_s)} "
             f"| {r.tokens_per_s:.1f} tokens/s | {mem_text}"
             + (f" | {r.tflops_per_gpu:.1f} TFLOP/s/GPU" if r.tflops_per_gpu is not None else "") + load_text
             + (" | profiled" if r.profiled else ""))
@@ -309,6 +313,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         progress.stop()
+        if rank == 0 and summary_line():
+            THIRD_PARTY.info(summary_line())
         if stats is not None:
             stats.write(CompletionRecord(status="failed" if error else "ok", error=error, steps_done=steps_done,
                                          world_size=layout.world_size, backend=layout.backend, device=device.type,

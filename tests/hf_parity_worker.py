@@ -62,8 +62,8 @@ def run_case(ckpt: str, layout_text: str, lm_head_chunk: int, seq: int, rank: in
 
     cfg = load_config("tiny_cpu", [
         f"actor.backend={layout_text}", "actor.dtype=float32", f"actor.path={ckpt}", "actor.init_from_scratch=false",
-        "actor.optimizer.gradient_clipping=0", "actor.logprobs_chunk_size=0", "actor.mb_spec.n_mbs=1",
-        f"actor.megatron.lm_head_loss_chunk_size={lm_head_chunk}", "actor.megatron.ddp.use_distributed_optimizer=false",
+        "actor.optimizer.gradient_clipping=0", "actor.loss.logprobs_chunk_size=0", "actor.mb_spec.n_mbs=1",
+        f"actor.loss.lm_head_loss_chunk_size={lm_head_chunk}", "actor.megatron.ddp.use_distributed_optimizer=false",
         f"profile.fake_seq_len={seq}", "train_dataset.batch_size=2"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path)

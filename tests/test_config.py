@@ -37,7 +37,7 @@ def test_interpolation_follows_overrides():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("actor.logprobs_chunk_size=-1", "actor.logprobs_chunk_size=-1: must be an integer >= 0"),
+    ("actor.loss.logprobs_chunk_size=-1", "actor.loss.logprobs_chunk_size=-1: must be an integer >= 0"),
     ("actor.logprob_chunk_size=128", "actor.logprob_chunk_size: Key 'logprob_chunk_size' not in 'ActorConfig'"),
     ("profile.fake_seq_len=abc", "profile.fake_seq_len: Value 'abc' of type 'str' could not be converted to Integer"),
     ("profile.fake_seq_len=1", "profile.fake_seq_len=1: must be an integer from 2 to 134217728 (2**27: token "
@@ -95,33 +95,31 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(typo)
 
 
-def test_enable_chunked_logits_false_means_unchunked():
-    assert load_config(FLAGSHIP).actor.loss.logprobs_chunk_size == 128
-    cfg = load_config(FLAGSHIP, ["actor.megatron.enable_chunked_logits=false"])
-    assert cfg.actor.loss.logprobs_chunk_size == 0
-
-
-def test_loss_section_and_old_key_names(tmp_path):
-    """Old loss keys map onto actor.loss per source; a later source wins whichever name it uses."""
-    assert load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64"]).actor.loss.logprobs_chunk_size == 64
-    cfg = load_config(FLAGSHIP, ["actor.megatron.lm_head_loss_chunk_size=2048"])
-    assert (cfg.actor.loss.lm_head_loss_chunk_size, cfg.actor.loss.resolved_path()) == (2048, "lm_head")
-    old_style = tmp_path / "old.yaml"  # the tiny preset as releases before actor.loss wrote it
-    tiny = (ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()
-    loss_block = tiny[tiny.index("  loss:\n"):tiny.index("profile:\n")]
-    old_style.write_text(tiny.replace(loss_block, "  logprobs_chunk_size: 256\n  megatron:\n    lm_head_loss_chunk_size: 512\n"))
-    cfg = load_config(old_style)
-    assert (cfg.actor.loss.logprobs_chunk_size, cfg.actor.loss.lm_head_loss_chunk_size) == (256, 512)
-    cfg = load_config(old_style, ["actor.loss.logprobs_chunk_size=32", "actor.loss.lm_head_loss_chunk_size=0"])
-    assert (cfg.actor.loss.logprobs_chunk_size, cfg.actor.loss.resolved_path()) == (32, "logprobs")
-    assert load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64", "actor.loss.logprobs_chunk_size=64"]
-                       ).actor.loss.logprobs_chunk_size == 64
+@pytest.mark.parametrize("key", ["actor.logprobs_chunk_size", "actor.megatron.lm_head_loss_chunk_size",
+                                 "actor.megatron.enable_chunked_logits"])
+def test_old_loss_key_names_are_unknown_keys(key, tmp_path):
+    """The loss settings have one name each (actor.loss.*): the names of earlier releases are refused like any
+    unknown key, in an override and in a YAML file, naming the key."""
     with pytest.raises(ConfigError) as exc:
-        load_config(FLAGSHIP, ["actor.logprobs_chunk_size=64", "actor.loss.logprobs_chunk_size=32"])
-    assert str(exc.value) == ("actor.logprobs_chunk_size=64 and actor.loss.logprobs_chunk_size=32 in the overrides: one "
-                              "setting under its old and new name with different values; keep "
-                              "actor.loss.logprobs_chunk_size (the old name is still read)")
-    assert "actor.logprobs_chunk_size" not in to_yaml(cfg) and "enable_chunked_logits" not in to_yaml(cfg)
+        load_config(FLAGSHIP, [f"{key}=0"])
+    section, name = key.rsplit(".", 1)
+    assert str(exc.value).startswith(f"{key}: Key '{name}' not in ")
+    old_style = tmp_path / "old.yaml"
+    tiny = (ROOT / "sftprof" / "presets" / "tiny_cpu.yaml").read_text()
+    old_style.write_text(tiny.replace("  mb_spec:\n", f"  {name}: 0\n  mb_spec:\n") if section == "actor" else
+                         tiny.replace("profile:\n", f"  megatron:\n    {name}: 0\nprofile:\n"))
+    with pytest.raises(ConfigError) as exc:
+        load_config(old_style)
+    assert str(exc.value).startswith(f"{key}: Key '{name}' not in ") and str(old_style) in str(exc.value)
+
+
+def test_loss_defaults_are_the_schemas():
+    """Every shipped YAML leaves actor.loss to the schema: one default for each loss setting."""
+    for yaml in (FLAGSHIP, ROOT / "qwen3_5_35b_a3b_sft_profile.yaml", PRESET_DIR / "tiny_cpu.yaml",
+                 PRESET_DIR / "tiny_qwen3_5_cpu.yaml"):
+        assert "chunk_size:" not in yaml.read_text(), yaml
+        loss = load_config(yaml).actor.loss
+        assert (loss.path, loss.logprobs_chunk_size, loss.lm_head_loss_chunk_size) == ("auto", 128, 0), yaml
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -130,7 +128,6 @@ def test_loss_section_and_old_key_names(tmp_path):
      "actor.loss.lm_head_loss_chunk_size=8: must be 0 with actor.loss.path=logprobs"),
     (["actor.loss.path=fused"], "actor.loss.path='fused': must be one of ['auto', 'lm_head', 'logprobs', 'reference']"),
     (["actor.loss.path=reference", "actor.backend=megatron:t2"], "actor.loss.path='reference': needs TP=1"),
-    (["actor.megatron.enable_chunked_logits=maybe"], "actor.megatron.enable_chunked_logits='maybe': must be true or false"),
 ])
 def test_bad_loss_settings(overrides, message):
     with pytest.raises(ConfigError) as exc:

@@ -20,7 +20,8 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
     env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"),
                PROFILE_STEPS="0,1", PROFILE_KINDS="kernel,memory", PROFILE_STAMP="e2e",
-               PROFILE_FAKE_SEQ_LEN="512", OMP_NUM_THREADS="1")
+               PROFILE_FAKE_SEQ_LEN="512", OMP_NUM_THREADS="1",
+               PROFILE_FOO="x")  # not a driver variable, no close name: a warning before launch, repeated at the end
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env,
                          capture_output=True, text=True, timeout=900)
     return out, base / "run"
@@ -53,6 +54,27 @@ def test_four_trials_succeed(run):
     python = shutil.which(os.environ.get("PYTHON", "python3"))   # the driver's PYTHON, runnable from any folder
     assert table[12:14] == ["compare with another run (run roots or trial dirs):",
                             f"  {python} {ROOT / 'postprocess_profile.py'} compare {run_root} OTHER_RUN_ROOT"]
+    warning = "PROFILE_FOO is not a driver variable and is ignored (`bash run_qwen3_30b_a3b_sft_profile.sh --help` lists them)"
+    assert f"sftprof: warning: {warning}\n" in out.stderr
+    assert f"\n# warning: {warning}\n" in (run_root / "profile_settings.log").read_text()
+    assert table[14:] == ["", "warnings before launch (also in profile_settings.log):", f"  {warning}"]
+
+
+def test_third_party_messages_are_kept_off_the_console(run):
+    """transformers' FutureWarning and Kineto's "USDT: ... profiler_start" lines are not on the console (nor in
+    launcher.log, which tees it); rank 0's trainer.log keeps them, and their count."""
+    out, run_root = run
+    for row in summary_rows(run_root):
+        console = (Path(row["run_dir"]) / "launcher.log").read_text()
+        assert "FutureWarning" not in console and "USDT:" not in console and "[rank 0] INFO step 0 | loss" in console
+        log = (Path(row["log_dir"]) / "trainer.log").read_text()
+        kept = [line for line in log.splitlines() if "FutureWarning: `gradient_checkpointing_enable`" in line
+                or "] profiler_st" in line]
+        assert kept
+        assert log.splitlines()[-1].endswith(f"INFO {len(kept)} third-party message(s) (warnings of other packages, "
+                                             "Kineto's USDT lines) were kept off the console; they are above in this log")
+        assert ("] profiler_start" in log) == (row["kind"] == "kernel")
+    assert "FutureWarning" not in out.stdout + out.stderr and "USDT:" not in out.stdout + out.stderr
 
 
 def test_views_are_valid_and_separated(run):

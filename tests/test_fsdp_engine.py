@@ -42,8 +42,8 @@ def _reference(state: dict, hf_config, mbs, n_loss_tokens):
 @pytest.mark.parametrize("head_chunk", [0, 24])
 def test_fsdp_step0_loss_matches_reference(gloo_world_1, head_chunk):
     cfg = load_config("tiny_cpu", ["actor.backend=fsdp:d1", "train_dataset.batch_size=3", "actor.mb_spec.n_mbs=2",
-                                   "profile.fake_seq_len=32", "actor.logprobs_chunk_size=40",
-                                   f"actor.megatron.lm_head_loss_chunk_size={head_chunk}",
+                                   "profile.fake_seq_len=32", "actor.loss.logprobs_chunk_size=40",
+                                   f"actor.loss.lm_head_loss_chunk_size={head_chunk}",
                                    "actor.optimizer.gradient_clipping=0.5", "actor.mb_spec.max_tokens_per_mb=0"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf_config = load_hf_config(cfg.actor.path)
@@ -78,7 +78,7 @@ def test_fsdp_loads_hf_checkpoint_and_matches_transformers(gloo_world_1, tmp_pat
     ckpt = write_qwen3_moe(tmp_path / "ckpt")
     cfg = load_config("tiny_cpu", ["actor.backend=fsdp:d1", f"actor.path={ckpt}", "actor.init_from_scratch=false",
                                    "actor.dtype=float32", "profile.fake_seq_len=48", "train_dataset.batch_size=2",
-                                   "actor.mb_spec.n_mbs=1", "actor.logprobs_chunk_size=16"])
+                                   "actor.mb_spec.n_mbs=1", "actor.loss.logprobs_chunk_size=16"])
     hf_config = load_hf_config(cfg.actor.path)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, hf_config.vocab_size, (2, 49), generator=g)

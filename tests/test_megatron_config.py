@@ -222,7 +222,7 @@ def test_init_from_scratch_false_messages(tmp_path):
 def test_chunked_lm_head_needs_vocab_divisible_by_tp():
     hf = load_hf_config("tiny_qwen3_moe")
     hf.vocab_size = 151937
-    cfg = load_config("tiny_cpu", ["actor.megatron.lm_head_loss_chunk_size=2048"])
+    cfg = load_config("tiny_cpu", ["actor.loss.lm_head_loss_chunk_size=2048"])
     with pytest.raises(ConfigError, match="lm_head_loss_chunk_size=2048: the chunked LM-head loss needs a vocabulary "
                                           "divisible by TP=2 \\(vocab_size 151937\\)"):
         mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:t2"))

@@ -57,7 +57,7 @@ def test_chunked_lm_head_loss_matches_logits_path(tmp_path):
         pytest.skip("needs 2 GPUs")
     mode = "megatron:(attn:t2|ffn:e2)"
     a = [r for r in _run(tmp_path / "a", mode) if r["type"] == "step"]
-    b = [r for r in _run(tmp_path / "b", mode, ["actor.megatron.lm_head_loss_chunk_size=512"]) if r["type"] == "step"]
+    b = [r for r in _run(tmp_path / "b", mode, ["actor.loss.lm_head_loss_chunk_size=512"]) if r["type"] == "step"]
     print("losses: logits path", [r["loss"] for r in a], "chunked LM head", [r["loss"] for r in b])
     assert abs(a[0]["loss"] - b[0]["loss"]) < 1e-2
 

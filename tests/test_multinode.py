@@ -136,3 +136,15 @@ def test_node_failures_name_each_node_and_its_ranks(tmp_path):
         (tmp_path / "nodes" / f"node{k}.json").write_text('{"node_rank": %d, "torchrun_rc": 0}' % k)
     assert [(n["node"], n["ranks"]) for n in node_failures(str(tmp_path), [], (5, 2))] == [(4, [8, 9])]
     assert node_failures(str(tmp_path), []) == []  # no layout anywhere: a missing node cannot be known
+
+
+def test_a_killed_torchrun_is_the_first_failure_with_the_ranks_it_left(tmp_path):
+    """A node whose torchrun was killed outright (its record names the signal and the ranks whose workers the launcher
+    stopped) is the root cause, its other ranks named as already ended (they died with torchrun, or before)."""
+    from sftprof.analysis.failure import first_failure, headline
+    launch.write_node_record(tmp_path, 0, 137, 5, 1, 3, "SIGKILL", [0, 2])
+    fail = first_failure(str(tmp_path / "launcher.log"), str(tmp_path))
+    assert headline(fail) == "node 0 (ranks 0-2) torchrun killed by SIGKILL (status 137)"
+    assert fail["traceback"] == "the launcher stopped the workers it left running (ranks 0, 2); rank 1 had already ended"
+    launch.write_node_record(tmp_path, 0, 137, 5, 1, 3, "SIGKILL", None)
+    assert first_failure(str(tmp_path / "launcher.log"), str(tmp_path))["traceback"] == "no worker was left running"

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from sftprof.capture.regions import STEP, backward, forward, region
-from sftprof.progress import StepProgress
+from sftprof.progress import StepProgress, duration_text
 
 
 def test_phase_lines_and_heartbeat(caplog):
@@ -27,12 +27,19 @@ def test_phase_lines_and_heartbeat(caplog):
     assert re.fullmatch(r"step 3 \| still running after \d+ s; in sftprof/forward/mb0 for \d+ s", beat)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert re.fullmatch(r"step 3 \| sftprof/forward/mb0 done in \d+\.\d s \(step at \d+\.\d s\)", lines[0])
+    duration = r"(\d+ ms|\d+\.\d+ ms|\d\.\d\d s|\d\d\.\d s|\d+ s)"   # 3 significant digits, ms below a second
+    assert re.fullmatch(rf"step 3 \| sftprof/forward/mb0 done in {duration} \(step at {duration}\)", lines[0])
     assert lines[1].startswith("step 3 | sftprof/backward/mb0 done in ")
     assert StepProgress._active is None
     with region(forward(1)):  # no active reporter: no lines
         pass
     assert len(caplog.records) == 2
+
+
+def test_durations_carry_three_significant_digits():
+    """Console durations: seconds from 1 s, milliseconds below, 3 significant digits (whole seconds from 100 s)."""
+    assert [duration_text(s) for s in (17.345, 9.999, 1.0, 0.4123, 0.0041234, 123.4, 1234.5, 0.0)] == [
+        "17.3 s", "10.0 s", "1.00 s", "412 ms", "4.12 ms", "123 s", "1234 s", "0 ms"]
 
 
 def test_heartbeat_interval_must_be_positive():

@@ -52,7 +52,7 @@ def _sft_model(cfg_overrides, hf_config):
 def test_padded_bshd_repacks_to_the_packed_path(head_chunk):
     hf_config = _tiny_config()
     torch.manual_seed(3)
-    _, model = _sft_model(["actor.logprobs_chunk_size=7", f"actor.megatron.lm_head_loss_chunk_size={head_chunk}"],
+    _, model = _sft_model(["actor.loss.logprobs_chunk_size=7", f"actor.loss.lm_head_loss_chunk_size={head_chunk}"],
                           hf_config)
     gen = torch.Generator().manual_seed(0)
     lengths = [9, 3, 14]

@@ -207,7 +207,7 @@ def _uses_cp_attention(flat_cfg: dict[str, Any]) -> bool:
     return layout.backend == "megatron" and layout.cp > 1
 
 
-# settings whose empty value has a meaning of its own (sftprof/config.py: PerfTracerConfig, MemoryProfilerConfig)
+# settings whose empty value has a meaning of its own (sftprof/config/schema.py: PerfTracerConfig, MemoryProfilerConfig)
 _EMPTY_MEANS = {"perf_tracer.ranks": "all ranks", "memory_profiler.ranks": "all ranks"}
 
 

@@ -25,10 +25,12 @@ torchrun's root cause unless that is a SIGTERM while another rank failed otherwi
 log lines are those of the trainer's ``[rank N]`` log prefix (``sftprof/trainer.py``).
 
 A multi-node trial also has one end record per node (``LOG_DIR/nodes/node<k>.json``, written by each node's
-driver: ``python -m sftprof.launch node-record``). A node that wrote none never joined the trial (node 0's
+launcher: :func:`sftprof.launch.nodes.write_node_record`). A node that wrote none never joined the trial (node 0's
 torchrun then reports its static rendezvous timing out: ``Timed out after N seconds waiting for clients.
 1/2 clients joined.``) or died before its driver could write it; either way its ranks are the root cause,
-so such a node is the first failure, ahead of node 0's torchrun report (whose ranks lost their peers).
+so such a node is the first failure, ahead of node 0's torchrun report (whose ranks lost their peers). So is a
+node whose torchrun was killed outright (SIGKILL: it printed no report): its record names the signal and the
+ranks whose workers the launcher found still running and stopped (a one-node trial has a record only then).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ _NO_ERROR_FILE = "To enable traceback see:"
 # the trainer's log line when a trial fails (sftprof/trainer.py): "... [rank N] ERROR trial failed after K completed
 # step(s): SomeError: message"
 _TRAINER_ERROR = re.compile(r"trial failed after \d+ completed step\(s\): (.+)$")
-# the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config.py
+# the trainer refusing its configuration (sftprof/trainer.py ``_exit_config_error``, sftprof/config/loading.py
 # ``load_config_or_exit``): printed to stderr before the ``[rank N]`` logging exists, so without a rank prefix (every
 # rank reads the same config and prints the same line), then exit status 2
 _CONFIG_ERROR_MARK = "sftprof: configuration error: "
@@ -252,8 +254,8 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
     Returns:
         ``[{"node", "ranks" (list of global ranks, None when the layout is unknown), "host" (None when unknown),
         "how" (one phrase: ``never joined the trial``, ``wrote no end record``, ``unreadable end record``,
-        ``torchrun exited with status <rc>``), "detail" (what that means and where to look)}]``, nodes without
-        a record first (the root cause), then by node rank. Nodes without a record are known only when a
+        ``torchrun killed by <signal> (status <rc>)``, ``torchrun exited with status <rc>``), "detail" (what that
+        means and where to look)}]``, nodes without a record first (the root cause), then by node rank. Nodes without a record are known only when a
         record or the config gives ``n_nodes``.
     """
     folder = Path(log_dir) / artifacts.NODES if log_dir else None
@@ -291,6 +293,17 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
         if "error" in rec:
             out.append({"node": k, "ranks": ranks, "host": None, "how": "unreadable end record",
                         "detail": f"{artifacts.node_record_path('', k)}: {rec['error']}"})
+        elif rec["torchrun_signal"]:  # torchrun itself killed: it printed no report, its workers may have lived on
+            stopped = rec["ranks_stopped"] or []
+            died = [r for r in ranks or [] if r not in stopped]
+            listed = {True: "rank {}", False: "ranks {}"}
+            out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun killed by "
+                        f"{rec['torchrun_signal']} (status {rec['torchrun_rc']})", "detail": (
+                            "the launcher stopped the workers it left running ("
+                            + listed[len(stopped) == 1].format(", ".join(map(str, stopped))) + ")" if stopped
+                            else "no worker was left running") + (
+                            "; " + listed[len(died) == 1].format(", ".join(map(str, died))) + " had already ended"
+                            if stopped and died else "")})
         elif rec["torchrun_rc"] != 0:
             out.append({"node": k, "ranks": ranks, "host": rec["host"], "how": f"torchrun exited with status "
                         f"{rec['torchrun_rc']}", "detail": "see launcher.log in this run dir" if k == 0 else
@@ -361,7 +374,9 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         f["how"] = (f"killed by {sig} (exit code {code})" if sig else
                     f"exit code {code}" if code is not None else "unknown")
     others = [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures]
-    missing = bool(nodes) and nodes[0]["how"] in ("never joined the trial", "wrote no end record")
+    # a node that never joined, or whose torchrun was killed, is the root cause: the others' failures follow from it
+    missing = bool(nodes) and (nodes[0]["how"] in ("never joined the trial", "wrote no end record")
+                               or nodes[0]["how"].startswith("torchrun killed by"))
     crash = None if failures or missing else _torchrun_crash(lines, nodes, layout)
     if crash:
         return crash

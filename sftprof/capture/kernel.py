@@ -32,6 +32,7 @@ from torch.profiler import ProfilerAction
 
 from sftprof.artifacts import raw_trace_path
 from sftprof.capture import module_regions
+from sftprof.console import native_stderr_filtered
 from sftprof.ranks import resolve_ranks
 
 log = logging.getLogger(__name__)
@@ -125,14 +126,16 @@ class KernelProfiler:
             self._prof = torch.profiler.profile(
                 activities=activities, schedule=profile_schedule(self.steps), record_shapes=True,
                 on_trace_ready=self._export, experimental_config=_experimental_config(cuda))
-            self._prof.start()
+            with native_stderr_filtered():  # Kineto's "USDT: ... profiler_start" line: off the console
+                self._prof.start()
         else:
             if step != self._prof.step_num + 1:
                 expected = self._prof.step_num + 1
                 self._failed = True
                 self._stop()
                 raise ValueError(f"KernelProfiler.step: expected step {expected}, got {step}")
-            self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
+            with native_stderr_filtered():
+                self._prof.step()  # closes ProfilerStep#<step - 1>, opens ProfilerStep#<step>
         if step in self.steps:
             # set after prof.step(): that call exports the previous profiled step (torch has already counted on)
             self._recording = step
@@ -149,7 +152,8 @@ class KernelProfiler:
     def _stop(self) -> None:
         prof, self._prof = self._prof, None
         if prof is not None:
-            prof.stop()
+            with native_stderr_filtered():
+                prof.stop()
 
     def _export(self, prof: torch.profiler.profile) -> None:
         if self._failed:

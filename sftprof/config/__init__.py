@@ -1,0 +1,29 @@
+"""Typed configuration of an sftprof trial: YAML + ``${...}`` interpolation + dotted ``key=value`` overrides.
+
+One module per job; this package's names are the public surface (``from sftprof.config import load_config``):
+
+- :mod:`~sftprof.config.schema`: the dataclasses (one per section, each key's default) and each section's ``check``;
+- :mod:`~sftprof.config.sources`: checks of one source (the YAML file, or the overrides) before merging;
+- :mod:`~sftprof.config.loading`: :func:`load_config` (read, check, merge, resolve, validate), presets, the rule
+  that one command line sets a key once, :func:`load_config_or_exit` for entry points;
+- :mod:`~sftprof.config.validation`: :func:`validate`, the rules that span sections;
+- :mod:`~sftprof.config.paths`: the trial's log dir and the names allowed as its folders;
+- :mod:`~sftprof.config.errors`: :class:`ConfigError` (every message names the key, the value and what is
+  accepted) and the exit of an entry point on one (status 2, before any process group starts).
+
+The driver's environment variables are another way to set some of these keys: their table is
+:mod:`sftprof.launch.variables`.
+"""
+from sftprof.config.errors import CONFIG_ERROR_PREFIX, ConfigError, exit_config_error
+from sftprof.config.loading import (PRESET_DIR, last_value_per_key, load_config, load_config_or_exit,
+                                    reject_repeated_keys, resolve_config_path, to_yaml)
+from sftprof.config.paths import DEFAULT_FILEROOT, NAME_ACCEPTED, is_folder_name, trial_log_dir
+from sftprof.config.schema import (CP_ATTENTION_METHODS, FAKE_SEQ_LEN_WHY, MEMORY_MAX_ENTRIES_MAX, PRECISION_FIELDS,
+                                   TOKENS_PER_RANK_MAX, TRANSFORMER_ENGINE_MODES, MegatronSettings, SFTProfileConfig)
+from sftprof.config.validation import validate
+
+__all__ = ["CONFIG_ERROR_PREFIX", "CP_ATTENTION_METHODS", "ConfigError", "DEFAULT_FILEROOT", "FAKE_SEQ_LEN_WHY",
+           "MEMORY_MAX_ENTRIES_MAX", "MegatronSettings", "NAME_ACCEPTED", "PRECISION_FIELDS", "PRESET_DIR",
+           "SFTProfileConfig", "TOKENS_PER_RANK_MAX", "TRANSFORMER_ENGINE_MODES", "exit_config_error",
+           "is_folder_name", "last_value_per_key", "load_config", "load_config_or_exit", "reject_repeated_keys",
+           "resolve_config_path", "to_yaml", "trial_log_dir", "validate"]

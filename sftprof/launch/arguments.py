@@ -1,0 +1,127 @@
+"""The ``key=value`` arguments after the script, against the driver variables: one rule for a variable and an
+argument that set the same config key (different values are refused, the same value is taken and noted), an
+argument written like a driver variable refused, and the keys the driver sets for each trial (:data:`TRIAL_KEYS`),
+which an argument may give only the driver's value.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import fields
+from typing import TYPE_CHECKING, Callable
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sftprof.config import ConfigError, SFTProfileConfig, load_config
+from sftprof.launch.variables import BY_NAME, DRIVER_SCRIPT, DriverError, Variable, closest_variable
+
+if TYPE_CHECKING:  # planning imports this module
+    from sftprof.launch.planning import DriverEnv, PlanLog
+
+# Config keys the driver sets for each trial (expand_trials) -> the driver variables that decide them (trial_name: none,
+# the driver's own). An argument may give one only the value the driver gives it.
+TRIAL_KEYS = {"trial_name": (), "total_train_steps": ("TOTAL_STEPS",), "perf_tracer.enabled": ("PROFILE_KINDS",),
+              "perf_tracer.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS"),
+              "memory_profiler.profile_steps": ("PROFILE_STEPS", "PROFILE_KINDS")}
+
+
+def yaml_value(value: object) -> str:
+    """``value`` as a YAML override writes it (booleans in lower case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
+    """Raise DriverError for an argument written like a driver variable (``NAME=value``, upper case, or a driver
+    variable's name in lower case that is no top-level config key: ``profile_steps=1``, not ``experiment_name=x``)."""
+    overrides = "arguments after the script are config overrides, dotted lower-case keys such as actor.num_layers=4"
+    config_keys = {f.name for f in fields(SFTProfileConfig)}
+    for arg in extra_overrides:
+        lower = re.fullmatch(r"([a-z][a-z0-9_]*)=(.*)", arg, flags=re.S)
+        if lower and lower.group(1).upper() in BY_NAME and lower.group(1) not in config_keys:
+            name = lower.group(1).upper()
+            raise DriverError(f"argument {arg!r} is not a config key but the driver variable {name} in lower case: "
+                              "driver variables are upper case and go in the environment, before `bash` ("
+                              f"{shlex.quote(f'{name}={lower.group(2)}')} bash {DRIVER_SCRIPT}); {overrides}")
+        m = re.fullmatch(r"([A-Z][A-Z0-9_]*)=(.*)", arg, flags=re.S)
+        if m is None:
+            continue
+        name, value = m.groups()
+        if name in BY_NAME:
+            raise DriverError(f"argument {arg!r} is a driver variable: put it before `bash` "
+                              f"({shlex.quote(arg)} bash {DRIVER_SCRIPT}); {overrides}")
+        near = closest_variable(name)
+        if near:
+            raise DriverError(f"argument {arg!r} is not a config override ({overrides}); did you mean the driver "
+                              f"variable {near}, set before `bash` ({shlex.quote(f'{near}={value}')} bash {DRIVER_SCRIPT})?")
+        raise DriverError(f"argument {arg!r} is neither a config override ({overrides}) nor a driver variable "
+                          f"(`bash {DRIVER_SCRIPT} --help` lists them)")
+
+
+def arguments_agree(name: str, arguments: list[str], agrees: Callable[[str], bool], conflict: Callable[[str], str],
+                    log: PlanLog) -> None:
+    """The check of every argument that sets a config key the driver sets itself (a config variable's key, the
+    profiled ranks, a trial's own settings): DriverError(``conflict(arg)``) for the first argument that gives the key
+    another value than the driver (``agrees(arg)`` false); else the arguments are taken and ``profile_settings.log``
+    names them on variable ``name``'s line as agreeing (:meth:`sftprof.launch.planning.PlanLog.agree`)."""
+    for arg in arguments:
+        if not agrees(arg):
+            raise DriverError(conflict(arg))
+    log.agree(name, arguments)
+
+
+def variable_conflict(variable: str, keys: str, arg: str) -> str:
+    """The message of a driver variable (``NAME=value``) and an argument that set its config key(s) differently."""
+    return (f"{variable} (a driver variable, sets {keys}) and the argument {arg}: one config key set to different "
+            "values; set it once, as the variable or as the argument")
+
+
+def arguments_setting(key: str, extra_overrides: list[str]) -> list[str]:
+    """The ``key=value`` arguments that set config ``key``."""
+    return [arg for arg in extra_overrides if arg.partition("=")[0].strip() == key]
+
+
+def argument_value(var: Variable, arg: str) -> object:
+    """The value argument ``arg`` gives ``var``'s key, read as OmegaConf reads it and then as the driver reads
+    ``var`` (so ``cluster.fileroot=rel`` compares as the resolved path); None when the driver would refuse it."""
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={arg.partition('=')[2]}"]), resolve=False)["v"]
+        return var.parse(var.name, yaml_value(value))
+    except (DriverError, OmegaConfBaseException):
+        return None
+
+
+def config_value(cfg: SFTProfileConfig, key: str) -> object:
+    """The value of dotted ``key`` in ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_trial_arguments(d: DriverEnv, owned: dict[str, list[str]], settings: dict[str, str],
+                          cfg: SFTProfileConfig, trial: str, log: PlanLog) -> None:
+    """Refuse (DriverError) an argument that sets a key of :data:`TRIAL_KEYS` to another value than the driver's
+    for this trial (``settings``: key -> ``key=value``; ``cfg``: the trial's config), naming the argument and the
+    driver variable that sets the key; an argument that agrees is noted on that variable's line
+    (:func:`arguments_agree`). The argument's value is read as the trainer would: the config with it last."""
+    try:
+        theirs = load_config(d.config, d.overrides + list(settings.values()) + d.extra_overrides)
+    except ConfigError:  # an invalid value is not the driver's (which loaded above)
+        theirs = None
+    for key, arguments in owned.items():
+        variables = " and ".join(TRIAL_KEYS[key])
+        if variables:
+            remedy = (f"set {variables} before `bash` instead" + (
+                f" ({shlex.quote('TOTAL_STEPS=' + arguments[-1].partition('=')[2])} bash {DRIVER_SCRIPT})"
+                if key == "total_train_steps" else ""))
+            conflict = (lambda arg, key=key, variables=variables, remedy=remedy:
+                        f"argument {arg}: the driver sets {key} for each trial from {variables} ({settings[key]} for "
+                        f"{trial}); {remedy}")
+        else:
+            conflict = (lambda arg: f"argument {arg}: trial_name is the driver's own: it names each trial "
+                        f"<model>_fake<len>_<kind>_step<N>_<stamp> ({settings['trial_name']} for {trial}); leave the "
+                        "argument out (EXPERIMENT_NAME and PROFILE_STAMP name the run)")
+        same = theirs is not None and config_value(theirs, key) == config_value(cfg, key)
+        arguments_agree(TRIAL_KEYS[key][0] if variables else "trial_name", arguments, lambda arg: same, conflict, log)
+        if not variables:
+            log.note("trial_name", cfg.trial_name, "the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp>")

@@ -1,0 +1,496 @@
+"""Planning: the driver variables and arguments -> validated trials, one per profile step and kind.
+
+:func:`plan` runs before anything is launched, in three steps: :func:`read_driver_env` (the variables of
+:mod:`sftprof.launch.variables`, parsed and checked; the one rule for a variable and an argument that set the same
+key), :func:`probe_config` (the config they produce, its model, the layout against this node's GPUs) and
+:func:`expand_trials` (one trial per step and kind, each trial's config loaded and so validated), then torchrun's
+settings. Any bad value raises :class:`~sftprof.launch.variables.DriverError` naming the variable or argument, the
+value and what is accepted (the launcher exits 2, nothing written or launched).
+
+Variables of a config key override the YAML only when they are set, so the shipped YAML carries the seed's
+settings (131072 tokens, batch 4, 2 micro-batches, precision-aware optimizer with bf16 main grads) and a preset
+such as ``CONFIG=tiny_cpu`` keeps its own sizes. ``PROFILE_RANKS`` unset keeps each profiler's ``ranks`` of the
+YAML (or of an argument).
+
+Also refused (exit 2): a driver variable given as an argument (or in lower case), an argument that gives a key the
+driver sets for each trial (:data:`TRIAL_KEYS`) another value, a set variable that looks like a misspelled driver
+variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes, a user name that is not one folder
+name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
+``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA unless
+``PROFILE_KINDS`` asks for them.
+"""
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from sftprof import artifacts
+from sftprof.allocation import Layout, parse_allocation_mode
+from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, last_value_per_key,
+                            load_config, reject_repeated_keys, to_yaml, trial_log_dir)
+from sftprof.launch import folders
+from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
+                                      check_trial_arguments, config_value, reject_driver_variables_as_arguments,
+                                      variable_conflict, yaml_value)
+from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
+                                      KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable, check_text, parse_bool,
+                                      suspect_variables, unknown_allowed)
+from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
+from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
+from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
+
+RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profiler's ranks key
+
+
+@dataclass
+class Trial:
+    """One torchrun launch: profile ``kind`` at ``step`` (paths absolute); ``args``: the trainer's arguments."""
+
+    name: str
+    kind: str
+    step: int
+    run_dir: Path
+    log_dir: Path
+    args: list[str]
+
+
+def visible_gpus() -> int:
+    """CUDA devices torch sees on this node (0 without CUDA)."""
+    import torch  # the launcher's only use of torch: kept off its start (signals are handled from the first moment)
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def port_in_use(port: int) -> bool:
+    """True when a socket on this node already listens on TCP ``port`` (any address).
+
+    ``SO_REUSEADDR`` is set as torchrun's TCPStore sets it, so connections of an earlier run in
+    TIME_WAIT do not count as busy; a listener does (the bind fails with EADDRINUSE).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port() -> int:
+    """A TCP port that no socket on this node uses now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class PlanLog:
+    """What planning tells the user: ``settings`` (lines of ``profile_settings.log``), ``notices`` (lines printed
+    before launch: skipped trials, the plan) and ``warnings`` (printed before launch, written into
+    ``profile_settings.log`` and repeated under the end table)."""
+
+    settings: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # variable -> the arguments that set one of its config keys to the value it gives (see agree)
+    agreeing: dict[str, list[str]] = field(default_factory=dict)
+    _noted: dict[str, tuple[object, str]] = field(default_factory=dict)
+
+    def note(self, name: str, value: object, source: str) -> None:
+        """Record a driver variable's effective value and where it came from; a later note of the same
+        variable (a value this node changed, e.g. the kinds without CUDA) replaces the earlier line in place.
+        The arguments that agree with it (:meth:`agree`) are named after the source."""
+        self._noted[name] = (value, source)
+        args = self.agreeing.get(name, [])
+        line = f"{name}={value}\t# {source}" + (
+            f" (the argument{'s' if len(args) > 1 else ''} {' and '.join(args)} agree{'' if len(args) > 1 else 's'})"
+            if args else "")
+        same = [i for i, s in enumerate(self.settings) if s.startswith(f"{name}=")]
+        if same:
+            self.settings[same[0]] = line
+        else:
+            self.settings.append(line)
+
+    def agree(self, name: str, arguments: list[str]) -> None:
+        """Record that ``arguments`` set a config key of variable ``name`` to the value the driver gives it (taken,
+        and named on the variable's line, now or when it is noted)."""
+        for arg in arguments:
+            if arg not in self.agreeing.setdefault(name, []):
+                self.agreeing[name].append(arg)
+        if name in self._noted:
+            self.note(name, *self._noted[name])
+
+    def warn(self, text: str) -> None:
+        """A warning before launch: printed, kept in ``profile_settings.log``, repeated under the end table."""
+        self.warnings.append(text)
+        self.notices.append(f"warning: {text}")
+
+
+@dataclass
+class DriverEnv:
+    """The driver variables, parsed and range-checked (step 1 of :func:`plan`); None = unset."""
+
+    get: Callable[..., str | None]
+    config: str
+    steps: list[int]
+    kinds: list[str]
+    total_steps: int | None
+    stop: bool
+    overrides: list[str]
+    extra_overrides: list[str]
+    set_keys: set[str]
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    node_timeout: int
+
+
+@dataclass
+class Probe:
+    """The config the driver variables produce and the torchrun layout it needs (step 2 of :func:`plan`)."""
+
+    cfg: SFTProfileConfig
+    layout: Layout
+    n_nodes: int
+    nproc: int
+    gpus: int
+    kinds: list[str]
+    ranks_specs: dict[str, str]  # kind -> the rank spec its trials get (perf_tracer.ranks, memory_profiler.ranks)
+
+
+def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:
+    """A set variable that looks like a misspelled driver variable (:func:`sftprof.launch.variables.suspect_variables`)
+    stops the plan when a driver variable is close to its name, unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``: it would be
+    ignored and every trial run with the default. Allowed, or without a close name, it is a warning."""
+    suspects = suspect_variables(env)
+    allowed = unknown_allowed(env)
+    typos = [f"{name}={env[name]!r} (did you mean {near}?" + (" Driver variables are upper case)" if near == name.upper()
+                                                               else ")") for name, near, _ in suspects if near]
+    if typos and not allowed:
+        one = len(typos) == 1
+        raise DriverError(f"{' and '.join(typos)} {'is not a driver variable' if one else 'are not driver variables'}: "
+                          f"the run would ignore {'it' if one else 'them'}, so nothing was launched; rename "
+                          f"{'it' if one else 'them'}, or set {ALLOW_UNKNOWN}=1 to run without {'it' if one else 'them'}")
+    for _, _, message in suspects:
+        log.warn(message)
+
+
+def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: PlanLog) -> DriverEnv:
+    """Step 1: parse every driver variable (no config is read yet), and apply the one rule to each config variable:
+    set, it overrides its key, and an argument giving that key another value is refused.
+
+    Raises:
+        DriverError: a variable or argument is invalid (see :func:`plan`).
+    """
+    get = env.get
+    check_text(env)
+    _check_suspects(env, log)
+    reject_driver_variables_as_arguments(extra_overrides)
+    try:
+        reject_repeated_keys(extra_overrides)
+    except ConfigError as err:
+        raise DriverError(str(err)) from None
+    config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
+    log.note("CONFIG", config, "env" if get("CONFIG") else "default")
+    steps = BY_NAME["PROFILE_STEPS"].parse("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None
+                                           else BY_NAME["PROFILE_STEPS"].default)
+    kinds = BY_NAME["PROFILE_KINDS"].parse("PROFILE_KINDS", get("PROFILE_KINDS") if get("PROFILE_KINDS") is not None
+                                           else ",".join(KINDS))
+    total_steps = BY_NAME["TOTAL_STEPS"].value(env)
+    if total_steps is not None and total_steps <= max(steps):
+        raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
+                          "(or unset: profile step + 1)")
+    stop = parse_bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE") if get("STOP_ON_FAILURE") is not None
+                      else BY_NAME["STOP_ON_FAILURE"].default)
+    log.note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
+    log.note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
+    log.note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
+    log.note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
+
+    overrides: list[str] = []
+    set_keys: set[str] = set()
+    for var in CONFIG_VARIABLES:
+        value = var.value(env)
+        if value is None:  # unset or empty: the config's value stands
+            continue
+        (key,) = var.keys
+        # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
+        overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else yaml_value(value)}")
+        set_keys.add(var.name)
+        arguments_agree(var.name, arguments_setting(key, extra_overrides),
+                         lambda arg: argument_value(var, arg) == value,
+                         lambda arg: variable_conflict(f"{var.name}={get(var.name)}", key, arg), log)
+    if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not parse_bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
+            and "MAIN_GRADS_DTYPE" not in set_keys:
+        # USE_PRECISION_AWARE_OPTIMIZER=false alone: the optimizer dtypes follow it back to float32.
+        overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
+        log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
+    master_port = BY_NAME["MASTER_PORT"].value(env)
+    node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
+    return DriverEnv(
+        get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
+        extra_overrides=list(extra_overrides), set_keys=set_keys,
+        node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
+        master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
+        master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S)
+
+
+def _sources(d: DriverEnv, model: bool = False) -> str:
+    """Where a config error's value can come from, for its message (the arguments only when given)."""
+    names = [f"CONFIG={d.config}"] + (["MODEL_PATH"] if model else []) + ["the driver variables"]
+    if d.extra_overrides:
+        names.append("the arguments " + " ".join(d.extra_overrides))
+    return f"(from {', '.join(names[:-1])} and {names[-1]})"
+
+
+def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
+    """The config of ``d`` (without trial settings), its model config and the Hugging Face tokenizer a trial would
+    load (none: the bundled BPE) checked."""
+    try:  # the keys each trial sets itself are checked per trial (expand_trials)
+        probe = load_config(d.config, d.overrides + [a for a in d.extra_overrides
+                                                     if a.partition("=")[0].strip() not in TRIAL_KEYS])
+    except ConfigError as err:
+        raise DriverError(f"{err} {_sources(d)}") from err
+    try:
+        hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
+        check_weights_present(probe.actor)
+    except (ModelPathError, ValueError) as err:
+        raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
+    layout = parse_allocation_mode(probe.actor.backend)
+    if layout.backend == "megatron":
+        from sftprof.models.megatron_config import check_model_settings  # torch and megatron-core: megatron only
+        try:
+            check_model_settings(probe, hf_config, layout)
+        except ConfigError as err:
+            raise DriverError(f"{err} {_sources(d, model=True)}") from err
+    try:  # a damaged Hugging Face tokenizer stops the plan, not every trial (the bundled one is the package's)
+        if hf_tokenizer_dir(probe.tokenizer_path, probe.actor.path) is not None:
+            load_tokenizer(probe.tokenizer_path, probe.actor.path, hf_config.model_type)
+    except ValueError as err:
+        raise DriverError(f"{err} (tokenizer_path / MODEL_PATH)") from err
+    return probe
+
+
+def _source(var: Variable, d: DriverEnv) -> str:
+    """Where config variable ``var``'s value came from: the variable, an argument, or the config (the YAML)."""
+    arguments = arguments_setting(var.keys[0], d.extra_overrides)
+    if var.name in d.set_keys:
+        return f"env -> {var.keys[0]}"   # with the arguments that agree (PlanLog.agree)
+    return f"argument {arguments[-1]}" if arguments else f"config {var.keys[0]}"
+
+
+def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
+    """Step 2: load the config the variables produce and check the torchrun layout against this node.
+
+    Adds ``cluster.*`` and the profiled ranks to ``d.overrides``. Without CUDA, memory trials are dropped
+    unless ``PROFILE_KINDS`` asked for them.
+
+    Raises:
+        DriverError: see :func:`plan`.
+    """
+    get, config = d.get, d.config
+    probe = _load_probe_config(d)
+    layout = parse_allocation_mode(probe.actor.backend)
+    n_nodes = probe.cluster.n_nodes
+    if d.node_rank >= n_nodes:
+        raise DriverError(f"NODE_RANK={d.node_rank}: must be in [0, N_NODES={n_nodes})")
+    nproc_var = BY_NAME["N_GPUS_PER_NODE"]
+    nproc_given = nproc_var.name in d.set_keys or arguments_setting(nproc_var.keys[0], d.extra_overrides)
+    nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes
+    if nproc * n_nodes != layout.world_size:
+        raise DriverError(
+            f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
+            f"{probe.actor.backend!r} needs world size {layout.world_size}")
+    d.overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
+    gpus = visible_gpus() if gpus is None else gpus
+    if layout.backend == "megatron" and gpus == 0:
+        raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
+                          f"none (CONFIG={config}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+    if 0 < gpus < nproc:
+        raise DriverError(f"N_GPUS_PER_NODE={nproc} processes on this node, one GPU each, but it has {gpus} visible "
+                          f"GPU(s) (CUDA_VISIBLE_DEVICES={get('CUDA_VISIBLE_DEVICES', 'unset')}); actor.backend="
+                          f"{probe.actor.backend!r} needs world size {layout.world_size}")
+    kinds = d.kinds
+    if gpus == 0 and "memory" in kinds:
+        if get("PROFILE_KINDS") is None:
+            kinds = [k for k in kinds if k != "memory"]
+            log.note("PROFILE_KINDS", ",".join(kinds), "default without CUDA (kernel,memory with CUDA)")
+            log.notices.append("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
+                               "PROFILE_KINDS=kernel,memory runs them anyway")
+        else:
+            log.notices.append("no CUDA on this node: memory trials run but record no snapshot (CPU)")
+    ranks_specs = _profiled_ranks(d, probe, layout, kinds, log)
+    d.overrides += [f"{RANK_KEYS[kind]}='{spec}'" for kind, spec in ranks_specs.items()]
+    for var in CONFIG_VARIABLES:
+        if not var.default:  # its default is the YAML's (N_GPUS_PER_NODE's is derived: noted below)
+            log.note(var.name, yaml_value(config_value(probe, var.keys[0])), _source(var, d))
+    # the package's own folder name: sftprof
+    fileroot, package = Path(probe.cluster.fileroot), Path(__file__).resolve().parents[1].name
+    folders.check_writable_folder("FILEROOT", fileroot)
+    if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
+        log.warn(f"FILEROOT {fileroot} is a folder named {package}: a Python started in {fileroot.parent} imports it "
+                 f"(an empty namespace package) instead of the {package} package; name it otherwise, e.g. "
+                 f"FILEROOT={DEFAULT_FILEROOT}")
+    log.note("N_GPUS_PER_NODE", nproc, _source(nproc_var, d) if nproc_given
+             else f"world size {layout.world_size} / N_NODES")
+    if d.extra_overrides:
+        log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
+    log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
+    return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_specs=ranks_specs)
+
+
+def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds: list[str],
+                    log: PlanLog) -> dict[str, str]:
+    """The rank spec of each kind's trials (kind -> spec, for :data:`RANK_KEYS`), noted in ``profile_settings.log``.
+
+    ``PROFILE_RANKS`` set gives both keys, and an argument ``perf_tracer.ranks=...`` or ``memory_profiler.ranks=...``
+    must then give the same ranks (it is noted as agreeing); unset, each kind keeps its profiler's ``ranks`` of the
+    config (the YAML's, or an argument's). The line names the ranks of the planned kinds and where each came from
+    (per kind when they differ).
+
+    Raises:
+        DriverError: a spec is invalid for the layout, or ``PROFILE_RANKS`` and an argument give different ranks.
+    """
+    ranks_env = d.get("PROFILE_RANKS")
+    env_ranks = None
+    if ranks_env is not None:
+        try:
+            env_ranks = resolve_ranks(ranks_env.strip(), layout)
+        except RankSpecError as err:
+            raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err} (actor.backend={probe.actor.backend})") from err
+    specs, shown, sources = {}, {}, {}
+    for kind, key in RANK_KEYS.items():
+        arguments = arguments_setting(key, d.extra_overrides)
+        spec = config_value(probe, key).strip()  # the YAML's, or the arguments' (as the trainer reads it)
+        where = f"argument {arguments[-1]}" if arguments else "config"
+        try:
+            ranks = resolve_ranks(spec, layout)
+        except RankSpecError as err:
+            raise DriverError(f"{where if arguments else 'config ' + key}: {err} (actor.backend="
+                              f"{probe.actor.backend})") from err
+        if env_ranks is not None:
+            arguments_agree("PROFILE_RANKS", arguments, lambda arg: ranks == env_ranks,
+                             lambda arg: variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
+                                                            arg), log)
+            spec, ranks, where = ranks_env.strip(), env_ranks, "env"
+        specs[kind], shown[kind], sources[kind] = spec, format_ranks(ranks) if spec else "all", where
+    planned = [k for k in RANK_KEYS if k in kinds]
+    same = len({shown[k] for k in planned}) == 1
+    if all(sources[k] == "config" for k in planned):
+        source = "config " + " and ".join(RANK_KEYS[k] for k in planned)
+    elif len({sources[k] for k in planned}) == 1:
+        source = sources[planned[0]]
+    else:
+        source = "; ".join(f"{k} trials: " + ("config " + RANK_KEYS[k] if sources[k] == "config" else sources[k])
+                           for k in planned)
+    log.note("PROFILE_RANKS", shown[planned[0]] if same else ", ".join(f"{k} {shown[k]}" for k in planned), source)
+    return specs
+
+
+def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Path, SFTProfileConfig]:
+    """Step 3: one :class:`Trial` per (profile step, kind), step-major, kernel before memory; RUN_ROOT; and
+    the first trial's resolved config.
+
+    Each trial's config is loaded (and so validated) with its own overrides: trial name, total steps and
+    the profile settings of its kind and step. The trial's kind and step reach the trainer through these
+    overrides and postprocessing through the same :class:`Trial` (one route, no file read back).
+
+    Raises:
+        DriverError: see :func:`plan`.
+    """
+    run_root, stamp = folders.choose_run_root(d, p, log)
+    tag = folders.model_tag(p.cfg.actor.path)
+    owned = {key: args for key in TRIAL_KEYS if (args := arguments_setting(key, d.extra_overrides))}
+    trials, first_cfg = [], None
+    for step in d.steps:
+        for kind in p.kinds:
+            name = folders.trial_name(tag, p.cfg.profile.fake_seq_len, kind, step, stamp)
+            settings = {
+                "trial_name": f"trial_name={name}",
+                "total_train_steps": f"total_train_steps={d.total_steps or step + 1}",
+                "perf_tracer.enabled": f"perf_tracer.enabled={'true' if kind == 'kernel' else 'false'}",
+                "perf_tracer.profile_steps": f"perf_tracer.profile_steps=[{step if kind == 'kernel' else ''}]",
+                "memory_profiler.profile_steps": f"memory_profiler.profile_steps=[{step if kind == 'memory' else ''}]",
+            }
+            trial_overrides = d.overrides + d.extra_overrides + list(settings.values())
+            cfg = load_config(d.config, trial_overrides)
+            if owned:
+                check_trial_arguments(d, owned, settings, cfg, f"the {kind} trial of step {step}", log)
+            first_cfg = first_cfg or cfg
+            log_dir = trial_log_dir(cfg)
+            folders.check_path_fits("FILEROOT, EXPERIMENT_NAME or PROFILE_STAMP", log_dir,
+                                    "the trial log dir FILEROOT/logs/<user>/<experiment>/<trial>")
+            # Node 0 checks: other nodes may plan after node 0's first trial has started writing there.
+            if d.node_rank == 0 and log_dir.exists() and any(q.name != artifacts.NODES for q in log_dir.iterdir()):
+                raise DriverError(f"trial log dir {log_dir} exists and is not empty (same EXPERIMENT_NAME and "
+                                  "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
+            # the trainer refuses a key given twice with different values: hand it the values that won here
+            trials.append(Trial(name, kind, step, run_root / name, log_dir,
+                                ["--config", str(Path(d.config).resolve()) if Path(d.config).is_file() else d.config,
+                                 *last_value_per_key(trial_overrides)]))
+    return trials, run_root, first_cfg
+
+
+def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
+    """torchrun's ``nproc_per_node, nnodes, node_rank, master_addr, master_port`` (a free port on one node)."""
+    master_port = d.master_port
+    if master_port is None and p.n_nodes == 1:
+        master_port = free_port()
+        log.note("MASTER_PORT", master_port, "default: a free port of this node")
+    elif master_port is None:
+        master_port = MULTI_NODE_PORT
+        log.note("MASTER_PORT", master_port, "default with N_NODES > 1")
+    else:
+        log.note("MASTER_PORT", master_port, "env")
+    if d.node_rank == 0 and port_in_use(master_port):
+        raise DriverError(f"MASTER_PORT={master_port}: already in use on this node (torchrun's rendezvous would fail "
+                          "with EADDRINUSE); choose a free port" + (" or leave MASTER_PORT unset to pick one"
+                                                                    if p.n_nodes == 1 else " on node 0"))
+    log.note("NODE_TIMEOUT", d.node_timeout, "env" if d.get("NODE_TIMEOUT") else "default")
+    torchrun = {"nproc_per_node": p.nproc, "nnodes": p.n_nodes, "node_rank": d.node_rank,
+                "master_addr": d.master_addr, "master_port": master_port}
+    log.settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
+    return torchrun
+
+
+def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = None,
+         ) -> tuple[list[Trial], list[str], dict]:
+    """Validate the driver environment and return ``(trials, settings_lines, info)``.
+
+    Three steps: :func:`read_driver_env` (parse the variables), :func:`probe_config` (the config they
+    produce, checked against this node) and :func:`expand_trials` (one trial per step and kind), then the
+    torchrun settings.
+
+    Args:
+        env: the driver's environment variables.
+        extra_overrides: the driver's arguments (config overrides for every trial).
+        gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
+
+    ``info`` holds ``stop_on_failure, run_root, trials, node_timeout``, the torchrun settings ``nproc_per_node,
+    nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
+    the plan, the warnings) and ``warnings`` (repeated under the end table).
+
+    Raises:
+        DriverError: a variable or argument is invalid, the config they produce is invalid, the
+            torchrun world size does not match the allocation mode, this node lacks the GPUs the
+            layout needs, MASTER_PORT is busy on node 0, a driver variable and an argument set one config key to
+            different values, or RUN_ROOT exists and is not empty or cannot be created.
+    """
+    log = PlanLog()
+    d = read_driver_env(env, extra_overrides, log)
+    p = probe_config(d, gpus, log)
+    trials, run_root, first_cfg = expand_trials(d, p, log)
+    torchrun = _torchrun_settings(d, p, log)
+    log.settings += [f"# warning: {w}" for w in log.warnings]
+    log.settings.append("# resolved config of the first trial:")
+    log.settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
+    device = f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)"
+    log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
+                       f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
+                       + ", ".join(f"{t.kind} step {t.step}" for t in trials))
+    return trials, log.settings, {"stop_on_failure": int(d.stop), "run_root": str(run_root), "trials": len(trials),
+                                  "node_timeout": d.node_timeout, **torchrun, "notices": log.notices,
+                                  "warnings": log.warnings}

@@ -1,0 +1,81 @@
+"""The end-of-run text: a narrow table of the trials, the summaries to open, the compare command, and the warnings
+given before launch (repeated so that they are not lost above the trials' output)."""
+from __future__ import annotations
+
+import csv
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from sftprof import artifacts
+from sftprof.launch.summaries import read_summary, table_figures, top_finding
+from sftprof.launch.variables import REPO_ROOT
+from sftprof.progress import duration_text
+
+NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
+INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped
+
+
+def _gib(value, device: str | None) -> str:
+    if isinstance(value, (int, float)):
+        return f"{value:.2f} GiB"
+    return "n/a (CPU)" if device == "cpu" else "-"
+
+
+def _interpreter(python: str | None) -> str:
+    """``python`` as a command that runs from any folder: a path made absolute (symlinks kept: a pyenv shim stays
+    one), a bare name found on PATH (as given when it is not); None: ``sys.executable``."""
+    if not python:
+        return sys.executable
+    if os.sep in python:
+        return os.path.abspath(python)
+    return shutil.which(python) or python
+
+
+def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnings: list[str] | None = None) -> str:
+    """The end-of-run text: a narrow table of trials, the summaries to open, the compare command and ``warnings``
+    (those given before launch, one line each).
+
+    The compare command works from any folder: ``python`` (the driver's ``PYTHON``; a name without ``/`` is looked
+    up on PATH, a relative path made absolute; None: this interpreter) and this repository's
+    ``postprocess_profile.py`` by absolute path.
+
+    Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``,
+    ``interrupted``), step time (slowest rank of the profiled step, 3 significant digits), peak memory (GiB
+    allocated, rank 0) and the top finding (:func:`sftprof.launch.summaries.top_finding`). Reads
+    ``RUN_ROOT/summary.tsv`` and each trial's ``profile_summary.json``; a missing or unreadable summary leaves ``-``
+    in its row.
+
+    Raises:
+        OSError: ``summary.tsv`` cannot be read (the ``report`` subcommand prints it in one line and exits 2).
+    """
+    with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    table = [("trial", "status", "step time", "peak mem", "top finding")]
+    summaries = []
+    for row in rows:
+        path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
+        summary = read_summary(Path(row["run_dir"]))
+        step, peak, device = table_figures(summary)
+        cpu_memory = row["kind"] == "memory" and device == "cpu"
+        status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED)
+                  else "FAILED (" + row["status"] + ")" if row["status"] != "0"
+                  else "no snapshot (CPU)" if cpu_memory else "ok")
+        table.append((f"{row['kind']} step {row['step']}", status, duration_text(step) if step is not None else "-",
+                      _gib(peak, device), top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
+        if path.is_file():
+            summaries.append(str(path))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in table]
+    if summaries:
+        lines += ["", "summaries (Markdown; the .json next to each holds every figure):"] + [f"  {p}" for p in summaries]
+        lines += ["", "compare with another run (run roots or trial dirs):",
+                  f"  {shlex.quote(_interpreter(python))} {shlex.quote(str(REPO_ROOT / 'postprocess_profile.py'))} "
+                  f"compare {shlex.quote(str(run_root))} OTHER_RUN_ROOT"]
+    elif node_rank:
+        lines += ["", f"node {node_rank}: node 0 postprocesses every rank; its RUN_ROOT holds the summaries"]
+    if warnings:
+        lines += ["", "warnings before launch (also in profile_settings.log):"] + [f"  {w}" for w in warnings]
+    return "\n".join(lines) + "\n"

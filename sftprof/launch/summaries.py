@@ -1,0 +1,74 @@
+"""What the end table reads of each trial's ``profile_summary.json``: the step time, the peak memory, the device and
+the top finding. The one place the launcher reads a summary (its nested keys); the table itself is
+:mod:`sftprof.launch.report`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sftprof import artifacts
+from sftprof.analysis.failure import headline
+
+
+def read_summary(run_dir: Path) -> dict:
+    """The trial's ``profile_summary.json``; ``{}`` when it is missing or unreadable (its row then shows ``-``)."""
+    try:
+        return json.loads((Path(run_dir) / artifacts.SUMMARY_JSON).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def table_figures(summary: dict) -> tuple[float | None, float | None, str | None]:
+    """``(step_time_s, peak_allocated_gib, device)`` of a summary: the slowest rank's profiled step (seconds), rank 0's
+    allocator peak (GiB; None on CPU) and the trial's device (``cuda``, ``cpu``; None when unknown)."""
+    stats = summary.get("stats") or {}
+    device = (summary.get("completion") or {}).get("device")
+    return stats.get("step_time_s"), stats.get("mem_peak_allocated_gb"), device
+
+
+def top_finding(summary: dict) -> str:
+    """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
+
+    Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
+    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak (the profiled
+    step's, ``step peak``, when the phases sidecar had phases; else the recorded window's), where it lies in
+    words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
+    then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
+    it is one rank's figure.
+    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`).
+    """
+    for t in summary.get("kernel_traces") or []:
+        if "summary" not in t:
+            continue
+        k, r = t["summary"], t["rank"]
+        if k["gpu"]["activities"] and k["categories"]:
+            c = k["categories"][0]
+            return (f"{c['category']} {c['share_pct']:.0f}% of GPU time, GPU idle {k['gpu']['idle_share_pct']:.0f}% "
+                    f"(rank {r})")
+        regions = [x for x in k.get("regions") or [] if x["name"] != artifacts.STEP and x.get("cpu_ms") is not None]
+        if regions:
+            x = max(regions, key=lambda x: x["cpu_ms"])
+            return f"slowest region {x['name']} {x['cpu_ms'] / 1e3:.1f} s CPU (rank {r})"
+    for m in summary.get("memory_snapshots") or []:
+        if "summary" not in m:
+            continue
+        from sftprof.analysis.memory_summary import peak_where  # numpy: only when a memory summary is read
+
+        x, r = m["summary"], m["rank"]
+        site = (x.get("top_sites") or [{}])[0]
+        noun = "step peak" if x.get("peak_scope") == "profiled_step" else "peak"
+        higher = ""
+        if x.get("window_peak_position") in ("before_step", "after_step"):
+            higher = f"; higher peak {x['window_peak_allocated_gib']:.2f} GiB {peak_where(x, 'window')}"
+        return (f"{noun} {x['peak_allocated_gib']:.2f} GiB {peak_where(x)}" +
+                (f"; top site {site['site'][:40]} {site['gib']:.2f} GiB" if site else "") + higher + f" (rank {r})")
+    if summary.get("failure"):
+        return f"first failure: {headline(summary['failure'])} (see {artifacts.SUMMARY_MD})"
+    if summary.get("errors"):
+        return f"{len(summary['errors'])} unreadable artifact(s): see {artifacts.SUMMARY_MD}"
+    if summary.get("status") not in (None, "ok"):
+        return f"trial failed: see {artifacts.SUMMARY_MD} and {artifacts.LAUNCHER_LOG}"
+    if summary.get("profile_kind") == "memory" and (summary.get("completion") or {}).get("device") == "cpu":
+        return "allocator snapshots need CUDA"
+    return "-"
