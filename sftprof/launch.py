@@ -63,6 +63,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.failure import headline
+from sftprof.analysis.schema import SummaryReadError, read_summary
 from sftprof.artifacts import read_stats
 from sftprof.cli import run_main
 from sftprof.config import (DEFAULT_FILEROOT, LEGACY_LOSS_KEYS, NAME_ACCEPTED, PRECISION_FIELDS, ConfigError, SFTProfileConfig,
@@ -1160,7 +1161,8 @@ def top_finding(summary: dict) -> str:
     """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
 
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
-    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak (the profiled
+    without GPU work (CPU runs): the model part with the most CPU op time (``cpu_parts``), else the region with the
+    most CPU time. Memory trials: the peak (the profiled
     step's, ``step peak``, when the phases sidecar had phases; else the recorded window's), where it lies in
     words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
     then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
@@ -1175,6 +1177,10 @@ def top_finding(summary: dict) -> str:
             c = k["categories"][0]
             return (f"{c['category']} {c['share_pct']:.0f}% of GPU time, GPU idle {k['gpu']['idle_share_pct']:.0f}% "
                     f"(rank {r})")
+        parts = (k.get("cpu_parts") or {}).get("summed")
+        if parts:
+            p = max(parts, key=lambda x: x["total_ms"])
+            return f"{p['label']} {p['share_pct']:.0f}% of CPU op time (rank {r})"
         regions = [x for x in k.get("regions") or [] if x["name"] != artifacts.STEP and x.get("cpu_ms") is not None]
         if regions:
             x = max(regions, key=lambda x: x["cpu_ms"])
@@ -1236,8 +1242,8 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None) -> str
     for row in rows:
         path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
         try:
-            summary = json.loads((Path(row["run_dir"]) / artifacts.SUMMARY_JSON).read_text())
-        except (OSError, ValueError):
+            summary = read_summary(Path(row["run_dir"]) / artifacts.SUMMARY_JSON)
+        except SummaryReadError:  # missing, unreadable, or of a newer sftprof
             summary = {}
         stats = summary.get("stats") or {}
         device = (summary.get("completion") or {}).get("device")

@@ -1,6 +1,12 @@
-"""Shared pytest setup: GPU tests are marked ``gpu`` and skipped cleanly without CUDA."""
+"""Shared pytest setup: GPU tests are marked ``gpu`` and skipped cleanly without CUDA; every profile summary written
+during the tests (in this process and in the driver and postprocess subprocesses it starts) is checked against
+``sftprof/analysis/schema.py`` (``SFTPROF_STRICT_SCHEMA=1``)."""
+import os
+
 import pytest
 import torch
+
+os.environ["SFTPROF_STRICT_SCHEMA"] = "1"  # sftprof.analysis.schema.STRICT_ENV
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,6 +101,23 @@ def _wait_split(exposed_ms: float, w: dict) -> str:
     return text
 
 
+def _seconds(ms_: float) -> str:
+    """``"10.2 s"`` from 1 s up, else ``"412.3 ms"``."""
+    return f"{ms_ / 1e3:.1f} s" if ms_ >= 1e3 else f"{ms_:.1f} ms"
+
+
+def _heaviest_op(rank: int, op: dict, wall_ms: float, with_parts: bool) -> dict:
+    """The finding of a CPU run's heaviest op (:func:`sftprof.analysis.cpu_parts.heaviest_op`): its inclusive time
+    against the step's wall time, where it ran, and its autograd backward node's time."""
+    where = f" in {op['label']}" if op.get("label") else ""
+    back = (f"; its backward {op['backward']} {_seconds(op['backward_ms'])} more" if op.get("backward") else "")
+    calls = f"{op['calls']} call{'s' if op['calls'] != 1 else ''}"
+    return {"text": f"rank {rank}: heaviest op {op['name']}{where}: {_seconds(op['inclusive_ms'])} of the "
+                    f"{_seconds(wall_ms)} step ({calls}, with the ops it calls){back}",
+            "section": _anchor(parts_heading(rank) if with_parts else f"Host, rank {rank}"),
+            "weight": op["inclusive_ms"] / wall_ms, "key": "heaviest op"}
+
+
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                     wait: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
     """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output); ``wait``:
@@ -120,7 +137,12 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                                else "; the step time includes it")  # a CPU run has no GPU idle to speak of
                             + ", so this step is not steady state: profile a later step (PROFILE_STEPS)",
                     "section": _anchor(f"Host, rank {rank}"), "weight": comp["ms"] / wall_ms, "key": "compile"})
-    parts = s.get("parts") or {}
+    parts, clock = s.get("parts") or {}, "GPU time"
+    if not parts.get("total_ms") and s.get("cpu_parts"):  # a CPU run: the CPU ops' self time by model part
+        parts, clock = s["cpu_parts"], "CPU op time"
+    heavy = s.get("heaviest_op")
+    if heavy and wall_ms:
+        out.append(_heaviest_op(rank, heavy, wall_ms, bool(parts.get("total_ms"))))
     total = parts.get("total_ms") or 0.0
     if not total:
         return [dict(f, rank=rank) for f in out], []
@@ -128,7 +150,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
     eff = {(r["kind"], r["phase"]): r for r in (s.get("efficiency") or {}).get("rows") or []
            if r["kind"] == "attention"}
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
-        text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of GPU time ({r['total_ms']:.1f} ms"
+        text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of {clock} ({r['total_ms']:.1f} ms"
         if r["recompute_ms"]:
             text += f", of which recompute {r['recompute_ms']:.1f} ms"
         text += ")"
@@ -141,7 +163,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:
         out.append({"text": f"rank {rank}: activation recompute re-runs {rec:.1f} ms of forward work "
-                            f"({100 * rec / total:.1f} % of GPU time)", "section": sec, "weight": rec / total,
+                            f"({100 * rec / total:.1f} % of {clock})", "section": sec, "weight": rec / total,
                     "key": "recompute"})
     coll = s.get("collectives") or {}
     exposed = coll.get("exposed_by_group_ms") or {}
@@ -153,7 +175,8 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                             f"largest exposed group {g} {ms:.1f} ms",
                     "section": _anchor(f"Communication by process group, rank {rank}"),
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
-    idle = host.get("gpu_idle") or {}
+    cpu_run = (s.get("gpu") or {}).get("activities") == 0  # no GPU activity: its "GPU idle" is the whole step
+    idle = {} if cpu_run else host.get("gpu_idle") or {}
     if wall_ms and idle.get("idle_ms"):
         # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
         # calls overlaps a busy GPU and costs nothing by itself, so only the idle that follows one is named
@@ -172,7 +195,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                     "key": "gpu idle"})
     what = []
     m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
-    if rec and m.get("recompute_granularity") == "full":
+    if rec and clock == "GPU time" and m.get("recompute_granularity") == "full":
         core = next((r["recompute_ms"] for r in parts.get("summed") or [] if r["part"] == "attn_core"), 0.0)
         what.append({"text": f"selective recompute (core_attn) instead of full: about {rec - core:.1f} ms less GPU "
                              f"time per step on rank {rank} (measured recompute {rec:.1f} ms minus the attention "

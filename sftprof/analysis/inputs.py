@@ -73,6 +73,8 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
                            "profile_step_record": None, "per_rank": {}, "complete": None}
     out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
+    out.update(dict.fromkeys(f"max_{key}_{unit}" for key in ("mem_peak_allocated", "mem_peak_reserved")
+                             for unit in ("gb", "rank")))
     if not out["available"]:
         return out
     log = artifacts.read_stats(path)

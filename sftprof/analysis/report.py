@@ -17,7 +17,12 @@ from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES, exposed_group
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.analysis.views import VIEWS
 
-__all__ = ["render_markdown", "SECTIONS", "RANK_COLUMNS", "fmt", "table", "short"]
+__all__ = ["render_markdown", "SECTIONS", "RANK_COLUMNS", "fmt", "table", "short", "GPU_ONLY"]
+
+# What a trace without GPU activity leaves empty: said where such a trace is summarised.
+GPU_ONLY = ("only a GPU run fills the GPU sections: top kernels and time by category, kernel efficiency (FLOP/s, "
+            "bandwidth), communication by process group and its wait/transfer split, GPU idle and the host waits "
+            "behind it, and the memory snapshots (CUDA allocator)")
 
 # Columns of the rank table (:func:`sftprof.analysis.summary.rank_table`), in display order; the summary
 # reports the max/min imbalance of each.
@@ -289,12 +294,15 @@ def _kernel_overview(t: dict) -> list[str]:
         out.append(f"- communication {fmt(c['total_ms'])} ms: hidden under compute {fmt(c['hidden_ms'])} ms, "
                    f"exposed {fmt(c['exposed_ms'])} ms")
     else:
-        out.append("- no GPU activity in this trace (CPU-only run)")
+        out.append("- no GPU activity in this trace (CPU-only run): " + GPU_ONLY)
     if c["host_ops"]["ops"]:
         out.append(f"- host-side collective ops (gloo:/nccl:): {c['host_ops']['ops']} ops, "
                    f"{fmt(c['host_ops']['wall_ms'])} ms wall: " +
                    ", ".join(f"{name} {fmt(v)} ms" for name, v in c["host_ops"]["by_op_ms"].items()))
-    out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
+    links = t.get("view_links") or {}
+    out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v])
+               + "".join(f"; `{t['views'][v][0]}` is a link to `{t['views'][to][0]}` (the same bytes, stored once)"
+                         for v, to in links.items()) + "\n")
     return out
 
 
@@ -322,17 +330,27 @@ def _kernel_tables(k: dict) -> list[str]:
 
 
 def _parts(t: dict) -> list[str]:
-    parts, rank = t["summary"]["parts"], t["rank"]
-    if not parts["total_ms"]:
+    k, rank = t["summary"], t["rank"]
+    parts = k["parts"]
+    plot = f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else ""
+    if not parts["total_ms"] and k.get("cpu_parts"):  # a CPU run: its ops' time by model part
+        parts = k["cpu_parts"]
+        out = [f"\n### {fnd.parts_heading(rank)}\n",
+               f"CPU time of the ops that started in the step window: {fmt(parts['total_ms'])} ms of self time (each "
+               "op's own time, less the ops it calls; all threads summed; Python time between ops is in none), placed "
+               "by the model-part ranges of the trainer's module hooks, backward by the autograd link to its forward "
+               f"op; {parts['outside_window']} ops that started outside the window left out.{plot}\n"]
+        out += _heaviest_op(k.get("heaviest_op"))
+    elif parts["total_ms"]:
+        how = ("model-part ranges placed by the trainer's module hooks" if parts["source"] == "module_regions" else
+               "**no model-part ranges in this trace**: split by kernel name only")
+        out = [f"\n### {fnd.parts_heading(rank)}\n",
+               f"GPU time of the activities launched in the step window: {fmt(parts['total_ms'])} ms ({how}; "
+               f"{parts['outside_window']} activities launched outside the window, or without a launch record "
+               f"starting outside it, left out).{plot}\n"]
+    else:
         return []
-    how = ("model-part ranges placed by the trainer's module hooks" if parts["source"] == "module_regions" else
-           "**no model-part ranges in this trace**: split by kernel name only")
-    out = [f"\n### {fnd.parts_heading(rank)}\n",
-           f"GPU time of the activities launched in the step window: {fmt(parts['total_ms'])} ms ({how}; "
-           f"{parts['outside_window']} activities launched outside the window, or without a launch record starting "
-           "outside it, left out)."
-           + (f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else "") + "\n",
-           "Summed over layers:\n", _parts_table(parts["summed"])]
+    out += ["Summed over layers:\n", _parts_table(parts["summed"])]
     for layer in parts["layers"]:
         out.append(f"\nLayer {layer['layer']}:\n")
         out.append(_parts_table(layer["rows"]))
@@ -340,6 +358,16 @@ def _parts(t: dict) -> list[str]:
         out.append("\nOutside the decoder layers:\n")
         out.append(_parts_table(parts["outside_layers"]))
     return out
+
+
+def _heaviest_op(op: dict | None) -> list[str]:
+    """A CPU run's heaviest op (:func:`sftprof.analysis.cpu_parts.heaviest_op`) in one line."""
+    if not op:
+        return []
+    where = f", in {op['label']}" if op.get("label") else ""
+    back = f"; its backward node {op['backward']} {fmt(op['backward_ms'])} ms" if op.get("backward") else ""
+    return [f"Heaviest op: **{op['name']}**, {fmt(op['inclusive_ms'])} ms with the ops it calls ({op['calls']} "
+            f"call(s){where}){back}.\n"]
 
 
 def _efficiency(k: dict, rank: int) -> list[str]:

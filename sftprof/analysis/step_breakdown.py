@@ -59,11 +59,11 @@ from sftprof.analysis import comm_wait, intervals
 from sftprof.flops import gpu_peak_bf16_flops
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS, MODULE_REGION_PREFIX, parse_module_region
 
-__all__ = ["OpCollector", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
+__all__ = ["OpCollector", "BWD_NODE", "parts_tables", "analyze", "op_flops", "attention_pairs", "bus_factor", "plot_parts", "part_label",
            "exposed_groups", "OUTSIDE_WINDOW", "device_peaks", "PEAK_HBM_BYTES_PER_S", "PHASES", "LAUNCH_GAP_US",
            "TOP_IDLE_PLACES"]
 
-_BWD_NODE = "autograd::engine::evaluate_function: "
+BWD_NODE = "autograd::engine::evaluate_function: "
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpy2D")  # blocking calls: the host waits for the device
 # HBM bandwidth in bytes/s from NVIDIA's H100 SXM / H200 datasheets (first match in order).
@@ -264,7 +264,7 @@ class OpCollector:
             self.cpu_ops.add(tid, ts, ts + dur, idx)
             if name == "dynamo" or name.endswith(" (dynamo_timed)"):
                 self.compile_spans.append((tid, ts, ts + dur))
-            if name.startswith(_BWD_NODE):
+            if name.startswith(BWD_NODE):
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
             args = ev.get("args") or {}
@@ -310,6 +310,10 @@ class OpCollector:
                     self._flow_start[hash(fid)] = (tid, ts)
                 elif ev.get("ph") == "f":
                     self._flow_end[(tid, ts)] = hash(fid)
+
+    def op_index(self, name: str) -> Optional[int]:
+        """Index of a CPU op name in :attr:`op_name_list` (the payload of :attr:`cpu_ops`), None when not seen."""
+        return self._op_names.get(name)
 
     @property
     def has_regions(self) -> bool:
@@ -404,7 +408,7 @@ class OpCollector:
         """
         named = _Intervals()
         c = self.cpu_ops
-        labels = [n[len(_BWD_NODE):] if n.startswith(_BWD_NODE) else n if "::" not in n else None
+        labels = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
                   for n in self.op_name_list]
         for k in range(len(c.start)):
             if labels[c.payload[k]] is not None:
@@ -443,9 +447,35 @@ class OpCollector:
         c = self.cpu_ops
         if not len(c.start):
             return []
-        tid = np.frombuffer(c.tid, dtype=np.int64)
         st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
         name = np.frombuffer(c.payload, dtype=np.int64)
+        keep, own = self.op_self_us(lo, hi)
+        sync = np.zeros(st.size)
+        if self.sync_calls:
+            s_st = np.array([s[1] for s in self.sync_calls])
+            s_en = np.array([s[2] for s in self.sync_calls])
+            for a, b in zip(s_st, s_en):
+                inside = keep[(st[keep] <= a) & (en[keep] >= b)]
+                if inside.size:
+                    sync[inside[np.argmin(en[inside] - st[inside])]] += b - a  # the innermost op waited
+        self_t: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+        for i in keep:
+            row = self_t[int(name[i])]
+            row[0] += own[i]
+            row[1] += en[i] - st[i]
+            row[2] += 1
+            row[3] += sync[i]
+        rows = sorted(self_t.items(), key=lambda kv: (-kv[1][0], self.op_name_list[kv[0]]))[:top]
+        return [{"name": self.op_name_list[k], "calls": int(v[2]), "self_ms": round(v[0] / 1e3, 4),
+                 "inclusive_ms": round(v[1] / 1e3, 4), "sync_wait_ms": round(v[3] / 1e3, 4)} for k, v in rows]
+
+    def op_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(keep, self_us)``: the indexes (into :attr:`cpu_ops`) of the CPU ops that start in ``[lo, hi]`` and, per
+        CPU op (zero for the others), its self time in us: its duration minus that of the ops nested directly in it
+        on its thread (those starting in the window)."""
+        c = self.cpu_ops
+        tid = np.frombuffer(c.tid, dtype=np.int64)
+        st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
         keep = np.flatnonzero((st >= lo) & (st <= hi))
         child = np.zeros(st.size)
         order = keep[np.lexsort((-en[keep], st[keep], tid[keep]))]
@@ -459,24 +489,9 @@ class OpCollector:
             if stack:
                 child[stack[-1]] += en[i] - st[i]
             stack.append(int(i))
-        sync = np.zeros(st.size)
-        if self.sync_calls:
-            s_st = np.array([s[1] for s in self.sync_calls])
-            s_en = np.array([s[2] for s in self.sync_calls])
-            for a, b in zip(s_st, s_en):
-                inside = keep[(st[keep] <= a) & (en[keep] >= b)]
-                if inside.size:
-                    sync[inside[np.argmin(en[inside] - st[inside])]] += b - a  # the innermost op waited
-        self_t: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
-        for i in keep:
-            row = self_t[int(name[i])]
-            row[0] += max(en[i] - st[i] - child[i], 0.0)
-            row[1] += en[i] - st[i]
-            row[2] += 1
-            row[3] += sync[i]
-        rows = sorted(self_t.items(), key=lambda kv: (-kv[1][0], self.op_name_list[kv[0]]))[:top]
-        return [{"name": self.op_name_list[k], "calls": int(v[2]), "self_ms": round(v[0] / 1e3, 4),
-                 "inclusive_ms": round(v[1] / 1e3, 4), "sync_wait_ms": round(v[3] / 1e3, 4)} for k, v in rows]
+        own = np.zeros(st.size)
+        own[keep] = np.maximum(en[keep] - st[keep] - child[keep], 0.0)
+        return keep, own
 
     def compile_ms(self, lo: float, hi: float) -> dict[str, Any]:
         """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and
@@ -569,7 +584,7 @@ def analyze(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarr
         if not is_comm[i]:
             compute[(parts[i], layers[i], phases[i])] += dur[i]
     total = float(dur[inside].sum())
-    parts_out = _parts_tables(cells, total, source)
+    parts_out = parts_tables(cells, total, source)
     # the same cells without NCCL kernels (whose time includes waiting for other ranks): the rank's own work, which
     # the trial summary compares across ranks (sftprof.analysis.summary.work_spread)
     parts_out["compute_cells"] = [[part, layer, phase, _ms(us)] for (part, layer, phase), us in
@@ -709,7 +724,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             "after_blocking_by_op": {k: _ms(v) for k, v in sorted(by_op.items(), key=lambda kv: (-kv[1], kv[0]))}}
 
 
-def _parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
+def parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
     by_layer: dict[Optional[int], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     for (part, layer, phase), us in cells.items():
         by_layer[layer][part][phase] += us
@@ -869,14 +884,14 @@ def exposed_groups(collectives: dict) -> dict[str, float]:
     return out
 
 
-def plot_parts(parts: dict, title: str, out_png: str) -> None:
-    """Stacked-bar PNG of GPU time (ms) per decoder layer (one bar per layer, then one for the parts
+def plot_parts(parts: dict, title: str, out_png: str, clock: str = "GPU time") -> None:
+    """Stacked-bar PNG of time (ms) per decoder layer (one bar per layer, then one for the parts
     outside the layers), a colour per part; each segment is the part's forward + recompute + backward
     (+ optimizer, other) time, the split by phase is in the tables.
 
     Args:
-        parts: the ``parts`` member of a kernel summary (:func:`analyze`).
-        title: plot title; out_png: destination path.
+        parts: the ``parts`` member of a kernel summary (:func:`analyze`), or its ``cpu_parts``.
+        title: plot title; out_png: destination path; clock: what the time is (the y axis' label).
     """
     import matplotlib
 
@@ -899,10 +914,10 @@ def plot_parts(parts: dict, title: str, out_png: str) -> None:
         ax.bar(range(len(bars)), vals, bottom=bottom, color=cmap(k % 20), label=label, width=0.7)
         bottom += vals
     ax.set_xticks(range(len(bars)), [b for b, _ in bars], fontsize=8)
-    ax.set_ylabel("GPU time [ms] (all phases)")
+    ax.set_ylabel(f"{clock} [ms] (all phases)")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, metadata={"Software": None})
+    fig.savefig(out_png, format="png", metadata={"Software": None})
     plt.close(fig)

@@ -21,17 +21,17 @@ from typing import Any, Optional
 from sftprof import artifacts
 from sftprof.analysis import comm_wait
 from sftprof.analysis import findings as fnd
-from sftprof.analysis import inputs
+from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
 from sftprof.analysis.report import RANK_COLUMNS, render_markdown
 from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.step_breakdown import OUTSIDE_WINDOW, exposed_groups, part_label, plot_parts
-from sftprof.analysis.trace_check import finite_json
 from sftprof.analysis.trace_summary import (KernelTraceAnalyzer, identity_problems, invalid_events_error,
                                             invalid_events_message)
-from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace
-from sftprof.artifacts import KERNEL_TRACES, keep_previous, raw_trace_rank, trace_name
+from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, split_trace, view_links
+from sftprof.artifacts import KERNEL_TRACES, keep_previous, previous_index, raw_trace_rank, trace_name
+from sftprof.atomic import atomic_path, copy_file, put_text, write_failed
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "rank_table", "summary_left_unchanged",
            "SUMMARY_JSON", "SUMMARY_MD"]
@@ -107,6 +107,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
             return _failed_trace(out_dir, rank, _file_error(src, exc))
         if wrong:  # another step's or rank's trace: its views and figures would stand for what they are not
             return _failed_trace(out_dir, rank, f"{src}: {wrong}")
+        links = view_links(staged)
         for path in _rank_views(out_dir, rank):  # an earlier postprocess's (other compression, other windows)
             os.remove(path)
         views = {}
@@ -119,7 +120,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 views[view].append(dst)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    out = {"rank": rank, "views": views, "summary": summary, "calls": calls}
+    out = {"rank": rank, "views": views, "view_links": links, "summary": summary, "calls": calls}
     if error:
         out["error"] = f"{src}: {error}"
     elif unconfirmed:
@@ -183,10 +184,15 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
         entry["kept_files"] = [os.path.relpath(png, run_dir)]
     if "views" in res:
         entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
+        entry["view_links"] = res["view_links"]
         entry["summary"] = res["summary"]
-        if res["summary"]["parts"]["total_ms"]:
+        parts, clock = res["summary"]["parts"], "GPU time"
+        if not parts["total_ms"] and res["summary"]["cpu_parts"]:  # a CPU run
+            parts, clock = res["summary"]["cpu_parts"], "CPU op time"
+        if parts["total_ms"]:
             os.makedirs(os.path.dirname(png), exist_ok=True)
-            plot_parts(res["summary"]["parts"], f"GPU time by model part, rank {rank} ({os.path.basename(src)})", png)
+            with atomic_path(png) as tmp:
+                plot_parts(parts, f"{clock} by model part, rank {rank} ({os.path.basename(src)})", tmp, clock)
             entry["parts_plot"] = os.path.relpath(png, run_dir)
     return entry
 
@@ -286,7 +292,10 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
             summary["history"] = history_status(summary, max_entries)
             copies[name] = src
             for n, path in copies.items():  # the inputs, copied as they are
-                shutil.copyfile(path, os.path.join(stage, n))
+                try:
+                    shutil.copyfile(path, os.path.join(stage, n))
+                except OSError as exc:  # a full disk: named by the archive file it was to become
+                    raise write_failed(os.path.join(dst_dir, n), exc) from exc
         except Exception as exc:  # whatever one snapshot raises is that snapshot's error, never the whole run's
             why = (": opening it with pickle would run that global" if isinstance(exc, UnsafePickleError) else "")
             # The archive copy of an unsafe one would be run by whoever opens it with plain pickle
@@ -336,7 +345,7 @@ def _memory_part(log_dir: str, run_dir: str, step: int, world: World) -> dict:
             skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
                             "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
         if name not in sidecars and os.path.isfile(os.path.join(src_dir, name)):
-            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+            copy_file(os.path.join(src_dir, name), os.path.join(dst_dir, name))
     return {"memory_snapshots": snapshots, "skipped": skipped}
 
 
@@ -596,8 +605,11 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     errors, warnings = _problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
     warnings += _optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
     warnings += _routing_warnings(stats, profile_step, cfg)
-    if profile_kind == "kernel" and items:
-        warnings += _missing_traces(cfg, items)
+    if profile_kind == "kernel":
+        summary["missing_traces"] = _missing_traces(cfg, items) if items else []
+        warnings += [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
+                      "warning": f"rank {r}: {MISSING_TRACE}{cfg['perf_tracer'].get('ranks')!r} profiles it; this "
+                                 "summary leaves that rank out"} for r in summary["missing_traces"]]
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
         warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
@@ -698,7 +710,8 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int, complete: di
                   nvidia_smi_csv: str | None) -> dict[str, Any]:
     """The summary's first members: schema, trial, kind, step, status, completion and the input paths."""
     return {
-        "schema": "sftprof.profile_summary/1",
+        "schema": schema.SCHEMA_NAME,
+        "schema_version": schema.SCHEMA_VERSION,
         "trial": os.path.basename(os.path.normpath(run_dir)),
         "profile_kind": kind,
         "profile_step": step,
@@ -743,11 +756,11 @@ def _artifacts_part(summary: dict, log_dir: str, run_dir: str, compress: bool, m
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`_missing_traces`
 
 
-def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
-    """A warning ``{"file": "perf_tracer/rank<r>.pt.trace.json", "warning"}`` per rank that the trial's
-    ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on ``actor.backend``'s layout) but whose
-    trace is not in the log dir (deleted, never written): the summary's figures leave that rank out. None when
-    the config is absent or does not resolve (nothing is assumed)."""
+def _missing_traces(cfg: dict | None, items: list[dict]) -> list[int]:
+    """The ranks that the trial's ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on
+    ``actor.backend``'s layout) but whose trace is not in the log dir (deleted, never written): the summary's figures
+    leave them out (a warning names each). Empty when the config is absent or does not resolve (nothing is
+    assumed)."""
     from sftprof.allocation import parse_allocation_mode
     from sftprof.ranks import resolve_ranks
 
@@ -755,11 +768,8 @@ def _missing_traces(cfg: dict | None, items: list[dict]) -> list[dict]:
         expected = resolve_ranks(cfg["perf_tracer"].get("ranks"), parse_allocation_mode(cfg["actor"]["backend"]))
     except Exception:  # no config, another schema, a spec that does not resolve: no expectation to check
         return []
-    spec = cfg["perf_tracer"].get("ranks")
     have = {it["rank"] for it in items}
-    return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
-             "warning": f"rank {r}: {MISSING_TRACE}{spec!r} profiles it; this "
-                        "summary leaves that rank out"} for r in expected if r not in have]
+    return [r for r in expected if r not in have]
 
 
 def _kept_warnings(it: dict) -> list[dict]:
@@ -898,13 +908,6 @@ def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict
     }
 
 
-def _keep_previous_summary(run_dir: str) -> str:
-    """Rename ``profile_summary.{json,md}`` of ``run_dir`` to ``profile_summary.prev<N>.{json,md}`` (the first free
-    ``N`` from 1, :func:`sftprof.artifacts.keep_previous`); returns the new JSON name."""
-    n = keep_previous([os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, SUMMARY_MD)])
-    return f"{SUMMARY_JSON[: -len('.json')]}.prev{n}.json"
-
-
 _KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "
 
 
@@ -917,7 +920,7 @@ def _split_kept_note(text: str | None) -> tuple[str | None, list[dict]]:
         warnings = earlier.get("warnings") or []
         notes = [w for w in warnings if str(w.get("warning", "")).startswith(_KEPT_NOTE)]
         earlier["warnings"] = [w for w in warnings if w not in notes]
-        return json.dumps(earlier, indent=1, sort_keys=True, allow_nan=False) + "\n", notes
+        return schema.json_text(earlier), notes
     except (ValueError, AttributeError, TypeError):
         return None, []
 
@@ -950,7 +953,9 @@ def _read_text(path: str) -> str | None:
 
 
 def _write(summary: dict, run_dir: str) -> None:
-    """Write ``profile_summary.json`` (strict JSON, sorted keys) and ``profile_summary.md`` to ``run_dir``.
+    """Write ``profile_summary.json`` (:func:`sftprof.analysis.schema.summary_json`) and ``profile_summary.md`` to
+    ``run_dir``, each atomically (:mod:`sftprof.atomic`: both are written in full under temporary names before either
+    replaces anything).
 
     A summary already there from an earlier postprocess is left as it is, file for file, when the new one is the
     same (a rerun on the same inputs: both files would read the same, apart from that summary's note that an
@@ -960,24 +965,28 @@ def _write(summary: dict, run_dir: str) -> None:
     inputs loses nothing.
 
     Raises:
-        OSError: the run dir cannot be written (the file's own error).
+        WriteError: a file cannot be written (a full disk: the message names it and the free space); the earlier
+            summary is then left as it was, under its own name.
     """
     def render(s: dict) -> tuple[str, str]:
-        return json.dumps(finite_json(s)[0], indent=1, sort_keys=True, allow_nan=False) + "\n", render_markdown(s)
+        return schema.summary_json(s), render_markdown(s)
 
     text, md = render(summary)
     old, old_md = os.path.join(run_dir, SUMMARY_JSON), os.path.join(run_dir, SUMMARY_MD)
-    if os.path.isfile(old):
-        earlier = _read_text(old)  # None when unreadable: kept as .prev<N>, as a summary that differs
-        stripped, notes = _split_kept_note(earlier) if earlier != text else (text, [])
+    earlier = os.path.isfile(old)
+    if earlier:
+        text_before = _read_text(old)  # None when unreadable: kept as .prev<N>, as a summary that differs
+        stripped, notes = _split_kept_note(text_before) if text_before != text else (text, [])
         if stripped == text and _read_text(old_md) == render({**summary,
                                                                "warnings": summary["warnings"] + notes})[1]:
             summary["warnings"].append(_unchanged_note(notes))  # the same inputs as the postprocess that wrote it
             return
-        kept = _keep_previous_summary(run_dir)
-        summary["warnings"].append({"file": SUMMARY_JSON, "warning": _KEPT_NOTE + kept})
+        n = previous_index([old, old_md])
+        summary["warnings"].append({"file": SUMMARY_JSON,
+                                    "warning": f"{_KEPT_NOTE}{SUMMARY_JSON[: -len('.json')]}.prev{n}.json"})
         text, md = render(summary)
-    with open(old, "w", encoding="utf-8") as f:
-        f.write(text)
-    with open(old_md, "w", encoding="utf-8") as f:
-        f.write(md)
+    with atomic_path(old) as tmp_json, atomic_path(old_md) as tmp_md:
+        put_text(tmp_json, text)
+        put_text(tmp_md, md)
+        if earlier:
+            keep_previous([old, old_md])

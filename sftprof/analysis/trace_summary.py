@@ -37,7 +37,9 @@ import numpy as np
 from sftprof import artifacts
 from sftprof.analysis import step_breakdown
 from sftprof.analysis.intervals import clip, intersection_length, length, union
-from sftprof.analysis.kernel_names import COMM_PREFIX, collective_group_label, kernel_category
+from sftprof.analysis.cpu_parts import cpu_parts, heaviest_op
+from sftprof.analysis.schema import KernelSummary
+from sftprof.analysis.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
 
 __all__ = ["KernelTraceAnalyzer", "ActivityTable", "step_window", "gpu_time", "top_kernels", "time_by_category",
            "communication", "region_times", "top_cpu_ops", "TOP_KERNELS", "invalid_events_error",
@@ -51,7 +53,6 @@ GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 STEP_REGION = artifacts.STEP
-_HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 _PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
 
 def _int_id(v) -> int:
@@ -323,13 +324,13 @@ class KernelTraceAnalyzer:
                 self._regions.append((name, ts, ts + dur))
             elif name.startswith("ProfilerStep#"):
                 self._profiler_steps.append((name, ts, ts + dur))
-            elif name.startswith(_HOST_COLLECTIVE_PREFIXES):
+            elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
         elif cat == "cpu_op":
             name = ev.get("name") or ""
             self._cpu_us[name] += dur
             self._cpu_calls[name] += 1
-            if name.startswith(_HOST_COLLECTIVE_PREFIXES):
+            if name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
             args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
@@ -376,8 +377,8 @@ class KernelTraceAnalyzer:
                              launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
                              nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
-    def summary(self) -> dict[str, Any]:
-        """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
+    def summary(self) -> KernelSummary:
+        """Kernel summary (:class:`sftprof.analysis.schema.KernelSummary`; times in ms, shares in percent).
 
         Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``identity`` (what the trace says of itself:
         ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
@@ -385,20 +386,22 @@ class KernelTraceAnalyzer:
         the file name's rank and the step postprocessed), ``step_window`` (:func:`step_window`),
         ``gpu`` (:func:`gpu_time`), ``top_kernels`` (:func:`top_kernels`), ``top_cpu_ops``
         (:func:`top_cpu_ops`), ``categories`` (:func:`time_by_category`), ``communication``
-        (:func:`communication`), ``regions`` (:func:`region_times`), and the step breakdown's ``parts``,
+        (:func:`communication`), ``regions`` (:func:`region_times`), in a trace without GPU activity ``cpu_parts``
+        and ``heaviest_op`` (:mod:`sftprof.analysis.cpu_parts`; None otherwise), and the step breakdown's ``parts``,
         ``host``, ``efficiency``, ``collectives`` (:func:`sftprof.analysis.step_breakdown.analyze`).
         """
         regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
         table = self.activity_table(regions)
         window = step_window(table, regions, self._profiler_steps, (self._t_min, self._t_max), self._base_ns)
         lo, hi = window["start_us"], window["end_us"]
+        optimizer_windows = [(a, b) for name, a, b in regions if name == OPTIMIZER_REGION]
         details = step_breakdown.analyze(
             self._ops, ts=table.ts, dur=table.dur, devs=table.dev, corr=table.corr, ext=table.ext,
             cats=table.category, is_comm=table.is_comm, groups=table.group, pg_names=table.pg_name,
             pg_members=self.pg_members(),
             names=[table.names[k] for k in table.name_idx], kinds=table.kind, nbytes=table.nbytes, window=(lo, hi),
-            optimizer_windows=[(a, b) for name, a, b in regions if name == OPTIMIZER_REGION],
-            device_name=self._device_name)
+            optimizer_windows=optimizer_windows, device_name=self._device_name)
+        cpu_run = not table.n  # no GPU activity: the CPU ops are the work
         return {
             "n_events": self.n_events,
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
@@ -415,6 +418,8 @@ class KernelTraceAnalyzer:
             "categories": time_by_category(table),
             "communication": communication(table, self._host_comm),
             "regions": region_times(table, regions, lo),
+            "cpu_parts": cpu_parts(self._ops, (lo, hi), optimizer_windows) if cpu_run else None,
+            "heaviest_op": heaviest_op(self._ops, (lo, hi)) if cpu_run else None,
             **details,
         }
 

@@ -44,12 +44,16 @@ Tracks made up by the views (CUDA API calls and annotations of host thread ``t``
 counting down from ``2**31 - 1`` that no real thread of the process uses.
 
 A view that selects nothing (``gpu_only`` of a CPU run) holds one metadata record saying so
-(:func:`_empty_view_event`), beside the step slices where it gets them. A view larger than ``max_view_bytes`` is rewritten into time windows in
+(:func:`_empty_view_event`), beside the step slices where it gets them. A view that would be byte for byte an
+earlier view of the list (``cpu_only`` of a CPU run is ``chrome``: a trace without GPU work or CUDA API calls) is
+written as a relative symbolic link to that view's file instead of a second copy (:func:`view_links` lists them;
+the summary names them), so every view's path opens as before without the disk holding it twice. A view larger than ``max_view_bytes`` is rewritten into time windows in
 ``<view>.part<k>/`` folders (each with all the metadata) so that every file opens in Perfetto's web UI.
 """
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -65,7 +69,7 @@ from sftprof.artifacts import view_path, window_path
 from sftprof.analysis.trace_check import MAX_TID, event_problem, finite_json
 from sftprof.analysis.trace_io import Progress, TraceReader, TraceWriter
 
-__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows"]
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows", "view_links"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
@@ -341,9 +345,35 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     result = {}
     for view, w in writers.items():
         w.close(trailer)  # flushes; w.chars is final afterwards
+        same = next((v for v in result if writers[v].chars == w.chars <= max_view_bytes
+                     and not os.path.islink(writers[v].path) and _same_content(writers[v].path, w.path)), None)
+        if same is not None:  # byte for byte an earlier view (chrome and cpu_only of a CPU run): a link to it
+            os.remove(w.path)
+            os.symlink(os.path.relpath(writers[same].path, os.path.dirname(w.path)), w.path)
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
+
+
+def _same_content(a: str, b: str) -> bool:
+    """Whether two view files hold the same text (``.json.gz`` compared uncompressed: gzip headers differ)."""
+    def read(path: str):
+        return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+    with read(a) as fa, read(b) as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def view_links(views: dict[str, list[str]]) -> dict[str, str]:
+    """``{view: the view it links to}`` for the views :func:`split_trace` wrote as a link (module docstring)."""
+    folders = {os.path.basename(os.path.dirname(paths[0])): v for v, paths in views.items() if len(paths) == 1}
+    return {v: folders[os.path.basename(os.path.dirname(os.readlink(paths[0])))]
+            for v, paths in views.items() if len(paths) == 1 and os.path.islink(paths[0])}
 
 
 class _FlowPairs:
