@@ -1,4 +1,5 @@
-"""Train three optimizer steps of the shipped YAML's settings, and of each variation of them, and print one table.
+"""Train three optimizer steps of the shipped YAML's settings, and of each variation of them, with Transformer Engine
+and without, and print one table side by side.
 
 ``--nproc 1`` runs the ``megatron:d1`` cases, ``--nproc 2`` the two-GPU layouts (``(attn:c2|ffn:e2)``,
 ``(attn:t2|ffn:e2)``, ``d2``, ``p2``); each case runs in its own ``torchrun`` (a fresh CUDA context, so its
@@ -9,13 +10,19 @@ peak memory is its own), ``--per-gpu`` of them sharing each GPU (group) of the v
 
 Model: Qwen3-30B-A3B cut to ``--layers`` (2) at ``--seq`` (8192) tokens, loaded from a random bf16 Hugging
 Face checkpoint (written with :func:`sftprof.models.hf.save_random_checkpoint` when missing) so that every
-case and every layout starts from the same weights. Base settings: ``qwen3_30b_a3b_sft_profile.yaml`` with
-``USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32`` (Transformer Engine is absent), batch 4,
-2 micro-batches per DP rank. Each case changes one thing (see :data:`CASES`). A case that raises is
-recorded with its error and the matrix goes on.
+case and every layout starts from the same weights; the Qwen3.5 case (``qwen3_5 gated delta-net``) runs the
+Qwen3.5 YAML cut to 4 layers (three gated delta-net layers, one full-attention layer), random init.
 
-Output: a table (loss and grad norm of each step, step time of the last step, peak GiB) and, with
-``--out``, JSON with the same rows; ``tests/test_settings_matrix_gpu.py`` asserts on it.
+``--te``: ``te`` runs each case with Transformer Engine (``actor.megatron.transformer_engine=on``) on the
+shipped YAML's own settings (precision-aware optimizer, bf16 main grads: TE's FusedAdam); ``local`` runs it with
+TE hidden (``actor.megatron.transformer_engine=off``: local specs, torch Adam), where the precision-aware optimizer
+cannot run, so with ``USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32``. Default: both when TE
+imports here, else ``local``. Each case changes one thing (see :data:`CASES`; ``fp32 main grads`` only with TE,
+since it is the local base). A case that raises is recorded with its error and the matrix goes on.
+
+Output: one table (per case, each TE mode side by side: losses of steps 0 and 2, step-0 grad norm, time of the
+last step, peak GiB) and, with ``--out``, JSON with one row per (case, mode); ``tests/test_settings_matrix_gpu.py``
+asserts on it.
 """
 from __future__ import annotations
 
@@ -34,33 +41,50 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 YAML = REPO / "qwen3_30b_a3b_sft_profile.yaml"
-BASE = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32",
-        "actor.megatron.main_params_dtype=float32", "actor.megatron.exp_avg_dtype=float32",
-        "actor.megatron.exp_avg_sq_dtype=float32", "actor.init_from_scratch=false"]
+YAML_QWEN3_5 = REPO / "qwen3_5_35b_a3b_sft_profile.yaml"
+FP32_OPTIMIZER = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32",
+                  "actor.megatron.main_params_dtype=float32", "actor.megatron.exp_avg_dtype=float32",
+                  "actor.megatron.exp_avg_sq_dtype=float32"]
+# mode -> overrides on top of the YAML: "te" keeps the shipped precision settings, "local" cannot (module docstring)
+MODES = {"te": ["actor.megatron.transformer_engine=on"],
+         "local": ["actor.megatron.transformer_engine=off"] + FP32_OPTIMIZER}
 ONE_GPU = "megatron:d1"
-# name -> (layout, overrides on top of BASE); "base" cases are the shipped settings on that layout.
+QWEN3_5 = "qwen3_5 gated delta-net"
+# name -> (layout, overrides on top of the mode's base); "base" cases are the shipped settings on that layout.
 CASES = {
     "base": (ONE_GPU, []),
     "overlap_param_gather=false": (ONE_GPU, ["actor.megatron.ddp.overlap_param_gather=false"]),
     "overlap_grad_reduce=false": (ONE_GPU, ["actor.megatron.ddp.overlap_grad_reduce=false"]),
     "both overlaps false": (ONE_GPU, ["actor.megatron.ddp.overlap_param_gather=false",
                                       "actor.megatron.ddp.overlap_grad_reduce=false"]),
-    "lm_head_loss_chunk_size=2048": (ONE_GPU, ["actor.megatron.lm_head_loss_chunk_size=2048"]),
-    "logprobs_chunk_size=0": (ONE_GPU, ["actor.logprobs_chunk_size=0"]),
+    "lm_head_loss_chunk_size=2048": (ONE_GPU, ["actor.loss.lm_head_loss_chunk_size=2048"]),
+    "logprobs_chunk_size=0": (ONE_GPU, ["actor.loss.logprobs_chunk_size=0"]),
     "recompute selective": (ONE_GPU, ["actor.megatron.recompute_granularity=selective",
                                       "actor.megatron.recompute_modules=[core_attn,layernorm,moe]"]),
     "recompute none": (ONE_GPU, ["actor.megatron.recompute_granularity=none"]),
     "deterministic": (ONE_GPU, ["actor.megatron.use_deterministic_algorithms=true"]),
     "n_mbs=1": (ONE_GPU, ["actor.mb_spec.n_mbs=1"]),
+    "fp32 main grads": (ONE_GPU, FP32_OPTIMIZER),
+    QWEN3_5: (ONE_GPU, ["actor.num_layers=4", "actor.init_from_scratch=true"]),
     "c2e2 base": ("megatron:(attn:c2|ffn:e2)", []),
-    "c2e2 lm_head 2048": ("megatron:(attn:c2|ffn:e2)", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "c2e2 lm_head 2048": ("megatron:(attn:c2|ffn:e2)", ["actor.loss.lm_head_loss_chunk_size=2048"]),
     "t2e2 base": ("megatron:(attn:t2|ffn:e2)", []),
-    "t2e2 lm_head 2048": ("megatron:(attn:t2|ffn:e2)", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "t2e2 lm_head 2048": ("megatron:(attn:t2|ffn:e2)", ["actor.loss.lm_head_loss_chunk_size=2048"]),
     "d2 base": ("megatron:d2", []),
-    "d2 lm_head 2048": ("megatron:d2", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "d2 lm_head 2048": ("megatron:d2", ["actor.loss.lm_head_loss_chunk_size=2048"]),
     "p2 base": ("megatron:p2", []),
-    "p2 lm_head 2048": ("megatron:p2", ["actor.megatron.lm_head_loss_chunk_size=2048"]),
+    "p2 lm_head 2048": ("megatron:p2", ["actor.loss.lm_head_loss_chunk_size=2048"]),
 }
+TE_ONLY = {"fp32 main grads"}
+
+
+def case_overrides(name: str, mode: str, checkpoint: Path, seq: int) -> tuple[Path, list]:
+    """``(yaml, overrides)`` of one case in one TE mode (module docstring)."""
+    layout, extra = CASES[name]
+    if name == QWEN3_5:
+        return YAML_QWEN3_5, MODES[mode] + [f"actor.backend={layout}", f"profile.fake_seq_len={seq}"] + extra
+    return YAML, MODES[mode] + ["actor.init_from_scratch=false", f"actor.backend={layout}", f"actor.path={checkpoint}",
+                                f"profile.fake_seq_len={seq}"] + extra
 
 
 def ensure_checkpoint(path: Path, layers: int) -> None:
@@ -71,8 +95,9 @@ def ensure_checkpoint(path: Path, layers: int) -> None:
         save_random_checkpoint(load_hf_config("qwen3_30b_a3b", layers), path, torch.bfloat16, seed=0, device="cuda")
 
 
-def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
-    """Build the engine of one case, train ``args.steps`` steps, return losses, grad norms, time and peak."""
+def run_case(name: str, mode: str, args) -> dict:
+    """Build the engine of one case in one TE mode, train ``args.steps`` steps, return losses, grad norms, time
+    and peak."""
     from megatron.core import parallel_state
 
     from sftprof.allocation import parse_allocation_mode
@@ -82,11 +107,11 @@ def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
     from sftprof.models.hf import load_hf_config
     from sftprof.tokenizer import load_tokenizer
 
-    row = {"case": name, "layout": layout_text, "loss": [], "grad_norm": []}
+    row = {"case": name, "mode": mode, "layout": CASES[name][0], "loss": [], "grad_norm": []}
     engine = None
     try:
-        cfg = load_config(str(YAML), BASE + [f"actor.backend={layout_text}", f"actor.path={args.checkpoint}",
-                                             f"profile.fake_seq_len={args.seq}"] + overrides)
+        yaml, overrides = case_overrides(name, mode, args.checkpoint, args.seq)
+        cfg = load_config(str(yaml), overrides)
         layout = parse_allocation_mode(cfg.actor.backend)
         hf = load_hf_config(cfg.actor.path)
         sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), args.seq,
@@ -117,10 +142,14 @@ def run_case(name: str, layout_text: str, overrides: list, args) -> dict:
 
 def _case_main(name: str, args) -> int:
     """One case under torchrun: train it and print ``RESULT <json>`` on rank 0."""
+    from sftprof.compat import setup_transformer_engine
+    from sftprof.config import load_config
     from sftprof.trainer import init_distributed
 
+    yaml, overrides = case_overrides(name, args.mode, args.checkpoint, args.seq)
+    setup_transformer_engine(load_config(str(yaml), overrides).actor.megatron.transformer_engine)  # before megatron
     init_distributed()
-    row = run_case(name, *CASES[name], args)
+    row = run_case(name, args.mode, args)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(row), flush=True)
     dist.destroy_process_group()
@@ -140,7 +169,7 @@ def _run_pool(names: list, slots: list, args) -> list:
     try:
         _pool_loop(pending, running, rows, slots, logs, args)
     finally:  # an interrupted matrix leaves no case running
-        for name, proc, *_ in running.values():
+        for key, proc, *_ in running.values():
             _kill_case(proc)
     return [rows[n] for n in names]
 
@@ -169,17 +198,17 @@ def _pool_loop(pending: list, running: dict, rows: dict, slots: list, logs: Path
         for slot, gpus in enumerate(slots):
             if slot in running or not pending:
                 continue
-            name = pending.pop(0)
-            out, err = (open(logs / f"{name}.{i}.log", "w+") for i in ("out", "err"))
+            name, mode = key = pending.pop(0)
+            out, err = (open(logs / f"{name}.{mode}.{i}.log", "w+") for i in ("out", "err"))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                 f"--master_port={29751 + slot}", __file__, "--case", name, "--checkpoint", str(args.checkpoint),
-                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                 f"--master_port={29751 + slot}", __file__, "--case", name, "--mode", mode,
+                 "--checkpoint", str(args.checkpoint), "--seq", str(args.seq), "--steps", str(args.steps)],
                 env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus), stdout=out, stderr=err, text=True,
                 start_new_session=True, preexec_fn=_die_with_parent)
-            running[slot] = (name, proc, out, err, time.monotonic())
+            running[slot] = (key, proc, out, err, time.monotonic())
         time.sleep(1.0)
-        for slot, (name, proc, out, err, started) in list(running.items()):
+        for slot, (key, proc, out, err, started) in list(running.items()):
             if proc.poll() is None and time.monotonic() - started > args.case_timeout:
                 _kill_case(proc)
                 err.write(f"\nsettings_matrix: case stopped after --case-timeout {args.case_timeout:g} s\n")
@@ -190,12 +219,31 @@ def _pool_loop(pending: list, running: dict, rows: dict, slots: list, logs: Path
             err.seek(0)
             found = [ln[len("RESULT "):] for ln in out.read().splitlines() if ln.startswith("RESULT ")]
             stderr = err.read()
-            rows[name] = json.loads(found[-1]) if found else {
-                "case": name, "layout": CASES[name][0], "ok": False, "loss": [], "grad_norm": [],
+            rows[key] = json.loads(found[-1]) if found else {
+                "case": key[0], "mode": key[1], "layout": CASES[key[0]][0], "ok": False, "loss": [], "grad_norm": [],
                 "error": f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["no output"])[-1][:300]}
-            print("ROW " + json.dumps({k: v for k, v in rows[name].items() if k != "traceback"}), flush=True)
+            print("ROW " + json.dumps({k: v for k, v in rows[key].items() if k != "traceback"}), flush=True)
             out.close()
             err.close()
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if not r["ok"]:
+        return "FAILED: " + (r.get("error") or "non-finite values")[:60]
+    return (f"{r['loss'][0]:.5f}/{r['loss'][-1]:.5f} {r['grad_norm'][0]:.4f} {r['step_s']:.3f}s "
+            f"{r['peak_gib_rank0']:.1f}GiB")
+
+
+def print_table(rows: list, modes: list) -> None:
+    """One line per case, the TE modes side by side: losses of the first and last step, step-0 grad norm, time of
+    the last step, peak GiB on rank 0."""
+    by = {(r["case"], r["mode"]): r for r in rows}
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    print(f"\n{'case':<30} {'layout':<26} " + " ".join(f"{m + ': loss s0/last gnorm0 last-step peak':<52}" for m in modes))
+    for c in cases:
+        print(f"{c:<30} {CASES[c][0]:<26} " + " ".join(f"{_cell(by.get((c, m))):<52}" for m in modes))
 
 
 def main() -> int:
@@ -206,6 +254,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma list of case names (default: all of this world size)")
+    ap.add_argument("--te", default="", help="comma list of te,local (default: te,local when transformer_engine "
+                                             "imports here, else local)")
     ap.add_argument("--out", type=Path, help="JSON output")
     ap.add_argument("--case-timeout", type=float, default=900.0,
                     help="seconds after which a case's torchrun is stopped and the case recorded as failed")
@@ -213,23 +263,30 @@ def main() -> int:
                     help="cases that share one GPU (group) at a time; 0 (default): one per 60 GiB of the first "
                          "GPU's memory (2 layers, 8192 tokens; step times then include the neighbours' load)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: its TE mode
     args = ap.parse_args()
     if args.nproc < 1 or args.per_gpu < 0:  # --per-gpu < 0 left the pool no slot: it waited forever
         ap.error(f"--nproc {args.nproc} must be >= 1 and --per-gpu {args.per_gpu} >= 0 (0: from the GPU's memory)")
+    modes = [m for m in args.te.split(",") if m]
+    if set(modes) - set(MODES):
+        ap.error(f"--te {args.te}: accepted: a comma list of {list(MODES)}")
     if not torch.cuda.is_available():
         print("needs CUDA GPUs", file=sys.stderr)
         return 2
     if args.case:
         return _case_main(args.case, args)
     from sftprof.allocation import parse_allocation_mode
+    from sftprof.models.specs import have_transformer_engine
 
+    modes = modes or (["te", "local"] if have_transformer_engine() else ["local"])
     wanted = [c for c in args.cases.split(",") if c] or list(CASES)
     unknown = sorted(set(wanted) - set(CASES))
     if unknown:
         print(f"--cases: unknown {unknown}; accepted: {list(CASES)}", file=sys.stderr)
         return 2
     ensure_checkpoint(args.checkpoint, args.layers)
-    names = [n for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc]
+    names = [(n, m) for m in modes for n in wanted if parse_allocation_mode(CASES[n][0]).world_size == args.nproc
+             and (m == "te" or n not in TE_ONLY)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     groups = [",".join(devices[g * args.nproc:(g + 1) * args.nproc]) for g in range(len(devices) // args.nproc)]
@@ -238,17 +295,9 @@ def main() -> int:
         return 2
     # a one-GPU case reserves ~50 GiB (42 GiB allocated); 3 of them ran out of memory on a 139.8 GiB H200
     per_gpu = args.per_gpu or max(1, int(torch.cuda.get_device_properties(0).total_memory / 2**30 // 60))
-    print(f"{len(names)} cases, {per_gpu} per GPU group of {groups}", flush=True)
+    print(f"{len(names)} cases ({', '.join(modes)}), {per_gpu} per GPU group of {groups}", flush=True)
     rows = _run_pool(names, [g for _ in range(per_gpu) for g in groups], args)
-    print(f"\n{'case':<30} {'layout':<26} {'loss s0/s1/s2':<28} {'grad norm s0/s1/s2':<26} {'last s':>7} "
-          f"{'peak GiB r0':>11} {'moe max/mean':>12}")
-    for r in rows:
-        if not r["ok"]:
-            print(f"{r['case']:<30} {r['layout']:<26} FAILED: {r.get('error', 'non-finite values')}")
-            continue
-        print(f"{r['case']:<30} {r['layout']:<26} {'/'.join(f'{x:.6f}' for x in r['loss']):<28} "
-              f"{'/'.join(f'{x:.4f}' for x in r['grad_norm']):<26} {r['step_s']:>7.3f} {r['peak_gib_rank0']:>11.2f} "
-              f"{r['moe_max_over_mean']:>12.3f}")
+    print_table(rows, modes)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1

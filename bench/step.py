@@ -6,9 +6,12 @@
     python bench/step.py --runs RUN_ROOT_1GPU RUN_ROOT_2GPU        # rows from driver runs made earlier
     python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' \
         'megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false'  # A/B: one setting per row
+    python bench/step.py --layouts megatron:d1 megatron:d1@actor.megatron.transformer_engine=off  # TE vs local
 
-Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) without the
-precision-aware optimizer (fp32 main grads; no Transformer Engine here), ``--layers`` decoder layers, one
+Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) with its own
+precision settings where Transformer Engine imports (TE's FusedAdam, bf16 main grads), else, and in rows that hide
+TE (``LAYOUT@actor.megatron.transformer_engine=off``: local specs), with the fp32 optimizer; ``--layers`` decoder
+layers, one
 sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of
 which the last is profiled (one kernel trial, every rank traced; ``--kinds kernel,memory`` adds the memory trial of
 the same step, so one invocation is also the shipped YAML's both-kinds check). Arguments after ``--`` are config
@@ -22,7 +25,8 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
 - ``attn_ms``: attention-core GPU time per rank (model part ``attn_core``: forward, recompute and backward
   kernels inside the attention modules), the maximum over ranks; ``attn_fwd_tflops`` / ``attn_bwd_tflops``:
   achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
-  kernel-efficiency rows; backward FLOPs = 2x forward);
+  kernel-efficiency rows; backward FLOPs = 2x forward); ``experts_ms``: the routed experts' GPU time (model part
+  ``experts``), the maximum over ranks;
 - ``exposed_comm_ms``: NCCL kernel time not overlapped with compute on that rank (max over ranks) and its
   share of the step; ``exposed_wait_ms``: the part of that rank's exposed time spent waiting for another rank to
   join the collective (load imbalance before it, not transfer; the summary's ``comm_wait``, matched call by
@@ -54,14 +58,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
-from sftprof.analysis.schema import processed_traces, read_summary  # noqa: E402
+from sftprof.analysis.schema import EfficiencyRow, processed_traces, read_summary  # noqa: E402
 from sftprof.artifacts import SUMMARY_JSON  # noqa: E402
+from sftprof.models.specs import have_transformer_engine  # noqa: E402
 
-DRIVER_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32", "PROFILE_N_MBS": "1",
-              "PROFILE_RANKS": ""}
+DRIVER_ENV = {"PROFILE_N_MBS": "1", "PROFILE_RANKS": ""}
+# Without Transformer Engine (not installed, or hidden by actor.megatron.transformer_engine=off) the shipped
+# precision-aware optimizer cannot run: such rows train with the fp32 optimizer.
+NO_TE_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32"}
 COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", "step_s", "{:.3f}"),
            ("unprof. s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
            ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
+           ("experts ms", "experts_ms", "{:.1f}"),
            ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
            ("of which wait ms", "exposed_wait_ms", "{:.1f}"),
            ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"),
@@ -72,13 +80,13 @@ def _num(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _attention_tflops(rows: list) -> dict[str, Optional[float]]:
+def _attention_tflops(rows: list[EfficiencyRow]) -> dict[str, Optional[float]]:
     """Model TFLOP/s of the summary's attention efficiency rows, forward (first pass and recompute) and backward."""
     acc = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}
     for r in rows:
-        if r.get("kind") != "attention" or not _num(r.get("gpu_ms")):
+        if r["kind"] != "attention" or not r["gpu_ms"]:
             continue
-        a = acc["backward" if r.get("phase") == "backward" else "forward"]
+        a = acc["backward" if r["phase"] == "backward" else "forward"]
         a[0] += r["tflop"]
         a[1] += r["gpu_ms"]
     return {k: (t / (ms / 1e3) if ms else None) for k, (t, ms) in acc.items()}
@@ -94,8 +102,12 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     steps = {s["step"]: s for s in summary["stats"]["steps"]}
     profiled = summary["profile_step"]
     traces = processed_traces(summary)
-    attn = {t["rank"]: next((p["total_ms"] for p in t["summary"]["parts"]["summed"] if p["part"] == "attn_core"),
-                            None) for t in traces}
+
+    def part_ms(t, part):
+        return next((p["total_ms"] for p in t["summary"]["parts"]["summed"] if p["part"] == part), None)
+
+    attn = {t["rank"]: part_ms(t, "attn_core") for t in traces}
+    experts = [v for v in (part_ms(t, "experts") for t in traces) if v is not None]
     attn_known = {r: v for r, v in attn.items() if v is not None}
     busiest = max(attn_known, key=attn_known.get) if attn_known else None
     rates = _attention_tflops(next(t for t in traces if t["rank"] == busiest)["summary"]["efficiency"]["rows"]) \
@@ -113,6 +125,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
         if isinstance(profiled, int) and profiled >= 2 else None,  # step 0 warms up: never the reference
         "attn_ms": attn_known[busiest] if busiest is not None else None, "attn_rank": busiest,
         "attn_fwd_tflops": rates["forward"], "attn_bwd_tflops": rates["backward"],
+        "experts_ms": max(experts) if experts else None,
         "exposed_comm_ms": max(exposed) if exposed else None,
         "exposed_comm_pct": 100 * max(exposed) / (step_s * 1e3) if exposed and step_s else None,
         "exposed_wait_ms": waits.get(worst),
@@ -251,6 +264,8 @@ def driver_call(spec: str, args, overrides: list[str], out_dir: Path, stamp: str
     name = layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')
     run_root = out_dir / f"{name}_{stamp}" if not extra else out_dir / f"{name}_{len(extra)}ov_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
+    if "actor.megatron.transformer_engine=off" in overrides + extra or not have_transformer_engine():
+        env.update(NO_TE_ENV)
     env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
                RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(parsed.world_size),
                PROFILE_FAKE_SEQ_LEN=str(args.seq), PROFILE_STEPS=str(args.steps - 1), TOTAL_STEPS=str(args.steps),

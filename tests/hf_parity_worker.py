@@ -31,8 +31,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     args = p.parse_args()
 
+    from sftprof.compat import setup_transformer_engine
     from sftprof.trainer import init_distributed
 
+    setup_transformer_engine("auto")  # before megatron-core imports TE (the trainer's order)
     rank, device = init_distributed()
     results = []
     for case in args.cases.split(","):

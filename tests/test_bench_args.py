@@ -129,7 +129,7 @@ def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
         85.6263, 61.4192, 2330.0, 0)
     assert row["exposed_comm_pct"] == pytest.approx(100 * 85.6263 / 2868)
     table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)", world_size=2)], []).splitlines()
-    assert "of which wait ms" in table[0] and table[1].split()[7:10] == ["85.6", "3.0", "61.4"]
+    assert "of which wait ms" in table[0] and table[1].split()[8:11] == ["85.6", "3.0", "61.4"]
     assert table[0].endswith("MFU  expert max/mean  EP max/mean") and table[1].split()[-3:] == ["0.372", "16.00", "1.26"]
     del summary["comm_wait"]
     (run / "profile_summary.json").write_text(__import__("json").dumps(summary))

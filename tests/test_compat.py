@@ -11,11 +11,56 @@ from sftprof.config import ConfigError
 def test_checkpoint_without_output_has_no_fp8_without_te():
     from megatron.core.tensor_parallel import random as mrandom
 
+    if mrandom.HAVE_TE:  # with TE megatron-core needs no patch, and none is applied
+        assert apply_megatron_compat() is False
+        return
     apply_megatron_compat()
-    assert not mrandom.HAVE_TE
     assert mrandom.CheckpointWithoutOutput().fp8 is False
     assert mrandom.CheckpointWithoutOutput(fp8=None).fp8 is False
     assert apply_megatron_compat() is False  # idempotent: nothing left to patch
+
+
+_SETUP = """
+import importlib.util, sys
+from sftprof.compat import setup_transformer_engine
+from sftprof.config import ConfigError
+try:
+    print(setup_transformer_engine(sys.argv[1]))
+except ConfigError as err:
+    print("ConfigError:", err)
+    raise SystemExit(0)
+print("find_spec", importlib.util.find_spec("transformer_engine"))
+try:
+    import transformer_engine
+    print("imported")
+except ModuleNotFoundError as err:
+    print("ModuleNotFoundError")
+from megatron.core.transformer.moe import moe_utils
+print("megatron HAVE_TE", moe_utils.HAVE_TE)
+"""
+
+
+def _setup(mode: str) -> list[str]:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _SETUP, mode], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_transformer_engine_off_hides_te_from_the_process():
+    lines = _setup("off")
+    assert lines[0].startswith("(False, ['transformer_engine: hidden (actor.megatron.transformer_engine=off)")
+    assert lines[1:] == ["find_spec None", "ModuleNotFoundError", "megatron HAVE_TE False"]
+
+
+def test_transformer_engine_on_without_te_is_a_config_error():
+    from sftprof.models.specs import have_transformer_engine
+
+    if have_transformer_engine():
+        pytest.skip("TE imports here: 'on' is satisfied")
+    assert _setup("on") == ["ConfigError: actor.megatron.transformer_engine=on: transformer_engine is not installed; "
+                            "accepted: auto or off, or install transformer-engine[pytorch]"]
 
 
 @pytest.mark.parametrize("dim,hopper,bk", [(16, True, 16), (8, True, 16), (32, True, 32), (33, True, 64),

@@ -11,8 +11,10 @@ def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
              "recompute_ms": 100.0},
             {"part": "moe_dispatch", "label": "MoE dispatch/combine", "total_ms": 50.0, "share_pct": 5.0,
              "recompute_ms": 0.0}]},
-        "efficiency": {"rows": [{"kind": "attention", "phase": "forward", "tflops_per_s": 600.0},
-                                {"kind": "attention", "phase": "backward", "tflops_per_s": 440.0}]},
+        "efficiency": {"rows": [{"kind": "attention", "part": "attention core", "phase": "forward", "tflop": 0.6,
+                                 "gpu_ms": 1.0, "tflops_per_s": 600.0},
+                                {"kind": "attention", "part": "attention core", "phase": "backward", "tflop": 0.88,
+                                 "gpu_ms": 2.0, "tflops_per_s": 440.0}]},
         "collectives": {"exposed_by_group_ms": {"EP": exposed_ms, "CP": 1.0}},
         "communication": {"exposed_ms": exposed_ms + 1.0},
         "host": {"gpu_idle": {"idle_ms": idle_ms, "host_wait_ms": host_wait_ms, "host_wait_by_place": {

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sftprof.models.specs import have_transformer_engine
+
 SEQ = 1024
 
 
@@ -35,7 +37,10 @@ def _run(path: str):
         "actor.mb_spec.n_mbs=2", "actor.megatron.ddp.overlap_grad_reduce=true",
         f"actor.loss.path={'reference' if path == 'naive' else 'auto'}",
         f"actor.loss.logprobs_chunk_size={100 if path == 'logprobs' else 0}",
-        f"actor.loss.lm_head_loss_chunk_size={300 if path == 'lm_head' else 0}"])
+        f"actor.loss.lm_head_loss_chunk_size={300 if path == 'lm_head' else 0}",
+        # With TE the model's own kernels (fused attention backward, TE's MoE permutation) are not deterministic
+        # by default; deterministic mode leaves the loss path as the only difference between the engines.
+        f"actor.megatron.use_deterministic_algorithms={str(have_transformer_engine()).lower()}"])
     layout = parse_allocation_mode(cfg.actor.backend)
     hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
     sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), SEQ, 0.5, hf.vocab_size)

@@ -1,12 +1,16 @@
-"""GPU: every shipped setting, and each variation of it, trains three steps (``bench/settings_matrix.py``).
+"""GPU: every shipped setting, and each variation of it, trains three steps with Transformer Engine and without
+(``bench/settings_matrix.py``).
 
 One random bf16 Qwen3-30B-A3B checkpoint cut to 2 layers (8192 tokens per sequence) feeds every case, so
 the cases start from the same weights:
 
-- every case's three losses and grad norms are finite (no case crashes at step 1 or 2);
+- every case's three losses and grad norms are finite (no case crashes at step 1 or 2), in each TE mode (``te``:
+  the shipped precision settings on TE; ``local``: TE hidden, fp32 optimizer);
 - on one GPU, settings that change no arithmetic (overlap options, loss chunking, recompute, micro-batch
-  count) give the base case's step-0 loss within 1e-5 and grad norm within 1e-3 (relative), and its step-2
-  loss within 1e-3; deterministic kernels (other bf16 kernels) within 1e-4 / 1e-2 / 1e-3;
+  count) give their mode's base case's step-0 loss within 1e-5 and grad norm within 1e-3 (relative), and its step-2
+  loss within 1e-3; deterministic kernels (other bf16 kernels) and fp32 main grads within 1e-4 / 1e-2 / 1e-3;
+- the TE base case's step-0 loss is the local one's within 2e-3 (the same weights; TE's and torch's bf16 kernels
+  round differently);
 - on two GPUs, each layout's step-0 loss is the one-GPU loss within 2e-3 (relative; TP and EP reduce bf16
   partial results in another order).
 """
@@ -23,8 +27,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 # Cases that run other bf16 kernels than the base case: deterministic mode makes torch refuse kernels with a
 # nondeterministic backward (cuDNN's SDPA among them; the step takes ~20 % longer), so their rounding differs:
-# step-0 loss within 1e-4 and grad norm within 1e-2 (measured on 1x H200: 1.7e-5 and 5.7e-3).
-OTHER_KERNELS = {"deterministic"}
+# step-0 loss within 1e-4 and grad norm within 1e-2 (measured on 1x H200: 1.7e-5 and 5.7e-3). fp32 main grads
+# change the gradient buffer's precision.
+OTHER_KERNELS = {"deterministic", "fp32 main grads"}
+OTHER_MODEL = {"qwen3_5 gated delta-net"}  # another model: trains, compared with nothing
 
 
 def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
@@ -50,15 +56,25 @@ def one_gpu(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_one_gpu_cases_train_and_agree(one_gpu):
+    from sftprof.models.specs import have_transformer_engine
+
     _, rows = one_gpu
-    base = next(r for r in rows if r["case"] == "base")
-    assert len(rows) == 10
-    for r in rows:
-        assert len(r["loss"]) == 3
-        loss_tol, norm_tol = (1e-4, 1e-2) if r["case"] in OTHER_KERNELS else (1e-5, 1e-3)
-        assert abs(r["loss"][0] - base["loss"][0]) <= loss_tol * base["loss"][0], r["case"]
-        assert abs(r["grad_norm"][0] - base["grad_norm"][0]) <= norm_tol * base["grad_norm"][0], r["case"]
-        assert abs(r["loss"][2] - base["loss"][2]) <= 1e-3 * base["loss"][2], r["case"]
+    modes = ["te", "local"] if have_transformer_engine() else ["local"]
+    assert sorted({r["mode"] for r in rows}) == sorted(modes)
+    assert len(rows) == {1: 11, 2: 23}[len(modes)]  # 12 cases with TE, 11 without ("fp32 main grads" is its base)
+    for mode in modes:
+        base = next(r for r in rows if r["case"] == "base" and r["mode"] == mode)
+        for r in (r for r in rows if r["mode"] == mode):
+            assert len(r["loss"]) == 3
+            if r["case"] in OTHER_MODEL:
+                continue
+            loss_tol, norm_tol = (1e-4, 1e-2) if r["case"] in OTHER_KERNELS else (1e-5, 1e-3)
+            assert abs(r["loss"][0] - base["loss"][0]) <= loss_tol * base["loss"][0], (mode, r["case"])
+            assert abs(r["grad_norm"][0] - base["grad_norm"][0]) <= norm_tol * base["grad_norm"][0], (mode, r["case"])
+            assert abs(r["loss"][2] - base["loss"][2]) <= 1e-3 * base["loss"][2], (mode, r["case"])
+    if len(modes) == 2:
+        te, local = (next(r for r in rows if r["case"] == "base" and r["mode"] == m) for m in modes)
+        assert abs(te["loss"][0] - local["loss"][0]) <= 2e-3 * local["loss"][0], (te["loss"], local["loss"])
 
 
 @pytest.mark.gpu
@@ -66,10 +82,11 @@ def test_two_gpu_layouts_train_and_agree(one_gpu, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ckpt, rows1 = one_gpu
-    base = next(r for r in rows1 if r["case"] == "base")
     rows = _matrix(2, ckpt, tmp_path / "m2.json")
-    assert len(rows) == 8
+    modes = sorted({r["mode"] for r in rows1})
+    assert len(rows) == 8 * len(modes)
     for r in rows:
+        base = next(b for b in rows1 if b["case"] == "base" and b["mode"] == r["mode"])
         assert abs(r["loss"][0] - base["loss"][0]) <= 2e-3 * base["loss"][0], (r["case"], r["loss"], base["loss"])
 
 
@@ -102,10 +119,10 @@ def test_pool_parses_results_and_stops_a_case_past_its_timeout(tmp_path, monkeyp
     fake.chmod(0o755)
     monkeypatch.setattr(matrix.sys, "executable", str(fake))
     args = argparse.Namespace(nproc=1, checkpoint=tmp_path / "c", seq=8, steps=1, case_timeout=3.0)
-    rows = matrix._run_pool(["base", "n_mbs=1"], ["0", "0"], args)
+    rows = matrix._run_pool([("base", "local"), ("n_mbs=1", "local")], ["0", "0"], args)
     assert rows[0] == {"case": "base", "ok": True, "loss": [1.5], "grad_norm": [2.5]}
-    assert (rows[1]["case"], rows[1]["ok"], rows[1]["error"]) == (
-        "n_mbs=1", False, "exit -9: settings_matrix: case stopped after --case-timeout 3 s")
+    assert (rows[1]["case"], rows[1]["mode"], rows[1]["ok"], rows[1]["error"]) == (
+        "n_mbs=1", "local", False, "exit -9: settings_matrix: case stopped after --case-timeout 3 s")
     for pid in map(int, pidfile.read_text().split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -151,7 +151,7 @@ def test_step_peak_is_the_headline_and_an_earlier_higher_peak_is_the_windows():
     series = s.pop("series")
     assert (series["peak_index"], series["window_peak_index"]) == (5, 1)
     cats = {r["category"]: (r["bytes"], r["blocks"]) for r in s["categories_at_peak"]}
-    assert cats == {"parameters": (4 * G, 1), "gradients": (0, 0), "optimizer": (0, 0), "activations": (5 * G, 2),
+    assert cats == {"parameters": (4 * G, 1), "gradients": (0, 0), "optimizer": (0, 0), "workspaces": (0, 0), "activations": (5 * G, 2),
                     "before_window": (0, 0), "allocator_slack": (7 * G, None)}
     assert {k: v for k, v in s.items() if k != "categories_at_peak"} == {
         "device": 0, "trace_entries": 9, "window_ms": 7.5, "window_start_us": 1000.0,

@@ -118,6 +118,21 @@ def _heaviest_op(rank: int, op: dict, wall_ms: float, with_parts: bool) -> dict:
             "weight": op["inclusive_ms"] / wall_ms, "key": "heaviest op"}
 
 
+def _part_rates(rows: list[dict], label: str) -> list[str]:
+    """``["629 TFLOP/s forward", "428 TFLOP/s backward"]``: achieved model TFLOP/s of a model part's FLOP-counted
+    ops (the kernel-efficiency rows of that part, dtypes summed) in its first-pass forward (or, where that has no
+    counted op, its recompute: Transformer Engine's linears run their first forward under full recompute without
+    an op record) and its backward."""
+    acc: dict[str, list[float]] = {}
+    for row in rows:
+        if row["part"] == label and row.get("tflop") and row.get("gpu_ms"):
+            a = acc.setdefault(row["phase"], [0.0, 0.0])
+            a[0] += row["tflop"]
+            a[1] += row["gpu_ms"]
+    first = "forward" if "forward" in acc else "recompute"
+    return [f"{acc[ph][0] / acc[ph][1] * 1e3:.0f} TFLOP/s {ph}" for ph in (first, "backward") if ph in acc]
+
+
 def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                     wait: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
     """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output); ``wait``:
@@ -147,18 +162,15 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
     if not total:
         return [dict(f, rank=rank) for f in out], []
     sec = _anchor(parts_heading(rank))
-    eff = {(r["kind"], r["phase"]): r for r in (s.get("efficiency") or {}).get("rows") or []
-           if r["kind"] == "attention"}
+    eff_rows = (s.get("efficiency") or {}).get("rows") or []
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
         text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of {clock} ({r['total_ms']:.1f} ms"
         if r["recompute_ms"]:
             text += f", of which recompute {r['recompute_ms']:.1f} ms"
         text += ")"
-        if "attention" in r["label"] and "core" in r["label"]:
-            rates = [f"{eff[('attention', ph)]['tflops_per_s']:.0f} TFLOP/s {ph}" for ph in ("forward", "backward")
-                     if ("attention", ph) in eff and eff[("attention", ph)]["tflops_per_s"]]
-            if rates:
-                text += " at " + " / ".join(rates)
+        rates = _part_rates(eff_rows, r["label"])
+        if rates:
+            text += " at " + " / ".join(rates)
         out.append({"text": text, "section": sec, "weight": r["total_ms"] / total, "key": f"part {r['part']}"})
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:
@@ -262,8 +274,8 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
         what.append({"text": text, "assumption": "megatron-core's distributed optimizer shards main params, moments "
                                                  "(and the fp32 gradient copy) over the data-parallel ranks of each "
                                                  "parameter; gradient buffers stay whole"})
-    if estimate and not m.get("lm_head_loss_chunk_size") and "activations" in rows:
-        logits = rows["activations"].get("logits_bytes")
+    if estimate and "activations" in rows:
+        logits = rows["activations"].get("logits_bytes")  # 0 on the chunked LM-head loss path: nothing to propose
         if logits:
             what.append({"text": f"chunked LM head (LM_HEAD_LOSS_CHUNK_SIZE > 0): about {logits / gib:.2f} GiB of "
                                  f"logits on rank {rank} not held", "assumption": "logits s x V/tp in the model "

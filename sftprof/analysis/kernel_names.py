@@ -19,12 +19,12 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|softmax_warp_forward_causal|mha_")),
     ("MoE routing/permutation", re.compile(
         r"moe|permut|topk|top_k|sort|radix|scatter|gather|index|histogram|histc|bincount|cumsum|"
-        r"router|token_dispatch|masked_select|masked_scatter|nonzero|cub::|write_indices")),
+        r"router|token_dispatch|masked_select|masked_scatter|nonzero|cub::|write_indices|row_id_map")),
     ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|lamb_|sgd_|l2norm")),
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|_mm_|wgmma|splitk|hgemm|sgemm|dot_kernel")),
     ("elementwise/reduction", re.compile(
         r"elementwise|reduce|copy|fill|cat|norm|softmax|triton|unary|binary|functor|pow|mul|add|"
-        r"silu|gelu|exp|log|where|clamp|sum|mean|max|min|cross_entropy|rms")),
+        r"silu|gelu|exp|log|where|clamp|sum|mean|max|min|cross_entropy|rms|rope")),
 )
 _NCCL = re.compile(r"nccl(?:dev)?kernel_([a-z]+)", re.IGNORECASE)
 _NAMESPACES = re.compile(r"\(anonymous namespace\)::|\b(?:at::native|at::cuda|at|c10|std|cuda::std)::")

@@ -13,7 +13,9 @@ Bytes per parameter (the settings in ``config.yaml``):
 - megatron: weights in ``actor.dtype``; gradient buffer in ``main_grads_dtype`` with the precision-aware
   optimizer, else fp32 when ``ddp.grad_reduce_in_fp32`` else ``actor.dtype``; optimizer state
   (main params, ``exp_avg``, ``exp_avg_sq`` in their configured dtypes; fp32 without the precision-aware
-  optimizer) divided by the DP size of the parameter (DP x CP for dense parameters, expert DP for the
+  optimizer; with it, bf16 weights and fp32 main params, Transformer Engine's FusedAdam keeps only the 16 bits
+  of each fp32 main param that the bf16 weight lacks: megatron-core's ``store_param_remainders``, on by default,
+  2 B) divided by the DP size of the parameter (DP x CP for dense parameters, expert DP for the
   experts) when ``ddp.use_distributed_optimizer``; plus, without the precision-aware optimizer, the
   fp32 copy of the gradient shard that megatron-core's distributed optimizer makes at the step
   (``copy_group_grads``), 4 bytes per sharded parameter.
@@ -21,7 +23,8 @@ Bytes per parameter (the settings in ``config.yaml``):
 
 Activations (a lower bound, stated as such): with full recompute only each layer's input is kept,
 ``L s h b`` bytes (``s`` tokens on this rank, ``b`` bytes of ``actor.dtype``); the LM head adds its
-logits ``s V / t`` in ``actor.dtype`` when ``lm_head_loss_chunk_size`` is 0. The working set of the
+logits ``s V / t`` in ``actor.dtype`` unless the loss runs on the chunked LM-head path (``actor.loss``: ``path``
+``lm_head``, or ``auto`` with ``lm_head_loss_chunk_size > 0``). The working set of the
 layer being recomputed and back-propagated comes on top and is not estimated here.
 """
 from __future__ import annotations
@@ -78,7 +81,8 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         pa = bool(m.get("use_precision_aware_optimizer"))
         grad_b = (_BYTES.get(str(m.get("main_grads_dtype")), 4) if pa else 4 if ddp.get("grad_reduce_in_fp32") else wb)
         dist_opt = bool(ddp.get("use_distributed_optimizer", True))
-        state_b = sum(_BYTES.get(str(m.get(k)), 4) if pa else 4
+        remainders = pa and wb == 2 and str(a.get("dtype")) == "bfloat16" and str(m.get("main_params_dtype")) == "float32"
+        state_b = sum(2 if k == "main_params_dtype" and remainders else _BYTES.get(str(m.get(k)), 4) if pa else 4
                       for k in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"))
         dp_dense = layout.dp * layout.cp if dist_opt else 1
         dp_exp = layout.edp if dist_opt else 1
@@ -87,7 +91,8 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         rows += [{"category": "parameters", "bytes": wb * n, "formula": f"{wb} B x {n:,} params"},
                  {"category": "gradients", "bytes": grad_b * n, "formula": f"{grad_b} B x {n:,} params"},
                  {"category": "optimizer", "bytes": int(opt + step_copy), "step_copy_bytes": int(step_copy),
-                  "formula": f"{state_b} B state" + ("" if pa else " + 4 B fp32 grad copy") +
+                  "formula": f"{state_b} B state" + (" (fp32 main params as 16-bit remainders)" if remainders else "")
+                             + ("" if pa else " + 4 B fp32 grad copy") +
                              f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params"}]
         assumptions.append(f"distributed optimizer {'on' if dist_opt else 'off'}; precision-aware optimizer "
                            f"{'on' if pa else 'off'}")
@@ -102,7 +107,9 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
     act = layers * s_local * hf.hidden_size * wb
     formula = f"{layers} layers x {s_local} tokens x {hf.hidden_size} x {wb} B (layer inputs)"
     logits = 0
-    if not m.get("lm_head_loss_chunk_size"):
+    loss = a.get("loss") or {}
+    path = loss.get("path", "auto")
+    if not (path == "lm_head" or (path == "auto" and (loss.get("lm_head_loss_chunk_size") or 0) > 0)):
         logits = s_local * hf.vocab_size // layout.tp * wb
         act += logits
         formula += f" + logits {s_local} x {hf.vocab_size // layout.tp} x {wb} B"

@@ -48,7 +48,9 @@ __all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_sta
 MEMORY_CATEGORIES = {
     "parameters": "parameters (model weights, param buffers)",
     "gradients": "gradient buffers",
-    "optimizer": "optimizer state and step buffers (main params, moments, fp32 main grads)",
+    "optimizer": "optimizer state and step buffers (main params or TE FusedAdam's 16-bit remainders, moments, "
+                 "fp32 main grads)",
+    "workspaces": "library workspaces (cuBLAS / Transformer Engine GEMM workspaces)",
     "activations": "activations and autograd temporaries",
     "before_window": "allocated before the recorded window (stack unknown)",
 }
@@ -58,6 +60,7 @@ _CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("parameters", re.compile(r"param_and_grad_buffer\.py:(7[89]\d|80[0-2]) |\bparam_data\b|reset_parameters|"
                               r"_initialize_affine_weight|\b__init__$|init_method|_load_hf_checkpoint|safetensors")),
     ("optimizer", re.compile(r"(^|/)optimizer/|optim|adam", re.IGNORECASE)),
+    ("workspaces", re.compile(r"workspace", re.IGNORECASE)),
 )
 
 TOP_SITES = 20
@@ -117,8 +120,9 @@ def site_category(site: str) -> str:
 
     Rules (first match): stack unknown -> ``before_window``; megatron-core gradient buffers ->
     ``gradients``; parameter buffers and module ``__init__``/weight-init frames -> ``parameters``;
-    optimizer code (``optimizer/``, ``optim``, ``adam``) -> ``optimizer``; anything else, allocated
-    while the step ran, -> ``activations``.
+    optimizer code (``optimizer/``, ``optim``, ``adam``: TE's FusedAdam too) -> ``optimizer``; GEMM workspaces
+    (TE's ``get_cublas_workspace``) -> ``workspaces``; anything else, allocated while the step ran, ->
+    ``activations``.
     """
     for key, pattern in _CATEGORY_RULES:
         if pattern.search(site):

@@ -90,6 +90,14 @@ _ATTENTION = {
 }
 
 
+# Transformer Engine's autograd Functions (TE 2.x): their forward ops carry the input dims; their backward nodes
+# (``<name>Backward``) only the output gradient's, so a backward node's FLOPs are 2x those of the forward op the
+# profiler's fwdbwd flow links it to. ``FusedAttnFunc`` is TE's fused attention without context parallelism, q/k in
+# megatron-core's ``sbhd`` layout ([s, b, h, d]), causal (megatron-core's GPT attention mask).
+_TE_FORWARD = ("FusedAttnFunc", "_Linear", "_LayerNormLinear", "_GroupedLinear", "RouterGatingLinearFunction")
+_TE_BACKWARD = {f"{n}Backward": n for n in _TE_FORWARD}
+
+
 def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -> int:
     """Query-key pairs one head computes: ``sq * sk``; causal top-left (query ``i`` sees keys ``j <= i``):
     ``sum_i min(i + 1, sk)``; causal lower-right (``j <= i + sk - sq``): ``sum_i clamp(i + 1 + sk - sq, 0, sk)``."""
@@ -107,6 +115,20 @@ def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -
     return total
 
 
+def _te_linear_flops(name: str, dims: list) -> Optional[float]:
+    """FLOPs of a Transformer Engine linear's forward op (:data:`_TE_FORWARD`) from its recorded input dims:
+    ``2 M K N`` with the input ``[..., K]`` (``M`` its other dims) and each weight ``[N, K]`` (a grouped linear's
+    ``N`` is the same for every expert and its ``M`` the tokens of all experts)."""
+    inp, weights = (dims[1], dims[:1]) if name == "_Linear" else (dims[0], dims[1:])
+    if not isinstance(inp, list) or len(inp) < 2:
+        return None
+    k, m = inp[-1], float(np.prod(inp[:-1]))
+    shapes = {tuple(w) for w in weights if isinstance(w, list) and len(w) == 2 and w[1] == k}
+    if len(shapes) != 1:
+        return None
+    return 2.0 * m * k * next(iter(shapes))[0]
+
+
 def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
     """``(kind, FLOPs, dtype)`` of one recorded op (``record_shapes``), or None when unknown.
 
@@ -118,6 +140,15 @@ def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
     dtype = next((t for t in types if isinstance(t, str) and t and t not in ("Scalar", "ScalarList", "")), "?")
     dtype = dtype.replace("c10::", "")
     try:
+        if name in _TE_FORWARD:
+            if name == "FusedAttnFunc":
+                q, k = dims[0], dims[1]
+                if len(q) != 4 or len(k) != 4:
+                    return None  # thd (packed sequences): the pairs need cu_seqlens
+                sq, b, h, d = q
+                return "attention", 4.0 * b * h * d * attention_pairs(sq, k[0], causal=True), dtype
+            f = _te_linear_flops(name, dims)
+            return ("GEMM", f, dtype) if f else None
         if name in _GEMMS:
             ia, ib = _GEMMS[name]
             a, b = dims[ia], dims[ib]
@@ -249,6 +280,8 @@ class OpCollector:
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
+        self._te_forward: dict[tuple[int, float], int] = {}  # TE forward op (tid, ts) -> index into _flop_info
+        self._te_backward: list[tuple[str, int, float, float]] = []  # TE backward node ops: (name, tid, ts, dur)
 
     def add(self, ev: dict, ts: float, dur: float) -> None:
         """Consume one complete (``ph: X``) or flow event with a valid ``ts`` (and ``dur`` for X)."""
@@ -268,11 +301,15 @@ class OpCollector:
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
             args = ev.get("args") or {}
-            if name in _GEMMS or name in _ATTENTION:
+            if name in _GEMMS or name in _ATTENTION or name in _TE_FORWARD:
                 f = op_flops(name, args)
                 if f is not None:
+                    if name in _TE_FORWARD:
+                        self._te_forward[(tid, ts)] = len(self._flop_info)
                     self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
                     self._flop_info.append((name, *f))
+            elif name in _TE_BACKWARD:
+                self._te_backward.append((name, tid, ts, dur))
             if "Collective name" in args:
                 ext = args.get("External id")
                 if isinstance(ext, int):
@@ -430,8 +467,22 @@ class OpCollector:
         return (np.array([s[2] for s in calls], dtype=np.float64),
                 [self.op_name_list[int(pay[j])] if j >= 0 else s[0] for s, j in zip(calls, at)])
 
+    def _link_te_backward(self) -> None:
+        """Give each TE backward node op 2x the FLOPs of the forward op its fwdbwd flow starts at (once, after the
+        pass: flows and ops arrive in any order); nodes without a linked forward op stay without FLOPs."""
+        for name, tid, ts, dur in self._te_backward:
+            start = self._flow_start.get(self._flow_end.get((tid, ts)))
+            k = self._te_forward.get(start) if start is not None else None
+            if k is None:
+                continue
+            _, kind, flops, dtype = self._flop_info[k]
+            self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
+            self._flop_info.append((name, "attention backward" if kind == "attention" else kind, 2 * flops, dtype))
+        self._te_backward = []
+
     def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
         """Index into the FLOP-known ops (innermost containing the launch point), -1 when none."""
+        self._link_te_backward()
         return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
 
     def flop_info(self, k: int) -> tuple[str, str, float, str]:

@@ -150,6 +150,11 @@ class MegatronEngine(Engine):
         m = cfg.actor.megatron
         if m.use_deterministic_algorithms:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            if have_te and os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") != "0":
+                # megatron-core's TE attention refuses deterministic_mode unless TE's own switch says so
+                log.info("megatron: deterministic mode: NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (was %s)",
+                         os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "unset"))
+                os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
             torch.use_deterministic_algorithms(True)
         apply_megatron_compat()
         parallel_state.initialize_model_parallel(**mc.parallel_state_kwargs(layout))

@@ -1,6 +1,6 @@
-"""Hugging Face ``qwen3_moe`` tensors -> this rank's megatron-core parameters (local layer spec).
+"""Hugging Face ``qwen3_moe`` tensors -> this rank's megatron-core parameters (local or Transformer Engine spec).
 
-One table, :data:`RULES`, maps each megatron parameter name of this project's ``GPTModel`` (local spec:
+One table, :data:`RULES`, maps each megatron parameter name of this project's ``GPTModel`` (both specs of
 :mod:`sftprof.models.specs`) to the Hugging Face tensors it is built from and how:
 
 =====================================================  =================================================  ==========================
@@ -23,6 +23,13 @@ decoder.layers.i.mlp.experts.weight1 [E/ep, H, 2F/etp] (grouped GEMM) the fc1 ru
 decoder.layers.i.mlp.experts.weight2 [E/ep, F/etp, H]  (grouped GEMM) the fc2 rule per local expert, transposed, stacked
 decoder.final_layernorm.weight [H]                     model.norm.weight                                 copy
 output_layer.weight [V'/tp, H]                         lm_head.weight (embed_tokens when tied)           vocab rows of TP rank (padded)
+Transformer Engine spec (megatron-core's ``get_gpt_layer_with_transformer_engine_spec``):
+decoder.layers.i.self_attention.linear_qkv.            model.layers.g.input_layernorm.weight             copy (TE's LayerNormLinear holds
+  layer_norm_weight [H]                                                                                   the input norm; no input_layernorm)
+decoder.layers.i.mlp.experts.linear_fc1.weightj        as local_experts.j.linear_fc1.weight              (TE GroupedLinear: one weight per
+  [2F/etp, H]                                                                                             local expert j)
+decoder.layers.i.mlp.experts.linear_fc2.weightj        as local_experts.j.linear_fc2.weight
+  [H, F/etp]
 =====================================================  =================================================  ==========================
 
 ``i`` is the layer's index on this pipeline stage and ``g = layer.layer_number - 1`` its global index;
@@ -187,6 +194,11 @@ COMMON_RULES: List[Tuple[str, Builder]] = [
      lambda s, c, g, j: _expert(s, g, _global_expert(c, j), c, 2)),
     (LAYER_PATTERN + r"mlp\.experts\.weight1", lambda s, c, g, j: _grouped(s, g, c, 1)),
     (LAYER_PATTERN + r"mlp\.experts\.weight2", lambda s, c, g, j: _grouped(s, g, c, 2)),
+    # Transformer Engine spec: the input norm fused into the first linear of the token mixer, grouped-GEMM experts
+    (LAYER_PATTERN + r"self_attention\.(?:linear_qkv|in_proj)\.layer_norm_weight",
+     lambda s, c, g, j: s.read(f"model.layers.{g}.input_layernorm.weight")),
+    (LAYER_PATTERN + r"mlp\.experts\.linear_fc1\.weight(\d+)", lambda s, c, g, j: _expert(s, g, _global_expert(c, j), c, 1)),
+    (LAYER_PATTERN + r"mlp\.experts\.linear_fc2\.weight(\d+)", lambda s, c, g, j: _expert(s, g, _global_expert(c, j), c, 2)),
 ]
 RULES: List[Tuple[str, Builder]] = COMMON_RULES + [
     (LAYER_PATTERN + r"self_attention\.linear_qkv\.weight", lambda s, c, g, j: _qkv(s, g, c)),
