@@ -37,8 +37,10 @@ import sys
 import tempfile
 
 from sftprof.analysis.inputs import recorded_profile
+from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
-                                     postprocess_trial, resolve_profile, summary_left_unchanged)
+                                     postprocess_trial, resolve_profile)
+from sftprof.analysis.summary_file import summary_left_unchanged
 from sftprof.artifacts import TRAINER_LOG, keep_previous
 from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
@@ -59,8 +61,6 @@ def _same_text(path: str, text: str) -> bool:
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
-
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
                                             "trials matched by profile kind and step.")

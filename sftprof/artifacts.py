@@ -61,7 +61,7 @@ def parse_region(name: str) -> tuple[str, Optional[int]] | None:
     return (m.group(1), None) if m.group(1) else (m.group(2), int(m.group(3)))
 
 
-# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.step_breakdown reads them):
+# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.op_collector reads them):
 # sftprof.module/<part>[/L<layer>][/recompute].
 MODULE_REGION_PREFIX = "sftprof.module/"
 MODULE_RECOMPUTE_SUFFIX = "/recompute"

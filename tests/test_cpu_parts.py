@@ -4,6 +4,7 @@ import pytest
 
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.what_if import kernel_what_if
 
 
 def _op(name, ts, dur, tid=1, cat="cpu_op"):
@@ -54,14 +55,14 @@ def test_cpu_op_self_time_by_model_part_and_the_heaviest_op():
                                 "backward": "_VocabParallelLogprobsBackward", "backward_ms": 0.198,
                                 "part": "lm_head_loss", "label": "LM head + loss"}
     assert s["parts"]["total_ms"] == 0.0  # no GPU activity: the GPU table stays empty
-    found, what_if = fnd.kernel_findings(0, s, None)
+    found = fnd.kernel_findings(0, s)
     assert [f["text"] for f in found] == [
         "rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: 0.4 ms of the 1.0 ms step (1 call, with the "
         "ops it calls); its backward _VocabParallelLogprobsBackward 0.2 ms more",
         "rank 0: LM head + loss 82.9 % of CPU op time (0.6 ms)",
         "rank 0: attention QKV projection 11.4 % of CPU op time (0.1 ms)",
         "rank 0: optimizer 4.3 % of CPU op time (0.0 ms)"]
-    assert {f["section"] for f in found} == {"#time-by-model-part-rank-0"} and what_if == []
+    assert {f["section"] for f in found} == {"#time-by-model-part-rank-0"} and kernel_what_if(0, s, None) == []
     assert found[0]["weight"] == pytest.approx(0.38)
 
 

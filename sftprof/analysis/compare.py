@@ -21,9 +21,9 @@ from sftprof.analysis import inputs
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
-from sftprof.analysis.report import fmt, short, table
+from sftprof.analysis.markdown import fmt, short, table
 from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summary
-from sftprof.analysis.step_breakdown import exposed_groups
+from sftprof.analysis.collectives import exposed_groups
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs", "dir_name", "NO_MATCH"]
 

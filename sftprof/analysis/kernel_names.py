@@ -1,14 +1,15 @@
-"""Rules on GPU kernel and process-group names: category of a kernel, readable kernel name, parallelism label.
+"""Rules on names: category of a GPU kernel or CPU op, readable kernel name, a collective's name, the parallelism
+label of a process group.
 
-Pure string rules, no trace state; the kernel summary (:mod:`sftprof.analysis.trace_summary`), the step
-breakdown (traces without model-part ranges) and the run comparison (:mod:`sftprof.analysis.compare`) use them.
+Pure string rules, no trace state; the kernel summary (:mod:`sftprof.analysis.trace_summary`), the model parts
+(traces without model-part ranges, CPU runs) and the run comparison (:mod:`sftprof.analysis.compare`) use them.
 """
 from __future__ import annotations
 
 import re
 
-__all__ = ["kernel_category", "short_kernel_name", "collective_group_label", "cpu_op_category", "COMM_PREFIX",
-           "HOST_COLLECTIVE_PREFIXES"]
+__all__ = ["kernel_category", "short_kernel_name", "collective_group_label", "cpu_op_category", "collective_name",
+           "COMM_PREFIX", "HOST_COLLECTIVE_PREFIXES"]
 
 COMM_PREFIX = "NCCL "  # category prefix of NCCL kernels: "NCCL <collective>"
 HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")  # host-side collective ops (annotations or cpu_ops)
@@ -100,6 +101,12 @@ def collective_group_label(pg_desc: str | None, pg_name: str | None) -> str | No
     if pg_desc:
         return _PG_LABELS.get(pg_desc, pg_desc)
     return f"pg{pg_name}" if pg_name not in (None, "") else None
+
+
+def collective_name(name: str) -> str:
+    """A collective's name as torch records it, without the backend prefix and variant suffixes:
+    ``nccl:all_gather_into_tensor_coalesced`` -> ``all_gather``."""
+    return re.sub(r"(_into_tensor|_tensor)?(_coalesced|_base)?$", "", name.replace("nccl:", "").replace("gloo:", ""))
 
 
 def cpu_op_category(name: str) -> str:

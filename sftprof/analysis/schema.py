@@ -238,7 +238,7 @@ class Identity(TypedDict):
 
 
 class StepWindow(TypedDict):
-    """The step window (:func:`sftprof.analysis.trace_summary.step_window`); None times: no window."""
+    """The step window (:func:`sftprof.analysis.gpu_activity.step_window`); None times: no window."""
     source: str  # "sftprof/step" | "ProfilerStep" | "gpu_activity_span" | "trace_span" | "none"
     start_us: Optional[float]
     end_us: Optional[float]
@@ -599,6 +599,14 @@ class Estimate(TypedDict):
     assumptions: list[str]
 
 
+class EstimateCheckRow(TypedDict):
+    """Measured against estimated bytes of one category (:func:`sftprof.analysis.memory_estimate.explain_estimate`)."""
+    category: str
+    measured_bytes: int
+    estimated_bytes: int
+    difference_bytes: int  # measured - estimated
+
+
 class SnapshotEntry(TypedDict):
     """One snapshot: its archive, plot and summary, or its error (then ``archived`` False)."""
     rank: Optional[int]
@@ -612,6 +620,7 @@ class SnapshotEntry(TypedDict):
     summary: NotRequired[MemorySummary]
     estimate: NotRequired[Optional[Estimate]]
     estimate_note: NotRequired[Optional[str]]
+    estimate_vs_measured: NotRequired[Optional[list[EstimateCheckRow]]]
 
 
 # -- across ranks -----------------------------------------------------------------------------------------------
