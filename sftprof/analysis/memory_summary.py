@@ -284,8 +284,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
           ``peak_reserved_bytes``/``_gib`` (highest reserved level of the scope), ``reserved_at_peak_bytes``,
           ``reserved_minus_allocated_at_peak_bytes``/``_gib``, ``live_at_peak_bytes``, ``top_sites`` (site, bytes,
           blocks, share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
-          (:data:`MEMORY_CATEGORIES` rows whose bytes sum to the allocated bytes at the peak, then the allocator
-          slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
+          (:data:`sftprof.analysis.memory_categories.MEMORY_CATEGORIES` rows whose bytes sum to the allocated
+          bytes at the peak, then the allocator slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
           window: bytes, lifetime_ms, site);
         - the whole recorded window's peak: ``window_peak_allocated_bytes``/``_gib``, ``window_peak_time_ms``,
           ``window_peak_phase``, ``window_peak_reserved_bytes``/``_gib``, ``window_top_sites`` (as ``top_sites``)

@@ -20,7 +20,7 @@ from sftprof.ranks import resolve_ranks
 __all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "optional_input_warnings",
            "ROUTING_COLLAPSE_SHARE"]
 
-MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`_missing_traces`
+MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
 
 def missing_traces(cfg: dict | None, items: list[dict]) -> list[int]:
@@ -113,10 +113,10 @@ ROUTING_COLLAPSE_SHARE = 0.5  # a busiest expert receiving at least this share o
 
 def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -> list[FileWarning]:
     """Per step whose ``moe_load`` held values that cannot be true, a warning that they were left out
-    (:func:`sftprof.analysis.inputs.moe_load`); and a warning when one expert received at least :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in
-    the profiled step (the last step record when the profiled one is absent): the profile's expert, dispatch and
-    EP-wait figures are those of that routing, unlike a trained router's (balanced top-``k``: ``k / E`` of the
-    tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). What it says follows the trial's config ``cfg``:
+    (:func:`sftprof.analysis.inputs.moe_load`); and a warning when one expert received at least
+    :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in the profiled step (the last step record when the
+    profiled one is absent): the profile's expert, dispatch and EP-wait figures are those of that routing, unlike a
+    trained router's (balanced top-``k``: ``k / E`` of the tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). What it says follows the trial's config ``cfg``:
     random or loaded weights (``actor.init_from_scratch``), balanced routing already on, and what the backend
     (``actor.backend``) accepts."""
     out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE layer(s) left out of the "

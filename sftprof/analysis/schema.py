@@ -445,7 +445,7 @@ class GpuIdle(TypedDict):
 
 
 class Host(TypedDict):
-    """Host time in the step window (:mod:`sftprof.analysis.host_waits`)."""
+    """Host time in the step window (:mod:`sftprof.analysis.host_time`)."""
     top_self: list[HostOpRow]
     sync: HostSync
     compile: Compile
@@ -454,7 +454,7 @@ class Host(TypedDict):
 
 class HeaviestOp(TypedDict):
     """The CPU op with the most inclusive time in the step window, an autograd Function's forward and backward node
-    together (:func:`sftprof.analysis.cpu_parts.heaviest_op`); ``inclusive_ms`` is the op's, ``backward_ms`` its
+    together (:func:`sftprof.analysis.host_time.heaviest_op`); ``inclusive_ms`` is the op's, ``backward_ms`` its
     backward node's (``<name>Backward``; None when it has none)."""
     name: str
     calls: int
@@ -760,7 +760,7 @@ class RankTable(TypedDict):
 
 
 class ProfileSummary(TypedDict):
-    """``profile_summary.json`` of one trial (:func:`sftprof.analysis.postprocess.postprocess_trial`)."""
+    """``profile_summary.json`` of one trial (:func:`sftprof.analysis.summary.postprocess_trial`)."""
     schema: str  # SCHEMA_NAME
     schema_version: str  # "<major>.<minor>"
     trial: str

@@ -51,8 +51,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     :func:`sftprof.analysis.summary_file.write_summary`).
     A rank's views and model-part plot, and a snapshot's archived copy, plot and phases sidecar, are replaced only by
     those of a file processed without error; a snapshot that fails is not archived, and what an earlier postprocess
-    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.problems`). ``counts["plots"]``: the PNGs this
-    postprocess wrote (memory and model-part plots).
+    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.problems`). ``counts["plots"]``: the
+    PNGs this postprocess wrote (memory and model-part plots).
 
     Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
     (:meth:`sftprof.analysis.trace_summary.KernelTraceAnalyzer.summary`) and the ``ranks`` table
@@ -64,7 +64,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
-            (:func:`recorded_profile`). Given, it is a check: a different recorded kind is an error.
+            (:func:`sftprof.analysis.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
+            error.
         profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a check:
             a step the trial did not profile (:func:`profiled_steps`) is an error.
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).

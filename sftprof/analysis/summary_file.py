@@ -1,7 +1,8 @@
 """``profile_summary.{json,md}`` in a run dir: written atomically, an earlier one that differs kept as
 ``profile_summary.prev<N>.{json,md}``, one that is the same left as it is (:func:`write_summary`).
 
-The JSON text is :func:`sftprof.analysis.schema.summary_json`'s, the Markdown :func:`sftprof.analysis.report.render_markdown`'s.
+The JSON text is :func:`sftprof.analysis.schema.summary_json`'s, the Markdown
+:func:`sftprof.analysis.report.render_markdown`'s.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def _unchanged_note(notes: list[dict]) -> dict:
 
 
 def summary_left_unchanged(summary: dict) -> bool:
-    """Whether :func:`postprocess_trial` left the run dir's summary as it was (a rerun on the same inputs: the
-    summary's warnings say so) rather than writing it."""
+    """Whether :func:`sftprof.analysis.summary.postprocess_trial` left the run dir's summary as it was (a rerun on
+    the same inputs: the summary's warnings say so) rather than writing it."""
     return any(w.get("file") == SUMMARY_JSON and str(w.get("warning", "")).startswith(_UNCHANGED_NOTE)
                for w in summary.get("warnings") or [])
 

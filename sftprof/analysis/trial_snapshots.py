@@ -71,7 +71,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     files of an earlier postprocess. A snapshot that fails (whatever it raises) is that snapshot's error and is not
     archived (``"archived": false``, the error ends in ``(not archived...)``): no copy of it is written, and the
     archived snapshot, plot and sidecar of an earlier postprocess under the same names stay as they are, listed in
-    ``kept_files`` (run-dir relative; a warning names them, :func:`_kept_warnings`). ``written``: names this
+    ``kept_files`` (run-dir relative; a warning names them, :mod:`sftprof.analysis.problems`). ``written``: names this
     postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
     A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
     own, so the name's rank is checked only against the world size): not analysed, not archived.

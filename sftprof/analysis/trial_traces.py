@@ -50,7 +50,8 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     are written to a staging folder next to ``out_dir`` and replace the rank's earlier views (other compression,
     other windows) only when the split succeeded: a trace that fails leaves what an earlier postprocess wrote. So
     does one that is not this trial's: a rank outside its world size ``world`` (not read), or a trace whose own
-    steps and rank say it is another step's or another rank's (:func:`identity_problems`)."""
+    steps and rank say it is another step's or another rank's
+    (:func:`sftprof.analysis.trace_summary.identity_problems`)."""
     outside = outside_world(rank, world)
     if outside:
         return _failed_trace(out_dir, rank, f"{src}: {outside}; the trace was not read")

@@ -34,7 +34,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
     into different windows are left out (each part keeps the rules of ``sftprof/analysis/trace_check.py``).
 
     Args:
-        path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
+        path: a view written by :func:`sftprof.analysis.views.split_trace` (``.json`` or ``.json.gz``).
         max_bytes: target upper bound of event bytes per part (metadata bytes come on top).
 
     Returns:
