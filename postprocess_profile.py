@@ -14,7 +14,10 @@ Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing 
 warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed, or a trace or
 snapshot is not the trial's (another step's or rank's trace, a rank in its name at or above the trial's world
 size: not summarised; the summary still names the file and its error) or when compare finds no trials that match
-by kind and step (the report is still written), 2 on bad arguments: a --profile-kind the trial did not record; a
+by kind and step (the report is still written), or when an output cannot be written for want of space (a full
+disk, a quota; the message names the file and the free space): every summary, report, plot and view is written
+under a temporary name in its folder and renamed when complete (sftprof/atomic.py), so what an earlier postprocess
+wrote stays in place, 2 on bad arguments: a --profile-kind the trial did not record; a
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
 written, not even the run dir); compare inputs that are missing or not profile summaries; an --out whose
@@ -28,15 +31,22 @@ closed early (| head): what was to be written is written, the rest of the output
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
 
 from sftprof.analysis.inputs import recorded_profile
+from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
-                                     postprocess_trial, resolve_profile, summary_left_unchanged)
+                                     postprocess_trial, resolve_profile)
+from sftprof.analysis.summary_file import summary_left_unchanged
 from sftprof.artifacts import TRAINER_LOG, keep_previous
+from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
+
+
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, quota or file-size limit: exit 1
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -51,8 +61,6 @@ def _same_text(path: str, text: str) -> bool:
 
 
 def _compare(argv: list[str]) -> int:
-    from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
-
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
                                 description="Markdown table of deltas (B - A) between two runs, "
                                             "trials matched by profile kind and step.")
@@ -76,16 +84,19 @@ def _compare(argv: list[str]) -> int:
             print(f"[postprocess] {out} unchanged (it already holds this report: same inputs), left as it is",
                   file=sys.stderr)
         else:
-            if not args.out and os.path.lexists(out):
-                kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
-                print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
-            with open(out, "x", encoding="utf-8") as f:
-                f.write(report)
+            with atomic_path(out, replace=False) as tmp:  # written in full before it takes the name
+                put_text(tmp, report)
+                if not args.out and os.path.lexists(out):
+                    kept = f"{out[: -len('.md')]}.prev{keep_previous([out])}.md"
+                    print(f"[postprocess] kept the earlier report {out} as {kept}", file=sys.stderr)
             print(f"[postprocess] wrote {out}", file=sys.stderr)
     except FileExistsError:  # created by someone else since the check above
         p.error(f"--out {out}: exists; never overwritten: name a new file")
-    except OSError as exc:
-        p.error(f"--out {out}: cannot be written ({exc.strerror})")
+    except WriteError as exc:  # an earlier report stays where it was
+        if exc.errno not in _OUT_OF_SPACE:
+            p.error(f"--out {out}: {exc.strerror}")
+        print(f"[postprocess] ERROR {exc.strerror}", file=sys.stderr)
+        return 1
     print(report)
     if report.rstrip().endswith(NO_MATCH):
         print(f"[postprocess] ERROR: {NO_MATCH} Nothing was compared.", file=sys.stderr)
@@ -144,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                                           compress=args.compress)
     except ValueError as exc:
         p.error(str(exc))
+    except WriteError as exc:  # a full disk: that file's error; what an earlier postprocess wrote stays in place
+        print(f"[postprocess] ERROR {exc.strerror}; no summary written", file=sys.stderr)
+        return 1
     for err in summary["errors"]:
         print(f"[postprocess] ERROR {err['file']}: {err['error']}", file=sys.stderr)
     for warn in summary["warnings"]:

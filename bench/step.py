@@ -58,6 +58,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
+from sftprof.analysis.schema import EfficiencyRow, processed_traces, read_summary  # noqa: E402
+from sftprof.artifacts import SUMMARY_JSON  # noqa: E402
 from sftprof.models.specs import have_transformer_engine  # noqa: E402
 
 DRIVER_ENV = {"PROFILE_N_MBS": "1", "PROFILE_RANKS": ""}
@@ -78,13 +80,13 @@ def _num(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _attention_tflops(rows: list) -> dict[str, Optional[float]]:
+def _attention_tflops(rows: list[EfficiencyRow]) -> dict[str, Optional[float]]:
     """Model TFLOP/s of the summary's attention efficiency rows, forward (first pass and recompute) and backward."""
     acc = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}
     for r in rows:
-        if r.get("kind") != "attention" or not _num(r.get("gpu_ms")):
+        if r["kind"] != "attention" or not r["gpu_ms"]:
             continue
-        a = acc["backward" if r.get("phase") == "backward" else "forward"]
+        a = acc["backward" if r["phase"] == "backward" else "forward"]
         a[0] += r["tflop"]
         a[1] += r["gpu_ms"]
     return {k: (t / (ms / 1e3) if ms else None) for k, (t, ms) in acc.items()}
@@ -94,13 +96,13 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     """The table row of one kernel trial from its ``profile_summary.json`` (see the module docstring).
 
     Raises:
-        FileNotFoundError / json.JSONDecodeError: no readable ``profile_summary.json`` in ``run_dir``.
+        SummaryReadError: no readable ``profile_summary.json`` in ``run_dir`` (or one of a newer sftprof).
     """
-    summary = json.loads((run_dir / "profile_summary.json").read_text())
-    stats = summary.get("stats") or {}
-    steps = {s.get("step"): s for s in stats.get("steps") or []}
-    profiled = summary.get("profile_step")
-    traces = [t for t in summary.get("kernel_traces") or [] if t.get("summary")]
+    summary = read_summary(run_dir / SUMMARY_JSON)
+    steps = {s["step"]: s for s in summary["stats"]["steps"]}
+    profiled = summary["profile_step"]
+    traces = processed_traces(summary)
+
     def part_ms(t, part):
         return next((p["total_ms"] for p in t["summary"]["parts"]["summed"] if p["part"] == part), None)
 
@@ -114,11 +116,11 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     on_gpu = [t for t in traces if t["summary"]["gpu"]["activities"]]  # CPU runs: no GPU figures
     exposed = [t["summary"]["communication"]["exposed_ms"] for t in on_gpu]
     worst = max(on_gpu, key=lambda t: t["summary"]["communication"]["exposed_ms"])["rank"] if on_gpu else None
-    waits = {r.get("rank"): _num(r.get("exposed_wait_ms")) for r in (summary.get("comm_wait") or {}).get("ranks") or []}
+    waits = {r["rank"]: _num(r["exposed_wait_ms"]) for r in (summary.get("comm_wait") or {"ranks": []})["ranks"]}
     busy = [t["summary"]["gpu"]["busy_share_pct"] for t in on_gpu if _num(t["summary"]["gpu"]["busy_share_pct"])]
     moe = (steps.get(profiled) or {}).get("moe") or {}
     return {
-        "trial": summary.get("trial"), "status": summary.get("status"), "ranks_traced": len(traces),
+        "trial": summary["trial"], "status": summary["status"], "ranks_traced": len(traces),
         "step_s": step_s, "unprofiled_step_s": _num((steps.get(profiled - 1) or {}).get("step_time_s"))
         if isinstance(profiled, int) and profiled >= 2 else None,  # step 0 warms up: never the reference
         "attn_ms": attn_known[busiest] if busiest is not None else None, "attn_rank": busiest,
@@ -233,12 +235,11 @@ def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
             run_dir = Path(trial["run_dir"])
         row["run_dir"] = str(run_dir)
         row.update(trial_row(run_dir))
-        summary = json.loads((run_dir / "profile_summary.json").read_text())
-        completion = summary.get("completion") or {}
-        backend = _backend_of([Path(d) for d in (trial["log_dir"], (summary.get("paths") or {}).get("log_dir")) if d],
-                              run_dir)
+        summary = read_summary(run_dir / SUMMARY_JSON)
+        backend = _backend_of([Path(d) for d in (trial["log_dir"], summary["paths"]["log_dir"]) if d], run_dir)
         row.update(layout=backend or f"unknown layout ({run_root.name})",
-                   world_size=parse_allocation_mode(backend).world_size if backend else completion.get("world_size"))
+                   world_size=parse_allocation_mode(backend).world_size if backend else
+                   summary["completion"]["world_size"])
     except (OSError, KeyError, TypeError, ValueError) as err:
         row.update(status=f"no kernel trial summary ({type(err).__name__}: {err})")
     return row

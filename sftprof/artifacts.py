@@ -61,7 +61,7 @@ def parse_region(name: str) -> tuple[str, Optional[int]] | None:
     return (m.group(1), None) if m.group(1) else (m.group(2), int(m.group(3)))
 
 
-# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.step_breakdown reads them):
+# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.op_collector reads them):
 # sftprof.module/<part>[/L<layer>][/recompute].
 MODULE_REGION_PREFIX = "sftprof.module/"
 MODULE_RECOMPUTE_SUFFIX = "/recompute"
@@ -222,18 +222,26 @@ SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
 
 
+def previous_index(paths: list[str]) -> int:
+    """The ``N`` :func:`keep_previous` gives ``paths`` now: the first from 1 for which no ``<stem>.prev<N><ext>``
+    of them exists."""
+    split = [os.path.splitext(p) for p in paths]
+    n = 1
+    while any(os.path.lexists(f"{stem}.prev{n}{ext}") for stem, ext in split):
+        n += 1
+    return n
+
+
 def keep_previous(paths: list[str]) -> int:
     """Rename each existing file ``<stem><ext>`` of ``paths`` (``ext`` its last suffix, e.g. ``.md``) to
-    ``<stem>.prev<N><ext>``, one ``N`` for all: the first from 1 for which none of those names exists, so that
-    nothing already written is overwritten. Returns ``N``.
+    ``<stem>.prev<N><ext>``, one ``N`` for all: the first from 1 for which none of those names exists
+    (:func:`previous_index`), so that nothing already written is overwritten. Returns ``N``.
 
     Raises:
         OSError: a rename fails (the file's own error).
     """
     split = [os.path.splitext(p) for p in paths]
-    n = 1
-    while any(os.path.lexists(f"{stem}.prev{n}{ext}") for stem, ext in split):
-        n += 1
+    n = previous_index(paths)
     for path, (stem, ext) in zip(paths, split):
         if os.path.lexists(path):
             os.replace(path, f"{stem}.prev{n}{ext}")

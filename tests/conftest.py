@@ -1,8 +1,14 @@
 """Shared pytest setup: GPU tests are marked ``gpu`` and skipped cleanly without CUDA. On a GPU machine with
 Transformer Engine, torch's cuDNN is loaded before anything imports TE, as the trainer does
-(:func:`sftprof.compat.setup_transformer_engine`)."""
+(:func:`sftprof.compat.setup_transformer_engine`). Every profile summary written during the tests (in this process
+and in the driver and postprocess subprocesses it starts) is checked against ``sftprof/analysis/schema.py``
+(``SFTPROF_STRICT_SCHEMA=1``)."""
+import os
+
 import pytest
 import torch
+
+os.environ["SFTPROF_STRICT_SCHEMA"] = "1"  # sftprof.analysis.schema.STRICT_ENV
 
 if torch.cuda.is_available():
     from sftprof.compat import setup_transformer_engine

@@ -256,7 +256,7 @@ def test_calls_of_different_collectives_are_not_paired():
 def test_work_spread_compares_only_ranks_that_ran_a_cell():
     """Per (part, layer, phase) the fastest and slowest rank among those that ran it (pipeline stages hold other
     layers: a cell of one rank only is not compared), spreads under 0.5 ms left out, the largest first, 8 at most."""
-    from sftprof.analysis.summary import work_spread
+    from sftprof.analysis.rank_table import work_spread
 
     cells = {0: [["experts", 0, "forward", 10.0], ["experts", 0, "backward", 20.0], ["attn_core", 0,
                                                                                               "forward", 100.0]],

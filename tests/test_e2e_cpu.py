@@ -130,6 +130,54 @@ def test_summaries_positive_and_reproducible(run):
         assert (run_dir / "profile_summary.json").read_bytes() == before
 
 
+def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
+    """The quick start shows the product (issue 32): a CPU kernel trial's summary has findings, the time-by-model-part
+    table and plot from the CPU ops and the model-part ranges, calls out the heaviest op, and says which sections only
+    a GPU run fills; its cpu_only view, byte for byte its chrome view, is a link to it, stored once."""
+    from sftprof.analysis.report_trace import GPU_ONLY
+
+    out, run_root = run
+    for row in summary_rows(run_root):
+        if row["kind"] != "kernel":
+            continue
+        run_dir = Path(row["run_dir"])
+        s = json.loads((run_dir / "profile_summary.json").read_text())
+        (t,) = s["kernel_traces"]
+        k = t["summary"]
+        parts = k["cpu_parts"]
+        assert k["gpu"]["activities"] == 0 and k["parts"]["total_ms"] == 0.0 and parts["source"] == "module_regions"
+        summed = {r["part"]: r for r in parts["summed"]}
+        assert sum(r["total_ms"] for r in parts["summed"]) == pytest.approx(parts["total_ms"], abs=1e-3)
+        assert sum(r["total_ms"] for layer in parts["layers"] for r in layer["rows"]) + sum(
+            r["total_ms"] for r in parts["outside_layers"]) == pytest.approx(parts["total_ms"], abs=1e-3)
+        assert [x["layer"] for x in parts["layers"]] == [0, 1]  # the tiny preset's two decoder layers
+        # the ops cover most of the step (Python time between ops is in none of them), never more than the step
+        assert 0.5 * k["step_window"]["wall_ms"] < parts["total_ms"] <= k["step_window"]["wall_ms"]
+        heavy = k["heaviest_op"]  # the chunked log-probs Function, around the LM head's 151936-column logits
+        assert (heavy["name"], heavy["calls"], heavy["backward"], heavy["part"]) == (
+            "_VocabParallelLogprobs", 1, "_VocabParallelLogprobsBackward", "lm_head_loss")
+        top = {o["name"]: o["inclusive_ms"] for o in k["top_cpu_ops"]}  # the one step the trace holds
+        assert (heavy["inclusive_ms"], heavy["backward_ms"]) == (top["_VocabParallelLogprobs"],
+                                                                 top["_VocabParallelLogprobsBackward"])
+        assert heavy["inclusive_ms"] + heavy["backward_ms"] > max(top.values())
+        assert max(summed.values(), key=lambda r: r["total_ms"])["part"] == "lm_head_loss"
+        assert summed["lm_head_loss"]["forward_ms"] > 0 and summed["lm_head_loss"]["backward_ms"] > 0
+        assert (run_dir / t["parts_plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["counts"]["plots"] == 1
+        texts = [f["text"] for f in s["findings"]]
+        assert any(x.startswith("rank 0: LM head + loss ") and " % of CPU op time (" in x for x in texts), texts
+        assert any(x.startswith("rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: ") for x in texts)
+        md = (run_dir / "profile_summary.md").read_text()
+        assert "## Findings" in md and "### Time by model part, rank 0" in md and GPU_ONLY in md
+        assert "Heaviest op: **_VocabParallelLogprobs**" in md
+        # chrome and cpu_only are the same bytes: cpu_only is a relative link, and the summary says so
+        link = run_dir / "kernel_traces" / "cpu_only" / "rank0.pt.trace.json"
+        assert os.readlink(link) == "../chrome/rank0.pt.trace.json" and t["view_links"] == {"cpu_only.chrome": "chrome"}
+        assert "`kernel_traces/cpu_only/rank0.pt.trace.json` is a link to `kernel_traces/chrome/rank0.pt.trace.json`" in md
+        # the end table's top finding is the heaviest model part's share, not a region's time
+        (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"kernel step {row['step']} ")]
+        assert line.endswith(f"LM head + loss {summed['lm_head_loss']['share_pct']:.0f}% of CPU op time (rank 0)")
+
+
 def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
     _, run_root = run
     for row in summary_rows(run_root):

@@ -1,6 +1,6 @@
 """The summary's findings (one per lever, heaviest first) and the cross-rank split of exposed communication."""
 from sftprof.analysis import findings as fnd
-from sftprof.analysis.summary import exposed_by_group
+from sftprof.analysis.rank_table import exposed_by_group, work_spread
 
 
 def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
@@ -36,7 +36,7 @@ def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
 def test_one_finding_per_lever_over_ranks():
     found = []
     for rank, attn in ((0, 700.0), (1, 720.0)):
-        f, _ = fnd.kernel_findings(rank, _kernel_summary(attn, 80.0 + rank, 66.0, 60.0, 900.0), None)
+        f = fnd.kernel_findings(rank, _kernel_summary(attn, 80.0 + rank, 66.0, 60.0, 900.0))
         found += f
     top = fnd.top(found)
     assert [f["text"] for f in top] == [
@@ -64,32 +64,30 @@ def test_exposed_communication_split_by_group_between_ranks():
 
 
 def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group():
-    from sftprof.analysis import summary as sm
-
     # the 2x H200 masked-CP run (bench/NOTES.md): rank 0 waits at every collective for rank 1
     groups = {0: {"CP": 235.258, "DP-CP": 85.842, "EP": 141.226}, 1: {"CP": 7.422, "DP-CP": 2.658, "EP": 123.619}}
     totals = {0: 465.8, 1: 135.7}
     traces = [{"rank": r, "summary": dict(_kernel_summary(700.0, 0.0, 0.0, 0.0, 0.0), communication={"exposed_ms": totals[r]},
                                           collectives={"exposed_by_group_ms": groups[r]})} for r in (0, 1)]
     summary = {"kernel_traces": traces, "ranks": {"exposed_by_group": exposed_by_group(groups, totals)}}
-    found, _ = sm._findings(summary, None)
+    found = fnd.trial_findings(summary)
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
         "difference is CP, +227.8 ms"]
     # with the ranks' work spread, the finding names the waited-for rank's (1's) longest extra work: its routed
     # experts of layer 3, not rank 0's larger attention spread (rank 0's longer work does not make rank 0 wait)
-    summary["ranks"]["work_spread"] = sm.work_spread({0: [["experts", 3, "backward", 12.765],
-                                                          ["attn_core", 3, "backward", 332.009]],
-                                                      1: [["experts", 3, "backward", 21.571],
+    summary["ranks"]["work_spread"] = work_spread({0: [["experts", 3, "backward", 12.765],
+                                                       ["attn_core", 3, "backward", 332.009]],
+                                                   1: [["experts", 3, "backward", 21.571],
                                                           ["attn_core", 3, "backward", 322.892]]})
-    found, _ = sm._findings(summary, None)
+    found = fnd.trial_findings(summary)
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 0 has 330.1 ms more exposed communication than rank 1 (465.8 vs 135.7 ms); the largest per-group "
         "difference is CP, +227.8 ms; rank 1's own work runs longest against another rank in expert GEMMs (routed), "
         "layer 3 backward: 8.8 ms more than rank 0"]
-    summary["ranks"]["work_spread"] = sm.work_spread({0: [["attn_core", 3, "backward", 332.009]],
+    summary["ranks"]["work_spread"] = work_spread({0: [["attn_core", 3, "backward", 332.009]],
                                                       1: [["attn_core", 3, "backward", 322.892]]})
-    found, _ = sm._findings(summary, None)  # only rank 0 (the waiting rank) ran longer: no work named
+    found = fnd.trial_findings(summary)  # only rank 0 (the waiting rank) ran longer: no work named
     assert [f["text"] for f in found if f["section"] == "#ranks"][0].endswith("the largest per-group difference is "
                                                                               "CP, +227.8 ms")
 
@@ -97,7 +95,6 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
 def test_a_gap_no_group_accounts_for_is_not_attributed_to_one():
     """Groups that overlap each other on rank 0 but not on rank 1: the same exposed time per group, 2.0 ms apart in
     total. No ~0 ms group is named as the cause, and the Ranks text renders no empty list."""
-    from sftprof.analysis import summary as sm
     from sftprof.analysis.report import _ranks
 
     groups = {0: {"CP": 3.0, "EP": 5.0}, 1: {"CP": 3.02, "EP": 5.0}}
@@ -109,7 +106,7 @@ def test_a_gap_no_group_accounts_for_is_not_attributed_to_one():
     traces = [{"rank": r, "summary": dict(_kernel_summary(700.0, 0.0, 0.0, 0.0, 0.0),
                                           communication={"exposed_ms": totals[r]},
                                           collectives={"exposed_by_group_ms": groups[r]})} for r in (0, 1)]
-    found, _ = sm._findings({"kernel_traces": traces, "ranks": {"exposed_by_group": ex}}, None)
+    found = fnd.trial_findings({"kernel_traces": traces, "ranks": {"exposed_by_group": ex}})
     assert [f["text"] for f in found if f["section"] == "#ranks"] == [
         "rank 1 has 2.0 ms more exposed communication than rank 0 (8.0 vs 6.0 ms); no process group accounts for it "
         "(none differs by 0.20 ms or more), so it is not attributed to a group"]
@@ -135,6 +132,6 @@ def test_gated_delta_net_part_carries_the_delta_rules_rates():
                                  "gpu_ms": 2.0, "tflops_per_s": 88.6},
                                 {"kind": "GEMM", "part": label, "phase": "forward", "tflop": 0.9, "gpu_ms": 1.0,
                                  "tflops_per_s": 900.0}]  # the layer's projections: not the delta rule's rate
-    found, _ = fnd.kernel_findings(0, s, None)
+    found = fnd.kernel_findings(0, s)
     assert found[0]["text"] == ("rank 0: linear attention (gated delta net) 30.0 % of GPU time (300.0 ms), delta rule "
                                 "at 121 TFLOP/s forward / 89 TFLOP/s backward")

@@ -9,7 +9,9 @@ import torch
 from sftprof.capture import module_regions
 from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
-from sftprof.analysis.step_breakdown import OpCollector, attention_pairs, bus_factor, op_flops
+from sftprof.analysis.collectives import bus_factor
+from sftprof.analysis.op_collector import OpCollector
+from sftprof.analysis.op_flops import attention_pairs, op_flops
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer
 from tests.fixtures import gpu_snapshot_fixtures, gpu_trace_fixtures
 from tests.fixtures.qwen3_5 import gated_delta_rule_reference
@@ -194,15 +196,15 @@ def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
     assert opt == 16 * est2["params_dense"] // 2 + 16 * est2["params_expert"]
     # the 1x H200 memory trial of this slice (bench/NOTES.md) measured 12 B/param of optimizer state at a peak in
     # the forward: the report says the fp32 gradient copy (4 B/param) is the difference
-    from sftprof.analysis import findings, report
+    from sftprof.analysis import memory_estimate, report_memory
 
     measured = {"categories_at_peak": [{"category": "optimizer", "bytes": 12 * n}]}
-    cmp_rows = findings.explain_estimate(measured, est)
-    assert report._step_copy_note(cmp_rows, est) == (
+    cmp_rows = memory_estimate.explain_estimate(measured, est)
+    assert report_memory._step_copy_note(cmp_rows, est) == (
         " Optimizer: the measured state is the estimate less the fp32 gradient copy (11.60 GiB), which megatron-core's "
         "optimizers make in the optimizer step (`_copy_model_grads_to_main_grads`): this peak is outside it.")
     measured["categories_at_peak"][0]["bytes"] = 16 * n
-    assert report._step_copy_note(findings.explain_estimate(measured, est), est) == ""
+    assert report_memory._step_copy_note(memory_estimate.explain_estimate(measured, est), est) == ""
 
 
 def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
@@ -228,7 +230,7 @@ def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
     assert len(outer) == 1 and s["host"]["compile"]["ms"] == pytest.approx(outer[0]["dur"] / 1e3, abs=1e-3)
     ids = s["host"]["compile"]["compile_ids"]  # dynamo numbers frames per process: "<frame>/0", first compile
     assert len(ids) == 1 and ids[0].endswith("/0")
-    found, _ = findings.kernel_findings(0, s, None)
+    found = findings.kernel_findings(0, s)
     wall = s["step_window"]["wall_ms"]
     assert [f["text"] for f in found if f["key"] == "compile"] == [
         f"rank 0: torch.compile compiled inside the profiled step: {s['host']['compile']['ms']:.1f} ms of its "
@@ -280,7 +282,7 @@ def _idle_places_trace() -> list[dict]:
 def test_gpu_idle_waiting_for_the_host_by_place():
     """Each host-wait gap goes to the place of the activity that ends it; the gap after the sync is 'after
     blocking calls', the loops are launch-bound, the long gap is host busy; the HTA-style totals are unchanged."""
-    from sftprof.analysis import findings, report
+    from sftprof.analysis import findings, report_trace
 
     a = KernelTraceAnalyzer({})
     for ev in _idle_places_trace():
@@ -308,13 +310,13 @@ def test_gpu_idle_waiting_for_the_host_by_place():
          "activities": 10, "mean_activity_us": 40.0, "mean_gap_us": 42.0}]
     assert (places["rest"], places["after_blocking_ms"], places["after_blocking_by_op"]) == (
         None, 0.6, {"aten::nonzero": 0.6})
-    found, _ = findings.kernel_findings(0, s, None)
+    found = findings.kernel_findings(0, s)
     assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
         "rank 0: GPU idle 3.1 ms (64.6 % of the step's wall time), 3.0 ms of it waiting for the host to launch work: "
         "1.2 ms in LM head + loss, phase forward, under _VocabParallelLogprobs (launch-bound: 20 GPU activities "
         "averaging 20.0 µs, 20 gaps averaging 58.5 µs); 0.9 ms in MoE router, phase forward (67 % of it after "
         "blocking CUDA calls); 0.6 ms of the wait follows blocking CUDA calls (aten::nonzero 0.6 ms)"]
-    md = "".join(report._host(s, 0))
+    md = "".join(report_trace._host(s, 0))
     assert ("| part | phase | launched under | idle ms | gaps | mean gap µs | GPU activities | mean µs | after blocking "
             "call % | kind |\n|---|---|---|---|---|---|---|---|---|---|\n"
             "| LM head + loss | forward | _VocabParallelLogprobs | 1.170 | 20 | 58.500 | 20 | 20.000 | 0.000 | "
@@ -352,7 +354,7 @@ def test_short_gaps_after_long_kernels_are_host_busy_not_launch_bound():
         {"part": "experts", "label": "expert GEMMs (routed)", "phase": "forward", "launched_under": None,
          "idle_ms": 0.34, "gaps": 4, "activities": 4, "mean_activity_us": 2000.0, "mean_gap_us": 85.0,
          "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"}]
-    found, _ = findings.kernel_findings(0, s, None)  # busy 4 x 2000 us of the 10000 us step
+    found = findings.kernel_findings(0, s)  # busy 4 x 2000 us of the 10000 us step
     assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
         "rank 0: GPU idle 2.0 ms (20.0 % of the step's wall time), 0.3 ms of it waiting for the host to launch work: "
         "0.3 ms in expert GEMMs (routed), phase forward (host busy: 4 GPU activities averaging 2000.0 µs, 4 gaps "

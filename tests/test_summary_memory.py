@@ -4,8 +4,9 @@ from torch.cuda import _memory_viz
 
 from fixtures import gpu_snapshot_fixtures
 from sftprof.analysis.findings import memory_findings
-from sftprof.analysis.memory_summary import allocation_site, analyze_snapshot, peak_where, plot_memory
-from sftprof.analysis.report import _memory_peaks
+from sftprof.analysis.memory_categories import allocation_site
+from sftprof.analysis.memory_summary import analyze_snapshot, peak_where, plot_memory
+from sftprof.analysis.report_memory import _memory_peaks
 from sftprof.analysis.safe_pickle import safe_load_file
 
 SNAPSHOTS = gpu_snapshot_fixtures()
@@ -179,7 +180,7 @@ def test_step_peak_is_the_headline_and_an_earlier_higher_peak_is_the_windows():
     assert (peak_where(s), peak_where(s, "window")) == ("in sftprof/forward/mb0", BEFORE)
     assert _top_finding(s) == ("step peak 9.00 GiB in sftprof/forward/mb0; top site sftprof/models/qwen.py:20 "
                                f"__init__ 4.00 GiB; higher peak 12.00 GiB {BEFORE} (rank 0)")
-    found, _ = memory_findings(0, s, None, None)
+    found = memory_findings(0, s)
     assert [(f["text"], round(f["weight"], 4), f["key"]) for f in found] == [
         ("rank 0: allocator slack (reserved - allocated) 7.0 GiB of the 9.0 GiB step peak in sftprof/forward/mb0",
          0.7778, "memory allocator_slack"),
@@ -217,7 +218,7 @@ def test_without_sidecar_the_headline_is_the_windows_peak_and_says_so():
                                    "its first event); no phases recorded, so neither its phase nor the profiled "
                                    "step's own peak is known")
     assert analyze_snapshot(_synthetic(), {"phases": []})["peak_scope"] == "recorded_window"
-    assert memory_findings(0, s, None, None)[0][0]["text"] == (
+    assert memory_findings(0, s)[0]["text"] == (
         "rank 0: activations and autograd temporaries 8.0 GiB of the 12.0 GiB peak in the recorded window, with no "
         "phases recorded")
 

@@ -58,7 +58,7 @@ def test_te_grouped_gemm_flops_match_the_hand_count(summary):
 
 
 def test_te_findings_carry_rates(summary):
-    found, _ = kernel_findings(0, summary, None)
+    found = kernel_findings(0, summary)
     text = {f["key"]: f["text"] for f in found}
     experts = text["part experts"]
     assert " TFLOP/s recompute / " in experts and experts.endswith(" TFLOP/s backward")

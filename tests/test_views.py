@@ -11,7 +11,8 @@ from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis import trace_io
 from sftprof.analysis.trace_io import TraceFormatError, TraceReader
 from sftprof.analysis.trace_check import MAX_TID, validate_trace
-from sftprof.analysis.views import VIEWS, _empty_view_event, split_into_windows, split_trace, view_path
+from sftprof.analysis.view_windows import split_into_windows
+from sftprof.analysis.views import VIEWS, _empty_view_event, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures() + two_gpu_sync_traces()
 

@@ -10,7 +10,7 @@ not transfer. With the traces of all member ranks on one clock this is measured 
    their first kernels start (NCCL runs one group's calls in issue order), one call per launching op (a
    coalesced call may launch several kernels), each with its kernel intervals and its exposed pieces (the
    kernel time not overlapped by non-communication GPU work on the same device, as
-   :func:`sftprof.analysis.step_breakdown.analyze` counts exposed time).
+   :func:`sftprof.analysis.collectives.collectives` counts exposed time).
 2. Across ranks (:func:`split`): call ``k`` of a group on one member rank is call ``k`` on every other, once
    the group has the same number of calls and the same collective at every ordinal on each member (else it is
    not split, and the summary says why). With ``s_r`` the call's first kernel start on rank ``r`` and
@@ -36,14 +36,11 @@ from typing import Optional
 import numpy as np
 
 from sftprof.analysis import intervals
+from sftprof.analysis.schema import CommWait, ms
 
 __all__ = ["call_records", "split", "CLOCK_TOLERANCE_US"]
 
 CLOCK_TOLERANCE_US = 50.0  # largest |median end-time difference| of two ranks' matched calls (module docstring)
-
-
-def _ms(us: float) -> float:
-    return round(float(us) / 1000.0, 4)
 
 
 def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.ndarray, ext: list[int],
@@ -121,7 +118,7 @@ def _pair_or_reason(recs: dict[int, dict], traced: set[int]) -> tuple[Optional[l
     return members, None
 
 
-def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) -> Optional[dict]:
+def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) -> Optional[CommWait]:
     """Each rank's NCCL time (and exposed part) per process group, split into waiting and transfer (module
     docstring), from the :func:`call_records` of every rank whose trace is in the run.
 
@@ -192,11 +189,11 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
     for r in sorted({r for g in groups for r in g["members"]}):  # a rank in no split group has no row
         exp = intervals.union(*_arrays(rank_exposed[r]))
         wait = intervals.union(*_arrays(rank_wait[r]))
-        e_ms, w_ms = _ms(intervals.length(*exp)), _ms(intervals.length(*wait))
+        e_ms, w_ms = ms(intervals.length(*exp)), ms(intervals.length(*wait))
         late = {s: intervals.length(*intervals.union(*_arrays(p))) for s, p in rank_for[r].items()}
         ranks.append({"rank": r, "exposed_ms": e_ms, "exposed_wait_ms": w_ms,
                       "exposed_transfer_ms": round(e_ms - w_ms, 4),
-                      "waited_for": [{"rank": s, "exposed_wait_ms": _ms(us)}
+                      "waited_for": [{"rank": s, "exposed_wait_ms": ms(us)}
                                      for s, us in sorted(late.items(), key=lambda kv: (-kv[1], kv[0]))]})
     groups.sort(key=lambda g: (-max(r["exposed_ms"] for r in g["ranks"]), len(g["group"]), g["group"]))
     return {"clock_tolerance_us": tolerance_us, "clock_offsets": offsets, "groups": groups,
@@ -241,14 +238,14 @@ def _group_split(name: str, label: Optional[str], members: list[int], calls: dic
     rows = []
     for r in members:
         a = acc[r]
-        rows.append({"rank": r, "calls": len(calls[r]), "comm_ms": _ms(a["comm"]), "wait_ms": _ms(a["wait"]),
-                     "transfer_ms": _ms(a["comm"] - a["wait"]), "exposed_ms": _ms(a["exposed"]),
-                     "exposed_wait_ms": _ms(a["exposed_wait"]),
-                     "exposed_transfer_ms": _ms(a["exposed"] - a["exposed_wait"]), "last_arrivals": int(a["last"]),
-                     "waited_for": [{"rank": s, "wait_ms": _ms(v[0]), "exposed_wait_ms": _ms(v[1])}
+        rows.append({"rank": r, "calls": len(calls[r]), "comm_ms": ms(a["comm"]), "wait_ms": ms(a["wait"]),
+                     "transfer_ms": ms(a["comm"] - a["wait"]), "exposed_ms": ms(a["exposed"]),
+                     "exposed_wait_ms": ms(a["exposed_wait"]),
+                     "exposed_transfer_ms": ms(a["exposed"] - a["exposed_wait"]), "last_arrivals": int(a["last"]),
+                     "waited_for": [{"rank": s, "wait_ms": ms(v[0]), "exposed_wait_ms": ms(v[1])}
                                     for s, v in sorted(owed[r].items(), key=lambda kv: (-kv[1][0], kv[0]))]})
     caused = {s: [sum(owed[r][s][i] for r in members if s in owed[r]) for i in (0, 1)] for s in members}
     strag = max(members, key=lambda s: (caused[s][0], acc[s]["last"], -s))
     return {"group": name, "label": label, "members": members, "calls": len(calls[members[0]]), "ranks": rows,
             "straggler": {"rank": strag, "last_arrivals": int(acc[strag]["last"]),
-                          "others_wait_ms": _ms(caused[strag][0]), "others_exposed_wait_ms": _ms(caused[strag][1])}}
+                          "others_wait_ms": ms(caused[strag][0]), "others_exposed_wait_ms": ms(caused[strag][1])}}

@@ -11,7 +11,6 @@ table of times has an "above noise" column, one rule for all (:func:`_noise_rows
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from typing import Any
@@ -22,9 +21,9 @@ from sftprof.analysis import inputs
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
-from sftprof.analysis.report import fmt, short, table
-from sftprof.analysis.step_breakdown import exposed_groups
-from sftprof.analysis.summary import MISSING_TRACE
+from sftprof.analysis.markdown import fmt, short, table
+from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summary
+from sftprof.analysis.collectives import exposed_groups
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs", "dir_name", "NO_MATCH"]
 
@@ -38,17 +37,13 @@ class CompareInputError(ValueError):
     """A compare input is missing or is not a usable profile summary; the message names the file."""
 
 
-def _load_summary(path: str) -> dict:
-    """One ``profile_summary.json``, checked for the members compare reads."""
+def _load_summary(path: str) -> ProfileSummary:
+    """One ``profile_summary.json`` (:func:`sftprof.analysis.schema.read_summary`), checked for the members compare
+    reads."""
     try:
-        with open(path, encoding="utf-8") as f:
-            s = json.load(f)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CompareInputError(f"{path}: cannot be read ({exc})") from None
-    except ValueError as exc:
-        raise CompareInputError(f"{path}: not valid JSON ({exc}); rerun postprocess_profile.py for that trial") from None
-    if not isinstance(s, dict):
-        raise CompareInputError(f"{path}: not a profile summary (a JSON {type(s).__name__}, expected an object)")
+        s = read_summary(path)
+    except SummaryReadError as exc:
+        raise CompareInputError(str(exc)) from None
     missing = [k for k in _REQUIRED if k not in s]
     if missing:
         raise CompareInputError(f"{path}: not a profile summary of this version: missing {', '.join(missing)}; "
@@ -274,22 +269,21 @@ def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str)
     """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
     figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
     the other run's summary (``a``, ``b``): its entry of that rank in ``member`` (``kernel_traces``,
-    ``memory_snapshots``) failed to process; its trial failed (``status``); its warnings say that the trace of a rank
-    its ``perf_tracer.ranks`` profiles is not in its log dir (deleted, never written); its status is unknown (no
-    completion record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
+    ``memory_snapshots``) failed to process; its trial failed (``status``); its ``missing_traces`` name the rank (its
+    ``perf_tracer.ranks`` profiles it but its trace is not in the log dir: deleted, never written); its status is
+    unknown (no completion record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
     out = []
     for side, mine, other, other_side, summary in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
         errored = {e.get("rank") for e in summary.get(member) or [] if "error" in e}
         status = summary.get("status")
-        notes = [str(w.get("warning")) for w in summary.get("warnings") or [] if what == "trace"]
-        missing = {note.partition(":")[0] for note in notes if MISSING_TRACE in note}  # "rank <r>" of each
+        missing = set(summary.get("missing_traces") or []) if what == "trace" else set()
         reasons: dict[str, list[int]] = defaultdict(list)
         for rank in sorted(set(mine) - set(other)):
             if rank in errored:
                 why = f"run {other_side}'s {what} of that rank could not be processed (its error is in that summary)"
             elif status == "failed":
                 why = f"run {other_side}'s trial failed (status failed) and left no {what} of that rank"
-            elif f"rank {rank}" in missing:
+            elif rank in missing:
                 why = (f"run {other_side} profiled that rank but has no {what} of it in its log dir: deleted or never "
                        "written (a warning in that summary)")
             elif status == "unknown":

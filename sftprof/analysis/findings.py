@@ -1,29 +1,21 @@
-"""The top of ``profile_summary.md``: the largest levers of a trial, and what-if lines, from its figures.
+"""The top of ``profile_summary.md``: the largest levers of a trial, from its figures (its what-if lines:
+:mod:`sftprof.analysis.what_if`).
 
 Each finding is ``{"text", "section", "weight", "key", "rank"}``: ``weight`` is the share of the step's GPU
-time (kernel trials) or of the peak allocated memory (memory trials) the lever concerns, and orders them;
-``section`` is the Markdown heading the finding points to; ``key`` names the lever (the same on every rank, so
-:func:`top` states each lever once). Figures are per profiled rank and say so.
-
-What-if lines (``what_if``) are first-order estimates computed from measured numbers and the trial's
-configuration; each carries its assumption:
-
-- distributed optimizer: when off, the optimizer state divided by the DP size of each parameter (DP x CP
-  dense, expert DP for the experts); when on, what it already divides by;
-- ``expandable_segments:True``: at most the measured allocator slack at the peak is returned
-  (assumes the slack is fragmentation, which expandable segments avoid);
-- selective recompute (``core_attn``) instead of full: saves the measured recompute GPU time minus
-  the attention core's recompute time; adds the activations full recompute drops (not estimated here);
-- chunked LM head when ``lm_head_loss_chunk_size`` is 0: frees the logits (``s V / t`` in the model
-  dtype, :mod:`sftprof.analysis.memory_estimate`).
+time (kernel trials; a CPU run's: its step's wall time or CPU op time) or of the peak allocated memory (memory
+trials) the lever concerns, and orders them; ``section`` is the Markdown heading the finding points to; ``key``
+names the lever (the same on every rank, so :func:`top` states each lever once). Figures are per profiled rank and
+say so.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from sftprof.analysis.collectives import OUTSIDE_WINDOW
 from sftprof.analysis.memory_summary import peak_where
+from sftprof.analysis.schema import Finding, processed_snapshots, processed_traces
 
-__all__ = ["kernel_findings", "memory_findings", "top", "explain_estimate", "MAX_FINDINGS", "parts_heading",
+__all__ = ["trial_findings", "kernel_findings", "memory_findings", "top", "MAX_FINDINGS", "parts_heading",
            "memory_heading", "exposed_gap_cause", "EXPOSED_GAP_MIN_MS", "EXPOSED_GAP_MIN_SHARE"]
 
 MAX_FINDINGS = 5
@@ -49,9 +41,9 @@ def exposed_gap_cause(ex: dict) -> tuple[Optional[tuple[str, float]], float]:
     """What the gap in exposed communication between two ranks is put down to.
 
     Args:
-        ex: the ranks table's ``exposed_by_group`` (:func:`sftprof.analysis.summary.exposed_by_group`): its
+        ex: the ranks table's ``exposed_by_group`` (:func:`sftprof.analysis.rank_table.exposed_by_group`): its
             ``extra_ms`` (ms, the gap between the ranks' totals) and ``extra_by_group`` (``(group, ms)`` rows,
-            largest first; a row :data:`sftprof.analysis.step_breakdown.OUTSIDE_WINDOW` for the NCCL kernels
+            largest first; a row :data:`sftprof.analysis.collectives.OUTSIDE_WINDOW` for the NCCL kernels
             outside the step window).
 
     Returns:
@@ -101,6 +93,23 @@ def _wait_split(exposed_ms: float, w: dict) -> str:
     return text
 
 
+def _seconds(ms_: float) -> str:
+    """``"10.2 s"`` from 1 s up, else ``"412.3 ms"``."""
+    return f"{ms_ / 1e3:.1f} s" if ms_ >= 1e3 else f"{ms_:.1f} ms"
+
+
+def _heaviest_op(rank: int, op: dict, wall_ms: float, with_parts: bool) -> dict:
+    """The finding of a CPU run's heaviest op (:func:`sftprof.analysis.host_time.heaviest_op`): its inclusive time
+    against the step's wall time, where it ran, and its autograd backward node's time."""
+    where = f" in {op['label']}" if op.get("label") else ""
+    back = (f"; its backward {op['backward']} {_seconds(op['backward_ms'])} more" if op.get("backward") else "")
+    calls = f"{op['calls']} call{'s' if op['calls'] != 1 else ''}"
+    return {"text": f"rank {rank}: heaviest op {op['name']}{where}: {_seconds(op['inclusive_ms'])} of the "
+                    f"{_seconds(wall_ms)} step ({calls}, with the ops it calls){back}",
+            "section": _anchor(parts_heading(rank) if with_parts else f"Host, rank {rank}"),
+            "weight": op["inclusive_ms"] / wall_ms, "key": "heaviest op"}
+
+
 # model part -> (efficiency kind of its core kernels, how the finding names their rate)
 _CORE_KIND = {"attn_core": ("attention", " at "), "linear_attn": ("linear attention", ", delta rule at ")}
 
@@ -120,9 +129,8 @@ def _part_rates(rows: list[dict], label: str, kind: Optional[str] = None) -> lis
     return [f"{acc[ph][0] / acc[ph][1] * 1e3:.0f} TFLOP/s {ph}" for ph in (first, "backward") if ph in acc]
 
 
-def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
-                    wait: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
-    """``(findings, what_if)`` of one rank's kernel summary ``s`` (:class:`KernelTraceAnalyzer` output); ``wait``:
+def kernel_findings(rank: int, s: dict, wait: Optional[dict] = None) -> list[Finding]:
+    """The findings of one rank's kernel summary ``s`` (:class:`sftprof.analysis.schema.KernelSummary`); ``wait``:
     the rank's row of the trial's :func:`sftprof.analysis.comm_wait.split` (``ranks``), whose split of the exposed
     communication into waiting for the last rank and transfer the exposed-communication finding states."""
     out: list[dict] = []
@@ -139,14 +147,19 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                                else "; the step time includes it")  # a CPU run has no GPU idle to speak of
                             + ", so this step is not steady state: profile a later step (PROFILE_STEPS)",
                     "section": _anchor(f"Host, rank {rank}"), "weight": comp["ms"] / wall_ms, "key": "compile"})
-    parts = s.get("parts") or {}
+    parts, clock = s.get("parts") or {}, "GPU time"
+    if not parts.get("total_ms") and s.get("cpu_parts"):  # a CPU run: the CPU ops' self time by model part
+        parts, clock = s["cpu_parts"], "CPU op time"
+    heavy = s.get("heaviest_op")
+    if heavy and wall_ms:
+        out.append(_heaviest_op(rank, heavy, wall_ms, bool(parts.get("total_ms"))))
     total = parts.get("total_ms") or 0.0
     if not total:
-        return [dict(f, rank=rank) for f in out], []
+        return [dict(f, rank=rank) for f in out]
     sec = _anchor(parts_heading(rank))
     eff_rows = (s.get("efficiency") or {}).get("rows") or []
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
-        text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of GPU time ({r['total_ms']:.1f} ms"
+        text = f"rank {rank}: {r['label']} {r['share_pct']:.1f} % of {clock} ({r['total_ms']:.1f} ms"
         if r["recompute_ms"]:
             text += f", of which recompute {r['recompute_ms']:.1f} ms"
         text += ")"
@@ -160,7 +173,7 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
     rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
     if rec:
         out.append({"text": f"rank {rank}: activation recompute re-runs {rec:.1f} ms of forward work "
-                            f"({100 * rec / total:.1f} % of GPU time)", "section": sec, "weight": rec / total,
+                            f"({100 * rec / total:.1f} % of {clock})", "section": sec, "weight": rec / total,
                     "key": "recompute"})
     coll = s.get("collectives") or {}
     exposed = coll.get("exposed_by_group_ms") or {}
@@ -172,7 +185,8 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                             f"largest exposed group {g} {ms:.1f} ms",
                     "section": _anchor(f"Communication by process group, rank {rank}"),
                     "weight": s["communication"]["exposed_ms"] / total, "key": "exposed communication"})
-    idle = host.get("gpu_idle") or {}
+    cpu_run = (s.get("gpu") or {}).get("activities") == 0  # no GPU activity: its "GPU idle" is the whole step
+    idle = {} if cpu_run else host.get("gpu_idle") or {}
     if wall_ms and idle.get("idle_ms"):
         # the lever is the GPU time lost while the host had nothing launched; the host's time inside blocking
         # calls overlaps a busy GPU and costs nothing by itself, so only the idle that follows one is named
@@ -189,19 +203,11 @@ def kernel_findings(rank: int, s: dict, cfg: Optional[dict],
                      + ", ".join(f"{k} {v:.1f} ms" for k, v in list(ops.items())[:2]) + ")")
         out.append({"text": text, "section": _anchor(f"Host, rank {rank}"), "weight": wait / wall_ms,
                     "key": "gpu idle"})
-    what = []
-    m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
-    if rec and m.get("recompute_granularity") == "full":
-        core = next((r["recompute_ms"] for r in parts.get("summed") or [] if r["part"] == "attn_core"), 0.0)
-        what.append({"text": f"selective recompute (core_attn) instead of full: about {rec - core:.1f} ms less GPU "
-                             f"time per step on rank {rank} (measured recompute {rec:.1f} ms minus the attention "
-                             f"core's {core:.1f} ms)", "assumption": "the recomputed work is removed one for one; the "
-                             "activation memory that full recompute avoids comes back (see the memory trial)"})
-    return [dict(f, rank=rank) for f in out], what
+    return [dict(f, rank=rank) for f in out]
 
 
-def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[dict]) -> tuple[list[dict], list[dict]]:
-    """``(findings, what_if)`` of one rank's snapshot summary ``s`` (:func:`analyze_snapshot` output).
+def memory_findings(rank: int, s: dict) -> list[Finding]:
+    """The findings of one rank's snapshot summary ``s`` (:class:`sftprof.analysis.schema.MemorySummary`).
 
     The peak is the summary's headline peak (the profiled step's when the phases sidecar has phases) and its place
     is worded by :func:`peak_where`; a higher peak of the recorded window outside the profiled step is a finding
@@ -209,7 +215,7 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
     """
     peak = s.get("peak_allocated_bytes") or 0
     if not peak:
-        return [], []
+        return []
     gib = 2.0**30
     sec = _anchor(memory_heading(rank))
     noun = "step peak" if s.get("peak_scope") == "profiled_step" else "peak"
@@ -230,41 +236,7 @@ def memory_findings(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[
         sp = spikes[0]
         out.append({"text": f"rank {rank}: largest transient block {sp['gib']:.2f} GiB for {sp['lifetime_ms']:.1f} ms "
                             f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak, "key": "transient"})
-    what = []
-    slack = s.get("reserved_minus_allocated_at_peak_bytes") or 0
-    if slack > 0:
-        what.append({"text": f"expandable_segments:True: up to {slack / gib:.2f} GiB of reserved memory on rank {rank} "
-                             "returned (the slack at the peak)",
-                     "assumption": "the slack is fragmentation of the caching allocator, which expandable "
-                                   "segments avoid; reserved-but-cached blocks of other sizes are not separated"})
-    a = (cfg or {}).get("actor") or {}
-    m = a.get("megatron") or {}
-    rows = {r["category"]: r for r in (estimate or {}).get("rows") or []}
-    if estimate and "optimizer" in rows and str(a.get("backend", "")).startswith("megatron"):
-        from sftprof.allocation import parse_allocation_mode
-
-        lay = parse_allocation_mode(a["backend"])
-        dense, expert = estimate["params_dense"], estimate["params_expert"]
-        if (m.get("ddp") or {}).get("use_distributed_optimizer", True):
-            text = (f"distributed optimizer (on): the optimizer state ({rows['optimizer']['gib']:.1f} GiB estimated) is "
-                    f"already divided by DP x CP = {lay.dp * lay.cp} (dense) and expert DP = {lay.edp}"
-                    + ("; at DP 1 it shards nothing, more data-parallel ranks would divide it further"
-                       if lay.dp * lay.cp == 1 and lay.edp == 1 else ""))
-        else:
-            full = rows["optimizer"]["bytes"]
-            sharded = full * (dense / (lay.dp * lay.cp) + expert / lay.edp) / max(dense + expert, 1)
-            text = (f"distributed optimizer at DP x CP = {lay.dp * lay.cp}, expert DP = {lay.edp}: optimizer state "
-                    f"{full / gib:.1f} -> {sharded / gib:.1f} GiB on rank {rank}")
-        what.append({"text": text, "assumption": "megatron-core's distributed optimizer shards main params, moments "
-                                                 "(and the fp32 gradient copy) over the data-parallel ranks of each "
-                                                 "parameter; gradient buffers stay whole"})
-    if estimate and "activations" in rows:
-        logits = rows["activations"].get("logits_bytes")  # 0 on the chunked LM-head loss path: nothing to propose
-        if logits:
-            what.append({"text": f"chunked LM head (LM_HEAD_LOSS_CHUNK_SIZE > 0): about {logits / gib:.2f} GiB of "
-                                 f"logits on rank {rank} not held", "assumption": "logits s x V/tp in the model "
-                                 "dtype, as in sftprof/analysis/memory_estimate.py; one chunk stays"})
-    return [dict(f, rank=rank) for f in out], what
+    return [dict(f, rank=rank) for f in out]
 
 
 def top(findings: list[dict]) -> list[dict]:
@@ -283,24 +255,41 @@ def top(findings: list[dict]) -> list[dict]:
     return out
 
 
-def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
-    """Measured vs estimated bytes per category, with the difference (bytes); None without an estimate.
-
-    Blocks allocated before the recorded window have no stack: they are set against parameters,
-    gradients and optimizer state together.
-    """
-    if not estimate:
-        return None
-    meas = {r["category"]: r["bytes"] for r in s.get("categories_at_peak") or []}
-    est = {r["category"]: r["bytes"] for r in estimate["rows"]}
-    rows = []
-    for cat in ("parameters", "gradients", "optimizer", "activations"):
-        rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
-    if meas.get("before_window"):
-        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
-                     "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
-                     "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
-    for r in rows:
-        r["difference_bytes"] = r["measured_bytes"] - r["estimated_bytes"]
-    return rows
+def trial_findings(summary: dict) -> list[Finding]:
+    """The top findings of a trial over all its profiled ranks (:func:`top`): each trace's and snapshot's, and the
+    gap in exposed communication between the ranks (the ranks table's ``exposed_by_group``)."""
+    found: list[Finding] = []
+    traces = processed_traces(summary)
+    waits = {w["rank"]: w for w in (summary.get("comm_wait") or {}).get("ranks") or []}
+    for t in traces:
+        found += kernel_findings(t["rank"], t["summary"], waits.get(t["rank"]))
+    ex = (summary.get("ranks") or {}).get("exposed_by_group")
+    if ex and ex["extra_ms"] > 0:
+        total = max(t["summary"]["parts"]["total_ms"] or 0.0 for t in traces) or 1.0
+        hi, lo, tot = ex["max_rank"], ex["min_rank"], ex["totals"]
+        cause, threshold = exposed_gap_cause(ex)
+        if cause is None:  # never a ~0 ms group named as the cause of a larger gap
+            said = (f"no process group accounts for it (none differs by {threshold:.2f} ms or more), so it is not "
+                    "attributed to a group")
+        elif cause[0] == OUTSIDE_WINDOW:
+            said = (f"the largest difference, +{cause[1]:.1f} ms, is in NCCL kernels outside the step window, not "
+                    "attributed to a group")
+        else:
+            said = f"the largest per-group difference is {cause[0]}, +{cause[1]:.1f} ms"
+        # the rank with the least exposed communication is the one the others wait for: name its longest extra work
+        spread = [w for w in ((summary.get("ranks") or {}).get("work_spread") or {}).get("rows") or []
+                  if w["max_rank"] == lo]
+        why = ""
+        if spread:
+            w = spread[0]
+            where = f"layer {w['layer']} " if w["layer"] is not None else ""
+            why = (f"; rank {lo}'s own work runs longest against another rank in {w['label']}, {where}{w['phase']}: "
+                   f"{w['spread_ms']:.1f} ms more than rank {w['min_rank']}")
+        found.append({"text": f"rank {hi} has {ex['extra_ms']:.1f} ms more exposed communication than rank {lo} "
+                              f"({tot[hi]:.1f} vs {tot[lo]:.1f} ms); {said}{why}",
+                      "section": "#ranks", "weight": ex["extra_ms"] / total, "key": "exposed imbalance"})
+    for m in processed_snapshots(summary):
+        if m["rank"] is not None:
+            found += memory_findings(m["rank"], m["summary"])
+    return top(found)
 

@@ -11,15 +11,16 @@ import datetime
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
 from sftprof import artifacts
+from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
-           "trainer_log_tail", "trial_config", "max_entries", "world_size"]
+           "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -73,6 +74,8 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
                            "profile_step_record": None, "per_rank": {}, "complete": None}
     out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
+    out.update(dict.fromkeys(f"max_{key}_{unit}" for key in ("mem_peak_allocated", "mem_peak_reserved")
+                             for unit in ("gb", "rank")))
     if not out["available"]:
         return out
     log = artifacts.read_stats(path)
@@ -299,8 +302,6 @@ def world_size(log_dir: str) -> tuple[int | None, str]:
         return n, artifacts.RANK_COORDS
     cfg, _ = trial_config(log_dir)
     try:
-        from sftprof.allocation import parse_allocation_mode
-
         backend = cfg["actor"]["backend"]
         return parse_allocation_mode(backend).world_size, f"actor.backend={backend!r} in {artifacts.CONFIG_YAML}"
     except Exception:  # no config, another schema, a layout that does not parse: the world size is unknown
@@ -332,3 +333,25 @@ def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
     if cfg is not None and not isinstance(cfg, dict):
         return None, f"{path}: not a YAML mapping (a {type(cfg).__name__})"
     return cfg, None
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel traces
+# --------------------------------------------------------------------------------------------
+def file_error(path: str, exc: BaseException) -> str:
+    """``"<path>: <Type>: <message>"`` (the path once, even when the message already names it)."""
+    msg = f"{type(exc).__name__}: {exc}"
+    return msg if path in msg else f"{path}: {msg}"
+
+
+World = tuple[Optional[int], str]  # the trial's number of ranks and where it is read (inputs.world_size)
+
+
+
+def outside_world(rank: int | None, world: World) -> str | None:
+    """The error of a trace or snapshot whose file name's rank is not a rank of the trial (``rank >= world size``:
+    a file of another trial), None when it is one or either is unknown."""
+    n, where = world
+    if rank is None or n is None or rank < n:
+        return None
+    return f"rank {rank} in the file name is not a rank of the trial: its world size is {n} ({where})"

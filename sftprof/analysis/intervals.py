@@ -1,17 +1,23 @@
-"""Interval arithmetic over time intervals held as two float arrays (starts, ends), in trace microseconds.
+"""Interval arithmetic over time intervals in trace microseconds: disjoint sets, and nested per-thread intervals.
 
 One interval set is a pair ``(starts, ends)`` of 1-D float64 arrays of equal length with
 ``starts[i] <= ends[i]``; :func:`union` turns any set into its sorted, disjoint form, which
-:func:`intersection_length` and :func:`clip` expect. Used by the kernel summary
-(:mod:`sftprof.analysis.trace_summary`: GPU busy time, hidden/exposed communication) and the step
-breakdown (:mod:`sftprof.analysis.step_breakdown`: exposed time per process group) and the cross-rank split of
+:func:`intersection_length` and :func:`clip` expect. Used by the GPU activities' questions
+(:mod:`sftprof.analysis.gpu_activity`: GPU busy time, hidden/exposed communication), the collectives
+(:mod:`sftprof.analysis.collectives`: exposed time per process group) and the cross-rank split of
 communication into waiting and transfer (:mod:`sftprof.analysis.comm_wait`: a collective's exposed pieces).
+
+:class:`ThreadIntervals` holds the intervals of a trace's threads that nest on each thread (CPU ops, model-part
+ranges, autograd backward nodes) and finds the innermost one around given points
+(:class:`sftprof.analysis.op_collector.OpCollector`).
 """
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
-__all__ = ["union", "length", "intersection_length", "clip", "difference"]
+__all__ = ["union", "length", "intersection_length", "clip", "difference", "ThreadIntervals", "Intervals"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -79,3 +85,52 @@ def difference(a: Intervals, b: Intervals) -> Intervals:
             out_s.append(cur)
             out_e.append(e)
     return np.asarray(out_s, dtype=np.float64), np.asarray(out_e, dtype=np.float64)
+
+
+class ThreadIntervals:
+    """Per-thread intervals (start, end, payload) with an innermost-containment query."""
+
+    def __init__(self) -> None:
+        self.tid = array("q")
+        self.start = array("d")
+        self.end = array("d")
+        self.payload = array("q")
+
+    def add(self, tid: int, start: float, end: float, payload: int) -> None:
+        self.tid.append(tid)
+        self.start.append(start)
+        self.end.append(end)
+        self.payload.append(payload)
+
+    def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
+        """Index (into this collection) of the innermost interval containing each point, -1 if none.
+
+        Intervals on one thread nest (ranges and ops of one thread do); ties at equal starts put the
+        longer interval outside.
+        """
+        out = np.full(points.size, -1, dtype=np.int64)
+        if not len(self.start) or not points.size:
+            return out
+        itid = np.frombuffer(self.tid, dtype=np.int64)
+        ist, ien = np.frombuffer(self.start, dtype=np.float64), np.frombuffer(self.end, dtype=np.float64)
+        for t in np.unique(tids):
+            sel = np.flatnonzero(itid == t)
+            if not sel.size:
+                continue
+            order = sel[np.lexsort((-ien[sel], ist[sel]))]
+            pts = np.flatnonzero(tids == t)
+            pts = pts[np.argsort(points[pts], kind="stable")]
+            stack: list[int] = []
+            j = 0
+            for p in pts:
+                x = points[p]
+                while j < order.size and ist[order[j]] <= x:
+                    while stack and ien[stack[-1]] < ist[order[j]]:
+                        stack.pop()
+                    stack.append(int(order[j]))
+                    j += 1
+                while stack and ien[stack[-1]] < x:
+                    stack.pop()
+                if stack:
+                    out[p] = stack[-1]
+        return out

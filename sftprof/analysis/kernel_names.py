@@ -1,15 +1,19 @@
-"""Rules on GPU kernel and process-group names: category of a kernel, readable kernel name, parallelism label.
+"""Rules on names: category of a GPU kernel or CPU op, readable kernel name, a collective's name, the parallelism
+label of a process group.
 
-Pure string rules, no trace state; the kernel summary (:mod:`sftprof.analysis.trace_summary`), the step
-breakdown (traces without model-part ranges) and the run comparison (:mod:`sftprof.analysis.compare`) use them.
+Pure string rules, no trace state; the kernel summary (:mod:`sftprof.analysis.trace_summary`), the model parts
+(traces without model-part ranges, CPU runs) and the run comparison (:mod:`sftprof.analysis.compare`) use them.
 """
 from __future__ import annotations
 
 import re
 
-__all__ = ["kernel_category", "short_kernel_name", "collective_group_label", "COMM_PREFIX"]
+__all__ = ["kernel_category", "short_kernel_name", "collective_group_label", "cpu_op_category", "collective_name",
+           "COMM_PREFIX", "HOST_COLLECTIVE_PREFIXES"]
 
 COMM_PREFIX = "NCCL "  # category prefix of NCCL kernels: "NCCL <collective>"
+HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")  # host-side collective ops (annotations or cpu_ops)
+_SDPA_OP = re.compile(r"scaled_?dot_?product", re.IGNORECASE)  # aten::scaled_dot_product_*, ScaledDotProduct*Backward0
 
 # Ordered (category, pattern) rules on the lower-cased kernel name; first match wins.
 _RULES: tuple[tuple[str, re.Pattern], ...] = (
@@ -97,3 +101,17 @@ def collective_group_label(pg_desc: str | None, pg_name: str | None) -> str | No
     if pg_desc:
         return _PG_LABELS.get(pg_desc, pg_desc)
     return f"pg{pg_name}" if pg_name not in (None, "") else None
+
+
+def collective_name(name: str) -> str:
+    """A collective's name as torch records it, without the backend prefix and variant suffixes:
+    ``nccl:all_gather_into_tensor_coalesced`` -> ``all_gather``."""
+    return re.sub(r"(_into_tensor|_tensor)?(_coalesced|_base)?$", "", name.replace("nccl:", "").replace("gloo:", ""))
+
+
+def cpu_op_category(name: str) -> str:
+    """Category of one CPU op (traces without GPU activity): ``communication`` (host collectives, ``gloo:*`` /
+    ``nccl:*``), ``attention`` (scaled-dot-product attention ops and their backward nodes), else ``cpu_op``."""
+    if name.startswith(HOST_COLLECTIVE_PREFIXES):
+        return "communication"
+    return "attention" if _SDPA_OP.search(name) else "cpu_op"

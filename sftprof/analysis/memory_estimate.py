@@ -29,9 +29,9 @@ layer being recomputed and back-propagated comes on top and is not estimated her
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["estimate_memory", "params_per_rank"]
+__all__ = ["estimate_memory", "params_per_rank", "explain_estimate"]
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "uint8": 1}
 _GIB = float(2**30)
@@ -120,3 +120,24 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         r["gib"] = round(r["bytes"] / _GIB, 4)
     return {"params_dense": dense, "params_expert": expert, "rows": rows, "assumptions": assumptions}
 
+
+def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
+    """Measured vs estimated bytes per category, with the difference (bytes); None without an estimate.
+
+    Blocks allocated before the recorded window have no stack: they are set against parameters,
+    gradients and optimizer state together.
+    """
+    if not estimate:
+        return None
+    meas = {r["category"]: r["bytes"] for r in s.get("categories_at_peak") or []}
+    est = {r["category"]: r["bytes"] for r in estimate["rows"]}
+    rows = []
+    for cat in ("parameters", "gradients", "optimizer", "activations"):
+        rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
+    if meas.get("before_window"):
+        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
+                     "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
+                     "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
+    for r in rows:
+        r["difference_bytes"] = r["measured_bytes"] - r["estimated_bytes"]
+    return rows

@@ -30,118 +30,22 @@ window's peak (``peak_scope="recorded_window"``). :func:`peak_where` says where 
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 from sftprof import artifacts
+from sftprof.analysis.memory_categories import allocation_site, categories
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["analyze_snapshot", "allocation_site", "check_snapshot", "history_status", "peak_where", "plot_memory",
-           "TOP_SITES", "site_category", "MEMORY_CATEGORIES", "PEAK_SCOPES", "WINDOW_PEAK_POSITIONS"]
-
-# Category of a block alive at the peak, from its allocation site (first match wins). Line numbers of
-# megatron-core's _ParamAndGradBuffer are those of the pinned megatron-core 0.16.1
-# (distributed/param_and_grad_buffer.py: param_data at line 797, grad_data at 803).
-MEMORY_CATEGORIES = {
-    "parameters": "parameters (model weights, param buffers)",
-    "gradients": "gradient buffers",
-    "optimizer": "optimizer state and step buffers (main params or TE FusedAdam's 16-bit remainders, moments, "
-                 "fp32 main grads)",
-    "workspaces": "library workspaces (cuBLAS / Transformer Engine GEMM workspaces)",
-    "activations": "activations and autograd temporaries",
-    "before_window": "allocated before the recorded window (stack unknown)",
-}
-_CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
-    ("before_window", re.compile(r"^<allocated before the recorded window>$")),
-    ("gradients", re.compile(r"param_and_grad_buffer\.py:(80[3-9]|81\d) |\bgrad_data\b|main_grad")),
-    ("parameters", re.compile(r"param_and_grad_buffer\.py:(7[89]\d|80[0-2]) |\bparam_data\b|reset_parameters|"
-                              r"_initialize_affine_weight|\b__init__$|init_method|_load_hf_checkpoint|safetensors")),
-    ("optimizer", re.compile(r"(^|/)optimizer/|optim|adam", re.IGNORECASE)),
-    ("workspaces", re.compile(r"workspace", re.IGNORECASE)),
-)
+__all__ = ["analyze_snapshot", "check_snapshot", "history_status", "peak_where", "plot_memory", "TOP_SITES",
+           "PEAK_SCOPES", "WINDOW_PEAK_POSITIONS"]
 
 TOP_SITES = 20
 TOP_ALLOCATIONS = 10
 _GIB = float(2**30)
 _ALLOCATED_STATES = ("active_allocated", "active_pending_free")
-_STDLIB = re.compile(r"/lib/python3\.\d+/(?!site-packages|dist-packages)")
-_TORCH = re.compile(r"(^|/)torch/")
-_AUTOGRAD_NODE = re.compile(r"torch::autograd::generated::(\w+)::apply")
-_SHORTEN = re.compile(r"^(?:.*?/)?(?:site-packages|dist-packages)/")
-
-
-_PACKAGE_ROOT = re.compile(r"^.*?/(?=(?:sftprof|megatron|transformers|torch|liger_kernel|cut_cross_entropy|"
-                           r"transformer_engine|triton|apex|flash_attn)/)")
-
-
-def _short_path(filename: str) -> str:
-    """Path from the package root for installed libraries and this project (``megatron/core/...``)."""
-    return _PACKAGE_ROOT.sub("", _SHORTEN.sub("", filename))
-
-
-def allocation_site(frames: list[dict]) -> str:
-    """Group key of one allocation from its stack (``frames`` innermost first).
-
-    Returns ``"<file>:<line> <function>"`` of the innermost Python frame outside PyTorch and the
-    standard library (``site-packages/`` prefixes removed); when an autograd node
-    (``torch::autograd::generated::XBackward0``) sits inside that frame the key becomes
-    ``"XBackward0 (autograd) via <file>:<line> <function>"``. Falls back to the innermost
-    Python frame, then to ``"<no Python frame>"``.
-    """
-    node = None
-    first_py = None
-    for f in frames:
-        if not isinstance(f, dict):
-            continue
-        fn = f.get("filename")
-        fn = fn if isinstance(fn, str) else ""
-        if not fn.endswith(".py"):
-            if node is None:
-                m = _AUTOGRAD_NODE.search(str(f.get("name") or ""))
-                if m:
-                    node = m.group(1)
-            continue
-        site = f"{_short_path(fn)}:{f.get('line', 0)} {f.get('name', '?')}"
-        if first_py is None:
-            first_py = site
-        if _TORCH.search(fn) or _STDLIB.search(fn) or fn.startswith("<"):
-            continue
-        return f"{node} (autograd) via {site}" if node else site
-    if first_py is not None:
-        return f"{node} (autograd) via {first_py}" if node else first_py
-    return f"{node} (autograd)" if node else "<no Python frame>"
-
-
-def site_category(site: str) -> str:
-    """Category key of :data:`MEMORY_CATEGORIES` for an allocation site (:func:`allocation_site`).
-
-    Rules (first match): stack unknown -> ``before_window``; megatron-core gradient buffers ->
-    ``gradients``; parameter buffers and module ``__init__``/weight-init frames -> ``parameters``;
-    optimizer code (``optimizer/``, ``optim``, ``adam``: TE's FusedAdam too) -> ``optimizer``; GEMM workspaces
-    (TE's ``get_cublas_workspace``) -> ``workspaces``; anything else, allocated while the step ran, ->
-    ``activations``.
-    """
-    for key, pattern in _CATEGORY_RULES:
-        if pattern.search(site):
-            return key
-    return "activations"
-
-
-def _categories(by_site: dict[str, list[int]], peak: int, reserved: int) -> list[dict]:
-    """Bytes alive at the peak per category (sum = allocated at the peak) plus allocator slack."""
-    tot: dict[str, list[int]] = {k: [0, 0] for k in MEMORY_CATEGORIES}
-    for site, (b, c) in by_site.items():
-        t = tot[site_category(site)]
-        t[0] += b
-        t[1] += c
-    rows = [{"category": k, "label": MEMORY_CATEGORIES[k], "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
-             "share_pct": round(100 * b / peak, 3) if peak else 0.0} for k, (b, c) in tot.items()]
-    rows.append({"category": "allocator_slack", "label": "allocator slack (reserved - allocated)",
-                 "bytes": reserved - peak, "gib": round((reserved - peak) / _GIB, 4), "blocks": None, "share_pct": None})
-    return rows
 
 
 def _spikes(trace: list, lo_us: float, hi_us: float, limit: int = 5) -> list[dict]:
@@ -230,7 +134,7 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
     top_allocs = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
                   for s, site, _ in sorted(allocations, key=lambda x: (-x[0], x[1], x[2]))[:TOP_ALLOCATIONS]]
     return {"live_bytes": live_total, "top_sites": top_sites, "top_allocations": top_allocs,
-            "categories": _categories(by_site, live_total, reserved_at)}
+            "categories": categories(by_site, live_total, reserved_at)}
 
 
 PEAK_SCOPES = {"profiled_step": "the profiled step's peak", "recorded_window": "the recorded window's peak"}
@@ -380,8 +284,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
           ``peak_reserved_bytes``/``_gib`` (highest reserved level of the scope), ``reserved_at_peak_bytes``,
           ``reserved_minus_allocated_at_peak_bytes``/``_gib``, ``live_at_peak_bytes``, ``top_sites`` (site, bytes,
           blocks, share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
-          (:data:`MEMORY_CATEGORIES` rows whose bytes sum to the allocated bytes at the peak, then the allocator
-          slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
+          (:data:`sftprof.analysis.memory_categories.MEMORY_CATEGORIES` rows whose bytes sum to the allocated
+          bytes at the peak, then the allocator slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
           window: bytes, lifetime_ms, site);
         - the whole recorded window's peak: ``window_peak_allocated_bytes``/``_gib``, ``window_peak_time_ms``,
           ``window_peak_phase``, ``window_peak_reserved_bytes``/``_gib``, ``window_top_sites`` (as ``top_sites``)
@@ -526,7 +430,7 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
         title: plot title (e.g. the snapshot file name).
         out_png: destination path.
     """
-    import matplotlib
+    import matplotlib  # here, not at import: the Agg backend is chosen before pyplot loads, for the plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -565,5 +469,5 @@ def plot_memory(summary: dict, title: str, out_png: str) -> None:
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, metadata={"Software": None})
+    fig.savefig(out_png, format="png", metadata={"Software": None})
     plt.close(fig)

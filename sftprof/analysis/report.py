@@ -1,64 +1,23 @@
-"""Markdown rendering of a profile summary (``profile_summary.md``) and the table helpers shared with
-:mod:`sftprof.analysis.compare`.
+"""Markdown rendering of a profile summary (``profile_summary.md``).
 
 :func:`render_markdown` joins the sections of :data:`SECTIONS` in order; each section is a function of the
-summary dict (:func:`sftprof.analysis.summary.postprocess_trial`) returning its Markdown lines (none when
-the summary has nothing for it). Numbers are printed as the summary holds them (floats with 3 decimals).
+summary (:class:`sftprof.analysis.schema.ProfileSummary`) returning its Markdown lines (none when the summary has
+nothing for it): the trial-level sections here, one kernel trace's in :mod:`sftprof.analysis.report_trace`, one
+memory snapshot's in :mod:`sftprof.analysis.report_memory`. Rendering computes nothing: it prints what the summary
+holds (floats with 3 decimals, :mod:`sftprof.analysis.markdown`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable
 
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.failure import failure_cause, headline
-from sftprof.analysis.kernel_names import short_kernel_name
-from sftprof.analysis.memory_summary import peak_where
-from sftprof.analysis.step_breakdown import LAUNCH_GAP_US, PHASES, exposed_groups
-from sftprof.analysis.trace_summary import invalid_events_message
-from sftprof.analysis.views import VIEWS
+from sftprof.analysis.markdown import fmt, table, with_rank
+from sftprof.analysis.rank_table import RANK_COLUMNS
+from sftprof.analysis.report_memory import memory_snapshots
+from sftprof.analysis.report_trace import kernel_traces
 
-__all__ = ["render_markdown", "SECTIONS", "RANK_COLUMNS", "fmt", "table", "short"]
-
-# Columns of the rank table (:func:`sftprof.analysis.summary.rank_table`), in display order; the summary
-# reports the max/min imbalance of each.
-RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
-                "comm_ms", "exposed_comm_ms", "host_comm_ms")
-
-
-# -- shared table helpers ------------------------------------------------------------------------------------
-def fmt(v: Any, nd: int = 3) -> str:
-    """A table cell: ``–`` for None, floats with ``nd`` decimals, anything else as ``str``."""
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
-def _cell(x: Any) -> str:
-    return fmt(x).replace("|", "\\|")
-
-
-def table(headers: list[str], rows: Iterable[list], cell: Callable[[Any], str] = _cell) -> str:
-    """A Markdown table (ending in a newline); each value goes through ``cell`` (default: :func:`fmt`, ``|`` escaped)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def short(name: str, n: int) -> str:
-    """``name`` cut to ``n`` characters (the last one ``…``) when longer."""
-    return name if len(name) <= n else name[: n - 1] + "…"
-
-
-def _with_rank(value, rank, prefix: str = "r") -> str:
-    """``"45.485 (r0)"``: a value and where it was found (``prefix`` ``"L"``: a layer); ``–`` for None."""
-    return "–" if value is None else f"{fmt(value)} ({prefix}{rank})"
-
-
-def _parts_table(rows: list[dict]) -> str:
-    return table(["part"] + [f"{p} ms" for p in PHASES] + ["total ms", "share %"],
-                 [[r["label"]] + [r[f"{p}_ms"] for p in PHASES] + [r["total_ms"], r["share_pct"]] for r in rows])
+__all__ = ["render_markdown", "SECTIONS"]
 
 
 # -- trial-level sections ------------------------------------------------------------------------------------
@@ -139,8 +98,8 @@ def _steps(s: dict) -> list[str]:
                       "over ranks", "MFU", "recompute TFLOP/s/GPU"]
                      + (["expert max/mean (L)", "EP rank max/mean (L)"] if moe else []) + ["profiled"],
                      [[x["step"], x["step_time_s"], x["tokens_per_s"],
-                       _with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
-                       _with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
+                       with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
+                       with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
                        "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
                        x.get("recompute_tflops_per_gpu")]
                       + (_moe_cells(x.get("moe")) if moe else []) + [x["profiled"]]
@@ -152,8 +111,8 @@ def _moe_cells(m: dict | None) -> list:
     """The two routing cells of a Steps row: ``"16.000 (L3)"`` and the EP rank's (``–`` without data)."""
     if not m:
         return [None, None]
-    return [_with_rank(m["max_over_mean"], m["worst_layer"], "L"),
-            _with_rank(m["ep_max_over_mean"], m["ep_worst_layer"], "L")]
+    return [with_rank(m["max_over_mean"], m["worst_layer"], "L"),
+            with_rank(m["ep_max_over_mean"], m["ep_worst_layer"], "L")]
 
 
 def _nvidia_smi(s: dict) -> list[str]:
@@ -191,7 +150,7 @@ def _work_spread(w: dict | None) -> list[str]:
         return out + [f"No cell differs by {w['min_spread_ms']:g} ms or more.\n"]
     out.append(table(["part", "layer", "phase", "min ms (rank)", "max ms (rank)", "spread ms"],
                      [[r["label"], "–" if r["layer"] is None else r["layer"], r["phase"],
-                       _with_rank(r["min_ms"], r["min_rank"]), _with_rank(r["max_ms"], r["max_rank"]), r["spread_ms"]]
+                       with_rank(r["min_ms"], r["min_rank"]), with_rank(r["max_ms"], r["max_rank"]), r["spread_ms"]]
                       for r in w["rows"]]))
     return out
 
@@ -290,273 +249,8 @@ def _comm_wait(cw: dict | None) -> list[str]:
     return out
 
 
-# -- one kernel trace ------------------------------------------------------------------------------------------
-def _kernel_overview(t: dict) -> list[str]:
-    k = t["summary"]
-    out = []
-    if k["invalid_events"]["total"]:
-        out.append(f"- {invalid_events_message(k['invalid_events'])}")
-    g, c = k["gpu"], k["communication"]
-    out.append(f"- step wall time: {fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
-    if g["activities"]:
-        out.append(f"- GPU busy {fmt(g['busy_share_pct'])} % / idle {fmt(g['idle_share_pct'])} %; "
-                   f"GPU activity total {fmt(g['total_ms'])} ms in {g['activities']} kernels/memcpy/memset")
-        out.append(f"- communication {fmt(c['total_ms'])} ms: hidden under compute {fmt(c['hidden_ms'])} ms, "
-                   f"exposed {fmt(c['exposed_ms'])} ms")
-    else:
-        out.append("- no GPU activity in this trace (CPU-only run)")
-    if c["host_ops"]["ops"]:
-        out.append(f"- host-side collective ops (gloo:/nccl:): {c['host_ops']['ops']} ops, "
-                   f"{fmt(c['host_ops']['wall_ms'])} ms wall: " +
-                   ", ".join(f"{name} {fmt(v)} ms" for name, v in c["host_ops"]["by_op_ms"].items()))
-    out.append("- views: " + ", ".join(f"`{p}`" for v in VIEWS for p in t["views"][v]) + "\n")
-    return out
-
-
-def _kernel_tables(k: dict) -> list[str]:
-    """Top kernels, time by category, top CPU ops and collectives of one rank."""
-    out = []
-    if k["gpu"]["activities"]:
-        out.append("### Top kernels\n")
-        out.append(table(["#", "kernel", "calls", "total ms", "share %"],
-                         [[i + 1, short_kernel_name(x["name"]), x["calls"], x["total_ms"], x["share_pct"]]
-                          for i, x in enumerate(k["top_kernels"])]))
-        out.append("\n### Time by category\n")
-        out.append(table(["category", "calls", "total ms", "share %"],
-                         [[x["category"], x["calls"], x["total_ms"], x["share_pct"]] for x in k["categories"]]))
-    if k.get("top_cpu_ops"):
-        out.append("\n### Top CPU ops (inclusive: nested ops count in their parents too)\n")
-        out.append(table(["op", "calls", "inclusive ms"],
-                         [[x["name"], x["calls"], x["inclusive_ms"]] for x in k["top_cpu_ops"]]))
-    c = k["communication"]
-    if c["kernels"]:
-        out.append("\n### Collectives\n")
-        out.append(table(["by type", "ms"], [[a, b] for a, b in c["by_type_ms"].items()]))
-        out.append(table(["by process group", "ms"], [[a, b] for a, b in c["by_group_ms"].items()]))
-    return out
-
-
-def _parts(t: dict) -> list[str]:
-    parts, rank = t["summary"]["parts"], t["rank"]
-    if not parts["total_ms"]:
-        return []
-    how = ("model-part ranges placed by the trainer's module hooks" if parts["source"] == "module_regions" else
-           "**no model-part ranges in this trace**: split by kernel name only")
-    out = [f"\n### {fnd.parts_heading(rank)}\n",
-           f"GPU time of the activities launched in the step window: {fmt(parts['total_ms'])} ms ({how}; "
-           f"{parts['outside_window']} activities launched outside the window, or without a launch record starting "
-           "outside it, left out)."
-           + (f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else "") + "\n",
-           "Summed over layers:\n", _parts_table(parts["summed"])]
-    for layer in parts["layers"]:
-        out.append(f"\nLayer {layer['layer']}:\n")
-        out.append(_parts_table(layer["rows"]))
-    if parts["outside_layers"] and parts["layers"]:
-        out.append("\nOutside the decoder layers:\n")
-        out.append(_parts_table(parts["outside_layers"]))
-    return out
-
-
-def _efficiency(k: dict, rank: int) -> list[str]:
-    eff = k["efficiency"]
-    if not (eff["rows"] or eff["memory_bound"]):
-        return []
-    peak = eff["peak"]
-    out = [f"\n### Kernel efficiency, rank {rank}\n",
-           f"Device {fmt(peak['device'])}: dense bf16 peak "
-           f"{fmt(peak['bf16_flops'] / 1e12 if peak['bf16_flops'] else None, 1)} TFLOP/s, HBM "
-           f"{fmt(peak['hbm_bytes_per_s'] / 1e12 if peak['hbm_bytes_per_s'] else None, 2)} TB/s. {eff['note']}.\n",
-           table(["kind", "part", "phase", "dtype", "ops", "TFLOP", "GPU ms", "TFLOP/s", "% of peak"],
-                 [[r["kind"], r["part"], r["phase"], r["dtype"], r["calls"], r["tflop"], r["gpu_ms"],
-                   r["tflops_per_s"], r["pct_of_peak"]] for r in eff["rows"]])]
-    if eff["memory_bound"]:
-        out.append(table(["copy / fill", "calls", "GiB", "GPU ms", "GB/s", "% of HBM"],
-                         [[r["name"], r["calls"], r["gib"], r["gpu_ms"], r["gb_per_s"], r["pct_of_hbm"]]
-                          for r in eff["memory_bound"]]))
-    return out
-
-
-def _collectives_by_group(k: dict, rank: int) -> list[str]:
-    coll = k["collectives"]
-    if not coll["rows"]:
-        return []
-    return [f"\n### Communication by process group, rank {rank}\n",
-            table(["group", "collective", "calls", "GiB", "GPU ms", "group size", "algbw GB/s", "busbw GB/s"],
-                  [[r["group"], r["collective"], r["calls"], r["gib"], r["gpu_ms"], r["group_size"],
-                    r["algbw_gb_per_s"], r["busbw_gb_per_s"]] for r in coll["rows"]]),
-            table(["group", "exposed ms"], [[g, v] for g, v in exposed_groups(coll).items()]),
-            f"{coll['note']}.\n"]
-
-
-def _host_wait_places(places: dict | None) -> list[str]:
-    """The host wait by place (:func:`sftprof.analysis.step_breakdown._host_wait_places`); none in older summaries."""
-    if not places or not places["rows"]:
-        return []
-    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"], r["activities"],
-             r["mean_activity_us"], r["after_blocking_pct"], r["kind"]] for r in places["rows"]]
-    if places.get("rest"):
-        rest = places["rest"]
-        rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None, None,
-                     None])
-    blocked = places.get("after_blocking_by_op") or {}
-    return ["GPU idle waiting for the host, by the place of the work that ended each gap (its model part and phase, "
-            "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
-            "kernels, copies and fills in the step, with their mean duration; after blocking call: the share of the "
-            "idle that follows a blocking CUDA call (the host waited for the GPU to drain, then launched late); "
-            f"kind: after blocking calls (half the idle or more), launch-bound (the other gaps and the place's GPU "
-            f"activities both under {LAUNCH_GAP_US:.0f} µs on average: short kernels, each costing the host more to "
-            "launch than it runs) or host busy (longer gaps, or gaps after longer activities: the host did other work "
-            "between launches):\n",
-            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "GPU activities", "mean µs",
-                   "after blocking call %", "kind"], rows),
-            f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"
-            + (" (" + ", ".join(f"{k} {fmt(v)} ms" for k, v in blocked.items()) + ")" if blocked else "") + ".\n"]
-
-
-def _host(k: dict, rank: int) -> list[str]:
-    host = k["host"]
-    if not host["top_self"]:
-        return []
-    out = [f"\n### Host, rank {rank}\n"]
-    if not (k.get("gpu") or {}).get("activities"):  # a CPU run: no device to wait for
-        out.append("No GPU activity in this trace: no device waits or GPU idle time to report.\n")
-    else:
-        out.append(f"Blocking CUDA calls in the step window: {fmt(host['sync']['total_ms'])} ms host wait ("
-                   + ", ".join(f"{c} {v['calls']}x {fmt(v['ms'])} ms" for c, v in host["sync"]["by_call"].items())
-                   + "). An op with sync wait spends that time waiting for the GPU, not working.\n")
-    comp = host.get("compile") or {}
-    if comp.get("ms"):
-        out.append(f"torch.compile in the step window: {fmt(comp['ms'])} ms of host time compiling (dynamo's "
-                   "`dynamo` and `(dynamo_timed)` ops, nested ones counted once"
-                   + (f"; compile ids {', '.join(comp['compile_ids'])}" if comp.get("compile_ids") else "")
-                   + "): this step includes compilation and is not steady state.\n")
-    idle = host.get("gpu_idle") if (k.get("gpu") or {}).get("activities") else None
-    if idle:
-        out.append(f"GPU idle in the step window {fmt(idle['idle_ms'])} ms: host wait (next work launched after "
-                   f"the GPU went idle) {fmt(idle['host_wait_ms'])} ms, kernel wait (work queued, waiting on a "
-                   f"dependency) {fmt(idle['kernel_wait_ms'])} ms, after the last activity "
-                   f"{fmt(idle.get('after_last_activity_ms'))} ms.\n")
-        out += _host_wait_places(idle.get("host_wait_by_place"))
-    out.append(table(["op", "calls", "self ms", "inclusive ms", "sync wait ms"],
-                     [[r["name"], r["calls"], r["self_ms"], r["inclusive_ms"], r["sync_wait_ms"]]
-                      for r in host["top_self"]]))
-    return out
-
-
-def _regions(k: dict) -> list[str]:
-    if not k["regions"]:
-        return []
-    return ["\n### Annotated regions\n",
-            table(["region", "start ms", "CPU ms", "GPU ms"],
-                  [[r["name"], r["start_ms"], r["cpu_ms"], r["gpu_ms"]] for r in k["regions"]])]
-
-
-def _kernel_trace(t: dict) -> list[str]:
-    out = [f"## Kernel trace rank {t['rank']} (`{t['source']}`)\n"]
-    if "error" in t:
-        return out + [f"**error:** {t['error']}\n"]
-    k, rank = t["summary"], t["rank"]
-    out += _kernel_overview(t) + _kernel_tables(k)
-    out += _parts(t) + _efficiency(k, rank) + _collectives_by_group(k, rank) + _host(k, rank)
-    return out + _regions(k) + [""]
-
-
-def _kernel_traces(s: dict) -> list[str]:
-    return [line for t in s.get("kernel_traces") or [] for line in _kernel_trace(t)]
-
-
-# -- one memory snapshot ---------------------------------------------------------------------------------------
-def _estimate(m: dict) -> list[str]:
-    """The theoretical estimate of one snapshot's rank against what the snapshot measured."""
-    x, est = m["summary"], m.get("estimate")
-    if not est:
-        return [f"\n{m['estimate_note']}\n"] if m.get("estimate_note") else []
-    cmp_rows = fnd.explain_estimate(x, est) or []
-    return [f"\nTheoretical estimate ({est['params_dense'] + est['params_expert']:,} parameters on this rank: "
-            f"{est['params_dense']:,} dense, {est['params_expert']:,} expert; "
-            + "; ".join(est["assumptions"]) + "):\n",
-            table(["category", "estimated GiB", "formula"],
-                  [[r["category"], r["gib"], r["formula"]] for r in est["rows"]]),
-            table(["category", "measured GiB", "estimated GiB", "measured - estimated GiB"],
-                  [[r["category"], round(r["measured_bytes"] / 2**30, 4), round(r["estimated_bytes"] / 2**30, 4),
-                    round(r["difference_bytes"] / 2**30, 4)] for r in cmp_rows]),
-            "Differences: the activation estimate is a lower bound (the working set of the layer in "
-            "backward is not counted); blocks allocated before the recorded window carry no stack and are "
-            "set against parameters, gradients and optimizer state together." + _step_copy_note(cmp_rows, est) + "\n"]
-
-
-def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
-    """Says so when the measured optimizer state is the estimate without the fp32 gradient copy (within 1 %)."""
-    copy = next((r.get("step_copy_bytes") or 0 for r in est["rows"] if r["category"] == "optimizer"), 0)
-    opt = next((r for r in cmp_rows if r["category"] == "optimizer"), None)
-    if not copy or not opt or abs(-opt["difference_bytes"] - copy) > 0.01 * copy:
-        return ""
-    return (f" Optimizer: the measured state is the estimate less the fp32 gradient copy ({copy / 2**30:.2f} GiB), "
-            "which megatron-core's optimizers make in the optimizer step (`_copy_model_grads_to_main_grads`): "
-            "this peak is outside it.")
-
-
-def _memory_peaks(x: dict) -> list[str]:
-    """The peak lines of one snapshot summary (:func:`sftprof.analysis.memory_summary.analyze_snapshot`): the
-    headline peak, named the profiled step's or the recorded window's, with its place in words
-    (:func:`peak_where`), and the whole window's peak beside it (where it lies and what was alive then when it is
-    outside the step)."""
-    if x.get("peak_scope") == "profiled_step":
-        w = x["step_window"]
-        out = [f"- peak allocated in the profiled step **{fmt(x['peak_allocated_gib'])} GiB** at "
-               f"{fmt(x['peak_time_ms'])} ms, {peak_where(x)} (step {fmt(w['start_ms'])}–{fmt(w['end_ms'])} ms, from "
-               f"`{w['source']}`, of a {fmt(x['window_ms'])} ms recorded window; times from its first event)",
-               f"- peak reserved in the profiled step {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at "
-               f"the peak {fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
-        if x["window_peak_position"] == "in_step":
-            out.append(f"- the whole recorded window peaks in the profiled step too (reserved peak "
-                       f"{fmt(x['window_peak_reserved_gib'])} GiB)")
-        else:
-            alive = ", ".join(f"`{short(y['site'], 80)}` {fmt(y['gib'])} GiB" for y in x["window_top_sites"][:3])
-            out.append(f"- **the recorded window peaks higher, outside the profiled step:** "
-                       f"{fmt(x['window_peak_allocated_gib'])} GiB allocated at {fmt(x['window_peak_time_ms'])} ms, "
-                       f"{peak_where(x, 'window')}; reserved peak {fmt(x['window_peak_reserved_gib'])} GiB; "
-                       f"alive then: {alive}. The figures below are the profiled step's peak")
-        return out
-    return [f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms of the "
-            f"{fmt(x['window_ms'])} ms recorded window (from its first event); no phases recorded, so neither its "
-            "phase nor the profiled step's own peak is known",
-            f"- peak reserved {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
-            f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
-
-
-def _memory_snapshot(m: dict) -> list[str]:
-    out = [f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n"]
-    if "error" in m:
-        kept = ", ".join(f"`{f}`" for f in m.get("kept_files") or [])
-        return out + [f"**error:** {m['error']}\n"] + (
-            [f"Kept from an earlier postprocess (not from this snapshot): {kept}\n"] if kept else [])
-    x = m["summary"]
-    out += _memory_peaks(x)
-    if x["history"]["truncated"]:
-        out.append(f"- **truncated window:** {x['history']['message']}")
-    out.append(f"- plot: `{m['plot']}`\n")
-    out.append(f"### {fnd.memory_heading(m['rank'])}\n")
-    out.append(table(["category", "GiB", "blocks", "share % of allocated"],
-                     [[r["label"], r["gib"], r["blocks"], r["share_pct"]] for r in x["categories_at_peak"]]))
-    out += _estimate(m)
-    if x.get("transient_spikes"):
-        scope = "the profiled step" if x.get("peak_scope") == "profiled_step" else "the window"
-        out.append(f"\nTransient spikes (largest blocks allocated inside {scope} and freed inside the window):\n")
-        out.append(table(["GiB", "lifetime ms", "site"],
-                         [[r["gib"], r["lifetime_ms"], short(r["site"], 140)] for r in x["transient_spikes"]]))
-    out += ["", "### Alive at the peak, by allocation site\n",
-            table(["site", "GiB", "blocks", "share %"],
-                  [[short(y["site"], 140), y["gib"], y["blocks"], y["share_pct"]] for y in x["top_sites"]]), ""]
-    return out
-
-
-def _memory_snapshots(s: dict) -> list[str]:
-    return [line for m in s.get("memory_snapshots") or [] for line in _memory_snapshot(m)]
-
-
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, _kernel_traces, _memory_snapshots)
+    _header, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces, memory_snapshots)
 
 
 def render_markdown(s: dict) -> str:

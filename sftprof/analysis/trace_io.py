@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any, Iterator
 
+from sftprof.atomic import write_failed
+
 __all__ = ["TraceFormatError", "TraceReader", "TraceWriter", "Progress"]
 
 _CHUNK_CHARS = 8 << 20  # characters decoded per refill (~8 MiB of ASCII trace text)
@@ -253,12 +255,15 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self.path = os.fspath(path)
-        if self.path.endswith(".gz"):
-            self._f = io.TextIOWrapper(gzip.open(self.path, "wb", compresslevel=1), encoding="utf-8")
-        else:
-            self._f = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
+        try:
+            if self.path.endswith(".gz"):
+                self._f = io.TextIOWrapper(gzip.open(self.path, "wb", compresslevel=1), encoding="utf-8")
+            else:
+                self._f = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
+        except OSError as exc:
+            raise write_failed(self.path, exc) from exc
         head = "".join(f"{json.dumps(k)}: {json.dumps(v)},\n" for k, v in header.items())
-        self._f.write("{\n" + head + '"traceEvents": [\n')
+        self._put("{\n" + head + '"traceEvents": [\n')
         self.pending: list[str] = []  # event texts not yet written
         self.n_events = 0
         self.chars = 0  # characters of event text written (= bytes for ASCII traces)
@@ -278,15 +283,28 @@ class TraceWriter:
             text = ",\n" + text
         self.n_events += len(self.pending)
         self.chars += len(text)
-        self._f.write(text)
+        self._put(text)
         self.pending.clear()
 
+    def _put(self, text: str) -> None:
+        try:
+            self._f.write(text)
+        except OSError as exc:  # a full disk: this file's error, named with the free space
+            raise write_failed(self.path, exc) from exc
+
     def close(self, trailer: dict[str, Any] | None = None) -> None:
-        """Finish the array, write ``trailer`` members after it (if any), close the object and file."""
+        """Finish the array, write ``trailer`` members after it (if any), close the object and file.
+
+        Raises:
+            WriteError: the file could not be written (as :meth:`write` and :meth:`flush`).
+        """
         self.flush()
         tail = "".join(f",\n{json.dumps(k)}: {json.dumps(v)}" for k, v in (trailer or {}).items())
-        self._f.write("\n]" + tail + "\n}\n")
-        self._f.close()
+        self._put("\n]" + tail + "\n}\n")
+        try:
+            self._f.close()
+        except OSError as exc:
+            raise write_failed(self.path, exc) from exc
 
     def abort(self) -> None:
         """Close and delete a partially written file."""

@@ -3,56 +3,45 @@
 Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.analysis.views.split_trace`` does both while it writes the views), then call
-:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen bytes each, never O(trace bytes).
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen
+bytes each, never O(trace bytes).
 
-Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
-
-* GPU activity: events of category ``kernel``, ``gpu_memcpy`` and ``gpu_memset``.
-* Step window: the ``sftprof/step`` user annotation (else the longest ``ProfilerStep#N``,
-  else the span of all GPU activity), extended to the end of the last GPU activity launched
-  inside it (kernels run asynchronously after the CPU leaves the region).
-* GPU busy share: length of the union of GPU activity intervals (all streams) inside the step
-  window, divided by the window length; idle share = 1 - busy share.
-* Category time: sum of activity durations per category; shares are relative to the total GPU
-  activity time, so they sum to 100 %. Kernels launched inside ``sftprof/optimizer_step`` count
-  as ``optimizer`` (except collectives); other kernels are classified by name.
-* Communication hidden / exposed: with C the union of NCCL kernel intervals and K the union of
-  all other GPU activity intervals on the same device, hidden = |C ∩ K| and exposed = |C| - hidden
-  (the usual overlap definition, e.g. Holistic Trace Analysis' comm/comp overlap). Host-side
-  collective ops (``gloo:*``/``nccl:*`` annotations or cpu_ops; the only communication of CPU runs) are reported
-  separately as ``communication.host_ops`` (wall time = union of their intervals).
-* Region time: per ``sftprof/...`` user annotation, its CPU wall time and the GPU time of the
-  activities whose launching CUDA API call (matched by ``correlation`` id) lies inside it.
+The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
+the answers together: the GPU activities alone (:mod:`sftprof.analysis.gpu_activity`: step window, GPU busy, top
+kernels, categories, communication overlap, regions), time by model part (:mod:`sftprof.analysis.model_parts`),
+host time and waits (:mod:`sftprof.analysis.host_time`), kernel efficiency (:mod:`sftprof.analysis.efficiency`)
+and collectives by process group (:mod:`sftprof.analysis.collectives`), the last four from where each activity was
+launched (:mod:`sftprof.analysis.op_collector`).
 """
 from __future__ import annotations
 
 import json
 import re
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sftprof import artifacts
-from sftprof.analysis import step_breakdown
-from sftprof.analysis.intervals import clip, intersection_length, length, union
-from sftprof.analysis.kernel_names import COMM_PREFIX, collective_group_label, kernel_category
+from sftprof.analysis.collectives import collectives
+from sftprof.analysis.efficiency import kernel_efficiency
+from sftprof.analysis.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Span, communication, gpu_time,
+                                           region_times, step_window, time_by_category, top_kernels)
+from sftprof.analysis.host_time import heaviest_op, host_time, top_cpu_ops
+from sftprof.analysis.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
+from sftprof.analysis.model_parts import cpu_parts, gpu_parts
+from sftprof.analysis.op_collector import OpCollector
+from sftprof.analysis.schema import KernelSummary
 
-__all__ = ["KernelTraceAnalyzer", "ActivityTable", "step_window", "gpu_time", "top_kernels", "time_by_category",
-           "communication", "region_times", "top_cpu_ops", "TOP_KERNELS", "invalid_events_error",
-           "invalid_events_message", "INVALID_SHARE_LIMIT", "identity_problems"]
+__all__ = ["KernelTraceAnalyzer", "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT",
+           "identity_problems"]
 
-TOP_KERNELS = 20
 INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
 _INVALID_EXAMPLES = 3
-TOP_CPU_OPS = 15
-GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
-STEP_REGION = artifacts.STEP
-_HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 _PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
+
 
 def _int_id(v) -> int:
     """A correlation / External id as an int; -1 when absent or not an integer."""
@@ -109,63 +98,6 @@ def invalid_events_message(invalid: dict) -> str:
     return f"{invalid['total']} invalid events left out of every figure and view: {kinds}"
 
 
-def _ms(us: float) -> float:
-    return round(us / 1000.0, 4)
-
-
-Span = tuple[str, float, float]  # (annotation name, start us, end us) on the trace clock
-
-
-@dataclass
-class ActivityTable:
-    """The GPU activities of one trace, one row per activity (kernel, memcpy, memset), in trace order.
-
-    Built once by :meth:`KernelTraceAnalyzer.activity_table`; every question function of this module
-    reads it. Arrays have length ``n`` (times in us on the trace clock).
-
-    Attributes:
-        names: unique activity names; ``name_idx[i]`` indexes it.
-        name_idx: per activity, index into ``names``.
-        kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
-        ts, dur, end: float64 start, duration and end (us).
-        dev: int64 device (trace ``pid``), -1 when absent.
-        corr, ext: ``correlation`` and ``External id`` per activity (-1 when absent).
-        launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
-        category: :func:`~sftprof.analysis.kernel_names.kernel_category`, ``optimizer`` for non-collective
-            kernels launched inside ``sftprof/optimizer_step``.
-        is_comm: bool, NCCL kernel.
-        group: parallelism label of a collective's process group (None when unknown or not a collective).
-        pg_name: the process group's name as the trace records it (``Process Group Name``; the same on every
-            member rank, so it identifies the group across the ranks' traces), None when unknown.
-        nbytes: float64 bytes of memcpy/memset activities (0 when not given).
-    """
-
-    names: list[str]
-    name_idx: list[int]
-    kind: np.ndarray
-    ts: np.ndarray
-    dur: np.ndarray
-    end: np.ndarray
-    dev: np.ndarray
-    corr: list[int]
-    ext: list[int]
-    launch: np.ndarray
-    category: list[str]
-    is_comm: np.ndarray
-    group: list[str | None]
-    pg_name: list[str | None]
-    nbytes: np.ndarray
-
-    @property
-    def n(self) -> int:
-        """Number of activities."""
-        return len(self.name_idx)
-
-    def labels(self) -> list[str]:
-        """Category per activity, collectives with their group: ``NCCL AllReduce [TP]``."""
-        return [f"{c} [{g}]" if self.is_comm[i] and g else c for i, (c, g) in enumerate(zip(self.category, self.group))]
-
-
 class KernelTraceAnalyzer:
     """Accumulates what the kernel summary needs from a stream of Chrome-trace events.
 
@@ -203,7 +135,7 @@ class KernelTraceAnalyzer:
         self._invalid_examples: list[str] = []
         self._notes: dict[str, int] = {}
         self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
-        self._ops = step_breakdown.OpCollector()
+        self._ops = OpCollector()
         self._device_name: str | None = None
         self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
         self._recorded_rank: int | None = None  # the header's distributedInfo.rank
@@ -323,13 +255,13 @@ class KernelTraceAnalyzer:
                 self._regions.append((name, ts, ts + dur))
             elif name.startswith("ProfilerStep#"):
                 self._profiler_steps.append((name, ts, ts + dur))
-            elif name.startswith(_HOST_COLLECTIVE_PREFIXES):
+            elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
         elif cat == "cpu_op":
             name = ev.get("name") or ""
             self._cpu_us[name] += dur
             self._cpu_calls[name] += 1
-            if name.startswith(_HOST_COLLECTIVE_PREFIXES):
+            if name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
             args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
@@ -343,7 +275,7 @@ class KernelTraceAnalyzer:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
         n = len(self._a_ts)
         kinds = np.asarray(self._a_kind, dtype=np.int64)
-        launch = self._ops.launch_points(self._a_corr)[1]
+        launch_tid, launch = self._ops.launch_points(self._a_corr)
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
         cat_cache: dict[tuple[int, int], str] = {}
         cats: list[str] = []
@@ -373,32 +305,39 @@ class KernelTraceAnalyzer:
         dur = np.asarray(self._a_dur, dtype=np.float64)
         return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
                              dev=np.asarray(self._a_dev, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
-                             launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
+                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
                              nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
-    def summary(self) -> dict[str, Any]:
-        """Kernel summary as a JSON-serialisable dict (times in ms, shares in percent).
+    def summary(self) -> KernelSummary:
+        """Kernel summary (:class:`sftprof.analysis.schema.KernelSummary`; times in ms, shares in percent).
 
         Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``identity`` (what the trace says of itself:
         ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
         its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
-        the file name's rank and the step postprocessed), ``step_window`` (:func:`step_window`),
-        ``gpu`` (:func:`gpu_time`), ``top_kernels`` (:func:`top_kernels`), ``top_cpu_ops``
-        (:func:`top_cpu_ops`), ``categories`` (:func:`time_by_category`), ``communication``
-        (:func:`communication`), ``regions`` (:func:`region_times`), and the step breakdown's ``parts``,
-        ``host``, ``efficiency``, ``collectives`` (:func:`sftprof.analysis.step_breakdown.analyze`).
+        the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
+        ``communication``, ``regions`` (:mod:`sftprof.analysis.gpu_activity`), ``parts`` and, in a trace without GPU
+        activity, ``cpu_parts`` (:mod:`sftprof.analysis.model_parts`; None otherwise), ``host``, ``top_cpu_ops`` and,
+        without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.host_time`), ``efficiency``
+        (:mod:`sftprof.analysis.efficiency`) and ``collectives`` (:mod:`sftprof.analysis.collectives`; its
+        ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
+        out of ``profile_summary.json``).
         """
         regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
-        table = self.activity_table(regions)
-        window = step_window(table, regions, self._profiler_steps, (self._t_min, self._t_max), self._base_ns)
+        t = self.activity_table(regions)
+        window = step_window(t, regions, self._profiler_steps, (self._t_min, self._t_max), self._base_ns)
         lo, hi = window["start_us"], window["end_us"]
-        details = step_breakdown.analyze(
-            self._ops, ts=table.ts, dur=table.dur, devs=table.dev, corr=table.corr, ext=table.ext,
-            cats=table.category, is_comm=table.is_comm, groups=table.group, pg_names=table.pg_name,
-            pg_members=self.pg_members(),
-            names=[table.names[k] for k in table.name_idx], kinds=table.kind, nbytes=table.nbytes, window=(lo, hi),
-            optimizer_windows=[(a, b) for name, a, b in regions if name == OPTIMIZER_REGION],
-            device_name=self._device_name)
+        optimizer_windows = [(a, b) for name, a, b in regions if name == OPTIMIZER_REGION]
+        pts = t.launch
+        if lo is None:
+            inside = np.zeros(t.n, dtype=bool)
+        else:  # launched in the window; without a launch record (cut off): started in it
+            inside = np.where(np.isnan(pts), (t.ts >= lo) & (t.ts <= hi), (pts >= lo) & (pts <= hi))
+        in_opt = np.zeros(t.n, dtype=bool)
+        for a, b in optimizer_windows:
+            in_opt |= (pts >= a) & (pts <= b)
+        ops = self._ops
+        place = ops.attribute(t.launch_tid, pts, t.category, in_opt, t.is_comm)
+        cpu_run = not t.n  # no GPU activity: the CPU ops are the work
         return {
             "n_events": self.n_events,
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
@@ -409,155 +348,20 @@ class KernelTraceAnalyzer:
                                                    if (m := _PROFILER_STEP.match(name))}),
                          "recorded_rank": self._recorded_rank},
             "step_window": window,
-            "gpu": gpu_time(table, lo, hi),
-            "top_kernels": top_kernels(table),
+            "gpu": gpu_time(t, lo, hi),
+            "top_kernels": top_kernels(t),
             "top_cpu_ops": top_cpu_ops(self._cpu_us, self._cpu_calls),
-            "categories": time_by_category(table),
-            "communication": communication(table, self._host_comm),
-            "regions": region_times(table, regions, lo),
-            **details,
+            "categories": time_by_category(t),
+            "communication": communication(t, self._host_comm),
+            "regions": region_times(t, regions, lo),
+            "parts": gpu_parts(place, t.dur, inside, t.is_comm),
+            "cpu_parts": cpu_parts(ops, (lo, hi), optimizer_windows) if cpu_run else None,
+            "heaviest_op": heaviest_op(ops, (lo, hi)) if cpu_run else None,
+            "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
+                              window=(lo, hi)),
+            "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
+                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx], nbytes=t.nbytes,
+                                            device_name=self._device_name),
+            "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
+                                       groups=t.group, ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members()),
         }
-
-
-# -- one function per question over the activity table -----------------------------------------------------
-def step_window(table: ActivityTable, regions: list[Span], profiler_steps: list[Span],
-                trace_span: tuple[float, float], base_ns: int | None) -> dict[str, Any]:
-    """The step window (module docstring): ``{source, start_us, end_us, wall_ms, unix_start_s, unix_end_s}``.
-
-    ``source`` is ``sftprof/step``, ``ProfilerStep``, ``gpu_activity_span``, ``trace_span`` or ``none``
-    (then the times are None); a step annotation's window is extended to the end of the last activity
-    launched inside it. ``unix_*_s`` use the header's ``baseTimeNanoseconds`` (None without it).
-    """
-    source, lo, hi = "none", None, None
-    steps = [r for r in regions if r[0] == STEP_REGION]
-    if steps:
-        _, lo, hi = max(steps, key=lambda r: r[2] - r[1])
-        source = STEP_REGION
-    elif profiler_steps:
-        _, lo, hi = max(profiler_steps, key=lambda r: r[2] - r[1])
-        source = "ProfilerStep"
-    elif table.n:
-        lo, hi = float(table.ts.min()), float(table.end.max())
-        source = "gpu_activity_span"
-    elif trace_span[0] < trace_span[1]:
-        lo, hi = trace_span
-        source = "trace_span"
-    if lo is not None and source in (STEP_REGION, "ProfilerStep") and table.n:
-        launched = (table.launch >= lo) & (table.launch <= hi)
-        if launched.any():
-            hi = max(hi, float(table.end[launched].max()))
-    unix = lo is not None and base_ns
-    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": _ms(hi - lo) if lo is not None else None,
-            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if unix else None,
-            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if unix else None}
-
-
-def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> dict[str, Any]:
-    """GPU time in the window ``[lo, hi]`` (us): ``{activities, total_ms, busy_ms, busy_share_pct, idle_share_pct}``.
-
-    Busy = length of the union of all activity intervals (all streams) inside the window; the shares are
-    None without a window.
-    """
-    gpu: dict[str, Any] = {"activities": table.n, "total_ms": _ms(float(table.dur.sum()))}
-    if table.n and lo is not None and hi > lo:
-        busy = length(*clip(union(table.ts, table.end), lo, hi))
-        gpu.update(busy_ms=_ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
-                   idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
-    else:
-        gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
-    return gpu
-
-
-def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[dict]:
-    """The ``limit`` kernels (trace category ``kernel``) with the most GPU time: ``{name, calls, total_ms, share_pct}``.
-
-    Shares are of the total GPU activity time (all activities); ties are ordered by name.
-    """
-    total_us = float(table.dur.sum())
-    durs = table.dur.tolist()
-    k_tot: dict[int, float] = defaultdict(float)
-    k_calls: dict[int, int] = defaultdict(int)
-    for i in np.flatnonzero(table.kind == 0):
-        k_tot[table.name_idx[i]] += durs[i]
-        k_calls[table.name_idx[i]] += 1
-    top = sorted(k_tot.items(), key=lambda kv: (-kv[1], table.names[kv[0]]))[:limit]
-    return [{"name": table.names[k], "calls": k_calls[k], "total_ms": _ms(t),
-             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
-
-
-def time_by_category(table: ActivityTable) -> list[dict]:
-    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to 100 %."""
-    total_us = float(table.dur.sum())
-    c_tot: dict[str, float] = defaultdict(float)
-    c_calls: dict[str, int] = defaultdict(int)
-    for lab, d in zip(table.labels(), table.dur.tolist()):
-        c_tot[lab] += d
-        c_calls[lab] += 1
-    return [{"category": c, "calls": c_calls[c], "total_ms": _ms(t),
-             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0}
-            for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
-
-
-def communication(table: ActivityTable, host_comm: list[Span]) -> dict[str, Any]:
-    """NCCL kernel time and its overlap with computation, plus host-side collective ops (module docstring).
-
-    Returns:
-        ``{kernels, total_ms, hidden_ms, exposed_ms, by_type_ms, by_group_ms, host_ops}``; per device,
-        total = |C| and hidden = |C ∩ K| with C the union of NCCL kernel intervals and K the union of the
-        other activities; ``host_ops`` = ``{ops, wall_ms (union of their intervals), by_op_ms}``.
-    """
-    ts, end, devs, is_comm = table.ts, table.end, table.dev, table.is_comm
-    total = hidden = 0.0
-    for dev in np.unique(devs):
-        on = devs == dev
-        comm = union(ts[on & is_comm], end[on & is_comm])
-        comp = union(ts[on & ~is_comm], end[on & ~is_comm])
-        total += length(*comm)
-        hidden += intersection_length(comm, comp)
-    by_type: dict[str, float] = defaultdict(float)
-    by_group: dict[str, float] = defaultdict(float)
-    for i in np.flatnonzero(is_comm):
-        d = float(end[i] - ts[i])
-        by_type[table.category[i][len(COMM_PREFIX):]] += d
-        by_group[table.group[i] or "unknown"] += d
-    host_s = np.array([h[1] for h in host_comm], dtype=np.float64)
-    host_e = np.array([h[2] for h in host_comm], dtype=np.float64)
-    by_op: dict[str, float] = defaultdict(float)
-    for name, h_lo, h_hi in host_comm:
-        by_op[name] += h_hi - h_lo
-    return {
-        "kernels": int(is_comm.sum()),
-        "total_ms": _ms(total),
-        "hidden_ms": _ms(hidden),
-        "exposed_ms": _ms(total - hidden),
-        "by_type_ms": {k: _ms(v) for k, v in sorted(by_type.items())},
-        "by_group_ms": {k: _ms(v) for k, v in sorted(by_group.items())},
-        "host_ops": {"ops": len(host_comm), "wall_ms": _ms(length(*union(host_s, host_e))),
-                     "by_op_ms": {k: _ms(v) for k, v in sorted(by_op.items())}},
-    }
-
-
-def region_times(table: ActivityTable, regions: list[Span], lo: float | None) -> list[dict]:
-    """Per ``sftprof/*`` region: ``{name, start_ms (from the window start lo), cpu_ms, gpu_ms, gpu_activities}``.
-
-    GPU time is the sum of the durations of the activities whose launching call lies inside the region
-    (None when the trace has no GPU activity).
-    """
-    rows = []
-    for name, r_lo, r_hi in regions:
-        inside = (table.launch >= r_lo) & (table.launch <= r_hi)
-        rows.append({
-            "name": name,
-            "start_ms": _ms(r_lo - lo) if lo is not None else None,
-            "cpu_ms": _ms(r_hi - r_lo),
-            "gpu_ms": _ms(float(table.dur[inside].sum())) if table.n else None,
-            "gpu_activities": int(inside.sum()),
-        })
-    return rows
-
-
-def top_cpu_ops(cpu_us: dict[str, float], cpu_calls: dict[str, int], limit: int = TOP_CPU_OPS) -> list[dict]:
-    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, whole trace, us in):
-    ``{name, calls, inclusive_ms}``."""
-    return [{"name": k, "calls": cpu_calls[k], "inclusive_ms": _ms(t)} for k, t in
-            sorted(cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]

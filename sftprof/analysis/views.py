@@ -44,28 +44,36 @@ Tracks made up by the views (CUDA API calls and annotations of host thread ``t``
 counting down from ``2**31 - 1`` that no real thread of the process uses.
 
 A view that selects nothing (``gpu_only`` of a CPU run) holds one metadata record saying so
-(:func:`_empty_view_event`), beside the step slices where it gets them. A view larger than ``max_view_bytes`` is rewritten into time windows in
-``<view>.part<k>/`` folders (each with all the metadata) so that every file opens in Perfetto's web UI.
+(:func:`_empty_view_event`), beside the step slices where it gets them. A view that would be byte for byte an
+earlier view of the list (``cpu_only`` of a CPU run is ``chrome``: a trace without GPU work or CUDA API calls) is
+written as a relative symbolic link to that view's file instead of a second copy (:func:`view_links` lists them;
+the summary names them), so every view's path opens as before without the disk holding it twice. A view larger
+than ``max_view_bytes`` is rewritten into time windows in ``<view>.part<k>/`` folders (each with all the metadata,
+:mod:`sftprof.analysis.view_windows`) so that every file opens in Perfetto's web UI.
+
+Above 500 lines for a reason: the one streaming pass writes the five views at once, and its made-up tracks, flow
+pairing and track names share that pass's state; apart, each piece would take most of it as arguments.
 """
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import re
 import tempfile
 from array import array
-from bisect import bisect_right
 from collections import defaultdict
 from typing import Callable
 
 import numpy as np
 
-from sftprof.artifacts import view_path, window_path
 from sftprof.analysis.trace_check import MAX_TID, event_problem, finite_json
 from sftprof.analysis.trace_io import Progress, TraceReader, TraceWriter
+from sftprof.analysis.view_windows import FLOW_PHASES, split_into_windows
+from sftprof.artifacts import view_path
 
-__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "split_into_windows"]
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "view_links"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
@@ -74,7 +82,6 @@ _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_inst
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _SYNC_CAT = "cuda_sync"
-_FLOW_PHASES = frozenset("stf")
 _COMPACT = (",", ":")
 _SYNTHETIC_FLOOR = MAX_TID - 2**20  # made-up tids stay above this
 _TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
@@ -260,7 +267,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             if tid > _SYNTHETIC_FLOOR:
                 real[pid].add(tid)
             cat = ev.get("cat")
-            if ph in _FLOW_PHASES:
+            if ph in FLOW_PHASES:
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
                     flow_pairs.add(cat, ev["id"], ph)
                     # One line per event: line breaks in JSON text are only whitespace between tokens.
@@ -341,9 +348,35 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     result = {}
     for view, w in writers.items():
         w.close(trailer)  # flushes; w.chars is final afterwards
+        same = next((v for v in result if writers[v].chars == w.chars <= max_view_bytes
+                     and not os.path.islink(writers[v].path) and _same_content(writers[v].path, w.path)), None)
+        if same is not None:  # byte for byte an earlier view (chrome and cpu_only of a CPU run): a link to it
+            os.remove(w.path)
+            os.symlink(os.path.relpath(writers[same].path, os.path.dirname(w.path)), w.path)
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
+
+
+def _same_content(a: str, b: str) -> bool:
+    """Whether two view files hold the same text (``.json.gz`` compared uncompressed: gzip headers differ)."""
+    def read(path: str):
+        return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+    with read(a) as fa, read(b) as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def view_links(views: dict[str, list[str]]) -> dict[str, str]:
+    """``{view: the view it links to}`` for the views :func:`split_trace` wrote as a link (module docstring)."""
+    folders = {os.path.basename(os.path.dirname(paths[0])): v for v, paths in views.items() if len(paths) == 1}
+    return {v: folders[os.path.basename(os.path.dirname(os.readlink(paths[0])))]
+            for v, paths in views.items() if len(paths) == 1 and os.path.islink(paths[0])}
 
 
 class _FlowPairs:
@@ -505,80 +538,6 @@ def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thr
                       {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))
 
 
-def _flow_key(ev: dict) -> tuple:
-    """``(cat, id)`` of a flow event (an id that is neither int nor str is keyed by its JSON text)."""
-    fid = ev.get("id")
-    return ev.get("cat"), fid if type(fid) in (int, str) else json.dumps(fid)
-
-
 def _chain(first: list, rest):
     yield from first
     yield from rest
-
-
-def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> list[str]:
-    """Rewrite one view into consecutive time windows of at most ~``max_bytes`` of events each.
-
-    Two streaming passes: the first records each event's ``ts`` and size, the second writes the
-    parts to ``<view>.part<k>/`` folders (:func:`sftprof.artifacts.window_path`); every part
-    carries the header and all metadata events. The original file is removed. Flow arrows whose ends fall
-    into different windows are left out (each part keeps the rules of ``sftprof/analysis/trace_check.py``).
-
-    Args:
-        path: a view written by :func:`split_trace` (``.json`` or ``.json.gz``).
-        max_bytes: target upper bound of event bytes per part (metadata bytes come on top).
-
-    Returns:
-        The part paths in time order.
-    """
-    ts_list = array("d")
-    sizes = array("q")
-    flow_ts: dict[tuple, list[float]] = defaultdict(list)
-    reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 1)",
-                                        os.path.getsize(path)) if progress else None)
-    for raw, ev in reader.events():
-        ts = ev.get("ts")
-        if ev.get("ph") != "M" and isinstance(ts, (int, float)):
-            ts_list.append(float(ts))
-            sizes.append(len(raw) + 2)
-            if ev["ph"] in _FLOW_PHASES:
-                flow_ts[_flow_key(ev)].append(float(ts))
-    header = reader.header
-    ts_arr = np.frombuffer(ts_list, dtype=np.float64)
-    order = np.argsort(ts_arr, kind="stable")
-    ts_sorted, size_sorted = ts_arr[order], np.frombuffer(sizes, dtype=np.int64)[order]
-    del order, ts_arr
-    cuts: list[float] = []  # start ts of windows 1..k-1; greedy fill up to max_bytes per window
-    acc = 0
-    for ts, size in zip(ts_sorted.tolist(), size_sorted.tolist()):
-        if acc + size > max_bytes and acc > 0 and (not cuts or ts > cuts[-1]):
-            cuts.append(ts)
-            acc = 0
-        acc += size
-    del ts_sorted, size_sorted, ts_list, sizes
-    cut_flows = {k for k, tss in flow_ts.items() if len({bisect_right(cuts, t) for t in tss}) > 1}
-    del flow_ts
-    for k in range(len(cuts) + 1):
-        os.makedirs(os.path.dirname(window_path(path, k)), exist_ok=True)
-    parts = [TraceWriter(window_path(path, k), header) for k in range(len(cuts) + 1)]
-    metadata = []
-    reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 2)",
-                                        os.path.getsize(path)) if progress else None)
-    try:
-        for raw, ev in reader.events():
-            ts = ev.get("ts")
-            if ev.get("ph") == "M" or not isinstance(ts, (int, float)):
-                metadata.append(raw)
-            elif ev["ph"] not in _FLOW_PHASES or _flow_key(ev) not in cut_flows:
-                parts[bisect_right(cuts, ts)].write(raw)
-        for w in parts:
-            for raw in metadata:
-                w.write(raw)
-    except BaseException:
-        for w in parts:
-            w.abort()
-        raise
-    for w in parts:
-        w.close()
-    os.remove(path)
-    return [w.path for w in parts]

@@ -4,18 +4,19 @@ the top finding. The one place the launcher reads a summary (its nested keys); t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from sftprof import artifacts
+from sftprof.analysis import schema
 from sftprof.analysis.failure import headline
 
 
 def read_summary(run_dir: Path) -> dict:
-    """The trial's ``profile_summary.json``; ``{}`` when it is missing or unreadable (its row then shows ``-``)."""
+    """The trial's ``profile_summary.json`` (:func:`sftprof.analysis.schema.read_summary`); ``{}`` when it is
+    missing, unreadable or of a newer sftprof (its row then shows ``-``)."""
     try:
-        return json.loads((Path(run_dir) / artifacts.SUMMARY_JSON).read_text())
-    except (OSError, ValueError):
+        return schema.read_summary(Path(run_dir) / artifacts.SUMMARY_JSON)
+    except schema.SummaryReadError:
         return {}
 
 
@@ -31,7 +32,8 @@ def top_finding(summary: dict) -> str:
     """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
 
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
-    without GPU work (CPU runs): the region with the most CPU time. Memory trials: the peak (the profiled
+    without GPU work (CPU runs): the model part with the most CPU op time (``cpu_parts``), else the region with the
+    most CPU time. Memory trials: the peak (the profiled
     step's, ``step peak``, when the phases sidecar had phases; else the recorded window's), where it lies in
     words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
     then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
@@ -46,6 +48,10 @@ def top_finding(summary: dict) -> str:
             c = k["categories"][0]
             return (f"{c['category']} {c['share_pct']:.0f}% of GPU time, GPU idle {k['gpu']['idle_share_pct']:.0f}% "
                     f"(rank {r})")
+        parts = (k.get("cpu_parts") or {}).get("summed")
+        if parts:
+            p = max(parts, key=lambda x: x["total_ms"])
+            return f"{p['label']} {p['share_pct']:.0f}% of CPU op time (rank {r})"
         regions = [x for x in k.get("regions") or [] if x["name"] != artifacts.STEP and x.get("cpu_ms") is not None]
         if regions:
             x = max(regions, key=lambda x: x["cpu_ms"])
