@@ -1,0 +1,106 @@
+"""The statistics of ``compare`` (sftprof.analysis.stats) checked like an instrument, on recorded per-step times.
+
+Exactness: the rank test's null counts and intervals against a brute-force enumeration of every rank order.
+Validation on the CPU preset's recorded step times (``tests/fixtures/cpu_quickstart``, real ``stats.jsonl`` of two
+driver runs): A/A (two samples drawn from one recorded distribution) gives a false ``slower``/``faster`` on at most
+5 % of rows; a 5 % slowdown injected into those times, 5 samples a side, is detected; the recorded quick-start pair
+(default ``LOGPROBS_CHUNK_SIZE`` against 0) is ``slower``. No wall clock is read.
+"""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from sftprof.analysis import stats
+from sftprof.analysis.compare import _clean_step_times
+
+def _brute_counts(m: int, n: int) -> np.ndarray:
+    """The Mann-Whitney count U (pairs with the A value below the B value) over every placement of m A's among the
+    m + n ranks."""
+    out = np.zeros(m * n + 1, dtype=np.int64)
+    for a_ranks in itertools.combinations(range(m + n), m):
+        out[sum(sum(1 for r in range(ar + 1, m + n) if r not in a_ranks) for ar in a_ranks)] += 1
+    return out
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (1, 5), (2, 2), (2, 7), (3, 4), (3, 5), (4, 4), (5, 5), (4, 7), (6, 5)])
+def test_null_counts_are_every_rank_order_counted(m, n):
+    counts = stats.u_null_counts(m, n)
+    assert counts.tolist() == _brute_counts(m, n).tolist() and counts.sum() == math.comb(m + n, m)
+
+
+def test_interval_rank_is_the_largest_order_statistic_at_95():
+    # the textbook critical values (two-sided 5 %): U <= 2 for 5 v 5, U <= 8 for 7 v 7, U <= 23 for 10 v 10;
+    # none for 3 v 4 (2/35 > 5 %) or 2 v 7 (2/36), one for 2 v 8 (2/45) and 3 v 5 (2/56)
+    assert [stats.interval_rank(m, n) for m, n in ((5, 5), (7, 7), (10, 10), (3, 4), (2, 7), (2, 8), (3, 5))] == [
+        3, 9, 24, 0, 0, 1, 1]
+    # the normal approximation beyond 1e17 arrangements: 30 v 30 by the formula floor(450 - 0.5 - 1.96 x 67.64) + 1
+    assert stats.interval_rank(30, 30) == 317
+
+
+def _exact_p(a, b) -> float:
+    """Two-sided exact permutation p-value of the Mann-Whitney count (no ties): every split of the pooled values."""
+    pooled, m = list(a) + list(b), len(a)
+    def u(xs, ys):
+        return sum(x < y for x in xs for y in ys)
+    observed = u(a, b)
+    centre = len(a) * len(b) / 2
+    hits = total = 0
+    for idx in itertools.combinations(range(len(pooled)), m):
+        xs = [pooled[i] for i in idx]
+        ys = [pooled[i] for i in range(len(pooled)) if i not in idx]
+        total += 1
+        hits += abs(u(xs, ys) - centre) >= abs(observed - centre)
+    return hits / total
+
+
+def test_verdict_agrees_with_the_exact_rank_test_and_the_interval_holds_the_estimate():
+    """A verdict is given exactly when the exact two-sided Mann-Whitney p-value is at most 5 % (random samples
+    without ties, sizes 4-6), and the interval always holds the Hodges-Lehmann estimate."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        m, n = rng.integers(4, 7, size=2)
+        a = rng.normal(10.0, 1.0, m)
+        b = rng.normal(10.0 + rng.choice([0.0, 1.0, 2.5]), 1.0, n)
+        s = stats.shift(a, b)
+        assert s.low <= s.estimate <= s.high
+        assert (s.direction != "none") == (_exact_p(a, b) <= 0.05), (a, b, s)
+        assert s.direction in ("none", "higher" if np.median(b) > np.median(a) else "lower")
+
+
+def test_shift_by_hand():
+    """B = A + 0.5: the 25 differences are 0.5 + (a_j - a_i); their median is 0.5 and the third smallest and largest
+    (k = 3 for 5 v 5) are 0.5 - 0.10 and 0.5 + 0.10 (the third largest spread of A, 2.10 - 2.00)."""
+    a = [2.0, 2.1, 2.05, 2.15, 2.02]
+    s = stats.shift(a, [x + 0.5 for x in a])
+    assert (s.n_a, s.n_b, s.median_a, s.median_b) == (5, 5, 2.05, 2.55)
+    assert (s.estimate, s.low, s.high) == pytest.approx((0.5, 0.4, 0.6))
+    assert s.verdict() == "slower" and s.verdict("higher", "lower") == "higher"
+    assert stats.shift([x + 0.5 for x in a], a).verdict() == "faster"
+    one = stats.shift([2.0], [2.5, 2.6])
+    assert (one.verdict(), one.estimate, one.low, one.high) == (stats.ONE_SAMPLE, 0.55, None, None)
+    assert stats.shift([1.0, 2.0, 3.0], [7.0, 8.0, 9.0]).verdict() == stats.TOO_FEW  # 3 v 3 never reaches 95 %
+    same = stats.shift([3.0] * 4, [3.0] * 4)  # ties at zero never make a verdict
+    assert (same.verdict(), same.low, same.high) == (stats.NO_DIFFERENCE, 0.0, 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        stats.shift([1.0, float("nan")], [1.0, 2.0])
+    with pytest.raises(ValueError, match="non-empty"):
+        stats.shift([], [1.0])
+
+
+def test_constant_difference():
+    assert stats.constant_difference([21.0, 21.0], [26.0]) == 5.0
+    assert stats.constant_difference([21.0, 21.5], [26.0]) is None
+    assert stats.constant_difference([], [26.0]) is None
+
+
+def test_clean_step_times_are_the_steps_that_time_training_alone():
+    steps = [{"step": k, "step_time_s": 10.0 + k, "profiled": k == 3} for k in range(6)] + [
+        {"step": 6, "step_time_s": None, "profiled": False}, {"step": 7, "step_time_s": float("nan")}]
+    kernel = {"profile_kind": "kernel", "profile_step": 3, "stats": {"steps": steps}}
+    # 0: warm-up; 2: the profiler's warm-up step; 3: profiled; 6, 7: no finite time
+    assert _clean_step_times(kernel) == [(1, 11.0), (4, 14.0), (5, 15.0)]
+    memory = dict(kernel, profile_kind="memory")  # the allocator records its history through step 3
+    assert _clean_step_times(memory) == [(4, 14.0), (5, 15.0)]
+    assert _clean_step_times(dict(kernel, stats={"steps": []})) == []
