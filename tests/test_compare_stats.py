@@ -104,3 +104,15 @@ def test_clean_step_times_are_the_steps_that_time_training_alone():
     memory = dict(kernel, profile_kind="memory")  # the allocator records its history through step 3
     assert _clean_step_times(memory) == [(4, 14.0), (5, 15.0)]
     assert _clean_step_times(dict(kernel, stats={"steps": []})) == []
+
+
+def test_the_issues_quick_start_pair_is_slower_whatever_its_inner_steps():
+    """The CPU quick-start pair as issue 34 reports it (idle machine, TOTAL_STEPS=5): A (default LOGPROBS_CHUNK_SIZE)
+    5 steps of 6.97-8.45 s, B (LOGPROBS_CHUNK_SIZE=0) 8.76-9.32 s, every B step slower than every A step, which the
+    earlier range rule called "no". The rank test decides on the order alone (U = 0, p = 2/252), so whatever the
+    3 inner steps of each run were, the verdict is slower, with an interval inside [8.76 - 8.45, 9.32 - 6.97] s."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        s = stats.shift([6.97, 8.45, *rng.uniform(6.97, 8.45, 3)], [8.76, 9.32, *rng.uniform(8.76, 9.32, 3)])
+        assert s.verdict() == "slower"
+        assert 8.76 - 8.45 - 1e-9 <= s.low <= s.estimate <= s.high <= 9.32 - 6.97 + 1e-9

@@ -296,8 +296,9 @@ def _trial_list(trials: list[tuple[str, dict]]) -> str:
 
 
 def _group_title(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
-    """The heading of a group's section: one trial a side at the same step as it always was; several, or two steps,
-    name each side's trials and say that the figures are medians over them."""
+    """The heading of a group's section: ``## kind step N: `dir A` (A) vs `dir B` (B)`` for one trial a side at one
+    step; else (the kernel trials after step 0, pooled) each side's trials and a line saying that the cells are
+    medians over them."""
     if len(ta) == len(tb) == 1 and ta[0][1]["profile_step"] == tb[0][1]["profile_step"]:
         return [f"## {kind} step {ta[0][1]['profile_step']}: `{dir_name(ta[0][0])}` (A) vs `{dir_name(tb[0][0])}` (B)",
                 ""]
@@ -407,8 +408,8 @@ def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -
         used = "; ".join(f"`{dir_name(d)}` steps {', '.join(str(step) for step, _ in steps)}"
                          for d, steps in per_trial if steps)
         out += [f"- {side}: {len(samples[side])} steps" + (f" ({used})" if used else "")
-                + ("" if samples[side] else ": none (each trial runs TOTAL_STEPS steps: set it 2 or more above the "
-                                            "profiled step for samples)")]
+                + ("" if samples[side] else ": none (raise TOTAL_STEPS: the steps after each trial's profiled step "
+                                            "are samples)")]
     return out + [""] + _table("metric", "s", [("step time s (slowest rank)", samples["A"], samples["B"])])
 
 
