@@ -6,14 +6,20 @@ driver runs): A/A (two samples drawn from one recorded distribution) gives a fal
 5 % of rows; a 5 % slowdown injected into those times, 5 samples a side, is detected; the recorded quick-start pair
 (default ``LOGPROBS_CHUNK_SIZE`` against 0) is ``slower``. No wall clock is read.
 """
+import importlib.util
 import itertools
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sftprof.analysis import stats
-from sftprof.analysis.compare import _clean_step_times
+from sftprof.analysis.compare import _clean_step_times, compare_runs
+from sftprof.analysis.summary import postprocess_trial
+
+ROOT = Path(__file__).resolve().parents[1]
 
 def _brute_counts(m: int, n: int) -> np.ndarray:
     """The Mann-Whitney count U (pairs with the A value below the B value) over every placement of m A's among the
@@ -116,3 +122,64 @@ def test_the_issues_quick_start_pair_is_slower_whatever_its_inner_steps():
         s = stats.shift([6.97, 8.45, *rng.uniform(6.97, 8.45, 3)], [8.76, 9.32, *rng.uniform(8.76, 9.32, 3)])
         assert s.verdict() == "slower"
         assert 8.76 - 8.45 - 1e-9 <= s.low <= s.estimate <= s.high <= 9.32 - 6.97 + 1e-9
+
+
+# -- validation on recorded step times ------------------------------------------------------------------------------
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_compare_verdicts", ROOT / "bench" / "compare_verdicts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+QUICKSTART = ROOT / "tests" / "fixtures" / "cpu_quickstart"
+RECORDED = {"cpu_quickstart": [BENCH.run_step_times(QUICKSTART / side) for side in "AB"]}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+@pytest.mark.parametrize("n", [4, 5, 7, 10])
+def test_a_a_gives_a_false_verdict_on_at_most_5_percent_of_rows(name, n):
+    """Two samples of n steps drawn from one recorded distribution (both runs' steps relative to their medians,
+    smoothed: bench/compare_verdicts.py), 10000 times: slower or faster on at most 5 % of them, and on as many as the
+    exact test's attainable level 2 P(U <= k - 1) says (2.9 % at 4 a side, 3.2 % at 5, 3.8 % at 7, 4.3 % at 10), within
+    4 standard errors of the simulation: the interval is not more conservative than it must be."""
+    noise = BENCH.relative_noise(*RECORDED[name])
+    sims = 10000
+    rate = BENCH.detection_rate(np.random.default_rng(n), noise, n, 0.0, sims)
+    cum = np.cumsum(stats.u_null_counts(n, n))
+    level = 2 * cum[stats.interval_rank(n, n) - 1] / cum[-1]
+    assert rate <= 0.05 and abs(rate - level) <= 4 * math.sqrt(level * (1 - level) / sims), (rate, level)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_an_injected_5_percent_slowdown_is_found_above_chance_and_more_often_with_more_steps(name):
+    """B's draws 5 % slower than A's at the recorded spread: found more often than the A/A false positives at 5 a side
+    (by more than 4 standard errors), and more often with each doubling of the steps; bench/compare_verdicts.py
+    prints the rates (bench/NOTES.md: what they were on this fixture, and why 5 a side cannot find 5 % reliably at
+    this spread)."""
+    noise = BENCH.relative_noise(*RECORDED[name])
+    sims = 4000
+    rates = [BENCH.detection_rate(np.random.default_rng(n), noise, n, 0.05, sims) for n in (5, 10, 20, 40)]
+    cum = np.cumsum(stats.u_null_counts(5, 5))
+    level = 2 * cum[stats.interval_rank(5, 5) - 1] / cum[-1]
+    assert rates[0] > level + 4 * math.sqrt(level * (1 - level) / sims), (rates, level)
+    assert rates == sorted(rates) and len(set(rates)) == len(rates), rates
+
+
+def test_the_recorded_quick_start_pair_through_postprocess_and_compare(tmp_path):
+    """The fixture's pair (real stats.jsonl of the CPU quick start, TOTAL_STEPS=5, default PROFILE_STEPS=0,1; A the
+    default LOGPROBS_CHUNK_SIZE, B 0; recorded with the trials of A and B alternating on a shared 2-core machine at a
+    load average of 5-9: tests/fixtures/README.md) postprocessed and compared: the step-time row pools 7 steps a run
+    (steps 1-4 of the step-0 trial, 2-4 of the step-1 trial) and, at that load, finds no difference: B's median is
+    23.10 s against A's 22.70 s, the shift +0.521 s, its interval [-1.697, +5.061] s holds 0."""
+    for side in "AB":
+        for log in sorted((QUICKSTART / side).iterdir()):
+            step = int(log.name.split("_step")[1].split("_")[0])
+            shutil.copytree(log, tmp_path / "logs" / side / log.name)
+            postprocess_trial(str(tmp_path / "logs" / side / log.name), str(tmp_path / side / log.name), "kernel", step)
+    md = compare_runs(str(tmp_path / "A"), str(tmp_path / "B"))
+    assert ("| step time s (slowest rank) | 22.701 | 23.097 | +0.521 | +2.3% | [-1.697, +5.061] | 7/7 | "
+            "no detectable difference |") in md.splitlines()
+    assert "| `actor.loss.logprobs_chunk_size` | 128 | 0 |" in md.splitlines()
+    assert md.count("| step time s (stats.jsonl, profiled step, slowest rank) |") == 2  # kernel step 0 and step 1

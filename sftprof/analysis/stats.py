@@ -8,15 +8,17 @@ section 4.3). Why this one for step and kernel times:
 - Distribution-free and exact for small samples: its coverage is at least 95 % whatever the distribution of the
   times, as long as B is A shifted (the rank test's null distribution is counted exactly, not approximated: up to
   ``C(m + n, m) <= 1e17`` arrangements, beyond that the normal approximation with continuity correction). Step times
-  are skewed (a step slowed by another process is far off, none is far faster), so a t interval's normal
-  assumption does not hold at 3-10 samples, and a bootstrap interval of the median or mean covers less than
-  its nominal level at that size (its resamples of 5 values take few distinct medians).
-- Robust: one outlying step moves the estimate by at most one of ``m * n`` differences.
+  are skewed (a step slowed by another process is far off, none is far faster): a t interval assumes normal means,
+  which 3-10 such samples do not give; a percentile bootstrap of the difference of medians is erratic at that size
+  (on the recorded CPU step times of ``tests/fixtures/cpu_quickstart``, A/A false positives 7.2 % at 4 a side and
+  2.8 % at 5, where this test's are its exact level, 2.9 % and 3.2 %: ``bench/compare_verdicts.py``, bench/NOTES.md).
+- Robust: an outlying step changes the ``n`` differences it is part of, and their median moves little (the
+  estimate's breakdown point is about 29 %).
 - Deterministic: no resampling, so no seed; the same samples give the same interval.
 
 The price of being exact: a rank test cannot reach 95 % with very few samples. The smallest two-sided level it can
-attain is ``2 / C(m + n, m)``: 1 against anything below 39, 2 against 7, 3 against 4 stay above 5 % and give no
-interval (:data:`TOO_FEW`); 4 against 4, 3 against 5 and 2 against 8 are enough. A side with one sample gives no
+attain is ``2 / C(m + n, m)``: 2 against 7 or 3 against 4 stay above 5 % and give no interval (:data:`TOO_FEW`);
+4 against 4, 3 against 5 and 2 against 8 are enough. A side with one sample gives no
 verdict at all (:data:`ONE_SAMPLE`).
 
 Ties (equal samples, e.g. identical kernel totals) make the interval conservative: a zero difference never counts
