@@ -12,6 +12,9 @@ memory trials, memory alive at the peak by allocation site. Every row of every t
 :mod:`sftprof.analysis.stats` (:func:`_row_cells`): time rows the rank test's 95 % interval over the row's samples,
 memory rows (deterministic for a given step) an exact difference. Typical use: prove that
 ``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
+
+Longer than 500 lines: one report, whose sections share the row helpers (samples, cells, tables); the statistics
+themselves are in :mod:`sftprof.analysis.stats`.
 """
 from __future__ import annotations
 
@@ -394,14 +397,33 @@ def _clean_step_times(summary: dict) -> list[tuple[int, float]]:
     return out
 
 
+def _trial_spread(side: str, per_trial: list[tuple[str, list[float]]]) -> list[str]:
+    """Lines naming the trials of one run whose step times differ from the run's other trials by the same test
+    (each trial against the rest; with two trials, the first against the second): steps of one trial share its
+    process, so trials of one configuration can differ (memory layout, thread placement, the load of the moment),
+    and a step-time verdict between runs then mixes the setting with that variation."""
+    out = []
+    for i, (d, mine) in enumerate(per_trial[:1] if len(per_trial) == 2 else per_trial):
+        rest = [t for j, (_, times) in enumerate(per_trial) if j != i for t in times]
+        if len(mine) < 2 or len(rest) < 2:
+            continue
+        s = stats.shift(rest, mine)
+        if s.direction in ("higher", "lower"):
+            out.append(f"- run {side}'s trial `{dir_name(d)}` is {s.verdict()} than its other trials "
+                       f"({s.estimate:+.3f} s, 95 % CI [{s.low:+.3f}, {s.high:+.3f}]): the verdict below mixes the "
+                       "setting with the variation between trials of one configuration; more trials (PROFILE_STEPS) "
+                       "tell them apart.")
+    return out
+
+
 def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
     """The step time of both runs, pooled over every trial of each (:func:`_clean_step_times`), with the trials and
-    steps each sample comes from."""
+    steps each sample comes from, and the trials that differ from their run's others (:func:`_trial_spread`)."""
     out = ["## Step time", "",
            "Slowest rank's step time (stats.jsonl) of the steps that time training alone: after step 0, not "
            "profiled, not the profiler's warm-up step before a kernel trial's profiled step, after a memory trial's "
-           "profiled step; pooled over each run's trials.", ""]
-    samples = {}
+           "profiled step; pooled over each run's trials, each step a sample.", ""]
+    samples, spread = {}, []
     for side, trials in (("A", ta), ("B", tb)):
         per_trial = [(d, _clean_step_times(s)) for d, s in trials]
         samples[side] = [t for _, steps in per_trial for _, t in steps]
@@ -410,7 +432,8 @@ def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -
         out += [f"- {side}: {len(samples[side])} steps" + (f" ({used})" if used else "")
                 + ("" if samples[side] else ": none (raise TOTAL_STEPS: the steps after each trial's profiled step "
                                             "are samples)")]
-    return out + [""] + _table("metric", "s", [("step time s (slowest rank)", samples["A"], samples["B"])])
+        spread += _trial_spread(side, [(d, [t for _, t in steps]) for d, steps in per_trial if steps])
+    return out + spread + [""] + _table("metric", "s", [("step time s (slowest rank)", samples["A"], samples["B"])])
 
 
 def _verdict_note() -> list[str]:
@@ -421,7 +444,7 @@ def _verdict_note() -> list[str]:
             f"`{stats.ONE_SAMPLE}`: a side has one sample; `{stats.TOO_FEW}`: a rank test cannot reach 95 % with so "
             "few (4 a side, 3 against 5 or 2 against 8 are enough).",
             "- A, B: each run's median; samples A/B: how many each has. The step time's samples are steps (next "
-            "section); a trace's figures are one sample per kernel trial, pooled over each run's kernel trials after "
+            "section, which names a trial that differs from its run's others); a trace's figures are one sample per kernel trial, pooled over each run's kernel trials after "
             "step 0 (several `PROFILE_STEPS` give repeats; step 0, the warm-up, is compared on its own).",
             "- Memory rows come from deterministic allocations (a step allocates the same each time it runs): compared "
             "exactly, `higher (exact)` / `lower (exact)` / `equal (exact)`, no interval; where a run's samples of a "

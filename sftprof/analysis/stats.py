@@ -10,8 +10,8 @@ section 4.3). Why this one for step and kernel times:
   ``C(m + n, m) <= 1e17`` arrangements, beyond that the normal approximation with continuity correction). Step times
   are skewed (a step slowed by another process is far off, none is far faster): a t interval assumes normal means,
   which 3-10 such samples do not give; a percentile bootstrap of the difference of medians is erratic at that size
-  (on the recorded CPU step times of ``tests/fixtures/cpu_quickstart``, A/A false positives 7.2 % at 4 a side and
-  2.8 % at 5, where this test's are its exact level, 2.9 % and 3.2 %: ``bench/compare_verdicts.py``, bench/NOTES.md).
+  (on the recorded CPU step times of ``tests/fixtures/cpu_quickstart``, A/A false positives 7.6 % at 4 a side and
+  3.0 % at 5, where this test's are its exact level, 2.9 % and 3.2 %: ``bench/compare_verdicts.py``, bench/NOTES.md).
 - Robust: an outlying step changes the ``n`` differences it is part of, and their median moves little (the
   estimate's breakdown point is about 29 %).
 - Deterministic: no resampling, so no seed; the same samples give the same interval.
