@@ -14,10 +14,11 @@ Exit status: 0 on success (an --nvidia-smi-csv or --trainer-log that is missing 
 warning), 1 when a trace, snapshot, rank_coords.json or config.yaml could not be processed, or a trace or
 snapshot is not the trial's (another step's or rank's trace, a rank in its name at or above the trial's world
 size: not summarised; the summary still names the file and its error) or when compare finds no trials that match
-by kind and step (the report is still written), or when an output cannot be written for want of space (a full
-disk, a quota; the message names the file and the free space): every summary, report, plot and view is written
-under a temporary name in its folder and renamed when complete (sftprof/atomic.py), so what an earlier postprocess
-wrote stays in place, 2 on bad arguments: a --profile-kind the trial did not record; a
+(kernel trials after step 0 pooled, kernel step 0 and memory trials by step; the report is still written), or
+when an output cannot be written for want of space (a full disk, a quota; the message names the file and the free
+space): every summary, report, plot and view is written under a temporary name in its folder and renamed when
+complete (sftprof/atomic.py), so what an earlier postprocess wrote stays in place, 2 on bad arguments: a
+--profile-kind the trial did not record; a
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
 written, not even the run dir); compare inputs that are missing or not profile summaries; an --out whose
@@ -62,8 +63,9 @@ def _same_text(path: str, text: str) -> bool:
 
 def _compare(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="postprocess_profile.py compare",
-                                description="Markdown table of deltas (B - A) between two runs, "
-                                            "trials matched by profile kind and step.")
+                                description="Markdown tables of deltas (B - A) between two runs, each row with "
+                                            "its 95 % interval and verdict; a run's kernel trials after step 0 "
+                                            "pooled, kernel step 0 and memory trials matched by step.")
     p.add_argument("run_a", metavar="RUN_A", help="trial run dir or RUN_ROOT (baseline)")
     p.add_argument("run_b", metavar="RUN_B", help="trial run dir or RUN_ROOT (candidate)")
     p.add_argument("--out", metavar="FILE.md",

@@ -822,15 +822,17 @@ def test_compare_lists_trials_without_summary_and_fails_when_nothing_matches(tmp
         f"(rootA, rootC) whose trials have profile_summary.json; pass one of them (e.g. {multi / 'rootA'}): compare "
         "takes one trial run dir or RUN_ROOT per side")
     assert not (tmp_path / "cmp_multi.md").exists()
-    # No trial matches by (kind, step): the report is written and printed, exit 1
+    # No trial matches (memory trials match by step): the report is written and printed, exit 1
     s = json.loads((good / "profile_summary.json").read_text())
     s["profile_step"] = 2
     (root_b / "mem_step2" / "profile_summary.json").write_text(json.dumps(s))
     res = _cli("compare", good.parent, root_b, "--out", tmp_path / "cmp3.md")
     report = (tmp_path / "cmp3.md").read_text()
-    assert res.returncode == 1 and report.splitlines()[-1] == "No trials match by (kind, step)."
+    no_match = ("No trials match (kernel trials after step 0 pool together; kernel step 0 and memory trials match by "
+                "step).")
+    assert res.returncode == 1 and report.splitlines()[-1] == no_match
     assert "- unmatched: memory step 2 only in B (`mem_step2`)" in report and res.stdout == report + "\n"
-    assert res.stderr.splitlines()[-1] == "[postprocess] ERROR: No trials match by (kind, step). Nothing was compared."
+    assert res.stderr.splitlines()[-1] == f"[postprocess] ERROR: {no_match} Nothing was compared."
 
 
 def test_empty_stats_and_a_step_record_without_a_step_index_are_warned(tmp_path, small_trace):

@@ -14,6 +14,8 @@ from fixtures import gpu_snapshot_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis.memory_summary import analyze_snapshot
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
+from sftprof.analysis import stats
+from sftprof.analysis.compare import compare_runs
 from sftprof.analysis.inputs import read_nvidia_smi
 from sftprof.analysis.trace_check import validate_trace
 
@@ -622,7 +624,8 @@ def test_compare_runs(tmp_path, cpu_traces):
            for side in "AB"]
     names = sorted(set(ops[0]) | set(ops[1]), key=lambda n: (-max(ops[0].get(n, 0.0), ops[1].get(n, 0.0)), n))[:15]
     lines = md.splitlines()
-    first = lines.index("| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % |") + 2
+    first = lines.index("| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % | 95 % CI of Δ "
+                        "| samples A/B | verdict |") + 2
     rows = [line.split(" | ") for line in lines[first:first + len(names) + 1]]
     assert [r[0][2:] for r in rows[:len(names)]] == names and rows[len(names)] == [""]
     for name, (_, a_ms, b_ms, *_) in zip(names, rows):
@@ -658,15 +661,16 @@ def test_compare_runs(tmp_path, cpu_traces):
             "no trace of that rank).") in (tmp_path / "cmpF.md").read_text().splitlines()
 
 
-def test_compare_says_above_noise_for_every_time_row(tmp_path, cpu_traces):
-    """Two runs with 2 unprofiled steps after step 0 (noise known): every table of times (the step time of
-    stats.jsonl, per rank, per profiled rank, kernels) has the "above noise" column with one rule; memory rows
-    say n/a."""
+def test_compare_gives_every_row_a_verdict_with_its_interval(tmp_path, cpu_traces):
+    """Three runs of one kernel trial (step 1) with 5 unprofiled steps after it: the step time's row has the
+    Hodges-Lehmann shift, its exact 95 % interval and a verdict; the profiled step's figures and the trace's are one
+    sample a run (no verdict); memory rows are compared exactly."""
+    a_times = (2.0, 2.1, 2.05, 2.15, 2.02)
     runs = {}
-    for side, step_time, later in (("A", 2.0, (2.1, 2.2)), ("B", 1.9, (1.95, 2.0)), ("C", 1.5, (1.55, 1.6))):
-        log = _kernel_log_dir(tmp_path / side, cpu_traces, step_time=step_time)
-        with open(log / "stats.jsonl", "a") as f:  # steps 2 and 3, unprofiled: the run-to-run noise
-            for step, t in zip((2, 3), later):
+    for side, later in (("A", a_times), ("B", [t + 0.5 for t in a_times]), ("C", a_times[::-1])):
+        log = _kernel_log_dir(tmp_path / side, cpu_traces)
+        with open(log / "stats.jsonl", "a") as f:  # steps 2-6, unprofiled: the step time's samples
+            for step, t in enumerate(later, start=2):
                 f.write(json.dumps({"type": "step", "step": step, "step_time_s": t, "profiled": False}) + "\n")
         runs[side] = tmp_path / f"run{side}"
         assert _cli("--log-dir", log, "--run-dir", runs[side], "--profile-kind", "kernel", "--profile-step", 1,
@@ -674,24 +678,76 @@ def test_compare_says_above_noise_for_every_time_row(tmp_path, cpu_traces):
     out = tmp_path / "cmp.md"
     assert _cli("compare", runs["A"], runs["B"], "--out", out).returncode == 0
     md = out.read_text()
-    assert ("Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in stats.jsonl): "
-            "A 0.100 s over 2 steps, B 0.050 s over 2 steps. A delta counts as above noise when it exceeds the sum of "
-            "both spreads, scaled to each figure by its share of the step time (time rows; memory rows: n/a).") in md
-    # relative noise (0.1 + 0.05) / 2.0 s (A's step time) = 0.075; 2.0 -> 1.9 s: |-0.1| <= 0.075 x 2.0; rank 1 (1.1x): 2.2 -> 2.09 s, also within the noise
-    assert [_cell(md, "step time s (stats.jsonl", c) for c in (4, 6)] == ["-0.100", "no"]
-    assert _cell(md, "rank 1 step time s", 6) == "no" and _cell(md, "rank 0 peak allocated GB", 6) == "n/a"
-    assert _cell(md, "peak allocated GB (stats.jsonl", 6) == "n/a"
-    # the same traces in both runs: their figures are equal, within any noise
-    verdicts = [line.split("|")[6].strip() for line in md.splitlines() if line.startswith("| step wall |")]
-    assert verdicts == ["no", "no"] and [_cell(md, f"rank {r} step_ms", c) for r in (0, 1) for c in (4, 6)] == [
-        "+0.000", "no", "+0.000", "no"]
-    # 2.0 -> 1.5 s with noise 0.1 + 0.05 s: above it (|-0.5| > 0.075 x 2.0), as is rank 1's 2.2 -> 1.65 s
+    assert ("- Δ (B−A): the Hodges-Lehmann shift B − A (the median of all pairwise differences) with its exact 95 % "
+            "confidence interval from the Mann-Whitney rank test (distribution-free; no resampling, no seed); with one "
+            "sample a side, B − A. 95 % CI of Δ: that interval.") in md.splitlines()
+    assert "- A: 5 steps (`runA` steps 2, 3, 4, 5, 6)" in md.splitlines()  # step 0 (warm-up) and 1 (profiled) left out
+    # B = A + 0.5 s: the 25 differences are 0.5 + (a_j - a_i), median 0.5; the 3rd smallest and largest (k = 3 for
+    # 5 v 5) are 0.5 -/+ 0.10
+    assert ("| step time s (slowest rank) | 2.050 | 2.550 | +0.500 | +24.4% | [+0.400, +0.600] | 5/5 | slower |"
+            in md)
+    assert [_cell(md, "step time s (stats.jsonl", c) for c in range(2, 9)] == [
+        "2.000", "2.000", "+0.000", "+0.0%", "–", "1/1", stats.ONE_SAMPLE]
+    assert [_cell(md, "rank 1 step time s", c) for c in (7, 8)] == ["1/1", stats.ONE_SAMPLE]
+    assert [_cell(md, "peak allocated GB (stats.jsonl", c) for c in range(2, 9)] == [
+        "4.000", "4.000", "+0.000", "+0.0%", "exact", "1/1", "equal (exact)"]
+    assert _cell(md, "rank 1 peak allocated GB", 8) == "equal (exact)"
+    verdicts = [line.split("|")[8].strip() for line in md.splitlines() if line.startswith("| step wall |")]
+    assert verdicts == [stats.ONE_SAMPLE] * 2 and _cell(md, "rank 0 step_ms", 4) == "+0.000"
+    header = ("| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % | 95 % CI of Δ | "
+              "samples A/B | verdict |")
+    assert md.count(header) == 2
+    # C holds A's times in another order: no detectable difference, the interval -/+ the 3rd largest spread
     assert _cli("compare", runs["A"], runs["C"], "--out", tmp_path / "cmpC.md").returncode == 0
-    md = (tmp_path / "cmpC.md").read_text()
-    assert [_cell(md, "step time s (stats.jsonl", c) for c in (4, 6)] == ["-0.500", "yes"]
-    assert _cell(md, "rank 1 step time s", 6) == "yes" and _cell(md, "rank 0 step_ms", 6) == "no"
-    header = "| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % | above noise |"
-    assert md.count(header) == 2 and md.count("| metric | A | B | Δ (B−A) | Δ % | above noise |") == 1
+    assert ("| step time s (slowest rank) | 2.050 | 2.050 | +0.000 | +0.0% | [-0.100, +0.100] | 5/5 | "
+            "no detectable difference |") in (tmp_path / "cmpC.md").read_text()
+
+
+def test_compare_pools_the_kernel_trials_after_step_0(tmp_path, cpu_traces):
+    """Kernel trials of steps 1-4 are 4 samples a run of each trace figure (step 0, the warm-up, is compared on its
+    own): B's step 40 % longer in every trial is `slower`; a region that only jitters is no detectable
+    difference; a memory row whose samples differ within a run gets the rank test; one equal in every trial is
+    exact."""
+    log = _kernel_log_dir(tmp_path / "log", cpu_traces)
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "base", "--profile-kind", "kernel", "--profile-step", 1,
+                ).returncode == 0
+    base = json.loads((tmp_path / "base" / "profile_summary.json").read_text())
+    jitter = (1.0, 1.01, 0.99, 1.02, 0.98)
+    for side, slow in (("A", 1.0), ("B", 1.4)):
+        for step in range(5):
+            s = json.loads(json.dumps(base))
+            s["profile_step"] = step
+            k = s["kernel_traces"][0]["summary"]
+            k["step_window"]["wall_ms"] = 1000.0 * slow * jitter[step if side == "A" else (5 - step) % 5]
+            forward = next(r for r in k["regions"] if r["name"] == "sftprof/forward/mb0")
+            forward["cpu_ms"] = 100.0 * jitter[(step + (side == "B")) % 5]
+            for row in s["ranks"]["rows"]:
+                row["step_ms"] = 900.0 + step  # the same in both runs: the rank test sees ties across them
+            s["stats"]["per_rank"]["0"]["mem_peak_allocated_gb"] = 3.0 + (0.1 * step if side == "B" else 0.0)
+            trial = tmp_path / f"root{side}" / f"kernel_step{step}"
+            trial.mkdir(parents=True)
+            (trial / "profile_summary.json").write_text(json.dumps(s))
+    md = compare_runs(str(tmp_path / "rootA"), str(tmp_path / "rootB"))
+    assert "## kernel step 0: `kernel_step0` (A) vs `kernel_step0` (B)" in md
+    assert ("## kernel trials after step 0, pooled: A `kernel_step1` (step 1), `kernel_step2` (step 2), `kernel_step3` "
+            "(step 3), `kernel_step4` (step 4) vs B `kernel_step1` (step 1), `kernel_step2` (step 2), `kernel_step3` "
+            "(step 3), `kernel_step4` (step 4)") in md
+    pooled = md[md.index("## kernel trials after step 0, pooled"):]
+    # A 1010, 990, 1020, 980 ms (median 1000); B 1372, 1428, 1386, 1414 (median 1400); 4 v 4 reaches 95 % only with
+    # the extreme differences (k = 1): [1372 - 1020, 1428 - 980]
+    assert _cell(pooled, "step wall", 2) == "1000.000" and _cell(pooled, "step wall", 3) == "1400.000"
+    assert [_cell(pooled, "step wall", c) for c in (6, 7)] == ["[+352.000, +448.000]", "4/4"]
+    assert _cell(pooled, "step wall", 8) == "slower"
+    # A 101, 99, 102, 98 ms; B 99, 102, 98, 100: the extreme differences -4 and +4 hold 0
+    assert [_cell(pooled, "sftprof/forward/mb0 |", c) for c in (6, 7, 8)] == ["[-4.000, +4.000]", "4/4",
+                                                                             stats.NO_DIFFERENCE]
+    assert [_cell(pooled, "rank 0 step_ms", c) for c in (4, 6, 8)] == ["+0.000", "[-3.000, +3.000]",
+                                                                       stats.NO_DIFFERENCE]
+    # B's peak 3.1-3.4 GB against A's 3.0 in every trial: not one value, so the rank test: higher
+    assert [_cell(pooled, "rank 0 peak allocated GB", c) for c in (2, 3, 7, 8)] == ["3.000", "3.250", "4/4", "higher"]
+    assert [_cell(pooled, "rank 1 peak allocated GB", c) for c in (7, 8)] == ["4/4", "equal (exact)"]
+    step0 = md[md.index("## kernel step 0"):md.index("## kernel trials after step 0")]
+    assert _cell(step0, "step wall", 8) == stats.ONE_SAMPLE
 
 
 def test_ok_trial_without_artifacts(tmp_path):

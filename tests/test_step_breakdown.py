@@ -132,18 +132,6 @@ def test_module_part_names():
     assert module_regions.parse_region("sftprof.module/nonsense/L1") is None
 
 
-def test_compare_noise_from_unprofiled_steps():
-    from sftprof.analysis.compare import _noise, _noise_rows
-
-    steps = [{"step": 0, "step_time_s": 9.0, "profiled": False}, {"step": 1, "step_time_s": 5.0, "profiled": True},
-             {"step": 2, "step_time_s": 4.0, "profiled": False}, {"step": 3, "step_time_s": 4.25, "profiled": False}]
-    assert _noise({"steps": steps}) == (0.25, 2)
-    assert _noise({"steps": steps[:3]}) == (None, 1)
-    # noise 0.5 s on a 5 s step = 10 %: 100 -> 105 ms is within it, 100 -> 120 ms above it
-    assert _noise_rows([("a", 100.0, 105.0), ("b", 100.0, 120.0), ("c", None, 1.0)], 0.1) == [
-        ("a", 100.0, 105.0, "no"), ("b", 100.0, 120.0, "yes"), ("c", None, 1.0, "–")]
-
-
 def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
     _, _, s = analysed
     idle = s["host"]["gpu_idle"]

@@ -1,35 +1,45 @@
-"""Compare two profiled runs: Markdown tables of deltas (B - A) per matching trial.
+"""Compare two profiled runs: Markdown tables of deltas (B - A) with a verdict per row.
 
-A run argument is either one trial run dir (it holds ``profile_summary.json``) or a RUN_ROOT
-whose immediate sub-directories are trial run dirs. Trials are matched by
-``(profile_kind, profile_step)``; unmatched trials are listed. For each pair the report shows
-step time, peak memory per rank, top kernels, time by category, each rank's exposed communication split into
-waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for memory trials, memory
-alive at the peak by allocation site. When both runs' run-to-run noise is known (:func:`_noise_note`), every
-table of times has an "above noise" column, one rule for all (:func:`_noise_rows`). Typical use: prove that
+A run argument is either one trial run dir (it holds ``profile_summary.json``) or a RUN_ROOT whose immediate
+sub-directories are trial run dirs; one run argument is one configuration. Trials are grouped (:func:`_group_key`):
+the kernel trials after step 0 pool into one group (repeated samples of a steady-state step), kernel step 0 (the
+warm-up) and each memory step are groups of their own; groups that only one run has are listed. The report opens
+with how to read the verdicts (:func:`_verdict_note`) and the step time pooled over every trial of each run
+(:func:`_step_time_section`: the steps that time training alone, :func:`_clean_step_times`); then, per group, the
+settings that differ, step figures, peak memory per rank, top kernels, time by category, each rank's exposed
+communication split into waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for
+memory trials, memory alive at the peak by allocation site. Every row of every table gets its verdict from
+:mod:`sftprof.analysis.stats` (:func:`_row_cells`): time rows the rank test's 95 % interval over the row's samples,
+memory rows (deterministic for a given step) an exact difference. Typical use: prove that
 ``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
+
+Longer than 500 lines: one report, whose sections share the row helpers (samples, cells, tables); the statistics
+themselves are in :mod:`sftprof.analysis.stats`.
 """
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Any
+from statistics import median
+from typing import Any, Iterable
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
-from sftprof.analysis import inputs
+from sftprof.analysis import inputs, stats
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
 from sftprof.analysis.markdown import fmt, short, table
 from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summary
 from sftprof.analysis.collectives import exposed_groups
+from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["CompareInputError", "find_trials", "compare_runs", "dir_name", "NO_MATCH"]
 
 _ROWS = 15  # rows per top-kernel / site table
 REPORT_TITLE = "# Profile comparison"  # first line of every report
-NO_MATCH = "No trials match by (kind, step)."  # last line of a report that compares nothing
+NO_MATCH = ("No trials match (kernel trials after step 0 pool together; kernel step 0 and memory trials match "
+            "by step).")  # last line of a report that compares nothing
 _REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
 
 
@@ -102,60 +112,83 @@ def _without_summary(run: str) -> list[str]:
             if os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
 
 
-def _delta(a, b) -> tuple[str, str]:
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
-        return "–", "–"
-    d = b - a
-    pct = f"{100 * d / a:+.1f}%" if a else "–"
-    return f"{d:+.3f}", pct
+def _values(v: Any) -> list[float]:
+    """The samples of one side of a row: ``v`` is a value or a list of values (one per trial); what is not a finite
+    number (None: the trial has no such figure) is left out."""
+    return [x for x in (v if isinstance(v, list) else [v]) if is_finite_number(x)]
 
 
-def _table(title: str, unit: str, rows: list[tuple], rel: float | None = None, is_time=lambda name: True) -> list[str]:
-    """A delta table (name, A, B, Δ, Δ %[, above noise]) as one element of the report's line list; nothing when
-    neither run has a row (e.g. model parts or communication of CPU runs).
-
-    Args:
-        rows: ``(name, A value, B value)``.
-        rel: the relative run-to-run noise (:func:`_noise_note`); given, the table has an "above noise" column:
-            :func:`_noise_rows`' verdict for the rows whose name ``is_time`` accepts, ``n/a`` for the others (the
-            step time's spread says nothing about memory). None (noise unknown): no such column.
-    """
-    if not rows:
-        return []
-    noise = rel is not None
-    headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %"] + (["above noise"] if noise else [])
-    verdicts = [v[3] if is_time(v[0]) else "n/a" for v in _noise_rows(rows, rel)] if noise else [None] * len(rows)
-    cells = []
-    for (name, a, b), verdict in zip(rows, verdicts):
-        cells.append([str(name).replace("|", "/"), fmt(a), fmt(b), *_delta(a, b)] + ([verdict] if noise else []))
-    return [table(headers, cells, cell=str)]
+def _median(v: Any) -> float | None:
+    """The median of :func:`_values` (the value itself for one sample, None for none)."""
+    x = _values(v)
+    return None if not x else x[0] if len(x) == 1 else float(median(x))
 
 
 def _is_time(name: str) -> bool:
-    """Whether a row of the step tables (:func:`_step_tables`) is a time (step time, ``*_ms``), not memory."""
+    """Whether a row of a table in seconds or milliseconds or without a unit is a time (step time, ``*_ms``), not
+    memory (``GB``, ``*_gib``)."""
     return "step time" in name or name.endswith("_ms")
 
 
-def _noise(stats: dict) -> tuple[float | None, int]:
-    """(max - min step time in s, count) over the unprofiled steps after step 0; (None, count) below 2 steps."""
-    t = [x["step_time_s"] for x in stats.get("steps") or [] if not x.get("profiled") and x.get("step") != 0
-         and isinstance(x.get("step_time_s"), (int, float))]
-    return (max(t) - min(t), len(t)) if len(t) >= 2 else (None, len(t))
+def _row_cells(a: Any, b: Any, time: bool) -> list[str]:
+    """The cells A, B, Δ (B−A), Δ %, 95 % CI of Δ, samples A/B and verdict of one row (:func:`_verdict_note`).
+
+    Args:
+        a, b: each side's value, or list of values (one per trial or step); non-numbers are left out.
+        time: a time row (the rank test of :func:`sftprof.analysis.stats.shift`, words ``slower``/``faster``); else a
+            memory row: an exact difference when each side's samples agree (deterministic allocations), else the rank
+            test with words ``higher``/``lower``.
+    """
+    xa, xb = _values(a), _values(b)
+    n = f"{len(xa)}/{len(xb)}"
+    if not xa or not xb:
+        return [fmt(_median(xa)), fmt(_median(xb)), "–", "–", "–", n, "–"]
+    exact = None if time else stats.constant_difference(xa, xb)
+    if exact is not None:
+        pct = f"{100 * exact / xa[0]:+.1f}%" if xa[0] else "–"
+        word = "higher" if exact > 0 else "lower" if exact < 0 else "equal"
+        return [fmt(xa[0]), fmt(xb[0]), f"{exact:+.3f}", pct, "exact", n, f"{word} (exact)"]
+    s = stats.shift(xa, xb)
+    pct = f"{100 * s.estimate / s.median_a:+.1f}%" if s.median_a else "–"
+    ci = "–" if s.low is None else f"[{s.low:+.3f}, {s.high:+.3f}]"
+    verdict = s.verdict("slower", "faster") if time else s.verdict("higher", "lower")
+    return [fmt(_median(xa)), fmt(_median(xb)), f"{s.estimate:+.3f}", pct, ci, n, verdict]
 
 
-def _noise_rows(rows: list[tuple], rel: float | None) -> list[tuple]:
-    """Rows with an "above noise" cell: |Δ| > rel x the larger value (rel = noise spread / step time)."""
-    out = []
-    for name, a, b in rows:
-        if rel is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
-            out.append((name, a, b, "–"))
-        else:
-            out.append((name, a, b, "yes" if abs(b - a) > rel * max(abs(a), abs(b)) else "no"))
-    return out
+def _table(title: str, unit: str, rows: list[tuple]) -> list[str]:
+    """A delta table (name, A, B, Δ, Δ %, 95 % CI of Δ, samples A/B, verdict: :func:`_row_cells`) as one element of
+    the report's line list; nothing when neither run has a row (e.g. model parts or communication of CPU runs).
+
+    Args:
+        unit: ``s`` or ``ms`` (time rows), ``GB`` or ``GiB`` (memory rows), or empty: then each row is a time or
+            memory by its name (:func:`_is_time`).
+        rows: ``(name, A, B)``, each side a value or a list of values (one per trial).
+    """
+    if not rows:
+        return []
+    headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %", "95 % CI of Δ", "samples A/B",
+               "verdict"]
+    cells = [[str(name).replace("|", "/"), *_row_cells(a, b, unit in ("s", "ms") or (not unit and _is_time(name)))]
+             for name, a, b in rows]
+    return [table(headers, cells, cell=str)]
 
 
-def _union_rows(a: dict[str, float], b: dict[str, float], limit: int) -> list[tuple[str, Any, Any]]:
-    names = sorted(set(a) | set(b), key=lambda n: (-max(a.get(n, 0.0), b.get(n, 0.0)), n))[:limit]
+def _samples(dicts: Iterable[dict[str, Any]]) -> dict[str, list]:
+    """``{row name: [value of each dict that has the name]}``: one table's rows of several trials, pooled."""
+    out: dict[str, list] = defaultdict(list)
+    for d in dicts:
+        for name, v in d.items():
+            out[name].append(v)
+    return dict(out)
+
+
+def _union_rows(a: dict[str, Any], b: dict[str, Any], limit: int) -> list[tuple[str, Any, Any]]:
+    """The rows of both runs' names, the largest (median over the trials, in either run) first, ``limit`` at most;
+    ``a``/``b`` map a name to a value or a list of values (:func:`_samples`)."""
+    def size(v: Any) -> float:
+        return _median(v) or 0.0
+
+    names = sorted(set(a) | set(b), key=lambda n: (-max(size(a.get(n)), size(b.get(n))), n))[:limit]
     return [(n, a.get(n), b.get(n)) for n in names]
 
 
@@ -164,7 +197,8 @@ def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
     return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
 
 
-_SAME_BY_DESIGN = ("trial_name",)  # differs between any two trials
+# differ between any two trials, or between the trials a group pools (the section title names their steps)
+_SAME_BY_DESIGN = ("trial_name", "perf_tracer.profile_steps", "memory_profiler.profile_steps")
 _SIZE_KEYS = ("profile.fake_seq_len", "train_dataset.batch_size", "actor.backend", "actor.num_layers", "actor.path")
 
 
@@ -239,55 +273,98 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
     return out + [""]
 
 
-def _pair(key, dir_a: str, a: dict, dir_b: str, b: dict) -> list[str]:
-    """The report section of one matched pair of trials: settings, step figures, per rank, kernels, memory."""
-    kind, step = key
-    out = [f"## {kind} step {step}: `{dir_name(dir_a)}` (A) vs `{dir_name(dir_b)}` (B)", ""]
-    for side, s in (("A", a), ("B", b)):
-        if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
-            cause = failure_cause(s)  # the first failure (its Failure section), else the completion record's error
-            why = f" ({cause[1]})" if cause and cause[0] == "error" else f" ({cause[0]}: {cause[1]})" if cause else ""
-            out += [f"**Trial {side} status: {s.get('status')}**" + why
-                    + ": its figures are missing below, not zero.", ""]
-    out += _settings_diff(a, b)
-    noise_lines, rel = _noise_note(a["stats"], b["stats"])
-    out += noise_lines + _step_tables(a, b, rel)
-    ka = {t["rank"]: t["summary"] for t in a.get("kernel_traces") or [] if "summary" in t}
-    kb = {t["rank"]: t["summary"] for t in b.get("kernel_traces") or [] if "summary" in t}
-    ma = {m["rank"]: m["summary"] for m in a.get("memory_snapshots") or [] if "summary" in m}
-    mb = {m["rank"]: m["summary"] for m in b.get("memory_snapshots") or [] if "summary" in m}
+def _group_key(kind: str, step: int) -> tuple[str, int]:
+    """The group a trial's figures pool into: ``("kernel", 1)`` for every kernel trial after step 0 (repeated samples
+    of the same steady-state step, whichever step), else ``(kind, step)``: kernel step 0 is the warm-up (one-time
+    costs such as autotuning), and a memory trial's figures are deterministic for its step."""
+    return (kind, 1) if kind == "kernel" and step >= 1 else (kind, step)
+
+
+def _groups(trials: dict[tuple[str, int], tuple[str, dict]]) -> dict[tuple[str, int], list[tuple[str, dict]]]:
+    """``{group key: [(trial dir, summary), ...] in step order}`` of :func:`find_trials`' trials (:func:`_group_key`)."""
+    out: dict[tuple[str, int], list[tuple[str, dict]]] = defaultdict(list)
+    for key in sorted(trials):
+        out[_group_key(*key)].append(trials[key])
+    return dict(out)
+
+
+def _trial_list(trials: list[tuple[str, dict]]) -> str:
+    """`` `dir` (step 1), `dir` (step 2)``: the trials of one side of a group."""
+    return ", ".join(f"`{dir_name(d)}` (step {s['profile_step']})" for d, s in trials)
+
+
+def _group_title(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
+    """The heading of a group's section: ``## kind step N: `dir A` (A) vs `dir B` (B)`` for one trial a side at one
+    step; else (the kernel trials after step 0, pooled) each side's trials and a line saying that the cells are
+    medians over them."""
+    if len(ta) == len(tb) == 1 and ta[0][1]["profile_step"] == tb[0][1]["profile_step"]:
+        return [f"## {kind} step {ta[0][1]['profile_step']}: `{dir_name(ta[0][0])}` (A) vs `{dir_name(tb[0][0])}` (B)",
+                ""]
+    return [f"## {kind} trials after step 0, pooled: A {_trial_list(ta)} vs B {_trial_list(tb)}", "",
+            "Each A and B cell is the median over that run's trials (samples A/B: how many trials have the row).", ""]
+
+
+def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
+    """The report section of one group of trials (:func:`_group_key`): settings, step figures, per rank, kernels,
+    memory; each row's samples are the group's trials of each run."""
+    out = _group_title(kind, ta, tb)
+    for side, trials in (("A", ta), ("B", tb)):
+        for d, s in trials:
+            if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
+                cause = failure_cause(s)  # the first failure (its Failure section), else the completion record's error
+                why = f" ({cause[1]})" if cause and cause[0] == "error" else f" ({cause[0]}: {cause[1]})" if cause else ""
+                name = "" if len(trials) == 1 else f" `{dir_name(d)}`"
+                out += [f"**Trial {side}{name} status: {s.get('status')}**" + why
+                        + ": its figures are missing below, not zero.", ""]
+    a, b = [s for _, s in ta], [s for _, s in tb]
+    out += _settings_diff(a[0], b[0])
+    out += _step_tables(a, b)
+    ka, kb = _by_rank(a, "kernel_traces"), _by_rank(b, "kernel_traces")
+    ma, mb = _by_rank(a, "memory_snapshots"), _by_rank(b, "memory_snapshots")
     out += _one_sided(ka, kb, "trace", a, b, "kernel_traces") + _one_sided(ma, mb, "memory snapshot", a, b,
                                                                           "memory_snapshots")
     for rank in sorted(set(ka) & set(kb)):
-        out += _kernel_tables(rank, ka[rank], kb[rank], rel)
-    for rank in sorted(set(ma) & set(mb)):
-        out += _memory_tables(rank, ma[rank], mb[rank])
+        out += _kernel_tables(rank, ka[rank], kb[rank])
+    for rank in sorted(set(ma) & set(mb)):  # a memory group holds one trial a side (its step)
+        out += _memory_tables(rank, ma[rank][0], mb[rank][0])
     return out
 
 
-def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str) -> list[str]:
+def _by_rank(summaries: list[dict], member: str) -> dict[int, list[dict]]:
+    """``{rank: [the summary of that rank's trace or snapshot in each trial that has one]}`` (``member``:
+    ``kernel_traces`` or ``memory_snapshots``; entries that failed to process have no summary)."""
+    out: dict[int, list[dict]] = defaultdict(list)
+    for s in summaries:
+        for t in s.get(member) or []:
+            if "summary" in t:
+                out[t["rank"]].append(t["summary"])
+    return dict(out)
+
+
+def _one_sided(in_a: dict, in_b: dict, what: str, a: list[dict], b: list[dict], member: str) -> list[str]:
     """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
     figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
-    the other run's summary (``a``, ``b``): its entry of that rank in ``member`` (``kernel_traces``,
-    ``memory_snapshots``) failed to process; its trial failed (``status``); its ``missing_traces`` name the rank (its
-    ``perf_tracer.ranks`` profiles it but its trace is not in the log dir: deleted, never written); its status is
+    the other run's summaries of the group (``a``, ``b``): an entry of that rank in ``member`` (``kernel_traces``,
+    ``memory_snapshots``) failed to process; a trial failed (``status``); a summary's ``missing_traces`` name the rank
+    (its ``perf_tracer.ranks`` profiles it but its trace is not in the log dir: deleted, never written); a status is
     unknown (no completion record); else the runs profiled different ranks (e.g. ``PROFILE_RANKS`` differed)."""
     out = []
-    for side, mine, other, other_side, summary in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
-        errored = {e.get("rank") for e in summary.get(member) or [] if "error" in e}
-        status = summary.get("status")
-        missing = set(summary.get("missing_traces") or []) if what == "trace" else set()
+    for side, mine, other, other_side, summaries in (("A", in_a, in_b, "B", b), ("B", in_b, in_a, "A", a)):
+        errored = {e.get("rank") for s in summaries for e in s.get(member) or [] if "error" in e}
+        status = {s.get("status") for s in summaries}
+        trial = f"run {other_side}'s trial" if len(summaries) == 1 else f"a trial of run {other_side}"
+        missing = {r for s in summaries for r in s.get("missing_traces") or []} if what == "trace" else set()
         reasons: dict[str, list[int]] = defaultdict(list)
         for rank in sorted(set(mine) - set(other)):
             if rank in errored:
                 why = f"run {other_side}'s {what} of that rank could not be processed (its error is in that summary)"
-            elif status == "failed":
-                why = f"run {other_side}'s trial failed (status failed) and left no {what} of that rank"
+            elif "failed" in status:
+                why = f"{trial} failed (status failed) and left no {what} of that rank"
             elif rank in missing:
                 why = (f"run {other_side} profiled that rank but has no {what} of it in its log dir: deleted or never "
                        "written (a warning in that summary)")
-            elif status == "unknown":
-                why = (f"run {other_side}'s trial status is unknown (no completion record): it stopped before writing "
+            elif "unknown" in status:
+                why = (f"{trial} status is unknown (no completion record): it stopped before writing "
                        f"that {what}, or profiled other ranks")
             else:
                 why = "the runs profiled different ranks"
@@ -297,64 +374,136 @@ def _one_sided(in_a: dict, in_b: dict, what: str, a: dict, b: dict, member: str)
     return out
 
 
-def _noise_note(sa: dict, sb: dict) -> tuple[list[str], float | None]:
-    """The run-to-run noise lines and the relative noise ``rel`` (:func:`_noise_rows`; None when unknown)."""
-    na, nb = _noise(sa), _noise(sb)
-    lines = [f"Run-to-run noise of the step time (spread max - min of the unprofiled steps after step 0 in "
-             f"stats.jsonl): A {fmt(na[0])} s over {na[1]} steps, B {fmt(nb[0])} s over {nb[1]} steps."
-             + (" A delta counts as above noise when it exceeds the sum of both spreads, scaled to each figure by "
-                "its share of the step time (time rows; memory rows: n/a)." if na[0] is not None and nb[0] is not None else
-                " Fewer than 2 such steps in a run: noise unknown (run more steps, TOTAL_STEPS)."), ""]
-    rel = ((na[0] + nb[0]) / sa["step_time_s"]) if (na[0] is not None and nb[0] is not None
-                                                   and sa.get("step_time_s")) else None
-    return lines, rel
+def _clean_step_times(summary: dict) -> list[tuple[int, float]]:
+    """``[(step, step time in s)]`` of the steps of one trial that time training alone (``stats.steps``, the slowest
+    rank's time): after step 0 (the warm-up: one-time costs), not profiled, not the step before a kernel trial's
+    profiled step (the profiler already collects through it, its warm-up) and, in a memory trial, after the profiled
+    step (the allocator records its history from step 0 through the profiled step). Steps without a finite time are
+    left out."""
+    kind, profiled = summary["profile_kind"], summary["profile_step"]
+    out = []
+    for row in (summary.get("stats") or {}).get("steps") or []:
+        step, t = row.get("step"), row.get("step_time_s")
+        if (type(step) is not int or step == 0 or row.get("profiled") or not is_finite_number(t)
+                or (kind == "kernel" and step == profiled - 1) or (kind == "memory" and step < profiled)):
+            continue
+        out.append((step, t))
+    return out
 
 
-def _step_tables(a: dict, b: dict, rel: float | None) -> list[str]:
-    """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots);
-    the time rows with the "above noise" verdict of the relative noise ``rel`` (:func:`_table`)."""
-    sa, sb = a["stats"], b["stats"]
+def _trial_spread(side: str, per_trial: list[tuple[str, list[float]]]) -> list[str]:
+    """Lines naming the trials of one run whose step times differ from the run's other trials by the same test
+    (each trial against the rest; with two trials, the first against the second): steps of one trial share its
+    process, so trials of one configuration can differ (memory layout, thread placement, the load of the moment),
+    and a step-time verdict between runs then mixes the setting with that variation."""
+    out = []
+    for i, (d, mine) in enumerate(per_trial[:1] if len(per_trial) == 2 else per_trial):
+        rest = [t for j, (_, times) in enumerate(per_trial) if j != i for t in times]
+        if len(mine) < 2 or len(rest) < 2:
+            continue
+        s = stats.shift(rest, mine)
+        if s.direction in ("higher", "lower"):
+            out.append(f"- run {side}'s trial `{dir_name(d)}` is {s.verdict()} than its other trials "
+                       f"({s.estimate:+.3f} s, 95 % CI [{s.low:+.3f}, {s.high:+.3f}]): the verdict below mixes the "
+                       "setting with the variation between trials of one configuration; more trials (PROFILE_STEPS) "
+                       "tell them apart.")
+    return out
 
-    def peak(st: dict, key: str) -> str:
-        rank = st.get(f"{key}_rank")
-        return "–" if rank is None else f"r{rank}" + (" only" if (st.get("n_ranks") or 1) == 1 else "")
 
-    rows = [("step time s (stats.jsonl, profiled step, slowest rank)", sa.get("step_time_s"), sb.get("step_time_s"))]
+def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
+    """The step time of both runs, pooled over every trial of each (:func:`_clean_step_times`), with the trials and
+    steps each sample comes from, and the trials that differ from their run's others (:func:`_trial_spread`)."""
+    out = ["## Step time", "",
+           "Slowest rank's step time (stats.jsonl) of the steps that time training alone: after step 0, not "
+           "profiled, not the profiler's warm-up step before a kernel trial's profiled step, after a memory trial's "
+           "profiled step; pooled over each run's trials, each step a sample.", ""]
+    samples, spread = {}, []
+    for side, trials in (("A", ta), ("B", tb)):
+        per_trial = [(d, _clean_step_times(s)) for d, s in trials]
+        samples[side] = [t for _, steps in per_trial for _, t in steps]
+        used = "; ".join(f"`{dir_name(d)}` steps {', '.join(str(step) for step, _ in steps)}"
+                         for d, steps in per_trial if steps)
+        out += [f"- {side}: {len(samples[side])} steps" + (f" ({used})" if used else "")
+                + ("" if samples[side] else ": none (raise TOTAL_STEPS: the steps after each trial's profiled step "
+                                            "are samples)")]
+        spread += _trial_spread(side, [(d, [t for _, t in steps]) for d, steps in per_trial if steps])
+    return out + spread + [""] + _table("metric", "s", [("step time s (slowest rank)", samples["A"], samples["B"])])
+
+
+def _verdict_note() -> list[str]:
+    """How to read the verdict columns: the test, its words, where the samples come from, memory rows."""
+    return ["How to read the verdict column of every table:", "",
+            f"- Δ (B−A): the {stats.METHOD}; with one sample a side, B − A. 95 % CI of Δ: that interval.",
+            f"- `slower` / `faster`: the interval lies above / below 0; `{stats.NO_DIFFERENCE}`: it holds 0; "
+            f"`{stats.ONE_SAMPLE}`: a side has one sample; `{stats.TOO_FEW}`: a rank test cannot reach 95 % with so "
+            "few (4 a side, 3 against 5 or 2 against 8 are enough).",
+            "- A, B: each run's median; samples A/B: how many each has. The step time's samples are steps (next "
+            "section, which names a trial that differs from its run's others); a trace's figures are one sample per kernel trial, pooled over each run's kernel trials after "
+            "step 0 (several `PROFILE_STEPS` give repeats; step 0, the warm-up, is compared on its own).",
+            "- Memory rows come from deterministic allocations (a step allocates the same each time it runs): compared "
+            "exactly, `higher (exact)` / `lower (exact)` / `equal (exact)`, no interval; where a run's samples of a "
+            "memory row differ, the rank test decides (`higher` / `lower`).", ""]
+
+
+def _step_tables(a: list[dict], b: list[dict]) -> list[str]:
+    """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots) of
+    one group's summaries ``a`` and ``b`` (one sample per trial)."""
+    sa, sb = [x["stats"] for x in a], [y["stats"] for y in b]
+
+    def peak(sts: list[dict], key: str) -> str:
+        ranks = sorted({st.get(f"{key}_rank") for st in sts} - {None})
+        only = all((st.get("n_ranks") or 1) == 1 for st in sts)
+        return "–" if not ranks else "/".join(f"r{r}" for r in ranks) + (" only" if only else "")
+
+    def col(sts: list[dict], key: str) -> list:
+        return [st.get(key) for st in sts]
+
+    rows = [("step time s (stats.jsonl, profiled step, slowest rank)", col(sa, "step_time_s"), col(sb, "step_time_s"))]
     for key, what in (("mem_peak_allocated", "peak allocated"), ("mem_peak_reserved", "peak reserved")):
         rows.append((f"{what} GB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
-                     sa.get(f"{key}_gb"), sb.get(f"{key}_gb")))
-    rows.append(("max peak allocated GB over steps and ranks", sa.get("max_mem_peak_allocated_gb"),
-                 sb.get("max_mem_peak_allocated_gb")))
-    out = _table("metric", "", rows, rel, _is_time)
+                     col(sa, f"{key}_gb"), col(sb, f"{key}_gb")))
+    rows.append(("max peak allocated GB over steps and ranks", col(sa, "max_mem_peak_allocated_gb"),
+                 col(sb, "max_mem_peak_allocated_gb")))
+    out = _table("metric", "", rows)
     # Every rank of stats.jsonl, profiled or not, then the profiled ranks' trace/snapshot figures.
-    pa, pb = sa.get("per_rank") or {}, sb.get("per_rank") or {}
+    pa, pb = [st.get("per_rank") or {} for st in sa], [st.get("per_rank") or {} for st in sb]
     per_rank = []
-    for rank in sorted(set(pa) | set(pb), key=int):
-        for col, label in (("step_time_s", "step time s"), ("mem_peak_allocated_gb", "peak allocated GB"),
+    for rank in sorted({r for p in pa + pb for r in p}, key=int):
+        for key, label in (("step_time_s", "step time s"), ("mem_peak_allocated_gb", "peak allocated GB"),
                            ("mem_peak_reserved_gb", "peak reserved GB")):
-            per_rank.append((f"rank {rank} {label}", (pa.get(rank) or {}).get(col), (pb.get(rank) or {}).get(col)))
+            per_rank.append((f"rank {rank} {label}", [(p.get(rank) or {}).get(key) for p in pa],
+                             [(p.get(rank) or {}).get(key) for p in pb]))
     if per_rank:
-        out += ["### Per rank (stats.jsonl, every rank)", ""] + _table("rank metric", "", per_rank, rel, _is_time)
-    ra = {r["rank"]: r for r in a["ranks"]["rows"]}
-    rb = {r["rank"]: r for r in b["ranks"]["rows"]}
+        out += ["### Per rank (stats.jsonl, every rank)", ""] + _table("rank metric", "", per_rank)
+    ra = [{r["rank"]: r for r in x["ranks"]["rows"]} for x in a]
+    rb = [{r["rank"]: r for r in y["ranks"]["rows"]} for y in b]
     profiled = []
-    for rank in sorted(set(ra) & set(rb)):
-        for col in ("step_ms", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+    for rank in sorted({r for t in ra for r in t} & {r for t in rb for r in t}):
+        xs, ys = [t[rank] for t in ra if rank in t], [t[rank] for t in rb if rank in t]
+        for key in ("step_ms", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
                     "comm_ms", "exposed_comm_ms", "host_comm_ms"):
-            if col in ra[rank] or col in rb[rank]:
-                profiled.append((f"rank {rank} {col}", ra[rank].get(col), rb[rank].get(col)))
+            if any(key in r for r in xs + ys):
+                profiled.append((f"rank {rank} {key}", [r.get(key) for r in xs], [r.get(key) for r in ys]))
     if profiled:
-        out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled, rel, _is_time)
-    (wa, ga), (wb, gb) = _wait_rows(a), _wait_rows(b)
-    differ = sorted(r for r in set(ga) & set(gb) if ga[r] != gb[r])
+        out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
+    wa, wb = [_wait_rows(x) for x in a], [_wait_rows(y) for y in b]
+
+    def split(w: list, r: int) -> list[str]:  # each distinct set of split groups of rank r in a run's trials
+        return sorted({", ".join(g[r]) for _, g in w if r in g})
+
+    ranks = {r for _, g in wa for r in g} & {r for _, g in wb for r in g}
+    differ = sorted(r for r in ranks if len(set(split(wa, r)) | set(split(wb, r))) > 1)
     for r in differ:  # the all-groups totals of different sets of groups are not comparable
         for n in (f"rank {r} exposed wait, all split groups", f"rank {r} exposed transfer, all split groups"):
-            wa.pop(n, None), wb.pop(n, None)
-    names = sorted(set(wa) | set(wb), key=lambda n: (int(n.split()[1]), "split groups" not in n, n))
+            for rows_of_trial, _ in wa + wb:
+                rows_of_trial.pop(n, None)
+    sa_w, sb_w = _samples(w for w, _ in wa), _samples(w for w, _ in wb)
+    names = sorted(set(sa_w) | set(sb_w), key=lambda n: (int(n.split()[1]), "split groups" not in n, n))
     out += _table("exposed communication, waiting for the last rank vs transfer (– = not split in that run)", "ms",
-                  [(n, wa.get(n), wb.get(n)) for n in names], rel)
-    out += [f"Rank {r}: the runs split different process groups (A: {', '.join(ga[r])}; B: {', '.join(gb[r])}), so "
-            "its all-split-groups totals are not compared; the per-group rows are.\n" for r in differ]
+                  [(n, sa_w.get(n), sb_w.get(n)) for n in names])
+    out += [f"Rank {r}: the runs split different process groups (A: {' / '.join(split(wa, r))}; B: "
+            f"{' / '.join(split(wb, r))}), so its all-split-groups totals are not compared; the per-group rows are.\n"
+            for r in differ]
     return out
 
 
@@ -378,33 +527,36 @@ def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
     return {k: round(v, 4) for k, v in out.items()}, {r: sorted(v) for r, v in labels.items()}
 
 
-def _kernel_tables(rank: int, x: dict, y: dict, rel: float | None) -> list[str]:
-    """Kernel-trace deltas of one rank: step, regions, model parts, exposed communication, categories, top lists;
-    every row a time, with the "above noise" verdict of the relative noise ``rel`` (:func:`_table`)."""
+def _pooled(f, xs: list[dict], ys: list[dict], limit: int = 100) -> list[tuple[str, list, list]]:
+    """:func:`_union_rows` of ``f`` (one summary -> ``{row name: value}``) over each run's summaries ``xs``, ``ys``."""
+    return _union_rows(_samples(map(f, xs)), _samples(map(f, ys)), limit)
+
+
+def _kernel_tables(rank: int, xs: list[dict], ys: list[dict]) -> list[str]:
+    """Kernel-trace deltas of one rank, one sample per trial of ``xs`` (A) and ``ys`` (B): step, regions, model parts,
+    exposed communication, categories, top lists; every row a time."""
+    def metric(x: dict) -> dict[str, float]:
+        return {"step wall": x["step_window"]["wall_ms"], "GPU busy": x["gpu"]["busy_ms"],
+                "communication": x["communication"]["total_ms"],
+                "exposed communication": x["communication"]["exposed_ms"]}
+
     out = [f"### Kernels, rank {rank}", ""]
-    out += _table("metric", "ms", [
-        ("step wall", x["step_window"]["wall_ms"], y["step_window"]["wall_ms"]),
-        ("GPU busy", x["gpu"]["busy_ms"], y["gpu"]["busy_ms"]),
-        ("communication", x["communication"]["total_ms"], y["communication"]["total_ms"]),
-        ("exposed communication", x["communication"]["exposed_ms"], y["communication"]["exposed_ms"])], rel)
-    out += _table("region, CPU", "ms", _union_rows(_regions(x, "cpu_ms"), _regions(y, "cpu_ms"), 100), rel)
-    if _regions(x, "gpu_ms") or _regions(y, "gpu_ms"):
-        out += _table("region, GPU", "ms", _union_rows(_regions(x, "gpu_ms"), _regions(y, "gpu_ms"), 100), rel)
-    if "parts" in x and "parts" in y:
-        out += _table("model part, summed over layers", "ms", _union_rows(
-            {r["label"]: r["total_ms"] for r in x["parts"]["summed"]},
-            {r["label"]: r["total_ms"] for r in y["parts"]["summed"]}, 100), rel)
-        out += _table("exposed communication by process group", "ms", _union_rows(
-            exposed_groups(x["collectives"]), exposed_groups(y["collectives"]), 100), rel)
-    out += _table("category", "ms", _union_rows({c["category"]: c["total_ms"] for c in x["categories"]},
-                                                {c["category"]: c["total_ms"] for c in y["categories"]}, 100), rel)
-    out += _table("kernel (– = not in that run's top 20)", "ms",
-                  [(short_kernel_name(n), p, q) for n, p, q in _union_rows(
-                      {k["name"]: k["total_ms"] for k in x["top_kernels"]},
-                      {k["name"]: k["total_ms"] for k in y["top_kernels"]}, _ROWS)], rel)
-    out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _union_rows(
-        {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []},
-        {o["name"]: o["inclusive_ms"] for o in y.get("top_cpu_ops") or []}, _ROWS), rel)
+    ma, mb = _samples(map(metric, xs)), _samples(map(metric, ys))
+    out += _table("metric", "ms", [(n, ma[n], mb[n]) for n in metric(xs[0])])
+    out += _table("region, CPU", "ms", _pooled(lambda x: _regions(x, "cpu_ms"), xs, ys))
+    if any(_regions(x, "gpu_ms") for x in xs + ys):
+        out += _table("region, GPU", "ms", _pooled(lambda x: _regions(x, "gpu_ms"), xs, ys))
+    px, py = [x for x in xs if "parts" in x], [y for y in ys if "parts" in y]
+    if px and py:
+        out += _table("model part, summed over layers", "ms", _pooled(
+            lambda x: {r["label"]: r["total_ms"] for r in x["parts"]["summed"]}, px, py))
+        out += _table("exposed communication by process group", "ms", _pooled(
+            lambda x: exposed_groups(x["collectives"]), px, py))
+    out += _table("category", "ms", _pooled(lambda x: {c["category"]: c["total_ms"] for c in x["categories"]}, xs, ys))
+    out += _table("kernel (– = not in that run's top 20)", "ms", [(short_kernel_name(n), p, q) for n, p, q in _pooled(
+        lambda x: {k["name"]: k["total_ms"] for k in x["top_kernels"]}, xs, ys, _ROWS)])
+    out += _table("CPU op, inclusive (– = not in that run's top 15)", "ms", _pooled(
+        lambda x: {o["name"]: o["inclusive_ms"] for o in x.get("top_cpu_ops") or []}, xs, ys, _ROWS))
     return out
 
 
@@ -461,22 +613,30 @@ def compare_runs(run_a: str, run_b: str) -> str:
             shape (the message names both files).
     """
     ta, tb = find_trials(run_a), find_trials(run_b)
-    out = [REPORT_TITLE, "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`", ""]
-    common = sorted(set(ta) & set(tb))
-    for key in sorted(set(ta) ^ set(tb)):
-        side = "A" if key in ta else "B"
-        out.append(f"- unmatched: {key[0]} step {key[1]} only in {side} "
-                   f"(`{dir_name((ta if key in ta else tb)[key][0])}`)")
+    ga, gb = _groups(ta), _groups(tb)
+    out = [REPORT_TITLE, "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`"]
+    common = sorted(set(ga) & set(gb))
+    for key in sorted(set(ga) ^ set(gb)):
+        side, trials = ("A", ga[key]) if key in ga else ("B", gb[key])
+        steps = ", ".join(str(s["profile_step"]) for _, s in trials)
+        out.append(f"- unmatched: {key[0]} step{'s' if len(trials) > 1 else ''} {steps} only in {side} "
+                   f"({', '.join(f'`{dir_name(d)}`' for d, _ in trials)})")
     for side, run in (("A", run_a), ("B", run_b)):
         out += [f"- not compared: `{d}` in {side} has no {SUMMARY_JSON} (a trial not run, e.g. after STOP_ON_FAILURE, "
                 "or not postprocessed)" for d in _without_summary(run)]
+    out.append("")
     if not common:
-        out.append(f"\n{NO_MATCH}")
-    for key in common:
+        out.append(NO_MATCH)
+        return "\n".join(out) + "\n"
+    sections = [(None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
+    sections += [(key, lambda key=key: _group_section(key[0], ga[key], gb[key])) for key in common]
+    out += _verdict_note()
+    for key, section in sections:
         try:
-            out += [""] + _pair(key, *ta[key], *tb[key])
+            out += section()
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
-            files = " and ".join(os.path.join(ta[key][0] if side == 0 else tb[key][0], SUMMARY_JSON) for side in (0, 1))
+            dirs = [d for d, _ in (list(ta.values()) + list(tb.values()) if key is None else ga[key] + gb[key])]
+            files = " and ".join(os.path.join(d, SUMMARY_JSON) for d in dirs)
             raise CompareInputError(f"cannot compare {files}: a member has an unexpected shape "
                                     f"({type(exc).__name__}: {exc}); rerun postprocess_profile.py for them") from None
     return "\n".join(out).rstrip() + "\n"
