@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Regenerate docs/examples/ from real runs on one GPU (an H200 with Transformer Engine, and fla for Qwen3.5):
-#   qwen3_30b_a3b/         the shipped YAML cut to 4 layers at 131072 tokens, megatron:d1, 3 steps, step 2 profiled,
-#                          kernel and memory trials (LM_HEAD_LOSS_CHUNK_SIZE=0, as shipped)
-#   qwen3_30b_a3b_lm_head_2048/   the same memory trial with LM_HEAD_LOSS_CHUNK_SIZE=2048
-#   compare_lm_head.md     postprocess_profile.py compare of the two (where the memory peak went)
-#   qwen3_5_35b_a3b/       the Qwen3.5 YAML cut to 4 layers (3 gated delta-net + 1 full attention) at its 32768 tokens,
-#                          megatron:d1, kernel trial
+#   qwen3_30b_a3b/               the shipped YAML cut to 4 layers at 131072 tokens, megatron:d1, 3 steps, step 2
+#                                profiled, kernel and memory trials (LM_HEAD_LOSS_CHUNK_SIZE=0, as shipped)
+#   qwen3_30b_a3b_lm_head_2048/  the same memory trial with LM_HEAD_LOSS_CHUNK_SIZE=2048
+#   compare_lm_head.md           postprocess_profile.py compare of the two (where the memory peak went)
+#   qwen3_5_35b_a3b/             the Qwen3.5 YAML cut to 4 layers (3 gated delta-net + 1 full attention) at its
+#                                32768 tokens, megatron:d1, kernel trial
 # Only summaries (Markdown) and plots are kept, no traces or snapshots.
-# Usage (repo root):  bash docs/examples/regenerate.sh [WORK_DIR]      WORK_DIR (default /tmp/sftprof_examples) must not exist
+# Usage (repo root):  bash docs/examples/regenerate.sh WORK_DIR [PART ...]
+#   PART: qwen3_30b_a3b, lm_head_2048, qwen3_5, keep (copy what WORK_DIR holds into docs/examples/); default: all, in
+#   that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=$repo/docs/examples
-work=${1:-/tmp/sftprof_examples}
-[ ! -e "$work" ] || { echo "regenerate.sh: $work exists; name a new WORK_DIR" >&2; exit 2; }
+work=${1:?usage: bash docs/examples/regenerate.sh WORK_DIR [PART ...]}
+shift
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 qwen3_5 keep)
 run() {  # NAME [VAR=value ...]: one driver run on one GPU into WORK_DIR/NAME
   local name=$1; shift
   env N_GPUS_PER_NODE=1 PROFILE_RANKS= TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 PROFILE_STEPS=2 TOTAL_STEPS=3 \
@@ -21,6 +25,7 @@ run() {  # NAME [VAR=value ...]: one driver run on one GPU into WORK_DIR/NAME
 }
 keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kind>/
   local name=$1 trial kind
+  [ -d "$work/$name" ] || return 0
   rm -rf "${out:?}/$name"
   for trial in "$work/$name"/*/; do
     [ -f "$trial/profile_summary.md" ] || continue
@@ -30,11 +35,19 @@ keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kin
     find "$trial" -name '*.png' -exec cp {} "$out/$name/$kind/" \;
   done
 }
-run qwen3_30b_a3b
-run qwen3_30b_a3b_lm_head_2048 PROFILE_KINDS=memory LM_HEAD_LOSS_CHUNK_SIZE=2048
-python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_lm_head_2048" \
-    --out "$work/compare_lm_head.md"
-run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_KINDS=kernel PROFILE_FAKE_SEQ_LEN=32768
-for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_5_35b_a3b; do keep "$name"; done
-cp "$work/compare_lm_head.md" "$out/"
-du -sh "$out"
+for part in "${parts[@]}"; do
+  case $part in
+    qwen3_30b_a3b) run qwen3_30b_a3b ;;
+    lm_head_2048)
+      run qwen3_30b_a3b_lm_head_2048 PROFILE_KINDS=memory LM_HEAD_LOSS_CHUNK_SIZE=2048
+      python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_lm_head_2048" \
+          --out "$work/compare_lm_head.md" ;;
+    qwen3_5) run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_KINDS=kernel \
+                 PROFILE_FAKE_SEQ_LEN=32768 ;;
+    keep)
+      for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_5_35b_a3b; do keep "$name"; done
+      [ ! -f "$work/compare_lm_head.md" ] || cp "$work/compare_lm_head.md" "$out/"
+      du -sh "$out" ;;
+    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 qwen3_5 keep" >&2; exit 2 ;;
+  esac
+done
