@@ -20,8 +20,9 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
 ``profile_summary.json`` (:func:`trial_row`):
 
 - ``step_s``: the profiled step's wall time in ``stats.jsonl`` (max over ranks), and ``unprofiled_step_s``:
-  the step before it (no profiler; ``--steps`` >= 3 so that it is not the warm-up step 0; none, shown ``-``, for a
-  ``--runs`` trial that profiled step 1, whose step before is the warm-up);
+  the step before it, which keeps no trace (it is the profiler's warm-up step: the profiler runs, so it is not free of
+  the profiler's overhead either; ``--steps`` >= 3 so that it is not the warm-up step 0 of the run; none, shown
+  ``-``, for a ``--runs`` trial that profiled step 1, whose step before is step 0);
 - ``attn_ms``: attention-core GPU time per rank (model part ``attn_core``: forward, recompute and backward
   kernels inside the attention modules), the maximum over ranks; ``attn_fwd_tflops`` / ``attn_bwd_tflops``:
   achieved model TFLOP/s of attention kernels on the rank with the most attention time (the summary's
@@ -67,7 +68,7 @@ DRIVER_ENV = {"PROFILE_N_MBS": "1", "PROFILE_RANKS": ""}
 # precision-aware optimizer cannot run: such rows train with the fp32 optimizer.
 NO_TE_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32"}
 COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", "step_s", "{:.3f}"),
-           ("unprof. s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
+           ("prev. step s", "unprofiled_step_s", "{:.3f}"), ("attn ms/rank", "attn_ms", "{:.1f}"),
            ("attn fwd TF/s", "attn_fwd_tflops", "{:.0f}"), ("attn bwd TF/s", "attn_bwd_tflops", "{:.0f}"),
            ("experts ms", "experts_ms", "{:.1f}"),
            ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
@@ -312,8 +313,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4, help="actor.num_layers (0: the config's)")
     ap.add_argument("--seq", type=int, default=131072, help="tokens per sequence (one sequence per step)")
     ap.add_argument("--steps", type=int, default=3,
-                    help="steps per trial (>= 3): step 0 warms up, the last one is profiled, the one before it is "
-                         "the unprofiled reference")
+                    help="steps per trial (>= 3): step 0 warms up, the last one is profiled, the one before it (the "
+                         "profiler's warm-up step, no trace kept) is the reference")
     ap.add_argument("--kinds", choices=("kernel", "kernel,memory"), metavar="{kernel | kernel,memory}",
                     help="profile kinds per layout run here (PROFILE_KINDS; default kernel); the row always comes "
                          "from the kernel trial")
@@ -326,7 +327,7 @@ def main() -> int:
     if not args.layouts and not args.runs:
         ap.error("give --layouts to run, or --runs of earlier driver runs")
     if args.steps < 3:
-        ap.error(f"--steps {args.steps}: need >= 3 (step 0 warms up; the unprofiled step before the profiled one "
+        ap.error(f"--steps {args.steps}: need >= 3 (step 0 warms up; the step before the profiled one, which keeps no trace, "
                  "is the reference)")
     if args.kinds and not args.layouts:
         ap.error(f"--kinds {args.kinds}: applies to --layouts run here; the rows of --runs come from their kernel "
