@@ -187,14 +187,6 @@ def test_help_prints_usage_and_exits_0(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_readme_lists_the_driver_variables():
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("| variable | default | meaning |"):]
-    table = table[:table.index("\n\n")]
-    named = re.findall(r"`([A-Z][A-Z0-9_]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()[2:]))
-    assert named == [v.name for v in launch.VARIABLES]
-
-
 def test_docs_table_of_variables_is_the_launchers():
     """docs/driver_variables.md is the table of sftprof/launch/variables.py as `python -m sftprof.launch usage
     --markdown` prints it (defaults of the shipped YAML)."""

@@ -69,7 +69,7 @@ def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
 
 
 def test_hta_two_ranks_with_cuda_sync_events_same_figures_in_every_gpu_folder(tmp_path, caplog):
-    """The 2-GPU H200 excerpt: every folder README.md names for HTA gives both ranks, the same GPU events
+    """The 2-GPU H200 excerpt: every folder docs/peer_tools.md names for HTA gives both ranks, the same GPU events
     (kernels, memcpy, memset and the stream-bound CUDA sync events) and the same figures as the raw folder."""
     pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
     from hta.trace_analysis import TraceAnalysis

@@ -96,7 +96,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     md = (run / "profile_summary.md").read_text()  # CPU traces: no GPU wording about waits that cannot exist
     assert md.count("No GPU activity in this trace: no device waits or GPU idle time to report.") == 2
     assert "GPU idle in the step window" not in md and "Blocking CUDA calls" not in md
-    assert "Where the ranks' own GPU work differs" not in md and s["ranks"]["work_spread"] is None  # README
+    assert "Where the ranks' own GPU work differs" not in md and s["ranks"]["work_spread"] is None  # docs/summary.md
     assert s["stats"]["step_time_s"] == s["stats"]["profile_step_record"]["step_time_s"] == 2.0
     assert s["stats"]["max_mem_peak_allocated_gb"] == 4.0
     assert s["nvidia_smi"]["peak_memory_used_mib"] == 90000 and s["nvidia_smi"]["peak_utilization_pct"] == 97
@@ -119,7 +119,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1,
                "--nvidia-smi-csv", smi)
     assert res.returncode == 0 and "wrote" not in res.stderr and "kept" not in res.stderr
-    assert res.stderr.splitlines()[-2:] == [  # the same inputs: left as it is, and said so (README)
+    assert res.stderr.splitlines()[-2:] == [  # the same inputs: left as it is, and said so (docs/postprocessing.md)
         "[postprocess] WARNING profile_summary.json: the summary is unchanged since the last postprocess (same "
         "inputs), left as it is",
         f"[postprocess] {run / 'profile_summary.json'} unchanged (same inputs), left as it is (trial status ok, {counts})"]
@@ -351,7 +351,7 @@ def test_failed_trial_still_gets_a_summary(tmp_path):
 
 def test_standalone_rerun_after_the_driver_reads_the_same_trainer_log_and_leaves_the_summary(tmp_path):
     """The driver passes --trainer-log LOG_DIR/trainer.log; a standalone run without it takes that file by default
-    (README), so rerunning it on a trial the driver postprocessed leaves the summary as it is (it used to write a new
+    (docs/postprocessing.md), so rerunning it on a trial the driver postprocessed leaves the summary as it is (it used to write a new
     one, keeping the driver's as profile_summary.prev1.*, with trainer_log None its only change), and a failed trial
     postprocessed standalone gets the log's tail."""
     log = tmp_path / "log"
