@@ -14,11 +14,15 @@ import pytest
 import yaml
 
 from fixtures import FIXTURE_DIR
+from sftprof import launch
+from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis import compare, stats
+from sftprof.analysis.memory_estimate import estimate_memory
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.what_if import trial_what_if
 from sftprof.analysis.what_if_outcome import judge
 from sftprof.config import load_config, to_yaml
+from sftprof.models.hf import load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2.0**30
@@ -32,7 +36,7 @@ def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str
     config of the shipped YAML with ``overrides`` (one H200, megatron:d1, 2 layers) and a trainer.log with the
     megatron engine's ``transformer_engine=`` line."""
     log = root / "log"
-    profile = ([f"perf_tracer.enabled=true", f"perf_tracer.profile_steps=[{step}]", "memory_profiler.profile_steps=[]"]
+    profile = (["perf_tracer.enabled=true", f"perf_tracer.profile_steps=[{step}]", "memory_profiler.profile_steps=[]"]
                if kind == "kernel" else [f"memory_profiler.profile_steps=[{step}]", "perf_tracer.profile_steps=[]"])
     cfg = load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"),
                       ["actor.backend=megatron:d1", "actor.num_layers=2", "cluster.n_gpus_per_node=1",
@@ -45,13 +49,14 @@ def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str
         snaps.mkdir(parents=True)
         shutil.copy(artifact, snaps / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz")
     (log / "config.yaml").write_text(to_yaml(cfg))
-    recs = [{"type": "step", "step": s, "loss": 2.0, "step_time_s": 1.0, "profiled": s == step} for s in range(step + 1)]
+    recs = [{"type": "step", "step": s, "loss": 2.0, "step_time_s": 1.0, "profiled": s == step}
+            for s in range(step + 1)]
     recs.append({"type": "complete", "status": "ok", "error": None, "steps_done": step + 1, "world_size": 1,
                  "backend": "megatron", "device": "cuda", "profile_kind": kind, "profile_step": step})
     (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (log / "trainer.log").write_text(f"2026-12-01 10:00:00 [rank 0] INFO megatron: qwen3_30b_a3b, 2 layers on this "
-                                     f"stage, 1.869 B parameters on this rank; dp=1; transformer_engine={te}; loss path "
-                                     "logprobs\n")
+    (log / "trainer.log").write_text(f"2026-12-01 10:00:00 [rank 0] INFO megatron: qwen3_30b_a3b, 2 layers on "
+                                     f"this stage, 1.869 B parameters on this rank; dp=1; transformer_engine={te}; "
+                                     "loss path logprobs\n")
     summary, code = postprocess_trial(str(log), str(root / "run"), kind, step, trainer_log=str(log / "trainer.log"))
     assert code == 0, summary["errors"]
     return summary
@@ -101,15 +106,11 @@ def test_te_memory_trial_proposes_expandable_segments_and_the_chunked_lm_head(te
             "actor.megatron.use_precision_aware_optimizer=true, actor.megatron.main_grads_dtype=bfloat16.") in md
 
 
-def test_a_trial_with_the_chunked_lm_head_is_not_offered_it(tmp_path, te_memory):
+def test_a_trial_with_the_chunked_lm_head_is_not_offered_it(te_memory):
     """Issue 34's case: a trial that runs LM_HEAD_LOSS_CHUNK_SIZE=2048 holds no logits; neither its estimate nor its
     what-ifs count them (the same snapshot, the config of that trial)."""
     cfg = copy.deepcopy(te_memory["config"])
     cfg["actor"]["loss"]["lm_head_loss_chunk_size"] = 2048
-    from sftprof.analysis.memory_estimate import estimate_memory
-    from sftprof.allocation import parse_allocation_mode
-    from sftprof.models.hf import load_hf_config
-
     layout = parse_allocation_mode("megatron:d1")
     est = estimate_memory(cfg, load_hf_config("qwen3_30b_a3b", 2), layout, layout.rank_coords(0), 8192)
     act = next(r for r in est["rows"] if r["category"] == "activations")
@@ -132,8 +133,8 @@ def test_precision_aware_optimizer_needs_transformer_engine(tmp_path):
     assert without["transformer_engine"] is False
     assert "precision_aware_optimizer" not in _by_key(without["what_if"])
     assert _by_key(without["what_if_skipped"])["precision_aware_optimizer"]["reason"] == (
-        "an optimizer-step peak, but Transformer Engine was not in the trial: megatron-core's precision-aware optimizer "
-        "needs TE's FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
+        "an optimizer-step peak, but Transformer Engine was not in the trial: megatron-core's precision-aware "
+        "optimizer needs TE's FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
     # its largest block alive at the peak was allocated before the window: no logits-bound peak
     assert sorted(_by_key(without["what_if"])) == ["expandable_segments"]
     with_te = _trial(tmp_path / "te", "memory", 1, snapshot, overrides, te=True)
@@ -159,8 +160,8 @@ def test_te_kernel_trial_proposes_selective_recompute(te_kernel):
     assert w["settings"] == [
         {"kind": "config", "key": "actor.megatron.recompute_granularity", "value": "selective", "current": "full"},
         {"kind": "config", "key": "actor.megatron.recompute_modules", "value": ["core_attn"], "current": ["core_attn"]}]
-    assert w["effect"] == {"metric": "gpu_time", "unit": "ms", "value": round(-(sum(rec.values()) - rec["attn_core"]), 4),
-                           "baseline": parts["total_ms"]}
+    saved = sum(rec.values()) - rec["attn_core"]
+    assert w["effect"] == {"metric": "gpu_time", "unit": "ms", "value": round(-saved, 4), "baseline": parts["total_ms"]}
     assert w["text"].startswith("selective recompute (actor.megatron.recompute_granularity=selective, "
                                 "actor.megatron.recompute_modules=[core_attn]): GPU time per step -8.4 ms on rank 0")
 
@@ -198,17 +199,14 @@ def _memory_summary(category: str = "optimizer", expandable: bool = False) -> di
      dict(recompute_granularity="selective", recompute_modules=["core_attn"]), dict(recompute_granularity="full")),
     ("balanced_routing", _kernel_summary(top_share=0.9), dict(moe_router_force_load_balancing=True),
      dict(moe_router_force_load_balancing=False)),
-    ("precision_aware_optimizer", _memory_summary(), dict(use_precision_aware_optimizer=True, main_grads_dtype="bfloat16"),
+    ("precision_aware_optimizer", _memory_summary(),
+     dict(use_precision_aware_optimizer=True, main_grads_dtype="bfloat16"),
      dict(use_precision_aware_optimizer=False, main_grads_dtype="float32")),
 ])
 def test_a_setting_the_trial_has_is_never_proposed(key, summary, has, lacks):
     """Each lever whose figure calls for it: proposed where the trial lacks the setting, and where it has it, left out
     with the reason naming the setting."""
     if key == "precision_aware_optimizer":  # its prediction needs the estimate of the trial's config
-        from sftprof.allocation import parse_allocation_mode
-        from sftprof.analysis.memory_estimate import estimate_memory
-        from sftprof.models.hf import load_hf_config
-
         layout = parse_allocation_mode("megatron:d1")
         summary["memory_snapshots"][0]["estimate"] = estimate_memory(
             _cfg(**lacks), load_hf_config("qwen3_30b_a3b", 2), layout, layout.rank_coords(0), 8192)
@@ -308,6 +306,20 @@ def test_compare_puts_prediction_next_to_outcome(tmp_path):
                         "A/B exact, from rank 0's memory snapshot (peak_allocated_gib).")
     assert lines[8] == ("  Assumption: **smaller than predicted**: the outcome is short of the band -27.8 to -46.4. It "
                         "assumed: the peak holds the logits.")
+
+
+def test_try_what_ifs_is_a_checked_launcher_variable(tmp_path):
+    env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fr"), "RUN_ROOT": str(tmp_path / "run"),
+           "PROFILE_STAMP": "p"}
+    with pytest.raises(launch.DriverError, match=r"^TRY_WHAT_IFS='9': must be an integer from 0 to 8$"):
+        launch.plan({**env, "TRY_WHAT_IFS": "9"}, [], gpus=0)
+    with pytest.raises(launch.DriverError, match=r"^TRY_WHAT_IFS=1 with N_NODES=2: what-if trials are chosen from "):
+        launch.plan({**env, "TRY_WHAT_IFS": "1", "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
+    _, settings, info = launch.plan({**env, "TRY_WHAT_IFS": "2"}, [], gpus=0)
+    assert info["what_ifs"] == 2 and "TRY_WHAT_IFS=2\t# env" in settings
+    assert "TRY_WHAT_IFS" not in "\n".join(a for t in launch.plan(env, [], gpus=0)[0] for a in t.args)
+    assert launch.unknown_variable_warnings({"TRY_WHATIF": "1"}) == [  # the issue's spelling
+        "TRY_WHATIF is not a driver variable and is ignored; did you mean TRY_WHAT_IFS?"]
 
 
 # -- the driver: one what-if tried and compared on the tiny CPU preset -------------------------------------------

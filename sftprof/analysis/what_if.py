@@ -22,8 +22,8 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
   ``expandable_segments:True``: peak reserved less that slack.
 - ``chunked_lm_head`` (memory trial): a logits-bound peak (the logits of the theoretical estimate,
   :mod:`sftprof.analysis.memory_estimate`, which follows ``actor.loss``, and an activation block at least their
-  size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the logits, one chunk
-  kept.
+  size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
+  logits, one chunk kept.
 - ``precision_aware_optimizer`` (memory trial, megatron, Transformer Engine in the trial): an optimizer-step peak
   (the peak in ``sftprof/optimizer_step``, or the optimizer state the largest category at it);
   ``use_precision_aware_optimizer=true``, ``main_grads_dtype=bfloat16`` (``USE_PRECISION_AWARE_OPTIMIZER=true
@@ -54,7 +54,7 @@ from sftprof.config import n_micro_batches
 from sftprof.models.hf import load_hf_config
 
 __all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text", "config_argument",
-           "effect_text"]
+           "amount", "effect_text"]
 
 # metric -> (unit, words)
 METRICS = {
@@ -106,11 +106,17 @@ def config_argument(s: WhatIfSetting) -> str:
     return f"{s['key']}={_value_text(s['value'])}"
 
 
+def amount(value: Optional[float], unit: str) -> str:
+    """``-145.1 ms``, ``-37.10 GiB``, ``-72.0 percentage points``: a change in its unit (``–`` for None)."""
+    if value is None:
+        return "–"
+    return f"{value:+.1f} percentage points" if unit == "pct" else f"{value:+.{1 if unit == 'ms' else 2}f} {unit}"
+
+
 def effect_text(effect: dict, rank: Optional[int]) -> str:
-    """``"GPU time per step -145.1 ms on rank 0"``: a predicted (or measured) effect in words."""
-    unit, words = METRICS[effect["metric"]][0], METRICS[effect["metric"]][1]
-    value = f"{effect['value']:+.1f} percentage points" if unit == "pct" else f"{effect['value']:+.{1 if unit == 'ms' else 2}f} {unit}"
-    return f"{words} {value}" + (f" on rank {rank}" if rank is not None else "")
+    """``"GPU time per step -145.1 ms on rank 0"``: a predicted effect in words."""
+    unit, words = METRICS[effect["metric"]]
+    return f"{words} {amount(effect['value'], unit)}" + (f" on rank {rank}" if rank is not None else "")
 
 
 class _Trial:
@@ -161,8 +167,8 @@ class _Trial:
         effect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
                   "baseline": None if baseline is None else round(baseline, 4)}
         if weight < MIN_SHARE:
-            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of "
-                                 f"{_value_text(round(baseline or 0.0, 2))} {METRICS[metric][0]}: too small to see")
+            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of its "
+                                 f"baseline ({baseline} {effect['unit']}): too small for a comparison to see")
             return
         text = (f"{LABELS[key]} ({', '.join(setting_text(s) for s in settings)}): {effect_text(effect, rank)} "
                 f"({detail})")
@@ -333,7 +339,8 @@ def _chunked_lm_head(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None
     if t.already_set("chunked_lm_head", rank, settings):
         return
     chunk = logits * min(1.0, LM_HEAD_CHUNK / (_tokens_on_rank(t) or LM_HEAD_CHUNK))  # the logits of one chunk
-    t.propose("chunked_lm_head", rank, settings, "peak_allocated", -(logits - chunk) / _GIB, s.get("peak_allocated_gib"),
+    t.propose("chunked_lm_head", rank, settings, "peak_allocated", -(logits - chunk) / _GIB,
+              s.get("peak_allocated_gib"),
               f"{logits / _GIB:.2f} GiB of logits alive at the peak, one chunk of {LM_HEAD_CHUNK} tokens "
               f"({chunk / _GIB:.2f} GiB) kept",
               "the peak holds the logits (s x V/tp in the model dtype, as in sftprof/analysis/memory_estimate.py) "
@@ -378,9 +385,9 @@ def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict
     delta = sum(after[c]["bytes"] - before[c]["bytes"] for c in ("gradients", "optimizer"))
     if not in_step:  # the fp32 gradient copy lives only in the optimizer step
         delta += before["optimizer"].get("step_copy_bytes", 0)
+    held = [sum(x[c]["bytes"] for c in ("gradients", "optimizer")) / _GIB for x in (before, after)]
     t.propose("precision_aware_optimizer", rank, settings, "peak_allocated", delta / _GIB, s.get("peak_allocated_gib"),
-              f"estimated gradients + optimizer state {(before['gradients']['bytes'] + before['optimizer']['bytes']) / _GIB:.2f} "
-              f"-> {(after['gradients']['bytes'] + after['optimizer']['bytes']) / _GIB:.2f} GiB"
+              f"estimated gradients + optimizer state {held[0]:.2f} -> {held[1]:.2f} GiB"
               + ("" if in_step else ", the fp32 gradient copy of the optimizer step not at this peak"),
               "the gradients and optimizer state alive at the peak follow sftprof/analysis/memory_estimate.py: TE's "
               "FusedAdam keeps the fp32 main params as 16-bit remainders beside fp32 moments and bf16 main grads, "

@@ -36,9 +36,9 @@ from typing import Optional, Sequence
 
 from sftprof.analysis import stats
 from sftprof.analysis.schema import processed_snapshots, processed_traces
-from sftprof.analysis.what_if import METRICS
+from sftprof.analysis.what_if import METRICS, amount
 
-__all__ = ["TOLERANCE", "RULE", "Outcome", "outcome", "judge", "amount", "outcome_text"]
+__all__ = ["TOLERANCE", "RULE", "Outcome", "outcome", "judge", "outcome_text"]
 
 TOLERANCE = 0.25
 RULE = (f"the assumption held when the measured change B − A meets the band of ±{100 * TOLERANCE:.0f} % around the "
@@ -168,13 +168,6 @@ def outcome(what_if: dict, a: dict, b: dict, step_times: tuple[list[float], list
     return _one_each(p, *[(x or {}).get(key) for x in (sa, sb)], f"rank {rank}'s memory snapshot ({key})", True)
 
 
-def amount(value: Optional[float], unit: str) -> str:
-    """``-145.1 ms``, ``-37.10 GiB``, ``-72.0 points``: a change in its unit (``–`` for None)."""
-    if value is None:
-        return "–"
-    return f"{value:+.1f} points" if unit == "pct" else f"{value:+.{1 if unit == 'ms' else 2}f} {unit}"
-
-
 def outcome_text(o: Outcome, unit: str) -> str:
     """``predicted -145.1 ms, measured -131.0 ms [95 % CI -140.2 ms, -120.3 ms]`` (``(exact)`` for memory,
     ``(1/1: no interval)`` for one sample a side)."""
@@ -184,4 +177,5 @@ def outcome_text(o: Outcome, unit: str) -> str:
         tail = f" [95 % CI {amount(o.low, unit)}, {amount(o.high, unit)}]"
     else:
         tail = f" ({o.samples}: no interval)"
-    return f"predicted {amount(o.predicted, unit)}, measured {amount(o.measured, unit)}" + (tail if o.measured is not None else "")
+    measured = amount(o.measured, unit) + (tail if o.measured is not None else "")
+    return f"predicted {amount(o.predicted, unit)}, measured {measured}"

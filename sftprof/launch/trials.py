@@ -12,7 +12,8 @@ environment, stops them (SIGTERM, then SIGKILL), and the trial fails with torchr
 in the node end record that the summary reads (:mod:`sftprof.launch.nodes`).
 
 The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.planning.Trial` that gave the
-trainer its config (no file read back).
+trainer its config (no file read back). With ``TRY_WHAT_IFS=N`` the what-if trials (:mod:`sftprof.launch.what_ifs`)
+follow the planned ones, each compared with the trial it varies.
 """
 from __future__ import annotations
 
@@ -204,8 +205,10 @@ class TrialRunner:
 
     def run(self, trials: list[Trial], info: dict) -> int:
         """Run every trial of the plan (``info``: its settings, :func:`sftprof.launch.planning.plan`), or until a
-        signal or, with ``STOP_ON_FAILURE=1``, a failure; then the not-run rows and the end table; returns the exit
-        status."""
+        signal or, with ``STOP_ON_FAILURE=1``, a failure; with ``TRY_WHAT_IFS``, then the what-if trials of the
+        planned trials' summaries, each compared with its source trial (:meth:`_plan_what_ifs`, :meth:`_compare`);
+        then the not-run rows and the end table; returns the exit status (a failed what-if trial counts as a failed
+        trial)."""
         self.trials, self.info, self.run_root = trials, info, Path(info["run_root"])
         with open(self.run_root / artifacts.SUMMARY_TSV, "x", encoding="utf-8") as f:
             f.write("\t".join(SUMMARY_HEADER) + "\n")
@@ -261,7 +264,8 @@ class TrialRunner:
         cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "compare", str(source.run_dir),
                str(trial.run_dir)]
         with open(trial.run_dir / artifacts.LAUNCHER_LOG, "ab") as log:
-            rc = subprocess.run(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+            rc = subprocess.run(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
         self.console.line(f"sftprof: [{n}/{len(self.trials)}] compared with {source.name}: {out}" if rc == 0 else
                           f"sftprof: [{n}/{len(self.trials)}] compare with {source.name} failed (status "
                           f"{exit_status(rc)}; see {trial.run_dir / artifacts.LAUNCHER_LOG})")
@@ -343,8 +347,9 @@ class TrialRunner:
                f"--master_port={info['master_port']}", "--rdzv-conf", f"timeout={info['node_timeout']}",
                str(REPO_ROOT / "train_sft_profile.py"), *t.args]
         start = time.monotonic()
-        self.torchrun = subprocess.Popen(cmd, env={**self.env, **t.env, TRIAL_MARKER: self.marker}, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.torchrun = subprocess.Popen(cmd, env={**self.env, **t.env, TRIAL_MARKER: self.marker},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         if self.stop.signum is not None:  # a signal before self.torchrun was set: its handler could not pass it on
             kill_group(self.torchrun.pid, signal.SIGTERM)
         pump = _tee(self.torchrun, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)

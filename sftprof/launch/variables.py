@@ -216,10 +216,10 @@ VARIABLES = (
              _dtype),
     Variable("USE_DETERMINISTIC_ALGORITHMS", "config", "deterministic kernels",
              ("actor.megatron.use_deterministic_algorithms",), parse_bool),
-    Variable("TRY_WHAT_IFS", "launcher", f"after the planned trials, one more trial for each of the N heaviest what-ifs "
-             f"their summaries propose (the setting applied, same kind and step), compared with its trial: prediction "
-             f"against outcome (0 to {MAX_WHAT_IFS}; one node)", parse=lambda n, t: _int(n, t, 0, MAX_WHAT_IFS),
-             default="0"),
+    Variable("TRY_WHAT_IFS", "launcher", "after the planned trials, one more trial for each of the N heaviest "
+             "what-ifs their summaries propose (the setting applied, same kind and step), compared with its trial: "
+             f"prediction against outcome (0 to {MAX_WHAT_IFS}; one node)",
+             parse=lambda n, t: _int(n, t, 0, MAX_WHAT_IFS), default="0"),
     Variable("STOP_ON_FAILURE", "launcher", "stop after the first failed trial (the rest are listed as `not run`)",
              parse=parse_bool, default="1"),
     Variable("RUN_ROOT", "launcher", "where trial outputs and summary.tsv go; never overwritten",

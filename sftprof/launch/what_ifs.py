@@ -54,7 +54,8 @@ def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict]], list[
         ", none to try" if not ranked else f"; trying {min(n, len(ranked))}: " + "; ".join(
             f"{w['label']} ({settings_of(w)}) of the {t.kind} trial of step {t.step}" for t, w in ranked[:n]))]
     if len(ranked) > n:
-        lines.append("not tried (TRY_WHAT_IFS): " + "; ".join(f"{w['label']} ({settings_of(w)})" for _, w in ranked[n:]))
+        lines.append("not tried (TRY_WHAT_IFS): "
+                     + "; ".join(f"{w['label']} ({settings_of(w)})" for _, w in ranked[n:]))
     return ranked[:n], lines
 
 
