@@ -301,13 +301,9 @@ def read_tried_what_if(run_dir: str) -> tuple[dict | None, str | None]:
     tries, :class:`sftprof.analysis.schema.TriedWhatIf`) and an error naming the file when it is unreadable or not
     such a record (``(None, None)`` when absent: the trial is no what-if trial)."""
     path = os.path.join(run_dir, artifacts.WHAT_IF_JSON)
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
+    data, error = _read(path, json.load, ValueError)
+    if data is None:
+        return None, error
     if not (isinstance(data, dict) and isinstance(data.get("what_if"), dict) and isinstance(data.get("source_trial"), str)
             and isinstance(data.get("source_run_dir"), str)):
         return None, f"{path}: not a what-if record (source_trial, source_run_dir, what_if)"
@@ -367,17 +363,25 @@ def max_entries(log_dir: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
-    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
-    it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
-    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+def _read(path: str, load, error: type[Exception]) -> tuple[Any, str | None]:
+    """``load`` of the text file at ``path`` and an error naming the file when it cannot be read or ``load`` raises
+    ``error`` on it; ``(None, None)`` when it is absent."""
     if not os.path.isfile(path):
         return None, None
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            return load(f), None
+    except (OSError, UnicodeDecodeError, error) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
+
+
+def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
+    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
+    it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+    cfg, error = _read(path, yaml.safe_load, yaml.YAMLError)
+    if error:
+        return None, error
     if cfg is not None and not isinstance(cfg, dict):
         return None, f"{path}: not a YAML mapping (a {type(cfg).__name__})"
     return cfg, None
