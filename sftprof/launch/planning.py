@@ -239,8 +239,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, what_ifs=what_ifs,
-        overrides=overrides,
-        extra_overrides=list(extra_overrides), set_keys=set_keys,
+        overrides=overrides, extra_overrides=list(extra_overrides), set_keys=set_keys,
         node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
         master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
         master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S)
@@ -305,10 +304,9 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     n_nodes = probe.cluster.n_nodes
     if d.node_rank >= n_nodes:
         raise DriverError(f"NODE_RANK={d.node_rank}: must be in [0, N_NODES={n_nodes})")
-    if d.what_ifs and n_nodes > 1:
+    if d.what_ifs and n_nodes > 1:  # node 0 chooses them from its summaries: the other nodes cannot follow
         raise DriverError(f"TRY_WHAT_IFS={d.what_ifs} with N_NODES={n_nodes}: what-if trials are chosen from node 0's "
-                          "summaries after the planned trials, which the other nodes cannot follow; accepted: "
-                          "TRY_WHAT_IFS=0 (or unset) with several nodes, or one node")
+                          "summaries after the planned trials; accepted: TRY_WHAT_IFS=0 (or unset) with several nodes")
     nproc_var = BY_NAME["N_GPUS_PER_NODE"]
     nproc_given = nproc_var.name in d.set_keys or arguments_setting(nproc_var.keys[0], d.extra_overrides)
     nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes
@@ -481,8 +479,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         extra_overrides: the driver's arguments (config overrides for every trial).
         gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
 
-    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout``, the torchrun settings ``nproc_per_node,
-    nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
+    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout``, the torchrun settings
+    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
     the plan, the warnings) and ``warnings`` (repeated under the end table).
 
     Raises:
@@ -504,6 +502,5 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
-                                  "trials": len(trials),
-                                  "node_timeout": d.node_timeout, **torchrun, "notices": log.notices,
-                                  "warnings": log.warnings}
+                                  "trials": len(trials), "node_timeout": d.node_timeout, **torchrun,
+                                  "notices": log.notices, "warnings": log.warnings}
