@@ -38,11 +38,11 @@ import sys
 import tempfile
 
 from sftprof.analysis.inputs import recorded_profile
-from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs, dir_name
+from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
-from sftprof.artifacts import TRAINER_LOG, keep_previous
+from sftprof.artifacts import TRAINER_LOG, compare_report_name, keep_previous
 from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
 
@@ -80,7 +80,7 @@ def _compare(argv: list[str]) -> int:
         report = compare_runs(args.run_a, args.run_b)
     except CompareInputError as exc:
         p.error(str(exc))
-    out = args.out or os.path.join(args.run_b, f"compare_vs_{dir_name(args.run_a)}.md")  # "." named as its dir
+    out = args.out or os.path.join(args.run_b, compare_report_name(args.run_a))  # "." named as its dir
     try:
         if not args.out and _same_text(out, report):  # a rerun on the same summaries: nothing new to keep
             print(f"[postprocess] {out} unchanged (it already holds this report: same inputs), left as it is",

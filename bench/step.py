@@ -220,14 +220,15 @@ def _backend_of(log_dirs: list[Path], run_dir: Path) -> Optional[str]:
 
 
 def run_root_row(run_root: Path, extra: Optional[dict] = None) -> dict:
-    """The row of the last-step kernel trial listed in ``run_root/summary.tsv`` (a driver run root). A run root
-    copied or moved from the machine that ran it is read from where it is now (``run_root/<trial>``). Layout:
-    :func:`_backend_of`; world size: from the layout, else the trial's completion record."""
+    """The row of the last-step kernel trial listed in ``run_root/summary.tsv`` (a driver run root; its what-if trials,
+    another configuration, left out). A run root copied or moved from the machine that ran it is read from where it
+    is now (``run_root/<trial>``). Layout: :func:`_backend_of`; world size: from the layout, else the trial's
+    completion record."""
     row: dict[str, Any] = {"layout": None, "world_size": None, "run_root": str(run_root), **(extra or {})}
     try:
         with open(run_root / "summary.tsv") as f:
-            kernel = [t for t in csv.DictReader(f, delimiter="\t")
-                      if t.get("kind") == "kernel" and t.get("status") != "not run"]   # not run: STOP_ON_FAILURE
+            kernel = [t for t in csv.DictReader(f, delimiter="\t")   # not run: STOP_ON_FAILURE; what-if trials
+                      if t.get("kind") == "kernel" and t.get("status") != "not run" and t.get("what_if", "-") == "-"]
         if not kernel:
             raise ValueError("no kernel trial in summary.tsv")
         trial = max(kernel, key=lambda t: int(t["step"]))

@@ -15,6 +15,7 @@ Layout::
 
     RUN_ROOT/  profile_settings.log  trials.tsv  summary.tsv
       <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  profile_summary.{json,md}
+        what_if.json  compare_vs_<source trial>.md                (a what-if trial of TRY_WHAT_IFS)
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
         memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
     LOG_DIR = FILEROOT/logs/<user>/<experiment>/<trial>/
@@ -220,6 +221,13 @@ NVIDIA_SMI_CSV = "nvidia_smi.csv"
 SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
+WHAT_IF_JSON = "what_if.json"  # a what-if trial's record of the what-if it tries (the driver, TRY_WHAT_IFS)
+
+
+def compare_report_name(run_a: str) -> str:
+    """``compare_vs_<A>.md``: the report ``postprocess_profile.py compare A B`` writes into B by default (``<A>``:
+    the last component of A's absolute path)."""
+    return f"compare_vs_{os.path.basename(os.path.abspath(run_a))}.md"
 
 
 def previous_index(paths: list[str]) -> int:

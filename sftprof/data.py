@@ -24,6 +24,7 @@ from typing import List
 
 import torch
 
+from sftprof.config.schema import n_micro_batches
 from sftprof.tokenizer import TextTokenizer
 
 PAD_LABEL = 0
@@ -164,32 +165,6 @@ def dp_rank_sample_ids(step: int, batch_size: int, dp: int, dp_rank: int, datase
     per_rank = batch_size // dp
     first = step * batch_size + dp_rank * per_rank
     return [(first + j) % dataset_size for j in range(per_rank)]
-
-
-def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, max_tokens_per_mb: int) -> int:
-    """Number of micro-batches for ``n_seqs`` sequences of ``seq_len`` tokens on one DP rank.
-
-    At least ``actor.mb_spec.n_mbs``; more when ``max_tokens_per_mb > 0`` needs them; rounded up
-    to a multiple of ``n_mbs_divisor``; never more than ``n_seqs`` (a sequence is not split).
-
-    Raises:
-        ValueError: one sequence is longer than ``max_tokens_per_mb``, ``n_mbs > n_seqs``, or the
-            divisor rounds the count past ``n_seqs``.
-    """
-    if n_mbs > n_seqs:
-        raise ValueError(f"actor.mb_spec.n_mbs={n_mbs}: must be <= sequences per data-parallel rank ({n_seqs})")
-    n = n_mbs
-    if max_tokens_per_mb:
-        if seq_len > max_tokens_per_mb:
-            raise ValueError(f"actor.mb_spec.max_tokens_per_mb={max_tokens_per_mb}: smaller than one sequence "
-                             f"(profile.fake_seq_len={seq_len}); accepted: 0 (no limit) or >= {seq_len}")
-        n = max(n, math.ceil(n_seqs / (max_tokens_per_mb // seq_len)))
-    n = math.ceil(n / n_mbs_divisor) * n_mbs_divisor
-    if n > n_seqs:
-        raise ValueError(f"actor.mb_spec.n_mbs_divisor={n_mbs_divisor}: {n} micro-batches needed, but a data-parallel "
-                         f"rank has only {n_seqs} sequences (a sequence is not split); accepted: a divisor that "
-                         f"makes n_mbs <= {n_seqs}")
-    return n
 
 
 def split_micro_batches(sample: FakeSample, sample_ids: List[int], n_mbs: int) -> List[MicroBatch]:

@@ -665,11 +665,11 @@ def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
     assert "more for" not in out.stdout and "sftprof: STOP_ON_FAILURE=1: stopping after the first failure" in out.stderr
     rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()]
     assert rows[0] == ["trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
-                       "log_dir"]
+                       "log_dir", "what_if"]
     log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()]
     assert [r[:6] + r[7:] for r in rows[1:]] == [
-        [names[0], "kernel", "0", "1", "1", "0", str(run / names[0]), str(log_dirs[0])],
-        [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1])]]
+        [names[0], "kernel", "0", "1", "1", "0", str(run / names[0]), str(log_dirs[0]), "-"],
+        [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1]), "-"]]
     assert rows[2][6] == "-" and log_dirs[1].parent.parent.parent == logs
     table = out.stdout[out.stdout.index("trial          status"):].splitlines()
     assert table[2] == "kernel step 1  not run     -          -          -"
@@ -1015,13 +1015,14 @@ def test_argument_giving_the_drivers_own_trial_value_is_taken_and_noted(tmp_path
     args = ["total_train_steps=1", "perf_tracer.enabled=true", "perf_tracer.profile_steps=[0]",
             "memory_profiler.profile_steps=[]", f"trial_name={name}"]
     trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="0"), args, gpus=0)
-    assert [s for s in settings if not s.startswith("#")][:6] == [
+    assert [s for s in settings if not s.startswith("#")][:7] == [
         "CONFIG=tiny_cpu\t# env",
         "PROFILE_STEPS=0\t# env (the arguments perf_tracer.profile_steps=[0] and memory_profiler.profile_steps=[] agree)",
         "PROFILE_KINDS=kernel\t# default without CUDA (kernel,memory with CUDA) (the argument perf_tracer.enabled=true "
         "agrees)",
         "TOTAL_STEPS=profile_step+1\t# default (the argument total_train_steps=1 agrees)",
         "STOP_ON_FAILURE=1\t# default",
+        "TRY_WHAT_IFS=0\t# default",
         "PROFILE_RANKS=0\t# config perf_tracer.ranks"]
     assert (f"trial_name={name}\t# the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp> (the argument "
             f"trial_name={name} agrees)") in settings

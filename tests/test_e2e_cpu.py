@@ -188,6 +188,17 @@ def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
             assert summary["counts"]["snapshots"] == 0
 
 
+def test_cpu_trials_propose_no_what_if(run):
+    """One sequence and micro-batch a rank (batch 2 over 2 ranks): no fewer-micro-batches what-if; the other levers
+    need GPU time, a snapshot or the megatron backend (balanced routing, where the routing collapsed, says so)."""
+    _, run_root = run
+    for row in summary_rows(run_root):
+        s = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
+        assert s["what_if"] == [] and s["transformer_engine"] is False and "tried_what_if" not in s
+        assert all(w["key"] == "balanced_routing" and w["reason"].endswith("the fsdp backend has none")
+                   for w in s["what_if_skipped"])
+
+
 def _bench_step():
     import importlib.util
 

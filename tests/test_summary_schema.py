@@ -65,7 +65,10 @@ def test_check_names_every_departure():
     assert schema.check({"text": "a", "section": "#s", "weight": 1, "key": "k", "rank": None}, schema.Finding) == []
     assert schema.check({"text": "a", "section": "#s", "weight": True, "key": "k"}, schema.Finding, "f") == [
         "f.weight: expected float, got bool"]
-    assert schema.check({"text": "a"}, schema.WhatIf, "w") == ["w.assumption: missing"]
+    assert schema.check({"text": "a"}, schema.WhatIf, "w") == [
+        f"w.{k}: missing" for k in ("assumption", "effect", "key", "label", "rank", "settings", "weight")]
+    assert schema.check({"kind": "file", "key": "k", "value": 1, "current": None}, schema.WhatIfSetting, "s") == [
+        "s.kind: 'file' is not one of ('config', 'env')"]
 
 
 def test_the_strict_writer_refuses_a_summary_that_departs(monkeypatch):

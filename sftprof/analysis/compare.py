@@ -13,6 +13,10 @@ memory trials, memory alive at the peak by allocation site. Every row of every t
 memory rows (deterministic for a given step) an exact difference. Typical use: prove that
 ``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
 
+What-if trials (the driver's ``TRY_WHAT_IFS``: a trial's what-if applied, same kind and step) are another
+configuration: a RUN_ROOT's are left out of its groups; each what-if trial of B whose source trial is in A gets the
+prediction against the outcome first (:func:`_what_if_section`, :mod:`sftprof.analysis.what_if_outcome`).
+
 Longer than 500 lines: one report, whose sections share the row helpers (samples, cells, tables); the statistics
 themselves are in :mod:`sftprof.analysis.stats`.
 """
@@ -25,7 +29,7 @@ from typing import Any, Iterable
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import SUMMARY_JSON
-from sftprof.analysis import inputs, stats
+from sftprof.analysis import inputs, stats, what_if, what_if_outcome
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
@@ -34,7 +38,8 @@ from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summa
 from sftprof.analysis.collectives import exposed_groups
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["CompareInputError", "find_trials", "compare_runs", "dir_name", "NO_MATCH"]
+__all__ = ["CompareInputError", "find_trials", "what_if_trials", "what_if_result", "compare_runs", "dir_name",
+           "NO_MATCH"]
 
 _ROWS = 15  # rows per top-kernel / site table
 REPORT_TITLE = "# Profile comparison"  # first line of every report
@@ -71,7 +76,9 @@ def dir_name(path: str) -> str:
 
 
 def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
-    """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT.
+    """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT; a RUN_ROOT's what-if trials (summaries
+    with ``tried_what_if``: another configuration, of the same kind and step as their source) are left out
+    (:func:`what_if_trials`).
 
     Raises:
         CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json`` (the message names
@@ -96,10 +103,28 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
     out: dict[tuple[str, int], tuple[str, dict]] = {}
     for d in dirs:
         s = _load_summary(os.path.join(d, SUMMARY_JSON))
+        if len(dirs) > 1 and s.get("tried_what_if"):  # another configuration: compared with its source trial
+            continue
         key = (s["profile_kind"], s["profile_step"])
         if key in out:
             raise CompareInputError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
         out[key] = (d, s)
+    return out
+
+
+def what_if_trials(run: str) -> list[tuple[str, dict]]:
+    """``[(trial_dir, summary)]`` of the what-if trials (``tried_what_if``) of a trial dir or a RUN_ROOT (run order of
+    the folder names); unreadable summaries are left to :func:`find_trials`."""
+    dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
+        [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
+    out = []
+    for d in dirs:
+        try:
+            s = read_summary(os.path.join(d, SUMMARY_JSON))
+        except SummaryReadError:
+            continue
+        if isinstance(s.get("tried_what_if"), dict):
+            out.append((d, s))
     return out
 
 
@@ -604,6 +629,45 @@ def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
     return out
 
 
+def _what_if_pairs(ta: dict, run_a: str, run_b: str) -> list[tuple[str, dict, str, dict]]:
+    """``[(source dir, source summary, what-if dir, what-if summary)]``: each what-if trial of B whose source trial
+    (``tried_what_if.source_trial``) is a trial of A (``ta``: :func:`find_trials` of A; a what-if trial of A is not a
+    source)."""
+    by_name = {dir_name(d): (d, s) for d, s in ta.values()}
+    by_name.update({s.get("trial"): (d, s) for d, s in ta.values() if s.get("trial")})
+    out = []
+    for d, s in what_if_trials(run_b):
+        source = by_name.get(s["tried_what_if"]["source_trial"])
+        if source and os.path.abspath(source[0]) != os.path.abspath(d):
+            out.append((source[0], source[1], d, s))
+    return out
+
+
+def what_if_result(a: dict, b: dict) -> what_if_outcome.Outcome:
+    """The outcome of the what-if that summary ``b`` (a what-if trial) tries on summary ``a`` (its source trial):
+    :func:`sftprof.analysis.what_if_outcome.outcome` with the step times of :func:`_clean_step_times` (ms)."""
+    times = tuple([1000 * t for _, t in _clean_step_times(x)] for x in (a, b))
+    return what_if_outcome.outcome(b["tried_what_if"]["what_if"], a, b, times)
+
+
+def _what_if_section(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
+    """Each what-if tried: its setting, prediction and outcome, and whether its assumption held
+    (:mod:`sftprof.analysis.what_if_outcome`)."""
+    out = ["## What-ifs tried: prediction against outcome", "",
+           f"A is the trial a what-if varies, B the what-if trial (same kind and step, the setting applied). Rule: "
+           f"{what_if_outcome.RULE}.", ""]
+    for da, a, db, b in pairs:
+        w = b["tried_what_if"]["what_if"]
+        o = what_if_result(a, b)
+        settings = ", ".join(f"`{what_if.setting_text(x)}`" for x in w["settings"])
+        metric = what_if.METRICS[w["effect"]["metric"]][1]
+        rank = f" (predicted from rank {w['rank']})" if w.get("rank") is not None else ""
+        out += [f"- **{w['label']}** ({settings}), `{dir_name(da)}` (A) -> `{dir_name(db)}` (B): {metric}{rank}: "
+                f"{what_if_outcome.outcome_text(o, w['effect']['unit'])}; samples A/B {o.samples}, from {o.basis}.",
+                f"  Assumption: **{o.verdict}**: {o.why}. It assumed: {w['assumption']}.", ""]
+    return out
+
+
 def compare_runs(run_a: str, run_b: str) -> str:
     """Markdown report comparing two runs (see the module docstring); it ends with :data:`NO_MATCH` when no
     trial matches. Sub-directories of a RUN_ROOT without ``profile_summary.json`` are listed as not compared.
@@ -624,13 +688,22 @@ def compare_runs(run_a: str, run_b: str) -> str:
     for side, run in (("A", run_a), ("B", run_b)):
         out += [f"- not compared: `{d}` in {side} has no {SUMMARY_JSON} (a trial not run, e.g. after STOP_ON_FAILURE, "
                 "or not postprocessed)" for d in _without_summary(run)]
+    pairs = _what_if_pairs(ta, run_a, run_b)
+    for side, run in (("A", run_a), ("B", run_b)):
+        left_out = [] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else what_if_trials(run)
+        if left_out:
+            out.append(f"- what-if trials in {side}, left out of the tables (another configuration; each is set "
+                       "against its source trial below where A holds that trial): "
+                       + ", ".join(f"`{dir_name(d)}`" for d, _ in left_out))
     out.append("")
-    if not common:
+    if not common and not pairs:
         out.append(NO_MATCH)
         return "\n".join(out) + "\n"
-    sections = [(None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
-    sections += [(key, lambda key=key: _group_section(key[0], ga[key], gb[key])) for key in common]
-    out += _verdict_note()
+    sections = [(None, lambda: _what_if_section(pairs))] if pairs else []
+    if common:
+        sections += [(None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
+        sections += [(key, lambda key=key: _group_section(key[0], ga[key], gb[key])) for key in common]
+        out += _verdict_note()
     for key, section in sections:
         try:
             out += section()

@@ -20,7 +20,8 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace_check import is_finite_number
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
-           "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error"]
+           "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error",
+           "transformer_engine", "read_tried_what_if", "ROUTING_COLLAPSE_SHARE"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -104,6 +105,9 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
         best = max(vals, key=lambda x: x[0]) if vals else (None, None)
         out[f"max_{key}_gb"], out[f"max_{key}_rank"] = best
     return out
+
+
+ROUTING_COLLAPSE_SHARE = 0.5  # a busiest expert receiving at least this share of a step's tokens: collapsed routing
 
 
 def moe_load(load, tokens) -> dict[str, Any] | None:
@@ -266,6 +270,46 @@ def trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
     return [t.rstrip("\n") for t in tail]
 
 
+_TE_IN_LOG = re.compile(r"\btransformer_engine=(True|False)\b")
+
+
+def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None:
+    """Whether Transformer Engine ran in the trial: ``actor.megatron.transformer_engine`` of its config when ``on`` or
+    ``off``; with ``auto``, the megatron engine's line in ``trainer_log`` (``... transformer_engine=True; ...``, its
+    first such line); False for the fsdp backend (it never uses TE). None: no config, or ``auto`` and no such line
+    (no trainer log, or a trial that ended before building its engine)."""
+    actor = (cfg or {}).get("actor") if isinstance(cfg, dict) else None
+    if not isinstance(actor, dict):
+        return None
+    if not str(actor.get("backend") or "").startswith("megatron"):
+        return False
+    mode = str(((actor.get("megatron") or {}).get("transformer_engine")) or "auto")
+    if mode in ("on", "off"):
+        return mode == "on"
+    if not trainer_log or not os.path.isfile(trainer_log):
+        return None
+    with open(trainer_log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _TE_IN_LOG.search(line)
+            if m:
+                return m.group(1) == "True"
+    return None
+
+
+def read_tried_what_if(run_dir: str) -> tuple[dict | None, str | None]:
+    """``RUN_DIR/what_if.json`` (:data:`sftprof.artifacts.WHAT_IF_JSON`: the driver's record of the what-if a trial
+    tries, :class:`sftprof.analysis.schema.TriedWhatIf`) and an error naming the file when it is unreadable or not
+    such a record (``(None, None)`` when absent: the trial is no what-if trial)."""
+    path = os.path.join(run_dir, artifacts.WHAT_IF_JSON)
+    data, error = _read(path, json.load, ValueError)
+    if data is None:
+        return None, error
+    if not (isinstance(data, dict) and isinstance(data.get("what_if"), dict) and isinstance(data.get("source_trial"), str)
+            and isinstance(data.get("source_run_dir"), str)):
+        return None, f"{path}: not a what-if record (source_trial, source_run_dir, what_if)"
+    return data, None
+
+
 def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
     """``(profile_kind, profile_step)`` of the trial's completion record in ``stats.jsonl`` (what the trainer
     profiled), ``(None, None)`` when the file or the record is missing."""
@@ -319,17 +363,25 @@ def max_entries(log_dir: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
-    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
-    it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
-    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+def _read(path: str, load, error: type[Exception]) -> tuple[Any, str | None]:
+    """``load`` of the text file at ``path`` and an error naming the file when it cannot be read or ``load`` raises
+    ``error`` on it; ``(None, None)`` when it is absent."""
     if not os.path.isfile(path):
         return None, None
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            return load(f), None
+    except (OSError, UnicodeDecodeError, error) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
+
+
+def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
+    """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
+    it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+    cfg, error = _read(path, yaml.safe_load, yaml.YAMLError)
+    if error:
+        return None, error
     if cfg is not None and not isinstance(cfg, dict):
         return None, f"{path}: not a YAML mapping (a {type(cfg).__name__})"
     return cfg, None

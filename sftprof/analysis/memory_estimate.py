@@ -66,8 +66,9 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         seq_len: tokens per sample (``profile.fake_seq_len``).
 
     Returns:
-        ``{"params_dense", "params_expert", "bytes_per_param": {...}, "rows": [{"category", "bytes", "gib",
-        "formula"}], "assumptions": [...]}``.
+        ``{"params_dense", "params_expert", "bytes_per_param": {"parameters", "gradients", "optimizer",
+        "step_copy"}, "rows": [{"category", "bytes", "gib", "formula"}], "assumptions": [...]}`` (bytes per
+        parameter before any sharding; ``step_copy``: megatron-core's fp32 gradient copy of the optimizer step).
     """
     a = cfg.get("actor") or {}
     m = a.get("megatron") or {}
@@ -96,12 +97,14 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
                              f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params"}]
         assumptions.append(f"distributed optimizer {'on' if dist_opt else 'off'}; precision-aware optimizer "
                            f"{'on' if pa else 'off'}")
+        per_param = {"parameters": wb, "gradients": grad_b, "optimizer": state_b, "step_copy": 0 if pa else 4}
     else:
         dp = layout.dp
         rows += [{"category": "parameters", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
                  {"category": "gradients", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
                  {"category": "optimizer", "bytes": 2 * wb * n // dp, "formula": f"2 x {wb} B x {n:,} / {dp}"}]
         assumptions.append("FSDP2: parameters, gradients and AdamW moments sharded over DP in actor.dtype")
+        per_param = {"parameters": wb, "gradients": wb, "optimizer": 2 * wb, "step_copy": 0}
     s_local = seq_len // (layout.cp if layout.backend == "megatron" else 1)
     layers = hf.num_hidden_layers // layout.pp
     act = layers * s_local * hf.hidden_size * wb
@@ -118,7 +121,8 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
     for r in rows:
         r["bytes"] = int(r["bytes"])
         r["gib"] = round(r["bytes"] / _GIB, 4)
-    return {"params_dense": dense, "params_expert": expert, "rows": rows, "assumptions": assumptions}
+    return {"params_dense": dense, "params_expert": expert, "bytes_per_param": per_param, "rows": rows,
+            "assumptions": assumptions}
 
 
 def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:

@@ -12,13 +12,13 @@ import os
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.schema import FileError, FileWarning
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
 
-__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "optional_input_warnings",
-           "ROUTING_COLLAPSE_SHARE"]
+__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "optional_input_warnings"]
 
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
@@ -106,9 +106,6 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
             errors.append({"file": where, "error": f"trial status {summary['status']} but no artifacts found in the "
                                                    "log dir"})
     return errors, warnings
-
-
-ROUTING_COLLAPSE_SHARE = 0.5  # a busiest expert receiving at least this share of a step's tokens: collapsed routing
 
 
 def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -> list[FileWarning]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sftprof.analysis import findings as fnd
+from sftprof.artifacts import compare_report_name
 from sftprof.analysis.failure import failure_cause, headline
 from sftprof.analysis.markdown import fmt, table, with_rank
 from sftprof.analysis.rank_table import RANK_COLUMNS
@@ -39,11 +40,26 @@ def _findings(s: dict) -> list[str]:
         out.append("## Findings\n")
         out += [f"{i + 1}. {f['text']} ([details]({f['section']}))" for i, f in enumerate(s["findings"])]
         out.append("")
-    if s.get("what_if"):
+    if s.get("what_if") or s.get("what_if_skipped"):
         out.append("## What if\n")
-        out += [f"- {w['text']}. Assumes: {w['assumption']}." for w in s["what_if"]]
+        out += [f"- {w['text']}. Assumes: {w['assumption']}." for w in s.get("what_if") or []]
+        out += [f"- not proposed, {w['label']}" + (f" (rank {w['rank']})" if w["rank"] is not None else "")
+                + f": {w['reason']}." for w in s.get("what_if_skipped") or []]
         out.append("")
     return out
+
+
+def _tried_what_if(s: dict) -> list[str]:
+    """A what-if trial's record: the trial it varies, the setting applied, the prediction (its outcome: compare)."""
+    tried = s.get("tried_what_if")
+    if not tried:
+        return []
+    w = tried["what_if"]
+    return ["## What-if trial\n",
+            f"This trial tries a what-if of `{tried['source_trial']}` (same kind and step): {w['text']}. "
+            f"Assumes: {w['assumption']}.",
+            f"Prediction against outcome: `{compare_report_name(tried['source_run_dir'])}` in this run dir "
+            "(`postprocess_profile.py compare SOURCE_RUN_DIR THIS_RUN_DIR`).", ""]
 
 
 def _problems(s: dict) -> list[str]:
@@ -250,7 +266,7 @@ def _comm_wait(cw: dict | None) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces, memory_snapshots)
+    _header, _tried_what_if, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces, memory_snapshots)
 
 
 def render_markdown(s: dict) -> str:

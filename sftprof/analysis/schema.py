@@ -35,11 +35,12 @@ from typing import Any, Literal, NotRequired, Optional, TypedDict, Union
 from sftprof.analysis.trace_check import finite_json
 
 __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "MemorySummary", "TraceEntry",
-           "SnapshotEntry", "Parts", "PartRow", "SummaryReadError", "SchemaError", "read_summary", "from_json",
-           "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
+           "SnapshotEntry", "WhatIf", "WhatIfSetting", "WhatIfEffect", "WhatIfSkipped", "TriedWhatIf", "Parts",
+           "PartRow", "SummaryReadError", "SchemaError", "read_summary", "from_json", "summary_json", "json_text",
+           "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -218,9 +219,54 @@ class Finding(TypedDict):
     rank: NotRequired[Optional[int]]
 
 
+class WhatIfSetting(TypedDict):
+    """One setting a what-if changes: a key of the trial's config (``config``: a ``key=value`` argument of the trial,
+    ``value`` as the config holds it) or an environment variable of the trial's processes (``env``, ``value`` text).
+    ``current`` is the trial's own value (None: unset, or not known from its files)."""
+    kind: Literal["config", "env"]
+    key: str
+    value: Any
+    current: Any
+
+
+class WhatIfEffect(TypedDict):
+    """A predicted change of one measured figure (:data:`sftprof.analysis.what_if.METRICS`): ``value`` is B - A in
+    ``unit`` (negative: less), ``baseline`` the trial's measured figure it changes (same unit)."""
+    metric: str
+    unit: str  # "ms" | "GiB" | "pct"
+    value: float
+    baseline: Optional[float]
+
+
 class WhatIf(TypedDict):
+    """A change to try (:mod:`sftprof.analysis.what_if`): its settings, the predicted effect on ``rank`` (None: the
+    trial as a whole), the assumption behind the prediction, and ``weight`` (the effect's share of its baseline) that
+    orders the what-ifs the driver tries (``TRY_WHAT_IFS``). ``text``: the same in words."""
+    key: str  # the lever, the same on every rank (sftprof.analysis.what_if.LABELS)
+    label: str
     text: str
     assumption: str
+    rank: Optional[int]
+    settings: list[WhatIfSetting]
+    effect: WhatIfEffect
+    weight: float
+
+
+class WhatIfSkipped(TypedDict):
+    """A what-if whose figure called for it but that is not proposed, and why (the trial already has the setting,
+    Transformer Engine is absent, the backend has no such setting, ...)."""
+    key: str
+    label: str
+    rank: Optional[int]
+    reason: str
+
+
+class TriedWhatIf(TypedDict):
+    """What makes a trial a what-if trial (``RUN_DIR/what_if.json``, written by the driver): the trial it varies
+    (same kind and step) and the what-if of that trial's summary it tries."""
+    source_trial: str
+    source_run_dir: str
+    what_if: WhatIf
 
 
 # -- one kernel trace -------------------------------------------------------------------------------------------
@@ -607,6 +653,12 @@ class EstimateCheckRow(TypedDict):
     difference_bytes: int  # measured - estimated
 
 
+class AllocatorSettings(TypedDict):
+    """The caching allocator's settings a snapshot records (``allocator_settings``; None: the snapshot has none)."""
+    alloc_conf: Optional[str]  # PYTORCH_CUDA_ALLOC_CONF as the trial's processes had it
+    expandable_segments: Optional[bool]
+
+
 class SnapshotEntry(TypedDict):
     """One snapshot: its archive, plot and summary, or its error (then ``archived`` False)."""
     rank: Optional[int]
@@ -621,6 +673,7 @@ class SnapshotEntry(TypedDict):
     estimate: NotRequired[Optional[Estimate]]
     estimate_note: NotRequired[Optional[str]]
     estimate_vs_measured: NotRequired[Optional[list[EstimateCheckRow]]]
+    allocator: NotRequired[Optional[AllocatorSettings]]
 
 
 # -- across ranks -----------------------------------------------------------------------------------------------
@@ -805,6 +858,9 @@ class ProfileSummary(TypedDict):
     ranks: RankTable
     findings: list[Finding]
     what_if: list[WhatIf]
+    what_if_skipped: NotRequired[list[WhatIfSkipped]]
+    tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
+    transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

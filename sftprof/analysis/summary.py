@@ -96,8 +96,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     os.makedirs(run_dir, exist_ok=True)
     coords, coords_error = inputs.read_rank_coords(log_dir)
     cfg, cfg_error = inputs.trial_config(log_dir)
+    tried, tried_error = inputs.read_tried_what_if(run_dir)
     input_errors = [{"file": name, "error": err} for name, err in ((artifacts.RANK_COORDS, coords_error),
-                                                                  (artifacts.CONFIG_YAML, cfg_error)) if err]
+                                                                  (artifacts.CONFIG_YAML, cfg_error),
+                                                                  (artifacts.WHAT_IF_JSON, tried_error)) if err]
     stats = inputs.read_stats(os.path.join(log_dir, artifacts.STATS), profile_step)
     log_dir_missing = not os.path.isdir(log_dir)
     complete = _completion(log_dir, stats, log_dir_missing)
@@ -105,7 +107,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     # the resolved config travels with the summary, so that a run root copied off the training machine still
     # tells what differs between two runs (compare); None when config.yaml is absent or unreadable (an error)
     summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
-                   rank_coords={str(k): v for k, v in sorted(coords.items())})
+                   rank_coords={str(k): v for k, v in sorted(coords.items())},
+                   transformer_engine=inputs.transformer_engine(cfg, trainer_log))
+    if tried:
+        summary["tried_what_if"] = tried
     if summary["status"] != "ok":
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
@@ -128,7 +133,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
     summary["ranks"] = rank_table(summary)
     summary["findings"] = trial_findings(summary)
-    summary["what_if"] = trial_what_if(summary, cfg)
+    summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
     write_summary(summary, run_dir)
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 

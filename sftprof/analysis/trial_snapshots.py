@@ -62,6 +62,17 @@ def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict
         return None, f"no theoretical estimate: {type(exc).__name__}: {exc}"
 
 
+def _allocator_settings(snapshot: dict) -> dict | None:
+    """``{"alloc_conf", "expandable_segments"}`` of the caching allocator that took the snapshot (its
+    ``allocator_settings``, recorded by torch since 2.5; a value of another type is None); None without them."""
+    settings = snapshot.get("allocator_settings")
+    if not isinstance(settings, dict):
+        return None
+    conf, expandable = settings.get("PYTORCH_CUDA_ALLOC_CONF"), settings.get("expandable_segments")
+    return {"alloc_conf": conf if isinstance(conf, str) else None,
+            "expandable_segments": expandable if isinstance(expandable, bool) else None}
+
+
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
                     max_entries: int | None, written: set[str], world: World) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
@@ -97,7 +108,9 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
                     phases = json.load(f)
                 copies[phases_name] = os.path.join(src_dir, phases_name)
             print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
-            summary = analyze_snapshot(safe_load_file(src), phases)
+            snapshot = safe_load_file(src)
+            summary = analyze_snapshot(snapshot, phases)
+            allocator = _allocator_settings(snapshot)
             plot_memory(summary, f"{name} (step {step})", os.path.join(stage, png_name))
             summary.pop("series")
             summary["history"] = history_status(summary, max_entries)
@@ -127,6 +140,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
         entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
     entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
     entry["summary"] = summary
+    entry["allocator"] = allocator
     entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
     entry["estimate_vs_measured"] = explain_estimate(summary, entry["estimate"])
     return entry

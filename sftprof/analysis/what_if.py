@@ -1,88 +1,435 @@
-"""What-if lines of a summary: first-order estimates of a change, from the measured figures and the trial's
-configuration, each with its assumption (``{"text", "assumption"}``).
+"""What-ifs of a trial: changes worth trying, each a record (:class:`sftprof.analysis.schema.WhatIf`) with the settings
+to apply, the predicted effect on one measured figure of one rank, the assumption behind the prediction and a weight
+(the effect's share of its baseline) that orders them; the driver tries the heaviest (``TRY_WHAT_IFS``) and
+:mod:`sftprof.analysis.what_if_outcome` sets each prediction against the outcome.
 
-- selective recompute (``core_attn``) instead of full: saves the measured recompute GPU time minus
-  the attention core's recompute time; adds the activations full recompute drops (not estimated here);
-- ``expandable_segments:True``: at most the measured allocator slack at the peak is returned
-  (assumes the slack is fragmentation, which expandable segments avoid);
-- distributed optimizer: when off, the optimizer state divided by the DP size of each parameter (DP x CP
-  dense, expert DP for the experts); when on, what it already divides by;
-- chunked LM head where the logits are held whole: frees the logits (``s V / t`` in the model
-  dtype, :mod:`sftprof.analysis.memory_estimate`).
+The levers, what calls for each and the first-order prediction (:data:`LABELS`; metrics and units in
+:data:`METRICS`):
+
+- ``selective_recompute`` (kernel trial, megatron, GPU time by model part): full recompute ran; recompute only the
+  attention core (``recompute_granularity=selective``, ``recompute_modules=[core_attn]``): GPU time per step less the
+  measured recompute GPU time minus the attention core's.
+- ``fewer_micro_batches`` (kernel trial): the step pays a cost per micro-batch whatever its size: on a GPU the idle
+  of launch-bound places (kernels shorter than their launch gaps, :mod:`sftprof.analysis.host_time`), on CPU the
+  FSDP2 collectives (each micro-batch's forward and backward gathers every layer, its backward reduces the
+  gradients; gloo, not overlapped). Fewer micro-batches
+  (``actor.mb_spec.n_mbs``, and ``max_tokens_per_mb`` where it would force more) saves that cost per micro-batch
+  dropped: step time ``- cost x (1 - n_new / n_old)``.
+- ``balanced_routing`` (kernel trial, megatron): the routing collapsed (one expert gets at least
+  :data:`sftprof.analysis.inputs.ROUTING_COLLAPSE_SHARE` of a layer's tokens, ``stats.jsonl``'s ``moe_load``);
+  ``moe_router_force_load_balancing=true``: the busiest expert's share falls to ``top_k / E``.
+- ``expandable_segments`` (memory trial): allocator slack at the peak; ``PYTORCH_CUDA_ALLOC_CONF`` with
+  ``expandable_segments:True``: peak reserved less that slack.
+- ``chunked_lm_head`` (memory trial): a logits-bound peak (the logits of the theoretical estimate,
+  :mod:`sftprof.analysis.memory_estimate`, which follows ``actor.loss``, and an activation block at least their
+  size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
+  logits, one chunk kept.
+- ``precision_aware_optimizer`` (memory trial, megatron, Transformer Engine in the trial): an optimizer-step peak
+  (the peak in ``sftprof/optimizer_step``, or the optimizer state the largest category at it);
+  ``use_precision_aware_optimizer=true``, ``main_grads_dtype=bfloat16`` (``USE_PRECISION_AWARE_OPTIMIZER=true
+  MAIN_GRADS_DTYPE=bfloat16``): the peak less the estimate's difference in gradients and optimizer state.
+- ``more_micro_batches`` (memory trial): an activation-bound peak (activations the largest category at it); twice
+  the micro-batches (the next count that divides the sequences of a data-parallel rank): the peak less
+  ``activations x (1 - n_old / n_new)``.
+- ``distributed_optimizer`` (memory trial, megatron, off): the optimizer state divided over the data-parallel
+  ranks of each parameter.
+
+Rules for every lever: it is never proposed for a setting the trial already has (every setting at the trial's
+value: a ``skipped`` entry says so), nor where the trial cannot take it (the fsdp backend for megatron-core's
+options, no Transformer Engine for the precision-aware optimizer: ``skipped`` says why), nor when the predicted
+effect is under :data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see).
 """
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import Any, Optional
 
+from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.schema import WhatIf, processed_snapshots, processed_traces
+from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
+from sftprof.analysis.memory_categories import site_category
+from sftprof.analysis.memory_estimate import estimate_memory
+from sftprof.analysis.schema import WhatIf, WhatIfSetting, WhatIfSkipped, processed_snapshots, processed_traces
+from sftprof.config import n_micro_batches
+from sftprof.models.hf import load_hf_config
 
-__all__ = ["trial_what_if", "kernel_what_if", "memory_what_if"]
+__all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text", "config_argument",
+           "amount", "effect_text"]
+
+# metric -> (unit, words)
+METRICS = {
+    "gpu_time": ("ms", "GPU time per step"),
+    "step_time": ("ms", "step time"),
+    "peak_allocated": ("GiB", "peak allocated"),
+    "peak_reserved": ("GiB", "peak reserved"),
+    "moe_top_share": ("pct", "busiest expert's share of a MoE layer's tokens"),
+}
+LABELS = {
+    "selective_recompute": "selective recompute",
+    "fewer_micro_batches": "fewer micro-batches",
+    "balanced_routing": "balanced routing",
+    "expandable_segments": "expandable segments",
+    "chunked_lm_head": "chunked LM head",
+    "precision_aware_optimizer": "precision-aware optimizer",
+    "more_micro_batches": "more micro-batches",
+    "distributed_optimizer": "distributed optimizer",
+}
+MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
+LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head the what-if proposes
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+_GIB = float(2**30)
+_MOE_PARTS = ("router", "dispatch_combine", "experts", "shared_experts")
 
 
-def trial_what_if(summary: dict, cfg: Optional[dict]) -> list[WhatIf]:
-    """The what-if lines of every profiled rank's trace and snapshot, in rank order (``cfg``: the trial's config)."""
-    out: list[WhatIf] = []
-    for t in processed_traces(summary):
-        out += kernel_what_if(t["rank"], t["summary"], cfg)
+def _get(tree: Any, key: str) -> Any:
+    """The value of dotted ``key`` in a nested dict (None when absent)."""
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_value_text(v) for v in value) + "]"
+    return str(value)
+
+
+def setting_text(s: WhatIfSetting) -> str:
+    """``key=value`` of a setting (an environment variable's marked ``(environment)``)."""
+    return f"{s['key']}={_value_text(s['value'])}" + (" (environment)" if s["kind"] == "env" else "")
+
+
+def config_argument(s: WhatIfSetting) -> str:
+    """The trainer's ``key=value`` argument of a config setting (lists as ``[a,b]``, booleans in lower case)."""
+    return f"{s['key']}={_value_text(s['value'])}"
+
+
+def amount(value: Optional[float], unit: str) -> str:
+    """``-145.1 ms``, ``-37.10 GiB``, ``-72.0 percentage points``: a change in its unit (``–`` for None)."""
+    if value is None:
+        return "–"
+    return f"{value:+.1f} percentage points" if unit == "pct" else f"{value:+.{1 if unit == 'ms' else 2}f} {unit}"
+
+
+def effect_text(effect: dict, rank: Optional[int]) -> str:
+    """``"GPU time per step -145.1 ms on rank 0"``: a predicted effect in words."""
+    unit, words = METRICS[effect["metric"]]
+    return f"{words} {amount(effect['value'], unit)}" + (f" on rank {rank}" if rank is not None else "")
+
+
+class _Trial:
+    """What the rules read of a trial: its config (``cfg``), layout, sequences per data-parallel rank, Transformer
+    Engine, the routing of its profiled step; the proposals and skips they make."""
+
+    def __init__(self, summary: dict, cfg: Optional[dict]) -> None:
+        self.summary, self.cfg = summary, cfg or {}
+        self.actor = self.cfg.get("actor") or {}
+        self.m = self.actor.get("megatron") or {}
+        try:
+            self.layout = parse_allocation_mode(str(self.actor.get("backend")))
+        except ValueError:
+            self.layout = None
+        self.megatron = self.layout is not None and self.layout.backend == "megatron"
+        self.found: list[WhatIf] = []
+        self.skipped: list[WhatIfSkipped] = []
+        self._hf: Any = False  # not loaded yet
+
+    def hf(self):
+        """The model's Hugging Face config (None when it cannot be loaded)."""
+        if self._hf is False:
+            try:
+                self._hf = load_hf_config(self.actor["path"], self.actor.get("num_layers") or 0)
+            except Exception:  # a model path not readable here: the rules that need it are left out
+                self._hf = None
+        return self._hf
+
+    def setting(self, key: str, value: Any) -> WhatIfSetting:
+        return {"kind": "config", "key": key, "value": value, "current": _get(self.cfg, key)}
+
+    def skip(self, key: str, rank: Optional[int], reason: str) -> None:
+        if not any(s["key"] == key for s in self.skipped):  # one line per lever (the first rank's)
+            self.skipped.append({"key": key, "label": LABELS[key], "rank": rank, "reason": reason})
+
+    def already_set(self, key: str, rank: Optional[int], settings: list[WhatIfSetting]) -> bool:
+        """True (and a skip) when the trial has every setting of the what-if already."""
+        if all(s["value"] == s["current"] for s in settings):
+            self.skip(key, rank, "the trial already has " + ", ".join(setting_text(s) for s in settings))
+            return True
+        return False
+
+    def propose(self, key: str, rank: Optional[int], settings: list[WhatIfSetting], metric: str, value: float,
+                baseline: Optional[float], detail: str, assumption: str, weight: Optional[float] = None) -> None:
+        """Add the what-if, unless its effect is under :data:`MIN_SHARE` of its baseline (then a skip)."""
+        if weight is None:
+            weight = abs(value) / baseline if baseline else 0.0
+        effect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
+                  "baseline": None if baseline is None else round(baseline, 4)}
+        if weight < MIN_SHARE:
+            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of its "
+                                 f"baseline ({baseline} {effect['unit']}): too small for a comparison to see")
+            return
+        text = (f"{LABELS[key]} ({', '.join(setting_text(s) for s in settings)}): {effect_text(effect, rank)} "
+                f"({detail})")
+        self.found.append({"key": key, "label": LABELS[key], "text": text, "assumption": assumption, "rank": rank,
+                           "settings": settings, "effect": effect, "weight": round(weight, 6)})
+
+    def seqs_per_rank(self) -> Optional[int]:
+        """Sequences per data-parallel rank and step (``train_dataset.batch_size / dp``)."""
+        bs = _get(self.cfg, "train_dataset.batch_size")
+        return bs // self.layout.dp if isinstance(bs, int) and self.layout is not None else None
+
+    def micro_batches(self, n_mbs: int, max_tokens: Optional[int] = None) -> Optional[int]:
+        """The trainer's micro-batch count with ``n_mbs`` (and ``max_tokens``; None: the trial's), None if refused."""
+        spec = self.actor.get("mb_spec") or {}
+        try:
+            return n_micro_batches(self.seqs_per_rank(), _get(self.cfg, "profile.fake_seq_len"), n_mbs,
+                                   spec.get("n_mbs_divisor", 1),
+                                   spec.get("max_tokens_per_mb", 0) if max_tokens is None else max_tokens)
+        except (ValueError, TypeError):
+            return None
+
+
+def trial_what_if(summary: dict, cfg: Optional[dict]) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
+    """The what-ifs of every profiled rank's trace and snapshot (rank order; the routing's once), and the levers not
+    proposed with the reason (module docstring). ``cfg``: the trial's resolved config; ``summary`` needs its
+    traces or snapshots, ``stats`` and ``transformer_engine``."""
+    t = _Trial(summary, cfg)
+    traces = processed_traces(summary)
+    for tr in traces:
+        _selective_recompute(t, tr["rank"], tr["summary"])
+        _fewer_micro_batches(t, tr["rank"], tr["summary"])
+    if traces:
+        _balanced_routing(t, traces)
     for m in processed_snapshots(summary):
-        if m["rank"] is not None:
-            out += memory_what_if(m["rank"], m["summary"], m.get("estimate"), cfg)
-    return out
+        if m["rank"] is None:
+            continue
+        s, est = m["summary"], m.get("estimate")
+        _expandable_segments(t, m["rank"], s, m.get("allocator"))
+        _chunked_lm_head(t, m["rank"], s, est)
+        _precision_aware_optimizer(t, m["rank"], s, est)
+        _more_micro_batches(t, m["rank"], s)
+        _distributed_optimizer(t, m["rank"], s, est)
+    return t.found, t.skipped
 
 
-def kernel_what_if(rank: int, s: dict, cfg: Optional[dict]) -> list[WhatIf]:
-    """The what-if lines of one rank's kernel summary ``s``: selective recompute where full recompute ran (GPU time
-    by model part only; a CPU run's is not the GPU's)."""
+# -- kernel trials ------------------------------------------------------------------------------------------------
+def _selective_recompute(t: _Trial, rank: int, s: dict) -> None:
     parts = s.get("parts") or {}
-    rec = sum(r["recompute_ms"] for r in parts.get("summed") or [])
-    what = []
-    m = ((cfg or {}).get("actor") or {}).get("megatron") or {}
-    if rec and m.get("recompute_granularity") == "full":
-        core = next((r["recompute_ms"] for r in parts.get("summed") or [] if r["part"] == "attn_core"), 0.0)
-        what.append({"text": f"selective recompute (core_attn) instead of full: about {rec - core:.1f} ms less GPU "
-                             f"time per step on rank {rank} (measured recompute {rec:.1f} ms minus the attention "
-                             f"core's {core:.1f} ms)", "assumption": "the recomputed work is removed one for one; the "
-                             "activation memory that full recompute avoids comes back (see the memory trial)"})
-    return what
+    rows = parts.get("summed") or []
+    rec = sum(r["recompute_ms"] for r in rows)
+    if not rec or not t.megatron:  # fsdp: HF gradient checkpointing has no selective form here
+        return
+    settings = [t.setting("actor.megatron.recompute_granularity", "selective"),
+                t.setting("actor.megatron.recompute_modules", ["core_attn"])]
+    if t.already_set("selective_recompute", rank, settings) or t.m.get("recompute_granularity") != "full":
+        return
+    # the attention core: its model part, or (parts by kernel name, without module ranges) the attention kernels
+    core = sum(r["recompute_ms"] for r in rows if r["part"] in ("attn_core", "kernel:attention"))
+    t.propose("selective_recompute", rank, settings, "gpu_time", -(rec - core), parts.get("total_ms"),
+              f"measured recompute {rec:.1f} ms minus the attention core's {core:.1f} ms",
+              "the recomputed work is removed one for one; the activation memory that full recompute avoids comes "
+              "back (see the memory trial)")
 
 
-def memory_what_if(rank: int, s: dict, estimate: Optional[dict], cfg: Optional[dict]) -> list[WhatIf]:
-    """The what-if lines of one rank's snapshot summary ``s`` with its theoretical ``estimate``
-    (:func:`sftprof.analysis.memory_estimate.estimate_memory`; None without one)."""
-    if not s.get("peak_allocated_bytes"):
-        return []
-    gib = 2.0**30
-    what = []
+def _fewer_micro_batches(t: _Trial, rank: int, s: dict) -> None:
+    n_old = sum(1 for r in s.get("regions") or [] if (artifacts.parse_region(r["name"]) or ("",))[0] == "forward")
+    n_seqs = t.seqs_per_rank()
+    if n_old < 2 or not n_seqs:
+        return
+    gpu = (s.get("gpu") or {}).get("activities", 0) > 0
+    if gpu:
+        rows = (((s.get("host") or {}).get("gpu_idle") or {}).get("host_wait_by_place") or {}).get("rows") or []
+        cost = sum(r["idle_ms"] for r in rows if r["kind"] == "launch-bound" and r["phase"] != "optimizer")
+        what = f"launch-bound GPU idle {cost:.1f} ms in the micro-batches' forward and backward"
+        why = ("the GPU idles between the launches of short kernels (launch-bound) as often per micro-batch whatever "
+               "its size, so that idle scales with the number of micro-batches")
+    elif str(t.actor.get("backend", "")).startswith("fsdp"):
+        ops = ((s.get("communication") or {}).get("host_ops") or {}).get("by_op_ms") or {}
+        cost = sum(v for k, v in ops.items() if "all_gather" in k or "all_reduce" in k or "reduce_scatter" in k)
+        what = f"host collectives {cost:.1f} ms in {n_old} micro-batches and the optimizer step"
+        why = ("FSDP2 gathers every layer's parameters in each micro-batch's forward and backward and reduces its "
+               "gradients in each backward, the same bytes whatever the micro-batch's size, and on CPU (gloo) these "
+               "collectives are not hidden behind compute (the optimizer step's gradient-norm all-reduce, once a "
+               "step, is counted in: an overestimate by that)")
+    else:
+        return
+    n_new = next(n for n in range(n_old - 1, 0, -1) if n_seqs % n == 0)  # 1 divides every count
+    spec = t.actor.get("mb_spec") or {}
+    settings = [t.setting("actor.mb_spec.n_mbs", n_new)] if spec.get("n_mbs", 1) != n_new else []
+    max_tokens, seq_len = spec.get("max_tokens_per_mb") or 0, _get(t.cfg, "profile.fake_seq_len")
+    if max_tokens and isinstance(seq_len, int) and max_tokens < n_seqs // n_new * seq_len:
+        max_tokens = n_seqs // n_new * seq_len  # the trial's token cap would keep the micro-batches as they are
+        settings.append(t.setting("actor.mb_spec.max_tokens_per_mb", max_tokens))
+    if t.micro_batches(n_new, max_tokens) != n_new:
+        t.skip("fewer_micro_batches", rank, f"{n_old} micro-batches of {n_seqs} sequences per data-parallel rank: "
+                                            f"{n_new} is not a count the trainer takes (actor.mb_spec.n_mbs_divisor)")
+        return
+    t.propose("fewer_micro_batches", rank, settings, "step_time", -cost * (1 - n_new / n_old),
+              (s.get("step_window") or {}).get("wall_ms"), f"{n_old} -> {n_new} micro-batches; {what}",
+              why + f"; the work per token is the same; the activations of one micro-batch grow {n_old / n_new:g}x "
+                    "(see the memory trial)")
+
+
+def _balanced_routing(t: _Trial, traces: list[dict]) -> None:
+    stats = t.summary.get("stats") or {}
+    rows = [x for x in stats.get("steps") or [] if x.get("moe")]
+    row = next((x for x in rows if x["step"] == t.summary.get("profile_step")), rows[-1] if rows else None)
+    moe = (row or {}).get("moe") or {}
+    if moe.get("top_share") is None or moe["top_share"] < ROUTING_COLLAPSE_SHARE:
+        return
+    if not t.megatron:
+        t.skip("balanced_routing", None, "the routing collapsed, but balanced routing is megatron-core's option "
+                                         "(actor.megatron.moe_router_force_load_balancing); the fsdp backend has none")
+        return
+    settings = [t.setting("actor.megatron.moe_router_force_load_balancing", True)]
+    hf = t.hf()
+    if t.already_set("balanced_routing", None, settings) or hf is None:
+        return
+    k, e = hf.num_experts_per_tok, getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    shares = []
+    for tr in traces:  # the MoE parts' share of the rank's time: what balanced routing acts on
+        parts = tr["summary"].get("parts") or {}
+        if parts.get("total_ms"):
+            moe_ms = sum(r["total_ms"] for r in parts.get("summed") or [] if r["part"] in _MOE_PARTS)
+            shares.append((moe_ms / parts["total_ms"], tr["rank"]))
+    share, rank = max(shares) if shares else (0.0, None)
+    t.propose("balanced_routing", None, settings, "moe_top_share", 100 * (k / e - moe["top_share"]),
+              100 * moe["top_share"], f"top-{k} of {e} experts, step {row['step']}, layer {moe['top_share_layer']}; "
+              f"the MoE parts hold {100 * share:.1f} % of the time on rank {rank}",
+              "megatron-core replaces each router's logits by random normal values, so each expert receives about "
+              "top_k / E of the tokens; the expert GEMM, dispatch and EP-wait times then are those of balanced "
+              "routing (not predicted here: compare shows them)", weight=share)
+
+
+# -- memory trials ------------------------------------------------------------------------------------------------
+def _largest(s: dict) -> Optional[str]:
+    """The largest category at the peak among those a stack names (not allocated before the window, not slack)."""
+    cats = [c for c in s.get("categories_at_peak") or [] if c["category"] not in ("before_window", "allocator_slack")]
+    return max(cats, key=lambda c: c["bytes"])["category"] if cats and max(c["bytes"] for c in cats) > 0 else None
+
+
+def _expandable_segments(t: _Trial, rank: int, s: dict, allocator: Optional[dict]) -> None:
     slack = s.get("reserved_minus_allocated_at_peak_bytes") or 0
-    if slack > 0:
-        what.append({"text": f"expandable_segments:True: up to {slack / gib:.2f} GiB of reserved memory on rank {rank} "
-                             "returned (the slack at the peak)",
-                     "assumption": "the slack is fragmentation of the caching allocator, which expandable "
-                                   "segments avoid; reserved-but-cached blocks of other sizes are not separated"})
-    a = (cfg or {}).get("actor") or {}
-    m = a.get("megatron") or {}
-    rows = {r["category"]: r for r in (estimate or {}).get("rows") or []}
-    if estimate and "optimizer" in rows and str(a.get("backend", "")).startswith("megatron"):
-        lay = parse_allocation_mode(a["backend"])
-        dense, expert = estimate["params_dense"], estimate["params_expert"]
-        if (m.get("ddp") or {}).get("use_distributed_optimizer", True):
-            text = (f"distributed optimizer (on): the optimizer state ({rows['optimizer']['gib']:.1f} GiB estimated) is "
-                    f"already divided by DP x CP = {lay.dp * lay.cp} (dense) and expert DP = {lay.edp}"
-                    + ("; at DP 1 it shards nothing, more data-parallel ranks would divide it further"
-                       if lay.dp * lay.cp == 1 and lay.edp == 1 else ""))
-        else:
-            full = rows["optimizer"]["bytes"]
-            sharded = full * (dense / (lay.dp * lay.cp) + expert / lay.edp) / max(dense + expert, 1)
-            text = (f"distributed optimizer at DP x CP = {lay.dp * lay.cp}, expert DP = {lay.edp}: optimizer state "
-                    f"{full / gib:.1f} -> {sharded / gib:.1f} GiB on rank {rank}")
-        what.append({"text": text, "assumption": "megatron-core's distributed optimizer shards main params, moments "
-                                                 "(and the fp32 gradient copy) over the data-parallel ranks of each "
-                                                 "parameter; gradient buffers stay whole"})
-    if estimate and "activations" in rows:
-        logits = rows["activations"].get("logits_bytes")  # 0 on the chunked LM-head loss path: nothing to propose
-        if logits:
-            what.append({"text": f"chunked LM head (LM_HEAD_LOSS_CHUNK_SIZE > 0): about {logits / gib:.2f} GiB of "
-                                 f"logits on rank {rank} not held", "assumption": "logits s x V/tp in the model "
-                                 "dtype, as in sftprof/analysis/memory_estimate.py; one chunk stays"})
-    return what
+    if slack <= 0:
+        return
+    conf = (allocator or {}).get("alloc_conf")
+    options = [o for o in (conf or "").split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
+    value = ",".join(options + ["expandable_segments:True"])
+    current = value if (allocator or {}).get("expandable_segments") else conf
+    settings: list[WhatIfSetting] = [{"kind": "env", "key": ALLOC_CONF, "value": value, "current": current}]
+    if t.already_set("expandable_segments", rank, settings):
+        return
+    t.propose("expandable_segments", rank, settings, "peak_reserved", -slack / _GIB, s.get("peak_reserved_gib"),
+              f"the slack at the peak, {slack / _GIB:.2f} GiB reserved and not allocated",
+              "the slack is fragmentation of the caching allocator, which expandable segments avoid; reserved-but-"
+              "cached blocks of other sizes are not separated")
+
+
+def _chunked_lm_head(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
+    rows = {r["category"]: r for r in (est or {}).get("rows") or []}
+    logits = (rows.get("activations") or {}).get("logits_bytes") or 0  # 0 on the chunked LM-head path
+    if not logits or not any(a["bytes"] >= logits and site_category(a["site"]) == "activations"
+                             for a in s.get("top_allocations") or []):
+        return  # no logits in the trial, or no activation block of their size alive at the peak: not logits-bound
+    settings = [t.setting("actor.loss.lm_head_loss_chunk_size", LM_HEAD_CHUNK)]
+    if (_get(t.cfg, "actor.loss.path") or "auto") != "auto":
+        settings.insert(0, t.setting("actor.loss.path", "lm_head"))
+    if t.already_set("chunked_lm_head", rank, settings):
+        return
+    chunk = logits * min(1.0, LM_HEAD_CHUNK / (_tokens_on_rank(t) or LM_HEAD_CHUNK))  # the logits of one chunk
+    t.propose("chunked_lm_head", rank, settings, "peak_allocated", -(logits - chunk) / _GIB,
+              s.get("peak_allocated_gib"),
+              f"{logits / _GIB:.2f} GiB of logits alive at the peak, one chunk of {LM_HEAD_CHUNK} tokens "
+              f"({chunk / _GIB:.2f} GiB) kept",
+              "the peak holds the logits (s x V/tp in the model dtype, as in sftprof/analysis/memory_estimate.py) "
+              "and the step's next-highest point is at least that much lower")
+
+
+def _tokens_on_rank(t: _Trial) -> Optional[int]:
+    seq = _get(t.cfg, "profile.fake_seq_len")
+    if not isinstance(seq, int) or t.layout is None:
+        return None
+    return seq // (t.layout.cp if t.megatron else 1)
+
+
+def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
+    if not t.megatron or not est or not (s.get("peak_phase") == artifacts.OPTIMIZER_STEP
+                                         or _largest(s) == "optimizer"):
+        return
+    settings = [t.setting("actor.megatron.use_precision_aware_optimizer", True),
+                t.setting("actor.megatron.main_grads_dtype", "bfloat16")]
+    if t.already_set("precision_aware_optimizer", rank, settings):
+        return
+    te = t.summary.get("transformer_engine")
+    if not te:
+        t.skip("precision_aware_optimizer", rank, "an optimizer-step peak, but " + (
+            "Transformer Engine was not in the trial" if te is False else
+            "whether Transformer Engine ran is unknown (actor.megatron.transformer_engine=auto and no "
+            "'transformer_engine=' line in trainer.log)") + ": megatron-core's precision-aware optimizer needs TE's "
+            "FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
+        return
+    hf = t.hf()
+    if hf is None:
+        return
+    cfg2 = copy.deepcopy(t.cfg)
+    m2 = cfg2["actor"].setdefault("megatron", {})
+    m2.update(use_precision_aware_optimizer=True, main_grads_dtype="bfloat16", main_params_dtype="float32",
+              exp_avg_dtype="float32", exp_avg_sq_dtype="float32")
+    coords = t.layout.rank_coords(rank)
+    seq = _get(t.cfg, "profile.fake_seq_len")
+    before = {r["category"]: r for r in est["rows"]}
+    after = {r["category"]: r for r in estimate_memory(cfg2, hf, t.layout, coords, seq)["rows"]}
+    in_step = s.get("peak_phase") == artifacts.OPTIMIZER_STEP
+    delta = sum(after[c]["bytes"] - before[c]["bytes"] for c in ("gradients", "optimizer"))
+    if not in_step:  # the fp32 gradient copy lives only in the optimizer step
+        delta += before["optimizer"].get("step_copy_bytes", 0)
+    held = [sum(x[c]["bytes"] for c in ("gradients", "optimizer")) / _GIB for x in (before, after)]
+    t.propose("precision_aware_optimizer", rank, settings, "peak_allocated", delta / _GIB, s.get("peak_allocated_gib"),
+              f"estimated gradients + optimizer state {held[0]:.2f} -> {held[1]:.2f} GiB"
+              + ("" if in_step else ", the fp32 gradient copy of the optimizer step not at this peak"),
+              "the gradients and optimizer state alive at the peak follow sftprof/analysis/memory_estimate.py: TE's "
+              "FusedAdam keeps the fp32 main params as 16-bit remainders beside fp32 moments and bf16 main grads, "
+              "and makes no fp32 gradient copy; the activations at the peak are unchanged")
+
+
+def _more_micro_batches(t: _Trial, rank: int, s: dict) -> None:
+    if _largest(s) != "activations":
+        return
+    spec = t.actor.get("mb_spec") or {}
+    n_seqs, n_old = t.seqs_per_rank(), t.micro_batches(spec.get("n_mbs", 1))
+    if not n_seqs or not n_old:
+        return
+    n_new = next((n for n in range(n_old + 1, n_seqs + 1) if n_seqs % n == 0 and t.micro_batches(n) == n), None)
+    if n_new is None:
+        t.skip("more_micro_batches", rank, f"an activation-bound peak, but each of the {n_old} micro-batches holds "
+                                           f"{n_seqs // n_old} sequence(s) of the {n_seqs} per data-parallel rank and "
+                                           "a sequence is not split (raise TRAIN_BATCH_SIZE, or CP)")
+        return
+    settings = [t.setting("actor.mb_spec.n_mbs", n_new)]
+    if t.already_set("more_micro_batches", rank, settings):
+        return
+    act = next(c["bytes"] for c in s["categories_at_peak"] if c["category"] == "activations")
+    t.propose("more_micro_batches", rank, settings, "peak_allocated", -act * (1 - n_old / n_new) / _GIB,
+              s.get("peak_allocated_gib"), f"{n_old} -> {n_new} micro-batches; activations {act / _GIB:.2f} GiB at "
+                                           "the peak",
+              "the activations alive at the peak are those of one micro-batch, proportional to its tokens; the step "
+              "takes longer by the per-micro-batch costs (launches, FSDP gathers)")
+
+
+def _distributed_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
+    rows = {r["category"]: r for r in (est or {}).get("rows") or []}
+    ddp = t.m.get("ddp") or {}
+    if not t.megatron or "optimizer" not in rows or ddp.get("use_distributed_optimizer", True):
+        return
+    lay = t.layout
+    full = rows["optimizer"]["bytes"]
+    dense, expert = est["params_dense"], est["params_expert"]
+    sharded = full * (dense / (lay.dp * lay.cp) + expert / lay.edp) / max(dense + expert, 1)
+    t.propose("distributed_optimizer", rank, [t.setting("actor.megatron.ddp.use_distributed_optimizer", True)],
+              "peak_allocated", -(full - sharded) / _GIB, s.get("peak_allocated_gib"),
+              f"optimizer state {full / _GIB:.1f} -> {sharded / _GIB:.1f} GiB at DP x CP = {lay.dp * lay.cp}, expert "
+              f"DP = {lay.edp}",
+              "megatron-core's distributed optimizer shards main params, moments (and the fp32 gradient copy) over the "
+              "data-parallel ranks of each parameter; gradient buffers stay whole; the optimizer state is at the peak")

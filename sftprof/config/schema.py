@@ -8,6 +8,7 @@ AReaL-style seed config, e.g. ``actor.mb_spec.n_mbs`` or ``profile.fake_seq_len`
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List
 
@@ -84,6 +85,33 @@ class MicroBatchSpec:
         """Raises ConfigError: a count below its minimum (``actor.mb_spec.*``)."""
         require_at_least(self, "actor.mb_spec", {"n_mbs": (1, "an integer >= 1"), "n_mbs_divisor": (1, "an integer >= 1"),
                                           "max_tokens_per_mb": (0, "an integer >= 0 (0 = no limit)")})
+
+
+def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, max_tokens_per_mb: int) -> int:
+    """Number of micro-batches for ``n_seqs`` sequences of ``seq_len`` tokens on one DP rank (the trainer's
+    :func:`sftprof.data.step_micro_batches`; the what-ifs of :mod:`sftprof.analysis.what_if`).
+
+    At least ``actor.mb_spec.n_mbs``; more when ``max_tokens_per_mb > 0`` needs them; rounded up
+    to a multiple of ``n_mbs_divisor``; never more than ``n_seqs`` (a sequence is not split).
+
+    Raises:
+        ValueError: one sequence is longer than ``max_tokens_per_mb``, ``n_mbs > n_seqs``, or the
+            divisor rounds the count past ``n_seqs``.
+    """
+    if n_mbs > n_seqs:
+        raise ValueError(f"actor.mb_spec.n_mbs={n_mbs}: must be <= sequences per data-parallel rank ({n_seqs})")
+    n = n_mbs
+    if max_tokens_per_mb:
+        if seq_len > max_tokens_per_mb:
+            raise ValueError(f"actor.mb_spec.max_tokens_per_mb={max_tokens_per_mb}: smaller than one sequence "
+                             f"(profile.fake_seq_len={seq_len}); accepted: 0 (no limit) or >= {seq_len}")
+        n = max(n, math.ceil(n_seqs / (max_tokens_per_mb // seq_len)))
+    n = math.ceil(n / n_mbs_divisor) * n_mbs_divisor
+    if n > n_seqs:
+        raise ValueError(f"actor.mb_spec.n_mbs_divisor={n_mbs_divisor}: {n} micro-batches needed, but a data-parallel "
+                         f"rank has only {n_seqs} sequences (a sequence is not split); accepted: a divisor that "
+                         f"makes n_mbs <= {n_seqs}")
+    return n
 
 
 @dataclass

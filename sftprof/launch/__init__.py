@@ -10,6 +10,7 @@ one torchrun per trial, postprocesses each and prints the end table. One module 
   (:func:`write_plan`) or removed;
 - :mod:`~sftprof.launch.signals`: SIGINT / SIGTERM while planning and while trials run;
 - :mod:`~sftprof.launch.trials`: the trials run (torchrun, workers left behind, postprocessing, ``summary.tsv``);
+- :mod:`~sftprof.launch.what_ifs`: the what-if trials of ``TRY_WHAT_IFS`` (which, their arguments, ``what_if.json``);
 - :mod:`~sftprof.launch.nodes`: multi-node end records;
 - :mod:`~sftprof.launch.summaries`: what the end table reads of each ``profile_summary.json``;
 - :mod:`~sftprof.launch.report`: the end table;

@@ -47,7 +47,9 @@ RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profi
 
 @dataclass
 class Trial:
-    """One torchrun launch: profile ``kind`` at ``step`` (paths absolute); ``args``: the trainer's arguments."""
+    """One torchrun launch: profile ``kind`` at ``step`` (paths absolute); ``args``: the trainer's arguments; ``env``:
+    environment variables of its processes on top of the driver's; ``what_if``: the settings a what-if trial tries
+    (:mod:`sftprof.launch.what_ifs`; empty for a planned trial)."""
 
     name: str
     kind: str
@@ -55,6 +57,8 @@ class Trial:
     run_dir: Path
     log_dir: Path
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    what_if: str = ""
 
 
 def visible_gpus() -> int:
@@ -139,6 +143,7 @@ class DriverEnv:
     kinds: list[str]
     total_steps: int | None
     stop: bool
+    what_ifs: int
     overrides: list[str]
     extra_overrides: list[str]
     set_keys: set[str]
@@ -205,10 +210,12 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
                           "(or unset: profile step + 1)")
     stop = parse_bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE") if get("STOP_ON_FAILURE") is not None
                       else BY_NAME["STOP_ON_FAILURE"].default)
+    what_ifs = BY_NAME["TRY_WHAT_IFS"].value(env) or 0
     log.note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
     log.note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
     log.note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
     log.note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
+    log.note("TRY_WHAT_IFS", what_ifs, "env" if get("TRY_WHAT_IFS") else "default")
 
     overrides: list[str] = []
     set_keys: set[str] = set()
@@ -231,8 +238,8 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     master_port = BY_NAME["MASTER_PORT"].value(env)
     node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
     return DriverEnv(
-        get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, overrides=overrides,
-        extra_overrides=list(extra_overrides), set_keys=set_keys,
+        get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, what_ifs=what_ifs,
+        overrides=overrides, extra_overrides=list(extra_overrides), set_keys=set_keys,
         node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
         master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
         master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S)
@@ -297,6 +304,9 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     n_nodes = probe.cluster.n_nodes
     if d.node_rank >= n_nodes:
         raise DriverError(f"NODE_RANK={d.node_rank}: must be in [0, N_NODES={n_nodes})")
+    if d.what_ifs and n_nodes > 1:  # node 0 chooses them from its summaries: the other nodes cannot follow
+        raise DriverError(f"TRY_WHAT_IFS={d.what_ifs} with N_NODES={n_nodes}: what-if trials are chosen from node 0's "
+                          "summaries after the planned trials; accepted: TRY_WHAT_IFS=0 (or unset) with several nodes")
     nproc_var = BY_NAME["N_GPUS_PER_NODE"]
     nproc_given = nproc_var.name in d.set_keys or arguments_setting(nproc_var.keys[0], d.extra_overrides)
     nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes
@@ -469,8 +479,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         extra_overrides: the driver's arguments (config overrides for every trial).
         gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
 
-    ``info`` holds ``stop_on_failure, run_root, trials, node_timeout``, the torchrun settings ``nproc_per_node,
-    nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
+    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout``, the torchrun settings
+    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
     the plan, the warnings) and ``warnings`` (repeated under the end table).
 
     Raises:
@@ -491,6 +501,6 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
-    return trials, log.settings, {"stop_on_failure": int(d.stop), "run_root": str(run_root), "trials": len(trials),
-                                  "node_timeout": d.node_timeout, **torchrun, "notices": log.notices,
-                                  "warnings": log.warnings}
+    return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
+                                  "trials": len(trials), "node_timeout": d.node_timeout, **torchrun,
+                                  "notices": log.notices, "warnings": log.warnings}

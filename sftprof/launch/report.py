@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.launch.summaries import read_summary, table_figures, top_finding
+from sftprof.launch.summaries import read_summary, table_figures, top_finding, what_if_lines
 from sftprof.launch.variables import REPO_ROOT
 from sftprof.progress import duration_text
 
+NO_WHAT_IF = "-"  # summary.tsv's what_if column of a planned trial (sftprof.launch.what_ifs)
 NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
 INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped
 
@@ -54,7 +55,7 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
     with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     table = [("trial", "status", "step time", "peak mem", "top finding")]
-    summaries = []
+    summaries, tried = [], []
     for row in rows:
         path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
         summary = read_summary(Path(row["run_dir"]))
@@ -63,12 +64,22 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
         status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED)
                   else "FAILED (" + row["status"] + ")" if row["status"] != "0"
                   else "no snapshot (CPU)" if cpu_memory else "ok")
-        table.append((f"{row['kind']} step {row['step']}", status, duration_text(step) if step is not None else "-",
+        trial = f"{row['kind']} step {row['step']}"
+        if row.get("what_if", NO_WHAT_IF) != NO_WHAT_IF:  # a what-if trial (TRY_WHAT_IFS): named below the table
+            tried.append((len(tried) + 1, trial, row, summary))
+            trial += f" what-if {len(tried)}"
+        table.append((trial, status, duration_text(step) if step is not None else "-",
                       _gib(peak, device), top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
         if path.is_file():
             summaries.append(str(path))
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in table]
+    if tried:
+        lines += ["", "what-ifs tried (prediction against outcome; the compare report in the what-if trial's run dir):"]
+        for k, trial, row, summary in tried:
+            found = what_if_lines(Path(row["run_dir"]), summary) if summary else [
+                f"{row['what_if']} ({row['status']}: no summary)"]
+            lines += [f"  what-if {k}: {trial}, {found[0]}"] + [f"    {x}" for x in found[1:]]
     if summaries:
         lines += ["", "summaries (Markdown; the .json next to each holds every figure):"] + [f"  {p}" for p in summaries]
         lines += ["", "compare with another run (run roots or trial dirs):",

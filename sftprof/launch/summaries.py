@@ -78,3 +78,26 @@ def top_finding(summary: dict) -> str:
     if summary.get("profile_kind") == "memory" and (summary.get("completion") or {}).get("device") == "cpu":
         return "allocator snapshots need CUDA"
     return "-"
+
+
+def what_if_lines(run_dir: Path, summary: dict) -> list[str]:
+    """Two lines on a what-if trial (``summary``, in ``run_dir``): what it tried on which trial, and its prediction
+    against the outcome with the verdict on the assumption (:func:`sftprof.analysis.compare.what_if_result`), or why
+    there is none; the compare report's path."""
+    tried = summary.get("tried_what_if")
+    if not tried:
+        return ["(no what_if record in its summary: not postprocessed?)"]
+    from sftprof.analysis.compare import what_if_result  # numpy: only when a what-if trial is reported
+    from sftprof.analysis.what_if import METRICS, setting_text
+    from sftprof.analysis.what_if_outcome import outcome_text
+
+    w = tried["what_if"]
+    head = f"{w['label']} ({', '.join(setting_text(s) for s in w['settings'])}) on {tried['source_trial']}"
+    source = read_summary(Path(tried["source_run_dir"]))
+    if not source or summary.get("status") != "ok":
+        return [head, "no outcome: " + ("the source trial's summary is unreadable" if not source else
+                                        f"this trial's status is {summary.get('status')}")]
+    o = what_if_result(source, summary)
+    report = Path(run_dir) / artifacts.compare_report_name(tried["source_run_dir"])
+    return [head, f"{METRICS[w['effect']['metric']][1]}: {outcome_text(o, w['effect']['unit'])}; assumption: "
+                  f"{o.verdict}", str(report)]

@@ -12,11 +12,13 @@ environment, stops them (SIGTERM, then SIGKILL), and the trial fails with torchr
 in the node end record that the summary reads (:mod:`sftprof.launch.nodes`).
 
 The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.planning.Trial` that gave the
-trainer its config (no file read back).
+trainer its config (no file read back). With ``TRY_WHAT_IFS=N`` the what-if trials (:mod:`sftprof.launch.what_ifs`)
+follow the planned ones, each compared with the trial it varies.
 """
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -32,15 +34,16 @@ from sftprof import artifacts
 from sftprof.artifacts import read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.planning import Trial
-from sftprof.launch.report import INTERRUPTED, NOT_RUN, report
+from sftprof.launch.report import INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
 from sftprof.launch.signals import RunStop, ignore_signals, kill_group, name, say
-from sftprof.launch.variables import REPO_ROOT
+from sftprof.launch.variables import REPO_ROOT, DriverError
+from sftprof.launch.what_ifs import choose, settings_of, what_if_trial, write_what_if_plan
 
 TRIAL_MARKER = "SFTPROF_TRIAL_ID"  # in the environment of torchrun and every process it starts
 WORKER_STOP_S = 30.0  # seconds the workers torchrun left get after SIGTERM before SIGKILL (torchrun's own wait)
 _TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
 SUMMARY_HEADER = ("trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
-                  "log_dir")
+                  "log_dir", "what_if")
 
 
 def exit_status(returncode: int) -> int:
@@ -62,8 +65,9 @@ def record_trials_not_run(run_root: Path) -> list[str]:
     row there (those after a failure with ``STOP_ON_FAILURE=1``, or after an interrupt), so summary.tsv has one row
     per planned trial.
 
-    The row keeps the trial's name, kind, step, run dir and log dir; its other statuses and ``elapsed_s`` are ``-``.
-    Returns the names of the trials added (in plan order; none when every trial ran).
+    The row keeps the trial's name, kind, step, run dir, log dir and, for a what-if trial, its settings (from its
+    ``what_if.json``); its other statuses and ``elapsed_s`` are ``-``. Returns the names of the trials added (in plan
+    order; none when every trial ran).
 
     Raises:
         OSError: ``trials.tsv`` or ``summary.tsv`` cannot be read or written.
@@ -76,7 +80,10 @@ def record_trials_not_run(run_root: Path) -> list[str]:
         name_, kind, step, run_dir, log_dir, _ = line.split("\t")
         if name_ not in done:
             added.append(name_)
-            rows.append("\t".join([name_, kind, step, NOT_RUN, "-", "-", "-", run_dir, log_dir]) + "\n")
+            what_if = NO_WHAT_IF
+            if (Path(run_dir) / artifacts.WHAT_IF_JSON).is_file():
+                what_if = settings_of(json.loads((Path(run_dir) / artifacts.WHAT_IF_JSON).read_text())["what_if"])
+            rows.append("\t".join([name_, kind, step, NOT_RUN, "-", "-", "-", run_dir, log_dir, what_if]) + "\n")
     if rows:
         with open(run_root / artifacts.SUMMARY_TSV, "a", encoding="utf-8") as f:
             f.writelines(rows)
@@ -198,16 +205,22 @@ class TrialRunner:
 
     def run(self, trials: list[Trial], info: dict) -> int:
         """Run every trial of the plan (``info``: its settings, :func:`sftprof.launch.planning.plan`), or until a
-        signal or, with ``STOP_ON_FAILURE=1``, a failure; then the not-run rows and the end table; returns the exit
-        status."""
+        signal or, with ``STOP_ON_FAILURE=1``, a failure; with ``TRY_WHAT_IFS``, then the what-if trials of the
+        planned trials' summaries, each compared with its source trial (:meth:`_plan_what_ifs`, :meth:`_compare`);
+        then the not-run rows and the end table; returns the exit status (a failed what-if trial counts as a failed
+        trial)."""
         self.trials, self.info, self.run_root = trials, info, Path(info["run_root"])
         with open(self.run_root / artifacts.SUMMARY_TSV, "x", encoding="utf-8") as f:
             f.write("\t".join(SUMMARY_HEADER) + "\n")
         self.console.line(f"sftprof: run root {self.run_root} (settings in {artifacts.PROFILE_SETTINGS})")
         final_rc, run_start = 0, time.monotonic()
-        for n, trial in enumerate(self.trials, 1):
+        planned, tries = list(self.trials), {}
+        n = 0
+        while n < len(self.trials):
             if self.stop.signum is not None:  # a signal between two trials: the next one does not start
                 break
+            trial = self.trials[n]
+            n += 1
             status = self._trial(n, trial, run_start)
             if status is None:  # stopped by a signal
                 break
@@ -215,6 +228,10 @@ class TrialRunner:
                 final_rc = status
                 if self.info["stop_on_failure"]:
                     break
+            elif trial.name in tries:
+                self._compare(n, tries[trial.name], trial)
+            if n == len(planned) and self.info.get("what_ifs"):  # the planned trials ran: their what-ifs follow
+                tries = self._plan_what_ifs(planned)
         ignore_signals()
         record_trials_not_run(self.run_root)
         self.console.line("")
@@ -222,16 +239,47 @@ class TrialRunner:
                                  self.info.get("warnings")).rstrip("\n"))
         return self.stop.status if self.stop.signum is not None else final_rc
 
+    def _plan_what_ifs(self, planned: list[Trial]) -> dict[str, Trial]:
+        """Choose the what-ifs to try (``TRY_WHAT_IFS``, :mod:`sftprof.launch.what_ifs`), write their folders and
+        append them to the trials to run; returns ``{what-if trial name: its source trial}``."""
+        chosen, lines = choose(planned, self.info["what_ifs"])
+        for line in lines:
+            self.console.line(f"sftprof: {line}")
+        tries = {}
+        for source, what_if in chosen:
+            try:
+                trial = what_if_trial(source, what_if)
+            except DriverError as err:
+                say(f"what-if not tried: {err}")
+                continue
+            write_what_if_plan(self.run_root, trial, source, what_if)
+            self.trials.append(trial)
+            tries[trial.name] = source
+        return tries
+
+    def _compare(self, n: int, source: Trial, trial: Trial) -> None:
+        """``postprocess_profile.py compare`` of a what-if trial against its source trial: the report (prediction
+        against outcome first) goes to the what-if trial's run dir, its output to its ``launcher.log`` only."""
+        out = trial.run_dir / artifacts.compare_report_name(str(source.run_dir))
+        cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "compare", str(source.run_dir),
+               str(trial.run_dir)]
+        with open(trial.run_dir / artifacts.LAUNCHER_LOG, "ab") as log:
+            rc = subprocess.run(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
+        self.console.line(f"sftprof: [{n}/{len(self.trials)}] compared with {source.name}: {out}" if rc == 0 else
+                          f"sftprof: [{n}/{len(self.trials)}] compare with {source.name} failed (status "
+                          f"{exit_status(rc)}; see {trial.run_dir / artifacts.LAUNCHER_LOG})")
+
     def _row(self, t: Trial, status, train_rc, pp_rc, elapsed: int) -> None:
         with open(self.run_root / artifacts.SUMMARY_TSV, "a", encoding="utf-8") as f:
             f.write("\t".join(str(x) for x in (t.name, t.kind, t.step, status, train_rc, pp_rc, elapsed, t.run_dir,
-                                                t.log_dir)) + "\n")
+                                                t.log_dir, t.what_if or NO_WHAT_IF)) + "\n")
 
     def _trial(self, n: int, t: Trial, run_start: float) -> int | None:
         """Run trial ``n`` (1-based): its status, or None when a signal stopped the run during it."""
         total, info = len(self.trials), self.info
-        self.console.line(f"sftprof: [{n}/{total}] trial {t.name} (kind={t.kind} step={t.step}) started "
-                          f"{time.strftime('%H:%M:%S')}")
+        self.console.line(f"sftprof: [{n}/{total}] trial {t.name} (kind={t.kind} step={t.step}"
+                          + (f", what-if {t.what_if}" if t.what_if else "") + f") started {time.strftime('%H:%M:%S')}")
         start = time.monotonic()
         torchrun_rc = self._torchrun(t)
         elapsed = int(time.monotonic() - start)
@@ -299,8 +347,9 @@ class TrialRunner:
                f"--master_port={info['master_port']}", "--rdzv-conf", f"timeout={info['node_timeout']}",
                str(REPO_ROOT / "train_sft_profile.py"), *t.args]
         start = time.monotonic()
-        self.torchrun = subprocess.Popen(cmd, env={**self.env, TRIAL_MARKER: self.marker}, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.torchrun = subprocess.Popen(cmd, env={**self.env, **t.env, TRIAL_MARKER: self.marker},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         if self.stop.signum is not None:  # a signal before self.torchrun was set: its handler could not pass it on
             kill_group(self.torchrun.pid, signal.SIGTERM)
         pump = _tee(self.torchrun, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)

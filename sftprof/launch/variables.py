@@ -37,6 +37,7 @@ MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
 MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
+MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
 BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
@@ -215,6 +216,10 @@ VARIABLES = (
              _dtype),
     Variable("USE_DETERMINISTIC_ALGORITHMS", "config", "deterministic kernels",
              ("actor.megatron.use_deterministic_algorithms",), parse_bool),
+    Variable("TRY_WHAT_IFS", "launcher", "after the planned trials, one more trial for each of the N heaviest "
+             "what-ifs their summaries propose (the setting applied, same kind and step), compared with its trial: "
+             f"prediction against outcome (0 to {MAX_WHAT_IFS}; one node)",
+             parse=lambda n, t: _int(n, t, 0, MAX_WHAT_IFS), default="0"),
     Variable("STOP_ON_FAILURE", "launcher", "stop after the first failed trial (the rest are listed as `not run`)",
              parse=parse_bool, default="1"),
     Variable("RUN_ROOT", "launcher", "where trial outputs and summary.tsv go; never overwritten",
@@ -248,7 +253,7 @@ def check_text(env: Mapping[str, str]) -> None:
 
 # Unknown variables that start like a driver variable are probably misspelled ones.
 _DRIVER_PREFIXES = ("PROFILE_", "MEMORY_", "LOGPROBS_", "LM_HEAD_", "TRAIN_", "TOTAL_", "N_GPU", "N_NODE",
-                    "USE_PRECISION", "USE_DETERMINISTIC", "MAIN_GRAD", "STOP_ON", "EXPERIMENT_")
+                    "USE_PRECISION", "USE_DETERMINISTIC", "MAIN_GRAD", "STOP_ON", "EXPERIMENT_", "TRY_")
 
 
 def closest_variable(name: str, cutoff: float = 0.8) -> str | None:

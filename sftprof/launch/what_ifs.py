@@ -1,0 +1,95 @@
+"""The what-if trials of a run (``TRY_WHAT_IFS=N``): after the planned trials, the N heaviest what-ifs their summaries
+propose (:mod:`sftprof.analysis.what_if`), each tried once as one more trial of the same kind and step with its
+settings applied, then compared with the trial it varies (prediction against outcome:
+:mod:`sftprof.analysis.what_if_outcome`).
+
+Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``), one per
+distinct set of settings (the same setting proposed by several trials or ranks is tried once, on the trial where it
+weighs most; a tie goes to the later step, past the warm-up), heaviest first (``weight``: the predicted effect's
+share of its baseline).
+
+A what-if trial is named ``<source trial>_whatif_<lever>``; its arguments are the source trial's with the what-if's
+config settings last (and its own ``trial_name``), its environment the driver's with the what-if's environment
+settings; ``RUN_DIR/what_if.json`` (:data:`sftprof.artifacts.WHAT_IF_JSON`) records the source and the what-if, which
+postprocessing copies into its summary (``tried_what_if``) and compare reads. One that its config refuses, or whose
+folder names do not fit, is not tried (a line says why).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from sftprof import artifacts
+from sftprof.analysis.what_if import config_argument, setting_text
+from sftprof.config import ConfigError, last_value_per_key, load_config, trial_log_dir
+from sftprof.launch.folders import check_path_fits
+from sftprof.launch.planning import Trial
+from sftprof.launch.summaries import read_summary
+from sftprof.launch.variables import DriverError
+
+__all__ = ["choose", "what_if_trial", "write_what_if_plan", "settings_of"]
+
+
+def settings_of(what_if: dict) -> str:
+    """The what-if's settings as one field of ``summary.tsv``: ``key=value`` separated by spaces."""
+    return " ".join(setting_text(s) for s in what_if["settings"])
+
+
+def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict]], list[str]]:
+    """The ``n`` heaviest what-ifs of the summaries of ``trials`` (module docstring), as ``(source trial, what-if
+    record)``, and lines for the user (what was proposed, what is left out)."""
+    best: dict[tuple, tuple[Trial, dict]] = {}
+    for t in trials:
+        summary = read_summary(t.run_dir)
+        if summary.get("status") != "ok":
+            continue
+        for w in summary.get("what_if") or []:
+            key = tuple(sorted((s["kind"], s["key"], json.dumps(s["value"])) for s in w["settings"]))
+            held = best.get(key)
+            if held is None or (w["weight"], t.step) > (held[1]["weight"], held[0].step):
+                best[key] = (t, w)
+    ranked = sorted(best.values(), key=lambda tw: -tw[1]["weight"])
+    lines = [f"TRY_WHAT_IFS={n}: {len(ranked)} what-if(s) proposed" + (
+        ", none to try" if not ranked else f"; trying {min(n, len(ranked))}: " + "; ".join(
+            f"{w['label']} ({settings_of(w)}) of the {t.kind} trial of step {t.step}" for t, w in ranked[:n]))]
+    if len(ranked) > n:
+        lines.append("not tried (TRY_WHAT_IFS): "
+                     + "; ".join(f"{w['label']} ({settings_of(w)})" for _, w in ranked[n:]))
+    return ranked[:n], lines
+
+
+def what_if_trial(source: Trial, what_if: dict) -> Trial:
+    """The trial that tries ``what_if`` on ``source`` (same kind and step; its config loaded, and so validated).
+
+    Raises:
+        DriverError: the config refuses the setting, or a folder name would not fit (the message names both).
+    """
+    name = f"{source.name}_whatif_{what_if['key']}"
+    config = source.args[1]  # the trainer's arguments start with --config <path>
+    settings = [config_argument(s) for s in what_if["settings"] if s["kind"] == "config"]
+    overrides = last_value_per_key(source.args[2:] + settings + [f"trial_name={name}"])
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as err:
+        raise DriverError(f"{what_if['label']} ({settings_of(what_if)}) on {source.name}: {err}") from None
+    run_dir, log_dir = source.run_dir.parent / name, trial_log_dir(cfg)
+    check_path_fits("PROFILE_STAMP", run_dir, "the what-if trial's run dir")
+    check_path_fits("PROFILE_STAMP", log_dir, "the what-if trial's log dir")
+    if log_dir.exists() or run_dir.exists():
+        raise DriverError(f"{what_if['label']} on {source.name}: {run_dir if run_dir.exists() else log_dir} exists")
+    return replace(source, name=name, run_dir=run_dir, log_dir=log_dir, args=["--config", config, *overrides],
+                   env={s["key"]: str(s["value"]) for s in what_if["settings"] if s["kind"] == "env"},
+                   what_if=settings_of(what_if))
+
+
+def write_what_if_plan(run_root: Path, trial: Trial, source: Trial, what_if: dict) -> None:
+    """Write the what-if trial's folder (``train_args.txt``, ``what_if.json``) and its row of ``trials.tsv``."""
+    trial.run_dir.mkdir(parents=True)
+    args_file = trial.run_dir / artifacts.TRAIN_ARGS
+    args_file.write_text("\n".join(trial.args) + "\n")
+    record = {"source_trial": source.name, "source_run_dir": str(source.run_dir), "what_if": what_if}
+    (trial.run_dir / artifacts.WHAT_IF_JSON).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    with open(run_root / artifacts.TRIALS_TSV, "a", encoding="utf-8") as f:
+        f.write("\t".join([trial.name, trial.kind, str(trial.step), str(trial.run_dir), str(trial.log_dir),
+                           str(args_file)]) + "\n")

@@ -1,0 +1,384 @@
+"""What-ifs: the records a summary proposes (real H200 snapshots and traces through postprocess_trial; constructed
+summaries for the rules), the rule that never proposes a setting the trial has, the verdict on a prediction
+against its outcome, compare's rendering of both, and one CPU driver run that tries a what-if (TRY_WHAT_IFS=1)."""
+import copy
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fixtures import FIXTURE_DIR
+from sftprof import launch
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis import compare, stats
+from sftprof.analysis.memory_estimate import estimate_memory
+from sftprof.analysis.summary import postprocess_trial
+from sftprof.analysis.what_if import trial_what_if
+from sftprof.analysis.what_if_outcome import judge
+from sftprof.config import load_config, to_yaml
+from sftprof.models.hf import load_hf_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2.0**30
+VOCAB = 151936  # Qwen3-30B-A3B
+PARAMS_2_LAYERS = 1_868_573_184  # parameters of the 2-layer slice on one rank (tests/test_te_analysis.py)
+
+
+# -- real summaries: the H200 fixtures through postprocess_trial ------------------------------------------------
+def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str], te: bool) -> dict:
+    """postprocess_trial of a log dir holding the fixture ``artifact`` as rank 0's trace or snapshot of ``step``, the
+    config of the shipped YAML with ``overrides`` (one H200, megatron:d1, 2 layers) and a trainer.log with the
+    megatron engine's ``transformer_engine=`` line."""
+    log = root / "log"
+    profile = (["perf_tracer.enabled=true", f"perf_tracer.profile_steps=[{step}]", "memory_profiler.profile_steps=[]"]
+               if kind == "kernel" else [f"memory_profiler.profile_steps=[{step}]", "perf_tracer.profile_steps=[]"])
+    cfg = load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"),
+                      ["actor.backend=megatron:d1", "actor.num_layers=2", "cluster.n_gpus_per_node=1",
+                       f"total_train_steps={step + 1}"] + overrides + profile)
+    if kind == "kernel":
+        (log / "perf_tracer").mkdir(parents=True)
+        shutil.copy(artifact, log / "perf_tracer" / "rank0.pt.trace.json.gz")
+    else:
+        snaps = log / "memory_snapshots" / f"step_{step}"
+        snaps.mkdir(parents=True)
+        shutil.copy(artifact, snaps / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz")
+    (log / "config.yaml").write_text(to_yaml(cfg))
+    recs = [{"type": "step", "step": s, "loss": 2.0, "step_time_s": 1.0, "profiled": s == step}
+            for s in range(step + 1)]
+    recs.append({"type": "complete", "status": "ok", "error": None, "steps_done": step + 1, "world_size": 1,
+                 "backend": "megatron", "device": "cuda", "profile_kind": kind, "profile_step": step})
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (log / "trainer.log").write_text(f"2026-12-01 10:00:00 [rank 0] INFO megatron: qwen3_30b_a3b, 2 layers on "
+                                     f"this stage, 1.869 B parameters on this rank; dp=1; transformer_engine={te}; "
+                                     "loss path logprobs\n")
+    summary, code = postprocess_trial(str(log), str(root / "run"), kind, step, trainer_log=str(log / "trainer.log"))
+    assert code == 0, summary["errors"]
+    return summary
+
+
+@pytest.fixture(scope="module")
+def te_memory(tmp_path_factory):
+    """The TE memory trial (tests/fixtures/README.md): shipped settings, precision-aware optimizer with bf16 main
+    grads, 8192 tokens, step 2."""
+    return _trial(tmp_path_factory.mktemp("te_memory"), "memory", 2, FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
+                  ["profile.fake_seq_len=8192"], te=True)
+
+
+def _by_key(records: list[dict]) -> dict[str, dict]:
+    return {w["key"]: w for w in records}
+
+
+def test_te_memory_trial_proposes_expandable_segments_and_the_chunked_lm_head(te_memory):
+    """The TE trial's peak, which the optimizer state dominates, holds the logits (8192 x 151936 bf16, 2.32 GiB) and
+    2.90 GiB of allocator slack; it already runs the precision-aware optimizer, so that is not proposed."""
+    found = _by_key(te_memory["what_if"])
+    assert sorted(found) == ["chunked_lm_head", "expandable_segments"]
+    snap = te_memory["memory_snapshots"][0]
+    assert snap["allocator"] == {"alloc_conf": "", "expandable_segments": False}
+    slack = snap["summary"]["reserved_minus_allocated_at_peak_bytes"]
+    assert found["expandable_segments"]["settings"] == [
+        {"kind": "env", "key": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True", "current": ""}]
+    assert found["expandable_segments"]["effect"] == {"metric": "peak_reserved", "unit": "GiB",
+                                                      "value": round(-slack / GIB, 4),
+                                                      "baseline": snap["summary"]["peak_reserved_gib"]}
+    lm = found["chunked_lm_head"]
+    assert lm["settings"] == [{"kind": "config", "key": "actor.loss.lm_head_loss_chunk_size", "value": 2048,
+                               "current": 0}]
+    assert lm["rank"] == 0 and lm["effect"]["metric"] == "peak_allocated"
+    assert lm["effect"]["value"] == round(-(8192 - 2048) * VOCAB * 2 / GIB, 4)  # the logits less one chunk
+    assert lm["text"] == ("chunked LM head (actor.loss.lm_head_loss_chunk_size=2048): peak allocated -1.74 GiB on "
+                          "rank 0 (2.32 GiB of logits alive at the peak, one chunk of 2048 tokens (0.58 GiB) kept)")
+    assert lm["weight"] == pytest.approx(-lm["effect"]["value"] / snap["summary"]["peak_allocated_gib"], abs=1e-5)
+    assert te_memory["transformer_engine"] is True
+    assert te_memory["what_if_skipped"] == [{
+        "key": "precision_aware_optimizer", "label": "precision-aware optimizer", "rank": 0,
+        "reason": "the trial already has actor.megatron.use_precision_aware_optimizer=true, "
+                  "actor.megatron.main_grads_dtype=bfloat16"}]
+    md = (Path(te_memory["paths"]["run_dir"]) / "profile_summary.md").read_text()
+    assert f"- {lm['text']}. Assumes: {lm['assumption']}." in md
+    assert ("- not proposed, precision-aware optimizer (rank 0): the trial already has "
+            "actor.megatron.use_precision_aware_optimizer=true, actor.megatron.main_grads_dtype=bfloat16.") in md
+
+
+def test_a_trial_with_the_chunked_lm_head_is_not_offered_it(te_memory):
+    """Issue 34's case: a trial that runs LM_HEAD_LOSS_CHUNK_SIZE=2048 holds no logits; neither its estimate nor its
+    what-ifs count them (the same snapshot, the config of that trial)."""
+    cfg = copy.deepcopy(te_memory["config"])
+    cfg["actor"]["loss"]["lm_head_loss_chunk_size"] = 2048
+    layout = parse_allocation_mode("megatron:d1")
+    est = estimate_memory(cfg, load_hf_config("qwen3_30b_a3b", 2), layout, layout.rank_coords(0), 8192)
+    act = next(r for r in est["rows"] if r["category"] == "activations")
+    assert act["logits_bytes"] == 0 and act["bytes"] == 2 * 8192 * 2048 * 2  # 2 layers' inputs, bf16
+    summary = copy.deepcopy(te_memory)
+    summary["memory_snapshots"][0]["estimate"] = est
+    found, skipped = trial_what_if(summary, cfg)
+    assert "chunked_lm_head" not in _by_key(found) and "chunked_lm_head" not in _by_key(skipped)
+
+
+def test_precision_aware_optimizer_needs_transformer_engine(tmp_path):
+    """The no-TE memory trial (precision-aware optimizer off, fp32 optimizer state): its optimizer-bound peak calls for
+    the precision-aware optimizer, not proposed without TE (trainer.log: transformer_engine=False); the same snapshot
+    with TE in the trial gets it, predicted from the estimate: 12 -> 10 B of state per parameter (the fp32 main params
+    as 16-bit remainders), bf16 gradients as before, the fp32 gradient copy not at this peak."""
+    overrides = ["profile.fake_seq_len=4096", "actor.megatron.use_precision_aware_optimizer=false",
+                 "actor.megatron.main_grads_dtype=float32"]
+    snapshot = FIXTURE_DIR / "h200_sftprof_memory.snapshot.pickle.gz"
+    without = _trial(tmp_path / "no_te", "memory", 1, snapshot, overrides, te=False)
+    assert without["transformer_engine"] is False
+    assert "precision_aware_optimizer" not in _by_key(without["what_if"])
+    assert _by_key(without["what_if_skipped"])["precision_aware_optimizer"]["reason"] == (
+        "an optimizer-step peak, but Transformer Engine was not in the trial: megatron-core's precision-aware "
+        "optimizer needs TE's FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
+    # its largest block alive at the peak was allocated before the window: no logits-bound peak
+    assert sorted(_by_key(without["what_if"])) == ["expandable_segments"]
+    with_te = _trial(tmp_path / "te", "memory", 1, snapshot, overrides, te=True)
+    pa = _by_key(with_te["what_if"])["precision_aware_optimizer"]
+    assert [(s["key"], s["value"], s["current"]) for s in pa["settings"]] == [
+        ("actor.megatron.use_precision_aware_optimizer", True, False),
+        ("actor.megatron.main_grads_dtype", "bfloat16", "float32")]
+    assert pa["effect"]["value"] == round(-2 * PARAMS_2_LAYERS / GIB, 4)
+
+
+@pytest.fixture(scope="module")
+def te_kernel(tmp_path_factory):
+    return _trial(tmp_path_factory.mktemp("te_kernel"), "kernel", 2, FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
+                  ["profile.fake_seq_len=8192"], te=True)
+
+
+def test_te_kernel_trial_proposes_selective_recompute(te_kernel):
+    """Full recompute re-ran 10.1 ms of GPU work on rank 0; recomputing only the attention core keeps its 1.8 ms."""
+    parts = te_kernel["kernel_traces"][0]["summary"]["parts"]
+    rec = {r["part"]: r["recompute_ms"] for r in parts["summed"]}
+    assert [w["key"] for w in te_kernel["what_if"]] == ["selective_recompute"]
+    w = te_kernel["what_if"][0]
+    assert w["settings"] == [
+        {"kind": "config", "key": "actor.megatron.recompute_granularity", "value": "selective", "current": "full"},
+        {"kind": "config", "key": "actor.megatron.recompute_modules", "value": ["core_attn"], "current": ["core_attn"]}]
+    saved = sum(rec.values()) - rec["attn_core"]
+    assert w["effect"] == {"metric": "gpu_time", "unit": "ms", "value": round(-saved, 4), "baseline": parts["total_ms"]}
+    assert w["text"].startswith("selective recompute (actor.megatron.recompute_granularity=selective, "
+                                "actor.megatron.recompute_modules=[core_attn]): GPU time per step -8.4 ms on rank 0")
+
+
+# -- the rules, on constructed summaries ---------------------------------------------------------------------------
+def _cfg(**megatron) -> dict:
+    cfg = yaml.safe_load(to_yaml(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
+        "actor.backend=megatron:d1", "actor.num_layers=2", "cluster.n_gpus_per_node=1", "profile.fake_seq_len=8192"])))
+    cfg["actor"]["megatron"].update(megatron)
+    return cfg
+
+
+def _kernel_summary(recompute_ms: float = 40.0, top_share: float | None = None) -> dict:
+    rows = [{"part": "attn_core", "recompute_ms": 10.0, "total_ms": 100.0},
+            {"part": "experts", "recompute_ms": recompute_ms, "total_ms": 300.0}]
+    s = {"parts": {"summed": rows, "total_ms": 500.0}, "regions": [], "gpu": {"activities": 100}}
+    moe = None if top_share is None else {"top_share": top_share, "top_share_layer": 1}
+    return {"kernel_traces": [{"rank": 0, "summary": s}], "profile_step": 1,
+            "stats": {"steps": [{"step": 1, "moe": moe}]}, "transformer_engine": True}
+
+
+def _memory_summary(category: str = "optimizer", expandable: bool = False) -> dict:
+    cats = [{"category": c, "bytes": (8 if c == category else 1) * 2**30} for c in ("optimizer", "activations")]
+    s = {"peak_allocated_bytes": 10 * 2**30, "peak_allocated_gib": 10.0, "peak_reserved_gib": 12.0,
+         "reserved_minus_allocated_at_peak_bytes": 2**30, "categories_at_peak": cats, "top_allocations": [],
+         "peak_phase": None}
+    return {"memory_snapshots": [{"rank": 0, "summary": s, "estimate": None,
+                                  "allocator": {"alloc_conf": "expandable_segments:True" if expandable else "",
+                                                "expandable_segments": expandable}}],
+            "stats": {"steps": []}, "transformer_engine": True}
+
+
+@pytest.mark.parametrize("key,summary,has,lacks", [
+    ("selective_recompute", _kernel_summary(),
+     dict(recompute_granularity="selective", recompute_modules=["core_attn"]), dict(recompute_granularity="full")),
+    ("balanced_routing", _kernel_summary(top_share=0.9), dict(moe_router_force_load_balancing=True),
+     dict(moe_router_force_load_balancing=False)),
+    ("precision_aware_optimizer", _memory_summary(),
+     dict(use_precision_aware_optimizer=True, main_grads_dtype="bfloat16"),
+     dict(use_precision_aware_optimizer=False, main_grads_dtype="float32")),
+])
+def test_a_setting_the_trial_has_is_never_proposed(key, summary, has, lacks):
+    """Each lever whose figure calls for it: proposed where the trial lacks the setting, and where it has it, left out
+    with the reason naming the setting."""
+    if key == "precision_aware_optimizer":  # its prediction needs the estimate of the trial's config
+        layout = parse_allocation_mode("megatron:d1")
+        summary["memory_snapshots"][0]["estimate"] = estimate_memory(
+            _cfg(**lacks), load_hf_config("qwen3_30b_a3b", 2), layout, layout.rank_coords(0), 8192)
+    found, skipped = trial_what_if(summary, _cfg(**lacks))
+    assert key in _by_key(found) and key not in _by_key(skipped)
+    found, skipped = trial_what_if(summary, _cfg(**has))
+    assert key not in _by_key(found)
+    assert _by_key(skipped)[key]["reason"].startswith("the trial already has actor.megatron.")
+
+
+def test_expandable_segments_already_on_and_fsdp_without_balanced_routing():
+    found, skipped = trial_what_if(_memory_summary(expandable=True), _cfg())
+    assert "expandable_segments" not in _by_key(found)
+    assert _by_key(skipped)["expandable_segments"]["reason"] == (
+        "the trial already has PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (environment)")
+    cfg = _cfg()
+    cfg["actor"]["backend"] = "fsdp:d1"
+    found, skipped = trial_what_if(_kernel_summary(top_share=0.9), cfg)
+    assert found == [] and _by_key(skipped)["balanced_routing"]["reason"].endswith("the fsdp backend has none")
+
+
+def test_balanced_routing_and_more_micro_batches_predictions():
+    """Collapsed routing (90 % of a layer's tokens to one expert) -> top-8 of 128 (6.25 %); an activation-bound peak
+    with 2 micro-batches of 4 sequences a rank -> 4 micro-batches halve the 8 GiB of activations."""
+    found, _ = trial_what_if(_kernel_summary(top_share=0.9), _cfg())
+    routing = _by_key(found)["balanced_routing"]
+    assert routing["effect"] == {"metric": "moe_top_share", "unit": "pct", "value": round(100 * (8 / 128 - 0.9), 4),
+                                 "baseline": 90.0}
+    assert routing["weight"] == 300.0 / 500.0 and routing["rank"] is None  # the MoE parts' share of GPU time
+    cfg = _cfg()
+    cfg["actor"]["mb_spec"].update(n_mbs=2, max_tokens_per_mb=0)  # 4 sequences of a rank in 2 micro-batches
+    found, _ = trial_what_if(_memory_summary("activations"), cfg)
+    more = _by_key(found)["more_micro_batches"]
+    assert more["settings"] == [{"kind": "config", "key": "actor.mb_spec.n_mbs", "value": 4, "current": 2}]
+    assert more["effect"]["value"] == -4.0
+    cfg["train_dataset"]["batch_size"] = 2  # one sequence per micro-batch already
+    found, skipped = trial_what_if(_memory_summary("activations"), cfg)
+    assert "more_micro_batches" not in _by_key(found)
+    assert _by_key(skipped)["more_micro_batches"]["reason"] == (
+        "an activation-bound peak, but each of the 2 micro-batches holds 1 sequence(s) of the 2 per data-parallel rank "
+        "and a sequence is not split (raise TRAIN_BATCH_SIZE, or CP)")
+
+
+# -- the verdict on a prediction ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,lo,hi,verdict", [
+    (-37.1, -36.8, -36.8, -36.8, "held"),                     # exact memory, within 25 %
+    (-37.1, -16.9, -16.9, -16.9, "smaller than predicted"),   # issue 34's 88.1 -> 71.2 GiB against the logits' 37.1
+    (-145.0, -131.0, -161.0, -101.0, "held"),                 # the interval meets the band
+    (-145.0, -60.0, -80.0, -40.0, "smaller than predicted"),
+    (-145.0, -300.0, -320.0, -200.0, "larger than predicted"),
+    (-145.0, 5.0, -20.0, 30.0, "not held: no effect of the predicted size"),
+    (-145.0, 40.0, 20.0, 60.0, "not held: opposite effect"),
+    (-145.0, -60.0, -150.0, 20.0, "undecided"),
+    (-145.0, -140.0, None, None, "held"),                     # one sample a side: the value alone
+    (2.0, 0.0, 0.0, 0.0, "not held: no effect of the predicted size"),
+])
+def test_judge(p, m, lo, hi, verdict):
+    assert judge(p, m, lo, hi)[0] == verdict
+
+
+def _step_summary(kind: str, step: int, times: list[float], **extra) -> dict:
+    rows = [{"step": s, "step_time_s": t, "profiled": s == step} for s, t in enumerate(times)]
+    return {"profile_kind": kind, "profile_step": step, "status": "ok", "stats": {"steps": rows}, **extra}
+
+
+def _tried(what_if: dict) -> dict:
+    return {"source_trial": "a", "source_run_dir": "/runs/a", "what_if": what_if}
+
+
+def test_compare_puts_prediction_next_to_outcome(tmp_path):
+    """Constructed pairs: step times of 4 steps a side (B is A less 131 ms), and one snapshot a side (issue 34's
+    peaks, 88.1 -> 71.2 GiB, against a predicted -37.09 GiB)."""
+    w_time = {"key": "selective_recompute", "label": "selective recompute", "rank": 0, "assumption": "work removed",
+              "settings": [{"kind": "config", "key": "actor.megatron.recompute_granularity", "value": "selective",
+                            "current": "full"}],
+              "effect": {"metric": "step_time", "unit": "ms", "value": -145.1, "baseline": 1000.0}}
+    a = _step_summary("kernel", 1, [2.0, 1.5, 1.000, 1.010, 1.020, 1.030])
+    b = _step_summary("kernel", 1, [2.0, 1.5, 0.869, 0.879, 0.889, 0.899], tried_what_if=_tried(w_time))
+    o = compare.what_if_result(a, b)
+    s = stats.shift([1000.0, 1010.0, 1020.0, 1030.0], [869.0, 879.0, 889.0, 899.0])
+    assert (o.measured, o.low, o.high, o.samples) == (s.estimate, s.low, s.high, "4/4")
+    assert (round(o.measured, 6), round(o.low, 6), round(o.high, 6)) == (-131.0, -161.0, -101.0)
+    w_mem = {"key": "chunked_lm_head", "label": "chunked LM head", "rank": 0, "assumption": "the peak holds the logits",
+             "settings": [{"kind": "config", "key": "actor.loss.lm_head_loss_chunk_size", "value": 2048, "current": 0}],
+             "effect": {"metric": "peak_allocated", "unit": "GiB", "value": -37.0898, "baseline": 88.1}}
+    snap = lambda gib: {"memory_snapshots": [{"rank": 0, "summary": {"peak_allocated_gib": gib}}]}  # noqa: E731
+    ma = _step_summary("memory", 2, [1.0, 1.0, 1.0], **snap(88.1))
+    mb = _step_summary("memory", 2, [1.0, 1.0, 1.0], tried_what_if=_tried(w_mem), **snap(71.2))
+    lines = compare._what_if_section([("/runs/a", a, "/runs/b", b), ("/runs/c", ma, "/runs/d", mb)])
+    assert lines[4] == ("- **selective recompute** (`actor.megatron.recompute_granularity=selective`), `a` (A) -> `b` "
+                        "(B): step time (predicted from rank 0): predicted -145.1 ms, measured -131.0 ms [95 % CI "
+                        "-161.0 ms, -101.0 ms]; samples A/B 4/4, from step times of the steps that time training "
+                        "alone (stats.jsonl, slowest rank).")
+    assert lines[5] == ("  Assumption: **held**: the outcome meets the band -109 to -181. It assumed: work removed.")
+    assert lines[7] == ("- **chunked LM head** (`actor.loss.lm_head_loss_chunk_size=2048`), `c` (A) -> `d` (B): peak "
+                        "allocated (predicted from rank 0): predicted -37.09 GiB, measured -16.90 GiB (exact); samples "
+                        "A/B exact, from rank 0's memory snapshot (peak_allocated_gib).")
+    assert lines[8] == ("  Assumption: **smaller than predicted**: the outcome is short of the band -27.8 to -46.4. It "
+                        "assumed: the peak holds the logits.")
+
+
+def test_try_what_ifs_is_a_checked_launcher_variable(tmp_path):
+    env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fr"), "RUN_ROOT": str(tmp_path / "run"),
+           "PROFILE_STAMP": "p"}
+    with pytest.raises(launch.DriverError, match=r"^TRY_WHAT_IFS='9': must be an integer from 0 to 8$"):
+        launch.plan({**env, "TRY_WHAT_IFS": "9"}, [], gpus=0)
+    with pytest.raises(launch.DriverError, match=r"^TRY_WHAT_IFS=1 with N_NODES=2: what-if trials are chosen from "):
+        launch.plan({**env, "TRY_WHAT_IFS": "1", "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
+    _, settings, info = launch.plan({**env, "TRY_WHAT_IFS": "2"}, [], gpus=0)
+    assert info["what_ifs"] == 2 and "TRY_WHAT_IFS=2\t# env" in settings
+    assert "TRY_WHAT_IFS" not in "\n".join(a for t in launch.plan(env, [], gpus=0)[0] for a in t.args)
+    assert launch.unknown_variable_warnings({"TRY_WHATIF": "1"}) == [  # the issue's spelling
+        "TRY_WHATIF is not a driver variable and is ignored; did you mean TRY_WHAT_IFS?"]
+
+
+# -- the driver: one what-if tried and compared on the tiny CPU preset -------------------------------------------
+@pytest.fixture(scope="module")
+def what_if_run(tmp_path_factory):
+    """2 sequences of 128 tokens per rank in 2 micro-batches (the preset's token cap, one sequence each), kernel trial
+    of step 1 with 4 steps after it, TRY_WHAT_IFS=1: the what-if the CPU trial proposes is fewer micro-batches."""
+    base = tmp_path_factory.mktemp("what_if_e2e")
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
+    env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"), PROFILE_STEPS="1",
+               PROFILE_KINDS="kernel", PROFILE_STAMP="w", PROFILE_FAKE_SEQ_LEN="128", TRAIN_BATCH_SIZE="4",
+               TOTAL_STEPS="6", TRY_WHAT_IFS="1", OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env, capture_output=True,
+                         text=True, timeout=900)
+    return out, base / "run"
+
+
+def test_driver_tries_the_what_if_and_compares_it(what_if_run):
+    out, run = what_if_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(run / "summary.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    source, tried = Path(rows[0]["run_dir"]), Path(rows[1]["run_dir"])
+    assert [(r["trial"], r["kind"], r["step"], r["status"], r["what_if"]) for r in rows] == [
+        ("tiny_qwen3_moe_fake128_kernel_step1_w", "kernel", "1", "0", "-"),
+        ("tiny_qwen3_moe_fake128_kernel_step1_w_whatif_fewer_micro_batches", "kernel", "1", "0",
+         "actor.mb_spec.max_tokens_per_mb=256")]
+    assert [line.split("\t")[0] for line in (run / "trials.tsv").read_text().splitlines()] == [r["trial"] for r in rows]
+    a = json.loads((source / "profile_summary.json").read_text())
+    b = json.loads((tried / "profile_summary.json").read_text())
+    # the CPU trial proposes no GPU-time what-if; its one lever is the per-micro-batch FSDP2 collectives
+    assert [w["key"] for w in a["what_if"]] == ["fewer_micro_batches"]
+    w = a["what_if"][0]
+    ops = a["kernel_traces"][0]["summary"]["communication"]["host_ops"]["by_op_ms"]
+    assert w["effect"]["metric"] == "step_time" and w["rank"] == 0
+    collectives = sum(v for k, v in ops.items() if re.search("all_gather|all_reduce|reduce_scatter", k))
+    assert collectives > 0 and w["effect"]["value"] == pytest.approx(-collectives / 2, abs=1e-3)  # 2 -> 1 micro-batch
+    assert w["settings"] == [{"kind": "config", "key": "actor.mb_spec.max_tokens_per_mb", "value": 256, "current": 128}]
+    assert b["tried_what_if"] == {"source_trial": source.name, "source_run_dir": str(source), "what_if": w}
+    assert json.loads((tried / "what_if.json").read_text()) == b["tried_what_if"]
+    assert b["config"]["actor"]["mb_spec"]["max_tokens_per_mb"] == 256
+    regions = [r["name"] for r in b["kernel_traces"][0]["summary"]["regions"]]
+    assert [r for r in regions if "/forward/" in r] == ["sftprof/forward/mb0"]  # one micro-batch of 2 sequences
+    # prediction against outcome: the step times of steps 2-5 of each trial, in ms
+    times = [[1000 * x["step_time_s"] for x in s["stats"]["steps"] if x["step"] >= 2] for s in (a, b)]
+    shift = stats.shift(*times)
+    verdict = judge(w["effect"]["value"], shift.estimate, shift.low, shift.high)[0]
+    measured = (f"predicted {w['effect']['value']:+.1f} ms, measured {shift.estimate:+.1f} ms [95 % CI "
+                f"{shift.low:+.1f} ms, {shift.high:+.1f} ms]")
+    report = (tried / f"compare_vs_{source.name}.md").read_text()
+    assert f"step time (predicted from rank 0): {measured}; samples A/B 4/4" in report
+    assert f"  Assumption: **{verdict}**: " in report
+    table = out.stdout[out.stdout.index("trial                    status"):].splitlines()
+    assert table[2].startswith("kernel step 1 what-if 1  ok ")
+    block = table[table.index("what-ifs tried (prediction against outcome; the compare report in the what-if "
+                              "trial's run dir):"):]
+    assert block[1:4] == [f"  what-if 1: kernel step 1, fewer micro-batches (actor.mb_spec.max_tokens_per_mb=256) on "
+                          f"{source.name}",
+                          f"    step time: {measured}; assumption: {verdict}",
+                          f"    {tried / f'compare_vs_{source.name}.md'}"]
+    assert re.search(r"^sftprof: TRY_WHAT_IFS=1: 1 what-if\(s\) proposed; trying 1: fewer micro-batches "
+                     r"\(actor\.mb_spec\.max_tokens_per_mb=256\) of the kernel trial of step 1$", out.stdout, re.M)
