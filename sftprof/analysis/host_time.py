@@ -222,8 +222,12 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
     return None
 
 
-def top_cpu_ops(cpu_us: dict[str, float], cpu_calls: dict[str, int], limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
-    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, whole trace, us in):
-    ``{name, calls, inclusive_ms}``."""
-    return [{"name": k, "calls": cpu_calls[k], "inclusive_ms": ms(t)} for k, t in
-            sorted(cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]
+def top_cpu_ops(ops: OpCollector, limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
+    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, every CPU op of the trace the
+    collector holds): ``{name, calls, inclusive_ms}``."""
+    _, st, en, name = ops.cpu_ops.arrays()
+    n = len(ops.op_name_list)
+    us = np.bincount(name, weights=en - st, minlength=n).tolist()
+    calls = np.bincount(name, minlength=n).tolist()
+    rows = sorted((k for k in range(n) if calls[k]), key=lambda k: (-us[k], ops.op_name_list[k]))[:limit]
+    return [{"name": ops.op_name_list[k], "calls": calls[k], "inclusive_ms": ms(us[k])} for k in rows]

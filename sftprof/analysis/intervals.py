@@ -17,7 +17,8 @@ from array import array
 
 import numpy as np
 
-__all__ = ["union", "length", "intersection_length", "clip", "difference", "ThreadIntervals", "Intervals"]
+__all__ = ["union", "length", "intersection_length", "clip", "difference", "repeated_rows", "ThreadIntervals",
+           "Intervals"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -87,6 +88,21 @@ def difference(a: Intervals, b: Intervals) -> Intervals:
     return np.asarray(out_s, dtype=np.float64), np.asarray(out_e, dtype=np.float64)
 
 
+def repeated_rows(*columns: np.ndarray) -> np.ndarray:
+    """Bool per row: equal in every column to an earlier row (the first of equal rows is not repeated)."""
+    n = columns[0].size if columns else 0
+    out = np.zeros(n, dtype=bool)
+    if n < 2:
+        return out
+    order = np.lexsort(columns[::-1])  # stable: equal rows keep their order, so the first stays unmarked
+    same = np.ones(n - 1, dtype=bool)
+    for c in columns:
+        c = c[order]
+        same &= c[1:] == c[:-1]
+    out[order[1:][same]] = True
+    return out
+
+
 class ThreadIntervals:
     """Per-thread intervals (start, end, payload) with an innermost-containment query."""
 
@@ -101,6 +117,24 @@ class ThreadIntervals:
         self.start.append(start)
         self.end.append(end)
         self.payload.append(payload)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(tid, start, end, payload)`` as numpy views (int64, float64, float64, int64) of the stored intervals."""
+        return (np.frombuffer(self.tid, dtype=np.int64), np.frombuffer(self.start, dtype=np.float64),
+                np.frombuffer(self.end, dtype=np.float64), np.frombuffer(self.payload, dtype=np.int64))
+
+    def repeated(self) -> np.ndarray:
+        """Bool per interval: the same ``(tid, start, end, payload)`` as an earlier one (a record written twice)."""
+        return repeated_rows(*self.arrays())
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the intervals where ``mask`` (bool, one per interval) is False."""
+        for name, code in (("tid", "q"), ("start", "d"), ("end", "d"), ("payload", "q")):
+            values = np.frombuffer(getattr(self, name), dtype=np.int64 if code == "q" else np.float64)[mask]
+            setattr(self, name, array(code, values.tobytes()))
 
     def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
         """Index (into this collection) of the innermost interval containing each point, -1 if none.

@@ -26,6 +26,7 @@ Traces without model-part ranges (recorded before they existed) are split by ker
 """
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from typing import Any, NamedTuple, Optional
 
@@ -37,12 +38,15 @@ from sftprof.analysis.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_F
 from sftprof.analysis.schema import ms
 from sftprof.artifacts import MODULE_REGION_PREFIX, parse_module_region
 
-__all__ = ["OpCollector", "Placement", "BWD_NODE"]
+__all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
 
 BWD_NODE = "autograd::engine::evaluate_function: "
 
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpy2D")  # blocking calls: the host waits for the device
+
+# CUDA API calls that launch one kernel (a graph launch, cudaGraphLaunch, runs many kernels under one correlation)
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cuLaunchCooperativeKernel")
 
 _DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
                 "Int": 4, "Long": 8, "Char": 1, "Byte": 1, "Bool": 1}
@@ -70,6 +74,8 @@ class OpCollector:
         self.flop_ops = ThreadIntervals()  # payload: index into _flop_info
         self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
         self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
+        self.kernel_launches = (array("q"), array("d"))  # correlation and start (us) of each kernel launch call
+        self.repeated_api_calls = 0  # CUDA API calls recorded twice (same correlation, thread and start): skipped
         self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
         self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
@@ -135,10 +141,17 @@ class OpCollector:
         elif cat in ("cuda_runtime", "cuda_driver"):
             args = ev.get("args") or {}
             corr = args.get("correlation")
+            name = ev.get("name") or ""
             if isinstance(corr, int) and not isinstance(corr, bool):
+                if self._launch.get(corr) == (tid, ts):  # the same call recorded twice
+                    self.repeated_api_calls += 1
+                    return
                 self._launch[corr] = (tid, ts)
-            if ev.get("name") in _SYNC_CALLS:
-                self.sync_calls.append((ev["name"], ts, ts + dur, tid))
+                if name.startswith(KERNEL_LAUNCHES):
+                    self.kernel_launches[0].append(corr)
+                    self.kernel_launches[1].append(ts)
+            if name in _SYNC_CALLS:
+                self.sync_calls.append((name, ts, ts + dur, tid))
         elif cat == "fwdbwd":
             fid = ev.get("id")
             if isinstance(fid, (int, str)):
