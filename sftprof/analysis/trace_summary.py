@@ -129,7 +129,8 @@ class KernelTraceAnalyzer:
         self._a_ext: list[int] = []
         self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
-        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective ops on the host
+        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
+        self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
         self._t_min = float("inf")
@@ -274,7 +275,7 @@ class KernelTraceAnalyzer:
         elif cat == "cpu_op":
             name = ev.get("name") or ""
             if name.startswith(HOST_COLLECTIVE_PREFIXES):
-                self._host_comm.append((name, ts, ts + dur))
+                self._host_comm_ops.append((name, ts, ts + dur))
             args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
                 ext = _int_id(args.get("External id"))
@@ -342,6 +343,7 @@ class KernelTraceAnalyzer:
         unique = [list(dict.fromkeys(x)) for x in annotations]
         repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
         regions, profiler_steps, host_comm = unique
+        host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
         regions.sort(key=lambda r: (r[1], r[0]))
         t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
                                          step=self._step, untimed=self._untimed, invalid_corr=self._invalid_corr,
