@@ -132,13 +132,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     sync_end, sync_op = ops.blocking_calls()
     rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0])  # idle us, gaps, after-blocking us, gaps
     by_op: dict[str, float] = defaultdict(float)
-    for i, g0, g1 in host_gaps:
+    # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
+    first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
+    for (i, g0, g1), j in zip(host_gaps, first):
         key = (parts[i], phases[i], sites[i])
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
         upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
-        j = int(np.searchsorted(sync_end, g0, side="left"))
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
             r[3] += 1

@@ -229,21 +229,32 @@ class KernelTraceAnalyzer:
         """
         self.n_events += 1
         ph = ev.get("ph")
+        cat = ev.get("cat")
         if ph != "X":
-            if ph in ("s", "f") and ev.get("cat") == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
-                self._ops.add(ev, ev["ts"], 0.0)
+            if ph in ("s", "f") and cat == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
+                self._ops.add(ev, cat, ev["ts"], 0.0)
             return
         ts = ev.get("ts")
         dur = ev.get("dur")
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
-        self._ops.add(ev, ts, dur)
+        self._ops.add(ev, cat, ts, dur)
         if ts < self._t_min:
             self._t_min = ts
         if ts + dur > self._t_max:
             self._t_max = ts + dur
-        cat = ev.get("cat")
-        if cat in GPU_ACTIVITY_CATS:
+        if cat == "cpu_op":
+            name = ev.get("name") or ""
+            if name.startswith(HOST_COLLECTIVE_PREFIXES):
+                self._host_comm_ops.append((name, ts, ts + dur))
+            args = ev.get("args")
+            if args and ("Process Group Name" in args or "Process Group Description" in args):
+                ext = _int_id(args.get("External id"))
+                if ext != -1:
+                    self._comm_ops[ext] = self._pg_ref(args)
+                if "Process Group Ranks" in args and "Process Group Name" in args:
+                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
+        elif cat in GPU_ACTIVITY_CATS:
             name = ev.get("name") or ""
             idx = self._names.get(name)
             if idx is None:
@@ -272,17 +283,6 @@ class KernelTraceAnalyzer:
                 self._profiler_steps.append((name, ts, ts + dur))
             elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
-        elif cat == "cpu_op":
-            name = ev.get("name") or ""
-            if name.startswith(HOST_COLLECTIVE_PREFIXES):
-                self._host_comm_ops.append((name, ts, ts + dur))
-            args = ev.get("args")
-            if args and ("Process Group Name" in args or "Process Group Description" in args):
-                ext = _int_id(args.get("External id"))
-                if ext != -1:
-                    self._comm_ops[ext] = self._pg_ref(args)
-                if "Process Group Ranks" in args and "Process Group Name" in args:
-                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
 
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
