@@ -226,9 +226,9 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
 def top_cpu_ops(ops: OpCollector, limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
     """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, every CPU op of the trace the
     collector holds): ``{name, calls, inclusive_ms}``."""
-    _, st, en, name = ops.cpu_ops.arrays()
+    name = ops.cpu_ops.arrays()[3]
     n = len(ops.op_name_list)
-    us = np.bincount(name, weights=en - st, minlength=n).tolist()
+    us = np.bincount(name, weights=np.frombuffer(ops.cpu_dur, dtype=np.float64), minlength=n).tolist()
     calls = np.bincount(name, minlength=n).tolist()
     rows = sorted((k for k in range(n) if calls[k]), key=lambda k: (-us[k], ops.op_name_list[k]))[:limit]
     return [{"name": ops.op_name_list[k], "calls": calls[k], "inclusive_ms": ms(us[k])} for k in rows]

@@ -83,6 +83,7 @@ class OpCollector:
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
         self.sync_calls: list[tuple[str, float, float, int]] = []  # blocking CUDA runtime calls: (name, start, end, tid)
         self.cpu_ops = ThreadIntervals()  # every cpu_op for self time; payload: name index
+        self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self._op_names: dict[str, int] = {}
@@ -93,50 +94,59 @@ class OpCollector:
 
     def add(self, ev: dict, cat, ts: float, dur: float) -> None:
         """Consume one complete (``ph: X``) or flow event of category ``cat`` with a valid ``ts`` (and ``dur`` for
-        X; the hot path of the trace pass: what an op's name says is worked out once per name, :meth:`_op_kind`)."""
+        X)."""
         tid = ev.get("tid")
         if type(tid) is not int:
             tid = -1
         if cat == "cpu_op":
-            name = ev.get("name") or ""
-            idx = self._op_names.get(name)
-            if idx is None:
-                idx = self._op_names[name] = len(self.op_name_list)
-                self.op_name_list.append(name)
-                self._op_kinds.append(self._op_kind(name))
-            c = self.cpu_ops
-            c.tid.append(tid)
-            c.start.append(ts)
-            c.end.append(ts + dur)
-            c.payload.append(idx)
-            kind = self._op_kinds[idx]
-            if kind:
-                if kind & _COMPILE:
-                    self.compile_spans.append((tid, ts, ts + dur))
-                if kind & _BWD_NODE:
-                    self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
-                    return
-                if kind & _FLOP:
-                    f = op_flops(name, ev.get("args") or {})
-                    if f is not None:
-                        if name in FLOW_FORWARD:
-                            self._flow_fwd_op[(tid, ts)] = len(self._flop_info)
-                        self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
-                        self._flop_info.append((name, *f))
-                elif kind & _FLOW_BACKWARD:
-                    self._flow_bwd_ops.append((name, tid, ts, dur))
-            args = ev.get("args")
-            if args and "Collective name" in args:
-                ext = args.get("External id")
-                if isinstance(ext, int):
-                    nel = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if isinstance(v, int)]
-                    size = args.get("Group size")
-                    self.comm_ops[ext] = {"collective": collective_name(str(args["Collective name"])),
-                                          "pg": (args.get("Process Group Description"), args.get("Process Group Name")),
-                                          "group_size": size if isinstance(size, int) else None,
-                                          "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
-                                          if nel and args.get("dtype") in _DTYPE_BYTES else None}
-        elif cat == "user_annotation":
+            self.add_cpu_op(tid, ev.get("name") or "", ev.get("args"), ts, dur)
+        else:
+            self._add_other(ev, cat, tid, ts, dur)
+
+    def add_cpu_op(self, tid: int, name: str, args: Optional[dict], ts: float, dur: float) -> None:
+        """Consume one CPU op (thread ``tid``, -1 when unknown), the hot path of the trace pass: what an op's name says
+        is worked out once per name (:meth:`_op_kind`)."""
+        idx = self._op_names.get(name)
+        if idx is None:
+            idx = self._op_names[name] = len(self.op_name_list)
+            self.op_name_list.append(name)
+            self._op_kinds.append(self._op_kind(name))
+        c = self.cpu_ops
+        c.tid.append(tid)
+        c.start.append(ts)
+        c.end.append(ts + dur)
+        c.payload.append(idx)
+        self.cpu_dur.append(dur)
+        kind = self._op_kinds[idx]
+        if kind:
+            if kind & _COMPILE:
+                self.compile_spans.append((tid, ts, ts + dur))
+            if kind & _BWD_NODE:
+                self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
+                return
+            if kind & _FLOP:
+                f = op_flops(name, args or {})
+                if f is not None:
+                    if name in FLOW_FORWARD:
+                        self._flow_fwd_op[(tid, ts)] = len(self._flop_info)
+                    self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
+                    self._flop_info.append((name, *f))
+            elif kind & _FLOW_BACKWARD:
+                self._flow_bwd_ops.append((name, tid, ts, dur))
+        if args and "Collective name" in args:
+            ext = args.get("External id")
+            if isinstance(ext, int):
+                nel = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if isinstance(v, int)]
+                size = args.get("Group size")
+                self.comm_ops[ext] = {"collective": collective_name(str(args["Collective name"])),
+                                      "pg": (args.get("Process Group Description"), args.get("Process Group Name")),
+                                      "group_size": size if isinstance(size, int) else None,
+                                      "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
+                                      if nel and args.get("dtype") in _DTYPE_BYTES else None}
+
+    def _add_other(self, ev: dict, cat, tid: int, ts: float, dur: float) -> None:
+        """Consume one event of another category than ``cpu_op`` (:meth:`add`)."""
+        if cat == "user_annotation":
             name = ev.get("name") or ""
             if name.startswith("dynamo_data: compile_id="):
                 self.compile_ids.append((ts, name.split("=", 1)[1]))
@@ -170,6 +180,11 @@ class OpCollector:
                     self._flow_start[hash(fid)] = (tid, ts)
                 elif ev.get("ph") == "f":
                     self._flow_end[(tid, ts)] = hash(fid)
+
+    def keep_cpu_ops(self, mask: np.ndarray) -> None:
+        """Drop the CPU ops where ``mask`` (bool, one per op of :attr:`cpu_ops`) is False."""
+        self.cpu_ops.keep(mask)
+        self.cpu_dur = array("d", np.frombuffer(self.cpu_dur, dtype=np.float64)[mask].tobytes())
 
     @staticmethod
     def _op_kind(name: str) -> int:

@@ -166,7 +166,7 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
     dup_examples = [f"{_short(t.names[t.name_idx[i]])} at {t.ts[i]:.3f} us" for i in np.flatnonzero(dup)[:_EXAMPLES]]
     dup_examples += [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us"
                      for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
-    ops.cpu_ops.keep(~dup_ops)
+    ops.keep_cpu_ops(~dup_ops)
     t = t.subset(~dup)
     n_missing, at_end, n_launches, launch_examples = _launches_without_activity(t, ops, invalid_corr)
 
@@ -176,7 +176,7 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
     other = _in_spans(when, other_spans) & ~_in_spans(when, [spans[step]] if step in spans else [])
     other_ops = _in_spans(ops.cpu_ops.arrays()[1], other_spans)
     n_other, of_other = int(other.sum() + other_ops.sum()), t.n + len(ops.cpu_ops)
-    ops.cpu_ops.keep(~other_ops)
+    ops.keep_cpu_ops(~other_ops)
     t = t.subset(~other)
 
     dur, cut, over_examples = _overlaps(t)

@@ -238,23 +238,24 @@ class KernelTraceAnalyzer:
         dur = ev.get("dur")
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
-        self._ops.add(ev, cat, ts, dur)
         if ts < self._t_min:
             self._t_min = ts
         if ts + dur > self._t_max:
             self._t_max = ts + dur
-        if cat == "cpu_op":
-            name = ev.get("name") or ""
+        if cat == "cpu_op":  # most events: the collector's hot path, each member read once
+            tid, name, args = ev.get("tid"), ev.get("name") or "", ev.get("args")
+            self._ops.add_cpu_op(tid if type(tid) is int else -1, name, args, ts, dur)
             if name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm_ops.append((name, ts, ts + dur))
-            args = ev.get("args")
             if args and ("Process Group Name" in args or "Process Group Description" in args):
                 ext = _int_id(args.get("External id"))
                 if ext != -1:
                     self._comm_ops[ext] = self._pg_ref(args)
                 if "Process Group Ranks" in args and "Process Group Name" in args:
                     self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
-        elif cat in GPU_ACTIVITY_CATS:
+            return
+        self._ops.add(ev, cat, ts, dur)
+        if cat in GPU_ACTIVITY_CATS:
             name = ev.get("name") or ""
             idx = self._names.get(name)
             if idx is None:
