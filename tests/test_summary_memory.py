@@ -5,7 +5,8 @@ from torch.cuda import _memory_viz
 from fixtures import gpu_snapshot_fixtures
 from sftprof.analysis.findings import memory_findings
 from sftprof.analysis.memory_categories import allocation_site
-from sftprof.analysis.memory_summary import analyze_snapshot, peak_where, plot_memory
+from sftprof.analysis.memory_plot import plot_memory
+from sftprof.analysis.memory_summary import analyze_snapshot, peak_where
 from sftprof.analysis.report_memory import _memory_peaks
 from sftprof.analysis.safe_pickle import safe_load_file
 
