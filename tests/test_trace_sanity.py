@@ -16,7 +16,7 @@ import pytest
 
 from fixtures import FIXTURE_DIR
 from fixtures.faults import GPU, before_step, drop, duplicate, stream_activities, stretch, untime, with_second_step
-from sftprof.analysis.findings import kernel_findings, memory_findings
+from sftprof.analysis.findings import memory_findings
 from sftprof.analysis.memory_summary import analyze_snapshot, peak_where
 from sftprof.analysis.report_memory import _memory_peaks
 from sftprof.analysis.safe_pickle import safe_load_file
