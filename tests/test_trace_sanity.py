@@ -342,8 +342,9 @@ def test_snapshot_events_without_times_give_the_windows_peak_by_order(snap, unti
 
 def test_snapshot_whose_phases_are_on_another_clock_gives_no_step_peak(tmp_path, snap):
     """A sidecar one hour off the history's clock (local time against UTC): the step lies outside the recorded
-    history, so no step peak (was the level before the first event, 27.9 GiB, with the window's 41.9 GiB 'before the
-    profiled step'); the window's peak with its time; through the postprocess: a warning and the findings' caveat."""
+    history, so no step peak (was a 'step peak' of 34.94 GiB, the level before the first recorded event, with the
+    window's 41.91 GiB 'after the profiled step'); the window's peak with its time; through the postprocess: a warning
+    and the findings' caveat."""
     phases = _step_phases(snap)
     for p in phases["phases"]:
         p["start_us"] -= 3600e6
