@@ -288,8 +288,8 @@ def _step_phases(snap) -> dict:
 
 
 def test_snapshot_without_history_gives_the_level_at_dump_not_a_step_peak(snap):
-    """Segments but no trace entries: was 'the profiled step's peak' = the level at dump (34.9 GiB, 17 % below the
-    real 41.9) with the real peak 'before the profiled step'; now the level at dump, said to be no peak."""
+    """Segments but no trace entries: was 'the profiled step's peak' = the level at dump (34.94 GiB, 17 % below the
+    41.91 GiB the full history shows); now the level at dump, said to be no peak."""
     clean = analyze_snapshot(snap, _step_phases(snap))
     assert (clean["peak_scope"], clean["peak_allocated_bytes"]) == ("profiled_step", 44_995_239_944)
     bare = dict(snap, device_traces=[[]])
