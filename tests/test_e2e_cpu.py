@@ -178,6 +178,45 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
         assert line.endswith(f"LM head + loss {summed['lm_head_loss']['share_pct']:.0f}% of CPU op time (rank 0)")
 
 
+def test_cpu_ops_recorded_twice_or_a_second_step_leave_the_trials_figures_as_they_are(run, tmp_path):
+    """Issue 35 on the tiny preset's real trace (kernel step 1): every CPU op recorded twice (a torch profiler fault:
+    host times and call counts doubled), or a copy of the step appended as a longer ProfilerStep#2 (the longest step
+    was the window): summarised as step 1, every figure is the trial's own; the fault is counted and named."""
+    from fixtures.faults import before_step, duplicate, with_second_step
+    from sftprof.analysis.summary import postprocess_trial
+
+    _, run_root = run
+    row = next(r for r in summary_rows(run_root) if (r["kind"], r["step"]) == ("kernel", "1"))
+    own = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())["kernel_traces"][0]
+    src = Path(row["log_dir"])
+    trace = json.loads((src / own["source"]).read_text())
+    ops = [e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"]
+    doubled = json.loads(json.dumps(trace))
+    duplicate(doubled, [e for e in doubled["traceEvents"] if e.get("cat") == "cpu_op"])
+    for name, bad, count, warning in (
+            ("doubled", doubled, (len(ops), own["summary"]["n_events"] + len(ops)),
+             f"{len(ops)} events recorded twice (cpu_op {len(ops)}): the copies are left out of every figure (the "
+             "views keep them)"),
+            ("two_steps", with_second_step(trace, 2, longer_us=5e6), (len(ops) - before_step(trace), 2 * len(ops)),
+             f"the trace holds more profiler steps than the one postprocessed (ProfilerStep#2 besides it): "
+             f"{len(ops) - before_step(trace)} of {2 * len(ops)} GPU activities and CPU ops of those steps are left "
+             "out of every figure, and the step window is the postprocessed step's own")):
+        log = tmp_path / name / "log"
+        (log / own["source"]).parent.mkdir(parents=True)
+        for f in ("stats.jsonl", "config.yaml", "rank_coords.json"):
+            shutil.copy(src / f, log / f)
+        (log / own["source"]).write_text(json.dumps(bad))
+        summary, code = postprocess_trial(str(log), str(tmp_path / name / "run"), "kernel", 1, jobs=1)
+        got = json.loads(json.dumps(summary["kernel_traces"][0]["summary"]))
+        kind = "duplicates" if name == "doubled" else "other_steps"
+        assert code == 0 and (got["sanity"][kind]["count"], got["sanity"][kind]["of"]) == count, name
+        skip = ("n_events", "invalid_events", "sanity", "view_repairs", "identity")
+        assert {k: v for k, v in got.items() if k not in skip} == {
+            k: v for k, v in own["summary"].items() if k not in skip}, name
+        assert summary["warnings"] == [{"file": own["source"], "warning": warning}]
+        assert all(f["caveats"] == [warning] for f in summary["findings"])
+
+
 def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
     _, run_root = run
     for row in summary_rows(run_root):

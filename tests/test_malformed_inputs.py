@@ -3,6 +3,7 @@
 Inputs are derived from the real H200 fixtures (a cut of the project's kernel trace, a cut of its memory
 snapshot) and from a real torchrun failure log; each test asserts exact counts, messages and exit codes.
 """
+import copy
 import gzip
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import FIXTURE_DIR
+from fixtures import FIXTURE_DIR, faults
 from sftprof.artifacts import view_path
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.analysis.summary import postprocess_trial
@@ -676,6 +677,134 @@ def test_fuzz_snapshots(tmp_path, small_snapshot):
         files = [f"memory_snapshots/step_1/{SNAP_NAME.format(r=r)}" for r in range(len(inputs[b:b + _BATCH]))]
         n_errors += len(_check_fuzz_summary(summary, code, run, files))
     assert 0 < n_errors < len(inputs)
+
+
+def _record_faults(trace: dict, rng: random.Random) -> tuple[dict, dict, bool]:
+    """A copy of the (cut) trace with a random set of the profiler's faults of its record (issue 35), the counts of
+    each kind in the summary they must give, and whether overlapping activities dominate it (its error).
+
+    The trace gets a ``ProfilerStep#1`` slice around it first (a trace of the trainer's schedule), then maybe a
+    copy as step 2; the faults go to disjoint thirds of the original's compute stream (its first two kernels ran
+    before their launches were recorded, its last ones stay, so that every fault is inside the recording)."""
+    t = copy.deepcopy(trace)
+    ts = [e["ts"] for e in t["traceEvents"] if "ts" in e]
+    host = next(e for e in t["traceEvents"] if e.get("cat") == "cpu_op")
+    t["traceEvents"].append({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": host["pid"],
+                             "tid": host["tid"], "ts": min(ts), "dur": max(ts) - min(ts) + 100.0, "args": {}})
+    n_gpu = sum(e.get("cat") in faults.GPU for e in t["traceEvents"])
+    n_ops = sum(e.get("cat") == "cpu_op" for e in t["traceEvents"])
+    want = {"duplicates": 0, "overlapping": 0, "untimed": 0, "launches_without_activity": 0,
+            "activities_without_launch": 0, "other_steps": 0}
+    if rng.random() < 0.5:
+        t = faults.with_second_step(t, 2, longer_us=rng.choice([0.0, 1e3, 1e6]))
+        want["other_steps"] = n_gpu + n_ops
+    kernels = faults.stream_activities(trace)[(0, 7)]  # GPU activities of the compute stream
+    third = len(kernels) // 3
+    ids = [(e["ts"], e["args"]["correlation"]) for e in kernels]
+    pick = {(e["ts"], e["args"].get("correlation")): e for e in t["traceEvents"] if e.get("cat") in faults.GPU}
+    mine = [pick[i] for i in ids]
+    dominated = rng.random() < 0.1
+    if dominated:  # more than half of the activities run over their next one
+        faults.overrun(mine, list(range(n_gpu // 2 + 1)), 1e6)
+        return t, {"overlapping": n_gpu // 2 + 1}, True
+    if rng.random() < 0.5:  # from 10 ns (one tick of the trace's clock) to 1 s past the next one's start
+        k = rng.randrange(1, third - 2)  # each one's next activity is in the first third too, kept as it is
+        faults.overrun(mine, rng.sample(range(2, third - 1), k), rng.choice([0.01, 5.0, 1e6]))
+        want["overlapping"] = k
+    middle = rng.sample(mine[third:2 * third], third)
+    if rng.random() < 0.5:
+        k = rng.randrange(1, third // 2)
+        faults.untime(middle[:k])
+        want["untimed"] = k
+    if rng.random() < 0.5:
+        k = rng.randrange(1, third // 2)
+        faults.drop(t, middle[third // 2:third // 2 + k])
+        want["launches_without_activity"] = k
+    if rng.random() < 0.5:
+        ops = [e for e in t["traceEvents"] if e.get("cat") == "cpu_op" and e["ts"] < max(ts)]  # the original's
+        k = rng.randrange(1, len(ops))
+        faults.duplicate(t, rng.sample(ops, k) + mine[-3:])
+        want["duplicates"] = k + 3
+    return t, want, False
+
+
+def test_fuzz_record_faults(tmp_path, small_trace):
+    """Seeded sets of the profiler's faults of its record (sftprof/analysis/trace_sanity.py) on the real cut trace,
+    30 ranks per trial: each trace's summary counts exactly what was done to it and names it in a warning; one that
+    overlapping activities dominate is that trace's error; the others are summarised; exit 0 or 1, strict JSON."""
+    from sftprof.analysis.trace_sanity import fault_messages
+
+    rng = random.Random(35)
+    seen = {k: 0 for k in ("duplicates", "overlapping", "untimed", "launches_without_activity", "other_steps")}
+    n_errors = 0
+    for b in range(2):
+        log = _log_dir(tmp_path / f"b{b}")
+        wanted = []
+        for r in range(_BATCH):
+            trace, want, dominated = _record_faults(small_trace, rng)
+            _put_trace(log, r, _trace_text(trace))
+            wanted.append((want, dominated))
+        run = tmp_path / f"run{b}"
+        summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+        _check_fuzz_summary(summary, code, run, [])
+        for t, (want, dominated) in zip(summary["kernel_traces"], wanted):
+            src = log / "perf_tracer" / f"traces-r{t['rank']}.chrome.json"
+            got = {k: v["count"] for k, v in t["summary"]["sanity"].items() if isinstance(v, dict) and "count" in v}
+            if dominated:
+                n_errors += 1
+                assert got["overlapping"] == want["overlapping"]
+                assert t["error"].startswith(f"{src}: {want['overlapping']} of ") and t["error"].endswith(
+                    "; the trace is not usable")
+                continue
+            assert "error" not in t and got == want, t["rank"]
+            mine = [w["warning"] for w in summary["warnings"] if w["file"] == t["source"]]
+            assert [m for m in mine if m in fault_messages(t["summary"]["sanity"])] == fault_messages(
+                t["summary"]["sanity"])
+            assert len(fault_messages(t["summary"]["sanity"])) == sum(1 for v in want.values() if v)
+            seen.update({k: seen[k] + 1 for k, v in want.items() if v and k in seen})
+        assert code == (1 if any(d for _, d in wanted) else 0)
+    assert n_errors and all(seen.values()), seen  # every kind was tried, and the dominated case
+
+
+def test_fuzz_snapshot_history_faults(tmp_path, small_snapshot):
+    """Seeded snapshot faults (issue 35 rule 2) on the real snapshot's newest 300 events, each with a phases sidecar
+    around its history: no history, events without time_us, a sidecar on another clock, or none of these; each gives
+    the step peak only when its history can, and says why not."""
+    rng = random.Random(36)
+    log = _log_dir(tmp_path, kind="memory")
+    wanted = []
+    for r in range(_BATCH):
+        snap = copy.deepcopy(small_snapshot)
+        trace = snap["device_traces"][0]
+        t0, t1 = trace[0]["time_us"], trace[-1]["time_us"]
+        phases = {"clock": "unix_us", "phases": [{"name": "sftprof/step", "start_us": t0, "end_us": t1 + 1}]}
+        kind = rng.choice(["none", "no_history", "untimed", "other_clock"])
+        if kind == "no_history":
+            snap["device_traces"] = [[]]
+        elif kind == "untimed":
+            for e in rng.sample(trace, rng.randrange(1, len(trace) + 1)):
+                del e["time_us"]
+        elif kind == "other_clock":
+            shift = rng.choice([-1, 1]) * rng.choice([3600e6, 1e3 * (t1 - t0 + 1)])
+            phases["phases"][0] = {"name": "sftprof/step", "start_us": t0 + shift, "end_us": t1 + 1 + shift}
+        _put_snapshot(log, SNAP_NAME.format(r=r), pickle.dumps(snap, protocol=4))
+        (log / "memory_snapshots" / "step_1" / f"phases_rank{r}.json").write_text(json.dumps(phases))
+        wanted.append(kind)
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 1)
+    assert code == 0 and summary["errors"] == []
+    scopes = {"none": "profiled_step", "no_history": "dump_time", "untimed": "recorded_window",
+              "other_clock": "recorded_window"}
+    starts = {"none": None, "no_history": "the snapshot holds no allocator history",
+              "untimed": " allocator events have no time_us", "other_clock": "the profiled step (sftprof/step, "}
+    for m in summary["memory_snapshots"]:
+        kind, x = wanted[m["rank"]], m["summary"]
+        assert x["peak_scope"] == scopes[kind], (m["rank"], kind)
+        reason = x["step_peak_unknown"]
+        assert (reason is None) if kind == "none" else (starts[kind] in reason), (m["rank"], kind, reason)
+        assert (x["window_peak_position"] is None) == (kind != "none")
+        mine = [w["warning"] for w in summary["warnings"] if w["file"] == m["file"]]
+        assert mine == ([reason] if reason else [])
+    assert set(wanted) == set(scopes)
 
 
 def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):

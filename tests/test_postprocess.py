@@ -503,7 +503,12 @@ def test_rerun_on_a_damaged_snapshot_keeps_the_earlier_archive_and_plot(tmp_path
     res = _cli("--log-dir", log, "--run-dir", run)
     assert res.returncode == 0, res.stderr
     s = json.load(open(run / "profile_summary.json"))
-    assert s["errors"] == [] and [w["file"] for w in s["warnings"]] == ["profile_summary.json"]
+    # the sidecar's step (0-1 us) lies outside the snapshot's history: no step peak, and a warning says why
+    assert s["errors"] == [] and [w["file"] for w in s["warnings"]] == [f"memory_snapshots/step_1/{SNAP1}",
+                                                                        "profile_summary.json"]
+    assert s["warnings"][0]["warning"].startswith("the profiled step (sftprof/step, 0-1 us in the phases sidecar) lies "
+                                                  "outside the recorded allocator history (")
+    assert s["memory_snapshots"][1]["summary"]["peak_scope"] == "recorded_window"
     assert s["counts"]["plots"] == 2 and "kept_files" not in s["memory_snapshots"][1]
     assert (dst / SNAP1).read_bytes() == good
     assert (dst / "phases_rank1.json").read_text() == (src / "phases_rank1.json").read_text()

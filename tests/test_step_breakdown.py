@@ -464,7 +464,7 @@ def test_gated_delta_rule_flops_forward_as_recorded_and_backward_through_its_flo
     events = json.loads(trace.read_text())["traceEvents"]
     for ev in events:  # as KernelTraceAnalyzer feeds it: complete events and fwdbwd flows
         if ev.get("ph") == "X" or ev.get("cat") == "fwdbwd":
-            collector.add(ev, ev["ts"], ev.get("dur", 0.0))
+            collector.add(ev, ev.get("cat"), ev["ts"], ev.get("dur", 0.0))
     ops = {e["name"]: e for e in events if e.get("name", "").startswith("ChunkGatedDeltaRuleFunction")}
     names = ["ChunkGatedDeltaRuleFunction", "ChunkGatedDeltaRuleFunctionBackward"]
     idx = collector.flop_op_of(np.array([ops[n]["tid"] for n in names]),

@@ -5,7 +5,8 @@ from torch.cuda import _memory_viz
 from fixtures import gpu_snapshot_fixtures
 from sftprof.analysis.findings import memory_findings
 from sftprof.analysis.memory_categories import allocation_site
-from sftprof.analysis.memory_summary import analyze_snapshot, peak_where, plot_memory
+from sftprof.analysis.memory_plot import plot_memory
+from sftprof.analysis.memory_summary import analyze_snapshot, peak_where
 from sftprof.analysis.report_memory import _memory_peaks
 from sftprof.analysis.safe_pickle import safe_load_file
 
@@ -156,7 +157,8 @@ def test_step_peak_is_the_headline_and_an_earlier_higher_peak_is_the_windows():
                     "before_window": (0, 0), "allocator_slack": (7 * G, None)}
     assert {k: v for k, v in s.items() if k != "categories_at_peak"} == {
         "device": 0, "trace_entries": 9, "window_ms": 7.5, "window_start_us": 1000.0,
-        "peak_scope": "profiled_step", "step_window": {"source": "sftprof/step", "start_ms": 4.0, "end_ms": 8.0},
+        "peak_scope": "profiled_step", "step_peak_unknown": None,
+        "step_window": {"source": "sftprof/step", "start_ms": 4.0, "end_ms": 8.0},
         "peak_allocated_bytes": 9 * G, "peak_allocated_gib": 9.0, "peak_reserved_bytes": 16 * G,
         "peak_reserved_gib": 16.0, "reserved_at_peak_bytes": 16 * G, "reserved_minus_allocated_at_peak_bytes": 7 * G,
         "reserved_minus_allocated_at_peak_gib": 7.0, "peak_time_ms": 5.0, "peak_phase": "sftprof/forward/mb0",

@@ -12,7 +12,7 @@ from sftprof.analysis import schema
 from sftprof.analysis.compare import CompareInputError, find_trials
 from sftprof.launch import report
 
-MINIMAL = {"schema": "sftprof.profile_summary", "schema_version": "2.0", "trial": "t", "profile_kind": "kernel",
+MINIMAL = {"schema": "sftprof.profile_summary", "schema_version": "3.0", "trial": "t", "profile_kind": "kernel",
            "profile_step": 1, "status": "ok", "stats": {}, "ranks": {"rows": []}}
 
 
@@ -20,8 +20,8 @@ def test_a_summary_of_a_newer_major_version_is_refused_by_every_reader(tmp_path)
     run = tmp_path / "run_root" / "trial"
     run.mkdir(parents=True)
     path = run / "profile_summary.json"
-    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.1")))
-    want = (f"{path}: written by a newer sftprof (summary schema 3.1; this one reads 2.x and older): update sftprof, "
+    path.write_text(json.dumps(dict(MINIMAL, schema_version="4.1")))
+    want = (f"{path}: written by a newer sftprof (summary schema 4.1; this one reads 3.x and older): update sftprof, "
             "or rerun postprocess_profile.py with this one")
     with pytest.raises(schema.SummaryReadError) as err:
         schema.read_summary(path)
@@ -33,8 +33,17 @@ def test_a_summary_of_a_newer_major_version_is_refused_by_every_reader(tmp_path)
     (run.parent / "summary.tsv").write_text("trial\tkind\tstep\tstatus\trun_dir\nt\tkernel\t1\t0\t" + str(run) + "\n")
     assert report(run.parent).splitlines()[1].split() == ["kernel", "step", "1", "ok", "-", "-", "-"]
     # a newer minor version is read (it only adds members)
-    path.write_text(json.dumps(dict(MINIMAL, schema_version="2.7", new_member=1)))
+    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.7", new_member=1)))
     assert schema.read_summary(path)["new_member"] == 1
+    # an older major version is read, in this version's shape: a 2.x snapshot says nothing of a step peak unknown,
+    # and a 2.x trace, whose record was not checked, gets no made-up sanity counts
+    old = dict(MINIMAL, schema_version="2.0", profile_kind="memory", memory_snapshots=[
+        {"rank": 0, "file": "f", "coords_from_name": None, "summary": {"peak_scope": "recorded_window"}}],
+        kernel_traces=[{"rank": 0, "source": "s", "summary": {"n_events": 3}}])
+    path.write_text(json.dumps(old))
+    s = schema.read_summary(path)
+    assert s["memory_snapshots"][0]["summary"] == {"peak_scope": "recorded_window", "step_peak_unknown": None}
+    assert s["kernel_traces"][0]["summary"] == {"n_events": 3} and s["schema_version"] == "2.0"
     for text, why in (("[1]", "not a profile summary (a JSON list, expected an object)"),
                       (json.dumps(dict(MINIMAL, schema="other")), "schema 'other' is not 'sftprof.profile_summary': "
                                                                   "not a profile summary"),

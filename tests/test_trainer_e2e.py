@@ -263,11 +263,11 @@ def test_backward_gemms_get_the_part_of_their_forward(kernel_trial):
     ops, points = OpCollector(), []
     for e in json.loads((log_dir / "perf_tracer" / "rank0.pt.trace.json").read_text())["traceEvents"]:
         if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float)):
-            ops.add(e, e["ts"], e["dur"])
+            ops.add(e, e.get("cat"), e["ts"], e["dur"])
             if e.get("cat") == "cpu_op" and e["name"] in ("aten::mm", "aten::addmm", "aten::bmm"):
                 points.append((e["tid"], e["ts"] + 1e-3))  # a launch point inside the op
         elif e.get("cat") == "fwdbwd":
-            ops.add(e, e["ts"], 0.0)
+            ops.add(e, "fwdbwd", e["ts"], 0.0)
     n = len(points)
     parts, layers, phases, source = ops.attribute(np.array([p[0] for p in points]), np.array([p[1] for p in points]),
                                                   ["GEMM"] * n, np.zeros(n, bool), np.zeros(n, bool))

@@ -1,11 +1,13 @@
 """The top of ``profile_summary.md``: the largest levers of a trial, from its figures (its what-if lines:
 :mod:`sftprof.analysis.what_if`).
 
-Each finding is ``{"text", "section", "weight", "key", "rank"}``: ``weight`` is the share of the step's GPU
-time (kernel trials; a CPU run's: its step's wall time or CPU op time) or of the peak allocated memory (memory
-trials) the lever concerns, and orders them; ``section`` is the Markdown heading the finding points to; ``key``
-names the lever (the same on every rank, so :func:`top` states each lever once). Figures are per profiled rank and
-say so.
+Each finding is ``{"text", "section", "weight", "key", "rank"}`` and, when the record its figures come from is
+faulty, ``caveats``: ``weight`` is the share of the step's GPU time (kernel trials; a CPU run's: its step's wall
+time or CPU op time) or of the peak allocated memory (memory trials) the lever concerns, and orders them;
+``section`` is the Markdown heading the finding points to; ``key`` names the lever (the same on every rank, so
+:func:`top` states each lever once); ``caveats`` are the faults of the rank's trace
+(:func:`sftprof.analysis.trace_sanity.fault_messages`) or why its snapshot's step peak is unknown. Figures are per
+profiled rank and say so.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Optional
 from sftprof.analysis.collectives import OUTSIDE_WINDOW
 from sftprof.analysis.memory_summary import peak_where
 from sftprof.analysis.schema import Finding, processed_snapshots, processed_traces
+from sftprof.analysis.trace_sanity import fault_messages
 
 __all__ = ["trial_findings", "kernel_findings", "memory_findings", "top", "MAX_FINDINGS", "parts_heading",
            "memory_heading", "exposed_gap_cause", "EXPOSED_GAP_MIN_MS", "EXPOSED_GAP_MIN_SHARE"]
@@ -155,7 +158,7 @@ def kernel_findings(rank: int, s: dict, wait: Optional[dict] = None) -> list[Fin
         out.append(_heaviest_op(rank, heavy, wall_ms, bool(parts.get("total_ms"))))
     total = parts.get("total_ms") or 0.0
     if not total:
-        return [dict(f, rank=rank) for f in out]
+        return _with_rank(out, rank, fault_messages(s["sanity"], examples=False) if s.get("sanity") else [])
     sec = _anchor(parts_heading(rank))
     eff_rows = (s.get("efficiency") or {}).get("rows") or []
     for r in sorted(parts.get("summed") or [], key=lambda r: -r["total_ms"])[:3]:
@@ -203,7 +206,12 @@ def kernel_findings(rank: int, s: dict, wait: Optional[dict] = None) -> list[Fin
                      + ", ".join(f"{k} {v:.1f} ms" for k, v in list(ops.items())[:2]) + ")")
         out.append({"text": text, "section": _anchor(f"Host, rank {rank}"), "weight": wait / wall_ms,
                     "key": "gpu idle"})
-    return [dict(f, rank=rank) for f in out]
+    return _with_rank(out, rank, fault_messages(s["sanity"], examples=False) if s.get("sanity") else [])
+
+
+def _with_rank(found: list[dict], rank: int, caveats: list[str]) -> list[Finding]:
+    """The findings of one rank, each with its rank and, when there are any, the caveats of its record."""
+    return [dict(f, rank=rank, **({"caveats": caveats} if caveats else {})) for f in found]
 
 
 def memory_findings(rank: int, s: dict) -> list[Finding]:
@@ -218,7 +226,7 @@ def memory_findings(rank: int, s: dict) -> list[Finding]:
         return []
     gib = 2.0**30
     sec = _anchor(memory_heading(rank))
-    noun = "step peak" if s.get("peak_scope") == "profiled_step" else "peak"
+    noun = {"profiled_step": "step peak", "dump_time": "level"}.get(s.get("peak_scope"), "peak")
     out = []
     for r in sorted(s.get("categories_at_peak") or [], key=lambda r: -r["bytes"])[:3]:
         if r["bytes"] > 0:
@@ -236,7 +244,7 @@ def memory_findings(rank: int, s: dict) -> list[Finding]:
         sp = spikes[0]
         out.append({"text": f"rank {rank}: largest transient block {sp['gib']:.2f} GiB for {sp['lifetime_ms']:.1f} ms "
                             f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak, "key": "transient"})
-    return [dict(f, rank=rank) for f in out]
+    return _with_rank(out, rank, [s["step_peak_unknown"]] if s.get("step_peak_unknown") else [])
 
 
 def top(findings: list[dict]) -> list[dict]:

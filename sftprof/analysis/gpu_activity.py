@@ -3,9 +3,10 @@
 Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 
 * GPU activity: events of category ``kernel``, ``gpu_memcpy`` and ``gpu_memset``.
-* Step window: the ``sftprof/step`` user annotation (else the longest ``ProfilerStep#N``,
-  else the span of all GPU activity), extended to the end of the last GPU activity launched
-  inside it (kernels run asynchronously after the CPU leaves the region).
+* Step window: the profiled step's ``ProfilerStep#N`` slice, or the ``sftprof/step`` user annotation inside it
+  (a trace without that slice: the longest ``sftprof/step``, else the longest ``ProfilerStep#N``, else the span of all
+  GPU activity), extended to the end of the last GPU activity launched inside it (kernels run asynchronously after
+  the CPU leaves the region). Another step's slice is never the window, however long.
 * GPU busy share: length of the union of GPU activity intervals (all streams) inside the step
   window, divided by the window length; idle share = 1 - busy share.
 * Category time: sum of activity durations per category; shares are relative to the total GPU
@@ -54,6 +55,7 @@ class ActivityTable:
         kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
         ts, dur, end: float64 start, duration and end (us).
         dev: int64 device (trace ``pid``), -1 when absent.
+        stream: int64 stream (trace ``tid``), -1 when absent.
         corr, ext: ``correlation`` and ``External id`` per activity (-1 when absent).
         launch_tid: int64 thread of the launching CUDA API call, -1 when not in the trace.
         launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
@@ -73,6 +75,7 @@ class ActivityTable:
     dur: np.ndarray
     end: np.ndarray
     dev: np.ndarray
+    stream: np.ndarray
     corr: list[int]
     ext: list[int]
     launch_tid: np.ndarray
@@ -88,6 +91,21 @@ class ActivityTable:
         """Number of activities."""
         return len(self.name_idx)
 
+    def subset(self, keep: np.ndarray) -> "ActivityTable":
+        """The activities where ``keep`` (bool, one per activity) is True, in the same order."""
+        if keep.all():
+            return self
+        idx = np.flatnonzero(keep).tolist()
+
+        def pick(values: list) -> list:
+            return [values[i] for i in idx]
+
+        return ActivityTable(names=self.names, name_idx=pick(self.name_idx), kind=self.kind[keep], ts=self.ts[keep],
+                             dur=self.dur[keep], end=self.end[keep], dev=self.dev[keep], stream=self.stream[keep],
+                             corr=pick(self.corr), ext=pick(self.ext), launch_tid=self.launch_tid[keep],
+                             launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
+                             group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
+
     def labels(self) -> list[str]:
         """Category per activity, collectives with their group: ``NCCL AllReduce [TP]``."""
         return [f"{c} [{g}]" if self.is_comm[i] and g else c for i, (c, g) in enumerate(zip(self.category, self.group))]
@@ -95,18 +113,27 @@ class ActivityTable:
 
 # -- one function per question over the activity table -----------------------------------------------------
 def step_window(table: ActivityTable, regions: list[Span], profiler_steps: list[Span],
-                trace_span: tuple[float, float], base_ns: int | None) -> StepWindow:
-    """The step window (module docstring): ``{source, start_us, end_us, wall_ms, unix_start_s, unix_end_s}``.
+                trace_span: tuple[float, float], base_ns: int | None, step: int | None = None) -> StepWindow:
+    """The step window of step ``step`` (module docstring): ``{source, start_us, end_us, wall_ms, unix_start_s,
+    unix_end_s}``.
 
     ``source`` is ``sftprof/step``, ``ProfilerStep``, ``gpu_activity_span``, ``trace_span`` or ``none``
     (then the times are None); a step annotation's window is extended to the end of the last activity
     launched inside it. ``unix_*_s`` use the header's ``baseTimeNanoseconds`` (None without it).
     """
     source, lo, hi = "none", None, None
-    steps = [r for r in regions if r[0] == STEP_REGION]
+    own = [r for r in profiler_steps if r[0] == f"ProfilerStep#{step}"] if step is not None else []
+    if own:  # the profiled step's slice, and the sftprof/step region that starts inside it
+        lo, hi = min(r[1] for r in own), max(r[2] for r in own)
+        source = "ProfilerStep"
+        steps = [r for r in regions if r[0] == STEP_REGION and lo <= r[1] <= hi]
+    else:
+        steps = [r for r in regions if r[0] == STEP_REGION]
     if steps:
         _, lo, hi = max(steps, key=lambda r: r[2] - r[1])
         source = STEP_REGION
+    elif own:
+        pass
     elif profiler_steps:
         _, lo, hi = max(profiler_steps, key=lambda r: r[2] - r[1])
         source = "ProfilerStep"

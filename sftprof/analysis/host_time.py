@@ -132,13 +132,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     sync_end, sync_op = ops.blocking_calls()
     rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0])  # idle us, gaps, after-blocking us, gaps
     by_op: dict[str, float] = defaultdict(float)
-    for i, g0, g1 in host_gaps:
+    # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
+    first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
+    for (i, g0, g1), j in zip(host_gaps, first):
         key = (parts[i], phases[i], sites[i])
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
         upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
-        j = int(np.searchsorted(sync_end, g0, side="left"))
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
             r[3] += 1
@@ -222,8 +223,12 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
     return None
 
 
-def top_cpu_ops(cpu_us: dict[str, float], cpu_calls: dict[str, int], limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
-    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, whole trace, us in):
-    ``{name, calls, inclusive_ms}``."""
-    return [{"name": k, "calls": cpu_calls[k], "inclusive_ms": ms(t)} for k, t in
-            sorted(cpu_us.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]
+def top_cpu_ops(ops: OpCollector, limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
+    """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, every CPU op of the trace the
+    collector holds): ``{name, calls, inclusive_ms}``."""
+    name = ops.cpu_ops.arrays()[3]
+    n = len(ops.op_name_list)
+    us = np.bincount(name, weights=np.frombuffer(ops.cpu_dur, dtype=np.float64), minlength=n).tolist()
+    calls = np.bincount(name, minlength=n).tolist()
+    rows = sorted((k for k in range(n) if calls[k]), key=lambda k: (-us[k], ops.op_name_list[k]))[:limit]
+    return [{"name": ops.op_name_list[k], "calls": calls[k], "inclusive_ms": ms(us[k])} for k in rows]

@@ -17,7 +17,8 @@ from array import array
 
 import numpy as np
 
-__all__ = ["union", "length", "intersection_length", "clip", "difference", "ThreadIntervals", "Intervals"]
+__all__ = ["union", "length", "intersection_length", "clip", "difference", "repeated_rows", "ThreadIntervals",
+           "Intervals"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -87,6 +88,47 @@ def difference(a: Intervals, b: Intervals) -> Intervals:
     return np.asarray(out_s, dtype=np.float64), np.asarray(out_e, dtype=np.float64)
 
 
+def repeated_rows(*columns: np.ndarray) -> np.ndarray:
+    """Bool per row: equal in every column to an earlier row (the first of equal rows is not repeated). The first
+    column should be the most selective (a start time): only rows that share its value are compared further."""
+    n = columns[0].size if columns else 0
+    out = np.zeros(n, dtype=bool)
+    if n < 2:
+        return out
+    by_first = np.argsort(columns[0], kind="stable")
+    first = columns[0][by_first]
+    tied = np.flatnonzero(first[1:] == first[:-1])
+    if not tied.size:
+        return out
+    rows = np.unique(by_first[np.concatenate((tied, tied + 1))])  # the rows that share a first value with another
+    order = rows[np.lexsort([c[rows] for c in columns[::-1]])]  # stable: equal rows keep their order
+    same = np.ones(order.size - 1, dtype=bool)
+    for c in columns:
+        c = c[order]
+        same &= c[1:] == c[:-1]
+    out[order[1:][same]] = True
+    return out
+
+
+def previous_open(tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For intervals sorted by thread, then start, then end descending: per interval ``i`` the last interval ``j < i``
+    of its thread still open at its start (``end[j] > start[i]``), -1 if none; for nested intervals, its parent.
+
+    Pointer jumping, vectorised: a candidate that ended by ``start[i]`` is skipped together with every interval its
+    own pointer skipped (those ended by its start, which is not after ``start[i]``), so each round halves the chains.
+    """
+    n = start.size
+    q = np.arange(-1, n - 1, dtype=np.int64)
+    if n:
+        q[1:][tid[1:] != tid[:-1]] = -1
+    todo = np.flatnonzero(q >= 0)
+    while todo.size:
+        todo = todo[end[q[todo]] <= start[todo]]  # not open at i's start: skip it and what it skipped
+        q[todo] = q[q[todo]]
+        todo = todo[q[todo] >= 0]
+    return q
+
+
 class ThreadIntervals:
     """Per-thread intervals (start, end, payload) with an innermost-containment query."""
 
@@ -95,6 +137,7 @@ class ThreadIntervals:
         self.start = array("d")
         self.end = array("d")
         self.payload = array("q")
+        self._index: tuple | None = None  # (size it was built for, order, sorted tid, start, end, parent)
 
     def add(self, tid: int, start: float, end: float, payload: int) -> None:
         self.tid.append(tid)
@@ -102,35 +145,68 @@ class ThreadIntervals:
         self.end.append(end)
         self.payload.append(payload)
 
-    def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
-        """Index (into this collection) of the innermost interval containing each point, -1 if none.
+    @classmethod
+    def from_arrays(cls, tid: np.ndarray, start: np.ndarray, end: np.ndarray, payload: np.ndarray) -> "ThreadIntervals":
+        out = cls()
+        out.tid, out.start = array("q", tid.astype(np.int64).tobytes()), array("d", start.astype(np.float64).tobytes())
+        out.end, out.payload = array("d", end.astype(np.float64).tobytes()), array("q", payload.astype(np.int64).tobytes())
+        return out
 
-        Intervals on one thread nest (ranges and ops of one thread do); ties at equal starts put the
-        longer interval outside.
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(tid, start, end, payload)`` as numpy views (int64, float64, float64, int64) of the stored intervals."""
+        return (np.frombuffer(self.tid, dtype=np.int64), np.frombuffer(self.start, dtype=np.float64),
+                np.frombuffer(self.end, dtype=np.float64), np.frombuffer(self.payload, dtype=np.int64))
+
+    def repeated(self) -> np.ndarray:
+        """Bool per interval: the same ``(tid, start, end, payload)`` as an earlier one (a record written twice)."""
+        tid, start, end, payload = self.arrays()
+        return repeated_rows(start, tid, end, payload)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the intervals where ``mask`` (bool, one per interval) is False."""
+        for name, code in (("tid", "q"), ("start", "d"), ("end", "d"), ("payload", "q")):
+            values = np.frombuffer(getattr(self, name), dtype=np.int64 if code == "q" else np.float64)[mask]
+            setattr(self, name, array(code, values.tobytes()))
+        self._index = None
+
+    def _sorted(self) -> tuple:
+        """``(order, tid, start, end, parent)``: the intervals sorted by thread, start and end descending (``order``
+        indexes the collection), and :func:`previous_open` of each; built once per size of the collection."""
+        if self._index is None or self._index[0] != len(self.start):
+            tid, st, en, _ = self.arrays()
+            order = np.lexsort((-en, st, tid))
+            s_tid, s_st, s_en = tid[order], st[order], en[order]
+            self._index = (len(self.start), order, s_tid, s_st, s_en, previous_open(s_tid, s_st, s_en))
+        return self._index[1:]
+
+    def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
+        """Index (into this collection) of the innermost interval containing each point (``start <= x <= end``),
+        -1 if none: the one latest in the order of start, then end descending, among those of the point's thread
+        that contain it (for nested intervals, the innermost; ties at equal starts put the longer interval outside).
+
+        The last interval starting at or before the point, else the nearest of its open ancestors
+        (:func:`previous_open`) that has not ended before the point: every interval later in that order contains it
+        not, nor does any the chain skips.
         """
         out = np.full(points.size, -1, dtype=np.int64)
         if not len(self.start) or not points.size:
             return out
-        itid = np.frombuffer(self.tid, dtype=np.int64)
-        ist, ien = np.frombuffer(self.start, dtype=np.float64), np.frombuffer(self.end, dtype=np.float64)
+        order, s_tid, s_st, s_en, parent = self._sorted()
         for t in np.unique(tids):
-            sel = np.flatnonzero(itid == t)
-            if not sel.size:
+            lo, hi = np.searchsorted(s_tid, t, side="left"), np.searchsorted(s_tid, t, side="right")
+            if lo == hi:
                 continue
-            order = sel[np.lexsort((-ien[sel], ist[sel]))]
-            pts = np.flatnonzero(tids == t)
-            pts = pts[np.argsort(points[pts], kind="stable")]
-            stack: list[int] = []
-            j = 0
-            for p in pts:
-                x = points[p]
-                while j < order.size and ist[order[j]] <= x:
-                    while stack and ien[stack[-1]] < ist[order[j]]:
-                        stack.pop()
-                    stack.append(int(order[j]))
-                    j += 1
-                while stack and ien[stack[-1]] < x:
-                    stack.pop()
-                if stack:
-                    out[p] = stack[-1]
+            sel = np.flatnonzero(tids == t)
+            x = points[sel]
+            c = lo + np.searchsorted(s_st[lo:hi], x, side="right") - 1
+            c[c < lo] = -1
+            todo = np.flatnonzero(c >= 0)
+            while todo.size:
+                todo = todo[s_en[c[todo]] < x[todo]]  # ended before the point: on to the open ancestor
+                c[todo] = parent[c[todo]]
+                todo = todo[c[todo] >= 0]
+            out[sel] = np.where(c >= 0, order[np.maximum(c, 0)], -1)
         return out

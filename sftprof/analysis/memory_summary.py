@@ -27,6 +27,14 @@ else the span of the recorded phases), counting the level the step starts from. 
 of the whole recorded window is kept as ``window_peak_*`` with ``window_peak_position`` (``in_step``,
 ``before_step``, ``after_step``). Without a sidecar (or with no phases in it) the headline is the
 window's peak (``peak_scope="recorded_window"``). :func:`peak_where` says where a peak lies in words.
+
+When the history cannot give the profiled step's peak, the summary says why (``step_peak_unknown``, :func:`_history_
+problem`) and reports what it can, never the level at dump time as a step's peak: a snapshot without allocator history
+(segments, no trace entries) has only its level at dump time and its segments (``peak_scope="dump_time"``, no times);
+one whose entries lack ``time_us`` has the recorded window's peak by the events' order, but no times
+(``recorded_window``, the ``*_ms`` times None); one whose profiled step (from the phases sidecar) lies outside its
+recorded history (another clock, or a history that does not reach the step) has the recorded window's peak, not
+placed against the step.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from sftprof import artifacts
 from sftprof.analysis.memory_categories import allocation_site, categories
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["analyze_snapshot", "check_snapshot", "history_status", "peak_where", "plot_memory", "TOP_SITES",
+__all__ = ["analyze_snapshot", "check_snapshot", "history_status", "peak_where", "TOP_SITES",
            "PEAK_SCOPES", "WINDOW_PEAK_POSITIONS"]
 
 TOP_SITES = 20
@@ -95,6 +103,28 @@ def _step_window(phases: list[dict]) -> tuple[float, float, str] | None:
             artifacts.STEP if step is not phases else "span of the recorded phases")
 
 
+def _history_problem(times: np.ndarray, step: tuple[float, float, str] | None) -> str | None:
+    """Why the allocator history (its events' ``times``, unix us, NaN where an event has none) cannot give the
+    profiled step's peak (``step``: its window from the phases sidecar, :func:`_step_window`), or None when it can
+    (or when no phases were recorded: then the summary is the recorded window's, as documented)."""
+    n = times.size
+    if not n:
+        return ("the snapshot holds no allocator history: its segments (the allocator's state at dump time) but no "
+                "trace entries (recorded without torch.cuda.memory._record_memory_history, or with max_entries=0), so "
+                "no peak can be found: the figures are the level at the snapshot's dump")
+    untimed = int(np.isnan(times).sum())
+    if untimed:
+        return (f"{untimed} of {n} allocator events have no time_us: the recorded window's peak is known from the "
+                "events' order but not when it was, and the profiled step cannot be placed among the events, so its "
+                "own peak is unknown")
+    if step is not None and (step[1] < times[0] or step[0] > times[-1]):
+        return (f"the profiled step ({step[2]}, {step[0]:.0f}-{step[1]:.0f} us in the phases sidecar) lies outside the "
+                f"recorded allocator history ({times[0]:.0f}-{times[-1]:.0f} us): the sidecar's clock is not the "
+                "history's, or the history does not reach the step; the profiled step's own peak is unknown, the "
+                "figures are the recorded window's")
+    return None
+
+
 def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: int, reserved_at: int) -> dict[str, Any]:
     """What is allocated right after event ``peak_i`` of ``trace`` (-1: before the first recorded event), walked
     back from the final state ``final_blocks`` (addr -> (bytes, frames)): ``live_bytes``, ``top_sites``,
@@ -137,7 +167,8 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
             "categories": categories(by_site, live_total, reserved_at)}
 
 
-PEAK_SCOPES = {"profiled_step": "the profiled step's peak", "recorded_window": "the recorded window's peak"}
+PEAK_SCOPES = {"profiled_step": "the profiled step's peak", "recorded_window": "the recorded window's peak",
+               "dump_time": "the level at the snapshot's dump (no allocator history, no peak)"}
 WINDOW_PEAK_POSITIONS = {
     "in_step": None,  # worded by its phase
     "before_step": "before the profiled step (model setup or earlier steps in the recorded history)",
@@ -145,6 +176,8 @@ WINDOW_PEAK_POSITIONS = {
 }
 _IN_STEP_NO_PHASE = "in the profiled step, outside its recorded phases"
 _NO_PHASES = "in the recorded window, with no phases recorded"
+_AT_DUMP = "at the snapshot's dump: no allocator history, so no peak is known"
+_STEP_UNKNOWN = "in the recorded window; the profiled step's own peak is unknown"
 
 
 def peak_where(summary: dict, which: str = "peak") -> str:
@@ -158,7 +191,8 @@ def peak_where(summary: dict, which: str = "peak") -> str:
         ``"in <phase>"``; ``"in the profiled step, outside its recorded phases"``; for the window's peak
         :data:`WINDOW_PEAK_POSITIONS`' words when it lies outside the profiled step; without phases
         ``"in the recorded window, with no phases recorded"``; for a summary of an older sftprof whose peak has no
-        phase, ``"with no phase recorded"``.
+        phase, ``"with no phase recorded"``; for a snapshot without history, that the level is the dump's and no
+        peak is known; when the step's peak is unknown (``step_peak_unknown``), that it is the recorded window's.
 
     Raises:
         ValueError: ``which`` is neither ``"peak"`` nor ``"window"``.
@@ -166,6 +200,10 @@ def peak_where(summary: dict, which: str = "peak") -> str:
     if which not in ("peak", "window"):
         raise ValueError(f"which={which!r}: expected 'peak' or 'window'")
     scope = summary.get("peak_scope")
+    if scope == "dump_time":
+        return _AT_DUMP
+    if summary.get("step_peak_unknown"):
+        return _STEP_UNKNOWN
     if which == "window" and scope is not None:
         pos, phase = summary.get("window_peak_position"), summary.get("window_peak_phase")
         if pos in ("before_step", "after_step"):
@@ -246,16 +284,20 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
 
     Returns:
         ``{"max_entries", "entries", "truncated"}`` (``truncated`` None when ``max_entries`` is unknown)
-        plus, when truncated, ``window_start_us`` (unix us of the first kept event) and ``message``.
+        plus, when truncated, ``message`` and ``window_start_us`` (unix us of the first kept event; absent when the
+        events have no times).
     """
     n = summary["trace_entries"]
     out: dict[str, Any] = {"max_entries": max_entries, "entries": n,
                            "truncated": None if max_entries is None else n >= max_entries}
     if out["truncated"]:
-        out["window_start_us"] = summary["window_start_us"]
+        first = ("" if summary["window_start_us"] is None else
+                 f" (unix time {summary['window_start_us']:.0f} us, {summary['peak_time_ms']:.3f} ms before the "
+                 "reported peak)")
+        if summary["window_start_us"] is not None:
+            out["window_start_us"] = summary["window_start_us"]
         out["message"] = (f"the allocator history holds max_entries={max_entries} entries: the ring buffer "
-                          f"overflowed, events before the first kept one (unix time {summary['window_start_us']:.0f} us, "
-                          f"{summary['peak_time_ms']:.3f} ms before the reported peak) are lost, so the peak and its "
+                          f"overflowed, events before the first kept one{first} are lost, so the peak and its "
                           "time are those of the truncated window only; raise MEMORY_MAX_ENTRIES "
                           "(memory_profiler.max_entries)")
     return out
@@ -274,13 +316,16 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         JSON-serialisable dict (bytes are ints; ``*_gib`` floats are GiB = 2**30 bytes; ``*_ms`` from the first
         recorded event):
 
-        - ``device``, ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us, None without events);
-        - ``peak_scope``: ``"profiled_step"`` (sidecar with phases) or ``"recorded_window"`` (:data:`PEAK_SCOPES`);
-          ``step_window``: ``{"source": "sftprof/step" | "span of the recorded phases", "start_ms", "end_ms"}``,
-          None without phases;
+        - ``device``, ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us; both None without events or
+          when the events have no times);
+        - ``peak_scope``: ``"profiled_step"`` (sidecar with phases), ``"recorded_window"`` or ``"dump_time"`` (no
+          history: the peak figures are the level at dump time) (:data:`PEAK_SCOPES`); ``step_peak_unknown``: why
+          the history cannot give the profiled step's peak (:func:`_history_problem`; module docstring), None when
+          it can or no phases were recorded; ``step_window``: ``{"source": "sftprof/step" | "span of the recorded
+          phases", "start_ms", "end_ms"}``, None without phases or when the step's peak is unknown;
         - the headline peak, of that scope: ``peak_allocated_bytes``/``_gib`` (highest allocated level; in the
           step, the level it starts from counts), ``peak_time_ms`` (the step's start when that starting level is
-          the peak), ``peak_phase`` (innermost phase at that time, None outside every phase and without phases),
+          the peak; None without times), ``peak_phase`` (innermost phase at that time, None outside every phase and without phases),
           ``peak_reserved_bytes``/``_gib`` (highest reserved level of the scope), ``reserved_at_peak_bytes``,
           ``reserved_minus_allocated_at_peak_bytes``/``_gib``, ``live_at_peak_bytes``, ``top_sites`` (site, bytes,
           blocks, share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
@@ -293,7 +338,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
           window's peak is the step's), ``"before_step"`` or ``"after_step"`` (higher than anything in the step),
           None without phases (then it is the headline peak);
         - ``end_allocated_bytes``, ``end_reserved_bytes``;
-        - ``series`` (internal: numpy arrays for :func:`plot_memory`, removed by the caller before JSON).
+        - ``series`` (internal: numpy arrays for :func:`sftprof.analysis.memory_plot.plot_memory`, removed by the
+          caller before JSON).
 
     Raises:
         ValueError: the object is not a well-formed allocator snapshot (see :func:`check_snapshot`), or the
@@ -323,7 +369,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     times = np.zeros(n, dtype=np.float64)
     for i, e in enumerate(trace):
         a, size = e.get("action"), int(e.get("size", 0))
-        times[i] = e.get("time_us", 0)
+        times[i] = e.get("time_us", np.nan)  # NaN: no time (an older torch's snapshot, or damaged)
         if a == "alloc":
             d_alloc[i] = size
         elif a == "free_completed":
@@ -356,12 +402,14 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         return best_i, best, res
 
     phase_list = (phases or {}).get("phases") or []
-    t0 = float(times[0]) if n else 0.0
+    step = _step_window(phase_list)
+    problem = _history_problem(times, step)
+    timed = bool(n) and not np.isnan(times).any()
+    t0 = float(times[0]) if timed else 0.0
     # The whole recorded window: the level before the first event, then after each event.
     win_i, win_alloc, win_res = highest(-1, n)
     win_t = float(times[win_i]) if win_i >= 0 else t0
-    step = _step_window(phase_list)
-    if step is not None:
+    if step is not None and problem is None:
         s_us, e_us, source = step
         # first event at or after the step's start, one past the last event at or before its end (by position)
         started, ended = times >= s_us, times <= e_us
@@ -377,18 +425,28 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
             position = "before_step" if win_t < s_us else "after_step" if win_t > e_us else "in_step"
         step_window = {"source": source, "start_ms": round((s_us - t0) / 1e3, 3) if n else None,
                        "end_ms": round((e_us - t0) / 1e3, 3) if n else None}
+        scope = "profiled_step"
     else:
         peak_i, peak_alloc, peak_res, peak_t, position, step_window = win_i, win_alloc, win_res, win_t, None, None
         s_us, e_us = -np.inf, np.inf
+        scope = "recorded_window" if n else "dump_time"
+
+    def at_ms(t_us: float) -> float | None:  # ms from the first recorded event; None when the events have no times
+        return round((t_us - t0) / 1e3, 3) if timed else None
+
+    def phase(t_us: float) -> str | None:
+        return _innermost_phase(phase_list, t_us) if phase_list and timed else None
+
     res_at_peak = res_after(peak_i)
     at_peak = _alive_at(trace, final_blocks, peak_i, res_at_peak)
     at_win = at_peak if win_i == peak_i else _alive_at(trace, final_blocks, win_i, res_after(win_i))
     return {
         "device": dev,
         "trace_entries": n,
-        "window_ms": round((float(times[-1]) - t0) / 1e3, 3) if n else 0.0,
-        "window_start_us": t0 if n else None,
-        "peak_scope": "profiled_step" if step is not None else "recorded_window",
+        "window_ms": at_ms(float(times[-1])) if n else None,
+        "window_start_us": t0 if timed else None,
+        "peak_scope": scope,
+        "step_peak_unknown": problem,
         "step_window": step_window,
         "peak_allocated_bytes": peak_alloc,
         "peak_allocated_gib": round(peak_alloc / _GIB, 4),
@@ -397,77 +455,24 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         "reserved_at_peak_bytes": res_at_peak,
         "reserved_minus_allocated_at_peak_bytes": res_at_peak - peak_alloc,
         "reserved_minus_allocated_at_peak_gib": round((res_at_peak - peak_alloc) / _GIB, 4),
-        "peak_time_ms": round((peak_t - t0) / 1e3, 3),
-        "peak_phase": _innermost_phase(phase_list, peak_t) if phase_list else None,
+        "peak_time_ms": at_ms(peak_t) if n else None,
+        "peak_phase": phase(peak_t),
         "live_at_peak_bytes": at_peak["live_bytes"],
         "window_peak_allocated_bytes": win_alloc,
         "window_peak_allocated_gib": round(win_alloc / _GIB, 4),
         "window_peak_reserved_bytes": win_res,
         "window_peak_reserved_gib": round(win_res / _GIB, 4),
-        "window_peak_time_ms": round((win_t - t0) / 1e3, 3),
-        "window_peak_phase": _innermost_phase(phase_list, win_t) if phase_list else None,
+        "window_peak_time_ms": at_ms(win_t) if n else None,
+        "window_peak_phase": phase(win_t),
         "window_peak_position": position,
         "end_allocated_bytes": end_alloc,
         "end_reserved_bytes": end_reserved,
         "top_sites": at_peak["top_sites"],
         "top_allocations": at_peak["top_allocations"],
         "categories_at_peak": at_peak["categories"],
-        "transient_spikes": _spikes(trace, s_us, e_us),
+        "transient_spikes": _spikes(trace, s_us, e_us) if timed else [],  # a lifetime needs times
         "window_top_sites": at_win["top_sites"],
         "series": {"t_us": times, "allocated": allocated, "reserved": reserved, "peak_index": peak_i,
                    "window_peak_index": win_i, "start_allocated": start_alloc, "start_reserved": start_res,
                    "phases": phase_list},
     }
-
-
-def plot_memory(summary: dict, title: str, out_png: str) -> None:
-    """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window (y from 0): the headline peak
-    marked (red dot), the profiled step's window by dotted lines and, when higher and outside the step, the
-    window's peak (open diamond).
-
-    Args:
-        summary: output of :func:`analyze_snapshot` (needs its ``series``).
-        title: plot title (e.g. the snapshot file name).
-        out_png: destination path.
-    """
-    import matplotlib  # here, not at import: the Agg backend is chosen before pyplot loads, for the plots only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = summary["series"]
-    t = s["t_us"]
-    t0 = float(t[0]) if t.size else 0.0
-    x = np.concatenate(([0.0], (t - t0) / 1e3))
-    alloc = np.concatenate(([s["start_allocated"]], s["allocated"])) / _GIB
-    res = np.concatenate(([s["start_reserved"]], s["reserved"])) / _GIB
-    fig, ax = plt.subplots(figsize=(11, 4.5), dpi=100)
-    for k, ph in enumerate(sorted(s["phases"], key=lambda p: p["start_us"])):
-        lo, hi = (ph["start_us"] - t0) / 1e3, (ph["end_us"] - t0) / 1e3
-        if hi < x[0] or lo > x[-1] or ph["name"] == artifacts.STEP:
-            continue
-        ax.axvspan(lo, hi, color=f"C{2 + k % 6}", alpha=0.12, lw=0)
-        ax.text((lo + hi) / 2, 0.01, ph["name"].replace(artifacts.REGION_PREFIX, ""), rotation=90, fontsize=7,
-                ha="center", va="bottom", transform=ax.get_xaxis_transform())
-    ax.step(x, alloc, where="post", lw=1.0, color="C0", label="allocated")
-    ax.step(x, res, where="post", lw=1.0, ls="--", color="C1", label="reserved")
-    step = summary.get("step_window")
-    if step and step["start_ms"] is not None:
-        for edge in (step["start_ms"], step["end_ms"]):
-            ax.axvline(edge, color="0.4", lw=0.8, ls=":")
-    noun = "step peak" if summary.get("peak_scope") == "profiled_step" else "peak"
-    ax.plot([summary["peak_time_ms"]], [summary["peak_allocated_gib"]], "o", color="red", ms=6,
-            label=f"{noun} {summary['peak_allocated_gib']:.2f} GiB {peak_where(summary)}")
-    if summary.get("window_peak_position") in ("before_step", "after_step"):
-        ax.plot([summary["window_peak_time_ms"]], [summary["window_peak_allocated_gib"]], "D", color="C3",
-                ms=5, mfc="none", label=f"window peak {summary['window_peak_allocated_gib']:.2f} GiB, "
-                                        f"{summary['window_peak_position'].replace('_', ' ')}")
-    ax.set_xlabel("time since first recorded allocator event [ms]")
-    ax.set_ylabel("GiB")
-    ax.set_ylim(bottom=0)  # from 0, so the height of the curve reads as the memory it is
-    ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, format="png", metadata={"Software": None})
-    plt.close(fig)

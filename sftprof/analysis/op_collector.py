@@ -26,23 +26,29 @@ Traces without model-part ranges (recorded before they existed) are split by ker
 """
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from sftprof.analysis.intervals import ThreadIntervals
+from sftprof.analysis.intervals import ThreadIntervals, previous_open
 from sftprof.analysis.kernel_names import collective_name
 from sftprof.analysis.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
 from sftprof.artifacts import MODULE_REGION_PREFIX, parse_module_region
 
-__all__ = ["OpCollector", "Placement", "BWD_NODE"]
+__all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
 
 BWD_NODE = "autograd::engine::evaluate_function: "
 
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpy2D")  # blocking calls: the host waits for the device
+
+# CUDA API calls that launch one kernel (a graph launch, cudaGraphLaunch, runs many kernels under one correlation)
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cuLaunchCooperativeKernel")
+
+_COMPILE, _BWD_NODE, _FLOP, _FLOW_BACKWARD = 1, 2, 4, 8  # what an op's name makes it (OpCollector._op_kind)
 
 _DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
                 "Int": 4, "Long": 8, "Char": 1, "Byte": 1, "Bool": 1}
@@ -70,56 +76,77 @@ class OpCollector:
         self.flop_ops = ThreadIntervals()  # payload: index into _flop_info
         self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
         self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
+        self.kernel_launches = (array("q"), array("d"))  # correlation and start (us) of each kernel launch call
+        self.repeated_api_calls = 0  # CUDA API calls recorded twice (same correlation, thread and start): skipped
         self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
         self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
         self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
         self.sync_calls: list[tuple[str, float, float, int]] = []  # blocking CUDA runtime calls: (name, start, end, tid)
         self.cpu_ops = ThreadIntervals()  # every cpu_op for self time; payload: name index
+        self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
+        self._op_kinds: list[int] = []  # per op name: what it is (_COMPILE | _BWD_NODE | _FLOP | _FLOW_BACKWARD)
         self._flow_fwd_op: dict[tuple[int, float], int] = {}  # FLOW_FORWARD op (tid, ts) -> index into _flop_info
         self._flow_bwd_ops: list[tuple[str, int, float, float]] = []  # FLOW_BACKWARD ops: (name, tid, ts, dur)
 
-    def add(self, ev: dict, ts: float, dur: float) -> None:
-        """Consume one complete (``ph: X``) or flow event with a valid ``ts`` (and ``dur`` for X)."""
-        cat = ev.get("cat")
+    def add(self, ev: dict, cat, ts: float, dur: float) -> None:
+        """Consume one complete (``ph: X``) or flow event of category ``cat`` with a valid ``ts`` (and ``dur`` for
+        X)."""
         tid = ev.get("tid")
-        tid = tid if isinstance(tid, int) and not isinstance(tid, bool) else -1
+        if type(tid) is not int:
+            tid = -1
         if cat == "cpu_op":
-            name = ev.get("name") or ""
-            idx = self._op_names.get(name)
-            if idx is None:
-                idx = self._op_names[name] = len(self.op_name_list)
-                self.op_name_list.append(name)
-            self.cpu_ops.add(tid, ts, ts + dur, idx)
-            if name == "dynamo" or name.endswith(" (dynamo_timed)"):
+            self.add_cpu_op(tid, ev.get("name") or "", ev.get("args"), ts, dur)
+        else:
+            self._add_other(ev, cat, tid, ts, dur)
+
+    def add_cpu_op(self, tid: int, name: str, args: Optional[dict], ts: float, dur: float) -> None:
+        """Consume one CPU op (thread ``tid``, -1 when unknown), the hot path of the trace pass: what an op's name says
+        is worked out once per name (:meth:`_op_kind`)."""
+        idx = self._op_names.get(name)
+        if idx is None:
+            idx = self._op_names[name] = len(self.op_name_list)
+            self.op_name_list.append(name)
+            self._op_kinds.append(self._op_kind(name))
+        c = self.cpu_ops
+        c.tid.append(tid)
+        c.start.append(ts)
+        c.end.append(ts + dur)
+        c.payload.append(idx)
+        self.cpu_dur.append(dur)
+        kind = self._op_kinds[idx]
+        if kind:
+            if kind & _COMPILE:
                 self.compile_spans.append((tid, ts, ts + dur))
-            if name.startswith(BWD_NODE):
+            if kind & _BWD_NODE:
                 self.bwd_nodes.add(tid, ts, ts + dur, int(name.endswith("CheckpointFunctionBackward")))
                 return
-            args = ev.get("args") or {}
-            if name in FLOP_OPS:
-                f = op_flops(name, args)
+            if kind & _FLOP:
+                f = op_flops(name, args or {})
                 if f is not None:
                     if name in FLOW_FORWARD:
                         self._flow_fwd_op[(tid, ts)] = len(self._flop_info)
                     self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
                     self._flop_info.append((name, *f))
-            elif name in FLOW_BACKWARD:
+            elif kind & _FLOW_BACKWARD:
                 self._flow_bwd_ops.append((name, tid, ts, dur))
-            if "Collective name" in args:
-                ext = args.get("External id")
-                if isinstance(ext, int):
-                    nel = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if isinstance(v, int)]
-                    size = args.get("Group size")
-                    self.comm_ops[ext] = {"collective": collective_name(str(args["Collective name"])),
-                                          "pg": (args.get("Process Group Description"), args.get("Process Group Name")),
-                                          "group_size": size if isinstance(size, int) else None,
-                                          "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
-                                          if nel and args.get("dtype") in _DTYPE_BYTES else None}
-        elif cat == "user_annotation":
+        if args and "Collective name" in args:
+            ext = args.get("External id")
+            if isinstance(ext, int):
+                nel = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if isinstance(v, int)]
+                size = args.get("Group size")
+                self.comm_ops[ext] = {"collective": collective_name(str(args["Collective name"])),
+                                      "pg": (args.get("Process Group Description"), args.get("Process Group Name")),
+                                      "group_size": size if isinstance(size, int) else None,
+                                      "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
+                                      if nel and args.get("dtype") in _DTYPE_BYTES else None}
+
+    def _add_other(self, ev: dict, cat, tid: int, ts: float, dur: float) -> None:
+        """Consume one event of another category than ``cpu_op`` (:meth:`add`)."""
+        if cat == "user_annotation":
             name = ev.get("name") or ""
             if name.startswith("dynamo_data: compile_id="):
                 self.compile_ids.append((ts, name.split("=", 1)[1]))
@@ -135,10 +162,17 @@ class OpCollector:
         elif cat in ("cuda_runtime", "cuda_driver"):
             args = ev.get("args") or {}
             corr = args.get("correlation")
+            name = ev.get("name") or ""
             if isinstance(corr, int) and not isinstance(corr, bool):
+                if self._launch.get(corr) == (tid, ts):  # the same call recorded twice
+                    self.repeated_api_calls += 1
+                    return
                 self._launch[corr] = (tid, ts)
-            if ev.get("name") in _SYNC_CALLS:
-                self.sync_calls.append((ev["name"], ts, ts + dur, tid))
+                if name.startswith(KERNEL_LAUNCHES):
+                    self.kernel_launches[0].append(corr)
+                    self.kernel_launches[1].append(ts)
+            if name in _SYNC_CALLS:
+                self.sync_calls.append((name, ts, ts + dur, tid))
         elif cat == "fwdbwd":
             fid = ev.get("id")
             if isinstance(fid, (int, str)):
@@ -146,6 +180,18 @@ class OpCollector:
                     self._flow_start[hash(fid)] = (tid, ts)
                 elif ev.get("ph") == "f":
                     self._flow_end[(tid, ts)] = hash(fid)
+
+    def keep_cpu_ops(self, mask: np.ndarray) -> None:
+        """Drop the CPU ops where ``mask`` (bool, one per op of :attr:`cpu_ops`) is False."""
+        self.cpu_ops.keep(mask)
+        self.cpu_dur = array("d", np.frombuffer(self.cpu_dur, dtype=np.float64)[mask].tobytes())
+
+    @staticmethod
+    def _op_kind(name: str) -> int:
+        """The bits of :data:`_COMPILE`, :data:`_BWD_NODE`, :data:`_FLOP`, :data:`_FLOW_BACKWARD` an op name has."""
+        return ((_COMPILE if name == "dynamo" or name.endswith(" (dynamo_timed)") else 0)
+                | (_BWD_NODE if name.startswith(BWD_NODE) else 0) | (_FLOP if name in FLOP_OPS else 0)
+                | (_FLOW_BACKWARD if name in FLOW_BACKWARD else 0))
 
     def op_index(self, name: str) -> Optional[int]:
         """Index of a CPU op name in :attr:`op_name_list` (the payload of :attr:`cpu_ops`), None when not seen."""
@@ -245,13 +291,11 @@ class OpCollector:
             tids, pts: launch thread (int64) and launch time (us, NaN when unknown) per activity, as
                 :meth:`launch_points` gives them.
         """
-        named = ThreadIntervals()
-        c = self.cpu_ops
         labels = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
                   for n in self.op_name_list]
-        for k in range(len(c.start)):
-            if labels[c.payload[k]] is not None:
-                named.add(c.tid[k], c.start[k], c.end[k], c.payload[k])
+        tid, st, en, name = self.cpu_ops.arrays()
+        sel = np.array([x is not None for x in labels], dtype=bool)[name] if labels else np.zeros(0, dtype=bool)
+        named = ThreadIntervals.from_arrays(tid[sel], st[sel], en[sel], name[sel])
         at = named.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
         pay = np.frombuffer(named.payload, dtype=np.int64) if len(named.payload) else np.zeros(0, dtype=np.int64)
         return [labels[int(pay[j])] if j >= 0 else None for j in at]
@@ -296,53 +340,42 @@ class OpCollector:
 
         Also gives the inclusive time, and flags ops that contain a blocking CUDA call
         (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, ``cudaMemcpy``):
-        their ``sync_wait_ms`` is the time of those calls inside them.
+        their ``sync_wait_ms`` is the time of those calls inside them (each call's time goes to the innermost op
+        around it on its thread).
         """
-        c = self.cpu_ops
-        if not len(c.start):
+        if not len(self.cpu_ops):
             return []
-        st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
-        name = np.frombuffer(c.payload, dtype=np.int64)
+        _, st, en, name = self.cpu_ops.arrays()
         keep, own = self.op_self_us(lo, hi)
         sync = np.zeros(st.size)
         if self.sync_calls:
-            s_st = np.array([s[1] for s in self.sync_calls])
-            s_en = np.array([s[2] for s in self.sync_calls])
-            for a, b in zip(s_st, s_en):
-                inside = keep[(st[keep] <= a) & (en[keep] >= b)]
-                if inside.size:
-                    sync[inside[np.argmin(en[inside] - st[inside])]] += b - a  # the innermost op waited
-        self_t: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
-        for i in keep:
-            row = self_t[int(name[i])]
-            row[0] += own[i]
-            row[1] += en[i] - st[i]
-            row[2] += 1
-            row[3] += sync[i]
-        rows = sorted(self_t.items(), key=lambda kv: (-kv[1][0], self.op_name_list[kv[0]]))[:top]
-        return [{"name": self.op_name_list[k], "calls": int(v[2]), "self_ms": ms(v[0]), "inclusive_ms": ms(v[1]),
-                 "sync_wait_ms": ms(v[3])} for k, v in rows]
+            a = np.array([s[1] for s in self.sync_calls])
+            b = np.array([s[2] for s in self.sync_calls])
+            at = self.cpu_ops.innermost(np.array([s[3] for s in self.sync_calls], dtype=np.int64), a)
+            ok = at >= 0
+            ok[ok] = (en[at[ok]] >= b[ok]) & (st[at[ok]] >= lo) & (st[at[ok]] <= hi)  # around the call, in the window
+            np.add.at(sync, at[ok], (b - a)[ok])
+        n = len(self.op_name_list)
+        k = name[keep]
+        per_name = [np.bincount(k, weights=w, minlength=n) for w in (own[keep], (en - st)[keep], sync[keep])]
+        calls = np.bincount(k, minlength=n)
+        self_us, incl, wait = (x.tolist() for x in per_name)
+        rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
+        return [{"name": self.op_name_list[j], "calls": int(calls[j]), "self_ms": ms(self_us[j]),
+                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait[j])} for j in rows]
 
     def op_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
         """``(keep, self_us)``: the indexes (into :attr:`cpu_ops`) of the CPU ops that start in ``[lo, hi]`` and, per
         CPU op (zero for the others), its self time in us: its duration minus that of the ops nested directly in it
-        on its thread (those starting in the window)."""
-        c = self.cpu_ops
-        tid = np.frombuffer(c.tid, dtype=np.int64)
-        st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
+        on its thread (those starting in the window; :func:`sftprof.analysis.intervals.previous_open` finds each
+        op's parent)."""
+        tid, st, en, _ = self.cpu_ops.arrays()
         keep = np.flatnonzero((st >= lo) & (st <= hi))
-        child = np.zeros(st.size)
         order = keep[np.lexsort((-en[keep], st[keep], tid[keep]))]
-        stack: list[int] = []
-        cur_tid = None
-        for i in order:
-            if tid[i] != cur_tid:
-                stack, cur_tid = [], tid[i]
-            while stack and en[stack[-1]] <= st[i]:
-                stack.pop()
-            if stack:
-                child[stack[-1]] += en[i] - st[i]
-            stack.append(int(i))
+        parent = previous_open(tid[order], st[order], en[order])
+        nested = parent >= 0
+        child = np.zeros(st.size)
+        child[order] = np.bincount(parent[nested], weights=(en - st)[order][nested], minlength=order.size)
         own = np.zeros(st.size)
         own[keep] = np.maximum(en[keep] - st[keep] - child[keep], 0.0)
         return keep, own

@@ -2,9 +2,11 @@
 
 Errors: a trace or snapshot that could not be processed (or is not the trial's), a damaged ``rank_coords.json`` or
 ``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes without or should not be read
-without: a truncated allocator history, invalid trace events left out, files of an earlier postprocess kept beside
-those of this one, a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing that collapsed
-(:func:`routing_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing (:func:`missing_traces`).
+without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
+events left out, faults of a trace's record (:mod:`sftprof.analysis.trace_sanity`), files of an earlier postprocess
+kept beside those of this one, a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing
+that collapsed (:func:`routing_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing
+(:func:`missing_traces`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.schema import FileError, FileWarning
+from sftprof.analysis.trace_sanity import fault_messages
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
@@ -82,6 +85,10 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
+        if s.get("sanity") and "error" not in it:  # faults of the trace's record and what was done about them
+            warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
+        if s.get("step_peak_unknown"):
+            warnings.append({"file": it["file"], "warning": s["step_peak_unknown"]})
         if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
             warnings.append({"file": it["source"], "warning": it["warning"]})
     stats = summary["stats"]

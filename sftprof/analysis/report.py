@@ -38,7 +38,8 @@ def _findings(s: dict) -> list[str]:
     out = []
     if s.get("findings"):
         out.append("## Findings\n")
-        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))" for i, f in enumerate(s["findings"])]
+        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))"
+                + "".join(f"\n   - caveat: {c}" for c in f.get("caveats") or []) for i, f in enumerate(s["findings"])]
         out.append("")
     if s.get("what_if") or s.get("what_if_skipped"):
         out.append("## What if\n")

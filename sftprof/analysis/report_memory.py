@@ -45,7 +45,8 @@ def _memory_peaks(x: dict) -> list[str]:
     """The peak lines of one snapshot summary (:func:`sftprof.analysis.memory_summary.analyze_snapshot`): the
     headline peak, named the profiled step's or the recorded window's, with its place in words
     (:func:`peak_where`), and the whole window's peak beside it (where it lies and what was alive then when it is
-    outside the step)."""
+    outside the step); a snapshot whose history cannot give the step's peak says why, and one without history gives
+    the level at its dump."""
     if x.get("peak_scope") == "profiled_step":
         w = x["step_window"]
         out = [f"- peak allocated in the profiled step **{fmt(x['peak_allocated_gib'])} GiB** at "
@@ -63,6 +64,16 @@ def _memory_peaks(x: dict) -> list[str]:
                        f"{peak_where(x, 'window')}; reserved peak {fmt(x['window_peak_reserved_gib'])} GiB; "
                        f"alive then: {alive}. The figures below are the profiled step's peak")
         return out
+    if x.get("peak_scope") == "dump_time":
+        return [f"- **no peak:** allocated at the snapshot's dump {fmt(x['peak_allocated_gib'])} GiB, reserved "
+                f"{fmt(x['peak_reserved_gib'])} GiB; {x['step_peak_unknown']}"]
+    if x.get("step_peak_unknown"):
+        when = (f" at {fmt(x['peak_time_ms'])} ms of the {fmt(x['window_ms'])} ms recorded window (from its first event)"
+                if x["peak_time_ms"] is not None else " (when, unknown)")
+        return [f"- peak allocated of the recorded window **{fmt(x['peak_allocated_gib'])} GiB**{when}; "
+                f"**no step peak:** {x['step_peak_unknown']}",
+                f"- peak reserved {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at the peak "
+                f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
     return [f"- peak allocated **{fmt(x['peak_allocated_gib'])} GiB** at {fmt(x['peak_time_ms'])} ms of the "
             f"{fmt(x['window_ms'])} ms recorded window (from its first event); no phases recorded, so neither its "
             "phase nor the profiled step's own peak is known",

@@ -9,6 +9,7 @@ from sftprof.analysis.host_time import LAUNCH_GAP_US
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.markdown import fmt, table
 from sftprof.analysis.model_parts import PHASES
+from sftprof.analysis.trace_sanity import fault_messages
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.analysis.views import VIEWS
 
@@ -31,6 +32,7 @@ def _kernel_overview(t: dict) -> list[str]:
     out = []
     if k["invalid_events"]["total"]:
         out.append(f"- {invalid_events_message(k['invalid_events'])}")
+    out += [f"- **trace record:** {m}" for m in fault_messages(k["sanity"])] if k.get("sanity") else []
     g, c = k["gpu"], k["communication"]
     out.append(f"- step wall time: {fmt(k['step_window']['wall_ms'])} ms (window: {k['step_window']['source']})")
     if g["activities"]:

@@ -9,9 +9,12 @@ the member names (``_ms`` milliseconds, ``_us`` microseconds on the trace clock,
 
 Versions: ``schema_version`` is ``"<major>.<minor>"`` (:data:`SCHEMA_VERSION`). A minor version adds members and
 never changes one; a major version may. :func:`read_summary` reads every version up to this major (a summary of
-release 1, ``"schema": "sftprof.profile_summary/1"`` without ``schema_version``, is brought to this shape:
-:func:`_upgrade`) and refuses a newer major with a message saying so. :func:`summary_json` is the one writer of
-the JSON text (strict JSON: non-finite numbers become null, keys sorted).
+release 1, ``"schema": "sftprof.profile_summary/1"`` without ``schema_version``, and one of 2.x are brought to this
+shape: :func:`_upgrade`) and refuses a newer major with a message saying so. :func:`summary_json` is the one writer
+of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0 (against 2.0): a snapshot's times
+(``window_ms``, ``peak_time_ms``, ``window_peak_time_ms``) may be null (an allocator history without times, or none),
+``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
+``sanity`` and a finding its ``caveats``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -40,7 +43,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "2.1"
+SCHEMA_VERSION = "3.0"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -211,12 +214,15 @@ class Failure(TypedDict):
 
 
 class Finding(TypedDict):
-    """A lever (:mod:`sftprof.analysis.findings`): ``weight`` is its share of the step's time or peak memory."""
+    """A lever (:mod:`sftprof.analysis.findings`): ``weight`` is its share of the step's time or peak memory;
+    ``caveats``: what is wrong with the record its figures come from (faults of the rank's trace, a snapshot whose
+    step peak is unknown), and what was done about it."""
     text: str
     section: str  # the Markdown anchor it points to
     weight: float
     key: str
     rank: NotRequired[Optional[int]]
+    caveats: NotRequired[list[str]]
 
 
 class WhatIfSetting(TypedDict):
@@ -277,6 +283,35 @@ class InvalidEvents(TypedDict):
     examples: list[str]
 
 
+class SanityCount(TypedDict):
+    """One kind of fault of a trace's record (:mod:`sftprof.analysis.trace_sanity`): how many, among how many
+    (``of``: the population it is counted among), up to three examples."""
+    count: int
+    of: int
+    examples: list[str]
+
+
+class RecordingEdges(TypedDict):
+    """Not faults: activities that ran before their stream's first activity whose launch is in the trace (launched
+    before the recording began), and kernel launches after the last launch whose kernel is in it (ran after it
+    stopped)."""
+    activities_before_first_launch: int
+    launches_after_last_activity: int
+
+
+class TraceSanity(TypedDict):
+    """What is wrong with a trace's record, per kind, and what was done about it (module docstring of
+    :mod:`sftprof.analysis.trace_sanity`)."""
+    duplicates: SanityCount  # events recorded twice: the copies left out of every figure
+    duplicates_by_category: dict[str, int]
+    overlapping: SanityCount  # GPU activities running past the next one's start on their stream: cut there
+    untimed: SanityCount  # GPU activities with ts or dur 0: left out (also in invalid_events)
+    launches_without_activity: SanityCount  # kernel launches whose kernel is not in the trace
+    activities_without_launch: SanityCount  # GPU activities whose launch call is not in the trace
+    other_steps: SanityCount  # activities and CPU ops of other ProfilerStep#M slices: left out; examples name them
+    recording_edges: RecordingEdges
+
+
 class Identity(TypedDict):
     """What the trace says of itself: the steps of its ``ProfilerStep#N`` slices, its header's rank."""
     profiler_steps: list[int]
@@ -284,7 +319,8 @@ class Identity(TypedDict):
 
 
 class StepWindow(TypedDict):
-    """The step window (:func:`sftprof.analysis.gpu_activity.step_window`); None times: no window."""
+    """The step window (:func:`sftprof.analysis.gpu_activity.step_window`): the profiled step's (its
+    ``ProfilerStep#N`` slice, and the ``sftprof/step`` region inside it); None times: no window."""
     source: str  # "sftprof/step" | "ProfilerStep" | "gpu_activity_span" | "trace_span" | "none"
     start_us: Optional[float]
     end_us: Optional[float]
@@ -515,6 +551,7 @@ class KernelSummary(TypedDict):
     """One rank's trace (:meth:`sftprof.analysis.trace_summary.KernelTraceAnalyzer.summary`)."""
     n_events: int
     invalid_events: InvalidEvents
+    sanity: NotRequired[TraceSanity]  # absent in a summary of schema 2.x (not checked then)
     view_repairs: dict[str, int]
     identity: Identity
     step_window: StepWindow
@@ -593,12 +630,14 @@ class History(TypedDict):
 
 class MemorySummary(TypedDict):
     """One snapshot (:func:`sftprof.analysis.memory_summary.analyze_snapshot`); times in ms from the recorded
-    window's first event; the headline peak is the profiled step's (``peak_scope``) when phases were recorded."""
+    window's first event (None: no history, or events without times); the headline peak is the profiled step's
+    (``peak_scope``) when phases were recorded and the history can give it, else ``step_peak_unknown`` says why."""
     device: int
     trace_entries: int
-    window_ms: float
+    window_ms: Optional[float]
     window_start_us: Optional[float]
-    peak_scope: str  # "profiled_step" | "recorded_window"
+    peak_scope: str  # "profiled_step" | "recorded_window" | "dump_time" (no history: the level at dump time)
+    step_peak_unknown: Optional[str]
     step_window: Optional[MemoryStepWindow]
     peak_allocated_bytes: int
     peak_allocated_gib: float
@@ -607,14 +646,14 @@ class MemorySummary(TypedDict):
     reserved_at_peak_bytes: int
     reserved_minus_allocated_at_peak_bytes: int
     reserved_minus_allocated_at_peak_gib: float
-    peak_time_ms: float
+    peak_time_ms: Optional[float]
     peak_phase: Optional[str]
     live_at_peak_bytes: int
     window_peak_allocated_bytes: int
     window_peak_allocated_gib: float
     window_peak_reserved_bytes: int
     window_peak_reserved_gib: float
-    window_peak_time_ms: float
+    window_peak_time_ms: Optional[float]
     window_peak_phase: Optional[str]
     window_peak_position: Optional[str]  # "in_step" | "before_step" | "after_step"
     end_allocated_bytes: int
@@ -881,8 +920,14 @@ def _version(data: dict) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-def _upgrade(data: dict) -> dict:
-    """A release-1 summary in this version's shape: the members added since, from what release 1 wrote."""
+def _upgrade(data: dict, major: int) -> dict:
+    """A summary of release 1 or schema 2.x in this version's shape: the members added since, from what it holds
+    (a 2.x trace has no ``sanity``: what was not checked is not made up)."""
+    for m in data.get("memory_snapshots") or []:
+        if isinstance(m, dict) and isinstance(m.get("summary"), dict):
+            m["summary"].setdefault("step_peak_unknown", None)
+    if major >= 2:
+        return data
     data["schema"], data["schema_version"] = SCHEMA_NAME, "1.0"
     if data.get("profile_kind") == "kernel" and "missing_traces" not in data:
         # release 1 named these ranks only in a warning: "rank <r>: no trace in the log dir, though perf_tracer..."
@@ -914,7 +959,7 @@ def from_json(data: Any, where: str) -> ProfileSummary:
     if major > mine:
         raise SummaryReadError(f"{where}: written by a newer sftprof (summary schema {major}.{minor}; this one reads "
                                f"{mine}.x and older): update sftprof, or rerun postprocess_profile.py with this one")
-    return _upgrade(data) if major < 2 else data  # type: ignore[return-value]
+    return _upgrade(data, major) if major < mine else data  # type: ignore[return-value]
 
 
 def read_summary(path: str | os.PathLike) -> ProfileSummary:

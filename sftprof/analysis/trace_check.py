@@ -33,9 +33,11 @@ from collections import defaultdict
 from typing import Any
 
 
-__all__ = ["MAX_TID", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
+__all__ = ["MAX_TID", "UNTIMED", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
 
 MAX_TID = 2**31 - 1
+UNTIMED = "GPU activity without timing (ts 0 or dur 0)"  # CUPTI's "no timing collected"; a kind of event_problem
+_GPU_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _METADATA = {"process_name": ("name", str), "thread_name": ("name", str), "process_labels": ("labels", str),
              "process_sort_index": ("sort_index", int), "thread_sort_index": ("sort_index", int)}
 _TIMED = frozenset("XBEiIstfCbenPOND")
@@ -61,7 +63,9 @@ def event_problem(ev: dict) -> str | None:
     Kinds (stable strings, counted in the summary): ``"no phase"``, ``"non-string name"``,
     ``"non-string cat"``, ``"args not an object"``, ``"missing ts"``, ``"non-numeric ts"``,
     ``"non-finite ts"``, and for complete (``X``) events ``"missing dur"``, ``"non-numeric dur"``,
-    ``"non-finite dur"``, ``"negative dur"``. Metadata events (``M``) need no time.
+    ``"non-finite dur"``, ``"negative dur"``, and :data:`UNTIMED` for a GPU activity (kernel, memcpy, memset)
+    whose ``ts`` or ``dur`` is 0: CUPTI writes 0 when it collected no timing for the activity, which ran all the
+    same. Metadata events (``M``) need no time.
     """
     ph, name, cat, args = ev.get("ph"), ev.get("name"), ev.get("cat"), ev.get("args")
     # Fast path (nearly every event): plain types, finite times (x - x == 0 is False for NaN and ±inf).
@@ -74,7 +78,7 @@ def event_problem(ev: dict) -> str | None:
             if ph != "X":
                 return None
             dur = ev.get("dur")
-            if type(dur) in _NUMBERS and dur - dur == 0 and dur >= 0:
+            if type(dur) in _NUMBERS and dur - dur == 0 and dur >= 0 and (dur and ts or cat not in _GPU_ACTIVITIES):
                 return None
     if not isinstance(ph, str):
         return "no phase"
@@ -96,6 +100,8 @@ def event_problem(ev: dict) -> str | None:
             return f"non-finite {key}"
     if ph == "X" and ev["dur"] < 0:
         return "negative dur"
+    if ph == "X" and cat in _GPU_ACTIVITIES and not (ev["dur"] and ev["ts"]):
+        return UNTIMED
     return None
 
 

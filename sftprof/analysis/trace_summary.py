@@ -32,6 +32,8 @@ from sftprof.analysis.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES,
 from sftprof.analysis.model_parts import cpu_parts, gpu_parts
 from sftprof.analysis.op_collector import OpCollector
 from sftprof.analysis.schema import KernelSummary
+from sftprof.analysis.trace_check import UNTIMED
+from sftprof.analysis.trace_sanity import inspect
 
 __all__ = ["KernelTraceAnalyzer", "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT",
            "identity_problems"]
@@ -41,6 +43,8 @@ _INVALID_EXAMPLES = 3
 REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 _PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
+_CORRELATION = re.compile(r'"correlation"\s*:\s*(\d+)')
+_GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
 
 
 def _int_id(v) -> int:
@@ -105,9 +109,13 @@ class KernelTraceAnalyzer:
         header: the trace's top-level members (``distributedInfo.pg_config`` maps process-group
             names to descriptions such as ``TENSOR_MODEL_PARALLEL_GROUP``); may also be given later
             via :meth:`set_header`, any time before :meth:`summary`.
+        step: the profiled step: its ``ProfilerStep#<step>`` slice is the step window, and the activities and CPU
+            ops of other steps' slices are left out (:mod:`sftprof.analysis.trace_sanity`); None: not known (the
+            longest step annotation is the window, no step is left out).
     """
 
-    def __init__(self, header: dict | None = None):
+    def __init__(self, header: dict | None = None, step: int | None = None):
+        self._step = step
         self._names: dict[str, int] = {}
         self._name_list: list[str] = []
         # per GPU activity (parallel lists)
@@ -116,11 +124,13 @@ class KernelTraceAnalyzer:
         self._a_ts: list[float] = []
         self._a_dur: list[float] = []
         self._a_dev: list[int] = []
+        self._a_stream: list[int] = []
         self._a_corr: list[int] = []
         self._a_ext: list[int] = []
         self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
-        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective ops on the host
+        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
+        self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
         self._t_min = float("inf")
@@ -129,10 +139,10 @@ class KernelTraceAnalyzer:
         self._pg_desc: dict[str, str] = {}
         self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
         self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
-        self._cpu_us: dict[str, float] = defaultdict(float)  # cpu_op name -> inclusive time (us)
-        self._cpu_calls: dict[str, int] = defaultdict(int)
         self._invalid: dict[str, int] = defaultdict(int)
         self._invalid_examples: list[str] = []
+        self._untimed = 0  # GPU activities without timing (left out, counted with the invalid events)
+        self._invalid_corr: list[int] = []  # correlation ids of the GPU activities left out as invalid
         self._notes: dict[str, int] = {}
         self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
         self._ops = OpCollector()
@@ -186,6 +196,10 @@ class KernelTraceAnalyzer:
     def add_invalid(self, kind: str, raw: str) -> None:
         """Count one event left out of every figure (``kind`` from ``trace_check.event_problem``)."""
         self._invalid[kind] += 1
+        self._untimed += kind == UNTIMED
+        if _GPU_CATEGORY.search(raw):  # a GPU activity left out: its launch is not one without a kernel
+            corr = _CORRELATION.search(raw)
+            self._invalid_corr.append(int(corr.group(1)) if corr else -1)
         if len(self._invalid_examples) < _INVALID_EXAMPLES:
             self._invalid_examples.append(f"{kind}: {' '.join(raw.split())[:200]}")
 
@@ -215,20 +229,32 @@ class KernelTraceAnalyzer:
         """
         self.n_events += 1
         ph = ev.get("ph")
+        cat = ev.get("cat")
         if ph != "X":
-            if ph in ("s", "f") and ev.get("cat") == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
-                self._ops.add(ev, ev["ts"], 0.0)
+            if ph in ("s", "f") and cat == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
+                self._ops.add(ev, cat, ev["ts"], 0.0)
             return
         ts = ev.get("ts")
         dur = ev.get("dur")
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
-        self._ops.add(ev, ts, dur)
         if ts < self._t_min:
             self._t_min = ts
         if ts + dur > self._t_max:
             self._t_max = ts + dur
-        cat = ev.get("cat")
+        if cat == "cpu_op":  # most events: the collector's hot path, each member read once
+            tid, name, args = ev.get("tid"), ev.get("name") or "", ev.get("args")
+            self._ops.add_cpu_op(tid if type(tid) is int else -1, name, args, ts, dur)
+            if name.startswith(HOST_COLLECTIVE_PREFIXES):
+                self._host_comm_ops.append((name, ts, ts + dur))
+            if args and ("Process Group Name" in args or "Process Group Description" in args):
+                ext = _int_id(args.get("External id"))
+                if ext != -1:
+                    self._comm_ops[ext] = self._pg_ref(args)
+                if "Process Group Ranks" in args and "Process Group Name" in args:
+                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
+            return
+        self._ops.add(ev, cat, ts, dur)
         if cat in GPU_ACTIVITY_CATS:
             name = ev.get("name") or ""
             idx = self._names.get(name)
@@ -240,8 +266,9 @@ class KernelTraceAnalyzer:
             self._a_kind.append(GPU_ACTIVITY_CATS.index(cat))
             self._a_ts.append(ts)
             self._a_dur.append(dur)
-            dev = ev.get("pid")
+            dev, stream = ev.get("pid"), ev.get("tid")
             self._a_dev.append(dev if isinstance(dev, int) else -1)
+            self._a_stream.append(stream if isinstance(stream, int) else -1)
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
             self._a_pg.append(self._pg_ref(args))
@@ -257,19 +284,6 @@ class KernelTraceAnalyzer:
                 self._profiler_steps.append((name, ts, ts + dur))
             elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
-        elif cat == "cpu_op":
-            name = ev.get("name") or ""
-            self._cpu_us[name] += dur
-            self._cpu_calls[name] += 1
-            if name.startswith(HOST_COLLECTIVE_PREFIXES):
-                self._host_comm.append((name, ts, ts + dur))
-            args = ev.get("args")
-            if args and ("Process Group Name" in args or "Process Group Description" in args):
-                ext = _int_id(args.get("External id"))
-                if ext != -1:
-                    self._comm_ops[ext] = self._pg_ref(args)
-                if "Process Group Ranks" in args and "Process Group Name" in args:
-                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
 
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
@@ -304,14 +318,17 @@ class KernelTraceAnalyzer:
         ts = np.asarray(self._a_ts, dtype=np.float64)
         dur = np.asarray(self._a_dur, dtype=np.float64)
         return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
-                             dev=np.asarray(self._a_dev, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
+                             dev=np.asarray(self._a_dev, dtype=np.int64),
+                             stream=np.asarray(self._a_stream, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
                              launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
                              nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> KernelSummary:
         """Kernel summary (:class:`sftprof.analysis.schema.KernelSummary`; times in ms, shares in percent).
 
-        Keys: ``n_events``, ``invalid_events``, ``view_repairs``, ``identity`` (what the trace says of itself:
+        Call it once (it sets the collected record right in place). Keys: ``n_events``, ``invalid_events``,
+        ``sanity`` (what is wrong with the trace's record and what was done about it, before any figure:
+        :func:`sftprof.analysis.trace_sanity.inspect`), ``view_repairs``, ``identity`` (what the trace says of itself:
         ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
         its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
         the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
@@ -322,9 +339,19 @@ class KernelTraceAnalyzer:
         ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
         out of ``profile_summary.json``).
         """
-        regions = sorted(self._regions, key=lambda r: (r[1], r[0]))
-        t = self.activity_table(regions)
-        window = step_window(t, regions, self._profiler_steps, (self._t_min, self._t_max), self._base_ns)
+        # annotations recorded twice count once; those of other profiler steps are left out with their activities
+        annotations = (self._regions, self._profiler_steps, self._host_comm)
+        unique = [list(dict.fromkeys(x)) for x in annotations]
+        repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
+        regions, profiler_steps, host_comm = unique
+        host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
+        regions.sort(key=lambda r: (r[1], r[0]))
+        t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
+                                         step=self._step, untimed=self._untimed, invalid_corr=self._invalid_corr,
+                                         repeated_annotations=repeated, n_events=self.n_events)
+        regions = [r for r in regions if not any(a <= r[1] <= b for a, b in other_spans)]
+        host_comm = [h for h in host_comm if not any(a <= h[1] <= b for a, b in other_spans)]
+        window = step_window(t, regions, profiler_steps, (self._t_min, self._t_max), self._base_ns, self._step)
         lo, hi = window["start_us"], window["end_us"]
         optimizer_windows = [(a, b) for name, a, b in regions if name == OPTIMIZER_REGION]
         pts = t.launch
@@ -343,16 +370,17 @@ class KernelTraceAnalyzer:
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
                                "by_kind": dict(sorted(self._invalid.items(), key=lambda kv: (-kv[1], kv[0]))),
                                "examples": list(self._invalid_examples)},
+            "sanity": sanity,
             "view_repairs": dict(sorted(self._notes.items())),
-            "identity": {"profiler_steps": sorted({int(m.group(1)) for name, _, _ in self._profiler_steps
+            "identity": {"profiler_steps": sorted({int(m.group(1)) for name, _, _ in profiler_steps
                                                    if (m := _PROFILER_STEP.match(name))}),
                          "recorded_rank": self._recorded_rank},
             "step_window": window,
             "gpu": gpu_time(t, lo, hi),
             "top_kernels": top_kernels(t),
-            "top_cpu_ops": top_cpu_ops(self._cpu_us, self._cpu_calls),
+            "top_cpu_ops": top_cpu_ops(ops),
             "categories": time_by_category(t),
-            "communication": communication(t, self._host_comm),
+            "communication": communication(t, host_comm),
             "regions": region_times(t, regions, lo),
             "parts": gpu_parts(place, t.dur, inside, t.is_comm),
             "cpu_parts": cpu_parts(ops, (lo, hi), optimizer_windows) if cpu_run else None,

@@ -20,7 +20,8 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis import inputs
 from sftprof.analysis.inputs import World, file_error, outside_world
 from sftprof.analysis.memory_estimate import estimate_memory, explain_estimate
-from sftprof.analysis.memory_summary import analyze_snapshot, history_status, plot_memory
+from sftprof.analysis.memory_plot import plot_memory
+from sftprof.analysis.memory_summary import analyze_snapshot, history_status
 from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.schema import SnapshotEntry
 from sftprof.atomic import copy_file, write_failed

@@ -19,6 +19,7 @@ from sftprof.analysis import comm_wait, merged_view
 from sftprof.analysis.inputs import World, file_error, outside_world
 from sftprof.analysis.model_parts import plot_parts
 from sftprof.analysis.schema import TraceEntry
+from sftprof.analysis.trace_sanity import sanity_error
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views import VIEWS, split_trace, view_links
 from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
@@ -51,14 +52,16 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     other windows) only when the split succeeded: a trace that fails leaves what an earlier postprocess wrote. So
     does one that is not this trial's: a rank outside its world size ``world`` (not read), or a trace whose own
     steps and rank say it is another step's or another rank's
-    (:func:`sftprof.analysis.trace_summary.identity_problems`)."""
+    (:func:`sftprof.analysis.trace_summary.identity_problems`). A trace whose invalid events, or one fault of its
+    record (:func:`sftprof.analysis.trace_sanity.sanity_error`), dominate it is split and summarised, with that
+    error."""
     outside = outside_world(rank, world)
     if outside:
         return _failed_trace(out_dir, rank, f"{src}: {outside}; the trace was not read")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".staging_rank{rank}_", dir=parent)
-    analyzer = KernelTraceAnalyzer()
+    analyzer = KernelTraceAnalyzer(step=step)
     try:
         try:
             staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
@@ -66,7 +69,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                                  on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
             summary = analyzer.summary()
             calls = summary["collectives"].pop("calls")  # matched across ranks by trace_part, not written
-            error = invalid_events_error(summary["invalid_events"])
+            error = invalid_events_error(summary["invalid_events"]) or sanity_error(summary["sanity"])
             wrong, unconfirmed = identity_problems(summary["identity"], rank, step)
         except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
             return _failed_trace(out_dir, rank, file_error(src, exc))

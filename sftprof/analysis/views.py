@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import json
 import os
 import re
@@ -233,7 +234,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         real = tids.real
         flush_every = TraceWriter.FLUSH_EVENTS
         countdown = flush_every
-        for raw, ev in _chain([first] if first is not None else [], events):
+        for raw, ev in itertools.chain([first] if first is not None else [], events):
             countdown -= 1
             if not countdown:
                 countdown = flush_every
@@ -271,7 +272,8 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
                     flow_pairs.add(cat, ev["id"], ph)
                     # One line per event: line breaks in JSON text are only whitespace between tokens.
-                    flow_lines.append(f"{cat}\t{json.dumps(ev['id'])}\t{ph}\t{pid}\t{tid}\t"
+                    fid = ev["id"]
+                    flow_lines.append(f"{cat}\t{fid if type(fid) is int else json.dumps(fid)}\t{ph}\t{pid}\t{tid}\t"
                                       f"{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
                     if len(flow_lines) >= flush_every:
                         flow_file.writelines(flow_lines)
@@ -383,13 +385,13 @@ class _FlowPairs:
     """Which flows ``(cat, id)`` have exactly one start (``s``) and one end (``f``), in 8 bytes per flow event.
 
     Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase) and matched with numpy
-    once, at the end; other ids in a dict.
+    once, at the end (the paired ones then in a set, asked once per flow event); other ids in a dict.
     """
 
     def __init__(self):
         self._ids: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
         self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-        self._paired: dict[str, np.ndarray] = {}
+        self._paired: dict[str, set[int]] = {}
 
     def add(self, cat: str, fid, ph: str) -> None:
         if type(fid) is int and -2**63 <= fid < 2**63:
@@ -405,16 +407,12 @@ class _FlowPairs:
                 ids, counts = np.unique(np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64),
                                         return_counts=True)
                 once.append(ids[counts == 1])
-            self._paired[cat] = np.intersect1d(*once, assume_unique=True)
+            self._paired[cat] = set(np.intersect1d(*once, assume_unique=True).tolist())
         self._ids.clear()
 
     def paired(self, cat: str, fid) -> bool:
         if type(fid) is int and -2**63 <= fid < 2**63:
-            ids = self._paired.get(cat)
-            if ids is None:
-                return False
-            i = int(np.searchsorted(ids, fid))
-            return i < ids.size and int(ids[i]) == fid
+            return fid in self._paired.get(cat, ())
         return self._other.get((cat, json.dumps(fid))) == [1, 1]
 
 
@@ -537,7 +535,3 @@ def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thr
         w.write(_meta("thread_name", pid, tids.get(pid, "ann", tid),
                       {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))
 
-
-def _chain(first: list, rest):
-    yield from first
-    yield from rest
