@@ -13,9 +13,9 @@ Face checkpoint (written with :func:`sftprof.models.hf.save_random_checkpoint` w
 case and every layout starts from the same weights; the Qwen3.5 case (``qwen3_5 gated delta-net``) runs the
 Qwen3.5 YAML cut to 4 layers (three gated delta-net layers, one full-attention layer), random init.
 
-``--te``: ``te`` runs each case with Transformer Engine (``actor.megatron.transformer_engine=on``) on the
+``--te``: ``te`` runs each case with Transformer Engine (``actor.megatron.transformer_impl=transformer_engine``) on the
 shipped YAML's own settings (precision-aware optimizer, bf16 main grads: TE's FusedAdam); ``local`` runs it with
-TE hidden (``actor.megatron.transformer_engine=off``: local specs, torch Adam), where the precision-aware optimizer
+TE hidden (``actor.megatron.transformer_impl=local``: local specs, torch Adam), where the precision-aware optimizer
 cannot run, so with ``USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32``. Default: both when TE
 imports here, else ``local``. Each case changes one thing (see :data:`CASES`; ``fp32 main grads`` only with TE,
 since it is the local base). A case that raises is recorded with its error and the matrix goes on.
@@ -46,8 +46,8 @@ FP32_OPTIMIZER = ["actor.megatron.use_precision_aware_optimizer=false", "actor.m
                   "actor.megatron.main_params_dtype=float32", "actor.megatron.exp_avg_dtype=float32",
                   "actor.megatron.exp_avg_sq_dtype=float32"]
 # mode -> overrides on top of the YAML: "te" keeps the shipped precision settings, "local" cannot (module docstring)
-MODES = {"te": ["actor.megatron.transformer_engine=on"],
-         "local": ["actor.megatron.transformer_engine=off"] + FP32_OPTIMIZER}
+MODES = {"te": ["actor.megatron.transformer_impl=transformer_engine"],
+         "local": ["actor.megatron.transformer_impl=local"] + FP32_OPTIMIZER}
 ONE_GPU = "megatron:d1"
 QWEN3_5 = "qwen3_5 gated delta-net"
 # name -> (layout, overrides on top of the mode's base); "base" cases are the shipped settings on that layout.
@@ -147,7 +147,7 @@ def _case_main(name: str, args) -> int:
     from sftprof.trainer import init_distributed
 
     yaml, overrides = case_overrides(name, args.mode, args.checkpoint, args.seq)
-    setup_transformer_engine(load_config(str(yaml), overrides).actor.megatron.transformer_engine)  # before megatron
+    setup_transformer_engine(load_config(str(yaml), overrides).actor.megatron.transformer_impl)  # before megatron
     init_distributed()
     row = run_case(name, args.mode, args)
     if dist.get_rank() == 0:

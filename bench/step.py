@@ -6,11 +6,11 @@
     python bench/step.py --runs RUN_ROOT_1GPU RUN_ROOT_2GPU        # rows from driver runs made earlier
     python bench/step.py --layouts 'megatron:(attn:c2|ffn:e2)' \
         'megatron:(attn:c2|ffn:e2)@actor.megatron.cp_comm_overlap=false'  # A/B: one setting per row
-    python bench/step.py --layouts megatron:d1 megatron:d1@actor.megatron.transformer_engine=off  # TE vs local
+    python bench/step.py --layouts megatron:d1 megatron:d1@actor.megatron.transformer_impl=local  # TE vs local
 
 Each layout runs ``run_qwen3_30b_a3b_sft_profile.sh`` once: the shipped YAML (``--config``) with its own
 precision settings where Transformer Engine imports (TE's FusedAdam, bf16 main grads), else, and in rows that hide
-TE (``LAYOUT@actor.megatron.transformer_engine=off``: local specs), with the fp32 optimizer; ``--layers`` decoder
+TE (``LAYOUT@actor.megatron.transformer_impl=local``: local specs), with the fp32 optimizer; ``--layers`` decoder
 layers, one
 sequence of ``--seq`` tokens per data-parallel rank per step (one sequence at DP = 1), ``--steps`` steps of
 which the last is profiled (one kernel trial, every rank traced; ``--kinds kernel,memory`` adds the memory trial of
@@ -64,7 +64,7 @@ from sftprof.artifacts import SUMMARY_JSON  # noqa: E402
 from sftprof.models.specs import have_transformer_engine  # noqa: E402
 
 DRIVER_ENV = {"PROFILE_N_MBS": "1", "PROFILE_RANKS": ""}
-# Without Transformer Engine (not installed, or hidden by actor.megatron.transformer_engine=off) the shipped
+# Without Transformer Engine (not installed, or hidden by actor.megatron.transformer_impl=local) the shipped
 # precision-aware optimizer cannot run: such rows train with the fp32 optimizer.
 NO_TE_ENV = {"USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32"}
 COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", "step_s", "{:.3f}"),
@@ -266,7 +266,9 @@ def driver_call(spec: str, args, overrides: list[str], out_dir: Path, stamp: str
     name = layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')
     run_root = out_dir / f"{name}_{stamp}" if not extra else out_dir / f"{name}_{len(extra)}ov_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
-    if "actor.megatron.transformer_engine=off" in overrides + extra or not have_transformer_engine():
+    impls = [v.strip() for k, _, v in (o.partition("=") for o in overrides + extra)
+             if k.strip() == "actor.megatron.transformer_impl"]
+    if (impls and impls[-1] == "local") or not have_transformer_engine():
         env.update(NO_TE_ENV)
     env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
                RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(parsed.world_size),

@@ -3,7 +3,7 @@ Transformer Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that 
 
 Transformer Engine (TE) in a trial's process, :func:`setup_transformer_engine` (before anything imports megatron):
 
-- ``actor.megatron.transformer_engine=off`` hides TE (``sys.modules`` entries of ``None``, which make every
+- ``actor.megatron.transformer_impl=local`` hides TE (``sys.modules`` entries of ``None``, which make every
   ``import transformer_engine`` raise ``ModuleNotFoundError`` and ``importlib.util.find_spec`` return ``None``),
   so megatron-core, TE present on the machine, builds the local specs and torch's Adam as on a machine without it.
 - cuDNN: TE's loader (``transformer_engine/common/__init__.py``) loads ``libcudnn`` from ``CUDNN_HOME``,
@@ -163,28 +163,28 @@ def build_with_te_wgrad_fusion(build):
 
 
 def setup_transformer_engine(mode: str) -> tuple[bool, list[str]]:
-    """Apply ``actor.megatron.transformer_engine`` (module docstring) in this process; call before megatron imports.
+    """Apply ``actor.megatron.transformer_impl`` (module docstring) in this process; call before megatron imports.
 
     Args:
-        mode: ``auto``, ``on`` or ``off`` (:data:`sftprof.config.TRANSFORMER_ENGINE_MODES`).
+        mode: ``auto``, ``transformer_engine`` or ``local`` (:data:`sftprof.config.TRANSFORMER_IMPLS`).
     Returns:
         ``(have_te, notes)``: whether ``transformer_engine.pytorch`` imports now, and lines to log (the cuDNN
         library TE and torch use, the gradient-accumulation fusion kernel).
     Raises:
-        ConfigError: ``mode=on`` and TE does not import (names the import error); torch and TE load different
+        ConfigError: ``mode=transformer_engine`` and TE does not import (names the import error); torch and TE load different
             cuDNN versions (names both and ``CUDNN_HOME``).
     """
-    if mode == "off":
+    if mode == "local":
         for name in TE_MODULES:
             if sys.modules.get(name) is not None:
-                raise ConfigError(f"actor.megatron.transformer_engine=off: {name} was imported before the trial "
+                raise ConfigError(f"actor.megatron.transformer_impl=local: {name} was imported before the trial "
                                   "could hide it")
             sys.modules[name] = None
-        return False, ["transformer_engine: hidden (actor.megatron.transformer_engine=off): local specs, torch Adam"]
+        return False, ["transformer_engine: hidden (actor.megatron.transformer_impl=local): local specs, torch Adam"]
     if importlib.util.find_spec("transformer_engine") is None:
-        if mode == "on":
-            raise ConfigError("actor.megatron.transformer_engine=on: transformer_engine is not installed; accepted: "
-                              "auto or off, or install transformer-engine[pytorch]")
+        if mode == "transformer_engine":
+            raise ConfigError("actor.megatron.transformer_impl=transformer_engine: transformer_engine is not installed; accepted: "
+                              "auto or local, or install transformer-engine[pytorch]")
         return False, []
     import torch
 
@@ -204,8 +204,8 @@ def setup_transformer_engine(mode: str) -> tuple[bool, list[str]]:
         import transformer_engine.pytorch  # noqa: F401
         import transformer_engine_torch as tex
     except Exception as err:  # a broken TE install behaves as no TE, unless TE is required
-        if mode == "on":
-            raise ConfigError(f"actor.megatron.transformer_engine=on: transformer_engine does not import: "
+        if mode == "transformer_engine":
+            raise ConfigError(f"actor.megatron.transformer_impl=transformer_engine: transformer_engine does not import: "
                               f"{type(err).__name__}: {err}") from err
         return False, [f"transformer_engine does not import ({type(err).__name__}: {err}): local specs"]
     if torch.cuda.is_available():

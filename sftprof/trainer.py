@@ -214,7 +214,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     te_notes: List[str] = []
     try:
         if layout.backend == "megatron":  # before anything imports megatron-core (which imports TE)
-            _, te_notes = setup_transformer_engine(cfg.actor.megatron.transformer_engine)
+            _, te_notes = setup_transformer_engine(cfg.actor.megatron.transformer_impl)
         hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
         check_weights_present(cfg.actor)
         if layout.backend == "megatron":

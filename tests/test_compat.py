@@ -49,8 +49,8 @@ def _setup(mode: str) -> list[str]:
 
 
 def test_transformer_engine_off_hides_te_from_the_process():
-    lines = _setup("off")
-    assert lines[0].startswith("(False, ['transformer_engine: hidden (actor.megatron.transformer_engine=off)")
+    lines = _setup("local")
+    assert lines[0].startswith("(False, ['transformer_engine: hidden (actor.megatron.transformer_impl=local)")
     assert lines[1:] == ["find_spec None", "ModuleNotFoundError", "megatron HAVE_TE False"]
 
 
@@ -58,9 +58,10 @@ def test_transformer_engine_on_without_te_is_a_config_error():
     from sftprof.models.specs import have_transformer_engine
 
     if have_transformer_engine():
-        pytest.skip("TE imports here: 'on' is satisfied")
-    assert _setup("on") == ["ConfigError: actor.megatron.transformer_engine=on: transformer_engine is not installed; "
-                            "accepted: auto or off, or install transformer-engine[pytorch]"]
+        pytest.skip("TE imports here: 'transformer_engine' is satisfied")
+    assert _setup("transformer_engine") == [
+        "ConfigError: actor.megatron.transformer_impl=transformer_engine: transformer_engine is not installed; "
+        "accepted: auto or local, or install transformer-engine[pytorch]"]
 
 
 @pytest.mark.parametrize("dim,hopper,bk", [(16, True, 16), (8, True, 16), (32, True, 32), (33, True, 64),

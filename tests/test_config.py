@@ -29,6 +29,12 @@ def test_qwen35_and_tiny_preset():
     assert tiny.profile.fake_seq_len == 1024  # long enough for 8 logprob chunks of 128 tokens, cheap on 2 cores
 
 
+def test_transformer_impl_words_survive_yaml():
+    """YAML 1.1 reads on/off as booleans: the setting's words are Megatron-LM's --transformer-impl ones."""
+    for impl in ("auto", "transformer_engine", "local"):
+        assert load_config(FLAGSHIP, [f"actor.megatron.transformer_impl={impl}"]).actor.megatron.transformer_impl == impl
+
+
 def test_interpolation_follows_overrides():
     cfg = load_config(FLAGSHIP, ["profile.fake_seq_len=32768", "perf_tracer.profile_steps=[0,1]"])
     assert cfg.actor.mb_spec.max_tokens_per_mb == 32768 == cfg.train_dataset.max_length
@@ -54,6 +60,8 @@ def test_interpolation_follows_overrides():
     ("actor.mb_spec.n_mbs=3", "actor.mb_spec.n_mbs=3: must be <= sequences per data-parallel rank"),
     ("memory_profiler.max_entries=0", "memory_profiler.max_entries=0: must be an integer from 1 to "
                                       "9223372036854775807 (2**63 - 1, what torch's allocator history takes)"),
+    ("actor.megatron.transformer_impl=te", "actor.megatron.transformer_impl='te': must be one of ['auto', "
+                                           "'transformer_engine', 'local']"),
     ("nonsense", "override 'nonsense': expected key=value"),
     ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
     ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8: must be 0 (no limit) or >= one sequence (profile.fake_seq_len=131072)"),

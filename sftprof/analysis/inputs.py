@@ -274,8 +274,8 @@ _TE_IN_LOG = re.compile(r"\btransformer_engine=(True|False)\b")
 
 
 def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None:
-    """Whether Transformer Engine ran in the trial: ``actor.megatron.transformer_engine`` of its config when ``on`` or
-    ``off``; with ``auto``, the megatron engine's line in ``trainer_log`` (``... transformer_engine=True; ...``, its
+    """Whether Transformer Engine ran in the trial: ``actor.megatron.transformer_impl`` of its config when ``transformer_engine``
+    or ``local``; with ``auto``, the megatron engine's line in ``trainer_log`` (``... transformer_engine=True; ...``, its
     first such line); False for the fsdp backend (it never uses TE). None: no config, or ``auto`` and no such line
     (no trainer log, or a trial that ended before building its engine)."""
     actor = (cfg or {}).get("actor") if isinstance(cfg, dict) else None
@@ -283,9 +283,9 @@ def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None
         return None
     if not str(actor.get("backend") or "").startswith("megatron"):
         return False
-    mode = str(((actor.get("megatron") or {}).get("transformer_engine")) or "auto")
-    if mode in ("on", "off"):
-        return mode == "on"
+    mode = str(((actor.get("megatron") or {}).get("transformer_impl")) or "auto")
+    if mode in ("transformer_engine", "local"):
+        return mode == "transformer_engine"
     if not trainer_log or not os.path.isfile(trainer_log):
         return None
     with open(trainer_log, encoding="utf-8", errors="replace") as f:

@@ -366,7 +366,7 @@ def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict
     if not te:
         t.skip("precision_aware_optimizer", rank, "an optimizer-step peak, but " + (
             "Transformer Engine was not in the trial" if te is False else
-            "whether Transformer Engine ran is unknown (actor.megatron.transformer_engine=auto and no "
+            "whether Transformer Engine ran is unknown (actor.megatron.transformer_impl=auto and no "
             "'transformer_engine=' line in trainer.log)") + ": megatron-core's precision-aware optimizer needs TE's "
             "FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
         return

@@ -19,12 +19,12 @@ from sftprof.config.loading import (PRESET_DIR, last_value_per_key, load_config,
                                     reject_repeated_keys, resolve_config_path, to_yaml)
 from sftprof.config.paths import DEFAULT_FILEROOT, NAME_ACCEPTED, is_folder_name, trial_log_dir
 from sftprof.config.schema import (CP_ATTENTION_METHODS, FAKE_SEQ_LEN_WHY, MEMORY_MAX_ENTRIES_MAX, PRECISION_FIELDS,
-                                   TOKENS_PER_RANK_MAX, TRANSFORMER_ENGINE_MODES, MegatronSettings, SFTProfileConfig,
+                                   TOKENS_PER_RANK_MAX, TRANSFORMER_IMPLS, MegatronSettings, SFTProfileConfig,
                                    n_micro_batches)
 from sftprof.config.validation import validate
 
 __all__ = ["CONFIG_ERROR_PREFIX", "CP_ATTENTION_METHODS", "ConfigError", "DEFAULT_FILEROOT", "FAKE_SEQ_LEN_WHY",
            "MEMORY_MAX_ENTRIES_MAX", "MegatronSettings", "NAME_ACCEPTED", "PRECISION_FIELDS", "PRESET_DIR",
-           "SFTProfileConfig", "TOKENS_PER_RANK_MAX", "TRANSFORMER_ENGINE_MODES", "exit_config_error",
+           "SFTProfileConfig", "TOKENS_PER_RANK_MAX", "TRANSFORMER_IMPLS", "exit_config_error",
            "is_folder_name", "last_value_per_key", "load_config", "load_config_or_exit", "n_micro_batches",
            "reject_repeated_keys", "resolve_config_path", "to_yaml", "trial_log_dir", "validate"]

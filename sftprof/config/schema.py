@@ -34,7 +34,7 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # actor.megatron.cp_attention: how a CP rank's attention is computed (sftprof.models.layers.attention, item 2 of its
 # docstring); used by the local layer spec (no Transformer Engine) with CP > 1.
 CP_ATTENTION_METHODS = ("masked", "blocks")
-TRANSFORMER_ENGINE_MODES = ("auto", "on", "off")
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 # actor.megatron.moe_alltoall_chunks: each chunk adds 4 all-to-alls per MoE layer to the forward and 3 to the backward
 # (sftprof.models.layers.moe_dedup), each with a fixed cost; 64 chunks of 65536 tokens (131072 over CP 2) are 1024 tokens
 # each, far past the 2 measured in bench/NOTES.md (twelfth session: what stays exposed at 2 chunks is mostly waiting
@@ -244,9 +244,9 @@ class MegatronSettings:
     # per layer (bench/NOTES.md), which no trained model does. Not the Hugging Face model's routing: off by default.
     moe_router_force_load_balancing: bool = False
     # Transformer Engine: auto (TE specs, TE's FusedAdam and fusions when transformer_engine imports, else local
-    # specs), on (refuse the trial when TE does not import), off (TE hidden from the trial: local specs and torch
-    # Adam, to compare with and without TE on one machine). See TRANSFORMER_ENGINE_MODES.
-    transformer_engine: str = "auto"
+    # specs), transformer_engine (refuse the trial when TE does not import), local (TE hidden from the trial: local
+    # specs and torch Adam, to compare with and without TE on one machine). Megatron-LM's --transformer-impl words.
+    transformer_impl: str = "auto"
 
     def check_optimizer_precision(self) -> None:
         """The precision-aware optimizer rules (the one copy; :mod:`sftprof.models.megatron_config` calls it).
@@ -283,7 +283,7 @@ class MegatronSettings:
         require(self.moe_router_bias_update_rate >= 0, f"{k}.moe_router_bias_update_rate",
                 self.moe_router_bias_update_rate, "a number >= 0")
         require_choice(f"{k}.cp_attention", self.cp_attention, CP_ATTENTION_METHODS)
-        require_choice(f"{k}.transformer_engine", self.transformer_engine, TRANSFORMER_ENGINE_MODES)
+        require_choice(f"{k}.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         require(isinstance(self.attention_forward_chunks, int) and not isinstance(self.attention_forward_chunks, bool)
                 and self.attention_forward_chunks >= 1, f"{k}.attention_forward_chunks", self.attention_forward_chunks,
                 "an integer >= 1")
