@@ -192,10 +192,13 @@ def setup_transformer_engine(mode: str) -> tuple[bool, list[str]]:
     if torch.cuda.is_available() and "transformer_engine" not in sys.modules:
         torch_cudnn = torch.backends.cudnn.version()  # loads torch's libcudnn before TE's loader runs
         lib = _loaded_library("libcudnn")
-        if lib and not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):
-            # TE's core library needs cuDNN's sub-libraries too: load torch's, so none comes from the system
+        if lib:
+            # TE's core library needs cuDNN's sub-libraries too: load torch's, so none comes from the system. Also
+            # when CUDNN_HOME is inherited (a trial started by a process that ran this), where TE's loader still
+            # opens the system's sub-libraries (libcudnn_heuristic: undefined symbol of libcudnn_graph)
             for sub in sorted(glob.glob(os.path.join(os.path.dirname(lib), "libcudnn*.so*"))):
                 ctypes.CDLL(sub, mode=ctypes.RTLD_GLOBAL)
+        if lib and not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):
             os.environ["CUDNN_HOME"] = os.path.dirname(lib)
             notes.append(f"cuDNN: CUDNN_HOME={os.path.dirname(lib)} (torch's cuDNN {torch_cudnn}), so that "
                          "Transformer Engine loads the same library")

@@ -3,6 +3,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from sftprof.compat import apply_megatron_compat, fla_key_block_width, narrow_fla_hopper_guard
 from sftprof.config import ConfigError
@@ -74,6 +75,8 @@ def test_fla_key_block_width_follows_fla(dim, hopper, bk):
 @pytest.fixture
 def fake_chunk_o(monkeypatch):
     """A stand-in for ``fla.ops.common.chunk_o`` as it is on an H200 with Triton 3.6 (only the names read)."""
+    if torch.cuda.is_available():
+        torch.cuda.init()  # CUDA's lazy init imports triton: not with the stand-in below
     mod = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False,
                                 check_shared_mem=lambda arch, index: arch == "hopper")
     for name in ("fla", "fla.ops", "fla.ops.common"):

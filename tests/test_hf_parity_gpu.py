@@ -9,6 +9,11 @@ reference loss is the SFT loss alone) runs one step per layout in ``tests/hf_par
 - every parameter's gradient on every rank within 1e-4 (relative norm error) of the reference gradient
   mapped onto that rank's shard.
 
+With Transformer Engine the bounds are TF32's: TE's GEMMs compute fp32 inputs in TF32
+(``CUBLAS_COMPUTE_32F_FAST_TF32`` in TE's ``cublaslt_gemm.cu``); on 1x H200, TE 2.20.2, ``megatron:d1`` measured a
+log-prob error of 1.16e-4 nats and a worst gradient error of 7.97e-4 (the router's weight), the loss equal to 8 digits.
+Without TE the fp32 bounds above hold.
+
 Layouts: ``megatron:d1`` (also with the chunked LM head), and on two GPUs ``(attn:t2|ffn:e2)``,
 ``(attn:c2|ffn:e2)``, ``d2`` and ``p2``. The Qwen3-30B-A3B-shaped check through the driver is
 ``bench/checkpoint_loss.py``.
@@ -23,8 +28,10 @@ import pytest
 import torch
 from hf_checkpoints import write_qwen3_moe
 
+from sftprof.models.specs import have_transformer_engine
+
 REPO = Path(__file__).resolve().parents[1]
-LOGPROB_ATOL, LOSS_RTOL, GRAD_RTOL = 1e-4, 1e-5, 1e-4
+LOGPROB_ATOL, LOSS_RTOL, GRAD_RTOL = (5e-4, 1e-5, 4e-3) if have_transformer_engine() else (1e-4, 1e-5, 1e-4)
 
 
 def _run_worker(ckpt: Path, cases: str, nproc: int, out: Path) -> list:
