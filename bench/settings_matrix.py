@@ -113,7 +113,7 @@ def run_case(name: str, mode: str, args) -> dict:
         yaml, overrides = case_overrides(name, mode, args.checkpoint, args.seq)
         cfg = load_config(str(yaml), overrides)
         layout = parse_allocation_mode(cfg.actor.backend)
-        hf = load_hf_config(cfg.actor.path)
+        hf = load_hf_config(cfg.actor.path, cfg.actor.num_layers)  # the Qwen3.5 case cuts its 40 layers to 4
         sample = make_fake_sample(load_tokenizer("", cfg.actor.path, hf.model_type), args.seq,
                                   cfg.profile.fake_loss_start_ratio, hf.vocab_size)
         tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
