@@ -4,11 +4,14 @@
 #                                profiled, kernel and memory trials (LM_HEAD_LOSS_CHUNK_SIZE=0, as shipped)
 #   qwen3_30b_a3b_lm_head_2048/  the same memory trial with LM_HEAD_LOSS_CHUNK_SIZE=2048
 #   compare_lm_head.md           postprocess_profile.py compare of the two (where the memory peak went)
+#   qwen3_30b_a3b_local/         the first run with TE hidden (actor.megatron.transformer_impl=local, fp32 optimizer:
+#                                TE's FusedAdam is what the precision-aware optimizer needs), both kinds
+#   compare_local_vs_te.md       compare of qwen3_30b_a3b_local (A) and qwen3_30b_a3b (B)
 #   qwen3_5_35b_a3b/             the Qwen3.5 YAML cut to 4 layers (3 gated delta-net + 1 full attention) at its
 #                                32768 tokens, megatron:d1, kernel trial
 # Only summaries (Markdown) and plots are kept, no traces or snapshots.
 # Usage (repo root):  bash docs/examples/regenerate.sh WORK_DIR [PART ...]
-#   PART: qwen3_30b_a3b, lm_head_2048, qwen3_5, keep (copy what WORK_DIR holds into docs/examples/); default: all, in
+#   PART: qwen3_30b_a3b, lm_head_2048, local, qwen3_5, keep (copy what WORK_DIR holds into docs/examples/); default: all, in
 #   that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -16,12 +19,14 @@ out=$repo/docs/examples
 work=${1:?usage: bash docs/examples/regenerate.sh WORK_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 qwen3_5 keep)
-run() {  # NAME [VAR=value ...]: one driver run on one GPU into WORK_DIR/NAME
-  local name=$1; shift
+[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 local qwen3_5 keep)
+run() {  # NAME [VAR=value ...] [-- key=value ...]: one driver run on one GPU into WORK_DIR/NAME
+  local name=$1 vars=() overrides=(); shift
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+  [ $# -eq 0 ] || { shift; overrides=("$@"); }
   env N_GPUS_PER_NODE=1 PROFILE_RANKS= TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 PROFILE_STEPS=2 TOTAL_STEPS=3 \
-      RUN_ROOT="$work/$name" FILEROOT="$work/fileroot" "$@" \
-      bash "$repo/run_qwen3_30b_a3b_sft_profile.sh" actor.backend=megatron:d1 actor.num_layers=4
+      RUN_ROOT="$work/$name" FILEROOT="$work/fileroot" "${vars[@]}" \
+      bash "$repo/run_qwen3_30b_a3b_sft_profile.sh" actor.backend=megatron:d1 actor.num_layers=4 "${overrides[@]}"
 }
 keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kind>/
   local name=$1 trial kind
@@ -42,12 +47,15 @@ for part in "${parts[@]}"; do
       run qwen3_30b_a3b_lm_head_2048 PROFILE_KINDS=memory LM_HEAD_LOSS_CHUNK_SIZE=2048
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_lm_head_2048" \
           --out "$work/compare_lm_head.md" ;;
+    local)
+      run qwen3_30b_a3b_local USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local
+      python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b_local" "$work/qwen3_30b_a3b" \
+          --out "$work/compare_local_vs_te.md" ;;
     qwen3_5) run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_KINDS=kernel \
                  PROFILE_FAKE_SEQ_LEN=32768 ;;
     keep)
-      for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_5_35b_a3b; do keep "$name"; done
-      [ ! -f "$work/compare_lm_head.md" ] || cp "$work/compare_lm_head.md" "$out/"
+X
       du -sh "$out" ;;
-    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 qwen3_5 keep" >&2; exit 2 ;;
+    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 local qwen3_5 keep" >&2; exit 2 ;;
   esac
 done
