@@ -18,6 +18,9 @@ variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes,
 name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
 ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA unless
 ``PROFILE_KINDS`` asks for them.
+
+Above 500 lines for a reason: the checks above run in one order against one plan; the variables' table
+is :mod:`sftprof.launch.variables`, the folders :mod:`sftprof.launch.folders`.
 """
 from __future__ import annotations
 

@@ -74,6 +74,9 @@ Memory beyond the masked path, per call: the expanded K/V of the largest block a
 their expanded gradients (``2 * b * h * n_keys * d`` elements each; neither with the ``_gqa`` kernels), the
 fp32 K/V gradient accumulators (``2 * b * g * S * d * 4`` bytes) and the fp32 merge of one chunk
 (``b * h * L * d * 4`` bytes).
+
+Above 500 lines for a reason: three autograd Functions (single GPU, chunked forward, overlapped CP) share the
+block plan, the kernels and the log-sum-exp merge; apart, each would import the others' internals.
 """
 from __future__ import annotations
 
