@@ -123,6 +123,25 @@ def test_config_keys_named_exist(page):
     assert not unknown, f"{page.name} names config keys the schema does not have: {unknown}"
 
 
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_config_key_choices_named_are_accepted(page):
+    """A ``key=a|b|c`` a page lists gives values the key accepts (the README once said ``transformer_impl=auto|on|off``
+    after the choices became ``auto|transformer_engine|local``: ``off`` read as False and was refused)."""
+    keys = _schema_keys()
+    refused = []
+    for span in _code(_text(page)):
+        for key, values in re.findall(rf"(?<![\w.])((?:{'|'.join(SECTIONS)})(?:\.[a-z_0-9]+)+)=([\w:-]+(?:\|[\w:-]+)+)",
+                                      span):
+            if key not in keys:
+                continue  # test_config_keys_named_exist says so
+            for value in values.split("|"):
+                try:
+                    load_config("tiny_cpu", [f"{key}={value}"])
+                except ConfigError as err:
+                    refused.append(f"{key}={value}: {err}")
+    assert not refused, f"{page.name} lists values the config refuses: {refused}"
+
 def test_refused_keys_are_refused():
     for key in REFUSED_KEYS:
         with pytest.raises(ConfigError, match="not in"):
