@@ -21,11 +21,12 @@ complete (sftprof/atomic.py), so what an earlier postprocess wrote stays in plac
 --profile-kind the trial did not record; a
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
-written, not even the run dir); compare inputs that are missing or not profile summaries; an --out whose
-directory does not exist or that names an existing file (never overwritten; without --out an earlier report at
-the default path is kept as compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it
-is). The message names the file or setting. 141 (128 + SIGPIPE) when standard output is a pipe its reader
-closed early (| head): what was to be written is written, the rest of the output is dropped without a traceback.
+written, not even the run dir); compare inputs that are missing or not profile summaries, or one folder given
+as both RUN_A and RUN_B; an --out whose directory does not exist or that names an existing file (never
+overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
+is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
+when standard output is a pipe its reader closed early (| head): what was to be written is written, the rest of
+the output is dropped without a traceback.
 
 <A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """

@@ -110,11 +110,13 @@ def test_a_real_failed_write_of_a_view_and_of_the_summary(tmp_path, cpu_trace):
 def test_a_report_that_cannot_be_written_keeps_the_earlier_one(tmp_path, cpu_trace):
     log, run = _log_dir(tmp_path, cpu_trace), tmp_path / "run"
     assert postprocess_trial(str(log), str(run), jobs=1)[1] == 0
-    out = run / "compare_vs_run.md"
+    run_b = tmp_path / "run_b"  # a second run (a run is not compared with itself)
+    shutil.copytree(run, run_b, symlinks=True)
+    out = run_b / "compare_vs_run.md"
     out.write_text("an earlier report\n")
-    res = subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), "compare", str(run), str(run)],
+    res = subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), "compare", str(run), str(run_b)],
                          cwd=REPO, capture_output=True, text=True, preexec_fn=_limited(256))
     assert res.returncode == 1
-    assert re.fullmatch(rf"\[postprocess\] ERROR cannot write {out}: File too large \({FREE % run}\); what was there "
-                        "before is left as it was", res.stderr.splitlines()[-1])
-    assert out.read_text() == "an earlier report\n" and not list(run.glob("compare_vs_run.prev*"))
+    assert re.fullmatch(rf"\[postprocess\] ERROR cannot write {out}: File too large \({FREE % run_b}\); what was "
+                        "there before is left as it was", res.stderr.splitlines()[-1])
+    assert out.read_text() == "an earlier report\n" and not list(run_b.glob("compare_vs_run.prev*"))

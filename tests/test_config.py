@@ -62,6 +62,9 @@ def test_interpolation_follows_overrides():
                                       "9223372036854775807 (2**63 - 1, what torch's allocator history takes)"),
     ("actor.megatron.transformer_impl=te", "actor.megatron.transformer_impl='te': must be one of ['auto', "
                                            "'transformer_engine', 'local']"),
+    ("actor.megatron.transformer_impl=off", "actor.megatron.transformer_impl='False': must be one of ['auto', "
+                                            "'transformer_engine', 'local'] (YAML reads on/off, yes/no and true/false "
+                                            "as a boolean: the value given was one of these)"),
     ("nonsense", "override 'nonsense': expected key=value"),
     ("memory_profiler.profile_steps=[0]", "set one profile kind per trial"),
     ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8: must be 0 (no limit) or >= one sequence (profile.fake_seq_len=131072)"),

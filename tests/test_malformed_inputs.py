@@ -524,18 +524,29 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
     res = _cli("compare", nokind, good)
     assert res.returncode == 2 and (f"error: {nokind / 'profile_summary.json'}: not a profile summary of this "
                                     "version: missing profile_kind; rerun postprocess_profile.py") in res.stderr
-    res = _cli("compare", good, good, "--out", tmp_path / "no" / "such" / "cmp.md")
+    # a run against itself (the same folder, under any name) is refused before anything is read or written
+    listing = sorted(p.relative_to(good) for p in good.rglob("*"))
+    (tmp_path / "link").symlink_to(good)
+    for b in (good, tmp_path / "nokind" / ".." / "good", f"{good}/", tmp_path / "link"):
+        res = _cli("compare", good, b)
+        assert res.returncode == 2 and res.stdout == "" and res.stderr.splitlines()[-1] == (
+            f"postprocess_profile.py compare: error: RUN_A {good} and RUN_B {b} are the same folder: compare sets two "
+            "runs side by side (run the driver again for a repeat, whose deltas show run-to-run noise)")
+    assert sorted(p.relative_to(good) for p in good.rglob("*")) == listing
+    other = tmp_path / "other"  # a second run: a copy of the first
+    shutil.copytree(good, other, symlinks=True)
+    res = _cli("compare", good, other, "--out", tmp_path / "no" / "such" / "cmp.md")
     assert res.returncode == 2 and (f"error: --out {tmp_path / 'no' / 'such' / 'cmp.md'}: directory "
                                     f"{tmp_path / 'no' / 'such'} does not exist") in res.stderr
     # an existing --out is never overwritten, even an earlier report, and refused before the inputs are read
     summary_md = good / "profile_summary.md"
     before = summary_md.read_bytes()
-    res = _cli("compare", good, good, "--out", summary_md)
+    res = _cli("compare", good, other, "--out", summary_md)
     assert res.returncode == 2 and res.stdout == "" and (
         f"error: --out {summary_md}: exists; never overwritten: name a new file") in res.stderr
     assert summary_md.read_bytes() == before
     report = tmp_path / "cmp.md"
-    assert _cli("compare", good, good, "--out", report).returncode == 0
+    assert _cli("compare", good, other, "--out", report).returncode == 0
     report.write_text(report.read_text() + "earlier line\n")
     earlier = report.read_bytes()
     res = _cli("compare", tmp_path / "missing", good, "--out", report)
@@ -543,23 +554,23 @@ def test_compare_input_errors_exit_2(tmp_path, small_snapshot):
         f"postprocess_profile.py compare: error: --out {report}: exists; never overwritten: name a new file")
     assert report.read_bytes() == earlier
     # the default path keeps an earlier report as .prev<N>.md
-    default = good / f"compare_vs_{good.name}.md"
-    assert _cli("compare", good, good).returncode == 0
+    default = other / f"compare_vs_{good.name}.md"
+    assert _cli("compare", good, other).returncode == 0
     first = default.read_bytes()
     os.utime(default, (1, 1))  # a rerun that wrote it again would move its modification time
-    res = _cli("compare", good, good)  # the same report again: nothing kept, nothing said to be kept or written
+    res = _cli("compare", good, other)  # the same report again: nothing kept, nothing said to be kept or written
     assert res.returncode == 0 and res.stderr.splitlines() == [
         f"[postprocess] {default} unchanged (it already holds this report: same inputs), left as it is"]
     assert default.stat().st_mtime == 1
-    assert default.read_bytes() == first and sorted(p.name for p in good.glob("compare_vs_*")) == [default.name]
+    assert default.read_bytes() == first and sorted(p.name for p in other.glob("compare_vs_*")) == [default.name]
     default.write_bytes(first + b"earlier line\n")  # an earlier report that differs is kept
-    res = _cli("compare", good, good)
+    res = _cli("compare", good, other)
     assert res.returncode == 0 and res.stderr.splitlines() == [
-        f"[postprocess] kept the earlier report {default} as {good / f'compare_vs_{good.name}.prev1.md'}",
+        f"[postprocess] kept the earlier report {default} as {other / f'compare_vs_{good.name}.prev1.md'}",
         f"[postprocess] wrote {default}"]
-    assert (good / f"compare_vs_{good.name}.prev1.md").read_bytes() == first + b"earlier line\n"
+    assert (other / f"compare_vs_{good.name}.prev1.md").read_bytes() == first + b"earlier line\n"
     assert default.read_bytes() == first
-    assert sorted(p.name for p in good.glob("compare_vs_*")) == [f"compare_vs_{good.name}.md",
+    assert sorted(p.name for p in other.glob("compare_vs_*")) == [f"compare_vs_{good.name}.md",
                                                                  f"compare_vs_{good.name}.prev1.md"]
 
 

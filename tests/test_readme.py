@@ -123,6 +123,25 @@ def test_config_keys_named_exist(page):
     assert not unknown, f"{page.name} names config keys the schema does not have: {unknown}"
 
 
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_config_key_choices_named_are_accepted(page):
+    """A ``key=a|b|c`` a page lists gives values the key accepts (the README once said ``transformer_impl=auto|on|off``
+    after the choices became ``auto|transformer_engine|local``: ``off`` read as False and was refused)."""
+    keys = _schema_keys()
+    refused = []
+    for span in _code(_text(page)):
+        for key, values in re.findall(rf"(?<![\w.])((?:{'|'.join(SECTIONS)})(?:\.[a-z_0-9]+)+)=([\w:-]+(?:\|[\w:-]+)+)",
+                                      span):
+            if key not in keys:
+                continue  # test_config_keys_named_exist says so
+            for value in values.split("|"):
+                try:
+                    load_config("tiny_cpu", [f"{key}={value}"])
+                except ConfigError as err:
+                    refused.append(f"{key}={value}: {err}")
+    assert not refused, f"{page.name} lists values the config refuses: {refused}"
+
 def test_refused_keys_are_refused():
     for key in REFUSED_KEYS:
         with pytest.raises(ConfigError, match="not in"):
@@ -272,3 +291,49 @@ def test_readme_links_every_docs_page():
     text = _text(README)
     pages = [p for p in DOCS if p != README]
     assert [p.name for p in pages if f"(docs/{p.name})" not in text] == []
+
+
+def _module_map_rows() -> list[tuple[str, list[str], str]]:
+    """``(folder, first-cell names, whole row)`` of each table row of ARCHITECTURE.md's module map and its Models
+    table (whose names are relative to ``sftprof/models/``)."""
+    text = _text(ROOT / "docs" / "ARCHITECTURE.md")
+    rows = []
+    for start, end, folder in (("## Module map", "## Models", ""), ("## Models", "## Data flow", "sftprof/models/")):
+        section = text[text.index(start):text.index(end)]
+        for row in re.findall(r"^\| (`.*)$", section, flags=re.M):
+            first = row.split(" | ")[0]
+            rows.append((folder, re.findall(r"`([^`]+)`", first), row))
+    return rows
+
+
+def test_architecture_module_map_names_every_module():
+    """docs/ARCHITECTURE.md's module map names every module of the package, and every module it names exists: a
+    path (``sftprof/analysis/views.py``, a sibling ``view_windows.py`` after it), or a bare name in the row of its
+    package (``sftprof/launch/``: ``planning``; ``layers/<op>_kernels.py``: ``norm_kernels``). It once left the five
+    modules of ``sftprof/ops/`` unnamed."""
+    rows = _module_map_rows()
+    named, missing = set(), []
+    for folder, names, row in rows:
+        base = None
+        for name in names:
+            path = folder + name if not name.startswith("sftprof/") or not folder else name
+            if "<" in path:  # a pattern row: the modules it lists by name, in its own folder
+                pkg = path.rsplit("/", 1)[0]
+                named |= {f"{pkg}/{m}.py" for m in re.findall(r"`(\w+)`", row)}
+                continue
+            if path.endswith("/"):  # a package row: its modules by bare name
+                named |= {f"{path}{m}.py" for m in re.findall(r"`(\w+)`", row) if (ROOT / f"{path}{m}.py").is_file()}
+                continue
+            if not path.endswith(".py"):
+                continue
+            if "/" not in name and base:  # a sibling of the cell's first path
+                path = f"{base}/{name}"
+            base = path.rsplit("/", 1)[0] if "/" in path else None
+            named.add(path)
+            if not (ROOT / path).is_file():
+                missing.append(path)
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "sftprof").rglob("*.py")
+                     if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts)
+    unnamed = [m for m in modules if m not in named]
+    assert not missing, f"ARCHITECTURE.md's module map names modules that do not exist: {missing}"
+    assert not unnamed, f"ARCHITECTURE.md's module map does not name: {unnamed}"

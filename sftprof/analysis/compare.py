@@ -673,9 +673,13 @@ def compare_runs(run_a: str, run_b: str) -> str:
     trial matches. Sub-directories of a RUN_ROOT without ``profile_summary.json`` are listed as not compared.
 
     Raises:
-        CompareInputError: as :func:`find_trials`, or a matched summary whose members have an unexpected
-            shape (the message names both files).
+        CompareInputError: ``run_a`` and ``run_b`` are the same folder (under any name: a report of zeros that
+            would call itself a repeat run), as :func:`find_trials`, or a matched summary whose members have an
+            unexpected shape (the message names both files).
     """
+    if os.path.isdir(run_a) and os.path.isdir(run_b) and os.path.samefile(run_a, run_b):
+        raise CompareInputError(f"RUN_A {run_a} and RUN_B {run_b} are the same folder: compare sets two runs side by "
+                                "side (run the driver again for a repeat, whose deltas show run-to-run noise)")
     ta, tb = find_trials(run_a), find_trials(run_b)
     ga, gb = _groups(ta), _groups(tb)
     out = [REPORT_TITLE, "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`"]

@@ -23,8 +23,11 @@ def require(ok: bool, key: str, value: Any, accepted: str) -> None:
 
 
 def require_choice(key: str, value: str, choices: tuple) -> None:
-    """:func:`require` that ``value`` is one of ``choices``."""
-    require(value in choices, key, value, f"one of {list(choices)}")
+    """:func:`require` that ``value`` is one of ``choices``; a string field given ``off``/``on`` (``no``, ``yes``,
+    ``false``, ``true``) holds ``'False'``/``'True'``, which YAML made of it: the message says so."""
+    bool_note = (" (YAML reads on/off, yes/no and true/false as a boolean: the value given was one of these)"
+                 if value in ("True", "False") else "")
+    require(value in choices, key, value, f"one of {list(choices)}{bool_note}")
 
 
 def require_at_least(section: Any, prefix: str, minimums: dict) -> None:
