@@ -173,6 +173,11 @@ def test_step_peak_is_the_headline_and_an_earlier_higher_peak_is_the_windows():
         "top_allocations": [{"bytes": 4 * G, "gib": 4.0, "site": "sftprof/models/qwen.py:20 __init__"},
                             {"bytes": 3 * G, "gib": 3.0, "site": "sftprof/engine/megatron.py:50 forward_step"},
                             {"bytes": 2 * G, "gib": 2.0, "site": "sftprof/loss.py:30 logits"}],
+        # without the 3 GiB block (5500-8500 us) the step's highest point is 6 GiB at 6000 us (weights + logits)
+        "without_largest_block": {"block_bytes": 3 * G, "block_gib": 3.0,
+                                  "block_site": "sftprof/engine/megatron.py:50 forward_step",
+                                  "peak_allocated_bytes": 6 * G, "peak_allocated_gib": 6.0, "peak_time_ms": 5.0,
+                                  "peak_phase": "sftprof/forward/mb0"},
         "transient_spikes": [  # allocated inside the step only: the earlier step's 6 and 2 GiB blocks are not
             {"bytes": 3 * G, "gib": 3.0, "lifetime_ms": 3.0, "site": "sftprof/engine/megatron.py:50 forward_step"},
             {"bytes": 2 * G, "gib": 2.0, "lifetime_ms": 1.5, "site": "sftprof/loss.py:30 logits"}],

@@ -31,10 +31,11 @@ PARAMS_2_LAYERS = 1_868_573_184  # parameters of the 2-layer slice on one rank (
 
 
 # -- real summaries: the H200 fixtures through postprocess_trial ------------------------------------------------
-def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str], te: bool) -> dict:
-    """postprocess_trial of a log dir holding the fixture ``artifact`` as rank 0's trace or snapshot of ``step``, the
-    config of the shipped YAML with ``overrides`` (one H200, megatron:d1, 2 layers) and a trainer.log with the
-    megatron engine's ``transformer_engine=`` line."""
+def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str], te: bool,
+           phases: Path | None = None) -> dict:
+    """postprocess_trial of a log dir holding the fixture ``artifact`` as rank 0's trace or snapshot of ``step`` (and
+    ``phases`` as its phases sidecar), the config of the shipped YAML with ``overrides`` (one H200, megatron:d1, 2
+    layers unless overridden) and a trainer.log with the megatron engine's ``transformer_engine=`` line."""
     log = root / "log"
     profile = (["perf_tracer.enabled=true", f"perf_tracer.profile_steps=[{step}]", "memory_profiler.profile_steps=[]"]
                if kind == "kernel" else [f"memory_profiler.profile_steps=[{step}]", "perf_tracer.profile_steps=[]"])
@@ -48,6 +49,8 @@ def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str
         snaps = log / "memory_snapshots" / f"step_{step}"
         snaps.mkdir(parents=True)
         shutil.copy(artifact, snaps / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz")
+        if phases is not None:
+            shutil.copy(phases, snaps / "phases_rank0.json")
     (log / "config.yaml").write_text(to_yaml(cfg))
     recs = [{"type": "step", "step": s, "loss": 2.0, "step_time_s": 1.0, "profiled": s == step}
             for s in range(step + 1)]
@@ -104,6 +107,34 @@ def test_te_memory_trial_proposes_expandable_segments_and_the_chunked_lm_head(te
     assert f"- {lm['text']}. Assumes: {lm['assumption']}." in md
     assert ("- not proposed, precision-aware optimizer (rank 0): the trial already has "
             "actor.megatron.use_precision_aware_optimizer=true, actor.megatron.main_grads_dtype=bfloat16.") in md
+
+
+def test_chunked_lm_head_prediction_against_the_h200_trial_that_ran_it(tmp_path_factory):
+    """The TE memory trial of the shipped slice (4 layers, 131072 tokens, docs/examples/qwen3_30b_a3b) peaks at 82.95
+    GiB holding 37.09 GiB of logits (131072 x 151936 bf16). Its what-if predicts the peak of the same trial with
+    LM_HEAD_LOSS_CHUNK_SIZE=2048 from the allocator history: the step's highest point without the logits block. The
+    trial that ran that setting on the same H200 (docs/examples/qwen3_30b_a3b_lm_head_2048) peaked there."""
+    def trial(name, extra):
+        d = FIXTURE_DIR / "h200_te_128k"
+        return _trial(tmp_path_factory.mktemp(name), "memory", 2, d / f"{name}.snapshot.pickle.gz",
+                      ["actor.num_layers=4", "profile.fake_seq_len=131072"] + extra, te=True,
+                      phases=d / f"{name}.phases.json")
+
+    a = trial("h200_te_memory_128k", [])
+    b = trial("h200_te_memory_128k_lm_head_2048", ["actor.loss.lm_head_loss_chunk_size=2048"])
+    sa, sb = (t["memory_snapshots"][0]["summary"] for t in (a, b))
+    logits = 131072 * VOCAB * 2
+    wo = sa["without_largest_block"]
+    assert wo["block_bytes"] == logits and wo["block_site"] == "megatron/core/tensor_parallel/layers.py:488 forward"
+    assert wo["peak_phase"] == "sftprof/backward/mb0"
+    lm = _by_key(a["what_if"])["chunked_lm_head"]
+    assert lm["effect"]["value"] == round((wo["peak_allocated_bytes"] - sa["peak_allocated_bytes"]) / GIB, 4)
+    # the old rule (the peak less the logits, one chunk kept) said -36.51 GiB; the trial measured this:
+    measured = (sb["peak_allocated_bytes"] - sa["peak_allocated_bytes"]) / GIB
+    assert abs(lm["effect"]["value"] - measured) < 0.01, (lm["effect"]["value"], measured)
+    assert lm["text"].endswith(f"(37.09 GiB of logits alive at the peak, without that block the step's highest point "
+                               f"is {wo['peak_allocated_gib']:.2f} GiB in sftprof/backward/mb0)")
+    assert "chunked_lm_head" not in _by_key(b["what_if"])
 
 
 def test_a_trial_with_the_chunked_lm_head_is_not_offered_it(te_memory):

@@ -167,6 +167,34 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
             "categories": categories(by_site, live_total, reserved_at)}
 
 
+def _without_largest_block(trace: list, allocated: np.ndarray, peak_i: int, lo: int, hi: int,
+                           at_ms, phase) -> dict[str, Any] | None:
+    """The highest allocated level after events ``lo..hi-1`` (the profiled step, or the whole window) with the
+    largest block that was allocated in the recorded history and is alive after event ``peak_i`` taken out of its
+    lifetime: the peak if that block were never allocated and the rest allocated as it did. None when no block
+    allocated in the history is alive at the peak. Bytes; time in ms as :func:`analyze_snapshot`."""
+    live: dict[int, tuple[int, int]] = {}  # addr -> (event index of its alloc, bytes)
+    for i, e in enumerate(trace[:peak_i + 1]):
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (i, int(e["size"]))
+        elif e.get("action") == "free_completed":
+            live.pop(e.get("addr"), None)
+    if not live:
+        return None
+    addr, (start, size) = max(live.items(), key=lambda kv: (kv[1][1], -kv[1][0]))
+    end = next((j for j in range(peak_i + 1, len(trace))
+                if trace[j].get("addr") == addr and trace[j].get("action") == "free_completed"), len(trace))
+    without = allocated.copy()
+    without[start:end] -= size
+    idx = np.arange(max(lo, 0), hi)
+    k = int(idx[np.argmax(without[idx])]) if idx.size else start
+    t_us = float(trace[k].get("time_us", np.nan))
+    return {"block_bytes": size, "block_gib": round(size / _GIB, 4),
+            "block_site": allocation_site(trace[start].get("frames") or []),
+            "peak_allocated_bytes": int(without[k]), "peak_allocated_gib": round(int(without[k]) / _GIB, 4),
+            "peak_time_ms": at_ms(t_us) if np.isfinite(t_us) else None, "peak_phase": phase(t_us)}
+
+
 PEAK_SCOPES = {"profiled_step": "the profiled step's peak", "recorded_window": "the recorded window's peak",
                "dump_time": "the level at the snapshot's dump (no allocator history, no peak)"}
 WINDOW_PEAK_POSITIONS = {
@@ -331,7 +359,9 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
           blocks, share_pct of allocated-at-peak), ``top_allocations`` (bytes, site), ``categories_at_peak``
           (:data:`sftprof.analysis.memory_categories.MEMORY_CATEGORIES` rows whose bytes sum to the allocated
           bytes at the peak, then the allocator slack row), ``transient_spikes`` (largest blocks allocated inside the scope and freed inside the
-          window: bytes, lifetime_ms, site);
+          window: bytes, lifetime_ms, site); ``without_largest_block``: the scope's peak had the largest block
+          alive at the peak (and allocated in the history) never been allocated (:func:`_without_largest_block`;
+          None when there is none): what a change that removes that block alone would leave;
         - the whole recorded window's peak: ``window_peak_allocated_bytes``/``_gib``, ``window_peak_time_ms``,
           ``window_peak_phase``, ``window_peak_reserved_bytes``/``_gib``, ``window_top_sites`` (as ``top_sites``)
           and ``window_peak_position``: ``"in_step"`` (the step reaches the window's highest level; then the
@@ -416,7 +446,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         first_in = int(np.argmax(started)) if started.any() else n
         after = n - int(np.argmax(ended[::-1])) if ended.any() else 0
         # The level the step starts from (after the last event before it), then after each event inside it.
-        peak_i, peak_alloc, peak_res = highest(first_in - 1, max(after, first_in))
+        lo, hi = first_in - 1, max(after, first_in)
+        peak_i, peak_alloc, peak_res = highest(lo, hi)
         # the starting level is known from the step's start (or the first recorded event, if later)
         peak_t = float(times[peak_i]) if peak_i >= first_in else (max(s_us, t0) if n else t0)
         if peak_alloc == win_alloc:  # the step reaches the window's highest level: that is the window's peak
@@ -428,6 +459,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         scope = "profiled_step"
     else:
         peak_i, peak_alloc, peak_res, peak_t, position, step_window = win_i, win_alloc, win_res, win_t, None, None
+        lo, hi = -1, n
         s_us, e_us = -np.inf, np.inf
         scope = "recorded_window" if n else "dump_time"
 
@@ -469,6 +501,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         "end_reserved_bytes": end_reserved,
         "top_sites": at_peak["top_sites"],
         "top_allocations": at_peak["top_allocations"],
+        "without_largest_block": _without_largest_block(trace, allocated, peak_i, lo, hi, at_ms, phase)
+        if n and peak_i >= 0 else None,
         "categories_at_peak": at_peak["categories"],
         "transient_spikes": _spikes(trace, s_us, e_us) if timed else [],  # a lifetime needs times
         "window_top_sites": at_win["top_sites"],

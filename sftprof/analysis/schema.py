@@ -14,7 +14,7 @@ shape: :func:`_upgrade`) and refuses a newer major with a message saying so. :fu
 of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0 (against 2.0): a snapshot's times
 (``window_ms``, ``peak_time_ms``, ``window_peak_time_ms``) may be null (an allocator history without times, or none),
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
-``sanity`` and a finding its ``caveats``.
+``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -43,7 +43,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.0"
+SCHEMA_VERSION = "3.1"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -628,6 +628,17 @@ class History(TypedDict):
     message: NotRequired[str]
 
 
+class WithoutLargestBlock(TypedDict):
+    """The peak had the largest block alive at it never been allocated (the rest as recorded): bytes, GiB, ms."""
+    block_bytes: int
+    block_gib: float
+    block_site: str
+    peak_allocated_bytes: int
+    peak_allocated_gib: float
+    peak_time_ms: Optional[float]
+    peak_phase: Optional[str]
+
+
 class MemorySummary(TypedDict):
     """One snapshot (:func:`sftprof.analysis.memory_summary.analyze_snapshot`); times in ms from the recorded
     window's first event (None: no history, or events without times); the headline peak is the profiled step's
@@ -660,6 +671,7 @@ class MemorySummary(TypedDict):
     end_reserved_bytes: int
     top_sites: list[SiteRow]
     top_allocations: list[AllocationRow]
+    without_largest_block: NotRequired[Optional[WithoutLargestBlock]]  # 3.1
     categories_at_peak: list[CategoryAtPeak]
     transient_spikes: list[SpikeRow]
     window_top_sites: list[SiteRow]
