@@ -287,15 +287,17 @@ def test_gpu_idle_waiting_for_the_host_by_place():
           "kind": "launch-bound"}
     assert places["rows"] == [
         {**lm, "phase": "forward", "launched_under": "_VocabParallelLogprobs", "idle_ms": 1.17, "gaps": 20,
-         "activities": 20, "mean_activity_us": 20.0, "mean_gap_us": 58.5},
+         "activities": 20, "mean_activity_us": 20.0, "mean_gap_us": 58.5, "longest_gap_us": 60.0},
         {"part": "router", "label": "MoE router", "phase": "forward", "launched_under": None, "idle_ms": 0.9,
-         "gaps": 2, "activities": 2, "mean_activity_us": 400.0, "mean_gap_us": 450.0, "after_blocking_ms": 0.6,
+         "gaps": 2, "activities": 2, "mean_activity_us": 400.0, "mean_gap_us": 450.0, "longest_gap_us": 600.0,
+         "after_blocking_ms": 0.6,
          "after_blocking_pct": 66.667, "kind": "after blocking calls"},
         {"part": "outside_parts", "label": "outside model parts (loss, glue, unlinked backward)", "phase": "other",
          "launched_under": None, "idle_ms": 0.51, "gaps": 1, "activities": 1, "mean_activity_us": 100.0,
-         "mean_gap_us": 510.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"},
+         "mean_gap_us": 510.0, "longest_gap_us": 510.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0,
+         "kind": "host busy"},
         {**lm, "phase": "backward", "launched_under": "_VocabParallelLogprobsBackward", "idle_ms": 0.42, "gaps": 10,
-         "activities": 10, "mean_activity_us": 40.0, "mean_gap_us": 42.0}]
+         "activities": 10, "mean_activity_us": 40.0, "mean_gap_us": 42.0, "longest_gap_us": 60.0}]
     assert (places["rest"], places["after_blocking_ms"], places["after_blocking_by_op"]) == (
         None, 0.6, {"aten::nonzero": 0.6})
     found = findings.kernel_findings(0, s)
@@ -305,15 +307,15 @@ def test_gpu_idle_waiting_for_the_host_by_place():
         "averaging 20.0 µs, 20 gaps averaging 58.5 µs); 0.9 ms in MoE router, phase forward (67 % of it after "
         "blocking CUDA calls); 0.6 ms of the wait follows blocking CUDA calls (aten::nonzero 0.6 ms)"]
     md = "".join(report_trace._host(s, 0))
-    assert ("| part | phase | launched under | idle ms | gaps | mean gap µs | GPU activities | mean µs | after blocking "
-            "call % | kind |\n|---|---|---|---|---|---|---|---|---|---|\n"
-            "| LM head + loss | forward | _VocabParallelLogprobs | 1.170 | 20 | 58.500 | 20 | 20.000 | 0.000 | "
+    assert ("| part | phase | launched under | idle ms | gaps | mean gap µs | longest gap µs | GPU activities | mean µs | "
+            "after blocking call % | kind |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| LM head + loss | forward | _VocabParallelLogprobs | 1.170 | 20 | 58.500 | 60.000 | 20 | 20.000 | 0.000 | "
             "launch-bound |\n"
-            "| MoE router | forward | – | 0.900 | 2 | 450.000 | 2 | 400.000 | 66.667 | after blocking calls |\n"
-            "| outside model parts (loss, glue, unlinked backward) | other | – | 0.510 | 1 | 510.000 | 1 | 100.000 | "
-            "0.000 | host busy |\n"
-            "| LM head + loss | backward | _VocabParallelLogprobsBackward | 0.420 | 10 | 42.000 | 10 | 40.000 | 0.000 | "
-            "launch-bound |\n"
+            "| MoE router | forward | – | 0.900 | 2 | 450.000 | 600.000 | 2 | 400.000 | 66.667 | after blocking calls |\n"
+            "| outside model parts (loss, glue, unlinked backward) | other | – | 0.510 | 1 | 510.000 | 510.000 | 1 | "
+            "100.000 | 0.000 | host busy |\n"
+            "| LM head + loss | backward | _VocabParallelLogprobsBackward | 0.420 | 10 | 42.000 | 60.000 | 10 | 40.000 | "
+            "0.000 | launch-bound |\n"
             "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md
 
 
@@ -341,12 +343,39 @@ def test_short_gaps_after_long_kernels_are_host_busy_not_launch_bound():
     assert places["rows"] == [
         {"part": "experts", "label": "expert GEMMs (routed)", "phase": "forward", "launched_under": None,
          "idle_ms": 0.34, "gaps": 4, "activities": 4, "mean_activity_us": 2000.0, "mean_gap_us": 85.0,
-         "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"}]
+         "longest_gap_us": 100.0, "after_blocking_ms": 0.0, "after_blocking_pct": 0.0, "kind": "host busy"}]
     found = findings.kernel_findings(0, s)  # busy 4 x 2000 us of the 10000 us step
     assert [f["text"] for f in found if f["key"] == "gpu idle"] == [
         "rank 0: GPU idle 2.0 ms (20.0 % of the step's wall time), 0.3 ms of it waiting for the host to launch work: "
-        "0.3 ms in expert GEMMs (routed), phase forward (host busy: 4 GPU activities averaging 2000.0 µs, 4 gaps "
+        "0.3 ms in expert GEMMs (routed), phase forward (host busy: 4 GPU activities averaging 2.0 ms, 4 gaps "
         "averaging 85.0 µs)"]
+
+
+def test_one_long_gap_among_short_ones_is_named_a_host_stall():
+    """1x H200 with TE, 131072 tokens: one _GroupedLinear call held the host 396 ms with nothing recorded beneath it
+    while the GPU waited 376.8 ms, beside a short gap of the same place; the mean (188 ms over 2 gaps) read as launch
+    cost. Here: an expert place with gaps of 60 us and 20 ms; the finding names the longest as a host stall."""
+    from sftprof.analysis import findings
+
+    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": 30000.0, "args": {}},
+           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/experts/L0", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": 29000.0, "args": {}}]
+    for k, start in enumerate((60.0, 20160.0)):  # 100 us kernels: gaps 60 us (from the step's start) and 20000 us
+        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1,
+                 "ts": start - 2.0, "dur": 1.0, "args": {"correlation": k + 1}},
+                {"ph": "X", "cat": "kernel", "name": f"k{k}", "pid": 0, "tid": 7, "ts": start, "dur": 100.0,
+                 "args": {"correlation": k + 1}}]
+    a = KernelTraceAnalyzer({})
+    for ev in evs:
+        a.add(ev)
+    s = a.summary()
+    row = s["host"]["gpu_idle"]["host_wait_by_place"]["rows"][0]
+    assert (row["label"], row["gaps"], row["mean_gap_us"], row["longest_gap_us"]) == (
+        "expert GEMMs (routed)", 2, 10030.0, 20000.0)
+    text = next(f["text"] for f in findings.kernel_findings(0, s) if f["key"] == "gpu idle")
+    assert ("20.1 ms in expert GEMMs (routed), phase forward (host busy: 2 GPU activities averaging 100.0 µs, 2 gaps "
+            "averaging 10.0 ms, the longest 20.0 ms (a host stall, not launch cost))") in text
 
 
 def test_part_range_marks_work_outside_modules_only_while_recording():
@@ -409,7 +438,8 @@ def test_place_whose_every_gap_follows_a_blocking_call():
     places = a.summary()["host"]["gpu_idle"]["host_wait_by_place"]
     assert places["rows"][0] == {
         "part": "router", "label": "MoE router", "phase": "forward", "launched_under": None, "idle_ms": 0.2,
-        "gaps": 1, "activities": 1, "mean_activity_us": 100.0, "mean_gap_us": 200.0, "after_blocking_ms": 0.2,
+        "gaps": 1, "activities": 1, "mean_activity_us": 100.0, "mean_gap_us": 200.0, "longest_gap_us": 200.0,
+        "after_blocking_ms": 0.2,
         "after_blocking_pct": 100.0, "kind": "after blocking calls"}
     assert places["after_blocking_by_op"] == {"aten::nonzero": 0.2}
 

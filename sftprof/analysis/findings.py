@@ -62,6 +62,7 @@ def exposed_gap_cause(ex: dict) -> tuple[Optional[tuple[str, float]], float]:
 
 
 IDLE_PLACES = 2  # places of the host wait a GPU-idle finding names at most
+HOST_STALL_US = 10_000.0  # a gap this long is a host stall (GC, a lock, untraced work): launches cost microseconds
 IDLE_PLACE_SHARE = 0.1  # ... each holding at least this share of the host wait
 
 
@@ -72,11 +73,19 @@ def _idle_place(r: dict) -> str:
         text += f", under {r['launched_under']}"
     if r["kind"] == "after blocking calls":
         return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
-    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {r['mean_gap_us']:.1f} µs"
+    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {_us(r['mean_gap_us'])}"
+    longest = r.get("longest_gap_us") or 0.0
+    if r["gaps"] > 1 and longest >= HOST_STALL_US:  # no launch costs that much: the host was held elsewhere
+        gaps += f", the longest {_us(longest)} (a host stall, not launch cost)"
     if r.get("activities"):  # the activities' length is what tells launch-bound from host busy
-        return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging {r['mean_activity_us']:.1f} µs, "
+        return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging {_us(r['mean_activity_us'])}, "
                        f"{gaps})")
     return text + f" ({r['kind']}: {gaps})"
+
+
+def _us(us: float) -> str:
+    """``"97.8 µs"`` under 1 ms, else ``"376.8 ms"``."""
+    return f"{us:.1f} µs" if us < 1000 else f"{us / 1000:.1f} ms"
 
 
 def _wait_split(exposed_ms: float, w: dict) -> str:

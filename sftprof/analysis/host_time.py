@@ -123,14 +123,15 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         rows (at most :data:`TOP_IDLE_PLACES`, most idle first) have ``part``, ``label``, ``phase``,
         ``launched_under`` (None when no named op), ``idle_ms``, ``gaps``, ``activities`` (the GPU activities of
         that place launched in the step window: kernels, copies, fills; the gaps end at all three kinds),
-        ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``after_blocking_ms``,
+        ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``longest_gap_us``, ``after_blocking_ms``,
         ``after_blocking_pct`` (of the row's idle) and ``kind`` (``after blocking calls`` when at least half the
         row's idle follows one, else ``launch-bound`` or ``host busy`` as above; ``mean_gap_us`` is over all the
         row's gaps); ``rest`` sums the rows left out (``places``,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0])  # idle us, gaps, after-blocking us, gaps
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0])  # idle us, gaps, after-blocking
+    # us and gaps, the longest gap (us)
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
     first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
@@ -139,6 +140,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
+        r[4] = max(r[4], g1 - g0)
         upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
@@ -152,7 +154,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
     out = []
-    for (part, phase, site), (us, n, blocked, n_blocked) in ordered[:TOP_IDLE_PLACES]:
+    for (part, phase, site), (us, n, blocked, n_blocked, longest) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
         if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
             kind = "after blocking calls"
@@ -163,6 +165,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
                     "idle_ms": ms(us), "gaps": int(n), "activities": int(k),
                     "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
+                    "longest_gap_us": round(longest, 3),
                     "after_blocking_ms": ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
                     "kind": kind})
     left = ordered[TOP_IDLE_PLACES:]

@@ -152,12 +152,13 @@ def _host_wait_places(places: dict | None) -> list[str]:
     """The host wait by place (:func:`sftprof.analysis.host_time._host_wait_places`); none in older summaries."""
     if not places or not places["rows"]:
         return []
-    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"], r["activities"],
+    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"], r.get("longest_gap_us"),
+             r["activities"],
              r["mean_activity_us"], r["after_blocking_pct"], r["kind"]] for r in places["rows"]]
     if places.get("rest"):
         rest = places["rest"]
         rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None, None,
-                     None])
+                     None, None])
     blocked = places.get("after_blocking_by_op") or {}
     return ["GPU idle waiting for the host, by the place of the work that ended each gap (its model part and phase, "
             "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
@@ -167,7 +168,7 @@ def _host_wait_places(places: dict | None) -> list[str]:
             f"activities both under {LAUNCH_GAP_US:.0f} µs on average: short kernels, each costing the host more to "
             "launch than it runs) or host busy (longer gaps, or gaps after longer activities: the host did other work "
             "between launches):\n",
-            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "GPU activities", "mean µs",
+            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "longest gap µs", "GPU activities", "mean µs",
                    "after blocking call %", "kind"], rows),
             f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"
             + (" (" + ", ".join(f"{k} {fmt(v)} ms" for k, v in blocked.items()) + ")" if blocked else "") + ".\n"]

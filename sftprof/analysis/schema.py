@@ -14,7 +14,8 @@ shape: :func:`_upgrade`) and refuses a newer major with a message saying so. :fu
 of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0 (against 2.0): a snapshot's times
 (``window_ms``, ``peak_time_ms``, ``window_peak_time_ms``) may be null (an allocator history without times, or none),
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
-``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``.
+``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
+``longest_gap_us``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -500,6 +501,7 @@ class HostWaitRow(TypedDict):
     activities: int
     mean_activity_us: Optional[float]
     mean_gap_us: float
+    longest_gap_us: NotRequired[float]  # 3.1
     after_blocking_ms: float
     after_blocking_pct: float
     kind: str  # "after blocking calls" | "launch-bound" | "host busy"
