@@ -18,8 +18,10 @@ import gzip
 import io
 import json
 import os
+import queue
 import re
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -244,14 +246,19 @@ class TraceWriter:
 
     Events are JSON texts (the reader's raw slices, or ``json.dumps`` output), one per line.
     Hot loops may append to :attr:`pending` directly and call :meth:`flush` now and then;
-    :meth:`write` does both. Output is valid JSON that Perfetto and chrome://tracing open.
+    :meth:`write` does both. Output is valid JSON that Perfetto and chrome://tracing open. The file is written by a
+    thread of its own (the disk's time overlaps the caller's parsing; at most :data:`QUEUED` chunks wait), so an
+    error of the file (a full disk) is raised by the next :meth:`flush` or by :meth:`close`.
 
     Args:
         path: output path; ``.gz`` suffix selects gzip (compression level 1: fast, ~10x on traces).
         header: top-level members written before ``traceEvents`` (JSON-serialisable).
+    Raises:
+        WriteError: the file cannot be opened or written (:func:`sftprof.atomic.write_failed`).
     """
 
     FLUSH_EVENTS = 8192
+    QUEUED = 8
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self.path = os.fspath(path)
@@ -262,6 +269,11 @@ class TraceWriter:
                 self._f = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
         except OSError as exc:
             raise write_failed(self.path, exc) from exc
+        self._error: OSError | None = None
+        self._queue: queue.Queue[str | None] = queue.Queue(self.QUEUED)
+        self._thread = threading.Thread(target=self._drain, name=f"TraceWriter {os.path.basename(self.path)}",
+                                        daemon=True)
+        self._thread.start()
         head = "".join(f"{json.dumps(k)}: {json.dumps(v)},\n" for k, v in header.items())
         self._put("{\n" + head + '"traceEvents": [\n')
         self.pending: list[str] = []  # event texts not yet written
@@ -275,7 +287,7 @@ class TraceWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Write the pending events to the file."""
+        """Hand the pending events to the writing thread."""
         if not self.pending:
             return
         text = ",\n".join(self.pending)
@@ -286,11 +298,27 @@ class TraceWriter:
         self._put(text)
         self.pending.clear()
 
+    def _drain(self) -> None:
+        """The writing thread: write each queued text until ``None``; after an error, only drain the queue."""
+        while (text := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._f.write(text)
+                except OSError as exc:
+                    self._error = exc
+
+    def _raise_error(self) -> None:
+        if self._error is not None:  # a full disk: this file's error, named with the free space
+            raise write_failed(self.path, self._error) from self._error
+
     def _put(self, text: str) -> None:
-        try:
-            self._f.write(text)
-        except OSError as exc:  # a full disk: this file's error, named with the free space
-            raise write_failed(self.path, exc) from exc
+        self._raise_error()
+        self._queue.put(text)
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def close(self, trailer: dict[str, Any] | None = None) -> None:
         """Finish the array, write ``trailer`` members after it (if any), close the object and file.
@@ -301,6 +329,8 @@ class TraceWriter:
         self.flush()
         tail = "".join(f",\n{json.dumps(k)}: {json.dumps(v)}" for k, v in (trailer or {}).items())
         self._put("\n]" + tail + "\n}\n")
+        self._stop()
+        self._raise_error()
         try:
             self._f.close()
         except OSError as exc:
@@ -309,6 +339,7 @@ class TraceWriter:
     def abort(self) -> None:
         """Close and delete a partially written file."""
         try:
+            self._stop()
             self._f.close()
         finally:
             if os.path.exists(self.path):
