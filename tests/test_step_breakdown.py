@@ -319,26 +319,32 @@ def test_gpu_idle_waiting_for_the_host_by_place():
             "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md
 
 
+def _expert_place_summary(starts: list[float], kernel_us: float, step_us: float) -> dict:
+    """The summary of a step of ``step_us`` whose expert range (all but the last 1000 us) launches one kernel of
+    ``kernel_us`` at each of ``starts`` (us), each launch 2 us before its kernel."""
+    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": step_us, "args": {}},
+           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/experts/L0", "pid": 100, "tid": 1, "ts": 0.0,
+            "dur": step_us - 1000.0, "args": {}}]
+    for k, start in enumerate(starts):
+        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1,
+                 "ts": start - 2.0, "dur": 1.0, "args": {"correlation": k + 1}},
+                {"ph": "X", "cat": "kernel", "name": f"k{k}", "pid": 0, "tid": 7, "ts": start, "dur": kernel_us,
+                 "args": {"correlation": k + 1}}]
+    a = KernelTraceAnalyzer({})
+    for ev in evs:
+        a.add(ev)
+    return a.summary()
+
+
 def test_short_gaps_after_long_kernels_are_host_busy_not_launch_bound():
     """Gaps under LAUNCH_GAP_US after 2 ms kernels (the 1x H200 expert recompute: 2072 us activities, 79 us gaps)
     are not launch-bound, which needs short kernels too: the host, not its launch cost, made the GPU wait; the finding
     gives the activities' length that tells the two apart."""
     from sftprof.analysis import findings
 
-    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
-            "dur": 10000.0, "args": {}},
-           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/experts/L0", "pid": 100, "tid": 1, "ts": 0.0,
-            "dur": 9000.0, "args": {}}]
-    for k in range(4):  # kernels of 2000 us, each launched 80 us after the previous one ended
-        start = 100.0 + 2080.0 * k
-        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1,
-                 "ts": start - 2.0, "dur": 1.0, "args": {"correlation": k + 1}},
-                {"ph": "X", "cat": "kernel", "name": f"k{k}", "pid": 0, "tid": 7, "ts": start, "dur": 2000.0,
-                 "args": {"correlation": k + 1}}]
-    a = KernelTraceAnalyzer({})
-    for ev in evs:
-        a.add(ev)
-    s = a.summary()
+    # kernels of 2000 us, each launched 80 us after the previous one ended
+    s = _expert_place_summary([100.0 + 2080.0 * k for k in range(4)], 2000.0, 10000.0)
     places = s["host"]["gpu_idle"]["host_wait_by_place"]
     assert places["rows"] == [
         {"part": "experts", "label": "expert GEMMs (routed)", "phase": "forward", "launched_under": None,
@@ -357,19 +363,7 @@ def test_one_long_gap_among_short_ones_is_named_a_host_stall():
     cost. Here: an expert place with gaps of 60 us and 20 ms; the finding names the longest as a host stall."""
     from sftprof.analysis import findings
 
-    evs = [{"ph": "X", "cat": "user_annotation", "name": "sftprof/step", "pid": 100, "tid": 1, "ts": 0.0,
-            "dur": 30000.0, "args": {}},
-           {"ph": "X", "cat": "user_annotation", "name": "sftprof.module/experts/L0", "pid": 100, "tid": 1, "ts": 0.0,
-            "dur": 29000.0, "args": {}}]
-    for k, start in enumerate((60.0, 20160.0)):  # 100 us kernels: gaps 60 us (from the step's start) and 20000 us
-        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 1,
-                 "ts": start - 2.0, "dur": 1.0, "args": {"correlation": k + 1}},
-                {"ph": "X", "cat": "kernel", "name": f"k{k}", "pid": 0, "tid": 7, "ts": start, "dur": 100.0,
-                 "args": {"correlation": k + 1}}]
-    a = KernelTraceAnalyzer({})
-    for ev in evs:
-        a.add(ev)
-    s = a.summary()
+    s = _expert_place_summary([60.0, 20160.0], 100.0, 30000.0)  # gaps 60 us (from the step's start) and 20000 us
     row = s["host"]["gpu_idle"]["host_wait_by_place"]["rows"][0]
     assert (row["label"], row["gaps"], row["mean_gap_us"], row["longest_gap_us"]) == (
         "expert GEMMs (routed)", 2, 10030.0, 20000.0)
