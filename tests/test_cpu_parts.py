@@ -57,8 +57,8 @@ def test_cpu_op_self_time_by_model_part_and_the_heaviest_op():
     assert s["parts"]["total_ms"] == 0.0  # no GPU activity: the GPU table stays empty
     found = fnd.kernel_findings(0, s)
     assert [f["text"] for f in found] == [
-        "rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: 0.4 ms of the 1.0 ms step (1 call, with the "
-        "ops it calls); its backward _VocabParallelLogprobsBackward 0.2 ms more",
+        "rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: 380.0 µs of the 1.0 ms step (1 call, with the "
+        "ops it calls); its backward _VocabParallelLogprobsBackward 198.0 µs more",
         "rank 0: LM head + loss 82.9 % of CPU op time (0.6 ms)",
         "rank 0: attention QKV projection 11.4 % of CPU op time (0.1 ms)",
         "rank 0: optimizer 4.3 % of CPU op time (0.0 ms)"]

@@ -73,19 +73,22 @@ def _idle_place(r: dict) -> str:
         text += f", under {r['launched_under']}"
     if r["kind"] == "after blocking calls":
         return text + f" ({r['after_blocking_pct']:.0f} % of it after blocking CUDA calls)"
-    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {_us(r['mean_gap_us'])}"
+    gaps = f"{r['gaps']} gap{'s' if r['gaps'] != 1 else ''} averaging {_duration(r['mean_gap_us'] / 1e3)}"
     longest = r.get("longest_gap_us") or 0.0
     if r["gaps"] > 1 and longest >= HOST_STALL_US:  # no launch costs that much: the host was held elsewhere
-        gaps += f", the longest {_us(longest)} (a host stall, not launch cost)"
+        gaps += f", the longest {_duration(longest / 1e3)} (a host stall, not launch cost)"
     if r.get("activities"):  # the activities' length is what tells launch-bound from host busy
-        return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging {_us(r['mean_activity_us'])}, "
+        return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging "
+                       f"{_duration(r['mean_activity_us'] / 1e3)}, "
                        f"{gaps})")
     return text + f" ({r['kind']}: {gaps})"
 
 
-def _us(us: float) -> str:
-    """``"97.8 µs"`` under 1 ms, else ``"376.8 ms"``."""
-    return f"{us:.1f} µs" if us < 1000 else f"{us / 1000:.1f} ms"
+def _duration(ms_: float) -> str:
+    """``"97.8 µs"`` under 1 ms, ``"412.3 ms"`` under 1 s, else ``"10.2 s"``."""
+    if ms_ < 1:
+        return f"{ms_ * 1e3:.1f} µs"
+    return f"{ms_ / 1e3:.1f} s" if ms_ >= 1e3 else f"{ms_:.1f} ms"
 
 
 def _wait_split(exposed_ms: float, w: dict) -> str:
@@ -105,19 +108,14 @@ def _wait_split(exposed_ms: float, w: dict) -> str:
     return text
 
 
-def _seconds(ms_: float) -> str:
-    """``"10.2 s"`` from 1 s up, else ``"412.3 ms"``."""
-    return f"{ms_ / 1e3:.1f} s" if ms_ >= 1e3 else f"{ms_:.1f} ms"
-
-
 def _heaviest_op(rank: int, op: dict, wall_ms: float, with_parts: bool) -> dict:
     """The finding of a CPU run's heaviest op (:func:`sftprof.analysis.host_time.heaviest_op`): its inclusive time
     against the step's wall time, where it ran, and its autograd backward node's time."""
     where = f" in {op['label']}" if op.get("label") else ""
-    back = (f"; its backward {op['backward']} {_seconds(op['backward_ms'])} more" if op.get("backward") else "")
+    back = (f"; its backward {op['backward']} {_duration(op['backward_ms'])} more" if op.get("backward") else "")
     calls = f"{op['calls']} call{'s' if op['calls'] != 1 else ''}"
-    return {"text": f"rank {rank}: heaviest op {op['name']}{where}: {_seconds(op['inclusive_ms'])} of the "
-                    f"{_seconds(wall_ms)} step ({calls}, with the ops it calls){back}",
+    return {"text": f"rank {rank}: heaviest op {op['name']}{where}: {_duration(op['inclusive_ms'])} of the "
+                    f"{_duration(wall_ms)} step ({calls}, with the ops it calls){back}",
             "section": _anchor(parts_heading(rank) if with_parts else f"Host, rank {rank}"),
             "weight": op["inclusive_ms"] / wall_ms, "key": "heaviest op"}
 
