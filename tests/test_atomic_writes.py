@@ -20,6 +20,7 @@ import pytest
 from fixtures import make_cpu_trace
 from sftprof import atomic
 from sftprof.analysis.summary import postprocess_trial
+from sftprof.analysis.trace_io import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 FREE = r"\d+\.\d (?:GiB|MiB|KiB) free in %s"  # the free space of a folder, which other processes change meanwhile
@@ -120,3 +121,31 @@ def test_a_report_that_cannot_be_written_keeps_the_earlier_one(tmp_path, cpu_tra
     assert re.fullmatch(rf"\[postprocess\] ERROR cannot write {out}: File too large \({FREE % run_b}\); what was "
                         "there before is left as it was", res.stderr.splitlines()[-1])
     assert out.read_text() == "an earlier report\n" and not list(run_b.glob("compare_vs_run.prev*"))
+
+
+def test_an_error_in_the_writing_thread_reaches_the_caller_and_nothing_hangs(tmp_path, monkeypatch):
+    """TraceWriter writes from a thread of its own: an error there is raised by the caller's next call (an OSError as
+    the file's WriteError, anything else as itself), and the thread keeps draining, so no call blocks."""
+    from sftprof.analysis import trace_io
+
+    class Broken:
+        def __init__(self, exc):
+            self.exc, self.closed = exc, False
+
+        def write(self, text):
+            raise self.exc
+
+        def close(self):
+            self.closed = True
+
+    for exc, expected in ((OSError(errno.ENOSPC, "No space left on device"), atomic.WriteError),
+                          (ValueError("surrogates not allowed"), ValueError)):
+        f = Broken(exc)
+        monkeypatch.setattr(trace_io, "open", lambda *a, **k: f, raising=False)
+        w = TraceWriter(tmp_path / "t.json", {})
+        with pytest.raises(expected):
+            for _ in range(10 * TraceWriter.QUEUED):  # more texts than the queue holds: must not block
+                w.write("{}")
+                w.flush()
+        w.abort()
+        assert f.closed

@@ -269,7 +269,7 @@ class TraceWriter:
                 self._f = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
         except OSError as exc:
             raise write_failed(self.path, exc) from exc
-        self._error: OSError | None = None
+        self._error: Exception | None = None  # the writing thread's, raised by the caller's next call
         self._queue: queue.Queue[str | None] = queue.Queue(self.QUEUED)
         self._thread = threading.Thread(target=self._drain, name=f"TraceWriter {os.path.basename(self.path)}",
                                         daemon=True)
@@ -304,12 +304,14 @@ class TraceWriter:
             if self._error is None:
                 try:
                     self._f.write(text)
-                except OSError as exc:
+                except Exception as exc:  # kept for the caller; the thread goes on draining, so no put blocks
                     self._error = exc
 
     def _raise_error(self) -> None:
-        if self._error is not None:  # a full disk: this file's error, named with the free space
+        if isinstance(self._error, OSError):  # a full disk: this file's error, named with the free space
             raise write_failed(self.path, self._error) from self._error
+        if self._error is not None:
+            raise self._error
 
     def _put(self, text: str) -> None:
         self._raise_error()
