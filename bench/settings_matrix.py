@@ -22,7 +22,8 @@ since it is the local base). A case that raises is recorded with its error and t
 
 Output: one table (per case, each TE mode side by side: losses of steps 0 and 2, step-0 grad norm, time of the
 last step, peak GiB) and, with ``--out``, JSON with one row per (case, mode); ``tests/test_settings_matrix_gpu.py``
-asserts on it.
+asserts on it. ``--rows A.json B.json`` prints the table of rows written by earlier runs (e.g. ``--te te`` and
+``--te local`` run apart) and runs nothing.
 """
 from __future__ import annotations
 
@@ -248,7 +249,8 @@ def print_table(rows: list, modes: list) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=Path, required=True, help="HF checkpoint dir (written when missing)")
+    ap.add_argument("--checkpoint", type=Path, help="HF checkpoint dir (written when missing); required unless --rows")
+    ap.add_argument("--rows", type=Path, nargs="+", help="print the table of these --out files and exit")
     ap.add_argument("--nproc", type=int, default=1, help="GPUs: runs the cases whose layout has this world size")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
@@ -265,6 +267,12 @@ def main() -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case per torchrun
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: its TE mode
     args = ap.parse_args()
+    if args.rows:
+        rows = [r for path in args.rows for r in json.loads(path.read_text())]
+        print_table(rows, list(dict.fromkeys(r["mode"] for r in rows)))
+        return 0
+    if args.checkpoint is None:
+        ap.error("--checkpoint is required (unless --rows)")
     if args.nproc < 1 or args.per_gpu < 0:  # --per-gpu < 0 left the pool no slot: it waited forever
         ap.error(f"--nproc {args.nproc} must be >= 1 and --per-gpu {args.per_gpu} >= 0 (0: from the GPU's memory)")
     modes = [m for m in args.te.split(",") if m]

@@ -13,6 +13,10 @@ the cases start from the same weights:
   round differently);
 - on two GPUs, each layout's step-0 loss is the one-GPU loss within 2e-3 (relative; TP and EP reduce bf16
   partial results in another order).
+
+The whole one-GPU matrix (23 cases) takes ~10 minutes on one H200; ``SFTPROF_MATRIX_TE`` (``te``, ``local`` or
+``te,local``) and ``SFTPROF_MATRIX_CASES`` (a comma list of case names; ``base`` is always added) run a part of it
+(``python bench/settings_matrix.py --rows A.json B.json`` prints parts' rows as one table).
 """
 import json
 import os
@@ -33,10 +37,34 @@ OTHER_KERNELS = {"deterministic", "fp32 main grads"}
 OTHER_MODEL = {"qwen3_5 gated delta-net"}  # another model: trains, compared with nothing
 
 
-def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
+def _wanted() -> tuple[list, list]:
+    """The TE modes and one-GPU cases to run: ``SFTPROF_MATRIX_TE`` / ``SFTPROF_MATRIX_CASES`` (module docstring)."""
+    from sftprof.models.specs import have_transformer_engine
+
+    matrix = _bench_module()
+    modes = [m for m in os.environ.get("SFTPROF_MATRIX_TE", "").split(",") if m] or (
+        ["te", "local"] if have_transformer_engine() else ["local"])
+    cases = [c for c in os.environ.get("SFTPROF_MATRIX_CASES", "").split(",") if c]
+    cases = ["base"] + [c for c in cases if c != "base"] if cases else [
+        c for c, (layout, _) in matrix.CASES.items() if layout == matrix.ONE_GPU]
+    if "te" in modes and not have_transformer_engine():
+        pytest.skip("SFTPROF_MATRIX_TE has te: needs transformer_engine")
+    return modes, cases
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("settings_matrix", REPO / "bench" / "settings_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    return matrix
+
+
+def _matrix(nproc: int, ckpt: Path, out: Path, modes: list, cases: list | None = None) -> list:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(REPO / "bench" / "settings_matrix.py"), "--nproc", str(nproc), "--checkpoint", str(ckpt),
-           "--out", str(out)]
+           "--out", str(out), "--te", ",".join(modes)] + (["--cases", ",".join(cases)] if cases else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     print(proc.stdout[-6000:])
     rows = json.loads(out.read_text())
@@ -50,18 +78,17 @@ def _matrix(nproc: int, ckpt: Path, out: Path) -> list:
 
 @pytest.fixture(scope="module")
 def one_gpu(tmp_path_factory):
+    modes, cases = _wanted()
     tmp = tmp_path_factory.mktemp("matrix")
-    return tmp / "ckpt", _matrix(1, tmp / "ckpt", tmp / "m1.json")
+    return tmp / "ckpt", modes, cases, _matrix(1, tmp / "ckpt", tmp / "m1.json", modes, cases)
 
 
 @pytest.mark.gpu
 def test_one_gpu_cases_train_and_agree(one_gpu):
-    from sftprof.models.specs import have_transformer_engine
-
-    _, rows = one_gpu
-    modes = ["te", "local"] if have_transformer_engine() else ["local"]
-    assert sorted({r["mode"] for r in rows}) == sorted(modes)
-    assert len(rows) == {1: 11, 2: 23}[len(modes)]  # 12 cases with TE, 11 without ("fp32 main grads" is its base)
+    _, modes, cases, rows = one_gpu
+    te_only = _bench_module().TE_ONLY  # "fp32 main grads" is the local mode's base
+    assert sorted((r["case"], r["mode"]) for r in rows) == sorted(
+        (c, m) for m in modes for c in cases if m == "te" or c not in te_only)
     for mode in modes:
         base = next(r for r in rows if r["case"] == "base" and r["mode"] == mode)
         for r in (r for r in rows if r["mode"] == mode):
@@ -81,9 +108,8 @@ def test_one_gpu_cases_train_and_agree(one_gpu):
 def test_two_gpu_layouts_train_and_agree(one_gpu, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ckpt, rows1 = one_gpu
-    rows = _matrix(2, ckpt, tmp_path / "m2.json")
-    modes = sorted({r["mode"] for r in rows1})
+    ckpt, modes, _, rows1 = one_gpu
+    rows = _matrix(2, ckpt, tmp_path / "m2.json", modes)
     assert len(rows) == 8 * len(modes)
     for r in rows:
         base = next(b for b in rows1 if b["case"] == "base" and b["mode"] == r["mode"])
@@ -107,11 +133,8 @@ def test_pool_parses_results_and_stops_a_case_past_its_timeout(tmp_path, monkeyp
     for one case and hangs for the other): the first row is parsed, the hung case is stopped after
     ``--case-timeout`` and recorded as failed with its exit status; no child is left running."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("settings_matrix", REPO / "bench" / "settings_matrix.py")
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+    matrix = _bench_module()
     fake = tmp_path / "fake_python"
     pidfile = tmp_path / "pids"
     fake.write_text("#!/bin/bash\necho $$ >> %s\ncase \"$*\" in\n  *'--case base '*) echo 'RESULT {\"case\": \"base\", "

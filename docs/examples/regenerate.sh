@@ -8,18 +8,19 @@
 #                                TE's FusedAdam is what the precision-aware optimizer needs), both kinds
 #   compare_local_vs_te.md       compare of qwen3_30b_a3b_local (A) and qwen3_30b_a3b (B)
 #   qwen3_5_35b_a3b/             the Qwen3.5 YAML cut to 4 layers (3 gated delta-net + 1 full attention) at its
-#                                32768 tokens, megatron:d1, kernel trial
+#                                32768 tokens, megatron:d1, both kinds
+#   qwen3_5_35b_a3b_local/       the same with TE hidden (fp32 optimizer), both kinds
 # Only summaries (Markdown) and plots are kept, no traces or snapshots.
 # Usage (repo root):  bash docs/examples/regenerate.sh WORK_DIR [PART ...]
-#   PART: qwen3_30b_a3b, lm_head_2048, local, qwen3_5, keep (copy what WORK_DIR holds into docs/examples/); default: all, in
-#   that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
+#   PART: qwen3_30b_a3b, lm_head_2048, local, qwen3_5, qwen3_5_local, keep (copy what WORK_DIR holds into
+#   docs/examples/); default: all, in that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=$repo/docs/examples
 work=${1:?usage: bash docs/examples/regenerate.sh WORK_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 local qwen3_5 keep)
+[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local keep)
 run() {  # NAME [VAR=value ...] [-- key=value ...]: one driver run on one GPU into WORK_DIR/NAME
   local name=$1 vars=() overrides=(); shift
   while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
@@ -51,11 +52,17 @@ for part in "${parts[@]}"; do
       run qwen3_30b_a3b_local USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b_local" "$work/qwen3_30b_a3b" \
           --out "$work/compare_local_vs_te.md" ;;
-    qwen3_5) run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_KINDS=kernel \
-                 PROFILE_FAKE_SEQ_LEN=32768 ;;
+    qwen3_5) run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_FAKE_SEQ_LEN=32768 ;;
+    qwen3_5_local)
+      run qwen3_5_35b_a3b_local CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_FAKE_SEQ_LEN=32768 \
+          USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local ;;
     keep)
-X
+      for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_30b_a3b_local qwen3_5_35b_a3b qwen3_5_35b_a3b_local; do
+        keep "$name"
+      done
+      for f in compare_lm_head.md compare_local_vs_te.md; do [ ! -f "$work/$f" ] || cp "$work/$f" "$out/"; done
       du -sh "$out" ;;
-    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 local qwen3_5 keep" >&2; exit 2 ;;
+    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local" \
+            "keep" >&2; exit 2 ;;
   esac
 done
