@@ -132,6 +132,52 @@ def test_module_part_names():
     assert module_regions.parse_region("sftprof.module/nonsense/L1") is None
 
 
+def test_recorded_step_compiles_nothing_new_and_names_modules_run_inside_a_compiled_method():
+    """megatron-core's GatedDeltaNet calls ``out_norm`` inside a torch.compile'd method; where that call runs eagerly
+    (a graph break, as in TE's norm), the model-part hooks of a recorded step fired inside the compiled context and
+    dynamo compiled them as new frames, once per layer (on the H200: 18 compiles inside the profiled step 2 of
+    Qwen3.5, 1418 ms). Now the recorded step compiles no frame and still names each layer's norm."""
+    from torch._dynamo.utils import counters
+
+    class Norm(torch.nn.LayerNorm):
+        def forward(self, x):
+            torch._dynamo.graph_break()  # runs eagerly inside the compiled method, like TE's RMSNorm
+            return super().forward(x)
+
+    class GatedDeltaNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out_norm = Norm(8)
+
+        @torch.compile(backend="eager")
+        def gated_norm(self, x):
+            return self.out_norm(x.float()) * torch.sigmoid(x)
+
+        def forward(self, x):
+            return self.gated_norm(x)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
+    for layer in model.layers:
+        layer.self_attention = GatedDeltaNet()
+
+    def step():
+        x = torch.randn(4, 8, requires_grad=True)
+        for layer in model.layers:
+            x = layer.self_attention(x)
+        x.sum().backward()
+
+    assert module_regions.register_model(model) == 9  # per layer: the layer, its GatedDeltaNet, out_norm
+    step()  # compiles
+    frames = counters["frames"]["total"]
+    with torch.profiler.profile() as prof, module_regions.recording():
+        step()
+    assert counters["frames"]["total"] == frames
+    names = {e.name for e in prof.events() if e.name.startswith(module_regions.PREFIX)}
+    assert names == {module_regions.region_name(part, layer, False) for part in ("linear_attn", "norm")
+                     for layer in range(3)}
+
+
 def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
     _, _, s = analysed
     idle = s["host"]["gpu_idle"]

@@ -144,6 +144,10 @@ def _entry(module):
     return e if e is not None and e[0]() is module else None
 
 
+# The hooks run eagerly, never traced by dynamo: a hook that fires inside a compiled function's eager part (after a
+# graph break; megatron-core's GatedDeltaNet calls out_norm inside a torch.compile'd method) was compiled as a new
+# frame, once per layer, inside the profiled step.
+@torch.compiler.disable
 def _pre_hook(module, args):
     e = _entry(module)
     if e is not None:
@@ -152,6 +156,7 @@ def _pre_hook(module, args):
         _OPEN.setdefault(id(module), []).append(rf)
 
 
+@torch.compiler.disable
 def _post_hook(module, args, output):
     stack = _OPEN.get(id(module))
     if stack:
