@@ -2,7 +2,8 @@
 
 A random bf16 checkpoint of the Qwen3-30B-A3B shape cut to 4 layers is written sharded
 (``bench/checkpoint_loss.py write``); the driver runs the shipped YAML on it (``actor.init_from_scratch=false``,
-no precision-aware optimizer: no Transformer Engine) at ``SFTPROF_CKPT_SEQ`` tokens (default 32768), one kernel
+fp32 optimizer so that it runs without Transformer Engine too; TE's specs and their weight rules where TE imports)
+at ``SFTPROF_CKPT_SEQ`` tokens (default 32768), one kernel
 trial of step 1, on ``megatron:d1`` and on ``megatron:(attn:c2|ffn:e2)``; then ``bench/checkpoint_loss.py check``
 runs ``AutoModelForCausalLM`` on the same step-0 tokens: the trial's step-0 loss must match within 1e-2
 (relative; bf16 on both sides, rounded in different orders).
