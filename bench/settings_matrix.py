@@ -23,7 +23,7 @@ since it is the local base). A case that raises is recorded with its error and t
 Output: one table (per case, each TE mode side by side: losses of steps 0 and 2, step-0 grad norm, time of the
 last step, peak GiB) and, with ``--out``, JSON with one row per (case, mode); ``tests/test_settings_matrix_gpu.py``
 asserts on it. ``--rows A.json B.json`` prints the table of rows written by earlier runs (e.g. ``--te te`` and
-``--te local`` run apart) and runs nothing.
+``--te local`` run apart), and with ``--out`` writes them merged; it runs nothing.
 """
 from __future__ import annotations
 
@@ -244,7 +244,35 @@ def print_table(rows: list, modes: list) -> None:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     print(f"\n{'case':<30} {'layout':<26} " + " ".join(f"{m + ': loss s0/last gnorm0 last-step peak':<52}" for m in modes))
     for c in cases:
-        print(f"{c:<30} {CASES[c][0]:<26} " + " ".join(f"{_cell(by.get((c, m))):<52}" for m in modes))
+        layout = next(r.get("layout", "") for r in rows if r["case"] == c)
+        print(f"{c:<30} {layout:<26} " + " ".join(f"{_cell(by.get((c, m))):<52}" for m in modes))
+
+
+ROW_KEYS = ("case", "mode", "ok", "loss", "grad_norm")
+
+
+def load_rows(paths: list) -> list:
+    """The rows of ``--out`` files, in order (a later file's row replaces an earlier one of the same case and mode).
+
+    Raises:
+        ValueError: a file that cannot be read, is not a JSON list of rows, or has a row without one of
+            :data:`ROW_KEYS` or with a mode not in :data:`MODES`; the message names the file.
+    """
+    rows = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
+        if not isinstance(data, list) or not data:
+            raise ValueError(f"{path}: not a non-empty JSON list of rows (settings_matrix.py --out writes one)")
+        for i, r in enumerate(data):
+            missing = [k for k in ROW_KEYS if not isinstance(r, dict) or k not in r]
+            if missing or r["mode"] not in MODES:
+                raise ValueError(f"{path}: row {i}: " + (f"missing {missing}" if missing else
+                                                         f"mode {r['mode']!r} not one of {list(MODES)}"))
+            rows[(r["case"], r["mode"])] = r
+    return list(rows.values())
 
 
 def main() -> int:
@@ -268,9 +296,18 @@ def main() -> int:
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: its TE mode
     args = ap.parse_args()
     if args.rows:
-        rows = [r for path in args.rows for r in json.loads(path.read_text())]
-        print_table(rows, list(dict.fromkeys(r["mode"] for r in rows)))
-        return 0
+        extra = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                 if k not in ("rows", "out") and v != ap.get_default(k)]
+        if extra:
+            ap.error(f"--rows prints saved rows and takes only --out (the merged rows); also given: {extra}")
+        try:
+            rows = load_rows(args.rows)
+        except ValueError as err:
+            ap.error(f"--rows {err}")
+        print_table(rows, [m for m in MODES if any(r["mode"] == m for r in rows)])
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+        return 0 if all(r["ok"] for r in rows) else 1
     if args.checkpoint is None:
         ap.error("--checkpoint is required (unless --rows)")
     if args.nproc < 1 or args.per_gpu < 0:  # --per-gpu < 0 left the pool no slot: it waited forever

@@ -18,6 +18,7 @@ The whole one-GPU matrix (23 cases) takes ~10 minutes on one H200; ``SFTPROF_MAT
 ``te,local``) and ``SFTPROF_MATRIX_CASES`` (a comma list of case names; ``base`` is always added) run a part of it
 (``python bench/settings_matrix.py --rows A.json B.json`` prints parts' rows as one table).
 """
+import hashlib
 import json
 import os
 import shutil
@@ -38,18 +39,30 @@ OTHER_MODEL = {"qwen3_5 gated delta-net"}  # another model: trains, compared wit
 
 
 def _wanted() -> tuple[list, list]:
-    """The TE modes and one-GPU cases to run: ``SFTPROF_MATRIX_TE`` / ``SFTPROF_MATRIX_CASES`` (module docstring)."""
+    """The TE modes and one-GPU cases to run: ``SFTPROF_MATRIX_TE`` / ``SFTPROF_MATRIX_CASES`` (module docstring).
+    An unknown mode or case fails the test, naming the variable and the accepted values, before any GPU work."""
     from sftprof.models.specs import have_transformer_engine
 
     matrix = _bench_module()
-    modes = [m for m in os.environ.get("SFTPROF_MATRIX_TE", "").split(",") if m] or (
-        ["te", "local"] if have_transformer_engine() else ["local"])
-    cases = [c for c in os.environ.get("SFTPROF_MATRIX_CASES", "").split(",") if c]
-    cases = ["base"] + [c for c in cases if c != "base"] if cases else [
-        c for c, (layout, _) in matrix.CASES.items() if layout == matrix.ONE_GPU]
+    one_gpu = _one_gpu_cases()
+    raw_modes, raw_cases = (os.environ.get(k, "") for k in ("SFTPROF_MATRIX_TE", "SFTPROF_MATRIX_CASES"))
+    modes = [m.strip() for m in raw_modes.split(",") if m.strip()]
+    cases = [c.strip() for c in raw_cases.split(",") if c.strip()]
+    if set(modes) - set(matrix.MODES):
+        pytest.fail(f"SFTPROF_MATRIX_TE={raw_modes!r}: accepted: a comma list of {list(matrix.MODES)}")
+    if set(cases) - set(one_gpu):
+        pytest.fail(f"SFTPROF_MATRIX_CASES: unknown {sorted(set(cases) - set(one_gpu))}; accepted (a comma list of "
+                    f"one-GPU cases): {one_gpu}")
+    modes = modes or (["te", "local"] if have_transformer_engine() else ["local"])
+    cases = ["base"] + [c for c in cases if c != "base"] if cases else one_gpu
     if "te" in modes and not have_transformer_engine():
         pytest.skip("SFTPROF_MATRIX_TE has te: needs transformer_engine")
     return modes, cases
+
+
+def _one_gpu_cases() -> list:
+    matrix = _bench_module()
+    return [c for c, (layout, _) in matrix.CASES.items() if layout == matrix.ONE_GPU]
 
 
 def _bench_module():
@@ -67,6 +80,7 @@ def _matrix(nproc: int, ckpt: Path, out: Path, modes: list, cases: list | None =
            "--out", str(out), "--te", ",".join(modes)] + (["--cases", ",".join(cases)] if cases else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     print(proc.stdout[-6000:])
+    assert out.is_file(), f"settings_matrix.py exit {proc.returncode}, no rows: {proc.stderr[-4000:]}"
     rows = json.loads(out.read_text())
     if os.environ.get("SFTPROF_GPU_OUT"):  # keep the rows for the run's record (e.g. the device's $OUT)
         shutil.copy(out, Path(os.environ["SFTPROF_GPU_OUT"]) / out.name)
@@ -80,7 +94,9 @@ def _matrix(nproc: int, ckpt: Path, out: Path, modes: list, cases: list | None =
 def one_gpu(tmp_path_factory):
     modes, cases = _wanted()
     tmp = tmp_path_factory.mktemp("matrix")
-    return tmp / "ckpt", modes, cases, _matrix(1, tmp / "ckpt", tmp / "m1.json", modes, cases)
+    part = "" if cases == _one_gpu_cases() else "_" + hashlib.sha1(",".join(cases).encode()).hexdigest()[:8]
+    out = tmp / f"m1_{'_'.join(modes)}{part}.json"  # parts of the matrix copied to one SFTPROF_GPU_OUT keep apart
+    return tmp / "ckpt", modes, cases, _matrix(1, tmp / "ckpt", out, modes, cases)
 
 
 @pytest.mark.gpu
@@ -114,6 +130,65 @@ def test_two_gpu_layouts_train_and_agree(one_gpu, tmp_path):
     for r in rows:
         base = next(b for b in rows1 if b["case"] == "base" and b["mode"] == r["mode"])
         assert abs(r["loss"][0] - base["loss"][0]) <= 2e-3 * base["loss"][0], (r["case"], r["loss"], base["loss"])
+
+
+@pytest.mark.parametrize("var,value,message", [
+    ("SFTPROF_MATRIX_TE", "te,bogus", "SFTPROF_MATRIX_TE='te,bogus': accepted: a comma list of ['te', 'local']"),
+    ("SFTPROF_MATRIX_CASES", "base, c2e2 base", "SFTPROF_MATRIX_CASES: unknown ['c2e2 base']; accepted (a comma list "
+                                               "of one-GPU cases): ['base', 'overlap_param_gather=false', "),
+])
+def test_matrix_part_refuses_unknown_modes_and_cases(monkeypatch, var, value, message):
+    """CPU: a bad part of the matrix fails naming the variable and the accepted values (a two-GPU case too)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(pytest.fail.Exception) as err:
+        _wanted()
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def _row(case, mode, loss0, ok=True):
+    return {"case": case, "mode": mode, "layout": "megatron:d1", "ok": ok, "loss": [loss0, 11.5], "grad_norm": [12.9],
+            "step_s": 0.5, "peak_gib_rank0": 27.7}
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(REPO / "bench" / "settings_matrix.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_rows_of_parts_print_as_one_table_and_merge(tmp_path):
+    """CPU: ``--rows`` puts two parts' rows side by side (modes in MODES order, a later file's row replacing an
+    earlier one of the same case and mode) and ``--out`` writes them merged; nothing runs."""
+    a, b, merged = tmp_path / "te.json", tmp_path / "local.json", tmp_path / "m.json"
+    a.write_text(json.dumps([_row("base", "te", 12.5), _row("n_mbs=1", "te", 12.4)]))
+    b.write_text(json.dumps([_row("base", "local", 12.3), _row("base", "te", 12.6)]))
+    proc = _bench("--rows", b, a, "--out", merged)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split() == ["case", "layout", "te:", "loss", "s0/last", "gnorm0", "last-step", "peak", "local:",
+                                "loss", "s0/last", "gnorm0", "last-step", "peak"]
+    assert lines[1].split() == ["base", "megatron:d1", "12.50000/11.50000", "12.9000", "0.500s", "27.7GiB",
+                                "12.30000/11.50000", "12.9000", "0.500s", "27.7GiB"]
+    assert lines[2].split() == ["n_mbs=1", "megatron:d1", "12.40000/11.50000", "12.9000", "0.500s", "27.7GiB", "-"]
+    assert json.loads(merged.read_text()) == [_row("base", "local", 12.3), _row("base", "te", 12.5),
+                                              _row("n_mbs=1", "te", 12.4)]
+
+
+@pytest.mark.parametrize("content,args,message", [
+    (None, [], "--rows {p}: FileNotFoundError: "),
+    ("x", [], "--rows {p}: JSONDecodeError: "),
+    ("{}", [], "--rows {p}: not a non-empty JSON list of rows"),
+    (json.dumps([{"case": "base", "mode": "te"}]), [], "--rows {p}: row 0: missing ['ok', 'loss', 'grad_norm']"),
+    (json.dumps([_row("base", "bogus", 1.0)]), [], "--rows {p}: row 0: mode 'bogus' not one of ['te', 'local']"),
+    (json.dumps([_row("base", "te", 1.0)]), ["--te", "local"],
+     "--rows prints saved rows and takes only --out (the merged rows); also given: ['--te']"),
+])
+def test_rows_refuses_bad_files_naming_them(tmp_path, content, args, message):
+    path = tmp_path / "rows.json"
+    if content is not None:
+        path.write_text(content)
+    proc = _bench("--rows", path, *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"settings_matrix.py: error: {message.format(p=path)}" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("flag,value", [("--per-gpu", "-1"), ("--nproc", "0")])

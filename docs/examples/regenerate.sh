@@ -31,7 +31,7 @@ run() {  # NAME [VAR=value ...] [-- key=value ...]: one driver run on one GPU in
 }
 keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kind>/
   local name=$1 trial kind
-  [ -d "$work/$name" ] || return 0
+  compgen -G "$work/$name/*/profile_summary.md" > /dev/null || return 0  # no summary: keep what docs/examples has
   rm -rf "${out:?}/$name"
   for trial in "$work/$name"/*/; do
     [ -f "$trial/profile_summary.md" ] || continue
@@ -41,6 +41,10 @@ keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kin
     find "$trial" -name '*.png' -exec cp {} "$out/$name/$kind/" \;
   done
 }
+accepted="qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local keep"
+for part in "${parts[@]}"; do  # every part is checked before anything runs
+  [[ " $accepted " == *" $part "* ]] || { echo "regenerate.sh: unknown part $part; accepted: $accepted" >&2; exit 2; }
+done
 for part in "${parts[@]}"; do
   case $part in
     qwen3_30b_a3b) run qwen3_30b_a3b ;;
@@ -62,7 +66,5 @@ for part in "${parts[@]}"; do
       done
       for f in compare_lm_head.md compare_local_vs_te.md; do [ ! -f "$work/$f" ] || cp "$work/$f" "$out/"; done
       du -sh "$out" ;;
-    *) echo "regenerate.sh: unknown part $part; accepted: qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local" \
-            "keep" >&2; exit 2 ;;
   esac
 done
