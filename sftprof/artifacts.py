@@ -93,6 +93,10 @@ def module_region_name(part: str, layer: Optional[int], recompute: bool) -> str:
     return name + MODULE_RECOMPUTE_SUFFIX if recompute else name
 
 
+# Python garbage collections (sftprof.capture.python_gc writes them): sftprof.gc/gen<generation>.
+GC_REGION_PREFIX = "sftprof.gc/gen"
+
+
 def parse_module_region(name: str) -> Optional[tuple[str, Optional[int], bool]]:
     """``(part, layer or None, recompute)`` of a range name made by :func:`module_region_name`, else None."""
     m = _MODULE_REGION_RE.match(name)

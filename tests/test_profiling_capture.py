@@ -72,6 +72,36 @@ def test_kernel_profiler_records_profiler_step_with_our_regions(tmp_path, rank, 
         assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)  # record_shapes
 
 
+def test_garbage_collections_of_the_recorded_step_become_ranges_and_the_summary_counts_them(tmp_path):
+    """A real CPU trace: ``gc.collect()`` in the recorded step 1 (none in step 0) gives one ``sftprof.gc/gen2`` range
+    around the collection (``gc.callbacks`` is as before afterwards); the analyzer counts it in ``host.gc``."""
+    import gc
+
+    from sftprof.analysis.schema import ms
+    from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
+    callbacks = list(gc.callbacks)
+    gc.disable()  # only the collection below runs in the step
+    try:
+        for step in range(2):
+            with prof.step(step), region("sftprof/step"):
+                _work()
+                if step == 1:
+                    gc.collect()
+    finally:
+        gc.enable()
+    assert gc.callbacks == callbacks
+    data = json.loads(trace_path(tmp_path, 0).read_text())
+    ranges = [e for e in data["traceEvents"] if e.get("name", "").startswith("sftprof.gc/")]
+    assert [(e["name"], e["cat"], e["ph"]) for e in ranges] == [("sftprof.gc/gen2", "user_annotation", "X")]
+    a = KernelTraceAnalyzer({k: v for k, v in data.items() if k != "traceEvents"})
+    for ev in data["traceEvents"]:
+        a.add(ev)
+    host = a.summary()["host"]
+    assert host["gc"] == {"collections": 1, "ms": ms(ranges[0]["dur"]), "by_generation": {"2": 1}}
+
+
 def test_kernel_trace_log_names_the_step_each_export_holds(tmp_path, caplog):
     """The config refuses several kernel steps (one trace file per rank); a profiler built around that check still
     logs the step each export holds: the export of step 0 runs inside prof.step() of step 1 (the reviewer's log said

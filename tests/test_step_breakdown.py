@@ -365,6 +365,35 @@ def test_gpu_idle_waiting_for_the_host_by_place():
             "Idle after blocking CUDA calls: 0.600 ms (aten::nonzero 0.600 ms).\n") in md
 
 
+
+def test_garbage_collection_inside_the_host_wait_is_named():
+    """The same step with three collection ranges (units of 10 us): gen 1 at 50-52 while k1 runs (host time, no GPU
+    wait), gen 2 at 420-450 inside the 409-460 host-busy gap, gen 0 at 481-482 after the step window (not counted):
+    the host-wait place of that gap carries its 300 us of collection, and the host section and the place's words
+    say so."""
+    from sftprof.analysis import findings, report_trace
+
+    u = 10.0
+    a = KernelTraceAnalyzer({})
+    for ev in _idle_places_trace() + [
+            {"ph": "X", "cat": "user_annotation", "name": f"sftprof.gc/gen{g}", "pid": 100, "tid": 1, "ts": t0 * u,
+             "dur": (t1 - t0) * u, "args": {}} for g, t0, t1 in ((1, 50, 52), (2, 420, 450), (0, 481, 482))]:
+        a.add(ev)
+    s = a.summary()
+    assert s["host"]["gc"] == {"collections": 2, "ms": 0.32, "by_generation": {"1": 1, "2": 1}}
+    idle = s["host"]["gpu_idle"]
+    assert idle["host_wait_gc_ms"] == 0.3 and idle["host_wait_ms"] == 3.0
+    rows = idle["host_wait_by_place"]["rows"]
+    assert [(r["part"], r["phase"], r["gc_ms"]) for r in rows] == [
+        ("lm_head_loss", "forward", 0.0), ("router", "forward", 0.0), ("outside_parts", "other", 0.3),
+        ("lm_head_loss", "backward", 0.0)]
+    assert findings._idle_place(rows[2]) == (
+        "0.5 ms in outside model parts (loss, glue, unlinked backward), phase other (host busy: 1 GPU activities "
+        "averaging 100.0 µs, 1 gap averaging 510.0 µs, 300.0 µs of the wait in Python garbage collection)")
+    assert ("Python garbage collection in the step window: 2 collection(s) (gen 1 1x, gen 2 1x), 0.320 ms of host "
+            "time; 0.300 ms of the GPU's host wait fell in a collection. A collection stops every Python thread.\n"
+            ) in report_trace._host(s, 0)
+
 def _expert_place_summary(starts: list[float], kernel_us: float, step_us: float) -> dict:
     """The summary of a step of ``step_us`` whose expert range (all but the last 1000 us) launches one kernel of
     ``kernel_us`` at each of ``starts`` (us), each launch 2 us before its kernel."""

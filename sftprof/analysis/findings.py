@@ -77,6 +77,8 @@ def _idle_place(r: dict) -> str:
     longest = r.get("longest_gap_us") or 0.0
     if r["gaps"] > 1 and longest >= HOST_STALL_US:  # no launch costs that much: the host was held elsewhere
         gaps += f", the longest {_duration(longest / 1e3)} (a host stall, not launch cost)"
+    if r.get("gc_ms"):
+        gaps += f", {_duration(r['gc_ms'])} of the wait in Python garbage collection"
     if r.get("activities"):  # the activities' length is what tells launch-bound from host busy
         return text + (f" ({r['kind']}: {r['activities']} GPU activities averaging "
                        f"{_duration(r['mean_activity_us'] / 1e3)}, "

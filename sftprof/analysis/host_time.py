@@ -35,8 +35,10 @@ TOP_CPU_OPS = 15
 def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.ndarray, tids: np.ndarray,
               pts: np.ndarray, inside: np.ndarray, window: Window) -> Host:
     """Host time in the step window ``(lo, hi)`` (us; None: no window): ``top_self`` (:meth:`OpCollector.self_times`),
-    ``sync`` (blocking CUDA calls), ``compile`` (torch.compile) and ``gpu_idle`` (:func:`_idle_split` with the host
-    wait by place, :func:`_host_wait_places`; None without a window).
+    ``sync`` (blocking CUDA calls), ``compile`` (torch.compile), ``gpu_idle`` (:func:`_idle_split` with the host
+    wait by place, :func:`_host_wait_places`, and ``host_wait_gc_ms``; None without a window) and ``gc`` (Python
+    garbage collections, :meth:`OpCollector.gc_time`); the garbage-collection members only when the trace has
+    :mod:`sftprof.capture.python_gc` ranges.
 
     Args:
         place: each GPU activity's part, layer and phase; ts, dur: each activity's start and duration (us);
@@ -47,11 +49,18 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
         return {"top_self": [], "sync": {"total_ms": 0.0, "by_call": {}}, "compile": {"ms": 0.0, "compile_ids": []},
                 "gpu_idle": None}
     idle, host_gaps = _idle_split(ts, dur, pts, lo, hi)
+    if ops.gc_spans:  # the trace has garbage-collection ranges: how much of the host wait they cover
+        idle["host_wait_gc_ms"] = ms(float(ops.gc_overlap_us(np.array([g[1] for g in host_gaps]),
+                                                             np.array([g[2] for g in host_gaps])).sum()))
     idle["host_wait_by_place"] = _host_wait_places(
         ops, host_gaps, launch=pts, sites=ops.launch_sites(tids, pts), parts=place.parts, phases=place.phases,
         dur=dur, inside=inside)
-    return {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS), "sync": ops.host_sync_ms(lo, hi),
-            "compile": ops.compile_ms(lo, hi), "gpu_idle": idle}
+    out: Host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS), "sync": ops.host_sync_ms(lo, hi),
+                 "compile": ops.compile_ms(lo, hi), "gpu_idle": idle}
+    gc_time = ops.gc_time(lo, hi)
+    if gc_time is not None:
+        out["gc"] = gc_time
+    return out
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
@@ -124,23 +133,27 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         ``launched_under`` (None when no named op), ``idle_ms``, ``gaps``, ``activities`` (the GPU activities of
         that place launched in the step window: kernels, copies, fills; the gaps end at all three kinds),
         ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``longest_gap_us``, ``after_blocking_ms``,
-        ``after_blocking_pct`` (of the row's idle) and ``kind`` (``after blocking calls`` when at least half the
+        ``after_blocking_pct`` (of the row's idle), ``kind`` (``after blocking calls`` when at least half the
         row's idle follows one, else ``launch-bound`` or ``host busy`` as above; ``mean_gap_us`` is over all the
-        row's gaps); ``rest`` sums the rows left out (``places``,
+        row's gaps) and, when the trace has garbage-collection ranges, ``gc_ms`` (the part of the row's gaps during
+        which Python's garbage collector ran); ``rest`` sums the rows left out (``places``,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0])  # idle us, gaps, after-blocking
-    # us and gaps, the longest gap (us)
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0, 0.0])  # idle us, gaps, after-blocking
+    # us and gaps, the longest gap (us), garbage collection inside the gaps (us)
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
-    first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
-    for (i, g0, g1), j in zip(host_gaps, first):
+    starts = np.array([g[1] for g in host_gaps], dtype=np.float64)
+    first = np.searchsorted(sync_end, starts, side="left").tolist()
+    in_gc = ops.gc_overlap_us(starts, np.array([g[2] for g in host_gaps], dtype=np.float64)).tolist()
+    for (i, g0, g1), j, gc_us in zip(host_gaps, first, in_gc):
         key = (parts[i], phases[i], sites[i])
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
         r[4] = max(r[4], g1 - g0)
+        r[5] += gc_us
         upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
@@ -154,7 +167,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
     out = []
-    for (part, phase, site), (us, n, blocked, n_blocked, longest) in ordered[:TOP_IDLE_PLACES]:
+    for (part, phase, site), (us, n, blocked, n_blocked, longest, gc_us) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
         if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
             kind = "after blocking calls"
@@ -167,7 +180,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
                     "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
                     "longest_gap_us": round(longest, 3),
                     "after_blocking_ms": ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
-                    "kind": kind})
+                    "kind": kind, **({"gc_ms": ms(gc_us)} if ops.gc_spans else {})})
     left = ordered[TOP_IDLE_PLACES:]
     return {"rows": out,
             "rest": {"places": len(left), "idle_ms": ms(sum(v[0] for _, v in left)),

@@ -36,7 +36,7 @@ from sftprof.analysis.intervals import ThreadIntervals, previous_open
 from sftprof.analysis.kernel_names import collective_name
 from sftprof.analysis.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
-from sftprof.artifacts import MODULE_REGION_PREFIX, parse_module_region
+from sftprof.artifacts import GC_REGION_PREFIX, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
 
@@ -86,6 +86,7 @@ class OpCollector:
         self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
+        self.gc_spans: list[tuple[float, float, int]] = []  # Python garbage collections: (start, end, generation)
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
         self._op_kinds: list[int] = []  # per op name: what it is (_COMPILE | _BWD_NODE | _FLOP | _FLOW_BACKWARD)
@@ -150,6 +151,8 @@ class OpCollector:
             name = ev.get("name") or ""
             if name.startswith("dynamo_data: compile_id="):
                 self.compile_ids.append((ts, name.split("=", 1)[1]))
+            elif name.startswith(GC_REGION_PREFIX) and name[len(GC_REGION_PREFIX):].isdigit():
+                self.gc_spans.append((ts, ts + dur, int(name[len(GC_REGION_PREFIX):])))
             if name.startswith(MODULE_REGION_PREFIX):
                 idx = self._region_index.get(name)
                 if idx is None:
@@ -397,6 +400,31 @@ class OpCollector:
                     end = b
         ids = sorted({c for ts, c in self.compile_ids if lo <= ts <= hi})
         return {"ms": ms(total), "compile_ids": ids}
+
+    def gc_time(self, lo: float, hi: float) -> Optional[dict[str, Any]]:
+        """Python garbage collections (:mod:`sftprof.capture.python_gc` ranges) that started in [lo, hi]: count, host
+        time (ms; collections do not overlap) and count by generation; None when the trace holds no such range."""
+        if not self.gc_spans:
+            return None
+        spans = [(a, b, g) for a, b, g in self.gc_spans if lo <= a <= hi]
+        by: dict[str, int] = defaultdict(int)
+        for _, _, g in spans:
+            by[str(g)] += 1
+        return {"collections": len(spans), "ms": ms(sum(b - a for a, b, _ in spans)),
+                "by_generation": dict(sorted(by.items()))}
+
+    def gc_overlap_us(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per interval ``[starts[i], ends[i]]`` (us), the time a garbage collection ran inside it (us)."""
+        if not self.gc_spans:
+            return np.zeros(len(starts))
+        s = np.array(sorted((a, b) for a, b, _ in self.gc_spans), dtype=np.float64)
+        cum = np.concatenate([[0.0], np.cumsum(s[:, 1] - s[:, 0])])
+
+        def before(t: np.ndarray) -> np.ndarray:  # collection time before t
+            k = np.searchsorted(s[:, 0], t, side="right") - 1
+            inside = np.clip(t - s[np.maximum(k, 0), 0], 0.0, s[np.maximum(k, 0), 1] - s[np.maximum(k, 0), 0])
+            return np.where(k >= 0, cum[np.maximum(k, 0)] + inside, 0.0)
+        return before(np.asarray(ends, dtype=np.float64)) - before(np.asarray(starts, dtype=np.float64))
 
     def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""

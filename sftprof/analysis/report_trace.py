@@ -191,6 +191,14 @@ def _host(k: dict, rank: int) -> list[str]:
                    "`dynamo` and `(dynamo_timed)` ops, nested ones counted once"
                    + (f"; compile ids {', '.join(comp['compile_ids'])}" if comp.get("compile_ids") else "")
                    + "): this step includes compilation and is not steady state.\n")
+    gc_time = host.get("gc")
+    if gc_time:
+        gens = ", ".join(f"gen {g} {n}x" for g, n in gc_time["by_generation"].items())
+        during = (host.get("gpu_idle") or {}).get("host_wait_gc_ms")
+        out.append(f"Python garbage collection in the step window: {gc_time['collections']} collection(s)"
+                   + (f" ({gens})" if gens else "") + f", {fmt(gc_time['ms'])} ms of host time"
+                   + (f"; {fmt(during)} ms of the GPU's host wait fell in a collection" if during else "")
+                   + ". A collection stops every Python thread.\n")
     idle = host.get("gpu_idle") if (k.get("gpu") or {}).get("activities") else None
     if idle:
         out.append(f"GPU idle in the step window {fmt(idle['idle_ms'])} ms: host wait (next work launched after "

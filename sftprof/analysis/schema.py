@@ -15,7 +15,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 (``window_ms``, ``peak_time_ms``, ``window_peak_time_ms``) may be null (an allocator history without times, or none),
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
-``longest_gap_us``.
+``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
+``gc_ms``), present when the trace has their ranges.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -44,7 +45,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.1"
+SCHEMA_VERSION = "3.2"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -505,6 +506,7 @@ class HostWaitRow(TypedDict):
     after_blocking_ms: float
     after_blocking_pct: float
     kind: str  # "after blocking calls" | "launch-bound" | "host busy"
+    gc_ms: NotRequired[float]  # 3.2
 
 
 class HostWaitRest(TypedDict):
@@ -525,7 +527,15 @@ class GpuIdle(TypedDict):
     host_wait_ms: float
     kernel_wait_ms: float
     after_last_activity_ms: float
+    host_wait_gc_ms: NotRequired[float]  # 3.2
     host_wait_by_place: NotRequired[HostWaitPlaces]
+
+
+class GcTime(TypedDict):
+    """Python garbage collections that started in the step window (:mod:`sftprof.capture.python_gc`)."""
+    collections: int
+    ms: float
+    by_generation: dict[str, int]  # "0" | "1" | "2" -> collections
 
 
 class Host(TypedDict):
@@ -534,6 +544,7 @@ class Host(TypedDict):
     sync: HostSync
     compile: Compile
     gpu_idle: Optional[GpuIdle]
+    gc: NotRequired[GcTime]  # 3.2
 
 
 class HeaviestOp(TypedDict):

@@ -9,7 +9,8 @@ profiled step is recorded and saved. The profiler's step counter is the trainer'
 profiled step shows as ``ProfilerStep#<step>`` in the trace (what HolisticTraceAnalysis and
 TensorBoard's profiler plugin split steps by) with the regions of
 :mod:`sftprof.capture.regions` (``user_annotation`` events) inside it, and, while the profiled step
-runs, the model-part ranges of :mod:`sftprof.capture.module_regions` (engines register their model).
+runs, the model-part ranges of :mod:`sftprof.capture.module_regions` (engines register their model) and
+the garbage-collection ranges of :mod:`sftprof.capture.python_gc`.
 
 Activities: CPU, plus CUDA when CUDA is available, with ``record_shapes=True``; on CUDA also CUDA
 synchronisation events (``_ExperimentalConfig(enable_cuda_sync_events=True)``, used by HTA's
@@ -31,7 +32,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from sftprof.artifacts import raw_trace_path
-from sftprof.capture import module_regions
+from sftprof.capture import module_regions, python_gc
 from sftprof.console import native_stderr_filtered
 from sftprof.ranks import resolve_ranks
 
@@ -140,7 +141,7 @@ class KernelProfiler:
             # set after prof.step(): that call exports the previous profiled step (torch has already counted on)
             self._recording = step
         try:
-            with module_regions.recording(step in self.steps):
+            with module_regions.recording(step in self.steps), python_gc.recording(step in self.steps):
                 yield
         except BaseException:
             self._failed = True
