@@ -102,6 +102,30 @@ def test_garbage_collections_of_the_recorded_step_become_ranges_and_the_summary_
     assert host["gc"] == {"collections": 1, "ms": ms(ranges[0]["dur"]), "by_generation": {"2": 1}}
 
 
+def test_a_collection_inside_a_compiled_function_is_recorded_and_compiles_nothing():
+    """A collection in a torch.compile'd function's eager part (after a graph break) ran the callback under dynamo,
+    which compiled it as new frames and dropped its range; the callback now runs outside dynamo."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    from sftprof.capture import python_gc
+
+    @torch.compile(backend="eager")
+    def f(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        gc.collect()
+        return x + 1
+
+    f(torch.ones(4))  # compiles
+    frames = counters["frames"]["total"]
+    with torch.profiler.profile() as prof, python_gc.recording():
+        f(torch.ones(4))
+    assert counters["frames"]["total"] == frames
+    assert [e.name for e in prof.events() if e.name.startswith("sftprof.gc/")].count("sftprof.gc/gen2") == 1
+
+
 def test_kernel_trace_log_names_the_step_each_export_holds(tmp_path, caplog):
     """The config refuses several kernel steps (one trace file per rank); a profiler built around that check still
     logs the step each export holds: the export of step 0 runs inside prof.step() of step 1 (the reviewer's log said

@@ -20,6 +20,7 @@ __all__ = ["recording"]
 _OPEN: list = []  # the open range (collections do not nest: the collector runs one at a time)
 
 
+@torch.compiler.disable  # a collection inside a compiled function's eager part would have dynamo compile the callback
 def _callback(phase: str, info: dict) -> None:
     if phase == "start":
         rf = torch.profiler.record_function(f"{GC_REGION_PREFIX}{info['generation']}")
