@@ -126,6 +126,23 @@ def test_a_collection_inside_a_compiled_function_is_recorded_and_compiles_nothin
     assert [e.name for e in prof.events() if e.name.startswith("sftprof.gc/")].count("sftprof.gc/gen2") == 1
 
 
+def test_gc_recording_ends_cleanly_when_the_block_raises_or_clears_gc_callbacks():
+    import gc
+
+    from sftprof.capture import python_gc
+
+    saved = list(gc.callbacks)
+    try:
+        with pytest.raises(RuntimeError, match="step failed"), python_gc.recording():
+            raise RuntimeError("step failed")
+        assert gc.callbacks == saved
+        with python_gc.recording():
+            gc.callbacks.clear()  # what a user's code may do; leaving the block must not raise
+        assert gc.callbacks == [] and python_gc._OPEN == []
+    finally:
+        gc.callbacks[:] = saved
+
+
 def test_kernel_trace_log_names_the_step_each_export_holds(tmp_path, caplog):
     """The config refuses several kernel steps (one trace file per rank); a profiler built around that check still
     logs the step each export holds: the export of step 0 runs inside prof.step() of step 1 (the reviewer's log said

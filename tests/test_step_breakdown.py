@@ -394,6 +394,27 @@ def test_garbage_collection_inside_the_host_wait_is_named():
             "time; 0.300 ms of the GPU's host wait fell in a collection. A collection stops every Python thread.\n"
             ) in report_trace._host(s, 0)
 
+
+def test_garbage_collection_ranges_recorded_twice_overlapping_or_across_the_window_count_once():
+    """A damaged or cut record: the gen 2 range at 420-450 twice (one dropped, counted as a duplicate), a gen 0 range
+    inside it (its time counted once), a gen 1 range from -5 to 3 (it overlaps the window 0-480: counted, 30 us of it
+    inside, all in the first host-wait gap 0-30) and a range with a non-ASCII digit (not a collection range)."""
+    u = 10.0
+    a = KernelTraceAnalyzer({})
+    for ev in _idle_places_trace() + [
+            {"ph": "X", "cat": "user_annotation", "name": f"sftprof.gc/gen{g}", "pid": 100, "tid": 1, "ts": t0 * u,
+             "dur": (t1 - t0) * u, "args": {}}
+            for g, t0, t1 in ((2, 420, 450), (2, 420, 450), (0, 430, 440), (1, -5, 3), ("\u00b2", 100, 200))]:
+        a.add(ev)
+    s = a.summary()
+    assert s["host"]["gc"] == {"collections": 3, "ms": 0.33, "by_generation": {"0": 1, "1": 1, "2": 1}}
+    idle = s["host"]["gpu_idle"]
+    assert idle["host_wait_gc_ms"] == 0.33
+    assert {(r["part"], r["phase"]): r["gc_ms"] for r in idle["host_wait_by_place"]["rows"]} == {
+        ("lm_head_loss", "forward"): 0.0, ("router", "forward"): 0.03, ("outside_parts", "other"): 0.3,
+        ("lm_head_loss", "backward"): 0.0}
+    assert s["sanity"]["duplicates_by_category"] == {"user_annotation": 1}
+
 def _expert_place_summary(starts: list[float], kernel_us: float, step_us: float) -> dict:
     """The summary of a step of ``step_us`` whose expert range (all but the last 1000 us) launches one kernel of
     ``kernel_us`` at each of ``starts`` (us), each launch 2 us before its kernel."""

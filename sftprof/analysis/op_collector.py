@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from sftprof.analysis.intervals import ThreadIntervals, previous_open
+from sftprof.analysis.intervals import ThreadIntervals, previous_open, union
 from sftprof.analysis.kernel_names import collective_name
 from sftprof.analysis.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
@@ -151,7 +151,7 @@ class OpCollector:
             name = ev.get("name") or ""
             if name.startswith("dynamo_data: compile_id="):
                 self.compile_ids.append((ts, name.split("=", 1)[1]))
-            elif name.startswith(GC_REGION_PREFIX) and name[len(GC_REGION_PREFIX):].isdigit():
+            elif name.startswith(GC_REGION_PREFIX) and name[len(GC_REGION_PREFIX):] in ("0", "1", "2"):
                 self.gc_spans.append((ts, ts + dur, int(name[len(GC_REGION_PREFIX):])))
             if name.startswith(MODULE_REGION_PREFIX):
                 idx = self._region_index.get(name)
@@ -402,28 +402,31 @@ class OpCollector:
         return {"ms": ms(total), "compile_ids": ids}
 
     def gc_time(self, lo: float, hi: float) -> Optional[dict[str, Any]]:
-        """Python garbage collections (:mod:`sftprof.capture.python_gc` ranges) that started in [lo, hi]: count, host
-        time (ms; collections do not overlap) and count by generation; None when the trace holds no such range."""
+        """Python garbage collections (:mod:`sftprof.capture.python_gc` ranges) that overlap [lo, hi]: count, their
+        time inside the window (ms; overlapping ranges counted once) and count by generation; None when the trace
+        holds no such range."""
         if not self.gc_spans:
             return None
-        spans = [(a, b, g) for a, b, g in self.gc_spans if lo <= a <= hi]
+        gens = [g for a, b, g in self.gc_spans if a < hi and b > lo]
         by: dict[str, int] = defaultdict(int)
-        for _, _, g in spans:
+        for g in gens:
             by[str(g)] += 1
-        return {"collections": len(spans), "ms": ms(sum(b - a for a, b, _ in spans)),
-                "by_generation": dict(sorted(by.items()))}
+        inside = float(self.gc_overlap_us(np.array([lo], dtype=np.float64), np.array([hi], dtype=np.float64))[0])
+        return {"collections": len(gens), "ms": ms(inside), "by_generation": dict(sorted(by.items()))}
 
     def gc_overlap_us(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Per interval ``[starts[i], ends[i]]`` (us), the time a garbage collection ran inside it (us)."""
+        """Per interval ``[starts[i], ends[i]]`` (us), the time a garbage collection ran inside it (us; ranges that
+        overlap, as in a damaged trace, count once)."""
         if not self.gc_spans:
             return np.zeros(len(starts))
-        s = np.array(sorted((a, b) for a, b, _ in self.gc_spans), dtype=np.float64)
-        cum = np.concatenate([[0.0], np.cumsum(s[:, 1] - s[:, 0])])
+        spans = np.array([(a, b) for a, b, _ in self.gc_spans], dtype=np.float64)
+        s0, s1 = union(spans[:, 0], spans[:, 1])
+        cum = np.concatenate([[0.0], np.cumsum(s1 - s0)])
 
         def before(t: np.ndarray) -> np.ndarray:  # collection time before t
-            k = np.searchsorted(s[:, 0], t, side="right") - 1
-            inside = np.clip(t - s[np.maximum(k, 0), 0], 0.0, s[np.maximum(k, 0), 1] - s[np.maximum(k, 0), 0])
-            return np.where(k >= 0, cum[np.maximum(k, 0)] + inside, 0.0)
+            k = np.maximum(np.searchsorted(s0, t, side="right") - 1, 0)
+            inside = np.clip(t - s0[k], 0.0, s1[k] - s0[k])
+            return np.where(t > s0[0], cum[k] + inside, 0.0)
         return before(np.asarray(ends, dtype=np.float64)) - before(np.asarray(starts, dtype=np.float64))
 
     def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:

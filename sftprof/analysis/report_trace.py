@@ -192,7 +192,7 @@ def _host(k: dict, rank: int) -> list[str]:
                    + (f"; compile ids {', '.join(comp['compile_ids'])}" if comp.get("compile_ids") else "")
                    + "): this step includes compilation and is not steady state.\n")
     gc_time = host.get("gc")
-    if gc_time:
+    if gc_time and gc_time["collections"]:
         gens = ", ".join(f"gen {g} {n}x" for g, n in gc_time["by_generation"].items())
         during = (host.get("gpu_idle") or {}).get("host_wait_gc_ms")
         out.append(f"Python garbage collection in the step window: {gc_time['collections']} collection(s)"

@@ -147,7 +147,8 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
         untimed: GPU activity events left out as :data:`~sftprof.analysis.trace_check.UNTIMED`.
         invalid_corr: the correlation ids of the GPU activity events left out as invalid (untimed ones too; -1 where
             an event has none): their launches are not launches without a kernel.
-        repeated_annotations: user annotations (``sftprof/*`` regions, step slices, host collectives) recorded twice,
+        repeated_annotations: user annotations (``sftprof/*`` regions, step slices, host collectives, garbage-collection
+            ranges) recorded twice,
             already dropped by the caller.
         n_events: the trace's usable events, copies included (what ``duplicates`` is counted among).
 

@@ -340,10 +340,10 @@ class KernelTraceAnalyzer:
         out of ``profile_summary.json``).
         """
         # annotations recorded twice count once; those of other profiler steps are left out with their activities
-        annotations = (self._regions, self._profiler_steps, self._host_comm)
+        annotations = (self._regions, self._profiler_steps, self._host_comm, self._ops.gc_spans)
         unique = [list(dict.fromkeys(x)) for x in annotations]
         repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
-        regions, profiler_steps, host_comm = unique
+        regions, profiler_steps, host_comm, self._ops.gc_spans = unique
         host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
         regions.sort(key=lambda r: (r[1], r[0]))
         t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,

@@ -3,7 +3,9 @@
 (:func:`recording`, entered by :class:`sftprof.capture.kernel.KernelProfiler`). A collection holds the GIL, so every
 Python thread stops while it runs; a full (generation 2) collection of a large heap takes hundreds of ms. With the
 ranges, a host stall in the trace says whether the collector ran (``host.gc`` and each host-wait place's ``gc_ms``
-in the summary). Outside recorded steps no callback is installed.
+in the summary). Outside recorded steps no callback is installed. Only threads the profiler follows (the training
+thread, autograd's) record a range: a collection started on another Python thread stops the training thread too, but
+leaves no range.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def recording(enabled: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        gc.callbacks.remove(_callback)
         while _OPEN:
             _OPEN.pop().__exit__(None, None, None)
+        with contextlib.suppress(ValueError):  # the block cleared gc.callbacks itself
+            gc.callbacks.remove(_callback)
