@@ -150,20 +150,26 @@ def _row(case, mode, loss0, ok=True):
             "step_s": 0.5, "peak_gib_rank0": 27.7}
 
 
-def _bench(*args):
-    return subprocess.run([sys.executable, str(REPO / "bench" / "settings_matrix.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+def _bench(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """``settings_matrix.py ARGS`` in this process (``--rows`` runs nothing): exit status, stdout, stderr."""
+    monkeypatch.setattr(sys, "argv", ["settings_matrix.py", *map(str, args)])
+    try:
+        code = _bench_module().main()
+    except SystemExit as stop:  # argparse's error: exit 2
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_rows_of_parts_print_as_one_table_and_merge(tmp_path):
+def test_rows_of_parts_print_as_one_table_and_merge(tmp_path, monkeypatch, capsys):
     """CPU: ``--rows`` puts two parts' rows side by side (modes in MODES order, a later file's row replacing an
     earlier one of the same case and mode) and ``--out`` writes them merged; nothing runs."""
     a, b, merged = tmp_path / "te.json", tmp_path / "local.json", tmp_path / "m.json"
     a.write_text(json.dumps([_row("base", "te", 12.5), _row("n_mbs=1", "te", 12.4)]))
     b.write_text(json.dumps([_row("base", "local", 12.3), _row("base", "te", 12.6)]))
-    proc = _bench("--rows", b, a, "--out", merged)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    code, out, err = _bench(monkeypatch, capsys, "--rows", b, a, "--out", merged)
+    assert code == 0, err
+    lines = out.strip().splitlines()
     assert lines[0].split() == ["case", "layout", "te:", "loss", "s0/last", "gnorm0", "last-step", "peak", "local:",
                                 "loss", "s0/last", "gnorm0", "last-step", "peak"]
     assert lines[1].split() == ["base", "megatron:d1", "12.50000/11.50000", "12.9000", "0.500s", "27.7GiB",
@@ -182,13 +188,13 @@ def test_rows_of_parts_print_as_one_table_and_merge(tmp_path):
     (json.dumps([_row("base", "te", 1.0)]), ["--te", "local"],
      "--rows prints saved rows and takes only --out (the merged rows); also given: ['--te']"),
 ])
-def test_rows_refuses_bad_files_naming_them(tmp_path, content, args, message):
+def test_rows_refuses_bad_files_naming_them(tmp_path, monkeypatch, capsys, content, args, message):
     path = tmp_path / "rows.json"
     if content is not None:
         path.write_text(content)
-    proc = _bench("--rows", path, *args)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert f"settings_matrix.py: error: {message.format(p=path)}" in proc.stderr, proc.stderr
+    code, out, err = _bench(monkeypatch, capsys, "--rows", path, *args)
+    assert code == 2 and out == ""
+    assert f"settings_matrix.py: error: {message.format(p=path)}" in err, err
 
 
 @pytest.mark.parametrize("flag,value", [("--per-gpu", "-1"), ("--nproc", "0")])
