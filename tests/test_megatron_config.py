@@ -113,6 +113,15 @@ def test_recompute_none_and_router_dtype_none():
     assert kw["recompute_granularity"] == "selective" and "recompute_method" not in kw
 
 
+def test_te_runs_megatron_cores_fused_swiglu():
+    """With TE the grouped MLP's SwiGLU and probability multiply are megatron-core's fused kernel (Megatron-LM's default);
+    unfused they took ~135 ms of the 4-layer 131072-token step on the H200 (bench/NOTES.md). Without TE the local
+    experts fuse them themselves."""
+    cfg = load_config("qwen3_30b_a3b_sft_profile.yaml", NO_PAO)
+    assert mc.training_config_kwargs(cfg, have_te=True)["bias_activation_fusion"] is True
+    assert mc.training_config_kwargs(cfg, have_te=False)["bias_activation_fusion"] is False
+
+
 def test_precision_aware_optimizer_without_te_names_the_variable():
     cfg = load_config("qwen3_30b_a3b_sft_profile.yaml")  # YAML default: precision-aware, bf16 main grads
     with pytest.raises(ConfigError, match="USE_PRECISION_AWARE_OPTIMIZER") as err:

@@ -277,7 +277,10 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
     - ``calculate_per_token_loss=True``: the loss function returns the local loss sum and its token
       count and Megatron divides the DP x CP-summed gradients by the global token count;
     - fusions that need Transformer Engine or Apex (gradient-accumulation fusion, permute fusion, grouped GEMM
-      of TE) are on only when ``have_te``; RoPE fusion is always on: TE's kernel, or without TE
+      of TE) are on only when ``have_te``, and so is megatron-core's fused (probability-weighted) SwiGLU,
+      ``bias_activation_fusion``, on by default in Megatron-LM: TE's grouped MLP runs SwiGLU and the router-probability
+      multiply unfused without it (without TE the local experts fuse them in sftprof's Triton kernel);
+      RoPE fusion is always on: TE's kernel, or without TE
       :func:`sftprof.models.layers.rope.fused_apply_rotary_pos_emb`, bound into megatron-core here
       (:func:`sftprof.models.layers.rope.install_in_megatron`);
     - ``moe_fused_router``: without TE, the MoE router's Triton top-k bound into megatron-core here, or megatron's
@@ -303,7 +306,7 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         moe_permute_fusion=have_te,
         moe_grouped_gemm=have_te,
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=have_te,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
     )
