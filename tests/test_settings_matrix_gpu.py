@@ -44,7 +44,7 @@ def _wanted() -> tuple[list, list]:
     from sftprof.models.specs import have_transformer_engine
 
     matrix = _bench_module()
-    one_gpu = _one_gpu_cases()
+    one_gpu = _one_gpu_cases(matrix)
     raw_modes, raw_cases = (os.environ.get(k, "") for k in ("SFTPROF_MATRIX_TE", "SFTPROF_MATRIX_CASES"))
     modes = [m.strip() for m in raw_modes.split(",") if m.strip()]
     cases = [c.strip() for c in raw_cases.split(",") if c.strip()]
@@ -60,8 +60,7 @@ def _wanted() -> tuple[list, list]:
     return modes, cases
 
 
-def _one_gpu_cases() -> list:
-    matrix = _bench_module()
+def _one_gpu_cases(matrix) -> list:
     return [c for c, (layout, _) in matrix.CASES.items() if layout == matrix.ONE_GPU]
 
 
@@ -94,7 +93,8 @@ def _matrix(nproc: int, ckpt: Path, out: Path, modes: list, cases: list | None =
 def one_gpu(tmp_path_factory):
     modes, cases = _wanted()
     tmp = tmp_path_factory.mktemp("matrix")
-    part = "" if cases == _one_gpu_cases() else "_" + hashlib.sha1(",".join(cases).encode()).hexdigest()[:8]
+    whole = cases == _one_gpu_cases(_bench_module())
+    part = "" if whole else "_" + hashlib.sha1(",".join(cases).encode()).hexdigest()[:8]
     out = tmp / f"m1_{'_'.join(modes)}{part}.json"  # parts of the matrix copied to one SFTPROF_GPU_OUT keep apart
     return tmp / "ckpt", modes, cases, _matrix(1, tmp / "ckpt", out, modes, cases)
 

@@ -49,12 +49,13 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
         return {"top_self": [], "sync": {"total_ms": 0.0, "by_call": {}}, "compile": {"ms": 0.0, "compile_ids": []},
                 "gpu_idle": None}
     idle, host_gaps = _idle_split(ts, dur, pts, lo, hi)
-    if ops.gc_spans:  # the trace has garbage-collection ranges: how much of the host wait they cover
-        idle["host_wait_gc_ms"] = ms(float(ops.gc_overlap_us(np.array([g[1] for g in host_gaps]),
-                                                             np.array([g[2] for g in host_gaps])).sum()))
+    gc_us = None
+    if ops.gc_spans:  # the trace has garbage-collection ranges: how much of each host-wait gap they cover
+        gc_us = ops.gc_overlap_us(np.array([g[1] for g in host_gaps]), np.array([g[2] for g in host_gaps]))
+        idle["host_wait_gc_ms"] = ms(float(gc_us.sum()))
     idle["host_wait_by_place"] = _host_wait_places(
         ops, host_gaps, launch=pts, sites=ops.launch_sites(tids, pts), parts=place.parts, phases=place.phases,
-        dur=dur, inside=inside)
+        dur=dur, inside=inside, gc_us=gc_us)
     out: Host = {"top_self": ops.self_times(lo, hi, TOP_HOST_OPS), "sync": ops.host_sync_ms(lo, hi),
                  "compile": ops.compile_ms(lo, hi), "gpu_idle": idle}
     gc_time = ops.gc_time(lo, hi)
@@ -114,7 +115,7 @@ LAUNCH_GAP_US = 100.0
 
 def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]], *, launch: np.ndarray,
                       sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
-                      inside: np.ndarray) -> dict[str, Any]:
+                      inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> dict[str, Any]:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
     A gap's place is that of the activity that ends it: its (part, phase) from :meth:`OpCollector.attribute`
@@ -135,8 +136,8 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         ``mean_activity_us`` (their mean duration), ``mean_gap_us``, ``longest_gap_us``, ``after_blocking_ms``,
         ``after_blocking_pct`` (of the row's idle), ``kind`` (``after blocking calls`` when at least half the
         row's idle follows one, else ``launch-bound`` or ``host busy`` as above; ``mean_gap_us`` is over all the
-        row's gaps) and, when the trace has garbage-collection ranges, ``gc_ms`` (the part of the row's gaps during
-        which Python's garbage collector ran); ``rest`` sums the rows left out (``places``,
+        row's gaps) and, given ``gc_us`` (per host gap, the time Python's garbage collector ran in it), ``gc_ms``;
+        ``rest`` sums the rows left out (``places``,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
@@ -144,16 +145,15 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
     # us and gaps, the longest gap (us), garbage collection inside the gaps (us)
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
-    starts = np.array([g[1] for g in host_gaps], dtype=np.float64)
-    first = np.searchsorted(sync_end, starts, side="left").tolist()
-    in_gc = ops.gc_overlap_us(starts, np.array([g[2] for g in host_gaps], dtype=np.float64)).tolist()
-    for (i, g0, g1), j, gc_us in zip(host_gaps, first, in_gc):
+    first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
+    in_gc = gc_us.tolist() if gc_us is not None else [0.0] * len(host_gaps)
+    for (i, g0, g1), j, gap_gc in zip(host_gaps, first, in_gc):
         key = (parts[i], phases[i], sites[i])
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
         r[4] = max(r[4], g1 - g0)
-        r[5] += gc_us
+        r[5] += gap_gc
         upto = g1 if np.isnan(launch[i]) else min(launch[i], g1)
         if j < sync_end.size and sync_end[j] <= upto:
             r[2] += g1 - g0
@@ -167,7 +167,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
     out = []
-    for (part, phase, site), (us, n, blocked, n_blocked, longest, gc_us) in ordered[:TOP_IDLE_PLACES]:
+    for (part, phase, site), (us, n, blocked, n_blocked, longest, row_gc) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
         if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
             kind = "after blocking calls"
@@ -180,7 +180,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
                     "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
                     "longest_gap_us": round(longest, 3),
                     "after_blocking_ms": ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
-                    "kind": kind, **({"gc_ms": ms(gc_us)} if ops.gc_spans else {})})
+                    "kind": kind, **({"gc_ms": ms(row_gc)} if gc_us is not None else {})})
     left = ordered[TOP_IDLE_PLACES:]
     return {"rows": out,
             "rest": {"places": len(left), "idle_ms": ms(sum(v[0] for _, v in left)),

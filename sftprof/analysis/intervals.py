@@ -42,11 +42,13 @@ def length(starts: np.ndarray, ends: np.ndarray) -> float:
     return float(np.sum(ends - starts)) if starts.size else 0.0
 
 
-def intersection_length(a: Intervals, b: Intervals) -> float:
-    """Total length of the intersection of two disjoint, sorted interval sets (outputs of :func:`union`)."""
-    (a_s, a_e), (b_s, b_e) = a, b
-    if a_s.size == 0 or b_s.size == 0:
-        return 0.0
+def covered_lengths(b: Intervals, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per interval ``[starts[i], ends[i])`` (any order, may overlap), the length of it that the disjoint, sorted
+    interval set ``b`` (an output of :func:`union`) covers."""
+    b_s, b_e = b
+    starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+    if b_s.size == 0:
+        return np.zeros(starts.shape)
     # Prefix lengths of b; the covered length of b in [x, y) is cov(y) - cov(x).
     prefix = np.concatenate(([0.0], np.cumsum(b_e - b_s)))
 
@@ -57,7 +59,14 @@ def intersection_length(a: Intervals, b: Intervals) -> float:
         partial = np.minimum(partial, np.where(i > 0, b_e[np.maximum(i - 1, 0)] - b_s[np.maximum(i - 1, 0)], 0.0))
         return full + partial
 
-    return float(np.sum(covered_upto(a_e) - covered_upto(a_s)))
+    return covered_upto(ends) - covered_upto(starts)
+
+
+def intersection_length(a: Intervals, b: Intervals) -> float:
+    """Total length of the intersection of two disjoint, sorted interval sets (outputs of :func:`union`)."""
+    if a[0].size == 0 or b[0].size == 0:
+        return 0.0
+    return float(np.sum(covered_lengths(b, *a)))
 
 
 def clip(iv: Intervals, lo: float, hi: float) -> Intervals:

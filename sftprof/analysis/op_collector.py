@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from sftprof.analysis.intervals import ThreadIntervals, previous_open, union
+from sftprof.analysis.intervals import ThreadIntervals, covered_lengths, previous_open, union
 from sftprof.analysis.kernel_names import collective_name
 from sftprof.analysis.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
@@ -151,8 +151,8 @@ class OpCollector:
             name = ev.get("name") or ""
             if name.startswith("dynamo_data: compile_id="):
                 self.compile_ids.append((ts, name.split("=", 1)[1]))
-            elif name.startswith(GC_REGION_PREFIX) and name[len(GC_REGION_PREFIX):] in ("0", "1", "2"):
-                self.gc_spans.append((ts, ts + dur, int(name[len(GC_REGION_PREFIX):])))
+            elif name.startswith(GC_REGION_PREFIX) and (gen := name[len(GC_REGION_PREFIX):]) in ("0", "1", "2"):
+                self.gc_spans.append((ts, ts + dur, int(gen)))
             if name.startswith(MODULE_REGION_PREFIX):
                 idx = self._region_index.get(name)
                 if idx is None:
@@ -420,14 +420,7 @@ class OpCollector:
         if not self.gc_spans:
             return np.zeros(len(starts))
         spans = np.array([(a, b) for a, b, _ in self.gc_spans], dtype=np.float64)
-        s0, s1 = union(spans[:, 0], spans[:, 1])
-        cum = np.concatenate([[0.0], np.cumsum(s1 - s0)])
-
-        def before(t: np.ndarray) -> np.ndarray:  # collection time before t
-            k = np.maximum(np.searchsorted(s0, t, side="right") - 1, 0)
-            inside = np.clip(t - s0[k], 0.0, s1[k] - s0[k])
-            return np.where(t > s0[0], cum[k] + inside, 0.0)
-        return before(np.asarray(ends, dtype=np.float64)) - before(np.asarray(starts, dtype=np.float64))
+        return covered_lengths(union(spans[:, 0], spans[:, 1]), starts, ends)
 
     def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
