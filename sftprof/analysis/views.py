@@ -53,9 +53,6 @@ than ``max_view_bytes`` is rewritten into time windows in ``<view>.part<k>/`` fo
 
 Above 500 lines for a reason: the one streaming pass writes the five views at once, and its made-up tracks, flow
 pairing and track names share that pass's state; apart, each piece would take most of it as arguments.
-
-Above 500 lines for a reason: one streamed pass writes all five views, and their event rules (what each view
-keeps, flow and identity fixes Perfetto needs) are read together.
 """
 from __future__ import annotations
 

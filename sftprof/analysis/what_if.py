@@ -54,7 +54,7 @@ from sftprof.analysis.schema import WhatIf, WhatIfSetting, WhatIfSkipped, proces
 from sftprof.config import n_micro_batches
 from sftprof.models.hf import load_hf_config
 
-__all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text", "config_argument",
+__all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
            "amount", "effect_text"]
 
 # metric -> (unit, words)
@@ -98,13 +98,9 @@ def _value_text(value: Any) -> str:
 
 
 def setting_text(s: WhatIfSetting) -> str:
-    """``key=value`` of a setting (an environment variable's marked ``(environment)``)."""
+    """``key=value`` of a setting (lists as ``[a,b]``, booleans in lower case: a config setting's text is the trainer's
+    argument); an environment variable's is marked ``(environment)``."""
     return f"{s['key']}={_value_text(s['value'])}" + (" (environment)" if s["kind"] == "env" else "")
-
-
-def config_argument(s: WhatIfSetting) -> str:
-    """The trainer's ``key=value`` argument of a config setting (lists as ``[a,b]``, booleans in lower case)."""
-    return f"{s['key']}={_value_text(s['value'])}"
 
 
 def amount(value: Optional[float], unit: str) -> str:

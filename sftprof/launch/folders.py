@@ -211,11 +211,17 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict, created: li
         for t in trials:
             t.run_dir.mkdir(parents=True, exist_ok=False)
             made(t.run_dir)
-            args_file = t.run_dir / artifacts.TRAIN_ARGS
-            args_file.write_text("\n".join(t.args) + "\n")
-            rows.append("\t".join([t.name, t.kind, str(t.step), str(t.run_dir), str(t.log_dir), str(args_file)]))
+            rows.append(write_train_args(t))
         with open(made(run_root / artifacts.TRIALS_TSV), "x", encoding="utf-8") as f:
             f.write("\n".join(rows) + "\n")
+
+
+def write_train_args(t: "Trial") -> str:
+    """Write ``RUN_DIR/train_args.txt`` (the trainer's arguments, one per line) of a trial whose run dir exists, and
+    return its row of ``trials.tsv``: name, kind, step, run dir, log dir, arguments file, tab-separated."""
+    args_file = t.run_dir / artifacts.TRAIN_ARGS
+    args_file.write_text("\n".join(t.args) + "\n")
+    return "\t".join([t.name, t.kind, str(t.step), str(t.run_dir), str(t.log_dir), str(args_file)])
 
 
 def remove_plan(run_root: Path | None, created: list[Path]) -> str:

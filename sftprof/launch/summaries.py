@@ -81,9 +81,9 @@ def top_finding(summary: dict) -> str:
 
 
 def what_if_lines(run_dir: Path, summary: dict) -> list[str]:
-    """Two lines on a what-if trial (``summary``, in ``run_dir``): what it tried on which trial, and its prediction
+    """Lines on a what-if trial (``summary``, in ``run_dir``): what it tried on which trial, and its prediction
     against the outcome with the verdict on the assumption (:func:`sftprof.analysis.compare.what_if_result`), or why
-    there is none; the compare report's path."""
+    there is none, and the compare report's path."""
     tried = summary.get("tried_what_if")
     if not tried:
         return ["(no what_if record in its summary: not postprocessed?)"]

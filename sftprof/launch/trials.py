@@ -18,7 +18,6 @@ follow the planned ones, each compared with the trial it varies.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import shutil
@@ -31,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from sftprof import artifacts
+from sftprof.analysis.inputs import read_tried_what_if
 from sftprof.artifacts import read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.planning import Trial
@@ -80,9 +80,8 @@ def record_trials_not_run(run_root: Path) -> list[str]:
         name_, kind, step, run_dir, log_dir, _ = line.split("\t")
         if name_ not in done:
             added.append(name_)
-            what_if = NO_WHAT_IF
-            if (Path(run_dir) / artifacts.WHAT_IF_JSON).is_file():
-                what_if = settings_of(json.loads((Path(run_dir) / artifacts.WHAT_IF_JSON).read_text())["what_if"])
+            tried, _ = read_tried_what_if(run_dir)  # a damaged record leaves the row without settings
+            what_if = settings_of(tried["what_if"]) if tried else NO_WHAT_IF
             rows.append("\t".join([name_, kind, step, NOT_RUN, "-", "-", "-", run_dir, log_dir, what_if]) + "\n")
     if rows:
         with open(run_root / artifacts.SUMMARY_TSV, "a", encoding="utf-8") as f:

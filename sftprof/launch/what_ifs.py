@@ -21,9 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.analysis.what_if import config_argument, setting_text
+from sftprof.analysis.what_if import setting_text
 from sftprof.config import ConfigError, last_value_per_key, load_config, trial_log_dir
-from sftprof.launch.folders import check_path_fits
+from sftprof.atomic import write_text
+from sftprof.launch.folders import check_path_fits, write_train_args
 from sftprof.launch.planning import Trial
 from sftprof.launch.summaries import read_summary
 from sftprof.launch.variables import DriverError
@@ -67,7 +68,7 @@ def what_if_trial(source: Trial, what_if: dict) -> Trial:
     """
     name = f"{source.name}_whatif_{what_if['key']}"
     config = source.args[1]  # the trainer's arguments start with --config <path>
-    settings = [config_argument(s) for s in what_if["settings"] if s["kind"] == "config"]
+    settings = [setting_text(s) for s in what_if["settings"] if s["kind"] == "config"]
     overrides = last_value_per_key(source.args[2:] + settings + [f"trial_name={name}"])
     try:
         cfg = load_config(config, overrides)
@@ -86,10 +87,8 @@ def what_if_trial(source: Trial, what_if: dict) -> Trial:
 def write_what_if_plan(run_root: Path, trial: Trial, source: Trial, what_if: dict) -> None:
     """Write the what-if trial's folder (``train_args.txt``, ``what_if.json``) and its row of ``trials.tsv``."""
     trial.run_dir.mkdir(parents=True)
-    args_file = trial.run_dir / artifacts.TRAIN_ARGS
-    args_file.write_text("\n".join(trial.args) + "\n")
+    row = write_train_args(trial)
     record = {"source_trial": source.name, "source_run_dir": str(source.run_dir), "what_if": what_if}
-    (trial.run_dir / artifacts.WHAT_IF_JSON).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    write_text(trial.run_dir / artifacts.WHAT_IF_JSON, json.dumps(record, indent=1, sort_keys=True) + "\n")
     with open(run_root / artifacts.TRIALS_TSV, "a", encoding="utf-8") as f:
-        f.write("\t".join([trial.name, trial.kind, str(trial.step), str(trial.run_dir), str(trial.log_dir),
-                           str(args_file)]) + "\n")
+        f.write(row + "\n")
