@@ -38,7 +38,7 @@ from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summa
 from sftprof.analysis.collectives import exposed_groups
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["CompareInputError", "find_trials", "what_if_trials", "what_if_result", "compare_runs", "dir_name",
+__all__ = ["CompareInputError", "find_trials", "what_if_result", "compare_runs", "dir_name",
            "NO_MATCH"]
 
 _ROWS = 15  # rows per top-kernel / site table
@@ -75,10 +75,10 @@ def dir_name(path: str) -> str:
     return os.path.basename(os.path.abspath(path))
 
 
-def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
-    """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT; a RUN_ROOT's what-if trials (summaries
-    with ``tried_what_if``: another configuration, of the same kind and step as their source) are left out
-    (:func:`what_if_trials`).
+def find_trials(run: str) -> tuple[dict[tuple[str, int], tuple[str, dict]], list[tuple[str, dict]]]:
+    """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT, and ``[(trial_dir, summary)]`` of its
+    what-if trials (summaries with ``tried_what_if``; run order of the folder names). A RUN_ROOT's what-if trials
+    (another configuration, of the same kind and step as their source) are left out of the first.
 
     Raises:
         CompareInputError: ``run`` is not a directory or holds no ``profile_summary.json`` (the message names
@@ -101,31 +101,18 @@ def find_trials(run: str) -> dict[tuple[str, int], tuple[str, dict]]:
                 f"(e.g. {os.path.join(run, roots[0])}): compare takes one trial run dir or RUN_ROOT per side")
         raise CompareInputError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
     out: dict[tuple[str, int], tuple[str, dict]] = {}
+    what_ifs = []
     for d in dirs:
         s = _load_summary(os.path.join(d, SUMMARY_JSON))
+        if isinstance(s.get("tried_what_if"), dict):
+            what_ifs.append((d, s))
         if len(dirs) > 1 and s.get("tried_what_if"):  # another configuration: compared with its source trial
             continue
         key = (s["profile_kind"], s["profile_step"])
         if key in out:
             raise CompareInputError(f"{run}: trials {out[key][0]} and {d} are both {key[0]} step {key[1]}")
         out[key] = (d, s)
-    return out
-
-
-def what_if_trials(run: str) -> list[tuple[str, dict]]:
-    """``[(trial_dir, summary)]`` of the what-if trials (``tried_what_if``) of a trial dir or a RUN_ROOT (run order of
-    the folder names); unreadable summaries are left to :func:`find_trials`."""
-    dirs = [run] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else \
-        [os.path.join(run, d) for d in sorted(os.listdir(run)) if os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
-    out = []
-    for d in dirs:
-        try:
-            s = read_summary(os.path.join(d, SUMMARY_JSON))
-        except SummaryReadError:
-            continue
-        if isinstance(s.get("tried_what_if"), dict):
-            out.append((d, s))
-    return out
+    return out, what_ifs
 
 
 def _without_summary(run: str) -> list[str]:
@@ -629,14 +616,14 @@ def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
     return out
 
 
-def _what_if_pairs(ta: dict, run_a: str, run_b: str) -> list[tuple[str, dict, str, dict]]:
-    """``[(source dir, source summary, what-if dir, what-if summary)]``: each what-if trial of B whose source trial
-    (``tried_what_if.source_trial``) is a trial of A (``ta``: :func:`find_trials` of A; a what-if trial of A is not a
-    source)."""
+def _what_if_pairs(ta: dict, what_ifs_b: list[tuple[str, dict]]) -> list[tuple[str, dict, str, dict]]:
+    """``[(source dir, source summary, what-if dir, what-if summary)]``: each what-if trial of B (``what_ifs_b``) whose
+    source trial (``tried_what_if.source_trial``) is a trial of A (``ta``: :func:`find_trials` of A; a what-if trial
+    of A is not a source)."""
     by_name = {dir_name(d): (d, s) for d, s in ta.values()}
     by_name.update({s.get("trial"): (d, s) for d, s in ta.values() if s.get("trial")})
     out = []
-    for d, s in what_if_trials(run_b):
+    for d, s in what_ifs_b:
         source = by_name.get(s["tried_what_if"]["source_trial"])
         if source and os.path.abspath(source[0]) != os.path.abspath(d):
             out.append((source[0], source[1], d, s))
@@ -680,7 +667,7 @@ def compare_runs(run_a: str, run_b: str) -> str:
     if os.path.isdir(run_a) and os.path.isdir(run_b) and os.path.samefile(run_a, run_b):
         raise CompareInputError(f"RUN_A {run_a} and RUN_B {run_b} are the same folder: compare sets two runs side by "
                                 "side (run the driver again for a repeat, whose deltas show run-to-run noise)")
-    ta, tb = find_trials(run_a), find_trials(run_b)
+    (ta, wa), (tb, wb) = find_trials(run_a), find_trials(run_b)
     ga, gb = _groups(ta), _groups(tb)
     out = [REPORT_TITLE, "", f"- A: `{os.path.abspath(run_a)}`", f"- B: `{os.path.abspath(run_b)}`"]
     common = sorted(set(ga) & set(gb))
@@ -692,9 +679,9 @@ def compare_runs(run_a: str, run_b: str) -> str:
     for side, run in (("A", run_a), ("B", run_b)):
         out += [f"- not compared: `{d}` in {side} has no {SUMMARY_JSON} (a trial not run, e.g. after STOP_ON_FAILURE, "
                 "or not postprocessed)" for d in _without_summary(run)]
-    pairs = _what_if_pairs(ta, run_a, run_b)
-    for side, run in (("A", run_a), ("B", run_b)):
-        left_out = [] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else what_if_trials(run)
+    pairs = _what_if_pairs(ta, wb)
+    for side, run, what_ifs in (("A", run_a, wa), ("B", run_b, wb)):
+        left_out = [] if os.path.isfile(os.path.join(run, SUMMARY_JSON)) else what_ifs
         if left_out:
             out.append(f"- what-if trials in {side}, left out of the tables (another configuration; each is set "
                        "against its source trial below where A holds that trial): "
