@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
 from sftprof.analysis.schema import EfficiencyRow, processed_traces, read_summary  # noqa: E402
 from sftprof.artifacts import SUMMARY_JSON  # noqa: E402
+from sftprof.launch.arguments import arguments_setting  # noqa: E402
 from sftprof.models.specs import have_transformer_engine  # noqa: E402
 
 DRIVER_ENV = {"PROFILE_N_MBS": "1", "PROFILE_RANKS": ""}
@@ -266,9 +267,8 @@ def driver_call(spec: str, args, overrides: list[str], out_dir: Path, stamp: str
     name = layout.replace(':', '_').replace('|', '_').replace('(', '').replace(')', '')
     run_root = out_dir / f"{name}_{stamp}" if not extra else out_dir / f"{name}_{len(extra)}ov_{stamp}"
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
-    impls = [v.strip() for k, _, v in (o.partition("=") for o in overrides + extra)
-             if k.strip() == "actor.megatron.transformer_impl"]
-    if (impls and impls[-1] == "local") or not have_transformer_engine():
+    impls = arguments_setting("actor.megatron.transformer_impl", overrides + extra)
+    if (impls and impls[-1].partition("=")[2].strip() == "local") or not have_transformer_engine():
         env.update(NO_TE_ENV)
     env.update(DRIVER_ENV, PROFILE_KINDS=args.kinds, CONFIG=args.config, TRAIN_BATCH_SIZE=str(parsed.dp),
                RUN_ROOT=str(run_root), N_GPUS_PER_NODE=str(parsed.world_size),
