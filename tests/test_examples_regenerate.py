@@ -29,7 +29,7 @@ def test_an_unknown_part_stops_before_any_part_runs(tmp_path):
     (trial / "profile_summary.md").write_text("new\n")
     proc = _run(out, work, "keep", "bogus")
     assert proc.returncode == 2
-    assert proc.stderr == ("regenerate.sh: unknown part bogus; accepted: qwen3_30b_a3b lm_head_2048 local qwen3_5 "
+    assert proc.stderr == ("regenerate.sh: unknown part bogus; accepted: qwen3_30b_a3b lm_head_2048 fp32_optimizer local qwen3_5 "
                            "qwen3_5_local keep\n")
     assert not (out / "qwen3_5_35b_a3b").exists()  # keep did not run
 

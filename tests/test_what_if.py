@@ -110,10 +110,10 @@ def test_te_memory_trial_proposes_expandable_segments_and_the_chunked_lm_head(te
 
 
 def test_chunked_lm_head_prediction_against_the_h200_trial_that_ran_it(tmp_path_factory):
-    """The TE memory trial of the shipped slice (4 layers, 131072 tokens, docs/examples/qwen3_30b_a3b) peaks at 82.95
-    GiB holding 37.09 GiB of logits (131072 x 151936 bf16). Its what-if predicts the peak of the same trial with
-    LM_HEAD_LOSS_CHUNK_SIZE=2048 from the allocator history: the step's highest point without the logits block. The
-    trial that ran that setting on the same H200 (docs/examples/qwen3_30b_a3b_lm_head_2048) peaked there."""
+    """The TE memory trial of the shipped slice (4 layers, 131072 tokens; the run before the fused SwiGLU with TE)
+    peaks at 82.95 GiB holding 37.09 GiB of logits (131072 x 151936 bf16). Its what-if predicts the peak of the same
+    trial with LM_HEAD_LOSS_CHUNK_SIZE=2048 from the allocator history: the step's highest point without the logits
+    block. The trial that ran that setting on the same H200 peaked there (75.27 GiB)."""
     def trial(name, extra):
         d = FIXTURE_DIR / "h200_te_128k"
         return _trial(tmp_path_factory.mktemp(name), "memory", 2, d / f"{name}.snapshot.pickle.gz",

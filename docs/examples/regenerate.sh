@@ -4,6 +4,9 @@
 #                                profiled, kernel and memory trials (LM_HEAD_LOSS_CHUNK_SIZE=0, as shipped)
 #   qwen3_30b_a3b_lm_head_2048/  the same memory trial with LM_HEAD_LOSS_CHUNK_SIZE=2048
 #   compare_lm_head.md           postprocess_profile.py compare of the two (where the memory peak went)
+#   qwen3_30b_a3b_fp32_optimizer/  the same memory trial with USE_PRECISION_AWARE_OPTIMIZER=false
+#                                MAIN_GRADS_DTYPE=float32 (the optimizer the shipped defaults replace)
+#   compare_optimizer.md         compare of the shipped run (A) and the fp32-optimizer run (B)
 #   qwen3_30b_a3b_local/         the first run with TE hidden (actor.megatron.transformer_impl=local, fp32 optimizer:
 #                                TE's FusedAdam is what the precision-aware optimizer needs), both kinds
 #   compare_local_vs_te.md       compare of qwen3_30b_a3b_local (A) and qwen3_30b_a3b (B)
@@ -12,7 +15,7 @@
 #   qwen3_5_35b_a3b_local/       the same with TE hidden (fp32 optimizer), both kinds
 # Only summaries (Markdown) and plots are kept, no traces or snapshots.
 # Usage (repo root):  bash docs/examples/regenerate.sh WORK_DIR [PART ...]
-#   PART: qwen3_30b_a3b, lm_head_2048, local, qwen3_5, qwen3_5_local, keep (copy what WORK_DIR holds into
+#   PART: qwen3_30b_a3b, lm_head_2048, fp32_optimizer, local, qwen3_5, qwen3_5_local, keep (copy what WORK_DIR holds into
 #   docs/examples/); default: all, in that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -20,7 +23,7 @@ out=$repo/docs/examples
 work=${1:?usage: bash docs/examples/regenerate.sh WORK_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local keep)
+[ ${#parts[@]} -gt 0 ] || parts=(qwen3_30b_a3b lm_head_2048 fp32_optimizer local qwen3_5 qwen3_5_local keep)
 run() {  # NAME [VAR=value ...] [-- key=value ...]: one driver run on one GPU into WORK_DIR/NAME
   local name=$1 vars=() overrides=(); shift
   while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
@@ -41,7 +44,7 @@ keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kin
     find "$trial" -name '*.png' -exec cp {} "$out/$name/$kind/" \;
   done
 }
-accepted="qwen3_30b_a3b lm_head_2048 local qwen3_5 qwen3_5_local keep"
+accepted="qwen3_30b_a3b lm_head_2048 fp32_optimizer local qwen3_5 qwen3_5_local keep"
 for part in "${parts[@]}"; do  # every part is checked before anything runs
   [[ " $accepted " == *" $part "* ]] || { echo "regenerate.sh: unknown part $part; accepted: $accepted" >&2; exit 2; }
 done
@@ -52,6 +55,10 @@ for part in "${parts[@]}"; do
       run qwen3_30b_a3b_lm_head_2048 PROFILE_KINDS=memory LM_HEAD_LOSS_CHUNK_SIZE=2048
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_lm_head_2048" \
           --out "$work/compare_lm_head.md" ;;
+    fp32_optimizer)
+      run qwen3_30b_a3b_fp32_optimizer PROFILE_KINDS=memory USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32
+      python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_fp32_optimizer" \
+          --out "$work/compare_optimizer.md" ;;
     local)
       run qwen3_30b_a3b_local USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b_local" "$work/qwen3_30b_a3b" \
@@ -61,10 +68,10 @@ for part in "${parts[@]}"; do
       run qwen3_5_35b_a3b_local CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_FAKE_SEQ_LEN=32768 \
           USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local ;;
     keep)
-      for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_30b_a3b_local qwen3_5_35b_a3b qwen3_5_35b_a3b_local; do
+      for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_30b_a3b_fp32_optimizer qwen3_30b_a3b_local qwen3_5_35b_a3b qwen3_5_35b_a3b_local; do
         keep "$name"
       done
-      for f in compare_lm_head.md compare_local_vs_te.md; do [ ! -f "$work/$f" ] || cp "$work/$f" "$out/"; done
+      for f in compare_lm_head.md compare_optimizer.md compare_local_vs_te.md; do [ ! -f "$work/$f" ] || cp "$work/$f" "$out/"; done
       du -sh "$out" ;;
   esac
 done
