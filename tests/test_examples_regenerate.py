@@ -46,6 +46,7 @@ def test_keep_copies_summaries_and_plots_and_keeps_an_example_whose_run_left_non
     failed.mkdir(parents=True)
     (failed / "launcher.log").write_text("exit 1\n")
     (work / "compare_lm_head.md").write_text("compare\n")
+    (work / "compare_optimizer.md").write_text("optimizer\n")
     proc = _run(out, work, "keep")
     assert proc.returncode == 0, proc.stderr
     files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix != ".sh"}
@@ -56,4 +57,5 @@ def test_keep_copies_summaries_and_plots_and_keeps_an_example_whose_run_left_non
         "qwen3_5_35b_a3b/memory/memory.png": b"\x89PNGmemory",
         "qwen3_30b_a3b_local/kernel/profile_summary.md": b"earlier example\n",
         "compare_lm_head.md": b"compare\n",
+        "compare_optimizer.md": b"optimizer\n",
     }
