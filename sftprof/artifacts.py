@@ -222,6 +222,7 @@ SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"
 LAUNCHER_LOG = "launcher.log"
 NVIDIA_SMI_CSV = "nvidia_smi.csv"
+TRIAL_MARKER = "SFTPROF_TRIAL_ID"  # in the environment of torchrun and every process it starts
 SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
@@ -311,7 +312,9 @@ class StepRecord:
     mem_reserved_gb: Optional[float] = _unit("GiB reserved after the step, rank 0")
     mem_peak_allocated_gb: Optional[float] = _unit("GiB peak allocated during the step, rank 0")
     mem_peak_reserved_gb: Optional[float] = _unit("GiB peak reserved during the step, rank 0")
-    ranks: Optional[list] = _unit("per rank: {rank, step_time_s (s), mem_peak_allocated_gb, mem_peak_reserved_gb (GiB)}")
+    ranks: Optional[list] = _unit("per rank: {rank, step_time_s (s), mem_peak_allocated_gb, mem_peak_reserved_gb (GiB), "
+                                  "gpu_others: {pids, mib} of processes not of this trial on the rank's GPU after "
+                                  "the step (MiB; None: unknown, sftprof.capture.gpu_sharing)}")
     tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU: model FLOPs / step_time_s / world size / 1e12")
     mfu: Optional[float] = _unit("fraction: tflops_per_gpu / the GPU's peak dense BF16 TFLOP/s (sftprof.flops)")
     recompute_tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU re-run by activation recompute (not in mfu)")

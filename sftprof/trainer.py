@@ -43,6 +43,7 @@ import torch.distributed as dist
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
+from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
 from sftprof.cli import PipeSafeStreamHandler
@@ -293,7 +294,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             progress.end_step()
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
-                    "mem_peak_reserved_gb": mem["peak_reserved"]}
+                    "mem_peak_reserved_gb": mem["peak_reserved"],
+                    "gpu_others": other_processes() if device.type == "cuda" else None}
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
             steps_done = step + 1

@@ -48,6 +48,22 @@ def _per_rank(rec: dict) -> dict[int, dict]:
     return {int(r["rank"]): {k: _finite(r.get(k)) for k in _RANK_STAT_FIELDS} for r in rows}
 
 
+def _gpu_others(rec: dict) -> list[dict]:
+    """``[{rank, pids, mib}]``: the ranks of one step record whose GPU held processes not of the trial (the
+    record's ``ranks[].gpu_others``, :mod:`sftprof.capture.gpu_sharing`); entries without PIDs, or not of that shape,
+    are left out."""
+    ranks = rec.get("ranks")
+    out = []
+    for r in ranks if isinstance(ranks, list) else []:
+        g = r.get("gpu_others") if isinstance(r, dict) else None
+        if not isinstance(g, dict) or type(r.get("rank")) is not int:
+            continue
+        pids, mib = g.get("pids"), _finite(g.get("mib"))
+        if isinstance(pids, list) and pids and all(type(p) is int for p in pids) and mib is not None:
+            out.append({"rank": r["rank"], "pids": pids, "mib": float(mib)})
+    return out
+
+
 def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, int | None]:
     vals = [(v[key], r) for r, v in per_rank.items() if v[key] is not None]
     if not vals:
@@ -69,7 +85,8 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
     holds it (``*_rank``) and ``n_ranks``, the number of ranks the figure is taken over (1 when the record
     has no per-rank list: then it is rank 0's alone). ``per_rank`` maps every rank of the profiled step's
     record, profiled or not, to its ``step_time_s`` and peaks. Each step row's ``moe`` holds its routing figures
-    (:func:`moe_load`; None for a model without MoE layers). Non-finite or non-numeric values count as
+    (:func:`moe_load`; None for a model without MoE layers), its ``gpu_others`` the ranks whose GPU held processes
+    not of the trial after the step (:func:`_gpu_others`). Non-finite or non-numeric values count as
     absent. A missing file gives ``available: False``; unparsable lines are counted in ``bad_lines``.
     """
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
@@ -90,6 +107,7 @@ def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
             row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")
         row["n_ranks"] = len(per_rank)
         row["moe"] = moe_load(rec.get("moe_load"), rec.get("tokens"))
+        row["gpu_others"] = _gpu_others(rec)
         out["steps"].append(row)
         if profile_step is not None and rec.get("step") == profile_step:
             out["profile_step_record"] = rec

@@ -5,8 +5,8 @@ Errors: a trace or snapshot that could not be processed (or is not the trial's),
 without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
 events left out, faults of a trace's record (:mod:`sftprof.analysis.trace_sanity`), files of an earlier postprocess
 kept beside those of this one, a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing
-that collapsed (:func:`routing_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing
-(:func:`missing_traces`).
+that collapsed (:func:`routing_warnings`), a GPU shared with processes not of the trial
+(:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing (:func:`missing_traces`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
 
-__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "optional_input_warnings"]
+__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "shared_gpu_warnings",
+           "optional_input_warnings"]
 
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
@@ -154,6 +155,26 @@ def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) ->
     return out + [{"file": "stats.jsonl", "warning": (
         f"step {row['step']}: MoE routing collapsed: one expert received {100 * m['top_share']:.2f} % of the "
         f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}" + why)}]
+
+
+def shared_gpu_warnings(stats: dict) -> list[FileWarning]:
+    """One warning when a rank's GPU held processes not of the trial after some step (``stats.steps[].gpu_others``,
+    :mod:`sftprof.capture.gpu_sharing`): the steps, each such rank's PIDs and the most memory they held."""
+    seen: dict[int, dict] = {}  # rank -> {"pids", "mib", "steps"}
+    for row in stats["steps"]:
+        for g in row.get("gpu_others") or []:
+            r = seen.setdefault(g["rank"], {"pids": set(), "mib": 0.0, "steps": []})
+            r["pids"].update(g["pids"])
+            r["mib"] = max(r["mib"], g["mib"])
+            r["steps"].append(row["step"])
+    if not seen:
+        return []
+    ranks = "; ".join(f"rank {rank}: PID {', '.join(map(str, sorted(r['pids'])))}, up to {r['mib'] / 1024:.2f} GiB, "
+                      f"step(s) {', '.join(map(str, r['steps']))}" for rank, r in sorted(seen.items()))
+    return [{"file": "stats.jsonl", "warning": (
+        f"GPU shared: processes not of this trial ran on the GPU of {len(seen)} rank(s) ({ranks}). Their kernels "
+        "share the GPU with the trial's, so step and kernel times can be longer than the trial's own, and memory "
+        "they hold is memory the trial lacks; profile on a GPU of its own")}]
 
 
 def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[FileWarning]:

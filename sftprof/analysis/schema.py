@@ -91,6 +91,13 @@ class MoeRouting(TypedDict):
     invalid: int  # MoE layers left out: a value that cannot be true
 
 
+class GpuOthers(TypedDict):
+    """A rank whose GPU held processes not of the trial after a step (:mod:`sftprof.capture.gpu_sharing`)."""
+    rank: int
+    pids: list[int]
+    mib: float  # the GPU memory nvidia-smi gives them
+
+
 class StepRow(TypedDict):
     """One step of ``stats.jsonl``; memory peaks are the max over ranks (``*_rank`` holds it)."""
     step: int
@@ -107,6 +114,7 @@ class StepRow(TypedDict):
     mem_peak_reserved_rank: Optional[int]
     n_ranks: int  # ranks the peaks are taken over (1: rank 0's alone)
     moe: Optional[MoeRouting]
+    gpu_others: list[GpuOthers]
 
 
 class Stats(TypedDict):

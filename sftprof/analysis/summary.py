@@ -22,7 +22,7 @@ from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
-                                       routing_warnings)
+                                       routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.rank_table import rank_table
 from sftprof.analysis.schema import Counts, ProfileSummary
 from sftprof.analysis.summary_file import write_summary
@@ -119,7 +119,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
     warnings += optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
-    warnings += routing_warnings(stats, profile_step, cfg)
+    warnings += routing_warnings(stats, profile_step, cfg) + shared_gpu_warnings(stats)
     if profile_kind == "kernel":
         summary["missing_traces"] = missing_traces(cfg, items) if items else []
         warnings += missing_trace_warnings(cfg, summary["missing_traces"])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from sftprof import artifacts
 from sftprof.analysis.inputs import read_tried_what_if
-from sftprof.artifacts import read_stats
+from sftprof.artifacts import TRIAL_MARKER, read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.planning import Trial
 from sftprof.launch.report import INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
@@ -39,7 +39,6 @@ from sftprof.launch.signals import RunStop, ignore_signals, kill_group, name, sa
 from sftprof.launch.variables import REPO_ROOT, DriverError
 from sftprof.launch.what_ifs import choose, settings_of, what_if_trial, write_what_if_plan
 
-TRIAL_MARKER = "SFTPROF_TRIAL_ID"  # in the environment of torchrun and every process it starts
 WORKER_STOP_S = 30.0  # seconds the workers torchrun left get after SIGTERM before SIGKILL (torchrun's own wait)
 _TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
 SUMMARY_HEADER = ("trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
