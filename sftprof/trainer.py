@@ -295,7 +295,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"],
-                    "gpu_others": other_processes() if device.type == "cuda" else None}
+                    "gpu_others": other_processes(device) if device.type == "cuda" else None}
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
             steps_done = step + 1

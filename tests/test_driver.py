@@ -1269,11 +1269,12 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
     """SIGKILL of torchrun alone (its workers, each in its own session, lived on and finished their step; the end
     table said FAILED while the summary said ok): the launcher stops the worker torchrun left, the trial fails with
     status 137 in summary.tsv and the end table, and its summary names torchrun's signal and the rank stopped (the
-    rank that died with torchrun: tests/test_multinode.py)."""
+    rank that died with torchrun: tests/test_multinode.py). Step 9 is profiled, so that the worker cannot finish the
+    profiled step before the launcher stops it (with step 0 a loaded machine let it write its trace first)."""
     fileroot = tmp_path / "fileroot"
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
     env.update(CONFIG="tiny_cpu", FILEROOT=str(fileroot), RUN_ROOT=str(tmp_path / "run"), PROFILE_KINDS="kernel",
-               PROFILE_STEPS="0", PROFILE_STAMP="k", PROFILE_FAKE_SEQ_LEN="128", TOTAL_STEPS="1000000")
+               PROFILE_STEPS="9", PROFILE_STAMP="k", PROFILE_FAKE_SEQ_LEN="128", TOTAL_STEPS="1000000")
     proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -1299,12 +1300,12 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
                 pass
     assert proc.returncode == 137, out[-3000:] + err[-3000:]
     assert left == {}   # nothing of the trial left running
-    trial = "tiny_qwen3_moe_fake128_kernel_step0_k"
+    trial = "tiny_qwen3_moe_fake128_kernel_step9_k"
     run_dir = tmp_path / "run" / trial
     assert ("sftprof: torchrun was killed by SIGKILL (status 137) and left the workers of rank(s) 0 running: the "
             "launcher stopped them\n") in (run_dir / "launcher.log").read_text()
     rows = [line.split("\t") for line in (tmp_path / "run" / "summary.tsv").read_text().splitlines()[1:]]
-    assert [r[:6] for r in rows] == [[trial, "kernel", "0", "137", "137", "0"]]   # postprocessed without error
+    assert [r[:6] for r in rows] == [[trial, "kernel", "9", "137", "137", "0"]]   # postprocessed without error
     import json
     summary = json.loads((run_dir / "profile_summary.json").read_text())
     assert summary["status"] == "failed"
@@ -1312,5 +1313,5 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
     assert (failure["node"], failure["ranks"], failure["how"], failure["traceback"]) == (
         0, [0], "torchrun killed by SIGKILL (status 137)", "the launcher stopped the workers it left running (rank 0)")
     table = out[out.index("trial          status"):].splitlines()
-    assert table[1].startswith("kernel step 0  FAILED (137)") and table[1].endswith(
+    assert table[1].startswith("kernel step 9  FAILED (137)") and table[1].endswith(
         "first failure: node 0 (rank 0) torchrun killed by SIGKILL (status 137) (see profile_summary.md)")

@@ -50,18 +50,19 @@ def _per_rank(rec: dict) -> dict[int, dict]:
 
 def _gpu_others(rec: dict) -> list[dict]:
     """``[{rank, pids, mib}]``: the ranks of one step record whose GPU held processes not of the trial (the
-    record's ``ranks[].gpu_others``, :mod:`sftprof.capture.gpu_sharing`); entries without PIDs, or not of that shape,
-    are left out."""
+    record's ``ranks[].gpu_others``, :mod:`sftprof.capture.gpu_sharing`; ``mib`` None: unknown). An entry without
+    PIDs, with a rank below 0, a PID below 1 or a negative or non-finite memory is left out, as is a rank given twice."""
     ranks = rec.get("ranks")
-    out = []
+    out: dict[int, dict] = {}
     for r in ranks if isinstance(ranks, list) else []:
         g = r.get("gpu_others") if isinstance(r, dict) else None
-        if not isinstance(g, dict) or type(r.get("rank")) is not int:
+        if not isinstance(g, dict) or type(r.get("rank")) is not int or r["rank"] < 0 or r["rank"] in out:
             continue
-        pids, mib = g.get("pids"), _finite(g.get("mib"))
-        if isinstance(pids, list) and pids and all(type(p) is int for p in pids) and mib is not None:
-            out.append({"rank": r["rank"], "pids": pids, "mib": float(mib)})
-    return out
+        pids, mib = g.get("pids"), g.get("mib")
+        if (isinstance(pids, list) and pids and all(type(p) is int and p > 0 for p in pids)
+                and (mib is None or (_finite(mib) is not None and mib >= 0))):
+            out[r["rank"]] = {"rank": r["rank"], "pids": sorted(set(pids)), "mib": None if mib is None else float(mib)}
+    return list(out.values())
 
 
 def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, int | None]:

@@ -157,24 +157,49 @@ def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) ->
         f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}" + why)}]
 
 
+SHARED_GPU_LISTED = 8  # PIDs and ranks named in the shared-GPU warning; the rest are counted
+
+
 def shared_gpu_warnings(stats: dict) -> list[FileWarning]:
     """One warning when a rank's GPU held processes not of the trial after some step (``stats.steps[].gpu_others``,
-    :mod:`sftprof.capture.gpu_sharing`): the steps, each such rank's PIDs and the most memory they held."""
-    seen: dict[int, dict] = {}  # rank -> {"pids", "mib", "steps"}
+    :mod:`sftprof.capture.gpu_sharing`): per rank (the first :data:`SHARED_GPU_LISTED`) its PIDs (as many), the
+    most memory they held and the steps, as ranges."""
+    seen: dict[int, dict] = {}  # rank -> {"pids", "mib", "unknown", "steps"}
     for row in stats["steps"]:
         for g in row.get("gpu_others") or []:
-            r = seen.setdefault(g["rank"], {"pids": set(), "mib": 0.0, "steps": []})
+            r = seen.setdefault(g["rank"], {"pids": set(), "mib": 0.0, "unknown": False, "steps": set()})
             r["pids"].update(g["pids"])
-            r["mib"] = max(r["mib"], g["mib"])
-            r["steps"].append(row["step"])
+            r["unknown"] |= g["mib"] is None
+            r["mib"] = max(r["mib"], g["mib"] or 0.0)
+            r["steps"].add(row["step"])
     if not seen:
         return []
-    ranks = "; ".join(f"rank {rank}: PID {', '.join(map(str, sorted(r['pids'])))}, up to {r['mib'] / 1024:.2f} GiB, "
-                      f"step(s) {', '.join(map(str, r['steps']))}" for rank, r in sorted(seen.items()))
+
+    def listed(items: list, what: str) -> str:
+        more = len(items) - SHARED_GPU_LISTED
+        return ", ".join(map(str, items[:SHARED_GPU_LISTED])) + (f" and {more} more {what}" if more > 0 else "")
+
+    def rank_text(rank: int, r: dict) -> str:
+        memory = "memory unknown" if r["unknown"] and not r["mib"] else f"up to {r['mib'] / 1024:.2f} GiB" + (
+            " (some unknown)" if r["unknown"] else "")
+        return f"rank {rank}: PID {listed(sorted(r['pids']), 'PIDs')}, {memory}, step(s) {_ranges(sorted(r['steps']))}"
+
+    ranks = listed([rank_text(rank, r) for rank, r in sorted(seen.items())], "ranks")
     return [{"file": "stats.jsonl", "warning": (
-        f"GPU shared: processes not of this trial ran on the GPU of {len(seen)} rank(s) ({ranks}). Their kernels "
-        "share the GPU with the trial's, so step and kernel times can be longer than the trial's own, and memory "
-        "they hold is memory the trial lacks; profile on a GPU of its own")}]
+        f"GPU shared: processes not of this trial ran on the GPU of {len(seen)} rank(s) ({ranks}; as nvidia-smi "
+        "listed them after each step). Their kernels share the GPU with the trial's, so step and kernel times can be "
+        "longer than the trial's own, and memory they hold is memory the trial lacks; profile on a GPU of its own")}]
+
+
+def _ranges(steps: list[int]) -> str:
+    """``0, 2-5, 9`` of sorted distinct integers."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[FileWarning]:

@@ -95,7 +95,7 @@ class GpuOthers(TypedDict):
     """A rank whose GPU held processes not of the trial after a step (:mod:`sftprof.capture.gpu_sharing`)."""
     rank: int
     pids: list[int]
-    mib: float  # the GPU memory nvidia-smi gives them
+    mib: Optional[float]  # the GPU memory nvidia-smi gives them; None: unknown ([N/A])
 
 
 class StepRow(TypedDict):
