@@ -180,8 +180,10 @@ def shared_gpu_warnings(stats: dict) -> list[FileWarning]:
         return ", ".join(map(str, items[:SHARED_GPU_LISTED])) + (f" and {more} more {what}" if more > 0 else "")
 
     def rank_text(rank: int, r: dict) -> str:
-        memory = "memory unknown" if r["unknown"] and not r["mib"] else f"up to {r['mib'] / 1024:.2f} GiB" + (
-            " (some unknown)" if r["unknown"] else "")
+        if r["unknown"] and not r["mib"]:
+            memory = "memory unknown"
+        else:
+            memory = f"up to {r['mib'] / 1024:.2f} GiB" + (" (some unknown)" if r["unknown"] else "")
         return f"rank {rank}: PID {listed(sorted(r['pids']), 'PIDs')}, {memory}, step(s) {_ranges(sorted(r['steps']))}"
 
     ranks = listed([rank_text(rank, r) for rank, r in sorted(seen.items())], "ranks")

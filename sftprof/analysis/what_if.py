@@ -24,7 +24,8 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
   :mod:`sftprof.analysis.memory_estimate`, which follows ``actor.loss``, and an activation block at least their
   size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
   logits, one chunk kept, or the step's highest point without the logits block when that is higher (the
-  snapshot's ``without_largest_block``; on 1x H200 with TE it foretold the 2048-chunk trials' 75.27 GiB, and 70.77 GiB with the fused SwiGLU).
+  snapshot's ``without_largest_block``; on 1x H200 with TE it foretold the 2048-chunk trials' 75.27 GiB, and
+  70.77 GiB with the fused SwiGLU).
 - ``precision_aware_optimizer`` (memory trial, megatron, Transformer Engine in the trial): an optimizer-step peak
   (the peak in ``sftprof/optimizer_step``, or the optimizer state the largest category at it);
   ``use_precision_aware_optimizer=true``, ``main_grads_dtype=bfloat16`` (``USE_PRECISION_AWARE_OPTIMIZER=true
