@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftprof.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -297,8 +299,8 @@ def test_cp2_sdpa_attention_matches_single_gpu(tmp_path, case):
     out = tmp_path / "errs.json"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", "29511", __file__, str(out), case], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--master-port", str(free_port()), __file__, str(out), case], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errs = json.loads(out.read_text())
     print(f"CP=2 ({case}) vs single-GPU max abs errors:", errs)

@@ -1,4 +1,5 @@
-"""CPU: ``docs/examples/regenerate.sh`` checks its parts before running any, and ``keep`` copies summaries and plots
+"""CPU: ``docs/examples/regenerate.sh`` checks its parts before running any (names, and the shipped run that three
+parts are compared with), and ``keep`` copies summaries and plots
 without losing an example whose run left no summary. Runs on a copy of the script (``keep`` writes beside it)."""
 import shutil
 import subprocess
@@ -32,6 +33,17 @@ def test_an_unknown_part_stops_before_any_part_runs(tmp_path):
     assert proc.stderr == ("regenerate.sh: unknown part bogus; accepted: qwen3_30b_a3b lm_head_2048 fp32_optimizer local qwen3_5 "
                            "qwen3_5_local keep\n")
     assert not (out / "qwen3_5_35b_a3b").exists()  # keep did not run
+
+
+def test_a_part_compared_with_the_shipped_run_needs_that_run_first(tmp_path):
+    out = _copy(tmp_path)
+    work = tmp_path / "work"
+    for part in ("lm_head_2048", "fp32_optimizer", "local"):
+        proc = _run(out, work, "qwen3_5", part)  # qwen3_5 would run first: nothing may start
+        assert proc.returncode == 2
+        assert proc.stderr == (f"regenerate.sh: part {part} is compared with the shipped run {work}/qwen3_30b_a3b, which "
+                               f"does not exist; run part qwen3_30b_a3b first (regenerate.sh {work} qwen3_30b_a3b {part})\n")
+    assert not work.exists()
 
 
 def test_keep_copies_summaries_and_plots_and_keeps_an_example_whose_run_left_none(tmp_path):

@@ -28,6 +28,7 @@ import pytest
 import torch
 from hf_checkpoints import write_qwen3_moe
 
+from sftprof.launch import free_port
 from sftprof.models.specs import have_transformer_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ LOGPROB_ATOL, LOSS_RTOL, GRAD_RTOL = (5e-4, 1e-5, 4e-3) if have_transformer_engi
 
 def _run_worker(ckpt: Path, cases: str, nproc: int, out: Path) -> list:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29731",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            str(REPO / "tests" / "hf_parity_worker.py"), "--ckpt", str(ckpt), "--cases", cases, "--out-dir", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftprof.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 151936
 LAYOUTS = ["megatron:d2", "megatron:(attn:c2|ffn:e2)", "megatron:(attn:t2|ffn:e2)", "megatron:p2"]
@@ -27,7 +29,7 @@ def _run(tmp_path: Path, mode: str, extra=(), nproc: int = 2) -> list:
         "train_dataset.batch_size=2", "actor.mb_spec.n_mbs=" + ("2" if "p2" in mode else "1"), *extra]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                           "29512", str(ROOT / "train_sft_profile.py"), "--config", "tiny_cpu", *overrides],
+                           str(free_port()), str(ROOT / "train_sft_profile.py"), "--config", "tiny_cpu", *overrides],
                           env=env, capture_output=True, text=True, timeout=400)
     stats = list(tmp_path.glob("logs/*/*/t/stats.jsonl"))
     assert proc.returncode == 0 and stats, proc.stdout[-4000:] + proc.stderr[-8000:]

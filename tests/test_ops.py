@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sftprof.launch import free_port
 from sftprof.ops import StaleBufferError, linear_logprobs, linear_sft_loss, vocab_parallel_logprobs
 from sftprof.ops.vocab_softmax import SHIFT_MARGIN, sft_chunk_, shift_offset
 
@@ -332,12 +332,6 @@ def test_sft_loss_fp16_stays_finite_and_exact():
     _close(wq.grad, ref_gw, "fp16 d/dweight", **_tol(torch.bfloat16, ref_gw))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_worker(rank, world, port, seed):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -352,7 +346,7 @@ def _gloo_worker(rank, world, port, seed):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parity_tensor_parallel_gloo(tp):
     """tp ranks over gloo: vocab-parallel logits path, linear paths with and without sequence parallel."""
-    mp.spawn(_gloo_worker, args=(tp, _free_port(), fresh_seed()), nprocs=tp, join=True)
+    mp.spawn(_gloo_worker, args=(tp, free_port(), fresh_seed()), nprocs=tp, join=True)
 
 
 def _small(dtype=torch.float32, requires_grad=True):
@@ -547,4 +541,4 @@ def _shard_check_worker(rank, world, port, seed):
 
 
 def test_inconsistent_vocab_shards_are_refused_gloo():
-    mp.spawn(_shard_check_worker, args=(2, _free_port(), fresh_seed()), nprocs=2, join=True)
+    mp.spawn(_shard_check_worker, args=(2, free_port(), fresh_seed()), nprocs=2, join=True)

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sftprof.launch import free_port
 from sftprof.ops import linear_sft_loss, vocab_parallel_logprobs
-from test_ops import (_free_port, check_all, check_flat_row_shift_offset, check_minus_inf_logits, check_sft_far_targets,
+from test_ops import (check_all, check_flat_row_shift_offset, check_minus_inf_logits, check_sft_far_targets,
                       fresh_seed)
 
 pytestmark = pytest.mark.gpu
@@ -139,4 +140,4 @@ def _nccl_worker(rank, world, port, seed):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for TP=2 over NCCL")
 def test_parity_tp2_nccl():
-    mp.spawn(_nccl_worker, args=(2, _free_port(), fresh_seed()), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port(), fresh_seed()), nprocs=2, join=True)

@@ -103,8 +103,7 @@ def test_save_pretrained_checkpoint_logprobs_match_hugging_face(tmp_path):
 def test_tiny_qwen3_5_preset_through_the_driver(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
     env.update(CONFIG="tiny_qwen3_5_cpu", FILEROOT=str(tmp_path / "fileroot"), RUN_ROOT=str(tmp_path / "run"),
-               PROFILE_STEPS="0", PROFILE_KINDS="kernel", PROFILE_STAMP="e2e", PROFILE_FAKE_SEQ_LEN="128",
-               MASTER_PORT="29613", OMP_NUM_THREADS="1")
+               PROFILE_STEPS="0", PROFILE_KINDS="kernel", PROFILE_STAMP="e2e", PROFILE_FAKE_SEQ_LEN="128", OMP_NUM_THREADS="1")
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftprof.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 248320
 LAYOUTS = [("megatron:d1", 1), ("megatron:(attn:t2|ffn:e2)", 2)]
@@ -41,7 +43,7 @@ def test_tiny_qwen3_5_two_steps_loss_near_ln_vocab(tmp_path, mode, gpus):
                  "profile.fake_seq_len=2048"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
-                           "--master-port", "29514", str(ROOT / "train_sft_profile.py"), "--config", "tiny_qwen3_5_cpu",
+                           "--master-port", str(free_port()), str(ROOT / "train_sft_profile.py"), "--config", "tiny_qwen3_5_cpu",
                            *overrides], env=env, capture_output=True, text=True, timeout=500)
     stats = list(tmp_path.glob("logs/*/*/t/stats.jsonl"))
     assert proc.returncode == 0 and stats, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -63,7 +65,7 @@ def test_qwen3_5_35b_a3b_shape_4_layers_through_the_driver(tmp_path, mode, gpus)
     env.update(CONFIG=str(ROOT / "qwen3_5_35b_a3b_sft_profile.yaml"), FILEROOT=str(tmp_path / "fileroot"),
                RUN_ROOT=str(tmp_path / "run"), PROFILE_STEPS="1", PROFILE_STAMP="gpu", PROFILE_FAKE_SEQ_LEN=seq,
                USE_PRECISION_AWARE_OPTIMIZER="false", TRAIN_BATCH_SIZE="1",
-               PROFILE_N_MBS="1", PROFILE_FAKE_DATASET_SIZE="2", MASTER_PORT="29516")
+               PROFILE_N_MBS="1", PROFILE_FAKE_DATASET_SIZE="2")
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={mode}",
                           "actor.num_layers=4"], env=env, capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -23,6 +23,7 @@ from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, sav
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
 from sftprof.models import megatron_config as mc
+from sftprof.launch import free_port
 from sftprof.models.layers.experts import grouped_mm_supported
 from sftprof.models.hf import load_hf_config
 from sftprof.models.specs import check_linear_attention_layout, decoder_block_spec
@@ -153,14 +154,6 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     assert err < 1e-5 * expected.abs().max().item() + 1e-6, err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
     import os
 
@@ -222,7 +215,7 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
     and input-gradient shard equal Hugging Face's single-device layer."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp2_sequence_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_tp2_sequence_parallel_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, tmp_path):
