@@ -37,13 +37,36 @@ def test_an_unknown_part_stops_before_any_part_runs(tmp_path):
 
 def test_a_part_compared_with_the_shipped_run_needs_that_run_first(tmp_path):
     out = _copy(tmp_path)
-    work = tmp_path / "work"
+    work = tmp_path / "work dir"
+    (work / "qwen3_30b_a3b" / "failed_trial").mkdir(parents=True)  # a run without a trial summary is no base
     for part in ("lm_head_2048", "fp32_optimizer", "local"):
         proc = _run(out, work, "qwen3_5", part)  # qwen3_5 would run first: nothing may start
         assert proc.returncode == 2
         assert proc.stderr == (f"regenerate.sh: part {part} is compared with the shipped run {work}/qwen3_30b_a3b, which "
-                               f"does not exist; run part qwen3_30b_a3b first (regenerate.sh {work} qwen3_30b_a3b {part})\n")
-    assert not work.exists()
+                               f"holds no trial summary; run part qwen3_30b_a3b first (regenerate.sh '{work}' "
+                               f"qwen3_30b_a3b {part})\n")
+    assert sorted(p.name for p in work.iterdir()) == ["qwen3_30b_a3b"]
+
+
+def test_the_shipped_run_first_or_already_there_lets_the_compared_parts_run(tmp_path):
+    """With stand-ins for the driver and postprocess_profile.py that log their arguments."""
+    out = _copy(tmp_path)
+    repo = out.parents[1]
+    log = tmp_path / "calls.log"
+    (repo / "run_qwen3_30b_a3b_sft_profile.sh").write_text(
+        f'mkdir -p "$RUN_ROOT/trial" && touch "$RUN_ROOT/trial/profile_summary.md"\necho "driver $RUN_ROOT" >> "{log}"\n')
+    (repo / "postprocess_profile.py").write_text(
+        f"import sys\nopen({str(log)!r}, 'a').write('compare ' + ' '.join(sys.argv[2:4]) + '\\n')\n")
+    work = tmp_path / "work"
+    proc = _run(out, work, "qwen3_30b_a3b", "local")
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(out, work, "fp32_optimizer")  # the shipped run is there now
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == [
+        f"driver {work}/qwen3_30b_a3b", f"driver {work}/qwen3_30b_a3b_local",
+        f"compare {work}/qwen3_30b_a3b_local {work}/qwen3_30b_a3b",
+        f"driver {work}/qwen3_30b_a3b_fp32_optimizer",
+        f"compare {work}/qwen3_30b_a3b {work}/qwen3_30b_a3b_fp32_optimizer"]
 
 
 def test_keep_copies_summaries_and_plots_and_keeps_an_example_whose_run_left_none(tmp_path):

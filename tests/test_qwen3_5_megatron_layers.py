@@ -22,8 +22,8 @@ from fixtures.megatron_cpu import megatron_cpu
 from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
-from sftprof.models import megatron_config as mc
 from sftprof.launch import free_port
+from sftprof.models import megatron_config as mc
 from sftprof.models.layers.experts import grouped_mm_supported
 from sftprof.models.hf import load_hf_config
 from sftprof.models.specs import check_linear_attention_layout, decoder_block_spec

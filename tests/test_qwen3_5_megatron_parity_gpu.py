@@ -5,7 +5,6 @@ reference code), through the project's loader (``sftprof.models.megatron_load``)
 fla's Triton kernels run their fp32 dot products in TF32 on Hopper, so the log-probs agree to ~1e-3 rather than
 the CPU test's 1e-5: the test prints the error and bounds it at 2e-2 nats.
 """
-import os
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from fixtures.qwen3_5 import megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import load_config
+from sftprof.launch import free_port
 from sftprof.models import megatron_config as mc
 from sftprof.models.hf import load_hf_config
 
@@ -27,10 +27,8 @@ def test_save_pretrained_checkpoint_in_megatron_on_gpu_matches_hugging_face(tmp_
 
     save_tiny_checkpoint(tmp_path)
     loaded = load_hf_config(str(tmp_path))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         apply_megatron_compat()
         parallel_state.initialize_model_parallel()

@@ -45,14 +45,16 @@ keep() {  # NAME: copy each trial's summary and plots to docs/examples/NAME/<kin
   done
 }
 accepted="qwen3_30b_a3b lm_head_2048 fp32_optimizer local qwen3_5 qwen3_5_local keep"
-base=no; [ ! -d "$work/qwen3_30b_a3b" ] || base=yes
+base=no; ! compgen -G "$work/qwen3_30b_a3b/*/profile_summary.md" > /dev/null || base=yes
 for part in "${parts[@]}"; do  # every part is checked before anything runs
   [[ " $accepted " == *" $part "* ]] || { echo "regenerate.sh: unknown part $part; accepted: $accepted" >&2; exit 2; }
+done
+for part in "${parts[@]}"; do
   case $part in
     qwen3_30b_a3b) base=yes ;;
     lm_head_2048|fp32_optimizer|local) [ $base = yes ] || {
-      echo "regenerate.sh: part $part is compared with the shipped run $work/qwen3_30b_a3b, which does not exist;" \
-           "run part qwen3_30b_a3b first (regenerate.sh $work qwen3_30b_a3b $part)" >&2; exit 2; } ;;
+      echo "regenerate.sh: part $part is compared with the shipped run $work/qwen3_30b_a3b, which holds no trial" \
+           "summary; run part qwen3_30b_a3b first (regenerate.sh '$work' qwen3_30b_a3b $part)" >&2; exit 2; } ;;
   esac
 done
 for part in "${parts[@]}"; do
