@@ -17,6 +17,8 @@
 # Usage (repo root):  bash docs/examples/regenerate.sh WORK_DIR [PART ...]
 #   PART: qwen3_30b_a3b, lm_head_2048, fp32_optimizer, local, qwen3_5, qwen3_5_local, keep (copy what WORK_DIR holds into
 #   docs/examples/); default: all, in that order. Each run part refuses to run twice into the same WORK_DIR (the driver refuses a used RUN_ROOT).
+#   lm_head_2048, fp32_optimizer and local are compared with qwen3_30b_a3b's run: it must come earlier in PART or be
+#   in WORK_DIR already (checked before anything runs).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=$repo/docs/examples
