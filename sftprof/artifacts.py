@@ -19,7 +19,7 @@ Layout::
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
         memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
     LOG_DIR = FILEROOT/logs/<user>/<experiment>/<trial>/
-        trainer.log  stats.jsonl  config.yaml  rank_coords.json
+        trainer.log  stats.jsonl  config.yaml  environment.json  rank_coords.json
         perf_tracer/rank<r>.pt.trace.json   memory_snapshots/step_<N>/...   nodes/node<k>.json
 
 Raw-trace names of earlier releases (``perf_tracer/traces-r<r>.chrome.json[.gz]``) are still parsed
@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, Mapping, Optional
 
 # ---------------------------------------------------------------------------------------------------------
 # Region names
@@ -112,9 +112,27 @@ TRAINER_LOG = "trainer.log"
 STATS = "stats.jsonl"
 CONFIG_YAML = "config.yaml"
 RANK_COORDS = "rank_coords.json"
+ENVIRONMENT = "environment.json"  # rank 0's recorded_environment() at the trial's start
 PERF_TRACER = "perf_tracer"
 MEMORY_SNAPSHOTS = "memory_snapshots"
 NODES = "nodes"
+
+# Environment variables that change what a trial computes or how fast it runs (read by Transformer Engine, NCCL,
+# torch, Inductor, Triton, cuBLAS, cuDNN, CUDA, OpenMP): these prefixes and names. Paths (names ending in _DIR, _HOME,
+# _PATH, _FILE) are left out: they differ between machines, not between jobs.
+RECORDED_ENV_PREFIXES = ("NVTE_", "NCCL_", "TORCH_NCCL_", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_", "CUBLAS_",
+                         "CUBLASLT_", "CUDNN_")
+RECORDED_ENV_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
+                      "NVIDIA_TF32_OVERRIDE", "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE")
+
+
+def recorded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` that a trial records (:data:`RECORDED_ENV_PREFIXES`, :data:`RECORDED_ENV_NAMES`;
+    no paths), sorted by name: what ``compare`` sets side by side with the config."""
+    return {k: environ[k] for k in sorted(environ)
+            if (k.startswith(RECORDED_ENV_PREFIXES) or k in RECORDED_ENV_NAMES)
+            and not k.endswith(("_DIR", "_HOME", "_PATH", "_FILE"))}
+
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.
 RAW_TRACE_RE = re.compile(r"^(?:traces-r(\d+)\.chrome|rank(\d+)\.pt\.trace)\.json(\.gz)?$")

@@ -903,6 +903,36 @@ def test_damaged_config_yaml_is_its_own_error_and_compare_says_settings_unknown(
         tmp_path / "cmp.md").read_text().splitlines()
 
 
+def test_damaged_environment_json_is_its_own_error_and_compare_does_not_compare_variables(tmp_path, small_snapshot):
+    good_log = _memory_trial(tmp_path / "g", small_snapshot)
+    (good_log / "config.yaml").write_text("actor:\n  num_layers: 2\n")
+    (good_log / "environment.json").write_text('{"NCCL_ALGO": "Ring"}\n')
+    good = tmp_path / "good"
+    assert postprocess_trial(str(good_log), str(good), "memory", 1)[1] == 0
+    assert json.loads((good / "profile_summary.json").read_text())["environment"] == {"NCCL_ALGO": "Ring"}
+    assert "- environment (recorded kinds): `NCCL_ALGO=Ring`" in (good / "profile_summary.md").read_text().splitlines()
+    for name, text, why in (("trunc", '{"NCCL_ALGO": "Ri', "unreadable (JSONDecodeError: Unterminated string starting "
+                                                          "at: line 1 column 15 (char 14))"),
+                            ("list", '["NCCL_ALGO"]', "not a JSON object of texts"),
+                            ("number", '{"NCCL_ALGO": 1}', "not a JSON object of texts")):
+        log = _memory_trial(tmp_path / name, small_snapshot)
+        (log / "config.yaml").write_text("actor:\n  num_layers: 2\n")
+        (log / "environment.json").write_text(text)
+        run = tmp_path / f"run_{name}"
+        res = _cli("--log-dir", log, "--run-dir", run)
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        s = json.loads((run / "profile_summary.json").read_text())
+        message = f"{log / 'environment.json'}: {why}"
+        assert s["environment"] is None and s["errors"] == [{"file": "environment.json", "error": message}]
+        assert s["counts"]["snapshots"] == 1 and "summary" in s["memory_snapshots"][0]  # the rest is processed
+    res = _cli("compare", good, tmp_path / "run_list", "--out", tmp_path / "cmp.md")
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert "Settings: the configs are identical." in lines
+    assert f"Environment variables not compared (B: {tmp_path / 'list' / 'log' / 'environment.json'}: not a JSON " \
+           "object of texts)." in lines
+
+
 def test_missing_or_empty_optional_inputs_are_warnings(tmp_path, small_snapshot):
     log = _memory_trial(tmp_path, small_snapshot)
     res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--nvidia-smi-csv", tmp_path / "none.csv",

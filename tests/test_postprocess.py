@@ -853,6 +853,7 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
         log = tmp_path / name
         log.mkdir()
         (log / "config.yaml").write_text(f"actor:\n  backend: {backend}\n  megatron:\n    cp_attention: {method}\n")
+        (log / "environment.json").write_text("{}\n")
         return {"paths": {"log_dir": str(log)}}
 
     d1_masked, d1_blocks = summary("a", "megatron:d1", "masked"), summary("b", "megatron:d1", "blocks")
@@ -983,15 +984,38 @@ def test_collapse_warning_follows_the_trials_weights_and_routing_settings(tmp_pa
         "the mean); the busiest EP rank got 1.64x the mean per EP rank (layer 2)" + tail]
 
 
+def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
+    """Two runs that differ only in an environment variable (a TE setting) were reported as identical, "a repeat run";
+    the recorded variables are now settings (``env.<NAME>``, ``–`` where unset), and a trial without
+    ``environment.json`` says that they were not compared."""
+    from sftprof.analysis import compare
+
+    cfg = {"actor": {"backend": "megatron:d1"}}
+    a = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1"}}
+    b = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1"}}
+    assert compare._settings_diff(a, b) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |", ""]
+    assert compare._settings_diff(a, a) == ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    log = tmp_path / "log"  # an older summary without the member: the log dir's file
+    log.mkdir()
+    (log / "environment.json").write_text('{"NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "OMP_NUM_THREADS": "1"}')
+    assert compare._settings_diff(a, {"config": cfg, "paths": {"log_dir": str(log)}})[4] == \
+        "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |"
+    assert compare._settings_diff({"config": cfg}, a) == [
+        "Settings: the configs are identical.", "",
+        "Environment variables not compared (A: no environment.json: trials of earlier releases did not write it).", ""]
+
+
 def test_compare_settings_table_shows_empty_values():
     """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
     rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""
     from sftprof.analysis import compare
 
     a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
-                    "actor": {"loss": {"path": "auto"}}}}
+                    "actor": {"loss": {"path": "auto"}}}, "environment": {}}
     b = {"config": {"perf_tracer": {"ranks": "pp_rank0"}, "memory_profiler": {"ranks": ""}, "tokenizer_path": "/tok",
-                    "actor": {}}}
+                    "actor": {}}, "environment": {}}
     assert compare._settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `actor.loss.path` | auto | – |",

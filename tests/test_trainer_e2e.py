@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sftprof import artifacts
 from sftprof.config import load_config
 from sftprof.models.hf import CONFIG_DIR
 
@@ -63,9 +64,26 @@ def memory_trial(tmp_path_factory):
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", *COMMON, f"cluster.fileroot={root}",
            "trial_name=memory", "actor.backend=fsdp:d1", "actor.mb_spec.max_tokens_per_mb=0",
            "memory_profiler.profile_steps=[0]"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    env = {k: v for k, v in _env().items()
+           if not (k.startswith(artifacts.RECORDED_ENV_PREFIXES) or k in artifacts.RECORDED_ENV_NAMES)}
+    env.update(_TRIAL_ENV)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _log_dir(root, "memory"), proc
+
+
+# the memory trial's variables of the kinds a trial records: paths and other variables are left out
+_TRIAL_ENV = {"NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "NCCL_ALGO": "Ring", "OMP_NUM_THREADS": "1",
+              "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+              "TRITON_CACHE_DIR": "/nonexistent/triton", "CUDNN_HOME": "/nonexistent/cudnn", "NVTE_DEBUG_PATH": "/x",
+              "SFTPROF_UNRELATED": "x"}
+
+
+def test_a_trial_records_the_environment_variables_that_change_the_job(memory_trial):
+    log_dir, _ = memory_trial
+    assert (log_dir / "environment.json").read_text() == json.dumps({
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_ALGO": "Ring", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1",
+        "OMP_NUM_THREADS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, indent=1) + "\n"
 
 
 def test_kernel_trial_records(kernel_trial):

@@ -28,7 +28,7 @@ from statistics import median
 from typing import Any, Iterable
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.artifacts import SUMMARY_JSON
+from sftprof.artifacts import ENVIRONMENT, SUMMARY_JSON
 from sftprof.analysis import inputs, stats, what_if, what_if_outcome
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
@@ -235,6 +235,17 @@ def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
     return (None, "not available") if cfg is None else (_flat(cfg), "")
 
 
+def _environment(summary: dict) -> tuple[dict[str, str] | None, str]:
+    """The trial's recorded environment variables: the copy in the summary (``environment``), else
+    ``LOG_DIR/environment.json``; and why they are unknown (``(None, reason)``; ``""`` when known)."""
+    if isinstance(summary.get("environment"), dict):
+        return summary["environment"], ""
+    env, error = inputs.trial_environment((summary.get("paths") or {}).get("log_dir") or "")
+    if error:
+        return None, error
+    return (None, f"no {ENVIRONMENT}: trials of earlier releases did not write it") if env is None else (env, "")
+
+
 _CP_ATTENTION = "actor.megatron.cp_attention"
 
 
@@ -270,9 +281,18 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
     if ca is None or cb is None:
         why = "; ".join(f"{side}: {why}" for side, c, why in (("A", ca, why_a), ("B", cb, why_b)) if c is None)
         return [f"Settings unknown (the trial's config.yaml, {why}); cannot tell what differs.", ""]
+    (ea, why_ea), (eb, why_eb) = _environment(a), _environment(b)
+    if ea is not None and eb is not None:  # an unset variable is "–" on its side
+        ca = {**ca, **{f"env.{k}": v for k, v in ea.items()}}
+        cb = {**cb, **{f"env.{k}": v for k, v in eb.items()}}
+        env_note = []
+    else:
+        why = "; ".join(f"{side}: {w}" for side, e, w in (("A", ea, why_ea), ("B", eb, why_eb)) if e is None)
+        env_note = [f"Environment variables not compared ({why}).", ""]
     keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
     if not keys:
-        return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+        return (["Settings: the configs are identical.", ""] + env_note if env_note else
+                ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""])
     out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
     out += [f"| `{k}` | " + " | ".join(_setting_cell(k, c) for c in (ca, cb)) + " |" for k in keys]
     if _CP_ATTENTION in keys and not any(_uses_cp_attention(c) for c in (ca, cb)):
@@ -282,7 +302,7 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
     if sized:
         out += ["", f"**Warning:** the runs differ in {', '.join(sized)}: time and memory deltas mix the "
                 "change under test with a different problem size."]
-    return out + [""]
+    return out + [""] + env_note
 
 
 def _group_key(kind: str, step: int) -> tuple[str, int]:

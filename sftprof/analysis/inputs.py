@@ -406,6 +406,19 @@ def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
     return cfg, None
 
 
+def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
+    """The environment variables the trial recorded (``LOG_DIR/environment.json``, name -> value), and an error
+    message naming the file when it is unreadable or not a JSON object of texts (``(None, None)`` when it is absent:
+    a trial of an earlier release, or one that died before writing it)."""
+    path = os.path.join(log_dir, artifacts.ENVIRONMENT)
+    env, error = _read(path, json.load, ValueError)
+    if error:
+        return None, error
+    if env is not None and not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+        return None, f"{path}: not a JSON object of texts"
+    return env, None
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel traces
 # --------------------------------------------------------------------------------------------

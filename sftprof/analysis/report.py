@@ -31,7 +31,16 @@ def _header(s: dict) -> list[str]:
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
             f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
             "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
+            *_environment_line(s.get("environment")),
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
+
+
+def _environment_line(env) -> list[str]:
+    """The header's line of the recorded environment variables (none for a summary without them)."""
+    if not isinstance(env, dict):
+        return []
+    names = ", ".join(f"`{k}={v}`" for k, v in sorted(env.items()))
+    return [f"- environment (recorded kinds): {names or 'none set'}"]
 
 
 def _findings(s: dict) -> list[str]:

@@ -16,7 +16,7 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
-``gc_ms``), present when the trace has their ranges.
+``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -45,7 +45,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.2"
+SCHEMA_VERSION = "3.3"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -914,6 +914,8 @@ class ProfileSummary(TypedDict):
     stats: Stats
     nvidia_smi: NvidiaSmi
     config: Optional[dict[str, Any]]  # the trial's resolved config.yaml
+    # the trial's environment.json (name -> value, sftprof.artifacts.recorded_environment); None: not recorded
+    environment: NotRequired[Optional[dict[str, str]]]
     rank_coords: dict[str, dict[str, Any]]  # rank (as text) -> coordinates
     failure: NotRequired[Optional[Failure]]
     trainer_log_tail: NotRequired[Optional[list[str]]]

@@ -96,17 +96,19 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     os.makedirs(run_dir, exist_ok=True)
     coords, coords_error = inputs.read_rank_coords(log_dir)
     cfg, cfg_error = inputs.trial_config(log_dir)
+    env, env_error = inputs.trial_environment(log_dir)
     tried, tried_error = inputs.read_tried_what_if(run_dir)
     input_errors = [{"file": name, "error": err} for name, err in ((artifacts.RANK_COORDS, coords_error),
                                                                   (artifacts.CONFIG_YAML, cfg_error),
+                                                                  (artifacts.ENVIRONMENT, env_error),
                                                                   (artifacts.WHAT_IF_JSON, tried_error)) if err]
     stats = inputs.read_stats(os.path.join(log_dir, artifacts.STATS), profile_step)
     log_dir_missing = not os.path.isdir(log_dir)
     complete = _completion(log_dir, stats, log_dir_missing)
     summary = _trial_header(log_dir, run_dir, profile_kind, profile_step, complete, trainer_log, nvidia_smi_csv)
-    # the resolved config travels with the summary, so that a run root copied off the training machine still
-    # tells what differs between two runs (compare); None when config.yaml is absent or unreadable (an error)
-    summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg,
+    # the resolved config and the recorded environment travel with the summary, so that a run root copied off the
+    # training machine still tells what differs between two runs (compare); None when absent or unreadable (an error)
+    summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg, environment=env,
                    rank_coords={str(k): v for k, v in sorted(coords.items())},
                    transformer_engine=inputs.transformer_engine(cfg, trainer_log))
     if tried:
