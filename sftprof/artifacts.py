@@ -118,20 +118,30 @@ MEMORY_SNAPSHOTS = "memory_snapshots"
 NODES = "nodes"
 
 # Environment variables that change what a trial computes or how fast it runs (read by Transformer Engine, NCCL,
-# torch, Inductor, Triton, cuBLAS, cuDNN, CUDA, OpenMP): these prefixes and names. Paths (names ending in _DIR, _HOME,
-# _PATH, _FILE) are left out: they differ between machines, not between jobs.
+# torch, Inductor, dynamo, Triton, cuBLAS, cuDNN, CUDA, OpenMP): these prefixes and names, as the trial starts (before
+# the trainer's own defaults: deterministic mode then sets CUBLAS_WORKSPACE_CONFIG and NVTE_ALLOW_NONDETERMINISTIC_ALGO,
+# which its config row shows). Left out: paths, hosts and plugins (they differ between machines, not jobs), NCCL's
+# per-job rendezvous address, and any name that may hold a secret.
 RECORDED_ENV_PREFIXES = ("NVTE_", "NCCL_", "TORCH_NCCL_", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_", "CUBLAS_",
                          "CUBLASLT_", "CUDNN_")
 RECORDED_ENV_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
-                      "NVIDIA_TF32_OVERRIDE", "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE")
+                      "NVIDIA_TF32_OVERRIDE", "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE",
+                      "TORCH_BLAS_PREFER_CUBLASLT")
+_UNRECORDED_ENV_SUFFIXES = ("_DIR", "_DIRS", "_HOME", "_PATH", "_FILE", "_LOGDEST_DBG", "_PLUGIN", "_HOST")
+_UNRECORDED_ENV_NAMES = ("NCCL_COMM_ID",)
+_SECRET_WORDS = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|KEY")
 
 
 def recorded_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``environ`` that a trial records (:data:`RECORDED_ENV_PREFIXES`, :data:`RECORDED_ENV_NAMES`;
-    no paths), sorted by name: what ``compare`` sets side by side with the config."""
-    return {k: environ[k] for k in sorted(environ)
+    """The variables of ``environ`` that a trial records (:data:`RECORDED_ENV_PREFIXES`, :data:`RECORDED_ENV_NAMES`,
+    less the kinds left out above), sorted by name: what ``compare`` sets side by side with the config. Bytes that
+    are not UTF-8 (an environment holds bytes) come back as ``\\xNN`` escapes."""
+    def text(t: str) -> str:
+        return t.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return {text(k): text(environ[k]) for k in sorted(environ)
             if (k.startswith(RECORDED_ENV_PREFIXES) or k in RECORDED_ENV_NAMES)
-            and not k.endswith(("_DIR", "_HOME", "_PATH", "_FILE"))}
+            and not k.endswith(_UNRECORDED_ENV_SUFFIXES) and k not in _UNRECORDED_ENV_NAMES
+            and not _SECRET_WORDS.search(k)}
 
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.

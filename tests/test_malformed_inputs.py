@@ -914,16 +914,23 @@ def test_damaged_environment_json_is_its_own_error_and_compare_does_not_compare_
     for name, text, why in (("trunc", '{"NCCL_ALGO": "Ri', "unreadable (JSONDecodeError: Unterminated string starting "
                                                           "at: line 1 column 15 (char 14))"),
                             ("list", '["NCCL_ALGO"]', "not a JSON object of texts"),
-                            ("number", '{"NCCL_ALGO": 1}', "not a JSON object of texts")):
+                            ("number", '{"NCCL_ALGO": 1}', "not a JSON object of texts"),
+                            ("null", "null", "not a JSON object of texts"),
+                            ("surrogate", '{"NCCL_ALGO": "\\udcff"}', "not a JSON object of texts"),  # no UTF-8
+                            ("folder", None, "not a file")):
         log = _memory_trial(tmp_path / name, small_snapshot)
         (log / "config.yaml").write_text("actor:\n  num_layers: 2\n")
-        (log / "environment.json").write_text(text)
+        if text is None:
+            (log / "environment.json").mkdir()
+        else:
+            (log / "environment.json").write_text(text)
         run = tmp_path / f"run_{name}"
         res = _cli("--log-dir", log, "--run-dir", run)
         assert res.returncode == 1 and "Traceback" not in res.stderr
         s = json.loads((run / "profile_summary.json").read_text())
         message = f"{log / 'environment.json'}: {why}"
         assert s["environment"] is None and s["errors"] == [{"file": "environment.json", "error": message}]
+        assert "- environment: not recorded (no readable environment.json)" in (run / "profile_summary.md").read_text()
         assert s["counts"]["snapshots"] == 1 and "summary" in s["memory_snapshots"][0]  # the rest is processed
     res = _cli("compare", good, tmp_path / "run_list", "--out", tmp_path / "cmp.md")
     assert res.returncode == 0 and "Traceback" not in res.stderr
@@ -931,6 +938,9 @@ def test_damaged_environment_json_is_its_own_error_and_compare_does_not_compare_
     assert "Settings: the configs are identical." in lines
     assert f"Environment variables not compared (B: {tmp_path / 'list' / 'log' / 'environment.json'}: not a JSON " \
            "object of texts)." in lines
+    shutil.rmtree(tmp_path / "list")  # the summary's own error is the reason, also without the log dir
+    res = _cli("compare", good, tmp_path / "run_list", "--out", tmp_path / "cmp2.md")
+    assert res.returncode == 0 and lines == (tmp_path / "cmp2.md").read_text().splitlines()
 
 
 def test_missing_or_empty_optional_inputs_are_warnings(tmp_path, small_snapshot):

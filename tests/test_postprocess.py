@@ -1005,6 +1005,11 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
     assert compare._settings_diff({"config": cfg}, a) == [
         "Settings: the configs are identical.", "",
         "Environment variables not compared (A: no environment.json: trials of earlier releases did not write it).", ""]
+    assert compare._settings_diff(a, {"config": cfg, "environment": None})[2] == (
+        "Environment variables not compared (B: no environment.json in the trial's log dir when it was postprocessed).")
+    # a value keeps its row on one line and its three cells
+    assert compare._settings_diff(a, {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NCCL_X": "l1\nl2|x"}})[4] \
+        == "| `env.NCCL_X` | – | l1\\nl2\\|x |"
 
 
 def test_compare_settings_table_shows_empty_values():

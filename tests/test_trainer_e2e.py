@@ -64,26 +64,31 @@ def memory_trial(tmp_path_factory):
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny_cpu", *COMMON, f"cluster.fileroot={root}",
            "trial_name=memory", "actor.backend=fsdp:d1", "actor.mb_spec.max_tokens_per_mb=0",
            "memory_profiler.profile_steps=[0]"]
-    env = {k: v for k, v in _env().items()
-           if not (k.startswith(artifacts.RECORDED_ENV_PREFIXES) or k in artifacts.RECORDED_ENV_NAMES)}
+    env = _env()
+    for name in artifacts.recorded_environment(env):
+        env.pop(name)
     env.update(_TRIAL_ENV)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _log_dir(root, "memory"), proc
 
 
-# the memory trial's variables of the kinds a trial records: paths and other variables are left out
+# the memory trial's variables: of the kinds a trial records, and some it leaves out (paths, a plugin, NCCL's
+# per-job rendezvous address, a name that may hold a secret, a variable of another kind)
 _TRIAL_ENV = {"NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "NCCL_ALGO": "Ring", "OMP_NUM_THREADS": "1",
               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
               "TRITON_CACHE_DIR": "/nonexistent/triton", "CUDNN_HOME": "/nonexistent/cudnn", "NVTE_DEBUG_PATH": "/x",
+              "NCCL_NET_PLUGIN": "/x/libnccl-net.so", "NCCL_COMM_ID": "127.0.0.1:1", "NCCL_IB_AUTH_TOKEN": "s3cr3t",
+              "NCCL_TEST_BYTES": "a\udcffb",  # byte 0xff in the process's environment: not UTF-8
               "SFTPROF_UNRELATED": "x"}
 
 
 def test_a_trial_records_the_environment_variables_that_change_the_job(memory_trial):
     log_dir, _ = memory_trial
     assert (log_dir / "environment.json").read_text() == json.dumps({
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_ALGO": "Ring", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1",
-        "OMP_NUM_THREADS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, indent=1) + "\n"
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_ALGO": "Ring", "NCCL_TEST_BYTES": "a\\xffb",
+        "NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "OMP_NUM_THREADS": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, indent=1) + "\n"
 
 
 def test_kernel_trial_records(kernel_trial):

@@ -238,8 +238,12 @@ def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
 def _environment(summary: dict) -> tuple[dict[str, str] | None, str]:
     """The trial's recorded environment variables: the copy in the summary (``environment``), else
     ``LOG_DIR/environment.json``; and why they are unknown (``(None, reason)``; ``""`` when known)."""
-    if isinstance(summary.get("environment"), dict):
-        return summary["environment"], ""
+    if "environment" in summary:  # a summary of schema 3.3 or later: its postprocess read the file
+        if isinstance(summary["environment"], dict):
+            return summary["environment"], ""
+        errors = [e.get("error") for e in summary.get("errors") or []
+                  if isinstance(e, dict) and e.get("file") == ENVIRONMENT]
+        return None, errors[0] if errors else f"no {ENVIRONMENT} in the trial's log dir when it was postprocessed"
     env, error = inputs.trial_environment((summary.get("paths") or {}).get("log_dir") or "")
     if error:
         return None, error
@@ -266,13 +270,13 @@ _EMPTY_MEANS = {"perf_tracer.ranks": "all ranks", "memory_profiler.ranks": "all 
 def _setting_cell(key: str, flat_cfg: dict[str, Any]) -> str:
     """One trial's value of a setting in the settings table: ``–`` when the trial's config has no such key, ``""``
     for an empty text (with its meaning where it has one: ``"" (all ranks)`` for ``perf_tracer.ranks``), else the
-    value; a layout's ``|`` is escaped, so that the row keeps its three cells."""
+    value; a layout's ``|`` and line breaks are escaped, so that the row keeps its three cells on one line."""
     if key not in flat_cfg:
         return "–"
     value = flat_cfg[key]
     if value == "":
         return f'"" ({_EMPTY_MEANS[key]})' if key in _EMPTY_MEANS else '""'
-    return str(value).replace("|", "\\|")
+    return str(value).replace("\r", "\\r").replace("\n", "\\n").replace("|", "\\|")
 
 
 def _settings_diff(a: dict, b: dict) -> list[str]:
@@ -290,9 +294,10 @@ def _settings_diff(a: dict, b: dict) -> list[str]:
         why = "; ".join(f"{side}: {w}" for side, e, w in (("A", ea, why_ea), ("B", eb, why_eb)) if e is None)
         env_note = [f"Environment variables not compared ({why}).", ""]
     keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
+    if not keys and env_note:
+        return ["Settings: the configs are identical.", ""] + env_note
     if not keys:
-        return (["Settings: the configs are identical.", ""] + env_note if env_note else
-                ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""])
+        return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
     out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
     out += [f"| `{k}` | " + " | ".join(_setting_cell(k, c) for c in (ca, cb)) + " |" for k in keys]
     if _CP_ATTENTION in keys and not any(_uses_cp_attention(c) for c in (ca, cb)):

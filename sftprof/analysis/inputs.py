@@ -411,12 +411,25 @@ def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
     message naming the file when it is unreadable or not a JSON object of texts (``(None, None)`` when it is absent:
     a trial of an earlier release, or one that died before writing it)."""
     path = os.path.join(log_dir, artifacts.ENVIRONMENT)
+    if not os.path.lexists(path):
+        return None, None
+    if not os.path.isfile(path):
+        return None, f"{path}: not a file"
     env, error = _read(path, json.load, ValueError)
     if error:
         return None, error
-    if env is not None and not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+    if not (isinstance(env, dict) and all(isinstance(v, str) and _utf8(k + v) for k, v in env.items())):
         return None, f"{path}: not a JSON object of texts"
     return env, None
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (JSON's ``\\udcff`` escapes decode to lone surrogates, which cannot)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ holds (floats with 3 decimals, :mod:`sftprof.analysis.markdown`).
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from sftprof.analysis import findings as fnd
-from sftprof.artifacts import compare_report_name
+from sftprof.artifacts import ENVIRONMENT, compare_report_name
 from sftprof.analysis.failure import failure_cause, headline
 from sftprof.analysis.markdown import fmt, table, with_rank
 from sftprof.analysis.rank_table import RANK_COLUMNS
@@ -31,16 +32,26 @@ def _header(s: dict) -> list[str]:
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
             f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
             "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
-            *_environment_line(s.get("environment")),
+            *_environment_line(s),
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
 
 
-def _environment_line(env) -> list[str]:
-    """The header's line of the recorded environment variables (none for a summary without them)."""
-    if not isinstance(env, dict):
+def _environment_line(s: dict) -> list[str]:
+    """The header's line of the recorded environment variables (none for a summary of an earlier schema)."""
+    if "environment" not in s:
         return []
-    names = ", ".join(f"`{k}={v}`" for k, v in sorted(env.items()))
-    return [f"- environment (recorded kinds): {names or 'none set'}"]
+    env = s["environment"]
+    if not isinstance(env, dict):
+        return [f"- environment: not recorded (no readable {ENVIRONMENT})"]
+    return ["- environment (recorded kinds): " + (", ".join(_code(f"{k}={v}") for k, v in sorted(env.items()))
+                                                  or "none set")]
+
+
+def _code(text: str) -> str:
+    """``text`` as one inline code span on one line: line breaks escaped, a fence longer than any backtick run."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}" if len(fence) > 1 else f"`{text}`"
 
 
 def _findings(s: dict) -> list[str]:
@@ -226,7 +237,7 @@ def _merged_view(m: dict | None) -> list[str]:
     ranks = "; ".join(f"rank {r['rank']} " + (
         f"{r['shift_us']:+.3f} µs (collective ends, ±{max(p['end_difference_mad_us'] for p in r['path']):.1f} µs)"
         if r["aligned_by"] == "collective ends" else how[r["aligned_by"]]) for r in m["ranks"])
-    return [f"- all ranks on one timeline (one process per rank; open in Perfetto): "
+    return ["- all ranks on one timeline (one process per rank; open in Perfetto): "
             + ", ".join(f"`{f}`" for f in m["files"]) + f"; clocks: {ranks}\n"]
 
 
