@@ -9,6 +9,7 @@ outputs) is not scanned.
 """
 import ast
 import re
+import subprocess
 import types
 import typing
 from functools import lru_cache
@@ -55,9 +56,12 @@ def _code(text: str) -> list[str]:
 
 @lru_cache(maxsize=None)
 def _repo_code() -> str:
-    """Every Python and shell file of the repository, concatenated (what a named identifier must appear in)."""
-    files = [p for ext in ("py", "sh") for p in ROOT.rglob(f"*.{ext}") if ".git" not in p.parts]
-    return "\n".join(_text(p) for p in files)
+    """Every Python and shell file that git tracks, concatenated (what a named identifier must appear in; files git
+    ignores are not the repository's, and a clean clone has none of them); every one on disk outside a git checkout."""
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True)
+    files = ([ROOT / name for name in listed.stdout.splitlines()] if listed.returncode == 0 else
+             [p for ext in ("py", "sh") for p in ROOT.rglob(f"*.{ext}")])
+    return "\n".join(_text(p) for p in files if p.is_file())
 
 
 def _schema_keys() -> dict[str, object]:
