@@ -847,7 +847,7 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
     """The settings diff of two trials that differ in ``actor.megatron.cp_attention`` says the setting had no effect
     when neither trial runs megatron with CP > 1 (bench/NOTES.md's one-GPU rows: masked before the default changed,
     blocks after), and says nothing more when one of them has CP = 2."""
-    from sftprof.analysis import compare
+    from sftprof.analysis.settings_diff import settings_diff
 
     def summary(name, backend, method):
         log = tmp_path / name
@@ -857,13 +857,13 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
         return {"paths": {"log_dir": str(log)}}
 
     d1_masked, d1_blocks = summary("a", "megatron:d1", "masked"), summary("b", "megatron:d1", "blocks")
-    assert compare._settings_diff(d1_masked, d1_blocks) == [
+    assert settings_diff(d1_masked, d1_blocks) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `actor.megatron.cp_attention` | masked | blocks |", "",
         "`actor.megatron.cp_attention` has no effect in either trial (it applies to the megatron backend with CP > 1): "
         "its difference is not what the deltas measure.", ""]
     cp2 = summary("c", "megatron:(attn:c2|ffn:e2)", "masked")
-    assert compare._settings_diff(d1_blocks, cp2) == [
+    assert settings_diff(d1_blocks, cp2) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `actor.backend` | megatron:d1 | megatron:(attn:c2\\|ffn:e2) |",  # "|" escaped: still three cells
         "| `actor.megatron.cp_attention` | blocks | masked |", "",
@@ -988,40 +988,40 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
     """Two runs that differ only in an environment variable (a TE setting) were reported as identical, "a repeat run";
     the recorded variables are now settings (``env.<NAME>``, ``–`` where unset), and a trial without
     ``environment.json`` says that they were not compared."""
-    from sftprof.analysis import compare
+    from sftprof.analysis.settings_diff import settings_diff
 
     cfg = {"actor": {"backend": "megatron:d1"}}
     a = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1"}}
     b = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1"}}
-    assert compare._settings_diff(a, b) == [
+    assert settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |", ""]
-    assert compare._settings_diff(a, a) == ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    assert settings_diff(a, a) == ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
     log = tmp_path / "log"  # an older summary without the member: the log dir's file
     log.mkdir()
     (log / "environment.json").write_text('{"NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "OMP_NUM_THREADS": "1"}')
-    assert compare._settings_diff(a, {"config": cfg, "paths": {"log_dir": str(log)}})[4] == \
+    assert settings_diff(a, {"config": cfg, "paths": {"log_dir": str(log)}})[4] == \
         "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |"
-    assert compare._settings_diff({"config": cfg}, a) == [
+    assert settings_diff({"config": cfg}, a) == [
         "Settings: the configs are identical.", "",
         "Environment variables not compared (A: no environment.json: trials of earlier releases did not write it).", ""]
-    assert compare._settings_diff(a, {"config": cfg, "environment": None})[2] == (
+    assert settings_diff(a, {"config": cfg, "environment": None})[2] == (
         "Environment variables not compared (B: no environment.json in the trial's log dir when it was postprocessed).")
     # a value keeps its row on one line and its three cells
-    assert compare._settings_diff(a, {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NCCL_X": "l1\nl2|x"}})[4] \
+    assert settings_diff(a, {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NCCL_X": "l1\nl2|x"}})[4] \
         == "| `env.NCCL_X` | – | l1\\nl2\\|x |"
 
 
 def test_compare_settings_table_shows_empty_values():
     """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
     rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""
-    from sftprof.analysis import compare
+    from sftprof.analysis.settings_diff import settings_diff
 
     a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
                     "actor": {"loss": {"path": "auto"}}}, "environment": {}}
     b = {"config": {"perf_tracer": {"ranks": "pp_rank0"}, "memory_profiler": {"ranks": ""}, "tokenizer_path": "/tok",
                     "actor": {}}, "environment": {}}
-    assert compare._settings_diff(a, b) == [
+    assert settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `actor.loss.path` | auto | – |",
         '| `memory_profiler.ranks` | 0 | "" (all ranks) |',

@@ -6,7 +6,7 @@ the kernel trials after step 0 pool into one group (repeated samples of a steady
 warm-up) and each memory step are groups of their own; groups that only one run has are listed. The report opens
 with how to read the verdicts (:func:`_verdict_note`) and the step time pooled over every trial of each run
 (:func:`_step_time_section`: the steps that time training alone, :func:`_clean_step_times`); then, per group, the
-settings that differ, step figures, peak memory per rank, top kernels, time by category, each rank's exposed
+settings that differ (:mod:`sftprof.analysis.settings_diff`), step figures, peak memory per rank, top kernels, time by category, each rank's exposed
 communication split into waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for
 memory trials, memory alive at the peak by allocation site. Every row of every table gets its verdict from
 :mod:`sftprof.analysis.stats` (:func:`_row_cells`): time rows the rank test's 95 % interval over the row's samples,
@@ -27,14 +27,14 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, Iterable
 
-from sftprof.allocation import parse_allocation_mode
-from sftprof.artifacts import ENVIRONMENT, SUMMARY_JSON
-from sftprof.analysis import inputs, stats, what_if, what_if_outcome
+from sftprof.artifacts import SUMMARY_JSON
+from sftprof.analysis import stats, what_if, what_if_outcome
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
 from sftprof.analysis.markdown import fmt, short, table
 from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summary
+from sftprof.analysis.settings_diff import settings_diff
 from sftprof.analysis.collectives import exposed_groups
 from sftprof.analysis.trace_check import is_finite_number
 
@@ -209,107 +209,6 @@ def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
     return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
 
 
-# differ between any two trials, or between the trials a group pools (the section title names their steps)
-_SAME_BY_DESIGN = ("trial_name", "perf_tracer.profile_steps", "memory_profiler.profile_steps")
-_SIZE_KEYS = ("profile.fake_seq_len", "train_dataset.batch_size", "actor.backend", "actor.num_layers", "actor.path")
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
-    """The trial's resolved config, flattened: the copy in the summary (``config``), else ``LOG_DIR/config.yaml``
-    written by the trainer (summaries of earlier releases, or a config.yaml that postprocess could not read), and
-    why it is unknown (``(None, reason)`` when neither is there or the file is unreadable; ``""`` when known)."""
-    if isinstance(summary.get("config"), dict):
-        return _flat(summary["config"]), ""
-    cfg, error = inputs.trial_config((summary.get("paths") or {}).get("log_dir") or "")
-    if error:
-        return None, error
-    return (None, "not available") if cfg is None else (_flat(cfg), "")
-
-
-def _environment(summary: dict) -> tuple[dict[str, str] | None, str]:
-    """The trial's recorded environment variables: the copy in the summary (``environment``), else
-    ``LOG_DIR/environment.json``; and why they are unknown (``(None, reason)``; ``""`` when known)."""
-    if "environment" in summary:  # a summary of schema 3.3 or later: its postprocess read the file
-        if isinstance(summary["environment"], dict):
-            return summary["environment"], ""
-        errors = [e.get("error") for e in summary.get("errors") or []
-                  if isinstance(e, dict) and e.get("file") == ENVIRONMENT]
-        return None, errors[0] if errors else f"no {ENVIRONMENT} in the trial's log dir when it was postprocessed"
-    env, error = inputs.trial_environment((summary.get("paths") or {}).get("log_dir") or "")
-    if error:
-        return None, error
-    return (None, f"no {ENVIRONMENT}: trials of earlier releases did not write it") if env is None else (env, "")
-
-
-_CP_ATTENTION = "actor.megatron.cp_attention"
-
-
-def _uses_cp_attention(flat_cfg: dict[str, Any]) -> bool:
-    """Whether ``actor.megatron.cp_attention`` can act in a trial: the megatron backend with CP > 1 (True when the
-    backend does not parse: not known to be without effect)."""
-    try:
-        layout = parse_allocation_mode(str(flat_cfg.get("actor.backend")))
-    except ValueError:
-        return True
-    return layout.backend == "megatron" and layout.cp > 1
-
-
-# settings whose empty value has a meaning of its own (sftprof/config/schema.py: PerfTracerConfig, MemoryProfilerConfig)
-_EMPTY_MEANS = {"perf_tracer.ranks": "all ranks", "memory_profiler.ranks": "all ranks"}
-
-
-def _setting_cell(key: str, flat_cfg: dict[str, Any]) -> str:
-    """One trial's value of a setting in the settings table: ``–`` when the trial's config has no such key, ``""``
-    for an empty text (with its meaning where it has one: ``"" (all ranks)`` for ``perf_tracer.ranks``), else the
-    value; a layout's ``|`` and line breaks are escaped, so that the row keeps its three cells on one line."""
-    if key not in flat_cfg:
-        return "–"
-    value = flat_cfg[key]
-    if value == "":
-        return f'"" ({_EMPTY_MEANS[key]})' if key in _EMPTY_MEANS else '""'
-    return str(value).replace("\r", "\\r").replace("\n", "\\n").replace("|", "\\|")
-
-
-def _settings_diff(a: dict, b: dict) -> list[str]:
-    """What was changed between the two trials (the experiment), and a warning when sizes differ."""
-    (ca, why_a), (cb, why_b) = _settings(a), _settings(b)
-    if ca is None or cb is None:
-        why = "; ".join(f"{side}: {why}" for side, c, why in (("A", ca, why_a), ("B", cb, why_b)) if c is None)
-        return [f"Settings unknown (the trial's config.yaml, {why}); cannot tell what differs.", ""]
-    (ea, why_ea), (eb, why_eb) = _environment(a), _environment(b)
-    if ea is not None and eb is not None:  # an unset variable is "–" on its side
-        ca = {**ca, **{f"env.{k}": v for k, v in ea.items()}}
-        cb = {**cb, **{f"env.{k}": v for k, v in eb.items()}}
-        env_note = []
-    else:
-        why = "; ".join(f"{side}: {w}" for side, e, w in (("A", ea, why_ea), ("B", eb, why_eb)) if e is None)
-        env_note = [f"Environment variables not compared ({why}).", ""]
-    keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
-    if not keys and env_note:
-        return ["Settings: the configs are identical.", ""] + env_note
-    if not keys:
-        return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
-    out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
-    out += [f"| `{k}` | " + " | ".join(_setting_cell(k, c) for c in (ca, cb)) + " |" for k in keys]
-    if _CP_ATTENTION in keys and not any(_uses_cp_attention(c) for c in (ca, cb)):
-        out += ["", f"`{_CP_ATTENTION}` has no effect in either trial (it applies to the megatron backend with CP > 1): "
-                    "its difference is not what the deltas measure."]
-    sized = [k for k in keys if k in _SIZE_KEYS]
-    if sized:
-        out += ["", f"**Warning:** the runs differ in {', '.join(sized)}: time and memory deltas mix the "
-                "change under test with a different problem size."]
-    return out + [""] + env_note
-
-
 def _group_key(kind: str, step: int) -> tuple[str, int]:
     """The group a trial's figures pool into: ``("kernel", 1)`` for every kernel trial after step 0 (repeated samples
     of the same steady-state step, whichever step), else ``(kind, step)``: kernel step 0 is the warm-up (one-time
@@ -354,7 +253,7 @@ def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, di
                 out += [f"**Trial {side}{name} status: {s.get('status')}**" + why
                         + ": its figures are missing below, not zero.", ""]
     a, b = [s for _, s in ta], [s for _, s in tb]
-    out += _settings_diff(a[0], b[0])
+    out += settings_diff(a[0], b[0])
     out += _step_tables(a, b)
     ka, kb = _by_rank(a, "kernel_traces"), _by_rank(b, "kernel_traces")
     ma, mb = _by_rank(a, "memory_snapshots"), _by_rank(b, "memory_snapshots")
