@@ -910,7 +910,7 @@ def test_damaged_environment_json_is_its_own_error_and_compare_does_not_compare_
     good = tmp_path / "good"
     assert postprocess_trial(str(good_log), str(good), "memory", 1)[1] == 0
     assert json.loads((good / "profile_summary.json").read_text())["environment"] == {"NCCL_ALGO": "Ring"}
-    assert "- environment (recorded kinds): `NCCL_ALGO=Ring`" in (good / "profile_summary.md").read_text().splitlines()
+    assert "- environment (recorded variables): `NCCL_ALGO=Ring`" in (good / "profile_summary.md").read_text().splitlines()
     for name, text, why in (("trunc", '{"NCCL_ALGO": "Ri', "unreadable (JSONDecodeError: Unterminated string starting "
                                                           "at: line 1 column 15 (char 14))"),
                             ("list", '["NCCL_ALGO"]', "not a JSON object of texts"),

@@ -43,7 +43,7 @@ def _environment_line(s: dict) -> list[str]:
     env = s["environment"]
     if not isinstance(env, dict):
         return [f"- environment: not recorded (no readable {ENVIRONMENT})"]
-    return ["- environment (recorded kinds): " + (", ".join(_code(f"{k}={v}") for k, v in sorted(env.items()))
+    return ["- environment (recorded variables): " + (", ".join(_code(f"{k}={v}") for k, v in sorted(env.items()))
                                                   or "none set")]
 
 
