@@ -20,7 +20,7 @@ from sftprof.analysis import compare, stats
 from sftprof.analysis.memory_estimate import estimate_memory
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.what_if import trial_what_if
-from sftprof.analysis.what_if_outcome import judge
+from sftprof.analysis.what_if_outcome import judge, outcome
 from sftprof.config import load_config, to_yaml
 from sftprof.models.hf import load_hf_config
 
@@ -183,10 +183,12 @@ def te_kernel(tmp_path_factory):
 
 
 def test_te_kernel_trial_proposes_selective_recompute(te_kernel):
-    """Full recompute re-ran 10.1 ms of GPU work on rank 0; recomputing only the attention core keeps its 1.8 ms."""
+    """Full recompute re-ran 10.1 ms of GPU work on rank 0; recomputing only the attention core keeps its 1.8 ms.
+    The CUTLASS grouped GEMM's proposal from its launch-bound expert GEMMs is tested on the Qwen3.5 trials below."""
     parts = te_kernel["kernel_traces"][0]["summary"]["parts"]
     rec = {r["part"]: r["recompute_ms"] for r in parts["summed"]}
-    assert [w["key"] for w in te_kernel["what_if"]] == ["selective_recompute"]
+    # its expert GEMMs are launch-bound in the recompute only (9.0 ms): the CUTLASS grouped GEMM comes second
+    assert [w["key"] for w in te_kernel["what_if"]] == ["selective_recompute", "cutlass_grouped_gemm"]
     w = te_kernel["what_if"][0]
     assert w["settings"] == [
         {"kind": "config", "key": "actor.megatron.recompute_granularity", "value": "selective", "current": "full"},
@@ -195,6 +197,38 @@ def test_te_kernel_trial_proposes_selective_recompute(te_kernel):
     assert w["effect"] == {"metric": "gpu_time", "unit": "ms", "value": round(-saved, 4), "baseline": parts["total_ms"]}
     assert w["text"].startswith("selective recompute (actor.megatron.recompute_granularity=selective, "
                                 "actor.megatron.recompute_modules=[core_attn]): GPU time per step -8.4 ms on rank 0")
+
+
+def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
+    """The Qwen3.5 slice's TE kernel trial (tests/fixtures/README.md): its routed expert GEMMs are launch-bound, so
+    TE's CUTLASS grouped GEMM is proposed with their GPU idle as the saving; the trial run with it (same settings,
+    NVTE_USE_CUTLASS_GROUPED_GEMM=1 recorded in its environment) is not offered it again, and its profiled step bears
+    the prediction out."""
+    d = FIXTURE_DIR / "h200_te_qwen3_5_cutlass"
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    plain = json.loads((d / "te.profile_summary.json").read_text())
+    cutlass = json.loads((d / "te_cutlass.profile_summary.json").read_text())
+    found, _ = trial_what_if(plain, cfg)
+    w = _by_key(found)["cutlass_grouped_gemm"]
+    rows = plain["kernel_traces"][0]["summary"]["host"]["gpu_idle"]["host_wait_by_place"]["rows"]
+    idle = [r["idle_ms"] for r in rows if r["part"] == "experts" and r["kind"] == "launch-bound"]
+    assert len(idle) == 3 and round(sum(idle), 1) == 428.9  # backward, forward, recompute
+    assert w["settings"] == [{"kind": "env", "key": "NVTE_USE_CUTLASS_GROUPED_GEMM", "value": "1", "current": None}]
+    assert w["effect"] == {"metric": "step_time", "unit": "ms", "value": round(-sum(idle), 4),
+                           "baseline": plain["kernel_traces"][0]["summary"]["step_window"]["wall_ms"]}
+    assert w["text"].startswith("TE's CUTLASS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)): step "
+                                "time -428.9 ms on rank 0 (launch-bound GPU idle of the routed expert GEMMs: backward")
+    found, skipped = trial_what_if(cutlass, cfg)
+    assert "cutlass_grouped_gemm" not in _by_key(found)
+    assert _by_key(skipped)["cutlass_grouped_gemm"]["reason"] == (
+        "the trial already has NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)")
+    o = outcome(w, plain, cutlass, ([], []))  # no steps after the profiled one: the profiled steps, one a side
+    assert (o.measured, o.samples, o.verdict) == (pytest.approx(858.661 - 1321.626, abs=0.01), "1/1", "held")
+    without_te = dict(plain, transformer_engine=False)
+    found, skipped = trial_what_if(without_te, cfg)
+    assert "cutlass_grouped_gemm" not in _by_key(found)
+    assert _by_key(skipped)["cutlass_grouped_gemm"]["reason"].endswith(
+        "but Transformer Engine was not in the trial: the setting is TE's GroupedLinear's")
 
 
 # -- the rules, on constructed summaries ---------------------------------------------------------------------------

@@ -18,6 +18,10 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
 - ``balanced_routing`` (kernel trial, megatron): the routing collapsed (one expert gets at least
   :data:`sftprof.analysis.inputs.ROUTING_COLLAPSE_SHARE` of a layer's tokens, ``stats.jsonl``'s ``moe_load``);
   ``moe_router_force_load_balancing=true``: the busiest expert's share falls to ``top_k / E``.
+- ``cutlass_grouped_gemm`` (kernel trial, megatron, Transformer Engine in the trial): the routed expert GEMMs are
+  launch-bound (TE's ``GroupedLinear`` launches one cuBLAS GEMM per local expert); ``NVTE_USE_CUTLASS_GROUPED_GEMM=1``
+  runs them as one CUTLASS grouped kernel: step time less the launch-bound GPU idle of the expert GEMMs (on 1x H200,
+  Qwen3.5 slice, predicted -428.9 ms, measured -463.0 ms: ``bench/NOTES.md``).
 - ``expandable_segments`` (memory trial): allocator slack at the peak; ``PYTORCH_CUDA_ALLOC_CONF`` with
   ``expandable_segments:True``: peak reserved less that slack.
 - ``chunked_lm_head`` (memory trial): a logits-bound peak (the logits of the theoretical estimate,
@@ -70,6 +74,7 @@ LABELS = {
     "selective_recompute": "selective recompute",
     "fewer_micro_batches": "fewer micro-batches",
     "balanced_routing": "balanced routing",
+    "cutlass_grouped_gemm": "TE's CUTLASS grouped GEMM",
     "expandable_segments": "expandable segments",
     "chunked_lm_head": "chunked LM head",
     "precision_aware_optimizer": "precision-aware optimizer",
@@ -79,6 +84,7 @@ LABELS = {
 MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
 LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head the what-if proposes
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+CUTLASS_GROUPED_GEMM = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 _GIB = float(2**30)
 _MOE_PARTS = ("router", "dispatch_combine", "experts", "shared_experts")
 
@@ -198,6 +204,7 @@ def trial_what_if(summary: dict, cfg: Optional[dict]) -> tuple[list[WhatIf], lis
     for tr in traces:
         _selective_recompute(t, tr["rank"], tr["summary"])
         _fewer_micro_batches(t, tr["rank"], tr["summary"])
+        _cutlass_grouped_gemm(t, tr["rank"], tr["summary"])
     if traces:
         _balanced_routing(t, traces)
     for m in processed_snapshots(summary):
@@ -268,6 +275,29 @@ def _fewer_micro_batches(t: _Trial, rank: int, s: dict) -> None:
               (s.get("step_window") or {}).get("wall_ms"), f"{n_old} -> {n_new} micro-batches; {what}",
               why + f"; the work per token is the same; the activations of one micro-batch grow {n_old / n_new:g}x "
                     "(see the memory trial)")
+
+
+def _cutlass_grouped_gemm(t: _Trial, rank: int, s: dict) -> None:
+    rows = (((s.get("host") or {}).get("gpu_idle") or {}).get("host_wait_by_place") or {}).get("rows") or []
+    rows = [r for r in rows if r["part"] == "experts" and r["kind"] == "launch-bound"]
+    if not rows or not t.megatron:
+        return
+    cost = sum(r["idle_ms"] for r in rows)
+    if t.summary.get("transformer_engine") is not True:
+        t.skip("cutlass_grouped_gemm", rank, f"launch-bound expert GEMMs ({cost:.1f} ms of GPU idle), but Transformer "
+                                             "Engine was not in the trial: the setting is TE's GroupedLinear's")
+        return
+    env = t.summary.get("environment")
+    settings: list[WhatIfSetting] = [{"kind": "env", "key": CUTLASS_GROUPED_GEMM, "value": "1",
+                                      "current": None if env is None else env.get(CUTLASS_GROUPED_GEMM)}]
+    if t.already_set("cutlass_grouped_gemm", rank, settings):
+        return
+    places = ", ".join(f"{r['phase']} {r['idle_ms']:.1f} ms" for r in rows)
+    t.propose("cutlass_grouped_gemm", rank, settings, "step_time", -cost, (s.get("step_window") or {}).get("wall_ms"),
+              f"launch-bound GPU idle of the routed expert GEMMs: {places}",
+              "one kernel for all local experts' GEMMs takes the launches off the host, so that GPU idle goes and "
+              "the GEMMs' GPU time stays; less where TE falls back to a cuBLAS GEMM per expert "
+              "(NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK=1 logs each fallback)")
 
 
 def _balanced_routing(t: _Trial, traces: list[dict]) -> None:
