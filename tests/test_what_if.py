@@ -217,18 +217,33 @@ def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
     assert w["effect"] == {"metric": "step_time", "unit": "ms", "value": round(-sum(idle), 4),
                            "baseline": plain["kernel_traces"][0]["summary"]["step_window"]["wall_ms"]}
     assert w["text"].startswith("TE's CUTLASS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)): step "
-                                "time -428.9 ms on rank 0 (launch-bound GPU idle of the routed expert GEMMs: backward")
+                                "time -428.9 ms on rank 0 (launch-bound GPU idle of the routed expert GEMMs, over the places the "
+                                "summary lists: backward")
     found, skipped = trial_what_if(cutlass, cfg)
     assert "cutlass_grouped_gemm" not in _by_key(found)
     assert _by_key(skipped)["cutlass_grouped_gemm"]["reason"] == (
         "the trial already has NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)")
     o = outcome(w, plain, cutlass, ([], []))  # no steps after the profiled one: the profiled steps, one a side
     assert (o.measured, o.samples, o.verdict) == (pytest.approx(858.661 - 1321.626, abs=0.01), "1/1", "held")
-    without_te = dict(plain, transformer_engine=False)
-    found, skipped = trial_what_if(without_te, cfg)
-    assert "cutlass_grouped_gemm" not in _by_key(found)
-    assert _by_key(skipped)["cutlass_grouped_gemm"]["reason"].endswith(
-        "but Transformer Engine was not in the trial: the setting is TE's GroupedLinear's")
+    def reason(summary: dict, config: dict = cfg) -> str:
+        found, skipped = trial_what_if(summary, config)
+        assert "cutlass_grouped_gemm" not in _by_key(found)
+        return _by_key(skipped)["cutlass_grouped_gemm"]["reason"]
+
+    assert reason(dict(plain, transformer_engine=False)) == (
+        "launch-bound expert GEMMs (428.9 ms of GPU idle), but Transformer Engine was not in the trial: the setting "
+        "is TE's GroupedLinear's")
+    assert "whether Transformer Engine ran is unknown" in reason(dict(plain, transformer_engine=None))
+    b200 = copy.deepcopy(plain)
+    b200["kernel_traces"][0]["summary"]["efficiency"]["peak"]["device"] = "NVIDIA B200"
+    assert reason(b200).endswith("but the GPU is NVIDIA B200: TE's CUTLASS grouped GEMM is Hopper's (sm90)")
+    fp32 = copy.deepcopy(cfg)
+    fp32["actor"]["dtype"] = "float32"
+    assert reason(plain, fp32).endswith("but actor.dtype=float32: TE's CUTLASS grouped GEMM takes bf16 or fp16")
+    no_window = copy.deepcopy(plain)
+    del no_window["kernel_traces"][0]["summary"]["step_window"]
+    assert reason(no_window) == ("predicted step time -428.9 ms on rank 0, but the trial has no measured step time "
+                                 "to weigh it against")
 
 
 # -- the rules, on constructed summaries ---------------------------------------------------------------------------

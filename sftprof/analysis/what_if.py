@@ -42,8 +42,9 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
 
 Rules for every lever: it is never proposed for a setting the trial already has (every setting at the trial's
 value: a ``skipped`` entry says so), nor where the trial cannot take it (the fsdp backend for megatron-core's
-options, no Transformer Engine for the precision-aware optimizer: ``skipped`` says why), nor when the predicted
-effect is under :data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see).
+options, no Transformer Engine for the precision-aware optimizer or TE's CUTLASS grouped GEMM, a GPU other than
+Hopper or an fp32 model for the latter: ``skipped`` says why), nor when the predicted effect is under
+:data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see) or has no baseline.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
 LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head the what-if proposes
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 CUTLASS_GROUPED_GEMM = "NVTE_USE_CUTLASS_GROUPED_GEMM"
+HOPPER = ("H100", "H200", "H800", "H20")  # GPU names (the trace's device) of sm90, where that path runs
 _GIB = float(2**30)
 _MOE_PARTS = ("router", "dispatch_combine", "experts", "shared_experts")
 
@@ -149,6 +151,15 @@ class _Trial:
                 self._hf = None
         return self._hf
 
+    def te_absence(self) -> Optional[str]:
+        """None when Transformer Engine ran in the trial, else why a TE-only lever cannot be proposed, in words."""
+        te = self.summary.get("transformer_engine")
+        if te:
+            return None
+        return ("Transformer Engine was not in the trial" if te is False else
+                "whether Transformer Engine ran is unknown (actor.megatron.transformer_impl=auto and no "
+                "'transformer_engine=' line in trainer.log)")
+
     def setting(self, key: str, value: Any) -> WhatIfSetting:
         return {"kind": "config", "key": key, "value": value, "current": _get(self.cfg, key)}
 
@@ -166,10 +177,14 @@ class _Trial:
     def propose(self, key: str, rank: Optional[int], settings: list[WhatIfSetting], metric: str, value: float,
                 baseline: Optional[float], detail: str, assumption: str, weight: Optional[float] = None) -> None:
         """Add the what-if, unless its effect is under :data:`MIN_SHARE` of its baseline (then a skip)."""
-        if weight is None:
-            weight = abs(value) / baseline if baseline else 0.0
         effect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
                   "baseline": None if baseline is None else round(baseline, 4)}
+        if weight is None and not baseline:
+            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, but the trial has no measured "
+                                 f"{METRICS[metric][1]} to weigh it against")
+            return
+        if weight is None:
+            weight = abs(value) / baseline
         if weight < MIN_SHARE:
             self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of its "
                                  f"baseline ({baseline} {effect['unit']}): too small for a comparison to see")
@@ -283,9 +298,17 @@ def _cutlass_grouped_gemm(t: _Trial, rank: int, s: dict) -> None:
     if not rows or not t.megatron:
         return
     cost = sum(r["idle_ms"] for r in rows)
-    if t.summary.get("transformer_engine") is not True:
-        t.skip("cutlass_grouped_gemm", rank, f"launch-bound expert GEMMs ({cost:.1f} ms of GPU idle), but Transformer "
-                                             "Engine was not in the trial: the setting is TE's GroupedLinear's")
+    device = ((s.get("efficiency") or {}).get("peak") or {}).get("device")  # None: not known, not ruled out
+    dtype = t.actor.get("dtype")
+    why_not = t.te_absence()
+    if why_not:
+        why_not += ": the setting is TE's GroupedLinear's"
+    elif device and not any(h in device for h in HOPPER):
+        why_not = f"the GPU is {device}: TE's CUTLASS grouped GEMM is Hopper's (sm90)"
+    elif dtype not in (None, "bfloat16", "float16"):
+        why_not = f"actor.dtype={dtype}: TE's CUTLASS grouped GEMM takes bf16 or fp16"
+    if why_not:
+        t.skip("cutlass_grouped_gemm", rank, f"launch-bound expert GEMMs ({cost:.1f} ms of GPU idle), but {why_not}")
         return
     env = t.summary.get("environment")
     settings: list[WhatIfSetting] = [{"kind": "env", "key": CUTLASS_GROUPED_GEMM, "value": "1",
@@ -294,7 +317,7 @@ def _cutlass_grouped_gemm(t: _Trial, rank: int, s: dict) -> None:
         return
     places = ", ".join(f"{r['phase']} {r['idle_ms']:.1f} ms" for r in rows)
     t.propose("cutlass_grouped_gemm", rank, settings, "step_time", -cost, (s.get("step_window") or {}).get("wall_ms"),
-              f"launch-bound GPU idle of the routed expert GEMMs: {places}",
+              f"launch-bound GPU idle of the routed expert GEMMs, over the places the summary lists: {places}",
               "one kernel for all local experts' GEMMs takes the launches off the host, so that GPU idle goes and "
               "the GEMMs' GPU time stays; less where TE falls back to a cuBLAS GEMM per expert "
               "(NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK=1 logs each fallback)")
@@ -398,13 +421,10 @@ def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict
                 t.setting("actor.megatron.main_grads_dtype", "bfloat16")]
     if t.already_set("precision_aware_optimizer", rank, settings):
         return
-    te = t.summary.get("transformer_engine")
-    if not te:
-        t.skip("precision_aware_optimizer", rank, "an optimizer-step peak, but " + (
-            "Transformer Engine was not in the trial" if te is False else
-            "whether Transformer Engine ran is unknown (actor.megatron.transformer_impl=auto and no "
-            "'transformer_engine=' line in trainer.log)") + ": megatron-core's precision-aware optimizer needs TE's "
-            "FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
+    absent = t.te_absence()
+    if absent:
+        t.skip("precision_aware_optimizer", rank, f"an optimizer-step peak, but {absent}: megatron-core's "
+               "precision-aware optimizer needs TE's FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
         return
     hf = t.hf()
     if hf is None:
