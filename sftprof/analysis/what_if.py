@@ -176,7 +176,8 @@ class _Trial:
 
     def propose(self, key: str, rank: Optional[int], settings: list[WhatIfSetting], metric: str, value: float,
                 baseline: Optional[float], detail: str, assumption: str, weight: Optional[float] = None) -> None:
-        """Add the what-if, unless its effect is under :data:`MIN_SHARE` of its baseline (then a skip)."""
+        """Add the what-if, unless its effect is under :data:`MIN_SHARE` of its baseline or it has no baseline (then
+        a skip)."""
         effect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
                   "baseline": None if baseline is None else round(baseline, 4)}
         if weight is None and not baseline:
