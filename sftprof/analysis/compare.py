@@ -3,15 +3,15 @@
 A run argument is either one trial run dir (it holds ``profile_summary.json``) or a RUN_ROOT whose immediate
 sub-directories are trial run dirs; one run argument is one configuration. Trials are grouped (:func:`_group_key`):
 the kernel trials after step 0 pool into one group (repeated samples of a steady-state step), kernel step 0 (the
-warm-up) and each memory step are groups of their own; groups that only one run has are listed. The report opens
-with how to read the verdicts (:func:`_verdict_note`) and the step time pooled over every trial of each run
+warm-up) and each memory step are groups of their own; groups that only one run has are listed. The report opens with
+how to read the verdicts (:func:`_verdict_note`) and the step time pooled over every trial of each run
 (:func:`_step_time_section`: the steps that time training alone, :func:`_clean_step_times`); then, per group, the
-settings that differ (:mod:`sftprof.analysis.settings_diff`), step figures, peak memory per rank, top kernels, time by category, each rank's exposed
-communication split into waiting for the last rank and transfer (:mod:`sftprof.analysis.comm_wait`) and, for
-memory trials, memory alive at the peak by allocation site. Every row of every table gets its verdict from
-:mod:`sftprof.analysis.stats` (:func:`_row_cells`): time rows the rank test's 95 % interval over the row's samples,
-memory rows (deterministic for a given step) an exact difference. Typical use: prove that
-``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
+settings that differ (:mod:`sftprof.analysis.settings_diff`), step figures, peak memory per rank, top kernels, time by
+category, each rank's exposed communication split into waiting for the last rank and transfer
+(:mod:`sftprof.analysis.comm_wait`) and, for memory trials, memory alive at the peak by allocation site. Every row of
+every table gets its verdict from :mod:`sftprof.analysis.stats` (:func:`_row_cells`): time rows the rank test's 95 %
+interval over the row's samples, memory rows (deterministic for a given step) an exact difference. Typical use: prove
+that ``LM_HEAD_LOSS_CHUNK_SIZE=4096`` lowers the peak against ``0``.
 
 What-if trials (the driver's ``TRY_WHAT_IFS``: a trial's what-if applied, same kind and step) are another
 configuration: a RUN_ROOT's are left out of its groups; each what-if trial of B whose source trial is in A gets the
