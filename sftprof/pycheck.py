@@ -1,12 +1,17 @@
 """Whether this Python can run sftprof: ``python -m sftprof.pycheck`` prints ``ok``, or one line naming what is
-missing (a Python older than 3.10, modules of sftprof's requirements that cannot be found); exit status 0 either way.
+missing or untested (a Python older than 3.10, modules of sftprof's requirements that cannot be found, an installed
+version outside the tested range of ``pyproject.toml``); exit status 0 either way.
 
 The driver runs it first with its ``PYTHON`` and stops (exit 2, one line naming ``PYTHON``) on anything but ``ok``,
 so a Python without the requirements, or a program that is no Python (``PYTHON=/bin/true`` prints nothing), is
 refused before planning instead of ending in a traceback. Standard library only, and written so that an old Python
 (even Python 2) parses it and says it is too old. Modules are looked up, not imported (fast; an import error
-inside an installed package shows later, where it happens).
+inside an installed package shows later, where it happens). The tested ranges are ``pyproject.toml``'s: its
+``[project] dependencies`` and the packages of its ``te`` and ``qwen3_5`` extras that are installed (read from the
+file beside this package, else from the installed sftprof's metadata; compared with ``packaging``, which
+transformers requires).
 """
+import os
 import sys
 
 MIN_PYTHON = (3, 10)
@@ -30,7 +35,67 @@ def problem():
             missing.append(name)
     if missing:
         return "cannot import %s (sftprof's requirements: pip install -e <the sftprof repository>)" % ", ".join(missing)
+    untested = untested_versions()
+    if untested:
+        return ("untested versions: %s (the tested ranges are pyproject.toml's; `pip install -e <the sftprof "
+                "repository> -c constraints.txt` installs the tested set)" % "; ".join(untested))
     return None
+
+
+RUNTIME_EXTRAS = ("te", "qwen3_5")  # optional dependencies of the job itself (not the test or peer tools)
+
+
+def requirements():
+    """The requirement strings the job runs with: ``[project] dependencies`` and the :data:`RUNTIME_EXTRAS`, from the
+    ``pyproject.toml`` beside this package (a source checkout) or the installed sftprof's metadata; [] when neither
+    can be read (Python 3.10 without an installed sftprof)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        import tomllib
+        with open(path, "rb") as f:
+            project = tomllib.load(f)["project"]
+        extras = project.get("optional-dependencies", {})
+        return list(project["dependencies"]) + [r for e in RUNTIME_EXTRAS for r in extras.get(e, [])]
+    except (ImportError, OSError, KeyError, ValueError):
+        pass
+    try:
+        from importlib import metadata
+        reqs = metadata.requires("sftprof") or []
+    except Exception:  # no installed sftprof, or unreadable metadata
+        return []
+    return [r for r in reqs if "extra ==" not in r or any('extra == "%s"' % e in r for e in RUNTIME_EXTRAS)]
+
+
+def untested_versions():
+    """``["NAME VERSION is not in SPECIFIER", ...]``: each installed distribution of :func:`requirements` whose version
+    is outside its range (pre-releases compared like releases); a distribution that is not installed is not checked
+    here (its module is, above)."""
+    try:
+        from importlib import metadata
+
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.version import InvalidVersion
+    except ImportError:
+        return []
+    out = []
+    for text in requirements():
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if not req.specifier:
+            continue
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue
+        try:
+            inside = req.specifier.contains(version, prereleases=True)
+        except InvalidVersion:
+            inside = False
+        if not inside:
+            out.append("%s %s is not in %s" % (req.name, version, req.specifier))
+    return out
 
 
 if __name__ == "__main__":

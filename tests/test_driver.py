@@ -1103,6 +1103,33 @@ def test_python_check_looks_for_every_dependency_of_pyproject():
     assert pycheck.problem() is None
 
 
+@pytest.mark.parametrize("name, version", [("transformers", "6.0.0"), ("megatron-core", "0.20.0"),
+                                           ("transformer-engine", "2.11.0")])
+def test_a_version_outside_the_tested_range_is_refused_before_anything_is_written(tmp_path, name, version):
+    """An installed distribution (a dependency, or TE of the `te` extra) whose version is outside pyproject.toml's
+    range: the driver stops in one line naming it, its version and the range. The stand-in is a dist-info folder
+    first on the path, which is what importlib.metadata reads."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = {Requirement(r).name: Requirement(r).specifier
+             for r in project["dependencies"] + project["optional-dependencies"]["te"]}
+    fake = tmp_path / "site"
+    (fake / f"{name.replace('-', '_')}-{version}.dist-info").mkdir(parents=True)
+    (fake / f"{name.replace('-', '_')}-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    out = run_driver({"PYTHONPATH": f"{fake}:{ROOT}"}, tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: PYTHON=python3: not a Python interpreter that runs sftprof (`python3 -m "
+                          f"sftprof.pycheck` printed: untested versions: {name} {version} is not in {specs[name]} "
+                          "(the tested ranges are pyproject.toml's; `pip install -e <the sftprof repository> -c "
+                          "constraints.txt` installs the tested set)); accepted: a Python interpreter with sftprof's "
+                          "requirements (default python3)\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
 def test_folder_names_over_255_bytes_are_refused_before_anything_is_written(tmp_path):
     """Every folder the plan names must fit in 255 bytes: the default RUN_ROOT <experiment>_<stamp>, a FILEROOT or
     RUN_ROOT given with a longer folder name, a trial name from a long model folder name."""

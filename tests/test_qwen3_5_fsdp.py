@@ -124,7 +124,7 @@ def test_tiny_qwen3_5_preset_through_the_driver(tmp_path):
 
 def test_gated_delta_rule_reference_matches_transformers_torch_code():
     """The fp32 reference that the GPU test holds fla's gradients to is transformers' recurrence."""
-    from fixtures.qwen3_5 import gated_delta_rule_reference, hf_torch_linear_attention
+    from fixtures.qwen3_5 import gated_delta_rule_reference, hf_torch_linear_attention, torch_function
 
     gen = torch.Generator().manual_seed(5)
     q, k = (torch.nn.functional.normalize(torch.randn(2, 96, 3, 16, generator=gen), dim=-1) for _ in range(2))
@@ -137,7 +137,7 @@ def test_gated_delta_rule_reference_matches_transformers_torch_code():
     wrappers = {name: getattr(modeling, name) for name in kernels + ("create_causal_mask",)}
     with hf_torch_linear_attention():
         # every kernel wrapper is its torch function inside (the mask builder is left alone), restored after
-        assert {n: getattr(modeling, n) for n in kernels} == {n: wrappers[n].__wrapped__ for n in kernels}
+        assert {n: getattr(modeling, n) for n in kernels} == {n: torch_function(wrappers[n]) for n in kernels}
         assert modeling.create_causal_mask is wrappers["create_causal_mask"]
         expected, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
                                                             output_final_state=False, use_qk_l2norm_in_kernel=False)
