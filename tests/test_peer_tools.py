@@ -1,4 +1,4 @@
-"""Trace folders open in the tools users already have: HolisticTraceAnalysis 0.5.0 and TensorBoard's profiler plugin.
+"""Trace folders open in the tools users already have: HTA (traceinsight 0.6.1; HolisticTraceAnalysis 0.5.0 earlier) and TensorBoard's profiler plugin.
 
 Both are optional test extras (``pip install -e ".[test,peer-tools]"``); their tests skip when absent.
 The inputs are a real H200 kernel trace of this project (``tests/fixtures``) and a real CPU trace,
@@ -42,7 +42,7 @@ def folders(request, tmp_path_factory):
 
 
 def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
-    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    pytest.importorskip("hta", reason="HTA (traceinsight) is an optional test extra")
     from hta.trace_analysis import TraceAnalysis
 
     kind, dirs, n_gpu = folders
@@ -59,7 +59,7 @@ def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
                 row = analysis.get_temporal_breakdown(visualize=False).to_dict("records")
                 assert len(row) == 1 and row[0]["rank"] == 0 and row[0]["kernel_time(us)"] > 0
                 breakdowns[name] = row[0]
-    # HTA 0.5.0's temporal breakdown needs at least one GPU kernel (it fails with IndexError without):
+    # HTA's temporal breakdown (0.5.0 and 0.6.1) needs at least one GPU kernel (it fails with IndexError without):
     # every folder with GPU work gives the same breakdown as the raw trace.
     if kind == "h200_trace":
         assert list(breakdowns) == ["raw", "chrome", "split_clean", "gpu_only"]
@@ -71,7 +71,7 @@ def test_hta_loads_every_folder_and_breaks_down_gpu_time(folders, caplog):
 def test_hta_two_ranks_with_cuda_sync_events_same_figures_in_every_gpu_folder(tmp_path, caplog):
     """The 2-GPU H200 excerpt: every folder docs/peer_tools.md names for HTA gives both ranks, the same GPU events
     (kernels, memcpy, memset and the stream-bound CUDA sync events) and the same figures as the raw folder."""
-    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    pytest.importorskip("hta", reason="HTA (traceinsight) is an optional test extra")
     from hta.trace_analysis import TraceAnalysis
 
     raw = tmp_path / "raw"

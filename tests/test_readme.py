@@ -26,7 +26,8 @@ from sftprof.launch import variables
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README] + sorted((ROOT / "docs").glob("*.md"))
-RUN_COMMAND = "pip install torch==2.13.0 && pip install -e . && CONFIG=tiny_cpu bash run_qwen3_30b_a3b_sft_profile.sh"
+RUN_COMMAND = ("pip install torch==2.13.0 && pip install -e . -c constraints.txt && CONFIG=tiny_cpu bash "
+               "run_qwen3_30b_a3b_sft_profile.sh")
 # Names the docs give as misspellings of driver variables (the driver must stop on them, or warn: checked below).
 MISSPELLED = ("PROFILE_STEP", "N_GPU_PER_NODE", "LOGPROB_CHUNK_SIZE", "PROFILE_FOO")
 # Config keys of earlier releases that the docs say are refused (checked below).

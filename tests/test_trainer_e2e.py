@@ -238,7 +238,7 @@ def test_trial_log_dir_of_an_earlier_trial_is_refused_before_writing(tmp_path):
 
 
 def test_hta_splits_the_real_trace_by_profiler_step(kernel_trial, caplog):
-    pytest.importorskip("hta", reason="HolisticTraceAnalysis is an optional test extra")
+    pytest.importorskip("hta", reason="HTA (traceinsight) is an optional test extra")
     from hta.trace_analysis import TraceAnalysis
 
     log_dir, _ = kernel_trial
