@@ -3,6 +3,10 @@ generator, shards, CP chunks, routed tokens and collective buffer sizes of the s
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -117,3 +121,34 @@ def test_fsdp_plan_and_bad_sequence():
     cfg["train_dataset"]["batch_size"] = 4
     with pytest.raises(ValueError, match="profile.fake_seq_len=131072: must be divisible by 2\\*CP=6"):
         rank_plan(cfg, QWEN3_30B, parse_allocation_mode("megatron:c3"), 0)
+
+
+_FAKE_PG_GROUPS = """
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from megatron.core import parallel_state as ps
+from sftprof.allocation import parse_allocation_mode
+from sftprof.models.megatron_config import parallel_state_kwargs
+layout, rank = parse_allocation_mode(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+ps.initialize_model_parallel(**parallel_state_kwargs(layout), create_gloo_process_groups=False)
+groups = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+          "dp_cp": ps.get_data_parallel_group(with_context_parallel=True), "pp": ps.get_pipeline_model_parallel_group(),
+          "ep": ps.get_expert_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
+          "edp": ps.get_expert_data_parallel_group()}
+print(json.dumps({k: dist.get_process_group_ranks(g) for k, g in groups.items()}))
+"""
+
+
+@pytest.mark.parametrize("mode,rank", [("megatron:(attn:d2c4|ffn:d1e8)", 5), ("megatron:(attn:d4c4t4|ffn:d2e8t4)", 37)])
+def test_groups_of_megatron_on_the_fake_process_group(mode, rank):
+    """The groups megatron-core builds for a simulated rank on torch's fake process group (the trainer's
+    simulation, no gloo groups) are the plan's."""
+    pytest.importorskip("megatron.core")
+    out = subprocess.run([sys.executable, "-c", _FAKE_PG_GROUPS, mode, str(rank)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = json.loads(out.stdout.strip().splitlines()[-1])
+    lay = parse_allocation_mode(mode)
+    assert built == {g: group_ranks(lay, rank, g) for g in built}

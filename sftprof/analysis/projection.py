@@ -1,6 +1,6 @@
 """The projected step of a rank: a simulated rank's measured compute plus the communication its layout needs.
 
-Arithmetic on recorded numbers (no torch): the simulated trial (``actor.simulate_rank``) measured the rank's
+Arithmetic on recorded numbers (no torch): the simulated trial (``actor.simulate.rank``) measured the rank's
 compute time (its step with collectives not run) and its peak memory; :func:`sftprof.analysis.rank_plan.rank_plan`
 gives every collective the real rank would run (process group, bytes, calls). Here:
 
@@ -17,13 +17,13 @@ gives every collective the real rank would run (process group, bytes, calls). He
 
 Not modelled (named in ``assumptions``): waiting for slower ranks (routing imbalance, a PP bubble), contention
 between concurrent collectives, link rates of message sizes outside the measured range (the nearest is used).
-CLI: ``python -m sftprof.analysis.projection TRIAL_LOG_DIR`` prints the projection of a simulated trial.
+The summary of a simulated trial holds it (:func:`simulation_summary`); ``python -m sftprof.analysis.projection
+TRIAL_LOG_DIR`` prints it.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -34,7 +34,8 @@ from sftprof.analysis.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
 from sftprof.models.hf import load_hf_config
 
-__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "main"]
+__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "simulation_summary",
+           "render", "main"]
 
 _MIB = float(1 << 20)
 _GIB = float(1 << 30)
@@ -89,8 +90,7 @@ def nccl_buffer_bytes(collectives: list[dict]) -> tuple[int, list[str]]:
 
 
 def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
-            windows_ms: Optional[dict] = None, model_flops: Optional[float] = None,
-            peak_flops: Optional[float] = None) -> dict[str, Any]:
+            windows_ms: Optional[dict] = None, measured_mfu: Optional[float] = None) -> dict[str, Any]:
     """The projected step of the rank of ``plan`` (module docstring).
 
     Args:
@@ -99,7 +99,8 @@ def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_n
         peak_gib: its measured peak allocated memory (GiB), None when not measured (CPU).
         gpus_per_node: ranks per node (a group over more than one node runs at the InfiniBand rate).
         windows_ms: measured compute of the overlap windows (``forward``, ``backward``, ``cp_attention``), ms.
-        model_flops: model FLOPs of the global step; ``peak_flops`` one GPU's peak FLOP/s (both for the MFU).
+        measured_mfu: the simulated step's MFU (its model FLOPs per GPU over ``compute_ms``); the projected MFU is
+            it scaled by ``compute_ms / projected``.
     Returns:
         ``{"rows": [...], "compute_ms", "communication_ms", "exposed_ms", "projected_step_ms", "serial_step_ms",
         "mfu", "memory": {...}, "assumptions": [...]}``; each row ``{"group", "collective", "interconnect",
@@ -127,8 +128,7 @@ def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_n
     exposed = sum(r["exposed_ms"] for r in rows)
     projected = compute_ms + exposed
     world = plan["world_size"]
-    mfu = (model_flops / world / (projected / 1e3) / peak_flops
-           if model_flops and peak_flops else None)
+    mfu = measured_mfu * compute_ms / projected if measured_mfu is not None else None
     nccl, nccl_lines = nccl_buffer_bytes(plan["collectives"])
     assumptions = list(plan["assumptions"]) + [
         f"{name}: {link['source']}" for name, link in INTERCONNECTS.items()
@@ -147,33 +147,45 @@ def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_n
             "assumptions": assumptions}
 
 
-def project_trial(log_dir: str | Path, peak_flops: Optional[float] = None) -> dict[str, Any]:
-    """:func:`project` of a simulated trial from its ``config.yaml`` and ``stats.jsonl``: compute = the median step
-    time of the steps after the first (the first alone when there is one), peak = the largest
-    ``mem_peak_allocated_gb`` of those steps.
+NOT_RUN = ("collectives: torch's fake process group returned each at once, its output allocated at its real size and "
+           "filled as if every peer held this rank's input; all-reduces did not reduce")
+ASSUMED = ("balanced routing (megatron: random router logits; every EP peer sends this rank's own token counts); "
+           "loss and grad norm are this rank's alone")
+
+
+def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None) -> dict[str, Any]:
+    """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``) from its ``stats.jsonl``: compute = the
+    step time of ``step`` (the last step recorded when None), peak = its ``mem_peak_allocated_gb``, the MFU scaled
+    from its measured one.
 
     Raises:
-        ValueError: the trial is not a simulated one (``actor.simulate_rank`` < 0) or recorded no step.
+        ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
         OSError: ``stats.jsonl`` is missing.
     """
-    cfg, err = inputs.trial_config(str(log_dir))
-    if cfg is None:
-        raise ValueError(f"{log_dir}: {err or 'no config.yaml'}")
     a = cfg["actor"]
-    rank = int(a.get("simulate_rank", -1))
+    rank = int((a.get("simulate") or {}).get("rank", -1))
     if rank < 0:
-        raise ValueError(f"{log_dir}: actor.simulate_rank={rank}: not a simulated trial (accepted: a rank >= 0)")
-    steps = read_stats(Path(log_dir) / STATS).steps
+        raise ValueError(f"{log_dir}: actor.simulate.rank={rank}: not a simulated trial (accepted: a rank >= 0)")
+    steps = [s for s in read_stats(Path(log_dir) / STATS).steps if step is None or s.step == step]
     if not steps:
-        raise ValueError(f"{log_dir}: {STATS} holds no step record")
-    used = steps[1:] or steps
+        raise ValueError(f"{log_dir}: {STATS} holds no record of step {'(any)' if step is None else step}")
+    rec = steps[-1]
     layout = parse_allocation_mode(a["backend"])
     plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank)
-    peaks = [s.mem_peak_allocated_gb for s in used if s.mem_peak_allocated_gb is not None]
-    flops = used[-1].tflops_per_gpu * 1e12 * used[-1].step_time_s * layout.world_size \
-        if used[-1].tflops_per_gpu is not None else None
-    return project(plan, 1e3 * statistics.median(s.step_time_s for s in used), max(peaks) if peaks else None,
-                   int(cfg["cluster"]["n_gpus_per_node"]), model_flops=flops, peak_flops=peak_flops)
+    return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
+                   measured_mfu=rec.mfu)
+
+
+def simulation_summary(log_dir: str | Path, cfg: dict, step: int) -> dict[str, Any]:
+    """The summary's ``simulation`` member (``sftprof.analysis.schema.Simulation``) of a simulated trial: what was
+    not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made)."""
+    sim = cfg["actor"]["simulate"]
+    try:
+        projection, error = project_trial(log_dir, cfg, step), None
+    except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
+        projection, error = None, f"{type(exc).__name__}: {exc}"
+    return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
+            "not_run": NOT_RUN, "assumed": ASSUMED, "projection": projection, "projection_error": error}
 
 
 def render(p: dict) -> str:
@@ -195,16 +207,19 @@ def render(p: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m sftprof.analysis.projection TRIAL_LOG_DIR [--json FILE] [--peak-tflops N]``; exit 2 on bad input."""
-    ap = argparse.ArgumentParser(description="Project the step of a simulated rank (actor.simulate_rank).")
+    """``python -m sftprof.analysis.projection TRIAL_LOG_DIR [--step N] [--json FILE]``; exit 2 on bad input."""
+    ap = argparse.ArgumentParser(description="Project the step of a simulated rank (actor.simulate.rank).")
     ap.add_argument("log_dir", help="the simulated trial's log dir (config.yaml, stats.jsonl)")
-    ap.add_argument("--json", help="also write the projection to this new file")
-    ap.add_argument("--peak-tflops", type=float, help="one GPU's peak bf16 TFLOP/s, for the MFU")
+    ap.add_argument("--step", type=int, help="the step whose time is the compute (default: the last recorded)")
+    ap.add_argument("--json", help="also write the projection to this new file (never overwritten)")
     args = ap.parse_args(argv)
+    cfg, err = inputs.trial_config(args.log_dir)
     try:
-        p = project_trial(args.log_dir, args.peak_tflops * 1e12 if args.peak_tflops else None)
-    except (ValueError, OSError) as err:
-        print(f"projection: {err}", file=sys.stderr)
+        if cfg is None:
+            raise ValueError(err or f"{args.log_dir}: no config.yaml")
+        p = project_trial(args.log_dir, cfg, args.step)
+    except (ValueError, OSError) as exc:
+        print(f"projection: {exc}", file=sys.stderr)
         return 2
     print(render(p))
     if args.json:

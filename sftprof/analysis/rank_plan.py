@@ -1,6 +1,6 @@
 """The plan of one rank of a layout: what a simulated rank holds and computes, and what the real rank would send.
 
-A simulated rank (``actor.simulate_rank``: one rank of an N-rank layout alone on one device, collectives not run,
+A simulated rank (``actor.simulate.rank``: one rank of an N-rank layout alone on one device, collectives not run,
 :mod:`sftprof.trainer`) is the real rank's work only if its shapes are the real rank's. :func:`rank_plan` states
 them from the layout, the model and the trial's settings, without torch:
 
@@ -130,8 +130,9 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int) -> dict[str, Any]:
               "expert_pairs_per_micro_batch": routed,
               "pairs_per_local_expert": routed * layout.ep / E if megatron else routed / E,
               "local_experts": E // layout.ep if megatron else E}
-    assumptions = ["balanced routing: every expert receives 1/E of the top-k choices (the fake process group hands "
-                   "every EP peer this rank's own token counts; megatron's forced load balancing makes them ~balanced)"]
+    assumptions = (["balanced routing: every expert receives 1/E of the top-k choices (the fake process group hands "
+                    "every EP peer this rank's own token counts; random router logits make them ~balanced)"]
+                   if megatron else [])
     recompute = bool(a.get("gradient_checkpointing", True)) and (not megatron or
                                                                  m.get("recompute_granularity", "full") == "full")
     passes = 3 if recompute else 2  # forward, backward (+ the recomputed forward of full recompute)

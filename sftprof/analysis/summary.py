@@ -23,6 +23,7 @@ from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
+from sftprof.analysis.projection import simulation_summary
 from sftprof.analysis.rank_table import rank_table
 from sftprof.analysis.schema import Counts, ProfileSummary
 from sftprof.analysis.summary_file import write_summary
@@ -113,6 +114,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                    transformer_engine=inputs.transformer_engine(cfg, trainer_log))
     if tried:
         summary["tried_what_if"] = tried
+    if cfg and ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) >= 0:
+        summary["simulation"] = simulation_summary(log_dir, cfg, profile_step)
     if summary["status"] != "ok":
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure

@@ -1,0 +1,71 @@
+"""A simulated rank end to end on the tiny CPU preset: rank 5 of ``fsdp:d8`` alone in one process (torch's fake
+process group), through the real driver, its kernel trial postprocessed; the summary says it is simulated on its
+first line and holds the projection of its step."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.projection import main as projection_main
+from sftprof.analysis.rank_plan import rank_plan
+from sftprof.models.hf import load_hf_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sim")
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
+    env.update(CONFIG="tiny_cpu", FILEROOT=str(base / "fileroot"), RUN_ROOT=str(base / "run"), PROFILE_STEPS="1",
+               PROFILE_KINDS="kernel", PROFILE_STAMP="sim", PROFILE_FAKE_SEQ_LEN="256", OMP_NUM_THREADS="1",
+               SIMULATE_RANK="5")
+    out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), "actor.backend=fsdp:d8",
+                          "train_dataset.batch_size=8"], env=env, capture_output=True, text=True, timeout=900)
+    return out, base / "run"
+
+
+def test_simulated_rank_runs_alone_and_says_so(run):
+    out, run_root = run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "sftprof: plan: 1 trial(s) on 8 rank(s) (1 node(s) x 1, fsdp:d8, CPU (no CUDA)): kernel step 1" in out.stderr
+    (run_dir,) = [p for p in run_root.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "profile_summary.json").read_text())
+    log_dir = Path(summary["paths"]["log_dir"])
+    assert sorted(p.name for p in (log_dir / "perf_tracer").iterdir()) == ["rank5.pt.trace.json"]
+    coords = json.loads((log_dir / "rank_coords.json").read_text())
+    assert coords["simulated_rank"] == 5 and coords["world_size"] == 8
+    cfg = yaml.safe_load((log_dir / "config.yaml").read_text())
+    assert cfg["perf_tracer"]["ranks"] == "5" and cfg["actor"]["simulate"] == {"rank": 5, "gpus_per_node": 8}
+    steps = [json.loads(line) for line in (log_dir / "stats.jsonl").read_text().splitlines()]
+    assert [r["rank"] for r in steps[1]["ranks"]] == [5]
+    # The loss: this rank's sum over the global loss tokens; its one sequence of the 8 is 1/8 of a loss near ln(V).
+    assert 0.9 < steps[1]["loss"] * 8 / 11.93 < 1.1
+    sim = summary["simulation"]
+    assert (sim["rank"], sim["world_size"], sim["projection_error"]) == (5, 8, None)
+    md = (run_dir / "profile_summary.md").read_text().splitlines()
+    assert md[0].startswith(f"# Profile summary: {run_dir.name} — SIMULATED rank 5 of 8, alone on one device; "
+                            "not run: collectives: torch's fake process group")
+    assert "## Projected step (simulated rank)" in md
+    p = sim["projection"]
+    assert p["compute_ms"] == pytest.approx(1e3 * steps[1]["step_time_s"])
+    plan = rank_plan(cfg, load_hf_config("tiny_qwen3_moe", 0), parse_allocation_mode("fsdp:d8"), 5)
+    assert [(r["group"], r["collective"], r["calls"]) for r in p["rows"]] == [
+        (c["group"], c["collective"], c["calls"]) for c in plan["collectives"]] == [
+        ("dp", "all_gather", 2), ("dp", "reduce_scatter", 1)]
+    assert p["projected_step_ms"] == pytest.approx(p["compute_ms"] + sum(r["exposed_ms"] for r in p["rows"]))
+
+
+def test_projection_cli(run, tmp_path, capsys):
+    _, run_root = run
+    (run_dir,) = [p for p in run_root.iterdir() if p.is_dir()]
+    log_dir = json.loads((run_dir / "profile_summary.json").read_text())["paths"]["log_dir"]
+    assert projection_main([log_dir, "--step", "1", "--json", str(tmp_path / "p.json")]) == 0
+    assert capsys.readouterr().out.startswith("projection of rank 5 of 8 (simulated: compute measured")
+    assert json.loads((tmp_path / "p.json").read_text())["rank"] == 5
+    assert projection_main([log_dir, "--step", "7"]) == 2
+    assert "holds no record of step 7" in capsys.readouterr().err
