@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.projection import main as projection_main
 from sftprof.analysis.rank_plan import rank_plan
@@ -69,3 +70,31 @@ def test_projection_cli(run, tmp_path, capsys):
     assert json.loads((tmp_path / "p.json").read_text())["rank"] == 5
     assert projection_main([log_dir, "--step", "7"]) == 2
     assert "holds no record of step 7" in capsys.readouterr().err
+
+
+def _plan_env(tmp_path, **extra) -> dict:
+    return {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fr"), "RUN_ROOT": str(tmp_path / "run"),
+            "PROFILE_STAMP": "p", "PROFILE_STEPS": "1", **extra}
+
+
+def test_plan_launches_one_process(tmp_path):
+    _, settings, info = launch.plan(_plan_env(tmp_path, SIMULATE_RANK="5"), ["actor.backend=fsdp:d8",
+                                                                             "train_dataset.batch_size=8"], gpus=0)
+    assert (info["nproc_per_node"], info["nnodes"]) == (1, 1)
+    assert any(n.startswith("simulated rank 5 of fsdp:d8 (dp=8") for n in info["notices"])
+    assert "N_GPUS_PER_NODE=1\t# one simulated rank" in settings
+    # bench/step.py gives N_GPUS_PER_NODE = the layout's world size: accepted, still one process
+    _, _, info = launch.plan(_plan_env(tmp_path, SIMULATE_RANK="5", N_GPUS_PER_NODE="8", RUN_ROOT=str(tmp_path / "r2")),
+                             ["actor.backend=fsdp:d8", "train_dataset.batch_size=8"], gpus=1)
+    assert info["nproc_per_node"] == 1
+
+
+def test_plan_refuses_bad_simulated_ranks(tmp_path):
+    args = ["actor.backend=fsdp:d8", "train_dataset.batch_size=8"]
+    with pytest.raises(launch.DriverError, match=r"SIMULATE_RANK=5: a simulated rank is one process on one node, but "
+                                                 r"N_NODES=2 x N_GPUS_PER_NODE=4"):
+        launch.plan(_plan_env(tmp_path, SIMULATE_RANK="5", N_NODES="2", NODE_RANK="0"), args, gpus=0)
+    with pytest.raises(launch.DriverError, match=r"actor.simulate.rank=8: must be -1 \(off\) or a rank in \[0, 8\)"):
+        launch.plan(_plan_env(tmp_path, SIMULATE_RANK="8"), args, gpus=0)
+    with pytest.raises(launch.DriverError, match=r"SIMULATE_RANK='-2': must be an integer >= -1"):
+        launch.plan(_plan_env(tmp_path, SIMULATE_RANK="-2"), args, gpus=0)

@@ -315,10 +315,11 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes
     simulated = probe.actor.simulate.rank
     if simulated >= 0:  # one process: the layout's rank `simulated` (sftprof.trainer)
-        if n_nodes != 1 or (nproc_given and nproc != 1):
+        if n_nodes != 1 or nproc not in (1, layout.world_size):
             raise DriverError(f"SIMULATE_RANK={simulated}: a simulated rank is one process on one node, but N_NODES="
-                              f"{n_nodes} x N_GPUS_PER_NODE={nproc}; accepted: N_NODES and N_GPUS_PER_NODE unset or 1 "
-                              "(the simulated cluster's ranks per node: actor.simulate.gpus_per_node)")
+                              f"{n_nodes} x N_GPUS_PER_NODE={nproc}; accepted: N_NODES unset or 1, N_GPUS_PER_NODE "
+                              f"unset, 1 or the layout's world size {layout.world_size} (the simulated cluster's ranks "
+                              "per node: actor.simulate.gpus_per_node)")
         nproc = 1
         log.notices.append(f"simulated rank {simulated} of {probe.actor.backend} ({layout.describe()}) on one "
                            "device: collectives not run, balanced routing (docs/simulated_rank.md)")
