@@ -57,7 +57,7 @@ def test_dedup_fraction_by_enumeration():
 def test_shipped_rank_plan():
     cfg = _shipped_cfg()
     lay = parse_allocation_mode(cfg["actor"]["backend"])
-    plan = rank_plan(cfg, QWEN3_30B, lay, 1)  # cp rank 1, dp rank 0, ep rank 1
+    plan = rank_plan(cfg, QWEN3_30B, lay, 1, have_te=False)  # cp rank 1, dp rank 0, ep rank 1; dedup dispatcher
     assert plan["coords"] == {"pp": 0, "dp": 0, "cp": 1, "tp": 0, "ep": 1, "etp": 0}
     per_layer_dense = 2048 * 40 * 128 + 4096 * 2048 + 2 * 2048 + 2 * 128 + 2048 * 128
     dense = 48 * per_layer_dense + 151936 * 2048 * 2 + 2048
@@ -85,6 +85,9 @@ def test_shipped_rank_plan():
     assert calls["dp_cp", "reduce_scatter"]["bytes_per_call"] == dense * 2  # main_grads_dtype bfloat16
     assert calls["dp_cp", "reduce_scatter"]["overlap"] == "backward"
     assert calls["dp_cp", "all_gather"]["overlap"] == "forward"
+    for te in (True, None):  # TE's layers take the plain dispatcher; unknown: its bytes, the upper bound
+        plain = {(c["group"], c["collective"]): c for c in rank_plan(cfg, QWEN3_30B, lay, 1, te)["collectives"]}
+        assert plain["ep", "all_to_all"]["bytes_per_call"] == 32768 * 8 * 2048 * 2
 
 
 def test_plain_dispatcher_tp_and_pp():

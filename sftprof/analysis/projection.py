@@ -153,10 +153,11 @@ ASSUMED = ("balanced routing (megatron: random router logits; every EP peer send
            "loss and grad norm are this rank's alone")
 
 
-def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None) -> dict[str, Any]:
+def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None,
+                  have_te: Optional[bool] = None) -> dict[str, Any]:
     """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``) from its ``stats.jsonl``: compute = the
     step time of ``step`` (the last step recorded when None), peak = its ``mem_peak_allocated_gb``, the MFU scaled
-    from its measured one.
+    from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.rank_plan.rank_plan`).
 
     Raises:
         ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
@@ -171,17 +172,17 @@ def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None) ->
         raise ValueError(f"{log_dir}: {STATS} holds no record of step {'(any)' if step is None else step}")
     rec = steps[-1]
     layout = parse_allocation_mode(a["backend"])
-    plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank)
+    plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank, have_te)
     return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
                    measured_mfu=rec.mfu)
 
 
-def simulation_summary(log_dir: str | Path, cfg: dict, step: int) -> dict[str, Any]:
+def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool]) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made)."""
     sim = cfg["actor"]["simulate"]
     try:
-        projection, error = project_trial(log_dir, cfg, step), None
+        projection, error = project_trial(log_dir, cfg, step, have_te), None
     except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
         projection, error = None, f"{type(exc).__name__}: {exc}"
     return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,

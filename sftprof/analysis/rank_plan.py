@@ -79,7 +79,7 @@ def _call(group: str, kind: str, nbytes: float, calls: int, members: list[int], 
             "group_size": len(members), "ranks": members, "overlap": overlap, "what": what}
 
 
-def rank_plan(cfg: dict, hf, layout: Layout, rank: int) -> dict[str, Any]:
+def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = None) -> dict[str, Any]:
     """The plan of ``rank`` of ``layout`` (module docstring) for one training step of the trial ``cfg``.
 
     Args:
@@ -87,6 +87,8 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int) -> dict[str, Any]:
         hf: the model's Hugging Face (text) config (``hidden_size``, heads, ``head_dim``, ``num_experts``,
             ``num_experts_per_tok``, ``vocab_size``, ``num_hidden_layers`` already cut by ``actor.num_layers``).
         layout: the trial's layout; ``rank`` one of its ranks.
+        have_te: Transformer Engine in the trial (its layers take megatron's plain all-to-all dispatcher, never the
+            deduplicating one); None when unknown: the plain dispatcher's bytes, an upper bound.
     Returns:
         ``{"rank", "coords", "world_size", "shards", "tokens", "collectives", "assumptions"}`` (module docstring).
     Raises:
@@ -164,12 +166,14 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int) -> dict[str, Any]:
         else "none"
     add("cp", "all_gather", kv * cp, (passes - 1) * per_layer, cp_overlap, "K/V of the local chunks gathered over CP")
     add("cp", "reduce_scatter", kv * cp * 4 // wb, per_layer, cp_overlap, "K/V gradients reduce-scattered in fp32")
-    dedup = (dedup_fraction(E, k, layout.ep) if m.get("moe_dedup_alltoall", True) and layout.etp == 1
-             and layout.ep > 1 else 1.0)
+    dedup_on = bool(m.get("moe_dedup_alltoall", True)) and layout.etp == 1 and layout.ep > 1
+    dedup = dedup_fraction(E, k, layout.ep) if dedup_on and have_te is False else 1.0
     if dedup < 1.0:
         assumptions.append(f"deduplicating dispatcher (actor.megatron.moe_dedup_alltoall): a token goes once to each EP "
-                           f"rank holding one of its experts: {dedup:.3f} of the k copies under uniform routing (with "
-                           "Transformer Engine the plain dispatcher runs: set moe_dedup_alltoall=false to plan it)")
+                           f"rank holding one of its experts: {dedup:.3f} of the k copies under uniform routing")
+    elif dedup_on and have_te is None:
+        assumptions.append("Transformer Engine in the trial unknown: the plain all-to-all's bytes (every copy of a "
+                           "token sent), an upper bound if the deduplicating dispatcher ran")
     pairs_sent = t_moe * k * dedup
     add("ep", "all_to_all", pairs_sent * h * wb, 2 * passes * per_layer, "none",
         "MoE dispatch and combine of the routed tokens (forward, recompute, backward)")

@@ -115,7 +115,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     if tried:
         summary["tried_what_if"] = tried
     if cfg and ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) >= 0:
-        summary["simulation"] = simulation_summary(log_dir, cfg, profile_step)
+        summary["simulation"] = simulation_summary(log_dir, cfg, profile_step, summary["transformer_engine"])
     if summary["status"] != "ok":
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
