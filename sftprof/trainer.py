@@ -107,7 +107,9 @@ def check_new_log_dir(cfg) -> None:
                           "whose log dir is new")
 
 
-def _setup_logging(rank: int, log_dir: Path, lead: bool) -> None:
+def _setup_logging(rank: int, log_dir: Path, lead: bool | None = None) -> None:
+    """Console logging of ``rank``; ``trainer.log`` from the process that writes the trial's files (``lead``: rank 0
+    when None; a simulated rank writes them itself)."""
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -116,7 +118,7 @@ def _setup_logging(rank: int, log_dir: Path, lead: bool) -> None:
     out.addFilter(ConsoleFilter())  # third-party messages: trainer.log only (sftprof.console)
     root.addHandler(out)
     capture_warnings()
-    if lead:
+    if (rank == 0) if lead is None else lead:
         fh = logging.FileHandler(log_dir / artifacts.TRAINER_LOG, mode="w")
         fh.setFormatter(fmt)
         root.addHandler(fh)
