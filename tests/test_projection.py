@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.projection import INTERCONNECTS, collective_ms, nccl_buffer_bytes, project, render
+from sftprof.analysis.projection import (INTERCONNECTS, collective_ms, nccl_buffer_bytes, overlap_windows, project,
+                                         render)
 from sftprof.analysis.rank_plan import rank_plan
 from test_rank_plan import QWEN3_30B, _shipped_cfg
 
@@ -73,3 +74,15 @@ def test_groups_across_nodes_take_infiniband():
     assert p["memory"]["projected_peak_gib"] is None and p["mfu"] is None
     with pytest.raises(ValueError, match="compute_ms=0"):
         project(plan, 0, None, 8)
+
+
+def test_overlap_windows_from_trace_regions():
+    regions = [{"name": "sftprof/step", "cpu_ms": 900.0, "gpu_ms": 800.0},
+               {"name": "sftprof/forward/mb0", "cpu_ms": 100.0, "gpu_ms": 90.0},
+               {"name": "sftprof/forward/mb1", "cpu_ms": 110.0, "gpu_ms": 95.5},
+               {"name": "sftprof/backward/mb0", "cpu_ms": 300.0, "gpu_ms": 280.0},
+               {"name": "sftprof/optimizer_step", "cpu_ms": 20.0, "gpu_ms": 10.0}]
+    assert overlap_windows(regions) == {"forward": 185.5, "backward": 280.0}
+    cpu = [dict(r, gpu_ms=None) for r in regions]  # a CPU trace: wall time
+    assert overlap_windows(cpu) == {"forward": 210.0, "backward": 300.0}
+    assert overlap_windows([]) == {}

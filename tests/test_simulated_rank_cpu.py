@@ -11,11 +11,13 @@ import yaml
 
 from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.failure import first_failure
 from sftprof.analysis.projection import main as projection_main
 from sftprof.analysis.rank_plan import rank_plan
 from sftprof.models.hf import load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,11 @@ def test_simulated_rank_runs_alone_and_says_so(run):
         (c["group"], c["collective"], c["calls"]) for c in plan["collectives"]] == [
         ("dp", "all_gather", 2), ("dp", "reduce_scatter", 1)]
     assert p["projected_step_ms"] == pytest.approx(p["compute_ms"] + sum(r["exposed_ms"] for r in p["rows"]))
+    regions = {r["name"]: r["cpu_ms"] for r in summary["kernel_traces"][0]["summary"]["regions"]}
+    windows = [a for a in p["assumptions"] if a.startswith("overlapped collectives hide")]
+    assert windows == [f"overlapped collectives hide behind their window's measured compute: forward "
+                       f"{regions['sftprof/forward/mb0']:.1f} ms, backward {regions['sftprof/backward/mb0']:.1f} ms, "
+                       "cp_attention not measured (0 ms hidden)"]
 
 
 def test_projection_cli(run, tmp_path, capsys):
@@ -98,3 +105,24 @@ def test_plan_refuses_bad_simulated_ranks(tmp_path):
         launch.plan(_plan_env(tmp_path, SIMULATE_RANK="8"), args, gpus=0)
     with pytest.raises(launch.DriverError, match=r"SIMULATE_RANK='-2': must be an integer >= -1"):
         launch.plan(_plan_env(tmp_path, SIMULATE_RANK="-2"), args, gpus=0)
+
+
+def test_failure_names_the_simulated_rank(tmp_path):
+    """torchrun calls a simulated trial's one process rank 0; the Failure names the rank it simulated, with its log
+    lines and the error it logged."""
+    report = (FIXTURES / "torchrun_sigkill_launcher.log").read_text().splitlines()
+    start = report.index("Failures:")
+    text = "\n".join([
+        "2026-12-06 05:00:00,000 [rank 5] INFO simulated rank 5 of 8 (fsdp:d8): collectives not run",
+        "2026-12-06 05:00:01,000 [rank 5] ERROR trial failed after 0 completed step(s): RuntimeError: boom",
+        *report[start - 4:start], "Failures:", "  <NO_OTHER_FAILURES>",
+        "------------------------------------------------------", "Root Cause (first observed failure):", "[0]:",
+        "  time      : 2026-12-06_05:00:02", "  host      : localhost", "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 42)", "  error_file: <N/A>",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "======================================================"]) + "\n"
+    (tmp_path / "launcher.log").write_text(text)
+    fail = first_failure(str(tmp_path / "launcher.log"), simulated_rank=5)
+    assert (fail["rank"], fail["how"], fail["traceback"]) == (5, "exit code 1", "RuntimeError: boom")
+    assert fail["log_tail"][-1].endswith("[rank 5] ERROR trial failed after 0 completed step(s): RuntimeError: boom")
+    assert first_failure(str(tmp_path / "launcher.log"))["rank"] == 0  # read as a trial of every rank

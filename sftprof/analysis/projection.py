@@ -34,7 +34,8 @@ from sftprof.analysis.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
 from sftprof.models.hf import load_hf_config
 
-__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "simulation_summary",
+__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
+           "simulation_summary",
            "render", "main"]
 
 _MIB = float(1 << 20)
@@ -153,11 +154,12 @@ ASSUMED = ("balanced routing (megatron: random router logits; every EP peer send
            "loss and grad norm are this rank's alone")
 
 
-def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None,
-                  have_te: Optional[bool] = None) -> dict[str, Any]:
+def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, have_te: Optional[bool] = None,
+                  windows_ms: Optional[dict] = None) -> dict[str, Any]:
     """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``) from its ``stats.jsonl``: compute = the
     step time of ``step`` (the last step recorded when None), peak = its ``mem_peak_allocated_gb``, the MFU scaled
-    from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.rank_plan.rank_plan`).
+    from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.rank_plan.rank_plan`);
+    ``windows_ms``: the overlap windows measured (:func:`project`).
 
     Raises:
         ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
@@ -174,15 +176,28 @@ def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None,
     layout = parse_allocation_mode(a["backend"])
     plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank, have_te)
     return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
-                   measured_mfu=rec.mfu)
+                   windows_ms, measured_mfu=rec.mfu)
 
 
-def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool]) -> dict[str, Any]:
+def overlap_windows(regions: list[dict]) -> dict[str, float]:
+    """``{"forward", "backward"}`` ms of a kernel trace's ``sftprof/forward/mb*`` and ``sftprof/backward/mb*`` regions
+    (``kernel_traces[].summary.regions``): their GPU time, or their wall time in a trace without GPU activity."""
+    out: dict[str, float] = {}
+    for r in regions:
+        phase = r["name"].split("/")[1] if r["name"].count("/") == 2 else None
+        if phase in ("forward", "backward"):
+            out[phase] = out.get(phase, 0.0) + (r["gpu_ms"] if r["gpu_ms"] is not None else r["cpu_ms"])
+    return out
+
+
+def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool],
+                       regions: Optional[list[dict]] = None) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.schema.Simulation``) of a simulated trial: what was
-    not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made)."""
+    not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
+    overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""
     sim = cfg["actor"]["simulate"]
     try:
-        projection, error = project_trial(log_dir, cfg, step, have_te), None
+        projection, error = project_trial(log_dir, cfg, step, have_te, overlap_windows(regions or [])), None
     except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
         projection, error = None, f"{type(exc).__name__}: {exc}"
     return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
