@@ -66,7 +66,8 @@ log = logging.getLogger("sftprof")
 GIB = float(1 << 30)
 HEARTBEAT_S = 20.0  # seconds between "still running" lines of a long step (rank 0)
 SIMULATED_NOTE = ("simulated rank %d of %d (%s): collectives not run (torch's fake process group; outputs at their "
-                  "real sizes), balanced routing assumed; loss and grad norm are this rank's alone")
+                  "real sizes), balanced routing assumed (megatron: random router logits); loss and grad norm are "
+                  "this rank's alone")
 
 
 class _Terminated(RuntimeError):

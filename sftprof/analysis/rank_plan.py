@@ -166,6 +166,9 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = N
         else "none"
     add("cp", "all_gather", kv * cp, (passes - 1) * per_layer, cp_overlap, "K/V of the local chunks gathered over CP")
     add("cp", "reduce_scatter", kv * cp * 4 // wb, per_layer, cp_overlap, "K/V gradients reduce-scattered in fp32")
+    if cp > 1:
+        assumptions.append("CP communication as the local spec runs it (K/V all-gather, fp32 reduce-scatter of their "
+                           "gradients); Transformer Engine's ring moves the same K/V bytes in CP - 1 send/recv steps")
     dedup_on = bool(m.get("moe_dedup_alltoall", True)) and layout.etp == 1 and layout.ep > 1
     dedup = dedup_fraction(E, k, layout.ep) if dedup_on and have_te is False else 1.0
     if dedup < 1.0:
