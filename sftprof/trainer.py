@@ -17,6 +17,9 @@
 4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
    error and the process exits with status 1.
 
+A simulated rank (``actor.simulate.rank`` >= 0, docs/simulated_rank.md) is one process (``WORLD_SIZE`` 1) that joins
+torch's fake process group as that rank of the layout's world, profiles itself and writes the trial's files.
+
 ``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
 :class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there) and a
 :class:`sftprof.artifacts.CompletionRecord` at the end. The file names in LOG_DIR come from
