@@ -17,6 +17,9 @@
 4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
    error and the process exits with status 1.
 
+A simulated rank (``actor.simulate.rank`` >= 0, docs/simulated_rank.md) is one process (``WORLD_SIZE`` 1) that joins
+torch's fake process group as that rank of the layout's world, profiles itself and writes the trial's files.
+
 ``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
 :class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there) and a
 :class:`sftprof.artifacts.CompletionRecord` at the end. The file names in LOG_DIR come from
@@ -40,6 +43,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -64,6 +68,9 @@ log = logging.getLogger("sftprof")
 
 GIB = float(1 << 30)
 HEARTBEAT_S = 20.0  # seconds between "still running" lines of a long step (rank 0)
+SIMULATED_NOTE = ("simulated rank %d of %d (%s): collectives not run (torch's fake process group; outputs at their "
+                  "real sizes), balanced routing assumed (megatron: random router logits); loss and grad norm are "
+                  "this rank's alone")
 
 
 class _Terminated(RuntimeError):
@@ -104,7 +111,9 @@ def check_new_log_dir(cfg) -> None:
                           "whose log dir is new")
 
 
-def _setup_logging(rank: int, log_dir: Path) -> None:
+def _setup_logging(rank: int, log_dir: Path, lead: bool | None = None) -> None:
+    """Console logging of ``rank``; ``trainer.log`` from the process that writes the trial's files (``lead``: rank 0
+    when None; a simulated rank writes them itself)."""
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -113,7 +122,7 @@ def _setup_logging(rank: int, log_dir: Path) -> None:
     out.addFilter(ConsoleFilter())  # third-party messages: trainer.log only (sftprof.console)
     root.addHandler(out)
     capture_warnings()
-    if rank == 0:
+    if (rank == 0) if lead is None else lead:
         fh = logging.FileHandler(log_dir / artifacts.TRAINER_LOG, mode="w")
         fh.setFormatter(fmt)
         root.addHandler(fh)
@@ -173,11 +182,14 @@ def _step_line(r: StepRecord, result) -> str:
             + (" | profiled" if r.profiled else ""))
 
 
-def init_distributed() -> tuple[int, torch.device]:
+def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torch.device]:
     """Start the default process group: NCCL on this rank's GPU when CUDA is available, else gloo.
 
     Under torchrun the ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` environment is used; without it a
-    one-rank rendezvous on a free localhost port (single process: benchmarks, GPU tests).
+    one-rank rendezvous on a free localhost port (single process: benchmarks, GPU tests). With ``simulate =
+    (rank, world_size)`` this one process is that rank of that world on torch's fake process group (the backend
+    of Megatron-LM's ``--fake-process-group``): every collective returns at once, its output allocated at its real
+    size and filled as if every peer held this rank's input (all-gather, all-to-all) or not reduced (all-reduce).
 
     Returns:
         ``(rank, device)``.
@@ -188,6 +200,12 @@ def init_distributed() -> tuple[int, torch.device]:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if simulate is not None:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("fake", store=FakeStore(), rank=simulate[0], world_size=simulate[1])
+        return simulate[0], device
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -210,7 +228,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Inputs checked before any process group: every failure here is bad input (exit 2).
     layout = parse_allocation_mode(cfg.actor.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != layout.world_size:
+    simulated = cfg.actor.simulate.rank >= 0
+    if simulated:
+        if world != 1:
+            _exit_config_error(f"actor.simulate.rank={cfg.actor.simulate.rank}: a simulated rank runs alone, but "
+                               f"WORLD_SIZE={world}: launch one process (torchrun --nproc-per-node 1)")
+        # the simulated rank is the one profiled, whatever rank spec the config held
+        cfg.perf_tracer.ranks = cfg.memory_profiler.ranks = str(cfg.actor.simulate.rank)
+    elif world != layout.world_size:
         _exit_config_error(f"actor.backend={cfg.actor.backend!r} needs {layout.world_size} ranks ({layout.describe()}), "
                            f"but WORLD_SIZE={world}: launch with torchrun --nproc-per-node (x nodes) = {layout.world_size}")
     te_notes: List[str] = []
@@ -227,12 +252,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, ValueError, OSError) as err:
         _exit_config_error(str(err))
 
-    rank, device = init_distributed()
+    rank, device = init_distributed((cfg.actor.simulate.rank, layout.world_size) if simulated else None)
     log_dir = trial_log_dir(cfg)
     log_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(rank, log_dir)
-    for note in te_notes if rank == 0 else ():
+    _setup_logging(rank, log_dir, lead=simulated or rank == 0)
+    for note in te_notes if simulated or rank == 0 else ():
         log.info(note)
+    if simulated:
+        log.info(SIMULATED_NOTE, rank, layout.world_size, cfg.actor.backend)
     status = 1
     try:
         status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)
@@ -246,7 +273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir) -> int:
-    stats = StatsWriter(log_dir / artifacts.STATS) if rank == 0 else None
+    simulated = cfg.actor.simulate.rank >= 0
+    lead = simulated or rank == 0  # the process that writes the trial's files
+    stats = StatsWriter(log_dir / artifacts.STATS) if lead else None
     kernel_steps = list(cfg.perf_tracer.profile_steps) if cfg.perf_tracer.enabled else []
     mem_steps = list(cfg.memory_profiler.profile_steps)
     profile_kind = "kernel" if kernel_steps else "memory" if mem_steps else None
@@ -260,13 +289,14 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     progress = StepProgress(heartbeat_s=HEARTBEAT_S)  # started on rank 0 once the engine is built
     try:
         coords = layout.rank_coords(rank)
-        if rank == 0:
+        if lead:
             (log_dir / artifacts.CONFIG_YAML).write_text(to_yaml(cfg))
             (log_dir / artifacts.ENVIRONMENT).write_text(json.dumps(artifacts.recorded_environment(os.environ),
                                                                     indent=1) + "\n")
             (log_dir / artifacts.RANK_COORDS).write_text(json.dumps({
                 "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,
-                "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)}}, indent=1))
+                "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)},
+                **({"simulated_rank": rank} if simulated else {})}, indent=1))
             log.info("trial %s/%s: %s, %s, model %s (%d layers), tokenizer: %s, LOG_DIR %s", cfg.experiment_name,
                      cfg.trial_name, cfg.actor.backend, layout.describe(), cfg.actor.path,
                      hf_config.num_hidden_layers, tokenizer_source, log_dir)
@@ -275,7 +305,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
         t_build = time.perf_counter()
         engine = build_engine(cfg, layout, hf_config, device)
-        if rank == 0:
+        if lead:
             log.info("engine built in %.1f s; %d step(s) to run", time.perf_counter() - t_build, cfg.total_train_steps)
             progress.start()
         loss_tokens = global_loss_tokens(sample, cfg.train_dataset.batch_size)
@@ -299,10 +329,11 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"],
                     "gpu_others": other_processes(device) if device.type == "cuda" else None}
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+            ranks = [mine] if simulated else [None] * dist.get_world_size()
+            if not simulated:
+                dist.all_gather_object(ranks, mine)
             steps_done = step + 1
-            if rank != 0:
+            if not lead:
                 continue
             record = _step_record(step, result, ranks, mem, tokens, layout.world_size, peak, device.type == "cuda",
                                   kernel.is_profiled(step) or memory.is_profiled(step))
@@ -318,7 +349,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         progress.stop()
-        if rank == 0 and summary_line():
+        if lead and summary_line():
             THIRD_PARTY.info(summary_line())
         if stats is not None:
             stats.write(CompletionRecord(status="failed" if error else "ok", error=error, steps_done=steps_done,

@@ -336,7 +336,8 @@ def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def first_failure(launcher_log: str, log_dir: str | None = None,
-                  layout: tuple[int | None, int | None] = (None, None)) -> dict[str, Any] | None:
+                  layout: tuple[int | None, int | None] = (None, None), simulated_rank: int = -1,
+                  ) -> dict[str, Any] | None:
     """The first failure of a trial: a node that never joined (or wrote no end record), else torchrun itself when it
     died without a failure report, else torchrun's first failing rank; how it ended, its log tail, and how the other
     ranks and nodes ended.
@@ -345,6 +346,8 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         launcher_log: the trial's ``launcher.log`` (torchrun's output as the driver tees it).
         log_dir: the trial's log dir, whose ``nodes/`` end records name failed nodes (:func:`node_failures`).
         layout: ``(n_nodes, nproc_per_node)`` of the trial's config, where the records lack them.
+        simulated_rank: the rank a simulated trial ran (``actor.simulate.rank``; torchrun calls its one process
+            rank 0), -1 for a trial of every rank.
 
     Returns:
         None when no node failed and the log is absent or holds neither a torchrun failure report nor a traceback
@@ -367,6 +370,8 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         with open(launcher_log, encoding="utf-8", errors="replace") as fh:
             lines = fh.read().splitlines()
     failures = parse_torchrun_failures(lines)
+    for f in failures if simulated_rank >= 0 else ():
+        f["rank"] = simulated_rank
     report = _report_start(lines)
     nodes = node_failures(log_dir, lines, layout)
     for f in failures:

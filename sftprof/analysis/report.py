@@ -22,11 +22,36 @@ from sftprof.analysis.report_trace import kernel_traces
 __all__ = ["render_markdown", "SECTIONS"]
 
 
+def _projection(s: dict) -> list[str]:
+    """A simulated rank's projected step (``simulation.projection``): per collective, the totals, the memory."""
+    sim = s.get("simulation")
+    if not sim:
+        return []
+    p = sim["projection"]
+    if p is None:
+        return ["## Projected step (simulated rank)\n", f"No projection: {sim['projection_error']}", ""]
+    mem = p["memory"]
+    rows = [[r["group"], r["collective"], r["interconnect"], r["calls"], fmt(r["mib_per_call"]), fmt(r["gbps"]),
+             fmt(r["ms"]), fmt(r["exposed_ms"]), r["overlap"]] for r in p["rows"]]
+    return ["## Projected step (simulated rank)\n",
+            f"compute {fmt(p['compute_ms'])} ms (measured) + exposed communication {fmt(p['exposed_ms'])} ms "
+            f"(computed) = **{fmt(p['projected_step_ms'])} ms** (serial bound {fmt(p['serial_step_ms'])} ms)"
+            + (f", MFU {fmt(100 * p['mfu'])} %" if p["mfu"] is not None else "") + "; memory: measured peak "
+            f"{fmt(mem['measured_peak_gib'])} GiB + NCCL buffers {fmt(mem['nccl_buffers_gib'])} GiB (estimated) = "
+            f"{fmt(mem['projected_peak_gib'])} GiB\n",
+            table(["group", "collective", "link", "calls", "MiB/call", "GB/s", "ms", "exposed ms", "overlap"], rows),
+            "", "Assumptions:", *[f"- {a}" for a in p["assumptions"]], ""]
+
+
 # -- trial-level sections ------------------------------------------------------------------------------------
 def _header(s: dict) -> list[str]:
     c = s["completion"]
     cause = failure_cause(s)  # the Failure section's first failure, else the completion record's error
-    return [f"# Profile summary: {s['trial']}\n",
+    sim = s.get("simulation")
+    title = (f"# Profile summary: {s['trial']} — SIMULATED rank {sim['rank']} of {sim['world_size']}, alone on one "
+             f"device; not run: {sim['not_run']}; assumed: {sim['assumed']}\n" if sim else
+             f"# Profile summary: {s['trial']}\n")
+    return [title,
             f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
             f"- trial status: **{s['status']}**" + (f" — {cause[0]}: `{cause[1]}`" if cause else ""),
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
@@ -125,6 +150,7 @@ def _steps(s: dict) -> list[str]:
     if not st["steps"]:
         return []
     moe = any(x.get("moe") for x in st["steps"])
+    one = f"rank {s['simulation']['rank']} only (simulated)" if s.get("simulation") else "rank 0 only"
     out = ["## Steps (stats.jsonl)\n",
            "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
            "GPU does on top of the model FLOPs; not in MFU)."
@@ -137,7 +163,7 @@ def _steps(s: dict) -> list[str]:
                      [[x["step"], x["step_time_s"], x["tokens_per_s"],
                        with_rank(x["mem_peak_allocated_gb"], x["mem_peak_allocated_rank"]),
                        with_rank(x["mem_peak_reserved_gb"], x["mem_peak_reserved_rank"]),
-                       "max of all" if x["n_ranks"] > 1 else "rank 0 only", x["mfu"],
+                       "max of all" if x["n_ranks"] > 1 else one, x["mfu"],
                        x.get("recompute_tflops_per_gpu")]
                       + (_moe_cells(x.get("moe")) if moe else []) + [x["profiled"]]
                       for x in st["steps"]]))
@@ -287,7 +313,8 @@ def _comm_wait(cw: dict | None) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _tried_what_if, _findings, _problems, _failure, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces, memory_snapshots)
+    _header, _tried_what_if, _findings, _problems, _failure, _log_tail, _steps, _projection, _nvidia_smi, _ranks, kernel_traces,
+    memory_snapshots)
 
 
 def render_markdown(s: dict) -> str:

@@ -16,7 +16,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
-``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``.
+``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a simulated
+rank's ``simulation`` (what was not run, what was assumed, the projected step).
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -45,7 +46,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.3"
+SCHEMA_VERSION = "3.4"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -283,6 +284,50 @@ class TriedWhatIf(TypedDict):
     source_trial: str
     source_run_dir: str
     what_if: WhatIf
+
+
+class ProjectionRow(TypedDict):
+    """One collective of a projected step (:func:`sftprof.analysis.projection.project`): all its calls."""
+    group: str  # the process group (tp, cp, dp_cp, ep, etp, edp, pp, dp)
+    collective: str
+    interconnect: str  # nvlink | infiniband
+    calls: int
+    mib_per_call: float  # the buffer of one call on the rank
+    gbps: float  # the rate used (1e9 B/s)
+    ms: float
+    exposed_ms: float  # not hidden behind its overlap window
+    overlap: str  # none | forward | backward | cp_attention
+
+
+class ProjectionMemory(TypedDict):
+    measured_peak_gib: Optional[float]  # None on CPU
+    nccl_buffers_gib: float  # estimated, never measured
+    projected_peak_gib: Optional[float]
+
+
+class Projection(TypedDict):
+    """The projected step of a simulated rank: measured compute + computed communication (ms)."""
+    rank: int
+    world_size: int
+    rows: list[ProjectionRow]
+    compute_ms: float
+    communication_ms: float
+    exposed_ms: float
+    projected_step_ms: float
+    serial_step_ms: float  # every collective exposed: the upper bound
+    mfu: Optional[float]  # of the projected step; None without a GPU peak
+    memory: ProjectionMemory
+    assumptions: list[str]
+
+
+class Simulation(TypedDict):
+    """A simulated rank's trial (``actor.simulate.rank``): the one rank that ran, what was not run, what was assumed."""
+    rank: int
+    world_size: int
+    not_run: str
+    assumed: str
+    projection: Optional[Projection]
+    projection_error: Optional[str]  # why there is no projection
 
 
 # -- one kernel trace -------------------------------------------------------------------------------------------
@@ -935,6 +980,7 @@ class ProfileSummary(TypedDict):
     what_if_skipped: NotRequired[list[WhatIfSkipped]]
     tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
     transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
+    simulation: NotRequired[Optional[Simulation]]  # a simulated rank's trial; None otherwise
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
+from sftprof.analysis.projection import simulation_summary
 from sftprof.analysis.rank_table import rank_table
 from sftprof.analysis.schema import Counts, ProfileSummary
 from sftprof.analysis.summary_file import write_summary
@@ -118,6 +119,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
             summary["status"] = "failed"
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
+    if cfg and ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) >= 0:
+        traces = [t["summary"] for t in summary.get("kernel_traces", []) if t.get("summary")]
+        summary["simulation"] = simulation_summary(log_dir, cfg, profile_step, summary["transformer_engine"],
+                                                   traces[0]["regions"] if traces else None)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
     warnings += optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
@@ -246,7 +251,8 @@ def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict
     cluster = (cfg or {}).get("cluster") if isinstance((cfg or {}).get("cluster"), dict) else {}
     layout = tuple(v if isinstance(v, int) else None for v in (cluster.get("n_nodes"), cluster.get("n_gpus_per_node")))
     tail = inputs.trainer_log_tail(trainer_log)
-    return {"failure": first_failure(launcher_log, log_dir, layout),
+    simulated = ((cfg or {}).get("actor") or {}).get("simulate") or {}
+    return {"failure": first_failure(launcher_log, log_dir, layout, simulated.get("rank", -1)),
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log"}
 

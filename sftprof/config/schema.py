@@ -293,6 +293,23 @@ class MegatronSettings:
 
 
 @dataclass
+class SimulateSettings:
+    """A simulated rank: one rank of the layout alone on one device, collectives not run (:mod:`sftprof.trainer`)."""
+
+    # The rank of actor.backend's layout to run alone (-1: off, every rank runs). Its collectives go to torch's fake
+    # process group: their outputs are allocated at their real sizes, never exchanged (docs/simulated_rank.md).
+    rank: int = -1
+    # Ranks per node of the simulated cluster: groups across nodes take the inter-node rate in the projection.
+    gpus_per_node: int = 8
+
+    def check(self) -> None:
+        """Raises ConfigError: a rank below -1 or ranks per node below 1 (the rank against the layout: ActorConfig)."""
+        require(isinstance(self.rank, int) and self.rank >= -1, "actor.simulate.rank", self.rank,
+                "-1 (off) or a rank of actor.backend's layout")
+        require(self.gpus_per_node >= 1, "actor.simulate.gpus_per_node", self.gpus_per_node, "an integer >= 1")
+
+
+@dataclass
 class ActorConfig:
     """The trained model: allocation mode (``backend``), model path, dtype, micro-batches, optimizer, loss."""
 
@@ -310,16 +327,20 @@ class ActorConfig:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     megatron: MegatronSettings = field(default_factory=MegatronSettings)
+    simulate: SimulateSettings = field(default_factory=SimulateSettings)
 
     def check(self) -> None:
-        """Raises ConfigError: a bad allocation mode, layer count or dtype, or a subsection's error."""
+        """Raises ConfigError: a bad allocation mode, layer count or dtype, a simulated rank outside the layout, or
+        a subsection's error."""
         try:
-            parse_allocation_mode(self.backend)
+            layout = parse_allocation_mode(self.backend)
         except AllocationError as err:
             raise ConfigError(f"actor.backend={self.backend!r}: {err}") from err
+        require(self.simulate.rank < layout.world_size, "actor.simulate.rank", self.simulate.rank,
+                f"-1 (off) or a rank in [0, {layout.world_size}) of actor.backend={self.backend!r}")
         require(self.num_layers >= 0, "actor.num_layers", self.num_layers, "an integer >= 0 (0 = as in the model config)")
         require_choice("actor.dtype", self.dtype, DTYPES)
-        for section in (self.mb_spec, self.optimizer, self.loss, self.megatron):
+        for section in (self.mb_spec, self.optimizer, self.loss, self.megatron, self.simulate):
             section.check()
 
 

@@ -121,7 +121,11 @@ class MegatronEngine(Engine):
                 os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
             torch.use_deterministic_algorithms(True)
         apply_megatron_compat()
-        parallel_state.initialize_model_parallel(**mc.parallel_state_kwargs(layout))
+        simulated = cfg.actor.simulate.rank >= 0
+        # a simulated rank's fake process group has no store for gloo groups (Megatron-LM's --fake-process-group
+        # turns them off too); nothing here uses them (they serve checkpointing of the distributed optimizer)
+        parallel_state.initialize_model_parallel(**mc.parallel_state_kwargs(layout),
+                                                 create_gloo_process_groups=not simulated)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
         tcfg = mc.build_transformer_config(hf_config, cfg, layout, have_te)
@@ -193,7 +197,8 @@ class MegatronEngine(Engine):
 
         ddp_config = DistributedDataParallelConfig(**mc.ddp_config_kwargs(cfg))
         self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [self.model])
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [self.model],
+                                                use_gloo_process_groups=not simulated)
         mc.use_fused_torch_adam(self.optimizer)  # the fused Adam that TE/Apex would give (no-op with them)
         tcfg.finalize_model_grads_func = finalize_model_grads
         tcfg.grad_scale_func = self.optimizer.scale_loss
@@ -327,7 +332,8 @@ class MegatronEngine(Engine):
         if self.layout.pp > 1:
             dist.all_reduce(stats, group=self.pp_group)
         loss_sum, counted = stats.tolist()
-        if int(round(counted)) != global_loss_tokens:
+        # a simulated rank's all-reduces do not sum (fake process group): it counts its own tokens only
+        if self.cfg.actor.simulate.rank < 0 and int(round(counted)) != global_loss_tokens:
             raise RuntimeError(f"loss tokens counted over DP x CP = {counted:.0f} differ from global_loss_tokens="
                                f"{global_loss_tokens}")
         seqs = [seq_len] * (sum(mb.input_ids.shape[0] for mb in micro_batches) * self.layout.dp)

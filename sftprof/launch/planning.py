@@ -313,7 +313,17 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     nproc_var = BY_NAME["N_GPUS_PER_NODE"]
     nproc_given = nproc_var.name in d.set_keys or arguments_setting(nproc_var.keys[0], d.extra_overrides)
     nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes
-    if nproc * n_nodes != layout.world_size:
+    simulated = probe.actor.simulate.rank
+    if simulated >= 0:  # one process: the layout's rank `simulated` (sftprof.trainer)
+        if n_nodes != 1 or nproc not in (1, layout.world_size):
+            raise DriverError(f"SIMULATE_RANK={simulated}: a simulated rank is one process on one node, but N_NODES="
+                              f"{n_nodes} x N_GPUS_PER_NODE={nproc}; accepted: N_NODES unset or 1, N_GPUS_PER_NODE "
+                              f"unset, 1 or the layout's world size {layout.world_size} (the simulated cluster's ranks "
+                              "per node: actor.simulate.gpus_per_node)")
+        nproc = 1
+        log.notices.append(f"simulated rank {simulated} of {probe.actor.backend} ({layout.describe()}) on one "
+                           "device: collectives not run, balanced routing (docs/simulated_rank.md)")
+    elif nproc * n_nodes != layout.world_size:
         raise DriverError(
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
             f"{probe.actor.backend!r} needs world size {layout.world_size}")
@@ -347,8 +357,8 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
         log.warn(f"FILEROOT {fileroot} is a folder named {package}: a Python started in {fileroot.parent} imports it "
                  f"(an empty namespace package) instead of the {package} package; name it otherwise, e.g. "
                  f"FILEROOT={DEFAULT_FILEROOT}")
-    log.note("N_GPUS_PER_NODE", nproc, _source(nproc_var, d) if nproc_given
-             else f"world size {layout.world_size} / N_NODES")
+    log.note("N_GPUS_PER_NODE", nproc, _source(nproc_var, d) if nproc_given else "one simulated rank"
+             if simulated >= 0 else f"world size {layout.world_size} / N_NODES")
     if d.extra_overrides:
         log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
     log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")

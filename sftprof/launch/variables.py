@@ -180,6 +180,8 @@ VARIABLES = (
              ("perf_tracer.ranks", "memory_profiler.ranks"), lambda n, t: t.strip()),
     Variable("PROFILE_KINDS", "trial", "subset of kernel,memory", ("perf_tracer.enabled",), _kinds,
              "kernel,memory (kernel without CUDA)"),
+    Variable("SIMULATE_RANK", "config", "run this one rank of the layout alone on one device, collectives not run "
+             "(-1: off; docs/simulated_rank.md)", ("actor.simulate.rank",), lambda n, t: _int(n, t, -1)),
     Variable("N_GPUS_PER_NODE", "config", "torchrun --nproc_per_node", ("cluster.n_gpus_per_node",),
              lambda n, t: _int(n, t, 1), "world size / N_NODES"),
     Variable("N_NODES", "config", "nodes; run the driver on each with the same PROFILE_STAMP and a shared FILEROOT",

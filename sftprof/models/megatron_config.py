@@ -299,7 +299,8 @@ def training_config_kwargs(cfg: SFTProfileConfig, have_te: bool) -> dict:
         moe_router_dtype=_ROUTER_DTYPES[m.moe_router_dtype],
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_router_bias_update_rate=float(m.moe_router_bias_update_rate),
-        moe_router_force_load_balancing=bool(m.moe_router_force_load_balancing),
+        # a simulated rank routes at random: its peers' token counts are its own (fake process group), balanced
+        moe_router_force_load_balancing=bool(m.moe_router_force_load_balancing) or cfg.actor.simulate.rank >= 0,
         calculate_per_token_loss=True,
         gradient_accumulation_fusion=have_te,
         apply_rope_fusion=have_te or install_in_megatron(),
