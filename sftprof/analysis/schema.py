@@ -45,7 +45,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.3"
+SCHEMA_VERSION = "3.4"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -901,6 +901,49 @@ class RankTable(TypedDict):
     work_spread: Optional[WorkSpread]
 
 
+class OomCategory(TypedDict):
+    category: str  # a key of sftprof.analysis.memory_categories.MEMORY_CATEGORIES
+    bytes: int
+
+
+class OomPrediction(TypedDict):
+    """The predicted peak of the failing rank (:func:`sftprof.analysis.memory_estimate.predict_peak`) and of the
+    phase the failure lies in (``failing_phase``: None when the region and site name none of its phases)."""
+    phase: str
+    peak_bytes: int
+    rows: list[OomCategory]
+    failing_phase: Optional[str]
+    failing_phase_bytes: Optional[int]
+
+
+class OomFit(TypedDict):
+    """A change that fits (:func:`sftprof.analysis.memory_fit.fitting_changes`): config keys and ``env.<NAME>``."""
+    settings: dict[str, Any]
+    peak_bytes: int
+    need_bytes: int
+
+
+class OomTriage(TypedDict):
+    """Why a trial ran out of CUDA memory (:func:`sftprof.analysis.oom.oom_triage`); bytes, None where unknown."""
+    rank: int
+    snapshot: str  # the file in LOG_DIR/memory_snapshots/oom/
+    errors: list[str]
+    requested_bytes: Optional[int]
+    capacity_bytes: Optional[int]
+    free_bytes: Optional[int]
+    allocated_bytes: int
+    reserved_unallocated_bytes: Optional[int]
+    outside_pytorch_bytes: Optional[int]
+    phase: Optional[str]  # the innermost open sftprof/* region
+    site: Optional[str]  # the failing allocation's site
+    history: bool  # the allocator history was on (blocks carry stacks)
+    live: list[OomCategory]
+    other_ranks: list[int]  # further ranks that left an out-of-memory snapshot
+    predicted: Optional[OomPrediction]
+    fits: list[OomFit]  # smallest first
+    prediction_error: Optional[str]
+
+
 class ProfileSummary(TypedDict):
     """``profile_summary.json`` of one trial (:func:`sftprof.analysis.summary.postprocess_trial`)."""
     schema: str  # SCHEMA_NAME
@@ -935,6 +978,7 @@ class ProfileSummary(TypedDict):
     what_if_skipped: NotRequired[list[WhatIfSkipped]]
     tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
     transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
+    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.oom)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from sftprof import artifacts
 from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
+from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.rank_table import rank_table
@@ -117,6 +118,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
             summary["status"] = "failed"
+        summary["oom"] = oom_triage(log_dir, cfg, (summary["failure"] or {}).get("rank"),
+                                    (env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     summary["nvidia_smi"].pop("timed_samples", None)
     errors, warnings = problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
@@ -136,6 +139,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["ranks"] = rank_table(summary)
     summary["findings"] = trial_findings(summary)
     summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
+    if summary.get("oom"):  # why it ran out of memory comes first, and its change that fits is a what-if
+        summary["findings"] = [oom_finding(summary["oom"])] + summary["findings"]
+        summary["what_if"] = oom_what_if(summary["oom"]) + summary["what_if"]
     write_summary(summary, run_dir)
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 
