@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gzip
 
-from sftprof.analysis.oom import LABEL, oom_triage
+import pytest
+
+from sftprof.analysis.oom import oom_triage
+from sftprof.analysis.what_if import LABELS
 from sftprof.analysis.safe_pickle import safe_load
 from sftprof.analysis.summary import postprocess_trial
 from tests.fixtures import FIXTURE_DIR, OOM_CAPACITY, OOM_FREE, oom_log_dir
@@ -55,8 +58,30 @@ def test_failed_trial_summary_leads_with_the_oom_and_its_fitting_change(tmp_path
         "of a 32.00 GiB GPU holding ")
     assert "; smallest change that fits: actor.num_layers=1, predicted peak" in finding["text"]
     w = summary["what_if"][0]
-    assert (w["key"], w["label"], w["effect"]["metric"]) == ("fit_oom", LABEL, "peak_allocated")
+    assert (w["key"], w["label"], w["effect"]["metric"]) == ("fit_oom", LABELS["fit_oom"], "peak_allocated")
     assert w["effect"]["baseline"] == round((allocated + 4978638848) / GIB, 4)
     assert w["settings"] == [{"kind": "config", "key": "actor.num_layers", "value": 1, "current": None}]
     md = (tmp_path / "run" / "profile_summary.md").read_text()
     assert "## Out of memory\n" in md and "| settings that fit (smallest first) |" in md
+
+
+def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reached(tmp_path):
+    """``TRY_WHAT_IFS`` takes a failed trial's ``fit_oom`` (and no other what-if of it); the outcome sets the what-if
+    trial's peak against what the failed step asked for."""
+    from sftprof.analysis.what_if_outcome import HELD, outcome
+    from sftprof.launch.planning import Trial
+    from sftprof.launch.what_ifs import choose
+
+    log = oom_log_dir(tmp_path)
+    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 0)
+    source = Trial("t", "memory", 0, tmp_path / "run", log, ["--config", "x.yaml"])
+    chosen, lines = choose([source], 2)
+    assert [w["key"] for _, w in chosen] == ["fit_oom"]
+    assert lines == ["TRY_WHAT_IFS=2: 1 what-if(s) proposed; trying 1: fit the GPU after an out-of-memory error "
+                     "(actor.num_layers=1) of the memory trial of step 0"]
+    w = chosen[0][1]
+    predicted_peak = w["effect"]["baseline"] + w["effect"]["value"]
+    b = {"stats": {"max_mem_peak_allocated_gb": predicted_peak + 0.1}}
+    o = outcome(w, summary, b, ([], []))
+    assert o.measured == pytest.approx(w["effect"]["value"] + 0.1) and (o.samples, o.verdict) == ("exact", HELD)
+    assert outcome(w, summary, {"stats": {}}, ([], [])).measured is None  # the what-if trial failed too

@@ -29,11 +29,12 @@ from sftprof.analysis.memory_categories import MEMORY_CATEGORIES, allocation_sit
 from sftprof.analysis.memory_estimate import predict_peak
 from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, fitting_changes
 from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.what_if import LABELS
 from sftprof.models.hf import load_hf_config
 
-__all__ = ["oom_triage", "oom_finding", "oom_what_if", "LABEL"]
+__all__ = ["oom_triage", "oom_finding", "oom_what_if", "KEY"]
 
-LABEL = "fit the GPU after an out-of-memory error"
+KEY = "fit_oom"  # the what-if's lever (sftprof.analysis.what_if.LABELS)
 _GIB = float(2**30)
 _ALIVE = ("active_allocated", "active_pending_free")
 
@@ -167,7 +168,8 @@ def oom_finding(t: dict) -> dict[str, Any]:
 
 def oom_what_if(t: dict) -> list[dict[str, Any]]:
     """The ``fit_oom`` what-if of the triage (its smallest change that fits), [] without one. Its effect is the peak
-    allocated against what the failed step asked for (allocated + the request)."""
+    allocated against what the failed step asked for (allocated + the request, its ``baseline``); the outcome sets
+    the what-if trial's peak against that baseline (:func:`sftprof.analysis.what_if_outcome.outcome`)."""
     if not t.get("fits") or t["requested_bytes"] is None:
         return []
     c = t["fits"][0]
@@ -175,12 +177,12 @@ def oom_what_if(t: dict) -> list[dict[str, Any]]:
     settings = [{"kind": "env", "key": k[len(ENV):], "value": v, "current": None} if k.startswith(ENV) else
                 {"kind": "config", "key": k, "value": v, "current": None} for k, v in c["settings"].items()]
     value = (c["peak_bytes"] - asked) / _GIB
-    return [{"key": "fit_oom", "label": LABEL, "rank": t["rank"], "settings": settings,
+    return [{"key": KEY, "label": LABELS[KEY], "rank": t["rank"], "settings": settings,
              "effect": {"metric": "peak_allocated", "unit": "GiB", "value": round(value, 4),
                         "baseline": round(asked / _GIB, 4)},
              "assumption": f"the step's peak follows sftprof/analysis/memory_estimate.py's prediction "
                            f"({c['peak_bytes'] / _GIB:.2f} GiB) and fits the GPU with "
                            f"{(t['capacity_bytes'] - c['need_bytes']) / _GIB:.2f} GiB to spare",
-             "text": f"{LABEL} ({' '.join(_setting(k, v) for k, v in c['settings'].items())}): peak allocated "
+             "text": f"{LABELS[KEY]} ({' '.join(_setting(k, v) for k, v in c['settings'].items())}): peak allocated "
                      f"{value:+.2f} GiB on rank {t['rank']} against the {asked / _GIB:.2f} GiB the failed step asked for",
              "weight": 1.0}]
