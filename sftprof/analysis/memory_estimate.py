@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head"]
+__all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head", "layer_sets"]
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "uint8": 1}
 _GIB = float(2**30)
@@ -205,8 +205,10 @@ ROUTER_BYTES_PER_TOKEN_EXPERT = 13  # fp32 probabilities (4), routing mask (1), 
 GDN_CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (one state per chunk)
 
 
-def _layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int) -> dict[str, int]:
-    """Bytes of one layer for ``s`` tokens (module docstring): its parts' saved sets and the MoE gradients ``B``."""
+def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int) -> dict[str, int]:
+    """Bytes one layer saves for backward at ``s`` tokens on a rank, by megatron-core recompute module (``core_attn``,
+    ``layernorm``, ``moe``, ``shared_experts``; ``other``: residual and checkpoint buffers), and its MoE gradients
+    ``moe_backward`` (module docstring: ``A`` and ``B``)."""
     h = hf.hidden_size
     u = s * h * b // t
     if layer_type == "linear_attention":
@@ -262,7 +264,7 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
     layers = hf.num_hidden_layers // layout.pp
     first = coords.get("pp", 0) * layers
     types = list(getattr(hf, "layer_types", None) or []) or ["full_attention"] * hf.num_hidden_layers
-    sets = [_layer_sets(hf, types[i], s, t, etp, b) for i in range(first, first + layers)]
+    sets = [layer_sets(hf, types[i], s, t, etp, b) for i in range(first, first + layers)]
     saved_of = [sum(v for k, v in x.items() if k != "moe_backward") for x in sets]
     u = s * h * b // t
     gran = m.get("recompute_granularity", "full") if a.get("gradient_checkpointing", True) else "none"

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 from sftprof.analysis.memory_estimate import chunked_lm_head, predict_peak
 
 __all__ = ["OUTSIDE_PYTORCH_GIB", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments", "with_expandable",
-           "check_fit", "fitting_changes"]
+           "check_fit", "fitting_changes", "with_settings"]
 
 OUTSIDE_PYTORCH_GIB = 7.76
 # The prediction's error on the measured one-GPU runs: -2.6 % to +0.4 % of the peak (bench/NOTES.md, "The fit
@@ -89,7 +89,7 @@ def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_co
             "headroom_bytes": int(capacity_bytes) - need, "prediction": pred}
 
 
-def _with(cfg: dict, settings: dict[str, Any]) -> dict:
+def with_settings(cfg: dict, settings: dict[str, Any]) -> dict:
     """``cfg`` with the config keys of ``settings`` set (environment settings left out)."""
     out = copy.deepcopy(cfg)
     for key, value in settings.items():
@@ -135,7 +135,7 @@ def fitting_changes(cfg: dict, hf_for: HfLoader, layout, seq_len: int, capacity_
 
     def verdict(settings: dict, n_layers: int = layers, tokens: int = seq_len) -> dict:
         conf = settings.get(ENV + ALLOC_CONF, alloc_conf)
-        return check_fit(_with(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
+        return check_fit(with_settings(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
                          capacity_bytes, conf)
 
     out = [{"settings": st, "check": c} for st in steps if (c := verdict(st))["fits"]]

@@ -22,6 +22,7 @@ from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
 from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
+from sftprof.analysis.recompute_plan import recompute_what_if
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.rank_table import rank_table
@@ -139,6 +140,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["ranks"] = rank_table(summary)
     summary["findings"] = trial_findings(summary)
     summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
+    if profile_kind == "kernel" and summary["status"] == "ok":  # the recompute that fits at the least time
+        summary["what_if"] = sorted(summary["what_if"] + recompute_what_if(summary, cfg, (env or {}).get(
+            "PYTORCH_CUDA_ALLOC_CONF")), key=lambda w: -w["weight"])
     if summary.get("oom"):  # why it ran out of memory comes first, and its change that fits is a what-if
         summary["findings"] = [oom_finding(summary["oom"])] + summary["findings"]
         summary["what_if"] = oom_what_if(summary["oom"]) + summary["what_if"]

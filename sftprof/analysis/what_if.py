@@ -83,6 +83,7 @@ LABELS = {
     "more_micro_batches": "more micro-batches",
     "distributed_optimizer": "distributed optimizer",
     "fit_oom": "fit the GPU after an out-of-memory error",  # a failed trial's (sftprof.analysis.oom.oom_what_if)
+    "recompute_plan": "recompute planner",  # a kernel trial's (sftprof.analysis.recompute_plan.recompute_what_if)
 }
 MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
 CUTLASS_GROUPED_GEMM = "NVTE_USE_CUTLASS_GROUPED_GEMM"
