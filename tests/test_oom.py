@@ -61,6 +61,10 @@ def test_failed_trial_summary_leads_with_the_oom_and_its_fitting_change(tmp_path
     assert (w["key"], w["label"], w["effect"]["metric"]) == ("fit_oom", LABELS["fit_oom"], "peak_allocated")
     assert w["effect"]["baseline"] == round((allocated + 4978638848) / GIB, 4)
     assert w["settings"] == [{"kind": "config", "key": "actor.num_layers", "value": 1, "current": None}]
+    from sftprof.launch.summaries import top_finding
+
+    assert top_finding(summary) == ("out of memory: 4.64 GiB requested in sftprof/forward/mb0 (rank 0); fits with "
+                                    "actor.num_layers=1")
     md = (tmp_path / "run" / "profile_summary.md").read_text()
     assert "## Out of memory\n" in md and "| settings that fit (smallest first) |" in md
 

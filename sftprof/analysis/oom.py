@@ -32,7 +32,7 @@ from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.analysis.what_if import LABELS
 from sftprof.models.hf import load_hf_config
 
-__all__ = ["oom_triage", "oom_finding", "oom_what_if", "KEY"]
+__all__ = ["oom_triage", "oom_finding", "oom_what_if", "settings_text", "KEY"]
 
 KEY = "fit_oom"  # the what-if's lever (sftprof.analysis.what_if.LABELS)
 _GIB = float(2**30)
@@ -139,8 +139,9 @@ def _gib(b: Optional[int]) -> str:
     return "unknown" if b is None else f"{b / _GIB:.2f} GiB"
 
 
-def _setting(key: str, value: Any) -> str:
-    return f"{key[len(ENV):]}={value}" if key.startswith(ENV) else f"{key}={value}"
+def settings_text(settings: dict[str, Any]) -> str:
+    """A change that fits in words: ``NAME=value`` for an environment variable, ``key=value`` for a config key."""
+    return " ".join(f"{k[len(ENV):]}={v}" if k.startswith(ENV) else f"{k}={v}" for k, v in settings.items())
 
 
 def oom_finding(t: dict) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def oom_finding(t: dict) -> dict[str, Any]:
                  + ", ".join(f"{r['category']} {r['bytes'] / _GIB:.2f}" for r in p["rows"]) + ")")
     if t["fits"]:
         c = t["fits"][0]
-        text += (f"; smallest change that fits: {' '.join(_setting(k, v) for k, v in c['settings'].items())}, "
+        text += (f"; smallest change that fits: {settings_text(c['settings'])}, "
                  f"predicted peak {_gib(c['peak_bytes'])} allocated, {_gib(c['need_bytes'])} needed")
     elif p and t["capacity_bytes"]:
         text += "; no change of one GPU's settings fits: more GPUs (TP, CP, EP, PP)"
@@ -183,6 +184,6 @@ def oom_what_if(t: dict) -> list[dict[str, Any]]:
              "assumption": f"the step's peak follows sftprof/analysis/memory_estimate.py's prediction "
                            f"({c['peak_bytes'] / _GIB:.2f} GiB) and fits the GPU with "
                            f"{(t['capacity_bytes'] - c['need_bytes']) / _GIB:.2f} GiB to spare",
-             "text": f"{LABELS[KEY]} ({' '.join(_setting(k, v) for k, v in c['settings'].items())}): peak allocated "
+             "text": f"{LABELS[KEY]} ({settings_text(c['settings'])}): peak allocated "
                      f"{value:+.2f} GiB on rank {t['rank']} against the {asked / _GIB:.2f} GiB the failed step asked for",
              "weight": 1.0}]
