@@ -186,6 +186,20 @@ def parse_snapshot_name(name: str) -> tuple[int, dict] | None:
     return int(m.group(1)), dict(zip(_SNAPSHOT_COORDS, map(int, m.group(2, 3, 4, 5, 6))))
 
 
+OOM = "oom"  # LOG_DIR/memory_snapshots/oom/: what a rank's allocator held when it ran out of memory
+
+
+def oom_dir(root: str | Path) -> Path:
+    """``<root>/memory_snapshots/oom``: the snapshot and record a rank writes at a CUDA out-of-memory error."""
+    return Path(root) / MEMORY_SNAPSHOTS / OOM
+
+
+def oom_record_name(rank: int) -> str:
+    """``oom_rank<rank>.json``: the out-of-memory record beside that rank's snapshot (:mod:`sftprof.capture.oom`)."""
+    return f"oom_rank{rank}.json"
+
+
+OOM_RECORD_RE = re.compile(r"^oom_rank(\d+)\.json$")
 PHASES_RE = re.compile(r"^phases_rank(\d+)\.json$")
 
 

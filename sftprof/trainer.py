@@ -51,6 +51,7 @@ from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
+from sftprof.capture.oom import watch as watch_oom
 from sftprof.cli import PipeSafeStreamHandler
 from sftprof.compat import setup_transformer_engine
 from sftprof.console import THIRD_PARTY, ConsoleFilter, capture_warnings, summary_line
@@ -303,6 +304,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         _seed(cfg.seed)
         kernel = KernelProfiler(cfg, layout, rank, log_dir)
         memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
+        watch_oom(rank, coords, log_dir, device)  # a CUDA out-of-memory error leaves a snapshot in any trial
         t_build = time.perf_counter()
         engine = build_engine(cfg, layout, hf_config, device)
         if lead:

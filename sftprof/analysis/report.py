@@ -139,6 +139,39 @@ def _failure(s: dict) -> list[str]:
     return out
 
 
+def _oom(s: dict) -> list[str]:
+    t = s.get("oom")
+    if not t:
+        return []
+    g = float(2**30)
+
+    def gib(b):
+        return "unknown" if b is None else f"{b / g:.2f}"
+
+    out = ["## Out of memory\n",
+           f"- rank **{t['rank']}**, snapshot `memory_snapshots/oom/{t['snapshot']}`"
+           + (f" (ranks {', '.join(map(str, t['other_ranks']))} also left one)" if t["other_ranks"] else ""),
+           f"- requested {gib(t['requested_bytes'])} GiB of a {gib(t['capacity_bytes'])} GiB GPU: allocated "
+           f"{gib(t['allocated_bytes'])}, reserved and not allocated {gib(t['reserved_unallocated_bytes'])}, outside "
+           f"PyTorch {gib(t['outside_pytorch_bytes'])}, free {gib(t['free_bytes'])} GiB",
+           f"- phase {fmt(t['phase'])}, site {fmt(t['site'])}"]
+    p = t["predicted"] or {}
+    pred = {r["category"]: r["bytes"] for r in p.get("rows") or []}
+    rows = [[r["category"], gib(r["bytes"])] for r in t["live"]]
+    out += ["", table(["alive at the failure", "GiB"], rows)]
+    if p:
+        out += ["", f"Predicted peak {gib(p['peak_bytes'])} GiB in the {p['phase']}"
+                + (f"; the failing phase ({p['failing_phase']}) {gib(p['failing_phase_bytes'])} GiB"
+                   if p["failing_phase"] else "") + ":", "", table(["category", "predicted GiB"],
+                                                                  [[k, gib(v)] for k, v in pred.items()])]
+    if t["fits"]:
+        out += ["", table(["settings that fit (smallest first)", "predicted peak GiB", "needed GiB"],
+                          [[" ".join(f"`{k}={v}`" for k, v in c["settings"].items()), gib(c["peak_bytes"]),
+                            gib(c["need_bytes"])] for c in t["fits"]])]
+    out += [f"- {e}" for e in t["errors"]] + [""]
+    return out
+
+
 def _log_tail(s: dict) -> list[str]:
     if not s.get("trainer_log_tail"):
         return []
@@ -313,8 +346,8 @@ def _comm_wait(cw: dict | None) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _tried_what_if, _findings, _problems, _failure, _log_tail, _steps, _projection, _nvidia_smi, _ranks, kernel_traces,
-    memory_snapshots)
+    _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _projection, _nvidia_smi, _ranks,
+    kernel_traces, memory_snapshots)
 
 
 def render_markdown(s: dict) -> str:

@@ -17,7 +17,7 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
 ``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a simulated
-rank's ``simulation`` (what was not run, what was assumed, the projected step).
+rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -946,6 +946,49 @@ class RankTable(TypedDict):
     work_spread: Optional[WorkSpread]
 
 
+class OomCategory(TypedDict):
+    category: str  # a key of sftprof.analysis.memory_categories.MEMORY_CATEGORIES
+    bytes: int
+
+
+class OomPrediction(TypedDict):
+    """The predicted peak of the failing rank (:func:`sftprof.analysis.memory_estimate.predict_peak`) and of the
+    phase the failure lies in (``failing_phase``: None when the region and site name none of its phases)."""
+    phase: str
+    peak_bytes: int
+    rows: list[OomCategory]
+    failing_phase: Optional[str]
+    failing_phase_bytes: Optional[int]
+
+
+class OomFit(TypedDict):
+    """A change that fits (:func:`sftprof.analysis.memory_fit.fitting_changes`): config keys and ``env.<NAME>``."""
+    settings: dict[str, Any]
+    peak_bytes: int
+    need_bytes: int
+
+
+class OomTriage(TypedDict):
+    """Why a trial ran out of CUDA memory (:func:`sftprof.analysis.oom.oom_triage`); bytes, None where unknown."""
+    rank: int
+    snapshot: str  # the file in LOG_DIR/memory_snapshots/oom/
+    errors: list[str]
+    requested_bytes: Optional[int]
+    capacity_bytes: Optional[int]
+    free_bytes: Optional[int]
+    allocated_bytes: int
+    reserved_unallocated_bytes: Optional[int]
+    outside_pytorch_bytes: Optional[int]
+    phase: Optional[str]  # the innermost open sftprof/* region
+    site: Optional[str]  # the failing allocation's site
+    history: bool  # the allocator history was on (blocks carry stacks)
+    live: list[OomCategory]
+    other_ranks: list[int]  # further ranks that left an out-of-memory snapshot
+    predicted: Optional[OomPrediction]
+    fits: list[OomFit]  # smallest first
+    prediction_error: Optional[str]
+
+
 class ProfileSummary(TypedDict):
     """``profile_summary.json`` of one trial (:func:`sftprof.analysis.summary.postprocess_trial`)."""
     schema: str  # SCHEMA_NAME
@@ -981,6 +1024,7 @@ class ProfileSummary(TypedDict):
     tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
     transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
     simulation: NotRequired[Optional[Simulation]]  # a simulated rank's trial; None otherwise
+    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.oom)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

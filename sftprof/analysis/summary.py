@@ -21,6 +21,8 @@ from sftprof import artifacts
 from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
+from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
+from sftprof.analysis.recompute_plan import recompute_what_if
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.projection import simulation_summary
@@ -118,6 +120,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
             summary["status"] = "failed"
+        summary["oom"] = oom_triage(log_dir, cfg, (summary["failure"] or {}).get("rank"),
+                                    (env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
     items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
     if cfg and ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) >= 0:
         traces = [t["summary"] for t in summary.get("kernel_traces", []) if t.get("summary")]
@@ -141,6 +145,12 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["ranks"] = rank_table(summary)
     summary["findings"] = trial_findings(summary)
     summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
+    if profile_kind == "kernel" and summary["status"] == "ok":  # the recompute that fits at the least time
+        summary["what_if"] = sorted(summary["what_if"] + recompute_what_if(summary, cfg, (env or {}).get(
+            "PYTORCH_CUDA_ALLOC_CONF")), key=lambda w: -w["weight"])
+    if summary.get("oom"):  # why it ran out of memory comes first, and its change that fits is a what-if
+        summary["findings"] = [oom_finding(summary["oom"])] + summary["findings"]
+        summary["what_if"] = oom_what_if(summary["oom"]) + summary["what_if"]
     write_summary(summary, run_dir)
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 

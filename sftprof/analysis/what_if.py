@@ -56,6 +56,7 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.memory_categories import site_category
 from sftprof.analysis.memory_estimate import estimate_memory
+from sftprof.analysis.memory_fit import ALLOC_CONF, LM_HEAD_CHUNK, with_expandable
 from sftprof.analysis.schema import WhatIf, WhatIfSetting, WhatIfSkipped, processed_snapshots, processed_traces
 from sftprof.config import n_micro_batches
 from sftprof.models.hf import load_hf_config
@@ -81,10 +82,10 @@ LABELS = {
     "precision_aware_optimizer": "precision-aware optimizer",
     "more_micro_batches": "more micro-batches",
     "distributed_optimizer": "distributed optimizer",
+    "fit_oom": "fit the GPU after an out-of-memory error",  # a failed trial's (sftprof.analysis.oom.oom_what_if)
+    "recompute_plan": "recompute planner",  # a kernel trial's (sftprof.analysis.recompute_plan.recompute_what_if)
 }
 MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
-LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head the what-if proposes
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 CUTLASS_GROUPED_GEMM = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 HOPPER = ("H100", "H200", "H800", "H20")  # GPU names (the trace's device) of sm90, where that path runs
 _GIB = float(2**30)
@@ -367,8 +368,7 @@ def _expandable_segments(t: _Trial, rank: int, s: dict, allocator: Optional[dict
     if slack <= 0:
         return
     conf = (allocator or {}).get("alloc_conf")
-    options = [o for o in (conf or "").split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
-    value = ",".join(options + ["expandable_segments:True"])
+    value = with_expandable(conf)
     current = value if (allocator or {}).get("expandable_segments") else conf
     settings: list[WhatIfSetting] = [{"kind": "env", "key": ALLOC_CONF, "value": value, "current": current}]
     if t.already_set("expandable_segments", rank, settings):

@@ -149,6 +149,11 @@ def outcome(what_if: dict, a: dict, b: dict, step_times: tuple[list[float], list
     metric, p = effect["metric"], effect["value"]
     if metric not in METRICS:
         raise ValueError(f"what-if metric {metric!r}: not one of {sorted(METRICS)}")
+    if what_if.get("key") == "fit_oom":  # A ran out of memory: its figure is what its step asked for
+        snap = _snapshot(b, rank)
+        peak = snap.get("peak_allocated_gib") if snap else (b.get("stats") or {}).get("max_mem_peak_allocated_gb")
+        return _one_each(p, effect["baseline"], peak, "allocated + requested at A's failure against B's peak allocated "
+                                                      "(its snapshot, else stats.jsonl's profiled step)", True)
     if metric == "step_time":
         if step_times[0] and step_times[1]:
             return _from_samples(p, *step_times, "step times of the steps that time training alone (stats.jsonl, "

@@ -2,7 +2,7 @@
 
 On CUDA, on a rank of ``memory_profiler.ranks``, allocator history is recorded
 (``torch.cuda.memory._record_memory_history`` with ``max_entries=memory_profiler.max_entries``
-trace entries) from the moment the profiler is built, which the trainer does before the model, so
+trace entries and ``stacks=memory_profiler.stacks``) from the moment the profiler is built, which the trainer does before the model, so
 that weights, gradient buffers and optimizer states carry the Python stack that allocated them in
 the snapshot (the trace ring buffer keeps only the newest ``max_entries`` events; a block's stack
 stays with the block). At the end of each step in ``memory_profiler.profile_steps`` the snapshot
@@ -53,6 +53,7 @@ class MemoryProfiler:
         mp = cfg.memory_profiler
         self.steps = set(mp.profile_steps)
         self.max_entries = mp.max_entries
+        self.stacks = mp.stacks
         self.ranks = resolve_ranks(mp.ranks, layout)
         self.rank = rank
         self.coords = coords
@@ -60,7 +61,7 @@ class MemoryProfiler:
         self.cuda = device.type == "cuda"
         self.snapshots_written = 0
         if self.cuda and self.steps and rank in self.ranks:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks=self.stacks)
 
     def is_profiled(self, step: int) -> bool:
         """True when ``step`` is a memory-profile step on some rank."""

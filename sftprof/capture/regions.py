@@ -22,7 +22,14 @@ import torch
 from sftprof.artifacts import OPTIMIZER_STEP, STEP, backward, forward
 from sftprof.progress import StepProgress
 
-__all__ = ["STEP", "OPTIMIZER_STEP", "forward", "backward", "PhaseRecorder", "region"]
+__all__ = ["STEP", "OPTIMIZER_STEP", "forward", "backward", "PhaseRecorder", "region", "open_regions"]
+
+_OPEN: list[str] = []  # the regions entered and not left, outermost first (this process's one training thread)
+
+
+def open_regions() -> list[str]:
+    """The regions open now, outermost first (``["sftprof/step", "sftprof/backward/mb0"]``)."""
+    return list(_OPEN)
 
 
 class PhaseRecorder:
@@ -64,10 +71,12 @@ def region(name: str) -> Iterator[None]:
     start = rec.now_us() if rec else None
     if progress is not None:
         progress.enter(name)
+    _OPEN.append(name)
     try:
         with torch.profiler.record_function(name):
             yield
     finally:  # also when the region dies (CUDA OOM): the snapshot's peak still gets its phase
+        _OPEN.pop()
         if rec is not None:
             rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
         if progress is not None:

@@ -25,6 +25,7 @@ EXP_AVG_DTYPES = ("float32", "float16", "bfloat16", "uint8")
 # The actor.megatron fields the precision-aware optimizer sets (float32 without it).
 PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 RECOMPUTE_GRANULARITIES = ("full", "selective", "none")
+HISTORY_STACKS = ("all", "python")  # memory_profiler.stacks: torch's _record_memory_history(stacks=)
 RECOMPUTE_METHODS = ("uniform", "block")
 # megatron-core 0.16.1 TransformerConfig.recompute_modules choices that this project's layer specs support
 # ("moe_act" needs TE's grouped GEMM, "mla_up_proj" multi-latent attention: neither is built here).
@@ -405,10 +406,15 @@ class MemoryProfilerConfig:
     profile_steps: List[int] = field(default_factory=list)
     max_entries: int = 100000
     ranks: str = "pp_rank0"
+    # The stacks each history entry keeps: "all" (Python, TorchScript and C++ frames, torch's default) or "python"
+    # (cheaper to record and to dump: bench/snapshot_cost.py); the categories read Python frames alone.
+    stacks: str = "all"
 
     def check(self) -> None:
-        """Raises ConfigError: a negative step, a malformed rank spec or ``max_entries`` < 1."""
+        """Raises ConfigError: a negative step, a malformed rank spec, ``max_entries`` < 1 or ``stacks`` not one of
+        :data:`HISTORY_STACKS`."""
         _check_profile_section("memory_profiler", self.profile_steps, self.ranks)
+        require_choice("memory_profiler.stacks", self.stacks, HISTORY_STACKS)
         require(1 <= self.max_entries <= MEMORY_MAX_ENTRIES_MAX, "memory_profiler.max_entries", self.max_entries,
                 f"an integer from 1 to {MEMORY_MAX_ENTRIES_MAX} (2**63 - 1, what torch's allocator history takes)")
 

@@ -15,8 +15,9 @@ YAML (or of an argument).
 Also refused (exit 2): a driver variable given as an argument (or in lower case), an argument that gives a key the
 driver sets for each trial (:data:`TRIAL_KEYS`) another value, a set variable that looks like a misspelled driver
 variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes, a user name that is not one folder
-name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, and a busy
-``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA unless
+name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, a megatron trial
+whose predicted peak does not fit one GPU (:func:`check_memory_fit`, unless ``FIT_CHECK`` is ``warn`` or ``off``),
+and a busy ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA unless
 ``PROFILE_KINDS`` asks for them.
 
 Above 500 lines for a reason: the checks above run in one order against one plan; the variables' table
@@ -24,14 +25,19 @@ is :mod:`sftprof.launch.variables`, the folders :mod:`sftprof.launch.folders`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shutil
 import socket
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
+from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
 from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, to_yaml, trial_log_dir)
 from sftprof.launch import folders
@@ -154,6 +160,8 @@ class DriverEnv:
     master_addr: str
     master_port: int | None
     node_timeout: int
+    fit_check: str
+    gpu_memory_gib: float | None
 
 
 @dataclass
@@ -245,7 +253,9 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         overrides=overrides, extra_overrides=list(extra_overrides), set_keys=set_keys,
         node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
         master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
-        master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S)
+        master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S,
+        fit_check=BY_NAME["FIT_CHECK"].value(env) or BY_NAME["FIT_CHECK"].default,
+        gpu_memory_gib=BY_NAME["GPU_MEMORY_GIB"].value(env))
 
 
 def _sources(d: DriverEnv, model: bool = False) -> str:
@@ -457,6 +467,88 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
     return trials, run_root, first_cfg
 
 
+def gpu_free_gib(nproc: int, env: Mapping[str, str]) -> float | None:
+    """The least free memory (GiB) of the GPUs this node's ``nproc`` ranks take (``CUDA_VISIBLE_DEVICES`` by index,
+    else the first ones), from nvidia-smi, which creates no CUDA context; None without nvidia-smi or its answer."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        free = {int(i): float(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    order = [int(i) for i in visible.split(",")] if visible and visible.replace(",", "").isdigit() else sorted(free)
+    used = [free[i] for i in order[:nproc] if i in free]
+    return min(used) / 1024 if len(used) == nproc else None
+
+
+def _setting_text(key: str, value: object) -> str:
+    """A setting as the user gives it: its driver variable where one sets that key alone, else an argument."""
+    if key.startswith(ENV):
+        return f"{key[len(ENV):]}={value}"
+    var = next((v for v in CONFIG_VARIABLES if v.keys == (key,)), None)
+    return f"{var.name}={yaml_value(value)}" if var else f"{key}={yaml_value(value)}"
+
+
+def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
+    """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory_fit`), before anything is
+    written: a line in ``profile_settings.log``; over capacity, the settings that fit with their predicted peak, and
+    ``FIT_CHECK`` decides (``refuse``: DriverError, ``warn``: a warning, ``off``: not checked). Megatron only.
+
+    Raises:
+        DriverError: the peak does not fit and ``FIT_CHECK=refuse`` (the default).
+    """
+    mode, given = d.fit_check, d.gpu_memory_gib
+    if mode == "off" or p.layout.backend != "megatron":
+        return
+    capacity = given if given is not None else gpu_free_gib(p.nproc, {"CUDA_VISIBLE_DEVICES": d.get(
+        "CUDA_VISIBLE_DEVICES") or ""})
+    if capacity is None:
+        log.notices.append("fit check skipped: no GPU_MEMORY_GIB and no answer from nvidia-smi")
+        return
+    source = "GPU_MEMORY_GIB" if given is not None else "the least free memory of this node's GPUs, nvidia-smi"
+    cfg = dataclasses.asdict(p.cfg)
+    path, seq = p.cfg.actor.path, p.cfg.profile.fake_seq_len
+    alloc_conf = d.get(ALLOC_CONF)
+    cap = int(capacity * 2**30)
+    fit = check_fit(cfg, load_hf_config(path, p.cfg.actor.num_layers), p.layout, seq, cap, alloc_conf)
+    line = f"fit check: {fit_text(fit)} ({source})"
+    log.settings.append("# " + line)
+    if fit["fits"]:
+        if fit["tight"]:
+            log.warn(line)
+        else:
+            log.notices.append(line)
+        return
+    changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf)
+    advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items()) + f" ({fit_text(c['check'], brief=True)})"
+                       for c in changes) or "none of expandable segments, the chunked LM head, full recompute, fewer " \
+                                              "tokens or fewer layers fits: use more GPUs (TP, CP, EP, PP)"
+    text = f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. Settings that fit, smallest change " \
+           f"first: {advice}"
+    if mode == "refuse":
+        raise DriverError(f"{text}. Nothing was launched; set one, or FIT_CHECK=warn to launch anyway")
+    log.warn(text)
+
+
+def fit_text(fit: dict, brief: bool = False) -> str:
+    """One check of :func:`sftprof.analysis.memory_fit.check_fit` in words: the rank's need against the capacity
+    (``brief``: the predicted peak and the need alone)."""
+    g = 2**30
+    pred = fit["prediction"]
+    if brief:
+        return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs "
+                f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB" + (", tight" if fit["tight"] else ""))
+    parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
+    return (f"rank {fit['rank']} needs {fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB: predicted "
+            f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "
+            f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f}"
+            + (f"; tight: less headroom than the prediction's error ({TIGHT_SHARE:.0%} of the peak)" if fit["tight"]
+               else ""))
+
+
 def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
     """torchrun's ``nproc_per_node, nnodes, node_rank, master_addr, master_port`` (a free port on one node)."""
     master_port = d.master_port
@@ -505,6 +597,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log = PlanLog()
     d = read_driver_env(env, extra_overrides, log)
     p = probe_config(d, gpus, log)
+    check_memory_fit(d, p, log)
     trials, run_root, first_cfg = expand_trials(d, p, log)
     torchrun = _torchrun_settings(d, p, log)
     log.settings += [f"# warning: {w}" for w in log.warnings]

@@ -9,6 +9,7 @@ from pathlib import Path
 from sftprof import artifacts
 from sftprof.analysis import schema
 from sftprof.analysis.failure import headline
+from sftprof.analysis.oom import settings_text
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -38,8 +39,15 @@ def top_finding(summary: dict) -> str:
     words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
     then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
     it is one rank's figure.
-    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`).
+    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`). A trial that ran out
+    of CUDA memory: that, first (the request, where, and the smallest change that fits: ``oom``).
     """
+    t = summary.get("oom")
+    if t:
+        fits = t.get("fits") or []
+        return (f"out of memory: {(t['requested_bytes'] or 0) / 2**30:.2f} GiB requested in {t['phase'] or '?'} "
+                f"(rank {t['rank']})" + (f"; fits with {settings_text(fits[0]['settings'])}" if fits
+                                         else "; no change of one GPU's settings fits"))
     for t in summary.get("kernel_traces") or []:
         if "summary" not in t:
             continue

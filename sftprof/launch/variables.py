@@ -38,6 +38,7 @@ DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (t
 MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
+FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a predicted peak over the GPU stops the plan, is a warning, or unchecked
 BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
@@ -138,6 +139,22 @@ def _text(name: str, text: str) -> str:
     return text
 
 
+def _gib(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < 2**20:
+        raise DriverError(f"{name}={text!r}: must be a number of GiB > 0, e.g. 79.19 (an H100 80 GB), 139.8 (an H200)")
+    return value
+
+
+def _fit_check(name: str, text: str) -> str:
+    if text.strip() not in FIT_CHECKS:
+        raise DriverError(f"{name}={text!r}: must be one of {', '.join(FIT_CHECKS)}")
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class Variable:
     """One driver variable (a row of :data:`VARIABLES`).
@@ -222,6 +239,11 @@ VARIABLES = (
              "what-ifs their summaries propose (the setting applied, same kind and step), compared with its trial: "
              f"prediction against outcome (0 to {MAX_WHAT_IFS}; one node)",
              parse=lambda n, t: _int(n, t, 0, MAX_WHAT_IFS), default="0"),
+    Variable("GPU_MEMORY_GIB", "launcher", "one GPU's memory for the fit check, GiB (as torch.cuda.mem_get_info "
+             "gives it: 79.19 on an H100 80 GB)", parse=_gib, default="the least free memory of this node's GPUs "
+             "(nvidia-smi)"),
+    Variable("FIT_CHECK", "launcher", "a megatron trial whose predicted peak exceeds GPU_MEMORY_GIB: refuse (exit 2, "
+             "naming the settings that fit), warn (and launch), off", parse=_fit_check, default="refuse"),
     Variable("STOP_ON_FAILURE", "launcher", "stop after the first failed trial (the rest are listed as `not run`)",
              parse=parse_bool, default="1"),
     Variable("RUN_ROOT", "launcher", "where trial outputs and summary.tsv go; never overwritten",

@@ -3,7 +3,9 @@ propose (:mod:`sftprof.analysis.what_if`), each tried once as one more trial of 
 settings applied, then compared with the trial it varies (prediction against outcome:
 :mod:`sftprof.analysis.what_if_outcome`).
 
-Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``), one per
+Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``; of a failed
+trial, the ``fit_oom`` what-if of its out-of-memory triage alone, :mod:`sftprof.analysis.oom`: tried when
+``STOP_ON_FAILURE=0`` lets the run reach its what-ifs), one per
 distinct set of settings (the same setting proposed by several trials or ranks is tried once, on the trial where it
 weighs most; a tie goes to the later step, past the warm-up), heaviest first (``weight``: the predicted effect's
 share of its baseline).
@@ -43,9 +45,10 @@ def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict]], list[
     best: dict[tuple, tuple[Trial, dict]] = {}
     for t in trials:
         summary = read_summary(t.run_dir)
-        if summary.get("status") != "ok":
-            continue
+        ok = summary.get("status") == "ok"
         for w in summary.get("what_if") or []:
+            if not ok and w["key"] != "fit_oom":  # a failed trial's one what-if: the change that fits its OOM
+                continue
             key = tuple(sorted((s["kind"], s["key"], json.dumps(s["value"])) for s in w["settings"]))
             held = best.get(key)
             if held is None or (w["weight"], t.step) > (held[1]["weight"], held[0].step):

@@ -1,0 +1,116 @@
+"""What the CUDA allocator history costs (issue 46, item 5): step time with the history off, ``stacks="python"`` and
+``stacks="all"``, and each snapshot's dump time and file size (GPU).
+
+Two workloads:
+
+- ``--driver`` (the real one): the README's 4-layer Qwen3-30B-A3B slice through the driver, one memory trial per
+  ``memory_profiler.stacks`` value (``LM_HEAD_LOSS_CHUNK_SIZE=2048``, expandable segments: it runs on an H100 80 GB),
+  and from each trial the snapshot's size and the trainer's step times (dump time: the gap the trainer logs between
+  the profiled step's end and ``memory snapshot written``);
+- default (a stand-in, seconds): ``--layers`` bf16 ``torch.nn.TransformerEncoderLayer`` s of width ``--hidden`` over
+  ``--tokens`` tokens with AdamW, ``--steps`` steps per setting in this process, the history of ``--max-entries``
+  entries; the dump is timed around ``torch.cuda.memory._dump_snapshot``.
+
+    python bench/snapshot_cost.py                       # stand-in, ~1 min on an H100
+    python bench/snapshot_cost.py --driver --out /tmp/snapcost   # the slice, ~6 min on an H100 (two memory trials)
+
+Prints one table: setting, median step ms (stand-in), dump s, file MiB. Expect: stacks="python" records and dumps
+faster than "all" (C++ unwinding and symbolising the frames is the cost torchtitan#3628 measured at scale) with
+smaller files; the history's step overhead grows with allocations per step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stand_in(args) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(args.hidden, args.hidden // 128, 4 * args.hidden,
+                                                                    batch_first=True, dtype=torch.bfloat16,
+                                                                    device="cuda") for _ in range(args.layers)])
+    opt = torch.optim.AdamW(layers.parameters(), lr=1e-5)
+    x = torch.randn(1, args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layers(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - t0)
+
+    for _ in range(2):
+        step()  # warm-up: cuBLAS, optimizer state
+    print("| setting | median step ms | dump s | file MiB |\n|---|---|---|---|")
+    for stacks in (None, "python", "all"):
+        if stacks:
+            torch.cuda.memory._record_memory_history(max_entries=args.max_entries, stacks=stacks)
+        times = [step() for _ in range(args.steps)]
+        dump_s = size = None
+        if stacks:
+            path = Path(args.out) / f"snapshot_{stacks}.pickle"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            torch.cuda.memory._dump_snapshot(str(path))
+            dump_s, size = time.perf_counter() - t0, path.stat().st_size / 2**20
+            torch.cuda.memory._record_memory_history(enabled=None)
+        print(f"| {stacks or 'history off'} | {statistics.median(times):.1f} | "
+              f"{'–' if dump_s is None else f'{dump_s:.2f}'} | {'–' if size is None else f'{size:.1f}'} |")
+
+
+def driver(args) -> None:
+    print("| stacks | step times s (stats.jsonl) | dump s (trainer.log) | file MiB |\n|---|---|---|---|")
+    for stacks in ("python", "all"):
+        root = Path(args.out) / stacks
+        env = {**os.environ, "N_GPUS_PER_NODE": "1", "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "PROFILE_STEPS": "2",
+               "TOTAL_STEPS": "3", "PROFILE_KINDS": "memory", "LM_HEAD_LOSS_CHUNK_SIZE": "2048",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "RUN_ROOT": str(root),
+               "FILEROOT": str(Path(args.out) / "fileroot"), "PROFILE_STAMP": stacks}
+        subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), "actor.backend=megatron:d1",
+                        "actor.num_layers=4", f"memory_profiler.stacks={stacks}"], env=env, check=True)
+        log_dir = next((Path(args.out) / "fileroot").rglob(f"*memory_step2_{stacks}"))
+        snaps = list((log_dir / "memory_snapshots" / "step_2").glob("snapshot_*.pickle"))
+        lines = (log_dir / "trainer.log").read_text().splitlines()
+        stamps = [_stamp(line) for line in lines if "memory snapshot written" in line or "step 2 " in line]
+        steps = re.findall(r'"step_time_s": ([0-9.]+)', (log_dir / "stats.jsonl").read_text())
+        dump = f"{stamps[-1] - stamps[-2]:.1f}" if len(stamps) >= 2 and None not in stamps[-2:] else "–"
+        print(f"| {stacks} | {', '.join(f'{float(t):.3f}' for t in steps)} | {dump} | "
+              f"{sum(p.stat().st_size for p in snaps) / 2**20:.1f} |")
+
+
+def _stamp(line: str) -> float | None:
+    """Seconds of the day of a trainer.log line's ``HH:MM:SS[,mmm]`` time, None without one."""
+    m = re.search(r"(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?", line)
+    if not m:
+        return None
+    h, mi, s, frac = m.groups()
+    return 3600 * int(h) + 60 * int(mi) + int(s) + (int(frac) / 10 ** len(frac) if frac else 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--driver", action="store_true", help="the 4-layer slice through the driver (else the stand-in)")
+    p.add_argument("--out", default="/tmp/sftprof_snapshot_cost", help="where snapshots and runs go")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--max-entries", type=int, default=100000)
+    args = p.parse_args()
+    (driver if args.driver else stand_in)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The fit check (issue 46): the predicted peak of the README's one-GPU slice against the measured runs of both YAMLs
+on an H200 and an H100 (``tests/fixtures/measured_peaks/runs.json``, the docs/examples summaries), its verdict
+against each run's outcome, and the driver's plan refusing, warning or going on."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis import memory_fit
+from sftprof.analysis.memory_estimate import params_per_rank, predict_peak
+from sftprof.config import load_config
+from sftprof.launch import planning
+from sftprof.launch.variables import DriverError
+from sftprof.models.hf import load_hf_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = json.loads((ROOT / "tests" / "fixtures" / "measured_peaks" / "runs.json").read_text())["runs"]
+H100 = 79.19
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_fit_check_table", ROOT / "bench" / "fit_check_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def predictions(tmp_path_factory):
+    bench = _bench()
+    root = str(tmp_path_factory.mktemp("fr"))
+    return [(run, bench.predict(run, root), bench.measured_peak_gib(run)) for run in RUNS]
+
+
+def test_predicted_peak_within_3_percent_of_every_measured_run(predictions):
+    measured = [(run, fit, meas) for run, fit, meas in predictions if meas]
+    assert len(measured) == 8
+    for run, fit, meas in measured:
+        err = (fit["peak_bytes"] / 2**30 - meas) / meas
+        assert abs(err) <= memory_fit.TIGHT_SHARE, (run["name"], fit["peak_bytes"] / 2**30, meas)
+
+
+def test_fit_verdict_is_each_runs_outcome(predictions):
+    """Three H100 runs died out of memory and every other run ran: the check says so of each, before launch."""
+    assert sorted(run["outcome"] for run in RUNS).count("oom") == 3
+    for run, fit, _ in predictions:
+        assert fit["fits"] == (run["outcome"] == "ok"), run["name"]
+
+
+def test_peak_phases_and_categories_of_the_slice():
+    """Unchunked, the peak is the LM head's backward holding the logits (37.09 GiB, the H100's failed request);
+    chunked, one layer's backward; the categories sum to the peak."""
+    cfg = dataclasses.asdict(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
+        "actor.backend=megatron:d1", "actor.num_layers=4", "train_dataset.batch_size=1", "actor.mb_spec.n_mbs=1"]))
+    hf, one = load_hf_config("qwen3_30b_a3b", 4), parse_allocation_mode("megatron:d1")
+    pred = predict_peak(cfg, hf, one, one.rank_coords(0), 131072)
+    rows = {r["category"]: r["bytes"] for r in pred["rows"]}
+    assert pred["phase"] == "LM head backward" and rows["logits"] == 131072 * 151936 * 2
+    assert sum(rows.values()) == pred["peak_bytes"]
+    assert rows["saved activations"] == 4 * 131072 * 2048 * 2  # full recompute: each layer's input
+    cfg["actor"]["loss"]["lm_head_loss_chunk_size"] = 2048
+    chunked = predict_peak(cfg, hf, one, one.rank_coords(0), 131072)
+    assert chunked["phase"] == "layer backward" and "logits" not in {r["category"] for r in chunked["rows"]}
+    # no recompute saves every layer's set: more than full recompute's inputs plus one layer
+    cfg["actor"]["gradient_checkpointing"] = False
+    none = predict_peak(cfg, hf, one, one.rank_coords(0), 131072)
+    assert none["peak_bytes"] - chunked["peak_bytes"] == pytest.approx(
+        3 * next(r["bytes"] for r in chunked["rows"] if r["category"] == "layer working set")
+        - 4 * 131072 * 2048 * 2 - 3 * 2 * 131072 * 8 * 2048 * 2, rel=0.01)
+    with pytest.raises(ValueError, match="megatron backend only"):
+        predict_peak(cfg, hf, parse_allocation_mode("fsdp:d2"), {}, 4096)
+
+
+def test_qwen3_5_parameters_count_the_gated_delta_net_and_shared_experts():
+    """8.161 GiB of bf16 parameters measured on the 4-layer Qwen3.5 slice (docs/examples/qwen3_5_35b_a3b/memory)."""
+    one = parse_allocation_mode("megatron:d1")
+    dense, expert = params_per_rank(load_hf_config("qwen3_5_35b_a3b", 4), one, one.rank_coords(0))
+    assert round(2 * (dense + expert) / 2**30, 3) == 8.161
+
+
+def test_fitting_changes_smallest_first():
+    cfg = dataclasses.asdict(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
+        "actor.backend=megatron:d1", "actor.num_layers=4", "train_dataset.batch_size=1", "actor.mb_spec.n_mbs=1"]))
+    changes = memory_fit.fitting_changes(cfg, lambda n: load_hf_config("qwen3_30b_a3b", n),
+                                         parse_allocation_mode("megatron:d1"), 131072, int(H100 * 2**30), None)
+    assert [c["settings"] for c in changes] == [
+        {"env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "actor.loss.lm_head_loss_chunk_size": 2048},
+        {"profile.fake_seq_len": 32768}]
+    assert all(c["check"]["fits"] for c in changes)
+    assert memory_fit.with_expandable("max_split_size_mb:512,expandable_segments:False") == \
+        "max_split_size_mb:512,expandable_segments:True"
+    assert memory_fit.expandable_segments("expandable_segments:True,max_split_size_mb:64")
+    assert not memory_fit.expandable_segments("expandable_segments:True,expandable_segments:false")
+
+
+def _env(tmp_path, **extra):
+    return {"CONFIG": str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), "N_GPUS_PER_NODE": "1", "TRAIN_BATCH_SIZE": "1",
+            "PROFILE_N_MBS": "1", "PROFILE_STEPS": "2", "TOTAL_STEPS": "3", "FILEROOT": str(tmp_path / "fr"),
+            "RUN_ROOT": str(tmp_path / "run"), "PROFILE_STAMP": "p", "GPU_MEMORY_GIB": str(H100), **extra}
+
+
+ARGS = ["actor.backend=megatron:d1", "actor.num_layers=4"]
+
+
+def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path):
+    with pytest.raises(DriverError) as err:
+        planning.plan(_env(tmp_path), ARGS, gpus=1)
+    text = str(err.value)
+    assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 127.45 of 79.19 GiB: predicted peak "
+                           "82.60 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, optimizer 29.01, "
+                           "saved activations 2.00, router state 0.81, logits 37.09, LM head gradients 2.08) + allocator "
+                           "slack 37.09 + outside PyTorch 7.76 (GPU_MEMORY_GIB). Settings that fit, smallest change "
+                           "first: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 "
+                           "(predicted peak 70.18 GiB allocated in the layer backward, needs 77.94 of 79.19 GiB, tight); "
+                           "PROFILE_FAKE_SEQ_LEN=32768 (")
+    assert text.endswith("Nothing was launched; set one, or FIT_CHECK=warn to launch anyway")
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_goes_on_with_the_advice_or_when_told(tmp_path):
+    _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
+                                           PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert [w for w in info["warnings"] if w.startswith("fit check: rank 0 needs 77.94 of 79.19 GiB")]
+    assert any(s.startswith("# fit check: rank 0 needs 77.94") for s in settings)
+    _, _, info = planning.plan(_env(tmp_path, FIT_CHECK="warn", PROFILE_STAMP="q"), ARGS, gpus=1)
+    assert info["warnings"][-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 127.45")
+    _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="139.81", PROFILE_STAMP="r"), ARGS, gpus=1)
+    assert [n for n in info["notices"] if n.startswith("fit check: rank 0 needs 127.45 of 139.81 GiB")]
+    with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
+        planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
+    with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):
+        planning.plan(_env(tmp_path, GPU_MEMORY_GIB="80GB"), ARGS, gpus=1)

@@ -1,0 +1,91 @@
+"""Out-of-memory triage (issue 46) on a snapshot derived from the real h200_mcore one (tests/fixtures/README.md):
+the failed request, what the GPU held, what was alive by category, the phase and site of the failing allocation,
+the smallest change that fits as the summary's first finding and a what-if."""
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from sftprof.analysis.oom import oom_triage
+from sftprof.analysis.what_if import LABELS
+from sftprof.analysis.safe_pickle import safe_load
+from sftprof.analysis.summary import postprocess_trial
+from tests.fixtures import FIXTURE_DIR, OOM_CAPACITY, OOM_FREE, oom_log_dir
+
+GIB = 2**30
+
+
+def _real_state():
+    snap = safe_load(gzip.open(FIXTURE_DIR / "h200_mcore_qwen3moe_4l_8k.snapshot.pickle.gz").read())
+    alive = sum(b["size"] for s in snap["segments"] for b in s["blocks"]
+                if b["state"] in ("active_allocated", "active_pending_free"))
+    return alive, sum(s["total_size"] for s in snap["segments"])
+
+
+def test_triage_from_the_snapshot_alone(tmp_path):
+    """Without the record (a kernel trial's state, or a lost record): request and free from the ``oom`` entry,
+    allocated and reserved from the segments; capacity unknown, so no outside figure and no change proposed."""
+    log = oom_log_dir(tmp_path, record=False)
+    t = oom_triage(str(log), None, None, None)
+    allocated, reserved = _real_state()
+    assert (t["requested_bytes"], t["free_bytes"], t["allocated_bytes"]) == (4978638848, OOM_FREE, allocated)
+    assert t["reserved_unallocated_bytes"] == reserved - allocated
+    assert (t["capacity_bytes"], t["outside_pytorch_bytes"], t["fits"]) == (None, None, [])
+    assert t["site"] == "probe/probe_mcore.py:85 <module>" and t["phase"] is None and t["history"]
+    assert sum(r["bytes"] for r in t["live"]) == allocated
+
+
+def test_failed_trial_summary_leads_with_the_oom_and_its_fitting_change(tmp_path):
+    log = oom_log_dir(tmp_path)
+    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 0)
+    t = summary["oom"]
+    allocated, reserved = _real_state()
+    assert t["outside_pytorch_bytes"] == OOM_CAPACITY - OOM_FREE - reserved
+    assert t["phase"] == "sftprof/forward/mb0"
+    live = {r["category"]: r["bytes"] for r in t["live"]}
+    # the probe ran one forward and backward with its weights allocated before the history began
+    assert sum(live.values()) == allocated and sorted(live) == ["activations", "before_window"]
+    # the shipped YAML's 4 layers hold 40.6 GiB of weights, gradients and optimizer state: more than the GPU, so only
+    # fewer layers fit: one layer alone, before any change of the allocator or the loss
+    assert t["predicted"]["peak_bytes"] > OOM_CAPACITY
+    first = t["fits"][0]
+    assert [c["settings"] for c in t["fits"]] == [{"actor.num_layers": 1}]
+    assert first["need_bytes"] <= OOM_CAPACITY
+    finding = summary["findings"][0]
+    assert finding["key"] == "out of memory" and finding["text"].startswith(
+        "rank 0 ran out of CUDA memory in sftprof/forward/mb0 at probe/probe_mcore.py:85 <module>: 4.64 GiB requested "
+        "of a 32.00 GiB GPU holding ")
+    assert "; smallest change that fits: actor.num_layers=1, predicted peak" in finding["text"]
+    w = summary["what_if"][0]
+    assert (w["key"], w["label"], w["effect"]["metric"]) == ("fit_oom", LABELS["fit_oom"], "peak_allocated")
+    assert w["effect"]["baseline"] == round((allocated + 4978638848) / GIB, 4)
+    assert w["settings"] == [{"kind": "config", "key": "actor.num_layers", "value": 1, "current": None}]
+    from sftprof.launch.summaries import top_finding
+
+    assert top_finding(summary) == ("out of memory: 4.64 GiB requested in sftprof/forward/mb0 (rank 0); fits with "
+                                    "actor.num_layers=1")
+    md = (tmp_path / "run" / "profile_summary.md").read_text()
+    assert "## Out of memory\n" in md and "| settings that fit (smallest first) |" in md
+
+
+def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reached(tmp_path):
+    """``TRY_WHAT_IFS`` takes a failed trial's ``fit_oom`` (and no other what-if of it); the outcome sets the what-if
+    trial's peak against what the failed step asked for."""
+    from sftprof.analysis.what_if_outcome import HELD, outcome
+    from sftprof.launch.planning import Trial
+    from sftprof.launch.what_ifs import choose
+
+    log = oom_log_dir(tmp_path)
+    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 0)
+    source = Trial("t", "memory", 0, tmp_path / "run", log, ["--config", "x.yaml"])
+    chosen, lines = choose([source], 2)
+    assert [w["key"] for _, w in chosen] == ["fit_oom"]
+    assert lines == ["TRY_WHAT_IFS=2: 1 what-if(s) proposed; trying 1: fit the GPU after an out-of-memory error "
+                     "(actor.num_layers=1) of the memory trial of step 0"]
+    w = chosen[0][1]
+    predicted_peak = w["effect"]["baseline"] + w["effect"]["value"]
+    b = {"stats": {"max_mem_peak_allocated_gb": predicted_peak + 0.1}}
+    o = outcome(w, summary, b, ([], []))
+    assert o.measured == pytest.approx(w["effect"]["value"] + 0.1) and (o.samples, o.verdict) == ("exact", HELD)
+    assert outcome(w, summary, {"stats": {}}, ([], [])).measured is None  # the what-if trial failed too
