@@ -44,3 +44,82 @@ def test_old_kineto_category_spellings_keep_every_gpu_figure(tmp_path, small_tra
            "spelling" in mine
     assert not any(CATEGORY_ALIAS_NOTE in w["warning"] for w in summary["warnings"]
                    if w["file"] == "perf_tracer/traces-r0.chrome.json")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind 1: a rank's snapshot that also holds another GPU's blocks
+# ---------------------------------------------------------------------------------------------------------
+G = 2**30
+
+
+def _on_device(snapshot: dict, device: int) -> dict:
+    """A copy of ``snapshot`` (one device's) as device ``device``'s."""
+    snap = copy.deepcopy(snapshot)
+    for seg in snap["segments"]:
+        seg["device"] = device
+    snap["device_traces"] = [[] for _ in range(device)] + snap["device_traces"]
+    return snap
+
+
+def _with_foreign_blocks(snapshot: dict, own: int, foreign: int) -> dict:
+    """``snapshot`` as device ``own``'s, plus every one of its segments and events once more on device ``foreign``
+    and one more 2 GiB segment there: more memory on the other GPU than on the rank's own."""
+    snap = _on_device(snapshot, own)
+    other = _on_device(snapshot, foreign)
+    extra = {"device": foreign, "total_size": 2 * G, "blocks": [
+        {"address": 2**45, "size": 2 * G, "state": "active_allocated", "frames": []}]}
+    snap["segments"] += other["segments"] + [extra]
+    traces = [[] for _ in range(max(own, foreign) + 1)]
+    traces[own], traces[foreign] = snap["device_traces"][own], other["device_traces"][foreign]
+    snap["device_traces"] = traces
+    return snap
+
+
+def _phases(snapshot: dict, own: int, extra: dict) -> dict:
+    """A phases sidecar (with ``extra`` members) whose step spans the history of device ``own``."""
+    trace = snapshot["device_traces"][own]
+    return {"clock": "unix_us", **extra, "phases": [{"name": "sftprof/step", "start_us": trace[0]["time_us"],
+                                                       "end_us": trace[-1]["time_us"] + 1}]}
+
+
+def test_snapshot_with_another_gpus_blocks_is_summarised_as_the_ranks_own_device(tmp_path, small_snapshot):
+    """Rank 0: the plain snapshot (cuda:0). Rank 1 (device from its phases sidecar) and rank 3 (no device in the
+    sidecar: local rank 3 % 2 = 1 from config.yaml) hold the same memory on cuda:1 and more on cuda:0: each is
+    summarised as cuda:1, with rank 0's figures, and warned; rank 2 (cuda:0 own, cuda:1 foreign) likewise."""
+    log = _log_dir(tmp_path, kind="memory")
+    (log / "config.yaml").write_text("cluster:\n  n_gpus_per_node: 2\n")
+    d = log / "memory_snapshots" / "step_1"
+    cases = {0: (small_snapshot, 0, {}), 1: (_with_foreign_blocks(small_snapshot, 1, 0), 1, {"device": 1}),
+             2: (_with_foreign_blocks(small_snapshot, 0, 1), 0, {"device": 0}),
+             3: (_with_foreign_blocks(small_snapshot, 1, 0), 1, {})}
+    for r, (snap, own, extra) in cases.items():
+        _put_snapshot(log, SNAP_NAME.format(r=r), pickle.dumps(snap, protocol=4))
+        (d / f"phases_rank{r}.json").write_text(json.dumps(_phases(snap, own, extra)))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 1)
+    assert code == 0 and summary["errors"] == []
+    by_rank = {m["rank"]: m["summary"] for m in summary["memory_snapshots"]}
+    plain = {k: v for k, v in by_rank[0].items() if k not in ("device", "devices", "device_from")}
+    reserved = sum(s["total_size"] for s in small_snapshot["segments"])
+    allocated = sum(b["size"] for s in small_snapshot["segments"] for b in s["blocks"]
+                    if b["state"] in ("active_allocated", "active_pending_free"))
+    n = len(small_snapshot["device_traces"][0])
+    assert by_rank[0]["devices"] == [{"device": 0, "reserved_bytes": reserved, "allocated_bytes": allocated,
+                                      "trace_entries": n}]
+    for r, own, other, source in ((1, 1, 0, "phases sidecar"), (2, 0, 1, "phases sidecar"),
+                                  (3, 1, 0, "local rank (rank % cluster.n_gpus_per_node)")):
+        s = by_rank[r]
+        assert (s["device"], s["device_from"]) == (own, source)
+        assert {k: v for k, v in s.items() if k not in ("device", "devices", "device_from")} == plain
+        assert s["devices"] == [{"device": own, "reserved_bytes": reserved, "allocated_bytes": allocated,
+                                 "trace_entries": n},
+                                {"device": other, "reserved_bytes": reserved + 2 * G,
+                                 "allocated_bytes": allocated + 2 * G, "trace_entries": n}]
+        warning = (f"the snapshot also holds other devices' memory (cuda:{other} {(reserved + 2 * G) / G:.3f} GiB "
+                   f"reserved, {(allocated + 2 * G) / G:.3f} GiB allocated at the dump, {n} events): left out of "
+                   f"every figure, which are those of cuda:{own}, the rank's own (from the {source}), "
+                   f"{reserved / G:.3f} GiB reserved at the dump; this rank's process allocated on another GPU (e.g. "
+                   "torch.load without map_location)")
+        assert [w["warning"] for w in summary["warnings"] if w["file"] == f"memory_snapshots/step_1/"
+                f"{SNAP_NAME.format(r=r)}"] == [warning]
+    md = (tmp_path / "run" / "profile_summary.md").read_text()
+    assert md.count("**other devices left out:**") == 3

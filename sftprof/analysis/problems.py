@@ -15,6 +15,7 @@ import os
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
+from sftprof.analysis.memory_summary import other_devices_message
 from sftprof.analysis.schema import FileError, FileWarning
 from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace_sanity import fault_messages
@@ -95,6 +96,10 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
             warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
         if s.get("step_peak_unknown"):
             warnings.append({"file": it["file"], "warning": s["step_peak_unknown"]})
+        if s.get("step_peak_lower_bound"):
+            warnings.append({"file": it["file"], "warning": s["step_peak_lower_bound"]})
+        if len(s.get("devices") or []) > 1:
+            warnings.append({"file": it["file"], "warning": other_devices_message(s)})
         if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
             warnings.append({"file": it["source"], "warning": it["warning"]})
     stats = summary["stats"]
