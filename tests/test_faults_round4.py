@@ -8,12 +8,11 @@ import copy
 import json
 import pickle
 
-from test_malformed_inputs import (SNAP_NAME, _log_dir, _put_snapshot, _put_trace, _trace_text,  # noqa: F401
+from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot, _put_trace, _trace_text,  # noqa: F401
                                    full_trace, small_snapshot, small_trace)
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 
-OLD_SPELLING = {"kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset", "cuda_runtime": "Runtime"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -25,8 +24,8 @@ def test_old_kineto_category_spellings_keep_every_gpu_figure(tmp_path, small_tra
     old = copy.deepcopy(small_trace)
     n = 0
     for e in old["traceEvents"]:
-        if e.get("cat") in OLD_SPELLING:
-            e["cat"] = OLD_SPELLING[e["cat"]]
+        if e.get("cat") in _OLD_SPELLING:
+            e["cat"] = _OLD_SPELLING[e["cat"]]
             n += 1
     assert n > 30
     log = _log_dir(tmp_path)
@@ -123,3 +122,51 @@ def test_snapshot_with_another_gpus_blocks_is_summarised_as_the_ranks_own_device
                 f"{SNAP_NAME.format(r=r)}"] == [warning]
     md = (tmp_path / "run" / "profile_summary.md").read_text()
     assert md.count("**other devices left out:**") == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind 2: allocator history that starts mid-step
+# ---------------------------------------------------------------------------------------------------------
+def test_history_started_mid_step_gives_a_lower_bound_said_so(tmp_path):
+    """The real snapshot's full history, its step spanning it (rank 0), and the same snapshot whose history was
+    cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak is
+    lower and flagged as a lower bound, with the times and the blocks without stack."""
+    from test_malformed_inputs import SNAPSHOT
+    from sftprof.analysis.safe_pickle import safe_load_file
+
+    snap = safe_load_file(SNAPSHOT)
+    trace = snap["device_traces"][0]
+    log = _log_dir(tmp_path, kind="memory")
+    d = log / "memory_snapshots" / "step_1"
+    phases = _phases(snap, 0, {})
+    _put_snapshot(log, SNAP_NAME.format(r=0), pickle.dumps(snap, protocol=4))
+    (d / "phases_rank0.json").write_text(json.dumps(phases))
+    full, _ = postprocess_trial(str(log), str(tmp_path / "run0"), "memory", 1)
+    peak_ms = full["memory_snapshots"][0]["summary"]["peak_time_ms"]
+    t_peak = trace[0]["time_us"] + peak_ms * 1e3
+    cut = copy.deepcopy(snap)
+    k = next(i for i, e in enumerate(trace) if e["time_us"] > t_peak and e["action"] == "free_completed")
+    cut["device_traces"][0] = trace[k + 1:]
+    _put_snapshot(log, SNAP_NAME.format(r=1), pickle.dumps(cut, protocol=4))
+    (d / "phases_rank1.json").write_text(json.dumps(phases))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 1)
+    assert code == 0 and summary["errors"] == []
+    whole, part = (m["summary"] for m in summary["memory_snapshots"])
+    assert whole["step_peak_lower_bound"] is None and whole["peak_scope"] == "profiled_step"
+    assert part["peak_scope"] == "profiled_step" and part["peak_allocated_bytes"] < whole["peak_allocated_bytes"]
+    first = cut["device_traces"][0][0]["time_us"]
+    allocs = {e["addr"] for e in cut["device_traces"][0] if e["action"] == "alloc"}
+    unrecorded = [b["size"] for s in snap["segments"] for b in s["blocks"]
+                  if b["state"] == "active_allocated" and not b.get("frames") and b["address"] not in allocs]
+    assert len(unrecorded) == 72
+    reason = (f"the allocator history starts {(first - trace[0]['time_us']) / 1e3:.3f} ms after the profiled step's "
+              f"start (sftprof/step at {trace[0]['time_us']:.0f} us in the phases sidecar, first recorded event at "
+              f"{first:.0f} us); 72 block(s) alive at the dump ({sum(unrecorded) / G:.3f} GiB) have no stack and no "
+              "alloc event in it: the step's allocations before it were not recorded (the history cleared or "
+              "re-enabled during the step, or a ring buffer that overflowed), so the step's peak is a lower bound: "
+              "the highest level of the recorded part of the step")
+    assert part["step_peak_lower_bound"] == reason
+    assert [w["warning"] for w in summary["warnings"]] == [reason]
+    md = (tmp_path / "run" / "profile_summary.md").read_text()
+    assert md.count("peak allocated in the profiled step at least **") == 1
+    assert f"- **step peak is a lower bound:** {reason}" in md
