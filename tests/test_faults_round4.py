@@ -170,3 +170,91 @@ def test_history_started_mid_step_gives_a_lower_bound_said_so(tmp_path):
     md = (tmp_path / "run" / "profile_summary.md").read_text()
     assert md.count("peak allocated in the profiled step at least **") == 1
     assert f"- **step peak is a lower bound:** {reason}" in md
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind 5: a trace the profiler could not rename from its temporary name
+# ---------------------------------------------------------------------------------------------------------
+def _unrenamed_exports(monkeypatch):
+    """torch's profiler exporting each trace (really) to ``<path>.tmp`` and stopping there, as kineto does when its
+    rename fails (pytorch/pytorch#60187)."""
+    import torch
+
+    real = torch.profiler.profile.export_chrome_trace
+
+    def export(self, path, *args, **kwargs):
+        return real(self, path + ".tmp", *args, **kwargs)
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export)
+
+
+def _profile_one_step(tmp_path):
+    from test_profiling_capture import LAYOUT, _cfg, _work
+    from sftprof.capture.kernel import KernelProfiler
+
+    prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
+    for step in range(2):
+        with prof.step(step):
+            _work()
+    return prof
+
+
+def test_trace_left_under_the_profilers_temporary_name_is_renamed_and_logged(tmp_path, monkeypatch, caplog):
+    import logging
+    from sftprof.artifacts import raw_trace_path
+
+    _unrenamed_exports(monkeypatch)
+    path = raw_trace_path(tmp_path, 0)
+    with caplog.at_level(logging.INFO, logger="sftprof.capture.kernel"):
+        prof = _profile_one_step(tmp_path)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel trace of step")]
+    assert said == [f"kernel trace of step 1: the profiler left it as {path}.tmp (its rename failed); renamed to "
+                    f"{path}", f"kernel trace of step 1 written to {path}"]
+    assert prof.traces_written == 1 and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert any(e.get("name") == "ProfilerStep#1" for e in json.load(open(path))["traceEvents"])
+
+
+def test_trace_that_stays_under_its_temporary_name_is_never_said_written_and_is_postprocessed(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """The rename fails for sftprof too: the log says where the trace is (no "written to"); postprocessing reads
+    it from there with a warning, never "no artifacts found"; beside a complete trace, a .tmp file is skipped."""
+    import logging
+    from sftprof.artifacts import raw_trace_path
+    from sftprof.capture import kernel
+
+    _unrenamed_exports(monkeypatch)
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(kernel.os, "replace", refuse)
+    path = raw_trace_path(tmp_path / "log", 0)
+    with caplog.at_level(logging.INFO, logger="sftprof.capture.kernel"):
+        prof = _profile_one_step(tmp_path / "log")
+    monkeypatch.undo()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel trace of step")]
+    assert said == [f"kernel trace of step 1 left as {path}.tmp: the profiler could not rename it to {path}, nor "
+                    "could sftprof ([Errno 13] Permission denied); postprocessing reads it from there"]
+    assert prof.traces_written == 1 and not path.exists()
+    log = tmp_path / "log"
+    recs = [{"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 1, "backend": "fsdp",
+             "device": "cpu", "profile_kind": "kernel", "profile_step": 1}]
+    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["errors"] == [] and summary["status"] == "ok"
+    (t,) = summary["kernel_traces"]
+    assert (t["rank"], t["source"]) == (0, "perf_tracer/rank0.pt.trace.json.tmp") and "summary" in t
+    assert {"file": "perf_tracer/rank0.pt.trace.json.tmp", "warning": "rank 0: the trace was left under the "
+            "profiler's temporary name (its rename failed), and is read from there as the rank's trace: it is "
+            "complete"} in summary["warnings"]
+    # a truncated one is its own error, named
+    text = (log / "perf_tracer" / "rank0.pt.trace.json.tmp").read_text()
+    (log / "perf_tracer" / "rank1.pt.trace.json.tmp").write_text(text[: len(text) // 2])
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run1"), "kernel", 1, jobs=1)
+    assert code == 1 and [e["file"] for e in summary["errors"]] == ["perf_tracer/rank1.pt.trace.json.tmp"]
+    assert summary["errors"][0]["error"].startswith(f"{log / 'perf_tracer' / 'rank1.pt.trace.json.tmp'}: ")
+    # beside the rank's complete trace, the temporary file is skipped
+    (log / "perf_tracer" / "rank1.pt.trace.json.tmp").unlink()
+    (log / "perf_tracer" / "rank0.pt.trace.json").write_text(text)
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run2"), "kernel", 1, jobs=1)
+    assert code == 0 and [t["source"] for t in summary["kernel_traces"]] == ["perf_tracer/rank0.pt.trace.json"]
+    assert {"file": "perf_tracer/rank0.pt.trace.json.tmp",
+            "reason": "a temporary file of the profiler beside rank 0's trace"} in summary["skipped"]

@@ -100,6 +100,10 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
             warnings.append({"file": it["file"], "warning": s["step_peak_lower_bound"]})
         if len(s.get("devices") or []) > 1:
             warnings.append({"file": it["file"], "warning": other_devices_message(s)})
+        if "source" in it and artifacts.unrenamed_trace_rank(os.path.basename(it["source"])) is not None:
+            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: the trace was left under the "
+                             "profiler's temporary name (its rename failed), and is read from there" + (
+                                 "" if "error" in it else " as the rank's trace: it is complete")})
         if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
             warnings.append({"file": it["source"], "warning": it["warning"]})
     stats = summary["stats"]
