@@ -23,10 +23,12 @@ Layout::
         perf_tracer/rank<r>.pt.trace.json   memory_snapshots/step_<N>/...   nodes/node<k>.json
 
 Raw-trace names of earlier releases (``perf_tracer/traces-r<r>.chrome.json[.gz]``) are still parsed
-(:data:`RAW_TRACE_RE`).
+(:data:`RAW_TRACE_RE`), and so is a trace the profiler wrote but could not rename from its temporary name
+(``rank<r>.pt.trace.json[...].tmp``: :data:`UNRENAMED_TRACE_RE`).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -161,6 +163,24 @@ def raw_trace_rank(name: str) -> int | None:
     """The rank in a raw trace file name (new or legacy form), or None when ``name`` is not one."""
     m = RAW_TRACE_RE.match(name)
     return None if m is None else int(m.group(1) or m.group(2))
+
+
+# A raw trace under the temporary name kineto writes it to before renaming it (left when the rename failed).
+UNRENAMED_TRACE_RE = re.compile(r"^(?:traces-r(\d+)\.chrome|rank(\d+)\.pt\.trace)\.json(?:\.gz)?(?:\.[^./]+)?\.tmp$")
+
+
+def unrenamed_trace_rank(name: str) -> int | None:
+    """The rank in the name of a raw trace left under the profiler's temporary name (:data:`UNRENAMED_TRACE_RE`),
+    or None when ``name`` is not one."""
+    m = UNRENAMED_TRACE_RE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def unrenamed_traces(path: Path) -> list[Path]:
+    """The files the profiler left under a temporary name of the trace ``path`` (``<path>.tmp``,
+    ``<path>.<suffix>.tmp``), sorted."""
+    return sorted(p for p in path.parent.glob(glob.escape(path.name) + "*.tmp")
+                  if unrenamed_trace_rank(p.name) is not None)
 
 
 def raw_trace_path(log_dir: str | Path, rank: int) -> Path:

@@ -18,9 +18,10 @@ import pytest
 
 from fixtures import FIXTURE_DIR, faults
 from sftprof.artifacts import view_path
+from sftprof.analysis.memory_summary import other_devices_message
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_check import MAX_TID, validate_trace
+from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE, MAX_TID, validate_trace
 from sftprof.analysis.views import VIEWS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -739,13 +740,18 @@ def _record_faults(trace: dict, rng: random.Random) -> tuple[dict, dict, bool]:
     return t, want, False
 
 
+_OLD_SPELLING = {"kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset", "cuda_runtime": "Runtime"}
+
+
 def test_fuzz_record_faults(tmp_path, small_trace):
     """Seeded sets of the profiler's faults of its record (sftprof/analysis/trace_sanity.py) on the real cut trace,
-    30 ranks per trial: each trace's summary counts exactly what was done to it and names it in a warning; one that
+    30 ranks per trial, some with another kineto version's category spellings (issue 48): each trace's summary counts
+    exactly what was done to it and names it in a warning; one that
     overlapping activities dominate is that trace's error; the others are summarised; exit 0 or 1, strict JSON."""
     from sftprof.analysis.trace_sanity import fault_messages
 
     rng = random.Random(35)
+    n_old = 0
     seen = {k: 0 for k in ("duplicates", "overlapping", "untimed", "launches_without_activity", "other_steps")}
     n_errors = 0
     for b in range(2):
@@ -753,12 +759,17 @@ def test_fuzz_record_faults(tmp_path, small_trace):
         wanted = []
         for r in range(_BATCH):
             trace, want, dominated = _record_faults(small_trace, rng)
+            old = rng.random() < 0.3  # issue 48: the categories as another kineto version spells them
+            if old:
+                for e in trace["traceEvents"]:
+                    e["cat"] = _OLD_SPELLING.get(e.get("cat"), e.get("cat"))
             _put_trace(log, r, _trace_text(trace))
-            wanted.append((want, dominated))
+            wanted.append((want, dominated, old))
         run = tmp_path / f"run{b}"
         summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
         _check_fuzz_summary(summary, code, run, [])
-        for t, (want, dominated) in zip(summary["kernel_traces"], wanted):
+        for t, (want, dominated, old) in zip(summary["kernel_traces"], wanted):
+            n_old += old
             src = log / "perf_tracer" / f"traces-r{t['rank']}.chrome.json"
             got = {k: v["count"] for k, v in t["summary"]["sanity"].items() if isinstance(v, dict) and "count" in v}
             if dominated:
@@ -772,15 +783,17 @@ def test_fuzz_record_faults(tmp_path, small_trace):
             assert [m for m in mine if m in fault_messages(t["summary"]["sanity"])] == fault_messages(
                 t["summary"]["sanity"])
             assert len(fault_messages(t["summary"]["sanity"])) == sum(1 for v in want.values() if v)
+            assert any(CATEGORY_ALIAS_NOTE in m for m in mine) == old
             seen.update({k: seen[k] + 1 for k, v in want.items() if v and k in seen})
-        assert code == (1 if any(d for _, d in wanted) else 0)
-    assert n_errors and all(seen.values()), seen  # every kind was tried, and the dominated case
+        assert code == (1 if any(d for _, d, _ in wanted) else 0)
+    assert n_errors and n_old and all(seen.values()), seen  # every kind was tried, and the dominated case
 
 
 def test_fuzz_snapshot_history_faults(tmp_path, small_snapshot):
-    """Seeded snapshot faults (issue 35 rule 2) on the real snapshot's newest 300 events, each with a phases sidecar
-    around its history: no history, events without time_us, a sidecar on another clock, or none of these; each gives
-    the step peak only when its history can, and says why not."""
+    """Seeded snapshot faults (issue 35 rule 2, issue 48) on the real snapshot's newest 300 events, each with a phases
+    sidecar around its history: no history, events without time_us, a sidecar on another clock, another GPU's memory
+    beside the rank's own, a history starting after the step's start, or none of these; each gives the step peak
+    only when its history can (a lower bound said so; the rank's own device's), and says why not."""
     rng = random.Random(36)
     log = _log_dir(tmp_path, kind="memory")
     wanted = []
@@ -789,8 +802,17 @@ def test_fuzz_snapshot_history_faults(tmp_path, small_snapshot):
         trace = snap["device_traces"][0]
         t0, t1 = trace[0]["time_us"], trace[-1]["time_us"]
         phases = {"clock": "unix_us", "phases": [{"name": "sftprof/step", "start_us": t0, "end_us": t1 + 1}]}
-        kind = rng.choice(["none", "no_history", "untimed", "other_clock"])
-        if kind == "no_history":
+        kind = rng.choice(["none", "no_history", "untimed", "other_clock", "other_device", "mid_step"])
+        if kind == "other_device":  # issue 48: the same memory on cuda:1 beside the rank's own cuda:0
+            other = copy.deepcopy(snap["segments"])
+            for seg in other:
+                seg["device"] = 1
+            snap["segments"] += other
+            snap["device_traces"].append(copy.deepcopy(trace))
+            phases["device"] = 0
+        elif kind == "mid_step":  # issue 48: the history starts after the step's start
+            phases["phases"][0]["start_us"] = t0 - rng.choice([1.0, 1e3, 1e6])
+        elif kind == "no_history":
             snap["device_traces"] = [[]]
         elif kind == "untimed":
             for e in rng.sample(trace, rng.randrange(1, len(trace) + 1)):
@@ -804,17 +826,23 @@ def test_fuzz_snapshot_history_faults(tmp_path, small_snapshot):
     summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 1)
     assert code == 0 and summary["errors"] == []
     scopes = {"none": "profiled_step", "no_history": "dump_time", "untimed": "recorded_window",
-              "other_clock": "recorded_window"}
-    starts = {"none": None, "no_history": "the snapshot holds no allocator history",
+              "other_clock": "recorded_window", "other_device": "profiled_step", "mid_step": "profiled_step"}
+    starts = {"no_history": "the snapshot holds no allocator history",
               "untimed": " allocator events have no time_us", "other_clock": "the profiled step (sftprof/step, "}
+    plain = next(m["summary"] for m in summary["memory_snapshots"] if wanted[m["rank"]] == "none")
     for m in summary["memory_snapshots"]:
         kind, x = wanted[m["rank"]], m["summary"]
         assert x["peak_scope"] == scopes[kind], (m["rank"], kind)
         reason = x["step_peak_unknown"]
-        assert (reason is None) if kind == "none" else (starts[kind] in reason), (m["rank"], kind, reason)
-        assert (x["window_peak_position"] is None) == (kind != "none")
+        assert (starts[kind] in reason) if kind in starts else (reason is None), (m["rank"], kind, reason)
+        assert (x["window_peak_position"] is None) == (kind in starts)
+        low = x["step_peak_lower_bound"]
+        assert (low is not None) == (kind == "mid_step")
+        assert [d["device"] for d in x["devices"]] == ([0, 1] if kind == "other_device" else [0])
+        if kind == "other_device":
+            assert x["peak_allocated_bytes"] == plain["peak_allocated_bytes"]
         mine = [w["warning"] for w in summary["warnings"] if w["file"] == m["file"]]
-        assert mine == ([reason] if reason else [])
+        assert mine == [w for w in (reason, low, other_devices_message(x) if kind == "other_device" else None) if w]
     assert set(wanted) == set(scopes)
 
 

@@ -157,7 +157,8 @@ def test_step_peak_is_the_headline_and_an_earlier_higher_peak_is_the_windows():
                     "before_window": (0, 0), "allocator_slack": (7 * G, None)}
     assert {k: v for k, v in s.items() if k != "categories_at_peak"} == {
         "device": 0, "trace_entries": 9, "window_ms": 7.5, "window_start_us": 1000.0,
-        "peak_scope": "profiled_step", "step_peak_unknown": None,
+        "devices": [{"device": 0, "reserved_bytes": 16 * G, "allocated_bytes": 5 * G, "trace_entries": 9}],
+        "peak_scope": "profiled_step", "step_peak_unknown": None, "step_peak_lower_bound": None,
         "step_window": {"source": "sftprof/step", "start_ms": 4.0, "end_ms": 8.0},
         "peak_allocated_bytes": 9 * G, "peak_allocated_gib": 9.0, "peak_reserved_bytes": 16 * G,
         "peak_reserved_gib": 16.0, "reserved_at_peak_bytes": 16 * G, "reserved_minus_allocated_at_peak_bytes": 7 * G,

@@ -253,7 +253,7 @@ def memory_findings(rank: int, s: dict) -> list[Finding]:
         sp = spikes[0]
         out.append({"text": f"rank {rank}: largest transient block {sp['gib']:.2f} GiB for {sp['lifetime_ms']:.1f} ms "
                             f"at {sp['site']}", "section": sec, "weight": sp["bytes"] / peak, "key": "transient"})
-    return _with_rank(out, rank, [s["step_peak_unknown"]] if s.get("step_peak_unknown") else [])
+    return _with_rank(out, rank, [s[k] for k in ("step_peak_unknown", "step_peak_lower_bound") if s.get(k)])
 
 
 def top(findings: list[dict]) -> list[dict]:

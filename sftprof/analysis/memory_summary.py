@@ -14,6 +14,9 @@ the allocated peak are found by walking from the final state back to the peak; t
 grouped by their innermost project-or-library Python frame (``file:line function``; PyTorch's
 own frames and the standard library are skipped, C++ frames only name autograd nodes).
 
+Device: a snapshot holds every device's segments the process touched (a ``torch.load`` without ``map_location``
+puts tensors on cuda:0 from every rank); the summary is the rank's own device's, the others counted in ``devices``.
+
 Phase attribution uses the ``phases_rank<r>.json`` sidecar written by the trainer
 (``{"clock": "unix_us", "phases": [{"name", "start_us", "end_us"}]}``); a peak belongs to the
 innermost (shortest) phase containing its time.
@@ -34,7 +37,8 @@ problem`) and reports what it can, never the level at dump time as a step's peak
 one whose entries lack ``time_us`` has the recorded window's peak by the events' order, but no times
 (``recorded_window``, the ``*_ms`` times None); one whose profiled step (from the phases sidecar) lies outside its
 recorded history (another clock, or a history that does not reach the step) has the recorded window's peak, not
-placed against the step.
+placed against the step. One whose history starts after the profiled step's start (cleared or re-enabled during
+the step) has the step's peak as a lower bound, and says so (``step_peak_lower_bound``).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from sftprof import artifacts
 from sftprof.analysis.memory_categories import allocation_site, categories
 from sftprof.analysis.trace_check import is_finite_number
 
-__all__ = ["analyze_snapshot", "check_snapshot", "history_status", "peak_where", "TOP_SITES",
+__all__ = ["analyze_snapshot", "check_snapshot", "history_status", "other_devices_message", "peak_where", "TOP_SITES",
            "PEAK_SCOPES", "WINDOW_PEAK_POSITIONS"]
 
 TOP_SITES = 20
@@ -75,15 +79,40 @@ def _spikes(trace: list, lo_us: float, hi_us: float, limit: int = 5) -> list[dic
              "site": allocation_site(frames)} for size, life, _, frames in out[:limit]]
 
 
-def _primary_device(snapshot: dict) -> int:
+def _devices(snapshot: dict, own: int | None) -> list[dict[str, int]]:
+    """Per device the snapshot holds segments or allocator events of: ``{"device", "reserved_bytes",
+    "allocated_bytes"}`` (at the dump) and ``trace_entries``; ``own`` (the rank's device; None: the one with the most
+    reserved bytes, then events) first, even when the snapshot holds nothing of it, then the others by index."""
     traces = snapshot.get("device_traces") or []
-    reserved: dict[int, int] = defaultdict(int)
+    rows: dict[int, dict[str, int]] = {}
+
+    def row(d: int) -> dict[str, int]:
+        return rows.setdefault(d, {"device": d, "reserved_bytes": 0, "allocated_bytes": 0,
+                                   "trace_entries": len(traces[d]) if d < len(traces) else 0})
     for seg in snapshot.get("segments") or []:
-        reserved[seg.get("device", 0)] += seg.get("total_size", 0)
-    candidates = set(reserved) | {i for i, t in enumerate(traces) if t}
-    if not candidates:
-        return 0
-    return max(sorted(candidates), key=lambda d: (reserved.get(d, 0), len(traces[d]) if d < len(traces) else 0))
+        r = row(seg.get("device", 0))
+        r["reserved_bytes"] += seg.get("total_size", 0)
+        r["allocated_bytes"] += sum(b["size"] for b in seg.get("blocks", []) if b.get("state") in _ALLOCATED_STATES)
+    for d, t in enumerate(traces):
+        if t:
+            row(d)
+    if own is None:
+        own = max(sorted(rows), key=lambda d: (rows[d]["reserved_bytes"], rows[d]["trace_entries"])) if rows else 0
+    first = row(own)
+    return [first] + [rows[d] for d in sorted(rows) if d != own]
+
+
+def _history_start_problem(times: np.ndarray, step: tuple[float, float, str], unrecorded: tuple[int, int]) -> str:
+    """Why the profiled step's peak is a lower bound when the allocator history (``times``, unix us) starts after the
+    step's start (``step``, :func:`_step_window`); ``unrecorded``: the blocks alive at the dump with no stack and no
+    alloc event in the history, ``(count, bytes)``."""
+    blocks = (f"; {unrecorded[0]} block(s) alive at the dump ({unrecorded[1] / _GIB:.3f} GiB) have no stack and no "
+              "alloc event in it" if unrecorded[0] else "")
+    return (f"the allocator history starts {(times[0] - step[0]) / 1e3:.3f} ms after the profiled step's start "
+            f"({step[2]} at {step[0]:.0f} us in the phases sidecar, first recorded event at {times[0]:.0f} us){blocks}: "
+            "the step's allocations before it were not recorded (the history cleared or re-enabled during the step, "
+            "or a ring buffer that overflowed), so the step's peak is a lower bound: the highest level of the "
+            "recorded part of the step")
 
 
 def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
@@ -299,6 +328,20 @@ def check_snapshot(snapshot) -> None:
                 raise ValueError(f"device_traces[{d}][{k}] is an {event['action']} without 'addr'")
 
 
+def other_devices_message(s: dict) -> str:
+    """The warning of a snapshot (its summary ``s``) that holds other devices' blocks beside the rank's own."""
+    own, others = s["devices"][0], s["devices"][1:]
+    seen = "; ".join(f"cuda:{d['device']} {d['reserved_bytes'] / _GIB:.3f} GiB reserved, "
+                     f"{d['allocated_bytes'] / _GIB:.3f} GiB allocated at the dump, {d['trace_entries']} events"
+                     for d in others)
+    whose = (f"the rank's own (from the {s['device_from']})" if s.get("device_from") else
+             "the device with the most reserved memory (the rank's own is unknown: no device in the phases sidecar, "
+             "no cluster.n_gpus_per_node in config.yaml)")
+    return (f"the snapshot also holds other devices' memory ({seen}): left out of every figure, which are those of "
+            f"cuda:{own['device']}, {whose}, {own['reserved_bytes'] / _GIB:.3f} GiB reserved at the dump; this "
+            "rank's process allocated on another GPU (e.g. torch.load without map_location)")
+
+
 def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
     """Whether the allocator history ring buffer overflowed, so the recorded window is truncated.
 
@@ -331,7 +374,7 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
     return out
 
 
-def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, Any]:
+def analyze_snapshot(snapshot: dict, phases: dict | None = None, device: int | None = None) -> dict[str, Any]:
     """Memory summary of one snapshot: the profiled step's peak when ``phases`` holds phases, else the recorded
     window's (module docstring), and the whole window's peak beside it.
 
@@ -339,17 +382,22 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
         snapshot: the unpickled snapshot (see :func:`sftprof.analysis.safe_pickle.safe_load_file`). Its events
             are taken to be in time order (the allocator appends them as they happen).
         phases: the ``phases_rank<r>.json`` sidecar content, or None.
+        device: the rank's own CUDA device index, whose segments and events are summarised (a snapshot can hold
+            another GPU's blocks: a ``torch.load`` without ``map_location``); None: the device with the most
+            reserved bytes.
 
     Returns:
         JSON-serialisable dict (bytes are ints; ``*_gib`` floats are GiB = 2**30 bytes; ``*_ms`` from the first
         recorded event):
 
-        - ``device``, ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us; both None without events or
+        - ``device`` (the one summarised), ``devices`` (per device the snapshot holds: ``device``,
+          ``reserved_bytes``, ``allocated_bytes`` at the dump, ``trace_entries``; ``device``'s first), ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us; both None without events or
           when the events have no times);
         - ``peak_scope``: ``"profiled_step"`` (sidecar with phases), ``"recorded_window"`` or ``"dump_time"`` (no
           history: the peak figures are the level at dump time) (:data:`PEAK_SCOPES`); ``step_peak_unknown``: why
           the history cannot give the profiled step's peak (:func:`_history_problem`; module docstring), None when
-          it can or no phases were recorded; ``step_window``: ``{"source": "sftprof/step" | "span of the recorded
+          it can or no phases were recorded; ``step_peak_lower_bound``: why the step's peak is a lower bound (its
+          history starts after the step's start: :func:`_history_start_problem`), else None; ``step_window``: ``{"source": "sftprof/step" | "span of the recorded
           phases", "start_ms", "end_ms"}``, None without phases or when the step's peak is unknown;
         - the headline peak, of that scope: ``peak_allocated_bytes``/``_gib`` (highest allocated level; in the
           step, the level it starts from counts), ``peak_time_ms`` (the step's start when that starting level is
@@ -381,7 +429,8 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
                                            and is_finite_number(p.get("start_us")) and is_finite_number(p.get("end_us"))
                                            for p in phases.get("phases", []))):
         raise ValueError("phases sidecar: expected {'phases': [{'name': str, 'start_us': number, 'end_us': number}]}")
-    dev = _primary_device(snapshot)
+    devices = _devices(snapshot, device)
+    dev = devices[0]["device"]
     traces = snapshot.get("device_traces") or []
     trace = traces[dev] if dev < len(traces) else []
     segments = [s for s in snapshot["segments"] if s.get("device", 0) == dev]
@@ -435,6 +484,11 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     step = _step_window(phase_list)
     problem = _history_problem(times, step)
     timed = bool(n) and not np.isnan(times).any()
+    lower_bound = None
+    if step is not None and problem is None and times[0] > step[0]:
+        allocs = {e["addr"] for e in trace if e.get("action") == "alloc"}
+        unrecorded = [size for addr, (size, frames) in final_blocks.items() if not frames and addr not in allocs]
+        lower_bound = _history_start_problem(times, step, (len(unrecorded), sum(unrecorded)))
     t0 = float(times[0]) if timed else 0.0
     # The whole recorded window: the level before the first event, then after each event.
     win_i, win_alloc, win_res = highest(-1, n)
@@ -474,11 +528,13 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None) -> dict[str, An
     at_win = at_peak if win_i == peak_i else _alive_at(trace, final_blocks, win_i, res_after(win_i))
     return {
         "device": dev,
+        "devices": devices,
         "trace_entries": n,
         "window_ms": at_ms(float(times[-1])) if n else None,
         "window_start_us": t0 if timed else None,
         "peak_scope": scope,
         "step_peak_unknown": problem,
+        "step_peak_lower_bound": lower_bound,
         "step_window": step_window,
         "peak_allocated_bytes": peak_alloc,
         "peak_allocated_gib": round(peak_alloc / _GIB, 4),

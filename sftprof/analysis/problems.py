@@ -15,7 +15,9 @@ import os
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.inputs import ROUTING_COLLAPSE_SHARE
+from sftprof.analysis.memory_summary import other_devices_message
 from sftprof.analysis.schema import FileError, FileWarning
+from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace_sanity import fault_messages
 from sftprof.analysis.trace_summary import invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
@@ -86,10 +88,22 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
+        aliased = (s.get("view_repairs") or {}).get(CATEGORY_ALIAS_NOTE)
+        if aliased and "error" not in it:
+            warnings.append({"file": it["source"], "warning": f"{aliased} events with {CATEGORY_ALIAS_NOTE}: their "
+                             "figures are kept; the views keep the trace's own spelling"})
         if s.get("sanity") and "error" not in it:  # faults of the trace's record and what was done about them
             warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
         if s.get("step_peak_unknown"):
             warnings.append({"file": it["file"], "warning": s["step_peak_unknown"]})
+        if s.get("step_peak_lower_bound"):
+            warnings.append({"file": it["file"], "warning": s["step_peak_lower_bound"]})
+        if len(s.get("devices") or []) > 1:
+            warnings.append({"file": it["file"], "warning": other_devices_message(s)})
+        if "source" in it and artifacts.unrenamed_trace_rank(os.path.basename(it["source"])) is not None:
+            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: the trace was left under the "
+                             "profiler's temporary name (its rename failed), and is read from there" + (
+                                 "" if "error" in it else " as the rank's trace: it is complete")})
         if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
             warnings.append({"file": it["source"], "warning": it["warning"]})
     stats = summary["stats"]

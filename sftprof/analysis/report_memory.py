@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sftprof.analysis import findings as fnd
 from sftprof.analysis.markdown import fmt, short, table
-from sftprof.analysis.memory_summary import peak_where
+from sftprof.analysis.memory_summary import other_devices_message, peak_where
 
 __all__ = ["memory_snapshots"]
 
@@ -49,7 +49,8 @@ def _memory_peaks(x: dict) -> list[str]:
     the level at its dump."""
     if x.get("peak_scope") == "profiled_step":
         w = x["step_window"]
-        out = [f"- peak allocated in the profiled step **{fmt(x['peak_allocated_gib'])} GiB** at "
+        low = " at least" if x.get("step_peak_lower_bound") else ""
+        out = [f"- peak allocated in the profiled step{low} **{fmt(x['peak_allocated_gib'])} GiB** at "
                f"{fmt(x['peak_time_ms'])} ms, {peak_where(x)} (step {fmt(w['start_ms'])}–{fmt(w['end_ms'])} ms, from "
                f"`{w['source']}`, of a {fmt(x['window_ms'])} ms recorded window; times from its first event)",
                f"- peak reserved in the profiled step {fmt(x['peak_reserved_gib'])} GiB; reserved − allocated at "
@@ -91,6 +92,10 @@ def _memory_snapshot(m: dict) -> list[str]:
     out += _memory_peaks(x)
     if x["history"]["truncated"]:
         out.append(f"- **truncated window:** {x['history']['message']}")
+    if x.get("step_peak_lower_bound"):
+        out.append(f"- **step peak is a lower bound:** {x['step_peak_lower_bound']}")
+    if len(x.get("devices") or []) > 1:
+        out.append(f"- **other devices left out:** {other_devices_message(x)}")
     out.append(f"- plot: `{m['plot']}`\n")
     out.append(f"### {fnd.memory_heading(m['rank'])}\n")
     out.append(table(["category", "GiB", "blocks", "share % of allocated"],

@@ -17,7 +17,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
 ``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a simulated
-rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage.
+rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage; a
+snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -705,16 +706,27 @@ class WithoutLargestBlock(TypedDict):
     peak_phase: Optional[str]
 
 
+class SnapshotDevice(TypedDict):
+    """One device of a snapshot, at its dump (:func:`sftprof.analysis.memory_summary.analyze_snapshot`)."""
+    device: int
+    reserved_bytes: int
+    allocated_bytes: int
+    trace_entries: int
+
+
 class MemorySummary(TypedDict):
     """One snapshot (:func:`sftprof.analysis.memory_summary.analyze_snapshot`); times in ms from the recorded
     window's first event (None: no history, or events without times); the headline peak is the profiled step's
     (``peak_scope``) when phases were recorded and the history can give it, else ``step_peak_unknown`` says why."""
     device: int
+    devices: NotRequired[list[SnapshotDevice]]  # 3.4; the summarised device's first
+    device_from: NotRequired[Optional[str]]  # 3.4; "phases sidecar" | "local rank (...)" | None (most reserved)
     trace_entries: int
     window_ms: Optional[float]
     window_start_us: Optional[float]
     peak_scope: str  # "profiled_step" | "recorded_window" | "dump_time" (no history: the level at dump time)
     step_peak_unknown: Optional[str]
+    step_peak_lower_bound: NotRequired[Optional[str]]  # 3.4
     step_window: Optional[MemoryStepWindow]
     peak_allocated_bytes: int
     peak_allocated_gib: float

@@ -33,11 +33,16 @@ from collections import defaultdict
 from typing import Any
 
 
-__all__ = ["MAX_TID", "UNTIMED", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
+__all__ = ["MAX_TID", "UNTIMED", "CATEGORY_ALIASES", "CATEGORY_ALIAS_NOTE", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
 
 MAX_TID = 2**31 - 1
 UNTIMED = "GPU activity without timing (ts 0 or dur 0)"  # CUPTI's "no timing collected"; a kind of event_problem
 _GPU_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+# Categories as other kineto versions spell them (pytorch/kineto#659) -> today's; read so wherever a category is read
+CATEGORY_ALIASES = {"Kernel": "kernel", "Memcpy": "gpu_memcpy", "Memset": "gpu_memset", "Runtime": "cuda_runtime",
+                    "Operator": "cpu_op"}
+CATEGORY_ALIAS_NOTE = "categories of another kineto version read as today's (" + ", ".join(
+    f"{a} as {b}" for a, b in CATEGORY_ALIASES.items()) + ")"
 _METADATA = {"process_name": ("name", str), "thread_name": ("name", str), "process_labels": ("labels", str),
              "process_sort_index": ("sort_index", int), "thread_sort_index": ("sort_index", int)}
 _TIMED = frozenset("XBEiIstfCbenPOND")

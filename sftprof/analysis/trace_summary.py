@@ -44,7 +44,7 @@ REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 _PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
 _CORRELATION = re.compile(r'"correlation"\s*:\s*(\d+)')
-_GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
+_GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel|Memcpy|Memset)"')
 
 
 def _int_id(v) -> int:

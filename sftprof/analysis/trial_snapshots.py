@@ -74,6 +74,20 @@ def _allocator_settings(snapshot: dict) -> dict | None:
             "expandable_segments": expandable if isinstance(expandable, bool) else None}
 
 
+def _own_device(phases, rank: int | None, log_dir: str) -> tuple[int | None, str | None]:
+    """The rank's own CUDA device index and where it comes from: the phases sidecar's ``device`` (written by the
+    trainer), else ``rank % cluster.n_gpus_per_node`` of the trial's config (torchrun's local rank), else
+    ``(None, None)`` (then the device with the most reserved bytes is summarised)."""
+    device = phases.get("device") if isinstance(phases, dict) else None
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device, "phases sidecar"
+    cfg, _ = inputs.trial_config(log_dir)
+    per_node = ((cfg or {}).get("cluster") or {}).get("n_gpus_per_node")
+    if rank is not None and isinstance(per_node, int) and per_node >= 1:
+        return rank % per_node, "local rank (rank % cluster.n_gpus_per_node)"
+    return None, None
+
+
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
                     max_entries: int | None, written: set[str], world: World) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
@@ -110,7 +124,9 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
                 copies[phases_name] = os.path.join(src_dir, phases_name)
             print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
             snapshot = safe_load_file(src)
-            summary = analyze_snapshot(snapshot, phases)
+            device, device_from = _own_device(phases, rank, log_dir)
+            summary = analyze_snapshot(snapshot, phases, device)
+            summary["device_from"] = device_from
             allocator = _allocator_settings(snapshot)
             plot_memory(summary, f"{name} (step {step})", os.path.join(stage, png_name))
             summary.pop("series")

@@ -22,7 +22,7 @@ from sftprof.analysis.schema import TraceEntry
 from sftprof.analysis.trace_sanity import sanity_error
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views import VIEWS, split_trace, view_links
-from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name
+from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name, unrenamed_trace_rank
 from sftprof.atomic import atomic_path
 
 __all__ = ["trace_part", "MODEL_PARTS_DIR"]
@@ -98,13 +98,23 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
 
 def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[dict], list[dict]]:
     """``(found, duplicates, skipped)`` in ``LOG_DIR/perf_tracer``: ``(rank, path)`` of the first trace of each
-    rank (sorted), an error entry per further trace of a rank, and the files that are not trace names."""
+    rank (sorted), an error entry per further trace of a rank, and the files that are not trace names. A trace the
+    profiler left under its temporary name (``*.tmp``, :data:`sftprof.artifacts.UNRENAMED_TRACE_RE`) is the rank's
+    trace when the rank has no other (a warning says so, :mod:`sftprof.analysis.problems`), else skipped."""
     trace_dir = os.path.join(log_dir, artifacts.PERF_TRACER)
     found, duplicates, skipped = [], [], []
     if os.path.isdir(trace_dir):
         # "x.json" sorts before "x.json.gz", and rank<r>.pt.trace.json before the legacy traces-r<r>.chrome.json
-        for name in sorted(os.listdir(trace_dir)):
+        names = sorted(os.listdir(trace_dir))
+        complete = {raw_trace_rank(n) for n in names} - {None}
+        for name in names:
             rank = raw_trace_rank(name)
+            unrenamed = unrenamed_trace_rank(name)
+            if unrenamed is not None and unrenamed in complete:
+                skipped.append({"file": os.path.join(artifacts.PERF_TRACER, name),
+                                "reason": f"a temporary file of the profiler beside rank {unrenamed}'s trace"})
+                continue
+            rank = unrenamed if rank is None else rank  # a trace left under its temporary name is read from there
             if rank is None:
                 skipped.append({"file": os.path.join(artifacts.PERF_TRACER, name),
                                 "reason": "not a trace name the trainer writes (rank<r>.pt.trace.json[.gz], or the "

@@ -69,7 +69,7 @@ from typing import Callable
 
 import numpy as np
 
-from sftprof.analysis.trace_check import MAX_TID, event_problem, finite_json
+from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE, CATEGORY_ALIASES, MAX_TID, event_problem, finite_json
 from sftprof.analysis.trace_io import Progress, TraceReader, TraceWriter
 from sftprof.analysis.view_windows import FLOW_PHASES, split_into_windows
 from sftprof.artifacts import view_path
@@ -195,7 +195,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             :func:`~sftprof.analysis.trace_check.event_problem` rejects it (``kind`` is its answer).
         on_note: called as ``on_note(what, count)`` at the end for repairs that keep every figure
             intact: ``"non-finite numbers written as null"``, ``"profiler bookkeeping events left out"``,
-            ``"unpaired flow events left out"`` (only non-zero counts).
+            ``"unpaired flow events left out"``, :data:`~sftprof.analysis.trace_check.CATEGORY_ALIAS_NOTE` (events
+            whose category another kineto version spelled, read as today's: ``Kernel`` as ``kernel``; only non-zero
+            counts).
         progress: print progress lines to stderr.
 
     Returns:
@@ -240,6 +242,10 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 countdown = flush_every
                 for w in writers.values():
                     w.flush()
+            cat = ev.get("cat")
+            if type(cat) is str and cat in CATEGORY_ALIASES:  # the views keep the trace's own spelling
+                ev["cat"] = CATEGORY_ALIASES[cat]
+                notes[CATEGORY_ALIAS_NOTE] += 1
             problem = event_problem(ev)
             if problem is not None:
                 if on_invalid is not None:

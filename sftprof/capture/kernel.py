@@ -20,18 +20,21 @@ critical-path analysis) where this torch accepts that option. Each profiled step
 profiles one kernel step: :func:`sftprof.config.validate` refuses more than one ``perf_tracer.profile_steps``
 entry (the driver runs one trial per step of ``PROFILE_STEPS``). A profiler built from an unvalidated config with
 several steps records each of them, and each export replaces the file (the log names the step each export holds).
+A trace the profiler could not rename from its temporary name (``<name>*.tmp``) is renamed here, or, if that fails
+too, left there and logged as such (postprocessing reads it); "written to" is logged only for a file that is there.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.profiler import ProfilerAction
 
-from sftprof.artifacts import raw_trace_path
+from sftprof.artifacts import raw_trace_path, unrenamed_traces
 from sftprof.capture import module_regions, python_gc
 from sftprof.console import native_stderr_filtered
 from sftprof.ranks import resolve_ranks
@@ -162,6 +165,22 @@ class KernelProfiler:
         path = raw_trace_path(self.log_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
-        self.traces_written += 1
         # not prof.step_num: an export made by prof.step() runs after torch has counted on to the next step
-        log.info("kernel trace of step %d written to %s", self._recording, path)
+        step = self._recording
+        left = unrenamed_traces(path)
+        if not path.is_file() and left:  # kineto wrote it under its temporary name and could not rename it
+            tmp = max(left, key=lambda p: p.stat().st_mtime)
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                self.traces_written += 1
+                log.warning("kernel trace of step %d left as %s: the profiler could not rename it to %s, nor could "
+                            "sftprof (%s); postprocessing reads it from there", step, tmp, path, exc)
+                return
+            log.warning("kernel trace of step %d: the profiler left it as %s (its rename failed); renamed to %s",
+                        step, tmp, path)
+        if not path.is_file():
+            log.error("kernel trace of step %d: the profiler wrote no file at %s", step, path)
+            return
+        self.traces_written += 1
+        log.info("kernel trace of step %d written to %s", step, path)

@@ -10,7 +10,8 @@ is dumped (``torch.cuda.memory._dump_snapshot``) at its end to
 ``LOG_DIR/memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle``
 (:func:`sftprof.artifacts.snapshot_dir`, :func:`sftprof.artifacts.snapshot_name`), with the phase
 sidecar ``phases_rank<r>.json`` (:class:`sftprof.capture.regions.PhaseRecorder`,
-Unix-epoch microseconds, the clock of the snapshot's ``time_us``). When the step dies of CUDA
+Unix-epoch microseconds, the clock of the snapshot's ``time_us``; with the rank's device index, as a snapshot can
+hold other devices' blocks). When the step dies of CUDA
 out-of-memory the snapshot and sidecar are still written and :class:`MemoryProfileOOM` is
 raised naming them. On CPU there is no allocator to snapshot: a log line says so and no file
 is written.
@@ -59,6 +60,7 @@ class MemoryProfiler:
         self.coords = coords
         self.log_dir = Path(log_dir)
         self.cuda = device.type == "cuda"
+        self.device_index = (torch.cuda.current_device() if device.index is None else device.index) if self.cuda else None
         self.snapshots_written = 0
         if self.cuda and self.steps and rank in self.ranks:
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks=self.stacks)
@@ -102,6 +104,6 @@ class MemoryProfiler:
 
     def _dump(self, snap: Path, rec: PhaseRecorder, phases: Path) -> None:
         torch.cuda.memory._dump_snapshot(str(snap))
-        rec.write(phases)
+        rec.write(phases, self.device_index)
         self.snapshots_written += 1
         log.info("memory snapshot written to %s (phases %s)", snap, phases)

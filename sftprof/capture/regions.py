@@ -57,9 +57,11 @@ class PhaseRecorder:
             torch.cuda.synchronize()
         return time.time() * 1e6
 
-    def write(self, path: Path) -> None:
-        """Write ``{"clock": "unix_us", "phases": [...]}`` to ``path`` (JSON)."""
-        path.write_text(json.dumps({"clock": "unix_us", "phases": self.phases}, indent=1))
+    def write(self, path: Path, device: int | None = None) -> None:
+        """Write ``{"clock": "unix_us", "device": <the rank's CUDA device index>, "phases": [...]}`` to ``path``
+        (JSON; ``device`` only when given: the snapshot's device whose figures are the rank's)."""
+        record = {"clock": "unix_us", **({"device": device} if device is not None else {}), "phases": self.phases}
+        path.write_text(json.dumps(record, indent=1))
 
 
 @contextlib.contextmanager
