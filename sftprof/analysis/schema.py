@@ -16,7 +16,7 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
-``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``.
+``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a finding's ``next_step``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -45,7 +45,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "
            "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.3"
+SCHEMA_VERSION = "3.4"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 
@@ -233,6 +233,7 @@ class Finding(TypedDict):
     key: str
     rank: NotRequired[Optional[int]]
     caveats: NotRequired[list[str]]
+    next_step: NotRequired[str]  # "try <setting>: ..." or "none: <why>" (sftprof.analysis.next_steps)
 
 
 class WhatIfSetting(TypedDict):

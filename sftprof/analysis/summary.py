@@ -21,6 +21,7 @@ from sftprof import artifacts
 from sftprof.analysis import inputs, schema
 from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
+from sftprof.analysis.next_steps import with_next_steps
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.rank_table import rank_table
@@ -134,8 +135,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["warnings"] = warnings
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
     summary["ranks"] = rank_table(summary)
-    summary["findings"] = trial_findings(summary)
     summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
+    summary["findings"] = with_next_steps(trial_findings(summary), summary["what_if"], summary["what_if_skipped"],
+                                          summary, cfg)
     write_summary(summary, run_dir)
     return summary, 2 if log_dir_missing else (1 if errors else 0)
 
