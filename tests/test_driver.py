@@ -116,8 +116,25 @@ def test_existing_run_root_is_never_overwritten(tmp_path):
     keep = run / "precious.txt"
     keep.write_text("keep me")
     out = run_driver({}, tmp_path)
-    assert out.returncode == 2 and "exists and is not empty; nothing was overwritten" in out.stderr
+    # RUN_ROOT set: a new RUN_ROOT is the way out, not PROFILE_STAMP (which names the default RUN_ROOT only)
+    assert out.returncode == 2 and out.stderr == (f"sftprof: RUN_ROOT={run}: exists and is not empty; nothing was "
+                                                  "overwritten. Set RUN_ROOT to a new folder (PROFILE_STAMP does not "
+                                                  "change a RUN_ROOT that is set)\n")
     assert [p.name for p in run.iterdir()] == ["precious.txt"] and keep.read_text() == "keep me"
+    env = _plan_env(tmp_path, PROFILE_STAMP="taken")
+    del env["RUN_ROOT"]
+    taken = tmp_path / "sftprof_runs" / "tiny_qwen3_moe_cpu_sft_profile_taken"
+    taken.mkdir(parents=True)
+    (taken / "precious.txt").write_text("keep me")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with pytest.raises(launch.DriverError) as err:
+            launch.plan(env, [], gpus=0)
+    finally:
+        os.chdir(cwd)
+    assert str(err.value) == (f"RUN_ROOT={taken}: exists and is not empty; nothing was overwritten. Set another "
+                              "PROFILE_STAMP (the default RUN_ROOT ends with it) or set RUN_ROOT to a new folder")
 
 
 def test_plan_is_step_major_kernel_first(tmp_path):
@@ -245,6 +262,13 @@ def test_devices_checked_before_launch(tmp_path):
     assert str(err.value) == (
         "actor.backend='megatron:(attn:d2c4|ffn:d1e8)': the megatron backend needs CUDA GPUs and this node has none "
         f"(CONFIG={ROOT / 'qwen3_30b_a3b_sft_profile.yaml'}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+    # CONFIG=tiny_cpu is set already: the argument that made the backend megatron is named, and the fsdp layout
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), ["actor.backend=megatron:d2"], gpus=0)
+    assert str(err.value) == (
+        "actor.backend='megatron:d2': the megatron backend needs CUDA GPUs and this node has none (CONFIG=tiny_cpu); the "
+        "argument actor.backend=megatron:d2 makes it megatron: on a machine without CUDA use the fsdp backend, "
+        "actor.backend=fsdp:d2 (CPU, gloo)")
     with pytest.raises(launch.DriverError, match=r"N_GPUS_PER_NODE=2 processes on this node, one GPU each, but it has 1 "
                                                  r"visible GPU\(s\) \(CUDA_VISIBLE_DEVICES=unset\)"):
         launch.plan(_plan_env(tmp_path), [], gpus=1)
@@ -1224,7 +1248,8 @@ def test_run_root_is_claimed_by_one_driver(tmp_path, monkeypatch, capsys):
     with pytest.raises(launch.DriverError) as err:
         launch.write_plan(*second, created)
     message = (f"RUN_ROOT={tmp_path / 'run'}: another driver claimed it while this one planned (its "
-               "profile_settings.log appeared); nothing was written. Choose another RUN_ROOT or PROFILE_STAMP")
+               "profile_settings.log appeared); nothing was written. Set RUN_ROOT to a new folder (PROFILE_STAMP does "
+               "not change a RUN_ROOT that is set)")
     assert str(err.value) == message and created == []
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
     assert "LOGPROBS_CHUNK_SIZE=128\t# config actor.loss.logprobs_chunk_size" in \

@@ -321,7 +321,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     gpus = visible_gpus() if gpus is None else gpus
     if layout.backend == "megatron" and gpus == 0:
         raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
-                          f"none (CONFIG={config}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+                          f"none (CONFIG={config}); " + _cpu_hint(d, layout))
     if 0 < gpus < nproc:
         raise DriverError(f"N_GPUS_PER_NODE={nproc} processes on this node, one GPU each, but it has {gpus} visible "
                           f"GPU(s) (CUDA_VISIBLE_DEVICES={get('CUDA_VISIBLE_DEVICES', 'unset')}); actor.backend="
@@ -353,6 +353,17 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
         log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
     log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
     return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_specs=ranks_specs)
+
+
+def _cpu_hint(d: DriverEnv, layout: Layout) -> str:
+    """What to run instead of the megatron backend on a node without CUDA: the fsdp backend of the same world size
+    when an argument made the backend megatron (whatever CONFIG is: ``CONFIG=tiny_cpu`` may be set already), else the
+    CPU preset."""
+    given = arguments_setting("actor.backend", d.extra_overrides)
+    if given:
+        return (f"the argument {given[-1]} makes it megatron: on a machine without CUDA use the fsdp backend, "
+                f"actor.backend=fsdp:d{layout.world_size} (CPU, gloo)")
+    return "on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)"
 
 
 def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds: list[str],
@@ -505,5 +516,6 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
+                                  "run_root_set": bool(d.get("RUN_ROOT")),
                                   "trials": len(trials), "node_timeout": d.node_timeout, **torchrun,
                                   "notices": log.notices, "warnings": log.warnings}
