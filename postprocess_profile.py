@@ -4,7 +4,7 @@
   postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
       [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
   (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
-  postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
+  postprocess_profile.py compare RUN_A RUN_B [--out FILE.md] [--all-rows] [--fail-on METRICS]
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
@@ -26,7 +26,9 @@ as both RUN_A and RUN_B; an --out whose directory does not exist or that names a
 overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
 is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
 when standard output is a pipe its reader closed early (| head): what was to be written is written, the rest of
-the output is dropped without a traceback.
+the output is dropped without a traceback. compare --fail-on step_time,peak_allocated,peak_reserved (any of them):
+3 when B is worse than A on one (step time slower by the rank test's 95 % interval, a peak higher; a metric without a
+verdict is named and does not fail), after the report is written; --fail-on with another name is exit 2.
 
 <A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """
@@ -39,7 +41,8 @@ import sys
 import tempfile
 
 from sftprof.analysis.inputs import recorded_profile
-from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
+from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare
+from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regressions
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
@@ -49,6 +52,7 @@ from sftprof.cli import run_main
 
 
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, quota or file-size limit: exit 1
+REGRESSION_STATUS = 3  # compare --fail-on: B is worse than A on a chosen metric
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -72,13 +76,24 @@ def _compare(argv: list[str]) -> int:
     p.add_argument("--out", metavar="FILE.md",
                    help="a new file to write the report to (an existing one is refused; default: "
                         "RUN_B/compare_vs_<basename of RUN_A>.md, an earlier report there kept as .prev<N>.md)")
+    p.add_argument("--all-rows", action="store_true",
+                   help="show the rows of one sample a side (no verdict) in the tables; by default one line per table "
+                        "counts them")
+    p.add_argument("--fail-on", metavar="METRICS",
+                   help=f"a gate for CI: exit status {REGRESSION_STATUS} when B is worse than A on one of these "
+                        f"metrics (comma-separated: {', '.join(GATE_METRICS)}): step time slower by the rank test's "
+                        "95 %% interval, a peak higher (exact for memory)")
     args = p.parse_args(argv)
+    try:
+        metrics = parse_metrics(args.fail_on) if args.fail_on is not None else []
+    except ValueError as exc:
+        p.error(str(exc))
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         p.error(f"--out {args.out}: directory {os.path.dirname(os.path.abspath(args.out))} does not exist")
     if args.out and os.path.lexists(args.out):
         p.error(f"--out {args.out}: exists; never overwritten: name a new file")
     try:
-        report = compare_runs(args.run_a, args.run_b)
+        report, rows = compare(args.run_a, args.run_b, args.all_rows)
     except CompareInputError as exc:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, compare_report_name(args.run_a))  # "." named as its dir
@@ -104,6 +119,16 @@ def _compare(argv: list[str]) -> int:
     if report.rstrip().endswith(NO_MATCH):
         print(f"[postprocess] ERROR: {NO_MATCH} Nothing was compared.", file=sys.stderr)
         return 1
+    if not metrics:
+        return 0
+    worse, unjudged = regressions(rows, metrics)
+    for line in unjudged:
+        print(f"[postprocess] --fail-on {line}", file=sys.stderr)
+    for line in worse:
+        print(f"[postprocess] REGRESSION {line}", file=sys.stderr)
+    if worse:
+        return REGRESSION_STATUS
+    print(f"[postprocess] --fail-on {','.join(metrics)}: no regression", file=sys.stderr)
     return 0
 
 
