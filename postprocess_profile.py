@@ -3,6 +3,7 @@
 
   postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
       [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
+  postprocess_profile.py --run-dir RUN_ROOT [--compress]     (every trial of RUN_ROOT/trials.tsv, as the driver does)
   (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md] [--all-rows] [--fail-on METRICS]
 
@@ -46,7 +47,8 @@ from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regre
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
-from sftprof.artifacts import TRAINER_LOG, compare_report_name, keep_previous
+from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, TRAINER_LOG, TRIALS_TSV, compare_report_name, keep_previous,
+                               read_trials_tsv)
 from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
 
@@ -132,6 +134,43 @@ def _compare(argv: list[str]) -> int:
     return 0
 
 
+def _trial_log_dirs(log_dir: str) -> list[str]:
+    """The folders under ``log_dir`` that are trial log dirs (they hold stats.jsonl) when ``log_dir`` itself is not
+    one: the experiment folder FILEROOT/logs/<user>/<experiment> given for a trial's log dir."""
+    if not os.path.isdir(log_dir) or os.path.exists(os.path.join(log_dir, STATS)):
+        return []
+    return sorted(d for d in os.listdir(log_dir) if os.path.isfile(os.path.join(log_dir, d, STATS)))
+
+
+def _run_root(run_root: str, compress: bool) -> int:
+    """Postprocess every trial of ``RUN_ROOT/trials.tsv`` that the driver started (its run dir has a launcher.log) as
+    the driver does (its kind, step, log dir, trainer log and nvidia-smi log); a run dir recorded elsewhere (a
+    RUN_ROOT moved) is the trial's folder in ``run_root``. Returns
+    the highest status of the trials (each trial's errors are its own; the others are still postprocessed)."""
+    try:
+        trials = read_trials_tsv(run_root)
+    except (OSError, ValueError) as exc:
+        print(f"postprocess_profile.py: error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    for n, (name, kind, step, run_dir, log_dir) in enumerate(trials, start=1):
+        run_dir = run_dir if os.path.isdir(run_dir) else os.path.join(run_root, name)
+        if not os.path.isfile(os.path.join(run_dir, LAUNCHER_LOG)):  # a trial the driver did not start
+            print(f"[postprocess] [{n}/{len(trials)}] {name}: not run (no {LAUNCHER_LOG}), nothing to postprocess",
+                  file=sys.stderr)
+            continue
+        print(f"[postprocess] [{n}/{len(trials)}] {name} (kind={kind} step={step})", file=sys.stderr)
+        argv = ["--log-dir", log_dir, "--run-dir", run_dir, "--profile-kind", kind, "--profile-step", str(step)]
+        smi = os.path.join(run_dir, NVIDIA_SMI_CSV)
+        argv += ["--nvidia-smi-csv", smi] if os.path.isfile(smi) and os.path.getsize(smi) else []
+        try:
+            code = main(argv + (["--compress"] if compress else []))
+        except SystemExit as exc:  # that trial's bad input (argparse): said, and the next trial goes on
+            code = exc.code if isinstance(exc.code, int) else 2
+        status = max(status, code)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "compare":
@@ -139,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Split kernel traces into views / archive memory snapshots and "
                                             f"write {SUMMARY_JSON} and profile_summary.md for one trial.",
                                 epilog="Compare two runs: postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]")
-    p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
-    p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
+    p.add_argument("--log-dir", help="trial log dir written by the trainer (required with a trial run dir)")
+    p.add_argument("--run-dir", required=True,
+                   help=f"trial run dir (outputs); or a RUN_ROOT (it holds {TRIALS_TSV}) alone: every trial of it")
     p.add_argument("--profile-kind", choices=PROFILE_KINDS,
                    help="default: the kind the trial's completion record names; given, a check (another kind is an "
                         "error)")
@@ -152,6 +192,23 @@ def main(argv: list[str] | None = None) -> int:
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
     args = p.parse_args(argv)
+    if os.path.isfile(os.path.join(args.run_dir, TRIALS_TSV)):
+        given = [f for f, v in (("--log-dir", args.log_dir), ("--profile-kind", args.profile_kind),
+                                ("--profile-step", args.profile_step), ("--trainer-log", args.trainer_log),
+                                ("--nvidia-smi-csv", args.nvidia_smi_csv)) if v is not None]
+        if given:
+            p.error(f"--run-dir {args.run_dir} is a RUN_ROOT (it holds {TRIALS_TSV}), which takes no "
+                    f"{', '.join(given)}: pass it alone to postprocess every trial it lists, or pass one trial's "
+                    f"--log-dir and --run-dir ({TRIALS_TSV} lists both)")
+        return _run_root(args.run_dir, args.compress)
+    if args.log_dir is None:
+        p.error(f"--log-dir is required with a trial run dir ({args.run_dir} holds no {TRIALS_TSV}, so it is not a "
+                "RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists them")
+    several = _trial_log_dirs(args.log_dir)
+    if several:
+        p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"
+                f"{', ...' if len(several) > 3 else ''}), not one: pass one of them with its trial's --run-dir, or "
+                "pass the RUN_ROOT alone as --run-dir to postprocess every trial")
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):

@@ -27,7 +27,7 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, Iterable
 
-from sftprof.artifacts import SUMMARY_JSON
+from sftprof.artifacts import RUN_ROOT_FILEROOT, SUMMARY_JSON
 from sftprof.analysis import compare_verdicts, stats, what_if, what_if_outcome
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
@@ -120,8 +120,8 @@ def _without_summary(run: str) -> list[str]:
     or not postprocessed); none for a trial dir."""
     if os.path.isfile(os.path.join(run, SUMMARY_JSON)):
         return []
-    return [d for d in sorted(os.listdir(run))
-            if os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
+    return [d for d in sorted(os.listdir(run)) if d != RUN_ROOT_FILEROOT
+            and os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
 
 
 def _values(v: Any) -> list[float]:

@@ -78,7 +78,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     Returns:
         ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
         written: a trial that died before the trainer's first write is reported as failed, with the
-        launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
+        launcher log's tail), unless the driver interrupted the trial (status ``interrupted``: its launcher.log
+        holds :data:`sftprof.artifacts.INTERRUPTED_LINE`, the missing log dir a warning); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
         processed, a trace's invalid events dominate it, a trace or snapshot is not the trial's (a trace of another
         step or rank, :func:`sftprof.analysis.trace_summary.identity_problems`; a rank in its name at or above the
         trial's world size, :func:`sftprof.analysis.inputs.world_size`: not summarised), or an ``ok`` trial lacks
@@ -114,7 +115,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                    transformer_engine=inputs.transformer_engine(cfg, trainer_log))
     if tried:
         summary["tried_what_if"] = tried
-    if summary["status"] != "ok":
+    interrupted = inputs.driver_interrupt(run_dir)
+    if interrupted:  # the driver stopped it (Ctrl-C, SIGTERM): not a failure, no first failing rank to name
+        summary.update(status="interrupted", interrupted=interrupted)
+    elif summary["status"] != "ok":
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
             summary["status"] = "failed"
@@ -139,7 +143,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["findings"] = with_next_steps(trial_findings(summary), summary["what_if"], summary["what_if_skipped"],
                                           summary, cfg)
     write_summary(summary, run_dir)
-    return summary, 2 if log_dir_missing else (1 if errors else 0)
+    return summary, 2 if log_dir_missing and not interrupted else (1 if errors else 0)
 
 
 def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:
