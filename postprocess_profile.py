@@ -7,6 +7,9 @@
   (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md] [--all-rows] [--fail-on METRICS]
 
+With --run-dir RUN_ROOT alone, every trial its trials.tsv lists is postprocessed as the driver does (a trial the
+driver did not start is skipped); the exit status is the highest of the trials'.
+
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
 written; the record names the first profiled step; a trial that profiled several is postprocessed once per step).
@@ -22,7 +25,8 @@ complete (sftprof/atomic.py), so what an earlier postprocess wrote stays in plac
 --profile-kind the trial did not record; a
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
-written, not even the run dir); compare inputs that are missing or not profile summaries, or one folder given
+written, not even the run dir); a RUN_ROOT given with --log-dir (or as --log-dir), a trial run dir without
+--log-dir, an experiment folder of several trials' log dirs as --log-dir; compare inputs that are missing or not profile summaries, or one folder given
 as both RUN_A and RUN_B; an --out whose directory does not exist or that names an existing file (never
 overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
 is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
@@ -204,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_dir is None:
         p.error(f"--log-dir is required with a trial run dir ({args.run_dir} holds no {TRIALS_TSV}, so it is not a "
                 "RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists them")
+    if os.path.isfile(os.path.join(args.log_dir, TRIALS_TSV)):
+        p.error(f"--log-dir {args.log_dir} is a RUN_ROOT (it holds {TRIALS_TSV}), not a trial's log dir: pass it alone "
+                f"as --run-dir to postprocess every trial it lists")
     several = _trial_log_dirs(args.log_dir)
     if several:
         p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"

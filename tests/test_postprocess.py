@@ -1051,3 +1051,35 @@ def test_compare_settings_table_shows_empty_values():
         '| `memory_profiler.ranks` | 0 | "" (all ranks) |',
         '| `perf_tracer.ranks` | "" (all ranks) | pp_rank0 |',
         '| `tokenizer_path` | "" | /tok |', ""]
+
+
+def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(tmp_path):
+    """Issue 50: a RUN_ROOT passed with --log-dir, a trial run dir without --log-dir, or the experiment folder of the
+    log dirs as --log-dir stop with exit 2 and say what to pass (the experiment folder gave an error about
+    --profile-kind); nothing is written."""
+    root = tmp_path / "run"
+    (root / "t0").mkdir(parents=True)
+    logs = tmp_path / "fileroot" / "logs" / "u" / "exp"
+    for name in ("t0", "t1"):
+        (logs / name).mkdir(parents=True)
+        _stats(logs / name / "stats.jsonl")
+    (root / "trials.tsv").write_text(f"t0\tkernel\t1\t{root / 't0'}\t{logs / 't0'}\t{root / 't0' / 'train_args.txt'}\n")
+    res = _cli("--run-dir", root, "--log-dir", logs / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --run-dir {root} is a RUN_ROOT (it holds trials.tsv), which takes no "
+        "--log-dir: pass it alone to postprocess every trial it lists, or pass one trial's --log-dir and --run-dir "
+        "(trials.tsv lists both)")
+    res = _cli("--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir is required with a trial run dir ({root / 't0'} holds no "
+        "trials.tsv, so it is not a RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists "
+        "them")
+    res = _cli("--log-dir", logs, "--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir {logs} holds the log dirs of 2 trials (t0, t1), not one: pass one "
+        "of them with its trial's --run-dir, or pass the RUN_ROOT alone as --run-dir to postprocess every trial")
+    res = _cli("--log-dir", root, "--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir {root} is a RUN_ROOT (it holds trials.tsv), not a trial's log dir: "
+        "pass it alone as --run-dir to postprocess every trial it lists")
+    assert sorted(p.name for p in root.rglob("*")) == ["t0", "trials.tsv"]
