@@ -1117,7 +1117,7 @@ def test_fileroot_named_like_the_package_warns_under_python_m(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (f"sftprof: warning: FILEROOT {tmp_path / 'sftprof'} is a folder named sftprof: a Python started in "
             f"{tmp_path} imports it (an empty namespace package) instead of the sftprof package; name it otherwise, "
-            "e.g. FILEROOT=/tmp/sftprof_fileroot\n") in out.stderr
+            f"e.g. FILEROOT={tmp_path}/sftprof_fileroot, or leave FILEROOT unset (RUN_ROOT/fileroot)\n") in out.stderr
 
 
 @pytest.mark.parametrize("python", ["/bin/true", "stdlib_only"])
