@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sftprof.analysis.schema import Finding, WhatIf, WhatIfSetting, WhatIfSkipped, processed_traces
+from sftprof.analysis.what_if import _get  # the dotted-key reader of the what-ifs' rules
 from sftprof.analysis.what_if import LM_HEAD_CHUNK, effect_text, setting_text
 
 __all__ = ["with_next_steps", "WHAT_IFS_FOR", "DRIVER_VARIABLES", "CPU_LM_HEAD_CHUNK", "NO_RULE"]
@@ -89,12 +90,6 @@ def _heaviest_part(summary: dict, rank: Optional[int]) -> Optional[str]:
         if t["rank"] == rank:
             return (t["summary"].get("heaviest_op") or {}).get("part")
     return None
-
-
-def _get(tree: Any, key: str) -> Any:
-    for part in key.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
 
 
 def _rule(key: str, summary: dict, cfg: dict) -> Optional[str]:
