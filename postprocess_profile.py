@@ -3,8 +3,12 @@
 
   postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
       [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress]
+  postprocess_profile.py --run-dir RUN_ROOT [--compress]     (every trial of RUN_ROOT/trials.tsv, as the driver does)
   (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
-  postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]
+  postprocess_profile.py compare RUN_A RUN_B [--out FILE.md] [--all-rows] [--fail-on METRICS]
+
+With --run-dir RUN_ROOT alone, every trial its trials.tsv lists is postprocessed as the driver does (a trial the
+driver did not start is skipped); the exit status is the highest of the trials'.
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
@@ -21,12 +25,15 @@ complete (sftprof/atomic.py), so what an earlier postprocess wrote stays in plac
 --profile-kind the trial did not record; a
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
-written, not even the run dir); compare inputs that are missing or not profile summaries, or one folder given
+written, not even the run dir); a RUN_ROOT given with --log-dir (or as --log-dir), a trial run dir without
+--log-dir, an experiment folder of several trials' log dirs as --log-dir; compare inputs that are missing or not profile summaries, or one folder given
 as both RUN_A and RUN_B; an --out whose directory does not exist or that names an existing file (never
 overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
 is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
 when standard output is a pipe its reader closed early (| head): what was to be written is written, the rest of
-the output is dropped without a traceback.
+the output is dropped without a traceback. compare --fail-on step_time,peak_allocated,peak_reserved (any of them):
+3 when B is worse than A on one (step time slower by the rank test's 95 % interval, a peak higher; a metric without a
+verdict is named and does not fail), after the report is written; --fail-on with another name is exit 2.
 
 <A> is the last component of RUN_A's absolute path (compare . ../B, run inside run A, names A).
 """
@@ -39,16 +46,19 @@ import sys
 import tempfile
 
 from sftprof.analysis.inputs import recorded_profile
-from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare_runs
+from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare
+from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regressions
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
-from sftprof.artifacts import TRAINER_LOG, compare_report_name, keep_previous
+from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, TRAINER_LOG, TRIALS_TSV, compare_report_name, keep_previous,
+                               read_trials_tsv)
 from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
 
 
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, quota or file-size limit: exit 1
+REGRESSION_STATUS = 3  # compare --fail-on: B is worse than A on a chosen metric
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -72,13 +82,24 @@ def _compare(argv: list[str]) -> int:
     p.add_argument("--out", metavar="FILE.md",
                    help="a new file to write the report to (an existing one is refused; default: "
                         "RUN_B/compare_vs_<basename of RUN_A>.md, an earlier report there kept as .prev<N>.md)")
+    p.add_argument("--all-rows", action="store_true",
+                   help="show the rows of one sample a side (no verdict) in the tables; by default one line per table "
+                        "counts them")
+    p.add_argument("--fail-on", metavar="METRICS",
+                   help=f"a gate for CI: exit status {REGRESSION_STATUS} when B is worse than A on one of these "
+                        f"metrics (comma-separated: {', '.join(GATE_METRICS)}): step time slower by the rank test's "
+                        "95 %% interval, a peak higher (exact for memory)")
     args = p.parse_args(argv)
+    try:
+        metrics = parse_metrics(args.fail_on) if args.fail_on is not None else []
+    except ValueError as exc:
+        p.error(str(exc))
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         p.error(f"--out {args.out}: directory {os.path.dirname(os.path.abspath(args.out))} does not exist")
     if args.out and os.path.lexists(args.out):
         p.error(f"--out {args.out}: exists; never overwritten: name a new file")
     try:
-        report = compare_runs(args.run_a, args.run_b)
+        report, rows = compare(args.run_a, args.run_b, args.all_rows)
     except CompareInputError as exc:
         p.error(str(exc))
     out = args.out or os.path.join(args.run_b, compare_report_name(args.run_a))  # "." named as its dir
@@ -104,7 +125,54 @@ def _compare(argv: list[str]) -> int:
     if report.rstrip().endswith(NO_MATCH):
         print(f"[postprocess] ERROR: {NO_MATCH} Nothing was compared.", file=sys.stderr)
         return 1
+    if not metrics:
+        return 0
+    worse, unjudged = regressions(rows, metrics)
+    for line in unjudged:
+        print(f"[postprocess] --fail-on {line}", file=sys.stderr)
+    for line in worse:
+        print(f"[postprocess] REGRESSION {line}", file=sys.stderr)
+    if worse:
+        return REGRESSION_STATUS
+    print(f"[postprocess] --fail-on {','.join(metrics)}: no regression", file=sys.stderr)
     return 0
+
+
+def _trial_log_dirs(log_dir: str) -> list[str]:
+    """The folders under ``log_dir`` that are trial log dirs (they hold stats.jsonl) when ``log_dir`` itself is not
+    one: the experiment folder FILEROOT/logs/<user>/<experiment> given for a trial's log dir."""
+    if not os.path.isdir(log_dir) or os.path.exists(os.path.join(log_dir, STATS)):
+        return []
+    return sorted(d for d in os.listdir(log_dir) if os.path.isfile(os.path.join(log_dir, d, STATS)))
+
+
+def _run_root(run_root: str, compress: bool) -> int:
+    """Postprocess every trial of ``RUN_ROOT/trials.tsv`` that the driver started (its run dir has a launcher.log) as
+    the driver does (its kind, step, log dir, trainer log and nvidia-smi log); a run dir recorded elsewhere (a
+    RUN_ROOT moved) is the trial's folder in ``run_root``. Returns
+    the highest status of the trials (each trial's errors are its own; the others are still postprocessed)."""
+    try:
+        trials = read_trials_tsv(run_root)
+    except (OSError, ValueError) as exc:
+        print(f"postprocess_profile.py: error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    for n, (name, kind, step, run_dir, log_dir) in enumerate(trials, start=1):
+        run_dir = run_dir if os.path.isdir(run_dir) else os.path.join(run_root, name)
+        if not os.path.isfile(os.path.join(run_dir, LAUNCHER_LOG)):  # a trial the driver did not start
+            print(f"[postprocess] [{n}/{len(trials)}] {name}: not run (no {LAUNCHER_LOG}), nothing to postprocess",
+                  file=sys.stderr)
+            continue
+        print(f"[postprocess] [{n}/{len(trials)}] {name} (kind={kind} step={step})", file=sys.stderr)
+        argv = ["--log-dir", log_dir, "--run-dir", run_dir, "--profile-kind", kind, "--profile-step", str(step)]
+        smi = os.path.join(run_dir, NVIDIA_SMI_CSV)
+        argv += ["--nvidia-smi-csv", smi] if os.path.isfile(smi) and os.path.getsize(smi) else []
+        try:
+            code = main(argv + (["--compress"] if compress else []))
+        except SystemExit as exc:  # that trial's bad input (argparse): said, and the next trial goes on
+            code = exc.code if isinstance(exc.code, int) else 2
+        status = max(status, code)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Split kernel traces into views / archive memory snapshots and "
                                             f"write {SUMMARY_JSON} and profile_summary.md for one trial.",
                                 epilog="Compare two runs: postprocess_profile.py compare RUN_A RUN_B [--out FILE.md]")
-    p.add_argument("--log-dir", required=True, help="trial log dir written by the trainer")
-    p.add_argument("--run-dir", required=True, help="trial run dir (outputs)")
+    p.add_argument("--log-dir", help="trial log dir written by the trainer (required with a trial run dir)")
+    p.add_argument("--run-dir", required=True,
+                   help=f"trial run dir (outputs); or a RUN_ROOT (it holds {TRIALS_TSV}) alone: every trial of it")
     p.add_argument("--profile-kind", choices=PROFILE_KINDS,
                    help="default: the kind the trial's completion record names; given, a check (another kind is an "
                         "error)")
@@ -127,6 +196,26 @@ def main(argv: list[str] | None = None) -> int:
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
     args = p.parse_args(argv)
+    if os.path.isfile(os.path.join(args.run_dir, TRIALS_TSV)):
+        given = [f for f, v in (("--log-dir", args.log_dir), ("--profile-kind", args.profile_kind),
+                                ("--profile-step", args.profile_step), ("--trainer-log", args.trainer_log),
+                                ("--nvidia-smi-csv", args.nvidia_smi_csv)) if v is not None]
+        if given:
+            p.error(f"--run-dir {args.run_dir} is a RUN_ROOT (it holds {TRIALS_TSV}), which takes no "
+                    f"{', '.join(given)}: pass it alone to postprocess every trial it lists, or pass one trial's "
+                    f"--log-dir and --run-dir ({TRIALS_TSV} lists both)")
+        return _run_root(args.run_dir, args.compress)
+    if args.log_dir is None:
+        p.error(f"--log-dir is required with a trial run dir ({args.run_dir} holds no {TRIALS_TSV}, so it is not a "
+                "RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists them")
+    if os.path.isfile(os.path.join(args.log_dir, TRIALS_TSV)):
+        p.error(f"--log-dir {args.log_dir} is a RUN_ROOT (it holds {TRIALS_TSV}), not a trial's log dir: pass it alone "
+                f"as --run-dir to postprocess every trial it lists")
+    several = _trial_log_dirs(args.log_dir)
+    if several:
+        p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"
+                f"{', ...' if len(several) > 3 else ''}), not one: pass one of them with its trial's --run-dir, or "
+                "pass the RUN_ROOT alone as --run-dir to postprocess every trial")
     if args.profile_step is not None and args.profile_step < 0:
         p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):

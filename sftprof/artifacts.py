@@ -279,6 +279,7 @@ def node_ranks(node_rank: int, nproc_per_node: int) -> list[int]:
 # RUN_ROOT and RUN_DIR (the launcher, postprocessing)
 # ---------------------------------------------------------------------------------------------------------
 PROFILE_SETTINGS = "profile_settings.log"
+RUN_ROOT_FILEROOT = "fileroot"  # FILEROOT unset: the driver's is RUN_ROOT/fileroot (its trial log dirs, not trials)
 TRIALS_TSV = "trials.tsv"
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"
@@ -289,6 +290,31 @@ SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
 WHAT_IF_JSON = "what_if.json"  # a what-if trial's record of the what-if it tries (the driver, TRY_WHAT_IFS)
+
+
+# the line the driver appends to a trial's launcher.log when a signal (Ctrl-C, SIGTERM) stopped its torchrun; a
+# postprocess of the trial, the driver's or a standalone one, then summarises it as interrupted, not failed
+INTERRUPTED_PREFIX = "sftprof: trial interrupted: "
+INTERRUPTED_LINE = INTERRUPTED_PREFIX + "the driver got {signal} and stopped its torchrun"
+
+
+def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
+    """``[(name, kind, step, run dir, log dir)]`` of ``RUN_ROOT/trials.tsv`` (the driver's plan, what-if trials
+    appended), in its order.
+
+    Raises:
+        OSError: the file cannot be read; ValueError: a row is not the driver's (six tab-separated fields, an
+            integer step).
+    """
+    out = []
+    with open(os.path.join(run_root, TRIALS_TSV), encoding="utf-8") as f:
+        for n, line in enumerate(f.read().splitlines(), start=1):
+            fields = line.split("\t")
+            if len(fields) != 6 or not fields[2].isdigit():
+                raise ValueError(f"{os.path.join(run_root, TRIALS_TSV)} line {n}: not a row of the driver's plan "
+                                 "(name, kind, step, run dir, log dir, arguments file; tab-separated)")
+            out.append((fields[0], fields[1], int(fields[2]), fields[3], fields[4]))
+    return out
 
 
 def compare_report_name(run_a: str) -> str:

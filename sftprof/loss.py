@@ -70,15 +70,17 @@ class SFTLoss:
         return self.path != "lm_head"
 
     def describe(self, cuda: bool = False) -> str:
-        """One line for logs, e.g. ``lm_head (linear_sft_loss, chunk 2048 tokens)``; ``cuda``: the loss runs on CUDA,
-        where :func:`sftprof.ops.vocab_parallel_logprobs` takes all tokens at once whatever its chunk size."""
+        """One line for logs naming the driver variables of the chunk sizes it reports, e.g. ``lm_head
+        (linear_sft_loss, chunks of LM_HEAD_LOSS_CHUNK_SIZE=2048 tokens)``; ``cuda``: the loss runs on CUDA, where
+        :func:`sftprof.ops.vocab_parallel_logprobs` takes all tokens at once whatever its chunk size."""
         if self.path == "lm_head":
-            return f"lm_head (linear_sft_loss, chunk {self.lm_head_loss_chunk_size} tokens)"
+            return f"lm_head (linear_sft_loss, chunks of LM_HEAD_LOSS_CHUNK_SIZE={self.lm_head_loss_chunk_size} tokens)"
         if self.path == "logprobs":
             chunk = self.logprobs_chunk_size
-            how = ("unchunked" if not chunk else f"all tokens at once on CUDA (chunk {chunk} tokens applies on CPU)"
-                   if cuda else f"chunk {chunk} tokens")
-            return f"logprobs (logits + vocab_parallel_logprobs, {how})"
+            how = ("unchunked (LOGPROBS_CHUNK_SIZE=0)" if not chunk else
+                   f"all tokens at once on CUDA (LOGPROBS_CHUNK_SIZE={chunk} applies on CPU)" if cuda else
+                   f"chunks of LOGPROBS_CHUNK_SIZE={chunk} tokens")
+            return f"logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; vocab_parallel_logprobs, {how})"
         return "reference (logits + fp32 log_softmax + gather)"
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

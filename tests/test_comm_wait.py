@@ -134,7 +134,7 @@ def test_two_ranks_split_into_wait_and_transfer_end_to_end(tmp_path):
     earlier = [(EP, "all_to_allv", 200, 300)] + LAYOUT[1][0][1:]
     (log / "perf_tracer" / "rank1.pt.trace.json").write_text(json.dumps(_trace(1, calls=earlier)))
     assert postprocess_trial(str(log), str(tmp_path / "run_b"), "kernel", 1, jobs=1)[1] == 0
-    report = compare_runs(str(run), str(tmp_path / "run_b"))
+    report = compare_runs(str(run), str(tmp_path / "run_b"), all_rows=True)
     assert "| rank 0 exposed wait, all split groups | 5.000 | 0.000 | -5.000 | -100.0% |" in report
     assert "| rank 0 EP exposed transfer | 11.000 | 16.000 | +5.000 | +45.5% |" in report
 
@@ -150,11 +150,11 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
 
     ep_only = run("a")
     # rank 1's clock 200 us ahead: nothing is split, so there is no wait to compare (not 0 ms)
-    report = compare_runs(ep_only, run("clock", shift=200.0))
+    report = compare_runs(ep_only, run("clock", shift=200.0), all_rows=True)
     assert "| rank 0 exposed wait, all split groups | 5.000 | – | – | – |" in report
     assert "| rank 1 exposed transfer, all split groups | 11.000 | – | – | – |" in report
     # rank 1 also runs CP's second call: B splits CP and EP, A only EP; the per-group rows stay
-    report = compare_runs(ep_only, run("cp", calls1=LAYOUT[1][0] + [(CP, "_allgather_base", 640, 650)]))
+    report = compare_runs(ep_only, run("cp", calls1=LAYOUT[1][0] + [(CP, "_allgather_base", 640, 650)]), all_rows=True)
     assert "all split groups" not in report
     assert ("Rank 0: the runs split different process groups (A: EP; B: CP, EP), so its all-split-groups totals "
             "are not compared; the per-group rows are.") in report
@@ -166,13 +166,13 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
         g["label"] = None if g["label"] == "CP" else g["label"]
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "profile_summary.json").write_text(json.dumps(summary))
-    assert "(A: EP; B: EP, None)" in compare_runs(ep_only, str(tmp_path / "unknown"))
+    assert "(A: EP; B: EP, None)" in compare_runs(ep_only, str(tmp_path / "unknown"), all_rows=True)
     # a run that traced rank 0 only: rank 1's trace figures in A are named as not compared, not silently dropped
     log = tmp_path / "r0" / "log"
     (log / "perf_tracer").mkdir(parents=True)
     (log / "perf_tracer" / "rank0.pt.trace.json").write_text(json.dumps(_trace(0)))
     assert postprocess_trial(str(log), str(tmp_path / "r0" / "run"), "kernel", 1, jobs=1)[1] == 0
-    report = compare_runs(ep_only, str(tmp_path / "r0" / "run"))  # B has no stats.jsonl: status unknown
+    report = compare_runs(ep_only, str(tmp_path / "r0" / "run"), all_rows=True)  # B has no stats.jsonl: status unknown
     assert report.count("only in run") == 1 and ("Rank(s) 1: a trace only in run A; not compared below (run B's "
                                                  "trial status is unknown (no completion record): it stopped before "
                                                  "writing that trace, or profiled other ranks).") in report
@@ -187,7 +187,7 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
             ("errored", errored, "run B's trace of that rank could not be processed (its error is in that summary)")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "profile_summary.json").write_text(json.dumps(changed))
-        report = compare_runs(ep_only, str(tmp_path / name))
+        report = compare_runs(ep_only, str(tmp_path / name), all_rows=True)
         assert report.count("only in run") == 1 and (
             f"Rank(s) 1: a trace only in run A; not compared below ({why}).") in report.splitlines(), name
     # run B's config profiles rank 1 (perf_tracer.ranks='' on 2 ranks) but its log dir has no trace of it: its
@@ -196,7 +196,7 @@ def test_compare_leaves_out_totals_of_runs_that_split_other_groups(tmp_path):
     s, _ = postprocess_trial(str(log), str(tmp_path / "r0" / "cfg"), "kernel", 1, jobs=1)
     assert {"file": "perf_tracer/rank1.pt.trace.json", "warning": "rank 1: no trace in the log dir, though "
             "perf_tracer.ranks='' profiles it; this summary leaves that rank out"} in s["warnings"]
-    report = compare_runs(ep_only, str(tmp_path / "r0" / "cfg"))
+    report = compare_runs(ep_only, str(tmp_path / "r0" / "cfg"), all_rows=True)
     assert report.count("only in run") == 1 and (
         "Rank(s) 1: a trace only in run A; not compared below (run B profiled that rank but has no trace of it in its "
         "log dir: deleted or never written (a warning in that summary)).") in report.splitlines()

@@ -202,5 +202,53 @@ def test_the_recorded_quick_start_pair_through_postprocess_and_compare(tmp_path,
     md = compare_runs(str(tmp_path / "A"), str(tmp_path / "B"))
     assert row in md.splitlines()
     assert "| `actor.loss.logprobs_chunk_size` | 128 | 0 |" in md.splitlines()
-    assert md.count("| step time s (stats.jsonl, profiled step, slowest rank) |") == 2  # kernel step 0 and step 1
+    # kernel step 0 and step 1: the profiled step's time is one sample a side, one line under each table
+    assert md.count("1 row(s) of one sample a side, no verdict, not shown (step time s (stats.jsonl, profiled step, "
+                    "slowest rank))") == 2
     assert "than its other trials" not in md
+
+
+def _compare_cli(a: Path, b: Path, out: Path, *args: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / "postprocess_profile.py"), "compare", str(a), str(b), "--out",
+                           str(out), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
+    """``compare --fail-on`` on real summaries. CPU: the quick start as recorded on the idle machine (A) and the same
+    settings under a load of 5-9 (B; tests/fixtures/README.md): B's 7 steps are slower by the rank test, exit status 3
+    naming the row; the other way round, faster, status 0. GPU: the Qwen3.5 slice without (A) and with (B) TE's
+    CUTLASS grouped GEMM (one H200): B's peak allocated is 0.750 GB higher, exactly: status 3 on ``peak_allocated``;
+    its step time has no sample (no step after the profiled one), which is said and does not fail."""
+    for name in ("cpu_quickstart", "cpu_quickstart_loaded"):
+        for log in sorted((ROOT / "tests" / "fixtures" / name / "A").iterdir()):
+            step = int(log.name.split("_step")[1].split("_")[0])
+            shutil.copytree(log, tmp_path / "logs" / name / log.name)
+            postprocess_trial(str(tmp_path / "logs" / name / log.name), str(tmp_path / name / log.name), "kernel", step)
+    idle, loaded = tmp_path / "cpu_quickstart", tmp_path / "cpu_quickstart_loaded"
+    res = _compare_cli(idle, loaded, tmp_path / "slower.md", "--fail-on", "step_time")
+    assert res.returncode == 3, res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if "REGRESSION" in x]
+    assert line.startswith("[postprocess] REGRESSION step_time: Step time, step time s (slowest rank): slower, Δ +")
+    res = _compare_cli(loaded, idle, tmp_path / "faster.md", "--fail-on", "step_time,peak_allocated")
+    assert res.returncode == 0 and res.stderr.splitlines()[-2:] == [
+        "[postprocess] --fail-on peak_allocated: not judged (peak allocated GB (stats.jsonl, profiled step, max over "
+        "ranks: A –, B –): no figure, samples 0/0; peak allocated GB (stats.jsonl, profiled step, max over ranks: A –, "
+        "B –): no figure, samples 0/0), not counted as a regression",
+        "[postprocess] --fail-on step_time,peak_allocated: no regression"]
+    fixture = ROOT / "tests" / "fixtures" / "h200_te_qwen3_5_cutlass"
+    for side, name in (("A", "te"), ("B", "te_cutlass")):
+        (tmp_path / "gpu" / side).mkdir(parents=True)
+        shutil.copy(fixture / f"{name}.profile_summary.json", tmp_path / "gpu" / side / "profile_summary.json")
+    res = _compare_cli(tmp_path / "gpu" / "A", tmp_path / "gpu" / "B", tmp_path / "gpu.md", "--fail-on",
+                       "step_time,peak_allocated")
+    assert res.returncode == 3 and res.stderr.splitlines()[1:] == [
+        "[postprocess] --fail-on step_time: not judged (step time s (slowest rank): no figure, samples 0/0), not "
+        "counted as a regression",
+        "[postprocess] REGRESSION peak_allocated: kernel step 2, peak allocated GB (stats.jsonl, profiled step, max "
+        "over ranks: A r0 only, B r0 only): higher (exact), Δ +0.750 (+1.0%), 95 % CI exact, samples 1/1"]
+    res = _compare_cli(tmp_path / "gpu" / "B", tmp_path / "gpu" / "A", tmp_path / "gpu2.md", "--fail-on",
+                       "peak_allocated,peak_reserved")
+    assert res.returncode == 0, res.stderr

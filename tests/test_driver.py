@@ -1,4 +1,5 @@
 """The shell driver: bad input exits 2 and launches nothing; the plan it writes."""
+import json
 import os
 import re
 import shlex
@@ -116,8 +117,25 @@ def test_existing_run_root_is_never_overwritten(tmp_path):
     keep = run / "precious.txt"
     keep.write_text("keep me")
     out = run_driver({}, tmp_path)
-    assert out.returncode == 2 and "exists and is not empty; nothing was overwritten" in out.stderr
+    # RUN_ROOT set: a new RUN_ROOT is the way out, not PROFILE_STAMP (which names the default RUN_ROOT only)
+    assert out.returncode == 2 and out.stderr == (f"sftprof: RUN_ROOT={run}: exists and is not empty; nothing was "
+                                                  "overwritten. Set RUN_ROOT to a new folder (PROFILE_STAMP does not "
+                                                  "change a RUN_ROOT that is set)\n")
     assert [p.name for p in run.iterdir()] == ["precious.txt"] and keep.read_text() == "keep me"
+    env = _plan_env(tmp_path, PROFILE_STAMP="taken")
+    del env["RUN_ROOT"]
+    taken = tmp_path / "sftprof_runs" / "tiny_qwen3_moe_cpu_sft_profile_taken"
+    taken.mkdir(parents=True)
+    (taken / "precious.txt").write_text("keep me")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with pytest.raises(launch.DriverError) as err:
+            launch.plan(env, [], gpus=0)
+    finally:
+        os.chdir(cwd)
+    assert str(err.value) == (f"RUN_ROOT={taken}: exists and is not empty; nothing was overwritten. Set another "
+                              "PROFILE_STAMP (the default RUN_ROOT ends with it) or set RUN_ROOT to a new folder")
 
 
 def test_plan_is_step_major_kernel_first(tmp_path):
@@ -214,29 +232,40 @@ def test_memory_trials_skipped_without_cuda_unless_asked(tmp_path):
     assert [s for s in settings if s.startswith("PROFILE_KINDS")] == ["PROFILE_KINDS=kernel,memory\t# default"]
 
 
-def test_fileroot_default_cannot_shadow_the_package_and_a_shadowing_one_warns(tmp_path):
-    """The default FILEROOT (config cluster.fileroot, every bundled YAML) is not a folder named like the package,
-    which a Python started in its parent would import instead of it; an explicit one so named is used, with a
-    warning."""
-    from sftprof.config import DEFAULT_FILEROOT, PRESET_DIR, load_config
+def test_fileroot_default_is_per_user_and_run_and_a_shadowing_one_warns(tmp_path):
+    """FILEROOT unset (no bundled YAML sets cluster.fileroot): the driver's is RUN_ROOT/fileroot, one per user and run
+    (it was /tmp/sftprof_fileroot for every user and job of a machine); a trainer run alone logs under
+    /tmp/sftprof_fileroot_<user>; several nodes must share a FILEROOT that is set. An explicit FILEROOT named like the
+    package (a Python started in its parent would import it instead) is used, with a warning."""
+    import getpass
 
-    assert DEFAULT_FILEROOT == "/tmp/sftprof_fileroot"
+    from sftprof.config import DEFAULT_FILEROOT, PRESET_DIR, load_config, trial_log_dir
+
+    assert DEFAULT_FILEROOT == ""
     for yaml in (ROOT / "qwen3_30b_a3b_sft_profile.yaml", ROOT / "qwen3_5_35b_a3b_sft_profile.yaml",
                  PRESET_DIR / "tiny_cpu.yaml", PRESET_DIR / "tiny_qwen3_5_cpu.yaml"):
-        assert load_config(yaml, []).cluster.fileroot == DEFAULT_FILEROOT, yaml
+        assert load_config(yaml, []).cluster.fileroot == "", yaml
+    assert trial_log_dir(load_config("tiny_cpu", [])) == Path(
+        f"/tmp/sftprof_fileroot_{getpass.getuser()}/logs/{getpass.getuser()}/tiny_qwen3_moe_cpu_sft_profile/trial")
     env = _plan_env(tmp_path, PROFILE_STEPS="1")
     del env["FILEROOT"]
     trials, settings, info = launch.plan(env, [], gpus=0)
-    assert f"FILEROOT={DEFAULT_FILEROOT}\t# config cluster.fileroot" in settings
-    assert trials[0].log_dir.parents[2] == Path(DEFAULT_FILEROOT) / "logs"
+    assert f"FILEROOT={tmp_path / 'run' / 'fileroot'}\t# default: RUN_ROOT/fileroot" in settings
+    assert trials[0].log_dir.parents[2] == tmp_path / "run" / "fileroot" / "logs"
+    assert f"cluster.fileroot={tmp_path / 'run' / 'fileroot'}" in trials[0].args
     assert not any("is a folder named" in n for n in info["notices"])
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan({**env, "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
+    assert str(err.value) == ("FILEROOT is unset with N_NODES=2: node 0 reads every node's logs there, so set FILEROOT "
+                              "to the same folder on a filesystem all nodes share")
     old = tmp_path / "sftprof"
-    trials, _, info = launch.plan(_plan_env(tmp_path, FILEROOT=str(old), PROFILE_STEPS="1", RUN_ROOT=str(tmp_path / "r2")),
-                                  [], gpus=0)
-    assert trials[0].log_dir.parents[2] == old / "logs"
+    trials, settings, info = launch.plan(_plan_env(tmp_path, FILEROOT=str(old), PROFILE_STEPS="1",
+                                                   RUN_ROOT=str(tmp_path / "r2")), [], gpus=0)
+    assert trials[0].log_dir.parents[2] == old / "logs" and f"FILEROOT={old}\t# env -> cluster.fileroot" in settings
     assert [n for n in info["notices"] if n.startswith("warning: FILEROOT")] == [
         f"warning: FILEROOT {old} is a folder named sftprof: a Python started in {tmp_path} imports it (an empty "
-        f"namespace package) instead of the sftprof package; name it otherwise, e.g. FILEROOT=/tmp/sftprof_fileroot"]
+        f"namespace package) instead of the sftprof package; name it otherwise, e.g. FILEROOT={tmp_path}/sftprof_fileroot"
+        ", or leave FILEROOT unset (RUN_ROOT/fileroot)"]
 
 
 def test_devices_checked_before_launch(tmp_path):
@@ -245,6 +274,13 @@ def test_devices_checked_before_launch(tmp_path):
     assert str(err.value) == (
         "actor.backend='megatron:(attn:d2c4|ffn:d1e8)': the megatron backend needs CUDA GPUs and this node has none "
         f"(CONFIG={ROOT / 'qwen3_30b_a3b_sft_profile.yaml'}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+    # CONFIG=tiny_cpu is set already: the argument that made the backend megatron is named, and the fsdp layout
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path), ["actor.backend=megatron:d2"], gpus=0)
+    assert str(err.value) == (
+        "actor.backend='megatron:d2': the megatron backend needs CUDA GPUs and this node has none (CONFIG=tiny_cpu); the "
+        "argument actor.backend=megatron:d2 makes it megatron: on a machine without CUDA use the fsdp backend, "
+        "actor.backend=fsdp:d2 (CPU, gloo)")
     with pytest.raises(launch.DriverError, match=r"N_GPUS_PER_NODE=2 processes on this node, one GPU each, but it has 1 "
                                                  r"visible GPU\(s\) \(CUDA_VISIBLE_DEVICES=unset\)"):
         launch.plan(_plan_env(tmp_path), [], gpus=1)
@@ -784,6 +820,20 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
         except OSError:
             pass
     assert left == []
+    if while_postprocessing:
+        return
+    # postprocessed alone, as the README says (the RUN_ROOT as --run-dir): interrupted, as the driver said, never
+    # failed with a first failing rank; the trial not run is said to be so
+    res = subprocess.run([sys.executable, str(ROOT / "postprocess_profile.py"), "--run-dir", str(run)],
+                         capture_output=True, text=True, timeout=300)
+    summary = json.loads((run / names[0] / "profile_summary.json").read_text())
+    assert (res.returncode, summary["status"], summary.get("failure")) == (0, "interrupted", None), res.stderr
+    md = (run / names[0] / "profile_summary.md").read_text()
+    assert (f"- trial status: **interrupted** — interrupted: `the driver got {signal.Signals(sig).name} and stopped "
+            "its torchrun`") in md.splitlines() and "## Failure" not in md and "Traceback" not in md
+    assert res.stderr.splitlines()[-1] == (f"[postprocess] [2/2] {names[1]}: not run (no launcher.log), nothing to "
+                                           "postprocess")
+    assert not (run / names[1] / "profile_summary.json").exists()
 
 
 @pytest.mark.parametrize("to_group,driver_ignores", [(False, False), (True, False), (True, True)],
@@ -1067,7 +1117,7 @@ def test_fileroot_named_like_the_package_warns_under_python_m(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (f"sftprof: warning: FILEROOT {tmp_path / 'sftprof'} is a folder named sftprof: a Python started in "
             f"{tmp_path} imports it (an empty namespace package) instead of the sftprof package; name it otherwise, "
-            "e.g. FILEROOT=/tmp/sftprof_fileroot\n") in out.stderr
+            f"e.g. FILEROOT={tmp_path}/sftprof_fileroot, or leave FILEROOT unset (RUN_ROOT/fileroot)\n") in out.stderr
 
 
 @pytest.mark.parametrize("python", ["/bin/true", "stdlib_only"])
@@ -1251,7 +1301,8 @@ def test_run_root_is_claimed_by_one_driver(tmp_path, monkeypatch, capsys):
     with pytest.raises(launch.DriverError) as err:
         launch.write_plan(*second, created)
     message = (f"RUN_ROOT={tmp_path / 'run'}: another driver claimed it while this one planned (its "
-               "profile_settings.log appeared); nothing was written. Choose another RUN_ROOT or PROFILE_STAMP")
+               "profile_settings.log appeared); nothing was written. Set RUN_ROOT to a new folder (PROFILE_STAMP does "
+               "not change a RUN_ROOT that is set)")
     assert str(err.value) == message and created == []
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
     assert "LOGPROBS_CHUNK_SIZE=128\t# config actor.loss.logprobs_chunk_size" in \

@@ -166,7 +166,14 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
         texts = [f["text"] for f in s["findings"]]
         assert any(x.startswith("rank 0: LM head + loss ") and " % of CPU op time (" in x for x in texts), texts
         assert any(x.startswith("rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: ") for x in texts)
+        # each finding names its next step; the LM head + loss (part and heaviest op) the README's chunked LM head
+        lm_head = ("try LM_HEAD_LOSS_CHUNK_SIZE=256: the LM head and the loss in chunks of 256 tokens, without the "
+                   "full logits and their log-softmax")
+        steps = {f["key"]: f["next_step"] for f in s["findings"]}
+        assert steps["part lm_head_loss"] == steps["heaviest op"] == lm_head, steps
+        assert all(x.startswith(("try ", "none")) for x in steps.values()), steps
         md = (run_dir / "profile_summary.md").read_text()
+        assert f"\n   - next step: {lm_head}\n" in md
         assert "## Findings" in md and "### Time by model part, rank 0" in md and GPU_ONLY in md
         assert "Heaviest op: **_VocabParallelLogprobs**" in md
         # chrome and cpu_only are the same bytes: cpu_only is a relative link, and the summary says so

@@ -48,12 +48,17 @@ def test_path_from_config_and_misuse():
 
     cfg = load_config("tiny_cpu", ["actor.loss.lm_head_loss_chunk_size=256"])
     assert SFTLoss.from_config(cfg) == SFTLoss("lm_head", 128, 256)
-    assert SFTLoss.from_config(load_config("tiny_cpu")).describe() == \
-        "logprobs (logits + vocab_parallel_logprobs, chunk 128 tokens)"
+    # the log line names the settings it reports (issue 50: "chunk 128 tokens" was read as the LM head's chunk)
+    assert SFTLoss.from_config(load_config("tiny_cpu")).describe() == ("logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; "
+                                                                       "vocab_parallel_logprobs, chunks of "
+                                                                       "LOGPROBS_CHUNK_SIZE=128 tokens)")
+    assert SFTLoss.from_config(cfg).describe() == "lm_head (linear_sft_loss, chunks of LM_HEAD_LOSS_CHUNK_SIZE=256 tokens)"
     # on CUDA the chunk size does not apply (one launch over all tokens): the megatron engine's log said "chunk 128"
     assert SFTLoss.from_config(load_config("tiny_cpu")).describe(cuda=True) == \
-        "logprobs (logits + vocab_parallel_logprobs, all tokens at once on CUDA (chunk 128 tokens applies on CPU))"
-    assert SFTLoss("logprobs", 0).describe(cuda=True) == "logprobs (logits + vocab_parallel_logprobs, unchunked)"
+        ("logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; vocab_parallel_logprobs, all tokens at once on CUDA "
+         "(LOGPROBS_CHUNK_SIZE=128 applies on CPU))")
+    assert SFTLoss("logprobs", 0).describe(cuda=True) == \
+        "logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; vocab_parallel_logprobs, unchunked (LOGPROBS_CHUNK_SIZE=0))"
     with pytest.raises(ValueError, match="the chunked LM-head loss takes hidden states"):
         SFTLoss("lm_head", 0, 8).from_logits(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), torch.ones(2))
     logits = torch.tensor([[0.0, 1.0, 2.0]])

@@ -618,7 +618,7 @@ def test_compare_runs(tmp_path, cpu_traces):
                                              "profile": {"fake_seq_len": 4096}}
         log.rename(log.with_name(log.name + "_moved"))
     out = tmp_path / "cmp.md"
-    res = _cli("compare", tmp_path / "rootA", tmp_path / "rootB", "--out", out)
+    res = _cli("compare", tmp_path / "rootA", tmp_path / "rootB", "--out", out, "--all-rows")
     assert res.returncode == 0, res.stderr
     md = out.read_text()
     assert "| `actor.logprobs_chunk_size` | 0 | 128 |" in md and "trial_name" not in md and "**Warning:**" not in md
@@ -643,7 +643,8 @@ def test_compare_runs(tmp_path, cpu_traces):
     b0 = summaries["B"]["ranks"]["rows"][0]["step_ms"]
     assert float(_cell(md, "rank 0 step_ms", 4)) == pytest.approx(b0 - a0, abs=1e-3)
     # Trial dirs work too, and the default output lands in RUN_B.
-    res = _cli("compare", tmp_path / "rootA" / "tiny_kernel_step1_A", tmp_path / "rootB" / "tiny_kernel_step1_B")
+    res = _cli("compare", tmp_path / "rootA" / "tiny_kernel_step1_A", tmp_path / "rootB" / "tiny_kernel_step1_B",
+               "--all-rows")
     assert res.returncode == 0
     assert (tmp_path / "rootB" / "tiny_kernel_step1_B" / "compare_vs_tiny_kernel_step1_A.md").read_text() == md.replace(
         str(tmp_path / "rootA"), str(tmp_path / "rootA" / "tiny_kernel_step1_A")).replace(
@@ -681,7 +682,7 @@ def test_compare_gives_every_row_a_verdict_with_its_interval(tmp_path, cpu_trace
         assert _cli("--log-dir", log, "--run-dir", runs[side], "--profile-kind", "kernel", "--profile-step", 1,
                     ).returncode == 0
     out = tmp_path / "cmp.md"
-    assert _cli("compare", runs["A"], runs["B"], "--out", out).returncode == 0
+    assert _cli("compare", runs["A"], runs["B"], "--out", out, "--all-rows").returncode == 0
     md = out.read_text()
     assert ("- Δ (B−A): the Hodges-Lehmann shift B − A (the median of all pairwise differences) with its exact 95 % "
             "confidence interval from the Mann-Whitney rank test (distribution-free; no resampling, no seed); with one "
@@ -706,6 +707,29 @@ def test_compare_gives_every_row_a_verdict_with_its_interval(tmp_path, cpu_trace
     assert _cli("compare", runs["A"], runs["C"], "--out", tmp_path / "cmpC.md").returncode == 0
     assert ("| step time s (slowest rank) | 2.050 | 2.050 | +0.000 | +0.0% | [-0.100, +0.100] | 5/5 | "
             "no detectable difference |") in (tmp_path / "cmpC.md").read_text()
+    # by default the report opens with the settings and the rows that have a verdict; the rows of one sample a side
+    # are one line under their table
+    res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "short.md")
+    short = (tmp_path / "short.md").read_text()
+    assert res.returncode == 0 and short.index("## Settings") < short.index("## Verdicts") < short.index("## Step time")
+    verdicts = short[short.index("## Verdicts"):short.index("How to read")]
+    assert ("| Step time | step time s (slowest rank) | 2.050 | 2.550 | +0.500 | +24.4% | [+0.400, +0.600] | 5/5 | "
+            "slower |") in verdicts.splitlines()
+    assert "| step wall |" not in short and stats.ONE_SAMPLE not in short.split("How to read")[1].replace(
+        f"`{stats.ONE_SAMPLE}`", "")
+    assert ("4 row(s) of one sample a side, no verdict, not shown (step wall, GPU busy, communication, exposed "
+            "communication): `compare --all-rows` shows them; more `PROFILE_STEPS` give repeats.") in short.splitlines()
+    # the gate: B slower on step time is exit status 3, its row named; the same peak passes
+    res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "gate.md", "--fail-on", "step_time,peak_allocated")
+    assert res.returncode == 3 and res.stderr.splitlines()[-1] == (
+        "[postprocess] REGRESSION step_time: Step time, step time s (slowest rank): slower, Δ +0.500 (+24.4%), 95 % CI "
+        "[+0.400, +0.600], samples 5/5")
+    res = _cli("compare", runs["B"], runs["A"], "--out", tmp_path / "gate2.md", "--fail-on", "step_time,peak_allocated")
+    assert res.returncode == 0 and res.stderr.splitlines()[-1] == (
+        "[postprocess] --fail-on step_time,peak_allocated: no regression")
+    res = _cli("compare", runs["A"], runs["B"], "--fail-on", "speed")
+    assert res.returncode == 2 and ("--fail-on 'speed': accepted: a comma-separated list of step_time, peak_allocated, "
+                                    "peak_reserved") in res.stderr
 
 
 def test_compare_pools_the_kernel_trials_after_step_0(tmp_path, cpu_traces):
@@ -732,7 +756,7 @@ def test_compare_pools_the_kernel_trials_after_step_0(tmp_path, cpu_traces):
             trial = tmp_path / f"root{side}" / f"kernel_step{step}"
             trial.mkdir(parents=True)
             (trial / "profile_summary.json").write_text(json.dumps(s))
-    md = compare_runs(str(tmp_path / "rootA"), str(tmp_path / "rootB"))
+    md = compare_runs(str(tmp_path / "rootA"), str(tmp_path / "rootB"), all_rows=True)
     assert "## kernel step 0: `kernel_step0` (A) vs `kernel_step0` (B)" in md
     assert ("## kernel trials after step 0, pooled: A `kernel_step1` (step 1), `kernel_step2` (step 2), `kernel_step3` "
             "(step 3), `kernel_step4` (step 4) vs B `kernel_step1` (step 1), `kernel_step2` (step 2), `kernel_step3` "
@@ -1027,3 +1051,35 @@ def test_compare_settings_table_shows_empty_values():
         '| `memory_profiler.ranks` | 0 | "" (all ranks) |',
         '| `perf_tracer.ranks` | "" (all ranks) | pp_rank0 |',
         '| `tokenizer_path` | "" | /tok |', ""]
+
+
+def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(tmp_path):
+    """Issue 50: a RUN_ROOT passed with --log-dir, a trial run dir without --log-dir, or the experiment folder of the
+    log dirs as --log-dir stop with exit 2 and say what to pass (the experiment folder gave an error about
+    --profile-kind); nothing is written."""
+    root = tmp_path / "run"
+    (root / "t0").mkdir(parents=True)
+    logs = tmp_path / "fileroot" / "logs" / "u" / "exp"
+    for name in ("t0", "t1"):
+        (logs / name).mkdir(parents=True)
+        _stats(logs / name / "stats.jsonl")
+    (root / "trials.tsv").write_text(f"t0\tkernel\t1\t{root / 't0'}\t{logs / 't0'}\t{root / 't0' / 'train_args.txt'}\n")
+    res = _cli("--run-dir", root, "--log-dir", logs / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --run-dir {root} is a RUN_ROOT (it holds trials.tsv), which takes no "
+        "--log-dir: pass it alone to postprocess every trial it lists, or pass one trial's --log-dir and --run-dir "
+        "(trials.tsv lists both)")
+    res = _cli("--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir is required with a trial run dir ({root / 't0'} holds no "
+        "trials.tsv, so it is not a RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists "
+        "them")
+    res = _cli("--log-dir", logs, "--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir {logs} holds the log dirs of 2 trials (t0, t1), not one: pass one "
+        "of them with its trial's --run-dir, or pass the RUN_ROOT alone as --run-dir to postprocess every trial")
+    res = _cli("--log-dir", root, "--run-dir", root / "t0")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --log-dir {root} is a RUN_ROOT (it holds trials.tsv), not a trial's log dir: "
+        "pass it alone as --run-dir to postprocess every trial it lists")
+    assert sorted(p.name for p in root.rglob("*")) == ["t0", "trials.tsv"]

@@ -27,8 +27,8 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, Iterable
 
-from sftprof.artifacts import SUMMARY_JSON
-from sftprof.analysis import stats, what_if, what_if_outcome
+from sftprof.artifacts import RUN_ROOT_FILEROOT, SUMMARY_JSON
+from sftprof.analysis import compare_verdicts, stats, what_if, what_if_outcome
 from sftprof.analysis.failure import failure_cause
 from sftprof.analysis.kernel_names import short_kernel_name
 from sftprof.analysis.memory_summary import PEAK_SCOPES, peak_where
@@ -120,8 +120,8 @@ def _without_summary(run: str) -> list[str]:
     or not postprocessed); none for a trial dir."""
     if os.path.isfile(os.path.join(run, SUMMARY_JSON)):
         return []
-    return [d for d in sorted(os.listdir(run))
-            if os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
+    return [d for d in sorted(os.listdir(run)) if d != RUN_ROOT_FILEROOT
+            and os.path.isdir(os.path.join(run, d)) and not os.path.isfile(os.path.join(run, d, SUMMARY_JSON))]
 
 
 def _values(v: Any) -> list[float]:
@@ -180,9 +180,12 @@ def _table(title: str, unit: str, rows: list[tuple]) -> list[str]:
         return []
     headers = [title, f"A {unit}".strip(), f"B {unit}".strip(), "Δ (B−A)", "Δ %", "95 % CI of Δ", "samples A/B",
                "verdict"]
-    cells = [[str(name).replace("|", "/"), *_row_cells(a, b, unit in ("s", "ms") or (not unit and _is_time(name)))]
-             for name, a, b in rows]
-    return [table(headers, cells, cell=str)]
+    shown, left_out = [], []
+    for name, a, b in rows:
+        row = [str(name).replace("|", "/"), *_row_cells(a, b, unit in ("s", "ms") or (not unit and _is_time(name)))]
+        (shown if compare_verdicts.record(title, str(name), row[1:]) else left_out).append(row)
+    return ([table(headers, shown, cell=str)] if shown else []) + compare_verdicts.left_out_line(
+        [r[0] for r in left_out])
 
 
 def _samples(dicts: Iterable[dict[str, Any]]) -> dict[str, list]:
@@ -240,9 +243,10 @@ def _group_title(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict
             "Each A and B cell is the median over that run's trials (samples A/B: how many trials have the row).", ""]
 
 
-def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
-    """The report section of one group of trials (:func:`_group_key`): settings, step figures, per rank, kernels,
-    memory; each row's samples are the group's trials of each run."""
+def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]], settings: list[str]) -> list[str]:
+    """The report section of one group of trials (:func:`_group_key`): its settings where they differ from the
+    report's opening ones (``settings``), step figures, per rank, kernels, memory; each row's samples are the group's
+    trials of each run."""
     out = _group_title(kind, ta, tb)
     for side, trials in (("A", ta), ("B", tb)):
         for d, s in trials:
@@ -253,7 +257,8 @@ def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, di
                 out += [f"**Trial {side}{name} status: {s.get('status')}**" + why
                         + ": its figures are missing below, not zero.", ""]
     a, b = [s for _, s in ta], [s for _, s in tb]
-    out += settings_diff(a[0], b[0])
+    mine = settings_diff(a[0], b[0])
+    out += [] if mine == settings else ["Settings of these trials (they differ from the report's first ones):", ""] + mine
     out += _step_tables(a, b)
     ka, kb = _by_rank(a, "kernel_traces"), _by_rank(b, "kernel_traces")
     ma, mb = _by_rank(a, "memory_snapshots"), _by_rank(b, "memory_snapshots")
@@ -363,7 +368,7 @@ def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -
                 + ("" if samples[side] else ": none (raise TOTAL_STEPS: the steps after each trial's profiled step "
                                             "are samples)")]
         spread += _trial_spread(side, [(d, [t for _, t in steps]) for d, steps in per_trial if steps])
-    return out + spread + [""] + _table("metric", "s", [("step time s (slowest rank)", samples["A"], samples["B"])])
+    return out + spread + [""] + _table("metric", "s", [(compare_verdicts.STEP_TIME_ROW, samples["A"], samples["B"])])
 
 
 def _verdict_note() -> list[str]:
@@ -378,7 +383,9 @@ def _verdict_note() -> list[str]:
             "step 0 (several `PROFILE_STEPS` give repeats; step 0, the warm-up, is compared on its own).",
             "- Memory rows come from deterministic allocations (a step allocates the same each time it runs): compared "
             "exactly, `higher (exact)` / `lower (exact)` / `equal (exact)`, no interval; where a run's samples of a "
-            "memory row differ, the rank test decides (`higher` / `lower`).", ""]
+            "memory row differ, the rank test decides (`higher` / `lower`).",
+            "- A row of one sample a side (no verdict) is left out of its table, and a line under the table counts and "
+            "names those rows (`compare --all-rows` shows them); `–`: a side without the figure.", ""]
 
 
 def _step_tables(a: list[dict], b: list[dict]) -> list[str]:
@@ -579,9 +586,17 @@ def _what_if_section(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
     return out
 
 
-def compare_runs(run_a: str, run_b: str) -> str:
-    """Markdown report comparing two runs (see the module docstring); it ends with :data:`NO_MATCH` when no
-    trial matches. Sub-directories of a RUN_ROOT without ``profile_summary.json`` are listed as not compared.
+def compare_runs(run_a: str, run_b: str, all_rows: bool = False) -> str:
+    """The Markdown report of :func:`compare`."""
+    return compare(run_a, run_b, all_rows)[0]
+
+
+def compare(run_a: str, run_b: str, all_rows: bool = False) -> tuple[str, list[compare_verdicts.Row]]:
+    """Markdown report comparing two runs (see the module docstring) and its table rows (the verdicts
+    ``compare --fail-on`` reads: :func:`sftprof.analysis.compare_verdicts.regressions`). The report opens with the
+    settings that differ and the rows with a verdict; rows of one sample a side are left out of their tables (a line
+    counts them) unless ``all_rows``. It ends with :data:`NO_MATCH` when no trial matches. Sub-directories of a
+    RUN_ROOT without ``profile_summary.json`` are listed as not compared.
 
     Raises:
         CompareInputError: ``run_a`` and ``run_b`` are the same folder (under any name: a report of zeros that
@@ -613,18 +628,32 @@ def compare_runs(run_a: str, run_b: str) -> str:
     out.append("")
     if not common and not pairs:
         out.append(NO_MATCH)
-        return "\n".join(out) + "\n"
-    sections = [(None, lambda: _what_if_section(pairs))] if pairs else []
+        return "\n".join(out) + "\n", []
+    settings = settings_diff(ga[common[0]][0][1], gb[common[0]][0][1]) if common else []
+    sections = [("What-ifs tried", None, lambda: _what_if_section(pairs))] if pairs else []
     if common:
-        sections += [(None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
-        sections += [(key, lambda key=key: _group_section(key[0], ga[key], gb[key])) for key in common]
-        out += _verdict_note()
-    for key, section in sections:
-        try:
-            out += section()
-        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
-            dirs = [d for d, _ in (list(ta.values()) + list(tb.values()) if key is None else ga[key] + gb[key])]
-            files = " and ".join(os.path.join(d, SUMMARY_JSON) for d in dirs)
-            raise CompareInputError(f"cannot compare {files}: a member has an unexpected shape "
-                                    f"({type(exc).__name__}: {exc}); rerun postprocess_profile.py for them") from None
-    return "\n".join(out).rstrip() + "\n"
+        sections += [("Step time", None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
+        sections += [(_group_name(key[0], ga[key], gb[key]), key,
+                      lambda key=key: _group_section(key[0], ga[key], gb[key], settings)) for key in common]
+    body: list[str] = []
+    with compare_verdicts.collecting(all_rows) as rows:
+        for name, key, section in sections:
+            rows.group = name
+            try:
+                body += section()
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+                dirs = [d for d, _ in (list(ta.values()) + list(tb.values()) if key is None else ga[key] + gb[key])]
+                files = " and ".join(os.path.join(d, SUMMARY_JSON) for d in dirs)
+                raise CompareInputError(f"cannot compare {files}: a member has an unexpected shape "
+                                        f"({type(exc).__name__}: {exc}); rerun postprocess_profile.py for them") from None
+    if common:
+        out += ["## Settings", ""] + settings + compare_verdicts.verdict_section(rows.rows) + _verdict_note()
+    return "\n".join(out + body).rstrip() + "\n", rows.rows
+
+
+def _group_name(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> str:
+    """A group in a few words, as its section's title (:func:`_group_title`): ``kernel step 2`` (one trial a side at
+    one step), ``kernel trials after step 0`` (pooled)."""
+    if len(ta) == len(tb) == 1 and ta[0][1]["profile_step"] == tb[0][1]["profile_step"]:
+        return f"{kind} step {ta[0][1]['profile_step']}"
+    return f"{kind} trials after step 0"

@@ -326,7 +326,10 @@ def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
     compare): ``("first failure", "rank 1 killed by SIGKILL (exit code -9): Signal 9 (SIGKILL) received by PID
     7899")`` from its Failure section (``summary["failure"]``: :func:`headline` and the first line of its error
     text), so a rank that torchrun stopped (its completion record's ``_Terminated: terminated by SIGTERM ...``) is
-    never named as the cause; else ``("error", <the completion record's error>)``; None when there is neither."""
+    never named as the cause; else ``("error", <the completion record's error>)``; None when there is neither. A
+    trial the driver interrupted: ``("interrupted", "the driver got SIGINT and stopped its torchrun")``."""
+    if summary.get("interrupted"):
+        return "interrupted", summary["interrupted"].removeprefix(artifacts.INTERRUPTED_PREFIX)
     fail = summary.get("failure")
     if fail:
         first = ((fail.get("traceback") or "").splitlines() or [""])[0].strip()

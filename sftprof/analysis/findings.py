@@ -7,7 +7,8 @@ time or CPU op time) or of the peak allocated memory (memory trials) the lever c
 ``section`` is the Markdown heading the finding points to; ``key`` names the lever (the same on every rank, so
 :func:`top` states each lever once); ``caveats`` are the faults of the rank's trace
 (:func:`sftprof.analysis.trace_sanity.fault_messages`) or why its snapshot's step peak is unknown. Figures are per
-profiled rank and say so.
+profiled rank and say so. Each finding's ``next_step`` (the setting to try, or why none) is added after the what-ifs
+(:mod:`sftprof.analysis.next_steps`).
 """
 from __future__ import annotations
 

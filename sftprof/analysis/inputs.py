@@ -289,6 +289,16 @@ def trainer_log_tail(path: str | None, lines: int = 30) -> list[str] | None:
     return [t.rstrip("\n") for t in tail]
 
 
+def driver_interrupt(run_dir: str) -> str | None:
+    """The driver's line in the trial's ``launcher.log`` saying that a signal stopped its torchrun
+    (:data:`sftprof.artifacts.INTERRUPTED_LINE`), None when there is none (or no readable log)."""
+    try:
+        with open(os.path.join(run_dir, artifacts.LAUNCHER_LOG), encoding="utf-8", errors="replace") as f:
+            return next((line.rstrip("\n") for line in f if line.startswith(artifacts.INTERRUPTED_PREFIX)), None)
+    except OSError:
+        return None
+
+
 _TE_IN_LOG = re.compile(r"\btransformer_engine=(True|False)\b")
 
 

@@ -73,13 +73,16 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
               missing_log_dir: str | None) -> tuple[list[FileError], list[FileWarning]]:
     """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
     (``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
-    does not exist, first error)."""
+    does not exist, first error, or a warning for a trial the driver interrupted)."""
     kind, step = summary["profile_kind"], summary["profile_step"]
     errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
     errors += input_errors
-    if missing_log_dir:
-        errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
     warnings = []  # a kind or step the trial did not profile is refused before this (resolve_profile)
+    if missing_log_dir and summary["status"] == "interrupted":  # stopped before the trainer wrote anything
+        warnings.append({"file": "--log-dir", "warning": f"{missing_log_dir} does not exist: the driver stopped the "
+                                                         "trial before the trainer wrote its log dir"})
+    elif missing_log_dir:
+        errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
     for it in items:
         s = it.get("summary") or {}
         if (s.get("history") or {}).get("truncated"):

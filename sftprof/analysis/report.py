@@ -84,6 +84,7 @@ def _findings(s: dict) -> list[str]:
     if s.get("findings"):
         out.append("## Findings\n")
         out += [f"{i + 1}. {f['text']} ([details]({f['section']}))"
+                + (f"\n   - next step: {f['next_step']}" if f.get("next_step") else "")
                 + "".join(f"\n   - caveat: {c}" for c in f.get("caveats") or []) for i, f in enumerate(s["findings"])]
         out.append("")
     if s.get("what_if") or s.get("what_if_skipped"):

@@ -18,7 +18,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
 ``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a simulated
 rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage; a
-snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``.
+snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``; a finding's ``next_step``; an interrupted
+trial's ``interrupted``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -235,6 +236,7 @@ class Finding(TypedDict):
     key: str
     rank: NotRequired[Optional[int]]
     caveats: NotRequired[list[str]]
+    next_step: NotRequired[str]  # "try <setting>: ..." or "none: <why>" (sftprof.analysis.next_steps)
 
 
 class WhatIfSetting(TypedDict):
@@ -1008,7 +1010,8 @@ class ProfileSummary(TypedDict):
     trial: str
     profile_kind: Literal["kernel", "memory"]
     profile_step: int
-    status: str  # "ok" | "failed" | "unknown"
+    status: str  # "ok" | "failed" | "unknown" | "interrupted" (the driver stopped the trial: ``interrupted``)
+    interrupted: NotRequired[str]  # the driver's line in launcher.log (sftprof.artifacts.INTERRUPTED_LINE)
     completion: Completion
     paths: Paths
     stats: Stats

@@ -23,6 +23,7 @@ from sftprof.analysis.failure import first_failure
 from sftprof.analysis.findings import trial_findings
 from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
 from sftprof.analysis.recompute_plan import recompute_what_if
+from sftprof.analysis.next_steps import with_next_steps
 from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                        routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.projection import simulation_summary
@@ -80,7 +81,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     Returns:
         ``(summary, exit_code)``: exit code 2 when ``log_dir`` does not exist (the summary is still
         written: a trial that died before the trainer's first write is reported as failed, with the
-        launcher log's tail); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
+        launcher log's tail), unless the driver interrupted the trial (status ``interrupted``: its launcher.log
+        holds :data:`sftprof.artifacts.INTERRUPTED_LINE`, the missing log dir a warning); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
         processed, a trace's invalid events dominate it, a trace or snapshot is not the trial's (a trace of another
         step or rank, :func:`sftprof.analysis.trace_summary.identity_problems`; a rank in its name at or above the
         trial's world size, :func:`sftprof.analysis.inputs.world_size`: not summarised), or an ``ok`` trial lacks
@@ -116,7 +118,10 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                    transformer_engine=inputs.transformer_engine(cfg, trainer_log))
     if tried:
         summary["tried_what_if"] = tried
-    if summary["status"] != "ok":
+    interrupted = inputs.driver_interrupt(run_dir)
+    if interrupted:  # the driver stopped it (Ctrl-C, SIGTERM): not a failure, no first failing rank to name
+        summary.update(status="interrupted", interrupted=interrupted)
+    elif summary["status"] != "ok":
         summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
         if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
             summary["status"] = "failed"
@@ -143,16 +148,16 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     summary["warnings"] = warnings
     summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
     summary["ranks"] = rank_table(summary)
-    summary["findings"] = trial_findings(summary)
     summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
     if profile_kind == "kernel" and summary["status"] == "ok":  # the recompute that fits at the least time
         summary["what_if"] = sorted(summary["what_if"] + recompute_what_if(summary, cfg, (env or {}).get(
             "PYTORCH_CUDA_ALLOC_CONF")), key=lambda w: -w["weight"])
     if summary.get("oom"):  # why it ran out of memory comes first, and its change that fits is a what-if
-        summary["findings"] = [oom_finding(summary["oom"])] + summary["findings"]
         summary["what_if"] = oom_what_if(summary["oom"]) + summary["what_if"]
+    findings = ([oom_finding(summary["oom"])] if summary.get("oom") else []) + trial_findings(summary)
+    summary["findings"] = with_next_steps(findings, summary["what_if"], summary["what_if_skipped"], summary, cfg)
     write_summary(summary, run_dir)
-    return summary, 2 if log_dir_missing else (1 if errors else 0)
+    return summary, 2 if log_dir_missing and not interrupted else (1 if errors else 0)
 
 
 def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:

@@ -5,12 +5,15 @@ import getpass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sftprof.artifacts import RUN_ROOT_FILEROOT
+
 if TYPE_CHECKING:  # the schema imports this module (DEFAULT_FILEROOT)
     from sftprof.config.schema import SFTProfileConfig
 
-# Not /tmp/sftprof (the default before): a folder named like the package shadows it for a Python started in its
-# parent (``cd /tmp && python -c "import sftprof"`` imports the empty folder as a namespace package).
-DEFAULT_FILEROOT = "/tmp/sftprof_fileroot"
+# cluster.fileroot unset (empty): the driver's is RUN_ROOT/<RUN_ROOT_FILEROOT> (one per user and run), the trainer's
+# run alone /tmp/sftprof_fileroot_<user> (standalone_fileroot). Not /tmp/sftprof (a default before): a folder named
+# like the package shadows it for a Python started in its parent (``cd /tmp && python -c "import sftprof"``).
+DEFAULT_FILEROOT = ""
 # Names that become one folder of a path (experiment_name, trial_name, the driver's EXPERIMENT_NAME and
 # PROFILE_STAMP): no '/', '.' or '..' can lead outside the folder they are put in.
 NAME_ACCEPTED = "letters, digits, '_' and '-' only"
@@ -21,6 +24,13 @@ def is_folder_name(text: str) -> bool:
     return text.replace("_", "").replace("-", "").isalnum()
 
 
+def standalone_fileroot() -> str:
+    """The log root of a trial run without the driver and without ``cluster.fileroot``: this user's own."""
+    return f"/tmp/sftprof_fileroot_{getpass.getuser()}"
+
+
 def trial_log_dir(cfg: SFTProfileConfig) -> Path:
-    """LOG_DIR of a trial: ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/``."""
-    return Path(cfg.cluster.fileroot) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name
+    """LOG_DIR of a trial: ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` (an empty
+    ``cluster.fileroot``: :func:`standalone_fileroot`; the driver always sets it)."""
+    root = cfg.cluster.fileroot or standalone_fileroot()
+    return Path(root) / "logs" / getpass.getuser() / cfg.experiment_name / cfg.trial_name

@@ -61,7 +61,8 @@ LOSS_PATHS = ("auto", "lm_head", "logprobs", "reference")
 
 @dataclass
 class ClusterConfig:
-    """Where logs go (``fileroot``, default :data:`DEFAULT_FILEROOT`) and the torchrun layout (nodes x processes per
+    """Where logs go (``fileroot``; empty, the default: the driver's ``RUN_ROOT/fileroot``, a trainer run alone
+    ``/tmp/sftprof_fileroot_<user>``: :mod:`sftprof.config.paths`) and the torchrun layout (nodes x processes per
     node)."""
 
     fileroot: str = DEFAULT_FILEROOT

@@ -137,6 +137,14 @@ def check_folder_names(d: DriverEnv, p: Probe, stamp: str, node_tag: str) -> Non
                           "bytes), or set RUN_ROOT")
 
 
+def another_run_root(explicit: bool) -> str:
+    """What to change when RUN_ROOT is taken: RUN_ROOT itself when it was set (``explicit``; PROFILE_STAMP then
+    changes only the trial names), else PROFILE_STAMP (the default RUN_ROOT ends with it) or RUN_ROOT."""
+    if explicit:
+        return "Set RUN_ROOT to a new folder (PROFILE_STAMP does not change a RUN_ROOT that is set)"
+    return "Set another PROFILE_STAMP (the default RUN_ROOT ends with it) or set RUN_ROOT to a new folder"
+
+
 def choose_run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     """``(RUN_ROOT, PROFILE_STAMP)``; RUN_ROOT must not exist or be empty, and folders must be creatable there
     (:func:`check_writable_folder`); the folder names of the plan must fit (:func:`check_folder_names`)."""
@@ -153,10 +161,10 @@ def choose_run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     check_path_fits("RUN_ROOT", run_root)
     if run_root.exists() and not run_root.is_dir():
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not a directory; nothing was overwritten. "
-                          "Choose another RUN_ROOT or PROFILE_STAMP")
+                          + another_run_root(bool(get("RUN_ROOT"))))
     if run_root.exists() and any(run_root.iterdir()):
         raise DriverError(f"RUN_ROOT={run_root}: exists and is not empty; nothing was overwritten. "
-                          "Choose another RUN_ROOT or PROFILE_STAMP")
+                          + another_run_root(bool(get("RUN_ROOT"))))
     check_writable_folder("RUN_ROOT", run_root)
     log.note("RUN_ROOT", run_root, "env" if get("RUN_ROOT") else "default ./sftprof_runs/<experiment>_<stamp>[_node<k>]")
     log.note("PROFILE_STAMP", stamp, "env" if get("PROFILE_STAMP") else "default: now")
@@ -205,8 +213,8 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict, created: li
         except FileExistsError:
             created.clear()  # what this driver made on the way holds the other run now
             raise DriverError(f"RUN_ROOT={run_root}: another driver claimed it while this one planned (its "
-                              f"{artifacts.PROFILE_SETTINGS} appeared); nothing was written. Choose another RUN_ROOT "
-                              "or PROFILE_STAMP") from None
+                              f"{artifacts.PROFILE_SETTINGS} appeared); nothing was written. "
+                              + another_run_root(info.get("run_root_set", True))) from None
         rows = []
         for t in trials:
             t.run_dir.mkdir(parents=True, exist_ok=False)

@@ -38,7 +38,7 @@ from typing import Callable, Mapping
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
-from sftprof.config import (DEFAULT_FILEROOT, PRECISION_FIELDS, ConfigError, SFTProfileConfig, last_value_per_key,
+from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, to_yaml, trial_log_dir)
 from sftprof.launch import folders
 from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
@@ -341,7 +341,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     gpus = visible_gpus() if gpus is None else gpus
     if layout.backend == "megatron" and gpus == 0:
         raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
-                          f"none (CONFIG={config}); on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)")
+                          f"none (CONFIG={config}); " + _cpu_hint(d, layout))
     if 0 < gpus < nproc:
         raise DriverError(f"N_GPUS_PER_NODE={nproc} processes on this node, one GPU each, but it has {gpus} visible "
                           f"GPU(s) (CUDA_VISIBLE_DEVICES={get('CUDA_VISIBLE_DEVICES', 'unset')}); actor.backend="
@@ -360,19 +360,41 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     for var in CONFIG_VARIABLES:
         if not var.default:  # its default is the YAML's (N_GPUS_PER_NODE's is derived: noted below)
             log.note(var.name, yaml_value(config_value(probe, var.keys[0])), _source(var, d))
-    # the package's own folder name: sftprof
-    fileroot, package = Path(probe.cluster.fileroot), Path(__file__).resolve().parents[1].name
-    folders.check_writable_folder("FILEROOT", fileroot)
-    if fileroot.name == package:  # e.g. /tmp/sftprof, the default before DEFAULT_FILEROOT: used as given
-        log.warn(f"FILEROOT {fileroot} is a folder named {package}: a Python started in {fileroot.parent} imports it "
-                 f"(an empty namespace package) instead of the {package} package; name it otherwise, e.g. "
-                 f"FILEROOT={DEFAULT_FILEROOT}")
+    if probe.cluster.fileroot:  # else RUN_ROOT/fileroot (expand_trials), checked with RUN_ROOT
+        _check_fileroot(Path(probe.cluster.fileroot), log)
+        log.note("FILEROOT", probe.cluster.fileroot, _source(BY_NAME["FILEROOT"], d))
+    elif n_nodes > 1:
+        raise DriverError(f"FILEROOT is unset with N_NODES={n_nodes}: node 0 reads every node's logs there, so set "
+                          "FILEROOT to the same folder on a filesystem all nodes share")
     log.note("N_GPUS_PER_NODE", nproc, _source(nproc_var, d) if nproc_given else "one simulated rank"
              if simulated >= 0 else f"world size {layout.world_size} / N_NODES")
     if d.extra_overrides:
         log.settings.append(f"# extra overrides: {' '.join(d.extra_overrides)}")
     log.settings.append(f"# layout {probe.actor.backend}: {layout.describe()}")
     return Probe(cfg=probe, layout=layout, n_nodes=n_nodes, nproc=nproc, gpus=gpus, kinds=kinds, ranks_specs=ranks_specs)
+
+
+def _check_fileroot(fileroot: Path, log: PlanLog) -> None:
+    """A FILEROOT that is set: folders can be made there; a folder named like the package is used, with a warning (a
+    Python started in its parent would import it instead of the package)."""
+    package = Path(__file__).resolve().parents[1].name  # sftprof
+    folders.check_writable_folder("FILEROOT", fileroot)
+    if fileroot.name == package:  # e.g. /tmp/sftprof, a default before: used as given
+        log.warn(f"FILEROOT {fileroot} is a folder named {package}: a Python started in {fileroot.parent} imports it "
+                 f"(an empty namespace package) instead of the {package} package; name it otherwise, e.g. "
+                 f"FILEROOT={fileroot.parent / (package + '_' + RUN_ROOT_FILEROOT)}, or leave FILEROOT unset "
+                 f"(RUN_ROOT/{RUN_ROOT_FILEROOT})")
+
+
+def _cpu_hint(d: DriverEnv, layout: Layout) -> str:
+    """What to run instead of the megatron backend on a node without CUDA: the fsdp backend of the same world size
+    when an argument made the backend megatron (whatever CONFIG is: ``CONFIG=tiny_cpu`` may be set already), else the
+    CPU preset."""
+    given = arguments_setting("actor.backend", d.extra_overrides)
+    if given:
+        return (f"the argument {given[-1]} makes it megatron: on a machine without CUDA use the fsdp backend, "
+                f"actor.backend=fsdp:d{layout.world_size} (CPU, gloo)")
+    return "on a machine without CUDA use CONFIG=tiny_cpu (fsdp on CPU, gloo)"
 
 
 def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds: list[str],
@@ -435,6 +457,9 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
         DriverError: see :func:`plan`.
     """
     run_root, stamp = folders.choose_run_root(d, p, log)
+    if not p.cfg.cluster.fileroot:  # one per user and run: the trainer logs beside the run's outputs
+        d.overrides.append(f"cluster.fileroot={run_root / RUN_ROOT_FILEROOT}")
+        log.note("FILEROOT", run_root / RUN_ROOT_FILEROOT, "default: RUN_ROOT/" + RUN_ROOT_FILEROOT)
     tag = folders.model_tag(p.cfg.actor.path)
     owned = {key: args for key in TRIAL_KEYS if (args := arguments_setting(key, d.extra_overrides))}
     trials, first_cfg = [], None
@@ -608,5 +633,6 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
+                                  "run_root_set": bool(d.get("RUN_ROOT")),
                                   "trials": len(trials), "node_timeout": d.node_timeout, **torchrun,
                                   "notices": log.notices, "warnings": log.warnings}

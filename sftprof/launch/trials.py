@@ -75,13 +75,12 @@ def record_trials_not_run(run_root: Path) -> list[str]:
     with open(run_root / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         done = {row["trial"] for row in csv.DictReader(f, delimiter="\t")}
     added, rows = [], []
-    for line in (run_root / artifacts.TRIALS_TSV).read_text(encoding="utf-8").splitlines():
-        name_, kind, step, run_dir, log_dir, _ = line.split("\t")
+    for name_, kind, step, run_dir, log_dir in artifacts.read_trials_tsv(str(run_root)):
         if name_ not in done:
             added.append(name_)
             tried, _ = read_tried_what_if(run_dir)  # a damaged record leaves the row without settings
             what_if = settings_of(tried["what_if"]) if tried else NO_WHAT_IF
-            rows.append("\t".join([name_, kind, step, NOT_RUN, "-", "-", "-", run_dir, log_dir, what_if]) + "\n")
+            rows.append("\t".join([name_, kind, str(step), NOT_RUN, "-", "-", "-", run_dir, log_dir, what_if]) + "\n")
     if rows:
         with open(run_root / artifacts.SUMMARY_TSV, "a", encoding="utf-8") as f:
             f.writelines(rows)
@@ -282,6 +281,8 @@ class TrialRunner:
         torchrun_rc = self._torchrun(t)
         elapsed = int(time.monotonic() - start)
         if self.stop.signum is not None:
+            with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:  # postprocessing reads it
+                log.write(artifacts.INTERRUPTED_LINE.format(signal=signal.Signals(self.stop.signum).name) + "\n")
             self._row(t, INTERRUPTED, torchrun_rc, "-", elapsed)
             say(f"[{n}/{total}] trial {t.name} interrupted after {elapsed} s (torchrun status {torchrun_rc}); "
                 f"{total - n} trial(s) will not run")

@@ -1,0 +1,95 @@
+"""Every finding names its next step (issue 50): the setting to try, or why there is none. Real H200 summaries (the
+TE kernel and memory trials through postprocess_trial, the Qwen3.5 trial's summary as written); the CPU quick
+start's LM head + loss finding is checked on a real CPU run in tests/test_e2e_cpu.py."""
+import json
+
+import pytest
+import yaml
+
+from fixtures import FIXTURE_DIR
+from sftprof.analysis.memory_categories import MEMORY_CATEGORIES
+from sftprof.analysis.next_steps import DRIVER_VARIABLES, NO_RULE, with_next_steps
+from sftprof.analysis.report import render_markdown
+from sftprof.analysis.what_if import trial_what_if
+from sftprof.artifacts import MODEL_PARTS
+from sftprof.launch.variables import BY_NAME
+from test_what_if import _trial
+
+
+@pytest.fixture(scope="module")
+def te_trials(tmp_path_factory):
+    """The TE kernel and memory trials of tests/fixtures/README.md (8192 tokens, step 2)."""
+    root = tmp_path_factory.mktemp("te")
+    return (_trial(root / "kernel", "kernel", 2, FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
+                   ["profile.fake_seq_len=8192"], te=True),
+            _trial(root / "memory", "memory", 2, FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
+                   ["profile.fake_seq_len=8192"], te=True))
+
+
+def test_every_finding_of_the_te_trials_names_its_next_step(te_trials):
+    kernel, memory = te_trials
+    assert {f["key"]: f["next_step"] for f in kernel["findings"]} == {
+        # the README's example finding: the host launching the experts' GEMMs one at a time
+        "gpu idle": "try NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment): step time -9.0 ms on rank 0 predicted (What "
+                    "if: TE's CUTLASS grouped GEMM)",
+        "part optimizer": "none per token: the optimizer runs once a step over the parameters, so its share falls "
+                          "with more tokens a step (TRAIN_BATCH_SIZE, PROFILE_FAKE_SEQ_LEN)",
+        "part lm_head_loss": "try LM_HEAD_LOSS_CHUNK_SIZE=2048: the LM head and the loss in chunks, without the full "
+                             "logits; it saves their memory more than time (the GEMMs stay: see Kernel efficiency)",
+        "part experts": "try NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment): step time -9.0 ms on rank 0 predicted "
+                        "(What if: TE's CUTLASS grouped GEMM)",
+        "recompute": "try actor.megatron.recompute_granularity=selective actor.megatron.recompute_modules=[core_attn]: "
+                     "GPU time per step -8.4 ms on rank 0 predicted (What if: selective recompute)"}
+    already = ("none: precision-aware optimizer is not proposed: the trial already has "
+               "actor.megatron.use_precision_aware_optimizer=true, actor.megatron.main_grads_dtype=bfloat16")
+    assert {f["key"]: f["next_step"] for f in memory["findings"]} == {
+        "memory optimizer": already, "memory gradients": already,
+        "memory parameters": "none on this layout: the weights of the rank; a layout over more GPUs (actor.backend: "
+                             "TP, CP or EP) divides it",
+        "transient": "try LM_HEAD_LOSS_CHUNK_SIZE=2048: peak allocated -1.74 GiB on rank 0 predicted (What if: "
+                     "chunked LM head)"}
+    md = render_markdown(kernel)
+    assert ("\n   - next step: try NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment): step time -9.0 ms on rank 0 "
+            "predicted (What if: TE's CUTLASS grouped GEMM)\n") in md
+
+
+def test_the_qwen3_5_trials_launch_bound_experts_point_to_cutlass_then_not():
+    """The Qwen3.5 slice (tests/fixtures/README.md): its GPU-idle finding names TE's CUTLASS grouped GEMM with the
+    predicted saving; the trial that ran with it is told why it is not proposed again."""
+    d = FIXTURE_DIR / "h200_te_qwen3_5_cutlass"
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    steps = {}
+    for name in ("te", "te_cutlass"):
+        s = json.loads((d / f"{name}.profile_summary.json").read_text())
+        found, skipped = trial_what_if(s, cfg)
+        steps[name] = {f["key"]: f["next_step"] for f in with_next_steps(s["findings"], found, skipped, s, cfg)}
+    assert steps["te"]["gpu idle"] == ("try NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment): step time -428.9 ms on rank "
+                                       "0 predicted (What if: TE's CUTLASS grouped GEMM)")
+    assert steps["te_cutlass"]["gpu idle"] == (
+        "none: TE's CUTLASS grouped GEMM is not proposed: the trial already has NVTE_USE_CUTLASS_GROUPED_GEMM=1 "
+        "(environment)")
+    assert steps["te"]["part linear_attn"] == (
+        "none on this layout: this part is the model's own work at this size; a layout over more GPUs (actor.backend: "
+        "TP, CP or EP) divides it")
+
+
+def test_every_lever_has_a_rule():
+    """No finding the findings module makes is left with the generic line: each key, on a GPU and a CPU summary."""
+    keys = (["compile", "recompute", "exposed communication", "gpu idle", "exposed imbalance", "memory window peak",
+             "transient"] + [f"part {p}" for p in MODEL_PARTS + ("optimizer", "outside_parts", "comm_outside",
+                                                                  "kernel:gemm")]
+            + [f"memory {c}" for c in tuple(MEMORY_CATEGORIES) + ("allocator_slack",)])
+    for device, backend in (("cuda", "megatron:d1"), ("cpu", "fsdp:d2")):
+        summary = {"profile_step": 1, "completion": {"device": device}}
+        cfg = {"actor": {"backend": backend}, "memory_profiler": {"max_entries": 100000}}
+        found = with_next_steps([{"key": k, "text": "", "section": "", "weight": 0.1} for k in keys], [], [], summary,
+                                cfg)
+        assert [f["next_step"] for f in found if f["next_step"] == NO_RULE or
+                not f["next_step"].startswith(("try ", "none"))] == [], device
+    assert with_next_steps([{"key": "compile", "text": "", "section": "", "weight": 1.0}], [], [],
+                           {"profile_step": 1}, None)[0]["next_step"] == \
+        "try PROFILE_STEPS=2 (a later step, after the compilation; TOTAL_STEPS above it)"
+
+
+def test_driver_variables_are_the_drivers():
+    assert {k: v for k, v in DRIVER_VARIABLES.items() if BY_NAME[v].keys != (k,)} == {}
