@@ -320,7 +320,8 @@ def _comm_wait(cw: dict | None) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces, memory_snapshots)
+    _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _nvidia_smi, _ranks, kernel_traces,
+    memory_snapshots)
 
 
 def render_markdown(s: dict) -> str:
