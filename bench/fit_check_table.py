@@ -46,8 +46,8 @@ def predict(run: dict, fileroot: str) -> dict:
     d = read_driver_env(env, SLICE_ARGS + run["args"], log)
     cfg = load_config(d.config, d.overrides + d.extra_overrides)
     return check_fit(dataclasses.asdict(cfg), load_hf_config(cfg.actor.path, cfg.actor.num_layers),
-                     parse_allocation_mode(cfg.actor.backend), cfg.profile.fake_seq_len, int(run["capacity_gib"] * 2**30),
-                     env.get("PYTORCH_CUDA_ALLOC_CONF"))
+                     parse_allocation_mode(cfg.actor.backend), cfg.profile.fake_seq_len,
+                     int(run["capacity_gib"] * 2**30), env.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 def main() -> None:

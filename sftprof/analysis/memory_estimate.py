@@ -74,9 +74,9 @@ def _attention_params(hf, layer_type: str, t: int) -> int:
     """Parameters of one layer's attention block (its norm included) on a rank of TP ``t``."""
     h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
     d = getattr(hf, "head_dim", None) or h // nq
-    if layer_type == "linear_attention":  # gated delta-net: in_proj (q, k, v, z, b, a), conv1d, A_log, dt_bias, norm, out
-        qk, v, nv = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * hf.linear_value_head_dim, \
-            hf.linear_num_value_heads
+    if layer_type == "linear_attention":  # gated delta-net: in_proj (q, k, v, z, b, a), conv1d, A_log, dt_bias, norm
+        qk = hf.linear_num_key_heads * hf.linear_key_head_dim
+        v, nv = hf.linear_num_value_heads * hf.linear_value_head_dim, hf.linear_num_value_heads
         return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * hf.linear_conv_kernel_dim + 2 * nv + v * h) // t \
             + hf.linear_value_head_dim + h
     gate = 2 if getattr(hf, "attn_output_gate", False) else 1  # the output gate doubles the query projection

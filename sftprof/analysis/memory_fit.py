@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 
 from sftprof.analysis.memory_estimate import chunked_lm_head, predict_peak
 
-__all__ = ["OUTSIDE_PYTORCH_GIB", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments", "with_expandable",
-           "check_fit", "fitting_changes", "with_settings"]
+__all__ = ["OUTSIDE_PYTORCH_GIB", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
+           "with_expandable", "check_fit", "fitting_changes", "with_settings"]
 
 OUTSIDE_PYTORCH_GIB = 7.76
 # The prediction's error on the measured one-GPU runs: -2.6 % to +0.4 % of the peak (bench/NOTES.md, "The fit

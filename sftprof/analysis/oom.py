@@ -27,7 +27,7 @@ from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory_categories import MEMORY_CATEGORIES, allocation_site, site_category
 from sftprof.analysis.memory_estimate import predict_peak
-from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, fitting_changes
+from sftprof.analysis.memory_fit import ENV, fitting_changes
 from sftprof.analysis.safe_pickle import safe_load_file
 from sftprof.analysis.what_if import LABELS
 from sftprof.models.hf import load_hf_config
@@ -92,7 +92,8 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
     """The :func:`predict_peak` phase the failure lies in, from its region and site (None: not one of them)."""
     if phase and phase.startswith(artifacts.OPTIMIZER_STEP):
         return "optimizer step"
-    if any(word in (site or "") for word in ("output_layer", "lm_head", "sftprof/loss", "tensor_parallel/layers.py:488")):
+    head = ("output_layer", "lm_head", "sftprof/loss", "tensor_parallel/layers.py:488")  # the logits' sites
+    if any(word in (site or "") for word in head):
         return "LM head backward"
     return "layer backward" if phase and "backward" in phase else None
 
@@ -185,5 +186,6 @@ def oom_what_if(t: dict) -> list[dict[str, Any]]:
                            f"({c['peak_bytes'] / _GIB:.2f} GiB) and fits the GPU with "
                            f"{(t['capacity_bytes'] - c['need_bytes']) / _GIB:.2f} GiB to spare",
              "text": f"{LABELS[KEY]} ({settings_text(c['settings'])}): peak allocated "
-                     f"{value:+.2f} GiB on rank {t['rank']} against the {asked / _GIB:.2f} GiB the failed step asked for",
+                     f"{value:+.2f} GiB on rank {t['rank']} against the {asked / _GIB:.2f} GiB the failed step "
+                     "asked for",
              "weight": 1.0}]

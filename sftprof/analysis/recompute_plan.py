@@ -15,7 +15,6 @@ recompute setting that fits a GPU at the least recompute time.
 """
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Any, Optional
 
@@ -76,7 +75,8 @@ def _recompute_ms(settings: dict, forward_ms: dict[tuple[int, str], float], firs
     if gran == "selective":
         parts = {p for m in settings["actor.megatron.recompute_modules"] for p in MODULE_PARTS[m]}
         return sum(ms for (layer, part), ms in forward_ms.items() if part in parts)
-    n = layers if settings["actor.megatron.recompute_method"] == "uniform" else settings["actor.megatron.recompute_num_layers"]
+    uniform = settings["actor.megatron.recompute_method"] == "uniform"
+    n = layers if uniform else settings["actor.megatron.recompute_num_layers"]
     return sum(ms for (layer, _), ms in forward_ms.items() if first <= layer < first + n)
 
 
@@ -94,7 +94,8 @@ def plan_recompute(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, all
     for settings in _options(hf, layers):
         fit = check_fit(with_settings(cfg, settings), hf, layout, seq_len, capacity_bytes, alloc_conf)
         options.append({"settings": settings, "peak_bytes": fit["peak_bytes"], "need_bytes": fit["need_bytes"],
-                        "fits": fit["fits"], "recompute_ms": round(_recompute_ms(settings, forward_ms, first, layers), 4)})
+                        "fits": fit["fits"],
+                        "recompute_ms": round(_recompute_ms(settings, forward_ms, first, layers), 4)})
     fitting = [o for o in options if o["fits"]]
     choice = min(fitting, key=lambda o: (o["recompute_ms"], o["peak_bytes"])) if fitting else None
     return {"options": options, "choice": choice}

@@ -2,7 +2,7 @@
 
 On CUDA, on a rank of ``memory_profiler.ranks``, allocator history is recorded
 (``torch.cuda.memory._record_memory_history`` with ``max_entries=memory_profiler.max_entries``
-trace entries and ``stacks=memory_profiler.stacks``) from the moment the profiler is built, which the trainer does before the model, so
+trace entries, ``stacks=memory_profiler.stacks``) from the moment the profiler is built, which the trainer does before the model, so
 that weights, gradient buffers and optimizer states carry the Python stack that allocated them in
 the snapshot (the trace ring buffer keeps only the newest ``max_entries`` events; a block's stack
 stays with the block). At the end of each step in ``memory_profiler.profile_steps`` the snapshot

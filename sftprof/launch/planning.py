@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -548,11 +547,12 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
             log.notices.append(line)
         return
     changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf)
-    advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items()) + f" ({fit_text(c['check'], brief=True)})"
-                       for c in changes) or "none of expandable segments, the chunked LM head, full recompute, fewer " \
-                                              "tokens or fewer layers fits: use more GPUs (TP, CP, EP, PP)"
-    text = f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. Settings that fit, smallest change " \
-           f"first: {advice}"
+    advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items())
+                       + f" ({fit_text(c['check'], brief=True)})" for c in changes) or (
+        "none of expandable segments, the chunked LM head, full recompute, fewer tokens or fewer layers fits: use more "
+        "GPUs (TP, CP, EP, PP)")
+    text = (f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. Settings that fit, smallest change "
+            f"first: {advice}")
     if mode == "refuse":
         raise DriverError(f"{text}. Nothing was launched; set one, or FIT_CHECK=warn to launch anyway")
     log.warn(text)
@@ -565,7 +565,8 @@ def fit_text(fit: dict, brief: bool = False) -> str:
     pred = fit["prediction"]
     if brief:
         return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs "
-                f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB" + (", tight" if fit["tight"] else ""))
+                f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB"
+                + (", tight" if fit["tight"] else ""))
     parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
     return (f"rank {fit['rank']} needs {fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB: predicted "
             f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "

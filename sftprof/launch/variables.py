@@ -38,7 +38,7 @@ DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (t
 MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
-FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a predicted peak over the GPU stops the plan, is a warning, or unchecked
+FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked
 BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
