@@ -12,7 +12,8 @@ from sftprof.analysis import trace_io
 from sftprof.analysis.trace_io import TraceFormatError, TraceReader
 from sftprof.analysis.trace_check import MAX_TID, validate_trace
 from sftprof.analysis.view_windows import split_into_windows
-from sftprof.analysis.views import VIEWS, _empty_view_event, split_trace, view_path
+from sftprof.analysis.trial_traces import _process_trace
+from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, _empty_view_event, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures() + two_gpu_sync_traces()
 
@@ -42,6 +43,43 @@ def test_reader_matches_json_load(tmp_path, monkeypatch):
     raws = list(TraceReader(cpu).events())
     assert [ev for _, ev in raws] == _load(cpu)["traceEvents"]
     assert all(json.loads(raw) == ev for raw, ev in raws)
+    # Chunks just above the fast path's margin: the reader refills before each chunk's end, many times over.
+    monkeypatch.setattr(trace_io, "_CHUNK_CHARS", 70_000)
+    raws = list(TraceReader(src).events())
+    assert [ev for _, ev in raws] == ref["traceEvents"]
+    assert all(json.loads(raw) == ev for raw, ev in raws)
+
+
+def test_views_and_summary_side_by_side_are_those_of_one_pass(tmp_path):
+    """The views written by a worker while the summary reads the trace again (``beside``) are byte for byte, and
+    the summary is member for member, those of the one pass; on a real trace given a non-finite number, an invalid
+    event, an untimed kernel and an unpaired flow, so that every callback of the pass has something to say."""
+    trace = _load(GPU_TRACES[0])
+    events = trace["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernels[3]["args"]["grid"] = [float("nan"), 1, 1]
+    kernels[5]["ts"], kernels[5]["dur"] = 0, 0
+    next(e for e in events if e.get("cat") == "cpu_op")["dur"] = -1.0
+    events.append({"ph": "s", "cat": "ac2g", "id": 987654321, "pid": 0, "tid": 0, "ts": events[-1].get("ts", 0),
+                   "name": "ac2g"})
+    src = tmp_path / "rank0.pt.trace.json"
+    src.write_text(json.dumps(trace))  # NaN written as the profiler writes it
+    step = next((int(e["name"].split("#")[1]) for e in events if str(e.get("name")).startswith("ProfilerStep#")), 0)
+    out = {}
+    for beside in (False, True):
+        folder = tmp_path / f"beside_{beside}" / "kernel_traces"
+        out[beside] = _process_trace(str(src), str(folder), 0, False, MAX_VIEW_BYTES, step, (None, "unknown"),
+                                     beside=beside)
+    one, two = out[False], out[True]
+    repairs = one["summary"]["view_repairs"]
+    assert "error" not in one and repairs == two["summary"]["view_repairs"]
+    assert repairs["non-finite numbers written as null"] == 1 and set(repairs) == {
+        "non-finite numbers written as null", "unpaired flow events left out", "profiler bookkeeping events left out"}
+    assert one["summary"]["invalid_events"]["total"] == two["summary"]["invalid_events"]["total"] == 2
+    assert one["summary"] == two["summary"] and one["calls"] == two["calls"]
+    for view in VIEWS:
+        (a,), (b,) = one["views"][view], two["views"][view]
+        assert open(a, "rb").read() == open(b, "rb").read()
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.999])

@@ -78,7 +78,8 @@ class TraceReader:
 
     ``header`` holds the members found before ``traceEvents`` while iterating and all members
     once :meth:`events` is exhausted. A bare top-level array (``[{...}, ...]``, also legal
-    Chrome-trace JSON) is accepted with an empty header.
+    Chrome-trace JSON) is accepted with an empty header. ``nonfinite_text`` is False when the buffered text the
+    last event came from holds neither ``NaN`` nor ``Infinity``: then that event has no non-finite number.
 
     Args:
         path: ``.json`` or ``.json.gz`` file.
@@ -102,6 +103,7 @@ class TraceReader:
         self._pos = 0
         self._base = 0  # characters consumed before self._buf
         self._eof = False
+        self.nonfinite_text = False  # whether the text the last event came from holds NaN or Infinity
 
     # -- buffer management ------------------------------------------------------------------
     def _fill(self) -> bool:
@@ -117,6 +119,7 @@ class TraceReader:
         self._base += self._pos
         self._buf = self._buf[self._pos:] + text
         self._pos = 0
+        self.nonfinite_text = "NaN" in self._buf or "Infinity" in self._buf  # once per chunk, not per event
         if self.progress is not None and data:
             self.progress.update(self._raw.tell())
         return bool(data) or bool(text)
@@ -208,21 +211,24 @@ class TraceReader:
             limit = len(buf) - 65536 if not self._eof else len(buf)
             while pos < limit:
                 pos = sep(buf, pos).end()
+                if pos >= limit:
+                    break
                 if buf[pos] == "]":
                     self._pos = pos + 1
                     return
                 try:
                     event, end = buf_scan(buf, pos)
                 except (StopIteration, json.JSONDecodeError):
-                    break  # may straddle the chunk end: let the careful path decide
-                if end >= limit and not self._eof:
-                    break
+                    break  # malformed, or an event running past the buffer's end: the careful path decides
                 if type(event) is not dict:
                     self._pos = pos
                     raise self._error("trace event is not a JSON object")
                 yield buf[pos:end], event
                 pos = end
             self._pos = pos
+            if pos >= limit and not self._eof:  # near the buffer's end: the next chunk, then the fast path again
+                self._fill()
+                continue
             self._skip(_SEP)
             if self._pos >= len(self._buf):
                 raise self._error("truncated trace (traceEvents array not closed)")
@@ -290,10 +296,11 @@ class TraceWriter:
         """Hand the pending events to the writing thread."""
         if not self.pending:
             return
+        n = len(self.pending)
+        if self.n_events:  # the separator after the events written before, in the same join (no copy of the text)
+            self.pending.insert(0, "")
         text = ",\n".join(self.pending)
-        if self.n_events:
-            text = ",\n" + text
-        self.n_events += len(self.pending)
+        self.n_events += n
         self.chars += len(text)
         self._put(text)
         self.pending.clear()

@@ -1,5 +1,6 @@
 """A kernel trial's traces: each rank's trace found in the log dir, split into views and summarised in one pass
-(:func:`_process_trace`, in worker processes), its model-part plot drawn, and the cross-rank products made from all
+(:func:`_process_trace`, in worker processes; given a spare core per trace, its views are written by a worker while
+the trace is read again for the summary), its model-part plot drawn, and the cross-rank products made from all
 of them (:func:`trace_part`).
 
 A rank's views and plot replace an earlier postprocess's only when its trace splits without error: the views are
@@ -21,7 +22,7 @@ from sftprof.analysis.model_parts import plot_parts
 from sftprof.analysis.schema import TraceEntry
 from sftprof.analysis.trace_sanity import sanity_error
 from sftprof.analysis.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
-from sftprof.analysis.views import VIEWS, split_trace, view_links
+from sftprof.analysis.views import VIEWS, read_for_summary, split_trace, view_links
 from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name, unrenamed_trace_rank
 from sftprof.atomic import atomic_path
 
@@ -45,8 +46,20 @@ def _failed_trace(out_dir: str, rank: int, error: str) -> dict:
     return {"rank": rank, "error": error, **({"kept_views": kept} if kept else {})}
 
 
+def _split_views(src: str, stage: str, rank: int, compress: bool,
+                 max_view_bytes: int) -> tuple[dict | None, dict | str]:
+    """:func:`~sftprof.analysis.views.split_trace` alone, for a worker process: ``(views, {note: count})``, or
+    ``(None, error)`` when the split failed (the error as :func:`~sftprof.analysis.inputs.file_error` words it)."""
+    notes: dict[str, int] = {}
+    try:
+        return split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
+                           on_note=notes.__setitem__), notes
+    except Exception as exc:  # returned as text: an OSError's file name does not survive pickling
+        return None, file_error(src, exc)
+
+
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int, step: int,
-                   world: World) -> dict:
+                   world: World, beside: bool = False) -> dict:
     """Split one rank's trace into ``out_dir`` and summarise it as rank ``rank``'s trace of step ``step``. The views
     are written to a staging folder next to ``out_dir`` and replace the rank's earlier views (other compression,
     other windows) only when the split succeeded: a trace that fails leaves what an earlier postprocess wrote. So
@@ -54,7 +67,9 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     steps and rank say it is another step's or another rank's
     (:func:`sftprof.analysis.trace_summary.identity_problems`). A trace whose invalid events, or one fault of its
     record (:func:`sftprof.analysis.trace_sanity.sanity_error`), dominate it is split and summarised, with that
-    error."""
+    error. ``beside``: the views are written by a worker process while this one reads the trace again for the
+    summary (:func:`sftprof.analysis.views.read_for_summary`): the same files and summary, each half on its own core
+    (the parsing is paid twice)."""
     outside = outside_world(rank, world)
     if outside:
         return _failed_trace(out_dir, rank, f"{src}: {outside}; the trace was not read")
@@ -64,9 +79,19 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     analyzer = KernelTraceAnalyzer(step=step)
     try:
         try:
-            staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
-                                 on_header=analyzer.set_header, on_event=analyzer.add,
-                                 on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
+            if beside:
+                with ProcessPoolExecutor(max_workers=1) as pool:
+                    views_run = pool.submit(_split_views, src, stage, rank, compress, max_view_bytes)
+                    read_for_summary(src, analyzer.set_header, analyzer.add, analyzer.add_invalid)
+                    staged, notes = views_run.result()
+                if staged is None:  # the views' error (for a malformed trace the same as the summary's pass gives)
+                    return _failed_trace(out_dir, rank, notes)
+                for what, n in notes.items():
+                    analyzer.add_note(what, n)
+            else:
+                staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
+                                     on_header=analyzer.set_header, on_event=analyzer.add,
+                                     on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
             summary = analyzer.summary()
             calls = summary["collectives"].pop("calls")  # matched across ranks by trace_part, not written
             error = invalid_events_error(summary["invalid_events"]) or sanity_error(summary["sanity"])
@@ -134,7 +159,8 @@ def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[dict], list[
 def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, max_view_bytes: int,
                     jobs: int, step: int, world: World) -> list[dict]:
     """:func:`_process_trace` of each found trace, in ``jobs`` worker processes when more than one."""
-    args = [(src, out_dir, rank, compress, max_view_bytes, step, world) for rank, src in found]
+    beside = jobs >= 2 * len(found)  # a core to spare for each trace: its views and summary side by side
+    args = [(src, out_dir, rank, compress, max_view_bytes, step, world, beside) for rank, src in found]
     if jobs <= 1 or len(args) <= 1:
         return [_process_trace(*a) for a in args]
     with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:

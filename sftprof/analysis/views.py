@@ -65,7 +65,7 @@ import re
 import tempfile
 from array import array
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -74,7 +74,7 @@ from sftprof.analysis.trace_io import Progress, TraceReader, TraceWriter
 from sftprof.analysis.view_windows import FLOW_PHASES, split_into_windows
 from sftprof.artifacts import view_path
 
-__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "view_links"]
+__all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "read_for_summary", "view_links"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
@@ -220,7 +220,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     flow_pairs = _FlowPairs()
     header: dict = {}
     try:
-        events = reader.events()
+        events = _usable_events(reader, on_invalid, notes)
         first = next(events, None)
         header, n_bad = finite_json(dict(reader.header))
         notes["non-finite numbers written as null"] += n_bad
@@ -242,20 +242,6 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 countdown = flush_every
                 for w in writers.values():
                     w.flush()
-            cat = ev.get("cat")
-            if type(cat) is str and cat in CATEGORY_ALIASES:  # the views keep the trace's own spelling
-                ev["cat"] = CATEGORY_ALIASES[cat]
-                notes[CATEGORY_ALIAS_NOTE] += 1
-            problem = event_problem(ev)
-            if problem is not None:
-                if on_invalid is not None:
-                    on_invalid(problem, raw)
-                continue
-            if "NaN" in raw or "Infinity" in raw:
-                ev, n_bad = finite_json(ev)
-                if n_bad:
-                    notes["non-finite numbers written as null"] += n_bad
-                    raw = json.dumps(ev, separators=_COMPACT)
             if on_event is not None:
                 on_event(ev)
             ph = ev["ph"]
@@ -364,6 +350,45 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
+
+
+def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] | None,
+                   notes: dict[str, int]) -> Iterator[tuple[str, dict]]:
+    """``(raw, event)`` of each event of ``reader`` that :func:`~sftprof.analysis.trace_check.event_problem` accepts
+    (the others go to ``on_invalid(kind, raw)``), non-finite numbers written as null (counted in ``notes``), another
+    kineto version's category spellings read as today's (:data:`~sftprof.analysis.trace_check.CATEGORY_ALIASES`,
+    counted; ``raw``, which the views write, keeps the trace's own spelling)."""
+    for raw, ev in reader.events():
+        cat = ev.get("cat")
+        if type(cat) is str and cat in CATEGORY_ALIASES:
+            ev["cat"] = CATEGORY_ALIASES[cat]
+            notes[CATEGORY_ALIAS_NOTE] += 1
+        problem = event_problem(ev)
+        if problem is not None:
+            if on_invalid is not None:
+                on_invalid(problem, raw)
+            continue
+        if reader.nonfinite_text and ("NaN" in raw or "Infinity" in raw):
+            ev, n_bad = finite_json(ev)
+            if n_bad:
+                notes["non-finite numbers written as null"] += n_bad
+                raw = json.dumps(ev, separators=_COMPACT)
+        yield raw, ev
+
+
+def read_for_summary(src: str, on_header: Callable[[dict], None], on_event: Callable[[dict], None],
+                     on_invalid: Callable[[str, str], None]) -> None:
+    """Hand one trace's events to a summary as :func:`split_trace` does (the same ``on_*`` calls, in the same order),
+    without writing the views: the pass that runs beside a :func:`split_trace` without callbacks, in another process,
+    so that the two share the trace's parsing time between two cores.
+
+    Raises:
+        TraceFormatError: truncated or malformed trace.
+    """
+    reader = TraceReader(src)
+    for _, ev in _usable_events(reader, on_invalid, defaultdict(int)):
+        on_event(ev)
+    on_header(finite_json(dict(reader.header))[0])
 
 
 def _same_content(a: str, b: str) -> bool:
