@@ -172,15 +172,19 @@ def test_qwen3_5_mapping_and_support_check():
     tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:d1"), have_te=False)
     from unittest import mock
 
-    from megatron.core.ssm import gated_delta_net
+    from sftprof.compat import GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron_at_least
 
-    with mock.patch.object(gated_delta_net, "HAVE_FLA", False):
+    with mock.patch.object(gated_delta_net_kernels(), "HAVE_FLA", False):
         with pytest.raises(NotImplementedError, match="need flash-linear-attention kernels: install "
                                                       "flash-linear-attention==0.6.0 and fla-core==0.6.0"):
             check_model_supported(tc)
-    # megatron-core's own config validation refuses CP too (sftprof stops earlier: check_linear_attention_layout)
-    with pytest.raises(AssertionError, match="Gated delta net does not support context parallel"):
-        mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:(attn:c2|ffn:e2)"), have_te=False)
+    cp2 = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    if megatron_at_least(GATED_DELTA_NET_CP):
+        assert mc.build_transformer_config(hf, cfg, cp2, have_te=False).context_parallel_size == 2
+    else:
+        # megatron-core's own config validation refuses CP too (sftprof stops earlier: check_linear_attention_layout)
+        with pytest.raises(AssertionError, match="Gated delta net does not support context parallel"):
+            mc.build_transformer_config(hf, cfg, cp2, have_te=False)
 
 
 def test_unsupported_hf_configs():

@@ -2,10 +2,10 @@
 Hugging Face's Qwen3.5 layers (1 rank, and TP = 2 with sequence parallelism on 2 ranks), and the whole
 4-layer GPTModel loaded from a ``save_pretrained`` checkpoint against ``Qwen3_5MoeForCausalLM``.
 
-megatron-core 0.16.1's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
+megatron-core's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
 needs flash-linear-attention's Triton kernels, so on CPU the tests build it with ``torch.cuda.current_device``
 answering ``"cpu"`` and run its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
-PyTorch L2 norm in place of fla's; the MoE alltoall dispatcher gets a host stand-in for its CUDA side
+PyTorch L2 norm in place of fla's (in the module :func:`sftprof.compat.gated_delta_net_kernels` names); the MoE alltoall dispatcher gets a host stand-in for its CUDA side
 stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
 linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
 zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fixtures.megatron_cpu import megatron_cpu
 from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
+from sftprof.compat import GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron_at_least
 from sftprof.config import ConfigError, load_config
 from sftprof.launch import free_port
 from sftprof.models import megatron_config as mc
@@ -37,7 +38,7 @@ def _torch_l2norm(x, eps=1e-6):
 
 @pytest.fixture(scope="module")
 def mcore_cpu(tmp_path_factory):
-    from megatron.core.ssm import gated_delta_net
+    gated_delta_net = gated_delta_net_kernels()
 
     with megatron_cpu(tmp_path_factory.mktemp("store") / "filestore"), \
             mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
@@ -86,8 +87,14 @@ def test_layer_pattern_and_module_types(mcore_cpu):
 
 
 def test_cp_layout_and_missing_fla_stop_before_launch():
-    with pytest.raises(ConfigError, match=r"context parallelism \(CP=2\) is not supported for qwen3_5_moe_text"):
-        check_linear_attention_layout("qwen3_5_moe_text", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
+    cp2 = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    if megatron_at_least(GATED_DELTA_NET_CP):  # megatron-core >= 0.18: gated delta-net with context parallelism
+        with mock.patch("importlib.util.find_spec", lambda name: object()):  # fla found
+            check_linear_attention_layout("qwen3_5_moe_text", cp2)
+    else:
+        with pytest.raises(ConfigError, match=r"context parallelism \(CP=2\) is not supported for qwen3_5_moe_text "
+                                              r"with megatron-core 0\.1[67]\.\d+: .* \(megatron-core >= 0\.18 has\)"):
+            check_linear_attention_layout("qwen3_5_moe_text", cp2)
     with mock.patch("importlib.util.find_spec", lambda name: None):
         with pytest.raises(ConfigError, match=r"needs the Python package 'fla' from flash-linear-attention==0.6.0 "
                                               r"and fla-core==0.6.0"):
@@ -158,13 +165,13 @@ def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
     import os
 
     from megatron.core import parallel_state
-    from megatron.core.ssm import gated_delta_net
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet,
                                                                         Qwen3_5MoeTextRotaryEmbedding)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    gated_delta_net = gated_delta_net_kernels()
     try:
         with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
                 mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \

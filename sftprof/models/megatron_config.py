@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from sftprof.allocation import Layout
+from sftprof.compat import check_megatron_version
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
 from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
 from sftprof.models.hf import MODEL_TYPES, resolve_model_dir
@@ -195,6 +196,7 @@ def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
 def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None:
     """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
 
+    - the installed megatron-core must be a supported release (:func:`sftprof.compat.check_megatron_version`);
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
       checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
     - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
@@ -207,6 +209,7 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     Raises:
         ConfigError: naming the setting, the value and what is accepted.
     """
+    check_megatron_version()
     if not cfg.actor.init_from_scratch:
         model_dir = resolve_model_dir(cfg.actor.path)
         if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
