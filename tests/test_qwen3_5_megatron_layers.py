@@ -225,6 +225,58 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
     mp.spawn(_tp2_sequence_parallel_worker, args=(free_port(),), nprocs=2, join=True)
 
 
+def _cp2_gated_delta_net_worker(rank: int, port: int) -> None:
+    import os
+
+    from megatron.core import parallel_state
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    from sftprof.data import cp_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    gated_delta_net = gated_delta_net_kernels()
+    try:
+        with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
+                mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
+                mock.patch("torch.cuda.current_device", lambda: "cpu"):
+            hf = load_hf_config("tiny_qwen3_5_moe")
+            tc = _tconfig(hf, "megatron:(attn:c2|ffn:e2)")
+            ref = Qwen3_5MoeGatedDeltaNet(hf, 0)
+            _randomise(ref, 7)
+            ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
+            load_mapped_attention(ours, ref, hf, 0)
+            b, s = 2, 136  # 4 load-balanced chunks of 34; the delta rule sees all 136 tokens (three 64-token chunks)
+            torch.manual_seed(5)
+            x = torch.randn(b, s, hf.hidden_size)
+            x_ref = x.clone().requires_grad_(True)
+            x_ours = cp_shard(x.transpose(0, 1), 2, rank, dim=0).clone().requires_grad_(True)
+            expected = ref(x_ref)
+            out, _ = ours(x_ours, attention_mask=None)
+            probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
+            (expected * probe).sum().backward()
+            (out * cp_shard(probe.transpose(0, 1), 2, rank, dim=0)).sum().backward()
+            want = cp_shard(expected.detach().transpose(0, 1), 2, rank, dim=0)
+            assert out.shape == want.shape == (s // 2, b, hf.hidden_size)
+            assert (out - want).abs().max().item() < 1e-5 * expected.abs().max().item() + 1e-6
+            want_grad = cp_shard(x_ref.grad.transpose(0, 1), 2, rank, dim=0)
+            assert (x_ours.grad - want_grad).abs().max().item() < 1e-5 * x_ref.grad.abs().max().item() + 1e-6
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not megatron_at_least(GATED_DELTA_NET_CP), reason="gated delta-net has context parallelism "
+                    "from megatron-core 0.18 (sftprof.compat.GATED_DELTA_NET_CP)")
+def test_cp2_gated_delta_net_layer_matches_hugging_face():
+    """megatron-core's gated delta-net with CP = 2 (2 gloo ranks, the load-balanced chunks of ``cp_shard``): each
+    rank's output and input-gradient chunks equal Hugging Face's single-device layer over the whole sequence."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cp2_gated_delta_net_worker, args=(free_port(),), nprocs=2, join=True)
+
+
 def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, tmp_path):
     """The whole local-spec GPTModel (4 layers: 3 gated delta-net + 1 gated attention, MoE with a gated shared
     expert) with a save_pretrained checkpoint's weights gives Hugging Face's per-token log-probs (fp32, CPU).
