@@ -1091,6 +1091,21 @@ def test_python_without_sftprof_requirements_exits_2_in_one_line(python, tmp_pat
     assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
 
 
+def test_unsupported_megatron_core_exits_2_in_one_line(tmp_path):
+    """A PYTHON whose megatron-core is outside the supported releases (here a package_info.py of 0.20.0 found first
+    on PYTHONPATH) is refused before planning, in one line naming the installed and the supported versions."""
+    core = tmp_path / "pypath" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text('MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ""\n')
+    out = run_driver({"PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "pypath")}, tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"sftprof: PYTHON={sys.executable}: megatron-core 0.20.0 is installed; sftprof supports "
+                          "megatron-core >= 0.16.1, < 0.20 (pip install 'megatron-core>=0.16.1,<0.20'); accepted: a "
+                          "Python interpreter with sftprof's requirements (default python3)\n")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "fileroot").exists()
+
+
 def test_python_check_looks_for_every_dependency_of_pyproject():
     import tomllib
 
