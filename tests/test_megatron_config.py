@@ -259,6 +259,25 @@ def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, mes
         mc.check_model_settings(cfg, hf, layout)
 
 
+def test_gated_delta_net_heads_must_split_by_tp_and_cp():
+    """Qwen3.5's 16 gated delta-net key heads under TP = 2 x CP = 16: refused before launch, as CP itself is before
+    megatron-core 0.18 (whose gated delta-net has no context parallelism)."""
+    import importlib.util
+    from unittest import mock
+
+    from sftprof.compat import GATED_DELTA_NET_CP, megatron_at_least
+
+    hf = load_hf_config("qwen3_5_35b_a3b")
+    backend = "megatron:(attn:t2c16|ffn:e32)"
+    cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"])
+    message = (r"linear_num_key_heads=16 is not divisible by TPxCP=32" if megatron_at_least(GATED_DELTA_NET_CP)
+               else r"context parallelism \(CP=16\) is not supported for qwen3_5_moe_text with megatron-core")
+    find_spec = importlib.util.find_spec
+    with mock.patch("importlib.util.find_spec", lambda name, *a: object() if name == "fla" else find_spec(name, *a)), \
+            pytest.raises(ConfigError, match=message):
+        mc.check_model_settings(cfg, hf, parse_allocation_mode(backend))
+
+
 def test_use_fused_torch_adam_switches_torch_adam_before_the_first_step_only():
     """megatron-core's torch fallback Adam gets torch's fused kernel; the step matches foreach's to fp32 rounding;
     an optimizer that has stepped, or SGD, is left alone."""
