@@ -13,7 +13,7 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "sftprof: PYTHON=$PYTHON: not an executable on PATH; $accepted" >&2
   exit 2
 fi
-# sftprof/pycheck.py prints "ok" or what is missing (a Python too old, modules, a supported megatron-core); /bin/true: nothing
+# sftprof/pycheck.py prints "ok" or what is missing (old Python, modules, a supported megatron-core); /bin/true: nothing
 check="$("$PYTHON" -m sftprof.pycheck 2>&1 | tail -n 1)"
 case "$check" in
   ok) exec "$PYTHON" -m sftprof.launch run "$@" ;;

@@ -68,8 +68,7 @@ from types import ModuleType
 from typing import Optional, Tuple
 
 from sftprof.config import ConfigError
-from sftprof.pycheck import megatron_core_problem
-from sftprof.pycheck import megatron_core_version as _read_megatron_core_version
+from sftprof.pycheck import megatron_core_problem, megatron_core_version as _read_megatron_core_version
 
 TE_MODULES = ("transformer_engine", "transformer_engine_torch")
 

@@ -2,8 +2,8 @@
 
 1. The tiny Qwen3.5 preset (4 layers: 3 gated delta-net + 1 gated full attention, real vocabulary 248320)
    through the real trainer on ``megatron:d1``, on ``megatron:(attn:t2|ffn:e2)`` (TP 2 with sequence
-   parallelism) and, with megatron-core >= 0.18, on ``megatron:(attn:c2|ffn:e2)`` (CP 2), bf16, 2 steps: the step-0 loss is within 1.0 of ln(vocab) (random init: near-uniform
-   predictions) and step 1 is finite.
+   parallelism) and, with megatron-core >= 0.18, on ``megatron:(attn:c2|ffn:e2)`` (CP 2), bf16, 2 steps: the
+   step-0 loss is within 1.0 of ln(vocab) (random init: near-uniform predictions) and step 1 is finite.
 2. The Qwen3.5-35B-A3B shape cut to 4 layers through the driver, both kinds, on the same layouts, at
    ``SFTPROF_QWEN3_5_SEQ`` tokens (default 8192; the issue's check uses 32768): every trial has status 0.
 

@@ -5,10 +5,11 @@ Hugging Face's Qwen3.5 layers (1 rank, and TP = 2 with sequence parallelism on 2
 megatron-core's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
 needs flash-linear-attention's Triton kernels, so on CPU the tests build it with ``torch.cuda.current_device``
 answering ``"cpu"`` and run its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
-PyTorch L2 norm in place of fla's (in the module :func:`sftprof.compat.gated_delta_net_kernels` names); the MoE alltoall dispatcher gets a host stand-in for its CUDA side
-stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
-linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
-zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
+PyTorch L2 norm in place of fla's (in the module :func:`sftprof.compat.gated_delta_net_kernels` names); the MoE
+alltoall dispatcher gets a host stand-in for its CUDA side stream. What runs is the rest of the modules as shipped:
+``in_proj`` / ``out_proj`` (local column/row-parallel linears), the q/k/v/z/beta/alpha split, the causal conv1d, the
+gate, the output RMSNorm (this project's, zero-centred), the gated SDPA attention with partial RoPE, router, experts
+and gated shared expert; with megatron-core >= 0.18 also the gated delta-net's context parallelism (CP = 2).
 Weights go through the project's mapping (:mod:`sftprof.models.qwen3_5_moe_weights`): per layer for the
 layer tests (TP rank slices included), and through the loader for the whole model.
 """

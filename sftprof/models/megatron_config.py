@@ -200,9 +200,9 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
       checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
     - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
-    - the layout must split the model evenly: attention heads and query groups by TP, gated delta-net heads by
-      TP x CP, experts by EP, the expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
-      divides (sequence parallelism);
+    - the layout must split the model evenly: attention heads and query groups by TP, gated delta-net heads by TP x
+      CP, experts by EP, the expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank
+      length TP divides (sequence parallelism);
     - the chunked LM-head loss (``actor.loss`` path ``lm_head``) needs a vocabulary that TP divides (it
       has no mask for padded vocabulary rows; the logits path has).
 

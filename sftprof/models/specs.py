@@ -70,10 +70,11 @@ def check_linear_attention_layout(model_type: str, layout) -> None:
     if model_type not in LINEAR_ATTENTION_MODEL_TYPES or layout.backend != "megatron":
         return
     if layout.cp > 1 and not megatron_at_least(GATED_DELTA_NET_CP):
+        installed = ".".join(map(str, megatron_core_version()))
         raise ConfigError(f"actor.backend={layout.describe()}: context parallelism (CP={layout.cp}) is not supported "
-                          f"for {model_type} with megatron-core {'.'.join(map(str, megatron_core_version()))}: its gated "
-                          "delta-net layers have no context parallelism (megatron-core >= 0.18 has); accepted: a layout "
-                          "with c1 (TP with sequence parallelism, e.g. megatron:(attn:d4t2|ffn:d1e8))")
+                          f"for {model_type} with megatron-core {installed}: its gated delta-net layers have no "
+                          "context parallelism (megatron-core >= 0.18 has); accepted: a layout with c1 (TP with "
+                          "sequence parallelism, e.g. megatron:(attn:d4t2|ffn:d1e8))")
     if importlib.util.find_spec("fla") is None:
         raise ConfigError(f"actor.path: {model_type} (gated delta-net linear attention) on the megatron backend needs "
                           f"the Python package 'fla' from {FLA_PACKAGES}; it is not installed")

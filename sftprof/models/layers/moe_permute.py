@@ -1,11 +1,11 @@
 """Sync-free, atomic-free token permutation for megatron-core's alltoall MoE token dispatcher (no TE).
 
-megatron-core's unfused ``permute`` / ``unpermute`` (``megatron/core/transformer/moe/moe_utils.py``)
-find each expert's tokens with ``masked_select`` (0.16: ``aten::nonzero``, a device-to-host sync per call; from
-0.17 a stable argsort of the whole ``[T, E]`` map, no sync) and move gradients back with bf16 atomics: the
-backward of ``tokens.index_select(0, sorted_indices)`` is an ``index_add_``, and ``unpermute`` is a
-``scatter_add_`` into zeros. Its fused alternative needs Transformer Engine. When routing drops no token and pads nothing, every row of the routing map has exactly ``topk``
-true entries, and the same layout comes from sorts and gathers only:
+megatron-core's unfused ``permute`` / ``unpermute`` (``megatron/core/transformer/moe/moe_utils.py``) find each
+expert's tokens with ``masked_select`` (0.16: ``aten::nonzero``, a device-to-host sync per call; from 0.17 a stable
+argsort of the whole ``[T, E]`` map, no sync) and move gradients back with bf16 atomics: the backward of
+``tokens.index_select(0, sorted_indices)`` is an ``index_add_``, and ``unpermute`` is a ``scatter_add_`` into zeros.
+Its fused alternative needs Transformer Engine. When routing drops no token and pads nothing, every row of the
+routing map has exactly ``topk`` true entries, and the same layout comes from sorts and gathers only:
 
 - ``expert_idx [T, topk]``: each token's experts in ascending order (``topk`` of the int8 routing map,
   then a sort along the row; no host sync);
@@ -199,9 +199,10 @@ def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optio
         e(j)]``, the order of megatron's ``probs.T.masked_select(routing_map.T)``; then ``(None,
         tokens_per_expert)`` from megatron-core 0.17.
     Raises:
-        ValueError: ``fused``, ``drop_and_pad`` or ``align_size``; ``tokens`` not a float tensor, ``routing_map`` not a bool tensor,
-            ``probs`` not a float tensor, or one on another device than ``tokens``; ``num_out_tokens`` not an int
-            multiple of ``T``; shapes that do not match (``probs`` must have ``routing_map``'s shape).
+        ValueError: ``fused``, ``drop_and_pad`` or ``align_size``; ``tokens`` not a float tensor, ``routing_map``
+            not a bool tensor, ``probs`` not a float tensor, or one on another device than ``tokens``;
+            ``num_out_tokens`` not an int multiple of ``T``; shapes that do not match (``probs`` must have
+            ``routing_map``'s shape).
         RuntimeError: (CPU) a routing-map row without exactly ``topk`` true entries.
     """
     _refuse("sorted_permute", fused, drop_and_pad, bool(align_size))
@@ -261,9 +262,9 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
     Returns:
         ``[T, H]`` in ``permuted_tokens``' dtype.
     Raises:
-        ValueError: ``probs`` or ``pad_offsets`` given, ``fused`` or ``drop_and_pad``; ``permuted_tokens`` not a float tensor,
-            ``sorted_indices`` not a 1-D int64 tensor on its device; ``restore_shape`` not ``(T, H)``, or
-            ``sorted_indices`` not ``T * topk`` long.
+        ValueError: ``probs`` or ``pad_offsets`` given, ``fused`` or ``drop_and_pad``; ``permuted_tokens`` not a
+            float tensor, ``sorted_indices`` not a 1-D int64 tensor on its device; ``restore_shape`` not ``(T, H)``,
+            or ``sorted_indices`` not ``T * topk`` long.
         RuntimeError: (CPU) ``sorted_indices`` does not hold each token exactly ``topk`` times.
     """
     _refuse("sorted_unpermute", fused, drop_and_pad, pad_offsets is not None)
