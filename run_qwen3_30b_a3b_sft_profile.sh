@@ -13,11 +13,11 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "sftprof: PYTHON=$PYTHON: not an executable on PATH; $accepted" >&2
   exit 2
 fi
-# sftprof/pycheck.py prints "ok" or what is missing (a Python too old, modules it cannot find); /bin/true prints nothing
+# sftprof/pycheck.py prints "ok" or what is missing (old Python, modules, versions in range); /bin/true prints nothing
 check="$("$PYTHON" -m sftprof.pycheck 2>&1 | tail -n 1)"
 case "$check" in
   ok) exec "$PYTHON" -m sftprof.launch run "$@" ;;
-  "Python "*|"cannot import "*) ;;
+  "Python "*|"cannot import "*|"megatron-core "*|"cannot read megatron-core"*|"untested versions: "*) ;;
   "") check="not a Python interpreter (\`$PYTHON -m sftprof.pycheck\` printed nothing)" ;;
   *) check="not a Python interpreter that runs sftprof (\`$PYTHON -m sftprof.pycheck\` printed: $check)" ;;
 esac

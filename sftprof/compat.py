@@ -1,5 +1,27 @@
-"""Compatibility patches for third-party code as this project uses it (megatron-core 0.16.1 with and without
-Transformer Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that torch pins).
+"""Compatibility with third-party code as this project uses it: megatron-core 0.16.1 to 0.19.x with and without
+Transformer Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that torch pins.
+
+megatron-core versions (the one place where the project's code depends on which release is installed):
+:func:`megatron_core_version` reads the release that ``import megatron.core`` finds (:mod:`sftprof.pycheck`, without
+importing it); :func:`check_megatron_version` refuses one outside pyproject.toml's range (the driver's
+pre-flight and :func:`sftprof.models.megatron_config.check_model_settings`, before any GPU work);
+:func:`megatron_at_least` answers for the first release of each difference below:
+
+- :data:`PERMUTE_PADDING_OUTPUTS` (0.17.0): ``moe_utils.permute`` returns ``(tokens, probs, sorted_indices,
+  pad_offsets, tokens_per_expert)`` (0.16: the first three) and ``unpermute`` takes ``pad_offsets``; its unfused
+  path finds the tokens by an argsort, not ``masked_select``;
+- :data:`TE_GENERAL_GEMM_BOUND` (0.17.0): ``moe_utils`` binds ``te_general_gemm = None`` without TE (patch 1 below
+  is for earlier releases);
+- :data:`GATED_DELTA_NET_CP` (0.18.0): ``GatedDeltaNet`` has context parallelism (an all-to-all from sequence to
+  heads around the delta rule, on the load-balanced chunks of :func:`sftprof.data.cp_shard`); 0.16/0.17 refuse
+  CP > 1 in ``TransformerConfig``;
+- :data:`GATED_DELTA_NET_PACKAGE` (0.19.0): ``megatron.core.ssm.gated_delta_net`` is a package whose fla imports
+  (``HAVE_FLA``, ``l2norm``) live in its ``common`` module (:func:`gated_delta_net_kernels`).
+
+Differences that need no version test: from 0.17 megatron-core passes ``is_mtp_layer=`` and (0.18) ``name=`` to the
+MoE layer, its experts and shared experts; this project's MoE layers pass unknown keywords on to ``MoELayer`` and its
+experts accept ``name``. From 0.17 the router calls ``topk_routing_with_score_function`` with ``dense_output`` and
+(0.19) ``precomputed_indices``, which :mod:`sftprof.models.layers.router` hands to megatron's own function.
 
 Transformer Engine (TE) in a trial's process, :func:`setup_transformer_engine` (before anything imports megatron):
 
@@ -13,14 +35,14 @@ Transformer Engine (TE) in a trial's process, :func:`setup_transformer_engine` (
   torch's cuDNN first and pointing ``CUDNN_HOME`` at its folder makes TE open the same file; a clash that remains
   is a start-up error naming both versions and the fix.
 
-megatron-core 0.16.1 without Transformer Engine (TE), :func:`apply_megatron_compat`:
+megatron-core without Transformer Engine (TE), :func:`apply_megatron_compat`:
 
-1. ``megatron/core/transformer/moe/moe_utils.py`` imports ``te_general_gemm`` from TE inside a ``try``
+1. (0.16 only) ``megatron/core/transformer/moe/moe_utils.py`` imports ``te_general_gemm`` from TE inside a ``try``
    block and, when TE is missing, never binds the name. The MoE router's fp32/fp64 gating GEMM
    (``RouterGatingLinearFunction``) then tests ``te_general_gemm is not None`` and fails with
    ``NameError: name 'te_general_gemm' is not defined``. Binding the name to ``None`` selects the plain
    ``torch`` GEMM path that the same function already contains.
-2. ``megatron/core/tensor_parallel/random.py``: ``CheckpointWithoutOutput.__init__(fp8=False)`` sets
+2. (0.16 to 0.19) ``megatron/core/tensor_parallel/random.py``: ``CheckpointWithoutOutput.__init__(fp8=False)`` sets
    ``self.fp8 = fp8 is not None``, which is ``True`` for the default ``False``, so every output-discarding
    checkpoint (selective recompute of ``layernorm``, ``moe_act``, ...) calls TE's ``FP8GlobalStateManager``
    and fails with ``NameError`` when TE is missing. Without TE there is no FP8, so ``fp8`` is set to
@@ -37,19 +59,73 @@ token-by-token fp32 reference on the GPU at the head dims the project uses.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
 import sys
-from typing import Optional
+from types import ModuleType
+from typing import Optional, Tuple
 
 from sftprof.config import ConfigError
+from sftprof.pycheck import megatron_core_problem, megatron_core_version as _read_megatron_core_version
 
 TE_MODULES = ("transformer_engine", "transformer_engine_torch")
 
+# The first megatron-core release of each difference (module docstring).
+PERMUTE_PADDING_OUTPUTS = (0, 17, 0)
+TE_GENERAL_GEMM_BOUND = (0, 17, 0)
+GATED_DELTA_NET_CP = (0, 18, 0)
+GATED_DELTA_NET_PACKAGE = (0, 19, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_core_version() -> Tuple[int, int, int]:
+    """``(major, minor, patch)`` of the megatron-core that ``import megatron.core`` finds (read once).
+
+    Raises:
+        ConfigError: megatron-core is not installed, or its version cannot be read.
+    """
+    try:
+        version = _read_megatron_core_version()
+    except ValueError as err:
+        raise ConfigError(f"actor.backend=megatron: {err}") from err
+    if version is None:
+        raise ConfigError("actor.backend=megatron: megatron-core is not installed (pip install -e <the sftprof "
+                          "repository>)")
+    return version
+
+
+def check_megatron_version() -> None:
+    """Refuse a megatron-core outside the supported releases (pyproject.toml's range, ``sftprof.pycheck.megatron_core_problem``).
+
+    Raises:
+        ConfigError: naming the installed and the supported versions (or what could not be read).
+    """
+    megatron_core_version()  # missing or unreadable: its own error
+    problem = megatron_core_problem()
+    if problem:
+        raise ConfigError(f"actor.backend=megatron: {problem}")
+
+
+def megatron_at_least(release: Tuple[int, int, int]) -> bool:
+    """Whether the installed megatron-core is ``release`` or later (one of this module's release constants)."""
+    return megatron_core_version() >= release
+
+
+def gated_delta_net_kernels() -> ModuleType:
+    """The megatron-core module whose fla imports ``GatedDeltaNet`` uses (``HAVE_FLA``, ``l2norm``,
+    ``chunk_gated_delta_rule``): ``megatron.core.ssm.gated_delta_net`` before 0.19, its ``common`` module since."""
+    if megatron_at_least(GATED_DELTA_NET_PACKAGE):
+        from megatron.core.ssm.gated_delta_net import common
+        return common
+    from megatron.core.ssm import gated_delta_net
+    return gated_delta_net
+
 
 def apply_megatron_compat() -> bool:
-    """Apply the megatron-core 0.16.1 patches of the module docstring when Transformer Engine is missing.
+    """Apply the megatron-core patches of the module docstring that the installed release needs when Transformer
+    Engine is missing.
 
     Idempotent; leaves a working TE import untouched.
 
@@ -60,7 +136,7 @@ def apply_megatron_compat() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     applied = False
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if not megatron_at_least(TE_GENERAL_GEMM_BOUND) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # item 1 of the module docstring
         applied = True
     cls = mrandom.CheckpointWithoutOutput

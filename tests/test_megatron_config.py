@@ -172,15 +172,19 @@ def test_qwen3_5_mapping_and_support_check():
     tc = mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:d1"), have_te=False)
     from unittest import mock
 
-    from megatron.core.ssm import gated_delta_net
+    from sftprof.compat import GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron_at_least
 
-    with mock.patch.object(gated_delta_net, "HAVE_FLA", False):
+    with mock.patch.object(gated_delta_net_kernels(), "HAVE_FLA", False):
         with pytest.raises(NotImplementedError, match="need flash-linear-attention kernels: install "
                                                       "flash-linear-attention==0.6.0 and fla-core==0.6.0"):
             check_model_supported(tc)
-    # megatron-core's own config validation refuses CP too (sftprof stops earlier: check_linear_attention_layout)
-    with pytest.raises(AssertionError, match="Gated delta net does not support context parallel"):
-        mc.build_transformer_config(hf, cfg, parse_allocation_mode("megatron:(attn:c2|ffn:e2)"), have_te=False)
+    cp2 = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    if megatron_at_least(GATED_DELTA_NET_CP):
+        assert mc.build_transformer_config(hf, cfg, cp2, have_te=False).context_parallel_size == 2
+    else:
+        # megatron-core's own config validation refuses CP too (sftprof stops earlier: check_linear_attention_layout)
+        with pytest.raises(AssertionError, match="Gated delta net does not support context parallel"):
+            mc.build_transformer_config(hf, cfg, cp2, have_te=False)
 
 
 def test_unsupported_hf_configs():
@@ -253,6 +257,25 @@ def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, mes
     cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"] + overrides)
     with pytest.raises(ConfigError, match=message):
         mc.check_model_settings(cfg, hf, layout)
+
+
+def test_gated_delta_net_heads_must_split_by_tp_and_cp():
+    """Qwen3.5's 16 gated delta-net key heads under TP = 2 x CP = 16: refused before launch, as CP itself is before
+    megatron-core 0.18 (whose gated delta-net has no context parallelism)."""
+    import importlib.util
+    from unittest import mock
+
+    from sftprof.compat import GATED_DELTA_NET_CP, megatron_at_least
+
+    hf = load_hf_config("qwen3_5_35b_a3b")
+    backend = "megatron:(attn:t2c16|ffn:e32)"
+    cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"])
+    message = (r"linear_num_key_heads=16 is not divisible by TPxCP=32" if megatron_at_least(GATED_DELTA_NET_CP)
+               else r"context parallelism \(CP=16\) is not supported for qwen3_5_moe_text with megatron-core")
+    find_spec = importlib.util.find_spec
+    with mock.patch("importlib.util.find_spec", lambda name, *a: object() if name == "fla" else find_spec(name, *a)), \
+            pytest.raises(ConfigError, match=message):
+        mc.check_model_settings(cfg, hf, parse_allocation_mode(backend))
 
 
 def test_use_fused_torch_adam_switches_torch_adam_before_the_first_step_only():

@@ -62,7 +62,7 @@ def _moe_config(**overrides):
 
 def _ep2_worker(rank: int, store: str) -> None:
 
-    from fixtures.megatron_cpu import megatron_cpu
+    from fixtures.megatron_cpu import megatron_cpu, mlp_build_kwargs
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.spec_utils import build_module
@@ -83,7 +83,7 @@ def _ep2_worker(rank: int, store: str) -> None:
             torch.manual_seed(3)  # the same weights in every case (and the same router on both ranks)
             spec = _moe_spec(config, sorted_permute=False, dedup_alltoall=chunks > 0, alltoall_chunks=max(chunks, 1))
             layer = build_module(spec, config=config, layer_number=1,
-                                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                                 pg_collection=ProcessGroupCollection.use_mpu_process_groups(), **mlp_build_kwargs())
             xi = x.clone().requires_grad_(True)
             maps = []
             layer.router.register_forward_hook(lambda m, i, o: maps.append(o[1]))  # routing_map [T, E]

@@ -1,10 +1,11 @@
-"""The sync-free, atomic-free MoE token permutation (:mod:`sftprof.models.layers.moe_permute`) against megatron-core
-0.16.1's ``moe_utils.permute`` / ``unpermute`` (exact layout; fp64 references for sums and gradients), and its
+"""The sync-free, atomic-free MoE token permutation (:mod:`sftprof.models.layers.moe_permute`) against the installed
+megatron-core's ``moe_utils.permute`` / ``unpermute`` (exact layout; fp64 references for sums and gradients), and its
 wiring into a megatron-core MoE layer on CPU (gloo)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from sftprof.compat import PERMUTE_PADDING_OUTPUTS, megatron_at_least
 from sftprof.models.layers.moe_permute import gather_sum, sorted_permute, sorted_unpermute
 
 BF16_HALF_ULP = 2.0 ** -8  # one round-to-nearest of bf16 (8 significant bits): relative error <= 2^-8
@@ -40,6 +41,8 @@ def test_permute_matches_megatron_layout_exactly(n_tokens, n_experts, topk, seed
     theirs = moe_utils.permute(x, routing_map, probs=probs, num_out_tokens=n_tokens * topk)
     for a, b, name in zip(ours, theirs, ("permuted tokens", "permuted probs", "sorted_indices")):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    # megatron-core >= 0.17 also returns (pad_offsets, tokens_per_expert): None, None without padding
+    assert len(ours) == len(theirs) and ours[3:] == theirs[3:]
     assert ours[0].shape == (n_tokens * topk, 32)
 
 
@@ -65,7 +68,7 @@ def test_permute_unpermute_values_and_grads_against_fp64(n_tokens, n_experts, to
     def run(permute, unpermute, dtype):
         x = x64.to(dtype).requires_grad_(True)
         pr = probs.detach().clone().requires_grad_(True)
-        permuted, permuted_probs, idx = permute(x, routing_map, probs=pr, num_out_tokens=n_tokens * topk)
+        permuted, permuted_probs, idx = permute(x, routing_map, probs=pr, num_out_tokens=n_tokens * topk)[:3]
         y = y64.to(dtype).requires_grad_(True)
         out = unpermute(y, idx, x.shape)
         ((permuted * upstream.to(dtype)).sum() + (out * out_grad.to(dtype)).sum()
@@ -93,8 +96,11 @@ def test_gather_sum_adds_k_in_order_in_fp32():
 def test_errors_name_the_setting():
     routing_map, probs = _routing(8, 4, 2, 0)
     x = torch.randn(8, 4)
-    with pytest.raises(ValueError, match=r"sorted_permute: fused=True, drop_and_pad=False: only the unfused dropless"):
+    with pytest.raises(ValueError, match=r"sorted_permute: fused=True, drop_and_pad=False, padding for quantization="
+                                         r"False: only the unfused dropless path without padding"):
         sorted_permute(x, routing_map, num_out_tokens=16, fused=True)
+    with pytest.raises(ValueError, match=r"sorted_permute: .*padding for quantization=True"):
+        sorted_permute(x, routing_map, num_out_tokens=16, align_size=16)
     with pytest.raises(ValueError, match=r"sorted_permute: num_out_tokens=15 must be T \* topk \(T=8\)"):
         sorted_permute(x, routing_map, num_out_tokens=15)
     with pytest.raises(ValueError, match=r"sorted_permute: num_out_tokens=None must be T \* topk"):
@@ -104,10 +110,12 @@ def test_errors_name_the_setting():
     dropped[3, 0] = True
     with pytest.raises(RuntimeError, match=r"sorted_permute: a routing-map row does not have exactly topk=2 true"):
         sorted_permute(x, dropped, num_out_tokens=16)
-    _, _, idx = sorted_permute(x, routing_map, num_out_tokens=16)
+    idx = sorted_permute(x, routing_map, num_out_tokens=16)[2]
     y = torch.randn(16, 4)
     with pytest.raises(ValueError, match=r"sorted_unpermute: probs must be None"):
         sorted_unpermute(y, idx, x.shape, probs=probs, routing_map=routing_map)
+    with pytest.raises(ValueError, match=r"sorted_unpermute: .*padding for quantization=True"):
+        sorted_unpermute(y, idx, x.shape, pad_offsets=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"sorted_unpermute: 16 sorted indices and permuted tokens \(16, 4\) do not "
                                          r"fit restore_shape \(5, 4\)"):
         sorted_unpermute(y, idx, torch.Size([5, 4]))
@@ -132,7 +140,7 @@ def test_wrong_types_shapes_and_indices_raise_never_a_silent_result():
         sorted_permute(x, routing_map, probs[:, :3], num_out_tokens=16)
     with pytest.raises(ValueError, match=r"got \(\), \(8, 4\) and None"):
         sorted_permute(torch.tensor(1.0), routing_map, num_out_tokens=16)
-    y, _, idx = sorted_permute(x, routing_map, probs, num_out_tokens=16)
+    y, _, idx = sorted_permute(x, routing_map, probs, num_out_tokens=16)[:3]
     with pytest.raises(ValueError, match=r"sorted_unpermute: sorted_indices must be a torch.Tensor of torch.int64 on "
                                          r"cpu, got torch.float32 on cpu"):
         sorted_unpermute(y, idx.float(), x.shape)
@@ -175,7 +183,7 @@ def test_chunk_sort_skips_only_the_identity():
 def test_no_tokens():
     routing_map = torch.zeros(0, 8, dtype=torch.bool)
     x = torch.randn(0, 4, requires_grad=True)
-    permuted, permuted_probs, idx = sorted_permute(x, routing_map, probs=torch.zeros(0, 8), num_out_tokens=0)
+    permuted, permuted_probs, idx = sorted_permute(x, routing_map, probs=torch.zeros(0, 8), num_out_tokens=0)[:3]
     assert permuted.shape == (0, 4) and permuted_probs.shape == (0,) and idx.shape == (0,)
     assert sorted_unpermute(permuted, idx, x.shape).shape == (0, 4)
 
@@ -204,6 +212,7 @@ def _moe_config(**overrides):
 
 
 def _moe_forward_backward(config, sorted_permute_on, x, probe):
+    from fixtures.megatron_cpu import mlp_build_kwargs
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
@@ -211,7 +220,7 @@ def _moe_forward_backward(config, sorted_permute_on, x, probe):
 
     torch.manual_seed(3)
     layer = build_module(_moe_spec(config, sorted_permute_on), config=config, layer_number=1,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups(), **mlp_build_kwargs())
     x = x.clone().requires_grad_(True)
     out, _ = layer(x)
     (out * probe).sum().backward()
@@ -244,10 +253,11 @@ def test_moe_layer_same_output_and_grads_with_sorted_permute_on_and_off(mcore_cp
         ops = {e.key: e.count for e in prof.key_averages()}
         results[on] = (type(layer).__name__, type(layer.token_dispatcher).__name__, mp.call_count, mu.call_count,
                        gs.call_count, ops.get("aten::masked_select", 0), sc.call_count, out, dx, grads)
-    # megatron's permute: masked_select of the token indices and of the probs; its chunk sort by local expert
-    # (8 local experts, EP = TP = 1: the identity) in dispatch_postprocess and combine_preprocess
+    # megatron's permute: masked_select of the token indices and of the probs (from 0.17 an argsort); its chunk sort
+    # by local expert (8 local experts, EP = TP = 1: the identity) in dispatch_postprocess and combine_preprocess
+    masked_selects = 0 if megatron_at_least(PERMUTE_PADDING_OUTPUTS) else 2
     assert results[True][:7] == ("SortedPermuteMoELayer", "SortedPermuteAlltoAllTokenDispatcher", 0, 0, 2, 0, 0)
-    assert results[False][:7] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1, 1, 0, 2, 2)
+    assert results[False][:7] == ("MoELayer", "MoEAlltoAllTokenDispatcher", 1, 1, 0, masked_selects, 2)
     (*_, out_on, dx_on, g_on), (*_, out_off, dx_off, g_off) = results[True], results[False]
     scale = out_off.abs().max().item()
     assert (out_on - out_off).abs().max().item() <= 1e-6 * scale
@@ -286,7 +296,7 @@ def test_triton_gather_sum_matches_torch_path_on_cuda():
     y = torch.randn(n_tokens * topk, hidden, generator=torch.Generator().manual_seed(9)).bfloat16()
     x_cuda = x.cuda().requires_grad_(True)
     permuted, permuted_probs, idx = sorted_permute(x_cuda, routing_map.cuda(), probs=probs.cuda(),
-                                                   num_out_tokens=n_tokens * topk)
+                                                   num_out_tokens=n_tokens * topk)[:3]
     inverse = torch.sort(idx, stable=True).indices.view(n_tokens, topk)
     y_cuda = y.cuda()
     assert torch.equal(gather_sum(y_cuda, inverse), _gather_sum_torch(y_cuda, inverse))

@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 
+from sftprof.compat import GATED_DELTA_NET_CP, megatron_at_least
 from sftprof.launch import DriverError, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,16 @@ def test_without_fla_the_plan_stops_naming_the_package(tmp_path):
         plan(_env(tmp_path), [], gpus=8)
 
 
-def test_context_parallel_layout_stops_before_launch(tmp_path):
+def test_context_parallel_layout_stops_before_launch_before_megatron_core_0_18(tmp_path, monkeypatch):
+    """CP > 1 for Qwen3.5 is planned from megatron-core 0.18 (gated delta-net with context parallelism) and refused
+    before launch with earlier releases."""
+    args = ["actor.backend=megatron:(attn:d2c4|ffn:d1e8)"]
+    if megatron_at_least(GATED_DELTA_NET_CP):
+        monkeypatch.chdir(tmp_path)
+        with _fla(True):
+            _, settings, _ = plan(_env(tmp_path), args, gpus=8)
+        assert any(line.startswith("# layout megatron:(attn:d2c4|ffn:d1e8)") for line in settings)
+        return
     with _fla(True), pytest.raises(DriverError, match=r"context parallelism \(CP=4\) is not supported for "
-                                                      r"qwen3_5_moe_text"):
-        plan(_env(tmp_path), ["actor.backend=megatron:(attn:d2c4|ffn:d1e8)"], gpus=8)
+                                                      r"qwen3_5_moe_text with megatron-core 0\.1"):
+        plan(_env(tmp_path), args, gpus=8)

@@ -1,10 +1,10 @@
 """GPU tests of Qwen3.5 on the megatron backend without Transformer Engine (needs flash-linear-attention).
 
 1. The tiny Qwen3.5 preset (4 layers: 3 gated delta-net + 1 gated full attention, real vocabulary 248320)
-   through the real trainer on ``megatron:d1`` and on ``megatron:(attn:t2|ffn:e2)`` (TP 2 with sequence
-   parallelism), bf16, 2 steps: the step-0 loss is within 1.0 of ln(vocab) (random init: near-uniform
-   predictions) and step 1 is finite.
-2. The Qwen3.5-35B-A3B shape cut to 4 layers through the driver, both kinds, on the same two layouts, at
+   through the real trainer on ``megatron:d1``, on ``megatron:(attn:t2|ffn:e2)`` (TP 2 with sequence
+   parallelism) and, with megatron-core >= 0.18, on ``megatron:(attn:c2|ffn:e2)`` (CP 2), bf16, 2 steps: the
+   step-0 loss is within 1.0 of ln(vocab) (random init: near-uniform predictions) and step 1 is finite.
+2. The Qwen3.5-35B-A3B shape cut to 4 layers through the driver, both kinds, on the same layouts, at
    ``SFTPROF_QWEN3_5_SEQ`` tokens (default 8192; the issue's check uses 32768): every trial has status 0.
 
 Install first (GPU machine): ``pip install -e '.[qwen3_5]'`` (fla-core, flash-linear-attention 0.6.0, einops).
@@ -20,11 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftprof.compat import GATED_DELTA_NET_CP, megatron_at_least
 from sftprof.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 248320
-LAYOUTS = [("megatron:d1", 1), ("megatron:(attn:t2|ffn:e2)", 2)]
+LAYOUTS = [("megatron:d1", 1), ("megatron:(attn:t2|ffn:e2)", 2),
+           pytest.param("megatron:(attn:c2|ffn:e2)", 2, marks=pytest.mark.skipif(
+               not megatron_at_least(GATED_DELTA_NET_CP), reason="gated delta-net has context parallelism from "
+               "megatron-core 0.18 (sftprof.compat.GATED_DELTA_NET_CP)"))]
 
 
 def _needs(gpus: int) -> None:

@@ -2,13 +2,14 @@
 Hugging Face's Qwen3.5 layers (1 rank, and TP = 2 with sequence parallelism on 2 ranks), and the whole
 4-layer GPTModel loaded from a ``save_pretrained`` checkpoint against ``Qwen3_5MoeForCausalLM``.
 
-megatron-core 0.16.1's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
+megatron-core's ``GatedDeltaNet`` is CUDA-only at construction (``torch.cuda.current_device()``) and
 needs flash-linear-attention's Triton kernels, so on CPU the tests build it with ``torch.cuda.current_device``
 answering ``"cpu"`` and run its deterministic-mode PyTorch path (``torch_chunk_gated_delta_rule``) with a
-PyTorch L2 norm in place of fla's; the MoE alltoall dispatcher gets a host stand-in for its CUDA side
-stream. What runs is the rest of the modules as shipped: ``in_proj`` / ``out_proj`` (local column/row-parallel
-linears), the q/k/v/z/beta/alpha split, the causal conv1d, the gate, the output RMSNorm (this project's,
-zero-centred), the gated SDPA attention with partial RoPE, router, experts and gated shared expert.
+PyTorch L2 norm in place of fla's (in the module :func:`sftprof.compat.gated_delta_net_kernels` names); the MoE
+alltoall dispatcher gets a host stand-in for its CUDA side stream. What runs is the rest of the modules as shipped:
+``in_proj`` / ``out_proj`` (local column/row-parallel linears), the q/k/v/z/beta/alpha split, the causal conv1d, the
+gate, the output RMSNorm (this project's, zero-centred), the gated SDPA attention with partial RoPE, router, experts
+and gated shared expert; with megatron-core >= 0.18 also the gated delta-net's context parallelism (CP = 2).
 Weights go through the project's mapping (:mod:`sftprof.models.qwen3_5_moe_weights`): per layer for the
 layer tests (TP rank slices included), and through the loader for the whole model.
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from fixtures.megatron_cpu import megatron_cpu
 from fixtures.qwen3_5 import load_mapped_attention, megatron_logprob_errors, save_tiny_checkpoint
 from sftprof.allocation import parse_allocation_mode
+from sftprof.compat import GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron_at_least
 from sftprof.config import ConfigError, load_config
 from sftprof.launch import free_port
 from sftprof.models import megatron_config as mc
@@ -37,7 +39,7 @@ def _torch_l2norm(x, eps=1e-6):
 
 @pytest.fixture(scope="module")
 def mcore_cpu(tmp_path_factory):
-    from megatron.core.ssm import gated_delta_net
+    gated_delta_net = gated_delta_net_kernels()
 
     with megatron_cpu(tmp_path_factory.mktemp("store") / "filestore"), \
             mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
@@ -86,8 +88,14 @@ def test_layer_pattern_and_module_types(mcore_cpu):
 
 
 def test_cp_layout_and_missing_fla_stop_before_launch():
-    with pytest.raises(ConfigError, match=r"context parallelism \(CP=2\) is not supported for qwen3_5_moe_text"):
-        check_linear_attention_layout("qwen3_5_moe_text", parse_allocation_mode("megatron:(attn:c2|ffn:e2)"))
+    cp2 = parse_allocation_mode("megatron:(attn:c2|ffn:e2)")
+    if megatron_at_least(GATED_DELTA_NET_CP):  # megatron-core >= 0.18: gated delta-net with context parallelism
+        with mock.patch("importlib.util.find_spec", lambda name: object()):  # fla found
+            check_linear_attention_layout("qwen3_5_moe_text", cp2)
+    else:
+        with pytest.raises(ConfigError, match=r"context parallelism \(CP=2\) is not supported for qwen3_5_moe_text "
+                                              r"with megatron-core 0\.1[67]\.\d+: .* \(megatron-core >= 0\.18 has\)"):
+            check_linear_attention_layout("qwen3_5_moe_text", cp2)
     with mock.patch("importlib.util.find_spec", lambda name: None):
         with pytest.raises(ConfigError, match=r"needs the Python package 'fla' from flash-linear-attention==0.6.0 "
                                               r"and fla-core==0.6.0"):
@@ -158,13 +166,13 @@ def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
     import os
 
     from megatron.core import parallel_state
-    from megatron.core.ssm import gated_delta_net
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet,
                                                                         Qwen3_5MoeTextRotaryEmbedding)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    gated_delta_net = gated_delta_net_kernels()
     try:
         with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
                 mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
@@ -216,6 +224,58 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
     import torch.multiprocessing as mp
 
     mp.spawn(_tp2_sequence_parallel_worker, args=(free_port(),), nprocs=2, join=True)
+
+
+def _cp2_gated_delta_net_worker(rank: int, port: int) -> None:
+    import os
+
+    from megatron.core import parallel_state
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    from sftprof.data import cp_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    gated_delta_net = gated_delta_net_kernels()
+    try:
+        with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
+                mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
+                mock.patch("torch.cuda.current_device", lambda: "cpu"):
+            hf = load_hf_config("tiny_qwen3_5_moe")
+            tc = _tconfig(hf, "megatron:(attn:c2|ffn:e2)")
+            ref = Qwen3_5MoeGatedDeltaNet(hf, 0)
+            _randomise(ref, 7)
+            ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
+            load_mapped_attention(ours, ref, hf, 0)
+            b, s = 2, 136  # 4 load-balanced chunks of 34; the delta rule sees all 136 tokens (three 64-token chunks)
+            torch.manual_seed(5)
+            x = torch.randn(b, s, hf.hidden_size)
+            x_ref = x.clone().requires_grad_(True)
+            x_ours = cp_shard(x.transpose(0, 1), 2, rank, dim=0).clone().requires_grad_(True)
+            expected = ref(x_ref)
+            out, _ = ours(x_ours, attention_mask=None)
+            probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
+            (expected * probe).sum().backward()
+            (out * cp_shard(probe.transpose(0, 1), 2, rank, dim=0)).sum().backward()
+            want = cp_shard(expected.detach().transpose(0, 1), 2, rank, dim=0)
+            assert out.shape == want.shape == (s // 2, b, hf.hidden_size)
+            assert (out - want).abs().max().item() < 1e-5 * expected.abs().max().item() + 1e-6
+            want_grad = cp_shard(x_ref.grad.transpose(0, 1), 2, rank, dim=0)
+            assert (x_ours.grad - want_grad).abs().max().item() < 1e-5 * x_ref.grad.abs().max().item() + 1e-6
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not megatron_at_least(GATED_DELTA_NET_CP), reason="gated delta-net has context parallelism "
+                    "from megatron-core 0.18 (sftprof.compat.GATED_DELTA_NET_CP)")
+def test_cp2_gated_delta_net_layer_matches_hugging_face():
+    """megatron-core's gated delta-net with CP = 2 (2 gloo ranks, the load-balanced chunks of ``cp_shard``): each
+    rank's output and input-gradient chunks equal Hugging Face's single-device layer over the whole sequence."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cp2_gated_delta_net_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 def test_save_pretrained_checkpoint_in_megatron_matches_hugging_face(mcore_cpu, tmp_path):

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from sftprof.allocation import Layout
+from sftprof.compat import check_megatron_version
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
 from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
 from sftprof.models.hf import MODEL_TYPES, resolve_model_dir
@@ -195,18 +196,20 @@ def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
 def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None:
     """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
 
+    - the installed megatron-core must be a supported release (:func:`sftprof.compat.check_megatron_version`);
     - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
       checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
     - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
-    - the layout must split the model evenly: attention heads and query groups by TP, experts by EP, the
-      expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank length TP
-      divides (sequence parallelism);
+    - the layout must split the model evenly: attention heads and query groups by TP, gated delta-net heads by TP x
+      CP, experts by EP, the expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank
+      length TP divides (sequence parallelism);
     - the chunked LM-head loss (``actor.loss`` path ``lm_head``) needs a vocabulary that TP divides (it
       has no mask for padded vocabulary rows; the logits path has).
 
     Raises:
         ConfigError: naming the setting, the value and what is accepted.
     """
+    check_megatron_version()
     if not cfg.actor.init_from_scratch:
         model_dir = resolve_model_dir(cfg.actor.path)
         if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
@@ -224,8 +227,9 @@ def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None
             ("num_attention_heads", heads, "TP", layout.tp), ("num_key_value_heads", groups, "TP", layout.tp),
             ("num_experts", experts, "EP", layout.ep), ("moe_intermediate_size", hf.moe_intermediate_size, "ETP", layout.etp),
             ("num_hidden_layers", hf.num_hidden_layers, "PP", layout.pp),
-            ("linear_num_key_heads", _get(hf, "linear_num_key_heads", default=0), "TP", layout.tp),
-            ("linear_num_value_heads", _get(hf, "linear_num_value_heads", default=0), "TP", layout.tp)):
+            # gated delta-net heads: split by TP, and by CP too (its context parallelism runs heads on CP ranks)
+            ("linear_num_key_heads", _get(hf, "linear_num_key_heads", default=0), "TPxCP", layout.tp * layout.cp),
+            ("linear_num_value_heads", _get(hf, "linear_num_value_heads", default=0), "TPxCP", layout.tp * layout.cp)):
         if size % parts:
             raise ConfigError(f"actor.backend={cfg.actor.backend!r}: the model's {what}={size} is not divisible by "
                               f"{name}={parts}; accepted: a layout whose {name} divides it (actor.num_layers cuts layers)")

@@ -25,10 +25,10 @@ every layer: shared expert with gate
 =====================================================  =================================================  ================================
 
 The gated-attention order is megatron-core's (``SelfAttention.get_query_key_value_tensors`` with
-``attention_output_gate``: per query group ``[queries, gates, key, value]``); the in_proj order is megatron-core
-0.16.1's ``GatedDeltaNet`` split (``q, k, v, z, b, a`` per TP rank). The multimodal checkpoint's text tensors
-(``model.language_model.*``) are read through :class:`TextPrefixSource`; vision-tower and MTP tensors are not
-part of the profiled text model.
+``attention_output_gate``: per query group ``[queries, gates, key, value]``); the in_proj order is megatron-core's
+``GatedDeltaNet`` split (``q, k, v, z, b, a`` per TP rank; the same from 0.16.1 to 0.19.x). The multimodal
+checkpoint's text tensors (``model.language_model.*``) are read through :class:`TextPrefixSource`; vision-tower and
+MTP tensors are not part of the profiled text model.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ class GroupedGemmExperts(torch.nn.Module):
     """All local experts of one MoE layer as two ``torch._grouped_mm`` calls.
 
     Constructor arguments follow megatron-core's experts (``build_module(spec, num_local_experts, config,
-    pg_collection=...)``).
+    pg_collection=...)``; ``name``, the module's path that megatron-core >= 0.18 passes, is not used).
 
     Forward:
         permuted_local_hidden_states ``[T, hidden]`` bf16, tokens sorted by local expert;
@@ -51,7 +51,7 @@ class GroupedGemmExperts(torch.nn.Module):
             :func:`grouped_mm_supported`).
     """
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name: Optional[str] = None) -> None:
         super().__init__()
         from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
 

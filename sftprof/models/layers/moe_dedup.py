@@ -390,7 +390,8 @@ class DedupAlltoAllTokenDispatcher(token_dispatcher.MoETokenDispatcher):
 
 class DedupAlltoAllMoELayer(moe_layer.MoELayer):
     """megatron-core's ``MoELayer`` whose alltoall token dispatcher is :class:`DedupAlltoAllTokenDispatcher`
-    (constructor arguments of ``MoELayer``, plus ``alltoall_chunks``: ``actor.megatron.moe_alltoall_chunks``),
+    (constructor arguments of ``MoELayer``, plus ``alltoall_chunks``: ``actor.megatron.moe_alltoall_chunks``; keywords
+    of later megatron-core releases, ``is_mtp_layer`` and ``name``, are passed on to ``MoELayer``),
     with the routed experts run chunk by chunk: chunk ``c``'s experts run while chunk ``c + 1``'s rows and
     chunk ``c - 1``'s outputs are in flight (module docstring).
 
@@ -400,7 +401,7 @@ class DedupAlltoAllMoELayer(moe_layer.MoELayer):
     """
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
-                 alltoall_chunks: int = 1) -> None:
+                 alltoall_chunks: int = 1, **megatron_kwargs) -> None:
         if not dedup_alltoall_applies(config):
             raise ValueError("actor.megatron.moe_dedup_alltoall: DedupAlltoAllMoELayer needs EP > 1, expert TP 1, "
                              "moe_token_dispatcher_type='alltoall', moe_permute_fusion=False, no capacity factor or "
@@ -409,7 +410,8 @@ class DedupAlltoAllMoELayer(moe_layer.MoELayer):
         if not isinstance(alltoall_chunks, int) or isinstance(alltoall_chunks, bool) or alltoall_chunks < 1:
             raise ValueError(f"actor.megatron.moe_alltoall_chunks={alltoall_chunks!r}: must be an integer >= 1")
         with bound(moe_layer, MoEAlltoAllTokenDispatcher=DedupAlltoAllTokenDispatcher):
-            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
+                             **megatron_kwargs)
         self.token_dispatcher.chunks = alltoall_chunks
 
     def routed_experts_compute(self, hidden_states: List[_Chunk], probs: None) -> Tuple[List[_Chunk], None]:

@@ -1,11 +1,11 @@
 """Sync-free, atomic-free token permutation for megatron-core's alltoall MoE token dispatcher (no TE).
 
-megatron-core 0.16.1's unfused ``permute`` / ``unpermute`` (``megatron/core/transformer/moe/moe_utils.py``)
-find each expert's tokens with ``masked_select`` (``aten::nonzero``: a device-to-host sync per call) and
-move gradients back with bf16 atomics: the backward of ``tokens.index_select(0, sorted_indices)`` is an
-``index_add_``, and ``unpermute`` is a ``scatter_add_`` into zeros. Its fused alternative needs Transformer
-Engine. When routing drops no token and pads nothing, every row of the routing map has exactly ``topk``
-true entries, and the same layout comes from sorts and gathers only:
+megatron-core's unfused ``permute`` / ``unpermute`` (``megatron/core/transformer/moe/moe_utils.py``) find each
+expert's tokens with ``masked_select`` (0.16: ``aten::nonzero``, a device-to-host sync per call; from 0.17 a stable
+argsort of the whole ``[T, E]`` map, no sync) and move gradients back with bf16 atomics: the backward of
+``tokens.index_select(0, sorted_indices)`` is an ``index_add_``, and ``unpermute`` is a ``scatter_add_`` into zeros.
+Its fused alternative needs Transformer Engine. When routing drops no token and pads nothing, every row of the
+routing map has exactly ``topk`` true entries, and the same layout comes from sorts and gathers only:
 
 - ``expert_idx [T, topk]``: each token's experts in ascending order (``topk`` of the int8 routing map,
   then a sort along the row; no host sync);
@@ -38,6 +38,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
 
+from sftprof.compat import PERMUTE_PADDING_OUTPUTS, megatron_at_least
 from sftprof.models.layers.op_inputs import check_tensor
 
 
@@ -167,17 +168,19 @@ def gather_sum_rows(x: torch.Tensor, indices: torch.Tensor, inverse: torch.Tenso
     return _GatherSumRows.apply(x, indices, inverse)
 
 
-def _refuse(name: str, fused: bool, drop_and_pad: bool) -> None:
-    if fused or drop_and_pad:
-        raise ValueError(f"{name}: fused={fused}, drop_and_pad={drop_and_pad}: only the unfused dropless path is "
-                         "implemented (see sorted_permute_applies)")
+def _refuse(name: str, fused: bool, drop_and_pad: bool, padded: bool = False) -> None:
+    if fused or drop_and_pad or padded:
+        raise ValueError(f"{name}: fused={fused}, drop_and_pad={drop_and_pad}, padding for quantization={padded}: only "
+                         "the unfused dropless path without padding is implemented (see sorted_permute_applies)")
 
 
 def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
-                   num_out_tokens: Optional[int] = None, fused: bool = False,
-                   drop_and_pad: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                   num_out_tokens: Optional[int] = None, fused: bool = False, drop_and_pad: bool = False,
+                   tokens_per_expert: Optional[torch.Tensor] = None, align_size: int = 0) -> tuple:
     """megatron-core's ``moe_utils.permute`` (same arguments, same outputs in the same order) for routing maps
-    with exactly ``topk = num_out_tokens / T`` true entries per row; see the module docstring.
+    with exactly ``topk = num_out_tokens / T`` true entries per row; see the module docstring. From megatron-core
+    0.17 (:data:`sftprof.compat.PERMUTE_PADDING_OUTPUTS`) the outputs end with ``pad_offsets`` (None: no padding)
+    and ``tokens_per_expert`` (passed through), as megatron's do.
 
     No host sync. The "exactly topk per row" assumption is checked with ``torch._assert_async`` on the row
     counts: on CPU a failure raises at once; on CUDA it is a device-side assert that surfaces at a later
@@ -189,17 +192,20 @@ def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optio
         probs: optional ``[T, E]`` router probabilities (fp32 with ``moe_router_dtype=fp32``).
         num_out_tokens: ``T * topk`` (an int, as the dispatcher passes it for dropless routing).
         fused, drop_and_pad: must be False.
+        tokens_per_expert: returned as it came (megatron-core >= 0.17); align_size: must be 0 (no padding).
     Returns:
         ``(permuted_tokens [T * topk, H], permuted_probs [T * topk] or None, sorted_indices [T * topk] int64)``:
         expert-major, ascending token index within an expert; ``permuted_probs[j] = probs[sorted_indices[j],
-        e(j)]``, the order of megatron's ``probs.T.masked_select(routing_map.T)``.
+        e(j)]``, the order of megatron's ``probs.T.masked_select(routing_map.T)``; then ``(None,
+        tokens_per_expert)`` from megatron-core 0.17.
     Raises:
-        ValueError: ``fused`` or ``drop_and_pad``; ``tokens`` not a float tensor, ``routing_map`` not a bool tensor,
-            ``probs`` not a float tensor, or one on another device than ``tokens``; ``num_out_tokens`` not an int
-            multiple of ``T``; shapes that do not match (``probs`` must have ``routing_map``'s shape).
+        ValueError: ``fused``, ``drop_and_pad`` or ``align_size``; ``tokens`` not a float tensor, ``routing_map``
+            not a bool tensor, ``probs`` not a float tensor, or one on another device than ``tokens``;
+            ``num_out_tokens`` not an int multiple of ``T``; shapes that do not match (``probs`` must have
+            ``routing_map``'s shape).
         RuntimeError: (CPU) a routing-map row without exactly ``topk`` true entries.
     """
-    _refuse("sorted_permute", fused, drop_and_pad)
+    _refuse("sorted_permute", fused, drop_and_pad, bool(align_size))
     check_tensor("sorted_permute", "tokens", tokens, _FLOATS)
     check_tensor("sorted_permute", "routing_map", routing_map, (torch.bool,), device=tokens.device)
     if probs is not None:
@@ -226,13 +232,18 @@ def sorted_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optio
     if probs is not None:
         permuted_probs = probs.gather(1, expert_idx).reshape(-1).index_select(0, order)
     if topk == 0:  # no token: an empty gather, nothing to sum in backward
-        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
-    return gather_rows(tokens, sorted_indices, inverse), permuted_probs, sorted_indices
+        permuted = tokens.index_select(0, sorted_indices)
+    else:
+        permuted = gather_rows(tokens, sorted_indices, inverse)
+    if megatron_at_least(PERMUTE_PADDING_OUTPUTS):
+        return permuted, permuted_probs, sorted_indices, None, tokens_per_expert
+    return permuted, permuted_probs, sorted_indices
 
 
 def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
                      probs: Optional[torch.Tensor] = None, routing_map: Optional[torch.Tensor] = None,
-                     fused: bool = False, drop_and_pad: bool = False) -> torch.Tensor:
+                     fused: bool = False, drop_and_pad: bool = False,
+                     pad_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """megatron-core's ``moe_utils.unpermute`` without ``probs`` (as the alltoall dispatcher calls it) for a
     permutation from :func:`sorted_permute`: ``out[t] = sum of the rows of token t``, fp32 accumulation and one
     rounding (megatron adds in the tokens' dtype with atomics). The inverse map is a stable argsort of
@@ -247,16 +258,16 @@ def sorted_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor
         sorted_indices: ``[T * topk]`` int64, from :func:`sorted_permute`, on ``permuted_tokens``' device.
         restore_shape: ``(T, H)``.
         probs: must be None; routing_map: unused (megatron uses it only with ``probs``).
-        fused, drop_and_pad: must be False.
+        fused, drop_and_pad: must be False; pad_offsets (megatron-core >= 0.17): must be None (no padding).
     Returns:
         ``[T, H]`` in ``permuted_tokens``' dtype.
     Raises:
-        ValueError: ``probs`` given, ``fused`` or ``drop_and_pad``; ``permuted_tokens`` not a float tensor,
-            ``sorted_indices`` not a 1-D int64 tensor on its device; ``restore_shape`` not ``(T, H)``, or
-            ``sorted_indices`` not ``T * topk`` long.
+        ValueError: ``probs`` or ``pad_offsets`` given, ``fused`` or ``drop_and_pad``; ``permuted_tokens`` not a
+            float tensor, ``sorted_indices`` not a 1-D int64 tensor on its device; ``restore_shape`` not ``(T, H)``,
+            or ``sorted_indices`` not ``T * topk`` long.
         RuntimeError: (CPU) ``sorted_indices`` does not hold each token exactly ``topk`` times.
     """
-    _refuse("sorted_unpermute", fused, drop_and_pad)
+    _refuse("sorted_unpermute", fused, drop_and_pad, pad_offsets is not None)
     if probs is not None:
         raise ValueError("sorted_unpermute: probs must be None (the alltoall dispatcher applies them in the experts)")
     check_tensor("sorted_unpermute", "permuted_tokens", permuted_tokens, _FLOATS)
@@ -345,16 +356,19 @@ class SortedPermuteAlltoAllTokenDispatcher(token_dispatcher.MoEAlltoAllTokenDisp
 
 class SortedPermuteMoELayer(moe_layer.MoELayer):
     """megatron-core's ``MoELayer`` whose alltoall token dispatcher is
-    :class:`SortedPermuteAlltoAllTokenDispatcher` (constructor arguments of ``MoELayer``).
+    :class:`SortedPermuteAlltoAllTokenDispatcher` (constructor arguments of ``MoELayer``; keywords of later
+    megatron-core releases, ``is_mtp_layer`` and ``name``, are passed on to it).
 
     Raises:
         ValueError: :func:`sorted_permute_applies` is False for ``config`` (the spec must pick ``MoELayer``).
     """
 
-    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None) -> None:
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
+                 **megatron_kwargs) -> None:
         if not sorted_permute_applies(config):
             raise ValueError("SortedPermuteMoELayer: needs moe_token_dispatcher_type='alltoall', "
                              "moe_permute_fusion=False, moe_expert_capacity_factor=None and no router padding "
                              "for quantization (use megatron-core's MoELayer otherwise)")
         with bound(moe_layer, MoEAlltoAllTokenDispatcher=SortedPermuteAlltoAllTokenDispatcher):
-            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
+                             **megatron_kwargs)

@@ -113,29 +113,35 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
                                      num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                                      scaling_factor: Optional[float] = None, score_function: str = "softmax",
                                      expert_bias: Optional[torch.Tensor] = None, fused: bool = False,
-                                     router_replay=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                                     router_replay=None, dense_output: bool = False,
+                                     precomputed_indices: Optional[torch.Tensor] = None
+                                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """megatron-core's ``moe_utils.topk_routing_with_score_function`` (same arguments and results), one Triton
-    kernel forward where :func:`fused_router_applies` and ``num_groups``, ``group_topk``, ``expert_bias`` and
-    ``router_replay`` are all unset; megatron's own function otherwise (its errors included).
+    kernel forward where :func:`fused_router_applies` and ``num_groups``, ``group_topk``, ``expert_bias``,
+    ``router_replay``, ``dense_output`` and ``precomputed_indices`` are all unset; megatron's own function otherwise
+    (its errors included; the last two are arguments of megatron-core >= 0.17 and 0.19, passed on only when set).
 
     Args:
         logits: ``[T, E]`` router logits (fp32 for the fused path).
         topk: experts per token.
         use_pre_softmax: softmax over the row before the top-k (else softmax over the top-k logits).
         scaling_factor: multiplies the probabilities when truthy (megatron's ``if scaling_factor``).
-        num_groups, group_topk, score_function, expert_bias, fused, router_replay: megatron's.
+        num_groups, group_topk, score_function, expert_bias, fused, router_replay, dense_output,
+            precomputed_indices: megatron's.
     Returns:
         ``(routing_probs [T, E] in logits' dtype, routing_map [T, E] bool)``: the top-k probabilities at the
         selected experts (zeros elsewhere; differentiable in ``logits``, see the module's math) and the selection.
     """
-    if (num_groups or group_topk or expert_bias is not None or router_replay is not None
+    newer = {k: v for k, v in (("dense_output", dense_output), ("precomputed_indices", precomputed_indices))
+             if v is not None and v is not False}
+    if (num_groups or group_topk or expert_bias is not None or router_replay is not None or newer
             or not fused_router_applies(logits, topk, score_function, fused)):
         from megatron.core.transformer.moe import moe_utils
 
         return moe_utils.topk_routing_with_score_function(
             logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
             scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias, fused=fused,
-            router_replay=router_replay)
+            router_replay=router_replay, **newer)
     return _TopkRouting.apply(logits, topk, bool(use_pre_softmax), float(scaling_factor) if scaling_factor else 1.0)
 
 
