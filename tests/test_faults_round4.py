@@ -416,3 +416,39 @@ def test_trial_whose_plan_config_copy_changed_is_not_run(tmp_path):
     assert (runner.run_root / "summary.tsv").read_text().split("\t")[:4] == [trials[0].name, "kernel", "0",
                                                                              "config changed"]
     assert not trials[0].log_dir.exists()  # nothing launched
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sftprof/* annotations written as B/E pairs
+# ---------------------------------------------------------------------------------------------------------
+def test_annotations_written_as_begin_end_pairs_are_read_as_spans(tmp_path, small_trace):
+    """The cut trace with each sftprof/* annotation written as a B/E pair (and one E without its B): the same
+    figures as with X events, and warnings counting the pairs read and the event left out."""
+    from sftprof.analysis.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE
+
+    pairs = copy.deepcopy(small_trace)
+    events, n = [], 0
+    for e in pairs["traceEvents"]:
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and e["name"].startswith("sftprof/"):
+            b = {k: v for k, v in e.items() if k != "dur"}
+            events += [{**b, "ph": "B"}, {"ph": "E", "cat": e["cat"], "pid": e["pid"], "tid": e["tid"],
+                                          "ts": e["ts"] + e["dur"]}]
+            n += 1
+        else:
+            events.append(e)
+    lone = next(e for e in events if e.get("ph") == "E")
+    events.insert(0, {**lone, "ts": lone["ts"] - 10**6})
+    pairs["traceEvents"] = events
+    assert n >= 1
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(small_trace))
+    _put_trace(log, 1, _trace_text(pairs))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["errors"] == []
+    xs, be = (t["summary"] for t in summary["kernel_traces"])
+    assert xs["regions"] and be["regions"] == xs["regions"]
+    same = ("gpu", "parts", "step_window", "regions", "categories", "communication", "host")
+    assert {k: be[k] for k in same} == {k: xs[k] for k in same}
+    assert be["view_repairs"] == {**xs["view_repairs"], BEGIN_END_NOTE: n, UNPAIRED_NOTE: 1}
+    mine = [w["warning"] for w in summary["warnings"] if w["file"] == "perf_tracer/traces-r1.chrome.json"]
+    assert f"{n} {BEGIN_END_NOTE}" in mine and f"1 {UNPAIRED_NOTE}" in mine
