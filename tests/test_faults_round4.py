@@ -12,8 +12,8 @@ import pickle
 import sys
 from pathlib import Path
 
-from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot, _put_trace, _trace_text,  # noqa: F401
-                                   full_trace, small_snapshot, small_trace)
+from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot,  # noqa: F401 (fixtures)
+                                   _put_trace, _trace_text, full_trace, small_snapshot, small_trace)
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 
@@ -133,8 +133,8 @@ def test_snapshot_with_another_gpus_blocks_is_summarised_as_the_ranks_own_device
 # ---------------------------------------------------------------------------------------------------------
 def test_history_started_mid_step_gives_a_lower_bound_said_so(tmp_path):
     """The real snapshot's full history, its step spanning it (rank 0), and the same snapshot whose history was
-    cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak is
-    lower and flagged as a lower bound, with the times and the blocks without stack."""
+    cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak
+    is lower and flagged as a lower bound, with the times and the blocks without stack."""
     from test_malformed_inputs import SNAPSHOT
     from sftprof.analysis.safe_pickle import safe_load_file
 

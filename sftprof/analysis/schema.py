@@ -16,8 +16,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``peak_scope`` may be ``dump_time``, ``step_peak_unknown`` says why a snapshot gives no step peak, each trace has its
 ``sanity`` and a finding its ``caveats``. 3.1: a snapshot's ``without_largest_block``, a host-wait place's
 ``longest_gap_us``. 3.2: Python garbage collections (``host.gc``, ``gpu_idle.host_wait_gc_ms``, a host-wait place's
-``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a snapshot's ``devices``, ``device_from`` and
-``step_peak_lower_bound``.
+``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a snapshot's
+``devices``, ``device_from`` and ``step_peak_lower_bound``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any

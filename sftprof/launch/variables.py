@@ -195,7 +195,8 @@ VARIABLES = (
                                                                     "torchrun's rendezvous timeout is a C int)"),
              default=str(DEFAULT_NODE_TIMEOUT_S)),
     Variable("STALL_TIMEOUT", "launcher", "seconds a rank may go without progress (no phase begun or ended) before "
-             "the watchdog ends the trial naming it (0: no watchdog)", parse=lambda n, t: _int(n, t, 0, NODE_TIMEOUT_MAX_S),
+             "the watchdog ends the trial naming it (0: no watchdog)",
+             parse=lambda n, t: _int(n, t, 0, NODE_TIMEOUT_MAX_S),
              default=str(DEFAULT_STALL_TIMEOUT_S)),
     Variable("PROFILE_FAKE_SEQ_LEN", "config", "tokens per sample (2 to 2**27)", ("profile.fake_seq_len",),
              lambda n, t: _int(n, t, 2, TOKENS_PER_RANK_MAX, FAKE_SEQ_LEN_WHY)),

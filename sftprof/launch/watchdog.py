@@ -1,16 +1,17 @@
 """The launcher's watchdog: a rank that stops making progress ends its trial, named.
 
-Each rank rewrites ``LOG_DIR/progress/rank<r>.json`` when it begins or ends a phase (:class:`sftprof.progress.
-RankProgress`). While a trial's torchrun runs, :class:`Watchdog` looks at this node's ranks' records every
-:data:`POLL_S` seconds; once a rank's record has not changed for ``STALL_TIMEOUT`` seconds (default
+Each rank rewrites ``LOG_DIR/progress/rank<r>.json`` when it begins or ends a phase
+(:class:`sftprof.progress.RankProgress`). While a
+trial's torchrun runs, :class:`Watchdog` looks at this node's ranks' records every :data:`POLL_S` seconds; once a
+rank's record has not changed for ``STALL_TIMEOUT`` seconds (default
 :data:`sftprof.launch.variables.DEFAULT_STALL_TIMEOUT_S`; 0: no watchdog) the trial has stalled. The ranks that wait
-for the stalled one in a collective stop too, but at or past its place: the rank with the least progress (no record
-at all, else the smallest ``seq``; of equals, the record unchanged longest) is the one named. Two ranks stopped in
-the same phase cannot be told apart this way (then the longest unchanged is named, and the record lists both). The launcher then writes ``LOG_DIR/stall.json``
-(:func:`write_stall`: the rank, its phase and step, how long it went without progress, every rank's last record),
-ends the trial (SIGTERM to torchrun's process group) and postprocesses it; the summary's Failure section names the
-rank (:func:`sftprof.analysis.failure.first_failure`). Times are the launcher's clock (``time.monotonic``) at which a
-record was seen to change, so a rank's clock does not matter.
+for the stalled one in a collective stop too, but at or past its place: the rank with the least progress (no record at
+all, else the smallest ``seq``; of equals, the record unchanged longest) is the one named. Two ranks stopped in the
+same phase cannot be told apart this way (then the longest unchanged is named, and the record lists both). The
+launcher then writes ``LOG_DIR/stall.json`` (:func:`write_stall`: the rank, its phase and step, how long it went
+without progress, every rank's last record), ends the trial (SIGTERM to torchrun's process group) and postprocesses
+it; the summary's Failure section names the rank (:func:`sftprof.analysis.failure.first_failure`). Times are the
+launcher's clock (``time.monotonic``) at which a record was seen to change, so a rank's clock does not matter.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class Watchdog:
         """Look at the records once: None while no rank has gone ``limit_s`` without progress, else the stall:
         ``{"rank", "step" (None before the first step), "phase" (None: the rank wrote no record), "seq" (-1: no
         record), "idle_s", "limit_s", "ranks": [{"rank", "step", "phase", "seq", "idle_s"}, ...]}`` (every rank of the
-        node, least progress first). A rank whose record says ``finished`` or ``failed`` has ended and is never the stalled one."""
+        node, least progress first). A rank whose record says ``finished`` or ``failed`` has ended and is never the
+        stalled one."""
         now = self._clock()
         for r in self.ranks:
             rec = artifacts.read_progress(artifacts.progress_path(self.log_dir, r))
@@ -64,7 +66,8 @@ class Watchdog:
 
 
 def _detail(stall: dict[str, Any]) -> str:
-    return f"no progress for {stall['idle_s']:.0f} s (STALL_TIMEOUT={stall['limit_s']:g} s); the watchdog ended the trial"
+    return (f"no progress for {stall['idle_s']:.0f} s (STALL_TIMEOUT={stall['limit_s']:g} s); the watchdog ended "
+            "the trial")
 
 
 def stall_message(stall: dict[str, Any]) -> str:

@@ -64,8 +64,8 @@ def _tied_head_copy(ckpt: SafetensorsCheckpoint, needed: Set[str]) -> Set[str]:
     try:
         if ckpt.shape(head) != ckpt.shape(embed):
             raise CheckpointError(f"{ckpt.listing}: {head} {ckpt.shape(head)} beside {embed} {ckpt.shape(embed)}, "
-                                  "though the config ties them (tie_word_embeddings=true); accepted: no lm_head.weight, "
-                                  "or one equal to the embedding")
+                                  "though the config ties them (tie_word_embeddings=true); accepted: no "
+                                  "lm_head.weight, or one equal to the embedding")
         for lo in range(0, ckpt.shape(embed)[0], _TIED_BLOCK_ROWS):
             rows = slice(lo, lo + _TIED_BLOCK_ROWS)
             a, b = ckpt.read(head, rows), ckpt.read(embed, rows)
