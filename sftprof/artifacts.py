@@ -26,6 +26,9 @@ Layout::
 Raw-trace names of earlier releases (``perf_tracer/traces-r<r>.chrome.json[.gz]``) are still parsed
 (:data:`RAW_TRACE_RE`), and so is a trace the profiler wrote but could not rename from its temporary name
 (``rank<r>.pt.trace.json[...].tmp``: :data:`UNRENAMED_TRACE_RE`).
+
+Above 500 lines for a reason: it is the one contract between the trainer, the launcher and postprocessing (each
+name with its builder and parser, the records), kept in one torch-free module that imports nothing of sftprof.
 """
 from __future__ import annotations
 

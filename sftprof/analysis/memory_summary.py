@@ -39,6 +39,9 @@ one whose entries lack ``time_us`` has the recorded window's peak by the events'
 recorded history (another clock, or a history that does not reach the step) has the recorded window's peak, not
 placed against the step. One whose history starts after the profiled step's start (cleared or re-enabled during
 the step) has the step's peak as a lower bound, and says so (``step_peak_lower_bound``).
+
+Above 500 lines for a reason: one snapshot's replay (levels, the blocks alive at a peak, the step's window and the
+checks of its history and devices) works on one set of arrays built once.
 """
 from __future__ import annotations
 
