@@ -13,7 +13,7 @@ Torch-free and importing nothing else of the project, so every side can use it. 
 
 Layout::
 
-    RUN_ROOT/  profile_settings.log  trials.tsv  summary.tsv
+    RUN_ROOT/  profile_settings.log  plan_config.yaml  trials.tsv  summary.tsv
       <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  profile_summary.{json,md}
         what_if.json  compare_vs_<source trial>.md                (a what-if trial of TRY_WHAT_IFS)
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
@@ -21,10 +21,14 @@ Layout::
     LOG_DIR = FILEROOT/logs/<user>/<experiment>/<trial>/
         trainer.log  stats.jsonl  config.yaml  environment.json  rank_coords.json
         perf_tracer/rank<r>.pt.trace.json   memory_snapshots/step_<N>/...   nodes/node<k>.json
+        progress/rank<r>.json   stall.json   (each rank's last progress; the watchdog's record of a stalled rank)
 
 Raw-trace names of earlier releases (``perf_tracer/traces-r<r>.chrome.json[.gz]``) are still parsed
 (:data:`RAW_TRACE_RE`), and so is a trace the profiler wrote but could not rename from its temporary name
 (``rank<r>.pt.trace.json[...].tmp``: :data:`UNRENAMED_TRACE_RE`).
+
+Above 500 lines for a reason: it is the one contract between the trainer, the launcher and postprocessing (each
+name with its builder and parser, the records), kept in one torch-free module that imports nothing of sftprof.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import glob
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional
@@ -118,6 +123,8 @@ ENVIRONMENT = "environment.json"  # rank 0's recorded_environment() at the trial
 PERF_TRACER = "perf_tracer"
 MEMORY_SNAPSHOTS = "memory_snapshots"
 NODES = "nodes"
+PROGRESS = "progress"  # progress/rank<r>.json: each rank's last progress (write_progress), read by the watchdog
+STALL_JSON = "stall.json"  # the launcher's watchdog's record of a rank that stopped making progress
 
 # Environment variables that change what a trial computes or how fast it runs (read by Transformer Engine, NCCL,
 # torch, Inductor, dynamo, Triton, cuBLAS, cuDNN, CUDA, OpenMP): these prefixes and names, as the trial starts (before
@@ -237,6 +244,31 @@ def node_record_path(log_dir: str | Path, node_rank: int) -> Path:
 NODE_RECORD_RE = re.compile(r"^node(\d+)\.json$")
 
 
+def progress_path(log_dir: str | Path, rank: int) -> Path:
+    """``LOG_DIR/progress/rank<rank>.json``: rank ``rank``'s last progress (:func:`write_progress`)."""
+    return Path(log_dir) / PROGRESS / f"rank{rank}.json"
+
+
+def write_progress(path: Path, rank: int, step: int | None, phase: str, seq: int) -> None:
+    """Replace ``path`` with ``{"rank", "step" (None before the first step), "phase", "seq", "unix_s"}`` in one rename
+    (a reader never sees half a record). ``phase``: the region begun, ``after <region>`` once it ended, or a trainer
+    stage (``setup``, ``finished``); ``seq``: how many records the rank wrote before this one (the ranks of a trial
+    pass the same phases, so a smaller ``seq`` is less progress)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"rank": rank, "step": step, "phase": phase, "seq": seq, "unix_s": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_progress(path: str | Path) -> dict[str, Any] | None:
+    """A rank's progress record (:func:`write_progress`), or None when it is absent or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("phase"), str) else None
+
+
 def read_node_record(path: str | Path) -> dict[str, Any]:
     """One node's end record (written by the launcher: :func:`sftprof.launch.nodes.write_node_record`).
 
@@ -280,6 +312,7 @@ def node_ranks(node_rank: int, nproc_per_node: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------
 PROFILE_SETTINGS = "profile_settings.log"
 RUN_ROOT_FILEROOT = "fileroot"  # FILEROOT unset: the driver's is RUN_ROOT/fileroot (its trial log dirs, not trials)
+PLAN_CONFIG = "plan_config.yaml"  # the CONFIG file as the plan read it: every trial of the run loads this copy
 TRIALS_TSV = "trials.tsv"
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"

@@ -1,4 +1,5 @@
-"""Progress lines while a trial runs (rank 0): each phase's end with its time, and a heartbeat.
+"""Progress while a trial runs: rank 0's lines (each phase's end with its time, and a heartbeat), and every rank's
+last progress in a file (:class:`RankProgress`) for the launcher's watchdog (:mod:`sftprof.launch.watchdog`).
 
 The trainer activates one :class:`StepProgress` on rank 0. Every region of
 :mod:`sftprof.capture.regions` (names from :mod:`sftprof.artifacts`: ``sftprof/forward/mb<i>``,
@@ -17,7 +18,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from sftprof.artifacts import STEP
+from pathlib import Path
+
+from sftprof.artifacts import STEP, write_progress
 
 log = logging.getLogger("sftprof")
 
@@ -129,3 +132,42 @@ class StepProgress:
             line = self.due_heartbeat()
             if line is not None:
                 log.info("%s", line)
+
+
+class RankProgress:
+    """One rank's last progress, rewritten into ``path`` (:func:`sftprof.artifacts.write_progress`) each time the rank
+    begins or ends a region (:func:`sftprof.capture.regions.region`) or a trainer stage (:meth:`mark`), while it is
+    the active one (:meth:`start` to :meth:`stop`). A record that cannot be written is logged once and the trial goes
+    on (the watchdog then sees no progress from this rank)."""
+
+    _active: Optional["RankProgress"] = None
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path, self.rank = path, rank
+        self.step: Optional[int] = None
+        self.seq = 0
+        self._failed = False
+
+    def start(self, phase: str) -> None:
+        """Become the active recorder and record ``phase``."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        RankProgress._active = self
+        self.mark(phase)
+
+    def stop(self, phase: str) -> None:
+        """Record ``phase`` (``finished``) and stop recording."""
+        self.mark(phase)
+        if RankProgress._active is self:
+            RankProgress._active = None
+
+    def mark(self, phase: str, step: Optional[int] = None) -> None:
+        """Record ``phase`` (of trainer step ``step`` when given, else of the current one)."""
+        self.step = self.step if step is None else step
+        try:
+            write_progress(self.path, self.rank, self.step, phase, self.seq)
+            self.seq += 1
+        except OSError as exc:
+            if not self._failed:
+                log.warning("rank %d: progress record %s not written (%s); the watchdog cannot see this rank's "
+                            "progress", self.rank, self.path, exc)
+            self._failed = True

@@ -13,7 +13,8 @@
 3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
    for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
    ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
-   steps (:mod:`sftprof.capture.kernel`, :mod:`sftprof.capture.memory`).
+   steps (:mod:`sftprof.capture.kernel`, :mod:`sftprof.capture.memory`). Every rank keeps its last progress in
+   ``progress/rank<r>.json`` (:class:`sftprof.progress.RankProgress`) for the launcher's watchdog.
 4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
    error and the process exits with status 1.
 
@@ -62,7 +63,7 @@ from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
 from sftprof.models.hf import check_weights_present, load_hf_config
 from sftprof.models.megatron_config import check_model_settings
-from sftprof.progress import StepProgress, duration_text
+from sftprof.progress import RankProgress, StepProgress, duration_text
 from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
@@ -92,7 +93,7 @@ def _exit_config_error(msg: str) -> None:
 # What a trial writes into its LOG_DIR (besides nodes/, the drivers' end records): a log dir holding any of them was
 # used by a trial before, and a new trial would replace them (trainer.log, config.yaml, stats.jsonl).
 TRIAL_FILES = (artifacts.CONFIG_YAML, artifacts.STATS, artifacts.TRAINER_LOG, artifacts.RANK_COORDS,
-               artifacts.ENVIRONMENT, artifacts.PERF_TRACER, artifacts.MEMORY_SNAPSHOTS)
+               artifacts.ENVIRONMENT, artifacts.PERF_TRACER, artifacts.MEMORY_SNAPSHOTS, artifacts.PROGRESS)
 
 
 def check_new_log_dir(cfg) -> None:
@@ -288,6 +289,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
 
     signal.signal(signal.SIGTERM, on_sigterm)
     progress = StepProgress(heartbeat_s=HEARTBEAT_S)  # started on rank 0 once the engine is built
+    rank_progress = RankProgress(artifacts.progress_path(log_dir, rank), rank)  # every rank: the watchdog reads it
+    rank_progress.start("setup")
     try:
         coords = layout.rank_coords(rank)
         if lead:
@@ -319,6 +322,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             progress.begin_step(step)
+            rank_progress.mark("step start", step)
             with kernel.step(step), memory.step(step):
                 # Timed inside the profilers: their start/stop, trace export and snapshot dump stay out.
                 t0 = time.perf_counter()
@@ -327,6 +331,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                     _sync(device)
                 dt = time.perf_counter() - t0
             progress.end_step()
+            rank_progress.mark("step records (profiler export, snapshot, all_gather of the step's figures)")
             mem = _memory_gib(device)
             mine = {"rank": rank, "step_time_s": dt, "mem_peak_allocated_gb": mem["peak_allocated"],
                     "mem_peak_reserved_gb": mem["peak_reserved"],
@@ -351,6 +356,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         progress.stop()
+        rank_progress.stop("failed" if error else "finished")
         if lead and summary_line():
             THIRD_PARTY.info(summary_line())
         if stats is not None:

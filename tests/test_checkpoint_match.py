@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from sftprof.models import qwen3_5_moe_weights, qwen3_moe_weights
 from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointError, DictSource, SafetensorsCheckpoint
 from sftprof.models.hf import check_weights_present, load_hf_config
+from sftprof.models.weights import check_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = json.loads((ROOT / "tests" / "fixtures" / "te_parameter_shapes.json").read_text())
@@ -148,6 +149,37 @@ def test_tied_lm_head_is_not_needed(tmp_path):
     ckpt = write_qwen3_moe(tmp_path / "tied", num_hidden_layers=1, tie_word_embeddings=True)
     assert "lm_head.weight" not in SafetensorsCheckpoint(ckpt).names
     _check(ckpt)
+
+
+def test_tied_model_takes_a_redundant_lm_head_equal_to_its_embedding(tmp_path):
+    """Issue 48: a tied checkpoint that also carries lm_head.weight (Qwen1.5-0.5B ships so): an identical copy is
+    accepted and left unread (not counted as read); a copy that differs, or of another shape, is refused naming both
+    tensors."""
+    ckpt = write_qwen3_moe(tmp_path / "tied", num_hidden_layers=1, tie_word_embeddings=True)
+    shard = _weight_map(ckpt)["model.embed_tokens.weight"]
+    embed = load_file(ckpt / shard)["model.embed_tokens.weight"]
+    _edit_shard(ckpt, shard, add={"lm_head.weight": embed.clone()})
+    _write_index(ckpt, {**_weight_map(ckpt), "lm_head.weight": shard})
+    _check(ckpt)
+    source = SafetensorsCheckpoint(ckpt)
+    hf = load_hf_config(str(ckpt), 0)
+    assert check_checkpoint(source, hf) == {"lm_head.weight"}
+    assert (source.consumed, source.bytes_read) == (set(), 0)
+    changed = embed.clone()
+    changed[5, 3] += 1.0
+    _edit_shard(ckpt, shard, add={"lm_head.weight": changed})
+    with pytest.raises(CheckpointError) as err:
+        _check(ckpt)
+    assert str(err.value) == (f"{ckpt / INDEX_NAME}: lm_head.weight differs from model.embed_tokens.weight (first in "
+                              "row 5), though the config ties them (tie_word_embeddings=true); accepted: no "
+                              "lm_head.weight, or one equal to the embedding")
+    _edit_shard(ckpt, shard, add={"lm_head.weight": embed[:-1].clone()})
+    with pytest.raises(CheckpointError) as err:
+        _check(ckpt)
+    v, h = embed.shape
+    assert str(err.value) == (f"{ckpt / INDEX_NAME}: lm_head.weight ({v - 1}, {h}) beside model.embed_tokens.weight "
+                              f"({v}, {h}), though the config ties them (tie_word_embeddings=true); accepted: no "
+                              "lm_head.weight, or one equal to the embedding")
 
 
 def _multimodal(name: str) -> str:

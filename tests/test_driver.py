@@ -947,8 +947,8 @@ def test_signal_during_the_plan_stops_it_and_leaves_nothing_that_blocks_a_rerun(
         assert proc.poll() is None and flag.exists(), proc.communicate()
         if where != "before_writing":
             assert sorted(p.name for p in run.iterdir()) == [
-                "profile_settings.log", "tiny_qwen3_moe_fake1k_kernel_step0_s", "tiny_qwen3_moe_fake1k_kernel_step1_s",
-                "trials.tsv"]
+                "plan_config.yaml", "profile_settings.log", "tiny_qwen3_moe_fake1k_kernel_step0_s",
+                "tiny_qwen3_moe_fake1k_kernel_step1_s", "trials.tsv"]
         os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:

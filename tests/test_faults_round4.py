@@ -5,11 +5,15 @@ Inputs are built from the real H200 fixtures (the cut kernel trace and memory sn
 ``tests/test_malformed_inputs.py``) and the tiny CPU preset; each test asserts exact values.
 """
 import copy
+import hashlib
 import json
+import os
 import pickle
+import sys
+from pathlib import Path
 
-from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot, _put_trace, _trace_text,  # noqa: F401
-                                   full_trace, small_snapshot, small_trace)
+from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot,  # noqa: F401 (fixtures)
+                                   _put_trace, _trace_text, full_trace, small_snapshot, small_trace)
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 
@@ -129,8 +133,8 @@ def test_snapshot_with_another_gpus_blocks_is_summarised_as_the_ranks_own_device
 # ---------------------------------------------------------------------------------------------------------
 def test_history_started_mid_step_gives_a_lower_bound_said_so(tmp_path):
     """The real snapshot's full history, its step spanning it (rank 0), and the same snapshot whose history was
-    cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak is
-    lower and flagged as a lower bound, with the times and the blocks without stack."""
+    cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak
+    is lower and flagged as a lower bound, with the times and the blocks without stack."""
     from test_malformed_inputs import SNAPSHOT
     from sftprof.analysis.safe_pickle import safe_load_file
 
@@ -258,3 +262,193 @@ def test_trace_that_stays_under_its_temporary_name_is_never_said_written_and_is_
     assert code == 0 and [t["source"] for t in summary["kernel_traces"]] == ["perf_tracer/rank0.pt.trace.json"]
     assert {"file": "perf_tracer/rank0.pt.trace.json.tmp",
             "reason": "a temporary file of the profiler beside rank 0's trace"} in summary["skipped"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind 4: a rank that stops making progress
+# ---------------------------------------------------------------------------------------------------------
+def test_watchdog_names_the_rank_with_the_least_progress(tmp_path):
+    """Progress records written as the trainer writes them, a clock the test moves: no stall before the limit; then
+    the rank with the least progress (rank 2: no record at all, then rank 1 behind rank 0), whatever their times;
+    a finished rank is never the one."""
+    from sftprof.artifacts import progress_path, write_progress
+    from sftprof.launch.watchdog import Watchdog, stall_message
+
+    now = [100.0]
+    dog = Watchdog(tmp_path, [0, 1, 2], limit_s=60, clock=lambda: now[0])
+    progress_path(tmp_path, 0).parent.mkdir()
+    for r in (0, 1):
+        write_progress(progress_path(tmp_path, r), r, None, "setup", 0)
+    assert dog.check() is None
+    now[0] = 130.0
+    write_progress(progress_path(tmp_path, 1), 1, 0, "after sftprof/backward/mb0", 7)
+    write_progress(progress_path(tmp_path, 0), 0, 0, "sftprof/optimizer_step", 8)
+    assert dog.check() is None
+    now[0] = 160.0
+    stall = dog.check()  # rank 2 wrote nothing for 60 s
+    assert (stall["rank"], stall["phase"], stall["step"], stall["idle_s"]) == (2, None, None, 60.0)
+    write_progress(progress_path(tmp_path, 2), 2, 0, "sftprof/optimizer_step", 8)
+    now[0] = 185.0
+    assert dog.check() is None  # every rank moved within the last 60 s
+    now[0] = 230.0
+    stall = dog.check()
+    assert (stall["rank"], stall["phase"], stall["step"], stall["idle_s"]) == (1, "after sftprof/backward/mb0", 0,
+                                                                                100.0)
+    assert [(x["rank"], x["seq"]) for x in stall["ranks"]] == [(1, 7), (0, 8), (2, 8)]
+    assert stall_message(stall) == ("rank 1 stopped making progress in phase 'after sftprof/backward/mb0' of step 0: "
+                                    "no progress for 100 s (STALL_TIMEOUT=60 s); the watchdog ended the trial")
+    write_progress(progress_path(tmp_path, 1), 1, 0, "finished", 8)
+    write_progress(progress_path(tmp_path, 0), 0, 0, "finished", 9)
+    write_progress(progress_path(tmp_path, 2), 2, 0, "finished", 9)
+    now[0] = 1000.0
+    assert dog.check() is None
+
+
+_HANG = '''
+import os, sys
+if os.environ.get("RANK") == "1" and sys.argv[0].endswith("train_sft_profile.py"):
+    import contextlib, time
+    from sftprof.capture import regions
+    real = regions.region
+
+    @contextlib.contextmanager
+    def region(name):
+        if name == regions.OPTIMIZER_STEP:
+            time.sleep(3600)  # rank 1 stops between its backward and its optimizer step
+        with real(name):
+            yield
+    regions.region = region
+'''
+
+
+def test_a_rank_that_stops_is_named_and_its_trial_ended_with_logs_and_summary(tmp_path):
+    """The tiny CPU preset on 2 ranks, rank 1 stopping before its optimizer step of step 0 (a sitecustomize in its
+    process): the watchdog (STALL_TIMEOUT=40) names rank 1, its phase and step, ends the trial; the trial's logs and
+    summary stay, and the summary's Failure section names the rank."""
+    from test_driver import run_driver
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(_HANG)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {"PYTHONPATH": os.pathsep.join([str(shim), repo]), "STALL_TIMEOUT": "40", "PROFILE_STEPS": "0",
+           "PROFILE_KINDS": "kernel"}
+    proc = run_driver(env, tmp_path, timeout=400)
+    (trial,) = [p for p in (tmp_path / "run").iterdir() if p.is_dir()]
+    assert proc.returncode == 1 and (trial / "profile_summary.json").is_file(), proc.stderr[-3000:]
+    summary = json.loads((trial / "profile_summary.json").read_text())
+    fail = summary["failure"]
+    assert (fail["rank"], fail["how"]) == (1, "stopped making progress in phase 'after sftprof/backward/mb0' of "
+                                              "step 0")
+    assert fail["traceback"].startswith("no progress for ")
+    assert fail["traceback"].endswith(" s (STALL_TIMEOUT=40 s); the watchdog ended the trial")
+    assert fail["others"][0]["rank"] == 0 and "sftprof/optimizer_step" in fail["others"][0]["how"]
+    stall = json.loads((Path(summary["paths"]["log_dir"]) / "stall.json").read_text())
+    assert (stall["rank"], stall["step"], stall["limit_s"]) == (1, 0, 40)
+    line = f"rank 1 stopped making progress in phase 'after sftprof/backward/mb0' of step 0: {fail['traceback']}"
+    assert stall["message"] == line and f"sftprof: {line}\n" in (trial / "launcher.log").read_text()
+    assert f"sftprof: {line}\n" in proc.stderr
+    assert "rank 1 stopped making progress" in (trial / "profile_summary.md").read_text()
+    assert (Path(summary["paths"]["log_dir"]) / "trainer.log").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind 3: a config file edited while a run is in progress
+# ---------------------------------------------------------------------------------------------------------
+def test_config_edited_during_the_run_changes_no_trial(tmp_path):
+    """The tiny CPU preset as a CONFIG file, two trials; after the first trial's postprocessing the file is edited
+    (fake_seq_len 1024 -> 512): the second trial runs the plan (its config.yaml says 1024), loaded from the plan's
+    read-only copy, and the driver says once that the file changed."""
+    import shlex
+    from test_driver import run_driver
+    from sftprof.config.loading import PRESET_DIR
+
+    config = tmp_path / "my.yaml"
+    config.write_text((PRESET_DIR / "tiny_cpu.yaml").read_text())
+    edited = config.read_text().replace("fake_seq_len: 1024", "fake_seq_len: 512")
+    (tmp_path / "edited.yaml").write_text(edited)
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text(f'#!/bin/bash\n{shlex.quote(sys.executable)} "$@"; rc=$?\n'
+                       f'if [[ "$1" == */postprocess_profile.py ]]; then cp {tmp_path / "edited.yaml"} {config}; fi\n'
+                       'exit $rc\n')
+    wrapper.chmod(0o755)
+    proc = run_driver({"CONFIG": str(config), "PYTHON": str(wrapper), "PROFILE_STEPS": "0,1", "PROFILE_KINDS": "kernel",
+                       "STOP_ON_FAILURE": "0"}, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert config.read_text() == edited
+    copy = tmp_path / "run" / "plan_config.yaml"
+    assert copy.read_text() == (PRESET_DIR / "tiny_cpu.yaml").read_text() and copy.stat().st_mode & 0o777 == 0o444
+    trials = sorted(p for p in (tmp_path / "run").iterdir() if p.is_dir())
+    assert len(trials) == 2
+    for t in trials:
+        assert (t / "train_args.txt").read_text().splitlines()[:2] == ["--config", str(copy)]
+        summary = json.loads((t / "profile_summary.json").read_text())
+        assert summary["config"]["profile"]["fake_seq_len"] == 1024
+    assert proc.stderr.count(f"sftprof: CONFIG file {config.resolve()} changed (or went) since the plan: the trials "
+                             f"run the plan's copy, {copy}\n") == 1
+    assert f"# config: {copy}, the copy of {config.resolve()} every trial loads (sha256 " in \
+        (tmp_path / "run" / "profile_settings.log").read_text()
+
+
+def test_trial_whose_plan_config_copy_changed_is_not_run(tmp_path):
+    """The plan's copy edited after the plan: the trial is refused before torchrun, with the reason in its
+    launcher.log and summary.tsv's status `config changed`."""
+    from sftprof.launch.folders import write_plan
+    from sftprof.launch.planning import plan
+    from sftprof.launch.trials import TrialRunner
+
+    env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
+           "PROFILE_STEPS": "0", "PROFILE_KINDS": "kernel"}
+    trials, settings, info = plan(env, [], gpus=0)
+    write_plan(trials, settings, info)
+    copy = Path(info["config"].copy)
+    runner = TrialRunner(sys.executable, dict(os.environ))
+    runner.info, runner.run_root = info, Path(info["run_root"])
+    assert runner._config_changed(trials[0]) is None
+    copy.chmod(0o644)
+    copy.write_text(copy.read_text().replace("fake_seq_len: 1024", "fake_seq_len: 512"))
+    (runner.run_root / "summary.tsv").write_text("")
+    assert runner._trial(1, trials[0], 0.0) == 2
+    digest = hashlib.sha256(copy.read_bytes()).hexdigest()
+    reason = (f"the plan's config {copy} changed since the plan (sha256 {digest}, planned {info['config'].sha256}): "
+              "the trial would not run the plan")
+    assert (trials[0].run_dir / "launcher.log").read_text() == f"sftprof: {reason}\n"
+    assert (runner.run_root / "summary.tsv").read_text().split("\t")[:4] == [trials[0].name, "kernel", "0",
+                                                                             "config changed"]
+    assert not trials[0].log_dir.exists()  # nothing launched
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sftprof/* annotations written as B/E pairs
+# ---------------------------------------------------------------------------------------------------------
+def test_annotations_written_as_begin_end_pairs_are_read_as_spans(tmp_path, small_trace):
+    """The cut trace with each sftprof/* annotation written as a B/E pair (and one E without its B): the same
+    figures as with X events, and warnings counting the pairs read and the event left out."""
+    from sftprof.analysis.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE
+
+    pairs = copy.deepcopy(small_trace)
+    events, n = [], 0
+    for e in pairs["traceEvents"]:
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and e["name"].startswith("sftprof/"):
+            b = {k: v for k, v in e.items() if k != "dur"}
+            events += [{**b, "ph": "B"}, {"ph": "E", "cat": e["cat"], "pid": e["pid"], "tid": e["tid"],
+                                          "ts": e["ts"] + e["dur"]}]
+            n += 1
+        else:
+            events.append(e)
+    lone = next(e for e in events if e.get("ph") == "E")
+    events.insert(0, {**lone, "ts": lone["ts"] - 10**6})
+    pairs["traceEvents"] = events
+    assert n >= 1
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(small_trace))
+    _put_trace(log, 1, _trace_text(pairs))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["errors"] == []
+    xs, be = (t["summary"] for t in summary["kernel_traces"])
+    assert xs["regions"] and be["regions"] == xs["regions"]
+    same = ("gpu", "parts", "step_window", "regions", "categories", "communication", "host")
+    assert {k: be[k] for k in same} == {k: xs[k] for k in same}
+    assert be["view_repairs"] == {**xs["view_repairs"], BEGIN_END_NOTE: n, UNPAIRED_NOTE: 1}
+    mine = [w["warning"] for w in summary["warnings"] if w["file"] == "perf_tracer/traces-r1.chrome.json"]
+    assert f"{n} {BEGIN_END_NOTE}" in mine and f"1 {UNPAIRED_NOTE}" in mine

@@ -61,9 +61,15 @@ def _run(path: str):
 
 
 @pytest.mark.gpu
-def test_loss_paths_agree_in_loss_and_gradients():
+def test_loss_paths_agree_in_loss_and_gradients(monkeypatch):
+    from sftprof.launch import free_port
     from sftprof.trainer import init_distributed
 
+    # a one-rank process group in this process, its rendezvous variables undone after the test (a MASTER_PORT left in
+    # the environment reached a later test's driver as a port in use)
+    rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for k, v in rendezvous.items():
+        monkeypatch.setenv(k, v)
     init_distributed()
     try:
         ref0, ref1, ref_g, ref_init = _run("naive")

@@ -231,6 +231,7 @@ def test_memory_profiler_cuda_snapshot_and_oom(tmp_path):
                for b in blocks)
     phases = json.loads((snapshot_dir(tmp_path, 2) / "phases_rank0.json").read_text())
     assert phases["clock"] == "unix_us" and [p["name"] for p in phases["phases"]] == ["sftprof/forward/mb0"]
+    assert phases["device"] == torch.cuda.current_device()  # the rank's own device among the snapshot's (issue 48)
     alloc_us = [e["time_us"] for e in traces if e["action"] == "alloc" and e["size"] >= x.numel() * 4]
     assert phases["phases"][0]["start_us"] <= alloc_us[-1] <= phases["phases"][0]["end_us"]
     # An out-of-memory error inside the step still leaves a snapshot and names it.

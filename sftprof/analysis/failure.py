@@ -338,11 +338,33 @@ def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
     return ("error", error) if error else None
 
 
+def _stall(log_dir: str | None, lines: list[str]) -> dict[str, Any] | None:
+    """The first failure when the launcher's watchdog ended the trial (``LOG_DIR/stall.json``,
+    :mod:`sftprof.launch.watchdog`): the rank that stopped making progress, its phase and step; the others are the
+    ranks the record holds, with their last phase. None without a readable record."""
+    try:
+        with open(os.path.join(log_dir or "", artifacts.STALL_JSON), encoding="utf-8") as f:
+            rec = json.load(f)
+        rank, detail = int(rec["rank"]), str(rec["detail"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    where = f" in phase '{rec.get('phase')}'" if rec.get("phase") is not None else " before its first progress record"
+    step = f" of step {rec['step']}" if rec.get("step") is not None else ""
+    others = [{"rank": x.get("rank"), "exitcode": None, "signal": None,
+               "how": f"last progress {x.get('phase') or 'none'} ({x.get('idle_s')} s before)"}
+              for x in rec.get("ranks") or [] if isinstance(x, dict) and x.get("rank") != rank]
+    prefix = f"[rank {rank}]"
+    return {"node": None, "ranks": None, "rank": rank, "exitcode": None, "signal": None,
+            "how": f"stopped making progress{where}{step}", "host": None, "error_file": None, "traceback": detail,
+            "log_tail": [line for line in lines if prefix in line][-_TAIL_LINES:], "others": others, "nodes": []}
+
+
 def first_failure(launcher_log: str, log_dir: str | None = None,
                   layout: tuple[int | None, int | None] = (None, None), simulated_rank: int = -1,
                   ) -> dict[str, Any] | None:
-    """The first failure of a trial: a node that never joined (or wrote no end record), else torchrun itself when it
-    died without a failure report, else torchrun's first failing rank; how it ended, its log tail, and how the other
+    """The first failure of a trial: the rank the launcher's watchdog found stalled (``stall.json``), else a node that
+    never joined (or wrote no end record), else torchrun itself when it died without a failure report, else torchrun's
+    first failing rank; how it ended, its log tail, and how the other
     ranks and nodes ended.
 
     Args:
@@ -372,6 +394,9 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
     if os.path.isfile(launcher_log):
         with open(launcher_log, encoding="utf-8", errors="replace") as fh:
             lines = fh.read().splitlines()
+    stalled = _stall(log_dir, lines)
+    if stalled:
+        return stalled
     failures = parse_torchrun_failures(lines)
     for f in failures if simulated_rank >= 0 else ():
         f["rank"] = simulated_rank

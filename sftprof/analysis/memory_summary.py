@@ -39,6 +39,9 @@ one whose entries lack ``time_us`` has the recorded window's peak by the events'
 recorded history (another clock, or a history that does not reach the step) has the recorded window's peak, not
 placed against the step. One whose history starts after the profiled step's start (cleared or re-enabled during
 the step) has the step's peak as a lower bound, and says so (``step_peak_lower_bound``).
+
+Above 500 lines for a reason: one snapshot's replay (levels, the blocks alive at a peak, the step's window and the
+checks of its history and devices) works on one set of arrays built once.
 """
 from __future__ import annotations
 
@@ -109,7 +112,8 @@ def _history_start_problem(times: np.ndarray, step: tuple[float, float, str], un
     blocks = (f"; {unrecorded[0]} block(s) alive at the dump ({unrecorded[1] / _GIB:.3f} GiB) have no stack and no "
               "alloc event in it" if unrecorded[0] else "")
     return (f"the allocator history starts {(times[0] - step[0]) / 1e3:.3f} ms after the profiled step's start "
-            f"({step[2]} at {step[0]:.0f} us in the phases sidecar, first recorded event at {times[0]:.0f} us){blocks}: "
+            f"({step[2]} at {step[0]:.0f} us in the phases sidecar, first recorded event at {times[0]:.0f} us)"
+            f"{blocks}: "
             "the step's allocations before it were not recorded (the history cleared or re-enabled during the step, "
             "or a ring buffer that overflowed), so the step's peak is a lower bound: the highest level of the "
             "recorded part of the step")
@@ -391,13 +395,15 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None, device: int | N
         recorded event):
 
         - ``device`` (the one summarised), ``devices`` (per device the snapshot holds: ``device``,
-          ``reserved_bytes``, ``allocated_bytes`` at the dump, ``trace_entries``; ``device``'s first), ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us; both None without events or
+          ``reserved_bytes``, ``allocated_bytes`` at the dump, ``trace_entries``; ``device``'s first),
+          ``trace_entries``, ``window_ms``, ``window_start_us`` (unix us; both None without events or
           when the events have no times);
         - ``peak_scope``: ``"profiled_step"`` (sidecar with phases), ``"recorded_window"`` or ``"dump_time"`` (no
           history: the peak figures are the level at dump time) (:data:`PEAK_SCOPES`); ``step_peak_unknown``: why
           the history cannot give the profiled step's peak (:func:`_history_problem`; module docstring), None when
           it can or no phases were recorded; ``step_peak_lower_bound``: why the step's peak is a lower bound (its
-          history starts after the step's start: :func:`_history_start_problem`), else None; ``step_window``: ``{"source": "sftprof/step" | "span of the recorded
+          history starts after the step's start: :func:`_history_start_problem`), else None;
+          ``step_window``: ``{"source": "sftprof/step" | "span of the recorded
           phases", "start_ms", "end_ms"}``, None without phases or when the step's peak is unknown;
         - the headline peak, of that scope: ``peak_allocated_bytes``/``_gib`` (highest allocated level; in the
           step, the level it starts from counts), ``peak_time_ms`` (the step's start when that starting level is

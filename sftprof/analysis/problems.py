@@ -19,7 +19,7 @@ from sftprof.analysis.memory_summary import other_devices_message
 from sftprof.analysis.schema import FileError, FileWarning
 from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace_sanity import fault_messages
-from sftprof.analysis.trace_summary import invalid_events_message
+from sftprof.analysis.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
 
@@ -91,10 +91,12 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
         inv = s.get("invalid_events") or {}
         if inv.get("total") and "error" not in it:
             warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
-        aliased = (s.get("view_repairs") or {}).get(CATEGORY_ALIAS_NOTE)
-        if aliased and "error" not in it:
-            warnings.append({"file": it["source"], "warning": f"{aliased} events with {CATEGORY_ALIAS_NOTE}: their "
-                             "figures are kept; the views keep the trace's own spelling"})
+        notes = s.get("view_repairs") or {}
+        if notes.get(CATEGORY_ALIAS_NOTE) and "error" not in it:
+            warnings.append({"file": it["source"], "warning": f"{notes[CATEGORY_ALIAS_NOTE]} events with "
+                             f"{CATEGORY_ALIAS_NOTE}: their figures are kept; the views keep the trace's own spelling"})
+        warnings += [{"file": it["source"], "warning": f"{notes[k]} {k}"} for k in (BEGIN_END_NOTE, UNPAIRED_NOTE)
+                     if notes.get(k) and "error" not in it]
         if s.get("sanity") and "error" not in it:  # faults of the trace's record and what was done about them
             warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
         if s.get("step_peak_unknown"):

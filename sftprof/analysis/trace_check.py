@@ -33,7 +33,8 @@ from collections import defaultdict
 from typing import Any
 
 
-__all__ = ["MAX_TID", "UNTIMED", "CATEGORY_ALIASES", "CATEGORY_ALIAS_NOTE", "event_problem", "finite_json", "is_finite_number", "validate_trace"]
+__all__ = ["MAX_TID", "UNTIMED", "CATEGORY_ALIASES", "CATEGORY_ALIAS_NOTE", "event_problem", "finite_json",
+           "is_finite_number", "validate_trace"]
 
 MAX_TID = 2**31 - 1
 UNTIMED = "GPU activity without timing (ts 0 or dur 0)"  # CUPTI's "no timing collected"; a kind of event_problem

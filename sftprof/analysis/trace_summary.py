@@ -36,6 +36,7 @@ from sftprof.analysis.trace_check import UNTIMED
 from sftprof.analysis.trace_sanity import inspect
 
 __all__ = ["KernelTraceAnalyzer", "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT",
+           "BEGIN_END_NOTE", "UNPAIRED_NOTE",
            "identity_problems"]
 
 INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
@@ -44,6 +45,8 @@ REGION_PREFIX = artifacts.REGION_PREFIX
 OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
 _PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
 _CORRELATION = re.compile(r'"correlation"\s*:\s*(\d+)')
+BEGIN_END_NOTE = "sftprof/* and ProfilerStep annotations written as B/E pairs, read as spans"
+UNPAIRED_NOTE = "annotations written as B/E events without their pair, left out"
 _GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel|Memcpy|Memset)"')
 
 
@@ -133,6 +136,7 @@ class KernelTraceAnalyzer:
         self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
+        self._open_annotations: dict[tuple, list[tuple[str, float]]] = {}  # (pid, tid) -> B events not yet ended
         self._t_min = float("inf")
         self._t_max = float("-inf")
         self.n_events = 0
@@ -233,6 +237,8 @@ class KernelTraceAnalyzer:
         if ph != "X":
             if ph in ("s", "f") and cat == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
                 self._ops.add(ev, cat, ev["ts"], 0.0)
+            elif ph in ("B", "E") and cat == "user_annotation":
+                self._begin_end(ev, ph)
             return
         ts = ev.get("ts")
         dur = ev.get("dur")
@@ -284,6 +290,25 @@ class KernelTraceAnalyzer:
                 self._profiler_steps.append((name, ts, ts + dur))
             elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
+
+    def _begin_end(self, ev: dict, ph: str) -> None:
+        """An annotation written as a ``B``/``E`` pair (its thread's last open ``B`` ends at an ``E``): a
+        ``sftprof/*`` region or ``ProfilerStep#<N>`` read as the span it is, counted in the summary's notes
+        (:data:`BEGIN_END_NOTE`); an ``E`` without its ``B``, or a ``B`` never ended, is counted as left out
+        (:data:`UNPAIRED_NOTE`)."""
+        stack = self._open_annotations.setdefault((ev.get("pid"), ev.get("tid")), [])
+        if ph == "B":
+            stack.append((ev.get("name") or "", ev["ts"]))
+            return
+        if not stack:
+            self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + 1
+            return
+        name, ts = stack.pop()
+        spans = (self._regions if name.startswith(REGION_PREFIX) else
+                 self._profiler_steps if name.startswith("ProfilerStep#") else None)
+        if spans is not None:
+            spans.append((name, ts, ev["ts"]))
+            self._notes[BEGIN_END_NOTE] = self._notes.get(BEGIN_END_NOTE, 0) + 1
 
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
@@ -339,6 +364,9 @@ class KernelTraceAnalyzer:
         ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
         out of ``profile_summary.json``).
         """
+        never_ended = sum(len(v) for v in self._open_annotations.values())
+        if never_ended:
+            self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + never_ended
         # annotations recorded twice count once; those of other profiler steps are left out with their activities
         annotations = (self._regions, self._profiler_steps, self._host_comm, self._ops.gc_spans)
         unique = [list(dict.fromkeys(x)) for x in annotations]

@@ -60,7 +60,9 @@ class MemoryProfiler:
         self.coords = coords
         self.log_dir = Path(log_dir)
         self.cuda = device.type == "cuda"
-        self.device_index = (torch.cuda.current_device() if device.index is None else device.index) if self.cuda else None
+        self.device_index = None  # the rank's CUDA device index, recorded in the phases sidecar
+        if self.cuda:
+            self.device_index = torch.cuda.current_device() if device.index is None else device.index
         self.snapshots_written = 0
         if self.cuda and self.steps and rank in self.ranks:
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks=self.stacks)

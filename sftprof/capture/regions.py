@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from sftprof.artifacts import OPTIMIZER_STEP, STEP, backward, forward
-from sftprof.progress import StepProgress
+from sftprof.progress import RankProgress, StepProgress
 
 __all__ = ["STEP", "OPTIMIZER_STEP", "forward", "backward", "PhaseRecorder", "region", "open_regions"]
 
@@ -67,13 +67,16 @@ class PhaseRecorder:
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
     """Annotate a region: ``record_function(name)``, a phase record when a :class:`PhaseRecorder` is
-    active, and progress lines when a :class:`sftprof.progress.StepProgress` is active (rank 0)."""
+    active, progress lines when a :class:`sftprof.progress.StepProgress` is active (rank 0), and the rank's progress
+    record when a :class:`sftprof.progress.RankProgress` is (every rank)."""
     rec = PhaseRecorder._active
-    progress = StepProgress._active
+    progress, mine = StepProgress._active, RankProgress._active
     start = rec.now_us() if rec else None
     if progress is not None:
         progress.enter(name)
     _OPEN.append(name)
+    if mine is not None:
+        mine.mark(name)
     try:
         with torch.profiler.record_function(name):
             yield
@@ -83,3 +86,5 @@ def region(name: str) -> Iterator[None]:
             rec.phases.append({"name": name, "start_us": start, "end_us": rec.now_us()})
         if progress is not None:
             progress.exit(name)
+        if mine is not None:
+            mine.mark(f"after {name}")

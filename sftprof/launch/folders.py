@@ -172,7 +172,8 @@ def choose_run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
 
 
 def write_plan(trials: list[Trial], settings: list[str], info: dict, created: list[Path] | None = None) -> None:
-    """Claim RUN_ROOT and write into it ``profile_settings.log``, ``trials.tsv`` and each trial's folder with its
+    """Claim RUN_ROOT and write into it ``profile_settings.log``, ``plan_config.yaml`` (the CONFIG file as the plan
+    read it, ``info["config"]``, read-only: every trial loads it), ``trials.tsv`` and each trial's folder with its
     ``train_args.txt``.
 
     The claim is the creation of ``profile_settings.log`` only if it does not exist (``O_EXCL``): of two drivers
@@ -215,6 +216,10 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict, created: li
             raise DriverError(f"RUN_ROOT={run_root}: another driver claimed it while this one planned (its "
                               f"{artifacts.PROFILE_SETTINGS} appeared); nothing was written. "
                               + another_run_root(info.get("run_root_set", True))) from None
+        config = info["config"]
+        with open(made(Path(config.copy)), "xb") as f:  # read-only: the plan's, not to be edited
+            f.write(config.text)
+        os.chmod(config.copy, 0o444)
         rows = []
         for t in trials:
             t.run_dir.mkdir(parents=True, exist_ok=False)

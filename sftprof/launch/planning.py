@@ -26,6 +26,7 @@ is :mod:`sftprof.launch.variables`, the folders :mod:`sftprof.launch.folders`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import socket
@@ -38,14 +39,14 @@ from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
 from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
-                            load_config, reject_repeated_keys, to_yaml, trial_log_dir)
+                            load_config, reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir)
 from sftprof.launch import folders
 from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
                                       check_trial_arguments, config_value, reject_driver_variables_as_arguments,
                                       variable_conflict, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
-                                      KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable, check_text, parse_bool,
-                                      suspect_variables, unknown_allowed)
+                                      DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable,
+                                      check_text, parse_bool, suspect_variables, unknown_allowed)
 from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
@@ -110,6 +111,7 @@ class PlanLog:
     # variable -> the arguments that set one of its config keys to the value it gives (see agree)
     agreeing: dict[str, list[str]] = field(default_factory=dict)
     _noted: dict[str, tuple[object, str]] = field(default_factory=dict)
+    config: PlanConfig | None = None  # set by expand_trials
 
     def note(self, name: str, value: object, source: str) -> None:
         """Record a driver variable's effective value and where it came from; a later note of the same
@@ -142,6 +144,20 @@ class PlanLog:
 
 
 @dataclass
+class PlanConfig:
+    """The CONFIG file as the plan read it: ``source`` (its path), ``copy`` (``RUN_ROOT/plan_config.yaml``, which
+    every trial loads) and ``text`` (its bytes); ``sha256`` of the text."""
+
+    source: str
+    copy: str
+    text: bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text).hexdigest()
+
+
+@dataclass
 class DriverEnv:
     """The driver variables, parsed and range-checked (step 1 of :func:`plan`); None = unset."""
 
@@ -161,6 +177,7 @@ class DriverEnv:
     node_timeout: int
     fit_check: str
     gpu_memory_gib: float | None
+    stall_timeout: int
 
 
 @dataclass
@@ -247,6 +264,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
     master_port = BY_NAME["MASTER_PORT"].value(env)
     node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
+    stall_timeout = BY_NAME["STALL_TIMEOUT"].value(env)
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, what_ifs=what_ifs,
         overrides=overrides, extra_overrides=list(extra_overrides), set_keys=set_keys,
@@ -254,7 +272,8 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
         master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S,
         fit_check=BY_NAME["FIT_CHECK"].value(env) or BY_NAME["FIT_CHECK"].default,
-        gpu_memory_gib=BY_NAME["GPU_MEMORY_GIB"].value(env))
+        gpu_memory_gib=BY_NAME["GPU_MEMORY_GIB"].value(env),
+        stall_timeout=stall_timeout if stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S)
 
 
 def _sources(d: DriverEnv, model: bool = False) -> str:
@@ -459,6 +478,9 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
     if not p.cfg.cluster.fileroot:  # one per user and run: the trainer logs beside the run's outputs
         d.overrides.append(f"cluster.fileroot={run_root / RUN_ROOT_FILEROOT}")
         log.note("FILEROOT", run_root / RUN_ROOT_FILEROOT, "default: RUN_ROOT/" + RUN_ROOT_FILEROOT)
+    config_file = resolve_config_path(d.config)
+    plan_text = config_file.read_bytes()  # every trial runs this text: its copy in RUN_ROOT (folders.write_plan)
+    plan_config = run_root / artifacts.PLAN_CONFIG
     tag = folders.model_tag(p.cfg.actor.path)
     owned = {key: args for key in TRIAL_KEYS if (args := arguments_setting(key, d.extra_overrides))}
     trials, first_cfg = [], None
@@ -486,8 +508,13 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
                                   "PROFILE_STAMP as an earlier run); choose another PROFILE_STAMP")
             # the trainer refuses a key given twice with different values: hand it the values that won here
             trials.append(Trial(name, kind, step, run_root / name, log_dir,
-                                ["--config", str(Path(d.config).resolve()) if Path(d.config).is_file() else d.config,
-                                 *last_value_per_key(trial_overrides)]))
+                                ["--config", str(plan_config), *last_value_per_key(trial_overrides)]))
+    if config_file.read_bytes() != plan_text:
+        raise DriverError(f"CONFIG={d.config}: {config_file} changed while the run was planned; plan again once it "
+                          "is no longer being edited")
+    log.config = PlanConfig(str(config_file.resolve()), str(plan_config), plan_text)
+    log.settings.append(f"# config: {plan_config}, the copy of {config_file.resolve()} every trial loads "
+                        f"(sha256 {log.config.sha256})")
     return trials, run_root, first_cfg
 
 
@@ -591,6 +618,7 @@ def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
                           "with EADDRINUSE); choose a free port" + (" or leave MASTER_PORT unset to pick one"
                                                                     if p.n_nodes == 1 else " on node 0"))
     log.note("NODE_TIMEOUT", d.node_timeout, "env" if d.get("NODE_TIMEOUT") else "default")
+    log.note("STALL_TIMEOUT", d.stall_timeout, "env" if d.get("STALL_TIMEOUT") else "default")
     torchrun = {"nproc_per_node": p.nproc, "nnodes": p.n_nodes, "node_rank": d.node_rank,
                 "master_addr": d.master_addr, "master_port": master_port}
     log.settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
@@ -610,7 +638,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         extra_overrides: the driver's arguments (config overrides for every trial).
         gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
 
-    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout``, the torchrun settings
+    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout, stall_timeout``, ``config`` (the
+    :class:`PlanConfig` every trial runs), the torchrun settings
     ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
     the plan, the warnings) and ``warnings`` (repeated under the end table).
 
@@ -635,5 +664,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
                                   "run_root_set": bool(d.get("RUN_ROOT")),
-                                  "trials": len(trials), "node_timeout": d.node_timeout, **torchrun,
+                                  "trials": len(trials), "node_timeout": d.node_timeout,
+                                  "stall_timeout": d.stall_timeout, **torchrun,
+                                  "config": log.config,
                                   "notices": log.notices, "warnings": log.warnings}

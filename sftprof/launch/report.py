@@ -17,6 +17,7 @@ from sftprof.progress import duration_text
 NO_WHAT_IF = "-"  # summary.tsv's what_if column of a planned trial (sftprof.launch.what_ifs)
 NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
 INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped
+CONFIG_CHANGED = "config changed"  # summary.tsv status of a trial not run: the plan's config copy was edited
 
 
 def _gib(value, device: str | None) -> str:
@@ -61,7 +62,7 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
         summary = read_summary(Path(row["run_dir"]))
         step, peak, device = table_figures(summary)
         cpu_memory = row["kind"] == "memory" and device == "cpu"
-        status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED)
+        status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED, CONFIG_CHANGED)
                   else "FAILED (" + row["status"] + ")" if row["status"] != "0"
                   else "no snapshot (CPU)" if cpu_memory else "ok")
         trial = f"{row['kind']} step {row['step']}"

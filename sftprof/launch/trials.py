@@ -18,6 +18,7 @@ follow the planned ones, each compared with the trial it varies.
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import re
 import shutil
@@ -34,9 +35,10 @@ from sftprof.analysis.inputs import read_tried_what_if
 from sftprof.artifacts import TRIAL_MARKER, read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.planning import Trial
-from sftprof.launch.report import INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
+from sftprof.launch.report import CONFIG_CHANGED, INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
 from sftprof.launch.signals import RunStop, ignore_signals, kill_group, name, say
 from sftprof.launch.variables import REPO_ROOT, DriverError
+from sftprof.launch.watchdog import POLL_S, Watchdog, stall_message, write_stall
 from sftprof.launch.what_ifs import choose, settings_of, what_if_trial, write_what_if_plan
 
 WORKER_STOP_S = 30.0  # seconds the workers torchrun left get after SIGTERM before SIGKILL (torchrun's own wait)
@@ -177,6 +179,7 @@ class TrialRunner:
         self.stop = RunStop(on_first=self._first_signal, on_again=self._signal_again)
         self.torchrun: subprocess.Popen | None = None
         self.marker: str | None = None
+        self._source_edited = False  # the CONFIG file differs from the plan's copy (said once)
 
     # -- signals (run in the main thread, between two bytecodes of whatever it does) --
     def _first_signal(self, signum: int) -> None:
@@ -278,6 +281,13 @@ class TrialRunner:
         self.console.line(f"sftprof: [{n}/{total}] trial {t.name} (kind={t.kind} step={t.step}"
                           + (f", what-if {t.what_if}" if t.what_if else "") + f") started {time.strftime('%H:%M:%S')}")
         start = time.monotonic()
+        changed = self._config_changed(t)
+        if changed:
+            with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:
+                log.write(f"sftprof: {changed}\n")
+            self._row(t, CONFIG_CHANGED, "-", "-", 0)
+            say(f"[{n}/{total}] trial {t.name} not run: {changed}")
+            return 2
         torchrun_rc = self._torchrun(t)
         elapsed = int(time.monotonic() - start)
         if self.stop.signum is not None:
@@ -329,6 +339,35 @@ class TrialRunner:
                 say("STOP_ON_FAILURE=1: stopping after the first failure")
         return status
 
+    def _config_changed(self, t: Trial) -> str | None:
+        """Why trial ``t`` would not run the plan's config (its ``--config`` file is not the plan's copy, or the copy's
+        text changed since the plan: :class:`sftprof.launch.planning.PlanConfig`), else None. The first time the
+        CONFIG file the plan copied differs from the copy, a line says that the trials run the copy."""
+        plan = self.info.get("config")
+        if plan is None:
+            return None
+        path = t.args[1] if t.args[:1] == ["--config"] and len(t.args) > 1 else None
+        if path != plan.copy:
+            return f"its --config {path} is not the plan's copy {plan.copy}"
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError as exc:
+            return f"the plan's config {path} cannot be read ({exc.strerror})"
+        if digest != plan.sha256:
+            return (f"the plan's config {path} changed since the plan (sha256 {digest}, planned {plan.sha256}): the "
+                    "trial would not run the plan")
+        if not self._source_edited:
+            try:
+                with open(plan.source, "rb") as f:
+                    self._source_edited = f.read() != plan.text
+            except OSError:
+                self._source_edited = True
+            if self._source_edited:
+                say(f"CONFIG file {plan.source} changed (or went) since the plan: the trials run the plan's copy, "
+                    f"{plan.copy}")
+        return None
+
     def _torchrun(self, t: Trial) -> int:
         """Run the trial's torchrun, teed into ``launcher.log``; stop the workers it left; write the node end record
         (several nodes, or a torchrun killed by a signal). Returns torchrun's status (128 + N: killed by signal N)."""
@@ -352,12 +391,16 @@ class TrialRunner:
         if self.stop.signum is not None:  # a signal before self.torchrun was set: its handler could not pass it on
             kill_group(self.torchrun.pid, signal.SIGTERM)
         pump = _tee(self.torchrun, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)
+        stall = self._watch(t)
         returncode = self.torchrun.wait()
         ranks = stop_marked(self.marker)  # before the tee ends: workers left running hold torchrun's output pipe open
         pump.join()
         rc = exit_status(returncode)
         launcher_log = t.run_dir / artifacts.LAUNCHER_LOG
-        if self.stop.signum is None and rc != 0:  # torchrun signalled, not the launcher (a kill of torchrun)
+        if stall is not None:
+            with open(launcher_log, "a", encoding="utf-8") as log:
+                log.write(f"sftprof: {stall}\n")
+        elif self.stop.signum is None and rc != 0:  # torchrun signalled, not the launcher (a kill of torchrun)
             got = _TORCHRUN_SIGNAL.findall(launcher_log.read_text(errors="replace"))
             if got:
                 self._child_stopped("torchrun", int(got[-1]))
@@ -378,6 +421,27 @@ class TrialRunner:
                               info["nproc_per_node"], killed, ranks or None)
         self.torchrun = None
         return rc
+
+    def _watch(self, t: Trial) -> str | None:
+        """Wait for torchrun with the watchdog (``STALL_TIMEOUT``, :mod:`sftprof.launch.watchdog`) on this node's
+        ranks: when one stalls, write ``stall.json``, say which rank in what phase and step, and end the trial
+        (SIGTERM to torchrun's process group); returns that line, or None when torchrun ended by itself."""
+        limit = self.info.get("stall_timeout") or 0
+        if not limit:
+            return None
+        dog = Watchdog(t.log_dir, artifacts.node_ranks(self.info["node_rank"], self.info["nproc_per_node"]), limit)
+        while True:
+            try:
+                self.torchrun.wait(timeout=POLL_S)
+                return None
+            except subprocess.TimeoutExpired:
+                stall = dog.check() if self.stop.signum is None else None
+            if stall is not None:
+                write_stall(t.log_dir, stall)
+                line = stall_message(stall)
+                say(line)
+                kill_group(self.torchrun.pid, signal.SIGTERM)
+                return line
 
     def _postprocess(self, t: Trial) -> int:
         """``postprocess_profile.py`` on the trial (its output teed, appended to ``launcher.log``); its status."""

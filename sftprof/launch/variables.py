@@ -36,6 +36,7 @@ KINDS = ("kernel", "memory")
 MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
 MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
+DEFAULT_STALL_TIMEOUT_S = 1800  # a rank without progress this long is stalled: above a checkpoint load or a step
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
 FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked
@@ -213,6 +214,10 @@ VARIABLES = (
              "records (1 to 2**31 - 1)", parse=lambda n, t: _int(n, t, 1, NODE_TIMEOUT_MAX_S, " (2**31 - 1 seconds: "
                                                                     "torchrun's rendezvous timeout is a C int)"),
              default=str(DEFAULT_NODE_TIMEOUT_S)),
+    Variable("STALL_TIMEOUT", "launcher", "seconds a rank may go without progress (no phase begun or ended) before "
+             "the watchdog ends the trial naming it (0: no watchdog)",
+             parse=lambda n, t: _int(n, t, 0, NODE_TIMEOUT_MAX_S),
+             default=str(DEFAULT_STALL_TIMEOUT_S)),
     Variable("PROFILE_FAKE_SEQ_LEN", "config", "tokens per sample (2 to 2**27)", ("profile.fake_seq_len",),
              lambda n, t: _int(n, t, 2, TOKENS_PER_RANK_MAX, FAKE_SEQ_LEN_WHY)),
     Variable("PROFILE_FAKE_DATASET_SIZE", "config", "samples in the fake dataset", ("profile.fake_dataset_size",),
