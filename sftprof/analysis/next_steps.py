@@ -43,8 +43,8 @@ DRIVER_VARIABLES = {
     "actor.megatron.use_precision_aware_optimizer": "USE_PRECISION_AWARE_OPTIMIZER",
     "actor.megatron.main_grads_dtype": "MAIN_GRADS_DTYPE",
 }
-# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measured on the tiny
-# CPU preset (its step time 18.2 -> 5.8 s)
+# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measures on the tiny
+# CPU preset
 CPU_LM_HEAD_CHUNK = 256
 NO_RULE = "none: sftprof has no rule for this lever yet; its section has the figures"
 _LAYOUT = "a layout over more GPUs (actor.backend: TP, CP or EP) divides it"
