@@ -103,7 +103,8 @@ def _rule(key: str, summary: dict, cfg: dict) -> Optional[str]:
         chunk = _get(cfg, "actor.loss.lm_head_loss_chunk_size") or 0
         if chunk:
             return (f"none: the chunked LM-head loss is on (LM_HEAD_LOSS_CHUNK_SIZE={chunk}); what is left is the LM "
-                    "head's GEMMs, whose rate Kernel efficiency gives")
+                    "head's matrix products over the vocabulary, the model's own work"
+                    + ("" if cpu else " (Kernel efficiency gives their rate)"))
         if cpu:
             return (f"try LM_HEAD_LOSS_CHUNK_SIZE={CPU_LM_HEAD_CHUNK}: the LM head and the loss in chunks of "
                     f"{CPU_LM_HEAD_CHUNK} tokens, without the full logits and their log-softmax")
