@@ -202,8 +202,9 @@ def test_the_recorded_quick_start_pair_through_postprocess_and_compare(tmp_path,
     md = compare_runs(str(tmp_path / "A"), str(tmp_path / "B"))
     assert row in md.splitlines()
     assert "| `actor.loss.logprobs_chunk_size` | 128 | 0 |" in md.splitlines()
+    assert "cluster.fileroot" not in md  # where each run's logs went (they differ: one per run) is not a setting
     # kernel step 0 and step 1: the profiled step's time is one sample a side, one line under each table
-    assert md.count("1 row(s) of one sample a side, no verdict, not shown (step time s (stats.jsonl, profiled step, "
+    assert md.count("1 row(s) of one sample a side (no verdict) not shown (step time s (stats.jsonl, profiled step, "
                     "slowest rank))") == 2
     assert "than its other trials" not in md
 

@@ -91,5 +91,17 @@ def test_every_lever_has_a_rule():
         "try PROFILE_STEPS=2 (a later step, after the compilation; TOTAL_STEPS above it)"
 
 
+def test_a_trial_with_the_chunked_lm_head_is_told_it_has_it():
+    """The README's B run (LM_HEAD_LOSS_CHUNK_SIZE=256, CPU): its LM head + loss finding is not sent to the setting
+    it has; on a GPU the rate of what is left is in Kernel efficiency."""
+    finding = [{"key": "part lm_head_loss", "text": "", "section": "", "weight": 0.8}]
+    cfg = {"actor": {"backend": "fsdp:d2", "loss": {"lm_head_loss_chunk_size": 256}}}
+    (cpu,) = with_next_steps(finding, [], [], {"profile_step": 1, "completion": {"device": "cpu"}}, cfg)
+    assert cpu["next_step"] == ("none: the chunked LM-head loss is on (LM_HEAD_LOSS_CHUNK_SIZE=256); what is left is "
+                                "the LM head's matrix products over the vocabulary, the model's own work")
+    (gpu,) = with_next_steps(finding, [], [], {"profile_step": 1, "completion": {"device": "cuda"}}, cfg)
+    assert gpu["next_step"] == cpu["next_step"] + " (Kernel efficiency gives their rate)"
+
+
 def test_driver_variables_are_the_drivers():
     assert {k: v for k, v in DRIVER_VARIABLES.items() if BY_NAME[v].keys != (k,)} == {}

@@ -717,7 +717,7 @@ def test_compare_gives_every_row_a_verdict_with_its_interval(tmp_path, cpu_trace
             "slower |") in verdicts.splitlines()
     assert "| step wall |" not in short and stats.ONE_SAMPLE not in short.split("How to read")[1].replace(
         f"`{stats.ONE_SAMPLE}`", "")
-    assert ("4 row(s) of one sample a side, no verdict, not shown (step wall, GPU busy, communication, exposed "
+    assert ("4 row(s) of one sample a side (no verdict) not shown (step wall, GPU busy, communication, exposed "
             "communication): `compare --all-rows` shows them; more `PROFILE_STEPS` give repeats.") in short.splitlines()
     # the gate: B slower on step time is exit status 3, its row named; the same peak passes
     res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "gate.md", "--fail-on", "step_time,peak_allocated")

@@ -183,9 +183,12 @@ def _table(title: str, unit: str, rows: list[tuple]) -> list[str]:
     shown, left_out = [], []
     for name, a, b in rows:
         row = [str(name).replace("|", "/"), *_row_cells(a, b, unit in ("s", "ms") or (not unit and _is_time(name)))]
-        (shown if compare_verdicts.record(title, str(name), row[1:]) else left_out).append(row)
-    return ([table(headers, shown, cell=str)] if shown else []) + compare_verdicts.left_out_line(
-        [r[0] for r in left_out])
+        why = compare_verdicts.record(title, str(name), row[1:])
+        if why:
+            left_out.append((row[0], why))
+        else:
+            shown.append(row)
+    return ([table(headers, shown, cell=str)] if shown else []) + compare_verdicts.left_out_line(left_out)
 
 
 def _samples(dicts: Iterable[dict[str, Any]]) -> dict[str, list]:
@@ -384,8 +387,9 @@ def _verdict_note() -> list[str]:
             "- Memory rows come from deterministic allocations (a step allocates the same each time it runs): compared "
             "exactly, `higher (exact)` / `lower (exact)` / `equal (exact)`, no interval; where a run's samples of a "
             "memory row differ, the rank test decides (`higher` / `lower`).",
-            "- A row of one sample a side (no verdict) is left out of its table, and a line under the table counts and "
-            "names those rows (`compare --all-rows` shows them); `–`: a side without the figure.", ""]
+            "- A row of one sample a side (no verdict), or without the figure in either run, is left out of its table, "
+            "and a line under the table counts and names those rows (`compare --all-rows` shows them); `–`: a side "
+            "without the figure.", ""]
 
 
 def _step_tables(a: list[dict], b: list[dict]) -> list[str]:

@@ -2,8 +2,9 @@
 section that opens the report with the rows that have a verdict, and the gate of ``compare --fail-on``.
 
 While :func:`collecting` runs, :func:`record` keeps each table row (its group, table, name and cells) and says
-whether the table shows it: a row of one sample a side has no verdict, and unless ``all_rows`` it is left out of its
-table, which counts and names the rows left out in one line (:func:`left_out_line`). :func:`verdict_section` lists the
+whether the table shows it: a row of one sample a side has no verdict, one with no sample in either run no figure,
+and unless ``all_rows`` they are left out of their table, which counts and names them in one line each
+(:func:`left_out_line`). :func:`verdict_section` lists the
 rows with a verdict (a 95 % rank test that excludes 0, or an exact memory difference); :func:`regressions` says which
 rows of the gate's metrics (:data:`GATE_METRICS`) got a worse verdict.
 """
@@ -66,23 +67,33 @@ def collecting(all_rows: bool = False) -> Iterator[Collector]:
         _CURRENT.reset(token)
 
 
-def record(table_title: str, name: str, cells: list[str]) -> bool:
-    """Keep a row (when collecting) and say whether its table shows it: not a row of one sample a side, unless
-    ``all_rows`` (or nothing is collecting)."""
+ONE_SAMPLE_LEFT_OUT = "of one sample a side (no verdict)"
+NO_FIGURE_LEFT_OUT = "without the figure in either run"
+
+
+def record(table_title: str, name: str, cells: list[str]) -> str | None:
+    """Keep a row (when collecting) and say why its table leaves it out (:data:`ONE_SAMPLE_LEFT_OUT`,
+    :data:`NO_FIGURE_LEFT_OUT`: samples 0/0, e.g. memory on CPU), None when the table shows it (always with
+    ``all_rows``, or when nothing is collecting)."""
     c = _CURRENT.get()
     if c is None:
-        return True
+        return None
     c.rows.append(Row(c.group, table_title, name, tuple(cells)))
-    return c.all_rows or cells[-1] != stats.ONE_SAMPLE
+    if c.all_rows:
+        return None
+    return ONE_SAMPLE_LEFT_OUT if cells[-1] == stats.ONE_SAMPLE else NO_FIGURE_LEFT_OUT if cells[-2] == "0/0" else None
 
 
-def left_out_line(names: list[str]) -> list[str]:
-    """The line that stands for a table's rows of one sample a side (none when there are none)."""
-    if not names:
-        return []
-    shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
-    return [f"{len(names)} row(s) of one sample a side, no verdict, not shown ({shown}): `compare --all-rows` shows "
-            "them; more `PROFILE_STEPS` give repeats.", ""]
+def left_out_line(left_out: list[tuple[str, str]]) -> list[str]:
+    """The lines that stand for a table's rows left out (``(name, why)`` of :func:`record`); none when none are."""
+    out = []
+    for why in (ONE_SAMPLE_LEFT_OUT, NO_FIGURE_LEFT_OUT):
+        names = [n for n, w in left_out if w == why]
+        if names:
+            shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
+            out += [f"{len(names)} row(s) {why} not shown ({shown}): `compare --all-rows` shows them"
+                    + ("; more `PROFILE_STEPS` give repeats." if why == ONE_SAMPLE_LEFT_OUT else "."), ""]
+    return out
 
 
 def verdict_section(rows: list[Row]) -> list[str]:

@@ -44,8 +44,8 @@ DRIVER_VARIABLES = {
     "actor.megatron.use_precision_aware_optimizer": "USE_PRECISION_AWARE_OPTIMIZER",
     "actor.megatron.main_grads_dtype": "MAIN_GRADS_DTYPE",
 }
-# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measured on the tiny
-# CPU preset (its step time 18.2 -> 5.8 s)
+# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measures on the tiny
+# CPU preset
 CPU_LM_HEAD_CHUNK = 256
 NO_RULE = "none: sftprof has no rule for this lever yet; its section has the figures"
 _LAYOUT = "a layout over more GPUs (actor.backend: TP, CP or EP) divides it"
@@ -104,7 +104,8 @@ def _rule(key: str, summary: dict, cfg: dict) -> Optional[str]:
         chunk = _get(cfg, "actor.loss.lm_head_loss_chunk_size") or 0
         if chunk:
             return (f"none: the chunked LM-head loss is on (LM_HEAD_LOSS_CHUNK_SIZE={chunk}); what is left is the LM "
-                    "head's GEMMs, whose rate Kernel efficiency gives")
+                    "head's matrix products over the vocabulary, the model's own work"
+                    + ("" if cpu else " (Kernel efficiency gives their rate)"))
         if cpu:
             return (f"try LM_HEAD_LOSS_CHUNK_SIZE={CPU_LM_HEAD_CHUNK}: the LM head and the loss in chunks of "
                     f"{CPU_LM_HEAD_CHUNK} tokens, without the full logits and their log-softmax")

@@ -13,8 +13,9 @@ from sftprof.artifacts import ENVIRONMENT
 
 __all__ = ["settings_diff"]
 
-# differ between any two trials, or between the trials a group pools (the section title names their steps)
-_SAME_BY_DESIGN = ("trial_name", "perf_tracer.profile_steps", "memory_profiler.profile_steps")
+# differ between any two trials, or between the trials a group pools (the section title names their steps); where the
+# logs went (the driver's default FILEROOT is RUN_ROOT/fileroot, one per run) changes nothing the deltas measure
+_SAME_BY_DESIGN = ("trial_name", "perf_tracer.profile_steps", "memory_profiler.profile_steps", "cluster.fileroot")
 _SIZE_KEYS = ("profile.fake_seq_len", "train_dataset.batch_size", "actor.backend", "actor.num_layers", "actor.path")
 
 
