@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
 from sftprof.analysis.memory_fit import check_fit  # noqa: E402
 from sftprof.config import load_config  # noqa: E402
-from sftprof.launch.planning import PlanLog, read_driver_env  # noqa: E402
+from sftprof.launch.plan_types import PlanLog  # noqa: E402
+from sftprof.launch.planning import read_driver_env  # noqa: E402
 from sftprof.models.hf import load_hf_config  # noqa: E402
 
 RUNS = ROOT / "tests" / "fixtures" / "measured_peaks" / "runs.json"

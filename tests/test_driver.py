@@ -239,9 +239,9 @@ def test_fileroot_default_is_per_user_and_run_and_a_shadowing_one_warns(tmp_path
     package (a Python started in its parent would import it instead) is used, with a warning."""
     import getpass
 
-    from sftprof.config import DEFAULT_FILEROOT, PRESET_DIR, load_config, trial_log_dir
+    from sftprof.config import PRESET_DIR, SFTProfileConfig, load_config, trial_log_dir
 
-    assert DEFAULT_FILEROOT == ""
+    assert SFTProfileConfig().cluster.fileroot == ""
     for yaml in (ROOT / "qwen3_30b_a3b_sft_profile.yaml", ROOT / "qwen3_5_35b_a3b_sft_profile.yaml",
                  PRESET_DIR / "tiny_cpu.yaml", PRESET_DIR / "tiny_qwen3_5_cpu.yaml"):
         assert load_config(yaml, []).cluster.fileroot == "", yaml

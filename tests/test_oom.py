@@ -73,7 +73,7 @@ def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reach
     """``TRY_WHAT_IFS`` takes a failed trial's ``fit_oom`` (and no other what-if of it); the outcome sets the what-if
     trial's peak against what the failed step asked for."""
     from sftprof.analysis.what_if_outcome import HELD, outcome
-    from sftprof.launch.planning import Trial
+    from sftprof.launch.plan_types import Trial
     from sftprof.launch.what_ifs import choose
 
     log = oom_log_dir(tmp_path)

@@ -17,14 +17,14 @@ The driver's environment variables are another way to set some of these keys: th
 from sftprof.config.errors import CONFIG_ERROR_PREFIX, ConfigError, exit_config_error
 from sftprof.config.loading import (PRESET_DIR, last_value_per_key, load_config, load_config_or_exit,
                                     reject_repeated_keys, resolve_config_path, to_yaml)
-from sftprof.config.paths import (DEFAULT_FILEROOT, NAME_ACCEPTED, RUN_ROOT_FILEROOT, is_folder_name,
+from sftprof.config.paths import (NAME_ACCEPTED, RUN_ROOT_FILEROOT, is_folder_name,
                                   standalone_fileroot, trial_log_dir)
 from sftprof.config.schema import (CP_ATTENTION_METHODS, FAKE_SEQ_LEN_WHY, MEMORY_MAX_ENTRIES_MAX, PRECISION_FIELDS,
                                    TOKENS_PER_RANK_MAX, TRANSFORMER_IMPLS, MegatronSettings, SFTProfileConfig,
                                    n_micro_batches)
 from sftprof.config.validation import validate
 
-__all__ = ["CONFIG_ERROR_PREFIX", "CP_ATTENTION_METHODS", "ConfigError", "DEFAULT_FILEROOT", "RUN_ROOT_FILEROOT", "standalone_fileroot", "FAKE_SEQ_LEN_WHY",
+__all__ = ["CONFIG_ERROR_PREFIX", "CP_ATTENTION_METHODS", "ConfigError", "RUN_ROOT_FILEROOT", "standalone_fileroot", "FAKE_SEQ_LEN_WHY",
            "MEMORY_MAX_ENTRIES_MAX", "MegatronSettings", "NAME_ACCEPTED", "PRECISION_FIELDS", "PRESET_DIR",
            "SFTProfileConfig", "TOKENS_PER_RANK_MAX", "TRANSFORMER_IMPLS", "exit_config_error",
            "is_folder_name", "last_value_per_key", "load_config", "load_config_or_exit", "n_micro_batches",

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from sftprof.artifacts import RUN_ROOT_FILEROOT
 
-if TYPE_CHECKING:  # the schema imports this module (DEFAULT_FILEROOT)
+if TYPE_CHECKING:  # annotations only; the schema imports nothing of this module
     from sftprof.config.schema import SFTProfileConfig
 
-# cluster.fileroot unset (empty): the driver's is RUN_ROOT/<RUN_ROOT_FILEROOT> (one per user and run), the trainer's
-# run alone /tmp/sftprof_fileroot_<user> (standalone_fileroot). Not /tmp/sftprof (a default before): a folder named
-# like the package shadows it for a Python started in its parent (``cd /tmp && python -c "import sftprof"``).
-DEFAULT_FILEROOT = ""
+# cluster.fileroot unset (empty, the schema's default): the driver's is RUN_ROOT/<RUN_ROOT_FILEROOT> (one per user and
+# run), the trainer's run alone /tmp/sftprof_fileroot_<user> (standalone_fileroot). Not /tmp/sftprof (a default
+# before): a folder named like the package shadows it for a Python started in its parent (``cd /tmp && python -c
+# "import sftprof"``).
 # Names that become one folder of a path (experiment_name, trial_name, the driver's EXPERIMENT_NAME and
 # PROFILE_STAMP): no '/', '.' or '..' can lead outside the folder they are put in.
 NAME_ACCEPTED = "letters, digits, '_' and '-' only"

@@ -14,7 +14,6 @@ from typing import List
 
 from sftprof.allocation import AllocationError, parse_allocation_mode
 from sftprof.config.errors import ConfigError, require, require_at_least, require_choice
-from sftprof.config.paths import DEFAULT_FILEROOT
 from sftprof.ranks import RankSpecError, check_rank_spec_syntax
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -65,7 +64,7 @@ class ClusterConfig:
     ``/tmp/sftprof_fileroot_<user>``: :mod:`sftprof.config.paths`) and the torchrun layout (nodes x processes per
     node)."""
 
-    fileroot: str = DEFAULT_FILEROOT
+    fileroot: str = ""
     n_nodes: int = 1
     n_gpus_per_node: int = 8
 

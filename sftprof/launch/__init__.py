@@ -21,7 +21,8 @@ This package's names below are its public surface.
 from sftprof.launch.arguments import TRIAL_KEYS
 from sftprof.launch.folders import check_writable_folder, log_user, model_tag, write_plan
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
-from sftprof.launch.planning import PlanLog, Trial, free_port, plan, port_in_use, read_driver_env, visible_gpus
+from sftprof.launch.plan_types import PlanLog, Trial
+from sftprof.launch.planning import free_port, plan, port_in_use, read_driver_env, visible_gpus
 from sftprof.launch.report import report
 from sftprof.launch.summaries import top_finding
 from sftprof.launch.trials import record_trials_not_run

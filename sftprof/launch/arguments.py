@@ -8,16 +8,15 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import fields
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sftprof.config import ConfigError, SFTProfileConfig, load_config
 from sftprof.launch.variables import BY_NAME, DRIVER_SCRIPT, DriverError, Variable, closest_variable
+from sftprof.launch.plan_types import DriverEnv, PlanLog
 
-if TYPE_CHECKING:  # planning imports this module
-    from sftprof.launch.planning import DriverEnv, PlanLog
 
 # Config keys the driver sets for each trial (expand_trials) -> the driver variables that decide them (trial_name: none,
 # the driver's own). An argument may give one only the value the driver gives it.
@@ -63,7 +62,7 @@ def arguments_agree(name: str, arguments: list[str], agrees: Callable[[str], boo
     """The check of every argument that sets a config key the driver sets itself (a config variable's key, the
     profiled ranks, a trial's own settings): DriverError(``conflict(arg)``) for the first argument that gives the key
     another value than the driver (``agrees(arg)`` false); else the arguments are taken and ``profile_settings.log``
-    names them on variable ``name``'s line as agreeing (:meth:`sftprof.launch.planning.PlanLog.agree`)."""
+    names them on variable ``name``'s line as agreeing (:meth:`sftprof.launch.plan_types.PlanLog.agree`)."""
     for arg in arguments:
         if not agrees(arg):
             raise DriverError(conflict(arg))

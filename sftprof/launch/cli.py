@@ -22,7 +22,8 @@ from typing import Callable, Mapping
 from sftprof import artifacts
 from sftprof.config import ConfigError
 from sftprof.launch.folders import remove_plan, write_plan
-from sftprof.launch.planning import Trial, plan
+from sftprof.launch.plan_types import Trial
+from sftprof.launch.planning import plan
 from sftprof.launch.report import report
 from sftprof.launch.signals import PlanInterrupted, ignore_signals, plan_handlers, say, signals_held
 from sftprof.launch.signals import name as signal_name

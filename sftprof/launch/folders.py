@@ -16,14 +16,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sftprof import artifacts
 from sftprof.launch.signals import signals_held
 from sftprof.launch.variables import DriverError, folder_name
+from sftprof.launch.plan_types import DriverEnv, PlanLog, Probe, Trial
 
-if TYPE_CHECKING:  # planning imports this module
-    from sftprof.launch.planning import DriverEnv, PlanLog, Probe, Trial
 
 NAME_MAX = 255   # bytes in one folder name (Linux filesystems)
 PATH_MAX = 4095  # bytes in a path (Linux: 4096 with the terminating NUL)

@@ -26,14 +26,12 @@ is :mod:`sftprof.launch.variables`, the folders :mod:`sftprof.launch.folders`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import socket
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
@@ -41,6 +39,7 @@ from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit,
 from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir)
 from sftprof.launch import folders
+from sftprof.launch.plan_types import DriverEnv, PlanConfig, PlanLog, Probe, Trial
 from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
                                       check_trial_arguments, config_value, reject_driver_variables_as_arguments,
                                       variable_conflict, yaml_value)
@@ -52,22 +51,6 @@ from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
 
 RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profiler's ranks key
-
-
-@dataclass
-class Trial:
-    """One torchrun launch: profile ``kind`` at ``step`` (paths absolute); ``args``: the trainer's arguments; ``env``:
-    environment variables of its processes on top of the driver's; ``what_if``: the settings a what-if trial tries
-    (:mod:`sftprof.launch.what_ifs`; empty for a planned trial)."""
-
-    name: str
-    kind: str
-    step: int
-    run_dir: Path
-    log_dir: Path
-    args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    what_if: str = ""
 
 
 def visible_gpus() -> int:
@@ -97,100 +80,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-@dataclass
-class PlanLog:
-    """What planning tells the user: ``settings`` (lines of ``profile_settings.log``), ``notices`` (lines printed
-    before launch: skipped trials, the plan) and ``warnings`` (printed before launch, written into
-    ``profile_settings.log`` and repeated under the end table)."""
-
-    settings: list[str] = field(default_factory=list)
-    notices: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    # variable -> the arguments that set one of its config keys to the value it gives (see agree)
-    agreeing: dict[str, list[str]] = field(default_factory=dict)
-    _noted: dict[str, tuple[object, str]] = field(default_factory=dict)
-    config: PlanConfig | None = None  # set by expand_trials
-
-    def note(self, name: str, value: object, source: str) -> None:
-        """Record a driver variable's effective value and where it came from; a later note of the same
-        variable (a value this node changed, e.g. the kinds without CUDA) replaces the earlier line in place.
-        The arguments that agree with it (:meth:`agree`) are named after the source."""
-        self._noted[name] = (value, source)
-        args = self.agreeing.get(name, [])
-        line = f"{name}={value}\t# {source}" + (
-            f" (the argument{'s' if len(args) > 1 else ''} {' and '.join(args)} agree{'' if len(args) > 1 else 's'})"
-            if args else "")
-        same = [i for i, s in enumerate(self.settings) if s.startswith(f"{name}=")]
-        if same:
-            self.settings[same[0]] = line
-        else:
-            self.settings.append(line)
-
-    def agree(self, name: str, arguments: list[str]) -> None:
-        """Record that ``arguments`` set a config key of variable ``name`` to the value the driver gives it (taken,
-        and named on the variable's line, now or when it is noted)."""
-        for arg in arguments:
-            if arg not in self.agreeing.setdefault(name, []):
-                self.agreeing[name].append(arg)
-        if name in self._noted:
-            self.note(name, *self._noted[name])
-
-    def warn(self, text: str) -> None:
-        """A warning before launch: printed, kept in ``profile_settings.log``, repeated under the end table."""
-        self.warnings.append(text)
-        self.notices.append(f"warning: {text}")
-
-
-@dataclass
-class PlanConfig:
-    """The CONFIG file as the plan read it: ``source`` (its path), ``copy`` (``RUN_ROOT/plan_config.yaml``, which
-    every trial loads) and ``text`` (its bytes); ``sha256`` of the text."""
-
-    source: str
-    copy: str
-    text: bytes
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text).hexdigest()
-
-
-@dataclass
-class DriverEnv:
-    """The driver variables, parsed and range-checked (step 1 of :func:`plan`); None = unset."""
-
-    get: Callable[..., str | None]
-    config: str
-    steps: list[int]
-    kinds: list[str]
-    total_steps: int | None
-    stop: bool
-    what_ifs: int
-    overrides: list[str]
-    extra_overrides: list[str]
-    set_keys: set[str]
-    node_rank: int
-    master_addr: str
-    master_port: int | None
-    node_timeout: int
-    fit_check: str
-    gpu_memory_gib: float | None
-    stall_timeout: int
-
-
-@dataclass
-class Probe:
-    """The config the driver variables produce and the torchrun layout it needs (step 2 of :func:`plan`)."""
-
-    cfg: SFTProfileConfig
-    layout: Layout
-    n_nodes: int
-    nproc: int
-    gpus: int
-    kinds: list[str]
-    ranks_specs: dict[str, str]  # kind -> the rank spec its trials get (perf_tracer.ranks, memory_profiler.ranks)
 
 
 def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:

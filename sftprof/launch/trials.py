@@ -11,7 +11,7 @@ its workers running (torchrun starts each in its own session): the launcher find
 environment, stops them (SIGTERM, then SIGKILL), and the trial fails with torchrun's status 128 + the signal, named
 in the node end record that the summary reads (:mod:`sftprof.launch.nodes`).
 
-The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.planning.Trial` that gave the
+The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.plan_types.Trial` that gave the
 trainer its config (no file read back). With ``TRY_WHAT_IFS=N`` the what-if trials (:mod:`sftprof.launch.what_ifs`)
 follow the planned ones, each compared with the trial it varies.
 """
@@ -34,7 +34,7 @@ from sftprof import artifacts
 from sftprof.analysis.inputs import read_tried_what_if
 from sftprof.artifacts import TRIAL_MARKER, read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
-from sftprof.launch.planning import Trial
+from sftprof.launch.plan_types import Trial
 from sftprof.launch.report import CONFIG_CHANGED, INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
 from sftprof.launch.signals import RunStop, ignore_signals, kill_group, name, say
 from sftprof.launch.variables import REPO_ROOT, DriverError
@@ -341,7 +341,7 @@ class TrialRunner:
 
     def _config_changed(self, t: Trial) -> str | None:
         """Why trial ``t`` would not run the plan's config (its ``--config`` file is not the plan's copy, or the copy's
-        text changed since the plan: :class:`sftprof.launch.planning.PlanConfig`), else None. The first time the
+        text changed since the plan: :class:`sftprof.launch.plan_types.PlanConfig`), else None. The first time the
         CONFIG file the plan copied differs from the copy, a line says that the trials run the copy."""
         plan = self.info.get("config")
         if plan is None:

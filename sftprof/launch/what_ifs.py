@@ -27,7 +27,7 @@ from sftprof.analysis.what_if import setting_text
 from sftprof.config import ConfigError, last_value_per_key, load_config, trial_log_dir
 from sftprof.atomic import write_text
 from sftprof.launch.folders import check_path_fits, write_train_args
-from sftprof.launch.planning import Trial
+from sftprof.launch.plan_types import Trial
 from sftprof.launch.summaries import read_summary
 from sftprof.launch.variables import DriverError
 
