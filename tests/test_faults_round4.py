@@ -22,6 +22,17 @@ from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
 # ---------------------------------------------------------------------------------------------------------
 # Kind 6: category spellings of other kineto versions
 # ---------------------------------------------------------------------------------------------------------
+
+def _two_ranks_postprocessed(tmp_path, rank0: dict, rank1: dict) -> dict:
+    """The summary of a kernel trial (step 1) whose ranks 0 and 1 left the traces ``rank0`` and ``rank1``; the
+    postprocess exits 0 with no error."""
+    log = _log_dir(tmp_path)
+    _put_trace(log, 0, _trace_text(rank0))
+    _put_trace(log, 1, _trace_text(rank1))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
+    assert code == 0 and summary["errors"] == []
+    return summary
+
 def test_old_kineto_category_spellings_keep_every_gpu_figure(tmp_path, small_trace):
     """The same trace with kineto's older spellings (Kernel, Memcpy, Memset, Runtime) gives the same GPU figures
     as with today's, and one warning counts the events read so."""
@@ -32,11 +43,7 @@ def test_old_kineto_category_spellings_keep_every_gpu_figure(tmp_path, small_tra
             e["cat"] = _OLD_SPELLING[e["cat"]]
             n += 1
     assert n > 30
-    log = _log_dir(tmp_path)
-    _put_trace(log, 0, _trace_text(small_trace))
-    _put_trace(log, 1, _trace_text(old))
-    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
-    assert code == 0 and summary["errors"] == []
+    summary = _two_ranks_postprocessed(tmp_path, small_trace, old)
     today, other = (t["summary"] for t in summary["kernel_traces"])
     assert other["gpu"]["activities"] > 30
     assert {k: v for k, v in other.items() if k != "view_repairs"} == \
@@ -440,11 +447,7 @@ def test_annotations_written_as_begin_end_pairs_are_read_as_spans(tmp_path, smal
     events.insert(0, {**lone, "ts": lone["ts"] - 10**6})
     pairs["traceEvents"] = events
     assert n >= 1
-    log = _log_dir(tmp_path)
-    _put_trace(log, 0, _trace_text(small_trace))
-    _put_trace(log, 1, _trace_text(pairs))
-    summary, code = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1, jobs=1)
-    assert code == 0 and summary["errors"] == []
+    summary = _two_ranks_postprocessed(tmp_path, small_trace, pairs)
     xs, be = (t["summary"] for t in summary["kernel_traces"])
     assert xs["regions"] and be["regions"] == xs["regions"]
     same = ("gpu", "parts", "step_window", "regions", "categories", "communication", "host")

@@ -13,6 +13,8 @@ and gated shared expert; with megatron-core >= 0.18 also the gated delta-net's c
 Weights go through the project's mapping (:mod:`sftprof.models.qwen3_5_moe_weights`): per layer for the
 layer tests (TP rank slices included), and through the loader for the whole model.
 """
+import contextlib
+import os
 from unittest import mock
 
 import pytest
@@ -162,60 +164,68 @@ def test_gated_full_attention_with_partial_rope_matches_hugging_face(mcore_cpu):
     assert err < 1e-5 * expected.abs().max().item() + 1e-6, err
 
 
-def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
-    import os
-
+@contextlib.contextmanager
+def _two_gloo_ranks(rank: int, port: int, **parallel):
+    """Rank ``rank`` of 2 gloo processes with megatron-core's model-parallel groups of ``parallel``, the gated
+    delta-net's fla kernels on torch (:func:`_torch_l2norm`) and ``torch.cuda.current_device`` answering ``cpu``; the
+    groups and the process group destroyed on exit."""
     from megatron.core import parallel_state
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet,
-                                                                        Qwen3_5MoeTextRotaryEmbedding)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(**parallel)
     gated_delta_net = gated_delta_net_kernels()
     try:
         with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
                 mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
                 mock.patch("torch.cuda.current_device", lambda: "cpu"):
-            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-            hf = load_hf_config("tiny_qwen3_5_moe")
-            hf._attn_implementation = "sdpa"
-            tc = _tconfig(hf, "megatron:(attn:t2|ffn:e2)")
-            assert tc.sequence_parallel
-            specs = decoder_block_spec(tc, have_te=False).layer_specs
-            b, s = 2, 40
-            torch.manual_seed(5)
-            x = torch.randn(b, s, hf.hidden_size)
-            rows = slice(rank * s // 2, (rank + 1) * s // 2)  # this rank's sequence-parallel shard
-            gpt = mc.gpt_model_kwargs(hf)
-            rope = RotaryEmbedding(tc.kv_channels, gpt["rotary_percent"], rotary_base=gpt["rotary_base"],
-                                   use_cpu_initialization=True)(s)
-            for layer, ref_cls in ((0, Qwen3_5MoeGatedDeltaNet), (3, Qwen3_5MoeAttention)):
-                ref = ref_cls(hf, layer)
-                _randomise(ref, 7 + layer)
-                ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
-                load_mapped_attention(ours, ref, hf, layer, rank, 2)
-                x_ref = x.clone().requires_grad_(True)
-                x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
-                if layer == 0:
-                    expected = ref(x_ref)
-                    out, _ = ours(x_ours, attention_mask=None)
-                else:
-                    positions = torch.arange(s).expand(3, b, s)
-                    expected, _ = ref(x_ref, Qwen3_5MoeTextRotaryEmbedding(hf)(x_ref, positions), attention_mask=None)
-                    out, _ = ours(x_ours, attention_mask=None, rotary_pos_emb=rope)
-                probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
-                (expected * probe).sum().backward()
-                (out * probe.transpose(0, 1)[rows]).sum().backward()
-                scale = expected.abs().max().item()
-                assert out.shape == (s // 2, b, hf.hidden_size)
-                assert (out - expected.transpose(0, 1)[rows]).abs().max().item() < 1e-5 * scale + 1e-6, layer
-                grad_err = (x_ours.grad - x_ref.grad.transpose(0, 1)[rows]).abs().max().item()
-                assert grad_err < 1e-5 * x_ref.grad.abs().max().item() + 1e-6, (layer, grad_err)
+            yield
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _tp2_sequence_parallel_worker(rank: int, port: int) -> None:
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet,
+                                                                        Qwen3_5MoeTextRotaryEmbedding)
+
+    with _two_gloo_ranks(rank, port, tensor_model_parallel_size=2):
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        hf = load_hf_config("tiny_qwen3_5_moe")
+        hf._attn_implementation = "sdpa"
+        tc = _tconfig(hf, "megatron:(attn:t2|ffn:e2)")
+        assert tc.sequence_parallel
+        specs = decoder_block_spec(tc, have_te=False).layer_specs
+        b, s = 2, 40
+        torch.manual_seed(5)
+        x = torch.randn(b, s, hf.hidden_size)
+        rows = slice(rank * s // 2, (rank + 1) * s // 2)  # this rank's sequence-parallel shard
+        gpt = mc.gpt_model_kwargs(hf)
+        rope = RotaryEmbedding(tc.kv_channels, gpt["rotary_percent"], rotary_base=gpt["rotary_base"],
+                               use_cpu_initialization=True)(s)
+        for layer, ref_cls in ((0, Qwen3_5MoeGatedDeltaNet), (3, Qwen3_5MoeAttention)):
+            ref = ref_cls(hf, layer)
+            _randomise(ref, 7 + layer)
+            ours = _build(specs[layer].submodules.self_attention, tc, layer + 1)
+            load_mapped_attention(ours, ref, hf, layer, rank, 2)
+            x_ref = x.clone().requires_grad_(True)
+            x_ours = x.transpose(0, 1)[rows].clone().requires_grad_(True)
+            if layer == 0:
+                expected = ref(x_ref)
+                out, _ = ours(x_ours, attention_mask=None)
+            else:
+                positions = torch.arange(s).expand(3, b, s)
+                expected, _ = ref(x_ref, Qwen3_5MoeTextRotaryEmbedding(hf)(x_ref, positions), attention_mask=None)
+                out, _ = ours(x_ours, attention_mask=None, rotary_pos_emb=rope)
+            probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
+            (expected * probe).sum().backward()
+            (out * probe.transpose(0, 1)[rows]).sum().backward()
+            scale = expected.abs().max().item()
+            assert out.shape == (s // 2, b, hf.hidden_size)
+            assert (out - expected.transpose(0, 1)[rows]).abs().max().item() < 1e-5 * scale + 1e-6, layer
+            grad_err = (x_ours.grad - x_ref.grad.transpose(0, 1)[rows]).abs().max().item()
+            assert grad_err < 1e-5 * x_ref.grad.abs().max().item() + 1e-6, (layer, grad_err)
 
 
 def test_tp2_sequence_parallel_layers_match_hugging_face():
@@ -227,45 +237,32 @@ def test_tp2_sequence_parallel_layers_match_hugging_face():
 
 
 def _cp2_gated_delta_net_worker(rank: int, port: int) -> None:
-    import os
-
-    from megatron.core import parallel_state
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 
     from sftprof.data import cp_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(context_parallel_size=2)
-    gated_delta_net = gated_delta_net_kernels()
-    try:
-        with mock.patch.object(gated_delta_net, "HAVE_FLA", True), \
-                mock.patch.object(gated_delta_net, "l2norm", _torch_l2norm, create=True), \
-                mock.patch("torch.cuda.current_device", lambda: "cpu"):
-            hf = load_hf_config("tiny_qwen3_5_moe")
-            tc = _tconfig(hf, "megatron:(attn:c2|ffn:e2)")
-            ref = Qwen3_5MoeGatedDeltaNet(hf, 0)
-            _randomise(ref, 7)
-            ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
-            load_mapped_attention(ours, ref, hf, 0)
-            b, s = 2, 136  # 4 load-balanced chunks of 34; the delta rule sees all 136 tokens (three 64-token chunks)
-            torch.manual_seed(5)
-            x = torch.randn(b, s, hf.hidden_size)
-            x_ref = x.clone().requires_grad_(True)
-            x_ours = cp_shard(x.transpose(0, 1), 2, rank, dim=0).clone().requires_grad_(True)
-            expected = ref(x_ref)
-            out, _ = ours(x_ours, attention_mask=None)
-            probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
-            (expected * probe).sum().backward()
-            (out * cp_shard(probe.transpose(0, 1), 2, rank, dim=0)).sum().backward()
-            want = cp_shard(expected.detach().transpose(0, 1), 2, rank, dim=0)
-            assert out.shape == want.shape == (s // 2, b, hf.hidden_size)
-            assert (out - want).abs().max().item() < 1e-5 * expected.abs().max().item() + 1e-6
-            want_grad = cp_shard(x_ref.grad.transpose(0, 1), 2, rank, dim=0)
-            assert (x_ours.grad - want_grad).abs().max().item() < 1e-5 * x_ref.grad.abs().max().item() + 1e-6
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    with _two_gloo_ranks(rank, port, context_parallel_size=2):
+        hf = load_hf_config("tiny_qwen3_5_moe")
+        tc = _tconfig(hf, "megatron:(attn:c2|ffn:e2)")
+        ref = Qwen3_5MoeGatedDeltaNet(hf, 0)
+        _randomise(ref, 7)
+        ours = _build(decoder_block_spec(tc, have_te=False).layer_specs[0].submodules.self_attention, tc, 1)
+        load_mapped_attention(ours, ref, hf, 0)
+        b, s = 2, 136  # 4 load-balanced chunks of 34; the delta rule sees all 136 tokens (three 64-token chunks)
+        torch.manual_seed(5)
+        x = torch.randn(b, s, hf.hidden_size)
+        x_ref = x.clone().requires_grad_(True)
+        x_ours = cp_shard(x.transpose(0, 1), 2, rank, dim=0).clone().requires_grad_(True)
+        expected = ref(x_ref)
+        out, _ = ours(x_ours, attention_mask=None)
+        probe = torch.randn(b, s, hf.hidden_size, generator=torch.Generator().manual_seed(9))
+        (expected * probe).sum().backward()
+        (out * cp_shard(probe.transpose(0, 1), 2, rank, dim=0)).sum().backward()
+        want = cp_shard(expected.detach().transpose(0, 1), 2, rank, dim=0)
+        assert out.shape == want.shape == (s // 2, b, hf.hidden_size)
+        assert (out - want).abs().max().item() < 1e-5 * expected.abs().max().item() + 1e-6
+        want_grad = cp_shard(x_ref.grad.transpose(0, 1), 2, rank, dim=0)
+        assert (x_ours.grad - want_grad).abs().max().item() < 1e-5 * x_ref.grad.abs().max().item() + 1e-6
 
 
 @pytest.mark.skipif(not megatron_at_least(GATED_DELTA_NET_CP), reason="gated delta-net has context parallelism "
