@@ -148,17 +148,22 @@ def _trial_log_dirs(log_dir: str) -> list[str]:
 
 def _run_root(run_root: str, compress: bool) -> int:
     """Postprocess every trial of ``RUN_ROOT/trials.tsv`` that the driver started (its run dir has a launcher.log) as
-    the driver does (its kind, step, log dir, trainer log and nvidia-smi log); a run dir recorded elsewhere (a
-    RUN_ROOT moved) is the trial's folder in ``run_root``. Returns
-    the highest status of the trials (each trial's errors are its own; the others are still postprocessed)."""
+    the driver does (its kind, step, log dir, trainer log and nvidia-smi log). The trial's run dir is its folder in
+    ``run_root``, and a log dir recorded under the run root the driver made (the default ``RUN_ROOT/fileroot``) is
+    read under ``run_root``: a run root copied or moved (to another machine, say) is postprocessed from its own files,
+    never from the original's. Returns the highest status of the trials (each trial's errors are its own; the others
+    are still postprocessed)."""
     try:
         trials = read_trials_tsv(run_root)
     except (OSError, ValueError) as exc:
         print(f"postprocess_profile.py: error: {exc}", file=sys.stderr)
         return 2
     status = 0
-    for n, (name, kind, step, run_dir, log_dir) in enumerate(trials, start=1):
-        run_dir = run_dir if os.path.isdir(run_dir) else os.path.join(run_root, name)
+    for n, (name, kind, step, recorded_run_dir, log_dir) in enumerate(trials, start=1):
+        run_dir, recorded_root = os.path.join(run_root, name), os.path.dirname(recorded_run_dir)
+        if os.path.realpath(recorded_root) != os.path.realpath(run_root) and \
+                os.path.commonpath([recorded_root, log_dir]) == recorded_root:
+            log_dir = os.path.join(run_root, os.path.relpath(log_dir, recorded_root))
         if not os.path.isfile(os.path.join(run_dir, LAUNCHER_LOG)):  # a trial the driver did not start
             print(f"[postprocess] [{n}/{len(trials)}] {name}: not run (no {LAUNCHER_LOG}), nothing to postprocess",
                   file=sys.stderr)

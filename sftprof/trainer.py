@@ -48,6 +48,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.projection import assumed
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
@@ -71,8 +72,7 @@ log = logging.getLogger("sftprof")
 GIB = float(1 << 30)
 HEARTBEAT_S = 20.0  # seconds between "still running" lines of a long step (rank 0)
 SIMULATED_NOTE = ("simulated rank %d of %d (%s): collectives not run (torch's fake process group; outputs at their "
-                  "real sizes), balanced routing assumed (megatron: random router logits); loss and grad norm are "
-                  "this rank's alone")
+                  "real sizes); assumed: %s")
 
 
 class _Terminated(RuntimeError):
@@ -261,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for note in te_notes if simulated or rank == 0 else ():
         log.info(note)
     if simulated:
-        log.info(SIMULATED_NOTE, rank, layout.world_size, cfg.actor.backend)
+        log.info(SIMULATED_NOTE, rank, layout.world_size, cfg.actor.backend, assumed(layout.backend))
     status = 1
     try:
         status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)

@@ -1083,3 +1083,26 @@ def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(
         f"postprocess_profile.py: error: --log-dir {root} is a RUN_ROOT (it holds trials.tsv), not a trial's log dir: "
         "pass it alone as --run-dir to postprocess every trial it lists")
     assert sorted(p.name for p in root.rglob("*")) == ["t0", "trials.tsv"]
+
+
+def test_a_copied_run_root_is_postprocessed_from_its_own_files(tmp_path):
+    """``--run-dir RUN_ROOT`` on a copy of a run root (trials.tsv holds the driver's absolute paths): each trial's run
+    dir is the copy's, and a log dir that was under the original run root (the default RUN_ROOT/fileroot) is read
+    under the copy; a log dir elsewhere (a FILEROOT that was set) is read where it was recorded."""
+    copy = tmp_path / "copy"
+    rows = []
+    for name, log in (("trial_a", "/orig/run/fileroot/logs/u/e/trial_a"),
+                      ("trial_b", str(tmp_path / "fr" / "trial_b"))):
+        (copy / name).mkdir(parents=True)
+        (copy / name / "launcher.log").write_text("sftprof: trial started\n")
+        rows.append(f"{name}\tkernel\t1\t/orig/run/{name}\t{log}\t/orig/run/{name}/train_args.txt\n")
+    (copy / "trials.tsv").write_text("".join(rows))
+    for log in (copy / "fileroot/logs/u/e/trial_a", tmp_path / "fr" / "trial_b"):  # empty: no stats.jsonl, no trace
+        log.mkdir(parents=True)
+    res = subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), "--run-dir", str(copy)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr  # no stats.jsonl or trace in either log dir: status unknown, an error
+    logs = [json.loads((copy / n / "profile_summary.json").read_text())["paths"]["log_dir"]
+            for n in ("trial_a", "trial_b")]
+    assert logs == [str(copy / "fileroot/logs/u/e/trial_a"), str(tmp_path / "fr" / "trial_b")]
+    assert not Path("/orig").exists()

@@ -54,6 +54,9 @@ def test_simulated_rank_runs_alone_and_says_so(run):
     assert md[0].startswith(f"# Profile summary: {run_dir.name} — SIMULATED rank 5 of 8, alone on one device; "
                             "not run: collectives: torch's fake process group")
     assert "## Projected step (simulated rank)" in md
+    # fsdp has no balanced routing: the first line says so, and the steps show how far the routing collapsed
+    assert sim["assumed"].startswith("NOT balanced routing: FSDP2's all-gather hands back this rank's parameter shard")
+    assert "assumed: NOT balanced routing" in md[0]
     p = sim["projection"]
     assert p["compute_ms"] == pytest.approx(1e3 * steps[1]["step_time_s"])
     plan = rank_plan(cfg, load_hf_config("tiny_qwen3_moe", 0), parse_allocation_mode("fsdp:d8"), 5)

@@ -150,8 +150,17 @@ def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_n
 
 NOT_RUN = ("collectives: torch's fake process group returned each at once, its output allocated at its real size and "
            "filled as if every peer held this rank's input; all-reduces did not reduce")
-ASSUMED = ("balanced routing (megatron: random router logits; every EP peer sends this rank's own token counts); "
-           "loss and grad norm are this rank's alone")
+ROUTING_ASSUMED = {  # backend -> what the simulated rank's MoE routing is (one sentence, said on the summary's first line)
+    "megatron": "balanced routing (random router logits; every EP peer sends this rank's own token counts)",
+    "fsdp": "NOT balanced routing: FSDP2's all-gather hands back this rank's parameter shard N times, so the router's "
+            "rows repeat and its routing may collapse (the step table's expert max/mean says how far); expert times are "
+            "those of that routing",
+}
+
+
+def assumed(backend: str) -> str:
+    """What a simulated trial of ``backend`` (``megatron`` or ``fsdp``) assumed, for the summary's first line."""
+    return f"{ROUTING_ASSUMED[backend]}; loss and grad norm are this rank's alone"
 
 
 def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, have_te: Optional[bool] = None,
@@ -201,7 +210,8 @@ def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optio
     except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
         projection, error = None, f"{type(exc).__name__}: {exc}"
     return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
-            "not_run": NOT_RUN, "assumed": ASSUMED, "projection": projection, "projection_error": error}
+            "not_run": NOT_RUN, "assumed": assumed(parse_allocation_mode(cfg["actor"]["backend"]).backend),
+            "projection": projection, "projection_error": error}
 
 
 def render(p: dict) -> str:

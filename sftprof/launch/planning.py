@@ -36,6 +36,7 @@ from typing import Mapping
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
+from sftprof.analysis.projection import assumed
 from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir)
 from sftprof.launch import folders
@@ -239,7 +240,7 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
                               "per node: actor.simulate.gpus_per_node)")
         nproc = 1
         log.notices.append(f"simulated rank {simulated} of {probe.actor.backend} ({layout.describe()}) on one "
-                           "device: collectives not run, balanced routing (docs/simulated_rank.md)")
+                           f"device: collectives not run; assumed: {assumed(layout.backend)} (docs/simulated_rank.md)")
     elif nproc * n_nodes != layout.world_size:
         raise DriverError(
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
