@@ -313,6 +313,8 @@ def node_ranks(node_rank: int, nproc_per_node: int) -> list[int]:
 PROFILE_SETTINGS = "profile_settings.log"
 RUN_ROOT_FILEROOT = "fileroot"  # FILEROOT unset: the driver's is RUN_ROOT/fileroot (its trial log dirs, not trials)
 PLAN_CONFIG = "plan_config.yaml"  # the CONFIG file as the plan read it: every trial of the run loads this copy
+# the sha256 of that copy as planned, in each planned trial's environment: the trainer refuses a copy edited since
+PLAN_CONFIG_SHA256_ENV = "SFTPROF_PLAN_CONFIG_SHA256"
 TRIALS_TSV = "trials.tsv"
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"

@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import math
+import hashlib
 import os
 import random
 import signal
@@ -218,10 +219,27 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
     return rank, device
 
 
+def check_plan_config(path: str) -> None:
+    """A trial the driver planned loads ``RUN_ROOT/plan_config.yaml``, whose sha256 at plan time is in
+    ``SFTPROF_PLAN_CONFIG_SHA256``: a copy edited since (read-only does not stop root) exits 2 before anything runs,
+    so no trial runs other settings than its plan's and folder names say. Without the variable nothing is checked."""
+    want = os.environ.get(artifacts.PLAN_CONFIG_SHA256_ENV)
+    if not want:
+        return
+    try:
+        got = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as err:
+        _exit_config_error(f"--config {path}: {err}")
+    if got != want:
+        _exit_config_error(f"--config {path}: changed since the driver planned this run (sha256 {got[:12]}, planned "
+                           f"{want[:12]}); nothing was run: run the driver again for other settings")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one trial (see module docstring). Returns 0; exits 2 on bad input, 1 on failure."""
     args = _parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
+    check_plan_config(args.config)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the log dir; the others may start after it began
         try:
             check_new_log_dir(cfg)

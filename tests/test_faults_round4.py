@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -424,6 +425,28 @@ def test_trial_whose_plan_config_copy_changed_is_not_run(tmp_path):
                                                                              "config changed"]
     assert not trials[0].log_dir.exists()  # nothing launched
 
+
+
+def test_trainer_refuses_a_plan_config_copy_edited_after_its_trial_launched(tmp_path):
+    """The copy edited in the seconds between the driver's check and the trainer's load (root ignores its read-only
+    mode): the trainer of that trial, which the plan gave the copy's sha256, exits 2 before anything runs."""
+    from sftprof.launch.planning import plan
+
+    env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
+           "PROFILE_STEPS": "0", "PROFILE_KINDS": "kernel"}
+    trials, _, info = plan(env, [], gpus=0)
+    want = info["config"].sha256
+    assert trials[0].env == {"SFTPROF_PLAN_CONFIG_SHA256": want}
+    edited = tmp_path / "plan_config.yaml"
+    edited.write_bytes(info["config"].text.replace(b"fake_seq_len: 1024", b"fake_seq_len: 512"))
+    args = [sys.executable, str(Path(__file__).resolve().parents[1] / "train_sft_profile.py"), "--config", str(edited),
+            *trials[0].args[trials[0].args.index("--config") + 2:]]
+    out = subprocess.run(args, env={**os.environ, **trials[0].env}, capture_output=True, text=True, timeout=120)
+    got = hashlib.sha256(edited.read_bytes()).hexdigest()
+    assert (out.returncode, out.stderr) == (2, f"sftprof: configuration error: --config {edited}: changed since the "
+                                               f"driver planned this run (sha256 {got[:12]}, planned {want[:12]}); "
+                                               "nothing was run: run the driver again for other settings\n")
+    assert not trials[0].log_dir.exists()
 
 # ---------------------------------------------------------------------------------------------------------
 # sftprof/* annotations written as B/E pairs

@@ -403,6 +403,8 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
         raise DriverError(f"CONFIG={d.config}: {config_file} changed while the run was planned; plan again once it "
                           "is no longer being edited")
     log.config = PlanConfig(str(config_file.resolve()), str(plan_config), plan_text)
+    for t in trials:  # the trainer checks the copy it loads against the plan (trainer.check_plan_config)
+        t.env[artifacts.PLAN_CONFIG_SHA256_ENV] = log.config.sha256
     log.settings.append(f"# config: {plan_config}, the copy of {config_file.resolve()} every trial loads "
                         f"(sha256 {log.config.sha256})")
     return trials, run_root, first_cfg
