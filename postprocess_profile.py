@@ -40,7 +40,9 @@ verdict is named and does not fail), after the report is written; --fail-on with
 from __future__ import annotations
 
 import argparse
+import csv
 import errno
+import glob
 import os
 import sys
 import tempfile
@@ -51,10 +53,11 @@ from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regre
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
-from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, TRAINER_LOG, TRIALS_TSV, compare_report_name, keep_previous,
-                               read_trials_tsv)
+from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, SUMMARY_TSV, TRAINER_LOG, TRIALS_TSV,
+                               compare_report_name, keep_previous, read_trials_tsv)
 from sftprof.atomic import WriteError, atomic_path, put_text
 from sftprof.cli import run_main
+from sftprof.launch.report import CONFIG_CHANGED
 
 
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, quota or file-size limit: exit 1
@@ -139,11 +142,16 @@ def _compare(argv: list[str]) -> int:
 
 
 def _trial_log_dirs(log_dir: str) -> list[str]:
-    """The folders under ``log_dir`` that are trial log dirs (they hold stats.jsonl) when ``log_dir`` itself is not
-    one: the experiment folder FILEROOT/logs/<user>/<experiment> given for a trial's log dir."""
+    """The trial log dirs (they hold stats.jsonl) under ``log_dir``, relative to it, when ``log_dir`` itself is not
+    one: the nearest level that has any, for FILEROOT, FILEROOT/logs, FILEROOT/logs/<user> or the experiment folder
+    FILEROOT/logs/<user>/<experiment> given for a trial's log dir."""
     if not os.path.isdir(log_dir) or os.path.exists(os.path.join(log_dir, STATS)):
         return []
-    return sorted(d for d in os.listdir(log_dir) if os.path.isfile(os.path.join(log_dir, d, STATS)))
+    for depth in range(1, 5):  # FILEROOT/logs/<user>/<experiment>/<trial>: four levels below FILEROOT
+        found = glob.glob(os.path.join(glob.escape(log_dir), *["*"] * depth, STATS))
+        if found:
+            return sorted(os.path.relpath(os.path.dirname(f), log_dir) for f in found)
+    return []
 
 
 def _run_root(run_root: str, compress: bool) -> int:
@@ -158,6 +166,11 @@ def _run_root(run_root: str, compress: bool) -> int:
     except (OSError, ValueError) as exc:
         print(f"postprocess_profile.py: error: {exc}", file=sys.stderr)
         return 2
+    try:  # the driver's status of each trial it reached (a run stopped early has fewer rows)
+        with open(os.path.join(run_root, SUMMARY_TSV), encoding="utf-8") as f:
+            statuses = {row["trial"]: row["status"] for row in csv.DictReader(f, delimiter="\t")}
+    except (OSError, KeyError, csv.Error):
+        statuses = {}
     status = 0
     for n, (name, kind, step, recorded_run_dir, log_dir) in enumerate(trials, start=1):
         run_dir, recorded_root = os.path.join(run_root, name), os.path.dirname(recorded_run_dir)
@@ -167,6 +180,10 @@ def _run_root(run_root: str, compress: bool) -> int:
         if not os.path.isfile(os.path.join(run_dir, LAUNCHER_LOG)):  # a trial the driver did not start
             print(f"[postprocess] [{n}/{len(trials)}] {name}: not run (no {LAUNCHER_LOG}), nothing to postprocess",
                   file=sys.stderr)
+            continue
+        if statuses.get(name) == CONFIG_CHANGED:  # refused before torchrun: its launcher.log holds the reason
+            print(f"[postprocess] [{n}/{len(trials)}] {name}: not run ({CONFIG_CHANGED}: see its {LAUNCHER_LOG}), "
+                  "nothing to postprocess", file=sys.stderr)
             continue
         print(f"[postprocess] [{n}/{len(trials)}] {name} (kind={kind} step={step})", file=sys.stderr)
         argv = ["--log-dir", log_dir, "--run-dir", run_dir, "--profile-kind", kind, "--profile-step", str(step)]

@@ -1082,7 +1082,31 @@ def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(
     assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
         f"postprocess_profile.py: error: --log-dir {root} is a RUN_ROOT (it holds trials.tsv), not a trial's log dir: "
         "pass it alone as --run-dir to postprocess every trial it lists")
+    for above in (tmp_path / "fileroot", tmp_path / "fileroot" / "logs"):  # FILEROOT, or a folder of it, as --log-dir
+        res = _cli("--log-dir", above, "--run-dir", root / "t0")
+        trials = ", ".join(str((logs / t).relative_to(above)) for t in ("t0", "t1"))
+        assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+            f"postprocess_profile.py: error: --log-dir {above} holds the log dirs of 2 trials ({trials}), not one: "
+            "pass one of them with its trial's --run-dir, or pass the RUN_ROOT alone as --run-dir to postprocess every "
+            "trial")
     assert sorted(p.name for p in root.rglob("*")) == ["t0", "trials.tsv"]
+
+
+def test_a_trial_the_driver_refused_for_a_changed_config_is_not_postprocessed(tmp_path):
+    """``--run-dir RUN_ROOT`` skips a trial whose summary.tsv status is ``config changed`` (refused before torchrun;
+    its launcher.log holds the reason), as the driver reported it, rather than summarising it as failed."""
+    from sftprof.launch.trials import SUMMARY_HEADER
+
+    root = tmp_path / "run"
+    (root / "t0").mkdir(parents=True)
+    (root / "t0" / "launcher.log").write_text("sftprof: the plan's config changed since the plan\n")
+    (root / "trials.tsv").write_text(f"t0\tkernel\t0\t{root / 't0'}\t{tmp_path / 'log'}\t{root / 't0' / 'a.txt'}\n")
+    row = dict.fromkeys(SUMMARY_HEADER, "-") | {"trial": "t0", "status": "config changed"}
+    (root / "summary.tsv").write_text("\t".join(SUMMARY_HEADER) + "\n" + "\t".join(row.values()) + "\n")
+    res = _cli("--run-dir", root)
+    assert res.returncode == 0 and res.stderr.splitlines() == [
+        "[postprocess] [1/1] t0: not run (config changed: see its launcher.log), nothing to postprocess"]
+    assert not (root / "t0" / "profile_summary.json").exists()
 
 
 def test_a_copied_run_root_is_postprocessed_from_its_own_files(tmp_path):
