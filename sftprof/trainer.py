@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from sftprof import artifacts
+from sftprof import artifacts, simulated_comm
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.projection import assumed
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
@@ -192,7 +192,8 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
     one-rank rendezvous on a free localhost port (single process: benchmarks, GPU tests). With ``simulate =
     (rank, world_size)`` this one process is that rank of that world on torch's fake process group (the backend
     of Megatron-LM's ``--fake-process-group``): every collective returns at once, its output allocated at its real
-    size and filled as if every peer held this rank's input (all-gather, all-to-all) or not reduced (all-reduce).
+    size and filled as if every peer held this rank's data (:mod:`sftprof.simulated_comm`: receives, all-gathers,
+    all-to-alls) or not reduced (all-reduce, reduce-scatter).
 
     Returns:
         ``(rank, device)``.
@@ -208,6 +209,7 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("fake", store=FakeStore(), rank=simulate[0], world_size=simulate[1])
+        simulated_comm.install()
         return simulate[0], device
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
