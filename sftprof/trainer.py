@@ -49,7 +49,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts, simulated_comm
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.projection import assumed
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
@@ -66,6 +65,7 @@ from sftprof.capture.regions import STEP, region
 from sftprof.models.hf import check_weights_present, load_hf_config
 from sftprof.models.megatron_config import check_model_settings
 from sftprof.progress import RankProgress, StepProgress, duration_text
+from sftprof.simulation import assumed
 from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
