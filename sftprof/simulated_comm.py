@@ -91,9 +91,14 @@ def _copy_unless_same(out: torch.Tensor, src: torch.Tensor) -> None:
         out.copy_(src)
 
 
+def _take(table: dict[tuple, weakref.ref], t: torch.Tensor) -> torch.Tensor | None:
+    """The live tensor ``table`` holds for ``t``'s shape, dtype and device (removed from it), or None."""
+    ref = table.pop(_key(t), None)
+    return ref() if ref is not None else None
+
+
 def _on_send(t: torch.Tensor) -> None:
-    waiting = _unfilled.pop(_key(t), None)
-    recv = waiting() if waiting is not None else None
+    recv = _take(_unfilled, t)
     if recv is not None:
         recv.copy_(t)
     else:
@@ -101,10 +106,9 @@ def _on_send(t: torch.Tensor) -> None:
 
 
 def _on_recv(t: torch.Tensor) -> None:
-    sent = _unreceived.pop(_key(t), None)
-    src = sent() if sent is not None else None
-    if src is not None:
-        t.copy_(src)
+    sent = _take(_unreceived, t)
+    if sent is not None:
+        t.copy_(sent)
     else:
         t.zero_()
         _unfilled[_key(t)] = weakref.ref(t)
