@@ -1,9 +1,12 @@
 """A simulated rank's collectives on torch's fake process group (sftprof.simulated_comm), on CPU tensors: every
-receive and output is filled by the stated rule, NaN-initialised buffers come back finite.
-Each case runs in a fresh process (one default process group per process)."""
+receive and output is filled by the stated rule, NaN-initialised buffers come back finite; on CUDA (gpu marker) the
+fills are ordered before a stream that waits on the op's work. Each case runs in a fresh process (one default process
+group per process)."""
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SETUP = """
 import math, torch, torch.distributed as dist
@@ -90,3 +93,27 @@ def test_reduce_scatter_is_this_ranks_slice_and_all_gather_repeats():
     assert torch.equal(gathered, torch.tensor([5., 6.]).repeat(4))
     """)
 
+
+
+@pytest.mark.gpu
+def test_cuda_fills_are_ordered_before_the_waiting_stream():
+    """On CUDA the fill runs on the calling stream; ``wait()`` of the op's work, on another stream (TE's CP ring waits
+    on the stream that computes the next step), orders that stream after it, as NCCL's work does."""
+    _run("""
+    kv = torch.randn(4096, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    got = torch.full_like(kv, math.nan)
+    reqs = [dist.isend(kv, 2), dist.irecv(got, 0)]
+    with torch.cuda.stream(side):
+        [r.wait() for r in reqs]
+        seen = got.clone()
+    out = torch.full((8192, 1024), math.nan, device="cuda")
+    work = dist.all_to_all_single(out, kv, output_split_sizes=[2048] * 4, input_split_sizes=[1024] * 4,
+                                  async_op=True)
+    with torch.cuda.stream(side):
+        work.wait()
+        seen_a2a = out.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen, kv)
+    assert torch.equal(seen_a2a, kv[1024:2048].repeat(8, 1))
+    """)
