@@ -62,6 +62,7 @@ from sftprof.launch.report import CONFIG_CHANGED
 
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, quota or file-size limit: exit 1
 REGRESSION_STATUS = 3  # compare --fail-on: B is worse than A on a chosen metric
+NOT_JUDGED_STATUS = 4  # compare --fail-on: no regression, but a chosen metric had no verdict (no or too few samples)
 
 
 def _same_text(path: str, text: str) -> bool:
@@ -91,7 +92,8 @@ def _compare(argv: list[str]) -> int:
     p.add_argument("--fail-on", metavar="METRICS",
                    help=f"a gate for CI: exit status {REGRESSION_STATUS} when B is worse than A on one of these "
                         f"metrics (comma-separated: {', '.join(GATE_METRICS)}): step time slower by the rank test's "
-                        "95 %% interval, a peak higher (exact for memory)")
+                        "95 %% interval, a peak higher (exact for memory); exit status "
+                        f"{NOT_JUDGED_STATUS} when none is worse but one has no verdict (no or too few samples)")
     args = p.parse_args(argv)
     try:
         metrics = parse_metrics(args.fail_on) if args.fail_on is not None else []
@@ -137,6 +139,11 @@ def _compare(argv: list[str]) -> int:
         print(f"[postprocess] REGRESSION {line}", file=sys.stderr)
     if worse:
         return REGRESSION_STATUS
+    if unjudged:
+        print(f"[postprocess] ERROR: --fail-on {','.join(metrics)}: no regression found, but the gate could not judge "
+              f"{len(unjudged)} of its metrics: give them samples (TOTAL_STEPS, PROFILE_STEPS, memory trials) or "
+              "leave them out of --fail-on", file=sys.stderr)
+        return NOT_JUDGED_STATUS
     print(f"[postprocess] --fail-on {','.join(metrics)}: no regression", file=sys.stderr)
     return 0
 

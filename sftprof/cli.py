@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, TextIO
 
-__all__ = ["run_main", "PipeSafeStreamHandler", "BROKEN_PIPE_STATUS"]
+__all__ = ["run_main", "PipeSafeStreamHandler", "BROKEN_PIPE_STATUS", "to_devnull"]
 
 BROKEN_PIPE_STATUS = 141  # 128 + SIGPIPE (13): what a shell reports for a command stopped by a closed pipe
 
@@ -35,7 +35,7 @@ def run_main(main: Callable[[], Optional[int]]) -> NoReturn:
         code = main()
         sys.stdout.flush()  # a pipe closed after main's last print breaks here, inside the try, not at exit
     except BrokenPipeError:
-        _to_devnull(sys.stdout, sys.stderr)  # the interpreter flushes both at exit: neither may raise again
+        to_devnull(sys.stdout, sys.stderr)  # the interpreter flushes both at exit: neither may raise again
         code = BROKEN_PIPE_STATUS
     sys.exit(code)
 
@@ -47,12 +47,12 @@ class PipeSafeStreamHandler(logging.StreamHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
         if isinstance(sys.exc_info()[1], BrokenPipeError):
-            _to_devnull(self.stream)
+            to_devnull(self.stream)
             return
         super().handleError(record)
 
 
-def _to_devnull(*streams: TextIO) -> None:
+def to_devnull(*streams: TextIO) -> None:
     """Point the file descriptors of ``streams`` at ``/dev/null``: what is still buffered or written later goes
     nowhere, without an error."""
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -11,7 +11,8 @@ inside an installed package shows later, where it happens). The tested ranges ar
 file beside this package, else from the installed sftprof's metadata; compared with ``packaging``, which
 transformers requires). megatron-core's version is read from the ``package_info.py`` that ``import megatron.core``
 would run (what ``megatron.core.__version__`` comes from; also right for a source checkout on ``PYTHONPATH``,
-which has no installed metadata), without importing it; :mod:`sftprof.compat` keys its megatron-core differences
+which has no installed metadata), without importing it, and transformers' from the ``__version__`` of the
+``__init__.py`` its import would run; :mod:`sftprof.compat` keys its megatron-core differences
 on the same reading.
 """
 import os
@@ -60,15 +61,16 @@ def megatron_core_version():
     return tuple(int(m.group(1)) for m in found)
 
 
-def megatron_core_problem():
+def megatron_core_problem(parsed=None):
     """None when the megatron-core found is inside pyproject.toml's range (or is not found: that is
     :func:`problem`'s missing module; or no range can be read), else one line naming the installed and the supported
-    versions."""
+    versions. ``parsed``: :func:`_parsed_requirements`' list when already read."""
     try:
         version = megatron_core_version()
     except ValueError as err:
         return str(err)
-    found = [(req, text) for req, text in _parsed_requirements() if req.name == MEGATRON_CORE]
+    parsed = _parsed_requirements() if parsed is None else parsed
+    found = [(req, text) for req, text in parsed if req.name == MEGATRON_CORE]
     if version is None or not found or found[0][0].specifier.contains(_dotted(version), prereleases=True):
         return None
     wanted = found[0][1]
@@ -91,10 +93,11 @@ def problem():
             missing.append(name)
     if missing:
         return "cannot import %s (sftprof's requirements: pip install -e <the sftprof repository>)" % ", ".join(missing)
-    untested = megatron_core_problem()
+    parsed = _parsed_requirements()  # pyproject.toml, read once
+    untested = megatron_core_problem(parsed)
     if untested:
         return untested
-    untested = untested_versions()
+    untested = untested_versions(parsed)
     if untested:
         return ("untested versions: %s (the tested ranges are pyproject.toml's; `pip install -e <the sftprof "
                 "repository> -c constraints.txt` installs the tested set)" % "; ".join(untested))
@@ -141,10 +144,37 @@ def _parsed_requirements():
     return out
 
 
-def untested_versions():
+# Distribution -> the module whose __init__.py sets its __version__: the version checked is the one the import finds,
+# so a source copy on PYTHONPATH (no metadata, or shadowing an installed distribution of another version) is caught.
+IMPORTED_VERSIONS = {"transformers": "transformers"}
+
+
+def imported_version(module):
+    """The literal ``__version__ = "..."`` of the ``__init__.py`` that ``import module`` would run (not imported), or
+    None when the module is not found or sets no literal version."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    try:
+        with open(spec.origin) as f:
+            text = f.read()
+    except (IOError, OSError):
+        return None
+    found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.M)
+    return found.group(1) if found else None
+
+
+def untested_versions(parsed=None):
     """``["NAME VERSION is not in SPECIFIER", ...]``: each installed distribution of :func:`requirements` whose version
-    is outside its range (pre-releases compared like releases); a distribution that is not installed is not checked
-    here (its module is, above), nor megatron-core (:func:`megatron_core_problem` reads the version the import uses)."""
+    is outside its range (pre-releases compared like releases): the version the import finds for
+    :data:`IMPORTED_VERSIONS`, else the installed metadata's; a distribution that is not installed is not checked
+    here (its module is, above), nor megatron-core (:func:`megatron_core_problem` reads the version the import uses).
+    ``parsed``: :func:`_parsed_requirements`' list when already read."""
     try:
         from importlib import metadata
 
@@ -152,13 +182,15 @@ def untested_versions():
     except ImportError:
         return []
     out = []
-    for req, _ in _parsed_requirements():
+    for req, _ in _parsed_requirements() if parsed is None else parsed:
         if not req.specifier or req.name == MEGATRON_CORE:
             continue
-        try:
-            version = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            continue
+        version = imported_version(IMPORTED_VERSIONS[req.name]) if req.name in IMPORTED_VERSIONS else None
+        if version is None:
+            try:
+                version = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                continue
         try:
             inside = req.specifier.contains(version, prereleases=True)
         except InvalidVersion:

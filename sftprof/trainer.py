@@ -47,9 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from sftprof import artifacts
+from sftprof import artifacts, simulated_comm
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.projection import assumed
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
@@ -66,6 +65,7 @@ from sftprof.capture.regions import STEP, region
 from sftprof.models.hf import check_weights_present, load_hf_config
 from sftprof.models.megatron_config import check_model_settings
 from sftprof.progress import RankProgress, StepProgress, duration_text
+from sftprof.simulation import assumed
 from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
@@ -192,7 +192,8 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
     one-rank rendezvous on a free localhost port (single process: benchmarks, GPU tests). With ``simulate =
     (rank, world_size)`` this one process is that rank of that world on torch's fake process group (the backend
     of Megatron-LM's ``--fake-process-group``): every collective returns at once, its output allocated at its real
-    size and filled as if every peer held this rank's input (all-gather, all-to-all) or not reduced (all-reduce).
+    size and filled as if every peer held this rank's data (:mod:`sftprof.simulated_comm`: receives, all-gathers,
+    all-to-alls) or not reduced (all-reduce, reduce-scatter).
 
     Returns:
         ``(rank, device)``.
@@ -208,6 +209,7 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("fake", store=FakeStore(), rank=simulate[0], world_size=simulate[1])
+        simulated_comm.install()
         return simulate[0], device
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)

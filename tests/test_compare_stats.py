@@ -222,7 +222,8 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
     settings under a load of 5-9 (B; tests/fixtures/README.md): B's 7 steps are slower by the rank test, exit status 3
     naming the row; the other way round, faster, status 0. GPU: the Qwen3.5 slice without (A) and with (B) TE's
     CUTLASS grouped GEMM (one H200): B's peak allocated is 0.750 GB higher, exactly: status 3 on ``peak_allocated``;
-    its step time has no sample (no step after the profiled one), which is said and does not fail."""
+    its step time has no sample (no step after the profiled one), which is said; a gate on a metric with no sample
+    and no regression is exit status 4."""
     for name in ("cpu_quickstart", "cpu_quickstart_loaded"):
         for log in sorted((ROOT / "tests" / "fixtures" / name / "A").iterdir()):
             step = int(log.name.split("_step")[1].split("_")[0])
@@ -233,12 +234,17 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
     assert res.returncode == 3, res.stderr
     (line,) = [x for x in res.stderr.splitlines() if "REGRESSION" in x]
     assert line.startswith("[postprocess] REGRESSION step_time: Step time, step time s (slowest rank): slower, Δ +")
-    res = _compare_cli(loaded, idle, tmp_path / "faster.md", "--fail-on", "step_time,peak_allocated")
-    assert res.returncode == 0 and res.stderr.splitlines()[-2:] == [
+    res = _compare_cli(loaded, idle, tmp_path / "faster.md", "--fail-on", "step_time")
+    assert res.returncode == 0 and res.stderr.splitlines()[-1] == "[postprocess] --fail-on step_time: no regression"
+    # a chosen metric with 0 samples (no memory figure on CPU) does not let the gate pass: exit status 4
+    res = _compare_cli(loaded, idle, tmp_path / "faster2.md", "--fail-on", "step_time,peak_allocated")
+    assert res.returncode == 4 and res.stderr.splitlines()[-2:] == [
         "[postprocess] --fail-on peak_allocated: not judged (peak allocated GB (stats.jsonl, profiled step, max over "
         "ranks: A –, B –): no figure, samples 0/0; peak allocated GB (stats.jsonl, profiled step, max over ranks: A –, "
-        "B –): no figure, samples 0/0), not counted as a regression",
-        "[postprocess] --fail-on step_time,peak_allocated: no regression"]
+        "B –): no figure, samples 0/0)",
+        "[postprocess] ERROR: --fail-on step_time,peak_allocated: no regression found, but the gate could not judge 1 "
+        "of its metrics: give them samples (TOTAL_STEPS, PROFILE_STEPS, memory trials) or leave them out of "
+        "--fail-on"]
     fixture = ROOT / "tests" / "fixtures" / "h200_te_qwen3_5_cutlass"
     for side, name in (("A", "te"), ("B", "te_cutlass")):
         (tmp_path / "gpu" / side).mkdir(parents=True)
@@ -246,8 +252,7 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
     res = _compare_cli(tmp_path / "gpu" / "A", tmp_path / "gpu" / "B", tmp_path / "gpu.md", "--fail-on",
                        "step_time,peak_allocated")
     assert res.returncode == 3 and res.stderr.splitlines()[1:] == [
-        "[postprocess] --fail-on step_time: not judged (step time s (slowest rank): no figure, samples 0/0), not "
-        "counted as a regression",
+        "[postprocess] --fail-on step_time: not judged (step time s (slowest rank): no figure, samples 0/0)",
         "[postprocess] REGRESSION peak_allocated: kernel step 2, peak allocated GB (stats.jsonl, profiled step, max "
         "over ranks: A r0 only, B r0 only): higher (exact), Δ +0.750 (+1.0%), 95 % CI exact, samples 1/1"]
     res = _compare_cli(tmp_path / "gpu" / "B", tmp_path / "gpu" / "A", tmp_path / "gpu2.md", "--fail-on",

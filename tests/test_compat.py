@@ -65,6 +65,31 @@ def test_unreadable_megatron_core_version_is_named(tmp_path):
     assert lines == [problem, f"ConfigError: actor.backend=megatron: {problem}"]
 
 
+
+@pytest.mark.parametrize("version, problem", [
+    ("4.40.0", "untested versions: transformers 4.40.0 is not in <6,>=5.17 (the tested ranges are pyproject.toml's; "
+               "`pip install -e <the sftprof repository> -c constraints.txt` installs the tested set)"),
+    ("5.25.0", "ok")])
+def test_source_copy_of_transformers_is_checked_at_the_version_it_imports(tmp_path, version, problem):
+    """A ``transformers/`` directory on PYTHONPATH (no dist-info; the installed metadata says another version): the
+    pre-flight checks the ``__version__`` the import would take, not the installed distribution's."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text(f'__version__ = "{version}"\nraise ImportError("no")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "sftprof.pycheck"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, problem), out.stderr
+
+
+def test_pycheck_reads_pyproject_once(monkeypatch):
+    from sftprof import pycheck
+
+    reads = []
+    real = pycheck.requirements
+    monkeypatch.setattr(pycheck, "requirements", lambda: reads.append(1) or real())
+    assert pycheck.problem() is None
+    assert len(reads) == 1
+
 def test_installed_megatron_core_is_read_as_imported():
     import megatron.core
 

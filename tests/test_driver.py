@@ -737,7 +737,8 @@ def test_report_on_a_folder_without_the_plan_exits_2_in_one_line(tmp_path):
 
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
                    to_group: bool, timeout: float, driver_ignores: bool = False, sig: int = signal.SIGINT,
-                   while_postprocessing: bool = False, to_postprocessing: bool = False) -> None:
+                   while_postprocessing: bool = False, to_postprocessing: bool = False,
+                   close_stdout: bool = False) -> None:
     """Start the driver in its own session, wait for ``started`` (a glob under the first trial's log dir) to exist,
     send ``sig`` (SIGINT) to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check
     that the run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit
@@ -746,7 +747,9 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     with ``&`` from a script), so only its children see it. ``while_postprocessing``: the first trial trains its
     step and the signal comes while it is postprocessed (PYTHON is a wrapper that, for postprocess_profile.py, writes
     its process id to ``postprocess_started`` in the trial's log dir and sleeps instead; pass that as ``started``);
-    ``to_postprocessing``: the signal goes to that process alone, not to the driver (a ``kill`` of it)."""
+    ``to_postprocessing``: the signal goes to that process alone, not to the driver (a ``kill`` of it).
+    ``close_stdout``: no signal is sent; the reader of the driver's standard output closes it (``| head``), so its
+    next line gets SIGPIPE (``sig``) and, the console gone, the end table is in no output."""
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG")}
     env.update({"FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"), "STOP_ON_FAILURE": "0",
                 "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
@@ -772,7 +775,10 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
         assert seen is not None, f"no {started} of trial {names[0]} after 600 s"
-        if to_postprocessing:
+        if close_stdout:
+            proc.stdout.close()
+            proc.stdout = None
+        elif to_postprocessing:
             time.sleep(0.2)  # the process id written in full
             os.kill(int(seen.read_text()), sig)
         elif to_group:
@@ -780,6 +786,7 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
         else:
             proc.send_signal(sig)
         out, err = proc.communicate(timeout=timeout)
+        out = out or ""
     finally:  # a driver that did not stop: nothing of the run may outlive the test (torchrun, trainer: same group)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -802,8 +809,9 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
         [names[0], "kernel", "0", "interrupted", str(128 + sig) if while_postprocessing else "-"],
         [names[1], "kernel", "1", "not run", "-"]]
     assert (rows[0][4] == "0") == while_postprocessing and rows[1][4] == rows[1][6] == "-"
-    table = out[out.index("trial          status"):].splitlines()
-    assert table[1].startswith("kernel step 0  interrupted  ") and table[2].startswith("kernel step 1  not run      ")
+    if not close_stdout:
+        table = out[out.index("trial          status"):].splitlines()
+        assert table[1].startswith("kernel step 0  interrupted  ") and table[2].startswith("kernel step 1  not run  ")
     assert not list((tmp_path / "fileroot").glob(f"logs/*/*/{names[1]}"))   # the second trial never started
     for line in ("sftprof: [2/2]", "FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/2] done in"):
         assert line not in out + err, line
@@ -845,6 +853,16 @@ def test_interrupt_stops_the_whole_run(tmp_path, to_group, driver_ignores):
     _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128"}, ["actor.backend=fsdp:d1"],
                    ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
                    "trainer.log", to_group, timeout=120, driver_ignores=driver_ignores)
+
+
+@pytest.mark.parametrize("sig,close_stdout", [(signal.SIGHUP, False), (signal.SIGPIPE, True)], ids=["sighup", "pipe"])
+def test_hangup_or_closed_pipe_stops_the_whole_run(tmp_path, sig, close_stdout):
+    """A SIGHUP (its terminal closed) or the reader of its output gone (``| head``: SIGPIPE at its next line) used to
+    end the driver and leave torchrun and its workers running: both stop the run as SIGTERM does (torchrun's group
+    stopped, the trial interrupted, the rest not run, the summary written), exit 129 or 141."""
+    _interrupt_run(tmp_path, {"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128"}, ["actor.backend=fsdp:d1"],
+                   ["tiny_qwen3_moe_fake128_kernel_step0_s", "tiny_qwen3_moe_fake128_kernel_step1_s"],
+                   "trainer.log", to_group=False, timeout=120, sig=sig, close_stdout=close_stdout)
 
 
 @pytest.mark.parametrize("sig,stop_on_failure,to_postprocessing", [

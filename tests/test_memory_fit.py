@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from sftprof.allocation import parse_allocation_mode
+from sftprof import compat
 from sftprof.analysis import memory_fit
 from sftprof.analysis.memory_estimate import params_per_rank, predict_peak
-from sftprof.config import load_config
+from sftprof.config import ConfigError, load_config
 from sftprof.launch import planning
 from sftprof.launch.variables import DriverError
 from sftprof.models.hf import load_hf_config
@@ -107,7 +108,24 @@ def _env(tmp_path, **extra):
 ARGS = ["actor.backend=megatron:d1", "actor.num_layers=4"]
 
 
-def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path):
+def _megatron_core(monkeypatch, version):
+    """The installed megatron-core as the fit check reads it: ``version``, or none (``None``)."""
+    def installed():
+        if version is None:
+            raise ConfigError("actor.backend=megatron: megatron-core is not installed")
+        return version
+    monkeypatch.setattr(compat, "megatron_core_version", installed)
+
+
+@pytest.mark.parametrize("version, gib", [((0, 16, 1), 7.76), ((0, 17, 0), 8.85), ((0, 19, 2), 8.85), (None, 7.76)])
+def test_outside_pytorch_by_megatron_core_version(monkeypatch, version, gib):
+    """bench/NOTES.md: 7.76 GiB outside PyTorch with megatron-core 0.16.1, 8.85 with 0.19.2 (0.17, 0.18 take it)."""
+    _megatron_core(monkeypatch, version)
+    assert memory_fit.outside_pytorch_gib() == gib
+
+
+def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path, monkeypatch):
+    _megatron_core(monkeypatch, (0, 16, 1))
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path), ARGS, gpus=1)
     text = str(err.value)
@@ -122,7 +140,8 @@ def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_goes_on_with_the_advice_or_when_told(tmp_path):
+def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
+    _megatron_core(monkeypatch, (0, 16, 1))
     _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert [w for w in info["warnings"] if w.startswith("fit check: rank 0 needs 77.94 of 79.19 GiB")]
@@ -131,6 +150,11 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path):
     assert info["warnings"][-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 127.45")
     _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="139.81", PROFILE_STAMP="r"), ARGS, gpus=1)
     assert [n for n in info["notices"] if n.startswith("fit check: rank 0 needs 127.45 of 139.81 GiB")]
+    # megatron-core 0.19.2: 8.85 GiB outside PyTorch, 1.09 GiB more than 0.16.1's
+    _megatron_core(monkeypatch, (0, 19, 2))
+    _, _, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
+                                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert [w for w in info["warnings"] if w.startswith("fit check: rank 0 needs 79.03 of 79.19 GiB")]
     with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):

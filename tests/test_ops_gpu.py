@@ -77,6 +77,37 @@ def test_logprobs_take_all_rows_in_one_launch_cuda():
     assert torch.equal(grads[0][0], grads[128][0]) and torch.equal(grads[0][1], grads[128][1])
 
 
+
+def test_autotuning_in_place_kernels_clones_a_bounded_copy():
+    """A cold autotuner key on a chunk of more than ``_TUNE_ROWS`` rows: the in-place kernels tune on a copy of its
+    first rows, so the peak adds far less than the chunk (``restore_value`` cloned the whole chunk: 37 GiB at
+    131072 x 151936 bf16; bench/NOTES.md), and the tuned call writes what a call with the cached choice writes."""
+    from sftprof.ops import triton_kernels
+    from sftprof.ops.vocab_softmax import SHIFT_MARGIN, shift_offset
+
+    n, v = 32768, 50021  # a width no other test tunes: a cold key; the chunk is 3.28 GB of bf16
+    g = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    lse = logits.float().logsumexp(-1)
+    coef = torch.rand(3, n, device="cuda", generator=g)
+    weights = torch.rand(n, device="cuda", generator=g)
+    calls = {"softmax_grad_": lambda x: triton_kernels.softmax_grad_(x, labels, lse, coef, 1.0),
+             "sft_shifted_exp_": lambda x: triton_kernels.sft_shifted_exp_(x, labels, weights, 1.0, SHIFT_MARGIN,
+                                                                           shift_offset(v))}
+    chunk = logits.numel() * logits.element_size()
+    for name, call in calls.items():
+        tuned = logits.clone()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        call(tuned)
+        # the copy and its clone (2 x 2048 rows: 0.41 GB) and do_bench's 256 MB flush buffer, not the chunk
+        assert torch.cuda.max_memory_allocated() - before < chunk / 2, name
+        cached = logits.clone()
+        call(cached)
+        assert torch.equal(tuned, cached), name
+
 def _reference_rows(logits_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     """fp64 log-probs and d(sum -w*logprob)/dlogits for a few rows."""
     z = logits_rows.double()

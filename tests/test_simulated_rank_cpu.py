@@ -48,6 +48,7 @@ def test_simulated_rank_runs_alone_and_says_so(run):
     assert [r["rank"] for r in steps[1]["ranks"]] == [5]
     # The loss: this rank's sum over the global loss tokens; its one sequence of the 8 is 1/8 of a loss near ln(V).
     assert 0.9 < steps[1]["loss"] * 8 / 11.93 < 1.1
+    assert steps[1]["grad_norm"] is not None and steps[1]["grad_norm"] > 0  # None: not finite
     sim = summary["simulation"]
     assert (sim["rank"], sim["world_size"], sim["projection_error"]) == (5, 8, None)
     md = (run_dir / "profile_summary.md").read_text().splitlines()

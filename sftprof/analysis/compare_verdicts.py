@@ -138,7 +138,8 @@ def _is_metric_row(metric: str, name: str) -> bool:
 
 def regressions(rows: list[Row], metrics: list[str]) -> tuple[list[str], list[str]]:
     """``(regressions, not judged)``: a line per row of a chosen metric whose verdict is worse (B slower, or its
-    peak higher), and a line per chosen metric that no row judged (no row, or none with a verdict)."""
+    peak higher), and a line per chosen metric that no row judged (no row, or none with a verdict: no or too few
+    samples), which ``compare --fail-on`` does not let pass."""
     worse, unjudged = [], []
     for metric in metrics:
         mine = [r for r in rows if _is_metric_row(metric, r.name)]
@@ -149,5 +150,5 @@ def regressions(rows: list[Row], metrics: list[str]) -> tuple[list[str], list[st
         if not any(r.verdict in _BETTER_OR_WORSE + (stats.NO_DIFFERENCE, "equal (exact)") for r in mine):
             why = "; ".join(f"{r.name}: {r.verdict if r.verdict != '–' else 'no figure'}, samples {r.cells[5]}"
                             for r in mine) or "no row of it in the report"
-            unjudged.append(f"{metric}: not judged ({why}), not counted as a regression")
+            unjudged.append(f"{metric}: not judged ({why})")
     return worse, unjudged

@@ -7,9 +7,8 @@ A rank needs, at its step's peak (:func:`sftprof.analysis.memory_estimate.predic
   none (0.29 GiB measured on the H100 80 GB slice); without, the largest block the step allocates (the logits,
   else the MoE's dispatched tokens ``T h b``): a block freed and cached that a later request of another size cannot
   reuse. Measured slack at the peak against that block, 1x H200 (bench/NOTES.md, "The fit check"): 0.47-1.49x;
-- :data:`OUTSIDE_PYTORCH_GIB` held by the process outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton):
-  nvidia-smi's peak use less the peak reserved, 7.76 GiB in each of the five one-GPU trials of docs/examples and in
-  the H100's out-of-memory message; a larger layout's NCCL buffers are not in it.
+- what the process holds outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton), by the installed
+  megatron-core (:func:`outside_pytorch_gib`); a larger layout's NCCL buffers are not in it.
 
 :func:`check_fit` gives the worst rank (ranks of one pipeline stage predict alike) against ``capacity_bytes``;
 :func:`fitting_changes` the changes that fit, in the order of the smallest change first: expandable segments, the
@@ -23,11 +22,19 @@ import copy
 from typing import Any, Callable, Optional
 
 from sftprof.analysis.memory_estimate import chunked_lm_head, predict_peak
+from sftprof.compat import megatron_at_least
+from sftprof.config import ConfigError
 
-__all__ = ["OUTSIDE_PYTORCH_GIB", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
+__all__ = ["outside_pytorch_gib", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
            "with_expandable", "check_fit", "fitting_changes", "with_settings"]
 
-OUTSIDE_PYTORCH_GIB = 7.76
+# GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
+# TE 2.20.2 (bench/NOTES.md). megatron-core 0.16.1: 7.76 in each of the five one-GPU trials of docs/examples and in
+# the H100's out-of-memory message (7.69 in the 131072-token OOM); 0.19.2: 8.85 in that 131072-token run ("Twenty-
+# second session"). 0.17 and 0.18 were not measured: they take 0.19.2's figure, the larger.
+OUTSIDE_PYTORCH_GIB_MCORE_0_16 = 7.76
+OUTSIDE_PYTORCH_GIB_MCORE_0_19 = 8.85
+OUTSIDE_PYTORCH_LARGER_FROM = (0, 17, 0)
 # The prediction's error on the measured one-GPU runs: -2.6 % to +0.4 % of the peak (bench/NOTES.md, "The fit
 # check"); a headroom smaller than this share of the peak is called tight.
 TIGHT_SHARE = 0.03
@@ -56,6 +63,16 @@ def with_expandable(alloc_conf: Optional[str]) -> str:
     return ",".join(options + ["expandable_segments:True"])
 
 
+def outside_pytorch_gib() -> float:
+    """GiB a trial's process holds outside PyTorch's allocator with the installed megatron-core (module constants);
+    0.16.1's figure where megatron-core is not installed (an fsdp trial's environment)."""
+    try:
+        larger = megatron_at_least(OUTSIDE_PYTORCH_LARGER_FROM)
+    except ConfigError:
+        larger = False
+    return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
+
+
 def _largest_block(cfg: dict, hf, layout, seq_len: int) -> int:
     """Bytes of the largest block of the step: the logits (unchunked loss) or the MoE's dispatched tokens."""
     b = 4 if str(cfg["actor"].get("dtype")) == "float32" else 2
@@ -81,7 +98,7 @@ def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_co
             worst = (rank, pred)
     rank, pred = worst
     slack = 0 if expandable_segments(alloc_conf) else _largest_block(cfg, hf, layout, seq_len)
-    outside = int(OUTSIDE_PYTORCH_GIB * _GIB)
+    outside = int(outside_pytorch_gib() * _GIB)
     need = pred["peak_bytes"] + slack + outside
     return {"fits": need <= capacity_bytes, "tight": 0 <= capacity_bytes - need < TIGHT_SHARE * pred["peak_bytes"],
             "rank": rank, "need_bytes": need, "peak_bytes": pred["peak_bytes"],

@@ -33,6 +33,7 @@ from sftprof.analysis import inputs
 from sftprof.analysis.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
 from sftprof.models.hf import load_hf_config
+from sftprof.simulation import assumed
 
 __all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
            "simulation_summary",
@@ -149,18 +150,8 @@ def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_n
 
 
 NOT_RUN = ("collectives: torch's fake process group returned each at once, its output allocated at its real size and "
-           "filled as if every peer held this rank's input; all-reduces did not reduce")
-ROUTING_ASSUMED = {  # backend -> what the simulated rank's MoE routing is (one sentence, said on the summary's first line)
-    "megatron": "balanced routing (random router logits; every EP peer sends this rank's own token counts)",
-    "fsdp": "NOT balanced routing: FSDP2's all-gather hands back this rank's parameter shard N times, so the router's "
-            "rows repeat and its routing may collapse (the step table's expert max/mean says how far); expert times are "
-            "those of that routing",
-}
-
-
-def assumed(backend: str) -> str:
-    """What a simulated trial of ``backend`` (``megatron`` or ``fsdp``) assumed, for the summary's first line."""
-    return f"{ROUTING_ASSUMED[backend]}; loss and grad norm are this rank's alone"
+           "filled as if every peer held this rank's data (sftprof.simulated_comm); all-reduces and reduce-scatters "
+           "did not reduce")
 
 
 def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, have_te: Optional[bool] = None,

@@ -5,10 +5,10 @@ recompute setting that fits a GPU at the least recompute time.
   tokens (:func:`sftprof.analysis.memory_estimate.layer_sets`: predicted, not measured; the measured peaks it was
   calibrated on are in bench/NOTES.md, "The fit check").
 - :func:`plan_recompute`: every setting of megatron-core's recompute (``none``; ``selective`` with each non-empty set
-  of :data:`MODULE_PARTS`' modules; ``full`` ``uniform`` 1; ``full`` ``block`` 1 to L - 1 layers), each with its
-  predicted peak and need (:func:`sftprof.analysis.memory_fit.check_fit`) and its recompute time: the forward GPU
-  time of what it re-runs, from a kernel trial's time by model part and layer (``forward_ms``). The choice is the
-  setting that fits with the least recompute time (ties: the lower peak).
+  of :data:`sftprof.analysis.what_if.RECOMPUTE_MODULE_PARTS`' modules; ``full`` ``uniform`` 1; ``full`` ``block`` 1
+  to L - 1 layers), each with its predicted peak and need (:func:`sftprof.analysis.memory_fit.check_fit`) and its
+  recompute time: the forward GPU time of what it re-runs, from a kernel trial's time by model part and layer
+  (``forward_ms``). The choice is the setting that fits with the least recompute time (ties: the lower peak).
 - :func:`recompute_what_if`: the choice as a ``recompute_plan`` what-if of a kernel trial (GPU time per step: the
   choice's recompute time less the measured one), when it is not the trial's setting and changes the step by 1 % or
   more. The GPU's capacity is nvidia-smi's total less :data:`DRIVER_RESERVED_GIB`.
@@ -22,15 +22,12 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory_estimate import layer_sets
 from sftprof.analysis.memory_fit import check_fit, with_settings
 from sftprof.analysis.schema import processed_traces
-from sftprof.analysis.what_if import LABELS
+from sftprof.analysis.what_if import LABELS, RECOMPUTE_MODULE_PARTS, recompute_ms
 from sftprof.models.hf import ModelPathError, load_hf_config
 
-__all__ = ["MODULE_PARTS", "ledger", "plan_recompute", "recompute_what_if", "KEY", "DRIVER_RESERVED_GIB"]
+__all__ = ["ledger", "plan_recompute", "recompute_what_if", "KEY", "DRIVER_RESERVED_GIB"]
 
 KEY = "recompute_plan"
-# megatron-core recompute module -> the model parts (sftprof.capture.module_regions) whose forward it re-runs
-MODULE_PARTS = {"core_attn": ("attn_core",), "layernorm": ("norm",),
-                "moe": ("router", "dispatch_combine", "experts"), "shared_experts": ("shared_experts",)}
 # nvidia-smi's total less torch's capacity: 81559 MiB against 79.19 GiB (81090 MiB) on an H100 80 GB
 DRIVER_RESERVED_GIB = 0.46
 MIN_SHARE = 0.01
@@ -54,7 +51,8 @@ def _options(hf, layers: int) -> list[dict[str, Any]]:
     """Every recompute setting (module docstring) as config settings."""
     g = "actor.megatron.recompute_granularity"
     out = [{g: "none"}]
-    modules = [m for m in MODULE_PARTS if m != "shared_experts" or getattr(hf, "shared_expert_intermediate_size", 0)]
+    modules = [m for m in RECOMPUTE_MODULE_PARTS
+               if m != "shared_experts" or getattr(hf, "shared_expert_intermediate_size", 0)]
     for n in range(1, len(modules) + 1):
         for subset in itertools.combinations(modules, n):
             out.append({"actor.gradient_checkpointing": True, g: "selective",
@@ -73,7 +71,7 @@ def _recompute_ms(settings: dict, forward_ms: dict[tuple[int, str], float], firs
     if gran == "none":
         return 0.0
     if gran == "selective":
-        parts = {p for m in settings["actor.megatron.recompute_modules"] for p in MODULE_PARTS[m]}
+        parts = {p for m in settings["actor.megatron.recompute_modules"] for p in RECOMPUTE_MODULE_PARTS[m]}
         return sum(ms for (layer, part), ms in forward_ms.items() if part in parts)
     uniform = settings["actor.megatron.recompute_method"] == "uniform"
     n = layers if uniform else settings["actor.megatron.recompute_num_layers"]
@@ -136,7 +134,7 @@ def recompute_what_if(summary: dict, cfg: Optional[dict], alloc_conf: Optional[s
         choice, now = plan["choice"], _current(cfg)
         if choice is None or all(now.get(k) == v for k, v in choice["settings"].items() if k in now):
             continue
-        measured = sum(r["recompute_ms"] for r in parts.get("summed") or [])
+        measured = recompute_ms(parts)
         delta = choice["recompute_ms"] - measured
         if abs(delta) < MIN_SHARE * parts["total_ms"]:
             continue

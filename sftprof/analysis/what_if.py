@@ -237,18 +237,29 @@ def trial_what_if(summary: dict, cfg: Optional[dict]) -> tuple[list[WhatIf], lis
 
 
 # -- kernel trials ------------------------------------------------------------------------------------------------
+# megatron-core recompute module -> the model parts (sftprof.capture.module_regions) whose forward it re-runs
+# ("kernel:attention": the attention kernels of a trace without module ranges)
+RECOMPUTE_MODULE_PARTS = {"core_attn": ("attn_core", "kernel:attention"), "layernorm": ("norm",),
+                          "moe": ("router", "dispatch_combine", "experts"), "shared_experts": ("shared_experts",)}
+
+
+def recompute_ms(parts: dict, modules: Optional[list[str]] = None) -> float:
+    """A kernel trace's measured recompute GPU time per step, ms (its ``parts["summed"]`` rows): all of it, or what
+    the megatron-core recompute ``modules`` (:data:`RECOMPUTE_MODULE_PARTS`' keys) re-run."""
+    names = None if modules is None else {p for m in modules for p in RECOMPUTE_MODULE_PARTS[m]}
+    return sum(r["recompute_ms"] for r in parts.get("summed") or [] if names is None or r["part"] in names)
+
+
 def _selective_recompute(t: _Trial, rank: int, s: dict) -> None:
     parts = s.get("parts") or {}
-    rows = parts.get("summed") or []
-    rec = sum(r["recompute_ms"] for r in rows)
+    rec = recompute_ms(parts)
     if not rec or not t.megatron:  # fsdp: HF gradient checkpointing has no selective form here
         return
     settings = [t.setting("actor.megatron.recompute_granularity", "selective"),
                 t.setting("actor.megatron.recompute_modules", ["core_attn"])]
     if t.already_set("selective_recompute", rank, settings) or t.m.get("recompute_granularity") != "full":
         return
-    # the attention core: its model part, or (parts by kernel name, without module ranges) the attention kernels
-    core = sum(r["recompute_ms"] for r in rows if r["part"] in ("attn_core", "kernel:attention"))
+    core = recompute_ms(parts, ["core_attn"])
     t.propose("selective_recompute", rank, settings, "gpu_time", -(rec - core), parts.get("total_ms"),
               f"measured recompute {rec:.1f} ms minus the attention core's {core:.1f} ms",
               "the recomputed work is removed one for one; the activation memory that full recompute avoids comes "

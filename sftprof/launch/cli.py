@@ -7,7 +7,8 @@
 - ``usage [--markdown]``: the ``--help`` text, or the table of variables as Markdown (``docs/driver_variables.md``).
 - ``report RUN_ROOT``: the end table of a run again.
 
-Exit status: 0; 2 on bad input (nothing written or launched); 128 + the signal when SIGINT or SIGTERM stopped it;
+Exit status: 0; 2 on bad input (nothing written or launched); 128 + the signal when SIGINT, SIGTERM, SIGHUP or
+SIGPIPE stopped it;
 ``run``: else that of the last failing trial.
 """
 from __future__ import annotations
@@ -40,8 +41,8 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
              on_planned: Callable[[], None]) -> tuple[list[Trial], dict] | int:
     """Plan (:func:`sftprof.launch.planning.plan`) and write the plan into RUN_ROOT
     (:func:`sftprof.launch.folders.write_plan`) under the plan's signal handlers; returns ``(trials, info)``, or
-    the exit status when the plan stopped: 2 on bad input (the message printed), 128 + the signal on SIGINT or SIGTERM
-    (what the plan wrote removed, and said in one line). Once the plan is written, its notices are printed and
+    the exit status when the plan stopped: 2 on bad input (the message printed), 128 + the signal on one of
+    :data:`sftprof.launch.signals.SIGNALS` (what the plan wrote removed, and said in one line). Once the plan is written, its notices are printed and
     ``on_planned`` (the caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
     """
     created: list[Path] = []

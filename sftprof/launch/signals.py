@@ -1,4 +1,8 @@
-"""How the launcher takes SIGINT (Ctrl-C) and SIGTERM: both stop the whole run, in one of two ways.
+"""How the launcher takes SIGINT (Ctrl-C), SIGTERM, SIGHUP (its terminal closed) and SIGPIPE (the reader of its
+output went away: ``... | head``): each stops the whole run, in one of two ways. (A SIGHUP used to kill the
+launcher, and a closed pipe to end it in a ``BrokenPipeError``, leaving torchrun, in its own process group, and its
+workers running.) Output to a console that is gone (a closed pipe, a hung-up terminal) is dropped from then on
+(:func:`say`, the launcher's ``Console``); the trials' logs and the run's summary are written as after SIGTERM.
 
 - While it plans, a signal raises :class:`PlanInterrupted` wherever the plan is (:func:`plan_handlers`); the
   launcher removes what the plan wrote (:func:`sftprof.launch.folders.remove_plan`), says so in one line and exits
@@ -19,11 +23,13 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from sftprof.cli import to_devnull
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
 
 
 class PlanInterrupted(BaseException):
-    """SIGINT or SIGTERM arrived while the launcher planned (``signum``: the signal's number). A BaseException, as
+    """One of :data:`SIGNALS` arrived while the launcher planned (``signum``: its number). A BaseException, as
     KeyboardInterrupt, so that no ``except Exception`` of the plan takes it."""
 
     def __init__(self, signum: int):
@@ -33,7 +39,7 @@ class PlanInterrupted(BaseException):
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for the ``with`` block: one that arrives inside is delivered when the block ends, so
+    """Hold :data:`SIGNALS` for the ``with`` block: one that arrives inside is delivered when the block ends, so
     the block runs whole (what it creates is all made and recorded, or not begun)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
@@ -49,7 +55,7 @@ def _on_plan_signal(signum: int, frame) -> None:
 
 
 def plan_handlers() -> None:
-    """From now on a SIGINT or SIGTERM raises :class:`PlanInterrupted` (the first thing the launcher does)."""
+    """From now on one of :data:`SIGNALS` raises :class:`PlanInterrupted` (the first thing the launcher does)."""
     for sig in SIGNALS:
         signal.signal(sig, _on_plan_signal)
 
@@ -68,7 +74,7 @@ class RunStop:
 
     @property
     def status(self) -> int:
-        """The exit status of a stopped run: 128 + the signal (130 for SIGINT, 143 for SIGTERM)."""
+        """The exit status of a stopped run: 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP, 141 SIGPIPE)."""
         return 128 + (self.signum or 0)
 
     def stopped(self, signum: int, *, by_driver: bool = True) -> None:
@@ -84,7 +90,7 @@ class RunStop:
         self.stopped(signum)
 
     def install(self) -> None:
-        """Handle SIGINT and SIGTERM from now on (also a SIGINT ignored on entry, as by a script's ``&``: a Ctrl-C of
+        """Handle :data:`SIGNALS` from now on (also a SIGINT ignored on entry, as by a script's ``&``: a Ctrl-C of
         the terminal stops the run, as it always did)."""
         for sig in SIGNALS:
             signal.signal(sig, self.handle)
@@ -105,9 +111,13 @@ def name(signum: int) -> str:
 
 
 def say(line: str) -> None:
-    """One line to stderr, prefixed ``sftprof: `` (flushed: it may come from a signal handler)."""
-    sys.stderr.write(f"sftprof: {line}\n")
-    sys.stderr.flush()
+    """One line to stderr, prefixed ``sftprof: `` (flushed: it may come from a signal handler); once stderr is gone
+    (a closed pipe, a hung-up terminal) it points at ``/dev/null`` and the line is dropped."""
+    try:
+        sys.stderr.write(f"sftprof: {line}\n")
+        sys.stderr.flush()
+    except OSError:
+        to_devnull(sys.stderr)
 
 
 def kill_group(pid: int, sig: int) -> None:

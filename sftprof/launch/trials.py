@@ -33,6 +33,7 @@ from pathlib import Path
 from sftprof import artifacts
 from sftprof.analysis.inputs import read_tried_what_if
 from sftprof.artifacts import TRIAL_MARKER, read_stats
+from sftprof.cli import to_devnull
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.plan_types import Trial
 from sftprof.launch.report import CONFIG_CHANGED, INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
@@ -143,8 +144,12 @@ class Console:
         if child and self.muted:
             return
         with self.lock:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+            try:
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
+            except OSError:  # the reader went away or the terminal hung up: SIGPIPE/SIGHUP stop the run (signals.py)
+                self.muted = True
+                to_devnull(sys.stdout)
 
 
 def _tee(proc: subprocess.Popen, log: Path, mode: str, console: Console) -> threading.Thread:

@@ -31,10 +31,13 @@ order of the fp32 reductions, so results may differ in the last bits between pro
 Autotuning launches a kernel many times on the caller's real arguments. The elementwise pass of
 ``sft_shifted_exp_`` and ``softmax_grad_`` overwrite their input logits in place, so a second timing launch would read
 gradients instead of logits; they therefore declare ``restore_value=["x_ptr"]``: the autotuner
-clones the logits before each timing launch and copies them back after it, and the final launch
-with the chosen config runs on the original logits. This costs one extra ``[n, V_local]`` buffer
-(and the copies) during tuning only. No kernel accumulates into an output (every output element is
-written exactly once per launch), so no ``reset_to_zero`` is needed.
+clones its argument before each timing launch and copies it back after it. So that the clone is not the whole
+chunk (37 GiB at 131072 x 151936 bf16, an OOM on an 80 GB GPU), the first call per key with more than
+``_TUNE_ROWS`` rows tunes on a copy of its first ``_TUNE_ROWS`` rows (same row stride, dtypes and column count:
+the same key, so the real launch finds the choice cached): 2 x ``_TUNE_ROWS x stride_row`` elements during tuning
+(1.16 GiB at 151936 bf16), whatever the chunk. The elementwise kernels' grids cover ``_TUNE_ROWS`` x 38-149 column
+blocks there, many waves of every config, so the ranking is that of the full chunk. No kernel accumulates into an
+output (every output element is written exactly once per launch), so no ``reset_to_zero`` is needed.
 """
 from __future__ import annotations
 
@@ -50,6 +53,23 @@ _ROW_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (4096, 8192, 1
 _GRAD_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
 # Tune once per vocabulary-shard width / row stride (the autotuner also keys on the tensor dtypes).
 _KEY = ["n_cols", "stride_row"]
+# Rows an in-place kernel is tuned on (a copy), the chunk size its configs were measured at (bench/NOTES.md).
+_TUNE_ROWS = 2048
+_tuned: set[tuple] = set()  # (kernel, n_cols, stride_row, dtype) tuned in this process
+
+
+def _tune_on_copy(kernel, logits: torch.Tensor, launch) -> None:
+    """On the first call per key of the in-place autotuned ``kernel`` with more than ``_TUNE_ROWS`` rows of
+    ``logits`` ``[n, V]``, run ``launch(x, rows)`` on a copy of the first ``_TUNE_ROWS`` rows with the same row
+    stride: the autotuner's ``restore_value`` clones that copy, not the chunk, and caches its choice for the key."""
+    n, v = logits.shape
+    key = (kernel, v, logits.stride(0), logits.dtype)
+    if key in _tuned:
+        return
+    if n > _TUNE_ROWS:
+        copy = logits.new_empty(_TUNE_ROWS, logits.stride(0))[:, :v]
+        launch(copy.copy_(logits[:_TUNE_ROWS]), _TUNE_ROWS)
+    _tuned.add(key)
 
 
 @triton.jit
@@ -257,11 +277,15 @@ def softmax_grad_(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.T
     _check(logits)
     n, v = logits.shape
     if n:
-        def grid(meta):
-            return (n, triton.cdiv(v, meta["BLOCK"]))
+        def launch(x, rows):
+            def grid(meta):
+                return (rows, triton.cdiv(v, meta["BLOCK"]))
 
-        _softmax_grad_kernel[grid](logits, logits.stride(0), v, n, local_labels.contiguous(), lse.contiguous(),
-                                   coef.contiguous(), inv_temp)
+            _softmax_grad_kernel[grid](x, x.stride(0), v, rows, local_labels[:rows].contiguous(),
+                                       lse[:rows].contiguous(), coef[:, :rows].contiguous(), inv_temp)
+
+        _tune_on_copy(_softmax_grad_kernel, logits, launch)
+        launch(logits, n)
 
 
 def _rows_block(n_cols: int) -> int:
@@ -301,15 +325,23 @@ def sft_shifted_exp_(logits: torch.Tensor, local_labels: torch.Tensor, weights: 
     _target_kernel[(triton.cdiv(n, 1024),)](logits, logits.stride(0), n, labels, target, BLOCK=1024, num_warps=4)
     psum = torch.empty(n, triton.cdiv(v, _EXP_MIN_BLOCK), dtype=torch.float32, device=logits.device)
 
-    def grid(meta):
-        return (triton.cdiv(n, meta["ROWS"]), triton.cdiv(v, meta["BLOCK"]))
+    def launch(x, rows, **fixed):
+        def grid(meta):
+            return (triton.cdiv(rows, meta["ROWS"]), triton.cdiv(v, meta["BLOCK"]))
 
-    args = (logits, logits.stride(0), n, v, target, psum, psum.stride(0), inv_temp, offset, math.exp(margin))
+        args = (x, x.stride(0), rows, v, target[:rows], psum[:rows], psum.stride(0), inv_temp, offset,
+                math.exp(margin))
+        if fixed:
+            _shifted_exp_kernel.fn[grid(fixed)](*args, **fixed)
+        else:
+            _shifted_exp_kernel[grid](*args)
+
     if config is None:
-        _shifted_exp_kernel[grid](*args)
+        _tune_on_copy(_shifted_exp_kernel, logits, launch)
+        launch(logits, n)
         config = _shifted_exp_kernel.best_config
     else:
-        _shifted_exp_kernel.fn[grid(config.kwargs)](*args, **config.kwargs, num_warps=config.num_warps)
+        launch(logits, n, **config.kwargs, num_warps=config.num_warps)
     block = config.kwargs["BLOCK"]
     out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
     nb = triton.cdiv(v, block)
