@@ -39,6 +39,16 @@ def test_non_ascii_digits_and_stray_spaces_are_refused_naming_the_variable(name,
     assert _refusal(name, text) == f"{name}={text!r}: {message}"
 
 
+def test_profile_ranks_take_ascii_digits_only(tmp_path):
+    """A rank spec's digits are ASCII (a regex's \\d takes Arabic-Indic digits as well)."""
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan({"CONFIG": "tiny_cpu", "RUN_ROOT": str(tmp_path / "run"), "FILEROOT": str(tmp_path / "fr"),
+                     "PROFILE_RANKS": "\u0661"}, [], gpus=0)
+    assert str(err.value) == ("PROFILE_RANKS='\u0661': '\u0661' is not a rank or range; accepted: "
+                              "pp_rank0|pp-rank0|pprank0|default, empty (all ranks), or a comma list of ranks and ranges "
+                              "such as 0,2-4 (actor.backend=fsdp:d2)")
+
+
 @pytest.mark.parametrize("name,key,value", [
     ("LM_HEAD_LOSS_CHUNK_SIZE", "actor.loss.lm_head_loss_chunk_size", "-1"),
     ("LOGPROBS_CHUNK_SIZE", "actor.loss.logprobs_chunk_size", "-3"),
