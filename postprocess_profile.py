@@ -47,9 +47,11 @@ import os
 import sys
 import tempfile
 
+from sftprof.analysis.inputs import recorded_profile
 from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare
 from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regressions
-from sftprof.analysis.summary import PROFILE_KINDS, SUMMARY_JSON, postprocess_trial, resolve_profile
+from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
+                                     postprocess_trial, resolve_profile)
 from sftprof.analysis.summary_file import summary_left_unchanged
 from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, SUMMARY_TSV, TRAINER_LOG, TRIALS_TSV,
                                compare_report_name, keep_previous, read_trials_tsv)
@@ -236,13 +238,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"
                 f"{', ...' if len(several) > 3 else ''}), not one: pass one of them with its trial's --run-dir, or "
                 "pass the RUN_ROOT alone as --run-dir to postprocess every trial")
-    try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
-        kind, step = resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
-    except ValueError as exc:
-        p.error(str(exc))
+    if args.profile_step is not None and args.profile_step < 0:
+        p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):
         # what the driver passes: a standalone rerun reads the same inputs (and a failed trial gets its log's tail)
         args.trainer_log = os.path.join(args.log_dir, TRAINER_LOG)
+    try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
+        if not os.path.isdir(args.log_dir):  # without kind and step
+            resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
+        if args.profile_kind is not None:
+            check_recorded_kind(args.log_dir, args.profile_kind)
+        kind = args.profile_kind or recorded_profile(args.log_dir)[0]
+        if args.profile_step is not None and kind is not None:
+            check_profiled_step(args.log_dir, kind, args.profile_step)
+    except ValueError as exc:
+        p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)
     if not os.path.isdir(args.log_dir) and os.path.exists(earlier):  # a mistyped --log-dir: keep what is there
         p.error(f"--log-dir {args.log_dir} does not exist and {earlier} is already written; nothing was overwritten "
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         p.error(f"--run-dir {args.run_dir}: cannot be written ({exc.strerror})")
     try:
-        summary, code = postprocess_trial(args.log_dir, args.run_dir, kind, step,
+        summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
                                           trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,
                                           compress=args.compress)
     except ValueError as exc:

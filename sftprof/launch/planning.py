@@ -131,17 +131,18 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     log.note("TRY_WHAT_IFS", what_ifs, "env" if get("TRY_WHAT_IFS") else "default")
 
     variables: dict[str, str] = {}  # key=value -> NAME=text
+    set_keys: set[str] = set()
     for var in CONFIG_VARIABLES:
         value = var.value(env)
         if value is not None:  # unset or empty: the config's value stands
             # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
             variables[f"{var.keys[0]}={json.dumps(value) if isinstance(value, str) else yaml_value(value)}"] = \
                 f"{var.name}={get(var.name)}"
+            set_keys.add(var.name)
     try:
         agreeing = reject_repeated_keys(list(variables) + list(extra_overrides), variables)
     except ConfigError as err:
         raise DriverError(str(err)) from None
-    set_keys = {text.partition("=")[0] for text in variables.values()}
     for var in CONFIG_VARIABLES:
         if var.name in set_keys:
             log.agree(var.name, arguments_setting(var.keys[0], agreeing))
