@@ -53,8 +53,8 @@ class SFTLoss:
     """
 
     path: str
-    logprobs_chunk_size: int = 0
-    lm_head_loss_chunk_size: int = 0
+    logprobs_chunk_size: int
+    lm_head_loss_chunk_size: int
     vocab_size: int | None = None
 
     @classmethod

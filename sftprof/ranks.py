@@ -13,7 +13,7 @@ import re
 from sftprof.allocation import Layout
 
 PP_RANK0_ALIASES = ("pp_rank0", "pp-rank0", "pprank0", "default")
-_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits (\d takes Arabic-Indic ones too)
 
 
 class RankSpecError(ValueError):

@@ -62,11 +62,9 @@ from sftprof.data import global_loss_tokens, make_fake_sample, step_micro_batche
 from sftprof.engine import build_engine
 from sftprof.flops import gpu_peak_bf16_flops, mfu
 from sftprof.capture.regions import STEP, region
-from sftprof.models.hf import check_weights_present, load_hf_config
-from sftprof.models.megatron_config import check_model_settings
+from sftprof.models.checks import check_model
 from sftprof.progress import RankProgress, StepProgress, duration_text
 from sftprof.simulation import assumed
-from sftprof.tokenizer import load_tokenizer
 
 log = logging.getLogger("sftprof")
 
@@ -264,11 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if layout.backend == "megatron":  # before anything imports megatron-core (which imports TE)
             _, te_notes = setup_transformer_engine(cfg.actor.megatron.transformer_impl)
-        hf_config = load_hf_config(cfg.actor.path, cfg.actor.num_layers)
-        check_weights_present(cfg.actor)
-        if layout.backend == "megatron":
-            check_model_settings(cfg, hf_config, layout)
-        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.actor.path, hf_config.model_type)
+        hf_config, tokenizer = check_model(cfg, layout, bundled_tokenizer=True)
         sample = make_fake_sample(tokenizer, cfg.profile.fake_seq_len, cfg.profile.fake_loss_start_ratio,
                                   hf_config.vocab_size)
     except (ConfigError, ValueError, OSError) as err:

@@ -45,8 +45,8 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
     ({"PROFILE_KINDS": ""}, "PROFILE_KINDS='': must be a non-empty comma-separated subset of kernel,memory"),
     ({"MASTER_ADDR": "$(touch x)"}, "MASTER_ADDR='$(touch x)': must be a host name or IP address"),
     ({"TRAIN_BATCH_SIZE": "3"}, "train_dataset.batch_size=3: must be a multiple of the data-parallel size 2"),
-    ({"EXPERIMENT_NAME": "../../etc"}, "sftprof: EXPERIMENT_NAME='../../etc': use letters, digits, '_' and '-' only\n"),
-    ({"EXPERIMENT_NAME": "/abs"}, "sftprof: EXPERIMENT_NAME='/abs': use letters, digits, '_' and '-' only\n"),
+    ({"EXPERIMENT_NAME": "../../etc"}, "sftprof: EXPERIMENT_NAME='../../etc': must be letters, digits, '_' and '-' only\n"),
+    ({"EXPERIMENT_NAME": "/abs"}, "sftprof: EXPERIMENT_NAME='/abs': must be letters, digits, '_' and '-' only\n"),
     ({"PROFILE_STEPS": "99999999999999999999"},
      "sftprof: PROFILE_STEPS='99999999999999999999': must list integers below 1000000000 (10**9)\n"),
     ({"TOTAL_STEPS": "1000000001"}, "sftprof: TOTAL_STEPS=1000000001: must be an integer from 1 to 1000000000 (10**9)\n"),
@@ -58,6 +58,11 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
      "from 1 to 2147483647 (2**31 - 1 seconds: torchrun's rendezvous timeout is a C int)\n"),
     ({"NODE_TIMEOUT": "0"}, "sftprof: NODE_TIMEOUT='0': must be an integer from 1 to 2147483647 (2**31 - 1 seconds: "
      "torchrun's rendezvous timeout is a C int)\n"),
+    # non-ASCII digits and stray spaces (int() and float() take them)
+    ({"STALL_TIMEOUT": "\u0661\u0662"}, "sftprof: STALL_TIMEOUT='\u0661\u0662': must be an integer from 0 to 2147483647\n"),
+    ({"FIT_CHECK": "warn "}, "sftprof: FIT_CHECK='warn ': must be one of refuse, warn, off\n"),
+    ({"LM_HEAD_LOSS_CHUNK_SIZE": "\u0668"}, "sftprof: LM_HEAD_LOSS_CHUNK_SIZE='\u0668': must be an integer >= 0 (0 = "
+     "logits path)\n"),
     # folder names over 255 bytes (used to end in an OSError traceback: File name too long)
     ({"EXPERIMENT_NAME": "e" * 300}, "sftprof: EXPERIMENT_NAME is 300 bytes long: it names the folder "
      "FILEROOT/logs/<user>/<experiment> and a folder name can have at most 255 bytes; use at most 255 bytes\n"),
@@ -216,19 +221,19 @@ def test_docs_table_of_variables_is_the_launchers():
 
 def test_memory_trials_skipped_without_cuda_unless_asked(tmp_path):
     trials, settings, info = launch.plan(_plan_env(tmp_path), [], gpus=0)
-    assert [(t.kind, t.step) for t in trials] == [("kernel", 0), ("kernel", 1)] and info["trials"] == 2
+    assert [(t.kind, t.step) for t in trials] == [("kernel", 0), ("kernel", 1)] and info.trials == 2
     assert [s for s in settings if s.startswith("PROFILE_KINDS")] == [
         "PROFILE_KINDS=kernel\t# default without CUDA (kernel,memory with CUDA)"]
-    assert info["notices"][0] == ("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
+    assert info.notices[0] == ("no CUDA on this node: memory trials skipped (allocator snapshots need CUDA); "
                                   "PROFILE_KINDS=kernel,memory runs them anyway")
-    assert info["notices"][-1] == ("plan: 2 trial(s) on 2 rank(s) (1 node(s) x 2, fsdp:d2, CPU (no CUDA)): "
+    assert info.notices[-1] == ("plan: 2 trial(s) on 2 rank(s) (1 node(s) x 2, fsdp:d2, CPU (no CUDA)): "
                                    "kernel step 0, kernel step 1")
     trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_KINDS="kernel,memory", PROFILE_STEPS="1"), [], gpus=0)
     assert [t.kind for t in trials] == ["kernel", "memory"]
     assert [s for s in settings if s.startswith("PROFILE_KINDS")] == ["PROFILE_KINDS=kernel,memory\t# env"]
-    assert info["notices"][0] == "no CUDA on this node: memory trials run but record no snapshot (CPU)"
+    assert info.notices[0] == "no CUDA on this node: memory trials run but record no snapshot (CPU)"
     trials, settings, info = launch.plan(_plan_env(tmp_path, PROFILE_STEPS="1"), [], gpus=2)
-    assert [t.kind for t in trials] == ["kernel", "memory"] and len(info["notices"]) == 1
+    assert [t.kind for t in trials] == ["kernel", "memory"] and len(info.notices) == 1
     assert [s for s in settings if s.startswith("PROFILE_KINDS")] == ["PROFILE_KINDS=kernel,memory\t# default"]
 
 
@@ -253,7 +258,7 @@ def test_fileroot_default_is_per_user_and_run_and_a_shadowing_one_warns(tmp_path
     assert f"FILEROOT={tmp_path / 'run' / 'fileroot'}\t# default: RUN_ROOT/fileroot" in settings
     assert trials[0].log_dir.parents[2] == tmp_path / "run" / "fileroot" / "logs"
     assert f"cluster.fileroot={tmp_path / 'run' / 'fileroot'}" in trials[0].args
-    assert not any("is a folder named" in n for n in info["notices"])
+    assert not any("is a folder named" in n for n in info.notices)
     with pytest.raises(launch.DriverError) as err:
         launch.plan({**env, "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
     assert str(err.value) == ("FILEROOT is unset with N_NODES=2: node 0 reads every node's logs there, so set FILEROOT "
@@ -262,7 +267,7 @@ def test_fileroot_default_is_per_user_and_run_and_a_shadowing_one_warns(tmp_path
     trials, settings, info = launch.plan(_plan_env(tmp_path, FILEROOT=str(old), PROFILE_STEPS="1",
                                                    RUN_ROOT=str(tmp_path / "r2")), [], gpus=0)
     assert trials[0].log_dir.parents[2] == old / "logs" and f"FILEROOT={old}\t# env -> cluster.fileroot" in settings
-    assert [n for n in info["notices"] if n.startswith("warning: FILEROOT")] == [
+    assert [n for n in info.notices if n.startswith("warning: FILEROOT")] == [
         f"warning: FILEROOT {old} is a folder named sftprof: a Python started in {tmp_path} imports it (an empty "
         f"namespace package) instead of the sftprof package; name it otherwise, e.g. FILEROOT={tmp_path}/sftprof_fileroot"
         ", or leave FILEROOT unset (RUN_ROOT/fileroot)"]
@@ -307,11 +312,11 @@ def test_master_port_busy_or_picked(tmp_path):
         assert str(err.value) == (f"MASTER_PORT={port}: already in use on this node (torchrun's rendezvous would fail "
                                   "with EADDRINUSE); choose a free port or leave MASTER_PORT unset to pick one")
     _, settings, info = launch.plan(_plan_env(tmp_path), [], gpus=0)
-    assert f"MASTER_PORT={info['master_port']}\t# default: a free port of this node" in settings
-    assert not launch.port_in_use(info["master_port"])
+    assert f"MASTER_PORT={info.master_port}\t# default: a free port of this node" in settings
+    assert not launch.port_in_use(info.master_port)
     _, settings, info = launch.plan(_plan_env(tmp_path, N_NODES="2", N_GPUS_PER_NODE="1", NODE_RANK="1"), [], gpus=0)
-    assert info["master_port"] == 29500 and "MASTER_PORT=29500\t# default with N_NODES > 1" in settings
-    assert info["run_root"] == str(tmp_path / "run")
+    assert info.master_port == 29500 and "MASTER_PORT=29500\t# default with N_NODES > 1" in settings
+    assert info.run_root == tmp_path / "run"
 
 
 def test_lower_case_driver_variables_warned(tmp_path):
@@ -333,7 +338,7 @@ def test_lower_case_driver_variables_warned(tmp_path):
                                          gpus=0)
     warning = ("profile_steps is not a driver variable and is ignored (driver variables are upper case); did you mean "
                "PROFILE_STEPS?")
-    assert info["notices"][0] == f"warning: {warning}" and info["warnings"] == [warning]
+    assert info.notices[0] == f"warning: {warning}" and info.warnings == [warning]
     assert f"# warning: {warning}" in settings   # profile_settings.log keeps it
     assert [t.step for t in trials] == [0, 1]   # the default steps: profile_steps was not read
 
@@ -996,7 +1001,7 @@ def test_interrupt_stops_a_megatron_run_on_a_gpu(tmp_path):
     groups, CUDA work in flight), after its first step: the run stops as on CPU and leaves no process."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    _interrupt_run(tmp_path, {"PROFILE_FAKE_SEQ_LEN": "8192", "USE_PRECISION_AWARE_OPTIMIZER": "false",
+    _interrupt_run(tmp_path, {"PROFILE_FAKE_SEQ_LEN": "8192", "USE_PRECISION_AWARE_OPTIMIZER": "false", "MAIN_GRADS_DTYPE": "float32",
                               "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "N_GPUS_PER_NODE": "1"},
                    ["actor.backend=megatron:d1", "actor.num_layers=2"],
                    ["qwen3_30b_a3b_fake8k_kernel_step0_s", "qwen3_30b_a3b_fake8k_kernel_step1_s"],

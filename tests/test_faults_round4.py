@@ -409,16 +409,16 @@ def test_trial_whose_plan_config_copy_changed_is_not_run(tmp_path):
            "PROFILE_STEPS": "0", "PROFILE_KINDS": "kernel"}
     trials, settings, info = plan(env, [], gpus=0)
     write_plan(trials, settings, info)
-    copy = Path(info["config"].copy)
+    copy = Path(info.config.copy)
     runner = TrialRunner(sys.executable, dict(os.environ))
-    runner.info, runner.run_root = info, Path(info["run_root"])
+    runner.trials, runner.plan = trials, info
     assert runner._config_changed(trials[0]) is None
     copy.chmod(0o644)
     copy.write_text(copy.read_text().replace("fake_seq_len: 1024", "fake_seq_len: 512"))
     (runner.run_root / "summary.tsv").write_text("")
     assert runner._trial(1, trials[0], 0.0) == 2
     digest = hashlib.sha256(copy.read_bytes()).hexdigest()
-    reason = (f"the plan's config {copy} changed since the plan (sha256 {digest}, planned {info['config'].sha256}): "
+    reason = (f"the plan's config {copy} changed since the plan (sha256 {digest}, planned {info.config.sha256}): "
               "the trial would not run the plan")
     assert (trials[0].run_dir / "launcher.log").read_text() == f"sftprof: {reason}\n"
     assert (runner.run_root / "summary.tsv").read_text().split("\t")[:4] == [trials[0].name, "kernel", "0",
@@ -435,10 +435,10 @@ def test_trainer_refuses_a_plan_config_copy_edited_after_its_trial_launched(tmp_
     env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fileroot"), "RUN_ROOT": str(tmp_path / "run"),
            "PROFILE_STEPS": "0", "PROFILE_KINDS": "kernel"}
     trials, _, info = plan(env, [], gpus=0)
-    want = info["config"].sha256
+    want = info.config.sha256
     assert trials[0].env == {"SFTPROF_PLAN_CONFIG_SHA256": want}
     edited = tmp_path / "plan_config.yaml"
-    edited.write_bytes(info["config"].text.replace(b"fake_seq_len: 1024", b"fake_seq_len: 512"))
+    edited.write_bytes(info.config.text.replace(b"fake_seq_len: 1024", b"fake_seq_len: 512"))
     args = [sys.executable, str(Path(__file__).resolve().parents[1] / "train_sft_profile.py"), "--config", str(edited),
             *trials[0].args[trials[0].args.index("--config") + 2:]]
     out = subprocess.run(args, env={**os.environ, **trials[0].env}, capture_output=True, text=True, timeout=120)

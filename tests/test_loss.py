@@ -26,8 +26,8 @@ def _fp64_reference():
     return loss.item(), hidden.grad, weight.grad
 
 
-@pytest.mark.parametrize("spec", [SFTLoss("lm_head", lm_head_loss_chunk_size=20), SFTLoss("logprobs", 7),
-                                  SFTLoss("logprobs", 0), SFTLoss("reference")])
+@pytest.mark.parametrize("spec", [SFTLoss("lm_head", 0, 20), SFTLoss("logprobs", 7, 0),
+                                  SFTLoss("logprobs", 0, 0), SFTLoss("reference", 0, 0)])
 def test_paths_match_fp64_reference(spec):
     ref_loss, ref_dh, ref_dw = _fp64_reference()
     hidden, weight, labels, mask = _inputs()
@@ -57,7 +57,7 @@ def test_path_from_config_and_misuse():
     assert SFTLoss.from_config(load_config("tiny_cpu")).describe(cuda=True) == \
         ("logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; vocab_parallel_logprobs, all tokens at once on CUDA "
          "(LOGPROBS_CHUNK_SIZE=128 applies on CPU))")
-    assert SFTLoss("logprobs", 0).describe(cuda=True) == \
+    assert SFTLoss("logprobs", 0, 0).describe(cuda=True) == \
         "logprobs (full logits, LM_HEAD_LOSS_CHUNK_SIZE=0; vocab_parallel_logprobs, unchunked (LOGPROBS_CHUNK_SIZE=0))"
     with pytest.raises(ValueError, match="the chunked LM-head loss takes hidden states"):
         SFTLoss("lm_head", 0, 8).from_logits(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), torch.ones(2))

@@ -144,17 +144,17 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
     _megatron_core(monkeypatch, (0, 16, 1))
     _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert [w for w in info["warnings"] if w.startswith("fit check: rank 0 needs 77.94 of 79.19 GiB")]
+    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 77.94 of 79.19 GiB")]
     assert any(s.startswith("# fit check: rank 0 needs 77.94") for s in settings)
     _, _, info = planning.plan(_env(tmp_path, FIT_CHECK="warn", PROFILE_STAMP="q"), ARGS, gpus=1)
-    assert info["warnings"][-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 127.45")
+    assert info.warnings[-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 127.45")
     _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="139.81", PROFILE_STAMP="r"), ARGS, gpus=1)
-    assert [n for n in info["notices"] if n.startswith("fit check: rank 0 needs 127.45 of 139.81 GiB")]
+    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 127.45 of 139.81 GiB")]
     # megatron-core 0.19.2: 8.85 GiB outside PyTorch, 1.09 GiB more than 0.16.1's
     _megatron_core(monkeypatch, (0, 19, 2))
     _, _, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
                                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert [w for w in info["warnings"] if w.startswith("fit check: rank 0 needs 79.03 of 79.19 GiB")]
+    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.03 of 79.19 GiB")]
     with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):

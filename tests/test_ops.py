@@ -316,7 +316,7 @@ def test_sft_loss_fp16_stays_finite_and_exact():
     """fp16 cannot hold the deferred-normalisation values (up to e^30), so it takes the general path."""
     h = torch.tensor([[1.0]], dtype=torch.float16, requires_grad=True)
     w = torch.tensor([[0.0], [12.0]], dtype=torch.float16, requires_grad=True)
-    linear_sft_loss(h, w, torch.tensor([0]), torch.ones(1, dtype=torch.float16)).backward()
+    linear_sft_loss(h, w, torch.tensor([0]), torch.ones(1, dtype=torch.float16), chunk_size=4096).backward()
     # p = softmax([0, 12]), label 0: d/dlogits = [p_0 - 1, p_1] = [-p_1, p_1]; d/dh = 12 p_1, d/dw = that * h.
     p1 = 1 / (1 + math.exp(-12.0))
     torch.testing.assert_close(h.grad.double(), torch.tensor([[12 * p1]], dtype=torch.float64), rtol=2 ** -10, atol=0)
@@ -366,7 +366,7 @@ def test_logits_backward_reuses_logits_storage():
 def test_guard_in_place_modification_raises():
     h, w, labels, _, _ = _small()
     logits = (h @ w.t()).detach().requires_grad_()
-    lp = vocab_parallel_logprobs(logits, labels)
+    lp = vocab_parallel_logprobs(logits, labels, chunk_size=0)
     with torch.no_grad():
         logits.mul_(2.0)  # version counter moves
     with pytest.raises(StaleBufferError, match="modified in place"):
@@ -382,7 +382,7 @@ def test_guard_in_place_modification_raises():
 def test_guard_storage_swap_raises():
     h, w, labels, _, _ = _small()
     logits = (h @ w.t()).detach().requires_grad_()
-    lp = vocab_parallel_logprobs(logits, labels)
+    lp = vocab_parallel_logprobs(logits, labels, chunk_size=0)
     logits.data = torch.zeros_like(logits)  # same tensor object, other storage, version unchanged
     with pytest.raises(StaleBufferError, match="no longer lives in the storage"):
         lp.sum().backward()
@@ -433,8 +433,8 @@ def test_sft_loss_weight_gradient_is_minus_logprob():
 def test_grad_in_hidden_needs_contiguous_hidden():
     h, w, labels, _, lw = _small()
     wide = torch.zeros(h.shape[0], 2 * h.shape[1], dtype=h.dtype, requires_grad=True)
-    for fn in (lambda: linear_sft_loss(wide[:, : h.shape[1]], w, labels, lw, grad_in_hidden=True),
-               lambda: linear_logprobs(wide[:, : h.shape[1]], w, labels, grad_in_hidden=True)):
+    for fn in (lambda: linear_sft_loss(wide[:, : h.shape[1]], w, labels, lw, grad_in_hidden=True, chunk_size=4096),
+               lambda: linear_logprobs(wide[:, : h.shape[1]], w, labels, grad_in_hidden=True, chunk_size=4096)):
         with pytest.raises(ValueError, match="grad_in_hidden=True needs a contiguous hidden"):
             fn()
 
@@ -451,14 +451,14 @@ def test_sft_loss_without_grad_matches_and_skips_gradients():
 def test_main_grad_requires_unit_upstream_gradient():
     h, w, labels, _, lw = _small()
     w.main_grad = torch.zeros_like(w)
-    loss = linear_sft_loss(h, w, labels, lw)
+    loss = linear_sft_loss(h, w, labels, lw, chunk_size=4096)
     with pytest.raises(ValueError, match="fold loss scaling"):
         (loss * 0.5).backward()
     # The refused backward leaves the gradient stored in hidden (grad_in_hidden) unscaled.
     x = h.detach().clone().requires_grad_()
     hidden = x * 1
     w.main_grad.zero_()
-    loss = linear_sft_loss(hidden, w, labels, lw, grad_in_hidden=True)
+    loss = linear_sft_loss(hidden, w, labels, lw, grad_in_hidden=True, chunk_size=4096)
     stored = hidden.detach().clone()
     with pytest.raises(ValueError, match="fold loss scaling"):
         (loss * 0.5).backward()
@@ -474,6 +474,7 @@ def test_main_grad_requires_unit_upstream_gradient():
 def test_bad_inputs_raise(kwargs, match):
     h, w, labels, _, lw = _small()
     labels = (labels + kwargs.pop("labels_shift", 0)).to(kwargs.pop("labels_dtype", torch.int64))
+    kwargs = {"chunk_size": 0, **kwargs}  # the ops have no chunk size of their own
     for fn in (lambda: linear_logprobs(h, w, labels, **kwargs),
                lambda: linear_sft_loss(h, w, labels, lw, **kwargs),
                lambda: vocab_parallel_logprobs((h @ w.t()).detach(), labels, **kwargs)):
@@ -484,18 +485,18 @@ def test_bad_inputs_raise(kwargs, match):
 def test_mismatched_shapes_raise():
     h, w, labels, _, lw = _small()
     with pytest.raises(ValueError, match="share a dtype"):
-        linear_logprobs(h, w.detach().bfloat16(), labels)
+        linear_logprobs(h, w.detach().bfloat16(), labels, chunk_size=4096)
     with pytest.raises(ValueError, match=r"loss_weight must be a float tensor of shape \(64,\)"):
-        linear_sft_loss(h, w, labels, lw[:10])
+        linear_sft_loss(h, w, labels, lw[:10], chunk_size=4096)
     with pytest.raises(ValueError, match="contiguous last dim"):
-        vocab_parallel_logprobs((h @ w.t()).detach().t(), labels)
+        vocab_parallel_logprobs((h @ w.t()).detach().t(), labels, chunk_size=0)
 
 
 def _value_error(fn, *args, **kwargs) -> str | None:
-    """The message of the ValueError ``fn`` raises (None if none); keeps no traceback, whose frames would
-    hold tensors and the process group past ``destroy_process_group`` (gloo then aborts at exit)."""
+    """The message of the ValueError ``fn`` raises (None if none; chunk size 0 unless given); keeps no traceback, whose
+    frames would hold tensors and the process group past ``destroy_process_group`` (gloo then aborts at exit)."""
     try:
-        fn(*args, **kwargs)
+        fn(*args, **{"chunk_size": 0, **kwargs})
     except ValueError as exc:
         return str(exc)
     return None
@@ -512,7 +513,7 @@ def _shard_check_worker(rank, world, port, seed):
         hidden, weight, lw = hidden.float(), weight.float(), lw.float()
         logits = (hidden.double() @ weight.double().t()).float()
         # Full-vocabulary logits on every rank: without vocab_size this is silently ln 2 too low (the fault) ...
-        lp = vocab_parallel_logprobs(logits.clone(), labels, tp_group=g)
+        lp = vocab_parallel_logprobs(logits.clone(), labels, tp_group=g, chunk_size=0)
         ref = torch.log_softmax(logits.double(), -1).gather(1, labels[:, None])[:, 0]
         torch.testing.assert_close(lp.double(), ref - math.log(2), rtol=0, atol=1e-5)
         # ... and with the vocabulary size the op refuses it, on every rank alike.
@@ -534,7 +535,7 @@ def _shard_check_worker(rank, world, port, seed):
             "weight: " + uneven
         # Consistent shards with the right vocab_size pass and match the fp64 reference.
         shard = logits[:, rank * 150:(rank + 1) * 150].contiguous()
-        lp = vocab_parallel_logprobs(shard, labels, tp_group=g, vocab_size=300)
+        lp = vocab_parallel_logprobs(shard, labels, tp_group=g, vocab_size=300, chunk_size=0)
         torch.testing.assert_close(lp.double(), ref, rtol=0, atol=1e-5)
     finally:
         dist.destroy_process_group()

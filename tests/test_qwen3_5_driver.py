@@ -16,7 +16,8 @@ _real_find_spec = importlib.util.find_spec
 
 def _env(tmp_path, **extra):
     return {"CONFIG": str(ROOT / "qwen3_5_35b_a3b_sft_profile.yaml"), "FILEROOT": str(tmp_path / "fileroot"),
-            "RUN_ROOT": str(tmp_path / "run"), "PROFILE_STAMP": "s1", "USE_PRECISION_AWARE_OPTIMIZER": "false", **extra}
+            "RUN_ROOT": str(tmp_path / "run"), "PROFILE_STAMP": "s1", "USE_PRECISION_AWARE_OPTIMIZER": "false",
+            "MAIN_GRADS_DTYPE": "float32", **extra}
 
 
 def _fla(present: bool):
@@ -33,7 +34,7 @@ def test_trial_names_derive_from_the_model(tmp_path, monkeypatch):
         trials, settings, info = plan(_env(tmp_path), [], gpus=8)
     assert [t.name for t in trials] == [f"qwen3_5_35b_a3b_fake32k_{k}_step{s}_s1"
                                         for s in (0, 1) for k in ("kernel", "memory")]
-    assert info["nproc_per_node"] == 8
+    assert info.nproc_per_node == 8
     assert any(line.startswith("# layout megatron:(attn:d4t2|ffn:d1e8)") for line in settings)
     assert not (tmp_path / "run").exists()  # plan() writes nothing
 

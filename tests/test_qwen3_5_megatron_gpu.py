@@ -68,7 +68,7 @@ def test_qwen3_5_35b_a3b_shape_4_layers_through_the_driver(tmp_path, mode, gpus)
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "CONFIG")}
     env.update(CONFIG=str(ROOT / "qwen3_5_35b_a3b_sft_profile.yaml"), FILEROOT=str(tmp_path / "fileroot"),
                RUN_ROOT=str(tmp_path / "run"), PROFILE_STEPS="1", PROFILE_STAMP="gpu", PROFILE_FAKE_SEQ_LEN=seq,
-               USE_PRECISION_AWARE_OPTIMIZER="false", TRAIN_BATCH_SIZE="1",
+               USE_PRECISION_AWARE_OPTIMIZER="false", MAIN_GRADS_DTYPE="float32", TRAIN_BATCH_SIZE="1",
                PROFILE_N_MBS="1", PROFILE_FAKE_DATASET_SIZE="2")
     out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), f"actor.backend={mode}",
                           "actor.num_layers=4"], env=env, capture_output=True, text=True, timeout=580)

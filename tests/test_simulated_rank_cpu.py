@@ -91,13 +91,13 @@ def _plan_env(tmp_path, **extra) -> dict:
 def test_plan_launches_one_process(tmp_path):
     _, settings, info = launch.plan(_plan_env(tmp_path, SIMULATE_RANK="5"), ["actor.backend=fsdp:d8",
                                                                              "train_dataset.batch_size=8"], gpus=0)
-    assert (info["nproc_per_node"], info["nnodes"]) == (1, 1)
-    assert any(n.startswith("simulated rank 5 of fsdp:d8 (dp=8") for n in info["notices"])
+    assert (info.nproc_per_node, info.nnodes) == (1, 1)
+    assert any(n.startswith("simulated rank 5 of fsdp:d8 (dp=8") for n in info.notices)
     assert "N_GPUS_PER_NODE=1\t# one simulated rank" in settings
     # bench/step.py gives N_GPUS_PER_NODE = the layout's world size: accepted, still one process
     _, _, info = launch.plan(_plan_env(tmp_path, SIMULATE_RANK="5", N_GPUS_PER_NODE="8", RUN_ROOT=str(tmp_path / "r2")),
                              ["actor.backend=fsdp:d8", "train_dataset.batch_size=8"], gpus=1)
-    assert info["nproc_per_node"] == 1
+    assert info.nproc_per_node == 1
 
 
 def test_plan_refuses_bad_simulated_ranks(tmp_path):

@@ -396,7 +396,7 @@ def test_try_what_ifs_is_a_checked_launcher_variable(tmp_path):
     with pytest.raises(launch.DriverError, match=r"^TRY_WHAT_IFS=1 with N_NODES=2: what-if trials are chosen from "):
         launch.plan({**env, "TRY_WHAT_IFS": "1", "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
     _, settings, info = launch.plan({**env, "TRY_WHAT_IFS": "2"}, [], gpus=0)
-    assert info["what_ifs"] == 2 and "TRY_WHAT_IFS=2\t# env" in settings
+    assert info.what_ifs == 2 and "TRY_WHAT_IFS=2\t# env" in settings
     assert "TRY_WHAT_IFS" not in "\n".join(a for t in launch.plan(env, [], gpus=0)[0] for a in t.args)
     assert launch.unknown_variable_warnings({"TRY_WHATIF": "1"}) == [  # the spelling
         "TRY_WHATIF is not a driver variable and is ignored; did you mean TRY_WHAT_IFS?"]

@@ -71,13 +71,13 @@ for part in "${parts[@]}"; do
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b" "$work/qwen3_30b_a3b_fp32_optimizer" \
           --out "$work/compare_optimizer.md" ;;
     local)
-      run qwen3_30b_a3b_local USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local
+      run qwen3_30b_a3b_local USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32 -- actor.megatron.transformer_impl=local
       python3 "$repo/postprocess_profile.py" compare "$work/qwen3_30b_a3b_local" "$work/qwen3_30b_a3b" \
           --out "$work/compare_local_vs_te.md" ;;
     qwen3_5) run qwen3_5_35b_a3b CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_FAKE_SEQ_LEN=32768 ;;
     qwen3_5_local)
       run qwen3_5_35b_a3b_local CONFIG="$repo/qwen3_5_35b_a3b_sft_profile.yaml" PROFILE_FAKE_SEQ_LEN=32768 \
-          USE_PRECISION_AWARE_OPTIMIZER=false -- actor.megatron.transformer_impl=local ;;
+          USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32 -- actor.megatron.transformer_impl=local ;;
     keep)
       for name in qwen3_30b_a3b qwen3_30b_a3b_lm_head_2048 qwen3_30b_a3b_fp32_optimizer qwen3_30b_a3b_local qwen3_5_35b_a3b qwen3_5_35b_a3b_local; do
         keep "$name"

@@ -10,7 +10,7 @@ The overrides of one command line set each key once: two values for one key are 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Mapping
 
 import yaml
 from omegaconf import OmegaConf
@@ -107,21 +107,53 @@ def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProf
     return cfg
 
 
-def reject_repeated_keys(overrides: List[str]) -> None:
-    """Refuse a config key that two ``key=value`` arguments set to different values (OmegaConf's dot list would keep
-    the last one without a word); the same value twice is taken.
+def _yaml_value(text: str) -> object:
+    """The value of an override's text as OmegaConf reads it (the text itself when it reads none)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]), resolve=False)["v"]
+    except OmegaConfBaseException:
+        return text
+
+
+def variable_conflict(variable: str, keys: str, arg: str) -> str:
+    """The message of a driver variable (``NAME=value``) and an argument that set its config key(s) differently."""
+    return (f"{variable} (a driver variable, sets {keys}) and the argument {arg}: one config key set to different "
+            "values; set it once, as the variable or as the argument")
+
+
+def reject_repeated_keys(overrides: List[str], variables: Mapping[str, str] | None = None) -> List[str]:
+    """Refuse a config key that two ``key=value`` overrides set to different values (OmegaConf's dot list would keep
+    the last one without a word); the same value twice is taken. ``variables``: the overrides that the driver made of
+    its variables, ``{override: 'NAME=text'}``, placed before the arguments; an argument agrees with one when it
+    gives the key the same value as YAML reads it (``"x"`` and ``x``).
+
+    Returns:
+        The arguments that agree with one of ``variables``.
 
     Raises:
-        ConfigError: ``arguments K=A and K=B: one config key given twice with different values; give K once``.
+        ConfigError: ``arguments K=A and K=B: one config key given twice with different values; give K once``; for a
+            variable, ``NAME=text (a driver variable, sets K) and the argument K=B: one config key set to different
+            values; set it once, as the variable or as the argument``.
     """
+    variables = variables or {}
     seen: dict[str, str] = {}
+    agreeing = []
     for arg in overrides:
         key, sep, value = arg.partition("=")
         key = key.strip()
-        if sep and key in seen and seen[key] != value:
-            raise ConfigError(f"arguments {key}={seen[key]} and {key}={value}: one config key given twice with "
+        if not sep or key not in seen:
+            seen[key] = arg
+            continue
+        first = seen[key]
+        earlier = first.partition("=")[2]
+        if first in variables:
+            if _yaml_value(earlier) != _yaml_value(value):
+                raise ConfigError(variable_conflict(variables[first], key, arg))
+            agreeing.append(arg)
+        elif earlier != value:
+            raise ConfigError(f"arguments {key}={earlier} and {key}={value}: one config key given twice with "
                               f"different values; give {key} once")
-        seen.setdefault(key, value)
+    return agreeing
 
 
 def last_value_per_key(overrides: List[str]) -> List[str]:

@@ -14,15 +14,6 @@ if TYPE_CHECKING:  # annotations only; the schema imports nothing of this module
 # run), the trainer's run alone /tmp/sftprof_fileroot_<user> (standalone_fileroot). Not /tmp/sftprof (a default
 # before): a folder named like the package shadows it for a Python started in its parent (``cd /tmp && python -c
 # "import sftprof"``).
-# Names that become one folder of a path (experiment_name, trial_name, the driver's EXPERIMENT_NAME and
-# PROFILE_STAMP): no '/', '.' or '..' can lead outside the folder they are put in.
-NAME_ACCEPTED = "letters, digits, '_' and '-' only"
-
-
-def is_folder_name(text: str) -> bool:
-    """True when ``text`` is a non-empty name of :data:`NAME_ACCEPTED` characters (safe as one path component)."""
-    return text.replace("_", "").replace("-", "").isalnum()
-
 
 def standalone_fileroot() -> str:
     """The log root of a trial run without the driver and without ``cluster.fileroot``: this user's own."""

@@ -4,7 +4,8 @@ of its own values next to it.
 The dataclasses are OmegaConf structured configs (:mod:`sftprof.config.loading`), so unknown keys and wrong types
 are refused by OmegaConf itself; value ranges and choices by the ``check`` methods, which
 :func:`sftprof.config.validation.validate` runs before the checks that span sections. Key names follow the
-AReaL-style seed config, e.g. ``actor.mb_spec.n_mbs`` or ``profile.fake_seq_len``.
+AReaL-style seed config, e.g. ``actor.mb_spec.n_mbs`` or ``profile.fake_seq_len``. A key that a driver variable sets
+declares it beside its default, with the key's one check (:func:`sftprof.config.settings.setting`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import List
 
 from sftprof.allocation import AllocationError, parse_allocation_mode
 from sftprof.config.errors import ConfigError, require, require_at_least, require_choice
+from sftprof.config.settings import NAME_ACCEPTED, check_settings, is_folder_name, setting
 from sftprof.ranks import RankSpecError, check_rank_spec_syntax
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -64,13 +66,17 @@ class ClusterConfig:
     ``/tmp/sftprof_fileroot_<user>``: :mod:`sftprof.config.paths`) and the torchrun layout (nodes x processes per
     node)."""
 
-    fileroot: str = ""
-    n_nodes: int = 1
-    n_gpus_per_node: int = 8
+    fileroot: str = field(default="", metadata=setting(
+        "FILEROOT", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/", path=True,
+        default="RUN_ROOT/fileroot, unless the YAML sets cluster.fileroot"))
+    n_nodes: int = field(default=1, metadata=setting(
+        "N_NODES", "nodes; run the driver on each with the same PROFILE_STAMP and a shared FILEROOT", "an integer >= 1", lambda v: v >= 1))
+    n_gpus_per_node: int = field(default=8, metadata=setting(
+        "N_GPUS_PER_NODE", "torchrun --nproc_per_node", "an integer >= 1", lambda v: v >= 1, default="world size / N_NODES"))
 
     def check(self) -> None:
         """Raises ConfigError: ``cluster.n_nodes`` or ``cluster.n_gpus_per_node`` < 1."""
-        require_at_least(self, "cluster", {"n_nodes": (1, "an integer >= 1"), "n_gpus_per_node": (1, "an integer >= 1")})
+        check_settings(self, "cluster")
 
 
 @dataclass
@@ -78,14 +84,15 @@ class MicroBatchSpec:
     """Micro-batching per data-parallel rank: at least ``n_mbs`` micro-batches (a multiple of
     ``n_mbs_divisor``), each holding at most ``max_tokens_per_mb`` tokens (0 = no limit)."""
 
-    n_mbs: int = 1
+    n_mbs: int = field(default=1, metadata=setting("PROFILE_N_MBS", "micro-batches per data-parallel rank", "an integer >= 1", lambda v: v >= 1))
     n_mbs_divisor: int = 1
     max_tokens_per_mb: int = 0
 
     def check(self) -> None:
         """Raises ConfigError: a count below its minimum (``actor.mb_spec.*``)."""
-        require_at_least(self, "actor.mb_spec", {"n_mbs": (1, "an integer >= 1"), "n_mbs_divisor": (1, "an integer >= 1"),
-                                          "max_tokens_per_mb": (0, "an integer >= 0 (0 = no limit)")})
+        check_settings(self, "actor.mb_spec")
+        require_at_least(self, "actor.mb_spec", {"n_mbs_divisor": (1, "an integer >= 1"),
+                                                 "max_tokens_per_mb": (0, "an integer >= 0 (0 = no limit)")})
 
 
 def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, max_tokens_per_mb: int) -> int:
@@ -156,8 +163,12 @@ class LossSettings:
     path: str = "auto"
     # On CPU each chunk makes [chunk, V] fp32 temporaries (V = 151936: 74 MiB each at 128 tokens) instead of [N, V]
     # ones for all N tokens at once; on CUDA the kernels keep no such temporaries and take every token in one launch.
-    logprobs_chunk_size: int = 128
-    lm_head_loss_chunk_size: int = 0
+    logprobs_chunk_size: int = field(default=128, metadata=setting(
+        "LOGPROBS_CHUNK_SIZE", "tokens per chunk of the vocab-parallel logprobs on CPU (0 = all at once; CUDA: one "
+        "launch)", "an integer >= 0 (0 = all tokens at once)", lambda v: v >= 0))
+    lm_head_loss_chunk_size: int = field(default=0, metadata=setting(
+        "LM_HEAD_LOSS_CHUNK_SIZE", "> 0: chunked LM-head loss with that many tokens per chunk",
+        "an integer >= 0 (0 = logits path)", lambda v: v >= 0))
 
     def resolved_path(self) -> str:
         """``lm_head``, ``logprobs`` or ``reference``: ``path`` with ``auto`` decided."""
@@ -170,8 +181,7 @@ class LossSettings:
         (``lm_head`` needs ``lm_head_loss_chunk_size > 0``; ``logprobs``/``reference`` need it 0)."""
         k = "actor.loss"
         require_choice(f"{k}.path", self.path, LOSS_PATHS)
-        require_at_least(self, k, {"logprobs_chunk_size": (0, "an integer >= 0 (0 = all tokens at once)"),
-                                   "lm_head_loss_chunk_size": (0, "an integer >= 0 (0 = logits path)")})
+        check_settings(self, k)
         chunk = self.lm_head_loss_chunk_size
         if self.path == "lm_head":
             require(chunk > 0, f"{k}.lm_head_loss_chunk_size", chunk, "> 0 with actor.loss.path=lm_head (tokens per chunk)")
@@ -195,13 +205,17 @@ class MegatronSettings:
     """Megatron engine and memory-saving settings (precision-aware optimizer dtypes, recompute, MoE routing); the
     loss is :class:`LossSettings`."""
 
-    use_precision_aware_optimizer: bool = False
-    main_grads_dtype: str = "float32"
+    use_precision_aware_optimizer: bool = field(default=False, metadata=setting(
+        "USE_PRECISION_AWARE_OPTIMIZER", "Megatron precision-aware optimizer (needs Transformer Engine); false needs "
+        "the optimizer dtypes float32 (MAIN_GRADS_DTYPE=float32 with the shipped YAML)"))
+    main_grads_dtype: str = field(default="float32", metadata=setting(
+        "MAIN_GRADS_DTYPE", "float32 or bfloat16 main grads", choices=MAIN_GRADS_DTYPES))
     main_params_dtype: str = "float32"
     exp_avg_dtype: str = "float32"
     exp_avg_sq_dtype: str = "float32"
     ddp: DDPSettings = field(default_factory=DDPSettings)
-    use_deterministic_algorithms: bool = False
+    use_deterministic_algorithms: bool = field(default=False, metadata=setting(
+        "USE_DETERMINISTIC_ALGORITHMS", "deterministic kernels"))
     # Kept from the seed config; the SFT loss has no entropy term, so it changes nothing here.
     entropy_requires_grad: bool = False
     recompute_granularity: str = "full"
@@ -269,8 +283,9 @@ class MegatronSettings:
     def check(self) -> None:
         """Raises ConfigError: an unknown choice, a value out of range, or see :meth:`check_optimizer_precision`."""
         k = "actor.megatron"
-        for name, choices in (("main_grads_dtype", MAIN_GRADS_DTYPES), ("main_params_dtype", MAIN_PARAMS_DTYPES),
-                              ("exp_avg_dtype", EXP_AVG_DTYPES), ("exp_avg_sq_dtype", EXP_AVG_DTYPES)):
+        check_settings(self, k)
+        for name, choices in (("main_params_dtype", MAIN_PARAMS_DTYPES), ("exp_avg_dtype", EXP_AVG_DTYPES),
+                              ("exp_avg_sq_dtype", EXP_AVG_DTYPES)):
             require_choice(f"{k}.{name}", getattr(self, name), choices)
         self.check_optimizer_precision()
         require_choice(f"{k}.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
@@ -299,14 +314,16 @@ class SimulateSettings:
 
     # The rank of actor.backend's layout to run alone (-1: off, every rank runs). Its collectives go to torch's fake
     # process group: their outputs are allocated at their real sizes, never exchanged (docs/simulated_rank.md).
-    rank: int = -1
+    rank: int = field(default=-1, metadata=setting(
+        "SIMULATE_RANK", "run this one rank of the layout alone on one device, collectives not run (-1: off; "
+        "docs/simulated_rank.md)", "an integer >= -1 (-1: off, else a rank of actor.backend's layout)",
+        lambda v: v >= -1))
     # Ranks per node of the simulated cluster: groups across nodes take the inter-node rate in the projection.
     gpus_per_node: int = 8
 
     def check(self) -> None:
         """Raises ConfigError: a rank below -1 or ranks per node below 1 (the rank against the layout: ActorConfig)."""
-        require(isinstance(self.rank, int) and self.rank >= -1, "actor.simulate.rank", self.rank,
-                "-1 (off) or a rank of actor.backend's layout")
+        check_settings(self, "actor.simulate")
         require(self.gpus_per_node >= 1, "actor.simulate.gpus_per_node", self.gpus_per_node, "an integer >= 1")
 
 
@@ -318,7 +335,8 @@ class ActorConfig:
     backend: str = "fsdp:d1"
     # A Hugging Face model directory (config.json, optional weights/tokenizer) or the name of a
     # bundled config: see sftprof.models.BUNDLED_CONFIGS.
-    path: str = "qwen3_30b_a3b"
+    path: str = field(default="qwen3_30b_a3b", metadata=setting(
+        "MODEL_PATH", "HF model dir, or a bundled config name (random init)"))
     # Cut the model to this many decoder layers (0 = as in the model config), for single-GPU slices.
     num_layers: int = 0
     init_from_scratch: bool = True
@@ -349,30 +367,32 @@ class ActorConfig:
 class FakeDataConfig:
     """Deterministic fake long samples: tokens per sample, dataset size, where the loss mask starts."""
 
-    fake_seq_len: int = 4096
-    fake_dataset_size: int = 8
-    fake_loss_start_ratio: float = 0.5
+    fake_seq_len: int = field(default=4096, metadata=setting(
+        "PROFILE_FAKE_SEQ_LEN", "tokens per sample (2 to 2**27)", FAKE_SEQ_LEN_ACCEPTED,
+        lambda v: 2 <= v <= TOKENS_PER_RANK_MAX))
+    fake_dataset_size: int = field(default=8, metadata=setting(
+        "PROFILE_FAKE_DATASET_SIZE", "samples in the fake dataset", "an integer >= 1", lambda v: v >= 1))
+    fake_loss_start_ratio: float = field(default=0.5, metadata=setting(
+        "PROFILE_FAKE_LOSS_START_RATIO", "loss mask starts at this fraction of the sample", "a number in [0, 1)",
+        lambda v: 0 <= v < 1))
 
     def check(self) -> None:
         """Raises ConfigError: a value out of range (``profile.*``)."""
-        require(2 <= self.fake_seq_len <= TOKENS_PER_RANK_MAX, "profile.fake_seq_len", self.fake_seq_len,
-                FAKE_SEQ_LEN_ACCEPTED)
-        require_at_least(self, "profile", {"fake_dataset_size": (1, "an integer >= 1")})
-        require(0 <= self.fake_loss_start_ratio < 1, "profile.fake_loss_start_ratio", self.fake_loss_start_ratio,
-                "a number in [0, 1)")
+        check_settings(self, "profile")
 
 
 @dataclass
 class TrainDatasetConfig:
     """Global batch in sequences per step (``batch_size``) and the length cap (0 = none)."""
 
-    batch_size: int = 1
+    batch_size: int = field(default=1, metadata=setting(
+        "TRAIN_BATCH_SIZE", "global batch (sequences per step)", "an integer >= 1", lambda v: v >= 1))
     max_length: int = 0
 
     def check(self) -> None:
         """Raises ConfigError: a value out of range (``train_dataset.*``)."""
-        require_at_least(self, "train_dataset", {"batch_size": (1, "an integer >= 1"),
-                                          "max_length": (0, "an integer >= 0 (0 = no limit)")})
+        check_settings(self, "train_dataset")
+        require_at_least(self, "train_dataset", {"max_length": (0, "an integer >= 0 (0 = no limit)")})
 
 
 def _check_profile_section(section: str, steps: List[int], ranks: str) -> None:
@@ -404,7 +424,10 @@ class MemoryProfilerConfig:
     """Memory trials: allocator snapshots at the end of ``profile_steps`` for the ranks of ``ranks``."""
 
     profile_steps: List[int] = field(default_factory=list)
-    max_entries: int = 100000
+    max_entries: int = field(default=100000, metadata=setting(
+        "MEMORY_MAX_ENTRIES", "allocator history entries kept for snapshots",
+        f"an integer from 1 to {MEMORY_MAX_ENTRIES_MAX} (2**63 - 1, what torch's allocator history takes)",
+        lambda v: 1 <= v <= MEMORY_MAX_ENTRIES_MAX))
     ranks: str = "pp_rank0"
     # The stacks each history entry keeps: "all" (Python, TorchScript and C++ frames, torch's default) or "python"
     # (cheaper to record and to dump: bench/snapshot_cost.py); the categories read Python frames alone.
@@ -415,15 +438,15 @@ class MemoryProfilerConfig:
         :data:`HISTORY_STACKS`."""
         _check_profile_section("memory_profiler", self.profile_steps, self.ranks)
         require_choice("memory_profiler.stacks", self.stacks, HISTORY_STACKS)
-        require(1 <= self.max_entries <= MEMORY_MAX_ENTRIES_MAX, "memory_profiler.max_entries", self.max_entries,
-                f"an integer from 1 to {MEMORY_MAX_ENTRIES_MAX} (2**63 - 1, what torch's allocator history takes)")
+        check_settings(self, "memory_profiler")
 
 
 @dataclass
 class SFTProfileConfig:
     """Root of the trial configuration (loaded by :func:`sftprof.config.loading.load_config`)."""
 
-    experiment_name: str = "sftprof"
+    experiment_name: str = field(default="sftprof", metadata=setting(
+        "EXPERIMENT_NAME", "experiment_name (letters, digits, '_' and '-')", NAME_ACCEPTED, is_folder_name))
     trial_name: str = "trial"
     seed: int = 1
     total_train_steps: int = 1

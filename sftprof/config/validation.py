@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config.errors import ConfigError, require
-from sftprof.config.paths import NAME_ACCEPTED, is_folder_name
 from sftprof.config.schema import SEED_MAX, TOKENS_PER_RANK_MAX, SFTProfileConfig
+from sftprof.config.settings import NAME_ACCEPTED, check_settings, is_folder_name
 
 
 def validate(cfg: SFTProfileConfig) -> None:
@@ -26,7 +26,7 @@ def validate(cfg: SFTProfileConfig) -> None:
     Raises:
         ConfigError: the first violation found, naming the dotted key, value and accepted values.
     """
-    require(is_folder_name(cfg.experiment_name), "experiment_name", cfg.experiment_name, NAME_ACCEPTED)
+    check_settings(cfg, "")  # experiment_name
     require(is_folder_name(cfg.trial_name), "trial_name", cfg.trial_name, NAME_ACCEPTED)
     require(0 <= cfg.seed <= SEED_MAX, "seed", cfg.seed, f"an integer from 0 to {SEED_MAX} (2**32 - 1, NumPy's range)")
     require(cfg.total_train_steps >= 1, "total_train_steps", cfg.total_train_steps, "an integer >= 1")

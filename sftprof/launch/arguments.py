@@ -1,20 +1,16 @@
-"""The ``key=value`` arguments after the script, against the driver variables: one rule for a variable and an
-argument that set the same config key (different values are refused, the same value is taken and noted), an
-argument written like a driver variable refused, and the keys the driver sets for each trial (:data:`TRIAL_KEYS`),
-which an argument may give only the driver's value.
+"""The ``key=value`` arguments after the script, against the driver variables: an argument written like a driver
+variable refused, and the keys the driver sets for each trial (:data:`TRIAL_KEYS`), which an argument may give only
+the driver's value. A config variable and an argument for its key meet in the rule for a key given twice
+(:func:`sftprof.config.reject_repeated_keys`).
 """
 from __future__ import annotations
 
 import re
 import shlex
 from dataclasses import fields
-from typing import Callable
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from sftprof.config import ConfigError, SFTProfileConfig, load_config
-from sftprof.launch.variables import BY_NAME, DRIVER_SCRIPT, DriverError, Variable, closest_variable
+from sftprof.launch.variables import BY_NAME, DRIVER_SCRIPT, DriverError, closest_variable
 from sftprof.launch.plan_types import DriverEnv, PlanLog
 
 
@@ -57,37 +53,9 @@ def reject_driver_variables_as_arguments(extra_overrides: list[str]) -> None:
                           f"(`bash {DRIVER_SCRIPT} --help` lists them)")
 
 
-def arguments_agree(name: str, arguments: list[str], agrees: Callable[[str], bool], conflict: Callable[[str], str],
-                    log: PlanLog) -> None:
-    """The check of every argument that sets a config key the driver sets itself (a config variable's key, the
-    profiled ranks, a trial's own settings): DriverError(``conflict(arg)``) for the first argument that gives the key
-    another value than the driver (``agrees(arg)`` false); else the arguments are taken and ``profile_settings.log``
-    names them on variable ``name``'s line as agreeing (:meth:`sftprof.launch.plan_types.PlanLog.agree`)."""
-    for arg in arguments:
-        if not agrees(arg):
-            raise DriverError(conflict(arg))
-    log.agree(name, arguments)
-
-
-def variable_conflict(variable: str, keys: str, arg: str) -> str:
-    """The message of a driver variable (``NAME=value``) and an argument that set its config key(s) differently."""
-    return (f"{variable} (a driver variable, sets {keys}) and the argument {arg}: one config key set to different "
-            "values; set it once, as the variable or as the argument")
-
-
 def arguments_setting(key: str, extra_overrides: list[str]) -> list[str]:
     """The ``key=value`` arguments that set config ``key``."""
     return [arg for arg in extra_overrides if arg.partition("=")[0].strip() == key]
-
-
-def argument_value(var: Variable, arg: str) -> object:
-    """The value argument ``arg`` gives ``var``'s key, read as OmegaConf reads it and then as the driver reads
-    ``var`` (so ``cluster.fileroot=rel`` compares as the resolved path); None when the driver would refuse it."""
-    try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={arg.partition('=')[2]}"]), resolve=False)["v"]
-        return var.parse(var.name, yaml_value(value))
-    except (DriverError, OmegaConfBaseException):
-        return None
 
 
 def config_value(cfg: SFTProfileConfig, key: str) -> object:
@@ -100,27 +68,27 @@ def config_value(cfg: SFTProfileConfig, key: str) -> object:
 def check_trial_arguments(d: DriverEnv, owned: dict[str, list[str]], settings: dict[str, str],
                           cfg: SFTProfileConfig, trial: str, log: PlanLog) -> None:
     """Refuse (DriverError) an argument that sets a key of :data:`TRIAL_KEYS` to another value than the driver's
-    for this trial (``settings``: key -> ``key=value``; ``cfg``: the trial's config), naming the argument and the
-    driver variable that sets the key; an argument that agrees is noted on that variable's line
-    (:func:`arguments_agree`). The argument's value is read as the trainer would: the config with it last."""
+    for this trial (``settings``: key -> ``key=value``; ``cfg``: the trial's config), naming the first such argument
+    and the driver variable that sets the key; arguments that agree are taken and noted on that variable's line
+    (:meth:`sftprof.launch.plan_types.PlanLog.agree`). The argument's value is read as the trainer would: the config
+    with it last."""
     try:
         theirs = load_config(d.config, d.overrides + list(settings.values()) + d.extra_overrides)
     except ConfigError:  # an invalid value is not the driver's (which loaded above)
         theirs = None
     for key, arguments in owned.items():
         variables = " and ".join(TRIAL_KEYS[key])
-        if variables:
+        if theirs is None or config_value(theirs, key) != config_value(cfg, key):
+            arg = arguments[0]
+            if not variables:
+                raise DriverError(f"argument {arg}: trial_name is the driver's own: it names each trial "
+                                  f"<model>_fake<len>_<kind>_step<N>_<stamp> ({settings['trial_name']} for {trial}); "
+                                  "leave the argument out (EXPERIMENT_NAME and PROFILE_STAMP name the run)")
             remedy = (f"set {variables} before `bash` instead" + (
                 f" ({shlex.quote('TOTAL_STEPS=' + arguments[-1].partition('=')[2])} bash {DRIVER_SCRIPT})"
                 if key == "total_train_steps" else ""))
-            conflict = (lambda arg, key=key, variables=variables, remedy=remedy:
-                        f"argument {arg}: the driver sets {key} for each trial from {variables} ({settings[key]} for "
-                        f"{trial}); {remedy}")
-        else:
-            conflict = (lambda arg: f"argument {arg}: trial_name is the driver's own: it names each trial "
-                        f"<model>_fake<len>_<kind>_step<N>_<stamp> ({settings['trial_name']} for {trial}); leave the "
-                        "argument out (EXPERIMENT_NAME and PROFILE_STAMP name the run)")
-        same = theirs is not None and config_value(theirs, key) == config_value(cfg, key)
-        arguments_agree(TRIAL_KEYS[key][0] if variables else "trial_name", arguments, lambda arg: same, conflict, log)
+            raise DriverError(f"argument {arg}: the driver sets {key} for each trial from {variables} ({settings[key]} "
+                              f"for {trial}); {remedy}")
+        log.agree(TRIAL_KEYS[key][0] if variables else "trial_name", arguments)
         if not variables:
             log.note("trial_name", cfg.trial_name, "the driver's own: <model>_fake<len>_<kind>_step<N>_<stamp>")

@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 from sftprof import artifacts
 from sftprof.config import ConfigError
 from sftprof.launch.folders import remove_plan, write_plan
-from sftprof.launch.plan_types import Trial
+from sftprof.launch.plan_types import RunPlan, Trial
 from sftprof.launch.planning import plan
 from sftprof.launch.report import report
 from sftprof.launch.signals import PlanInterrupted, ignore_signals, plan_handlers, say, signals_held
@@ -32,15 +32,15 @@ from sftprof.launch.trials import TrialRunner
 from sftprof.launch.variables import (DRIVER_SCRIPT, REPO_ROOT, DriverError, markdown_table, suspect_variables,
                                       unknown_allowed, usage)
 
-# The settings ``plan`` prints (KEY=value lines).
+# The settings ``plan`` prints (KEY=value lines): fields of RunPlan.
 PLAN_KEYS = ("run_root", "trials", "stop_on_failure", "node_timeout", "nproc_per_node", "nnodes", "node_rank",
              "master_addr", "master_port")
 
 
 def plan_run(env: Mapping[str, str], overrides: list[str],
-             on_planned: Callable[[], None]) -> tuple[list[Trial], dict] | int:
+             on_planned: Callable[[], None]) -> tuple[list[Trial], RunPlan] | int:
     """Plan (:func:`sftprof.launch.planning.plan`) and write the plan into RUN_ROOT
-    (:func:`sftprof.launch.folders.write_plan`) under the plan's signal handlers; returns ``(trials, info)``, or
+    (:func:`sftprof.launch.folders.write_plan`) under the plan's signal handlers; returns ``(trials, run_plan)``, or
     the exit status when the plan stopped: 2 on bad input (the message printed), 128 + the signal on one of
     :data:`sftprof.launch.signals.SIGNALS` (what the plan wrote removed, and said in one line). Once the plan is written, its notices are printed and
     ``on_planned`` (the caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
@@ -49,9 +49,9 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
     run_root = None
     try:
         try:
-            trials, settings, info = plan(env, overrides)
-            run_root = Path(info["run_root"])
-            write_plan(trials, settings, info, created)
+            trials, settings, run_plan = plan(env, overrides)
+            run_root = run_plan.run_root
+            write_plan(trials, settings, run_plan, created)
         except (DriverError, ConfigError) as err:
             try:
                 allowed = unknown_allowed(env)
@@ -63,10 +63,10 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
             say(str(err))
             return 2
         with signals_held():
-            for line in info["notices"]:
+            for line in run_plan.notices:
                 say(line)
             on_planned()
-        return trials, info
+        return trials, run_plan
     except PlanInterrupted as stop:
         say(f"{signal_name(stop.signum)} received during the plan: nothing was launched; "
             f"{remove_plan(run_root, created)}")
@@ -93,7 +93,7 @@ def _plan(argv: list[str], env: Mapping[str, str]) -> int:
     if isinstance(planned, int):
         return planned
     for key in PLAN_KEYS:
-        print(f"{key.upper()}={shlex.quote(str(planned[1][key]))}")
+        print(f"{key.upper()}={shlex.quote(str(getattr(planned[1], key)))}")
     return 0
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from sftprof import artifacts
 from sftprof.launch.signals import signals_held
 from sftprof.launch.variables import DriverError, folder_name
-from sftprof.launch.plan_types import DriverEnv, PlanLog, Probe, Trial
+from sftprof.launch.plan_types import DriverEnv, PlanLog, Probe, RunPlan, Trial
 
 
 NAME_MAX = 255   # bytes in one folder name (Linux filesystems)
@@ -169,9 +169,9 @@ def choose_run_root(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[Path, str]:
     return run_root, stamp
 
 
-def write_plan(trials: list[Trial], settings: list[str], info: dict, created: list[Path] | None = None) -> None:
+def write_plan(trials: list[Trial], settings: list[str], run_plan: RunPlan, created: list[Path] | None = None) -> None:
     """Claim RUN_ROOT and write into it ``profile_settings.log``, ``plan_config.yaml`` (the CONFIG file as the plan
-    read it, ``info["config"]``, read-only: every trial loads it), ``trials.tsv`` and each trial's folder with its
+    read it, ``run_plan.config``, read-only: every trial loads it), ``trials.tsv`` and each trial's folder with its
     ``train_args.txt``.
 
     The claim is the creation of ``profile_settings.log`` only if it does not exist (``O_EXCL``): of two drivers
@@ -185,7 +185,7 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict, created: li
         DriverError: another driver claimed RUN_ROOT first (``created`` is then emptied: nothing is the plan's).
     """
     created = [] if created is None else created
-    run_root = Path(info["run_root"])
+    run_root = run_plan.run_root
     with signals_held():
         missing = []
         folder = run_root
@@ -213,8 +213,8 @@ def write_plan(trials: list[Trial], settings: list[str], info: dict, created: li
             created.clear()  # what this driver made on the way holds the other run now
             raise DriverError(f"RUN_ROOT={run_root}: another driver claimed it while this one planned (its "
                               f"{artifacts.PROFILE_SETTINGS} appeared); nothing was written. "
-                              + another_run_root(info.get("run_root_set", True))) from None
-        config = info["config"]
+                              + another_run_root(run_plan.run_root_set)) from None
+        config = run_plan.config
         with open(made(Path(config.copy)), "xb") as f:  # read-only: the plan's, not to be edited
             f.write(config.text)
         os.chmod(config.copy, 0o444)

@@ -1,7 +1,7 @@
 """The plan's records, shared by the launcher's modules (``planning`` makes them; ``arguments``, ``folders``, ``trials``,
 ``what_ifs`` and ``cli`` read them): a :class:`Trial`, what planning tells the user (:class:`PlanLog`), the config
-file as read (:class:`PlanConfig`), the parsed driver variables (:class:`DriverEnv`) and the probed layout
-(:class:`Probe`). Data only: this module imports nothing of the launcher."""
+file as read (:class:`PlanConfig`), the parsed driver variables (:class:`DriverEnv`), the probed layout
+(:class:`Probe`) and how the planned trials run (:class:`RunPlan`). Data only: this module imports nothing of the launcher."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +12,7 @@ from typing import Callable
 from sftprof.allocation import Layout
 from sftprof.config import SFTProfileConfig
 
-__all__ = ["Trial", "PlanLog", "PlanConfig", "DriverEnv", "Probe"]
+__all__ = ["Trial", "PlanLog", "PlanConfig", "DriverEnv", "Probe", "RunPlan"]
 
 
 @dataclass
@@ -123,3 +123,26 @@ class Probe:
     gpus: int
     kinds: list[str]
     ranks_specs: dict[str, str]  # kind -> the rank spec its trials get (perf_tracer.ranks, memory_profiler.ranks)
+
+
+@dataclass
+class RunPlan:
+    """How the planned trials run (:func:`sftprof.launch.planning.plan`'s third result): where, torchrun's settings
+    (one node's), the limits and what to tell the user; ``python -m sftprof.launch plan`` prints the fields of
+    :data:`sftprof.launch.cli.PLAN_KEYS`."""
+
+    run_root: Path
+    run_root_set: bool  # RUN_ROOT was given (else the default folder was made up)
+    trials: int  # how many trials were planned
+    stop_on_failure: int  # 1: stop after the first failed trial (STOP_ON_FAILURE), 0: run them all
+    what_ifs: int  # TRY_WHAT_IFS
+    node_timeout: int  # seconds (NODE_TIMEOUT)
+    stall_timeout: int  # seconds without progress before the watchdog ends a trial (STALL_TIMEOUT; 0: none)
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    config: PlanConfig  # the CONFIG file every trial loads (its copy in RUN_ROOT)
+    notices: list[str]  # lines for the user before launch: skipped trials, the plan, the warnings
+    warnings: list[str]  # repeated under the end table

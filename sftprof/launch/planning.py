@@ -1,8 +1,8 @@
 """Planning: the driver variables and arguments -> validated trials, one per profile step and kind.
 
 :func:`plan` runs before anything is launched, in three steps: :func:`read_driver_env` (the variables of
-:mod:`sftprof.launch.variables`, parsed and checked; the one rule for a variable and an argument that set the same
-key), :func:`probe_config` (the config they produce, its model, the layout against this node's GPUs) and
+:mod:`sftprof.launch.variables`, parsed and checked; a set config variable becomes the argument ``key=value`` before
+the user's), :func:`probe_config` (the config they produce, its model, the layout against this node's GPUs) and
 :func:`expand_trials` (one trial per step and kind, each trial's config loaded and so validated), then torchrun's
 settings. Any bad value raises :class:`~sftprof.launch.variables.DriverError` naming the variable or argument, the
 value and what is accepted (the launcher exits 2, nothing written or launched).
@@ -36,20 +36,19 @@ from typing import Mapping
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
-from sftprof.analysis.projection import assumed
-from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
-                            load_config, reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir)
+from sftprof.config import (RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key, load_config,
+                            reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir, variable_conflict)
 from sftprof.launch import folders
-from sftprof.launch.plan_types import DriverEnv, PlanConfig, PlanLog, Probe, Trial
-from sftprof.launch.arguments import (TRIAL_KEYS, argument_value, arguments_agree, arguments_setting,
-                                      check_trial_arguments, config_value, reject_driver_variables_as_arguments,
-                                      variable_conflict, yaml_value)
+from sftprof.launch.plan_types import DriverEnv, PlanConfig, PlanLog, Probe, RunPlan, Trial
+from sftprof.launch.arguments import (TRIAL_KEYS, arguments_setting, check_trial_arguments, config_value,
+                                      reject_driver_variables_as_arguments, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
                                       DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable,
                                       check_text, parse_bool, suspect_variables, unknown_allowed)
-from sftprof.models.hf import ModelPathError, check_weights_present, load_hf_config
+from sftprof.models.checks import ModelCheckError, check_model
+from sftprof.models.hf import load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
-from sftprof.tokenizer import hf_tokenizer_dir, load_tokenizer
+from sftprof.simulation import assumed
 
 RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profiler's ranks key
 
@@ -101,8 +100,9 @@ def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:
 
 
 def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: PlanLog) -> DriverEnv:
-    """Step 1: parse every driver variable (no config is read yet), and apply the one rule to each config variable:
-    set, it overrides its key, and an argument giving that key another value is refused.
+    """Step 1: parse every driver variable (no config is read yet); a set config variable becomes the argument
+    ``key=value`` before the user's, and the rule for a key given twice (:func:`sftprof.config.reject_repeated_keys`)
+    refuses an argument that gives its key another value (one that agrees is noted on the variable's line).
 
     Raises:
         DriverError: a variable or argument is invalid (see :func:`plan`).
@@ -111,10 +111,6 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     check_text(env)
     _check_suspects(env, log)
     reject_driver_variables_as_arguments(extra_overrides)
-    try:
-        reject_repeated_keys(extra_overrides)
-    except ConfigError as err:
-        raise DriverError(str(err)) from None
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
     steps = BY_NAME["PROFILE_STEPS"].parse("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None
@@ -134,24 +130,23 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     log.note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
     log.note("TRY_WHAT_IFS", what_ifs, "env" if get("TRY_WHAT_IFS") else "default")
 
-    overrides: list[str] = []
+    variables: dict[str, str] = {}  # key=value -> NAME=text
     set_keys: set[str] = set()
     for var in CONFIG_VARIABLES:
         value = var.value(env)
-        if value is None:  # unset or empty: the config's value stands
-            continue
-        (key,) = var.keys
-        # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
-        overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else yaml_value(value)}")
-        set_keys.add(var.name)
-        arguments_agree(var.name, arguments_setting(key, extra_overrides),
-                         lambda arg: argument_value(var, arg) == value,
-                         lambda arg: variable_conflict(f"{var.name}={get(var.name)}", key, arg), log)
-    if "USE_PRECISION_AWARE_OPTIMIZER" in set_keys and not parse_bool("", get("USE_PRECISION_AWARE_OPTIMIZER")) \
-            and "MAIN_GRADS_DTYPE" not in set_keys:
-        # USE_PRECISION_AWARE_OPTIMIZER=false alone: the optimizer dtypes follow it back to float32.
-        overrides += [f"actor.megatron.{f}=float32" for f in PRECISION_FIELDS]
-        log.settings.append("# USE_PRECISION_AWARE_OPTIMIZER=false: main grads, main params and Adam moments set to float32")
+        if value is not None:  # unset or empty: the config's value stands
+            # Text values go in as JSON strings, so YAML never reads "0123", "yes" or "a #b" as something else.
+            variables[f"{var.keys[0]}={json.dumps(value) if isinstance(value, str) else yaml_value(value)}"] = \
+                f"{var.name}={get(var.name)}"
+            set_keys.add(var.name)
+    try:
+        agreeing = reject_repeated_keys(list(variables) + list(extra_overrides), variables)
+    except ConfigError as err:
+        raise DriverError(str(err)) from None
+    for var in CONFIG_VARIABLES:
+        if var.name in set_keys:
+            log.agree(var.name, arguments_setting(var.keys[0], agreeing))
+    overrides = list(variables)
     master_port = BY_NAME["MASTER_PORT"].value(env)
     node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
     stall_timeout = BY_NAME["STALL_TIMEOUT"].value(env)
@@ -182,23 +177,12 @@ def _load_probe_config(d: DriverEnv) -> SFTProfileConfig:
                                                      if a.partition("=")[0].strip() not in TRIAL_KEYS])
     except ConfigError as err:
         raise DriverError(f"{err} {_sources(d)}") from err
-    try:
-        hf_config = load_hf_config(probe.actor.path, probe.actor.num_layers)
-        check_weights_present(probe.actor)
-    except (ModelPathError, ValueError) as err:
-        raise DriverError(f"{err} (MODEL_PATH / actor.path)") from err
-    layout = parse_allocation_mode(probe.actor.backend)
-    if layout.backend == "megatron":
-        from sftprof.models.megatron_config import check_model_settings  # torch and megatron-core: megatron only
-        try:
-            check_model_settings(probe, hf_config, layout)
-        except ConfigError as err:
-            raise DriverError(f"{err} {_sources(d, model=True)}") from err
-    try:  # a damaged Hugging Face tokenizer stops the plan, not every trial (the bundled one is the package's)
-        if hf_tokenizer_dir(probe.tokenizer_path, probe.actor.path) is not None:
-            load_tokenizer(probe.tokenizer_path, probe.actor.path, hf_config.model_type)
-    except ValueError as err:
-        raise DriverError(f"{err} (tokenizer_path / MODEL_PATH)") from err
+    try:  # a damaged model or tokenizer stops the plan, not every trial (the bundled tokenizer is the package's)
+        check_model(probe, parse_allocation_mode(probe.actor.backend), bundled_tokenizer=False)
+    except ModelCheckError as err:
+        where = {"model": "(MODEL_PATH / actor.path)", "settings": _sources(d, model=True),
+                 "tokenizer": "(tokenizer_path / MODEL_PATH)"}[err.part]
+        raise DriverError(f"{err} {where}") from err
     return probe
 
 
@@ -335,9 +319,10 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
             raise DriverError(f"{where if arguments else 'config ' + key}: {err} (actor.backend="
                               f"{probe.actor.backend})") from err
         if env_ranks is not None:
-            arguments_agree("PROFILE_RANKS", arguments, lambda arg: ranks == env_ranks,
-                             lambda arg: variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
-                                                            arg), log)
+            if arguments and ranks != env_ranks:
+                raise DriverError(variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
+                                                    arguments[0]))
+            log.agree("PROFILE_RANKS", arguments)
             spec, ranks, where = ranks_env.strip(), env_ranks, "env"
         specs[kind], shown[kind], sources[kind] = spec, format_ranks(ranks) if spec else "all", where
     planned = [k for k in RANK_KEYS if k in kinds]
@@ -494,7 +479,7 @@ def fit_text(fit: dict, brief: bool = False) -> str:
                else ""))
 
 
-def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
+def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict[str, int | str]:
     """torchrun's ``nproc_per_node, nnodes, node_rank, master_addr, master_port`` (a free port on one node)."""
     master_port = d.master_port
     if master_port is None and p.n_nodes == 1:
@@ -518,8 +503,8 @@ def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict:
 
 
 def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = None,
-         ) -> tuple[list[Trial], list[str], dict]:
-    """Validate the driver environment and return ``(trials, settings_lines, info)``.
+         ) -> tuple[list[Trial], list[str], RunPlan]:
+    """Validate the driver environment and return ``(trials, settings_lines, run_plan)``.
 
     Three steps: :func:`read_driver_env` (parse the variables), :func:`probe_config` (the config they
     produce, checked against this node) and :func:`expand_trials` (one trial per step and kind), then the
@@ -530,10 +515,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         extra_overrides: the driver's arguments (config overrides for every trial).
         gpus: CUDA devices on this node (None: ask torch, :func:`visible_gpus`).
 
-    ``info`` holds ``stop_on_failure, what_ifs, run_root, trials, node_timeout, stall_timeout``, ``config`` (the
-    :class:`PlanConfig` every trial runs), the torchrun settings
-    ``nproc_per_node, nnodes, node_rank, master_addr, master_port``, ``notices`` (lines for the user before launch: skipped trials,
-    the plan, the warnings) and ``warnings`` (repeated under the end table).
+    ``run_plan`` (:class:`RunPlan`): RUN_ROOT, torchrun's settings, the limits, the config every trial loads and
+    the lines for the user.
 
     Raises:
         DriverError: a variable or argument is invalid, the config they produce is invalid, the
@@ -554,9 +537,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
-    return trials, log.settings, {"stop_on_failure": int(d.stop), "what_ifs": d.what_ifs, "run_root": str(run_root),
-                                  "run_root_set": bool(d.get("RUN_ROOT")),
-                                  "trials": len(trials), "node_timeout": d.node_timeout,
-                                  "stall_timeout": d.stall_timeout, **torchrun,
-                                  "config": log.config,
-                                  "notices": log.notices, "warnings": log.warnings}
+    return trials, log.settings, RunPlan(
+        run_root=run_root, run_root_set=bool(d.get("RUN_ROOT")), trials=len(trials), stop_on_failure=int(d.stop),
+        what_ifs=d.what_ifs, node_timeout=d.node_timeout, stall_timeout=d.stall_timeout, **torchrun, config=log.config,
+        notices=log.notices, warnings=log.warnings)

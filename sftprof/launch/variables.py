@@ -4,29 +4,37 @@ the checks all read.
 Each row is a variable: its name, the config keys it sets, its parser (text -> value, raising
 :class:`DriverError` with the variable, the value and what is accepted) and a one-line doc. Three scopes:
 
-- ``config``: the variable sets config keys of every trial, only when set (non-empty); unset, the YAML's value (or
-  an argument's) stands, so that value is its default and ``--help`` reads it from the YAML;
+- ``config``: the variable sets a config key of every trial, only when set (non-empty); unset, the YAML's value (or
+  an argument's) stands, so that value is its default and ``--help`` reads it from the YAML. These rows are made from
+  the schema, where each is declared beside its key with the key's one check (:mod:`sftprof.config.settings`); the
+  driver turns a set one into the argument ``key=value`` before the user's. ``PROFILE_RANKS`` (two keys, resolved
+  against the layout) is written here;
 - ``trial``: the driver sets these keys per trial (one trial per profile step and kind); its default is written
   here;
 - ``launcher``: a setting of the launcher itself (where the run goes, torchrun's rendezvous, the interpreter),
   no key of the trial's config (whose ``config.yaml`` stays the same for two runs of one experiment); its default
   is written here.
 
-A variable and a ``key=value`` argument that set one key to different values are refused by one rule
-(:func:`sftprof.launch.planning.read_driver_env`). Every variable's text is refused when it holds a control
+A variable and a ``key=value`` argument that set one key to different values are refused by the rule for a key given
+twice (:func:`sftprof.config.reject_repeated_keys`). Numbers are read strictly: ASCII digits, no spaces
+(:func:`sftprof.config.settings.read_number`). Every variable's text is refused when it holds a control
 character (:func:`check_text`), with one message for all. A set variable that is no driver variable but looks
 like a misspelled one stops the driver (:func:`suspect_variables`) unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
+import typing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
-from sftprof.config import (FAKE_SEQ_LEN_WHY, MEMORY_MAX_ENTRIES_MAX, NAME_ACCEPTED, TOKENS_PER_RANK_MAX,
-                            ConfigError, SFTProfileConfig, is_folder_name, load_config)
+from sftprof.config import (NAME_ACCEPTED, SETTING, ConfigError, SFTProfileConfig, Setting, is_folder_name,
+                            load_config, parse_text)
+from sftprof.config.settings import BOOL_TEXT, read_number
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
@@ -40,8 +48,6 @@ DEFAULT_STALL_TIMEOUT_S = 1800  # a rank without progress this long is stalled: 
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
 FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked
-BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
-DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
 
 
@@ -50,37 +56,18 @@ class DriverError(ValueError):
 
 
 def _int(name: str, text: str, minimum: int, maximum: int | None = None, why: str = "") -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum or text.strip().startswith("+") or (maximum is not None and value > maximum):
+    value = read_number(int, text)
+    if value is None or value < minimum or (maximum is not None and value > maximum):
         raise DriverError(f"{name}={text!r}: must be an integer " + (f">= {minimum}" if maximum is None else
                                                                      f"from {minimum} to {maximum}{why}"))
     return value
 
 
-def _float_ratio(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value < 1:
-        raise DriverError(f"{name}={text!r}: must be a number in [0, 1)")
-    return value
-
-
 def parse_bool(name: str, text: str) -> bool:
-    """``true``/``false``/``1``/``0`` (any case) -> bool; else DriverError naming ``name``."""
-    if text.strip().lower() not in BOOL_TEXT:
+    """``true``/``false``/``1``/``0`` (any case, no spaces) -> bool; else DriverError naming ``name``."""
+    if text.lower() not in BOOL_TEXT:
         raise DriverError(f"{name}={text!r}: must be true or false (or 1/0)")
-    return BOOL_TEXT[text.strip().lower()]
-
-
-def _dtype(name: str, text: str) -> str:
-    if text.strip().lower() not in DTYPE_ALIASES:
-        raise DriverError(f"{name}={text!r}: must be one of float32, bfloat16 (aliases fp32, bf16)")
-    return DTYPE_ALIASES[text.strip().lower()]
+    return BOOL_TEXT[text.lower()]
 
 
 def _no_repeats(name: str, text: str, items: list) -> None:
@@ -91,7 +78,7 @@ def _no_repeats(name: str, text: str, items: list) -> None:
 
 def _steps(name: str, text: str) -> list[int]:
     items = [t.strip() for t in text.split(",")]
-    if not text.strip() or any(not t.isdigit() for t in items):
+    if not text.strip() or any(read_number(int, t) is None or t.startswith("-") for t in items):
         raise DriverError(f"{name}={text!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
     if any(int(t) >= MAX_STEPS for t in items):
         raise DriverError(f"{name}={text!r}: must list integers below {MAX_STEPS} (10**9)")
@@ -141,19 +128,16 @@ def _text(name: str, text: str) -> str:
 
 
 def _gib(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
+    value = read_number(float, text)
     if value is None or not 0 < value < 2**20:
         raise DriverError(f"{name}={text!r}: must be a number of GiB > 0, e.g. 79.19 (an H100 80 GB), 139.8 (an H200)")
     return value
 
 
 def _fit_check(name: str, text: str) -> str:
-    if text.strip() not in FIT_CHECKS:
+    if text not in FIT_CHECKS:
         raise DriverError(f"{name}={text!r}: must be one of {', '.join(FIT_CHECKS)}")
-    return text.strip()
+    return text
 
 
 @dataclass(frozen=True)
@@ -183,14 +167,33 @@ class Variable:
         return self.parse(self.name, text) if text else None
 
 
+def _setting_value(s: Setting, kind: type, name: str, text: str) -> object:
+    """A config variable's value (:func:`sftprof.config.parse_text`); DriverError naming it when refused."""
+    try:
+        return parse_text(s, kind, text)
+    except ValueError as err:
+        raise DriverError(str(err)) from None
+
+
+def _schema_variables(section: type = SFTProfileConfig, prefix: str = "") -> tuple[Variable, ...]:
+    """The ``config`` variables the schema declares beside their keys (:mod:`sftprof.config.settings`), in its
+    order: one key each, read and checked by that key's :class:`~sftprof.config.Setting`."""
+    out: list[Variable] = []
+    hints = typing.get_type_hints(section)
+    for f in dataclasses.fields(section):
+        kind, s = hints[f.name], f.metadata.get(SETTING)
+        if s is not None:
+            out.append(Variable(s.env, "config", s.doc, (prefix + f.name,), partial(_setting_value, s, kind), s.default))
+        elif dataclasses.is_dataclass(kind):
+            out += _schema_variables(kind, f"{prefix}{f.name}.")
+    return tuple(out)
+
+
+# The variables that set one config key each, with its default the YAML's (N_GPUS_PER_NODE's and FILEROOT's derived).
+CONFIG_VARIABLES = _schema_variables()
 VARIABLES = (
     Variable("CONFIG", "launcher", "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)", default=DEFAULT_CONFIG),
-    Variable("MODEL_PATH", "config", "HF model dir, or a bundled config name (random init)", ("actor.path",)),
-    Variable("FILEROOT", "config", "trainer logs go to FILEROOT/logs/<user>/<experiment>/<trial>/",
-             ("cluster.fileroot",), lambda n, t: str(Path(t).expanduser().resolve()),
-             "RUN_ROOT/fileroot, unless the YAML sets cluster.fileroot"),
-    Variable("EXPERIMENT_NAME", "config", "experiment_name (letters, digits, '_' and '-')", ("experiment_name",),
-             folder_name),
+    *CONFIG_VARIABLES,
     Variable("PROFILE_STEPS", "trial", "steps to profile (each < 10**9), one trial per step and kind",
              ("perf_tracer.profile_steps", "memory_profiler.profile_steps"), _steps, "0,1"),
     Variable("TOTAL_STEPS", "trial", "steps each trial runs (must exceed the profile step; <= 10**9)",
@@ -199,12 +202,6 @@ VARIABLES = (
              ("perf_tracer.ranks", "memory_profiler.ranks"), lambda n, t: t.strip()),
     Variable("PROFILE_KINDS", "trial", "subset of kernel,memory", ("perf_tracer.enabled",), _kinds,
              "kernel,memory (kernel without CUDA)"),
-    Variable("SIMULATE_RANK", "config", "run this one rank of the layout alone on one device, collectives not run "
-             "(-1: off; docs/simulated_rank.md)", ("actor.simulate.rank",), lambda n, t: _int(n, t, -1)),
-    Variable("N_GPUS_PER_NODE", "config", "torchrun --nproc_per_node", ("cluster.n_gpus_per_node",),
-             lambda n, t: _int(n, t, 1), "world size / N_NODES"),
-    Variable("N_NODES", "config", "nodes; run the driver on each with the same PROFILE_STAMP and a shared FILEROOT",
-             ("cluster.n_nodes",), lambda n, t: _int(n, t, 1)),
     Variable("NODE_RANK", "launcher", "this node (node 0 postprocesses every rank)", parse=lambda n, t: _int(n, t, 0),
              default="0"),
     Variable("MASTER_ADDR", "launcher", "address of node 0", parse=_host, default="127.0.0.1"),
@@ -218,29 +215,6 @@ VARIABLES = (
              "the watchdog ends the trial naming it (0: no watchdog)",
              parse=lambda n, t: _int(n, t, 0, NODE_TIMEOUT_MAX_S),
              default=str(DEFAULT_STALL_TIMEOUT_S)),
-    Variable("PROFILE_FAKE_SEQ_LEN", "config", "tokens per sample (2 to 2**27)", ("profile.fake_seq_len",),
-             lambda n, t: _int(n, t, 2, TOKENS_PER_RANK_MAX, FAKE_SEQ_LEN_WHY)),
-    Variable("PROFILE_FAKE_DATASET_SIZE", "config", "samples in the fake dataset", ("profile.fake_dataset_size",),
-             lambda n, t: _int(n, t, 1)),
-    Variable("PROFILE_FAKE_LOSS_START_RATIO", "config", "loss mask starts at this fraction of the sample",
-             ("profile.fake_loss_start_ratio",), _float_ratio),
-    Variable("TRAIN_BATCH_SIZE", "config", "global batch (sequences per step)", ("train_dataset.batch_size",),
-             lambda n, t: _int(n, t, 1)),
-    Variable("PROFILE_N_MBS", "config", "micro-batches per data-parallel rank", ("actor.mb_spec.n_mbs",),
-             lambda n, t: _int(n, t, 1)),
-    Variable("MEMORY_MAX_ENTRIES", "config", "allocator history entries kept for snapshots",
-             ("memory_profiler.max_entries",), lambda n, t: _int(n, t, 1, MEMORY_MAX_ENTRIES_MAX, " (2**63 - 1)")),
-    Variable("LOGPROBS_CHUNK_SIZE", "config", "tokens per chunk of the vocab-parallel logprobs on CPU (0 = all at "
-             "once; CUDA: one launch)", ("actor.loss.logprobs_chunk_size",), lambda n, t: _int(n, t, 0)),
-    Variable("LM_HEAD_LOSS_CHUNK_SIZE", "config", "> 0: chunked LM-head loss with that many tokens per chunk",
-             ("actor.loss.lm_head_loss_chunk_size",), lambda n, t: _int(n, t, 0)),
-    Variable("USE_PRECISION_AWARE_OPTIMIZER", "config", "Megatron precision-aware optimizer (needs Transformer "
-             "Engine); false alone also sets the optimizer dtypes to float32",
-             ("actor.megatron.use_precision_aware_optimizer",), parse_bool),
-    Variable("MAIN_GRADS_DTYPE", "config", "float32 or bfloat16 main grads", ("actor.megatron.main_grads_dtype",),
-             _dtype),
-    Variable("USE_DETERMINISTIC_ALGORITHMS", "config", "deterministic kernels",
-             ("actor.megatron.use_deterministic_algorithms",), parse_bool),
     Variable("TRY_WHAT_IFS", "launcher", "after the planned trials, one more trial for each of the N heaviest "
              "what-ifs their summaries propose (the setting applied, same kind and step), compared with its trial: "
              f"prediction against outcome (0 to {MAX_WHAT_IFS}; one node)",
@@ -261,9 +235,6 @@ VARIABLES = (
              "(it is ignored, with a warning)", parse=parse_bool, default="0"),
 )
 BY_NAME = {v.name: v for v in VARIABLES}
-# The config variables whose key, value and source the generic rule handles (one key, its default the YAML's):
-# the others are PROFILE_RANKS (two keys, resolved against the layout) and N_GPUS_PER_NODE (default derived).
-CONFIG_VARIABLES = tuple(v for v in VARIABLES if v.scope == "config" and len(v.keys) == 1)
 
 
 def check_text(env: Mapping[str, str]) -> None:
@@ -371,8 +342,8 @@ def usage(config: str | None = None) -> str:
               "Examples:",
               f"  CONFIG=tiny_cpu bash {DRIVER_SCRIPT}                       # whole workflow on CPU",
               f"  PROFILE_STEPS=1 PROFILE_KINDS=kernel bash {DRIVER_SCRIPT}   # one kernel trial, 8 GPUs",
-              f"  USE_PRECISION_AWARE_OPTIMIZER=false TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 bash {DRIVER_SCRIPT} "
-              "actor.backend=megatron:d1 actor.num_layers=3",
+              f"  USE_PRECISION_AWARE_OPTIMIZER=false MAIN_GRADS_DTYPE=float32 TRAIN_BATCH_SIZE=1 PROFILE_N_MBS=1 bash "
+              f"{DRIVER_SCRIPT} actor.backend=megatron:d1 actor.num_layers=3",
               f"  N_NODES=2 NODE_RANK=0 PROFILE_STAMP=s1 MASTER_ADDR=node0 FILEROOT=/shared/sftprof_fileroot bash "
               f"{DRIVER_SCRIPT}",
               "",

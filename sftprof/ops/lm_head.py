@@ -268,7 +268,7 @@ class _LinearSFTLoss(torch.autograd.Function):
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                    tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
+                    tp_group: dist.ProcessGroup | None = None, chunk_size: int, temperature: float = 1.0,
                     return_entropy: bool = False, sequence_parallel: bool = False, grad_in_hidden: bool = False,
                     vocab_size: int | None = None):
     """Token log-probs (and entropy) of ``hidden @ weight.T`` without materialising more than
@@ -311,7 +311,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 def linear_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor, *,
-                    tp_group: dist.ProcessGroup | None = None, chunk_size: int = 4096, temperature: float = 1.0,
+                    tp_group: dist.ProcessGroup | None = None, chunk_size: int, temperature: float = 1.0,
                     sequence_parallel: bool = False, grad_in_hidden: bool = False,
                     vocab_size: int | None = None) -> torch.Tensor:
     """``sum_i -logprob_i * loss_weight_i`` of ``hidden @ weight.T`` with gradients formed in the forward.

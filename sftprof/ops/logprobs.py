@@ -46,7 +46,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: dist.ProcessGroup | None = None,
-                            chunk_size: int = 0, temperature: float = 1.0, return_entropy: bool = False,
+                            chunk_size: int, temperature: float = 1.0, return_entropy: bool = False,
                             vocab_size: int | None = None):
     """Log-probabilities of ``labels`` (and softmax entropy) from this rank's vocabulary shard of the logits.
 

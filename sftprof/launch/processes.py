@@ -1,0 +1,245 @@
+"""The child processes of the trial that runs now, and the console they share with the launcher: torchrun (teed
+into ``RUN_DIR/launcher.log``, watched by the watchdog, the workers it leaves stopped, the node end record written),
+postprocessing and the comparison of a what-if trial.
+
+torchrun starts in its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it on
+(:meth:`TrialProcesses.terminate`, :meth:`TrialProcesses.kill`); a torchrun killed outright (SIGKILL) leaves its
+workers running (torchrun starts each in its own session): they are found by a marker in their environment and
+stopped (SIGTERM, then SIGKILL).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from sftprof import artifacts
+from sftprof.artifacts import TRIAL_MARKER
+from sftprof.cli import to_devnull
+from sftprof.launch.nodes import write_node_record
+from sftprof.launch.plan_types import RunPlan, Trial
+from sftprof.launch.signals import RunStop, kill_group, name, say
+from sftprof.launch.variables import REPO_ROOT
+from sftprof.launch.watchdog import POLL_S, Watchdog, stall_message, write_stall
+
+WORKER_STOP_S = 30.0  # seconds the workers torchrun left get after SIGTERM before SIGKILL (torchrun's own wait)
+_TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + the signal for a child killed by one (Popen's ``-N``)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+
+def marked_processes(marker: str) -> dict[int, int | None]:
+    """The live processes of this user whose environment holds ``SFTPROF_TRIAL_ID=<marker>``: ``{pid: RANK}`` (RANK
+    None where the process has none). Linux ``/proc``; elsewhere none are found."""
+    entry = f"{TRIAL_MARKER}={marker}".encode()
+    found: dict[int, int | None] = {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone, or another user's
+            continue
+        if entry in env and state != "Z" and pid != os.getpid():
+            rank = next((v[5:] for v in env if v.startswith(b"RANK=")), None)
+            found[pid] = int(rank) if rank and rank.isdigit() else None
+    return found
+
+
+def stop_marked(marker: str, timeout_s: float = WORKER_STOP_S) -> list[int]:
+    """Stop the processes :func:`marked_processes` finds (SIGTERM; SIGKILL after ``timeout_s`` seconds); returns the
+    ranks they ran (sorted, each once; none when nothing was left)."""
+    left = marked_processes(marker)
+    for pid in left:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in marked_processes(marker):
+        _signal(pid, signal.SIGKILL)
+    return sorted({r for r in left.values() if r is not None})
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Console:
+    """The launcher's standard output, shared by its own lines and the children's output (one lock, whole lines),
+    and muted for the children once a signal stops the run."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.muted = False
+
+    def line(self, text: str) -> None:
+        """One line of the launcher's own."""
+        self.write((text + "\n").encode(), child=False)
+
+    def write(self, data: bytes, child: bool = True) -> None:
+        if child and self.muted:
+            return
+        with self.lock:
+            try:
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
+            except OSError:  # the reader went away or the terminal hung up: SIGPIPE/SIGHUP stop the run (signals.py)
+                self.muted = True
+                to_devnull(sys.stdout)
+
+
+def _tee(proc: subprocess.Popen, log: Path, mode: str, console: Console) -> threading.Thread:
+    """A thread copying ``proc``'s output, line by line, into ``log`` (opened with ``mode``) and to ``console``."""
+    def pump() -> None:
+        with open(log, mode) as f:
+            for line in iter(proc.stdout.readline, b""):
+                f.write(line)
+                f.flush()
+                console.write(line)
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+
+class TrialProcesses:
+    """The child processes of one trial at a time (module docstring).
+
+    ``stop``: the run's :class:`~sftprof.launch.signals.RunStop` (a signal arrived: its ``signum``);
+    ``child_stopped(child, signum)``: called when torchrun got SIGINT or SIGTERM that the launcher did not.
+    """
+
+    def __init__(self, python: str, env: dict[str, str], console: Console, stop: RunStop,
+                 child_stopped: Callable[[str, int], None]) -> None:
+        self.python = python
+        self.env = env
+        self.console = console
+        self.stop = stop
+        self.child_stopped = child_stopped
+        self.proc: subprocess.Popen | None = None  # the running torchrun
+        self.marker: str | None = None  # in the environment of its workers
+
+    def terminate(self) -> None:
+        """SIGTERM to the running torchrun's process group: it stops its workers and exits."""
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the running torchrun's process group and to the workers of the last trial."""
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc.pid, signal.SIGKILL)
+        if self.marker:
+            for pid in marked_processes(self.marker):
+                _signal(pid, signal.SIGKILL)
+
+    def torchrun(self, t: Trial, plan: RunPlan) -> int:
+        """Run the trial's torchrun, teed into ``launcher.log``; stop the workers it left; write the node end record
+        (several nodes, or a torchrun killed by a signal). Returns torchrun's status (128 + N: killed by signal N)."""
+        smi = None
+        if shutil.which("nvidia-smi"):
+            with open(t.run_dir / artifacts.NVIDIA_SMI_CSV, "w") as csv_file:
+                smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,index,utilization.gpu,memory.used,"
+                                        "memory.total", "--format=csv,nounits", "-lms", "500"], stdout=csv_file,
+                                       stderr=subprocess.DEVNULL)
+        self.marker = uuid.uuid4().hex
+        # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous).
+        cmd = [self.python, "-m", "torch.distributed.run", f"--nproc_per_node={plan.nproc_per_node}",
+               f"--nnodes={plan.nnodes}", f"--node_rank={plan.node_rank}", f"--master_addr={plan.master_addr}",
+               f"--master_port={plan.master_port}", "--rdzv-conf", f"timeout={plan.node_timeout}",
+               str(REPO_ROOT / "train_sft_profile.py"), *t.args]
+        start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env={**self.env, **t.env, TRIAL_MARKER: self.marker},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        if self.stop.signum is not None:  # a signal before self.proc was set: its handler could not pass it on
+            kill_group(self.proc.pid, signal.SIGTERM)
+        pump = _tee(self.proc, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)
+        stall = self._watch(t, plan)
+        returncode = self.proc.wait()
+        ranks = stop_marked(self.marker)  # before the tee ends: workers left running hold torchrun's output pipe open
+        pump.join()
+        rc = exit_status(returncode)
+        launcher_log = t.run_dir / artifacts.LAUNCHER_LOG
+        if stall is not None:
+            with open(launcher_log, "a", encoding="utf-8") as log:
+                log.write(f"sftprof: {stall}\n")
+        elif self.stop.signum is None and rc != 0:  # torchrun signalled, not the launcher (a kill of torchrun)
+            got = _TORCHRUN_SIGNAL.findall(launcher_log.read_text(errors="replace"))
+            if got:
+                self.child_stopped("torchrun", int(got[-1]))
+        killed = name(-returncode) if returncode < 0 else None
+        if killed or ranks:
+            line = ("sftprof: torchrun " + (f"was killed by {killed} (status {rc})" if killed else f"exited ({rc})")
+                    + (f" and left the workers of rank(s) {','.join(map(str, ranks))} running: the launcher stopped "
+                       "them" if ranks else ""))
+            with open(launcher_log, "a", encoding="utf-8") as log:
+                log.write(line + "\n")
+            if not self.console.muted:
+                self.console.line(line)
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+        if plan.nnodes > 1 or killed:
+            write_node_record(t.log_dir, plan.node_rank, rc, int(time.monotonic() - start), plan.nnodes,
+                              plan.nproc_per_node, killed, ranks or None)
+        self.proc = None
+        return rc
+
+    def _watch(self, t: Trial, plan: RunPlan) -> str | None:
+        """Wait for torchrun with the watchdog (``STALL_TIMEOUT``, :mod:`sftprof.launch.watchdog`) on this node's
+        ranks: when one stalls, write ``stall.json``, say which rank in what phase and step, and end the trial
+        (SIGTERM to torchrun's process group); returns that line, or None when torchrun ended by itself."""
+        limit = plan.stall_timeout
+        if not limit:
+            return None
+        dog = Watchdog(t.log_dir, artifacts.node_ranks(plan.node_rank, plan.nproc_per_node), limit)
+        while True:
+            try:
+                self.proc.wait(timeout=POLL_S)
+                return None
+            except subprocess.TimeoutExpired:
+                stall = dog.check() if self.stop.signum is None else None
+            if stall is not None:
+                write_stall(t.log_dir, stall)
+                line = stall_message(stall)
+                say(line)
+                kill_group(self.proc.pid, signal.SIGTERM)
+                return line
+
+    def postprocess(self, t: Trial) -> int:
+        """``postprocess_profile.py`` on the trial (its output teed, appended to ``launcher.log``); its status."""
+        cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "--log-dir", str(t.log_dir), "--run-dir",
+               str(t.run_dir), "--profile-kind", t.kind, "--profile-step", str(t.step), "--trainer-log",
+               str(t.log_dir / artifacts.TRAINER_LOG)]
+        smi = t.run_dir / artifacts.NVIDIA_SMI_CSV
+        if smi.is_file() and smi.stat().st_size:
+            cmd += ["--nvidia-smi-csv", str(smi)]
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        pump = _tee(proc, t.run_dir / artifacts.LAUNCHER_LOG, "ab", self.console)
+        returncode = proc.wait()
+        pump.join()
+        return exit_status(returncode)
+
+    def compare(self, source: Trial, trial: Trial) -> int:
+        """``postprocess_profile.py compare`` of a what-if trial against its source trial: the report goes to the
+        what-if trial's run dir, its output to its ``launcher.log`` only; its status."""
+        cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "compare", str(source.run_dir),
+               str(trial.run_dir)]
+        with open(trial.run_dir / artifacts.LAUNCHER_LOG, "ab") as log:
+            return subprocess.run(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL).returncode
