@@ -47,12 +47,12 @@ import os
 import sys
 import tempfile
 
-from sftprof.analysis.inputs import recorded_profile
-from sftprof.analysis.compare import NO_MATCH, CompareInputError, compare
-from sftprof.analysis.compare_verdicts import GATE_METRICS, parse_metrics, regressions
+from sftprof.analysis.trial.inputs import recorded_profile
+from sftprof.analysis.compare.runs import NO_MATCH, CompareInputError, compare
+from sftprof.analysis.compare.verdicts import GATE_METRICS, parse_metrics, regressions
 from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
                                      postprocess_trial, resolve_profile)
-from sftprof.analysis.summary_file import summary_left_unchanged
+from sftprof.analysis.report.summary_file import summary_left_unchanged
 from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, SUMMARY_TSV, TRAINER_LOG, TRIALS_TSV,
                                compare_report_name, keep_previous, read_trials_tsv)
 from sftprof.atomic import WriteError, atomic_path, put_text

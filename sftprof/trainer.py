@@ -49,7 +49,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.projection import assumed
+from sftprof.analysis.time.projection import assumed
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler

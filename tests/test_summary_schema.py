@@ -9,7 +9,7 @@ import os
 import pytest
 
 from sftprof.analysis import schema
-from sftprof.analysis.compare import CompareInputError, find_trials
+from sftprof.analysis.compare.runs import CompareInputError, find_trials
 from sftprof.launch import report
 
 MINIMAL = {"schema": "sftprof.profile_summary", "schema_version": "3.0", "trial": "t", "profile_kind": "kernel",

@@ -29,7 +29,7 @@ postprocess never fails on its own summary's shape).
 Above 500 lines for a reason: it is declarations, one TypedDict per JSON object of a summary, and split across
 files the shape of one summary would have to be chased through them.
 
-This module imports no numpy and of sftprof only :mod:`sftprof.analysis.trace_check` (standard library only): the
+This module imports no numpy and of sftprof only :mod:`sftprof.analysis.trace.check` (standard library only): the
 driver's end table reads summaries through it. The TypedDicts are evaluated at run time (no postponed
 annotations), so that ``NotRequired`` marks the optional members for :func:`check`.
 """
@@ -40,7 +40,7 @@ import types
 import typing
 from typing import Any, Literal, NotRequired, Optional, TypedDict, Union
 
-from sftprof.analysis.trace_check import finite_json
+from sftprof.analysis.trace.check import finite_json
 
 __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "KernelSummary", "MemorySummary", "TraceEntry",
            "SnapshotEntry", "WhatIf", "WhatIfSetting", "WhatIfEffect", "WhatIfSkipped", "TriedWhatIf", "Parts",
@@ -84,7 +84,7 @@ class RankStats(TypedDict):
 
 
 class MoeRouting(TypedDict):
-    """A step's routing (:func:`sftprof.analysis.inputs.moe_load`): busiest over mean (1.0 = balanced)."""
+    """A step's routing (:func:`sftprof.analysis.trial.inputs.moe_load`): busiest over mean (1.0 = balanced)."""
     max_over_mean: Optional[float]
     worst_layer: Optional[int]
     ep_max_over_mean: Optional[float]
@@ -121,7 +121,7 @@ class StepRow(TypedDict):
 
 
 class Stats(TypedDict):
-    """``stats.jsonl`` read by :func:`sftprof.analysis.inputs.read_stats`: the steps, and the profiled step's
+    """``stats.jsonl`` read by :func:`sftprof.analysis.trial.inputs.read_stats`: the steps, and the profiled step's
     figures at top level (None when absent)."""
     available: bool
     bad_lines: int
@@ -210,7 +210,7 @@ class FailedRank(TypedDict):
 
 
 class Failure(TypedDict):
-    """The trial's first failure (:func:`sftprof.analysis.failure.first_failure`)."""
+    """The trial's first failure (:func:`sftprof.analysis.trial.failure.first_failure`)."""
     node: Optional[int]
     ranks: Optional[list[int]]
     rank: Optional[int]
@@ -222,12 +222,12 @@ class Failure(TypedDict):
     traceback: str
     log_tail: list[str]
     others: list[FailedRank]
-    nodes: list[dict[str, Any]]  # further failed nodes (sftprof.analysis.failure.node_failures)
+    nodes: list[dict[str, Any]]  # further failed nodes (sftprof.analysis.trial.failure.node_failures)
     torchrun: NotRequired[bool]
 
 
 class Finding(TypedDict):
-    """A lever (:mod:`sftprof.analysis.findings`): ``weight`` is its share of the step's time or peak memory;
+    """A lever (:mod:`sftprof.analysis.report.findings`): ``weight`` is its share of the step's time or peak memory;
     ``caveats``: what is wrong with the record its figures come from (faults of the rank's trace, a snapshot whose
     step peak is unknown), and what was done about it."""
     text: str
@@ -236,7 +236,7 @@ class Finding(TypedDict):
     key: str
     rank: NotRequired[Optional[int]]
     caveats: NotRequired[list[str]]
-    next_step: NotRequired[str]  # "try <setting>: ..." or "none: <why>" (sftprof.analysis.next_steps)
+    next_step: NotRequired[str]  # "try <setting>: ..." or "none: <why>" (sftprof.analysis.what_if.next_steps)
 
 
 class WhatIfSetting(TypedDict):
@@ -250,7 +250,7 @@ class WhatIfSetting(TypedDict):
 
 
 class WhatIfEffect(TypedDict):
-    """A predicted change of one measured figure (:data:`sftprof.analysis.what_if.METRICS`): ``value`` is B - A in
+    """A predicted change of one measured figure (:data:`sftprof.analysis.what_if.changes.METRICS`): ``value`` is B - A in
     ``unit`` (negative: less), ``baseline`` the trial's measured figure it changes (same unit)."""
     metric: str
     unit: str  # "ms" | "GiB" | "pct"
@@ -259,10 +259,10 @@ class WhatIfEffect(TypedDict):
 
 
 class WhatIf(TypedDict):
-    """A change to try (:mod:`sftprof.analysis.what_if`): its settings, the predicted effect on ``rank`` (None: the
+    """A change to try (:mod:`sftprof.analysis.what_if.changes`): its settings, the predicted effect on ``rank`` (None: the
     trial as a whole), the assumption behind the prediction, and ``weight`` (the effect's share of its baseline) that
     orders the what-ifs the driver tries (``TRY_WHAT_IFS``). ``text``: the same in words."""
-    key: str  # the lever, the same on every rank (sftprof.analysis.what_if.LABELS)
+    key: str  # the lever, the same on every rank (sftprof.analysis.what_if.changes.LABELS)
     label: str
     text: str
     assumption: str
@@ -290,7 +290,7 @@ class TriedWhatIf(TypedDict):
 
 
 class ProjectionRow(TypedDict):
-    """One collective of a projected step (:func:`sftprof.analysis.projection.project`): all its calls."""
+    """One collective of a projected step (:func:`sftprof.analysis.time.projection.project`): all its calls."""
     group: str  # the process group (tp, cp, dp_cp, ep, etp, edp, pp, dp)
     collective: str
     interconnect: str  # nvlink | infiniband
@@ -342,7 +342,7 @@ class InvalidEvents(TypedDict):
 
 
 class SanityCount(TypedDict):
-    """One kind of fault of a trace's record (:mod:`sftprof.analysis.trace_sanity`): how many, among how many
+    """One kind of fault of a trace's record (:mod:`sftprof.analysis.trace.sanity`): how many, among how many
     (``of``: the population it is counted among), up to three examples."""
     count: int
     of: int
@@ -359,7 +359,7 @@ class RecordingEdges(TypedDict):
 
 class TraceSanity(TypedDict):
     """What is wrong with a trace's record, per kind, and what was done about it (module docstring of
-    :mod:`sftprof.analysis.trace_sanity`)."""
+    :mod:`sftprof.analysis.trace.sanity`)."""
     duplicates: SanityCount  # events recorded twice: the copies left out of every figure
     duplicates_by_category: dict[str, int]
     overlapping: SanityCount  # GPU activities running past the next one's start on their stream: cut there
@@ -377,7 +377,7 @@ class Identity(TypedDict):
 
 
 class StepWindow(TypedDict):
-    """The step window (:func:`sftprof.analysis.gpu_activity.step_window`): the profiled step's (its
+    """The step window (:func:`sftprof.analysis.time.gpu_activity.step_window`): the profiled step's (its
     ``ProfilerStep#N`` slice, and the ``sftprof/step`` region inside it); None times: no window."""
     source: str  # "sftprof/step" | "ProfilerStep" | "gpu_activity_span" | "trace_span" | "none"
     start_us: Optional[float]
@@ -460,7 +460,7 @@ class LayerParts(TypedDict):
 
 
 class Parts(TypedDict):
-    """Time by model part, layer and phase (:mod:`sftprof.analysis.model_parts`). In ``parts`` it is the GPU time
+    """Time by model part, layer and phase (:mod:`sftprof.analysis.time.model_parts`). In ``parts`` it is the GPU time
     of the activities launched in the step window; in ``cpu_parts`` the self time of the CPU ops that started in it
     (a trace without GPU activity)."""
     source: str  # "module_regions" | "kernel_name"
@@ -518,7 +518,7 @@ class CollectiveRow(TypedDict):
 
 
 class Collectives(TypedDict):
-    """Per process group: calls, bytes, bandwidth, exposed time (:mod:`sftprof.analysis.collectives`)."""
+    """Per process group: calls, bytes, bandwidth, exposed time (:mod:`sftprof.analysis.time.collectives`)."""
     rows: list[CollectiveRow]
     exposed_by_group_ms: dict[str, float]
     exposed_outside_window_ms: float
@@ -595,7 +595,7 @@ class GcTime(TypedDict):
 
 
 class Host(TypedDict):
-    """Host time in the step window (:mod:`sftprof.analysis.host_time`)."""
+    """Host time in the step window (:mod:`sftprof.analysis.time.host_time`)."""
     top_self: list[HostOpRow]
     sync: HostSync
     compile: Compile
@@ -605,7 +605,7 @@ class Host(TypedDict):
 
 class HeaviestOp(TypedDict):
     """The CPU op with the most inclusive time in the step window, an autograd Function's forward and backward node
-    together (:func:`sftprof.analysis.host_time.heaviest_op`); ``inclusive_ms`` is the op's, ``backward_ms`` its
+    together (:func:`sftprof.analysis.time.host_time.heaviest_op`); ``inclusive_ms`` is the op's, ``backward_ms`` its
     backward node's (``<name>Backward``; None when it has none)."""
     name: str
     calls: int
@@ -617,7 +617,7 @@ class HeaviestOp(TypedDict):
 
 
 class KernelSummary(TypedDict):
-    """One rank's trace (:meth:`sftprof.analysis.trace_summary.KernelTraceAnalyzer.summary`)."""
+    """One rank's trace (:meth:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer.summary`)."""
     n_events: int
     invalid_events: InvalidEvents
     sanity: NotRequired[TraceSanity]  # absent in a summary of schema 2.x (not checked then)
@@ -646,7 +646,7 @@ class TraceEntry(TypedDict):
     warning: NotRequired[str]
     kept_views: NotRequired[list[str]]
     kept_files: NotRequired[list[str]]
-    views: NotRequired[dict[str, list[str]]]  # view name (sftprof.analysis.views.VIEWS) -> files, run-dir relative
+    views: NotRequired[dict[str, list[str]]]  # view name (sftprof.analysis.views.split.VIEWS) -> files, run-dir relative
     view_links: NotRequired[dict[str, str]]  # view -> the view whose file it links to (byte-identical)
     summary: NotRequired[KernelSummary]
     parts_plot: NotRequired[str]
@@ -709,7 +709,7 @@ class WithoutLargestBlock(TypedDict):
 
 
 class SnapshotDevice(TypedDict):
-    """One device of a snapshot, at its dump (:func:`sftprof.analysis.memory_summary.analyze_snapshot`)."""
+    """One device of a snapshot, at its dump (:func:`sftprof.analysis.memory.snapshot.analyze_snapshot`)."""
     device: int
     reserved_bytes: int
     allocated_bytes: int
@@ -717,7 +717,7 @@ class SnapshotDevice(TypedDict):
 
 
 class MemorySummary(TypedDict):
-    """One snapshot (:func:`sftprof.analysis.memory_summary.analyze_snapshot`); times in ms from the recorded
+    """One snapshot (:func:`sftprof.analysis.memory.snapshot.analyze_snapshot`); times in ms from the recorded
     window's first event (None: no history, or events without times); the headline peak is the profiled step's
     (``peak_scope``) when phases were recorded and the history can give it, else ``step_peak_unknown`` says why."""
     device: int
@@ -768,7 +768,7 @@ class EstimateRow(TypedDict):
 
 
 class Estimate(TypedDict):
-    """Theoretical memory of one rank (:func:`sftprof.analysis.memory_estimate.estimate_memory`)."""
+    """Theoretical memory of one rank (:func:`sftprof.analysis.memory.estimate.estimate_memory`)."""
     params_dense: int
     params_expert: int
     bytes_per_param: dict[str, Any]
@@ -777,7 +777,7 @@ class Estimate(TypedDict):
 
 
 class EstimateCheckRow(TypedDict):
-    """Measured against estimated bytes of one category (:func:`sftprof.analysis.memory_estimate.explain_estimate`)."""
+    """Measured against estimated bytes of one category (:func:`sftprof.analysis.memory.estimate.explain_estimate`)."""
     category: str
     measured_bytes: int
     estimated_bytes: int
@@ -871,7 +871,7 @@ class UnnamedKernels(TypedDict):
 
 
 class MergedRank(TypedDict):
-    """How one rank's clock was aligned in the all-ranks view (:func:`sftprof.analysis.merged_view.clock_shifts`)."""
+    """How one rank's clock was aligned in the all-ranks view (:func:`sftprof.analysis.views.merged.clock_shifts`)."""
     rank: int
     shift_us: float  # added to the rank's timestamps
     aligned_by: str  # "collective ends", "reference" or "trace clock"
@@ -879,7 +879,7 @@ class MergedRank(TypedDict):
 
 
 class MergedView(TypedDict):
-    """The all-ranks timeline (:func:`sftprof.analysis.merged_view.merge_trial`): its files (relative to the run dir)
+    """The all-ranks timeline (:func:`sftprof.analysis.views.merged.merge_trial`): its files (relative to the run dir)
     and each rank's alignment, or the error that kept it from being written."""
     files: NotRequired[list[str]]
     ranks: NotRequired[list[MergedRank]]
@@ -887,7 +887,7 @@ class MergedView(TypedDict):
 
 
 class CommWait(TypedDict):
-    """Communication split into waiting for the last rank and transfer (:func:`sftprof.analysis.comm_wait.split`)."""
+    """Communication split into waiting for the last rank and transfer (:func:`sftprof.analysis.time.comm_wait.split`)."""
     clock_tolerance_us: float
     clock_offsets: list[ClockOffset]
     groups: list[WaitGroup]
@@ -897,7 +897,7 @@ class CommWait(TypedDict):
 
 
 class RankRow(TypedDict):
-    """One profiled rank (:func:`sftprof.analysis.rank_table.rank_table`)."""
+    """One profiled rank (:func:`sftprof.analysis.time.rank_table.rank_table`)."""
     rank: int
     coords: Optional[dict[str, int]]
     step_ms: Optional[float]
@@ -961,12 +961,12 @@ class RankTable(TypedDict):
 
 
 class OomCategory(TypedDict):
-    category: str  # a key of sftprof.analysis.memory_categories.MEMORY_CATEGORIES
+    category: str  # a key of sftprof.analysis.memory.categories.MEMORY_CATEGORIES
     bytes: int
 
 
 class OomPrediction(TypedDict):
-    """The predicted peak of the failing rank (:func:`sftprof.analysis.memory_estimate.predict_peak`) and of the
+    """The predicted peak of the failing rank (:func:`sftprof.analysis.memory.estimate.predict_peak`) and of the
     phase the failure lies in (``failing_phase``: None when the region and site name none of its phases)."""
     phase: str
     peak_bytes: int
@@ -976,14 +976,14 @@ class OomPrediction(TypedDict):
 
 
 class OomFit(TypedDict):
-    """A change that fits (:func:`sftprof.analysis.memory_fit.fitting_changes`): config keys and ``env.<NAME>``."""
+    """A change that fits (:func:`sftprof.analysis.memory.fit.fitting_changes`): config keys and ``env.<NAME>``."""
     settings: dict[str, Any]
     peak_bytes: int
     need_bytes: int
 
 
 class OomTriage(TypedDict):
-    """Why a trial ran out of CUDA memory (:func:`sftprof.analysis.oom.oom_triage`); bytes, None where unknown."""
+    """Why a trial ran out of CUDA memory (:func:`sftprof.analysis.memory.oom.oom_triage`); bytes, None where unknown."""
     rank: int
     snapshot: str  # the file in LOG_DIR/memory_snapshots/oom/
     errors: list[str]
@@ -1039,7 +1039,7 @@ class ProfileSummary(TypedDict):
     tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
     transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
     simulation: NotRequired[Optional[Simulation]]  # a simulated rank's trial; None otherwise
-    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.oom)
+    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.memory.oom)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

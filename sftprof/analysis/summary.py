@@ -6,11 +6,11 @@ Inputs are the trial's log dir (``LOG_DIR``: ``stats.jsonl``, ``rank_coords.json
 function of the inputs (no wall-clock timestamps), so rerunning reproduces it byte for byte.
 
 This module runs the steps (:func:`postprocess_trial`) and checks the kind and step asked for; each step is a
-module of its own: the inputs (:mod:`sftprof.analysis.inputs`), the traces (:mod:`sftprof.analysis.trial_traces`)
-or snapshots (:mod:`sftprof.analysis.trial_snapshots`), the failure (:mod:`sftprof.analysis.failure`), errors and
-warnings (:mod:`sftprof.analysis.problems`), the ranks table (:mod:`sftprof.analysis.rank_table`), findings and
-what-ifs (:mod:`sftprof.analysis.findings`, :mod:`sftprof.analysis.what_if`) and the files
-(:mod:`sftprof.analysis.summary_file`).
+module of its own: the inputs (:mod:`sftprof.analysis.trial.inputs`), the traces (:mod:`sftprof.analysis.trial.traces`)
+or snapshots (:mod:`sftprof.analysis.trial.snapshots`), the failure (:mod:`sftprof.analysis.trial.failure`), errors and
+warnings (:mod:`sftprof.analysis.trial.problems`), the ranks table (:mod:`sftprof.analysis.time.rank_table`), findings and
+what-ifs (:mod:`sftprof.analysis.report.findings`, :mod:`sftprof.analysis.what_if.changes`) and the files
+(:mod:`sftprof.analysis.report.summary_file`).
 """
 from __future__ import annotations
 
@@ -18,22 +18,23 @@ import os
 from typing import Any
 
 from sftprof import artifacts
-from sftprof.analysis import inputs, schema
-from sftprof.analysis.failure import first_failure
-from sftprof.analysis.findings import trial_findings
-from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
-from sftprof.analysis.recompute_plan import recompute_what_if
-from sftprof.analysis.next_steps import with_next_steps
-from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
-                                       routing_warnings, shared_gpu_warnings)
-from sftprof.analysis.projection import simulation_summary
-from sftprof.analysis.rank_table import rank_table
+from sftprof.analysis import schema
+from sftprof.analysis.trial import inputs
+from sftprof.analysis.trial.failure import first_failure
+from sftprof.analysis.report.findings import trial_findings
+from sftprof.analysis.memory.oom import oom_finding, oom_triage, oom_what_if
+from sftprof.analysis.what_if.recompute_plan import recompute_what_if
+from sftprof.analysis.what_if.next_steps import with_next_steps
+from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
+                                             routing_warnings, shared_gpu_warnings)
+from sftprof.analysis.time.projection import simulation_summary
+from sftprof.analysis.time.rank_table import rank_table
 from sftprof.analysis.schema import Counts, ProfileSummary
-from sftprof.analysis.summary_file import write_summary
-from sftprof.analysis.trial_snapshots import snapshot_part
-from sftprof.analysis.trial_traces import trace_part
-from sftprof.analysis.views import MAX_VIEW_BYTES
-from sftprof.analysis.what_if import trial_what_if
+from sftprof.analysis.report.summary_file import write_summary
+from sftprof.analysis.trial.snapshots import snapshot_part
+from sftprof.analysis.trial.traces import trace_part
+from sftprof.analysis.views.split import MAX_VIEW_BYTES
+from sftprof.analysis.what_if.changes import trial_what_if
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "check_profiled_step", "check_recorded_kind",
            "SUMMARY_JSON", "SUMMARY_MD"]
@@ -52,23 +53,23 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                       jobs: int | None = None) -> tuple[ProfileSummary, int]:
     """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}`` (an earlier summary that is
     the same is left as it is, one that differs kept as ``profile_summary.prev<N>.{json,md}``:
-    :func:`sftprof.analysis.summary_file.write_summary`).
+    :func:`sftprof.analysis.report.summary_file.write_summary`).
     A rank's views and model-part plot, and a snapshot's archived copy, plot and phases sidecar, are replaced only by
     those of a file processed without error; a snapshot that fails is not archived, and what an earlier postprocess
-    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.problems`). ``counts["plots"]``: the
+    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.trial.problems`). ``counts["plots"]``: the
     PNGs this postprocess wrote (memory and model-part plots).
 
     Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
-    (:meth:`sftprof.analysis.trace_summary.KernelTraceAnalyzer.summary`) and the ``ranks`` table
-    (:func:`sftprof.analysis.rank_table.rank_table`), ``comm_wait``: the
+    (:meth:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer.summary`) and the ``ranks`` table
+    (:func:`sftprof.analysis.time.rank_table.rank_table`), ``comm_wait``: the
     traced ranks' communication split into waiting for the last rank and transfer
-    (:func:`sftprof.analysis.comm_wait.split`, None when no trace has a collective).
+    (:func:`sftprof.analysis.time.comm_wait.split`, None when no trace has a collective).
 
     Args:
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
-            (:func:`sftprof.analysis.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
+            (:func:`sftprof.analysis.trial.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
             error.
         profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a check:
             a step the trial did not profile (:func:`profiled_steps`) is an error.
@@ -84,8 +85,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         launcher log's tail), unless the driver interrupted the trial (status ``interrupted``: its launcher.log
         holds :data:`sftprof.artifacts.INTERRUPTED_LINE`, the missing log dir a warning); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
         processed, a trace's invalid events dominate it, a trace or snapshot is not the trial's (a trace of another
-        step or rank, :func:`sftprof.analysis.trace_summary.identity_problems`; a rank in its name at or above the
-        trial's world size, :func:`sftprof.analysis.inputs.world_size`: not summarised), or an ``ok`` trial lacks
+        step or rank, :func:`sftprof.analysis.time.trace_summary.identity_problems`; a rank in its name at or above the
+        trial's world size, :func:`sftprof.analysis.trial.inputs.world_size`: not summarised), or an ``ok`` trial lacks
         its artifacts; else 0. Whatever one file raises is that file's error; every other file is still processed.
         Failed trials may lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a
         warning.

@@ -35,8 +35,8 @@ from typing import Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
-from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
-from sftprof.analysis.projection import assumed
+from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
+from sftprof.analysis.time.projection import assumed
 from sftprof.config import (PRECISION_FIELDS, RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key,
                             load_config, reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir)
 from sftprof.launch import folders
@@ -436,7 +436,7 @@ def _setting_text(key: str, value: object) -> str:
 
 
 def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
-    """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory_fit`), before anything is
+    """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory.fit`), before anything is
     written: a line in ``profile_settings.log``; over capacity, the settings that fit with their predicted peak, and
     ``FIT_CHECK`` decides (``refuse``: DriverError, ``warn``: a warning, ``off``: not checked). Megatron only.
 
@@ -478,7 +478,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
 
 
 def fit_text(fit: dict, brief: bool = False) -> str:
-    """One check of :func:`sftprof.analysis.memory_fit.check_fit` in words: the rank's need against the capacity
+    """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity
     (``brief``: the predicted peak and the need alone)."""
     g = 2**30
     pred = fit["prediction"]

@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.analysis.inputs import read_tried_what_if
+from sftprof.analysis.trial.inputs import read_tried_what_if
 from sftprof.artifacts import TRIAL_MARKER, read_stats
 from sftprof.launch.nodes import wait_for_nodes, write_node_record
 from sftprof.launch.plan_types import Trial
