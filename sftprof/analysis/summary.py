@@ -29,7 +29,8 @@ from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_tra
                                              routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.time.projection import simulation_summary
 from sftprof.analysis.time.rank_table import rank_table
-from sftprof.analysis.schema import Counts, ProfileSummary
+from sftprof.analysis.schema import ProfileSummary
+from sftprof.analysis.trial.schema import Counts
 from sftprof.analysis.report.summary_file import write_summary
 from sftprof.analysis.trial.snapshots import snapshot_part
 from sftprof.analysis.trial.traces import trace_part

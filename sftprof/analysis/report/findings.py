@@ -16,7 +16,8 @@ from typing import Optional
 
 from sftprof.analysis.time.collectives import OUTSIDE_WINDOW
 from sftprof.analysis.memory.snapshot import peak_where
-from sftprof.analysis.schema import Finding, processed_snapshots, processed_traces
+from sftprof.analysis.schema import processed_snapshots, processed_traces
+from sftprof.analysis.report.schema import Finding
 from sftprof.analysis.trace.sanity import fault_messages
 
 __all__ = ["trial_findings", "kernel_findings", "memory_findings", "top", "MAX_FINDINGS", "parts_heading",
@@ -143,7 +144,7 @@ def _part_rates(rows: list[dict], label: str, kind: Optional[str] = None) -> lis
 
 
 def kernel_findings(rank: int, s: dict, wait: Optional[dict] = None) -> list[Finding]:
-    """The findings of one rank's kernel summary ``s`` (:class:`sftprof.analysis.schema.KernelSummary`); ``wait``:
+    """The findings of one rank's kernel summary ``s`` (:class:`sftprof.analysis.time.schema.KernelSummary`); ``wait``:
     the rank's row of the trial's :func:`sftprof.analysis.time.comm_wait.split` (``ranks``), whose split of the exposed
     communication into waiting for the last rank and transfer the exposed-communication finding states."""
     out: list[dict] = []
@@ -225,7 +226,7 @@ def _with_rank(found: list[dict], rank: int, caveats: list[str]) -> list[Finding
 
 
 def memory_findings(rank: int, s: dict) -> list[Finding]:
-    """The findings of one rank's snapshot summary ``s`` (:class:`sftprof.analysis.schema.MemorySummary`).
+    """The findings of one rank's snapshot summary ``s`` (:class:`sftprof.analysis.memory.schema.MemorySummary`).
 
     The peak is the summary's headline peak (the profiled step's when the phases sidecar has phases) and its place
     is worded by :func:`peak_where`; a higher peak of the recorded window outside the profiled step is a finding

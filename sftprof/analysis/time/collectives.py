@@ -15,7 +15,8 @@ import numpy as np
 from sftprof.analysis.time import comm_wait
 from sftprof.analysis.trace import intervals
 from sftprof.analysis.trace.op_collector import OpCollector
-from sftprof.analysis.schema import Collectives, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import Collectives
 
 __all__ = ["collectives", "bus_factor", "exposed_groups", "OUTSIDE_WINDOW"]
 

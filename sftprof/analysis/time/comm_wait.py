@@ -36,7 +36,8 @@ from typing import Optional
 import numpy as np
 
 from sftprof.analysis.trace import intervals
-from sftprof.analysis.schema import CommWait, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import CommWait
 
 __all__ = ["call_records", "split", "CLOCK_TOLERANCE_US"]
 

@@ -15,7 +15,8 @@ import numpy as np
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import OpCollector, Placement
 from sftprof.analysis.time.op_flops import CORE_PART
-from sftprof.analysis.schema import DevicePeaks, Efficiency, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import DevicePeaks, Efficiency
 from sftprof.artifacts import MODEL_PART_LABELS
 from sftprof.flops import gpu_peak_bf16_flops
 

@@ -31,7 +31,8 @@ import numpy as np
 from sftprof import artifacts
 from sftprof.analysis.trace.intervals import clip, intersection_length, length, union
 from sftprof.analysis.trace.kernel_names import COMM_PREFIX
-from sftprof.analysis.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow
 
 __all__ = ["ActivityTable", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category", "communication",
            "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]

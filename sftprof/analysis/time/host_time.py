@@ -23,7 +23,8 @@ import numpy as np
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import BWD_NODE, OpCollector, Placement
-from sftprof.analysis.schema import CpuOpRow, HeaviestOp, Host, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import CpuOpRow, HeaviestOp, Host
 
 __all__ = ["host_time", "heaviest_op", "top_cpu_ops", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.trace.op_collector import OpCollector, Placement
-from sftprof.analysis.schema import Parts, ms
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import Parts
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS
 
 __all__ = ["gpu_parts", "cpu_parts", "parts_tables", "part_label", "plot_parts", "PHASES"]

@@ -201,7 +201,7 @@ def overlap_windows(regions: list[dict]) -> dict[str, float]:
 
 def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool],
                        regions: Optional[list[dict]] = None) -> dict[str, Any]:
-    """The summary's ``simulation`` member (``sftprof.analysis.schema.Simulation``) of a simulated trial: what was
+    """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
     overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""
     sim = cfg["actor"]["simulate"]

@@ -9,7 +9,8 @@ from typing import Optional
 
 from sftprof.analysis.time.collectives import OUTSIDE_WINDOW, exposed_groups
 from sftprof.analysis.time.model_parts import part_label
-from sftprof.analysis.schema import ExposedByGroup, RankTable, WorkSpread, processed_traces
+from sftprof.analysis.schema import processed_traces
+from sftprof.analysis.time.schema import ExposedByGroup, RankTable, WorkSpread
 
 __all__ = ["rank_table", "work_spread", "exposed_by_group", "RANK_COLUMNS"]
 

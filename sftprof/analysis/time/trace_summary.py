@@ -31,7 +31,7 @@ from sftprof.analysis.time.host_time import heaviest_op, host_time, top_cpu_ops
 from sftprof.analysis.trace.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
 from sftprof.analysis.time.model_parts import cpu_parts, gpu_parts
 from sftprof.analysis.trace.op_collector import OpCollector
-from sftprof.analysis.schema import KernelSummary
+from sftprof.analysis.time.schema import KernelSummary
 from sftprof.analysis.trace.check import UNTIMED
 from sftprof.analysis.trace.sanity import inspect
 
@@ -349,7 +349,7 @@ class KernelTraceAnalyzer:
                              nbytes=np.asarray(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> KernelSummary:
-        """Kernel summary (:class:`sftprof.analysis.schema.KernelSummary`; times in ms, shares in percent).
+        """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
 
         Call it once (it sets the collected record right in place). Keys: ``n_events``, ``invalid_events``,
         ``sanity`` (what is wrong with the trace's record and what was done about it, before any figure:

@@ -2,7 +2,7 @@
 set right before any figure is computed (:func:`inspect`, called by
 :meth:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer.summary`).
 
-Kinds (the keys of :class:`sftprof.analysis.schema.TraceSanity`; each counted with up to three examples and the
+Kinds (the keys of :class:`sftprof.analysis.trace.schema.TraceSanity`; each counted with up to three examples and the
 population it is counted among):
 
 * ``duplicates``: events recorded twice (the same category, name, thread or stream, start and duration; a CUDA API
@@ -40,7 +40,7 @@ import numpy as np
 from sftprof.analysis.time.gpu_activity import ActivityTable, Span
 from sftprof.analysis.trace.intervals import repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
-from sftprof.analysis.schema import SanityCount, TraceSanity
+from sftprof.analysis.trace.schema import SanityCount, TraceSanity
 
 __all__ = ["inspect", "fault_messages", "sanity_error", "profiler_step_spans", "DOMINANT_SHARE"]
 
@@ -154,7 +154,7 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
 
     Returns:
         ``(table, sanity, other_spans)``: the activities without repeats and other steps' activities, overlapping ones
-        cut; :class:`~sftprof.analysis.schema.TraceSanity`; the ``(start, end)`` us of the other steps' slices, whose
+        cut; :class:`~sftprof.analysis.trace.schema.TraceSanity`; the ``(start, end)`` us of the other steps' slices, whose
         annotations the caller leaves out.
     """
     dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, np.asarray(t.name_idx, dtype=np.int64), t.kind)

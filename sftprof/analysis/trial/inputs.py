@@ -327,7 +327,7 @@ def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None
 
 def read_tried_what_if(run_dir: str) -> tuple[dict | None, str | None]:
     """``RUN_DIR/what_if.json`` (:data:`sftprof.artifacts.WHAT_IF_JSON`: the driver's record of the what-if a trial
-    tries, :class:`sftprof.analysis.schema.TriedWhatIf`) and an error naming the file when it is unreadable or not
+    tries, :class:`sftprof.analysis.what_if.schema.TriedWhatIf`) and an error naming the file when it is unreadable or not
     such a record (``(None, None)`` when absent: the trial is no what-if trial)."""
     path = os.path.join(run_dir, artifacts.WHAT_IF_JSON)
     data, error = _read(path, json.load, ValueError)

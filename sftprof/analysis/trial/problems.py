@@ -16,7 +16,7 @@ from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.memory.snapshot import other_devices_message
-from sftprof.analysis.schema import FileError, FileWarning
+from sftprof.analysis.trial.schema import FileError, FileWarning
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace.sanity import fault_messages
 from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message

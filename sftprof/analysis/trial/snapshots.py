@@ -23,7 +23,7 @@ from sftprof.analysis.memory.estimate import estimate_memory, explain_estimate
 from sftprof.analysis.memory.plot import plot_memory
 from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
 from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.analysis.schema import SnapshotEntry
+from sftprof.analysis.trial.schema import SnapshotEntry
 from sftprof.atomic import copy_file, write_failed
 from sftprof.models.hf import load_hf_config
 

@@ -20,7 +20,7 @@ from sftprof.analysis.time import comm_wait
 from sftprof.analysis.views import merged as merged_view
 from sftprof.analysis.trial.inputs import World, file_error, outside_world
 from sftprof.analysis.time.model_parts import plot_parts
-from sftprof.analysis.schema import TraceEntry
+from sftprof.analysis.trial.schema import TraceEntry
 from sftprof.analysis.trace.sanity import sanity_error
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views.split import VIEWS, read_for_summary, split_trace, view_links

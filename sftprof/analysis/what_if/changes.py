@@ -1,4 +1,4 @@
-"""What-ifs of a trial: changes worth trying, each a record (:class:`sftprof.analysis.schema.WhatIf`) with the settings
+"""What-ifs of a trial: changes worth trying, each a record (:class:`sftprof.analysis.what_if.schema.WhatIf`) with the settings
 to apply, the predicted effect on one measured figure of one rank, the assumption behind the prediction and a weight
 (the effect's share of its baseline) that orders them; the driver tries the heaviest (``TRY_WHAT_IFS``) and
 :mod:`sftprof.analysis.what_if.outcome` sets each prediction against the outcome.
@@ -57,7 +57,8 @@ from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
 from sftprof.analysis.memory.fit import ALLOC_CONF, LM_HEAD_CHUNK, with_expandable
-from sftprof.analysis.schema import WhatIf, WhatIfSetting, WhatIfSkipped, processed_snapshots, processed_traces
+from sftprof.analysis.schema import processed_snapshots, processed_traces
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.config import n_micro_batches
 from sftprof.models.hf import load_hf_config
 

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sftprof.analysis.schema import Finding, WhatIf, WhatIfSetting, WhatIfSkipped, processed_traces
+from sftprof.analysis.schema import processed_traces
+
+from sftprof.analysis.report.schema import Finding
+
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.analysis.what_if.changes import _get  # the dotted-key reader of the what-ifs' rules
 from sftprof.analysis.what_if.changes import LM_HEAD_CHUNK, effect_text, setting_text
 
