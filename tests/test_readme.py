@@ -38,6 +38,8 @@ SECTIONS = ("cluster", "actor", "profile", "train_dataset", "perf_tracer", "memo
 CLIS = {"postprocess_profile.py": "postprocess_profile.py", "profile_rank_utils.py": "profile_rank_utils.py",
         "train_sft_profile.py": "sftprof/trainer.py", "-m sftprof.launch": "sftprof/launch/cli.py",
         "-m sftprof.analysis.trace.check": "sftprof/analysis/trace/check.py", "-m sftprof.pycheck": "sftprof/pycheck.py"}
+# Entry points whose subcommand parses its own arguments in a module of the package.
+DELEGATED = {"postprocess_profile.py": "sftprof/analysis/compare/command.py"}  # compare
 # Paths under these folders belong to other projects (megatron-core, TE, torch): not this repository's files.
 FOREIGN = ("megatron/", "transformer_engine/", "torch/", "apex/")
 # The trace regions the trainer annotates (sftprof.artifacts), named like paths.
@@ -224,6 +226,8 @@ def _cli(path: str) -> tuple[frozenset, frozenset]:
                 subs |= {e.value for e in (c.elts if isinstance(c, ast.Tuple) else [c]) if isinstance(e, ast.Constant)}
         if isinstance(node, ast.FunctionDef) and node.name == "_run" and path == "sftprof/launch/cli.py":
             flags |= {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and str(c.value).startswith("-")}
+    if path in DELEGATED:
+        flags |= _cli(DELEGATED[path])[1]
     return frozenset(subs), frozenset(flags | {"-h", "--help"})
 
 
