@@ -39,16 +39,13 @@ import json
 import os
 import types
 import typing
-from typing import Any, Literal, NotRequired, Optional, TypedDict, Union
+from typing import Any, Literal, NotRequired, Union
 
-from sftprof.analysis.trace.check import finite_json
-from sftprof.analysis.memory.schema import OomTriage
 from sftprof.analysis.report.schema import Finding
-from sftprof.analysis.time.schema import CommWait, RankTable, Simulation
-from sftprof.analysis.trial.schema import (Completion, Counts, Failure, FileError, FileWarning, NvidiaSmi, Paths,
-                                          SkippedFile, SnapshotEntry, Stats, TraceEntry)
-from sftprof.analysis.views.schema import MergedView
-from sftprof.analysis.what_if.schema import TriedWhatIf, WhatIf, WhatIfSkipped
+from sftprof.analysis.time.schema import RankTable, SimulationPart
+from sftprof.analysis.trace.check import finite_json
+from sftprof.analysis.trial.schema import Problems, SnapshotEntry, TraceEntry, TrialRecord
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSkipped
 
 __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError", "SchemaError", "read_summary",
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
@@ -64,43 +61,14 @@ def ms(us: float) -> float:
     return round(float(us) / 1000.0, 4)
 
 
-class ProfileSummary(TypedDict):
-    """``profile_summary.json`` of one trial (:func:`sftprof.analysis.summary.postprocess_trial`)."""
-    schema: str  # SCHEMA_NAME
-    schema_version: str  # "<major>.<minor>"
-    trial: str
-    profile_kind: Literal["kernel", "memory"]
-    profile_step: int
-    status: str  # "ok" | "failed" | "unknown" | "interrupted" (the driver stopped the trial: ``interrupted``)
-    interrupted: NotRequired[str]  # the driver's line in launcher.log (sftprof.artifacts.INTERRUPTED_LINE)
-    completion: Completion
-    paths: Paths
-    stats: Stats
-    nvidia_smi: NvidiaSmi
-    config: Optional[dict[str, Any]]  # the trial's resolved config.yaml
-    # the trial's environment.json (name -> value, sftprof.artifacts.recorded_environment); None: not recorded
-    environment: NotRequired[Optional[dict[str, str]]]
-    rank_coords: dict[str, dict[str, Any]]  # rank (as text) -> coordinates
-    failure: NotRequired[Optional[Failure]]
-    trainer_log_tail: NotRequired[Optional[list[str]]]
-    log_tail_source: NotRequired[str]
-    kernel_traces: NotRequired[list[TraceEntry]]
-    memory_snapshots: NotRequired[list[SnapshotEntry]]
-    comm_wait: NotRequired[Optional[CommWait]]
-    merged_view: NotRequired[Optional[MergedView]]
-    missing_traces: NotRequired[list[int]]  # ranks perf_tracer.ranks profiles whose trace is not in the log dir
-    skipped: list[SkippedFile]
-    errors: list[FileError]
-    warnings: list[FileWarning]
-    counts: Counts
+class ProfileSummary(TrialRecord, Problems, SimulationPart):
+    """``profile_summary.json`` of one trial (:func:`sftprof.analysis.summary.postprocess_trial`): what the trial's
+    files say (:class:`sftprof.analysis.trial.schema.TrialRecord`: header, inputs, failure, traces or snapshots), its
+    problems, and what is judged from them."""
     ranks: RankTable
     findings: list[Finding]
     what_if: list[WhatIf]
     what_if_skipped: NotRequired[list[WhatIfSkipped]]
-    tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
-    transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
-    simulation: NotRequired[Optional[Simulation]]  # a simulated rank's trial; None otherwise
-    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.memory.oom)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -112,7 +80,7 @@ class SchemaError(ValueError):
     """A summary that departs from the schema (strict mode, :data:`STRICT_ENV`); the message names the members."""
 
 
-def _version(data: dict) -> tuple[int, int]:
+def _version(data: dict[str, Any]) -> tuple[int, int]:
     """``(major, minor)`` of a summary; release 1's (``schema`` ending in ``/1``, no ``schema_version``) is 1.0."""
     v = data.get("schema_version")
     if v is None:
@@ -121,7 +89,7 @@ def _version(data: dict) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-def _upgrade(data: dict, major: int) -> dict:
+def _upgrade(data: dict[str, Any], major: int) -> dict[str, Any]:
     """A summary of release 1 or schema 2.x in this version's shape: the members added since, from what it holds
     (a 2.x trace has no ``sanity``: what was not checked is not made up)."""
     for m in data.get("memory_snapshots") or []:
@@ -163,7 +131,7 @@ def from_json(data: Any, where: str) -> ProfileSummary:
     return _upgrade(data, major) if major < mine else data  # type: ignore[return-value]
 
 
-def read_summary(path: str | os.PathLike) -> ProfileSummary:
+def read_summary(path: str | os.PathLike[str]) -> ProfileSummary:
     """``profile_summary.json`` at ``path`` (:func:`from_json`).
 
     Raises:
@@ -179,12 +147,12 @@ def read_summary(path: str | os.PathLike) -> ProfileSummary:
     return from_json(data, str(path))
 
 
-def processed_traces(summary: ProfileSummary) -> list[TraceEntry]:
+def processed_traces(summary: TrialRecord) -> list[TraceEntry]:
     """The traces summarised without error (each has ``summary``)."""
     return [t for t in summary.get("kernel_traces") or [] if "summary" in t and "error" not in t]
 
 
-def processed_snapshots(summary: ProfileSummary) -> list[SnapshotEntry]:
+def processed_snapshots(summary: TrialRecord) -> list[SnapshotEntry]:
     """The snapshots analysed without error (each has ``summary``)."""
     return [m for m in summary.get("memory_snapshots") or [] if "summary" in m and "error" not in m]
 

@@ -28,7 +28,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
+def _settings(summary: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The trial's resolved config, flattened: the copy in the summary (``config``), else ``LOG_DIR/config.yaml``
     written by the trainer (summaries of earlier releases, or a config.yaml that postprocess could not read), and
     why it is unknown (``(None, reason)`` when neither is there or the file is unreadable; ``""`` when known)."""
@@ -40,13 +40,13 @@ def _settings(summary: dict) -> tuple[dict[str, Any] | None, str]:
     return (None, "not available") if cfg is None else (_flat(cfg), "")
 
 
-def _environment(summary: dict) -> tuple[dict[str, str] | None, str]:
+def _environment(summary: dict[str, Any]) -> tuple[dict[str, str] | None, str]:
     """The trial's recorded environment variables: the copy in the summary (``environment``), else
     ``LOG_DIR/environment.json``; and why they are unknown (``(None, reason)``; ``""`` when known)."""
     if "environment" in summary:  # a summary of schema 3.3 or later: its postprocess read the file
         if isinstance(summary["environment"], dict):
             return summary["environment"], ""
-        errors = [e.get("error") for e in summary.get("errors") or []
+        errors = [str(e.get("error")) for e in summary.get("errors") or []
                   if isinstance(e, dict) and e.get("file") == ENVIRONMENT]
         return None, errors[0] if errors else f"no {ENVIRONMENT} in the trial's log dir when it was postprocessed"
     env, error = inputs.trial_environment((summary.get("paths") or {}).get("log_dir") or "")
@@ -84,7 +84,7 @@ def _setting_cell(key: str, flat_cfg: dict[str, Any]) -> str:
     return str(value).replace("\r", "\\r").replace("\n", "\\n").replace("|", "\\|")
 
 
-def settings_diff(a: dict, b: dict) -> list[str]:
+def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """What was changed between the two trials (the experiment), and a warning when sizes differ."""
     (ca, why_a), (cb, why_b) = _settings(a), _settings(b)
     if ca is None or cb is None:

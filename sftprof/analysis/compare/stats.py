@@ -30,9 +30,10 @@ import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["CONFIDENCE", "METHOD", "ONE_SAMPLE", "TOO_FEW", "NO_DIFFERENCE", "Shift", "shift", "u_null_counts",
            "interval_rank", "constant_difference"]
@@ -47,7 +48,7 @@ _HALF_ALPHA_DEN = 40  # (1 - CONFIDENCE) / 2 = 1 / 40: compared in integers, so 
 _EXACT_MAX_ARRANGEMENTS = 10**17  # C(m + n, m) counted exactly in int64 up to here (x 40 stays below 2**63)
 
 
-def u_null_counts(m: int, n: int) -> np.ndarray:
+def u_null_counts(m: int, n: int) -> npt.NDArray[np.int64]:
     """How many of the ``C(m + n, m)`` equally likely rank orders of two samples of sizes ``m`` and ``n`` give each value
     ``u = 0 .. m * n`` of the Mann-Whitney count ``U`` (the number of pairs with the A sample below the B sample).
 
@@ -65,7 +66,7 @@ def u_null_counts(m: int, n: int) -> np.ndarray:
     if math.comb(m + n, m) > _EXACT_MAX_ARRANGEMENTS:
         raise ValueError(f"u_null_counts: C({m + n}, {m}) arrangements exceed {_EXACT_MAX_ARRANGEMENTS:.0e}")
     m, n = min(m, n), max(m, n)
-    c = np.zeros(m * n + 1, dtype=np.int64)
+    c: npt.NDArray[np.int64] = np.zeros(m * n + 1, dtype=np.int64)
     c[0] = 1
     for i in range(1, m + 1):
         shift_by = n + i
@@ -119,7 +120,7 @@ class Shift:
                 "too few": TOO_FEW}[self.direction]
 
 
-def _finite(name: str, values: Sequence[float]) -> np.ndarray:
+def _finite(name: str, values: Sequence[float]) -> npt.NDArray[np.float64]:
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size == 0 or not np.all(np.isfinite(x)):
         raise ValueError(f"shift: {name} must be a non-empty list of finite numbers, got {list(values)!r}")
@@ -134,7 +135,7 @@ def shift(a: Sequence[float], b: Sequence[float]) -> Shift:
     """
     xa, xb = _finite("a", a), _finite("b", b)
     diffs = np.sort(np.subtract.outer(xb, xa).ravel())
-    base = dict(n_a=xa.size, n_b=xb.size, median_a=float(np.median(xa)), median_b=float(np.median(xb)),
+    base: dict[str, Any] = dict(n_a=xa.size, n_b=xb.size, median_a=float(np.median(xa)), median_b=float(np.median(xb)),
                 estimate=float(np.median(diffs)))
     if min(xa.size, xb.size) == 1:
         return Shift(**base, low=None, high=None, direction="one sample")

@@ -5,6 +5,7 @@ gradients, optimizer state, workspaces, activations, allocated before the record
 from __future__ import annotations
 
 import re
+from typing import Any
 
 __all__ = ["allocation_site", "site_category", "categories", "MEMORY_CATEGORIES"]
 
@@ -23,7 +24,7 @@ MEMORY_CATEGORIES = {
     "before_window": "allocated before the recorded window (stack unknown)",
 }
 
-_CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
+_CATEGORY_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("before_window", re.compile(r"^<allocated before the recorded window>$")),
     ("gradients", re.compile(r"param_and_grad_buffer\.py:(80[3-9]|81\d) |\bgrad_data\b|main_grad")),
     ("parameters", re.compile(r"param_and_grad_buffer\.py:(7[89]\d|80[0-2]) |\bparam_data\b|reset_parameters|"
@@ -46,7 +47,7 @@ def _short_path(filename: str) -> str:
     return _PACKAGE_ROOT.sub("", _SHORTEN.sub("", filename))
 
 
-def allocation_site(frames: list[dict]) -> str:
+def allocation_site(frames: list[dict[str, Any]]) -> str:
     """Group key of one allocation from its stack (``frames`` innermost first).
 
     Returns ``"<file>:<line> <function>"`` of the innermost Python frame outside PyTorch and the
@@ -94,7 +95,7 @@ def site_category(site: str) -> str:
     return "activations"
 
 
-def categories(by_site: dict[str, list[int]], peak: int, reserved: int) -> list[dict]:
+def categories(by_site: dict[str, list[int]], peak: int, reserved: int) -> list[dict[str, Any]]:
     """Bytes alive at the peak per category (sum = allocated at the peak) plus allocator slack."""
     tot: dict[str, list[int]] = {k: [0, 0] for k in MEMORY_CATEGORIES}
     for site, (b, c) in by_site.items():

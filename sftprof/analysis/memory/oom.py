@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -31,6 +31,9 @@ from sftprof.analysis.memory.fit import ENV, fitting_changes
 from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.analysis.what_if.changes import LABELS
 from sftprof.models.hf import load_hf_config
+from sftprof.analysis.memory.schema import OomTriage
+from sftprof.analysis.report.schema import Finding
+from sftprof.analysis.what_if.schema import WhatIf
 
 __all__ = ["oom_triage", "oom_finding", "oom_what_if", "settings_text", "KEY"]
 
@@ -99,7 +102,7 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
 
 
 def oom_triage(log_dir: str, cfg: Optional[dict], failed_rank: Optional[int],
-               alloc_conf: Optional[str]) -> Optional[dict[str, Any]]:
+               alloc_conf: Optional[str]) -> Optional[OomTriage]:
     """The triage of the trial's out-of-memory failure (module docstring); None when no rank left a snapshot.
 
     ``cfg``: the trial's resolved config (None: no prediction, no change proposed); ``failed_rank``: the first
@@ -145,7 +148,7 @@ def settings_text(settings: dict[str, Any]) -> str:
     return " ".join(f"{k[len(ENV):]}={v}" if k.startswith(ENV) else f"{k}={v}" for k, v in settings.items())
 
 
-def oom_finding(t: dict) -> dict[str, Any]:
+def oom_finding(t: Mapping[str, Any]) -> Finding:
     """The summary's first finding for the triage ``t`` (:func:`oom_triage`), in words."""
     where = " in " + t["phase"] if t["phase"] else ""
     where += f" at {t['site']}" if t["site"] else ""
@@ -168,7 +171,7 @@ def oom_finding(t: dict) -> dict[str, Any]:
     return {"text": text, "section": "#out-of-memory", "weight": 1.0, "key": "out of memory", "rank": t["rank"]}
 
 
-def oom_what_if(t: dict) -> list[dict[str, Any]]:
+def oom_what_if(t: Mapping[str, Any]) -> list[WhatIf]:
     """The ``fit_oom`` what-if of the triage (its smallest change that fits), [] without one. Its effect is the peak
     allocated against what the failed step asked for (allocated + the request, its ``baseline``); the outcome sets
     the what-if trial's peak against that baseline (:func:`sftprof.analysis.what_if.outcome.outcome`)."""

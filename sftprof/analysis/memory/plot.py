@@ -2,6 +2,8 @@
 peaks of :func:`sftprof.analysis.memory.snapshot.analyze_snapshot` marked."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from sftprof import artifacts
@@ -10,7 +12,7 @@ from sftprof.analysis.memory.snapshot import peak_where
 __all__ = ["plot_memory"]
 
 
-def plot_memory(summary: dict, title: str, out_png: str) -> None:
+def plot_memory(summary: dict[str, Any], title: str, out_png: str) -> None:
     """PNG of allocated (solid) and reserved (dashed) GiB over the recorded window (y from 0): the headline peak
     marked (red dot), the profiled step's window by dotted lines and, when higher and outside the step, the
     window's peak (open diamond).

@@ -21,7 +21,7 @@ def _cell(x: Any) -> str:
     return fmt(x).replace("|", "\\|")
 
 
-def table(headers: list[str], rows: Iterable[list], cell: Callable[[Any], str] = _cell) -> str:
+def table(headers: list[str], rows: Iterable[list[Any]], cell: Callable[[Any], str] = _cell) -> str:
     """A Markdown table (ending in a newline); each value goes through ``cell`` (default: :func:`fmt`, ``|`` escaped)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
@@ -33,6 +33,6 @@ def short(name: str, n: int) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
-def with_rank(value, rank, prefix: str = "r") -> str:
+def with_rank(value: Any, rank: Any, prefix: str = "r") -> str:
     """``"45.485 (r0)"``: a value and where it was found (``prefix`` ``"L"``: a layer); ``–`` for None."""
     return "–" if value is None else f"{fmt(value)} ({prefix}{rank})"

@@ -3,6 +3,8 @@ the peak by category, the theoretical estimate against what was measured, transi
 sites alive at the peak. Each function renders what the summary holds."""
 from __future__ import annotations
 
+from typing import Any
+
 from sftprof.analysis.report import findings as fnd
 from sftprof.analysis.report.markdown import fmt, short, table
 from sftprof.analysis.memory.snapshot import other_devices_message, peak_where
@@ -11,7 +13,7 @@ __all__ = ["memory_snapshots"]
 
 
 # -- one memory snapshot ---------------------------------------------------------------------------------------
-def _estimate(m: dict) -> list[str]:
+def _estimate(m: dict[str, Any]) -> list[str]:
     """The theoretical estimate of one snapshot's rank against what the snapshot measured."""
     est = m.get("estimate")
     if not est:
@@ -30,7 +32,7 @@ def _estimate(m: dict) -> list[str]:
             "set against parameters, gradients and optimizer state together." + _step_copy_note(cmp_rows, est) + "\n"]
 
 
-def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
+def _step_copy_note(cmp_rows: list[dict[str, Any]], est: dict[str, Any]) -> str:
     """Says so when the measured optimizer state is the estimate without the fp32 gradient copy (within 1 %)."""
     copy = next((r.get("step_copy_bytes") or 0 for r in est["rows"] if r["category"] == "optimizer"), 0)
     opt = next((r for r in cmp_rows if r["category"] == "optimizer"), None)
@@ -41,7 +43,7 @@ def _step_copy_note(cmp_rows: list[dict], est: dict) -> str:
             "this peak is outside it.")
 
 
-def _memory_peaks(x: dict) -> list[str]:
+def _memory_peaks(x: dict[str, Any]) -> list[str]:
     """The peak lines of one snapshot summary (:func:`sftprof.analysis.memory.snapshot.analyze_snapshot`): the
     headline peak, named the profiled step's or the recorded window's, with its place in words
     (:func:`peak_where`), and the whole window's peak beside it (where it lies and what was alive then when it is
@@ -82,7 +84,7 @@ def _memory_peaks(x: dict) -> list[str]:
             f"{fmt(x['reserved_minus_allocated_at_peak_gib'])} GiB"]
 
 
-def _memory_snapshot(m: dict) -> list[str]:
+def _memory_snapshot(m: dict[str, Any]) -> list[str]:
     out = [f"## Memory snapshot rank {m['rank']} (`{m['file']}`)\n"]
     if "error" in m:
         kept = ", ".join(f"`{f}`" for f in m.get("kept_files") or [])
@@ -112,5 +114,5 @@ def _memory_snapshot(m: dict) -> list[str]:
     return out
 
 
-def memory_snapshots(s: dict) -> list[str]:
+def memory_snapshots(s: dict[str, Any]) -> list[str]:
     return [line for m in s.get("memory_snapshots") or [] for line in _memory_snapshot(m)]

@@ -60,7 +60,7 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def write_summary(summary: dict, run_dir: str) -> None:
+def write_summary(summary: schema.ProfileSummary, run_dir: str) -> None:
     """Write ``profile_summary.json`` (:func:`sftprof.analysis.schema.summary_json`) and ``profile_summary.md`` to
     ``run_dir``, each atomically (:mod:`sftprof.atomic`: both are written in full under temporary names before either
     replaces anything).

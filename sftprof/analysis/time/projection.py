@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial import inputs
@@ -188,7 +188,7 @@ def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, ha
                    windows_ms, measured_mfu=rec.mfu)
 
 
-def overlap_windows(regions: list[dict]) -> dict[str, float]:
+def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """``{"forward", "backward"}`` ms of a kernel trace's ``sftprof/forward/mb*`` and ``sftprof/backward/mb*`` regions
     (``kernel_traces[].summary.regions``): their GPU time, or their wall time in a trace without GPU activity."""
     out: dict[str, float] = {}
@@ -200,7 +200,7 @@ def overlap_windows(regions: list[dict]) -> dict[str, float]:
 
 
 def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool],
-                       regions: Optional[list[dict]] = None) -> dict[str, Any]:
+                       regions: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
     overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""

@@ -5,7 +5,7 @@ and where the ranks' own GPU work differs (:func:`work_spread`).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from sftprof.analysis.time.collectives import OUTSIDE_WINDOW, exposed_groups
 from sftprof.analysis.time.model_parts import part_label
@@ -22,7 +22,7 @@ RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_g
 # --------------------------------------------------------------------------------------------
 # Ranks table
 # --------------------------------------------------------------------------------------------
-def rank_table(summary: dict) -> RankTable:
+def rank_table(summary: Mapping[str, Any]) -> RankTable:
     """Per-rank rows (coordinates, step time, peak memory, communication) and max/min imbalance.
 
     Step time: kernel trials use the trace's step window (ms), memory trials the per-rank

@@ -54,6 +54,11 @@ class Simulation(TypedDict):
     projection_error: Optional[str]  # why there is no projection
 
 
+class SimulationPart(TypedDict):
+    """The summary's ``simulation`` member: a simulated rank's trial has it; None otherwise."""
+    simulation: NotRequired[Optional[Simulation]]
+
+
 class StepWindow(TypedDict):
     """The step window (:func:`sftprof.analysis.time.gpu_activity.step_window`): the profiled step's (its
     ``ProfilerStep#N`` slice, and the ``sftprof/step`` region inside it); None times: no window."""

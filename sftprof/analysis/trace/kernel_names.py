@@ -16,7 +16,7 @@ HOST_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")  # host-side collective ops (annot
 _SDPA_OP = re.compile(r"scaled_?dot_?product", re.IGNORECASE)  # aten::scaled_dot_product_*, ScaledDotProduct*Backward0
 
 # Ordered (category, pattern) rules on the lower-cased kernel name; first match wins.
-_RULES: tuple[tuple[str, re.Pattern], ...] = (
+_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|softmax_warp_forward_causal|mha_")),
     ("MoE routing/permutation", re.compile(
         r"moe|permut|topk|top_k|sort|radix|scatter|gather|index|histogram|histc|bincount|cumsum|"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sftprof import artifacts
+from sftprof.analysis.trial.schema import Failure
 
 __all__ = ["config_errors", "failure_cause", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
 
@@ -361,7 +362,7 @@ def _stall(log_dir: str | None, lines: list[str]) -> dict[str, Any] | None:
 
 def first_failure(launcher_log: str, log_dir: str | None = None,
                   layout: tuple[int | None, int | None] = (None, None), simulated_rank: int = -1,
-                  ) -> dict[str, Any] | None:
+                  ) -> Failure | None:
     """The first failure of a trial: the rank the launcher's watchdog found stalled (``stall.json``), else a node that
     never joined (or wrote no end record), else torchrun itself when it died without a failure report, else torchrun's
     first failing rank; how it ended, its log tail, and how the other

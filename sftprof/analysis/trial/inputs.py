@@ -11,13 +11,15 @@ import datetime
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import yaml
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace.check import is_finite_number
+from sftprof.analysis.trial.schema import SmiWindow, Stats
+from sftprof.analysis.what_if.schema import TriedWhatIf
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
            "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error",
@@ -73,7 +75,7 @@ def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, 
     return value, rank
 
 
-def read_stats(path: str, profile_step: int | None) -> dict[str, Any]:
+def read_stats(path: str, profile_step: int | None) -> Stats:
     """Step records and the completion record of ``stats.jsonl``.
 
     Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "per_rank", "complete",
@@ -243,7 +245,7 @@ def _smi_time(text: str) -> float | None:
         return None
 
 
-def smi_in_window(smi: dict, lo_s: float, hi_s: float) -> dict[str, Any]:
+def smi_in_window(smi: Mapping[str, Any], lo_s: float, hi_s: float) -> SmiWindow:
     """nvidia-smi samples inside ``[lo_s, hi_s]`` (unix seconds): per GPU the sample count, mean and peak
     ``utilization.gpu`` and peak ``memory.used`` (MiB).
 
@@ -325,7 +327,7 @@ def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None
     return None
 
 
-def read_tried_what_if(run_dir: str) -> tuple[dict | None, str | None]:
+def read_tried_what_if(run_dir: str) -> tuple[TriedWhatIf | None, str | None]:
     """``RUN_DIR/what_if.json`` (:data:`sftprof.artifacts.WHAT_IF_JSON`: the driver's record of the what-if a trial
     tries, :class:`sftprof.analysis.what_if.schema.TriedWhatIf`) and an error naming the file when it is unreadable or not
     such a record (``(None, None)`` when absent: the trial is no what-if trial)."""

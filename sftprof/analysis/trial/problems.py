@@ -22,6 +22,7 @@ from sftprof.analysis.trace.sanity import fault_messages
 from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
+from typing import Any, Mapping, Sequence
 
 __all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "shared_gpu_warnings",
            "optional_input_warnings"]
@@ -29,7 +30,7 @@ __all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warn
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
 
-def missing_traces(cfg: dict | None, items: list[dict]) -> list[int]:
+def missing_traces(cfg: Mapping[str, Any] | None, items: Sequence[Mapping[str, Any]]) -> list[int]:
     """The ranks that the trial's ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on
     ``actor.backend``'s layout) but whose trace is not in the log dir (deleted, never written): the summary's figures
     leave them out (a warning names each). Empty when the config is absent or does not resolve (nothing is
@@ -42,7 +43,7 @@ def missing_traces(cfg: dict | None, items: list[dict]) -> list[int]:
     return [r for r in expected if r not in have]
 
 
-def missing_trace_warnings(cfg: dict, ranks: list[int]) -> list[FileWarning]:
+def missing_trace_warnings(cfg: Mapping[str, Any] | None, ranks: list[int]) -> list[FileWarning]:
     """A warning per rank of :func:`missing_traces`, naming the ``perf_tracer.ranks`` that profiles it."""
     return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
              "warning": f"rank {r}: {MISSING_TRACE}{cfg['perf_tracer'].get('ranks')!r} profiles it; this summary "
@@ -69,7 +70,7 @@ def _kept_warnings(it: dict) -> list[FileWarning]:
     return out
 
 
-def problems(summary: dict, items: list[dict], complete: dict, input_errors: list[dict],
+def problems(summary: Mapping[str, Any], items: Sequence[Mapping[str, Any]], complete: Mapping[str, Any], input_errors: Sequence[Mapping[str, Any]],
               missing_log_dir: str | None) -> tuple[list[FileError], list[FileWarning]]:
     """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
     (``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
@@ -135,7 +136,7 @@ def problems(summary: dict, items: list[dict], complete: dict, input_errors: lis
     return errors, warnings
 
 
-def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) -> list[FileWarning]:
+def routing_warnings(stats: Mapping[str, Any], profile_step: int | None, cfg: Mapping[str, Any] | None) -> list[FileWarning]:
     """Per step whose ``moe_load`` held values that cannot be true, a warning that they were left out
     (:func:`sftprof.analysis.trial.inputs.moe_load`); and a warning when one expert received at least
     :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in the profiled step (the last step record when the
@@ -179,7 +180,7 @@ def routing_warnings(stats: dict, profile_step: int | None, cfg: dict | None) ->
 SHARED_GPU_LISTED = 8  # PIDs and ranks named in the shared-GPU warning; the rest are counted
 
 
-def shared_gpu_warnings(stats: dict) -> list[FileWarning]:
+def shared_gpu_warnings(stats: Mapping[str, Any]) -> list[FileWarning]:
     """One warning when a rank's GPU held processes not of the trial after some step (``stats.steps[].gpu_others``,
     :mod:`sftprof.capture.gpu_sharing`): per rank (the first :data:`SHARED_GPU_LISTED`) its PIDs (as many), the
     most memory they held and the steps, as ranges."""
@@ -223,7 +224,7 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: dict) -> list[FileWarning]:
+def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: Mapping[str, Any]) -> list[FileWarning]:
     """A warning per input file given by option (``--trainer-log``, ``--nvidia-smi-csv``) that is not a file, or
     (nvidia-smi) holds no sample: the summary goes without it."""
     out = [{"file": path, "warning": f"{option}: not found; the summary goes without it"}

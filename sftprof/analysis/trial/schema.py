@@ -5,10 +5,12 @@ entry per trace or snapshot (``kernel_traces[i]``, ``memory_snapshots[i]``).
 Declarations only, evaluated at run time (no postponed annotations: :func:`sftprof.analysis.schema.check` reads
 ``NotRequired`` from them); standard library only.
 """
-from typing import Any, NotRequired, Optional, TypedDict
+from typing import Any, Literal, NotRequired, Optional, TypedDict
 
-from sftprof.analysis.memory.schema import AllocatorSettings, Estimate, EstimateCheckRow, MemorySummary
-from sftprof.analysis.time.schema import KernelSummary
+from sftprof.analysis.memory.schema import AllocatorSettings, Estimate, EstimateCheckRow, MemorySummary, OomTriage
+from sftprof.analysis.time.schema import CommWait, KernelSummary
+from sftprof.analysis.views.schema import MergedView
+from sftprof.analysis.what_if.schema import TriedWhatIf
 
 
 class Completion(TypedDict):
@@ -207,3 +209,58 @@ class SnapshotEntry(TypedDict):
     estimate_note: NotRequired[Optional[str]]
     estimate_vs_measured: NotRequired[Optional[list[EstimateCheckRow]]]
     allocator: NotRequired[Optional[AllocatorSettings]]
+
+
+# -- the summary's parts, in the order postprocess_trial makes them ----------------------------------------------
+class Header(TypedDict):
+    """The summary's first members: what was processed, as what, and the trial's status."""
+    schema: str  # SCHEMA_NAME
+    schema_version: str  # "<major>.<minor>"
+    trial: str
+    profile_kind: Literal["kernel", "memory"]
+    profile_step: int
+    status: str  # "ok" | "failed" | "unknown" | "interrupted" (the driver stopped the trial: ``interrupted``)
+    interrupted: NotRequired[str]  # the driver's line in launcher.log (sftprof.artifacts.INTERRUPTED_LINE)
+    completion: Completion
+    paths: Paths
+
+
+class Inputs(TypedDict):
+    """The trial's input files as read (:mod:`sftprof.analysis.trial.inputs`)."""
+    stats: Stats
+    nvidia_smi: NvidiaSmi
+    config: Optional[dict[str, Any]]  # the trial's resolved config.yaml
+    # the trial's environment.json (name -> value, sftprof.artifacts.recorded_environment); None: not recorded
+    environment: NotRequired[Optional[dict[str, str]]]
+    rank_coords: dict[str, dict[str, Any]]  # rank (as text) -> coordinates
+    transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
+    tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
+
+
+class FailurePart(TypedDict):
+    """A trial that did not finish (not one the driver interrupted): its first failure and log tail."""
+    failure: NotRequired[Optional[Failure]]
+    trainer_log_tail: NotRequired[Optional[list[str]]]
+    log_tail_source: NotRequired[str]
+    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.memory.oom)
+
+
+class Files(TypedDict):
+    """The trial's traces (a kernel trial, with what is made across them) or snapshots (a memory trial)."""
+    kernel_traces: NotRequired[list[TraceEntry]]
+    memory_snapshots: NotRequired[list[SnapshotEntry]]
+    comm_wait: NotRequired[Optional[CommWait]]
+    merged_view: NotRequired[Optional[MergedView]]
+    skipped: list[SkippedFile]
+
+
+class TrialRecord(Header, Inputs, FailurePart, Files):
+    """What the trial's files say: the members the rest of the summary is judged from."""
+
+
+class Problems(TypedDict):
+    """The errors and warnings of the summary (:mod:`sftprof.analysis.trial.problems`) and its counts."""
+    missing_traces: NotRequired[list[int]]  # ranks perf_tracer.ranks profiles whose trace is not in the log dir
+    errors: list[FileError]
+    warnings: list[FileWarning]
+    counts: Counts

@@ -23,7 +23,7 @@ from sftprof.analysis.memory.estimate import estimate_memory, explain_estimate
 from sftprof.analysis.memory.plot import plot_memory
 from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
 from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.analysis.trial.schema import SnapshotEntry
+from sftprof.analysis.trial.schema import Files, SnapshotEntry
 from sftprof.atomic import copy_file, write_failed
 from sftprof.models.hf import load_hf_config
 
@@ -163,7 +163,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     return entry
 
 
-def snapshot_part(log_dir: str, run_dir: str, step: int, world: World) -> dict:
+def snapshot_part(log_dir: str, run_dir: str, step: int, world: World) -> Files:
     """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
     that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
     snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's

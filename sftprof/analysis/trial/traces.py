@@ -20,7 +20,7 @@ from sftprof.analysis.time import comm_wait
 from sftprof.analysis.views import merged as merged_view
 from sftprof.analysis.trial.inputs import World, file_error, outside_world
 from sftprof.analysis.time.model_parts import plot_parts
-from sftprof.analysis.trial.schema import TraceEntry
+from sftprof.analysis.trial.schema import Files, TraceEntry
 from sftprof.analysis.trace.sanity import sanity_error
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views.split import VIEWS, read_for_summary, split_trace, view_links
@@ -203,7 +203,7 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> 
 
 
 def trace_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, jobs: int, step: int,
-                 world: World) -> dict:
+                 world: World) -> Files:
     """``{"kernel_traces": [...], "skipped": [...], "comm_wait": ..., "merged_view": ...}``: every rank's trace split
     into views and summarised as step ``step`` (:func:`_process_trace`: a trace of another step, of another rank or of
     a rank outside the trial's world size ``world`` is that trace's error), the communication of the traces without

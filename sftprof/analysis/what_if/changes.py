@@ -61,6 +61,7 @@ from sftprof.analysis.schema import processed_snapshots, processed_traces
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.config import n_micro_batches
 from sftprof.models.hf import load_hf_config
+from typing import Mapping
 
 __all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
            "amount", "effect_text"]
@@ -213,7 +214,7 @@ class _Trial:
             return None
 
 
-def trial_what_if(summary: dict, cfg: Optional[dict]) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
+def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict]) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
     """The what-ifs of every profiled rank's trace and snapshot (rank order; the routing's once), and the levers not
     proposed with the reason (module docstring). ``cfg``: the trial's resolved config; ``summary`` needs its
     traces or snapshots, ``stats`` and ``transformer_engine``."""

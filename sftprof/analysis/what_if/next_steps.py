@@ -12,7 +12,7 @@ why. In order:
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sftprof.analysis.schema import processed_traces
 
@@ -55,8 +55,8 @@ NO_RULE = "none: sftprof has no rule for this lever yet; its section has the fig
 _LAYOUT = "a layout over more GPUs (actor.backend: TP, CP or EP) divides it"
 
 
-def with_next_steps(findings: list[Finding], what_if: list[WhatIf], skipped: list[WhatIfSkipped], summary: dict,
-                    cfg: Optional[dict]) -> list[Finding]:
+def with_next_steps(findings: list[Finding], what_if: list[WhatIf], skipped: list[WhatIfSkipped],
+                    summary: Mapping[str, Any], cfg: Optional[dict]) -> list[Finding]:
     """``findings``, each with its ``next_step`` (module docstring); ``cfg``: the trial's resolved config (None when
     unreadable: the rules that read it assume the shipped defaults)."""
     return [dict(f, next_step=_next_step(f, what_if, skipped, summary, cfg or {})) for f in findings]

@@ -24,6 +24,8 @@ from sftprof.analysis.memory.fit import check_fit, with_settings
 from sftprof.analysis.schema import processed_traces
 from sftprof.analysis.what_if.changes import LABELS
 from sftprof.models.hf import ModelPathError, load_hf_config
+from typing import Mapping
+from sftprof.analysis.what_if.schema import WhatIf
 
 __all__ = ["MODULE_PARTS", "ledger", "plan_recompute", "recompute_what_if", "KEY", "DRIVER_RESERVED_GIB"]
 
@@ -113,7 +115,7 @@ def _current(cfg: dict) -> dict:
     return out
 
 
-def recompute_what_if(summary: dict, cfg: Optional[dict], alloc_conf: Optional[str]) -> list[dict[str, Any]]:
+def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], alloc_conf: Optional[str]) -> list[WhatIf]:
     """The planner's choice as a what-if of a megatron kernel trial (module docstring); [] when there is none."""
     gpus = (summary.get("nvidia_smi") or {}).get("gpus") or []
     if not cfg or not gpus or not str(cfg["actor"].get("backend", "")).startswith("megatron"):
