@@ -6,12 +6,12 @@
 A run is a folder of trial log dirs, each with its ``stats.jsonl`` (what the driver writes under
 ``FILEROOT/logs/<user>/<experiment>/``; the fixture keeps that layout). The step times are each run's steps that
 time training alone, pooled over its trials, as compare takes them
-(:func:`sftprof.analysis.compare._clean_step_times`). The noise model is their relative deviation from their run's
+(:func:`sftprof.analysis.compare.runs._clean_step_times`). The noise model is their relative deviation from their run's
 median, pooled over both runs, drawn with replacement and smoothed by a Gaussian of Silverman's bandwidth (so that
 resampled values do not tie). Printed, for each sample size ``n`` a side:
 
 - A/A: the share of comparisons of two samples drawn from one model that give ``slower`` or ``faster`` (the false
-  positives; at most 5 % for a valid 95 % test), by the test compare uses (:func:`sftprof.analysis.stats.shift`),
+  positives; at most 5 % for a valid 95 % test), by the test compare uses (:func:`sftprof.analysis.compare.stats.shift`),
   beside the level that test attains exactly at that size (:func:`level`) and, for reference, by a percentile
   bootstrap interval of the difference of medians (``--boot`` resamples, seeded; a quarter of ``--sims``);
 - power: the share that find a 5 % slowdown (``--effect``), B's draws times 1.05;
@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sftprof.analysis import inputs, stats  # noqa: E402
-from sftprof.analysis.compare import _clean_step_times  # noqa: E402
+from sftprof.analysis.trial import inputs  # noqa: E402
+from sftprof.analysis.compare import stats
+from sftprof.analysis.compare.runs import _clean_step_times  # noqa: E402
 from sftprof.artifacts import STATS  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "cpu_quickstart"

@@ -1,7 +1,7 @@
 """The fit check's prediction against the measured one-GPU runs (CPU; prints bench/NOTES.md's table).
 
 Each run of ``tests/fixtures/measured_peaks/runs.json`` is planned as the driver plans it (its variables and
-arguments on the README's one-GPU slice), and its predicted peak allocated and need (:mod:`sftprof.analysis.memory_fit`)
+arguments on the README's one-GPU slice), and its predicted peak allocated and need (:mod:`sftprof.analysis.memory.fit`)
 are set against the measured peak (from its docs/examples summary, or the figure the fixture records) and the outcome.
 
     PYTHONPATH=$PWD python bench/fit_check_table.py
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
-from sftprof.analysis.memory_fit import check_fit  # noqa: E402
+from sftprof.analysis.memory.fit import check_fit  # noqa: E402
 from sftprof.config import load_config  # noqa: E402
 from sftprof.launch.plan_types import PlanLog  # noqa: E402
 from sftprof.launch.planning import read_driver_env  # noqa: E402

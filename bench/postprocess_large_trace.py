@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sftprof.artifacts import trace_name  # noqa: E402
-from sftprof.analysis.trace_io import TraceReader, TraceWriter  # noqa: E402
+from sftprof.analysis.trace.io import TraceReader, TraceWriter  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "h200_mcore_qwen3moe_4l_8k.trace.json.gz"
 ID_OFFSET = 10_000_000

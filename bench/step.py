@@ -59,7 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sftprof.allocation import parse_allocation_mode  # noqa: E402
-from sftprof.analysis.schema import EfficiencyRow, processed_traces, read_summary  # noqa: E402
+from sftprof.analysis.schema import processed_traces, read_summary  # noqa: E402
+from sftprof.analysis.time.schema import EfficiencyRow
 from sftprof.artifacts import SUMMARY_JSON  # noqa: E402
 from sftprof.launch.arguments import arguments_setting  # noqa: E402
 from sftprof.models.specs import have_transformer_engine  # noqa: E402

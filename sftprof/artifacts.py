@@ -69,7 +69,7 @@ def parse_region(name: str) -> tuple[str, Optional[int]] | None:
     return (m.group(1), None) if m.group(1) else (m.group(2), int(m.group(3)))
 
 
-# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.op_collector reads them):
+# Model-part ranges (sftprof.capture.module_regions writes them, sftprof.analysis.trace.op_collector reads them):
 # sftprof.module/<part>[/L<layer>][/recompute].
 MODULE_REGION_PREFIX = "sftprof.module/"
 MODULE_RECOMPUTE_SUFFIX = "/recompute"
@@ -394,7 +394,7 @@ def view_path(out_dir: str, rank: int, view: str, compress: bool = False) -> str
     return os.path.join(view_dir(out_dir, view), trace_name(rank, compress))
 
 
-MERGED_VIEW = "all_ranks"  # the view that merges every rank's trace (sftprof.analysis.merged_view)
+MERGED_VIEW = "all_ranks"  # the view that merges every rank's trace (sftprof.analysis.views.merged)
 
 
 def merged_view_path(out_dir: str, compress: bool = False) -> str:

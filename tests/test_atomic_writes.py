@@ -20,7 +20,7 @@ import pytest
 from fixtures import make_cpu_trace
 from sftprof import atomic
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_io import TraceWriter
+from sftprof.analysis.trace.io import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 FREE = r"\d+\.\d (?:GiB|MiB|KiB) free in %s"  # the free space of a folder, which other processes change meanwhile
@@ -126,7 +126,7 @@ def test_a_report_that_cannot_be_written_keeps_the_earlier_one(tmp_path, cpu_tra
 def test_an_error_in_the_writing_thread_reaches_the_caller_and_nothing_hangs(tmp_path, monkeypatch):
     """TraceWriter writes from a thread of its own: an error there is raised by the caller's next call (an OSError as
     the file's WriteError, anything else as itself), and the thread keeps draining, so no call blocks."""
-    from sftprof.analysis import trace_io
+    from sftprof.analysis.trace import io as trace_io
 
     class Broken:
         def __init__(self, exc):

@@ -60,7 +60,7 @@ def test_compare_names_the_report_after_run_a_also_when_it_is_given_as_dot(runs)
     (["postprocess_profile.py", "compare", "RUN_A", "RUN_B", "--out", "c.md"], 0),
     (["profile_rank_utils.py", "--config", "tiny_cpu", "--profile-ranks", ""], 0),
     (["-m", "sftprof.launch", "usage"], 0),
-    (["-m", "sftprof.analysis.trace_check", two_gpu_sync_traces()[0]], 1),  # the excerpt's cut flows: problems
+    (["-m", "sftprof.analysis.trace.check", two_gpu_sync_traces()[0]], 1),  # the excerpt's cut flows: problems
 ], ids=["compare", "profile_rank_utils", "launch_usage", "trace_check"])
 def test_a_reader_that_goes_away_ends_the_command_quietly(runs, tmp_path, cmd, usual):
     root = runs[0].parent

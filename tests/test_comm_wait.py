@@ -1,5 +1,5 @@
 """Communication split into waiting for the last rank and transfer, across two ranks' synthetic traces with known
-kernel times (sftprof/analysis/comm_wait.py)."""
+kernel times (sftprof/analysis/time/comm_wait.py)."""
 import json
 import subprocess
 import sys
@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sftprof.analysis import comm_wait
-from sftprof.analysis.compare import compare_runs
-from sftprof.analysis.intervals import difference, union
+from sftprof.analysis.time import comm_wait
+from sftprof.analysis.compare.runs import compare_runs
+from sftprof.analysis.trace.intervals import difference, union
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 
 from fixtures import two_gpu_sync_log_dir
 
@@ -256,7 +256,7 @@ def test_calls_of_different_collectives_are_not_paired():
 def test_work_spread_compares_only_ranks_that_ran_a_cell():
     """Per (part, layer, phase) the fastest and slowest rank among those that ran it (pipeline stages hold other
     layers: a cell of one rank only is not compared), spreads under 0.5 ms left out, the largest first, 8 at most."""
-    from sftprof.analysis.rank_table import work_spread
+    from sftprof.analysis.time.rank_table import work_spread
 
     cells = {0: [["experts", 0, "forward", 10.0], ["experts", 0, "backward", 20.0], ["attn_core", 0,
                                                                                               "forward", 100.0]],

@@ -1,4 +1,4 @@
-"""The statistics of ``compare`` (sftprof.analysis.stats) checked like an instrument, on recorded per-step times.
+"""The statistics of ``compare`` (sftprof.analysis.compare.stats) checked like an instrument, on recorded per-step times.
 
 Exactness: the rank test's null counts and intervals against a brute-force enumeration of every rank order.
 Validation on the CPU preset's recorded step times (``tests/fixtures/cpu_quickstart``, real ``stats.jsonl`` of two
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sftprof.analysis import stats
-from sftprof.analysis.compare import _clean_step_times, _trial_spread, compare_runs
+from sftprof.analysis.compare import stats
+from sftprof.analysis.compare.runs import _clean_step_times, _trial_spread, compare_runs
 from sftprof.analysis.summary import postprocess_trial
 
 ROOT = Path(__file__).resolve().parents[1]

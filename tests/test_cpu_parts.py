@@ -2,9 +2,9 @@
 every number is known (the real CPU traces of the tiny preset are checked in tests/test_e2e_cpu.py)."""
 import pytest
 
-from sftprof.analysis import findings as fnd
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
-from sftprof.analysis.what_if import trial_what_if
+from sftprof.analysis.report import findings as fnd
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.what_if.changes import trial_what_if
 
 
 def _op(name, ts, dur, tid=1, cat="cpu_op"):

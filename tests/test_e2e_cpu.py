@@ -134,7 +134,7 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
     """The quick start shows the product (issue 32): a CPU kernel trial's summary has findings, the time-by-model-part
     table and plot from the CPU ops and the model-part ranges, calls out the heaviest op, and says which sections only
     a GPU run fills; its cpu_only view, byte for byte its chrome view, is a link to it, stored once."""
-    from sftprof.analysis.report_trace import GPU_ONLY
+    from sftprof.analysis.report.trace import GPU_ONLY
 
     out, run_root = run
     for row in summary_rows(run_root):

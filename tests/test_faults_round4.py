@@ -16,7 +16,7 @@ from pathlib import Path
 from test_malformed_inputs import (SNAP_NAME, _OLD_SPELLING, _log_dir, _put_snapshot,  # noqa: F401 (fixtures)
                                    _put_trace, _trace_text, full_trace, small_snapshot, small_trace)
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE
+from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
 
 
 
@@ -144,7 +144,7 @@ def test_history_started_mid_step_gives_a_lower_bound_said_so(tmp_path):
     cleared after the step's peak (rank 1: the events up to the first free after the peak dropped): rank 1's step peak
     is lower and flagged as a lower bound, with the times and the blocks without stack."""
     from test_malformed_inputs import SNAPSHOT
-    from sftprof.analysis.safe_pickle import safe_load_file
+    from sftprof.analysis.memory.safe_pickle import safe_load_file
 
     snap = safe_load_file(SNAPSHOT)
     trace = snap["device_traces"][0]
@@ -454,7 +454,7 @@ def test_trainer_refuses_a_plan_config_copy_edited_after_its_trial_launched(tmp_
 def test_annotations_written_as_begin_end_pairs_are_read_as_spans(tmp_path, small_trace):
     """The cut trace with each sftprof/* annotation written as a B/E pair (and one E without its B): the same
     figures as with X events, and warnings counting the pairs read and the event left out."""
-    from sftprof.analysis.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE
+    from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE
 
     pairs = copy.deepcopy(small_trace)
     events, n = [], 0

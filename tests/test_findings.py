@@ -1,6 +1,6 @@
 """The summary's findings (one per lever, heaviest first) and the cross-rank split of exposed communication."""
-from sftprof.analysis import findings as fnd
-from sftprof.analysis.rank_table import exposed_by_group, work_spread
+from sftprof.analysis.report import findings as fnd
+from sftprof.analysis.time.rank_table import exposed_by_group, work_spread
 
 
 def _kernel_summary(attn_ms, exposed_ms, idle_ms, host_wait_ms, sync_ms):
@@ -95,7 +95,7 @@ def test_the_rank_with_more_exposed_communication_is_a_finding_naming_the_group(
 def test_a_gap_no_group_accounts_for_is_not_attributed_to_one():
     """Groups that overlap each other on rank 0 but not on rank 1: the same exposed time per group, 2.0 ms apart in
     total. No ~0 ms group is named as the cause, and the Ranks text renders no empty list."""
-    from sftprof.analysis.report import _ranks
+    from sftprof.analysis.report.render import _ranks
 
     groups = {0: {"CP": 3.0, "EP": 5.0}, 1: {"CP": 3.02, "EP": 5.0}}
     totals = {0: 6.0, 1: 8.0}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sftprof.analysis.inputs import read_stats
-from sftprof.analysis.problems import shared_gpu_warnings
+from sftprof.analysis.trial.inputs import read_stats
+from sftprof.analysis.trial.problems import shared_gpu_warnings
 from sftprof.capture import gpu_sharing
 
 MARKER = "trial-under-test"

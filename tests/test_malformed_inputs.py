@@ -18,11 +18,11 @@ import pytest
 
 from fixtures import FIXTURE_DIR, faults
 from sftprof.artifacts import view_path
-from sftprof.analysis.memory_summary import other_devices_message
-from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.memory.snapshot import other_devices_message
+from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_check import CATEGORY_ALIAS_NOTE, MAX_TID, validate_trace
-from sftprof.analysis.views import VIEWS
+from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE, MAX_TID, validate_trace
+from sftprof.analysis.views.split import VIEWS
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_TRACE = FIXTURE_DIR / "h200_sftprof_kernel.trace.json.gz"
@@ -146,7 +146,7 @@ def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):
 
 def test_any_exception_in_one_trace_is_that_trace_error(tmp_path, small_trace, monkeypatch):
     """An exception type nobody expected (raised here inside the analysis of rank 1 only)."""
-    from sftprof.analysis import trace_summary
+    from sftprof.analysis.time import trace_summary
 
     log = _log_dir(tmp_path)
     _put_trace(log, 0, _trace_text(small_trace))
@@ -358,7 +358,7 @@ def test_failure_without_error_file_quotes_the_error_the_trainer_logged(tmp_path
     """A rank that exits with an exception writes no torchrun error file: torchrun's traceback field is then only a
     pointer to its docs, so the Failure line quotes the error the trainer logged for that rank instead (the
     reviewer's case: a damaged safetensors file quoted as torchrun's docs link)."""
-    from sftprof.analysis.failure import first_failure
+    from sftprof.analysis.trial.failure import first_failure
     text = (FIXTURE_DIR / "torchrun_sigkill_launcher.log").read_text()
     text = text.replace("2026-11-30 08:56:04,771 [rank 1] INFO rank 1 about to die",
                         "2026-11-30 08:56:04,771 [rank 1] ERROR trial failed after 0 completed step(s): SafetensorError: "
@@ -398,7 +398,7 @@ def test_failure_before_the_log_dir_quotes_the_trainers_configuration_error(tmp_
     assert (f"- first failing rank: **1** (exit code 2, host localhost): `{error}`\n"
             "- then: rank 0 killed by SIGTERM (exit code -15)") in (run / "profile_summary.md").read_text()
     # another exit status is not the trainer's configuration error (and torchrun's docs pointer is never quoted)
-    from sftprof.analysis.failure import NO_ERROR_TEXT, first_failure
+    from sftprof.analysis.trial.failure import NO_ERROR_TEXT, first_failure
     text = (run / "launcher.log").read_text()
     (run / "launcher.log").write_text(text.replace("exitcode  : 2 (pid: 15763)", "exitcode  : 1 (pid: 15763)"))
     assert first_failure(str(run / "launcher.log"))["traceback"] == NO_ERROR_TEXT
@@ -455,7 +455,7 @@ def test_torchrun_crash_before_any_worker_gets_a_failure_section(tmp_path):
     # two nodes, both records written: node 0's torchrun crash leads (its own record is that crash), node 1 follows;
     # a node without a record would still come first
     from sftprof import launch
-    from sftprof.analysis.failure import first_failure
+    from sftprof.analysis.trial.failure import first_failure
     logs = tmp_path / "logs"
     launch.write_node_record(logs, 0, 1, 3, 2, 2)
     launch.write_node_record(logs, 1, 1, 600, 2, 2)
@@ -467,7 +467,7 @@ def test_torchrun_crash_before_any_worker_gets_a_failure_section(tmp_path):
 
 
 def test_traceback_errors_take_a_chain_once_and_skip_other_processes_lines():
-    from sftprof.analysis.failure import traceback_errors
+    from sftprof.analysis.trial.failure import traceback_errors
     lines = ["Traceback (most recent call last):", '  File "/x/train_sft_profile.py", line 17, in <module>',
              "[rank 1] INFO another process's line", "    main()", "KeyError: 'a'", "",
              "During handling of the above exception, another exception occurred:", "",
@@ -750,11 +750,11 @@ _OLD_SPELLING = {"kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Mems
 
 
 def test_fuzz_record_faults(tmp_path, small_trace):
-    """Seeded sets of the profiler's faults of its record (sftprof/analysis/trace_sanity.py) on the real cut trace,
+    """Seeded sets of the profiler's faults of its record (sftprof/analysis/trace/sanity.py) on the real cut trace,
     30 ranks per trial, some with another kineto version's category spellings (issue 48): each trace's summary counts
     exactly what was done to it and names it in a warning; one that
     overlapping activities dominate is that trace's error; the others are summarised; exit 0 or 1, strict JSON."""
-    from sftprof.analysis.trace_sanity import fault_messages
+    from sftprof.analysis.trace.sanity import fault_messages
 
     rng = random.Random(35)
     n_old = 0
@@ -875,7 +875,7 @@ def test_fuzz_through_the_cli(tmp_path, small_trace, small_snapshot):
     ({"ph": "X", "ts": 1, "dur": 0}, None), ({"ph": "M", "name": "thread_name", "args": {}}, None),
 ])
 def test_event_problem_kinds(event, kind):
-    from sftprof.analysis.trace_check import event_problem
+    from sftprof.analysis.trace.check import event_problem
 
     assert event_problem(event) == kind
 

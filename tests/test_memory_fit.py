@@ -12,8 +12,8 @@ import pytest
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof import compat
-from sftprof.analysis import memory_fit
-from sftprof.analysis.memory_estimate import params_per_rank, predict_peak
+from sftprof.analysis.memory import fit as memory_fit
+from sftprof.analysis.memory.estimate import params_per_rank, predict_peak
 from sftprof.config import ConfigError, load_config
 from sftprof.launch import planning
 from sftprof.launch.variables import DriverError

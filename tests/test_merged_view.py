@@ -1,4 +1,4 @@
-"""The all-ranks view (sftprof.analysis.merged_view) against the per-rank views it merges: the real 2x H200 traces
+"""The all-ranks view (sftprof.analysis.views.merged) against the per-rank views it merges: the real 2x H200 traces
 (tests/fixtures/h200_2gpu_sync) and two real CPU traces."""
 import collections
 import gzip
@@ -8,12 +8,12 @@ import shutil
 import pytest
 
 from fixtures import make_cpu_trace, two_gpu_sync_log_dir, two_gpu_sync_traces
-from sftprof.analysis import comm_wait
-from sftprof.analysis.merged_view import clock_shifts, write_merged_view
+from sftprof.analysis.time import comm_wait
+from sftprof.analysis.views.merged import clock_shifts, write_merged_view
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_check import validate_trace
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
-from sftprof.analysis.views import split_trace
+from sftprof.analysis.trace.check import validate_trace
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.views.split import split_trace
 
 
 def _load(path):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from sftprof.capture import module_regions
-from sftprof.analysis.memory_summary import analyze_snapshot
-from sftprof.analysis.safe_pickle import safe_load_file
-from sftprof.analysis.collectives import bus_factor
-from sftprof.analysis.op_collector import OpCollector
-from sftprof.analysis.op_flops import attention_pairs, op_flops
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.memory.snapshot import analyze_snapshot
+from sftprof.analysis.memory.safe_pickle import safe_load_file
+from sftprof.analysis.time.collectives import bus_factor
+from sftprof.analysis.trace.op_collector import OpCollector
+from sftprof.analysis.time.op_flops import attention_pairs, op_flops
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 from tests.fixtures import gpu_snapshot_fixtures, gpu_trace_fixtures
 from tests.fixtures.qwen3_5 import gated_delta_rule_reference
 
@@ -188,7 +188,7 @@ def test_gpu_idle_split_and_busy_make_up_the_window(analysed):
 def test_nvidia_smi_utilisation_inside_the_profiled_window(tmp_path):
     import datetime
 
-    from sftprof.analysis.inputs import read_nvidia_smi, smi_in_window
+    from sftprof.analysis.trial.inputs import read_nvidia_smi, smi_in_window
 
     t0 = datetime.datetime(2026, 11, 29, 23, 2, 19)
     rows = ["timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB]"]
@@ -207,7 +207,7 @@ def test_nvidia_smi_utilisation_inside_the_profiled_window(tmp_path):
 def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
     from sftprof.allocation import parse_allocation_mode
     from sftprof.models.hf import load_hf_config
-    from sftprof.analysis.memory_estimate import estimate_memory
+    from sftprof.analysis.memory.estimate import estimate_memory
 
     hf = load_hf_config("qwen3_30b_a3b", 4)
     cfg = {"actor": {"dtype": "bfloat16", "megatron": {"use_precision_aware_optimizer": False, "lm_head_loss_chunk_size": 0,
@@ -230,7 +230,8 @@ def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
     assert opt == 16 * est2["params_dense"] // 2 + 16 * est2["params_expert"]
     # the 1x H200 memory trial of this slice (bench/NOTES.md) measured 12 B/param of optimizer state at a peak in
     # the forward: the report says the fp32 gradient copy (4 B/param) is the difference
-    from sftprof.analysis import memory_estimate, report_memory
+    from sftprof.analysis.memory import estimate as memory_estimate
+    from sftprof.analysis.report import memory as report_memory
 
     measured = {"categories_at_peak": [{"category": "optimizer", "bytes": 12 * n}]}
     cmp_rows = memory_estimate.explain_estimate(measured, est)
@@ -244,7 +245,7 @@ def test_theoretical_memory_of_the_4_layer_qwen3_30b_a3b_slice():
 def test_torch_compile_inside_the_step_is_measured_and_named(tmp_path):
     """A real CPU trace whose step compiles a function (first call) and one that reuses it: the compile time is
     the union of dynamo's ops in the step, and it becomes the heaviest finding."""
-    from sftprof.analysis import findings
+    from sftprof.analysis.report import findings
 
     f = torch.compile(lambda x: torch.sin(x) * 2, backend="eager")
     summaries = []
@@ -316,7 +317,7 @@ def _idle_places_trace() -> list[dict]:
 def test_gpu_idle_waiting_for_the_host_by_place():
     """Each host-wait gap goes to the place of the activity that ends it; the gap after the sync is 'after
     blocking calls', the loops are launch-bound, the long gap is host busy; the HTA-style totals are unchanged."""
-    from sftprof.analysis import findings, report_trace
+    from sftprof.analysis.report import findings, trace as report_trace
 
     a = KernelTraceAnalyzer({})
     for ev in _idle_places_trace():
@@ -371,7 +372,7 @@ def test_garbage_collection_inside_the_host_wait_is_named():
     wait), gen 2 at 420-450 inside the 409-460 host-busy gap, gen 0 at 481-482 after the step window (not counted):
     the host-wait place of that gap carries its 300 us of collection, and the host section and the place's words
     say so."""
-    from sftprof.analysis import findings, report_trace
+    from sftprof.analysis.report import findings, trace as report_trace
 
     u = 10.0
     a = KernelTraceAnalyzer({})
@@ -437,7 +438,7 @@ def test_short_gaps_after_long_kernels_are_host_busy_not_launch_bound():
     """Gaps under LAUNCH_GAP_US after 2 ms kernels (the 1x H200 expert recompute: 2072 us activities, 79 us gaps)
     are not launch-bound, which needs short kernels too: the host, not its launch cost, made the GPU wait; the finding
     gives the activities' length that tells the two apart."""
-    from sftprof.analysis import findings
+    from sftprof.analysis.report import findings
 
     # kernels of 2000 us, each launched 80 us after the previous one ended
     s = _expert_place_summary([100.0 + 2080.0 * k for k in range(4)], 2000.0, 10000.0)
@@ -457,7 +458,7 @@ def test_one_long_gap_among_short_ones_is_named_a_host_stall():
     """1x H200 with TE, 131072 tokens: one _GroupedLinear call held the host 396 ms with nothing recorded beneath it
     while the GPU waited 376.8 ms, beside a short gap of the same place; the mean (188 ms over 2 gaps) read as launch
     cost. Here: an expert place with gaps of 60 us and 20 ms; the finding names the longest as a host stall."""
-    from sftprof.analysis import findings
+    from sftprof.analysis.report import findings
 
     s = _expert_place_summary([60.0, 20160.0], 100.0, 30000.0)  # gaps 60 us (from the step's start) and 20000 us
     row = s["host"]["gpu_idle"]["host_wait_by_place"]["rows"][0]

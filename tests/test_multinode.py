@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sftprof import launch
-from sftprof.analysis.trace_check import validate_trace
+from sftprof.analysis.trace.check import validate_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "run_qwen3_30b_a3b_sft_profile.sh"
@@ -100,7 +100,7 @@ def test_node_failures_name_each_node_and_its_ranks(tmp_path):
     """The summary's view of the same records: 5 nodes x 8 ranks; node 4 wrote no record and node 0's torchrun
     printed no rendezvous timeout, so node 4 may have joined and died: it is the first failure all the same, and
     torchrun's own rank failures on node 0 follow it."""
-    from sftprof.analysis.failure import first_failure, node_failures
+    from sftprof.analysis.trial.failure import first_failure, node_failures
     launch.write_node_record(tmp_path, 0, 1, 40, 5, 8)
     launch.write_node_record(tmp_path, 1, 0, 12, 5, 8)
     launch.write_node_record(tmp_path, 2, 137, 30, 5, 8)
@@ -141,7 +141,7 @@ def test_node_failures_name_each_node_and_its_ranks(tmp_path):
 def test_a_killed_torchrun_is_the_first_failure_with_the_ranks_it_left(tmp_path):
     """A node whose torchrun was killed outright (its record names the signal and the ranks whose workers the launcher
     stopped) is the root cause, its other ranks named as already ended (they died with torchrun, or before)."""
-    from sftprof.analysis.failure import first_failure, headline
+    from sftprof.analysis.trial.failure import first_failure, headline
     launch.write_node_record(tmp_path, 0, 137, 5, 1, 3, "SIGKILL", [0, 2])
     fail = first_failure(str(tmp_path / "launcher.log"), str(tmp_path))
     assert headline(fail) == "node 0 (ranks 0-2) torchrun killed by SIGKILL (status 137)"

@@ -7,10 +7,10 @@ import pytest
 import yaml
 
 from fixtures import FIXTURE_DIR
-from sftprof.analysis.memory_categories import MEMORY_CATEGORIES
-from sftprof.analysis.next_steps import DRIVER_VARIABLES, NO_RULE, with_next_steps
-from sftprof.analysis.report import render_markdown
-from sftprof.analysis.what_if import trial_what_if
+from sftprof.analysis.memory.categories import MEMORY_CATEGORIES
+from sftprof.analysis.what_if.next_steps import DRIVER_VARIABLES, NO_RULE, with_next_steps
+from sftprof.analysis.report.render import render_markdown
+from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.artifacts import MODEL_PARTS
 from sftprof.launch.variables import BY_NAME
 from test_what_if import _trial

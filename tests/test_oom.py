@@ -7,9 +7,9 @@ import gzip
 
 import pytest
 
-from sftprof.analysis.oom import oom_triage
-from sftprof.analysis.what_if import LABELS
-from sftprof.analysis.safe_pickle import safe_load
+from sftprof.analysis.memory.oom import oom_triage
+from sftprof.analysis.what_if.changes import LABELS
+from sftprof.analysis.memory.safe_pickle import safe_load
 from sftprof.analysis.summary import postprocess_trial
 from tests.fixtures import FIXTURE_DIR, OOM_CAPACITY, OOM_FREE, oom_log_dir
 
@@ -72,7 +72,7 @@ def test_failed_trial_summary_leads_with_the_oom_and_its_fitting_change(tmp_path
 def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reached(tmp_path):
     """``TRY_WHAT_IFS`` takes a failed trial's ``fit_oom`` (and no other what-if of it); the outcome sets the what-if
     trial's peak against what the failed step asked for."""
-    from sftprof.analysis.what_if_outcome import HELD, outcome
+    from sftprof.analysis.what_if.outcome import HELD, outcome
     from sftprof.launch.plan_types import Trial
     from sftprof.launch.what_ifs import choose
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sftprof import artifacts
-from sftprof.analysis.oom import oom_triage
+from sftprof.analysis.memory.oom import oom_triage
 from sftprof.capture.oom import watch
 from sftprof.capture.regions import region
 

@@ -14,7 +14,7 @@ import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.artifacts import raw_trace_rank, trace_name, view_dir
-from sftprof.analysis.views import VIEWS, split_trace
+from sftprof.analysis.views.split import VIEWS, split_trace
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from fixtures import gpu_snapshot_fixtures, make_cpu_trace, two_gpu_sync_traces
-from sftprof.analysis.memory_summary import analyze_snapshot
-from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.memory.snapshot import analyze_snapshot
+from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
-from sftprof.analysis import stats
-from sftprof.analysis.compare import compare_runs
-from sftprof.analysis.inputs import read_nvidia_smi
-from sftprof.analysis.trace_check import validate_trace
+from sftprof.analysis.compare import stats
+from sftprof.analysis.compare.runs import compare_runs
+from sftprof.analysis.trial.inputs import read_nvidia_smi
+from sftprof.analysis.trace.check import validate_trace
 
 REPO = Path(__file__).resolve().parents[1]
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
@@ -871,7 +871,7 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
     """The settings diff of two trials that differ in ``actor.megatron.cp_attention`` says the setting had no effect
     when neither trial runs megatron with CP > 1 (bench/NOTES.md's one-GPU rows: masked before the default changed,
     blocks after), and says nothing more when one of them has CP = 2."""
-    from sftprof.analysis.settings_diff import settings_diff
+    from sftprof.analysis.compare.settings_diff import settings_diff
 
     def summary(name, backend, method):
         log = tmp_path / name
@@ -1012,7 +1012,7 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
     """Two runs that differ only in an environment variable (a TE setting) were reported as identical, "a repeat run";
     the recorded variables are now settings (``env.<NAME>``, ``–`` where unset), and a trial without
     ``environment.json`` says that they were not compared."""
-    from sftprof.analysis.settings_diff import settings_diff
+    from sftprof.analysis.compare.settings_diff import settings_diff
 
     cfg = {"actor": {"backend": "megatron:d1"}}
     a = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1"}}
@@ -1039,7 +1039,7 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
 def test_compare_settings_table_shows_empty_values():
     """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
     rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""
-    from sftprof.analysis.settings_diff import settings_diff
+    from sftprof.analysis.compare.settings_diff import settings_diff
 
     a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
                     "actor": {"loss": {"path": "auto"}}}, "environment": {}}

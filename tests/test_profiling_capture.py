@@ -78,7 +78,7 @@ def test_garbage_collections_of_the_recorded_step_become_ranges_and_the_summary_
     import gc
 
     from sftprof.analysis.schema import ms
-    from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+    from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 
     prof = KernelProfiler(_cfg("perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]"), LAYOUT, 0, tmp_path)
     callbacks = list(gc.callbacks)

@@ -1,13 +1,13 @@
-"""The projection of a simulated rank (sftprof.analysis.projection): per-collective time, overlap windows, the
+"""The projection of a simulated rank (sftprof.analysis.time.projection): per-collective time, overlap windows, the
 InfiniBand rate for groups across nodes, NCCL's buffers and the MFU, worked by hand on the shipped layout's plan."""
 from __future__ import annotations
 
 import pytest
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.projection import (INTERCONNECTS, collective_ms, nccl_buffer_bytes, overlap_windows, project,
-                                         render)
-from sftprof.analysis.rank_plan import rank_plan
+from sftprof.analysis.time.projection import (INTERCONNECTS, collective_ms, nccl_buffer_bytes, overlap_windows, project,
+                                              render)
+from sftprof.analysis.time.rank_plan import rank_plan
 from test_rank_plan import QWEN3_30B, _shipped_cfg
 
 MIB = 1 << 20

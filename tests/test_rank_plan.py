@@ -1,4 +1,4 @@
-"""The plan of a simulated rank (sftprof.analysis.rank_plan): process groups against megatron-core's own rank
+"""The plan of a simulated rank (sftprof.analysis.time.rank_plan): process groups against megatron-core's own rank
 generator, shards, CP chunks, routed tokens and collective buffer sizes of the shipped layout, worked by hand."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.rank_plan import dedup_fraction, group_ranks, rank_plan
+from sftprof.analysis.time.rank_plan import dedup_fraction, group_ranks, rank_plan
 
 QWEN3_30B = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,

@@ -37,7 +37,9 @@ SECTIONS = ("cluster", "actor", "profile", "train_dataset", "perf_tracer", "memo
 # Entry points -> the file whose argparse definitions give their subcommands and flags.
 CLIS = {"postprocess_profile.py": "postprocess_profile.py", "profile_rank_utils.py": "profile_rank_utils.py",
         "train_sft_profile.py": "sftprof/trainer.py", "-m sftprof.launch": "sftprof/launch/cli.py",
-        "-m sftprof.analysis.trace_check": "sftprof/analysis/trace_check.py", "-m sftprof.pycheck": "sftprof/pycheck.py"}
+        "-m sftprof.analysis.trace.check": "sftprof/analysis/trace/check.py", "-m sftprof.pycheck": "sftprof/pycheck.py"}
+# Entry points whose subcommand parses its own arguments in a module of the package.
+DELEGATED = {"postprocess_profile.py": "sftprof/analysis/compare/command.py"}  # compare
 # Paths under these folders belong to other projects (megatron-core, TE, torch): not this repository's files.
 FOREIGN = ("megatron/", "transformer_engine/", "torch/", "apex/")
 # The trace regions the trainer annotates (sftprof.artifacts), named like paths.
@@ -224,6 +226,8 @@ def _cli(path: str) -> tuple[frozenset, frozenset]:
                 subs |= {e.value for e in (c.elts if isinstance(c, ast.Tuple) else [c]) if isinstance(e, ast.Constant)}
         if isinstance(node, ast.FunctionDef) and node.name == "_run" and path == "sftprof/launch/cli.py":
             flags |= {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and str(c.value).startswith("-")}
+    if path in DELEGATED:
+        flags |= _cli(DELEGATED[path])[1]
     return frozenset(subs), frozenset(flags | {"-h", "--help"})
 
 
@@ -313,7 +317,7 @@ def _module_map_rows() -> list[tuple[str, list[str], str]]:
 
 def test_architecture_module_map_names_every_module():
     """docs/ARCHITECTURE.md's module map names every module of the package, and every module it names exists: a
-    path (``sftprof/analysis/views.py``, a sibling ``view_windows.py`` after it), or a bare name in the row of its
+    path (``sftprof/analysis/views/split.py``, a sibling ``view_windows.py`` after it), or a bare name in the row of its
     package (``sftprof/launch/``: ``planning``; ``layers/<op>_kernels.py``: ``norm_kernels``). It once left the five
     modules of ``sftprof/ops/`` unnamed."""
     rows = _module_map_rows()

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.memory_estimate import predict_peak
-from sftprof.analysis.recompute_plan import DRIVER_RESERVED_GIB, ledger, plan_recompute, recompute_what_if
+from sftprof.analysis.memory.estimate import predict_peak
+from sftprof.analysis.what_if.recompute_plan import DRIVER_RESERVED_GIB, ledger, plan_recompute, recompute_what_if
 from sftprof.analysis.schema import read_summary
 from sftprof.models.hf import load_hf_config
 from tests.fixtures import FIXTURE_DIR

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 
 from fixtures import gpu_snapshot_fixtures
-from sftprof.analysis.safe_pickle import UnsafePickleError, safe_load, safe_load_file
+from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load, safe_load_file
 
 
 class _Evil:

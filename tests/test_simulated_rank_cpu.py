@@ -11,9 +11,9 @@ import yaml
 
 from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.failure import first_failure
-from sftprof.analysis.projection import main as projection_main
-from sftprof.analysis.rank_plan import rank_plan
+from sftprof.analysis.trial.failure import first_failure
+from sftprof.analysis.time.projection import main as projection_main
+from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.models.hf import load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]

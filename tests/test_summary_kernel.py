@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace
-from sftprof.analysis.trace_io import TraceReader
-from sftprof.analysis.intervals import intersection_length, union
-from sftprof.analysis.kernel_names import collective_group_label, kernel_category
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.trace.io import TraceReader
+from sftprof.analysis.trace.intervals import intersection_length, union
+from sftprof.analysis.trace.kernel_names import collective_group_label, kernel_category
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 
 GPU_TRACES = gpu_trace_fixtures()
 

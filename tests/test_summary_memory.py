@@ -3,12 +3,12 @@ import pytest
 from torch.cuda import _memory_viz
 
 from fixtures import gpu_snapshot_fixtures
-from sftprof.analysis.findings import memory_findings
-from sftprof.analysis.memory_categories import allocation_site
-from sftprof.analysis.memory_plot import plot_memory
-from sftprof.analysis.memory_summary import analyze_snapshot, peak_where
-from sftprof.analysis.report_memory import _memory_peaks
-from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.report.findings import memory_findings
+from sftprof.analysis.memory.categories import allocation_site
+from sftprof.analysis.memory.plot import plot_memory
+from sftprof.analysis.memory.snapshot import analyze_snapshot, peak_where
+from sftprof.analysis.report.memory import _memory_peaks
+from sftprof.analysis.memory.safe_pickle import safe_load_file
 
 SNAPSHOTS = gpu_snapshot_fixtures()
 
@@ -317,7 +317,7 @@ def test_h200_snapshot_with_a_sidecar_whose_step_starts_after_the_windows_peak()
 
 
 def test_compare_names_each_runs_peak_scope():
-    from sftprof.analysis.compare import _memory_tables
+    from sftprof.analysis.compare.runs import _memory_tables
     new = analyze_snapshot(_synthetic(), STEP_PHASES)
     old = {k: v for k, v in analyze_snapshot(_synthetic()).items() if not k.startswith(("window_", "peak_scope",
                                                                                          "step_window"))}

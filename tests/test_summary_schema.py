@@ -9,7 +9,10 @@ import os
 import pytest
 
 from sftprof.analysis import schema
-from sftprof.analysis.compare import CompareInputError, find_trials
+from sftprof.analysis.compare.runs import CompareInputError, find_trials
+from sftprof.analysis.report.schema import Finding
+from sftprof.analysis.trial.schema import TraceEntry
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting
 from sftprof.launch import report
 
 MINIMAL = {"schema": "sftprof.profile_summary", "schema_version": "3.0", "trial": "t", "profile_kind": "kernel",
@@ -69,14 +72,14 @@ def test_a_release_1_summary_is_read_in_this_versions_shape():
 
 def test_check_names_every_departure():
     problems = schema.check({"rank": 0, "source": "x", "view_links": {"cpu_only.chrome": 3}, "extra": True},
-                            schema.TraceEntry, "t")
+                            TraceEntry, "t")
     assert problems == ["t.extra: not in TraceEntry", "t.view_links.cpu_only.chrome: expected str, got int"]
-    assert schema.check({"text": "a", "section": "#s", "weight": 1, "key": "k", "rank": None}, schema.Finding) == []
-    assert schema.check({"text": "a", "section": "#s", "weight": True, "key": "k"}, schema.Finding, "f") == [
+    assert schema.check({"text": "a", "section": "#s", "weight": 1, "key": "k", "rank": None}, Finding) == []
+    assert schema.check({"text": "a", "section": "#s", "weight": True, "key": "k"}, Finding, "f") == [
         "f.weight: expected float, got bool"]
-    assert schema.check({"text": "a"}, schema.WhatIf, "w") == [
+    assert schema.check({"text": "a"}, WhatIf, "w") == [
         f"w.{k}: missing" for k in ("assumption", "effect", "key", "label", "rank", "settings", "weight")]
-    assert schema.check({"kind": "file", "key": "k", "value": 1, "current": None}, schema.WhatIfSetting, "s") == [
+    assert schema.check({"kind": "file", "key": "k", "value": 1, "current": None}, WhatIfSetting, "s") == [
         "s.kind: 'file' is not one of ('config', 'env')"]
 
 

@@ -11,10 +11,10 @@ import json
 import pytest
 
 from fixtures import FIXTURE_DIR
-from sftprof.analysis.findings import kernel_findings
-from sftprof.analysis.memory_summary import analyze_snapshot
-from sftprof.analysis.safe_pickle import safe_load_file
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.report.findings import kernel_findings
+from sftprof.analysis.memory.snapshot import analyze_snapshot
+from sftprof.analysis.memory.safe_pickle import safe_load_file
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 
 S, H, HEADS, D, LAYERS, TOPK, FFN = 8192, 2048, 32, 128, 2, 8, 768
 

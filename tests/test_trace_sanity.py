@@ -1,7 +1,7 @@
 """Issue 35, rules 1 and 2: a damaged trace or snapshot gives no silent wrong figure.
 
-Every input is a real H200 fixture edited the way a profiler fault damages it (sftprof/analysis/trace_sanity.py,
-sftprof/analysis/memory_summary.py): one kernel stretched over its successors (CUPTI's overlong record), kernels with
+Every input is a real H200 fixture edited the way a profiler fault damages it (sftprof/analysis/trace/sanity.py,
+sftprof/analysis/memory/snapshot.py): one kernel stretched over its successors (CUPTI's overlong record), kernels with
 ts 0 and dur 0 (no timing collected), kernel records dropped while their launches stay, every CPU op (or the whole
 trace) recorded twice, a second profiler step; a snapshot without allocator history, without event times, or whose
 phases sidecar is on another clock. Each test asserts the exact counts, the warning and the caveat, what is left out,
@@ -16,14 +16,14 @@ import pytest
 
 from fixtures import FIXTURE_DIR
 from fixtures.faults import GPU, before_step, drop, duplicate, stream_activities, stretch, untime, with_second_step
-from sftprof.analysis.findings import memory_findings
-from sftprof.analysis.memory_summary import analyze_snapshot, peak_where
-from sftprof.analysis.report_memory import _memory_peaks
-from sftprof.analysis.safe_pickle import safe_load_file
+from sftprof.analysis.report.findings import memory_findings
+from sftprof.analysis.memory.snapshot import analyze_snapshot, peak_where
+from sftprof.analysis.report.memory import _memory_peaks
+from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace_check import UNTIMED, event_problem, validate_trace
-from sftprof.analysis.trace_sanity import fault_messages, sanity_error
-from sftprof.analysis.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.trace.check import UNTIMED, event_problem, validate_trace
+from sftprof.analysis.trace.sanity import fault_messages, sanity_error
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 from sftprof.artifacts import view_path
 
 TE_TRACE = FIXTURE_DIR / "h200_te_kernel.trace.json.gz"  # ProfilerStep#2, 6 streams, TE kernels

@@ -280,7 +280,7 @@ def test_backward_gemms_get_the_part_of_their_forward(kernel_trial):
 
     import numpy as np
 
-    from sftprof.analysis.op_collector import OpCollector
+    from sftprof.analysis.trace.op_collector import OpCollector
 
     log_dir, _ = kernel_trial
     ops, points = OpCollector(), []

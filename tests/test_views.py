@@ -8,12 +8,12 @@ import os
 import pytest
 
 from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
-from sftprof.analysis import trace_io
-from sftprof.analysis.trace_io import TraceFormatError, TraceReader
-from sftprof.analysis.trace_check import MAX_TID, validate_trace
-from sftprof.analysis.view_windows import split_into_windows
-from sftprof.analysis.trial_traces import _process_trace
-from sftprof.analysis.views import MAX_VIEW_BYTES, VIEWS, _empty_view_event, split_trace, view_path
+from sftprof.analysis.trace import io as trace_io
+from sftprof.analysis.trace.io import TraceFormatError, TraceReader
+from sftprof.analysis.trace.check import MAX_TID, validate_trace
+from sftprof.analysis.views.windows import split_into_windows
+from sftprof.analysis.trial.traces import _process_trace
+from sftprof.analysis.views.split import MAX_VIEW_BYTES, VIEWS, _empty_view_event, split_trace, view_path
 
 GPU_TRACES = gpu_trace_fixtures() + two_gpu_sync_traces()
 

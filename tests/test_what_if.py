@@ -16,11 +16,11 @@ import yaml
 from fixtures import FIXTURE_DIR
 from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis import compare, stats
-from sftprof.analysis.memory_estimate import estimate_memory
+from sftprof.analysis.compare import runs as compare, stats
+from sftprof.analysis.memory.estimate import estimate_memory
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.what_if import trial_what_if
-from sftprof.analysis.what_if_outcome import judge, outcome
+from sftprof.analysis.what_if.changes import trial_what_if
+from sftprof.analysis.what_if.outcome import judge, outcome
 from sftprof.config import load_config, to_yaml
 from sftprof.models.hf import load_hf_config
 

@@ -5,35 +5,43 @@ Inputs are the trial's log dir (``LOG_DIR``: ``stats.jsonl``, ``rank_coords.json
 ``nvidia_smi.csv`` and the trainer log. Outputs go to the trial's run dir (``RUN_DIR``). The summary is a pure
 function of the inputs (no wall-clock timestamps), so rerunning reproduces it byte for byte.
 
-This module runs the steps (:func:`postprocess_trial`) and checks the kind and step asked for; each step is a
-module of its own: the inputs (:mod:`sftprof.analysis.inputs`), the traces (:mod:`sftprof.analysis.trial_traces`)
-or snapshots (:mod:`sftprof.analysis.trial_snapshots`), the failure (:mod:`sftprof.analysis.failure`), errors and
-warnings (:mod:`sftprof.analysis.problems`), the ranks table (:mod:`sftprof.analysis.rank_table`), findings and
-what-ifs (:mod:`sftprof.analysis.findings`, :mod:`sftprof.analysis.what_if`) and the files
-(:mod:`sftprof.analysis.summary_file`).
+This module runs the steps (:func:`postprocess_trial`) and checks the kind and step asked for. The summary is put
+together from typed parts (:mod:`sftprof.analysis.schema`), each the return value of one step: what the trial's files
+say (:class:`sftprof.analysis.trial.schema.TrialRecord`: header, inputs, failure, traces or snapshots), then what is
+judged from it (problems, ranks table, what-ifs, findings, a simulated rank's projection). Each step is a module of
+its own: the inputs (:mod:`sftprof.analysis.trial.inputs`), the traces (:mod:`sftprof.analysis.trial.traces`)
+or snapshots (:mod:`sftprof.analysis.trial.snapshots`), the failure (:mod:`sftprof.analysis.trial.failure`), errors and
+warnings (:mod:`sftprof.analysis.trial.problems`), the ranks table (:mod:`sftprof.analysis.time.rank_table`), findings and
+what-ifs (:mod:`sftprof.analysis.report.findings`, :mod:`sftprof.analysis.what_if.changes`) and the files
+(:mod:`sftprof.analysis.report.summary_file`).
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 from sftprof import artifacts
-from sftprof.analysis import inputs, schema
-from sftprof.analysis.failure import first_failure
-from sftprof.analysis.findings import trial_findings
-from sftprof.analysis.oom import oom_finding, oom_triage, oom_what_if
-from sftprof.analysis.recompute_plan import recompute_what_if
-from sftprof.analysis.next_steps import with_next_steps
-from sftprof.analysis.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
-                                       routing_warnings, shared_gpu_warnings)
-from sftprof.analysis.projection import simulation_summary
-from sftprof.analysis.rank_table import rank_table
-from sftprof.analysis.schema import Counts, ProfileSummary
-from sftprof.analysis.summary_file import write_summary
-from sftprof.analysis.trial_snapshots import snapshot_part
-from sftprof.analysis.trial_traces import trace_part
-from sftprof.analysis.views import MAX_VIEW_BYTES
-from sftprof.analysis.what_if import trial_what_if
+from sftprof.analysis import schema
+from sftprof.analysis.memory.oom import oom_finding, oom_triage, oom_what_if
+from sftprof.analysis.report.findings import trial_findings
+from sftprof.analysis.report.summary_file import write_summary
+from sftprof.analysis.schema import ProfileSummary
+from sftprof.analysis.time.projection import simulation_summary
+from sftprof.analysis.time.rank_table import rank_table
+from sftprof.analysis.time.schema import Simulation, SimulationPart
+from sftprof.analysis.trial import inputs
+from sftprof.analysis.trial.failure import first_failure
+from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
+                                             routing_warnings, shared_gpu_warnings)
+from sftprof.analysis.trial.schema import (Counts, FailurePart, FileError, Files, Header, Inputs, NvidiaSmi, Problems,
+                                           Stats, TrialRecord)
+from sftprof.analysis.trial.snapshots import snapshot_part
+from sftprof.analysis.trial.traces import trace_part
+from sftprof.analysis.views.split import MAX_VIEW_BYTES
+from sftprof.analysis.what_if.changes import trial_what_if
+from sftprof.analysis.what_if.next_steps import with_next_steps
+from sftprof.analysis.what_if.recompute_plan import recompute_what_if
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSkipped
 
 __all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "check_profiled_step", "check_recorded_kind",
            "SUMMARY_JSON", "SUMMARY_MD"]
@@ -52,23 +60,23 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
                       jobs: int | None = None) -> tuple[ProfileSummary, int]:
     """Produce views/snapshot archive and write ``RUN_DIR/profile_summary.{json,md}`` (an earlier summary that is
     the same is left as it is, one that differs kept as ``profile_summary.prev<N>.{json,md}``:
-    :func:`sftprof.analysis.summary_file.write_summary`).
+    :func:`sftprof.analysis.report.summary_file.write_summary`).
     A rank's views and model-part plot, and a snapshot's archived copy, plot and phases sidecar, are replaced only by
     those of a file processed without error; a snapshot that fails is not archived, and what an earlier postprocess
-    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.problems`). ``counts["plots"]``: the
+    wrote for a failed file stays, named in a warning (:mod:`sftprof.analysis.trial.problems`). ``counts["plots"]``: the
     PNGs this postprocess wrote (memory and model-part plots).
 
     Kernel trials' summaries hold, besides each trace's ``kernel_traces[i].summary``
-    (:meth:`sftprof.analysis.trace_summary.KernelTraceAnalyzer.summary`) and the ``ranks`` table
-    (:func:`sftprof.analysis.rank_table.rank_table`), ``comm_wait``: the
+    (:meth:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer.summary`) and the ``ranks`` table
+    (:func:`sftprof.analysis.time.rank_table.rank_table`), ``comm_wait``: the
     traced ranks' communication split into waiting for the last rank and transfer
-    (:func:`sftprof.analysis.comm_wait.split`, None when no trace has a collective).
+    (:func:`sftprof.analysis.time.comm_wait.split`, None when no trace has a collective).
 
     Args:
         log_dir: trial log dir written by the trainer.
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
-            (:func:`sftprof.analysis.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
+            (:func:`sftprof.analysis.trial.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
             error.
         profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a check:
             a step the trial did not profile (:func:`profiled_steps`) is an error.
@@ -84,8 +92,8 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         launcher log's tail), unless the driver interrupted the trial (status ``interrupted``: its launcher.log
         holds :data:`sftprof.artifacts.INTERRUPTED_LINE`, the missing log dir a warning); 1 when any trace/snapshot (or ``rank_coords.json``, ``config.yaml``) could not be
         processed, a trace's invalid events dominate it, a trace or snapshot is not the trial's (a trace of another
-        step or rank, :func:`sftprof.analysis.trace_summary.identity_problems`; a rank in its name at or above the
-        trial's world size, :func:`sftprof.analysis.inputs.world_size`: not summarised), or an ``ok`` trial lacks
+        step or rank, :func:`sftprof.analysis.time.trace_summary.identity_problems`; a rank in its name at or above the
+        trial's world size, :func:`sftprof.analysis.trial.inputs.world_size`: not summarised), or an ``ok`` trial lacks
         its artifacts; else 0. Whatever one file raises is that file's error; every other file is still processed.
         Failed trials may lack artifacts; memory trials on CPU (completion record ``device: "cpu"``) have none: a
         warning.
@@ -99,65 +107,33 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     """
     profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
     os.makedirs(run_dir, exist_ok=True)
-    coords, coords_error = inputs.read_rank_coords(log_dir)
-    cfg, cfg_error = inputs.trial_config(log_dir)
-    env, env_error = inputs.trial_environment(log_dir)
-    tried, tried_error = inputs.read_tried_what_if(run_dir)
-    input_errors = [{"file": name, "error": err} for name, err in ((artifacts.RANK_COORDS, coords_error),
-                                                                  (artifacts.CONFIG_YAML, cfg_error),
-                                                                  (artifacts.ENVIRONMENT, env_error),
-                                                                  (artifacts.WHAT_IF_JSON, tried_error)) if err]
-    stats = inputs.read_stats(os.path.join(log_dir, artifacts.STATS), profile_step)
+    trial_inputs, input_errors, smi_samples = _inputs_part(log_dir, run_dir, profile_step, trainer_log, nvidia_smi_csv)
+    cfg, env = trial_inputs["config"], trial_inputs.get("environment") or {}
     log_dir_missing = not os.path.isdir(log_dir)
-    complete = _completion(log_dir, stats, log_dir_missing)
-    summary = _trial_header(log_dir, run_dir, profile_kind, profile_step, complete, trainer_log, nvidia_smi_csv)
-    # the resolved config and the recorded environment travel with the summary, so that a run root copied off the
-    # training machine still tells what differs between two runs (compare); None when absent or unreadable (an error)
-    summary.update(stats=stats, nvidia_smi=inputs.read_nvidia_smi(nvidia_smi_csv), config=cfg, environment=env,
-                   rank_coords={str(k): v for k, v in sorted(coords.items())},
-                   transformer_engine=inputs.transformer_engine(cfg, trainer_log))
-    if tried:
-        summary["tried_what_if"] = tried
-    interrupted = inputs.driver_interrupt(run_dir)
-    if interrupted:  # the driver stopped it (Ctrl-C, SIGTERM): not a failure, no first failing rank to name
-        summary.update(status="interrupted", interrupted=interrupted)
-    elif summary["status"] != "ok":
-        summary.update(_failure_part(run_dir, log_dir, trainer_log, cfg))
-        if summary["failure"] and summary["status"] == "unknown":  # no completion record, but a known failure
-            summary["status"] = "failed"
-        summary["oom"] = oom_triage(log_dir, cfg, (summary["failure"] or {}).get("rank"),
-                                    (env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
-    items = _artifacts_part(summary, log_dir, run_dir, compress, max_view_bytes, jobs or os.cpu_count() or 1)
-    if cfg and ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) >= 0:
-        traces = [t["summary"] for t in summary.get("kernel_traces", []) if t.get("summary")]
-        summary["simulation"] = simulation_summary(log_dir, cfg, profile_step, summary["transformer_engine"],
-                                                   traces[0]["regions"] if traces else None)
-    summary["nvidia_smi"].pop("timed_samples", None)
-    errors, warnings = problems(summary, items, complete, input_errors, log_dir if log_dir_missing else None)
-    warnings += optional_input_warnings(trainer_log, nvidia_smi_csv, summary["nvidia_smi"])
-    warnings += routing_warnings(stats, profile_step, cfg) + shared_gpu_warnings(stats)
-    if profile_kind == "kernel":
-        summary["missing_traces"] = missing_traces(cfg, items) if items else []
-        warnings += missing_trace_warnings(cfg, summary["missing_traces"])
-    leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
-    if leftovers:
-        warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
-                         "postprocess: partial views or snapshot copies, not part of this summary; safe to delete "
-                         "when no postprocess runs"})
-    summary["errors"] = errors
-    summary["warnings"] = warnings
-    summary["counts"] = _counts(items, profile_kind, errors, summary["skipped"])
-    summary["ranks"] = rank_table(summary)
-    summary["what_if"], summary["what_if_skipped"] = trial_what_if(summary, cfg)
-    if profile_kind == "kernel" and summary["status"] == "ok":  # the recompute that fits at the least time
-        summary["what_if"] = sorted(summary["what_if"] + recompute_what_if(summary, cfg, (env or {}).get(
-            "PYTORCH_CUDA_ALLOC_CONF")), key=lambda w: -w["weight"])
-    if summary.get("oom"):  # why it ran out of memory comes first, and its change that fits is a what-if
-        summary["what_if"] = oom_what_if(summary["oom"]) + summary["what_if"]
-    findings = ([oom_finding(summary["oom"])] if summary.get("oom") else []) + trial_findings(summary)
-    summary["findings"] = with_next_steps(findings, summary["what_if"], summary["what_if_skipped"], summary, cfg)
+    complete = _completion(log_dir, trial_inputs["stats"], log_dir_missing)
+    interrupted = inputs.driver_interrupt(run_dir)  # the driver stopped it (Ctrl-C, SIGTERM): not a failure
+    failed: FailurePart = {}
+    if not interrupted and complete.get("status", "unknown") != "ok":
+        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    files = _files_part(profile_kind, profile_step, log_dir, run_dir, compress, max_view_bytes,
+                        jobs or os.cpu_count() or 1)
+    record: TrialRecord = {
+        **_trial_header(log_dir, run_dir, profile_kind, profile_step, complete, interrupted, failed, trainer_log,
+                        nvidia_smi_csv),
+        **trial_inputs, "nvidia_smi": _nvidia_smi(trial_inputs["nvidia_smi"], smi_samples, files),
+        **failed, **files}
+    found = _problems_part(record, complete, input_errors, log_dir if log_dir_missing else None, trainer_log,
+                           nvidia_smi_csv, run_dir)
+    ranks = rank_table(record)
+    what_if, what_if_skipped = _what_if_part(record, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    oom = record.get("oom")  # why it ran out of memory comes first
+    findings = ([oom_finding(oom)] if oom else []) + trial_findings({**record, "ranks": ranks})
+    summary: ProfileSummary = {
+        **record, **found, "ranks": ranks, "what_if": what_if, "what_if_skipped": what_if_skipped,
+        "findings": with_next_steps(findings, what_if, what_if_skipped, record, cfg),
+        **_simulation_part(record, log_dir, cfg)}
     write_summary(summary, run_dir)
-    return summary, 2 if log_dir_missing and not interrupted else (1 if errors else 0)
+    return summary, 2 if log_dir_missing and not interrupted else (1 if found["errors"] else 0)
 
 
 def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:
@@ -234,63 +210,157 @@ def check_recorded_kind(log_dir: str, kind: str) -> None:
                          "out; nothing was written")
 
 
-def _completion(log_dir: str, stats: dict, log_dir_missing: bool) -> dict:
+def _inputs_part(log_dir: str, run_dir: str, step: int, trainer_log: str | None, nvidia_smi_csv: str | None,
+                 ) -> tuple[Inputs, list[FileError], list[Any]]:
+    """The trial's input files as read, the errors of those that could not be, and nvidia-smi's timed samples (for
+    the step window's, :func:`_nvidia_smi`). The resolved config and the recorded environment travel with the
+    summary, so that a run root copied off the training machine still tells what differs between two runs
+    (compare); None when absent or unreadable (an error)."""
+    coords, coords_error = inputs.read_rank_coords(log_dir)
+    cfg, cfg_error = inputs.trial_config(log_dir)
+    env, env_error = inputs.trial_environment(log_dir)
+    tried, tried_error = inputs.read_tried_what_if(run_dir)
+    errors: list[FileError] = [{"file": name, "error": err} for name, err in (
+        (artifacts.RANK_COORDS, coords_error), (artifacts.CONFIG_YAML, cfg_error), (artifacts.ENVIRONMENT, env_error),
+        (artifacts.WHAT_IF_JSON, tried_error)) if err]
+    smi = inputs.read_nvidia_smi(nvidia_smi_csv)
+    part: Inputs = {"stats": inputs.read_stats(os.path.join(log_dir, artifacts.STATS), step),
+                    "nvidia_smi": {"available": smi["available"], "samples": smi["samples"], "gpus": smi["gpus"],
+                                   "peak_memory_used_mib": smi["peak_memory_used_mib"],
+                                   "peak_utilization_pct": smi["peak_utilization_pct"]},
+                    "config": cfg, "environment": env,
+                    "rank_coords": {str(k): v for k, v in sorted(coords.items())},
+                    "transformer_engine": inputs.transformer_engine(cfg, trainer_log)}
+    if tried:
+        part["tried_what_if"] = tried
+    return part, errors, smi.get("timed_samples") or []
+
+
+def _completion(log_dir: str, stats: Stats, log_dir_missing: bool) -> dict[str, Any]:
     """The trial's completion record; a failed one naming the cause when the log dir does not exist."""
     if log_dir_missing:  # torchrun or the trainer died before the trainer's first write
         return {"status": "failed", "error": f"log dir {log_dir} does not exist: the trial failed before the "
                                              "trainer wrote anything (see launcher.log in the run dir)"}
-    return stats.get("complete") if isinstance(stats.get("complete"), dict) else {}
+    complete = stats.get("complete")
+    return complete if isinstance(complete, dict) else {}
 
 
-def _trial_header(log_dir: str, run_dir: str, kind: str, step: int, complete: dict, trainer_log: str | None,
-                  nvidia_smi_csv: str | None) -> dict[str, Any]:
-    """The summary's first members: schema, trial, kind, step, status, completion and the input paths."""
-    return {
+def _trial_header(log_dir: str, run_dir: str, kind: str, step: int,
+                  complete: dict[str, Any], interrupted: str | None, failed: FailurePart, trainer_log: str | None,
+                  nvidia_smi_csv: str | None) -> Header:
+    """The summary's first members: schema, trial, kind, step, status, completion and the input paths. The status is
+    the completion record's; ``interrupted`` when the driver stopped the trial; ``failed`` for a trial without a
+    completion record whose failure is known."""
+    status = complete.get("status", "unknown")
+    if interrupted:
+        status = "interrupted"
+    elif status == "unknown" and failed.get("failure"):
+        status = "failed"
+    header: Header = {
         "schema": schema.SCHEMA_NAME,
         "schema_version": schema.SCHEMA_VERSION,
         "trial": os.path.basename(os.path.normpath(run_dir)),
-        "profile_kind": kind,
+        "profile_kind": "kernel" if kind == "kernel" else "memory",  # resolve_profile checked it
         "profile_step": step,
-        "status": complete.get("status", "unknown"),
-        "completion": {k: complete.get(k) for k in ("error", "steps_done", "world_size", "backend", "device")},
+        "status": status,
+        "completion": {"error": complete.get("error"), "steps_done": complete.get("steps_done"),
+                       "world_size": complete.get("world_size"), "backend": complete.get("backend"),
+                       "device": complete.get("device")},
         "paths": {"log_dir": os.path.abspath(log_dir), "run_dir": os.path.abspath(run_dir),
                   "trainer_log": os.path.abspath(trainer_log) if trainer_log else None,
                   "nvidia_smi_csv": os.path.abspath(nvidia_smi_csv) if nvidia_smi_csv else None},
     }
+    if interrupted:
+        header["interrupted"] = interrupted
+    return header
 
 
-def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict | None) -> dict[str, Any]:
+def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict[str, Any] | None,
+                  alloc_conf: str | None) -> FailurePart:
     """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
-    it) and a log tail: the trainer log's, else the launcher log's."""
+    it), a log tail (the trainer log's, else the launcher log's) and the out-of-memory triage of the failed rank."""
     launcher_log = os.path.join(run_dir, "launcher.log")
-    cluster = (cfg or {}).get("cluster") if isinstance((cfg or {}).get("cluster"), dict) else {}
-    layout = tuple(v if isinstance(v, int) else None for v in (cluster.get("n_nodes"), cluster.get("n_gpus_per_node")))
+    given = (cfg or {}).get("cluster")
+    cluster: dict[str, Any] = given if isinstance(given, dict) else {}
+    layout = (_int_or_none(cluster.get("n_nodes")), _int_or_none(cluster.get("n_gpus_per_node")))
     tail = inputs.trainer_log_tail(trainer_log)
     simulated = ((cfg or {}).get("actor") or {}).get("simulate") or {}
-    return {"failure": first_failure(launcher_log, log_dir, layout, simulated.get("rank", -1)),
+    failure = first_failure(launcher_log, log_dir, layout, simulated.get("rank", -1))
+    return {"failure": failure,
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
-            "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log"}
+            "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log",
+            "oom": oom_triage(log_dir, cfg, failure["rank"] if failure else None, alloc_conf)}
 
 
-def _artifacts_part(summary: dict, log_dir: str, run_dir: str, compress: bool, max_view_bytes: int,
-                    jobs: int) -> list[dict]:
-    """Add the kernel traces (with the nvidia-smi samples of their step window) or the memory snapshots to
-    ``summary``; returns their entries."""
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+def _files_part(kind: str, step: int, log_dir: str, run_dir: str, compress: bool, max_view_bytes: int,
+                jobs: int) -> Files:
+    """The kernel traces (with what is made across them) or the memory snapshots."""
     world = inputs.world_size(log_dir)
-    if summary["profile_kind"] == "memory":
-        summary.update(snapshot_part(log_dir, run_dir, summary["profile_step"], world))
-        return summary["memory_snapshots"]
-    summary.update(trace_part(log_dir, run_dir, compress, max_view_bytes, jobs, summary["profile_step"], world))
-    items = summary["kernel_traces"]
-    windows = [t["summary"]["step_window"] for t in items if "summary" in t]
-    windows = [w for w in windows if w.get("unix_start_s") is not None]
-    if windows and summary["nvidia_smi"]["available"]:
-        summary["nvidia_smi"]["profiled_step"] = inputs.smi_in_window(
-            summary["nvidia_smi"], min(w["unix_start_s"] for w in windows), max(w["unix_end_s"] for w in windows))
-    return items
+    if kind == "memory":
+        return snapshot_part(log_dir, run_dir, step, world)
+    return trace_part(log_dir, run_dir, compress, max_view_bytes, jobs, step, world)
 
 
-def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict]) -> Counts:
+def _nvidia_smi(smi: NvidiaSmi, samples: list[Any], files: Files) -> NvidiaSmi:
+    """The nvidia-smi figures, with those of the traces' step window (``profiled_step``) when the traces have one."""
+    windows = [(t["summary"]["step_window"]["unix_start_s"], t["summary"]["step_window"]["unix_end_s"])
+               for t in files.get("kernel_traces", []) if "summary" in t]
+    spans = [(start, end) for start, end in windows if start is not None and end is not None]
+    if not spans or not smi["available"]:
+        return smi
+    return {**smi, "profiled_step": inputs.smi_in_window({**smi, "timed_samples": samples},
+                                                         min(s for s, _ in spans), max(e for _, e in spans))}
+
+
+def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: list[FileError],
+                   missing_log_dir: str | None, trainer_log: str | None, nvidia_smi_csv: str | None,
+                   run_dir: str) -> Problems:
+    """Errors and warnings of every file (:mod:`sftprof.analysis.trial.problems`), the ranks whose trace is missing
+    and the counts."""
+    kind, cfg, stats = record["profile_kind"], record["config"], record["stats"]
+    items = record.get("memory_snapshots") if kind == "memory" else record.get("kernel_traces")
+    items = items or []
+    errors, warnings = problems(record, items, complete, input_errors, missing_log_dir)
+    warnings += optional_input_warnings(trainer_log, nvidia_smi_csv, record["nvidia_smi"])
+    warnings += routing_warnings(stats, record["profile_step"], cfg) + shared_gpu_warnings(stats)
+    part: Problems = {"errors": errors, "warnings": warnings,
+                      "counts": _counts(items, kind, len(errors), len(record["skipped"]))}
+    if kind == "kernel":
+        part["missing_traces"] = missing_traces(cfg, items) if items else []
+        warnings += missing_trace_warnings(cfg, part["missing_traces"])
+    leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
+    if leftovers:
+        warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "
+                         "postprocess: partial views or snapshot copies, not part of this summary; safe to delete "
+                         "when no postprocess runs"})
+    return part
+
+
+def _what_if_part(record: TrialRecord, alloc_conf: str | None) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
+    """The what-ifs, largest weight first (a failed trial's change that fits its memory first), and those skipped."""
+    what_if, skipped = trial_what_if(record, record["config"])
+    if record["profile_kind"] == "kernel" and record["status"] == "ok":  # the recompute that fits at the least time
+        what_if = sorted(what_if + recompute_what_if(record, record["config"], alloc_conf), key=lambda w: -w["weight"])
+    oom = record.get("oom")
+    return (oom_what_if(oom) if oom else []) + what_if, skipped
+
+
+def _simulation_part(record: TrialRecord, log_dir: str, cfg: dict[str, Any] | None) -> SimulationPart:
+    """A simulated rank's trial: its projected step, from the first trace's regions; nothing for another trial."""
+    if not cfg or ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) < 0:
+        return {}
+    traces = [t["summary"] for t in record.get("kernel_traces", []) if t.get("summary")]
+    # simulation_summary builds the Simulation member as a plain dict (time/projection.py is not typed strictly)
+    return {"simulation": cast(Simulation, simulation_summary(log_dir, cfg, record["profile_step"],
+                                                              record.get("transformer_engine"),
+                                                              traces[0]["regions"] if traces else None))}
+
+
+def _counts(items: list[Any], kind: str, errors: int, skipped: int) -> Counts:
     """Numbers of traces (processed, ok), views, snapshots, plots, errors and skipped files. ``plots``: the PNGs this
     postprocess wrote (a snapshot's memory plot, a trace's model-part plot ``model_parts/rank<r>.png``), not those
     an earlier postprocess left."""
@@ -300,6 +370,6 @@ def _counts(items: list[dict], kind: str, errors: list[dict], skipped: list[dict
         "views": sum(len(p) for it in items if kind == "kernel" for p in (it.get("views") or {}).values()),
         "snapshots": sum(1 for it in items if kind == "memory"),
         "plots": sum(("plot" in it) + ("parts_plot" in it) for it in items),
-        "errors": len(errors),
-        "skipped": len(skipped),
+        "errors": errors,
+        "skipped": skipped,
     }

@@ -97,7 +97,7 @@ class MicroBatchSpec:
 
 def n_micro_batches(n_seqs: int, seq_len: int, n_mbs: int, n_mbs_divisor: int, max_tokens_per_mb: int) -> int:
     """Number of micro-batches for ``n_seqs`` sequences of ``seq_len`` tokens on one DP rank (the trainer's
-    :func:`sftprof.data.step_micro_batches`; the what-ifs of :mod:`sftprof.analysis.what_if`).
+    :func:`sftprof.data.step_micro_batches`; the what-ifs of :mod:`sftprof.analysis.what_if.changes`).
 
     At least ``actor.mb_spec.n_mbs``; more when ``max_tokens_per_mb > 0`` needs them; rounded up
     to a multiple of ``n_mbs_divisor``; never more than ``n_seqs`` (a sequence is not split).

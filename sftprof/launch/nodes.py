@@ -2,7 +2,7 @@
 postprocesses every rank from the shared ``FILEROOT``.
 
 The record (``LOG_DIR/nodes/node<k>.json``, :func:`sftprof.artifacts.read_node_record`) says how torchrun ended on
-that node; :mod:`sftprof.analysis.failure` names from it the node that failed first. A one-node trial has a record
+that node; :mod:`sftprof.analysis.trial.failure` names from it the node that failed first. A one-node trial has a record
 only when torchrun itself was killed (its output cannot tell that).
 """
 from __future__ import annotations

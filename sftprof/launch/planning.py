@@ -35,7 +35,7 @@ from typing import Mapping
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
-from sftprof.analysis.memory_fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
+from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
 from sftprof.config import (RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key, load_config,
                             reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir, variable_conflict)
 from sftprof.launch import folders
@@ -421,7 +421,7 @@ def _setting_text(key: str, value: object) -> str:
 
 
 def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
-    """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory_fit`), before anything is
+    """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory.fit`), before anything is
     written: a line in ``profile_settings.log``; over capacity, the settings that fit with their predicted peak, and
     ``FIT_CHECK`` decides (``refuse``: DriverError, ``warn``: a warning, ``off``: not checked). Megatron only.
 
@@ -463,7 +463,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
 
 
 def fit_text(fit: dict, brief: bool = False) -> str:
-    """One check of :func:`sftprof.analysis.memory_fit.check_fit` in words: the rank's need against the capacity
+    """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity
     (``brief``: the predicted peak and the need alone)."""
     g = 2**30
     pred = fit["prediction"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sftprof import artifacts
 from sftprof.analysis import schema
-from sftprof.analysis.failure import headline
-from sftprof.analysis.oom import settings_text
+from sftprof.analysis.trial.failure import headline
+from sftprof.analysis.memory.oom import settings_text
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -36,10 +36,10 @@ def top_finding(summary: dict) -> str:
     without GPU work (CPU runs): the model part with the most CPU op time (``cpu_parts``), else the region with the
     most CPU time. Memory trials: the peak (the profiled
     step's, ``step peak``, when the phases sidecar had phases; else the recorded window's), where it lies in
-    words (:func:`sftprof.analysis.memory_summary.peak_where`) and the allocation site holding most memory at it;
+    words (:func:`sftprof.analysis.memory.snapshot.peak_where`) and the allocation site holding most memory at it;
     then, when the recorded window peaks higher outside the step, that peak and where it lies. The rank is named:
     it is one rank's figure.
-    A failed trial without those: its first failure (:func:`sftprof.analysis.failure.headline`). A trial that ran out
+    A failed trial without those: its first failure (:func:`sftprof.analysis.trial.failure.headline`). A trial that ran out
     of CUDA memory: that, first (the request, where, and the smallest change that fits: ``oom``).
     """
     t = summary.get("oom")
@@ -67,7 +67,7 @@ def top_finding(summary: dict) -> str:
     for m in summary.get("memory_snapshots") or []:
         if "summary" not in m:
             continue
-        from sftprof.analysis.memory_summary import peak_where  # numpy: only when a memory summary is read
+        from sftprof.analysis.memory.snapshot import peak_where  # numpy: only when a memory summary is read
 
         x, r = m["summary"], m["rank"]
         site = (x.get("top_sites") or [{}])[0]
@@ -90,14 +90,14 @@ def top_finding(summary: dict) -> str:
 
 def what_if_lines(run_dir: Path, summary: dict) -> list[str]:
     """Lines on a what-if trial (``summary``, in ``run_dir``): what it tried on which trial, and its prediction
-    against the outcome with the verdict on the assumption (:func:`sftprof.analysis.compare.what_if_result`), or why
+    against the outcome with the verdict on the assumption (:func:`sftprof.analysis.compare.runs.what_if_result`), or why
     there is none, and the compare report's path."""
     tried = summary.get("tried_what_if")
     if not tried:
         return ["(no what_if record in its summary: not postprocessed?)"]
-    from sftprof.analysis.compare import what_if_result  # numpy: only when a what-if trial is reported
-    from sftprof.analysis.what_if import METRICS, setting_text
-    from sftprof.analysis.what_if_outcome import outcome_text
+    from sftprof.analysis.compare.runs import what_if_result  # numpy: only when a what-if trial is reported
+    from sftprof.analysis.what_if.changes import METRICS, setting_text
+    from sftprof.analysis.what_if.outcome import outcome_text
 
     w = tried["what_if"]
     head = f"{w['label']} ({', '.join(setting_text(s) for s in w['settings'])}) on {tried['source_trial']}"

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.analysis.inputs import read_tried_what_if
+from sftprof.analysis.trial.inputs import read_tried_what_if
 from sftprof.artifacts import read_stats
 from sftprof.launch.nodes import wait_for_nodes
 from sftprof.launch.plan_types import PlanConfig, RunPlan, Trial

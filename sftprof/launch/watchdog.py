@@ -10,7 +10,7 @@ all, else the smallest ``seq``; of equals, the record unchanged longest) is the 
 same phase cannot be told apart this way (then the longest unchanged is named, and the record lists both). The
 launcher then writes ``LOG_DIR/stall.json`` (:func:`write_stall`: the rank, its phase and step, how long it went
 without progress, every rank's last record), ends the trial (SIGTERM to torchrun's process group) and postprocesses
-it; the summary's Failure section names the rank (:func:`sftprof.analysis.failure.first_failure`). Times are the
+it; the summary's Failure section names the rank (:func:`sftprof.analysis.trial.failure.first_failure`). Times are the
 launcher's clock (``time.monotonic``) at which a record was seen to change, so a rank's clock does not matter.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The what-if trials of a run (``TRY_WHAT_IFS=N``): after the planned trials, the N heaviest what-ifs their summaries
-propose (:mod:`sftprof.analysis.what_if`), each tried once as one more trial of the same kind and step with its
+propose (:mod:`sftprof.analysis.what_if.changes`), each tried once as one more trial of the same kind and step with its
 settings applied, then compared with the trial it varies (prediction against outcome:
-:mod:`sftprof.analysis.what_if_outcome`).
+:mod:`sftprof.analysis.what_if.outcome`).
 
 Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``; of a failed
-trial, the ``fit_oom`` what-if of its out-of-memory triage alone, :mod:`sftprof.analysis.oom`: tried when
+trial, the ``fit_oom`` what-if of its out-of-memory triage alone, :mod:`sftprof.analysis.memory.oom`: tried when
 ``STOP_ON_FAILURE=0`` lets the run reach its what-ifs), one per
 distinct set of settings (the same setting proposed by several trials or ranks is tried once, on the trial where it
 weighs most; a tie goes to the later step, past the warm-up), heaviest first (``weight``: the predicted effect's
@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.analysis.what_if import setting_text
+from sftprof.analysis.what_if.changes import setting_text
 from sftprof.config import ConfigError, last_value_per_key, load_config, trial_log_dir
 from sftprof.atomic import write_text
 from sftprof.launch.folders import check_path_fits, write_train_args

@@ -1,0 +1,1 @@
+"""Comparison of two runs: the report (runs), its verdicts, the statistics behind them and the settings that differ."""

@@ -1,0 +1,310 @@
+"""Theoretical memory of one rank for a trial's configuration, to set against a snapshot's peak.
+
+Parameters per rank (``P_dense`` outside the experts, ``P_exp`` of the routed experts), for ``L`` layers
+on this pipeline stage, hidden ``h``, ``n_q``/``n_kv`` heads of size ``d``, ``E`` experts of FFN size
+``f``, vocabulary ``V``, TP ``t``, EP ``e``, expert TP ``t_e``:
+
+- per layer: attention ``(h (g n_q + 2 n_kv) d + n_q d h) / t`` (``g`` 2 with an attention output gate, else 1),
+  or a gated delta-net's (``linear_attention`` in ``layer_types``: its in-projection, conv1d, decay and output
+  projection) + norms ``2 h + 2 d`` + router ``h E`` + a shared expert's ``3 h f_s / t + h`` where the model has one;
+  experts ``(E / e) * 3 h f / t_e`` (SwiGLU: gate, up, down);
+- embedding ``V h / t`` on the first stage, output layer ``V h / t`` on the last (untied), final norm ``h``.
+
+Bytes per parameter (the settings in ``config.yaml``):
+
+- megatron: weights in ``actor.dtype``; gradient buffer in ``main_grads_dtype`` with the precision-aware
+  optimizer, else fp32 when ``ddp.grad_reduce_in_fp32`` else ``actor.dtype``; optimizer state
+  (main params, ``exp_avg``, ``exp_avg_sq`` in their configured dtypes; fp32 without the precision-aware
+  optimizer; with it, bf16 weights and fp32 main params, Transformer Engine's FusedAdam keeps only the 16 bits
+  of each fp32 main param that the bf16 weight lacks: megatron-core's ``store_param_remainders``, on by default,
+  2 B) divided by the DP size of the parameter (DP x CP for dense parameters, expert DP for the
+  experts) when ``ddp.use_distributed_optimizer``; plus, without the precision-aware optimizer, the
+  fp32 copy of the gradient shard that megatron-core's distributed optimizer makes at the step
+  (``copy_group_grads``), 4 bytes per sharded parameter.
+- fsdp: weights, gradients and AdamW's two moments in ``actor.dtype``, all divided by the DP size.
+
+Activations (a lower bound, stated as such): with full recompute only each layer's input is kept,
+``L s h b`` bytes (``s`` tokens on this rank, ``b`` bytes of ``actor.dtype``); the LM head adds its
+logits ``s V / t`` in ``actor.dtype`` unless the loss runs on the chunked LM-head path (``actor.loss``: ``path``
+``lm_head``, or ``auto`` with ``lm_head_loss_chunk_size > 0``). The working set of the
+layer being recomputed and back-propagated comes on top: :func:`predict_peak` adds it.
+
+:func:`predict_peak` predicts the step's peak allocated bytes of one rank (steady state, step >= 1, with the
+optimizer state allocated) as the largest of three moments, with ``s`` the tokens of one micro-batch on the rank
+(``seq_len x`` sequences per micro-batch ``/ CP``), ``U = s h b / t`` (a hidden-sized tensor, sequence-parallel
+over TP), ``T = s k t_e / t`` tokens after the MoE dispatch (``k`` experts per token, balanced routing; one rank
+with EP 1), ``Q = s n_q d b / t`` and ``KV = s n_kv d b / t``:
+
+- the layer backward: parameters, gradients, optimizer state (without the fp32 gradient copy, made later), the
+  saved activations (full recompute: each layer's input ``U``; a layer's saved set ``A`` where it is not
+  recomputed, for every micro-batch in flight: ``PP - pp_rank`` with PP > 1), the routers' state every layer keeps
+  for its auxiliary loss (``13 s E`` bytes: fp32 probabilities, a mask and TE's row-id map), and one layer's working
+  set ``A + B``. Full attention ``A = 6 U + 3 Q + 2 KV`` (norm outputs, residual, checkpoint buffers, q/k/v after
+  RoPE, the attention output); a gated delta-net ``A = 6 U + b s (2 c_qk + 2 c_v + 2 n_v + 2 c_qk + c_v + 2 c_v) / t
+  + 2 S`` (its in-projection, conv and core outputs, ``S = ceil(s / 64) n_v d_k d_v b / t`` chunk states, taken
+  twice for their gradient); MoE ``A = 2 T h b + 3 T f b / t_e`` (dispatched tokens, expert output, FC1 output and
+  activation) and ``B = 2 T h b`` (their gradients after the permutation). Calibrated on the alive-at-peak list of
+  the 4-layer Qwen3-30B-A3B 131072-token snapshot with ``LM_HEAD_LOSS_CHUNK_SIZE=2048`` (TE, one H200; 28.0 GiB
+  of working set measured, 27.6 GiB from these terms); the gated delta-net terms are derived, not calibrated.
+- the LM head backward, unless the loss is chunked: the same static part, saved activations and router state,
+  the logits ``s V b / t``, the output layer's weight gradient ``V h b / t`` and ``3 U`` (final norm output, the
+  hidden gradient).
+- the optimizer step: the static part with megatron-core's fp32 gradient copy (without the precision-aware
+  optimizer) and no activation.
+
+Recompute: ``full`` with ``uniform`` keeps one input per ``recompute_num_layers`` layers and recomputes that many
+at once; ``block`` recomputes the first ``recompute_num_layers`` layers and saves ``A`` of the others; ``selective``
+saves ``A`` less what ``recompute_modules`` re-run (``core_attn``: ``Q``; ``layernorm``: ``2 U``; ``moe``: the MoE
+``A``; ``shared_experts``: a shared expert's); ``none`` (or ``actor.gradient_checkpointing`` false) saves ``A`` of
+every layer. Outside this estimate: what the allocator reserves and does not use (``expandable_segments`` keep it
+small) and what the process holds outside PyTorch (CUDA context, NCCL, cuDNN and Triton): see
+:mod:`sftprof.analysis.memory.fit`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head", "layer_sets"]
+
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "uint8": 1}
+_GIB = float(2**30)
+
+
+def _attention_params(hf, layer_type: str, t: int) -> int:
+    """Parameters of one layer's attention block (its norm included) on a rank of TP ``t``."""
+    h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
+    d = getattr(hf, "head_dim", None) or h // nq
+    if layer_type == "linear_attention":  # gated delta-net: in_proj (q, k, v, z, b, a), conv1d, A_log, dt_bias, norm
+        qk = hf.linear_num_key_heads * hf.linear_key_head_dim
+        v, nv = hf.linear_num_value_heads * hf.linear_value_head_dim, hf.linear_num_value_heads
+        return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * hf.linear_conv_kernel_dim + 2 * nv + v * h) // t \
+            + hf.linear_value_head_dim + h
+    gate = 2 if getattr(hf, "attn_output_gate", False) else 1  # the output gate doubles the query projection
+    return (h * (gate * nq + 2 * nkv) * d + nq * d * h) // t + h + 2 * d
+
+
+def params_per_rank(hf, layout, coords: dict) -> tuple[int, int]:
+    """``(P_dense, P_exp)`` parameters held by the rank with ``coords`` (module docstring formulas)."""
+    h = hf.hidden_size
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    f = hf.moe_intermediate_size
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    pp = layout.pp
+    layers = hf.num_hidden_layers // pp
+    t = layout.tp
+    ep, etp = layout.ep, layout.etp
+    first = coords.get("pp", 0) * layers
+    types = list(getattr(hf, "layer_types", None) or []) or ["full_attention"] * hf.num_hidden_layers
+    dense = sum(_attention_params(hf, types[i], t) for i in range(first, first + layers))
+    dense += layers * (h + h * experts + ((3 * h * shared) // t + h if shared else 0))  # MLP norm, router, shared expert
+    if coords.get("pp", 0) == 0:
+        dense += hf.vocab_size * h // t
+    if coords.get("pp", 0) == pp - 1:
+        dense += h + (0 if getattr(hf, "tie_word_embeddings", False) and pp == 1 else hf.vocab_size * h // t)
+    expert = layers * (experts // ep) * 3 * h * f // etp
+    return dense, expert
+
+
+def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str, Any]:
+    """Estimated bytes of one rank by category (module docstring).
+
+    Args:
+        cfg: the trial's resolved config (``config.yaml`` as a nested dict).
+        hf: the model's Hugging Face config (``sftprof.models.hf.load_hf_config``).
+        layout: ``sftprof.allocation.Layout`` of ``actor.backend``; ``coords`` the rank's coordinates.
+        seq_len: tokens per sample (``profile.fake_seq_len``).
+
+    Returns:
+        ``{"params_dense", "params_expert", "bytes_per_param": {"parameters", "gradients", "optimizer",
+        "step_copy"}, "rows": [{"category", "bytes", "gib", "formula"}], "assumptions": [...]}`` (bytes per
+        parameter before any sharding; ``step_copy``: megatron-core's fp32 gradient copy of the optimizer step).
+    """
+    a = cfg.get("actor") or {}
+    m = a.get("megatron") or {}
+    ddp = m.get("ddp") or {}
+    wb = _BYTES.get(str(a.get("dtype", "bfloat16")), 2)
+    dense, expert = params_per_rank(hf, layout, coords)
+    n = dense + expert
+    rows: list[dict] = []
+    assumptions = []
+    if layout.backend == "megatron":
+        pa = bool(m.get("use_precision_aware_optimizer"))
+        grad_b = (_BYTES.get(str(m.get("main_grads_dtype")), 4) if pa else 4 if ddp.get("grad_reduce_in_fp32") else wb)
+        dist_opt = bool(ddp.get("use_distributed_optimizer", True))
+        remainders = pa and wb == 2 and str(a.get("dtype")) == "bfloat16" and str(m.get("main_params_dtype")) == "float32"
+        state_b = sum(2 if k == "main_params_dtype" and remainders else _BYTES.get(str(m.get(k)), 4) if pa else 4
+                      for k in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"))
+        dp_dense = layout.dp * layout.cp if dist_opt else 1
+        dp_exp = layout.edp if dist_opt else 1
+        opt = state_b * (dense / dp_dense + expert / dp_exp)
+        step_copy = 0 if pa else 4 * (dense / dp_dense + expert / dp_exp)
+        rows += [{"category": "parameters", "bytes": wb * n, "formula": f"{wb} B x {n:,} params"},
+                 {"category": "gradients", "bytes": grad_b * n, "formula": f"{grad_b} B x {n:,} params"},
+                 {"category": "optimizer", "bytes": int(opt + step_copy), "step_copy_bytes": int(step_copy),
+                  "formula": f"{state_b} B state" + (" (fp32 main params as 16-bit remainders)" if remainders else "")
+                             + ("" if pa else " + 4 B fp32 grad copy") +
+                             f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params"}]
+        assumptions.append(f"distributed optimizer {'on' if dist_opt else 'off'}; precision-aware optimizer "
+                           f"{'on' if pa else 'off'}")
+        per_param = {"parameters": wb, "gradients": grad_b, "optimizer": state_b, "step_copy": 0 if pa else 4}
+    else:
+        dp = layout.dp
+        rows += [{"category": "parameters", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
+                 {"category": "gradients", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
+                 {"category": "optimizer", "bytes": 2 * wb * n // dp, "formula": f"2 x {wb} B x {n:,} / {dp}"}]
+        assumptions.append("FSDP2: parameters, gradients and AdamW moments sharded over DP in actor.dtype")
+        per_param = {"parameters": wb, "gradients": wb, "optimizer": 2 * wb, "step_copy": 0}
+    s_local = seq_len // (layout.cp if layout.backend == "megatron" else 1)
+    layers = hf.num_hidden_layers // layout.pp
+    act = layers * s_local * hf.hidden_size * wb
+    formula = f"{layers} layers x {s_local} tokens x {hf.hidden_size} x {wb} B (layer inputs)"
+    logits = 0
+    if not chunked_lm_head(cfg):
+        logits = s_local * hf.vocab_size // layout.tp * wb
+        act += logits
+        formula += f" + logits {s_local} x {hf.vocab_size // layout.tp} x {wb} B"
+    rows.append({"category": "activations", "bytes": act, "logits_bytes": logits, "formula": formula + " (lower bound: the working set of "
+                                                                                "the layer in backward is not counted)"})
+    for r in rows:
+        r["bytes"] = int(r["bytes"])
+        r["gib"] = round(r["bytes"] / _GIB, 4)
+    return {"params_dense": dense, "params_expert": expert, "bytes_per_param": per_param, "rows": rows,
+            "assumptions": assumptions}
+
+
+def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
+    """Measured vs estimated bytes per category, with the difference (bytes); None without an estimate.
+
+    Blocks allocated before the recorded window have no stack: they are set against parameters,
+    gradients and optimizer state together.
+    """
+    if not estimate:
+        return None
+    meas = {r["category"]: r["bytes"] for r in s.get("categories_at_peak") or []}
+    est = {r["category"]: r["bytes"] for r in estimate["rows"]}
+    rows = []
+    for cat in ("parameters", "gradients", "optimizer", "activations"):
+        rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
+    if meas.get("before_window"):
+        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
+                     "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
+                     "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
+    for r in rows:
+        r["difference_bytes"] = r["measured_bytes"] - r["estimated_bytes"]
+    return rows
+
+
+def chunked_lm_head(cfg: dict) -> bool:
+    """True when the loss runs on the chunked LM-head path, which holds no logits (``actor.loss``)."""
+    loss = (cfg.get("actor") or {}).get("loss") or {}
+    path = loss.get("path", "auto")
+    return path == "lm_head" or (path == "auto" and (loss.get("lm_head_loss_chunk_size") or 0) > 0)
+
+
+ROUTER_BYTES_PER_TOKEN_EXPERT = 13  # fp32 probabilities (4), routing mask (1), TE's row-id map (8): measured
+GDN_CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (one state per chunk)
+
+
+def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int) -> dict[str, int]:
+    """Bytes one layer saves for backward at ``s`` tokens on a rank, by megatron-core recompute module (``core_attn``,
+    ``layernorm``, ``moe``, ``shared_experts``; ``other``: residual and checkpoint buffers), and its MoE gradients
+    ``moe_backward`` (module docstring: ``A`` and ``B``)."""
+    h = hf.hidden_size
+    u = s * h * b // t
+    if layer_type == "linear_attention":
+        qk = hf.linear_num_key_heads * hf.linear_key_head_dim
+        v = hf.linear_num_value_heads * hf.linear_value_head_dim
+        nv = hf.linear_num_value_heads
+        states = -(-s // GDN_CHUNK) * nv * hf.linear_key_head_dim * hf.linear_value_head_dim * b // t
+        core_attn = s * b * (2 * qk + 2 * v + 2 * nv + 2 * qk + v + 2 * v) // t + 2 * states
+    else:
+        nq, nkv = hf.num_attention_heads, hf.num_key_value_heads
+        d = getattr(hf, "head_dim", None) or h // nq
+        core_attn = (3 * nq + 2 * nkv) * s * d * b // t
+    tokens = s * hf.num_experts_per_tok * etp // t
+    f = hf.moe_intermediate_size // etp
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    return {"core_attn": core_attn, "layernorm": 2 * u, "other": 4 * u,
+            "moe": 2 * tokens * h * b + 3 * tokens * f * b, "shared_experts": 3 * s * shared * b // t,
+            "moe_backward": 2 * tokens * h * b}
+
+
+def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str, Any]:
+    """The step's predicted peak allocated bytes of the rank with ``coords`` (megatron; module docstring).
+
+    Args:
+        cfg: the trial's resolved config as a nested dict; ``hf``, ``layout``, ``coords``, ``seq_len``: as for
+            :func:`estimate_memory`.
+
+    Returns:
+        ``{"peak_bytes", "phase", "rows": [{"category", "bytes", "formula"}], "phases": {phase: bytes},
+        "assumptions"}``: ``rows`` are the categories at the peak (parameters, gradients, optimizer, saved
+        activations, router state, layer working set or logits, ...), summing to ``peak_bytes``.
+
+    Raises:
+        ValueError: an fsdp layout (this prediction models megatron-core's layers and recompute).
+    """
+    if layout.backend != "megatron":
+        raise ValueError(f"predict_peak: the megatron backend only (actor.backend has {layout.backend!r})")
+    est = estimate_memory(cfg, hf, layout, coords, seq_len)
+    a = cfg.get("actor") or {}
+    m = a.get("megatron") or {}
+    b = _BYTES.get(str(a.get("dtype", "bfloat16")), 2)
+    rows_by = {r["category"]: r for r in est["rows"]}
+    opt = rows_by["optimizer"]
+    static = [{"category": c, "bytes": rows_by[c]["bytes"], "formula": rows_by[c]["formula"]}
+              for c in ("parameters", "gradients")]
+    static.append({"category": "optimizer", "bytes": opt["bytes"] - opt.get("step_copy_bytes", 0),
+                   "formula": opt["formula"].replace(" + 4 B fp32 grad copy", "")})
+    n_seqs = int((cfg.get("train_dataset") or {}).get("batch_size", 1)) // max(1, layout.dp)
+    spec = a.get("mb_spec") or {}
+    n_mb = max(1, min(n_seqs, int(spec.get("n_mbs", 1) or 1)))
+    s = seq_len * -(-max(1, n_seqs) // n_mb) // layout.cp
+    t, etp, h = layout.tp, layout.etp, hf.hidden_size
+    layers = hf.num_hidden_layers // layout.pp
+    first = coords.get("pp", 0) * layers
+    types = list(getattr(hf, "layer_types", None) or []) or ["full_attention"] * hf.num_hidden_layers
+    sets = [layer_sets(hf, types[i], s, t, etp, b) for i in range(first, first + layers)]
+    saved_of = [sum(v for k, v in x.items() if k != "moe_backward") for x in sets]
+    u = s * h * b // t
+    gran = m.get("recompute_granularity", "full") if a.get("gradient_checkpointing", True) else "none"
+    n_rc = int(m.get("recompute_num_layers", 1) or 1)
+    if gran == "full" and m.get("recompute_method", "uniform") == "uniform":
+        saved, what = -(-layers // n_rc) * u, f"{-(-layers // n_rc)} layer inputs U"
+        work = max(sum(saved_of[i:i + n_rc]) for i in range(0, layers, n_rc))
+    elif gran == "full":  # block: the first n_rc layers recomputed, the others saved
+        saved = min(n_rc, layers) * u + sum(saved_of[n_rc:])
+        what = f"{min(n_rc, layers)} layer inputs U + saved sets A of {max(0, layers - n_rc)} layers"
+        work = max(saved_of[:n_rc] or [0])
+    else:
+        again = set(m.get("recompute_modules") or []) if gran == "selective" else set()
+        saved = sum(x - sum(sets[i][k] for k in again if k in sets[i]) for i, x in enumerate(saved_of))
+        what = f"saved sets A of {layers} layers" + (f" less {', '.join(sorted(again))} (recomputed)" if again else "")
+        work = max(sum(sets[i][k] for k in again if k in sets[i]) for i in range(layers)) if again else 0
+    in_flight = min(n_mb, layout.pp - coords.get("pp", 0)) if layout.pp > 1 else 1
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    router = layers * s * experts * ROUTER_BYTES_PER_TOKEN_EXPERT // t
+    common = [{"category": "saved activations", "bytes": in_flight * saved,
+               "formula": f"{what}" + (f" x {in_flight} micro-batches in flight" if in_flight > 1 else "")
+               + f" (s = {s} tokens per micro-batch on the rank)"},
+              {"category": "router state", "bytes": in_flight * router,
+               "formula": f"{layers} layers x {s} tokens x {experts} experts x {ROUTER_BYTES_PER_TOKEN_EXPERT} B / {t}"}]
+    backward = static + common + [{"category": "layer working set", "bytes": work + max(x["moe_backward"] for x in sets),
+                                   "formula": "one layer's saved set A recomputed + its MoE gradients B"}]
+    phases = {"layer backward": backward}
+    if layout.pp == 1 or coords.get("pp", 0) == layout.pp - 1:
+        if not chunked_lm_head(cfg):
+            v = hf.vocab_size // t
+            phases["LM head backward"] = static + common + [
+                {"category": "logits", "bytes": s * v * b, "formula": f"{s} x {v} x {b} B"},
+                {"category": "LM head gradients", "bytes": v * h * b + 3 * u,
+                 "formula": f"weight gradient {v} x {h} x {b} B + 3 U"}]
+    if opt.get("step_copy_bytes"):
+        phases["optimizer step"] = static + [{"category": "fp32 gradient copy", "bytes": opt["step_copy_bytes"],
+                                              "formula": "4 B x sharded parameters"}]
+    totals = {k: int(sum(r["bytes"] for r in v)) for k, v in phases.items()}
+    phase = max(totals, key=totals.get)
+    rows = [dict(r, bytes=int(r["bytes"])) for r in phases[phase]]
+    return {"peak_bytes": totals[phase], "phase": phase, "rows": rows, "phases": totals,
+            "assumptions": est["assumptions"] + [
+                f"recompute {gran}; balanced MoE routing; {n_mb} micro-batch(es) of {s} tokens on the rank"]}

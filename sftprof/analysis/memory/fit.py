@@ -1,0 +1,177 @@
+"""Does a trial fit its GPUs? The predicted peak of every rank against a GPU's capacity, and the changes that fit.
+
+A rank needs, at its step's peak (:func:`sftprof.analysis.memory.estimate.predict_peak`, steady state):
+
+- the predicted peak allocated bytes;
+- the allocator's slack, reserved and not allocated: with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  none (0.29 GiB measured on the H100 80 GB slice); without, the largest block the step allocates (the logits,
+  else the MoE's dispatched tokens ``T h b``): a block freed and cached that a later request of another size cannot
+  reuse. Measured slack at the peak against that block, 1x H200 (bench/NOTES.md, "The fit check"): 0.47-1.49x;
+- what the process holds outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton), by the installed
+  megatron-core (:func:`outside_pytorch_gib`); a larger layout's NCCL buffers are not in it.
+
+:func:`check_fit` gives the worst rank (ranks of one pipeline stage predict alike) against ``capacity_bytes``;
+:func:`fitting_changes` the changes that fit, in the order of the smallest change first: expandable segments, the
+chunked LM head, both, full recompute, then fewer tokens (halved) or fewer layers alone, else with those changes.
+Settings are config keys (the trial's ``key=value`` arguments) or, prefixed with :data:`ENV`, environment variables
+of the trial's processes.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
+from sftprof.compat import megatron_at_least
+from sftprof.config import ConfigError
+
+__all__ = ["outside_pytorch_gib", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
+           "with_expandable", "check_fit", "fitting_changes", "with_settings"]
+
+# GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
+# TE 2.20.2 (bench/NOTES.md). megatron-core 0.16.1: 7.76 in each of the five one-GPU trials of docs/examples and in
+# the H100's out-of-memory message (7.69 in the 131072-token OOM); 0.19.2: 8.85 in that 131072-token run ("Twenty-
+# second session"). 0.17 and 0.18 were not measured: they take 0.19.2's figure, the larger.
+OUTSIDE_PYTORCH_GIB_MCORE_0_16 = 7.76
+OUTSIDE_PYTORCH_GIB_MCORE_0_19 = 8.85
+OUTSIDE_PYTORCH_LARGER_FROM = (0, 17, 0)
+# The prediction's error on the measured one-GPU runs: -2.6 % to +0.4 % of the peak (bench/NOTES.md, "The fit
+# check"); a headroom smaller than this share of the peak is called tight.
+TIGHT_SHARE = 0.03
+LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head proposed (the measured runs', bench/NOTES.md)
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ENV = "env."  # a setting's key prefix for an environment variable of the trial's processes
+MIN_TOKENS = 1024  # fewer tokens per sample than this is no long-context profile
+_GIB = float(2**30)
+
+HfLoader = Callable[[int], Any]  # number of layers (0: all) -> the model's Hugging Face config cut to them
+
+
+def expandable_segments(alloc_conf: Optional[str]) -> bool:
+    """True when ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable segments on (its last ``expandable_segments`` entry)."""
+    on = False
+    for item in (alloc_conf or "").split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            on = value.strip().lower() == "true"
+    return on
+
+
+def with_expandable(alloc_conf: Optional[str]) -> str:
+    """``PYTORCH_CUDA_ALLOC_CONF`` with its other options kept and ``expandable_segments:True``."""
+    options = [o for o in (alloc_conf or "").split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
+    return ",".join(options + ["expandable_segments:True"])
+
+
+def outside_pytorch_gib() -> float:
+    """GiB a trial's process holds outside PyTorch's allocator with the installed megatron-core (module constants);
+    0.16.1's figure where megatron-core is not installed (an fsdp trial's environment)."""
+    try:
+        larger = megatron_at_least(OUTSIDE_PYTORCH_LARGER_FROM)
+    except ConfigError:
+        larger = False
+    return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
+
+
+def _largest_block(cfg: dict, hf, layout, seq_len: int) -> int:
+    """Bytes of the largest block of the step: the logits (unchunked loss) or the MoE's dispatched tokens."""
+    b = 4 if str(cfg["actor"].get("dtype")) == "float32" else 2
+    s = seq_len // layout.cp
+    if not chunked_lm_head(cfg):
+        return s * (hf.vocab_size // layout.tp) * b
+    return s * hf.num_experts_per_tok * layout.etp // layout.tp * hf.hidden_size * b
+
+
+def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_conf: Optional[str]) -> dict[str, Any]:
+    """The worst rank's need against ``capacity_bytes`` (one GPU's; module docstring).
+
+    Returns:
+        ``{"fits", "tight", "rank", "need_bytes", "peak_bytes", "slack_bytes", "outside_bytes", "capacity_bytes",
+        "headroom_bytes", "prediction"}`` (``prediction``: that rank's :func:`predict_peak`; ``tight``: fits by less
+        than :data:`TIGHT_SHARE` of the peak).
+    """
+    worst = None
+    for stage in range(layout.pp):
+        rank = next(r for r in range(layout.world_size) if layout.rank_coords(r).get("pp", 0) == stage)
+        pred = predict_peak(cfg, hf, layout, layout.rank_coords(rank), seq_len)
+        if worst is None or pred["peak_bytes"] > worst[1]["peak_bytes"]:
+            worst = (rank, pred)
+    rank, pred = worst
+    slack = 0 if expandable_segments(alloc_conf) else _largest_block(cfg, hf, layout, seq_len)
+    outside = int(outside_pytorch_gib() * _GIB)
+    need = pred["peak_bytes"] + slack + outside
+    return {"fits": need <= capacity_bytes, "tight": 0 <= capacity_bytes - need < TIGHT_SHARE * pred["peak_bytes"],
+            "rank": rank, "need_bytes": need, "peak_bytes": pred["peak_bytes"],
+            "slack_bytes": slack, "outside_bytes": outside, "capacity_bytes": int(capacity_bytes),
+            "headroom_bytes": int(capacity_bytes) - need, "prediction": pred}
+
+
+def with_settings(cfg: dict, settings: dict[str, Any]) -> dict:
+    """``cfg`` with the config keys of ``settings`` set (environment settings left out)."""
+    out = copy.deepcopy(cfg)
+    for key, value in settings.items():
+        if key.startswith(ENV):
+            continue
+        *parents, last = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def fitting_changes(cfg: dict, hf_for: HfLoader, layout, seq_len: int, capacity_bytes: int,
+                    alloc_conf: Optional[str]) -> list[dict[str, Any]]:
+    """The changes that make the worst rank fit, smallest first (module docstring): each ``{"settings": {key:
+    value}, "check": check_fit(...)}``; empty when none of them fits.
+
+    ``hf_for(n)``: the model config cut to ``n`` layers (the trial's is ``cfg``'s ``actor.num_layers``).
+    """
+    layers = int(cfg["actor"].get("num_layers") or 0) or hf_for(0).num_hidden_layers
+    hf = hf_for(layers)
+    loss = cfg["actor"].get("loss") or {}
+    m = cfg["actor"].get("megatron") or {}
+    steps: list[dict[str, Any]] = []
+    if not expandable_segments(alloc_conf):
+        steps.append({ENV + ALLOC_CONF: with_expandable(alloc_conf)})
+    if not chunked_lm_head(cfg):
+        chunk = {"actor.loss.lm_head_loss_chunk_size": LM_HEAD_CHUNK}
+        if loss.get("path", "auto") != "auto":
+            chunk["actor.loss.path"] = "lm_head"
+        steps.append(chunk)
+    if len(steps) == 2:
+        steps.append({**steps[0], **steps[1]})
+    base = steps[-1] if steps else {}
+    now = {"actor.gradient_checkpointing": cfg["actor"].get("gradient_checkpointing", True),
+           **{f"actor.megatron.{k}": m.get(k, v) for k, v in
+              (("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1))}}
+    full = dict(zip(now, (True, "full", "uniform", 1)))
+    if now != full:
+        steps.append({**base, **{k: v for k, v in full.items() if now[k] != v}})
+        base = steps[-1]
+
+    def verdict(settings: dict, n_layers: int = layers, tokens: int = seq_len) -> dict:
+        conf = settings.get(ENV + ALLOC_CONF, alloc_conf)
+        return check_fit(with_settings(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
+                         capacity_bytes, conf)
+
+    out = [{"settings": st, "check": c} for st in steps if (c := verdict(st))["fits"]]
+    for extra in ({}, base) if base else ({},):  # fewer tokens, fewer layers: alone, else with the changes above
+        found = []
+        tokens = seq_len // 2
+        while tokens >= MIN_TOKENS and tokens % layout.cp == 0:
+            settings = {**extra, "profile.fake_seq_len": tokens}
+            if (check := verdict(settings, tokens=tokens))["fits"]:
+                found.append({"settings": settings, "check": check})
+                break
+            tokens //= 2
+        step = layout.pp * (getattr(hf, "full_attention_interval", None) or 1)
+        for n in range(layers - step, 0, -step):
+            settings = {**extra, "actor.num_layers": n}
+            if (check := verdict(settings, n_layers=n))["fits"]:
+                found.append({"settings": settings, "check": check})
+                break
+        if found:
+            out += found
+            break
+    return out

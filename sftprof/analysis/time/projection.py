@@ -1,0 +1,249 @@
+"""The projected step of a rank: a simulated rank's measured compute plus the communication its layout needs.
+
+Arithmetic on recorded numbers (no torch): the simulated trial (``actor.simulate.rank``) measured the rank's
+compute time (its step with collectives not run) and its peak memory; :func:`sftprof.analysis.time.rank_plan.rank_plan`
+gives every collective the real rank would run (process group, bytes, calls). Here:
+
+- a collective's time per call is ``bytes (n - 1) / n / bandwidth + latency`` (the bytes that leave each rank,
+  ``bench/collectives.py``'s rule; ``bytes`` for send/recv), with the bandwidth of its interconnect at the nearest
+  measured size (:data:`INTERCONNECTS`: NVLink measured in bench/NOTES.md, InfiniBand stated, not measured) and
+  the InfiniBand figure for every group whose ranks span nodes (``cluster.n_gpus_per_node`` ranks a node);
+- its exposed time is all of it, except for collectives the settings overlap, which hide behind their window
+  (``backward``: ``ddp.overlap_grad_reduce``; ``forward``: ``ddp.overlap_param_gather``; ``cp_attention``: the
+  K/V gather of ``cp_comm_overlap``) up to that window's measured compute, 0 when it was not measured;
+- projected step = compute + exposed; the serial bound = compute + all communication;
+- memory: the measured peak plus NCCL's buffers, which torch's allocator does not see, estimated per communicator
+  (:func:`nccl_buffer_bytes`).
+
+Not modelled (named in ``assumptions``): waiting for slower ranks (routing imbalance, a PP bubble), contention
+between concurrent collectives, link rates of message sizes outside the measured range (the nearest is used).
+The summary of a simulated trial holds it (:func:`simulation_summary`); ``python -m sftprof.analysis.time.projection
+TRIAL_LOG_DIR`` prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.trial import inputs
+from sftprof.analysis.time.rank_plan import rank_plan
+from sftprof.artifacts import STATS, read_stats
+from sftprof.models.hf import load_hf_config
+from sftprof.simulation import assumed
+
+__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
+           "simulation_summary",
+           "render", "main"]
+
+_MIB = float(1 << 20)
+_GIB = float(1 << 30)
+
+# GB/s (1e9 B/s) per collective at MiB per rank, and a latency per call (ms).
+INTERCONNECTS: dict[str, dict[str, Any]] = {
+    "nvlink": {
+        "source": "bench/NOTES.md, tenth session: bench/collectives.py on 2x H200 (NV18), NCCL 2.28.9, default settings",
+        "latency_ms": 0.02,
+        "gbps": {"all_to_all": {64: 186, 256: 261, 512: 283}, "all_gather": {512: 247},
+                 "reduce_scatter": {512: 235}, "all_reduce": {512: 235 / 2}, "send_recv": {512: 271}}},
+    "infiniband": {
+        "source": "stated, not measured: 400 Gb/s NDR per GPU at 80 % (40 GB/s per direction)",
+        "latency_ms": 0.05,
+        "gbps": {kind: {512: 40.0 / (2 if kind == "all_reduce" else 1)}
+                 for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv")}},
+}
+NCCL_BUFFSIZE = 4 << 20  # NCCL_BUFFSIZE's default
+NCCL_CHANNELS = 16  # assumed channels per communicator
+
+
+def collective_ms(kind: str, nbytes: float, group_size: int, link: dict) -> tuple[float, float]:
+    """``(ms per call, GB/s used)`` of one collective of ``nbytes`` per rank over ``group_size`` ranks on ``link``
+    (an :data:`INTERCONNECTS` entry): the measured size nearest to ``nbytes`` in MiB gives the rate.
+
+    Raises:
+        KeyError: a collective kind the table does not list.
+    """
+    rates = link["gbps"][kind]
+    nearest = min(rates, key=lambda mib: abs(mib - nbytes / _MIB))
+    gbps = rates[nearest]
+    leaving = nbytes if kind == "send_recv" else nbytes * (group_size - 1) / group_size
+    return leaving / (gbps * 1e9) * 1e3 + link["latency_ms"], gbps
+
+
+def nccl_buffer_bytes(collectives: list[dict]) -> tuple[int, list[str]]:
+    """NCCL's device buffers of the rank's communicators (one per distinct process group of ``collectives``):
+    ``2 x NCCL_CHANNELS x NCCL_BUFFSIZE`` each, plus ``2 x NCCL_BUFFSIZE`` per peer of a group that runs
+    all-to-all or send/recv (point-to-point buffers). An estimate, never measured here; returns bytes and the
+    formula of each communicator."""
+    groups: dict[str, dict] = {}
+    for c in collectives:
+        g = groups.setdefault(c["group"], {"size": c["group_size"], "p2p": False})
+        g["p2p"] |= c["collective"] in ("all_to_all", "send_recv")
+    total, lines = 0, []
+    for name, g in sorted(groups.items()):
+        n = 2 * NCCL_CHANNELS * NCCL_BUFFSIZE + (2 * (g["size"] - 1) * NCCL_BUFFSIZE if g["p2p"] else 0)
+        total += n
+        lines.append(f"{name} ({g['size']} ranks): 2 x {NCCL_CHANNELS} channels x 4 MiB"
+                     + (f" + 2 x {g['size'] - 1} peers x 4 MiB" if g["p2p"] else "") + f" = {n / _MIB:.0f} MiB")
+    return total, lines
+
+
+def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
+            windows_ms: Optional[dict] = None, measured_mfu: Optional[float] = None) -> dict[str, Any]:
+    """The projected step of the rank of ``plan`` (module docstring).
+
+    Args:
+        plan: :func:`sftprof.analysis.time.rank_plan.rank_plan`'s result.
+        compute_ms: the simulated rank's measured step time (collectives not run), ms.
+        peak_gib: its measured peak allocated memory (GiB), None when not measured (CPU).
+        gpus_per_node: ranks per node (a group over more than one node runs at the InfiniBand rate).
+        windows_ms: measured compute of the overlap windows (``forward``, ``backward``, ``cp_attention``), ms.
+        measured_mfu: the simulated step's MFU (its model FLOPs per GPU over ``compute_ms``); the projected MFU is
+            it scaled by ``compute_ms / projected``.
+    Returns:
+        ``{"rows": [...], "compute_ms", "communication_ms", "exposed_ms", "projected_step_ms", "serial_step_ms",
+        "mfu", "memory": {...}, "assumptions": [...]}``; each row ``{"group", "collective", "interconnect",
+        "calls", "mib_per_call", "gbps", "ms", "exposed_ms", "overlap"}``.
+    Raises:
+        ValueError: ``compute_ms`` is not positive or ``gpus_per_node`` < 1.
+    """
+    if not compute_ms > 0 or gpus_per_node < 1:
+        raise ValueError(f"compute_ms={compute_ms}, gpus_per_node={gpus_per_node}: both must be > 0")
+    windows = dict(windows_ms or {})
+    left = {w: windows.get(w, 0.0) for w in ("forward", "backward", "cp_attention")}
+    rows = []
+    for c in plan["collectives"]:
+        link = "nvlink" if len({r // gpus_per_node for r in c["ranks"]}) == 1 else "infiniband"
+        per_call, gbps = collective_ms(c["collective"], c["bytes_per_call"], c["group_size"], INTERCONNECTS[link])
+        ms = per_call * c["calls"]
+        hidden = 0.0
+        if c["overlap"] != "none":
+            hidden = min(ms, left[c["overlap"]])
+            left[c["overlap"]] -= hidden
+        rows.append({"group": c["group"], "collective": c["collective"], "interconnect": link, "calls": c["calls"],
+                     "mib_per_call": c["bytes_per_call"] / _MIB, "gbps": gbps, "ms": ms, "exposed_ms": ms - hidden,
+                     "overlap": c["overlap"]})
+    comm = sum(r["ms"] for r in rows)
+    exposed = sum(r["exposed_ms"] for r in rows)
+    projected = compute_ms + exposed
+    world = plan["world_size"]
+    mfu = measured_mfu * compute_ms / projected if measured_mfu is not None else None
+    nccl, nccl_lines = nccl_buffer_bytes(plan["collectives"])
+    assumptions = list(plan["assumptions"]) + [
+        f"{name}: {link['source']}" for name, link in INTERCONNECTS.items()
+        if any(r["interconnect"] == name for r in rows)] + [
+        "not modelled: waiting for slower ranks (routing imbalance, pipeline bubble), concurrent collectives sharing "
+        "links; message sizes outside the measured ones take the nearest size's rate",
+        "overlapped collectives hide behind their window's measured compute: "
+        + ", ".join(f"{w} {windows[w]:.1f} ms" if w in windows else f"{w} not measured (0 ms hidden)"
+                    for w in ("forward", "backward", "cp_attention")),
+        f"NCCL buffers estimated, not measured: {'; '.join(nccl_lines) or 'no communicator'}"]
+    return {"rank": plan["rank"], "world_size": world, "rows": rows, "compute_ms": compute_ms,
+            "communication_ms": comm, "exposed_ms": exposed, "projected_step_ms": projected,
+            "serial_step_ms": compute_ms + comm, "mfu": mfu,
+            "memory": {"measured_peak_gib": peak_gib, "nccl_buffers_gib": nccl / _GIB,
+                       "projected_peak_gib": None if peak_gib is None else peak_gib + nccl / _GIB},
+            "assumptions": assumptions}
+
+
+NOT_RUN = ("collectives: torch's fake process group returned each at once, its output allocated at its real size and "
+           "filled as if every peer held this rank's data (sftprof.simulated_comm); all-reduces and reduce-scatters "
+           "did not reduce")
+
+
+def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, have_te: Optional[bool] = None,
+                  windows_ms: Optional[dict] = None) -> dict[str, Any]:
+    """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``) from its ``stats.jsonl``: compute = the
+    step time of ``step`` (the last step recorded when None), peak = its ``mem_peak_allocated_gb``, the MFU scaled
+    from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
+    ``windows_ms``: the overlap windows measured (:func:`project`).
+
+    Raises:
+        ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
+        OSError: ``stats.jsonl`` is missing.
+    """
+    a = cfg["actor"]
+    rank = int((a.get("simulate") or {}).get("rank", -1))
+    if rank < 0:
+        raise ValueError(f"{log_dir}: actor.simulate.rank={rank}: not a simulated trial (accepted: a rank >= 0)")
+    steps = [s for s in read_stats(Path(log_dir) / STATS).steps if step is None or s.step == step]
+    if not steps:
+        raise ValueError(f"{log_dir}: {STATS} holds no record of step {'(any)' if step is None else step}")
+    rec = steps[-1]
+    layout = parse_allocation_mode(a["backend"])
+    plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank, have_te)
+    return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
+                   windows_ms, measured_mfu=rec.mfu)
+
+
+def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``{"forward", "backward"}`` ms of a kernel trace's ``sftprof/forward/mb*`` and ``sftprof/backward/mb*`` regions
+    (``kernel_traces[].summary.regions``): their GPU time, or their wall time in a trace without GPU activity."""
+    out: dict[str, float] = {}
+    for r in regions:
+        phase = r["name"].split("/")[1] if r["name"].count("/") == 2 else None
+        if phase in ("forward", "backward"):
+            out[phase] = out.get(phase, 0.0) + (r["gpu_ms"] if r["gpu_ms"] is not None else r["cpu_ms"])
+    return out
+
+
+def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool],
+                       regions: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, Any]:
+    """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
+    not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
+    overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""
+    sim = cfg["actor"]["simulate"]
+    try:
+        projection, error = project_trial(log_dir, cfg, step, have_te, overlap_windows(regions or [])), None
+    except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
+        projection, error = None, f"{type(exc).__name__}: {exc}"
+    return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
+            "not_run": NOT_RUN, "assumed": assumed(parse_allocation_mode(cfg["actor"]["backend"]).backend),
+            "projection": projection, "projection_error": error}
+
+
+def render(p: dict) -> str:
+    """The projection as text: one line per collective, then the totals, the memory and the assumptions."""
+    lines = [f"projection of rank {p['rank']} of {p['world_size']} (simulated: compute measured, communication "
+             "computed)", f"{'group':8} {'collective':15} {'link':10} {'calls':>6} {'MiB/call':>9} {'GB/s':>6} "
+             f"{'ms':>9} {'exposed':>9}  overlap"]
+    for r in p["rows"]:
+        lines.append(f"{r['group']:8} {r['collective']:15} {r['interconnect']:10} {r['calls']:6d} "
+                     f"{r['mib_per_call']:9.1f} {r['gbps']:6.0f} {r['ms']:9.1f} {r['exposed_ms']:9.1f}  {r['overlap']}")
+    mem = p["memory"]
+    lines += [f"compute {p['compute_ms']:.1f} ms + exposed communication {p['exposed_ms']:.1f} ms = projected step "
+              f"{p['projected_step_ms']:.1f} ms (serial bound {p['serial_step_ms']:.1f} ms)"
+              + (f", MFU {100 * p['mfu']:.1f} %" if p["mfu"] is not None else ""),
+              "memory: " + (f"measured peak {mem['measured_peak_gib']:.2f} GiB + " if mem["measured_peak_gib"]
+                            is not None else "peak not measured (CPU) + ")
+              + f"NCCL buffers {mem['nccl_buffers_gib']:.2f} GiB (estimated)", "assumptions:"]
+    return "\n".join(lines + [f"- {a}" for a in p["assumptions"]])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m sftprof.analysis.time.projection TRIAL_LOG_DIR [--step N] [--json FILE]``; exit 2 on bad input."""
+    ap = argparse.ArgumentParser(description="Project the step of a simulated rank (actor.simulate.rank).")
+    ap.add_argument("log_dir", help="the simulated trial's log dir (config.yaml, stats.jsonl)")
+    ap.add_argument("--step", type=int, help="the step whose time is the compute (default: the last recorded)")
+    ap.add_argument("--json", help="also write the projection to this new file (never overwritten)")
+    args = ap.parse_args(argv)
+    cfg, err = inputs.trial_config(args.log_dir)
+    try:
+        if cfg is None:
+            raise ValueError(err or f"{args.log_dir}: no config.yaml")
+        p = project_trial(args.log_dir, cfg, args.step)
+    except (ValueError, OSError) as exc:
+        print(f"projection: {exc}", file=sys.stderr)
+        return 2
+    print(render(p))
+    if args.json:
+        with open(args.json, "x", encoding="utf-8") as f:
+            json.dump(p, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""Kernel summary of one rank's torch.profiler Chrome trace, computed in a single streaming pass.
+
+Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
+negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
+(``sftprof.analysis.views.split.split_trace`` does both while it writes the views), then call
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen
+bytes each, never O(trace bytes).
+
+The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
+the answers together: the GPU activities alone (:mod:`sftprof.analysis.time.gpu_activity`: step window, GPU busy, top
+kernels, categories, communication overlap, regions), time by model part (:mod:`sftprof.analysis.time.model_parts`),
+host time and waits (:mod:`sftprof.analysis.time.host_time`), kernel efficiency (:mod:`sftprof.analysis.time.efficiency`)
+and collectives by process group (:mod:`sftprof.analysis.time.collectives`), the last four from where each activity was
+launched (:mod:`sftprof.analysis.trace.op_collector`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from sftprof import artifacts
+from sftprof.analysis.time.collectives import collectives
+from sftprof.analysis.time.efficiency import kernel_efficiency
+from sftprof.analysis.time.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Span, communication, gpu_time,
+                                                region_times, step_window, time_by_category, top_kernels)
+from sftprof.analysis.time.host_time import heaviest_op, host_time, top_cpu_ops
+from sftprof.analysis.trace.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
+from sftprof.analysis.time.model_parts import cpu_parts, gpu_parts
+from sftprof.analysis.trace.op_collector import OpCollector
+from sftprof.analysis.time.schema import KernelSummary
+from sftprof.analysis.trace.check import UNTIMED
+from sftprof.analysis.trace.sanity import inspect
+
+__all__ = ["KernelTraceAnalyzer", "invalid_events_error", "invalid_events_message", "INVALID_SHARE_LIMIT",
+           "BEGIN_END_NOTE", "UNPAIRED_NOTE",
+           "identity_problems"]
+
+INVALID_SHARE_LIMIT = 0.5  # a trace whose invalid events exceed this share of its events is an error
+_INVALID_EXAMPLES = 3
+REGION_PREFIX = artifacts.REGION_PREFIX
+OPTIMIZER_REGION = artifacts.OPTIMIZER_STEP
+_PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)$")
+_CORRELATION = re.compile(r'"correlation"\s*:\s*(\d+)')
+BEGIN_END_NOTE = "sftprof/* and ProfilerStep annotations written as B/E pairs, read as spans"
+UNPAIRED_NOTE = "annotations written as B/E events without their pair, left out"
+_GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel|Memcpy|Memset)"')
+
+
+def _int_id(v) -> int:
+    """A correlation / External id as an int; -1 when absent or not an integer."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _rank_list(v) -> bool:
+    """Whether ``v`` is a non-empty list of distinct global ranks (ints >= 0)."""
+    return (isinstance(v, list) and bool(v) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v)
+            and len(set(v)) == len(v))
+
+
+def invalid_events_error(invalid: dict) -> str | None:
+    """The error of a trace whose invalid events dominate it (more than :data:`INVALID_SHARE_LIMIT`), else None."""
+    total, events = invalid["total"], invalid["total"] + invalid["valid_events"]
+    if total and total > INVALID_SHARE_LIMIT * events:
+        return (f"{total} of {events} events are invalid ({invalid_events_message(invalid)}); "
+                "the trace is not usable")
+    return None
+
+
+def identity_problems(identity: dict, rank: int, step: int) -> tuple[str | None, str | None]:
+    """``(error, warning)`` of a trace whose own record of its step and rank (``identity``, the summary's: sorted
+    ``profiler_steps`` and ``recorded_rank``) is checked against the rank in its file name and the step postprocessed.
+
+    The error (None when both agree) says the trace is another's: it holds ``ProfilerStep#N`` slices but none of
+    ``step`` (another step's trace, e.g. copied from another trial), or its header's ``distributedInfo.rank``
+    differs from ``rank`` (another rank's trace under this rank's name); it is then not summarised. The trainer's
+    kernel trials always record the profiled step as ``ProfilerStep#<step>`` (:mod:`sftprof.capture.kernel`) and run
+    under torch.distributed, whose rank the profiler writes to the header. A trace without any ``ProfilerStep``
+    slice (traces of earlier releases, which profiled without a schedule, such as the legacy
+    ``traces-r<r>.chrome.json``; traces recorded without a profiler schedule) gets the warning (None otherwise) that
+    its step cannot be confirmed, and is summarised as ``step``; one without ``distributedInfo.rank`` (not recorded
+    under torch.distributed) is taken for the rank its name says, without a warning.
+    """
+    steps, recorded = identity["profiler_steps"], identity["recorded_rank"]
+    wrong = []
+    if steps and step not in steps:
+        held = ", ".join(f"ProfilerStep#{s}" for s in steps)
+        wrong.append(f"the trace holds step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} ({held}), "
+                     f"not step {step}, the step postprocessed: another step's trace, not summarised as step {step}")
+    if recorded is not None and recorded != rank:
+        wrong.append(f"the trace records distributedInfo.rank {recorded} but its file name says rank {rank}: "
+                     f"another rank's trace, not summarised as rank {rank}")
+    warning = None if steps else (f"the trace holds no ProfilerStep#<N> slice (a trace of an earlier release, or not "
+                                  f"recorded with the trainer's profiler schedule): that it is step {step} cannot be "
+                                  f"confirmed; summarised as step {step}")
+    return "; ".join(wrong) or None, warning
+
+
+def invalid_events_message(invalid: dict) -> str:
+    """``"3 invalid events left out of every figure and view: negative dur 2, missing ts 1"``."""
+    kinds = ", ".join(f"{k} {n}" for k, n in invalid["by_kind"].items())
+    return f"{invalid['total']} invalid events left out of every figure and view: {kinds}"
+
+
+class KernelTraceAnalyzer:
+    """Accumulates what the kernel summary needs from a stream of Chrome-trace events.
+
+    Args:
+        header: the trace's top-level members (``distributedInfo.pg_config`` maps process-group
+            names to descriptions such as ``TENSOR_MODEL_PARALLEL_GROUP``); may also be given later
+            via :meth:`set_header`, any time before :meth:`summary`.
+        step: the profiled step: its ``ProfilerStep#<step>`` slice is the step window, and the activities and CPU
+            ops of other steps' slices are left out (:mod:`sftprof.analysis.trace.sanity`); None: not known (the
+            longest step annotation is the window, no step is left out).
+    """
+
+    def __init__(self, header: dict | None = None, step: int | None = None):
+        self._step = step
+        self._names: dict[str, int] = {}
+        self._name_list: list[str] = []
+        # per GPU activity (parallel lists)
+        self._a_name: list[int] = []
+        self._a_kind: list[int] = []  # index into GPU_ACTIVITY_CATS
+        self._a_ts: list[float] = []
+        self._a_dur: list[float] = []
+        self._a_dev: list[int] = []
+        self._a_stream: list[int] = []
+        self._a_corr: list[int] = []
+        self._a_ext: list[int] = []
+        self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
+        self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
+        self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
+        self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
+        self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
+        self._profiler_steps: list[tuple[str, float, float]] = []
+        self._open_annotations: dict[tuple, list[tuple[str, float]]] = {}  # (pid, tid) -> B events not yet ended
+        self._t_min = float("inf")
+        self._t_max = float("-inf")
+        self.n_events = 0
+        self._pg_desc: dict[str, str] = {}
+        self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
+        self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
+        self._invalid: dict[str, int] = defaultdict(int)
+        self._invalid_examples: list[str] = []
+        self._untimed = 0  # GPU activities without timing (left out, counted with the invalid events)
+        self._invalid_corr: list[int] = []  # correlation ids of the GPU activities left out as invalid
+        self._notes: dict[str, int] = {}
+        self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
+        self._ops = OpCollector()
+        self._device_name: str | None = None
+        self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
+        self._recorded_rank: int | None = None  # the header's distributedInfo.rank
+        if header:
+            self.set_header(header)
+
+    def set_header(self, header: dict) -> None:
+        """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``, and the
+        rank that wrote the trace from ``header['distributedInfo']['rank']``.
+
+        A ``distributedInfo`` or ``pg_config`` of another type (a damaged header) is ignored: collectives
+        are then labelled by the process-group names their own events carry.
+        """
+        base = header.get("baseTimeNanoseconds") if isinstance(header, dict) else None
+        if isinstance(base, int) and not isinstance(base, bool):
+            self._base_ns = base
+        props = header.get("deviceProperties") if isinstance(header, dict) else None
+        if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
+            self._device_name = props[0]["name"]
+        info = header.get("distributedInfo") if isinstance(header, dict) else None
+        rank = info.get("rank") if isinstance(info, dict) else None
+        self._recorded_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
+        pgs = info.get("pg_config") if isinstance(info, dict) else None
+        for pg in pgs if isinstance(pgs, list) else ():
+            if isinstance(pg, dict) and "pg_name" in pg:
+                desc = pg.get("pg_desc")
+                self._pg_desc[str(pg["pg_name"])] = desc if isinstance(desc, str) else None
+                ranks, size = pg.get("ranks"), pg.get("pg_size", pg.get("group_size"))
+                world = info.get("world_size")
+                if ranks == [] and isinstance(size, int) and size == world:  # torch writes [] for "every rank"
+                    ranks = list(range(world))
+                if _rank_list(ranks):
+                    self._pg_header_ranks[str(pg["pg_name"])] = ranks
+
+    def pg_members(self) -> dict[str, list[int]]:
+        """Global ranks of each process group, by name: the ``Process Group Ranks`` its events carry (a JSON list
+        such as ``"[0, 1]"``), else the header's ``pg_config``; a group whose list is cut short or unreadable
+        (torch shortens long lists) is left out."""
+        out = dict(self._pg_header_ranks)
+        for name, raw in self._pg_ranks.items():
+            try:
+                ranks = json.loads(raw) if isinstance(raw, str) else raw
+            except ValueError:
+                continue
+            if _rank_list(ranks):
+                out[name] = ranks
+        return out
+    def add_invalid(self, kind: str, raw: str) -> None:
+        """Count one event left out of every figure (``kind`` from ``trace_check.event_problem``)."""
+        self._invalid[kind] += 1
+        self._untimed += kind == UNTIMED
+        if _GPU_CATEGORY.search(raw):  # a GPU activity left out: its launch is not one without a kernel
+            corr = _CORRELATION.search(raw)
+            self._invalid_corr.append(int(corr.group(1)) if corr else -1)
+        if len(self._invalid_examples) < _INVALID_EXAMPLES:
+            self._invalid_examples.append(f"{kind}: {' '.join(raw.split())[:200]}")
+
+    def add_note(self, what: str, count: int) -> None:
+        """Record a repair of the views that changes no figure (e.g. non-finite numbers written as null)."""
+        self._notes[what] = count
+
+    @staticmethod
+    def _pg_ref(args: dict) -> tuple[str | None, str | None] | None:
+        """(description, name) of the process group named in an event's args, if any."""
+        name, desc = args.get("Process Group Name"), args.get("Process Group Description")
+        if name is None and desc is None:
+            return None
+        return desc if isinstance(desc, str) else None, None if name is None else str(name)
+
+    def _pg_label(self, ref: tuple[str | None, str | None] | None) -> str | None:
+        if ref is None:
+            return None
+        desc, name = ref
+        return collective_group_label(desc or self._pg_desc.get(name), name)
+
+    def add(self, ev: dict) -> None:
+        """Consume one usable trace event (any phase/category; irrelevant ones are ignored cheaply).
+
+        Events that ``sftprof.analysis.trace.check.event_problem`` rejects go to :meth:`add_invalid`
+        instead (``split_trace`` does this), so that no figure includes them.
+        """
+        self.n_events += 1
+        ph = ev.get("ph")
+        cat = ev.get("cat")
+        if ph != "X":
+            if ph in ("s", "f") and cat == "fwdbwd" and isinstance(ev.get("ts"), (int, float)):
+                self._ops.add(ev, cat, ev["ts"], 0.0)
+            elif ph in ("B", "E") and cat == "user_annotation":
+                self._begin_end(ev, ph)
+            return
+        ts = ev.get("ts")
+        dur = ev.get("dur")
+        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+            return
+        if ts < self._t_min:
+            self._t_min = ts
+        if ts + dur > self._t_max:
+            self._t_max = ts + dur
+        if cat == "cpu_op":  # most events: the collector's hot path, each member read once
+            tid, name, args = ev.get("tid"), ev.get("name") or "", ev.get("args")
+            self._ops.add_cpu_op(tid if type(tid) is int else -1, name, args, ts, dur)
+            if name.startswith(HOST_COLLECTIVE_PREFIXES):
+                self._host_comm_ops.append((name, ts, ts + dur))
+            if args and ("Process Group Name" in args or "Process Group Description" in args):
+                ext = _int_id(args.get("External id"))
+                if ext != -1:
+                    self._comm_ops[ext] = self._pg_ref(args)
+                if "Process Group Ranks" in args and "Process Group Name" in args:
+                    self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
+            return
+        self._ops.add(ev, cat, ts, dur)
+        if cat in GPU_ACTIVITY_CATS:
+            name = ev.get("name") or ""
+            idx = self._names.get(name)
+            if idx is None:
+                idx = self._names[name] = len(self._name_list)
+                self._name_list.append(name)
+            args = ev.get("args") or {}
+            self._a_name.append(idx)
+            self._a_kind.append(GPU_ACTIVITY_CATS.index(cat))
+            self._a_ts.append(ts)
+            self._a_dur.append(dur)
+            dev, stream = ev.get("pid"), ev.get("tid")
+            self._a_dev.append(dev if isinstance(dev, int) else -1)
+            self._a_stream.append(stream if isinstance(stream, int) else -1)
+            self._a_corr.append(_int_id(args.get("correlation")))
+            self._a_ext.append(_int_id(args.get("External id")))
+            self._a_pg.append(self._pg_ref(args))
+            if "Process Group Ranks" in args and "Process Group Name" in args:
+                self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
+            nb = args.get("bytes")
+            self._a_bytes.append(nb if isinstance(nb, int) and not isinstance(nb, bool) and nb > 0 else 0)
+        elif cat == "user_annotation":
+            name = ev.get("name") or ""
+            if name.startswith(REGION_PREFIX):
+                self._regions.append((name, ts, ts + dur))
+            elif name.startswith("ProfilerStep#"):
+                self._profiler_steps.append((name, ts, ts + dur))
+            elif name.startswith(HOST_COLLECTIVE_PREFIXES):
+                self._host_comm.append((name, ts, ts + dur))
+
+    def _begin_end(self, ev: dict, ph: str) -> None:
+        """An annotation written as a ``B``/``E`` pair (its thread's last open ``B`` ends at an ``E``): a
+        ``sftprof/*`` region or ``ProfilerStep#<N>`` read as the span it is, counted in the summary's notes
+        (:data:`BEGIN_END_NOTE`); an ``E`` without its ``B``, or a ``B`` never ended, is counted as left out
+        (:data:`UNPAIRED_NOTE`)."""
+        stack = self._open_annotations.setdefault((ev.get("pid"), ev.get("tid")), [])
+        if ph == "B":
+            stack.append((ev.get("name") or "", ev["ts"]))
+            return
+        if not stack:
+            self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + 1
+            return
+        name, ts = stack.pop()
+        spans = (self._regions if name.startswith(REGION_PREFIX) else
+                 self._profiler_steps if name.startswith("ProfilerStep#") else None)
+        if spans is not None:
+            spans.append((name, ts, ev["ts"]))
+            self._notes[BEGIN_END_NOTE] = self._notes.get(BEGIN_END_NOTE, 0) + 1
+
+    def activity_table(self, regions: list[Span]) -> ActivityTable:
+        """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
+        n = len(self._a_ts)
+        kinds = np.asarray(self._a_kind, dtype=np.int64)
+        launch_tid, launch = self._ops.launch_points(self._a_corr)
+        # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
+        cat_cache: dict[tuple[int, int], str] = {}
+        cats: list[str] = []
+        for i in range(n):
+            key = (self._a_name[i], self._a_kind[i])
+            c = cat_cache.get(key)
+            if c is None:
+                c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
+            cats.append(c)
+        is_comm = np.array([c.startswith(COMM_PREFIX) for c in cats], dtype=bool)
+        opt = [r for r in regions if r[0] == OPTIMIZER_REGION]
+        if opt and n:
+            in_opt = np.zeros(n, dtype=bool)
+            for _, lo, hi in opt:
+                in_opt |= (launch >= lo) & (launch <= hi)
+            for i in np.flatnonzero(in_opt & ~is_comm & (kinds == 0)):
+                cats[i] = "optimizer"
+        groups: list[str | None] = []
+        pg_names: list[str | None] = []
+        for i in range(n):
+            ref = self._a_pg[i]
+            if ref is None and is_comm[i]:
+                ref = self._comm_ops.get(self._a_ext[i])
+            groups.append(self._pg_label(ref))
+            pg_names.append(ref[1] if ref is not None else None)
+        ts = np.asarray(self._a_ts, dtype=np.float64)
+        dur = np.asarray(self._a_dur, dtype=np.float64)
+        return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
+                             dev=np.asarray(self._a_dev, dtype=np.int64),
+                             stream=np.asarray(self._a_stream, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
+                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
+                             nbytes=np.asarray(self._a_bytes, dtype=np.float64))
+
+    def summary(self) -> KernelSummary:
+        """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
+
+        Call it once (it sets the collected record right in place). Keys: ``n_events``, ``invalid_events``,
+        ``sanity`` (what is wrong with the trace's record and what was done about it, before any figure:
+        :func:`sftprof.analysis.trace.sanity.inspect`), ``view_repairs``, ``identity`` (what the trace says of itself:
+        ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
+        its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
+        the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
+        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without GPU
+        activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``, ``top_cpu_ops`` and,
+        without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`), ``efficiency``
+        (:mod:`sftprof.analysis.time.efficiency`) and ``collectives`` (:mod:`sftprof.analysis.time.collectives`; its
+        ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
+        out of ``profile_summary.json``).
+        """
+        never_ended = sum(len(v) for v in self._open_annotations.values())
+        if never_ended:
+            self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + never_ended
+        # annotations recorded twice count once; those of other profiler steps are left out with their activities
+        annotations = (self._regions, self._profiler_steps, self._host_comm, self._ops.gc_spans)
+        unique = [list(dict.fromkeys(x)) for x in annotations]
+        repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
+        regions, profiler_steps, host_comm, self._ops.gc_spans = unique
+        host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
+        regions.sort(key=lambda r: (r[1], r[0]))
+        t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
+                                         step=self._step, untimed=self._untimed, invalid_corr=self._invalid_corr,
+                                         repeated_annotations=repeated, n_events=self.n_events)
+        regions = [r for r in regions if not any(a <= r[1] <= b for a, b in other_spans)]
+        host_comm = [h for h in host_comm if not any(a <= h[1] <= b for a, b in other_spans)]
+        window = step_window(t, regions, profiler_steps, (self._t_min, self._t_max), self._base_ns, self._step)
+        lo, hi = window["start_us"], window["end_us"]
+        optimizer_windows = [(a, b) for name, a, b in regions if name == OPTIMIZER_REGION]
+        pts = t.launch
+        if lo is None:
+            inside = np.zeros(t.n, dtype=bool)
+        else:  # launched in the window; without a launch record (cut off): started in it
+            inside = np.where(np.isnan(pts), (t.ts >= lo) & (t.ts <= hi), (pts >= lo) & (pts <= hi))
+        in_opt = np.zeros(t.n, dtype=bool)
+        for a, b in optimizer_windows:
+            in_opt |= (pts >= a) & (pts <= b)
+        ops = self._ops
+        place = ops.attribute(t.launch_tid, pts, t.category, in_opt, t.is_comm)
+        cpu_run = not t.n  # no GPU activity: the CPU ops are the work
+        return {
+            "n_events": self.n_events,
+            "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
+                               "by_kind": dict(sorted(self._invalid.items(), key=lambda kv: (-kv[1], kv[0]))),
+                               "examples": list(self._invalid_examples)},
+            "sanity": sanity,
+            "view_repairs": dict(sorted(self._notes.items())),
+            "identity": {"profiler_steps": sorted({int(m.group(1)) for name, _, _ in profiler_steps
+                                                   if (m := _PROFILER_STEP.match(name))}),
+                         "recorded_rank": self._recorded_rank},
+            "step_window": window,
+            "gpu": gpu_time(t, lo, hi),
+            "top_kernels": top_kernels(t),
+            "top_cpu_ops": top_cpu_ops(ops),
+            "categories": time_by_category(t),
+            "communication": communication(t, host_comm),
+            "regions": region_times(t, regions, lo),
+            "parts": gpu_parts(place, t.dur, inside, t.is_comm),
+            "cpu_parts": cpu_parts(ops, (lo, hi), optimizer_windows) if cpu_run else None,
+            "heaviest_op": heaviest_op(ops, (lo, hi)) if cpu_run else None,
+            "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
+                              window=(lo, hi)),
+            "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
+                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx], nbytes=t.nbytes,
+                                            device_name=self._device_name),
+            "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
+                                       groups=t.group, ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members()),
+        }

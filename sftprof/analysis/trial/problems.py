@@ -1,0 +1,236 @@
+"""The errors and warnings of a trial's summary: per file ``{"file", "error"}`` / ``{"file", "warning"}``.
+
+Errors: a trace or snapshot that could not be processed (or is not the trial's), a damaged ``rank_coords.json`` or
+``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes without or should not be read
+without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
+events left out, faults of a trace's record (:mod:`sftprof.analysis.trace.sanity`), files of an earlier postprocess
+kept beside those of this one, a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing
+that collapsed (:func:`routing_warnings`), a GPU shared with processes not of the trial
+(:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing (:func:`missing_traces`).
+"""
+from __future__ import annotations
+
+import os
+
+from sftprof import artifacts
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
+from sftprof.analysis.memory.snapshot import other_devices_message
+from sftprof.analysis.trial.schema import FileError, FileWarning
+from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
+from sftprof.analysis.trace.sanity import fault_messages
+from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message
+from sftprof.artifacts import KERNEL_TRACES, trace_name
+from sftprof.ranks import resolve_ranks
+from typing import Any, Mapping, Sequence
+
+__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "shared_gpu_warnings",
+           "optional_input_warnings"]
+
+MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
+
+
+def missing_traces(cfg: Mapping[str, Any] | None, items: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The ranks that the trial's ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on
+    ``actor.backend``'s layout) but whose trace is not in the log dir (deleted, never written): the summary's figures
+    leave them out (a warning names each). Empty when the config is absent or does not resolve (nothing is
+    assumed)."""
+    try:
+        expected = resolve_ranks(cfg["perf_tracer"].get("ranks"), parse_allocation_mode(cfg["actor"]["backend"]))
+    except Exception:  # no config, another schema, a spec that does not resolve: no expectation to check
+        return []
+    have = {it["rank"] for it in items}
+    return [r for r in expected if r not in have]
+
+
+def missing_trace_warnings(cfg: Mapping[str, Any] | None, ranks: list[int]) -> list[FileWarning]:
+    """A warning per rank of :func:`missing_traces`, naming the ``perf_tracer.ranks`` that profiles it."""
+    return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
+             "warning": f"rank {r}: {MISSING_TRACE}{cfg['perf_tracer'].get('ranks')!r} profiles it; this summary "
+                        "leaves that rank out"} for r in ranks]
+
+
+def _kept_warnings(it: dict) -> list[FileWarning]:
+    """The warnings of a trace or snapshot that failed while files an earlier postprocess wrote from it stay in the
+    run dir: its entry's ``kept_views`` (a trace's views, counted) and ``kept_files`` (a snapshot's archive, plot
+    and phases sidecar; a trace's model-part plot: named). They are not from this file."""
+    who = f"rank {it['rank']}: " if it["rank"] is not None else ""
+    what = "trace" if "source" in it else "snapshot"
+    out = []
+    if it.get("kept_views"):
+        out.append({"file": it["source"], "warning": f"{who}{len(it['kept_views'])} view file(s) of an earlier "
+                                                     f"postprocess are kept in {KERNEL_TRACES}/ (not from this trace, "
+                                                     "which failed)"})
+    if it.get("kept_files"):
+        kept = it["kept_files"]
+        out.append({"file": it.get("source") or it["file"],
+                    "warning": f"{who}{len(kept)} file(s) of an earlier postprocess are kept in "
+                               f"{os.path.dirname(kept[0])}/ (not from this {what}, which failed): "
+                               + ", ".join(os.path.basename(p) for p in kept)})
+    return out
+
+
+def problems(summary: Mapping[str, Any], items: Sequence[Mapping[str, Any]], complete: Mapping[str, Any], input_errors: Sequence[Mapping[str, Any]],
+              missing_log_dir: str | None) -> tuple[list[FileError], list[FileWarning]]:
+    """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
+    (``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
+    does not exist, first error, or a warning for a trial the driver interrupted)."""
+    kind, step = summary["profile_kind"], summary["profile_step"]
+    errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
+    errors += input_errors
+    warnings = []  # a kind or step the trial did not profile is refused before this (resolve_profile)
+    if missing_log_dir and summary["status"] == "interrupted":  # stopped before the trainer wrote anything
+        warnings.append({"file": "--log-dir", "warning": f"{missing_log_dir} does not exist: the driver stopped the "
+                                                         "trial before the trainer wrote its log dir"})
+    elif missing_log_dir:
+        errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
+    for it in items:
+        s = it.get("summary") or {}
+        if (s.get("history") or {}).get("truncated"):
+            warnings.append({"file": it["file"], "warning": s["history"]["message"]})
+        warnings += _kept_warnings(it)
+        inv = s.get("invalid_events") or {}
+        if inv.get("total") and "error" not in it:
+            warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
+        notes = s.get("view_repairs") or {}
+        if notes.get(CATEGORY_ALIAS_NOTE) and "error" not in it:
+            warnings.append({"file": it["source"], "warning": f"{notes[CATEGORY_ALIAS_NOTE]} events with "
+                             f"{CATEGORY_ALIAS_NOTE}: their figures are kept; the views keep the trace's own spelling"})
+        warnings += [{"file": it["source"], "warning": f"{notes[k]} {k}"} for k in (BEGIN_END_NOTE, UNPAIRED_NOTE)
+                     if notes.get(k) and "error" not in it]
+        if s.get("sanity") and "error" not in it:  # faults of the trace's record and what was done about them
+            warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
+        if s.get("step_peak_unknown"):
+            warnings.append({"file": it["file"], "warning": s["step_peak_unknown"]})
+        if s.get("step_peak_lower_bound"):
+            warnings.append({"file": it["file"], "warning": s["step_peak_lower_bound"]})
+        if len(s.get("devices") or []) > 1:
+            warnings.append({"file": it["file"], "warning": other_devices_message(s)})
+        if "source" in it and artifacts.unrenamed_trace_rank(os.path.basename(it["source"])) is not None:
+            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: the trace was left under the "
+                             "profiler's temporary name (its rename failed), and is read from there" + (
+                                 "" if "error" in it else " as the rank's trace: it is complete")})
+        if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
+            warnings.append({"file": it["source"], "warning": it["warning"]})
+    stats = summary["stats"]
+    if stats["bad_lines"]:
+        warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped (not a "
+                         "JSON object of a known type, or a step record whose step is not a non-negative integer)"})
+    status = "see the Failure section" if summary.get("failure") else "trial status unknown"
+    if not stats.get("available") and not missing_log_dir:
+        warnings.append({"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no "
+                         "completion record (" + ("the trainer never wrote it: " if summary.get("failure") else "")
+                         + status + ")"})
+    elif stats.get("available") and not stats["steps"] and stats.get("complete") is None:
+        warnings.append({"file": "stats.jsonl", "warning": ("empty" if not stats["bad_lines"] else "no valid line")
+                         + ": no step records and no completion record (" + status + ")"})
+    if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
+        where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
+            f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
+        if kind == "memory" and complete.get("device") == "cpu":
+            warnings.append({"file": where, "warning": "no allocator snapshots: the trial ran on CPU "
+                                                       "(CUDA caching-allocator snapshots need CUDA)"})
+        else:
+            errors.append({"file": where, "error": f"trial status {summary['status']} but no artifacts found in the "
+                                                   "log dir"})
+    return errors, warnings
+
+
+def routing_warnings(stats: Mapping[str, Any], profile_step: int | None, cfg: Mapping[str, Any] | None) -> list[FileWarning]:
+    """Per step whose ``moe_load`` held values that cannot be true, a warning that they were left out
+    (:func:`sftprof.analysis.trial.inputs.moe_load`); and a warning when one expert received at least
+    :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in the profiled step (the last step record when the
+    profiled one is absent): the profile's expert, dispatch and EP-wait figures are those of that routing, unlike a
+    trained router's (balanced top-``k``: ``k / E`` of the tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). What it says follows the trial's config ``cfg``:
+    random or loaded weights (``actor.init_from_scratch``), balanced routing already on, and what the backend
+    (``actor.backend``) accepts."""
+    out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE layer(s) left out of the "
+                                              "routing figures: a value that cannot be true (a busiest expert or EP "
+                                              "rank below the mean, one expert with more tokens than the step, a "
+                                              "negative count)"}
+           for x in stats["steps"] if (x.get("moe") or {}).get("invalid")]
+    rows = [x for x in stats["steps"] if x.get("moe")]
+    row = next((x for x in rows if x["step"] == profile_step), rows[-1] if rows else None)
+    m = (row or {}).get("moe") or {}
+    if m.get("top_share") is None or m["top_share"] < ROUTING_COLLAPSE_SHARE:
+        return out
+    ep = (f"; the busiest EP rank got {m['ep_max_over_mean']:.2f}x the mean per EP rank (layer {m['ep_worst_layer']})"
+          if m.get("ep_max_over_mean") is not None and m["ep_max_over_mean"] > 1.0 else "")
+    actor = (cfg or {}).get("actor") or {}
+    megatron = str(actor.get("backend") or "").startswith("megatron")
+    knob = "actor.megatron.moe_router_force_load_balancing"
+    if (actor.get("megatron") or {}).get("moe_router_force_load_balancing"):  # random logits do not collapse so
+        why = f" although {knob}=true (random router logits) was set: check the routing counts"
+    elif actor.get("init_from_scratch") is False:
+        why = (". The trial loaded the checkpoint (actor.init_from_scratch=false): this is how its router routes the "
+               "repeated fake sample, which a real dataset need not reproduce"
+               + (f"; {knob}=true (random router logits, balanced load) profiles balanced routing" if megatron else ""))
+    else:
+        why = (". A randomly initialised router does this on the repeated fake sample, a trained one spreads the "
+               "tokens: with random weights, this profile's expert GEMM, dispatch and EP waiting figures are not the "
+               "trained model's. Load the checkpoint (MODEL_PATH, i.e. actor.path, with actor.init_from_scratch=false)"
+               + (f", or set {knob}=true (random router logits, balanced load) to profile balanced routing" if megatron
+                  else f" (the megatron backend also offers balanced routing for profiling, {knob}; the fsdp backend "
+                       "does not)"))
+    return out + [{"file": "stats.jsonl", "warning": (
+        f"step {row['step']}: MoE routing collapsed: one expert received {100 * m['top_share']:.2f} % of the "
+        f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}" + why)}]
+
+
+SHARED_GPU_LISTED = 8  # PIDs and ranks named in the shared-GPU warning; the rest are counted
+
+
+def shared_gpu_warnings(stats: Mapping[str, Any]) -> list[FileWarning]:
+    """One warning when a rank's GPU held processes not of the trial after some step (``stats.steps[].gpu_others``,
+    :mod:`sftprof.capture.gpu_sharing`): per rank (the first :data:`SHARED_GPU_LISTED`) its PIDs (as many), the
+    most memory they held and the steps, as ranges."""
+    seen: dict[int, dict] = {}  # rank -> {"pids", "mib", "unknown", "steps"}
+    for row in stats["steps"]:
+        for g in row.get("gpu_others") or []:
+            r = seen.setdefault(g["rank"], {"pids": set(), "mib": 0.0, "unknown": False, "steps": set()})
+            r["pids"].update(g["pids"])
+            r["unknown"] |= g["mib"] is None
+            r["mib"] = max(r["mib"], g["mib"] or 0.0)
+            r["steps"].add(row["step"])
+    if not seen:
+        return []
+
+    def listed(items: list, what: str) -> str:
+        more = len(items) - SHARED_GPU_LISTED
+        return ", ".join(map(str, items[:SHARED_GPU_LISTED])) + (f" and {more} more {what}" if more > 0 else "")
+
+    def rank_text(rank: int, r: dict) -> str:
+        if r["unknown"] and not r["mib"]:
+            memory = "memory unknown"
+        else:
+            memory = f"up to {r['mib'] / 1024:.2f} GiB" + (" (some unknown)" if r["unknown"] else "")
+        return f"rank {rank}: PID {listed(sorted(r['pids']), 'PIDs')}, {memory}, step(s) {_ranges(sorted(r['steps']))}"
+
+    ranks = listed([rank_text(rank, r) for rank, r in sorted(seen.items())], "ranks")
+    return [{"file": "stats.jsonl", "warning": (
+        f"GPU shared: processes not of this trial ran on the GPU of {len(seen)} rank(s) ({ranks}; as nvidia-smi "
+        "listed them after each step). Their kernels share the GPU with the trial's, so step and kernel times can be "
+        "longer than the trial's own, and memory they hold is memory the trial lacks; profile on a GPU of its own")}]
+
+
+def _ranges(steps: list[int]) -> str:
+    """``0, 2-5, 9`` of sorted distinct integers."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: Mapping[str, Any]) -> list[FileWarning]:
+    """A warning per input file given by option (``--trainer-log``, ``--nvidia-smi-csv``) that is not a file, or
+    (nvidia-smi) holds no sample: the summary goes without it."""
+    out = [{"file": path, "warning": f"{option}: not found; the summary goes without it"}
+           for option, path in (("--trainer-log", trainer_log), ("--nvidia-smi-csv", nvidia_smi_csv))
+           if path and not os.path.isfile(path)]
+    if nvidia_smi_csv and os.path.isfile(nvidia_smi_csv) and not smi["samples"]:
+        out.append({"file": nvidia_smi_csv, "warning": "--nvidia-smi-csv: no sample read (no header naming index and "
+                                                       "memory.used, or no row under it); the summary goes without it"})
+    return out

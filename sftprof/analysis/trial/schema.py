@@ -1,0 +1,266 @@
+"""Part of ``profile_summary.json``'s schema (:mod:`sftprof.analysis.schema`): the trial's own members: completion,
+paths, ``stats.jsonl``'s records, nvidia-smi, errors, warnings and skipped files, counts, the first failure, and one
+entry per trace or snapshot (``kernel_traces[i]``, ``memory_snapshots[i]``).
+
+Declarations only, evaluated at run time (no postponed annotations: :func:`sftprof.analysis.schema.check` reads
+``NotRequired`` from them); standard library only.
+"""
+from typing import Any, Literal, NotRequired, Optional, TypedDict
+
+from sftprof.analysis.memory.schema import AllocatorSettings, Estimate, EstimateCheckRow, MemorySummary, OomTriage
+from sftprof.analysis.time.schema import CommWait, KernelSummary
+from sftprof.analysis.views.schema import MergedView
+from sftprof.analysis.what_if.schema import TriedWhatIf
+
+
+class Completion(TypedDict):
+    """The trial's completion record (``stats.jsonl``), as far as the summary repeats it."""
+    error: Optional[str]
+    steps_done: Optional[int]
+    world_size: Optional[int]
+    backend: Optional[str]
+    device: Optional[str]  # "cuda" | "cpu"
+
+
+class Paths(TypedDict):
+    """Absolute paths of the inputs and the run dir (None: not given)."""
+    log_dir: str
+    run_dir: str
+    trainer_log: Optional[str]
+    nvidia_smi_csv: Optional[str]
+
+
+class RankStats(TypedDict):
+    """One rank's figures of the profiled step's record."""
+    step_time_s: Optional[float]
+    mem_peak_allocated_gb: Optional[float]
+    mem_peak_reserved_gb: Optional[float]
+
+
+class MoeRouting(TypedDict):
+    """A step's routing (:func:`sftprof.analysis.trial.inputs.moe_load`): busiest over mean (1.0 = balanced)."""
+    max_over_mean: Optional[float]
+    worst_layer: Optional[int]
+    ep_max_over_mean: Optional[float]
+    ep_worst_layer: Optional[int]
+    top_share: Optional[float]  # the busiest expert's share of the step's tokens, 0-1
+    top_share_layer: Optional[int]
+    invalid: int  # MoE layers left out: a value that cannot be true
+
+
+class GpuOthers(TypedDict):
+    """A rank whose GPU held processes not of the trial after a step (:mod:`sftprof.capture.gpu_sharing`)."""
+    rank: int
+    pids: list[int]
+    mib: Optional[float]  # the GPU memory nvidia-smi gives them; None: unknown ([N/A])
+
+
+class StepRow(TypedDict):
+    """One step of ``stats.jsonl``; memory peaks are the max over ranks (``*_rank`` holds it)."""
+    step: int
+    step_time_s: Optional[float]
+    tokens: Optional[int]
+    tokens_per_s: Optional[float]
+    tflops_per_gpu: Optional[float]
+    mfu: Optional[float]  # 0-1
+    recompute_tflops_per_gpu: Optional[float]
+    profiled: Optional[bool]
+    mem_peak_allocated_gb: Optional[float]
+    mem_peak_allocated_rank: Optional[int]
+    mem_peak_reserved_gb: Optional[float]
+    mem_peak_reserved_rank: Optional[int]
+    n_ranks: int  # ranks the peaks are taken over (1: rank 0's alone)
+    moe: Optional[MoeRouting]
+    gpu_others: list[GpuOthers]
+
+
+class Stats(TypedDict):
+    """``stats.jsonl`` read by :func:`sftprof.analysis.trial.inputs.read_stats`: the steps, and the profiled step's
+    figures at top level (None when absent)."""
+    available: bool
+    bad_lines: int
+    steps: list[StepRow]
+    profile_step_record: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.StepRecord
+    per_rank: dict[str, RankStats]  # rank (as text) -> figures
+    complete: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.CompletionRecord
+    step_time_s: Optional[float]
+    tokens: Optional[int]
+    tokens_per_s: Optional[float]
+    tflops_per_gpu: Optional[float]
+    mfu: Optional[float]
+    mem_peak_allocated_gb: Optional[float]
+    mem_peak_allocated_rank: Optional[int]
+    mem_peak_reserved_gb: Optional[float]
+    mem_peak_reserved_rank: Optional[int]
+    n_ranks: Optional[int]
+    max_mem_peak_allocated_gb: Optional[float]
+    max_mem_peak_allocated_rank: Optional[int]
+    max_mem_peak_reserved_gb: Optional[float]
+    max_mem_peak_reserved_rank: Optional[int]
+
+
+class SmiGpu(TypedDict):
+    index: int
+    peak_memory_used_mib: Optional[float]
+    memory_total_mib: Optional[float]
+    peak_utilization_pct: Optional[float]
+    mean_utilization_pct: Optional[float]
+
+
+class SmiWindowGpu(TypedDict):
+    index: int
+    samples: int
+    mean_utilization_pct: Optional[float]
+    peak_utilization_pct: Optional[float]
+    peak_memory_used_mib: Optional[float]
+
+
+class SmiWindow(TypedDict):
+    """The nvidia-smi samples inside the profiled step's window (unix seconds)."""
+    window_unix_s: list[float]
+    gpus: list[SmiWindowGpu]
+
+
+class NvidiaSmi(TypedDict):
+    available: bool
+    samples: int
+    gpus: list[SmiGpu]
+    peak_memory_used_mib: Optional[float]
+    peak_utilization_pct: Optional[float]
+    profiled_step: NotRequired[SmiWindow]
+
+
+class FileError(TypedDict):
+    file: str
+    error: str
+
+
+class FileWarning(TypedDict):
+    file: str
+    warning: str
+
+
+class SkippedFile(TypedDict):
+    file: str
+    reason: str
+
+
+class Counts(TypedDict):
+    """Files this postprocess processed and wrote (``plots``: PNGs it wrote)."""
+    traces: int
+    traces_ok: int
+    views: int
+    snapshots: int
+    plots: int
+    errors: int
+    skipped: int
+
+
+class FailedRank(TypedDict):
+    rank: int
+    exitcode: Optional[int]
+    signal: Optional[str]
+    how: str
+
+
+class Failure(TypedDict):
+    """The trial's first failure (:func:`sftprof.analysis.trial.failure.first_failure`)."""
+    node: Optional[int]
+    ranks: Optional[list[int]]
+    rank: Optional[int]
+    exitcode: Optional[int]
+    signal: Optional[str]
+    how: str
+    host: Optional[str]
+    error_file: Optional[str]
+    traceback: str
+    log_tail: list[str]
+    others: list[FailedRank]
+    nodes: list[dict[str, Any]]  # further failed nodes (sftprof.analysis.trial.failure.node_failures)
+    torchrun: NotRequired[bool]
+
+
+class TraceEntry(TypedDict):
+    """One rank's trace: its views and summary, or its error (``kept_*``: files an earlier postprocess left)."""
+    rank: int
+    source: str  # relative to the log dir
+    error: NotRequired[str]
+    warning: NotRequired[str]
+    kept_views: NotRequired[list[str]]
+    kept_files: NotRequired[list[str]]
+    views: NotRequired[dict[str, list[str]]]  # view name (sftprof.analysis.views.split.VIEWS) -> files, run-dir relative
+    view_links: NotRequired[dict[str, str]]  # view -> the view whose file it links to (byte-identical)
+    summary: NotRequired[KernelSummary]
+    parts_plot: NotRequired[str]
+
+
+class SnapshotEntry(TypedDict):
+    """One snapshot: its archive, plot and summary, or its error (then ``archived`` False)."""
+    rank: Optional[int]
+    file: str  # run-dir relative
+    coords_from_name: Optional[dict[str, int]]
+    error: NotRequired[str]
+    archived: NotRequired[bool]
+    kept_files: NotRequired[list[str]]
+    phases_file: NotRequired[str]
+    plot: NotRequired[str]
+    summary: NotRequired[MemorySummary]
+    estimate: NotRequired[Optional[Estimate]]
+    estimate_note: NotRequired[Optional[str]]
+    estimate_vs_measured: NotRequired[Optional[list[EstimateCheckRow]]]
+    allocator: NotRequired[Optional[AllocatorSettings]]
+
+
+# -- the summary's parts, in the order postprocess_trial makes them ----------------------------------------------
+class Header(TypedDict):
+    """The summary's first members: what was processed, as what, and the trial's status."""
+    schema: str  # SCHEMA_NAME
+    schema_version: str  # "<major>.<minor>"
+    trial: str
+    profile_kind: Literal["kernel", "memory"]
+    profile_step: int
+    status: str  # "ok" | "failed" | "unknown" | "interrupted" (the driver stopped the trial: ``interrupted``)
+    interrupted: NotRequired[str]  # the driver's line in launcher.log (sftprof.artifacts.INTERRUPTED_LINE)
+    completion: Completion
+    paths: Paths
+
+
+class Inputs(TypedDict):
+    """The trial's input files as read (:mod:`sftprof.analysis.trial.inputs`)."""
+    stats: Stats
+    nvidia_smi: NvidiaSmi
+    config: Optional[dict[str, Any]]  # the trial's resolved config.yaml
+    # the trial's environment.json (name -> value, sftprof.artifacts.recorded_environment); None: not recorded
+    environment: NotRequired[Optional[dict[str, str]]]
+    rank_coords: dict[str, dict[str, Any]]  # rank (as text) -> coordinates
+    transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
+    tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)
+
+
+class FailurePart(TypedDict):
+    """A trial that did not finish (not one the driver interrupted): its first failure and log tail."""
+    failure: NotRequired[Optional[Failure]]
+    trainer_log_tail: NotRequired[Optional[list[str]]]
+    log_tail_source: NotRequired[str]
+    oom: NotRequired[Optional[OomTriage]]  # a failed trial whose rank ran out of CUDA memory (sftprof.analysis.memory.oom)
+
+
+class Files(TypedDict):
+    """The trial's traces (a kernel trial, with what is made across them) or snapshots (a memory trial)."""
+    kernel_traces: NotRequired[list[TraceEntry]]
+    memory_snapshots: NotRequired[list[SnapshotEntry]]
+    comm_wait: NotRequired[Optional[CommWait]]
+    merged_view: NotRequired[Optional[MergedView]]
+    skipped: list[SkippedFile]
+
+
+class TrialRecord(Header, Inputs, FailurePart, Files):
+    """What the trial's files say: the members the rest of the summary is judged from."""
+
+
+class Problems(TypedDict):
+    """The errors and warnings of the summary (:mod:`sftprof.analysis.trial.problems`) and its counts."""
+    missing_traces: NotRequired[list[int]]  # ranks perf_tracer.ranks profiles whose trace is not in the log dir
+    errors: list[FileError]
+    warnings: list[FileWarning]
+    counts: Counts

@@ -1,0 +1,192 @@
+"""A memory trial's snapshots: each analysed (:func:`sftprof.analysis.memory.snapshot.analyze_snapshot`), plotted,
+set against the theoretical memory of its rank (:mod:`sftprof.analysis.memory.estimate`) and archived into the run
+dir with its plot and phases sidecar (:func:`snapshot_part`).
+
+A snapshot that fails (whatever it raises) is that snapshot's error and is not archived; the archive, plot and
+sidecar an earlier postprocess wrote under the same names stay as they are, listed in its entry (``kept_files``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from sftprof import artifacts
+from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.trial import inputs
+from sftprof.analysis.trial.inputs import World, file_error, outside_world
+from sftprof.analysis.memory.estimate import estimate_memory, explain_estimate
+from sftprof.analysis.memory.plot import plot_memory
+from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
+from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
+from sftprof.analysis.trial.schema import Files, SnapshotEntry
+from sftprof.atomic import copy_file, write_failed
+from sftprof.models.hf import load_hf_config
+
+__all__ = ["snapshot_part"]
+
+_SNAP_SUFFIXES = (".pickle", ".pickle.gz")
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory snapshots
+# --------------------------------------------------------------------------------------------
+def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
+    """Rank (and coordinates) read from a snapshot file name; ``(None, None)`` when it names no rank.
+
+    The trainer's ``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` gives both; other names give
+    the rank when they hold ``rank<r>`` or ``rank_<r>`` / ``rank-<r>`` (``snapshot_rank0.pickle``).
+    """
+    parsed = artifacts.parse_snapshot_name(name)
+    if parsed:
+        return parsed
+    m = _RANK_IN_NAME.search(name)
+    return (int(m.group(1)), None) if m else (None, None)
+
+
+def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
+    """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory.estimate.estimate_memory`) and why not."""
+    cfg, _ = inputs.trial_config(log_dir)  # (an unreadable one is the summary's error: postprocess_trial)
+    if cfg is None or rank is None:
+        return None, "no config.yaml in the log dir or no rank in the snapshot name: no theoretical estimate"
+    try:
+        a = cfg["actor"]
+        layout = parse_allocation_mode(a["backend"])
+        hf = load_hf_config(a["path"], a.get("num_layers"))
+        return estimate_memory(cfg, hf, layout, layout.rank_coords(rank), int(cfg["profile"]["fake_seq_len"])), None
+    except Exception as exc:  # an estimate that cannot be made is a note, never the trial's error
+        return None, f"no theoretical estimate: {type(exc).__name__}: {exc}"
+
+
+def _allocator_settings(snapshot: dict) -> dict | None:
+    """``{"alloc_conf", "expandable_segments"}`` of the caching allocator that took the snapshot (its
+    ``allocator_settings``, recorded by torch since 2.5; a value of another type is None); None without them."""
+    settings = snapshot.get("allocator_settings")
+    if not isinstance(settings, dict):
+        return None
+    conf, expandable = settings.get("PYTORCH_CUDA_ALLOC_CONF"), settings.get("expandable_segments")
+    return {"alloc_conf": conf if isinstance(conf, str) else None,
+            "expandable_segments": expandable if isinstance(expandable, bool) else None}
+
+
+def _own_device(phases, rank: int | None, log_dir: str) -> tuple[int | None, str | None]:
+    """The rank's own CUDA device index and where it comes from: the phases sidecar's ``device`` (written by the
+    trainer), else ``rank % cluster.n_gpus_per_node`` of the trial's config (torchrun's local rank), else
+    ``(None, None)`` (then the device with the most reserved bytes is summarised)."""
+    device = phases.get("device") if isinstance(phases, dict) else None
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device, "phases sidecar"
+    cfg, _ = inputs.trial_config(log_dir)
+    per_node = ((cfg or {}).get("cluster") or {}).get("n_gpus_per_node")
+    if rank is not None and isinstance(per_node, int) and per_node >= 1:
+        return rank % per_node, "local rank (rank % cluster.n_gpus_per_node)"
+    return None, None
+
+
+def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
+                    max_entries: int | None, written: set[str], world: World) -> SnapshotEntry:
+    """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
+
+    The snapshot is read, analysed and plotted from the log dir; only then are the snapshot, its plot and its rank's
+    phases sidecar moved into ``dst_dir`` (from a staging folder ``RUN_DIR/.staging_rank<r>_*``), replacing the
+    files of an earlier postprocess. A snapshot that fails (whatever it raises) is that snapshot's error and is not
+    archived (``"archived": false``, the error ends in ``(not archived...)``): no copy of it is written, and the
+    archived snapshot, plot and sidecar of an earlier postprocess under the same names stay as they are, listed in
+    ``kept_files`` (run-dir relative; a warning names them, :mod:`sftprof.analysis.trial.problems`). ``written``: names this
+    postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
+    A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
+    own, so the name's rank is checked only against the world size): not analysed, not archived.
+    """
+    rank, coords = _snapshot_rank(name)
+    entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
+                             "coords_from_name": coords}
+    src = os.path.join(src_dir, name)
+    outside = outside_world(rank, world)
+    if outside:
+        entry["error"] = f"{src}: {outside}; not analysed (not archived)"
+        entry["archived"] = False
+        return entry
+    png_name = re.sub(r"\.pickle(\.gz)?$", ".png", name)
+    phases_name = artifacts.phases_name(rank) if rank is not None else None
+    stage = tempfile.mkdtemp(prefix=f".staging_rank{'' if rank is None else rank}_", dir=run_dir)
+    try:
+        try:
+            copies = {}  # name in dst_dir -> the log dir's file to copy there as it is
+            phases = None
+            if phases_name and os.path.isfile(os.path.join(src_dir, phases_name)):
+                with open(os.path.join(src_dir, phases_name), encoding="utf-8") as f:
+                    phases = json.load(f)
+                copies[phases_name] = os.path.join(src_dir, phases_name)
+            print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
+            snapshot = safe_load_file(src)
+            device, device_from = _own_device(phases, rank, log_dir)
+            summary = analyze_snapshot(snapshot, phases, device)
+            summary["device_from"] = device_from
+            allocator = _allocator_settings(snapshot)
+            plot_memory(summary, f"{name} (step {step})", os.path.join(stage, png_name))
+            summary.pop("series")
+            summary["history"] = history_status(summary, max_entries)
+            copies[name] = src
+            for n, path in copies.items():  # the inputs, copied as they are
+                try:
+                    shutil.copyfile(path, os.path.join(stage, n))
+                except OSError as exc:  # a full disk: named by the archive file it was to become
+                    raise write_failed(os.path.join(dst_dir, n), exc) from exc
+        except Exception as exc:  # whatever one snapshot raises is that snapshot's error, never the whole run's
+            why = (": opening it with pickle would run that global" if isinstance(exc, UnsafePickleError) else "")
+            # The archive copy of an unsafe one would be run by whoever opens it with plain pickle
+            # (torch.cuda._memory_viz does); a damaged one would look like a snapshot there. Neither is archived.
+            entry["error"] = file_error(src, exc) + f" (not archived{why})"
+            entry["archived"] = False
+            kept = sorted(os.path.relpath(os.path.join(dst_dir, n), run_dir) for n in {name, png_name, phases_name}
+                          if n and n not in written and os.path.isfile(os.path.join(dst_dir, n)))
+            if kept:
+                entry["kept_files"] = kept
+            return entry
+        for n in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, n), os.path.join(dst_dir, n))
+            written.add(n)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if phases_name in copies:
+        entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
+    entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
+    entry["summary"] = summary
+    entry["allocator"] = allocator
+    entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
+    entry["estimate_vs_measured"] = explain_estimate(summary, entry["estimate"])
+    return entry
+
+
+def snapshot_part(log_dir: str, run_dir: str, step: int, world: World) -> Files:
+    """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
+    that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
+    snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's
+    other files (skipped ones, sidecars of ranks without a snapshot there) are copied as they are."""
+    src_dir = str(artifacts.snapshot_dir(log_dir, step))
+    dst_dir = str(artifacts.snapshot_dir(run_dir, step))
+    snapshots, skipped = [], []
+    if not os.path.isdir(src_dir):
+        return {"memory_snapshots": snapshots, "skipped": skipped}
+    os.makedirs(dst_dir, exist_ok=True)
+    names = sorted(os.listdir(src_dir))
+    snaps = [n for n in names if n.endswith(_SNAP_SUFFIXES) and os.path.isfile(os.path.join(src_dir, n))]
+    sidecars = {artifacts.phases_name(r) for r in (_snapshot_rank(n)[0] for n in snaps) if r is not None}
+    max_entries = inputs.max_entries(log_dir)
+    written: set[str] = set()
+    for name in names:
+        if name in snaps:
+            snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written,
+                                             world))
+            continue
+        if not artifacts.PHASES_RE.match(name):
+            skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
+                            "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
+        if name not in sidecars and os.path.isfile(os.path.join(src_dir, name)):
+            copy_file(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return {"memory_snapshots": snapshots, "skipped": skipped}

@@ -1,0 +1,281 @@
+"""One timeline for all ranks: the ranks' ``chrome`` views of a trial merged into one Chrome trace for Perfetto.
+
+Layout. Each rank is one process (``pid`` = the rank, named ``rank <r>``, sorted by rank); its tracks are the
+tracks of its ``chrome`` view (host threads, their annotation and CUDA API tracks, GPU streams, CUDA sync
+tracks), renumbered ``1, 2, ...`` inside the rank's process and named ``<its process>: <its track>`` (``host
+1643: thread 1643 (python3)``, ``GPU 0: stream 7``), host tracks first. Every event of every rank's view is in
+the file once, with its ``pid``/``tid`` replaced and its ``ts`` moved onto the common clock (below); flow ids
+(``ac2g``, ``fwdbwd``) become ``id * n + k`` for the ``k``-th of ``n`` ranks, so that arrows stay within their
+rank; metadata are written afresh. So the merged file keeps the rules of ``sftprof/analysis/trace/check.py``
+that each view keeps.
+
+Clocks. A rank's timestamps are on its host's clock (CUDA activity converted to it by CUPTI), relative to its
+trace's ``baseTimeNanoseconds``. Ranks are aligned on the end of collectives: an NCCL collective ends on every
+member rank at nearly the same moment (it completes when the last rank's data has arrived), whatever the time each
+rank reached it, so the end times of the same call on two ranks differ by their clock offset only. The offsets are
+those :func:`sftprof.analysis.time.comm_wait.split` measures, the median over the matched calls of a process group of
+the end-time difference (pairs of ranks, chained from the lowest rank through the groups, pair by pair). The
+profiler step's start (``ProfilerStep#<n>``) would not do: each rank's host enters the step when it is done with
+its own work, so aligning on it would erase the skew between ranks that this view is meant to show. Precision:
+single calls' end differences scatter around the median by the spread each offset states (median absolute
+deviation, ``mad_us``; on one host a few microseconds: comm_wait's module docstring), the median of ``n`` calls
+less; a chain adds the errors of its pairs. A rank with no collective in common with the others' chain keeps its
+trace clock (its base time only) and says so: on one host, one clock; across hosts, unaligned.
+
+Timestamps are rewritten as ``round(ts - base - offset, 3)`` microseconds, ``base`` a whole second one hour before
+the lowest rank's first event (``baseTimeNanoseconds`` moves by as much): with values that small float64 holds every
+nanosecond exactly, so slices that nest in the views still nest. A merged file larger than ``max_view_bytes`` is cut
+into time windows like any view (:func:`sftprof.analysis.views.split.split_into_windows`).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict, deque
+from concurrent.futures import ProcessPoolExecutor
+from typing import Optional
+
+from sftprof.artifacts import MERGED_VIEW, merged_view_path
+from sftprof.analysis.trace.io import TraceReader, TraceWriter
+from sftprof.analysis.views.split import MAX_VIEW_BYTES, split_into_windows
+
+__all__ = ["clock_shifts", "write_merged_view", "merge_trial"]
+
+_COMPACT = (",", ":")
+_FLOWS = frozenset("stf")
+_MARGIN_US = 3_600_000_000  # the merged clock starts an hour before the lowest rank's first event
+_WRAPPED = re.compile(r"^thread \d+ \((.*)\)$")  # views' label of a renamed thread: "thread 7 (stream 7 )"
+_NUMBER = re.compile(r"(?:thread|stream|Device) (\d+)")
+# torch's order of the fields the merge rewrites: ["id": N, ]"pid": N, "tid": N, "ts": T
+_PID_TID_TS = re.compile(r'"pid":\s*(?P<pid>\d+),\s*"tid":\s*(?P<tid>\d+),\s*'
+                         r'"ts":\s*(?P<ts>-?[0-9.]+(?:[eE][-+]?\d+)?)')
+_ID_PID_TID_TS = re.compile(r'"id":\s*(?P<id>\d+),\s*' + _PID_TID_TS.pattern)
+
+
+def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[int, int]) -> dict[int, dict]:
+    """How each rank's timestamps move onto the lowest rank's clock.
+
+    Args:
+        ranks: the merged ranks (sorted; the first is the reference).
+        offsets: :func:`sftprof.analysis.time.comm_wait.split`'s ``clock_offsets`` (``ranks [a, b]``,
+            ``median_end_difference_us`` = median of ``end_b - end_a``, ``end_difference_mad_us``, ``calls``), or None.
+        base_ns: each rank's ``baseTimeNanoseconds`` (its timestamps count from it).
+
+    Returns:
+        rank -> ``{"shift_us"}`` (added to the rank's timestamps), ``"aligned_by"`` (``"collective ends"``,
+        ``"reference"`` or ``"trace clock"``) and, when aligned by collectives, ``"path"``: the offsets chained from
+        the reference to it.
+    """
+    ref = ranks[0]
+    edges: dict[int, list[tuple[int, float, dict]]] = defaultdict(list)
+    for o in offsets or []:
+        a, b = o["ranks"]
+        edges[a].append((b, o["median_end_difference_us"], o))
+        edges[b].append((a, -o["median_end_difference_us"], o))
+    # d[r]: rank r's clock minus the reference's, from the base times, then refined by the collectives
+    found: dict[int, tuple[float, list[dict]]] = {ref: (0.0, [])}
+    todo = deque([ref])
+    while todo:
+        a = todo.popleft()
+        for b, diff, o in sorted(edges[a], key=lambda e: e[0]):
+            if b not in found and b in ranks:
+                found[b] = (found[a][0] + diff, found[a][1] + [o])
+                todo.append(b)
+    out = {}
+    for r in ranks:
+        base_shift = (base_ns[r] - base_ns[ref]) / 1000.0  # the rank's ts on the reference's base
+        if r == ref:
+            out[r] = {"shift_us": 0.0, "aligned_by": "reference"}
+        elif r in found:
+            d, path = found[r]
+            out[r] = {"shift_us": round(-d, 3), "aligned_by": "collective ends", "path": path}
+        else:
+            out[r] = {"shift_us": round(base_shift, 3), "aligned_by": "trace clock"}
+    return out
+
+
+def _events(paths: list[str]):
+    """``(raw, event)`` of one rank's view files in order (the parts of a windowed view one after another)."""
+    for path in paths:
+        yield from TraceReader(path).events()
+
+
+def _track_label(proc: dict[str, str], thread: Optional[str], pid: int, tid: int) -> tuple[str, tuple]:
+    """``<process>: <track>`` of a track of a rank's view from its metadata names, and its sort key: host tracks
+    first, each thread's or stream's own track before the tracks made for it (annotations, CUDA sync)."""
+    labels = proc.get("process_labels", "")
+    gpu = labels.startswith("GPU")
+    name = (thread or "").strip() or f"thread {tid}"
+    m = _WRAPPED.match(name)
+    if gpu and m:  # "thread 7 (stream 7 )" -> "stream 7"
+        name = m.group(1).strip()
+    num = _NUMBER.search(name)
+    made = name.startswith(("Annotations:", "CUDA sync:"))
+    return f"{labels if gpu else f'host {pid}'}: {name}", (gpu, int(num.group(1)) if num else tid, made, name)
+
+
+def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optional[list[dict]], *,
+                      max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1,
+                      progress: bool = True) -> tuple[list[str], dict[int, dict]]:
+    """Write the ranks' ``chrome`` views as one trace (module docstring).
+
+    Each rank's events are rewritten in a worker process of their own (``jobs`` at a time) into a temporary file next
+    to ``out_path``, which are then copied one after another into the merged file.
+
+    Args:
+        views: rank -> the paths of its ``chrome`` view (one file, or its time windows in order).
+        out_path: the merged file (``.json`` or ``.json.gz``); its folder is created.
+        offsets: :func:`sftprof.analysis.time.comm_wait.split`'s ``clock_offsets`` (None: no collective was matched).
+        max_view_bytes: a larger merged file is cut into time windows.
+        jobs: worker processes.
+
+    Returns:
+        The merged file's path (or its windows' paths) and each rank's :func:`clock_shifts`.
+
+    Raises:
+        TraceFormatError: a view cannot be read (the partly written files are deleted).
+    """
+    ranks = sorted(views)
+    first, headers = {}, {}
+    for r in ranks:
+        reader = TraceReader(views[r][0])
+        ev = next((e for _, e in reader.events() if e.get("ph") != "M" and isinstance(e.get("ts"), (int, float))),
+                  None)
+        headers[r] = reader.header  # the members before the events
+        first[r] = None if ev is None else ev["ts"]
+    shifts = clock_shifts(ranks, offsets, {r: int(headers[r].get("baseTimeNanoseconds") or 0) for r in ranks})
+    starts = [first[r] + shifts[r]["shift_us"] for r in ranks if first[r] is not None]
+    base_us = math.floor(min(starts) / 1e6) * 1_000_000 - _MARGIN_US if starts else 0
+    header = {"schemaVersion": headers[ranks[0]].get("schemaVersion", 1), "displayTimeUnit": "ms",
+              "baseTimeNanoseconds": int(headers[ranks[0]].get("baseTimeNanoseconds") or 0) + base_us * 1000,
+              "traceName": "all ranks: " + ", ".join(f"rank {r}" for r in ranks),
+              "sftprof_ranks": [dict(rank=r, **shifts[r]) for r in ranks]}
+    folder = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(folder, exist_ok=True)
+    parts = {r: os.path.join(folder, f".rank{r}.events") for r in ranks}
+    args = [(views[r], parts[r], r, k, len(ranks), base_us, shifts[r]["shift_us"]) for k, r in enumerate(ranks)]
+    writer = None
+    try:
+        if jobs <= 1:
+            meta = [_convert_rank(*a) for a in args]
+        else:
+            with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
+                meta = list(pool.map(_convert_rank, *zip(*args)))
+        writer = TraceWriter(out_path, header)
+        for r in ranks:
+            with open(parts[r], encoding="utf-8") as f:
+                for line in f:
+                    writer.write(line.rstrip("\n"))
+        for lines in meta:
+            for raw in lines:
+                writer.write(raw)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        for path in parts.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    writer.close()
+    if writer.chars > max_view_bytes:
+        return split_into_windows(out_path, max_view_bytes, progress=progress), shifts
+    return [out_path], shifts
+
+
+def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us: int, shift_us: float) -> list[str]:
+    """Write rank ``rank``'s events (the ``k``-th of ``n`` ranks; its view's ``paths``) to ``out``, one a line, on its
+    process, with times ``ts - base_us + shift_us``; return the metadata of its process and tracks."""
+    tracks: dict[tuple, int] = {}  # (view pid, view tid) -> tid in the rank's process
+    proc: dict[int, dict[str, str]] = defaultdict(dict)
+    thread: dict[tuple, str] = {}
+    with open(out, "w", encoding="utf-8", buffering=1 << 20) as f:
+        write = f.write
+        for raw, ev in _events(paths):
+            pid, tid, ph = ev.get("pid"), ev.get("tid"), ev.get("ph")
+            if ph == "M":
+                args = ev.get("args") or {}
+                name = ev.get("name")
+                if name in ("process_name", "process_labels"):
+                    proc[pid][name] = str(args.get("name", args.get("labels", "")))
+                elif name == "thread_name":
+                    thread[(pid, tid)] = str(args.get("name", ""))
+                continue
+            track = tracks.get((pid, tid))
+            if track is None:
+                track = tracks[(pid, tid)] = len(tracks) + 1
+            ts = round(ev["ts"] - base_us + shift_us, 3)  # ts - base_us is exact in float64 (module docstring)
+            fid = ev.get("id") if ph in _FLOWS else None
+            new_id = None if fid is None else fid * n + k if type(fid) is int else f"rank{rank}:{fid}"
+            # the fields in place where torch wrote them side by side (the first such run, holding the event's own
+            # values: torch writes args last); else the event re-encoded
+            m = (_PID_TID_TS if fid is None else _ID_PID_TID_TS).search(raw)
+            if (m is not None and int(m.group("pid")) == pid and int(m.group("tid")) == tid
+                    and float(m.group("ts")) == ev["ts"] and (fid is None or m.group("id") == str(fid))):
+                ident = "" if fid is None else f'"id":{new_id},'
+                text = f'{raw[:m.start()]}{ident}"pid":{rank},"tid":{track},"ts":{ts!r}{raw[m.end():]}'
+            else:
+                ev["pid"], ev["tid"], ev["ts"] = rank, track, ts
+                if fid is not None:
+                    ev["id"] = new_id
+                text = json.dumps(ev, separators=_COMPACT)
+            if "\n" in text or "\r" in text:  # line breaks in JSON text are whitespace between tokens
+                text = text.replace("\n", " ").replace("\r", " ")
+            write(text + "\n")
+    labels = {key: _track_label(proc.get(key[0], {}), thread.get(key), *key) for key in tracks}
+    meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
+    for i, key in enumerate(sorted(tracks, key=lambda key: labels[key][1])):
+        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tracks[key],
+                     "args": {"name": labels[key][0]}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tracks[key],
+                     "args": {"sort_index": i}})
+    return [json.dumps(m, separators=_COMPACT) for m in meta]
+
+
+def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[dict]], *, compress: bool,
+                max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[dict]:
+    """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``:
+    :func:`sftprof.artifacts.merged_view_path`).
+
+    Written to a staging folder next to ``out_dir`` (``.staging_ranks_all_*``), then replacing an earlier postprocess's
+    all-ranks files only when it is complete; fewer than two ranks' views leave everything as it is.
+
+    Args:
+        views: rank -> the paths of its ``chrome`` view written by this postprocess.
+        out_dir: the trial's ``kernel_traces`` folder.
+        offsets: :func:`sftprof.analysis.time.comm_wait.split`'s ``clock_offsets`` (None: no collective was matched).
+        jobs: worker processes (:func:`write_merged_view`).
+        rel_to: the folder the returned paths are relative to.
+
+    Returns:
+        None with fewer than two ranks; else ``{"files": [...], "ranks": [{"rank", "shift_us", "aligned_by",
+        "path"?}]}``, or ``{"error": ...}`` when it could not be written (earlier files kept).
+    """
+    if len(views) < 2:
+        return None
+    stage = tempfile.mkdtemp(prefix=".staging_ranks_all_", dir=os.path.dirname(os.path.abspath(out_dir)))
+    try:
+        staged, shifts = write_merged_view(views, merged_view_path(stage, compress), offsets,
+                                           max_view_bytes=max_view_bytes, jobs=jobs, progress=False)
+        for old in glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".pt.trace.json*")):
+            os.remove(old)  # an earlier postprocess's (other compression, other windows)
+            if not os.listdir(os.path.dirname(old)):
+                os.rmdir(os.path.dirname(old))
+        files = []
+        for path in staged:
+            dst = os.path.join(out_dir, os.path.relpath(path, stage))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(path, dst)
+            files.append(os.path.relpath(dst, rel_to))
+    except Exception as exc:  # the per-rank views and the summary stand without it
+        return {"error": f"the all-ranks view was not written: {type(exc).__name__}: {exc}"}
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return {"files": files, "ranks": [dict(rank=r, **shifts[r]) for r in sorted(views)]}
