@@ -20,7 +20,8 @@ The driver's environment variables are another way to set some of these keys: ea
 from sftprof.config.errors import CONFIG_ERROR_PREFIX, ConfigError, exit_config_error
 from sftprof.config.loading import (PRESET_DIR, last_value_per_key, load_config, load_config_or_exit,
                                     reject_repeated_keys, resolve_config_path, to_yaml, variable_conflict)
-from sftprof.config.paths import RUN_ROOT_FILEROOT, standalone_fileroot, trial_log_dir
+from sftprof.artifacts import RUN_ROOT_FILEROOT
+from sftprof.config.paths import standalone_fileroot, trial_log_dir
 from sftprof.config.schema import (CP_ATTENTION_METHODS, FAKE_SEQ_LEN_WHY, MEMORY_MAX_ENTRIES_MAX, PRECISION_FIELDS,
                                    TOKENS_PER_RANK_MAX, TRANSFORMER_IMPLS, MegatronSettings, SFTProfileConfig,
                                    n_micro_batches)

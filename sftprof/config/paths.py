@@ -5,8 +5,6 @@ import getpass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sftprof.artifacts import RUN_ROOT_FILEROOT
-
 if TYPE_CHECKING:  # annotations only; the schema imports nothing of this module
     from sftprof.config.schema import SFTProfileConfig
 
