@@ -7,7 +7,7 @@ a whole: :class:`TraceReader` decodes the file in fixed-size chunks and parses o
 object at a time, yielding the parsed event together with its exact source text (so writers copy
 events without re-encoding). Peak memory is O(chunk size + largest event), independent of the trace size.
 
-Two parsers give the same events: ``orjson`` (3x faster per event) reads the events of a chunk
+Two parsers give the same events: ``orjson`` (2.7x faster per event) reads the events of a chunk
 cut at the text that separates two events (``},\n  {`` in kineto's traces, learnt from the
 first two events), each cut piece checked by orjson reading it as one whole object; the C scanner
 of the standard ``json`` module reads the rest: a piece orjson refuses (``NaN`` and ``Infinity``
