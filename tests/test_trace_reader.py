@@ -1,0 +1,93 @@
+"""The trace reader's two parsers give the same events and event texts: orjson, for the events of chunks cut at the
+text between two events, and the standard library's scanner (the only parser before), for the rest."""
+import json
+
+import orjson
+import pytest
+
+from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
+from sftprof.analysis.trace import io as trace_io
+from sftprof.analysis.trace.io import TraceReader
+
+
+def _read(path, monkeypatch, chunk: int | None = None, stdlib_only: bool = False):
+    """``([(raw, event as json.dumps writes it)], header, events orjson read)``: json.dumps tells 1 from 1.0 and
+    -0.0 from 0.0, which == does not."""
+    read_by_orjson = []
+    loads = orjson.loads
+
+    def counted(text):
+        event = loads(text)
+        read_by_orjson.append(text)
+        return event
+
+    with monkeypatch.context() as m:
+        m.setattr(orjson, "loads", counted)
+        if chunk is not None:
+            m.setattr(trace_io, "_CHUNK_CHARS", chunk)
+        if stdlib_only:  # every chunk as one orjson may misread: the standard library's scanner alone
+            m.setattr(trace_io, "_big_int", lambda data: True)
+        reader = TraceReader(path)
+        events = [(raw, json.dumps(ev)) for raw, ev in reader.events()]
+    return events, reader.header, len(read_by_orjson)
+
+
+@pytest.mark.parametrize("path", gpu_trace_fixtures() + two_gpu_sync_traces(), ids=lambda p: p.name)
+def test_real_traces_read_the_same_by_both_parsers(path, monkeypatch):
+    events, header, n_orjson = _read(path, monkeypatch)
+    old, old_header, none = _read(path, monkeypatch, stdlib_only=True)
+    assert none == 0 and events == old and header == old_header
+    assert n_orjson >= len(events) - 5  # kineto's traces: all but the first event of each chunk by orjson
+    # Short chunks: many cuts, events and the 64 KiB margin across chunk ends.
+    assert _read(path, monkeypatch, chunk=70_000)[:2] == (old, old_header)
+
+
+def test_cpu_trace_in_short_chunks(tmp_path, monkeypatch):
+    cpu = make_cpu_trace(tmp_path / "cpu.json")
+    old = _read(cpu, monkeypatch, stdlib_only=True)[:2]
+    for chunk in (37, 70_000):  # the reader holds 64 KiB of text before either parser reads from it
+        events, header, n_orjson = _read(cpu, monkeypatch, chunk=chunk)
+        assert (events, header) == old and n_orjson >= len(events) - 2
+
+
+_PLAIN = '{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 1.5, "dur": 2, "args": {"x": 1}}'
+_AWKWARD = [
+    '{"ph": "X", "name": "a}, {b", "ts": 1, "dur": 1.0}',  # the cut text inside a string
+    '{"ph": "X", "ts": 1, "dur": 1, "args": {"l": [{"y": 1}, {"z": -0.0}]}}',  # ... between nested objects
+    '{"ph": "X", "ts": 3, "dur": 1, "a": 1, "b": 2, "a": 3}',  # a repeated key: the last value, the first place
+    '{"ph": "X", "ts": 2, "dur": NaN}',  # orjson refuses NaN
+    '{"ph": "X", "ts": 1e400, "dur": 1}',  # ... a float beyond double's range (the scanner reads inf)
+    '{"ph": "M", "name": "\\ud800"}',  # ... a lone surrogate
+    '{"ph": "X", "name": "9223372036854775807", "ts": -0, "dur": 9223372036854775807}',  # in 64 bits: orjson's
+]
+_BIG_INTS = ['{"ph": "i", "ts": 12345678901234567890123, "id": 1}',  # integers orjson reads as floats
+             '{"ph": "i", "ts": 5, "id": -9223372036854775809}']
+
+
+@pytest.mark.parametrize("sep", ["}, {", "},\n  {", "},{"])
+def test_events_orjson_refuses_or_misreads(tmp_path, monkeypatch, sep):
+    """Cut text inside an event, text orjson refuses and integers it would read as floats, each among 1000 plain
+    events: the standard library's reading, event for event, whatever the chunk size."""
+    texts = [t for odd in _AWKWARD + _BIG_INTS for t in [_PLAIN] * 1000 + [odd]] + [_PLAIN] * 1000
+    path = tmp_path / "t.json"
+    path.write_text('{"traceName": "x", "traceEvents": [{' + sep.join(t[1:-1] for t in texts) + "}]}")
+    old, old_header, _ = _read(path, monkeypatch, stdlib_only=True)
+    assert [raw for raw, _ in old] == texts and old_header == {"traceName": "x"}
+    for chunk in (37, 70_000, 100_000, 150_000):
+        events, header, n_orjson = _read(path, monkeypatch, chunk=chunk)
+        assert (events, header) == (old, old_header) and n_orjson > 1000
+    assert _read(path, monkeypatch) == (old, old_header, 0)  # one chunk, which holds a NaN: the scanner reads it all
+    got = [ev for _, ev in TraceReader(path).events() if ev["ph"] == "i"]
+    assert [(type(ev["ts"]), ev["ts"], ev["id"]) for ev in got] == [
+        (int, 12345678901234567890123, 1), (int, 5, -9223372036854775809)]
+
+
+@pytest.mark.parametrize("data,big", [
+    (b'"ts": 12345678901234567890, ', True), (b'"id": -9223372036854775809}', True),
+    (b'"Concrete Inputs": ["9223372036854775807"], "ts": 5134224176982.391', False),
+    (b'"id": 9223372036854775807, "x": 1234567890123456789', False),
+    (b'"Concrete Inputs": ["[-0.00010526315789473687, -0.000105263157894736871234]"]', False),
+    (b'"x": 0.5, "y": 123456789012345678901234.5', True),  # read the same by both, but not told from an integer
+])
+def test_big_int(data, big):
+    assert trace_io._big_int(data) is big
