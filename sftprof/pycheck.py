@@ -32,6 +32,25 @@ def _dotted(version):
     return ".".join(str(n) for n in version)
 
 
+def _module_file(module, name=None):
+    """The path of the ``__init__.py`` that ``import module`` would run, or of the file ``name`` in that package's
+    folder; None when the module is not found (nothing is imported but its parent packages)."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if name is None:
+        return spec.origin if spec.origin and spec.origin.endswith(".py") else None
+    if not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], name)
+
+
 def megatron_core_version():
     """The ``(major, minor, patch)`` of the megatron-core that ``import megatron.core`` finds, from its
     ``package_info.py`` (not imported), or None when megatron-core is not found.
@@ -40,16 +59,9 @@ def megatron_core_version():
         ValueError: its ``package_info.py`` cannot be read or holds no ``MAJOR``/``MINOR``/``PATCH`` integers
             (names the file).
     """
-    import importlib.util
-    import os
-
-    try:
-        spec = importlib.util.find_spec("megatron.core")
-    except (ImportError, ValueError):
+    path = _module_file("megatron.core", "package_info.py")
+    if path is None:
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "package_info.py")
     try:
         with open(path) as f:
             text = f.read()
@@ -152,16 +164,11 @@ IMPORTED_VERSIONS = {"transformers": "transformers"}
 def imported_version(module):
     """The literal ``__version__ = "..."`` of the ``__init__.py`` that ``import module`` would run (not imported), or
     None when the module is not found or sets no literal version."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    path = _module_file(module)
+    if path is None:
         return None
     try:
-        with open(spec.origin) as f:
+        with open(path) as f:
             text = f.read()
     except (IOError, OSError):
         return None

@@ -50,7 +50,10 @@ def _done(work, tensors):
     device = tensors[0].device
     if device.type != "cuda":
         return work
-    _filled_event.setdefault(device, torch.cuda.Event()).record(torch.cuda.current_stream(device))
+    event = _filled_event.get(device)
+    if event is None:
+        event = _filled_event[device] = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
     return _FilledWork(work, device)
 
 
