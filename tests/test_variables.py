@@ -34,6 +34,7 @@ def _refusal(name: str, text: str) -> str:
     ("FIT_CHECK", "warn ", "must be one of refuse, warn, off"),
     ("STOP_ON_FAILURE", " 1", "must be true or false (or 1/0)"),
     ("PROFILE_STEPS", "\u0661", "must be a comma-separated list of non-negative integers, e.g. 0,1"),
+    ("EXPERIMENT_NAME", "run\u00e9", "must be letters, digits, '_' and '-' only"),
 ])
 def test_non_ascii_digits_and_stray_spaces_are_refused_naming_the_variable(name, text, message):
     assert _refusal(name, text) == f"{name}={text!r}: {message}"

@@ -26,8 +26,9 @@ _FLOAT = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE]-?[0-9]+)?")
 
 
 def is_folder_name(text: str) -> bool:
-    """True when ``text`` is a non-empty name of :data:`NAME_ACCEPTED` characters (safe as one path component)."""
-    return text.replace("_", "").replace("-", "").isalnum()
+    """True when ``text`` is a non-empty name of :data:`NAME_ACCEPTED` characters, ASCII (safe as one path component
+    on any file system; ``str.isalnum`` alone takes '\u0661' and 'é')."""
+    return text.isascii() and text.replace("_", "").replace("-", "").isalnum()
 
 
 @dataclass(frozen=True)
