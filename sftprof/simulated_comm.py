@@ -69,7 +69,13 @@ def fill_rows(out: torch.Tensor, src: torch.Tensor) -> None:
         out[start:start + n].copy_(src[:n])
 
 
-def _own_rows(inp: torch.Tensor, splits, rank: int, size: int) -> torch.Tensor:
+def _split_sizes(splits) -> list[int]:
+    """An all-to-all's split sizes as ints: None, a list, a tensor or a numpy array (megatron-core 0.19 passes
+    numpy arrays); [] for equal slots."""
+    return [] if splits is None else [int(s) for s in splits]
+
+
+def _own_rows(inp: torch.Tensor, splits: list[int], rank: int, size: int) -> torch.Tensor:
     """This rank's slot of an all-to-all input: ``splits[rank]`` rows after the earlier slots (equal slots without
     ``splits``)."""
     if not splits:
@@ -78,9 +84,10 @@ def _own_rows(inp: torch.Tensor, splits, rank: int, size: int) -> torch.Tensor:
 
 
 def _fill_all_to_all(pg, out, inp, out_splits, in_splits):
+    out_splits, in_splits = _split_sizes(out_splits), _split_sizes(in_splits)
     own, size = _own_rows(inp, in_splits, pg.rank(), pg.size()), pg.size()
     src = own if own.shape[0] else inp
-    for slot in (out.split(list(out_splits)) if out_splits else out.chunk(size)):
+    for slot in (out.split(out_splits) if out_splits else out.chunk(size)):
         fill_rows(slot, src)
 
 

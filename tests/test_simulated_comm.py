@@ -59,6 +59,11 @@ def test_all_to_all_repeats_this_ranks_own_slot():
     dist.all_to_all_single(out, x, output_split_sizes=[2, 3, 1, 1], input_split_sizes=[1, 2, 0, 3])
     own = x[1:3]
     assert torch.equal(out, torch.cat([own, own, own[:1], own[:1], own[:1]]))
+    # megatron-core 0.19's dispatcher passes the splits as numpy arrays
+    import numpy as np
+    out = nan(7, 2)
+    dist.all_to_all_single(out, x, output_split_sizes=np.array([2, 3, 1, 1]), input_split_sizes=np.array([1, 2, 0, 3]))
+    assert torch.equal(out, torch.cat([own, own, own[:1], own[:1], own[:1]]))
     # an empty own slot: the whole input repeated (an empty input with a non-empty output: torch 2.13 refuses it)
     out = nan(3, 2)
     dist.all_to_all_single(out, x, output_split_sizes=[3, 0, 0, 0], input_split_sizes=[3, 0, 3, 0])
