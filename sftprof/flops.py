@@ -203,8 +203,9 @@ class ForwardFlops:
         return self.decoder + self.lm_head
 
 
-def _per_layer(shape: ModelShape, seq_lens: Sequence[int]) -> dict[str, ForwardFlops]:
-    """Forward FLOPs of one layer of each type (``full_attention``, ``linear_attention``) over ``seq_lens``."""
+def per_layer_flops(shape: ModelShape, seq_lens: Sequence[int]) -> dict[str, ForwardFlops]:
+    """Forward FLOPs of one layer of each type (``full_attention``, ``linear_attention``; the second only when
+    ``shape.gdn`` is set) over ``seq_lens`` (tokens per sequence); ``lm_head`` 0."""
     m, g = shape, shape.gdn
     tokens = float(sum(seq_lens))
     moe = ForwardFlops(router=tokens * 2 * m.hidden * m.num_experts,
@@ -238,7 +239,7 @@ def forward_flops(shape: ModelShape, seq_lens: Sequence[int]) -> ForwardFlops:
     """
     if shape.num_linear_layers and shape.gdn is None:
         raise ValueError("ModelShape.layer_types lists linear_attention layers but ModelShape.gdn is None")
-    per = _per_layer(shape, seq_lens)
+    per = per_layer_flops(shape, seq_lens)
     layers = [per[shape.layer_type(i)] for i in range(shape.num_layers)]
     return _sum(layers, float(sum(seq_lens)) * 2 * shape.hidden * shape.vocab)
 
@@ -271,7 +272,7 @@ def train_step_flops(shape: ModelShape, seq_lens: Sequence[int], recompute_granu
         if recompute_method == "uniform":
             extra = fwd.decoder
         elif recompute_method == "block":
-            per, stage = _per_layer(shape, seq_lens), shape.num_layers // pp
+            per, stage = per_layer_flops(shape, seq_lens), shape.num_layers // pp
             layers = [p * stage + i for p in range(pp) for i in range(min(recompute_num_layers, stage))]
             extra = _sum([per[shape.layer_type(i)] for i in layers], 0.0).decoder
         else:

@@ -6,24 +6,23 @@ import json
 import pytest
 import yaml
 
-from fixtures import FIXTURE_DIR
+from fixtures import FIXTURE_DIR, postprocessed_trial
 from sftprof.analysis.memory.categories import MEMORY_CATEGORIES
 from sftprof.analysis.what_if.next_steps import DRIVER_VARIABLES, NO_RULE, with_next_steps
 from sftprof.analysis.report.render import render_markdown
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.artifacts import MODEL_PARTS
 from sftprof.launch.variables import BY_NAME
-from test_what_if import _trial
 
 
 @pytest.fixture(scope="module")
 def te_trials(tmp_path_factory):
     """The TE kernel and memory trials of tests/fixtures/README.md (8192 tokens, step 2)."""
     root = tmp_path_factory.mktemp("te")
-    return (_trial(root / "kernel", "kernel", 2, FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
-                   ["profile.fake_seq_len=8192"], te=True),
-            _trial(root / "memory", "memory", 2, FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
-                   ["profile.fake_seq_len=8192"], te=True))
+    return (postprocessed_trial(root / "kernel", "kernel", 2, FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
+                                ["profile.fake_seq_len=8192"], te=True),
+            postprocessed_trial(root / "memory", "memory", 2, FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
+                                ["profile.fake_seq_len=8192"], te=True))
 
 
 def test_every_finding_of_the_te_trials_names_its_next_step(te_trials):

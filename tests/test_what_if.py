@@ -6,19 +6,17 @@ import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fixtures import FIXTURE_DIR
+from fixtures import FIXTURE_DIR, postprocessed_trial
 from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.compare import runs as compare, stats
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.analysis.what_if.outcome import judge, outcome
 from sftprof.config import load_config, to_yaml
@@ -31,46 +29,13 @@ PARAMS_2_LAYERS = 1_868_573_184  # parameters of the 2-layer slice on one rank (
 
 
 # -- real summaries: the H200 fixtures through postprocess_trial ------------------------------------------------
-def _trial(root: Path, kind: str, step: int, artifact: Path, overrides: list[str], te: bool,
-           phases: Path | None = None) -> dict:
-    """postprocess_trial of a log dir holding the fixture ``artifact`` as rank 0's trace or snapshot of ``step`` (and
-    ``phases`` as its phases sidecar), the config of the shipped YAML with ``overrides`` (one H200, megatron:d1, 2
-    layers unless overridden) and a trainer.log with the megatron engine's ``transformer_engine=`` line."""
-    log = root / "log"
-    profile = (["perf_tracer.enabled=true", f"perf_tracer.profile_steps=[{step}]", "memory_profiler.profile_steps=[]"]
-               if kind == "kernel" else [f"memory_profiler.profile_steps=[{step}]", "perf_tracer.profile_steps=[]"])
-    cfg = load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"),
-                      ["actor.backend=megatron:d1", "actor.num_layers=2", "cluster.n_gpus_per_node=1",
-                       f"total_train_steps={step + 1}"] + overrides + profile)
-    if kind == "kernel":
-        (log / "perf_tracer").mkdir(parents=True)
-        shutil.copy(artifact, log / "perf_tracer" / "rank0.pt.trace.json.gz")
-    else:
-        snaps = log / "memory_snapshots" / f"step_{step}"
-        snaps.mkdir(parents=True)
-        shutil.copy(artifact, snaps / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz")
-        if phases is not None:
-            shutil.copy(phases, snaps / "phases_rank0.json")
-    (log / "config.yaml").write_text(to_yaml(cfg))
-    recs = [{"type": "step", "step": s, "loss": 2.0, "step_time_s": 1.0, "profiled": s == step}
-            for s in range(step + 1)]
-    recs.append({"type": "complete", "status": "ok", "error": None, "steps_done": step + 1, "world_size": 1,
-                 "backend": "megatron", "device": "cuda", "profile_kind": kind, "profile_step": step})
-    (log / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (log / "trainer.log").write_text(f"2026-12-01 10:00:00 [rank 0] INFO megatron: qwen3_30b_a3b, 2 layers on "
-                                     f"this stage, 1.869 B parameters on this rank; dp=1; transformer_engine={te}; "
-                                     "loss path logprobs\n")
-    summary, code = postprocess_trial(str(log), str(root / "run"), kind, step, trainer_log=str(log / "trainer.log"))
-    assert code == 0, summary["errors"]
-    return summary
-
-
 @pytest.fixture(scope="module")
 def te_memory(tmp_path_factory):
     """The TE memory trial (tests/fixtures/README.md): shipped settings, precision-aware optimizer with bf16 main
     grads, 8192 tokens, step 2."""
-    return _trial(tmp_path_factory.mktemp("te_memory"), "memory", 2, FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
-                  ["profile.fake_seq_len=8192"], te=True)
+    return postprocessed_trial(tmp_path_factory.mktemp("te_memory"), "memory", 2,
+                               FIXTURE_DIR / "h200_te_memory.snapshot.pickle.gz",
+                               ["profile.fake_seq_len=8192"], te=True)
 
 
 def _by_key(records: list[dict]) -> dict[str, dict]:
@@ -116,9 +81,9 @@ def test_chunked_lm_head_prediction_against_the_h200_trial_that_ran_it(tmp_path_
     block. The trial that ran that setting on the same H200 peaked there (75.27 GiB)."""
     def trial(name, extra):
         d = FIXTURE_DIR / "h200_te_128k"
-        return _trial(tmp_path_factory.mktemp(name), "memory", 2, d / f"{name}.snapshot.pickle.gz",
-                      ["actor.num_layers=4", "profile.fake_seq_len=131072"] + extra, te=True,
-                      phases=d / f"{name}.phases.json")
+        return postprocessed_trial(tmp_path_factory.mktemp(name), "memory", 2, d / f"{name}.snapshot.pickle.gz",
+                                   ["actor.num_layers=4", "profile.fake_seq_len=131072"] + extra, te=True,
+                                   phases=d / f"{name}.phases.json")
 
     a = trial("h200_te_memory_128k", [])
     b = trial("h200_te_memory_128k_lm_head_2048", ["actor.loss.lm_head_loss_chunk_size=2048"])
@@ -160,7 +125,7 @@ def test_precision_aware_optimizer_needs_transformer_engine(tmp_path):
     overrides = ["profile.fake_seq_len=4096", "actor.megatron.use_precision_aware_optimizer=false",
                  "actor.megatron.main_grads_dtype=float32"]
     snapshot = FIXTURE_DIR / "h200_sftprof_memory.snapshot.pickle.gz"
-    without = _trial(tmp_path / "no_te", "memory", 1, snapshot, overrides, te=False)
+    without = postprocessed_trial(tmp_path / "no_te", "memory", 1, snapshot, overrides, te=False)
     assert without["transformer_engine"] is False
     assert "precision_aware_optimizer" not in _by_key(without["what_if"])
     assert _by_key(without["what_if_skipped"])["precision_aware_optimizer"]["reason"] == (
@@ -168,7 +133,7 @@ def test_precision_aware_optimizer_needs_transformer_engine(tmp_path):
         "optimizer needs TE's FusedAdam (USE_PRECISION_AWARE_OPTIMIZER=true with TE installed)")
     # its largest block alive at the peak was allocated before the window: no logits-bound peak
     assert sorted(_by_key(without["what_if"])) == ["expandable_segments"]
-    with_te = _trial(tmp_path / "te", "memory", 1, snapshot, overrides, te=True)
+    with_te = postprocessed_trial(tmp_path / "te", "memory", 1, snapshot, overrides, te=True)
     pa = _by_key(with_te["what_if"])["precision_aware_optimizer"]
     assert [(s["key"], s["value"], s["current"]) for s in pa["settings"]] == [
         ("actor.megatron.use_precision_aware_optimizer", True, False),
@@ -178,8 +143,9 @@ def test_precision_aware_optimizer_needs_transformer_engine(tmp_path):
 
 @pytest.fixture(scope="module")
 def te_kernel(tmp_path_factory):
-    return _trial(tmp_path_factory.mktemp("te_kernel"), "kernel", 2, FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
-                  ["profile.fake_seq_len=8192"], te=True)
+    return postprocessed_trial(tmp_path_factory.mktemp("te_kernel"), "kernel", 2,
+                               FIXTURE_DIR / "h200_te_kernel.trace.json.gz",
+                               ["profile.fake_seq_len=8192"], te=True)
 
 
 def test_te_kernel_trial_proposes_selective_recompute(te_kernel):

@@ -25,7 +25,7 @@ from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
 from sftprof.compat import megatron_at_least
 from sftprof.config import ConfigError
 
-__all__ = ["outside_pytorch_gib", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
+__all__ = ["outside_pytorch_gib", "DRIVER_RESERVED_GIB", "smi_capacity_bytes", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
            "with_expandable", "check_fit", "fitting_changes", "with_settings"]
 
 # GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
@@ -42,6 +42,8 @@ LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head proposed (the me
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 ENV = "env."  # a setting's key prefix for an environment variable of the trial's processes
 MIN_TOKENS = 1024  # fewer tokens per sample than this is no long-context profile
+# nvidia-smi's total less torch's capacity: 81559 MiB against 79.19 GiB (81090 MiB) on an H100 80 GB
+DRIVER_RESERVED_GIB = 0.46
 _GIB = float(2**30)
 
 HfLoader = Callable[[int], Any]  # number of layers (0: all) -> the model's Hugging Face config cut to them
@@ -71,6 +73,14 @@ def outside_pytorch_gib() -> float:
     except ConfigError:
         larger = False
     return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
+
+
+def smi_capacity_bytes(gpus: list[dict]) -> Optional[int]:
+    """torch's capacity (bytes) of the smallest GPU of a summary's ``nvidia_smi.gpus``: nvidia-smi's
+    ``memory_total_mib`` less :data:`DRIVER_RESERVED_GIB`; None without GPUs."""
+    if not gpus:
+        return None
+    return int(min(g["memory_total_mib"] for g in gpus) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
 
 
 def _largest_block(cfg: dict, hf, layout, seq_len: int) -> int:

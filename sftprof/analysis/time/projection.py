@@ -37,7 +37,7 @@ from sftprof.simulation import assumed
 
 __all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
            "simulation_summary",
-           "render", "main"]
+           "render", "print_and_write", "main"]
 
 _MIB = float(1 << 20)
 _GIB = float(1 << 30)
@@ -218,7 +218,7 @@ def render(p: dict) -> str:
               f"{p['projected_step_ms']:.1f} ms (serial bound {p['serial_step_ms']:.1f} ms)"
               + (f", MFU {100 * p['mfu']:.1f} %" if p["mfu"] is not None else ""),
               "memory: " + (f"measured peak {mem['measured_peak_gib']:.2f} GiB + " if mem["measured_peak_gib"]
-                            is not None else "peak not measured (CPU) + ")
+                            is not None else "peak not measured here + ")
               + f"NCCL buffers {mem['nccl_buffers_gib']:.2f} GiB (estimated)", "assumptions:"]
     return "\n".join(lines + [f"- {a}" for a in p["assumptions"]])
 
@@ -238,10 +238,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"projection: {exc}", file=sys.stderr)
         return 2
-    print(render(p))
-    if args.json:
-        with open(args.json, "x", encoding="utf-8") as f:
-            json.dump(p, f, indent=1)
+    return print_and_write(render(p), p, args.json)
+
+
+def print_and_write(text: str, data: dict, json_path: Optional[str]) -> int:
+    """A CLI's result: ``text`` printed and, with ``json_path``, ``data`` written there as JSON (a new file, never
+    overwritten: FileExistsError). Returns 0, the exit status."""
+    print(text)
+    if json_path:
+        with open(json_path, "x", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory.estimate import layer_sets
-from sftprof.analysis.memory.fit import check_fit, with_settings
+from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, smi_capacity_bytes, with_settings
 from sftprof.analysis.schema import processed_traces
 from sftprof.analysis.what_if.changes import LABELS, RECOMPUTE_MODULE_PARTS, recompute_ms
 from sftprof.analysis.what_if.schema import WhatIf
@@ -29,8 +29,6 @@ from sftprof.models.hf import ModelPathError, load_hf_config
 __all__ = ["ledger", "plan_recompute", "recompute_what_if", "KEY", "DRIVER_RESERVED_GIB"]
 
 KEY = "recompute_plan"
-# nvidia-smi's total less torch's capacity: 81559 MiB against 79.19 GiB (81090 MiB) on an H100 80 GB
-DRIVER_RESERVED_GIB = 0.46
 MIN_SHARE = 0.01
 _GIB = float(2**30)
 
@@ -114,10 +112,9 @@ def _current(cfg: dict) -> dict:
 
 def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], alloc_conf: Optional[str]) -> list[WhatIf]:
     """The planner's choice as a what-if of a megatron kernel trial (module docstring); [] when there is none."""
-    gpus = (summary.get("nvidia_smi") or {}).get("gpus") or []
-    if not cfg or not gpus or not str(cfg["actor"].get("backend", "")).startswith("megatron"):
+    capacity = smi_capacity_bytes((summary.get("nvidia_smi") or {}).get("gpus") or [])
+    if not cfg or capacity is None or not str(cfg["actor"].get("backend", "")).startswith("megatron"):
         return []
-    capacity = int(min(g["memory_total_mib"] for g in gpus) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
     layout = parse_allocation_mode(cfg["actor"]["backend"])
     try:
         hf = load_hf_config(cfg["actor"]["path"], int(cfg["actor"].get("num_layers") or 0))
