@@ -4,6 +4,7 @@ the smallest change that fits as the summary's first finding and a what-if."""
 from __future__ import annotations
 
 import gzip
+import shutil
 
 import pytest
 
@@ -89,3 +90,29 @@ def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reach
     o = outcome(w, summary, b, ([], []))
     assert o.measured == pytest.approx(w["effect"]["value"] + 0.1) and (o.samples, o.verdict) == ("exact", HELD)
     assert outcome(w, summary, {"stats": {}}, ([], [])).measured is None  # the what-if trial failed too
+
+
+def test_recorded_oom_of_a_kernel_trial_on_an_h100(tmp_path):
+    """The real out-of-memory failure ``bench/record_oom_snapshot.py`` recorded on one H100 80 GB (tests/fixtures/
+    README.md, ``h100_oom_kernel``): the README's slice with the full logits, a kernel trial (no allocator history),
+    the logits' 37.09 GiB request in the LM head forward of step 1. The triage reads the record and the snapshot as
+    the trial left them."""
+    log = tmp_path / "log"
+    shutil.copytree(FIXTURE_DIR / "h100_oom_kernel", log)
+    packed = next((log / "memory_snapshots" / "oom").glob("*.pickle.gz"))
+    packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+    packed.unlink()
+    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1)
+    t = summary["oom"]
+    assert (t["requested_bytes"], t["capacity_bytes"], t["free_bytes"]) == (39829110784, 85017493504, 17777688576)
+    assert (t["allocated_bytes"], t["reserved_unallocated_bytes"]) == (48067594752, 9595696640)
+    assert t["outside_pytorch_bytes"] == 85017493504 - 17777688576 - 48067594752 - 9595696640
+    assert (t["phase"], t["site"]) == ("sftprof/forward/mb0", "megatron/core/tensor_parallel/layers.py:576 forward")
+    assert t["live"] == [{"category": "before_window", "bytes": 48067594752}]
+    assert t["fits"][0]["settings"] == {"env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                        "actor.loss.lm_head_loss_chunk_size": 2048}
+    assert summary["findings"][0]["text"].startswith(
+        "rank 0 ran out of CUDA memory in sftprof/forward/mb0 at megatron/core/tensor_parallel/layers.py:576 forward: "
+        "37.09 GiB requested of a 79.18 GiB GPU holding 44.77 GiB allocated, 8.94 GiB reserved and not allocated, "
+        "8.92 GiB outside PyTorch; alive by category (GiB): before_window 44.77 (no allocator history in this trial")
+    assert summary["what_if"][0]["key"] == "fit_oom"
