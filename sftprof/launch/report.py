@@ -75,8 +75,8 @@ def wall_table(labelled: list[tuple[str, Path, dict]]) -> list[str]:
         return []
     header = ["trial"] + [h for h, _ in WALL_COLUMNS] + ["train", "postproc"]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    lines = ["", "wall time per trial, s (train: torchrun launched to ended, the phases before it; postproc: "
-                 "* = while the next trial trained):"]
+    lines = ["", "wall time per trial, s (train: torchrun's launch to its exit; postproc *: while the next trial "
+                 "trained):"]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
               for r in [header] + rows]
     if cold:

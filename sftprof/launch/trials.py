@@ -208,7 +208,7 @@ class TrialRunner:
         planned = list(self.trials)
         n = 0
         while n < len(self.trials):
-            if self.stop.signum is not None or self.stopping:  # a signal between two trials: the next one does not start
+            if self.stop.signum is not None or self.stopping:  # a signal (or failure) between two trials: no next one
                 break
             trial = self.trials[n]
             n += 1
@@ -260,7 +260,7 @@ class TrialRunner:
         start, times = time.monotonic(), TrialTimes(launched_unix_s=time.time())
         changed = self._config_changed(t)
         if changed:
-            self._join(run_start, n)
+            self._join(run_start, n - 1)  # trial n does not run
             with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:
                 log.write(f"sftprof: {changed}\n")
             append_row(self.run_root, t, CONFIG_CHANGED, "-", "-", 0)

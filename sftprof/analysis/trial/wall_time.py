@@ -40,6 +40,10 @@ def _span(start: Optional[float], end: Optional[float]) -> Optional[float]:
     return None if start is None or end is None else end - start
 
 
+def _rounded(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 3)
+
+
 def _number(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -65,19 +69,20 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
         phase = "profiled_steps" if row.get("profiled") else "step_0" if row["step"] == 0 else "warm_steps"
         for name, value in ((phase, None if span is None or inside is None else span - inside),
                             ("profiler", inside)):
-            seconds[name] = None if value is None or seconds[name] is None else seconds[name] + value
-    phases: list[WallPhase] = [{"phase": name, "seconds": None if seconds[name] is None else round(seconds[name], 3)}
-                               for name in PHASES]
-    elapsed = _span(launched, ended)
-    return {"phases": phases, "elapsed_s": None if elapsed is None else round(elapsed, 3),
-            "cold_start": cold_start(stats)}
+            so_far = seconds[name]
+            seconds[name] = None if value is None or so_far is None else so_far + value
+    phases: list[WallPhase] = [{"phase": name, "seconds": _rounded(seconds[name])} for name in PHASES]
+    return {"phases": phases, "elapsed_s": _rounded(_span(launched, ended)), "cold_start": cold_start(stats)}
 
 
 def cold_start(stats: Stats) -> ColdStart | None:
     """Step 0's ``step_time_s`` less the median of a warm step's: the steps after 0 that were not profiled, else the
     profiled ones (their profiler's cost included); None without step 0 or a later step."""
-    times = {s["step"]: (s["step_time_s"], bool(s.get("profiled"))) for s in stats["steps"]
-             if _number(s["step_time_s"]) is not None}
+    times: dict[int, tuple[float, bool]] = {}
+    for s in stats["steps"]:
+        dt = _number(s["step_time_s"])
+        if dt is not None:
+            times[s["step"]] = (dt, bool(s.get("profiled")))
     if 0 not in times:
         return None
     later = [k for k in sorted(times) if k > 0]
