@@ -254,7 +254,8 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
         assert os.readlink(link) == "../chrome/rank0.pt.trace.json" and t["view_links"] == {"cpu_only.chrome": "chrome"}
         assert "`kernel_traces/cpu_only/rank0.pt.trace.json` is a link to `kernel_traces/chrome/rank0.pt.trace.json`" in md
         # the end table's top finding is the heaviest model part's share, not a region's time
-        (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"kernel step {row['step']} ")]
+        table = out.stdout[out.stdout.index("trial          status"):out.stdout.index("wall time per trial")]
+        (line,) = [x for x in table.splitlines() if x.startswith(f"kernel step {row['step']} ")]
         assert line.endswith(f"LM head + loss {summed['lm_head_loss']['share_pct']:.0f}% of CPU op time (rank 0)")
 
 
