@@ -9,9 +9,13 @@ Usage::
 Exit status: 0 ok, 1 the trial failed (``stats.jsonl`` ends with a ``failed`` record), 2 bad
 configuration (before any process group starts). See :mod:`sftprof.trainer`.
 """
-import sys
+import time
 
-from sftprof.trainer import main
+STARTED_UNIX_S = time.time()  # before the imports: they are a phase of the trial's wall time (stats.jsonl)
+
+import sys  # noqa: E402
+
+from sftprof.trainer import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started_unix_s=STARTED_UNIX_S))

@@ -14,7 +14,7 @@ Torch-free and importing nothing else of the project, so every side can use it. 
 Layout::
 
     RUN_ROOT/  profile_settings.log  plan_config.yaml  trials.tsv  summary.tsv
-      <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  profile_summary.{json,md}
+      <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  trial_times.json  profile_summary.{json,md}
         what_if.json  compare_vs_<source trial>.md                (a what-if trial of TRY_WHAT_IFS)
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
         memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
@@ -325,6 +325,7 @@ SUMMARY_JSON = "profile_summary.json"
 SUMMARY_MD = "profile_summary.md"
 KERNEL_TRACES = "kernel_traces"
 WHAT_IF_JSON = "what_if.json"  # a what-if trial's record of the what-if it tries (the driver, TRY_WHAT_IFS)
+TRIAL_TIMES = "trial_times.json"  # the launcher's clock of a trial (TrialTimes)
 
 
 # the line the driver appends to a trial's launcher.log when a signal (Ctrl-C, SIGTERM) stopped its torchrun; a
@@ -350,6 +351,66 @@ def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
                                  "(name, kind, step, run dir, log dir, arguments file; tab-separated)")
             out.append((fields[0], fields[1], int(fields[2]), fields[3], fields[4]))
     return out
+
+
+@dataclass(frozen=True)
+class TrialTimes:
+    """The launcher's clock of one trial (``RUN_DIR/trial_times.json``), seconds since the Unix epoch on node 0;
+    None: not reached (yet, or the run stopped first).
+
+    Attributes:
+        launched_unix_s: just before torchrun was started.
+        torchrun_ended_unix_s: torchrun exited (the trainers' teardown included).
+        postprocess_started_unix_s, postprocess_ended_unix_s: ``postprocess_profile.py`` started and ended.
+        postprocess_background: postprocessed while the next trial (a memory trial) trained.
+    """
+
+    launched_unix_s: float
+    torchrun_ended_unix_s: Optional[float] = None
+    postprocess_started_unix_s: Optional[float] = None
+    postprocess_ended_unix_s: Optional[float] = None
+    postprocess_background: bool = False
+
+
+def write_trial_times(run_dir: str | Path, times: TrialTimes) -> None:
+    """Replace ``RUN_DIR/trial_times.json`` with ``times`` in one rename (a reader never sees half a record).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = Path(run_dir) / TRIAL_TIMES
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({f.name: getattr(times, f.name) for f in fields(times)}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_trial_times(run_dir: str | Path) -> TrialTimes | None:
+    """``RUN_DIR/trial_times.json`` (:class:`TrialTimes`); None when it is absent (a trial not run by the driver, or
+    not yet launched).
+
+    Raises:
+        OSError: it exists but cannot be read. ValueError: it is not a JSON object with a numeric
+            ``launched_unix_s`` and numeric or null times.
+    """
+    try:
+        with open(Path(run_dir) / TRIAL_TIMES, encoding="utf-8") as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{TRIAL_TIMES}: not a JSON object")
+    out: dict[str, Any] = {}
+    for f in fields(TrialTimes):
+        value = rec.get(f.name, f.default)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if f.name == "postprocess_background":
+            ok = isinstance(value, bool)
+        else:
+            ok = numeric or (value is None and f.name != "launched_unix_s")
+        if not ok:
+            raise ValueError(f"{TRIAL_TIMES}: {f.name} {value!r} is not a time (seconds since the Unix epoch)")
+        out[f.name] = value
+    return TrialTimes(**out)
 
 
 def compare_report_name(run_a: str) -> str:
@@ -443,6 +504,12 @@ class StepRecord:
     recompute_tflops_per_gpu: Optional[float] = _unit("TFLOP/s per GPU re-run by activation recompute (not in mfu)")
     moe_load: Optional[dict] = _unit("routing load summed over ranks (sftprof.models.layers.routing.RoutingLoadMeter)")
     profiled: bool = _unit("whether the step was a kernel- or memory-profile step", False)
+    started_unix_s: Optional[float] = _unit("s since the Unix epoch: rank 0's clock when the step's loop iteration "
+                                            "began (its micro-batches made, then the profilers, the step, the "
+                                            "all_gather of the ranks' figures); the next step's start ends it")
+    profiler_s: Optional[float] = _unit("s: rank 0's wall time in the profilers around the timed step (starting or "
+                                        "stepping torch's profiler, exporting its trace, dumping the allocator "
+                                        "snapshot); not in step_time_s")
 
     TYPE = "step"
 
@@ -464,6 +531,15 @@ class CompletionRecord:
         device: ``cuda`` or ``cpu``.
         profile_kind: ``kernel``, ``memory`` or None (nothing profiled).
         profile_step: the (first) profiled step, or None.
+        trainer_started_unix_s: rank 0's process start (``train_sft_profile.py``'s first line, before its imports),
+            seconds since the Unix epoch; None when the trainer was started otherwise (``main`` called directly).
+        imports_done_unix_s: ``main`` entered (the imports done).
+        engine_build_started_unix_s: the engine's build began (config, model checks and process group done); None
+            when the trial failed before.
+        ended_unix_s: this record written (the step loop over; the process group's teardown follows).
+
+    The ``*_unix_s`` fields are rank 0's clock (the simulated rank's in a simulated trial); None in records of earlier
+    releases.
     """
 
     status: str = "failed"
@@ -474,6 +550,10 @@ class CompletionRecord:
     device: Optional[str] = None
     profile_kind: Optional[str] = None
     profile_step: Optional[int] = None
+    trainer_started_unix_s: Optional[float] = None
+    imports_done_unix_s: Optional[float] = None
+    engine_build_started_unix_s: Optional[float] = None
+    ended_unix_s: Optional[float] = None
 
     TYPE = "complete"
 

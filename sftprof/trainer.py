@@ -150,9 +150,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _step_record(step: int, result, ranks: list, mem: dict, tokens: int, world_size: int, peak: float | None,
-                 on_gpu: bool, profiled: bool) -> StepRecord:
+                 on_gpu: bool, profiled: bool, started_unix_s: float, profiler_s: float) -> StepRecord:
     """The step's :class:`sftprof.artifacts.StepRecord` (units there) from the engine's result, the ranks'
-    gathered times and peaks, rank 0's allocator figures (``mem``, GiB) and the GPU's peak FLOP/s."""
+    gathered times and peaks, rank 0's allocator figures (``mem``, GiB), the GPU's peak FLOP/s, and rank 0's
+    clock: the iteration's start and its time in the profilers (s)."""
     step_time = max(r["step_time_s"] for r in ranks)
     tflops = (result.model_flops / step_time / world_size / 1e12
               if result.model_flops is not None and on_gpu else None)
@@ -165,7 +166,8 @@ def _step_record(step: int, result, ranks: list, mem: dict, tokens: int, world_s
         mem_peak_allocated_gb=mem["peak_allocated"], mem_peak_reserved_gb=mem["peak_reserved"], ranks=ranks,
         tflops_per_gpu=tflops,
         mfu=mfu(result.model_flops, step_time, world_size, peak) if tflops is not None else None,
-        recompute_tflops_per_gpu=recompute_tflops, moe_load=result.moe_load, profiled=profiled)
+        recompute_tflops_per_gpu=recompute_tflops, moe_load=result.moe_load, profiled=profiled,
+        started_unix_s=started_unix_s, profiler_s=profiler_s)
 
 
 def _step_line(r: StepRecord, result) -> str:
@@ -235,8 +237,11 @@ def check_plan_config(path: str) -> None:
                            f"{want[:12]}); nothing was run: run the driver again for other settings")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run one trial (see module docstring). Returns 0; exits 2 on bad input, 1 on failure."""
+def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = None) -> int:
+    """Run one trial (see module docstring). ``started_unix_s``: the process's start, before its imports (seconds
+    since the Unix epoch; ``train_sft_profile.py`` passes it), recorded in the completion record. Returns 0; exits 2
+    on bad input, 1 on failure."""
+    times = {"trainer_started_unix_s": started_unix_s, "imports_done_unix_s": time.time()}
     args = _parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     check_plan_config(args.config)
@@ -278,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.info(SIMULATED_NOTE, rank, layout.world_size, cfg.actor.backend, assumed(layout.backend))
     status = 1
     try:
-        status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir)
+        status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir, times)
         if status == 0:
             # Leave together: a rank that tears its process group down while another still works (rank 0
             # exporting its trace) can abort inside gloo ("terminate called without an active exception").
@@ -288,7 +293,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
-def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir) -> int:
+def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir, times: dict) -> int:
+    """The trial's steps on this rank (module docstring); ``times``: the completion record's ``*_unix_s`` so far
+    (:class:`sftprof.artifacts.CompletionRecord`), completed here. Returns 0, or 1 when the trial failed."""
     simulated = cfg.actor.simulate.rank >= 0
     lead = simulated or rank == 0  # the process that writes the trial's files
     stats = StatsWriter(log_dir / artifacts.STATS) if lead else None
@@ -323,6 +330,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         memory = MemoryProfiler(cfg, layout, rank, coords, log_dir, device)
         watch_oom(rank, coords, log_dir, device)  # a CUDA out-of-memory error leaves a snapshot in any trial
         t_build = time.perf_counter()
+        times["engine_build_started_unix_s"] = time.time()
         engine = build_engine(cfg, layout, hf_config, device)
         if lead:
             log.info("engine built in %.1f s; %d step(s) to run", time.perf_counter() - t_build, cfg.total_train_steps)
@@ -331,12 +339,14 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         tokens = cfg.train_dataset.batch_size * cfg.profile.fake_seq_len
         peak = gpu_peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         for step in range(cfg.total_train_steps):
+            started = time.time()
             mbs = step_micro_batches(cfg, sample, step, layout.dp, coords["dp"])
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             progress.begin_step(step)
             rank_progress.mark("step start", step)
+            t_profilers = time.perf_counter()
             with kernel.step(step), memory.step(step):
                 # Timed inside the profilers: their start/stop, trace export and snapshot dump stay out.
                 t0 = time.perf_counter()
@@ -344,6 +354,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
                     result = engine.train_step(mbs, loss_tokens)
                     _sync(device)
                 dt = time.perf_counter() - t0
+            profiler_s = time.perf_counter() - t_profilers - dt
             progress.end_step()
             rank_progress.mark("step records (profiler export, snapshot, all_gather of the step's figures)")
             mem = _memory_gib(device)
@@ -357,7 +368,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             if not lead:
                 continue
             record = _step_record(step, result, ranks, mem, tokens, layout.world_size, peak, device.type == "cuda",
-                                  kernel.is_profiled(step) or memory.is_profiled(step))
+                                  kernel.is_profiled(step) or memory.is_profiled(step), started, profiler_s)
             stats.write(record)
             log.info(_step_line(record, result))
         if mem_steps:
@@ -376,6 +387,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
         if stats is not None:
             stats.write(CompletionRecord(status="failed" if error else "ok", error=error, steps_done=steps_done,
                                          world_size=layout.world_size, backend=layout.backend, device=device.type,
-                                         profile_kind=profile_kind, profile_step=profile_step))
+                                         profile_kind=profile_kind, profile_step=profile_step, **times,
+                                         ended_unix_s=time.time()))
             stats.close()
     return 1 if error else 0

@@ -47,9 +47,11 @@ def test_stats_written_and_read_back(tmp_path):
     assert list(json.loads(lines[0])) == [
         "type", "step", "loss", "grad_norm", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
         "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks", "tflops_per_gpu", "mfu",
-        "recompute_tflops_per_gpu", "moe_load", "profiled"]
+        "recompute_tflops_per_gpu", "moe_load", "profiled", "started_unix_s", "profiler_s"]
     assert json.loads(lines[1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
-                                     "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0}
+                                     "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0,
+                                     "trainer_started_unix_s": None, "imports_done_unix_s": None,
+                                     "engine_build_started_unix_s": None, "ended_unix_s": None}
     log = a.read_stats(path)
     assert log.bad_lines == 7 and len(log.steps) == 2 and log.steps[0] == step
     assert (log.steps[1].step, log.steps[1].loss, log.steps[1].grad_norm, log.steps[1].profiled) == (1, 2.0, None, False)

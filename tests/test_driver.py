@@ -1430,3 +1430,117 @@ def test_torchrun_killed_outright_fails_its_trial_and_its_workers_are_stopped(tm
     table = out[out.index("trial          status"):].splitlines()
     assert table[1].startswith("kernel step 9  FAILED (137)") and table[1].endswith(
         "first failure: node 0 (rank 0) torchrun killed by SIGKILL (status 137) (see profile_summary.md)")
+
+
+def _background_run(tmp_path: Path, kernel_postprocess: str, memory_sleeps: bool, send=None,
+                    stop_on_failure: str = "1") -> tuple[subprocess.Popen, str, str, list[list[str]], list[str]]:
+    """The driver on kernel and memory trials of steps 0 and 1 (tiny_cpu, fsdp:d1), so that kernel step 0 is
+    postprocessed in the background while memory step 0 trains. PYTHON is a wrapper: the kernel trials'
+    postprocessing runs the shell lines ``kernel_postprocess`` first (its process id in ``RUN_ROOT/kernel_pp_pid``),
+    then the real one; with ``memory_sleeps`` the memory trials' torchrun is a ``sleep 300`` (its process id in
+    ``RUN_ROOT/memory_started``), a training that runs until stopped. ``send(proc, run)``: called once both files
+    exist (both postprocessing and the memory trial running). Returns the driver, its stdout and stderr, the rows of
+    summary.tsv and the trial names."""
+    run = tmp_path / "run"
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text(
+        '#!/bin/bash\n'
+        'if [[ "$1" == */postprocess_profile.py && " $* " == *" --profile-kind kernel "* ]]; then\n'
+        f'  echo $$ > {shlex.quote(str(run))}/kernel_pp_pid\n  {kernel_postprocess}\nfi\n'
+        + ('if [[ "$1 $2" == "-m torch.distributed.run" && "$*" == *_memory_step* ]]; then\n'
+           f'  echo $$ > {shlex.quote(str(run))}/memory_started\n  exec sleep 300\nfi\n' if memory_sleeps else "")
+        + f'exec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
+    env.update({"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128", "FILEROOT": str(tmp_path / "fileroot"),
+                "RUN_ROOT": str(run), "PROFILE_KINDS": "kernel,memory", "PROFILE_STEPS": "0,1", "PROFILE_STAMP": "s",
+                "STOP_ON_FAILURE": stop_on_failure, "PYTHON": str(wrapper)})
+    proc = subprocess.Popen(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = [run / "kernel_pp_pid", run / "memory_started"]
+    try:
+        if send is not None:
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and not all(p.is_file() for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert proc.poll() is None and all(p.is_file() for p in pids), proc.communicate()
+            time.sleep(0.2)  # the process ids written in full
+            send(proc, run)
+        out, err = proc.communicate(timeout=600)
+    finally:  # nothing of the run may outlive the test (the sleeps of the wrapper included)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in pids:
+            if p.is_file() and p.read_text().strip().isdigit():
+                try:
+                    os.kill(int(p.read_text()), signal.SIGKILL)
+                except OSError:  # ended
+                    pass
+        _kill_left_running(tmp_path / "fileroot")
+    rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()[1:]]
+    names = [f"tiny_qwen3_moe_fake128_{kind}_step{step}_s" for step in (0, 1) for kind in ("kernel", "memory")]
+    return proc, out, err, rows, names
+
+
+def test_background_postprocessing_failure_with_stop_on_failure(tmp_path):
+    """Kernel step 0 postprocessed in the background fails (status 1) while memory step 0 trains: the failure is
+    its trial's (status 1, postprocess status 1); with STOP_ON_FAILURE=1 the memory trial, already launched, is
+    trained and postprocessed with its own status, and the trials after it are not run; exit status 1."""
+    proc, out, err, rows, names = _background_run(tmp_path, "sleep 1; exit 1", memory_sleeps=False)
+    assert proc.returncode == 1, out[-3000:] + err[-3000:]
+    run = tmp_path / "run"
+    assert [r[:6] for r in rows] == [[names[0], "kernel", "0", "1", "0", "1"], [names[1], "memory", "0", "0", "0", "0"],
+                                     [names[2], "kernel", "1", "not run", "-", "-"],
+                                     [names[3], "memory", "1", "not run", "-", "-"]]
+    assert (f"sftprof: [1/4] postprocessing {names[0]} in the background while the next trial (memory) trains\n"
+            f"sftprof: [2/4] trial {names[1]} (kind=memory step=0) started ") in out
+    assert re.search(r"^sftprof: \[1/4\] done in \d+ s \(status 1\); postprocessed while trial 2 trained; 2 trial\(s\) "
+                     r"will not run$", out, re.M), out[-3000:]
+    assert re.search(r"^sftprof: \[2/4\] done in \d+ s \(status 0\); 2 trial\(s\) will not run$", out, re.M)
+    assert (f"sftprof: STOP_ON_FAILURE=1: stopping after the first failure (trial {names[1]}, which trained while "
+            "it was postprocessed, is finished first)\n") in err
+    assert f"sftprof: trial {names[0]} FAILED (status 1; logs in {run / names[0] / 'launcher.log'}" in err
+    times = [json.loads((run / n / "trial_times.json").read_text()) for n in names[:2]]
+    assert [t["postprocess_background"] for t in times] == [True, False]
+    # it trained while kernel step 0 was postprocessed
+    assert times[1]["launched_unix_s"] < times[0]["postprocess_ended_unix_s"]
+    assert not (run / names[2] / "trial_times.json").exists()  # never launched
+    table = out[out.index("trial          status"):].splitlines()
+    assert [" ".join(line.split()[:4]) for line in table[1:5]] == [
+        "kernel step 0 FAILED", "memory step 0 no", "kernel step 1 not", "memory step 1 not"]
+
+
+def _kill_kernel_postprocessing(proc, run):
+    os.kill(int((run / "kernel_pp_pid").read_text()), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("kernel_postprocess,send,sig,kernel_row,line", [
+    ("exec sleep 300", lambda proc, run: os.killpg(proc.pid, signal.SIGINT), signal.SIGINT,
+     ["interrupted", "0", "130"], "interrupted after training (train status 0, postprocess status 130)"),
+    ("exec sleep 300", _kill_kernel_postprocessing, signal.SIGTERM, ["interrupted", "0", "143"],
+     "interrupted after training (train status 0, postprocess status 143)"),
+    ("sleep 6", lambda proc, run: proc.send_signal(signal.SIGTERM), signal.SIGTERM, ["0", "0", "0"],
+     "postprocessed (status 0) before the signal stopped the run")],
+    ids=["ctrl_c_to_the_group", "kill_of_the_postprocessing", "sigterm_to_the_driver_alone"])
+def test_signal_while_postprocessing_in_the_background(tmp_path, kernel_postprocess, send, sig, kernel_row, line):
+    """A signal while kernel step 0 is postprocessed in the background and memory step 0 trains: the memory trial's
+    torchrun is stopped (interrupted), the kernel trial is recorded first, as a signal during a foreground
+    postprocessing records it (Ctrl-C of the group: interrupted, its postprocessing's 130; a kill of the
+    postprocessing alone stops the run as the driver's signal would; SIGTERM to the driver alone: its postprocessing
+    finishes and the trial keeps its status), the other trials are not run, exit 128 + the signal."""
+    proc, out, err, rows, names = _background_run(tmp_path, kernel_postprocess, memory_sleeps=True, send=send)
+    assert proc.returncode == 128 + sig, out[-3000:] + err[-3000:]
+    assert [r[:6] for r in rows] == [[names[0], "kernel", "0", *kernel_row],
+                                     [names[1], "memory", "0", "interrupted", "143", "-"],
+                                     [names[2], "kernel", "1", "not run", "-", "-"],
+                                     [names[3], "memory", "1", "not run", "-", "-"]]
+    first = ("sftprof: postprocessing got signal 15 (not the driver): stopping the run\n"
+             if send is _kill_kernel_postprocessing
+             else f"sftprof: {signal.Signals(sig).name} received: stopping the run\n")
+    assert (first + f"sftprof: [1/4] trial {names[0]} {line}; 2 trial(s) will not run\n") in err, err[-3000:]
+    assert re.search(rf"^sftprof: \[2/4\] trial {names[1]} interrupted after \d+ s \(torchrun status 143\); 2 "
+                     r"trial\(s\) will not run$", err, re.M), err[-3000:]
+    assert "Traceback" not in out + err
+    for text in ("FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/4] done in", "sftprof: [2/4] done in"):
+        assert text not in out + err, text
+    assert (tmp_path / "run" / names[0] / "profile_summary.md").is_file() == (kernel_row[0] == "0")

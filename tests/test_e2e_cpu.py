@@ -2,12 +2,15 @@
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sftprof.analysis.trial.wall_time import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
@@ -49,15 +52,85 @@ def test_four_trials_succeed(run):
         "kernel step 0 ok", "memory step 0 no", "kernel step 1 ok", "memory step 1 no"]
     assert all("no snapshot (CPU)" in line for line in (table[2], table[4]))
     assert max(map(len, table[:5])) <= 120
-    assert table[6:11] == ["summaries (Markdown; the .json next to each holds every figure):"] + [
+    assert table[6:8] == ["wall time per trial, s (train: torchrun's launch to its exit; postproc *: while the next "
+                          "trial trained):",
+                          "trial          start  imports  setup  build  step 0  steps  profiled  profiler  exit  "
+                          "train  postproc"]
+    assert [" ".join(line.split()[:3]) for line in table[8:12]] == [
+        "kernel step 0", "memory step 0", "kernel step 1", "memory step 1"]
+    assert [line.split()[-1].endswith("*") for line in table[8:12]] == [True, False, True, False]
+    assert table[12].startswith("cold start (step 0's time less a warm step's, inside step 0 or profiled): "
+                                "kernel step 1 ") and "memory step 1 " in table[12]
+    assert max(map(len, table[6:12])) <= 120
+    assert table[14:19] == ["summaries (Markdown; the .json next to each holds every figure):"] + [
         f"  {row['run_dir']}/profile_summary.md" for row in summary_rows(run_root)]
     python = shutil.which(os.environ.get("PYTHON", "python3"))   # the driver's PYTHON, runnable from any folder
-    assert table[12:14] == ["compare with another run (run roots or trial dirs):",
+    assert table[20:22] == ["compare with another run (run roots or trial dirs):",
                             f"  {python} {ROOT / 'postprocess_profile.py'} compare {run_root} OTHER_RUN_ROOT"]
     warning = "PROFILE_FOO is not a driver variable and is ignored (`bash run_qwen3_30b_a3b_sft_profile.sh --help` lists them)"
     assert f"sftprof: warning: {warning}\n" in out.stderr
     assert f"\n# warning: {warning}\n" in (run_root / "profile_settings.log").read_text()
-    assert table[14:] == ["", "warnings before launch (also in profile_settings.log):", f"  {warning}"]
+    assert table[22:] == ["", "warnings before launch (also in profile_settings.log):", f"  {warning}"]
+
+
+def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
+    """Each summary's wall time: the phases by name, in order, none negative, summing to summary.tsv's elapsed_s
+    (torchrun launched to ended, whole seconds cut) and to trial_times.json's span; the boundaries are those of the
+    logs: rank 0's step records (a step's phase holds its timed step_time_s), the trainer's ``engine built in`` line
+    (its build phase runs on to step 0's start) and the launcher's record; the end table shows the same figures."""
+    out, run_root = run
+    table = out.stdout[out.stdout.index("wall time per trial"):].splitlines()
+    for row, line in zip(summary_rows(run_root), table[2:6]):
+        run_dir, log_dir = Path(row["run_dir"]), Path(row["log_dir"])
+        wall = json.loads((run_dir / "profile_summary.json").read_text())["wall_time"]
+        assert [p["phase"] for p in wall["phases"]] == list(PHASES) == [
+            "start_up", "imports", "setup", "engine_build", "step_0", "warm_steps", "profiled_steps", "profiler",
+            "exit"]
+        seconds = {p["phase"]: p["seconds"] for p in wall["phases"]}
+        assert all(v >= 0 for v in seconds.values()), seconds
+        times = json.loads((run_dir / "trial_times.json").read_text())
+        assert wall["elapsed_s"] == round(times["torchrun_ended_unix_s"] - times["launched_unix_s"], 3)
+        elapsed = int(row["elapsed_s"])  # the launcher's monotonic clock, whole seconds cut
+        assert elapsed - 0.01 <= sum(seconds.values()) < elapsed + 1.01
+        assert elapsed - 0.01 <= wall["elapsed_s"] < elapsed + 1.01
+        steps = [json.loads(x) for x in (log_dir / "stats.jsonl").read_text().splitlines()]
+        done, records = steps[-1], {r["step"]: r for r in steps[:-1]}
+        assert seconds["start_up"] == round(done["trainer_started_unix_s"] - times["launched_unix_s"], 3)
+        assert seconds["exit"] == round(times["torchrun_ended_unix_s"] - done["ended_unix_s"], 3)
+        built = float(re.search(r"engine built in ([\d.]+) s", (log_dir / "trainer.log").read_text()).group(1))
+        assert seconds["engine_build"] >= built - 0.05
+        rank0 = {k: next(r["step_time_s"] for r in rec["ranks"] if r["rank"] == 0) for k, rec in records.items()}
+        step = int(row["step"])
+        assert seconds["profiled_steps"] >= rank0[step] and records[step]["profiled"]
+        assert (seconds["step_0"] >= rank0[0]) if step == 1 else seconds["step_0"] == 0.0
+        assert seconds["warm_steps"] == 0.0  # TOTAL_STEPS = profile step + 1: no other step
+        assert seconds["profiler"] == round(sum(r["profiler_s"] for r in records.values()), 3)
+        cells = line.split()
+        assert cells[3:12] == [f"{seconds[k]:.1f}" for k in PHASES] and cells[12] == f"{wall['elapsed_s']:.1f}"
+        cold = wall["cold_start"]
+        assert cold == ({"step0_s": round(records[0]["step_time_s"], 3),
+                         "warm_step_s": round(records[1]["step_time_s"], 3), "warm_steps": [1], "reference_profiled": True,
+                         "cold_start_s": round(records[0]["step_time_s"] - records[1]["step_time_s"], 3)}
+                        if step == 1 else None)
+
+
+def test_kernel_trials_are_postprocessed_while_the_next_memory_trial_trains(run):
+    """From the launcher's recorded clocks: a kernel trial's postprocessing starts when its torchrun has ended and
+    ends after the memory trial after it was launched (they overlap); a kernel trial is launched only once every
+    earlier trial is postprocessed (nothing overlaps its training); memory trials are postprocessed in the foreground
+    (the next trial is a kernel trial, or none); each row's status is its own."""
+    _, run_root = run
+    rows = summary_rows(run_root)
+    times = [json.loads((Path(r["run_dir"]) / "trial_times.json").read_text()) for r in rows]
+    assert [t["postprocess_background"] for t in times] == [True, False, True, False]
+    for k in (0, 2):  # kernel step 0 then memory step 0; kernel step 1 then memory step 1
+        kernel, memory = times[k], times[k + 1]
+        assert kernel["torchrun_ended_unix_s"] <= kernel["postprocess_started_unix_s"] <= memory["launched_unix_s"]
+        assert memory["launched_unix_s"] < kernel["postprocess_ended_unix_s"]
+    assert times[2]["launched_unix_s"] > max(times[0]["postprocess_ended_unix_s"], times[1]["postprocess_ended_unix_s"])
+    assert all(t["launched_unix_s"] < t["torchrun_ended_unix_s"] <= t["postprocess_started_unix_s"]
+               < t["postprocess_ended_unix_s"] for t in times)
+    assert [(r["status"], r["train_status"], r["postprocess_status"]) for r in rows] == [("0", "0", "0")] * 4
 
 
 def test_third_party_messages_are_kept_off_the_console(run):
@@ -181,7 +254,8 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
         assert os.readlink(link) == "../chrome/rank0.pt.trace.json" and t["view_links"] == {"cpu_only.chrome": "chrome"}
         assert "`kernel_traces/cpu_only/rank0.pt.trace.json` is a link to `kernel_traces/chrome/rank0.pt.trace.json`" in md
         # the end table's top finding is the heaviest model part's share, not a region's time
-        (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"kernel step {row['step']} ")]
+        table = out.stdout[out.stdout.index("trial          status"):out.stdout.index("wall time per trial")]
+        (line,) = [x for x in table.splitlines() if x.startswith(f"kernel step {row['step']} ")]
         assert line.endswith(f"LM head + loss {summed['lm_head_loss']['share_pct']:.0f}% of CPU op time (rank 0)")
 
 

@@ -19,7 +19,8 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 ``gc_ms``), present when the trace has their ranges. 3.3: the trial's recorded ``environment``. 3.4: a simulated
 rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage; a
 snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``; a finding's ``next_step``; an interrupted
-trial's ``interrupted``.
+trial's ``interrupted``. 3.5: ``wall_time`` (where the trial's wall time went, step 0's cold start), a step row's
+``started_unix_s`` and ``profiler_s``.
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -51,7 +52,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError"
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.4"
+SCHEMA_VERSION = "3.5"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 

@@ -34,9 +34,10 @@ from sftprof.analysis.trial.failure import first_failure
 from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                              routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.trial.schema import (Counts, FailurePart, FileError, Files, Header, Inputs, NvidiaSmi, Problems,
-                                           Stats, TrialRecord)
+                                           Stats, TrialRecord, WallTime)
 from sftprof.analysis.trial.snapshots import snapshot_part
 from sftprof.analysis.trial.traces import trace_part
+from sftprof.analysis.trial.wall_time import wall_time
 from sftprof.analysis.views.split import MAX_VIEW_BYTES
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.analysis.what_if.next_steps import with_next_steps
@@ -121,7 +122,7 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         **_trial_header(log_dir, run_dir, profile_kind, profile_step, complete, interrupted, failed, trainer_log,
                         nvidia_smi_csv),
         **trial_inputs, "nvidia_smi": _nvidia_smi(trial_inputs["nvidia_smi"], smi_samples, files),
-        **failed, **files}
+        **failed, **files, "wall_time": _wall_time_part(trial_inputs["stats"], run_dir)}
     found = _problems_part(record, complete, input_errors, log_dir if log_dir_missing else None, trainer_log,
                            nvidia_smi_csv, run_dir)
     ranks = rank_table(record)
@@ -292,6 +293,20 @@ def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict
             "oom": oom_triage(log_dir, cfg, failure["rank"] if failure else None, alloc_conf)}
 
 
+def _wall_time_part(stats: Stats, run_dir: str) -> WallTime:
+    """Where the trial's wall time went (:func:`sftprof.analysis.trial.wall_time.wall_time`), with the launcher's
+    ``trial_times.json``; one that cannot be read is named in ``trial_times_error`` (and a warning)."""
+    path = os.path.join(run_dir, artifacts.TRIAL_TIMES)
+    try:
+        times, error = artifacts.read_trial_times(run_dir), None
+    except (OSError, ValueError) as exc:
+        times, error = None, f"{path}: {exc}"
+    part = wall_time(stats, times)
+    if error:
+        part["trial_times_error"] = error
+    return part
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
@@ -325,6 +340,9 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     items = record.get("memory_snapshots") if kind == "memory" else record.get("kernel_traces")
     items = items or []
     errors, warnings = problems(record, items, complete, input_errors, missing_log_dir)
+    if record["wall_time"].get("trial_times_error"):
+        warnings.append({"file": artifacts.TRIAL_TIMES, "warning": f"{record['wall_time']['trial_times_error']}; the "
+                         "wall-time phases of the launcher's clock are left out"})
     warnings += optional_input_warnings(trainer_log, nvidia_smi_csv, record["nvidia_smi"])
     warnings += routing_warnings(stats, record["profile_step"], cfg) + shared_gpu_warnings(stats)
     part: Problems = {"errors": errors, "warnings": warnings,

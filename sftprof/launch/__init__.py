@@ -11,7 +11,8 @@ one torchrun per trial, postprocesses each and prints the end table. One module 
 - :mod:`~sftprof.launch.folders`: folder names and paths, RUN_ROOT chosen and claimed, the plan written
   (:func:`write_plan`) or removed;
 - :mod:`~sftprof.launch.signals`: SIGINT / SIGTERM while planning and while trials run;
-- :mod:`~sftprof.launch.trials`: the trials run, one after the other (statuses, ``summary.tsv``, the what-ifs tried);
+- :mod:`~sftprof.launch.trials`: the trials run, one after the other (statuses, ``summary.tsv``, ``trial_times.json``,
+  a trial postprocessed while the next, a memory trial, trains; the what-ifs tried);
 - :mod:`~sftprof.launch.processes`: the running trial's processes (torchrun, workers left behind, the watchdog,
   postprocessing) and the console they share;
 - :mod:`~sftprof.launch.what_ifs`: the what-if trials of ``TRY_WHAT_IFS`` (which, their arguments, ``what_if.json``);

@@ -1,6 +1,7 @@
 """The child processes of the trial that runs now, and the console they share with the launcher: torchrun (teed
 into ``RUN_DIR/launcher.log``, watched by the watchdog, the workers it leaves stopped, the node end record written),
-postprocessing and the comparison of a what-if trial.
+postprocessing (of this trial, or of the one before it in the background: :class:`Postprocessing`) and the
+comparison of a what-if trial.
 
 torchrun starts in its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it on
 (:meth:`TrialProcesses.terminate`, :meth:`TrialProcesses.kill`); a torchrun killed outright (SIGKILL) leaves its
@@ -102,17 +103,39 @@ class Console:
                 to_devnull(sys.stdout)
 
 
-def _tee(proc: subprocess.Popen, log: Path, mode: str, console: Console) -> threading.Thread:
-    """A thread copying ``proc``'s output, line by line, into ``log`` (opened with ``mode``) and to ``console``."""
+def _tee(proc: subprocess.Popen, log: Path, mode: str, sink: Callable[[bytes], None]) -> threading.Thread:
+    """A thread copying ``proc``'s output, line by line, into ``log`` (opened with ``mode``) and to ``sink`` (the
+    console's ``write``, or a list's ``append``)."""
     def pump() -> None:
         with open(log, mode) as f:
             for line in iter(proc.stdout.readline, b""):
                 f.write(line)
                 f.flush()
-                console.write(line)
+                sink(line)
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     return thread
+
+
+class Postprocessing:
+    """One trial's running ``postprocess_profile.py`` (:meth:`TrialProcesses.postprocess`). In the background its
+    output goes to the trial's ``launcher.log`` as it comes and to the console, whole, when :meth:`wait` returns (so
+    it does not interleave with the next trial's)."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path, console: Console, background: bool) -> None:
+        self.proc, self.console = proc, console
+        self.held: list[bytes] | None = [] if background else None
+        self.ended: tuple[float, float] | None = None  # (time.time, time.monotonic) when it ended, if watched
+        self._pump = _tee(proc, log, "ab", console.write if self.held is None else self.held.append)
+
+    def wait(self) -> int:
+        """Wait for it to end (its output all copied); its status as a shell reports it (:func:`exit_status`)."""
+        returncode = self.proc.wait()
+        self._pump.join()
+        if self.held:
+            self.console.write(b"".join(self.held))
+            self.held = []
+        return exit_status(returncode)
 
 
 
@@ -134,14 +157,17 @@ class TrialProcesses:
         self.marker: str | None = None  # in the environment of its workers
 
     def terminate(self) -> None:
-        """SIGTERM to the running torchrun's process group: it stops its workers and exits."""
-        if self.proc is not None and self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGTERM)
+        """SIGTERM to the running torchrun's process group: it stops its workers and exits. (Also called from the
+        thread that watches a background postprocessing.)"""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            kill_group(proc.pid, signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL to the running torchrun's process group and to the workers of the last trial."""
-        if self.proc is not None and self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGKILL)
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            kill_group(proc.pid, signal.SIGKILL)
         if self.marker:
             for pid in marked_processes(self.marker):
                 _signal(pid, signal.SIGKILL)
@@ -167,7 +193,7 @@ class TrialProcesses:
                                      start_new_session=True)
         if self.stop.signum is not None:  # a signal before self.proc was set: its handler could not pass it on
             kill_group(self.proc.pid, signal.SIGTERM)
-        pump = _tee(self.proc, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console)
+        pump = _tee(self.proc, t.run_dir / artifacts.LAUNCHER_LOG, "wb", self.console.write)
         stall = self._watch(t, plan)
         returncode = self.proc.wait()
         ranks = stop_marked(self.marker)  # before the tee ends: workers left running hold torchrun's output pipe open
@@ -220,8 +246,10 @@ class TrialProcesses:
                 kill_group(self.proc.pid, signal.SIGTERM)
                 return line
 
-    def postprocess(self, t: Trial) -> int:
-        """``postprocess_profile.py`` on the trial (its output teed, appended to ``launcher.log``); its status."""
+    def postprocess(self, t: Trial, background: bool = False) -> Postprocessing:
+        """Start ``postprocess_profile.py`` on the trial (its output appended to ``launcher.log`` and teed to the
+        console, or held for it until it ends when ``background``: :class:`Postprocessing`). It runs in the
+        launcher's process group: a terminal's Ctrl-C reaches it too."""
         cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "--log-dir", str(t.log_dir), "--run-dir",
                str(t.run_dir), "--profile-kind", t.kind, "--profile-step", str(t.step), "--trainer-log",
                str(t.log_dir / artifacts.TRAINER_LOG)]
@@ -230,10 +258,7 @@ class TrialProcesses:
             cmd += ["--nvidia-smi-csv", str(smi)]
         proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
-        pump = _tee(proc, t.run_dir / artifacts.LAUNCHER_LOG, "ab", self.console)
-        returncode = proc.wait()
-        pump.join()
-        return exit_status(returncode)
+        return Postprocessing(proc, t.run_dir / artifacts.LAUNCHER_LOG, self.console, background)
 
     def compare(self, source: Trial, trial: Trial) -> int:
         """``postprocess_profile.py compare`` of a what-if trial against its source trial: the report goes to the

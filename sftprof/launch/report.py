@@ -1,5 +1,5 @@
-"""The end-of-run text: a narrow table of the trials, the summaries to open, the compare command, and the warnings
-given before launch (repeated so that they are not lost above the trials' output)."""
+"""The end-of-run text: a narrow table of the trials, where each trial's wall time went, the summaries to open, the
+compare command, and the warnings given before launch (repeated so that they are not lost above the trials' output)."""
 from __future__ import annotations
 
 import csv
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from sftprof import artifacts
-from sftprof.launch.summaries import read_summary, table_figures, top_finding, what_if_lines
+from sftprof.launch.summaries import read_summary, table_figures, top_finding, wall_phases, what_if_lines
 from sftprof.launch.variables import REPO_ROOT
 from sftprof.progress import duration_text
 
@@ -36,9 +36,57 @@ def _interpreter(python: str | None) -> str:
     return shutil.which(python) or python
 
 
+# the wall-time table's columns: (header, the summary's wall_time phase; None: elapsed, then postprocessing)
+WALL_COLUMNS = (("start", "start_up"), ("imports", "imports"), ("setup", "setup"), ("build", "engine_build"),
+                ("step 0", "step_0"), ("steps", "warm_steps"), ("profiled", "profiled_steps"),
+                ("profiler", "profiler"), ("exit", "exit"))
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _postprocess_cell(run_dir: Path) -> str:
+    """Trial's postprocessing seconds from its ``trial_times.json`` (``*``: in the background), ``-`` unknown."""
+    try:
+        times = artifacts.read_trial_times(run_dir)
+    except (OSError, ValueError):
+        return "-"
+    if times is None or times.postprocess_started_unix_s is None or times.postprocess_ended_unix_s is None:
+        return "-"
+    return (_seconds(times.postprocess_ended_unix_s - times.postprocess_started_unix_s)
+            + ("*" if times.postprocess_background else ""))
+
+
+def wall_table(labelled: list[tuple[str, Path, dict]]) -> list[str]:
+    """Lines of the wall-time table: per trial (``(label, run dir, summary)``) its summary's phases in seconds, the
+    elapsed time they sum to (``train``: torchrun launched to ended), its postprocessing, and a line naming each
+    step 0's cold-start cost; none when no summary has phases."""
+    rows, cold = [], []
+    for label, run_dir, summary in labelled:
+        phases, elapsed, cold_s = wall_phases(summary)
+        if not phases:
+            continue
+        rows.append([label] + [_seconds(phases.get(key)) for _, key in WALL_COLUMNS]
+                    + [_seconds(elapsed), _postprocess_cell(run_dir)])
+        if cold_s is not None:
+            cold.append(f"{label} {cold_s:.1f} s")
+    if not rows:
+        return []
+    header = ["trial"] + [h for h, _ in WALL_COLUMNS] + ["train", "postproc"]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["", "wall time per trial, s (train: torchrun's launch to its exit; postproc *: while the next trial "
+                 "trained):"]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+              for r in [header] + rows]
+    if cold:
+        lines.append("cold start (step 0's time less a warm step's, inside step 0 or profiled): " + "; ".join(cold))
+    return lines
+
+
 def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnings: list[str] | None = None) -> str:
-    """The end-of-run text: a narrow table of trials, the summaries to open, the compare command and ``warnings``
-    (those given before launch, one line each).
+    """The end-of-run text: a narrow table of trials, the wall time per trial (:func:`wall_table`), the summaries to
+    open, the compare command and ``warnings`` (those given before launch, one line each).
 
     The compare command works from any folder: ``python`` (the driver's ``PYTHON``; a name without ``/`` is looked
     up on PATH, a relative path made absolute; None: this interpreter) and this repository's
@@ -56,7 +104,7 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
     with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     table = [("trial", "status", "step time", "peak mem", "top finding")]
-    summaries, tried = [], []
+    summaries, tried, labelled = [], [], []
     for row in rows:
         path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
         summary = read_summary(Path(row["run_dir"]))
@@ -69,12 +117,14 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
         if row.get("what_if", NO_WHAT_IF) != NO_WHAT_IF:  # a what-if trial (TRY_WHAT_IFS): named below the table
             tried.append((len(tried) + 1, trial, row, summary))
             trial += f" what-if {len(tried)}"
+        labelled.append((trial, Path(row["run_dir"]), summary))
         table.append((trial, status, duration_text(step) if step is not None else "-",
                       _gib(peak, device), top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
         if path.is_file():
             summaries.append(str(path))
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in table]
+    lines += wall_table(labelled)
     if tried:
         lines += ["", "what-ifs tried (prediction against outcome; the compare report in the what-if trial's run dir):"]
         for k, trial, row, summary in tried:

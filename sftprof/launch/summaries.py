@@ -1,5 +1,5 @@
-"""What the end table reads of each trial's ``profile_summary.json``: the step time, the peak memory, the device and
-the top finding. The one place the launcher reads a summary (its nested keys); the table itself is
+"""What the end table reads of each trial's ``profile_summary.json``: the step time, the peak memory, the device, the
+top finding and the wall-time phases. The one place the launcher reads a summary (its nested keys); the table itself is
 :mod:`sftprof.launch.report`.
 """
 from __future__ import annotations
@@ -27,6 +27,15 @@ def table_figures(summary: dict) -> tuple[float | None, float | None, str | None
     stats = summary.get("stats") or {}
     device = (summary.get("completion") or {}).get("device")
     return stats.get("step_time_s"), stats.get("mem_peak_allocated_gb"), device
+
+
+def wall_phases(summary: dict) -> tuple[dict[str, float | None], float | None, float | None]:
+    """``({phase: seconds}, elapsed_s, cold_start_s)`` of a summary's ``wall_time``
+    (:func:`sftprof.analysis.trial.wall_time.wall_time`); ``({}, None, None)`` for a summary without one (of an
+    earlier release, or none)."""
+    w = summary.get("wall_time") or {}
+    cold = w.get("cold_start") or {}
+    return {p["phase"]: p["seconds"] for p in w.get("phases") or []}, w.get("elapsed_s"), cold.get("cold_start_s")
 
 
 def top_finding(summary: dict) -> str:

@@ -9,6 +9,12 @@ someone else stops the run the same way (its ``SignalException`` in its output);
 its trial with torchrun's status 128 + the signal, named in the node end record that the summary reads
 (:mod:`sftprof.launch.nodes`). A trial whose config is not the plan's (:func:`config_changed`) is not run.
 
+A trial whose next trial is a memory trial is postprocessed in the background while that one trains
+(:class:`TrialRunner`); its record waits until that training ends, and a signal then, or a failure with
+``STOP_ON_FAILURE=1``, is taken as after its postprocessing in the foreground. Each trial's clock (torchrun launched
+and ended, postprocessing started and ended) goes to ``RUN_DIR/trial_times.json``
+(:class:`sftprof.artifacts.TrialTimes`), which postprocessing reads for the summary's wall-time phases.
+
 The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.plan_types.Trial` that gave the
 trainer its config (no file read back). With ``TRY_WHAT_IFS=N`` the what-if trials (:mod:`sftprof.launch.what_ifs`)
 follow the planned ones, each compared with the trial it varies.
@@ -18,15 +24,17 @@ from __future__ import annotations
 import csv
 import hashlib
 import signal
+import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sftprof import artifacts
 from sftprof.analysis.trial.inputs import read_tried_what_if
-from sftprof.artifacts import read_stats
+from sftprof.artifacts import TrialTimes, read_stats, write_trial_times
 from sftprof.launch.nodes import wait_for_nodes
 from sftprof.launch.plan_types import PlanConfig, RunPlan, Trial
-from sftprof.launch.processes import Console, TrialProcesses, exit_status
+from sftprof.launch.processes import Console, Postprocessing, TrialProcesses, exit_status
 from sftprof.launch.report import CONFIG_CHANGED, INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
 from sftprof.launch.signals import RunStop, ignore_signals, name, say
 from sftprof.launch.variables import DriverError
@@ -109,10 +117,30 @@ def source_edited(config: PlanConfig) -> bool:
         return True
 
 
+@dataclass
+class Background:
+    """A trial postprocessed in the background while the next trial (a memory trial) trains: trial ``n`` (1-based),
+    its train status, torchrun's elapsed seconds, its start (``time.monotonic``), its clock record and the running
+    postprocessing."""
+
+    n: int
+    trial: Trial
+    train_rc: int
+    elapsed: int
+    start: float
+    times: TrialTimes
+    job: Postprocessing
+
+
 class TrialRunner:
     """Runs the trials of a written plan and returns the run's exit status: 0, the last failing trial's status, or
     128 + the signal that stopped the run. Made before the plan, so that its signal handlers (:attr:`stop`) can take
-    over the moment the plan is written."""
+    over the moment the plan is written.
+
+    A trial whose next trial is a memory trial is postprocessed in the background while that one trains (a memory
+    trial measures no time, so the CPU load perturbs nothing it reports; a kernel trial's training never overlaps
+    anything); its row, status and ``done`` line come once that training has ended (:meth:`_join`), before the memory
+    trial's, and the run waits for it before the next trial, the what-ifs and the end table."""
 
     def __init__(self, python: str, env: dict[str, str]) -> None:
         self.trials: list[Trial] = []
@@ -127,6 +155,10 @@ class TrialRunner:
         self.stop = RunStop(on_first=self._first_signal, on_again=self._signal_again)
         self.processes = TrialProcesses(python, env, self.console, self.stop, self._child_stopped)
         self._source_edited = False  # the CONFIG file differs from the plan's copy (said once)
+        self.background: Background | None = None  # the trial postprocessed while the next one trains
+        self.final_rc = 0
+        self.stopping = False  # STOP_ON_FAILURE=1 and a trial failed: no further trial starts
+        self.tries: dict[str, Trial] = {}  # what-if trial name -> the trial it varies
 
     @property
     def run_root(self) -> Path:
@@ -149,6 +181,19 @@ class TrialRunner:
         self.console.muted = True
         say(f"{child} got signal {signum} (not the driver): stopping the run")
 
+    def _watch_background(self, job: Postprocessing) -> None:
+        """(A thread.) A background postprocessing that ends with 130 or 143 while the launcher got no signal was
+        killed alone: the run stops as after the launcher's signal, the training trial's torchrun too. A terminal's
+        Ctrl-C reaches both: the launcher's handler, in the main thread, has up to a second to record it first."""
+        rc = exit_status(job.proc.wait())
+        job.ended = (time.time(), time.monotonic())
+        deadline = time.monotonic() + 1.0
+        while rc in (130, 143) and self.stop.signum is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if rc in (130, 143) and self.stop.signum is None:
+            self._child_stopped("postprocessing", rc - 128)
+            self.processes.terminate()
+
     def run(self, trials: list[Trial], plan: RunPlan) -> int:
         """Run every trial of the plan (:func:`sftprof.launch.planning.plan`), or until a
         signal or, with ``STOP_ON_FAILURE=1``, a failure; with ``TRY_WHAT_IFS``, then the what-if trials of the
@@ -159,30 +204,24 @@ class TrialRunner:
         with open(self.run_root / artifacts.SUMMARY_TSV, "x", encoding="utf-8") as f:
             f.write("\t".join(SUMMARY_HEADER) + "\n")
         self.console.line(f"sftprof: run root {self.run_root} (settings in {artifacts.PROFILE_SETTINGS})")
-        final_rc, run_start = 0, time.monotonic()
-        planned, tries = list(self.trials), {}
+        run_start = time.monotonic()
+        planned = list(self.trials)
         n = 0
         while n < len(self.trials):
-            if self.stop.signum is not None:  # a signal between two trials: the next one does not start
+            if self.stop.signum is not None or self.stopping:  # a signal (or failure) between two trials: no next one
                 break
             trial = self.trials[n]
             n += 1
-            status = self._trial(n, trial, run_start)
-            if status is None:  # stopped by a signal
+            if self._trial(n, trial, run_start) is None:  # stopped by a signal
                 break
-            if status != 0:
-                final_rc = status
-                if plan.stop_on_failure:
-                    break
-            elif trial.name in tries:
-                self._compare(n, tries[trial.name], trial)
-            if n == len(planned) and plan.what_ifs:  # the planned trials ran: their what-ifs follow
-                tries = self._plan_what_ifs(planned)
+            if n == len(planned) and plan.what_ifs and not self.stopping:  # the planned trials ran: their what-ifs
+                self.tries = self._plan_what_ifs(planned)
+        self._join(run_start, n)
         ignore_signals()
         record_trials_not_run(self.run_root)
         self.console.line("")
         self.console.line(report(self.run_root, plan.node_rank, self.python, plan.warnings).rstrip("\n"))
-        return self.stop.status if self.stop.signum is not None else final_rc
+        return self.stop.status if self.stop.signum is not None else self.final_rc
 
     def _plan_what_ifs(self, planned: list[Trial]) -> dict[str, Trial]:
         """Choose the what-ifs to try (``TRY_WHAT_IFS``, :mod:`sftprof.launch.what_ifs`), write their folders and
@@ -212,20 +251,26 @@ class TrialRunner:
                           f"{exit_status(rc)}; see {trial.run_dir / artifacts.LAUNCHER_LOG})")
 
     def _trial(self, n: int, t: Trial, run_start: float) -> int | None:
-        """Run trial ``n`` (1-based): its status, or None when a signal stopped the run during it."""
+        """Run trial ``n`` (1-based): its status (0 when it is postprocessed in the background: its status comes
+        with :meth:`_join`), or None when a signal stopped the run during it. A trial postprocessed in the background
+        before it is recorded first (:meth:`_join`), once this one's training is over."""
         total, plan = len(self.trials), self.plan
         self.console.line(f"sftprof: [{n}/{total}] trial {t.name} (kind={t.kind} step={t.step}"
                           + (f", what-if {t.what_if}" if t.what_if else "") + f") started {time.strftime('%H:%M:%S')}")
-        start = time.monotonic()
+        start, times = time.monotonic(), TrialTimes(launched_unix_s=time.time())
         changed = self._config_changed(t)
         if changed:
+            self._join(run_start, n - 1)  # trial n does not run
             with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:
                 log.write(f"sftprof: {changed}\n")
             append_row(self.run_root, t, CONFIG_CHANGED, "-", "-", 0)
             say(f"[{n}/{total}] trial {t.name} not run: {changed}")
-            return 2
+            return self._done(n, t, 2)
+        write_trial_times(t.run_dir, times)
         torchrun_rc = self.processes.torchrun(t, plan)
-        elapsed = int(time.monotonic() - start)
+        elapsed, times = int(time.monotonic() - start), replace(times, torchrun_ended_unix_s=time.time())
+        write_trial_times(t.run_dir, times)
+        self._join(run_start, n)
         if self.stop.signum is not None:
             with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:  # postprocessing reads it
                 log.write(artifacts.INTERRUPTED_LINE.format(signal=signal.Signals(self.stop.signum).name) + "\n")
@@ -233,7 +278,41 @@ class TrialRunner:
             say(f"[{n}/{total}] trial {t.name} interrupted after {elapsed} s (torchrun status {torchrun_rc}); "
                 f"{total - n} trial(s) will not run")
             return None
-        train_rc, pp_rc = self._statuses(n, t, torchrun_rc)
+        train_rc = self._train_status(t, torchrun_rc)
+        nxt = self.trials[n] if n < total else None
+        if (self.stop.signum is None and not self.stopping and plan.node_rank == 0 and nxt is not None
+                and nxt.kind == "memory" and not (train_rc and plan.stop_on_failure)):
+            self.console.line(f"sftprof: [{n}/{total}] postprocessing {t.name} in the background while the next "
+                              "trial (memory) trains")
+            times = replace(times, postprocess_started_unix_s=time.time(), postprocess_background=True)
+            write_trial_times(t.run_dir, times)
+            job = self.processes.postprocess(t, background=True)
+            threading.Thread(target=self._watch_background, args=(job,), daemon=True).start()
+            self.background = Background(n, t, train_rc, elapsed, start, times, job)
+            return 0
+        pp_rc = self._postprocess(n, t, times)
+        return self._finish(n, t, train_rc, pp_rc, elapsed, start, run_start, n)
+
+    def _join(self, run_start: float, current: int) -> None:
+        """Wait for the trial postprocessed in the background, if any, and record it (:meth:`_finish`);
+        ``current``: the trial that trained meanwhile (or the last started)."""
+        bg, self.background = self.background, None
+        if bg is None:
+            return
+        pp_rc = bg.job.wait()
+        wall, mono = bg.job.ended or (time.time(), time.monotonic())
+        write_trial_times(bg.trial.run_dir, replace(bg.times, postprocess_ended_unix_s=wall))
+        if self.stop.signum is None and pp_rc in (130, 143):  # a signal the launcher did not get
+            self._child_stopped("postprocessing", pp_rc - 128)
+        self._finish(bg.n, bg.trial, bg.train_rc, pp_rc, bg.elapsed, bg.start, run_start, current, mono)
+
+    def _finish(self, n: int, t: Trial, train_rc: int, pp_rc: int | str, elapsed: int, start: float,
+                run_start: float, current: int, ended: float | None = None) -> int | None:
+        """Record trial ``n`` once trained and postprocessed: its row, its ``done`` line, a failure; its status, or
+        None when a signal stopped the run. ``current``: the last trial started (``n``, or the one that trained
+        while ``n`` was postprocessed in the background); those after it will not run when the run stops.
+        ``start``, ``ended``: the trial's start and end (``time.monotonic``; ``ended`` None: now)."""
+        total, left = len(self.trials), len(self.trials) - current
         if self.stop.signum is not None:  # the signal came after training: while postprocessing or reading the status
             # postprocessing that ended with 0 was not interrupted (the signal reached the launcher alone)
             status = train_rc if pp_rc == 0 else INTERRUPTED
@@ -241,31 +320,46 @@ class TrialRunner:
             say(f"[{n}/{total}] trial {t.name} " + (
                 f"interrupted after training (train status {train_rc}, postprocess status {pp_rc})"
                 if status == INTERRUPTED else f"postprocessed (status {status}) before the signal stopped the run")
-                + f"; {total - n} trial(s) will not run")
+                + f"; {left} trial(s) will not run")
             return None
         status = train_rc or pp_rc
         append_row(self.run_root, t, status, train_rc, pp_rc, elapsed)
-        done_s, left = int(time.monotonic() - run_start), total - n
-        stopping = status != 0 and plan.stop_on_failure
-        took = f"sftprof: [{n}/{total}] done in {int(time.monotonic() - start)} s (status {status}); "
-        self.console.line(took + (f"all trials took {done_s} s" if left == 0 else
-                                  f"{left} trial(s) will not run" if stopping else
-                                  f"about {done_s * left // n} s more for {left} trial(s)"))
+        stopping = self.stopping or (status != 0 and bool(self.plan.stop_on_failure))
+        done_s = int(time.monotonic() - run_start)
+        took = f"sftprof: [{n}/{total}] done in {int((ended or time.monotonic()) - start)} s (status {status}); "
+        if current != n:
+            self.console.line(took + f"postprocessed while trial {current} trained"
+                              + (f"; {left} trial(s) will not run" if stopping else ""))
+        else:
+            self.console.line(took + (f"all trials took {done_s} s" if left == 0 else
+                                      f"{left} trial(s) will not run" if stopping else
+                                      f"about {done_s * left // n} s more for {left} trial(s)"))
         if status != 0:
             say(f"trial {t.name} FAILED (status {status}; logs in {t.run_dir / artifacts.LAUNCHER_LOG} and "
                 f"{t.log_dir})")
             if stopping:
-                say("STOP_ON_FAILURE=1: stopping after the first failure")
+                say("STOP_ON_FAILURE=1: stopping after the first failure" + (
+                    "" if current == n else f" (trial {self.trials[current - 1].name}, which trained while it was "
+                                            "postprocessed, is finished first)"))
+        return self._done(n, t, status)
+
+    def _done(self, n: int, t: Trial, status: int) -> int:
+        """Trial ``n``'s status taken: the run's exit status, a stop with ``STOP_ON_FAILURE=1``, the comparison of a
+        what-if trial with its source trial."""
+        if status != 0:
+            self.final_rc = status
+            self.stopping = self.stopping or bool(self.plan.stop_on_failure)
+        elif t.name in self.tries:
+            self._compare(n, self.tries[t.name], t)
         return status
 
-    def _statuses(self, n: int, t: Trial, torchrun_rc: int) -> tuple[int, int | str]:
-        """Trial ``n``'s train and postprocess statuses once its torchrun ended with ``torchrun_rc``. Node 0: the
-        trainer's completion record (written by global rank 0), torchrun's status and every other node's end record,
-        then postprocessing (``-`` when a signal came first); other nodes: torchrun's status (node 0 postprocesses
-        every rank from the shared FILEROOT)."""
+    def _train_status(self, t: Trial, torchrun_rc: int) -> int:
+        """Trial ``t``'s train status once its torchrun ended with ``torchrun_rc``. Node 0: the trainer's completion
+        record (written by global rank 0), torchrun's status and every other node's end record; other nodes:
+        torchrun's status (node 0 postprocesses every rank from the shared FILEROOT)."""
         plan = self.plan
         if plan.node_rank != 0:
-            return torchrun_rc, 0
+            return torchrun_rc
         train_rc = torchrun_rc or trial_status(t.log_dir)
         if plan.nnodes > 1:  # every other node's end record, each failure named
             problems = wait_for_nodes(t.log_dir, plan.nnodes, plan.node_timeout)
@@ -274,13 +368,23 @@ class TrialRunner:
                     log.write(f"sftprof: {line}\n")
                     self.console.line(f"sftprof: {line}")
             train_rc = train_rc or (1 if problems else 0)
+        return train_rc
+
+    def _postprocess(self, n: int, t: Trial, times: TrialTimes) -> int | str:
+        """Postprocess trial ``n`` in the foreground (node 0; other nodes: 0, nothing to do; ``-`` when a signal came
+        first), its clock recorded in ``trial_times.json``; its status."""
+        if self.plan.node_rank != 0:
+            return 0
         if self.stop.signum is not None:  # a signal while the trial's status was read: not postprocessed
-            return train_rc, "-"
+            return "-"
         self.console.line(f"sftprof: [{n}/{len(self.trials)}] postprocessing {t.name}")
-        pp_rc = self.processes.postprocess(t)
+        times = replace(times, postprocess_started_unix_s=time.time())
+        write_trial_times(t.run_dir, times)
+        pp_rc = self.processes.postprocess(t).wait()
+        write_trial_times(t.run_dir, replace(times, postprocess_ended_unix_s=time.time()))
         if self.stop.signum is None and pp_rc in (130, 143):  # a signal the launcher did not get
             self._child_stopped("postprocessing", pp_rc - 128)
-        return train_rc, pp_rc
+        return pp_rc
 
     def _config_changed(self, t: Trial) -> str | None:
         """Why trial ``t`` would not run the plan's config (:func:`config_changed`), else None. The first time the

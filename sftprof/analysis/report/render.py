@@ -16,6 +16,7 @@ from sftprof.artifacts import ENVIRONMENT, compare_report_name
 from sftprof.analysis.trial.failure import failure_cause, headline
 from sftprof.analysis.report.markdown import fmt, table, with_rank
 from sftprof.analysis.time.rank_table import RANK_COLUMNS
+from sftprof.analysis.trial.wall_time import PHASES
 from sftprof.analysis.report.memory import memory_snapshots
 from sftprof.analysis.report.trace import kernel_traces
 
@@ -204,6 +205,30 @@ def _steps(s: dict) -> list[str]:
     return out
 
 
+def _wall_time(s: dict) -> list[str]:
+    w = s.get("wall_time")
+    if not w:
+        return []
+    total = (f"{w['elapsed_s']:.1f} s" if w["elapsed_s"] is not None
+             else "time (no trial_times.json: launch and exit unknown)")
+    out = ["## Wall time\n",
+           f"Where the trial's {total} went, from torchrun's launch to its exit (the launcher's clock in "
+           "trial_times.json, rank 0's in stats.jsonl). Postprocessing, which wrote this summary, is timed in "
+           "trial_times.json and the driver's end table.\n",
+           table(["phase", "s", "what"], [[p["phase"], fmt(p["seconds"]), PHASES.get(p["phase"], "")]
+                                           for p in w["phases"]])]
+    c = w.get("cold_start")
+    if c:
+        out.append(f"- cold start: step 0 took {c['step0_s']:.3f} s against {c['warm_step_s']:.3f} s for a warm "
+                   f"step (median of step(s) {', '.join(map(str, c['warm_steps']))}"
+                   + (", profiled: the profiler's cost in it" if c["reference_profiled"] else "")
+                   + f"): **{c['cold_start_s']:.3f} s** "
+                   "of one-time cost in step 0 (compilation, Triton autotuning, cuDNN/cuBLAS heuristics, the "
+                   "allocator's first growth, communicators' set-up), in its step time and in the wall time above")
+    out.append("")
+    return out
+
+
 def _moe_cells(m: dict | None) -> list:
     """The two routing cells of a Steps row: ``"16.000 (L3)"`` and the EP rank's (``–`` without data)."""
     if not m:
@@ -347,7 +372,8 @@ def _comm_wait(cw: dict | None) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
-    _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _projection, _nvidia_smi, _ranks,
+    _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _wall_time, _projection,
+    _nvidia_smi, _ranks,
     kernel_traces, memory_snapshots)
 
 

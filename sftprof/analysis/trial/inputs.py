@@ -105,6 +105,7 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
         rec = step_record.to_json()
         row = {k: rec.get(k) for k in ("step", "step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                                        "recompute_tflops_per_gpu", "profiled")}
+        row.update({k: _finite(rec.get(k)) for k in ("started_unix_s", "profiler_s")})
         per_rank = _per_rank(rec)
         for key in ("mem_peak_allocated", "mem_peak_reserved"):
             row[f"{key}_gb"], row[f"{key}_rank"] = _max_over_ranks(per_rank, f"{key}_gb")

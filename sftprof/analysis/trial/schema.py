@@ -72,6 +72,8 @@ class StepRow(TypedDict):
     n_ranks: int  # ranks the peaks are taken over (1: rank 0's alone)
     moe: Optional[MoeRouting]
     gpu_others: list[GpuOthers]
+    started_unix_s: NotRequired[Optional[float]]  # rank 0's clock at the step's start (sftprof.artifacts.StepRecord)
+    profiler_s: NotRequired[Optional[float]]  # rank 0's wall time in the profilers around the timed step
 
 
 class Stats(TypedDict):
@@ -128,6 +130,32 @@ class NvidiaSmi(TypedDict):
     peak_memory_used_mib: Optional[float]
     peak_utilization_pct: Optional[float]
     profiled_step: NotRequired[SmiWindow]
+
+
+class WallPhase(TypedDict):
+    """One phase of the trial's wall time (:data:`sftprof.analysis.trial.wall_time.PHASES` names them, in order)."""
+    phase: str
+    seconds: Optional[float]  # None: a boundary of the phase was not recorded (a trial that failed or was stopped)
+
+
+class ColdStart(TypedDict):
+    """Step 0's one-time cost: its step time minus a warm step's (both ``step_time_s``, the slowest rank's)."""
+    step0_s: float
+    warm_step_s: float  # the median of the reference steps
+    warm_steps: list[int]  # the reference: the steps after 0 not profiled, else the profiled ones (profiler included)
+    reference_profiled: bool  # the reference steps are profiled ones (no step after 0 ran unprofiled)
+    cold_start_s: float  # step0_s - warm_step_s
+
+
+class WallTime(TypedDict):
+    """Where the trial's wall time went, in seconds (:func:`sftprof.analysis.trial.wall_time.wall_time`), from the
+    trainer's clock in ``stats.jsonl`` and the launcher's in ``trial_times.json``. The phases follow each other from
+    torchrun's launch to its exit, so they sum to ``elapsed_s``; postprocessing, which writes this summary, is timed
+    in ``trial_times.json`` and the driver's end table only."""
+    phases: list[WallPhase]
+    elapsed_s: Optional[float]  # torchrun launched -> ended (the launcher's clock); None without trial_times.json
+    cold_start: Optional[ColdStart]  # None: no step 0 or no later step to compare it with
+    trial_times_error: NotRequired[str]  # trial_times.json exists but cannot be read (a warning too)
 
 
 class FileError(TypedDict):
@@ -254,7 +282,12 @@ class Files(TypedDict):
     skipped: list[SkippedFile]
 
 
-class TrialRecord(Header, Inputs, FailurePart, Files):
+class WallTimePart(TypedDict):
+    """Where the trial's wall time went (every trial)."""
+    wall_time: WallTime
+
+
+class TrialRecord(Header, Inputs, FailurePart, Files, WallTimePart):
     """What the trial's files say: the members the rest of the summary is judged from."""
 
 

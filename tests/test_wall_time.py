@@ -1,0 +1,80 @@
+"""The wall-time phases of a trial (sftprof.analysis.trial.wall_time) from the trainer's and the launcher's clocks,
+and the launcher's record of them (trial_times.json). A real run's phases are checked against its logs in
+tests/test_e2e_cpu.py."""
+import json
+
+import pytest
+
+from sftprof import artifacts
+from sftprof.analysis.trial.inputs import read_stats
+from sftprof.analysis.trial.wall_time import PHASES, wall_time
+from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TrialTimes
+
+
+def _stats(tmp_path, steps, **completion):
+    """stats.jsonl with step records ``(step, step_time_s, started_unix_s, profiler_s, profiled)`` and a
+    completion record, read as the summary reads it (profiled step 2)."""
+    w = StatsWriter(tmp_path / "stats.jsonl")
+    for step, dt, started, inside, profiled in steps:
+        w.write(StepRecord(step=step, loss=1.0, grad_norm=1.0, step_time_s=dt, tokens=8, tokens_per_s=8 / dt,
+                           mem_allocated_gb=None, mem_reserved_gb=None, mem_peak_allocated_gb=None,
+                           mem_peak_reserved_gb=None, ranks=None, tflops_per_gpu=None, mfu=None,
+                           recompute_tflops_per_gpu=None, moe_load=None, profiled=profiled, started_unix_s=started,
+                           profiler_s=inside))
+    w.write(CompletionRecord(status="ok", **completion))
+    w.close()
+    return read_stats(str(tmp_path / "stats.jsonl"), 2)
+
+
+CLOCKS = {"trainer_started_unix_s": 1002.0, "imports_done_unix_s": 1006.5, "engine_build_started_unix_s": 1008.0,
+          "ended_unix_s": 1060.0}
+
+
+def test_phases_follow_each_other_from_launch_to_exit(tmp_path):
+    """Launched at 1000, torchrun ended at 1063: steps 0-2 (2 profiled, 3 s in its profiler) start at 1010, 1030
+    and 1040; each phase is the span between its boundaries, a step's less its profiler time; step 0 cost 15 s more
+    than step 1 (the only unprofiled step after it)."""
+    stats = _stats(tmp_path, [(0, 19.5, 1010.0, 0.25, False), (1, 4.5, 1030.0, 0.0, False),
+                              (2, 5.0, 1040.0, 3.0, True)], **CLOCKS)
+    wall = wall_time(stats, TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1063.0))
+    assert wall == {"phases": [{"phase": p, "seconds": s} for p, s in zip(PHASES, [
+        2.0, 4.5, 1.5, 2.0, 19.75, 10.0, 17.0, 3.25, 3.0])], "elapsed_s": 63.0,
+        "cold_start": {"step0_s": 19.5, "warm_step_s": 4.5, "warm_steps": [1], "reference_profiled": False,
+                       "cold_start_s": 15.0}}
+    assert sum(p["seconds"] for p in wall["phases"]) == wall["elapsed_s"]
+
+
+def test_boundaries_not_recorded_leave_their_phases_unknown(tmp_path):
+    """No launcher record (a postprocess of a trial not run by the driver): start-up and exit unknown, elapsed
+    unknown; a trial that failed in its engine build (no step record): the build runs to the completion record, the
+    steps are 0; a log of an earlier release (no clocks at all): every phase that needs one is unknown."""
+    stats = _stats(tmp_path, [], **CLOCKS)
+    wall = wall_time(stats, None)
+    assert [p["seconds"] for p in wall["phases"]] == [None, 4.5, 1.5, 52.0, 0.0, 0.0, 0.0, 0.0, None]
+    assert wall["elapsed_s"] is None and wall["cold_start"] is None
+    old = _stats(tmp_path, [(0, 2.0, None, None, True)])
+    wall = wall_time(old, TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1010.0))
+    assert [p["seconds"] for p in wall["phases"]] == [None, None, None, None, 0.0, 0.0, None, None, None]
+    assert wall["elapsed_s"] == 10.0
+
+
+def test_cold_start_reference_is_a_profiled_step_when_no_other_ran(tmp_path):
+    """A kernel trial of step 1 (TOTAL_STEPS=2): step 0 is compared with the profiled step 1, and that is said."""
+    stats = _stats(tmp_path, [(0, 9.0, 1010.0, 0.5, False), (1, 3.0, 1020.0, 1.0, True)], **CLOCKS)
+    assert wall_time(stats, None)["cold_start"] == {"step0_s": 9.0, "warm_step_s": 3.0, "warm_steps": [1],
+                                                    "reference_profiled": True, "cold_start_s": 6.0}
+
+
+def test_trial_times_record_round_trips_and_a_damaged_one_is_refused(tmp_path):
+    times = TrialTimes(launched_unix_s=1.5, torchrun_ended_unix_s=9.0, postprocess_started_unix_s=9.5,
+                       postprocess_ended_unix_s=12.0, postprocess_background=True)
+    assert artifacts.read_trial_times(tmp_path) is None
+    artifacts.write_trial_times(tmp_path, times)
+    assert artifacts.read_trial_times(tmp_path) == times
+    assert [p.name for p in tmp_path.iterdir()] == ["trial_times.json"]
+    (tmp_path / "trial_times.json").write_text(json.dumps({"launched_unix_s": "soon"}))
+    with pytest.raises(ValueError, match=r"trial_times.json: launched_unix_s 'soon' is not a time"):
+        artifacts.read_trial_times(tmp_path)
+    (tmp_path / "trial_times.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        artifacts.read_trial_times(tmp_path)
