@@ -1,8 +1,10 @@
-"""The fit check's prediction against the measured one-GPU runs (CPU; prints bench/NOTES.md's table).
+"""The fit check's prediction against the measured runs (CPU; prints bench/NOTES.md's table).
 
 Each run of ``tests/fixtures/measured_peaks/runs.json`` is planned as the driver plans it (its variables and
-arguments on the README's one-GPU slice), and its predicted peak allocated and need (:mod:`sftprof.analysis.memory.fit`)
-are set against the measured peak (from its docs/examples summary, or the figure the fixture records) and the outcome.
+arguments on the README's one-GPU slice, :data:`SLICE_ENV` and :data:`SLICE_ARGS`, or on what the run gives instead
+as ``slice_env`` and ``slice_args``: a simulated rank of the shipped layout takes none), and its predicted peak
+allocated and need (:mod:`sftprof.analysis.memory.fit`) are set against the measured peak (from its docs/examples
+summary, or the figure the fixture records) and the outcome.
 
     PYTHONPATH=$PWD python bench/fit_check_table.py
 """
@@ -41,10 +43,10 @@ def measured_peak_gib(run: dict) -> float | None:
 def predict(run: dict, fileroot: str) -> dict:
     """:func:`check_fit` of the run as the driver would plan it on its GPU (the config its variables and arguments
     give; the model's package checks of the plan left out: fla need not be installed here)."""
-    env = {**SLICE_ENV, "CONFIG": str(ROOT / run["config"]), "PROFILE_FAKE_SEQ_LEN": str(run["seq_len"]),
-           "FILEROOT": fileroot, **run["env"]}
+    env = {**run.get("slice_env", SLICE_ENV), "CONFIG": str(ROOT / run["config"]),
+           "PROFILE_FAKE_SEQ_LEN": str(run["seq_len"]), "FILEROOT": fileroot, **run["env"]}
     log = PlanLog()
-    d = read_driver_env(env, SLICE_ARGS + run["args"], log)
+    d = read_driver_env(env, run.get("slice_args", SLICE_ARGS) + run["args"], log)
     cfg = load_config(d.config, d.overrides + d.extra_overrides)
     return check_fit(dataclasses.asdict(cfg), load_hf_config(cfg.actor.path, cfg.actor.num_layers),
                      parse_allocation_mode(cfg.actor.backend), cfg.profile.fake_seq_len,

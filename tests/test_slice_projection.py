@@ -62,7 +62,7 @@ def test_factors_by_hand_two_layers_8k_to_four_layers_128k(te_slice):
     # 5.919 s; projected 6.11 s
     assert abs(p["projected_step_ms"] - 6097.0) / 6097.0 < 0.01
     # the fit check's prediction at 4 x 131072 (measured 82.95 GiB, bench/NOTES.md "The fit check")
-    assert p["memory"]["peak_gib"] == pytest.approx(82.60, abs=0.01) and p["memory"]["fits"] is None
+    assert p["memory"]["peak_gib"] == pytest.approx(82.75, abs=0.01) and p["memory"]["fits"] is None
 
 
 def test_layer_pattern_of_qwen3_5():

@@ -35,22 +35,42 @@ optimizer state allocated) as the largest of three moments, with ``s`` the token
 over TP), ``T = s k t_e / t`` tokens after the MoE dispatch (``k`` experts per token, balanced routing; one rank
 with EP 1), ``Q = s n_q d b / t`` and ``KV = s n_kv d b / t``:
 
-- the layer backward: parameters, gradients, optimizer state (without the fp32 gradient copy, made later), the
-  saved activations (full recompute: each layer's input ``U``; a layer's saved set ``A`` where it is not
-  recomputed, for every micro-batch in flight: ``PP - pp_rank`` with PP > 1), the routers' state every layer keeps
-  for its auxiliary loss (``13 s E`` bytes: fp32 probabilities, a mask and TE's row-id map), and one layer's working
-  set ``A + B``. Full attention ``A = 6 U + 3 Q + 2 KV`` (norm outputs, residual, checkpoint buffers, q/k/v after
-  RoPE, the attention output); a gated delta-net ``A = 6 U + b s (2 c_qk + 2 c_v + 2 n_v + 2 c_qk + c_v + 2 c_v) / t
-  + 2 S`` (its in-projection, conv and core outputs, ``S = ceil(s / 64) n_v d_k d_v b / t`` chunk states, taken
-  twice for their gradient); MoE ``A = 2 T h b + 3 T f b / t_e`` (dispatched tokens, expert output, FC1 output and
-  activation) and ``B = 2 T h b`` (their gradients after the permutation). Calibrated on the alive-at-peak list of
-  the 4-layer Qwen3-30B-A3B 131072-token snapshot with ``LM_HEAD_LOSS_CHUNK_SIZE=2048`` (TE, one H200; 28.0 GiB
-  of working set measured, 27.6 GiB from these terms); the gated delta-net terms are derived, not calibrated.
+- the layer backward: parameters, gradients, optimizer state (without the fp32 gradient copy, made later), with
+  Transformer Engine its cuBLAS / GEMM workspaces (0.156 GiB in 5 blocks in every TE snapshot, none with
+  ``transformer_impl=local``; ``auto`` is taken as TE, which every measured run of it had), the saved activations
+  (full recompute: each recompute group's input ``U``; a layer's saved set ``A`` where it is not recomputed, for
+  every micro-batch in flight: ``PP - pp_rank`` with PP > 1), the routers' state every layer keeps for its auxiliary
+  loss (``13 s E`` bytes with TE: fp32 probabilities, a mask and TE's row-id map; ``5 s E`` with local specs, which
+  keep no row-id map), one layer's working set ``A + B`` and, with full recompute, the retained input gradients.
+  Full attention ``A = 2 U + 2 U + 3 Q + 2 KV`` (the layer's input and its residual after attention, the two norm
+  outputs, q/k/v after RoPE, the attention output); a gated delta-net ``A = 4 U + b s (2 c_qk + 2 c_v + 2 n_v +
+  2 c_qk + c_v + 2 c_v) / t + 2 S`` (its in-projection, conv and core outputs, ``S = ceil(s / 64) n_v d_k d_v b / t``
+  chunk states, taken twice for their gradient); MoE ``A = 2 T h b + 3 T f b / t_e`` (dispatched tokens, expert
+  output, FC1 output and activation) and ``B = 2 T h b`` (their gradients after the permutation), ``+ T h b`` with
+  EP > 1 (the all-to-all's output, megatron-core's ``mappings.py`` all-to-all, alive beside the permuted tokens:
+  measured on the simulated EP-8 rank, 4 and 48 layers, where the MoE sites at the peak held ``5 T h b + 3 T f b``
+  against ``4 T h b + 3 T f b`` at EP 1). A recomputed group's working set leaves out its input (saved already).
+  Calibrated on the alive-at-peak list of the 4-layer Qwen3-30B-A3B 131072-token snapshot with
+  ``LM_HEAD_LOSS_CHUNK_SIZE=2048`` (TE, one H200: full attention 3 U + 3 Q + 2 KV and MoE 4 T h b + 3 T f b, site by
+  site); the gated delta-net terms are derived, not calibrated.
+  Retained input gradients (full recompute): the input gradient that megatron-core's ``CheckpointFunction.backward``
+  returns for a recompute group (allocated in its ``torch.autograd.backward``, ``random.py``) stays alive until the
+  micro-batch's backward ends, so the backward of group ``g`` (of ``G``, counted from the first layer) holds
+  ``(G - 1 - g) U`` more: measured with ``uniform`` 1 layer, ``L - 1`` blocks of ``U`` at the peak (the first layer's
+  backward) at 4 layers (131072 and 16384 tokens on one GPU, 32768 on the simulated EP-8 rank) and at 48 layers
+  (47 blocks, 5.9 GiB). Assumed, not measured: a group of ``recompute_num_layers`` layers retains one gradient
+  (``uniform``), ``block`` retains one per recomputed layer; ``selective`` (its checkpointed modules) and ``none``
+  retain none.
 - the LM head backward, unless the loss is chunked: the same static part, saved activations and router state,
   the logits ``s V b / t``, the output layer's weight gradient ``V h b / t`` and ``3 U`` (final norm output, the
   hidden gradient).
 - the optimizer step: the static part with megatron-core's fp32 gradient copy (without the precision-aware
-  optimizer) and no activation.
+  optimizer) and what the last micro-batch still holds: its router state and, with full recompute, its group inputs
+  and all ``G`` retained input gradients (measured, TE hidden, fp32 Adam: 4 + 4 blocks of ``U`` and the router's
+  state alive in the step of both one-GPU 4-layer snapshots); with local specs (TE hidden: megatron-core's
+  ``local_multi_tensor_scale`` for gradient clipping, ``dst.copy_(src * scale)``) the fp32 product of the largest
+  main-gradient tensor: a layer's experts' FC1 ``(E / e) 2 h f / t_e`` over the expert DP size, else the embedding's
+  ``V h / t`` over DP x CP, 4 B (measured at one GPU: 1.5 GiB Qwen3-30B-A3B, 2.0 GiB Qwen3.5).
 
 Recompute: ``full`` with ``uniform`` keeps one input per ``recompute_num_layers`` layers and recomputes that many
 at once; ``block`` recomputes the first ``recompute_num_layers`` layers and saves ``A`` of the others; ``selective``
@@ -64,7 +84,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head", "layer_sets"]
+__all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head", "layer_sets",
+           "transformer_engine"]
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "uint8": 1}
 _GIB = float(2**30)
@@ -201,14 +222,23 @@ def chunked_lm_head(cfg: dict) -> bool:
     return path == "lm_head" or (path == "auto" and (loss.get("lm_head_loss_chunk_size") or 0) > 0)
 
 
-ROUTER_BYTES_PER_TOKEN_EXPERT = 13  # fp32 probabilities (4), routing mask (1), TE's row-id map (8): measured
+# Bytes of router state per token and expert (module docstring), measured: TE keeps fp32 probabilities (4), the
+# routing mask (1) and its row-id map (8); the local specs the probabilities and the mask
+ROUTER_BYTES_PER_TOKEN_EXPERT = 13
+ROUTER_BYTES_PER_TOKEN_EXPERT_LOCAL = 5
+TE_WORKSPACE_BYTES = 167_777_280  # cuBLAS / TE GEMM workspaces: 0.156 GiB in 5 blocks in every TE snapshot
 GDN_CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (one state per chunk)
 
 
-def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int) -> dict[str, int]:
+def transformer_engine(cfg: dict) -> bool:
+    """True unless ``actor.megatron.transformer_impl`` is ``local`` (``auto`` taken as TE: module docstring)."""
+    return str(((cfg.get("actor") or {}).get("megatron") or {}).get("transformer_impl", "auto")) != "local"
+
+
+def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int, ep: int = 1) -> dict[str, int]:
     """Bytes one layer saves for backward at ``s`` tokens on a rank, by megatron-core recompute module (``core_attn``,
-    ``layernorm``, ``moe``, ``shared_experts``; ``other``: residual and checkpoint buffers), and its MoE gradients
-    ``moe_backward`` (module docstring: ``A`` and ``B``)."""
+    ``layernorm``, ``moe``, ``shared_experts``; ``other``: the layer's input and its residual after attention), and
+    its MoE backward's working set ``moe_backward`` at EP ``ep`` (module docstring: ``A`` and ``B``)."""
     h = hf.hidden_size
     u = s * h * b // t
     if layer_type == "linear_attention":
@@ -224,9 +254,16 @@ def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int) -> dict[st
     tokens = s * hf.num_experts_per_tok * etp // t
     f = hf.moe_intermediate_size // etp
     shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
-    return {"core_attn": core_attn, "layernorm": 2 * u, "other": 4 * u,
+    return {"core_attn": core_attn, "layernorm": 2 * u, "other": 2 * u,
             "moe": 2 * tokens * h * b + 3 * tokens * f * b, "shared_experts": 3 * s * shared * b // t,
-            "moe_backward": 2 * tokens * h * b}
+            "moe_backward": (2 + (ep > 1)) * tokens * h * b}
+
+
+def _largest_main_grad(hf, layout) -> int:
+    """Elements of the rank's largest fp32 main-gradient tensor (module docstring, the optimizer step)."""
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    fc1 = experts // layout.ep * 2 * hf.hidden_size * hf.moe_intermediate_size // layout.etp // layout.edp
+    return max(fc1, hf.vocab_size * hf.hidden_size // layout.tp // (layout.dp * layout.cp))
 
 
 def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str, Any]:
@@ -239,7 +276,8 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
     Returns:
         ``{"peak_bytes", "phase", "rows": [{"category", "bytes", "formula"}], "phases": {phase: bytes},
         "assumptions"}``: ``rows`` are the categories at the peak (parameters, gradients, optimizer, saved
-        activations, router state, layer working set or logits, ...), summing to ``peak_bytes``.
+        activations, router state, layer working set, retained input gradients or logits, ...), summing to
+        ``peak_bytes``.
 
     Raises:
         ValueError: an fsdp layout (this prediction models megatron-core's layers and recompute).
@@ -250,12 +288,16 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
     a = cfg.get("actor") or {}
     m = a.get("megatron") or {}
     b = _BYTES.get(str(a.get("dtype", "bfloat16")), 2)
+    te = transformer_engine(cfg)
     rows_by = {r["category"]: r for r in est["rows"]}
     opt = rows_by["optimizer"]
     static = [{"category": c, "bytes": rows_by[c]["bytes"], "formula": rows_by[c]["formula"]}
               for c in ("parameters", "gradients")]
     static.append({"category": "optimizer", "bytes": opt["bytes"] - opt.get("step_copy_bytes", 0),
                    "formula": opt["formula"].replace(" + 4 B fp32 grad copy", "")})
+    if te:
+        static.append({"category": "library workspaces", "bytes": TE_WORKSPACE_BYTES,
+                       "formula": "cuBLAS / Transformer Engine GEMM workspaces (measured)"})
     n_seqs = int((cfg.get("train_dataset") or {}).get("batch_size", 1)) // max(1, layout.dp)
     spec = a.get("mb_spec") or {}
     n_mb = max(1, min(n_seqs, int(spec.get("n_mbs", 1) or 1)))
@@ -264,18 +306,20 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
     layers = hf.num_hidden_layers // layout.pp
     first = coords.get("pp", 0) * layers
     types = list(getattr(hf, "layer_types", None) or []) or ["full_attention"] * hf.num_hidden_layers
-    sets = [layer_sets(hf, types[i], s, t, etp, b) for i in range(first, first + layers)]
+    sets = [layer_sets(hf, types[i], s, t, etp, b, layout.ep) for i in range(first, first + layers)]
     saved_of = [sum(v for k, v in x.items() if k != "moe_backward") for x in sets]
+    moe_b = max(x["moe_backward"] for x in sets)
     u = s * h * b // t
     gran = m.get("recompute_granularity", "full") if a.get("gradient_checkpointing", True) else "none"
     n_rc = int(m.get("recompute_num_layers", 1) or 1)
+    groups: list[range] = []  # checkpointed groups of layers, full recompute
     if gran == "full" and m.get("recompute_method", "uniform") == "uniform":
-        saved, what = -(-layers // n_rc) * u, f"{-(-layers // n_rc)} layer inputs U"
-        work = max(sum(saved_of[i:i + n_rc]) for i in range(0, layers, n_rc))
+        groups = [range(i, min(i + n_rc, layers)) for i in range(0, layers, n_rc)]
+        saved, what = len(groups) * u, f"{len(groups)} group inputs U"
     elif gran == "full":  # block: the first n_rc layers recomputed, the others saved
-        saved = min(n_rc, layers) * u + sum(saved_of[n_rc:])
-        what = f"{min(n_rc, layers)} layer inputs U + saved sets A of {max(0, layers - n_rc)} layers"
-        work = max(saved_of[:n_rc] or [0])
+        groups = [range(i, i + 1) for i in range(min(n_rc, layers))]
+        saved = len(groups) * u + sum(saved_of[n_rc:])
+        what = f"{len(groups)} layer inputs U + saved sets A of {max(0, layers - n_rc)} layers"
     else:
         again = set(m.get("recompute_modules") or []) if gran == "selective" else set()
         saved = sum(x - sum(sets[i][k] for k in again if k in sets[i]) for i, x in enumerate(saved_of))
@@ -283,14 +327,27 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
         work = max(sum(sets[i][k] for k in again if k in sets[i]) for i in range(layers)) if again else 0
     in_flight = min(n_mb, layout.pp - coords.get("pp", 0)) if layout.pp > 1 else 1
     experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
-    router = layers * s * experts * ROUTER_BYTES_PER_TOKEN_EXPERT // t
+    per = ROUTER_BYTES_PER_TOKEN_EXPERT if te else ROUTER_BYTES_PER_TOKEN_EXPERT_LOCAL
+    router = layers * s * experts * per // t
+    router_formula = f"{layers} layers x {s} tokens x {experts} experts x {per} B / {t}"
+    router_row = {"category": "router state", "bytes": in_flight * router, "formula": router_formula
+                  + (f" x {in_flight} micro-batches in flight" if in_flight > 1 else "")}
     common = [{"category": "saved activations", "bytes": in_flight * saved,
                "formula": f"{what}" + (f" x {in_flight} micro-batches in flight" if in_flight > 1 else "")
-               + f" (s = {s} tokens per micro-batch on the rank)"},
-              {"category": "router state", "bytes": in_flight * router,
-               "formula": f"{layers} layers x {s} tokens x {experts} experts x {ROUTER_BYTES_PER_TOKEN_EXPERT} B / {t}"}]
-    backward = static + common + [{"category": "layer working set", "bytes": work + max(x["moe_backward"] for x in sets),
-                                   "formula": "one layer's saved set A recomputed + its MoE gradients B"}]
+               + f" (s = {s} tokens per micro-batch on the rank)"}, router_row]
+    work_row = {"category": "layer working set", "formula": "one layer's saved set A recomputed + its MoE backward B"}
+    if groups:  # the group whose backward, with the input gradients of the groups after it, holds the most
+        held = [sum(saved_of[i] for i in g) - u + moe_b + (len(groups) - 1 - j) * u for j, g in enumerate(groups)]
+        j = held.index(max(held))
+        later = len(groups) - 1 - j
+        backward = static + common + [
+            dict(work_row, bytes=held[j] - later * u,
+                 formula="one recompute group's saved sets A less its input + its MoE backward B"),
+            {"category": "retained input gradients", "bytes": later * u,
+             "formula": f"{later} x U: the input gradients of the {later} recompute groups back-propagated before, "
+                        "held until the micro-batch's backward ends"}]
+    else:
+        backward = static + common + [dict(work_row, bytes=work + moe_b)]
     phases = {"layer backward": backward}
     if layout.pp == 1 or coords.get("pp", 0) == layout.pp - 1:
         if not chunked_lm_head(cfg):
@@ -299,9 +356,21 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
                 {"category": "logits", "bytes": s * v * b, "formula": f"{s} x {v} x {b} B"},
                 {"category": "LM head gradients", "bytes": v * h * b + 3 * u,
                  "formula": f"weight gradient {v} x {h} x {b} B + 3 U"}]
+    step = static + [dict(router_row, bytes=router, formula=router_formula + " of the last micro-batch")]
+    if groups:
+        step += [{"category": "saved activations", "bytes": len(groups) * u,
+                  "formula": f"{len(groups)} group inputs U of the last micro-batch"},
+                 {"category": "retained input gradients", "bytes": len(groups) * u,
+                  "formula": f"{len(groups)} x U of the last micro-batch"}]
     if opt.get("step_copy_bytes"):
-        phases["optimizer step"] = static + [{"category": "fp32 gradient copy", "bytes": opt["step_copy_bytes"],
-                                              "formula": "4 B x sharded parameters"}]
+        step.append({"category": "fp32 gradient copy", "bytes": opt["step_copy_bytes"],
+                     "formula": "4 B x sharded parameters"})
+    clip = float((a.get("optimizer") or {}).get("gradient_clipping", 1.0) or 0)
+    if not te and clip > 0:
+        n = _largest_main_grad(hf, layout)
+        step.append({"category": "gradient clipping product", "bytes": 4 * n,
+                     "formula": f"4 B x {n:,}: the largest fp32 main gradient scaled out of place (local specs)"})
+    phases["optimizer step"] = step
     totals = {k: int(sum(r["bytes"] for r in v)) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     rows = [dict(r, bytes=int(r["bytes"])) for r in phases[phase]]

@@ -8,9 +8,12 @@ A rank needs, at its step's peak (:func:`sftprof.analysis.memory.estimate.predic
   else the MoE's dispatched tokens ``T h b``): a block freed and cached that a later request of another size cannot
   reuse. Measured slack at the peak against that block, 1x H200 (bench/NOTES.md, "The fit check"): 0.47-1.49x;
 - what the process holds outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton), by the installed
-  megatron-core (:func:`outside_pytorch_gib`); a larger layout's NCCL buffers are not in it.
+  megatron-core (:func:`outside_pytorch_gib`); a larger layout's NCCL buffers are not in it. A simulated rank
+  (``actor.simulate.rank``), whose collectives run on torch's fake process group, holds far less:
+  :data:`OUTSIDE_PYTORCH_GIB_SIMULATED`.
 
-:func:`check_fit` gives the worst rank (ranks of one pipeline stage predict alike) against ``capacity_bytes``;
+:func:`check_fit` gives the worst rank (ranks of one pipeline stage predict alike; a simulated rank's, that rank)
+against ``capacity_bytes``;
 :func:`fitting_changes` the changes that fit, in the order of the smallest change first: expandable segments, the
 chunked LM head, both, full recompute, then fewer tokens (halved) or fewer layers alone, else with those changes.
 Settings are config keys (the trial's ``key=value`` arguments) or, prefixed with :data:`ENV`, environment variables
@@ -25,8 +28,9 @@ from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
 from sftprof.compat import megatron_at_least
 from sftprof.config import ConfigError
 
-__all__ = ["outside_pytorch_gib", "DRIVER_RESERVED_GIB", "smi_capacity_bytes", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
-           "with_expandable", "check_fit", "fitting_changes", "with_settings"]
+__all__ = ["outside_pytorch_gib", "OUTSIDE_PYTORCH_GIB_SIMULATED", "DRIVER_RESERVED_GIB", "smi_capacity_bytes",
+           "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments", "with_expandable", "check_fit",
+           "fitting_changes", "with_settings"]
 
 # GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
 # TE 2.20.2 (bench/NOTES.md). megatron-core 0.16.1: 7.76 in each of the five one-GPU trials of docs/examples and in
@@ -35,8 +39,12 @@ __all__ = ["outside_pytorch_gib", "DRIVER_RESERVED_GIB", "smi_capacity_bytes", "
 OUTSIDE_PYTORCH_GIB_MCORE_0_16 = 7.76
 OUTSIDE_PYTORCH_GIB_MCORE_0_19 = 8.85
 OUTSIDE_PYTORCH_LARGER_FROM = (0, 17, 0)
-# The prediction's error on the measured one-GPU runs: -2.6 % to +0.4 % of the peak (bench/NOTES.md, "The fit
-# check"); a headroom smaller than this share of the peak is called tight.
+# A simulated rank of megatron:(attn:d2c4|ffn:d1e8), H100 80 GB, megatron-core 0.19.2, TE 2.20.2: nvidia-smi's peak use
+# less the peak reserved, 0.76 GiB at 4 layers and 0.68 at 48 (bench/NOTES.md, "Twenty-fourth session"); the larger
+OUTSIDE_PYTORCH_GIB_SIMULATED = 0.76
+# The prediction's error on the 14 measured runs (one GPU; simulated ranks of the 8-GPU layout): -1.2 % to -0.1 % of
+# the peak (bench/NOTES.md, "Twenty-fourth session: the fit check against the simulated ranks"); a headroom smaller
+# than this share of the peak is called tight.
 TIGHT_SHARE = 0.03
 LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head proposed (the measured runs', bench/NOTES.md)
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -100,15 +108,16 @@ def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_co
         "headroom_bytes", "prediction"}`` (``prediction``: that rank's :func:`predict_peak`; ``tight``: fits by less
         than :data:`TIGHT_SHARE` of the peak).
     """
-    worst = None
-    for stage in range(layout.pp):
-        rank = next(r for r in range(layout.world_size) if layout.rank_coords(r).get("pp", 0) == stage)
-        pred = predict_peak(cfg, hf, layout, layout.rank_coords(rank), seq_len)
-        if worst is None or pred["peak_bytes"] > worst[1]["peak_bytes"]:
-            worst = (rank, pred)
-    rank, pred = worst
+    simulated = int((cfg["actor"].get("simulate") or {}).get("rank", -1))
+    if simulated >= 0:
+        ranks = [simulated]
+    else:
+        ranks = [next(r for r in range(layout.world_size) if layout.rank_coords(r).get("pp", 0) == stage)
+                 for stage in range(layout.pp)]
+    preds = [(r, predict_peak(cfg, hf, layout, layout.rank_coords(r), seq_len)) for r in ranks]
+    rank, pred = max(preds, key=lambda rp: rp[1]["peak_bytes"])
     slack = 0 if expandable_segments(alloc_conf) else _largest_block(cfg, hf, layout, seq_len)
-    outside = int(outside_pytorch_gib() * _GIB)
+    outside = int((OUTSIDE_PYTORCH_GIB_SIMULATED if simulated >= 0 else outside_pytorch_gib()) * _GIB)
     need = pred["peak_bytes"] + slack + outside
     return {"fits": need <= capacity_bytes, "tight": 0 <= capacity_bytes - need < TIGHT_SHARE * pred["peak_bytes"],
             "rank": rank, "need_bytes": need, "peak_bytes": pred["peak_bytes"],
