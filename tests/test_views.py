@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
+from fixtures import gpu_trace_fixtures, in_windows, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis.trace import io as trace_io
 from sftprof.analysis.trace.io import TraceFormatError, TraceReader
 from sftprof.analysis.trace.check import MAX_TID, validate_trace
@@ -296,24 +296,6 @@ def test_large_view_is_split_into_time_windows(gpu_split, tmp_path):
     assert all(validate_trace(p) == [] for p in parts)
 
 
-def _in_windows(path, cuts):
-    """The event texts of a one-file view put in the windows of ``cuts`` as split_into_windows puts them: each event
-    in the window of its start, every metadata record in each window, a flow whose ends fall in two windows in none."""
-    events = list(TraceReader(path).events())
-    ends = collections.defaultdict(set)
-    for _, ev in events:
-        if ev["ph"] in ("s", "f"):
-            ends[(ev["cat"], ev["id"])].add(bisect.bisect_right(cuts, ev["ts"]))
-    out = [[] for _ in range(len(cuts) + 1)]
-    for raw, ev in events:
-        if ev["ph"] == "M":
-            for window in out:
-                window.append(raw)
-        elif ev["ph"] not in ("s", "f") or len(ends[(ev["cat"], ev["id"])]) == 1:
-            out[bisect.bisect_right(cuts, ev["ts"])].append(raw)
-    return out
-
-
 def test_large_views_written_in_windows_in_the_one_pass(gpu_split, tmp_path, monkeypatch):
     """A limit under the sizes of chrome, split_clean and cpu_only (a third of the trace's text): those three are
     written straight into time windows by the one pass (the two-pass rewrite is never called), each window holding,
@@ -334,7 +316,7 @@ def test_large_views_written_in_windows_in_the_one_pass(gpu_split, tmp_path, mon
             continue
         assert got[view] == [windows.window_path(view_path(str(tmp_path), 0, view), k)
                              for k in range(len(plan[view]) + 1)]
-        expected = _in_windows(paths[view][0], plan[view])
+        expected = in_windows(paths[view][0], plan[view])
         whole = TraceReader(paths[view][0])
         n_whole = sum(1 for _ in whole.events())
         for part, want in zip(got[view], expected):
