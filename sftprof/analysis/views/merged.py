@@ -246,7 +246,8 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
     tracks: dict[tuple, int] = {}  # (view pid, view tid) -> tid in the rank's process
     proc: dict[int, dict[str, str]] = defaultdict(dict)
     thread: dict[tuple, str] = {}
-    times, keys, other_ids = array("d"), array("q"), {}
+    times, keys = array("d"), array("q")
+    other_ids: dict[tuple, int] = {}  # (cat, id) of flows whose id is no int of 62 bits -> its own negative key
     sampled: list[float] = []
     done, mark = 0, 0.0
     with open(out, "w", encoding="utf-8", buffering=1 << 20) as f:
