@@ -3,13 +3,17 @@
 import collections
 import gzip
 import json
+import os
 import shutil
 
 import pytest
 
-from fixtures import make_cpu_trace, two_gpu_sync_log_dir, two_gpu_sync_traces
+from fixtures import in_windows, make_cpu_trace, two_gpu_sync_log_dir, two_gpu_sync_traces
 from sftprof.analysis.time import comm_wait
+from sftprof.analysis.trace.io import TraceReader
+from sftprof.analysis.views import merged as merged_module
 from sftprof.analysis.views.merged import clock_shifts, write_merged_view
+from sftprof.analysis.views.windows import window_cuts
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace.check import validate_trace
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
@@ -123,6 +127,36 @@ def test_cpu_ranks_without_collective_kernels_keep_their_trace_clock(tmp_path):
     paths, shifts = write_merged_view(views, str(tmp_path / "all.json"), None, max_view_bytes=20_000, progress=False)
     assert shifts[1] == {"shift_us": 0.0, "aligned_by": "trace clock"} and len(paths) > 1
     _check_against_views(paths, views, shifts, windows=True)
+
+
+def test_large_merged_view_written_in_windows_in_the_one_pass(tmp_path, monkeypatch):
+    """The two H200 ranks merged under a limit of a third of their merged file: written straight into time windows
+    (the two-pass rewrite is never called), each window holding, text for text and in order, what the one merged
+    file holds in its time range (metadata in every window, flows whose ends fall in two windows in none), each
+    under the limit."""
+    views, calls = _views(two_gpu_sync_traces(), tmp_path)
+    offsets = comm_wait.split(calls)["clock_offsets"]
+    (whole,), _ = write_merged_view(views, str(tmp_path / "whole.json"), offsets, progress=False)
+    limit = os.path.getsize(whole) // 3
+    placed = []
+    monkeypatch.setattr(merged_module, "window_cuts", lambda *a: placed.append(window_cuts(*a)) or placed[-1])
+    monkeypatch.setattr(merged_module, "split_into_windows", lambda *a, **k: pytest.fail("two more passes"))
+    paths, _ = write_merged_view(views, str(tmp_path / "all.json"), offsets, max_view_bytes=limit, jobs=2,
+                                 progress=False)
+    (cuts,) = placed
+    expected = in_windows(whole, cuts)
+    one = TraceReader(whole)
+    n_whole = sum(1 for _ in one.events())
+    n_meta = sum(1 for raw in expected[0] if json.loads(raw)["ph"] == "M")
+    assert len(paths) == len(cuts) + 1 >= 3
+    assert sum(map(len, expected)) < n_whole + (len(paths) - 1) * n_meta  # flows cross the windows' boundaries
+    for part, want in zip(paths, expected):
+        reader = TraceReader(part)
+        texts = [raw for raw, _ in reader.events()]
+        assert texts == want and reader.header == one.header
+        assert sum(len(t) + 2 for t in texts if json.loads(t)["ph"] != "M") <= limit
+        assert validate_trace(part) == []
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".rank")]  # the converted ranks are gone
 
 
 def test_shifts_chain_through_groups_and_name_unaligned_ranks():

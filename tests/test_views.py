@@ -7,11 +7,12 @@ import os
 
 import pytest
 
-from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
+from fixtures import gpu_trace_fixtures, in_windows, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis.trace import io as trace_io
 from sftprof.analysis.trace.io import TraceFormatError, TraceReader
 from sftprof.analysis.trace.check import MAX_TID, validate_trace
-from sftprof.analysis.views.windows import split_into_windows
+from sftprof.analysis.views import split as split_module, windows
+from sftprof.analysis.views.windows import sample_events, split_into_windows
 from sftprof.analysis.trial.traces import _process_trace
 from sftprof.analysis.views.split import MAX_VIEW_BYTES, VIEWS, _empty_view_event, split_trace, view_path
 
@@ -293,6 +294,78 @@ def test_large_view_is_split_into_time_windows(gpu_split, tmp_path):
         got += body
     assert sorted(map(json.dumps, got)) == sorted(json.dumps(e) for e in whole if e["ph"] != "M")
     assert all(validate_trace(p) == [] for p in parts)
+
+
+def test_large_views_written_in_windows_in_the_one_pass(gpu_split, tmp_path, monkeypatch):
+    """A limit under the sizes of chrome, split_clean and cpu_only (a third of the trace's text): those three are
+    written straight into time windows by the one pass (the two-pass rewrite is never called), each window holding,
+    text for text and in order, what the one-file view holds in its time range (metadata in every window, flows whose
+    ends fall in two windows in none), each under the limit; the other views stay one file, byte for byte as
+    without a limit."""
+    _, _, paths, src = gpu_split
+    limit = os.path.getsize(paths["chrome"][0]) // 3
+    monkeypatch.setattr(split_module, "split_into_windows", lambda *a, **k: pytest.fail("two more passes"))
+    plan = split_module._window_plan(str(src), limit)
+    assert {v for v, cuts in plan.items() if cuts} == {"chrome", "split_clean.chrome", "cpu_only.chrome"}
+    got = split_trace(str(src), str(tmp_path), 0, max_view_bytes=limit, progress=False)
+    cut_flows = 0
+    for view in VIEWS:
+        if not plan[view]:
+            assert got[view] == [view_path(str(tmp_path), 0, view)]
+            assert open(got[view][0], "rb").read() == open(paths[view][0], "rb").read()
+            continue
+        assert got[view] == [windows.window_path(view_path(str(tmp_path), 0, view), k)
+                             for k in range(len(plan[view]) + 1)]
+        expected = in_windows(paths[view][0], plan[view])
+        whole = TraceReader(paths[view][0])
+        n_whole = sum(1 for _ in whole.events())
+        for part, want in zip(got[view], expected):
+            reader = TraceReader(part)
+            texts = [raw for raw, _ in reader.events()]
+            assert texts == want and reader.header == whole.header
+            assert sum(len(t) + 2 for t in texts if json.loads(t)["ph"] != "M") <= limit
+            assert validate_trace(part) == []
+        cut_flows += n_whole - sum(len(w) for w in expected) + (len(expected) - 1) * sum(
+            1 for raw in expected[0] if json.loads(raw)["ph"] == "M")
+    assert cut_flows > 0  # the test crosses flows over window boundaries
+
+
+def test_view_found_large_after_the_pass_is_windowed_then(gpu_split, tmp_path, monkeypatch):
+    """A view the first look puts under the limit (here: a plan of no windows) but written above it is rewritten into
+    windows after the pass, as before the first look existed."""
+    _, _, paths, src = gpu_split
+    limit = os.path.getsize(paths["gpu_only.chrome"][0]) // 2
+    monkeypatch.setattr(split_module, "_window_plan", lambda src, limit: {v: [] for v in VIEWS})
+    got = split_trace(str(src), str(tmp_path), 0, max_view_bytes=limit, progress=False)
+    windowed = {v for v, p in got.items() if len(p) > 1}
+    assert {"chrome", "gpu_only.chrome"} <= windowed <= {v for v in VIEWS if os.path.getsize(paths[v][0]) > limit}
+    assert all(validate_trace(p) == [] for p in got["gpu_only.chrome"])
+
+
+def test_first_look_samples(gpu_split, tmp_path, monkeypatch):
+    """sample_events reads the same events from a compressed trace (streamed), its plain text read whole, and read
+    around each offset; a stream whose size is guessed 8x too small keeps at most 2n entries, those of the final
+    stride; the estimate of each view's bytes is the view's size within the sampling error."""
+    _, _, paths, src = gpu_split
+    plain = tmp_path / "trace.json"
+    plain.write_bytes(gzip.decompress(src.read_bytes()))
+    entry = lambda ev: (ev.get("ts"), split_module._views_of(ev))  # noqa: E731
+    stride, gz = sample_events(str(src), entry)
+    assert (stride, gz) == sample_events(str(plain), entry)
+    monkeypatch.setattr(windows, "_WHOLE", 0)
+    assert (stride, gz) == sample_events(str(plain), entry)
+    assert len(gz) == windows.SAMPLES and stride == plain.stat().st_size / windows.SAMPLES
+    assert sum(e is None for e in gz) < 0.01 * len(gz)
+    sep = b"},\n  {"
+    with open(plain, "rb") as f:
+        small_stride, small = windows._sample_stream(f, plain.stat().st_size // 8, sep, entry, 512)
+    with open(plain, "rb") as f:
+        assert (small_stride, small) == windows._sample_stream(f, int(small_stride * 512), sep, entry, 512)
+    assert 512 <= len(small) < 1024 and small_stride == plain.stat().st_size // 8 / 512 * 8
+    for view in VIEWS:  # within 4 standard deviations of the count, and 1 % for the metadata the views add
+        count = sum(1 for e in gz if e is not None and view in e[1])
+        assert abs(stride * count - os.path.getsize(paths[view][0])) <= 4 * stride * count ** 0.5 + \
+            0.01 * os.path.getsize(paths[view][0])
 
 
 def test_cpu_trace_views(tmp_path):

@@ -300,6 +300,12 @@ class TraceReader:
                 raise self._error("trace event is not a JSON object")
             yield self._buf[start:end], event
 
+    @property
+    def separator(self) -> str:
+        """The text between two events learnt from the first ones (``},\n  {`` in kineto's traces, ``},\n{`` in
+        :class:`TraceWriter`'s), ``""`` until two events were read."""
+        return self._cut
+
     def close(self) -> None:
         """Close the underlying file (idempotent)."""
         if self._bin is not self._raw:

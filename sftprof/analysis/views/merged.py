@@ -24,8 +24,15 @@ trace clock (its base time only) and says so: on one host, one clock; across hos
 
 Timestamps are rewritten as ``round(ts - base - offset, 3)`` microseconds, ``base`` a whole second one hour before
 the lowest rank's first event (``baseTimeNanoseconds`` moves by as much): with values that small float64 holds every
-nanosecond exactly, so slices that nest in the views still nest. A merged file larger than ``max_view_bytes`` is cut
-into time windows like any view (:func:`sftprof.analysis.views.split.split_into_windows`).
+nanosecond exactly, so slices that nest in the views still nest.
+
+Windows. A merged file larger than ``max_view_bytes`` is written in time windows like any view
+(:mod:`sftprof.analysis.views.windows`), in the same pass: the ranks' conversions record the time of the event at
+every ``stride`` bytes of their text (``stride``: the views' bytes over
+:data:`~sftprof.analysis.views.windows.SAMPLES`), from which :func:`~sftprof.analysis.views.windows.window_cuts`
+places the windows, and the time and flow of each converted line, by which the copy sends it to its window (a flow
+whose ends fall in two windows to none). A file the estimate put under the limit but written above it is rewritten
+into windows after (:func:`~sftprof.analysis.views.windows.split_into_windows`).
 """
 from __future__ import annotations
 
@@ -37,13 +44,18 @@ import os
 import re
 import shutil
 import tempfile
+from array import array
 from collections import defaultdict, deque
 from concurrent.futures import ProcessPoolExecutor
-from typing import Optional
+from itertools import islice
+from typing import Optional, Union
+
+import numpy as np
 
 from sftprof.artifacts import MERGED_VIEW, merged_view_path
 from sftprof.analysis.trace.io import TraceReader, TraceWriter
-from sftprof.analysis.views.split import MAX_VIEW_BYTES, split_into_windows
+from sftprof.analysis.views.split import MAX_VIEW_BYTES
+from sftprof.analysis.views.windows import SAMPLES, WindowedView, split_into_windows, window_cuts
 
 __all__ = ["clock_shifts", "write_merged_view", "merge_trial"]
 
@@ -56,6 +68,8 @@ _NUMBER = re.compile(r"(?:thread|stream|Device) (\d+)")
 _PID_TID_TS = re.compile(r'"pid":\s*(?P<pid>\d+),\s*"tid":\s*(?P<tid>\d+),\s*'
                          r'"ts":\s*(?P<ts>-?[0-9.]+(?:[eE][-+]?\d+)?)')
 _ID_PID_TID_TS = re.compile(r'"id":\s*(?P<id>\d+),\s*' + _PID_TID_TS.pattern)
+_NO_FLOW = -1  # the flow key of a line that is not a flow event (_convert_rank)
+_COPY_LINES = 1 << 20  # converted lines sent to their windows per round (_copy_rank)
 
 
 def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[int, int]) -> dict[int, dict]:
@@ -159,20 +173,21 @@ def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optio
     folder = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(folder, exist_ok=True)
     parts = {r: os.path.join(folder, f".rank{r}.events") for r in ranks}
-    args = [(views[r], parts[r], r, k, len(ranks), base_us, shifts[r]["shift_us"]) for k, r in enumerate(ranks)]
-    writer = None
+    stride = max(sum(os.path.getsize(p) for r in ranks for p in views[r]) / SAMPLES, 1.0)
+    args = [(views[r], parts[r], r, k, len(ranks), base_us, shifts[r]["shift_us"], stride)
+            for k, r in enumerate(ranks)]
+    writer: Union[TraceWriter, WindowedView, None] = None
     try:
         if jobs <= 1:
-            meta = [_convert_rank(*a) for a in args]
+            converted = [_convert_rank(*a) for a in args]
         else:
             with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
-                meta = list(pool.map(_convert_rank, *zip(*args)))
-        writer = TraceWriter(out_path, header)
+                converted = list(pool.map(_convert_rank, *zip(*args)))
+        cuts = window_cuts(sorted(t for _, sampled in converted for t in sampled), stride, max_view_bytes)
+        writer = WindowedView(out_path, header, cuts) if cuts else TraceWriter(out_path, header)
         for r in ranks:
-            with open(parts[r], encoding="utf-8") as f:
-                for line in f:
-                    writer.write(line.rstrip("\n"))
-        for lines in meta:
+            _copy_rank(parts[r], writer)
+        for lines, _ in converted:
             for raw in lines:
                 writer.write(raw)
     except BaseException:
@@ -181,20 +196,60 @@ def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optio
         raise
     finally:
         for path in parts.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+            for name in (path, path + ".side"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(name)
+    if isinstance(writer, WindowedView):
+        return writer.close(), shifts
     writer.close()
     if writer.chars > max_view_bytes:
         return split_into_windows(out_path, max_view_bytes, progress=progress), shifts
     return [out_path], shifts
 
 
-def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us: int, shift_us: float) -> list[str]:
+def _copy_rank(path: str, writer: Union[TraceWriter, WindowedView]) -> None:
+    """Copy one rank's converted events (:func:`_convert_rank`'s ``out``, one a line) to the merged file, or to its
+    windows: each line to the window of its time, a flow whose two ends fall in different windows to none."""
+    with open(path, encoding="utf-8") as f:
+        if isinstance(writer, TraceWriter):
+            for line in f:
+                writer.write(line.rstrip("\n"))
+            return
+        n = os.path.getsize(path + ".side") // 16
+        ts = np.fromfile(path + ".side", dtype=np.float64, count=n)
+        key = np.fromfile(path + ".side", dtype=np.int64, count=n, offset=8 * n)
+        slot = np.searchsorted(np.asarray(writer.cuts, dtype=np.float64), ts, side="right")
+        flows = np.flatnonzero(key != _NO_FLOW)
+        by_flow = np.lexsort((slot[flows], key[flows]))
+        fkey, fslot = key[flows][by_flow], slot[flows][by_flow]
+        starts = np.flatnonzero(np.r_[True, fkey[1:] != fkey[:-1]]) if fkey.size else np.zeros(0, dtype=np.int64)
+        apart = fkey[starts][np.minimum.reduceat(fslot, starts) != np.maximum.reduceat(fslot, starts)] \
+            if starts.size else fkey[:0]
+        drop = np.isin(key, apart)
+        del ts, key, flows, by_flow, fkey, fslot
+        for lo in range(0, n, _COPY_LINES):
+            for line, k, left_out in zip(islice(f, _COPY_LINES), slot[lo:lo + _COPY_LINES].tolist(),
+                                         drop[lo:lo + _COPY_LINES].tolist()):
+                if not left_out:
+                    writer.parts[k].write(line.rstrip("\n"))
+
+
+def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us: int, shift_us: float,
+                  stride: float) -> tuple[list[str], list[float]]:
     """Write rank ``rank``'s events (the ``k``-th of ``n`` ranks; its view's ``paths``) to ``out``, one a line, on its
-    process, with times ``ts - base_us + shift_us``; return the metadata of its process and tracks."""
+    process, with times ``ts - base_us + shift_us``, and beside it (``out + ".side"``) each line's time (float64) and
+    flow key (int64: the flow's category and new id, :data:`_NO_FLOW` for other events), all times then all keys.
+
+    Returns:
+        The metadata of its process and tracks, and the time of the event at every ``stride`` bytes of ``out``.
+    """
     tracks: dict[tuple, int] = {}  # (view pid, view tid) -> tid in the rank's process
     proc: dict[int, dict[str, str]] = defaultdict(dict)
     thread: dict[tuple, str] = {}
+    times, keys = array("d"), array("q")
+    other_ids: dict[tuple, int] = {}  # (cat, id) of flows whose id is no int of 62 bits -> its own negative key
+    sampled: list[float] = []
+    done, mark = 0, 0.0
     with open(out, "w", encoding="utf-8", buffering=1 << 20) as f:
         write = f.write
         for raw, ev in _events(paths):
@@ -228,6 +283,20 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
             if "\n" in text or "\r" in text:  # line breaks in JSON text are whitespace between tokens
                 text = text.replace("\n", " ").replace("\r", " ")
             write(text + "\n")
+            times.append(ts)
+            if new_id is None:
+                keys.append(_NO_FLOW)
+            elif type(new_id) is int and 0 <= new_id < 2**62:
+                keys.append(2 * new_id + (ev.get("cat") == "fwdbwd"))
+            else:  # another id: a negative key of its own
+                keys.append(-2 - other_ids.setdefault((ev.get("cat"), str(new_id)), len(other_ids)))
+            done += len(text) + 1
+            while done > mark:
+                sampled.append(ts)
+                mark += stride
+    with open(out + ".side", "wb") as f:
+        times.tofile(f)
+        keys.tofile(f)
     labels = {key: _track_label(proc.get(key[0], {}), thread.get(key), *key) for key in tracks}
     meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
@@ -236,7 +305,7 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
                      "args": {"name": labels[key][0]}})
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tracks[key],
                      "args": {"sort_index": i}})
-    return [json.dumps(m, separators=_COMPACT) for m in meta]
+    return [json.dumps(m, separators=_COMPACT) for m in meta], sampled
 
 
 def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[dict]], *, compress: bool,

@@ -48,8 +48,13 @@ A view that selects nothing (``gpu_only`` of a CPU run) holds one metadata recor
 earlier view of the list (``cpu_only`` of a CPU run is ``chrome``: a trace without GPU work or CUDA API calls) is
 written as a relative symbolic link to that view's file instead of a second copy (:func:`view_links` lists them;
 the summary names them), so every view's path opens as before without the disk holding it twice. A view larger
-than ``max_view_bytes`` is rewritten into time windows in ``<view>.part<k>/`` folders (each with all the metadata,
-:mod:`sftprof.analysis.views.windows`) so that every file opens in Perfetto's web UI.
+than ``max_view_bytes`` is written in time windows in ``<view>.part<k>/`` folders (each with all the metadata,
+:mod:`sftprof.analysis.views.windows`) so that every file opens in Perfetto's web UI: for a trace whose text could
+make one (more than :data:`~sftprof.analysis.views.windows.WINDOW_DECIDE` of the limit, or a compressed trace of
+more than a 64th of it), a first look at a few thousand of its events (:func:`_window_plan`) estimates each view's
+bytes over time, and a view estimated above that share of the limit is written straight into windows of equal
+estimated bytes (at most :data:`~sftprof.analysis.views.windows.WINDOW_FILL` of the limit) in the one pass; a view
+found above the limit only once written is rewritten into windows after the pass (two more passes over it).
 
 Above 500 lines for a reason: the one streaming pass writes the five views at once, and its made-up tracks, flow
 pairing and track names share that pass's state; apart, each piece would take most of it as arguments.
@@ -60,24 +65,28 @@ import contextlib
 import gzip
 import itertools
 import json
+import math
 import os
 import re
 import tempfile
 from array import array
+from bisect import bisect_right
 from collections import defaultdict
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Union
 
 import numpy as np
 
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE, CATEGORY_ALIASES, MAX_TID, event_problem, finite_json
 from sftprof.analysis.trace.io import Progress, TraceReader, TraceWriter
-from sftprof.analysis.views.windows import FLOW_PHASES, split_into_windows
+from sftprof.analysis.views.windows import (FLOW_PHASES, WINDOW_DECIDE, WindowedView, sample_events, split_into_windows,
+                                            window_cuts)
 from sftprof.artifacts import view_path
 
 __all__ = ["VIEWS", "MAX_VIEW_BYTES", "view_path", "split_trace", "read_for_summary", "view_links"]
 
 VIEWS = ("chrome", "split_clean.chrome", "gpu_only.chrome", "cpu_only.chrome", "cuda_api_only.chrome")
 MAX_VIEW_BYTES = 1_500_000_000  # Perfetto's web UI struggles with single JSON files beyond ~1.5-2 GB
+_GZ_RATIO = 64  # the most a compressed trace is taken to expand (whether the first look may be needed)
 
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event"})
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
@@ -208,11 +217,11 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     """
     os.makedirs(out_dir, exist_ok=True)
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
-    writers: dict[str, TraceWriter] = {}
+    writers: dict[str, _ViewWriter] = {}
     metadata: list[dict] = []
     tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set(), "step": set()}
     sync_ends: set[tuple] = set()  # (pid, tid, correlation) of the CUDA sync events: their ac2g arrows' ends
-    step_slices: list[str] = []  # ProfilerStep#<n> slices, for gpu_only and cuda_api_only
+    step_slices: list[tuple[float, str]] = []  # (ts, text) of ProfilerStep#<n> slices, for gpu_only and cuda_api_only
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
     flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
@@ -225,14 +234,21 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         header, n_bad = finite_json(dict(reader.header))
         notes["non-finite numbers written as null"] += n_bad
         header.setdefault("displayTimeUnit", "ms")
+        plan = _window_plan(src, max_view_bytes)
         for view in VIEWS:
             path = view_path(out_dir, rank, view, compress)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            writers[view] = TraceWriter(path, header)
+            if plan[view]:
+                writers[view] = WindowedView(path, header, plan[view])
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                writers[view] = TraceWriter(path, header)
+        # Slot k: the events from cuts[k - 1] to cuts[k], every windowed view's boundaries (none: one slot); each
+        # view's writer of that slot, in VIEWS order.
+        cuts = sorted({t for view_cuts in plan.values() for t in view_cuts})
+        slots = [tuple(_writer_at(writers[v], t) for v in VIEWS) for t in [-math.inf] + cuts]
+        routes = [tuple(w.pending.append for w in ws) for ws in slots]
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
-        full, clean = writers[_CHROME].pending.append, writers[_CLEAN].pending.append
-        gpu_w, cpu_w = writers[_GPU].pending.append, writers[_CPU].pending.append
-        api_w = writers[_API].pending.append
+        full, clean, gpu_w, cpu_w, api_w = routes[0]
         real = tids.real
         flush_every = TraceWriter.FLUSH_EVENTS
         countdown = flush_every
@@ -262,17 +278,19 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             cat = ev.get("cat")
             if ph in FLOW_PHASES:
                 if cat in ("ac2g", "fwdbwd") and ph != "t" and "id" in ev:
-                    flow_pairs.add(cat, ev["id"], ph)
+                    fid, slot = ev["id"], bisect_right(cuts, ev["ts"])
+                    flow_pairs.add(cat, fid, ph, slot)
                     # One line per event: line breaks in JSON text are only whitespace between tokens.
-                    fid = ev["id"]
                     flow_lines.append(f"{cat}\t{fid if type(fid) is int else json.dumps(fid)}\t{ph}\t{pid}\t{tid}\t"
-                                      f"{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
+                                      f"{slot}\t{raw.replace(chr(10), ' ').replace(chr(13), ' ')}\n")
                     if len(flow_lines) >= flush_every:
                         flow_file.writelines(flow_lines)
                         flow_lines.clear()
                 else:
                     notes["unpaired flow events left out"] += 1
                 continue
+            if cuts:  # a view in time windows: the writers of this event's slot
+                full, clean, gpu_w, cpu_w, api_w = routes[bisect_right(cuts, ev["ts"])]
             if cat == "user_annotation":  # own track: annotations need not nest with the thread's ops
                 tracks["ann"].add((pid, tid))
                 raw = _moved(raw, ev, tid, tids.get(pid, "ann", tid))
@@ -281,7 +299,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 clean(raw)
                 if str(ev.get("name")).startswith("ProfilerStep#"):  # the step, for HTA and TensorBoard
                     tracks["step"].add((pid, tid))
-                    step_slices.append(raw)
+                    step_slices.append((ev["ts"], raw))
                 continue
             if cat == _SYNC_CAT:  # own track: a sync spans the kernels it waits for on the same stream
                 tracks["sync"].add((pid, tid))
@@ -307,12 +325,13 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 api_w(raw)
                 clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
         flow_file.writelines(flow_lines)
-        selected_nothing = {v for v, w in writers.items() if not (w.n_events or w.pending)}
+        selected_nothing = {v for v, w in writers.items()
+                            if isinstance(w, TraceWriter) and not (w.n_events or w.pending)}
         step_views = {_GPU, _API} if step_slices else set()
         for v in step_views:
-            for raw in step_slices:
-                writers[v].write(raw)
-        _write_flows(flow_file, flow_pairs, writers, tracks, tids, notes, sync_ends)
+            for ts, raw in step_slices:
+                _writer_at(writers[v], ts).write(raw)
+        _write_flows(flow_file, flow_pairs, slots, tracks, tids, notes, sync_ends)
         _write_metadata(metadata, writers, tracks, tids, step_views)
         step_pids = {p for p, _ in tracks["step"]}
         for view in sorted(selected_nothing):
@@ -321,8 +340,9 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         flow_file.close()
         for w in writers.values():
             w.abort()
-            with contextlib.suppress(OSError):  # the view folder, unless other ranks' views are in it
-                os.rmdir(os.path.dirname(w.path))
+            if isinstance(w, TraceWriter):
+                with contextlib.suppress(OSError):  # the view folder, unless other ranks' views are in it
+                    os.rmdir(os.path.dirname(w.path))
         raise
     flow_file.close()
     if tids.collisions():  # a real tid appeared after a synthetic one was handed out: redo, avoiding them all
@@ -339,17 +359,63 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             if n:
                 on_note(what, n)
     trailer = {k: v for k, v in finite_json(reader.header)[0].items() if k not in header}
-    result = {}
+    result: dict[str, list[str]] = {}
     for view, w in writers.items():
+        if isinstance(w, WindowedView):
+            result[view] = w.close(trailer)
+            continue
         w.close(trailer)  # flushes; w.chars is final afterwards
-        same = next((v for v in result if writers[v].chars == w.chars <= max_view_bytes
-                     and not os.path.islink(writers[v].path) and _same_content(writers[v].path, w.path)), None)
+        same = next((v for v, o in writers.items() if v in result and isinstance(o, TraceWriter)
+                     and o.chars == w.chars <= max_view_bytes and not os.path.islink(o.path)
+                     and _same_content(o.path, w.path)), None)
         if same is not None:  # byte for byte an earlier view (chrome and cpu_only of a CPU run): a link to it
             os.remove(w.path)
             os.symlink(os.path.relpath(writers[same].path, os.path.dirname(w.path)), w.path)
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
+
+
+_ViewWriter = Union[TraceWriter, WindowedView]
+
+
+def _writer_at(w: _ViewWriter, ts: float) -> TraceWriter:
+    """The file of a view that an event starting at ``ts`` goes to."""
+    return w.at(ts) if isinstance(w, WindowedView) else w
+
+
+def _views_of(ev: dict) -> tuple[str, ...]:
+    """The views an event goes to, as the pass sends it, but for flows left out as unpaired and events
+    :func:`~sftprof.analysis.trace.check.event_problem` rejects: what the first look (:func:`_window_plan`) counts."""
+    ph, pid, tid = ev.get("ph"), ev.get("pid"), ev.get("tid")
+    if ph == "M" or not (_track_id(pid) and _track_id(tid)):
+        return ()
+    cat = ev.get("cat")
+    cat = CATEGORY_ALIASES.get(cat, cat) if type(cat) is str else cat
+    if ph in FLOW_PHASES:
+        return (_CHROME, _CLEAN, _CPU) if cat == "fwdbwd" else (_CHROME, _CLEAN) if cat == "ac2g" else ()
+    if cat == "user_annotation":
+        return (_CHROME, _CLEAN, _CPU) + ((_GPU, _API) if str(ev.get("name")).startswith("ProfilerStep#") else ())
+    return ((_CHROME, _CLEAN, _CPU) if cat in _CPU_CATS else (_CHROME, _CLEAN, _GPU) if cat in _GPU_CATS or
+            cat == _SYNC_CAT else (_CHROME, _CLEAN, _API) if cat in _API_CATS else (_CHROME,))
+
+
+def _window_plan(src: str, max_view_bytes: int) -> dict[str, list[float]]:
+    """Each view's window boundaries (:func:`~sftprof.analysis.views.windows.window_cuts`; ``[]``: one file), from
+    the first look at a trace whose text may hold a view above
+    :data:`~sftprof.analysis.views.windows.WINDOW_DECIDE` of ``max_view_bytes``
+    (:func:`~sftprof.analysis.views.windows.sample_events`); ``[]`` for every view of a smaller trace, which is not
+    looked at."""
+    size = os.path.getsize(src) * (_GZ_RATIO if src.endswith(".gz") else 1)
+    if size <= WINDOW_DECIDE * max_view_bytes:
+        return {view: [] for view in VIEWS}
+    stride, sampled = sample_events(src, lambda ev: (ev.get("ts"), _views_of(ev)))
+    times: dict[str, list[float]] = {view: [] for view in VIEWS}
+    for entry in sampled:
+        if entry is not None and type(entry[0]) in (int, float) and math.isfinite(entry[0]):
+            for view in entry[1]:
+                times[view].append(entry[0])
+    return {view: window_cuts(sorted(ts), stride, max_view_bytes) for view, ts in times.items()}
 
 
 def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] | None,
@@ -413,58 +479,91 @@ def view_links(views: dict[str, list[str]]) -> dict[str, str]:
 
 
 class _FlowPairs:
-    """Which flows ``(cat, id)`` have exactly one start (``s``) and one end (``f``), in 8 bytes per flow event.
+    """Which flows ``(cat, id)`` have exactly one start (``s``) and one end (``f``), and the slots (time ranges of
+    the windowed views, :func:`split_trace`) of the two ends of those whose ends lie in different slots, in 16 bytes
+    per flow event.
 
-    Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase) and matched with numpy
-    once, at the end (the paired ones then in a set, asked once per flow event); other ids in a dict.
+    Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase), with the slots beside them,
+    and matched with numpy once, at the end (the paired ones then in a set, asked once per flow event); other ids in
+    a dict.
     """
 
     def __init__(self):
         self._ids: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
-        self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._slots: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
+        self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # count s, count f, slot s, slot f
         self._paired: dict[str, set[int]] = {}
+        self._apart: dict[tuple, tuple[int, int]] = {}  # (cat, id) -> slots of its start and end, when they differ
 
-    def add(self, cat: str, fid, ph: str) -> None:
+    @staticmethod
+    def _key(fid):
+        """An id as kept: an int of 64 bits as it is, any other id as its JSON text."""
+        return fid if type(fid) is int and -2**63 <= fid < 2**63 else json.dumps(fid)
+
+    def add(self, cat: str, fid, ph: str, slot: int) -> None:
         if type(fid) is int and -2**63 <= fid < 2**63:
             self._ids[(cat, ph)].append(fid)
+            self._slots[(cat, ph)].append(slot)
         else:
-            self._other[(cat, json.dumps(fid))][ph == "f"] += 1
+            entry = self._other[(cat, json.dumps(fid))]
+            entry[ph == "f"] += 1
+            entry[2 + (ph == "f")] = slot
 
     def finish(self) -> None:
         """Match starts and ends (call once, after the last :meth:`add`)."""
         for cat in {c for c, _ in self._ids}:
-            once = []
+            once, slot = [], []
             for ph in ("s", "f"):
-                ids, counts = np.unique(np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64),
-                                        return_counts=True)
-                once.append(ids[counts == 1])
-            self._paired[cat] = set(np.intersect1d(*once, assume_unique=True).tolist())
+                ids = np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64)
+                uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+                once.append(uniq[counts == 1])
+                slot.append(np.frombuffer(self._slots.get((cat, ph), array("q")), dtype=np.int64)[first[counts == 1]])
+            paired, at_s, at_f = np.intersect1d(*once, assume_unique=True, return_indices=True)
+            self._paired[cat] = set(paired.tolist())
+            apart = np.flatnonzero(slot[0][at_s] != slot[1][at_f])
+            self._apart.update({(cat, int(paired[i])): (int(slot[0][at_s[i]]), int(slot[1][at_f[i]])) for i in apart})
         self._ids.clear()
+        self._slots.clear()
+        self._apart.update({key: (e[2], e[3]) for key, e in self._other.items() if e[:2] == [1, 1] and e[2] != e[3]})
 
     def paired(self, cat: str, fid) -> bool:
         if type(fid) is int and -2**63 <= fid < 2**63:
             return fid in self._paired.get(cat, ())
-        return self._other.get((cat, json.dumps(fid))) == [1, 1]
+        return self._other.get((cat, json.dumps(fid)), [0, 0])[:2] == [1, 1]
+
+    def apart(self, cat: str, fid) -> tuple[int, int] | None:
+        """The slots of a paired flow's start and end when they differ, else None."""
+        return self._apart.get((cat, self._key(fid)))
 
 
-def _write_flows(flow_file, flow_pairs: _FlowPairs, writers, tracks, tids, notes, sync_ends: set) -> None:
+def _left_out(raw: str) -> None:
+    """Where a flow event goes in a view whose windows part its two ends (:func:`_write_flows`): nowhere."""
+
+
+def _write_flows(flow_file, flow_pairs: _FlowPairs, slots: list[tuple[TraceWriter, ...]], tracks, tids, notes,
+                 sync_ends: set) -> None:
     """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
 
-    ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the launch, or a
-    synchronising call): in ``split_clean`` they move with it to the thread's API track. An ``ac2g``
+    ``slots``: each slot's writer of every view, in :data:`VIEWS` order (:func:`split_trace`); a flow whose two ends
+    lie in different windows of a view is left out of that view (each window keeps the rules of
+    ``sftprof/analysis/trace/check.py``). ``ac2g`` ends on a host thread with CUDA API calls sit at such a call (the
+    launch, or a synchronising call): in ``split_clean`` they move with it to the thread's API track. An ``ac2g``
     end (``f``) whose ``(pid, tid, id)`` is a CUDA sync event's ``(pid, tid, correlation)`` (``sync_ends``)
     moves with that event to its sync track, in every view.
     """
     flow_pairs.finish()
     flow_file.seek(0)
-    full, clean, cpu_w = writers[_CHROME].write, writers[_CLEAN].write, writers[_CPU].write
     api_threads = tracks["api"]
+    views = [VIEWS.index(v) for v in (_CHROME, _CLEAN, _CPU)]
     for line in flow_file:
-        cat, fid, ph, pid, tid, raw = line.rstrip("\n").split("\t", 5)
+        cat, fid, ph, pid, tid, slot, raw = line.rstrip("\n").split("\t", 6)
         fid = int(fid) if fid.isdigit() else json.loads(fid)
         if not flow_pairs.paired(cat, fid):
             notes["unpaired flow events left out"] += 1
             continue
+        here, ends = slots[int(slot)], flow_pairs.apart(cat, fid)
+        full, clean, cpu_w = (here[i].write if ends is None or slots[ends[0]][i] is slots[ends[1]][i] else _left_out
+                              for i in views)
         pid, tid = int(pid), int(tid)
         if cat == "ac2g" and ph == "f" and type(fid) is int and (pid, tid, fid) in sync_ends:
             raw = _moved(raw, None, tid, tids.get(pid, "sync", tid))
