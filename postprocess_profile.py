@@ -48,9 +48,8 @@ import sys
 import tempfile
 
 from sftprof.analysis.compare.command import compare_command
-from sftprof.analysis.trial.inputs import recorded_profile
-from sftprof.analysis.summary import (PROFILE_KINDS, SUMMARY_JSON, check_profiled_step, check_recorded_kind,
-                                     postprocess_trial, resolve_profile)
+from sftprof.analysis.summary import SUMMARY_JSON, summarise_trial
+from sftprof.analysis.trial.profile_check import PROFILE_KINDS, NotRecorded, resolve_profile
 from sftprof.analysis.report.summary_file import summary_left_unchanged
 from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, SUMMARY_TSV, TRAINER_LOG, TRIALS_TSV,
                                read_trials_tsv)
@@ -156,19 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"
                 f"{', ...' if len(several) > 3 else ''}), not one: pass one of them with its trial's --run-dir, or "
                 "pass the RUN_ROOT alone as --run-dir to postprocess every trial")
-    if args.profile_step is not None and args.profile_step < 0:
-        p.error(f"--profile-step must be >= 0, got {args.profile_step}")
     if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):
         # what the driver passes: a standalone rerun reads the same inputs (and a failed trial gets its log's tail)
         args.trainer_log = os.path.join(args.log_dir, TRAINER_LOG)
+    unrecorded = None  # a kind or step neither given nor recorded: said after a run dir that cannot be written
     try:  # refused before anything is created: a kind or step the trial did not profile; a missing log dir
-        if not os.path.isdir(args.log_dir):  # without kind and step
-            resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
-        if args.profile_kind is not None:
-            check_recorded_kind(args.log_dir, args.profile_kind)
-        kind = args.profile_kind or recorded_profile(args.log_dir)[0]
-        if args.profile_step is not None and kind is not None:
-            check_profiled_step(args.log_dir, kind, args.profile_step)
+        kind, step = resolve_profile(args.log_dir, args.profile_kind, args.profile_step)
+    except NotRecorded as exc:
+        unrecorded = str(exc)
     except ValueError as exc:
         p.error(str(exc))
     earlier = os.path.join(args.run_dir, SUMMARY_JSON)
@@ -181,12 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as exc:
         p.error(f"--run-dir {args.run_dir}: cannot be written ({exc.strerror})")
+    if unrecorded:
+        p.error(unrecorded)
     try:
-        summary, code = postprocess_trial(args.log_dir, args.run_dir, args.profile_kind, args.profile_step,
-                                          trainer_log=args.trainer_log, nvidia_smi_csv=args.nvidia_smi_csv,
-                                          compress=args.compress)
-    except ValueError as exc:
-        p.error(str(exc))
+        summary, code = summarise_trial(args.log_dir, args.run_dir, kind, step, trainer_log=args.trainer_log,
+                                        nvidia_smi_csv=args.nvidia_smi_csv, compress=args.compress)
     except WriteError as exc:  # a full disk: that file's error; what an earlier postprocess wrote stays in place
         print(f"[postprocess] ERROR {exc.strerror}; no summary written", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from fixtures import FIXTURE_DIR, postprocessed_trial
 from sftprof.analysis.memory.categories import MEMORY_CATEGORIES
 from sftprof.analysis.what_if.next_steps import DRIVER_VARIABLES, NO_RULE, with_next_steps
 from sftprof.analysis.report.render import render_markdown
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.artifacts import MODEL_PARTS
 from sftprof.launch.variables import BY_NAME
@@ -60,7 +61,7 @@ def test_the_qwen3_5_trials_launch_bound_experts_point_to_cutlass_then_not():
     steps = {}
     for name in ("te", "te_cutlass"):
         s = json.loads((d / f"{name}.profile_summary.json").read_text())
-        found, skipped = trial_what_if(s, cfg)
+        found, skipped = trial_what_if(s, cfg, TrialModel(cfg))
         steps[name] = {f["key"]: f["next_step"] for f in with_next_steps(s["findings"], found, skipped, s, cfg)}
     assert steps["te"]["gpu idle"] == ("try NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment): step time -428.9 ms on rank "
                                        "0 predicted (What if: TE's CUTLASS grouped GEMM)")

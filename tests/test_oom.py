@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from sftprof.analysis.memory.oom import oom_triage
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS
 from sftprof.analysis.memory.safe_pickle import safe_load
 from sftprof.analysis.summary import postprocess_trial
@@ -28,7 +29,7 @@ def test_triage_from_the_snapshot_alone(tmp_path):
     """Without the record (a kernel trial's state, or a lost record): request and free from the ``oom`` entry,
     allocated and reserved from the segments; capacity unknown, so no outside figure and no change proposed."""
     log = oom_log_dir(tmp_path, record=False)
-    t = oom_triage(str(log), None, None, None)
+    t = oom_triage(str(log), None, TrialModel(None), None, None)
     allocated, reserved = _real_state()
     assert (t["requested_bytes"], t["free_bytes"], t["allocated_bytes"]) == (4978638848, OOM_FREE, allocated)
     assert t["reserved_unallocated_bytes"] == reserved - allocated
@@ -116,3 +117,26 @@ def test_recorded_oom_of_a_kernel_trial_on_an_h100(tmp_path):
         "37.09 GiB requested of a 79.18 GiB GPU holding 44.77 GiB allocated, 8.94 GiB reserved and not allocated, "
         "8.92 GiB outside PyTorch; alive by category (GiB): before_window 44.77 (no allocator history in this trial")
     assert summary["what_if"][0]["key"] == "fit_oom"
+
+
+def test_the_trials_model_is_loaded_once(tmp_path, monkeypatch):
+    """The OOM triage, the snapshot's estimate and the what-ifs share one load of the trial's model config (its 4
+    layers; on main at 3bf771f each loaded its own: [4, 4, 3, 2, 1, 4] for this trial); the fit of other layer counts
+    loads those (4, 3, 2, 1: sftprof.analysis.memory.fit.fitting_changes)."""
+    import shutil
+
+    from sftprof import artifacts
+    from sftprof.analysis.trial import inputs
+
+    log = oom_log_dir(tmp_path)
+    snapshots = artifacts.snapshot_dir(log, 0)
+    snapshots.mkdir(parents=True)
+    shutil.copyfile(FIXTURE_DIR / "h200_mcore_qwen3moe_4l_8k.snapshot.pickle.gz",
+                    snapshots / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz")
+    loads = []
+    real = inputs.load_hf_config
+    monkeypatch.setattr(inputs, "load_hf_config", lambda path, n: loads.append(n) or real(path, n))
+    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "memory", 0)
+    assert [c["settings"] for c in summary["oom"]["fits"]] == [{"actor.num_layers": 1}]
+    assert summary["memory_snapshots"][0]["estimate"] is not None
+    assert loads == [4, 4, 3, 2, 1]  # the trial's (once), then the fit's

@@ -13,6 +13,7 @@ import torch
 
 from sftprof import artifacts
 from sftprof.analysis.memory.oom import oom_triage
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.capture.oom import watch
 from sftprof.capture.regions import region
 
@@ -37,7 +38,7 @@ def test_a_failed_request_leaves_its_snapshot_record_and_triage(tmp_path):
     assert record["capacity_bytes"] == torch.cuda.mem_get_info(device)[1] and record["history"]
     assert record["allocated_bytes"] >= held.numel()
     assert any("test_oom_gpu.py" in line for line in record["stack"])
-    t = oom_triage(str(tmp_path), None, 0, None)
+    t = oom_triage(str(tmp_path), None, TrialModel(None), 0, None)
     assert t["requested_bytes"] == record["requested_bytes"] and t["phase"] == "sftprof/forward/mb0"
     assert t["site"].startswith("tests/test_oom_gpu.py:") or "test_oom_gpu.py" in t["site"]
     assert t["outside_pytorch_bytes"] == record["capacity_bytes"] - record["free_bytes"] - (

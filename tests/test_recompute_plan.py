@@ -8,6 +8,7 @@ import yaml
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory.estimate import predict_peak
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.recompute_plan import DRIVER_RESERVED_GIB, ledger, plan_recompute, recompute_what_if
 from sftprof.analysis.schema import read_summary
 from sftprof.models.hf import load_hf_config
@@ -59,7 +60,7 @@ def test_planner_picks_the_least_recompute_that_fits(trial):
 
 def test_recompute_what_if_of_the_kernel_trial(trial):
     summary, cfg, forward = trial
-    (w,) = recompute_what_if(summary, cfg, None)
+    (w,) = recompute_what_if(summary, cfg, TrialModel(cfg), None)
     measured = sum(r["recompute_ms"] for r in summary["kernel_traces"][0]["summary"]["parts"]["summed"])
     assert w["settings"] == [{"kind": "config", "key": "actor.megatron.recompute_granularity", "value": "none",
                               "current": None}]

@@ -17,6 +17,7 @@ from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.compare import runs as compare, stats
 from sftprof.analysis.memory.estimate import estimate_memory
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.analysis.what_if.outcome import judge, outcome
 from sftprof.config import load_config, to_yaml
@@ -113,7 +114,7 @@ def test_a_trial_with_the_chunked_lm_head_is_not_offered_it(te_memory):
     assert act["logits_bytes"] == 0 and act["bytes"] == 2 * 8192 * 2048 * 2  # 2 layers' inputs, bf16
     summary = copy.deepcopy(te_memory)
     summary["memory_snapshots"][0]["estimate"] = est
-    found, skipped = trial_what_if(summary, cfg)
+    found, skipped = trial_what_if(summary, cfg, TrialModel(cfg))
     assert "chunked_lm_head" not in _by_key(found) and "chunked_lm_head" not in _by_key(skipped)
 
 
@@ -174,7 +175,7 @@ def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     plain = json.loads((d / "te.profile_summary.json").read_text())
     cutlass = json.loads((d / "te_cutlass.profile_summary.json").read_text())
-    found, _ = trial_what_if(plain, cfg)
+    found, _ = trial_what_if(plain, cfg, TrialModel(cfg))
     w = _by_key(found)["cutlass_grouped_gemm"]
     rows = plain["kernel_traces"][0]["summary"]["host"]["gpu_idle"]["host_wait_by_place"]["rows"]
     idle = [r["idle_ms"] for r in rows if r["part"] == "experts" and r["kind"] == "launch-bound"]
@@ -185,14 +186,14 @@ def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
     assert w["text"].startswith("TE's CUTLASS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)): step "
                                 "time -428.9 ms on rank 0 (launch-bound GPU idle of the routed expert GEMMs, over the places the "
                                 "summary lists: backward")
-    found, skipped = trial_what_if(cutlass, cfg)
+    found, skipped = trial_what_if(cutlass, cfg, TrialModel(cfg))
     assert "cutlass_grouped_gemm" not in _by_key(found)
     assert _by_key(skipped)["cutlass_grouped_gemm"]["reason"] == (
         "the trial already has NVTE_USE_CUTLASS_GROUPED_GEMM=1 (environment)")
     o = outcome(w, plain, cutlass, ([], []))  # no steps after the profiled one: the profiled steps, one a side
     assert (o.measured, o.samples, o.verdict) == (pytest.approx(858.661 - 1321.626, abs=0.01), "1/1", "held")
     def reason(summary: dict, config: dict = cfg) -> str:
-        found, skipped = trial_what_if(summary, config)
+        found, skipped = trial_what_if(summary, config, TrialModel(config))
         assert "cutlass_grouped_gemm" not in _by_key(found)
         return _by_key(skipped)["cutlass_grouped_gemm"]["reason"]
 
@@ -256,40 +257,40 @@ def test_a_setting_the_trial_has_is_never_proposed(key, summary, has, lacks):
         layout = parse_allocation_mode("megatron:d1")
         summary["memory_snapshots"][0]["estimate"] = estimate_memory(
             _cfg(**lacks), load_hf_config("qwen3_30b_a3b", 2), layout, layout.rank_coords(0), 8192)
-    found, skipped = trial_what_if(summary, _cfg(**lacks))
+    found, skipped = trial_what_if(summary, _cfg(**lacks), TrialModel(_cfg(**lacks)))
     assert key in _by_key(found) and key not in _by_key(skipped)
-    found, skipped = trial_what_if(summary, _cfg(**has))
+    found, skipped = trial_what_if(summary, _cfg(**has), TrialModel(_cfg(**has)))
     assert key not in _by_key(found)
     assert _by_key(skipped)[key]["reason"].startswith("the trial already has actor.megatron.")
 
 
 def test_expandable_segments_already_on_and_fsdp_without_balanced_routing():
-    found, skipped = trial_what_if(_memory_summary(expandable=True), _cfg())
+    found, skipped = trial_what_if(_memory_summary(expandable=True), _cfg(), TrialModel(_cfg()))
     assert "expandable_segments" not in _by_key(found)
     assert _by_key(skipped)["expandable_segments"]["reason"] == (
         "the trial already has PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (environment)")
     cfg = _cfg()
     cfg["actor"]["backend"] = "fsdp:d1"
-    found, skipped = trial_what_if(_kernel_summary(top_share=0.9), cfg)
+    found, skipped = trial_what_if(_kernel_summary(top_share=0.9), cfg, TrialModel(cfg))
     assert found == [] and _by_key(skipped)["balanced_routing"]["reason"].endswith("the fsdp backend has none")
 
 
 def test_balanced_routing_and_more_micro_batches_predictions():
     """Collapsed routing (90 % of a layer's tokens to one expert) -> top-8 of 128 (6.25 %); an activation-bound peak
     with 2 micro-batches of 4 sequences a rank -> 4 micro-batches halve the 8 GiB of activations."""
-    found, _ = trial_what_if(_kernel_summary(top_share=0.9), _cfg())
+    found, _ = trial_what_if(_kernel_summary(top_share=0.9), _cfg(), TrialModel(_cfg()))
     routing = _by_key(found)["balanced_routing"]
     assert routing["effect"] == {"metric": "moe_top_share", "unit": "pct", "value": round(100 * (8 / 128 - 0.9), 4),
                                  "baseline": 90.0}
     assert routing["weight"] == 300.0 / 500.0 and routing["rank"] is None  # the MoE parts' share of GPU time
     cfg = _cfg()
     cfg["actor"]["mb_spec"].update(n_mbs=2, max_tokens_per_mb=0)  # 4 sequences of a rank in 2 micro-batches
-    found, _ = trial_what_if(_memory_summary("activations"), cfg)
+    found, _ = trial_what_if(_memory_summary("activations"), cfg, TrialModel(cfg))
     more = _by_key(found)["more_micro_batches"]
     assert more["settings"] == [{"kind": "config", "key": "actor.mb_spec.n_mbs", "value": 4, "current": 2}]
     assert more["effect"]["value"] == -4.0
     cfg["train_dataset"]["batch_size"] = 2  # one sequence per micro-batch already
-    found, skipped = trial_what_if(_memory_summary("activations"), cfg)
+    found, skipped = trial_what_if(_memory_summary("activations"), cfg, TrialModel(cfg))
     assert "more_micro_batches" not in _by_key(found)
     assert _by_key(skipped)["more_micro_batches"]["reason"] == (
         "an activation-bound peak, but each of the 2 micro-batches holds 1 sequence(s) of the 2 per data-parallel rank "

@@ -5,7 +5,8 @@ Inputs are the trial's log dir (``LOG_DIR``: ``stats.jsonl``, ``rank_coords.json
 ``nvidia_smi.csv`` and the trainer log. Outputs go to the trial's run dir (``RUN_DIR``). The summary is a pure
 function of the inputs (no wall-clock timestamps), so rerunning reproduces it byte for byte.
 
-This module runs the steps (:func:`postprocess_trial`) and checks the kind and step asked for. The summary is put
+This module runs the steps (:func:`postprocess_trial`), for the kind and step that
+:func:`sftprof.analysis.trial.profile_check.resolve_profile` checks. The summary is put
 together from typed parts (:mod:`sftprof.analysis.schema`), each the return value of one step: what the trial's files
 say (:class:`sftprof.analysis.trial.schema.TrialRecord`: header, inputs, failure, traces or snapshots), then what is
 judged from it (problems, ranks table, what-ifs, findings, a simulated rank's projection). Each step is a module of
@@ -33,6 +34,7 @@ from sftprof.analysis.trial import inputs
 from sftprof.analysis.trial.failure import first_failure
 from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_traces, optional_input_warnings, problems,
                                              routing_warnings, shared_gpu_warnings)
+from sftprof.analysis.trial.profile_check import resolve_profile
 from sftprof.analysis.trial.schema import (Counts, FailurePart, FileError, Files, Header, Inputs, NvidiaSmi, Problems,
                                            Stats, TrialRecord, WallTime)
 from sftprof.analysis.trial.snapshots import snapshot_part
@@ -44,10 +46,8 @@ from sftprof.analysis.what_if.next_steps import with_next_steps
 from sftprof.analysis.what_if.recompute_plan import recompute_what_if
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSkipped
 
-__all__ = ["PROFILE_KINDS", "postprocess_trial", "resolve_profile", "check_profiled_step", "check_recorded_kind",
-           "SUMMARY_JSON", "SUMMARY_MD"]
+__all__ = ["postprocess_trial", "summarise_trial", "SUMMARY_JSON", "SUMMARY_MD"]
 
-PROFILE_KINDS = ("kernel", "memory")
 SUMMARY_JSON = artifacts.SUMMARY_JSON
 SUMMARY_MD = artifacts.SUMMARY_MD
 
@@ -78,9 +78,9 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         run_dir: trial run dir (created).
         profile_kind: ``kernel`` or ``memory``; None: the one the trial's completion record names
             (:func:`sftprof.analysis.trial.inputs.recorded_profile`). Given, it is a check: a different recorded kind is an
-            error.
+            error (:func:`sftprof.analysis.trial.profile_check.resolve_profile`, the one check of both).
         profile_step: the profiled training step; None: the recorded one (as ``profile_kind``). Given, a check:
-            a step the trial did not profile (:func:`profiled_steps`) is an error.
+            a step the trial did not profile is an error.
         trainer_log: trainer log (its tail is kept in the summary when the trial failed).
         nvidia_smi_csv: the driver's nvidia-smi log (optional).
         compress: write trace views as ``.json.gz``.
@@ -100,23 +100,33 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
         warning.
 
     Raises:
-        ValueError: unknown ``profile_kind``, one other than the trial recorded, negative ``profile_step`` or one
-            the trial did not profile, or either not given while the trial recorded none (it died before its
-            completion record; the message says so when ``log_dir`` does not exist).
+        ValueError: the kind or step refused by :func:`~sftprof.analysis.trial.profile_check.resolve_profile`
+            (unknown, other than the trial recorded or profiled, or not given while the trial recorded none).
         WriteError: a summary, plot or copy cannot be written (a full disk: :mod:`sftprof.atomic`); what an
             earlier postprocess wrote stays in place.
     """
-    profile_kind, profile_step = resolve_profile(log_dir, profile_kind, profile_step)
+    kind, step = resolve_profile(log_dir, profile_kind, profile_step)
+    return summarise_trial(log_dir, run_dir, kind, step, trainer_log=trainer_log, nvidia_smi_csv=nvidia_smi_csv,
+                           compress=compress, max_view_bytes=max_view_bytes, jobs=jobs)
+
+
+def summarise_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step: int, *,
+                    trainer_log: str | None = None, nvidia_smi_csv: str | None = None,
+                    compress: bool = False, max_view_bytes: int = MAX_VIEW_BYTES,
+                    jobs: int | None = None) -> tuple[ProfileSummary, int]:
+    """:func:`postprocess_trial` for the kind and step that :func:`resolve_profile` returned (``postprocess_profile.py``
+    checks them before it creates the run dir); the same arguments, return value and errors but ValueError."""
     os.makedirs(run_dir, exist_ok=True)
     trial_inputs, input_errors, smi_samples = _inputs_part(log_dir, run_dir, profile_step, trainer_log, nvidia_smi_csv)
     cfg, env = trial_inputs["config"], trial_inputs.get("environment") or {}
+    model = inputs.TrialModel(cfg)  # loaded once, at its first use
     log_dir_missing = not os.path.isdir(log_dir)
     complete = _completion(log_dir, trial_inputs["stats"], log_dir_missing)
     interrupted = inputs.driver_interrupt(run_dir)  # the driver stopped it (Ctrl-C, SIGTERM): not a failure
     failed: FailurePart = {}
     if not interrupted and complete.get("status", "unknown") != "ok":
-        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, env.get("PYTORCH_CUDA_ALLOC_CONF"))
-    files = _files_part(profile_kind, profile_step, log_dir, run_dir, compress, max_view_bytes,
+        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, model, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    files = _files_part(profile_kind, profile_step, log_dir, run_dir, model, compress, max_view_bytes,
                         jobs or os.cpu_count() or 1)
     record: TrialRecord = {
         **_trial_header(log_dir, run_dir, profile_kind, profile_step, complete, interrupted, failed, trainer_log,
@@ -126,89 +136,15 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
     found = _problems_part(record, complete, input_errors, log_dir if log_dir_missing else None, trainer_log,
                            nvidia_smi_csv, run_dir)
     ranks = rank_table(record)
-    what_if, what_if_skipped = _what_if_part(record, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    what_if, what_if_skipped = _what_if_part(record, model, env.get("PYTORCH_CUDA_ALLOC_CONF"))
     oom = record.get("oom")  # why it ran out of memory comes first
     findings = ([oom_finding(oom)] if oom else []) + trial_findings({**record, "ranks": ranks})
     summary: ProfileSummary = {
         **record, **found, "ranks": ranks, "what_if": what_if, "what_if_skipped": what_if_skipped,
         "findings": with_next_steps(findings, what_if, what_if_skipped, record, cfg),
-        **_simulation_part(record, log_dir, cfg)}
+        **_simulation_part(record, log_dir, cfg, model)}
     write_summary(summary, run_dir)
     return summary, 2 if log_dir_missing and not interrupted else (1 if found["errors"] else 0)
-
-
-def resolve_profile(log_dir: str, kind: str | None, step: int | None) -> tuple[str, int]:
-    """The kind and step to process: as given, else the trial's recorded ones (``stats.jsonl``'s completion record).
-
-    Raises:
-        ValueError: as :func:`postprocess_trial` (the message names the setting).
-    """
-    if (kind is None or step is None) and not os.path.isdir(log_dir):
-        raise ValueError(f"--log-dir {log_dir} does not exist, so --profile-kind and --profile-step cannot be read "
-                         "from its stats.jsonl; nothing was written (given both, the trial's summary is written, "
-                         "as failed)")
-    recorded_kind, recorded_step = inputs.recorded_profile(log_dir)
-    if kind is None:
-        kind = recorded_kind
-        if kind is None:
-            raise ValueError(f"--profile-kind: not given, and {os.path.join(log_dir, artifacts.STATS)} has no completion "
-                             f"record naming it; pass one of {PROFILE_KINDS}")
-    if step is None:
-        step = recorded_step
-        if step is None:
-            raise ValueError(f"--profile-step: not given, and {os.path.join(log_dir, artifacts.STATS)} has no "
-                             "completion record naming it; pass the profiled step (an integer >= 0)")
-    if kind not in PROFILE_KINDS:
-        raise ValueError(f"--profile-kind must be one of {PROFILE_KINDS}, got {kind!r}")
-    check_recorded_kind(log_dir, kind)
-    if step < 0:
-        raise ValueError(f"--profile-step must be >= 0, got {step}")
-    check_profiled_step(log_dir, kind, step)
-    return kind, step
-
-
-def profiled_steps(log_dir: str, kind: str) -> tuple[list[int], str]:
-    """The steps the trial profiled for ``kind`` and where that is written: ``<section>.profile_steps`` of the trial's
-    ``config.yaml`` (``perf_tracer`` for kernel, ``memory_profiler`` for memory), else the step of its completion
-    record in ``stats.jsonl``; ``([], "")`` when neither can be read (a trial that died early)."""
-    section = "perf_tracer" if kind == "kernel" else "memory_profiler"
-    cfg, _ = inputs.trial_config(log_dir)
-    steps = ((cfg or {}).get(section) or {}).get("profile_steps") if isinstance(cfg, dict) else None
-    if isinstance(steps, list) and steps and all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-        return sorted(set(steps)), f"{section}.profile_steps in {os.path.join(log_dir, artifacts.CONFIG_YAML)}"
-    _, recorded = inputs.recorded_profile(log_dir)
-    if recorded is not None:
-        return [recorded], f"the completion record in {os.path.join(log_dir, artifacts.STATS)}"
-    return [], ""
-
-
-def check_profiled_step(log_dir: str, kind: str, step: int) -> None:
-    """Refuse a profile step the trial did not profile: its summary would label another step's trace (or no
-    artifact at all) with it. Nothing known of the trial's steps (it died before writing them): nothing to check.
-
-    Raises:
-        ValueError: ``--profile-step S: the trial profiled step(s) [..] (<where>); pass one of them or leave it
-            out; nothing was written``.
-    """
-    steps, where = profiled_steps(log_dir, kind)
-    if steps and step not in steps:
-        raise ValueError(f"--profile-step {step}: the trial profiled step(s) {steps} ({where}); pass one of them or "
-                         "leave it out; nothing was written")
-
-
-def check_recorded_kind(log_dir: str, kind: str) -> None:
-    """Refuse a profile kind other than the one the trial's completion record names (a trial profiles one kind,
-    :func:`sftprof.config.validate`; processed as the other, its summary would describe what it is not). No record
-    (a trial that died before writing it): nothing to check.
-
-    Raises:
-        ValueError: ``--profile-kind K: the trial recorded profile_kind='R' in LOG_DIR/stats.jsonl; ...``.
-    """
-    recorded_kind, _ = inputs.recorded_profile(log_dir)
-    if recorded_kind is not None and kind != recorded_kind:
-        raise ValueError(f"--profile-kind {kind}: the trial recorded profile_kind={recorded_kind!r} in "
-                         f"{os.path.join(log_dir, artifacts.STATS)}; pass --profile-kind {recorded_kind} or leave it "
-                         "out; nothing was written")
 
 
 def _inputs_part(log_dir: str, run_dir: str, step: int, trainer_log: str | None, nvidia_smi_csv: str | None,
@@ -277,7 +213,7 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int,
 
 
 def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict[str, Any] | None,
-                  alloc_conf: str | None) -> FailurePart:
+                  model: inputs.TrialModel, alloc_conf: str | None) -> FailurePart:
     """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
     it), a log tail (the trainer log's, else the launcher log's) and the out-of-memory triage of the failed rank."""
     launcher_log = os.path.join(run_dir, "launcher.log")
@@ -290,7 +226,7 @@ def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict
     return {"failure": failure,
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log",
-            "oom": oom_triage(log_dir, cfg, failure["rank"] if failure else None, alloc_conf)}
+            "oom": oom_triage(log_dir, cfg, model, failure["rank"] if failure else None, alloc_conf)}
 
 
 def _wall_time_part(stats: Stats, run_dir: str) -> WallTime:
@@ -311,12 +247,12 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _files_part(kind: str, step: int, log_dir: str, run_dir: str, compress: bool, max_view_bytes: int,
-                jobs: int) -> Files:
+def _files_part(kind: str, step: int, log_dir: str, run_dir: str, model: inputs.TrialModel, compress: bool,
+                max_view_bytes: int, jobs: int) -> Files:
     """The kernel traces (with what is made across them) or the memory snapshots."""
     world = inputs.world_size(log_dir)
     if kind == "memory":
-        return snapshot_part(log_dir, run_dir, step, world)
+        return snapshot_part(log_dir, run_dir, step, world, model)
     return trace_part(log_dir, run_dir, compress, max_view_bytes, jobs, step, world)
 
 
@@ -358,22 +294,24 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     return part
 
 
-def _what_if_part(record: TrialRecord, alloc_conf: str | None) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
+def _what_if_part(record: TrialRecord, model: inputs.TrialModel,
+                  alloc_conf: str | None) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
     """The what-ifs, largest weight first (a failed trial's change that fits its memory first), and those skipped."""
-    what_if, skipped = trial_what_if(record, record["config"])
+    what_if, skipped = trial_what_if(record, record["config"], model)
     if record["profile_kind"] == "kernel" and record["status"] == "ok":  # the recompute that fits at the least time
-        what_if = sorted(what_if + recompute_what_if(record, record["config"], alloc_conf), key=lambda w: -w["weight"])
+        what_if = sorted(what_if + recompute_what_if(record, record["config"], model, alloc_conf), key=lambda w: -w["weight"])
     oom = record.get("oom")
     return (oom_what_if(oom) if oom else []) + what_if, skipped
 
 
-def _simulation_part(record: TrialRecord, log_dir: str, cfg: dict[str, Any] | None) -> SimulationPart:
+def _simulation_part(record: TrialRecord, log_dir: str, cfg: dict[str, Any] | None,
+                     model: inputs.TrialModel) -> SimulationPart:
     """A simulated rank's trial: its projected step, from the first trace's regions; nothing for another trial."""
     if not cfg or ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) < 0:
         return {}
     traces = [t["summary"] for t in record.get("kernel_traces", []) if t.get("summary")]
     # simulation_summary builds the Simulation member as a plain dict (time/projection.py is not typed strictly)
-    return {"simulation": cast(Simulation, simulation_summary(log_dir, cfg, record["profile_step"],
+    return {"simulation": cast(Simulation, simulation_summary(log_dir, cfg, model, record["profile_step"],
                                                               record.get("transformer_engine"),
                                                               traces[0]["regions"] if traces else None))}
 

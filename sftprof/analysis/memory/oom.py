@@ -29,8 +29,8 @@ from sftprof.analysis.memory.categories import MEMORY_CATEGORIES, allocation_sit
 from sftprof.analysis.memory.estimate import predict_peak
 from sftprof.analysis.memory.fit import ENV, fitting_changes
 from sftprof.analysis.memory.safe_pickle import safe_load_file
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS
-from sftprof.models.hf import load_hf_config
 from sftprof.analysis.memory.schema import OomTriage
 from sftprof.analysis.report.schema import Finding
 from sftprof.analysis.what_if.schema import WhatIf
@@ -101,11 +101,12 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
     return "layer backward" if phase and "backward" in phase else None
 
 
-def oom_triage(log_dir: str, cfg: Optional[dict], failed_rank: Optional[int],
+def oom_triage(log_dir: str, cfg: Optional[dict], model: TrialModel, failed_rank: Optional[int],
                alloc_conf: Optional[str]) -> Optional[OomTriage]:
     """The triage of the trial's out-of-memory failure (module docstring); None when no rank left a snapshot.
 
-    ``cfg``: the trial's resolved config (None: no prediction, no change proposed); ``failed_rank``: the first
+    ``cfg``: the trial's resolved config (None: no prediction, no change proposed), ``model`` its model;
+    ``failed_rank``: the first
     failing rank of the summary's failure (its record is the triage's when it has one); ``alloc_conf``: the trial's
     ``PYTORCH_CUDA_ALLOC_CONF`` (its recorded environment).
     """
@@ -121,8 +122,7 @@ def oom_triage(log_dir: str, cfg: Optional[dict], failed_rank: Optional[int],
     if cfg and (cfg.get("actor") or {}).get("backend", "").startswith("megatron"):
         try:
             layout = parse_allocation_mode(cfg["actor"]["backend"])
-            path, n_layers = cfg["actor"]["path"], int(cfg["actor"].get("num_layers") or 0)
-            hf = load_hf_config(path, n_layers)
+            hf = model.config()
             seq = int(cfg["profile"]["fake_seq_len"])
             pred = predict_peak(cfg, hf, layout, layout.rank_coords(rank), seq)
             kind = _phase_kind(t["phase"], t["site"])
@@ -132,7 +132,7 @@ def oom_triage(log_dir: str, cfg: Optional[dict], failed_rank: Optional[int],
             if t["capacity_bytes"]:
                 t["fits"] = [{"settings": c["settings"], "peak_bytes": c["check"]["peak_bytes"],
                               "need_bytes": c["check"]["need_bytes"]}
-                             for c in fitting_changes(cfg, lambda n: load_hf_config(path, n), layout, seq,
+                             for c in fitting_changes(cfg, model.cut, layout, seq,
                                                       t["capacity_bytes"], alloc_conf)]
         except Exception as err:  # noqa: BLE001 - a config this prediction cannot model leaves the figures as read
             t["prediction_error"] = f"{type(err).__name__}: {err}"

@@ -32,7 +32,6 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial import inputs
 from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
-from sftprof.models.hf import load_hf_config
 from sftprof.simulation import assumed
 
 __all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
@@ -59,7 +58,7 @@ NCCL_BUFFSIZE = 4 << 20  # NCCL_BUFFSIZE's default
 NCCL_CHANNELS = 16  # assumed channels per communicator
 
 
-def collective_ms(kind: str, nbytes: float, group_size: int, link: dict) -> tuple[float, float]:
+def collective_ms(kind: str, nbytes: float, group_size: int, link: dict[str, Any]) -> tuple[float, float]:
     """``(ms per call, GB/s used)`` of one collective of ``nbytes`` per rank over ``group_size`` ranks on ``link``
     (an :data:`INTERCONNECTS` entry): the measured size nearest to ``nbytes`` in MiB gives the rate.
 
@@ -73,12 +72,12 @@ def collective_ms(kind: str, nbytes: float, group_size: int, link: dict) -> tupl
     return leaving / (gbps * 1e9) * 1e3 + link["latency_ms"], gbps
 
 
-def nccl_buffer_bytes(collectives: list[dict]) -> tuple[int, list[str]]:
+def nccl_buffer_bytes(collectives: list[dict[str, Any]]) -> tuple[int, list[str]]:
     """NCCL's device buffers of the rank's communicators (one per distinct process group of ``collectives``):
     ``2 x NCCL_CHANNELS x NCCL_BUFFSIZE`` each, plus ``2 x NCCL_BUFFSIZE`` per peer of a group that runs
     all-to-all or send/recv (point-to-point buffers). An estimate, never measured here; returns bytes and the
     formula of each communicator."""
-    groups: dict[str, dict] = {}
+    groups: dict[str, dict[str, Any]] = {}
     for c in collectives:
         g = groups.setdefault(c["group"], {"size": c["group_size"], "p2p": False})
         g["p2p"] |= c["collective"] in ("all_to_all", "send_recv")
@@ -91,8 +90,8 @@ def nccl_buffer_bytes(collectives: list[dict]) -> tuple[int, list[str]]:
     return total, lines
 
 
-def project(plan: dict, compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
-            windows_ms: Optional[dict] = None, measured_mfu: Optional[float] = None) -> dict[str, Any]:
+def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
+            windows_ms: Optional[dict[str, float]] = None, measured_mfu: Optional[float] = None) -> dict[str, Any]:
     """The projected step of the rank of ``plan`` (module docstring).
 
     Args:
@@ -154,16 +153,17 @@ NOT_RUN = ("collectives: torch's fake process group returned each at once, its o
            "did not reduce")
 
 
-def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, have_te: Optional[bool] = None,
-                  windows_ms: Optional[dict] = None) -> dict[str, Any]:
-    """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``) from its ``stats.jsonl``: compute = the
-    step time of ``step`` (the last step recorded when None), peak = its ``mem_peak_allocated_gb``, the MFU scaled
-    from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
+def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: Optional[int] = None,
+                  have_te: Optional[bool] = None, windows_ms: Optional[dict[str, float]] = None) -> dict[str, Any]:
+    """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``, ``model`` its model) from its
+    ``stats.jsonl``: compute = the step time of ``step`` (the last step recorded when None), peak = its
+    ``mem_peak_allocated_gb``, the MFU scaled from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
     ``windows_ms``: the overlap windows measured (:func:`project`).
 
     Raises:
         ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
         OSError: ``stats.jsonl`` is missing.
+        Exception: what loading the model raised (:meth:`sftprof.analysis.trial.inputs.TrialModel.config`).
     """
     a = cfg["actor"]
     rank = int((a.get("simulate") or {}).get("rank", -1))
@@ -174,7 +174,7 @@ def project_trial(log_dir: str | Path, cfg: dict, step: Optional[int] = None, ha
         raise ValueError(f"{log_dir}: {STATS} holds no record of step {'(any)' if step is None else step}")
     rec = steps[-1]
     layout = parse_allocation_mode(a["backend"])
-    plan = rank_plan(cfg, load_hf_config(a["path"], a.get("num_layers")), layout, rank, have_te)
+    plan = rank_plan(cfg, model.config(), layout, rank, have_te)
     return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
                    windows_ms, measured_mfu=rec.mfu)
 
@@ -190,14 +190,14 @@ def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
-def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optional[bool],
+def simulation_summary(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: int, have_te: Optional[bool],
                        regions: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
     overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""
     sim = cfg["actor"]["simulate"]
     try:
-        projection, error = project_trial(log_dir, cfg, step, have_te, overlap_windows(regions or [])), None
+        projection, error = project_trial(log_dir, cfg, model, step, have_te, overlap_windows(regions or [])), None
     except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
         projection, error = None, f"{type(exc).__name__}: {exc}"
     return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
@@ -205,7 +205,7 @@ def simulation_summary(log_dir: str | Path, cfg: dict, step: int, have_te: Optio
             "projection": projection, "projection_error": error}
 
 
-def render(p: dict) -> str:
+def render(p: dict[str, Any]) -> str:
     """The projection as text: one line per collective, then the totals, the memory and the assumptions."""
     lines = [f"projection of rank {p['rank']} of {p['world_size']} (simulated: compute measured, communication "
              "computed)", f"{'group':8} {'collective':15} {'link':10} {'calls':>6} {'MiB/call':>9} {'GB/s':>6} "
@@ -234,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if cfg is None:
             raise ValueError(err or f"{args.log_dir}: no config.yaml")
-        p = project_trial(args.log_dir, cfg, args.step)
+        p = project_trial(args.log_dir, cfg, inputs.TrialModel(cfg), args.step)
     except (ValueError, OSError) as exc:
         print(f"projection: {exc}", file=sys.stderr)
         return 2

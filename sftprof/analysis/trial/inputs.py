@@ -1,5 +1,6 @@
 """Readers of a trial's inputs: ``stats.jsonl`` (through :mod:`sftprof.artifacts`), ``rank_coords.json``,
-``config.yaml``, the driver's ``nvidia_smi.csv`` and the tail of the trainer log.
+``config.yaml``, the driver's ``nvidia_smi.csv`` and the tail of the trainer log; and the trial's model, its Hugging
+Face config loaded once for every part of the analysis that needs it (:class:`TrialModel`).
 
 Each reader tolerates a missing or damaged file (it says so in what it returns) so that one bad input
 never stops the postprocessing of the others (:func:`sftprof.analysis.summary.postprocess_trial`).
@@ -20,10 +21,11 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace.check import is_finite_number
 from sftprof.analysis.trial.schema import SmiWindow, Stats
 from sftprof.analysis.what_if.schema import TriedWhatIf
+from sftprof.models.hf import load_hf_config
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
            "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error",
-           "transformer_engine", "read_tried_what_if", "ROUTING_COLLAPSE_SHARE"]
+           "transformer_engine", "read_tried_what_if", "ROUTING_COLLAPSE_SHARE", "TrialModel"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -417,6 +419,40 @@ def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
     if cfg is not None and not isinstance(cfg, dict):
         return None, f"{path}: not a YAML mapping (a {type(cfg).__name__})"
     return cfg, None
+
+
+class TrialModel:
+    """The trial's model: the Hugging Face config of its ``actor.path`` cut to ``actor.num_layers``
+    (:func:`sftprof.models.hf.load_hf_config`), loaded at the first use and kept, as is the error of a load that
+    failed (a model path not on this machine: each user says what it leaves out)."""
+
+    def __init__(self, cfg: Mapping[str, Any] | None) -> None:
+        """``cfg``: the trial's resolved config (:func:`trial_config`); None: no model (every use raises)."""
+        actor = (cfg or {}).get("actor")
+        self._actor: Mapping[str, Any] = actor if isinstance(actor, Mapping) else {}
+        self._loaded: tuple[Any, Exception | None] | None = None
+
+    def config(self) -> Any:
+        """The model's (text) config, e.g. ``Qwen3MoeConfig``, loaded once.
+
+        Raises:
+            Exception: what loading it raised (KeyError: no ``actor.path``; ModelPathError, ValueError: see
+                :func:`sftprof.models.hf.load_hf_config`), the same exception at every call.
+        """
+        if self._loaded is None:
+            try:
+                self._loaded = self.cut(int(self._actor.get("num_layers") or 0)), None
+            except Exception as err:  # noqa: BLE001 - kept, and raised to each user, which says what it leaves out
+                self._loaded = None, err
+        hf, err = self._loaded
+        if err is not None:
+            raise err
+        return hf
+
+    def cut(self, num_layers: int) -> Any:
+        """The model's config cut to ``num_layers`` layers (0: all of them), loaded anew (the fit of other layer
+        counts: :func:`sftprof.analysis.memory.fit.fitting_changes`). Raises as :meth:`config`."""
+        return load_hf_config(self._actor["path"], num_layers)
 
 
 def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:

@@ -18,14 +18,13 @@ from typing import Any
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial import inputs
-from sftprof.analysis.trial.inputs import World, file_error, outside_world
+from sftprof.analysis.trial.inputs import TrialModel, World, file_error, outside_world
 from sftprof.analysis.memory.estimate import estimate_memory, explain_estimate
 from sftprof.analysis.memory.plot import plot_memory
 from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
 from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.trial.schema import Files, SnapshotEntry
 from sftprof.atomic import copy_file, write_failed
-from sftprof.models.hf import load_hf_config
 
 __all__ = ["snapshot_part"]
 
@@ -49,15 +48,16 @@ def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
     return (int(m.group(1)), None) if m else (None, None)
 
 
-def _estimate(log_dir: str, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
-    """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory.estimate.estimate_memory`) and why not."""
+def _estimate(log_dir: str, model: TrialModel, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
+    """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory.estimate.estimate_memory`) of the trial's
+    ``model``, and why not."""
     cfg, _ = inputs.trial_config(log_dir)  # (an unreadable one is the summary's error: postprocess_trial)
     if cfg is None or rank is None:
         return None, "no config.yaml in the log dir or no rank in the snapshot name: no theoretical estimate"
     try:
         a = cfg["actor"]
         layout = parse_allocation_mode(a["backend"])
-        hf = load_hf_config(a["path"], a.get("num_layers"))
+        hf = model.config()
         return estimate_memory(cfg, hf, layout, layout.rank_coords(rank), int(cfg["profile"]["fake_seq_len"])), None
     except Exception as exc:  # an estimate that cannot be made is a note, never the trial's error
         return None, f"no theoretical estimate: {type(exc).__name__}: {exc}"
@@ -89,7 +89,7 @@ def _own_device(phases, rank: int | None, log_dir: str) -> tuple[int | None, str
 
 
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
-                    max_entries: int | None, written: set[str], world: World) -> SnapshotEntry:
+                    max_entries: int | None, written: set[str], world: World, model: TrialModel) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
 
     The snapshot is read, analysed and plotted from the log dir; only then are the snapshot, its plot and its rank's
@@ -158,16 +158,17 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
     entry["summary"] = summary
     entry["allocator"] = allocator
-    entry["estimate"], entry["estimate_note"] = _estimate(log_dir, rank, coords)
+    entry["estimate"], entry["estimate_note"] = _estimate(log_dir, model, rank, coords)
     entry["estimate_vs_measured"] = explain_estimate(summary, entry["estimate"])
     return entry
 
 
-def snapshot_part(log_dir: str, run_dir: str, step: int, world: World) -> Files:
+def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: TrialModel) -> Files:
     """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
     that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
     snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's
-    other files (skipped ones, sidecars of ranks without a snapshot there) are copied as they are."""
+    other files (skipped ones, sidecars of ranks without a snapshot there) are copied as they are. ``model``: the
+    trial's model, for each snapshot's theoretical estimate."""
     src_dir = str(artifacts.snapshot_dir(log_dir, step))
     dst_dir = str(artifacts.snapshot_dir(run_dir, step))
     snapshots, skipped = [], []
@@ -182,7 +183,7 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World) -> Files:
     for name in names:
         if name in snaps:
             snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written,
-                                             world))
+                                             world, model))
             continue
         if not artifacts.PHASES_RE.match(name):
             skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),

@@ -53,14 +53,13 @@ from typing import Any, Optional
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
+from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE, TrialModel
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
 from sftprof.analysis.memory.fit import ALLOC_CONF, LM_HEAD_CHUNK, with_expandable
 from sftprof.analysis.schema import processed_snapshots, processed_traces
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.config import n_micro_batches
-from sftprof.models.hf import load_hf_config
 from typing import Mapping
 
 __all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
@@ -132,8 +131,8 @@ class _Trial:
     """What the rules read of a trial: its config (``cfg``), layout, sequences per data-parallel rank, Transformer
     Engine, the routing of its profiled step; the proposals and skips they make."""
 
-    def __init__(self, summary: dict, cfg: Optional[dict]) -> None:
-        self.summary, self.cfg = summary, cfg or {}
+    def __init__(self, summary: dict, cfg: Optional[dict], model: TrialModel) -> None:
+        self.summary, self.cfg, self.model = summary, cfg or {}, model
         self.actor = self.cfg.get("actor") or {}
         self.m = self.actor.get("megatron") or {}
         try:
@@ -143,16 +142,13 @@ class _Trial:
         self.megatron = self.layout is not None and self.layout.backend == "megatron"
         self.found: list[WhatIf] = []
         self.skipped: list[WhatIfSkipped] = []
-        self._hf: Any = False  # not loaded yet
 
     def hf(self):
         """The model's Hugging Face config (None when it cannot be loaded)."""
-        if self._hf is False:
-            try:
-                self._hf = load_hf_config(self.actor["path"], self.actor.get("num_layers") or 0)
-            except Exception:  # a model path not readable here: the rules that need it are left out
-                self._hf = None
-        return self._hf
+        try:
+            return self.model.config()
+        except Exception:  # a model path not readable here: the rules that need it are left out
+            return None
 
     def te_absence(self) -> Optional[str]:
         """None when Transformer Engine ran in the trial, else why a TE-only lever cannot be proposed, in words."""
@@ -214,11 +210,12 @@ class _Trial:
             return None
 
 
-def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict]) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
+def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict],
+                  model: TrialModel) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
     """The what-ifs of every profiled rank's trace and snapshot (rank order; the routing's once), and the levers not
-    proposed with the reason (module docstring). ``cfg``: the trial's resolved config; ``summary`` needs its
-    traces or snapshots, ``stats`` and ``transformer_engine``."""
-    t = _Trial(summary, cfg)
+    proposed with the reason (module docstring). ``cfg``: the trial's resolved config, ``model`` its model; ``summary``
+    needs its traces or snapshots, ``stats`` and ``transformer_engine``."""
+    t = _Trial(summary, cfg, model)
     traces = processed_traces(summary)
     for tr in traces:
         _selective_recompute(t, tr["rank"], tr["summary"])

@@ -22,9 +22,9 @@ from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory.estimate import layer_sets
 from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, smi_capacity_bytes, with_settings
 from sftprof.analysis.schema import processed_traces
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS, RECOMPUTE_MODULE_PARTS, recompute_ms
 from sftprof.analysis.what_if.schema import WhatIf
-from sftprof.models.hf import ModelPathError, load_hf_config
 
 __all__ = ["ledger", "plan_recompute", "recompute_what_if", "KEY", "DRIVER_RESERVED_GIB"]
 
@@ -110,15 +110,17 @@ def _current(cfg: dict) -> dict:
     return out
 
 
-def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], alloc_conf: Optional[str]) -> list[WhatIf]:
-    """The planner's choice as a what-if of a megatron kernel trial (module docstring); [] when there is none."""
+def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], model: TrialModel,
+                      alloc_conf: Optional[str]) -> list[WhatIf]:
+    """The planner's choice as a what-if of a megatron kernel trial (module docstring); [] when there is none.
+    ``cfg``: the trial's resolved config, ``model`` its model."""
     capacity = smi_capacity_bytes((summary.get("nvidia_smi") or {}).get("gpus") or [])
     if not cfg or capacity is None or not str(cfg["actor"].get("backend", "")).startswith("megatron"):
         return []
     layout = parse_allocation_mode(cfg["actor"]["backend"])
     try:
-        hf = load_hf_config(cfg["actor"]["path"], int(cfg["actor"].get("num_layers") or 0))
-    except (ModelPathError, ValueError):  # the model's config is not on this machine: no prediction
+        hf = model.config()
+    except Exception:  # the model's config is not on this machine (TrialModel.config): no prediction
         return []
     seq = int(cfg["profile"]["fake_seq_len"])
     out = []
