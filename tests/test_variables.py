@@ -100,3 +100,44 @@ def test_every_config_variable_is_declared_beside_its_key():
         value = config_value(cfg, v.keys[0])
         if value != "" and v.name != "FILEROOT":  # FILEROOT's text is resolved as a path
             assert v.parse(v.name, yaml_value(value)) == value, v.name
+
+
+def test_profile_ranks_is_declared_beside_both_its_keys_with_their_one_check(tmp_path):
+    """PROFILE_RANKS is the schema's Setting of perf_tracer.ranks and memory_profiler.ranks: the variable and either
+    key are refused with the same reason, and the variable stays out of the one-key arguments (its ranks are
+    resolved against the layout, where pp_rank0 and 0 agree on one stage)."""
+    assert variables.RANKS_VARIABLE.keys == ("perf_tracer.ranks", "memory_profiler.ranks")
+    assert variables.BY_NAME["PROFILE_RANKS"] is variables.RANKS_VARIABLE
+    assert variables.RANKS_VARIABLE not in variables.CONFIG_VARIABLES
+    env = {"CONFIG": "tiny_cpu", "RUN_ROOT": str(tmp_path / "run"), "FILEROOT": str(tmp_path / "fr")}
+    with pytest.raises(launch.DriverError) as by_variable:
+        launch.plan({**env, "PROFILE_RANKS": "5-2"}, [], gpus=0)
+    assert str(by_variable.value) == "PROFILE_RANKS='5-2': range '5-2' is reversed; write 2-5 (actor.backend=fsdp:d2)"
+    for key in variables.RANKS_VARIABLE.keys:
+        with pytest.raises(ConfigError) as by_key:
+            load_config("tiny_cpu", [f"{key}=5-2"])
+        assert str(by_key.value) == f"{key}='5-2': range '5-2' is reversed; write 2-5"
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("PROFILE_STEPS", "0, 1", "must be a list of non-negative integers, comma-separated without spaces (0,1)"),
+    ("PROFILE_STEPS", " 1", "must be a list of non-negative integers, comma-separated without spaces (1)"),
+    ("PROFILE_KINDS", "kernel, memory",
+     "must be a non-empty subset of kernel,memory, comma-separated without spaces (kernel,memory)"),
+])
+def test_lists_are_comma_separated_without_spaces(name, text, message):
+    """docs/driver_variables.md writes every list as 0,1: a list with spaces is refused, naming the variable and the
+    format (it was read both ways)."""
+    assert _refusal(name, text) == f"{name}={text!r}: {message}"
+    assert variables.BY_NAME[name].parse(name, "".join(text.split())) is not None
+
+
+def test_profile_ranks_with_spaces_is_refused_naming_the_format(tmp_path):
+    env = {"CONFIG": "tiny_cpu", "RUN_ROOT": str(tmp_path / "run"), "FILEROOT": str(tmp_path / "fr")}
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan({**env, "PROFILE_RANKS": "0, 1"}, [], gpus=0)
+    assert str(err.value) == ("PROFILE_RANKS='0, 1': must be pp_rank0, empty (all ranks) or ranks and ranges such as "
+                              "0,2-4, comma-separated without spaces (0,1) (actor.backend=fsdp:d2)")
+    _, settings, _ = launch.plan({**env, "PROFILE_RANKS": "0,1"}, [], gpus=0)
+    assert "PROFILE_RANKS=0-1\t# env" in settings
+    assert not (tmp_path / "run").exists()

@@ -395,14 +395,27 @@ class TrainDatasetConfig:
         require_at_least(self, "train_dataset", {"max_length": (0, "an integer >= 0 (0 = no limit)")})
 
 
-def _check_profile_section(section: str, steps: List[int], ranks: str) -> None:
-    """``<section>.profile_steps`` non-negative and ``<section>.ranks`` a valid rank spec."""
+def _check_profile_steps(section: str, steps: List[int]) -> None:
+    """``<section>.profile_steps`` non-negative."""
     for s in steps:
         require(s >= 0, f"{section}.profile_steps", list(steps), "a list of integers >= 0")
+
+
+def _rank_spec_problem(spec: str) -> str | None:
+    """What is wrong with rank spec ``spec`` (:func:`sftprof.ranks.check_rank_spec_syntax`), None when it is one."""
     try:
-        check_rank_spec_syntax(ranks)
+        check_rank_spec_syntax(spec)
     except RankSpecError as err:
-        raise ConfigError(f"{section}.ranks={ranks!r}: {err}") from err
+        return str(err)
+    return None
+
+
+# Both profilers' ranks, set together by PROFILE_RANKS: its value is resolved against the layout by the driver
+# (sftprof.launch.planning._profiled_ranks), where two specs that name the same ranks agree (pp_rank0 and 0 on one
+# stage), so it does not become a key=value argument as the one-key variables do.
+PROFILE_RANKS = setting("PROFILE_RANKS", "profiled ranks: pp_rank0 (rank 0 of every PP stage), empty (all), 0,2-4",
+                        "pp_rank0, empty (all ranks) or ranks and ranges such as 0,2-4", why=_rank_spec_problem,
+                        listing=True)
 
 
 @dataclass
@@ -412,11 +425,12 @@ class PerfTracerConfig:
     enabled: bool = False
     profile_steps: List[int] = field(default_factory=list)
     # Rank spec: "pp_rank0" (rank 0 of every pipeline stage), "" (all ranks) or "0,2-4".
-    ranks: str = "pp_rank0"
+    ranks: str = field(default="pp_rank0", metadata=PROFILE_RANKS)
 
     def check(self) -> None:
         """Raises ConfigError: a negative step or a malformed rank spec."""
-        _check_profile_section("perf_tracer", self.profile_steps, self.ranks)
+        _check_profile_steps("perf_tracer", self.profile_steps)
+        check_settings(self, "perf_tracer")
 
 
 @dataclass
@@ -428,7 +442,7 @@ class MemoryProfilerConfig:
         "MEMORY_MAX_ENTRIES", "allocator history entries kept for snapshots",
         f"an integer from 1 to {MEMORY_MAX_ENTRIES_MAX} (2**63 - 1, what torch's allocator history takes)",
         lambda v: 1 <= v <= MEMORY_MAX_ENTRIES_MAX))
-    ranks: str = "pp_rank0"
+    ranks: str = field(default="pp_rank0", metadata=PROFILE_RANKS)
     # The stacks each history entry keeps: "all" (Python, TorchScript and C++ frames, torch's default) or "python"
     # (cheaper to record and to dump: bench/snapshot_cost.py); the categories read Python frames alone.
     stacks: str = "all"
@@ -436,7 +450,7 @@ class MemoryProfilerConfig:
     def check(self) -> None:
         """Raises ConfigError: a negative step, a malformed rank spec, ``max_entries`` < 1 or ``stacks`` not one of
         :data:`HISTORY_STACKS`."""
-        _check_profile_section("memory_profiler", self.profile_steps, self.ranks)
+        _check_profile_steps("memory_profiler", self.profile_steps)
         require_choice("memory_profiler.stacks", self.stacks, HISTORY_STACKS)
         check_settings(self, "memory_profiler")
 

@@ -5,7 +5,8 @@ driver variable (``NAME``, documented in ``--help`` and ``docs/driver_variables.
 the section's ``check`` runs it on the loaded config (:func:`check_settings`: ``key=value: must be <accepted>``,
 ConfigError), and the driver runs it on the variable's text before it becomes the argument ``key=value``
 (:func:`parse_text`: ``NAME='text': must be <accepted>``, ValueError). The text is read strictly: ASCII digits only,
-no surrounding whitespace, no ``+``; booleans ``true``/``false``/``1``/``0`` (any case).
+no surrounding whitespace, no ``+``; booleans ``true``/``false``/``1``/``0`` (any case); a list comma-separated
+without spaces (``0,1``: :func:`comma_items`, as docs/driver_variables.md writes every list).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from sftprof.config.errors import require, require_choice
+from sftprof.config.errors import ConfigError, require, require_choice
 
 # Names that become one folder of a path (experiment_name, trial_name, the driver's EXPERIMENT_NAME and
 # PROFILE_STAMP): no '/', '.' or '..' can lead outside the folder they are put in.
@@ -43,6 +44,9 @@ class Setting:
         choices: the accepted values of a text key.
         path: the variable's text is a path, resolved (``~`` expanded) before it becomes the argument.
         default: the default in words where the driver derives it (else the YAML's value is shown).
+        why: the check of a value whose reason varies (a rank spec: malformed, reversed range): the complaint in
+            words, None when the value is accepted; replaces ``ok``.
+        listing: the variable's text is a comma-separated list, written without spaces (:func:`comma_items`).
     """
 
     env: str
@@ -52,11 +56,15 @@ class Setting:
     choices: tuple[str, ...] = ()
     path: bool = False
     default: str = ""
+    why: Callable[[Any], str | None] | None = None
+    listing: bool = False
 
     def complaint(self, value: Any) -> str | None:
-        """``must be <accepted>`` when ``value`` fails the check, else None."""
+        """``must be <accepted>`` (or what ``why`` says) when ``value`` fails the check, else None."""
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
+        if self.why is not None:
+            return self.why(value)
         if self.ok is not None and not self.ok(value):
             return f"must be {self.accepted}"
         return None
@@ -73,6 +81,18 @@ def setting(env: str, doc: str, accepted: str = "", ok: Callable[[Any], bool] | 
     return {SETTING: Setting(env, doc, accepted, ok, **kw)}
 
 
+def comma_items(env: str, text: str, accepted: str) -> list[str]:
+    """The items of variable ``env``'s comma-separated ``text`` (``"0,1"`` -> ``["0", "1"]``).
+
+    Raises:
+        ValueError: ``NAME='0, 1': must be <accepted>, comma-separated without spaces (0,1)`` when ``text`` holds
+            whitespace: the documented format has none, and a list read both ways would be two formats.
+    """
+    if any(c.isspace() for c in text):
+        raise ValueError(f"{env}={text!r}: must be {accepted}, comma-separated without spaces ({''.join(text.split())})")
+    return text.split(",")
+
+
 def check_settings(section: Any, prefix: str) -> None:
     """Run the :class:`Setting` check of each field of ``section`` (a schema dataclass at dotted ``prefix``).
 
@@ -86,6 +106,10 @@ def check_settings(section: Any, prefix: str) -> None:
         key, value = f"{prefix}.{f.name}" if prefix else f.name, getattr(section, f.name)
         if s.choices:
             require_choice(key, value, s.choices)
+        elif s.why is not None:
+            problem = s.why(value)
+            if problem:
+                raise ConfigError(f"{key}={value!r}: {problem}")
         else:
             require(s.ok is None or s.ok(value), key, value, s.accepted)
 
@@ -106,6 +130,8 @@ def parse_text(s: Setting, kind: type, text: str) -> Any:
         if value is None:
             raise ValueError(f"{s.env}={text!r}: must be {s.accepted}")
     else:
+        if s.listing:
+            comma_items(s.env, text, s.accepted)
         value = str(Path(text).expanduser().resolve()) if s.path else text
     complaint = s.complaint(value)
     if complaint:

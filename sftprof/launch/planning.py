@@ -43,14 +43,14 @@ from sftprof.launch.plan_types import DriverEnv, PlanConfig, PlanLog, Probe, Run
 from sftprof.launch.arguments import (TRIAL_KEYS, arguments_setting, check_trial_arguments, config_value,
                                       reject_driver_variables_as_arguments, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
-                                      DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, REPO_ROOT, DriverError, Variable,
-                                      check_text, parse_bool, suspect_variables, unknown_allowed)
+                                      DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, RANKS_VARIABLE, REPO_ROOT,
+                                      DriverError, Variable, check_text, parse_bool, suspect_variables, unknown_allowed)
 from sftprof.models.checks import ModelCheckError, check_model
 from sftprof.models.hf import load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
 from sftprof.simulation import assumed
 
-RANK_KEYS = dict(zip(KINDS, BY_NAME["PROFILE_RANKS"].keys))  # kind -> its profiler's ranks key
+RANK_KEYS = dict(zip(KINDS, RANKS_VARIABLE.keys))  # kind -> its profiler's ranks key
 
 
 def visible_gpus() -> int:
@@ -302,12 +302,16 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
         DriverError: a spec is invalid for the layout, or ``PROFILE_RANKS`` and an argument give different ranks.
     """
     ranks_env = d.get("PROFILE_RANKS")
-    env_ranks = None
-    if ranks_env is not None:
+    env_spec, env_ranks = "", None
+    if ranks_env is not None:  # empty: every rank
+        backend = f" (actor.backend={probe.actor.backend})"
         try:
-            env_ranks = resolve_ranks(ranks_env.strip(), layout)
+            env_spec = str(RANKS_VARIABLE.parse("PROFILE_RANKS", ranks_env))  # the keys' check (schema.PROFILE_RANKS)
+            env_ranks = resolve_ranks(env_spec, layout)
+        except DriverError as err:
+            raise DriverError(f"{err}{backend}") from None
         except RankSpecError as err:
-            raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err} (actor.backend={probe.actor.backend})") from err
+            raise DriverError(f"PROFILE_RANKS={ranks_env!r}: {err}{backend}") from err
     specs, shown, sources = {}, {}, {}
     for kind, key in RANK_KEYS.items():
         arguments = arguments_setting(key, d.extra_overrides)
@@ -323,7 +327,7 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
                 raise DriverError(variable_conflict(f"PROFILE_RANKS={ranks_env}", " and ".join(RANK_KEYS.values()),
                                                     arguments[0]))
             log.agree("PROFILE_RANKS", arguments)
-            spec, ranks, where = ranks_env.strip(), env_ranks, "env"
+            spec, ranks, where = env_spec, env_ranks, "env"
         specs[kind], shown[kind], sources[kind] = spec, format_ranks(ranks) if spec else "all", where
     planned = [k for k in RANK_KEYS if k in kinds]
     same = len({shown[k] for k in planned}) == 1

@@ -7,8 +7,8 @@ Each row is a variable: its name, the config keys it sets, its parser (text -> v
 - ``config``: the variable sets a config key of every trial, only when set (non-empty); unset, the YAML's value (or
   an argument's) stands, so that value is its default and ``--help`` reads it from the YAML. These rows are made from
   the schema, where each is declared beside its key with the key's one check (:mod:`sftprof.config.settings`); the
-  driver turns a set one into the argument ``key=value`` before the user's. ``PROFILE_RANKS`` (two keys, resolved
-  against the layout) is written here;
+  driver turns a set one into the argument ``key=value`` before the user's. ``PROFILE_RANKS`` is declared there too,
+  beside both keys it sets, but its ranks are resolved against the layout (:data:`RANKS_VARIABLE`);
 - ``trial``: the driver sets these keys per trial (one trial per profile step and kind); its default is written
   here;
 - ``launcher``: a setting of the launcher itself (where the run goes, torchrun's rendezvous, the interpreter),
@@ -17,7 +17,8 @@ Each row is a variable: its name, the config keys it sets, its parser (text -> v
 
 A variable and a ``key=value`` argument that set one key to different values are refused by the rule for a key given
 twice (:func:`sftprof.config.reject_repeated_keys`). Numbers are read strictly: ASCII digits, no spaces
-(:func:`sftprof.config.settings.read_number`). Every variable's text is refused when it holds a control
+(:func:`sftprof.config.settings.read_number`); lists are comma-separated without spaces, ``0,1``
+(:func:`sftprof.config.settings.comma_items`). Every variable's text is refused when it holds a control
 character (:func:`check_text`), with one message for all. A set variable that is no driver variable but looks
 like a misspelled one stops the driver (:func:`suspect_variables`) unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``.
 """
@@ -30,11 +31,11 @@ import typing
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from sftprof.config import (NAME_ACCEPTED, SETTING, ConfigError, SFTProfileConfig, Setting, is_folder_name,
                             load_config, parse_text)
-from sftprof.config.settings import BOOL_TEXT, read_number
+from sftprof.config.settings import BOOL_TEXT, comma_items, read_number
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
@@ -60,7 +61,7 @@ def _int(name: str, text: str, minimum: int, maximum: int | None = None, why: st
     if value is None or value < minimum or (maximum is not None and value > maximum):
         raise DriverError(f"{name}={text!r}: must be an integer " + (f">= {minimum}" if maximum is None else
                                                                      f"from {minimum} to {maximum}{why}"))
-    return value
+    return int(value)
 
 
 def parse_bool(name: str, text: str) -> bool:
@@ -70,15 +71,23 @@ def parse_bool(name: str, text: str) -> bool:
     return BOOL_TEXT[text.lower()]
 
 
-def _no_repeats(name: str, text: str, items: list) -> None:
+def _no_repeats(name: str, text: str, items: Sequence[str | int]) -> None:
     repeated = sorted({str(t) for t in items if items.count(t) > 1})
     if repeated:
         raise DriverError(f"{name}={text!r}: lists {','.join(repeated)} more than once; each trial runs once")
 
 
+def _items(name: str, text: str, accepted: str) -> list[str]:
+    """:func:`sftprof.config.settings.comma_items`, its refusal a DriverError."""
+    try:
+        return comma_items(name, text, accepted)
+    except ValueError as err:
+        raise DriverError(str(err)) from None
+
+
 def _steps(name: str, text: str) -> list[int]:
-    items = [t.strip() for t in text.split(",")]
-    if not text.strip() or any(read_number(int, t) is None or t.startswith("-") for t in items):
+    items = _items(name, text, "a list of non-negative integers")
+    if not text or any(read_number(int, t) is None or t.startswith("-") for t in items):
         raise DriverError(f"{name}={text!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
     if any(int(t) >= MAX_STEPS for t in items):
         raise DriverError(f"{name}={text!r}: must list integers below {MAX_STEPS} (10**9)")
@@ -87,11 +96,11 @@ def _steps(name: str, text: str) -> list[int]:
 
 
 def _kinds(name: str, text: str) -> list[str]:
-    items = [t.strip() for t in text.split(",")]
+    items = _items(name, text, f"a non-empty subset of {','.join(KINDS)}")
     bad = [t for t in items if t not in KINDS]
-    if not text.strip() or bad:
+    if not text or bad:
         raise DriverError(f"{name}={text!r}: must be a non-empty comma-separated subset of {','.join(KINDS)}"
-                          + (f" (unknown: {','.join(bad)})" if text.strip() and bad else ""))
+                          + (f" (unknown: {','.join(bad)})" if text and bad else ""))
     _no_repeats(name, text, items)
     return [k for k in KINDS if k in items]
 
@@ -177,20 +186,28 @@ def _setting_value(s: Setting, kind: type, name: str, text: str) -> object:
 
 def _schema_variables(section: type = SFTProfileConfig, prefix: str = "") -> tuple[Variable, ...]:
     """The ``config`` variables the schema declares beside their keys (:mod:`sftprof.config.settings`), in its
-    order: one key each, read and checked by that key's :class:`~sftprof.config.Setting`."""
-    out: list[Variable] = []
+    order, each read and checked by its keys' :class:`~sftprof.config.Setting`; one declared beside several keys
+    (``PROFILE_RANKS``) is one variable that sets them all."""
+    out: dict[str, Variable] = {}
     hints = typing.get_type_hints(section)
     for f in dataclasses.fields(section):
         kind, s = hints[f.name], f.metadata.get(SETTING)
         if s is not None:
-            out.append(Variable(s.env, "config", s.doc, (prefix + f.name,), partial(_setting_value, s, kind), s.default))
-        elif dataclasses.is_dataclass(kind):
-            out += _schema_variables(kind, f"{prefix}{f.name}.")
-    return tuple(out)
+            keys = (out[s.env].keys if s.env in out else ()) + (prefix + f.name,)
+            out[s.env] = Variable(s.env, "config", s.doc, keys, partial(_setting_value, s, kind), s.default)
+        elif isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            for v in _schema_variables(kind, f"{prefix}{f.name}."):
+                out[v.name] = dataclasses.replace(v, keys=(out[v.name].keys if v.name in out else ()) + v.keys)
+    return tuple(out.values())
 
 
+_SCHEMA_VARIABLES = _schema_variables()
+# PROFILE_RANKS sets perf_tracer.ranks and memory_profiler.ranks, and its ranks are resolved against the layout, where
+# two specs that name the same ranks agree (pp_rank0 and 0 on one stage): the driver reconciles it with the arguments
+# itself (sftprof.launch.planning._profiled_ranks), not by the rule for a key given twice.
+RANKS_VARIABLE = next(v for v in _SCHEMA_VARIABLES if v.name == "PROFILE_RANKS")
 # The variables that set one config key each, with its default the YAML's (N_GPUS_PER_NODE's and FILEROOT's derived).
-CONFIG_VARIABLES = _schema_variables()
+CONFIG_VARIABLES = tuple(v for v in _SCHEMA_VARIABLES if v is not RANKS_VARIABLE)
 VARIABLES = (
     Variable("CONFIG", "launcher", "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)", default=DEFAULT_CONFIG),
     *CONFIG_VARIABLES,
@@ -198,8 +215,7 @@ VARIABLES = (
              ("perf_tracer.profile_steps", "memory_profiler.profile_steps"), _steps, "0,1"),
     Variable("TOTAL_STEPS", "trial", "steps each trial runs (must exceed the profile step; <= 10**9)",
              ("total_train_steps",), _total_steps, "profile step + 1"),
-    Variable("PROFILE_RANKS", "config", "profiled ranks: pp_rank0 (rank 0 of every PP stage), empty (all), 0,2-4",
-             ("perf_tracer.ranks", "memory_profiler.ranks"), lambda n, t: t.strip()),
+    RANKS_VARIABLE,
     Variable("PROFILE_KINDS", "trial", "subset of kernel,memory", ("perf_tracer.enabled",), _kinds,
              "kernel,memory (kernel without CUDA)"),
     Variable("NODE_RANK", "launcher", "this node (node 0 postprocesses every rank)", parse=lambda n, t: _int(n, t, 0),
@@ -273,7 +289,7 @@ def suspect_variables(env: Mapping[str, str]) -> list[tuple[str, str | None, str
     (ratio >= 0.8). One with a closest name is a likely typo (the launcher refuses it unless
     ``SFTPROF_ALLOW_UNKNOWN_VARS=1``); one without is a warning.
     """
-    out = []
+    out: list[tuple[str, str | None, str]] = []
     for name in sorted(env):
         upper = name.upper()
         if name in BY_NAME:
