@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import getpass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only; the schema imports nothing of this module
-    from sftprof.config.schema import SFTProfileConfig
+from sftprof.config.schema import SFTProfileConfig  # (the schema imports nothing of this module: no circle)
 
 # cluster.fileroot unset (empty, the schema's default): the driver's is RUN_ROOT/<RUN_ROOT_FILEROOT> (one per user and
 # run), the trainer's run alone /tmp/sftprof_fileroot_<user> (standalone_fileroot). Not /tmp/sftprof (a default

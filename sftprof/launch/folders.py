@@ -223,8 +223,8 @@ def write_plan(trials: list[Trial], settings: list[str], run_plan: RunPlan, crea
             t.run_dir.mkdir(parents=True, exist_ok=False)
             made(t.run_dir)
             rows.append(write_train_args(t))
-        with open(made(run_root / artifacts.TRIALS_TSV), "x", encoding="utf-8") as f:
-            f.write("\n".join(rows) + "\n")
+        with open(made(run_root / artifacts.TRIALS_TSV), "x", encoding="utf-8") as tsv:
+            tsv.write("\n".join(rows) + "\n")
 
 
 def write_train_args(t: "Trial") -> str:

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Callable, Iterator
 
 from sftprof.cli import to_devnull
@@ -48,7 +49,7 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _on_plan_signal(signum: int, frame) -> None:
+def _on_plan_signal(signum: int, frame: FrameType | None) -> None:
     for sig in SIGNALS:  # once: removing what the plan wrote is not interrupted by a second signal
         signal.signal(sig, signal.SIG_IGN)
     raise PlanInterrupted(signum)
@@ -86,7 +87,7 @@ class RunStop:
         elif by_driver:
             self.on_again(signum)
 
-    def handle(self, signum: int, frame) -> None:
+    def handle(self, signum: int, frame: FrameType | None) -> None:
         self.stopped(signum)
 
     def install(self) -> None:

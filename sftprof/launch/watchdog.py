@@ -41,7 +41,7 @@ class Watchdog:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.log_dir, self.ranks, self.limit_s, self._clock = Path(log_dir), list(ranks), limit_s, clock
         start = clock()
-        self._seen: dict[int, tuple[dict | None, float]] = {r: (None, start) for r in self.ranks}
+        self._seen: dict[int, tuple[dict[str, Any] | None, float]] = {r: (None, start) for r in self.ranks}
 
     def check(self) -> dict[str, Any] | None:
         """Look at the records once: None while no rank has gone ``limit_s`` without progress, else the stall:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from sftprof import artifacts
 from sftprof.analysis.what_if.changes import setting_text
@@ -34,15 +35,15 @@ from sftprof.launch.variables import DriverError
 __all__ = ["choose", "what_if_trial", "write_what_if_plan", "settings_of"]
 
 
-def settings_of(what_if: dict) -> str:
+def settings_of(what_if: dict[str, Any]) -> str:
     """The what-if's settings as one field of ``summary.tsv``: ``key=value`` separated by spaces."""
     return " ".join(setting_text(s) for s in what_if["settings"])
 
 
-def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict]], list[str]]:
+def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict[str, Any]]], list[str]]:
     """The ``n`` heaviest what-ifs of the summaries of ``trials`` (module docstring), as ``(source trial, what-if
     record)``, and lines for the user (what was proposed, what is left out)."""
-    best: dict[tuple, tuple[Trial, dict]] = {}
+    best: dict[tuple[tuple[str, str, str], ...], tuple[Trial, dict[str, Any]]] = {}
     for t in trials:
         summary = read_summary(t.run_dir)
         ok = summary.get("status") == "ok"
@@ -63,7 +64,7 @@ def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict]], list[
     return ranked[:n], lines
 
 
-def what_if_trial(source: Trial, what_if: dict) -> Trial:
+def what_if_trial(source: Trial, what_if: dict[str, Any]) -> Trial:
     """The trial that tries ``what_if`` on ``source`` (same kind and step; its config loaded, and so validated).
 
     Raises:
@@ -87,7 +88,7 @@ def what_if_trial(source: Trial, what_if: dict) -> Trial:
                    what_if=settings_of(what_if))
 
 
-def write_what_if_plan(run_root: Path, trial: Trial, source: Trial, what_if: dict) -> None:
+def write_what_if_plan(run_root: Path, trial: Trial, source: Trial, what_if: dict[str, Any]) -> None:
     """Write the what-if trial's folder (``train_args.txt``, ``what_if.json``) and its row of ``trials.tsv``."""
     trial.run_dir.mkdir(parents=True)
     row = write_train_args(trial)

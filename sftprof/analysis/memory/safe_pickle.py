@@ -21,7 +21,7 @@ import io
 import os
 import pickle
 import zlib
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 __all__ = ["UnsafePickleError", "safe_load", "safe_load_file"]
 
@@ -32,6 +32,14 @@ class UnsafePickleError(pickle.UnpicklingError):
     """A pickle references a global or a persistent id (a callable); the message names the file."""
 
 
+class _Stream(Protocol):
+    """What the unpickler reads from: a binary file (plain or gzip)."""
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+    def readline(self, size: int = ..., /) -> bytes: ...
+
+
 class _BoundedReader:
     """File-like wrapper whose ``read(n)`` never allocates more than what the stream really holds.
 
@@ -40,15 +48,15 @@ class _BoundedReader:
     :data:`_READ_PIECE` bytes stops at the real end of the stream instead.
     """
 
-    def __init__(self, f):
+    def __init__(self, f: _Stream) -> None:
         self._f = f
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:
             return self._f.read()
         if n <= _READ_PIECE:
             return self._f.read(n)
-        pieces = []
+        pieces: list[bytes] = []
         while n > 0:
             piece = self._f.read(min(n, _READ_PIECE))
             if not piece:
@@ -62,16 +70,16 @@ class _BoundedReader:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file, source: str):
+    def __init__(self, file: _Stream, source: str) -> None:
         super().__init__(_BoundedReader(file))
         self._source = source
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> NoReturn:
         raise UnsafePickleError(
             f"{self._source}: refusing to unpickle global '{module}.{name}' (memory snapshots hold only "
             "dicts, lists, tuples, str, int, float, bool and None; no callable is admitted)")
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: Any) -> NoReturn:
         raise UnsafePickleError(f"{self._source}: refusing pickle persistent id {pid!r}")
 
 
@@ -85,7 +93,7 @@ def safe_load(data: bytes, source: str = "<bytes>") -> Any:
     return _RestrictedUnpickler(io.BytesIO(data), source).load()
 
 
-def safe_load_file(path: str | os.PathLike) -> Any:
+def safe_load_file(path: str | os.PathLike[str]) -> Any:
     """Load a snapshot file (``.pickle`` or gzip ``.pickle.gz``) with :func:`safe_load`'s rules.
 
     Raises:

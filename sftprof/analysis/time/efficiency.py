@@ -16,7 +16,7 @@ from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import OpCollector, Placement
 from sftprof.analysis.time.op_flops import CORE_PART
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import DevicePeaks, Efficiency
+from sftprof.analysis.time.schema import DevicePeaks, Efficiency, EfficiencyRow, MemoryBoundRow
 from sftprof.artifacts import MODEL_PART_LABELS
 from sftprof.flops import gpu_peak_bf16_flops
 
@@ -53,7 +53,7 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
     for i in np.flatnonzero(inside & (op_idx >= 0) & (kinds == 0)):
         per_op[int(op_idx[i])] += dur[i]
         op_part.setdefault(int(op_idx[i]), (parts[i], phases[i]))
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    rows: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for k, us in per_op.items():
         name, kind, flops, dtype = ops.flop_info(k)
         part, phase = op_part[k]
@@ -69,11 +69,11 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
         r[1] += us
         r[2] += 1
     peak = peaks["bf16_flops"]
-    out_rows = []
+    out_rows: list[EfficiencyRow] = []
     for (kind, part, phase, dtype), (flops, us, calls) in sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0])):
         rate = flops / (us * 1e-6) if us > 0 else None
         low_precision = dtype in ("BFloat16", "Half")
-        out_rows.append({"kind": kind, "part": part, "phase": phase, "dtype": dtype, "calls": calls,
+        out_rows.append({"kind": kind, "part": part, "phase": phase, "dtype": dtype, "calls": int(calls),
                          "tflop": round(flops / 1e12, 6), "gpu_ms": ms(us),
                          "tflops_per_s": round(rate / 1e12, 3) if rate else None,
                          "pct_of_peak": round(100 * rate / peak, 2) if rate and peak and low_precision else None})
@@ -85,7 +85,7 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
         m[1] += dur[i]
         m[2] += 1
     bw = peaks["hbm_bytes_per_s"]
-    mem_rows = [{"name": k, "calls": int(c), "gib": round(b / 2**30, 4), "gpu_ms": ms(us),
+    mem_rows: list[MemoryBoundRow] = [{"name": k, "calls": int(c), "gib": round(b / 2**30, 4), "gpu_ms": ms(us),
                  "gb_per_s": round(b / (us * 1e-6) / 1e9, 2) if us > 0 else None,
                  "pct_of_hbm": round(100 * b / (us * 1e-6) / bw, 2) if us > 0 and bw else None}
                 for k, (b, us, c) in sorted(mem.items(), key=lambda kv: (-kv[1][1], kv[0]))]

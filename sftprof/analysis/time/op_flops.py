@@ -20,7 +20,7 @@ turns FLOPs and GPU time into rates.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -81,7 +81,7 @@ def attention_pairs(sq: int, sk: int, causal: bool, lower_right: bool = False) -
     return total
 
 
-def _te_linear_flops(name: str, dims: list) -> Optional[float]:
+def _te_linear_flops(name: str, dims: list[Any]) -> Optional[float]:
     """FLOPs of a Transformer Engine linear's forward op (:data:`TE_FORWARD`) from its recorded input dims:
     ``2 M K N`` with the input ``[..., K]`` (``M`` its other dims) and each weight ``[N, K]`` (a grouped linear's
     ``N`` is the same for every expert and its ``M`` the tokens of all experts)."""
@@ -92,10 +92,10 @@ def _te_linear_flops(name: str, dims: list) -> Optional[float]:
     shapes = {tuple(w) for w in weights if isinstance(w, list) and len(w) == 2 and w[1] == k}
     if len(shapes) != 1:
         return None
-    return 2.0 * m * k * next(iter(shapes))[0]
+    return float(2.0 * m * k * next(iter(shapes))[0])
 
 
-def op_flops(name: str, args: dict) -> Optional[tuple[str, float, str]]:
+def op_flops(name: str, args: dict[str, Any]) -> Optional[tuple[str, float, str]]:
     """``(kind, FLOPs, dtype)`` of one recorded op (``record_shapes``), or None when unknown.
 
     ``kind`` is ``GEMM``, ``attention``, ``attention backward`` or ``linear attention``; rules in the module

@@ -14,6 +14,7 @@ ranges, autograd backward nodes) and finds the innermost one around given points
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 
@@ -57,9 +58,11 @@ def covered_lengths(b: Intervals, starts: np.ndarray, ends: np.ndarray) -> np.nd
         full = prefix[np.maximum(i - 1, 0)]
         partial = np.where(i > 0, np.clip(x - b_s[np.maximum(i - 1, 0)], 0, None), 0.0)
         partial = np.minimum(partial, np.where(i > 0, b_e[np.maximum(i - 1, 0)] - b_s[np.maximum(i - 1, 0)], 0.0))
-        return full + partial
+        out: np.ndarray = full + partial
+        return out
 
-    return covered_upto(ends) - covered_upto(starts)
+    covered: np.ndarray = covered_upto(ends) - covered_upto(starts)
+    return covered
 
 
 def intersection_length(a: Intervals, b: Intervals) -> float:
@@ -146,7 +149,7 @@ class ThreadIntervals:
         self.start = array("d")
         self.end = array("d")
         self.payload = array("q")
-        self._index: tuple | None = None  # (size it was built for, order, sorted tid, start, end, parent)
+        self._index: tuple[Any, ...] | None = None  # (size it was built for, order, sorted tid, start, end, parent)
 
     def add(self, tid: int, start: float, end: float, payload: int) -> None:
         self.tid.append(tid)
@@ -181,7 +184,7 @@ class ThreadIntervals:
             setattr(self, name, array(code, values.tobytes()))
         self._index = None
 
-    def _sorted(self) -> tuple:
+    def _sorted(self) -> tuple[Any, ...]:
         """``(order, tid, start, end, parent)``: the intervals sorted by thread, start and end descending (``order``
         indexes the collection), and :func:`previous_open` of each; built once per size of the collection."""
         if self._index is None or self._index[0] != len(self.start):

@@ -179,7 +179,7 @@ class WindowedView:
                 pass
 
 
-def _flow_key(ev: dict) -> tuple:
+def _flow_key(ev: dict[str, Any]) -> tuple[Any, Any]:
     """``(cat, id)`` of a flow event (an id that is neither int nor str is keyed by its JSON text)."""
     fid = ev.get("id")
     return ev.get("cat"), fid if type(fid) in (int, str) else json.dumps(fid)
@@ -202,7 +202,7 @@ def split_into_windows(path: str, max_bytes: int, *, progress: bool = True) -> l
     """
     ts_list = array("d")
     sizes = array("q")
-    flow_ts: dict[tuple, list[float]] = defaultdict(list)
+    flow_ts: dict[tuple[Any, Any], list[float]] = defaultdict(list)
     reader = TraceReader(path, Progress(f"{os.path.basename(path)} (windows, pass 1)",
                                         os.path.getsize(path)) if progress else None)
     for raw, ev in reader.events():
