@@ -103,12 +103,15 @@ class Console:
                 to_devnull(sys.stdout)
 
 
-def _tee(proc: subprocess.Popen, log: Path, mode: str, sink: Callable[[bytes], None]) -> threading.Thread:
+def _tee(proc: subprocess.Popen[bytes], log: Path, mode: str, sink: Callable[[bytes], None]) -> threading.Thread:
     """A thread copying ``proc``'s output, line by line, into ``log`` (opened with ``mode``) and to ``sink`` (the
     console's ``write``, or a list's ``append``)."""
+    out = proc.stdout
+    assert out is not None  # Popen(stdout=PIPE)
+
     def pump() -> None:
         with open(log, mode) as f:
-            for line in iter(proc.stdout.readline, b""):
+            for line in iter(out.readline, b""):
                 f.write(line)
                 f.flush()
                 sink(line)
@@ -122,7 +125,7 @@ class Postprocessing:
     output goes to the trial's ``launcher.log`` as it comes and to the console, whole, when :meth:`wait` returns (so
     it does not interleave with the next trial's)."""
 
-    def __init__(self, proc: subprocess.Popen, log: Path, console: Console, background: bool) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, console: Console, background: bool) -> None:
         self.proc, self.console = proc, console
         self.held: list[bytes] | None = [] if background else None
         self.ended: tuple[float, float] | None = None  # (time.time, time.monotonic) when it ended, if watched
@@ -153,7 +156,7 @@ class TrialProcesses:
         self.console = console
         self.stop = stop
         self.child_stopped = child_stopped
-        self.proc: subprocess.Popen | None = None  # the running torchrun
+        self.proc: subprocess.Popen[bytes] | None = None  # the running torchrun
         self.marker: str | None = None  # in the environment of its workers
 
     def terminate(self) -> None:
@@ -233,9 +236,11 @@ class TrialProcesses:
         if not limit:
             return None
         dog = Watchdog(t.log_dir, artifacts.node_ranks(plan.node_rank, plan.nproc_per_node), limit)
+        proc = self.proc
+        assert proc is not None  # _watch runs while torchrun does
         while True:
             try:
-                self.proc.wait(timeout=POLL_S)
+                proc.wait(timeout=POLL_S)
                 return None
             except subprocess.TimeoutExpired:
                 stall = dog.check() if self.stop.signum is None else None
@@ -243,7 +248,7 @@ class TrialProcesses:
                 write_stall(t.log_dir, stall)
                 line = stall_message(stall)
                 say(line)
-                kill_group(self.proc.pid, signal.SIGTERM)
+                kill_group(proc.pid, signal.SIGTERM)
                 return line
 
     def postprocess(self, t: Trial, background: bool = False) -> Postprocessing:

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from sftprof import artifacts
 from sftprof.launch.summaries import read_summary, table_figures, top_finding, wall_phases, what_if_lines
@@ -20,7 +21,7 @@ INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTER
 CONFIG_CHANGED = "config changed"  # summary.tsv status of a trial not run: the plan's config copy was edited
 
 
-def _gib(value, device: str | None) -> str:
+def _gib(value: object, device: str | None) -> str:
     if isinstance(value, (int, float)):
         return f"{value:.2f} GiB"
     return "n/a (CPU)" if device == "cpu" else "-"
@@ -58,7 +59,7 @@ def _postprocess_cell(run_dir: Path) -> str:
             + ("*" if times.postprocess_background else ""))
 
 
-def wall_table(labelled: list[tuple[str, Path, dict]]) -> list[str]:
+def wall_table(labelled: list[tuple[str, Path, dict[str, Any]]]) -> list[str]:
     """Lines of the wall-time table: per trial (``(label, run dir, summary)``) its summary's phases in seconds, the
     elapsed time they sum to (``train``: torchrun launched to ended), its postprocessing, and a line naming each
     step 0's cold-start cost; none when no summary has phases."""
@@ -104,7 +105,9 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
     with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     table = [("trial", "status", "step time", "peak mem", "top finding")]
-    summaries, tried, labelled = [], [], []
+    summaries: list[str] = []
+    tried: list[tuple[int, str, dict[str, str], dict[str, Any]]] = []
+    labelled: list[tuple[str, Path, dict[str, Any]]] = []
     for row in rows:
         path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
         summary = read_summary(Path(row["run_dir"]))

@@ -5,6 +5,7 @@ top finding and the wall-time phases. The one place the launcher reads a summary
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from sftprof import artifacts
 from sftprof.analysis import schema
@@ -12,16 +13,16 @@ from sftprof.analysis.trial.failure import headline
 from sftprof.analysis.memory.oom import settings_text
 
 
-def read_summary(run_dir: Path) -> dict:
+def read_summary(run_dir: Path) -> dict[str, Any]:
     """The trial's ``profile_summary.json`` (:func:`sftprof.analysis.schema.read_summary`); ``{}`` when it is
     missing, unreadable or of a newer sftprof (its row then shows ``-``)."""
     try:
-        return schema.read_summary(Path(run_dir) / artifacts.SUMMARY_JSON)
+        return dict(schema.read_summary(Path(run_dir) / artifacts.SUMMARY_JSON))
     except schema.SummaryReadError:
         return {}
 
 
-def table_figures(summary: dict) -> tuple[float | None, float | None, str | None]:
+def table_figures(summary: dict[str, Any]) -> tuple[float | None, float | None, str | None]:
     """``(step_time_s, peak_allocated_gib, device)`` of a summary: the slowest rank's profiled step (seconds), rank 0's
     allocator peak (GiB; None on CPU) and the trial's device (``cuda``, ``cpu``; None when unknown)."""
     stats = summary.get("stats") or {}
@@ -29,7 +30,7 @@ def table_figures(summary: dict) -> tuple[float | None, float | None, str | None
     return stats.get("step_time_s"), stats.get("mem_peak_allocated_gb"), device
 
 
-def wall_phases(summary: dict) -> tuple[dict[str, float | None], float | None, float | None]:
+def wall_phases(summary: dict[str, Any]) -> tuple[dict[str, float | None], float | None, float | None]:
     """``({phase: seconds}, elapsed_s, cold_start_s)`` of a summary's ``wall_time``
     (:func:`sftprof.analysis.trial.wall_time.wall_time`); ``({}, None, None)`` for a summary without one (of an
     earlier release, or none)."""
@@ -38,7 +39,7 @@ def wall_phases(summary: dict) -> tuple[dict[str, float | None], float | None, f
     return {p["phase"]: p["seconds"] for p in w.get("phases") or []}, w.get("elapsed_s"), cold.get("cold_start_s")
 
 
-def top_finding(summary: dict) -> str:
+def top_finding(summary: dict[str, Any]) -> str:
     """One line on where a trial's time or memory went, from its ``profile_summary.json`` (first rank listed).
 
     Kernel trials with GPU work: the largest kernel category's share of GPU time and the GPU idle share;
@@ -97,7 +98,7 @@ def top_finding(summary: dict) -> str:
     return "-"
 
 
-def what_if_lines(run_dir: Path, summary: dict) -> list[str]:
+def what_if_lines(run_dir: Path, summary: dict[str, Any]) -> list[str]:
     """Lines on a what-if trial (``summary``, in ``run_dir``): what it tried on which trial, and its prediction
     against the outcome with the verdict on the assumption (:func:`sftprof.analysis.compare.runs.what_if_result`), or why
     there is none, and the compare report's path."""

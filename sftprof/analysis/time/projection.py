@@ -241,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return print_and_write(render(p), p, args.json)
 
 
-def print_and_write(text: str, data: dict, json_path: Optional[str]) -> int:
+def print_and_write(text: str, data: dict[str, Any], json_path: Optional[str]) -> int:
     """A CLI's result: ``text`` printed and, with ``json_path``, ``data`` written there as JSON (a new file, never
     overwritten: FileExistsError). Returns 0, the exit status."""
     print(text)

@@ -40,6 +40,7 @@ from typing import Any, Optional, cast
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory.fit import check_fit, smi_capacity_bytes, with_settings
 from sftprof.analysis.schema import processed_traces, read_summary
+from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.time.projection import overlap_windows, print_and_write, project
@@ -48,7 +49,6 @@ from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.artifacts import MODEL_PARTS, SUMMARY_JSON
 from sftprof.flops import (FULL_ATTENTION, LINEAR_ATTENTION, ForwardFlops, ModelShape, per_layer_flops,
                            train_step_flops)
-from sftprof.models.hf import load_hf_config
 
 __all__ = ["RankSlice", "rank_slice", "project_parts", "project_slice", "render", "main"]
 
@@ -132,7 +132,7 @@ def rank_slice(cfg: dict[str, Any], layers: int, tokens: int, rank: int, have_te
     if tokens < 1:
         raise ValueError(f"--tokens={tokens}: must be >= 1 (tokens a sequence to project to)")
     try:
-        hf = load_hf_config(cfg["actor"]["path"], layers)
+        hf = TrialModel(cfg).cut(layers)
     except ValueError as exc:
         raise ValueError(f"--layers={layers}: {exc}") from None
     limit = int(cfg["actor"]["mb_spec"].get("max_tokens_per_mb", 0))  # the same sequences per micro-batch
@@ -274,7 +274,7 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     simulate = int((a.get("simulate") or {}).get("rank", -1))
     trace = _trace(summary, simulate if simulate >= 0 else rank)
     s, te = trace["summary"], summary.get("transformer_engine")
-    own_layers = int(a.get("num_layers") or 0) or load_hf_config(a["path"]).num_hidden_layers
+    own_layers = int(a.get("num_layers") or 0) or TrialModel(cfg).cut(0).num_hidden_layers
     src = rank_slice(cfg, own_layers, int(cfg["profile"]["fake_seq_len"]), trace["rank"], te)
     dst = rank_slice(cfg, own_layers if layers is None else layers, src.tokens if tokens is None else tokens,
                      trace["rank"], te)
