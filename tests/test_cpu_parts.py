@@ -64,7 +64,8 @@ def test_cpu_op_self_time_by_model_part_and_the_heaviest_op():
         "rank 0: attention QKV projection 11.4 % of CPU op time (0.1 ms)",
         "rank 0: optimizer 4.3 % of CPU op time (0.0 ms)"]
     assert {f["section"] for f in found} == {"#time-by-model-part-rank-0"}
-    assert trial_what_if({"kernel_traces": [{"rank": 0, "summary": s}]}, None, TrialModel(None)) == ([], [])  # no GPU time to save
+    # no GPU time to save
+    assert trial_what_if({"kernel_traces": [{"rank": 0, "summary": s}]}, None, TrialModel(None)) == ([], [])
     assert found[0]["weight"] == pytest.approx(0.38)
 
 

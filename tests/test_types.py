@@ -1,5 +1,6 @@
 """The type checker: mypy over sftprof/analysis and sftprof/launch with pyproject.toml's [tool.mypy] (strict but for
-the modules it lists), so the README's test command runs it. Its cache (``.mypy_cache/``) makes a rerun take about a second."""
+the modules it lists), so the README's test command runs it. Its cache (``.mypy_cache/``) makes a rerun take about a
+second."""
 from pathlib import Path
 
 from mypy import api

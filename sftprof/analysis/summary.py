@@ -299,7 +299,8 @@ def _what_if_part(record: TrialRecord, model: inputs.TrialModel,
     """The what-ifs, largest weight first (a failed trial's change that fits its memory first), and those skipped."""
     what_if, skipped = trial_what_if(record, record["config"], model)
     if record["profile_kind"] == "kernel" and record["status"] == "ok":  # the recompute that fits at the least time
-        what_if = sorted(what_if + recompute_what_if(record, record["config"], model, alloc_conf), key=lambda w: -w["weight"])
+        what_if = sorted(what_if + recompute_what_if(record, record["config"], model, alloc_conf),
+                         key=lambda w: -w["weight"])
     oom = record.get("oom")
     return (oom_what_if(oom) if oom else []) + what_if, skipped
 

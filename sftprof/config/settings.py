@@ -89,7 +89,8 @@ def comma_items(env: str, text: str, accepted: str) -> list[str]:
             whitespace: the documented format has none, and a list read both ways would be two formats.
     """
     if any(c.isspace() for c in text):
-        raise ValueError(f"{env}={text!r}: must be {accepted}, comma-separated without spaces ({''.join(text.split())})")
+        raise ValueError(f"{env}={text!r}: must be {accepted}, comma-separated without spaces "
+                         f"({''.join(text.split())})")
     return text.split(",")
 
 

@@ -157,7 +157,8 @@ def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialM
                   have_te: Optional[bool] = None, windows_ms: Optional[dict[str, float]] = None) -> dict[str, Any]:
     """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``, ``model`` its model) from its
     ``stats.jsonl``: compute = the step time of ``step`` (the last step recorded when None), peak = its
-    ``mem_peak_allocated_gb``, the MFU scaled from its measured one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
+    ``mem_peak_allocated_gb``, the MFU scaled from its measured one; ``have_te``: Transformer Engine in the trial
+    (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
     ``windows_ms``: the overlap windows measured (:func:`project`).
 
     Raises:
@@ -190,7 +191,8 @@ def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
-def simulation_summary(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: int, have_te: Optional[bool],
+def simulation_summary(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: int,
+                       have_te: Optional[bool],
                        regions: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
