@@ -10,6 +10,7 @@ written (a view the estimate put under the limit; the merged view of all ranks) 
 from __future__ import annotations
 
 import gzip
+import io
 import itertools
 import json
 import math
@@ -39,7 +40,7 @@ _READ = 8 << 20  # bytes of a compressed trace decompressed per read by the firs
 T = TypeVar("T")
 
 
-def _event_at(buf: bytes, r: int, sep: bytes) -> Optional[dict]:
+def _event_at(buf: bytes, r: int, sep: bytes) -> Optional[dict[str, Any]]:
     """The event of ``buf`` whose text holds byte ``r`` (or the separator before it), cut at ``sep``; None when no
     whole event there (the first or last event, one longer than ``buf`` holds) or orjson refuses its text."""
     i = buf.rfind(sep, 0, r + len(sep))
@@ -53,7 +54,7 @@ def _event_at(buf: bytes, r: int, sep: bytes) -> Optional[dict]:
     return ev if type(ev) is dict else None
 
 
-def sample_events(path: str, classify: Callable[[dict], Optional[T]],
+def sample_events(path: str, classify: Callable[[dict[str, Any]], Optional[T]],
                   n: int = SAMPLES) -> tuple[float, list[Optional[T]]]:
     """The first look at a large trace: ``classify`` of the event that holds each of about ``n`` evenly spaced byte
     offsets of its text (plain or ``.json.gz``), found by the text between two events (:attr:`TraceReader.separator`)
@@ -96,8 +97,8 @@ def sample_events(path: str, classify: Callable[[dict], Optional[T]],
     return stride, out
 
 
-def _sample_stream(f, size: int, sep: bytes, classify: Callable[[dict], Optional[T]],
-                   n: int) -> tuple[float, list[Optional[T]]]:
+def _sample_stream(f: io.BufferedIOBase, size: int, sep: bytes,
+                   classify: Callable[[dict[str, Any]], Optional[T]], n: int) -> tuple[float, list[Optional[T]]]:
     """:func:`sample_events` over a stream read start to end (``size``: its length, or a guess): whenever the
     entries reach ``2 n``, every other one is dropped and the stride doubles, so at most ``2 n`` are kept."""
     stride = max(size / n, 1.0)
