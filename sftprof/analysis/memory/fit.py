@@ -22,7 +22,7 @@ of the trial's processes.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
 from sftprof.compat import megatron_at_least
@@ -83,12 +83,13 @@ def outside_pytorch_gib() -> float:
     return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
 
 
-def smi_capacity_bytes(gpus: list[dict]) -> Optional[int]:
+def smi_capacity_bytes(gpus: Sequence[Mapping[str, Any]]) -> Optional[int]:
     """torch's capacity (bytes) of the smallest GPU of a summary's ``nvidia_smi.gpus``: nvidia-smi's
-    ``memory_total_mib`` less :data:`DRIVER_RESERVED_GIB`; None without GPUs."""
-    if not gpus:
+    ``memory_total_mib`` less :data:`DRIVER_RESERVED_GIB`; None without a GPU whose total nvidia-smi gave."""
+    totals = [float(g["memory_total_mib"]) for g in gpus if g.get("memory_total_mib") is not None]
+    if not totals:
         return None
-    return int(min(g["memory_total_mib"] for g in gpus) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
+    return int(min(totals) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
 
 
 def _largest_block(cfg: dict, hf, layout, seq_len: int) -> int:

@@ -45,24 +45,32 @@ value: a ``skipped`` entry says so), nor where the trial cannot take it (the fsd
 options, no Transformer Engine for the precision-aware optimizer or TE's CUTLASS grouped GEMM, a GPU other than
 Hopper or an fp32 model for the latter: ``skipped`` says why), nor when the predicted effect is under
 :data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see) or has no baseline.
+
+The fit gate (issue 47): a what-if of a time metric (:data:`TIME_METRICS`) that changes the config of a megatron
+trial is proposed only when its settings are predicted to fit the GPU
+(:func:`sftprof.analysis.memory.fit.check_fit` of the trial's config with them, at the trial's
+``PYTORCH_CUDA_ALLOC_CONF``, against :func:`sftprof.analysis.memory.fit.smi_capacity_bytes` of the summary's
+nvidia-smi GPUs); one that is not is ``skipped`` with its predicted need and the capacity. Without a capacity
+(no nvidia-smi GPU: a CPU run) or the model's config, or on the fsdp backend, nothing is checked; a what-if of
+environment settings alone leaves the config, and so the predicted peak, as the trial ran it.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE, TrialModel
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.memory.fit import ALLOC_CONF, LM_HEAD_CHUNK, with_expandable
+from sftprof.analysis.memory.fit import (ALLOC_CONF, DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, check_fit, smi_capacity_bytes,
+                                         with_expandable, with_settings)
 from sftprof.analysis.schema import processed_snapshots, processed_traces
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.config import n_micro_batches
-from typing import Mapping
 
-__all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
+__all__ = ["trial_what_if", "METRICS", "TIME_METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
            "amount", "effect_text"]
 
 # metric -> (unit, words)
@@ -73,6 +81,7 @@ METRICS = {
     "peak_reserved": ("GiB", "peak reserved"),
     "moe_top_share": ("pct", "busiest expert's share of a MoE layer's tokens"),
 }
+TIME_METRICS = ("gpu_time", "step_time")  # the metrics of the what-ifs the fit gate checks (module docstring)
 LABELS = {
     "selective_recompute": "selective recompute",
     "fewer_micro_batches": "fewer micro-batches",
@@ -189,10 +198,36 @@ class _Trial:
             self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of its "
                                  f"baseline ({baseline} {effect['unit']}): too small for a comparison to see")
             return
+        misfit = self.misfit(settings) if metric in TIME_METRICS else None
+        if misfit:
+            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, but {misfit}")
+            return
         text = (f"{LABELS[key]} ({', '.join(setting_text(s) for s in settings)}): {effect_text(effect, rank)} "
                 f"({detail})")
         self.found.append({"key": key, "label": LABELS[key], "text": text, "assumption": assumption, "rank": rank,
                            "settings": settings, "effect": effect, "weight": round(weight, 6)})
+
+    def misfit(self, settings: list[WhatIfSetting]) -> Optional[str]:
+        """Why the config ``settings`` are predicted not to fit the GPU, in words (the fit gate, module docstring);
+        None when they fit or nothing is checked (no config setting, capacity or model config; not megatron)."""
+        changes = {s["key"]: s["value"] for s in settings if s["kind"] == "config"}
+        seq_len = _get(self.cfg, "profile.fake_seq_len")
+        capacity = smi_capacity_bytes((self.summary.get("nvidia_smi") or {}).get("gpus") or [])
+        if not changes or not self.megatron or capacity is None or not isinstance(seq_len, int):
+            return None
+        hf = self.hf()
+        if hf is None:
+            return None
+        env = self.summary.get("environment")
+        fit = check_fit(with_settings(self.cfg, changes), hf, self.layout, seq_len, capacity,
+                        env.get(ALLOC_CONF) if isinstance(env, dict) else None)
+        if fit["fits"]:
+            return None
+        return (f"its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
+                f"{fit['need_bytes'] / _GIB:.2f} GiB (peak {fit['peak_bytes'] / _GIB:.2f} allocated in "
+                f"{fit['prediction']['phase']} + {fit['slack_bytes'] / _GIB:.2f} allocator slack + "
+                f"{fit['outside_bytes'] / _GIB:.2f} outside PyTorch) of {capacity / _GIB:.2f} GiB (nvidia-smi's total "
+                f"less {DRIVER_RESERVED_GIB} GiB; sftprof/analysis/memory/fit.py)")
 
     def seqs_per_rank(self) -> Optional[int]:
         """Sequences per data-parallel rank and step (``train_dataset.batch_size / dp``)."""
