@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from sftprof import artifacts
 from sftprof.analysis import schema
+from sftprof.analysis.memory.fit import smi_capacity_bytes
 from sftprof.analysis.memory.oom import oom_finding, oom_triage, oom_what_if
 from sftprof.analysis.report.findings import trial_findings
 from sftprof.analysis.report.summary_file import write_summary
@@ -307,14 +308,16 @@ def _what_if_part(record: TrialRecord, model: inputs.TrialModel,
 
 def _simulation_part(record: TrialRecord, log_dir: str, cfg: dict[str, Any] | None,
                      model: inputs.TrialModel) -> SimulationPart:
-    """A simulated rank's trial: its projected step, from the first trace's regions; nothing for another trial."""
+    """A simulated rank's trial: its projected step, from the first trace's regions, the real rank's memory need
+    against the GPU's capacity (nvidia-smi); nothing for another trial."""
     if not cfg or ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) < 0:
         return {}
     traces = [t["summary"] for t in record.get("kernel_traces", []) if t.get("summary")]
+    capacity = smi_capacity_bytes(record["nvidia_smi"]["gpus"])
     # simulation_summary builds the Simulation member as a plain dict (time/projection.py is not typed strictly)
     return {"simulation": cast(Simulation, simulation_summary(log_dir, cfg, model, record["profile_step"],
                                                               record.get("transformer_engine"),
-                                                              traces[0]["regions"] if traces else None))}
+                                                              traces[0]["regions"] if traces else None, capacity))}
 
 
 def _counts(items: list[Any], kind: str, errors: int, skipped: int) -> Counts:

@@ -15,6 +15,7 @@ from sftprof.analysis.report import findings as fnd
 from sftprof.artifacts import ENVIRONMENT, compare_report_name
 from sftprof.analysis.trial.failure import failure_cause, headline
 from sftprof.analysis.report.markdown import fmt, table, with_rank
+from sftprof.analysis.time.projection import real_rank_text
 from sftprof.analysis.time.rank_table import RANK_COLUMNS
 from sftprof.analysis.trial.wall_time import PHASES
 from sftprof.analysis.report.memory import memory_snapshots
@@ -39,7 +40,7 @@ def _projection(s: dict) -> list[str]:
             f"(computed) = **{fmt(p['projected_step_ms'])} ms** (serial bound {fmt(p['serial_step_ms'])} ms)"
             + (f", MFU {fmt(100 * p['mfu'])} %" if p["mfu"] is not None else "") + "; memory: measured peak "
             f"{fmt(mem['measured_peak_gib'])} GiB + NCCL buffers {fmt(mem['nccl_buffers_gib'])} GiB (estimated) = "
-            f"{fmt(mem['projected_peak_gib'])} GiB\n",
+            f"{fmt(mem['projected_peak_gib'])} GiB; {real_rank_text(mem)}\n",
             table(["group", "collective", "link", "calls", "MiB/call", "GB/s", "ms", "exposed ms", "overlap"], rows),
             "", "Assumptions:", *[f"- {a}" for a in p["assumptions"]], ""]
 

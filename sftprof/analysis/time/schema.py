@@ -24,9 +24,17 @@ class ProjectionRow(TypedDict):
 
 
 class ProjectionMemory(TypedDict):
+    """The projected rank's memory, GiB (:func:`sftprof.analysis.time.projection.project`); 3.6: the real rank's need
+    (peak reserved + outside PyTorch + NCCL buffers) against one GPU's capacity
+    (:func:`sftprof.analysis.time.projection.real_rank_memory`)."""
     measured_peak_gib: Optional[float]  # None on CPU
     nccl_buffers_gib: float  # estimated, never measured
     projected_peak_gib: Optional[float]
+    measured_peak_reserved_gib: NotRequired[Optional[float]]  # 3.6; None on CPU
+    outside_pytorch_gib: NotRequired[float]  # 3.6; a process with real process groups (one GPU's figure)
+    real_rank_need_gib: NotRequired[Optional[float]]  # 3.6; None without a measured peak reserved
+    capacity_gib: NotRequired[Optional[float]]  # 3.6; nvidia-smi's total less the driver's share; None: unknown
+    fits: NotRequired[Optional[bool]]  # 3.6; None: need or capacity unknown
 
 
 class Projection(TypedDict):
