@@ -219,7 +219,8 @@ def _group_split(name: str, label: Optional[str], members: list[int], calls: dic
     """One paired group's split (a group row of :func:`split`); adds each rank's exposed pieces, exposed-wait
     pieces and exposed-wait pieces per late rank to ``rank_exposed``, ``rank_wait`` and ``rank_for``."""
     acc: dict[int, dict[str, float]] = {r: defaultdict(float) for r in members}
-    owed: dict[int, dict[int, list[float]]] = {r: defaultdict(lambda: [0.0, 0.0]) for r in members}  # rank -> late rank -> [wait, exposed wait] us
+    # rank -> late rank -> [wait, exposed wait] us
+    owed: dict[int, dict[int, list[float]]] = {r: defaultdict(lambda: [0.0, 0.0]) for r in members}
     for k in range(len(calls[members[0]])):
         starts = {r: calls[r][k][1][0][0] for r in members}
         last = max(members, key=lambda r: (starts[r], -r))
