@@ -19,7 +19,7 @@ Layout::
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
         memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
     LOG_DIR = FILEROOT/logs/<user>/<experiment>/<trial>/
-        trainer.log  stats.jsonl  config.yaml  environment.json  rank_coords.json
+        trainer.log  stats.jsonl  config.yaml  environment.json  versions.json  rank_coords.json
         perf_tracer/rank<r>.pt.trace.json   memory_snapshots/step_<N>/...   nodes/node<k>.json
         progress/rank<r>.json   stall.json   (each rank's last progress; the watchdog's record of a stalled rank)
 
@@ -35,8 +35,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import platform
 import re
 import time
+from importlib import metadata
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional
@@ -120,6 +122,7 @@ STATS = "stats.jsonl"
 CONFIG_YAML = "config.yaml"
 RANK_COORDS = "rank_coords.json"
 ENVIRONMENT = "environment.json"  # rank 0's recorded_environment() at the trial's start
+VERSIONS = "versions.json"  # rank 0's recorded_versions() at the trial's start
 PERF_TRACER = "perf_tracer"
 MEMORY_SNAPSHOTS = "memory_snapshots"
 NODES = "nodes"
@@ -151,6 +154,25 @@ def recorded_environment(environ: Mapping[str, str]) -> dict[str, str]:
             if (k.startswith(RECORDED_ENV_PREFIXES) or k in RECORDED_ENV_NAMES)
             and not k.endswith(_UNRECORDED_ENV_SUFFIXES) and k not in _UNRECORDED_ENV_NAMES
             and not _SECRET_WORDS.search(k)}
+
+
+# The software a trial runs with (VERSIONS): key -> the distribution whose installed version is recorded.
+RECORDED_DISTRIBUTIONS = {"torch": "torch", "megatron_core": "megatron-core",
+                          "transformer_engine": "transformer-engine", "transformers": "transformers", "triton": "triton",
+                          "flash_linear_attention": "flash-linear-attention"}
+
+
+def recorded_versions(torch_cuda: Optional[str]) -> dict[str, Optional[str]]:
+    """The versions a trial runs with: ``python`` (``platform.python_version()``), ``torch_cuda`` (the running torch's
+    ``torch.version.cuda``, given: None for a CPU build) and each of :data:`RECORDED_DISTRIBUTIONS` as installed
+    (``importlib.metadata``: nothing is imported), None when it is not installed."""
+    def installed(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+    dists = {key: installed(name) for key, name in RECORDED_DISTRIBUTIONS.items()}
+    return {"python": platform.python_version(), "torch": dists.pop("torch"), "torch_cuda": torch_cuda, **dists}
 
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.

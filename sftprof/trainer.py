@@ -9,7 +9,9 @@
 2. Start the default process group (NCCL on CUDA, gloo on CPU), create LOG_DIR =
    ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` and (rank 0) write
    ``config.yaml`` (resolved config), ``environment.json`` (the recorded environment variables,
-   :func:`sftprof.artifacts.recorded_environment`), ``rank_coords.json``, ``trainer.log``, ``stats.jsonl``.
+   :func:`sftprof.artifacts.recorded_environment`), ``versions.json`` (Python, torch, its CUDA, megatron-core, TE and
+   the other packages the trial runs with: :func:`sftprof.artifacts.recorded_versions`), ``rank_coords.json``,
+   ``trainer.log``, ``stats.jsonl``.
 3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
    for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
    ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
@@ -92,7 +94,8 @@ def _exit_config_error(msg: str) -> None:
 # What a trial writes into its LOG_DIR (besides nodes/, the drivers' end records): a log dir holding any of them was
 # used by a trial before, and a new trial would replace them (trainer.log, config.yaml, stats.jsonl).
 TRIAL_FILES = (artifacts.CONFIG_YAML, artifacts.STATS, artifacts.TRAINER_LOG, artifacts.RANK_COORDS,
-               artifacts.ENVIRONMENT, artifacts.PERF_TRACER, artifacts.MEMORY_SNAPSHOTS, artifacts.PROGRESS)
+               artifacts.ENVIRONMENT, artifacts.VERSIONS, artifacts.PERF_TRACER, artifacts.MEMORY_SNAPSHOTS,
+               artifacts.PROGRESS)
 
 
 def check_new_log_dir(cfg) -> None:
@@ -318,6 +321,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             (log_dir / artifacts.CONFIG_YAML).write_text(to_yaml(cfg))
             (log_dir / artifacts.ENVIRONMENT).write_text(json.dumps(artifacts.recorded_environment(os.environ),
                                                                     indent=1) + "\n")
+            (log_dir / artifacts.VERSIONS).write_text(json.dumps(artifacts.recorded_versions(torch.version.cuda),
+                                                                 indent=1) + "\n")
             (log_dir / artifacts.RANK_COORDS).write_text(json.dumps({
                 "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,
                 "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)},

@@ -163,6 +163,38 @@ def test_outside_pytorch_by_megatron_core_version(monkeypatch, version, gib):
     assert memory_fit.outside_pytorch_gib() == gib
 
 
+# A trial's versions.json as the GPU machine wrote it (megatron-core varied by the tests).
+VERSIONS = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.19.2",
+            "transformer_engine": "2.20.2", "transformers": "5.17.0", "triton": "3.6.0", "flash_linear_attention": None}
+
+
+@pytest.mark.parametrize("recorded, installed, gib, words", [
+    ("0.16.1", (0, 19, 2), 7.76, "the trial's megatron-core 0.16.1"),
+    ("0.19.2", (0, 16, 1), 8.85, "the trial's megatron-core 0.19.2"),
+    ("0.19.2", None, 8.85, "the trial's megatron-core 0.19.2"),
+    (None, (0, 19, 2), 7.76, "no megatron-core in the trial")])
+def test_outside_pytorch_by_the_megatron_core_the_trial_recorded(monkeypatch, recorded, installed, gib, words):
+    """A trial postprocessed on another machine (a laptop): the figure follows the megatron-core its versions.json
+    recorded (None: the trial ran without it), whatever is installed where it is postprocessed."""
+    _megatron_core(monkeypatch, installed)
+    versions = {**VERSIONS, "megatron_core": recorded}
+    assert memory_fit.outside_pytorch_gib(versions) == gib
+    assert memory_fit.megatron_core_release(versions)[1] == words
+
+
+@pytest.mark.parametrize("versions", [None, {**VERSIONS, "megatron_core": "main"}])
+def test_a_trial_without_a_readable_record_takes_the_installed_megatron_core(monkeypatch, versions):
+    _megatron_core(monkeypatch, (0, 16, 1))
+    assert memory_fit.megatron_core_release(versions) == (
+        (0, 16, 1), "megatron-core 0.16.1 installed where postprocessed, the trial having recorded no readable "
+                    "megatron-core version")
+    assert memory_fit.outside_pytorch_gib(versions) == 7.76
+    _megatron_core(monkeypatch, None)
+    assert memory_fit.megatron_core_release(versions) == (
+        None, "no megatron-core installed where postprocessed, the trial having recorded no readable megatron-core "
+              "version")
+
+
 def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path, monkeypatch):
     _megatron_core(monkeypatch, (0, 16, 1))
     with pytest.raises(DriverError) as err:

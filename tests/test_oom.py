@@ -4,10 +4,12 @@ the smallest change that fits as the summary's first finding and a what-if."""
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 
 import pytest
 
+from sftprof import compat
 from sftprof.analysis.memory.oom import oom_triage
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS
@@ -93,17 +95,22 @@ def test_fit_oom_is_chosen_from_the_failed_trial_and_judged_on_the_peak_it_reach
     assert outcome(w, summary, {"stats": {}}, ([], [])).measured is None  # the what-if trial failed too
 
 
-def test_recorded_oom_of_a_kernel_trial_on_an_h100(tmp_path):
-    """The real out-of-memory failure ``bench/record_oom_snapshot.py`` recorded on one H100 80 GB (tests/fixtures/
-    README.md, ``h100_oom_kernel``): the README's slice with the full logits, a kernel trial (no allocator history),
-    the logits' 37.09 GiB request in the LM head forward of step 1. The triage reads the record and the snapshot as
-    the trial left them."""
+def _h100_oom_log(tmp_path):
+    """A copy of the ``h100_oom_kernel`` log dir with its snapshot unpacked, as the trial left it."""
     log = tmp_path / "log"
     shutil.copytree(FIXTURE_DIR / "h100_oom_kernel", log)
     packed = next((log / "memory_snapshots" / "oom").glob("*.pickle.gz"))
     packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
     packed.unlink()
-    summary, _ = postprocess_trial(str(log), str(tmp_path / "run"), "kernel", 1)
+    return log
+
+
+def test_recorded_oom_of_a_kernel_trial_on_an_h100(tmp_path):
+    """The real out-of-memory failure ``bench/record_oom_snapshot.py`` recorded on one H100 80 GB (tests/fixtures/
+    README.md, ``h100_oom_kernel``): the README's slice with the full logits, a kernel trial (no allocator history),
+    the logits' 37.09 GiB request in the LM head forward of step 1. The triage reads the record and the snapshot as
+    the trial left them."""
+    summary, _ = postprocess_trial(str(_h100_oom_log(tmp_path)), str(tmp_path / "run"), "kernel", 1)
     t = summary["oom"]
     assert (t["requested_bytes"], t["capacity_bytes"], t["free_bytes"]) == (39829110784, 85017493504, 17777688576)
     assert (t["allocated_bytes"], t["reserved_unallocated_bytes"]) == (48067594752, 9595696640)
@@ -140,3 +147,25 @@ def test_the_trials_model_is_loaded_once(tmp_path, monkeypatch):
     assert [c["settings"] for c in summary["oom"]["fits"]] == [{"actor.num_layers": 1}]
     assert summary["memory_snapshots"][0]["estimate"] is not None
     assert loads == [4, 4, 3, 2, 1]  # the trial's (once), then the fit's
+
+
+def test_the_changes_that_fit_count_the_outside_memory_of_the_trials_megatron_core(tmp_path, monkeypatch):
+    """The H100 trial ran megatron-core 0.19.2 (tests/fixtures/README.md). Postprocessed where 0.16.1 is installed,
+    its changes that fit count 0.19.2's 8.85 GiB outside PyTorch when its versions.json says so (the chunked LM head
+    no longer fits: only fewer tokens does), the installed version's 7.76 when the trial recorded none."""
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
+    fits = {}
+    for recorded in ("0.19.2", None):
+        log = _h100_oom_log(tmp_path / str(recorded))
+        if recorded:
+            (log / "versions.json").write_text(json.dumps({"python": "3.12.3", "megatron_core": recorded}))
+        summary, _ = postprocess_trial(str(log), str(tmp_path / str(recorded) / "run"), "kernel", 1)
+        fits[recorded] = summary["oom"]["fits"]
+        assert summary["versions"] == (None if recorded is None else {
+            "python": "3.12.3", "torch": None, "torch_cuda": None, "megatron_core": recorded,
+            "transformer_engine": None, "transformers": None, "triton": None, "flash_linear_attention": None})
+    chunked = {"env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "actor.loss.lm_head_loss_chunk_size": 2048}
+    assert [f["settings"] for f in fits[None]] == [chunked, {"profile.fake_seq_len": 32768}]
+    assert fits[None][0]["need_bytes"] - fits[None][0]["peak_bytes"] == int(7.76 * GIB)  # expandable: no slack
+    assert [f["settings"] for f in fits["0.19.2"]] == [{"profile.fake_seq_len": 32768}]
+    assert fits["0.19.2"][0]["need_bytes"] - fits[None][1]["need_bytes"] == int(8.85 * GIB) - int(7.76 * GIB)

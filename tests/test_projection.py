@@ -15,6 +15,7 @@ from test_rank_plan import QWEN3_30B, _shipped_cfg
 
 MIB = 1 << 20
 GIB = 1 << 30
+MCORE_0_19_2 = {"megatron_core": "0.19.2"}  # the simulated trial's versions.json (bench/NOTES.md's run), in part
 
 
 def test_collective_ms_by_hand():
@@ -78,7 +79,7 @@ def test_real_rank_of_the_shipped_layout_does_not_fit_an_h100():
     capacity = smi_capacity_bytes([{"index": 0, "memory_total_mib": 81559.0}])
     assert capacity == int(81559 * MIB - DRIVER_RESERVED_GIB * GIB)
     p = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, capacity_bytes=capacity,
-                outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+                versions=MCORE_0_19_2)
     nccl = ((2 * 16 * 4) * 3 + 2 * 7 * 4) * MIB / GIB
     need = 78.41 + OUTSIDE_PYTORCH_GIB_MCORE_0_19 + nccl
     mem = p["memory"]
@@ -89,7 +90,7 @@ def test_real_rank_of_the_shipped_layout_does_not_fit_an_h100():
     assert real_rank_text(mem) == text and text in render(p).splitlines()
     assert p["assumptions"][-1] == (
         f"the real rank needs the measured peak reserved + {OUTSIDE_PYTORCH_GIB_MCORE_0_19:.2f} GiB outside PyTorch's "
-        "allocator (a process with real process groups, one GPU, by the installed megatron-core: "
+        "allocator (a process with real process groups, one GPU, by the trial's megatron-core 0.19.2: "
         "sftprof/analysis/memory/fit.py; the simulated process holds 0.76 GiB) + the NCCL buffers above, against "
         f"{capacity / GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB)")
     projection_section = next(f for f in SECTIONS if f.__name__ == "_projection")  # the summary's Markdown section
@@ -97,9 +98,9 @@ def test_real_rank_of_the_shipped_layout_does_not_fit_an_h100():
     assert md[1].endswith(f"; {text}\n") and f"- {p['assumptions'][-1]}" in md
     # on a GPU of more memory it fits; without a capacity there is no verdict
     big = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, capacity_bytes=smi_capacity_bytes(
-        [{"index": 0, "memory_total_mib": 143771.0}]), outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+        [{"index": 0, "memory_total_mib": 143771.0}]), versions=MCORE_0_19_2)
     assert big["memory"]["fits"] is True and real_rank_text(big["memory"]).endswith(": fits")
-    unknown = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+    unknown = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, versions=MCORE_0_19_2)
     assert unknown["memory"]["fits"] is None and real_rank_text(unknown["memory"]).endswith("GiB, capacity unknown")
 
 

@@ -22,7 +22,8 @@ snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``; a finding
 trial's ``interrupted``. 3.5: ``wall_time`` (where the trial's wall time went, step 0's cold start), a step row's
 ``started_unix_s`` and ``profiler_s``. 3.6: a simulated rank's projection gives the real rank's memory need and
 whether it fits the GPU (``simulation.projection.memory``: ``measured_peak_reserved_gib``, ``outside_pytorch_gib``,
-``real_rank_need_gib``, ``capacity_gib``, ``fits``).
+``real_rank_need_gib``, ``capacity_gib``, ``fits``). 3.7: the trial's recorded software ``versions`` (Python, torch
+and its CUDA, megatron-core, TE, transformers, Triton, flash-linear-attention; null: not recorded).
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -54,7 +55,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError"
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.6"
+SCHEMA_VERSION = "3.7"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 

@@ -37,7 +37,7 @@ from sftprof.analysis.trial.problems import (missing_trace_warnings, missing_tra
                                              routing_warnings, shared_gpu_warnings)
 from sftprof.analysis.trial.profile_check import resolve_profile
 from sftprof.analysis.trial.schema import (Counts, FailurePart, FileError, Files, Header, Inputs, NvidiaSmi, Problems,
-                                           Stats, TrialRecord, WallTime)
+                                           Stats, TrialRecord, Versions, WallTime)
 from sftprof.analysis.trial.snapshots import snapshot_part
 from sftprof.analysis.trial.traces import trace_part
 from sftprof.analysis.trial.wall_time import wall_time
@@ -126,7 +126,8 @@ def summarise_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step:
     interrupted = inputs.driver_interrupt(run_dir)  # the driver stopped it (Ctrl-C, SIGTERM): not a failure
     failed: FailurePart = {}
     if not interrupted and complete.get("status", "unknown") != "ok":
-        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, model, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, model, env.get("PYTORCH_CUDA_ALLOC_CONF"),
+                               trial_inputs.get("versions"))
     files = _files_part(profile_kind, profile_step, log_dir, run_dir, model, compress, max_view_bytes,
                         jobs or os.cpu_count() or 1)
     record: TrialRecord = {
@@ -157,16 +158,17 @@ def _inputs_part(log_dir: str, run_dir: str, step: int, trainer_log: str | None,
     coords, coords_error = inputs.read_rank_coords(log_dir)
     cfg, cfg_error = inputs.trial_config(log_dir)
     env, env_error = inputs.trial_environment(log_dir)
+    versions, versions_error = inputs.trial_versions(log_dir)
     tried, tried_error = inputs.read_tried_what_if(run_dir)
     errors: list[FileError] = [{"file": name, "error": err} for name, err in (
         (artifacts.RANK_COORDS, coords_error), (artifacts.CONFIG_YAML, cfg_error), (artifacts.ENVIRONMENT, env_error),
-        (artifacts.WHAT_IF_JSON, tried_error)) if err]
+        (artifacts.VERSIONS, versions_error), (artifacts.WHAT_IF_JSON, tried_error)) if err]
     smi = inputs.read_nvidia_smi(nvidia_smi_csv)
     part: Inputs = {"stats": inputs.read_stats(os.path.join(log_dir, artifacts.STATS), step),
                     "nvidia_smi": {"available": smi["available"], "samples": smi["samples"], "gpus": smi["gpus"],
                                    "peak_memory_used_mib": smi["peak_memory_used_mib"],
                                    "peak_utilization_pct": smi["peak_utilization_pct"]},
-                    "config": cfg, "environment": env,
+                    "config": cfg, "environment": env, "versions": versions,
                     "rank_coords": {str(k): v for k, v in sorted(coords.items())},
                     "transformer_engine": inputs.transformer_engine(cfg, trainer_log)}
     if tried:
@@ -214,9 +216,10 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int,
 
 
 def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict[str, Any] | None,
-                  model: inputs.TrialModel, alloc_conf: str | None) -> FailurePart:
+                  model: inputs.TrialModel, alloc_conf: str | None, versions: Versions | None) -> FailurePart:
     """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
-    it), a log tail (the trainer log's, else the launcher log's) and the out-of-memory triage of the failed rank."""
+    it), a log tail (the trainer log's, else the launcher log's) and the out-of-memory triage of the failed rank
+    (``versions``: the trial's recorded ones, None: not recorded)."""
     launcher_log = os.path.join(run_dir, "launcher.log")
     given = (cfg or {}).get("cluster")
     cluster: dict[str, Any] = given if isinstance(given, dict) else {}
@@ -227,7 +230,7 @@ def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict
     return {"failure": failure,
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log",
-            "oom": oom_triage(log_dir, cfg, model, failure["rank"] if failure else None, alloc_conf)}
+            "oom": oom_triage(log_dir, cfg, model, failure["rank"] if failure else None, alloc_conf, versions)}
 
 
 def _wall_time_part(stats: Stats, run_dir: str) -> WallTime:

@@ -1,7 +1,8 @@
 """The settings that differ between two trials, the first lines of each group of a comparison
 (:mod:`sftprof.analysis.compare.runs`): the resolved config and the recorded environment variables (``env.<NAME>``) of
-each trial's summary, read from its log dir for summaries of earlier releases; a note when a difference cannot act
-(``cp_attention`` without CP) or changes the problem size.
+each trial's summary, read from its log dir for summaries of earlier releases, and the recorded software versions
+(``version.<name>``, when both summaries hold them); a note when a difference cannot act (``cp_attention`` without CP)
+or changes the problem size.
 """
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     else:
         why = "; ".join(f"{side}: {w}" for side, e, w in (("A", ea, why_ea), ("B", eb, why_eb)) if e is None)
         env_note = [f"Environment variables not compared ({why}).", ""]
+    va, vb = a.get("versions"), b.get("versions")
+    if isinstance(va, dict) and isinstance(vb, dict):  # a package not installed is "–" on its side
+        ca = {**ca, **{f"version.{k}": v for k, v in va.items() if v is not None}}
+        cb = {**cb, **{f"version.{k}": v for k, v in vb.items() if v is not None}}
     keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
     if not keys and env_note:
         return ["Settings: the configs are identical.", ""] + env_note

@@ -7,8 +7,9 @@ A rank needs, at its step's peak (:func:`sftprof.analysis.memory.estimate.predic
   none (0.29 GiB measured on the H100 80 GB slice); without, the largest block the step allocates (the logits,
   else the MoE's dispatched tokens ``T h b``): a block freed and cached that a later request of another size cannot
   reuse. Measured slack at the peak against that block, 1x H200 (bench/NOTES.md, "The fit check"): 0.47-1.49x;
-- what the process holds outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton), by the installed
-  megatron-core (:func:`outside_pytorch_gib`); a larger layout's NCCL buffers are not in it. A simulated rank
+- what the process holds outside PyTorch's allocator (CUDA context, NCCL, cuDNN, Triton), by the megatron-core the
+  trial recorded (``versions.json``), else the installed one (:func:`outside_pytorch_gib`; the one place that
+  chooses: :func:`megatron_core_release`); a larger layout's NCCL buffers are not in it. A simulated rank
   (``actor.simulate.rank``), whose collectives run on torch's fake process group, holds far less:
   :data:`OUTSIDE_PYTORCH_GIB_SIMULATED`.
 
@@ -22,16 +23,17 @@ of the trial's processes.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from sftprof import compat
 from sftprof.allocation import Layout
 from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
-from sftprof.compat import megatron_at_least
 from sftprof.config import ConfigError
 
-__all__ = ["outside_pytorch_gib", "OUTSIDE_PYTORCH_GIB_SIMULATED", "DRIVER_RESERVED_GIB", "smi_capacity_bytes",
-           "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments", "with_expandable", "check_fit",
-           "fitting_changes", "with_settings"]
+__all__ = ["outside_pytorch_gib", "megatron_core_release", "OUTSIDE_PYTORCH_GIB_SIMULATED", "DRIVER_RESERVED_GIB",
+           "smi_capacity_bytes", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV", "expandable_segments",
+           "with_expandable", "check_fit", "fitting_changes", "with_settings"]
 
 # GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
 # TE 2.20.2 (bench/NOTES.md). megatron-core 0.16.1: 7.76 in each of the five one-GPU trials of docs/examples and in
@@ -74,14 +76,34 @@ def with_expandable(alloc_conf: Optional[str]) -> str:
     return ",".join(options + ["expandable_segments:True"])
 
 
-def outside_pytorch_gib() -> float:
-    """GiB a trial's process holds outside PyTorch's allocator with the installed megatron-core (module constants);
-    0.16.1's figure where megatron-core is not installed (an fsdp trial's environment)."""
+def megatron_core_release(versions: Optional[Mapping[str, Any]]) -> tuple[Optional[tuple[int, int, int]], str]:
+    """The megatron-core release a trial ran with, as the fit check takes it, and whence in words: the trial's
+    recorded ``versions`` (:class:`sftprof.analysis.trial.schema.Versions`: its ``megatron_core``, None when not
+    installed) when given and readable as ``MAJOR.MINOR[.PATCH]``; else (None: the trial recorded none) the installed
+    one, where this runs. The release is None without megatron-core."""
+    text = None if versions is None else versions.get("megatron_core")
+    if versions is not None and text is None:
+        return None, "no megatron-core in the trial"
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    if m:
+        release = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+        return release, f"the trial's megatron-core {text}"
     try:
-        larger = megatron_at_least(OUTSIDE_PYTORCH_LARGER_FROM)
+        installed: Optional[tuple[int, int, int]] = compat.megatron_core_version()
     except ConfigError:
-        larger = False
-    return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
+        installed = None
+    where = "installed where postprocessed, the trial having recorded no readable megatron-core version"
+    return installed, (f"megatron-core {'.'.join(map(str, installed))} {where}" if installed else
+                       f"no megatron-core {where}")
+
+
+def outside_pytorch_gib(versions: Optional[Mapping[str, Any]] = None) -> float:
+    """GiB a trial's process holds outside PyTorch's allocator (module constants) by its megatron-core
+    (:func:`megatron_core_release` of the trial's recorded ``versions``; None: not recorded, the installed one);
+    0.16.1's figure without megatron-core (an fsdp trial's environment)."""
+    release, _ = megatron_core_release(versions)
+    return (OUTSIDE_PYTORCH_GIB_MCORE_0_19 if release is not None and release >= OUTSIDE_PYTORCH_LARGER_FROM
+            else OUTSIDE_PYTORCH_GIB_MCORE_0_16)
 
 
 def smi_capacity_bytes(gpus: Sequence[Mapping[str, Any]]) -> Optional[int]:
@@ -103,8 +125,9 @@ def _largest_block(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int) -
 
 
 def check_fit(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capacity_bytes: int,
-              alloc_conf: Optional[str]) -> dict[str, Any]:
-    """The worst rank's need against ``capacity_bytes`` (one GPU's; module docstring).
+              alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The worst rank's need against ``capacity_bytes`` (one GPU's; module docstring); ``versions``: the trial's
+    recorded ones (:func:`outside_pytorch_gib`; None: the installed megatron-core, a trial yet to run).
 
     Returns:
         ``{"fits", "tight", "rank", "need_bytes", "peak_bytes", "slack_bytes", "outside_bytes", "capacity_bytes",
@@ -120,7 +143,7 @@ def check_fit(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capaci
     preds = [(r, predict_peak(cfg, hf, layout, layout.rank_coords(r), seq_len)) for r in ranks]
     rank, pred = max(preds, key=lambda rp: rp[1]["peak_bytes"])
     slack = 0 if expandable_segments(alloc_conf) else _largest_block(cfg, hf, layout, seq_len)
-    outside = int((OUTSIDE_PYTORCH_GIB_SIMULATED if simulated >= 0 else outside_pytorch_gib()) * _GIB)
+    outside = int((OUTSIDE_PYTORCH_GIB_SIMULATED if simulated >= 0 else outside_pytorch_gib(versions)) * _GIB)
     need = pred["peak_bytes"] + slack + outside
     return {"fits": need <= capacity_bytes, "tight": 0 <= capacity_bytes - need < TIGHT_SHARE * pred["peak_bytes"],
             "rank": rank, "need_bytes": need, "peak_bytes": pred["peak_bytes"],
@@ -143,9 +166,9 @@ def with_settings(cfg: dict[str, Any], settings: Mapping[str, Any]) -> dict[str,
 
 
 def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_len: int, capacity_bytes: int,
-                    alloc_conf: Optional[str]) -> list[dict[str, Any]]:
+                    alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
     """The changes that make the worst rank fit, smallest first (module docstring): each ``{"settings": {key:
-    value}, "check": check_fit(...)}``; empty when none of them fits.
+    value}, "check": check_fit(...)}`` (``versions`` as there); empty when none of them fits.
 
     ``hf_for(n)``: the model config cut to ``n`` layers (the trial's is ``cfg``'s ``actor.num_layers``).
     """
@@ -175,7 +198,7 @@ def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_l
     def verdict(settings: dict[str, Any], n_layers: int = layers, tokens: int = seq_len) -> dict[str, Any]:
         conf = settings.get(ENV + ALLOC_CONF, alloc_conf)
         return check_fit(with_settings(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
-                         capacity_bytes, conf)
+                         capacity_bytes, conf, versions)
 
     out = [{"settings": st, "check": c} for st in steps if (c := verdict(st))["fits"]]
     for extra in ({}, base) if base else ({},):  # fewer tokens, fewer layers: alone, else with the changes above

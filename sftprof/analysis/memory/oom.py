@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -105,13 +105,14 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
 
 
 def oom_triage(log_dir: str, cfg: Optional[dict[str, Any]], model: TrialModel, failed_rank: Optional[int],
-               alloc_conf: Optional[str]) -> Optional[OomTriage]:
+               alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None) -> Optional[OomTriage]:
     """The triage of the trial's out-of-memory failure (module docstring); None when no rank left a snapshot.
 
     ``cfg``: the trial's resolved config (None: no prediction, no change proposed), ``model`` its model;
     ``failed_rank``: the first
     failing rank of the summary's failure (its record is the triage's when it has one); ``alloc_conf``: the trial's
-    ``PYTORCH_CUDA_ALLOC_CONF`` (its recorded environment).
+    ``PYTORCH_CUDA_ALLOC_CONF`` (its recorded environment); ``versions``: its recorded versions (None: not recorded;
+    :func:`sftprof.analysis.memory.fit.outside_pytorch_gib`).
     """
     oom_dir = str(artifacts.oom_dir(log_dir))
     if not os.path.isdir(oom_dir):
@@ -136,7 +137,7 @@ def oom_triage(log_dir: str, cfg: Optional[dict[str, Any]], model: TrialModel, f
                 t["fits"] = [{"settings": c["settings"], "peak_bytes": c["check"]["peak_bytes"],
                               "need_bytes": c["check"]["need_bytes"]}
                              for c in fitting_changes(cfg, model.cut, layout, seq,
-                                                      t["capacity_bytes"], alloc_conf)]
+                                                      t["capacity_bytes"], alloc_conf, versions)]
         except Exception as err:  # noqa: BLE001 - a config this prediction cannot model leaves the figures as read
             t["prediction_error"] = f"{type(err).__name__}: {err}"
     return t

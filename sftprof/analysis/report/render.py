@@ -12,7 +12,7 @@ import re
 from typing import Callable
 
 from sftprof.analysis.report import findings as fnd
-from sftprof.artifacts import ENVIRONMENT, compare_report_name
+from sftprof.artifacts import ENVIRONMENT, VERSIONS, compare_report_name
 from sftprof.analysis.trial.failure import failure_cause, headline
 from sftprof.analysis.report.markdown import fmt, table, with_rank
 from sftprof.analysis.time.projection import real_rank_text
@@ -59,7 +59,7 @@ def _header(s: dict) -> list[str]:
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
             f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
             "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
-            *_environment_line(s),
+            *_environment_line(s), *_versions_line(s),
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
 
 
@@ -72,6 +72,15 @@ def _environment_line(s: dict) -> list[str]:
         return [f"- environment: not recorded (no readable {ENVIRONMENT})"]
     return ["- environment (recorded variables): " + (", ".join(_code(f"{k}={v}") for k, v in sorted(env.items()))
                                                   or "none set")]
+
+
+def _versions_line(s: dict) -> list[str]:
+    """The header's line of the trial's recorded software versions (none for a summary of an earlier schema)."""
+    if "versions" not in s:
+        return []
+    if not isinstance(s["versions"], dict):
+        return [f"- versions: not recorded (no readable {VERSIONS})"]
+    return ["- versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in s["versions"].items())]
 
 
 def _code(text: str) -> str:

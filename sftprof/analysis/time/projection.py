@@ -15,7 +15,8 @@ gives every collective the real rank would run (process group, bytes, calls). He
 - memory: the measured peak plus NCCL's buffers, which torch's allocator does not see, estimated per communicator
   (:func:`nccl_buffer_bytes`); and the real rank's need (:func:`real_rank_memory`): the measured peak reserved, plus
   what a process with real process groups holds outside PyTorch's allocator
-  (:func:`sftprof.analysis.memory.fit.outside_pytorch_gib`: the one-GPU figure, against the simulated process's
+  (:func:`sftprof.analysis.memory.fit.outside_pytorch_gib`: the one-GPU figure by the megatron-core the trial
+  recorded in ``versions.json``, against the simulated process's
   :data:`sftprof.analysis.memory.fit.OUTSIDE_PYTORCH_GIB_SIMULATED`), plus those NCCL buffers, with whether it fits
   one GPU's capacity (nvidia-smi's total less :data:`sftprof.analysis.memory.fit.DRIVER_RESERVED_GIB`).
 
@@ -33,7 +34,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, OUTSIDE_PYTORCH_GIB_SIMULATED, outside_pytorch_gib
+from sftprof.analysis.memory.fit import (DRIVER_RESERVED_GIB, OUTSIDE_PYTORCH_GIB_SIMULATED, megatron_core_release,
+                                         outside_pytorch_gib)
 from sftprof.analysis.trial import inputs
 from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
@@ -95,20 +97,22 @@ def nccl_buffer_bytes(collectives: list[dict[str, Any]]) -> tuple[int, list[str]
 
 
 def real_rank_memory(peak_reserved_gib: Optional[float], nccl_gib: float, capacity_bytes: Optional[int],
-                     outside_gib: float) -> tuple[dict[str, Any], str]:
-    """What the real rank would need (GiB): the simulated rank's measured ``peak_reserved_gib`` + ``outside_gib``
-    (held outside PyTorch's allocator by a process with real process groups) + ``nccl_gib`` (its NCCL buffers), and
-    whether that fits ``capacity_bytes`` (one GPU's; None: unknown).
+                     versions: Optional[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
+    """What the real rank would need (GiB): the simulated rank's measured ``peak_reserved_gib`` + what a process with
+    real process groups holds outside PyTorch's allocator (:func:`sftprof.analysis.memory.fit.outside_pytorch_gib` of
+    the trial's recorded ``versions``; None: not recorded) + ``nccl_gib`` (its NCCL buffers), and whether that fits
+    ``capacity_bytes`` (one GPU's; None: unknown).
 
     Returns:
         ``({"measured_peak_reserved_gib", "outside_pytorch_gib", "real_rank_need_gib", "capacity_gib", "fits"},
         the assumption in words)``; the need and ``fits`` are None without a measured peak reserved (CPU), ``fits``
         too without a capacity.
     """
+    outside_gib = outside_pytorch_gib(versions)
     need = None if peak_reserved_gib is None else peak_reserved_gib + outside_gib + nccl_gib
     capacity = None if capacity_bytes is None else capacity_bytes / _GIB
     words = (f"the real rank needs the measured peak reserved + {outside_gib:.2f} GiB outside PyTorch's allocator (a "
-             f"process with real process groups, one GPU, by the installed megatron-core: "
+             f"process with real process groups, one GPU, by {megatron_core_release(versions)[1]}: "
              f"sftprof/analysis/memory/fit.py; the simulated process holds {OUTSIDE_PYTORCH_GIB_SIMULATED} GiB) + the "
              "NCCL buffers above, against " + ("no known capacity (no nvidia-smi GPU)" if capacity is None else
                                                 f"{capacity:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} "
@@ -121,7 +125,7 @@ def real_rank_memory(peak_reserved_gib: Optional[float], nccl_gib: float, capaci
 def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
             windows_ms: Optional[dict[str, float]] = None, measured_mfu: Optional[float] = None, *,
             peak_reserved_gib: Optional[float] = None, capacity_bytes: Optional[int] = None,
-            outside_gib: Optional[float] = None) -> dict[str, Any]:
+            versions: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """The projected step of the rank of ``plan`` (module docstring).
 
     Args:
@@ -132,9 +136,9 @@ def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], 
         windows_ms: measured compute of the overlap windows (``forward``, ``backward``, ``cp_attention``), ms.
         measured_mfu: the simulated step's MFU (its model FLOPs per GPU over ``compute_ms``); the projected MFU is
             it scaled by ``compute_ms / projected``.
-        peak_reserved_gib, capacity_bytes, outside_gib: the real rank's need (:func:`real_rank_memory`): the
-            measured peak reserved (GiB, None when not measured), one GPU's capacity (bytes, None: unknown), what a
-            real process holds outside PyTorch (GiB; None: :func:`sftprof.analysis.memory.fit.outside_pytorch_gib`).
+        peak_reserved_gib, capacity_bytes, versions: the real rank's need (:func:`real_rank_memory`): the
+            measured peak reserved (GiB, None when not measured), one GPU's capacity (bytes, None: unknown), the
+            trial's recorded versions (None: not recorded, the installed megatron-core's figure).
     Returns:
         ``{"rows": [...], "compute_ms", "communication_ms", "exposed_ms", "projected_step_ms", "serial_step_ms",
         "mfu", "memory": {...}, "assumptions": [...]}``; each row ``{"group", "collective", "interconnect",
@@ -165,8 +169,7 @@ def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], 
     world = plan["world_size"]
     mfu = measured_mfu * compute_ms / projected if measured_mfu is not None else None
     nccl, nccl_lines = nccl_buffer_bytes(plan["collectives"])
-    real, real_words = real_rank_memory(peak_reserved_gib, nccl / _GIB, capacity_bytes,
-                                        outside_pytorch_gib() if outside_gib is None else outside_gib)
+    real, real_words = real_rank_memory(peak_reserved_gib, nccl / _GIB, capacity_bytes, versions)
     assumptions = list(plan["assumptions"]) + [
         f"{name}: {link['source']}" for name, link in INTERCONNECTS.items()
         if any(r["interconnect"] == name for r in rows)] + [
@@ -196,7 +199,8 @@ def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialM
     ``stats.jsonl``: compute = the step time of ``step`` (the last step recorded when None), peak = its
     ``mem_peak_allocated_gb`` (and ``mem_peak_reserved_gb``, the real rank's need), the MFU scaled from its measured
     one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
-    ``windows_ms``: the overlap windows measured, ``capacity_bytes``: one GPU's (None: unknown) (:func:`project`).
+    ``windows_ms``: the overlap windows measured, ``capacity_bytes``: one GPU's (None: unknown) (:func:`project`,
+    with the versions of its ``versions.json``).
 
     Raises:
         ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
@@ -215,7 +219,7 @@ def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialM
     plan = rank_plan(cfg, model.config(), layout, rank, have_te)
     return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
                    windows_ms, measured_mfu=rec.mfu, peak_reserved_gib=rec.mem_peak_reserved_gb,
-                   capacity_bytes=capacity_bytes)
+                   capacity_bytes=capacity_bytes, versions=inputs.trial_versions(str(log_dir))[0])
 
 
 def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:

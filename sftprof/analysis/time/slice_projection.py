@@ -249,7 +249,7 @@ def _memory(summary: dict[str, Any], dst: RankSlice) -> Optional[dict[str, Any]]
         return None
     capacity = smi_capacity_bytes((summary.get("nvidia_smi") or {}).get("gpus") or [])
     fit = check_fit(dst.cfg, dst.hf, layout, dst.tokens, capacity or 0,
-                    (summary.get("environment") or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
+                    (summary.get("environment") or {}).get("PYTORCH_CUDA_ALLOC_CONF"), summary.get("versions"))
     return {"rank": fit["rank"], "phase": fit["prediction"]["phase"], "peak_gib": fit["peak_bytes"] / _GIB,
             "need_gib": fit["need_bytes"] / _GIB, "capacity_gib": None if capacity is None else capacity / _GIB,
             "fits": None if capacity is None else fit["fits"]}

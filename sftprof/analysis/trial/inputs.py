@@ -1,6 +1,7 @@
 """Readers of a trial's inputs: ``stats.jsonl`` (through :mod:`sftprof.artifacts`), ``rank_coords.json``,
-``config.yaml``, the driver's ``nvidia_smi.csv`` and the tail of the trainer log; and the trial's model, its Hugging
-Face config loaded once for every part of the analysis that needs it (:class:`TrialModel`).
+``config.yaml``, ``environment.json``, ``versions.json``, the driver's ``nvidia_smi.csv`` and the tail of the trainer
+log; and the trial's model, its Hugging Face config loaded once for every part of the analysis that needs it
+(:class:`TrialModel`).
 
 Each reader tolerates a missing or damaged file (it says so in what it returns) so that one bad input
 never stops the postprocessing of the others (:func:`sftprof.analysis.summary.postprocess_trial`).
@@ -12,14 +13,14 @@ import datetime
 import json
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 import yaml
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace.check import is_finite_number
-from sftprof.analysis.trial.schema import SmiWindow, Stats
+from sftprof.analysis.trial.schema import SmiWindow, Stats, Versions
 from sftprof.analysis.what_if.schema import TriedWhatIf
 from sftprof.models.hf import load_hf_config
 
@@ -470,6 +471,23 @@ def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
     if not (isinstance(env, dict) and all(isinstance(v, str) and _utf8(k + v) for k, v in env.items())):
         return None, f"{path}: not a JSON object of texts"
     return env, None
+
+
+def trial_versions(log_dir: str) -> tuple[Versions | None, str | None]:
+    """The versions the trial ran with (``LOG_DIR/versions.json``: :class:`~sftprof.analysis.trial.schema.Versions`,
+    a key the file lacks None), and an error message naming the file when it is unreadable or not a JSON object of
+    texts and nulls (``(None, None)`` when it is absent: a trial of an earlier release, or one that died before)."""
+    path = os.path.join(log_dir, artifacts.VERSIONS)
+    if not os.path.lexists(path):
+        return None, None
+    if not os.path.isfile(path):
+        return None, f"{path}: not a file"
+    found, error = _read(path, json.load, ValueError)
+    if error:
+        return None, error
+    if not (isinstance(found, dict) and all(v is None or isinstance(v, str) and _utf8(v) for v in found.values())):
+        return None, f"{path}: not a JSON object of texts and nulls"
+    return cast(Versions, {key: found.get(key) for key in Versions.__annotations__}), None
 
 
 def _utf8(text: str) -> bool:

@@ -239,6 +239,19 @@ class SnapshotEntry(TypedDict):
     allocator: NotRequired[Optional[AllocatorSettings]]
 
 
+class Versions(TypedDict):
+    """The software the trial ran with (``LOG_DIR/versions.json``, :func:`sftprof.artifacts.recorded_versions`): each
+    a version text, None when not installed (``torch_cuda``: a CPU build of torch)."""
+    python: Optional[str]
+    torch: Optional[str]
+    torch_cuda: Optional[str]
+    megatron_core: Optional[str]
+    transformer_engine: Optional[str]
+    transformers: Optional[str]
+    triton: Optional[str]
+    flash_linear_attention: Optional[str]
+
+
 # -- the summary's parts, in the order postprocess_trial makes them ----------------------------------------------
 class Header(TypedDict):
     """The summary's first members: what was processed, as what, and the trial's status."""
@@ -260,6 +273,7 @@ class Inputs(TypedDict):
     config: Optional[dict[str, Any]]  # the trial's resolved config.yaml
     # the trial's environment.json (name -> value, sftprof.artifacts.recorded_environment); None: not recorded
     environment: NotRequired[Optional[dict[str, str]]]
+    versions: NotRequired[Optional[Versions]]  # 3.7; None: not recorded (a trial of an earlier release)
     rank_coords: dict[str, dict[str, Any]]  # rank (as text) -> coordinates
     transformer_engine: NotRequired[Optional[bool]]  # TE in the trial (config on/off, else trainer.log); None: unknown
     tried_what_if: NotRequired[TriedWhatIf]  # a what-if trial of the driver (TRY_WHAT_IFS)

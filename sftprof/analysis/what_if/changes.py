@@ -223,7 +223,7 @@ class _Trial:
             return None
         env = self.summary.get("environment")
         fit = check_fit(with_settings(self.cfg, changes), hf, self.layout, seq_len, capacity,
-                        env.get(ALLOC_CONF) if isinstance(env, dict) else None)
+                        env.get(ALLOC_CONF) if isinstance(env, dict) else None, self.summary.get("versions"))
         if fit["fits"]:
             return None
         return (f"its settings are predicted not to fit the GPU: rank {fit['rank']} needs "

@@ -81,9 +81,10 @@ def _recompute_ms(settings: Mapping[str, Any], forward_ms: dict[tuple[int, str],
 
 
 def plan_recompute(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capacity_bytes: int,
-                   alloc_conf: Optional[str],
-                   forward_ms: dict[tuple[int, str], float]) -> dict[str, Any]:
-    """The recompute options of the trial and the choice (module docstring).
+                   alloc_conf: Optional[str], forward_ms: dict[tuple[int, str], float],
+                   versions: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The recompute options of the trial and the choice (module docstring); ``versions``: the trial's recorded ones
+    (:func:`sftprof.analysis.memory.fit.check_fit`).
 
     Returns:
         ``{"options": [{"settings", "peak_bytes", "need_bytes", "fits", "recompute_ms"}], "choice": an option or
@@ -93,7 +94,7 @@ def plan_recompute(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, c
     first = min((layer for layer, _ in forward_ms), default=0)
     options = []
     for settings in _options(hf, layers):
-        fit = check_fit(with_settings(cfg, settings), hf, layout, seq_len, capacity_bytes, alloc_conf)
+        fit = check_fit(with_settings(cfg, settings), hf, layout, seq_len, capacity_bytes, alloc_conf, versions)
         options.append({"settings": settings, "peak_bytes": fit["peak_bytes"], "need_bytes": fit["need_bytes"],
                         "fits": fit["fits"],
                         "recompute_ms": round(_recompute_ms(settings, forward_ms, first, layers), 4)})
@@ -134,7 +135,7 @@ def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict[str, Any]],
                    for r in layer["rows"]}
         if not forward or not parts.get("total_ms"):
             continue
-        plan = plan_recompute(cfg, hf, layout, seq, capacity, alloc_conf, forward)
+        plan = plan_recompute(cfg, hf, layout, seq, capacity, alloc_conf, forward, summary.get("versions"))
         choice, now = plan["choice"], _current(cfg)
         if choice is None or all(now.get(k) == v for k, v in choice["settings"].items() if k in now):
             continue
