@@ -977,6 +977,30 @@ def test_damaged_environment_json_is_its_own_error_and_compare_does_not_compare_
     assert res.returncode == 0 and lines == (tmp_path / "cmp2.md").read_text().splitlines()
 
 
+def test_a_trial_without_versions_json_postprocesses_and_a_damaged_one_is_its_own_error(tmp_path, small_snapshot):
+    """A trial of an earlier release (these fixtures) has no ``versions.json``: ``versions`` is null, no error and the
+    header says so; a damaged file is its own error (like ``environment.json``) and the rest is processed."""
+    log = _memory_trial(tmp_path / "none", small_snapshot)
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run_none"), "memory", 1)
+    assert code == 0 and summary["versions"] is None and summary["errors"] == []
+    assert "- versions: not recorded (no readable versions.json)" in (
+        tmp_path / "run_none" / "profile_summary.md").read_text().splitlines()
+    for name, text, why in (("list", '["0.16.1"]', "not a JSON object of texts and nulls"),
+                            ("number", '{"torch": 2.11}', "not a JSON object of texts and nulls"),
+                            ("trunc", '{"torch": "2.', "unreadable (JSONDecodeError: Unterminated string starting at: "
+                                                       "line 1 column 11 (char 10))"),
+                            ("folder", None, "not a file")):
+        log = _memory_trial(tmp_path / name, small_snapshot)
+        if text is None:
+            (log / "versions.json").mkdir()
+        else:
+            (log / "versions.json").write_text(text)
+        summary, code = postprocess_trial(str(log), str(tmp_path / f"run_{name}"), "memory", 1)
+        assert code == 1 and summary["versions"] is None
+        assert summary["errors"] == [{"file": "versions.json", "error": f"{log / 'versions.json'}: {why}"}]
+        assert summary["counts"]["snapshots"] == 1 and "summary" in summary["memory_snapshots"][0]
+
+
 def test_missing_or_empty_optional_inputs_are_warnings(tmp_path, small_snapshot):
     log = _memory_trial(tmp_path, small_snapshot)
     res = _cli("--log-dir", log, "--run-dir", tmp_path / "run", "--nvidia-smi-csv", tmp_path / "none.csv",

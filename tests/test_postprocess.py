@@ -1036,6 +1036,24 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
         == "| `env.NCCL_X` | – | l1\\nl2\\|x |"
 
 
+def test_compare_names_a_change_of_software_versions():
+    """Two runs of one config on different software (megatron-core 0.16.1 against 0.19.2, TE added): each version that
+    differs is a setting (``version.<name>``, ``–`` for a package not installed); runs without recorded versions (an
+    earlier release's) compare none."""
+    from sftprof.analysis.compare.settings_diff import settings_diff
+
+    cfg = {"actor": {"backend": "megatron:d1"}}
+    v = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.16.1",
+         "transformer_engine": None, "transformers": "5.17.0", "triton": "3.6.0", "flash_linear_attention": None}
+    a = {"config": cfg, "environment": {}, "versions": v}
+    b = {"config": cfg, "environment": {}, "versions": {**v, "megatron_core": "0.19.2", "transformer_engine": "2.20.2"}}
+    assert settings_diff(a, b) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `version.megatron_core` | 0.16.1 | 0.19.2 |", "| `version.transformer_engine` | – | 2.20.2 |", ""]
+    assert settings_diff(a, a) == settings_diff(a, {**b, "versions": None}) == [
+        "Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+
+
 def test_compare_settings_table_shows_empty_values():
     """An empty text is shown as ``""`` (with its meaning where it has one: ``perf_tracer.ranks=''`` profiles every
     rank), not as an empty cell; a key only one trial's config has is ``–`` on the other side."""

@@ -4,9 +4,11 @@ The 2-rank kernel trial and the 1-rank memory trial train on the same global bat
 of 128 tokens) from the same seed, so their losses and gradient norms must agree: that checks
 the data-parallel split and gradient averaging as well as the records.
 """
+import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -14,10 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sftprof import artifacts
+from sftprof.analysis.summary import postprocess_trial
 from sftprof.config import load_config
 from sftprof.models.hf import CONFIG_DIR
+from sftprof.pycheck import megatron_core_version
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_sft_profile.py"
@@ -89,6 +94,26 @@ def test_a_trial_records_the_environment_variables_that_change_the_job(memory_tr
         "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_ALGO": "Ring", "NCCL_TEST_BYTES": "a\\xffb",
         "NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "OMP_NUM_THREADS": "1",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, indent=1) + "\n"
+
+
+def test_a_trial_records_the_versions_it_ran_with_and_its_summary_shows_them(memory_trial, tmp_path):
+    """``versions.json``: Python, torch and its CUDA (None: this CPU build), the packages by their installed
+    distribution (None: not installed); postprocessing copies it into the summary (``versions``) and its header."""
+    log_dir, _ = memory_trial
+    installed = megatron_core_version()
+    recorded = json.loads((log_dir / "versions.json").read_text())
+    assert list(recorded) == ["python", "torch", "torch_cuda", "megatron_core", "transformer_engine", "transformers",
+                              "triton", "flash_linear_attention"]
+    assert recorded["python"] == platform.python_version() and recorded["torch"] == torch.__version__
+    assert recorded["torch_cuda"] == torch.version.cuda
+    assert recorded["megatron_core"] == (".".join(map(str, installed)) if installed else None)
+    for key, name in (("transformer_engine", "transformer_engine"), ("transformers", "transformers"),
+                      ("triton", "triton"), ("flash_linear_attention", "fla")):
+        assert (recorded[key] is None) == (importlib.util.find_spec(name) is None), key
+    summary, code = postprocess_trial(str(log_dir), str(tmp_path / "run"))
+    assert code == 0 and summary["versions"] == recorded
+    header = (tmp_path / "run" / "profile_summary.md").read_text().splitlines()
+    assert "- versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in recorded.items()) in header
 
 
 def test_kernel_trial_records(kernel_trial):
