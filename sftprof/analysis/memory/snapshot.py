@@ -46,12 +46,13 @@ checks of its history and devices) works on one set of arrays built once.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from sftprof import artifacts
 from sftprof.analysis.memory.categories import allocation_site, categories
+from sftprof.analysis.memory.schema import MemorySummary
 from sftprof.analysis.trace.check import is_finite_number
 
 __all__ = ["analyze_snapshot", "check_snapshot", "history_status", "other_devices_message", "peak_where", "TOP_SITES",
@@ -241,7 +242,7 @@ _AT_DUMP = "at the snapshot's dump: no allocator history, so no peak is known"
 _STEP_UNKNOWN = "in the recorded window; the profiled step's own peak is unknown"
 
 
-def peak_where(summary: dict, which: str = "peak") -> str:
+def peak_where(summary: Mapping[str, Any], which: str = "peak") -> str:
     """Where a peak of :func:`analyze_snapshot`'s summary lies, in words (never ``None`` or ``?``).
 
     Args:
@@ -332,7 +333,7 @@ def check_snapshot(snapshot) -> None:
                 raise ValueError(f"device_traces[{d}][{k}] is an {event['action']} without 'addr'")
 
 
-def other_devices_message(s: dict) -> str:
+def other_devices_message(s: MemorySummary) -> str:
     """The warning of a snapshot (its summary ``s``) that holds other devices' blocks beside the rank's own."""
     own, others = s["devices"][0], s["devices"][1:]
     seen = "; ".join(f"cuda:{d['device']} {d['reserved_bytes'] / _GIB:.3f} GiB reserved, "

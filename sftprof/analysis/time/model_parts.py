@@ -140,7 +140,7 @@ def parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
             "summed": rows(summed)}
 
 
-def plot_parts(parts: dict, title: str, out_png: str, clock: str = "GPU time") -> None:
+def plot_parts(parts: Parts, title: str, out_png: str, clock: str = "GPU time") -> None:
     """Stacked-bar PNG of time (ms) per decoder layer (one bar per layer, then one for the parts
     outside the layers), a colour per part; each segment is the part's forward + recompute + backward
     (+ optimizer, other) time, the split by phase is in the tables.
