@@ -44,7 +44,8 @@ from typing import Any, NotRequired, TypedDict
 from sftprof import artifacts
 from sftprof.analysis.trial.schema import FailedRank, Failure, NodeFailure, TrialRecord
 
-__all__ = ["config_errors", "failure_cause", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
+__all__ = ["TorchrunFailure", "config_errors", "failure_cause", "first_failure", "headline", "node_failures",
+           "parse_torchrun_failures", "traceback_errors"]
 
 _ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
 _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
