@@ -277,9 +277,9 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     """Errors and warnings of every file (:mod:`sftprof.analysis.trial.problems`), the ranks whose trace is missing
     and the counts."""
     kind, cfg, stats = record["profile_kind"], record["config"], record["stats"]
-    items = record.get("memory_snapshots") if kind == "memory" else record.get("kernel_traces")
-    items = items or []
-    errors, warnings = problems(record, items, complete, input_errors, missing_log_dir)
+    traces = record.get("kernel_traces") or [] if kind == "kernel" else []
+    items = record.get("memory_snapshots") or [] if kind == "memory" else traces
+    errors, warnings = problems(record, complete, input_errors, missing_log_dir)
     if record["wall_time"].get("trial_times_error"):
         warnings.append({"file": artifacts.TRIAL_TIMES, "warning": f"{record['wall_time']['trial_times_error']}; the "
                          "wall-time phases of the launcher's clock are left out"})
@@ -288,7 +288,7 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     part: Problems = {"errors": errors, "warnings": warnings,
                       "counts": _counts(items, kind, len(errors), len(record["skipped"]))}
     if kind == "kernel":
-        part["missing_traces"] = missing_traces(cfg, items) if items else []
+        part["missing_traces"] = missing_traces(cfg, traces) if traces else []
         warnings += missing_trace_warnings(cfg, part["missing_traces"])
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:

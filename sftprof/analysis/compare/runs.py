@@ -26,12 +26,13 @@ import os
 from collections import defaultdict
 from functools import partial
 from statistics import median
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, cast
 
 from sftprof.artifacts import RUN_ROOT_FILEROOT, SUMMARY_JSON
 from sftprof.analysis.compare import verdicts as compare_verdicts, stats
 from sftprof.analysis.what_if import changes as what_if, outcome as what_if_outcome
 from sftprof.analysis.trial.failure import failure_cause
+from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.trace.kernel_names import short_kernel_name
 from sftprof.analysis.memory.snapshot import PEAK_SCOPES, peak_where
 from sftprof.analysis.report.markdown import fmt, short, table
@@ -262,7 +263,8 @@ def _group_section(kind: str, ta: list[Trial], tb: list[Trial], settings: list[s
     for side, trials in (("A", ta), ("B", tb)):
         for d, s in trials:
             if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
-                cause = failure_cause(s)  # the first failure (its Failure section), else the completion record's error
+                # the first failure (its Failure section), else the completion record's error; s is read_summary's
+                cause = failure_cause(cast(TrialRecord, s))
                 why = f" ({cause[1]})" if cause and cause[0] == "error" else f" ({cause[0]}: {cause[1]})" if cause else ""
                 name = "" if len(trials) == 1 else f" `{dir_name(d)}`"
                 out += [f"**Trial {side}{name} status: {s.get('status')}**" + why

@@ -52,8 +52,8 @@ import numpy as np
 
 from sftprof import artifacts
 from sftprof.analysis.memory.categories import allocation_site, categories
-from sftprof.analysis.memory.schema import (AllocationRow, History, MemoryStepWindow, SiteRow, SnapshotDevice, SpikeRow,
-                                            WithoutLargestBlock)
+from sftprof.analysis.memory.schema import (AllocationRow, History, MemorySummary, MemoryStepWindow, SiteRow,
+                                            SnapshotDevice, SpikeRow, WithoutLargestBlock)
 from sftprof.analysis.trace.check import is_finite_number
 
 __all__ = ["analyze_snapshot", "check_snapshot", "history_status", "other_devices_message", "peak_where", "TOP_SITES",
@@ -350,7 +350,7 @@ def check_snapshot(snapshot: object) -> None:
                 raise ValueError(f"device_traces[{d}][{k}] is an {event['action']} without 'addr'")
 
 
-def other_devices_message(s: Mapping[str, Any]) -> str:
+def other_devices_message(s: MemorySummary) -> str:
     """The warning of a snapshot (its summary ``s``) that holds other devices' blocks beside the rank's own."""
     own, others = s["devices"][0], s["devices"][1:]
     seen = "; ".join(f"cuda:{d['device']} {d['reserved_bytes'] / _GIB:.3f} GiB reserved, "

@@ -9,7 +9,7 @@ holds (floats with 3 decimals, :mod:`sftprof.analysis.report.markdown`).
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Literal
 
 from sftprof.analysis.report import findings as fnd
 from sftprof.artifacts import ENVIRONMENT, VERSIONS, compare_report_name
@@ -20,11 +20,15 @@ from sftprof.analysis.time.rank_table import RANK_COLUMNS
 from sftprof.analysis.trial.wall_time import PHASES
 from sftprof.analysis.report.memory import memory_snapshots
 from sftprof.analysis.report.trace import kernel_traces
+from sftprof.analysis.schema import ProfileSummary
+from sftprof.analysis.time.schema import CommWait, WaitedFor, WorkSpread
+from sftprof.analysis.trial.schema import MoeRouting
+from sftprof.analysis.views.schema import MergedView
 
 __all__ = ["render_markdown", "SECTIONS"]
 
 
-def _projection(s: dict) -> list[str]:
+def _projection(s: ProfileSummary) -> list[str]:
     """A simulated rank's projected step (``simulation.projection``): per collective, the totals, the memory."""
     sim = s.get("simulation")
     if not sim:
@@ -46,7 +50,7 @@ def _projection(s: dict) -> list[str]:
 
 
 # -- trial-level sections ------------------------------------------------------------------------------------
-def _header(s: dict) -> list[str]:
+def _header(s: ProfileSummary) -> list[str]:
     c = s["completion"]
     cause = failure_cause(s)  # the Failure section's first failure, else the completion record's error
     sim = s.get("simulation")
@@ -63,7 +67,7 @@ def _header(s: dict) -> list[str]:
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
 
 
-def _environment_line(s: dict) -> list[str]:
+def _environment_line(s: ProfileSummary) -> list[str]:
     """The header's line of the recorded environment variables (none for a summary of an earlier schema)."""
     if "environment" not in s:
         return []
@@ -74,13 +78,14 @@ def _environment_line(s: dict) -> list[str]:
                                                   or "none set")]
 
 
-def _versions_line(s: dict) -> list[str]:
+def _versions_line(s: ProfileSummary) -> list[str]:
     """The header's line of the trial's recorded software versions (none for a summary of an earlier schema)."""
     if "versions" not in s:
         return []
-    if not isinstance(s["versions"], dict):
+    versions = s["versions"]
+    if versions is None:
         return [f"- versions: not recorded (no readable {VERSIONS})"]
-    return ["- versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in s["versions"].items())]
+    return ["- versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in versions.items())]
 
 
 def _code(text: str) -> str:
@@ -90,7 +95,7 @@ def _code(text: str) -> str:
     return f"{fence} {text} {fence}" if len(fence) > 1 else f"`{text}`"
 
 
-def _findings(s: dict) -> list[str]:
+def _findings(s: ProfileSummary) -> list[str]:
     out = []
     if s.get("findings"):
         out.append("## Findings\n")
@@ -107,7 +112,7 @@ def _findings(s: dict) -> list[str]:
     return out
 
 
-def _tried_what_if(s: dict) -> list[str]:
+def _tried_what_if(s: ProfileSummary) -> list[str]:
     """A what-if trial's record: the trial it varies, the setting applied, the prediction (its outcome: compare)."""
     tried = s.get("tried_what_if")
     if not tried:
@@ -120,17 +125,18 @@ def _tried_what_if(s: dict) -> list[str]:
             "(`postprocess_profile.py compare SOURCE_RUN_DIR THIS_RUN_DIR`).", ""]
 
 
-def _problems(s: dict) -> list[str]:
+def _problems(s: ProfileSummary) -> list[str]:
     out = []
-    for key, title, col, field in (("errors", "Errors", "error", "error"), ("warnings", "Warnings", "warning", "warning"),
-                                   ("skipped", "Skipped files", "why", "reason")):
-        if s.get(key):
+    for title, col, rows in (("Errors", "error", [[e["file"], e["error"]] for e in s.get("errors") or []]),
+                             ("Warnings", "warning", [[w["file"], w["warning"]] for w in s.get("warnings") or []]),
+                             ("Skipped files", "why", [[k["file"], k["reason"]] for k in s.get("skipped") or []])):
+        if rows:
             out.append(f"## {title}\n")
-            out.append(table(["file", col], [[e["file"], e[field]] for e in s[key]]))
+            out.append(table(["file", col], rows))
     return out
 
 
-def _failure(s: dict) -> list[str]:
+def _failure(s: ProfileSummary) -> list[str]:
     fail = s.get("failure")
     if not fail:
         return []
@@ -151,13 +157,13 @@ def _failure(s: dict) -> list[str]:
     return out
 
 
-def _oom(s: dict) -> list[str]:
+def _oom(s: ProfileSummary) -> list[str]:
     t = s.get("oom")
     if not t:
         return []
     g = float(2**30)
 
-    def gib(b):
+    def gib(b: float | None) -> str:
         return "unknown" if b is None else f"{b / g:.2f}"
 
     out = ["## Out of memory\n",
@@ -167,8 +173,8 @@ def _oom(s: dict) -> list[str]:
            f"{gib(t['allocated_bytes'])}, reserved and not allocated {gib(t['reserved_unallocated_bytes'])}, outside "
            f"PyTorch {gib(t['outside_pytorch_bytes'])}, free {gib(t['free_bytes'])} GiB",
            f"- phase {fmt(t['phase'])}, site {fmt(t['site'])}"]
-    p = t["predicted"] or {}
-    pred = {r["category"]: r["bytes"] for r in p.get("rows") or []}
+    p = t["predicted"]
+    pred = {r["category"]: r["bytes"] for r in (p.get("rows") if p else None) or []}
     rows = [[r["category"], gib(r["bytes"])] for r in t["live"]]
     out += ["", table(["alive at the failure", "GiB"], rows)]
     if p:
@@ -184,18 +190,20 @@ def _oom(s: dict) -> list[str]:
     return out
 
 
-def _log_tail(s: dict) -> list[str]:
-    if not s.get("trainer_log_tail"):
+def _log_tail(s: ProfileSummary) -> list[str]:
+    tail = s.get("trainer_log_tail")
+    if not tail:
         return []
-    return [f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n"]
+    return [f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(tail) + "\n```\n"]
 
 
-def _steps(s: dict) -> list[str]:
+def _steps(s: ProfileSummary) -> list[str]:
     st = s["stats"]
     if not st["steps"]:
         return []
     moe = any(x.get("moe") for x in st["steps"])
-    one = f"rank {s['simulation']['rank']} only (simulated)" if s.get("simulation") else "rank 0 only"
+    sim = s.get("simulation")
+    one = f"rank {sim['rank']} only (simulated)" if sim else "rank 0 only"
     out = ["## Steps (stats.jsonl)\n",
            "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
            "GPU does on top of the model FLOPs; not in MFU)."
@@ -215,7 +223,7 @@ def _steps(s: dict) -> list[str]:
     return out
 
 
-def _wall_time(s: dict) -> list[str]:
+def _wall_time(s: ProfileSummary) -> list[str]:
     w = s.get("wall_time")
     if not w:
         return []
@@ -239,7 +247,7 @@ def _wall_time(s: dict) -> list[str]:
     return out
 
 
-def _moe_cells(m: dict | None) -> list:
+def _moe_cells(m: MoeRouting | None) -> list[str | None]:
     """The two routing cells of a Steps row: ``"16.000 (L3)"`` and the EP rank's (``–`` without data)."""
     if not m:
         return [None, None]
@@ -247,7 +255,7 @@ def _moe_cells(m: dict | None) -> list:
             with_rank(m["ep_max_over_mean"], m["ep_worst_layer"], "L")]
 
 
-def _nvidia_smi(s: dict) -> list[str]:
+def _nvidia_smi(s: ProfileSummary) -> list[str]:
     smi = s["nvidia_smi"]
     if not smi["available"]:
         return []
@@ -267,7 +275,7 @@ def _nvidia_smi(s: dict) -> list[str]:
     return out
 
 
-def _work_spread(w: dict | None) -> list[str]:
+def _work_spread(w: WorkSpread | None) -> list[str]:
     """The Ranks section's table of the model parts whose compute time differs most between ranks."""
     if not w:
         return []
@@ -287,7 +295,7 @@ def _work_spread(w: dict | None) -> list[str]:
     return out
 
 
-def _ranks(s: dict) -> list[str]:
+def _ranks(s: ProfileSummary) -> list[str]:
     rows = s["ranks"]["rows"]
     if not rows:
         return []
@@ -305,8 +313,8 @@ def _ranks(s: dict) -> list[str]:
     ex = s["ranks"].get("exposed_by_group")
     if ex and ex["groups"]:
         out.append("\nExposed communication by process group and rank (ms):\n")
-        out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]],
-                         [[g["group"]] + [g["ms"][r] for r in ex["ranks"]] for g in ex["groups"]]))
+        cells = [[g["group"], *[g["ms"][r] for r in ex["ranks"]]] for g in ex["groups"]]
+        out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]], cells))
         if ex["extra_ms"] > 0:
             parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= fnd.EXPOSED_GAP_MIN_MS)
             by_group = (f"by group (ms; groups that overlap each other each count, so they need not add up to it): "
@@ -321,7 +329,7 @@ def _ranks(s: dict) -> list[str]:
     return out + _comm_wait(s.get("comm_wait")) + _merged_view(s.get("merged_view"))
 
 
-def _merged_view(m: dict | None) -> list[str]:
+def _merged_view(m: MergedView | None) -> list[str]:
     """Where the all-ranks timeline is and how each rank's clock was aligned (:mod:`sftprof.analysis.views.merged`)."""
     if not m:
         return []
@@ -336,11 +344,11 @@ def _merged_view(m: dict | None) -> list[str]:
             + ", ".join(f"`{f}`" for f in m["files"]) + f"; clocks: {ranks}\n"]
 
 
-def _waited_for(rows: list[dict], key: str) -> str:
+def _waited_for(rows: list[WaitedFor], key: Literal["wait_ms", "exposed_wait_ms"]) -> str:
     return ", ".join(f"r{x['rank']} {x[key]:.1f}" for x in rows) or "–"
 
 
-def _comm_wait(cw: dict | None) -> list[str]:
+def _comm_wait(cw: CommWait | None) -> list[str]:
     """The Ranks section's split of communication into waiting for the last rank and transfer
     (:func:`sftprof.analysis.time.comm_wait.split`)."""
     if not cw:
@@ -381,13 +389,13 @@ def _comm_wait(cw: dict | None) -> list[str]:
     return out
 
 
-SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
+SECTIONS: tuple[Callable[[ProfileSummary], list[str]], ...] = (
     _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _wall_time, _projection,
     _nvidia_smi, _ranks,
     kernel_traces, memory_snapshots)
 
 
-def render_markdown(s: dict) -> str:
+def render_markdown(s: ProfileSummary) -> str:
     """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file): the :data:`SECTIONS` in order.
 
     Raises:
