@@ -52,12 +52,12 @@ class ActivityTable:
 
     Attributes:
         names: unique activity names; ``name_idx[i]`` indexes it.
-        name_idx: per activity, index into ``names``.
+        name_idx: int32, per activity, index into ``names``.
         kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
         ts, dur, end: float64 start, duration and end (us).
         dev: int64 device (trace ``pid``), -1 when absent.
         stream: int64 stream (trace ``tid``), -1 when absent.
-        corr, ext: ``correlation`` and ``External id`` per activity (-1 when absent).
+        corr, ext: int64 ``correlation`` and ``External id`` per activity (-1 when absent).
         launch_tid: int64 thread of the launching CUDA API call, -1 when not in the trace.
         launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
         category: :func:`~sftprof.analysis.trace.kernel_names.kernel_category`, ``optimizer`` for non-collective
@@ -70,15 +70,15 @@ class ActivityTable:
     """
 
     names: list[str]
-    name_idx: list[int]
+    name_idx: np.ndarray
     kind: np.ndarray
     ts: np.ndarray
     dur: np.ndarray
     end: np.ndarray
     dev: np.ndarray
     stream: np.ndarray
-    corr: list[int]
-    ext: list[int]
+    corr: np.ndarray
+    ext: np.ndarray
     launch_tid: np.ndarray
     launch: np.ndarray
     category: list[str]
@@ -101,9 +101,9 @@ class ActivityTable:
         def pick(values: list) -> list:
             return [values[i] for i in idx]
 
-        return ActivityTable(names=self.names, name_idx=pick(self.name_idx), kind=self.kind[keep], ts=self.ts[keep],
+        return ActivityTable(names=self.names, name_idx=self.name_idx[keep], kind=self.kind[keep], ts=self.ts[keep],
                              dur=self.dur[keep], end=self.end[keep], dev=self.dev[keep], stream=self.stream[keep],
-                             corr=pick(self.corr), ext=pick(self.ext), launch_tid=self.launch_tid[keep],
+                             corr=self.corr[keep], ext=self.ext[keep], launch_tid=self.launch_tid[keep],
                              launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
                              group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
 
@@ -176,12 +176,12 @@ def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRo
     Shares are of the total GPU activity time (all activities); ties are ordered by name.
     """
     total_us = float(table.dur.sum())
-    durs = table.dur.tolist()
+    durs, name_idx = table.dur.tolist(), table.name_idx.tolist()
     k_tot: dict[int, float] = defaultdict(float)
     k_calls: dict[int, int] = defaultdict(int)
-    for i in np.flatnonzero(table.kind == 0):
-        k_tot[table.name_idx[i]] += durs[i]
-        k_calls[table.name_idx[i]] += 1
+    for i in np.flatnonzero(table.kind == 0).tolist():
+        k_tot[name_idx[i]] += durs[i]
+        k_calls[name_idx[i]] += 1
     top = sorted(k_tot.items(), key=lambda kv: (-kv[1], table.names[kv[0]]))[:limit]
     return [{"name": table.names[k], "calls": k_calls[k], "total_ms": ms(t),
              "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections import defaultdict
 from typing import Any
 
@@ -51,8 +52,8 @@ _GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel
 
 
 def _int_id(v) -> int:
-    """A correlation / External id as an int; -1 when absent or not an integer."""
-    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+    """A correlation / External id as an int; -1 when absent, not an integer or outside int64."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 else -1
 
 
 def _rank_list(v) -> bool:
@@ -121,16 +122,17 @@ class KernelTraceAnalyzer:
         self._step = step
         self._names: dict[str, int] = {}
         self._name_list: list[str] = []
-        # per GPU activity (parallel lists)
-        self._a_name: list[int] = []
-        self._a_kind: list[int] = []  # index into GPU_ACTIVITY_CATS
-        self._a_ts: list[float] = []
-        self._a_dur: list[float] = []
-        self._a_dev: list[int] = []
-        self._a_stream: list[int] = []
-        self._a_corr: list[int] = []
-        self._a_ext: list[int] = []
-        self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
+        # per GPU activity (parallel arrays: 73 bytes an activity)
+        self._a_name = array("i")
+        self._a_kind = array("b")  # index into GPU_ACTIVITY_CATS
+        self._a_ts = array("d")
+        self._a_dur = array("d")
+        self._a_dev = array("q")
+        self._a_stream = array("q")
+        self._a_corr = array("q")
+        self._a_ext = array("q")
+        self._a_pg = array("i")  # index into _pg_refs: process-group (desc, name) from the kernel's own args; -1: none
+        self._pg_refs: dict[tuple[str | None, str | None], int] = {}
         self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
         self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
         self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
@@ -148,7 +150,7 @@ class KernelTraceAnalyzer:
         self._untimed = 0  # GPU activities without timing (left out, counted with the invalid events)
         self._invalid_corr: list[int] = []  # correlation ids of the GPU activities left out as invalid
         self._notes: dict[str, int] = {}
-        self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
+        self._a_bytes = array("d")  # bytes of memcpy/memset activities (0 when not given)
         self._ops = OpCollector()
         self._device_name: str | None = None
         self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
@@ -277,7 +279,8 @@ class KernelTraceAnalyzer:
             self._a_stream.append(stream if isinstance(stream, int) else -1)
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
-            self._a_pg.append(self._pg_ref(args))
+            ref = self._pg_ref(args)
+            self._a_pg.append(-1 if ref is None else self._pg_refs.setdefault(ref, len(self._pg_refs)))
             if "Process Group Ranks" in args and "Process Group Name" in args:
                 self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
             nb = args.get("bytes")
@@ -313,13 +316,13 @@ class KernelTraceAnalyzer:
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
         n = len(self._a_ts)
-        kinds = np.asarray(self._a_kind, dtype=np.int64)
-        launch_tid, launch = self._ops.launch_points(self._a_corr)
+        kinds = np.frombuffer(self._a_kind, dtype=np.int8).astype(np.int64)
+        corr = np.frombuffer(self._a_corr, dtype=np.int64)
+        launch_tid, launch = self._ops.launch_points(corr)
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
         cat_cache: dict[tuple[int, int], str] = {}
         cats: list[str] = []
-        for i in range(n):
-            key = (self._a_name[i], self._a_kind[i])
+        for key in zip(self._a_name, self._a_kind):
             c = cat_cache.get(key)
             if c is None:
                 c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
@@ -334,19 +337,21 @@ class KernelTraceAnalyzer:
                 cats[i] = "optimizer"
         groups: list[str | None] = []
         pg_names: list[str | None] = []
-        for i in range(n):
-            ref = self._a_pg[i]
-            if ref is None and is_comm[i]:
-                ref = self._comm_ops.get(self._a_ext[i])
+        refs: list[tuple[str | None, str | None] | None] = list(self._pg_refs)
+        for k, comm, ext in zip(self._a_pg, is_comm.tolist(), self._a_ext):
+            ref = refs[k] if k >= 0 else None
+            if ref is None and comm:
+                ref = self._comm_ops.get(ext)
             groups.append(self._pg_label(ref))
             pg_names.append(ref[1] if ref is not None else None)
-        ts = np.asarray(self._a_ts, dtype=np.float64)
-        dur = np.asarray(self._a_dur, dtype=np.float64)
-        return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
-                             dev=np.asarray(self._a_dev, dtype=np.int64),
-                             stream=np.asarray(self._a_stream, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
-                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
-                             nbytes=np.asarray(self._a_bytes, dtype=np.float64))
+        ts = np.frombuffer(self._a_ts, dtype=np.float64)
+        dur = np.frombuffer(self._a_dur, dtype=np.float64)
+        return ActivityTable(names=self._name_list, name_idx=np.frombuffer(self._a_name, dtype=np.int32), kind=kinds,
+                             ts=ts, dur=dur, end=ts + dur, dev=np.frombuffer(self._a_dev, dtype=np.int64),
+                             stream=np.frombuffer(self._a_stream, dtype=np.int64), corr=corr,
+                             ext=np.frombuffer(self._a_ext, dtype=np.int64),
+                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups,
+                             pg_name=pg_names, nbytes=np.frombuffer(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> KernelSummary:
         """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
@@ -416,8 +421,8 @@ class KernelTraceAnalyzer:
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
             "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx], nbytes=t.nbytes,
+                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()], nbytes=t.nbytes,
                                             device_name=self._device_name),
             "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members()),
+                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name, pg_members=self.pg_members()),
         }

@@ -125,13 +125,19 @@ def _launches_without_activity(t: ActivityTable, ops: OpCollector, invalid_corr:
         return 0, 0, 0, []
     corr, first = np.unique(corr, return_index=True)
     ts = ts[first]
-    has = np.isin(corr, np.asarray(t.corr + invalid_corr, dtype=np.int64))
+    has = np.isin(corr, np.concatenate((t.corr, np.asarray(invalid_corr, dtype=np.int64))))
     last = float(ts[has].max()) if has.any() else -np.inf
     at_end = ~has & (ts > last) if has.any() else np.zeros(corr.size, dtype=bool)
     missing = ~has & ~at_end
     examples = [f"launch at {x:.3f} us (correlation {c}) without its kernel"
                 for c, x in zip(corr[missing][:_EXAMPLES].tolist(), ts[missing][:_EXAMPLES].tolist())]
     return int(missing.sum()), int(at_end.sum()), int(corr.size), examples
+
+
+def _op_examples(ops: OpCollector, dup_ops: np.ndarray) -> list[str]:
+    """Examples of the CPU ops recorded twice (``dup_ops``: bool per op of ``ops.cpu_ops``)."""
+    _, c_start, _, c_name = ops.cpu_ops.arrays()
+    return [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us" for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
 
 
 def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], step: Optional[int], untimed: int,
@@ -157,16 +163,14 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
         cut; :class:`~sftprof.analysis.trace.schema.TraceSanity`; the ``(start, end)`` us of the other steps' slices, whose
         annotations the caller leaves out.
     """
-    dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, np.asarray(t.name_idx, dtype=np.int64), t.kind)
+    dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, t.name_idx.astype(np.int64), t.kind)
     dup_ops = ops.cpu_ops.repeated()
     by_cat = {"cpu_op": int(dup_ops.sum()), "user_annotation": repeated_annotations,
               "cuda_runtime/cuda_driver": ops.repeated_api_calls}
     for k, cat in enumerate(("kernel", "gpu_memcpy", "gpu_memset")):
         by_cat[cat] = int((dup & (t.kind == k)).sum())
-    _, c_start, _, c_name = ops.cpu_ops.arrays()
     dup_examples = [f"{_short(t.names[t.name_idx[i]])} at {t.ts[i]:.3f} us" for i in np.flatnonzero(dup)[:_EXAMPLES]]
-    dup_examples += [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us"
-                     for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
+    dup_examples += _op_examples(ops, dup_ops)
     ops.keep_cpu_ops(~dup_ops)
     t = t.subset(~dup)
     n_missing, at_end, n_launches, launch_examples = _launches_without_activity(t, ops, invalid_corr)
