@@ -98,7 +98,7 @@ class ActivityTable:
             return self
         idx = np.flatnonzero(keep).tolist()
 
-        def pick(values: list) -> list:
+        def pick(values: list[Any]) -> list[Any]:
             return [values[i] for i in idx]
 
         return ActivityTable(names=self.names, name_idx=self.name_idx[keep], kind=self.kind[keep], ts=self.ts[keep],
@@ -144,14 +144,16 @@ def step_window(table: ActivityTable, regions: list[Span], profiler_steps: list[
     elif trace_span[0] < trace_span[1]:
         lo, hi = trace_span
         source = "trace_span"
-    if lo is not None and source in (STEP_REGION, "ProfilerStep") and table.n:
+    if lo is None or hi is None:
+        return {"source": source, "start_us": None, "end_us": None, "wall_ms": None, "unix_start_s": None,
+                "unix_end_s": None}
+    if source in (STEP_REGION, "ProfilerStep") and table.n:
         launched = (table.launch >= lo) & (table.launch <= hi)
         if launched.any():
             hi = max(hi, float(table.end[launched].max()))
-    unix = lo is not None and base_ns
-    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": ms(hi - lo) if lo is not None else None,
-            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if unix else None,
-            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if unix else None}
+    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": ms(hi - lo),
+            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if base_ns else None,
+            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if base_ns else None}
 
 
 def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> GpuTime:
@@ -160,14 +162,12 @@ def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> GpuTim
     Busy = length of the union of all activity intervals (all streams) inside the window; the shares are
     None without a window.
     """
-    gpu: dict[str, Any] = {"activities": table.n, "total_ms": ms(float(table.dur.sum()))}
-    if table.n and lo is not None and hi > lo:
+    busy_ms, busy_pct, idle_pct = 0.0, None, None
+    if table.n and lo is not None and hi is not None and hi > lo:
         busy = length(*clip(union(table.ts, table.end), lo, hi))
-        gpu.update(busy_ms=ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
-                   idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
-    else:
-        gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
-    return gpu
+        busy_ms, busy_pct, idle_pct = ms(busy), round(100 * busy / (hi - lo), 3), round(100 - 100 * busy / (hi - lo), 3)
+    return {"activities": table.n, "total_ms": ms(float(table.dur.sum())), "busy_ms": busy_ms,
+            "busy_share_pct": busy_pct, "idle_share_pct": idle_pct}
 
 
 def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRow]:
@@ -188,7 +188,8 @@ def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRo
 
 
 def time_by_category(table: ActivityTable) -> list[CategoryRow]:
-    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to 100 %."""
+    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to
+    100 %."""
     total_us = float(table.dur.sum())
     c_tot: dict[str, float] = defaultdict(float)
     c_calls: dict[str, int] = defaultdict(int)
@@ -245,7 +246,7 @@ def region_times(table: ActivityTable, regions: list[Span], lo: float | None) ->
     GPU time is the sum of the durations of the activities whose launching call lies inside the region
     (None when the trace has no GPU activity).
     """
-    rows = []
+    rows: list[RegionRow] = []
     for name, r_lo, r_hi in regions:
         inside = (table.launch >= r_lo) & (table.launch <= r_hi)
         rows.append({

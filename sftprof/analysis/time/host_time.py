@@ -24,7 +24,7 @@ from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import BWD_NODE, OpCollector, Placement
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import CpuOpRow, HeaviestOp, Host
+from sftprof.analysis.time.schema import CpuOpRow, GpuIdle, HeaviestOp, Host, HostWaitPlaces, HostWaitRow
 
 __all__ = ["host_time", "heaviest_op", "top_cpu_ops", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
 
@@ -46,7 +46,7 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
         tids, pts: its launch thread and time (NaN: unknown); inside: launched in the step window.
     """
     lo, hi = window
-    if lo is None:
+    if lo is None or hi is None:
         return {"top_self": [], "sync": {"total_ms": 0.0, "by_call": {}}, "compile": {"ms": 0.0, "compile_ids": []},
                 "gpu_idle": None}
     idle, host_gaps = _idle_split(ts, dur, pts, lo, hi)
@@ -69,7 +69,7 @@ Gaps = tuple[np.ndarray, np.ndarray, np.ndarray]  # per host-wait gap: activity 
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
-                ) -> tuple[dict[str, Any], Gaps]:
+                ) -> tuple[GpuIdle, Gaps]:
     """GPU idle time in ``[lo, hi]`` split by why the GPU waited (in the spirit of HTA's idle time breakdown).
 
     Idle gaps are the gaps of the union of all activity intervals. A gap before an activity whose launch
@@ -121,7 +121,7 @@ LAUNCH_GAP_US = 100.0
 
 def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
                       sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
-                      inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> dict[str, Any]:
+                      inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> HostWaitPlaces:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
     A gap's place is that of the activity that ends it: its (part, phase) from :meth:`OpCollector.attribute`
@@ -147,8 +147,9 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0, 0.0])  # idle us, gaps, after-blocking
-    # us and gaps, the longest gap (us), garbage collection inside the gaps (us)
+    # per (part, phase, site): idle us, gaps, after-blocking us and gaps, the longest gap (us), garbage collection
+    # inside the gaps (us)
+    rows: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0, 0.0])
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
     gap_at, gap_start, gap_end = host_gaps
@@ -166,14 +167,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             r[2] += g1 - g0
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
-    count: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
     for i in np.flatnonzero(inside):
         key = (parts[i], phases[i], sites[i])
         if key in rows:
             count[key][0] += 1
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
-    out = []
+    out: list[HostWaitRow] = []
     for (part, phase, site), (us, n, blocked, n_blocked, longest, row_gc) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
         if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
@@ -182,12 +183,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             kind = "launch-bound"
         else:
             kind = "host busy"
-        out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
-                    "idle_ms": ms(us), "gaps": int(n), "activities": int(k),
-                    "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
-                    "longest_gap_us": round(longest, 3),
-                    "after_blocking_ms": ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
-                    "kind": kind, **({"gc_ms": ms(row_gc)} if gc_us is not None else {})})
+        row: HostWaitRow = {
+            "part": part, "label": part_label(part), "phase": phase, "launched_under": site, "idle_ms": ms(us),
+            "gaps": int(n), "activities": int(k), "mean_activity_us": round(float(kus) / k, 3) if k else None,
+            "mean_gap_us": round(us / n, 3), "longest_gap_us": round(longest, 3), "after_blocking_ms": ms(blocked),
+            "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0, "kind": kind}
+        if gc_us is not None:
+            row["gc_ms"] = ms(row_gc)
+        out.append(row)
     left = ordered[TOP_IDLE_PLACES:]
     return {"rows": out,
             "rest": {"places": len(left), "idle_ms": ms(sum(v[0] for _, v in left)),
@@ -211,7 +214,7 @@ def _union_us(spans: list[tuple[int, float, float]]) -> float:
 def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
     """The heaviest op of the step window (module docstring); None without a window or CPU ops in it."""
     lo, hi = window
-    if lo is None or not len(ops.cpu_ops.start):
+    if lo is None or hi is None or not len(ops.cpu_ops.start):
         return None
     c = ops.cpu_ops
     tid = np.frombuffer(c.tid, dtype=np.int64)
@@ -227,9 +230,9 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
         return any(bool(np.any((r_tid == t) & (r_st >= a) & (r_st < b))) for t, a, b in spans)
 
     own = {k: _union_us(v) for k, v in calls.items()}
-    backward = {k: b for k in calls if (b := ops.op_index(ops.op_name_list[k] + "Backward")) in calls}
+    backward = {k: b for k in calls if (b := ops.op_index(ops.op_name_list[k] + "Backward")) is not None and b in calls}
     of_forward = set(backward.values())  # an autograd Function's backward node counts with its forward
-    ranked = sorted((own[k] + own.get(backward.get(k), 0.0), k) for k in calls if k not in of_forward)
+    ranked = sorted((own[k] + (own[backward[k]] if k in backward else 0.0), k) for k in calls if k not in of_forward)
     for _, k in sorted(ranked, key=lambda x: (-x[0], ops.op_name_list[x[1]])):
         label = ops.op_name_list[k]
         if label.startswith(BWD_NODE) or holds_parts(calls[k]):

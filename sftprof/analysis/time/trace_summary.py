@@ -9,9 +9,9 @@ bytes each, never O(trace bytes).
 The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
 the answers together: the GPU activities alone (:mod:`sftprof.analysis.time.gpu_activity`: step window, GPU busy, top
 kernels, categories, communication overlap, regions), time by model part (:mod:`sftprof.analysis.time.model_parts`),
-host time and waits (:mod:`sftprof.analysis.time.host_time`), kernel efficiency (:mod:`sftprof.analysis.time.efficiency`)
-and collectives by process group (:mod:`sftprof.analysis.time.collectives`), the last four from where each activity was
-launched (:mod:`sftprof.analysis.trace.op_collector`).
+host time and waits (:mod:`sftprof.analysis.time.host_time`), kernel efficiency
+(:mod:`sftprof.analysis.time.efficiency`) and collectives by process group (:mod:`sftprof.analysis.time.collectives`),
+the last four from where each activity was launched (:mod:`sftprof.analysis.trace.op_collector`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from sftprof.analysis.time.efficiency import kernel_efficiency
 from sftprof.analysis.time.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Span, communication, gpu_time,
                                                 region_times, step_window, time_by_category, top_kernels)
 from sftprof.analysis.time.host_time import heaviest_op, host_time, top_cpu_ops
-from sftprof.analysis.trace.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
+from sftprof.analysis.trace.kernel_names import (COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label,
+                                                  kernel_category)
 from sftprof.analysis.time.model_parts import cpu_parts, gpu_parts
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.time.schema import KernelSummary
@@ -51,18 +52,18 @@ UNPAIRED_NOTE = "annotations written as B/E events without their pair, left out"
 _GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel|Memcpy|Memset)"')
 
 
-def _int_id(v) -> int:
+def _int_id(v: Any) -> int:
     """A correlation / External id as an int; -1 when absent, not an integer or outside int64."""
     return v if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 else -1
 
 
-def _rank_list(v) -> bool:
+def _rank_list(v: Any) -> bool:
     """Whether ``v`` is a non-empty list of distinct global ranks (ints >= 0)."""
-    return (isinstance(v, list) and bool(v) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v)
-            and len(set(v)) == len(v))
+    return (isinstance(v, list) and bool(v)
+            and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v) and len(set(v)) == len(v))
 
 
-def invalid_events_error(invalid: dict) -> str | None:
+def invalid_events_error(invalid: dict[str, Any]) -> str | None:
     """The error of a trace whose invalid events dominate it (more than :data:`INVALID_SHARE_LIMIT`), else None."""
     total, events = invalid["total"], invalid["total"] + invalid["valid_events"]
     if total and total > INVALID_SHARE_LIMIT * events:
@@ -71,7 +72,7 @@ def invalid_events_error(invalid: dict) -> str | None:
     return None
 
 
-def identity_problems(identity: dict, rank: int, step: int) -> tuple[str | None, str | None]:
+def identity_problems(identity: dict[str, Any], rank: int, step: int) -> tuple[str | None, str | None]:
     """``(error, warning)`` of a trace whose own record of its step and rank (``identity``, the summary's: sorted
     ``profiler_steps`` and ``recorded_rank``) is checked against the rank in its file name and the step postprocessed.
 
@@ -100,7 +101,7 @@ def identity_problems(identity: dict, rank: int, step: int) -> tuple[str | None,
     return "; ".join(wrong) or None, warning
 
 
-def invalid_events_message(invalid: dict) -> str:
+def invalid_events_message(invalid: dict[str, Any]) -> str:
     """``"3 invalid events left out of every figure and view: negative dur 2, missing ts 1"``."""
     kinds = ", ".join(f"{k} {n}" for k, n in invalid["by_kind"].items())
     return f"{invalid['total']} invalid events left out of every figure and view: {kinds}"
@@ -118,7 +119,7 @@ class KernelTraceAnalyzer:
             longest step annotation is the window, no step is left out).
     """
 
-    def __init__(self, header: dict | None = None, step: int | None = None):
+    def __init__(self, header: dict[str, Any] | None = None, step: int | None = None):
         self._step = step
         self._names: dict[str, int] = {}
         self._name_list: list[str] = []
@@ -133,16 +134,18 @@ class KernelTraceAnalyzer:
         self._a_ext = array("q")
         self._a_pg = array("i")  # index into _pg_refs: process-group (desc, name) from the kernel's own args; -1: none
         self._pg_refs: dict[tuple[str | None, str | None], int] = {}
-        self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
+        # External id -> process group (desc, name) of a collective op
+        self._comm_ops: dict[int, tuple[str | None, str | None] | None] = {}
         self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
         self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
-        self._open_annotations: dict[tuple, list[tuple[str, float]]] = {}  # (pid, tid) -> B events not yet ended
+        # (pid, tid) -> B events not yet ended
+        self._open_annotations: dict[tuple[Any, Any], list[tuple[str, float]]] = {}
         self._t_min = float("inf")
         self._t_max = float("-inf")
         self.n_events = 0
-        self._pg_desc: dict[str, str] = {}
+        self._pg_desc: dict[str, str | None] = {}
         self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
         self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
         self._invalid: dict[str, int] = defaultdict(int)
@@ -158,7 +161,7 @@ class KernelTraceAnalyzer:
         if header:
             self.set_header(header)
 
-    def set_header(self, header: dict) -> None:
+    def set_header(self, header: dict[str, Any]) -> None:
         """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``, and the
         rank that wrote the trace from ``header['distributedInfo']['rank']``.
 
@@ -172,14 +175,17 @@ class KernelTraceAnalyzer:
         if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
             self._device_name = props[0]["name"]
         info = header.get("distributedInfo") if isinstance(header, dict) else None
-        rank = info.get("rank") if isinstance(info, dict) else None
+        if not isinstance(info, dict):
+            info = {}
+        rank = info.get("rank")
         self._recorded_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
-        pgs = info.get("pg_config") if isinstance(info, dict) else None
+        pgs = info.get("pg_config")
         for pg in pgs if isinstance(pgs, list) else ():
             if isinstance(pg, dict) and "pg_name" in pg:
                 desc = pg.get("pg_desc")
                 self._pg_desc[str(pg["pg_name"])] = desc if isinstance(desc, str) else None
-                ranks, size = pg.get("ranks"), pg.get("pg_size", pg.get("group_size"))
+                ranks: Any = pg.get("ranks")
+                size = pg.get("pg_size", pg.get("group_size"))
                 world = info.get("world_size")
                 if ranks == [] and isinstance(size, int) and size == world:  # torch writes [] for "every rank"
                     ranks = list(range(world))
@@ -214,7 +220,7 @@ class KernelTraceAnalyzer:
         self._notes[what] = count
 
     @staticmethod
-    def _pg_ref(args: dict) -> tuple[str | None, str | None] | None:
+    def _pg_ref(args: dict[str, Any]) -> tuple[str | None, str | None] | None:
         """(description, name) of the process group named in an event's args, if any."""
         name, desc = args.get("Process Group Name"), args.get("Process Group Description")
         if name is None and desc is None:
@@ -225,9 +231,9 @@ class KernelTraceAnalyzer:
         if ref is None:
             return None
         desc, name = ref
-        return collective_group_label(desc or self._pg_desc.get(name), name)
+        return collective_group_label(desc or (self._pg_desc.get(name) if name is not None else None), name)
 
-    def add(self, ev: dict) -> None:
+    def add(self, ev: dict[str, Any]) -> None:
         """Consume one usable trace event (any phase/category; irrelevant ones are ignored cheaply).
 
         Events that ``sftprof.analysis.trace.check.event_problem`` rejects go to :meth:`add_invalid`
@@ -294,7 +300,7 @@ class KernelTraceAnalyzer:
             elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
 
-    def _begin_end(self, ev: dict, ph: str) -> None:
+    def _begin_end(self, ev: dict[str, Any], ph: str) -> None:
         """An annotation written as a ``B``/``E`` pair (its thread's last open ``B`` ends at an ``E``): a
         ``sftprof/*`` region or ``ProfilerStep#<N>`` read as the span it is, counted in the summary's notes
         (:data:`BEGIN_END_NOTE`); an ``E`` without its ``B``, or a ``B`` never ended, is counted as left out
@@ -362,21 +368,22 @@ class KernelTraceAnalyzer:
         ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
         its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
         the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
-        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without GPU
-        activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``, ``top_cpu_ops`` and,
-        without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`), ``efficiency``
-        (:mod:`sftprof.analysis.time.efficiency`) and ``collectives`` (:mod:`sftprof.analysis.time.collectives`; its
-        ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
-        out of ``profile_summary.json``).
+        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without
+        GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
+        ``top_cpu_ops`` and, without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`),
+        ``efficiency`` (:mod:`sftprof.analysis.time.efficiency`) and ``collectives``
+        (:mod:`sftprof.analysis.time.collectives`; its ``calls``, this rank's call timeline per process group, is
+        matched across ranks by the trial summary and left out of ``profile_summary.json``).
         """
         never_ended = sum(len(v) for v in self._open_annotations.values())
         if never_ended:
             self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + never_ended
         # annotations recorded twice count once; those of other profiler steps are left out with their activities
-        annotations = (self._regions, self._profiler_steps, self._host_comm, self._ops.gc_spans)
-        unique = [list(dict.fromkeys(x)) for x in annotations]
-        repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
-        regions, profiler_steps, host_comm, self._ops.gc_spans = unique
+        regions, profiler_steps = list(dict.fromkeys(self._regions)), list(dict.fromkeys(self._profiler_steps))
+        host_comm, gc_spans = list(dict.fromkeys(self._host_comm)), list(dict.fromkeys(self._ops.gc_spans))
+        repeated = (len(self._regions) + len(self._profiler_steps) + len(self._host_comm) + len(self._ops.gc_spans)
+                    - len(regions) - len(profiler_steps) - len(host_comm) - len(gc_spans))
+        self._ops.gc_spans = gc_spans
         host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
         regions.sort(key=lambda r: (r[1], r[0]))
         t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
@@ -421,8 +428,9 @@ class KernelTraceAnalyzer:
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
             "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()], nbytes=t.nbytes,
-                                            device_name=self._device_name),
+                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()],
+                                            nbytes=t.nbytes, device_name=self._device_name),
             "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name, pg_members=self.pg_members()),
+                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name,
+                                       pg_members=self.pg_members()),
         }

@@ -141,7 +141,7 @@ def previous_open(tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.nda
     return q
 
 
-def keep_in_place(column: array, mask: np.ndarray) -> None:
+def keep_in_place(column: array[Any], mask: np.ndarray) -> None:
     """Drop the items of ``column`` (an ``array`` of 8-byte items) where ``mask`` is False, keeping their order."""
     view = np.frombuffer(column, dtype=np.int64 if column.typecode == "q" else np.float64)
     kept = view[mask]
@@ -171,7 +171,8 @@ class ThreadIntervals:
     def from_arrays(cls, tid: np.ndarray, start: np.ndarray, end: np.ndarray, payload: np.ndarray) -> "ThreadIntervals":
         out = cls()
         out.tid, out.start = array("q", tid.astype(np.int64).tobytes()), array("d", start.astype(np.float64).tobytes())
-        out.end, out.payload = array("d", end.astype(np.float64).tobytes()), array("q", payload.astype(np.int64).tobytes())
+        out.end = array("d", end.astype(np.float64).tobytes())
+        out.payload = array("q", payload.astype(np.int64).tobytes())
         return out
 
     def __len__(self) -> int:

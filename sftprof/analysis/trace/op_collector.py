@@ -3,8 +3,8 @@
 Fed by :class:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer`: every CPU op, ``sftprof.module/*`` range
 (:mod:`sftprof.capture.module_regions`), forward->backward flow (``fwdbwd``) and CUDA runtime call goes to
 :meth:`OpCollector.add`; the questions of the step (:mod:`sftprof.analysis.time.model_parts`,
-:mod:`sftprof.analysis.time.host_time`, :mod:`sftprof.analysis.time.efficiency`, :mod:`sftprof.analysis.time.collectives`) then
-ask it where each GPU activity (or CPU op) was launched from.
+:mod:`sftprof.analysis.time.host_time`, :mod:`sftprof.analysis.time.efficiency`,
+:mod:`sftprof.analysis.time.collectives`) then ask it where each GPU activity (or CPU op) was launched from.
 
 Attribution of one GPU activity (kernel, memcpy, memset) launched inside the step window (an activity whose
 launching CUDA call is not in the trace, as in a trace cut to an excerpt or one whose host records were dropped,
@@ -36,6 +36,7 @@ from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, k
 from sftprof.analysis.trace.kernel_names import collective_name
 from sftprof.analysis.time.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import Compile, GcTime, HostOpRow, HostSync
 from sftprof.artifacts import GC_REGION_PREFIX, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
@@ -82,17 +83,18 @@ class OpCollector:
         self._flop_op_flops = array("d")  # ... and its FLOPs
         # CUDA API calls with an int64 correlation id, in trace order (correlation, thread, start us, a kernel launch):
         # repeats are found and the launch table built after the pass (_api_calls)
-        self._api = (array("q"), array("q"), array("d"), array("b"))
+        self._api: tuple[array[int], array[int], array[float], array[int]] = (array("q"), array("q"), array("d"),
+                                                                              array("b"))
         self._api_done: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._sync_pending: list[tuple[str, float, float, int, int]] = []  # blocking calls, index into _api or -1
         self._sync_calls: list[tuple[str, float, float, int]] = []
-        self._kernel_launches = (array("q"), array("d"))
+        self._kernel_launches: tuple[array[int], array[float]] = (array("q"), array("d"))
         self._repeated_api_calls = 0
         # fwdbwd flows in trace order: starts (id hash, forward op tid, ts) and ends (autograd node op tid, ts, id hash)
-        self._flow_s = (array("q"), array("q"), array("d"))
-        self._flow_e = (array("q"), array("d"), array("q"))
+        self._flow_s: tuple[array[int], array[int], array[float]] = (array("q"), array("q"), array("d"))
+        self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
         self._flows_done: Optional[tuple[np.ndarray, ...]] = None
-        self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
+        self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
         self.cpu_ops = ThreadIntervals()  # every cpu_op for self time; payload: name index
         self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
@@ -104,7 +106,7 @@ class OpCollector:
         self._flow_fwd_op: dict[tuple[int, float], int] = {}  # FLOW_FORWARD op (tid, ts) -> FLOP-known op index
         self._flow_bwd_ops: list[tuple[str, int, float, float]] = []  # FLOW_BACKWARD ops: (name, tid, ts, dur)
 
-    def add(self, ev: dict, cat, ts: float, dur: float) -> None:
+    def add(self, ev: dict[str, Any], cat: Any, ts: float, dur: float) -> None:
         """Consume one complete (``ph: X``) or flow event of category ``cat`` with a valid ``ts`` (and ``dur`` for
         X)."""
         tid = ev.get("tid")
@@ -115,7 +117,7 @@ class OpCollector:
         else:
             self._add_other(ev, cat, tid, ts, dur)
 
-    def add_cpu_op(self, tid: int, name: str, args: Optional[dict], ts: float, dur: float) -> None:
+    def add_cpu_op(self, tid: int, name: str, args: Optional[dict[str, Any]], ts: float, dur: float) -> None:
         """Consume one CPU op (thread ``tid``, -1 when unknown), the hot path of the trace pass: what an op's name says
         is worked out once per name (:meth:`_op_kind`)."""
         idx = self._op_names.get(name)
@@ -155,7 +157,7 @@ class OpCollector:
                                       "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
                                       if nel and args.get("dtype") in _DTYPE_BYTES else None}
 
-    def _add_other(self, ev: dict, cat, tid: int, ts: float, dur: float) -> None:
+    def _add_other(self, ev: dict[str, Any], cat: Any, tid: int, ts: float, dur: float) -> None:
         """Consume one event of another category than ``cpu_op`` (:meth:`add`)."""
         if cat == "user_annotation":
             name = ev.get("name") or ""
@@ -191,11 +193,15 @@ class OpCollector:
             fid = ev.get("id")
             if isinstance(fid, (int, str)):
                 if ev.get("ph") == "s":
-                    for column, value in zip(self._flow_s, (hash(fid), tid, ts)):
-                        column.append(value)
+                    s_id, s_tid, s_ts = self._flow_s
+                    s_id.append(hash(fid))
+                    s_tid.append(tid)
+                    s_ts.append(ts)
                 elif ev.get("ph") == "f":
-                    for column, value in zip(self._flow_e, (tid, ts, hash(fid))):
-                        column.append(value)
+                    e_tid, e_ts, e_id = self._flow_e
+                    e_tid.append(tid)
+                    e_ts.append(ts)
+                    e_id.append(hash(fid))
                 self._flows_done = None
 
     def _add_flop_op(self, tid: int, ts: float, dur: float, name: str, kind: str, flops: float, dtype: str) -> None:
@@ -214,8 +220,8 @@ class OpCollector:
         has the same thread and start (the same call recorded twice); repeats are counted and no launch or blocking
         call."""
         if self._api_done is None:
-            corr, tid, ts, launch = (np.frombuffer(c, dtype=d) for c, d in
-                                     zip(self._api, (np.int64, np.int64, np.float64, np.int8)))
+            corr, tid = np.frombuffer(self._api[0], dtype=np.int64), np.frombuffer(self._api[1], dtype=np.int64)
+            ts, launch = np.frombuffer(self._api[2], dtype=np.float64), np.frombuffer(self._api[3], dtype=np.int8)
             order = np.argsort(corr, kind="stable")
             c, t, x = corr[order], tid[order], ts[order]
             same = c[1:] == c[:-1]
@@ -226,12 +232,12 @@ class OpCollector:
             self._kernel_launches = (array("q", corr[kept].tobytes()), array("d", ts[kept].tobytes()))
             self._sync_calls = [(name, a, b, t_) for name, a, b, t_, at in self._sync_pending
                                 if at < 0 or not repeat[at]]
-            last = np.append(~same, True)
+            last = np.append(~same, True) if corr.size else np.zeros(0, dtype=bool)
             self._api_done = (c[last], t[last], x[last])
         return self._api_done
 
     @property
-    def kernel_launches(self) -> tuple[array, array]:
+    def kernel_launches(self) -> tuple[array[int], array[float]]:
         """Correlation and start (us) of each kernel launch call (:data:`KERNEL_LAUNCHES`), repeats left out."""
         self._api_calls()
         return self._kernel_launches
@@ -253,10 +259,12 @@ class OpCollector:
         of each) and their ends by autograd node op (each ``(tid, ts)`` once, with the last end's id, in the order of
         its first end)."""
         if self._flows_done is None:
-            fs_id, fs_tid, fs_ts = (np.frombuffer(c, dtype=d) for c, d in zip(self._flow_s, (np.int64, np.int64,
-                                                                                              np.float64)))
-            fe_tid, fe_ts, fe_id = (np.frombuffer(c, dtype=d) for c, d in zip(self._flow_e, (np.int64, np.float64,
-                                                                                              np.int64)))
+            fs_id = np.frombuffer(self._flow_s[0], dtype=np.int64)
+            fs_tid = np.frombuffer(self._flow_s[1], dtype=np.int64)
+            fs_ts = np.frombuffer(self._flow_s[2], dtype=np.float64)
+            fe_tid = np.frombuffer(self._flow_e[0], dtype=np.int64)
+            fe_ts = np.frombuffer(self._flow_e[1], dtype=np.float64)
+            fe_id = np.frombuffer(self._flow_e[2], dtype=np.int64)
             order = np.argsort(fs_id, kind="stable")
             last = np.append(fs_id[order][1:] != fs_id[order][:-1], True) if order.size else np.zeros(0, dtype=bool)
             s_pick = order[last]
@@ -430,7 +438,7 @@ class OpCollector:
         name, kind, dtype = self._flop_what_list[self._flop_op_what[op]]
         return name, kind, self._flop_op_flops[op], dtype
 
-    def self_times(self, lo: float, hi: float, top: int) -> list[dict]:
+    def self_times(self, lo: float, hi: float, top: int) -> list[HostOpRow]:
         """CPU ops in [lo, hi] by self time (own time minus the ops nested directly in it), top ``top``.
 
         Also gives the inclusive time, and flags ops that contain a blocking CUDA call
@@ -441,18 +449,18 @@ class OpCollector:
         if not len(self.cpu_ops):
             return []
         _, st, en, name = self.cpu_ops.arrays()
-        keep, own = self.op_self_us(lo, hi)
-        sync = np.zeros(st.size)
+        keep, own = self._kept_self_us(lo, hi)
+        sync = np.zeros(keep.size)
         if self.sync_calls:
             a = np.array([s[1] for s in self.sync_calls])
             b = np.array([s[2] for s in self.sync_calls])
             at = self.cpu_ops.innermost(np.array([s[3] for s in self.sync_calls], dtype=np.int64), a)
             ok = at >= 0
             ok[ok] = (en[at[ok]] >= b[ok]) & (st[at[ok]] >= lo) & (st[at[ok]] <= hi)  # around the call, in the window
-            np.add.at(sync, at[ok], (b - a)[ok])
+            np.add.at(sync, np.searchsorted(keep, at[ok]), (b - a)[ok])
         n = len(self.op_name_list)
         k = name[keep]
-        per_name = [np.bincount(k, weights=w, minlength=n) for w in (own[keep], (en - st)[keep], sync[keep])]
+        per_name = [np.bincount(k, weights=w, minlength=n) for w in (own, en[keep] - st[keep], sync)]
         calls = np.bincount(k, minlength=n)
         self_us, incl, wait = (x.tolist() for x in per_name)
         rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
@@ -466,19 +474,26 @@ class OpCollector:
         op's parent). The ops starting in the window are a run of each thread's ops in the order of
         :meth:`~sftprof.analysis.trace.intervals.ThreadIntervals.nesting`, so an op's parent among them is its parent
         among all ops when that starts in the window too, and none otherwise."""
-        _, st, en, _ = self.cpu_ops.arrays()
-        keep = np.flatnonzero((st >= lo) & (st <= hi))
+        keep, kept_us = self._kept_self_us(lo, hi)
+        own = np.zeros(len(self.cpu_ops))
+        own[keep] = kept_us
+        return keep, own
+
+    def _kept_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`op_self_us` with the self times of the kept ops alone (in the order of ``keep``)."""
         order, _, s_st, s_en, parent = self.cpu_ops.nesting()
         inside = (s_st >= lo) & (s_st <= hi)
         nested = inside & (parent >= 0)
         nested[nested] = inside[parent[nested]]
-        child = np.zeros(st.size)
-        child[order] = np.bincount(parent[nested], weights=(s_en - s_st)[nested], minlength=order.size)
-        own = np.zeros(st.size)
-        own[keep] = np.maximum(en[keep] - st[keep] - child[keep], 0.0)
-        return keep, own
+        child = np.bincount(parent[nested], weights=s_en[nested] - s_st[nested], minlength=order.size)
+        at = np.flatnonzero(inside)
+        del inside, nested
+        own = np.maximum(s_en[at] - s_st[at] - child[at], 0.0)
+        del child
+        by_index = np.argsort(order[at], kind="stable")
+        return order[at][by_index].astype(np.int64), own[by_index]
 
-    def compile_ms(self, lo: float, hi: float) -> dict[str, Any]:
+    def compile_ms(self, lo: float, hi: float) -> Compile:
         """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and
         ``... (dynamo_timed)`` ops per thread, so nested ones count once) and the compile ids dynamo
         annotated (``"frame/attempt"``; ``"4/0"`` is frame 4's first compile)."""
@@ -496,7 +511,7 @@ class OpCollector:
         ids = sorted({c for ts, c in self.compile_ids if lo <= ts <= hi})
         return {"ms": ms(total), "compile_ids": ids}
 
-    def gc_time(self, lo: float, hi: float) -> Optional[dict[str, Any]]:
+    def gc_time(self, lo: float, hi: float) -> Optional[GcTime]:
         """Python garbage collections (:mod:`sftprof.capture.python_gc` ranges) that overlap [lo, hi]: count, their
         time inside the window (ms; overlapping ranges counted once) and count by generation; None when the trace
         holds no such range."""
@@ -517,9 +532,9 @@ class OpCollector:
         spans = np.array([(a, b) for a, b, _ in self.gc_spans], dtype=np.float64)
         return covered_lengths(union(spans[:, 0], spans[:, 1]), starts, ends)
 
-    def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
+    def host_sync_ms(self, lo: float, hi: float) -> HostSync:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
-        by: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        by: dict[str, list[Any]] = defaultdict(lambda: [0, 0.0])
         for name, a, b, _ in self.sync_calls:
             if lo <= a <= hi:
                 by[name][0] += 1
