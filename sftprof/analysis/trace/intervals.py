@@ -206,15 +206,15 @@ class ThreadIntervals:
         and ``parent`` are int32 below 2**31 intervals)."""
         if self._index is None or self._index[0] != len(self.start):
             tid, st, en, _ = self.arrays()
-            order = np.lexsort((-en, st, tid))
+            index = np.int32 if len(self.start) < 2**31 else np.int64
+            order = np.lexsort((-en, st, tid)).astype(index)
             s_tid = tid[order]
             s_st, s_en = st[order], en[order]
-            index = np.int32 if len(self.start) < 2**31 else np.int64
             parent = previous_open(s_tid, s_st, s_en).astype(index)
-            threads, begins = np.unique(s_tid, return_index=True)
+            begins = np.flatnonzero(np.append(True, s_tid[1:] != s_tid[:-1])) if order.size else np.zeros(0, np.int64)
+            threads = s_tid[begins]
             del s_tid
-            self._index = (len(self.start), order.astype(index), (threads, np.append(begins, order.size)), s_st, s_en,
-                           parent)
+            self._index = (len(self.start), order, (threads, np.append(begins, order.size)), s_st, s_en, parent)
         return self._index[1:]
 
     def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:

@@ -450,22 +450,30 @@ class OpCollector:
             return []
         _, st, en, name = self.cpu_ops.arrays()
         keep, own = self._kept_self_us(lo, hi)
-        sync = np.zeros(keep.size)
+        n = len(self.op_name_list)
+        k = name[keep]
+        wait: np.ndarray = np.zeros(n)
         if self.sync_calls:
             a = np.array([s[1] for s in self.sync_calls])
             b = np.array([s[2] for s in self.sync_calls])
             at = self.cpu_ops.innermost(np.array([s[3] for s in self.sync_calls], dtype=np.int64), a)
             ok = at >= 0
             ok[ok] = (en[at[ok]] >= b[ok]) & (st[at[ok]] >= lo) & (st[at[ok]] <= hi)  # around the call, in the window
+            sync = np.zeros(keep.size)
             np.add.at(sync, np.searchsorted(keep, at[ok]), (b - a)[ok])
-        n = len(self.op_name_list)
-        k = name[keep]
-        per_name = [np.bincount(k, weights=w, minlength=n) for w in (own, en[keep] - st[keep], sync)]
+            wait = np.bincount(k, weights=sync, minlength=n)
+            del sync
+        self_us = np.bincount(k, weights=own, minlength=n).tolist()
+        del own
+        inclusive = en[keep]
+        inclusive -= st[keep]
+        incl = np.bincount(k, weights=inclusive, minlength=n).tolist()
+        del inclusive
         calls = np.bincount(k, minlength=n)
-        self_us, incl, wait = (x.tolist() for x in per_name)
+        wait_us = wait.tolist()
         rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
         return [{"name": self.op_name_list[j], "calls": int(calls[j]), "self_ms": ms(self_us[j]),
-                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait[j])} for j in rows]
+                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait_us[j])} for j in rows]
 
     def op_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
         """``(keep, self_us)``: the indexes (into :attr:`cpu_ops`) of the CPU ops that start in ``[lo, hi]`` and, per
@@ -485,13 +493,20 @@ class OpCollector:
         inside = (s_st >= lo) & (s_st <= hi)
         nested = inside & (parent >= 0)
         nested[nested] = inside[parent[nested]]
-        child = np.bincount(parent[nested], weights=s_en[nested] - s_st[nested], minlength=order.size)
+        weights = s_en[nested]
+        weights -= s_st[nested]
+        child = np.bincount(parent[nested], weights=weights, minlength=order.size)
         at = np.flatnonzero(inside)
-        del inside, nested
-        own = np.maximum(s_en[at] - s_st[at] - child[at], 0.0)
+        del inside, nested, weights
+        own = s_en[at]
+        own -= s_st[at]
+        own -= child[at]
+        np.maximum(own, 0.0, out=own)
         del child
-        by_index = np.argsort(order[at], kind="stable")
-        return order[at][by_index].astype(np.int64), own[by_index]
+        keep = order[at]
+        del at
+        by_index = np.argsort(keep, kind="stable")
+        return keep[by_index].astype(np.int64), own[by_index]
 
     def compile_ms(self, lo: float, hi: float) -> Compile:
         """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and
