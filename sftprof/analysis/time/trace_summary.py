@@ -5,7 +5,7 @@ negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.analysis.views.split.split_trace`` does both while it writes the views), then call
 :meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA API calls + flow events + CPU ops),
 kept in arrays, never the events themselves: 73 bytes a GPU activity, 25 a CUDA API call, 24 a flow event, 40 a CPU op
-and 24 more for its nesting index once the step is summarised; about 0.3 GiB of peak RSS per GiB of a kineto trace
+and 24 more for its nesting index once the step is summarised; about 0.28 GiB of peak RSS per GiB of a kineto trace
 (bench/NOTES.md, "the summary half's memory").
 
 The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
