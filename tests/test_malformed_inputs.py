@@ -312,6 +312,21 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
     assert md.index("## Failure") < md.index("## Log tail: launcher.log")
 
 
+def test_a_failure_without_its_rank_line_is_named_and_conforms_to_the_schema(tmp_path):
+    """A torchrun report entry without its ``rank`` line (a damaged launcher.log) reads as rank None: the summary's
+    schema (FailedRank.rank) takes it, where it used to declare an int and refuse the summary in strict mode."""
+    from sftprof.analysis.schema import check
+    from sftprof.analysis.trial.failure import first_failure
+    from sftprof.analysis.trial.schema import Failure
+    text = (FIXTURE_DIR / "torchrun_sigkill_launcher.log").read_text()
+    (tmp_path / "launcher.log").write_text(text.replace("  rank      : 0 (local_rank: 0)\n", ""))
+    fail = first_failure(str(tmp_path / "launcher.log"))
+    assert fail is not None and fail["rank"] == 1
+    assert fail["others"] == [{"rank": None, "exitcode": -15, "signal": "SIGTERM",
+                               "how": "killed by SIGTERM (exit code -15)"}]
+    assert check(fail, Failure, "failure") == []
+
+
 def test_failed_trials_header_and_compare_name_the_first_failure_not_the_stopped_rank(tmp_path):
     """Rank 1 SIGKILLed (a real torchrun launcher.log), rank 0 then stopped by torchrun: rank 0's completion record
     says `_Terminated: terminated by SIGTERM ...`, but the summary's header and compare name the first failure, as

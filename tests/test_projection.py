@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 
 from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.memory.fit import (DRIVER_RESERVED_GIB, OUTSIDE_PYTORCH_GIB_MCORE_0_19, outside_pytorch_gib,
+                                         smi_capacity_bytes)
+from sftprof.analysis.report.render import SECTIONS
 from sftprof.analysis.time.projection import (INTERCONNECTS, collective_ms, nccl_buffer_bytes, overlap_windows, project,
-                                              render)
+                                              real_rank_text, render)
 from sftprof.analysis.time.rank_plan import rank_plan
 from test_rank_plan import QWEN3_30B, _shipped_cfg
 
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 def test_collective_ms_by_hand():
@@ -56,10 +60,47 @@ def test_shipped_projection_by_hand():
     assert p["mfu"] == pytest.approx(0.4 * 20000.0 / p["projected_step_ms"])
     nccl = ((2 * 16 * 4) * 3 + 2 * 7 * 4) * MIB  # cp, dp_cp, ep (+ its peers)
     assert p["memory"] == {"measured_peak_gib": 60.0, "nccl_buffers_gib": nccl / (1 << 30),
-                           "projected_peak_gib": 60.0 + nccl / (1 << 30)}
+                           "projected_peak_gib": 60.0 + nccl / (1 << 30), "measured_peak_reserved_gib": None,
+                           "outside_pytorch_gib": outside_pytorch_gib(), "real_rank_need_gib": None,
+                           "capacity_gib": None, "fits": None}
     assert any(a.startswith("overlapped collectives hide behind their window's measured compute: forward 100.0 ms, "
                             "backward 1000.0 ms, cp_attention not measured") for a in p["assumptions"])
     assert render(p).splitlines()[0] == "projection of rank 0 of 8 (simulated: compute measured, communication computed)"
+
+
+def test_real_rank_of_the_shipped_layout_does_not_fit_an_h100():
+    """The shipped layout's rank 0 with all 48 layers, simulated on an H100 80 GB (bench/NOTES.md, "Twenty-fourth
+    session"; megatron-core 0.19.2): 76.72 GiB allocated, 78.41 reserved. The real rank adds what a process with real
+    process groups holds outside PyTorch (0.19.2's one-GPU figure) and the NCCL buffers of cp, dp_cp and ep: about
+    87.7 GiB, more than the H100's capacity (nvidia-smi's 81559 MiB less the driver's share)."""
+    cfg = _shipped_cfg()
+    plan = rank_plan(cfg, QWEN3_30B, parse_allocation_mode(cfg["actor"]["backend"]), 0)
+    capacity = smi_capacity_bytes([{"index": 0, "memory_total_mib": 81559.0}])
+    assert capacity == int(81559 * MIB - DRIVER_RESERVED_GIB * GIB)
+    p = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, capacity_bytes=capacity,
+                outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+    nccl = ((2 * 16 * 4) * 3 + 2 * 7 * 4) * MIB / GIB
+    need = 78.41 + OUTSIDE_PYTORCH_GIB_MCORE_0_19 + nccl
+    mem = p["memory"]
+    assert mem["nccl_buffers_gib"] == nccl and mem["real_rank_need_gib"] == pytest.approx(need, abs=1e-12)
+    assert round(need, 1) == 87.7 and mem["capacity_gib"] == capacity / GIB and mem["fits"] is False
+    text = (f"real rank: peak reserved 78.41 + outside PyTorch {OUTSIDE_PYTORCH_GIB_MCORE_0_19:.2f} + NCCL buffers "
+            f"{nccl:.2f} = {need:.2f} GiB of {capacity / GIB:.2f}: does not fit")
+    assert real_rank_text(mem) == text and text in render(p).splitlines()
+    assert p["assumptions"][-1] == (
+        f"the real rank needs the measured peak reserved + {OUTSIDE_PYTORCH_GIB_MCORE_0_19:.2f} GiB outside PyTorch's "
+        "allocator (a process with real process groups, one GPU, by the installed megatron-core: "
+        "sftprof/analysis/memory/fit.py; the simulated process holds 0.76 GiB) + the NCCL buffers above, against "
+        f"{capacity / GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB)")
+    projection_section = next(f for f in SECTIONS if f.__name__ == "_projection")  # the summary's Markdown section
+    md = projection_section({"simulation": {"projection": p}})
+    assert md[1].endswith(f"; {text}\n") and f"- {p['assumptions'][-1]}" in md
+    # on a GPU of more memory it fits; without a capacity there is no verdict
+    big = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, capacity_bytes=smi_capacity_bytes(
+        [{"index": 0, "memory_total_mib": 143771.0}]), outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+    assert big["memory"]["fits"] is True and real_rank_text(big["memory"]).endswith(": fits")
+    unknown = project(plan, 31375.9, 76.72, 8, peak_reserved_gib=78.41, outside_gib=OUTSIDE_PYTORCH_GIB_MCORE_0_19)
+    assert unknown["memory"]["fits"] is None and real_rank_text(unknown["memory"]).endswith("GiB, capacity unknown")
 
 
 def test_groups_across_nodes_take_infiniband():

@@ -17,6 +17,7 @@ from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.compare import runs as compare, stats
 from sftprof.analysis.memory.estimate import estimate_memory
+from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, outside_pytorch_gib, with_settings
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.analysis.what_if.outcome import judge, outcome
@@ -213,6 +214,44 @@ def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
                                  "to weigh it against")
 
 
+def _fit_reason(effect: str, fit: dict) -> str:
+    """The skip reason of a time what-if whose settings do not fit (the fit gate of what_if/changes.py)."""
+    return (f"predicted {effect}, but its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
+            f"{fit['need_bytes'] / GIB:.2f} GiB (peak {fit['peak_bytes'] / GIB:.2f} allocated in "
+            f"{fit['prediction']['phase']} + {fit['slack_bytes'] / GIB:.2f} allocator slack + "
+            f"{fit['outside_bytes'] / GIB:.2f} outside PyTorch) of {fit['capacity_bytes'] / GIB:.2f} GiB (nvidia-smi's "
+            f"total less {DRIVER_RESERVED_GIB} GiB; sftprof/analysis/memory/fit.py)")
+
+
+def test_fit_gate_on_the_h200_qwen3_5_kernel_trial():
+    """The Qwen3.5 slice's kernel trial (4 layers, 32768 tokens, full recompute) on its H200 (nvidia-smi 143771 MiB):
+    selective recompute of the attention core fits, and is proposed as without the gate (no capacity). The same
+    trial on an H100 80 GB (nvidia-smi 81559 MiB): its predicted need is over the capacity, so it is skipped with
+    that need; the CUTLASS grouped GEMM (an environment setting: the config and its peak as the trial ran them)
+    stays proposed."""
+    d = FIXTURE_DIR / "h200_te_qwen3_5_cutlass"
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    h200 = json.loads((d / "te.profile_summary.json").read_text())
+    assert [g["memory_total_mib"] for g in h200["nvidia_smi"]["gpus"]] == [143771.0]
+    no_gpu = copy.deepcopy(h200)
+    no_gpu["nvidia_smi"]["gpus"] = []
+    ungated, skipped = trial_what_if(no_gpu, cfg, TrialModel(cfg))
+    assert [w["key"] for w in ungated] == ["selective_recompute", "cutlass_grouped_gemm"] and skipped == []
+    assert trial_what_if(h200, cfg, TrialModel(cfg)) == (ungated, [])
+    h100 = copy.deepcopy(h200)
+    h100["nvidia_smi"]["gpus"][0]["memory_total_mib"] = 81559.0
+    found, skipped = trial_what_if(h100, cfg, TrialModel(cfg))
+    assert found == ungated[1:]
+    selective = ungated[0]
+    settings = {x["key"]: x["value"] for x in selective["settings"]}
+    layout = parse_allocation_mode(cfg["actor"]["backend"])
+    capacity = int(81559 * 2**20 - DRIVER_RESERVED_GIB * GIB)
+    fit = check_fit(with_settings(cfg, settings), load_hf_config("qwen3_5_35b_a3b", 4), layout, 32768, capacity, None)
+    assert not fit["fits"] and fit["outside_bytes"] == int(outside_pytorch_gib() * GIB)
+    assert skipped == [{"key": "selective_recompute", "label": "selective recompute", "rank": 0,
+                        "reason": _fit_reason("GPU time per step -88.2 ms on rank 0", fit)}]
+
+
 # -- the rules, on constructed summaries ---------------------------------------------------------------------------
 def _cfg(**megatron) -> dict:
     cfg = yaml.safe_load(to_yaml(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
@@ -295,6 +334,30 @@ def test_balanced_routing_and_more_micro_batches_predictions():
     assert _by_key(skipped)["more_micro_batches"]["reason"] == (
         "an activation-bound peak, but each of the 2 micro-batches holds 1 sequence(s) of the 2 per data-parallel rank "
         "and a sequence is not split (raise TRAIN_BATCH_SIZE, or CP)")
+
+
+def test_fit_gate_on_a_simulated_rank_of_the_shipped_layout():
+    """Issue 47's case: rank 0 of the shipped layout with all 48 layers, simulated on an H100 80 GB (chunked LM head,
+    expandable segments: tests/fixtures/measured_peaks/runs.json; peak 76.72 GiB measured), where selective recompute
+    was proposed although its saved activations cannot fit. Full recompute, as the trial ran, is predicted to fit;
+    selective recompute is skipped with its need against the capacity."""
+    cfg = yaml.safe_load(to_yaml(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
+        "actor.simulate.rank=0", "actor.loss.lm_head_loss_chunk_size=2048"])))
+    summary = dict(_kernel_summary(), nvidia_smi={"gpus": [{"index": 0, "memory_total_mib": 81559.0}]},
+                   environment={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    found, skipped = trial_what_if(summary, cfg, TrialModel(cfg))
+    assert "selective_recompute" not in _by_key(found)
+    hf, layout = load_hf_config("qwen3_30b_a3b", 0), parse_allocation_mode(cfg["actor"]["backend"])
+    capacity = int(81559 * 2**20 - DRIVER_RESERVED_GIB * GIB)
+    assert check_fit(cfg, hf, layout, 131072, capacity, "expandable_segments:True")["fits"]
+    selective = with_settings(cfg, {"actor.megatron.recompute_granularity": "selective",
+                                    "actor.megatron.recompute_modules": ["core_attn"]})
+    fit = check_fit(selective, hf, layout, 131072, capacity, "expandable_segments:True")
+    assert fit["rank"] == 0 and fit["slack_bytes"] == 0 and fit["outside_bytes"] == int(0.76 * GIB)
+    assert _by_key(skipped)["selective_recompute"]["reason"] == _fit_reason("GPU time per step -40.0 ms on rank 0", fit)
+    summary["nvidia_smi"]["gpus"] = []  # a capacity unknown: proposed as before the gate
+    found, _ = trial_what_if(summary, cfg, TrialModel(cfg))
+    assert _by_key(found)["selective_recompute"]["effect"]["value"] == -40.0
 
 
 # -- the verdict on a prediction ---------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ of the JSON text (strict JSON: non-finite numbers become null, keys sorted). 3.0
 rank's ``simulation`` (what was not run, what was assumed, the projected step); a failed trial's ``oom`` triage; a
 snapshot's ``devices``, ``device_from`` and ``step_peak_lower_bound``; a finding's ``next_step``; an interrupted
 trial's ``interrupted``. 3.5: ``wall_time`` (where the trial's wall time went, step 0's cold start), a step row's
-``started_unix_s`` and ``profiler_s``.
+``started_unix_s`` and ``profiler_s``. 3.6: a simulated rank's projection gives the real rank's memory need and
+whether it fits the GPU (``simulation.projection.memory``: ``measured_peak_reserved_gib``, ``outside_pytorch_gib``,
+``real_rank_need_gib``, ``capacity_gib``, ``fits``).
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -52,7 +54,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError"
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.5"
+SCHEMA_VERSION = "3.6"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from sftprof import artifacts
 from sftprof.analysis import schema
+from sftprof.analysis.memory.fit import smi_capacity_bytes
 from sftprof.analysis.memory.oom import oom_finding, oom_triage, oom_what_if
 from sftprof.analysis.report.findings import trial_findings
 from sftprof.analysis.report.summary_file import write_summary
@@ -273,9 +274,9 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     """Errors and warnings of every file (:mod:`sftprof.analysis.trial.problems`), the ranks whose trace is missing
     and the counts."""
     kind, cfg, stats = record["profile_kind"], record["config"], record["stats"]
-    items = record.get("memory_snapshots") if kind == "memory" else record.get("kernel_traces")
-    items = items or []
-    errors, warnings = problems(record, items, complete, input_errors, missing_log_dir)
+    traces = record.get("kernel_traces") or [] if kind == "kernel" else []
+    items = record.get("memory_snapshots") or [] if kind == "memory" else traces
+    errors, warnings = problems(record, complete, input_errors, missing_log_dir)
     if record["wall_time"].get("trial_times_error"):
         warnings.append({"file": artifacts.TRIAL_TIMES, "warning": f"{record['wall_time']['trial_times_error']}; the "
                          "wall-time phases of the launcher's clock are left out"})
@@ -284,7 +285,7 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
     part: Problems = {"errors": errors, "warnings": warnings,
                       "counts": _counts(items, kind, len(errors), len(record["skipped"]))}
     if kind == "kernel":
-        part["missing_traces"] = missing_traces(cfg, items) if items else []
+        part["missing_traces"] = missing_traces(cfg, traces) if traces else []
         warnings += missing_trace_warnings(cfg, part["missing_traces"])
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
@@ -307,14 +308,16 @@ def _what_if_part(record: TrialRecord, model: inputs.TrialModel,
 
 def _simulation_part(record: TrialRecord, log_dir: str, cfg: dict[str, Any] | None,
                      model: inputs.TrialModel) -> SimulationPart:
-    """A simulated rank's trial: its projected step, from the first trace's regions; nothing for another trial."""
+    """A simulated rank's trial: its projected step, from the first trace's regions, the real rank's memory need
+    against the GPU's capacity (nvidia-smi); nothing for another trial."""
     if not cfg or ((cfg.get("actor") or {}).get("simulate") or {}).get("rank", -1) < 0:
         return {}
     traces = [t["summary"] for t in record.get("kernel_traces", []) if t.get("summary")]
+    capacity = smi_capacity_bytes(record["nvidia_smi"]["gpus"])
     # simulation_summary builds the Simulation member as a plain dict (time/projection.py is not typed strictly)
     return {"simulation": cast(Simulation, simulation_summary(log_dir, cfg, model, record["profile_step"],
                                                               record.get("transformer_engine"),
-                                                              traces[0]["regions"] if traces else None))}
+                                                              traces[0]["regions"] if traces else None, capacity))}
 
 
 def _counts(items: list[Any], kind: str, errors: int, skipped: int) -> Counts:

@@ -31,7 +31,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping, TypedDict, cast
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
@@ -79,7 +79,7 @@ def free_port() -> int:
     """A TCP port that no socket on this node uses now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def _check_suspects(env: Mapping[str, str], log: PlanLog) -> None:
@@ -113,17 +113,17 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     reject_driver_variables_as_arguments(extra_overrides)
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
-    steps = BY_NAME["PROFILE_STEPS"].parse("PROFILE_STEPS", get("PROFILE_STEPS") if get("PROFILE_STEPS") is not None
-                                           else BY_NAME["PROFILE_STEPS"].default)
-    kinds = BY_NAME["PROFILE_KINDS"].parse("PROFILE_KINDS", get("PROFILE_KINDS") if get("PROFILE_KINDS") is not None
-                                           else ",".join(KINDS))
-    total_steps = BY_NAME["TOTAL_STEPS"].value(env)
+    # A Variable's parse gives an object (BY_NAME holds variables of every type): each cast below is the type that
+    # the variable's parser in sftprof.launch.variables returns.
+    steps = cast(list[int], BY_NAME["PROFILE_STEPS"].parse(
+        "PROFILE_STEPS", get("PROFILE_STEPS", BY_NAME["PROFILE_STEPS"].default)))
+    kinds = cast(list[str], BY_NAME["PROFILE_KINDS"].parse("PROFILE_KINDS", get("PROFILE_KINDS", ",".join(KINDS))))
+    total_steps = cast(int | None, BY_NAME["TOTAL_STEPS"].value(env))
     if total_steps is not None and total_steps <= max(steps):
         raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
                           "(or unset: profile step + 1)")
-    stop = parse_bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE") if get("STOP_ON_FAILURE") is not None
-                      else BY_NAME["STOP_ON_FAILURE"].default)
-    what_ifs = BY_NAME["TRY_WHAT_IFS"].value(env) or 0
+    stop = parse_bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE", BY_NAME["STOP_ON_FAILURE"].default))
+    what_ifs = cast(int | None, BY_NAME["TRY_WHAT_IFS"].value(env)) or 0
     log.note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
     log.note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
     log.note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
@@ -147,17 +147,18 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         if var.name in set_keys:
             log.agree(var.name, arguments_setting(var.keys[0], agreeing))
     overrides = list(variables)
-    master_port = BY_NAME["MASTER_PORT"].value(env)
-    node_timeout = BY_NAME["NODE_TIMEOUT"].value(env)
-    stall_timeout = BY_NAME["STALL_TIMEOUT"].value(env)
+    master_port = cast(int | None, BY_NAME["MASTER_PORT"].value(env))
+    node_timeout = cast(int | None, BY_NAME["NODE_TIMEOUT"].value(env))
+    stall_timeout = cast(int | None, BY_NAME["STALL_TIMEOUT"].value(env))
     return DriverEnv(
         get=get, config=config, steps=steps, kinds=kinds, total_steps=total_steps, stop=stop, what_ifs=what_ifs,
         overrides=overrides, extra_overrides=list(extra_overrides), set_keys=set_keys,
-        node_rank=BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default),
-        master_addr=BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR", get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default),
+        node_rank=cast(int, BY_NAME["NODE_RANK"].parse("NODE_RANK", get("NODE_RANK") or BY_NAME["NODE_RANK"].default)),
+        master_addr=cast(str, BY_NAME["MASTER_ADDR"].parse("MASTER_ADDR",
+                                                           get("MASTER_ADDR") or BY_NAME["MASTER_ADDR"].default)),
         master_port=master_port, node_timeout=node_timeout if node_timeout is not None else DEFAULT_NODE_TIMEOUT_S,
-        fit_check=BY_NAME["FIT_CHECK"].value(env) or BY_NAME["FIT_CHECK"].default,
-        gpu_memory_gib=BY_NAME["GPU_MEMORY_GIB"].value(env),
+        fit_check=cast(str | None, BY_NAME["FIT_CHECK"].value(env)) or BY_NAME["FIT_CHECK"].default,
+        gpu_memory_gib=cast(float | None, BY_NAME["GPU_MEMORY_GIB"].value(env)),
         stall_timeout=stall_timeout if stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S)
 
 
@@ -315,7 +316,7 @@ def _profiled_ranks(d: DriverEnv, probe: SFTProfileConfig, layout: Layout, kinds
     specs, shown, sources = {}, {}, {}
     for kind, key in RANK_KEYS.items():
         arguments = arguments_setting(key, d.extra_overrides)
-        spec = config_value(probe, key).strip()  # the YAML's, or the arguments' (as the trainer reads it)
+        spec = str(config_value(probe, key)).strip()  # the YAML's, or the arguments' (as the trainer reads it)
         where = f"argument {arguments[-1]}" if arguments else "config"
         try:
             ranks = resolve_ranks(spec, layout)
@@ -362,7 +363,8 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
     plan_config = run_root / artifacts.PLAN_CONFIG
     tag = folders.model_tag(p.cfg.actor.path)
     owned = {key: args for key in TRIAL_KEYS if (args := arguments_setting(key, d.extra_overrides))}
-    trials, first_cfg = [], None
+    trials: list[Trial] = []
+    first_cfg: SFTProfileConfig | None = None
     for step in d.steps:
         for kind in p.kinds:
             name = folders.trial_name(tag, p.cfg.profile.fake_seq_len, kind, step, stamp)
@@ -396,6 +398,7 @@ def expand_trials(d: DriverEnv, p: Probe, log: PlanLog) -> tuple[list[Trial], Pa
         t.env[artifacts.PLAN_CONFIG_SHA256_ENV] = log.config.sha256
     log.settings.append(f"# config: {plan_config}, the copy of {config_file.resolve()} every trial loads "
                         f"(sha256 {log.config.sha256})")
+    assert first_cfg is not None  # a trial per step and kind: PROFILE_STEPS and the kinds are never empty
     return trials, run_root, first_cfg
 
 
@@ -466,7 +469,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
     log.warn(text)
 
 
-def fit_text(fit: dict, brief: bool = False) -> str:
+def fit_text(fit: dict[str, Any], brief: bool = False) -> str:
     """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity
     (``brief``: the predicted peak and the need alone)."""
     g = 2**30
@@ -483,7 +486,16 @@ def fit_text(fit: dict, brief: bool = False) -> str:
                else ""))
 
 
-def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict[str, int | str]:
+class _Torchrun(TypedDict):
+    """torchrun's settings (:func:`_torchrun_settings`), named as :class:`RunPlan`'s fields."""
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> _Torchrun:
     """torchrun's ``nproc_per_node, nnodes, node_rank, master_addr, master_port`` (a free port on one node)."""
     master_port = d.master_port
     if master_port is None and p.n_nodes == 1:
@@ -500,8 +512,8 @@ def _torchrun_settings(d: DriverEnv, p: Probe, log: PlanLog) -> dict[str, int | 
                                                                     if p.n_nodes == 1 else " on node 0"))
     log.note("NODE_TIMEOUT", d.node_timeout, "env" if d.get("NODE_TIMEOUT") else "default")
     log.note("STALL_TIMEOUT", d.stall_timeout, "env" if d.get("STALL_TIMEOUT") else "default")
-    torchrun = {"nproc_per_node": p.nproc, "nnodes": p.n_nodes, "node_rank": d.node_rank,
-                "master_addr": d.master_addr, "master_port": master_port}
+    torchrun: _Torchrun = {"nproc_per_node": p.nproc, "nnodes": p.n_nodes, "node_rank": d.node_rank,
+                           "master_addr": d.master_addr, "master_port": master_port}
     log.settings.append("# torchrun " + " ".join(f"--{k}={v}" for k, v in torchrun.items()))
     return torchrun
 
@@ -533,6 +545,8 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     p = probe_config(d, gpus, log)
     check_memory_fit(d, p, log)
     trials, run_root, first_cfg = expand_trials(d, p, log)
+    config = log.config
+    assert config is not None  # set by expand_trials
     torchrun = _torchrun_settings(d, p, log)
     log.settings += [f"# warning: {w}" for w in log.warnings]
     log.settings.append("# resolved config of the first trial:")
@@ -543,5 +557,5 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, RunPlan(
         run_root=run_root, run_root_set=bool(d.get("RUN_ROOT")), trials=len(trials), stop_on_failure=int(d.stop),
-        what_ifs=d.what_ifs, node_timeout=d.node_timeout, stall_timeout=d.stall_timeout, **torchrun, config=log.config,
+        what_ifs=d.what_ifs, node_timeout=d.node_timeout, stall_timeout=d.stall_timeout, **torchrun, config=config,
         notices=log.notices, warnings=log.warnings)

@@ -142,9 +142,10 @@ class TrialRunner:
     anything); its row, status and ``done`` line come once that training has ended (:meth:`_join`), before the memory
     trial's, and the run waits for it before the next trial, the what-ifs and the end table."""
 
+    plan: RunPlan  # set by run
+
     def __init__(self, python: str, env: dict[str, str]) -> None:
         self.trials: list[Trial] = []
-        self.plan: RunPlan | None = None  # set by run
         self.python = python
         env = {**env, "PYTHONUNBUFFERED": "1"}  # progress lines as they happen, not at exit
         env.setdefault("OMP_NUM_THREADS", "1")   # torchrun's own default, stated so that it does not warn
@@ -313,7 +314,8 @@ class TrialRunner:
         while ``n`` was postprocessed in the background); those after it will not run when the run stops.
         ``start``, ``ended``: the trial's start and end (``time.monotonic``; ``ended`` None: now)."""
         total, left = len(self.trials), len(self.trials) - current
-        if self.stop.signum is not None:  # the signal came after training: while postprocessing or reading the status
+        # the signal came after training: while postprocessing or reading the status ("-": not postprocessed)
+        if self.stop.signum is not None or not isinstance(pp_rc, int):
             # postprocessing that ended with 0 was not interrupted (the signal reached the launcher alone)
             status = train_rc if pp_rc == 0 else INTERRUPTED
             append_row(self.run_root, t, status, train_rc, pp_rc, elapsed)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from sftprof import artifacts
 from sftprof.analysis.what_if.changes import setting_text
@@ -35,7 +35,7 @@ from sftprof.launch.variables import DriverError
 __all__ = ["choose", "what_if_trial", "write_what_if_plan", "settings_of"]
 
 
-def settings_of(what_if: dict[str, Any]) -> str:
+def settings_of(what_if: Mapping[str, Any]) -> str:
     """The what-if's settings as one field of ``summary.tsv``: ``key=value`` separated by spaces."""
     return " ".join(setting_text(s) for s in what_if["settings"])
 

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from functools import partial
 from statistics import median
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional, cast
 
 from sftprof.artifacts import RUN_ROOT_FILEROOT, SUMMARY_JSON
 from sftprof.analysis.compare import verdicts as compare_verdicts, stats
 from sftprof.analysis.what_if import changes as what_if, outcome as what_if_outcome
 from sftprof.analysis.trial.failure import failure_cause
+from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.trace.kernel_names import short_kernel_name
 from sftprof.analysis.memory.snapshot import PEAK_SCOPES, peak_where
 from sftprof.analysis.report.markdown import fmt, short, table
-from sftprof.analysis.schema import ProfileSummary, SummaryReadError, read_summary
+from sftprof.analysis.schema import SummaryReadError, read_summary
 from sftprof.analysis.compare.settings_diff import settings_diff
 from sftprof.analysis.time.collectives import exposed_groups
 from sftprof.analysis.trace.check import is_finite_number
@@ -49,15 +51,21 @@ NO_MATCH = ("No trials match (kernel trials after step 0 pool together; kernel s
 _REQUIRED = ("profile_kind", "profile_step", "stats", "ranks")
 
 
+# A summary as compare reads it: the JSON of any version read_summary reads (older ones lack members of today's
+# ProfileSummary, so every member compare reads is looked up as optional), and its traces' and snapshots' summaries
+Summary = dict[str, Any]
+Trial = tuple[str, Summary]  # (trial dir, its summary)
+
+
 class CompareInputError(ValueError):
     """A compare input is missing or is not a usable profile summary; the message names the file."""
 
 
-def _load_summary(path: str) -> ProfileSummary:
+def _load_summary(path: str) -> Summary:
     """One ``profile_summary.json`` (:func:`sftprof.analysis.schema.read_summary`), checked for the members compare
     reads."""
     try:
-        s = read_summary(path)
+        s = dict(read_summary(path))
     except SummaryReadError as exc:
         raise CompareInputError(str(exc)) from None
     missing = [k for k in _REQUIRED if k not in s]
@@ -76,7 +84,7 @@ def dir_name(path: str) -> str:
     return os.path.basename(os.path.abspath(path))
 
 
-def find_trials(run: str) -> tuple[dict[tuple[str, int], tuple[str, dict]], list[tuple[str, dict]]]:
+def find_trials(run: str) -> tuple[dict[tuple[str, int], Trial], list[Trial]]:
     """``{(kind, step): (trial_dir, summary)}`` of a trial dir or a RUN_ROOT, and ``[(trial_dir, summary)]`` of its
     what-if trials (summaries with ``tried_what_if``; run order of the folder names). A RUN_ROOT's what-if trials
     (another configuration, of the same kind and step as their source) are left out of the first.
@@ -101,7 +109,7 @@ def find_trials(run: str) -> tuple[dict[tuple[str, int], tuple[str, dict]], list
                 f"({', '.join(roots)}) whose trials have {SUMMARY_JSON}; pass {'one of them' if several else 'it'} "
                 f"(e.g. {os.path.join(run, roots[0])}): compare takes one trial run dir or RUN_ROOT per side")
         raise CompareInputError(f"{run}: no {SUMMARY_JSON} in it or in its sub-directories; run postprocess first")
-    out: dict[tuple[str, int], tuple[str, dict]] = {}
+    out: dict[tuple[str, int], Trial] = {}
     what_ifs = []
     for d in dirs:
         s = _load_summary(os.path.join(d, SUMMARY_JSON))
@@ -168,7 +176,7 @@ def _row_cells(a: Any, b: Any, time: bool) -> list[str]:
     return [fmt(_median(xa)), fmt(_median(xb)), f"{s.estimate:+.3f}", pct, ci, n, verdict]
 
 
-def _table(title: str, unit: str, rows: list[tuple]) -> list[str]:
+def _table(title: str, unit: str, rows: list[tuple[str, Any, Any]]) -> list[str]:
     """A delta table (name, A, B, Δ, Δ %, 95 % CI of Δ, samples A/B, verdict: :func:`_row_cells`) as one element of
     the report's line list; nothing when neither run has a row (e.g. model parts or communication of CPU runs).
 
@@ -192,9 +200,9 @@ def _table(title: str, unit: str, rows: list[tuple]) -> list[str]:
     return ([table(headers, shown, cell=str)] if shown else []) + compare_verdicts.left_out_line(left_out)
 
 
-def _samples(dicts: Iterable[dict[str, Any]]) -> dict[str, list]:
+def _samples(dicts: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
     """``{row name: [value of each dict that has the name]}``: one table's rows of several trials, pooled."""
-    out: dict[str, list] = defaultdict(list)
+    out: dict[str, list[Any]] = defaultdict(list)
     for d in dicts:
         for name, v in d.items():
             out[name].append(v)
@@ -211,7 +219,7 @@ def _union_rows(a: dict[str, Any], b: dict[str, Any], limit: int) -> list[tuple[
     return [(n, a.get(n), b.get(n)) for n in names]
 
 
-def _regions(kernel_summary: dict, col: str) -> dict[str, float]:
+def _regions(kernel_summary: Summary, col: str) -> dict[str, float]:
     """``{region name: ms}`` of the annotated regions of one rank trace (regions without a value left out)."""
     return {r["name"]: r[col] for r in kernel_summary.get("regions") or [] if r.get(col) is not None}
 
@@ -223,20 +231,20 @@ def _group_key(kind: str, step: int) -> tuple[str, int]:
     return (kind, 1) if kind == "kernel" and step >= 1 else (kind, step)
 
 
-def _groups(trials: dict[tuple[str, int], tuple[str, dict]]) -> dict[tuple[str, int], list[tuple[str, dict]]]:
+def _groups(trials: dict[tuple[str, int], Trial]) -> dict[tuple[str, int], list[Trial]]:
     """``{group key: [(trial dir, summary), ...] in step order}`` of :func:`find_trials`' trials (:func:`_group_key`)."""
-    out: dict[tuple[str, int], list[tuple[str, dict]]] = defaultdict(list)
+    out: dict[tuple[str, int], list[Trial]] = defaultdict(list)
     for key in sorted(trials):
         out[_group_key(*key)].append(trials[key])
     return dict(out)
 
 
-def _trial_list(trials: list[tuple[str, dict]]) -> str:
+def _trial_list(trials: list[Trial]) -> str:
     """`` `dir` (step 1), `dir` (step 2)``: the trials of one side of a group."""
     return ", ".join(f"`{dir_name(d)}` (step {s['profile_step']})" for d, s in trials)
 
 
-def _group_title(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
+def _group_title(kind: str, ta: list[Trial], tb: list[Trial]) -> list[str]:
     """The heading of a group's section: ``## kind step N: `dir A` (A) vs `dir B` (B)`` for one trial a side at one
     step; else (the kernel trials after step 0, pooled) each side's trials and a line saying that the cells are
     medians over them."""
@@ -247,7 +255,7 @@ def _group_title(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict
             "Each A and B cell is the median over that run's trials (samples A/B: how many trials have the row).", ""]
 
 
-def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]], settings: list[str]) -> list[str]:
+def _group_section(kind: str, ta: list[Trial], tb: list[Trial], settings: list[str]) -> list[str]:
     """The report section of one group of trials (:func:`_group_key`): its settings where they differ from the
     report's opening ones (``settings``), step figures, per rank, kernels, memory; each row's samples are the group's
     trials of each run."""
@@ -255,7 +263,8 @@ def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, di
     for side, trials in (("A", ta), ("B", tb)):
         for d, s in trials:
             if s.get("status") != "ok":  # a failed trial's figures are missing, not equal: say so before any table
-                cause = failure_cause(s)  # the first failure (its Failure section), else the completion record's error
+                # the first failure (its Failure section), else the completion record's error; s is read_summary's
+                cause = failure_cause(cast(TrialRecord, s))
                 why = f" ({cause[1]})" if cause and cause[0] == "error" else f" ({cause[0]}: {cause[1]})" if cause else ""
                 name = "" if len(trials) == 1 else f" `{dir_name(d)}`"
                 out += [f"**Trial {side}{name} status: {s.get('status')}**" + why
@@ -275,10 +284,10 @@ def _group_section(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, di
     return out
 
 
-def _by_rank(summaries: list[dict], member: str) -> dict[int, list[dict]]:
+def _by_rank(summaries: list[Summary], member: str) -> dict[int, list[Summary]]:
     """``{rank: [the summary of that rank's trace or snapshot in each trial that has one]}`` (``member``:
     ``kernel_traces`` or ``memory_snapshots``; entries that failed to process have no summary)."""
-    out: dict[int, list[dict]] = defaultdict(list)
+    out: dict[int, list[Summary]] = defaultdict(list)
     for s in summaries:
         for t in s.get(member) or []:
             if "summary" in t:
@@ -286,7 +295,8 @@ def _by_rank(summaries: list[dict], member: str) -> dict[int, list[dict]]:
     return dict(out)
 
 
-def _one_sided(in_a: dict, in_b: dict, what: str, a: list[dict], b: list[dict], member: str) -> list[str]:
+def _one_sided(in_a: dict[int, list[Summary]], in_b: dict[int, list[Summary]], what: str, a: list[Summary],
+               b: list[Summary], member: str) -> list[str]:
     """A line per run and reason naming the ranks whose ``what`` (trace, memory snapshot) only that run has: their
     figures have nothing to be compared with and are left out of the per-rank tables below. The reason is read from
     the other run's summaries of the group (``a``, ``b``): an entry of that rank in ``member`` (``kernel_traces``,
@@ -319,7 +329,7 @@ def _one_sided(in_a: dict, in_b: dict, what: str, a: list[dict], b: list[dict], 
     return out
 
 
-def _clean_step_times(summary: dict) -> list[tuple[int, float]]:
+def _clean_step_times(summary: Summary) -> list[tuple[int, float]]:
     """``[(step, step time in s)]`` of the steps of one trial that time training alone (``stats.steps``, the slowest
     rank's time): after step 0 (the warm-up: one-time costs), not profiled, not the step before a kernel trial's
     profiled step (the profiler already collects through it, its warm-up) and, in a memory trial, after the profiled
@@ -355,7 +365,7 @@ def _trial_spread(side: str, per_trial: list[tuple[str, list[float]]]) -> list[s
     return out
 
 
-def _step_time_section(ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> list[str]:
+def _step_time_section(ta: list[Trial], tb: list[Trial]) -> list[str]:
     """The step time of both runs, pooled over every trial of each (:func:`_clean_step_times`), with the trials and
     steps each sample comes from, and the trials that differ from their run's others (:func:`_trial_spread`)."""
     out = ["## Step time", "",
@@ -393,17 +403,18 @@ def _verdict_note() -> list[str]:
             "without the figure.", ""]
 
 
-def _step_tables(a: list[dict], b: list[dict]) -> list[str]:
+def _step_tables(a: list[Summary], b: list[Summary]) -> list[str]:
     """Step time and peaks of the profiled step (stats.jsonl), per rank, and per profiled rank (traces, snapshots) of
     one group's summaries ``a`` and ``b`` (one sample per trial)."""
     sa, sb = [x["stats"] for x in a], [y["stats"] for y in b]
 
-    def peak(sts: list[dict], key: str) -> str:
-        ranks = sorted({st.get(f"{key}_rank") for st in sts} - {None})
+    def peak(sts: list[Summary], key: str) -> str:
+        seen: set[Any] = {st.get(f"{key}_rank") for st in sts}  # the ranks (ints) and None
+        ranks = sorted(seen - {None})
         only = all((st.get("n_ranks") or 1) == 1 for st in sts)
         return "–" if not ranks else "/".join(f"r{r}" for r in ranks) + (" only" if only else "")
 
-    def col(sts: list[dict], key: str) -> list:
+    def col(sts: list[Summary], key: str) -> list[Any]:
         return [st.get(key) for st in sts]
 
     rows = [("step time s (stats.jsonl, profiled step, slowest rank)", col(sa, "step_time_s"), col(sb, "step_time_s"))]
@@ -436,7 +447,8 @@ def _step_tables(a: list[dict], b: list[dict]) -> list[str]:
         out += ["### Per profiled rank (traces / snapshots)", ""] + _table("rank metric", "", profiled)
     wa, wb = [_wait_rows(x) for x in a], [_wait_rows(y) for y in b]
 
-    def split(w: list, r: int) -> list[str]:  # each distinct set of split groups of rank r in a run's trials
+    # each distinct set of split groups of rank r in a run's trials
+    def split(w: list[tuple[dict[str, float], dict[int, list[str]]]], r: int) -> list[str]:
         return sorted({", ".join(g[r]) for _, g in w if r in g})
 
     ranks = {r for _, g in wa for r in g} & {r for _, g in wb for r in g}
@@ -455,14 +467,14 @@ def _step_tables(a: list[dict], b: list[dict]) -> list[str]:
     return out
 
 
-def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
+def _wait_rows(s: Summary) -> tuple[dict[str, float], dict[int, list[str]]]:
     """``({"rank 1 exposed wait, all split groups": ms, ..., "rank 1 EP exposed wait": ms, ...}, {rank: sorted labels
     of its split groups})``: a summary's split of each rank's exposed communication
     (:func:`sftprof.analysis.time.comm_wait.split`; both empty when it has none). A rank in no split group has no rows
     (summaries of earlier versions listed it with 0 ms)."""
     cw = s.get("comm_wait") or {}
     out: dict[str, float] = defaultdict(float)  # groups with the same label add up
-    labels: dict[int, set] = defaultdict(set)
+    labels: dict[int, set[str]] = defaultdict(set)
     for g in cw.get("groups") or []:
         for r in g["ranks"]:
             labels[r["rank"]].add(str(g["label"]))  # None: a group of unknown parallelism
@@ -475,15 +487,16 @@ def _wait_rows(s: dict) -> tuple[dict[str, float], dict[int, list[str]]]:
     return {k: round(v, 4) for k, v in out.items()}, {r: sorted(v) for r, v in labels.items()}
 
 
-def _pooled(f, xs: list[dict], ys: list[dict], limit: int = 100) -> list[tuple[str, list, list]]:
+def _pooled(f: Callable[[Summary], dict[str, Any]], xs: list[Summary], ys: list[Summary],
+            limit: int = 100) -> list[tuple[str, Any, Any]]:
     """:func:`_union_rows` of ``f`` (one summary -> ``{row name: value}``) over each run's summaries ``xs``, ``ys``."""
     return _union_rows(_samples(map(f, xs)), _samples(map(f, ys)), limit)
 
 
-def _kernel_tables(rank: int, xs: list[dict], ys: list[dict]) -> list[str]:
+def _kernel_tables(rank: int, xs: list[Summary], ys: list[Summary]) -> list[str]:
     """Kernel-trace deltas of one rank, one sample per trial of ``xs`` (A) and ``ys`` (B): step, regions, model parts,
     exposed communication, categories, top lists; every row a time."""
-    def metric(x: dict) -> dict[str, float]:
+    def metric(x: Summary) -> dict[str, float]:
         return {"step wall": x["step_window"]["wall_ms"], "GPU busy": x["gpu"]["busy_ms"],
                 "communication": x["communication"]["total_ms"],
                 "exposed communication": x["communication"]["exposed_ms"]}
@@ -508,17 +521,17 @@ def _kernel_tables(rank: int, xs: list[dict], ys: list[dict]) -> list[str]:
     return out
 
 
-def _scope(x: dict) -> str:
+def _scope(x: Summary) -> str:
     """Whose peak a snapshot summary's headline peak is (:data:`PEAK_SCOPES`; an older summary's is the window's)."""
     return PEAK_SCOPES[x.get("peak_scope") or "recorded_window"]
 
 
-def _window_peak_gib(x: dict):
+def _window_peak_gib(x: Summary) -> Optional[float]:
     """The whole recorded window's peak allocated GiB (an older summary's ``peak_allocated_gib`` is that)."""
     return x.get("window_peak_allocated_gib", x["peak_allocated_gib"] if "peak_scope" not in x else None)
 
 
-def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
+def _memory_tables(rank: int, x: Summary, y: Summary) -> list[str]:
     """Snapshot deltas of one rank: peaks, where they lie, memory by category and by site at the peak.
 
     The peak is each summary's headline peak (the profiled step's when its phases sidecar had phases, else the
@@ -552,12 +565,13 @@ def _memory_tables(rank: int, x: dict, y: dict) -> list[str]:
     return out
 
 
-def _what_if_pairs(ta: dict, what_ifs_b: list[tuple[str, dict]]) -> list[tuple[str, dict, str, dict]]:
+def _what_if_pairs(ta: dict[tuple[str, int], Trial],
+                   what_ifs_b: list[Trial]) -> list[tuple[str, Summary, str, Summary]]:
     """``[(source dir, source summary, what-if dir, what-if summary)]``: each what-if trial of B (``what_ifs_b``) whose
     source trial (``tried_what_if.source_trial``) is a trial of A (``ta``: :func:`find_trials` of A; a what-if trial
     of A is not a source)."""
     by_name = {dir_name(d): (d, s) for d, s in ta.values()}
-    by_name.update({s.get("trial"): (d, s) for d, s in ta.values() if s.get("trial")})
+    by_name.update({s["trial"]: (d, s) for d, s in ta.values() if s.get("trial")})
     out = []
     for d, s in what_ifs_b:
         source = by_name.get(s["tried_what_if"]["source_trial"])
@@ -566,14 +580,14 @@ def _what_if_pairs(ta: dict, what_ifs_b: list[tuple[str, dict]]) -> list[tuple[s
     return out
 
 
-def what_if_result(a: dict, b: dict) -> what_if_outcome.Outcome:
+def what_if_result(a: Summary, b: Summary) -> what_if_outcome.Outcome:
     """The outcome of the what-if that summary ``b`` (a what-if trial) tries on summary ``a`` (its source trial):
     :func:`sftprof.analysis.what_if.outcome.outcome` with the step times of :func:`_clean_step_times` (ms)."""
-    times = tuple([1000 * t for _, t in _clean_step_times(x)] for x in (a, b))
+    times = ([1000 * t for _, t in _clean_step_times(a)], [1000 * t for _, t in _clean_step_times(b)])
     return what_if_outcome.outcome(b["tried_what_if"]["what_if"], a, b, times)
 
 
-def _what_if_section(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
+def _what_if_section(pairs: list[tuple[str, Summary, str, Summary]]) -> list[str]:
     """Each what-if tried: its setting, prediction and outcome, and whether its assumption held
     (:mod:`sftprof.analysis.what_if.outcome`)."""
     out = ["## What-ifs tried: prediction against outcome", "",
@@ -635,19 +649,22 @@ def compare(run_a: str, run_b: str, all_rows: bool = False) -> tuple[str, list[c
         out.append(NO_MATCH)
         return "\n".join(out) + "\n", []
     settings = settings_diff(ga[common[0]][0][1], gb[common[0]][0][1]) if common else []
-    sections = [("What-ifs tried", None, lambda: _what_if_section(pairs))] if pairs else []
+    # (title, the group compared, or None for the what-ifs and the step time; its lines)
+    sections: list[tuple[str, Optional[tuple[str, int]], Callable[[], list[str]]]] = (
+        [("What-ifs tried", None, lambda: _what_if_section(pairs))] if pairs else [])
     if common:
         sections += [("Step time", None, lambda: _step_time_section(list(ta.values()), list(tb.values())))]
         sections += [(_group_name(key[0], ga[key], gb[key]), key,
-                      lambda key=key: _group_section(key[0], ga[key], gb[key], settings)) for key in common]
+                      partial(_group_section, key[0], ga[key], gb[key], settings)) for key in common]
     body: list[str] = []
     with compare_verdicts.collecting(all_rows) as rows:
-        for name, key, section in sections:
+        for name, group, section in sections:
             rows.group = name
             try:
                 body += section()
             except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
-                dirs = [d for d, _ in (list(ta.values()) + list(tb.values()) if key is None else ga[key] + gb[key])]
+                dirs = [d for d, _ in (list(ta.values()) + list(tb.values()) if group is None
+                                       else ga[group] + gb[group])]
                 files = " and ".join(os.path.join(d, SUMMARY_JSON) for d in dirs)
                 raise CompareInputError(f"cannot compare {files}: a member has an unexpected shape "
                                         f"({type(exc).__name__}: {exc}); rerun postprocess_profile.py for them") from None
@@ -656,7 +673,7 @@ def compare(run_a: str, run_b: str, all_rows: bool = False) -> tuple[str, list[c
     return "\n".join(out + body).rstrip() + "\n", rows.rows
 
 
-def _group_name(kind: str, ta: list[tuple[str, dict]], tb: list[tuple[str, dict]]) -> str:
+def _group_name(kind: str, ta: list[Trial], tb: list[Trial]) -> str:
     """A group in a few words, as its section's title (:func:`_group_title`): ``kernel step 2`` (one trial a side at
     one step), ``kernel trials after step 0`` (pooled)."""
     if len(ta) == len(tb) == 1 and ta[0][1]["profile_step"] == tb[0][1]["profile_step"]:

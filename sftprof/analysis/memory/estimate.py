@@ -82,7 +82,10 @@ small) and what the process holds outside PyTorch (CUDA context, NCCL, cuDNN and
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from sftprof.allocation import Layout
+from sftprof.analysis.memory.schema import Estimate, EstimateCheckRow, EstimateRow
 
 __all__ = ["estimate_memory", "params_per_rank", "explain_estimate", "predict_peak", "chunked_lm_head", "layer_sets",
            "transformer_engine"]
@@ -91,20 +94,22 @@ _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp32": 4, "bf16": 2, "fp16
 _GIB = float(2**30)
 
 
-def _attention_params(hf, layer_type: str, t: int) -> int:
+def _attention_params(hf: Any, layer_type: str, t: int) -> int:
     """Parameters of one layer's attention block (its norm included) on a rank of TP ``t``."""
     h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
     d = getattr(hf, "head_dim", None) or h // nq
     if layer_type == "linear_attention":  # gated delta-net: in_proj (q, k, v, z, b, a), conv1d, A_log, dt_bias, norm
         qk = hf.linear_num_key_heads * hf.linear_key_head_dim
         v, nv = hf.linear_num_value_heads * hf.linear_value_head_dim, hf.linear_num_value_heads
-        return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * hf.linear_conv_kernel_dim + 2 * nv + v * h) // t \
+        gdn: int = (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * hf.linear_conv_kernel_dim + 2 * nv + v * h) // t \
             + hf.linear_value_head_dim + h
+        return gdn
     gate = 2 if getattr(hf, "attn_output_gate", False) else 1  # the output gate doubles the query projection
-    return (h * (gate * nq + 2 * nkv) * d + nq * d * h) // t + h + 2 * d
+    full: int = (h * (gate * nq + 2 * nkv) * d + nq * d * h) // t + h + 2 * d
+    return full
 
 
-def params_per_rank(hf, layout, coords: dict) -> tuple[int, int]:
+def params_per_rank(hf: Any, layout: Layout, coords: Mapping[str, int]) -> tuple[int, int]:
     """``(P_dense, P_exp)`` parameters held by the rank with ``coords`` (module docstring formulas)."""
     h = hf.hidden_size
     experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
@@ -126,7 +131,7 @@ def params_per_rank(hf, layout, coords: dict) -> tuple[int, int]:
     return dense, expert
 
 
-def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str, Any]:
+def estimate_memory(cfg: dict[str, Any], hf: Any, layout: Layout, coords: Mapping[str, int], seq_len: int) -> Estimate:
     """Estimated bytes of one rank by category (module docstring).
 
     Args:
@@ -146,7 +151,7 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
     wb = _BYTES.get(str(a.get("dtype", "bfloat16")), 2)
     dense, expert = params_per_rank(hf, layout, coords)
     n = dense + expert
-    rows: list[dict] = []
+    rows: list[EstimateRow] = []
     assumptions = []
     if layout.backend == "megatron":
         pa = bool(m.get("use_precision_aware_optimizer"))
@@ -159,41 +164,49 @@ def estimate_memory(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[s
         dp_exp = layout.edp if dist_opt else 1
         opt = state_b * (dense / dp_dense + expert / dp_exp)
         step_copy = 0 if pa else 4 * (dense / dp_dense + expert / dp_exp)
-        rows += [{"category": "parameters", "bytes": wb * n, "formula": f"{wb} B x {n:,} params"},
-                 {"category": "gradients", "bytes": grad_b * n, "formula": f"{grad_b} B x {n:,} params"},
+        rows += [{"category": "parameters", "bytes": wb * n, "formula": f"{wb} B x {n:,} params", "gib": _gib(wb * n)},
+                 {"category": "gradients", "bytes": grad_b * n, "formula": f"{grad_b} B x {n:,} params",
+                  "gib": _gib(grad_b * n)},
                  {"category": "optimizer", "bytes": int(opt + step_copy), "step_copy_bytes": int(step_copy),
                   "formula": f"{state_b} B state" + (" (fp32 main params as 16-bit remainders)" if remainders else "")
                              + ("" if pa else " + 4 B fp32 grad copy") +
-                             f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params"}]
+                             f" x ({dense:,} / {dp_dense} + {expert:,} / {dp_exp}) params",
+                  "gib": _gib(int(opt + step_copy))}]
         assumptions.append(f"distributed optimizer {'on' if dist_opt else 'off'}; precision-aware optimizer "
                            f"{'on' if pa else 'off'}")
         per_param = {"parameters": wb, "gradients": grad_b, "optimizer": state_b, "step_copy": 0 if pa else 4}
     else:
         dp = layout.dp
-        rows += [{"category": "parameters", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
-                 {"category": "gradients", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}"},
-                 {"category": "optimizer", "bytes": 2 * wb * n // dp, "formula": f"2 x {wb} B x {n:,} / {dp}"}]
+        rows += [{"category": "parameters", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}",
+                  "gib": _gib(wb * n // dp)},
+                 {"category": "gradients", "bytes": wb * n // dp, "formula": f"{wb} B x {n:,} / {dp}",
+                  "gib": _gib(wb * n // dp)},
+                 {"category": "optimizer", "bytes": 2 * wb * n // dp, "formula": f"2 x {wb} B x {n:,} / {dp}",
+                  "gib": _gib(2 * wb * n // dp)}]
         assumptions.append("FSDP2: parameters, gradients and AdamW moments sharded over DP in actor.dtype")
         per_param = {"parameters": wb, "gradients": wb, "optimizer": 2 * wb, "step_copy": 0}
     s_local = seq_len // (layout.cp if layout.backend == "megatron" else 1)
     layers = hf.num_hidden_layers // layout.pp
-    act = layers * s_local * hf.hidden_size * wb
+    act: int = layers * s_local * hf.hidden_size * wb
     formula = f"{layers} layers x {s_local} tokens x {hf.hidden_size} x {wb} B (layer inputs)"
     logits = 0
     if not chunked_lm_head(cfg):
         logits = s_local * hf.vocab_size // layout.tp * wb
         act += logits
         formula += f" + logits {s_local} x {hf.vocab_size // layout.tp} x {wb} B"
-    rows.append({"category": "activations", "bytes": act, "logits_bytes": logits, "formula": formula + " (lower bound: the working set of "
-                                                                                "the layer in backward is not counted)"})
-    for r in rows:
-        r["bytes"] = int(r["bytes"])
-        r["gib"] = round(r["bytes"] / _GIB, 4)
+    rows.append({"category": "activations", "bytes": act, "logits_bytes": logits,
+                 "formula": formula + " (lower bound: the working set of the layer in backward is not counted)",
+                 "gib": _gib(act)})
     return {"params_dense": dense, "params_expert": expert, "bytes_per_param": per_param, "rows": rows,
             "assumptions": assumptions}
 
 
-def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
+def _gib(nbytes: int) -> float:
+    """Bytes in GiB, 4 decimals (a row's ``gib``)."""
+    return round(nbytes / _GIB, 4)
+
+
+def explain_estimate(s: Mapping[str, Any], estimate: Optional[Estimate]) -> Optional[list[EstimateCheckRow]]:
     """Measured vs estimated bytes per category, with the difference (bytes); None without an estimate.
 
     Blocks allocated before the recorded window have no stack: they are set against parameters,
@@ -203,19 +216,17 @@ def explain_estimate(s: dict, estimate: Optional[dict]) -> Optional[list[dict]]:
         return None
     meas = {r["category"]: r["bytes"] for r in s.get("categories_at_peak") or []}
     est = {r["category"]: r["bytes"] for r in estimate["rows"]}
-    rows = []
-    for cat in ("parameters", "gradients", "optimizer", "activations"):
-        rows.append({"category": cat, "measured_bytes": meas.get(cat, 0), "estimated_bytes": est.get(cat, 0)})
+    pairs = [(cat, meas.get(cat, 0), est.get(cat, 0))
+             for cat in ("parameters", "gradients", "optimizer", "activations")]
     if meas.get("before_window"):
-        rows.append({"category": "parameters + gradients + optimizer + allocated before the window, together",
-                     "measured_bytes": meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
-                     "estimated_bytes": sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))})
-    for r in rows:
-        r["difference_bytes"] = r["measured_bytes"] - r["estimated_bytes"]
-    return rows
+        pairs.append(("parameters + gradients + optimizer + allocated before the window, together",
+                      meas["before_window"] + sum(meas.get(c, 0) for c in ("parameters", "gradients", "optimizer")),
+                      sum(est.get(c, 0) for c in ("parameters", "gradients", "optimizer"))))
+    return [{"category": cat, "measured_bytes": m, "estimated_bytes": e, "difference_bytes": m - e}
+            for cat, m, e in pairs]
 
 
-def chunked_lm_head(cfg: dict) -> bool:
+def chunked_lm_head(cfg: Mapping[str, Any]) -> bool:
     """True when the loss runs on the chunked LM-head path, which holds no logits (``actor.loss``)."""
     loss = (cfg.get("actor") or {}).get("loss") or {}
     path = loss.get("path", "auto")
@@ -230,12 +241,12 @@ TE_WORKSPACE_BYTES = 167_777_280  # cuBLAS / TE GEMM workspaces: 0.156 GiB in 5 
 GDN_CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (one state per chunk)
 
 
-def transformer_engine(cfg: dict) -> bool:
+def transformer_engine(cfg: Mapping[str, Any]) -> bool:
     """True unless ``actor.megatron.transformer_impl`` is ``local`` (``auto`` taken as TE: module docstring)."""
     return str(((cfg.get("actor") or {}).get("megatron") or {}).get("transformer_impl", "auto")) != "local"
 
 
-def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int, ep: int = 1) -> dict[str, int]:
+def layer_sets(hf: Any, layer_type: str, s: int, t: int, etp: int, b: int, ep: int = 1) -> dict[str, int]:
     """Bytes one layer saves for backward at ``s`` tokens on a rank, by megatron-core recompute module (``core_attn``,
     ``layernorm``, ``moe``, ``shared_experts``; ``other``: the layer's input and its residual after attention), and
     its MoE backward's working set ``moe_backward`` at EP ``ep`` (module docstring: ``A`` and ``B``)."""
@@ -259,14 +270,16 @@ def layer_sets(hf, layer_type: str, s: int, t: int, etp: int, b: int, ep: int = 
             "moe_backward": (2 + (ep > 1)) * tokens * h * b}
 
 
-def _largest_main_grad(hf, layout) -> int:
+def _largest_main_grad(hf: Any, layout: Layout) -> int:
     """Elements of the rank's largest fp32 main-gradient tensor (module docstring, the optimizer step)."""
     experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
     fc1 = experts // layout.ep * 2 * hf.hidden_size * hf.moe_intermediate_size // layout.etp // layout.edp
-    return max(fc1, hf.vocab_size * hf.hidden_size // layout.tp // (layout.dp * layout.cp))
+    largest: int = max(fc1, hf.vocab_size * hf.hidden_size // layout.tp // (layout.dp * layout.cp))
+    return largest
 
 
-def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str, Any]:
+def predict_peak(cfg: dict[str, Any], hf: Any, layout: Layout, coords: Mapping[str, int],
+                 seq_len: int) -> dict[str, Any]:
     """The step's predicted peak allocated bytes of the rank with ``coords`` (megatron; module docstring).
 
     Args:
@@ -372,7 +385,7 @@ def predict_peak(cfg: dict, hf, layout, coords: dict, seq_len: int) -> dict[str,
                      "formula": f"4 B x {n:,}: the largest fp32 main gradient scaled out of place (local specs)"})
     phases["optimizer step"] = step
     totals = {k: int(sum(r["bytes"] for r in v)) for k, v in phases.items()}
-    phase = max(totals, key=totals.get)
+    phase = max(totals, key=lambda k: totals[k])
     rows = [dict(r, bytes=int(r["bytes"])) for r in phases[phase]]
     return {"peak_bytes": totals[phase], "phase": phase, "rows": rows, "phases": totals,
             "assumptions": est["assumptions"] + [

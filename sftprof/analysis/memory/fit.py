@@ -22,8 +22,9 @@ of the trial's processes.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+from sftprof.allocation import Layout
 from sftprof.analysis.memory.estimate import chunked_lm_head, predict_peak
 from sftprof.compat import megatron_at_least
 from sftprof.config import ConfigError
@@ -83,24 +84,26 @@ def outside_pytorch_gib() -> float:
     return OUTSIDE_PYTORCH_GIB_MCORE_0_19 if larger else OUTSIDE_PYTORCH_GIB_MCORE_0_16
 
 
-def smi_capacity_bytes(gpus: list[dict]) -> Optional[int]:
+def smi_capacity_bytes(gpus: Sequence[Mapping[str, Any]]) -> Optional[int]:
     """torch's capacity (bytes) of the smallest GPU of a summary's ``nvidia_smi.gpus``: nvidia-smi's
-    ``memory_total_mib`` less :data:`DRIVER_RESERVED_GIB`; None without GPUs."""
-    if not gpus:
+    ``memory_total_mib`` less :data:`DRIVER_RESERVED_GIB`; None without a GPU whose total nvidia-smi gave."""
+    totals = [float(g["memory_total_mib"]) for g in gpus if g.get("memory_total_mib") is not None]
+    if not totals:
         return None
-    return int(min(g["memory_total_mib"] for g in gpus) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
+    return int(min(totals) * 2**20 - DRIVER_RESERVED_GIB * _GIB)
 
 
-def _largest_block(cfg: dict, hf, layout, seq_len: int) -> int:
+def _largest_block(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int) -> int:
     """Bytes of the largest block of the step: the logits (unchunked loss) or the MoE's dispatched tokens."""
     b = 4 if str(cfg["actor"].get("dtype")) == "float32" else 2
     s = seq_len // layout.cp
     if not chunked_lm_head(cfg):
-        return s * (hf.vocab_size // layout.tp) * b
-    return s * hf.num_experts_per_tok * layout.etp // layout.tp * hf.hidden_size * b
+        return s * (int(hf.vocab_size) // layout.tp) * b
+    return s * int(hf.num_experts_per_tok) * layout.etp // layout.tp * int(hf.hidden_size) * b
 
 
-def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_conf: Optional[str]) -> dict[str, Any]:
+def check_fit(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capacity_bytes: int,
+              alloc_conf: Optional[str]) -> dict[str, Any]:
     """The worst rank's need against ``capacity_bytes`` (one GPU's; module docstring).
 
     Returns:
@@ -125,7 +128,7 @@ def check_fit(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_co
             "headroom_bytes": int(capacity_bytes) - need, "prediction": pred}
 
 
-def with_settings(cfg: dict, settings: dict[str, Any]) -> dict:
+def with_settings(cfg: dict[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
     """``cfg`` with the config keys of ``settings`` set (environment settings left out)."""
     out = copy.deepcopy(cfg)
     for key, value in settings.items():
@@ -139,7 +142,7 @@ def with_settings(cfg: dict, settings: dict[str, Any]) -> dict:
     return out
 
 
-def fitting_changes(cfg: dict, hf_for: HfLoader, layout, seq_len: int, capacity_bytes: int,
+def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_len: int, capacity_bytes: int,
                     alloc_conf: Optional[str]) -> list[dict[str, Any]]:
     """The changes that make the worst rank fit, smallest first (module docstring): each ``{"settings": {key:
     value}, "check": check_fit(...)}``; empty when none of them fits.
@@ -154,7 +157,7 @@ def fitting_changes(cfg: dict, hf_for: HfLoader, layout, seq_len: int, capacity_
     if not expandable_segments(alloc_conf):
         steps.append({ENV + ALLOC_CONF: with_expandable(alloc_conf)})
     if not chunked_lm_head(cfg):
-        chunk = {"actor.loss.lm_head_loss_chunk_size": LM_HEAD_CHUNK}
+        chunk: dict[str, Any] = {"actor.loss.lm_head_loss_chunk_size": LM_HEAD_CHUNK}
         if loss.get("path", "auto") != "auto":
             chunk["actor.loss.path"] = "lm_head"
         steps.append(chunk)
@@ -169,14 +172,14 @@ def fitting_changes(cfg: dict, hf_for: HfLoader, layout, seq_len: int, capacity_
         steps.append({**base, **{k: v for k, v in full.items() if now[k] != v}})
         base = steps[-1]
 
-    def verdict(settings: dict, n_layers: int = layers, tokens: int = seq_len) -> dict:
+    def verdict(settings: dict[str, Any], n_layers: int = layers, tokens: int = seq_len) -> dict[str, Any]:
         conf = settings.get(ENV + ALLOC_CONF, alloc_conf)
         return check_fit(with_settings(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
                          capacity_bytes, conf)
 
     out = [{"settings": st, "check": c} for st in steps if (c := verdict(st))["fits"]]
     for extra in ({}, base) if base else ({},):  # fewer tokens, fewer layers: alone, else with the changes above
-        found = []
+        found: list[dict[str, Any]] = []
         tokens = seq_len // 2
         while tokens >= MIN_TOKENS and tokens % layout.cp == 0:
             settings = {**extra, "profile.fake_seq_len": tokens}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -33,7 +33,7 @@ from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS
 from sftprof.analysis.memory.schema import OomTriage
 from sftprof.analysis.report.schema import Finding
-from sftprof.analysis.what_if.schema import WhatIf
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting
 
 __all__ = ["oom_triage", "oom_finding", "oom_what_if", "settings_text", "KEY"]
 
@@ -42,7 +42,7 @@ _GIB = float(2**30)
 _ALIVE = ("active_allocated", "active_pending_free")
 
 
-def _frames_of(stack: list[str]) -> list[dict]:
+def _frames_of(stack: list[str]) -> list[dict[str, Any]]:
     """The record's ``file:line function`` lines (innermost last) as snapshot frames (innermost first)."""
     out = []
     for line in reversed(stack):
@@ -52,23 +52,24 @@ def _frames_of(stack: list[str]) -> list[dict]:
     return out
 
 
-def _read(oom_dir: str, rank: int, name: str) -> dict[str, Any]:
-    """One rank's figures from its record and snapshot (module docstring); ``errors`` names a damaged file."""
-    out: dict[str, Any] = {"rank": rank, "snapshot": name, "errors": []}
-    record: dict = {}
+def _read(oom_dir: str, rank: int, name: str) -> OomTriage:
+    """One rank's figures from its record and snapshot (module docstring); ``errors`` names a damaged file. No
+    prediction yet (:func:`oom_triage` adds it) and no other ranks."""
+    errors: list[str] = []
+    record: dict[str, Any] = {}  # sftprof.artifacts' out-of-memory record, as JSON
     path = os.path.join(oom_dir, artifacts.oom_record_name(rank))
     if os.path.exists(path):
         try:
             record = json.loads(open(path, encoding="utf-8").read())
         except (OSError, ValueError) as err:
-            out["errors"].append(f"{artifacts.oom_record_name(rank)}: {err}")
+            errors.append(f"{artifacts.oom_record_name(rank)}: {err}")
     try:
         snap = safe_load_file(os.path.join(oom_dir, name))
         segments = snap["segments"]
         blocks = [b for s in segments for b in s["blocks"] if b["state"] in _ALIVE]
         traces = [e for t in snap.get("device_traces") or [] for e in t]
     except Exception as err:  # a damaged snapshot is this file's error
-        out["errors"].append(f"{name}: {type(err).__name__}: {err}")
+        errors.append(f"{name}: {type(err).__name__}: {err}")
         segments, blocks, traces = [], [], []
     oom = next((e for e in reversed(traces) if e.get("action") == "oom"), None)
     live: dict[str, int] = {k: 0 for k in MEMORY_CATEGORIES}
@@ -81,14 +82,16 @@ def _read(oom_dir: str, rank: int, name: str) -> dict[str, Any]:
     capacity = record.get("capacity_bytes")
     frames = _frames_of(record["stack"]) if record.get("stack") else (oom or {}).get("frames") or []
     regions = record.get("regions") or []
-    out.update(requested_bytes=record.get("requested_bytes", oom.get("size") if oom else None),
-               capacity_bytes=capacity, free_bytes=free, allocated_bytes=allocated,
-               reserved_unallocated_bytes=None if reserved is None else reserved - allocated,
-               outside_pytorch_bytes=None if None in (capacity, free, reserved) else capacity - free - reserved,
-               phase=regions[-1] if regions else None, site=allocation_site(frames) if frames else None,
-               history=bool(record.get("history", bool(traces))),
-               live=[{"category": k, "bytes": v} for k, v in live.items() if v])
-    return out
+    return {"rank": rank, "snapshot": name, "errors": errors,
+            "requested_bytes": record.get("requested_bytes", oom.get("size") if oom else None),
+            "capacity_bytes": capacity, "free_bytes": free, "allocated_bytes": allocated,
+            "reserved_unallocated_bytes": None if reserved is None else reserved - allocated,
+            "outside_pytorch_bytes": (None if capacity is None or free is None or reserved is None
+                                      else capacity - free - reserved),
+            "phase": regions[-1] if regions else None, "site": allocation_site(frames) if frames else None,
+            "history": bool(record.get("history", bool(traces))),
+            "live": [{"category": k, "bytes": v} for k, v in live.items() if v],
+            "other_ranks": [], "predicted": None, "fits": [], "prediction_error": None}
 
 
 def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
@@ -101,7 +104,7 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
     return "layer backward" if phase and "backward" in phase else None
 
 
-def oom_triage(log_dir: str, cfg: Optional[dict], model: TrialModel, failed_rank: Optional[int],
+def oom_triage(log_dir: str, cfg: Optional[dict[str, Any]], model: TrialModel, failed_rank: Optional[int],
                alloc_conf: Optional[str]) -> Optional[OomTriage]:
     """The triage of the trial's out-of-memory failure (module docstring); None when no rank left a snapshot.
 
@@ -118,7 +121,7 @@ def oom_triage(log_dir: str, cfg: Optional[dict], model: TrialModel, failed_rank
         return None
     rank, name = next(((r, n) for r, n in ranks if r == failed_rank), ranks[0])
     t = _read(oom_dir, rank, name)
-    t.update(other_ranks=[r for r, _ in ranks if r != rank], predicted=None, fits=[], prediction_error=None)
+    t["other_ranks"] = [r for r, _ in ranks if r != rank]
     if cfg and (cfg.get("actor") or {}).get("backend", "").startswith("megatron"):
         try:
             layout = parse_allocation_mode(cfg["actor"]["backend"])
@@ -148,7 +151,7 @@ def settings_text(settings: dict[str, Any]) -> str:
     return " ".join(f"{k[len(ENV):]}={v}" if k.startswith(ENV) else f"{k}={v}" for k, v in settings.items())
 
 
-def oom_finding(t: Mapping[str, Any]) -> Finding:
+def oom_finding(t: OomTriage) -> Finding:
     """The summary's first finding for the triage ``t`` (:func:`oom_triage`), in words."""
     where = " in " + t["phase"] if t["phase"] else ""
     where += f" at {t['site']}" if t["site"] else ""
@@ -171,23 +174,25 @@ def oom_finding(t: Mapping[str, Any]) -> Finding:
     return {"text": text, "section": "#out-of-memory", "weight": 1.0, "key": "out of memory", "rank": t["rank"]}
 
 
-def oom_what_if(t: Mapping[str, Any]) -> list[WhatIf]:
+def oom_what_if(t: OomTriage) -> list[WhatIf]:
     """The ``fit_oom`` what-if of the triage (its smallest change that fits), [] without one. Its effect is the peak
     allocated against what the failed step asked for (allocated + the request, its ``baseline``); the outcome sets
     the what-if trial's peak against that baseline (:func:`sftprof.analysis.what_if.outcome.outcome`)."""
-    if not t.get("fits") or t["requested_bytes"] is None:
+    capacity = t["capacity_bytes"]
+    if not t.get("fits") or t["requested_bytes"] is None or capacity is None:  # fits are found with a capacity only
         return []
     c = t["fits"][0]
     asked = t["allocated_bytes"] + t["requested_bytes"]
-    settings = [{"kind": "env", "key": k[len(ENV):], "value": v, "current": None} if k.startswith(ENV) else
-                {"kind": "config", "key": k, "value": v, "current": None} for k, v in c["settings"].items()]
+    settings: list[WhatIfSetting] = [
+        {"kind": "env", "key": k[len(ENV):], "value": v, "current": None} if k.startswith(ENV) else
+        {"kind": "config", "key": k, "value": v, "current": None} for k, v in c["settings"].items()]
     value = (c["peak_bytes"] - asked) / _GIB
     return [{"key": KEY, "label": LABELS[KEY], "rank": t["rank"], "settings": settings,
              "effect": {"metric": "peak_allocated", "unit": "GiB", "value": round(value, 4),
                         "baseline": round(asked / _GIB, 4)},
              "assumption": f"the step's peak follows sftprof/analysis/memory/estimate.py's prediction "
                            f"({c['peak_bytes'] / _GIB:.2f} GiB) and fits the GPU with "
-                           f"{(t['capacity_bytes'] - c['need_bytes']) / _GIB:.2f} GiB to spare",
+                           f"{(capacity - c['need_bytes']) / _GIB:.2f} GiB to spare",
              "text": f"{LABELS[KEY]} ({settings_text(c['settings'])}): peak allocated "
                      f"{value:+.2f} GiB on rank {t['rank']} against the {asked / _GIB:.2f} GiB the failed step "
                      "asked for",

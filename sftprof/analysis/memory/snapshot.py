@@ -46,12 +46,14 @@ checks of its history and devices) works on one set of arrays built once.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable, Mapping, Optional, TypedDict
 
 import numpy as np
 
 from sftprof import artifacts
 from sftprof.analysis.memory.categories import allocation_site, categories
+from sftprof.analysis.memory.schema import (AllocationRow, History, MemorySummary, MemoryStepWindow, SiteRow,
+                                            SnapshotDevice, SpikeRow, WithoutLargestBlock)
 from sftprof.analysis.trace.check import is_finite_number
 
 __all__ = ["analyze_snapshot", "check_snapshot", "history_status", "other_devices_message", "peak_where", "TOP_SITES",
@@ -61,14 +63,26 @@ TOP_SITES = 20
 TOP_ALLOCATIONS = 10
 _GIB = float(2**30)
 _ALLOCATED_STATES = ("active_allocated", "active_pending_free")
+# A snapshot as torch.cuda.memory._snapshot() writes it (checked by check_snapshot): its events, blocks and frames are
+# the unpickled dicts themselves
+Event = dict[str, Any]
+Frames = list[dict[str, Any]]
 
 
-def _spikes(trace: list, lo_us: float, hi_us: float, limit: int = 5) -> list[dict]:
+class _AliveAt(TypedDict):
+    """What is allocated right after an event (:func:`_alive_at`)."""
+    live_bytes: int
+    top_sites: list[SiteRow]
+    top_allocations: list[AllocationRow]
+    categories: list[dict[str, Any]]  # sftprof.analysis.memory.categories.categories
+
+
+def _spikes(trace: list[Event], lo_us: float, hi_us: float, limit: int = 5) -> list[SpikeRow]:
     """Largest short-lived allocations: blocks allocated at ``lo_us <= time_us <= hi_us`` and freed within the
     recorded window, by size. A block's ``lifetime_ms`` is its free minus alloc time.
     """
-    born: dict[int, tuple[int, float, list]] = {}
-    out = []
+    born: dict[int, tuple[int, float, Frames]] = {}
+    out: list[tuple[int, float, float, Frames]] = []  # bytes, lifetime us, alloc time us, frames
     for e in trace:
         a = e.get("action")
         if a == "alloc":
@@ -82,14 +96,14 @@ def _spikes(trace: list, lo_us: float, hi_us: float, limit: int = 5) -> list[dic
              "site": allocation_site(frames)} for size, life, _, frames in out[:limit]]
 
 
-def _devices(snapshot: dict, own: int | None) -> list[dict[str, int]]:
+def _devices(snapshot: dict[str, Any], own: int | None) -> list[SnapshotDevice]:
     """Per device the snapshot holds segments or allocator events of: ``{"device", "reserved_bytes",
     "allocated_bytes"}`` (at the dump) and ``trace_entries``; ``own`` (the rank's device; None: the one with the most
     reserved bytes, then events) first, even when the snapshot holds nothing of it, then the others by index."""
     traces = snapshot.get("device_traces") or []
-    rows: dict[int, dict[str, int]] = {}
+    rows: dict[int, SnapshotDevice] = {}
 
-    def row(d: int) -> dict[str, int]:
+    def row(d: int) -> SnapshotDevice:
         return rows.setdefault(d, {"device": d, "reserved_bytes": 0, "allocated_bytes": 0,
                                    "trace_entries": len(traces[d]) if d < len(traces) else 0})
     for seg in snapshot.get("segments") or []:
@@ -119,14 +133,15 @@ def _history_start_problem(times: np.ndarray, step: tuple[float, float, str], un
             "recorded part of the step")
 
 
-def _innermost_phase(phases: list[dict], t_us: float) -> str | None:
+def _innermost_phase(phases: list[dict[str, Any]], t_us: float) -> str | None:
     inside = [p for p in phases if p.get("start_us", np.inf) <= t_us <= p.get("end_us", -np.inf)]
     if not inside:
         return None
-    return min(inside, key=lambda p: (p["end_us"] - p["start_us"], p.get("name", "")))["name"]
+    name: str = min(inside, key=lambda p: (p["end_us"] - p["start_us"], p.get("name", "")))["name"]  # checked: a str
+    return name
 
 
-def _step_window(phases: list[dict]) -> tuple[float, float, str] | None:
+def _step_window(phases: list[dict[str, Any]]) -> tuple[float, float, str] | None:
     """``(start_us, end_us, source)`` of the profiled step: the ``sftprof/step`` phase(s) (``source`` that name),
     else the span of all recorded phases (``source`` ``"span of the recorded phases"``); None without phases."""
     if not phases:
@@ -158,11 +173,12 @@ def _history_problem(times: np.ndarray, step: tuple[float, float, str] | None) -
     return None
 
 
-def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: int, reserved_at: int) -> dict[str, Any]:
+def _alive_at(trace: list[Event], final_blocks: dict[int, tuple[int, Frames]], peak_i: int,
+              reserved_at: int) -> _AliveAt:
     """What is allocated right after event ``peak_i`` of ``trace`` (-1: before the first recorded event), walked
     back from the final state ``final_blocks`` (addr -> (bytes, frames)): ``live_bytes``, ``top_sites``,
     ``top_allocations`` and ``categories`` (with the slack against ``reserved_at`` bytes reserved then)."""
-    live = dict(final_blocks)  # addr -> (size, frames or None)
+    live: dict[int, tuple[int, Optional[Frames]]] = dict(final_blocks)  # addr -> (size, frames or None)
     touched: set[int] = set()
     for e in reversed(trace[peak_i + 1:]):
         a = e.get("action")
@@ -172,7 +188,7 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
         elif a == "free_completed":
             live[e["addr"]] = (int(e["size"]), None)
             touched.add(e["addr"])
-    alloc_frames: dict[int, list] = {}  # blocks allocated inside the window and not yet freed
+    alloc_frames: dict[int, Frames] = {}  # blocks allocated inside the window and not yet freed
     for e in trace[:peak_i + 1]:
         a = e.get("action")
         if a == "alloc":
@@ -180,7 +196,7 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
         elif a == "free_completed":
             alloc_frames.pop(e["addr"], None)
     by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    allocations = []
+    allocations: list[tuple[int, str, int]] = []  # bytes, site, address
     for addr, (size, frames) in live.items():
         if addr in alloc_frames:
             frames = alloc_frames[addr]
@@ -191,17 +207,18 @@ def _alive_at(trace: list, final_blocks: dict[int, tuple[int, list]], peak_i: in
         by_site[site][1] += 1
         allocations.append((size, site, addr))
     live_total = sum(v[0] for v in by_site.values())
-    top_sites = [{"site": s, "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
+    top_sites: list[SiteRow] = [{"site": s, "bytes": b, "gib": round(b / _GIB, 4), "blocks": c,
                   "share_pct": round(100 * b / live_total, 3) if live_total else 0.0}
                  for s, (b, c) in sorted(by_site.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_SITES]]
-    top_allocs = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
+    top_allocs: list[AllocationRow] = [{"bytes": s, "gib": round(s / _GIB, 4), "site": site}
                   for s, site, _ in sorted(allocations, key=lambda x: (-x[0], x[1], x[2]))[:TOP_ALLOCATIONS]]
     return {"live_bytes": live_total, "top_sites": top_sites, "top_allocations": top_allocs,
             "categories": categories(by_site, live_total, reserved_at)}
 
 
-def _without_largest_block(trace: list, allocated: np.ndarray, peak_i: int, lo: int, hi: int,
-                           at_ms, phase) -> dict[str, Any] | None:
+def _without_largest_block(trace: list[Event], allocated: np.ndarray, peak_i: int, lo: int, hi: int,
+                           at_ms: Callable[[float], Optional[float]],
+                           phase: Callable[[float], Optional[str]]) -> WithoutLargestBlock | None:
     """The highest allocated level after events ``lo..hi-1`` (the profiled step, or the whole window) with the
     largest block that was allocated in the recorded history and is alive after event ``peak_i`` taken out of its
     lifetime: the peak if that block were never allocated and the rest allocated as it did. None when no block
@@ -211,7 +228,7 @@ def _without_largest_block(trace: list, allocated: np.ndarray, peak_i: int, lo: 
         if e.get("action") == "alloc":
             live[e["addr"]] = (i, int(e["size"]))
         elif e.get("action") == "free_completed":
-            live.pop(e.get("addr"), None)
+            live.pop(e["addr"], None)  # check_snapshot: a free_completed event has its addr
     if not live:
         return None
     addr, (start, size) = max(live.items(), key=lambda kv: (kv[1][1], -kv[1][0]))
@@ -241,7 +258,7 @@ _AT_DUMP = "at the snapshot's dump: no allocator history, so no peak is known"
 _STEP_UNKNOWN = "in the recorded window; the profiled step's own peak is unknown"
 
 
-def peak_where(summary: dict, which: str = "peak") -> str:
+def peak_where(summary: Mapping[str, Any], which: str = "peak") -> str:
     """Where a peak of :func:`analyze_snapshot`'s summary lies, in words (never ``None`` or ``?``).
 
     Args:
@@ -267,8 +284,9 @@ def peak_where(summary: dict, which: str = "peak") -> str:
         return _STEP_UNKNOWN
     if which == "window" and scope is not None:
         pos, phase = summary.get("window_peak_position"), summary.get("window_peak_phase")
-        if pos in ("before_step", "after_step"):
-            return WINDOW_PEAK_POSITIONS[pos]
+        outside = WINDOW_PEAK_POSITIONS[pos] if pos in ("before_step", "after_step") else None
+        if outside:
+            return outside
     else:  # the headline peak; an older summary's only peak is its window's
         phase = summary.get("peak_phase")
         pos = "in_step" if scope == "profiled_step" else None
@@ -279,11 +297,11 @@ def peak_where(summary: dict, which: str = "peak") -> str:
     return _NO_PHASES if scope is not None else "with no phase recorded"
 
 
-def _int(v) -> bool:
+def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_fields(where: str, rec, fields: dict) -> None:
+def _check_fields(where: str, rec: object, fields: Mapping[str, tuple[Callable[[Any], object], str]]) -> None:
     if not isinstance(rec, dict):
         raise ValueError(f"{where} is {type(rec).__name__}, expected a dict")
     for key, (check, what) in fields.items():
@@ -299,7 +317,7 @@ _EVENT_FIELDS = {"action": (lambda v: isinstance(v, str), "a str"), "addr": (_in
                  "frames": (lambda v: isinstance(v, list), "a list")}
 
 
-def check_snapshot(snapshot) -> None:
+def check_snapshot(snapshot: object) -> None:
     """Check the structure :func:`analyze_snapshot` relies on; the message says where it breaks.
 
     Expected (``torch.cuda.memory._snapshot()``): a dict with ``segments``, a list of dicts
@@ -332,7 +350,7 @@ def check_snapshot(snapshot) -> None:
                 raise ValueError(f"device_traces[{d}][{k}] is an {event['action']} without 'addr'")
 
 
-def other_devices_message(s: dict) -> str:
+def other_devices_message(s: MemorySummary) -> str:
     """The warning of a snapshot (its summary ``s``) that holds other devices' blocks beside the rank's own."""
     own, others = s["devices"][0], s["devices"][1:]
     seen = "; ".join(f"cuda:{d['device']} {d['reserved_bytes'] / _GIB:.3f} GiB reserved, "
@@ -346,7 +364,7 @@ def other_devices_message(s: dict) -> str:
             "rank's process allocated on another GPU (e.g. torch.load without map_location)")
 
 
-def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
+def history_status(summary: Mapping[str, Any], max_entries: int | None) -> History:
     """Whether the allocator history ring buffer overflowed, so the recorded window is truncated.
 
     ``torch.cuda.memory._record_memory_history(max_entries=N)`` keeps only the newest ``N`` events
@@ -363,7 +381,7 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
         events have no times).
     """
     n = summary["trace_entries"]
-    out: dict[str, Any] = {"max_entries": max_entries, "entries": n,
+    out: History = {"max_entries": max_entries, "entries": n,
                            "truncated": None if max_entries is None else n >= max_entries}
     if out["truncated"]:
         first = ("" if summary["window_start_us"] is None else
@@ -378,7 +396,8 @@ def history_status(summary: dict, max_entries: int | None) -> dict[str, Any]:
     return out
 
 
-def analyze_snapshot(snapshot: dict, phases: dict | None = None, device: int | None = None) -> dict[str, Any]:
+def analyze_snapshot(snapshot: dict[str, Any], phases: dict[str, Any] | None = None,
+                     device: int | None = None) -> dict[str, Any]:
     """Memory summary of one snapshot: the profiled step's peak when ``phases`` holds phases, else the recorded
     window's (module docstring), and the whole window's peak beside it.
 
@@ -440,7 +459,7 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None, device: int | N
     traces = snapshot.get("device_traces") or []
     trace = traces[dev] if dev < len(traces) else []
     segments = [s for s in snapshot["segments"] if s.get("device", 0) == dev]
-    final_blocks: dict[int, tuple[int, list]] = {}
+    final_blocks: dict[int, tuple[int, Frames]] = {}
     for seg in segments:
         for b in seg.get("blocks", []):
             if b.get("state") in _ALLOCATED_STATES:
@@ -514,8 +533,9 @@ def analyze_snapshot(snapshot: dict, phases: dict | None = None, device: int | N
             win_i, win_t, position = peak_i, peak_t, "in_step"
         else:
             position = "before_step" if win_t < s_us else "after_step" if win_t > e_us else "in_step"
-        step_window = {"source": source, "start_ms": round((s_us - t0) / 1e3, 3) if n else None,
-                       "end_ms": round((e_us - t0) / 1e3, 3) if n else None}
+        step_window: Optional[MemoryStepWindow] = {"source": source,
+                                                   "start_ms": round((s_us - t0) / 1e3, 3) if n else None,
+                                                   "end_ms": round((e_us - t0) / 1e3, 3) if n else None}
         scope = "profiled_step"
     else:
         peak_i, peak_alloc, peak_res, peak_t, position, step_window = win_i, win_alloc, win_res, win_t, None, None

@@ -3,7 +3,7 @@ the peak by category, the theoretical estimate against what was measured, transi
 sites alive at the peak. Each function renders what the summary holds."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from sftprof.analysis.report import findings as fnd
 from sftprof.analysis.report.markdown import fmt, short, table
@@ -114,5 +114,6 @@ def _memory_snapshot(m: dict[str, Any]) -> list[str]:
     return out
 
 
-def memory_snapshots(s: dict[str, Any]) -> list[str]:
+def memory_snapshots(s: Mapping[str, Any]) -> list[str]:
+    """The section of each memory snapshot of the summary ``s`` (a ProfileSummary)."""
     return [line for m in s.get("memory_snapshots") or [] for line in _memory_snapshot(m)]

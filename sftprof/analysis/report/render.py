@@ -9,21 +9,26 @@ holds (floats with 3 decimals, :mod:`sftprof.analysis.report.markdown`).
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Literal
 
 from sftprof.analysis.report import findings as fnd
 from sftprof.artifacts import ENVIRONMENT, compare_report_name
 from sftprof.analysis.trial.failure import failure_cause, headline
 from sftprof.analysis.report.markdown import fmt, table, with_rank
+from sftprof.analysis.time.projection import real_rank_text
 from sftprof.analysis.time.rank_table import RANK_COLUMNS
 from sftprof.analysis.trial.wall_time import PHASES
 from sftprof.analysis.report.memory import memory_snapshots
 from sftprof.analysis.report.trace import kernel_traces
+from sftprof.analysis.schema import ProfileSummary
+from sftprof.analysis.time.schema import CommWait, WaitedFor, WorkSpread
+from sftprof.analysis.trial.schema import MoeRouting
+from sftprof.analysis.views.schema import MergedView
 
 __all__ = ["render_markdown", "SECTIONS"]
 
 
-def _projection(s: dict) -> list[str]:
+def _projection(s: ProfileSummary) -> list[str]:
     """A simulated rank's projected step (``simulation.projection``): per collective, the totals, the memory."""
     sim = s.get("simulation")
     if not sim:
@@ -39,13 +44,13 @@ def _projection(s: dict) -> list[str]:
             f"(computed) = **{fmt(p['projected_step_ms'])} ms** (serial bound {fmt(p['serial_step_ms'])} ms)"
             + (f", MFU {fmt(100 * p['mfu'])} %" if p["mfu"] is not None else "") + "; memory: measured peak "
             f"{fmt(mem['measured_peak_gib'])} GiB + NCCL buffers {fmt(mem['nccl_buffers_gib'])} GiB (estimated) = "
-            f"{fmt(mem['projected_peak_gib'])} GiB\n",
+            f"{fmt(mem['projected_peak_gib'])} GiB; {real_rank_text(mem)}\n",
             table(["group", "collective", "link", "calls", "MiB/call", "GB/s", "ms", "exposed ms", "overlap"], rows),
             "", "Assumptions:", *[f"- {a}" for a in p["assumptions"]], ""]
 
 
 # -- trial-level sections ------------------------------------------------------------------------------------
-def _header(s: dict) -> list[str]:
+def _header(s: ProfileSummary) -> list[str]:
     c = s["completion"]
     cause = failure_cause(s)  # the Failure section's first failure, else the completion record's error
     sim = s.get("simulation")
@@ -62,7 +67,7 @@ def _header(s: dict) -> list[str]:
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
 
 
-def _environment_line(s: dict) -> list[str]:
+def _environment_line(s: ProfileSummary) -> list[str]:
     """The header's line of the recorded environment variables (none for a summary of an earlier schema)."""
     if "environment" not in s:
         return []
@@ -80,7 +85,7 @@ def _code(text: str) -> str:
     return f"{fence} {text} {fence}" if len(fence) > 1 else f"`{text}`"
 
 
-def _findings(s: dict) -> list[str]:
+def _findings(s: ProfileSummary) -> list[str]:
     out = []
     if s.get("findings"):
         out.append("## Findings\n")
@@ -97,7 +102,7 @@ def _findings(s: dict) -> list[str]:
     return out
 
 
-def _tried_what_if(s: dict) -> list[str]:
+def _tried_what_if(s: ProfileSummary) -> list[str]:
     """A what-if trial's record: the trial it varies, the setting applied, the prediction (its outcome: compare)."""
     tried = s.get("tried_what_if")
     if not tried:
@@ -110,17 +115,18 @@ def _tried_what_if(s: dict) -> list[str]:
             "(`postprocess_profile.py compare SOURCE_RUN_DIR THIS_RUN_DIR`).", ""]
 
 
-def _problems(s: dict) -> list[str]:
+def _problems(s: ProfileSummary) -> list[str]:
     out = []
-    for key, title, col, field in (("errors", "Errors", "error", "error"), ("warnings", "Warnings", "warning", "warning"),
-                                   ("skipped", "Skipped files", "why", "reason")):
-        if s.get(key):
+    for title, col, rows in (("Errors", "error", [[e["file"], e["error"]] for e in s.get("errors") or []]),
+                             ("Warnings", "warning", [[w["file"], w["warning"]] for w in s.get("warnings") or []]),
+                             ("Skipped files", "why", [[k["file"], k["reason"]] for k in s.get("skipped") or []])):
+        if rows:
             out.append(f"## {title}\n")
-            out.append(table(["file", col], [[e["file"], e[field]] for e in s[key]]))
+            out.append(table(["file", col], rows))
     return out
 
 
-def _failure(s: dict) -> list[str]:
+def _failure(s: ProfileSummary) -> list[str]:
     fail = s.get("failure")
     if not fail:
         return []
@@ -141,13 +147,13 @@ def _failure(s: dict) -> list[str]:
     return out
 
 
-def _oom(s: dict) -> list[str]:
+def _oom(s: ProfileSummary) -> list[str]:
     t = s.get("oom")
     if not t:
         return []
     g = float(2**30)
 
-    def gib(b):
+    def gib(b: float | None) -> str:
         return "unknown" if b is None else f"{b / g:.2f}"
 
     out = ["## Out of memory\n",
@@ -157,8 +163,8 @@ def _oom(s: dict) -> list[str]:
            f"{gib(t['allocated_bytes'])}, reserved and not allocated {gib(t['reserved_unallocated_bytes'])}, outside "
            f"PyTorch {gib(t['outside_pytorch_bytes'])}, free {gib(t['free_bytes'])} GiB",
            f"- phase {fmt(t['phase'])}, site {fmt(t['site'])}"]
-    p = t["predicted"] or {}
-    pred = {r["category"]: r["bytes"] for r in p.get("rows") or []}
+    p = t["predicted"]
+    pred = {r["category"]: r["bytes"] for r in (p.get("rows") if p else None) or []}
     rows = [[r["category"], gib(r["bytes"])] for r in t["live"]]
     out += ["", table(["alive at the failure", "GiB"], rows)]
     if p:
@@ -174,18 +180,20 @@ def _oom(s: dict) -> list[str]:
     return out
 
 
-def _log_tail(s: dict) -> list[str]:
-    if not s.get("trainer_log_tail"):
+def _log_tail(s: ProfileSummary) -> list[str]:
+    tail = s.get("trainer_log_tail")
+    if not tail:
         return []
-    return [f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(s["trainer_log_tail"]) + "\n```\n"]
+    return [f"## Log tail: {s['log_tail_source']}\n\n```\n" + "\n".join(tail) + "\n```\n"]
 
 
-def _steps(s: dict) -> list[str]:
+def _steps(s: ProfileSummary) -> list[str]:
     st = s["stats"]
     if not st["steps"]:
         return []
     moe = any(x.get("moe") for x in st["steps"])
-    one = f"rank {s['simulation']['rank']} only (simulated)" if s.get("simulation") else "rank 0 only"
+    sim = s.get("simulation")
+    one = f"rank {sim['rank']} only (simulated)" if sim else "rank 0 only"
     out = ["## Steps (stats.jsonl)\n",
            "Recompute TFLOP/s/GPU: FLOPs re-run by activation recompute per second of step time (work the "
            "GPU does on top of the model FLOPs; not in MFU)."
@@ -205,7 +213,7 @@ def _steps(s: dict) -> list[str]:
     return out
 
 
-def _wall_time(s: dict) -> list[str]:
+def _wall_time(s: ProfileSummary) -> list[str]:
     w = s.get("wall_time")
     if not w:
         return []
@@ -229,7 +237,7 @@ def _wall_time(s: dict) -> list[str]:
     return out
 
 
-def _moe_cells(m: dict | None) -> list:
+def _moe_cells(m: MoeRouting | None) -> list[str | None]:
     """The two routing cells of a Steps row: ``"16.000 (L3)"`` and the EP rank's (``–`` without data)."""
     if not m:
         return [None, None]
@@ -237,7 +245,7 @@ def _moe_cells(m: dict | None) -> list:
             with_rank(m["ep_max_over_mean"], m["ep_worst_layer"], "L")]
 
 
-def _nvidia_smi(s: dict) -> list[str]:
+def _nvidia_smi(s: ProfileSummary) -> list[str]:
     smi = s["nvidia_smi"]
     if not smi["available"]:
         return []
@@ -257,7 +265,7 @@ def _nvidia_smi(s: dict) -> list[str]:
     return out
 
 
-def _work_spread(w: dict | None) -> list[str]:
+def _work_spread(w: WorkSpread | None) -> list[str]:
     """The Ranks section's table of the model parts whose compute time differs most between ranks."""
     if not w:
         return []
@@ -277,7 +285,7 @@ def _work_spread(w: dict | None) -> list[str]:
     return out
 
 
-def _ranks(s: dict) -> list[str]:
+def _ranks(s: ProfileSummary) -> list[str]:
     rows = s["ranks"]["rows"]
     if not rows:
         return []
@@ -295,8 +303,8 @@ def _ranks(s: dict) -> list[str]:
     ex = s["ranks"].get("exposed_by_group")
     if ex and ex["groups"]:
         out.append("\nExposed communication by process group and rank (ms):\n")
-        out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]],
-                         [[g["group"]] + [g["ms"][r] for r in ex["ranks"]] for g in ex["groups"]]))
+        cells = [[g["group"], *[g["ms"][r] for r in ex["ranks"]]] for g in ex["groups"]]
+        out.append(table(["group"] + [f"rank {r}" for r in ex["ranks"]], cells))
         if ex["extra_ms"] > 0:
             parts = ", ".join(f"{g} {ms:+.1f}" for g, ms in ex["extra_by_group"] if abs(ms) >= fnd.EXPOSED_GAP_MIN_MS)
             by_group = (f"by group (ms; groups that overlap each other each count, so they need not add up to it): "
@@ -311,7 +319,7 @@ def _ranks(s: dict) -> list[str]:
     return out + _comm_wait(s.get("comm_wait")) + _merged_view(s.get("merged_view"))
 
 
-def _merged_view(m: dict | None) -> list[str]:
+def _merged_view(m: MergedView | None) -> list[str]:
     """Where the all-ranks timeline is and how each rank's clock was aligned (:mod:`sftprof.analysis.views.merged`)."""
     if not m:
         return []
@@ -326,11 +334,11 @@ def _merged_view(m: dict | None) -> list[str]:
             + ", ".join(f"`{f}`" for f in m["files"]) + f"; clocks: {ranks}\n"]
 
 
-def _waited_for(rows: list[dict], key: str) -> str:
+def _waited_for(rows: list[WaitedFor], key: Literal["wait_ms", "exposed_wait_ms"]) -> str:
     return ", ".join(f"r{x['rank']} {x[key]:.1f}" for x in rows) or "–"
 
 
-def _comm_wait(cw: dict | None) -> list[str]:
+def _comm_wait(cw: CommWait | None) -> list[str]:
     """The Ranks section's split of communication into waiting for the last rank and transfer
     (:func:`sftprof.analysis.time.comm_wait.split`)."""
     if not cw:
@@ -371,13 +379,13 @@ def _comm_wait(cw: dict | None) -> list[str]:
     return out
 
 
-SECTIONS: tuple[Callable[[dict], list[str]], ...] = (
+SECTIONS: tuple[Callable[[ProfileSummary], list[str]], ...] = (
     _header, _tried_what_if, _findings, _problems, _failure, _oom, _log_tail, _steps, _wall_time, _projection,
     _nvidia_smi, _ranks,
     kernel_traces, memory_snapshots)
 
 
-def render_markdown(s: dict) -> str:
+def render_markdown(s: ProfileSummary) -> str:
     """Markdown rendering of a profile summary dict (the ``profile_summary.md`` file): the :data:`SECTIONS` in order.
 
     Raises:

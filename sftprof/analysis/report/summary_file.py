@@ -11,6 +11,7 @@ import os
 
 from sftprof.analysis import schema
 from sftprof.analysis.report.render import render_markdown
+from sftprof.analysis.trial.schema import FileWarning
 from sftprof.artifacts import SUMMARY_JSON, SUMMARY_MD, keep_previous, previous_index
 from sftprof.atomic import atomic_path, put_text
 
@@ -19,10 +20,12 @@ __all__ = ["write_summary", "summary_left_unchanged"]
 _KEPT_NOTE = "this run dir had a summary from an earlier postprocess: kept as "
 
 
-def _split_kept_note(text: str | None) -> tuple[str | None, list[dict]]:
+def _split_kept_note(text: str | None) -> tuple[str | None, list[FileWarning]]:
     """An earlier summary's JSON text (None: unreadable) re-rendered without the warning :func:`write_summary` added about
     the summary before it (None if the text is not a JSON object), and that warning (so a later rerun on the same
     inputs is recognised as the same and keeps it)."""
+    if text is None:
+        return None, []
     try:
         earlier = json.loads(text)
         warnings = earlier.get("warnings") or []
@@ -36,7 +39,7 @@ def _split_kept_note(text: str | None) -> tuple[str | None, list[dict]]:
 _UNCHANGED_NOTE = "the summary is unchanged since the last postprocess (same inputs), left as it is"
 
 
-def _unchanged_note(notes: list[dict]) -> dict:
+def _unchanged_note(notes: list[FileWarning]) -> FileWarning:
     """The warning of a rerun that left a summary as it was (same inputs); where that summary noted that an
     earlier postprocess kept the one before it (``notes``), it names that file: nothing is kept now, so it does not
     say 'kept'."""
@@ -44,7 +47,7 @@ def _unchanged_note(notes: list[dict]) -> dict:
     return {"file": SUMMARY_JSON, "warning": _UNCHANGED_NOTE + kept}
 
 
-def summary_left_unchanged(summary: dict) -> bool:
+def summary_left_unchanged(summary: schema.ProfileSummary) -> bool:
     """Whether :func:`sftprof.analysis.summary.postprocess_trial` left the run dir's summary as it was (a rerun on
     the same inputs: the summary's warnings say so) rather than writing it."""
     return any(w.get("file") == SUMMARY_JSON and str(w.get("warning", "")).startswith(_UNCHANGED_NOTE)
@@ -76,7 +79,7 @@ def write_summary(summary: schema.ProfileSummary, run_dir: str) -> None:
         WriteError: a file cannot be written (a full disk: the message names it and the free space); the earlier
             summary is then left as it was, under its own name.
     """
-    def render(s: dict) -> tuple[str, str]:
+    def render(s: schema.ProfileSummary) -> tuple[str, str]:
         return schema.summary_json(s), render_markdown(s)
 
     text, md = render(summary)

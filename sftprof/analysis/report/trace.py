@@ -3,6 +3,8 @@ time by model part (GPU time, or a CPU run's CPU op time and its heaviest op), k
 process group, host time and waits, annotated regions. Each function renders what the summary holds."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from sftprof.analysis.report import findings as fnd
 from sftprof.analysis.time.collectives import exposed_groups
 from sftprof.analysis.time.host_time import LAUNCH_GAP_US
@@ -230,5 +232,6 @@ def _kernel_trace(t: dict) -> list[str]:
     return out + _regions(k) + [""]
 
 
-def kernel_traces(s: dict) -> list[str]:
+def kernel_traces(s: Mapping[str, Any]) -> list[str]:
+    """The section of each kernel trace of the summary ``s`` (a ProfileSummary)."""
     return [line for t in s.get("kernel_traces") or [] for line in _kernel_trace(t)]

@@ -8,7 +8,7 @@ all-to-all, 1 otherwise, ``n`` the process-group size.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, TypedDict
 
 import numpy as np
 
@@ -16,9 +16,20 @@ from sftprof.analysis.time import comm_wait
 from sftprof.analysis.trace import intervals
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import Collectives
+from sftprof.analysis.time.schema import CollectiveRow, Collectives
 
 __all__ = ["collectives", "bus_factor", "exposed_groups", "OUTSIDE_WINDOW"]
+
+
+class _Acc(TypedDict):
+    """One (process group, collective)'s sums over the step window's NCCL kernels."""
+    group: str
+    collective: str
+    calls: int
+    bytes: int
+    bytes_known: bool
+    us: float
+    group_size: Optional[int]
 
 
 def bus_factor(collective: str, n: int) -> float:
@@ -46,7 +57,7 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
     the window) and the groups' rows together cover every NCCL kernel of the trace.
     """
     end = ts + dur
-    rows: dict[tuple[str, str], dict] = {}
+    rows: dict[tuple[str, str], _Acc] = {}
     seen_ops: set[int] = set()
     for i in np.flatnonzero(inside & is_comm):
         info = ops.comm_ops.get(ext[i]) or {}
@@ -61,7 +72,7 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
                 r["bytes_known"] = False
             else:
                 r["bytes"] += info["bytes"]
-    out_rows = []
+    out_rows: list[CollectiveRow] = []
     for r in sorted(rows.values(), key=lambda r: (-r["us"], r["group"], r["collective"])):
         t = r["us"] * 1e-6
         alg = r["bytes"] / t / 1e9 if r["bytes_known"] and t > 0 and r["bytes"] else None
@@ -100,7 +111,7 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
 OUTSIDE_WINDOW = "outside the step window"  # the row of exposed_groups for NCCL kernels not in the step window
 
 
-def exposed_groups(collectives: dict) -> dict[str, float]:
+def exposed_groups(collectives: Collectives) -> dict[str, float]:
     """One rank's exposed NCCL kernel time (ms) per process-group label (``unknown``: kernels without a group),
     plus a row :data:`OUTSIDE_WINDOW` for the NCCL kernels outside the step window when they have exposed time
     (``collectives["exposed_outside_window_ms"]``; summaries written before it have no such row).

@@ -37,16 +37,20 @@ import numpy as np
 
 from sftprof.analysis.trace import intervals
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import CommWait
+from sftprof.analysis.time.schema import (CallRecords, ClockOffset, CommWait, GroupCalls, NotSplit, WaitGroup,
+                                          WaitRank, WaitRankRow)
 
 __all__ = ["call_records", "split", "CLOCK_TOLERANCE_US"]
 
 CLOCK_TOLERANCE_US = 50.0  # largest |median end-time difference| of two ranks' matched calls (module docstring)
 
+Call = tuple[str, list[list[float]], list[list[float]]]  # collective, kernel intervals, exposed pieces (us)
+Pieces = list[list[float]]  # [start_us, end_us] pieces
+
 
 def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.ndarray, ext: list[int],
                  pg_names: list[Optional[str]], labels: list[Optional[str]], collectives: list[str],
-                 members: dict[str, list[int]], comp_by_dev: dict[int, intervals.Intervals]) -> dict[str, dict]:
+                 members: dict[str, list[int]], comp_by_dev: dict[int, intervals.Intervals]) -> CallRecords:
     """One rank's collectives per process group, in the order they ran, for :func:`split`.
 
     Args:
@@ -61,8 +65,8 @@ def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.n
         comp_by_dev: device -> disjoint sorted intervals of its non-communication GPU activity in the window.
 
     Returns:
-        ``{"groups": {pg name: {"label", "members" (list of ranks or None), "calls": [[collective, kernels,
-        exposed], ...]}}, "unnamed_kernels": n}``, ``kernels`` and ``exposed`` lists of ``[start_us, end_us]``
+        ``{"groups": {pg name: {"label", "members" (list of ranks or None), "calls": [(collective, kernels,
+        exposed), ...]}}, "unnamed_kernels": n}``, ``kernels`` and ``exposed`` lists of ``[start_us, end_us]``
         (disjoint, sorted), calls ordered by their first kernel start; ``n`` counts the NCCL kernels without a
         process-group name (left out).
     """
@@ -74,52 +78,52 @@ def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.n
             unnamed += 1
             continue
         ops[(name, ext[i] if ext[i] != -1 else -2 - k)].append(i)  # no External id: a call of its own
-    out: dict[str, dict] = {}
+    out: dict[str, GroupCalls] = {}
     for (name, _), idx in ops.items():
         g = out.setdefault(name, {"label": labels[idx[0]], "members": members.get(name), "calls": []})
         k_iv = intervals.union(ts[idx], end[idx])
         comp = comp_by_dev.get(int(devs[idx[0]]))
         e_iv = intervals.difference(k_iv, comp) if comp is not None else k_iv
-        g["calls"].append([collectives[idx[0]], np.column_stack(k_iv).tolist(), np.column_stack(e_iv).tolist()])
+        g["calls"].append((collectives[idx[0]], np.column_stack(k_iv).tolist(), np.column_stack(e_iv).tolist()))
     for g in out.values():
         g["calls"].sort(key=lambda c: c[1][0][0])
     return {"groups": out, "unnamed_kernels": unnamed}
 
 
-def _within(pieces: list[list[float]], lo: float, hi: float) -> float:
+def _within(pieces: Pieces, lo: float, hi: float) -> float:
     """Length (us) of the disjoint ``[start, end]`` pieces inside ``[lo, hi]``."""
     return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in pieces)
 
 
-def _length(pieces: list[list[float]]) -> float:
+def _length(pieces: Pieces) -> float:
     return sum(e - s for s, e in pieces)
 
 
-def _pair_or_reason(recs: dict[int, dict], traced: set[int]) -> tuple[Optional[list[int]], Optional[str]]:
+def _pair_or_reason(recs: dict[int, GroupCalls], traced: set[int]) -> list[int] | str:
     """The sorted member ranks of a group when its calls can be paired across them, else why not."""
-    members = next((g["members"] for g in recs.values() if g.get("members")), None)
-    if not members:
-        return None, ("its member ranks are not recorded in the traces (no Process Group Ranks, no pg_config "
+    recorded = next((g["members"] for g in recs.values() if g.get("members")), None)
+    if not recorded:
+        return ("its member ranks are not recorded in the traces (no Process Group Ranks, no pg_config "
                       "entry; torch shortens long lists)")
-    members = sorted(members)
+    members = sorted(recorded)
     missing = [r for r in members if r not in traced]
     if missing:
-        return None, (f"no trace of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} in this "
+        return (f"no trace of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} in this "
                       "run (perf_tracer.ranks profiles only some ranks, or the trace failed)")
     counts = {r: len(recs[r]["calls"]) if r in recs else 0 for r in members}
     if len(set(counts.values())) > 1:
-        return None, ("the member ranks ran different numbers of its calls in the step window ("
+        return ("the member ranks ran different numbers of its calls in the step window ("
                       + ", ".join(f"rank {r}: {n}" for r, n in counts.items()) + "), so they cannot be paired")
     ref = members[0]
     for r in members[1:]:
         for k, (a, b) in enumerate(zip(recs[ref]["calls"], recs[r]["calls"])):
             if a[0] != b[0]:
-                return None, (f"call {k} is {a[0]} on rank {ref} but {b[0]} on rank {r}, so the calls cannot be "
+                return (f"call {k} is {a[0]} on rank {ref} but {b[0]} on rank {r}, so the calls cannot be "
                               "paired")
-    return members, None
+    return members
 
 
-def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) -> Optional[CommWait]:
+def split(records: dict[int, CallRecords], tolerance_us: float = CLOCK_TOLERANCE_US) -> Optional[CommWait]:
     """Each rank's NCCL time (and exposed part) per process group, split into waiting and transfer (module
     docstring), from the :func:`call_records` of every rank whose trace is in the run.
 
@@ -150,15 +154,15 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
     traced = set(calls_by_rank)
     names = sorted({n for recs in calls_by_rank.values() for n in recs}, key=lambda n: (len(n), n))
     paired: dict[str, list[int]] = {}
-    not_split = []
+    not_split: list[NotSplit] = []
     for name in names:
         recs = {r: v[name] for r, v in calls_by_rank.items() if name in v}
         label = next(g["label"] for g in recs.values())
-        members, reason = _pair_or_reason(recs, traced)
-        if reason:
-            not_split.append({"group": name, "label": label, "reason": reason})
+        members_or_reason = _pair_or_reason(recs, traced)
+        if isinstance(members_or_reason, str):
+            not_split.append({"group": name, "label": label, "reason": members_or_reason})
         else:
-            paired[name] = members
+            paired[name] = members_or_reason
     # clock offsets per rank pair, pooled over every paired group holding both
     diffs: dict[tuple[int, int], list[float]] = defaultdict(list)
     for name, members in paired.items():
@@ -166,27 +170,27 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
         for r in members[1:]:
             for a, b in zip(calls_by_rank[ref][name]["calls"], calls_by_rank[r][name]["calls"]):
                 diffs[(ref, r)].append(b[1][-1][1] - a[1][-1][1])
-    offsets = [{"ranks": list(p), "median_end_difference_us": round(float(np.median(d)), 3),
+    offsets: list[ClockOffset] = [{"ranks": list(p), "median_end_difference_us": round(float(np.median(d)), 3),
                 "end_difference_mad_us": round(float(np.median(np.abs(np.asarray(d) - np.median(d)))), 3),
                 "calls": len(d)} for p, d in sorted(diffs.items())]
-    bad = {tuple(o["ranks"]): o for o in offsets if abs(o["median_end_difference_us"]) > tolerance_us}
-    groups = []
-    rank_wait: dict[int, list[list[float]]] = defaultdict(list)
-    rank_exposed: dict[int, list[list[float]]] = defaultdict(list)
-    rank_for: dict[int, dict[int, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
+    bad = {(o["ranks"][0], o["ranks"][1]): o for o in offsets if abs(o["median_end_difference_us"]) > tolerance_us}
+    groups: list[WaitGroup] = []
+    rank_wait: dict[int, Pieces] = defaultdict(list)
+    rank_exposed: dict[int, Pieces] = defaultdict(list)
+    rank_for: dict[int, dict[int, Pieces]] = defaultdict(lambda: defaultdict(list))
     for name, members in paired.items():
         label = calls_by_rank[members[0]][name]["label"]
         off = next((bad[(members[0], r)] for r in members[1:] if (members[0], r) in bad), None)
         if off:
-            a, b = off["ranks"]
+            ra, rb = off["ranks"]
             not_split.append({"group": name, "label": label, "reason": (
-                f"the clocks of ranks {a} and {b} disagree: their matched calls end "
+                f"the clocks of ranks {ra} and {rb} disagree: their matched calls end "
                 f"{off['median_end_difference_us']:+.1f} µs apart (median over {off['calls']} calls; tolerance "
                 f"{tolerance_us:g} µs), as on different hosts; a wait measured across them would be off by as much")})
             continue
         groups.append(_group_split(name, label, members, {r: calls_by_rank[r][name]["calls"] for r in members},
                                    rank_wait, rank_exposed, rank_for))
-    ranks = []
+    ranks: list[WaitRank] = []
     for r in sorted({r for g in groups for r in g["members"]}):  # a rank in no split group has no row
         exp = intervals.union(*_arrays(rank_exposed[r]))
         wait = intervals.union(*_arrays(rank_wait[r]))
@@ -204,17 +208,19 @@ def split(records: dict[int, dict], tolerance_us: float = CLOCK_TOLERANCE_US) ->
             "ranks": ranks}
 
 
-def _arrays(pieces: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+def _arrays(pieces: Pieces) -> tuple[np.ndarray, np.ndarray]:
     a = np.asarray(pieces, dtype=np.float64).reshape(-1, 2)
     return a[:, 0].copy(), a[:, 1].copy()
 
 
-def _group_split(name: str, label: Optional[str], members: list[int], calls: dict[int, list], rank_wait: dict,
-                 rank_exposed: dict, rank_for: dict) -> dict:
+def _group_split(name: str, label: Optional[str], members: list[int], calls: dict[int, list[Call]],
+                 rank_wait: dict[int, Pieces], rank_exposed: dict[int, Pieces],
+                 rank_for: dict[int, dict[int, Pieces]]) -> WaitGroup:
     """One paired group's split (a group row of :func:`split`); adds each rank's exposed pieces, exposed-wait
     pieces and exposed-wait pieces per late rank to ``rank_exposed``, ``rank_wait`` and ``rank_for``."""
-    acc = {r: defaultdict(float) for r in members}
-    owed = {r: defaultdict(lambda: [0.0, 0.0]) for r in members}  # rank -> late rank -> [wait, exposed wait] us
+    acc: dict[int, dict[str, float]] = {r: defaultdict(float) for r in members}
+    # rank -> late rank -> [wait, exposed wait] us
+    owed: dict[int, dict[int, list[float]]] = {r: defaultdict(lambda: [0.0, 0.0]) for r in members}
     for k in range(len(calls[members[0]])):
         starts = {r: calls[r][k][1][0][0] for r in members}
         last = max(members, key=lambda r: (starts[r], -r))
@@ -236,7 +242,7 @@ def _group_split(name: str, label: Optional[str], members: list[int], calls: dic
                 pieces = [[max(s, starts[r]), min(e, lo_last)] for s, e in exp if min(e, lo_last) > max(s, starts[r])]
                 rank_wait[r].extend(pieces)
                 rank_for[r][last].extend(pieces)
-    rows = []
+    rows: list[WaitRankRow] = []
     for r in members:
         a = acc[r]
         rows.append({"rank": r, "calls": len(calls[r]), "comm_ms": ms(a["comm"]), "wait_ms": ms(a["wait"]),

@@ -18,19 +18,20 @@ ops by: no table.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.trace.op_collector import OpCollector, Placement
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import Parts
+from sftprof.analysis.time.schema import PartRow, Parts
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS
 
 __all__ = ["gpu_parts", "cpu_parts", "parts_tables", "part_label", "plot_parts", "PHASES"]
 
 Window = tuple[Optional[float], Optional[float]]
+Cells = dict[tuple[str, Optional[int], str], float]  # (part, layer, phase) -> us
 PHASES = ("forward", "recompute", "backward", "optimizer", "other")
 
 _OUTSIDE_LABELS = {"optimizer": "optimizer", "comm_outside": "communication outside model parts",
@@ -59,20 +60,18 @@ def gpu_parts(place: Placement, dur: np.ndarray, inside: np.ndarray, is_comm: np
         decoder layers), the rank's own work, which the trial summary compares across ranks
         (:func:`sftprof.analysis.time.rank_table.work_spread`; NCCL time includes waiting for the other ranks).
     """
-    cells: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
-    compute: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
+    cells: Cells = defaultdict(float)
+    compute: Cells = defaultdict(float)
     for i in np.flatnonzero(inside):
         key = (place.parts[i], place.layers[i], place.phases[i])
         cells[key] += dur[i]
         if not is_comm[i]:
             compute[key] += dur[i]
     total = float(dur[inside].sum())
-    out = parts_tables(cells, total, place.source)
+    out = parts_tables(cells, total, place.source, int((~inside).sum()))
     out["compute_cells"] = [[part, layer, phase, ms(us)] for (part, layer, phase), us in
                             sorted(compute.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0],
                                                                     kv[0][2]))]
-    out["outside_window"] = int((~inside).sum())
-    out["total_ms"] = ms(total)
     return out
 
 
@@ -89,7 +88,7 @@ def cpu_parts(ops: OpCollector, window: Window, optimizer_windows: list[tuple[fl
         ops' self time) and ``outside_window`` (CPU ops that started outside the window, left out).
     """
     lo, hi = window
-    if lo is None or not ops.has_regions:
+    if lo is None or hi is None or not ops.has_regions:
         return None
     keep, own = ops.op_self_us(lo, hi)
     c = ops.cpu_ops
@@ -102,30 +101,30 @@ def cpu_parts(ops: OpCollector, window: Window, optimizer_windows: list[tuple[fl
         in_opt |= (starts >= a) & (starts <= b)
     is_comm = np.array([cat == "communication" for cat in cats], dtype=bool)
     parts, layers, phases, source = ops.attribute(tids, starts, cats, in_opt, is_comm)
-    cells: dict[tuple[str, Optional[int], str], float] = defaultdict(float)
+    cells: Cells = defaultdict(float)
     for i, us in enumerate(own[keep].tolist()):
         cells[(parts[i], layers[i], phases[i])] += us
     total = float(own[keep].sum())
-    out = parts_tables(cells, total, source)
-    out["total_ms"] = ms(total)
-    out["outside_window"] = int(len(c.start) - keep.size)
-    return out
+    return parts_tables(cells, total, source, int(len(c.start) - keep.size))
 
 
-def parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
+def parts_tables(cells: Cells, total: float, source: str, outside_window: int) -> Parts:
     """The part tables of ``cells`` (``(part, layer, phase) -> us``; ``total`` us): per decoder layer, outside the
-    layers, and summed over layers, each row a part by phase with its share of ``total``."""
+    layers, and summed over layers, each row a part by phase with its share of ``total``; with ``total_ms`` and
+    ``outside_window`` (the items left out, passed through)."""
     by_layer: dict[Optional[int], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     for (part, layer, phase), us in cells.items():
         by_layer[layer][part][phase] += us
 
-    def rows(table: dict[str, dict[str, float]]) -> list[dict]:
+    def rows(table: dict[str, dict[str, float]]) -> list[PartRow]:
         order = {p: i for i, p in enumerate(MODEL_PARTS + ("optimizer", "comm_outside", "outside_parts"))}
-        out = []
+        out: list[PartRow] = []
         for part in sorted(table, key=lambda p: (order.get(p, len(order)), p)):
             ph = table[part]
             t = sum(ph.values())
-            out.append({"part": part, "label": part_label(part), **{f"{k}_ms": ms(ph.get(k, 0.0)) for k in PHASES},
+            out.append({"part": part, "label": part_label(part), "forward_ms": ms(ph.get("forward", 0.0)),
+                        "recompute_ms": ms(ph.get("recompute", 0.0)), "backward_ms": ms(ph.get("backward", 0.0)),
+                        "optimizer_ms": ms(ph.get("optimizer", 0.0)), "other_ms": ms(ph.get("other", 0.0)),
                         "total_ms": ms(t), "share_pct": round(100 * t / total, 3) if total else 0.0})
         return out
 
@@ -137,10 +136,10 @@ def parts_tables(cells: dict, total: float, source: str) -> dict[str, Any]:
     return {"source": source,
             "layers": [{"layer": layer, "rows": rows(by_layer[layer])} for layer in sorted(l for l in by_layer if l is not None)],
             "outside_layers": rows(by_layer[None]) if None in by_layer else [],
-            "summed": rows(summed)}
+            "summed": rows(summed), "total_ms": ms(total), "outside_window": outside_window}
 
 
-def plot_parts(parts: dict, title: str, out_png: str, clock: str = "GPU time") -> None:
+def plot_parts(parts: Parts, title: str, out_png: str, clock: str = "GPU time") -> None:
     """Stacked-bar PNG of time (ms) per decoder layer (one bar per layer, then one for the parts
     outside the layers), a colour per part; each segment is the part's forward + recompute + backward
     (+ optimizer, other) time, the split by phase is in the tables.

@@ -13,7 +13,11 @@ gives every collective the real rank would run (process group, bytes, calls). He
   K/V gather of ``cp_comm_overlap``) up to that window's measured compute, 0 when it was not measured;
 - projected step = compute + exposed; the serial bound = compute + all communication;
 - memory: the measured peak plus NCCL's buffers, which torch's allocator does not see, estimated per communicator
-  (:func:`nccl_buffer_bytes`).
+  (:func:`nccl_buffer_bytes`); and the real rank's need (:func:`real_rank_memory`): the measured peak reserved, plus
+  what a process with real process groups holds outside PyTorch's allocator
+  (:func:`sftprof.analysis.memory.fit.outside_pytorch_gib`: the one-GPU figure, against the simulated process's
+  :data:`sftprof.analysis.memory.fit.OUTSIDE_PYTORCH_GIB_SIMULATED`), plus those NCCL buffers, with whether it fits
+  one GPU's capacity (nvidia-smi's total less :data:`sftprof.analysis.memory.fit.DRIVER_RESERVED_GIB`).
 
 Not modelled (named in ``assumptions``): waiting for slower ranks (routing imbalance, a PP bubble), contention
 between concurrent collectives, link rates of message sizes outside the measured range (the nearest is used).
@@ -29,14 +33,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from sftprof.allocation import parse_allocation_mode
+from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, OUTSIDE_PYTORCH_GIB_SIMULATED, outside_pytorch_gib
 from sftprof.analysis.trial import inputs
 from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.artifacts import STATS, read_stats
 from sftprof.simulation import assumed
 
-__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "project", "project_trial", "overlap_windows",
-           "simulation_summary",
-           "render", "print_and_write", "main"]
+__all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "real_rank_memory", "project", "project_trial",
+           "overlap_windows", "simulation_summary", "render", "real_rank_text", "print_and_write", "main"]
 
 _MIB = float(1 << 20)
 _GIB = float(1 << 30)
@@ -90,8 +94,34 @@ def nccl_buffer_bytes(collectives: list[dict[str, Any]]) -> tuple[int, list[str]
     return total, lines
 
 
+def real_rank_memory(peak_reserved_gib: Optional[float], nccl_gib: float, capacity_bytes: Optional[int],
+                     outside_gib: float) -> tuple[dict[str, Any], str]:
+    """What the real rank would need (GiB): the simulated rank's measured ``peak_reserved_gib`` + ``outside_gib``
+    (held outside PyTorch's allocator by a process with real process groups) + ``nccl_gib`` (its NCCL buffers), and
+    whether that fits ``capacity_bytes`` (one GPU's; None: unknown).
+
+    Returns:
+        ``({"measured_peak_reserved_gib", "outside_pytorch_gib", "real_rank_need_gib", "capacity_gib", "fits"},
+        the assumption in words)``; the need and ``fits`` are None without a measured peak reserved (CPU), ``fits``
+        too without a capacity.
+    """
+    need = None if peak_reserved_gib is None else peak_reserved_gib + outside_gib + nccl_gib
+    capacity = None if capacity_bytes is None else capacity_bytes / _GIB
+    words = (f"the real rank needs the measured peak reserved + {outside_gib:.2f} GiB outside PyTorch's allocator (a "
+             f"process with real process groups, one GPU, by the installed megatron-core: "
+             f"sftprof/analysis/memory/fit.py; the simulated process holds {OUTSIDE_PYTORCH_GIB_SIMULATED} GiB) + the "
+             "NCCL buffers above, against " + ("no known capacity (no nvidia-smi GPU)" if capacity is None else
+                                                f"{capacity:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} "
+                                                "GiB)"))
+    return {"measured_peak_reserved_gib": peak_reserved_gib, "outside_pytorch_gib": outside_gib,
+            "real_rank_need_gib": need, "capacity_gib": capacity,
+            "fits": None if need is None or capacity is None else need <= capacity}, words
+
+
 def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], gpus_per_node: int,
-            windows_ms: Optional[dict[str, float]] = None, measured_mfu: Optional[float] = None) -> dict[str, Any]:
+            windows_ms: Optional[dict[str, float]] = None, measured_mfu: Optional[float] = None, *,
+            peak_reserved_gib: Optional[float] = None, capacity_bytes: Optional[int] = None,
+            outside_gib: Optional[float] = None) -> dict[str, Any]:
     """The projected step of the rank of ``plan`` (module docstring).
 
     Args:
@@ -102,10 +132,14 @@ def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], 
         windows_ms: measured compute of the overlap windows (``forward``, ``backward``, ``cp_attention``), ms.
         measured_mfu: the simulated step's MFU (its model FLOPs per GPU over ``compute_ms``); the projected MFU is
             it scaled by ``compute_ms / projected``.
+        peak_reserved_gib, capacity_bytes, outside_gib: the real rank's need (:func:`real_rank_memory`): the
+            measured peak reserved (GiB, None when not measured), one GPU's capacity (bytes, None: unknown), what a
+            real process holds outside PyTorch (GiB; None: :func:`sftprof.analysis.memory.fit.outside_pytorch_gib`).
     Returns:
         ``{"rows": [...], "compute_ms", "communication_ms", "exposed_ms", "projected_step_ms", "serial_step_ms",
         "mfu", "memory": {...}, "assumptions": [...]}``; each row ``{"group", "collective", "interconnect",
-        "calls", "mib_per_call", "gbps", "ms", "exposed_ms", "overlap"}``.
+        "calls", "mib_per_call", "gbps", "ms", "exposed_ms", "overlap"}``; ``memory``: the measured peak allocated,
+        the NCCL buffers, their sum, and :func:`real_rank_memory`'s members.
     Raises:
         ValueError: ``compute_ms`` is not positive or ``gpus_per_node`` < 1.
     """
@@ -131,6 +165,8 @@ def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], 
     world = plan["world_size"]
     mfu = measured_mfu * compute_ms / projected if measured_mfu is not None else None
     nccl, nccl_lines = nccl_buffer_bytes(plan["collectives"])
+    real, real_words = real_rank_memory(peak_reserved_gib, nccl / _GIB, capacity_bytes,
+                                        outside_pytorch_gib() if outside_gib is None else outside_gib)
     assumptions = list(plan["assumptions"]) + [
         f"{name}: {link['source']}" for name, link in INTERCONNECTS.items()
         if any(r["interconnect"] == name for r in rows)] + [
@@ -139,12 +175,12 @@ def project(plan: dict[str, Any], compute_ms: float, peak_gib: Optional[float], 
         "overlapped collectives hide behind their window's measured compute: "
         + ", ".join(f"{w} {windows[w]:.1f} ms" if w in windows else f"{w} not measured (0 ms hidden)"
                     for w in ("forward", "backward", "cp_attention")),
-        f"NCCL buffers estimated, not measured: {'; '.join(nccl_lines) or 'no communicator'}"]
+        f"NCCL buffers estimated, not measured: {'; '.join(nccl_lines) or 'no communicator'}", real_words]
     return {"rank": plan["rank"], "world_size": world, "rows": rows, "compute_ms": compute_ms,
             "communication_ms": comm, "exposed_ms": exposed, "projected_step_ms": projected,
             "serial_step_ms": compute_ms + comm, "mfu": mfu,
             "memory": {"measured_peak_gib": peak_gib, "nccl_buffers_gib": nccl / _GIB,
-                       "projected_peak_gib": None if peak_gib is None else peak_gib + nccl / _GIB},
+                       "projected_peak_gib": None if peak_gib is None else peak_gib + nccl / _GIB, **real},
             "assumptions": assumptions}
 
 
@@ -154,12 +190,13 @@ NOT_RUN = ("collectives: torch's fake process group returned each at once, its o
 
 
 def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: Optional[int] = None,
-                  have_te: Optional[bool] = None, windows_ms: Optional[dict[str, float]] = None) -> dict[str, Any]:
+                  have_te: Optional[bool] = None, windows_ms: Optional[dict[str, float]] = None,
+                  capacity_bytes: Optional[int] = None) -> dict[str, Any]:
     """:func:`project` of a simulated trial (``cfg``: its ``config.yaml``, ``model`` its model) from its
     ``stats.jsonl``: compute = the step time of ``step`` (the last step recorded when None), peak = its
-    ``mem_peak_allocated_gb``, the MFU scaled from its measured one; ``have_te``: Transformer Engine in the trial
-    (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
-    ``windows_ms``: the overlap windows measured (:func:`project`).
+    ``mem_peak_allocated_gb`` (and ``mem_peak_reserved_gb``, the real rank's need), the MFU scaled from its measured
+    one; ``have_te``: Transformer Engine in the trial (:func:`sftprof.analysis.time.rank_plan.rank_plan`);
+    ``windows_ms``: the overlap windows measured, ``capacity_bytes``: one GPU's (None: unknown) (:func:`project`).
 
     Raises:
         ValueError: the trial is not a simulated one (``actor.simulate.rank`` < 0) or recorded no such step.
@@ -177,7 +214,8 @@ def project_trial(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialM
     layout = parse_allocation_mode(a["backend"])
     plan = rank_plan(cfg, model.config(), layout, rank, have_te)
     return project(plan, 1e3 * rec.step_time_s, rec.mem_peak_allocated_gb, int(a["simulate"]["gpus_per_node"]),
-                   windows_ms, measured_mfu=rec.mfu)
+                   windows_ms, measured_mfu=rec.mfu, peak_reserved_gib=rec.mem_peak_reserved_gb,
+                   capacity_bytes=capacity_bytes)
 
 
 def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -192,14 +230,16 @@ def overlap_windows(regions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def simulation_summary(log_dir: str | Path, cfg: dict[str, Any], model: inputs.TrialModel, step: int,
-                       have_te: Optional[bool],
-                       regions: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, Any]:
+                       have_te: Optional[bool], regions: Optional[Sequence[Mapping[str, Any]]] = None,
+                       capacity_bytes: Optional[int] = None) -> dict[str, Any]:
     """The summary's ``simulation`` member (``sftprof.analysis.time.schema.Simulation``) of a simulated trial: what was
     not run, what was assumed, and the projection of ``step`` (None with the reason when it cannot be made), its
-    overlap windows from the simulated rank's kernel-trace ``regions`` when there are any."""
+    overlap windows from the simulated rank's kernel-trace ``regions`` when there are any, the real rank's need
+    against ``capacity_bytes`` (one GPU's, None: unknown)."""
     sim = cfg["actor"]["simulate"]
     try:
-        projection, error = project_trial(log_dir, cfg, model, step, have_te, overlap_windows(regions or [])), None
+        projection, error = project_trial(log_dir, cfg, model, step, have_te, overlap_windows(regions or []),
+                                          capacity_bytes), None
     except Exception as exc:  # a projection that cannot be made is a note, never the trial's error
         projection, error = None, f"{type(exc).__name__}: {exc}"
     return {"rank": int(sim["rank"]), "world_size": parse_allocation_mode(cfg["actor"]["backend"]).world_size,
@@ -221,8 +261,23 @@ def render(p: dict[str, Any]) -> str:
               + (f", MFU {100 * p['mfu']:.1f} %" if p["mfu"] is not None else ""),
               "memory: " + (f"measured peak {mem['measured_peak_gib']:.2f} GiB + " if mem["measured_peak_gib"]
                             is not None else "peak not measured here + ")
-              + f"NCCL buffers {mem['nccl_buffers_gib']:.2f} GiB (estimated)", "assumptions:"]
+              + f"NCCL buffers {mem['nccl_buffers_gib']:.2f} GiB (estimated)", real_rank_text(mem), "assumptions:"]
     return "\n".join(lines + [f"- {a}" for a in p["assumptions"]])
+
+
+def real_rank_text(mem: Mapping[str, Any]) -> str:
+    """The real rank's need in words (:func:`real_rank_memory`'s members of a projection's ``memory``): ``"real rank:
+    peak reserved 78.41 + outside PyTorch 8.85 + NCCL buffers 0.43 = 87.69 GiB of 79.19: does not fit"``; a summary of
+    schema 3.5 or older, without them, says so."""
+    if "real_rank_need_gib" not in mem:
+        return "real rank: not predicted (a summary of schema 3.5 or older)"
+    if mem["real_rank_need_gib"] is None:
+        return "real rank: peak reserved not measured here, no need predicted"
+    verdict = (", capacity unknown" if mem["fits"] is None else
+               f" of {mem['capacity_gib']:.2f}: {'fits' if mem['fits'] else 'does not fit'}")
+    return (f"real rank: peak reserved {mem['measured_peak_reserved_gib']:.2f} + outside PyTorch "
+            f"{mem['outside_pytorch_gib']:.2f} + NCCL buffers {mem['nccl_buffers_gib']:.2f} = "
+            f"{mem['real_rank_need_gib']:.2f} GiB{verdict}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

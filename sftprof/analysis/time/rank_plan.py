@@ -74,12 +74,13 @@ def dedup_fraction(experts: int, top_k: int, ep: int) -> float:
     return p_hit * ep / top_k
 
 
-def _call(group: str, kind: str, nbytes: float, calls: int, members: list[int], overlap: str, what: str) -> dict:
+def _call(group: str, kind: str, nbytes: float, calls: int, members: list[int], overlap: str,
+          what: str) -> dict[str, Any]:
     return {"group": group, "collective": kind, "bytes_per_call": int(nbytes), "calls": calls,
             "group_size": len(members), "ranks": members, "overlap": overlap, "what": what}
 
 
-def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = None) -> dict[str, Any]:
+def rank_plan(cfg: dict[str, Any], hf: Any, layout: Layout, rank: int, have_te: bool | None = None) -> dict[str, Any]:
     """The plan of ``rank`` of ``layout`` (module docstring) for one training step of the trial ``cfg``.
 
     Args:
@@ -97,7 +98,7 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = N
     """
     coords = layout.rank_coords(rank)
     a, prof = cfg["actor"], cfg["profile"]
-    m = a.get("megatron") or {}
+    m: dict[str, Any] = a.get("megatron") or {}
     ddp = m.get("ddp") or {}
     wb = _BYTES[a.get("dtype", "bfloat16")]
     seq = int(prof["fake_seq_len"])
@@ -140,9 +141,9 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = N
     passes = 3 if recompute else 2  # forward, backward (+ the recomputed forward of full recompute)
     if megatron and not recompute and a.get("gradient_checkpointing", True):
         assumptions.append("selective recompute: its re-run modules' collectives are not counted again")
-    collectives: list[dict] = []
+    collectives: list[dict[str, Any]] = []
 
-    def add(group, kind, nbytes, calls, overlap, what):
+    def add(group: str, kind: str, nbytes: float, calls: int, overlap: str, what: str) -> None:
         members = group_ranks(layout, rank, group) if megatron else list(range(layout.dp))
         if len(members) > 1 and calls > 0:
             collectives.append(_call(group, kind, nbytes, calls, members, overlap, what))
@@ -189,7 +190,7 @@ def rank_plan(cfg: dict, hf, layout: Layout, rank: int, have_te: bool | None = N
             "stage activations and their gradients (one send and one receive per micro-batch and direction)")
         assumptions.append("pipeline bubble not modelled: the projection is one stage's work")
     # the gradient buffer's dtype, as sftprof.analysis.memory.estimate counts it
-    grad_b = (_BYTES.get(m.get("main_grads_dtype"), 4) if m.get("use_precision_aware_optimizer")
+    grad_b = (_BYTES.get(m.get("main_grads_dtype", ""), 4) if m.get("use_precision_aware_optimizer")
               else 4 if ddp.get("grad_reduce_in_fp32") else wb)
     grad_overlap, gather_overlap = ("backward" if ddp.get("overlap_grad_reduce") else "none",
                                     "forward" if ddp.get("overlap_param_gather") and dist_opt else "none")

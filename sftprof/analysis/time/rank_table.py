@@ -5,24 +5,26 @@ and where the ranks' own GPU work differs (:func:`work_spread`).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Optional, get_args
 
 from sftprof.analysis.time.collectives import OUTSIDE_WINDOW, exposed_groups
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.schema import processed_traces
-from sftprof.analysis.time.schema import ExposedByGroup, RankTable, WorkSpread
+from sftprof.analysis.time.schema import ExposedByGroup, Imbalance, RankRow, RankTable, WorkSpread, WorkSpreadRow
+from sftprof.analysis.trial.schema import TrialRecord
 
 __all__ = ["rank_table", "work_spread", "exposed_by_group", "RANK_COLUMNS"]
 
 # Columns of the rank table (:func:`rank_table`), in display order; the summary reports the max/min imbalance of each.
-RANK_COLUMNS = ("step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
-                "comm_ms", "exposed_comm_ms", "host_comm_ms")
+RankColumn = Literal["step_ms", "stats_peak_allocated_gb", "snapshot_peak_allocated_gib", "snapshot_peak_reserved_gib",
+                     "comm_ms", "exposed_comm_ms", "host_comm_ms"]
+RANK_COLUMNS: tuple[RankColumn, ...] = get_args(RankColumn)
 
 
 # --------------------------------------------------------------------------------------------
 # Ranks table
 # --------------------------------------------------------------------------------------------
-def rank_table(summary: Mapping[str, Any]) -> RankTable:
+def rank_table(summary: TrialRecord) -> RankTable:
     """Per-rank rows (coordinates, step time, peak memory, communication) and max/min imbalance.
 
     Step time: kernel trials use the trace's step window (ms), memory trials the per-rank
@@ -36,7 +38,7 @@ def rank_table(summary: Mapping[str, Any]) -> RankTable:
     rec = (summary.get("stats") or {}).get("profile_step_record") or {}
     stats_ranks = {r.get("rank"): r for r in rec.get("ranks") or [] if isinstance(r, dict)}
     coords = {int(k): v for k, v in (summary.get("rank_coords") or {}).items()}
-    rows: dict[int, dict] = {}
+    rows: dict[int, RankRow] = {}
     for t in summary.get("kernel_traces") or []:
         s = t.get("summary")
         if s is None or "error" in t:
@@ -44,6 +46,7 @@ def rank_table(summary: Mapping[str, Any]) -> RankTable:
         sr = stats_ranks.get(t["rank"], {})
         rows[t["rank"]] = {
             "rank": t["rank"],
+            "coords": None,  # below
             "step_ms": s["step_window"]["wall_ms"],
             "stats_peak_allocated_gb": _num(sr.get("mem_peak_allocated_gb")),
             "comm_ms": s["communication"]["total_ms"],
@@ -52,17 +55,18 @@ def rank_table(summary: Mapping[str, Any]) -> RankTable:
             "gpu_busy_pct": s["gpu"]["busy_share_pct"],
         }
     for snap in summary.get("memory_snapshots") or []:
-        s = snap.get("summary")
-        if s is None or snap["rank"] is None:
+        m = snap.get("summary")
+        if m is None or snap["rank"] is None:
             continue
         sr = stats_ranks.get(snap["rank"], {})
         step_s = sr.get("step_time_s")
         rows[snap["rank"]] = {
             "rank": snap["rank"],
+            "coords": None,  # below
             "step_ms": round(step_s * 1e3, 3) if isinstance(step_s, (int, float)) else None,
             "stats_peak_allocated_gb": _num(sr.get("mem_peak_allocated_gb")),
-            "snapshot_peak_allocated_gib": s["peak_allocated_gib"],
-            "snapshot_peak_reserved_gib": s["peak_reserved_gib"],
+            "snapshot_peak_allocated_gib": m["peak_allocated_gib"],
+            "snapshot_peak_reserved_gib": m["peak_reserved_gib"],
         }
         if snap["coords_from_name"]:
             coords.setdefault(snap["rank"], snap["coords_from_name"])
@@ -70,11 +74,11 @@ def rank_table(summary: Mapping[str, Any]) -> RankTable:
         row["coords"] = coords.get(r)
     ordered = [rows[r] for r in sorted(rows)]
     traced = processed_traces(summary)
-    exposed = {t["rank"]: exposed_groups(t["summary"].get("collectives") or {}) for t in traced}
+    exposed = {t["rank"]: exposed_groups(c) if (c := t["summary"].get("collectives")) else {} for t in traced}
     exposed_total = {t["rank"]: t["summary"]["communication"]["exposed_ms"] for t in traced}
-    imbalance = {}
+    imbalance: dict[str, Imbalance] = {}
     for col in RANK_COLUMNS:
-        vals = [(row[col], row["rank"]) for row in ordered if isinstance(row.get(col), (int, float))]
+        vals = [(v, row["rank"]) for row in ordered if isinstance(v := row.get(col), (int, float))]
         if not vals:
             continue
         hi, lo = max(vals), min(vals)
@@ -88,7 +92,7 @@ WORK_SPREAD_ROWS = 8  # cells a work-spread table shows at most
 WORK_SPREAD_MIN_MS = 0.5  # ... each differing by at least this much between ranks
 
 
-def work_spread(cells: dict[int, Optional[list]]) -> Optional[WorkSpread]:
+def work_spread(cells: dict[int, Optional[list[list[Any]]]]) -> Optional[WorkSpread]:
     """Where the profiled ranks' own GPU work differs: per (model part, layer, phase) the compute kernel time
     (NCCL kernels left out, whose time includes waiting for the other ranks) on the slowest and fastest rank.
 
@@ -109,12 +113,12 @@ def work_spread(cells: dict[int, Optional[list]]) -> Optional[WorkSpread]:
     have = {r: c for r, c in cells.items() if c}
     if len(have) < 2:
         return None
-    by_cell: dict[tuple, dict[int, float]] = defaultdict(dict)
+    by_cell: dict[tuple[str, Optional[int], str], dict[int, float]] = defaultdict(dict)
     for r, rows in have.items():
         for part, layer, phase, ms in rows:
             by_cell[(part, layer, phase)][r] = ms
     shared = {k: v for k, v in by_cell.items() if len(v) > 1}
-    out = []
+    out: list[WorkSpreadRow] = []
     for (part, layer, phase), vals in shared.items():
         hi = max(vals, key=lambda r: (vals[r], -r))
         lo = min(vals, key=lambda r: (vals[r], r))
@@ -157,5 +161,5 @@ def exposed_by_group(exposed: dict[int, dict[str, float]], totals: dict[int, flo
             "extra_by_group": extra}
 
 
-def _num(v) -> float | None:
+def _num(v: object) -> float | None:
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None

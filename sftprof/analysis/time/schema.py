@@ -24,9 +24,17 @@ class ProjectionRow(TypedDict):
 
 
 class ProjectionMemory(TypedDict):
+    """The projected rank's memory, GiB (:func:`sftprof.analysis.time.projection.project`); 3.6: the real rank's need
+    (peak reserved + outside PyTorch + NCCL buffers) against one GPU's capacity
+    (:func:`sftprof.analysis.time.projection.real_rank_memory`)."""
     measured_peak_gib: Optional[float]  # None on CPU
     nccl_buffers_gib: float  # estimated, never measured
     projected_peak_gib: Optional[float]
+    measured_peak_reserved_gib: NotRequired[Optional[float]]  # 3.6; None on CPU
+    outside_pytorch_gib: NotRequired[float]  # 3.6; a process with real process groups (one GPU's figure)
+    real_rank_need_gib: NotRequired[Optional[float]]  # 3.6; None without a measured peak reserved
+    capacity_gib: NotRequired[Optional[float]]  # 3.6; nvidia-smi's total less the driver's share; None: unknown
+    fits: NotRequired[Optional[bool]]  # 3.6; None: need or capacity unknown
 
 
 class Projection(TypedDict):
@@ -200,12 +208,28 @@ class CollectiveRow(TypedDict):
     busbw_gb_per_s: Optional[float]
 
 
+class GroupCalls(TypedDict):
+    """One process group's calls on one rank (:func:`sftprof.analysis.time.comm_wait.call_records`)."""
+    label: Optional[str]
+    members: Optional[list[int]]  # global ranks; None: not recorded in the trace
+    # (collective, kernel intervals, exposed pieces), each interval [start_us, end_us]; by first kernel start
+    calls: list[tuple[str, list[list[float]], list[list[float]]]]
+
+
+class CallRecords(TypedDict):
+    """One rank's collectives per process-group name (:func:`sftprof.analysis.time.comm_wait.call_records`)."""
+    groups: dict[str, GroupCalls]
+    unnamed_kernels: int  # NCCL kernels without a process-group name (left out)
+
+
 class Collectives(TypedDict):
     """Per process group: calls, bytes, bandwidth, exposed time (:mod:`sftprof.analysis.time.collectives`)."""
     rows: list[CollectiveRow]
     exposed_by_group_ms: dict[str, float]
     exposed_outside_window_ms: float
     note: str
+    # the analyzer's result only: matched across ranks (:mod:`sftprof.analysis.trial.traces`), never written
+    calls: NotRequired[CallRecords]
 
 
 class HostOpRow(TypedDict):
@@ -417,7 +441,7 @@ class Imbalance(TypedDict):
 
 class GroupMs(TypedDict):
     group: str
-    ms: dict[str, float]  # rank (as text) -> exposed ms
+    ms: dict[int, float]  # rank -> exposed ms (a rank as text in the JSON, as every key)
 
 
 class ExposedByGroup(TypedDict):
@@ -426,9 +450,9 @@ class ExposedByGroup(TypedDict):
     groups: list[GroupMs]
     max_rank: int
     min_rank: int
-    totals: dict[str, float]  # rank (as text) -> exposed ms
+    totals: dict[int, float]  # rank -> exposed ms
     extra_ms: float
-    extra_by_group: list[list[Any]]  # [group, ms], largest first
+    extra_by_group: list[Any]  # (group, ms) tuples, largest first ([group, ms] lists in the JSON)
 
 
 class WorkSpreadRow(TypedDict):
@@ -445,7 +469,7 @@ class WorkSpreadRow(TypedDict):
 
 class WorkSpread(TypedDict):
     ranks: list[int]
-    compared_ms: dict[str, float]  # rank (as text) -> compute ms in the cells compared
+    compared_ms: dict[int, float]  # rank -> compute ms in the cells compared
     min_spread_ms: float
     rows: list[WorkSpreadRow]
 

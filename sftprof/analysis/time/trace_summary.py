@@ -36,6 +36,7 @@ from sftprof.analysis.trace.kernel_names import (COMM_PREFIX, HOST_COLLECTIVE_PR
 from sftprof.analysis.time.model_parts import cpu_parts, gpu_parts
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.time.schema import KernelSummary
+from sftprof.analysis.trace.schema import Identity, InvalidEvents
 from sftprof.analysis.trace.check import UNTIMED
 from sftprof.analysis.trace.sanity import inspect
 
@@ -65,7 +66,7 @@ def _rank_list(v: Any) -> bool:
             and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v) and len(set(v)) == len(v))
 
 
-def invalid_events_error(invalid: dict[str, Any]) -> str | None:
+def invalid_events_error(invalid: InvalidEvents) -> str | None:
     """The error of a trace whose invalid events dominate it (more than :data:`INVALID_SHARE_LIMIT`), else None."""
     total, events = invalid["total"], invalid["total"] + invalid["valid_events"]
     if total and total > INVALID_SHARE_LIMIT * events:
@@ -74,7 +75,7 @@ def invalid_events_error(invalid: dict[str, Any]) -> str | None:
     return None
 
 
-def identity_problems(identity: dict[str, Any], rank: int, step: int) -> tuple[str | None, str | None]:
+def identity_problems(identity: Identity, rank: int, step: int) -> tuple[str | None, str | None]:
     """``(error, warning)`` of a trace whose own record of its step and rank (``identity``, the summary's: sorted
     ``profiler_steps`` and ``recorded_rank``) is checked against the rank in its file name and the step postprocessed.
 
@@ -103,7 +104,7 @@ def identity_problems(identity: dict[str, Any], rank: int, step: int) -> tuple[s
     return "; ".join(wrong) or None, warning
 
 
-def invalid_events_message(invalid: dict[str, Any]) -> str:
+def invalid_events_message(invalid: InvalidEvents) -> str:
     """``"3 invalid events left out of every figure and view: negative dur 2, missing ts 1"``."""
     kinds = ", ".join(f"{k} {n}" for k, n in invalid["by_kind"].items())
     return f"{invalid['total']} invalid events left out of every figure and view: {kinds}"

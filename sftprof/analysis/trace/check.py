@@ -30,7 +30,7 @@ import json
 import math
 import sys
 from collections import defaultdict
-from typing import Any
+from typing import Any, NoReturn
 
 
 __all__ = ["MAX_TID", "UNTIMED", "CATEGORY_ALIASES", "CATEGORY_ALIAS_NOTE", "event_problem", "finite_json",
@@ -48,22 +48,23 @@ _METADATA = {"process_name": ("name", str), "thread_name": ("name", str), "proce
              "process_sort_index": ("sort_index", int), "thread_sort_index": ("sort_index", int)}
 _TIMED = frozenset("XBEiIstfCbenPOND")
 _NUMBERS = (int, float)
+_Slice = tuple[int, int, Any]  # an X slice of validate_trace: start ns, end ns, name
 
 
-def _number(v) -> bool:
+def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def is_finite_number(v) -> bool:
+def is_finite_number(v: Any) -> bool:
     """Whether ``v`` is an int or float (not a bool) with a finite value."""
     return _number(v) and math.isfinite(v)
 
 
-def _id(v) -> bool:
+def _id(v: object) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or isinstance(v, str)
 
 
-def event_problem(ev: dict) -> str | None:
+def event_problem(ev: dict[str, Any]) -> str | None:
     """Why ``ev`` (one parsed trace event) cannot be used, or None when it can.
 
     Kinds (stable strings, counted in the summary): ``"no phase"``, ``"non-string name"``,
@@ -79,11 +80,11 @@ def event_problem(ev: dict) -> str | None:
             (args is None or type(args) is dict):
         if ph == "M":
             return None
-        ts = ev.get("ts")
+        ts: Any = ev.get("ts")  # JSON: checked here
         if type(ts) in _NUMBERS and ts - ts == 0 and type(ph) is str:
             if ph != "X":
                 return None
-            dur = ev.get("dur")
+            dur: Any = ev.get("dur")
             if type(dur) in _NUMBERS and dur - dur == 0 and dur >= 0 and (dur and ts or cat not in _GPU_ACTIVITIES):
                 return None
     if not isinstance(ph, str):
@@ -131,16 +132,16 @@ def finite_json(value: Any) -> tuple[Any, int]:
     return value, 0
 
 
-def _track_id_ok(v) -> bool:
+def _track_id_ok(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TID
 
 
-def _check_fields(ev: dict) -> str | None:
+def _check_fields(ev: dict[str, Any]) -> str | None:
     ph = ev.get("ph")
     if not isinstance(ph, str):
         return "no 'ph'"
     if ph == "M":
-        spec = _METADATA.get(ev.get("name"))
+        spec = _METADATA.get(ev.get("name", ""))
         if spec is None:
             return f"unknown metadata name {ev.get('name')!r}"
         if not _track_id_ok(ev.get("pid")) or (ev["name"].startswith("thread_") and not _track_id_ok(ev.get("tid"))):
@@ -178,7 +179,7 @@ def _encloses(track: tuple[list[int], list[int], list[int]], t: int) -> bool:
     return j >= 0
 
 
-def _refuse_constant(token: str):
+def _refuse_constant(token: str) -> NoReturn:
     raise ValueError(f"non-finite number {token} (not RFC 8259 JSON)")
 
 
@@ -203,9 +204,10 @@ def validate_trace(path: str, max_problems: int = 20) -> list[str]:
         if len(problems[rule]) < max_problems:
             problems[rule].append(msg)
 
-    tracks: dict[tuple, list] = defaultdict(list)
-    flows: dict[tuple, list] = defaultdict(list)
-    names: dict[tuple, int] = defaultdict(int)
+    tracks: dict[tuple[int, int], list[_Slice]] = defaultdict(list)  # (pid, tid) -> its X slices
+    # (cat, id) -> its ends (phase, pid, tid, ts ns, bp)
+    flows: dict[tuple[Any, Any], list[tuple[str, int, int, int, Any]]] = defaultdict(list)
+    names: dict[tuple[str, int, Any], int] = defaultdict(int)
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
             data = json.loads(f.read(), parse_constant=_refuse_constant)
@@ -235,10 +237,13 @@ def validate_trace(path: str, max_problems: int = 20) -> list[str]:
     for (kind, pid, tid), n in names.items():
         if n > 1:
             report("names", f"{n} {kind} records for pid {pid}" + (f" tid {tid}" if tid is not None else ""))
-    index = {}
+    index: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     for track, slices in tracks.items():
         slices.sort(key=lambda s: (s[0], -s[1]))
-        kept, starts, ends, parent = [], [], [], []
+        kept: list[_Slice] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        parent: list[int] = []
         stack: list[int] = []  # indexes (into kept) of the open slices, innermost last
         for s in slices:
             while stack and ends[stack[-1]] <= s[0]:
@@ -254,16 +259,16 @@ def validate_trace(path: str, max_problems: int = 20) -> list[str]:
             starts.append(s[0])
             ends.append(s[1])
         index[track] = (starts, ends, parent)
-    for key, ends in flows.items():
-        phases = sorted(e[0] for e in ends)
+    for flow, flow_ends in flows.items():
+        phases = sorted(e[0] for e in flow_ends)
         if phases != ["f", "s"]:
-            report("flows", f"flow {key}: phases {phases} (expected one 's' and one 'f')")
+            report("flows", f"flow {flow}: phases {phases} (expected one 's' and one 'f')")
             continue
-        for ph, pid, tid, t, bp in ends:
+        for ph, pid, tid, t, bp in flow_ends:
             if ph == "f" and bp != "e":
                 continue  # binds to the next slice; not used by this project's views
             if not _encloses(index.get((pid, tid), ([], [], [])), t):
-                report("binding", f"flow {key}: '{ph}' at {t / 1e6:.3f} ms on track ({pid}, {tid}) is inside no slice")
+                report("binding", f"flow {flow}: '{ph}' at {t / 1e6:.3f} ms on track ({pid}, {tid}) is inside no slice")
     out = []
     for rule in ("fields", "names", "nesting", "flows", "binding"):
         out += problems[rule]

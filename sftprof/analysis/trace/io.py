@@ -28,7 +28,7 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TextIO
 
 import orjson
 
@@ -40,7 +40,8 @@ _CHUNK_CHARS = 8 << 20  # characters decoded per refill (~8 MiB of ASCII trace t
 _SEP = re.compile(r"[ \t\n\r,]*")  # between array elements: whitespace and the comma
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
-_SCAN = _DECODER.scan_once
+# (value, end) of the JSON value at an index: the C scanner JSONDecoder sets up (typeshed does not declare it)
+_SCAN: Callable[[str, int], tuple[Any, int]] = getattr(_DECODER, "scan_once")
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _INT64_DIGITS = b"0" * 19
 _ZEROS = re.compile(b"0*")
@@ -53,7 +54,7 @@ def _big_int(data: bytes) -> bool:
     digits = data.translate(_DIGITS_AS_ZERO)
     i = digits.find(_INT64_DIGITS)
     while i >= 0:
-        end = _ZEROS.match(digits, i).end()
+        end = _ZEROS.match(digits, i).end()  # type: ignore[union-attr]  # "0*" matches anywhere: never None
         before = data[i - 1:i]
         if before != b"." and (end - i > 19 or before == b"-"):
             return True
@@ -74,7 +75,7 @@ class Progress:
         every_s: minimum seconds between two lines.
     """
 
-    def __init__(self, label: str, total_bytes: int, every_s: float = 2.0, stream=None):
+    def __init__(self, label: str, total_bytes: int, every_s: float = 2.0, stream: TextIO | None = None):
         self.label, self.total, self.every_s = label, total_bytes, every_s
         self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.monotonic()
@@ -116,7 +117,7 @@ class TraceReader:
         OSError: the file cannot be opened.
     """
 
-    def __init__(self, path: str | os.PathLike, progress: Progress | None = None):
+    def __init__(self, path: str | os.PathLike[str], progress: Progress | None = None):
         self.path = os.fspath(path)
         self.header: dict[str, Any] = {}
         self.progress = progress
@@ -159,9 +160,10 @@ class TraceReader:
     def _error(self, what: str) -> TraceFormatError:
         return TraceFormatError(f"{self.path}: {what} near character {self._base + self._pos}")
 
-    def _skip(self, pattern: re.Pattern) -> None:
+    def _skip(self, pattern: re.Pattern[str]) -> None:
+        """Move the cursor past the text ``pattern`` (one of the ``[...]*`` patterns: it matches anywhere) matches."""
         while True:
-            self._pos = pattern.match(self._buf, self._pos).end()
+            self._pos = pattern.match(self._buf, self._pos).end()  # type: ignore[union-attr]  # never None
             if self._pos < len(self._buf) or not self._fill():
                 return
 
@@ -197,7 +199,7 @@ class TraceReader:
             return value, start, end
 
     # -- public iteration -------------------------------------------------------------------
-    def events(self) -> Iterator[tuple[str, dict]]:
+    def events(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield ``(raw_text, event_dict)`` for every element of ``traceEvents`` in file order."""
         try:
             first = self._peek()
@@ -234,9 +236,9 @@ class TraceReader:
                 self.progress.update(self._raw.tell(), force=True)
             self.close()
 
-    def _array(self) -> Iterator[tuple[str, dict]]:
+    def _array(self) -> Iterator[tuple[str, dict[str, Any]]]:
         buf_scan = _SCAN
-        sep = _SEP.match
+        sep: Callable[[str, int], re.Match[str]] = _SEP.match  # type: ignore[assignment]  # "[...]*": never None
         loads = orjson.loads
         while True:
             buf, pos = self._buf, self._pos
@@ -332,8 +334,9 @@ class TraceWriter:
     FLUSH_EVENTS = 8192
     QUEUED = 8
 
-    def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any]):
         self.path = os.fspath(path)
+        self._f: TextIO
         try:
             if self.path.endswith(".gz"):
                 self._f = io.TextIOWrapper(gzip.open(self.path, "wb", compresslevel=1), encoding="utf-8")

@@ -39,12 +39,13 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from sftprof import artifacts
-from sftprof.analysis.trial.schema import Failure
+from sftprof.analysis.trial.schema import FailedRank, Failure, NodeFailure, TrialRecord
 
-__all__ = ["config_errors", "failure_cause", "first_failure", "headline", "node_failures", "parse_torchrun_failures", "traceback_errors"]
+__all__ = ["TorchrunFailure", "config_errors", "failure_cause", "first_failure", "headline", "node_failures",
+           "parse_torchrun_failures", "traceback_errors"]
 
 _ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
 _FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
@@ -77,6 +78,20 @@ NO_ERROR_TEXT = ("no error text found: the rank wrote no torchrun error file and
 _RDZV_TIMEOUT = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
 
 
+class TorchrunFailure(TypedDict):
+    """One failure of torchrun's report (:func:`parse_torchrun_failures`); ``how`` is added by :func:`first_failure`."""
+    rank: int | None
+    local_rank: int | None
+    exitcode: int | None
+    signal: str | None  # "SIGKILL"; None: no signal
+    host: str | None
+    time: str | None
+    error_file: str | None  # None for ``<N/A>``
+    traceback: str
+    root_cause: bool
+    how: NotRequired[str]
+
+
 def _signal_name(code: int) -> str | None:
     try:
         return signal.Signals(-code).name if code < 0 else None
@@ -89,7 +104,7 @@ def _report_start(lines: list[str]) -> int:
     return max((i for i, line in enumerate(lines) if line.startswith("Failures:")), default=len(lines))
 
 
-def parse_torchrun_failures(lines: list[str]) -> list[dict[str, Any]]:
+def parse_torchrun_failures(lines: list[str]) -> list[TorchrunFailure]:
     """Failures of torchrun's last ``ChildFailedError`` report in ``lines``, root cause first.
 
     Returns:
@@ -115,15 +130,15 @@ def parse_torchrun_failures(lines: list[str]) -> list[dict[str, Any]]:
             continue
         if current is None:
             continue
-        f = _FIELD.match(line)
-        if f:
-            key, value = f.groups()
+        field = _FIELD.match(line)
+        if field:
+            key, value = field.groups()
             current[key] = value.strip()
         elif line.startswith(("---", "===")):
             current = None
         elif current.get("traceback") is not None and line.strip():
             current["traceback"] += "\n" + line.strip()  # a multi-line traceback from an error file
-    result = []
+    result: list[TorchrunFailure] = []
     for f in out:
         rank = _RANK.match(f.get("rank", ""))
         local = re.search(r"local_rank:\s*(\d+)", f.get("rank", ""))
@@ -142,7 +157,7 @@ def config_errors(lines: list[str]) -> list[str]:
     """The trainer's ``sftprof: configuration error: ...`` messages in ``lines``, in order, one per message even where
     two ranks' messages share a line (written as text then newline, one rank's text could land before another's
     newline: ``...family)sftprof: configuration error: ...``)."""
-    out = []
+    out: list[str] = []
     for line in lines:
         if _CONFIG_ERROR_MARK in line:
             out += [p.strip() for p in line.split(_CONFIG_ERROR_MARK)[1:] if p.strip()]
@@ -180,7 +195,7 @@ def traceback_errors(lines: list[str]) -> list[tuple[str, bool]]:
     return out
 
 
-def _rank_error(first: dict, lines: list[str], report: int, tail: list[str], log_dir: str | None) -> str:
+def _rank_error(first: TorchrunFailure, lines: list[str], report: int, tail: list[str], log_dir: str | None) -> str:
     """The error to quote for ``first``, whose torchrun traceback field is only torchrun's docs pointer (the rank
     wrote no error file): the error the trainer logged for that rank; for exit status 2, the trainer's configuration
     error; the first worker traceback's exception in the launcher log above torchrun's report (the first failing
@@ -201,7 +216,8 @@ def _rank_error(first: dict, lines: list[str], report: int, tail: list[str], log
     return found[-1] if found else NO_ERROR_TEXT
 
 
-def _torchrun_crash(lines: list[str], nodes: list[dict], layout: tuple[int | None, int | None]) -> dict | None:
+def _torchrun_crash(lines: list[str], nodes: list[NodeFailure], layout: tuple[int | None, int | None],
+                    ) -> Failure | None:
     """torchrun's own failure on this node (node 0: its launcher log is the one postprocessed) when it printed no
     failure report: its traceback's exception (``OverflowError: ...`` from a rendezvous timeout it cannot take);
     None when the log holds no traceback of torchrun's."""
@@ -217,7 +233,7 @@ def _torchrun_crash(lines: list[str], nodes: list[dict], layout: tuple[int | Non
             "log_tail": [], "others": [], "nodes": [n for n in nodes if n["node"] != 0], "torchrun": True}
 
 
-def _stopped_by_torchrun(f: dict) -> bool:
+def _stopped_by_torchrun(f: TorchrunFailure) -> bool:
     return f["signal"] == "SIGTERM" or "SIGTERM" in f["traceback"]
 
 
@@ -242,7 +258,7 @@ def _ranks_text(ranks: list[int] | None) -> str:
 
 
 def node_failures(log_dir: str | None, launcher_lines: list[str],
-                  layout: tuple[int | None, int | None] = (None, None)) -> list[dict[str, Any]]:
+                  layout: tuple[int | None, int | None] = (None, None)) -> list[NodeFailure]:
     """The nodes of a multi-node trial that failed, from their end records in ``LOG_DIR/nodes/``.
 
     Args:
@@ -262,7 +278,8 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
     folder = Path(log_dir) / artifacts.NODES if log_dir else None
     if folder is None or not folder.is_dir():
         return []
-    records, out = {}, []
+    records: dict[int, dict[str, Any]] = {}  # node rank -> its record (artifacts.read_node_record), or its error
+    out: list[NodeFailure] = []
     for path in sorted(folder.iterdir()):
         m = artifacts.NODE_RECORD_RE.match(path.name)
         if not m:
@@ -312,17 +329,17 @@ def node_failures(log_dir: str | None, launcher_lines: list[str],
     return out
 
 
-def headline(fail: dict[str, Any]) -> str:
+def headline(fail: Failure | NodeFailure) -> str:
     """The first failure of :func:`first_failure` in one line: ``node 1 (rank 1) never joined the trial``,
     ``torchrun on node 0 failed before any worker logged a line`` or ``rank 1 killed by SIGKILL (exit code -9)``."""
     if fail.get("torchrun"):
         return f"torchrun on node {fail['node']} {fail['how']}"
     if fail.get("node") is not None:
         return f"node {fail['node']} ({_ranks_text(fail['ranks'])}) {fail['how']}"
-    return f"rank {fail['rank']} {fail['how']}"
+    return f"rank {fail.get('rank')} {fail['how']}"  # a Failure: "rank" is always there
 
 
-def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
+def failure_cause(summary: TrialRecord) -> tuple[str, str] | None:
     """A trial's cause of failure in one line, for the places that name it beside its status (the summary's header,
     compare): ``("first failure", "rank 1 killed by SIGKILL (exit code -9): Signal 9 (SIGKILL) received by PID
     7899")`` from its Failure section (``summary["failure"]``: :func:`headline` and the first line of its error
@@ -339,7 +356,7 @@ def failure_cause(summary: dict[str, Any]) -> tuple[str, str] | None:
     return ("error", error) if error else None
 
 
-def _stall(log_dir: str | None, lines: list[str]) -> dict[str, Any] | None:
+def _stall(log_dir: str | None, lines: list[str]) -> Failure | None:
     """The first failure when the launcher's watchdog ended the trial (``LOG_DIR/stall.json``,
     :mod:`sftprof.launch.watchdog`): the rank that stopped making progress, its phase and step; the others are the
     ranks the record holds, with their last phase. None without a readable record."""
@@ -351,7 +368,7 @@ def _stall(log_dir: str | None, lines: list[str]) -> dict[str, Any] | None:
         return None
     where = f" in phase '{rec.get('phase')}'" if rec.get("phase") is not None else " before its first progress record"
     step = f" of step {rec['step']}" if rec.get("step") is not None else ""
-    others = [{"rank": x.get("rank"), "exitcode": None, "signal": None,
+    others: list[FailedRank] = [{"rank": x.get("rank"), "exitcode": None, "signal": None,
                "how": f"last progress {x.get('phase') or 'none'} ({x.get('idle_s')} s before)"}
               for x in rec.get("ranks") or [] if isinstance(x, dict) and x.get("rank") != rank]
     prefix = f"[rank {rank}]"
@@ -407,7 +424,8 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
         code, sig = f["exitcode"], f["signal"]
         f["how"] = (f"killed by {sig} (exit code {code})" if sig else
                     f"exit code {code}" if code is not None else "unknown")
-    others = [{k: f[k] for k in ("rank", "exitcode", "signal", "how")} for f in failures]
+    others: list[FailedRank] = [{"rank": f["rank"], "exitcode": f["exitcode"], "signal": f["signal"], "how": f["how"]}
+                                for f in failures]
     # a node that never joined, or whose torchrun was killed, is the root cause: the others' failures follow from it
     missing = bool(nodes) and (nodes[0]["how"] in ("never joined the trial", "wrote no end record")
                                or nodes[0]["how"].startswith("torchrun killed by"))
@@ -428,9 +446,10 @@ def first_failure(launcher_log: str, log_dir: str | None = None,
     message = _error_file_message(first["error_file"])
     if message:
         tail += message.splitlines()[-_TAIL_LINES:]
-    keep = ("rank", "exitcode", "signal", "how", "host", "error_file", "traceback")
-    out = {"node": None, "ranks": None, **{k: first[k] for k in keep}}
-    if not message and out["traceback"].startswith(_NO_ERROR_FILE):  # no error file: never quote torchrun's pointer
-        out["traceback"] = _rank_error(first, lines, report, tail, log_dir)
-    return {**out, "log_tail": tail, "others": [o for o, f in zip(others, failures) if f is not first],
-            "nodes": nodes}
+    traceback = first["traceback"]
+    if not message and traceback.startswith(_NO_ERROR_FILE):  # no error file: never quote torchrun's pointer
+        traceback = _rank_error(first, lines, report, tail, log_dir)
+    return {"node": None, "ranks": None, "rank": first["rank"], "exitcode": first["exitcode"],
+            "signal": first["signal"], "how": first["how"], "host": first["host"], "error_file": first["error_file"],
+            "traceback": traceback, "log_tail": tail,
+            "others": [o for o, f in zip(others, failures) if f is not first], "nodes": nodes}

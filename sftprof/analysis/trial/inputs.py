@@ -12,14 +12,14 @@ import datetime
 import json
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import IO, Any, Callable, Mapping, Optional, cast
 
 import yaml
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace.check import is_finite_number
-from sftprof.analysis.trial.schema import SmiWindow, Stats
+from sftprof.analysis.trial.schema import GpuOthers, MoeRouting, SmiWindow, SmiWindowGpu, Stats
 from sftprof.analysis.what_if.schema import TriedWhatIf
 from sftprof.models.hf import load_hf_config
 
@@ -33,12 +33,12 @@ _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu
 _RANK_STAT_FIELDS = ("step_time_s", "mem_peak_allocated_gb", "mem_peak_reserved_gb")
 
 
-def _finite(v) -> float | int | None:
+def _finite(v: Any) -> float | int | None:
     """``v`` when it is a finite int/float (not a bool), else None."""
     return v if is_finite_number(v) else None
 
 
-def _per_rank(rec: dict) -> dict[int, dict]:
+def _per_rank(rec: dict[str, Any]) -> dict[int, dict[str, float | int | None]]:
     """``{rank: {step_time_s, mem_peak_allocated_gb, mem_peak_reserved_gb}}`` of one step record.
 
     From the record's ``ranks`` list (every rank, as the trainer all-gathers it); a record without it
@@ -52,12 +52,12 @@ def _per_rank(rec: dict) -> dict[int, dict]:
     return {int(r["rank"]): {k: _finite(r.get(k)) for k in _RANK_STAT_FIELDS} for r in rows}
 
 
-def _gpu_others(rec: dict) -> list[dict]:
+def _gpu_others(rec: dict[str, Any]) -> list[GpuOthers]:
     """``[{rank, pids, mib}]``: the ranks of one step record whose GPU held processes not of the trial (the
     record's ``ranks[].gpu_others``, :mod:`sftprof.capture.gpu_sharing`; ``mib`` None: unknown). An entry without
     PIDs, with a rank below 0, a PID below 1 or a negative or non-finite memory is left out, as is a rank given twice."""
     ranks = rec.get("ranks")
-    out: dict[int, dict] = {}
+    out: dict[int, GpuOthers] = {}
     for r in ranks if isinstance(ranks, list) else []:
         g = r.get("gpu_others") if isinstance(r, dict) else None
         if not isinstance(g, dict) or type(r.get("rank")) is not int or r["rank"] < 0 or r["rank"] in out:
@@ -69,8 +69,8 @@ def _gpu_others(rec: dict) -> list[dict]:
     return list(out.values())
 
 
-def _max_over_ranks(per_rank: dict[int, dict], key: str) -> tuple[float | None, int | None]:
-    vals = [(v[key], r) for r, v in per_rank.items() if v[key] is not None]
+def _max_over_ranks(per_rank: dict[int, dict[str, float | int | None]], key: str) -> tuple[float | None, int | None]:
+    vals = [(x, r) for r, v in per_rank.items() if (x := v[key]) is not None]
     if not vals:
         return None, None
     value, rank = max(vals, key=lambda x: (x[0], -x[1]))
@@ -100,7 +100,7 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
     out.update(dict.fromkeys(f"max_{key}_{unit}" for key in ("mem_peak_allocated", "mem_peak_reserved")
                              for unit in ("gb", "rank")))
     if not out["available"]:
-        return out
+        return cast(Stats, out)  # every member of Stats, as absent
     log = artifacts.read_stats(path)
     out["bad_lines"] = log.bad_lines
     for step_record in log.steps:
@@ -128,13 +128,13 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
         vals = [(s[f"{key}_gb"], s[f"{key}_rank"]) for s in out["steps"] if s[f"{key}_gb"] is not None]
         best = max(vals, key=lambda x: x[0]) if vals else (None, None)
         out[f"max_{key}_gb"], out[f"max_{key}_rank"] = best
-    return out
+    return cast(Stats, out)  # built member by member above: every member of Stats (steps: StepRows)
 
 
 ROUTING_COLLAPSE_SHARE = 0.5  # a busiest expert receiving at least this share of a step's tokens: collapsed routing
 
 
-def moe_load(load, tokens) -> dict[str, Any] | None:
+def moe_load(load: Any, tokens: Any) -> MoeRouting | None:
     """The routing figures of one step record's ``moe_load`` (:meth:`sftprof.models.layers.routing.RoutingLoadMeter.step_record`).
 
     Args:
@@ -155,13 +155,15 @@ def moe_load(load, tokens) -> dict[str, Any] | None:
     if not isinstance(load, dict):
         return None
     scale = float(tokens) if _finite(tokens) and tokens > 0 else None
-    checks = {"max_over_mean": lambda r: r >= 1.0 - 1e-9,  # a maximum is never below the mean
-              "ep_max_over_mean": lambda r: r >= 1.0 - 1e-9,
-              "tokens_per_expert_max": lambda n: n >= 0 and (scale is None or n <= scale)}
-    lists = {k: (load.get(k) if isinstance(load.get(k), list) else []) for k in checks}
+    checks: dict[str, Callable[[float], bool]] = {
+        "max_over_mean": lambda r: r >= 1.0 - 1e-9,  # a maximum is never below the mean
+        "ep_max_over_mean": lambda r: r >= 1.0 - 1e-9,
+        "tokens_per_expert_max": lambda n: n >= 0 and (scale is None or n <= scale)}
+    lists: dict[str, list[Any]] = {k: (v if isinstance(v := load.get(k), list) else []) for k in checks}
     layers = max(map(len, lists.values()))
     value = {k: [_finite(v[i]) if i < len(v) else None for i in range(layers)] for k, v in lists.items()}
-    bad = {i for i in range(layers) if any(value[k][i] is not None and not ok(value[k][i]) for k, ok in checks.items())}
+    bad = {i for i in range(layers) if any((x := value[k][i]) is not None and not ok(x)
+                                          for k, ok in checks.items())}
 
     def worst(key: str, div: float = 1.0) -> tuple[float | None, int | None]:
         vals = [(v / div, i) for i, v in enumerate(value[key]) if v is not None and i not in bad]
@@ -196,7 +198,7 @@ def read_nvidia_smi(path: str | None) -> dict[str, Any]:
     if not path or not os.path.isfile(path):
         return out
     per: dict[int, dict[str, list[float]]] = {}
-    timed: list[tuple] = []
+    timed: list[tuple[float, int, float | None, float | None]] = []
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         rows = csv.reader(f)
         header = None
@@ -257,11 +259,11 @@ def smi_in_window(smi: Mapping[str, Any], lo_s: float, hi_s: float) -> SmiWindow
     Timestamps are read as local time of the machine that postprocesses (the driver runs it where
     nvidia-smi ran).
     """
-    per: dict[int, list] = {}
+    per: dict[int, list[tuple[float | None, float | None]]] = {}
     for t, idx, util, mem in smi.get("timed_samples") or []:
         if lo_s <= t <= hi_s:
             per.setdefault(idx, []).append((util, mem))
-    gpus = []
+    gpus: list[SmiWindowGpu] = []
     for idx in sorted(per):
         u = [x for x, _ in per[idx] if x is not None]
         m = [y for _, y in per[idx] if y is not None]
@@ -271,7 +273,7 @@ def smi_in_window(smi: Mapping[str, Any], lo_s: float, hi_s: float) -> SmiWindow
     return {"window_unix_s": [lo_s, hi_s], "gpus": gpus}
 
 
-def read_rank_coords(log_dir: str) -> tuple[dict[int, dict], str | None]:
+def read_rank_coords(log_dir: str) -> tuple[dict[int, dict[str, Any]], str | None]:
     """Rank -> coordinates (``{"pp": 0, "dp": 1, ...}``) from ``LOG_DIR/rank_coords.json``, and an error message
     naming the file when it is unreadable (``({}, None)`` when it is absent)."""
     path = os.path.join(log_dir, artifacts.RANK_COORDS)
@@ -307,7 +309,7 @@ def driver_interrupt(run_dir: str) -> str | None:
 _TE_IN_LOG = re.compile(r"\btransformer_engine=(True|False)\b")
 
 
-def transformer_engine(cfg: dict | None, trainer_log: str | None) -> bool | None:
+def transformer_engine(cfg: dict[str, Any] | None, trainer_log: str | None) -> bool | None:
     """Whether Transformer Engine ran in the trial: ``actor.megatron.transformer_impl`` of its config when ``transformer_engine``
     or ``local``; with ``auto``, the megatron engine's line in ``trainer_log`` (``... transformer_engine=True; ...``, its
     first such line); False for the fsdp backend (it never uses TE). None: no config, or ``auto`` and no such line
@@ -341,7 +343,7 @@ def read_tried_what_if(run_dir: str) -> tuple[TriedWhatIf | None, str | None]:
     if not (isinstance(data, dict) and isinstance(data.get("what_if"), dict) and isinstance(data.get("source_trial"), str)
             and isinstance(data.get("source_run_dir"), str)):
         return None, f"{path}: not a what-if record (source_trial, source_run_dir, what_if)"
-    return data, None
+    return cast(TriedWhatIf, data), None  # JSON read here, its members checked above
 
 
 def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
@@ -362,7 +364,7 @@ def world_size(log_dir: str) -> tuple[int | None, str]:
     else ``rank_coords.json``'s ``world_size``, else the layout of ``actor.backend`` in ``config.yaml``
     (:func:`sftprof.allocation.parse_allocation_mode`); ``(None, "")`` when none of them holds one (a missing,
     damaged or other file; then no file's rank can be checked against it)."""
-    def count(v) -> int | None:
+    def count(v: Any) -> int | None:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     try:
@@ -379,6 +381,8 @@ def world_size(log_dir: str) -> tuple[int | None, str]:
     if n:
         return n, artifacts.RANK_COORDS
     cfg, _ = trial_config(log_dir)
+    if cfg is None:
+        return None, ""
     try:
         backend = cfg["actor"]["backend"]
         return parse_allocation_mode(backend).world_size, f"actor.backend={backend!r} in {artifacts.CONFIG_YAML}"
@@ -397,7 +401,7 @@ def max_entries(log_dir: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _read(path: str, load, error: type[Exception]) -> tuple[Any, str | None]:
+def _read(path: str, load: Callable[[IO[str]], Any], error: type[Exception]) -> tuple[Any, str | None]:
     """``load`` of the text file at ``path`` and an error naming the file when it cannot be read or ``load`` raises
     ``error`` on it; ``(None, None)`` when it is absent."""
     if not os.path.isfile(path):
@@ -409,7 +413,7 @@ def _read(path: str, load, error: type[Exception]) -> tuple[Any, str | None]:
         return None, f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
 
 
-def trial_config(log_dir: str) -> tuple[dict | None, str | None]:
+def trial_config(log_dir: str) -> tuple[dict[str, Any] | None, str | None]:
     """The trial's resolved config (``LOG_DIR/config.yaml``) as a dict, and an error message naming the file when
     it is unreadable or not a YAML mapping (``(None, None)`` when it is absent)."""
     path = os.path.join(log_dir, artifacts.CONFIG_YAML)
@@ -442,8 +446,8 @@ class TrialModel:
         if self._loaded is None:
             try:
                 self._loaded = self.cut(int(self._actor.get("num_layers") or 0)), None
-            except Exception as err:  # noqa: BLE001 - kept, and raised to each user, which says what it leaves out
-                self._loaded = None, err
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to each user, which says what it leaves out
+                self._loaded = None, exc
         hf, err = self._loaded
         if err is not None:
             raise err

@@ -16,13 +16,14 @@ from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.memory.snapshot import other_devices_message
-from sftprof.analysis.trial.schema import FileError, FileWarning
+from sftprof.analysis.trial.schema import (FileError, FileWarning, NvidiaSmi, SnapshotEntry, Stats, TraceEntry,
+                                           TrialRecord)
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace.sanity import fault_messages
 from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypedDict
 
 __all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "shared_gpu_warnings",
            "optional_input_warnings"]
@@ -30,11 +31,13 @@ __all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warn
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
 
-def missing_traces(cfg: Mapping[str, Any] | None, items: Sequence[Mapping[str, Any]]) -> list[int]:
+def missing_traces(cfg: Mapping[str, Any] | None, items: Sequence[TraceEntry]) -> list[int]:
     """The ranks that the trial's ``perf_tracer.ranks`` profiles (:func:`sftprof.ranks.resolve_ranks` on
     ``actor.backend``'s layout) but whose trace is not in the log dir (deleted, never written): the summary's figures
     leave them out (a warning names each). Empty when the config is absent or does not resolve (nothing is
     assumed)."""
+    if cfg is None:
+        return []
     try:
         expected = resolve_ranks(cfg["perf_tracer"].get("ranks"), parse_allocation_mode(cfg["actor"]["backend"]))
     except Exception:  # no config, another schema, a spec that does not resolve: no expectation to check
@@ -44,74 +47,101 @@ def missing_traces(cfg: Mapping[str, Any] | None, items: Sequence[Mapping[str, A
 
 
 def missing_trace_warnings(cfg: Mapping[str, Any] | None, ranks: list[int]) -> list[FileWarning]:
-    """A warning per rank of :func:`missing_traces`, naming the ``perf_tracer.ranks`` that profiles it."""
+    """A warning per rank of :func:`missing_traces`, naming the ``perf_tracer.ranks`` that profiles it (none without
+    a config: then there are no such ranks)."""
+    if cfg is None:
+        return []
     return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
              "warning": f"rank {r}: {MISSING_TRACE}{cfg['perf_tracer'].get('ranks')!r} profiles it; this summary "
                         "leaves that rank out"} for r in ranks]
 
 
-def _kept_warnings(it: dict) -> list[FileWarning]:
-    """The warnings of a trace or snapshot that failed while files an earlier postprocess wrote from it stay in the
-    run dir: its entry's ``kept_views`` (a trace's views, counted) and ``kept_files`` (a snapshot's archive, plot
-    and phases sidecar; a trace's model-part plot: named). They are not from this file."""
+def _kept_warnings(it: TraceEntry | SnapshotEntry, file: str, what: str, kept_views: list[str]) -> list[FileWarning]:
+    """The warnings of a trace or snapshot (``what``; ``file``: its file, log-dir relative for a trace) that failed
+    while files an earlier postprocess wrote from it stay in the run dir: its entry's ``kept_views`` (a trace's
+    views, counted) and ``kept_files`` (a snapshot's archive, plot and phases sidecar; a trace's model-part plot:
+    named). They are not from this file."""
     who = f"rank {it['rank']}: " if it["rank"] is not None else ""
-    what = "trace" if "source" in it else "snapshot"
-    out = []
-    if it.get("kept_views"):
-        out.append({"file": it["source"], "warning": f"{who}{len(it['kept_views'])} view file(s) of an earlier "
-                                                     f"postprocess are kept in {KERNEL_TRACES}/ (not from this trace, "
-                                                     "which failed)"})
-    if it.get("kept_files"):
-        kept = it["kept_files"]
-        out.append({"file": it.get("source") or it["file"],
+    out: list[FileWarning] = []
+    if kept_views:
+        out.append({"file": file, "warning": f"{who}{len(kept_views)} view file(s) of an earlier "
+                                             f"postprocess are kept in {KERNEL_TRACES}/ (not from this trace, "
+                                             "which failed)"})
+    kept = it.get("kept_files")
+    if kept:
+        out.append({"file": file,
                     "warning": f"{who}{len(kept)} file(s) of an earlier postprocess are kept in "
                                f"{os.path.dirname(kept[0])}/ (not from this {what}, which failed): "
                                + ", ".join(os.path.basename(p) for p in kept)})
     return out
 
 
-def problems(summary: Mapping[str, Any], items: Sequence[Mapping[str, Any]], complete: Mapping[str, Any], input_errors: Sequence[Mapping[str, Any]],
-              missing_log_dir: str | None) -> tuple[list[FileError], list[FileWarning]]:
-    """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``
-    (``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
+def _trace_warnings(it: TraceEntry) -> list[FileWarning]:
+    """The warnings of one trace: files an earlier postprocess kept, invalid events, the views' repairs, faults of
+    its record, a trace read under the profiler's temporary name, a step that cannot be confirmed."""
+    out = _kept_warnings(it, it["source"], "trace", it.get("kept_views") or [])
+    s = None if "error" in it else it.get("summary")  # a trace with an error: only its files and name are said
+    inv = s.get("invalid_events") if s else None
+    if inv and inv.get("total"):
+        out.append({"file": it["source"], "warning": invalid_events_message(inv)})
+    notes = (s.get("view_repairs") if s else None) or {}
+    if notes.get(CATEGORY_ALIAS_NOTE):
+        out.append({"file": it["source"], "warning": f"{notes[CATEGORY_ALIAS_NOTE]} events with "
+                    f"{CATEGORY_ALIAS_NOTE}: their figures are kept; the views keep the trace's own spelling"})
+    out += [{"file": it["source"], "warning": f"{notes[k]} {k}"} for k in (BEGIN_END_NOTE, UNPAIRED_NOTE)
+            if notes.get(k)]
+    if s and s.get("sanity"):  # faults of the trace's record and what was done about them
+        out += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
+    if artifacts.unrenamed_trace_rank(os.path.basename(it["source"])) is not None:
+        out.append({"file": it["source"], "warning": f"rank {it['rank']}: the trace was left under the "
+                    "profiler's temporary name (its rename failed), and is read from there" + (
+                        "" if "error" in it else " as the rank's trace: it is complete")})
+    if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
+        out.append({"file": it["source"], "warning": it["warning"]})
+    return out
+
+
+def _snapshot_warnings(it: SnapshotEntry) -> list[FileWarning]:
+    """The warnings of one snapshot: a truncated allocator history, files an earlier postprocess kept, a step peak
+    the history cannot give (or only as a lower bound), other devices in the snapshot."""
+    s = it.get("summary")
+    out: list[FileWarning] = []
+    history = s.get("history") if s else None
+    if history and history.get("truncated"):
+        out.append({"file": it["file"], "warning": history["message"]})
+    out += _kept_warnings(it, it["file"], "snapshot", [])
+    unknown, lower_bound = (s.get("step_peak_unknown"), s.get("step_peak_lower_bound")) if s else (None, None)
+    if unknown:
+        out.append({"file": it["file"], "warning": unknown})
+    if lower_bound:
+        out.append({"file": it["file"], "warning": lower_bound})
+    if s and len(s.get("devices") or []) > 1:
+        out.append({"file": it["file"], "warning": other_devices_message(s)})
+    return out
+
+
+def problems(summary: TrialRecord, complete: Mapping[str, Any], input_errors: Sequence[FileError],
+             missing_log_dir: str | None) -> tuple[list[FileError], list[FileWarning]]:
+    """``(errors, warnings)`` of the trial: per file ``{"file", "error"}`` / ``{"file", "warning"}``, those of its
+    kind's files (a kernel trial's traces, a memory trial's snapshots) first (``complete``: its completion record;
+    ``input_errors``: those of ``rank_coords.json`` / ``config.yaml``; ``missing_log_dir``: the log dir when it
     does not exist, first error, or a warning for a trial the driver interrupted)."""
     kind, step = summary["profile_kind"], summary["profile_step"]
-    errors = [{"file": it.get("source") or it.get("file"), "error": it["error"]} for it in items if "error" in it]
+    traces = summary.get("kernel_traces") or [] if kind == "kernel" else []
+    snapshots = summary.get("memory_snapshots") or [] if kind == "memory" else []
+    errors: list[FileError] = [{"file": t["source"], "error": t["error"]} for t in traces if "error" in t]
+    errors += [{"file": m["file"], "error": m["error"]} for m in snapshots if "error" in m]
     errors += input_errors
-    warnings = []  # a kind or step the trial did not profile is refused before this (resolve_profile)
+    warnings: list[FileWarning] = []  # a kind or step the trial did not profile is refused before this
     if missing_log_dir and summary["status"] == "interrupted":  # stopped before the trainer wrote anything
         warnings.append({"file": "--log-dir", "warning": f"{missing_log_dir} does not exist: the driver stopped the "
                                                          "trial before the trainer wrote its log dir"})
     elif missing_log_dir:
         errors.insert(0, {"file": "--log-dir", "error": f"{missing_log_dir} does not exist"})
-    for it in items:
-        s = it.get("summary") or {}
-        if (s.get("history") or {}).get("truncated"):
-            warnings.append({"file": it["file"], "warning": s["history"]["message"]})
-        warnings += _kept_warnings(it)
-        inv = s.get("invalid_events") or {}
-        if inv.get("total") and "error" not in it:
-            warnings.append({"file": it["source"], "warning": invalid_events_message(inv)})
-        notes = s.get("view_repairs") or {}
-        if notes.get(CATEGORY_ALIAS_NOTE) and "error" not in it:
-            warnings.append({"file": it["source"], "warning": f"{notes[CATEGORY_ALIAS_NOTE]} events with "
-                             f"{CATEGORY_ALIAS_NOTE}: their figures are kept; the views keep the trace's own spelling"})
-        warnings += [{"file": it["source"], "warning": f"{notes[k]} {k}"} for k in (BEGIN_END_NOTE, UNPAIRED_NOTE)
-                     if notes.get(k) and "error" not in it]
-        if s.get("sanity") and "error" not in it:  # faults of the trace's record and what was done about them
-            warnings += [{"file": it["source"], "warning": m} for m in fault_messages(s["sanity"])]
-        if s.get("step_peak_unknown"):
-            warnings.append({"file": it["file"], "warning": s["step_peak_unknown"]})
-        if s.get("step_peak_lower_bound"):
-            warnings.append({"file": it["file"], "warning": s["step_peak_lower_bound"]})
-        if len(s.get("devices") or []) > 1:
-            warnings.append({"file": it["file"], "warning": other_devices_message(s)})
-        if "source" in it and artifacts.unrenamed_trace_rank(os.path.basename(it["source"])) is not None:
-            warnings.append({"file": it["source"], "warning": f"rank {it['rank']}: the trace was left under the "
-                             "profiler's temporary name (its rename failed), and is read from there" + (
-                                 "" if "error" in it else " as the rank's trace: it is complete")})
-        if it.get("warning"):  # a trace whose step cannot be confirmed (identity_problems)
-            warnings.append({"file": it["source"], "warning": it["warning"]})
+    for t in traces:
+        warnings += _trace_warnings(t)
+    for m in snapshots:
+        warnings += _snapshot_warnings(m)
     stats = summary["stats"]
     if stats["bad_lines"]:
         warnings.append({"file": "stats.jsonl", "warning": f"{stats['bad_lines']} unparsable lines skipped (not a "
@@ -124,7 +154,7 @@ def problems(summary: Mapping[str, Any], items: Sequence[Mapping[str, Any]], com
     elif stats.get("available") and not stats["steps"] and stats.get("complete") is None:
         warnings.append({"file": "stats.jsonl", "warning": ("empty" if not stats["bad_lines"] else "no valid line")
                          + ": no step records and no completion record (" + status + ")"})
-    if summary["status"] in ("ok", "unknown") and not items and not missing_log_dir:
+    if summary["status"] in ("ok", "unknown") and not traces and not snapshots and not missing_log_dir:
         where = "perf_tracer/rank<rank>.pt.trace.json" if kind == "kernel" else \
             f"memory_snapshots/step_{step}/snapshot_rank*.pickle"
         if kind == "memory" and complete.get("device") == "cpu":
@@ -136,7 +166,7 @@ def problems(summary: Mapping[str, Any], items: Sequence[Mapping[str, Any]], com
     return errors, warnings
 
 
-def routing_warnings(stats: Mapping[str, Any], profile_step: int | None, cfg: Mapping[str, Any] | None) -> list[FileWarning]:
+def routing_warnings(stats: Stats, profile_step: int | None, cfg: Mapping[str, Any] | None) -> list[FileWarning]:
     """Per step whose ``moe_load`` held values that cannot be true, a warning that they were left out
     (:func:`sftprof.analysis.trial.inputs.moe_load`); and a warning when one expert received at least
     :data:`ROUTING_COLLAPSE_SHARE` of the tokens of a MoE layer in the profiled step (the last step record when the
@@ -144,18 +174,21 @@ def routing_warnings(stats: Mapping[str, Any], profile_step: int | None, cfg: Ma
     trained router's (balanced top-``k``: ``k / E`` of the tokens per expert, 6.25 % for Qwen3-30B-A3B's 8 of 128). What it says follows the trial's config ``cfg``:
     random or loaded weights (``actor.init_from_scratch``), balanced routing already on, and what the backend
     (``actor.backend``) accepts."""
-    out = [{"file": "stats.jsonl", "warning": f"step {x['step']}: {x['moe']['invalid']} MoE layer(s) left out of the "
-                                              "routing figures: a value that cannot be true (a busiest expert or EP "
-                                              "rank below the mean, one expert with more tokens than the step, a "
-                                              "negative count)"}
-           for x in stats["steps"] if (x.get("moe") or {}).get("invalid")]
+    out: list[FileWarning] = [
+        {"file": "stats.jsonl", "warning": f"step {x['step']}: {moe['invalid']} MoE layer(s) left out of the "
+                                           "routing figures: a value that cannot be true (a busiest expert or EP "
+                                           "rank below the mean, one expert with more tokens than the step, a "
+                                           "negative count)"}
+        for x in stats["steps"] if (moe := x.get("moe")) and moe.get("invalid")]
     rows = [x for x in stats["steps"] if x.get("moe")]
     row = next((x for x in rows if x["step"] == profile_step), rows[-1] if rows else None)
-    m = (row or {}).get("moe") or {}
-    if m.get("top_share") is None or m["top_share"] < ROUTING_COLLAPSE_SHARE:
+    m = row.get("moe") if row else None
+    top = m.get("top_share") if m else None
+    if row is None or m is None or top is None or top < ROUTING_COLLAPSE_SHARE:
         return out
-    ep = (f"; the busiest EP rank got {m['ep_max_over_mean']:.2f}x the mean per EP rank (layer {m['ep_worst_layer']})"
-          if m.get("ep_max_over_mean") is not None and m["ep_max_over_mean"] > 1.0 else "")
+    ep_ratio = m.get("ep_max_over_mean")
+    ep = (f"; the busiest EP rank got {ep_ratio:.2f}x the mean per EP rank (layer {m['ep_worst_layer']})"
+          if ep_ratio is not None and ep_ratio > 1.0 else "")
     actor = (cfg or {}).get("actor") or {}
     megatron = str(actor.get("backend") or "").startswith("megatron")
     knob = "actor.megatron.moe_router_force_load_balancing"
@@ -173,18 +206,26 @@ def routing_warnings(stats: Mapping[str, Any], profile_step: int | None, cfg: Ma
                   else f" (the megatron backend also offers balanced routing for profiling, {knob}; the fsdp backend "
                        "does not)"))
     return out + [{"file": "stats.jsonl", "warning": (
-        f"step {row['step']}: MoE routing collapsed: one expert received {100 * m['top_share']:.2f} % of the "
+        f"step {row['step']}: MoE routing collapsed: one expert received {100 * top:.2f} % of the "
         f"tokens in layer {m['top_share_layer']} (busiest expert {m['max_over_mean']:.2f}x the mean){ep}" + why)}]
 
 
 SHARED_GPU_LISTED = 8  # PIDs and ranks named in the shared-GPU warning; the rest are counted
 
 
-def shared_gpu_warnings(stats: Mapping[str, Any]) -> list[FileWarning]:
+class _SharedGpu(TypedDict):
+    """What one rank's GPU held besides the trial, over the steps (:func:`shared_gpu_warnings`)."""
+    pids: set[int]
+    mib: float  # the most memory they held, MiB (0.0: none known)
+    unknown: bool  # some step's memory was unknown
+    steps: set[int]
+
+
+def shared_gpu_warnings(stats: Stats) -> list[FileWarning]:
     """One warning when a rank's GPU held processes not of the trial after some step (``stats.steps[].gpu_others``,
     :mod:`sftprof.capture.gpu_sharing`): per rank (the first :data:`SHARED_GPU_LISTED`) its PIDs (as many), the
     most memory they held and the steps, as ranges."""
-    seen: dict[int, dict] = {}  # rank -> {"pids", "mib", "unknown", "steps"}
+    seen: dict[int, _SharedGpu] = {}  # rank -> what its GPU held
     for row in stats["steps"]:
         for g in row.get("gpu_others") or []:
             r = seen.setdefault(g["rank"], {"pids": set(), "mib": 0.0, "unknown": False, "steps": set()})
@@ -195,11 +236,11 @@ def shared_gpu_warnings(stats: Mapping[str, Any]) -> list[FileWarning]:
     if not seen:
         return []
 
-    def listed(items: list, what: str) -> str:
+    def listed(items: list[int] | list[str], what: str) -> str:
         more = len(items) - SHARED_GPU_LISTED
         return ", ".join(map(str, items[:SHARED_GPU_LISTED])) + (f" and {more} more {what}" if more > 0 else "")
 
-    def rank_text(rank: int, r: dict) -> str:
+    def rank_text(rank: int, r: _SharedGpu) -> str:
         if r["unknown"] and not r["mib"]:
             memory = "memory unknown"
         else:
@@ -224,10 +265,10 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: Mapping[str, Any]) -> list[FileWarning]:
+def optional_input_warnings(trainer_log: str | None, nvidia_smi_csv: str | None, smi: NvidiaSmi) -> list[FileWarning]:
     """A warning per input file given by option (``--trainer-log``, ``--nvidia-smi-csv``) that is not a file, or
     (nvidia-smi) holds no sample: the summary goes without it."""
-    out = [{"file": path, "warning": f"{option}: not found; the summary goes without it"}
+    out: list[FileWarning] = [{"file": path, "warning": f"{option}: not found; the summary goes without it"}
            for option, path in (("--trainer-log", trainer_log), ("--nvidia-smi-csv", nvidia_smi_csv))
            if path and not os.path.isfile(path)]
     if nvidia_smi_csv and os.path.isfile(nvidia_smi_csv) and not smi["samples"]:

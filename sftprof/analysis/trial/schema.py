@@ -185,10 +185,19 @@ class Counts(TypedDict):
 
 
 class FailedRank(TypedDict):
-    rank: int
+    rank: Optional[int]  # None: torchrun's report (or stall.json) gave none that reads as one
     exitcode: Optional[int]
     signal: Optional[str]
     how: str
+
+
+class NodeFailure(TypedDict):
+    """A failed node of a multi-node trial (:func:`sftprof.analysis.trial.failure.node_failures`)."""
+    node: int
+    ranks: Optional[list[int]]  # the node's global ranks; None: the layout is unknown
+    host: Optional[str]
+    how: str  # one phrase: "never joined the trial", "torchrun exited with status 1", ...
+    detail: str  # what that means and where to look
 
 
 class Failure(TypedDict):
@@ -204,7 +213,7 @@ class Failure(TypedDict):
     traceback: str
     log_tail: list[str]
     others: list[FailedRank]
-    nodes: list[dict[str, Any]]  # further failed nodes (sftprof.analysis.trial.failure.node_failures)
+    nodes: list[NodeFailure]  # further failed nodes
     torchrun: NotRequired[bool]
 
 

@@ -13,7 +13,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -23,7 +23,8 @@ from sftprof.analysis.memory.estimate import estimate_memory, explain_estimate
 from sftprof.analysis.memory.plot import plot_memory
 from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
 from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
-from sftprof.analysis.trial.schema import Files, SnapshotEntry
+from sftprof.analysis.memory.schema import AllocatorSettings, Estimate, MemorySummary
+from sftprof.analysis.trial.schema import Files, SkippedFile, SnapshotEntry
 from sftprof.atomic import copy_file, write_failed
 
 __all__ = ["snapshot_part"]
@@ -35,7 +36,7 @@ _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 # --------------------------------------------------------------------------------------------
 # Memory snapshots
 # --------------------------------------------------------------------------------------------
-def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
+def _snapshot_rank(name: str) -> tuple[int | None, dict[str, int] | None]:
     """Rank (and coordinates) read from a snapshot file name; ``(None, None)`` when it names no rank.
 
     The trainer's ``snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle`` gives both; other names give
@@ -48,7 +49,7 @@ def _snapshot_rank(name: str) -> tuple[int | None, dict | None]:
     return (int(m.group(1)), None) if m else (None, None)
 
 
-def _estimate(log_dir: str, model: TrialModel, rank: int | None, coords: dict | None) -> tuple[dict | None, str | None]:
+def _estimate(log_dir: str, model: TrialModel, rank: int | None) -> tuple[Estimate | None, str | None]:
     """Theoretical memory of ``rank`` (:func:`sftprof.analysis.memory.estimate.estimate_memory`) of the trial's
     ``model``, and why not."""
     cfg, _ = inputs.trial_config(log_dir)  # (an unreadable one is the summary's error: postprocess_trial)
@@ -63,7 +64,7 @@ def _estimate(log_dir: str, model: TrialModel, rank: int | None, coords: dict | 
         return None, f"no theoretical estimate: {type(exc).__name__}: {exc}"
 
 
-def _allocator_settings(snapshot: dict) -> dict | None:
+def _allocator_settings(snapshot: dict[str, Any]) -> AllocatorSettings | None:
     """``{"alloc_conf", "expandable_segments"}`` of the caching allocator that took the snapshot (its
     ``allocator_settings``, recorded by torch since 2.5; a value of another type is None); None without them."""
     settings = snapshot.get("allocator_settings")
@@ -74,7 +75,7 @@ def _allocator_settings(snapshot: dict) -> dict | None:
             "expandable_segments": expandable if isinstance(expandable, bool) else None}
 
 
-def _own_device(phases, rank: int | None, log_dir: str) -> tuple[int | None, str | None]:
+def _own_device(phases: Any, rank: int | None, log_dir: str) -> tuple[int | None, str | None]:
     """The rank's own CUDA device index and where it comes from: the phases sidecar's ``device`` (written by the
     trainer), else ``rank % cluster.n_gpus_per_node`` of the trial's config (torchrun's local rank), else
     ``(None, None)`` (then the device with the most reserved bytes is summarised)."""
@@ -103,7 +104,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     own, so the name's rank is checked only against the world size): not analysed, not archived.
     """
     rank, coords = _snapshot_rank(name)
-    entry: dict[str, Any] = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
+    entry: SnapshotEntry = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
                              "coords_from_name": coords}
     src = os.path.join(src_dir, name)
     outside = outside_world(rank, world)
@@ -116,7 +117,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     stage = tempfile.mkdtemp(prefix=f".staging_rank{'' if rank is None else rank}_", dir=run_dir)
     try:
         try:
-            copies = {}  # name in dst_dir -> the log dir's file to copy there as it is
+            copies: dict[str, str] = {}  # name in dst_dir -> the log dir's file to copy there as it is
             phases = None
             if phases_name and os.path.isfile(os.path.join(src_dir, phases_name)):
                 with open(os.path.join(src_dir, phases_name), encoding="utf-8") as f:
@@ -125,12 +126,15 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
             print(f"[postprocess] analysing {name}", file=sys.stderr, flush=True)
             snapshot = safe_load_file(src)
             device, device_from = _own_device(phases, rank, log_dir)
-            summary = analyze_snapshot(snapshot, phases, device)
-            summary["device_from"] = device_from
+            raw = analyze_snapshot(snapshot, phases, device)
+            raw["device_from"] = device_from
             allocator = _allocator_settings(snapshot)
-            plot_memory(summary, f"{name} (step {step})", os.path.join(stage, png_name))
-            summary.pop("series")
-            summary["history"] = history_status(summary, max_entries)
+            plot_memory(raw, f"{name} (step {step})", os.path.join(stage, png_name))
+            raw.pop("series")
+            raw["history"] = history_status(raw, max_entries)
+            # analyze_snapshot gives a plain dict (memory/snapshot.py is not typed strictly): without its series and
+            # with its history, a MemorySummary
+            summary = cast(MemorySummary, raw)
             copies[name] = src
             for n, path in copies.items():  # the inputs, copied as they are
                 try:
@@ -153,13 +157,14 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
             written.add(n)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    if phases_name in copies:
+    if phases_name is not None and phases_name in copies:
         entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
     entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
     entry["summary"] = summary
     entry["allocator"] = allocator
-    entry["estimate"], entry["estimate_note"] = _estimate(log_dir, model, rank, coords)
-    entry["estimate_vs_measured"] = explain_estimate(summary, entry["estimate"])
+    estimate, note = _estimate(log_dir, model, rank)
+    entry["estimate"], entry["estimate_note"] = estimate, note
+    entry["estimate_vs_measured"] = explain_estimate(raw, estimate)
     return entry
 
 
@@ -171,7 +176,8 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: Tr
     trial's model, for each snapshot's theoretical estimate."""
     src_dir = str(artifacts.snapshot_dir(log_dir, step))
     dst_dir = str(artifacts.snapshot_dir(run_dir, step))
-    snapshots, skipped = [], []
+    snapshots: list[SnapshotEntry] = []
+    skipped: list[SkippedFile] = []
     if not os.path.isdir(src_dir):
         return {"memory_snapshots": snapshots, "skipped": skipped}
     os.makedirs(dst_dir, exist_ok=True)

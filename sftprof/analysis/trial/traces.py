@@ -14,13 +14,15 @@ import os
 import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from typing import NotRequired, TypedDict
 
 from sftprof import artifacts
 from sftprof.analysis.time import comm_wait
 from sftprof.analysis.views import merged as merged_view
 from sftprof.analysis.trial.inputs import World, file_error, outside_world
 from sftprof.analysis.time.model_parts import plot_parts
-from sftprof.analysis.trial.schema import Files, TraceEntry
+from sftprof.analysis.time.schema import CallRecords, KernelSummary
+from sftprof.analysis.trial.schema import Files, SkippedFile, TraceEntry
 from sftprof.analysis.trace.sanity import sanity_error
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views.split import VIEWS, read_for_summary, split_trace, view_links
@@ -32,6 +34,19 @@ __all__ = ["trace_part", "MODEL_PARTS_DIR"]
 MODEL_PARTS_DIR = "model_parts"  # RUN_DIR/model_parts/rank<r>.png: stacked bars of time by part and layer
 
 
+class _Processed(TypedDict):
+    """What :func:`_process_trace` returns for one rank's trace: its error alone (with the views an earlier
+    postprocess left, absolute paths), or its views (absolute paths), summary and collective calls."""
+    rank: int
+    error: NotRequired[str]
+    warning: NotRequired[str]
+    kept_views: NotRequired[list[str]]
+    views: NotRequired[dict[str, list[str]]]
+    view_links: NotRequired[dict[str, str]]
+    summary: NotRequired[KernelSummary]
+    calls: NotRequired[CallRecords]  # sftprof.analysis.time.comm_wait.call_records, not written
+
+
 def _rank_views(out_dir: str, rank: int) -> list[str]:
     """Paths of rank ``rank``'s files in every view (and time-window) folder under ``out_dir``, sorted (a view written
     as a link to another view counts, also when what it linked to is gone)."""
@@ -41,14 +56,17 @@ def _rank_views(out_dir: str, rank: int) -> list[str]:
                   if os.path.lexists(path := os.path.join(out_dir, folder, name)))
 
 
-def _failed_trace(out_dir: str, rank: int, error: str) -> dict:
+def _failed_trace(out_dir: str, rank: int, error: str) -> _Processed:
     """The result of a trace that is not summarised (``error``), with the rank's views an earlier postprocess left."""
+    out: _Processed = {"rank": rank, "error": error}
     kept = _rank_views(out_dir, rank)
-    return {"rank": rank, "error": error, **({"kept_views": kept} if kept else {})}
+    if kept:
+        out["kept_views"] = kept
+    return out
 
 
 def _split_views(src: str, stage: str, rank: int, compress: bool,
-                 max_view_bytes: int) -> tuple[dict | None, dict | str]:
+                 max_view_bytes: int) -> tuple[dict[str, list[str]], dict[str, int]] | tuple[None, str]:
     """:func:`~sftprof.analysis.views.split.split_trace` alone, for a worker process: ``(views, {note: count})``, or
     ``(None, error)`` when the split failed (the error as :func:`~sftprof.analysis.trial.inputs.file_error` words it)."""
     notes: dict[str, int] = {}
@@ -60,7 +78,7 @@ def _split_views(src: str, stage: str, rank: int, compress: bool,
 
 
 def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_bytes: int, step: int,
-                   world: World, beside: bool = False) -> dict:
+                   world: World, beside: bool = False) -> _Processed:
     """Split one rank's trace into ``out_dir`` and summarise it as rank ``rank``'s trace of step ``step``. The views
     are written to a staging folder next to ``out_dir`` and replace the rank's earlier views (other compression,
     other windows) only when the split succeeded: a trace that fails leaves what an earlier postprocess wrote. So
@@ -84,9 +102,10 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 with ProcessPoolExecutor(max_workers=1) as pool:
                     views_run = pool.submit(_split_views, src, stage, rank, compress, max_view_bytes)
                     read_for_summary(src, analyzer.set_header, analyzer.add, analyzer.add_invalid)
-                    staged, notes = views_run.result()
-                if staged is None:  # the views' error (for a malformed trace the same as the summary's pass gives)
-                    return _failed_trace(out_dir, rank, notes)
+                    split = views_run.result()
+                if split[0] is None:  # the views' error (for a malformed trace the same as the summary's pass gives)
+                    return _failed_trace(out_dir, rank, split[1])
+                staged, notes = split
                 for what, n in notes.items():
                     analyzer.add_note(what, n)
             else:
@@ -104,7 +123,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
         links = view_links(staged)
         for path in _rank_views(out_dir, rank):  # an earlier postprocess's (other compression, other windows)
             os.remove(path)
-        views = {}
+        views: dict[str, list[str]] = {}
         for view, paths in staged.items():
             views[view] = []
             for path in paths:
@@ -114,7 +133,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 views[view].append(dst)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    out = {"rank": rank, "views": views, "view_links": links, "summary": summary, "calls": calls}
+    out: _Processed = {"rank": rank, "views": views, "view_links": links, "summary": summary, "calls": calls}
     if error:
         out["error"] = f"{src}: {error}"
     elif unconfirmed:
@@ -122,13 +141,15 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     return out
 
 
-def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[dict], list[dict]]:
+def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[TraceEntry], list[SkippedFile]]:
     """``(found, duplicates, skipped)`` in ``LOG_DIR/perf_tracer``: ``(rank, path)`` of the first trace of each
     rank (sorted), an error entry per further trace of a rank, and the files that are not trace names. A trace the
     profiler left under its temporary name (``*.tmp``, :data:`sftprof.artifacts.UNRENAMED_TRACE_RE`) is the rank's
     trace when the rank has no other (a warning says so, :mod:`sftprof.analysis.trial.problems`), else skipped."""
     trace_dir = os.path.join(log_dir, artifacts.PERF_TRACER)
-    found, duplicates, skipped = [], [], []
+    found: list[tuple[int, str]] = []
+    duplicates: list[TraceEntry] = []
+    skipped: list[SkippedFile] = []
     if os.path.isdir(trace_dir):
         # "x.json" sorts before "x.json.gz", and rank<r>.pt.trace.json before the legacy traces-r<r>.chrome.json
         names = sorted(os.listdir(trace_dir))
@@ -158,7 +179,7 @@ def _find_traces(log_dir: str) -> tuple[list[tuple[int, str]], list[dict], list[
 
 
 def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, max_view_bytes: int,
-                    jobs: int, step: int, world: World) -> list[dict]:
+                    jobs: int, step: int, world: World) -> list[_Processed]:
     """:func:`_process_trace` of each found trace, in ``jobs`` worker processes when more than one."""
     beside = jobs >= 2 * len(found)  # a core to spare for each trace: its views and summary side by side
     args = [(src, out_dir, rank, compress, max_view_bytes, step, world, beside) for rank, src in found]
@@ -166,7 +187,7 @@ def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, 
         return [_process_trace(*a) for a in args]
     with ProcessPoolExecutor(max_workers=min(jobs, len(args))) as pool:
         futures = [pool.submit(_process_trace, *a) for a in args]
-        results = []
+        results: list[_Processed] = []
         for (src, _, rank, *_), fut in zip(args, futures):
             try:
                 results.append(fut.result())
@@ -175,25 +196,28 @@ def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, 
     return results
 
 
-def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: dict) -> TraceEntry:
+def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processed) -> TraceEntry:
     """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown. A trace
     that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``."""
-    entry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
-    for key in ("error", "warning"):
-        if key in res:
-            entry[key] = res[key]
+    entry: TraceEntry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
+    if "error" in res:
+        entry["error"] = res["error"]
+    if "warning" in res:
+        entry["warning"] = res["warning"]
     if "kept_views" in res:
         entry["kept_views"] = [os.path.relpath(p, run_dir) for p in res["kept_views"]]
     png = os.path.join(run_dir, MODEL_PARTS_DIR, f"rank{rank}.png")
     if "views" not in res and os.path.isfile(png):  # an earlier postprocess's, left as it is: said so
         entry["kept_files"] = [os.path.relpath(png, run_dir)]
-    if "views" in res:
+    if "views" in res:  # then also its view links and summary (_process_trace)
+        summary = res["summary"]
         entry["views"] = {v: [os.path.relpath(p, run_dir) for p in res["views"][v]] for v in VIEWS}
         entry["view_links"] = res["view_links"]
-        entry["summary"] = res["summary"]
-        parts, clock = res["summary"]["parts"], "GPU time"
-        if not parts["total_ms"] and res["summary"]["cpu_parts"]:  # a CPU run
-            parts, clock = res["summary"]["cpu_parts"], "CPU op time"
+        entry["summary"] = summary
+        parts, clock = summary["parts"], "GPU time"
+        cpu_parts = summary["cpu_parts"]
+        if not parts["total_ms"] and cpu_parts:  # a CPU run
+            parts, clock = cpu_parts, "CPU op time"
         if parts["total_ms"]:
             os.makedirs(os.path.dirname(png), exist_ok=True)
             with atomic_path(png) as tmp:
@@ -222,8 +246,8 @@ def trace_part(log_dir: str, run_dir: str, compress: bool, max_view_bytes: int, 
     # communication (each trace's call timelines, which are not written), and the ranks' views on one timeline.
     records = {rank: res["calls"] for (rank, _), res in zip(found, results) if "calls" in res and "error" not in res}
     cw = comm_wait.split(records)
-    merged = merged_view.merge_trial({rank: res["views"]["chrome"] for (rank, _), res in zip(found, results)
-                                      if "views" in res}, out_dir, cw and cw["clock_offsets"], compress=compress,
-                                     max_view_bytes=max_view_bytes, jobs=jobs, rel_to=run_dir)
+    merged = merged_view.merge_trial(
+        {rank: res["views"]["chrome"] for (rank, _), res in zip(found, results) if "views" in res}, out_dir,
+        cw and cw["clock_offsets"], compress=compress, max_view_bytes=max_view_bytes, jobs=jobs, rel_to=run_dir)
     return {"kernel_traces": sorted(traces, key=lambda t: (t["rank"], t["source"])), "skipped": skipped,
             "comm_wait": cw, "merged_view": merged}

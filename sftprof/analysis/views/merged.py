@@ -48,12 +48,14 @@ from array import array
 from collections import defaultdict, deque
 from concurrent.futures import ProcessPoolExecutor
 from itertools import islice
-from typing import Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
 from sftprof.artifacts import MERGED_VIEW, merged_view_path
+from sftprof.analysis.time.schema import ClockOffset
 from sftprof.analysis.trace.io import TraceReader, TraceWriter
+from sftprof.analysis.views.schema import ClockShift, MergedView
 from sftprof.analysis.views.split import MAX_VIEW_BYTES
 from sftprof.analysis.views.windows import SAMPLES, WindowedView, split_into_windows, window_cuts
 
@@ -72,7 +74,8 @@ _NO_FLOW = -1  # the flow key of a line that is not a flow event (_convert_rank)
 _COPY_LINES = 1 << 20  # converted lines sent to their windows per round (_copy_rank)
 
 
-def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[int, int]) -> dict[int, dict]:
+def clock_shifts(ranks: list[int], offsets: Optional[list[ClockOffset]],
+                 base_ns: dict[int, int]) -> dict[int, ClockShift]:
     """How each rank's timestamps move onto the lowest rank's clock.
 
     Args:
@@ -87,13 +90,13 @@ def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[
         the reference to it.
     """
     ref = ranks[0]
-    edges: dict[int, list[tuple[int, float, dict]]] = defaultdict(list)
+    edges: dict[int, list[tuple[int, float, ClockOffset]]] = defaultdict(list)
     for o in offsets or []:
         a, b = o["ranks"]
         edges[a].append((b, o["median_end_difference_us"], o))
         edges[b].append((a, -o["median_end_difference_us"], o))
     # d[r]: rank r's clock minus the reference's, from the base times, then refined by the collectives
-    found: dict[int, tuple[float, list[dict]]] = {ref: (0.0, [])}
+    found: dict[int, tuple[float, list[ClockOffset]]] = {ref: (0.0, [])}
     todo = deque([ref])
     while todo:
         a = todo.popleft()
@@ -101,7 +104,7 @@ def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[
             if b not in found and b in ranks:
                 found[b] = (found[a][0] + diff, found[a][1] + [o])
                 todo.append(b)
-    out = {}
+    out: dict[int, ClockShift] = {}
     for r in ranks:
         base_shift = (base_ns[r] - base_ns[ref]) / 1000.0  # the rank's ts on the reference's base
         if r == ref:
@@ -114,13 +117,14 @@ def clock_shifts(ranks: list[int], offsets: Optional[list[dict]], base_ns: dict[
     return out
 
 
-def _events(paths: list[str]):
+def _events(paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(raw, event)`` of one rank's view files in order (the parts of a windowed view one after another)."""
     for path in paths:
         yield from TraceReader(path).events()
 
 
-def _track_label(proc: dict[str, str], thread: Optional[str], pid: int, tid: int) -> tuple[str, tuple]:
+def _track_label(proc: dict[str, str], thread: Optional[str], pid: int,
+                 tid: int) -> tuple[str, tuple[bool, int, bool, str]]:
     """``<process>: <track>`` of a track of a rank's view from its metadata names, and its sort key: host tracks
     first, each thread's or stream's own track before the tracks made for it (annotations, CUDA sync)."""
     labels = proc.get("process_labels", "")
@@ -134,9 +138,9 @@ def _track_label(proc: dict[str, str], thread: Optional[str], pid: int, tid: int
     return f"{labels if gpu else f'host {pid}'}: {name}", (gpu, int(num.group(1)) if num else tid, made, name)
 
 
-def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optional[list[dict]], *,
+def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optional[list[ClockOffset]], *,
                       max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1,
-                      progress: bool = True) -> tuple[list[str], dict[int, dict]]:
+                      progress: bool = True) -> tuple[list[str], dict[int, ClockShift]]:
     """Write the ranks' ``chrome`` views as one trace (module docstring).
 
     Each rank's events are rewritten in a worker process of their own (``jobs`` at a time) into a temporary file next
@@ -156,7 +160,8 @@ def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optio
         TraceFormatError: a view cannot be read (the partly written files are deleted).
     """
     ranks = sorted(views)
-    first, headers = {}, {}
+    first: dict[int, Optional[float]] = {}  # the rank's first timed event's ts (us)
+    headers: dict[int, dict[str, Any]] = {}
     for r in ranks:
         reader = TraceReader(views[r][0])
         ev = next((e for _, e in reader.events() if e.get("ph") != "M" and isinstance(e.get("ts"), (int, float))),
@@ -164,12 +169,12 @@ def write_merged_view(views: dict[int, list[str]], out_path: str, offsets: Optio
         headers[r] = reader.header  # the members before the events
         first[r] = None if ev is None else ev["ts"]
     shifts = clock_shifts(ranks, offsets, {r: int(headers[r].get("baseTimeNanoseconds") or 0) for r in ranks})
-    starts = [first[r] + shifts[r]["shift_us"] for r in ranks if first[r] is not None]
+    starts = [f + shifts[r]["shift_us"] for r in ranks if (f := first[r]) is not None]
     base_us = math.floor(min(starts) / 1e6) * 1_000_000 - _MARGIN_US if starts else 0
     header = {"schemaVersion": headers[ranks[0]].get("schemaVersion", 1), "displayTimeUnit": "ms",
               "baseTimeNanoseconds": int(headers[ranks[0]].get("baseTimeNanoseconds") or 0) + base_us * 1000,
               "traceName": "all ranks: " + ", ".join(f"rank {r}" for r in ranks),
-              "sftprof_ranks": [dict(rank=r, **shifts[r]) for r in ranks]}
+              "sftprof_ranks": [{"rank": r, **shifts[r]} for r in ranks]}
     folder = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(folder, exist_ok=True)
     parts = {r: os.path.join(folder, f".rank{r}.events") for r in ranks}
@@ -243,11 +248,12 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
     Returns:
         The metadata of its process and tracks, and the time of the event at every ``stride`` bytes of ``out``.
     """
-    tracks: dict[tuple, int] = {}  # (view pid, view tid) -> tid in the rank's process
-    proc: dict[int, dict[str, str]] = defaultdict(dict)
-    thread: dict[tuple, str] = {}
+    tracks: dict[tuple[Any, Any], int] = {}  # (view pid, view tid) -> tid in the rank's process
+    proc: dict[Any, dict[str, str]] = defaultdict(dict)  # view pid -> process_name, process_labels
+    thread: dict[tuple[Any, Any], str] = {}
     times, keys = array("d"), array("q")
-    other_ids: dict[tuple, int] = {}  # (cat, id) of flows whose id is no int of 62 bits -> its own negative key
+    # (cat, id) of flows whose id is no int of 62 bits -> its own negative key
+    other_ids: dict[tuple[Any, str], int] = {}
     sampled: list[float] = []
     done, mark = 0, 0.0
     with open(out, "w", encoding="utf-8", buffering=1 << 20) as f:
@@ -308,8 +314,8 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
     return [json.dumps(m, separators=_COMPACT) for m in meta], sampled
 
 
-def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[dict]], *, compress: bool,
-                max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[dict]:
+def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[ClockOffset]], *, compress: bool,
+                max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[MergedView]:
     """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``:
     :func:`sftprof.artifacts.merged_view_path`).
 
@@ -347,4 +353,4 @@ def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[lis
         return {"error": f"the all-ranks view was not written: {type(exc).__name__}: {exc}"}
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return {"files": files, "ranks": [dict(rank=r, **shifts[r]) for r in sorted(views)]}
+    return {"files": files, "ranks": [{"rank": r, **shifts[r]} for r in sorted(views)]}

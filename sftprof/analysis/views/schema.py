@@ -8,12 +8,16 @@ from typing import NotRequired, TypedDict
 from sftprof.analysis.time.schema import ClockOffset
 
 
-class MergedRank(TypedDict):
-    """How one rank's clock was aligned in the all-ranks view (:func:`sftprof.analysis.views.merged.clock_shifts`)."""
-    rank: int
+class ClockShift(TypedDict):
+    """How one rank's clock moves onto the reference rank's (:func:`sftprof.analysis.views.merged.clock_shifts`)."""
     shift_us: float  # added to the rank's timestamps
     aligned_by: str  # "collective ends", "reference" or "trace clock"
     path: NotRequired[list[ClockOffset]]  # the offsets chained from the reference rank (aligned by collectives)
+
+
+class MergedRank(ClockShift):
+    """How one rank's clock was aligned in the all-ranks view."""
+    rank: int
 
 
 class MergedView(TypedDict):

@@ -72,7 +72,7 @@ import tempfile
 from array import array
 from bisect import bisect_right
 from collections import defaultdict
-from typing import Callable, Iterator, Union
+from typing import IO, Any, Callable, Iterator, Optional, TextIO, TypeGuard, Union
 
 import numpy as np
 
@@ -99,7 +99,7 @@ _THREAD_LABEL = re.compile(r"^thread \d+ \((.*)\)$")
 _CHROME, _CLEAN, _GPU, _CPU, _API = VIEWS
 
 
-def _meta(name: str, pid, tid, args: dict) -> str:
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> str:
     return json.dumps({"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}, separators=_COMPACT)
 
 
@@ -120,7 +120,7 @@ def _empty_view_event(view: str, step_pids: set[int]) -> str:
                        "args": {"name": f"{view.removesuffix('.chrome')}: {what}"}}, separators=_COMPACT)
 
 
-def _track_id(v) -> bool:
+def _track_id(v: object) -> TypeGuard[int]:
     return type(v) is int and 0 <= v <= MAX_TID
 
 
@@ -132,12 +132,12 @@ class _SyntheticTids:
     2**20 made-up tracks to reach it), so only those are recorded in :attr:`real`.
     """
 
-    def __init__(self, avoid: dict[int, set]):
+    def __init__(self, avoid: dict[int, set[int]]):
         self.avoid = avoid
-        self.real: dict[int, set] = defaultdict(set)
-        self.assigned: dict[tuple, int] = {}  # (pid, kind, host tid) -> synthetic tid
+        self.real: dict[int, set[int]] = defaultdict(set)
+        self.assigned: dict[tuple[int, str, int], int] = {}  # (pid, kind, host tid) -> synthetic tid
         self._next: dict[int, int] = {}
-        self.owner: dict[tuple, tuple] = {}  # (pid, synthetic tid) -> (kind, host tid)
+        self.owner: dict[tuple[int, int], tuple[str, int]] = {}  # (pid, synthetic tid) -> (kind, host tid)
 
     def get(self, pid: int, kind: str, tid: int) -> int:
         key = (pid, kind, tid)
@@ -159,7 +159,7 @@ class _SyntheticTids:
         return any(t in self.real[p] for (p, t) in self.owner)
 
 
-def _moved(raw: str, ev: dict | None, old: int, tid: int) -> str:
+def _moved(raw: str, ev: dict[str, Any] | None, old: int, tid: int) -> str:
     """Event text with its ``tid`` (``old``) set to ``tid``: the text is edited in place when the field is
     plain, else the event (``ev``, or ``raw`` parsed) is re-encoded. ``ev['tid']`` is updated too."""
     if ev is not None:
@@ -171,7 +171,7 @@ def _moved(raw: str, ev: dict | None, old: int, tid: int) -> str:
     return json.dumps(ev, separators=_COMPACT)
 
 
-def _thread_label(names: list[str], tid) -> str:
+def _thread_label(names: list[str], tid: int) -> str:
     """One label from a thread's ``thread_name`` records: ``thread 3658 (python, pt_autograd_0)``."""
     inner = []
     for n in names:
@@ -184,11 +184,11 @@ def _thread_label(names: list[str], tid) -> str:
 
 def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 max_view_bytes: int = MAX_VIEW_BYTES,
-                on_header: Callable[[dict], None] | None = None,
-                on_event: Callable[[dict], None] | None = None,
+                on_header: Callable[[dict[str, Any]], None] | None = None,
+                on_event: Callable[[dict[str, Any]], None] | None = None,
                 on_invalid: Callable[[str, str], None] | None = None,
                 on_note: Callable[[str, int], None] | None = None,
-                progress: bool = True, _avoid: dict[int, set] | None = None) -> dict[str, list[str]]:
+                progress: bool = True, _avoid: dict[int, set[int]] | None = None) -> dict[str, list[str]]:
     """Write the five views of one rank's trace in a single streaming pass.
 
     Args:
@@ -218,16 +218,18 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     os.makedirs(out_dir, exist_ok=True)
     reader = TraceReader(src, Progress(os.path.basename(src), os.path.getsize(src)) if progress else None)
     writers: dict[str, _ViewWriter] = {}
-    metadata: list[dict] = []
-    tracks: dict[str, set] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set(), "step": set()}
-    sync_ends: set[tuple] = set()  # (pid, tid, correlation) of the CUDA sync events: their ac2g arrows' ends
+    metadata: list[dict[str, Any]] = []
+    tracks: dict[str, set[tuple[int, int]]] = {"cpu": set(), "api": set(), "gpu": set(), "ann": set(), "sync": set(),
+                                               "step": set()}
+    # (pid, tid, correlation) of the CUDA sync events: their ac2g arrows' ends
+    sync_ends: set[tuple[int, int, Any]] = set()
     step_slices: list[tuple[float, str]] = []  # (ts, text) of ProfilerStep#<n> slices, for gpu_only and cuda_api_only
     tids = _SyntheticTids(_avoid or {})
     notes: dict[str, int] = defaultdict(int)
     flow_file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=out_dir)  # flows wait for their partners here
     flow_lines: list[str] = []
     flow_pairs = _FlowPairs()
-    header: dict = {}
+    header: dict[str, Any] = {}
     try:
         events = _usable_events(reader, on_invalid, notes)
         first = next(events, None)
@@ -365,12 +367,12 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
             result[view] = w.close(trailer)
             continue
         w.close(trailer)  # flushes; w.chars is final afterwards
-        same = next((v for v, o in writers.items() if v in result and isinstance(o, TraceWriter)
+        same = next((o for v, o in writers.items() if v in result and isinstance(o, TraceWriter)
                      and o.chars == w.chars <= max_view_bytes and not os.path.islink(o.path)
                      and _same_content(o.path, w.path)), None)
         if same is not None:  # byte for byte an earlier view (chrome and cpu_only of a CPU run): a link to it
             os.remove(w.path)
-            os.symlink(os.path.relpath(writers[same].path, os.path.dirname(w.path)), w.path)
+            os.symlink(os.path.relpath(same.path, os.path.dirname(w.path)), w.path)
         result[view] = ([w.path] if w.chars <= max_view_bytes
                         else split_into_windows(w.path, max_view_bytes, progress=progress))
     return result
@@ -384,7 +386,7 @@ def _writer_at(w: _ViewWriter, ts: float) -> TraceWriter:
     return w.at(ts) if isinstance(w, WindowedView) else w
 
 
-def _views_of(ev: dict) -> tuple[str, ...]:
+def _views_of(ev: dict[str, Any]) -> tuple[str, ...]:
     """The views an event goes to, as the pass sends it, but for flows left out as unpaired and events
     :func:`~sftprof.analysis.trace.check.event_problem` rejects: what the first look (:func:`_window_plan`) counts."""
     ph, pid, tid = ev.get("ph"), ev.get("pid"), ev.get("tid")
@@ -409,6 +411,7 @@ def _window_plan(src: str, max_view_bytes: int) -> dict[str, list[float]]:
     size = os.path.getsize(src) * (_GZ_RATIO if src.endswith(".gz") else 1)
     if size <= WINDOW_DECIDE * max_view_bytes:
         return {view: [] for view in VIEWS}
+    sampled: list[Optional[tuple[Any, tuple[str, ...]]]]  # (ts, views) per sampled event
     stride, sampled = sample_events(src, lambda ev: (ev.get("ts"), _views_of(ev)))
     times: dict[str, list[float]] = {view: [] for view in VIEWS}
     for entry in sampled:
@@ -419,7 +422,7 @@ def _window_plan(src: str, max_view_bytes: int) -> dict[str, list[float]]:
 
 
 def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] | None,
-                   notes: dict[str, int]) -> Iterator[tuple[str, dict]]:
+                   notes: dict[str, int]) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(raw, event)`` of each event of ``reader`` that :func:`~sftprof.analysis.trace.check.event_problem` accepts
     (the others go to ``on_invalid(kind, raw)``), non-finite numbers written as null (counted in ``notes``), another
     kineto version's category spellings read as today's (:data:`~sftprof.analysis.trace.check.CATEGORY_ALIASES`,
@@ -442,7 +445,7 @@ def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] |
         yield raw, ev
 
 
-def read_for_summary(src: str, on_header: Callable[[dict], None], on_event: Callable[[dict], None],
+def read_for_summary(src: str, on_header: Callable[[dict[str, Any]], None], on_event: Callable[[dict[str, Any]], None],
                      on_invalid: Callable[[str, str], None]) -> None:
     """Hand one trace's events to a summary as :func:`split_trace` does (the same ``on_*`` calls, in the same order),
     without writing the views: the pass that runs beside a :func:`split_trace` without callbacks, in another process,
@@ -459,7 +462,7 @@ def read_for_summary(src: str, on_header: Callable[[dict], None], on_event: Call
 
 def _same_content(a: str, b: str) -> bool:
     """Whether two view files hold the same text (``.json.gz`` compared uncompressed: gzip headers differ)."""
-    def read(path: str):
+    def read(path: str) -> TextIO:
         return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
     with read(a) as fa, read(b) as fb:
@@ -488,19 +491,21 @@ class _FlowPairs:
     a dict.
     """
 
-    def __init__(self):
-        self._ids: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
-        self._slots: dict[tuple[str, str], array] = defaultdict(lambda: array("q"))
-        self._other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # count s, count f, slot s, slot f
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], array[int]] = defaultdict(lambda: array("q"))
+        self._slots: dict[tuple[str, str], array[int]] = defaultdict(lambda: array("q"))
+        # (cat, id as JSON text) -> count s, count f, slot s, slot f
+        self._other: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        # (cat, id as kept: _key) -> slots of its start and end, when they differ
+        self._apart: dict[tuple[str, int | str], tuple[int, int]] = {}
         self._paired: dict[str, set[int]] = {}
-        self._apart: dict[tuple, tuple[int, int]] = {}  # (cat, id) -> slots of its start and end, when they differ
 
     @staticmethod
-    def _key(fid):
+    def _key(fid: Any) -> int | str:
         """An id as kept: an int of 64 bits as it is, any other id as its JSON text."""
         return fid if type(fid) is int and -2**63 <= fid < 2**63 else json.dumps(fid)
 
-    def add(self, cat: str, fid, ph: str, slot: int) -> None:
+    def add(self, cat: str, fid: Any, ph: str, slot: int) -> None:
         if type(fid) is int and -2**63 <= fid < 2**63:
             self._ids[(cat, ph)].append(fid)
             self._slots[(cat, ph)].append(slot)
@@ -512,13 +517,14 @@ class _FlowPairs:
     def finish(self) -> None:
         """Match starts and ends (call once, after the last :meth:`add`)."""
         for cat in {c for c, _ in self._ids}:
-            once, slot = [], []
+            once: list[np.ndarray] = []  # per phase: the ids seen once
+            slot: list[np.ndarray] = []  # ... and their slots
             for ph in ("s", "f"):
                 ids = np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64)
                 uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
                 once.append(uniq[counts == 1])
                 slot.append(np.frombuffer(self._slots.get((cat, ph), array("q")), dtype=np.int64)[first[counts == 1]])
-            paired, at_s, at_f = np.intersect1d(*once, assume_unique=True, return_indices=True)
+            paired, at_s, at_f = np.intersect1d(once[0], once[1], assume_unique=True, return_indices=True)
             self._paired[cat] = set(paired.tolist())
             apart = np.flatnonzero(slot[0][at_s] != slot[1][at_f])
             self._apart.update({(cat, int(paired[i])): (int(slot[0][at_s[i]]), int(slot[1][at_f[i]])) for i in apart})
@@ -526,12 +532,12 @@ class _FlowPairs:
         self._slots.clear()
         self._apart.update({key: (e[2], e[3]) for key, e in self._other.items() if e[:2] == [1, 1] and e[2] != e[3]})
 
-    def paired(self, cat: str, fid) -> bool:
+    def paired(self, cat: str, fid: Any) -> bool:
         if type(fid) is int and -2**63 <= fid < 2**63:
             return fid in self._paired.get(cat, ())
         return self._other.get((cat, json.dumps(fid)), [0, 0])[:2] == [1, 1]
 
-    def apart(self, cat: str, fid) -> tuple[int, int] | None:
+    def apart(self, cat: str, fid: Any) -> tuple[int, int] | None:
         """The slots of a paired flow's start and end when they differ, else None."""
         return self._apart.get((cat, self._key(fid)))
 
@@ -540,8 +546,9 @@ def _left_out(raw: str) -> None:
     """Where a flow event goes in a view whose windows part its two ends (:func:`_write_flows`): nowhere."""
 
 
-def _write_flows(flow_file, flow_pairs: _FlowPairs, slots: list[tuple[TraceWriter, ...]], tracks, tids, notes,
-                 sync_ends: set) -> None:
+def _write_flows(flow_file: IO[str], flow_pairs: _FlowPairs, slots: list[tuple[TraceWriter, ...]],
+                 tracks: dict[str, set[tuple[int, int]]], tids: _SyntheticTids, notes: dict[str, int],
+                 sync_ends: set[tuple[int, int, Any]]) -> None:
     """Append the flow events whose ``(cat, id)`` has exactly one start and one end to the views.
 
     ``slots``: each slot's writer of every view, in :data:`VIEWS` order (:func:`split_trace`); a flow whose two ends
@@ -556,15 +563,15 @@ def _write_flows(flow_file, flow_pairs: _FlowPairs, slots: list[tuple[TraceWrite
     api_threads = tracks["api"]
     views = [VIEWS.index(v) for v in (_CHROME, _CLEAN, _CPU)]
     for line in flow_file:
-        cat, fid, ph, pid, tid, slot, raw = line.rstrip("\n").split("\t", 6)
-        fid = int(fid) if fid.isdigit() else json.loads(fid)
+        cat, fid_text, ph, pid_text, tid_text, slot, raw = line.rstrip("\n").split("\t", 6)
+        fid = int(fid_text) if fid_text.isdigit() else json.loads(fid_text)
         if not flow_pairs.paired(cat, fid):
             notes["unpaired flow events left out"] += 1
             continue
         here, ends = slots[int(slot)], flow_pairs.apart(cat, fid)
         full, clean, cpu_w = (here[i].write if ends is None or slots[ends[0]][i] is slots[ends[1]][i] else _left_out
                               for i in views)
-        pid, tid = int(pid), int(tid)
+        pid, tid = int(pid_text), int(tid_text)
         if cat == "ac2g" and ph == "f" and type(fid) is int and (pid, tid, fid) in sync_ends:
             raw = _moved(raw, None, tid, tids.get(pid, "sync", tid))
             full(raw)
@@ -580,15 +587,16 @@ def _write_flows(flow_file, flow_pairs: _FlowPairs, slots: list[tuple[TraceWrite
             clean(raw)
 
 
-def _write_metadata(metadata: list[dict], writers, tracks, tids, step_views: set) -> None:
+def _write_metadata(metadata: list[dict[str, Any]], writers: dict[str, _ViewWriter],
+                    tracks: dict[str, set[tuple[int, int]]], tids: _SyntheticTids, step_views: set[str]) -> None:
     """One ``process_name`` per process and one ``thread_name`` per track in each view; fresh names in split_clean.
 
     ``step_views``: the views among ``gpu_only`` and ``cuda_api_only`` that hold the step slices
     (``tracks["step"]``), whose process and annotation track they name too.
     """
-    proc: dict[int, dict[str, dict]] = defaultdict(dict)  # pid -> metadata name -> last record
-    thread_names: dict[tuple, list[str]] = defaultdict(list)
-    thread_other: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    proc: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)  # pid -> metadata name -> last record
+    thread_names: dict[tuple[int, int], list[str]] = defaultdict(list)
+    thread_other: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
     for ev in metadata:
         name, pid, tid = ev.get("name"), ev["pid"], ev.get("tid")
         if not isinstance(name, str) or not isinstance(ev.get("args"), dict):
@@ -604,9 +612,11 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids, step_views: set
     host_tracks = tracks["cpu"] | tracks["api"] | tracks["ann"]
     gpu_pids = {p for p, _ in tracks["gpu"] | tracks["sync"]}
     step_pids = {v: {p for p, _ in tracks["step"]} if v in step_views else set() for v in (_GPU, _API)}
-    per_view = {_CHROME: (None, None), _GPU: (gpu_pids | step_pids[_GPU], tracks["gpu"]),
-                _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
-                _API: ({p for p, _ in tracks["api"]} | step_pids[_API], tracks["api"])}
+    # view -> the processes and tracks it names (None: all)
+    per_view: dict[str, tuple[Optional[set[int]], Optional[set[tuple[int, int]]]]] = {
+        _CHROME: (None, None), _GPU: (gpu_pids | step_pids[_GPU], tracks["gpu"]),
+        _CPU: ({p for p, _ in tracks["cpu"] | tracks["ann"]}, tracks["cpu"] | tracks["ann"]),
+        _API: ({p for p, _ in tracks["api"]} | step_pids[_API], tracks["api"])}
     for view, (pids, view_tracks) in per_view.items():
         w = writers[view]
         for pid in sorted(proc):
@@ -654,13 +664,14 @@ def _write_metadata(metadata: list[dict], writers, tracks, tids, step_views: set
         clean.write(_meta("thread_sort_index", pid, t, {"sort_index": tid}))
 
 
-def _sync_label(thread_names: dict, pid: int, tid: int) -> str:
+def _sync_label(thread_names: dict[tuple[int, int], list[str]], pid: int, tid: int) -> str:
     """``CUDA sync: stream 7`` for the sync track of GPU track ``(pid, tid)`` (its names, else its tid)."""
     names = list(dict.fromkeys(n.strip() for n in thread_names.get((pid, tid), []) if n.strip()))
     return f"CUDA sync: {', '.join(names) if names else f'thread {tid}'}"
 
 
-def _annotation_names(w: TraceWriter, ann_tracks: set, tids: _SyntheticTids, thread_names: dict) -> None:
+def _annotation_names(w: _ViewWriter, ann_tracks: set[tuple[int, int]], tids: _SyntheticTids,
+                      thread_names: dict[tuple[int, int], list[str]]) -> None:
     for pid, tid in sorted(ann_tracks):
         w.write(_meta("thread_name", pid, tids.get(pid, "ann", tid),
                       {"name": f"Annotations: {_thread_label(thread_names.get((pid, tid), []), tid)}"}))

@@ -45,24 +45,33 @@ value: a ``skipped`` entry says so), nor where the trial cannot take it (the fsd
 options, no Transformer Engine for the precision-aware optimizer or TE's CUTLASS grouped GEMM, a GPU other than
 Hopper or an fp32 model for the latter: ``skipped`` says why), nor when the predicted effect is under
 :data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see) or has no baseline.
+
+The fit gate (issue 47): a what-if of a time metric (:data:`TIME_METRICS`) that changes the config of a megatron
+trial is proposed only when its settings are predicted to fit the GPU
+(:func:`sftprof.analysis.memory.fit.check_fit` of the trial's config with them, at the trial's
+``PYTORCH_CUDA_ALLOC_CONF``, against :func:`sftprof.analysis.memory.fit.smi_capacity_bytes` of the summary's
+nvidia-smi GPUs); one that is not is ``skipped`` with its predicted need and the capacity. Without a capacity
+(no nvidia-smi GPU: a CPU run) or the model's config, or on the fsdp backend, nothing is checked; a what-if of
+environment settings alone leaves the config, and so the predicted peak, as the trial ran it.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence, cast
 
 from sftprof import artifacts
-from sftprof.allocation import parse_allocation_mode
+from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE, TrialModel
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.memory.fit import ALLOC_CONF, LM_HEAD_CHUNK, with_expandable
+from sftprof.analysis.memory.fit import (ALLOC_CONF, DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, check_fit, smi_capacity_bytes,
+                                         with_expandable, with_settings)
 from sftprof.analysis.schema import processed_snapshots, processed_traces
-from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
+from sftprof.analysis.trial.schema import TrialRecord
+from sftprof.analysis.what_if.schema import WhatIf, WhatIfEffect, WhatIfSetting, WhatIfSkipped
 from sftprof.config import n_micro_batches
-from typing import Mapping
 
-__all__ = ["trial_what_if", "METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
+__all__ = ["trial_what_if", "METRICS", "TIME_METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
            "amount", "effect_text"]
 
 # metric -> (unit, words)
@@ -73,6 +82,7 @@ METRICS = {
     "peak_reserved": ("GiB", "peak reserved"),
     "moe_top_share": ("pct", "busiest expert's share of a MoE layer's tokens"),
 }
+TIME_METRICS = ("gpu_time", "step_time")  # the metrics of the what-ifs the fit gate checks (module docstring)
 LABELS = {
     "selective_recompute": "selective recompute",
     "fewer_micro_batches": "fewer micro-batches",
@@ -121,7 +131,7 @@ def amount(value: Optional[float], unit: str) -> str:
     return f"{value:+.1f} percentage points" if unit == "pct" else f"{value:+.{1 if unit == 'ms' else 2}f} {unit}"
 
 
-def effect_text(effect: dict, rank: Optional[int]) -> str:
+def effect_text(effect: Mapping[str, Any], rank: Optional[int]) -> str:
     """``"GPU time per step -145.1 ms on rank 0"``: a predicted effect in words."""
     unit, words = METRICS[effect["metric"]]
     return f"{words} {amount(effect['value'], unit)}" + (f" on rank {rank}" if rank is not None else "")
@@ -131,10 +141,12 @@ class _Trial:
     """What the rules read of a trial: its config (``cfg``), layout, sequences per data-parallel rank, Transformer
     Engine, the routing of its profiled step; the proposals and skips they make."""
 
-    def __init__(self, summary: dict, cfg: Optional[dict], model: TrialModel) -> None:
-        self.summary, self.cfg, self.model = summary, cfg or {}, model
-        self.actor = self.cfg.get("actor") or {}
-        self.m = self.actor.get("megatron") or {}
+    def __init__(self, summary: Mapping[str, Any], cfg: Optional[dict[str, Any]], model: TrialModel) -> None:
+        self.summary, self.model = summary, model
+        self.cfg: dict[str, Any] = cfg or {}
+        self.actor: dict[str, Any] = self.cfg.get("actor") or {}
+        self.m: dict[str, Any] = self.actor.get("megatron") or {}
+        self.layout: Optional[Layout]
         try:
             self.layout = parse_allocation_mode(str(self.actor.get("backend")))
         except ValueError:
@@ -143,7 +155,7 @@ class _Trial:
         self.found: list[WhatIf] = []
         self.skipped: list[WhatIfSkipped] = []
 
-    def hf(self):
+    def hf(self) -> Any:
         """The model's Hugging Face config (None when it cannot be loaded)."""
         try:
             return self.model.config()
@@ -177,22 +189,48 @@ class _Trial:
                 baseline: Optional[float], detail: str, assumption: str, weight: Optional[float] = None) -> None:
         """Add the what-if, unless its effect is under :data:`MIN_SHARE` of its baseline or it has no baseline (then
         a skip)."""
-        effect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
-                  "baseline": None if baseline is None else round(baseline, 4)}
-        if weight is None and not baseline:
-            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, but the trial has no measured "
-                                 f"{METRICS[metric][1]} to weigh it against")
-            return
+        effect: WhatIfEffect = {"metric": metric, "unit": METRICS[metric][0], "value": round(value, 4),
+                                "baseline": None if baseline is None else round(baseline, 4)}
         if weight is None:
+            if not baseline:
+                self.skip(key, rank, f"predicted {effect_text(effect, rank)}, but the trial has no measured "
+                                     f"{METRICS[metric][1]} to weigh it against")
+                return
             weight = abs(value) / baseline
         if weight < MIN_SHARE:
             self.skip(key, rank, f"predicted {effect_text(effect, rank)}, under {100 * MIN_SHARE:.0f} % of its "
                                  f"baseline ({baseline} {effect['unit']}): too small for a comparison to see")
             return
+        misfit = self.misfit(settings) if metric in TIME_METRICS else None
+        if misfit:
+            self.skip(key, rank, f"predicted {effect_text(effect, rank)}, but {misfit}")
+            return
         text = (f"{LABELS[key]} ({', '.join(setting_text(s) for s in settings)}): {effect_text(effect, rank)} "
                 f"({detail})")
         self.found.append({"key": key, "label": LABELS[key], "text": text, "assumption": assumption, "rank": rank,
                            "settings": settings, "effect": effect, "weight": round(weight, 6)})
+
+    def misfit(self, settings: list[WhatIfSetting]) -> Optional[str]:
+        """Why the config ``settings`` are predicted not to fit the GPU, in words (the fit gate, module docstring);
+        None when they fit or nothing is checked (no config setting, capacity or model config; not megatron)."""
+        changes = {s["key"]: s["value"] for s in settings if s["kind"] == "config"}
+        seq_len = _get(self.cfg, "profile.fake_seq_len")
+        capacity = smi_capacity_bytes((self.summary.get("nvidia_smi") or {}).get("gpus") or [])
+        if not changes or self.layout is None or not self.megatron or capacity is None or not isinstance(seq_len, int):
+            return None
+        hf = self.hf()
+        if hf is None:
+            return None
+        env = self.summary.get("environment")
+        fit = check_fit(with_settings(self.cfg, changes), hf, self.layout, seq_len, capacity,
+                        env.get(ALLOC_CONF) if isinstance(env, dict) else None)
+        if fit["fits"]:
+            return None
+        return (f"its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
+                f"{fit['need_bytes'] / _GIB:.2f} GiB (peak {fit['peak_bytes'] / _GIB:.2f} allocated in "
+                f"{fit['prediction']['phase']} + {fit['slack_bytes'] / _GIB:.2f} allocator slack + "
+                f"{fit['outside_bytes'] / _GIB:.2f} outside PyTorch) of {capacity / _GIB:.2f} GiB (nvidia-smi's total "
+                f"less {DRIVER_RESERVED_GIB} GiB; sftprof/analysis/memory/fit.py)")
 
     def seqs_per_rank(self) -> Optional[int]:
         """Sequences per data-parallel rank and step (``train_dataset.batch_size / dp``)."""
@@ -202,28 +240,31 @@ class _Trial:
     def micro_batches(self, n_mbs: int, max_tokens: Optional[int] = None) -> Optional[int]:
         """The trainer's micro-batch count with ``n_mbs`` (and ``max_tokens``; None: the trial's), None if refused."""
         spec = self.actor.get("mb_spec") or {}
+        n_seqs = self.seqs_per_rank()
+        if n_seqs is None:
+            return None
         try:
-            return n_micro_batches(self.seqs_per_rank(), _get(self.cfg, "profile.fake_seq_len"), n_mbs,
+            return n_micro_batches(n_seqs, _get(self.cfg, "profile.fake_seq_len"), n_mbs,
                                    spec.get("n_mbs_divisor", 1),
                                    spec.get("max_tokens_per_mb", 0) if max_tokens is None else max_tokens)
         except (ValueError, TypeError):
             return None
 
 
-def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict],
+def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict[str, Any]],
                   model: TrialModel) -> tuple[list[WhatIf], list[WhatIfSkipped]]:
     """The what-ifs of every profiled rank's trace and snapshot (rank order; the routing's once), and the levers not
     proposed with the reason (module docstring). ``cfg``: the trial's resolved config, ``model`` its model; ``summary``
     needs its traces or snapshots, ``stats`` and ``transformer_engine``."""
     t = _Trial(summary, cfg, model)
-    traces = processed_traces(summary)
+    traces = processed_traces(cast(TrialRecord, summary))
     for tr in traces:
         _selective_recompute(t, tr["rank"], tr["summary"])
         _fewer_micro_batches(t, tr["rank"], tr["summary"])
         _cutlass_grouped_gemm(t, tr["rank"], tr["summary"])
     if traces:
         _balanced_routing(t, traces)
-    for m in processed_snapshots(summary):
+    for m in processed_snapshots(cast(TrialRecord, summary)):
         if m["rank"] is None:
             continue
         s, est = m["summary"], m.get("estimate")
@@ -242,14 +283,14 @@ RECOMPUTE_MODULE_PARTS = {"core_attn": ("attn_core", "kernel:attention"), "layer
                           "moe": ("router", "dispatch_combine", "experts"), "shared_experts": ("shared_experts",)}
 
 
-def recompute_ms(parts: dict, modules: Optional[list[str]] = None) -> float:
+def recompute_ms(parts: Mapping[str, Any], modules: Optional[list[str]] = None) -> float:
     """A kernel trace's measured recompute GPU time per step, ms (its ``parts["summed"]`` rows): all of it, or what
     the megatron-core recompute ``modules`` (:data:`RECOMPUTE_MODULE_PARTS`' keys) re-run."""
     names = None if modules is None else {p for m in modules for p in RECOMPUTE_MODULE_PARTS[m]}
-    return sum(r["recompute_ms"] for r in parts.get("summed") or [] if names is None or r["part"] in names)
+    return float(sum(r["recompute_ms"] for r in parts.get("summed") or [] if names is None or r["part"] in names))
 
 
-def _selective_recompute(t: _Trial, rank: int, s: dict) -> None:
+def _selective_recompute(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
     parts = s.get("parts") or {}
     rec = recompute_ms(parts)
     if not rec or not t.megatron:  # fsdp: HF gradient checkpointing has no selective form here
@@ -265,7 +306,7 @@ def _selective_recompute(t: _Trial, rank: int, s: dict) -> None:
               "back (see the memory trial)")
 
 
-def _fewer_micro_batches(t: _Trial, rank: int, s: dict) -> None:
+def _fewer_micro_batches(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
     n_old = sum(1 for r in s.get("regions") or [] if (artifacts.parse_region(r["name"]) or ("",))[0] == "forward")
     n_seqs = t.seqs_per_rank()
     if n_old < 2 or not n_seqs:
@@ -304,7 +345,7 @@ def _fewer_micro_batches(t: _Trial, rank: int, s: dict) -> None:
                     "(see the memory trial)")
 
 
-def _cutlass_grouped_gemm(t: _Trial, rank: int, s: dict) -> None:
+def _cutlass_grouped_gemm(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
     rows = (((s.get("host") or {}).get("gpu_idle") or {}).get("host_wait_by_place") or {}).get("rows") or []
     rows = [r for r in rows if r["part"] == "experts" and r["kind"] == "launch-bound"]
     if not rows or not t.megatron:
@@ -335,12 +376,12 @@ def _cutlass_grouped_gemm(t: _Trial, rank: int, s: dict) -> None:
               "(NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK=1 logs each fallback)")
 
 
-def _balanced_routing(t: _Trial, traces: list[dict]) -> None:
+def _balanced_routing(t: _Trial, traces: Sequence[Mapping[str, Any]]) -> None:
     stats = t.summary.get("stats") or {}
     rows = [x for x in stats.get("steps") or [] if x.get("moe")]
     row = next((x for x in rows if x["step"] == t.summary.get("profile_step")), rows[-1] if rows else None)
     moe = (row or {}).get("moe") or {}
-    if moe.get("top_share") is None or moe["top_share"] < ROUTING_COLLAPSE_SHARE:
+    if row is None or moe.get("top_share") is None or moe["top_share"] < ROUTING_COLLAPSE_SHARE:
         return
     if not t.megatron:
         t.skip("balanced_routing", None, "the routing collapsed, but balanced routing is megatron-core's option "
@@ -367,13 +408,13 @@ def _balanced_routing(t: _Trial, traces: list[dict]) -> None:
 
 
 # -- memory trials ------------------------------------------------------------------------------------------------
-def _largest(s: dict) -> Optional[str]:
+def _largest(s: Mapping[str, Any]) -> Optional[str]:
     """The largest category at the peak among those a stack names (not allocated before the window, not slack)."""
     cats = [c for c in s.get("categories_at_peak") or [] if c["category"] not in ("before_window", "allocator_slack")]
     return max(cats, key=lambda c: c["bytes"])["category"] if cats and max(c["bytes"] for c in cats) > 0 else None
 
 
-def _expandable_segments(t: _Trial, rank: int, s: dict, allocator: Optional[dict]) -> None:
+def _expandable_segments(t: _Trial, rank: int, s: Mapping[str, Any], allocator: Optional[Mapping[str, Any]]) -> None:
     slack = s.get("reserved_minus_allocated_at_peak_bytes") or 0
     if slack <= 0:
         return
@@ -389,7 +430,7 @@ def _expandable_segments(t: _Trial, rank: int, s: dict, allocator: Optional[dict
               "cached blocks of other sizes are not separated")
 
 
-def _chunked_lm_head(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
+def _chunked_lm_head(t: _Trial, rank: int, s: Mapping[str, Any], est: Optional[Mapping[str, Any]]) -> None:
     rows = {r["category"]: r for r in (est or {}).get("rows") or []}
     logits = (rows.get("activations") or {}).get("logits_bytes") or 0  # 0 on the chunked LM-head path
     if not logits or not any(a["bytes"] >= logits and site_category(a["site"]) == "activations"
@@ -424,8 +465,8 @@ def _tokens_on_rank(t: _Trial) -> Optional[int]:
     return seq // (t.layout.cp if t.megatron else 1)
 
 
-def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
-    if not t.megatron or not est or not (s.get("peak_phase") == artifacts.OPTIMIZER_STEP
+def _precision_aware_optimizer(t: _Trial, rank: int, s: Mapping[str, Any], est: Optional[Mapping[str, Any]]) -> None:
+    if not t.megatron or t.layout is None or not est or not (s.get("peak_phase") == artifacts.OPTIMIZER_STEP
                                          or _largest(s) == "optimizer"):
         return
     settings = [t.setting("actor.megatron.use_precision_aware_optimizer", True),
@@ -461,7 +502,7 @@ def _precision_aware_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict
               "and makes no fp32 gradient copy; the activations at the peak are unchanged")
 
 
-def _more_micro_batches(t: _Trial, rank: int, s: dict) -> None:
+def _more_micro_batches(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
     if _largest(s) != "activations":
         return
     spec = t.actor.get("mb_spec") or {}
@@ -485,10 +526,11 @@ def _more_micro_batches(t: _Trial, rank: int, s: dict) -> None:
               "takes longer by the per-micro-batch costs (launches, FSDP gathers)")
 
 
-def _distributed_optimizer(t: _Trial, rank: int, s: dict, est: Optional[dict]) -> None:
+def _distributed_optimizer(t: _Trial, rank: int, s: Mapping[str, Any], est: Optional[Mapping[str, Any]]) -> None:
     rows = {r["category"]: r for r in (est or {}).get("rows") or []}
     ddp = t.m.get("ddp") or {}
-    if not t.megatron or "optimizer" not in rows or ddp.get("use_distributed_optimizer", True):
+    if (not t.megatron or t.layout is None or est is None or "optimizer" not in rows
+            or ddp.get("use_distributed_optimizer", True)):
         return
     lay = t.layout
     full = rows["optimizer"]["bytes"]

@@ -12,9 +12,10 @@ why. In order:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from sftprof.analysis.schema import processed_traces
+from sftprof.analysis.trial.schema import TrialRecord
 
 from sftprof.analysis.report.schema import Finding
 
@@ -56,13 +57,14 @@ _LAYOUT = "a layout over more GPUs (actor.backend: TP, CP or EP) divides it"
 
 
 def with_next_steps(findings: list[Finding], what_if: list[WhatIf], skipped: list[WhatIfSkipped],
-                    summary: Mapping[str, Any], cfg: Optional[dict]) -> list[Finding]:
+                    summary: Mapping[str, Any], cfg: Optional[dict[str, Any]]) -> list[Finding]:
     """``findings``, each with its ``next_step`` (module docstring); ``cfg``: the trial's resolved config (None when
     unreadable: the rules that read it assume the shipped defaults)."""
-    return [dict(f, next_step=_next_step(f, what_if, skipped, summary, cfg or {})) for f in findings]
+    return [{**f, "next_step": _next_step(f, what_if, skipped, summary, cfg or {})} for f in findings]
 
 
-def _next_step(f: Finding, what_if: list[WhatIf], skipped: list[WhatIfSkipped], summary: dict, cfg: dict) -> str:
+def _next_step(f: Finding, what_if: list[WhatIf], skipped: list[WhatIfSkipped], summary: Mapping[str, Any],
+               cfg: dict[str, Any]) -> str:
     key = f["key"]
     if key == "heaviest op":  # a CPU run's heaviest op: the lever of the model part it ran in
         key = f"part {_heaviest_part(summary, f.get('rank'))}"
@@ -90,14 +92,15 @@ def _value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _heaviest_part(summary: dict, rank: Optional[int]) -> Optional[str]:
-    for t in processed_traces(summary):
+def _heaviest_part(summary: Mapping[str, Any], rank: Optional[int]) -> Optional[str]:
+    for t in processed_traces(cast(TrialRecord, summary)):
         if t["rank"] == rank:
-            return (t["summary"].get("heaviest_op") or {}).get("part")
+            heaviest = t["summary"].get("heaviest_op")
+            return heaviest.get("part") if heaviest else None
     return None
 
 
-def _rule(key: str, summary: dict, cfg: dict) -> Optional[str]:
+def _rule(key: str, summary: Mapping[str, Any], cfg: dict[str, Any]) -> Optional[str]:
     """The lever's own next step when no what-if speaks for it; None for a lever without a rule."""
     megatron = str(_get(cfg, "actor.backend") or "").startswith("megatron")
     cpu = (summary.get("completion") or {}).get("device") == "cpu"

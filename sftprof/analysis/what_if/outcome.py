@@ -32,10 +32,11 @@ left out (the peak moved elsewhere, the saved work was not on the critical path,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 from sftprof.analysis.compare import stats
 from sftprof.analysis.schema import processed_snapshots, processed_traces
+from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.what_if.changes import METRICS, amount
 
 __all__ = ["TOLERANCE", "RULE", "Outcome", "outcome", "judge", "outcome_text"]
@@ -104,15 +105,15 @@ def judge(p: float, m: Optional[float], low: Optional[float], high: Optional[flo
     return HELD, f"the outcome meets {band}{alone}"
 
 
-def _trace(summary: dict, rank: Optional[int]) -> Optional[dict]:
-    return next((t["summary"] for t in processed_traces(summary) if t["rank"] == rank), None)
+def _trace(summary: Mapping[str, Any], rank: Optional[int]) -> Optional[Mapping[str, Any]]:
+    return next((t["summary"] for t in processed_traces(cast(TrialRecord, summary)) if t["rank"] == rank), None)
 
 
-def _snapshot(summary: dict, rank: Optional[int]) -> Optional[dict]:
-    return next((m["summary"] for m in processed_snapshots(summary) if m["rank"] == rank), None)
+def _snapshot(summary: Mapping[str, Any], rank: Optional[int]) -> Optional[Mapping[str, Any]]:
+    return next((m["summary"] for m in processed_snapshots(cast(TrialRecord, summary)) if m["rank"] == rank), None)
 
 
-def _top_shares(summary: dict) -> list[float]:
+def _top_shares(summary: Mapping[str, Any]) -> list[float]:
     """The busiest expert's share (percent) of each step after step 0 (``stats.steps[].moe.top_share``)."""
     return [100 * x["moe"]["top_share"] for x in (summary.get("stats") or {}).get("steps") or []
             if x.get("step") and (x.get("moe") or {}).get("top_share") is not None]
@@ -138,7 +139,8 @@ def _one_each(p: float, a: Optional[float], b: Optional[float], basis: str, exac
     return Outcome(p, m, m if exact else None, m if exact else None, "exact" if exact else "1/1", basis, verdict, why)
 
 
-def outcome(what_if: dict, a: dict, b: dict, step_times: tuple[list[float], list[float]]) -> Outcome:
+def outcome(what_if: Mapping[str, Any], a: Mapping[str, Any], b: Mapping[str, Any],
+            step_times: tuple[list[float], list[float]]) -> Outcome:
     """The outcome of ``what_if`` (a record of A's summary) between summaries ``a`` (the source trial) and ``b`` (the
     what-if trial); ``step_times``: each side's step times in ms that time training alone (compare's choice of steps).
 
@@ -158,19 +160,19 @@ def outcome(what_if: dict, a: dict, b: dict, step_times: tuple[list[float], list
         if step_times[0] and step_times[1]:
             return _from_samples(p, *step_times, "step times of the steps that time training alone (stats.jsonl, "
                                                  "slowest rank)")
-        times = [(x.get("stats") or {}).get("step_time_s") for x in (a, b)]
-        return _one_each(p, *[None if t is None else 1000 * t for t in times],
-                         "the profiled step's time (stats.jsonl, slowest rank; raise TOTAL_STEPS for samples)", False)
+        ta, tb = [None if t is None else 1000 * t for t in ((x.get("stats") or {}).get("step_time_s") for x in (a, b))]
+        return _one_each(p, ta, tb, "the profiled step's time (stats.jsonl, slowest rank; raise TOTAL_STEPS for "
+                                    "samples)", False)
     if metric == "moe_top_share":
         return _from_samples(p, _top_shares(a), _top_shares(b), "busiest expert's share of each step after step 0 "
                                                                 "(stats.jsonl)")
     if metric == "gpu_time":
-        sa, sb = _trace(a, rank), _trace(b, rank)
-        return _one_each(p, *[((x or {}).get("parts") or {}).get("total_ms") for x in (sa, sb)],
-                         f"rank {rank}'s GPU time by model part (its kernel trace: one sample a side)", False)
+        ga, gb = [((x or {}).get("parts") or {}).get("total_ms") for x in (_trace(a, rank), _trace(b, rank))]
+        return _one_each(p, ga, gb, f"rank {rank}'s GPU time by model part (its kernel trace: one sample a side)",
+                         False)
     key = "peak_allocated_gib" if metric == "peak_allocated" else "peak_reserved_gib"
-    sa, sb = _snapshot(a, rank), _snapshot(b, rank)
-    return _one_each(p, *[(x or {}).get(key) for x in (sa, sb)], f"rank {rank}'s memory snapshot ({key})", True)
+    ma, mb = [(x or {}).get(key) for x in (_snapshot(a, rank), _snapshot(b, rank))]
+    return _one_each(p, ma, mb, f"rank {rank}'s memory snapshot ({key})", True)
 
 
 def outcome_text(o: Outcome, unit: str) -> str:

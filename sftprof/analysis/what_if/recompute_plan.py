@@ -16,13 +16,14 @@ recompute setting that fits a GPU at the least recompute time.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
-from sftprof.allocation import parse_allocation_mode
+from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.memory.estimate import layer_sets
 from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, smi_capacity_bytes, with_settings
 from sftprof.analysis.schema import processed_traces
 from sftprof.analysis.trial.inputs import TrialModel
+from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.what_if.changes import LABELS, RECOMPUTE_MODULE_PARTS, recompute_ms
 from sftprof.analysis.what_if.schema import WhatIf
 
@@ -33,7 +34,8 @@ MIN_SHARE = 0.01
 _GIB = float(2**30)
 
 
-def ledger(cfg: dict, hf, layout, coords: dict, seq_len: int) -> list[dict[str, Any]]:
+def ledger(cfg: dict[str, Any], hf: Any, layout: Layout, coords: Mapping[str, int],
+           seq_len: int) -> list[dict[str, Any]]:
     """``[{"layer", "module", "bytes"}]``: what each layer of the rank's stage saves for backward without recompute,
     per megatron-core recompute module (``other``: what no module re-runs), at ``seq_len`` tokens per micro-batch."""
     b = 4 if str(cfg["actor"].get("dtype")) == "float32" else 2
@@ -46,12 +48,12 @@ def ledger(cfg: dict, hf, layout, coords: dict, seq_len: int) -> list[dict[str, 
             for k, v in layer_sets(hf, types[i], s, layout.tp, layout.etp, b).items() if k != "moe_backward" and v]
 
 
-def _options(hf, layers: int) -> list[dict[str, Any]]:
+def _options(hf: Any, layers: int) -> list[dict[str, Any]]:
     """Every recompute setting (module docstring) as config settings."""
     g = "actor.megatron.recompute_granularity"
-    out = [{g: "none"}]
-    modules = [m for m in RECOMPUTE_MODULE_PARTS
-               if m != "shared_experts" or getattr(hf, "shared_expert_intermediate_size", 0)]
+    out: list[dict[str, Any]] = [{g: "none"}]
+    shared: int = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+    modules = [m for m in RECOMPUTE_MODULE_PARTS if m != "shared_experts" or shared]
     for n in range(1, len(modules) + 1):
         for subset in itertools.combinations(modules, n):
             out.append({"actor.gradient_checkpointing": True, g: "selective",
@@ -64,7 +66,8 @@ def _options(hf, layers: int) -> list[dict[str, Any]]:
     return out
 
 
-def _recompute_ms(settings: dict, forward_ms: dict[tuple[int, str], float], first: int, layers: int) -> float:
+def _recompute_ms(settings: Mapping[str, Any], forward_ms: dict[tuple[int, str], float], first: int,
+                  layers: int) -> float:
     """The forward GPU time a setting re-runs (``forward_ms``: (layer, part) -> ms of one forward)."""
     gran = settings["actor.megatron.recompute_granularity"]
     if gran == "none":
@@ -77,7 +80,8 @@ def _recompute_ms(settings: dict, forward_ms: dict[tuple[int, str], float], firs
     return sum(ms for (layer, _), ms in forward_ms.items() if first <= layer < first + n)
 
 
-def plan_recompute(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, alloc_conf: Optional[str],
+def plan_recompute(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capacity_bytes: int,
+                   alloc_conf: Optional[str],
                    forward_ms: dict[tuple[int, str], float]) -> dict[str, Any]:
     """The recompute options of the trial and the choice (module docstring).
 
@@ -98,7 +102,7 @@ def plan_recompute(cfg: dict, hf, layout, seq_len: int, capacity_bytes: int, all
     return {"options": options, "choice": choice}
 
 
-def _current(cfg: dict) -> dict:
+def _current(cfg: dict[str, Any]) -> dict[str, Any]:
     a, m = cfg["actor"], cfg["actor"].get("megatron") or {}
     gran = m.get("recompute_granularity", "full") if a.get("gradient_checkpointing", True) else "none"
     out = {"actor.megatron.recompute_granularity": gran}
@@ -110,7 +114,7 @@ def _current(cfg: dict) -> dict:
     return out
 
 
-def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], model: TrialModel,
+def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict[str, Any]], model: TrialModel,
                       alloc_conf: Optional[str]) -> list[WhatIf]:
     """The planner's choice as a what-if of a megatron kernel trial (module docstring); [] when there is none.
     ``cfg``: the trial's resolved config, ``model`` its model."""
@@ -123,8 +127,8 @@ def recompute_what_if(summary: Mapping[str, Any], cfg: Optional[dict], model: Tr
     except Exception:  # the model's config is not on this machine (TrialModel.config): no prediction
         return []
     seq = int(cfg["profile"]["fake_seq_len"])
-    out = []
-    for t in processed_traces(summary):
+    out: list[WhatIf] = []
+    for t in processed_traces(cast(TrialRecord, summary)):
         parts = t["summary"].get("parts") or {}
         forward = {(layer["layer"], r["part"]): r["forward_ms"] for layer in parts.get("layers") or []
                    for r in layer["rows"]}
