@@ -746,7 +746,7 @@ def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             cmd = cmdline.read_bytes()
-            env = dict(e.split("=", 1) for e in cmdline.with_name("environ").read_text().split("\0") if "=" in e)
+            env = dict(e.split("=", 1) for e in cmdline.with_name("environ").read_bytes().decode(errors="replace").split("\0") if "=" in e)
         except OSError:
             continue
         if str(fileroot).encode() in cmd and word.encode() in cmd:

@@ -52,6 +52,16 @@ def _records(log_dir: Path) -> list:
     return [json.loads(line) for line in (log_dir / "stats.jsonl").read_text().splitlines()]
 
 
+CLOCKS = ("trainer_started_unix_s", "imports_done_unix_s", "engine_build_started_unix_s", "ended_unix_s")
+
+
+def _without_clocks(record: dict) -> dict:
+    """The completion record less its rank-0 clocks, after asserting they are in the order the trainer passes them."""
+    times = [record[k] for k in CLOCKS]
+    assert all(isinstance(t, float) for t in times) and times == sorted(times), times
+    return {k: v for k, v in record.items() if k not in CLOCKS}
+
+
 @pytest.fixture(scope="module")
 def kernel_trial(tmp_path_factory):
     root = tmp_path_factory.mktemp("fileroot")
@@ -120,13 +130,18 @@ def test_kernel_trial_records(kernel_trial):
     log_dir, _ = kernel_trial
     recs = _records(log_dir)
     assert [r["type"] for r in recs] == ["step", "step", "complete"]
-    assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 2,
-                        "backend": "fsdp", "device": "cpu", "profile_kind": "kernel", "profile_step": 0}
+    assert _without_clocks(recs[-1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
+                                         "world_size": 2, "backend": "fsdp", "device": "cpu", "profile_kind": "kernel",
+                                         "profile_step": 0}
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
-                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load"}
+                       "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load",
+                       "started_unix_s", "profiler_s"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
+    end = recs[-1]
+    assert end["engine_build_started_unix_s"] < s0["started_unix_s"] < s1["started_unix_s"] < end["ended_unix_s"]
+    assert s0["profiler_s"] >= 0 and s1["profiler_s"] >= 0
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
     for s in (s0, s1):
@@ -177,8 +192,9 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
     assert "memory profiler: 0 snapshot(s) written on rank 0" in (log_dir / "trainer.log").read_text()
     assert not (log_dir / "memory_snapshots").exists()
     recs = _records(log_dir)
-    assert recs[-1] == {"type": "complete", "status": "ok", "error": None, "steps_done": 2, "world_size": 1,
-                        "backend": "fsdp", "device": "cpu", "profile_kind": "memory", "profile_step": 0}
+    assert _without_clocks(recs[-1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
+                                         "world_size": 1, "backend": "fsdp", "device": "cpu", "profile_kind": "memory",
+                                         "profile_step": 0}
     assert [r["profiled"] for r in recs[:2]] == [True, False]
     # Same global batch and seed as the 2-rank kernel trial: same losses before and after one step.
     # Same gradient norm (logged with 4 decimals) checks the DP gradient averaging: AdamW alone

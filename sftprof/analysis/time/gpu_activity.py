@@ -52,12 +52,12 @@ class ActivityTable:
 
     Attributes:
         names: unique activity names; ``name_idx[i]`` indexes it.
-        name_idx: per activity, index into ``names``.
+        name_idx: int32, per activity, index into ``names``.
         kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
         ts, dur, end: float64 start, duration and end (us).
         dev: int64 device (trace ``pid``), -1 when absent.
         stream: int64 stream (trace ``tid``), -1 when absent.
-        corr, ext: ``correlation`` and ``External id`` per activity (-1 when absent).
+        corr, ext: int64 ``correlation`` and ``External id`` per activity (-1 when absent).
         launch_tid: int64 thread of the launching CUDA API call, -1 when not in the trace.
         launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
         category: :func:`~sftprof.analysis.trace.kernel_names.kernel_category`, ``optimizer`` for non-collective
@@ -70,15 +70,15 @@ class ActivityTable:
     """
 
     names: list[str]
-    name_idx: list[int]
+    name_idx: np.ndarray
     kind: np.ndarray
     ts: np.ndarray
     dur: np.ndarray
     end: np.ndarray
     dev: np.ndarray
     stream: np.ndarray
-    corr: list[int]
-    ext: list[int]
+    corr: np.ndarray
+    ext: np.ndarray
     launch_tid: np.ndarray
     launch: np.ndarray
     category: list[str]
@@ -98,12 +98,12 @@ class ActivityTable:
             return self
         idx = np.flatnonzero(keep).tolist()
 
-        def pick(values: list) -> list:
+        def pick(values: list[Any]) -> list[Any]:
             return [values[i] for i in idx]
 
-        return ActivityTable(names=self.names, name_idx=pick(self.name_idx), kind=self.kind[keep], ts=self.ts[keep],
+        return ActivityTable(names=self.names, name_idx=self.name_idx[keep], kind=self.kind[keep], ts=self.ts[keep],
                              dur=self.dur[keep], end=self.end[keep], dev=self.dev[keep], stream=self.stream[keep],
-                             corr=pick(self.corr), ext=pick(self.ext), launch_tid=self.launch_tid[keep],
+                             corr=self.corr[keep], ext=self.ext[keep], launch_tid=self.launch_tid[keep],
                              launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
                              group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
 
@@ -144,14 +144,16 @@ def step_window(table: ActivityTable, regions: list[Span], profiler_steps: list[
     elif trace_span[0] < trace_span[1]:
         lo, hi = trace_span
         source = "trace_span"
-    if lo is not None and source in (STEP_REGION, "ProfilerStep") and table.n:
+    if lo is None or hi is None:
+        return {"source": source, "start_us": None, "end_us": None, "wall_ms": None, "unix_start_s": None,
+                "unix_end_s": None}
+    if source in (STEP_REGION, "ProfilerStep") and table.n:
         launched = (table.launch >= lo) & (table.launch <= hi)
         if launched.any():
             hi = max(hi, float(table.end[launched].max()))
-    unix = lo is not None and base_ns
-    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": ms(hi - lo) if lo is not None else None,
-            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if unix else None,
-            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if unix else None}
+    return {"source": source, "start_us": lo, "end_us": hi, "wall_ms": ms(hi - lo),
+            "unix_start_s": (lo + base_ns / 1e3) / 1e6 if base_ns else None,
+            "unix_end_s": (hi + base_ns / 1e3) / 1e6 if base_ns else None}
 
 
 def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> GpuTime:
@@ -160,14 +162,12 @@ def gpu_time(table: ActivityTable, lo: float | None, hi: float | None) -> GpuTim
     Busy = length of the union of all activity intervals (all streams) inside the window; the shares are
     None without a window.
     """
-    gpu: dict[str, Any] = {"activities": table.n, "total_ms": ms(float(table.dur.sum()))}
-    if table.n and lo is not None and hi > lo:
+    busy_ms, busy_pct, idle_pct = 0.0, None, None
+    if table.n and lo is not None and hi is not None and hi > lo:
         busy = length(*clip(union(table.ts, table.end), lo, hi))
-        gpu.update(busy_ms=ms(busy), busy_share_pct=round(100 * busy / (hi - lo), 3),
-                   idle_share_pct=round(100 - 100 * busy / (hi - lo), 3))
-    else:
-        gpu.update(busy_ms=0.0, busy_share_pct=None, idle_share_pct=None)
-    return gpu
+        busy_ms, busy_pct, idle_pct = ms(busy), round(100 * busy / (hi - lo), 3), round(100 - 100 * busy / (hi - lo), 3)
+    return {"activities": table.n, "total_ms": ms(float(table.dur.sum())), "busy_ms": busy_ms,
+            "busy_share_pct": busy_pct, "idle_share_pct": idle_pct}
 
 
 def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRow]:
@@ -176,19 +176,20 @@ def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRo
     Shares are of the total GPU activity time (all activities); ties are ordered by name.
     """
     total_us = float(table.dur.sum())
-    durs = table.dur.tolist()
+    durs, name_idx = table.dur.tolist(), table.name_idx.tolist()
     k_tot: dict[int, float] = defaultdict(float)
     k_calls: dict[int, int] = defaultdict(int)
-    for i in np.flatnonzero(table.kind == 0):
-        k_tot[table.name_idx[i]] += durs[i]
-        k_calls[table.name_idx[i]] += 1
+    for i in np.flatnonzero(table.kind == 0).tolist():
+        k_tot[name_idx[i]] += durs[i]
+        k_calls[name_idx[i]] += 1
     top = sorted(k_tot.items(), key=lambda kv: (-kv[1], table.names[kv[0]]))[:limit]
     return [{"name": table.names[k], "calls": k_calls[k], "total_ms": ms(t),
              "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
 
 
 def time_by_category(table: ActivityTable) -> list[CategoryRow]:
-    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to 100 %."""
+    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to
+    100 %."""
     total_us = float(table.dur.sum())
     c_tot: dict[str, float] = defaultdict(float)
     c_calls: dict[str, int] = defaultdict(int)
@@ -245,7 +246,7 @@ def region_times(table: ActivityTable, regions: list[Span], lo: float | None) ->
     GPU time is the sum of the durations of the activities whose launching call lies inside the region
     (None when the trace has no GPU activity).
     """
-    rows = []
+    rows: list[RegionRow] = []
     for name, r_lo, r_hi in regions:
         inside = (table.launch >= r_lo) & (table.launch <= r_hi)
         rows.append({

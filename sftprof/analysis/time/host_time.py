@@ -24,7 +24,7 @@ from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import BWD_NODE, OpCollector, Placement
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time.schema import CpuOpRow, HeaviestOp, Host
+from sftprof.analysis.time.schema import CpuOpRow, GpuIdle, HeaviestOp, Host, HostWaitPlaces, HostWaitRow
 
 __all__ = ["host_time", "heaviest_op", "top_cpu_ops", "LAUNCH_GAP_US", "TOP_IDLE_PLACES"]
 
@@ -46,13 +46,13 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
         tids, pts: its launch thread and time (NaN: unknown); inside: launched in the step window.
     """
     lo, hi = window
-    if lo is None:
+    if lo is None or hi is None:
         return {"top_self": [], "sync": {"total_ms": 0.0, "by_call": {}}, "compile": {"ms": 0.0, "compile_ids": []},
                 "gpu_idle": None}
     idle, host_gaps = _idle_split(ts, dur, pts, lo, hi)
     gc_us = None
     if ops.gc_spans:  # the trace has garbage-collection ranges: how much of each host-wait gap they cover
-        gc_us = ops.gc_overlap_us(np.array([g[1] for g in host_gaps]), np.array([g[2] for g in host_gaps]))
+        gc_us = ops.gc_overlap_us(host_gaps[1], host_gaps[2])
         idle["host_wait_gc_ms"] = ms(float(gc_us.sum()))
     idle["host_wait_by_place"] = _host_wait_places(
         ops, host_gaps, launch=pts, sites=ops.launch_sites(tids, pts), parts=place.parts, phases=place.phases,
@@ -65,8 +65,11 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
     return out
 
 
+Gaps = tuple[np.ndarray, np.ndarray, np.ndarray]  # per host-wait gap: activity index (int64), start, end (us)
+
+
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
-                ) -> tuple[dict[str, Any], list[tuple[int, float, float]]]:
+                ) -> tuple[GpuIdle, Gaps]:
     """GPU idle time in ``[lo, hi]`` split by why the GPU waited (in the spirit of HTA's idle time breakdown).
 
     Idle gaps are the gaps of the union of all activity intervals. A gap before an activity whose launch
@@ -76,9 +79,9 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     ``host_wait``. Every activity running in the window counts, so idle + GPU busy = the window.
 
     Returns:
-        ``({idle_ms, host_wait_ms, kernel_wait_ms, after_last_activity_ms}, host_gaps)``; ``host_gaps`` lists
-        each host-wait gap as ``(index of the activity that ends it, gap start us, gap end us)``, the indexes
-        into ``ts``; the gaps' lengths sum to ``host_wait_ms``.
+        ``({idle_ms, host_wait_ms, kernel_wait_ms, after_last_activity_ms}, host_gaps)``; ``host_gaps`` holds
+        the host-wait gaps in time order as three arrays: the index of the activity that ends each (into ``ts``),
+        its start and its end (us); the gaps' lengths sum to ``host_wait_ms``.
     """
     keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
     order = np.argsort(ts[keep], kind="stable")
@@ -87,19 +90,21 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     ln = launch[keep][order]
     if not t.size:
         return {"idle_ms": ms(hi - lo), "host_wait_ms": ms(hi - lo), "kernel_wait_ms": 0.0,
-                "after_last_activity_ms": 0.0}, []
+                "after_last_activity_ms": 0.0}, (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0))
     run_end = np.maximum.accumulate(e)
     host = max(t[0] - lo, 0.0)
-    host_gaps = [(int(idx[0]), float(lo), float(t[0]))] if host > 0 else []
     kernel = 0.0
     gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
-    for g in gaps:
-        gap = t[g] - run_end[g - 1]
-        if ln[g] > run_end[g - 1]:
+    by_host = ln[gaps] > run_end[gaps - 1]
+    for gap, waited in zip((t[gaps] - run_end[gaps - 1]).tolist(), by_host.tolist()):  # summed in time order
+        if waited:
             host += gap
-            host_gaps.append((int(idx[g]), float(run_end[g - 1]), float(t[g])))
         else:
             kernel += gap
+    first = [0] if t[0] - lo > 0 else []
+    host_gaps = (np.concatenate((idx[first], idx[gaps[by_host]])),
+                 np.concatenate((np.full(len(first), lo, dtype=np.float64), run_end[gaps[by_host] - 1])),
+                 np.concatenate((t[first], t[gaps[by_host]])))
     tail = max(hi - run_end[-1], 0.0)
     return ({"idle_ms": ms(host + kernel + tail), "host_wait_ms": ms(host), "kernel_wait_ms": ms(kernel),
              "after_last_activity_ms": ms(tail)}, host_gaps)
@@ -114,9 +119,9 @@ TOP_IDLE_PLACES = 10
 LAUNCH_GAP_US = 100.0
 
 
-def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]], *, launch: np.ndarray,
+def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
                       sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
-                      inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> dict[str, Any]:
+                      inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> HostWaitPlaces:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
     A gap's place is that of the activity that ends it: its (part, phase) from :meth:`OpCollector.attribute`
@@ -142,13 +147,15 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
         ``idle_ms``, ``gaps``). The rows' and rest's ``idle_ms`` sum to ``host_wait_ms``.
     """
     sync_end, sync_op = ops.blocking_calls()
-    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0, 0.0])  # idle us, gaps, after-blocking
-    # us and gaps, the longest gap (us), garbage collection inside the gaps (us)
+    # per (part, phase, site): idle us, gaps, after-blocking us and gaps, the longest gap (us), garbage collection
+    # inside the gaps (us)
+    rows: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0, 0.0, 0.0])
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
-    first = np.searchsorted(sync_end, np.array([g[1] for g in host_gaps], dtype=np.float64), side="left").tolist()
-    in_gc = gc_us.tolist() if gc_us is not None else [0.0] * len(host_gaps)
-    for (i, g0, g1), j, gap_gc in zip(host_gaps, first, in_gc):
+    gap_at, gap_start, gap_end = host_gaps
+    first = np.searchsorted(sync_end, gap_start, side="left").tolist()
+    in_gc = gc_us.tolist() if gc_us is not None else [0.0] * gap_at.size
+    for i, g0, g1, j, gap_gc in zip(gap_at.tolist(), gap_start.tolist(), gap_end.tolist(), first, in_gc):
         key = (parts[i], phases[i], sites[i])
         r = rows[key]
         r[0] += g1 - g0
@@ -160,14 +167,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             r[2] += g1 - g0
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
-    count: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
     for i in np.flatnonzero(inside):
         key = (parts[i], phases[i], sites[i])
         if key in rows:
             count[key][0] += 1
             count[key][1] += dur[i]
     ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1], kv[0][2] or ""))
-    out = []
+    out: list[HostWaitRow] = []
     for (part, phase, site), (us, n, blocked, n_blocked, longest, row_gc) in ordered[:TOP_IDLE_PLACES]:
         k, kus = count.get((part, phase, site), (0, 0.0))
         if 2 * blocked >= us:  # also every gap after a blocking call (none left for a mean gap)
@@ -176,12 +183,14 @@ def _host_wait_places(ops: OpCollector, host_gaps: list[tuple[int, float, float]
             kind = "launch-bound"
         else:
             kind = "host busy"
-        out.append({"part": part, "label": part_label(part), "phase": phase, "launched_under": site,
-                    "idle_ms": ms(us), "gaps": int(n), "activities": int(k),
-                    "mean_activity_us": round(float(kus) / k, 3) if k else None, "mean_gap_us": round(us / n, 3),
-                    "longest_gap_us": round(longest, 3),
-                    "after_blocking_ms": ms(blocked), "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0,
-                    "kind": kind, **({"gc_ms": ms(row_gc)} if gc_us is not None else {})})
+        row: HostWaitRow = {
+            "part": part, "label": part_label(part), "phase": phase, "launched_under": site, "idle_ms": ms(us),
+            "gaps": int(n), "activities": int(k), "mean_activity_us": round(float(kus) / k, 3) if k else None,
+            "mean_gap_us": round(us / n, 3), "longest_gap_us": round(longest, 3), "after_blocking_ms": ms(blocked),
+            "after_blocking_pct": round(100 * blocked / us, 3) if us else 0.0, "kind": kind}
+        if gc_us is not None:
+            row["gc_ms"] = ms(row_gc)
+        out.append(row)
     left = ordered[TOP_IDLE_PLACES:]
     return {"rows": out,
             "rest": {"places": len(left), "idle_ms": ms(sum(v[0] for _, v in left)),
@@ -205,7 +214,7 @@ def _union_us(spans: list[tuple[int, float, float]]) -> float:
 def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
     """The heaviest op of the step window (module docstring); None without a window or CPU ops in it."""
     lo, hi = window
-    if lo is None or not len(ops.cpu_ops.start):
+    if lo is None or hi is None or not len(ops.cpu_ops.start):
         return None
     c = ops.cpu_ops
     tid = np.frombuffer(c.tid, dtype=np.int64)
@@ -221,9 +230,9 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
         return any(bool(np.any((r_tid == t) & (r_st >= a) & (r_st < b))) for t, a, b in spans)
 
     own = {k: _union_us(v) for k, v in calls.items()}
-    backward = {k: b for k in calls if (b := ops.op_index(ops.op_name_list[k] + "Backward")) in calls}
+    backward = {k: b for k in calls if (b := ops.op_index(ops.op_name_list[k] + "Backward")) is not None and b in calls}
     of_forward = set(backward.values())  # an autograd Function's backward node counts with its forward
-    ranked = sorted((own[k] + own.get(backward.get(k), 0.0), k) for k in calls if k not in of_forward)
+    ranked = sorted((own[k] + (own[backward[k]] if k in backward else 0.0), k) for k in calls if k not in of_forward)
     for _, k in sorted(ranked, key=lambda x: (-x[0], ops.op_name_list[x[1]])):
         label = ops.op_name_list[k]
         if label.startswith(BWD_NODE) or holds_parts(calls[k]):

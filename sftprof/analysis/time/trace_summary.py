@@ -3,20 +3,23 @@
 Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one (no time,
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.analysis.views.split.split_trace`` does both while it writes the views), then call
-:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA launches + CPU ops), a few dozen
-bytes each, never O(trace bytes).
+:meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA API calls + flow events + CPU ops),
+kept in arrays, never the events themselves: 73 bytes a GPU activity, 25 a CUDA API call, 24 a flow event, 40 a CPU op
+and 24 more for its nesting index once the step is summarised; about 0.28 GiB of peak RSS per GiB of a kineto trace
+(bench/NOTES.md, "the summary half's memory").
 
 The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
 the answers together: the GPU activities alone (:mod:`sftprof.analysis.time.gpu_activity`: step window, GPU busy, top
 kernels, categories, communication overlap, regions), time by model part (:mod:`sftprof.analysis.time.model_parts`),
-host time and waits (:mod:`sftprof.analysis.time.host_time`), kernel efficiency (:mod:`sftprof.analysis.time.efficiency`)
-and collectives by process group (:mod:`sftprof.analysis.time.collectives`), the last four from where each activity was
-launched (:mod:`sftprof.analysis.trace.op_collector`).
+host time and waits (:mod:`sftprof.analysis.time.host_time`), kernel efficiency
+(:mod:`sftprof.analysis.time.efficiency`) and collectives by process group (:mod:`sftprof.analysis.time.collectives`),
+the last four from where each activity was launched (:mod:`sftprof.analysis.trace.op_collector`).
 """
 from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections import defaultdict
 from typing import Any
 
@@ -28,10 +31,12 @@ from sftprof.analysis.time.efficiency import kernel_efficiency
 from sftprof.analysis.time.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Span, communication, gpu_time,
                                                 region_times, step_window, time_by_category, top_kernels)
 from sftprof.analysis.time.host_time import heaviest_op, host_time, top_cpu_ops
-from sftprof.analysis.trace.kernel_names import COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label, kernel_category
+from sftprof.analysis.trace.kernel_names import (COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label,
+                                                  kernel_category)
 from sftprof.analysis.time.model_parts import cpu_parts, gpu_parts
 from sftprof.analysis.trace.op_collector import OpCollector
-from sftprof.analysis.time.schema import Identity, InvalidEvents, KernelSummary
+from sftprof.analysis.time.schema import KernelSummary
+from sftprof.analysis.trace.schema import Identity, InvalidEvents
 from sftprof.analysis.trace.check import UNTIMED
 from sftprof.analysis.trace.sanity import inspect
 
@@ -50,15 +55,15 @@ UNPAIRED_NOTE = "annotations written as B/E events without their pair, left out"
 _GPU_CATEGORY = re.compile(r'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset|Kernel|Memcpy|Memset)"')
 
 
-def _int_id(v) -> int:
-    """A correlation / External id as an int; -1 when absent or not an integer."""
-    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+def _int_id(v: Any) -> int:
+    """A correlation / External id as an int; -1 when absent, not an integer or outside int64."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 else -1
 
 
-def _rank_list(v) -> bool:
+def _rank_list(v: Any) -> bool:
     """Whether ``v`` is a non-empty list of distinct global ranks (ints >= 0)."""
-    return (isinstance(v, list) and bool(v) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v)
-            and len(set(v)) == len(v))
+    return (isinstance(v, list) and bool(v)
+            and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v) and len(set(v)) == len(v))
 
 
 def invalid_events_error(invalid: InvalidEvents) -> str | None:
@@ -117,30 +122,33 @@ class KernelTraceAnalyzer:
             longest step annotation is the window, no step is left out).
     """
 
-    def __init__(self, header: dict | None = None, step: int | None = None):
+    def __init__(self, header: dict[str, Any] | None = None, step: int | None = None):
         self._step = step
         self._names: dict[str, int] = {}
         self._name_list: list[str] = []
-        # per GPU activity (parallel lists)
-        self._a_name: list[int] = []
-        self._a_kind: list[int] = []  # index into GPU_ACTIVITY_CATS
-        self._a_ts: list[float] = []
-        self._a_dur: list[float] = []
-        self._a_dev: list[int] = []
-        self._a_stream: list[int] = []
-        self._a_corr: list[int] = []
-        self._a_ext: list[int] = []
-        self._a_pg: list = []  # process-group (desc, name) from the kernel's own args
-        self._comm_ops: dict[int, tuple] = {}  # External id -> process group (desc, name) of a collective op
+        # per GPU activity (parallel arrays: 73 bytes an activity)
+        self._a_name = array("i")
+        self._a_kind = array("b")  # index into GPU_ACTIVITY_CATS
+        self._a_ts = array("d")
+        self._a_dur = array("d")
+        self._a_dev = array("q")
+        self._a_stream = array("q")
+        self._a_corr = array("q")
+        self._a_ext = array("q")
+        self._a_pg = array("i")  # index into _pg_refs: process-group (desc, name) from the kernel's own args; -1: none
+        self._pg_refs: dict[tuple[str | None, str | None], int] = {}
+        # External id -> process group (desc, name) of a collective op
+        self._comm_ops: dict[int, tuple[str | None, str | None] | None] = {}
         self._host_comm: list[tuple[str, float, float]] = []  # gloo:/nccl: collective annotations on the host
         self._host_comm_ops: list[tuple[str, float, float]] = []  # ... and CPU ops
         self._regions: list[tuple[str, float, float]] = []  # sftprof/* user annotations
         self._profiler_steps: list[tuple[str, float, float]] = []
-        self._open_annotations: dict[tuple, list[tuple[str, float]]] = {}  # (pid, tid) -> B events not yet ended
+        # (pid, tid) -> B events not yet ended
+        self._open_annotations: dict[tuple[Any, Any], list[tuple[str, float]]] = {}
         self._t_min = float("inf")
         self._t_max = float("-inf")
         self.n_events = 0
-        self._pg_desc: dict[str, str] = {}
+        self._pg_desc: dict[str, str | None] = {}
         self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
         self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
         self._invalid: dict[str, int] = defaultdict(int)
@@ -148,7 +156,7 @@ class KernelTraceAnalyzer:
         self._untimed = 0  # GPU activities without timing (left out, counted with the invalid events)
         self._invalid_corr: list[int] = []  # correlation ids of the GPU activities left out as invalid
         self._notes: dict[str, int] = {}
-        self._a_bytes: list[int] = []  # bytes of memcpy/memset activities (0 when not given)
+        self._a_bytes = array("d")  # bytes of memcpy/memset activities (0 when not given)
         self._ops = OpCollector()
         self._device_name: str | None = None
         self._base_ns: int | None = None  # trace ts (us) + base_ns / 1000 = unix us
@@ -156,7 +164,7 @@ class KernelTraceAnalyzer:
         if header:
             self.set_header(header)
 
-    def set_header(self, header: dict) -> None:
+    def set_header(self, header: dict[str, Any]) -> None:
         """Read process-group descriptions and members from ``header['distributedInfo']['pg_config']``, and the
         rank that wrote the trace from ``header['distributedInfo']['rank']``.
 
@@ -170,14 +178,17 @@ class KernelTraceAnalyzer:
         if isinstance(props, list) and props and isinstance(props[0], dict) and isinstance(props[0].get("name"), str):
             self._device_name = props[0]["name"]
         info = header.get("distributedInfo") if isinstance(header, dict) else None
-        rank = info.get("rank") if isinstance(info, dict) else None
+        if not isinstance(info, dict):
+            info = {}
+        rank = info.get("rank")
         self._recorded_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
-        pgs = info.get("pg_config") if isinstance(info, dict) else None
+        pgs = info.get("pg_config")
         for pg in pgs if isinstance(pgs, list) else ():
             if isinstance(pg, dict) and "pg_name" in pg:
                 desc = pg.get("pg_desc")
                 self._pg_desc[str(pg["pg_name"])] = desc if isinstance(desc, str) else None
-                ranks, size = pg.get("ranks"), pg.get("pg_size", pg.get("group_size"))
+                ranks: Any = pg.get("ranks")
+                size = pg.get("pg_size", pg.get("group_size"))
                 world = info.get("world_size")
                 if ranks == [] and isinstance(size, int) and size == world:  # torch writes [] for "every rank"
                     ranks = list(range(world))
@@ -212,7 +223,7 @@ class KernelTraceAnalyzer:
         self._notes[what] = count
 
     @staticmethod
-    def _pg_ref(args: dict) -> tuple[str | None, str | None] | None:
+    def _pg_ref(args: dict[str, Any]) -> tuple[str | None, str | None] | None:
         """(description, name) of the process group named in an event's args, if any."""
         name, desc = args.get("Process Group Name"), args.get("Process Group Description")
         if name is None and desc is None:
@@ -223,9 +234,9 @@ class KernelTraceAnalyzer:
         if ref is None:
             return None
         desc, name = ref
-        return collective_group_label(desc or self._pg_desc.get(name), name)
+        return collective_group_label(desc or (self._pg_desc.get(name) if name is not None else None), name)
 
-    def add(self, ev: dict) -> None:
+    def add(self, ev: dict[str, Any]) -> None:
         """Consume one usable trace event (any phase/category; irrelevant ones are ignored cheaply).
 
         Events that ``sftprof.analysis.trace.check.event_problem`` rejects go to :meth:`add_invalid`
@@ -277,7 +288,8 @@ class KernelTraceAnalyzer:
             self._a_stream.append(stream if isinstance(stream, int) else -1)
             self._a_corr.append(_int_id(args.get("correlation")))
             self._a_ext.append(_int_id(args.get("External id")))
-            self._a_pg.append(self._pg_ref(args))
+            ref = self._pg_ref(args)
+            self._a_pg.append(-1 if ref is None else self._pg_refs.setdefault(ref, len(self._pg_refs)))
             if "Process Group Ranks" in args and "Process Group Name" in args:
                 self._pg_ranks.setdefault(str(args["Process Group Name"]), args["Process Group Ranks"])
             nb = args.get("bytes")
@@ -291,7 +303,7 @@ class KernelTraceAnalyzer:
             elif name.startswith(HOST_COLLECTIVE_PREFIXES):
                 self._host_comm.append((name, ts, ts + dur))
 
-    def _begin_end(self, ev: dict, ph: str) -> None:
+    def _begin_end(self, ev: dict[str, Any], ph: str) -> None:
         """An annotation written as a ``B``/``E`` pair (its thread's last open ``B`` ends at an ``E``): a
         ``sftprof/*`` region or ``ProfilerStep#<N>`` read as the span it is, counted in the summary's notes
         (:data:`BEGIN_END_NOTE`); an ``E`` without its ``B``, or a ``B`` never ended, is counted as left out
@@ -313,13 +325,13 @@ class KernelTraceAnalyzer:
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
         n = len(self._a_ts)
-        kinds = np.asarray(self._a_kind, dtype=np.int64)
-        launch_tid, launch = self._ops.launch_points(self._a_corr)
+        kinds = np.frombuffer(self._a_kind, dtype=np.int8).astype(np.int64)
+        corr = np.frombuffer(self._a_corr, dtype=np.int64)
+        launch_tid, launch = self._ops.launch_points(corr)
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
         cat_cache: dict[tuple[int, int], str] = {}
         cats: list[str] = []
-        for i in range(n):
-            key = (self._a_name[i], self._a_kind[i])
+        for key in zip(self._a_name, self._a_kind):
             c = cat_cache.get(key)
             if c is None:
                 c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
@@ -334,19 +346,21 @@ class KernelTraceAnalyzer:
                 cats[i] = "optimizer"
         groups: list[str | None] = []
         pg_names: list[str | None] = []
-        for i in range(n):
-            ref = self._a_pg[i]
-            if ref is None and is_comm[i]:
-                ref = self._comm_ops.get(self._a_ext[i])
+        refs: list[tuple[str | None, str | None] | None] = list(self._pg_refs)
+        for k, comm, ext in zip(self._a_pg, is_comm.tolist(), self._a_ext):
+            ref = refs[k] if k >= 0 else None
+            if ref is None and comm:
+                ref = self._comm_ops.get(ext)
             groups.append(self._pg_label(ref))
             pg_names.append(ref[1] if ref is not None else None)
-        ts = np.asarray(self._a_ts, dtype=np.float64)
-        dur = np.asarray(self._a_dur, dtype=np.float64)
-        return ActivityTable(names=self._name_list, name_idx=self._a_name, kind=kinds, ts=ts, dur=dur, end=ts + dur,
-                             dev=np.asarray(self._a_dev, dtype=np.int64),
-                             stream=np.asarray(self._a_stream, dtype=np.int64), corr=self._a_corr, ext=self._a_ext,
-                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups, pg_name=pg_names,
-                             nbytes=np.asarray(self._a_bytes, dtype=np.float64))
+        ts = np.frombuffer(self._a_ts, dtype=np.float64)
+        dur = np.frombuffer(self._a_dur, dtype=np.float64)
+        return ActivityTable(names=self._name_list, name_idx=np.frombuffer(self._a_name, dtype=np.int32), kind=kinds,
+                             ts=ts, dur=dur, end=ts + dur, dev=np.frombuffer(self._a_dev, dtype=np.int64),
+                             stream=np.frombuffer(self._a_stream, dtype=np.int64), corr=corr,
+                             ext=np.frombuffer(self._a_ext, dtype=np.int64),
+                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups,
+                             pg_name=pg_names, nbytes=np.frombuffer(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> KernelSummary:
         """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
@@ -357,21 +371,22 @@ class KernelTraceAnalyzer:
         ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
         its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
         the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
-        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without GPU
-        activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``, ``top_cpu_ops`` and,
-        without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`), ``efficiency``
-        (:mod:`sftprof.analysis.time.efficiency`) and ``collectives`` (:mod:`sftprof.analysis.time.collectives`; its
-        ``calls``, this rank's call timeline per process group, is matched across ranks by the trial summary and left
-        out of ``profile_summary.json``).
+        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without
+        GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
+        ``top_cpu_ops`` and, without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`),
+        ``efficiency`` (:mod:`sftprof.analysis.time.efficiency`) and ``collectives``
+        (:mod:`sftprof.analysis.time.collectives`; its ``calls``, this rank's call timeline per process group, is
+        matched across ranks by the trial summary and left out of ``profile_summary.json``).
         """
         never_ended = sum(len(v) for v in self._open_annotations.values())
         if never_ended:
             self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + never_ended
         # annotations recorded twice count once; those of other profiler steps are left out with their activities
-        annotations = (self._regions, self._profiler_steps, self._host_comm, self._ops.gc_spans)
-        unique = [list(dict.fromkeys(x)) for x in annotations]
-        repeated = sum(len(x) for x in annotations) - sum(len(x) for x in unique)
-        regions, profiler_steps, host_comm, self._ops.gc_spans = unique
+        regions, profiler_steps = list(dict.fromkeys(self._regions)), list(dict.fromkeys(self._profiler_steps))
+        host_comm, gc_spans = list(dict.fromkeys(self._host_comm)), list(dict.fromkeys(self._ops.gc_spans))
+        repeated = (len(self._regions) + len(self._profiler_steps) + len(self._host_comm) + len(self._ops.gc_spans)
+                    - len(regions) - len(profiler_steps) - len(host_comm) - len(gc_spans))
+        self._ops.gc_spans = gc_spans
         host_comm += dict.fromkeys(self._host_comm_ops)  # CPU ops recorded twice are counted with the CPU ops
         regions.sort(key=lambda r: (r[1], r[0]))
         t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
@@ -416,8 +431,9 @@ class KernelTraceAnalyzer:
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
             "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx], nbytes=t.nbytes,
-                                            device_name=self._device_name),
+                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()],
+                                            nbytes=t.nbytes, device_name=self._device_name),
             "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members()),
+                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name,
+                                       pg_members=self.pg_members()),
         }

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["union", "length", "intersection_length", "clip", "difference", "repeated_rows", "ThreadIntervals",
-           "Intervals"]
+           "Intervals", "keep_in_place"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -141,6 +141,16 @@ def previous_open(tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.nda
     return q
 
 
+def keep_in_place(column: array[Any], mask: np.ndarray) -> None:
+    """Drop the items of ``column`` (an ``array`` of 8-byte items) where ``mask`` is False, keeping their order."""
+    view = np.frombuffer(column, dtype=np.int64 if column.typecode == "q" else np.float64)
+    kept = view[mask]
+    view[:kept.size] = kept
+    size = kept.size
+    del view, kept  # release the buffer before the array shrinks
+    del column[size:]
+
+
 class ThreadIntervals:
     """Per-thread intervals (start, end, payload) with an innermost-containment query."""
 
@@ -149,7 +159,7 @@ class ThreadIntervals:
         self.start = array("d")
         self.end = array("d")
         self.payload = array("q")
-        self._index: tuple[Any, ...] | None = None  # (size it was built for, order, sorted tid, start, end, parent)
+        self._index: tuple[Any, ...] | None = None  # (size it was built for, order, threads, start, end, parent)
 
     def add(self, tid: int, start: float, end: float, payload: int) -> None:
         self.tid.append(tid)
@@ -161,7 +171,8 @@ class ThreadIntervals:
     def from_arrays(cls, tid: np.ndarray, start: np.ndarray, end: np.ndarray, payload: np.ndarray) -> "ThreadIntervals":
         out = cls()
         out.tid, out.start = array("q", tid.astype(np.int64).tobytes()), array("d", start.astype(np.float64).tobytes())
-        out.end, out.payload = array("d", end.astype(np.float64).tobytes()), array("q", payload.astype(np.int64).tobytes())
+        out.end = array("d", end.astype(np.float64).tobytes())
+        out.payload = array("q", payload.astype(np.int64).tobytes())
         return out
 
     def __len__(self) -> int:
@@ -178,20 +189,32 @@ class ThreadIntervals:
         return repeated_rows(start, tid, end, payload)
 
     def keep(self, mask: np.ndarray) -> None:
-        """Drop the intervals where ``mask`` (bool, one per interval) is False."""
-        for name, code in (("tid", "q"), ("start", "d"), ("end", "d"), ("payload", "q")):
-            values = np.frombuffer(getattr(self, name), dtype=np.int64 if code == "q" else np.float64)[mask]
-            setattr(self, name, array(code, values.tobytes()))
+        """Drop the intervals where ``mask`` (bool, one per interval) is False (in place: one column's kept values at
+        a time are the extra memory)."""
+        if mask.all():
+            return
+        for column in (self.tid, self.start, self.end, self.payload):
+            keep_in_place(column, mask)
         self._index = None
 
-    def _sorted(self) -> tuple[Any, ...]:
-        """``(order, tid, start, end, parent)``: the intervals sorted by thread, start and end descending (``order``
-        indexes the collection), and :func:`previous_open` of each; built once per size of the collection."""
+
+    def nesting(self) -> tuple[Any, ...]:
+        """``(order, threads, start, end, parent)``: the intervals sorted by thread, start and end descending
+        (``order`` indexes the collection), each thread's run in that order (``threads``: its sorted thread ids and
+        the position its run begins at, with the size appended), and :func:`previous_open` of each (a position in
+        that order, -1: none); built once per size of the collection and kept (24 bytes an interval: ``order``
+        and ``parent`` are int32 below 2**31 intervals)."""
         if self._index is None or self._index[0] != len(self.start):
             tid, st, en, _ = self.arrays()
-            order = np.lexsort((-en, st, tid))
-            s_tid, s_st, s_en = tid[order], st[order], en[order]
-            self._index = (len(self.start), order, s_tid, s_st, s_en, previous_open(s_tid, s_st, s_en))
+            index = np.int32 if len(self.start) < 2**31 else np.int64
+            order = np.lexsort((-en, st, tid)).astype(index)
+            s_tid = tid[order]
+            s_st, s_en = st[order], en[order]
+            parent = previous_open(s_tid, s_st, s_en).astype(index)
+            begins = np.flatnonzero(np.append(True, s_tid[1:] != s_tid[:-1])) if order.size else np.zeros(0, np.int64)
+            threads = s_tid[begins]
+            del s_tid
+            self._index = (len(self.start), order, (threads, np.append(begins, order.size)), s_st, s_en, parent)
         return self._index[1:]
 
     def innermost(self, tids: np.ndarray, points: np.ndarray) -> np.ndarray:
@@ -206,11 +229,12 @@ class ThreadIntervals:
         out = np.full(points.size, -1, dtype=np.int64)
         if not len(self.start) or not points.size:
             return out
-        order, s_tid, s_st, s_en, parent = self._sorted()
+        order, (threads, begins), s_st, s_en, parent = self.nesting()
         for t in np.unique(tids):
-            lo, hi = np.searchsorted(s_tid, t, side="left"), np.searchsorted(s_tid, t, side="right")
-            if lo == hi:
+            k = int(np.searchsorted(threads, t))
+            if k == threads.size or threads[k] != t:
                 continue
+            lo, hi = int(begins[k]), int(begins[k + 1])
             sel = np.flatnonzero(tids == t)
             x = points[sel]
             c = lo + np.searchsorted(s_st[lo:hi], x, side="right") - 1

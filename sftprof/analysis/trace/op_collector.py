@@ -3,8 +3,8 @@
 Fed by :class:`sftprof.analysis.time.trace_summary.KernelTraceAnalyzer`: every CPU op, ``sftprof.module/*`` range
 (:mod:`sftprof.capture.module_regions`), forward->backward flow (``fwdbwd``) and CUDA runtime call goes to
 :meth:`OpCollector.add`; the questions of the step (:mod:`sftprof.analysis.time.model_parts`,
-:mod:`sftprof.analysis.time.host_time`, :mod:`sftprof.analysis.time.efficiency`, :mod:`sftprof.analysis.time.collectives`) then
-ask it where each GPU activity (or CPU op) was launched from.
+:mod:`sftprof.analysis.time.host_time`, :mod:`sftprof.analysis.time.efficiency`,
+:mod:`sftprof.analysis.time.collectives`) then ask it where each GPU activity (or CPU op) was launched from.
 
 Attribution of one GPU activity (kernel, memcpy, memset) launched inside the step window (an activity whose
 launching CUDA call is not in the trace, as in a trace cut to an excerpt or one whose host records were dropped,
@@ -32,10 +32,11 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, previous_open, union
+from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, keep_in_place, union
 from sftprof.analysis.trace.kernel_names import collective_name
 from sftprof.analysis.time.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
+from sftprof.analysis.time.schema import Compile, GcTime, HostOpRow, HostSync
 from sftprof.artifacts import GC_REGION_PREFIX, MODULE_REGION_PREFIX, parse_module_region
 
 __all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
@@ -49,6 +50,8 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cuLaunchCooperativeKernel")
 
 _COMPILE, _BWD_NODE, _FLOP, _FLOW_BACKWARD = 1, 2, 4, 8  # what an op's name makes it (OpCollector._op_kind)
+
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1  # a correlation id outside int64 is read as none
 
 _DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
                 "Int": 4, "Long": 8, "Char": 1, "Byte": 1, "Bool": 1}
@@ -73,15 +76,25 @@ class OpCollector:
         self._region_keys: list[tuple[str, Optional[int], bool]] = []
         self._region_index: dict[str, int] = {}
         self.bwd_nodes = ThreadIntervals()  # payload: 1 for megatron-core's CheckpointFunctionBackward
-        self.flop_ops = ThreadIntervals()  # payload: index into _flop_info
-        self._flop_info: list[tuple[str, str, float, str]] = []  # (op name, kind, flops, dtype)
-        self._launch: dict[int, tuple[int, float]] = {}  # correlation -> (tid, ts)
-        self.kernel_launches = (array("q"), array("d"))  # correlation and start (us) of each kernel launch call
-        self.repeated_api_calls = 0  # CUDA API calls recorded twice (same correlation, thread and start): skipped
-        self._flow_start: dict[int, tuple[int, float]] = {}  # fwdbwd id -> forward op (tid, ts)
-        self._flow_end: dict[tuple[int, float], int] = {}  # autograd node op (tid, ts) -> fwdbwd id
-        self.comm_ops: dict[int, dict] = {}  # External id -> collective, group ref, size, bytes
-        self.sync_calls: list[tuple[str, float, float, int]] = []  # blocking CUDA runtime calls: (name, start, end, tid)
+        self.flop_ops = ThreadIntervals()  # payload: index into the FLOP-known ops (flop_info)
+        self._flop_what: dict[tuple[str, str, str], int] = {}  # (op name, kind, dtype) -> index into _flop_what_list
+        self._flop_what_list: list[tuple[str, str, str]] = []
+        self._flop_op_what = array("q")  # per FLOP-known op: index into _flop_what_list
+        self._flop_op_flops = array("d")  # ... and its FLOPs
+        # CUDA API calls with an int64 correlation id, in trace order (correlation, thread, start us, a kernel launch):
+        # repeats are found and the launch table built after the pass (_api_calls)
+        self._api: tuple[array[int], array[int], array[float], array[int]] = (array("q"), array("q"), array("d"),
+                                                                              array("b"))
+        self._api_done: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self._sync_pending: list[tuple[str, float, float, int, int]] = []  # blocking calls, index into _api or -1
+        self._sync_calls: list[tuple[str, float, float, int]] = []
+        self._kernel_launches: tuple[array[int], array[float]] = (array("q"), array("d"))
+        self._repeated_api_calls = 0
+        # fwdbwd flows in trace order: starts (id hash, forward op tid, ts) and ends (autograd node op tid, ts, id hash)
+        self._flow_s: tuple[array[int], array[int], array[float]] = (array("q"), array("q"), array("d"))
+        self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
+        self._flows_done: Optional[tuple[np.ndarray, ...]] = None
+        self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
         self.cpu_ops = ThreadIntervals()  # every cpu_op for self time; payload: name index
         self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
@@ -90,10 +103,10 @@ class OpCollector:
         self._op_names: dict[str, int] = {}
         self.op_name_list: list[str] = []
         self._op_kinds: list[int] = []  # per op name: what it is (_COMPILE | _BWD_NODE | _FLOP | _FLOW_BACKWARD)
-        self._flow_fwd_op: dict[tuple[int, float], int] = {}  # FLOW_FORWARD op (tid, ts) -> index into _flop_info
+        self._flow_fwd_op: dict[tuple[int, float], int] = {}  # FLOW_FORWARD op (tid, ts) -> FLOP-known op index
         self._flow_bwd_ops: list[tuple[str, int, float, float]] = []  # FLOW_BACKWARD ops: (name, tid, ts, dur)
 
-    def add(self, ev: dict, cat, ts: float, dur: float) -> None:
+    def add(self, ev: dict[str, Any], cat: Any, ts: float, dur: float) -> None:
         """Consume one complete (``ph: X``) or flow event of category ``cat`` with a valid ``ts`` (and ``dur`` for
         X)."""
         tid = ev.get("tid")
@@ -104,7 +117,7 @@ class OpCollector:
         else:
             self._add_other(ev, cat, tid, ts, dur)
 
-    def add_cpu_op(self, tid: int, name: str, args: Optional[dict], ts: float, dur: float) -> None:
+    def add_cpu_op(self, tid: int, name: str, args: Optional[dict[str, Any]], ts: float, dur: float) -> None:
         """Consume one CPU op (thread ``tid``, -1 when unknown), the hot path of the trace pass: what an op's name says
         is worked out once per name (:meth:`_op_kind`)."""
         idx = self._op_names.get(name)
@@ -129,9 +142,8 @@ class OpCollector:
                 f = op_flops(name, args or {})
                 if f is not None:
                     if name in FLOW_FORWARD:
-                        self._flow_fwd_op[(tid, ts)] = len(self._flop_info)
-                    self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
-                    self._flop_info.append((name, *f))
+                        self._flow_fwd_op[(tid, ts)] = len(self._flop_op_flops)
+                    self._add_flop_op(tid, ts, dur, name, *f)
             elif kind & _FLOW_BACKWARD:
                 self._flow_bwd_ops.append((name, tid, ts, dur))
         if args and "Collective name" in args:
@@ -145,7 +157,7 @@ class OpCollector:
                                       "bytes": max(nel) * _DTYPE_BYTES[args["dtype"]]
                                       if nel and args.get("dtype") in _DTYPE_BYTES else None}
 
-    def _add_other(self, ev: dict, cat, tid: int, ts: float, dur: float) -> None:
+    def _add_other(self, ev: dict[str, Any], cat: Any, tid: int, ts: float, dur: float) -> None:
         """Consume one event of another category than ``cpu_op`` (:meth:`add`)."""
         if cat == "user_annotation":
             name = ev.get("name") or ""
@@ -166,28 +178,112 @@ class OpCollector:
             args = ev.get("args") or {}
             corr = args.get("correlation")
             name = ev.get("name") or ""
-            if isinstance(corr, int) and not isinstance(corr, bool):
-                if self._launch.get(corr) == (tid, ts):  # the same call recorded twice
-                    self.repeated_api_calls += 1
-                    return
-                self._launch[corr] = (tid, ts)
-                if name.startswith(KERNEL_LAUNCHES):
-                    self.kernel_launches[0].append(corr)
-                    self.kernel_launches[1].append(ts)
+            at = -1
+            if isinstance(corr, int) and not isinstance(corr, bool) and _INT64_MIN <= corr <= _INT64_MAX:
+                api = self._api
+                at = len(api[0])
+                api[0].append(corr)
+                api[1].append(tid)
+                api[2].append(ts)
+                api[3].append(name.startswith(KERNEL_LAUNCHES))
+                self._api_done = None
             if name in _SYNC_CALLS:
-                self.sync_calls.append((name, ts, ts + dur, tid))
+                self._sync_pending.append((name, ts, ts + dur, tid, at))
         elif cat == "fwdbwd":
             fid = ev.get("id")
             if isinstance(fid, (int, str)):
                 if ev.get("ph") == "s":
-                    self._flow_start[hash(fid)] = (tid, ts)
+                    s_id, s_tid, s_ts = self._flow_s
+                    s_id.append(hash(fid))
+                    s_tid.append(tid)
+                    s_ts.append(ts)
                 elif ev.get("ph") == "f":
-                    self._flow_end[(tid, ts)] = hash(fid)
+                    e_tid, e_ts, e_id = self._flow_e
+                    e_tid.append(tid)
+                    e_ts.append(ts)
+                    e_id.append(hash(fid))
+                self._flows_done = None
+
+    def _add_flop_op(self, tid: int, ts: float, dur: float, name: str, kind: str, flops: float, dtype: str) -> None:
+        """Record one FLOP-known op (its index is the payload of :attr:`flop_ops`)."""
+        what = self._flop_what.get((name, kind, dtype))
+        if what is None:
+            what = self._flop_what[(name, kind, dtype)] = len(self._flop_what_list)
+            self._flop_what_list.append((name, kind, dtype))
+        self.flop_ops.add(tid, ts, ts + dur, len(self._flop_op_flops))
+        self._flop_op_what.append(what)
+        self._flop_op_flops.append(flops)
+
+    def _api_calls(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The CUDA API calls' launch table: sorted correlation ids and, of each, the thread and start (us) of its
+        last call. Also sets what the repeats decide: a call is a repeat when the previous call of its correlation
+        has the same thread and start (the same call recorded twice); repeats are counted and no launch or blocking
+        call."""
+        if self._api_done is None:
+            corr, tid = np.frombuffer(self._api[0], dtype=np.int64), np.frombuffer(self._api[1], dtype=np.int64)
+            ts, launch = np.frombuffer(self._api[2], dtype=np.float64), np.frombuffer(self._api[3], dtype=np.int8)
+            order = np.argsort(corr, kind="stable")
+            c, t, x = corr[order], tid[order], ts[order]
+            same = c[1:] == c[:-1]
+            repeat = np.zeros(corr.size, dtype=bool)
+            repeat[order[1:][same & (t[1:] == t[:-1]) & (x[1:] == x[:-1])]] = True
+            self._repeated_api_calls = int(repeat.sum())
+            kept = (launch != 0) & ~repeat
+            self._kernel_launches = (array("q", corr[kept].tobytes()), array("d", ts[kept].tobytes()))
+            self._sync_calls = [(name, a, b, t_) for name, a, b, t_, at in self._sync_pending
+                                if at < 0 or not repeat[at]]
+            last = np.append(~same, True) if corr.size else np.zeros(0, dtype=bool)
+            self._api_done = (c[last], t[last], x[last])
+        return self._api_done
+
+    @property
+    def kernel_launches(self) -> tuple[array[int], array[float]]:
+        """Correlation and start (us) of each kernel launch call (:data:`KERNEL_LAUNCHES`), repeats left out."""
+        self._api_calls()
+        return self._kernel_launches
+
+    @property
+    def repeated_api_calls(self) -> int:
+        """CUDA API calls recorded twice (same correlation, thread and start), left out."""
+        self._api_calls()
+        return self._repeated_api_calls
+
+    @property
+    def sync_calls(self) -> list[tuple[str, float, float, int]]:
+        """Blocking CUDA runtime calls (:data:`_SYNC_CALLS`), repeats left out: ``(name, start, end, tid)``."""
+        self._api_calls()
+        return self._sync_calls
+
+    def _flows(self) -> tuple[np.ndarray, ...]:
+        """``(s_id, s_tid, s_ts, e_tid, e_ts, e_id)``: the fwdbwd flows' starts by id (sorted id hashes, the last start
+        of each) and their ends by autograd node op (each ``(tid, ts)`` once, with the last end's id, in the order of
+        its first end)."""
+        if self._flows_done is None:
+            fs_id = np.frombuffer(self._flow_s[0], dtype=np.int64)
+            fs_tid = np.frombuffer(self._flow_s[1], dtype=np.int64)
+            fs_ts = np.frombuffer(self._flow_s[2], dtype=np.float64)
+            fe_tid = np.frombuffer(self._flow_e[0], dtype=np.int64)
+            fe_ts = np.frombuffer(self._flow_e[1], dtype=np.float64)
+            fe_id = np.frombuffer(self._flow_e[2], dtype=np.int64)
+            order = np.argsort(fs_id, kind="stable")
+            last = np.append(fs_id[order][1:] != fs_id[order][:-1], True) if order.size else np.zeros(0, dtype=bool)
+            s_pick = order[last]
+            order = np.lexsort((fe_ts, fe_tid))  # stable: a key's ends stay in trace order
+            k_tid, k_ts = fe_tid[order], fe_ts[order]
+            new = np.ones(order.size, dtype=bool)
+            new[1:] = (k_tid[1:] != k_tid[:-1]) | (k_ts[1:] != k_ts[:-1])
+            first, lastk = order[new], order[np.append(new[1:], True)] if order.size else order
+            by_first = np.argsort(first, kind="stable")
+            first, lastk = first[by_first], lastk[by_first]
+            self._flows_done = (fs_id[s_pick], fs_tid[s_pick], fs_ts[s_pick], fe_tid[first], fe_ts[first],
+                                fe_id[lastk])
+        return self._flows_done
 
     def keep_cpu_ops(self, mask: np.ndarray) -> None:
         """Drop the CPU ops where ``mask`` (bool, one per op of :attr:`cpu_ops`) is False."""
-        self.cpu_ops.keep(mask)
-        self.cpu_dur = array("d", np.frombuffer(self.cpu_dur, dtype=np.float64)[mask].tobytes())
+        if not mask.all():
+            self.cpu_ops.keep(mask)
+            keep_in_place(self.cpu_dur, mask)
 
     @staticmethod
     def _op_kind(name: str) -> int:
@@ -205,15 +301,13 @@ class OpCollector:
         return bool(self._region_keys)
 
     # -- analysis ---------------------------------------------------------------------------------
-    def launch_points(self, corr: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(tid, ts) of each activity's launch call; tid -1 / ts NaN when the call is not in the trace."""
-        tids = np.full(len(corr), -1, dtype=np.int64)
-        pts = np.full(len(corr), np.nan)
-        for i, c in enumerate(corr):
-            hit = self._launch.get(c)
-            if hit is not None:
-                tids[i], pts[i] = hit
-        return tids, pts
+    def launch_points(self, corr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tid, ts) of each activity's launch call (``corr``: int64 correlation ids); tid -1 / ts NaN when the call
+        is not in the trace."""
+        c, t, x = self._api_calls()
+        at = np.minimum(np.searchsorted(c, corr), max(c.size - 1, 0))
+        hit = c[at] == corr if c.size else np.zeros(corr.size, dtype=bool)
+        return np.where(hit, t[at] if c.size else -1, -1), np.where(hit, x[at] if c.size else np.nan, np.nan)
 
     def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: list[str], in_optimizer: np.ndarray,
                   is_comm: np.ndarray) -> Placement:
@@ -232,9 +326,10 @@ class OpCollector:
             # Phase without ranges: inside a backward node is backward, except directly inside megatron-core's
             # CheckpointFunctionBackward, which re-runs the forward (full recompute).
             ckpt = np.frombuffer(self.bwd_nodes.payload, dtype=np.int64)
+            by_name: dict[str, str] = {}  # one string per category, not per activity
             for i in range(n):
                 b = int(node[i])
-                parts[i] = "optimizer" if in_optimizer[i] else f"kernel:{cats[i]}"
+                parts[i] = "optimizer" if in_optimizer[i] else by_name.setdefault(cats[i], f"kernel:{cats[i]}")
                 phases[i] = ("optimizer" if in_optimizer[i] else "forward" if b < 0 and valid[i] else
                              "recompute" if b >= 0 and ckpt[b] else "backward" if b >= 0 else "other")
             return Placement(parts, layers, phases, "kernel_name")
@@ -245,21 +340,15 @@ class OpCollector:
         # Forward op of each backward node: the flow ending inside the node (at its XBackward op) starts at
         # the forward op; the model-part range containing that op gives the part.
         fwd_key: dict[int, int] = {}
-        ends = [(t, x, fid) for (t, x), fid in self._flow_end.items() if fid in self._flow_start]
-        f_tids, f_pts, f_nodes = [], [], []
-        if ends:
-            owner = self.bwd_nodes.innermost(np.array([e[0] for e in ends], dtype=np.int64),
-                                             np.array([e[1] for e in ends], dtype=np.float64))
-            seen: set[int] = set()
-            for (_, _, fid), j in zip(ends, owner):
-                if j >= 0 and int(j) not in seen:
-                    seen.add(int(j))
-                    f_tids.append(self._flow_start[fid][0])
-                    f_pts.append(self._flow_start[fid][1])
-                    f_nodes.append(int(j))
-        if f_nodes:
-            at = self.regions.innermost(np.asarray(f_tids, dtype=np.int64), np.asarray(f_pts, dtype=np.float64))
-            fwd_key = {j: int(rpay[r]) for j, r in zip(f_nodes, at) if r >= 0}
+        s_id, s_tid, s_ts, e_tid, e_ts, e_id = self._flows()
+        started = np.isin(e_id, s_id)
+        owner = self.bwd_nodes.innermost(e_tid[started], e_ts[started])
+        f_nodes, first = np.unique(owner, return_index=True)  # the first end inside each node counts
+        first, f_nodes = first[f_nodes >= 0], f_nodes[f_nodes >= 0]
+        if f_nodes.size:
+            at_start = np.searchsorted(s_id, e_id[started][first])
+            at = self.regions.innermost(s_tid[at_start], s_ts[at_start])
+            fwd_key = {j: int(rpay[r]) for j, r in zip(f_nodes.tolist(), at.tolist()) if r >= 0}
         for i in range(n):
             r, b = int(reg[i]), int(node[i])
             if r >= 0 and (b < 0 or rst[r] >= nst[b]):  # a range inside the node (recompute in backward) wins
@@ -320,14 +409,19 @@ class OpCollector:
         """Give each backward op of :data:`~sftprof.analysis.time.op_flops.FLOW_BACKWARD` 2x the FLOPs of the forward op
         its fwdbwd flow starts at (once, after the pass: flows and ops arrive in any order); one without a linked
         forward op stays without."""
+        if not self._flow_bwd_ops:
+            return
+        s_id, s_tid, s_ts, e_tid, e_ts, e_id = self._flows()
+        near = np.flatnonzero(np.isin(e_ts, np.array([op[2] for op in self._flow_bwd_ops], dtype=np.float64)))
+        end_of = {(int(e_tid[i]), float(e_ts[i])): int(e_id[i]) for i in near.tolist()}
         for name, tid, ts, dur in self._flow_bwd_ops:
-            start = self._flow_start.get(self._flow_end.get((tid, ts)))
-            k = self._flow_fwd_op.get(start) if start is not None else None
+            fid = end_of.get((tid, ts))
+            j = int(np.searchsorted(s_id, fid)) if fid is not None else s_id.size
+            k = self._flow_fwd_op.get((int(s_tid[j]), float(s_ts[j]))) if j < s_id.size and s_id[j] == fid else None
             if k is None:
                 continue
-            _, kind, flops, dtype = self._flop_info[k]
-            self.flop_ops.add(tid, ts, ts + dur, len(self._flop_info))
-            self._flop_info.append((name, f"{kind} backward" if kind in CORE_PART else kind, 2 * flops, dtype))
+            _, kind, flops, dtype = self.flop_info_of(k)
+            self._add_flop_op(tid, ts, dur, name, f"{kind} backward" if kind in CORE_PART else kind, 2 * flops, dtype)
         self._flow_bwd_ops = []
 
     def flop_op_of(self, tids: np.ndarray, pts: np.ndarray) -> np.ndarray:
@@ -336,9 +430,15 @@ class OpCollector:
         return self.flop_ops.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
 
     def flop_info(self, k: int) -> tuple[str, str, float, str]:
-        return self._flop_info[int(np.frombuffer(self.flop_ops.payload, dtype=np.int64)[k])]
+        """``(op name, kind, FLOPs, dtype)`` of the ``k``-th interval of :attr:`flop_ops` (:meth:`flop_op_of`)."""
+        return self.flop_info_of(int(np.frombuffer(self.flop_ops.payload, dtype=np.int64)[k]))
 
-    def self_times(self, lo: float, hi: float, top: int) -> list[dict]:
+    def flop_info_of(self, op: int) -> tuple[str, str, float, str]:
+        """``(op name, kind, FLOPs, dtype)`` of FLOP-known op ``op`` (in the order they were recorded)."""
+        name, kind, dtype = self._flop_what_list[self._flop_op_what[op]]
+        return name, kind, self._flop_op_flops[op], dtype
+
+    def self_times(self, lo: float, hi: float, top: int) -> list[HostOpRow]:
         """CPU ops in [lo, hi] by self time (own time minus the ops nested directly in it), top ``top``.
 
         Also gives the inclusive time, and flags ops that contain a blocking CUDA call
@@ -349,41 +449,66 @@ class OpCollector:
         if not len(self.cpu_ops):
             return []
         _, st, en, name = self.cpu_ops.arrays()
-        keep, own = self.op_self_us(lo, hi)
-        sync = np.zeros(st.size)
+        keep, own = self._kept_self_us(lo, hi)
+        n = len(self.op_name_list)
+        k = name[keep]
+        wait: np.ndarray = np.zeros(n)
         if self.sync_calls:
             a = np.array([s[1] for s in self.sync_calls])
             b = np.array([s[2] for s in self.sync_calls])
             at = self.cpu_ops.innermost(np.array([s[3] for s in self.sync_calls], dtype=np.int64), a)
             ok = at >= 0
             ok[ok] = (en[at[ok]] >= b[ok]) & (st[at[ok]] >= lo) & (st[at[ok]] <= hi)  # around the call, in the window
-            np.add.at(sync, at[ok], (b - a)[ok])
-        n = len(self.op_name_list)
-        k = name[keep]
-        per_name = [np.bincount(k, weights=w, minlength=n) for w in (own[keep], (en - st)[keep], sync[keep])]
+            sync = np.zeros(keep.size)
+            np.add.at(sync, np.searchsorted(keep, at[ok]), (b - a)[ok])
+            wait = np.bincount(k, weights=sync, minlength=n)
+            del sync
+        self_us = np.bincount(k, weights=own, minlength=n).tolist()
+        del own
+        inclusive = en[keep]
+        inclusive -= st[keep]
+        incl = np.bincount(k, weights=inclusive, minlength=n).tolist()
+        del inclusive
         calls = np.bincount(k, minlength=n)
-        self_us, incl, wait = (x.tolist() for x in per_name)
+        wait_us = wait.tolist()
         rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
         return [{"name": self.op_name_list[j], "calls": int(calls[j]), "self_ms": ms(self_us[j]),
-                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait[j])} for j in rows]
+                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait_us[j])} for j in rows]
 
     def op_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
         """``(keep, self_us)``: the indexes (into :attr:`cpu_ops`) of the CPU ops that start in ``[lo, hi]`` and, per
         CPU op (zero for the others), its self time in us: its duration minus that of the ops nested directly in it
         on its thread (those starting in the window; :func:`sftprof.analysis.trace.intervals.previous_open` finds each
-        op's parent)."""
-        tid, st, en, _ = self.cpu_ops.arrays()
-        keep = np.flatnonzero((st >= lo) & (st <= hi))
-        order = keep[np.lexsort((-en[keep], st[keep], tid[keep]))]
-        parent = previous_open(tid[order], st[order], en[order])
-        nested = parent >= 0
-        child = np.zeros(st.size)
-        child[order] = np.bincount(parent[nested], weights=(en - st)[order][nested], minlength=order.size)
-        own = np.zeros(st.size)
-        own[keep] = np.maximum(en[keep] - st[keep] - child[keep], 0.0)
+        op's parent). The ops starting in the window are a run of each thread's ops in the order of
+        :meth:`~sftprof.analysis.trace.intervals.ThreadIntervals.nesting`, so an op's parent among them is its parent
+        among all ops when that starts in the window too, and none otherwise."""
+        keep, kept_us = self._kept_self_us(lo, hi)
+        own = np.zeros(len(self.cpu_ops))
+        own[keep] = kept_us
         return keep, own
 
-    def compile_ms(self, lo: float, hi: float) -> dict[str, Any]:
+    def _kept_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`op_self_us` with the self times of the kept ops alone (in the order of ``keep``)."""
+        order, _, s_st, s_en, parent = self.cpu_ops.nesting()
+        inside = (s_st >= lo) & (s_st <= hi)
+        nested = inside & (parent >= 0)
+        nested[nested] = inside[parent[nested]]
+        weights = s_en[nested]
+        weights -= s_st[nested]
+        child = np.bincount(parent[nested], weights=weights, minlength=order.size)
+        at = np.flatnonzero(inside)
+        del inside, nested, weights
+        own = s_en[at]
+        own -= s_st[at]
+        own -= child[at]
+        np.maximum(own, 0.0, out=own)
+        del child
+        keep = order[at]
+        del at
+        by_index = np.argsort(keep, kind="stable")
+        return keep[by_index].astype(np.int64), own[by_index]
+
+    def compile_ms(self, lo: float, hi: float) -> Compile:
         """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and
         ``... (dynamo_timed)`` ops per thread, so nested ones count once) and the compile ids dynamo
         annotated (``"frame/attempt"``; ``"4/0"`` is frame 4's first compile)."""
@@ -401,7 +526,7 @@ class OpCollector:
         ids = sorted({c for ts, c in self.compile_ids if lo <= ts <= hi})
         return {"ms": ms(total), "compile_ids": ids}
 
-    def gc_time(self, lo: float, hi: float) -> Optional[dict[str, Any]]:
+    def gc_time(self, lo: float, hi: float) -> Optional[GcTime]:
         """Python garbage collections (:mod:`sftprof.capture.python_gc` ranges) that overlap [lo, hi]: count, their
         time inside the window (ms; overlapping ranges counted once) and count by generation; None when the trace
         holds no such range."""
@@ -422,9 +547,9 @@ class OpCollector:
         spans = np.array([(a, b) for a, b, _ in self.gc_spans], dtype=np.float64)
         return covered_lengths(union(spans[:, 0], spans[:, 1]), starts, ends)
 
-    def host_sync_ms(self, lo: float, hi: float) -> dict[str, Any]:
+    def host_sync_ms(self, lo: float, hi: float) -> HostSync:
         """Blocking CUDA calls in [lo, hi]: count and total time per call name (ms)."""
-        by: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        by: dict[str, list[Any]] = defaultdict(lambda: [0, 0.0])
         for name, a, b, _ in self.sync_calls:
             if lo <= a <= hi:
                 by[name][0] += 1

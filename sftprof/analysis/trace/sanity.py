@@ -14,9 +14,10 @@ population it is counted among):
 * ``untimed``: GPU activities with ``ts`` or ``dur`` 0 (CUPTI collected no timing): left out of every figure and
   view (:data:`sftprof.analysis.trace.check.UNTIMED`, also counted with the invalid events); the GPU times are lower
   bounds.
-* ``launches_without_activity``: kernel launch calls (:data:`~sftprof.analysis.trace.op_collector.KERNEL_LAUNCHES`) whose
-  kernel is not in the trace (the profiler dropped its record): nothing to attribute; the GPU times are lower bounds
-  and the GPU idle time holds the time those kernels ran.
+* ``launches_without_activity``: kernel launch calls
+  (:data:`~sftprof.analysis.trace.op_collector.KERNEL_LAUNCHES`) whose kernel is not in the trace (the profiler
+  dropped its record): nothing to attribute; the GPU times are lower bounds and the GPU idle time holds the time those
+  kernels ran.
 * ``activities_without_launch``: GPU activities whose launch call is not in the trace: counted in the step by their
   start, their model part and the host wait before them unknown.
 * ``other_steps``: GPU activities and CPU ops of another ``ProfilerStep#M`` than the profiled step's (launched, or
@@ -33,7 +34,7 @@ other steps are set right exactly, so never are.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 
@@ -49,7 +50,9 @@ _EXAMPLES = 3
 _NOUNS = {  # kind -> what its count counts, for the messages
     "overlapping": "GPU activities", "untimed": "GPU activities", "launches_without_activity": "kernel launches",
     "activities_without_launch": "GPU activities", "duplicates": "events", "other_steps": "GPU activities and CPU ops"}
-_DOMINATING = ("untimed", "overlapping", "launches_without_activity", "activities_without_launch")
+_Dominating = Literal["untimed", "overlapping", "launches_without_activity", "activities_without_launch"]
+_DOMINATING: tuple[_Dominating, ...] = ("untimed", "overlapping", "launches_without_activity",
+                                        "activities_without_launch")
 
 
 def _count(n: int, of: int, examples: Optional[list[str]] = None) -> SanityCount:
@@ -120,12 +123,13 @@ def _launches_without_activity(t: ActivityTable, ops: OpCollector, invalid_corr:
     (``invalid_corr``: the correlation ids of activities left out as invalid, which are), those launched after the
     last launch whose activity is (their kernels ran after the recording stopped), and the number of launches (each
     correlation once)."""
-    corr, ts = (np.frombuffer(a, dtype=dt) for a, dt in zip(ops.kernel_launches, (np.int64, np.float64)))
+    launch_corr, launch_ts = ops.kernel_launches
+    corr, ts = np.frombuffer(launch_corr, dtype=np.int64), np.frombuffer(launch_ts, dtype=np.float64)
     if not corr.size:
         return 0, 0, 0, []
     corr, first = np.unique(corr, return_index=True)
     ts = ts[first]
-    has = np.isin(corr, np.asarray(t.corr + invalid_corr, dtype=np.int64))
+    has = np.isin(corr, np.concatenate((t.corr, np.asarray(invalid_corr, dtype=np.int64))))
     last = float(ts[has].max()) if has.any() else -np.inf
     at_end = ~has & (ts > last) if has.any() else np.zeros(corr.size, dtype=bool)
     missing = ~has & ~at_end
@@ -134,8 +138,16 @@ def _launches_without_activity(t: ActivityTable, ops: OpCollector, invalid_corr:
     return int(missing.sum()), int(at_end.sum()), int(corr.size), examples
 
 
+def _op_examples(ops: OpCollector, dup_ops: np.ndarray) -> list[str]:
+    """Examples of the CPU ops recorded twice (``dup_ops``: bool per op of ``ops.cpu_ops``)."""
+    _, c_start, _, c_name = ops.cpu_ops.arrays()
+    return [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us"
+            for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
+
+
 def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], step: Optional[int], untimed: int,
-            invalid_corr: list[int], repeated_annotations: int, n_events: int) -> tuple[ActivityTable, TraceSanity, list[tuple[float, float]]]:
+            invalid_corr: list[int], repeated_annotations: int, n_events: int
+            ) -> tuple[ActivityTable, TraceSanity, list[tuple[float, float]]]:
     """The faults of one trace's record (module docstring), and the record set right.
 
     Args:
@@ -153,20 +165,18 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
         n_events: the trace's usable events, copies included (what ``duplicates`` is counted among).
 
     Returns:
-        ``(table, sanity, other_spans)``: the activities without repeats and other steps' activities, overlapping ones
-        cut; :class:`~sftprof.analysis.trace.schema.TraceSanity`; the ``(start, end)`` us of the other steps' slices, whose
-        annotations the caller leaves out.
+        ``(table, sanity, other_spans)``: the activities without repeats and other steps' activities, overlapping
+        ones cut; :class:`~sftprof.analysis.trace.schema.TraceSanity`; the ``(start, end)`` us of the other steps'
+        slices, whose annotations the caller leaves out.
     """
-    dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, np.asarray(t.name_idx, dtype=np.int64), t.kind)
+    dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, t.name_idx.astype(np.int64), t.kind)
     dup_ops = ops.cpu_ops.repeated()
     by_cat = {"cpu_op": int(dup_ops.sum()), "user_annotation": repeated_annotations,
               "cuda_runtime/cuda_driver": ops.repeated_api_calls}
     for k, cat in enumerate(("kernel", "gpu_memcpy", "gpu_memset")):
         by_cat[cat] = int((dup & (t.kind == k)).sum())
-    _, c_start, _, c_name = ops.cpu_ops.arrays()
     dup_examples = [f"{_short(t.names[t.name_idx[i]])} at {t.ts[i]:.3f} us" for i in np.flatnonzero(dup)[:_EXAMPLES]]
-    dup_examples += [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us"
-                     for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
+    dup_examples += _op_examples(ops, dup_ops)
     ops.keep_cpu_ops(~dup_ops)
     t = t.subset(~dup)
     n_missing, at_end, n_launches, launch_examples = _launches_without_activity(t, ops, invalid_corr)
