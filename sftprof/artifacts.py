@@ -43,6 +43,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional
 
+from sftprof.pycheck import megatron_core_version
+
 # ---------------------------------------------------------------------------------------------------------
 # Region names
 # ---------------------------------------------------------------------------------------------------------
@@ -165,13 +167,20 @@ RECORDED_DISTRIBUTIONS = {"torch": "torch", "megatron_core": "megatron-core",
 def recorded_versions(torch_cuda: Optional[str]) -> dict[str, Optional[str]]:
     """The versions a trial runs with: ``python`` (``platform.python_version()``), ``torch_cuda`` (the running torch's
     ``torch.version.cuda``, given: None for a CPU build) and each of :data:`RECORDED_DISTRIBUTIONS` as installed
-    (``importlib.metadata``: nothing is imported), None when it is not installed."""
+    (``importlib.metadata``: nothing is imported), None when it is not installed; megatron-core's is that of the
+    package ``import megatron.core`` finds (its ``package_info.py``: a checkout on ``PYTHONPATH`` too).
+
+    Raises:
+        ValueError: megatron-core's ``package_info.py`` cannot be read (names the file).
+    """
     def installed(name: str) -> Optional[str]:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return None
     dists = {key: installed(name) for key, name in RECORDED_DISTRIBUTIONS.items()}
+    mcore = megatron_core_version()
+    dists["megatron_core"] = None if mcore is None else ".".join(map(str, mcore))
     return {"python": platform.python_version(), "torch": dists.pop("torch"), "torch_cuda": torch_cuda, **dists}
 
 
