@@ -1,5 +1,5 @@
-"""The type checker: mypy over sftprof/analysis and sftprof/launch with pyproject.toml's [tool.mypy] (strict but for
-the modules it lists), so the README's test command runs it. Its cache (``.mypy_cache/``) makes a rerun take about a
+"""The type checker: mypy over sftprof/analysis and sftprof/launch with pyproject.toml's [tool.mypy] (strict in every
+module), so the README's test command runs it. Its cache (``.mypy_cache/``) makes a rerun take about a
 second."""
 from pathlib import Path
 

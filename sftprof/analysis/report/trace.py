@@ -11,6 +11,8 @@ from sftprof.analysis.time.host_time import LAUNCH_GAP_US
 from sftprof.analysis.trace.kernel_names import short_kernel_name
 from sftprof.analysis.report.markdown import fmt, table
 from sftprof.analysis.time.model_parts import PHASES
+from sftprof.analysis.time.schema import HeaviestOp, HostWaitPlaces, KernelSummary, PartRow
+from sftprof.analysis.trial.schema import TraceEntry
 from sftprof.analysis.trace.sanity import fault_messages
 from sftprof.analysis.time.trace_summary import invalid_events_message
 from sftprof.analysis.views.split import VIEWS
@@ -23,13 +25,14 @@ GPU_ONLY = ("only a GPU run fills the GPU sections: top kernels and time by cate
             "behind it, and the memory snapshots (CUDA allocator)")
 
 
-def _parts_table(rows: list[dict]) -> str:
+def _parts_table(rows: list[PartRow]) -> str:
+    by_key: list[Mapping[str, Any]] = list(rows)  # a phase's column is read by its "<phase>_ms" key
     return table(["part"] + [f"{p} ms" for p in PHASES] + ["total ms", "share %"],
-                 [[r["label"]] + [r[f"{p}_ms"] for p in PHASES] + [r["total_ms"], r["share_pct"]] for r in rows])
+                 [[r["label"]] + [r[f"{p}_ms"] for p in PHASES] + [r["total_ms"], r["share_pct"]] for r in by_key])
 
 
 # -- one kernel trace ------------------------------------------------------------------------------------------
-def _kernel_overview(t: dict) -> list[str]:
+def _kernel_overview(t: TraceEntry) -> list[str]:
     k = t["summary"]
     out = []
     if k["invalid_events"]["total"]:
@@ -55,7 +58,7 @@ def _kernel_overview(t: dict) -> list[str]:
     return out
 
 
-def _kernel_tables(k: dict) -> list[str]:
+def _kernel_tables(k: KernelSummary) -> list[str]:
     """Top kernels, time by category, top CPU ops and collectives of one rank."""
     out = []
     if k["gpu"]["activities"]:
@@ -78,12 +81,13 @@ def _kernel_tables(k: dict) -> list[str]:
     return out
 
 
-def _parts(t: dict) -> list[str]:
+def _parts(t: TraceEntry) -> list[str]:
     k, rank = t["summary"], t["rank"]
     parts = k["parts"]
     plot = f" Plot: `{t['parts_plot']}`." if t.get("parts_plot") else ""
-    if not parts["total_ms"] and k.get("cpu_parts"):  # a CPU run: its ops' time by model part
-        parts = k["cpu_parts"]
+    cpu_parts = k.get("cpu_parts")
+    if not parts["total_ms"] and cpu_parts:  # a CPU run: its ops' time by model part
+        parts = cpu_parts
         out = [f"\n### {fnd.parts_heading(rank)}\n",
                f"CPU time of the ops that started in the step window: {fmt(parts['total_ms'])} ms of self time (each "
                "op's own time, less the ops it calls; all threads summed; Python time between ops is in none), placed "
@@ -109,7 +113,7 @@ def _parts(t: dict) -> list[str]:
     return out
 
 
-def _heaviest_op(op: dict | None) -> list[str]:
+def _heaviest_op(op: HeaviestOp | None) -> list[str]:
     """A CPU run's heaviest op (:func:`sftprof.analysis.time.host_time.heaviest_op`) in one line."""
     if not op:
         return []
@@ -119,7 +123,7 @@ def _heaviest_op(op: dict | None) -> list[str]:
             f"call(s){where}){back}.\n"]
 
 
-def _efficiency(k: dict, rank: int) -> list[str]:
+def _efficiency(k: KernelSummary, rank: int) -> list[str]:
     eff = k["efficiency"]
     if not (eff["rows"] or eff["memory_bound"]):
         return []
@@ -138,7 +142,7 @@ def _efficiency(k: dict, rank: int) -> list[str]:
     return out
 
 
-def _collectives_by_group(k: dict, rank: int) -> list[str]:
+def _collectives_by_group(k: KernelSummary, rank: int) -> list[str]:
     coll = k["collectives"]
     if not coll["rows"]:
         return []
@@ -150,17 +154,17 @@ def _collectives_by_group(k: dict, rank: int) -> list[str]:
             f"{coll['note']}.\n"]
 
 
-def _host_wait_places(places: dict | None) -> list[str]:
+def _host_wait_places(places: HostWaitPlaces | None) -> list[str]:
     """The host wait by place (:func:`sftprof.analysis.time.host_time._host_wait_places`); none in older summaries."""
     if not places or not places["rows"]:
         return []
-    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"], r.get("longest_gap_us"),
-             r["activities"],
-             r["mean_activity_us"], r["after_blocking_pct"], r["kind"]] for r in places["rows"]]
-    if places.get("rest"):
-        rest = places["rest"]
-        rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None, None,
-                     None, None])
+    rows = [[r["label"], r["phase"], r["launched_under"], r["idle_ms"], r["gaps"], r["mean_gap_us"],
+             r.get("longest_gap_us"), r["activities"], r["mean_activity_us"], r["after_blocking_pct"], r["kind"]]
+            for r in places["rows"]]
+    rest = places.get("rest")
+    if rest:
+        rows.append([f"{rest['places']} other places", None, None, rest["idle_ms"], rest["gaps"], None, None, None,
+                     None, None, None])
     blocked = places.get("after_blocking_by_op") or {}
     return ["GPU idle waiting for the host, by the place of the work that ended each gap (its model part and phase, "
             "and the named op, autograd Function or node, it was launched under); GPU activities: that place's "
@@ -170,13 +174,13 @@ def _host_wait_places(places: dict | None) -> list[str]:
             f"activities both under {LAUNCH_GAP_US:.0f} µs on average: short kernels, each costing the host more to "
             "launch than it runs) or host busy (longer gaps, or gaps after longer activities: the host did other work "
             "between launches):\n",
-            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "longest gap µs", "GPU activities", "mean µs",
-                   "after blocking call %", "kind"], rows),
+            table(["part", "phase", "launched under", "idle ms", "gaps", "mean gap µs", "longest gap µs",
+                   "GPU activities", "mean µs", "after blocking call %", "kind"], rows),
             f"Idle after blocking CUDA calls: {fmt(places['after_blocking_ms'])} ms"
             + (" (" + ", ".join(f"{k} {fmt(v)} ms" for k, v in blocked.items()) + ")" if blocked else "") + ".\n"]
 
 
-def _host(k: dict, rank: int) -> list[str]:
+def _host(k: KernelSummary, rank: int) -> list[str]:
     host = k["host"]
     if not host["top_self"]:
         return []
@@ -196,7 +200,8 @@ def _host(k: dict, rank: int) -> list[str]:
     gc_time = host.get("gc")
     if gc_time and gc_time["collections"]:
         gens = ", ".join(f"gen {g} {n}x" for g, n in gc_time["by_generation"].items())
-        during = (host.get("gpu_idle") or {}).get("host_wait_gc_ms")
+        gpu_idle = host.get("gpu_idle")
+        during = gpu_idle.get("host_wait_gc_ms") if gpu_idle else None
         out.append(f"Python garbage collection in the step window: {gc_time['collections']} collection(s)"
                    + (f" ({gens})" if gens else "") + f", {fmt(gc_time['ms'])} ms of host time"
                    + (f"; {fmt(during)} ms of the GPU's host wait fell in a collection" if during else "")
@@ -214,7 +219,7 @@ def _host(k: dict, rank: int) -> list[str]:
     return out
 
 
-def _regions(k: dict) -> list[str]:
+def _regions(k: KernelSummary) -> list[str]:
     if not k["regions"]:
         return []
     return ["\n### Annotated regions\n",
@@ -222,7 +227,7 @@ def _regions(k: dict) -> list[str]:
                   [[r["name"], r["start_ms"], r["cpu_ms"], r["gpu_ms"]] for r in k["regions"]])]
 
 
-def _kernel_trace(t: dict) -> list[str]:
+def _kernel_trace(t: TraceEntry) -> list[str]:
     out = [f"## Kernel trace rank {t['rank']} (`{t['source']}`)\n"]
     if "error" in t:
         return out + [f"**error:** {t['error']}\n"]
