@@ -221,7 +221,7 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
     """``compare --fail-on`` on real summaries. CPU: the quick start as recorded on the idle machine (A) and the same
     settings under a load of 5-9 (B; tests/fixtures/README.md): B's 7 steps are slower by the rank test, exit status 3
     naming the row; the other way round, faster, status 0. GPU: the Qwen3.5 slice without (A) and with (B) TE's
-    CUTLASS grouped GEMM (one H200): B's peak allocated is 0.750 GB higher, exactly: status 3 on ``peak_allocated``;
+    CUTLASS grouped GEMM (one H200): B's peak allocated is 0.750 GiB higher, exactly: status 3 on ``peak_allocated``;
     its step time has no sample (no step after the profiled one), which is said; a gate on a metric with no sample
     and no regression is exit status 4."""
     for name in ("cpu_quickstart", "cpu_quickstart_loaded"):
@@ -239,8 +239,8 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
     # a chosen metric with 0 samples (no memory figure on CPU) does not let the gate pass: exit status 4
     res = _compare_cli(loaded, idle, tmp_path / "faster2.md", "--fail-on", "step_time,peak_allocated")
     assert res.returncode == 4 and res.stderr.splitlines()[-2:] == [
-        "[postprocess] --fail-on peak_allocated: not judged (peak allocated GB (stats.jsonl, profiled step, max over "
-        "ranks: A –, B –): no figure, samples 0/0; peak allocated GB (stats.jsonl, profiled step, max over ranks: A –, "
+        "[postprocess] --fail-on peak_allocated: not judged (peak allocated GiB (stats.jsonl, profiled step, max over "
+        "ranks: A –, B –): no figure, samples 0/0; peak allocated GiB (stats.jsonl, profiled step, max over ranks: A –, "
         "B –): no figure, samples 0/0)",
         "[postprocess] ERROR: --fail-on step_time,peak_allocated: no regression found, but the gate could not judge 1 "
         "of its metrics: give them samples (TOTAL_STEPS, PROFILE_STEPS, memory trials) or leave them out of "
@@ -253,7 +253,7 @@ def test_fail_on_gates_ci_on_recorded_runs(tmp_path):
                        "step_time,peak_allocated")
     assert res.returncode == 3 and res.stderr.splitlines()[1:] == [
         "[postprocess] --fail-on step_time: not judged (step time s (slowest rank): no figure, samples 0/0)",
-        "[postprocess] REGRESSION peak_allocated: kernel step 2, peak allocated GB (stats.jsonl, profiled step, max "
+        "[postprocess] REGRESSION peak_allocated: kernel step 2, peak allocated GiB (stats.jsonl, profiled step, max "
         "over ranks: A r0 only, B r0 only): higher (exact), Δ +0.750 (+1.0%), 95 % CI exact, samples 1/1"]
     res = _compare_cli(tmp_path / "gpu" / "B", tmp_path / "gpu" / "A", tmp_path / "gpu2.md", "--fail-on",
                        "peak_allocated,peak_reserved")

@@ -283,10 +283,10 @@ def test_peak_of_another_rank_shows_in_summary_and_compare(tmp_path, small_snaps
     res = _cli("compare", runs["A"], runs["B"], "--out", tmp_path / "cmp.md")
     assert res.returncode == 0, res.stderr
     cmp = (tmp_path / "cmp.md").read_text()
-    assert ("| peak allocated GB (stats.jsonl, profiled step, max over ranks: A r0, B r3) | 21.000 | 26.000 | "
+    assert ("| peak allocated GiB (stats.jsonl, profiled step, max over ranks: A r0, B r3) | 21.000 | 26.000 | "
             "+5.000 | +23.8% |") in cmp
-    assert "| rank 3 peak allocated GB | 21.000 | 26.000 | +5.000 | +23.8% |" in cmp
-    assert "| rank 2 peak allocated GB | 21.000 | 21.000 | +0.000 | +0.0% |" in cmp  # ranks without a snapshot too
+    assert "| rank 3 peak allocated GiB | 21.000 | 26.000 | +5.000 | +23.8% |" in cmp
+    assert "| rank 2 peak allocated GiB | 21.000 | 21.000 | +0.000 | +0.0% |" in cmp  # ranks without a snapshot too
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -695,9 +695,9 @@ def test_compare_gives_every_row_a_verdict_with_its_interval(tmp_path, cpu_trace
     assert [_cell(md, "step time s (stats.jsonl", c) for c in range(2, 9)] == [
         "2.000", "2.000", "+0.000", "+0.0%", "–", "1/1", stats.ONE_SAMPLE]
     assert [_cell(md, "rank 1 step time s", c) for c in (7, 8)] == ["1/1", stats.ONE_SAMPLE]
-    assert [_cell(md, "peak allocated GB (stats.jsonl", c) for c in range(2, 9)] == [
+    assert [_cell(md, "peak allocated GiB (stats.jsonl", c) for c in range(2, 9)] == [
         "4.000", "4.000", "+0.000", "+0.0%", "exact", "1/1", "equal (exact)"]
-    assert _cell(md, "rank 1 peak allocated GB", 8) == "equal (exact)"
+    assert _cell(md, "rank 1 peak allocated GiB", 8) == "equal (exact)"
     verdicts = [line.split("|")[8].strip() for line in md.splitlines() if line.startswith("| step wall |")]
     assert verdicts == [stats.ONE_SAMPLE] * 2 and _cell(md, "rank 0 step_ms", 4) == "+0.000"
     header = ("| CPU op, inclusive (– = not in that run's top 15) | A ms | B ms | Δ (B−A) | Δ % | 95 % CI of Δ | "
@@ -772,9 +772,9 @@ def test_compare_pools_the_kernel_trials_after_step_0(tmp_path, cpu_traces):
                                                                              stats.NO_DIFFERENCE]
     assert [_cell(pooled, "rank 0 step_ms", c) for c in (4, 6, 8)] == ["+0.000", "[-3.000, +3.000]",
                                                                        stats.NO_DIFFERENCE]
-    # B's peak 3.1-3.4 GB against A's 3.0 in every trial: not one value, so the rank test: higher
-    assert [_cell(pooled, "rank 0 peak allocated GB", c) for c in (2, 3, 7, 8)] == ["3.000", "3.250", "4/4", "higher"]
-    assert [_cell(pooled, "rank 1 peak allocated GB", c) for c in (7, 8)] == ["4/4", "equal (exact)"]
+    # B's peak 3.1-3.4 GiB against A's 3.0 in every trial: not one value, so the rank test: higher
+    assert [_cell(pooled, "rank 0 peak allocated GiB", c) for c in (2, 3, 7, 8)] == ["3.000", "3.250", "4/4", "higher"]
+    assert [_cell(pooled, "rank 1 peak allocated GiB", c) for c in (7, 8)] == ["4/4", "equal (exact)"]
     step0 = md[md.index("## kernel step 0"):md.index("## kernel trials after step 0")]
     assert _cell(step0, "step wall", 8) == stats.ONE_SAMPLE
 

@@ -122,6 +122,17 @@ def test_cli(capsys, tmp_path):
     (tmp_path / "profile_summary.json").write_text(json.dumps(no_parts))
     assert slice_projection.main([str(tmp_path)]) == 2
     assert "no GPU time by model part from module regions" in capsys.readouterr().err
+    no_gpu = copy.deepcopy(json.loads(QWEN3_5.read_text()))
+    no_gpu["kernel_traces"][0]["summary"]["parts"]["total_ms"] = 0.0
+    (tmp_path / "cpu_trial").mkdir()
+    (tmp_path / "cpu_trial" / "profile_summary.json").write_text(json.dumps(no_gpu))
+    assert slice_projection.main([str(tmp_path / "cpu_trial")]) == 2
+    assert capsys.readouterr().err == ("slice projection: rank 0's trace has no GPU time (a CPU trial, or no GPU "
+                                       "activity in the step): the projection needs a GPU kernel trial\n")
+    (tmp_path / "profile_summary.json").unlink()
+    assert slice_projection.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"slice projection: {tmp_path} is a RUN_ROOT, not a trial's run dir: pass one of "
+                                       "its trials (cpu_trial)\n")
     out = tmp_path / "p.json"
     assert slice_projection.main([str(QWEN3_5), "--layers", "40", "--tokens", "131072", "--json", str(out)]) == 0
     first = capsys.readouterr().out.splitlines()[0]

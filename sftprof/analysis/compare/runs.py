@@ -419,17 +419,17 @@ def _step_tables(a: list[Summary], b: list[Summary]) -> list[str]:
 
     rows = [("step time s (stats.jsonl, profiled step, slowest rank)", col(sa, "step_time_s"), col(sb, "step_time_s"))]
     for key, what in (("mem_peak_allocated", "peak allocated"), ("mem_peak_reserved", "peak reserved")):
-        rows.append((f"{what} GB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
+        rows.append((f"{what} GiB (stats.jsonl, profiled step, max over ranks: A {peak(sa, key)}, B {peak(sb, key)})",
                      col(sa, f"{key}_gb"), col(sb, f"{key}_gb")))
-    rows.append(("max peak allocated GB over steps and ranks", col(sa, "max_mem_peak_allocated_gb"),
+    rows.append(("max peak allocated GiB over steps and ranks", col(sa, "max_mem_peak_allocated_gb"),
                  col(sb, "max_mem_peak_allocated_gb")))
     out = _table("metric", "", rows)
     # Every rank of stats.jsonl, profiled or not, then the profiled ranks' trace/snapshot figures.
     pa, pb = [st.get("per_rank") or {} for st in sa], [st.get("per_rank") or {} for st in sb]
     per_rank = []
     for rank in sorted({r for p in pa + pb for r in p}, key=int):
-        for key, label in (("step_time_s", "step time s"), ("mem_peak_allocated_gb", "peak allocated GB"),
-                           ("mem_peak_reserved_gb", "peak reserved GB")):
+        for key, label in (("step_time_s", "step time s"), ("mem_peak_allocated_gb", "peak allocated GiB"),
+                           ("mem_peak_reserved_gb", "peak reserved GiB")):
             per_rank.append((f"rank {rank} {label}", [(p.get(rank) or {}).get(key) for p in pa],
                              [(p.get(rank) or {}).get(key) for p in pb]))
     if per_rank:

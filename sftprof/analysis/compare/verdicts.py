@@ -25,8 +25,8 @@ STEP_TIME_ROW = "step time s (slowest rank)"  # the pooled step time (compare's 
 # gate metric -> (the names of its rows, a row name that starts with one followed by " (" counts too; its worse verdicts)
 GATE_METRICS = {
     "step_time": ((STEP_TIME_ROW,), ("slower",)),
-    "peak_allocated": (("peak allocated", "peak allocated GB"), ("higher", "higher (exact)")),
-    "peak_reserved": (("peak reserved", "peak reserved GB"), ("higher", "higher (exact)")),
+    "peak_allocated": (("peak allocated", "peak allocated GiB"), ("higher", "higher (exact)")),
+    "peak_reserved": (("peak reserved", "peak reserved GiB"), ("higher", "higher (exact)")),
 }
 _BETTER_OR_WORSE = ("slower", "faster", "higher", "lower", "higher (exact)", "lower (exact)")
 _SHOWN_NAMES = 4  # rows named in the line of the rows left out of one table
@@ -108,7 +108,7 @@ def verdict_section(rows: list[Row]) -> list[str]:
                         r.name.replace("|", "/"),
                         *r.cells] for r in decided], cell=str)]
     else:
-        out += ["No row has a verdict.", ""]
+        out += ["No row shows a difference (a better or worse verdict).", ""]
     others: dict[str, int] = {}
     for r in rows:
         if r.verdict not in _BETTER_OR_WORSE:

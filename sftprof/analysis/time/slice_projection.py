@@ -239,6 +239,9 @@ def _trace(summary: dict[str, Any], rank: Optional[int]) -> dict[str, Any]:
     if not parts or parts.get("source") != "module_regions":
         raise ValueError(f"rank {traces[0]['rank']}'s trace has no GPU time by model part from module regions (a GPU "
                          "kernel trial of this trainer has it): nothing to project part by part")
+    if not parts.get("total_ms"):
+        raise ValueError(f"rank {traces[0]['rank']}'s trace has no GPU time (a CPU trial, or no GPU activity in the "
+                         "step): the projection needs a GPU kernel trial")
     return traces[0]
 
 
@@ -357,6 +360,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", help="also write the projection to this new file (never overwritten)")
     args = ap.parse_args(argv)
     path = os.path.join(args.trial, SUMMARY_JSON) if os.path.isdir(args.trial) else args.trial
+    if os.path.isdir(args.trial) and not os.path.exists(path):
+        trials = sorted(d for d in os.listdir(args.trial) if os.path.isfile(os.path.join(args.trial, d, SUMMARY_JSON)))
+        if trials:  # a RUN_ROOT: its trials are its folders
+            print(f"slice projection: {args.trial} is a RUN_ROOT, not a trial's run dir: pass one of its trials "
+                  f"({', '.join(trials)})", file=sys.stderr)
+            return 2
     try:
         p = project_slice(dict(read_summary(path)), args.layers, args.tokens, args.rank)
     except (ValueError, OSError) as exc:  # read_summary's SummaryReadError is a ValueError
