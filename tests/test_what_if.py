@@ -492,3 +492,25 @@ def test_driver_tries_the_what_if_and_compares_it(what_if_run):
                           f"    {tried / f'compare_vs_{source.name}.md'}"]
     assert re.search(r"^sftprof: TRY_WHAT_IFS=1: 1 what-if\(s\) proposed; trying 1: fewer micro-batches "
                      r"\(actor\.mb_spec\.max_tokens_per_mb=256\) of the kernel trial of step 1$", out.stdout, re.M)
+
+
+def test_try_what_ifs_says_why_none_is_tried(tmp_path):
+    """``TRY_WHAT_IFS`` with no what-if proposed names why: the levers the summaries skipped (each with its reason
+    there), or that no rule found one."""
+    from sftprof.launch.plan_types import Trial
+    from sftprof.launch.what_ifs import choose
+
+    summary = json.loads((FIXTURE_DIR / "h200_te_qwen3_5_cutlass" / "te.profile_summary.json").read_text())
+    skipped = [{"key": "selective_recompute", "rank": 0, "reason": "predicted not to fit"},
+               {"key": "fewer_micro_batches", "rank": 0, "reason": "one micro-batch already"}]
+    trials = []
+    for name, what_if_skipped in (("a", skipped), ("b", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile_summary.json").write_text(
+            json.dumps({**summary, "what_if": [], "what_if_skipped": what_if_skipped}))
+        trials.append(Trial(name, "kernel", 2, tmp_path / name, tmp_path / name, ["--config", "x.yaml"]))
+    assert choose(trials, 1) == ([], ["TRY_WHAT_IFS=1: 0 what-if(s) proposed, none to try (2 lever(s) not proposed, "
+                                      "each with its reason in its summary's What if section)"])
+    assert choose(trials[1:], 1) == ([], ["TRY_WHAT_IFS=1: 0 what-if(s) proposed, none to try (no rule found a "
+                                          "lever: they read kernel trials' GPU time by model part and memory trials' "
+                                          "allocator snapshots)"])

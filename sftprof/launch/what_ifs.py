@@ -44,9 +44,11 @@ def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict[str, Any
     """The ``n`` heaviest what-ifs of the summaries of ``trials`` (module docstring), as ``(source trial, what-if
     record)``, and lines for the user (what was proposed, what is left out)."""
     best: dict[tuple[tuple[str, str, str], ...], tuple[Trial, dict[str, Any]]] = {}
+    skipped = 0
     for t in trials:
         summary = read_summary(t.run_dir)
         ok = summary.get("status") == "ok"
+        skipped += len(summary.get("what_if_skipped") or [])
         for w in summary.get("what_if") or []:
             if not ok and w["key"] != "fit_oom":  # a failed trial's one what-if: the change that fits its OOM
                 continue
@@ -55,8 +57,11 @@ def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict[str, Any
             if held is None or (w["weight"], t.step) > (held[1]["weight"], held[0].step):
                 best[key] = (t, w)
     ranked = sorted(best.values(), key=lambda tw: -tw[1]["weight"])
+    why_none = (f"{skipped} lever(s) not proposed, each with its reason in its summary's What if section" if skipped
+                else "no rule found a lever: they read kernel trials' GPU time by model part and memory trials' "
+                     "allocator snapshots")
     lines = [f"TRY_WHAT_IFS={n}: {len(ranked)} what-if(s) proposed" + (
-        ", none to try" if not ranked else f"; trying {min(n, len(ranked))}: " + "; ".join(
+        f", none to try ({why_none})" if not ranked else f"; trying {min(n, len(ranked))}: " + "; ".join(
             f"{w['label']} ({settings_of(w)}) of the {t.kind} trial of step {t.step}" for t, w in ranked[:n]))]
     if len(ranked) > n:
         lines.append("not tried (TRY_WHAT_IFS): "
