@@ -123,6 +123,24 @@ def test_odd_snapshot_is_its_own_error(tmp_path, small_snapshot):
     assert [m["rank"] for m in s["memory_snapshots"] if "summary" in m] == [1]
 
 
+def test_empty_files_are_named_empty(tmp_path, small_snapshot):
+    """A 0-byte trace or snapshot is that file's error, and its message says the file is empty."""
+    log = _log_dir(tmp_path / "mem", kind="memory")
+    src = _put_snapshot(log, SNAP_NAME.format(r=0), b"")
+    _put_snapshot(log, SNAP_NAME.format(r=1), pickle.dumps(small_snapshot, protocol=4))
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "mem" / "run", "--profile-kind", "memory",
+                "--profile-step", 1).returncode == 1
+    s = json.load(open(tmp_path / "mem" / "run" / "profile_summary.json"))
+    assert s["errors"] == [{"file": f"memory_snapshots/step_1/{SNAP_NAME.format(r=0)}",
+                            "error": f"{src}: empty file (0 bytes) (not archived)"}]
+    log = _log_dir(tmp_path / "kernel")
+    src = _put_trace(log, 0, b"")
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "kernel" / "run", "--profile-kind", "kernel",
+                "--profile-step", 1).returncode == 1
+    s = json.load(open(tmp_path / "kernel" / "run" / "profile_summary.json"))
+    assert [e["error"] for e in s["errors"]] == [f"{src}: empty file (0 bytes)"]
+
+
 def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):
     """distributedInfo as a string, kernel args as a string: the worker pool (2 traces) survives both."""
     log = _log_dir(tmp_path)

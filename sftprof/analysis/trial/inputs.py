@@ -507,7 +507,13 @@ def _utf8(text: str) -> bool:
 # Kernel traces
 # --------------------------------------------------------------------------------------------
 def file_error(path: str, exc: BaseException) -> str:
-    """``"<path>: <Type>: <message>"`` (the path once, even when the message already names it)."""
+    """``"<path>: <Type>: <message>"`` (the path once, even when the message already names it); ``"<path>: empty
+    file (0 bytes)"`` for an empty file, whatever its reader raised."""
+    try:
+        if os.path.getsize(path) == 0:
+            return f"{path}: empty file (0 bytes)"
+    except OSError:  # gone or unreadable: the reader's own error says so
+        pass
     msg = f"{type(exc).__name__}: {exc}"
     return msg if path in msg else f"{path}: {msg}"
 
