@@ -460,28 +460,12 @@ class TrialModel:
         return load_hf_config(self._actor["path"], num_layers)
 
 
-def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
-    """The environment variables the trial recorded (``LOG_DIR/environment.json``, name -> value), and an error
-    message naming the file when it is unreadable or not a JSON object of texts (``(None, None)`` when it is absent:
-    a trial of an earlier release, or one that died before writing it)."""
-    path = os.path.join(log_dir, artifacts.ENVIRONMENT)
-    if not os.path.lexists(path):
-        return None, None
-    if not os.path.isfile(path):
-        return None, f"{path}: not a file"
-    env, error = _read(path, json.load, ValueError)
-    if error:
-        return None, error
-    if not (isinstance(env, dict) and all(isinstance(v, str) and _utf8(k + v) for k, v in env.items())):
-        return None, f"{path}: not a JSON object of texts"
-    return env, None
-
-
-def trial_versions(log_dir: str) -> tuple[Versions | None, str | None]:
-    """The versions the trial ran with (``LOG_DIR/versions.json``: :class:`~sftprof.analysis.trial.schema.Versions`,
-    a key the file lacks None), and an error message naming the file when it is unreadable or not a JSON object of
-    texts and nulls (``(None, None)`` when it is absent: a trial of an earlier release, or one that died before)."""
-    path = os.path.join(log_dir, artifacts.VERSIONS)
+def _recorded_object(log_dir: str, name: str, valid: Callable[[str, Any], bool],
+                     expected: str) -> tuple[dict[str, Any] | None, str | None]:
+    """``LOG_DIR/<name>`` as a JSON object whose every ``(key, value)`` ``valid`` accepts, and an error message naming
+    the file when it is not a file, unreadable or not such an object (``"not a JSON object of <expected>"``);
+    ``(None, None)`` when it is absent: a trial of an earlier release, or one that died before writing it."""
+    path = os.path.join(log_dir, name)
     if not os.path.lexists(path):
         return None, None
     if not os.path.isfile(path):
@@ -489,8 +473,26 @@ def trial_versions(log_dir: str) -> tuple[Versions | None, str | None]:
     found, error = _read(path, json.load, ValueError)
     if error:
         return None, error
-    if not (isinstance(found, dict) and all(v is None or isinstance(v, str) and _utf8(v) for v in found.values())):
-        return None, f"{path}: not a JSON object of texts and nulls"
+    if not (isinstance(found, dict) and all(valid(k, v) for k, v in found.items())):
+        return None, f"{path}: not a JSON object of {expected}"
+    return found, None
+
+
+def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
+    """The environment variables the trial recorded (``LOG_DIR/environment.json``, name -> value), and an error
+    message naming the file when it is unreadable or not a JSON object of texts (``(None, None)`` when it is absent:
+    a trial of an earlier release, or one that died before writing it)."""
+    return _recorded_object(log_dir, artifacts.ENVIRONMENT, lambda k, v: isinstance(v, str) and _utf8(k + v), "texts")
+
+
+def trial_versions(log_dir: str) -> tuple[Versions | None, str | None]:
+    """The versions the trial ran with (``LOG_DIR/versions.json``: :class:`~sftprof.analysis.trial.schema.Versions`,
+    a key the file lacks None), and an error message naming the file when it is unreadable or not a JSON object of
+    texts and nulls (``(None, None)`` when it is absent: a trial of an earlier release, or one that died before)."""
+    found, error = _recorded_object(log_dir, artifacts.VERSIONS,
+                                    lambda k, v: v is None or isinstance(v, str) and _utf8(v), "texts and nulls")
+    if found is None:
+        return None, error
     return cast(Versions, {key: found.get(key) for key in Versions.__annotations__}), None  # each a text or None
 
 
