@@ -15,7 +15,8 @@ temperature drift over the run affect all rows alike.
 ``grad_in_hidden`` rows write d/dhidden over the hidden input (see ``linear_sft_loss`` / ``linear_logprobs``);
 the inputs are restored (untimed) before each of their calls.
 
-Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--rows TEXT ...] [--reps R] [--json out.json]
+Usage: python bench/lm_head.py [--tokens 8192 32768 131072] [--vocab 151936] [--rows TEXT ...] [--reps R]
+       [--json out.json]   (--vocab 248320: Qwen3.5's vocabulary)
 A row whose library does not import is printed with a note instead of numbers.
 """
 from __future__ import annotations
@@ -135,6 +136,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
+    ap.add_argument("--vocab", type=int, default=V, help=f"vocabulary size V (default {V}: Qwen3-30B-A3B's; "
+                    "248320: Qwen3.5-35B-A3B's)")
     ap.add_argument("--reps", type=int, default=0,
                     help="timed calls per row (default: 5 at N >= 65536 tokens, 7 below)")
     ap.add_argument("--rows", nargs="+", default=[""],
@@ -155,8 +158,8 @@ def main():
     results = []
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
-        w = (torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-        y = torch.randint(0, V, (n,), device=dev)
+        w = (torch.randn(args.vocab, H, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        y = torch.randint(0, args.vocab, (n,), device=dev)
         h_src = h.detach().clone()
 
         def restore():  # rows with grad_in_hidden leave d/dhidden in h: put the inputs back
@@ -165,7 +168,7 @@ def main():
 
         live, recs = [], []
         for name, factory in rows:  # warm-up and peak memory, one row after the other
-            rec = dict(tokens=n, method=name, ms=None, tflops=None, extra_gib=None, peak_above_before_gib=None, note="")
+            rec = dict(tokens=n, vocab=args.vocab, method=name, ms=None, tflops=None, extra_gib=None, peak_above_before_gib=None, note="")
             recs.append(rec)
             try:
                 fn = factory()
@@ -195,7 +198,8 @@ def main():
         for rec, _, _, times in live:
             if times and not rec["note"].startswith("OOM"):
                 ms = statistics.median(times)
-                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * V / ms / 1e9, 1))
+                rec.update(ms=round(ms, 2), tflops=round(6 * n * H * args.vocab / ms / 1e9, 1))
+        print(f"H = {H}, V = {args.vocab}, bf16", flush=True)
         print(f"{'N':>7} {'method':<56} {'ms':>9} {'TFLOP/s':>8} {'extra GiB':>9} {'+grads':>7}  note", flush=True)
         for rec in recs:
             print(f"{n:>7} {rec['method']:<56} {_fmt(rec['ms'], '{:.1f}'):>9} {_fmt(rec['tflops'], '{:.0f}'):>8} "

@@ -33,6 +33,8 @@ whole spec), so one invocation compares a setting on and off. The row of a layou
   join the collective (load imbalance before it, not transfer; the summary's ``comm_wait``, matched call by
   call; ``-`` where the traces were not split); ``gpu_busy_pct`` (min over ranks);
 - ``peak_gib``: peak allocated memory of the profiled step (max over ranks, ``stats.jsonl``); ``mfu``;
+- ``projected_step_s`` / ``projected_exposed_ms``: a simulated rank's projected step and its exposed communication
+  (the summary's ``simulation.projection``: measured compute plus the layout's collectives; ``-`` for a real run);
 - ``expert_max_over_mean`` / ``ep_max_over_mean``: the profiled step's MoE routing at its worst layer (the
   summary's Steps table): the busiest expert's tokens over the mean per expert (16.0 = one expert of 128 at top-8
   took every token: the routing of random weights) and the busiest EP rank's over the mean per EP rank.
@@ -75,7 +77,9 @@ COLUMNS = (("layout", "layout", "{}"), ("gpus", "world_size", "{}"), ("step s", 
            ("experts ms", "experts_ms", "{:.1f}"),
            ("exp. comm ms", "exposed_comm_ms", "{:.1f}"), ("exp. comm %", "exposed_comm_pct", "{:.1f}"),
            ("of which wait ms", "exposed_wait_ms", "{:.1f}"),
-           ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"), ("MFU", "mfu", "{:.3f}"),
+           ("GPU busy %", "gpu_busy_pct", "{:.1f}"), ("peak GiB", "peak_gib", "{:.2f}"),
+           ("proj. step s", "projected_step_s", "{:.3f}"), ("proj. exp. comm ms", "projected_exposed_ms", "{:.1f}"),
+           ("MFU", "mfu", "{:.3f}"),
            ("expert max/mean", "expert_max_over_mean", "{:.2f}"), ("EP max/mean", "ep_max_over_mean", "{:.2f}"))
 
 
@@ -122,6 +126,7 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
     waits = {r["rank"]: _num(r["exposed_wait_ms"]) for r in (summary.get("comm_wait") or {"ranks": []})["ranks"]}
     busy = [t["summary"]["gpu"]["busy_share_pct"] for t in on_gpu if _num(t["summary"]["gpu"]["busy_share_pct"])]
     moe = (steps.get(profiled) or {}).get("moe") or {}
+    projection = (summary.get("simulation") or {}).get("projection") or {}
     return {
         "trial": summary["trial"], "status": summary["status"], "ranks_traced": len(traces),
         "step_s": step_s, "unprofiled_step_s": _num((steps.get(profiled - 1) or {}).get("step_time_s"))
@@ -136,6 +141,8 @@ def trial_row(run_dir: Path) -> dict[str, Any]:
         "peak_gib": _num((steps.get(profiled) or {}).get("mem_peak_allocated_gb")),
         "mfu": _num((steps.get(profiled) or {}).get("mfu")),
         "expert_max_over_mean": _num(moe.get("max_over_mean")), "ep_max_over_mean": _num(moe.get("ep_max_over_mean")),
+        "projected_step_s": projection["projected_step_ms"] / 1e3 if _num(projection.get("projected_step_ms")) else None,
+        "projected_exposed_ms": _num(projection.get("exposed_ms")),
     }
 
 

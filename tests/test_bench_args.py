@@ -131,6 +131,14 @@ def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
     table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)", world_size=2)], []).splitlines()
     assert "of which wait ms" in table[0] and table[1].split()[8:11] == ["85.6", "3.0", "61.4"]
     assert table[0].endswith("MFU  expert max/mean  EP max/mean") and table[1].split()[-3:] == ["0.372", "16.00", "1.26"]
+    assert table[1].split()[-5:-3] == ["-", "-"]  # a real run: no projected step
     del summary["comm_wait"]
     (run / "profile_summary.json").write_text(__import__("json").dumps(summary))
     assert step.trial_row(run)["exposed_wait_ms"] is None
+    summary["simulation"] = {"rank": 1, "projection": {"projected_step_ms": 3058.1, "exposed_ms": 187.5}}
+    (run / "profile_summary.json").write_text(__import__("json").dumps(summary))
+    row = step.trial_row(run)
+    assert (row["projected_step_s"], row["projected_exposed_ms"]) == (3.0581, 187.5)
+    table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)@actor.simulate.rank=1", world_size=2)],
+                              []).splitlines()
+    assert "proj. step s  proj. exp. comm ms    MFU" in table[0] and table[1].split()[-5:-3] == ["3.058", "187.5"]
