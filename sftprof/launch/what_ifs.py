@@ -47,7 +47,7 @@ def choose(trials: list[Trial], what_ifs: int | list[str]) -> tuple[list[tuple[T
     the user (what was proposed, what is left out, each listed key no summary proposed and why)."""
     best: dict[tuple[tuple[str, str, str], ...], tuple[Trial, dict[str, Any]]] = {}
     skipped: list[dict[str, Any]] = []
-    of_failed: set[str] = set()  # keys only a failed trial proposed, not tried
+    of_failed: set[str] = set()  # keys a failed trial proposed, other than fit_oom: not tried from it
     for t in trials:
         summary = read_summary(t.run_dir)
         ok = summary.get("status") == "ok"
