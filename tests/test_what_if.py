@@ -427,6 +427,27 @@ def test_try_what_ifs_is_a_checked_launcher_variable(tmp_path):
         launch.plan({**env, "TRY_WHAT_IFS": "1", "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
     _, settings, info = launch.plan({**env, "TRY_WHAT_IFS": "2"}, [], gpus=0)
     assert info.what_ifs == 2 and "TRY_WHAT_IFS=2\t# env" in settings
+    # or which: what-if keys, each once, at most 8, refused before anything runs
+    _, settings, info = launch.plan({**env, "TRY_WHAT_IFS": "recompute_plan,fit_oom"}, [], gpus=0)
+    assert info.what_ifs == ["recompute_plan", "fit_oom"] and "TRY_WHAT_IFS=recompute_plan,fit_oom\t# env" in settings
+    keys = ("selective_recompute,fewer_micro_batches,balanced_routing,cutlass_grouped_gemm,expandable_segments,"
+            "chunked_lm_head,precision_aware_optimizer,more_micro_batches,distributed_optimizer,fit_oom,recompute_plan")
+    for text, message in (
+            ("recompute,fit_oom", "TRY_WHAT_IFS='recompute,fit_oom': must be an integer from 0 to 8 or a "
+                                  f"comma-separated list of what-if keys from {keys} (unknown: recompute)"),
+            ("fit_oom, recompute_plan", "TRY_WHAT_IFS='fit_oom, recompute_plan': must be an integer from 0 to 8 or "
+                                        "a list of what-if keys, comma-separated without spaces "
+                                        "(fit_oom,recompute_plan)"),
+            ("fit_oom,fit_oom", "TRY_WHAT_IFS='fit_oom,fit_oom': lists fit_oom more than once; each trial runs once"),
+            (keys, f"TRY_WHAT_IFS='{keys}': must list at most 8 what-if keys (one trial each)"),
+            ("-1", "TRY_WHAT_IFS='-1': must be an integer from 0 to 8")):
+        with pytest.raises(launch.DriverError) as err:
+            launch.plan({**env, "TRY_WHAT_IFS": text}, [], gpus=0)
+        assert str(err.value) == message
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan({**env, "TRY_WHAT_IFS": "fit_oom", "N_NODES": "2", "N_GPUS_PER_NODE": "1"}, [], gpus=0)
+    assert str(err.value) == ("TRY_WHAT_IFS=fit_oom with N_NODES=2: what-if trials are chosen from node 0's summaries "
+                              "after the planned trials; accepted: TRY_WHAT_IFS=0 (or unset) with several nodes")
     assert "TRY_WHAT_IFS" not in "\n".join(a for t in launch.plan(env, [], gpus=0)[0] for a in t.args)
     assert launch.unknown_variable_warnings({"TRY_WHATIF": "1"}) == [  # the issue's spelling
         "TRY_WHATIF is not a driver variable and is ignored; did you mean TRY_WHAT_IFS?"]
@@ -494,6 +515,66 @@ def test_driver_tries_the_what_if_and_compares_it(what_if_run):
                      r"\(actor\.mb_spec\.max_tokens_per_mb=256\) of the kernel trial of step 1$", out.stdout, re.M)
 
 
+def test_try_what_ifs_by_key_takes_the_heaviest_of_each_key(tmp_path):
+    """``TRY_WHAT_IFS=<key>,...``: the heaviest what-if of each key listed (one per set of settings, a tie to the later
+    step), heavier ones of other keys left out; a key not proposed is named with its summaries' reason, else why
+    not. A count still takes the heaviest of all."""
+    from sftprof.launch.plan_types import Trial
+    from sftprof.launch.what_ifs import choose
+
+    summary = json.loads((FIXTURE_DIR / "h200_te_qwen3_5_cutlass" / "te.profile_summary.json").read_text())
+
+    def w(key, label, weight, setting, value):
+        return {"key": key, "label": label, "weight": weight,
+                "settings": [{"kind": "config", "key": setting, "value": value, "current": None}]}
+
+    plan = w("recompute_plan", "recompute planner", 0.30, "recompute_num_layers", 2)
+    proposed = {
+        "a": ("kernel", 1, "ok", [plan, w("selective_recompute", "selective recompute", 0.50, "recompute_granularity",
+                                          "selective"),
+                                  w("fewer_micro_batches", "fewer micro-batches", 0.40, "actor.mb_spec.n_mbs", 1)], []),
+        "b": ("kernel", 2, "ok", [plan, w("recompute_plan", "recompute planner", 0.20, "recompute_num_layers", 4)],
+              [{"key": "expandable_segments", "rank": 0, "reason": "the trial already has it"},
+               {"key": "expandable_segments", "rank": 1, "reason": "the trial already has it"}]),
+        "c": ("memory", 0, "failed", [w("fit_oom", "fit the GPU after an out-of-memory error", 0.60, "actor.num_layers",
+                                        1),
+                                      w("chunked_lm_head", "chunked LM head", 0.90, "lm_head_loss_chunk_size", 2048)],
+              [])}
+    trials = []
+    for name, (kind, step, status, what_if, skipped) in proposed.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile_summary.json").write_text(
+            json.dumps({**summary, "status": status, "what_if": what_if, "what_if_skipped": skipped}))
+        trials.append(Trial(name, kind, step, tmp_path / name, tmp_path / name, ["--config", "x.yaml"]))
+    chosen, lines = choose(trials, ["recompute_plan", "fit_oom", "expandable_segments", "chunked_lm_head",
+                                    "balanced_routing"])
+    assert [(t.name, w["key"], w["weight"]) for t, w in chosen] == [("b", "recompute_plan", 0.30),
+                                                                     ("c", "fit_oom", 0.60)]
+    assert lines == [
+        "TRY_WHAT_IFS=recompute_plan,fit_oom,expandable_segments,chunked_lm_head,balanced_routing: 5 what-if(s) "
+        "proposed; trying 2: recompute planner (recompute_num_layers=2) of the kernel trial of step 2; fit the GPU "
+        "after an out-of-memory error (actor.num_layers=1) of the memory trial of step 0",
+        "not tried (TRY_WHAT_IFS): selective recompute (recompute_granularity=selective); fewer micro-batches "
+        "(actor.mb_spec.n_mbs=1); recompute planner (recompute_num_layers=4)",
+        "not proposed: expandable_segments (the trial already has it)",
+        "not proposed: chunked_lm_head (proposed by a failed trial alone, whose one what-if tried is fit_oom)",
+        "not proposed: balanced_routing (no rule proposed it)"]
+    assert choose(trials, ["balanced_routing"]) == ([], [
+        "TRY_WHAT_IFS=balanced_routing: 5 what-if(s) proposed, none to try",
+        "not tried (TRY_WHAT_IFS): fit the GPU after an out-of-memory error (actor.num_layers=1); selective recompute "
+        "(recompute_granularity=selective); fewer micro-batches (actor.mb_spec.n_mbs=1); recompute planner "
+        "(recompute_num_layers=2); recompute planner (recompute_num_layers=4)",
+        "not proposed: balanced_routing (no rule proposed it)"])
+    chosen, lines = choose(trials, 2)  # a count: the heaviest two, whatever their keys
+    assert [(t.name, w["key"]) for t, w in chosen] == [("c", "fit_oom"), ("a", "selective_recompute")]
+    assert lines == [
+        "TRY_WHAT_IFS=2: 5 what-if(s) proposed; trying 2: fit the GPU after an out-of-memory error "
+        "(actor.num_layers=1) of the memory trial of step 0; selective recompute (recompute_granularity=selective) of "
+        "the kernel trial of step 1",
+        "not tried (TRY_WHAT_IFS): fewer micro-batches (actor.mb_spec.n_mbs=1); recompute planner "
+        "(recompute_num_layers=2); recompute planner (recompute_num_layers=4)"]
+
+
 def test_try_what_ifs_says_why_none_is_tried(tmp_path):
     """``TRY_WHAT_IFS`` with no what-if proposed names why: the levers the summaries skipped (each with its reason
     there), or that no rule found one."""
@@ -514,3 +595,8 @@ def test_try_what_ifs_says_why_none_is_tried(tmp_path):
     assert choose(trials[1:], 1) == ([], ["TRY_WHAT_IFS=1: 0 what-if(s) proposed, none to try (no rule found a "
                                           "lever: they read kernel trials' GPU time by model part and memory trials' "
                                           "allocator snapshots)"])
+    assert choose(trials, ["fewer_micro_batches", "recompute_plan"]) == ([], [
+        "TRY_WHAT_IFS=fewer_micro_batches,recompute_plan: 0 what-if(s) proposed, none to try (2 lever(s) not proposed, "
+        "each with its reason in its summary's What if section)",
+        "not proposed: fewer_micro_batches (one micro-batch already)",
+        "not proposed: recompute_plan (no rule proposed it)"])

@@ -99,7 +99,7 @@ class DriverEnv:
     kinds: list[str]
     total_steps: int | None
     stop: bool
-    what_ifs: int
+    what_ifs: int | list[str]  # TRY_WHAT_IFS: how many, or which keys (sftprof.launch.variables._what_ifs)
     overrides: list[str]
     extra_overrides: list[str]
     set_keys: set[str]
@@ -135,7 +135,7 @@ class RunPlan:
     run_root_set: bool  # RUN_ROOT was given (else the default folder was made up)
     trials: int  # how many trials were planned
     stop_on_failure: int  # 1: stop after the first failed trial (STOP_ON_FAILURE), 0: run them all
-    what_ifs: int  # TRY_WHAT_IFS
+    what_ifs: int | list[str]  # TRY_WHAT_IFS: how many, or which keys
     node_timeout: int  # seconds (NODE_TIMEOUT)
     stall_timeout: int  # seconds without progress before the watchdog ends a trial (STALL_TIMEOUT; 0: none)
     nproc_per_node: int

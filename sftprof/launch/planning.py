@@ -44,7 +44,8 @@ from sftprof.launch.arguments import (TRIAL_KEYS, arguments_setting, check_trial
                                       reject_driver_variables_as_arguments, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
                                       DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, RANKS_VARIABLE, REPO_ROOT,
-                                      DriverError, Variable, check_text, parse_bool, suspect_variables, unknown_allowed)
+                                      DriverError, Variable, check_text, parse_bool, suspect_variables, unknown_allowed,
+                                      what_ifs_text)
 from sftprof.models.checks import ModelCheckError, check_model
 from sftprof.models.hf import load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
@@ -123,12 +124,12 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
         raise DriverError(f"TOTAL_STEPS={total_steps}: must be > the largest profile step {max(steps)} "
                           "(or unset: profile step + 1)")
     stop = parse_bool("STOP_ON_FAILURE", get("STOP_ON_FAILURE", BY_NAME["STOP_ON_FAILURE"].default))
-    what_ifs = cast(int | None, BY_NAME["TRY_WHAT_IFS"].value(env)) or 0
+    what_ifs = cast(int | list[str] | None, BY_NAME["TRY_WHAT_IFS"].value(env)) or 0
     log.note("PROFILE_STEPS", ",".join(map(str, steps)), "env" if get("PROFILE_STEPS") is not None else "default")
     log.note("PROFILE_KINDS", ",".join(kinds), "env" if get("PROFILE_KINDS") is not None else "default")
     log.note("TOTAL_STEPS", total_steps if total_steps else "profile_step+1", "env" if total_steps else "default")
     log.note("STOP_ON_FAILURE", int(stop), "env" if get("STOP_ON_FAILURE") is not None else "default")
-    log.note("TRY_WHAT_IFS", what_ifs, "env" if get("TRY_WHAT_IFS") else "default")
+    log.note("TRY_WHAT_IFS", what_ifs_text(what_ifs), "env" if get("TRY_WHAT_IFS") else "default")
 
     variables: dict[str, str] = {}  # key=value -> NAME=text
     set_keys: set[str] = set()
@@ -211,8 +212,9 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
     if d.node_rank >= n_nodes:
         raise DriverError(f"NODE_RANK={d.node_rank}: must be in [0, N_NODES={n_nodes})")
     if d.what_ifs and n_nodes > 1:  # node 0 chooses them from its summaries: the other nodes cannot follow
-        raise DriverError(f"TRY_WHAT_IFS={d.what_ifs} with N_NODES={n_nodes}: what-if trials are chosen from node 0's "
-                          "summaries after the planned trials; accepted: TRY_WHAT_IFS=0 (or unset) with several nodes")
+        raise DriverError(f"TRY_WHAT_IFS={what_ifs_text(d.what_ifs)} with N_NODES={n_nodes}: what-if trials are "
+                          "chosen from node 0's summaries after the planned trials; accepted: TRY_WHAT_IFS=0 "
+                          "(or unset) with several nodes")
     nproc_var = BY_NAME["N_GPUS_PER_NODE"]
     nproc_given = nproc_var.name in d.set_keys or arguments_setting(nproc_var.keys[0], d.extra_overrides)
     nproc = probe.cluster.n_gpus_per_node if nproc_given else layout.world_size // n_nodes

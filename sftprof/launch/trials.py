@@ -16,7 +16,7 @@ and ended, postprocessing started and ended) goes to ``RUN_DIR/trial_times.json`
 (:class:`sftprof.artifacts.TrialTimes`), which postprocessing reads for the summary's wall-time phases.
 
 The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.plan_types.Trial` that gave the
-trainer its config (no file read back). With ``TRY_WHAT_IFS=N`` the what-if trials (:mod:`sftprof.launch.what_ifs`)
+trainer its config (no file read back). With ``TRY_WHAT_IFS`` set the what-if trials (:mod:`sftprof.launch.what_ifs`)
 follow the planned ones, each compared with the trial it varies.
 """
 from __future__ import annotations

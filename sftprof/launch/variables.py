@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from sftprof.analysis.what_if.changes import LABELS
 from sftprof.config import (NAME_ACCEPTED, SETTING, ConfigError, SFTProfileConfig, Setting, is_folder_name,
                             load_config, parse_text)
 from sftprof.config.settings import BOOL_TEXT, comma_items, read_number
@@ -47,7 +48,7 @@ DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (t
 MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must agree, so no per-node pick
 DEFAULT_STALL_TIMEOUT_S = 1800  # a rank without progress this long is stalled: above a checkpoint load or a step
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
-MAX_WHAT_IFS = 8  # TRY_WHAT_IFS: one full trial each; more is a typo, not a plan
+MAX_WHAT_IFS = 8  # TRY_WHAT_IFS (a count, or the keys listed): one full trial each; more is a typo, not a plan
 FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
 
@@ -103,6 +104,29 @@ def _kinds(name: str, text: str) -> list[str]:
                           + (f" (unknown: {','.join(bad)})" if text and bad else ""))
     _no_repeats(name, text, items)
     return [k for k in KINDS if k in items]
+
+
+def _what_ifs(name: str, text: str) -> int | list[str]:
+    """``TRY_WHAT_IFS``: how many what-ifs to try (0 to :data:`MAX_WHAT_IFS`, the heaviest), or which: a list of at
+    most :data:`MAX_WHAT_IFS` what-if keys (:data:`sftprof.analysis.what_if.changes.LABELS`), each once. Text
+    without a letter is a count, refused as one."""
+    if not any(c.isalpha() for c in text):
+        return _int(name, text, 0, MAX_WHAT_IFS)
+    accepted = f"an integer from 0 to {MAX_WHAT_IFS} or a list of what-if keys"
+    items = _items(name, text, accepted)
+    bad = [t for t in items if t not in LABELS]
+    if bad:
+        raise DriverError(f"{name}={text!r}: must be an integer from 0 to {MAX_WHAT_IFS} or a comma-separated list "
+                          f"of what-if keys from {','.join(LABELS)} (unknown: {','.join(bad)})")
+    if len(items) > MAX_WHAT_IFS:
+        raise DriverError(f"{name}={text!r}: must list at most {MAX_WHAT_IFS} what-if keys (one trial each)")
+    _no_repeats(name, text, items)
+    return items
+
+
+def what_ifs_text(what_ifs: int | list[str]) -> str:
+    """``TRY_WHAT_IFS``'s value (:func:`_what_ifs`) as the user writes it: ``2``, ``recompute_plan,fit_oom``."""
+    return str(what_ifs) if isinstance(what_ifs, int) else ",".join(what_ifs)
 
 
 def folder_name(name: str, text: str) -> str:
@@ -232,9 +256,10 @@ VARIABLES = (
              parse=lambda n, t: _int(n, t, 0, NODE_TIMEOUT_MAX_S),
              default=str(DEFAULT_STALL_TIMEOUT_S)),
     Variable("TRY_WHAT_IFS", "launcher", "after the planned trials, one more trial for each of the N heaviest "
-             "what-ifs their summaries propose (the setting applied, same kind and step), compared with its trial: "
-             f"prediction against outcome (0 to {MAX_WHAT_IFS}; one node)",
-             parse=lambda n, t: _int(n, t, 0, MAX_WHAT_IFS), default="0"),
+             "what-ifs their summaries propose, or for the heaviest of each what-if key listed (e.g. "
+             "recompute_plan,fit_oom: the summaries' what_if keys), the setting applied, same kind and step, compared "
+             f"with its trial: prediction against outcome (0 to {MAX_WHAT_IFS}, or at most {MAX_WHAT_IFS} keys; one "
+             "node)", parse=_what_ifs, default="0"),
     Variable("GPU_MEMORY_GIB", "launcher", "one GPU's memory for the fit check, GiB (as torch.cuda.mem_get_info "
              "gives it: 79.19 on an H100 80 GB)", parse=_gib, default="the least free memory of this node's GPUs "
              "(nvidia-smi)"),

@@ -1,7 +1,8 @@
-"""The what-if trials of a run (``TRY_WHAT_IFS=N``): after the planned trials, the N heaviest what-ifs their summaries
-propose (:mod:`sftprof.analysis.what_if.changes`), each tried once as one more trial of the same kind and step with its
-settings applied, then compared with the trial it varies (prediction against outcome:
-:mod:`sftprof.analysis.what_if.outcome`).
+"""The what-if trials of a run (``TRY_WHAT_IFS``): after the planned trials, the N heaviest what-ifs their summaries
+propose (:mod:`sftprof.analysis.what_if.changes`), or with ``TRY_WHAT_IFS=<key>,<key>`` the heaviest of each what-if
+key listed (a key no summary proposed is named with why: a summary's ``what_if_skipped`` reason, else that no rule
+proposed it), each tried once as one more trial of the same kind and step with its settings applied, then compared
+with the trial it varies (prediction against outcome: :mod:`sftprof.analysis.what_if.outcome`).
 
 Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``; of a failed
 trial, the ``fit_oom`` what-if of its out-of-memory triage alone, :mod:`sftprof.analysis.memory.oom`: tried when
@@ -30,7 +31,7 @@ from sftprof.atomic import write_text
 from sftprof.launch.folders import check_path_fits, write_train_args
 from sftprof.launch.plan_types import Trial
 from sftprof.launch.summaries import read_summary
-from sftprof.launch.variables import DriverError
+from sftprof.launch.variables import DriverError, what_ifs_text
 
 __all__ = ["choose", "what_if_trial", "write_what_if_plan", "settings_of"]
 
@@ -40,33 +41,48 @@ def settings_of(what_if: Mapping[str, Any]) -> str:
     return " ".join(setting_text(s) for s in what_if["settings"])
 
 
-def choose(trials: list[Trial], n: int) -> tuple[list[tuple[Trial, dict[str, Any]]], list[str]]:
-    """The ``n`` heaviest what-ifs of the summaries of ``trials`` (module docstring), as ``(source trial, what-if
-    record)``, and lines for the user (what was proposed, what is left out)."""
+def choose(trials: list[Trial], what_ifs: int | list[str]) -> tuple[list[tuple[Trial, dict[str, Any]]], list[str]]:
+    """The what-ifs of the summaries of ``trials`` to try (module docstring): the ``what_ifs`` heaviest (a count), or
+    the heaviest of each key ``what_ifs`` lists, in its order; as ``(source trial, what-if record)``, and lines for
+    the user (what was proposed, what is left out, each listed key no summary proposed and why)."""
     best: dict[tuple[tuple[str, str, str], ...], tuple[Trial, dict[str, Any]]] = {}
-    skipped = 0
+    skipped: list[dict[str, Any]] = []
+    of_failed: set[str] = set()  # keys a failed trial proposed, other than fit_oom: not tried from it
     for t in trials:
         summary = read_summary(t.run_dir)
         ok = summary.get("status") == "ok"
-        skipped += len(summary.get("what_if_skipped") or [])
+        skipped += summary.get("what_if_skipped") or []
         for w in summary.get("what_if") or []:
             if not ok and w["key"] != "fit_oom":  # a failed trial's one what-if: the change that fits its OOM
+                of_failed.add(w["key"])
                 continue
             key = tuple(sorted((s["kind"], s["key"], json.dumps(s["value"])) for s in w["settings"]))
             held = best.get(key)
             if held is None or (w["weight"], t.step) > (held[1]["weight"], held[0].step):
                 best[key] = (t, w)
     ranked = sorted(best.values(), key=lambda tw: -tw[1]["weight"])
-    why_none = (f"{skipped} lever(s) not proposed, each with its reason in its summary's What if section" if skipped
-                else "no rule found a lever: they read kernel trials' GPU time by model part and memory trials' "
-                     "allocator snapshots")
-    lines = [f"TRY_WHAT_IFS={n}: {len(ranked)} what-if(s) proposed" + (
-        f", none to try ({why_none})" if not ranked else f"; trying {min(n, len(ranked))}: " + "; ".join(
-            f"{w['label']} ({settings_of(w)}) of the {t.kind} trial of step {t.step}" for t, w in ranked[:n]))]
-    if len(ranked) > n:
-        lines.append("not tried (TRY_WHAT_IFS): "
-                     + "; ".join(f"{w['label']} ({settings_of(w)})" for _, w in ranked[n:]))
-    return ranked[:n], lines
+    keys = [w["key"] for _, w in ranked]
+    picked = (list(range(min(what_ifs, len(ranked)))) if isinstance(what_ifs, int)
+              else [keys.index(k) for k in what_ifs if k in keys])  # a key's first: its heaviest
+    chosen = [ranked[i] for i in picked]
+    why_none = (f"{len(skipped)} lever(s) not proposed, each with its reason in its summary's What if section"
+                if skipped else "no rule found a lever: they read kernel trials' GPU time by model part and memory "
+                                "trials' allocator snapshots")
+    lines = [f"TRY_WHAT_IFS={what_ifs_text(what_ifs)}: {len(ranked)} what-if(s) proposed" + (
+        f", none to try ({why_none})" if not ranked else ", none to try" if not chosen else
+        f"; trying {len(chosen)}: " + "; ".join(
+            f"{w['label']} ({settings_of(w)}) of the {t.kind} trial of step {t.step}" for t, w in chosen))]
+    if len(ranked) > len(chosen):
+        lines.append("not tried (TRY_WHAT_IFS): " + "; ".join(
+            f"{w['label']} ({settings_of(w)})" for i, (_, w) in enumerate(ranked) if i not in picked))
+    for k in what_ifs if isinstance(what_ifs, list) else []:
+        if k not in keys:
+            why = "; ".join(dict.fromkeys(s["reason"] for s in skipped if s["key"] == k))  # each distinct one once
+            if not why:
+                why = ("proposed by a failed trial alone, whose one what-if tried is fit_oom" if k in of_failed
+                       else "no rule proposed it")
+            lines.append(f"not proposed: {k} ({why})")
+    return chosen, lines
 
 
 def what_if_trial(source: Trial, what_if: dict[str, Any]) -> Trial:
