@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import time
 from importlib import metadata
 from dataclasses import dataclass, field, fields
@@ -164,24 +165,47 @@ RECORDED_DISTRIBUTIONS = {"torch": "torch", "megatron_core": "megatron-core",
                           "flash_linear_attention": "flash-linear-attention"}
 
 
-def recorded_versions(torch_cuda: Optional[str]) -> dict[str, Optional[str]]:
-    """The versions a trial runs with: ``python`` (``platform.python_version()``), ``torch_cuda`` (the running torch's
-    ``torch.version.cuda``, given: None for a CPU build) and each of :data:`RECORDED_DISTRIBUTIONS` as installed
+def recorded_versions(torch_cuda: Optional[str], nccl: Optional[str]) -> dict[str, Optional[str]]:
+    """The versions a trial runs with: ``sftprof`` (:func:`sftprof_version`), ``python``
+    (``platform.python_version()``), ``torch_cuda`` and ``nccl`` (the running torch's ``torch.version.cuda`` and NCCL
+    version, given: None for a CPU build) and each of :data:`RECORDED_DISTRIBUTIONS` as installed
     (``importlib.metadata``: nothing is imported), None when it is not installed; megatron-core's is that of the
     package ``import megatron.core`` finds (its ``package_info.py``: a checkout on ``PYTHONPATH`` too).
 
     Raises:
         ValueError: megatron-core's ``package_info.py`` cannot be read (names the file).
     """
-    def installed(name: str) -> Optional[str]:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-    dists = {key: installed(name) for key, name in RECORDED_DISTRIBUTIONS.items()}
+    dists = {key: _installed(name) for key, name in RECORDED_DISTRIBUTIONS.items()}
     mcore = megatron_core_version()
     dists["megatron_core"] = None if mcore is None else ".".join(map(str, mcore))
-    return {"python": platform.python_version(), "torch": dists.pop("torch"), "torch_cuda": torch_cuda, **dists}
+    return {"sftprof": sftprof_version(), "python": platform.python_version(), "torch": dists.pop("torch"),
+            "torch_cuda": torch_cuda, "nccl": nccl, **dists}
+
+
+def _installed(name: str) -> Optional[str]:
+    """The installed version of distribution ``name`` (``importlib.metadata``), None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def sftprof_version() -> Optional[str]:
+    """sftprof's installed version, with ``+g<short commit>`` when this package is the top folder of a git checkout's
+    ``sftprof/`` (``0.1.0+g85c64d7``: ``git rev-parse``, 5 s at most; local edits are not marked): just the version
+    without a checkout, without git, or when git fails or times out; None when sftprof is not installed."""
+    version = _installed("sftprof")
+    package = Path(__file__).resolve().parent
+    try:
+        res = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return version
+    lines = res.stdout.split()
+    # the checkout must be this package's own: an installed copy inside another project's checkout is not
+    if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != package.parent or version is None:
+        return version
+    return f"{version}+g{lines[1]}"
 
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.

@@ -9,9 +9,9 @@
 2. Start the default process group (NCCL on CUDA, gloo on CPU), create LOG_DIR =
    ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` and (rank 0) write
    ``config.yaml`` (resolved config), ``environment.json`` (the recorded environment variables,
-   :func:`sftprof.artifacts.recorded_environment`), ``versions.json`` (Python, torch, its CUDA, megatron-core, TE and
-   the other packages the trial runs with: :func:`sftprof.artifacts.recorded_versions`), ``rank_coords.json``,
-   ``trainer.log``, ``stats.jsonl``.
+   :func:`sftprof.artifacts.recorded_environment`), ``versions.json`` (sftprof and its commit, Python, torch, its CUDA
+   and NCCL, megatron-core, TE and the other packages the trial runs with: :func:`sftprof.artifacts.recorded_versions`),
+   ``rank_coords.json``, ``trainer.log``, ``stats.jsonl``.
 3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
    for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
    ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
@@ -136,6 +136,16 @@ def _seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def nccl_version() -> Optional[str]:
+    """torch's NCCL version (``torch.cuda.nccl.version()`` as text: ``"2.28.9"``, its suffix appended when it has one),
+    None for a build of torch without NCCL (a CPU build) or when it cannot be read."""
+    try:
+        ver = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):  # a CPU build has no torch._C._nccl_version
+        return None
+    return ".".join(map(str, ver[:3])) + "".join(map(str, ver[3:]))
 
 
 def _memory_gib(device: torch.device) -> dict:
@@ -321,8 +331,8 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             (log_dir / artifacts.CONFIG_YAML).write_text(to_yaml(cfg))
             (log_dir / artifacts.ENVIRONMENT).write_text(json.dumps(artifacts.recorded_environment(os.environ),
                                                                     indent=1) + "\n")
-            (log_dir / artifacts.VERSIONS).write_text(json.dumps(artifacts.recorded_versions(torch.version.cuda),
-                                                                 indent=1) + "\n")
+            (log_dir / artifacts.VERSIONS).write_text(json.dumps(artifacts.recorded_versions(
+                torch.version.cuda, nccl_version()), indent=1) + "\n")
             (log_dir / artifacts.RANK_COORDS).write_text(json.dumps({
                 "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,
                 "ranks": {str(r): layout.rank_coords(r) for r in range(layout.world_size)},

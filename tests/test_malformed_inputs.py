@@ -20,6 +20,7 @@ from fixtures import FIXTURE_DIR, faults
 from sftprof.artifacts import view_path
 from sftprof.analysis.memory.snapshot import other_devices_message
 from sftprof.analysis.memory.safe_pickle import safe_load_file
+from sftprof.analysis.schema import check
 from sftprof.analysis.summary import postprocess_trial
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE, MAX_TID, validate_trace
 from sftprof.analysis.views.split import VIEWS
@@ -333,7 +334,6 @@ def test_first_failing_rank_from_torchrun_report(tmp_path):
 def test_a_failure_without_its_rank_line_is_named_and_conforms_to_the_schema(tmp_path):
     """A torchrun report entry without its ``rank`` line (a damaged launcher.log) reads as rank None: the summary's
     schema (FailedRank.rank) takes it, where it used to declare an int and refuse the summary in strict mode."""
-    from sftprof.analysis.schema import check
     from sftprof.analysis.trial.failure import first_failure
     from sftprof.analysis.trial.schema import Failure
     text = (FIXTURE_DIR / "torchrun_sigkill_launcher.log").read_text()
@@ -1018,6 +1018,17 @@ def test_a_trial_without_versions_json_postprocesses_and_a_damaged_one_is_its_ow
     assert code == 0 and summary["versions"] is None and summary["errors"] == []
     assert "- versions: not recorded (no readable versions.json)" in (
         tmp_path / "run_none" / "profile_summary.md").read_text().splitlines()
+    # a versions.json of release 3.7's trainer (no sftprof, no nccl): both None, the summary valid
+    log = _memory_trial(tmp_path / "old", small_snapshot)
+    old = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.19.2",
+           "transformer_engine": None, "transformers": "5.17.0", "triton": "3.6.0", "flash_linear_attention": None}
+    (log / "versions.json").write_text(json.dumps(old))
+    summary, code = postprocess_trial(str(log), str(tmp_path / "run_old"), "memory", 1)
+    assert code == 0 and summary["errors"] == [] and summary["versions"] == {**old, "sftprof": None, "nccl": None}
+    assert check(json.loads((tmp_path / "run_old" / "profile_summary.json").read_text())) == []
+    assert ("- versions: sftprof absent, python 3.12.3, torch 2.11.0+cu130, torch_cuda 13.0, nccl absent, megatron_core "
+            "0.19.2, transformer_engine absent, transformers 5.17.0, triton 3.6.0, flash_linear_attention absent") in (
+        tmp_path / "run_old" / "profile_summary.md").read_text().splitlines()
     for name, text, why in (("list", '["0.16.1"]', "not a JSON object of texts and nulls"),
                             ("number", '{"torch": 2.11}', "not a JSON object of texts and nulls"),
                             ("trunc", '{"torch": "2.', "unreadable (JSONDecodeError: Unterminated string starting at: "

@@ -1052,6 +1052,16 @@ def test_compare_names_a_change_of_software_versions():
         "| `version.megatron_core` | 0.16.1 | 0.19.2 |", "| `version.transformer_engine` | – | 2.20.2 |", ""]
     assert settings_diff(a, a) == settings_diff(a, {**b, "versions": None}) == [
         "Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    # two runs of one sftprof version on different commits, and of one torch on different NCCL builds
+    c = {"config": cfg, "environment": {}, "versions": {**v, "sftprof": "0.1.0+g85c64d7", "nccl": "2.27.3"}}
+    assert settings_diff(c, {**c, "versions": {**c["versions"], "sftprof": "0.1.0+g67895c6"}}) == [
+        "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
+        "| `version.sftprof` | 0.1.0+g85c64d7 | 0.1.0+g67895c6 |", ""]
+    assert settings_diff(c, {**c, "versions": {**c["versions"], "nccl": "2.28.9"}})[4:6] == [
+        "| `version.nccl` | 2.27.3 | 2.28.9 |", ""]
+    # against a run that recorded neither (an earlier release's versions.json: both None), each is named, "–" there
+    assert settings_diff(a, c)[4:7] == ["| `version.nccl` | – | 2.27.3 |", "| `version.sftprof` | – | 0.1.0+g85c64d7 |",
+                                        ""]
 
 
 def test_compare_settings_table_shows_empty_values():

@@ -11,7 +11,7 @@ import pytest
 from sftprof.analysis import schema
 from sftprof.analysis.compare.runs import CompareInputError, find_trials
 from sftprof.analysis.report.schema import Finding
-from sftprof.analysis.trial.schema import TraceEntry
+from sftprof.analysis.trial.schema import TraceEntry, Versions
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting
 from sftprof.launch import report
 
@@ -36,7 +36,7 @@ def test_a_summary_of_a_newer_major_version_is_refused_by_every_reader(tmp_path)
     (run.parent / "summary.tsv").write_text("trial\tkind\tstep\tstatus\trun_dir\nt\tkernel\t1\t0\t" + str(run) + "\n")
     assert report(run.parent).splitlines()[1].split() == ["kernel", "step", "1", "ok", "-", "-", "-"]
     # a newer minor version is read (it only adds members)
-    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.7", new_member=1)))
+    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.9", new_member=1)))
     assert schema.read_summary(path)["new_member"] == 1
     # an older major version is read, in this version's shape: a 2.x snapshot says nothing of a step peak unknown,
     # and a 2.x trace, whose record was not checked, gets no made-up sanity counts
@@ -81,6 +81,13 @@ def test_check_names_every_departure():
         f"w.{k}: missing" for k in ("assumption", "effect", "key", "label", "rank", "settings", "weight")]
     assert schema.check({"kind": "file", "key": "k", "value": 1, "current": None}, WhatIfSetting, "s") == [
         "s.kind: 'file' is not one of ('config', 'env')"]
+    # a 3.7 summary's versions (no sftprof, no nccl: added in 3.8) conform; a member of neither does not
+    v37 = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.19.2",
+           "transformer_engine": None, "transformers": "5.17.0", "triton": "3.6.0", "flash_linear_attention": None}
+    assert schema.check(v37, Versions, "v") == []
+    assert schema.check({**v37, "sftprof": "0.1.0+g85c64d7", "nccl": None}, Versions, "v") == []
+    assert schema.check({**v37, "sftprof": 1, "cudnn": "9.1"}, Versions, "v") == [
+        "v.cudnn: not in Versions", "v.sftprof: expected str, got int"]
 
 
 def test_the_strict_writer_refuses_a_summary_that_departs(monkeypatch):

@@ -4,6 +4,7 @@ The 2-rank kernel trial and the 1-rank memory trial train on the same global bat
 of 128 tokens) from the same seed, so their losses and gradient norms must agree: that checks
 the data-parallel split and gradient averaging as well as the records.
 """
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -107,15 +108,19 @@ def test_a_trial_records_the_environment_variables_that_change_the_job(memory_tr
 
 
 def test_a_trial_records_the_versions_it_ran_with_and_its_summary_shows_them(memory_trial, tmp_path):
-    """``versions.json``: Python, torch and its CUDA (None: this CPU build), the packages by their installed
-    distribution (None: not installed); postprocessing copies it into the summary (``versions``) and its header."""
+    """``versions.json``: sftprof with this checkout's commit, Python, torch and its CUDA and NCCL (None: this CPU
+    build), the packages by their installed distribution (None: not installed); postprocessing copies it into the
+    summary (``versions``) and its header."""
     log_dir, _ = memory_trial
     installed = megatron_core_version()
     recorded = json.loads((log_dir / "versions.json").read_text())
-    assert list(recorded) == ["python", "torch", "torch_cuda", "megatron_core", "transformer_engine", "transformers",
-                              "triton", "flash_linear_attention"]
+    assert list(recorded) == ["sftprof", "python", "torch", "torch_cuda", "nccl", "megatron_core", "transformer_engine",
+                              "transformers", "triton", "flash_linear_attention"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert recorded["sftprof"] == f"{importlib.metadata.version('sftprof')}+g{head}"
     assert recorded["python"] == platform.python_version() and recorded["torch"] == torch.__version__
-    assert recorded["torch_cuda"] == torch.version.cuda
+    assert recorded["torch_cuda"] == torch.version.cuda and recorded["nccl"] is None
     assert recorded["megatron_core"] == (".".join(map(str, installed)) if installed else None)
     for key, name in (("transformer_engine", "transformer_engine"), ("transformers", "transformers"),
                       ("triton", "triton"), ("flash_linear_attention", "fla")):
@@ -124,6 +129,18 @@ def test_a_trial_records_the_versions_it_ran_with_and_its_summary_shows_them(mem
     assert code == 0 and summary["versions"] == recorded
     header = (tmp_path / "run" / "profile_summary.md").read_text().splitlines()
     assert "- versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in recorded.items()) in header
+
+
+def test_nccl_version_is_torchs_as_text_and_none_without_nccl(monkeypatch):
+    """This CPU build of torch has no NCCL: None; a build with NCCL 2.28.9 gives ``"2.28.9"``, its suffix appended."""
+    from sftprof.trainer import nccl_version
+
+    assert not hasattr(torch._C, "_nccl_version") and nccl_version() is None
+    monkeypatch.setattr(torch._C, "_nccl_version", lambda: (2 << 32) | (28 << 16) | 9, raising=False)
+    monkeypatch.setattr(torch._C, "_nccl_version_suffix", lambda: b"", raising=False)
+    assert nccl_version() == "2.28.9"
+    monkeypatch.setattr(torch._C, "_nccl_version_suffix", lambda: b"a0", raising=False)
+    assert nccl_version() == "2.28.9a0"
 
 
 def test_kernel_trial_records(kernel_trial):
