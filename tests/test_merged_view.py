@@ -187,3 +187,8 @@ def test_postprocess_writes_it_and_a_rerun_replaces_it(tmp_path):
     shutil.copy(two_gpu_sync_traces()[0], log / "perf_tracer")
     s, rc = postprocess_trial(str(log), str(run), "kernel", 2, jobs=1)
     assert s["merged_view"] is None and (run / "kernel_traces" / "all_ranks" / "all_ranks.pt.trace.json.gz").exists()
+    # ... and said to be an earlier postprocess's, in one warning (it used to stand beside the new views unnamed)
+    assert [w for w in s["warnings"] if "all_ranks" in w["file"]] == [
+        {"file": "kernel_traces/all_ranks/all_ranks.pt.trace.json.gz", "warning": "an earlier postprocess's all-ranks "
+         "view, left in place: not rebuilt this time, as this postprocess wrote the views of 1 rank(s) only (it merges "
+         "two or more); it may not match this summary's traces"}]

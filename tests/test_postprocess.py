@@ -170,6 +170,9 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
             "profile_summary.prev1.json"} in s["warnings"]
     assert {"file": "perf_tracer/rank0.pt.trace.json", "warning": "rank 0: 5 view file(s) of an earlier postprocess are "
             "kept in kernel_traces/ (not from this trace, which failed)"} in s["warnings"]
+    assert {"file": "kernel_traces/all_ranks/all_ranks.pt.trace.json", "warning": "an earlier postprocess's "
+            "all-ranks view, left in place: not rebuilt this time, as this postprocess wrote the views of 1 rank(s) "
+            "only (it merges two or more); it may not match this summary's traces"} in s["warnings"]
     assert s["kernel_traces"][0]["kept_views"] == sorted(f"kernel_traces/{v}/rank0.pt.trace.json" for v in
                                                           ("chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"))
     assert not [n for n in os.listdir(run) if n.startswith(".staging")]
@@ -182,6 +185,44 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
         f"[postprocess] {run / 'profile_summary.json'} unchanged (same inputs), left as it is (trial status ok, "
         "{'traces': 2, 'traces_ok': 1, 'views': 5, 'snapshots': 0, 'plots': 0, 'errors': 1, 'skipped': 0})"]
     assert (run / "profile_summary.json").read_bytes() == second and not (run / "profile_summary.prev2.json").exists()
+
+
+def test_end_table_says_how_many_files_a_trials_summary_could_not_read(tmp_path, cpu_traces):
+    """Rank 0's trace damaged after the driver recorded its trial ok (summary.tsv status 0), then postprocessed
+    standalone; and a trial whose first postprocess, the driver's, met the damaged trace (status 1: train 0,
+    postprocess 1). Both rows of the end table say that the summary could not read 1 file (it used to show the first
+    as plain ``ok``); summary.tsv, the driver's record of the training, is not rewritten."""
+    from sftprof.launch import report
+    from sftprof.launch.summaries import top_finding
+
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    root = tmp_path / "run_root"
+    rerun, first = root / "kernel_step1_rerun", root / "kernel_step1_first"
+    assert _cli("--log-dir", log, "--run-dir", rerun, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
+    raw = log / "perf_tracer" / "rank0.pt.trace.json"
+    raw.write_bytes(raw.read_bytes()[: len(raw.read_bytes()) // 2])  # truncated
+    tsv = ("trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n"
+           f"rerun\tkernel\t1\t0\t0\t0\t9\t{rerun}\t{log}\nfirst\tkernel\t1\t1\t0\t1\t9\t{first}\t{log}\n")
+    (root / "summary.tsv").write_text(tsv)
+    for run in (rerun, first):
+        assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 1
+    summaries = [json.load(open(run / "profile_summary.json")) for run in (rerun, first)]
+    for s in summaries:
+        assert s["errors"] == [{"file": "perf_tracer/rank0.pt.trace.json", "error": s["errors"][0]["error"]}]
+        assert s["kernel_traces"][1]["summary"] and top_finding(s).endswith("(rank 1)")  # its figures stay
+    # the rerun left the first postprocess's all-ranks view, named in its warnings; the first postprocess wrote none
+    assert [w["file"] for w in summaries[0]["warnings"] if "all_ranks" in w["file"]] == [
+        "kernel_traces/all_ranks/all_ranks.pt.trace.json"]
+    assert not (first / "kernel_traces" / "all_ranks").exists()
+    assert not [w for w in summaries[1]["warnings"] if "all_ranks" in w["file"]]
+    lines = report(root).splitlines()
+    assert lines[:3] == [
+        "trial          status                                                 step time  peak mem  top finding",
+        "kernel step 1  ok (summary: 1 file not read, see its Errors)          2.00 s     4.00 GiB  "
+        + top_finding(summaries[0]),
+        "kernel step 1  FAILED (1) (summary: 1 file not read, see its Errors)  2.00 s     4.00 GiB  "
+        + top_finding(summaries[1])]
+    assert (root / "summary.tsv").read_text() == tsv
 
 
 def test_rerun_without_time_windows_leaves_no_empty_window_folders(tmp_path, cpu_traces):

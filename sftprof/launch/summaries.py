@@ -30,6 +30,14 @@ def table_figures(summary: dict[str, Any]) -> tuple[float | None, float | None, 
     return stats.get("step_time_s"), stats.get("mem_peak_allocated_gb"), device
 
 
+def unread_files(summary: dict[str, Any]) -> str:
+    """What the end table adds to the status of a trial whose summary has errors (``errors``: one per file that
+    could not be read or processed, :mod:`sftprof.analysis.trial.problems`): ``" (summary: N file(s) not read, see
+    its Errors)"``; ``""`` for a summary without errors (or none)."""
+    n = len(summary.get("errors") or [])
+    return f" (summary: {n} file{'s' if n > 1 else ''} not read, see its Errors)" if n else ""
+
+
 def wall_phases(summary: dict[str, Any]) -> tuple[dict[str, float | None], float | None, float | None]:
     """``({phase: seconds}, elapsed_s, cold_start_s)`` of a summary's ``wall_time``
     (:func:`sftprof.analysis.trial.wall_time.wall_time`); ``({}, None, None)`` for a summary without one (of an

@@ -4,9 +4,10 @@ Errors: a trace or snapshot that could not be processed (or is not the trial's),
 ``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes without or should not be read
 without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
 events left out, faults of a trace's record (:mod:`sftprof.analysis.trace.sanity`), files of an earlier postprocess
-kept beside those of this one, a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing
-that collapsed (:func:`routing_warnings`), a GPU shared with processes not of the trial
-(:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose trace is missing (:func:`missing_traces`).
+kept beside those of this one (an all-ranks view not rebuilt: :func:`kept_merged_view`), a damaged or missing
+``stats.jsonl``, optional inputs that are missing, MoE routing that collapsed (:func:`routing_warnings`), a GPU
+shared with processes not of the trial (:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose
+trace is missing (:func:`missing_traces`).
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from sftprof.analysis.trial.schema import (FileError, FileWarning, NvidiaSmi, Sn
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
 from sftprof.analysis.trace.sanity import fault_messages
 from sftprof.analysis.time.trace_summary import BEGIN_END_NOTE, UNPAIRED_NOTE, invalid_events_message
+from sftprof.analysis.views.merged import merged_files
 from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
 from typing import Any, Mapping, Sequence, TypedDict
 
-__all__ = ["problems", "missing_traces", "missing_trace_warnings", "routing_warnings", "shared_gpu_warnings",
-           "optional_input_warnings"]
+__all__ = ["problems", "missing_traces", "missing_trace_warnings", "kept_merged_view", "routing_warnings",
+           "shared_gpu_warnings", "optional_input_warnings"]
 
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
@@ -54,6 +56,22 @@ def missing_trace_warnings(cfg: Mapping[str, Any] | None, ranks: list[int]) -> l
     return [{"file": os.path.join(artifacts.PERF_TRACER, trace_name(r)),
              "warning": f"rank {r}: {MISSING_TRACE}{cfg['perf_tracer'].get('ranks')!r} profiles it; this summary "
                         "leaves that rank out"} for r in ranks]
+
+
+def kept_merged_view(record: TrialRecord, run_dir: str) -> list[FileWarning]:
+    """The warning (one, or none) that the all-ranks view in ``run_dir`` is an earlier postprocess's: a kernel trial
+    whose postprocess wrote fewer than two ranks' views leaves it as it was, not rebuilt
+    (:func:`sftprof.analysis.views.merged.merge_trial`; ``record["merged_view"]`` None)."""
+    if record["profile_kind"] != "kernel" or record.get("merged_view") is not None:
+        return []
+    kept = merged_files(os.path.join(run_dir, KERNEL_TRACES))
+    if not kept:
+        return []
+    n = sum("views" in t for t in record.get("kernel_traces") or [])
+    return [{"file": ", ".join(os.path.relpath(p, run_dir) for p in kept),
+             "warning": f"an earlier postprocess's all-ranks view, left in place: not rebuilt this time, as this "
+                        f"postprocess wrote the views of {n} rank(s) only (it merges two or more); it may not match "
+                        "this summary's traces"}]
 
 
 def _kept_warnings(it: TraceEntry | SnapshotEntry, file: str, what: str, kept_views: list[str]) -> list[FileWarning]:

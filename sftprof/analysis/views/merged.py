@@ -59,7 +59,7 @@ from sftprof.analysis.views.schema import ClockShift, MergedView
 from sftprof.analysis.views.split import MAX_VIEW_BYTES
 from sftprof.analysis.views.windows import SAMPLES, WindowedView, split_into_windows, window_cuts
 
-__all__ = ["clock_shifts", "write_merged_view", "merge_trial"]
+__all__ = ["clock_shifts", "write_merged_view", "merge_trial", "merged_files"]
 
 _COMPACT = (",", ":")
 _FLOWS = frozenset("stf")
@@ -314,13 +314,21 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
     return [json.dumps(m, separators=_COMPACT) for m in meta], sampled
 
 
+def merged_files(out_dir: str) -> list[str]:
+    """Paths of the all-ranks view's files under ``out_dir`` (a trial's ``kernel_traces``; one file, or its time
+    windows, of either compression), sorted; none when there is no such view."""
+    return sorted(glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".pt.trace.json*")))
+
+
 def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[ClockOffset]], *, compress: bool,
                 max_view_bytes: int = MAX_VIEW_BYTES, jobs: int = 1, rel_to: str) -> Optional[MergedView]:
     """The all-ranks view of a trial's kernel traces (``<out_dir>/all_ranks/``:
     :func:`sftprof.artifacts.merged_view_path`).
 
     Written to a staging folder next to ``out_dir`` (``.staging_ranks_all_*``), then replacing an earlier postprocess's
-    all-ranks files only when it is complete; fewer than two ranks' views leave everything as it is.
+    all-ranks files only when it is complete; fewer than two ranks' views leave everything as it is (an earlier
+    all-ranks view then stays, named in the summary's warnings:
+    :func:`sftprof.analysis.trial.problems.kept_merged_view`).
 
     Args:
         views: rank -> the paths of its ``chrome`` view written by this postprocess.
@@ -339,7 +347,7 @@ def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[lis
     try:
         staged, shifts = write_merged_view(views, merged_view_path(stage, compress), offsets,
                                            max_view_bytes=max_view_bytes, jobs=jobs, progress=False)
-        for old in glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".pt.trace.json*")):
+        for old in merged_files(out_dir):
             os.remove(old)  # an earlier postprocess's (other compression, other windows)
             if not os.listdir(os.path.dirname(old)):
                 os.rmdir(os.path.dirname(old))
