@@ -431,9 +431,9 @@ class KernelTraceAnalyzer:
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
             "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()],
+                                            kinds=t.kind, names=t.names, name_idx=t.name_idx,
                                             nbytes=t.nbytes, device_name=self._device_name),
             "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name,
+                                       groups=t.group, ext=t.ext, pg_names=t.pg_name,
                                        pg_members=self.pg_members()),
         }
