@@ -42,8 +42,9 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
     Args:
         place: each GPU activity's part and phase; tids, pts: its launch thread and time (us, NaN: unknown);
         dur: its duration (us); inside: launched in the step window; kinds: index into
-        :data:`sftprof.analysis.time.gpu_activity.GPU_ACTIVITY_CATS` (0: kernel); names, name_idx: the distinct names and each activity's index into them; nbytes: bytes of a
-        copy or fill (0 when not given); device_name: the trace's GPU (its peaks: :func:`device_peaks`).
+        :data:`sftprof.analysis.time.gpu_activity.GPU_ACTIVITY_CATS` (0: kernel); names, name_idx: the distinct
+        names and each activity's index into them (int32); nbytes: bytes of a copy or fill (0 when not given);
+        device_name: the trace's GPU (its peaks: :func:`device_peaks`).
     """
     parts, phases = place.parts, place.phases
     peaks = device_peaks(device_name)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 from array import array
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class CpuOpStore:
         # the ops not yet written (the first _n): start, dur (us), thread, name index; allocated once, as the block
         # they are written from, so that the pass frees no large buffer (glibc would then keep the growing columns
         # of the other records in its heap, fragmented)
-        self._buf: tuple[array[float], array[float], array[int], array[int]] = (
+        self._buf: tuple[array[Any], ...] = (
             array("d", bytes(8 * bucket_ops)), array("d", bytes(8 * bucket_ops)), array("q", bytes(8 * bucket_ops)),
             array("i", bytes(4 * bucket_ops)))
         self._n = 0
@@ -105,9 +105,8 @@ class CpuOpStore:
     def _flush(self) -> None:
         """Write the buffered ops to the file."""
         rows = self._block[:self._n]
-        for field, column, dtype in zip(("start", "dur", "tid", "name"), self._buf, (np.float64, np.float64,
-                                                                                      np.int64, np.int32)):
-            rows[field] = np.frombuffer(column, dtype=dtype, count=self._n)
+        for field, column in zip(("start", "dur", "tid", "name"), self._buf):
+            rows[field] = np.frombuffer(column, dtype=np.dtype(column.typecode), count=self._n)
         self._ops.append(rows)
         self._n = 0
 
@@ -142,7 +141,7 @@ class CpuOpStore:
         """Drop the ops equal in thread, start, end and name to an earlier op (a record written twice); returns
         their number and ``(name index, start us)`` of the first ``examples`` of them (in the order of the ops)."""
         self._settle()
-        count, first = 0, []
+        count, first = 0, list[tuple[int, int, float]]()
         for spill in self._buckets:  # equal ops start together: in one bucket
             rows = spill.read()
             dup = repeated_rows(rows["start"], rows["tid"], rows["start"] + rows["dur"], rows["name"].astype(np.int64))
@@ -244,9 +243,9 @@ class CpuOpStore:
 
     def self_us(self, lo: float, hi: float) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """The kept ops starting in ``[lo, hi]`` (us) in their order, in blocks of columns ``(idx, name, own,
-        incl)``: the op's index (int64), name index (intp), self time (its end - start minus that of the ops starting in the window
-        nested directly in it on its thread, :func:`~sftprof.analysis.trace.intervals.previous_open`'s parent, summed
-        in the order of the nesting; at least 0) and inclusive time (end - start), us (float64)."""
+        incl)``: the op's index (int64), name index (intp), self time (its end - start minus that of the ops starting
+        in the window nested directly in it on its thread, :func:`~sftprof.analysis.trace.intervals.previous_open`'s
+        parent, summed in the order of the nesting; at least 0) and inclusive time (end - start), us (float64)."""
         self._settle()
         size = self._bucket_ops
         parts = [_Spill(os.path.join(self._dir.name, f"self{k}"), _SELF) for k in range(-(-self._ops.rows // size))]
