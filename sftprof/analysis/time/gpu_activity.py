@@ -53,7 +53,7 @@ class ActivityTable:
     Attributes:
         names: unique activity names; ``name_idx[i]`` indexes it.
         name_idx: int32, per activity, index into ``names``.
-        kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
+        kind: int8, index into :data:`GPU_ACTIVITY_CATS`.
         ts, dur, end: float64 start, duration and end (us).
         dev: int64 device (trace ``pid``), -1 when absent.
         stream: int64 stream (trace ``tid``), -1 when absent.

@@ -100,6 +100,7 @@ class OpCollector:
         self._flow_s: tuple[array[int], array[int], array[float]] = (array("q"), array("q"), array("d"))
         self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
         self._flows_done: Optional[tuple[np.ndarray, ...]] = None
+        self._ended = False  # end_pass: the calls and flow events above freed, their answers kept
         self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
         self.cpu_ops = CpuOpStore(bucket_ops)  # every cpu_op, on disk: start, dur as recorded, thread, name index
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
@@ -174,6 +175,8 @@ class OpCollector:
                     idx = self._region_index[name] = len(self._region_keys)
                     self._region_keys.append(key)
                 self.regions.add(tid, ts, ts + dur, idx)
+        elif cat in ("cuda_runtime", "cuda_driver", "fwdbwd") and self._ended:
+            raise RuntimeError("a CUDA API call or flow after the pass (OpCollector.end_pass)")
         elif cat in ("cuda_runtime", "cuda_driver"):
             args = ev.get("args") or {}
             corr = args.get("correlation")
@@ -213,6 +216,16 @@ class OpCollector:
         self.flop_ops.add(tid, ts, ts + dur, len(self._flop_op_flops))
         self._flop_op_what.append(what)
         self._flop_op_flops.append(flops)
+
+    def end_pass(self) -> None:
+        """The pass is over: work out the CUDA API calls' launch table and repeats (:meth:`_api_calls`) and the
+        fwdbwd flows by id (:meth:`_flows`), and free the calls and flow events as collected (25 and 24 bytes each);
+        a call or flow event added after it raises RuntimeError."""
+        self._api_calls()
+        self._flows()
+        self._api = (array("q"), array("q"), array("d"), array("b"))
+        self._flow_s, self._flow_e = (array("q"), array("q"), array("d")), (array("q"), array("d"), array("q"))
+        self._ended = True
 
     def _api_calls(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The CUDA API calls' launch table: sorted correlation ids and, of each, the thread and start (us) of its

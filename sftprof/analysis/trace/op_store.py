@@ -82,9 +82,7 @@ class CpuOpStore:
         # the ops not yet written (the first _n): start, dur (us), thread, name index; allocated once, as the block
         # they are written from, so that the pass frees no large buffer (glibc would then keep the growing columns
         # of the other records in its heap, fragmented)
-        self._buf: tuple[array[Any], ...] = (
-            array("d", bytes(8 * bucket_ops)), array("d", bytes(8 * bucket_ops)), array("q", bytes(8 * bucket_ops)),
-            array("i", bytes(4 * bucket_ops)))
+        self._buf: tuple[array[Any], ...] = tuple(array(code, [0]) * bucket_ops for code in "ddqi")
         self._n = 0
         self._block = np.empty(bucket_ops, dtype=_OP)
         self._kept = np.ones(0, dtype=bool)  # per op: not dropped (1 byte an op)
