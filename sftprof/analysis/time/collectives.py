@@ -59,8 +59,8 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
     end = ts + dur
     rows: dict[tuple[str, str], _Acc] = {}
     seen_ops: set[int] = set()
-    sel = np.flatnonzero(inside & is_comm)
-    for i, x in zip(sel.tolist(), ext[sel].tolist()):
+    launched = np.flatnonzero(inside & is_comm)  # the NCCL kernels launched in the window
+    for i, x in zip(launched.tolist(), ext[launched].tolist()):
         info = ops.comm_ops.get(x) or {}
         key = (groups[i] or "unknown", info.get("collective") or "?")
         r = rows.setdefault(key, {"group": key[0], "collective": key[1], "calls": 0, "bytes": 0, "bytes_known": True,
@@ -97,8 +97,9 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
         c_in = intervals.union(ts[on & is_comm & inside], end[on & is_comm & inside])
         outside += (intervals.length(*c_all) - intervals.intersection_length(c_all, comp)
                     - intervals.length(*c_in) + intervals.intersection_length(c_in, comp))
-    coll = {i: (ops.comm_ops.get(x) or {}).get("collective") or "?" for i, x in zip(sel.tolist(), ext[sel].tolist())}
-    calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=sel, ext=ext,
+    coll = {i: (ops.comm_ops.get(x) or {}).get("collective") or "?"
+            for i, x in zip(launched.tolist(), ext[launched].tolist())}
+    calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=launched, ext=ext,
                                    pg_names=pg_names, labels=groups, collectives=coll, members=pg_members,
                                    comp_by_dev=comp_by_dev)
     return {"rows": out_rows, "exposed_by_group_ms": {g: ms(v) for g, v in sorted(exposed.items())},
