@@ -176,3 +176,14 @@ def test_the_summary_by_small_time_buckets_is_the_summary_of_one_bucket(monkeypa
     assert whole["host"]["top_self"] and whole["host"]["sync"]["by_call"]
     monkeypatch.setattr(trace_summary, "OpCollector", lambda: OpCollector(1000))
     assert _summary(two, 2) == whole
+
+
+def test_ops_added_after_a_question_are_in_the_next_one():
+    store = CpuOpStore(4)
+    for i in range(6):
+        store.add(1, float(i), 0.5, 0)
+    assert len(store) == 6
+    for i in range(6, 10):  # a whole block, written by add itself
+        store.add(1, float(i), 0.5, 1)
+    assert len(store) == 10 and store.name_totals(2)[0].tolist() == [6, 4]
+    assert store.innermost(np.array([1]), np.array([9.25]))[0].tolist() == [9]

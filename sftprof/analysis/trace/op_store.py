@@ -18,7 +18,9 @@ split, by index.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from array import array
 from typing import Any, Callable, Iterator, Optional
 
@@ -78,11 +80,11 @@ class CpuOpStore:
 
     def __init__(self, bucket_ops: int = BUCKET_OPS) -> None:
         self._bucket_ops = bucket_ops
-        self._dir = tempfile.TemporaryDirectory(prefix="sftprof_cpu_ops_")
-        self._ops = _Spill(os.path.join(self._dir.name, "ops"), _OP)
+        self._dir = tempfile.mkdtemp(prefix="sftprof_cpu_ops_")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # the files go with the store
+        self._ops = _Spill(os.path.join(self._dir, "ops"), _OP)
         # the ops not yet written (the first _n): start, dur (us), thread, name index; allocated once, as the block
-        # they are written from, so that the pass frees no large buffer (glibc would then keep the growing columns
-        # of the other records in its heap, fragmented)
+        # they are written from (no large buffer allocated and freed per block)
         self._buf: tuple[array[Any], ...] = tuple(array(code, [0]) * bucket_ops for code in "ddqi")
         self._n = 0
         self._block = np.empty(bucket_ops, dtype=_OP)
@@ -108,6 +110,7 @@ class CpuOpStore:
             rows[field] = np.frombuffer(column, dtype=np.dtype(column.typecode), count=self._n)
         self._ops.append(rows)
         self._n = 0
+        self._bounds = None  # the buckets hold the ops written before
 
     def __len__(self) -> int:
         """The ops kept (added and not dropped)."""
@@ -115,10 +118,9 @@ class CpuOpStore:
         return int(np.count_nonzero(self._kept))
 
     def _settle(self) -> None:
-        """After the last op: write the buffer and split the ops into time buckets (once per number of ops)."""
+        """After the last op: write the buffer and split the ops into time buckets (again after more ops)."""
         if self._n:
             self._flush()
-            self._bounds = None
         if self._bounds is not None:
             return
         n, size = self._ops.rows, self._bucket_ops
@@ -127,7 +129,7 @@ class CpuOpStore:
         sample = np.sort(np.concatenate([np.sort(rows["start"])[::step] for _, rows in self._ops.blocks(size)]
                                         or [np.zeros(0)]))
         self._bounds = np.unique(sample[size // step::size // step])
-        self._buckets = [_Spill(os.path.join(self._dir.name, f"bucket{k}"), _ROW)
+        self._buckets = [_Spill(os.path.join(self._dir, f"bucket{k}"), _ROW)
                          for k in range(self._bounds.size + 1)]
         for first, ops in self._ops.blocks(size):
             rows = np.empty(ops.size, dtype=_ROW)
@@ -247,7 +249,7 @@ class CpuOpStore:
         parent, summed in the order of the nesting; at least 0) and inclusive time (end - start), us (float64)."""
         self._settle()
         size = self._bucket_ops
-        parts = [_Spill(os.path.join(self._dir.name, f"self{k}"), _SELF) for k in range(-(-self._ops.rows // size))]
+        parts = [_Spill(os.path.join(self._dir, f"self{k}"), _SELF) for k in range(-(-self._ops.rows // size))]
         carried_idx, carried_child = np.zeros(0, dtype=np.int64), np.zeros(0)  # ops open past a bucket: child us
         for _, t1, ops, idx, started in self.buckets():
             order, _, s_st, s_en, parent = ops.nesting()
