@@ -1,11 +1,21 @@
-"""The kernel summary's compact records (issue 49 item 1): the CPU ops' self time from the kept nesting index, and the
-CUDA API calls and fwdbwd flows kept in arrays, give what the earlier per-event dicts and per-window sort gave."""
+"""The kernel summary's compact records (issue 49 item 1): the CPU ops on disk, read one time bucket at a time, the
+CUDA API calls and fwdbwd flows kept in arrays, give what the earlier ops in memory, per-event dicts and per-window
+sort gave, bit for bit."""
 from __future__ import annotations
 
-import numpy as np
+import gzip
+import json
 
-from sftprof.analysis.trace.intervals import previous_open
+import numpy as np
+import pytest
+
+from fixtures import FIXTURE_DIR
+from fixtures.faults import duplicate, with_second_step
+from sftprof.analysis.time import trace_summary
+from sftprof.analysis.trace.check import event_problem
+from sftprof.analysis.trace.intervals import ThreadIntervals, previous_open, repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
+from sftprof.analysis.trace.op_store import BUCKET_OPS, CpuOpStore
 
 
 def _nested_ops(rng: np.random.Generator, n_threads: int, depth: int) -> list[tuple[int, float, float]]:
@@ -44,13 +54,14 @@ def _self_us_of_window(ops: list[tuple[int, float, float]], lo: float, hi: float
     return {int(i): float(max(en[i] - st[i] - child[i], 0.0)) for i in keep}
 
 
-def test_self_time_from_the_kept_nesting_index_equals_the_windows_own_nesting():
+@pytest.mark.parametrize("bucket_ops", [BUCKET_OPS, 5, 13])
+def test_self_time_by_time_bucket_equals_the_windows_own_nesting(bucket_ops):
+    """Windows and buckets that cut through nested ops: each op's self time as the window's own nesting gives it."""
     rng = np.random.default_rng(7)
     ops = _nested_ops(rng, n_threads=3, depth=4)
-    collector = OpCollector()
+    collector = OpCollector(bucket_ops)
     for tid, a, b in ops:
         collector.add_cpu_op(tid, "aten::op", None, a, b - a)
-    collector.cpu_ops.nesting()  # built once, as the blocking calls' lookup does before the self times
     ends = sorted(b for _, _, b in ops)
     # windows that cut through parents (their children start inside), the whole trace, and an empty one
     for lo, hi in ((ends[5], ends[-20]), (-1.0, 1e9), (ends[40] + 0.25, ends[41] - 0.25), (2e9, 3e9)):
@@ -90,3 +101,89 @@ def test_flows_keep_the_last_start_of_an_id_and_the_last_id_ending_at_an_op():
     s_id, s_tid, s_ts, e_tid, e_ts, e_id = ops._flows()
     assert s_id.tolist() == [hash(1)] and s_tid.tolist() == [1] and s_ts.tolist() == [6.0]
     assert list(zip(e_tid.tolist(), e_ts.tolist(), e_id.tolist())) == [(2, 50.0, hash(1)), (2, 40.0, hash("x"))]
+
+
+def _store(ops: list[tuple[int, float, float]], names: list[int], bucket_ops: int) -> CpuOpStore:
+    store = CpuOpStore(bucket_ops)
+    for (tid, a, b), k in zip(ops, names):
+        store.add(tid, a, b - a, k)
+    return store
+
+
+@pytest.mark.parametrize("bucket_ops", [4, 9, 64])
+def test_ops_by_time_bucket_answer_as_all_ops_in_memory(bucket_ops):
+    """The innermost op around points (all ops, and the ops of some names), the ops recorded twice and the sums per
+    name, one bucket at a time, equal those of all the ops in memory (overlapping, not nested ops included)."""
+    rng = np.random.default_rng(11)
+    ops = _nested_ops(rng, n_threads=2, depth=3)
+    ops += [(100, a, a + float(rng.uniform(1, 300))) for a in rng.uniform(0, 600, size=15).tolist()]  # overlapping
+    ops += [ops[i] for i in rng.integers(0, len(ops), size=10).tolist()]  # recorded twice
+    names = rng.integers(0, 4, size=len(ops)).tolist()
+    names[-10:] = [names[ops.index(o)] for o in ops[-10:]]
+    store = _store(ops, names, bucket_ops)
+    tid = np.array([o[0] for o in ops], dtype=np.int64)
+    st = np.array([o[1] for o in ops])
+    en = np.array([o[2] for o in ops])
+    name = np.array(names, dtype=np.int64)
+    dup = repeated_rows(st, tid, en, name)
+    count, examples = store.drop_repeated(3)
+    assert count == int(dup.sum()) > 0 and store.kept.tolist() == (~dup).tolist()
+    assert examples == [(int(name[i]), float(st[i])) for i in np.flatnonzero(dup)[:3]]
+    keep = ~dup
+    memory = ThreadIntervals.from_arrays(tid[keep], st[keep], en[keep], name[keep])
+    at = np.flatnonzero(keep)
+    p_tid = rng.choice([100, 101, 102, 7], size=400).astype(np.int64)
+    p_x = rng.uniform(-10, 900, size=400)
+    p_x[::50] = np.nan
+    p_x[1::50] = st[rng.integers(0, st.size, size=8)]  # on an op's start
+    want = memory.innermost(p_tid, np.where(np.isnan(p_x), -np.inf, p_x))
+    got_idx, got_name = store.innermost(p_tid, p_x)
+    assert got_idx.tolist() == np.where(want >= 0, at[want], -1).tolist()
+    assert got_name.tolist() == np.where(want >= 0, name[keep][want], -1).tolist()
+    named = np.array([True, False, True, False])
+    sub = named[name[keep]]
+    memory = ThreadIntervals.from_arrays(tid[keep][sub], st[keep][sub], en[keep][sub], name[keep][sub])
+    want = memory.innermost(p_tid, np.where(np.isnan(p_x), -np.inf, p_x))
+    assert store.innermost(p_tid, p_x, named)[0].tolist() == np.where(want >= 0, at[sub][want], -1).tolist()
+    assert store.drop_where(lambda start: start > 300.0) == int((keep & (st > 300.0)).sum())
+    keep &= st <= 300.0
+    calls, us = store.name_totals(4)
+    dur = np.array([b - a for _, a, b in ops])
+    assert calls.tolist() == np.bincount(name[keep], minlength=4).tolist()
+    assert us.tolist() == np.bincount(name[keep], weights=dur[keep], minlength=4).tolist()  # bit for bit
+
+
+def _summary(trace: dict, step: int) -> dict:
+    """The kernel summary of ``trace`` (invalid events to ``add_invalid``), collectives' calls left out."""
+    a = trace_summary.KernelTraceAnalyzer({k: v for k, v in trace.items() if k != "traceEvents"}, step=step)
+    for e in trace["traceEvents"]:
+        problem = event_problem(e)
+        if problem:
+            a.add_invalid(problem, json.dumps(e))
+        else:
+            a.add(e)
+    return a.summary()
+
+
+def test_the_summary_by_small_time_buckets_is_the_summary_of_one_bucket(monkeypatch):
+    """A real trace with a second profiler step and every CPU op recorded twice, summarised with 1000 CPU ops a time
+    bucket (about 70 buckets) and with one bucket (all ops in memory at once, as before): the same summary."""
+    te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
+    two = with_second_step(te, 3, longer_us=1e6)
+    duplicate(two, [e for e in two["traceEvents"] if e.get("cat") == "cpu_op"])
+    whole = _summary(two, 2)
+    assert whole["sanity"]["duplicates"]["count"] and whole["sanity"]["other_steps"]["count"]
+    assert whole["host"]["top_self"] and whole["host"]["sync"]["by_call"]
+    monkeypatch.setattr(trace_summary, "OpCollector", lambda: OpCollector(1000))
+    assert _summary(two, 2) == whole
+
+
+def test_ops_added_after_a_question_are_in_the_next_one():
+    store = CpuOpStore(4)
+    for i in range(6):
+        store.add(1, float(i), 0.5, 0)
+    assert len(store) == 6
+    for i in range(6, 10):  # a whole block, written by add itself
+        store.add(1, float(i), 0.5, 1)
+    assert len(store) == 10 and store.name_totals(2)[0].tolist() == [6, 4]
+    assert store.innermost(np.array([1]), np.array([9.25]))[0].tolist() == [9]

@@ -45,7 +45,7 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, inside: np.ndarray,
-                is_comm: np.ndarray, groups: list[Optional[str]], ext: list[int], pg_names: list[Optional[str]],
+                is_comm: np.ndarray, groups: list[Optional[str]], ext: np.ndarray, pg_names: list[Optional[str]],
                 pg_members: dict[str, list[int]]) -> Collectives:
     """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group and of the
     NCCL kernels outside the step window; the calls' timeline per process group
@@ -59,14 +59,15 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
     end = ts + dur
     rows: dict[tuple[str, str], _Acc] = {}
     seen_ops: set[int] = set()
-    for i in np.flatnonzero(inside & is_comm):
-        info = ops.comm_ops.get(ext[i]) or {}
+    launched = np.flatnonzero(inside & is_comm)  # the NCCL kernels launched in the window
+    for i, x in zip(launched.tolist(), ext[launched].tolist()):
+        info = ops.comm_ops.get(x) or {}
         key = (groups[i] or "unknown", info.get("collective") or "?")
         r = rows.setdefault(key, {"group": key[0], "collective": key[1], "calls": 0, "bytes": 0, "bytes_known": True,
                                   "us": 0.0, "group_size": info.get("group_size")})
         r["us"] += dur[i]
-        if ext[i] not in seen_ops:  # one call per launching op (a coalesced call may launch several kernels)
-            seen_ops.add(ext[i])
+        if x not in seen_ops:  # one call per launching op (a coalesced call may launch several kernels)
+            seen_ops.add(x)
             r["calls"] += 1
             if info.get("bytes") is None:
                 r["bytes_known"] = False
@@ -96,8 +97,9 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
         c_in = intervals.union(ts[on & is_comm & inside], end[on & is_comm & inside])
         outside += (intervals.length(*c_all) - intervals.intersection_length(c_all, comp)
                     - intervals.length(*c_in) + intervals.intersection_length(c_in, comp))
-    coll = [(ops.comm_ops.get(x) or {}).get("collective") or "?" for x in ext]
-    calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=np.flatnonzero(inside & is_comm), ext=ext,
+    coll = {i: (ops.comm_ops.get(x) or {}).get("collective") or "?"
+            for i, x in zip(launched.tolist(), ext[launched].tolist())}
+    calls = comm_wait.call_records(ts=ts, end=end, devs=devs, sel=launched, ext=ext,
                                    pg_names=pg_names, labels=groups, collectives=coll, members=pg_members,
                                    comp_by_dev=comp_by_dev)
     return {"rows": out_rows, "exposed_by_group_ms": {g: ms(v) for g, v in sorted(exposed.items())},

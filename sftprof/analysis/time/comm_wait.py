@@ -48,8 +48,8 @@ Call = tuple[str, list[list[float]], list[list[float]]]  # collective, kernel in
 Pieces = list[list[float]]  # [start_us, end_us] pieces
 
 
-def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.ndarray, ext: list[int],
-                 pg_names: list[Optional[str]], labels: list[Optional[str]], collectives: list[str],
+def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.ndarray, ext: np.ndarray,
+                 pg_names: list[Optional[str]], labels: list[Optional[str]], collectives: dict[int, str],
                  members: dict[str, list[int]], comp_by_dev: dict[int, intervals.Intervals]) -> CallRecords:
     """One rank's collectives per process group, in the order they ran, for :func:`split`.
 
@@ -57,10 +57,10 @@ def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.n
         ts, end: float64 start and end (us, trace clock) per GPU activity.
         devs: int64 device per activity.
         sel: int64 indexes of the NCCL kernels launched in the step window.
-        ext: ``External id`` per activity (-1 when absent: the kernel is a call of its own).
+        ext: int64 ``External id`` per activity (-1 when absent: the kernel is a call of its own).
         pg_names: process-group name per activity (None: unknown; those kernels are left out).
         labels: parallelism label per activity (``EP``, ``CP``, ...).
-        collectives: collective name per activity (``all_to_allv``, ...).
+        collectives: collective name of each activity of ``sel`` (``all_to_allv``, ...), by its index.
         members: process-group name -> global ranks (:meth:`KernelTraceAnalyzer.pg_members`).
         comp_by_dev: device -> disjoint sorted intervals of its non-communication GPU activity in the window.
 
@@ -72,12 +72,12 @@ def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.n
     """
     ops: dict[tuple[str, int], list[int]] = defaultdict(list)
     unnamed = 0
-    for k, i in enumerate(sel.tolist()):
+    for k, (i, x) in enumerate(zip(sel.tolist(), ext[sel].tolist())):
         name = pg_names[i]
         if name is None:
             unnamed += 1
             continue
-        ops[(name, ext[i] if ext[i] != -1 else -2 - k)].append(i)  # no External id: a call of its own
+        ops[(name, x if x != -1 else -2 - k)].append(i)  # no External id: a call of its own
     out: dict[str, GroupCalls] = {}
     for (name, _), idx in ops.items():
         g = out.setdefault(name, {"label": labels[idx[0]], "members": members.get(name), "calls": []})

@@ -35,15 +35,16 @@ def device_peaks(device_name: Optional[str]) -> DevicePeaks:
 
 
 def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, pts: np.ndarray, dur: np.ndarray,
-                      inside: np.ndarray, kinds: np.ndarray, names: list[str], nbytes: np.ndarray,
+                      inside: np.ndarray, kinds: np.ndarray, names: list[str], name_idx: np.ndarray, nbytes: np.ndarray,
                       device_name: Optional[str]) -> Efficiency:
     """Rates of the FLOP-counted ops and of the copies and fills launched in the step window (module docstring).
 
     Args:
         place: each GPU activity's part and phase; tids, pts: its launch thread and time (us, NaN: unknown);
         dur: its duration (us); inside: launched in the step window; kinds: index into
-        :data:`sftprof.analysis.time.gpu_activity.GPU_ACTIVITY_CATS` (0: kernel); names: its name; nbytes: bytes of a
-        copy or fill (0 when not given); device_name: the trace's GPU (its peaks: :func:`device_peaks`).
+        :data:`sftprof.analysis.time.gpu_activity.GPU_ACTIVITY_CATS` (0: kernel); names, name_idx: the distinct
+        names and each activity's index into them (int32); nbytes: bytes of a copy or fill (0 when not given);
+        device_name: the trace's GPU (its peaks: :func:`device_peaks`).
     """
     parts, phases = place.parts, place.phases
     peaks = device_peaks(device_name)
@@ -80,7 +81,7 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
     # Memory-bound: copies and fills, whose events carry their byte count.
     mem: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for i in np.flatnonzero(inside & (kinds != 0) & (nbytes > 0)):
-        m = mem[names[i]]
+        m = mem[names[name_idx[i]]]
         m[0] += nbytes[i]
         m[1] += dur[i]
         m[2] += 1

@@ -53,7 +53,7 @@ class ActivityTable:
     Attributes:
         names: unique activity names; ``name_idx[i]`` indexes it.
         name_idx: int32, per activity, index into ``names``.
-        kind: int64, index into :data:`GPU_ACTIVITY_CATS`.
+        kind: int8, index into :data:`GPU_ACTIVITY_CATS`.
         ts, dur, end: float64 start, duration and end (us).
         dev: int64 device (trace ``pid``), -1 when absent.
         stream: int64 stream (trace ``tid``), -1 when absent.
@@ -106,10 +106,6 @@ class ActivityTable:
                              corr=self.corr[keep], ext=self.ext[keep], launch_tid=self.launch_tid[keep],
                              launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
                              group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
-
-    def labels(self) -> list[str]:
-        """Category per activity, collectives with their group: ``NCCL AllReduce [TP]``."""
-        return [f"{c} [{g}]" if self.is_comm[i] and g else c for i, (c, g) in enumerate(zip(self.category, self.group))]
 
 
 # -- one function per question over the activity table -----------------------------------------------------
@@ -176,29 +172,30 @@ def top_kernels(table: ActivityTable, limit: int = TOP_KERNELS) -> list[KernelRo
     Shares are of the total GPU activity time (all activities); ties are ordered by name.
     """
     total_us = float(table.dur.sum())
-    durs, name_idx = table.dur.tolist(), table.name_idx.tolist()
-    k_tot: dict[int, float] = defaultdict(float)
-    k_calls: dict[int, int] = defaultdict(int)
-    for i in np.flatnonzero(table.kind == 0).tolist():
-        k_tot[name_idx[i]] += durs[i]
-        k_calls[name_idx[i]] += 1
-    top = sorted(k_tot.items(), key=lambda kv: (-kv[1], table.names[kv[0]]))[:limit]
-    return [{"name": table.names[k], "calls": k_calls[k], "total_ms": ms(t),
-             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0} for k, t in top]
+    kernels = table.kind == 0
+    name = table.name_idx[kernels].astype(np.intp)
+    us = np.zeros(len(table.names))
+    np.add.at(us, name, table.dur[kernels])  # in trace order
+    k_tot, k_calls = us.tolist(), np.bincount(name, minlength=len(table.names)).tolist()
+    top = sorted(np.flatnonzero(k_calls).tolist(), key=lambda k: (-k_tot[k], table.names[k]))[:limit]
+    return [{"name": table.names[k], "calls": k_calls[k], "total_ms": ms(k_tot[k]),
+             "share_pct": round(100 * k_tot[k] / total_us, 3) if total_us else 0.0} for k in top]
 
 
 def time_by_category(table: ActivityTable) -> list[CategoryRow]:
-    """GPU time per category (:meth:`ActivityTable.labels`): ``{category, calls, total_ms, share_pct}``, sums to
-    100 %."""
+    """GPU time per category, collectives with their group (``NCCL AllReduce [TP]``): ``{category, calls, total_ms,
+    share_pct}``, sums to 100 %."""
     total_us = float(table.dur.sum())
-    c_tot: dict[str, float] = defaultdict(float)
-    c_calls: dict[str, int] = defaultdict(int)
-    for lab, d in zip(table.labels(), table.dur.tolist()):
-        c_tot[lab] += d
-        c_calls[lab] += 1
-    return [{"category": c, "calls": c_calls[c], "total_ms": ms(t),
-             "share_pct": round(100 * t / total_us, 3) if total_us else 0.0}
-            for c, t in sorted(c_tot.items(), key=lambda kv: (-kv[1], kv[0]))]
+    index: dict[str, int] = {}  # label -> its index, in the order of first appearance
+    label = np.fromiter((index.setdefault(f"{c} [{g}]" if comm and g else c, len(index))
+                         for c, g, comm in zip(table.category, table.group, table.is_comm.tolist())),
+                        dtype=np.intp, count=table.n)
+    us = np.zeros(len(index))
+    np.add.at(us, label, table.dur)  # in trace order
+    c_tot, c_calls = us.tolist(), np.bincount(label, minlength=len(index)).tolist()
+    return [{"category": c, "calls": c_calls[k], "total_ms": ms(c_tot[k]),
+             "share_pct": round(100 * c_tot[k] / total_us, 3) if total_us else 0.0}
+            for c, k in sorted(index.items(), key=lambda kv: (-c_tot[kv[1]], kv[0]))]
 
 
 def communication(table: ActivityTable, host_comm: list[Span]) -> Communication:

@@ -214,12 +214,9 @@ def _union_us(spans: list[tuple[int, float, float]]) -> float:
 def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
     """The heaviest op of the step window (module docstring); None without a window or CPU ops in it."""
     lo, hi = window
-    if lo is None or hi is None or not len(ops.cpu_ops.start):
+    if lo is None or hi is None or not len(ops.cpu_ops):
         return None
-    c = ops.cpu_ops
-    tid = np.frombuffer(c.tid, dtype=np.int64)
-    st, en = np.frombuffer(c.start, dtype=np.float64), np.frombuffer(c.end, dtype=np.float64)
-    name = np.frombuffer(c.payload, dtype=np.int64)
+    tid, st, en, name = ops.cpu_ops.arrays()
     calls: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
     for i in np.flatnonzero((st >= lo) & (st <= hi)).tolist():
         calls[int(name[i])].append((int(tid[i]), float(st[i]), float(en[i])))
@@ -252,9 +249,7 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
 def top_cpu_ops(ops: OpCollector, limit: int = TOP_CPU_OPS) -> list[CpuOpRow]:
     """The ``limit`` CPU ops with the most inclusive time (own time plus nested ops, every CPU op of the trace the
     collector holds): ``{name, calls, inclusive_ms}``."""
-    name = ops.cpu_ops.arrays()[3]
     n = len(ops.op_name_list)
-    us = np.bincount(name, weights=np.frombuffer(ops.cpu_dur, dtype=np.float64), minlength=n).tolist()
-    calls = np.bincount(name, minlength=n).tolist()
+    calls, us = (column.tolist() for column in ops.cpu_ops.name_totals(n))
     rows = sorted((k for k in range(n) if calls[k]), key=lambda k: (-us[k], ops.op_name_list[k]))[:limit]
     return [{"name": ops.op_name_list[k], "calls": calls[k], "inclusive_ms": ms(us[k])} for k in rows]

@@ -91,10 +91,8 @@ def cpu_parts(ops: OpCollector, window: Window, optimizer_windows: list[tuple[fl
     if lo is None or hi is None or not ops.has_regions:
         return None
     keep, own = ops.op_self_us(lo, hi)
-    c = ops.cpu_ops
-    tids = np.frombuffer(c.tid, dtype=np.int64)[keep]
-    starts = np.frombuffer(c.start, dtype=np.float64)[keep]
-    names = np.frombuffer(c.payload, dtype=np.int64)[keep]
+    tid, start, _, name = ops.cpu_ops.arrays()
+    tids, starts, names = tid[keep], start[keep], name[keep]
     cats = [cpu_op_category(ops.op_name_list[k]) for k in names.tolist()]
     in_opt = np.zeros(keep.size, dtype=bool)
     for a, b in optimizer_windows:
@@ -105,7 +103,7 @@ def cpu_parts(ops: OpCollector, window: Window, optimizer_windows: list[tuple[fl
     for i, us in enumerate(own[keep].tolist()):
         cells[(parts[i], layers[i], phases[i])] += us
     total = float(own[keep].sum())
-    return parts_tables(cells, total, source, int(len(c.start) - keep.size))
+    return parts_tables(cells, total, source, int(tid.size - keep.size))
 
 
 def parts_tables(cells: Cells, total: float, source: str, outside_window: int) -> Parts:

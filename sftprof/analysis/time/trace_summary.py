@@ -4,9 +4,10 @@ Feed every usable event to :meth:`KernelTraceAnalyzer.add` and every invalid one
 negative or non-finite ``dur``, ...) to :meth:`KernelTraceAnalyzer.add_invalid`
 (``sftprof.analysis.views.split.split_trace`` does both while it writes the views), then call
 :meth:`KernelTraceAnalyzer.summary`. Memory is O(number of GPU activities + CUDA API calls + flow events + CPU ops),
-kept in arrays, never the events themselves: 73 bytes a GPU activity, 25 a CUDA API call, 24 a flow event, 40 a CPU op
-and 24 more for its nesting index once the step is summarised; about 0.28 GiB of peak RSS per GiB of a kineto trace
-(bench/NOTES.md, "the summary half's memory").
+kept in arrays, never the events themselves: 73 bytes a GPU activity, 25 a CUDA API call and 24 a flow event until
+the pass ends; the CPU ops, most of a trace's events, on disk with 1 byte an op in memory
+(:mod:`sftprof.analysis.trace.op_store`), read back one time bucket at a time (bench/NOTES.md, "bounded memory of the
+summary half").
 
 The analyzer collects; each question is answered in its own module, and :meth:`KernelTraceAnalyzer.summary` puts
 the answers together: the GPU activities alone (:mod:`sftprof.analysis.time.gpu_activity`: step window, GPU busy, top
@@ -325,7 +326,7 @@ class KernelTraceAnalyzer:
     def activity_table(self, regions: list[Span]) -> ActivityTable:
         """The collected GPU activities as an :class:`ActivityTable` (``regions``: the sorted ``sftprof/*`` spans)."""
         n = len(self._a_ts)
-        kinds = np.frombuffer(self._a_kind, dtype=np.int8).astype(np.int64)
+        kinds = np.frombuffer(self._a_kind, dtype=np.int8)
         corr = np.frombuffer(self._a_corr, dtype=np.int64)
         launch_tid, launch = self._ops.launch_points(corr)
         # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
@@ -378,6 +379,7 @@ class KernelTraceAnalyzer:
         (:mod:`sftprof.analysis.time.collectives`; its ``calls``, this rank's call timeline per process group, is
         matched across ranks by the trial summary and left out of ``profile_summary.json``).
         """
+        self._ops.end_pass()
         never_ended = sum(len(v) for v in self._open_annotations.values())
         if never_ended:
             self._notes[UNPAIRED_NOTE] = self._notes.get(UNPAIRED_NOTE, 0) + never_ended
@@ -431,9 +433,9 @@ class KernelTraceAnalyzer:
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
             "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=[t.names[k] for k in t.name_idx.tolist()],
+                                            kinds=t.kind, names=t.names, name_idx=t.name_idx,
                                             nbytes=t.nbytes, device_name=self._device_name),
             "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext.tolist(), pg_names=t.pg_name,
+                                       groups=t.group, ext=t.ext, pg_names=t.pg_name,
                                        pg_members=self.pg_members()),
         }

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["union", "length", "intersection_length", "clip", "difference", "repeated_rows", "ThreadIntervals",
-           "Intervals", "keep_in_place"]
+           "Intervals"]
 
 Intervals = tuple[np.ndarray, np.ndarray]
 
@@ -141,16 +141,6 @@ def previous_open(tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.nda
     return q
 
 
-def keep_in_place(column: array[Any], mask: np.ndarray) -> None:
-    """Drop the items of ``column`` (an ``array`` of 8-byte items) where ``mask`` is False, keeping their order."""
-    view = np.frombuffer(column, dtype=np.int64 if column.typecode == "q" else np.float64)
-    kept = view[mask]
-    view[:kept.size] = kept
-    size = kept.size
-    del view, kept  # release the buffer before the array shrinks
-    del column[size:]
-
-
 class ThreadIntervals:
     """Per-thread intervals (start, end, payload) with an innermost-containment query."""
 
@@ -182,21 +172,6 @@ class ThreadIntervals:
         """``(tid, start, end, payload)`` as numpy views (int64, float64, float64, int64) of the stored intervals."""
         return (np.frombuffer(self.tid, dtype=np.int64), np.frombuffer(self.start, dtype=np.float64),
                 np.frombuffer(self.end, dtype=np.float64), np.frombuffer(self.payload, dtype=np.int64))
-
-    def repeated(self) -> np.ndarray:
-        """Bool per interval: the same ``(tid, start, end, payload)`` as an earlier one (a record written twice)."""
-        tid, start, end, payload = self.arrays()
-        return repeated_rows(start, tid, end, payload)
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Drop the intervals where ``mask`` (bool, one per interval) is False (in place: one column's kept values at
-        a time are the extra memory)."""
-        if mask.all():
-            return
-        for column in (self.tid, self.start, self.end, self.payload):
-            keep_in_place(column, mask)
-        self._index = None
-
 
     def nesting(self) -> tuple[Any, ...]:
         """``(order, threads, start, end, parent)``: the intervals sorted by thread, start and end descending

@@ -32,8 +32,9 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, keep_in_place, union
+from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, union
 from sftprof.analysis.trace.kernel_names import collective_name
+from sftprof.analysis.trace.op_store import BUCKET_OPS, CpuOpStore
 from sftprof.analysis.time.op_flops import CORE_PART, FLOP_OPS, FLOW_BACKWARD, FLOW_FORWARD, op_flops
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import Compile, GcTime, HostOpRow, HostSync
@@ -69,9 +70,13 @@ class Placement(NamedTuple):
 
 
 class OpCollector:
-    """Collects the CPU side of a trace (module docstring)."""
+    """Collects the CPU side of a trace (module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        bucket_ops: the CPU ops' time buckets (:class:`sftprof.analysis.trace.op_store.CpuOpStore`).
+    """
+
+    def __init__(self, bucket_ops: int = BUCKET_OPS) -> None:
         self.regions = ThreadIntervals()  # model-part ranges; payload: index into _region_keys
         self._region_keys: list[tuple[str, Optional[int], bool]] = []
         self._region_index: dict[str, int] = {}
@@ -88,15 +93,16 @@ class OpCollector:
         self._api_done: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._sync_pending: list[tuple[str, float, float, int, int]] = []  # blocking calls, index into _api or -1
         self._sync_calls: list[tuple[str, float, float, int]] = []
+        self._sync_at: Optional[tuple[int, np.ndarray, np.ndarray]] = None  # (kept CPU ops, _sync_ops)
         self._kernel_launches: tuple[array[int], array[float]] = (array("q"), array("d"))
         self._repeated_api_calls = 0
         # fwdbwd flows in trace order: starts (id hash, forward op tid, ts) and ends (autograd node op tid, ts, id hash)
         self._flow_s: tuple[array[int], array[int], array[float]] = (array("q"), array("q"), array("d"))
         self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
         self._flows_done: Optional[tuple[np.ndarray, ...]] = None
+        self._ended = False  # end_pass: the calls and flow events above freed, their answers kept
         self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
-        self.cpu_ops = ThreadIntervals()  # every cpu_op for self time; payload: name index
-        self.cpu_dur = array("d")  # each cpu_op's dur as recorded (end - start loses bits at trace-clock magnitudes)
+        self.cpu_ops = CpuOpStore(bucket_ops)  # every cpu_op, on disk: start, dur as recorded, thread, name index
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
         self.compile_ids: list[tuple[float, str]] = []  # (ts, dynamo compile id "frame/attempt") from annotations
         self.gc_spans: list[tuple[float, float, int]] = []  # Python garbage collections: (start, end, generation)
@@ -125,12 +131,7 @@ class OpCollector:
             idx = self._op_names[name] = len(self.op_name_list)
             self.op_name_list.append(name)
             self._op_kinds.append(self._op_kind(name))
-        c = self.cpu_ops
-        c.tid.append(tid)
-        c.start.append(ts)
-        c.end.append(ts + dur)
-        c.payload.append(idx)
-        self.cpu_dur.append(dur)
+        self.cpu_ops.add(tid, ts, dur, idx)
         kind = self._op_kinds[idx]
         if kind:
             if kind & _COMPILE:
@@ -174,6 +175,8 @@ class OpCollector:
                     idx = self._region_index[name] = len(self._region_keys)
                     self._region_keys.append(key)
                 self.regions.add(tid, ts, ts + dur, idx)
+        elif cat in ("cuda_runtime", "cuda_driver", "fwdbwd") and self._ended:
+            raise RuntimeError("a CUDA API call or flow after the pass (OpCollector.end_pass)")
         elif cat in ("cuda_runtime", "cuda_driver"):
             args = ev.get("args") or {}
             corr = args.get("correlation")
@@ -213,6 +216,16 @@ class OpCollector:
         self.flop_ops.add(tid, ts, ts + dur, len(self._flop_op_flops))
         self._flop_op_what.append(what)
         self._flop_op_flops.append(flops)
+
+    def end_pass(self) -> None:
+        """The pass is over: work out the CUDA API calls' launch table and repeats (:meth:`_api_calls`) and the
+        fwdbwd flows by id (:meth:`_flows`), and free the calls and flow events as collected (25 and 24 bytes each);
+        a call or flow event added after it raises RuntimeError."""
+        self._api_calls()
+        self._flows()
+        self._api = (array("q"), array("q"), array("d"), array("b"))
+        self._flow_s, self._flow_e = (array("q"), array("q"), array("d")), (array("q"), array("d"), array("q"))
+        self._ended = True
 
     def _api_calls(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The CUDA API calls' launch table: sorted correlation ids and, of each, the thread and start (us) of its
@@ -278,12 +291,6 @@ class OpCollector:
             self._flows_done = (fs_id[s_pick], fs_tid[s_pick], fs_ts[s_pick], fe_tid[first], fe_ts[first],
                                 fe_id[lastk])
         return self._flows_done
-
-    def keep_cpu_ops(self, mask: np.ndarray) -> None:
-        """Drop the CPU ops where ``mask`` (bool, one per op of :attr:`cpu_ops`) is False."""
-        if not mask.all():
-            self.cpu_ops.keep(mask)
-            keep_in_place(self.cpu_dur, mask)
 
     @staticmethod
     def _op_kind(name: str) -> int:
@@ -385,12 +392,19 @@ class OpCollector:
         """
         labels = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
                   for n in self.op_name_list]
-        tid, st, en, name = self.cpu_ops.arrays()
-        sel = np.array([x is not None for x in labels], dtype=bool)[name] if labels else np.zeros(0, dtype=bool)
-        named = ThreadIntervals.from_arrays(tid[sel], st[sel], en[sel], name[sel])
-        at = named.innermost(tids, np.where(np.isnan(pts), -np.inf, pts))
-        pay = np.frombuffer(named.payload, dtype=np.int64) if len(named.payload) else np.zeros(0, dtype=np.int64)
-        return [labels[int(pay[j])] if j >= 0 else None for j in at]
+        named = np.array([x is not None for x in labels], dtype=bool)
+        _, at = self.cpu_ops.innermost(tids, pts, named)
+        return [labels[j] if j >= 0 else None for j in at.tolist()]
+
+    def _sync_ops(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per blocking call (:attr:`sync_calls`, in their order): the index and name index of the innermost kept CPU
+        op around its start on its thread (-1: none); found once per number of kept ops."""
+        kept = len(self.cpu_ops)
+        if self._sync_at is None or self._sync_at[0] != kept:
+            calls = self.sync_calls
+            self._sync_at = (kept, *self.cpu_ops.innermost(np.array([s[3] for s in calls], dtype=np.int64),
+                                                           np.array([s[1] for s in calls], dtype=np.float64)))
+        return self._sync_at[1], self._sync_at[2]
 
     def blocking_calls(self) -> tuple[np.ndarray, list[str]]:
         """End times (us, sorted) of the blocking CUDA calls and, for each, the innermost CPU op on its
@@ -398,12 +412,10 @@ class OpCollector:
         was made outside every op)."""
         if not self.sync_calls:
             return np.zeros(0), []
-        calls = sorted(self.sync_calls, key=lambda s: s[2])
-        at = self.cpu_ops.innermost(np.array([s[3] for s in calls], dtype=np.int64),
-                                    np.array([s[1] for s in calls], dtype=np.float64))
-        pay = np.frombuffer(self.cpu_ops.payload, dtype=np.int64)
-        return (np.array([s[2] for s in calls], dtype=np.float64),
-                [self.op_name_list[int(pay[j])] if j >= 0 else s[0] for s, j in zip(calls, at)])
+        _, name = self._sync_ops()
+        by_end = sorted(range(len(self.sync_calls)), key=lambda i: self.sync_calls[i][2])
+        return (np.array([self.sync_calls[i][2] for i in by_end], dtype=np.float64),
+                [self.op_name_list[int(name[i])] if name[i] >= 0 else self.sync_calls[i][0] for i in by_end])
 
     def _link_flow_backward(self) -> None:
         """Give each backward op of :data:`~sftprof.analysis.time.op_flops.FLOW_BACKWARD` 2x the FLOPs of the forward op
@@ -444,69 +456,46 @@ class OpCollector:
         Also gives the inclusive time, and flags ops that contain a blocking CUDA call
         (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, ``cudaMemcpy``):
         their ``sync_wait_ms`` is the time of those calls inside them (each call's time goes to the innermost op
-        around it on its thread).
+        around it on its thread). Every sum per name runs in the order of the ops.
         """
         if not len(self.cpu_ops):
             return []
-        _, st, en, name = self.cpu_ops.arrays()
-        keep, own = self._kept_self_us(lo, hi)
         n = len(self.op_name_list)
-        k = name[keep]
-        wait: np.ndarray = np.zeros(n)
+        wait = np.zeros(n)
         if self.sync_calls:
             a = np.array([s[1] for s in self.sync_calls])
             b = np.array([s[2] for s in self.sync_calls])
-            at = self.cpu_ops.innermost(np.array([s[3] for s in self.sync_calls], dtype=np.int64), a)
+            at, at_name = self._sync_ops()
             ok = at >= 0
-            ok[ok] = (en[at[ok]] >= b[ok]) & (st[at[ok]] >= lo) & (st[at[ok]] <= hi)  # around the call, in the window
-            sync = np.zeros(keep.size)
-            np.add.at(sync, np.searchsorted(keep, at[ok]), (b - a)[ok])
-            wait = np.bincount(k, weights=sync, minlength=n)
-            del sync
-        self_us = np.bincount(k, weights=own, minlength=n).tolist()
-        del own
-        inclusive = en[keep]
-        inclusive -= st[keep]
-        incl = np.bincount(k, weights=inclusive, minlength=n).tolist()
-        del inclusive
-        calls = np.bincount(k, minlength=n)
-        wait_us = wait.tolist()
-        rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
+            st, en = self.cpu_ops.spans(at[ok])
+            ok[ok] = (en >= b[ok]) & (st >= lo) & (st <= hi)  # around the call, in the window
+            _, first, per_call = np.unique(at[ok], return_index=True, return_inverse=True)  # the ops, in order
+            sync = np.zeros(first.size)
+            np.add.at(sync, per_call, (b - a)[ok])  # each op's calls in the calls' order
+            np.add.at(wait, at_name[ok][first], sync)
+        own, incl = np.zeros(n), np.zeros(n)
+        calls = np.zeros(n, dtype=np.int64)
+        for _, name, own_us, incl_us in self.cpu_ops.self_us(lo, hi):
+            np.add.at(own, name, own_us)
+            np.add.at(incl, name, incl_us)
+            calls += np.bincount(name, minlength=n)
+        self_us, inclusive, wait_us = own.tolist(), incl.tolist(), wait.tolist()
+        top_rows = sorted(np.flatnonzero(calls).tolist(), key=lambda j: (-self_us[j], self.op_name_list[j]))[:top]
         return [{"name": self.op_name_list[j], "calls": int(calls[j]), "self_ms": ms(self_us[j]),
-                 "inclusive_ms": ms(incl[j]), "sync_wait_ms": ms(wait_us[j])} for j in rows]
+                 "inclusive_ms": ms(inclusive[j]), "sync_wait_ms": ms(wait_us[j])} for j in top_rows]
 
     def op_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        """``(keep, self_us)``: the indexes (into :attr:`cpu_ops`) of the CPU ops that start in ``[lo, hi]`` and, per
-        CPU op (zero for the others), its self time in us: its duration minus that of the ops nested directly in it
-        on its thread (those starting in the window; :func:`sftprof.analysis.trace.intervals.previous_open` finds each
-        op's parent). The ops starting in the window are a run of each thread's ops in the order of
-        :meth:`~sftprof.analysis.trace.intervals.ThreadIntervals.nesting`, so an op's parent among them is its parent
-        among all ops when that starts in the window too, and none otherwise."""
-        keep, kept_us = self._kept_self_us(lo, hi)
+        """``(keep, self_us)``: the indexes (into :meth:`CpuOpStore.arrays`, the kept CPU ops, in their order) of
+        the CPU ops that start in ``[lo, hi]`` and, per kept op (zero for the others), its self time in us
+        (:meth:`CpuOpStore.self_us`); in memory, for the CPU runs' questions."""
+        position = np.cumsum(self.cpu_ops.kept) - 1  # an op's index among the kept ones
         own = np.zeros(len(self.cpu_ops))
-        own[keep] = kept_us
-        return keep, own
-
-    def _kept_self_us(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`op_self_us` with the self times of the kept ops alone (in the order of ``keep``)."""
-        order, _, s_st, s_en, parent = self.cpu_ops.nesting()
-        inside = (s_st >= lo) & (s_st <= hi)
-        nested = inside & (parent >= 0)
-        nested[nested] = inside[parent[nested]]
-        weights = s_en[nested]
-        weights -= s_st[nested]
-        child = np.bincount(parent[nested], weights=weights, minlength=order.size)
-        at = np.flatnonzero(inside)
-        del inside, nested, weights
-        own = s_en[at]
-        own -= s_st[at]
-        own -= child[at]
-        np.maximum(own, 0.0, out=own)
-        del child
-        keep = order[at]
-        del at
-        by_index = np.argsort(keep, kind="stable")
-        return keep[by_index].astype(np.int64), own[by_index]
+        keep = [np.zeros(0, dtype=np.int64)]
+        for idx, _, own_us, _ in self.cpu_ops.self_us(lo, hi):
+            at = position[idx]
+            own[at] = own_us
+            keep.append(at)
+        return np.concatenate(keep), own
 
     def compile_ms(self, lo: float, hi: float) -> Compile:
         """torch.compile work that started in [lo, hi]: host time (ms, the union of dynamo's ``dynamo`` and

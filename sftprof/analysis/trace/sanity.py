@@ -138,13 +138,6 @@ def _launches_without_activity(t: ActivityTable, ops: OpCollector, invalid_corr:
     return int(missing.sum()), int(at_end.sum()), int(corr.size), examples
 
 
-def _op_examples(ops: OpCollector, dup_ops: np.ndarray) -> list[str]:
-    """Examples of the CPU ops recorded twice (``dup_ops``: bool per op of ``ops.cpu_ops``)."""
-    _, c_start, _, c_name = ops.cpu_ops.arrays()
-    return [f"{_short(ops.op_name_list[c_name[i]])} at {c_start[i]:.3f} us"
-            for i in np.flatnonzero(dup_ops)[:_EXAMPLES]]
-
-
 def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], step: Optional[int], untimed: int,
             invalid_corr: list[int], repeated_annotations: int, n_events: int
             ) -> tuple[ActivityTable, TraceSanity, list[tuple[float, float]]]:
@@ -170,14 +163,13 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
         slices, whose annotations the caller leaves out.
     """
     dup = repeated_rows(t.dev, t.stream, t.ts, t.dur, t.name_idx.astype(np.int64), t.kind)
-    dup_ops = ops.cpu_ops.repeated()
-    by_cat = {"cpu_op": int(dup_ops.sum()), "user_annotation": repeated_annotations,
+    dup_ops, op_examples = ops.cpu_ops.drop_repeated(_EXAMPLES)
+    by_cat = {"cpu_op": dup_ops, "user_annotation": repeated_annotations,
               "cuda_runtime/cuda_driver": ops.repeated_api_calls}
     for k, cat in enumerate(("kernel", "gpu_memcpy", "gpu_memset")):
         by_cat[cat] = int((dup & (t.kind == k)).sum())
     dup_examples = [f"{_short(t.names[t.name_idx[i]])} at {t.ts[i]:.3f} us" for i in np.flatnonzero(dup)[:_EXAMPLES]]
-    dup_examples += _op_examples(ops, dup_ops)
-    ops.keep_cpu_ops(~dup_ops)
+    dup_examples += [f"{_short(ops.op_name_list[k])} at {start:.3f} us" for k, start in op_examples]
     t = t.subset(~dup)
     n_missing, at_end, n_launches, launch_examples = _launches_without_activity(t, ops, invalid_corr)
 
@@ -185,9 +177,8 @@ def inspect(t: ActivityTable, ops: OpCollector, *, profiler_steps: list[Span], s
     other_spans = [span for n, span in sorted(spans.items()) if n != step] if step in spans else []
     when = np.where(np.isnan(t.launch), t.ts, t.launch)
     other = _in_spans(when, other_spans) & ~_in_spans(when, [spans[step]] if step in spans else [])
-    other_ops = _in_spans(ops.cpu_ops.arrays()[1], other_spans)
-    n_other, of_other = int(other.sum() + other_ops.sum()), t.n + len(ops.cpu_ops)
-    ops.keep_cpu_ops(~other_ops)
+    of_other = t.n + len(ops.cpu_ops)
+    n_other = int(other.sum()) + ops.cpu_ops.drop_where(lambda start: _in_spans(start, other_spans))
     t = t.subset(~other)
 
     dur, cut, over_examples = _overlaps(t)
