@@ -600,3 +600,34 @@ def test_try_what_ifs_says_why_none_is_tried(tmp_path):
         "each with its reason in its summary's What if section)",
         "not proposed: fewer_micro_batches (one micro-batch already)",
         "not proposed: recompute_plan (no rule proposed it)"])
+
+
+def test_try_what_ifs_by_key_matches_the_same_settings_of_another_key(tmp_path):
+    """A failed trial's ``fit_oom`` with the settings of an ok trial's heavier ``chunked_lm_head``: both merge into
+    the chunked LM head; ``TRY_WHAT_IFS=fit_oom`` tries it (once, also when both keys are listed) and says so. A count
+    is unchanged."""
+    from sftprof.launch.plan_types import Trial
+    from sftprof.launch.what_ifs import choose
+
+    summary = json.loads((FIXTURE_DIR / "h200_te_qwen3_5_cutlass" / "te.profile_summary.json").read_text())
+    chunk = [{"kind": "config", "key": "actor.loss.lm_head_loss_chunk_size", "value": 2048, "current": None}]
+    proposed = {"ok": ("ok", {"key": "chunked_lm_head", "label": "chunked LM head", "weight": 0.50,
+                              "settings": chunk}),
+                "oom": ("failed", {"key": "fit_oom", "label": "fit the GPU after an out-of-memory error",
+                                   "weight": 0.30, "settings": chunk})}
+    trials = []
+    for name, (status, what_if) in proposed.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile_summary.json").write_text(
+            json.dumps({**summary, "status": status, "what_if": [what_if], "what_if_skipped": []}))
+        trials.append(Trial(name, "memory", 1, tmp_path / name, tmp_path / name, ["--config", "x.yaml"]))
+    trying = ("trying 1: chunked LM head (actor.loss.lm_head_loss_chunk_size=2048) of the memory trial of step 1")
+    chosen, lines = choose(trials, ["fit_oom"])
+    assert [(t.name, w["key"]) for t, w in chosen] == [("ok", "chunked_lm_head")]
+    assert lines == [f"TRY_WHAT_IFS=fit_oom: 1 what-if(s) proposed; {trying}",
+                     "fit_oom: the same settings as chunked LM head, tried once"]
+    chosen, lines = choose(trials, ["chunked_lm_head", "fit_oom"])
+    assert [(t.name, w["key"]) for t, w in chosen] == [("ok", "chunked_lm_head")]
+    assert lines == [f"TRY_WHAT_IFS=chunked_lm_head,fit_oom: 1 what-if(s) proposed; {trying}",
+                     "fit_oom: the same settings as chunked LM head, tried once"]
+    assert choose(trials, 1) == (chosen, [f"TRY_WHAT_IFS=1: 1 what-if(s) proposed; {trying}"])

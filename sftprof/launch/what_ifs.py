@@ -1,7 +1,8 @@
 """The what-if trials of a run (``TRY_WHAT_IFS``): after the planned trials, the N heaviest what-ifs their summaries
 propose (:mod:`sftprof.analysis.what_if.changes`), or with ``TRY_WHAT_IFS=<key>,<key>`` the heaviest of each what-if
 key listed (a key no summary proposed is named with why: a summary's ``what_if_skipped`` reason, else that no rule
-proposed it), each tried once as one more trial of the same kind and step with its settings applied, then compared
+proposed it; a key whose settings were merged into a heavier what-if of another key matches that one, tried once),
+each tried once as one more trial of the same kind and step with its settings applied, then compared
 with the trial it varies (prediction against outcome: :mod:`sftprof.analysis.what_if.outcome`).
 
 Which: every what-if of the planned trials that ran and were postprocessed (``profile_summary.json``; of a failed
@@ -44,8 +45,10 @@ def settings_of(what_if: Mapping[str, Any]) -> str:
 def choose(trials: list[Trial], what_ifs: int | list[str]) -> tuple[list[tuple[Trial, dict[str, Any]]], list[str]]:
     """The what-ifs of the summaries of ``trials`` to try (module docstring): the ``what_ifs`` heaviest (a count), or
     the heaviest of each key ``what_ifs`` lists, in its order; as ``(source trial, what-if record)``, and lines for
-    the user (what was proposed, what is left out, each listed key no summary proposed and why)."""
+    the user (what was proposed, what is left out, each listed key no summary proposed and why, each listed key tried
+    as a what-if of another key with the same settings)."""
     best: dict[tuple[tuple[str, str, str], ...], tuple[Trial, dict[str, Any]]] = {}
+    heaviest: dict[str, tuple[float, int, tuple[tuple[str, str, str], ...]]] = {}  # of each key: weight, step, settings
     skipped: list[dict[str, Any]] = []
     of_failed: set[str] = set()  # keys a failed trial proposed, other than fit_oom: not tried from it
     for t in trials:
@@ -57,13 +60,17 @@ def choose(trials: list[Trial], what_ifs: int | list[str]) -> tuple[list[tuple[T
                 of_failed.add(w["key"])
                 continue
             key = tuple(sorted((s["kind"], s["key"], json.dumps(s["value"])) for s in w["settings"]))
+            heaviest[w["key"]] = max(heaviest.get(w["key"], (w["weight"], t.step, key)), (w["weight"], t.step, key))
             held = best.get(key)
             if held is None or (w["weight"], t.step) > (held[1]["weight"], held[0].step):
                 best[key] = (t, w)
-    ranked = sorted(best.values(), key=lambda tw: -tw[1]["weight"])
-    keys = [w["key"] for _, w in ranked]
+    ranked_keys = sorted(best, key=lambda k: -best[k][1]["weight"])
+    ranked = [best[k] for k in ranked_keys]
+    # each listed key proposed: the what-if its heaviest proposal was merged into (maybe held by another key's)
+    listed = what_ifs if isinstance(what_ifs, list) else []
+    match = {k: ranked_keys.index(heaviest[k][2]) for k in listed if k in heaviest}
     picked = (list(range(min(what_ifs, len(ranked)))) if isinstance(what_ifs, int)
-              else [keys.index(k) for k in what_ifs if k in keys])  # a key's first: its heaviest
+              else list(dict.fromkeys(match.values())))  # in the listed order, each what-if once
     chosen = [ranked[i] for i in picked]
     why_none = (f"{len(skipped)} lever(s) not proposed, each with its reason in its summary's What if section"
                 if skipped else "no rule found a lever: they read kernel trials' GPU time by model part and memory "
@@ -75,8 +82,10 @@ def choose(trials: list[Trial], what_ifs: int | list[str]) -> tuple[list[tuple[T
     if len(ranked) > len(chosen):
         lines.append("not tried (TRY_WHAT_IFS): " + "; ".join(
             f"{w['label']} ({settings_of(w)})" for i, (_, w) in enumerate(ranked) if i not in picked))
-    for k in what_ifs if isinstance(what_ifs, list) else []:
-        if k not in keys:
+    for k in listed:
+        if k in match and ranked[match[k]][1]["key"] != k:
+            lines.append(f"{k}: the same settings as {ranked[match[k]][1]['label']}, tried once")
+        elif k not in match:
             why = "; ".join(dict.fromkeys(s["reason"] for s in skipped if s["key"] == k))  # each distinct one once
             if not why:
                 why = ("proposed by a failed trial alone, whose one what-if tried is fit_oom" if k in of_failed
