@@ -132,6 +132,41 @@ def test_lists_are_comma_separated_without_spaces(name, text, message):
     assert variables.BY_NAME[name].parse(name, "".join(text.split())) is not None
 
 
+_KEYS = ("selective_recompute,fewer_micro_batches,balanced_routing,cutlass_grouped_gemm,expandable_segments,"
+         "chunked_lm_head,precision_aware_optimizer,more_micro_batches,distributed_optimizer,fit_oom,recompute_plan")
+
+
+@pytest.mark.parametrize("text,message", [
+    (",", f"must be an integer from 0 to 8 or a comma-separated list of what-if keys from {_KEYS} (an empty key)"),
+    ("fit_oom,", f"must be an integer from 0 to 8 or a comma-separated list of what-if keys from {_KEYS} "
+                 "(an empty key)"),
+    ("a,,b", f"must be an integer from 0 to 8 or a comma-separated list of what-if keys from {_KEYS} "
+             "(unknown: a,b; an empty key)"),
+    ("2,3", f"must be an integer from 0 to 8 or a comma-separated list of what-if keys from {_KEYS} "
+            "(unknown: 2,3)"),
+    (" 2", "must be an integer from 0 to 8 or a list of what-if keys, comma-separated without spaces (2)"),
+    ("9", "must be an integer from 0 to 8"),
+])
+def test_try_what_ifs_refusals_name_keys_spaces_and_empty_keys(text, message):
+    """``TRY_WHAT_IFS`` text with a comma or a space is a list of keys, refused as one: an empty key is named so."""
+    assert _refusal("TRY_WHAT_IFS", text) == f"TRY_WHAT_IFS={text!r}: {message}"
+
+
+def test_a_long_list_is_echoed_cut_to_80_characters():
+    """A 5000-item value is echoed as its first 80 characters and ``…``, not 20 KB (the unknown keys too)."""
+    keys = ",".join(["fit_oom"] * 5000)
+    assert _refusal("TRY_WHAT_IFS", keys) == (f"TRY_WHAT_IFS={keys[:80] + '…'!r}: must list at most 8 what-if keys "
+                                              "(one trial each)")
+    wrong = ",".join(["abcd"] * 5000)
+    assert _refusal("TRY_WHAT_IFS", wrong) == (
+        f"TRY_WHAT_IFS={wrong[:80] + '…'!r}: must be an integer from 0 to 8 or a comma-separated list of what-if keys "
+        f"from {_KEYS} (unknown: {wrong[:80]}…)")
+    spaced = ", ".join(["0"] * 5000)
+    assert _refusal("PROFILE_STEPS", spaced) == (
+        f"PROFILE_STEPS={spaced[:80] + '…'!r}: must be a list of non-negative integers, comma-separated without spaces "
+        f"({','.join(['0'] * 41)[:80]}…)")
+
+
 def test_profile_ranks_with_spaces_is_refused_naming_the_format(tmp_path):
     env = {"CONFIG": "tiny_cpu", "RUN_ROOT": str(tmp_path / "run"), "FILEROOT": str(tmp_path / "fr")}
     with pytest.raises(launch.DriverError) as err:

@@ -439,7 +439,7 @@ def test_try_what_ifs_is_a_checked_launcher_variable(tmp_path):
                                         "a list of what-if keys, comma-separated without spaces "
                                         "(fit_oom,recompute_plan)"),
             ("fit_oom,fit_oom", "TRY_WHAT_IFS='fit_oom,fit_oom': lists fit_oom more than once; each trial runs once"),
-            (keys, f"TRY_WHAT_IFS='{keys}': must list at most 8 what-if keys (one trial each)"),
+            (keys, f"TRY_WHAT_IFS='{keys[:80]}…': must list at most 8 what-if keys (one trial each)"),
             ("-1", "TRY_WHAT_IFS='-1': must be an integer from 0 to 8")):
         with pytest.raises(launch.DriverError) as err:
             launch.plan({**env, "TRY_WHAT_IFS": text}, [], gpus=0)

@@ -81,16 +81,26 @@ def setting(env: str, doc: str, accepted: str = "", ok: Callable[[Any], bool] | 
     return {SETTING: Setting(env, doc, accepted, ok, **kw)}
 
 
+SHOWN_CHARS = 80  # a refusal echoes at most this much of a variable's value (a 5000-item list is not read back)
+
+
+def shown(text: str) -> str:
+    """A variable's value as a refusal echoes it: cut to its first :data:`SHOWN_CHARS` characters and ``…`` when
+    longer (``0,1,2,…``)."""
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…"
+
+
 def comma_items(env: str, text: str, accepted: str) -> list[str]:
     """The items of variable ``env``'s comma-separated ``text`` (``"0,1"`` -> ``["0", "1"]``).
 
     Raises:
         ValueError: ``NAME='0, 1': must be <accepted>, comma-separated without spaces (0,1)`` when ``text`` holds
-            whitespace: the documented format has none, and a list read both ways would be two formats.
+            whitespace: the documented format has none, and a list read both ways would be two formats (both
+            echoes :func:`shown`).
     """
     if any(c.isspace() for c in text):
-        raise ValueError(f"{env}={text!r}: must be {accepted}, comma-separated without spaces "
-                         f"({''.join(text.split())})")
+        raise ValueError(f"{env}={shown(text)!r}: must be {accepted}, comma-separated without spaces "
+                         f"({shown(''.join(text.split()))})")
     return text.split(",")
 
 

@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 from sftprof.analysis.what_if.changes import LABELS
 from sftprof.config import (NAME_ACCEPTED, SETTING, ConfigError, SFTProfileConfig, Setting, is_folder_name,
                             load_config, parse_text)
-from sftprof.config.settings import BOOL_TEXT, comma_items, read_number
+from sftprof.config.settings import BOOL_TEXT, comma_items, read_number, shown
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
@@ -60,8 +60,8 @@ class DriverError(ValueError):
 def _int(name: str, text: str, minimum: int, maximum: int | None = None, why: str = "") -> int:
     value = read_number(int, text)
     if value is None or value < minimum or (maximum is not None and value > maximum):
-        raise DriverError(f"{name}={text!r}: must be an integer " + (f">= {minimum}" if maximum is None else
-                                                                     f"from {minimum} to {maximum}{why}"))
+        raise DriverError(f"{name}={shown(text)!r}: must be an integer "
+                          + (f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}{why}"))
     return int(value)
 
 
@@ -75,7 +75,7 @@ def parse_bool(name: str, text: str) -> bool:
 def _no_repeats(name: str, text: str, items: Sequence[str | int]) -> None:
     repeated = sorted({str(t) for t in items if items.count(t) > 1})
     if repeated:
-        raise DriverError(f"{name}={text!r}: lists {','.join(repeated)} more than once; each trial runs once")
+        raise DriverError(f"{name}={shown(text)!r}: lists {','.join(repeated)} more than once; each trial runs once")
 
 
 def _items(name: str, text: str, accepted: str) -> list[str]:
@@ -89,9 +89,9 @@ def _items(name: str, text: str, accepted: str) -> list[str]:
 def _steps(name: str, text: str) -> list[int]:
     items = _items(name, text, "a list of non-negative integers")
     if not text or any(read_number(int, t) is None or t.startswith("-") for t in items):
-        raise DriverError(f"{name}={text!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
+        raise DriverError(f"{name}={shown(text)!r}: must be a comma-separated list of non-negative integers, e.g. 0,1")
     if any(int(t) >= MAX_STEPS for t in items):
-        raise DriverError(f"{name}={text!r}: must list integers below {MAX_STEPS} (10**9)")
+        raise DriverError(f"{name}={shown(text)!r}: must list integers below {MAX_STEPS} (10**9)")
     _no_repeats(name, text, [int(t) for t in items])
     return sorted(int(t) for t in items)
 
@@ -100,7 +100,7 @@ def _kinds(name: str, text: str) -> list[str]:
     items = _items(name, text, f"a non-empty subset of {','.join(KINDS)}")
     bad = [t for t in items if t not in KINDS]
     if not text or bad:
-        raise DriverError(f"{name}={text!r}: must be a non-empty comma-separated subset of {','.join(KINDS)}"
+        raise DriverError(f"{name}={shown(text)!r}: must be a non-empty comma-separated subset of {','.join(KINDS)}"
                           + (f" (unknown: {','.join(bad)})" if text and bad else ""))
     _no_repeats(name, text, items)
     return [k for k in KINDS if k in items]
@@ -109,17 +109,19 @@ def _kinds(name: str, text: str) -> list[str]:
 def _what_ifs(name: str, text: str) -> int | list[str]:
     """``TRY_WHAT_IFS``: how many what-ifs to try (0 to :data:`MAX_WHAT_IFS`, the heaviest), or which: a list of at
     most :data:`MAX_WHAT_IFS` what-if keys (:data:`sftprof.analysis.what_if.changes.LABELS`), each once. Text
-    without a letter is a count, refused as one."""
-    if not any(c.isalpha() for c in text):
+    without a letter, a comma or a space is a count, refused as one; any other is a list (an empty key, ``a,,b``,
+    refused as one)."""
+    if not any(c.isalpha() or c == "," or c.isspace() for c in text):
         return _int(name, text, 0, MAX_WHAT_IFS)
     accepted = f"an integer from 0 to {MAX_WHAT_IFS} or a list of what-if keys"
     items = _items(name, text, accepted)
-    bad = [t for t in items if t not in LABELS]
-    if bad:
-        raise DriverError(f"{name}={text!r}: must be an integer from 0 to {MAX_WHAT_IFS} or a comma-separated list "
-                          f"of what-if keys from {','.join(LABELS)} (unknown: {','.join(bad)})")
+    unknown = [t for t in items if t and t not in LABELS]
+    if unknown or "" in items:
+        why = ([f"unknown: {shown(','.join(unknown))}"] if unknown else []) + (["an empty key"] if "" in items else [])
+        raise DriverError(f"{name}={shown(text)!r}: must be an integer from 0 to {MAX_WHAT_IFS} or a comma-separated "
+                          f"list of what-if keys from {','.join(LABELS)} ({'; '.join(why)})")
     if len(items) > MAX_WHAT_IFS:
-        raise DriverError(f"{name}={text!r}: must list at most {MAX_WHAT_IFS} what-if keys (one trial each)")
+        raise DriverError(f"{name}={shown(text)!r}: must list at most {MAX_WHAT_IFS} what-if keys (one trial each)")
     _no_repeats(name, text, items)
     return items
 
