@@ -740,6 +740,44 @@ def test_report_on_a_folder_without_the_plan_exits_2_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.tsv"]
 
 
+_HEADER = "trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\twhat_if\n"
+_ACCEPTED = ("accepted: summary.tsv as the driver writes it (tab-separated, a header line with the columns trial, "
+             "kind, step, status, run_dir, then one row per trial)")
+
+
+@pytest.mark.parametrize("content,what", [
+    (_HEADER + "k\tkernel\t1\t0\t0\t0\t12\t/x/k\t/l\t-\nm\tmem", "row 2 has 2 of the 10 columns (a truncated file?)"),
+    (b"\x00\xff\xfe\x80 random", "not UTF-8 text (byte 0xff at offset 1)"),
+    ("trial\tkind\tstep\tstatus\nk\tkernel\t1\t0\n", "no column run_dir (its header: 'trial\\tkind\\tstep\\tstatus')"),
+    ("", "empty, no header line"),
+])
+def test_report_on_a_damaged_summary_tsv_exits_2_in_one_line(tmp_path, capsys, content, what):
+    """`python -m sftprof.launch report` on a damaged summary.tsv: one line naming the file and what is wrong, exit 2
+    (a truncated file, random bytes, a missing column ended in a TypeError, UnicodeDecodeError, KeyError)."""
+    from sftprof.launch.cli import main
+
+    path = tmp_path / "summary.tsv"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["report", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"sftprof: report {tmp_path}: {path}: {what}; {_ACCEPTED}\n"
+
+
+def test_report_reads_a_moved_run_root_where_it_is_now(tmp_path):
+    """summary.tsv holds the absolute run dirs of the machine that ran it: a trial is read as RUN_ROOT/<trial> when that
+    folder exists (a copied or moved run root), else from the stored path."""
+    run_root, elsewhere = tmp_path / "moved", tmp_path / "elsewhere"
+    for d in (run_root / "a", elsewhere / "b"):
+        d.mkdir(parents=True)
+        (d / "profile_summary.md").write_text("# summary\n")
+    (run_root / "summary.tsv").write_text(_HEADER + "a\tkernel\t1\t0\t0\t0\t1\t/gone/run/a\t-\t-\n"
+                                          f"b\tkernel\t2\t0\t0\t0\t1\t{elsewhere / 'b'}\t-\t-\n")
+    lines = launch.report(run_root).splitlines()
+    start = lines.index("summaries (Markdown; the .json next to each holds every figure):")
+    assert lines[start + 1:start + 3] == [f"  {run_root / 'a' / 'profile_summary.md'}",
+                                          f"  {elsewhere / 'b' / 'profile_summary.md'}"]
+
+
 def _processes_of(fileroot: Path, word: str) -> dict[int, dict]:
     """The processes whose command line holds ``fileroot`` and ``word``: ``{pid: environment}``."""
     found = {}

@@ -126,5 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"report {args.run_root}: cannot read {err.filename} ({err.strerror}); accepted: a RUN_ROOT the driver "
             f"planned ({artifacts.TRIALS_TSV}) and started ({artifacts.SUMMARY_TSV})")
         return 2
+    except DriverError as err:  # a damaged summary.tsv
+        say(f"report {args.run_root}: {err}")
+        return 2
     return 0
 

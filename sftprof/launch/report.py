@@ -13,13 +13,17 @@ from typing import Any
 from sftprof import artifacts
 from sftprof.launch.summaries import (read_summary, table_figures, top_finding, unread_files, wall_phases,
                                       what_if_lines)
-from sftprof.launch.variables import REPO_ROOT
+from sftprof.config import is_folder_name
+from sftprof.config.settings import shown
+from sftprof.launch.variables import REPO_ROOT, DriverError
 from sftprof.progress import duration_text
 
 NO_WHAT_IF = "-"  # summary.tsv's what_if column of a planned trial (sftprof.launch.what_ifs)
 NOT_RUN = "not run"  # summary.tsv status of a planned trial the driver did not run (STOP_ON_FAILURE=1, an interrupt)
 INTERRUPTED = "interrupted"  # summary.tsv status of the trial a Ctrl-C / SIGTERM stopped
 CONFIG_CHANGED = "config changed"  # summary.tsv status of a trial not run: the plan's config copy was edited
+# the columns of summary.tsv the report reads (sftprof.launch.trials.SUMMARY_HEADER; what_if and train_status may lack)
+REPORT_COLUMNS = ("trial", "kind", "step", "status", "run_dir")
 
 
 def _gib(value: object, device: str | None) -> str:
@@ -86,6 +90,47 @@ def wall_table(labelled: list[tuple[str, Path, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def read_summary_tsv(run_root: Path) -> list[dict[str, str]]:
+    """The rows of ``run_root/summary.tsv`` (the driver's, tab-separated, a header line first), each with every column
+    of :data:`REPORT_COLUMNS`.
+
+    Raises:
+        OSError: the file cannot be read.
+        DriverError: it is damaged, ``<path>: <what is wrong>; accepted: ...``: not UTF-8 text, no header line, a
+            column of :data:`REPORT_COLUMNS` missing, a row shorter than the header (a truncated file), not CSV.
+    """
+    path = Path(run_root) / artifacts.SUMMARY_TSV
+    accepted = (f"accepted: {artifacts.SUMMARY_TSV} as the driver writes it (tab-separated, a header line with the "
+                f"columns {', '.join(REPORT_COLUMNS)}, then one row per trial)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t")
+            rows, header = list(reader), reader.fieldnames
+    except UnicodeDecodeError as err:
+        raise DriverError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                          f"{accepted}") from None
+    except csv.Error as err:
+        raise DriverError(f"{path}: not tab-separated text ({err}); {accepted}") from None
+    if not header:
+        raise DriverError(f"{path}: empty, no header line; {accepted}")
+    missing = [c for c in REPORT_COLUMNS if c not in header]
+    if missing:
+        raise DriverError(f"{path}: no column {', '.join(missing)} (its header: "
+                          f"{shown(chr(9).join(header))!r}); {accepted}")
+    for n, row in enumerate(rows, start=1):
+        if None in row.values():
+            raise DriverError(f"{path}: row {n} has {sum(v is not None for v in row.values())} of the "
+                              f"{len(header)} columns (a truncated file?); {accepted}")
+    return rows
+
+
+def trial_dir(run_root: Path, row: dict[str, str]) -> Path:
+    """The run dir of a ``summary.tsv`` row: ``run_root/<trial>`` when that folder exists (a run root copied or moved
+    from the machine that ran it is read from where it is now), else the row's ``run_dir``."""
+    here = Path(run_root) / row["trial"]
+    return here if is_folder_name(row["trial"]) and here.is_dir() else Path(row["run_dir"])
+
+
 def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnings: list[str] | None = None) -> str:
     """The end-of-run text: a narrow table of trials, the wall time per trial (:func:`wall_table`), the summaries to
     open, the compare command and ``warnings`` (those given before launch, one line each).
@@ -99,20 +144,22 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
     many files it could not read: :func:`sftprof.launch.summaries.unread_files`), step time (slowest rank of the
     profiled step, 3 significant digits), peak memory (GiB allocated, rank 0) and the top finding
     (:func:`sftprof.launch.summaries.top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's
-    ``profile_summary.json``; a missing or unreadable summary leaves ``-`` in its row.
+    ``profile_summary.json`` (:func:`read_summary_tsv`, :func:`trial_dir`); a missing or unreadable summary leaves
+    ``-`` in its row.
 
     Raises:
-        OSError: ``summary.tsv`` cannot be read (the ``report`` subcommand prints it in one line and exits 2).
+        OSError, DriverError: ``summary.tsv`` cannot be read, or is damaged (:func:`read_summary_tsv`; the ``report``
+            subcommand prints it in one line and exits 2).
     """
-    with open(Path(run_root) / artifacts.SUMMARY_TSV, encoding="utf-8") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
+    rows = read_summary_tsv(run_root)
     table = [("trial", "status", "step time", "peak mem", "top finding")]
     summaries: list[str] = []
-    tried: list[tuple[int, str, dict[str, str], dict[str, Any]]] = []
+    tried: list[tuple[int, str, dict[str, str], Path, dict[str, Any]]] = []
     labelled: list[tuple[str, Path, dict[str, Any]]] = []
     for row in rows:
-        path = Path(row["run_dir"]) / artifacts.SUMMARY_MD
-        summary = read_summary(Path(row["run_dir"]))
+        run_dir = trial_dir(run_root, row)
+        path = run_dir / artifacts.SUMMARY_MD
+        summary = read_summary(run_dir)
         step, peak, device = table_figures(summary)
         cpu_memory = row["kind"] == "memory" and device == "cpu"
         status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED, CONFIG_CHANGED)
@@ -122,9 +169,9 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
             status += unread_files(summary)
         trial = f"{row['kind']} step {row['step']}"
         if row.get("what_if", NO_WHAT_IF) != NO_WHAT_IF:  # a what-if trial (TRY_WHAT_IFS): named below the table
-            tried.append((len(tried) + 1, trial, row, summary))
+            tried.append((len(tried) + 1, trial, row, run_dir, summary))
             trial += f" what-if {len(tried)}"
-        labelled.append((trial, Path(row["run_dir"]), summary))
+        labelled.append((trial, run_dir, summary))
         table.append((trial, status, duration_text(step) if step is not None else "-",
                       _gib(peak, device), top_finding(summary) if summary else ("see node 0" if node_rank else "-")))
         if path.is_file():
@@ -134,8 +181,8 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
     lines += wall_table(labelled)
     if tried:
         lines += ["", "what-ifs tried (prediction against outcome; the compare report in the what-if trial's run dir):"]
-        for k, trial, row, summary in tried:
-            found = what_if_lines(Path(row["run_dir"]), summary) if summary else [
+        for k, trial, row, run_dir, summary in tried:
+            found = what_if_lines(run_dir, summary) if summary else [
                 f"{row['what_if']} ({row['status']}: no summary)"]
             lines += [f"  what-if {k}: {trial}, {found[0]}"] + [f"    {x}" for x in found[1:]]
     if summaries:
