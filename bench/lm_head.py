@@ -132,7 +132,24 @@ def _fmt(value, spec: str) -> str:
     return spec.format(value) if value is not None else "-"
 
 
-def main():
+def all_rows():
+    """``(name, factory)`` of every method, in the table's order; a factory returns the fwd+bwd call ``fn(h, w, y)``
+    (and imports its library: an ImportError is the row's note)."""
+    rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
+            ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
+    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1536, 1728, 1760, 2048, 4096)]
+    rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
+    rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True))
+             for c in (1536, 1728, 1760, 2048, 3072)]
+    rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
+    rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
+             for c in (2048, 4096)]
+    return rows
+
+
+def main() -> int:
+    """The table (module docstring); exit status 0, 1 without a CUDA GPU (nothing measured), 2 on a bad argument
+    (refused before the CUDA check)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
@@ -143,18 +160,19 @@ def main():
     ap.add_argument("--rows", nargs="+", default=[""],
                     help="run only the methods whose name contains one of these texts")
     args = ap.parse_args()
+    if min(args.tokens) < 1 or args.vocab < 1:
+        ap.error(f"--tokens {' '.join(map(str, args.tokens))} and --vocab {args.vocab}: each must be an integer >= 1")
+    if args.reps < 0:
+        ap.error(f"--reps {args.reps}: must be an integer >= 1 (or 0: 5 at N >= 65536 tokens, 7 below)")
+    rows = [r for r in all_rows() if any(text in r[0] for text in args.rows)]
+    if not rows:
+        ap.error(f"--rows {' '.join(args.rows)}: no method's name contains one of these texts")
+    if not torch.cuda.is_available():
+        print("bench/lm_head.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
+              file=sys.stderr)
+        return 1
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    rows = [("naive", lambda: naive), ("torch chunk4096+ckpt", lambda: torch_chunked),
-            ("liger FLCE 0.8.5", make_liger), ("CCE 25.1.1", make_cce)]
-    rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1536, 1728, 1760, 2048, 4096)]
-    rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
-    rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True))
-             for c in (1536, 1728, 1760, 2048, 3072)]
-    rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
-    rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
-             for c in (2048, 4096)]
-    rows = [r for r in rows if any(text in r[0] for text in args.rows)]
     results = []
     for n in args.tokens:
         h = torch.randn(n, H, device=dev, dtype=torch.bfloat16).requires_grad_()
@@ -211,7 +229,8 @@ def main():
         print(f"autotuned {kern}: {getattr(getattr(triton_kernels, kern), 'best_config', None)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""Command lines of the benchmarks added for the collectives, the chunked attention, the fused norm and the fused
-router: a bad argument is refused (exit status 2, the flag and what it accepts named) before the CUDA check and
-before anything is measured; parsing helpers give exact values. Runs in-process: no GPU, no torchrun."""
+"""Command lines of the benchmarks added for the collectives, the chunked attention, the fused norm, the fused
+router and the LM head loss: a bad argument is refused (exit status 2, the flag and what it accepts named) before the
+CUDA check and before anything is measured; parsing helpers give exact values. Runs in-process: no GPU, no torchrun."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -84,13 +84,18 @@ def test_cp_attention_never_overwrites_its_json(monkeypatch, capsys, tmp_path):
      ">= 1, 1 <= topk <= experts <= 512 (the fused kernel's range) and a min run time > 0"),
     ("router", ["--experts", "4", "--topk", "8"], "--tokens 131072, --experts 4, --topk 8, --min-run-time 1.0: "
      "need tokens >= 1, 1 <= topk <= experts <= 512 (the fused kernel's range) and a min run time > 0"),
+    ("lm_head", ["--vocab", "0"], "--tokens 8192 32768 131072 and --vocab 0: each must be an integer >= 1"),
+    ("lm_head", ["--vocab", "-5"], "--tokens 8192 32768 131072 and --vocab -5: each must be an integer >= 1"),
+    ("lm_head", ["--tokens", "8192", "0"], "--tokens 8192 0 and --vocab 151936: each must be an integer >= 1"),
+    ("lm_head", ["--reps", "-1"], "--reps -1: must be an integer >= 1 (or 0: 5 at N >= 65536 tokens, 7 below)"),
+    ("lm_head", ["--rows", "nosuch", "nor"], "--rows nosuch nor: no method's name contains one of these texts"),
 ])
 def test_benches_refuse_bad_arguments_before_the_gpu_check(monkeypatch, capsys, name, argv, message):
     rc, err = _run(monkeypatch, capsys, name, *argv)
     assert rc == 2 and err.endswith(f"\n{name}.py: error: {message}\n")
 
 
-@pytest.mark.parametrize("name", ["norm", "router"])
+@pytest.mark.parametrize("name", ["norm", "router", "lm_head"])
 def test_benches_without_cuda_measure_nothing(monkeypatch, capsys, name):
     import torch
 
