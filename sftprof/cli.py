@@ -43,14 +43,16 @@ def run_main(main: Callable[[], Optional[int]], *, stop_signals: bool = False) -
     """Exit with ``main()``'s status (None counts as 0; a ``SystemExit`` it raises, such as argparse's exit 2,
     passes through), or quietly with :data:`BROKEN_PIPE_STATUS` when standard output or error is a pipe whose
     reader has closed it; ``stop_signals``: with 128 + the signal on one of :data:`STOP_SIGNALS`, after the
-    cleanups of a normal exit (module docstring; worker processes forked later inherit the handler).
+    cleanups of a normal exit (module docstring; worker processes forked later inherit the handler); a signal
+    ignored on entry (``nohup``) stays ignored.
 
     What ``main`` wrote to files before the pipe broke is kept; what it had still to print is dropped (no
     traceback, no message).
     """
     if stop_signals:
         for sig in STOP_SIGNALS:
-            signal.signal(sig, _stop)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored on entry (nohup, a parent's choice): it stays so
+                signal.signal(sig, _stop)
     try:
         code = main()
         sys.stdout.flush()  # a pipe closed after main's last print breaks here, inside the try, not at exit
