@@ -10,8 +10,10 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1148,3 +1150,39 @@ def test_empty_stats_and_a_step_record_without_a_step_index_are_warned(tmp_path,
                                            "record whose step is not a non-negative integer)"},
         {"file": "stats.jsonl", "warning": "no valid line: no step records and no completion record (trial status "
                                            "unknown)"}]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stopped_postprocess_removes_its_temporary_folder(tmp_path, sig):
+    """SIGTERM (or SIGHUP) while the summary's CPU ops are on disk ends postprocess_profile.py as an exit does: its
+    temporary folder (sftprof_cpu_ops_<pid>_*, in TMPDIR) is removed and the status is 128 + the signal."""
+    log = _log_dir(tmp_path)
+    (log / "perf_tracer").mkdir()
+    shutil.copy(KERNEL_TRACE, log / "perf_tracer" / "traces-r0.chrome.json.gz")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(REPO / "postprocess_profile.py"), "--log-dir", str(log), "--run-dir",
+                             str(tmp_path / "run")], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def stores():  # (other temporary files of the libraries may come and go in TMPDIR)
+        return [n for n in os.listdir(tmp) if n.startswith("sftprof_cpu_ops_")]
+
+    while not stores() and proc.poll() is None:  # the store's folder, made before the trace is read
+        time.sleep(0.002)
+    made = stores()
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    assert len(made) == 1 and made[0].startswith(f"sftprof_cpu_ops_{proc.pid}_")
+    assert proc.returncode == 128 + sig and "Traceback" not in err
+    assert stores() == []
+
+
+def test_a_hangup_ignored_on_entry_stays_ignored():
+    """Under nohup (SIGHUP ignored on entry) a hang-up does not stop the postprocess; SIGTERM still does."""
+    code = ("import os, signal, sys\nfrom sftprof.cli import run_main\n"
+            "def main():\n    os.kill(os.getpid(), signal.SIGHUP)\n    print('after SIGHUP', flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n    print('after SIGTERM')\n"
+            "run_main(main, stop_signals=True)\n")
+    res = subprocess.run(["nohup", sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (res.returncode, res.stdout) == (143, "after SIGHUP\n")

@@ -1,4 +1,5 @@
 """postprocess_profile.py end to end on real traces (CPU, profiled here) and the real H200 snapshot."""
+import errno
 import gzip
 import json
 import os
@@ -6,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -1199,3 +1201,60 @@ def test_a_copied_run_root_is_postprocessed_from_its_own_files(tmp_path):
             for n in ("trial_a", "trial_b")]
     assert logs == [str(copy / "fileroot/logs/u/e/trial_a"), str(tmp_path / "fr" / "trial_b")]
     assert not Path("/orig").exists()
+
+
+@pytest.mark.parametrize("events, error", [
+    ([], "the trace holds no events (its traceEvents array is empty)"),
+    ([{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "python"}},
+      {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": "main"}}],
+     "the trace holds no events, only 2 metadata events (ph M)")])
+def test_rerun_on_a_trace_with_no_events_keeps_the_earlier_views(tmp_path, cpu_traces, events, error):
+    """A rank's trace replaced by one without events (an empty traceEvents, or metadata alone) is that trace's
+    error, as an empty file is: the rank's earlier views stay, the summary names it, exit 1."""
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    assert _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1).returncode == 0
+    views = {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in ("chrome", "gpu_only")}
+    raw = log / "perf_tracer" / "rank0.pt.trace.json"
+    raw.write_text(json.dumps({"traceEvents": events}))
+    res = _cli("--log-dir", log, "--run-dir", run, "--profile-kind", "kernel", "--profile-step", 1)
+    assert res.returncode == 1 and f"[postprocess] ERROR perf_tracer/rank0.pt.trace.json: {raw}: {error}" in res.stderr
+    assert {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in views} == views
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": "perf_tracer/rank0.pt.trace.json", "error": f"{raw}: {error}"}]
+    assert s["counts"]["traces"] == 2 and s["counts"]["traces_ok"] == 1
+    assert s["kernel_traces"][0]["kept_views"] == sorted(
+        f"kernel_traces/{v}/rank0.pt.trace.json" for v in ("chrome", "cpu_only", "cuda_api_only", "gpu_only",
+                                                           "split_clean"))
+
+
+def test_a_full_tmpdir_is_the_traces_error_naming_the_folder(tmp_path, cpu_traces, monkeypatch):
+    """A TMPDIR with no room for the summary's CPU-op file (ENOSPC on its first write) is each trace's error naming
+    the folder, its free space and the space needed, not the trace's fault; the earlier views stay."""
+    from sftprof.analysis.summary import postprocess_trial
+    from sftprof.analysis.trace import op_store
+
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
+    views = {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in ("chrome", "gpu_only")}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(op_store, "free_space", lambda folder: f"12.0 KiB free in {folder}")
+
+    def full(path, mode="r", *args, **kwargs):
+        if mode == "ab":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(op_store, "open", full, raising=False)
+    summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+    assert code == 1 and not [n for n in os.listdir(tmp) if n.startswith("sftprof_cpu_ops_")]
+    srcs = [log / "perf_tracer" / "rank0.pt.trace.json", log / "perf_tracer" / "traces-r1.chrome.json"]
+    need = [f"{os.path.getsize(s) / 2**30 * 0.26 * 1000:.1f} MB" for s in srcs]
+    assert [e["error"] for e in summary["errors"]] == [
+        f"{s}: temporary CPU-op file in {tmp} (TMPDIR): No space left on device (12.0 KiB free in {tmp}); it needs "
+        f"about {n} for this trace (set TMPDIR to a folder with room)" for s, n in zip(srcs, need)]
+    assert {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in views} == views
+    assert len(summary["kernel_traces"][0]["kept_views"]) == 5

@@ -3,8 +3,13 @@ CUDA API calls and fwdbwd flows kept in arrays, give what the earlier ops in mem
 sort gave, bit for bit."""
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -15,6 +20,7 @@ from sftprof.analysis.time import trace_summary
 from sftprof.analysis.trace.check import event_problem
 from sftprof.analysis.trace.intervals import ThreadIntervals, previous_open, repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
+from sftprof.analysis.trace import op_store
 from sftprof.analysis.trace.op_store import BUCKET_OPS, CpuOpStore
 
 
@@ -187,3 +193,54 @@ def test_ops_added_after_a_question_are_in_the_next_one():
         store.add(1, float(i), 0.5, 1)
     assert len(store) == 10 and store.name_totals(2)[0].tolist() == [6, 4]
     assert store.innermost(np.array([1]), np.array([9.25]))[0].tolist() == [9]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (a child, waited for)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_new_store_removes_the_folders_of_dead_processes_only(tmp_path, monkeypatch):
+    """A folder named after a process that is gone (killed before its store was removed) is removed by the next
+    store in the same temporary folder; one of a live process (here the test's own), and other names, are left."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead, live = tmp_path / f"sftprof_cpu_ops_{_dead_pid()}_x1y2", tmp_path / f"sftprof_cpu_ops_{os.getpid()}_a3b4"
+    other = tmp_path / "sftprof_cpu_ops_notapid"
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "ops").write_bytes(b"\0" * 28)
+    store = CpuOpStore(4)
+    mine = [p.name for p in tmp_path.iterdir() if p not in (live, other)]
+    assert not dead.exists() and live.is_dir() and (live / "ops").is_file() and other.is_dir()
+    assert len(mine) == 1 and mine[0].startswith(f"sftprof_cpu_ops_{os.getpid()}_")
+    del store
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def test_a_failed_write_to_the_temporary_folder_names_it_and_the_space_needed(tmp_path, monkeypatch):
+    """A full TMPDIR (ENOSPC when the first block of ops is written) raises TempSpaceError naming the folder and
+    its free space; its message for a trace adds the space needed (0.26 GB per GiB of trace text)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(op_store, "free_space", lambda folder: f"12.0 KiB free in {folder}")
+
+    def full(path, mode="r", *args, **kwargs):
+        if mode == "ab":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(op_store, "open", full, raising=False)
+    store = CpuOpStore(4)
+    with pytest.raises(op_store.TempSpaceError) as err:
+        for i in range(4):
+            store.add(1, float(i), 0.5, 0)
+    assert err.value.strerror == (f"temporary CPU-op file in {tmp_path} (TMPDIR): No space left on device "
+                                  f"(12.0 KiB free in {tmp_path})")
+    trace = tmp_path / "rank0.pt.trace.json"
+    with open(trace, "wb") as f:
+        f.truncate(3 * 2**30)  # sparse: 3 GiB of text
+    assert err.value.message(str(trace)) == (f"{err.value.strerror}; it needs about 0.8 GB for this trace (set TMPDIR "
+                                             "to a folder with room)")
+    assert err.value.message(str(trace) + ".gz").endswith("; it needs about 0.26 GB per GiB of the trace's "
+                                                          "uncompressed text (set TMPDIR to a folder with room)")

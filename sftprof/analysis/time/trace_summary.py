@@ -149,6 +149,7 @@ class KernelTraceAnalyzer:
         self._t_min = float("inf")
         self._t_max = float("-inf")
         self.n_events = 0
+        self.n_metadata = 0  # of n_events: metadata (ph M: process and thread names)
         self._pg_desc: dict[str, str | None] = {}
         self._pg_ranks: dict[str, Any] = {}  # process-group name -> its members as an event's args give them
         self._pg_header_ranks: dict[str, list[int]] = {}  # ... as the header's pg_config gives them
@@ -209,6 +210,16 @@ class KernelTraceAnalyzer:
             if _rank_list(ranks):
                 out[name] = ranks
         return out
+    def no_events_error(self) -> str | None:
+        """After the pass: the error of a trace that holds no events but metadata (``ph: M``), none left out as
+        invalid either (``{"traceEvents": []}``): nothing to summarise or view (views of it would replace an earlier
+        postprocess's with empty ones); None otherwise."""
+        if self.n_events > self.n_metadata or any(self._invalid.values()):
+            return None
+        if not self.n_events:
+            return "the trace holds no events (its traceEvents array is empty)"
+        return f"the trace holds no events, only {self.n_metadata} metadata events (ph M)"
+
     def add_invalid(self, kind: str, raw: str) -> None:
         """Count one event left out of every figure (``kind`` from ``trace_check.event_problem``)."""
         self._invalid[kind] += 1
@@ -251,6 +262,8 @@ class KernelTraceAnalyzer:
                 self._ops.add(ev, cat, ev["ts"], 0.0)
             elif ph in ("B", "E") and cat == "user_annotation":
                 self._begin_end(ev, ph)
+            elif ph == "M":
+                self.n_metadata += 1
             return
         ts = ev.get("ts")
         dur = ev.get("dur")

@@ -1,8 +1,9 @@
 """Every CPU op of one trace, kept on disk during the kernel summary's pass and read back one time bucket at a time.
 
 The CPU ops are most of a kineto trace's events (about 2 M per GiB); held in memory they made the summary's peak
-memory grow with the trace. :class:`CpuOpStore` writes them to a file of a temporary folder (``TMPDIR``; about 0.2 GB
-per GiB of a kineto trace with the copies below, removed with the store) in blocks of ``bucket_ops`` ops
+memory grow with the trace. :class:`CpuOpStore` writes them to a file of a temporary folder (``TMPDIR``; about
+:data:`TEMP_GB_PER_TRACE_GIB` GB per GiB of a kineto trace with the copies below, removed with the store) in blocks of
+``bucket_ops`` ops
 (28 bytes an op on disk: start and duration float64 us, thread int64, name index int32) and keeps 1 byte an op in
 memory (whether the op is kept: :mod:`sftprof.analysis.trace.sanity` drops ops recorded twice and ops of other
 profiler steps). After the pass the ops are split by their start into time buckets of about ``bucket_ops`` ops each
@@ -14,10 +15,17 @@ an op starting in it. Every question (innermost op around a point, self times) i
 Sums per op name run in the order of the ops in the trace (a sum's last bits depend on its order), as a sum over the
 whole collection in memory did: :meth:`CpuOpStore.self_us` gives its records back in that order through a second
 split, by index.
+
+The folder, ``sftprof_cpu_ops_<pid>_<random>``, goes with the store (on a normal exit too); one whose process was
+killed (SIGKILL, or a signal its program does not handle) is removed by the next store made in the same temporary
+folder (:func:`remove_orphans`; never a live process's). A write to it that fails (a full ``TMPDIR``, a quota) raises
+:class:`TempSpaceError`, which names the folder, not the trace.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -27,10 +35,15 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from sftprof.analysis.trace.intervals import ThreadIntervals, repeated_rows
+from sftprof.atomic import free_space
 
-__all__ = ["CpuOpStore", "BUCKET_OPS"]
+__all__ = ["CpuOpStore", "BUCKET_OPS", "TempSpaceError", "TEMP_GB_PER_TRACE_GIB", "remove_orphans"]
 
 BUCKET_OPS = 1 << 17  # ops per block of the pass and per time bucket: about 35 MB of a bucket's working memory
+TEMP_GB_PER_TRACE_GIB = 0.26  # the temporary folder's size per GiB of kineto trace text (measured)
+_PREFIX = "sftprof_cpu_ops_"
+_FOLDER_RE = re.compile(re.escape(_PREFIX) + r"(\d+)_")  # sftprof_cpu_ops_<pid>_<random>
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OP = np.dtype([("start", "f8"), ("dur", "f8"), ("tid", "i8"), ("name", "i4")])  # one op as written in the pass
 _ROW = np.dtype([("idx", "i8"), ("start", "f8"), ("dur", "f8"), ("tid", "i8"), ("name", "i4")])  # ... in a bucket
@@ -39,16 +52,72 @@ _SELF = np.dtype([("idx", "i8"), ("name", "i4"), ("own", "f8"), ("incl", "f8")])
 Bucket = tuple[float, float, ThreadIntervals, np.ndarray, np.ndarray]
 
 
+class TempSpaceError(OSError):
+    """A write to the store's temporary folder failed (``strerror``: ``"temporary CPU-op file in <folder> (TMPDIR):
+    <reason> (<free space>)"``); :meth:`message` adds what a trace of a given size needs."""
+
+    def __init__(self, folder: str, exc: OSError) -> None:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        super().__init__(exc.errno, f"temporary CPU-op file in {folder} (TMPDIR): {reason} ({free_space(folder)})")
+
+    def message(self, trace: str) -> str:
+        """The error for the trace ``trace`` (a path): for want of space, the space it needs, from its size
+        (:data:`TEMP_GB_PER_TRACE_GIB`; per GiB of text for a ``.gz`` trace, whose text size is not known)."""
+        if self.errno not in _SPACE_ERRNOS:
+            return f"{self.strerror}; set TMPDIR to a folder it can write"
+        if trace.endswith(".gz"):
+            need = f"about {TEMP_GB_PER_TRACE_GIB} GB per GiB of the trace's uncompressed text"
+        else:
+            gb = os.path.getsize(trace) / 2**30 * TEMP_GB_PER_TRACE_GIB
+            need = f"about {gb:.1f} GB for this trace" if gb >= 0.1 else f"about {gb * 1000:.1f} MB for this trace"
+        return f"{self.strerror}; it needs {need} (set TMPDIR to a folder with room)"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def remove_orphans(folder: str) -> list[str]:
+    """Remove the stores' folders in ``folder`` whose process (the pid in their name) is gone; returns their
+    paths, sorted. A folder that cannot be listed or removed is left."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        m = _FOLDER_RE.match(name)
+        path = os.path.join(folder, name)
+        if m and not _pid_alive(int(m.group(1))) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class _Spill:
-    """Rows of one structured dtype appended to a file, read back whole or in blocks."""
+    """Rows of one structured dtype appended to a file, read back whole or in blocks; a failed write raises
+    :class:`TempSpaceError`."""
 
     def __init__(self, path: str, dtype: np.dtype) -> None:
         self.path, self.dtype, self.rows = path, dtype, 0
-        open(path, "wb").close()
+        try:
+            open(path, "wb").close()
+        except OSError as exc:
+            raise TempSpaceError(os.path.dirname(os.path.dirname(path)), exc) from exc
 
     def append(self, rows: np.ndarray) -> None:
-        with open(self.path, "ab") as f:
-            f.write(np.ascontiguousarray(rows).data)
+        try:
+            with open(self.path, "ab") as f:
+                f.write(np.ascontiguousarray(rows).data)
+        except OSError as exc:
+            raise TempSpaceError(os.path.dirname(os.path.dirname(self.path)), exc) from exc
         self.rows += rows.size
 
     def read(self, first: int = 0, count: int = -1) -> np.ndarray:
@@ -76,11 +145,19 @@ class CpuOpStore:
     Args:
         bucket_ops: ops per block written in the pass and per time bucket (:data:`BUCKET_OPS`; the tests use a few
             to cut nested ops across buckets).
+
+    Raises:
+        TempSpaceError: the temporary folder cannot be made or written (here or when ops are added or read).
     """
 
     def __init__(self, bucket_ops: int = BUCKET_OPS) -> None:
         self._bucket_ops = bucket_ops
-        self._dir = tempfile.mkdtemp(prefix="sftprof_cpu_ops_")
+        tmp = tempfile.gettempdir()
+        remove_orphans(tmp)
+        try:
+            self._dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}_", dir=tmp)
+        except OSError as exc:
+            raise TempSpaceError(tmp, exc) from exc
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # the files go with the store
         self._ops = _Spill(os.path.join(self._dir, "ops"), _OP)
         # the ops not yet written (the first _n): start, dur (us), thread, name index; allocated once, as the block

@@ -6,7 +6,9 @@ of them (:func:`trace_part`).
 A rank's views and plot replace an earlier postprocess's only when its trace splits without error: the views are
 written to a staging folder next to ``RUN_DIR/kernel_traces`` and moved into place when complete; a trace that fails
 (or is not this trial's: another step's or rank's, a rank outside the world size) leaves what was there, named in
-its entry (``kept_views``, ``kept_files``).
+its entry (``kept_views``, ``kept_files``). So does a trace that holds no events but metadata (``{"traceEvents":
+[]}``: :meth:`~sftprof.analysis.time.trace_summary.KernelTraceAnalyzer.no_events_error`), and one whose summary's
+temporary CPU-op folder cannot be written (a full ``TMPDIR``: :class:`~sftprof.analysis.trace.op_store.TempSpaceError`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from sftprof.analysis.trial.inputs import World, file_error, outside_world
 from sftprof.analysis.time.model_parts import plot_parts
 from sftprof.analysis.time.schema import CallRecords, KernelSummary
 from sftprof.analysis.trial.schema import Files, SkippedFile, TraceEntry
+from sftprof.analysis.trace.op_store import TempSpaceError
 from sftprof.analysis.trace.sanity import sanity_error
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views.split import VIEWS, read_for_summary, split_trace, view_links
@@ -95,9 +98,9 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".staging_rank{rank}_", dir=parent)
-    analyzer = KernelTraceAnalyzer(step=step)
     try:
         try:
+            analyzer = KernelTraceAnalyzer(step=step)  # its CPU-op store's folder may fail: TempSpaceError
             if beside:
                 with ProcessPoolExecutor(max_workers=1) as pool:
                     views_run = pool.submit(_split_views, src, stage, rank, compress, max_view_bytes)
@@ -112,10 +115,15 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
                                      on_header=analyzer.set_header, on_event=analyzer.add,
                                      on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
+            empty = analyzer.no_events_error()
+            if empty:  # views of nothing would replace an earlier postprocess's
+                return _failed_trace(out_dir, rank, f"{src}: {empty}")
             summary = analyzer.summary()
             calls = summary["collectives"].pop("calls")  # matched across ranks by trace_part, not written
             error = invalid_events_error(summary["invalid_events"]) or sanity_error(summary["sanity"])
             wrong, unconfirmed = identity_problems(summary["identity"], rank, step)
+        except TempSpaceError as exc:  # a full TMPDIR: this trace's error, naming the folder and the space needed
+            return _failed_trace(out_dir, rank, f"{src}: {exc.message(src)}")
         except Exception as exc:  # whatever one trace raises is that trace's error, never the whole run's
             return _failed_trace(out_dir, rank, file_error(src, exc))
         if wrong:  # another step's or rank's trace: its views and figures would stand for what they are not
