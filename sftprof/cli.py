@@ -10,7 +10,7 @@ With ``stop_signals``, SIGTERM and SIGHUP (a terminal closed) end ``main`` as an
 shell gives a command stopped by the signal (143, 129): ``finally`` blocks, ``atexit`` and ``weakref.finalize`` run,
 so the temporary files of ``postprocess_profile.py`` (:mod:`sftprof.analysis.trace.op_store`) go with it; the default
 action of either signal ends the process at once and left them behind. SIGINT (Ctrl-C) does so already
-(``KeyboardInterrupt``). The launcher handles its signals itself (:mod:`sftprof.launch.signals`).
+(``KeyboardInterrupt``); with ``stop_signals`` it ends with one line and status 130 instead of a traceback. The launcher handles its signals itself (:mod:`sftprof.launch.signals`).
 
 The trainer (``train_sft_profile.py``, one process per rank) logs to standard output through ``logging``, which
 does not raise but printed a "--- Logging error ---" traceback for every record once the pipe was closed
@@ -26,9 +26,10 @@ import sys
 from types import FrameType
 from typing import Callable, NoReturn, Optional, TextIO
 
-__all__ = ["run_main", "PipeSafeStreamHandler", "BROKEN_PIPE_STATUS", "STOP_SIGNALS", "to_devnull"]
+__all__ = ["run_main", "PipeSafeStreamHandler", "BROKEN_PIPE_STATUS", "INTERRUPT_STATUS", "STOP_SIGNALS", "to_devnull"]
 
 BROKEN_PIPE_STATUS = 141  # 128 + SIGPIPE (13): what a shell reports for a command stopped by a closed pipe
+INTERRUPT_STATUS = 130  # 128 + SIGINT (2): a command stopped by Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # made an exit by run_main(stop_signals=True)
 
 
@@ -59,6 +60,12 @@ def run_main(main: Callable[[], Optional[int]], *, stop_signals: bool = False) -
     except BrokenPipeError:
         to_devnull(sys.stdout, sys.stderr)  # the interpreter flushes both at exit: neither may raise again
         code = BROKEN_PIPE_STATUS
+    except KeyboardInterrupt:
+        if not stop_signals:
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C); the files written before it are kept",
+              file=sys.stderr)
+        code = INTERRUPT_STATUS
     sys.exit(code)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import two_gpu_sync_log_dir, two_gpu_sync_traces
-from sftprof.cli import BROKEN_PIPE_STATUS, run_main
+from sftprof.cli import BROKEN_PIPE_STATUS, INTERRUPT_STATUS, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's sftprof, whatever the editable install points at
@@ -73,6 +73,20 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(runs, tmp_path, cmd, u
     assert full.returncode == usual and full.stdout  # with a reader: the usual status and output
     if "c.md" in cmd:  # the report was written in full before the pipe broke
         assert (tmp_path / "c.md").read_text() + "\n" == full.stdout
+
+
+def test_ctrl_c_of_a_command_with_stop_signals_is_one_line_not_a_traceback(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["postprocess_profile.py"])
+    with pytest.raises(SystemExit) as ended:
+        run_main(interrupted, stop_signals=True)
+    assert ended.value.code == INTERRUPT_STATUS == 130
+    assert capsys.readouterr().err == (
+        "postprocess_profile.py: interrupted (Ctrl-C); the files written before it are kept\n")
+    with pytest.raises(KeyboardInterrupt):  # without stop_signals: as before
+        run_main(interrupted)
 
 
 def test_run_main_exits_with_mains_status():
