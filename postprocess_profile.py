@@ -31,8 +31,8 @@ as both RUN_A and RUN_B; an --out whose directory does not exist or that names a
 overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
 is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
 when standard output is a pipe its reader closed early (| head): what was to be written is written, the rest of
-the output is dropped without a traceback. 143 or 129 (128 + SIGTERM or SIGHUP) when stopped by that signal, after
-the temporary files are removed, as on Ctrl-C. compare --fail-on step_time,peak_allocated,peak_reserved (any of them):
+the output is dropped without a traceback. 143 or 129 (128 + SIGTERM or SIGHUP) when stopped by that signal, 130 on
+Ctrl-C (one line, no traceback), each after the temporary files are removed. compare --fail-on step_time,peak_allocated,peak_reserved (any of them):
 3 when B is worse than A on one (step time slower by the rank test's 95 % interval, a peak higher), 4 when none is
 worse but one has no verdict (no or too few samples: named), after the report is written; --fail-on with another
 name is exit 2.
