@@ -1,5 +1,4 @@
 """postprocess_profile.py end to end on real traces (CPU, profiled here) and the real H200 snapshot."""
-import errno
 import gzip
 import json
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import gpu_snapshot_fixtures, make_cpu_trace, two_gpu_sync_traces
+from fixtures.faults import full_disk_on_append
 from sftprof.analysis.memory.snapshot import analyze_snapshot
 from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
@@ -1242,13 +1242,7 @@ def test_a_full_tmpdir_is_the_traces_error_naming_the_folder(tmp_path, cpu_trace
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.setattr(op_store, "free_space", lambda folder: f"12.0 KiB free in {folder}")
-
-    def full(path, mode="r", *args, **kwargs):
-        if mode == "ab":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(op_store, "open", full, raising=False)
+    full_disk_on_append(monkeypatch, op_store)
     summary, code = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
     assert code == 1 and not [n for n in os.listdir(tmp) if n.startswith("sftprof_cpu_ops_")]
     srcs = [log / "perf_tracer" / "rank0.pt.trace.json", log / "perf_tracer" / "traces-r1.chrome.json"]

@@ -3,7 +3,6 @@ CUDA API calls and fwdbwd flows kept in arrays, give what the earlier ops in mem
 sort gave, bit for bit."""
 from __future__ import annotations
 
-import errno
 import gzip
 import json
 import os
@@ -15,9 +14,8 @@ import numpy as np
 import pytest
 
 from fixtures import FIXTURE_DIR
-from fixtures.faults import duplicate, with_second_step
+from fixtures.faults import duplicate, full_disk_on_append, kernel_summary, with_second_step
 from sftprof.analysis.time import trace_summary
-from sftprof.analysis.trace.check import event_problem
 from sftprof.analysis.trace.intervals import ThreadIntervals, previous_open, repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.trace import op_store
@@ -159,29 +157,17 @@ def test_ops_by_time_bucket_answer_as_all_ops_in_memory(bucket_ops):
     assert us.tolist() == np.bincount(name[keep], weights=dur[keep], minlength=4).tolist()  # bit for bit
 
 
-def _summary(trace: dict, step: int) -> dict:
-    """The kernel summary of ``trace`` (invalid events to ``add_invalid``), collectives' calls left out."""
-    a = trace_summary.KernelTraceAnalyzer({k: v for k, v in trace.items() if k != "traceEvents"}, step=step)
-    for e in trace["traceEvents"]:
-        problem = event_problem(e)
-        if problem:
-            a.add_invalid(problem, json.dumps(e))
-        else:
-            a.add(e)
-    return a.summary()
-
-
 def test_the_summary_by_small_time_buckets_is_the_summary_of_one_bucket(monkeypatch):
     """A real trace with a second profiler step and every CPU op recorded twice, summarised with 1000 CPU ops a time
     bucket (about 70 buckets) and with one bucket (all ops in memory at once, as before): the same summary."""
     te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
     two = with_second_step(te, 3, longer_us=1e6)
     duplicate(two, [e for e in two["traceEvents"] if e.get("cat") == "cpu_op"])
-    whole = _summary(two, 2)
+    whole = kernel_summary(two, 2)
     assert whole["sanity"]["duplicates"]["count"] and whole["sanity"]["other_steps"]["count"]
     assert whole["host"]["top_self"] and whole["host"]["sync"]["by_call"]
     monkeypatch.setattr(trace_summary, "OpCollector", lambda: OpCollector(1000))
-    assert _summary(two, 2) == whole
+    assert kernel_summary(two, 2) == whole
 
 
 def test_ops_added_after_a_question_are_in_the_next_one():
@@ -224,13 +210,7 @@ def test_a_failed_write_to_the_temporary_folder_names_it_and_the_space_needed(tm
     its free space; its message for a trace adds the space needed (0.26 GB per GiB of trace text)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(op_store, "free_space", lambda folder: f"12.0 KiB free in {folder}")
-
-    def full(path, mode="r", *args, **kwargs):
-        if mode == "ab":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(op_store, "open", full, raising=False)
+    full_disk_on_append(monkeypatch, op_store)
     store = CpuOpStore(4)
     with pytest.raises(op_store.TempSpaceError) as err:
         for i in range(4):

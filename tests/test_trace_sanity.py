@@ -15,15 +15,15 @@ import pickle
 import pytest
 
 from fixtures import FIXTURE_DIR
-from fixtures.faults import GPU, before_step, drop, duplicate, stream_activities, stretch, untime, with_second_step
+from fixtures.faults import (GPU, before_step, drop, duplicate, kernel_summary, stream_activities, stretch, untime,
+                             with_second_step)
 from sftprof.analysis.report.findings import memory_findings
 from sftprof.analysis.memory.snapshot import analyze_snapshot, peak_where
 from sftprof.analysis.report.memory import _memory_peaks
 from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.analysis.summary import postprocess_trial
-from sftprof.analysis.trace.check import UNTIMED, event_problem, validate_trace
+from sftprof.analysis.trace.check import UNTIMED, validate_trace
 from sftprof.analysis.trace.sanity import fault_messages, sanity_error
-from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 from sftprof.artifacts import view_path
 
 TE_TRACE = FIXTURE_DIR / "h200_te_kernel.trace.json.gz"  # ProfilerStep#2, 6 streams, TE kernels
@@ -40,19 +40,7 @@ def te():
 
 @pytest.fixture(scope="module")
 def te_clean(te):
-    return _summary(te, 2)
-
-
-def _summary(trace: dict, step) -> dict:
-    """The kernel summary of ``trace`` as postprocessing makes it (invalid events to ``add_invalid``)."""
-    a = KernelTraceAnalyzer({k: v for k, v in trace.items() if k != "traceEvents"}, step=step)
-    for e in trace["traceEvents"]:
-        problem = event_problem(e)
-        if problem:
-            a.add_invalid(problem, json.dumps(e))
-        else:
-            a.add(e)
-    return a.summary()
+    return kernel_summary(te, 2)
 
 
 def _figures(s: dict) -> dict:
@@ -91,7 +79,7 @@ def test_clean_fixtures_have_no_fault(te_clean):
     assert {k: c for k, (c, _) in _sanity_counts(te_clean).items()} == NO_FAULT
     assert te_clean["sanity"]["recording_edges"] == {"activities_before_first_launch": 0,
                                                      "launches_after_last_activity": 0}
-    edges = [_summary(json.loads(gzip.decompress(p.read_bytes())), 2)["sanity"] for p in two_gpu_sync_traces()]
+    edges = [kernel_summary(json.loads(gzip.decompress(p.read_bytes())), 2)["sanity"] for p in two_gpu_sync_traces()]
     assert [{k: c for k, (c, _) in _sanity_counts({"sanity": x}).items()} for x in edges] == [NO_FAULT, NO_FAULT]
     # the excerpt keeps the 14 ms of slices inside its window: kernels queued before it, launches whose kernel ran
     # after it
@@ -108,12 +96,12 @@ def test_overlong_kernel_is_cut_at_the_next_kernel_of_its_stream(tmp_path, te, t
     ks = _kernels(bad)
     k, nxt = ks[300], ks[301]
     stretch([k], 1.5e6)
-    s = _summary(bad, 2)
+    s = kernel_summary(bad, 2)
     cut = nxt["ts"] - k["ts"]
     assert _sanity_counts(s)["overlapping"] == (1, te_clean["gpu"]["activities"])
     expect = copy.deepcopy(te)
     _kernels(expect)[300]["dur"] = cut
-    assert _figures(s) == _figures(_summary(expect, 2))
+    assert _figures(s) == _figures(kernel_summary(expect, 2))
     assert s["step_window"] == te_clean["step_window"]  # the step does not grow by the overlong record
     assert abs(s["gpu"]["busy_ms"] - te_clean["gpu"]["busy_ms"]) <= (cut - _kernels(te)[300]["dur"]) / 1e3 + 2e-4
     example = (f"{k['name'][:77]}... (GPU 0 stream 7) ran {(k['ts'] + k['dur'] - nxt['ts']) / 1e3:.3f} ms past the "
@@ -153,12 +141,12 @@ def test_kernels_without_timing_are_counted_as_invalid_and_left_out(tmp_path, te
     bad, expect = copy.deepcopy(te), copy.deepcopy(te)
     untime(_kernels(bad)[200:240])
     drop(expect, _kernels(expect)[200:240])
-    s = _summary(bad, 2)
+    s = kernel_summary(bad, 2)
     n = te_clean["gpu"]["activities"]
     assert s["invalid_events"]["by_kind"] == {UNTIMED: 40} and s["invalid_events"]["total"] == 40
     assert _sanity_counts(s)["untimed"] == (40, n)
     assert _sanity_counts(s)["launches_without_activity"] == (0, 2152)  # their launches had a kernel
-    assert _figures(s) == _figures(_summary(expect, 2))
+    assert _figures(s) == _figures(kernel_summary(expect, 2))
     assert s["gpu"]["activities"] == n - 40 and s["gpu"]["busy_ms"] < te_clean["gpu"]["busy_ms"]
     summary, code, run = _trial(tmp_path, bad, 2)
     untimed = (f"40 of {n} GPU activities have no timing (ts 0 or dur 0: CUPTI collected none): left out of every "
@@ -178,7 +166,7 @@ def test_dropped_kernel_records_make_the_gpu_figures_lower_bounds(tmp_path, te, 
     each GPU figure that of the trace without those kernels; dropping more than half is the trace's error."""
     bad = copy.deepcopy(te)
     drop(bad, _kernels(bad)[100:700])
-    s = _summary(bad, 2)
+    s = kernel_summary(bad, 2)
     assert _sanity_counts(s) == {**{k: (0, of) for k, (_, of) in _sanity_counts(s).items()},
                                  "launches_without_activity": (600, 2152)}
     assert s["gpu"]["busy_share_pct"] < te_clean["gpu"]["busy_share_pct"]
@@ -212,7 +200,7 @@ def test_every_cpu_op_recorded_twice_changes_no_figure(tmp_path, te, te_clean):
     bad = copy.deepcopy(te)
     ops = [e for e in bad["traceEvents"] if e.get("cat") == "cpu_op"]
     duplicate(bad, ops)
-    s = _summary(bad, 2)
+    s = kernel_summary(bad, 2)
     assert _figures(s) == _figures(te_clean)
     assert s["top_cpu_ops"][0]["calls"] == te_clean["top_cpu_ops"][0]["calls"] == 2
     assert _sanity_counts(s)["duplicates"] == (len(ops), te_clean["n_events"] + len(ops))
@@ -230,7 +218,7 @@ def test_every_cpu_op_recorded_twice_changes_no_figure(tmp_path, te, te_clean):
 def test_a_wholly_duplicated_trace_does_not_double_the_kernel_totals(te, te_clean):
     bad = copy.deepcopy(te)
     duplicate(bad, te["traceEvents"])
-    s = _summary(bad, 2)
+    s = kernel_summary(bad, 2)
     assert _figures(s) == _figures(te_clean)
     counts = {}
     for e in te["traceEvents"]:
@@ -251,7 +239,7 @@ def test_the_step_window_is_the_profiled_steps_never_the_longest(tmp_path, te, t
     """A trace holding ProfilerStep#2 and a longer ProfilerStep#3: summarised as step 2 it is the clean trace's step
     (main: every figure over both steps, GPU time 188.5 ms against 94.3); summarised as step 3, the copy's."""
     two = with_second_step(te, 3, longer_us=1e6)
-    s2 = _summary(two, 2)
+    s2 = kernel_summary(two, 2)
     assert {**_figures(s2), "identity": None} == {**_figures(te_clean), "identity": None}
     assert s2["identity"]["profiler_steps"] == [2, 3]
     # the copy's activities and CPU ops from its step's start on are step 3's (its slice is 1 s longer: the copy's
@@ -263,7 +251,7 @@ def test_the_step_window_is_the_profiled_steps_never_the_longest(tmp_path, te, t
                f"{other} of {2 * n} GPU activities and CPU ops of those steps are left out of every figure, and the "
                "step window is the postprocessed step's own")
     assert fault_messages(s2["sanity"]) == [message]
-    s3 = _summary(two, 3)
+    s3 = kernel_summary(two, 3)
     shift = s3["step_window"]["start_us"] - te_clean["step_window"]["start_us"]
     assert shift > 0 and s3["step_window"]["wall_ms"] == te_clean["step_window"]["wall_ms"]
     for key in ("gpu", "top_kernels", "categories", "communication", "parts", "efficiency", "top_cpu_ops"):
