@@ -1,11 +1,16 @@
 """A trace without GPU activity (a CPU run): CPU op self time by model part, and the heaviest op, on a trace whose
 every number is known (the real CPU traces of the tiny preset are checked in tests/test_e2e_cpu.py)."""
+import json
+
 import pytest
 
 from sftprof.analysis.report import findings as fnd
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import trial_what_if
+from sftprof.analysis.what_if.next_steps import with_next_steps
+from sftprof.launch.plan_types import Trial
+from sftprof.launch.what_ifs import choose
 
 
 def _op(name, ts, dur, tid=1, cat="cpu_op"):
@@ -64,9 +69,34 @@ def test_cpu_op_self_time_by_model_part_and_the_heaviest_op():
         "rank 0: attention QKV projection 11.4 % of CPU op time (0.1 ms)",
         "rank 0: optimizer 4.3 % of CPU op time (0.0 ms)"]
     assert {f["section"] for f in found} == {"#time-by-model-part-rank-0"}
-    # no GPU time to save
-    assert trial_what_if({"kernel_traces": [{"rank": 0, "summary": s}]}, None, TrialModel(None)) == ([], [])
     assert found[0]["weight"] == pytest.approx(0.38)
+
+
+def test_a_cpu_runs_lm_head_finding_and_its_what_if_say_the_same(tmp_path):
+    """The CPU quick start's LM head + loss: no what-if (CPU op time predicts no effect for the chunked LM head), and
+    the finding's next step, the summary's What if section and TRY_WHAT_IFS's line each say so, with the setting."""
+    s = _summary(_cpu_step())
+    summary = {"kernel_traces": [{"rank": 0, "summary": s}], "completion": {"device": "cpu"}, "profile_step": 1}
+    cfg = {"actor": {"backend": "fsdp:d2", "loss": {"lm_head_loss_chunk_size": 0}}}
+    why = ("LM head + loss 82.9 % of CPU op time, but CPU op time gives no predicted effect for the chunked LM head "
+           "(its what-if predicts a GPU memory trial's peak without the logits), so TRY_WHAT_IFS does not try it: "
+           "compare a run with LM_HEAD_LOSS_CHUNK_SIZE=256 against this one (README, Proving a change)")
+    assert trial_what_if(summary, cfg, TrialModel(None)) == (
+        [], [{"key": "chunked_lm_head", "label": "chunked LM head", "rank": 0, "reason": why}])
+    found, skipped = trial_what_if(summary, cfg, TrialModel(None))
+    steps = with_next_steps(fnd.kernel_findings(0, s), found, skipped, summary, cfg)
+    assert {f["key"]: f["next_step"] for f in steps}["part lm_head_loss"] == (
+        "try LM_HEAD_LOSS_CHUNK_SIZE=256: the LM head and the loss in chunks of 256 tokens, without the full logits "
+        "and their log-softmax; not a what-if: " + why)
+    (tmp_path / "profile_summary.json").write_text(json.dumps(
+        {"status": "ok", "what_if": found, "what_if_skipped": skipped}))
+    trial = Trial("k1", "kernel", 1, tmp_path, tmp_path, ["--config", "x.yaml"])
+    assert choose([trial], ["chunked_lm_head"])[1][1:] == [f"not proposed: chunked_lm_head ({why})"]
+    # on it already, or a GPU run (GPU time: the memory trial's rule): no such line
+    on = {"actor": {"backend": "fsdp:d2", "loss": {"lm_head_loss_chunk_size": 256}}}
+    assert trial_what_if(summary, on, TrialModel(None)) == ([], [])
+    gpu = {**s, "gpu": {**s["gpu"], "activities": 3}}
+    assert trial_what_if({"kernel_traces": [{"rank": 0, "summary": gpu}]}, cfg, TrialModel(None)) == ([], [])
 
 
 def test_no_model_part_ranges_no_cpu_table_and_a_container_is_not_the_heaviest_op():

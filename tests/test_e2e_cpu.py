@@ -240,8 +240,13 @@ def test_cpu_summary_shows_findings_parts_and_the_heaviest_op(run):
         assert any(x.startswith("rank 0: LM head + loss ") and " % of CPU op time (" in x for x in texts), texts
         assert any(x.startswith("rank 0: heaviest op _VocabParallelLogprobs in LM head + loss: ") for x in texts)
         # each finding names its next step; the LM head + loss (part and heaviest op) the README's chunked LM head
+        # (no what-if on CPU: the finding says why, as the What if section does, with the finding's share)
+        skip = next(w for w in s["what_if_skipped"] if w["key"] == "chunked_lm_head")
+        assert skip["reason"].startswith(
+            f"LM head + loss {summed['lm_head_loss']['share_pct']:.1f} % of CPU op time, but CPU op time gives no "
+            "predicted effect for the chunked LM head")
         lm_head = ("try LM_HEAD_LOSS_CHUNK_SIZE=256: the LM head and the loss in chunks of 256 tokens, without the "
-                   "full logits and their log-softmax")
+                   "full logits and their log-softmax; not a what-if: " + skip["reason"])
         steps = {f["key"]: f["next_step"] for f in s["findings"]}
         assert steps["part lm_head_loss"] == steps["heaviest op"] == lm_head, steps
         assert all(x.startswith(("try ", "none")) for x in steps.values()), steps
@@ -310,13 +315,14 @@ def test_memory_trial_on_cpu_says_snapshots_need_cuda(run):
 
 def test_cpu_trials_propose_no_what_if(run):
     """One sequence and micro-batch a rank (batch 2 over 2 ranks): no fewer-micro-batches what-if; the other levers
-    need GPU time, a snapshot or the megatron backend (balanced routing, where the routing collapsed, says so)."""
+    need GPU time, a snapshot or the megatron backend (balanced routing, where the routing collapsed, says so; the
+    chunked LM head of a kernel trial's LM head + loss says CPU op time predicts nothing for it)."""
     _, run_root = run
     for row in summary_rows(run_root):
         s = json.loads((Path(row["run_dir"]) / "profile_summary.json").read_text())
         assert s["what_if"] == [] and s["transformer_engine"] is False and "tried_what_if" not in s
-        assert all(w["key"] == "balanced_routing" and w["reason"].endswith("the fsdp backend has none")
-                   for w in s["what_if_skipped"])
+        assert all(w["reason"].endswith("the fsdp backend has none") if w["key"] == "balanced_routing" else
+                   w["key"] == "chunked_lm_head" and row["kind"] == "kernel" for w in s["what_if_skipped"])
 
 
 def _bench_step():

@@ -29,7 +29,9 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
   size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
   logits, one chunk kept, or the step's highest point without the logits block when that is higher (the
   snapshot's ``without_largest_block``; on 1x H200 with TE it foretold the 2048-chunk trials' 75.27 GiB, and
-  70.77 GiB with the fused SwiGLU).
+  70.77 GiB with the fused SwiGLU). On a CPU kernel trial whose LM head + loss holds CPU op time (the finding whose
+  next step is ``LM_HEAD_LOSS_CHUNK_SIZE``): never proposed, ``skipped`` with why (``_chunked_lm_head_cpu``): CPU op
+  time gives no predicted effect for it, so the driver does not try it; a second run and ``compare`` measure it.
 - ``precision_aware_optimizer`` (memory trial, megatron, Transformer Engine in the trial): an optimizer-step peak
   (the peak in ``sftprof/optimizer_step``, or the optimizer state the largest category at it);
   ``use_precision_aware_optimizer=true``, ``main_grads_dtype=bfloat16`` (``USE_PRECISION_AWARE_OPTIMIZER=true
@@ -72,7 +74,7 @@ from sftprof.analysis.what_if.schema import WhatIf, WhatIfEffect, WhatIfSetting,
 from sftprof.config import n_micro_batches
 
 __all__ = ["trial_what_if", "METRICS", "TIME_METRICS", "LABELS", "MIN_SHARE", "LM_HEAD_CHUNK", "setting_text",
-           "amount", "effect_text"]
+           "amount", "effect_text", "CPU_LM_HEAD_CHUNK"]
 
 # metric -> (unit, words)
 METRICS = {
@@ -97,6 +99,9 @@ LABELS = {
     "recompute_plan": "recompute planner",  # a kernel trial's (sftprof.analysis.what_if.recompute_plan.recompute_what_if)
 }
 MIN_SHARE = 0.01  # a predicted effect below 1 % of its baseline is not proposed
+# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measures on the tiny
+# CPU preset (a CPU run's next step, no what-if: _chunked_lm_head_cpu)
+CPU_LM_HEAD_CHUNK = 256
 CUTLASS_GROUPED_GEMM = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 HOPPER = ("H100", "H200", "H800", "H20")  # GPU names (the trace's device) of sm90, where that path runs
 _GIB = float(2**30)
@@ -262,6 +267,7 @@ def trial_what_if(summary: Mapping[str, Any], cfg: Optional[dict[str, Any]],
         _selective_recompute(t, tr["rank"], tr["summary"])
         _fewer_micro_batches(t, tr["rank"], tr["summary"])
         _cutlass_grouped_gemm(t, tr["rank"], tr["summary"])
+        _chunked_lm_head_cpu(t, tr["rank"], tr["summary"])
     if traces:
         _balanced_routing(t, traces)
     for m in processed_snapshots(cast(TrialRecord, summary)):
@@ -374,6 +380,21 @@ def _cutlass_grouped_gemm(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
               "one kernel for all local experts' GEMMs takes the launches off the host, so that GPU idle goes and "
               "the GEMMs' GPU time stays; less where TE falls back to a cuBLAS GEMM per expert "
               "(NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK=1 logs each fallback)")
+
+
+def _chunked_lm_head_cpu(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
+    """A CPU run's LM head + loss (CPU op time by model part, no GPU activity), the full logits on: a skip naming
+    why the chunked LM head is no what-if here (module docstring); the finding's next step names the setting."""
+    rows = ((s.get("cpu_parts") or {}).get("summed")) or []
+    row = next((r for r in rows if r["part"] == "lm_head_loss"), None)
+    if ((s.get("gpu") or {}).get("activities", 0) or row is None or row["share_pct"] < 100 * MIN_SHARE
+            or _get(t.cfg, "actor.loss.lm_head_loss_chunk_size")):
+        return
+    t.skip("chunked_lm_head", rank, f"LM head + loss {row['share_pct']:.1f} % of CPU op time, but CPU op time gives "
+                                    "no predicted effect for the chunked LM head (its what-if predicts a GPU memory "
+                                    "trial's peak without the logits), so TRY_WHAT_IFS does not try it: compare a run "
+                                    f"with LM_HEAD_LOSS_CHUNK_SIZE={CPU_LM_HEAD_CHUNK} against this one (README, "
+                                    "Proving a change)")
 
 
 def _balanced_routing(t: _Trial, traces: Sequence[Mapping[str, Any]]) -> None:

@@ -6,7 +6,8 @@ why. In order:
 
 1. a what-if of the trial (:mod:`sftprof.analysis.what_if.changes`) that acts on the finding's lever
    (:data:`WHAT_IFS_FOR`, heaviest first): its settings and predicted effect;
-2. else such a what-if that was not proposed: why (its ``what_if_skipped`` reason);
+2. else such a what-if that was not proposed: why (its ``what_if_skipped`` reason); a CPU run's chunked LM head,
+   never a what-if there, keeps the lever's rule (below) with that reason;
 3. else the lever's own rule (:func:`_rule`), from the trial's config: e.g. a CPU run's LM head + loss gets
    ``LM_HEAD_LOSS_CHUNK_SIZE`` (the chunked LM-head loss the README's "Proving a change" measures).
 """
@@ -21,7 +22,7 @@ from sftprof.analysis.report.schema import Finding
 
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfSetting, WhatIfSkipped
 from sftprof.analysis.what_if.changes import _get  # the dotted-key reader of the what-ifs' rules
-from sftprof.analysis.what_if.changes import LM_HEAD_CHUNK, effect_text, setting_text
+from sftprof.analysis.what_if.changes import CPU_LM_HEAD_CHUNK, LM_HEAD_CHUNK, effect_text, setting_text
 
 __all__ = ["with_next_steps", "WHAT_IFS_FOR", "DRIVER_VARIABLES", "CPU_LM_HEAD_CHUNK", "NO_RULE"]
 
@@ -49,9 +50,6 @@ DRIVER_VARIABLES = {
     "actor.megatron.use_precision_aware_optimizer": "USE_PRECISION_AWARE_OPTIMIZER",
     "actor.megatron.main_grads_dtype": "MAIN_GRADS_DTYPE",
 }
-# tokens a chunk of the chunked LM-head loss on CPU: the value the README's "Proving a change" measures on the tiny
-# CPU preset
-CPU_LM_HEAD_CHUNK = 256
 NO_RULE = "none: sftprof has no rule for this lever yet; its section has the figures"
 _LAYOUT = "a layout over more GPUs (actor.backend: TP, CP or EP) divides it"
 
@@ -77,6 +75,9 @@ def _next_step(f: Finding, what_if: list[WhatIf], skipped: list[WhatIfSkipped], 
     not_proposed = [s for s in skipped if s["key"] in levers]
     if not_proposed:
         s = not_proposed[0]
+        rule = _rule(key, summary, cfg) if s["key"] == "chunked_lm_head" and _cpu(summary) else None
+        if rule and rule.startswith("try "):  # the setting stands; its what-if line says why it is not tried
+            return f"{rule}; not a what-if: {s['reason']}"
         return f"none: {s['label']} is not proposed: {s['reason']}"
     return _rule(key, summary, cfg) or NO_RULE
 
@@ -100,10 +101,15 @@ def _heaviest_part(summary: Mapping[str, Any], rank: Optional[int]) -> Optional[
     return None
 
 
+def _cpu(summary: Mapping[str, Any]) -> bool:
+    """The trial ran on CPU (its completion record's device)."""
+    return bool((summary.get("completion") or {}).get("device") == "cpu")
+
+
 def _rule(key: str, summary: Mapping[str, Any], cfg: dict[str, Any]) -> Optional[str]:
     """The lever's own next step when no what-if speaks for it; None for a lever without a rule."""
     megatron = str(_get(cfg, "actor.backend") or "").startswith("megatron")
-    cpu = (summary.get("completion") or {}).get("device") == "cpu"
+    cpu = _cpu(summary)
     if key == "compile":
         return (f"try PROFILE_STEPS={summary['profile_step'] + 1} (a later step, after the compilation; "
                 f"TOTAL_STEPS above it)")
