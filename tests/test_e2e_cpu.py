@@ -108,6 +108,9 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         cells = line.split()
         assert cells[3:12] == [f"{seconds[k]:.1f}" for k in PHASES] and cells[12] == f"{wall['elapsed_s']:.1f}"
         cold = wall["cold_start"]
+        if cold:  # step 0 faster than the profiled step 1 (its profiler's cost): not measurable, and why
+            assert ("not_measurable" in cold) == (cold["cold_start_s"] < 0)
+            cold = {k: v for k, v in cold.items() if k != "not_measurable"}
         assert cold == ({"step0_s": round(records[0]["step_time_s"], 3),
                          "warm_step_s": round(records[1]["step_time_s"], 3), "warm_steps": [1], "reference_profiled": True,
                          "cold_start_s": round(records[0]["step_time_s"] - records[1]["step_time_s"], 3)}

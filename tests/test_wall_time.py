@@ -6,9 +6,11 @@ import json
 import pytest
 
 from sftprof import artifacts
+from sftprof.analysis.report.render import _wall_time as _wall_time_section
 from sftprof.analysis.trial.inputs import read_stats
 from sftprof.analysis.trial.wall_time import PHASES, wall_time
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TrialTimes
+from sftprof.launch.summaries import wall_phases
 
 
 def _stats(tmp_path, steps, **completion):
@@ -63,6 +65,33 @@ def test_cold_start_reference_is_a_profiled_step_when_no_other_ran(tmp_path):
     stats = _stats(tmp_path, [(0, 9.0, 1010.0, 0.5, False), (1, 3.0, 1020.0, 1.0, True)], **CLOCKS)
     assert wall_time(stats, None)["cold_start"] == {"step0_s": 9.0, "warm_step_s": 3.0, "warm_steps": [1],
                                                     "reference_profiled": True, "cold_start_s": 6.0}
+
+
+def test_a_negative_cold_start_is_not_measurable_with_why(tmp_path):
+    """The CPU quick start's kernel trial of step 1: step 0 (12.0 s) faster than the profiled step 1 (14.9 s), whose
+    profiler cost exceeds step 0's one-time cost: the summary and the end table say "not measurable", never -2.9 s;
+    against unprofiled warm steps, their spread is named."""
+    stats = _stats(tmp_path, [(0, 12.0, 1010.0, 0.0, False), (1, 14.9, 1022.0, 0.1, True)], **CLOCKS)
+    cold = wall_time(stats, None)["cold_start"]
+    assert cold == {"step0_s": 12.0, "warm_step_s": 14.9, "warm_steps": [1], "reference_profiled": True,
+                    "cold_start_s": -2.9, "not_measurable": "step 0 was 2.900 s faster than the reference, a "
+                    "profiled step whose profiler cost exceeds step 0's one-time cost (an unprofiled step after 0, "
+                    "TOTAL_STEPS past the profiled step, measures it)"}
+    summary = {"wall_time": {"phases": [], "elapsed_s": None, "cold_start": cold}}
+    md = "\n".join(_wall_time_section(summary))
+    assert ("- cold start: not measurable: step 0 took 12.000 s against 14.900 s for a warm step (median of step(s) "
+            "1): step 0 was 2.900 s faster than the reference, a profiled step") in md and "-2.9" not in md
+    assert wall_phases(summary)[2] == "not measurable (step 0 faster than its profiled reference: see its summary)"
+    warm = _stats(tmp_path, [(0, 5.0, 1010.0, 0.0, False), (1, 5.5, 1015.0, 0.0, False), (2, 5.2, 1021.0, 0.0, False),
+                             (3, 6.0, 1026.0, 0.1, True)], **CLOCKS)
+    cold = wall_time(warm, None)["cold_start"]
+    assert (cold["warm_steps"], cold["cold_start_s"], cold["not_measurable"]) == (
+        [1, 2], -0.35, "step 0 was 0.350 s faster than the reference, whose steps vary by more than step 0's "
+                       "one-time cost")
+    assert wall_phases({"wall_time": {"cold_start": cold}})[2] == ("not measurable (step 0 faster than its reference: "
+                                                                    "see its summary)")
+    positive = {"wall_time": {"cold_start": {"step0_s": 5.7, "warm_step_s": 5.0, "cold_start_s": 0.7}}}
+    assert wall_phases(positive)[2] == "0.7 s"
 
 
 def test_trial_times_record_round_trips_and_a_damaged_one_is_refused(tmp_path):

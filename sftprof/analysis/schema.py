@@ -24,7 +24,8 @@ trial's ``interrupted``. 3.5: ``wall_time`` (where the trial's wall time went, s
 whether it fits the GPU (``simulation.projection.memory``: ``measured_peak_reserved_gib``, ``outside_pytorch_gib``,
 ``real_rank_need_gib``, ``capacity_gib``, ``fits``). 3.7: the trial's recorded software ``versions`` (Python, torch
 and its CUDA, megatron-core, TE, transformers, Triton, flash-linear-attention; null: not recorded). 3.8: ``versions``
-holds sftprof's version and commit (``sftprof``) and torch's NCCL (``nccl``).
+holds sftprof's version and commit (``sftprof``) and torch's NCCL (``nccl``). 3.9: a negative cold start says why it
+is not measurable (``wall_time.cold_start.not_measurable``).
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -56,7 +57,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError"
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.8"
+SCHEMA_VERSION = "3.9"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 

@@ -70,13 +70,13 @@ def wall_table(labelled: list[tuple[str, Path, dict[str, Any]]]) -> list[str]:
     step 0's cold-start cost; none when no summary has phases."""
     rows, cold = [], []
     for label, run_dir, summary in labelled:
-        phases, elapsed, cold_s = wall_phases(summary)
+        phases, elapsed, cold_text = wall_phases(summary)
         if not phases:
             continue
         rows.append([label] + [_seconds(phases.get(key)) for _, key in WALL_COLUMNS]
                     + [_seconds(elapsed), _postprocess_cell(run_dir)])
-        if cold_s is not None:
-            cold.append(f"{label} {cold_s:.1f} s")
+        if cold_text is not None:
+            cold.append(f"{label} {cold_text}")
     if not rows:
         return []
     header = ["trial"] + [h for h, _ in WALL_COLUMNS] + ["train", "postproc"]

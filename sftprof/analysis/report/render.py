@@ -236,7 +236,11 @@ def _wall_time(s: ProfileSummary) -> list[str]:
            table(["phase", "s", "what"], [[p["phase"], fmt(p["seconds"]), PHASES.get(p["phase"], "")]
                                            for p in w["phases"]])]
     c = w.get("cold_start")
-    if c:
+    if c and c.get("not_measurable"):
+        out.append(f"- cold start: not measurable: step 0 took {c['step0_s']:.3f} s against {c['warm_step_s']:.3f} s "
+                   f"for a warm step (median of step(s) {', '.join(map(str, c['warm_steps']))}): "
+                   f"{c['not_measurable']}")
+    elif c:
         out.append(f"- cold start: step 0 took {c['step0_s']:.3f} s against {c['warm_step_s']:.3f} s for a warm "
                    f"step (median of step(s) {', '.join(map(str, c['warm_steps']))}"
                    + (", profiled: the profiler's cost in it" if c["reference_profiled"] else "")

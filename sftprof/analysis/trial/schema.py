@@ -144,7 +144,8 @@ class ColdStart(TypedDict):
     warm_step_s: float  # the median of the reference steps
     warm_steps: list[int]  # the reference: the steps after 0 not profiled, else the profiled ones (profiler included)
     reference_profiled: bool  # the reference steps are profiled ones (no step after 0 ran unprofiled)
-    cold_start_s: float  # step0_s - warm_step_s
+    cold_start_s: float  # step0_s - warm_step_s; negative: no cost to stand behind (not_measurable)
+    not_measurable: NotRequired[str]  # why, when cold_start_s < 0: the reference's profiler cost or spread exceeds it
 
 
 class WallTime(TypedDict):
