@@ -215,6 +215,28 @@ def test_a_missing_trace_of_a_profiled_rank_is_named(tmp_path, spec, warned):
          f"perf_tracer.ranks={spec!r} profiles it; this summary leaves that rank out"} for r in warned]
 
 
+def test_a_rerun_without_a_ranks_trace_names_its_earlier_views(tmp_path):
+    """Postprocessed with both ranks' traces, then again into the same run dir with rank 1's trace gone: rank 1's
+    views and model-part plot stay (nothing written is deleted) and a warning names the rank and each file."""
+    log, run = tmp_path / "log", tmp_path / "run"
+    (log / "perf_tracer").mkdir(parents=True)
+    for r in (0, 1):
+        (log / "perf_tracer" / f"rank{r}.pt.trace.json").write_text(json.dumps(_trace(r)))
+    assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
+    before = {p: p.read_bytes() for p in run.glob("kernel_traces/*/rank1.pt.trace.json")}
+    assert len(before) == 5
+    (log / "perf_tracer" / "rank1.pt.trace.json").unlink()
+    s, rc = postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)
+    assert rc == 0 and [t["rank"] for t in s["kernel_traces"]] == [0]
+    assert {p: p.read_bytes() for p in run.glob("kernel_traces/*/rank1.pt.trace.json")} == before
+    files = sorted(str(p.relative_to(run)) for p in before) + ["model_parts/rank1.png"]
+    assert (run / files[-1]).exists()
+    assert {"file": ", ".join(files), "warning": "rank 1: 6 file(s) of an earlier postprocess kept (views, "
+            "model-part plot): no trace of this rank in the log dir this time, so they are not this summary's "
+            "figures and may not match them"} in s["warnings"]
+    assert not [w for w in s["warnings"] if w["warning"].startswith("rank 0:")]
+
+
 def test_clocks_that_disagree_refuse_the_split():
     # rank 1 on a clock 200 us ahead: every matched call ends 200 us later there
     cw = comm_wait.split({0: _records(_trace(0)), 1: _records(_trace(1, shift=200.0))})

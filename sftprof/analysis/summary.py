@@ -34,7 +34,8 @@ from sftprof.analysis.time.schema import Simulation, SimulationPart
 from sftprof.analysis.trial import inputs
 from sftprof.analysis.trial.failure import first_failure
 from sftprof.analysis.trial.problems import (kept_merged_view, missing_trace_warnings, missing_traces,
-                                             optional_input_warnings, problems, routing_warnings, shared_gpu_warnings)
+                                             optional_input_warnings, problems, routing_warnings, shared_gpu_warnings,
+                                             stale_rank_views)
 from sftprof.analysis.trial.profile_check import resolve_profile
 from sftprof.analysis.trial.schema import (Counts, FailurePart, FileError, Files, Header, Inputs, NvidiaSmi, Problems,
                                            Stats, TrialRecord, Versions, WallTime)
@@ -289,7 +290,8 @@ def _problems_part(record: TrialRecord, complete: dict[str, Any], input_errors: 
                       "counts": _counts(items, kind, len(errors), len(record["skipped"]))}
     if kind == "kernel":
         part["missing_traces"] = missing_traces(cfg, traces) if traces else []
-        warnings += missing_trace_warnings(cfg, part["missing_traces"]) + kept_merged_view(record, run_dir)
+        warnings += (missing_trace_warnings(cfg, part["missing_traces"]) + stale_rank_views(record, run_dir)
+                     + kept_merged_view(record, run_dir))
     leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".staging_rank"))
     if leftovers:
         warnings.append({"file": ", ".join(leftovers), "warning": "staging folders of an interrupted (or concurrent) "

@@ -4,7 +4,8 @@ Errors: a trace or snapshot that could not be processed (or is not the trial's),
 ``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes without or should not be read
 without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
 events left out, faults of a trace's record (:mod:`sftprof.analysis.trace.sanity`), files of an earlier postprocess
-kept beside those of this one (an all-ranks view not rebuilt: :func:`kept_merged_view`), a damaged or missing
+kept beside those of this one (an all-ranks view not rebuilt: :func:`kept_merged_view`; the views of a rank without
+a trace this time: :func:`stale_rank_views`), a damaged or missing
 ``stats.jsonl``, optional inputs that are missing, MoE routing that collapsed (:func:`routing_warnings`), a GPU
 shared with processes not of the trial (:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose
 trace is missing (:func:`missing_traces`).
@@ -12,11 +13,13 @@ trace is missing (:func:`missing_traces`).
 from __future__ import annotations
 
 import os
+import re
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE
 from sftprof.analysis.memory.snapshot import other_devices_message
+from sftprof.analysis.trial.traces import MODEL_PARTS_DIR
 from sftprof.analysis.trial.schema import (FileError, FileWarning, NvidiaSmi, SnapshotEntry, Stats, TraceEntry,
                                            TrialRecord)
 from sftprof.analysis.trace.check import CATEGORY_ALIAS_NOTE
@@ -27,9 +30,11 @@ from sftprof.artifacts import KERNEL_TRACES, trace_name
 from sftprof.ranks import resolve_ranks
 from typing import Any, Mapping, Sequence, TypedDict
 
-__all__ = ["problems", "missing_traces", "missing_trace_warnings", "kept_merged_view", "routing_warnings",
+__all__ = ["problems", "missing_traces", "missing_trace_warnings", "kept_merged_view", "stale_rank_views",
+           "routing_warnings",
            "shared_gpu_warnings", "optional_input_warnings"]
 
+_PLOT_RE = re.compile(r"^rank(\d+)\.png$")  # a rank's model-part plot in MODEL_PARTS_DIR (sftprof.analysis.trial.traces)
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
 
@@ -72,6 +77,32 @@ def kept_merged_view(record: TrialRecord, run_dir: str) -> list[FileWarning]:
              "warning": f"an earlier postprocess's all-ranks view, left in place: not rebuilt this time, as this "
                         f"postprocess wrote the views of {n} rank(s) only (it merges two or more); it may not match "
                         "this summary's traces"}]
+
+
+def stale_rank_views(record: TrialRecord, run_dir: str) -> list[FileWarning]:
+    """A warning per rank whose views (``RUN_DIR/kernel_traces/<view>/rank<r>.pt.trace.json[.gz]``) or model-part plot
+    an earlier postprocess wrote, but which has no trace entry in this summary (its trace absent from the log dir this
+    time): they are left in place (nothing written is deleted), named, and are not this summary's figures. A rank
+    whose trace failed is its entry's ``kept_views`` instead (:func:`_kept_warnings`)."""
+    if record["profile_kind"] != "kernel":
+        return []
+    have = {t["rank"] for t in record.get("kernel_traces") or []}
+    stale: dict[int, list[str]] = {}
+    views = os.path.join(run_dir, KERNEL_TRACES)
+    for folder in os.listdir(views) if os.path.isdir(views) else []:  # each view (and time-window) folder
+        for name in os.listdir(os.path.join(views, folder)) if os.path.isdir(os.path.join(views, folder)) else []:
+            rank = artifacts.raw_trace_rank(name)  # a view's file has its rank's trace name
+            if rank is not None and rank not in have:
+                stale.setdefault(rank, []).append(os.path.join(KERNEL_TRACES, folder, name))
+    plots = os.path.join(run_dir, MODEL_PARTS_DIR)
+    for name in os.listdir(plots) if os.path.isdir(plots) else []:
+        m = _PLOT_RE.match(name)
+        if m and int(m.group(1)) not in have:
+            stale.setdefault(int(m.group(1)), []).append(os.path.join(MODEL_PARTS_DIR, name))
+    return [{"file": ", ".join(sorted(paths)),
+             "warning": f"rank {r}: {len(paths)} file(s) of an earlier postprocess kept (views, model-part plot): "
+                        "no trace of this rank in the log dir this time, so they are not this summary's figures and "
+                        "may not match them"} for r, paths in sorted(stale.items())]
 
 
 def _kept_warnings(it: TraceEntry | SnapshotEntry, file: str, what: str, kept_views: list[str]) -> list[FileWarning]:
