@@ -484,16 +484,17 @@ def previous_index(paths: list[str]) -> int:
     return n
 
 
-def keep_previous(paths: list[str]) -> int:
+def keep_previous(paths: list[str], one_copy: bool = False) -> int:
     """Rename each existing file ``<stem><ext>`` of ``paths`` (``ext`` its last suffix, e.g. ``.md``) to
     ``<stem>.prev<N><ext>``, one ``N`` for all: the first from 1 for which none of those names exists
-    (:func:`previous_index`), so that nothing already written is overwritten. Returns ``N``.
+    (:func:`previous_index`), so that nothing already written is overwritten; with ``one_copy``, ``N`` is 1 and
+    replaces an earlier ``.prev1`` (one previous copy kept, the latest). Returns ``N``.
 
     Raises:
         OSError: a rename fails (the file's own error).
     """
     split = [os.path.splitext(p) for p in paths]
-    n = previous_index(paths)
+    n = 1 if one_copy else previous_index(paths)
     for path, (stem, ext) in zip(paths, split):
         if os.path.lexists(path):
             os.replace(path, f"{stem}.prev{n}{ext}")

@@ -266,6 +266,26 @@ def test_identical_rerun_after_a_changed_one_keeps_no_further_summary(tmp_path, 
         "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]
 
 
+def test_reruns_keep_one_previous_summary_the_latest(tmp_path, cpu_traces):
+    """Plain, --compress, plain again: each rerun differs from the summary before it, which is kept as
+    profile_summary.prev1.* (replacing the older copy): one previous copy, never the one just replaced lost."""
+    from sftprof.analysis.summary import postprocess_trial
+
+    log = _kernel_log_dir(tmp_path, cpu_traces)
+    run = tmp_path / "run"
+    written = []
+    for compress in (False, True, False):
+        assert postprocess_trial(str(log), str(run), "kernel", 1, compress=compress, jobs=1)[1] == 0
+        written.append(((run / "profile_summary.json").read_bytes(), (run / "profile_summary.md").read_bytes()))
+    assert written[2] != written[1] != written[0]
+    assert ((run / "profile_summary.prev1.json").read_bytes(), (run / "profile_summary.prev1.md").read_bytes()) == \
+        written[1]
+    assert sorted(n for n in os.listdir(run) if n.startswith("profile_summary")) == [
+        "profile_summary.json", "profile_summary.md", "profile_summary.prev1.json", "profile_summary.prev1.md"]
+    assert {"file": "profile_summary.json", "warning": "this run dir had a summary from an earlier postprocess: "
+            "kept as profile_summary.prev1.json"} in json.loads(written[2][0])["warnings"]
+
+
 def test_leftover_staging_folder_is_reported_not_used(tmp_path, cpu_traces):
     """A staging folder left by an interrupted postprocess is named in a warning and left alone."""
     log = _kernel_log_dir(tmp_path, cpu_traces)

@@ -1,5 +1,6 @@
 """``profile_summary.{json,md}`` in a run dir: written atomically, an earlier one that differs kept as
-``profile_summary.prev<N>.{json,md}``, one that is the same left as it is (:func:`write_summary`).
+``profile_summary.prev1.{json,md}`` (one previous copy: a later rerun replaces it, so copies do not pile up), one that
+is the same left as it is (:func:`write_summary`).
 
 The JSON text is :func:`sftprof.analysis.schema.summary_json`'s, the Markdown
 :func:`sftprof.analysis.report.render.render_markdown`'s.
@@ -12,7 +13,7 @@ import os
 from sftprof.analysis import schema
 from sftprof.analysis.report.render import render_markdown
 from sftprof.analysis.trial.schema import FileWarning
-from sftprof.artifacts import SUMMARY_JSON, SUMMARY_MD, keep_previous, previous_index
+from sftprof.artifacts import SUMMARY_JSON, SUMMARY_MD, keep_previous
 from sftprof.atomic import atomic_path, put_text
 
 __all__ = ["write_summary", "summary_left_unchanged"]
@@ -72,8 +73,8 @@ def write_summary(summary: schema.ProfileSummary, run_dir: str) -> None:
     same (a rerun on the same inputs: both files would read the same, apart from that summary's note that an
     earlier summary was kept as ``.prev<N>``); the returned summary's warnings then say that it is unchanged (and
     where the one before it is: :func:`summary_left_unchanged`). Else the earlier one is kept as
-    ``profile_summary.prev<N>.{json,md}`` and the new summary says so in its warnings: a rerun on damaged or other
-    inputs loses nothing.
+    ``profile_summary.prev1.{json,md}``, replacing an older copy there (one previous copy: the latest summary written
+    is never lost, older ones are not kept), and the new summary says so in its warnings.
 
     Raises:
         WriteError: a file cannot be written (a full disk: the message names it and the free space); the earlier
@@ -92,12 +93,11 @@ def write_summary(summary: schema.ProfileSummary, run_dir: str) -> None:
                                                                "warnings": summary["warnings"] + notes})[1]:
             summary["warnings"].append(_unchanged_note(notes))  # the same inputs as the postprocess that wrote it
             return
-        n = previous_index([old, old_md])
         summary["warnings"].append({"file": SUMMARY_JSON,
-                                    "warning": f"{_KEPT_NOTE}{SUMMARY_JSON[: -len('.json')]}.prev{n}.json"})
+                                    "warning": f"{_KEPT_NOTE}{SUMMARY_JSON[: -len('.json')]}.prev1.json"})
         text, md = render(summary)
     with atomic_path(old) as tmp_json, atomic_path(old_md) as tmp_md:
         put_text(tmp_json, text)
         put_text(tmp_md, md)
         if earlier:
-            keep_previous([old, old_md])
+            keep_previous([old, old_md], one_copy=True)
