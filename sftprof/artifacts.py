@@ -15,6 +15,7 @@ Layout::
 
     RUN_ROOT/  profile_settings.log  plan_config.yaml  trials.tsv  summary.tsv
       <trial>/  launcher.log  nvidia_smi.csv  train_args.txt  trial_times.json  profile_summary.{json,md}
+        torchelastic/                                        (torchrun's --log-dir: kept only if it wrote a file)
         what_if.json  compare_vs_<source trial>.md                (a what-if trial of TRY_WHAT_IFS)
         kernel_traces/<view>/rank<r>.pt.trace.json[.gz]      (<view>.part<k>/ when split in time)
         memory_snapshots/step_<N>/snapshot_rank<r>_pp<a>_dp<b>_cp<c>_tp<d>_ep<e>.pickle, phases_rank<r>.json
@@ -120,6 +121,7 @@ def parse_module_region(name: str) -> Optional[tuple[str, Optional[int], bool]]:
 # ---------------------------------------------------------------------------------------------------------
 # LOG_DIR (the trainer)
 # ---------------------------------------------------------------------------------------------------------
+TORCHELASTIC = "torchelastic"  # RUN_DIR/torchelastic/: torchrun's --log-dir (its error files), not /tmp/torchelastic_*
 TRAINER_LOG = "trainer.log"
 STATS = "stats.jsonl"
 CONFIG_YAML = "config.yaml"

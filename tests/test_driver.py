@@ -1582,3 +1582,43 @@ def test_signal_while_postprocessing_in_the_background(tmp_path, kernel_postproc
     for text in ("FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/4] done in", "sftprof: [2/4] done in"):
         assert text not in out + err, text
     assert (tmp_path / "run" / names[0] / "profile_summary.md").is_file() == (kernel_row[0] == "0")
+
+
+@pytest.mark.parametrize("worker_fails", [False, True])
+def test_torchrun_keeps_its_folders_in_the_trials_run_dir(tmp_path, worker_fails):
+    """torchrun's --log-dir is the trial's RUN_DIR/torchelastic, so no /tmp/torchelastic_* folder is left (TMPDIR
+    stays empty); after it ends its empty folders are removed, a worker's error file (and the folders to it) kept.
+    A real torchrun, its worker a stand-in for train_sft_profile.py (PYTHON is a wrapper that swaps the script)."""
+    from types import SimpleNamespace
+
+    from sftprof.launch.plan_types import Trial
+    from sftprof.launch.planning import free_port
+    from sftprof.launch.processes import Console, TrialProcesses
+    from sftprof.launch.signals import RunStop
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys\nfrom torch.distributed.elastic.multiprocessing.errors import record\n\n\n"
+                      "@record\ndef main():\n    if sys.argv[1] == 'fail':\n        raise RuntimeError('boom')\n\n\n"
+                      "main()\n")  # a failure writes its error file, as torchelastic's record does
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text('#!/bin/bash\nargs=()\nfor a in "$@"; do [[ $a == */train_sft_profile.py ]] && '
+                       f'a={shlex.quote(str(worker))}; args+=("$a"); done\n'
+                       f'exec {shlex.quote(sys.executable)} "${{args[@]}}"\n')
+    wrapper.chmod(0o755)
+    tmp, run_dir = tmp_path / "tmp", tmp_path / "run" / "trial"
+    tmp.mkdir()
+    run_dir.mkdir(parents=True)
+    processes = TrialProcesses(str(wrapper), {**os.environ, "TMPDIR": str(tmp)}, Console(),
+                               RunStop(lambda s: None, lambda s: None), lambda child, s: None)
+    plan = SimpleNamespace(nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                           node_timeout=60, stall_timeout=0)
+    trial = Trial("trial", "kernel", 0, run_dir, tmp_path / "log", ["fail" if worker_fails else "ok"])
+    assert processes.torchrun(trial, plan) == (1 if worker_fails else 0)
+    assert os.listdir(tmp) == []
+    kept = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.suffix == ".json")
+    if worker_fails:
+        (error_file,) = kept
+        assert re.fullmatch(r"torchelastic/[^/]+/attempt_0/0/error\.json", error_file)
+        assert str(run_dir / error_file) in (run_dir / "launcher.log").read_text()  # torchrun's report names it
+    else:
+        assert kept == [] and not (run_dir / "torchelastic").exists()

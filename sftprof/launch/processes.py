@@ -72,6 +72,17 @@ def stop_marked(marker: str, timeout_s: float = WORKER_STOP_S) -> list[int]:
     return sorted({r for r in left.values() if r is not None})
 
 
+def remove_empty_folders(root: Path) -> None:
+    """Remove ``root`` and the folders under it that hold no file (deepest first): torchrun's ``--log-dir`` of a
+    trial, whose per-rank folders stay empty unless a worker wrote its error file; a file, and the folders above
+    it, are kept."""
+    for folder, _, _ in os.walk(root, topdown=False):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (a file, or a folder kept), or gone
+            pass
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -185,11 +196,13 @@ class TrialProcesses:
                                         "memory.total", "--format=csv,nounits", "-lms", "500"], stdout=csv_file,
                                        stderr=subprocess.DEVNULL)
         self.marker = uuid.uuid4().hex
-        # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous).
+        elastic = t.run_dir / artifacts.TORCHELASTIC
+        # --rdzv-conf timeout: how long a node waits for the others to join (static rendezvous). --log-dir: torchrun's
+        # folders (its workers' error files) in the trial's run dir, not a /tmp/torchelastic_* folder left behind.
         cmd = [self.python, "-m", "torch.distributed.run", f"--nproc_per_node={plan.nproc_per_node}",
                f"--nnodes={plan.nnodes}", f"--node_rank={plan.node_rank}", f"--master_addr={plan.master_addr}",
                f"--master_port={plan.master_port}", "--rdzv-conf", f"timeout={plan.node_timeout}",
-               str(REPO_ROOT / "train_sft_profile.py"), *t.args]
+               f"--log-dir={elastic}", str(REPO_ROOT / "train_sft_profile.py"), *t.args]
         start = time.monotonic()
         self.proc = subprocess.Popen(cmd, env={**self.env, **t.env, TRIAL_MARKER: self.marker},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -201,6 +214,7 @@ class TrialProcesses:
         returncode = self.proc.wait()
         ranks = stop_marked(self.marker)  # before the tee ends: workers left running hold torchrun's output pipe open
         pump.join()
+        remove_empty_folders(elastic)
         rc = exit_status(returncode)
         launcher_log = t.run_dir / artifacts.LAUNCHER_LOG
         if stall is not None:
