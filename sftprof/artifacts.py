@@ -194,8 +194,10 @@ def _installed(name: str) -> Optional[str]:
 
 def sftprof_version() -> Optional[str]:
     """sftprof's installed version, with ``+g<short commit>`` when this package is the top folder of a git checkout's
-    ``sftprof/`` (``0.1.0+g85c64d7``: ``git rev-parse``, 5 s at most; local edits are not marked): just the version
-    without a checkout, without git, or when git fails or times out; None when sftprof is not installed."""
+    ``sftprof/`` (``0.1.0+g85c64d7``: ``git rev-parse``, 5 s at most), and ``.dirty`` after it when the checkout has
+    uncommitted changes to tracked files (``0.1.0+g85c64d7.dirty``: ``git diff --quiet HEAD``, 5 s at most; none
+    when that fails): just the version without a checkout, without git, or when git fails or times out; None when
+    sftprof is not installed."""
     version = _installed("sftprof")
     package = Path(__file__).resolve().parent
     try:
@@ -207,7 +209,12 @@ def sftprof_version() -> Optional[str]:
     # the checkout must be this package's own: an installed copy inside another project's checkout is not
     if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != package.parent or version is None:
         return version
-    return f"{version}+g{lines[1]}"
+    try:  # exit status 1: tracked files differ from the commit (staged or not); 0: clean
+        dirty = subprocess.run(["git", "-C", str(package), "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                               timeout=5).returncode == 1
+    except (OSError, subprocess.TimeoutExpired):
+        dirty = False
+    return f"{version}+g{lines[1]}" + (".dirty" if dirty else "")
 
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.
