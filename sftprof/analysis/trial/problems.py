@@ -34,7 +34,7 @@ __all__ = ["problems", "missing_traces", "missing_trace_warnings", "kept_merged_
            "routing_warnings",
            "shared_gpu_warnings", "optional_input_warnings"]
 
-_PLOT_RE = re.compile(r"^rank(\d+)\.png$")  # a rank's model-part plot in MODEL_PARTS_DIR (sftprof.analysis.trial.traces)
+_PLOT_RE = re.compile(r"^rank(\d+)\.png$")  # a rank's model-part plot in MODEL_PARTS_DIR (analysis.trial.traces)
 MISSING_TRACE = "no trace in the log dir, though perf_tracer.ranks="  # the warning of :func:`missing_trace_warnings`
 
 

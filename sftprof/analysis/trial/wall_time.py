@@ -98,5 +98,6 @@ def cold_start(stats: Stats) -> ColdStart | None:
         out["not_measurable"] = (
             f"step 0 was {reference - step0:.3f} s faster than the reference, "
             + ("a profiled step whose profiler cost exceeds step 0's one-time cost (an unprofiled step after 0, "
-               "TOTAL_STEPS past the profiled step, measures it)" if profiled else "whose steps vary by more than step 0's one-time cost"))
+               "TOTAL_STEPS past the profiled step, measures it)" if profiled
+               else "whose steps vary by more than step 0's one-time cost"))
     return out
