@@ -524,8 +524,10 @@ MERGED_VIEW = "all_ranks"  # the view that merges every rank's trace (sftprof.an
 
 
 def merged_view_path(out_dir: str, compress: bool = False) -> str:
-    """Path of the all-ranks view: ``<out_dir>/all_ranks/all_ranks.pt.trace.json[.gz]``."""
-    return os.path.join(out_dir, MERGED_VIEW, f"{MERGED_VIEW}.pt.trace.json" + (".gz" if compress else ""))
+    """Path of the all-ranks view: ``<out_dir>/all_ranks/all_ranks.trace.json[.gz]``; not a ``*.pt.trace.json`` name,
+    which TensorBoard's profiler plugin lists as one worker's trace (earlier releases wrote
+    ``all_ranks.pt.trace.json``)."""
+    return os.path.join(out_dir, MERGED_VIEW, f"{MERGED_VIEW}.trace.json" + (".gz" if compress else ""))
 
 
 def window_path(path: str, k: int) -> str:

@@ -89,6 +89,11 @@ def test_two_h200_ranks_merge_onto_one_clock(tmp_path):
                       "host 1644: thread 1844 (python3, pt_autograd_1)",
                       "host 1644: Annotations: thread 1844 (python3, pt_autograd_1)",
                       "GPU 1: CUDA sync: Device 1", "GPU 1: stream 7", "GPU 1: CUDA sync: stream 7", "GPU 1: stream 89"]
+    # no tid of one rank is another's (tools that key threads by tid alone would nest one rank's ops in another's):
+    # the j-th track of the k-th of 2 ranks is tid 2j + k
+    tids = {r: sorted({e["tid"] for e in data["traceEvents"] if e["pid"] == r and e["tid"]}) for r in (0, 1)}
+    assert not set(tids[0]) & set(tids[1])
+    assert tids == {r: [2 * j + r for j in range(1, len(tids[r]) + 1)] for r in (0, 1)} and len(tids[1]) == len(tracks)
     # flow arrows stay within their rank: both ends of each on one process
     ends = collections.defaultdict(set)
     for e in merged:
@@ -172,23 +177,23 @@ def test_postprocess_writes_it_and_a_rerun_replaces_it(tmp_path):
     log = two_gpu_sync_log_dir(tmp_path)
     run = tmp_path / "run"
     s, rc = postprocess_trial(str(log), str(run), "kernel", 2, jobs=1)
-    assert rc == 0 and s["merged_view"]["files"] == ["kernel_traces/all_ranks/all_ranks.pt.trace.json"]
+    assert rc == 0 and s["merged_view"]["files"] == ["kernel_traces/all_ranks/all_ranks.trace.json"]
     assert [r["aligned_by"] for r in s["merged_view"]["ranks"]] == ["reference", "collective ends"]
     views = {t["rank"]: [str(run / p) for p in t["views"]["chrome"]] for t in s["kernel_traces"]}
     _check_against_views([run / s["merged_view"]["files"][0]], views, {r["rank"]: r for r in s["merged_view"]["ranks"]})
-    assert "kernel_traces/all_ranks/all_ranks.pt.trace.json" in (run / "profile_summary.md").read_text()
+    assert "kernel_traces/all_ranks/all_ranks.trace.json" in (run / "profile_summary.md").read_text()
     s, rc = postprocess_trial(str(log), str(run), "kernel", 2, jobs=1, compress=True)
-    assert rc == 0 and s["merged_view"]["files"] == ["kernel_traces/all_ranks/all_ranks.pt.trace.json.gz"]
-    assert sorted(p.name for p in (run / "kernel_traces" / "all_ranks").iterdir()) == ["all_ranks.pt.trace.json.gz"]
+    assert rc == 0 and s["merged_view"]["files"] == ["kernel_traces/all_ranks/all_ranks.trace.json.gz"]
+    assert sorted(p.name for p in (run / "kernel_traces" / "all_ranks").iterdir()) == ["all_ranks.trace.json.gz"]
     assert not [p for p in run.iterdir() if p.name.startswith(".staging")]
     # one rank's trace only: nothing to merge, the earlier all-ranks file is left as it is
     shutil.rmtree(log / "perf_tracer")
     (log / "perf_tracer").mkdir()
     shutil.copy(two_gpu_sync_traces()[0], log / "perf_tracer")
     s, rc = postprocess_trial(str(log), str(run), "kernel", 2, jobs=1)
-    assert s["merged_view"] is None and (run / "kernel_traces" / "all_ranks" / "all_ranks.pt.trace.json.gz").exists()
+    assert s["merged_view"] is None and (run / "kernel_traces" / "all_ranks" / "all_ranks.trace.json.gz").exists()
     # ... and said to be an earlier postprocess's, in one warning (it used to stand beside the new views unnamed)
     assert [w for w in s["warnings"] if "all_ranks" in w["file"]] == [
-        {"file": "kernel_traces/all_ranks/all_ranks.pt.trace.json.gz", "warning": "an earlier postprocess's all-ranks "
+        {"file": "kernel_traces/all_ranks/all_ranks.trace.json.gz", "warning": "an earlier postprocess's all-ranks "
          "view, left in place: not rebuilt this time, as this postprocess wrote the views of 1 rank(s) only (it merges "
          "two or more); it may not match this summary's traces"}]

@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
+from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_log_dir, two_gpu_sync_traces
+from sftprof.analysis.summary import postprocess_trial
 from sftprof.artifacts import raw_trace_rank, trace_name, view_dir
 from sftprof.analysis.views.split import VIEWS, split_trace
 
@@ -164,6 +165,28 @@ def test_tensorboard_plugin_pattern_lists_every_folder_as_a_run(folders):
     # The names of earlier releases matched no run.
     assert not utils.is_chrome_trace_file("traces-r0.chrome.json")
     assert not utils.is_chrome_trace_file("traces-r0.split_clean.chrome.json")
+
+
+def test_tensorboard_plugin_lists_no_all_ranks_run_and_reads_it_without_intersecting_ranges(tmp_path, caplog):
+    """The 2x H200 excerpt postprocessed: ``--logdir RUN_DIR/kernel_traces`` lists one run per per-rank view and none
+    for ``all_ranks`` (its file is no ``*.pt.trace.json``, so it is not taken for one worker's trace); read anyway,
+    its ranks' threads do not share a ``tid`` (the plugin keys threads by ``tid`` alone: it logged hundreds of
+    "ranges on the same thread should not intersect" errors when both ranks' tracks were numbered from 1)."""
+    pytest.importorskip("torch_tb_profiler", reason="TensorBoard's profiler plugin is an optional test extra")
+    from torch_tb_profiler import utils
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    s, rc = postprocess_trial(str(two_gpu_sync_log_dir(tmp_path)), str(tmp_path / "run"), "kernel", 2, jobs=1)
+    assert rc == 0 and s["merged_view"]["files"] == ["kernel_traces/all_ranks/all_ranks.trace.json"]
+    traces = tmp_path / "run" / "kernel_traces"
+    listed = {p.parent.name for p in traces.rglob("*") if p.is_file() and utils.is_chrome_trace_file(p.name)}
+    assert listed == {v.removesuffix(".chrome") for v in VIEWS}
+    with caplog.at_level(logging.ERROR):
+        data = RunProfileData.parse("all_ranks", None, str(traces / "all_ranks" / "all_ranks.trace.json"),
+                                    str(tmp_path))
+        RunGenerator("all_ranks", None, data).generate_run_profile()
+    assert not [r for r in caplog.records if "should not intersect" in r.getMessage()]
 
 
 def test_raw_trace_names_new_and_legacy():

@@ -88,7 +88,7 @@ def test_kernel_trial_end_to_end_and_rerun_is_identical(tmp_path, cpu_traces):
     assert s["status"] == "ok" and s["errors"] == [] and s["completion"]["device"] == "cuda"
     # both ranks on one timeline: gloo's collectives run on the host, so no kernel end aligns them (one host, one clock)
     merged = s["merged_view"]
-    assert merged["files"] == ["kernel_traces/all_ranks/all_ranks.pt.trace.json"]
+    assert merged["files"] == ["kernel_traces/all_ranks/all_ranks.trace.json"]
     assert [(r["rank"], r["aligned_by"]) for r in merged["ranks"]] == [(0, "reference"), (1, "trace clock")]
     assert validate_trace(str(run / merged["files"][0])) == []
     events = json.load(open(run / merged["files"][0]))["traceEvents"]
@@ -172,7 +172,7 @@ def test_rerun_on_a_damaged_trace_loses_nothing(tmp_path, cpu_traces):
             "profile_summary.prev1.json"} in s["warnings"]
     assert {"file": "perf_tracer/rank0.pt.trace.json", "warning": "rank 0: 5 view file(s) of an earlier postprocess are "
             "kept in kernel_traces/ (not from this trace, which failed)"} in s["warnings"]
-    assert {"file": "kernel_traces/all_ranks/all_ranks.pt.trace.json", "warning": "an earlier postprocess's "
+    assert {"file": "kernel_traces/all_ranks/all_ranks.trace.json", "warning": "an earlier postprocess's "
             "all-ranks view, left in place: not rebuilt this time, as this postprocess wrote the views of 1 rank(s) "
             "only (it merges two or more); it may not match this summary's traces"} in s["warnings"]
     assert s["kernel_traces"][0]["kept_views"] == sorted(f"kernel_traces/{v}/rank0.pt.trace.json" for v in
@@ -214,7 +214,7 @@ def test_end_table_says_how_many_files_a_trials_summary_could_not_read(tmp_path,
         assert s["kernel_traces"][1]["summary"] and top_finding(s).endswith("(rank 1)")  # its figures stay
     # the rerun left the first postprocess's all-ranks view, named in its warnings; the first postprocess wrote none
     assert [w["file"] for w in summaries[0]["warnings"] if "all_ranks" in w["file"]] == [
-        "kernel_traces/all_ranks/all_ranks.pt.trace.json"]
+        "kernel_traces/all_ranks/all_ranks.trace.json"]
     assert not (first / "kernel_traces" / "all_ranks").exists()
     assert not [w for w in summaries[1]["warnings"] if "all_ranks" in w["file"]]
     lines = report(root).splitlines()
@@ -239,7 +239,7 @@ def test_rerun_without_time_windows_leaves_no_empty_window_folders(tmp_path, cpu
     assert postprocess_trial(str(log), str(run), "kernel", 1, jobs=1)[1] == 0
     folders = ["chrome", "cpu_only", "cuda_api_only", "gpu_only", "split_clean"]
     assert sorted(os.listdir(run / "kernel_traces")) == ["all_ranks"] + folders
-    assert os.listdir(run / "kernel_traces" / "all_ranks") == ["all_ranks.pt.trace.json"]
+    assert os.listdir(run / "kernel_traces" / "all_ranks") == ["all_ranks.trace.json"]
     for folder in folders:
         assert sorted(os.listdir(run / "kernel_traces" / folder)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
 

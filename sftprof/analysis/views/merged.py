@@ -1,13 +1,16 @@
 """One timeline for all ranks: the ranks' ``chrome`` views of a trial merged into one Chrome trace for Perfetto.
 
-Layout. Each rank is one process (``pid`` = the rank, named ``rank <r>``, sorted by rank); its tracks are the
-tracks of its ``chrome`` view (host threads, their annotation and CUDA API tracks, GPU streams, CUDA sync
-tracks), renumbered ``1, 2, ...`` inside the rank's process and named ``<its process>: <its track>`` (``host
-1643: thread 1643 (python3)``, ``GPU 0: stream 7``), host tracks first. Every event of every rank's view is in
-the file once, with its ``pid``/``tid`` replaced and its ``ts`` moved onto the common clock (below); flow ids
-(``ac2g``, ``fwdbwd``) become ``id * n + k`` for the ``k``-th of ``n`` ranks, so that arrows stay within their
-rank; metadata are written afresh. So the merged file keeps the rules of ``sftprof/analysis/trace/check.py``
-that each view keeps.
+Layout. Each rank is one process (``pid`` = the rank, named ``rank <r>``, sorted by rank); its tracks are the tracks
+of its ``chrome`` view (host threads, their annotation and CUDA API tracks, GPU streams, CUDA sync tracks), numbered
+``j * n + k`` for the ``j``-th track (from 1) of the ``k``-th of ``n`` ranks, so that no two ranks share a ``tid``
+(tools that key threads by ``tid`` alone, as TensorBoard's profiler plugin does, would nest one rank's ops in
+another's), and named ``<its process>: <its track>`` (``host 1643: thread 1643 (python3)``, ``GPU 0: stream 7``),
+host tracks first. The file is ``all_ranks.trace.json``, no ``*.pt.trace.json`` name: not one rank's trace
+(TensorBoard's plugin lists those as workers; docs/peer_tools.md says what each tool sees). Every event of every
+rank's view is in the file once, with its ``pid``/``tid`` replaced and its ``ts`` moved onto the common clock
+(below); flow ids (``ac2g``, ``fwdbwd``) become ``id * n + k`` for the ``k``-th of ``n`` ranks, so that arrows stay
+within their rank; metadata are written afresh. So the merged file keeps the rules of
+``sftprof/analysis/trace/check.py`` that each view keeps.
 
 Clocks. A rank's timestamps are on its host's clock (CUDA activity converted to it by CUPTI), relative to its
 trace's ``baseTimeNanoseconds``. Ranks are aligned on the end of collectives: an NCCL collective ends on every
@@ -269,8 +272,8 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
                     thread[(pid, tid)] = str(args.get("name", ""))
                 continue
             track = tracks.get((pid, tid))
-            if track is None:
-                track = tracks[(pid, tid)] = len(tracks) + 1
+            if track is None:  # the j-th track of the k-th rank: tid j * n + k, distinct across the ranks
+                track = tracks[(pid, tid)] = (len(tracks) + 1) * n + k
             ts = round(ev["ts"] - base_us + shift_us, 3)  # ts - base_us is exact in float64 (module docstring)
             fid = ev.get("id") if ph in _FLOWS else None
             new_id = None if fid is None else fid * n + k if type(fid) is int else f"rank{rank}:{fid}"
@@ -316,8 +319,9 @@ def _convert_rank(paths: list[str], out: str, rank: int, k: int, n: int, base_us
 
 def merged_files(out_dir: str) -> list[str]:
     """Paths of the all-ranks view's files under ``out_dir`` (a trial's ``kernel_traces``; one file, or its time
-    windows, of either compression), sorted; none when there is no such view."""
-    return sorted(glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".pt.trace.json*")))
+    windows, of either compression; also an earlier release's ``all_ranks.pt.trace.json``), sorted; none when there
+    is no such view."""
+    return sorted(glob.glob(os.path.join(out_dir, MERGED_VIEW + "*", MERGED_VIEW + ".*trace.json*")))
 
 
 def merge_trial(views: dict[int, list[str]], out_dir: str, offsets: Optional[list[ClockOffset]], *, compress: bool,
