@@ -78,9 +78,9 @@ def test_a_cpu_runs_lm_head_finding_and_its_what_if_say_the_same(tmp_path):
     s = _summary(_cpu_step())
     summary = {"kernel_traces": [{"rank": 0, "summary": s}], "completion": {"device": "cpu"}, "profile_step": 1}
     cfg = {"actor": {"backend": "fsdp:d2", "loss": {"lm_head_loss_chunk_size": 0}}}
-    why = ("LM head + loss 82.9 % of CPU op time, but CPU op time gives no predicted effect for the chunked LM head "
-           "(its what-if predicts a GPU memory trial's peak without the logits), so TRY_WHAT_IFS does not try it: "
-           "compare a run with LM_HEAD_LOSS_CHUNK_SIZE=256 against this one (README, Proving a change)")
+    why = ("a CPU run: its CPU op time gives no predicted effect for the chunked LM head (its what-if predicts a GPU "
+           "memory trial's peak without the logits), so TRY_WHAT_IFS does not try it: compare a run with "
+           "LM_HEAD_LOSS_CHUNK_SIZE=256 against this one (README, Proving a change)")
     assert trial_what_if(summary, cfg, TrialModel(None)) == (
         [], [{"key": "chunked_lm_head", "label": "chunked LM head", "rank": 0, "reason": why}])
     found, skipped = trial_what_if(summary, cfg, TrialModel(None))

@@ -390,11 +390,11 @@ def _chunked_lm_head_cpu(t: _Trial, rank: int, s: Mapping[str, Any]) -> None:
     if ((s.get("gpu") or {}).get("activities", 0) or row is None or row["share_pct"] < 100 * MIN_SHARE
             or _get(t.cfg, "actor.loss.lm_head_loss_chunk_size")):
         return
-    t.skip("chunked_lm_head", rank, f"LM head + loss {row['share_pct']:.1f} % of CPU op time, but CPU op time gives "
-                                    "no predicted effect for the chunked LM head (its what-if predicts a GPU memory "
-                                    "trial's peak without the logits), so TRY_WHAT_IFS does not try it: compare a run "
-                                    f"with LM_HEAD_LOSS_CHUNK_SIZE={CPU_LM_HEAD_CHUNK} against this one (README, "
-                                    "Proving a change)")
+    t.skip("chunked_lm_head", rank, "a CPU run: its CPU op time gives no predicted effect for the chunked LM head (its "
+                                    "what-if predicts a GPU memory trial's peak without the logits), so TRY_WHAT_IFS "
+                                    "does not try it: compare a run with "
+                                    f"LM_HEAD_LOSS_CHUNK_SIZE={CPU_LM_HEAD_CHUNK} against this one (README, Proving a "
+                                    "change)")
 
 
 def _balanced_routing(t: _Trial, traces: Sequence[Mapping[str, Any]]) -> None:
