@@ -226,6 +226,12 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
     _, _, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
                                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.18 of 79.19 GiB")]
+    # the H100's free memory in the twenty-seventh session (nvidia-smi): over by less than the rounding shows
+    with pytest.raises(DriverError) as err:
+        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="t", GPU_MEMORY_GIB="79.18",
+                           PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 79.18 of 79.18 GiB "
+                                     "(1 MiB over): predicted peak 70.33 GiB")
     with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):

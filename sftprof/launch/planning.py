@@ -476,12 +476,14 @@ def fit_text(fit: dict[str, Any], brief: bool = False) -> str:
     (``brief``: the predicted peak and the need alone)."""
     g = 2**30
     pred = fit["prediction"]
+    need = f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB"
+    if not fit["fits"] and f"{fit['need_bytes'] / g:.2f}" == f"{fit['capacity_bytes'] / g:.2f}":
+        need += f" ({-fit['headroom_bytes'] / 2**20:.0f} MiB over)"  # the rounding would hide the excess
     if brief:
-        return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs "
-                f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB"
+        return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs {need}"
                 + (", tight" if fit["tight"] else ""))
     parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
-    return (f"rank {fit['rank']} needs {fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB: predicted "
+    return (f"rank {fit['rank']} needs {need}: predicted "
             f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "
             f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f}"
             + (f"; tight: less headroom than the prediction's error ({TIGHT_SHARE:.0%} of the peak)" if fit["tight"]
