@@ -7,9 +7,9 @@ Torch-free and importing nothing else of the project, so every side can use it. 
 - **File and folder names** with their builders and parsers: a trial's log dir (``LOG_DIR``, written by the
   trainer), its run dir (``RUN_DIR``, written by the driver and postprocessing) and the run root
   (``RUN_ROOT``, written by the launcher). ``docs/ARCHITECTURE.md`` lists who writes and who reads each.
-- **``stats.jsonl`` records**: :class:`StepRecord` (one per training step, every field with its unit) and
-  :class:`CompletionRecord` (the last line), written by :class:`StatsWriter` (the trainer, rank 0) and
-  read by :func:`read_stats`.
+- **``stats.jsonl`` records**: :class:`StepRecord` (one per training step, every field with its unit),
+  :class:`CompletionRecord` (after the steps) and :class:`TeardownRecord` (the last line: the process group torn
+  down), written by :class:`StatsWriter` (the trainer, rank 0) and read by :func:`read_stats`.
 
 Layout::
 
@@ -587,7 +587,8 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class CompletionRecord:
-    """The last line of ``stats.jsonl`` (``{"type": "complete", ...}``), written even when the trial fails.
+    """The line of ``stats.jsonl`` after the steps (``{"type": "complete", ...}``), written even when the trial fails;
+    only the :class:`TeardownRecord` follows it.
 
     Attributes:
         status: ``ok`` or ``failed``.
@@ -629,6 +630,29 @@ class CompletionRecord:
         return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
+@dataclass(frozen=True)
+class TeardownRecord:
+    """The last line of ``stats.jsonl`` (``{"type": "teardown", ...}``): rank 0's clock (the simulated rank's) after
+    the completion record, as the trainer's ``main`` leaves; the process's and torchrun's exit follow. Appended after
+    the process group is torn down, so a trial killed before (or a log of an earlier release) has none.
+
+    Attributes:
+        barrier_done_unix_s: the ranks' barrier after the steps passed, seconds since the Unix epoch; None when no
+            barrier ran (the trial failed).
+        process_group_destroyed_unix_s: ``dist.destroy_process_group()`` returned (every process group, Megatron's
+            included, and its communicators torn down).
+    """
+
+    barrier_done_unix_s: Optional[float] = None
+    process_group_destroyed_unix_s: Optional[float] = None
+
+    TYPE = "teardown"
+
+    def to_json(self) -> dict:
+        """``{"type": "teardown", <field>: value, ...}`` in field order."""
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
 def field_units(record_type: type = StepRecord) -> dict[str, str]:
     """``{field: unit and meaning}`` of a record type, from its field metadata."""
     return {f.name: f.metadata.get("unit", "") for f in fields(record_type)}
@@ -643,14 +667,15 @@ class StatsWriter:
 
     Args:
         path: the file (``LOG_DIR/stats.jsonl``); created or truncated.
+        append: append to the file instead (the :class:`TeardownRecord`, after the writer of the steps closed it).
     Raises:
         OSError: the file cannot be opened.
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self._f: IO[str] | None = open(path, "w", encoding="utf-8")
+    def __init__(self, path: str | Path, append: bool = False) -> None:
+        self._f: IO[str] | None = open(path, "a" if append else "w", encoding="utf-8")
 
-    def write(self, record: StepRecord | CompletionRecord) -> None:
+    def write(self, record: StepRecord | CompletionRecord | TeardownRecord) -> None:
         """Append ``record.to_json()`` as one line and flush."""
         self._f.write(json.dumps(record.to_json()) + "\n")
         self._f.flush()
@@ -670,12 +695,14 @@ def is_step_index(value: Any) -> bool:
 @dataclass
 class StatsLog:
     """``stats.jsonl`` as read back: the step records in file order, the last completion record (None when
-    the trial never wrote one: it was killed) and the count of lines that are not a JSON object of a known
+    the trial never wrote one: it was killed), the last teardown record (None: killed before it, or a log of an
+    earlier release) and the count of lines that are not a JSON object of a known
     type, or are a step record whose ``step`` is not a non-negative integer (``bad_lines``: counted and left
     out, never fatal)."""
 
     steps: list[StepRecord] = field(default_factory=list)
     completion: Optional[CompletionRecord] = None
+    teardown: Optional[TeardownRecord] = None
     bad_lines: int = 0
 
 
@@ -700,6 +727,8 @@ def read_stats(path: str | Path) -> StatsLog:
                 out.steps.append(_from_json(StepRecord, rec))
             elif kind == CompletionRecord.TYPE:
                 out.completion = _from_json(CompletionRecord, rec)
+            elif kind == TeardownRecord.TYPE:
+                out.teardown = _from_json(TeardownRecord, rec)
             else:
                 out.bad_lines += 1
     return out

@@ -17,16 +17,17 @@
    ``total_train_steps`` steps on the fake sample (:mod:`sftprof.data`), profiling the chosen
    steps (:mod:`sftprof.capture.kernel`, :mod:`sftprof.capture.memory`). Every rank keeps its last progress in
    ``progress/rank<r>.json`` (:class:`sftprof.progress.RankProgress`) for the launcher's watchdog.
-4. Always end ``stats.jsonl`` with the completion record; on failure it says ``failed`` with the
-   error and the process exits with status 1.
+4. Always write the completion record to ``stats.jsonl``; on failure it says ``failed`` with the
+   error and the process exits with status 1. After the ranks' barrier (a trial that did not fail) and the process
+   group's teardown, rank 0 appends the teardown record, the file's last line.
 
 A simulated rank (``actor.simulate.rank`` >= 0, docs/simulated_rank.md) is one process (``WORLD_SIZE`` 1) that joins
 torch's fake process group as that rank of the layout's world, profiles itself and writes the trial's files.
 
 ``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
-:class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there) and a
-:class:`sftprof.artifacts.CompletionRecord` at the end. The file names in LOG_DIR come from
-:mod:`sftprof.artifacts` as well.
+:class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there), a
+:class:`sftprof.artifacts.CompletionRecord` after them and a :class:`sftprof.artifacts.TeardownRecord` at the end.
+The file names in LOG_DIR come from :mod:`sftprof.artifacts` as well.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts, simulated_comm
 from sftprof.allocation import parse_allocation_mode
-from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord
+from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TeardownRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
@@ -289,21 +290,37 @@ def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = Non
     rank, device = init_distributed((cfg.actor.simulate.rank, layout.world_size) if simulated else None)
     log_dir = trial_log_dir(cfg)
     log_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(rank, log_dir, lead=simulated or rank == 0)
-    for note in te_notes if simulated or rank == 0 else ():
+    lead = simulated or rank == 0  # the process that writes the trial's files
+    _setup_logging(rank, log_dir, lead=lead)
+    for note in te_notes if lead else ():
         log.info(note)
     if simulated:
         log.info(SIMULATED_NOTE, rank, layout.world_size, cfg.actor.backend, assumed(layout.backend))
-    status = 1
+    status, barrier_done = 1, None
     try:
         status = _run(cfg, layout, hf_config, tokenizer.source, sample, rank, device, log_dir, times)
         if status == 0:
             # Leave together: a rank that tears its process group down while another still works (rank 0
             # exporting its trace) can abort inside gloo ("terminate called without an active exception").
             dist.barrier()
+            barrier_done = time.time()
     finally:
         dist.destroy_process_group()
+        if lead:
+            _write_teardown(log_dir, barrier_done)
     return status
+
+
+def _write_teardown(log_dir: Path, barrier_done: Optional[float]) -> None:
+    """Append the :class:`sftprof.artifacts.TeardownRecord` to ``stats.jsonl``: ``barrier_done`` (None: no barrier)
+    and now as the process group's teardown's end. A file that cannot be written is a warning in the log: the trial's
+    exit status stays its own."""
+    try:
+        writer = StatsWriter(log_dir / artifacts.STATS, append=True)
+        writer.write(TeardownRecord(barrier_done_unix_s=barrier_done, process_group_destroyed_unix_s=time.time()))
+        writer.close()
+    except OSError as err:
+        log.warning("teardown record not written to %s: %s", artifacts.STATS, err)
 
 
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir, times: dict) -> int:

@@ -54,8 +54,8 @@ def test_four_trials_succeed(run):
     assert max(map(len, table[:5])) <= 120
     assert table[6:8] == ["wall time per trial, s (train: torchrun's launch to its exit; postproc *: while the next "
                           "trial trained):",
-                          "trial          start  imports  setup  build  step 0  steps  profiled  profiler  exit  "
-                          "train  postproc"]
+                          "trial          start  imports  setup  build  step 0  steps  profiled  profiler  teardown  "
+                          "exit  train  postproc"]
     assert [" ".join(line.split()[:3]) for line in table[8:12]] == [
         "kernel step 0", "memory step 0", "kernel step 1", "memory step 1"]
     assert [line.split()[-1].endswith("*") for line in table[8:12]] == [True, False, True, False]
@@ -85,7 +85,7 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         wall = json.loads((run_dir / "profile_summary.json").read_text())["wall_time"]
         assert [p["phase"] for p in wall["phases"]] == list(PHASES) == [
             "start_up", "imports", "setup", "engine_build", "step_0", "warm_steps", "profiled_steps", "profiler",
-            "exit"]
+            "teardown", "exit"]
         seconds = {p["phase"]: p["seconds"] for p in wall["phases"]}
         assert all(v >= 0 for v in seconds.values()), seconds
         times = json.loads((run_dir / "trial_times.json").read_text())
@@ -94,9 +94,12 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         assert elapsed - 0.01 <= sum(seconds.values()) < elapsed + 1.01
         assert elapsed - 0.01 <= wall["elapsed_s"] < elapsed + 1.01
         steps = [json.loads(x) for x in (log_dir / "stats.jsonl").read_text().splitlines()]
-        done, records = steps[-1], {r["step"]: r for r in steps[:-1]}
+        done, teardown, records = steps[-2], steps[-1], {r["step"]: r for r in steps[:-2]}
         assert seconds["start_up"] == round(done["trainer_started_unix_s"] - times["launched_unix_s"], 3)
-        assert seconds["exit"] == round(times["torchrun_ended_unix_s"] - done["ended_unix_s"], 3)
+        destroyed = teardown["process_group_destroyed_unix_s"]
+        assert seconds["teardown"] == round(destroyed - done["ended_unix_s"], 3)
+        assert wall["barrier_s"] == round(teardown["barrier_done_unix_s"] - done["ended_unix_s"], 3)
+        assert seconds["exit"] == round(times["torchrun_ended_unix_s"] - destroyed, 3)
         built = float(re.search(r"engine built in ([\d.]+) s", (log_dir / "trainer.log").read_text()).group(1))
         assert seconds["engine_build"] >= built - 0.05
         rank0 = {k: next(r["step_time_s"] for r in rec["ranks"] if r["rank"] == 0) for k, rec in records.items()}
@@ -106,7 +109,7 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         assert seconds["warm_steps"] == 0.0  # TOTAL_STEPS = profile step + 1: no other step
         assert seconds["profiler"] == round(sum(r["profiler_s"] for r in records.values()), 3)
         cells = line.split()
-        assert cells[3:12] == [f"{seconds[k]:.1f}" for k in PHASES] and cells[12] == f"{wall['elapsed_s']:.1f}"
+        assert cells[3:13] == [f"{seconds[k]:.1f}" for k in PHASES] and cells[13] == f"{wall['elapsed_s']:.1f}"
         cold = wall["cold_start"]
         if cold:  # step 0 faster than the profiled step 1 (its profiler's cost): not measurable, and why
             assert ("not_measurable" in cold) == (cold["cold_start_s"] < 0)

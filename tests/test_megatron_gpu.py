@@ -43,7 +43,7 @@ def test_two_steps_loss_near_ln_vocab(tmp_path, mode):
         pytest.skip("needs 2 GPUs")
     records = _run(tmp_path, mode)
     steps = [r for r in records if r["type"] == "step"]
-    done = records[-1]
+    done = next(r for r in records if r["type"] == "complete")
     assert done["type"] == "complete" and done["status"] == "ok" and done["steps_done"] == 2, done
     loss0 = steps[0]["loss"]
     print(mode, "losses", [s["loss"] for s in steps], "tflops/gpu", [s["tflops_per_gpu"] for s in steps])

@@ -146,18 +146,21 @@ def test_nccl_version_is_torchs_as_text_and_none_without_nccl(monkeypatch):
 def test_kernel_trial_records(kernel_trial):
     log_dir, _ = kernel_trial
     recs = _records(log_dir)
-    assert [r["type"] for r in recs] == ["step", "step", "complete"]
-    assert _without_clocks(recs[-1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
-                                         "world_size": 2, "backend": "fsdp", "device": "cpu", "profile_kind": "kernel",
-                                         "profile_step": 0}
+    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown"]
+    assert _without_clocks(recs[2]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
+                                        "world_size": 2, "backend": "fsdp", "device": "cpu", "profile_kind": "kernel",
+                                        "profile_step": 0}
     s0, s1 = recs[0], recs[1]
     assert set(s0) == {"type", "step", "loss", "step_time_s", "tokens", "tokens_per_s", "mem_allocated_gb",
                        "mem_reserved_gb", "mem_peak_allocated_gb", "mem_peak_reserved_gb", "ranks",
                        "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load",
                        "started_unix_s", "profiler_s"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
-    end = recs[-1]
+    end, teardown = recs[2], recs[3]
     assert end["engine_build_started_unix_s"] < s0["started_unix_s"] < s1["started_unix_s"] < end["ended_unix_s"]
+    # after the completion record: the ranks' barrier passed, then the process group torn down
+    assert set(teardown) == {"type", "barrier_done_unix_s", "process_group_destroyed_unix_s"}
+    assert end["ended_unix_s"] <= teardown["barrier_done_unix_s"] <= teardown["process_group_destroyed_unix_s"]
     assert s0["profiler_s"] >= 0 and s1["profiler_s"] >= 0
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
@@ -209,9 +212,10 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
     assert "memory profiler: 0 snapshot(s) written on rank 0" in (log_dir / "trainer.log").read_text()
     assert not (log_dir / "memory_snapshots").exists()
     recs = _records(log_dir)
-    assert _without_clocks(recs[-1]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
-                                         "world_size": 1, "backend": "fsdp", "device": "cpu", "profile_kind": "memory",
-                                         "profile_step": 0}
+    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown"]
+    assert _without_clocks(recs[2]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
+                                        "world_size": 1, "backend": "fsdp", "device": "cpu", "profile_kind": "memory",
+                                        "profile_step": 0}
     assert [r["profiled"] for r in recs[:2]] == [True, False]
     # Same global batch and seed as the 2-rank kernel trial: same losses before and after one step.
     # Same gradient norm (logged with 4 decimals) checks the DP gradient averaging: AdamW alone
@@ -243,10 +247,23 @@ def test_failure_writes_failed_record(tmp_path):
            "profile.fake_seq_len=16"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    rec = _records(_log_dir(tmp_path, "fail"))[-1]
+    rec, teardown = _records(_log_dir(tmp_path, "fail"))[-2:]
     assert rec["type"] == "complete" and rec["status"] == "failed" and rec["steps_done"] == 0
+    # no barrier in a failed trial; the process group is torn down all the same
+    assert teardown["type"] == "teardown" and teardown["barrier_done_unix_s"] is None
+    assert teardown["process_group_destroyed_unix_s"] >= rec["ended_unix_s"]
     assert rec["error"].startswith("RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an "
                                    "error."), rec["error"]
+
+
+def test_a_teardown_record_not_written_is_a_warning_not_a_failure(tmp_path, caplog):
+    """stats.jsonl that cannot be appended to (its log dir gone): one warning, nothing raised, so the trial's exit
+    status stays its own."""
+    from sftprof.trainer import _write_teardown
+    _write_teardown(tmp_path / "gone", None)
+    assert [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records] == [
+        ("WARNING", "teardown record not written to stats.jsonl")]
+    assert not (tmp_path / "gone").exists()
 
 
 @pytest.mark.parametrize("args,env,message", [

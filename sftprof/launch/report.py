@@ -45,7 +45,7 @@ def _interpreter(python: str | None) -> str:
 # the wall-time table's columns: (header, the summary's wall_time phase; None: elapsed, then postprocessing)
 WALL_COLUMNS = (("start", "start_up"), ("imports", "imports"), ("setup", "setup"), ("build", "engine_build"),
                 ("step 0", "step_0"), ("steps", "warm_steps"), ("profiled", "profiled_steps"),
-                ("profiler", "profiler"), ("exit", "exit"))
+                ("profiler", "profiler"), ("teardown", "teardown"), ("exit", "exit"))
 
 
 def _seconds(value: float | None) -> str:

@@ -235,6 +235,11 @@ def _wall_time(s: ProfileSummary) -> list[str]:
            "trial_times.json and the driver's end table.\n",
            table(["phase", "s", "what"], [[p["phase"], fmt(p["seconds"]), PHASES.get(p["phase"], "")]
                                            for p in w["phases"]])]
+    barrier = w.get("barrier_s")
+    teardown = next((p["seconds"] for p in w["phases"] if p["phase"] == "teardown"), None)
+    if barrier is not None and teardown is not None:
+        out.append(f"- teardown: {barrier:.3f} s to the ranks' barrier passed (rank 0 waiting for the slowest rank), "
+                   f"{teardown - barrier:.3f} s tearing the process groups down")
     c = w.get("cold_start")
     if c and c.get("not_measurable"):
         out.append(f"- cold start: not measurable: step 0 took {c['step0_s']:.3f} s against {c['warm_step_s']:.3f} s "

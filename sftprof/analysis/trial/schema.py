@@ -85,6 +85,7 @@ class Stats(TypedDict):
     profile_step_record: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.StepRecord
     per_rank: dict[str, RankStats]  # rank (as text) -> figures
     complete: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.CompletionRecord
+    teardown: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.artifacts.TeardownRecord (3.10)
     step_time_s: Optional[float]
     tokens: Optional[int]
     tokens_per_s: Optional[float]
@@ -156,6 +157,7 @@ class WallTime(TypedDict):
     phases: list[WallPhase]
     elapsed_s: Optional[float]  # torchrun launched -> ended (the launcher's clock); None without trial_times.json
     cold_start: Optional[ColdStart]  # None: no step 0 or no later step to compare it with
+    barrier_s: NotRequired[Optional[float]]  # of the teardown phase: the ranks' barrier (None: none ran, or unknown)
     trial_times_error: NotRequired[str]  # trial_times.json exists but cannot be read (a warning too)
 
 

@@ -3,12 +3,14 @@
 The boundaries are clocks already recorded (seconds since the Unix epoch, node 0): the launcher's in
 ``RUN_DIR/trial_times.json`` (:class:`sftprof.artifacts.TrialTimes`: torchrun launched, ended) and rank 0's in
 ``stats.jsonl`` (:class:`sftprof.artifacts.CompletionRecord`: process start, imports done, engine build started,
-record written; :class:`sftprof.artifacts.StepRecord`: each step's start and its time in the profilers). Each phase
+record written; :class:`sftprof.artifacts.StepRecord`: each step's start and its time in the profilers;
+:class:`sftprof.artifacts.TeardownRecord`: the ranks' barrier passed, the process group torn down). Each phase
 runs from one boundary to the next, so the phases sum to the launcher's elapsed time; a boundary not recorded (a
 trial that failed or was stopped before it, a log of an earlier release) leaves the phases on either side of it
 None. A step's phase runs from its start to the next step's (the last: to the completion record), less its time in
 the profilers, which is the ``profiler`` phase; in a failed trial the last recorded step's phase holds the step that
-failed.
+failed. Without the teardown record (a log of an earlier release, a trial killed in its teardown) ``teardown`` is
+None and ``exit`` runs from the completion record, the teardown in it.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ PHASES = {
     "profiled_steps": "the profiled step(s)",
     "profiler": "the profilers around the steps: torch's profiler started and stepped, its trace exported; the "
                 "allocator snapshot dumped",
-    "exit": "after the last step: the completion record, the ranks' barrier, the process group torn down, the "
-            "processes' and torchrun's exit",
+    "teardown": "after the last step: the completion record, the ranks' barrier, the process groups torn down "
+                "(Megatron's and their communicators)",
+    "exit": "the processes' exit (Python's teardown: the GPU memory freed, atexit handlers; a rank slower to tear "
+            "down than rank 0) and torchrun's noticing it",
 }
 
 
@@ -51,18 +55,24 @@ def _number(value: Any) -> Optional[float]:
 def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
     """The trial's :class:`~sftprof.analysis.trial.schema.WallTime` (module docstring): seconds, rounded to 3
     decimals. ``stats``: ``stats.jsonl`` as :func:`sftprof.analysis.trial.inputs.read_stats` gives it; ``times``:
-    the launcher's record (None: none, the launcher's phases and ``elapsed_s`` are None)."""
+    the launcher's record (None: none, the launcher's phases and ``elapsed_s`` are None). ``barrier_s``: the part of
+    ``teardown`` up to the ranks' barrier passed (None: no barrier ran, a failed trial, or no teardown record)."""
     complete = stats.get("complete") or {}
     launched = times.launched_unix_s if times else None
     ended = times.torchrun_ended_unix_s if times else None
     proc, main, build, written = (_number(complete.get(k)) for k in (
         "trainer_started_unix_s", "imports_done_unix_s", "engine_build_started_unix_s", "ended_unix_s"))
+    teardown = stats.get("teardown")
+    barrier, destroyed = ((_number(teardown.get("barrier_done_unix_s")),
+                           _number(teardown.get("process_group_destroyed_unix_s"))) if teardown else (None, None))
     steps = sorted(stats["steps"], key=lambda s: s["step"])
     starts = [_number(s.get("started_unix_s")) for s in steps]
     seconds: dict[str, Optional[float]] = {
         "start_up": _span(launched, proc), "imports": _span(proc, main), "setup": _span(main, build),
         "engine_build": _span(build, starts[0] if steps else written),
-        "step_0": 0.0, "warm_steps": 0.0, "profiled_steps": 0.0, "profiler": 0.0, "exit": _span(written, ended)}
+        "step_0": 0.0, "warm_steps": 0.0, "profiled_steps": 0.0, "profiler": 0.0,
+        "teardown": _span(written, destroyed) if teardown else None,
+        "exit": _span(destroyed, ended) if teardown else _span(written, ended)}
     for i, row in enumerate(steps):
         span = _span(starts[i], starts[i + 1] if i + 1 < len(steps) else written)
         inside = _number(row.get("profiler_s"))
@@ -72,7 +82,8 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
             so_far = seconds[name]
             seconds[name] = None if value is None or so_far is None else so_far + value
     phases: list[WallPhase] = [{"phase": name, "seconds": _rounded(seconds[name])} for name in PHASES]
-    return {"phases": phases, "elapsed_s": _rounded(_span(launched, ended)), "cold_start": cold_start(stats)}
+    return {"phases": phases, "elapsed_s": _rounded(_span(launched, ended)), "cold_start": cold_start(stats),
+            "barrier_s": _rounded(_span(written, barrier))}
 
 
 def cold_start(stats: Stats) -> ColdStart | None:
