@@ -34,9 +34,9 @@ PHASES = {
     "profiler": "the profilers around the steps: torch's profiler started and stepped, its trace exported; the "
                 "allocator snapshot dumped",
     "teardown": "after the last step: the completion record, the ranks' barrier, the process groups torn down "
-                "(Megatron's and their communicators)",
-    "exit": "the processes' exit (Python's teardown: the GPU memory freed, atexit handlers; a rank slower to tear "
-            "down than rank 0) and torchrun's noticing it",
+                "(Megatron's among them) with their communicators",
+    "exit": "the processes' exit (Python's teardown: tensors freed, atexit handlers; a rank slower to tear down "
+            "than rank 0) and torchrun's noticing it",
 }
 
 
