@@ -23,8 +23,9 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Iterator, Optional, overload
 
 import numpy as np
 
@@ -34,13 +35,51 @@ from sftprof.analysis.trace.kernel_names import COMM_PREFIX
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow
 
-__all__ = ["ActivityTable", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category", "communication",
+__all__ = ["ActivityTable", "Labels", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category", "communication",
            "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]
 
 TOP_KERNELS = 20
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_REGION = artifacts.STEP
 Span = tuple[str, float, float]  # (annotation name, start us, end us) on the trace clock
+
+
+class Labels(Sequence[Optional[str]]):
+    """A string (or None) per row kept as an index into the distinct strings: 1-2 bytes a row, not an 8-byte
+    pointer, for the activity table's category and process-group columns.
+
+    Args:
+        names: the distinct strings.
+        codes: per row, an index into ``names`` (any signed int dtype, kept in the smallest that holds them; -1:
+            None).
+    """
+
+    def __init__(self, names: list[str], codes: np.ndarray) -> None:
+        self.names = names
+        self.codes = codes.astype(np.min_scalar_type(-max(len(names), 1)), copy=False)  # int8 to 128 names
+
+    def __len__(self) -> int:
+        return int(self.codes.size)
+
+    @overload
+    def __getitem__(self, i: int) -> Optional[str]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Optional[str]]: ...
+
+    def __getitem__(self, i: int | slice) -> Optional[str] | list[Optional[str]]:
+        if isinstance(i, slice):
+            return [self.names[c] if c >= 0 else None for c in self.codes[i].tolist()]
+        c = int(self.codes[i])
+        return self.names[c] if c >= 0 else None
+
+    def __iter__(self) -> Iterator[Optional[str]]:
+        for first in range(0, self.codes.size, 1 << 16):
+            yield from self[first:first + (1 << 16)]
+
+    def subset(self, keep: np.ndarray) -> "Labels":
+        """The rows where ``keep`` (bool) is True."""
+        return Labels(self.names, self.codes[keep])
 
 
 @dataclass
@@ -61,7 +100,7 @@ class ActivityTable:
         launch_tid: int64 thread of the launching CUDA API call, -1 when not in the trace.
         launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
         category: :func:`~sftprof.analysis.trace.kernel_names.kernel_category`, ``optimizer`` for non-collective
-            kernels launched inside ``sftprof/optimizer_step``.
+            kernels launched inside ``sftprof/optimizer_step`` (:class:`Labels`, as are the next two).
         is_comm: bool, NCCL kernel.
         group: parallelism label of a collective's process group (None when unknown or not a collective).
         pg_name: the process group's name as the trace records it (``Process Group Name``; the same on every
@@ -81,10 +120,10 @@ class ActivityTable:
     ext: np.ndarray
     launch_tid: np.ndarray
     launch: np.ndarray
-    category: list[str]
+    category: Labels
     is_comm: np.ndarray
-    group: list[str | None]
-    pg_name: list[str | None]
+    group: Labels
+    pg_name: Labels
     nbytes: np.ndarray
 
     @property
@@ -96,16 +135,12 @@ class ActivityTable:
         """The activities where ``keep`` (bool, one per activity) is True, in the same order."""
         if keep.all():
             return self
-        idx = np.flatnonzero(keep).tolist()
-
-        def pick(values: list[Any]) -> list[Any]:
-            return [values[i] for i in idx]
-
         return ActivityTable(names=self.names, name_idx=self.name_idx[keep], kind=self.kind[keep], ts=self.ts[keep],
                              dur=self.dur[keep], end=self.end[keep], dev=self.dev[keep], stream=self.stream[keep],
                              corr=self.corr[keep], ext=self.ext[keep], launch_tid=self.launch_tid[keep],
-                             launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
-                             group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
+                             launch=self.launch[keep], category=self.category.subset(keep), is_comm=self.is_comm[keep],
+                             group=self.group.subset(keep), pg_name=self.pg_name.subset(keep),
+                             nbytes=self.nbytes[keep])
 
 
 # -- one function per question over the activity table -----------------------------------------------------
@@ -186,10 +221,20 @@ def time_by_category(table: ActivityTable) -> list[CategoryRow]:
     """GPU time per category, collectives with their group (``NCCL AllReduce [TP]``): ``{category, calls, total_ms,
     share_pct}``, sums to 100 %."""
     total_us = float(table.dur.sum())
-    index: dict[str, int] = {}  # label -> its index, in the order of first appearance
-    label = np.fromiter((index.setdefault(f"{c} [{g}]" if comm and g else c, len(index))
-                         for c, g, comm in zip(table.category, table.group, table.is_comm.tolist())),
-                        dtype=np.intp, count=table.n)
+    index: dict[str, int] = {}  # label -> its index
+    cat, group = table.category, table.group
+    width = len(group.names) + 1  # a (category, group, NCCL kernel) as one number; group -1: None
+    key = cat.codes.astype(np.intp) * width
+    key += group.codes
+    key += 1
+    key *= 2
+    key += table.is_comm
+    lut = np.zeros(len(cat.names) * width * 2, dtype=np.intp)  # its label's index
+    for k in np.flatnonzero(np.bincount(key, minlength=lut.size)).tolist():
+        c, g = cat.names[k // 2 // width], group.names[(k // 2) % width - 1] if (k // 2) % width else None
+        lut[k] = index.setdefault(f"{c} [{g}]" if k % 2 and g else c, len(index))
+    label = lut[key]
+    del key
     us = np.zeros(len(index))
     np.add.at(us, label, table.dur)  # in trace order
     c_tot, c_calls = us.tolist(), np.bincount(label, minlength=len(index)).tolist()

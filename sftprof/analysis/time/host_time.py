@@ -16,7 +16,7 @@ its own).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -66,6 +66,16 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
 
 
 Gaps = tuple[np.ndarray, np.ndarray, np.ndarray]  # per host-wait gap: activity index (int64), start, end (us)
+_ROWS = 1 << 16  # rows of Python values made at a time (:func:`_rows`)
+
+
+def _rows(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
+    """The rows of equal-length columns as tuples of Python values, in order, made :data:`_ROWS` rows at a time (one
+    Python object per value of a whole column is 30-40 bytes a GPU activity more at the summary's peak)."""
+    for first in range(0, columns[0].size if columns else 0, _ROWS):
+        yield from zip(*(c[first:first + _ROWS].tolist() for c in columns))
+
+
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
@@ -83,11 +93,18 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
         the host-wait gaps in time order as three arrays: the index of the activity that ends each (into ``ts``),
         its start and its end (us); the gaps' lengths sum to ``host_wait_ms``.
     """
-    keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
-    order = np.argsort(ts[keep], kind="stable")
-    idx = np.flatnonzero(keep)[order]
-    t, e = np.clip(ts[keep][order], lo, hi), np.clip((ts + dur)[keep][order], lo, hi)
-    ln = launch[keep][order]
+    # every activity that runs in the window, as the busy share counts them, by start (one column at a time: the
+    # temporaries of a whole-trace question are the summary's peak memory)
+    idx = np.flatnonzero((ts + dur > lo) & (ts < hi))
+    t = ts[idx]
+    order = np.argsort(t, kind="stable")
+    idx, t = idx[order], t[order]
+    del order
+    np.clip(t, lo, hi, out=t)
+    e = ts[idx]
+    e += dur[idx]
+    np.clip(e, lo, hi, out=e)
+    ln = launch[idx]
     if not t.size:
         return {"idle_ms": ms(hi - lo), "host_wait_ms": ms(hi - lo), "kernel_wait_ms": 0.0,
                 "after_last_activity_ms": 0.0}, (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0))
@@ -96,7 +113,7 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     kernel = 0.0
     gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
     by_host = ln[gaps] > run_end[gaps - 1]
-    for gap, waited in zip((t[gaps] - run_end[gaps - 1]).tolist(), by_host.tolist()):  # summed in time order
+    for gap, waited in _rows(t[gaps] - run_end[gaps - 1], by_host):  # summed in time order
         if waited:
             host += gap
         else:
@@ -120,7 +137,7 @@ LAUNCH_GAP_US = 100.0
 
 
 def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
-                      sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
+                      sites: tuple[list[str], np.ndarray], parts: list[str], phases: list[str], dur: np.ndarray,
                       inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> HostWaitPlaces:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
@@ -153,10 +170,11 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
     gap_at, gap_start, gap_end = host_gaps
-    first = np.searchsorted(sync_end, gap_start, side="left").tolist()
-    in_gc = gc_us.tolist() if gc_us is not None else [0.0] * gap_at.size
-    for i, g0, g1, j, gap_gc in zip(gap_at.tolist(), gap_start.tolist(), gap_end.tolist(), first, in_gc):
-        key = (parts[i], phases[i], sites[i])
+    first = np.searchsorted(sync_end, gap_start, side="left")
+    in_gc = gc_us if gc_us is not None else np.zeros(gap_at.size)
+    labels, site = sites
+    for i, g0, g1, j, gap_gc, k in _rows(gap_at, gap_start, gap_end, first, in_gc, site[gap_at]):
+        key = (parts[i], phases[i], labels[k] if k >= 0 else None)
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
@@ -168,8 +186,8 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
     count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
-    for i in np.flatnonzero(inside):
-        key = (parts[i], phases[i], sites[i])
+    for i, k in _rows(np.flatnonzero(inside), site[inside]):
+        key = (parts[i], phases[i], labels[k] if k >= 0 else None)
         if key in rows:
             count[key][0] += 1
             count[key][1] += dur[i]

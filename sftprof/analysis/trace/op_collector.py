@@ -101,6 +101,7 @@ class OpCollector:
         self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
         self._flows_done: Optional[tuple[np.ndarray, ...]] = None
         self._ended = False  # end_pass: the calls and flow events above freed, their answers kept
+        self._launches_dropped = False  # drop_launches: the launch table and kernel launches freed too
         self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
         self.cpu_ops = CpuOpStore(bucket_ops)  # every cpu_op, on disk: start, dur as recorded, thread, name index
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
@@ -227,6 +228,24 @@ class OpCollector:
         self._flow_s, self._flow_e = (array("q"), array("q"), array("d")), (array("q"), array("d"), array("q"))
         self._ended = True
 
+    def drop_launches(self) -> None:
+        """Free the launch table (:meth:`launch_points`) and the kernel launch calls (:attr:`kernel_launches`), about
+        40 bytes a GPU activity, once the activity table and the sanity check have read them (after
+        :meth:`end_pass`); asking either afterwards raises RuntimeError. The blocking calls and the count of repeated
+        calls stay."""
+        if not self._ended:
+            raise RuntimeError("the launch table is dropped after the pass (OpCollector.end_pass)")
+        empty = np.zeros(0, dtype=np.int64)
+        self._api_done = (empty, empty, np.zeros(0))
+        self._kernel_launches = (array("q"), array("d"))
+        self._launches_dropped = True
+
+    def _launches(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_api_calls`, which :meth:`drop_launches` has not freed (else RuntimeError)."""
+        if self._launches_dropped:
+            raise RuntimeError("the launch table was dropped (OpCollector.drop_launches)")
+        return self._api_calls()
+
     def _api_calls(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The CUDA API calls' launch table: sorted correlation ids and, of each, the thread and start (us) of its
         last call. Also sets what the repeats decide: a call is a repeat when the previous call of its correlation
@@ -252,7 +271,7 @@ class OpCollector:
     @property
     def kernel_launches(self) -> tuple[array[int], array[float]]:
         """Correlation and start (us) of each kernel launch call (:data:`KERNEL_LAUNCHES`), repeats left out."""
-        self._api_calls()
+        self._launches()
         return self._kernel_launches
 
     @property
@@ -311,7 +330,7 @@ class OpCollector:
     def launch_points(self, corr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(tid, ts) of each activity's launch call (``corr``: int64 correlation ids); tid -1 / ts NaN when the call
         is not in the trace."""
-        c, t, x = self._api_calls()
+        c, t, x = self._launches()
         at = np.minimum(np.searchsorted(c, corr), max(c.size - 1, 0))
         hit = c[at] == corr if c.size else np.zeros(corr.size, dtype=bool)
         return np.where(hit, t[at] if c.size else -1, -1), np.where(hit, x[at] if c.size else np.nan, np.nan)
@@ -378,8 +397,9 @@ class OpCollector:
             parts[i], layers[i] = part, layer
         return Placement(parts, layers, phases, "module_regions")
 
-    def launch_sites(self, tids: np.ndarray, pts: np.ndarray) -> list[Optional[str]]:
-        """Name of the innermost named op around each launch point (None when there is none).
+    def launch_sites(self, tids: np.ndarray, pts: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """``(labels, site)``: the name of the innermost named op around each launch point as an index into the
+        distinct names ``labels`` (``site``, int32; -1 when there is none).
 
         A named op is a CPU op whose name is not a library op (no ``::``, so ``aten::*`` is left out): a
         custom autograd Function's forward (``_VocabParallelLogprobs``, ``CheckpointFunction``), an autograd
@@ -390,11 +410,13 @@ class OpCollector:
             tids, pts: launch thread (int64) and launch time (us, NaN when unknown) per activity, as
                 :meth:`launch_points` gives them.
         """
-        labels = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
-                  for n in self.op_name_list]
-        named = np.array([x is not None for x in labels], dtype=bool)
-        _, at = self.cpu_ops.innermost(tids, pts, named)
-        return [labels[j] if j >= 0 else None for j in at.tolist()]
+        names = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
+                 for n in self.op_name_list]
+        labels = list(dict.fromkeys(n for n in names if n is not None))
+        index = {label: k for k, label in enumerate(labels)}
+        label_of = np.array([-1 if n is None else index[n] for n in names] + [-1], dtype=np.int32)  # [-1]: none
+        _, at = self.cpu_ops.innermost(tids, pts, label_of[:-1] >= 0)
+        return labels, label_of[at]
 
     def _sync_ops(self) -> tuple[np.ndarray, np.ndarray]:
         """Per blocking call (:attr:`sync_calls`, in their order): the index and name index of the innermost kept CPU
