@@ -31,6 +31,7 @@ themselves are checked.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np

@@ -35,8 +35,8 @@ from sftprof.analysis.trace.kernel_names import COMM_PREFIX
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow
 
-__all__ = ["ActivityTable", "Labels", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category", "communication",
-           "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]
+__all__ = ["ActivityTable", "Labels", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category",
+           "communication", "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]
 
 TOP_KERNELS = 20
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -391,14 +391,14 @@ class KernelTraceAnalyzer:
     def summary(self) -> KernelSummary:
         """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
 
-        Call it once (it sets the collected record right in place). Keys: ``n_events``, ``invalid_events``,
-        ``sanity`` (what is wrong with the trace's record and what was done about it, before any figure:
-        :func:`sftprof.analysis.trace.sanity.inspect`), ``view_repairs``, ``identity`` (what the trace says of itself:
-        ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
-        its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
-        the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
-        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without
-        GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
+        Call it once (it sets the collected record right in place and frees the launch table once read). Keys:
+        ``n_events``, ``invalid_events``, ``sanity`` (what is wrong with the trace's record and what was done about it,
+        before any figure: :func:`sftprof.analysis.trace.sanity.inspect`), ``view_repairs``, ``identity`` (what the
+        trace says of itself: ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its
+        ``ProfilerStep#N`` slices and its header's ``distributedInfo.rank``, None without one; :func:`identity_problems`
+        checks them against the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``,
+        ``categories``, ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a
+        trace without GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
         ``top_cpu_ops`` and, without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`),
         ``efficiency`` (:mod:`sftprof.analysis.time.efficiency`) and ``collectives``
         (:mod:`sftprof.analysis.time.collectives`; its ``calls``, this rank's call timeline per process group, is

@@ -29,13 +29,19 @@ def union(starts: np.ndarray, ends: np.ndarray) -> Intervals:
     if starts.size == 0:
         return starts, ends
     order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    run_end = np.maximum.accumulate(e)
+    s, run_end = starts[order], ends[order]
+    del order  # each temporary freed as soon as read: a union of every GPU activity is the summary's peak memory
+    np.maximum.accumulate(run_end, out=run_end)
     new = np.empty(s.size, dtype=bool)
     new[0] = True
-    new[1:] = s[1:] > run_end[:-1]
+    np.greater(s[1:], run_end[:-1], out=new[1:])
     idx = np.flatnonzero(new)
-    return s[idx], np.append(run_end[idx[1:] - 1], run_end[-1])
+    del new
+    out_s = s[idx]
+    del s
+    idx[:-1] = idx[1:] - 1  # the last of each merged run
+    idx[-1] = run_end.size - 1
+    return out_s, run_end[idx]
 
 
 def length(starts: np.ndarray, ends: np.ndarray) -> float:
