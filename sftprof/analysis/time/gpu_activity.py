@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, overload
+from typing import Iterator, Optional, SupportsIndex, overload
 
 import numpy as np
 
@@ -62,12 +62,12 @@ class Labels(Sequence[Optional[str]]):
         return int(self.codes.size)
 
     @overload
-    def __getitem__(self, i: int) -> Optional[str]: ...
+    def __getitem__(self, i: SupportsIndex) -> Optional[str]: ...
 
     @overload
     def __getitem__(self, i: slice) -> list[Optional[str]]: ...
 
-    def __getitem__(self, i: int | slice) -> Optional[str] | list[Optional[str]]:
+    def __getitem__(self, i: SupportsIndex | slice) -> Optional[str] | list[Optional[str]]:
         if isinstance(i, slice):
             return [self.names[c] if c >= 0 else None for c in self.codes[i].tolist()]
         c = int(self.codes[i])
@@ -261,9 +261,10 @@ def communication(table: ActivityTable, host_comm: list[Span]) -> Communication:
         hidden += intersection_length(comm, comp)
     by_type: dict[str, float] = defaultdict(float)
     by_group: dict[str, float] = defaultdict(float)
+    cats = table.category
     for i in np.flatnonzero(is_comm):
         d = float(end[i] - ts[i])
-        by_type[table.category[i][len(COMM_PREFIX):]] += d
+        by_type[cats.names[cats.codes[i]][len(COMM_PREFIX):]] += d  # an NCCL kernel's category is a name
         by_group[table.group[i] or "unknown"] += d
     host_s = np.array([h[1] for h in host_comm], dtype=np.float64)
     host_e = np.array([h[2] for h in host_comm], dtype=np.float64)

@@ -172,8 +172,8 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
     gap_at, gap_start, gap_end = host_gaps
     first = np.searchsorted(sync_end, gap_start, side="left")
     in_gc = gc_us if gc_us is not None else np.zeros(gap_at.size)
-    labels, site = sites
-    for i, g0, g1, j, gap_gc, k in _rows(gap_at, gap_start, gap_end, first, in_gc, site[gap_at]):
+    labels, site_of = sites
+    for i, g0, g1, j, gap_gc, k in _rows(gap_at, gap_start, gap_end, first, in_gc, site_of[gap_at]):
         key = (parts[i], phases[i], labels[k] if k >= 0 else None)
         r = rows[key]
         r[0] += g1 - g0
@@ -186,7 +186,7 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
     count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
-    for i, k in _rows(np.flatnonzero(inside), site[inside]):
+    for i, k in _rows(np.flatnonzero(inside), site_of[inside]):
         key = (parts[i], phases[i], labels[k] if k >= 0 else None)
         if key in rows:
             count[key][0] += 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -335,7 +336,7 @@ class OpCollector:
         hit = c[at] == corr if c.size else np.zeros(corr.size, dtype=bool)
         return np.where(hit, t[at] if c.size else -1, -1), np.where(hit, x[at] if c.size else np.nan, np.nan)
 
-    def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: list[str], in_optimizer: np.ndarray,
+    def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: Sequence[Optional[str]], in_optimizer: np.ndarray,
                   is_comm: np.ndarray) -> Placement:
         """Part, layer and phase of each activity (module docstring) launched on thread ``tids`` at ``pts`` (us,
         NaN: launch unknown), of category ``cats`` (:func:`sftprof.analysis.trace.kernel_names.kernel_category`, or
@@ -352,7 +353,7 @@ class OpCollector:
             # Phase without ranges: inside a backward node is backward, except directly inside megatron-core's
             # CheckpointFunctionBackward, which re-runs the forward (full recompute).
             ckpt = np.frombuffer(self.bwd_nodes.payload, dtype=np.int64)
-            by_name: dict[str, str] = {}  # one string per category, not per activity
+            by_name: dict[Optional[str], str] = {}  # one string per category, not per activity
             for i in range(n):
                 b = int(node[i])
                 parts[i] = "optimizer" if in_optimizer[i] else by_name.setdefault(cats[i], f"kernel:{cats[i]}")
