@@ -16,7 +16,7 @@ import pytest
 from fixtures import FIXTURE_DIR
 from fixtures.faults import duplicate, full_disk_on_append, kernel_summary, with_second_step
 from sftprof.analysis.schema import ms
-from sftprof.analysis.time import host_time, trace_summary
+from sftprof.analysis.time import gpu_activity, trace_summary
 from sftprof.analysis.time.gpu_activity import GPU_ACTIVITY_CATS, Labels, time_by_category
 from sftprof.analysis.trace.check import event_problem
 from sftprof.analysis.trace.kernel_names import COMM_PREFIX, kernel_category
@@ -280,13 +280,14 @@ def test_labels_give_each_rows_string_and_none_for_minus_one():
 
 
 def test_categories_and_host_wait_summed_a_few_rows_at_a_time_are_those_of_whole_columns(monkeypatch):
-    """The host-wait places and GPU idle split, read 5 rows at a time (:func:`host_time._rows`, 65536 by default),
-    equal those of one chunk; the categories (summed by label index) are those summed one activity at a time."""
+    """The host-wait places, GPU idle split and kernel efficiency, read 5 rows at a time
+    (:func:`gpu_activity.column_rows`, 65536 by default), equal those of one chunk; the categories (summed by label
+    index) are those summed one activity at a time."""
     te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
     whole = kernel_summary(te, 2)
     places = whole["host"]["gpu_idle"]["host_wait_by_place"]
-    assert places["rows"] and sum(r["gaps"] for r in places["rows"]) > 100
-    monkeypatch.setattr(host_time, "_ROWS", 5)
+    assert places["rows"] and sum(r["gaps"] for r in places["rows"]) > 100 and whole["efficiency"]["rows"]
+    monkeypatch.setattr(gpu_activity, "ROWS", 5)
     assert kernel_summary(te, 2) == whole
     a = _fed(te, 2)
     t = a.activity_table(sorted(dict.fromkeys(a._regions), key=lambda r: (r[1], r[0])))

@@ -46,7 +46,7 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, inside: np.ndarray,
-                is_comm: np.ndarray, groups: Labels, ext: np.ndarray, pg_names: Labels,
+                is_comm: np.ndarray, groups: Labels[str], ext: np.ndarray, pg_names: Labels[str],
                 pg_members: dict[str, list[int]]) -> Collectives:
     """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group and of the
     NCCL kernels outside the step window; the calls' timeline per process group

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, SupportsIndex, overload
+from typing import Any, Generic, Iterable, Iterator, Optional, SupportsIndex, TypeVar, overload
 
 import numpy as np
 
@@ -35,8 +35,8 @@ from sftprof.analysis.trace.kernel_names import COMM_PREFIX
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow
 
-__all__ = ["ActivityTable", "Labels", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category",
-           "communication", "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]
+__all__ = ["ActivityTable", "Labels", "column_rows", "Span", "step_window", "gpu_time", "top_kernels",
+           "time_by_category", "communication", "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS", "ROWS"]
 
 TOP_KERNELS = 20
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -44,40 +44,67 @@ STEP_REGION = artifacts.STEP
 Span = tuple[str, float, float]  # (annotation name, start us, end us) on the trace clock
 
 
-class Labels(Sequence[Optional[str]]):
-    """A string (or None) per row kept as an index into the distinct strings: 1-2 bytes a row, not an 8-byte
-    pointer, for the activity table's category and process-group columns.
+T = TypeVar("T")
+ROWS = 1 << 16  # rows of Python values made at a time (:func:`column_rows`)
+
+
+def column_rows(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
+    """The rows of equal-length columns as tuples of Python values, in order, made :data:`ROWS` rows at a time (one
+    Python object per value of a whole column of GPU activities is 30-40 bytes an activity more at the summary's
+    peak memory)."""
+    for first in range(0, columns[0].size if columns else 0, ROWS):
+        yield from zip(*(c[first:first + ROWS].tolist() for c in columns))
+
+
+class Labels(Sequence[Optional[T]], Generic[T]):
+    """A value (or None) per row kept as an index into the distinct values: 1-2 bytes a row, not an 8-byte pointer,
+    for the activity table's category and process-group columns and the placements' part, layer and phase
+    (:class:`sftprof.analysis.trace.op_collector.Placement`).
 
     Args:
-        names: the distinct strings.
+        names: the distinct values (strings, or a placement's layers).
         codes: per row, an index into ``names`` (any signed int dtype, kept in the smallest that holds them; -1:
             None).
     """
 
-    def __init__(self, names: list[str], codes: np.ndarray) -> None:
+    def __init__(self, names: list[T], codes: np.ndarray) -> None:
         self.names = names
         self.codes = codes.astype(np.min_scalar_type(-max(len(names), 1)), copy=False)  # int8 to 128 names
+
+    @classmethod
+    def of(cls, values: Iterable[Optional[T]]) -> "Labels[T]":
+        """The labels of a list of values (or None)."""
+        index: dict[T, int] = {}
+        codes = [-1 if v is None else index.setdefault(v, len(index)) for v in values]
+        return cls(list(index), np.array(codes, dtype=np.int64))
 
     def __len__(self) -> int:
         return int(self.codes.size)
 
     @overload
-    def __getitem__(self, i: SupportsIndex) -> Optional[str]: ...
+    def __getitem__(self, i: SupportsIndex) -> Optional[T]: ...
 
     @overload
-    def __getitem__(self, i: slice) -> list[Optional[str]]: ...
+    def __getitem__(self, i: slice) -> list[Optional[T]]: ...
 
-    def __getitem__(self, i: SupportsIndex | slice) -> Optional[str] | list[Optional[str]]:
+    def __getitem__(self, i: SupportsIndex | slice) -> Optional[T] | list[Optional[T]]:
         if isinstance(i, slice):
             return [self.names[c] if c >= 0 else None for c in self.codes[i].tolist()]
         c = int(self.codes[i])
         return self.names[c] if c >= 0 else None
 
-    def __iter__(self) -> Iterator[Optional[str]]:
-        for first in range(0, self.codes.size, 1 << 16):
-            yield from self[first:first + (1 << 16)]
+    def __iter__(self) -> Iterator[Optional[T]]:
+        for first in range(0, self.codes.size, ROWS):
+            yield from self[first:first + ROWS]
 
-    def subset(self, keep: np.ndarray) -> "Labels":
+    def at(self, i: SupportsIndex) -> T:
+        """The value of row ``i``, which is not None (else ValueError)."""
+        c = int(self.codes[i])
+        if c < 0:
+            raise ValueError(f"row {int(i)} holds None")
+        return self.names[c]
+
+    def subset(self, keep: np.ndarray) -> "Labels[T]":
         """The rows where ``keep`` (bool) is True."""
         return Labels(self.names, self.codes[keep])
 
@@ -120,10 +147,10 @@ class ActivityTable:
     ext: np.ndarray
     launch_tid: np.ndarray
     launch: np.ndarray
-    category: Labels
+    category: Labels[str]
     is_comm: np.ndarray
-    group: Labels
-    pg_name: Labels
+    group: Labels[str]
+    pg_name: Labels[str]
     nbytes: np.ndarray
 
     @property

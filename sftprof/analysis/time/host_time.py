@@ -16,10 +16,11 @@ its own).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from sftprof.analysis.time.gpu_activity import Labels, column_rows
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import BWD_NODE, OpCollector, Placement
@@ -66,16 +67,6 @@ def host_time(ops: OpCollector, place: Placement, *, ts: np.ndarray, dur: np.nda
 
 
 Gaps = tuple[np.ndarray, np.ndarray, np.ndarray]  # per host-wait gap: activity index (int64), start, end (us)
-_ROWS = 1 << 16  # rows of Python values made at a time (:func:`_rows`)
-
-
-def _rows(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
-    """The rows of equal-length columns as tuples of Python values, in order, made :data:`_ROWS` rows at a time (one
-    Python object per value of a whole column is 30-40 bytes a GPU activity more at the summary's peak)."""
-    for first in range(0, columns[0].size if columns else 0, _ROWS):
-        yield from zip(*(c[first:first + _ROWS].tolist() for c in columns))
-
-
 
 
 def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, hi: float
@@ -113,7 +104,7 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     kernel = 0.0
     gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
     by_host = ln[gaps] > run_end[gaps - 1]
-    for gap, waited in _rows(t[gaps] - run_end[gaps - 1], by_host):  # summed in time order
+    for gap, waited in column_rows(t[gaps] - run_end[gaps - 1], by_host):  # summed in time order
         if waited:
             host += gap
         else:
@@ -137,7 +128,7 @@ LAUNCH_GAP_US = 100.0
 
 
 def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
-                      sites: tuple[list[str], np.ndarray], parts: list[str], phases: list[str], dur: np.ndarray,
+                      sites: tuple[list[str], np.ndarray], parts: Labels[str], phases: Labels[str], dur: np.ndarray,
                       inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> HostWaitPlaces:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
@@ -173,8 +164,9 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
     first = np.searchsorted(sync_end, gap_start, side="left")
     in_gc = gc_us if gc_us is not None else np.zeros(gap_at.size)
     labels, site_of = sites
-    for i, g0, g1, j, gap_gc, k in _rows(gap_at, gap_start, gap_end, first, in_gc, site_of[gap_at]):
-        key = (parts[i], phases[i], labels[k] if k >= 0 else None)
+    for i, g0, g1, j, gap_gc, k, part, phase in column_rows(gap_at, gap_start, gap_end, first, in_gc,
+                                                            site_of[gap_at], parts.codes[gap_at], phases.codes[gap_at]):
+        key = (parts.names[part], phases.names[phase], labels[k] if k >= 0 else None)
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
@@ -186,8 +178,9 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
     count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
-    for i, k in _rows(np.flatnonzero(inside), site_of[inside]):
-        key = (parts[i], phases[i], labels[k] if k >= 0 else None)
+    for i, k, part, phase in column_rows(np.flatnonzero(inside), site_of[inside], parts.codes[inside],
+                                         phases.codes[inside]):
+        key = (parts.names[part], phases.names[phase], labels[k] if k >= 0 else None)
         if key in rows:
             count[key][0] += 1
             count[key][1] += dur[i]
@@ -256,11 +249,12 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
         parts, _, _, _ = ops.attribute(np.array([first[0]], dtype=np.int64), np.array([first[1]]),
                                        [cpu_op_category(label)], np.zeros(1, dtype=bool), np.zeros(1, dtype=bool))
         back = backward.get(k)
-        has_part = ops.has_regions and parts[0] not in ("outside_parts", "comm_outside", "optimizer")
+        part = parts.at(0)
+        has_part = ops.has_regions and part not in ("outside_parts", "comm_outside", "optimizer")
         return {"name": label, "calls": len(calls[k]), "inclusive_ms": ms(own[k]),
                 "backward": ops.op_name_list[back] if back is not None else None,
                 "backward_ms": ms(own[back]) if back is not None else None,
-                "part": parts[0] if has_part else None, "label": part_label(parts[0]) if has_part else None}
+                "part": part if has_part else None, "label": part_label(part) if has_part else None}
     return None
 
 
