@@ -436,6 +436,13 @@ class KernelTraceAnalyzer:
         ops = self._ops
         place = ops.attribute(t.launch_tid, pts, t.category, in_opt, t.is_comm)
         cpu_run = not t.n  # no GPU activity: the CPU ops are the work
+        # host time, which reads the CPU ops back bucket by bucket, goes last: the heap its blocks leave behind is
+        # not reused by the later questions' per-activity arrays (bench/NOTES.md, twenty-seventh session)
+        efficiency = kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside, kinds=t.kind,
+                                       names=t.names, name_idx=t.name_idx, nbytes=t.nbytes,
+                                       device_name=self._device_name)
+        coll = collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm, groups=t.group,
+                           ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members())
         return {
             "n_events": self.n_events,
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
@@ -458,10 +465,6 @@ class KernelTraceAnalyzer:
             "heaviest_op": heaviest_op(ops, (lo, hi)) if cpu_run else None,
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
-            "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=t.names, name_idx=t.name_idx,
-                                            nbytes=t.nbytes, device_name=self._device_name),
-            "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext, pg_names=t.pg_name,
-                                       pg_members=self.pg_members()),
+            "efficiency": efficiency,
+            "collectives": coll,
         }
