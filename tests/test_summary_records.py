@@ -20,6 +20,7 @@ from sftprof.analysis.time import gpu_activity, trace_summary
 from sftprof.analysis.time.gpu_activity import GPU_ACTIVITY_CATS, Labels, time_by_category
 from sftprof.analysis.trace.check import event_problem
 from sftprof.analysis.trace.kernel_names import COMM_PREFIX, kernel_category
+from sftprof.analysis.trace import intervals
 from sftprof.analysis.trace.intervals import ThreadIntervals, previous_open, repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.trace import op_store
@@ -281,13 +282,15 @@ def test_labels_give_each_rows_string_and_none_for_minus_one():
 
 def test_categories_and_host_wait_summed_a_few_rows_at_a_time_are_those_of_whole_columns(monkeypatch):
     """The host-wait places, GPU idle split and kernel efficiency, read 5 rows at a time
-    (:func:`gpu_activity.column_rows`, 65536 by default), equal those of one chunk; the categories (summed by label
-    index) are those summed one activity at a time."""
+    (:func:`gpu_activity.column_rows`, 65536 by default) and the innermost ranges, nodes and FLOP-known ops looked up
+    7 launch points at a time (262144 by default), equal those of one chunk; the categories (summed by label index)
+    are those summed one activity at a time."""
     te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
     whole = kernel_summary(te, 2)
     places = whole["host"]["gpu_idle"]["host_wait_by_place"]
     assert places["rows"] and sum(r["gaps"] for r in places["rows"]) > 100 and whole["efficiency"]["rows"]
     monkeypatch.setattr(gpu_activity, "ROWS", 5)
+    monkeypatch.setattr(intervals, "_POINTS", 7)
     assert kernel_summary(te, 2) == whole
     a = _fed(te, 2)
     t = a.activity_table(sorted(dict.fromkeys(a._regions), key=lambda r: (r[1], r[0])))
