@@ -1,6 +1,6 @@
 """The kernel summary's compact records (issue 49 item 1): the CPU ops on disk, read one time bucket at a time, the
-CUDA API calls and fwdbwd flows kept in arrays, give what the earlier ops in memory, per-event dicts and per-window
-sort gave, bit for bit."""
+CUDA API calls and fwdbwd flows kept in arrays, the GPU activities' strings as indexes, give what the earlier ops in
+memory, per-event dicts, per-window sort and per-activity strings gave, bit for bit."""
 from __future__ import annotations
 
 import gzip
@@ -15,7 +15,12 @@ import pytest
 
 from fixtures import FIXTURE_DIR
 from fixtures.faults import duplicate, full_disk_on_append, kernel_summary, with_second_step
-from sftprof.analysis.time import trace_summary
+from sftprof.analysis.schema import ms
+from sftprof.analysis.time import gpu_activity, trace_summary
+from sftprof.analysis.time.gpu_activity import GPU_ACTIVITY_CATS, Labels, time_by_category
+from sftprof.analysis.trace.check import event_problem
+from sftprof.analysis.trace.kernel_names import COMM_PREFIX, kernel_category
+from sftprof.analysis.trace import intervals
 from sftprof.analysis.trace.intervals import ThreadIntervals, previous_open, repeated_rows
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.trace import op_store
@@ -224,3 +229,90 @@ def test_a_failed_write_to_the_temporary_folder_names_it_and_the_space_needed(tm
                                              "to a folder with room)")
     assert err.value.message(str(trace) + ".gz").endswith("; it needs about 0.26 GB per GiB of the trace's "
                                                           "uncompressed text (set TMPDIR to a folder with room)")
+
+
+def _fed(trace: dict, step: int) -> trace_summary.KernelTraceAnalyzer:
+    """An analyzer fed ``trace`` as :func:`fixtures.faults.kernel_summary` feeds it, its pass ended."""
+    a = trace_summary.KernelTraceAnalyzer({k: v for k, v in trace.items() if k != "traceEvents"}, step=step)
+    for e in trace["traceEvents"]:
+        if not event_problem(e):
+            a.add(e)
+    a._ops.end_pass()
+    return a
+
+
+@pytest.mark.parametrize("fixture", ["h200_te_kernel.trace.json.gz", "h200_2gpu_sync/rank0.pt.trace.json.gz"])
+def test_the_activity_tables_indexed_columns_are_each_activitys_strings(fixture):
+    """Category, process-group label and name are kept as indexes into their distinct strings (1 byte an activity,
+    was an 8-byte pointer): per activity the string worked out one activity at a time, the optimizer step's kernels
+    (TE trace) and the NCCL kernels' groups (2-GPU trace) included."""
+    a = _fed(json.loads(gzip.decompress((FIXTURE_DIR / fixture).read_bytes())), 2)
+    regions = sorted(dict.fromkeys(a._regions), key=lambda r: (r[1], r[0]))
+    t = a.activity_table(regions)
+    opt = [(lo, hi) for name, lo, hi in regions if name == trace_summary.OPTIMIZER_REGION]
+    cats, groups, pgs = [], [], []
+    refs = list(a._pg_refs)
+    for k, kind, pg, ext, launch in zip(a._a_name, a._a_kind, a._a_pg, a._a_ext, t.launch.tolist()):
+        c = kernel_category(a._name_list[k], GPU_ACTIVITY_CATS[kind])
+        comm = c.startswith(COMM_PREFIX)
+        cats.append("optimizer" if kind == 0 and not comm and any(lo <= launch <= hi for lo, hi in opt) else c)
+        ref = refs[pg] if pg >= 0 else a._comm_ops.get(ext) if comm else None
+        groups.append(a._pg_label(ref))
+        pgs.append(ref[1] if ref is not None else None)
+    assert list(t.category) == cats and list(t.group) == groups and list(t.pg_name) == pgs
+    assert t.is_comm.tolist() == [c.startswith(COMM_PREFIX) for c in cats]
+    assert t.category.codes.dtype == np.int8 and t.group.codes.dtype == np.int8
+    if fixture.startswith("h200_te"):
+        assert cats.count("optimizer") > 100 and not any(groups)
+    else:
+        assert {g for g, comm in zip(groups, t.is_comm.tolist()) if comm} == {"EP", "ETP-EP"}
+        assert set(pgs) == {"22", "25", None}
+    keep = np.arange(t.n) % 3 == 1
+    sub = t.subset(keep)
+    assert list(sub.category) == [c for c, k in zip(cats, keep.tolist()) if k] and sub.group[0] == groups[1]
+
+
+def test_labels_give_each_rows_string_and_none_for_minus_one():
+    labels = Labels(["a", "b"], np.array([1, -1, 0, 1], dtype=np.int64))
+    assert labels.codes.dtype == np.int8 and len(labels) == 4
+    assert list(labels) == ["b", None, "a", "b"] and labels[1] is None and labels[2] == "a"
+    assert labels[1:3] == [None, "a"] and list(labels.subset(np.array([True, False, False, True]))) == ["b", "b"]
+    assert Labels([str(i) for i in range(300)], np.array([299])).codes.dtype == np.int16
+
+
+def test_categories_and_host_wait_summed_a_few_rows_at_a_time_are_those_of_whole_columns(monkeypatch):
+    """The host-wait places, GPU idle split and kernel efficiency, read 5 rows at a time
+    (:func:`gpu_activity.column_rows`, 65536 by default) and the innermost ranges, nodes and FLOP-known ops looked up
+    7 launch points at a time (262144 by default), equal those of one chunk; the categories (summed by label index)
+    are those summed one activity at a time."""
+    te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
+    whole = kernel_summary(te, 2)
+    places = whole["host"]["gpu_idle"]["host_wait_by_place"]
+    assert places["rows"] and sum(r["gaps"] for r in places["rows"]) > 100 and whole["efficiency"]["rows"]
+    monkeypatch.setattr(gpu_activity, "ROWS", 5)
+    monkeypatch.setattr(intervals, "_POINTS", 7)
+    assert kernel_summary(te, 2) == whole
+    a = _fed(te, 2)
+    t = a.activity_table(sorted(dict.fromkeys(a._regions), key=lambda r: (r[1], r[0])))
+    us: dict[str, float] = {}
+    for c, g, comm, d in zip(t.category, t.group, t.is_comm.tolist(), t.dur.tolist()):
+        label = f"{c} [{g}]" if comm and g else c
+        us[label] = us.get(label, 0.0) + d
+    assert {r["category"]: r["total_ms"] for r in time_by_category(t)} == {k: ms(v) for k, v in us.items()}
+
+
+def test_the_launch_table_is_dropped_after_the_sanity_check():
+    """The summary frees the launch table and kernel launches once read (about 40 bytes a GPU activity): asking
+    them afterwards raises; the blocking calls and repeated calls stay."""
+    te = json.loads(gzip.decompress((FIXTURE_DIR / "h200_te_kernel.trace.json.gz").read_bytes()))
+    a = _fed(te, 2)
+    calls, repeated = list(a._ops.sync_calls), a._ops.repeated_api_calls
+    assert a._ops.kernel_launches[0] and calls
+    a.summary()
+    with pytest.raises(RuntimeError, match="dropped"):
+        a._ops.launch_points(np.array([1], dtype=np.int64))
+    with pytest.raises(RuntimeError, match="dropped"):
+        a._ops.kernel_launches
+    assert a._ops.sync_calls == calls and a._ops.repeated_api_calls == repeated
+    with pytest.raises(RuntimeError, match="after the pass"):
+        OpCollector(4).drop_launches()

@@ -433,3 +433,22 @@ def test_reader_rejects_malformed(tmp_path, text, msg):
     p.write_text(text)
     with pytest.raises(TraceFormatError, match=msg):
         list(TraceReader(p).events())
+
+
+def test_flow_pairs_answer_each_event_in_the_order_added_as_a_set_of_paired_ids_did():
+    """A flow event is paired when its (cat, id) has exactly one start and one end: asked in the order the events
+    were added (one byte an event, not a set of the paired ids), int ids and others, repeated and lone ends."""
+    events = [("ac2g", 1, "s", 0), ("ac2g", 2, "s", 0), ("fwdbwd", 1, "s", 0), ("ac2g", 2, "s", 1),
+              ("ac2g", 1, "f", 2), ("ac2g", 3, "f", 0), ("fwdbwd", 1, "f", 0), ("ac2g", 2, "f", 1),
+              ("ac2g", "x", "s", 0), ("ac2g", "x", "f", 1), ("fwdbwd", -4, "f", 0), ("fwdbwd", -4, "s", 0),
+              ("ac2g", 2**70, "s", 0), ("ac2g", 2**70, "f", 0)]
+    pairs = split_module._FlowPairs()
+    for cat, fid, ph, slot in events:
+        pairs.add(cat, fid, ph, slot)
+    pairs.finish()
+    counts = collections.Counter((cat, json.dumps(fid), ph) for cat, fid, ph, _ in events)
+    want = [counts[(cat, json.dumps(fid), "s")] == 1 and counts[(cat, json.dumps(fid), "f")] == 1
+            for cat, fid, _, _ in events]
+    assert [pairs.paired(cat, fid, ph) for cat, fid, ph, _ in events] == want
+    assert want == [True, False, True, False, True, False, True, False, True, True, True, True, True, True]
+    assert pairs.apart("ac2g", 1) == (0, 2) and pairs.apart("ac2g", "x") == (0, 1) and pairs.apart("fwdbwd", 1) is None

@@ -13,6 +13,7 @@ from typing import Optional, TypedDict
 import numpy as np
 
 from sftprof.analysis.time import comm_wait
+from sftprof.analysis.time.gpu_activity import Labels
 from sftprof.analysis.trace import intervals
 from sftprof.analysis.trace.op_collector import OpCollector
 from sftprof.analysis.schema import ms
@@ -45,7 +46,7 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.ndarray, inside: np.ndarray,
-                is_comm: np.ndarray, groups: list[Optional[str]], ext: np.ndarray, pg_names: list[Optional[str]],
+                is_comm: np.ndarray, groups: Labels[str], ext: np.ndarray, pg_names: Labels[str],
                 pg_members: dict[str, list[int]]) -> Collectives:
     """Per (process group, collective): calls, bytes, GPU time, bus bandwidth; exposed time per group and of the
     NCCL kernels outside the step window; the calls' timeline per process group
@@ -85,14 +86,16 @@ def collectives(ops: OpCollector, *, ts: np.ndarray, dur: np.ndarray, devs: np.n
     exposed: dict[str, float] = defaultdict(float)
     outside = 0.0  # exposed time of all NCCL kernels minus that of the window's (union per device)
     comp_by_dev = {}
-    labels = np.array([g or "unknown" for g in groups], dtype=object)
+    names = list(dict.fromkeys([g or "unknown" for g in groups.names] + ["unknown"]))  # a group's row: its label
+    row = np.array([names.index(g or "unknown") for g in groups.names] + [names.index("unknown")], dtype=np.int32)
+    labels = row[groups.codes]  # groups.codes -1 (None): the last, "unknown"
     for dev in np.unique(devs):
         on = devs == dev
         comp = comp_by_dev[int(dev)] = intervals.union(ts[on & ~is_comm], end[on & ~is_comm])
-        for g in sorted(set(labels[on & is_comm & inside].tolist())):
+        for g in sorted(np.unique(labels[on & is_comm & inside]).tolist(), key=names.__getitem__):
             sel = on & is_comm & inside & (labels == g)
             c = intervals.union(ts[sel], end[sel])
-            exposed[g] += intervals.length(*c) - intervals.intersection_length(c, comp)
+            exposed[names[g]] += intervals.length(*c) - intervals.intersection_length(c, comp)
         c_all = intervals.union(ts[on & is_comm], end[on & is_comm])
         c_in = intervals.union(ts[on & is_comm & inside], end[on & is_comm & inside])
         outside += (intervals.length(*c_all) - intervals.intersection_length(c_all, comp)

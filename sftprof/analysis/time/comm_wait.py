@@ -31,6 +31,7 @@ themselves are checked.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -49,7 +50,7 @@ Pieces = list[list[float]]  # [start_us, end_us] pieces
 
 
 def call_records(*, ts: np.ndarray, end: np.ndarray, devs: np.ndarray, sel: np.ndarray, ext: np.ndarray,
-                 pg_names: list[Optional[str]], labels: list[Optional[str]], collectives: dict[int, str],
+                 pg_names: Sequence[Optional[str]], labels: Sequence[Optional[str]], collectives: dict[int, str],
                  members: dict[str, list[int]], comp_by_dev: dict[int, intervals.Intervals]) -> CallRecords:
     """One rank's collectives per process group, in the order they ran, for :func:`split`.
 

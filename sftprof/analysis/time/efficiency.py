@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from sftprof.analysis.time.gpu_activity import column_rows
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import OpCollector, Placement
 from sftprof.analysis.time.op_flops import CORE_PART
@@ -51,9 +52,11 @@ def kernel_efficiency(ops: OpCollector, place: Placement, *, tids: np.ndarray, p
     op_idx = ops.flop_op_of(tids, pts)
     per_op: dict[int, float] = defaultdict(float)
     op_part: dict[int, tuple[str, str]] = {}
-    for i in np.flatnonzero(inside & (op_idx >= 0) & (kinds == 0)):
-        per_op[int(op_idx[i])] += dur[i]
-        op_part.setdefault(int(op_idx[i]), (parts[i], phases[i]))
+    timed = np.flatnonzero(inside & (op_idx >= 0) & (kinds == 0))
+    for i, op in column_rows(timed, op_idx[timed]):
+        per_op[op] += dur[i]
+        if op not in op_part:
+            op_part[op] = (parts.at(i), phases.at(i))
     rows: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for k, us in per_op.items():
         name, kind, flops, dtype = ops.flop_info(k)

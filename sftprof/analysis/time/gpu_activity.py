@@ -23,8 +23,9 @@ Definitions (all times in ms, from the trace's microsecond ``ts``/``dur``):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Iterable, Iterator, Optional, SupportsIndex, TypeVar, overload
 
 import numpy as np
 
@@ -34,13 +35,78 @@ from sftprof.analysis.trace.kernel_names import COMM_PREFIX
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import CategoryRow, Communication, GpuTime, KernelRow, RegionRow, StepWindow
 
-__all__ = ["ActivityTable", "Span", "step_window", "gpu_time", "top_kernels", "time_by_category", "communication",
-           "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS"]
+__all__ = ["ActivityTable", "Labels", "column_rows", "Span", "step_window", "gpu_time", "top_kernels",
+           "time_by_category", "communication", "region_times", "GPU_ACTIVITY_CATS", "TOP_KERNELS", "ROWS"]
 
 TOP_KERNELS = 20
 GPU_ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_REGION = artifacts.STEP
 Span = tuple[str, float, float]  # (annotation name, start us, end us) on the trace clock
+
+
+T = TypeVar("T")
+ROWS = 1 << 16  # rows of Python values made at a time (:func:`column_rows`)
+
+
+def column_rows(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
+    """The rows of equal-length columns as tuples of Python values, in order, made :data:`ROWS` rows at a time (one
+    Python object per value of a whole column of GPU activities is 30-40 bytes an activity more at the summary's
+    peak memory)."""
+    for first in range(0, columns[0].size if columns else 0, ROWS):
+        yield from zip(*(c[first:first + ROWS].tolist() for c in columns))
+
+
+class Labels(Sequence[Optional[T]], Generic[T]):
+    """A value (or None) per row kept as an index into the distinct values: 1-2 bytes a row, not an 8-byte pointer,
+    for the activity table's category and process-group columns and the placements' part, layer and phase
+    (:class:`sftprof.analysis.trace.op_collector.Placement`).
+
+    Args:
+        names: the distinct values (strings, or a placement's layers).
+        codes: per row, an index into ``names`` (any signed int dtype, kept in the smallest that holds them; -1:
+            None).
+    """
+
+    def __init__(self, names: list[T], codes: np.ndarray) -> None:
+        self.names = names
+        self.codes = codes.astype(np.min_scalar_type(-max(len(names), 1)), copy=False)  # int8 to 128 names
+
+    @classmethod
+    def of(cls, values: Iterable[Optional[T]]) -> "Labels[T]":
+        """The labels of a list of values (or None)."""
+        index: dict[T, int] = {}
+        codes = [-1 if v is None else index.setdefault(v, len(index)) for v in values]
+        return cls(list(index), np.array(codes, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self.codes.size)
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Optional[T]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Optional[T]]: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> Optional[T] | list[Optional[T]]:
+        if isinstance(i, slice):
+            return [self.names[c] if c >= 0 else None for c in self.codes[i].tolist()]
+        c = int(self.codes[i])
+        return self.names[c] if c >= 0 else None
+
+    def __iter__(self) -> Iterator[Optional[T]]:
+        for first in range(0, self.codes.size, ROWS):
+            yield from self[first:first + ROWS]
+
+    def at(self, i: SupportsIndex) -> T:
+        """The value of row ``i``, which is not None (else ValueError)."""
+        c = int(self.codes[i])
+        if c < 0:
+            raise ValueError(f"row {int(i)} holds None")
+        return self.names[c]
+
+    def subset(self, keep: np.ndarray) -> "Labels[T]":
+        """The rows where ``keep`` (bool) is True."""
+        return Labels(self.names, self.codes[keep])
 
 
 @dataclass
@@ -61,7 +127,7 @@ class ActivityTable:
         launch_tid: int64 thread of the launching CUDA API call, -1 when not in the trace.
         launch: float64 start (us) of the launching CUDA API call, NaN when not in the trace.
         category: :func:`~sftprof.analysis.trace.kernel_names.kernel_category`, ``optimizer`` for non-collective
-            kernels launched inside ``sftprof/optimizer_step``.
+            kernels launched inside ``sftprof/optimizer_step`` (:class:`Labels`, as are the next two).
         is_comm: bool, NCCL kernel.
         group: parallelism label of a collective's process group (None when unknown or not a collective).
         pg_name: the process group's name as the trace records it (``Process Group Name``; the same on every
@@ -81,10 +147,10 @@ class ActivityTable:
     ext: np.ndarray
     launch_tid: np.ndarray
     launch: np.ndarray
-    category: list[str]
+    category: Labels[str]
     is_comm: np.ndarray
-    group: list[str | None]
-    pg_name: list[str | None]
+    group: Labels[str]
+    pg_name: Labels[str]
     nbytes: np.ndarray
 
     @property
@@ -96,16 +162,12 @@ class ActivityTable:
         """The activities where ``keep`` (bool, one per activity) is True, in the same order."""
         if keep.all():
             return self
-        idx = np.flatnonzero(keep).tolist()
-
-        def pick(values: list[Any]) -> list[Any]:
-            return [values[i] for i in idx]
-
         return ActivityTable(names=self.names, name_idx=self.name_idx[keep], kind=self.kind[keep], ts=self.ts[keep],
                              dur=self.dur[keep], end=self.end[keep], dev=self.dev[keep], stream=self.stream[keep],
                              corr=self.corr[keep], ext=self.ext[keep], launch_tid=self.launch_tid[keep],
-                             launch=self.launch[keep], category=pick(self.category), is_comm=self.is_comm[keep],
-                             group=pick(self.group), pg_name=pick(self.pg_name), nbytes=self.nbytes[keep])
+                             launch=self.launch[keep], category=self.category.subset(keep), is_comm=self.is_comm[keep],
+                             group=self.group.subset(keep), pg_name=self.pg_name.subset(keep),
+                             nbytes=self.nbytes[keep])
 
 
 # -- one function per question over the activity table -----------------------------------------------------
@@ -186,10 +248,20 @@ def time_by_category(table: ActivityTable) -> list[CategoryRow]:
     """GPU time per category, collectives with their group (``NCCL AllReduce [TP]``): ``{category, calls, total_ms,
     share_pct}``, sums to 100 %."""
     total_us = float(table.dur.sum())
-    index: dict[str, int] = {}  # label -> its index, in the order of first appearance
-    label = np.fromiter((index.setdefault(f"{c} [{g}]" if comm and g else c, len(index))
-                         for c, g, comm in zip(table.category, table.group, table.is_comm.tolist())),
-                        dtype=np.intp, count=table.n)
+    index: dict[str, int] = {}  # label -> its index
+    cat, group = table.category, table.group
+    width = len(group.names) + 1  # a (category, group, NCCL kernel) as one number; group -1: None
+    key = cat.codes.astype(np.intp) * width
+    key += group.codes
+    key += 1
+    key *= 2
+    key += table.is_comm
+    lut = np.zeros(len(cat.names) * width * 2, dtype=np.intp)  # its label's index
+    for k in np.flatnonzero(np.bincount(key, minlength=lut.size)).tolist():
+        c, g = cat.names[k // 2 // width], group.names[(k // 2) % width - 1] if (k // 2) % width else None
+        lut[k] = index.setdefault(f"{c} [{g}]" if k % 2 and g else c, len(index))
+    label = lut[key]
+    del key
     us = np.zeros(len(index))
     np.add.at(us, label, table.dur)  # in trace order
     c_tot, c_calls = us.tolist(), np.bincount(label, minlength=len(index)).tolist()
@@ -216,9 +288,10 @@ def communication(table: ActivityTable, host_comm: list[Span]) -> Communication:
         hidden += intersection_length(comm, comp)
     by_type: dict[str, float] = defaultdict(float)
     by_group: dict[str, float] = defaultdict(float)
+    cats = table.category
     for i in np.flatnonzero(is_comm):
         d = float(end[i] - ts[i])
-        by_type[table.category[i][len(COMM_PREFIX):]] += d
+        by_type[cats.names[cats.codes[i]][len(COMM_PREFIX):]] += d  # an NCCL kernel's category is a name
         by_group[table.group[i] or "unknown"] += d
     host_s = np.array([h[1] for h in host_comm], dtype=np.float64)
     host_e = np.array([h[2] for h in host_comm], dtype=np.float64)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from sftprof.analysis.time.gpu_activity import Labels, column_rows
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.time.model_parts import part_label
 from sftprof.analysis.trace.op_collector import BWD_NODE, OpCollector, Placement
@@ -83,11 +84,18 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
         the host-wait gaps in time order as three arrays: the index of the activity that ends each (into ``ts``),
         its start and its end (us); the gaps' lengths sum to ``host_wait_ms``.
     """
-    keep = (ts + dur > lo) & (ts < hi)  # every activity that runs in the window, as the busy share counts them
-    order = np.argsort(ts[keep], kind="stable")
-    idx = np.flatnonzero(keep)[order]
-    t, e = np.clip(ts[keep][order], lo, hi), np.clip((ts + dur)[keep][order], lo, hi)
-    ln = launch[keep][order]
+    # every activity that runs in the window, as the busy share counts them, by start (one column at a time: the
+    # temporaries of a whole-trace question are the summary's peak memory)
+    idx = np.flatnonzero((ts + dur > lo) & (ts < hi))
+    t = ts[idx]
+    order = np.argsort(t, kind="stable")
+    idx, t = idx[order], t[order]
+    del order
+    np.clip(t, lo, hi, out=t)
+    e = ts[idx]
+    e += dur[idx]
+    np.clip(e, lo, hi, out=e)
+    ln = launch[idx]
     if not t.size:
         return {"idle_ms": ms(hi - lo), "host_wait_ms": ms(hi - lo), "kernel_wait_ms": 0.0,
                 "after_last_activity_ms": 0.0}, (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0))
@@ -96,7 +104,7 @@ def _idle_split(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, lo: float, 
     kernel = 0.0
     gaps = np.flatnonzero(t[1:] > run_end[:-1]) + 1
     by_host = ln[gaps] > run_end[gaps - 1]
-    for gap, waited in zip((t[gaps] - run_end[gaps - 1]).tolist(), by_host.tolist()):  # summed in time order
+    for gap, waited in column_rows(t[gaps] - run_end[gaps - 1], by_host):  # summed in time order
         if waited:
             host += gap
         else:
@@ -120,7 +128,7 @@ LAUNCH_GAP_US = 100.0
 
 
 def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
-                      sites: list[Optional[str]], parts: list[str], phases: list[str], dur: np.ndarray,
+                      sites: tuple[list[str], np.ndarray], parts: Labels[str], phases: Labels[str], dur: np.ndarray,
                       inside: np.ndarray, gc_us: Optional[np.ndarray] = None) -> HostWaitPlaces:
     """Where and why the GPU waited for the host: the host-wait gaps of :func:`_idle_split` by place.
 
@@ -153,10 +161,12 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
     by_op: dict[str, float] = defaultdict(float)
     # the first blocking call to end at or after each gap's start, and whether it ended before the launch closing it
     gap_at, gap_start, gap_end = host_gaps
-    first = np.searchsorted(sync_end, gap_start, side="left").tolist()
-    in_gc = gc_us.tolist() if gc_us is not None else [0.0] * gap_at.size
-    for i, g0, g1, j, gap_gc in zip(gap_at.tolist(), gap_start.tolist(), gap_end.tolist(), first, in_gc):
-        key = (parts[i], phases[i], sites[i])
+    first = np.searchsorted(sync_end, gap_start, side="left")
+    in_gc = gc_us if gc_us is not None else np.zeros(gap_at.size)
+    labels, site_of = sites
+    for i, g0, g1, j, gap_gc, k, part, phase in column_rows(gap_at, gap_start, gap_end, first, in_gc,
+                                                            site_of[gap_at], parts.codes[gap_at], phases.codes[gap_at]):
+        key = (parts.names[part], phases.names[phase], labels[k] if k >= 0 else None)
         r = rows[key]
         r[0] += g1 - g0
         r[1] += 1
@@ -168,8 +178,9 @@ def _host_wait_places(ops: OpCollector, host_gaps: Gaps, *, launch: np.ndarray,
             r[3] += 1
             by_op[sync_op[j]] += g1 - g0
     count: dict[tuple[str, str, Optional[str]], list[float]] = defaultdict(lambda: [0, 0.0])
-    for i in np.flatnonzero(inside):
-        key = (parts[i], phases[i], sites[i])
+    for i, k, part, phase in column_rows(np.flatnonzero(inside), site_of[inside], parts.codes[inside],
+                                         phases.codes[inside]):
+        key = (parts.names[part], phases.names[phase], labels[k] if k >= 0 else None)
         if key in rows:
             count[key][0] += 1
             count[key][1] += dur[i]
@@ -238,11 +249,12 @@ def heaviest_op(ops: OpCollector, window: Window) -> Optional[HeaviestOp]:
         parts, _, _, _ = ops.attribute(np.array([first[0]], dtype=np.int64), np.array([first[1]]),
                                        [cpu_op_category(label)], np.zeros(1, dtype=bool), np.zeros(1, dtype=bool))
         back = backward.get(k)
-        has_part = ops.has_regions and parts[0] not in ("outside_parts", "comm_outside", "optimizer")
+        part = parts.at(0)
+        has_part = ops.has_regions and part not in ("outside_parts", "comm_outside", "optimizer")
         return {"name": label, "calls": len(calls[k]), "inclusive_ms": ms(own[k]),
                 "backward": ops.op_name_list[back] if back is not None else None,
                 "backward_ms": ms(own[back]) if back is not None else None,
-                "part": parts[0] if has_part else None, "label": part_label(parts[0]) if has_part else None}
+                "part": part if has_part else None, "label": part_label(part) if has_part else None}
     return None
 
 

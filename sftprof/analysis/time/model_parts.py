@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from sftprof.analysis.trace.kernel_names import cpu_op_category
-from sftprof.analysis.trace.op_collector import OpCollector, Placement
+from sftprof.analysis.trace.op_collector import PHASES, OpCollector, Placement
 from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import PartRow, Parts
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS
@@ -32,7 +32,6 @@ __all__ = ["gpu_parts", "cpu_parts", "parts_tables", "part_label", "plot_parts",
 
 Window = tuple[Optional[float], Optional[float]]
 Cells = dict[tuple[str, Optional[int], str], float]  # (part, layer, phase) -> us
-PHASES = ("forward", "recompute", "backward", "optimizer", "other")
 
 _OUTSIDE_LABELS = {"optimizer": "optimizer", "comm_outside": "communication outside model parts",
                    "outside_parts": "outside model parts (loss, glue, unlinked backward)"}
@@ -60,13 +59,8 @@ def gpu_parts(place: Placement, dur: np.ndarray, inside: np.ndarray, is_comm: np
         decoder layers), the rank's own work, which the trial summary compares across ranks
         (:func:`sftprof.analysis.time.rank_table.work_spread`; NCCL time includes waiting for the other ranks).
     """
-    cells: Cells = defaultdict(float)
-    compute: Cells = defaultdict(float)
-    for i in np.flatnonzero(inside):
-        key = (place.parts[i], place.layers[i], place.phases[i])
-        cells[key] += dur[i]
-        if not is_comm[i]:
-            compute[key] += dur[i]
+    cells = _cells(place, dur, np.flatnonzero(inside))
+    compute = _cells(place, dur, np.flatnonzero(inside & ~is_comm))
     total = float(dur[inside].sum())
     out = parts_tables(cells, total, place.source, int((~inside).sum()))
     out["compute_cells"] = [[part, layer, phase, ms(us)] for (part, layer, phase), us in
@@ -98,12 +92,32 @@ def cpu_parts(ops: OpCollector, window: Window, optimizer_windows: list[tuple[fl
     for a, b in optimizer_windows:
         in_opt |= (starts >= a) & (starts <= b)
     is_comm = np.array([cat == "communication" for cat in cats], dtype=bool)
-    parts, layers, phases, source = ops.attribute(tids, starts, cats, in_opt, is_comm)
-    cells: Cells = defaultdict(float)
-    for i, us in enumerate(own[keep].tolist()):
-        cells[(parts[i], layers[i], phases[i])] += us
+    place = ops.attribute(tids, starts, cats, in_opt, is_comm)
     total = float(own[keep].sum())
-    return parts_tables(cells, total, source, int(tid.size - keep.size))
+    return parts_tables(_cells(place, own[keep], np.arange(keep.size)), total, place.source,
+                        int(tid.size - keep.size))
+
+
+def _cells(place: Placement, us: np.ndarray, rows: np.ndarray) -> Cells:
+    """``us`` (float64 per item) of the items ``rows`` (int indexes into ``place``) summed per (part, layer, phase)
+    cell in the order of ``rows``, the cells in the order they first appear (the tables' sums over cells follow it)."""
+    parts, layers, phases = place.parts, place.layers, place.phases
+    n_layers, n_phases = len(layers.names) + 1, len(phases.names)  # layer code -1 (None) as 0
+    key = parts.codes[rows].astype(np.int64) * n_layers
+    key += layers.codes[rows]
+    key += 1
+    key *= n_phases
+    key += phases.codes[rows]
+    met, first, cell = np.unique(key, return_index=True, return_inverse=True)
+    sums = np.zeros(met.size)
+    np.add.at(sums, cell.reshape(-1), us[rows])  # in the order of the items
+    out: Cells = {}
+    for k in np.argsort(first, kind="stable").tolist():
+        m = int(met[k])
+        layer = m // n_phases % n_layers - 1
+        out[(parts.names[m // n_phases // n_layers], layers.names[layer] if layer >= 0 else None,
+             phases.names[m % n_phases])] = float(sums[k])
+    return out
 
 
 def parts_tables(cells: Cells, total: float, source: str, outside_window: int) -> Parts:

@@ -29,8 +29,8 @@ import numpy as np
 from sftprof import artifacts
 from sftprof.analysis.time.collectives import collectives
 from sftprof.analysis.time.efficiency import kernel_efficiency
-from sftprof.analysis.time.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Span, communication, gpu_time,
-                                                region_times, step_window, time_by_category, top_kernels)
+from sftprof.analysis.time.gpu_activity import (GPU_ACTIVITY_CATS, ActivityTable, Labels, Span, communication,
+                                                gpu_time, region_times, step_window, time_by_category, top_kernels)
 from sftprof.analysis.time.host_time import heaviest_op, host_time, top_cpu_ops
 from sftprof.analysis.trace.kernel_names import (COMM_PREFIX, HOST_COLLECTIVE_PREFIXES, collective_group_label,
                                                   kernel_category)
@@ -342,51 +342,63 @@ class KernelTraceAnalyzer:
         kinds = np.frombuffer(self._a_kind, dtype=np.int8)
         corr = np.frombuffer(self._a_corr, dtype=np.int64)
         launch_tid, launch = self._ops.launch_points(corr)
-        # Category per activity: by name (cached per unique name/kind), then optimizer-region override.
-        cat_cache: dict[tuple[int, int], str] = {}
-        cats: list[str] = []
-        for key in zip(self._a_name, self._a_kind):
-            c = cat_cache.get(key)
-            if c is None:
-                c = cat_cache[key] = kernel_category(self._name_list[key[0]], GPU_ACTIVITY_CATS[key[1]])
-            cats.append(c)
-        is_comm = np.array([c.startswith(COMM_PREFIX) for c in cats], dtype=bool)
+        # Category per activity: by name (once per name and kind met), then the optimizer-region override.
+        width = len(GPU_ACTIVITY_CATS)
+        key = np.frombuffer(self._a_name, dtype=np.int32).astype(np.intp) * width
+        key += kinds
+        cat_index: dict[str, int] = {}
+        lut = np.zeros(len(self._name_list) * width, dtype=np.int32)
+        for k in np.flatnonzero(np.bincount(key, minlength=lut.size)).tolist():
+            lut[k] = cat_index.setdefault(kernel_category(self._name_list[k // width], GPU_ACTIVITY_CATS[k % width]),
+                                          len(cat_index))
+        cats = lut[key]
+        del key, lut
+        is_comm = np.array([c.startswith(COMM_PREFIX) for c in cat_index], dtype=bool)[cats]
         opt = [r for r in regions if r[0] == OPTIMIZER_REGION]
         if opt and n:
             in_opt = np.zeros(n, dtype=bool)
             for _, lo, hi in opt:
                 in_opt |= (launch >= lo) & (launch <= hi)
-            for i in np.flatnonzero(in_opt & ~is_comm & (kinds == 0)):
-                cats[i] = "optimizer"
-        groups: list[str | None] = []
-        pg_names: list[str | None] = []
-        refs: list[tuple[str | None, str | None] | None] = list(self._pg_refs)
-        for k, comm, ext in zip(self._a_pg, is_comm.tolist(), self._a_ext):
-            ref = refs[k] if k >= 0 else None
-            if ref is None and comm:
-                ref = self._comm_ops.get(ext)
-            groups.append(self._pg_label(ref))
-            pg_names.append(ref[1] if ref is not None else None)
+            in_opt &= ~is_comm & (kinds == 0)
+            if in_opt.any():
+                cats[in_opt] = cat_index.setdefault("optimizer", len(cat_index))
+        # Process group per activity: its own args', else (an NCCL kernel) its External id's collective op's.
+        group_index: dict[str, int] = {}
+        name_index: dict[str, int] = {}
+
+        def codes(ref: tuple[str | None, str | None] | None) -> tuple[int, int]:
+            label, name = self._pg_label(ref), ref[1] if ref is not None else None
+            return (-1 if label is None else group_index.setdefault(label, len(group_index)),
+                    -1 if name is None else name_index.setdefault(name, len(name_index)))
+
+        by_ref = np.array([codes(ref) for ref in self._pg_refs] + [(-1, -1)], dtype=np.int32).T  # last: no ref
+        pg = np.frombuffer(self._a_pg, dtype=np.int32)
+        groups, pg_names = by_ref[0][pg], by_ref[1][pg]
+        by_op = np.flatnonzero((pg < 0) & is_comm)
+        for i, ext in zip(by_op.tolist(), np.frombuffer(self._a_ext, dtype=np.int64)[by_op].tolist()):
+            groups[i], pg_names[i] = codes(self._comm_ops.get(ext))
         ts = np.frombuffer(self._a_ts, dtype=np.float64)
         dur = np.frombuffer(self._a_dur, dtype=np.float64)
         return ActivityTable(names=self._name_list, name_idx=np.frombuffer(self._a_name, dtype=np.int32), kind=kinds,
                              ts=ts, dur=dur, end=ts + dur, dev=np.frombuffer(self._a_dev, dtype=np.int64),
                              stream=np.frombuffer(self._a_stream, dtype=np.int64), corr=corr,
                              ext=np.frombuffer(self._a_ext, dtype=np.int64),
-                             launch_tid=launch_tid, launch=launch, category=cats, is_comm=is_comm, group=groups,
-                             pg_name=pg_names, nbytes=np.frombuffer(self._a_bytes, dtype=np.float64))
+                             launch_tid=launch_tid, launch=launch, category=Labels(list(cat_index), cats),
+                             is_comm=is_comm, group=Labels(list(group_index), groups),
+                             pg_name=Labels(list(name_index), pg_names),
+                             nbytes=np.frombuffer(self._a_bytes, dtype=np.float64))
 
     def summary(self) -> KernelSummary:
         """Kernel summary (:class:`sftprof.analysis.time.schema.KernelSummary`; times in ms, shares in percent).
 
-        Call it once (it sets the collected record right in place). Keys: ``n_events``, ``invalid_events``,
-        ``sanity`` (what is wrong with the trace's record and what was done about it, before any figure:
-        :func:`sftprof.analysis.trace.sanity.inspect`), ``view_repairs``, ``identity`` (what the trace says of itself:
-        ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its ``ProfilerStep#N`` slices and
-        its header's ``distributedInfo.rank``, None without one; :func:`identity_problems` checks them against
-        the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``, ``categories``,
-        ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a trace without
-        GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
+        Call it once (it sets the collected record right in place and frees the launch table once read). Keys:
+        ``n_events``, ``invalid_events``, ``sanity`` (what is wrong with the trace's record and what was done about it,
+        before any figure: :func:`sftprof.analysis.trace.sanity.inspect`), ``view_repairs``, ``identity`` (what the
+        trace says of itself: ``{"profiler_steps": [N, ...], "recorded_rank": r}``, the sorted steps of its
+        ``ProfilerStep#N`` slices and its header's ``distributedInfo.rank``, None without one; :func:`identity_problems`
+        checks them against the file name's rank and the step postprocessed), ``step_window``, ``gpu``, ``top_kernels``,
+        ``categories``, ``communication``, ``regions`` (:mod:`sftprof.analysis.time.gpu_activity`), ``parts`` and, in a
+        trace without GPU activity, ``cpu_parts`` (:mod:`sftprof.analysis.time.model_parts`; None otherwise), ``host``,
         ``top_cpu_ops`` and, without GPU activity, ``heaviest_op`` (:mod:`sftprof.analysis.time.host_time`),
         ``efficiency`` (:mod:`sftprof.analysis.time.efficiency`) and ``collectives``
         (:mod:`sftprof.analysis.time.collectives`; its ``calls``, this rank's call timeline per process group, is
@@ -407,6 +419,7 @@ class KernelTraceAnalyzer:
         t, sanity, other_spans = inspect(self.activity_table(regions), self._ops, profiler_steps=profiler_steps,
                                          step=self._step, untimed=self._untimed, invalid_corr=self._invalid_corr,
                                          repeated_annotations=repeated, n_events=self.n_events)
+        self._ops.drop_launches()  # read by the activity table and the sanity check: not kept through the questions
         regions = [r for r in regions if not any(a <= r[1] <= b for a, b in other_spans)]
         host_comm = [h for h in host_comm if not any(a <= h[1] <= b for a, b in other_spans)]
         window = step_window(t, regions, profiler_steps, (self._t_min, self._t_max), self._base_ns, self._step)
@@ -423,6 +436,13 @@ class KernelTraceAnalyzer:
         ops = self._ops
         place = ops.attribute(t.launch_tid, pts, t.category, in_opt, t.is_comm)
         cpu_run = not t.n  # no GPU activity: the CPU ops are the work
+        # host time, which reads the CPU ops back bucket by bucket, goes last: the heap its blocks leave behind is
+        # not reused by the later questions' per-activity arrays (bench/NOTES.md, twenty-seventh session)
+        efficiency = kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside, kinds=t.kind,
+                                       names=t.names, name_idx=t.name_idx, nbytes=t.nbytes,
+                                       device_name=self._device_name)
+        coll = collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm, groups=t.group,
+                           ext=t.ext, pg_names=t.pg_name, pg_members=self.pg_members())
         return {
             "n_events": self.n_events,
             "invalid_events": {"total": sum(self._invalid.values()), "valid_events": self.n_events,
@@ -445,10 +465,6 @@ class KernelTraceAnalyzer:
             "heaviest_op": heaviest_op(ops, (lo, hi)) if cpu_run else None,
             "host": host_time(ops, place, ts=t.ts, dur=t.dur, tids=t.launch_tid, pts=pts, inside=inside,
                               window=(lo, hi)),
-            "efficiency": kernel_efficiency(ops, place, tids=t.launch_tid, pts=pts, dur=t.dur, inside=inside,
-                                            kinds=t.kind, names=t.names, name_idx=t.name_idx,
-                                            nbytes=t.nbytes, device_name=self._device_name),
-            "collectives": collectives(ops, ts=t.ts, dur=t.dur, devs=t.dev, inside=inside, is_comm=t.is_comm,
-                                       groups=t.group, ext=t.ext, pg_names=t.pg_name,
-                                       pg_members=self.pg_members()),
+            "efficiency": efficiency,
+            "collectives": coll,
         }

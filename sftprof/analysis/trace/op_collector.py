@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from sftprof.analysis.time.gpu_activity import Labels
 from sftprof.analysis.trace.intervals import ThreadIntervals, covered_lengths, union
 from sftprof.analysis.trace.kernel_names import collective_name
 from sftprof.analysis.trace.op_store import BUCKET_OPS, CpuOpStore
@@ -40,7 +42,9 @@ from sftprof.analysis.schema import ms
 from sftprof.analysis.time.schema import Compile, GcTime, HostOpRow, HostSync
 from sftprof.artifacts import GC_REGION_PREFIX, MODULE_REGION_PREFIX, parse_module_region
 
-__all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES"]
+__all__ = ["OpCollector", "Placement", "BWD_NODE", "KERNEL_LAUNCHES", "PHASES"]
+
+PHASES = ("forward", "recompute", "backward", "optimizer", "other")  # a placement's phases
 
 BWD_NODE = "autograd::engine::evaluate_function: "
 
@@ -61,11 +65,12 @@ _DTYPE_BYTES = {"BFloat16": 2, "Half": 2, "Float": 4, "Double": 8, "Float8_e4m3f
 class Placement(NamedTuple):
     """Where each activity (or CPU op) of a step ran (:meth:`OpCollector.attribute`): per item its model part
     (``attn_core``, ... ``optimizer``, ``comm_outside``, ``outside_parts``, or ``kernel:<category>`` without
-    ranges), decoder layer (None outside the layers) and phase (:data:`sftprof.analysis.time.model_parts.PHASES`), and
-    ``source``: ``module_regions`` or ``kernel_name``."""
-    parts: list[str]
-    layers: list[Optional[int]]
-    phases: list[str]
+    ranges), decoder layer (None outside the layers) and phase (:data:`PHASES`), each a
+    :class:`~sftprof.analysis.time.gpu_activity.Labels` (1 byte an item), and ``source``: ``module_regions`` or
+    ``kernel_name``."""
+    parts: Labels[str]
+    layers: Labels[int]
+    phases: Labels[str]
     source: str
 
 
@@ -101,6 +106,7 @@ class OpCollector:
         self._flow_e: tuple[array[int], array[float], array[int]] = (array("q"), array("d"), array("q"))
         self._flows_done: Optional[tuple[np.ndarray, ...]] = None
         self._ended = False  # end_pass: the calls and flow events above freed, their answers kept
+        self._launches_dropped = False  # drop_launches: the launch table and kernel launches freed too
         self.comm_ops: dict[int, dict[str, Any]] = {}  # External id -> collective, group ref, size, bytes
         self.cpu_ops = CpuOpStore(bucket_ops)  # every cpu_op, on disk: start, dur as recorded, thread, name index
         self.compile_spans: list[tuple[int, float, float]] = []  # torch.compile's own ops: (tid, start, end)
@@ -227,6 +233,24 @@ class OpCollector:
         self._flow_s, self._flow_e = (array("q"), array("q"), array("d")), (array("q"), array("d"), array("q"))
         self._ended = True
 
+    def drop_launches(self) -> None:
+        """Free the launch table (:meth:`launch_points`) and the kernel launch calls (:attr:`kernel_launches`), about
+        40 bytes a GPU activity, once the activity table and the sanity check have read them (after
+        :meth:`end_pass`); asking either afterwards raises RuntimeError. The blocking calls and the count of repeated
+        calls stay."""
+        if not self._ended:
+            raise RuntimeError("the launch table is dropped after the pass (OpCollector.end_pass)")
+        empty = np.zeros(0, dtype=np.int64)
+        self._api_done = (empty, empty, np.zeros(0))
+        self._kernel_launches = (array("q"), array("d"))
+        self._launches_dropped = True
+
+    def _launches(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_api_calls`, which :meth:`drop_launches` has not freed (else RuntimeError)."""
+        if self._launches_dropped:
+            raise RuntimeError("the launch table was dropped (OpCollector.drop_launches)")
+        return self._api_calls()
+
     def _api_calls(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The CUDA API calls' launch table: sorted correlation ids and, of each, the thread and start (us) of its
         last call. Also sets what the repeats decide: a call is a repeat when the previous call of its correlation
@@ -252,7 +276,7 @@ class OpCollector:
     @property
     def kernel_launches(self) -> tuple[array[int], array[float]]:
         """Correlation and start (us) of each kernel launch call (:data:`KERNEL_LAUNCHES`), repeats left out."""
-        self._api_calls()
+        self._launches()
         return self._kernel_launches
 
     @property
@@ -311,42 +335,43 @@ class OpCollector:
     def launch_points(self, corr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(tid, ts) of each activity's launch call (``corr``: int64 correlation ids); tid -1 / ts NaN when the call
         is not in the trace."""
-        c, t, x = self._api_calls()
+        c, t, x = self._launches()
         at = np.minimum(np.searchsorted(c, corr), max(c.size - 1, 0))
         hit = c[at] == corr if c.size else np.zeros(corr.size, dtype=bool)
         return np.where(hit, t[at] if c.size else -1, -1), np.where(hit, x[at] if c.size else np.nan, np.nan)
 
-    def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: list[str], in_optimizer: np.ndarray,
+    def attribute(self, tids: np.ndarray, pts: np.ndarray, cats: Sequence[Optional[str]], in_optimizer: np.ndarray,
                   is_comm: np.ndarray) -> Placement:
         """Part, layer and phase of each activity (module docstring) launched on thread ``tids`` at ``pts`` (us,
         NaN: launch unknown), of category ``cats`` (:func:`sftprof.analysis.trace.kernel_names.kernel_category`, or
-        :func:`~sftprof.analysis.trace.kernel_names.cpu_op_category` for CPU ops), launched inside the optimizer step
-        (``in_optimizer``), an NCCL kernel or host collective (``is_comm``)."""
-        n = pts.size
-        parts: list[str] = ["outside_parts"] * n
-        layers: list[Optional[int]] = [None] * n
-        phases: list[str] = ["other"] * n
+        :func:`~sftprof.analysis.trace.kernel_names.cpu_op_category` for CPU ops; a list or
+        :class:`~sftprof.analysis.time.gpu_activity.Labels`), launched inside the optimizer step (``in_optimizer``),
+        an NCCL kernel or host collective (``is_comm``)."""
+        cat = cats if isinstance(cats, Labels) else Labels.of(cats)
+        in_opt, comm = np.asarray(in_optimizer, dtype=bool), np.asarray(is_comm, dtype=bool)
         valid = ~np.isnan(pts)
-        safe = np.where(valid, pts, -np.inf)
-        node = self.bwd_nodes.innermost(tids, safe)
+        node = self.bwd_nodes.innermost(tids, np.where(valid, pts, -np.inf))
+        in_node = node >= 0
+        phase = np.full(pts.size, PHASES.index("other"), dtype=np.int8)
         if not self.has_regions:
             # Phase without ranges: inside a backward node is backward, except directly inside megatron-core's
             # CheckpointFunctionBackward, which re-runs the forward (full recompute).
-            ckpt = np.frombuffer(self.bwd_nodes.payload, dtype=np.int64)
-            by_name: dict[str, str] = {}  # one string per category, not per activity
-            for i in range(n):
-                b = int(node[i])
-                parts[i] = "optimizer" if in_optimizer[i] else by_name.setdefault(cats[i], f"kernel:{cats[i]}")
-                phases[i] = ("optimizer" if in_optimizer[i] else "forward" if b < 0 and valid[i] else
-                             "recompute" if b >= 0 and ckpt[b] else "backward" if b >= 0 else "other")
-            return Placement(parts, layers, phases, "kernel_name")
-        reg = self.regions.innermost(tids, safe)
+            ckpt = np.zeros(pts.size, dtype=bool)
+            ckpt[in_node] = np.frombuffer(self.bwd_nodes.payload, dtype=np.int64)[node[in_node]] != 0
+            phase[~in_node & valid] = PHASES.index("forward")
+            phase[in_node] = np.where(ckpt[in_node], PHASES.index("recompute"), PHASES.index("backward"))
+            phase[in_opt] = PHASES.index("optimizer")
+            names = ["optimizer"] + [f"kernel:{c}" for c in cat.names] + ["kernel:None"]  # the last: no category
+            part = np.where(in_opt, 0, np.where(cat.codes >= 0, cat.codes.astype(np.int64) + 1, len(names) - 1))
+            return Placement(Labels(names, part), Labels([], np.full(pts.size, -1, dtype=np.int8)),
+                             Labels(list(PHASES), phase), "kernel_name")
+        reg = self.regions.innermost(tids, np.where(valid, pts, -np.inf))
         rst = np.frombuffer(self.regions.start, dtype=np.float64)
         rpay = np.frombuffer(self.regions.payload, dtype=np.int64)
         nst = np.frombuffer(self.bwd_nodes.start, dtype=np.float64)
         # Forward op of each backward node: the flow ending inside the node (at its XBackward op) starts at
-        # the forward op; the model-part range containing that op gives the part.
-        fwd_key: dict[int, int] = {}
+        # the forward op; the model-part range containing that op gives the part (node_key: its range's key).
+        node_key = np.full(len(self.bwd_nodes), -1, dtype=np.int64)
         s_id, s_tid, s_ts, e_tid, e_ts, e_id = self._flows()
         started = np.isin(e_id, s_id)
         owner = self.bwd_nodes.innermost(e_tid[started], e_ts[started])
@@ -355,31 +380,38 @@ class OpCollector:
         if f_nodes.size:
             at_start = np.searchsorted(s_id, e_id[started][first])
             at = self.regions.innermost(s_tid[at_start], s_ts[at_start])
-            fwd_key = {j: int(rpay[r]) for j, r in zip(f_nodes.tolist(), at.tolist()) if r >= 0}
-        for i in range(n):
-            r, b = int(reg[i]), int(node[i])
-            if r >= 0 and (b < 0 or rst[r] >= nst[b]):  # a range inside the node (recompute in backward) wins
-                part, layer, rec = self._region_keys[int(rpay[r])]
-                phases[i] = "recompute" if rec else "forward"
-            elif b >= 0:
-                phases[i] = "backward"
-                k = fwd_key.get(b)
-                if k is None:
-                    parts[i] = "optimizer" if in_optimizer[i] else "comm_outside" if is_comm[i] else "outside_parts"
-                    continue
-                part, layer, _ = self._region_keys[k]
-            else:
-                parts[i] = "optimizer" if in_optimizer[i] else "comm_outside" if is_comm[i] else "outside_parts"
-                if in_optimizer[i]:
-                    phases[i] = "optimizer"
-                continue
-            if part == "attn_other" and cats[i] == "attention":
-                part = "attn_core"  # Hugging Face attention: the core is a function inside the attention module
-            parts[i], layers[i] = part, layer
-        return Placement(parts, layers, phases, "module_regions")
+            node_key[f_nodes[at >= 0]] = rpay[at[at >= 0]]
+        # a range inside the node (recompute in backward) wins
+        in_range = reg >= 0
+        in_range[in_range & in_node] = rst[reg[in_range & in_node]] >= nst[node[in_range & in_node]]
+        key = np.full(pts.size, -1, dtype=np.int64)  # the range key that gives the part and layer
+        key[in_range] = rpay[reg[in_range]]
+        by_node = ~in_range & in_node
+        key[by_node] = node_key[node[by_node]]
+        rec = np.array([r for _, _, r in self._region_keys], dtype=bool)
+        phase[in_range] = np.where(rec[key[in_range]], PHASES.index("recompute"), PHASES.index("forward"))
+        phase[by_node] = PHASES.index("backward")
+        phase[~in_range & ~in_node & in_opt] = PHASES.index("optimizer")
+        names = list(dict.fromkeys([p for p, _, _ in self._region_keys]
+                                   + ["attn_core", "optimizer", "comm_outside", "outside_parts"]))
+        part_of = np.array([names.index(p) for p, _, _ in self._region_keys] + [-1], dtype=np.int64)
+        part = np.where(in_opt, names.index("optimizer"),
+                        np.where(comm, names.index("comm_outside"), names.index("outside_parts")))
+        ranged = key >= 0
+        part[ranged] = part_of[key[ranged]]
+        if "attention" in cat.names and "attn_other" in names:  # Hugging Face attention: the core is a function
+            # inside the attention module
+            attn = ranged & (part == names.index("attn_other")) & (cat.codes == cat.names.index("attention"))
+            part[attn] = names.index("attn_core")
+        layer_names = sorted({lay for _, lay, _ in self._region_keys if lay is not None})
+        layer_of = np.array([layer_names.index(lay) if lay is not None else -1 for _, lay, _ in self._region_keys]
+                            + [-1], dtype=np.int64)
+        return Placement(Labels(names, part), Labels(layer_names, layer_of[key]), Labels(list(PHASES), phase),
+                         "module_regions")
 
-    def launch_sites(self, tids: np.ndarray, pts: np.ndarray) -> list[Optional[str]]:
-        """Name of the innermost named op around each launch point (None when there is none).
+    def launch_sites(self, tids: np.ndarray, pts: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """``(labels, site)``: the name of the innermost named op around each launch point as an index into the
+        distinct names ``labels`` (``site``, int32; -1 when there is none).
 
         A named op is a CPU op whose name is not a library op (no ``::``, so ``aten::*`` is left out): a
         custom autograd Function's forward (``_VocabParallelLogprobs``, ``CheckpointFunction``), an autograd
@@ -390,11 +422,13 @@ class OpCollector:
             tids, pts: launch thread (int64) and launch time (us, NaN when unknown) per activity, as
                 :meth:`launch_points` gives them.
         """
-        labels = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
-                  for n in self.op_name_list]
-        named = np.array([x is not None for x in labels], dtype=bool)
-        _, at = self.cpu_ops.innermost(tids, pts, named)
-        return [labels[j] if j >= 0 else None for j in at.tolist()]
+        names = [n[len(BWD_NODE):] if n.startswith(BWD_NODE) else n if "::" not in n else None
+                 for n in self.op_name_list]
+        labels = list(dict.fromkeys(n for n in names if n is not None))
+        index = {label: k for k, label in enumerate(labels)}
+        label_of = np.array([-1 if n is None else index[n] for n in names] + [-1], dtype=np.int32)  # [-1]: none
+        _, at = self.cpu_ops.innermost(tids, pts, label_of[:-1] >= 0)
+        return labels, label_of[at]
 
     def _sync_ops(self) -> tuple[np.ndarray, np.ndarray]:
         """Per blocking call (:attr:`sync_calls`, in their order): the index and name index of the innermost kept CPU

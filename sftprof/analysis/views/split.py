@@ -487,8 +487,9 @@ class _FlowPairs:
     per flow event.
 
     Integer ids (all of torch.profiler's) are kept in ``array('q')`` per (cat, phase), with the slots beside them,
-    and matched with numpy once, at the end (the paired ones then in a set, asked once per flow event); other ids in
-    a dict.
+    and matched with numpy once, at the end: then one byte per flow event says whether it is paired, asked in the
+    order the events were added (:meth:`paired`; a set of the paired ids took about 75 bytes a pair, the worker's
+    peak memory on a 10 GiB trace); other ids in a dict.
     """
 
     def __init__(self) -> None:
@@ -498,7 +499,8 @@ class _FlowPairs:
         self._other: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         # (cat, id as kept: _key) -> slots of its start and end, when they differ
         self._apart: dict[tuple[str, int | str], tuple[int, int]] = {}
-        self._paired: dict[str, set[int]] = {}
+        self._paired: dict[tuple[str, str], bytes] = {}  # (cat, phase) -> per event added, in order: 1 if paired
+        self._asked: dict[tuple[str, str], int] = defaultdict(int)  # (cat, phase) -> events asked so far
 
     @staticmethod
     def _key(fid: Any) -> int | str:
@@ -525,16 +527,24 @@ class _FlowPairs:
                 once.append(uniq[counts == 1])
                 slot.append(np.frombuffer(self._slots.get((cat, ph), array("q")), dtype=np.int64)[first[counts == 1]])
             paired, at_s, at_f = np.intersect1d(once[0], once[1], assume_unique=True, return_indices=True)
-            self._paired[cat] = set(paired.tolist())
             apart = np.flatnonzero(slot[0][at_s] != slot[1][at_f])
             self._apart.update({(cat, int(paired[i])): (int(slot[0][at_s[i]]), int(slot[1][at_f[i]])) for i in apart})
+            del once, slot, at_s, at_f
+            for ph in ("s", "f"):  # an event is paired when its id is (seen once in each phase)
+                ids = np.frombuffer(self._ids.get((cat, ph), array("q")), dtype=np.int64)
+                at = np.minimum(np.searchsorted(paired, ids), max(paired.size - 1, 0))
+                self._paired[(cat, ph)] = (paired[at] == ids if paired.size else np.zeros(ids.size, bool)).tobytes()
         self._ids.clear()
         self._slots.clear()
         self._apart.update({key: (e[2], e[3]) for key, e in self._other.items() if e[:2] == [1, 1] and e[2] != e[3]})
 
-    def paired(self, cat: str, fid: Any) -> bool:
+    def paired(self, cat: str, fid: Any, ph: str) -> bool:
+        """Whether the next flow event of ``(cat, ph)`` (asked in the order they were added, each once, after
+        :meth:`finish`), of id ``fid``, is paired."""
         if type(fid) is int and -2**63 <= fid < 2**63:
-            return fid in self._paired.get(cat, ())
+            k = self._asked[(cat, ph)]
+            self._asked[(cat, ph)] = k + 1
+            return self._paired[(cat, ph)][k] == 1
         return self._other.get((cat, json.dumps(fid)), [0, 0])[:2] == [1, 1]
 
     def apart(self, cat: str, fid: Any) -> tuple[int, int] | None:
@@ -565,7 +575,7 @@ def _write_flows(flow_file: IO[str], flow_pairs: _FlowPairs, slots: list[tuple[T
     for line in flow_file:
         cat, fid_text, ph, pid_text, tid_text, slot, raw = line.rstrip("\n").split("\t", 6)
         fid = int(fid_text) if fid_text.isdigit() else json.loads(fid_text)
-        if not flow_pairs.paired(cat, fid):
+        if not flow_pairs.paired(cat, fid, ph):
             notes["unpaired flow events left out"] += 1
             continue
         here, ends = slots[int(slot)], flow_pairs.apart(cat, fid)
