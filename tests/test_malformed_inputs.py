@@ -1163,7 +1163,8 @@ def test_a_stopped_postprocess_removes_its_temporary_folder(tmp_path, sig):
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, str(REPO / "postprocess_profile.py"), "--log-dir", str(log), "--run-dir",
                              str(tmp_path / "run")], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))  # not ignored, as under nohup
     def stores():  # (other temporary files of the libraries may come and go in TMPDIR)
         return [n for n in os.listdir(tmp) if n.startswith("sftprof_cpu_ops_")]
 
