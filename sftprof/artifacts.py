@@ -45,6 +45,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional
 
+try:
+    import tomllib  # Python 3.11+: a source checkout's version (sftprof_version)
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
 from sftprof.pycheck import megatron_core_version
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,9 +202,10 @@ def sftprof_version() -> Optional[str]:
     ``sftprof/`` (``0.1.0+g85c64d7``: ``git rev-parse``, 5 s at most), and ``.dirty`` after it when the checkout has
     uncommitted changes to tracked files (``0.1.0+g85c64d7.dirty``: ``git diff --quiet HEAD``, 5 s at most; none
     when that fails): just the version without a checkout, without git, or when git fails or times out; None when
-    sftprof is not installed."""
-    version = _installed("sftprof")
+    sftprof is neither installed nor run from a source checkout (a ``pyproject.toml`` of project ``sftprof`` beside
+    the package, whose version is then taken: a checkout on ``PYTHONPATH``)."""
     package = Path(__file__).resolve().parent
+    version = _installed("sftprof") or _source_version(package.parent / "pyproject.toml")
     try:
         res = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=5)
@@ -215,6 +221,19 @@ def sftprof_version() -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         dirty = False
     return f"{version}+g{lines[1]}" + (".dirty" if dirty else "")
+
+
+def _source_version(pyproject: Path) -> Optional[str]:
+    """``[project].version`` of ``pyproject`` when it is sftprof's; None when it is absent, unreadable, another
+    project's, or Python has no ``tomllib`` (3.10)."""
+    if tomllib is None:
+        return None
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project") or {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    version = project.get("version")
+    return version if project.get("name") == "sftprof" and isinstance(version, str) else None
 
 
 # Group 1 or 2: the rank; the legacy name (traces-r<r>.chrome.json) first, then rank<r>.pt.trace.json.

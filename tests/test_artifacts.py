@@ -106,3 +106,17 @@ def test_recorded_versions_name_sftprof_with_its_commit_and_nccl_as_given(tmp_pa
     assert a.sftprof_version() == f"{version}+g{other}.dirty"
     monkeypatch.setenv("PATH", str(tmp_path / "no_bin"))  # no git
     assert a.sftprof_version() == version
+    # not installed (a checkout on PYTHONPATH): the version of sftprof's pyproject.toml beside the package
+    installed = a._installed
+    monkeypatch.setattr(a, "_installed", lambda name: None if name == "sftprof" else installed(name))
+    assert a.sftprof_version() is None  # no pyproject.toml
+    (project / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "1.0"\n')
+    assert a.sftprof_version() is None  # another project's
+    (project / "pyproject.toml").write_text("[project\n")  # damaged
+    assert a.sftprof_version() is None
+    (project / "pyproject.toml").write_text('[project]\nname = "sftprof"\nversion = "9.9.9"\n')
+    assert a.sftprof_version() == "9.9.9"  # no git: the version alone
+    monkeypatch.undo()  # git back
+    monkeypatch.setattr(a, "__file__", str(project / "sftprof" / "artifacts.py"))
+    monkeypatch.setattr(a, "_installed", lambda name: None if name == "sftprof" else installed(name))
+    assert a.sftprof_version() == f"9.9.9+g{other}.dirty"  # with the checkout's commit (README.md staged)
