@@ -42,7 +42,8 @@ def measured_peak_gib(run: dict) -> float | None:
 
 def predict(run: dict, fileroot: str) -> dict:
     """:func:`check_fit` of the run as the driver would plan it on its GPU (the config its variables and arguments
-    give; the model's package checks of the plan left out: fla need not be installed here)."""
+    give; the model's package checks of the plan left out: fla need not be installed here), with the run's
+    megatron-core (``megatron_core``: the memory outside PyTorch it holds), not the one installed here."""
     env = {**run.get("slice_env", SLICE_ENV), "CONFIG": str(ROOT / run["config"]),
            "PROFILE_FAKE_SEQ_LEN": str(run["seq_len"]), "FILEROOT": fileroot, **run["env"]}
     log = PlanLog()
@@ -50,7 +51,8 @@ def predict(run: dict, fileroot: str) -> dict:
     cfg = load_config(d.config, d.overrides + d.extra_overrides)
     return check_fit(dataclasses.asdict(cfg), load_hf_config(cfg.actor.path, cfg.actor.num_layers),
                      parse_allocation_mode(cfg.actor.backend), cfg.profile.fake_seq_len,
-                     int(run["capacity_gib"] * 2**30), env.get("PYTORCH_CUDA_ALLOC_CONF"))
+                     int(run["capacity_gib"] * 2**30), env.get("PYTORCH_CUDA_ALLOC_CONF"),
+                     versions={"megatron_core": run["megatron_core"]})
 
 
 def main() -> None:

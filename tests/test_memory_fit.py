@@ -41,15 +41,16 @@ def predictions(tmp_path_factory):
 
 def test_predicted_peak_within_3_percent_of_every_measured_run(predictions):
     measured = [(run, fit, meas) for run, fit, meas in predictions if meas]
-    assert len(measured) == 14
+    assert len(measured) == 15
     for run, fit, meas in measured:
         err = (fit["peak_bytes"] / 2**30 - meas) / meas
         assert abs(err) <= memory_fit.TIGHT_SHARE, (run["name"], fit["peak_bytes"] / 2**30, meas)
 
 
 def test_fit_verdict_is_each_runs_outcome(predictions):
-    """Three H100 runs died out of memory and every other run ran: the check says so of each, before launch."""
-    assert sorted(run["outcome"] for run in RUNS).count("oom") == 3
+    """Four H100 runs died out of memory and every other run ran: the check says so of each, before launch (the
+    slice with the two 80 GB settings ran on megatron-core 0.16.1 and ran out of memory on 0.19.2)."""
+    assert sorted(run["outcome"] for run in RUNS).count("oom") == 4
     for run, fit, _ in predictions:
         assert fit["fits"] == (run["outcome"] == "ok"), run["name"]
 
