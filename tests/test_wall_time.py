@@ -119,6 +119,18 @@ def test_a_negative_cold_start_is_not_measurable_with_why(tmp_path):
                                                                     "see its summary)")
     positive = {"wall_time": {"cold_start": {"step0_s": 5.7, "warm_step_s": 5.0, "cold_start_s": 0.7}}}
     assert wall_phases(positive)[2] == "0.7 s"
+    # a difference inside the reference steps' spread (the reviewer's CPU run: 22.278 s against 21.785-22.529 s)
+    noisy = _stats(tmp_path, [(0, 22.278, 1000.0, 0.0, False), (1, 22.529, 1023.0, 0.0, False),
+                              (2, 22.281, 1046.0, 0.3, True), (3, 21.785, 1069.0, 0.0, False),
+                              (4, 22.264, 1091.0, 0.0, False)], **CLOCKS)
+    cold = wall_time(noisy, None)["cold_start"]
+    assert (cold["warm_steps"], cold["cold_start_s"], cold["not_measurable"]) == (
+        [1, 3, 4], 0.014, "step 0 was 0.014 s slower than the reference, less than its steps' spread (0.744 s)")
+    assert wall_phases({"wall_time": {"cold_start": cold}})[2] == ("not measurable (within its reference steps' "
+                                                                    "spread: see its summary)")
+    md = "\n".join(_wall_time_section({"wall_time": {"phases": [], "elapsed_s": None, "cold_start": cold}}))
+    assert "- cold start: not measurable: step 0 took 22.278 s against 22.264 s for a warm step (median of step(s) " \
+           "1, 3, 4): step 0 was 0.014 s slower" in md
 
 
 def test_trial_times_record_round_trips_and_a_damaged_one_is_refused(tmp_path):

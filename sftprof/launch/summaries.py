@@ -41,12 +41,14 @@ def unread_files(summary: dict[str, Any]) -> str:
 def wall_phases(summary: dict[str, Any]) -> tuple[dict[str, float | None], float | None, str | None]:
     """``({phase: seconds}, elapsed_s, cold start)`` of a summary's ``wall_time``
     (:func:`sftprof.analysis.trial.wall_time.wall_time`), the cold start as the end table shows it (``"0.7 s"``, or
-    ``"not measurable"`` with why for a negative difference); ``({}, None, None)`` for a summary without one (of an
+    ``"not measurable"`` with why for a difference below 0 or within the reference steps' spread); ``({}, None, None)`` for a summary without one (of an
     earlier release, or none)."""
     w = summary.get("wall_time") or {}
     cold = w.get("cold_start") or {}
     cold_s = cold.get("cold_start_s")
-    text = (None if cold_s is None else f"{cold_s:.1f} s" if cold_s >= 0 else
+    text = (None if cold_s is None else
+            "not measurable (within its reference steps' spread: see its summary)" if cold.get("not_measurable")
+            and cold_s >= 0 else f"{cold_s:.1f} s" if cold_s >= 0 else
             "not measurable (step 0 faster than its " + ("profiled " if cold.get("reference_profiled") else "")
             + "reference: see its summary)")
     return {p["phase"]: p["seconds"] for p in w.get("phases") or []}, w.get("elapsed_s"), text

@@ -88,8 +88,9 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
 
 def cold_start(stats: Stats) -> ColdStart | None:
     """Step 0's ``step_time_s`` less the median of a warm step's: the steps after 0 that were not profiled, else the
-    profiled ones (their profiler's cost included); None without step 0 or a later step. A negative difference is no
-    cost: ``not_measurable`` says why (the profiler's cost in the reference, or the steps' spread, exceeds it)."""
+    profiled ones (their profiler's cost included); None without step 0 or a later step. A negative difference, or
+    one below the spread (max - min) of the reference steps, is no cost to stand behind: ``not_measurable`` says why
+    (the profiler's cost in the reference, or the steps' spread, exceeds it)."""
     times: dict[int, tuple[float, bool]] = {}
     for s in stats["steps"]:
         dt = _number(s["step_time_s"])
@@ -103,9 +104,13 @@ def cold_start(stats: Stats) -> ColdStart | None:
         return None
     step0, reference = times[0][0], statistics.median(times[k][0] for k in warm)
     profiled = times[warm[0]][1]
+    spread = max(times[k][0] for k in warm) - min(times[k][0] for k in warm)
     out: ColdStart = {"step0_s": round(step0, 3), "warm_step_s": round(reference, 3), "warm_steps": warm,
                       "reference_profiled": profiled, "cold_start_s": round(step0 - reference, 3)}
-    if out["cold_start_s"] < 0:
+    if 0 <= step0 - reference < spread:
+        out["not_measurable"] = (f"step 0 was {step0 - reference:.3f} s slower than the reference, less than its "
+                                 f"steps' spread ({spread:.3f} s)")
+    elif out["cold_start_s"] < 0:
         out["not_measurable"] = (
             f"step 0 was {reference - step0:.3f} s faster than the reference, "
             + ("a profiled step whose profiler cost exceeds step 0's one-time cost (an unprofiled step after 0, "
