@@ -202,10 +202,11 @@ def sftprof_version() -> Optional[str]:
     ``sftprof/`` (``0.1.0+g85c64d7``: ``git rev-parse``, 5 s at most), and ``.dirty`` after it when the checkout has
     uncommitted changes to tracked files (``0.1.0+g85c64d7.dirty``: ``git diff --quiet HEAD``, 5 s at most; none
     when that fails): just the version without a checkout, without git, or when git fails or times out; None when
-    sftprof is neither installed nor run from a source checkout (a ``pyproject.toml`` of project ``sftprof`` beside
-    the package, whose version is then taken: a checkout on ``PYTHONPATH``)."""
+    sftprof is neither installed nor run from a source checkout. The version is that of the ``pyproject.toml`` of
+    project ``sftprof`` beside the package when there is one (the code that runs: a checkout on ``PYTHONPATH``, even
+    where another copy is installed), else the installed distribution's."""
     package = Path(__file__).resolve().parent
-    version = _installed("sftprof") or _source_version(package.parent / "pyproject.toml")
+    version = _source_version(package.parent / "pyproject.toml") or _installed("sftprof")
     try:
         res = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=5)

@@ -120,3 +120,5 @@ def test_recorded_versions_name_sftprof_with_its_commit_and_nccl_as_given(tmp_pa
     monkeypatch.setattr(a, "__file__", str(project / "sftprof" / "artifacts.py"))
     monkeypatch.setattr(a, "_installed", lambda name: None if name == "sftprof" else installed(name))
     assert a.sftprof_version() == f"9.9.9+g{other}.dirty"  # with the checkout's commit (README.md staged)
+    monkeypatch.setattr(a, "_installed", installed)  # another copy installed: the checkout's own version wins
+    assert a.sftprof_version() == f"9.9.9+g{other}.dirty"
