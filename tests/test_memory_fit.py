@@ -237,3 +237,20 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):
         planning.plan(_env(tmp_path, GPU_MEMORY_GIB="80GB"), ARGS, gpus=1)
+
+
+def test_plan_that_no_single_change_fits_says_what_was_not_tried(tmp_path, monkeypatch):
+    """40 GiB: no single change fits the slice (16384 tokens with 2 layers and expandable segments does): the refusal
+    says that fewer tokens and fewer layers were not tried together, and that such a plan can be checked."""
+    _megatron_core(monkeypatch, (0, 16, 1))
+    with pytest.raises(DriverError) as err:
+        planning.plan(_env(tmp_path, GPU_MEMORY_GIB="40"), ARGS, gpus=1)
+    assert str(err.value).endswith(
+        "Settings that fit, smallest change first: none of expandable segments, the chunked LM head, full recompute, "
+        "fewer tokens or fewer layers fits (fewer tokens and fewer layers together not tried: GPU_MEMORY_GIB and "
+        "FIT_CHECK=refuse check such a plan): use more GPUs (TP, CP, EP, PP). Nothing was launched; set one, or "
+        "FIT_CHECK=warn to launch anyway")
+    _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="40", PROFILE_FAKE_SEQ_LEN="16384", PROFILE_STAMP="q",
+                                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"),
+                               ["actor.backend=megatron:d1", "actor.num_layers=2"], gpus=1)
+    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 37.86 of 40.00 GiB")]

@@ -462,8 +462,9 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
     changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf)
     advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items())
                        + f" ({fit_text(c['check'], brief=True)})" for c in changes) or (
-        "none of expandable segments, the chunked LM head, full recompute, fewer tokens or fewer layers fits: use more "
-        "GPUs (TP, CP, EP, PP)")
+        "none of expandable segments, the chunked LM head, full recompute, fewer tokens or fewer layers fits (fewer "
+        "tokens and fewer layers together not tried: GPU_MEMORY_GIB and FIT_CHECK=refuse check such a plan): use "
+        "more GPUs (TP, CP, EP, PP)")
     text = (f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. Settings that fit, smallest change "
             f"first: {advice}")
     if mode == "refuse":
