@@ -10,7 +10,7 @@
    ``<cluster.fileroot>/logs/<user>/<experiment_name>/<trial_name>/`` and (rank 0) write
    ``config.yaml`` (resolved config), ``environment.json`` (the recorded environment variables,
    :func:`sftprof.artifacts.recorded_environment`), ``versions.json`` (sftprof and its commit, Python, torch, its CUDA
-   and NCCL, megatron-core, TE and the other packages the trial runs with: :func:`sftprof.artifacts.recorded_versions`),
+   and NCCL, megatron-core, TE and the other packages the trial runs with: :func:`sftprof.versions.recorded_versions`),
    ``rank_coords.json``, ``trainer.log``, ``stats.jsonl``.
 3. Seed Python, NumPy and torch with ``seed`` (same on every rank: identical initial weights
    for every layout), build the engine (:func:`sftprof.engine.build_engine`) and run
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from sftprof import artifacts, simulated_comm
+from sftprof import artifacts, simulated_comm, versions
 from sftprof.allocation import parse_allocation_mode
 from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TeardownRecord
 from sftprof.capture.gpu_sharing import other_processes
@@ -348,7 +348,7 @@ def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir
             (log_dir / artifacts.CONFIG_YAML).write_text(to_yaml(cfg))
             (log_dir / artifacts.ENVIRONMENT).write_text(json.dumps(artifacts.recorded_environment(os.environ),
                                                                     indent=1) + "\n")
-            (log_dir / artifacts.VERSIONS).write_text(json.dumps(artifacts.recorded_versions(
+            (log_dir / artifacts.VERSIONS).write_text(json.dumps(versions.recorded_versions(
                 torch.version.cuda, nccl_version()), indent=1) + "\n")
             (log_dir / artifacts.RANK_COORDS).write_text(json.dumps({
                 "world_size": layout.world_size, "allocation_mode": cfg.actor.backend, "backend": layout.backend,

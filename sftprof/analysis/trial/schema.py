@@ -252,9 +252,9 @@ class SnapshotEntry(TypedDict):
 
 
 class Versions(TypedDict):
-    """The software the trial ran with (``LOG_DIR/versions.json``, :func:`sftprof.artifacts.recorded_versions`): each
+    """The software the trial ran with (``LOG_DIR/versions.json``, :func:`sftprof.versions.recorded_versions`): each
     a version text, None when not installed (``torch_cuda``, ``nccl``: a CPU build of torch). ``sftprof`` (3.8): its
-    version and commit (``0.1.0+g85c64d7``, :func:`sftprof.artifacts.sftprof_version`); ``nccl`` (3.8): torch's NCCL;
+    version and commit (``0.1.0+g85c64d7``, :func:`sftprof.versions.sftprof_version`); ``nccl`` (3.8): torch's NCCL;
     both None for a trial of an earlier release, absent from a summary of schema 3.7."""
     sftprof: NotRequired[Optional[str]]
     python: Optional[str]
