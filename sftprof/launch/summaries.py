@@ -46,11 +46,15 @@ def wall_phases(summary: dict[str, Any]) -> tuple[dict[str, float | None], float
     w = summary.get("wall_time") or {}
     cold = w.get("cold_start") or {}
     cold_s = cold.get("cold_start_s")
-    text = (None if cold_s is None else
-            "not measurable (within its reference steps' spread: see its summary)" if cold.get("not_measurable")
-            and cold_s >= 0 else f"{cold_s:.1f} s" if cold_s >= 0 else
-            "not measurable (step 0 faster than its " + ("profiled " if cold.get("reference_profiled") else "")
-            + "reference: see its summary)")
+    if cold_s is None:
+        text = None
+    elif cold_s < 0:
+        text = ("not measurable (step 0 faster than its " + ("profiled " if cold.get("reference_profiled") else "")
+                + "reference: see its summary)")
+    elif cold.get("not_measurable"):
+        text = "not measurable (within its reference steps' spread: see its summary)"
+    else:
+        text = f"{cold_s:.1f} s"
     return {p["phase"]: p["seconds"] for p in w.get("phases") or []}, w.get("elapsed_s"), text
 
 
