@@ -3,8 +3,8 @@
 Each run of ``tests/fixtures/measured_peaks/runs.json`` is planned as the driver plans it (its variables and
 arguments on the README's one-GPU slice, :data:`SLICE_ENV` and :data:`SLICE_ARGS`, or on what the run gives instead
 as ``slice_env`` and ``slice_args``: a simulated rank of the shipped layout takes none), and its predicted peak
-allocated and need (:mod:`sftprof.analysis.memory.fit`) are set against the measured peak (from its docs/examples
-summary, or the figure the fixture records) and the outcome.
+allocated, prediction error margin and need (:mod:`sftprof.analysis.memory.fit`) are set against the measured peak
+(from its docs/examples summary, or the figure the fixture records) and the outcome.
 
     PYTHONPATH=$PWD python bench/fit_check_table.py
 """
@@ -59,8 +59,9 @@ def main() -> None:
     import tempfile
 
     runs = json.loads(RUNS.read_text())["runs"]
-    print("| run | predicted peak GiB (phase) | measured GiB | error % | need / capacity GiB | predicted | outcome |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | predicted peak GiB (phase) | measured GiB | error % | prediction error margin GiB | "
+          "need / capacity GiB | predicted | outcome |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for run in runs:
             fit = predict(run, tmp)
@@ -68,7 +69,8 @@ def main() -> None:
             meas = measured_peak_gib(run)
             err = f"{100 * (fit['peak_bytes'] / g - meas) / meas:+.1f}" if meas else "–"
             print(f"| {run['name']} | {fit['peak_bytes'] / g:.2f} ({fit['prediction']['phase']}) | "
-                  f"{f'{meas:.2f}' if meas else '–'} | {err} | {fit['need_bytes'] / g:.2f} / {run['capacity_gib']} | "
+                  f"{f'{meas:.2f}' if meas else '–'} | {err} | {fit['margin_bytes'] / g:.2f} | "
+                  f"{fit['need_bytes'] / g:.2f} / {run['capacity_gib']} | "
                   f"{'fits' if fit['fits'] else 'oom'} | {run['outcome']} |")
 
 

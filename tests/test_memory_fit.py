@@ -40,11 +40,13 @@ def predictions(tmp_path_factory):
 
 
 def test_predicted_peak_within_3_percent_of_every_measured_run(predictions):
+    """Within 3 % of every measured peak, and never under it by more than the prediction error margin."""
     measured = [(run, fit, meas) for run, fit, meas in predictions if meas]
     assert len(measured) == 15
     for run, fit, meas in measured:
         err = (fit["peak_bytes"] / 2**30 - meas) / meas
         assert abs(err) <= memory_fit.TIGHT_SHARE, (run["name"], fit["peak_bytes"] / 2**30, meas)
+        assert meas * 2**30 <= fit["peak_bytes"] + fit["margin_bytes"], (run["name"], fit["peak_bytes"] / 2**30, meas)
 
 
 def test_fit_verdict_is_each_runs_outcome(predictions):
@@ -53,6 +55,25 @@ def test_fit_verdict_is_each_runs_outcome(predictions):
     assert sorted(run["outcome"] for run in RUNS).count("oom") == 4
     for run, fit, _ in predictions:
         assert fit["fits"] == (run["outcome"] == "ok"), run["name"]
+
+
+def test_a_need_that_fits_only_without_the_margin_is_refused():
+    """The slice with the chunked LM head and expandable segments at 131072 tokens on megatron-core 0.19.2 (8.85 GiB
+    outside PyTorch): without the margin it fit an H100's 79.19 GiB by 9 MiB, tight; it ran out of memory there
+    (bench/NOTES.md, "Twenty-seventh session": 70.22 GiB asked against 70.33 predicted, 8.86 outside PyTorch). With
+    the margin, 1.3 % of the predicted peak rounded up to a byte, it is refused."""
+    cfg = dataclasses.asdict(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), [
+        "actor.backend=megatron:d1", "actor.num_layers=4", "train_dataset.batch_size=1", "actor.mb_spec.n_mbs=1",
+        "actor.loss.lm_head_loss_chunk_size=2048"]))
+    capacity = int(H100 * 2**30)
+    fit = memory_fit.check_fit(cfg, load_hf_config("qwen3_30b_a3b", 4), parse_allocation_mode("megatron:d1"), 131072,
+                               capacity, "expandable_segments:True", {"megatron_core": "0.19.2"})
+    peak, outside = 75517672448, int(8.85 * 2**30)
+    assert (fit["peak_bytes"], fit["slack_bytes"], fit["outside_bytes"]) == (peak, 0, outside)
+    assert memory_fit.PREDICTION_UNDER_SHARE == 0.013 and fit["margin_bytes"] == -(-peak * 13 // 1000) == 981729742
+    assert peak + outside == 85020287590 <= capacity == 85029615042 < fit["need_bytes"] == 86002017332
+    assert fit["need_bytes"] == peak + outside + fit["margin_bytes"] and fit["headroom_bytes"] == -972402290
+    assert not fit["fits"] and not fit["tight"]
 
 
 def test_peak_phases_and_categories_of_the_slice():
@@ -201,13 +222,14 @@ def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path, 
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path), ARGS, gpus=1)
     text = str(err.value)
-    assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 127.61 of 79.19 GiB: predicted peak "
-                           "82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, optimizer 29.01, "
-                           "library workspaces 0.16, saved activations 2.00, router state 0.81, logits 37.09, LM head "
-                           "gradients 2.08) + allocator slack 37.09 + outside PyTorch 7.76 (GPU_MEMORY_GIB). Settings that "
-                           "fit, smallest change first: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-                           "LM_HEAD_LOSS_CHUNK_SIZE=2048 (predicted peak 70.33 GiB allocated in the layer backward, needs "
-                           "78.09 of 79.19 GiB, tight); PROFILE_FAKE_SEQ_LEN=32768 (")
+    assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68 of 79.19 GiB: predicted "
+                           "peak 82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, "
+                           "optimizer 29.01, library workspaces 0.16, saved activations 2.00, router state 0.81, "
+                           "logits 37.09, LM head gradients 2.08) + allocator slack 37.09 + outside PyTorch 7.76 + "
+                           "prediction error margin 1.08 (GPU_MEMORY_GIB). Settings that fit, smallest change first: "
+                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 (predicted "
+                           "peak 70.33 GiB allocated in the layer backward, needs 79.01 of 79.19 GiB, tight); "
+                           "PROFILE_FAKE_SEQ_LEN=32768 (")
     assert text.endswith("Nothing was launched; set one, or FIT_CHECK=warn to launch anyway")
     assert not (tmp_path / "run").exists()
 
@@ -216,22 +238,24 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
     _megatron_core(monkeypatch, (0, 16, 1))
     _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 78.09 of 79.19 GiB")]
-    assert any(s.startswith("# fit check: rank 0 needs 78.09") for s in settings)
+    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.01 of 79.19 GiB") and w.endswith(
+        "+ prediction error margin 0.91; tight: less headroom beyond the margin than 3% of the peak (GPU_MEMORY_GIB)")]
+    assert any(s.startswith("# fit check: rank 0 needs 79.01") for s in settings)
     _, _, info = planning.plan(_env(tmp_path, FIT_CHECK="warn", PROFILE_STAMP="q"), ARGS, gpus=1)
-    assert info.warnings[-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 127.61")
+    assert info.warnings[-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68")
     _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="139.81", PROFILE_STAMP="r"), ARGS, gpus=1)
-    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 127.61 of 139.81 GiB")]
-    # megatron-core 0.19.2: 8.85 GiB outside PyTorch, 1.09 GiB more than 0.16.1's
+    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 128.68 of 139.81 GiB")]
+    # megatron-core 0.19.2: 8.85 GiB outside PyTorch, 1.09 GiB more than 0.16.1's: refused (that run ran out of memory)
     _megatron_core(monkeypatch, (0, 19, 2))
-    _, _, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
-                                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.18 of 79.19 GiB")]
-    # the H100's free memory in the twenty-seventh session (nvidia-smi): over by less than the rounding shows
     with pytest.raises(DriverError) as err:
-        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="t", GPU_MEMORY_GIB="79.18",
+        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 79.18 of 79.18 GiB "
+    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 79.19 GiB: ")
+    # over by less than the rounding shows (need 86002017332 bytes)
+    with pytest.raises(DriverError) as err:
+        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="t", GPU_MEMORY_GIB="80.0951",
+                           PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 80.10 GiB "
                                      "(1 MiB over): predicted peak 70.33 GiB")
     with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
@@ -253,4 +277,4 @@ def test_plan_that_no_single_change_fits_says_what_was_not_tried(tmp_path, monke
     _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="40", PROFILE_FAKE_SEQ_LEN="16384", PROFILE_STAMP="q",
                                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"),
                                ["actor.backend=megatron:d1", "actor.num_layers=2"], gpus=1)
-    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 37.86 of 40.00 GiB")]
+    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 38.25 of 40.00 GiB")]

@@ -50,8 +50,8 @@ def test_planner_picks_the_least_recompute_that_fits(trial):
     assert plan["choice"]["settings"] == {"actor.megatron.recompute_granularity": "none"}
     assert plan["choice"]["recompute_ms"] == 0.0 and plan["choice"]["fits"]
     small = plan_recompute(cfg, hf, one, 32768, 100 * GIB, None, forward)["choice"]
-    assert small["settings"]["actor.megatron.recompute_modules"] == ["core_attn", "moe"]
-    parts = ("attn_core", "router", "dispatch_combine", "experts")
+    assert small["settings"]["actor.megatron.recompute_modules"] == ["core_attn", "layernorm", "moe"]
+    parts = ("attn_core", "norm", "router", "dispatch_combine", "experts")
     assert small["recompute_ms"] == pytest.approx(sum(v for (_, p), v in forward.items() if p in parts), abs=1e-3)
     assert small["need_bytes"] <= 100 * GIB < min(o["need_bytes"] for o in plan["options"]
                                                   if o["recompute_ms"] < small["recompute_ms"])

@@ -219,8 +219,9 @@ def _fit_reason(effect: str, fit: dict) -> str:
     return (f"predicted {effect}, but its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
             f"{fit['need_bytes'] / GIB:.2f} GiB (peak {fit['peak_bytes'] / GIB:.2f} allocated in "
             f"{fit['prediction']['phase']} + {fit['slack_bytes'] / GIB:.2f} allocator slack + "
-            f"{fit['outside_bytes'] / GIB:.2f} outside PyTorch) of {fit['capacity_bytes'] / GIB:.2f} GiB (nvidia-smi's "
-            f"total less {DRIVER_RESERVED_GIB} GiB; sftprof/analysis/memory/fit.py)")
+            f"{fit['outside_bytes'] / GIB:.2f} outside PyTorch + {fit['margin_bytes'] / GIB:.2f} prediction error "
+            f"margin) of {fit['capacity_bytes'] / GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB; "
+            "sftprof/analysis/memory/fit.py)")
 
 
 def test_fit_gate_on_the_h200_qwen3_5_kernel_trial():

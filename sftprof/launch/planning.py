@@ -486,9 +486,9 @@ def fit_text(fit: dict[str, Any], brief: bool = False) -> str:
     parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
     return (f"rank {fit['rank']} needs {need}: predicted "
             f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "
-            f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f}"
-            + (f"; tight: less headroom than the prediction's error ({TIGHT_SHARE:.0%} of the peak)" if fit["tight"]
-               else ""))
+            f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f} + prediction error margin "
+            f"{fit['margin_bytes'] / g:.2f}"
+            + (f"; tight: less headroom beyond the margin than {TIGHT_SHARE:.0%} of the peak" if fit["tight"] else ""))
 
 
 class _Torchrun(TypedDict):

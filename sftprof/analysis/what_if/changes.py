@@ -234,8 +234,9 @@ class _Trial:
         return (f"its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
                 f"{fit['need_bytes'] / _GIB:.2f} GiB (peak {fit['peak_bytes'] / _GIB:.2f} allocated in "
                 f"{fit['prediction']['phase']} + {fit['slack_bytes'] / _GIB:.2f} allocator slack + "
-                f"{fit['outside_bytes'] / _GIB:.2f} outside PyTorch) of {capacity / _GIB:.2f} GiB (nvidia-smi's total "
-                f"less {DRIVER_RESERVED_GIB} GiB; sftprof/analysis/memory/fit.py)")
+                f"{fit['outside_bytes'] / _GIB:.2f} outside PyTorch + {fit['margin_bytes'] / _GIB:.2f} prediction "
+                f"error margin) of {capacity / _GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB; "
+                "sftprof/analysis/memory/fit.py)")
 
     def seqs_per_rank(self) -> Optional[int]:
         """Sequences per data-parallel rank and step (``train_dataset.batch_size / dp``)."""
