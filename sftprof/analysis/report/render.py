@@ -95,13 +95,29 @@ def _code(text: str) -> str:
     return f"{fence} {text} {fence}" if len(fence) > 1 else f"`{text}`"
 
 
+def _next_step_lines(findings: list) -> list[str]:
+    """Each finding's next-step line ("" without one): a next step an earlier finding already gave word for word is
+    "as finding N's" (N the first that gave it, 1-based); the JSON keeps every finding's full text."""
+    first: dict[str, int] = {}
+    out = []
+    for i, f in enumerate(findings):
+        step = f.get("next_step")
+        if step:
+            out.append(f"\n   - next step: as finding {first[step]}'s" if step in first
+                       else f"\n   - next step: {step}")
+            first.setdefault(step, i + 1)
+        else:
+            out.append("")
+    return out
+
+
 def _findings(s: ProfileSummary) -> list[str]:
     out = []
     if s.get("findings"):
         out.append("## Findings\n")
-        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))"
-                + (f"\n   - next step: {f['next_step']}" if f.get("next_step") else "")
-                + "".join(f"\n   - caveat: {c}" for c in f.get("caveats") or []) for i, f in enumerate(s["findings"])]
+        out += [f"{i + 1}. {f['text']} ([details]({f['section']}))" + step
+                + "".join(f"\n   - caveat: {c}" for c in f.get("caveats") or [])
+                for i, (f, step) in enumerate(zip(s["findings"], _next_step_lines(s["findings"])))]
         out.append("")
     if s.get("what_if") or s.get("what_if_skipped"):
         out.append("## What if\n")
