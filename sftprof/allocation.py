@@ -75,13 +75,21 @@ class Layout:
 _DIM = re.compile(r"([a-z])(\d+)")
 
 
-def _parse_dims(text: str, letters: str, where: str) -> dict:
+# appended to a bad one-layout megatron spec's error: the experts' letters need the two-layout form
+_EXPERT_FORM = ("; expert parallelism takes the form megatron:(attn:LAYOUT|ffn:LAYOUT) with ffn letters ['d', 't', "
+                "'p', 'e'] (EDP, ETP, PP, EP), e.g. megatron:(attn:d2c4|ffn:d1e8)")
+
+
+def _parse_dims(text: str, letters: str, where: str, example: str = "d2t2", hint: str = "") -> dict:
+    """``{letter: size}`` of a layout spec such as ``d2t2``; ``hint`` ends each syntax error (AllocationError)."""
     if not text or not re.fullmatch(r"(?:[a-z]\d+)+", text):
-        raise AllocationError(f"{where} {text!r}: expected letter+size pairs such as d2t2 using letters {list(letters)}")
+        raise AllocationError(f"{where} {text!r}: expected letter+size pairs such as {example} using letters "
+                              f"{list(letters)}{hint}")
     dims: dict = {}
     for letter, size in _DIM.findall(text):
         if letter not in letters:
-            raise AllocationError(f"{where} {text!r}: unknown dimension {letter!r}; accepted letters {list(letters)}")
+            raise AllocationError(f"{where} {text!r}: unknown dimension {letter!r}; accepted letters "
+                                  f"{list(letters)}{hint}")
         if letter in dims:
             raise AllocationError(f"{where} {text!r}: dimension {letter!r} given twice")
         if int(size) < 1:
@@ -109,11 +117,11 @@ def parse_allocation_mode(mode: str) -> Layout:
     hybrid = re.fullmatch(r"\(attn:([a-z0-9]+)\|ffn:([a-z0-9]+)\)", spec)
     if hybrid:
         attn = _parse_dims(hybrid.group(1), "dtpc", "attention layout")
-        ffn = _parse_dims(hybrid.group(2), "dtpe", "expert layout")
+        ffn = _parse_dims(hybrid.group(2), "dtpe", "expert layout", example="d1e8")
     elif spec.startswith("("):
         raise AllocationError(f"{mode!r}: expected megatron:(attn:LAYOUT|ffn:LAYOUT), e.g. megatron:(attn:d2c4|ffn:d1e8)")
     else:
-        attn = _parse_dims(spec, "dtpc", "megatron layout")
+        attn = _parse_dims(spec, "dtpc", "megatron layout", hint=_EXPERT_FORM)
         ffn = None
     dp, tp, pp, cp = (attn.get(k, 1) for k in "dtpc")
     if ffn is None:

@@ -40,6 +40,28 @@ def test_parse_errors(mode, fragment):
     assert fragment in str(exc.value)
 
 
+def test_a_bad_layout_names_the_letters_of_its_form_and_the_expert_form():
+    """The one-layout megatron form takes no expert letters: its errors name the (attn:|ffn:) form with an example;
+    each layout of that form lists its own letters."""
+    expert_form = ("; expert parallelism takes the form megatron:(attn:LAYOUT|ffn:LAYOUT) with ffn letters ['d', 't', "
+                   "'p', 'e'] (EDP, ETP, PP, EP), e.g. megatron:(attn:d2c4|ffn:d1e8)")
+    for mode, text in (
+            ("megatron:zz", "megatron layout 'zz': expected letter+size pairs such as d2t2 using letters ['d', 't', "
+                            "'p', 'c']" + expert_form),
+            ("megatron:d2e4", "megatron layout 'd2e4': unknown dimension 'e'; accepted letters ['d', 't', 'p', 'c']"
+                              + expert_form),
+            ("megatron:(attn:zz|ffn:d1e8)", "attention layout 'zz': expected letter+size pairs such as d2t2 using "
+                                            "letters ['d', 't', 'p', 'c']"),
+            ("megatron:(attn:d8|ffn:zz)", "expert layout 'zz': expected letter+size pairs such as d1e8 using letters "
+                                          "['d', 't', 'p', 'e']"),
+            ("megatron:(attn:d2|ffn:c2)", "expert layout 'c2': unknown dimension 'c'; accepted letters ['d', 't', 'p', "
+                                          "'e']"),
+            ("fsdp:zz", "fsdp layout 'zz': expected letter+size pairs such as d2t2 using letters ['d']")):
+        with pytest.raises(AllocationError) as exc:
+            parse_allocation_mode(mode)
+        assert str(exc.value) == text
+
+
 def test_rank_coords_megatron_order():
     # tp fastest, then cp, dp, pp (attention); etp, ep, edp, pp (experts): Megatron's tp-cp-ep-dp-pp.
     lay = parse_allocation_mode("megatron:(attn:d2c4|ffn:d1e8)")
