@@ -136,12 +136,17 @@ def test_empty_files_are_named_empty(tmp_path, small_snapshot):
     s = json.load(open(tmp_path / "mem" / "run" / "profile_summary.json"))
     assert s["errors"] == [{"file": f"memory_snapshots/step_1/{SNAP_NAME.format(r=0)}",
                             "error": f"{src}: empty file (0 bytes) (not archived)"}]
+    # the status is the training's: the header says so and how many files were read
+    md = (tmp_path / "mem" / "run" / "profile_summary.md").read_text().splitlines()
+    assert md[3] == "- trial status: **ok** (training); snapshots: 1 of 2 read, 1 error"
     log = _log_dir(tmp_path / "kernel")
     src = _put_trace(log, 0, b"")
     assert _cli("--log-dir", log, "--run-dir", tmp_path / "kernel" / "run", "--profile-kind", "kernel",
                 "--profile-step", 1).returncode == 1
     s = json.load(open(tmp_path / "kernel" / "run" / "profile_summary.json"))
     assert [e["error"] for e in s["errors"]] == [f"{src}: empty file (0 bytes)"]
+    md = (tmp_path / "kernel" / "run" / "profile_summary.md").read_text().splitlines()
+    assert md[3] == "- trial status: **ok** (training); traces: 0 of 1 read, 1 error"
 
 
 def test_trace_with_damaged_header_and_args_is_processed(tmp_path, small_trace):

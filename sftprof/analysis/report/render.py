@@ -59,12 +59,25 @@ def _header(s: ProfileSummary) -> list[str]:
              f"# Profile summary: {s['trial']}\n")
     return [title,
             f"- kind: **{s['profile_kind']}**, step **{s['profile_step']}**",
-            f"- trial status: **{s['status']}**" + (f" — {cause[0]}: `{cause[1]}`" if cause else ""),
+            f"- trial status: **{s['status']}**" + _unread_files(s)
+            + (f" — {cause[0]}: `{cause[1]}`" if cause else ""),
             f"- steps done: {fmt(c['steps_done'])}, world size: {fmt(c['world_size'])}, "
             f"backend: {fmt(c['backend'])}, device: {fmt(c['device'])}",
             "- counts: " + ", ".join(f"{k} {v}" for k, v in s["counts"].items()),
             *_environment_line(s), *_versions_line(s),
             f"- log dir: `{s['paths']['log_dir']}`", f"- run dir: `{s['paths']['run_dir']}`", ""]
+
+
+def _unread_files(s: ProfileSummary) -> str:
+    """The status line's tail when traces (kernel trial) or snapshots (memory trial) failed to read: the status is
+    the training's, e.g. `` (training); traces: 0 of 1 read, 1 error``; "" when every one was read."""
+    noun, items = (("traces", s.get("kernel_traces")) if s["profile_kind"] == "kernel"
+                   else ("snapshots", s.get("memory_snapshots")))
+    failed = sum(1 for it in items or [] if "error" in it)
+    if not failed:
+        return ""
+    return (f" (training); {noun}: {len(items) - failed} of {len(items)} read, {failed} "
+            f"error{'s' if failed > 1 else ''}")
 
 
 def _environment_line(s: ProfileSummary) -> list[str]:
