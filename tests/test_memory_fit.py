@@ -222,11 +222,11 @@ def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path, 
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path), ARGS, gpus=1)
     text = str(err.value)
-    assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68 of 79.19 GiB: predicted "
-                           "peak 82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, "
+    assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68 of 79.19 GiB "
+                           "(GPU_MEMORY_GIB): predicted peak 82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, "
                            "optimizer 29.01, library workspaces 0.16, saved activations 2.00, router state 0.81, "
                            "logits 37.09, LM head gradients 2.08) + allocator slack 37.09 + outside PyTorch 7.76 + "
-                           "prediction error margin 1.08 (GPU_MEMORY_GIB). Settings that fit, smallest change first: "
+                           "prediction error margin 1.08. Settings that fit, smallest change first: "
                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 (predicted "
                            "peak 70.33 GiB allocated in the layer backward, needs 79.01 of 79.19 GiB, tight); "
                            "PROFILE_FAKE_SEQ_LEN=32768 (")
@@ -238,25 +238,27 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
     _megatron_core(monkeypatch, (0, 16, 1))
     _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.01 of 79.19 GiB") and w.endswith(
-        "+ prediction error margin 0.91; tight: less headroom beyond the margin than 3% of the peak (GPU_MEMORY_GIB)")]
+    assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.01 of 79.19 GiB (GPU_MEMORY_GIB): ")
+            and w.endswith("+ prediction error margin 0.91; tight: less headroom beyond the margin than 3% of the peak")]
     assert any(s.startswith("# fit check: rank 0 needs 79.01") for s in settings)
     _, _, info = planning.plan(_env(tmp_path, FIT_CHECK="warn", PROFILE_STAMP="q"), ARGS, gpus=1)
     assert info.warnings[-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68")
     _, _, info = planning.plan(_env(tmp_path, GPU_MEMORY_GIB="139.81", PROFILE_STAMP="r"), ARGS, gpus=1)
-    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 128.68 of 139.81 GiB")]
+    assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 128.68 of 139.81 GiB (GPU_MEMORY_GIB): ")
+            and n.endswith("+ prediction error margin 1.08")]
     # megatron-core 0.19.2: 8.85 GiB outside PyTorch, 1.09 GiB more than 0.16.1's: refused (that run ran out of memory)
     _megatron_core(monkeypatch, (0, 19, 2))
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="s",
                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 79.19 GiB: ")
+    assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 79.19 GiB "
+                                     "(GPU_MEMORY_GIB): ")
     # over by less than the rounding shows (need 86002017332 bytes)
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="t", GPU_MEMORY_GIB="80.0951",
                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 80.10 GiB "
-                                     "(1 MiB over): predicted peak 70.33 GiB")
+                                     "(GPU_MEMORY_GIB; 1 MiB over): predicted peak 70.33 GiB")
     with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):

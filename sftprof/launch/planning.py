@@ -451,7 +451,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
     alloc_conf = d.get(ALLOC_CONF)
     cap = int(capacity * 2**30)
     fit = check_fit(cfg, load_hf_config(path, p.cfg.actor.num_layers), p.layout, seq, cap, alloc_conf)
-    line = f"fit check: {fit_text(fit)} ({source})"
+    line = f"fit check: {fit_text(fit, source=source)}"
     log.settings.append("# " + line)
     if fit["fits"]:
         if fit["tight"]:
@@ -472,14 +472,16 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
     log.warn(text)
 
 
-def fit_text(fit: dict[str, Any], brief: bool = False) -> str:
-    """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity
-    (``brief``: the predicted peak and the need alone)."""
+def fit_text(fit: dict[str, Any], brief: bool = False, source: str | None = None) -> str:
+    """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity,
+    the capacity's ``source`` in brackets after it when given (``brief``: the predicted peak and the need alone)."""
     g = 2**30
     pred = fit["prediction"]
-    need = f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB"
+    notes = [source] if source else []
     if not fit["fits"] and f"{fit['need_bytes'] / g:.2f}" == f"{fit['capacity_bytes'] / g:.2f}":
-        need += f" ({-fit['headroom_bytes'] / 2**20:.0f} MiB over)"  # the rounding would hide the excess
+        notes.append(f"{-fit['headroom_bytes'] / 2**20:.0f} MiB over")  # the rounding would hide the excess
+    need = f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB" + (
+        f" ({'; '.join(notes)})" if notes else "")
     if brief:
         return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs {need}"
                 + (", tight" if fit["tight"] else ""))
