@@ -160,6 +160,19 @@ def test_fitting_changes_smallest_first():
     assert not memory_fit.expandable_segments("expandable_segments:True,expandable_segments:false")
 
 
+def test_a_change_holding_one_that_fits_alone_is_left_out():
+    """The shipped layout's rank 0 on an H100: expandable segments alone fits, so expandable segments with the
+    chunked LM head (the same predicted peak: the layers' backward, not the logits, sets it) is not listed."""
+    cfg = dataclasses.asdict(load_config(str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), ["actor.simulate.rank=0"]))
+    changes = memory_fit.fitting_changes(cfg, lambda n: load_hf_config("qwen3_30b_a3b", n),
+                                         parse_allocation_mode(cfg["actor"]["backend"]), 131072, int(H100 * 2**30),
+                                         None)
+    assert [(c["settings"], round(c["check"]["peak_bytes"] / 2**30, 2), round(c["check"]["need_bytes"] / 2**30, 2))
+            for c in changes] == [({"env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, 76.57, 78.32),
+                                  ({"profile.fake_seq_len": 65536}, 65.75, 72.01),
+                                  ({"actor.num_layers": 41}, 66.92, 77.82)]
+
+
 def _env(tmp_path, **extra):
     return {"CONFIG": str(ROOT / "qwen3_30b_a3b_sft_profile.yaml"), "N_GPUS_PER_NODE": "1", "TRAIN_BATCH_SIZE": "1",
             "PROFILE_N_MBS": "1", "PROFILE_STEPS": "2", "TOTAL_STEPS": "3", "FILEROOT": str(tmp_path / "fr"),

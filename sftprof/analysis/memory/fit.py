@@ -18,7 +18,8 @@ A rank needs, at its step's peak (:func:`sftprof.analysis.memory.estimate.predic
 :func:`check_fit` gives the worst rank (ranks of one pipeline stage predict alike; a simulated rank's, that rank)
 against ``capacity_bytes``;
 :func:`fitting_changes` the changes that fit, in the order of the smallest change first: expandable segments, the
-chunked LM head, both, full recompute, then fewer tokens (halved) or fewer layers alone, else with those changes.
+chunked LM head, both, full recompute, then fewer tokens (halved) or fewer layers alone, else with those changes;
+a change that holds an earlier fitting one (both, where expandable segments alone fits) is left out.
 Settings are config keys (the trial's ``key=value`` arguments) or, prefixed with :data:`ENV`, environment variables
 of the trial's processes.
 """
@@ -228,4 +229,8 @@ def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_l
         if found:
             out += found
             break
-    return out
+    kept: list[dict[str, Any]] = []  # a change holding an earlier fitting change's settings is no smaller step
+    for c in out:
+        if not any(k["settings"].items() <= c["settings"].items() for k in kept):
+            kept.append(c)
+    return kept
