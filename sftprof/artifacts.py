@@ -320,6 +320,8 @@ PLAN_CONFIG = "plan_config.yaml"  # the CONFIG file as the plan read it: every t
 # the sha256 of that copy as planned, in each planned trial's environment: the trainer refuses a copy edited since
 PLAN_CONFIG_SHA256_ENV = "SFTPROF_PLAN_CONFIG_SHA256"
 TRIALS_TSV = "trials.tsv"
+# its first line (a trials.tsv of an earlier release has none): the columns of each trial's row
+TRIALS_HEADER = ("trial", "kind", "step", "run_dir", "log_dir", "args_file")
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"
 LAUNCHER_LOG = "launcher.log"
@@ -340,7 +342,7 @@ INTERRUPTED_LINE = INTERRUPTED_PREFIX + "the driver got {signal} and stopped its
 
 def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
     """``[(name, kind, step, run dir, log dir)]`` of ``RUN_ROOT/trials.tsv`` (the driver's plan, what-if trials
-    appended), in its order.
+    appended), in its order; its first line, :data:`TRIALS_HEADER`, is no trial (an earlier release wrote none).
 
     Raises:
         OSError: the file cannot be read; ValueError: a row is not the driver's (six tab-separated fields, an
@@ -350,6 +352,8 @@ def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
     with open(os.path.join(run_root, TRIALS_TSV), encoding="utf-8") as f:
         for n, line in enumerate(f.read().splitlines(), start=1):
             fields = line.split("\t")
+            if n == 1 and tuple(fields) == TRIALS_HEADER:
+                continue
             if len(fields) != 6 or not fields[2].isdigit():
                 raise ValueError(f"{os.path.join(run_root, TRIALS_TSV)} line {n}: not a row of the driver's plan "
                                  "(name, kind, step, run dir, log dir, arguments file; tab-separated)")

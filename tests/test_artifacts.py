@@ -27,6 +27,21 @@ def test_file_names_round_trip(tmp_path):
     assert a.window_path("out/gpu_only/rank3.pt.trace.json", 1) == "out/gpu_only.part1/rank3.pt.trace.json"
 
 
+def test_trials_tsv_is_read_with_its_header_or_without_one(tmp_path):
+    """The driver writes TRIALS_HEADER first; a trials.tsv of an earlier release has no header and reads alike."""
+    row = f"t0\tkernel\t1\t{tmp_path / 't0'}\t{tmp_path / 'log'}\t{tmp_path / 't0' / 'train_args.txt'}\n"
+    expect = [("t0", "kernel", 1, str(tmp_path / "t0"), str(tmp_path / "log"))]
+    (tmp_path / a.TRIALS_TSV).write_text("trial\tkind\tstep\trun_dir\tlog_dir\targs_file\n" + row)
+    assert a.read_trials_tsv(str(tmp_path)) == expect
+    (tmp_path / a.TRIALS_TSV).write_text(row)
+    assert a.read_trials_tsv(str(tmp_path)) == expect
+    (tmp_path / a.TRIALS_TSV).write_text(row + "trial\tkind\tstep\trun_dir\tlog_dir\targs_file\n")
+    with pytest.raises(ValueError) as err:  # the header is the first line or no trial's row
+        a.read_trials_tsv(str(tmp_path))
+    assert str(err.value) == (f"{tmp_path / a.TRIALS_TSV} line 2: not a row of the driver's plan (name, kind, step, "
+                              "run dir, log dir, arguments file; tab-separated)")
+
+
 def test_stats_written_and_read_back(tmp_path):
     path = tmp_path / "stats.jsonl"
     w = a.StatsWriter(path)

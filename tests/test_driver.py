@@ -149,7 +149,8 @@ def test_plan_is_step_major_kernel_first(tmp_path):
     env.pop("PROFILE_RANKS", None)
     out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
+    header, *rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
+    assert header == ["trial", "kind", "step", "run_dir", "log_dir", "args_file"]
     assert [(r[1], r[2]) for r in rows] == [("kernel", "0"), ("memory", "0"), ("kernel", "2"), ("memory", "2")]
     assert rows[2][0] == "tiny_qwen3_moe_fake1k_kernel_step2_t1"
     args = Path(rows[2][5]).read_text().splitlines()
@@ -182,7 +183,7 @@ def test_text_values_stay_text_and_multi_node_needs_a_stamp(tmp_path):
     env.pop("PROFILE_RANKS", None)
     out = subprocess.run(["python", "-m", "sftprof.launch", "plan"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()]
+    rows = [line.split("\t") for line in (tmp_path / "run" / "trials.tsv").read_text().splitlines()[1:]]
     assert Path(rows[0][4]).parent.name == "0123"  # not the octal 83
     out = run_driver({"N_NODES": "2", "N_GPUS_PER_NODE": "1"}, tmp_path / "multi")
     assert out.returncode == 2 and "PROFILE_STAMP is unset with N_NODES=2" in out.stderr
@@ -707,7 +708,7 @@ def test_stop_on_failure_lists_the_trials_not_run(tmp_path):
     rows = [line.split("\t") for line in (run / "summary.tsv").read_text().splitlines()]
     assert rows[0] == ["trial", "kind", "step", "status", "train_status", "postprocess_status", "elapsed_s", "run_dir",
                        "log_dir", "what_if"]
-    log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()]
+    log_dirs = [Path(line.split("\t")[4]) for line in (run / "trials.tsv").read_text().splitlines()[1:]]
     assert [r[:6] + r[7:] for r in rows[1:]] == [
         [names[0], "kernel", "0", "1", "1", "0", str(run / names[0]), str(log_dirs[0]), "-"],
         [names[1], "kernel", "1", "not run", "-", "-", str(run / names[1]), str(log_dirs[1]), "-"]]

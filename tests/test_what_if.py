@@ -479,7 +479,8 @@ def test_driver_tries_the_what_if_and_compares_it(what_if_run):
         ("tiny_qwen3_moe_fake128_kernel_step1_w", "kernel", "1", "0", "-"),
         ("tiny_qwen3_moe_fake128_kernel_step1_w_whatif_fewer_micro_batches", "kernel", "1", "0",
          "actor.mb_spec.max_tokens_per_mb=256")]
-    assert [line.split("\t")[0] for line in (run / "trials.tsv").read_text().splitlines()] == [r["trial"] for r in rows]
+    with open(run / "trials.tsv") as f:
+        assert [r["trial"] for r in csv.DictReader(f, delimiter="\t")] == [r["trial"] for r in rows]
     a = json.loads((source / "profile_summary.json").read_text())
     b = json.loads((tried / "profile_summary.json").read_text())
     # the CPU trial proposes no GPU-time what-if; its one lever is the per-micro-batch FSDP2 collectives

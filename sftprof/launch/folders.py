@@ -224,7 +224,7 @@ def write_plan(trials: list[Trial], settings: list[str], run_plan: RunPlan, crea
             made(t.run_dir)
             rows.append(write_train_args(t))
         with open(made(run_root / artifacts.TRIALS_TSV), "x", encoding="utf-8") as tsv:
-            tsv.write("\n".join(rows) + "\n")
+            tsv.write("\n".join(["\t".join(artifacts.TRIALS_HEADER), *rows]) + "\n")
 
 
 def write_train_args(t: "Trial") -> str:
