@@ -15,6 +15,7 @@ from sftprof.analysis.report import findings as fnd
 from sftprof.artifacts import ENVIRONMENT, VERSIONS, compare_report_name
 from sftprof.analysis.trial.failure import failure_cause, headline
 from sftprof.analysis.report.markdown import fmt, table, with_rank
+from sftprof.analysis.report.schema import Finding
 from sftprof.analysis.time.projection import real_rank_text
 from sftprof.analysis.time.rank_table import RANK_COLUMNS
 from sftprof.analysis.trial.wall_time import PHASES
@@ -71,9 +72,9 @@ def _header(s: ProfileSummary) -> list[str]:
 def _unread_files(s: ProfileSummary) -> str:
     """The status line's tail when traces (kernel trial) or snapshots (memory trial) failed to read: the status is
     the training's, e.g. `` (training); traces: 0 of 1 read, 1 error``; "" when every one was read."""
-    noun, items = (("traces", s.get("kernel_traces")) if s["profile_kind"] == "kernel"
-                   else ("snapshots", s.get("memory_snapshots")))
-    failed = sum(1 for it in items or [] if "error" in it)
+    noun, items = (("traces", s.get("kernel_traces") or []) if s["profile_kind"] == "kernel"
+                   else ("snapshots", s.get("memory_snapshots") or []))
+    failed = sum(1 for it in items if "error" in it)
     if not failed:
         return ""
     return (f" (training); {noun}: {len(items) - failed} of {len(items)} read, {failed} "
@@ -108,7 +109,7 @@ def _code(text: str) -> str:
     return f"{fence} {text} {fence}" if len(fence) > 1 else f"`{text}`"
 
 
-def _next_step_lines(findings: list) -> list[str]:
+def _next_step_lines(findings: list[Finding]) -> list[str]:
     """Each finding's next-step line ("" without one): a next step an earlier finding already gave word for word is
     "as finding N's" (N the first that gave it, 1-based); the JSON keeps every finding's full text."""
     first: dict[str, int] = {}
