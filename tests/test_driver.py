@@ -60,7 +60,7 @@ def run_driver(env_extra: dict, tmp_path: Path, *args: str, timeout: float = 60)
      "torchrun's rendezvous timeout is a C int)\n"),
     # non-ASCII digits and stray spaces (int() and float() take them)
     ({"STALL_TIMEOUT": "\u0661\u0662"}, "sftprof: STALL_TIMEOUT='\u0661\u0662': must be an integer from 0 to 2147483647\n"),
-    ({"FIT_CHECK": "warn "}, "sftprof: FIT_CHECK='warn ': must be one of refuse, warn, off\n"),
+    ({"FIT_CHECK": "warn "}, "sftprof: FIT_CHECK='warn ': must be one of refuse, warn, off, only\n"),
     ({"LM_HEAD_LOSS_CHUNK_SIZE": "\u0668"}, "sftprof: LM_HEAD_LOSS_CHUNK_SIZE='\u0668': must be an integer >= 0 (0 = "
      "logits path)\n"),
     # folder names over 255 bytes (used to end in an OSError traceback: File name too long)

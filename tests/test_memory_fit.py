@@ -1,12 +1,15 @@
 """The fit check (issue 46): the predicted peak of the README's one-GPU slice and of simulated ranks of the shipped
 8-GPU layout against the measured runs of both YAMLs on an H200 and an H100 (``tests/fixtures/measured_peaks/runs.json``,
 the docs/examples summaries), its verdict against each run's outcome, and the driver's plan refusing, warning or
-going on."""
+going on, or checking alone (``FIT_CHECK=only``, through the driver script on a machine without GPUs)."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from sftprof.analysis.memory import fit as memory_fit
 from sftprof.analysis.memory.estimate import params_per_rank, predict_peak
 from sftprof.config import ConfigError, load_config
 from sftprof.launch import planning
-from sftprof.launch.variables import DriverError
+from sftprof.launch.variables import FIT_ONLY_NO_FIT, DriverError
 from sftprof.models.hf import load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +239,8 @@ def test_plan_refuses_the_readme_command_on_80_gb_and_names_what_fits(tmp_path, 
         planning.plan(_env(tmp_path), ARGS, gpus=1)
     text = str(err.value)
     assert text.startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68 of 79.19 GiB "
-                           "(GPU_MEMORY_GIB): predicted peak 82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, "
+                           "(GPU_MEMORY_GIB): predicted peak 82.75 GiB allocated in the LM head backward (parameters "
+                           "5.80, gradients 5.80, "
                            "optimizer 29.01, library workspaces 0.16, saved activations 2.00, router state 0.81, "
                            "logits 37.09, LM head gradients 2.08) + allocator slack 37.09 + outside PyTorch 7.76 + "
                            "prediction error margin 1.08. Settings that fit, smallest change first: "
@@ -252,7 +256,8 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
     _, settings, info = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert [w for w in info.warnings if w.startswith("fit check: rank 0 needs 79.01 of 79.19 GiB (GPU_MEMORY_GIB): ")
-            and w.endswith("+ prediction error margin 0.91; tight: less headroom beyond the margin than 3% of the peak")]
+            and w.endswith("+ prediction error margin 0.91; tight: less headroom beyond the margin than 3% of the "
+                           "peak")]
     assert any(s.startswith("# fit check: rank 0 needs 79.01") for s in settings)
     _, _, info = planning.plan(_env(tmp_path, FIT_CHECK="warn", PROFILE_STAMP="q"), ARGS, gpus=1)
     assert info.warnings[-1].startswith("the predicted peak does not fit one GPU: rank 0 needs 128.68")
@@ -272,7 +277,7 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
                            PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert str(err.value).startswith("the predicted peak does not fit one GPU: rank 0 needs 80.10 of 80.10 GiB "
                                      "(GPU_MEMORY_GIB; 1 MiB over): predicted peak 70.33 GiB")
-    with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off"):
+    with pytest.raises(DriverError, match=r"FIT_CHECK='maybe': must be one of refuse, warn, off, only"):
         planning.plan(_env(tmp_path, FIT_CHECK="maybe"), ARGS, gpus=1)
     with pytest.raises(DriverError, match=r"GPU_MEMORY_GIB='80GB': must be a number of GiB > 0"):
         planning.plan(_env(tmp_path, GPU_MEMORY_GIB="80GB"), ARGS, gpus=1)
@@ -293,3 +298,90 @@ def test_plan_that_no_single_change_fits_says_what_was_not_tried(tmp_path, monke
                                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"),
                                ["actor.backend=megatron:d1", "actor.num_layers=2"], gpus=1)
     assert [n for n in info.notices if n.startswith("fit check: rank 0 needs 38.25 of 40.00 GiB")]
+
+
+# The README's one-GPU slice at 139.81 and 79.19 GiB, by the memory outside PyTorch of the installed megatron-core
+# (0.16.1: 7.76 GiB, 0.19.2: 8.85): the need, and at 79.19 the settings that fit.
+PEAK = ("predicted peak 82.75 GiB allocated in the LM head backward (parameters 5.80, gradients 5.80, optimizer 29.01, "
+        "library workspaces 0.16, saved activations 2.00, router state 0.81, logits 37.09, LM head gradients 2.08) + "
+        "allocator slack 37.09 + outside PyTorch {outside:.2f} + prediction error margin 1.08")
+SHORTER = ("PROFILE_FAKE_SEQ_LEN=32768 (predicted peak 51.70 GiB allocated in the LM head backward, needs {} of 79.19 "
+           "GiB)")
+ONLY = {7.76: ("128.68", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 (predicted "
+                         "peak 70.33 GiB allocated in the layer backward, needs 79.01 of 79.19 GiB, tight); "
+                         + SHORTER.format("69.41")),
+        8.85: ("129.77", SHORTER.format("70.50"))}
+README_ENV = {"N_GPUS_PER_NODE": "1", "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "PROFILE_STEPS": "2",
+              "TOTAL_STEPS": "3"}
+
+
+def _fit_only(tmp_path, extra, *args):
+    """The driver script with ``FIT_CHECK=only`` on this machine: no GPU asked, an ``nvidia-smi`` that gives no
+    answer first on PATH (so the capacity is ``GPU_MEMORY_GIB`` alone wherever the test runs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "RUN_ROOT", "FILEROOT", "GPU_MEMORY_GIB")}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "PYTHON": sys.executable, "FIT_CHECK": "only",
+                "RUN_ROOT": str(tmp_path / "run"), **extra})
+    out = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), *args], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"], out.stderr  # no RUN_ROOT, FILEROOT, sftprof_runs
+    assert out.stdout == ""
+    return out
+
+
+@pytest.mark.parametrize("gib", ["139.81", "79.19"])
+def test_fit_check_only_answers_for_the_readme_command_without_a_gpu(tmp_path, gib):
+    """The README's one-GPU command planned on a machine without GPUs (the megatron backend's CUDA check not made):
+    the fit line with its need, at 79.19 GiB the settings that fit; exit 0 fits, 3 does not; nothing written."""
+    outside = memory_fit.outside_pytorch_gib()
+    need, advice = ONLY[outside]
+    out = _fit_only(tmp_path, {**README_ENV, "GPU_MEMORY_GIB": gib}, *ARGS)
+    lines = out.stderr.splitlines()
+    assert lines[0] == (f"sftprof: fit check: rank 0 needs {need} of {gib} GiB (GPU_MEMORY_GIB): "
+                        f"{PEAK.format(outside=outside)}")
+    fits = gib == "139.81"
+    assert out.returncode == (0 if fits else FIT_ONLY_NO_FIT) == (0 if fits else 3)
+    assert lines[1:] == ([] if fits else [f"sftprof: the predicted peak does not fit one GPU. Settings that fit, "
+                                          f"smallest change first: {advice}"]) + [
+        "sftprof: plan: 2 trial(s) on 1 rank(s) (1 node(s) x 1, megatron:d1, GPUs assumed, this node's not used: "
+        "FIT_CHECK=only): kernel step 2, memory step 2",
+        f"sftprof: FIT_CHECK=only: the worst rank {'fits' if fits else 'does not fit'} one GPU; nothing was written or "
+        "launched"]
+
+
+def test_fit_check_only_answers_for_rank_0_of_the_shipped_layout(tmp_path):
+    """SIMULATE_RANK=0 with the shipped YAML (8-GPU layout, 48 layers) at 79.19 GiB: rank 0's line (a simulated
+    rank's outside-PyTorch figure, whatever megatron-core), one process planned."""
+    out = _fit_only(tmp_path, {"SIMULATE_RANK": "0", "GPU_MEMORY_GIB": "79.19"})
+    assert out.returncode == 3
+    lines = out.stderr.splitlines()
+    assert lines[1] == (
+        "sftprof: fit check: rank 0 needs 87.60 of 79.19 GiB (GPU_MEMORY_GIB): predicted peak 76.57 GiB allocated in "
+        "the layer backward (parameters 9.62, gradients 9.62, optimizer 35.54, library workspaces 0.16, saved "
+        "activations 6.00, router state 2.44, layer working set 7.31, retained input gradients 5.88) + allocator slack "
+        "9.27 + outside PyTorch 0.76 + prediction error margin 1.00")
+    # expandable segments alone fits: with the chunked LM head too (the same peak) is not listed
+    assert lines[2] == (
+        "sftprof: the predicted peak does not fit one GPU. Settings that fit, smallest change first: "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (predicted peak 76.57 GiB allocated in the layer backward, "
+        "needs 78.32 of 79.19 GiB, tight); PROFILE_FAKE_SEQ_LEN=65536 (predicted peak 65.75 GiB allocated in the layer "
+        "backward, needs 72.01 of 79.19 GiB); actor.num_layers=41 (predicted peak 66.92 GiB allocated in the layer "
+        "backward, needs 77.82 of 79.19 GiB, tight)")
+    assert lines[3].startswith("sftprof: plan: 4 trial(s) on 8 rank(s) (1 node(s) x 1, megatron:(attn:d2c4|ffn:d1e8)")
+
+
+def test_fit_check_only_without_a_capacity_or_with_fsdp_exits_2(tmp_path):
+    """No GPU_MEMORY_GIB and no answer from nvidia-smi: exit 2 naming GPU_MEMORY_GIB and its values; the fsdp
+    backend: exit 2, the check covering megatron only. Nothing written either way."""
+    out = _fit_only(tmp_path, README_ENV, *ARGS)
+    assert out.returncode == 2
+    assert out.stderr == ("sftprof: FIT_CHECK=only: no GPU memory to check against (GPU_MEMORY_GIB is unset and "
+                          "nvidia-smi gave no answer); set GPU_MEMORY_GIB to one GPU's GiB, e.g. 79.19 (an H100 80 "
+                          "GB), 139.8 (an H200)\n")
+    out = _fit_only(tmp_path, {**README_ENV, "GPU_MEMORY_GIB": "79.19"}, "actor.backend=fsdp:d1", "actor.num_layers=4")
+    assert out.returncode == 2
+    assert out.stderr == ("sftprof: FIT_CHECK=only with actor.backend='fsdp:d1': the fit check covers the megatron "
+                          "backend only; accepted: a megatron actor.backend, or FIT_CHECK unset to run the trials\n")

@@ -8,7 +8,8 @@
 - ``report RUN_ROOT``: the end table of a run again.
 
 Exit status: 0; 2 on bad input (nothing written or launched); 128 + the signal when SIGINT, SIGTERM, SIGHUP or
-SIGPIPE stopped it;
+SIGPIPE stopped it; ``FIT_CHECK=only`` (``run`` and ``plan``: the plan's fit check printed, nothing written or
+launched): 0 fits, 3 does not fit;
 ``run``: else that of the last failing trial.
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ from sftprof.launch.report import report
 from sftprof.launch.signals import PlanInterrupted, ignore_signals, plan_handlers, say, signals_held
 from sftprof.launch.signals import name as signal_name
 from sftprof.launch.trials import TrialRunner
-from sftprof.launch.variables import (DRIVER_SCRIPT, REPO_ROOT, DriverError, markdown_table, suspect_variables,
-                                      unknown_allowed, usage)
+from sftprof.launch.variables import (DRIVER_SCRIPT, FIT_ONLY_NO_FIT, REPO_ROOT, DriverError, markdown_table,
+                                      suspect_variables, unknown_allowed, usage)
 
 # The settings ``plan`` prints (KEY=value lines): fields of RunPlan.
 PLAN_KEYS = ("run_root", "trials", "stop_on_failure", "node_timeout", "nproc_per_node", "nnodes", "node_rank",
@@ -41,15 +42,17 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
              on_planned: Callable[[], None]) -> tuple[list[Trial], RunPlan] | int:
     """Plan (:func:`sftprof.launch.planning.plan`) and write the plan into RUN_ROOT
     (:func:`sftprof.launch.folders.write_plan`) under the plan's signal handlers; returns ``(trials, run_plan)``, or
-    the exit status when the plan stopped: 2 on bad input (the message printed), 128 + the signal on one of
-    :data:`sftprof.launch.signals.SIGNALS` (what the plan wrote removed, and said in one line). Once the plan is written, its notices are printed and
-    ``on_planned`` (the caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
+    the exit status when the plan stopped: ``FIT_CHECK=only``'s (:func:`_fit_only`, nothing written), 2 on bad input
+    (the message printed), 128 + the signal on one of :data:`sftprof.launch.signals.SIGNALS` (what the plan wrote
+    removed, and said in one line). Once the plan is written, its notices are printed and ``on_planned`` (the caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
     """
     created: list[Path] = []
     run_root = None
     try:
         try:
             trials, settings, run_plan = plan(env, overrides)
+            if run_plan.fit_only is not None:
+                return _fit_only(run_plan)
             run_root = run_plan.run_root
             write_plan(trials, settings, run_plan, created)
         except (DriverError, ConfigError) as err:
@@ -71,6 +74,16 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
         say(f"{signal_name(stop.signum)} received during the plan: nothing was launched; "
             f"{remove_plan(run_root, created)}")
         return 128 + stop.signum
+
+
+def _fit_only(run_plan: RunPlan) -> int:
+    """``FIT_CHECK=only``: print the plan's notices (the fit check among them) and a last line, write and launch
+    nothing; 0 when the worst rank fits, :data:`~sftprof.launch.variables.FIT_ONLY_NO_FIT` when it does not."""
+    for line in run_plan.notices:
+        say(line)
+    say(f"FIT_CHECK=only: the worst rank {'fits' if run_plan.fit_only else 'does not fit'} one GPU; nothing was "
+        "written or launched")
+    return 0 if run_plan.fit_only else FIT_ONLY_NO_FIT
 
 
 def _run(argv: list[str], env: Mapping[str, str]) -> int:

@@ -146,3 +146,4 @@ class RunPlan:
     config: PlanConfig  # the CONFIG file every trial loads (its copy in RUN_ROOT)
     notices: list[str]  # lines for the user before launch: skipped trials, the plan, the warnings
     warnings: list[str]  # repeated under the end table
+    fit_only: bool | None = None  # FIT_CHECK=only: whether the worst rank fits (nothing is written or launched)

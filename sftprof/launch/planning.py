@@ -17,8 +17,11 @@ driver sets for each trial (:data:`TRIAL_KEYS`) another value, a set variable th
 variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes, a user name that is not one folder
 name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, a megatron trial
 whose predicted peak does not fit one GPU (:func:`check_memory_fit`, unless ``FIT_CHECK`` is ``warn`` or ``off``),
-and a busy ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA unless
-``PROFILE_KINDS`` asks for them.
+``FIT_CHECK=only`` with the fsdp backend or without a GPU capacity, and a busy ``MASTER_PORT`` on node 0 (unset on
+one node: a free port is picked). Memory trials are skipped without CUDA unless ``PROFILE_KINDS`` asks for them.
+
+``FIT_CHECK=only`` plans for the layout's GPUs without looking at this node's (a question asked from a laptop): the
+plan's :class:`RunPlan` carries whether the worst rank fits, and the launcher prints the check and stops.
 
 Above 500 lines for a reason: the checks above run in one order against one plan; the variables' table
 is :mod:`sftprof.launch.variables`, the folders :mod:`sftprof.launch.folders`.
@@ -43,9 +46,9 @@ from sftprof.launch.plan_types import DriverEnv, PlanConfig, PlanLog, Probe, Run
 from sftprof.launch.arguments import (TRIAL_KEYS, arguments_setting, check_trial_arguments, config_value,
                                       reject_driver_variables_as_arguments, yaml_value)
 from sftprof.launch.variables import (ALLOW_UNKNOWN, BY_NAME, CONFIG_VARIABLES, DEFAULT_CONFIG, DEFAULT_NODE_TIMEOUT_S,
-                                      DEFAULT_STALL_TIMEOUT_S, KINDS, MULTI_NODE_PORT, RANKS_VARIABLE, REPO_ROOT,
-                                      DriverError, Variable, check_text, parse_bool, suspect_variables, unknown_allowed,
-                                      what_ifs_text)
+                                      DEFAULT_STALL_TIMEOUT_S, GIB_EXAMPLES, KINDS, MULTI_NODE_PORT, RANKS_VARIABLE,
+                                      REPO_ROOT, DriverError, Variable, check_text, parse_bool, suspect_variables,
+                                      unknown_allowed, what_ifs_text)
 from sftprof.models.checks import ModelCheckError, check_model
 from sftprof.models.hf import load_hf_config
 from sftprof.ranks import RankSpecError, format_ranks, resolve_ranks
@@ -233,7 +236,8 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
             f"{probe.actor.backend!r} needs world size {layout.world_size}")
     d.overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
-    gpus = visible_gpus() if gpus is None else gpus
+    # FIT_CHECK=only: a plan for the GPU node it names (one GPU per process), this node's GPUs not asked
+    gpus = nproc if d.fit_check == "only" else visible_gpus() if gpus is None else gpus
     if layout.backend == "megatron" and gpus == 0:
         raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
                           f"none (CONFIG={config}); " + _cpu_hint(d, layout))
@@ -429,22 +433,31 @@ def _setting_text(key: str, value: object) -> str:
     return f"{var.name}={yaml_value(value)}" if var else f"{key}={yaml_value(value)}"
 
 
-def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
+def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> bool | None:
     """Step 2b: the worst rank's predicted peak against one GPU (:mod:`sftprof.analysis.memory.fit`), before anything is
     written: a line in ``profile_settings.log``; over capacity, the settings that fit with their predicted peak, and
-    ``FIT_CHECK`` decides (``refuse``: DriverError, ``warn``: a warning, ``off``: not checked). Megatron only.
+    ``FIT_CHECK`` decides (``refuse``: DriverError, ``warn``: a warning, ``off``: not checked, ``only``: the line and
+    the settings that fit as notices). Megatron only. Returns whether it fits (None: not checked).
 
     Raises:
-        DriverError: the peak does not fit and ``FIT_CHECK=refuse`` (the default).
+        DriverError: the peak does not fit and ``FIT_CHECK=refuse`` (the default); ``FIT_CHECK=only`` with the fsdp
+            backend, or with neither ``GPU_MEMORY_GIB`` nor nvidia-smi's answer.
     """
     mode, given = d.fit_check, d.gpu_memory_gib
+    if mode == "only" and p.layout.backend != "megatron":
+        raise DriverError(f"FIT_CHECK=only with actor.backend={p.cfg.actor.backend!r}: the fit check covers the "
+                          "megatron backend only; accepted: a megatron actor.backend, or FIT_CHECK unset to run the "
+                          "trials")
     if mode == "off" or p.layout.backend != "megatron":
-        return
+        return None
     capacity = given if given is not None else gpu_free_gib(p.nproc, {"CUDA_VISIBLE_DEVICES": d.get(
         "CUDA_VISIBLE_DEVICES") or ""})
+    if capacity is None and mode == "only":
+        raise DriverError(f"FIT_CHECK=only: no GPU memory to check against (GPU_MEMORY_GIB is unset and nvidia-smi "
+                          f"gave no answer); set GPU_MEMORY_GIB to one GPU's GiB, {GIB_EXAMPLES}")
     if capacity is None:
         log.notices.append("fit check skipped: no GPU_MEMORY_GIB and no answer from nvidia-smi")
-        return
+        return None
     source = "GPU_MEMORY_GIB" if given is not None else "the least free memory of this node's GPUs, nvidia-smi"
     cfg = dataclasses.asdict(p.cfg)
     path, seq = p.cfg.actor.path, p.cfg.profile.fake_seq_len
@@ -458,18 +471,22 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> None:
             log.warn(line)
         else:
             log.notices.append(line)
-        return
+        return True
     changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf)
     advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items())
                        + f" ({fit_text(c['check'], brief=True)})" for c in changes) or (
         "none of expandable segments, the chunked LM head, full recompute, fewer tokens or fewer layers fits (fewer "
         "tokens and fewer layers together not tried: GPU_MEMORY_GIB and FIT_CHECK=refuse check such a plan): use "
         "more GPUs (TP, CP, EP, PP)")
-    text = (f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. Settings that fit, smallest change "
-            f"first: {advice}")
+    fitting = f"Settings that fit, smallest change first: {advice}"
+    if mode == "only":
+        log.notices += [line, f"the predicted peak does not fit one GPU. {fitting}"]
+        return False
+    text = f"the predicted peak does not fit one GPU: {line[len('fit check: '):]}. {fitting}"
     if mode == "refuse":
         raise DriverError(f"{text}. Nothing was launched; set one, or FIT_CHECK=warn to launch anyway")
     log.warn(text)
+    return False
 
 
 def fit_text(fit: dict[str, Any], brief: bool = False, source: str | None = None) -> str:
@@ -550,7 +567,7 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log = PlanLog()
     d = read_driver_env(env, extra_overrides, log)
     p = probe_config(d, gpus, log)
-    check_memory_fit(d, p, log)
+    fits = check_memory_fit(d, p, log)
     trials, run_root, first_cfg = expand_trials(d, p, log)
     config = log.config
     assert config is not None  # set by expand_trials
@@ -558,11 +575,12 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log.settings += [f"# warning: {w}" for w in log.warnings]
     log.settings.append("# resolved config of the first trial:")
     log.settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
-    device = f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)"
+    device = ("GPUs assumed, this node's not used: FIT_CHECK=only" if d.fit_check == "only" else
+              f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)")
     log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, RunPlan(
         run_root=run_root, run_root_set=bool(d.get("RUN_ROOT")), trials=len(trials), stop_on_failure=int(d.stop),
         what_ifs=d.what_ifs, node_timeout=d.node_timeout, stall_timeout=d.stall_timeout, **torchrun, config=config,
-        notices=log.notices, warnings=log.warnings)
+        notices=log.notices, warnings=log.warnings, fit_only=fits if d.fit_check == "only" else None)

@@ -49,7 +49,10 @@ MULTI_NODE_PORT = 29500  # MASTER_PORT unset with several nodes: every node must
 DEFAULT_STALL_TIMEOUT_S = 1800  # a rank without progress this long is stalled: above a checkpoint load or a step
 NODE_TIMEOUT_MAX_S = 2**31 - 1  # NODE_TIMEOUT=99999999999999999999999 crashed torchrun (OverflowError, C int)
 MAX_WHAT_IFS = 8  # TRY_WHAT_IFS (a count, or the keys listed): one full trial each; more is a typo, not a plan
-FIT_CHECKS = ("refuse", "warn", "off")  # FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked
+# FIT_CHECK: a peak over the GPU stops the plan, is a warning, or is not checked; ``only``: the check alone, no launch
+FIT_CHECKS = ("refuse", "warn", "off", "only")
+FIT_ONLY_NO_FIT = 3  # FIT_CHECK=only's exit status when the worst rank does not fit (0: it fits)
+GIB_EXAMPLES = "e.g. 79.19 (an H100 80 GB), 139.8 (an H200)"  # GPU_MEMORY_GIB's values, as torch.cuda.mem_get_info
 ALLOW_UNKNOWN = "SFTPROF_ALLOW_UNKNOWN_VARS"
 
 
@@ -165,7 +168,7 @@ def _text(name: str, text: str) -> str:
 def _gib(name: str, text: str) -> float:
     value = read_number(float, text)
     if value is None or not 0 < value < 2**20:
-        raise DriverError(f"{name}={text!r}: must be a number of GiB > 0, e.g. 79.19 (an H100 80 GB), 139.8 (an H200)")
+        raise DriverError(f"{name}={text!r}: must be a number of GiB > 0, {GIB_EXAMPLES}")
     return value
 
 
@@ -266,7 +269,9 @@ VARIABLES = (
              "gives it: 79.19 on an H100 80 GB)", parse=_gib, default="the least free memory of this node's GPUs "
              "(nvidia-smi)"),
     Variable("FIT_CHECK", "launcher", "a megatron trial whose predicted peak exceeds GPU_MEMORY_GIB: refuse (exit 2, "
-             "naming the settings that fit), warn (and launch), off", parse=_fit_check, default="refuse"),
+             "naming the settings that fit), warn (and launch), off; only: print the check, launch and write nothing, "
+             f"no GPU needed with GPU_MEMORY_GIB (exit 0 fits, {FIT_ONLY_NO_FIT} not)", parse=_fit_check,
+             default="refuse"),
     Variable("STOP_ON_FAILURE", "launcher", "stop after the first failed trial (the rest are listed as `not run`)",
              parse=parse_bool, default="1"),
     Variable("RUN_ROOT", "launcher", "where trial outputs and summary.tsv go; never overwritten",
@@ -391,7 +396,8 @@ def usage(config: str | None = None) -> str:
               f"{DRIVER_SCRIPT}",
               "",
               "Exit status: 0 all trials ok, 2 bad input (nothing launched), 130 Ctrl-C (143 SIGTERM: either stops",
-              "the whole run), else that of the last failing trial.",
+              "the whole run), else that of the last failing trial; FIT_CHECK=only: 0 fits, "
+              f"{FIT_ONLY_NO_FIT} does not fit.",
               "See README.md for the artifacts and how to read them."]
     return "\n".join(lines) + "\n"
 
