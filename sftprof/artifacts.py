@@ -8,8 +8,9 @@ Torch-free and importing nothing else of the project, so every side can use it. 
   trainer), its run dir (``RUN_DIR``, written by the driver and postprocessing) and the run root
   (``RUN_ROOT``, written by the launcher). ``docs/ARCHITECTURE.md`` lists who writes and who reads each.
 - **``stats.jsonl`` records**: :class:`StepRecord` (one per training step, every field with its unit),
-  :class:`CompletionRecord` (after the steps) and :class:`TeardownRecord` (the last line: the process group torn
-  down), written by :class:`StatsWriter` (the trainer, rank 0) and read by :func:`read_stats`.
+  :class:`CompletionRecord` (after the steps), :class:`TeardownRecord` (the process group torn down) and
+  :class:`ExitRecord` (the last line: the process's atexit handlers run), written by :class:`StatsWriter` (the
+  trainer, rank 0) and read by :func:`read_stats`.
 
 Layout::
 
@@ -576,9 +577,10 @@ class CompletionRecord:
 
 @dataclass(frozen=True)
 class TeardownRecord:
-    """The last line of ``stats.jsonl`` (``{"type": "teardown", ...}``): rank 0's clock (the simulated rank's) after
-    the completion record, as the trainer's ``main`` leaves; the process's and torchrun's exit follow. Appended after
-    the process group is torn down, so a trial killed before (or a log of an earlier release) has none.
+    """The line of ``stats.jsonl`` after the completion record (``{"type": "teardown", ...}``): rank 0's clock (the
+    simulated rank's) as the trainer's ``main`` leaves; the process's and torchrun's exit follow (only the
+    :class:`ExitRecord` after it). Appended after the process group is torn down, so a trial killed before (or a log
+    of an earlier release) has none.
 
     Attributes:
         barrier_done_unix_s: the ranks' barrier after the steps passed, seconds since the Unix epoch; None when no
@@ -597,6 +599,28 @@ class TeardownRecord:
         return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
+@dataclass(frozen=True)
+class ExitRecord:
+    """The last line of ``stats.jsonl`` (``{"type": "exit", ...}``): rank 0's clock (the simulated rank's) in the
+    trainer's first registered ``atexit`` handler, so the last to run: after ``main`` returned, the process's
+    non-daemon threads joined and every later registered atexit handler (torch's compile workers shut down among
+    them); Python's finalisation (modules torn down, the CUDA context destroyed), the process's end and torchrun's
+    exit follow. Written only after a :class:`TeardownRecord`; a trial killed before (or a log of an earlier release)
+    has none.
+
+    Attributes:
+        atexit_done_unix_s: the handler ran, seconds since the Unix epoch.
+    """
+
+    atexit_done_unix_s: Optional[float] = None
+
+    TYPE = "exit"
+
+    def to_json(self) -> dict:
+        """``{"type": "exit", <field>: value, ...}`` in field order."""
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
 def field_units(record_type: type = StepRecord) -> dict[str, str]:
     """``{field: unit and meaning}`` of a record type, from its field metadata."""
     return {f.name: f.metadata.get("unit", "") for f in fields(record_type)}
@@ -611,7 +635,8 @@ class StatsWriter:
 
     Args:
         path: the file (``LOG_DIR/stats.jsonl``); created or truncated.
-        append: append to the file instead (the :class:`TeardownRecord`, after the writer of the steps closed it).
+        append: append to the file instead (the :class:`TeardownRecord` and :class:`ExitRecord`, after the writer
+            of the steps closed it).
     Raises:
         OSError: the file cannot be opened.
     """
@@ -619,7 +644,7 @@ class StatsWriter:
     def __init__(self, path: str | Path, append: bool = False) -> None:
         self._f: IO[str] | None = open(path, "a" if append else "w", encoding="utf-8")
 
-    def write(self, record: StepRecord | CompletionRecord | TeardownRecord) -> None:
+    def write(self, record: StepRecord | CompletionRecord | TeardownRecord | ExitRecord) -> None:
         """Append ``record.to_json()`` as one line and flush."""
         self._f.write(json.dumps(record.to_json()) + "\n")
         self._f.flush()
@@ -639,14 +664,15 @@ def is_step_index(value: Any) -> bool:
 @dataclass
 class StatsLog:
     """``stats.jsonl`` as read back: the step records in file order, the last completion record (None when
-    the trial never wrote one: it was killed), the last teardown record (None: killed before it, or a log of an
-    earlier release) and the count of lines that are not a JSON object of a known
+    the trial never wrote one: it was killed), the last teardown and exit records (None: killed before them, or a
+    log of an earlier release) and the count of lines that are not a JSON object of a known
     type, or are a step record whose ``step`` is not a non-negative integer (``bad_lines``: counted and left
     out, never fatal)."""
 
     steps: list[StepRecord] = field(default_factory=list)
     completion: Optional[CompletionRecord] = None
     teardown: Optional[TeardownRecord] = None
+    exit: Optional[ExitRecord] = None
     bad_lines: int = 0
 
 
@@ -673,6 +699,8 @@ def read_stats(path: str | Path) -> StatsLog:
                 out.completion = _from_json(CompletionRecord, rec)
             elif kind == TeardownRecord.TYPE:
                 out.teardown = _from_json(TeardownRecord, rec)
+            elif kind == ExitRecord.TYPE:
+                out.exit = _from_json(ExitRecord, rec)
             else:
                 out.bad_lines += 1
     return out

@@ -19,19 +19,22 @@
    ``progress/rank<r>.json`` (:class:`sftprof.progress.RankProgress`) for the launcher's watchdog.
 4. Always write the completion record to ``stats.jsonl``; on failure it says ``failed`` with the
    error and the process exits with status 1. After the ranks' barrier (a trial that did not fail) and the process
-   group's teardown, rank 0 appends the teardown record, the file's last line.
+   group's teardown, rank 0 appends the teardown record; its atexit handler, registered first in ``main`` so run
+   last, appends the exit record after it, the file's last line.
 
 A simulated rank (``actor.simulate.rank`` >= 0, docs/simulated_rank.md) is one process (``WORLD_SIZE`` 1) that joins
 torch's fake process group as that rank of the layout's world, profiles itself and writes the trial's files.
 
 ``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
 :class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there), a
-:class:`sftprof.artifacts.CompletionRecord` after them and a :class:`sftprof.artifacts.TeardownRecord` at the end.
+:class:`sftprof.artifacts.CompletionRecord` after them, a :class:`sftprof.artifacts.TeardownRecord` and an
+:class:`sftprof.artifacts.ExitRecord` at the end.
 The file names in LOG_DIR come from :mod:`sftprof.artifacts` as well.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
@@ -52,7 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts, simulated_comm, versions
 from sftprof.allocation import parse_allocation_mode
-from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TeardownRecord
+from sftprof.artifacts import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
@@ -256,6 +259,9 @@ def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = Non
     since the Unix epoch; ``train_sft_profile.py`` passes it), recorded in the completion record. Returns 0; exits 2
     on bad input, 1 on failure."""
     times = {"trainer_started_unix_s": started_unix_s, "imports_done_unix_s": time.time()}
+    exit_clock = _ExitClock()
+    if int(os.environ.get("RANK", "0")) == 0:  # the lead (a simulated rank runs alone): registered first, runs last
+        atexit.register(exit_clock)
     args = _parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     check_plan_config(args.config)
@@ -306,21 +312,44 @@ def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = Non
             barrier_done = time.time()
     finally:
         dist.destroy_process_group()
-        if lead:
-            _write_teardown(log_dir, barrier_done)
+        if lead and _write_teardown(log_dir, barrier_done):
+            exit_clock.path = log_dir / artifacts.STATS
     return status
 
 
-def _write_teardown(log_dir: Path, barrier_done: Optional[float]) -> None:
+def _write_teardown(log_dir: Path, barrier_done: Optional[float]) -> bool:
     """Append the :class:`sftprof.artifacts.TeardownRecord` to ``stats.jsonl``: ``barrier_done`` (None: no barrier)
-    and now as the process group's teardown's end. A file that cannot be written is a warning in the log: the trial's
-    exit status stays its own."""
+    and now as the process group's teardown's end. Returns whether it was written; a file that cannot be written is a
+    warning in the log: the trial's exit status stays its own."""
     try:
         writer = StatsWriter(log_dir / artifacts.STATS, append=True)
         writer.write(TeardownRecord(barrier_done_unix_s=barrier_done, process_group_destroyed_unix_s=time.time()))
         writer.close()
     except OSError as err:
         log.warning("teardown record not written to %s: %s", artifacts.STATS, err)
+        return False
+    return True
+
+
+class _ExitClock:
+    """The ``atexit`` handler that appends the :class:`sftprof.artifacts.ExitRecord` to ``path`` (``stats.jsonl``),
+    set once the teardown record is written (None: nothing is written, the file keeps its end). Registered first in
+    ``main``, it runs after the later registered handlers (torch's compile workers shut down) and before logging's
+    (registered at its import). A file that cannot be written is a warning in the log; nothing is raised, the exit
+    status stays the process's."""
+
+    def __init__(self) -> None:
+        self.path: Optional[Path] = None
+
+    def __call__(self) -> None:
+        if self.path is None:
+            return
+        try:
+            writer = StatsWriter(self.path, append=True)
+            writer.write(ExitRecord(atexit_done_unix_s=time.time()))
+            writer.close()
+        except OSError as err:
+            log.warning("exit record not written to %s: %s", artifacts.STATS, err)
 
 
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir, times: dict) -> int:

@@ -146,7 +146,7 @@ def test_nccl_version_is_torchs_as_text_and_none_without_nccl(monkeypatch):
 def test_kernel_trial_records(kernel_trial):
     log_dir, _ = kernel_trial
     recs = _records(log_dir)
-    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown"]
+    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown", "exit"]
     assert _without_clocks(recs[2]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
                                         "world_size": 2, "backend": "fsdp", "device": "cpu", "profile_kind": "kernel",
                                         "profile_step": 0}
@@ -156,11 +156,14 @@ def test_kernel_trial_records(kernel_trial):
                        "tflops_per_gpu", "mfu", "recompute_tflops_per_gpu", "profiled", "grad_norm", "moe_load",
                        "started_unix_s", "profiler_s"}
     assert [s0["step"], s1["step"]] == [0, 1] and [s0["profiled"], s1["profiled"]] == [True, False]
-    end, teardown = recs[2], recs[3]
+    end, teardown, exited = recs[2], recs[3], recs[4]
     assert end["engine_build_started_unix_s"] < s0["started_unix_s"] < s1["started_unix_s"] < end["ended_unix_s"]
     # after the completion record: the ranks' barrier passed, then the process group torn down
     assert set(teardown) == {"type", "barrier_done_unix_s", "process_group_destroyed_unix_s"}
     assert end["ended_unix_s"] <= teardown["barrier_done_unix_s"] <= teardown["process_group_destroyed_unix_s"]
+    # then main returned and the atexit handlers registered after the trainer's ran
+    assert set(exited) == {"type", "atexit_done_unix_s"}
+    assert teardown["process_group_destroyed_unix_s"] <= exited["atexit_done_unix_s"]
     assert s0["profiler_s"] >= 0 and s1["profiler_s"] >= 0
     assert math.isfinite(s0["loss"]) and abs(s0["loss"] - math.log(151936)) < 1.0
     assert s1["loss"] < s0["loss"]  # one AdamW step on the same batch lowers its loss
@@ -212,7 +215,7 @@ def test_memory_trial_on_cpu_and_dp_parity(memory_trial, kernel_trial):
     assert "memory profiler: 0 snapshot(s) written on rank 0" in (log_dir / "trainer.log").read_text()
     assert not (log_dir / "memory_snapshots").exists()
     recs = _records(log_dir)
-    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown"]
+    assert [r["type"] for r in recs] == ["step", "step", "complete", "teardown", "exit"]
     assert _without_clocks(recs[2]) == {"type": "complete", "status": "ok", "error": None, "steps_done": 2,
                                         "world_size": 1, "backend": "fsdp", "device": "cpu", "profile_kind": "memory",
                                         "profile_step": 0}
@@ -247,11 +250,13 @@ def test_failure_writes_failed_record(tmp_path):
            "profile.fake_seq_len=16"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    rec, teardown = _records(_log_dir(tmp_path, "fail"))[-2:]
+    rec, teardown, exited = _records(_log_dir(tmp_path, "fail"))[-3:]
     assert rec["type"] == "complete" and rec["status"] == "failed" and rec["steps_done"] == 0
     # no barrier in a failed trial; the process group is torn down all the same
     assert teardown["type"] == "teardown" and teardown["barrier_done_unix_s"] is None
     assert teardown["process_group_destroyed_unix_s"] >= rec["ended_unix_s"]
+    # the exit record follows it; the exit status stays 1
+    assert exited["type"] == "exit" and exited["atexit_done_unix_s"] >= teardown["process_group_destroyed_unix_s"]
     assert rec["error"].startswith("RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an "
                                    "error."), rec["error"]
 
@@ -263,6 +268,25 @@ def test_a_teardown_record_not_written_is_a_warning_not_a_failure(tmp_path, capl
     _write_teardown(tmp_path / "gone", None)
     assert [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records] == [
         ("WARNING", "teardown record not written to stats.jsonl")]
+    assert not (tmp_path / "gone").exists()
+
+
+def test_the_exit_record_follows_only_a_teardown_record_and_a_failed_write_is_a_warning(tmp_path, caplog):
+    """The atexit handler writes nothing before the teardown record armed it (a trial stopped before its teardown
+    keeps its file's end); armed, it appends the exit record; a file that cannot be written is one warning, nothing
+    raised."""
+    from sftprof.artifacts import read_stats
+    from sftprof.trainer import _ExitClock
+    clock = _ExitClock()
+    clock()
+    assert list(tmp_path.iterdir()) == [] and caplog.records == []
+    clock.path = tmp_path / "stats.jsonl"
+    clock()
+    assert read_stats(clock.path).exit.atexit_done_unix_s > 0 and read_stats(clock.path).bad_lines == 0
+    clock.path = tmp_path / "gone" / "stats.jsonl"
+    clock()
+    assert [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records] == [
+        ("WARNING", "exit record not written to stats.jsonl")]
     assert not (tmp_path / "gone").exists()
 
 

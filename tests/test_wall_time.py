@@ -9,13 +9,15 @@ from sftprof import artifacts
 from sftprof.analysis.report.render import _wall_time as _wall_time_section
 from sftprof.analysis.trial.inputs import read_stats
 from sftprof.analysis.trial.wall_time import PHASES, wall_time
-from sftprof.artifacts import CompletionRecord, StatsWriter, StepRecord, TeardownRecord, TrialTimes
+from sftprof.artifacts import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord, TrialTimes
+from sftprof.launch.report import wall_table
 from sftprof.launch.summaries import wall_phases
 
 
-def _stats(tmp_path, steps, teardown=None, **completion):
+def _stats(tmp_path, steps, *ends, **completion):
     """stats.jsonl with step records ``(step, step_time_s, started_unix_s, profiler_s, profiled)``, a completion
-    record and (``teardown``: a TeardownRecord) the teardown record, read as the summary reads it (profiled step 2)."""
+    record and the records ``ends`` (a TeardownRecord, an ExitRecord), read as the summary reads it (profiled step
+    2)."""
     w = StatsWriter(tmp_path / "stats.jsonl")
     for step, dt, started, inside, profiled in steps:
         w.write(StepRecord(step=step, loss=1.0, grad_norm=1.0, step_time_s=dt, tokens=8, tokens_per_s=8 / dt,
@@ -25,9 +27,9 @@ def _stats(tmp_path, steps, teardown=None, **completion):
                            profiler_s=inside))
     w.write(CompletionRecord(status="ok", **completion))
     w.close()
-    if teardown is not None:  # appended after the writer of the steps closed the file, as the trainer does
+    for record in ends:  # appended after the writer of the steps closed the file, as the trainer does
         w = StatsWriter(tmp_path / "stats.jsonl", append=True)
-        w.write(teardown)
+        w.write(record)
         w.close()
     return read_stats(str(tmp_path / "stats.jsonl"), 2)
 
@@ -42,20 +44,21 @@ STEPS = [(0, 19.5, 1010.0, 0.25, False), (1, 4.5, 1030.0, 0.0, False), (2, 5.0, 
 def test_phases_follow_each_other_from_launch_to_exit(tmp_path):
     """Launched at 1000, torchrun ended at 1063: steps 0-2 (2 profiled, 3 s in its profiler) start at 1010, 1030
     and 1040, the completion record at 1060, the ranks' barrier passed at 1060.5, the process group torn down at
-    1062.25; each phase is the span between its boundaries, a step's less its profiler time; step 0 cost 15 s more
-    than step 1 (the only unprofiled step after it)."""
+    1062.25, the atexit handlers done at 1062.5; each phase is the span between its boundaries, a step's less its
+    profiler time; step 0 cost 15 s more than step 1 (the only unprofiled step after it)."""
     stats = _stats(tmp_path, STEPS, TeardownRecord(barrier_done_unix_s=1060.5, process_group_destroyed_unix_s=1062.25),
-                   **CLOCKS)
+                   ExitRecord(atexit_done_unix_s=1062.5), **CLOCKS)
     assert stats["teardown"] == {"type": "teardown", "barrier_done_unix_s": 1060.5,
                                  "process_group_destroyed_unix_s": 1062.25} and stats["bad_lines"] == 0
+    assert stats["exit"] == {"type": "exit", "atexit_done_unix_s": 1062.5}
     wall = wall_time(stats, TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1063.0))
     assert wall == {"phases": [{"phase": p, "seconds": s} for p, s in zip(PHASES, [
-        2.0, 4.5, 1.5, 2.0, 19.75, 10.0, 17.0, 3.25, 2.25, 0.75])], "elapsed_s": 63.0,
+        2.0, 4.5, 1.5, 2.0, 19.75, 10.0, 17.0, 3.25, 2.25, 0.25, 0.5])], "elapsed_s": 63.0,
         "cold_start": {"step0_s": 19.5, "warm_step_s": 4.5, "warm_steps": [1], "reference_profiled": False,
                        "cold_start_s": 15.0}, "barrier_s": 0.5}
     assert sum(p["seconds"] for p in wall["phases"]) == wall["elapsed_s"]
     md = "\n".join(_wall_time_section({"wall_time": wall}))
-    assert "| teardown | 2.250 |" in md and "| exit | 0.750 |" in md
+    assert "| teardown | 2.250 |" in md and "| atexit | 0.250 |" in md and "| exit | 0.500 |" in md
     assert ("- teardown: 0.500 s to the ranks' barrier passed (rank 0 waiting for the slowest rank), 1.750 s tearing "
             "the process groups down") in md
 
@@ -65,12 +68,35 @@ def test_teardown_of_a_failed_trial_and_a_log_without_the_record(tmp_path):
     ``barrier_s`` is None and the Markdown says nothing of a barrier; a log of an earlier release (no teardown
     record): ``teardown`` None and ``exit`` from the completion record to torchrun's end, as before the split."""
     times = TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1063.0)
-    failed = wall_time(_stats(tmp_path, STEPS, TeardownRecord(process_group_destroyed_unix_s=1061.0), **CLOCKS), times)
-    assert [p["seconds"] for p in failed["phases"]][-2:] == [1.0, 2.0] and failed["barrier_s"] is None
+    failed = wall_time(_stats(tmp_path, STEPS, TeardownRecord(process_group_destroyed_unix_s=1061.0),
+                              ExitRecord(atexit_done_unix_s=1061.5), **CLOCKS), times)
+    assert [p["seconds"] for p in failed["phases"]][-3:] == [1.0, 0.5, 1.5] and failed["barrier_s"] is None
     assert "ranks' barrier passed" not in "\n".join(_wall_time_section({"wall_time": failed}))
     old = wall_time(_stats(tmp_path, STEPS, **CLOCKS), times)
-    assert [p["seconds"] for p in old["phases"]] == [2.0, 4.5, 1.5, 2.0, 19.75, 10.0, 17.0, 3.25, None, 3.0]
+    assert [p["seconds"] for p in old["phases"]] == [2.0, 4.5, 1.5, 2.0, 19.75, 10.0, 17.0, 3.25, None, None, 3.0]
     assert old["barrier_s"] is None and sum(p["seconds"] or 0.0 for p in old["phases"]) == old["elapsed_s"]
+
+
+def test_exit_record_splits_atexit_off_exit_and_the_end_table_keeps_their_sum(tmp_path):
+    """The same trial with and without the exit record (a log of an earlier release): with it, ``atexit`` runs from
+    the teardown record (1062.25) to the atexit handlers done (1062.5) and ``exit`` on to torchrun's end (1063.6);
+    without it, ``atexit`` is None ("–" in the Markdown) and ``exit`` runs from the teardown record, as before. An
+    exit record without a teardown record is not used (``exit`` from the completion record). The end table keeps its
+    columns: its exit column is the sum either way (1.35 s)."""
+    times = TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1063.6)
+    teardown, exit_record = TeardownRecord(barrier_done_unix_s=1060.5, process_group_destroyed_unix_s=1062.25), \
+        ExitRecord(atexit_done_unix_s=1062.5)
+    split = wall_time(_stats(tmp_path, STEPS, teardown, exit_record, **CLOCKS), times)
+    before = wall_time(_stats(tmp_path, STEPS, teardown, **CLOCKS), times)
+    alone = wall_time(_stats(tmp_path, STEPS, exit_record, **CLOCKS), times)
+    assert [{p["phase"]: p["seconds"] for p in w["phases"] if p["phase"] in ("teardown", "atexit", "exit")}
+            for w in (split, before, alone)] == [{"teardown": 2.25, "atexit": 0.25, "exit": 1.1},
+                                                 {"teardown": 2.25, "atexit": None, "exit": 1.35},
+                                                 {"teardown": None, "atexit": None, "exit": 3.6}]
+    assert "| atexit | – |" in "\n".join(_wall_time_section({"wall_time": before}))
+    lines = wall_table([("new", tmp_path, {"wall_time": split}), ("old", tmp_path, {"wall_time": before})])
+    assert lines[2].split()[-4:] == ["teardown", "exit", "train", "postproc"]
+    assert lines[3].split()[-4:] == lines[4].split()[-4:] == ["2.2", "1.4", "63.6", "-"]
 
 
 def test_boundaries_not_recorded_leave_their_phases_unknown(tmp_path):
@@ -79,11 +105,12 @@ def test_boundaries_not_recorded_leave_their_phases_unknown(tmp_path):
     steps are 0; a log of an earlier release (no clocks at all): every phase that needs one is unknown."""
     stats = _stats(tmp_path, [], **CLOCKS)
     wall = wall_time(stats, None)
-    assert [p["seconds"] for p in wall["phases"]] == [None, 4.5, 1.5, 52.0, 0.0, 0.0, 0.0, 0.0, None, None]
+    assert [p["seconds"] for p in wall["phases"]] == [None, 4.5, 1.5, 52.0, 0.0, 0.0, 0.0, 0.0, None, None, None]
     assert wall["elapsed_s"] is None and wall["cold_start"] is None
     old = _stats(tmp_path, [(0, 2.0, None, None, True)])
     wall = wall_time(old, TrialTimes(launched_unix_s=1000.0, torchrun_ended_unix_s=1010.0))
-    assert [p["seconds"] for p in wall["phases"]] == [None, None, None, None, 0.0, 0.0, None, None, None, None]
+    assert [p["seconds"] for p in wall["phases"]] == [None, None, None, None, 0.0, 0.0, None, None, None, None,
+                                                      None]
     assert wall["elapsed_s"] == 10.0
 
 

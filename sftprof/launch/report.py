@@ -42,7 +42,8 @@ def _interpreter(python: str | None) -> str:
     return shutil.which(python) or python
 
 
-# the wall-time table's columns: (header, the summary's wall_time phase; None: elapsed, then postprocessing)
+# the wall-time table's columns: (header, the summary's wall_time phase; None: elapsed, then postprocessing); the
+# summary's atexit phase has no column: it is in exit's (_phase_seconds), the table's width kept
 WALL_COLUMNS = (("start", "start_up"), ("imports", "imports"), ("setup", "setup"), ("build", "engine_build"),
                 ("step 0", "step_0"), ("steps", "warm_steps"), ("profiled", "profiled_steps"),
                 ("profiler", "profiler"), ("teardown", "teardown"), ("exit", "exit"))
@@ -50,6 +51,15 @@ WALL_COLUMNS = (("start", "start_up"), ("imports", "imports"), ("setup", "setup"
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _phase_seconds(phases: dict[str, float | None], key: str) -> float | None:
+    """Seconds of the column of phase ``key``: ``exit``'s holds the summary's ``atexit`` (summary 3.11) too, so it
+    runs from the teardown record to torchrun's exit with or without the exit record."""
+    value, atexit = phases.get(key), phases.get("atexit")
+    if key == "exit" and value is not None and atexit is not None:
+        return atexit + value
+    return value
 
 
 def _postprocess_cell(run_dir: Path) -> str:
@@ -73,7 +83,7 @@ def wall_table(labelled: list[tuple[str, Path, dict[str, Any]]]) -> list[str]:
         phases, elapsed, cold_text = wall_phases(summary)
         if not phases:
             continue
-        rows.append([label] + [_seconds(phases.get(key)) for _, key in WALL_COLUMNS]
+        rows.append([label] + [_seconds(_phase_seconds(phases, key)) for _, key in WALL_COLUMNS]
                     + [_seconds(elapsed), _postprocess_cell(run_dir)])
         if cold_text is not None:
             cold.append(f"{label} {cold_text}")

@@ -79,9 +79,10 @@ def _max_over_ranks(per_rank: dict[int, dict[str, float | int | None]], key: str
 
 
 def read_stats(path: str, profile_step: int | None) -> Stats:
-    """Step records, the completion record and the teardown record of ``stats.jsonl``.
+    """Step records, the completion record, the teardown record and the exit record of ``stats.jsonl``.
 
     Returns ``{"available", "bad_lines", "steps": [...], "profile_step_record", "per_rank", "complete", "teardown",
+    "exit",
     "max_mem_peak_allocated_gb", "max_mem_peak_allocated_rank", "max_mem_peak_reserved_gb",
     "max_mem_peak_reserved_rank"}`` plus the profiled step's ``step_time_s``, ``tokens``, ``tokens_per_s``,
     ``tflops_per_gpu``, ``mfu`` and ``mem_peak_{allocated,reserved}_{gb,rank}`` at top level (None when
@@ -96,7 +97,8 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
     absent. A missing file gives ``available: False``; unparsable lines are counted in ``bad_lines``.
     """
     out: dict[str, Any] = {"available": os.path.isfile(path), "bad_lines": 0, "steps": [],
-                           "profile_step_record": None, "per_rank": {}, "complete": None, "teardown": None}
+                           "profile_step_record": None, "per_rank": {}, "complete": None, "teardown": None,
+                           "exit": None}
     out.update(dict.fromkeys(_PROFILE_STEP_FIELDS))
     out.update(dict.fromkeys(f"max_{key}_{unit}" for key in ("mem_peak_allocated", "mem_peak_reserved")
                              for unit in ("gb", "rank")))
@@ -124,6 +126,8 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
         out["complete"] = log.completion.to_json()
     if log.teardown is not None:
         out["teardown"] = log.teardown.to_json()
+    if log.exit is not None:
+        out["exit"] = log.exit.to_json()
     for k in _PROFILE_STEP_FIELDS:
         if not k.startswith("mem_peak_") and k != "n_ranks":
             out[k] = (out["profile_step_record"] or {}).get(k)

@@ -86,6 +86,7 @@ class Stats(TypedDict):
     per_rank: dict[str, RankStats]  # rank (as text) -> figures
     complete: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.CompletionRecord
     teardown: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.artifacts.TeardownRecord (3.10)
+    exit: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.artifacts.ExitRecord (3.11)
     step_time_s: Optional[float]
     tokens: Optional[int]
     tokens_per_s: Optional[float]

@@ -4,13 +4,16 @@ The boundaries are clocks already recorded (seconds since the Unix epoch, node 0
 ``RUN_DIR/trial_times.json`` (:class:`sftprof.artifacts.TrialTimes`: torchrun launched, ended) and rank 0's in
 ``stats.jsonl`` (:class:`sftprof.artifacts.CompletionRecord`: process start, imports done, engine build started,
 record written; :class:`sftprof.artifacts.StepRecord`: each step's start and its time in the profilers;
-:class:`sftprof.artifacts.TeardownRecord`: the ranks' barrier passed, the process group torn down). Each phase
+:class:`sftprof.artifacts.TeardownRecord`: the ranks' barrier passed, the process group torn down;
+:class:`sftprof.artifacts.ExitRecord`: the process's atexit handlers run). Each phase
 runs from one boundary to the next, so the phases sum to the launcher's elapsed time; a boundary not recorded (a
 trial that failed or was stopped before it, a log of an earlier release) leaves the phases on either side of it
 None. A step's phase runs from its start to the next step's (the last: to the completion record), less its time in
 the profilers, which is the ``profiler`` phase; in a failed trial the last recorded step's phase holds the step that
 failed. Without the teardown record (a log of an earlier release, a trial killed in its teardown) ``teardown`` is
-None and ``exit`` runs from the completion record, the teardown in it.
+None and ``exit`` runs from the completion record, the teardown in it; without the exit record (a log of an earlier
+release, a trial killed in its exit) ``atexit`` is None and ``exit`` runs from the teardown record, the atexit
+handlers in it.
 """
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ PHASES = {
                 "allocator snapshot dumped",
     "teardown": "after the last step: the completion record, the ranks' barrier, the process groups torn down "
                 "(Megatron's among them) with their communicators",
-    "exit": "the processes' exit (Python's teardown: tensors freed, atexit handlers; a rank slower to tear down "
-            "than rank 0) and torchrun's noticing it",
+    "atexit": "rank 0's process after its main: non-daemon threads joined, the atexit handlers registered since "
+              "main began run (torch's compile workers shut down among them)",
+    "exit": "the processes' exit (the atexit handlers registered at import: multiprocessing's children joined, "
+            "weakref finalizers, logging's shutdown; Python's finalisation: modules and tensors freed, the CUDA "
+            "context destroyed; a rank slower to exit than rank 0) and torchrun's noticing it",
 }
 
 
@@ -65,6 +71,8 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
     teardown = stats.get("teardown")
     barrier, destroyed = ((_number(teardown.get("barrier_done_unix_s")),
                            _number(teardown.get("process_group_destroyed_unix_s"))) if teardown else (None, None))
+    exited = stats.get("exit") if teardown else None
+    atexit_done = _number(exited.get("atexit_done_unix_s")) if exited else None
     steps = sorted(stats["steps"], key=lambda s: s["step"])
     starts = [_number(s.get("started_unix_s")) for s in steps]
     seconds: dict[str, Optional[float]] = {
@@ -72,7 +80,8 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
         "engine_build": _span(build, starts[0] if steps else written),
         "step_0": 0.0, "warm_steps": 0.0, "profiled_steps": 0.0, "profiler": 0.0,
         "teardown": _span(written, destroyed) if teardown else None,
-        "exit": _span(destroyed, ended) if teardown else _span(written, ended)}
+        "atexit": _span(destroyed, atexit_done) if exited else None,
+        "exit": _span(atexit_done, ended) if exited else _span(destroyed, ended) if teardown else _span(written, ended)}
     for i, row in enumerate(steps):
         span = _span(starts[i], starts[i + 1] if i + 1 < len(steps) else written)
         inside = _number(row.get("profiler_s"))
