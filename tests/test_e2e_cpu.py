@@ -85,7 +85,7 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         wall = json.loads((run_dir / "profile_summary.json").read_text())["wall_time"]
         assert [p["phase"] for p in wall["phases"]] == list(PHASES) == [
             "start_up", "imports", "setup", "engine_build", "step_0", "warm_steps", "profiled_steps", "profiler",
-            "teardown", "exit"]
+            "teardown", "atexit", "exit"]
         seconds = {p["phase"]: p["seconds"] for p in wall["phases"]}
         assert all(v >= 0 for v in seconds.values()), seconds
         times = json.loads((run_dir / "trial_times.json").read_text())
@@ -94,12 +94,17 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         assert elapsed - 0.01 <= sum(seconds.values()) < elapsed + 1.01
         assert elapsed - 0.01 <= wall["elapsed_s"] < elapsed + 1.01
         steps = [json.loads(x) for x in (log_dir / "stats.jsonl").read_text().splitlines()]
-        done, teardown, records = steps[-2], steps[-1], {r["step"]: r for r in steps[:-2]}
+        done, teardown, exited = steps[-3:]
+        records = {r["step"]: r for r in steps[:-3]}
         assert seconds["start_up"] == round(done["trainer_started_unix_s"] - times["launched_unix_s"], 3)
         destroyed = teardown["process_group_destroyed_unix_s"]
         assert seconds["teardown"] == round(destroyed - done["ended_unix_s"], 3)
         assert wall["barrier_s"] == round(teardown["barrier_done_unix_s"] - done["ended_unix_s"], 3)
-        assert seconds["exit"] == round(times["torchrun_ended_unix_s"] - destroyed, 3)
+        # rank 0's atexit handlers ran after the teardown record and before torchrun's end
+        atexit_done, ended = exited["atexit_done_unix_s"], times["torchrun_ended_unix_s"]
+        assert exited["type"] == "exit" and destroyed <= atexit_done <= ended
+        assert seconds["atexit"] == round(atexit_done - destroyed, 3)
+        assert seconds["exit"] == round(ended - atexit_done, 3)
         built = float(re.search(r"engine built in ([\d.]+) s", (log_dir / "trainer.log").read_text()).group(1))
         assert seconds["engine_build"] >= built - 0.05
         rank0 = {k: next(r["step_time_s"] for r in rec["ranks"] if r["rank"] == 0) for k, rec in records.items()}
@@ -109,7 +114,10 @@ def test_wall_time_phases_sum_to_the_trials_elapsed_time_from_its_logs(run):
         assert seconds["warm_steps"] == 0.0  # TOTAL_STEPS = profile step + 1: no other step
         assert seconds["profiler"] == round(sum(r["profiler_s"] for r in records.values()), 3)
         cells = line.split()
-        assert cells[3:13] == [f"{seconds[k]:.1f}" for k in PHASES] and cells[13] == f"{wall['elapsed_s']:.1f}"
+        # the end table's exit column holds the summary's atexit and exit phases
+        shown = [f"{seconds[k]:.1f}" for k in PHASES if k not in ("atexit", "exit")]
+        assert cells[3:13] == shown + [f"{seconds['atexit'] + seconds['exit']:.1f}"]
+        assert cells[13] == f"{wall['elapsed_s']:.1f}"
         cold = wall["cold_start"]
         if cold:  # step 0 faster than the profiled step 1 (its profiler's cost): not measurable, and why
             assert ("not_measurable" in cold) == (cold["cold_start_s"] < 0)
