@@ -75,7 +75,8 @@ def test_force_load_balancing_balances_the_routing(tmp_path, mode, gpus):
     records = _run(tmp_path, mode, ["actor.megatron.moe_router_force_load_balancing=true",
                                     "actor.gradient_checkpointing=true"], nproc=gpus)
     steps = [r for r in records if r["type"] == "step"]
-    assert records[-1]["status"] == "ok" and len(steps) == 2, records[-1]
+    done = next(r for r in records if r["type"] == "complete")  # the teardown and exit records follow it
+    assert done["status"] == "ok" and len(steps) == 2, done
     for s in steps:
         load = s["moe_load"]
         print(mode, "step", s["step"], "loss", s["loss"], "max/mean", load["max_over_mean"], "EP", load["ep_max_over_mean"])
