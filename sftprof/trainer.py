@@ -25,10 +25,10 @@
 A simulated rank (``actor.simulate.rank`` >= 0, docs/simulated_rank.md) is one process (``WORLD_SIZE`` 1) that joins
 torch's fake process group as that rank of the layout's world, profiles itself and writes the trial's files.
 
-``stats.jsonl`` is written through :class:`sftprof.artifacts.StatsWriter`: one
-:class:`sftprof.artifacts.StepRecord` per step (its fields and their units are listed there), a
-:class:`sftprof.artifacts.CompletionRecord` after them, a :class:`sftprof.artifacts.TeardownRecord` and an
-:class:`sftprof.artifacts.ExitRecord` at the end.
+``stats.jsonl`` is written through :class:`sftprof.stats_log.StatsWriter`: one
+:class:`sftprof.stats_log.StepRecord` per step (its fields and their units are listed there), a
+:class:`sftprof.stats_log.CompletionRecord` after them, a :class:`sftprof.stats_log.TeardownRecord` and an
+:class:`sftprof.stats_log.ExitRecord` at the end.
 The file names in LOG_DIR come from :mod:`sftprof.artifacts` as well.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from sftprof import artifacts, simulated_comm, versions
 from sftprof.allocation import parse_allocation_mode
-from sftprof.artifacts import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord
+from sftprof.stats_log import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord
 from sftprof.capture.gpu_sharing import other_processes
 from sftprof.capture.kernel import KernelProfiler
 from sftprof.capture.memory import MemoryProfiler
@@ -168,7 +168,7 @@ def _sync(device: torch.device) -> None:
 
 def _step_record(step: int, result, ranks: list, mem: dict, tokens: int, world_size: int, peak: float | None,
                  on_gpu: bool, profiled: bool, started_unix_s: float, profiler_s: float) -> StepRecord:
-    """The step's :class:`sftprof.artifacts.StepRecord` (units there) from the engine's result, the ranks'
+    """The step's :class:`sftprof.stats_log.StepRecord` (units there) from the engine's result, the ranks'
     gathered times and peaks, rank 0's allocator figures (``mem``, GiB), the GPU's peak FLOP/s, and rank 0's
     clock: the iteration's start and its time in the profilers (s)."""
     step_time = max(r["step_time_s"] for r in ranks)
@@ -312,49 +312,43 @@ def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = Non
             barrier_done = time.time()
     finally:
         dist.destroy_process_group()
-        if lead and _write_teardown(log_dir, barrier_done):
+        if lead and _append_record(log_dir / artifacts.STATS, TeardownRecord(
+                barrier_done_unix_s=barrier_done, process_group_destroyed_unix_s=time.time())):
             exit_clock.path = log_dir / artifacts.STATS
     return status
 
 
-def _write_teardown(log_dir: Path, barrier_done: Optional[float]) -> bool:
-    """Append the :class:`sftprof.artifacts.TeardownRecord` to ``stats.jsonl``: ``barrier_done`` (None: no barrier)
-    and now as the process group's teardown's end. Returns whether it was written; a file that cannot be written is a
-    warning in the log: the trial's exit status stays its own."""
+def _append_record(path: Path, record: TeardownRecord | ExitRecord) -> bool:
+    """Append ``record`` (the teardown or exit record) to ``stats.jsonl`` at ``path``. Returns whether it was written;
+    a file that cannot be written is a warning in the log naming the record, nothing is raised: the trial's exit status
+    stays its own."""
     try:
-        writer = StatsWriter(log_dir / artifacts.STATS, append=True)
-        writer.write(TeardownRecord(barrier_done_unix_s=barrier_done, process_group_destroyed_unix_s=time.time()))
+        writer = StatsWriter(path, append=True)
+        writer.write(record)
         writer.close()
     except OSError as err:
-        log.warning("teardown record not written to %s: %s", artifacts.STATS, err)
+        log.warning("%s record not written to %s: %s", record.TYPE, artifacts.STATS, err)
         return False
     return True
 
 
 class _ExitClock:
-    """The ``atexit`` handler that appends the :class:`sftprof.artifacts.ExitRecord` to ``path`` (``stats.jsonl``),
+    """The ``atexit`` handler that appends the :class:`sftprof.stats_log.ExitRecord` to ``path`` (``stats.jsonl``),
     set once the teardown record is written (None: nothing is written, the file keeps its end). Registered first in
     ``main``, it runs after the later registered handlers (torch's compile workers shut down) and before logging's
-    (registered at its import). A file that cannot be written is a warning in the log; nothing is raised, the exit
-    status stays the process's."""
+    (registered at its import); :func:`_append_record` writes it."""
 
     def __init__(self) -> None:
         self.path: Optional[Path] = None
 
     def __call__(self) -> None:
-        if self.path is None:
-            return
-        try:
-            writer = StatsWriter(self.path, append=True)
-            writer.write(ExitRecord(atexit_done_unix_s=time.time()))
-            writer.close()
-        except OSError as err:
-            log.warning("exit record not written to %s: %s", artifacts.STATS, err)
+        if self.path is not None:
+            _append_record(self.path, ExitRecord(atexit_done_unix_s=time.time()))
 
 
 def _run(cfg, layout, hf_config, tokenizer_source, sample, rank, device, log_dir, times: dict) -> int:
     """The trial's steps on this rank (module docstring); ``times``: the completion record's ``*_unix_s`` so far
-    (:class:`sftprof.artifacts.CompletionRecord`), completed here. Returns 0, or 1 when the trial failed."""
+    (:class:`sftprof.stats_log.CompletionRecord`), completed here. Returns 0, or 1 when the trial failed."""
     simulated = cfg.actor.simulate.rank >= 0
     lead = simulated or rank == 0  # the process that writes the trial's files
     stats = StatsWriter(log_dir / artifacts.STATS) if lead else None

@@ -24,6 +24,8 @@ from sftprof.analysis.summary import postprocess_trial
 from sftprof.config import load_config
 from sftprof.models.hf import CONFIG_DIR
 from sftprof.pycheck import megatron_core_version
+from sftprof.stats_log import TeardownRecord, read_stats
+from sftprof.trainer import _ExitClock, _append_record
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_sft_profile.py"
@@ -264,9 +266,8 @@ def test_failure_writes_failed_record(tmp_path):
 def test_a_teardown_record_not_written_is_a_warning_not_a_failure(tmp_path, caplog):
     """stats.jsonl that cannot be appended to (its log dir gone): one warning, nothing raised, so the trial's exit
     status stays its own."""
-    from sftprof.trainer import _write_teardown
-    _write_teardown(tmp_path / "gone", None)
-    assert [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records] == [
+    written = _append_record(tmp_path / "gone" / "stats.jsonl", TeardownRecord())
+    assert written is False and [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records] == [
         ("WARNING", "teardown record not written to stats.jsonl")]
     assert not (tmp_path / "gone").exists()
 
@@ -275,8 +276,6 @@ def test_the_exit_record_follows_only_a_teardown_record_and_a_failed_write_is_a_
     """The atexit handler writes nothing before the teardown record armed it (a trial stopped before its teardown
     keeps its file's end); armed, it appends the exit record; a file that cannot be written is one warning, nothing
     raised."""
-    from sftprof.artifacts import read_stats
-    from sftprof.trainer import _ExitClock
     clock = _ExitClock()
     clock()
     assert list(tmp_path.iterdir()) == [] and caplog.records == []

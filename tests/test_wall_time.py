@@ -9,7 +9,8 @@ from sftprof import artifacts
 from sftprof.analysis.report.render import _wall_time as _wall_time_section
 from sftprof.analysis.trial.inputs import read_stats
 from sftprof.analysis.trial.wall_time import PHASES, wall_time
-from sftprof.artifacts import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord, TrialTimes
+from sftprof.artifacts import TrialTimes
+from sftprof.stats_log import CompletionRecord, ExitRecord, StatsWriter, StepRecord, TeardownRecord
 from sftprof.launch.report import wall_table
 from sftprof.launch.summaries import wall_phases
 

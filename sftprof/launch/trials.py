@@ -31,7 +31,8 @@ from pathlib import Path
 
 from sftprof import artifacts
 from sftprof.analysis.trial.inputs import read_tried_what_if
-from sftprof.artifacts import TrialTimes, read_stats, write_trial_times
+from sftprof.artifacts import TrialTimes, write_trial_times
+from sftprof.stats_log import read_stats
 from sftprof.launch.nodes import wait_for_nodes
 from sftprof.launch.plan_types import PlanConfig, RunPlan, Trial
 from sftprof.launch.processes import Console, Postprocessing, TrialProcesses, exit_status

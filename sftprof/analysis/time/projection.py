@@ -38,7 +38,8 @@ from sftprof.analysis.memory.fit import (DRIVER_RESERVED_GIB, OUTSIDE_PYTORCH_GI
                                          outside_pytorch_gib)
 from sftprof.analysis.trial import inputs
 from sftprof.analysis.time.rank_plan import rank_plan
-from sftprof.artifacts import STATS, read_stats
+from sftprof.artifacts import STATS
+from sftprof.stats_log import read_stats
 from sftprof.simulation import assumed
 
 __all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "real_rank_memory", "project", "project_trial",

@@ -17,7 +17,7 @@ from typing import IO, Any, Callable, Mapping, Optional, cast
 
 import yaml
 
-from sftprof import artifacts
+from sftprof import artifacts, stats_log
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trace.check import is_finite_number
 from sftprof.analysis.trial.schema import GpuOthers, MoeRouting, SmiWindow, SmiWindowGpu, Stats, Versions
@@ -104,7 +104,7 @@ def read_stats(path: str, profile_step: int | None) -> Stats:
                              for unit in ("gb", "rank")))
     if not out["available"]:
         return cast(Stats, out)  # every member of Stats, as absent
-    log = artifacts.read_stats(path)
+    log = stats_log.read_stats(path)
     out["bad_lines"] = log.bad_lines
     for step_record in log.steps:
         rec = step_record.to_json()
@@ -360,7 +360,7 @@ def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
     if not os.path.isfile(path):
         return None, None
     try:
-        done = artifacts.read_stats(path).completion
+        done = stats_log.read_stats(path).completion
     except OSError:
         return None, None
     return (done.profile_kind, done.profile_step) if done is not None else (None, None)
@@ -375,7 +375,7 @@ def world_size(log_dir: str) -> tuple[int | None, str]:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     try:
-        done = artifacts.read_stats(os.path.join(log_dir, artifacts.STATS)).completion
+        done = stats_log.read_stats(os.path.join(log_dir, artifacts.STATS)).completion
     except OSError:
         done = None
     if done is not None and count(done.world_size):

@@ -72,7 +72,7 @@ class StepRow(TypedDict):
     n_ranks: int  # ranks the peaks are taken over (1: rank 0's alone)
     moe: Optional[MoeRouting]
     gpu_others: list[GpuOthers]
-    started_unix_s: NotRequired[Optional[float]]  # rank 0's clock at the step's start (sftprof.artifacts.StepRecord)
+    started_unix_s: NotRequired[Optional[float]]  # rank 0's clock at the step's start (sftprof.stats_log.StepRecord)
     profiler_s: NotRequired[Optional[float]]  # rank 0's wall time in the profilers around the timed step
 
 
@@ -82,11 +82,11 @@ class Stats(TypedDict):
     available: bool
     bad_lines: int
     steps: list[StepRow]
-    profile_step_record: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.StepRecord
+    profile_step_record: Optional[dict[str, Any]]  # the raw record: sftprof.stats_log.StepRecord
     per_rank: dict[str, RankStats]  # rank (as text) -> figures
-    complete: Optional[dict[str, Any]]  # the raw record: sftprof.artifacts.CompletionRecord
-    teardown: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.artifacts.TeardownRecord (3.10)
-    exit: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.artifacts.ExitRecord (3.11)
+    complete: Optional[dict[str, Any]]  # the raw record: sftprof.stats_log.CompletionRecord
+    teardown: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.stats_log.TeardownRecord (3.10)
+    exit: NotRequired[Optional[dict[str, Any]]]  # the raw record: sftprof.stats_log.ExitRecord (3.11)
     step_time_s: Optional[float]
     tokens: Optional[int]
     tokens_per_s: Optional[float]

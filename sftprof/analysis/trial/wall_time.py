@@ -2,10 +2,10 @@
 
 The boundaries are clocks already recorded (seconds since the Unix epoch, node 0): the launcher's in
 ``RUN_DIR/trial_times.json`` (:class:`sftprof.artifacts.TrialTimes`: torchrun launched, ended) and rank 0's in
-``stats.jsonl`` (:class:`sftprof.artifacts.CompletionRecord`: process start, imports done, engine build started,
-record written; :class:`sftprof.artifacts.StepRecord`: each step's start and its time in the profilers;
-:class:`sftprof.artifacts.TeardownRecord`: the ranks' barrier passed, the process group torn down;
-:class:`sftprof.artifacts.ExitRecord`: the process's atexit handlers run). Each phase
+``stats.jsonl`` (:class:`sftprof.stats_log.CompletionRecord`: process start, imports done, engine build started,
+record written; :class:`sftprof.stats_log.StepRecord`: each step's start and its time in the profilers;
+:class:`sftprof.stats_log.TeardownRecord`: the ranks' barrier passed, the process group torn down;
+:class:`sftprof.stats_log.ExitRecord`: the process's atexit handlers run). Each phase
 runs from one boundary to the next, so the phases sum to the launcher's elapsed time; a boundary not recorded (a
 trial that failed or was stopped before it, a log of an earlier release) leaves the phases on either side of it
 None. A step's phase runs from its start to the next step's (the last: to the completion record), less its time in
@@ -73,6 +73,12 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
                            _number(teardown.get("process_group_destroyed_unix_s"))) if teardown else (None, None))
     exited = stats.get("exit") if teardown else None
     atexit_done = _number(exited.get("atexit_done_unix_s")) if exited else None
+    if exited:  # the exit phase starts at rank 0's last record
+        exit_from = atexit_done
+    elif teardown:
+        exit_from = destroyed
+    else:
+        exit_from = written
     steps = sorted(stats["steps"], key=lambda s: s["step"])
     starts = [_number(s.get("started_unix_s")) for s in steps]
     seconds: dict[str, Optional[float]] = {
@@ -81,7 +87,7 @@ def wall_time(stats: Stats, times: TrialTimes | None) -> WallTime:
         "step_0": 0.0, "warm_steps": 0.0, "profiled_steps": 0.0, "profiler": 0.0,
         "teardown": _span(written, destroyed) if teardown else None,
         "atexit": _span(destroyed, atexit_done) if exited else None,
-        "exit": _span(atexit_done, ended) if exited else _span(destroyed, ended) if teardown else _span(written, ended)}
+        "exit": _span(exit_from, ended)}
     for i, row in enumerate(steps):
         span = _span(starts[i], starts[i + 1] if i + 1 < len(steps) else written)
         inside = _number(row.get("profiler_s"))
