@@ -17,7 +17,7 @@ from sftprof import launch
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.compare import runs as compare, stats
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, outside_pytorch_gib, with_settings
+from sftprof.analysis.memory.fit import DRIVER_RESERVED_GIB, check_fit, fit_text, outside_pytorch_gib, with_settings
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import trial_what_if
 from sftprof.analysis.what_if.outcome import judge, outcome
@@ -215,13 +215,10 @@ def test_cutlass_grouped_gemm_on_the_h200_qwen3_5_trials_that_ran_it():
 
 
 def _fit_reason(effect: str, fit: dict) -> str:
-    """The skip reason of a time what-if whose settings do not fit (the fit gate of what_if/changes.py)."""
-    return (f"predicted {effect}, but its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
-            f"{fit['need_bytes'] / GIB:.2f} GiB (peak {fit['peak_bytes'] / GIB:.2f} allocated in "
-            f"{fit['prediction']['phase']} + {fit['slack_bytes'] / GIB:.2f} allocator slack + "
-            f"{fit['outside_bytes'] / GIB:.2f} outside PyTorch + {fit['margin_bytes'] / GIB:.2f} prediction error "
-            f"margin) of {fit['capacity_bytes'] / GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB; "
-            "sftprof/analysis/memory/fit.py)")
+    """The skip reason of a time what-if whose settings do not fit (the fit gate of what_if/changes.py; the need's
+    wording, fit_text, is tested in tests/test_memory_fit.py)."""
+    return (f"predicted {effect}, but its settings are predicted not to fit the GPU: "
+            + fit_text(fit, source=f"nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB"))
 
 
 def test_fit_gate_on_the_h200_qwen3_5_kernel_trial():

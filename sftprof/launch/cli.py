@@ -44,7 +44,8 @@ def plan_run(env: Mapping[str, str], overrides: list[str],
     (:func:`sftprof.launch.folders.write_plan`) under the plan's signal handlers; returns ``(trials, run_plan)``, or
     the exit status when the plan stopped: ``FIT_CHECK=only``'s (:func:`_fit_only`, nothing written), 2 on bad input
     (the message printed), 128 + the signal on one of :data:`sftprof.launch.signals.SIGNALS` (what the plan wrote
-    removed, and said in one line). Once the plan is written, its notices are printed and ``on_planned`` (the caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
+    removed, and said in one line). Once the plan is written, its notices are printed and ``on_planned`` (the
+    caller's signal handlers) runs with the signals held: a signal from then on is the caller's.
     """
     created: list[Path] = []
     run_root = None

@@ -38,7 +38,7 @@ from typing import Any, Mapping, TypedDict, cast
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
-from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, TIGHT_SHARE, check_fit, fitting_changes
+from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, check_fit, fit_text, fitting_changes
 from sftprof.config import (RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key, load_config,
                             reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir, variable_conflict)
 from sftprof.launch import folders
@@ -236,8 +236,10 @@ def probe_config(d: DriverEnv, gpus: int | None, log: PlanLog) -> Probe:
             f"N_GPUS_PER_NODE={nproc} x N_NODES={n_nodes} = {nproc * n_nodes} processes, but actor.backend="
             f"{probe.actor.backend!r} needs world size {layout.world_size}")
     d.overrides += [f"cluster.n_nodes={n_nodes}", f"cluster.n_gpus_per_node={nproc}"]
-    # FIT_CHECK=only: a plan for the GPU node it names (one GPU per process), this node's GPUs not asked
-    gpus = nproc if d.fit_check == "only" else visible_gpus() if gpus is None else gpus
+    if d.fit_check == "only":  # a plan for the GPU node it names (one GPU per process), this node's GPUs not asked
+        gpus = nproc
+    elif gpus is None:
+        gpus = visible_gpus()
     if layout.backend == "megatron" and gpus == 0:
         raise DriverError(f"actor.backend={probe.actor.backend!r}: the megatron backend needs CUDA GPUs and this node has "
                           f"none (CONFIG={config}); " + _cpu_hint(d, layout))
@@ -489,27 +491,6 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> bool | None:
     return False
 
 
-def fit_text(fit: dict[str, Any], brief: bool = False, source: str | None = None) -> str:
-    """One check of :func:`sftprof.analysis.memory.fit.check_fit` in words: the rank's need against the capacity,
-    the capacity's ``source`` in brackets after it when given (``brief``: the predicted peak and the need alone)."""
-    g = 2**30
-    pred = fit["prediction"]
-    notes = [source] if source else []
-    if not fit["fits"] and f"{fit['need_bytes'] / g:.2f}" == f"{fit['capacity_bytes'] / g:.2f}":
-        notes.append(f"{-fit['headroom_bytes'] / 2**20:.0f} MiB over")  # the rounding would hide the excess
-    need = f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB" + (
-        f" ({'; '.join(notes)})" if notes else "")
-    if brief:
-        return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs {need}"
-                + (", tight" if fit["tight"] else ""))
-    parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
-    return (f"rank {fit['rank']} needs {need}: predicted "
-            f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "
-            f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f} + prediction error margin "
-            f"{fit['margin_bytes'] / g:.2f}"
-            + (f"; tight: less headroom beyond the margin than {TIGHT_SHARE:.0%} of the peak" if fit["tight"] else ""))
-
-
 class _Torchrun(TypedDict):
     """torchrun's settings (:func:`_torchrun_settings`), named as :class:`RunPlan`'s fields."""
     nproc_per_node: int
@@ -575,8 +556,10 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
     log.settings += [f"# warning: {w}" for w in log.warnings]
     log.settings.append("# resolved config of the first trial:")
     log.settings += ["#   " + line for line in to_yaml(first_cfg).splitlines()]
-    device = ("GPUs assumed, this node's not used: FIT_CHECK=only" if d.fit_check == "only" else
-              f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)")
+    if d.fit_check == "only":
+        device = "GPUs assumed, this node's not used: FIT_CHECK=only"
+    else:
+        device = f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)"
     log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
                        f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))

@@ -37,7 +37,7 @@ from sftprof.config import ConfigError
 
 __all__ = ["outside_pytorch_gib", "megatron_core_release", "OUTSIDE_PYTORCH_GIB_SIMULATED", "DRIVER_RESERVED_GIB",
            "smi_capacity_bytes", "PREDICTION_UNDER_SHARE", "TIGHT_SHARE", "LM_HEAD_CHUNK", "ALLOC_CONF", "ENV",
-           "expandable_segments", "with_expandable", "check_fit", "fitting_changes", "with_settings"]
+           "expandable_segments", "with_expandable", "check_fit", "fit_text", "fitting_changes", "with_settings"]
 
 # GiB held outside PyTorch's allocator by a one-GPU trial: nvidia-smi's peak use less the peak reserved, H100 80 GB,
 # TE 2.20.2 (bench/NOTES.md). megatron-core 0.16.1: 7.76 in each of the five one-GPU trials of docs/examples and in
@@ -159,6 +159,28 @@ def check_fit(cfg: dict[str, Any], hf: Any, layout: Layout, seq_len: int, capaci
             "rank": rank, "need_bytes": need, "peak_bytes": pred["peak_bytes"], "slack_bytes": slack,
             "outside_bytes": outside, "margin_bytes": margin, "capacity_bytes": int(capacity_bytes),
             "headroom_bytes": int(capacity_bytes) - need, "prediction": pred}
+
+
+def fit_text(fit: dict[str, Any], brief: bool = False, source: str | None = None) -> str:
+    """One check of :func:`check_fit` in words (the driver's fit check, a what-if's fit gate): the rank's need
+    against the capacity, the capacity's ``source`` in brackets after it when given (``brief``: the predicted peak
+    and the need alone)."""
+    g = 2**30
+    pred = fit["prediction"]
+    notes = [source] if source else []
+    if not fit["fits"] and f"{fit['need_bytes'] / g:.2f}" == f"{fit['capacity_bytes'] / g:.2f}":
+        notes.append(f"{-fit['headroom_bytes'] / 2**20:.0f} MiB over")  # the rounding would hide the excess
+    need = f"{fit['need_bytes'] / g:.2f} of {fit['capacity_bytes'] / g:.2f} GiB" + (
+        f" ({'; '.join(notes)})" if notes else "")
+    if brief:
+        return (f"predicted peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']}, needs {need}"
+                + (", tight" if fit["tight"] else ""))
+    parts = ", ".join(f"{r['category']} {r['bytes'] / g:.2f}" for r in pred["rows"])
+    return (f"rank {fit['rank']} needs {need}: predicted "
+            f"peak {fit['peak_bytes'] / g:.2f} GiB allocated in the {pred['phase']} ({parts}) + allocator slack "
+            f"{fit['slack_bytes'] / g:.2f} + outside PyTorch {fit['outside_bytes'] / g:.2f} + prediction error margin "
+            f"{fit['margin_bytes'] / g:.2f}"
+            + (f"; tight: less headroom beyond the margin than {TIGHT_SHARE:.0%} of the peak" if fit["tight"] else ""))
 
 
 def with_settings(cfg: dict[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:

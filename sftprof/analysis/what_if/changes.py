@@ -66,8 +66,8 @@ from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE, TrialModel
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.memory.fit import (ALLOC_CONF, DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, check_fit, smi_capacity_bytes,
-                                         with_expandable, with_settings)
+from sftprof.analysis.memory.fit import (ALLOC_CONF, DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, check_fit, fit_text,
+                                         smi_capacity_bytes, with_expandable, with_settings)
 from sftprof.analysis.schema import processed_snapshots, processed_traces
 from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.what_if.schema import WhatIf, WhatIfEffect, WhatIfSetting, WhatIfSkipped
@@ -231,12 +231,8 @@ class _Trial:
                         env.get(ALLOC_CONF) if isinstance(env, dict) else None, self.summary.get("versions"))
         if fit["fits"]:
             return None
-        return (f"its settings are predicted not to fit the GPU: rank {fit['rank']} needs "
-                f"{fit['need_bytes'] / _GIB:.2f} GiB (peak {fit['peak_bytes'] / _GIB:.2f} allocated in "
-                f"{fit['prediction']['phase']} + {fit['slack_bytes'] / _GIB:.2f} allocator slack + "
-                f"{fit['outside_bytes'] / _GIB:.2f} outside PyTorch + {fit['margin_bytes'] / _GIB:.2f} prediction "
-                f"error margin) of {capacity / _GIB:.2f} GiB (nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB; "
-                "sftprof/analysis/memory/fit.py)")
+        return "its settings are predicted not to fit the GPU: " + fit_text(
+            fit, source=f"nvidia-smi's total less {DRIVER_RESERVED_GIB} GiB")
 
     def seqs_per_rank(self) -> Optional[int]:
         """Sequences per data-parallel rank and step (``train_dataset.batch_size / dp``)."""
