@@ -5,8 +5,8 @@ Two workloads:
 
 - ``--driver`` (the real one): the README's 4-layer Qwen3-30B-A3B slice through the driver, one memory trial per
   ``memory_profiler.stacks`` value (``LM_HEAD_LOSS_CHUNK_SIZE=2048``, expandable segments: it runs on an H100 80 GB),
-  and from each trial the snapshot's size and the trainer's step times (dump time: the gap the trainer logs between
-  the profiled step's end and ``memory snapshot written``);
+  and from each trial the snapshot's size and the trainer's step times (dump time: the profiled step's
+  ``profiler_s`` in ``stats.jsonl``, the wall time in the memory profiler's stop, which writes the snapshot);
 - default (a stand-in, seconds): ``--layers`` bf16 ``torch.nn.TransformerEncoderLayer`` s of width ``--hidden`` over
   ``--tokens`` tokens with AdamW, ``--steps`` steps per setting in this process, the history of ``--max-entries``
   entries; the dump is timed around ``torch.cuda.memory._dump_snapshot``.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from sftprof.stats_log import read_stats  # noqa: E402
 
 
 def stand_in(args) -> None:
@@ -71,32 +72,22 @@ def stand_in(args) -> None:
 
 
 def driver(args) -> None:
-    print("| stacks | step times s (stats.jsonl) | dump s (trainer.log) | file MiB |\n|---|---|---|---|")
+    print("| stacks | step times s (stats.jsonl) | dump s (profiled step's profiler_s) | file MiB |\n|---|---|---|---|")
     for stacks in ("python", "all"):
         root = Path(args.out) / stacks
         env = {**os.environ, "N_GPUS_PER_NODE": "1", "TRAIN_BATCH_SIZE": "1", "PROFILE_N_MBS": "1", "PROFILE_STEPS": "2",
-               "TOTAL_STEPS": "3", "PROFILE_KINDS": "memory", "LM_HEAD_LOSS_CHUNK_SIZE": "2048",
+               "TOTAL_STEPS": "3", "PROFILE_KINDS": "memory", "PROFILE_FAKE_SEQ_LEN": str(args.seq),
+               "LM_HEAD_LOSS_CHUNK_SIZE": "2048",
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "RUN_ROOT": str(root),
                "FILEROOT": str(Path(args.out) / "fileroot"), "PROFILE_STAMP": stacks}
         subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), "actor.backend=megatron:d1",
                         "actor.num_layers=4", f"memory_profiler.stacks={stacks}"], env=env, check=True)
         log_dir = next((Path(args.out) / "fileroot").rglob(f"*memory_step2_{stacks}"))
         snaps = list((log_dir / "memory_snapshots" / "step_2").glob("snapshot_*.pickle"))
-        lines = (log_dir / "trainer.log").read_text().splitlines()
-        stamps = [_stamp(line) for line in lines if "memory snapshot written" in line or "step 2 " in line]
-        steps = re.findall(r'"step_time_s": ([0-9.]+)', (log_dir / "stats.jsonl").read_text())
-        dump = f"{stamps[-1] - stamps[-2]:.1f}" if len(stamps) >= 2 and None not in stamps[-2:] else "–"
-        print(f"| {stacks} | {', '.join(f'{float(t):.3f}' for t in steps)} | {dump} | "
+        steps = read_stats(log_dir / "stats.jsonl").steps
+        dump = next((f"{s.profiler_s:.2f}" for s in steps if s.profiled and s.profiler_s is not None), "–")
+        print(f"| {stacks} | {', '.join(f'{s.step_time_s:.3f}' for s in steps)} | {dump} | "
               f"{sum(p.stat().st_size for p in snaps) / 2**20:.1f} |")
-
-
-def _stamp(line: str) -> float | None:
-    """Seconds of the day of a trainer.log line's ``HH:MM:SS[,mmm]`` time, None without one."""
-    m = re.search(r"(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?", line)
-    if not m:
-        return None
-    h, mi, s, frac = m.groups()
-    return 3600 * int(h) + 60 * int(mi) + int(s) + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
 def main() -> None:
@@ -106,6 +97,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--seq", type=int, default=65536,
+                   help="--driver: tokens of the slice (65536: the README's 80 GB setting, which the fit check passes)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--max-entries", type=int, default=100000)
     args = p.parse_args()
