@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sftprof.stats_log import StatsWriter, StepRecord
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -147,3 +149,26 @@ def test_step_row_names_the_worse_ranks_exposed_waiting(tmp_path):
     table = step.format_table([dict(row, layout="megatron:(attn:c2|ffn:e2)@actor.simulate.rank=1", world_size=2)],
                               []).splitlines()
     assert "proj. step s  proj. exp. comm ms    MFU" in table[0] and table[1].split()[-5:-3] == ["3.058", "187.5"]
+
+
+def test_snapshot_cost_reads_each_memory_trial_or_says_what_is_missing(tmp_path):
+    """bench/snapshot_cost.py --driver's row of one memory trial: the step times and the profiled step's
+    ``profiler_s`` from a real StatsWriter file and the snapshot's size; a missing log dir, stats.jsonl or snapshot
+    is named in the row with the driver's exit status, no traceback."""
+    bench = _load("snapshot_cost")
+    fileroot = tmp_path / "fileroot"
+    assert bench.driver_cells(fileroot, "all", 2) == "no trial log dir (driver exit 2) | – | –"
+    log_dir = fileroot / "logs" / "root" / "exp" / "qwen3_30b_a3b_fake64k_memory_step2_all"
+    log_dir.mkdir(parents=True)
+    assert bench.driver_cells(fileroot, "all", 1) == (
+        "no stats.jsonl (No such file or directory; driver exit 1) | – | –")
+    writer = StatsWriter(log_dir / "stats.jsonl")
+    for step, (t, prof_s) in enumerate([(4.961, 3.3e-05), (2.013, 3.2e-05), (1.8704, 2.2595)]):
+        writer.write(StepRecord(step=step, loss=1.0, grad_norm=1.0, step_time_s=t, tokens=65536, tokens_per_s=1.0,
+                                profiled=step == 2, profiler_s=prof_s))
+    writer.close()
+    assert bench.driver_cells(fileroot, "all", 0) == "4.961, 2.013, 1.870 | 2.26 | no snapshot"
+    snap_dir = log_dir / "memory_snapshots" / "step_2"
+    snap_dir.mkdir(parents=True)
+    (snap_dir / "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle").write_bytes(b"\0" * (3 * 2**20 + 2**19))
+    assert bench.driver_cells(fileroot, "all", 0) == "4.961, 2.013, 1.870 | 2.26 | 3.5"
