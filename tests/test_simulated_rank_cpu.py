@@ -35,7 +35,8 @@ def run(tmp_path_factory):
 def test_simulated_rank_runs_alone_and_says_so(run):
     out, run_root = run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "sftprof: plan: 1 trial(s) on 8 rank(s) (1 node(s) x 1, fsdp:d8, CPU (no CUDA)): kernel step 1" in out.stderr
+    assert ("sftprof: plan: 1 trial(s) on rank 5 of 8 simulated in one process (fsdp:d8, CPU (no CUDA)): "
+            "kernel step 1") in out.stderr
     (run_dir,) = [p for p in run_root.iterdir() if p.is_dir()]
     summary = json.loads((run_dir / "profile_summary.json").read_text())
     log_dir = Path(summary["paths"]["log_dir"])

@@ -560,8 +560,11 @@ def plan(env: Mapping[str, str], extra_overrides: list[str], gpus: int | None = 
         device = "GPUs assumed, this node's not used: FIT_CHECK=only"
     else:
         device = f"{p.gpus} GPU(s) on this node" if p.gpus else "CPU (no CUDA)"
-    log.notices.append(f"plan: {len(trials)} trial(s) on {p.layout.world_size} rank(s) ({p.n_nodes} node(s) x "
-                       f"{p.nproc}, {p.cfg.actor.backend}, {device}): "
+    sim = p.cfg.actor.simulate.rank
+    where = (f"rank {sim} of {p.layout.world_size} simulated in one process ({p.cfg.actor.backend}, {device})"
+             if sim >= 0 else
+             f"{p.layout.world_size} rank(s) ({p.n_nodes} node(s) x {p.nproc}, {p.cfg.actor.backend}, {device})")
+    log.notices.append(f"plan: {len(trials)} trial(s) on {where}: "
                        + ", ".join(f"{t.kind} step {t.step}" for t in trials))
     return trials, log.settings, RunPlan(
         run_root=run_root, run_root_set=bool(d.get("RUN_ROOT")), trials=len(trials), stop_on_failure=int(d.stop),
