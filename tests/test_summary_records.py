@@ -210,6 +210,27 @@ def test_a_new_store_removes_the_folders_of_dead_processes_only(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
 
 
+def test_a_stop_right_after_the_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """A stop signal becomes SystemExit at any bytecode; one raised the moment the store's folder exists (here: by
+    os.mkdir itself, after making it) still removes the folder, since its removal was registered first (the race
+    a fresh install's test run hit once: test_a_stopped_postprocess_removes_its_temporary_folder)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = []
+
+    def mkdir_then_stop(path, mode=0o777):
+        real_mkdir(path, mode)
+        made.append(path)
+        raise SystemExit(143)
+
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", mkdir_then_stop)
+    with pytest.raises(SystemExit):
+        CpuOpStore(4)
+    monkeypatch.undo()
+    assert len(made) == 1 and os.path.basename(made[0]).startswith(f"sftprof_cpu_ops_{os.getpid()}_")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_write_to_the_temporary_folder_names_it_and_the_space_needed(tmp_path, monkeypatch):
     """A full TMPDIR (ENOSPC when the first block of ops is written) raises TempSpaceError naming the folder and
     its free space; its message for a trace adds the space needed (0.26 GB per GiB of trace text)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import weakref
@@ -101,6 +102,22 @@ def remove_orphans(folder: str) -> list[str]:
     return removed
 
 
+def _make_folder(owner: object, tmp: str) -> str:
+    """Make the store's folder ``sftprof_cpu_ops_<pid>_<random>`` in ``tmp``, removed when ``owner`` goes (or at
+    exit). Its removal is registered before the folder is made, so a stop signal between the two (turned into an exit
+    by ``sftprof.cli.run_main``) cannot leave it behind. Raises TempSpaceError: the folder cannot be made."""
+    while True:
+        path = os.path.join(tmp, f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}")
+        weakref.finalize(owner, shutil.rmtree, path, True)
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise TempSpaceError(tmp, exc) from exc
+
+
 class _Spill:
     """Rows of one structured dtype appended to a file, read back whole or in blocks; a failed write raises
     :class:`TempSpaceError`."""
@@ -154,11 +171,7 @@ class CpuOpStore:
         self._bucket_ops = bucket_ops
         tmp = tempfile.gettempdir()
         remove_orphans(tmp)
-        try:
-            self._dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}_", dir=tmp)
-        except OSError as exc:
-            raise TempSpaceError(tmp, exc) from exc
-        weakref.finalize(self, shutil.rmtree, self._dir, True)  # the files go with the store
+        self._dir = _make_folder(self, tmp)
         self._ops = _Spill(os.path.join(self._dir, "ops"), _OP)
         # the ops not yet written (the first _n): start, dur (us), thread, name index; allocated once, as the block
         # they are written from (no large buffer allocated and freed per block)
