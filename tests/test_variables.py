@@ -30,7 +30,8 @@ def _refusal(name: str, text: str) -> str:
     ("STALL_TIMEOUT", "\u0661\u0662", "must be an integer from 0 to 2147483647"),
     ("NODE_TIMEOUT", "60 ", "must be an integer from 1 to 2147483647 (2**31 - 1 seconds: torchrun's rendezvous "
                             "timeout is a C int)"),
-    ("GPU_MEMORY_GIB", "\u0668\u0660", "must be a number of GiB > 0, e.g. 79.19 (an H100 80 GB), 139.8 (an H200)"),
+    ("GPU_MEMORY_GIB", "\u0668\u0660", "must be a number of GiB in [1, 1048576), e.g. 79.19 (an H100 80 GB), "
+                                     "139.8 (an H200)"),
     ("FIT_CHECK", "warn ", "must be one of refuse, warn, off, only"),
     ("STOP_ON_FAILURE", " 1", "must be true or false (or 1/0)"),
     ("PROFILE_STEPS", "\u0661", "must be a comma-separated list of non-negative integers, e.g. 0,1"),

@@ -167,8 +167,8 @@ def _text(name: str, text: str) -> str:
 
 def _gib(name: str, text: str) -> float:
     value = read_number(float, text)
-    if value is None or not 0 < value < 2**20:
-        raise DriverError(f"{name}={text!r}: must be a number of GiB > 0, {GIB_EXAMPLES}")
+    if value is None or not 1 <= value < 2**20:
+        raise DriverError(f"{name}={text!r}: must be a number of GiB in [1, 1048576), {GIB_EXAMPLES}")
     return value
 
 
