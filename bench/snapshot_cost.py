@@ -88,7 +88,8 @@ def driver(args) -> None:
         rc = subprocess.run(["bash", str(ROOT / "run_qwen3_30b_a3b_sft_profile.sh"), "actor.backend=megatron:d1",
                              "actor.num_layers=4", f"memory_profiler.stacks={stacks}"], env=env).returncode
         rows.append(f"| {stacks} | {driver_cells(base / 'fileroot', stacks, rc)} |")
-    print("| stacks | step times s (stats.jsonl) | dump s (profiled step's profiler_s) | snapshot MiB |\n|---|---|---|---|")
+    print("| stacks | step times s (stats.jsonl) | dump s (profiled step's profiler_s) | snapshot MiB |\n"
+          "|---|---|---|---|")
     print("\n".join(rows))
 
 

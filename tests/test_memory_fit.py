@@ -372,7 +372,8 @@ def test_fit_check_only_answers_for_rank_0_of_the_shipped_layout(tmp_path):
         "needs 78.32 of 79.19 GiB, tight); PROFILE_FAKE_SEQ_LEN=65536 (predicted peak 65.75 GiB allocated in the layer "
         "backward, needs 72.01 of 79.19 GiB); actor.num_layers=41 (predicted peak 66.92 GiB allocated in the layer "
         "backward, needs 77.82 of 79.19 GiB, tight)")
-    assert lines[3].startswith("sftprof: plan: 4 trial(s) on rank 0 of 8 simulated in one process (megatron:(attn:d2c4|ffn:d1e8)")
+    assert lines[3].startswith("sftprof: plan: 4 trial(s) on rank 0 of 8 simulated in one process "
+                               "(megatron:(attn:d2c4|ffn:d1e8)")
 
 
 def test_fit_check_only_without_a_capacity_or_with_fsdp_exits_2(tmp_path):

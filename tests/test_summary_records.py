@@ -212,8 +212,8 @@ def test_a_new_store_removes_the_folders_of_dead_processes_only(tmp_path, monkey
 
 def test_a_stop_right_after_the_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
     """A stop signal becomes SystemExit at any bytecode; one raised the moment the store's folder exists (here: by
-    os.mkdir itself, after making it) still removes the folder, since its removal was registered first (the race
-    a fresh install's test run hit once: test_a_stopped_postprocess_removes_its_temporary_folder)."""
+    os.mkdir itself, after making it) still removes the folder, since its removal was registered first (the window
+    a fresh install's run of test_a_stopped_postprocess_removes_its_temporary_folder most likely hit once)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     made = []
 
