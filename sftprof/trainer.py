@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Optional
 
@@ -238,6 +239,25 @@ def init_distributed(simulate: tuple[int, int] | None = None) -> tuple[int, torc
     return rank, device
 
 
+def destroy_process_groups(together: bool) -> None:
+    """Destroy every process group (``dist.destroy_process_group()``). ``together``: every rank has passed the closing
+    barrier, so each group is first shut down in a thread of its own, all at once. torch shuts NCCL groups down one
+    after another, about 0.48 s each whether or not it ever ran a collective: megatron-core's 21 NCCL groups of a
+    one-GPU trial took 8.9-9.1 s, in parallel 0.50 s (one H100, torch 2.11; bench/NOTES.md, thirtieth session).
+    ``destroy_process_group`` then finds them shut down and only forgets them. A group whose shutdown raises is left
+    to ``destroy_process_group``; a failed trial (not ``together``: a peer may still be inside a collective) goes
+    straight to it, as before."""
+    if together:
+        groups = list(dist.distributed_c10d._world.pg_names)
+        with ThreadPoolExecutor(max_workers=max(len(groups), 1), thread_name_prefix="pg_shutdown") as pool:
+            shutdowns = [(pool.submit(pg.shutdown), pg) for pg in groups]
+        for future, pg in shutdowns:
+            if future.exception() is not None:
+                log.warning("process group %s: shutdown failed (%s); destroy_process_group shuts it down",
+                            dist.distributed_c10d._world.pg_names.get(pg, "?"), future.exception())
+    dist.destroy_process_group()
+
+
 def check_plan_config(path: str) -> None:
     """A trial the driver planned loads ``RUN_ROOT/plan_config.yaml``, whose sha256 at plan time is in
     ``SFTPROF_PLAN_CONFIG_SHA256``: a copy edited since (read-only does not stop root) exits 2 before anything runs,
@@ -311,7 +331,7 @@ def main(argv: Optional[List[str]] = None, started_unix_s: Optional[float] = Non
             dist.barrier()
             barrier_done = time.time()
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups(together=barrier_done is not None)
         if lead and _append_record(log_dir / artifacts.STATS, TeardownRecord(
                 barrier_done_unix_s=barrier_done, process_group_destroyed_unix_s=time.time())):
             exit_clock.path = log_dir / artifacts.STATS
