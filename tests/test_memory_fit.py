@@ -44,10 +44,10 @@ def predictions(tmp_path_factory):
 
 def test_predicted_peak_within_3_percent_of_every_measured_run(predictions):
     """Within 3 % of every measured peak, and never under it by more than the prediction error margin: the 15 runs the
-    margin was set from, the 3 measured after it was (the planner's choice with TE and TE hidden, a simulated rank of a
-    two-GPU layout) and a real two-GPU run."""
+    margin was set from, the 4 measured after it was (the planner's choice with TE and TE hidden, a simulated rank of a
+    two-GPU layout with TE and with TE hidden) and a real two-GPU run."""
     measured = [(run, fit, meas) for run, fit, meas in predictions if meas]
-    assert len(measured) == 19
+    assert len(measured) == 20
     for run, fit, meas in measured:
         err = (fit["peak_bytes"] / 2**30 - meas) / meas
         assert abs(err) <= memory_fit.TIGHT_SHARE, (run["name"], fit["peak_bytes"] / 2**30, meas)
