@@ -3,13 +3,13 @@ into ``RUN_DIR/launcher.log``, watched by the watchdog, the workers it leaves st
 postprocessing (of this trial, or of the one before it in the background: :class:`Postprocessing`) and the
 comparison of a what-if trial.
 
-A trial's ``postprocess_profile.py --after-trial`` starts when the trial is launched (:meth:`TrialProcesses.
-start_postprocess`) and does its imports (torch, transformers: 12 s on one H100 host) while the trial trains; it
-then waits for one line on its standard input, written when the trial has ended (:meth:`TrialProcesses.
-postprocess`), or for the end of input, which it takes as "not postprocessed" (:meth:`TrialProcesses.
-drop_postprocess`, or the launcher's exit). Its standard input is a socket, not a pipe: a line for a process that
-has ended is an error (its status comes from its wait), not a SIGPIPE, which would stop the run
-(:mod:`sftprof.launch.signals`).
+A trial's ``postprocess_profile.py --after-trial`` starts when the trial is launched
+(:meth:`TrialProcesses.start_postprocess`) and does its imports while the trial trains (torch, transformers:
+12.1-12.6 s in a fresh process on one H100 host); it then waits for one line on its standard input, written when
+the trial has ended (:meth:`TrialProcesses.postprocess`), or for the end of input, which it takes as "not
+postprocessed" (:meth:`TrialProcesses.drop_postprocess`, or the launcher's exit). Its standard input is a socket, not
+a pipe: a line for a process that has ended is an error (its status comes from its wait), not a SIGPIPE, which
+would stop the run (:mod:`sftprof.launch.signals`).
 
 torchrun starts in its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it on
 (:meth:`TrialProcesses.terminate`, :meth:`TrialProcesses.kill`); a torchrun killed outright (SIGKILL) leaves its
