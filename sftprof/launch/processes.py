@@ -195,8 +195,9 @@ class TrialProcesses:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             kill_group(proc.pid, signal.SIGKILL)
-        if self.waiting is not None:
-            _signal(self.waiting[0].pid, signal.SIGKILL)
+        waiting = self.waiting
+        if waiting is not None:
+            waiting[0].kill()  # nothing when it has been reaped (Popen knows)
         if self.marker:
             for pid in marked_processes(self.marker):
                 _signal(pid, signal.SIGKILL)
@@ -313,9 +314,10 @@ class TrialProcesses:
         exits without writing anything; its output (none, or what its imports printed) is dropped once it has."""
         if self.waiting is None:
             return
-        (proc, ours), self.waiting = self.waiting, None
+        proc, ours = self.waiting
         ours.close()
-        proc.communicate()
+        proc.communicate()  # a second signal meanwhile kills it (:meth:`kill`)
+        self.waiting = None
 
     def compare(self, source: Trial, trial: Trial) -> int:
         """``postprocess_profile.py compare`` of a what-if trial against its source trial: the report goes to the
