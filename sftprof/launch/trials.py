@@ -12,7 +12,7 @@ its trial with torchrun's status 128 + the signal, named in the node end record 
 A trial whose next trial is a memory trial is postprocessed in the background while that one trains
 (:class:`TrialRunner`); its record waits until that training ends, and a signal then, or a failure with
 ``STOP_ON_FAILURE=1``, is taken as after its postprocessing in the foreground. Each trial's clock (torchrun launched
-and ended, postprocessing started and ended) goes to ``RUN_DIR/trial_times.json``
+and ended, postprocessing launched, started and ended) goes to ``RUN_DIR/trial_times.json``
 (:class:`sftprof.artifacts.TrialTimes`), which postprocessing reads for the summary's wall-time phases.
 
 Each trial's postprocessing is started (node 0) when the trial is launched and does its imports while it trains
