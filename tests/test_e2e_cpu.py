@@ -469,7 +469,7 @@ def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path
     the option (nothing in it differs); with the input closed at once it exits 0 having printed and written nothing
     (not even the run dir); a line that is not a JSON list of strings is exit 2 naming the option."""
     _, run_root = run
-    row = summary_rows(run_root)[2]  # kernel step 1: traces of both ranks
+    row = summary_rows(run_root)[2]  # kernel step 1 (rank 0 profiled: one trace)
     trial = ["--log-dir", row["log_dir"], "--profile-kind", row["kind"], "--profile-step", row["step"]]
     plain, waited = tmp_path / "plain" / "trial", tmp_path / "waited" / "trial"
     res = _postprocess(trial + ["--run-dir", str(plain)], None)
@@ -480,7 +480,7 @@ def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path
                                                   "status ok, ")
     summaries = [json.loads((d / "profile_summary.json").read_text()) for d in (plain, waited)]
     assert summaries[0]["paths"].pop("run_dir") == str(plain) and summaries[1]["paths"].pop("run_dir") == str(waited)
-    assert summaries[0] == summaries[1] and summaries[0]["counts"]["traces_ok"] == 2
+    assert summaries[0] == summaries[1] and summaries[0]["counts"]["traces_ok"] == 1
     dropped = tmp_path / "dropped" / "trial"
     res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial"], None)
     assert (res.returncode, res.stdout, res.stderr, (tmp_path / "dropped").exists()) == (0, "", "", False)
