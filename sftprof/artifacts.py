@@ -367,12 +367,16 @@ class TrialTimes:
     Attributes:
         launched_unix_s: just before torchrun was started.
         torchrun_ended_unix_s: torchrun exited (the trainers' teardown included).
-        postprocess_started_unix_s, postprocess_ended_unix_s: ``postprocess_profile.py`` started and ended.
+        postprocess_launched_unix_s: ``postprocess_profile.py --after-trial`` was started (with torchrun; it
+            imports, then waits for the trial to end).
+        postprocess_started_unix_s, postprocess_ended_unix_s: the launcher let postprocessing go on (the trial
+            had ended), and it ended.
         postprocess_background: postprocessed while the next trial (a memory trial) trained.
     """
 
     launched_unix_s: float
     torchrun_ended_unix_s: Optional[float] = None
+    postprocess_launched_unix_s: Optional[float] = None
     postprocess_started_unix_s: Optional[float] = None
     postprocess_ended_unix_s: Optional[float] = None
     postprocess_background: bool = False

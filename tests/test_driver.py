@@ -805,6 +805,11 @@ def _kill_left_running(fileroot: Path) -> dict[int, dict]:
     return left
 
 
+# A PYTHON wrapper's lines for postprocess_profile.py --after-trial, which the driver starts with the trial: wait for
+# the driver's go (the line, kept in $go for the real postprocessing), or exit 0 at the end of input (not postprocessed)
+AFTER_TRIAL = '  read -r go || exit 0\n'
+
+
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
                    to_group: bool, timeout: float, driver_ignores: bool = False, sig: int = signal.SIGINT,
                    while_postprocessing: bool = False, to_postprocessing: bool = False,
@@ -813,10 +818,12 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     send ``sig`` (SIGINT) to the driver alone or, as a terminal's Ctrl-C does, to its whole process group, and check
     that the run stopped: the trial interrupted, the next one not run (never started), the end table printed, exit
     128 + the signal (130), no line of a failure, of STOP_ON_FAILURE or of the time left, and no process of the run
-    left (any left is named and killed). ``driver_ignores``: the driver starts with SIGINT ignored (as a job started
-    with ``&`` from a script), so only its children see it. ``while_postprocessing``: the first trial trains its
-    step and the signal comes while it is postprocessed (PYTHON is a wrapper that, for postprocess_profile.py, writes
-    its process id to ``postprocess_started`` in the trial's log dir and sleeps instead; pass that as ``started``);
+    left (any left is named and killed; the trial's postprocessing, started with its torchrun and waiting for the
+    trial's end, is found during training and gone after). ``driver_ignores``: the driver starts with SIGINT ignored
+    (as a job started with ``&`` from a script), so only its children see it. ``while_postprocessing``: the first
+    trial trains its step and the signal comes while it is postprocessed (PYTHON is a wrapper that, for
+    postprocess_profile.py, once the driver lets it go on, writes its process id to ``postprocess_started`` in the
+    trial's log dir and sleeps instead; pass that as ``started``);
     ``to_postprocessing``: the signal goes to that process alone, not to the driver (a ``kill`` of it).
     ``close_stdout``: no signal is sent; the reader of the driver's standard output closes it (``| head``), so its
     next line gets SIGPIPE (``sig``) and, the console gone, the end table is in no output."""
@@ -826,7 +833,7 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
                 "TOTAL_STEPS": "" if while_postprocessing else "1000000"}, **env_extra)   # else: runs until stopped
     if while_postprocessing:
         wrapper = tmp_path / "python_wrapper"
-        wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n'
+        wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n' + AFTER_TRIAL +
                            '  prev=""; for a in "$@"; do [ "$prev" = --log-dir ] && echo $$ > "$a/postprocess_started"; '
                            'prev=$a; done\n  exec sleep 300\nfi\n'
                            f'exec {shlex.quote(sys.executable)} "$@"\n')
@@ -845,6 +852,9 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
         assert seen is not None, f"no {started} of trial {names[0]} after 600 s"
+        # the trial's postprocessing, started with its torchrun, waits for the trial to end (one process)
+        waiting = [] if while_postprocessing else list(_processes_of(tmp_path / "fileroot", "--after-trial"))
+        assert len(waiting) == (0 if while_postprocessing else 1)
         if close_stdout:
             proc.stdout.close()
             proc.stdout = None
@@ -887,6 +897,7 @@ def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list
     for line in ("sftprof: [2/2]", "FAILED", "STOP_ON_FAILURE", "more for", "sftprof: [1/2] done in"):
         assert line not in out + err, line
     assert left == {}  # what the driver left running (killed above)
+    assert [pid for pid in waiting if Path(f"/proc/{pid}").exists()] == []  # the waiting postprocessing ended, reaped
     if while_postprocessing:
         return
     # postprocessed alone, as the README says (the RUN_ROOT as --run-dir): interrupted, as the driver said, never
@@ -945,9 +956,9 @@ def test_signal_to_the_driver_alone_while_postprocessing_lets_the_trial_finish(t
     (here after a 3 s sleep of the PYTHON wrapper, then the real postprocessing), so the trial keeps its own status
     (0, summarised); the next trial is `not run` and the exit status is 143."""
     wrapper = tmp_path / "python_wrapper"
-    wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n'
+    wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py ]]; then\n' + AFTER_TRIAL +
                        '  prev=""; for a in "$@"; do [ "$prev" = --log-dir ] && touch "$a/postprocess_started"; '
-                       'prev=$a; done\n  sleep 3\nfi\n'
+                       f'prev=$a; done\n  sleep 3\n  exec {shlex.quote(sys.executable)} "$@" <<<"$go"\nfi\n'
                        f'exec {shlex.quote(sys.executable)} "$@"\n')
     wrapper.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
@@ -1484,8 +1495,9 @@ def _background_run(tmp_path: Path, kernel_postprocess: str, memory_sleeps: bool
     wrapper = tmp_path / "python_wrapper"
     wrapper.write_text(
         '#!/bin/bash\n'
-        'if [[ "$1" == */postprocess_profile.py && " $* " == *" --profile-kind kernel "* ]]; then\n'
-        f'  echo $$ > {shlex.quote(str(run))}/kernel_pp_pid\n  {kernel_postprocess}\nfi\n'
+        'if [[ "$1" == */postprocess_profile.py && " $* " == *" --profile-kind kernel "* ]]; then\n' + AFTER_TRIAL +
+        f'  echo $$ > {shlex.quote(str(run))}/kernel_pp_pid\n  {kernel_postprocess}\n'
+        f'  exec {shlex.quote(sys.executable)} "$@" <<<"$go"\nfi\n'
         + ('if [[ "$1 $2" == "-m torch.distributed.run" && "$*" == *_memory_step* ]]; then\n'
            f'  echo $$ > {shlex.quote(str(run))}/memory_started\n  exec sleep 300\nfi\n' if memory_sleeps else "")
         + f'exec {shlex.quote(sys.executable)} "$@"\n')

@@ -144,6 +144,10 @@ def test_kernel_trials_are_postprocessed_while_the_next_memory_trial_trains(run)
     assert times[2]["launched_unix_s"] > max(times[0]["postprocess_ended_unix_s"], times[1]["postprocess_ended_unix_s"])
     assert all(t["launched_unix_s"] < t["torchrun_ended_unix_s"] <= t["postprocess_started_unix_s"]
                < t["postprocess_ended_unix_s"] for t in times)
+    # each trial's postprocessing process was started with its torchrun (its imports while it trained), and let go
+    # on once the torchrun had ended
+    assert all(t["launched_unix_s"] <= t["postprocess_launched_unix_s"] < t["torchrun_ended_unix_s"]
+               <= t["postprocess_started_unix_s"] for t in times)
     assert [(r["status"], r["train_status"], r["postprocess_status"]) for r in rows] == [("0", "0", "0")] * 4
 
 
@@ -452,3 +456,37 @@ def test_bench_step_layout_spec_with_row_overrides(tmp_path):
         "step.py: error: --layouts 'megatron:d1@actor.megatron.cp_comm_overlap=maybe': actor.megatron.cp_comm_overlap: "
         "Value 'maybe' is not a valid bool (type str); accepted: true or false (also yes/no, on/off, 1/0)")
     assert not (tmp_path / "runs").exists()
+
+
+def _postprocess(args: list[str], stdin: str | None) -> subprocess.CompletedProcess:
+    """``postprocess_profile.py`` with ``args``; ``stdin``: the text on its standard input (None: closed at once)."""
+    return subprocess.run([sys.executable, str(ROOT / "postprocess_profile.py"), *args], cwd=ROOT,
+                          input=stdin if stdin is not None else "", capture_output=True, text=True, timeout=300)
+
+
+def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path):
+    """``--after-trial`` on a trial of the run: with ``[]`` on standard input its summary is the one written without
+    the option (nothing in it differs); with the input closed at once it exits 0 having printed and written nothing
+    (not even the run dir); a line that is not a JSON list of strings is exit 2 naming the option."""
+    _, run_root = run
+    row = summary_rows(run_root)[2]  # kernel step 1 (rank 0 profiled: one trace)
+    trial = ["--log-dir", row["log_dir"], "--profile-kind", row["kind"], "--profile-step", row["step"]]
+    plain, waited = tmp_path / "plain" / "trial", tmp_path / "waited" / "trial"
+    res = _postprocess(trial + ["--run-dir", str(plain)], None)
+    assert res.returncode == 0, res.stderr
+    res = _postprocess(trial + ["--run-dir", str(waited), "--after-trial"], "[]\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[-1].startswith(f"[postprocess] wrote {waited / 'profile_summary.json'} (trial "
+                                                  "status ok, ")
+    summaries = [json.loads((d / "profile_summary.json").read_text()) for d in (plain, waited)]
+    assert summaries[0]["paths"].pop("run_dir") == str(plain) and summaries[1]["paths"].pop("run_dir") == str(waited)
+    assert summaries[0] == summaries[1] and summaries[0]["counts"]["traces_ok"] == 1
+    dropped = tmp_path / "dropped" / "trial"
+    res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial"], None)
+    assert (res.returncode, res.stdout, res.stderr, (tmp_path / "dropped").exists()) == (0, "", "", False)
+    for line in ("nope\n", '["--profile-step", 1]\n', '{"a": 1}\n'):
+        res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial"], line)
+        assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+            f"postprocess_profile.py: error: --after-trial: the line read from standard input, {line.strip()!r}, is "
+            "not a JSON list of strings (further arguments)")
+        assert not (tmp_path / "dropped").exists()

@@ -3,6 +3,14 @@ into ``RUN_DIR/launcher.log``, watched by the watchdog, the workers it leaves st
 postprocessing (of this trial, or of the one before it in the background: :class:`Postprocessing`) and the
 comparison of a what-if trial.
 
+A trial's ``postprocess_profile.py --after-trial`` starts when the trial is launched
+(:meth:`TrialProcesses.start_postprocess`) and does its imports while the trial trains (torch, transformers:
+12.1-12.6 s in a fresh process on one H100 host); it then waits for one line on its standard input, written when
+the trial has ended (:meth:`TrialProcesses.postprocess`), or for the end of input, which it takes as "not
+postprocessed" (:meth:`TrialProcesses.drop_postprocess`, or the launcher's exit). Its standard input is a socket, not
+a pipe: a line for a process that has ended is an error (its status comes from its wait), not a SIGPIPE, which
+would stop the run (:mod:`sftprof.launch.signals`).
+
 torchrun starts in its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it on
 (:meth:`TrialProcesses.terminate`, :meth:`TrialProcesses.kill`); a torchrun killed outright (SIGKILL) leaves its
 workers running (torchrun starts each in its own session): they are found by a marker in their environment and
@@ -10,10 +18,12 @@ stopped (SIGTERM, then SIGKILL).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -169,6 +179,8 @@ class TrialProcesses:
         self.child_stopped = child_stopped
         self.proc: subprocess.Popen[bytes] | None = None  # the running torchrun
         self.marker: str | None = None  # in the environment of its workers
+        # the trial's postprocess_profile.py --after-trial and its standard input, waiting for the trial to end
+        self.waiting: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 
     def terminate(self) -> None:
         """SIGTERM to the running torchrun's process group: it stops its workers and exits. (Also called from the
@@ -178,10 +190,14 @@ class TrialProcesses:
             kill_group(proc.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        """SIGKILL to the running torchrun's process group and to the workers of the last trial."""
+        """SIGKILL to the running torchrun's process group, to the workers of the last trial and to the
+        postprocessing waiting for the trial to end."""
         proc = self.proc
         if proc is not None and proc.poll() is None:
             kill_group(proc.pid, signal.SIGKILL)
+        waiting = self.waiting
+        if waiting is not None:
+            waiting[0].kill()  # nothing when it has been reaped (Popen knows)
         if self.marker:
             for pid in marked_processes(self.marker):
                 _signal(pid, signal.SIGKILL)
@@ -265,19 +281,43 @@ class TrialProcesses:
                 kill_group(proc.pid, signal.SIGTERM)
                 return line
 
-    def postprocess(self, t: Trial, background: bool = False) -> Postprocessing:
-        """Start ``postprocess_profile.py`` on the trial (its output appended to ``launcher.log`` and teed to the
-        console, or held for it until it ends when ``background``: :class:`Postprocessing`). It runs in the
-        launcher's process group: a terminal's Ctrl-C reaches it too."""
+    def start_postprocess(self, t: Trial) -> None:
+        """Start ``postprocess_profile.py --after-trial`` on the trial as it is launched (module docstring): it
+        imports while the trial trains, then waits for :meth:`postprocess` or :meth:`drop_postprocess`. It runs in
+        the launcher's process group: a terminal's Ctrl-C reaches it too."""
         cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "--log-dir", str(t.log_dir), "--run-dir",
                str(t.run_dir), "--profile-kind", t.kind, "--profile-step", str(t.step), "--trainer-log",
-               str(t.log_dir / artifacts.TRAINER_LOG)]
+               str(t.log_dir / artifacts.TRAINER_LOG), "--after-trial"]
+        ours, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=theirs.fileno())
+        self.waiting = (proc, ours)
+
+    def postprocess(self, t: Trial, background: bool = False) -> Postprocessing:
+        """Let the trial's waiting postprocessing (:meth:`start_postprocess`) go on, with the nvidia-smi log when
+        it holds anything (its output appended to ``launcher.log`` and teed to the console, or held for it until it
+        ends when ``background``: :class:`Postprocessing`; what it printed while it waited comes first)."""
+        assert self.waiting is not None  # started with the trial
+        (proc, ours), self.waiting = self.waiting, None
         smi = t.run_dir / artifacts.NVIDIA_SMI_CSV
-        if smi.is_file() and smi.stat().st_size:
-            cmd += ["--nvidia-smi-csv", str(smi)]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        more = ["--nvidia-smi-csv", str(smi)] if smi.is_file() and smi.stat().st_size else []
+        with ours:
+            try:
+                ours.sendall((json.dumps(more) + "\n").encode(), socket.MSG_NOSIGNAL)
+            except OSError:  # it has ended (an error while it imported, a kill): its status says so
+                pass
         return Postprocessing(proc, t.run_dir / artifacts.LAUNCHER_LOG, self.console, background)
+
+    def drop_postprocess(self) -> None:
+        """End of input to the trial's waiting postprocessing, if any (its trial will not be postprocessed): it
+        exits without writing anything; its output (none, or what its imports printed) is dropped once it has."""
+        if self.waiting is None:
+            return
+        proc, ours = self.waiting
+        ours.close()
+        proc.communicate()  # a second signal meanwhile kills it (:meth:`kill`)
+        self.waiting = None
 
     def compare(self, source: Trial, trial: Trial) -> int:
         """``postprocess_profile.py compare`` of a what-if trial against its source trial: the report goes to the

@@ -12,8 +12,12 @@ its trial with torchrun's status 128 + the signal, named in the node end record 
 A trial whose next trial is a memory trial is postprocessed in the background while that one trains
 (:class:`TrialRunner`); its record waits until that training ends, and a signal then, or a failure with
 ``STOP_ON_FAILURE=1``, is taken as after its postprocessing in the foreground. Each trial's clock (torchrun launched
-and ended, postprocessing started and ended) goes to ``RUN_DIR/trial_times.json``
+and ended, postprocessing launched, started and ended) goes to ``RUN_DIR/trial_times.json``
 (:class:`sftprof.artifacts.TrialTimes`), which postprocessing reads for the summary's wall-time phases.
+
+Each trial's postprocessing is started (node 0) when the trial is launched and does its imports while it trains
+(:meth:`~sftprof.launch.processes.TrialProcesses.start_postprocess`); it goes on when the trial has ended, or ends
+having done nothing when the trial is not postprocessed.
 
 The trial's kind and step go to postprocessing from the same :class:`~sftprof.launch.plan_types.Trial` that gave the
 trainer its config (no file read back). With ``TRY_WHAT_IFS`` set the what-if trials (:mod:`sftprof.launch.what_ifs`)
@@ -268,12 +272,16 @@ class TrialRunner:
             append_row(self.run_root, t, CONFIG_CHANGED, "-", "-", 0)
             say(f"[{n}/{total}] trial {t.name} not run: {changed}")
             return self._done(n, t, 2)
+        if plan.node_rank == 0:  # its postprocessing does its imports while it trains
+            self.processes.start_postprocess(t)
+            times = replace(times, postprocess_launched_unix_s=time.time())
         write_trial_times(t.run_dir, times)
         torchrun_rc = self.processes.torchrun(t, plan)
         elapsed, times = int(time.monotonic() - start), replace(times, torchrun_ended_unix_s=time.time())
         write_trial_times(t.run_dir, times)
         self._join(run_start, n)
         if self.stop.signum is not None:
+            self.processes.drop_postprocess()
             with open(t.run_dir / artifacts.LAUNCHER_LOG, "a", encoding="utf-8") as log:  # postprocessing reads it
                 log.write(artifacts.INTERRUPTED_LINE.format(signal=signal.Signals(self.stop.signum).name) + "\n")
             append_row(self.run_root, t, INTERRUPTED, torchrun_rc, "-", elapsed)
@@ -379,6 +387,7 @@ class TrialRunner:
         if self.plan.node_rank != 0:
             return 0
         if self.stop.signum is not None:  # a signal while the trial's status was read: not postprocessed
+            self.processes.drop_postprocess()
             return "-"
         self.console.line(f"sftprof: [{n}/{len(self.trials)}] postprocessing {t.name}")
         times = replace(times, postprocess_started_unix_s=time.time())

@@ -185,6 +185,13 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return getattr(config, "text_config", None) or config
 
 
+def import_config_reader() -> None:
+    """Import what :func:`load_hf_config` imports on its first call (``transformers.AutoConfig``, which imports
+    torch: about 12 s in a fresh process on one H100 host), so that a process can pay for it before it needs a
+    config (``postprocess_profile.py --after-trial``)."""
+    from transformers import AutoConfig  # noqa: F401 (imported for its import time alone)
+
+
 def load_hf_config(path: str, num_layers: int = 0) -> PretrainedConfig:
     """Load the HF config for ``actor.path`` and cut it to ``num_layers`` decoder layers.
 
