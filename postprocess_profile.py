@@ -2,7 +2,7 @@
 """Postprocess a profiled trial, or compare two runs.
 
   postprocess_profile.py --log-dir LOG_DIR --run-dir RUN_DIR [--profile-kind {kernel,memory}] \\
-      [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress] [--after-trial]
+      [--profile-step N] [--trainer-log PATH] [--nvidia-smi-csv PATH] [--compress] [--after-trial FD]
   postprocess_profile.py --run-dir RUN_ROOT [--compress]     (every trial of RUN_ROOT/trials.tsv, as the driver does)
   (--trainer-log defaults to LOG_DIR/trainer.log when that file exists: what the driver passes)
   postprocess_profile.py compare RUN_A RUN_B [--out FILE.md] [--all-rows] [--fail-on METRICS]
@@ -10,13 +10,15 @@
 With --run-dir RUN_ROOT alone, every trial its trials.tsv lists is postprocessed as the driver does (a trial the
 driver did not start is skipped); the exit status is the highest of the trials'.
 
-With --after-trial the process parses its arguments, imports what postprocessing needs (transformers' AutoConfig,
-which imports torch), then reads one line of further arguments from standard input, a JSON list of strings
-(["--nvidia-smi-csv", "PATH"] or []), and postprocesses as without the option. The driver starts it this way when
-it launches the trial and writes that line once the trial has ended: a memory trial's postprocessing took 11.1 s
-on one H100 host, nearly all of it those imports for its model config (4.2 s of 4.6 s on this project's 2-core CPU
-machine), and the last trial's is on the run's critical path. End of input with no line (the trial was interrupted,
-or the run stopped) is exit 0 with nothing written or printed; a line that is not a JSON list of strings is exit 2.
+With --after-trial FD the process parses its arguments, imports what postprocessing needs (transformers' AutoConfig,
+which imports torch), then reads one line of further arguments from file descriptor FD (0: standard input), a JSON
+list of strings (["--nvidia-smi-csv", "PATH"] or []), and postprocesses as without the option. The driver starts it
+this way when it launches the trial (FD: a socket of its own, so a PYTHON wrapper that closes standard input keeps
+it) and writes that line once the trial has ended: in a fresh process on one H100 host the model config's first load
+took 12.1 s, most of it these imports, and a memory trial's whole postprocessing 11.1 s (4.2 of 4.6 s on this
+project's 2-core CPU machine), and the last trial's is on the run's critical path. End of input with no line (the
+trial was interrupted, or the run stopped) is exit 0 with nothing written or printed; a line that is not a JSON list
+of strings, or an FD that is not open, is exit 2.
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
@@ -146,18 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvidia-smi-csv", help="nvidia-smi --query-gpu=timestamp,index,utilization.gpu,"
                                            "memory.used,memory.total --format=csv,nounits log")
     p.add_argument("--compress", action="store_true", help="write trace views as .json.gz")
-    p.add_argument("--after-trial", action="store_true",
+    p.add_argument("--after-trial", type=int, metavar="FD",
                    help="import what postprocessing needs, then read one line of further arguments (a JSON list of "
-                        "strings) from standard input once the trial has ended; end of input with no line: exit 0, "
-                        "nothing written. The driver starts postprocessing this way while the trial trains")
+                        "strings) from file descriptor FD (0: standard input) once the trial has ended; end of input "
+                        "with no line: exit 0, nothing written. The driver starts postprocessing this way while the "
+                        "trial trains")
     args = p.parse_args(argv)
-    if args.after_trial:
+    if os.path.isfile(os.path.join(args.run_dir, TRIALS_TSV)) and args.after_trial is not None:
+        p.error(f"--run-dir {args.run_dir} is a RUN_ROOT (it holds {TRIALS_TSV}), which takes no --after-trial: the "
+                "driver waits with one trial's postprocessing only")
+    if args.after_trial is not None:
         import_config_reader()
         # what the imports made is never garbage: the collector skips it from now on (without this, a CPU kernel
         # trial's postprocessing took 1.6-2.2 s after the go against 1.3-1.5 s for a whole plain run on this
         # project's 2-core CPU machine, its traces' objects collected among those of torch and transformers)
         gc.freeze()
-        line = sys.stdin.readline()
+        try:
+            with open(args.after_trial, "rb", closefd=args.after_trial != 0) as go:
+                line = go.readline().decode()
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"--after-trial {args.after_trial}: cannot read a line from that file descriptor ({exc})")
         if not line:  # the trial will not be postprocessed
             return 0
         try:
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             more = None
         if not isinstance(more, list) or not all(isinstance(a, str) for a in more):
-            p.error(f"--after-trial: the line read from standard input, {line.strip()[:200]!r}, is not a JSON list of "
+            p.error(f"--after-trial {args.after_trial}: the line read, {line.strip()[:200]!r}, is not a JSON list of "
                     "strings (further arguments)")
         args = p.parse_args(argv + more)
     if os.path.isfile(os.path.join(args.run_dir, TRIALS_TSV)):

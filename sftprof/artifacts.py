@@ -365,9 +365,9 @@ class TrialTimes:
     None: not reached (yet, or the run stopped first).
 
     Attributes:
-        launched_unix_s: just before torchrun was started.
+        launched_unix_s: the trial was launched, just before its postprocessing and its torchrun were started.
         torchrun_ended_unix_s: torchrun exited (the trainers' teardown included).
-        postprocess_launched_unix_s: ``postprocess_profile.py --after-trial`` was started (with torchrun; it
+        postprocess_launched_unix_s: ``postprocess_profile.py --after-trial FD`` was started (with torchrun; it
             imports, then waits for the trial to end).
         postprocess_started_unix_s, postprocess_ended_unix_s: the launcher let postprocessing go on (the trial
             had ended), and it ended.

@@ -805,9 +805,10 @@ def _kill_left_running(fileroot: Path) -> dict[int, dict]:
     return left
 
 
-# A PYTHON wrapper's lines for postprocess_profile.py --after-trial, which the driver starts with the trial: wait for
-# the driver's go (the line, kept in $go for the real postprocessing), or exit 0 at the end of input (not postprocessed)
-AFTER_TRIAL = '  read -r go || exit 0\n'
+# A PYTHON wrapper's lines for postprocess_profile.py --after-trial FD (its last two arguments), which the driver
+# starts with the trial: wait for the driver's go on FD (the line, kept in $go for the real postprocessing, which then
+# reads it from standard input: --after-trial 0), or exit 0 at the end of input (not postprocessed)
+AFTER_TRIAL = '  read -r go <&"${@: -1}" || exit 0\n  set -- "${@:1:$#-1}" 0\n'
 
 
 def _interrupt_run(tmp_path: Path, env_extra: dict, args: list[str], names: list[str], started: str,
@@ -1487,10 +1488,11 @@ def _background_run(tmp_path: Path, kernel_postprocess: str, memory_sleeps: bool
     """The driver on kernel and memory trials of steps 0 and 1 (tiny_cpu, fsdp:d1), so that kernel step 0 is
     postprocessed in the background while memory step 0 trains. PYTHON is a wrapper: the kernel trials'
     postprocessing runs the shell lines ``kernel_postprocess`` first (its process id in ``RUN_ROOT/kernel_pp_pid``),
-    then the real one; with ``memory_sleeps`` the memory trials' torchrun is a ``sleep 300`` (its process id in
-    ``RUN_ROOT/memory_started``), a training that runs until stopped. ``send(proc, run)``: called once both files
-    exist (both postprocessing and the memory trial running). Returns the driver, its stdout and stderr, the rows of
-    summary.tsv and the trial names."""
+    then the real one; every other Python runs with standard input closed (``</dev/null``, as wrappers that detach it
+    do: the driver's go to a waiting postprocessing does not use it); with ``memory_sleeps`` the memory trials' torchrun
+    is a ``sleep 300`` (its process id in ``RUN_ROOT/memory_started``), a training that runs until stopped. ``send(proc,
+    run)``: called once both files exist (both postprocessing and the memory trial running). Returns the driver, its
+    stdout and stderr, the rows of summary.tsv and the trial names."""
     run = tmp_path / "run"
     wrapper = tmp_path / "python_wrapper"
     wrapper.write_text(
@@ -1500,7 +1502,7 @@ def _background_run(tmp_path: Path, kernel_postprocess: str, memory_sleeps: bool
         f'  exec {shlex.quote(sys.executable)} "$@" <<<"$go"\nfi\n'
         + ('if [[ "$1 $2" == "-m torch.distributed.run" && "$*" == *_memory_step* ]]; then\n'
            f'  echo $$ > {shlex.quote(str(run))}/memory_started\n  exec sleep 300\nfi\n' if memory_sleeps else "")
-        + f'exec {shlex.quote(sys.executable)} "$@"\n')
+        + f'exec {shlex.quote(sys.executable)} "$@" </dev/null\n')
     wrapper.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
     env.update({"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128", "FILEROOT": str(tmp_path / "fileroot"),
@@ -1556,6 +1558,8 @@ def test_background_postprocessing_failure_with_stop_on_failure(tmp_path):
     # it trained while kernel step 0 was postprocessed
     assert times[1]["launched_unix_s"] < times[0]["postprocess_ended_unix_s"]
     assert not (run / names[2] / "trial_times.json").exists()  # never launched
+    # the memory trial's postprocessing (standard input closed by the wrapper) wrote its summary
+    assert json.loads((run / names[1] / "profile_summary.json").read_text())["status"] == "ok"
     table = out[out.index("trial          status"):].splitlines()
     assert [" ".join(line.split()[:4]) for line in table[1:5]] == [
         "kernel step 0 FAILED", "memory step 0 no", "kernel step 1 not", "memory step 1 not"]

@@ -474,7 +474,7 @@ def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path
     plain, waited = tmp_path / "plain" / "trial", tmp_path / "waited" / "trial"
     res = _postprocess(trial + ["--run-dir", str(plain)], None)
     assert res.returncode == 0, res.stderr
-    res = _postprocess(trial + ["--run-dir", str(waited), "--after-trial"], "[]\n")
+    res = _postprocess(trial + ["--run-dir", str(waited), "--after-trial", "0"], "[]\n")
     assert res.returncode == 0, res.stderr
     assert res.stderr.splitlines()[-1].startswith(f"[postprocess] wrote {waited / 'profile_summary.json'} (trial "
                                                   "status ok, ")
@@ -482,11 +482,19 @@ def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path
     assert summaries[0]["paths"].pop("run_dir") == str(plain) and summaries[1]["paths"].pop("run_dir") == str(waited)
     assert summaries[0] == summaries[1] and summaries[0]["counts"]["traces_ok"] == 1
     dropped = tmp_path / "dropped" / "trial"
-    res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial"], None)
+    res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial", "0"], None)
     assert (res.returncode, res.stdout, res.stderr, (tmp_path / "dropped").exists()) == (0, "", "", False)
     for line in ("nope\n", '["--profile-step", 1]\n', '{"a": 1}\n'):
-        res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial"], line)
+        res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial", "0"], line)
         assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
-            f"postprocess_profile.py: error: --after-trial: the line read from standard input, {line.strip()!r}, is "
-            "not a JSON list of strings (further arguments)")
+            f"postprocess_profile.py: error: --after-trial 0: the line read, {line.strip()!r}, is not a JSON list of "
+            "strings (further arguments)")
         assert not (tmp_path / "dropped").exists()
+    res = _postprocess(trial + ["--run-dir", str(dropped), "--after-trial", "97"], None)  # not an open descriptor
+    assert res.returncode == 2 and res.stderr.splitlines()[-1].startswith(
+        "postprocess_profile.py: error: --after-trial 97: cannot read a line from that file descriptor ([Errno 9] ")
+    res = _postprocess(["--run-dir", str(run_root), "--after-trial", "0"], "[]\n")
+    assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: --run-dir {run_root} is a RUN_ROOT (it holds trials.tsv), which takes no "
+        "--after-trial: the driver waits with one trial's postprocessing only")
+    assert not (tmp_path / "dropped").exists()

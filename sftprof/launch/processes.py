@@ -3,13 +3,15 @@ into ``RUN_DIR/launcher.log``, watched by the watchdog, the workers it leaves st
 postprocessing (of this trial, or of the one before it in the background: :class:`Postprocessing`) and the
 comparison of a what-if trial.
 
-A trial's ``postprocess_profile.py --after-trial`` starts when the trial is launched
-(:meth:`TrialProcesses.start_postprocess`) and does its imports while the trial trains (torch, transformers:
-12.1-12.6 s in a fresh process on one H100 host); it then waits for one line on its standard input, written when
-the trial has ended (:meth:`TrialProcesses.postprocess`), or for the end of input, which it takes as "not
-postprocessed" (:meth:`TrialProcesses.drop_postprocess`, or the launcher's exit). Its standard input is a socket, not
-a pipe: a line for a process that has ended is an error (its status comes from its wait), not a SIGPIPE, which
-would stop the run (:mod:`sftprof.launch.signals`).
+A trial's ``postprocess_profile.py --after-trial FD`` starts when the trial is launched
+(:meth:`TrialProcesses.start_postprocess`) and does its imports while the trial trains (torch, transformers: the
+model config's first load took 12.1-12.6 s in a fresh process on one H100 host); it then waits for one line on FD, a
+socket of the launcher's passed on to it (not its standard input, which a ``PYTHON`` wrapper may close), written
+when the trial has ended (:meth:`TrialProcesses.postprocess`), or for the end of input, which it takes as "not
+postprocessed" (the launcher's exit). A socket, not a pipe: a line for a process that has ended is an error, not a
+SIGPIPE, which would stop the run (:mod:`sftprof.launch.signals`). A waiting process that has ended before the go
+(a wrapper that closed FD, an import that failed) is replaced by a plain ``postprocess_profile.py``, as the driver
+ran it before, unless a signal ended it (then the run stops, as for a signal to any child of the run).
 
 torchrun starts in its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it on
 (:meth:`TrialProcesses.terminate`, :meth:`TrialProcesses.kill`); a torchrun killed outright (SIGKILL) leaves its
@@ -43,6 +45,9 @@ from sftprof.launch.watchdog import POLL_S, Watchdog, stall_message, write_stall
 
 WORKER_STOP_S = 30.0  # seconds the workers torchrun left get after SIGTERM before SIGKILL (torchrun's own wait)
 _TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+
+
+STOPPED_STATUSES = (130, 143)  # 128 + SIGINT, SIGTERM: a child stopped by a signal (one the launcher may not have got)
 
 
 def exit_status(returncode: int) -> int:
@@ -179,7 +184,7 @@ class TrialProcesses:
         self.child_stopped = child_stopped
         self.proc: subprocess.Popen[bytes] | None = None  # the running torchrun
         self.marker: str | None = None  # in the environment of its workers
-        # the trial's postprocess_profile.py --after-trial and its standard input, waiting for the trial to end
+        # the trial's postprocess_profile.py --after-trial FD and our end of its socket, waiting for the trial to end
         self.waiting: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 
     def terminate(self) -> None:
@@ -281,42 +286,52 @@ class TrialProcesses:
                 kill_group(proc.pid, signal.SIGTERM)
                 return line
 
+    def _postprocess_command(self, t: Trial) -> list[str]:
+        return [self.python, str(REPO_ROOT / "postprocess_profile.py"), "--log-dir", str(t.log_dir), "--run-dir",
+                str(t.run_dir), "--profile-kind", t.kind, "--profile-step", str(t.step), "--trainer-log",
+                str(t.log_dir / artifacts.TRAINER_LOG)]
+
     def start_postprocess(self, t: Trial) -> None:
-        """Start ``postprocess_profile.py --after-trial`` on the trial as it is launched (module docstring): it
+        """Start ``postprocess_profile.py --after-trial FD`` on the trial as it is launched (module docstring): it
         imports while the trial trains, then waits for :meth:`postprocess` or :meth:`drop_postprocess`. It runs in
         the launcher's process group: a terminal's Ctrl-C reaches it too."""
-        cmd = [self.python, str(REPO_ROOT / "postprocess_profile.py"), "--log-dir", str(t.log_dir), "--run-dir",
-               str(t.run_dir), "--profile-kind", t.kind, "--profile-step", str(t.step), "--trainer-log",
-               str(t.log_dir / artifacts.TRAINER_LOG), "--after-trial"]
         ours, theirs = socket.socketpair()
         with theirs:
-            proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=theirs.fileno())
+            proc = subprocess.Popen(self._postprocess_command(t) + ["--after-trial", str(theirs.fileno())],
+                                    env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
         self.waiting = (proc, ours)
 
     def postprocess(self, t: Trial, background: bool = False) -> Postprocessing:
         """Let the trial's waiting postprocessing (:meth:`start_postprocess`) go on, with the nvidia-smi log when
         it holds anything (its output appended to ``launcher.log`` and teed to the console, or held for it until it
-        ends when ``background``: :class:`Postprocessing`; what it printed while it waited comes first)."""
+        ends when ``background``: :class:`Postprocessing`; what it printed while it waited comes first). One that
+        ended before the go is replaced by a plain one (module docstring)."""
         assert self.waiting is not None  # started with the trial
         (proc, ours), self.waiting = self.waiting, None
         smi = t.run_dir / artifacts.NVIDIA_SMI_CSV
         more = ["--nvidia-smi-csv", str(smi)] if smi.is_file() and smi.stat().st_size else []
         with ours:
-            try:
-                ours.sendall((json.dumps(more) + "\n").encode(), socket.MSG_NOSIGNAL)
-            except OSError:  # it has ended (an error while it imported, a kill): its status says so
-                pass
+            if proc.poll() is None:
+                try:
+                    ours.sendall((json.dumps(more) + "\n").encode(), socket.MSG_NOSIGNAL)
+                except OSError:  # it has ended meanwhile: its status says how
+                    pass
+            elif exit_status(proc.returncode) not in STOPPED_STATUSES:
+                proc.communicate()  # its output (an import's error: the plain one meets it again) is dropped
+                proc = subprocess.Popen(self._postprocess_command(t) + more, env=self.env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return Postprocessing(proc, t.run_dir / artifacts.LAUNCHER_LOG, self.console, background)
 
     def drop_postprocess(self) -> None:
-        """End of input to the trial's waiting postprocessing, if any (its trial will not be postprocessed): it
-        exits without writing anything; its output (none, or what its imports printed) is dropped once it has."""
+        """Stop the trial's waiting postprocessing, if any (its trial will not be postprocessed): it has written
+        nothing; its output (none, or what its imports printed) is dropped."""
         if self.waiting is None:
             return
         proc, ours = self.waiting
+        proc.kill()
+        proc.communicate()
         ours.close()
-        proc.communicate()  # a second signal meanwhile kills it (:meth:`kill`)
         self.waiting = None
 
     def compare(self, source: Trial, trial: Trial) -> int:

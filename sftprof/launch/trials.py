@@ -39,7 +39,7 @@ from sftprof.artifacts import TrialTimes, write_trial_times
 from sftprof.stats_log import read_stats
 from sftprof.launch.nodes import wait_for_nodes
 from sftprof.launch.plan_types import PlanConfig, RunPlan, Trial
-from sftprof.launch.processes import Console, Postprocessing, TrialProcesses, exit_status
+from sftprof.launch.processes import STOPPED_STATUSES, Console, Postprocessing, TrialProcesses, exit_status
 from sftprof.launch.report import CONFIG_CHANGED, INTERRUPTED, NO_WHAT_IF, NOT_RUN, report
 from sftprof.launch.signals import RunStop, ignore_signals, name, say
 from sftprof.launch.variables import DriverError
@@ -194,9 +194,9 @@ class TrialRunner:
         rc = exit_status(job.proc.wait())
         job.ended = (time.time(), time.monotonic())
         deadline = time.monotonic() + 1.0
-        while rc in (130, 143) and self.stop.signum is None and time.monotonic() < deadline:
+        while rc in STOPPED_STATUSES and self.stop.signum is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if rc in (130, 143) and self.stop.signum is None:
+        if rc in STOPPED_STATUSES and self.stop.signum is None:
             self._child_stopped("postprocessing", rc - 128)
             self.processes.terminate()
 
@@ -312,7 +312,7 @@ class TrialRunner:
         pp_rc = bg.job.wait()
         wall, mono = bg.job.ended or (time.time(), time.monotonic())
         write_trial_times(bg.trial.run_dir, replace(bg.times, postprocess_ended_unix_s=wall))
-        if self.stop.signum is None and pp_rc in (130, 143):  # a signal the launcher did not get
+        if self.stop.signum is None and pp_rc in STOPPED_STATUSES:  # a signal the launcher did not get
             self._child_stopped("postprocessing", pp_rc - 128)
         self._finish(bg.n, bg.trial, bg.train_rc, pp_rc, bg.elapsed, bg.start, run_start, current, mono)
 
@@ -394,7 +394,7 @@ class TrialRunner:
         write_trial_times(t.run_dir, times)
         pp_rc = self.processes.postprocess(t).wait()
         write_trial_times(t.run_dir, replace(times, postprocess_ended_unix_s=time.time()))
-        if self.stop.signum is None and pp_rc in (130, 143):  # a signal the launcher did not get
+        if self.stop.signum is None and pp_rc in STOPPED_STATUSES:  # a signal the launcher did not get
             self._child_stopped("postprocessing", pp_rc - 128)
         return pp_rc
 
