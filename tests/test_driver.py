@@ -1639,3 +1639,25 @@ def test_torchrun_keeps_its_folders_in_the_trials_run_dir(tmp_path, worker_fails
         assert str(run_dir / error_file) in (run_dir / "launcher.log").read_text()  # torchrun's report names it
     else:
         assert kept == [] and not (run_dir / "torchelastic").exists()
+
+
+def test_a_postprocessing_that_ended_before_the_go_is_run_again_plainly(tmp_path):
+    """The trial's postprocessing started with it (``--after-trial FD``) fails before the trial ends (here PYTHON's
+    wrapper makes it exit 1 at once, as an import error would; a wrapper that closed FD ends it too): the driver
+    postprocesses the trial with a plain ``postprocess_profile.py`` instead, so the trial keeps its summary."""
+    wrapper = tmp_path / "python_wrapper"
+    wrapper.write_text('#!/bin/bash\nif [[ "$1" == */postprocess_profile.py && " $* " == *" --after-trial "* ]]; then\n'
+                       '  echo early >> "$(dirname "$0")/early_runs"; exit 1\nfi\n'
+                       f'exec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE_RANKS", "RUN_ROOT", "CONFIG", "TOTAL_STEPS")}
+    env.update({"CONFIG": "tiny_cpu", "PROFILE_FAKE_SEQ_LEN": "128", "FILEROOT": str(tmp_path / "fileroot"),
+                "RUN_ROOT": str(run), "PROFILE_KINDS": "kernel", "PROFILE_STEPS": "0", "PROFILE_STAMP": "s",
+                "PYTHON": str(wrapper)})
+    res = subprocess.run(["bash", str(DRIVER), "actor.backend=fsdp:d1"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (tmp_path / "early_runs").read_text() == "early\n"
+    summary = json.loads((run / "tiny_qwen3_moe_fake128_kernel_step0_s" / "profile_summary.json").read_text())
+    assert summary["status"] == "ok" and summary["counts"]["traces_ok"] == 1
