@@ -464,6 +464,23 @@ def _postprocess(args: list[str], stdin: str | None) -> subprocess.CompletedProc
                           input=stdin if stdin is not None else "", capture_output=True, text=True, timeout=300)
 
 
+def test_postprocessing_after_the_trial_imports_before_the_go(tmp_path):
+    """What ``--after-trial`` imports while its trial trains is already imported when it reads the go (here the end
+    of input, after which it imports nothing): matplotlib's pyplot on the Agg backend and every bundled model
+    family's config class."""
+    code = ("import sys, matplotlib, postprocess_profile as p; "
+            f"rc = p.main(['--run-dir', {str(tmp_path / 'trial')!r}, '--after-trial', '0']); "
+            "print(rc, 'matplotlib.pyplot' in sys.modules, matplotlib.get_backend().lower(), "
+            "sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('transformers.models.') "
+            "and '.configuration_' in m))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="", capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == (
+        "0 True agg ['configuration_auto', 'configuration_qwen3_5_moe', 'configuration_qwen3_moe']")
+    assert not (tmp_path / "trial").exists()
+
+
 def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path):
     """``--after-trial`` on a trial of the run: with ``[]`` on standard input its summary is the one written without
     the option (nothing in it differs); with the input closed at once it exits 0 having printed and written nothing

@@ -8,6 +8,7 @@ import numpy as np
 
 from sftprof import artifacts
 from sftprof.analysis.memory.snapshot import peak_where
+from sftprof.analysis.report.pyplot import pyplot
 
 __all__ = ["plot_memory"]
 
@@ -22,10 +23,7 @@ def plot_memory(summary: dict[str, Any], title: str, out_png: str) -> None:
         title: plot title (e.g. the snapshot file name).
         out_png: destination path.
     """
-    import matplotlib  # here, not at import: the Agg backend is chosen before pyplot loads, for the plots only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = summary["series"]
     t = s["t_us"]

@@ -25,6 +25,7 @@ import numpy as np
 from sftprof.analysis.trace.kernel_names import cpu_op_category
 from sftprof.analysis.trace.op_collector import PHASES, OpCollector, Placement
 from sftprof.analysis.schema import ms
+from sftprof.analysis.report.pyplot import pyplot
 from sftprof.analysis.time.schema import PartRow, Parts
 from sftprof.artifacts import MODEL_PART_LABELS, MODEL_PARTS
 
@@ -160,10 +161,7 @@ def plot_parts(parts: Parts, title: str, out_png: str, clock: str = "GPU time") 
         parts: the ``parts`` member of a kernel summary (:func:`gpu_parts`), or its ``cpu_parts``.
         title: plot title; out_png: destination path; clock: what the time is (the y axis' label).
     """
-    import matplotlib  # here, not at import: the Agg backend is chosen before pyplot loads, for the plots only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     bars = [(f"L{x['layer']}", x["rows"]) for x in parts["layers"]]
     if parts["outside_layers"]:
