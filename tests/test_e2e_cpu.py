@@ -481,6 +481,16 @@ def test_postprocessing_after_the_trial_imports_before_the_go(tmp_path):
     assert not (tmp_path / "trial").exists()
 
 
+def test_postprocessing_after_the_trial_survives_a_failed_preload(tmp_path):
+    """A preload that fails (here matplotlib refuses ``MPLBACKEND=bogus``) is no error of its own: the process
+    still waits for the go, and with the end of input exits 0 having printed and written nothing; a plain run meets
+    the error only where it plots."""
+    res = subprocess.run([sys.executable, str(ROOT / "postprocess_profile.py"), "--run-dir", str(tmp_path / "trial"),
+                          "--after-trial", "0"], cwd=ROOT, input="", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLBACKEND": "bogus"})
+    assert (res.returncode, res.stdout, res.stderr, (tmp_path / "trial").exists()) == (0, "", "", False)
+
+
 def test_postprocessing_after_the_trial_is_the_same_postprocessing(run, tmp_path):
     """``--after-trial`` on a trial of the run: with ``[]`` on standard input its summary is the one written without
     the option (nothing in it differs); with the input closed at once it exits 0 having printed and written nothing
