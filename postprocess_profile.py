@@ -10,15 +10,17 @@
 With --run-dir RUN_ROOT alone, every trial its trials.tsv lists is postprocessed as the driver does (a trial the
 driver did not start is skipped); the exit status is the highest of the trials'.
 
-With --after-trial FD the process parses its arguments, imports what postprocessing needs (transformers' AutoConfig,
-which imports torch, and matplotlib's pyplot), then reads one line of further arguments from file descriptor FD (0:
-standard input), a JSON list of strings (["--nvidia-smi-csv", "PATH"] or []), and postprocesses as without the
-option. The driver starts it this way when it launches the trial (FD: a socket of its own, so a PYTHON wrapper that
-closes standard input keeps it) and writes that line once the trial has ended: in a fresh process on one H100 host
-the model config's first load took 12.1 s, most of it these imports, and a memory trial's whole postprocessing 11.1
-s (4.2 of 4.6 s on this project's 2-core CPU machine), and the last trial's is on the run's critical path. End of
-input with no line (the trial was interrupted, or the run stopped) is exit 0 with nothing written or printed; a line
-that is not a JSON list of strings, or an FD that is not open, is exit 2.
+With --after-trial FD the process parses its arguments, imports what postprocessing needs (it reads every bundled
+model config, which imports torch and each model family's config class, and imports matplotlib's pyplot: a head
+start only, whose failure is met again, if at all, where the postprocessing meets it), then reads one line of
+further arguments from file descriptor FD (0: standard input), a JSON list of strings (["--nvidia-smi-csv", "PATH"]
+or []), and postprocesses as without the option. The driver starts it this way when it launches the trial (FD: a
+socket of its own, so a PYTHON wrapper that closes standard input keeps it) and writes that line once the trial has
+ended: in a fresh process on one H100 host the model config's first load took 12.1 s, most of it these imports, and
+a memory trial's whole postprocessing 11.1 s (4.2 of 4.6 s on this project's 2-core CPU machine), and the last
+trial's is on the run's critical path. End of input with no line (the trial was interrupted, or the run stopped) is
+exit 0 with nothing written or printed; a line that is not a JSON list of strings, or an FD that is not open, is
+exit 2.
 
 The kind and step default to what the trial's own completion record (stats.jsonl) names; given, they are a
 check: another kind than the recorded one, or a step the trial did not profile, is an error (exit 2, nothing
