@@ -27,9 +27,9 @@ COORDS = {"0": {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "etp": 0},
           "1": {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 1, "etp": 0}}
 
 
-def _cli(*args):
+def _cli(*args, env=None, stdin=None):
     return subprocess.run([sys.executable, str(REPO / "postprocess_profile.py"), *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True)
+                          cwd=REPO, capture_output=True, text=True, env=env, input=stdin)
 
 
 def _stats(path, status="ok", step=1, step_time=2.0, error=None, kind="kernel", device="cuda", world_size=2):
@@ -623,6 +623,98 @@ def test_plots_count_includes_the_model_part_plot(tmp_path):
                                                                   "rank0.png"},
         {"file": "stats.jsonl", "warning": "not found in the log dir: no step records and no completion record (trial "
                                            "status unknown)"}]
+
+
+BOGUS_BACKEND = {**os.environ, "MPLBACKEND": "bogus"}  # a backend matplotlib refuses: every plot fails
+
+
+def _bogus_backend_error(png):
+    """The start of the plot error a postprocess under :data:`BOGUS_BACKEND` records for ``png``: matplotlib's refusal
+    (its list of the backends it knows follows)."""
+    return f"{png}: ValueError: Key backend: 'bogus' is not a valid value for backend; supported values are ["
+
+
+def _without_run_dir(summary):
+    """``summary`` (a profile_summary.json, read) without the members that name its run dir (and trial, its name)."""
+    summary["paths"].pop("run_dir"), summary.pop("trial")
+    return summary
+
+
+def test_a_model_part_plot_matplotlib_cannot_draw_is_that_plots_error(tmp_path):
+    """Under ``MPLBACKEND=bogus`` the H200 kernel trace's model-part plot cannot be drawn: that is the trace's one
+    error (exit 1, as for a trace's error), its views and summary are written, byte for byte as a normal run's, and
+    every other figure of the summary is the normal run's; ``--after-trial`` (whose preload fails too) writes the same
+    summary. A rerun under it over a normal run's dir keeps the earlier plot, byte for byte, and says so."""
+    log = tmp_path / "L"
+    (log / "perf_tracer").mkdir(parents=True)
+    shutil.copy(REPO / "tests" / "fixtures" / "h200_sftprof_kernel.trace.json.gz",
+                log / "perf_tracer" / "rank0.pt.trace.json.gz")
+    trial = ("--log-dir", log, "--profile-kind", "kernel", "--profile-step", 1)
+    assert _cli(*trial, "--run-dir", tmp_path / "ok").returncode == 0
+    res = _cli(*trial, "--run-dir", tmp_path / "bogus", env=BOGUS_BACKEND)
+    assert res.returncode == 1, res.stderr
+    ok, bogus = (json.load(open(tmp_path / d / "profile_summary.json")) for d in ("ok", "bogus"))
+    png = tmp_path / "bogus" / "model_parts" / "rank0.png"
+    [error] = bogus.pop("errors")
+    assert error["file"] == "perf_tracer/rank0.pt.trace.json.gz"
+    assert error["error"].startswith(_bogus_backend_error(png)) and error["error"].endswith(
+        "] (model-part plot not drawn)")
+    assert f"[postprocess] ERROR perf_tracer/rank0.pt.trace.json.gz: {error['error']}" in res.stderr.splitlines()
+    assert not png.exists() and ok["kernel_traces"][0].pop("parts_plot") == "model_parts/rank0.png"
+    assert bogus["kernel_traces"][0].pop("parts_plot_error") == error["error"]
+    assert (bogus["counts"], ok["counts"]) == ({"traces": 1, "traces_ok": 1, "views": 5, "snapshots": 0, "plots": 0,
+                                                "errors": 1, "skipped": 0},
+                                               {"traces": 1, "traces_ok": 1, "views": 5, "snapshots": 0, "plots": 1,
+                                                "errors": 0, "skipped": 0})
+    assert ok.pop("errors") == [] and bogus.pop("counts") and ok.pop("counts")
+    assert _without_run_dir(bogus) == _without_run_dir(ok)  # every other figure, finding and warning
+    for view in bogus["kernel_traces"][0]["views"].values():
+        assert [(tmp_path / "bogus" / p).read_bytes() for p in view] == [
+            (tmp_path / "ok" / p).read_bytes() for p in view]
+    assert (tmp_path / "bogus" / "profile_summary.md").is_file()
+    res = _cli(*trial, "--run-dir", tmp_path / "waited", "--after-trial", 0, env=BOGUS_BACKEND, stdin="[]\n")
+    assert res.returncode == 1, res.stderr
+    waited = json.load(open(tmp_path / "waited" / "profile_summary.json"))
+    assert waited["errors"][0]["error"].startswith(
+        _bogus_backend_error(tmp_path / "waited" / "model_parts" / "rank0.png"))
+    waited.pop("errors"), waited.pop("counts"), waited["kernel_traces"][0].pop("parts_plot_error")
+    assert _without_run_dir(waited) == bogus
+
+    plot = (tmp_path / "ok" / "model_parts" / "rank0.png").read_bytes()
+    assert _cli(*trial, "--run-dir", tmp_path / "ok", env=BOGUS_BACKEND).returncode == 1
+    again = json.load(open(tmp_path / "ok" / "profile_summary.json"))
+    assert (tmp_path / "ok" / "model_parts" / "rank0.png").read_bytes() == plot
+    assert again["kernel_traces"][0]["kept_files"] == ["model_parts/rank0.png"]
+    assert again["warnings"][0] == {"file": "perf_tracer/rank0.pt.trace.json.gz", "warning": (
+        "rank 0: 1 file(s) of an earlier postprocess are kept in model_parts/ (not from this model-part plot, which "
+        "failed): rank0.png")}
+
+
+def test_a_memory_plot_matplotlib_cannot_draw_is_that_plots_error(tmp_path, snapshot=H200_SNAPSHOT):
+    """Under ``MPLBACKEND=bogus`` each snapshot's plot is its error (exit 1); the snapshots are still analysed and
+    archived, with their sidecar, and every figure of the summary is a normal run's."""
+    log, src = _memory_log_dir(tmp_path, snapshot)
+    assert _cli("--log-dir", log, "--run-dir", tmp_path / "ok").returncode == 0
+    res = _cli("--log-dir", log, "--run-dir", tmp_path / "bogus", env=BOGUS_BACKEND)
+    assert res.returncode == 1, res.stderr
+    ok, bogus = (json.load(open(tmp_path / d / "profile_summary.json")) for d in ("ok", "bogus"))
+    names = ["snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz", SNAP1]
+    dst = tmp_path / "bogus" / "memory_snapshots" / "step_1"
+    errors = bogus.pop("errors")
+    assert [e["file"] for e in errors] == [f"memory_snapshots/step_1/{n}" for n in names]
+    for e, png in zip(errors, ("snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png", PNG1)):
+        assert e["error"].startswith(_bogus_backend_error(dst / png)) and e["error"].endswith(
+            "] (memory plot not drawn)")
+    assert sorted(os.listdir(dst)) == sorted(names + ["phases_rank1.json"])  # archived, no plot
+    for m, e, n in zip(bogus["memory_snapshots"], errors, names):
+        assert m.pop("plot_error") == e["error"] and "plot" not in m and (dst / n).read_bytes() == (
+            tmp_path / "ok" / "memory_snapshots" / "step_1" / n).read_bytes()
+    for m in ok["memory_snapshots"]:
+        m.pop("plot")
+    assert (bogus.pop("counts"), ok.pop("counts")) == (
+        {"traces": 0, "traces_ok": 0, "views": 0, "snapshots": 2, "plots": 0, "errors": 2, "skipped": 0},
+        {"traces": 0, "traces_ok": 0, "views": 0, "snapshots": 2, "plots": 2, "errors": 0, "skipped": 0})
+    assert ok.pop("errors") == [] and _without_run_dir(bogus) == _without_run_dir(ok)
 
 
 @pytest.mark.parametrize("snapshot", gpu_snapshot_fixtures()[:1], ids=lambda p: p.name)

@@ -36,7 +36,7 @@ def test_a_summary_of_a_newer_major_version_is_refused_by_every_reader(tmp_path)
     (run.parent / "summary.tsv").write_text("trial\tkind\tstep\tstatus\trun_dir\nt\tkernel\t1\t0\t" + str(run) + "\n")
     assert report(run.parent).splitlines()[1].split() == ["kernel", "step", "1", "ok", "-", "-", "-"]
     # a newer minor version is read (it only adds members)
-    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.12", new_member=1)))
+    path.write_text(json.dumps(dict(MINIMAL, schema_version="3.13", new_member=1)))
     assert schema.read_summary(path)["new_member"] == 1
     # an older major version is read, in this version's shape: a 2.x snapshot says nothing of a step peak unknown,
     # and a 2.x trace, whose record was not checked, gets no made-up sanity counts

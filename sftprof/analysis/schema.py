@@ -28,7 +28,8 @@ holds sftprof's version and commit (``sftprof``) and torch's NCCL (``nccl``). 3.
 is not measurable (``wall_time.cold_start.not_measurable``). 3.10: the ``teardown`` phase (the ranks' barrier and the
 process groups torn down, from ``stats.teardown``, stats.jsonl's teardown record) split off ``exit``, and its barrier
 part ``wall_time.barrier_s``. 3.11: the ``atexit`` phase (threads joined and atexit handlers run, to ``stats.exit``,
-stats.jsonl's exit record) split off ``exit``.
+stats.jsonl's exit record) split off ``exit``. 3.12: a plot that could not be drawn is its own error, the trace or
+snapshot still summarised (``kernel_traces[].parts_plot_error``, ``memory_snapshots[].plot_error``).
 
 :func:`check` lists where a summary departs from the schema. With the environment variable
 ``SFTPROF_STRICT_SCHEMA=1`` (the test suite sets it) :func:`summary_json` raises :class:`SchemaError` on any
@@ -60,7 +61,7 @@ __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "ProfileSummary", "SummaryReadError"
            "from_json", "summary_json", "json_text", "check", "ms", "processed_traces", "processed_snapshots", "STRICT_ENV"]
 
 SCHEMA_NAME = "sftprof.profile_summary"
-SCHEMA_VERSION = "3.11"
+SCHEMA_VERSION = "3.12"
 STRICT_ENV = "SFTPROF_STRICT_SCHEMA"
 _LEGACY_SCHEMA = "sftprof.profile_summary/1"  # release 1: the name carried the version
 

@@ -1,14 +1,14 @@
 """The errors and warnings of a trial's summary: per file ``{"file", "error"}`` / ``{"file", "warning"}``.
 
-Errors: a trace or snapshot that could not be processed (or is not the trial's), a damaged ``rank_coords.json`` or
-``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes without or should not be read
-without: a truncated allocator history, a snapshot whose history cannot give the profiled step's peak, invalid trace
-events left out, faults of a trace's record (:mod:`sftprof.analysis.trace.sanity`), files of an earlier postprocess
-kept beside those of this one (an all-ranks view not rebuilt: :func:`kept_merged_view`; the views of a rank without
-a trace this time: :func:`stale_rank_views`), a damaged or missing
-``stats.jsonl``, optional inputs that are missing, MoE routing that collapsed (:func:`routing_warnings`), a GPU
-shared with processes not of the trial (:func:`shared_gpu_warnings`), ranks ``perf_tracer.ranks`` profiles whose
-trace is missing (:func:`missing_traces`).
+Errors: a trace or snapshot that could not be processed (or is not the trial's), a plot that could not be drawn, a
+damaged ``rank_coords.json`` or ``config.yaml``, an ``ok`` trial without its artifacts. Warnings: what a summary goes
+without or should not be read without: a truncated allocator history, a snapshot whose history cannot give the
+profiled step's peak, invalid trace events left out, faults of a trace's record
+(:mod:`sftprof.analysis.trace.sanity`), files of an earlier postprocess kept beside those of this one (an all-ranks
+view not rebuilt: :func:`kept_merged_view`; the views of a rank without a trace this time: :func:`stale_rank_views`),
+a damaged or missing ``stats.jsonl``, optional inputs that are missing, MoE routing that collapsed
+(:func:`routing_warnings`), a GPU shared with processes not of the trial (:func:`shared_gpu_warnings`), ranks
+``perf_tracer.ranks`` profiles whose trace is missing (:func:`missing_traces`).
 """
 from __future__ import annotations
 
@@ -128,7 +128,8 @@ def _kept_warnings(it: TraceEntry | SnapshotEntry, file: str, what: str, kept_vi
 def _trace_warnings(it: TraceEntry) -> list[FileWarning]:
     """The warnings of one trace: files an earlier postprocess kept, invalid events, the views' repairs, faults of
     its record, a trace read under the profiler's temporary name, a step that cannot be confirmed."""
-    out = _kept_warnings(it, it["source"], "trace", it.get("kept_views") or [])
+    what = "model-part plot" if "parts_plot_error" in it else "trace"  # the trace's plot failed, or the trace
+    out = _kept_warnings(it, it["source"], what, it.get("kept_views") or [])
     s = None if "error" in it else it.get("summary")  # a trace with an error: only its files and name are said
     inv = s.get("invalid_events") if s else None
     if inv and inv.get("total"):
@@ -158,7 +159,7 @@ def _snapshot_warnings(it: SnapshotEntry) -> list[FileWarning]:
     history = s.get("history") if s else None
     if history and history.get("truncated"):
         out.append({"file": it["file"], "warning": history["message"]})
-    out += _kept_warnings(it, it["file"], "snapshot", [])
+    out += _kept_warnings(it, it["file"], "memory plot" if "plot_error" in it else "snapshot", [])
     unknown, lower_bound = (s.get("step_peak_unknown"), s.get("step_peak_lower_bound")) if s else (None, None)
     if unknown:
         out.append({"file": it["file"], "warning": unknown})
@@ -179,7 +180,9 @@ def problems(summary: TrialRecord, complete: Mapping[str, Any], input_errors: Se
     traces = summary.get("kernel_traces") or [] if kind == "kernel" else []
     snapshots = summary.get("memory_snapshots") or [] if kind == "memory" else []
     errors: list[FileError] = [{"file": t["source"], "error": t["error"]} for t in traces if "error" in t]
+    errors += [{"file": t["source"], "error": t["parts_plot_error"]} for t in traces if "parts_plot_error" in t]
     errors += [{"file": m["file"], "error": m["error"]} for m in snapshots if "error" in m]
+    errors += [{"file": m["file"], "error": m["plot_error"]} for m in snapshots if "plot_error" in m]
     errors += input_errors
     warnings: list[FileWarning] = []  # a kind or step the trial did not profile is refused before this
     if missing_log_dir and summary["status"] == "interrupted":  # stopped before the trainer wrote anything

@@ -233,6 +233,7 @@ class TraceEntry(TypedDict):
     view_links: NotRequired[dict[str, str]]  # view -> the view whose file it links to (byte-identical)
     summary: NotRequired[KernelSummary]
     parts_plot: NotRequired[str]
+    parts_plot_error: NotRequired[str]  # the model-part plot could not be drawn: why (3.12)
 
 
 class SnapshotEntry(TypedDict):
@@ -245,6 +246,7 @@ class SnapshotEntry(TypedDict):
     kept_files: NotRequired[list[str]]
     phases_file: NotRequired[str]
     plot: NotRequired[str]
+    plot_error: NotRequired[str]  # the plot could not be drawn: why (3.12)
     summary: NotRequired[MemorySummary]
     estimate: NotRequired[Optional[Estimate]]
     estimate_note: NotRequired[Optional[str]]

@@ -3,7 +3,9 @@ set against the theoretical memory of its rank (:mod:`sftprof.analysis.memory.es
 dir with its plot and phases sidecar (:func:`snapshot_part`).
 
 A snapshot that fails (whatever it raises) is that snapshot's error and is not archived; the archive, plot and
-sidecar an earlier postprocess wrote under the same names stay as they are, listed in its entry (``kept_files``).
+sidecar an earlier postprocess wrote under the same names stay as they are, listed in its entry (``kept_files``). A
+plot that cannot be drawn (whatever matplotlib raises) is the plot's error alone (``plot_error``): the snapshot is
+still analysed and archived, and an earlier plot under its name stays, listed in ``kept_files``.
 """
 from __future__ import annotations
 
@@ -89,6 +91,19 @@ def _own_device(phases: Any, rank: int | None, log_dir: str) -> tuple[int | None
     return None, None
 
 
+def _plot(raw: dict[str, Any], title: str, stage: str, png_name: str, dst_dir: str) -> str | None:
+    """:func:`~sftprof.analysis.memory.plot.plot_memory` of ``raw`` into ``stage/png_name``; None when drawn, else the
+    plot's error (named by its file in ``dst_dir``; whatever matplotlib raised), and no file of it is left in
+    ``stage``."""
+    try:
+        plot_memory(raw, title, os.path.join(stage, png_name))
+    except Exception as exc:  # a backend matplotlib refuses, a failed save: the plot's error, not the snapshot's
+        if os.path.lexists(os.path.join(stage, png_name)):
+            os.remove(os.path.join(stage, png_name))
+        return f"{file_error(os.path.join(dst_dir, png_name), exc)} (memory plot not drawn)"
+    return None
+
+
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
                     max_entries: int | None, written: set[str], world: World, model: TrialModel) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
@@ -101,7 +116,8 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     ``kept_files`` (run-dir relative; a warning names them, :mod:`sftprof.analysis.trial.problems`). ``written``: names this
     postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
     A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
-    own, so the name's rank is checked only against the world size): not analysed, not archived.
+    own, so the name's rank is checked only against the world size): not analysed, not archived. A plot that cannot
+    be drawn is the entry's ``plot_error`` alone (:func:`_plot`; an earlier plot stays, in ``kept_files``).
     """
     rank, coords = _snapshot_rank(name)
     entry: SnapshotEntry = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
@@ -129,7 +145,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
             raw = analyze_snapshot(snapshot, phases, device)
             raw["device_from"] = device_from
             allocator = _allocator_settings(snapshot)
-            plot_memory(raw, f"{name} (step {step})", os.path.join(stage, png_name))
+            plot_error = _plot(raw, f"{name} (step {step})", stage, png_name, dst_dir)
             raw.pop("series")
             raw["history"] = history_status(raw, max_entries)
             # analyze_snapshot gives a plain dict (memory/snapshot.py is not typed strictly): without its series and
@@ -159,7 +175,12 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
         shutil.rmtree(stage, ignore_errors=True)
     if phases_name is not None and phases_name in copies:
         entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
-    entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
+    if plot_error is None:
+        entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
+    else:
+        entry["plot_error"] = plot_error
+        if os.path.isfile(os.path.join(dst_dir, png_name)) and png_name not in written:  # an earlier postprocess's
+            entry["kept_files"] = [os.path.relpath(os.path.join(dst_dir, png_name), run_dir)]
     entry["summary"] = summary
     entry["allocator"] = allocator
     estimate, note = _estimate(log_dir, model, rank)

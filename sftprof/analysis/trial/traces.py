@@ -206,7 +206,9 @@ def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, 
 
 def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processed) -> TraceEntry:
     """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown. A trace
-    that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``."""
+    that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``. A plot
+    that cannot be drawn or written (whatever matplotlib raises, a full disk) is the entry's ``parts_plot_error``: the
+    trace's views and summary stand, and an earlier plot of the rank stays, listed in ``kept_files``."""
     entry: TraceEntry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
     if "error" in res:
         entry["error"] = res["error"]
@@ -228,9 +230,15 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processe
             parts, clock = cpu_parts, "CPU op time"
         if parts["total_ms"]:
             os.makedirs(os.path.dirname(png), exist_ok=True)
-            with atomic_path(png) as tmp:
-                plot_parts(parts, f"{clock} by model part, rank {rank} ({os.path.basename(src)})", tmp, clock)
-            entry["parts_plot"] = os.path.relpath(png, run_dir)
+            try:
+                with atomic_path(png) as tmp:
+                    plot_parts(parts, f"{clock} by model part, rank {rank} ({os.path.basename(src)})", tmp, clock)
+            except Exception as exc:  # matplotlib's (a backend it refuses), a full disk: the plot's error alone
+                entry["parts_plot_error"] = f"{file_error(png, exc)} (model-part plot not drawn)"
+                if os.path.isfile(png):  # an earlier postprocess's, left as it is: said so
+                    entry["kept_files"] = [os.path.relpath(png, run_dir)]
+            else:
+                entry["parts_plot"] = os.path.relpath(png, run_dir)
     return entry
 
 
