@@ -4,7 +4,7 @@ Transformer Engine; flash-linear-attention 0.6.0 on Hopper with the Triton that 
 megatron-core versions (the one place where the project's code depends on which release is installed):
 :func:`megatron_core_version` reads the release that ``import megatron.core`` finds (:mod:`sftprof.pycheck`, without
 importing it); :func:`check_megatron_version` refuses one outside pyproject.toml's range (the driver's
-pre-flight and :func:`sftprof.models.megatron_config.check_model_settings`, before any GPU work);
+pre-flight and :func:`sftprof.models.checks.check_model_settings`, before any GPU work);
 :func:`megatron_at_least` answers for the first release of each difference below:
 
 - :data:`PERMUTE_PADDING_OUTPUTS` (0.17.0): ``moe_utils.permute`` returns ``(tokens, probs, sorted_indices,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from sftprof.allocation import parse_allocation_mode
 from sftprof.config import ConfigError, load_config
 from sftprof.models import megatron_config as mc
+from sftprof.models.checks import check_model_settings
 from sftprof.models.hf import CONFIG_DIR, load_hf_config
 
 NO_PAO = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32"]
@@ -223,13 +224,13 @@ def test_init_from_scratch_false_messages(tmp_path):
     cfg = load_config("tiny_cpu", [f"actor.path={model_dir}", "actor.init_from_scratch=false"])
     with pytest.raises(ConfigError, match=r"holds no safetensors checkpoint \(model.safetensors.index.json or "
                                           r"model.safetensors\).*actor.init_from_scratch=true"):
-        mc.check_model_settings(cfg, hf, layout)
+        check_model_settings(cfg, hf, layout)
     (model_dir / "model.safetensors").write_bytes(b"")
-    mc.check_model_settings(cfg, hf, layout)  # a checkpoint is present (read later, by the engine)
+    check_model_settings(cfg, hf, layout)  # a checkpoint is present (read later, by the engine)
     hf.model_type = "qwen2_moe"
     with pytest.raises(ConfigError, match="loads weights of \\['qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_moe'\\], not model_type 'qwen2_moe'"):
-        mc.check_model_settings(cfg, hf, layout)
-    mc.check_model_settings(load_config("tiny_cpu", [f"actor.path={model_dir}"]), hf, layout)  # random init
+        check_model_settings(cfg, hf, layout)
+    check_model_settings(load_config("tiny_cpu", [f"actor.path={model_dir}"]), hf, layout)  # random init
 
 
 def test_chunked_lm_head_needs_vocab_divisible_by_tp():
@@ -238,8 +239,8 @@ def test_chunked_lm_head_needs_vocab_divisible_by_tp():
     cfg = load_config("tiny_cpu", ["actor.loss.lm_head_loss_chunk_size=2048"])
     with pytest.raises(ConfigError, match="lm_head_loss_chunk_size=2048: the chunked LM-head loss needs a vocabulary "
                                           "divisible by TP=2 \\(vocab_size 151937\\)"):
-        mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:t2"))
-    mc.check_model_settings(cfg, hf, parse_allocation_mode("megatron:d2"))
+        check_model_settings(cfg, hf, parse_allocation_mode("megatron:t2"))
+    check_model_settings(cfg, hf, parse_allocation_mode("megatron:d2"))
     assert mc.gpt_model_kwargs(hf, 2)["vocab_size"] == 151938
     assert mc.gpt_model_kwargs(hf, 1)["vocab_size"] == 151937
 
@@ -256,7 +257,7 @@ def test_layouts_that_do_not_split_the_model_are_refused(backend, overrides, mes
     layout = parse_allocation_mode(backend)
     cfg = load_config("tiny_cpu", [f"actor.backend={backend}", "train_dataset.batch_size=8"] + overrides)
     with pytest.raises(ConfigError, match=message):
-        mc.check_model_settings(cfg, hf, layout)
+        check_model_settings(cfg, hf, layout)
 
 
 def test_gated_delta_net_heads_must_split_by_tp_and_cp():
@@ -275,7 +276,7 @@ def test_gated_delta_net_heads_must_split_by_tp_and_cp():
     find_spec = importlib.util.find_spec
     with mock.patch("importlib.util.find_spec", lambda name, *a: object() if name == "fla" else find_spec(name, *a)), \
             pytest.raises(ConfigError, match=message):
-        mc.check_model_settings(cfg, hf, parse_allocation_mode(backend))
+        check_model_settings(cfg, hf, parse_allocation_mode(backend))
 
 
 def test_use_fused_torch_adam_switches_torch_adam_before_the_first_step_only():

@@ -388,3 +388,36 @@ def test_fit_check_only_without_a_capacity_or_with_fsdp_exits_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr == ("sftprof: FIT_CHECK=only with actor.backend='fsdp:d1': the fit check covers the megatron "
                           "backend only; accepted: a megatron actor.backend, or FIT_CHECK unset to run the trials\n")
+
+
+# What the driver must not import (issue 49): megatron-core and Transformer Engine (~12 s on a GPU host), torch._dynamo
+# and sftprof's model-building modules, which import them.
+HEAVY_MODULES = ("megatron.core", "transformer_engine", "torch._dynamo", "sftprof.models.megatron_config",
+                 "sftprof.models.specs", "sftprof.models.layers", "sftprof.engine")
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "qwen3_5_35b_a3b"])
+def test_fit_check_only_plans_a_megatron_run_without_megatron_core(tmp_path, model):
+    """The launcher's ``run`` with ``FIT_CHECK=only`` (the driver's plan: the model, the megatron settings against it,
+    the fit check) leaves none of :data:`HEAVY_MODULES` imported; Qwen3.5 reaches the gated delta-net check (which
+    refuses the run here without fla)."""
+    code = ("import json, sys\nfrom sftprof.launch.cli import main\n"
+            f"rc = main(['run', 'actor.backend=megatron:d1', 'actor.num_layers=4', 'actor.path={model}'])\n"
+            f"print(json.dumps([rc, sorted(m for m in sys.modules if m.startswith({HEAVY_MODULES!r}))]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "RUN_ROOT", "FILEROOT")}
+    env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), "FIT_CHECK": "only",
+                "GPU_MEMORY_GIB": "79.19", "RUN_ROOT": str(tmp_path / "run")})
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    fla = importlib.util.find_spec("fla") is not None
+    refused = model == "qwen3_5_35b_a3b" and not fla
+    assert json.loads(out.stdout) == [2 if refused else FIT_ONLY_NO_FIT, []]
+    last = out.stderr.splitlines()[-1]
+    assert last == ("sftprof: actor.path: qwen3_5_moe_text (gated delta-net linear attention) on the megatron backend "
+                    "needs the Python package 'fla' from flash-linear-attention==0.6.0 and fla-core==0.6.0 (pip "
+                    "install -e '.[qwen3_5]'); it is not installed (from CONFIG="
+                    f"{ROOT / 'qwen3_30b_a3b_sft_profile.yaml'}, MODEL_PATH, the driver variables and the arguments "
+                    f"actor.backend=megatron:d1 actor.num_layers=4 actor.path={model})" if refused else
+                    "sftprof: FIT_CHECK=only: the worst rank does not fit one GPU; nothing was written or launched")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written

@@ -28,9 +28,10 @@ from sftprof.compat import GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron
 from sftprof.config import ConfigError, load_config
 from sftprof.launch import free_port
 from sftprof.models import megatron_config as mc
+from sftprof.models.checks import check_linear_attention_layout
 from sftprof.models.layers.experts import grouped_mm_supported
 from sftprof.models.hf import load_hf_config
-from sftprof.models.specs import check_linear_attention_layout, decoder_block_spec
+from sftprof.models.specs import decoder_block_spec
 
 NO_PAO = ["actor.megatron.use_precision_aware_optimizer=false", "actor.megatron.main_grads_dtype=float32"]
 

@@ -46,6 +46,7 @@ from sftprof.engine.base import Engine, StepResult
 from sftprof.flops import countable_shape, train_step_flops
 from sftprof.loss import LMHeadLoss, SFTLoss
 from sftprof.models import megatron_config as mc
+from sftprof.models.checks import check_model_settings
 from sftprof.models.hf import resolve_model_dir
 from sftprof.models.megatron_load import load_hf_checkpoint
 from sftprof.models.layers.routing import RoutingLoadMeter
@@ -85,7 +86,7 @@ class MegatronEngine(Engine):
     Raises:
         ConfigError: precision settings (e.g. the precision-aware optimizer without TE:
             ``USE_PRECISION_AWARE_OPTIMIZER``), a non-megatron layout, or a combination
-            :func:`sftprof.models.megatron_config.check_model_settings` refuses.
+            :func:`sftprof.models.checks.check_model_settings` refuses.
         CheckpointError: ``init_from_scratch=false`` and the checkpoint cannot be loaded (names the file or tensors).
         NotImplementedError: Qwen3.5 without fla or with CP > 1.
         RuntimeError: no CUDA device, or the world size does not match the layout.
@@ -110,7 +111,7 @@ class MegatronEngine(Engine):
         self.loss = SFTLoss.from_config(cfg, gpt_kwargs["vocab_size"])
         have_te = have_transformer_engine()
         opt_kwargs = mc.optimizer_config_kwargs(cfg, have_te)
-        mc.check_model_settings(cfg, hf_config, layout)
+        check_model_settings(cfg, hf_config, layout)
         m = cfg.actor.megatron
         if m.use_deterministic_algorithms:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -40,6 +40,16 @@ class ModelPathError(ValueError):
     """``actor.path`` names neither a model directory with ``config.json`` nor a bundled config."""
 
 
+def hf_value(hf, *names: str, default=None):
+    """The first of ``names`` that the HF config ``hf`` sets to something other than None (transformers' aliases:
+    ``num_experts`` / ``num_local_experts``), else ``default``."""
+    for name in names:
+        value = getattr(hf, name, None)
+        if value is not None:
+            return value
+    return default
+
+
 def resolve_model_dir(path: str) -> Path:
     """Return the directory holding ``config.json`` for ``actor.path`` (directory or bundled name).
 

@@ -37,7 +37,7 @@ partial_rotary_factor -> rotary_percent. Its text-only positions make the interl
 plain RoPE on the rotary dims. Multi-token prediction layers (``mtp_num_hidden_layers``) are not
 built or trained (SFT profile; ``mtp_num_layers`` stays unset and the log says so). Building such a
 model needs the gated delta-net kernels of flash-linear-attention and CP = 1; see
-:func:`sftprof.models.specs.check_linear_attention_layout`.
+:func:`sftprof.models.checks.check_linear_attention_layout`.
 
 Nothing here constructs CUDA state, so the mapping is testable on CPU. ``megatron.core`` is imported
 inside the functions that need it.
@@ -51,29 +51,17 @@ from typing import Any
 import torch
 
 from sftprof.allocation import Layout
-from sftprof.compat import check_megatron_version
 from sftprof.config import PRECISION_FIELDS, ConfigError, MegatronSettings, SFTProfileConfig
-from sftprof.models.checkpoint import INDEX_NAME, SINGLE_NAME
-from sftprof.models.hf import MODEL_TYPES, resolve_model_dir
+from sftprof.models.hf import MODEL_TYPES, hf_value
 from sftprof.models.layers.rope import install_in_megatron
 from sftprof.models.layers.router import install_in_megatron as install_router
 from sftprof.models.qwen3_moe_weights import padded_vocab_size
-from sftprof.models.specs import check_linear_attention_layout
-from sftprof.models.weights import MAPPINGS
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 _ROUTER_DTYPES = {"fp32": "fp32", "fp64": "fp64", "none": None}
 
 log = logging.getLogger(__name__)
-
-
-def _get(hf: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(hf, name, None)
-        if value is not None:
-            return value
-    return default
 
 
 def rope_theta(hf: Any) -> float:
@@ -103,9 +91,9 @@ def _check_hf(hf: Any) -> None:
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"HF model_type {hf.model_type!r} is not supported by the megatron backend; "
                          f"accepted: {list(SUPPORTED_MODEL_TYPES)}")
-    if _get(hf, "hidden_act", default="silu") != "silu":
+    if hf_value(hf, "hidden_act", default="silu") != "silu":
         raise ValueError(f"HF hidden_act={hf.hidden_act!r}: the megatron mapping supports 'silu' (SwiGLU) only")
-    if getattr(hf, "mlp_only_layers", None) or _get(hf, "decoder_sparse_step", default=1) != 1:
+    if getattr(hf, "mlp_only_layers", None) or hf_value(hf, "decoder_sparse_step", default=1) != 1:
         raise ValueError("HF mlp_only_layers / decoder_sparse_step != 1 (dense layers between MoE layers) "
                          "are not supported by the megatron mapping; every layer must be an MoE layer")
 
@@ -124,47 +112,47 @@ def hf_to_transformer_kwargs(hf: Any) -> dict:
 
     _check_hf(hf)
     heads = hf.num_attention_heads
-    norm_topk = bool(_get(hf, "norm_topk_prob", default=True))
+    norm_topk = bool(hf_value(hf, "norm_topk_prob", default=True))
     kw = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
-        ffn_hidden_size=_get(hf, "intermediate_size", "moe_intermediate_size"),
+        ffn_hidden_size=hf_value(hf, "intermediate_size", "moe_intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=_get(hf, "num_key_value_heads", default=heads),
-        kv_channels=_get(hf, "head_dim", default=hf.hidden_size // heads),
-        num_moe_experts=_get(hf, "num_experts", "num_local_experts"),
+        num_query_groups=hf_value(hf, "num_key_value_heads", default=heads),
+        kv_channels=hf_value(hf, "head_dim", default=hf.hidden_size // heads),
+        num_moe_experts=hf_value(hf, "num_experts", "num_local_experts"),
         moe_router_topk=hf.num_experts_per_tok,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not norm_topk,
         moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", default=0.0)),
+        moe_aux_loss_coeff=float(hf_value(hf, "router_aux_loss_coef", default=0.0)),
         layernorm_epsilon=float(hf.rms_norm_eps),
         normalization="RMSNorm",
         qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(_get(hf, "attention_bias", default=False)),
-        attention_dropout=float(_get(hf, "attention_dropout", default=0.0)),
+        add_qkv_bias=bool(hf_value(hf, "attention_bias", default=False)),
+        attention_dropout=float(hf_value(hf, "attention_dropout", default=0.0)),
         hidden_dropout=0.0,
-        init_method_std=float(_get(hf, "initializer_range", default=0.02)),
+        init_method_std=float(hf_value(hf, "initializer_range", default=0.02)),
     )
     if hf.model_type.startswith("qwen3_5_moe"):
         kw.update(
             experimental_attention_variant="gated_delta_net",
-            linear_attention_freq=_get(hf, "full_attention_interval", default=4),
+            linear_attention_freq=hf_value(hf, "full_attention_interval", default=4),
             linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
             linear_key_head_dim=hf.linear_key_head_dim,
             linear_value_head_dim=hf.linear_value_head_dim,
             linear_num_key_heads=hf.linear_num_key_heads,
             linear_num_value_heads=hf.linear_num_value_heads,
-            moe_shared_expert_intermediate_size=_get(hf, "shared_expert_intermediate_size"),
-            moe_shared_expert_gate=_get(hf, "shared_expert_intermediate_size") is not None,
-            attention_output_gate=bool(_get(hf, "attn_output_gate", default=True)),
+            moe_shared_expert_intermediate_size=hf_value(hf, "shared_expert_intermediate_size"),
+            moe_shared_expert_gate=hf_value(hf, "shared_expert_intermediate_size") is not None,
+            attention_output_gate=bool(hf_value(hf, "attn_output_gate", default=True)),
             layernorm_zero_centered_gamma=True,
         )
-    if _get(hf, "mtp_num_hidden_layers", default=0):
+    if hf_value(hf, "mtp_num_hidden_layers", default=0):
         log.info("megatron mapping: the model's multi-token-prediction block (%d layer(s)) is not built or trained",
                  hf.mtp_num_hidden_layers)
     return kw
@@ -188,60 +176,9 @@ def gpt_model_kwargs(hf: Any, tp_size: int = 1) -> dict:
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
         rotary_percent=_partial_rotary_factor(hf),
-        share_embeddings_and_output_weights=bool(_get(hf, "tie_word_embeddings", default=False)),
+        share_embeddings_and_output_weights=bool(hf_value(hf, "tie_word_embeddings", default=False)),
         parallel_output=True,
     )
-
-
-def check_model_settings(cfg: SFTProfileConfig, hf: Any, layout: Layout) -> None:
-    """Refuse, before any process group or GPU work, megatron trials that need the model config to judge.
-
-    - the installed megatron-core must be a supported release (:func:`sftprof.compat.check_megatron_version`);
-    - ``actor.init_from_scratch=false``: ``actor.path`` must be a model directory with a safetensors
-      checkpoint of a family that has a weight mapping (:data:`sftprof.models.weights.MAPPINGS`);
-    - gated delta-net models (Qwen3.5): :func:`sftprof.models.specs.check_linear_attention_layout`;
-    - the layout must split the model evenly: attention heads and query groups by TP, gated delta-net heads by TP x
-      CP, experts by EP, the expert FFN by ETP, the layers by PP; the sequence into ``2 * CP`` chunks whose per-rank
-      length TP divides (sequence parallelism);
-    - the chunked LM-head loss (``actor.loss`` path ``lm_head``) needs a vocabulary that TP divides (it
-      has no mask for padded vocabulary rows; the logits path has).
-
-    Raises:
-        ConfigError: naming the setting, the value and what is accepted.
-    """
-    check_megatron_version()
-    if not cfg.actor.init_from_scratch:
-        model_dir = resolve_model_dir(cfg.actor.path)
-        if not ((model_dir / INDEX_NAME).is_file() or (model_dir / SINGLE_NAME).is_file()):
-            raise ConfigError(f"actor.init_from_scratch=false: {model_dir} holds no safetensors checkpoint ({INDEX_NAME} "
-                              f"or {SINGLE_NAME}); accepted: a Hugging Face model directory with safetensors weights, "
-                              "or actor.init_from_scratch=true (random init)")
-        if hf.model_type not in MAPPINGS:
-            raise ConfigError(f"actor.init_from_scratch=false: the megatron backend loads weights of {sorted(MAPPINGS)}, "
-                              f"not model_type {hf.model_type!r}; set actor.init_from_scratch=true")
-    check_linear_attention_layout(hf.model_type, layout)
-    heads = hf.num_attention_heads
-    groups = _get(hf, "num_key_value_heads", default=heads)
-    experts = _get(hf, "num_experts", "num_local_experts")
-    for what, size, name, parts in (
-            ("num_attention_heads", heads, "TP", layout.tp), ("num_key_value_heads", groups, "TP", layout.tp),
-            ("num_experts", experts, "EP", layout.ep), ("moe_intermediate_size", hf.moe_intermediate_size, "ETP", layout.etp),
-            ("num_hidden_layers", hf.num_hidden_layers, "PP", layout.pp),
-            # gated delta-net heads: split by TP, and by CP too (its context parallelism runs heads on CP ranks)
-            ("linear_num_key_heads", _get(hf, "linear_num_key_heads", default=0), "TPxCP", layout.tp * layout.cp),
-            ("linear_num_value_heads", _get(hf, "linear_num_value_heads", default=0), "TPxCP", layout.tp * layout.cp)):
-        if size % parts:
-            raise ConfigError(f"actor.backend={cfg.actor.backend!r}: the model's {what}={size} is not divisible by "
-                              f"{name}={parts}; accepted: a layout whose {name} divides it (actor.num_layers cuts layers)")
-    seq, cp = cfg.profile.fake_seq_len, layout.cp
-    if (cp > 1 and seq % (2 * cp)) or (seq // cp) % layout.tp:
-        raise ConfigError(f"profile.fake_seq_len={seq}: must be divisible by 2*CP={2 * cp} (load-balanced context "
-                          f"parallel chunks) and the per-CP-rank length by TP={layout.tp} (sequence parallel)")
-    chunk = cfg.actor.loss.lm_head_loss_chunk_size
-    if cfg.actor.loss.resolved_path() == "lm_head" and hf.vocab_size % layout.tp:
-        raise ConfigError(f"actor.loss.lm_head_loss_chunk_size={chunk}: the chunked LM-head loss needs a vocabulary "
-                          f"divisible by TP={layout.tp} (vocab_size {hf.vocab_size}); accepted: 0 (logits path, which "
-                          "masks the padded vocabulary) or a TP that divides the vocabulary")
 
 
 def _parallel_sizes(layout: Layout) -> dict:

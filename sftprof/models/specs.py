@@ -27,9 +27,8 @@ import importlib.util
 import logging
 from typing import Any
 
-from sftprof.compat import (GATED_DELTA_NET_CP, gated_delta_net_kernels, megatron_at_least, megatron_core_version,
-                            narrow_fla_hopper_guard)
-from sftprof.config import ConfigError
+from sftprof.compat import gated_delta_net_kernels, narrow_fla_hopper_guard
+from sftprof.models.checks import FLA_PACKAGES
 from sftprof.models.layers.attention import SDPACoreAttention
 from sftprof.models.layers.experts import GroupedGemmExperts, grouped_mm_supported
 from sftprof.models.layers.norm import RMSNorm
@@ -48,41 +47,10 @@ def have_transformer_engine() -> bool:
     return True
 
 
-LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-FLA_PACKAGES = "flash-linear-attention==0.6.0 and fla-core==0.6.0 (pip install -e '.[qwen3_5]')"
-
-
-def check_linear_attention_layout(model_type: str, layout) -> None:
-    """Refuse, before launch, a megatron trial of a gated delta-net model that cannot run here.
-
-    Cheap (no megatron or transformers import): the driver's plan and the trainer call it before any
-    process starts. Qwen3.5's gated delta-net layers are megatron-core's ``GatedDeltaNet``, which runs on
-    flash-linear-attention's kernels (package ``fla``) and has context parallelism from megatron-core 0.18
-    (:data:`sftprof.compat.GATED_DELTA_NET_CP`; before, "TODO: support CP" in ``megatron/core/ssm/gated_delta_net.py``).
-
-    Args:
-        model_type: the (text) HF ``model_type`` (:func:`sftprof.models.hf.read_model_type`).
-        layout: the trial's :class:`sftprof.allocation.Layout`; only ``megatron`` layouts are checked.
-    Raises:
-        ConfigError: CP > 1 with a megatron-core before 0.18 (names ``actor.backend``, the installed release and
-            the accepted layouts), or ``fla`` not importable (names the packages to install).
-    """
-    if model_type not in LINEAR_ATTENTION_MODEL_TYPES or layout.backend != "megatron":
-        return
-    if layout.cp > 1 and not megatron_at_least(GATED_DELTA_NET_CP):
-        installed = ".".join(map(str, megatron_core_version()))
-        raise ConfigError(f"actor.backend={layout.describe()}: context parallelism (CP={layout.cp}) is not supported "
-                          f"for {model_type} with megatron-core {installed}: its gated delta-net layers have no "
-                          "context parallelism (megatron-core >= 0.18 has); accepted: a layout with c1 (TP with "
-                          "sequence parallelism, e.g. megatron:(attn:d4t2|ffn:d1e8))")
-    if importlib.util.find_spec("fla") is None:
-        raise ConfigError(f"actor.path: {model_type} (gated delta-net linear attention) on the megatron backend needs "
-                          f"the Python package 'fla' from {FLA_PACKAGES}; it is not installed")
-
-
 def check_model_supported(config) -> None:
-    """Last guard before a gated delta-net model is built (after :func:`check_linear_attention_layout`; CP > 1
-    before megatron-core 0.18 is also refused by its ``TransformerConfig`` validation).
+    """Last guard before a gated delta-net model is built (after
+    :func:`sftprof.models.checks.check_linear_attention_layout`; CP > 1 before megatron-core 0.18 is also refused
+    by its ``TransformerConfig`` validation).
 
     Raises:
         NotImplementedError: ``experimental_attention_variant="gated_delta_net"`` and megatron-core's
