@@ -422,12 +422,14 @@ def _window_plan(src: str, max_view_bytes: int) -> dict[str, list[float]]:
 
 
 def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] | None,
-                   notes: dict[str, int]) -> Iterator[tuple[str, dict[str, Any]]]:
+                   notes: dict[str, int], with_raw: bool = True) -> Iterator[tuple[str | None, dict[str, Any]]]:
     """``(raw, event)`` of each event of ``reader`` that :func:`~sftprof.analysis.trace.check.event_problem` accepts
     (the others go to ``on_invalid(kind, raw)``), non-finite numbers written as null (counted in ``notes``), another
     kineto version's category spellings read as today's (:data:`~sftprof.analysis.trace.check.CATEGORY_ALIASES`,
-    counted; ``raw``, which the views write, keeps the trace's own spelling)."""
-    for raw, ev in reader.events():
+    counted; ``raw``, which the views write, keeps the trace's own spelling). ``with_raw=False``: ``raw`` is None
+    for the events orjson read a chunk at a time (:meth:`~sftprof.analysis.trace.io.TraceReader.events`; an invalid
+    one's text is still found for ``on_invalid``)."""
+    for raw, ev in reader.events(with_raw):
         cat = ev.get("cat")
         if type(cat) is str and cat in CATEGORY_ALIASES:
             ev["cat"] = CATEGORY_ALIASES[cat]
@@ -435,9 +437,9 @@ def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] |
         problem = event_problem(ev)
         if problem is not None:
             if on_invalid is not None:
-                on_invalid(problem, raw)
+                on_invalid(problem, reader.last_raw(ev) if raw is None else raw)
             continue
-        if reader.nonfinite_text and ("NaN" in raw or "Infinity" in raw):
+        if raw is not None and reader.nonfinite_text and ("NaN" in raw or "Infinity" in raw):  # None: orjson read it
             ev, n_bad = finite_json(ev)
             if n_bad:
                 notes["non-finite numbers written as null"] += n_bad
@@ -455,7 +457,7 @@ def read_for_summary(src: str, on_header: Callable[[dict[str, Any]], None], on_e
         TraceFormatError: truncated or malformed trace.
     """
     reader = TraceReader(src)
-    for _, ev in _usable_events(reader, on_invalid, defaultdict(int)):
+    for _, ev in _usable_events(reader, on_invalid, defaultdict(int), with_raw=False):
         on_event(ev)
     on_header(finite_json(dict(reader.header))[0])
 
