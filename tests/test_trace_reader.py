@@ -32,7 +32,8 @@ def _read(path, monkeypatch, chunk: int | None = None, stdlib_only: bool = False
         if stdlib_only:  # every chunk as one orjson may misread: the standard library's scanner alone
             m.setattr(trace_io, "_big_int", lambda data: True)
         reader = TraceReader(path)
-        events = [(reader.last_raw(ev) if raw is None else raw, json.dumps(ev)) for raw, ev in reader.events(with_raw)]
+        read = reader.events() if with_raw else reader.events_without_text()
+        events = [(reader.last_raw(ev) if raw is None else raw, json.dumps(ev)) for raw, ev in read]
     return events, reader.header, len(read_by_orjson)
 
 
@@ -62,8 +63,10 @@ def test_invalid_events_of_a_real_trace_without_texts(tmp_path):
     got = {}
     for with_raw in (True, False):
         invalid: list[tuple[str, str]] = []
-        events = [ev for _, ev in _usable_events(TraceReader(path), lambda kind, raw: invalid.append((kind, raw)),
-                                                 defaultdict(int), with_raw)]
+        reader = TraceReader(path)
+        read = reader.events() if with_raw else reader.events_without_text()
+        events = [ev for _, ev in _usable_events(reader, read, lambda kind, raw: invalid.append((kind, raw)),
+                                                 defaultdict(int))]
         got[with_raw] = invalid, events
     assert len(got[True][0]) > 200 and got[True] == got[False]
     assert all(raw.startswith("{") and raw.endswith("}") and '"dur": -' in raw for _, raw in got[False][0])

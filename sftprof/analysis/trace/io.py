@@ -29,7 +29,7 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO, cast
 
 import orjson
 
@@ -203,10 +203,16 @@ class TraceReader:
             return value, start, end
 
     # -- public iteration -------------------------------------------------------------------
-    def events(self, with_raw: bool = True) -> Iterator[tuple[str | None, dict[str, Any]]]:
-        """Yield ``(raw_text, event_dict)`` for every element of ``traceEvents`` in file order. ``with_raw=False``:
-        the events orjson reads a chunk at a time (one call for a chunk's events: most of a kineto trace) come with
-        None for their text (:meth:`last_raw` finds it)."""
+    def events(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(raw_text, event_dict)`` for every element of ``traceEvents`` in file order."""
+        return cast(Iterator[tuple[str, dict[str, Any]]], self._events(True))
+
+    def events_without_text(self) -> Iterator[tuple[str | None, dict[str, Any]]]:
+        """:meth:`events`, but the events orjson reads some at a time (about 8 KiB of text a call: most of a kineto
+        trace) come with None for their text, which :meth:`last_raw` finds when asked."""
+        return self._events(False)
+
+    def _events(self, with_raw: bool) -> Iterator[tuple[str | None, dict[str, Any]]]:
         try:
             first = self._peek()
             if first == "[":
@@ -256,11 +262,12 @@ class TraceReader:
 
     def last_raw(self, event: dict[str, Any]) -> str:
         """The source text of ``event``, the last event that :meth:`events` yielded, with None for its text
-        (``with_raw=False``: the events orjson read some at a time), found with the standard library's scanner when
+        (:meth:`events_without_text`), found with the standard library's scanner when
         asked (an invalid event's). Raises ValueError when the last event came with its text."""
         if self._lazy is None:
             raise ValueError("the last event was yielded with its text")
-        buf, batch, pos, at = self._lazy  # at: the index in batch of the event that starts at pos
+        buf: str = self._lazy[0]
+        batch, pos, at = self._lazy[1:]  # at: the index in batch of the event that starts at pos
         index = next(i for i in range(at, len(batch)) if batch[i] is event)
         sep: Callable[[str, int], re.Match[str]] = _SEP.match  # type: ignore[assignment]  # "[...]*": never None
         for _ in range(index - at):
