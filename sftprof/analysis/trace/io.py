@@ -11,7 +11,9 @@ Two parsers give the same events: ``orjson`` (2.7x faster per event) reads the e
 cut at the text that separates two events (``},\n  {`` in kineto's traces, learnt from the
 first two events), each cut piece checked by orjson reading it as one whole object; the C scanner
 of the standard ``json`` module reads the rest: a piece orjson refuses (``NaN`` and ``Infinity``
-among them), and every chunk that may hold an integer orjson reads as a float (:func:`_big_int`).
+among them), and every chunk that may hold an integer orjson reads as a float (:func:`_big_int`). A reader that
+needs no text (the summary's pass: :meth:`TraceReader.events_without_text`) has orjson read about 8 KiB of events
+at a time as one array, and the text of an event found only when asked (an invalid event's).
 
 Gzip input (``*.json.gz``) is read transparently; :class:`TraceWriter` writes plain or gzip
 output.
