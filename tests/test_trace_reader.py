@@ -1,6 +1,8 @@
 """The trace reader's two parsers give the same events and event texts: orjson, for the events of chunks cut at the
 text between two events, and the standard library's scanner (the only parser before), for the rest."""
+import gzip
 import json
+from collections import defaultdict
 
 import orjson
 import pytest
@@ -8,11 +10,13 @@ import pytest
 from fixtures import gpu_trace_fixtures, make_cpu_trace, two_gpu_sync_traces
 from sftprof.analysis.trace import io as trace_io
 from sftprof.analysis.trace.io import TraceReader
+from sftprof.analysis.views.split import _usable_events
 
 
-def _read(path, monkeypatch, chunk: int | None = None, stdlib_only: bool = False):
-    """``([(raw, event as json.dumps writes it)], header, events orjson read)``: json.dumps tells 1 from 1.0 and
-    -0.0 from 0.0, which == does not."""
+def _read(path, monkeypatch, chunk: int | None = None, stdlib_only: bool = False, with_raw: bool = True):
+    """``([(raw, event as json.dumps writes it)], header, orjson calls)``: json.dumps tells 1 from 1.0 and
+    -0.0 from 0.0, which == does not. ``with_raw=False``: each event's text as ``last_raw`` finds it where the
+    reader gave None."""
     read_by_orjson = []
     loads = orjson.loads
 
@@ -28,7 +32,8 @@ def _read(path, monkeypatch, chunk: int | None = None, stdlib_only: bool = False
         if stdlib_only:  # every chunk as one orjson may misread: the standard library's scanner alone
             m.setattr(trace_io, "_big_int", lambda data: True)
         reader = TraceReader(path)
-        events = [(raw, json.dumps(ev)) for raw, ev in reader.events()]
+        read = reader.events() if with_raw else reader.events_without_text()
+        events = [(reader.last_raw(ev) if raw is None else raw, json.dumps(ev)) for raw, ev in read]
     return events, reader.header, len(read_by_orjson)
 
 
@@ -40,6 +45,31 @@ def test_real_traces_read_the_same_by_both_parsers(path, monkeypatch):
     assert n_orjson >= len(events) - 5  # kineto's traces: all but the first event of each chunk by orjson
     # Short chunks: many cuts, events and the 64 KiB margin across chunk ends.
     assert _read(path, monkeypatch, chunk=70_000)[:2] == (old, old_header)
+    # Without the texts: about 8 KiB of events a call (the texts found afterwards), whatever the chunk size.
+    for chunk in (None, 70_000):
+        events, header, calls = _read(path, monkeypatch, chunk=chunk, with_raw=False)
+        assert (events, header) == (old, old_header) and calls < n_orjson / 10
+
+
+def test_invalid_events_of_a_real_trace_without_texts(tmp_path):
+    """The summary's pass (events without their texts) hands each invalid event's text to ``on_invalid`` as the
+    views' pass does: the real reference trace with every 97th duration and a run of 20 made negative."""
+    text = gzip.decompress(gpu_trace_fixtures()[-1].read_bytes()).decode()
+    parts = text.split('"dur": ')
+    bad = parts[0] + "".join(('"dur": -' if k % 97 == 0 or 500 < k < 520 else '"dur": ') + p
+                             for k, p in enumerate(parts[1:], start=1))
+    path = tmp_path / "bad.json"
+    path.write_text(bad)
+    got = {}
+    for with_raw in (True, False):
+        invalid: list[tuple[str, str]] = []
+        reader = TraceReader(path)
+        read = reader.events() if with_raw else reader.events_without_text()
+        events = [ev for _, ev in _usable_events(reader, read, lambda kind, raw: invalid.append((kind, raw)),
+                                                 defaultdict(int))]
+        got[with_raw] = invalid, events
+    assert len(got[True][0]) > 200 and got[True] == got[False]
+    assert all(raw.startswith("{") and raw.endswith("}") and '"dur": -' in raw for _, raw in got[False][0])
 
 
 def test_cpu_trace_in_short_chunks(tmp_path, monkeypatch):
@@ -77,6 +107,8 @@ def test_events_orjson_refuses_or_misreads(tmp_path, monkeypatch, sep):
         events, header, n_orjson = _read(path, monkeypatch, chunk=chunk)
         assert (events, header) == (old, old_header) and n_orjson > 1000
     assert _read(path, monkeypatch) == (old, old_header, 0)  # one chunk, which holds a NaN: the scanner reads it all
+    for chunk in (37, 70_000, 100_000, 150_000):  # without the texts: the same events, each text found when asked
+        assert _read(path, monkeypatch, chunk=chunk, with_raw=False)[:2] == (old, old_header)
     got = [ev for _, ev in TraceReader(path).events() if ev["ph"] == "i"]
     assert [(type(ev["ts"]), ev["ts"], ev["id"]) for ev in got] == [
         (int, 12345678901234567890123, 1), (int, 5, -9223372036854775809)]

@@ -72,7 +72,7 @@ import tempfile
 from array import array
 from bisect import bisect_right
 from collections import defaultdict
-from typing import IO, Any, Callable, Iterator, Optional, TextIO, TypeGuard, Union
+from typing import IO, Any, Callable, Iterator, Optional, TextIO, TypeGuard, TypeVar, Union
 
 import numpy as np
 
@@ -97,6 +97,7 @@ _SYNTHETIC_FLOOR = MAX_TID - 2**20  # made-up tids stay above this
 _TID_FIELD = re.compile(r'"tid"\s*:\s*(\d+)')
 _THREAD_LABEL = re.compile(r"^thread \d+ \((.*)\)$")
 _CHROME, _CLEAN, _GPU, _CPU, _API = VIEWS
+_Raw = TypeVar("_Raw", str, Optional[str])  # an event's text, None where the reader left it out
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> str:
@@ -231,7 +232,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
     flow_pairs = _FlowPairs()
     header: dict[str, Any] = {}
     try:
-        events = _usable_events(reader, on_invalid, notes)
+        events = _usable_events(reader, reader.events(), on_invalid, notes)
         first = next(events, None)
         header, n_bad = finite_json(dict(reader.header))
         notes["non-finite numbers written as null"] += n_bad
@@ -252,6 +253,7 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
         # Hot loop: append to the writers' pending lists, flush every FLUSH_EVENTS events.
         full, clean, gpu_w, cpu_w, api_w = routes[0]
         real = tids.real
+        cpu_tracks, gpu_tracks, api_tracks = tracks["cpu"], tracks["gpu"], tracks["api"]
         flush_every = TraceWriter.FLUSH_EVENTS
         countdown = flush_every
         for raw, ev in itertools.chain([first] if first is not None else [], events):
@@ -315,15 +317,15 @@ def split_trace(src: str, out_dir: str, rank: int, *, compress: bool = False,
                 continue
             full(raw)
             if cat in _CPU_CATS:
-                tracks["cpu"].add((pid, tid))
+                cpu_tracks.add((pid, tid))
                 cpu_w(raw)
                 clean(raw)
             elif cat in _GPU_CATS:
-                tracks["gpu"].add((pid, tid))
+                gpu_tracks.add((pid, tid))
                 clean(raw)
                 gpu_w(raw)
             elif cat in _API_CATS:
-                tracks["api"].add((pid, tid))
+                api_tracks.add((pid, tid))
                 api_w(raw)
                 clean(_moved(raw, ev, tid, tids.get(pid, "api", tid)))
         flow_file.writelines(flow_lines)
@@ -421,13 +423,16 @@ def _window_plan(src: str, max_view_bytes: int) -> dict[str, list[float]]:
     return {view: window_cuts(sorted(ts), stride, max_view_bytes) for view, ts in times.items()}
 
 
-def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] | None,
-                   notes: dict[str, int]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _usable_events(reader: TraceReader, events: Iterator[tuple[_Raw, dict[str, Any]]],
+                   on_invalid: Callable[[str, str], None] | None, notes: dict[str, int]
+                   ) -> Iterator[tuple[_Raw, dict[str, Any]]]:
     """``(raw, event)`` of each event of ``reader`` that :func:`~sftprof.analysis.trace.check.event_problem` accepts
     (the others go to ``on_invalid(kind, raw)``), non-finite numbers written as null (counted in ``notes``), another
     kineto version's category spellings read as today's (:data:`~sftprof.analysis.trace.check.CATEGORY_ALIASES`,
-    counted; ``raw``, which the views write, keeps the trace's own spelling)."""
-    for raw, ev in reader.events():
+    counted; ``raw``, which the views write, keeps the trace's own spelling). ``events``: ``reader.events()``, or
+    ``reader.events_without_text()`` (``raw`` None for most events; an invalid one's text is still found for
+    ``on_invalid``)."""
+    for raw, ev in events:
         cat = ev.get("cat")
         if type(cat) is str and cat in CATEGORY_ALIASES:
             ev["cat"] = CATEGORY_ALIASES[cat]
@@ -435,9 +440,9 @@ def _usable_events(reader: TraceReader, on_invalid: Callable[[str, str], None] |
         problem = event_problem(ev)
         if problem is not None:
             if on_invalid is not None:
-                on_invalid(problem, raw)
+                on_invalid(problem, reader.last_raw(ev) if raw is None else raw)
             continue
-        if reader.nonfinite_text and ("NaN" in raw or "Infinity" in raw):
+        if raw is not None and reader.nonfinite_text and ("NaN" in raw or "Infinity" in raw):  # None: orjson read it
             ev, n_bad = finite_json(ev)
             if n_bad:
                 notes["non-finite numbers written as null"] += n_bad
@@ -455,7 +460,7 @@ def read_for_summary(src: str, on_header: Callable[[dict[str, Any]], None], on_e
         TraceFormatError: truncated or malformed trace.
     """
     reader = TraceReader(src)
-    for _, ev in _usable_events(reader, on_invalid, defaultdict(int)):
+    for _, ev in _usable_events(reader, reader.events_without_text(), on_invalid, defaultdict(int)):
         on_event(ev)
     on_header(finite_json(dict(reader.header))[0])
 
@@ -549,7 +554,7 @@ class _FlowPairs:
 
     def apart(self, cat: str, fid: Any) -> tuple[int, int] | None:
         """The slots of a paired flow's start and end when they differ, else None."""
-        return self._apart.get((cat, self._key(fid)))
+        return self._apart.get((cat, self._key(fid))) if self._apart else None
 
 
 def _left_out(raw: str) -> None:
@@ -572,15 +577,19 @@ def _write_flows(flow_file: IO[str], flow_pairs: _FlowPairs, slots: list[tuple[T
     flow_file.seek(0)
     api_threads = tracks["api"]
     views = [VIEWS.index(v) for v in (_CHROME, _CLEAN, _CPU)]
+    together = [tuple(here[i].write for i in views) for here in slots]  # per slot, for a flow whose ends it holds
     for line in flow_file:
         cat, fid_text, ph, pid_text, tid_text, slot, raw = line.rstrip("\n").split("\t", 6)
         fid = int(fid_text) if fid_text.isdigit() else json.loads(fid_text)
         if not flow_pairs.paired(cat, fid, ph):
             notes["unpaired flow events left out"] += 1
             continue
-        here, ends = slots[int(slot)], flow_pairs.apart(cat, fid)
-        full, clean, cpu_w = (here[i].write if ends is None or slots[ends[0]][i] is slots[ends[1]][i] else _left_out
-                              for i in views)
+        ends = flow_pairs.apart(cat, fid)
+        if ends is None:
+            full, clean, cpu_w = together[int(slot)]
+        else:
+            here = slots[int(slot)]
+            full, clean, cpu_w = (here[i].write if slots[ends[0]][i] is slots[ends[1]][i] else _left_out for i in views)
         pid, tid = int(pid_text), int(tid_text)
         if cat == "ac2g" and ph == "f" and type(fid) is int and (pid, tid, fid) in sync_ends:
             raw = _moved(raw, None, tid, tids.get(pid, "sync", tid))
