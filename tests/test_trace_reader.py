@@ -123,3 +123,28 @@ def test_events_orjson_refuses_or_misreads(tmp_path, monkeypatch, sep):
 ])
 def test_big_int(data, big):
     assert trace_io._big_int(data) is big
+
+
+def test_an_invalid_deeply_nested_event_without_texts(tmp_path):
+    """An invalid event nested deeper than the standard library's scanner recurses (1010 arrays in its args; orjson
+    reads up to 1024, so its batch holds it), and one after a valid such event: the summary's pass (without texts)
+    finds their texts as the views' pass has them, instead of a RecursionError."""
+    deep = "[" * 1010 + "]" * 1010
+    events = [{"ph": "X", "cat": "cpu_op", "name": f"e{i}", "pid": 1, "tid": 1, "ts": i, "dur": 1} for i in range(400)]
+    text = json.dumps({"traceEvents": events}, indent=2)
+    text = text.replace('"name": "e100"', f'"name": "e100", "args": {{"deep": {deep}}}', 1)
+    text = text.replace('"ts": 100,', '"ts": "bad",', 1)
+    text = text.replace('"name": "e200"', f'"name": "e200", "args": {{"deep": {deep}}}', 1)
+    text = text.replace('"ts": 201,', '"ts": "bad",', 1)
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    got = {}
+    for with_raw in (True, False):
+        invalid: list[tuple[str, str]] = []
+        reader = TraceReader(path)
+        read = reader.events() if with_raw else reader.events_without_text()
+        n = sum(1 for _ in _usable_events(reader, read, lambda kind, raw: invalid.append((kind, raw)),
+                                          defaultdict(int)))
+        got[with_raw] = invalid, n
+    assert got[False] == got[True] and got[True][1] == 398
+    assert [kind for kind, _ in got[True][0]] == ["non-numeric ts"] * 2 and deep in got[True][0][0][1]

@@ -67,6 +67,25 @@ def _big_int(data: bytes) -> bool:
     return False
 
 
+_BRACKET_OR_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}]')
+
+
+def _object_end(buf: str, pos: int) -> int:
+    """The index after the JSON value that starts at ``buf[pos]`` (an object or array that orjson read: valid JSON),
+    found by counting brackets outside strings: no recursion, so an event nested deeper than the standard library's
+    scanner recurses (orjson reads 1024 levels) is found too."""
+    depth = 0
+    for m in _BRACKET_OR_STRING.finditer(buf, pos):
+        c = m.group()
+        if c == "{" or c == "[":
+            depth += 1
+        elif c == "}" or c == "]":
+            depth -= 1
+            if not depth:
+                return m.end()
+    raise ValueError(f"no JSON value ends after index {pos}")
+
+
 class TraceFormatError(ValueError):
     """A trace file is truncated or is not Chrome-trace JSON; the message names the file and offset."""
 
@@ -273,9 +292,9 @@ class TraceReader:
         index = next(i for i in range(at, len(batch)) if batch[i] is event)
         sep: Callable[[str, int], re.Match[str]] = _SEP.match  # type: ignore[assignment]  # "[...]*": never None
         for _ in range(index - at):
-            pos = sep(buf, _SCAN(buf, pos)[1]).end()
+            pos = sep(buf, _object_end(buf, pos)).end()
         self._lazy[2:] = pos, index
-        return buf[pos:_SCAN(buf, pos)[1]]
+        return buf[pos:_object_end(buf, pos)]
 
     def _array(self, with_raw: bool) -> Iterator[tuple[str | None, dict[str, Any]]]:
         buf_scan = _SCAN
