@@ -717,6 +717,126 @@ def test_a_memory_plot_matplotlib_cannot_draw_is_that_plots_error(tmp_path, snap
     assert ok.pop("errors") == [] and _without_run_dir(bogus) == _without_run_dir(ok)
 
 
+def _write_failed_text(path, reason, errno):
+    """``(start, end)`` of the :class:`sftprof.atomic.WriteError` text that a write of ``path`` failing with
+    ``reason`` gives, around the free space of its folder (which other processes change)."""
+    return (f"WriteError: [Errno {errno}] cannot write {path}: {reason} (",
+            f" free in {path.parent}); what was there before is left as it was: '{path}'")
+
+
+SNAP0, PNG0 = "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz", "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png"
+
+
+def test_an_archive_file_that_cannot_be_moved_into_place_is_its_plots_or_its_snapshots_error(
+        tmp_path, snapshot=H200_SNAPSHOT):
+    """Reruns with a folder in the place of an archived file (``rm``, ``mkdir``), each writing its summary (exit 1,
+    no traceback): rank 0's plot is that plot's error, its snapshot and rank 1's archived as usual; rank 1's sidecar
+    fails its snapshot before anything of it is moved (the earlier archive and plot kept); rank 1's snapshot fails it
+    after its sidecar moved in (named in ``phases_file``; the earlier plot kept)."""
+    log, src = _memory_log_dir(tmp_path, snapshot)
+    run = tmp_path / "run"
+    dst = run / "memory_snapshots" / "step_1"
+    assert _cli("--log-dir", log, "--run-dir", run).returncode == 0
+    earlier = {n: (dst / n).read_bytes() for n in (SNAP1, PNG1)}
+    (dst / PNG0).unlink()
+    (dst / PNG0).mkdir()
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    [error] = s["errors"]
+    start, end = _write_failed_text(dst / PNG0, "Is a directory", 21)
+    assert error["file"] == f"memory_snapshots/step_1/{SNAP0}"
+    assert error["error"].startswith(start) and error["error"].endswith(end + " (memory plot not written)")
+    m0, m1 = s["memory_snapshots"]
+    assert m0["plot_error"] == error["error"] and "plot" not in m0 and "kept_files" not in m0
+    assert "archived" not in m0 and m0["summary"]["peak_allocated_gib"] == m1["summary"]["peak_allocated_gib"]
+    assert m1["plot"] == f"memory_snapshots/step_1/{PNG1}" and s["counts"]["plots"] == 1
+    assert sorted(os.listdir(dst)) == sorted([SNAP0, PNG0, "phases_rank1.json", SNAP1, PNG1])
+    assert os.listdir(dst / PNG0) == [] and (dst / SNAP0).read_bytes() == (src / SNAP0).read_bytes()
+    assert sorted(os.listdir(run)) == ["memory_snapshots", "profile_summary.json", "profile_summary.md",
+                                       "profile_summary.prev1.json", "profile_summary.prev1.md"]  # no staging left
+
+    (dst / PNG0).rmdir()
+    (dst / "phases_rank1.json").unlink()
+    (dst / "phases_rank1.json").mkdir()
+    snap = safe_load_file(snapshot)  # a good, different snapshot (the newest 300 events)
+    snap["device_traces"] = [t[-300:] for t in snap["device_traces"]]
+    (src / SNAP1).write_bytes(pickle.dumps(snap, protocol=4))
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    start, end = _write_failed_text(dst / "phases_rank1.json", "Is a directory", 21)
+    [error] = s["errors"]
+    assert error["file"] == f"memory_snapshots/step_1/{SNAP1}"
+    assert error["error"].startswith(f"{src / SNAP1}: {start}") and error["error"].endswith(end + " (not archived)")
+    m1 = s["memory_snapshots"][1]
+    assert m1["archived"] is False and "phases_file" not in m1 and m1["kept_files"] == [
+        f"memory_snapshots/step_1/{n}" for n in (SNAP1, PNG1)]
+    assert {n: (dst / n).read_bytes() for n in earlier} == earlier and os.listdir(dst / "phases_rank1.json") == []
+    assert s["memory_snapshots"][0]["plot"] == f"memory_snapshots/step_1/{PNG0}" and (dst / PNG0).is_file()
+
+    (dst / "phases_rank1.json").rmdir()
+    (dst / SNAP1).unlink()
+    (dst / SNAP1).mkdir()
+    res = _cli("--log-dir", log, "--run-dir", run)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    start, end = _write_failed_text(dst / SNAP1, "Is a directory", 21)
+    [error] = s["errors"]
+    assert error["error"].startswith(f"{src / SNAP1}: {start}") and error["error"].endswith(end + " (not archived)")
+    m1 = s["memory_snapshots"][1]
+    assert m1["archived"] is False and m1["phases_file"] == "memory_snapshots/step_1/phases_rank1.json"
+    assert m1["kept_files"] == [f"memory_snapshots/step_1/{PNG1}"] and (dst / PNG1).read_bytes() == earlier[PNG1]
+    assert (dst / "phases_rank1.json").read_text() == (src / "phases_rank1.json").read_text()
+    assert os.listdir(dst / SNAP1) == []
+    assert s["warnings"][0] == {"file": f"memory_snapshots/step_1/{SNAP1}", "warning": (
+        f"rank 1: 1 file(s) of an earlier postprocess are kept in memory_snapshots/step_1/ (not from this snapshot, "
+        f"which failed): {PNG1}")}
+
+
+def test_a_file_in_the_place_of_model_parts_is_the_plots_error_and_the_end_table_says_so(tmp_path):
+    """``RUN_DIR/model_parts`` a file (``echo hi > model_parts``): rank 0's model-part plot is its error (exit 1, no
+    traceback), its views and summary written, the file left as it was. The end table of a run root holding that
+    trial, and one whose rank 1 trace is truncated as well, says what its summary lacks: a plot not drawn, a file not
+    read."""
+    from sftprof.launch import report
+
+    log = tmp_path / "L"
+    (log / "perf_tracer").mkdir(parents=True)
+    trace = REPO / "tests" / "fixtures" / "h200_sftprof_kernel.trace.json.gz"
+    shutil.copy(trace, log / "perf_tracer" / "rank0.pt.trace.json.gz")
+    root = tmp_path / "run_root"
+    plot_only, both = root / "kernel_step1_plot", root / "kernel_step1_both"
+    for run in (plot_only, both):
+        run.mkdir(parents=True)
+        (run / "model_parts").write_text("hi\n")
+    trial = ("--log-dir", log, "--profile-kind", "kernel", "--profile-step", 1)
+    res = _cli(*trial, "--run-dir", plot_only)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(plot_only / "profile_summary.json"))
+    error = (f"{plot_only / 'model_parts' / 'rank0.png'}: FileExistsError: [Errno 17] File exists: "
+             f"'{plot_only / 'model_parts'}' (model-part plot not drawn)")
+    assert s["errors"] == [{"file": "perf_tracer/rank0.pt.trace.json.gz", "error": error}]
+    t = s["kernel_traces"][0]
+    assert t["parts_plot_error"] == error and "parts_plot" not in t and "kept_files" not in t and t["summary"]
+    assert sorted(t["views"]) == sorted(VIEWS) and all((plot_only / p).is_file() for v in t["views"].values()
+                                                       for p in v)
+    assert (plot_only / "model_parts").read_text() == "hi\n" and (plot_only / "profile_summary.md").is_file()
+    assert s["counts"] == {"traces": 1, "traces_ok": 1, "views": 5, "snapshots": 0, "plots": 0, "errors": 1,
+                           "skipped": 0}
+
+    (log / "perf_tracer" / "rank1.pt.trace.json.gz").write_bytes(trace.read_bytes()[:100_000])
+    assert _cli(*trial, "--run-dir", both).returncode == 1
+    assert [e["file"] for e in json.load(open(both / "profile_summary.json"))["errors"]] == [
+        "perf_tracer/rank1.pt.trace.json.gz", "perf_tracer/rank0.pt.trace.json.gz"]
+    (root / "summary.tsv").write_text(
+        "trial\tkind\tstep\tstatus\ttrain_status\tpostprocess_status\telapsed_s\trun_dir\tlog_dir\n"
+        f"plot\tkernel\t1\t1\t0\t1\t9\t{plot_only}\t{log}\nboth\tkernel\t1\t1\t0\t1\t9\t{both}\t{log}\n")
+    status = [line.split("  ")[1].strip() for line in report(root).splitlines()[1:3]]
+    assert status == ["FAILED (1) (summary: 1 plot not drawn, see its Errors)",
+                      "FAILED (1) (summary: 1 file not read, 1 plot not drawn, see its Errors)"]
+
+
 @pytest.mark.parametrize("snapshot", gpu_snapshot_fixtures()[:1], ids=lambda p: p.name)
 def test_snapshots_of_ranks_outside_the_world_size_are_their_files_errors(tmp_path, snapshot):
     """Copies of rank 0's snapshot named rank8 / rank10 in a world of 2: not analysed, not archived, in no table or

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sftprof import artifacts
-from sftprof.launch.summaries import (read_summary, table_figures, top_finding, unread_files, wall_phases,
+from sftprof.launch.summaries import (read_summary, summary_errors, table_figures, top_finding, wall_phases,
                                       what_if_lines)
 from sftprof.config import is_folder_name
 from sftprof.config.settings import shown
@@ -151,9 +151,9 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
 
     Columns: trial (kind and step), status (``ok``, ``no snapshot (CPU)``, ``FAILED (<status>)``, ``not run``,
     ``interrupted``; that of a trial that trained, status or ``train_status`` 0, whose summary has errors adds how
-    many files it could not read: :func:`sftprof.launch.summaries.unread_files`), step time (slowest rank of the
-    profiled step, 3 significant digits), peak memory (GiB allocated, rank 0) and the top finding
-    (:func:`sftprof.launch.summaries.top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's
+    many files it could not read and plots it could not draw: :func:`sftprof.launch.summaries.summary_errors`), step
+    time (slowest rank of the profiled step, 3 significant digits), peak memory (GiB allocated, rank 0) and the top
+    finding (:func:`sftprof.launch.summaries.top_finding`). Reads ``RUN_ROOT/summary.tsv`` and each trial's
     ``profile_summary.json`` (:func:`read_summary_tsv`, :func:`trial_dir`); a missing or unreadable summary leaves
     ``-`` in its row.
 
@@ -175,8 +175,8 @@ def report(run_root: Path, node_rank: int = 0, python: str | None = None, warnin
         status = (row["status"] if row["status"] in (NOT_RUN, INTERRUPTED, CONFIG_CHANGED)
                   else "FAILED (" + row["status"] + ")" if row["status"] != "0"
                   else "no snapshot (CPU)" if cpu_memory else "ok")
-        if "0" in (row["status"], row.get("train_status")):  # it trained: what its summary could not read is said
-            status += unread_files(summary)
+        if "0" in (row["status"], row.get("train_status")):  # it trained: its summary's errors are said
+            status += summary_errors(summary)
         trial = f"{row['kind']} step {row['step']}"
         if row.get("what_if", NO_WHAT_IF) != NO_WHAT_IF:  # a what-if trial (TRY_WHAT_IFS): named below the table
             tried.append((len(tried) + 1, trial, row, run_dir, summary))

@@ -30,12 +30,18 @@ def table_figures(summary: dict[str, Any]) -> tuple[float | None, float | None, 
     return stats.get("step_time_s"), stats.get("mem_peak_allocated_gb"), device
 
 
-def unread_files(summary: dict[str, Any]) -> str:
-    """What the end table adds to the status of a trial whose summary has errors (``errors``: one per file that
-    could not be read or processed, :mod:`sftprof.analysis.trial.problems`): ``" (summary: N file(s) not read, see
-    its Errors)"``; ``""`` for a summary without errors (or none)."""
-    n = len(summary.get("errors") or [])
-    return f" (summary: {n} file{'s' if n > 1 else ''} not read, see its Errors)" if n else ""
+def summary_errors(summary: dict[str, Any]) -> str:
+    """What the end table adds to the status of a trial whose summary has errors (``errors``,
+    :mod:`sftprof.analysis.trial.problems`: one per file that could not be read or processed, and one per plot that
+    could not be drawn, whose entry holds it as ``kernel_traces[].parts_plot_error`` or
+    ``memory_snapshots[].plot_error``): ``" (summary: N file(s) not read, M plot(s) not drawn, see its Errors)"``,
+    each part only when not 0; ``""`` for a summary without errors (or none)."""
+    plots = (sum("parts_plot_error" in t for t in summary.get("kernel_traces") or [])
+             + sum("plot_error" in m for m in summary.get("memory_snapshots") or []))
+    files = len(summary.get("errors") or []) - plots
+    said = [f"{n} {what}{'s' if n > 1 else ''} not {done}"
+            for n, what, done in ((files, "file", "read"), (plots, "plot", "drawn")) if n > 0]
+    return f" (summary: {', '.join(said)}, see its Errors)" if said else ""
 
 
 def wall_phases(summary: dict[str, Any]) -> tuple[dict[str, float | None], float | None, str | None]:

@@ -5,7 +5,10 @@ dir with its plot and phases sidecar (:func:`snapshot_part`).
 A snapshot that fails (whatever it raises) is that snapshot's error and is not archived; the archive, plot and
 sidecar an earlier postprocess wrote under the same names stay as they are, listed in its entry (``kept_files``). A
 plot that cannot be drawn (whatever matplotlib raises) is the plot's error alone (``plot_error``): the snapshot is
-still analysed and archived, and an earlier plot under its name stays, listed in ``kept_files``.
+still analysed and archived, and an earlier plot under its name stays, listed in ``kept_files``. So is a file that
+cannot be moved into place (a folder under its name): the plot's is its ``plot_error``; the sidecar's or the
+snapshot's is the snapshot's error, and a sidecar moved in before the snapshot's move failed stays, named in
+``phases_file``.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from sftprof.analysis.memory.snapshot import analyze_snapshot, history_status
 from sftprof.analysis.memory.safe_pickle import UnsafePickleError, safe_load_file
 from sftprof.analysis.memory.schema import AllocatorSettings, Estimate, MemorySummary
 from sftprof.analysis.trial.schema import Files, SkippedFile, SnapshotEntry
-from sftprof.atomic import copy_file, write_failed
+from sftprof.atomic import WriteError, copy_file, write_failed
 
 __all__ = ["snapshot_part"]
 
@@ -104,6 +107,18 @@ def _plot(raw: dict[str, Any], title: str, stage: str, png_name: str, dst_dir: s
     return None
 
 
+def _move_in(stage: str, dst_dir: str, name: str) -> None:
+    """Move ``stage/name`` to ``dst_dir/name``, replacing the file there.
+
+    Raises:
+        WriteError: it cannot be moved (a folder in its place); naming ``dst_dir/name``, which is left as it was.
+    """
+    try:
+        os.replace(os.path.join(stage, name), os.path.join(dst_dir, name))
+    except OSError as exc:
+        raise write_failed(os.path.join(dst_dir, name), exc) from exc
+
+
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
                     max_entries: int | None, written: set[str], world: World, model: TrialModel) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
@@ -117,7 +132,10 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
     A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
     own, so the name's rank is checked only against the world size): not analysed, not archived. A plot that cannot
-    be drawn is the entry's ``plot_error`` alone (:func:`_plot`; an earlier plot stays, in ``kept_files``).
+    be drawn, or moved into place, is the entry's ``plot_error`` alone (:func:`_plot`, :func:`_move_in`; an earlier
+    plot stays, in ``kept_files``). The sidecar is moved before the snapshot: one that cannot be (a folder under its
+    name) fails the snapshot with nothing moved; when the snapshot's own move fails, the sidecar moved in is named
+    in ``phases_file``.
     """
     rank, coords = _snapshot_rank(name)
     entry: SnapshotEntry = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
@@ -134,6 +152,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     try:
         try:
             copies: dict[str, str] = {}  # name in dst_dir -> the log dir's file to copy there as it is
+            moved: list[str] = []  # of copies, those moved into dst_dir
             phases = None
             if phases_name and os.path.isfile(os.path.join(src_dir, phases_name)):
                 with open(os.path.join(src_dir, phases_name), encoding="utf-8") as f:
@@ -157,20 +176,30 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
                     shutil.copyfile(path, os.path.join(stage, n))
                 except OSError as exc:  # a full disk: named by the archive file it was to become
                     raise write_failed(os.path.join(dst_dir, n), exc) from exc
+            for n in copies:  # the sidecar, then the snapshot: an archive is never left without its sidecar
+                _move_in(stage, dst_dir, n)
+                moved.append(n)
         except Exception as exc:  # whatever one snapshot raises is that snapshot's error, never the whole run's
             why = (": opening it with pickle would run that global" if isinstance(exc, UnsafePickleError) else "")
             # The archive copy of an unsafe one would be run by whoever opens it with plain pickle
             # (torch.cuda._memory_viz does); a damaged one would look like a snapshot there. Neither is archived.
             entry["error"] = file_error(src, exc) + f" (not archived{why})"
             entry["archived"] = False
+            written.update(moved)
+            if phases_name is not None and phases_name in moved:  # moved in before the snapshot's move failed
+                entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
             kept = sorted(os.path.relpath(os.path.join(dst_dir, n), run_dir) for n in {name, png_name, phases_name}
                           if n and n not in written and os.path.isfile(os.path.join(dst_dir, n)))
             if kept:
                 entry["kept_files"] = kept
             return entry
-        for n in sorted(os.listdir(stage)):
-            os.replace(os.path.join(stage, n), os.path.join(dst_dir, n))
-            written.add(n)
+        written.update(moved)
+        if plot_error is None:
+            try:
+                _move_in(stage, dst_dir, png_name)
+                written.add(png_name)
+            except WriteError as exc:  # a folder in its place: the plot's error alone
+                plot_error = f"{file_error(os.path.join(dst_dir, png_name), exc)} (memory plot not written)"
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     if phases_name is not None and phases_name in copies:

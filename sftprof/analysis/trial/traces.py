@@ -207,8 +207,9 @@ def _process_traces(found: list[tuple[int, str]], out_dir: str, compress: bool, 
 def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processed) -> TraceEntry:
     """The summary entry of one processed trace (paths relative to the dirs); plots its model-part breakdown. A trace
     that failed to split keeps an earlier postprocess's model-part plot of its rank, listed in ``kept_files``. A plot
-    that cannot be drawn or written (whatever matplotlib raises, a full disk) is the entry's ``parts_plot_error``: the
-    trace's views and summary stand, and an earlier plot of the rank stays, listed in ``kept_files``."""
+    that cannot be drawn or written (whatever matplotlib raises, a full disk, a file in the place of
+    ``RUN_DIR/model_parts``) is the entry's ``parts_plot_error``: the trace's views and summary stand, and an earlier
+    plot of the rank stays, listed in ``kept_files``."""
     entry: TraceEntry = {"rank": rank, "source": os.path.relpath(src, log_dir)}
     if "error" in res:
         entry["error"] = res["error"]
@@ -229,8 +230,8 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processe
         if not parts["total_ms"] and cpu_parts:  # a CPU run
             parts, clock = cpu_parts, "CPU op time"
         if parts["total_ms"]:
-            os.makedirs(os.path.dirname(png), exist_ok=True)
             try:
+                os.makedirs(os.path.dirname(png), exist_ok=True)  # FileExistsError: a file in the folder's place
                 with atomic_path(png) as tmp:
                     plot_parts(parts, f"{clock} by model part, rank {rank} ({os.path.basename(src)})", tmp, clock)
             except Exception as exc:  # matplotlib's (a backend it refuses), a full disk: the plot's error alone
