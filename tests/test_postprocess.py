@@ -1484,3 +1484,41 @@ def test_a_full_tmpdir_is_the_traces_error_naming_the_folder(tmp_path, cpu_trace
         f"about {n} for this trace (set TMPDIR to a folder with room)" for s, n in zip(srcs, need)]
     assert {f: (run / "kernel_traces" / f / "rank0.pt.trace.json").read_bytes() for f in views} == views
     assert len(summary["kernel_traces"][0]["kept_views"]) == 5
+
+
+def test_a_file_in_the_place_of_an_output_folder_is_each_files_error(tmp_path, snapshot=H200_SNAPSHOT):
+    """``RUN_DIR/kernel_traces`` and ``RUN_DIR/memory_snapshots/step_1`` files (``echo hi > ...``): each trace and
+    snapshot is its own error naming the blocked folder (exit 1, no traceback, a summary written), the files left as
+    they were and nothing staged left behind."""
+    log = tmp_path / "L"
+    (log / "perf_tracer").mkdir(parents=True)
+    shutil.copy(REPO / "tests" / "fixtures" / "h200_sftprof_kernel.trace.json.gz",
+                log / "perf_tracer" / "rank0.pt.trace.json.gz")
+    run = tmp_path / "kernel_run"
+    run.mkdir()
+    (run / "kernel_traces").write_text("hi\n")
+    res = _cli("--log-dir", log, "--profile-kind", "kernel", "--profile-step", 1, "--run-dir", run)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(run / "profile_summary.json"))
+    [error] = s["errors"]
+    folder = run / "kernel_traces" / "chrome"
+    start, end = _write_failed_text(folder, "Not a directory", 20)
+    src = log / "perf_tracer" / "rank0.pt.trace.json.gz"
+    assert error["error"].startswith(f"{src}: {start[len('WriteError: '):]}"), error["error"]
+    assert error["error"].endswith(end + " (views not written)")
+    assert s["counts"]["traces_ok"] == 0 and s["counts"]["views"] == 0
+    assert (run / "kernel_traces").read_text() == "hi\n"
+    assert sorted(os.listdir(run)) == ["kernel_traces", "profile_summary.json", "profile_summary.md"]
+
+    mlog, _ = _memory_log_dir(tmp_path / "m", snapshot)
+    mrun = tmp_path / "memory_run"
+    (mrun / "memory_snapshots").mkdir(parents=True)
+    (mrun / "memory_snapshots" / "step_1").write_text("hi\n")
+    res = _cli("--log-dir", mlog, "--run-dir", mrun)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    s = json.load(open(mrun / "profile_summary.json"))
+    assert len(s["errors"]) == 2 and all("(not archived)" in e["error"] and "Not a directory" in e["error"]
+                                         for e in s["errors"])
+    assert [m["archived"] for m in s["memory_snapshots"]] == [False, False]
+    assert (mrun / "memory_snapshots" / "step_1").read_text() == "hi\n"
+    assert sorted(os.listdir(mrun)) == ["memory_snapshots", "profile_summary.json", "profile_summary.md"]

@@ -230,7 +230,12 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: Tr
     skipped: list[SkippedFile] = []
     if not os.path.isdir(src_dir):
         return {"memory_snapshots": snapshots, "skipped": skipped}
-    os.makedirs(dst_dir, exist_ok=True)
+    try:
+        os.makedirs(dst_dir, exist_ok=True)
+    except OSError as exc:  # a file in a folder's place: each file's move into dst_dir fails and is its error
+        blocked: WriteError | None = write_failed(dst_dir, exc)
+    else:
+        blocked = None
     names = sorted(os.listdir(src_dir))
     snaps = [n for n in names if n.endswith(_SNAP_SUFFIXES) and os.path.isfile(os.path.join(src_dir, n))]
     sidecars = {artifacts.phases_name(r) for r in (_snapshot_rank(n)[0] for n in snaps) if r is not None}
@@ -245,5 +250,9 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: Tr
             skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
                             "reason": "not a snapshot (*.pickle, *.pickle.gz) or a phases_rank<r>.json sidecar"})
         if name not in sidecars and os.path.isfile(os.path.join(src_dir, name)):
-            copy_file(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+            if blocked is None:
+                copy_file(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+            else:
+                skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
+                                "reason": f"not copied: {blocked}"})
     return {"memory_snapshots": snapshots, "skipped": skipped}

@@ -30,7 +30,7 @@ from sftprof.analysis.trace.sanity import sanity_error
 from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer, identity_problems, invalid_events_error
 from sftprof.analysis.views.split import VIEWS, read_for_summary, split_trace, view_links
 from sftprof.artifacts import KERNEL_TRACES, raw_trace_rank, trace_name, unrenamed_trace_rank
-from sftprof.atomic import atomic_path
+from sftprof.atomic import atomic_path, write_failed
 
 __all__ = ["trace_part", "MODEL_PARTS_DIR"]
 
@@ -129,14 +129,19 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
         if wrong:  # another step's or rank's trace: its views and figures would stand for what they are not
             return _failed_trace(out_dir, rank, f"{src}: {wrong}")
         links = view_links(staged)
+        moves = {view: [(path, os.path.join(out_dir, os.path.relpath(path, stage))) for path in paths]
+                 for view, paths in staged.items()}
+        for folder in sorted({os.path.dirname(dst) for pairs in moves.values() for _, dst in pairs}):
+            try:  # before an earlier postprocess's views go: a file in a folder's place fails here, nothing lost
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                return _failed_trace(out_dir, rank, f"{src}: {write_failed(folder, exc)} (views not written)")
         for path in _rank_views(out_dir, rank):  # an earlier postprocess's (other compression, other windows)
             os.remove(path)
         views: dict[str, list[str]] = {}
-        for view, paths in staged.items():
+        for view, pairs in moves.items():
             views[view] = []
-            for path in paths:
-                dst = os.path.join(out_dir, os.path.relpath(path, stage))
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
+            for path, dst in pairs:
                 os.replace(path, dst)
                 views[view].append(dst)
     finally:
