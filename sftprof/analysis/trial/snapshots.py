@@ -12,6 +12,7 @@ snapshot's is the snapshot's error, and a sidecar moved in before the snapshot's
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -133,9 +134,9 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
     own, so the name's rank is checked only against the world size): not analysed, not archived. A plot that cannot
     be drawn, or moved into place, is the entry's ``plot_error`` alone (:func:`_plot`, :func:`_move_in`; an earlier
-    plot stays, in ``kept_files``). The sidecar is moved before the snapshot: one that cannot be (a folder under its
-    name) fails the snapshot with nothing moved; when the snapshot's own move fails, the sidecar moved in is named
-    in ``phases_file``.
+    plot stays, in ``kept_files``). A folder under the sidecar's or the snapshot's name fails the snapshot before
+    anything is moved; the sidecar is moved before the snapshot, and when the snapshot's own move fails all the same
+    (another OSError), the sidecar moved in is named in ``phases_file``.
     """
     rank, coords = _snapshot_rank(name)
     entry: SnapshotEntry = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
@@ -176,6 +177,10 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
                     shutil.copyfile(path, os.path.join(stage, n))
                 except OSError as exc:  # a full disk: named by the archive file it was to become
                     raise write_failed(os.path.join(dst_dir, n), exc) from exc
+            for n in copies:  # a folder in the place of either fails the snapshot before anything is moved
+                if os.path.isdir(os.path.join(dst_dir, n)):
+                    blocked = IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+                    raise write_failed(os.path.join(dst_dir, n), blocked)
             for n in copies:  # the sidecar, then the snapshot: an archive is never left without its sidecar
                 _move_in(stage, dst_dir, n)
                 moved.append(n)
