@@ -7,8 +7,8 @@ sidecar an earlier postprocess wrote under the same names stay as they are, list
 plot that cannot be drawn (whatever matplotlib raises) is the plot's error alone (``plot_error``): the snapshot is
 still analysed and archived, and an earlier plot under its name stays, listed in ``kept_files``. So is a file that
 cannot be moved into place (a folder under its name): the plot's is its ``plot_error``; the sidecar's or the
-snapshot's is the snapshot's error, and a sidecar moved in before the snapshot's move failed stays, named in
-``phases_file``.
+snapshot's is the snapshot's error, found before either is moved (a sidecar moved in before a later failure of the
+snapshot's move, another OSError, stays, named in ``phases_file``).
 """
 from __future__ import annotations
 
