@@ -244,7 +244,7 @@ class SnapshotEntry(TypedDict):
     error: NotRequired[str]
     archived: NotRequired[bool]
     kept_files: NotRequired[list[str]]
-    phases_file: NotRequired[str]  # the sidecar archived; in an error's entry: moved in before the snapshot's move failed
+    phases_file: NotRequired[str]  # the sidecar archived; in an error's entry: moved in, then the snapshot failed
     plot: NotRequired[str]
     plot_error: NotRequired[str]  # the plot could not be drawn: why (3.12)
     summary: NotRequired[MemorySummary]
