@@ -813,7 +813,7 @@ def test_a_file_in_the_place_of_model_parts_is_the_plots_error_and_the_end_table
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     s = json.load(open(plot_only / "profile_summary.json"))
     error = (f"{plot_only / 'model_parts' / 'rank0.png'}: FileExistsError: [Errno 17] File exists: "
-             f"'{plot_only / 'model_parts'}' (model-part plot not drawn)")
+             f"'{plot_only / 'model_parts'}' (model-part plot not written)")
     assert s["errors"] == [{"file": "perf_tracer/rank0.pt.trace.json.gz", "error": error}]
     t = s["kernel_traces"][0]
     assert t["parts_plot_error"] == error and "parts_plot" not in t and "kept_files" not in t and t["summary"]

@@ -98,7 +98,7 @@ def _memory_snapshot(m: dict[str, Any]) -> list[str]:
         out.append(f"- **step peak is a lower bound:** {x['step_peak_lower_bound']}")
     if len(x.get("devices") or []) > 1:
         out.append(f"- **other devices left out:** {other_devices_message(x)}")
-    out.append(f"- plot: `{m['plot']}`\n" if "plot" in m else "- plot: not drawn (its error is under Errors)\n")
+    out.append(f"- plot: `{m['plot']}`\n" if "plot" in m else "- plot: none (its error is under Errors)\n")
     out.append(f"### {fnd.memory_heading(m['rank'])}\n")
     out.append(table(["category", "GiB", "blocks", "share % of allocated"],
                      [[r["label"], r["gib"], r["blocks"], r["share_pct"]] for r in x["categories_at_peak"]]))

@@ -240,7 +240,8 @@ def _trace_entry(log_dir: str, run_dir: str, rank: int, src: str, res: _Processe
                 with atomic_path(png) as tmp:
                     plot_parts(parts, f"{clock} by model part, rank {rank} ({os.path.basename(src)})", tmp, clock)
             except Exception as exc:  # matplotlib's (a backend it refuses), a full disk: the plot's error alone
-                entry["parts_plot_error"] = f"{file_error(png, exc)} (model-part plot not drawn)"
+                what = "written" if isinstance(exc, OSError) else "drawn"
+                entry["parts_plot_error"] = f"{file_error(png, exc)} (model-part plot not {what})"
                 if os.path.isfile(png):  # an earlier postprocess's, left as it is: said so
                     entry["kept_files"] = [os.path.relpath(png, run_dir)]
             else:
