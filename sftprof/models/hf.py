@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sftprof.config import ConfigError
 
@@ -40,7 +40,7 @@ class ModelPathError(ValueError):
     """``actor.path`` names neither a model directory with ``config.json`` nor a bundled config."""
 
 
-def hf_value(hf, *names: str, default=None):
+def hf_value(hf: Any, *names: str, default: Any = None) -> Any:
     """The first of ``names`` that the HF config ``hf`` sets to something other than None (transformers' aliases:
     ``num_experts`` / ``num_local_experts``), else ``default``."""
     for name in names:
