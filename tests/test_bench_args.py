@@ -91,13 +91,14 @@ def test_cp_attention_never_overwrites_its_json(monkeypatch, capsys, tmp_path):
     ("lm_head", ["--tokens", "8192", "0"], "--tokens 8192 0 and --vocab 151936: each must be an integer >= 1"),
     ("lm_head", ["--reps", "-1"], "--reps -1: must be an integer >= 1 (or 0: 5 at N >= 65536 tokens, 7 below)"),
     ("lm_head", ["--rows", "nosuch", "nor"], "--rows nosuch nor: no method's name contains one of these texts"),
+    ("lm_head_epilogue", ["--tokens", "8192"], "unrecognized arguments: --tokens 8192"),
 ])
 def test_benches_refuse_bad_arguments_before_the_gpu_check(monkeypatch, capsys, name, argv, message):
     rc, err = _run(monkeypatch, capsys, name, *argv)
     assert rc == 2 and err.endswith(f"\n{name}.py: error: {message}\n")
 
 
-@pytest.mark.parametrize("name", ["norm", "router", "lm_head"])
+@pytest.mark.parametrize("name", ["norm", "router", "lm_head", "lm_head_epilogue"])
 def test_benches_without_cuda_measure_nothing(monkeypatch, capsys, name):
     import torch
 
