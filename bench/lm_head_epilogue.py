@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.norm import median_ms  # noqa: E402
 from sftprof.ops.vocab_softmax import shift_offset, sft_chunk_  # noqa: E402
 
 ROWS, HIDDEN, VOCAB = 1760, 2048, 151936
@@ -117,21 +118,6 @@ def build_kernel(triton, tl):
     return gemm_exp
 
 
-def bench(fn, reps=15) -> float:
-    """Median ms of ``reps`` CUDA-event timings of ``fn`` after one untimed call."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args()
     if not torch.cuda.is_available():
@@ -181,9 +167,9 @@ def main() -> int:
 
     print("| method | ms | TFLOP/s of the logits GEMM |")
     print("|---|---|---|")
-    row("cublas mm", bench(lambda: torch.mm(h, w.t(), out=buf)))
-    row("cublas mm + sft_chunk_ (today)", bench(lambda: (torch.mm(h, w.t(), out=buf),
-                                                          sft_chunk_(buf, lab, wts, 1.0, None, None))))
+    row("cublas mm", median_ms(lambda: torch.mm(h, w.t(), out=buf), 15))
+    row("cublas mm + sft_chunk_ (today)", median_ms(lambda: (torch.mm(h, w.t(), out=buf),
+                                                             sft_chunk_(buf, lab, wts, 1.0, None, None)), 15))
     _overlap_rows(h, w, lab, wts, flop)
     for cfg in CONFIGS:
         for epi in range(len(EPILOGUES)):
@@ -193,7 +179,7 @@ def main() -> int:
                 tgt.zero_()
                 fn()
                 torch.cuda.synchronize()
-                row(name, bench(fn), _check(epi, cfg, buf, ref, s0, psum, tgt, lab))
+                row(name, median_ms(fn, 15), _check(epi, cfg, buf, ref, s0, psum, tgt, lab))
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is a row of its own
                 print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |", flush=True)
                 traceback.print_exc(limit=2)
@@ -266,7 +252,7 @@ def _overlap_rows(h, w, lab, wts, flop) -> None:
         for name, fn in ((f"3 GEMMs x 8, {r} rows (floor)", lambda: serial(False)),
                          (f"SFT chunk x 8, {r} rows, one stream", serial),
                          (f"SFT chunk x 8, {r} rows, pass on a second stream", overlapped)):
-            ms = bench(fn, reps=7)
+            ms = median_ms(fn, 7)
             print(f"| {name} | {ms:.3f} ms | {f8 / ms / 1e9:.0f} TFLOP/s (3 GEMMs) | per 1760 rows "
                   f"{ms / 8 * 1760 / r:.3f} ms |", flush=True)
         del bufs
@@ -306,7 +292,7 @@ def _chain_rows(h, w, lab, wts, buf, launch, finish_kernel, triton) -> None:
         for name, fn in (("cublas mm + sft_chunk_ (today)", today), ("fused gemm+exp + target dot + finisher", fused),
                          ("cublas mm", lambda: torch.mm(h, w.t(), out=buf)),
                          ("target dot", lambda: (h.float() * w[lab].float()).sum(1))):
-            res.setdefault(name, []).append(bench(fn))
+            res.setdefault(name, []).append(median_ms(fn, 15))
     print("| chain, 3 rounds | median ms | each round |")
     print("|---|---|---|")
     for name, ts in res.items():

@@ -63,7 +63,8 @@ def _fused(x, w):
     return norm.rms_norm(x, w, EPS)
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
+    """Median ms of ``reps`` CUDA-event timings of ``fn`` after two untimed calls (also bench/lm_head_epilogue.py's)."""
     for _ in range(2):
         fn()
     times = []
@@ -121,8 +122,8 @@ def main() -> int:
             if path == "fused":
                 norm_kernels._NORM_FWD_TILE, norm_kernels._NORM_BWD_TILE = tune or defaults
             op = _torch if path == "torch" else _fused
-            fwd = _median_ms(lambda: op(x, w), args.reps)
-            both = _median_ms(_fwd_bwd(op, x, w, dy), args.reps)
+            fwd = median_ms(lambda: op(x, w), args.reps)
+            both = median_ms(_fwd_bwd(op, x, w, dy), args.reps)
             label = path if tune is None else f"fused tiles {tune[0]} / {tune[1]}"
             ratio = "" if base is None else f"{fwd / base[0]:.2f}, {both / base[1]:.2f}"
             print(f"| {name} | {label} | {fwd:.3f} | {floor_fwd / fwd / 1e6:.0f} | {both:.3f} | "
