@@ -3,8 +3,8 @@
 Issue 49 item 2 asks ``linear_sft_loss`` for <= 0.95x Liger's time at Cut Cross-Entropy's memory, which leaves
 ~6 ms above the three GEMMs at 131072 tokens: the elementwise pass over each chunk's logits (``sft_chunk_``: one
 read and one write) must nearly vanish. This script times the two ways of hiding it, on one chunk of 1760 tokens
-(H = 2048, V = 151936, bf16; ms per call, the median of 15 CUDA-event timings; TFLOP/s of the logits GEMM's
-2 N H V):
+(H = 2048, V = 151936, bf16; ms per call, the median of 15 CUDA-event timings, 7 for the 8-chunk rows; TFLOP/s of
+the logits GEMM's 2 N H V, of the three GEMMs for the 8-chunk rows):
 
 1. Overlap: the whole SFT chunk (logits GEMM, the pass, the ``d/dweight`` addmm into a bf16 ``[V, H]`` gradient,
    the ``d/dhidden`` GEMM) 8 times, in one stream, and with the pass on a second stream so that it overlaps the next
@@ -179,7 +179,8 @@ def main() -> int:
                 tgt.zero_()
                 fn()
                 torch.cuda.synchronize()
-                row(name, median_ms(fn, 15), _check(epi, cfg, buf, ref, s0, psum, tgt, lab))
+                note = _check(epi, cfg, buf, ref, s0, psum, tgt, lab)
+                row(name, median_ms(fn, 15), note)
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is a row of its own
                 print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |", flush=True)
                 traceback.print_exc(limit=2)
