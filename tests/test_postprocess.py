@@ -1520,3 +1520,22 @@ def test_a_file_in_the_place_of_an_output_folder_is_each_files_error(tmp_path, s
     assert [m["archived"] for m in s["memory_snapshots"]] == [False, False]
     assert (mrun / "memory_snapshots" / "step_1").read_text() == "hi\n"
     assert sorted(os.listdir(mrun)) == ["memory_snapshots", "profile_summary.json", "profile_summary.md"]
+
+
+@pytest.mark.parametrize("raised, said", [(OSError(28, "No space left on device"), "written"),
+                                          (ValueError("Unknown backend"), "drawn")])
+def test_a_memory_plot_that_fails_says_whether_it_was_drawn(tmp_path, monkeypatch, raised, said):
+    """A full disk while saving the memory plot is "not written", whatever else matplotlib raises "not drawn" (as the
+    model-part plot's error says); the half-written file is removed from the stage."""
+    from sftprof.analysis.trial import snapshots
+
+    def fail(raw, title, path):
+        Path(path).write_bytes(b"half")
+        raise raised
+
+    monkeypatch.setattr(snapshots, "plot_memory", fail)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    error = snapshots._plot({}, "t", str(stage), "s.png", str(tmp_path / "dst"))
+    assert error == f"{tmp_path / 'dst' / 's.png'}: {type(raised).__name__}: {raised} (memory plot not {said})"
+    assert os.listdir(stage) == []

@@ -97,14 +97,15 @@ def _own_device(phases: Any, rank: int | None, log_dir: str) -> tuple[int | None
 
 def _plot(raw: dict[str, Any], title: str, stage: str, png_name: str, dst_dir: str) -> str | None:
     """:func:`~sftprof.analysis.memory.plot.plot_memory` of ``raw`` into ``stage/png_name``; None when drawn, else the
-    plot's error (named by its file in ``dst_dir``; whatever matplotlib raised), and no file of it is left in
-    ``stage``."""
+    plot's error (named by its file in ``dst_dir``; whatever matplotlib raised: "not drawn", an OSError such as a
+    full disk: "not written"), and no file of it is left in ``stage``."""
     try:
         plot_memory(raw, title, os.path.join(stage, png_name))
     except Exception as exc:  # a backend matplotlib refuses, a failed save: the plot's error, not the snapshot's
         if os.path.lexists(os.path.join(stage, png_name)):
             os.remove(os.path.join(stage, png_name))
-        return f"{file_error(os.path.join(dst_dir, png_name), exc)} (memory plot not drawn)"
+        what = "written" if isinstance(exc, OSError) else "drawn"
+        return f"{file_error(os.path.join(dst_dir, png_name), exc)} (memory plot not {what})"
     return None
 
 
