@@ -140,7 +140,7 @@ def all_rows():
     rows += [(f"3 GEMMs only chunk{c} (floor)", lambda c=c: gemms_only(c)) for c in (1536, 1728, 1760, 2048, 4096)]
     rows += [(f"ours sft chunk{c}", lambda c=c: ours_sft(c)) for c in (1024, 2048, 4096)]
     rows += [(f"ours sft chunk{c} grad_in_hidden", lambda c=c: ours_sft(c, True))
-             for c in (1536, 1728, 1760, 2048, 3072)]
+             for c in (1024, 1088, 1536, 1728, 1760, 2048, 3072)]
     rows += [(f"ours logprob+entropy recompute chunk{c}", lambda c=c: ours_recompute(c)) for c in (2048, 4096)]
     rows += [(f"ours logprob+entropy recompute chunk{c} grad_in_hidden", lambda c=c: ours_recompute(c, True))
              for c in (2048, 4096)]
