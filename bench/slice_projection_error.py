@@ -5,12 +5,16 @@ driver, step 2 profiled). Only one pair has the part breakdown of its source run
 layers, 8192 tokens, tests/fixtures/README.md) projected part by part to the 4-layer 131072-token slice
 (:func:`sftprof.analysis.time.slice_projection.project_slice`); the others have step times alone, so they are
 projected at the measured FLOP rate (the step times the model + recompute FLOP ratio, ``constant_rate_step_ms``).
+Last, one simulated rank at 4, 8 and 16 layers (H100 summaries, tests/fixtures/README.md), each projected part by part
+to the deeper ones (one rank and one step each: the target's steps 1 and 2 are both given).
 
     PYTHONPATH=$PWD python bench/slice_projection_error.py
 """
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +41,9 @@ STEP_PAIRS = [
       "actor.megatron.main_grads_dtype=float32",
       "actor.megatron.transformer_impl=local"]),
 ]
+# Step 1 of each simulated-rank trial (its stats.jsonl; the summaries hold the profiled step 2): bench/NOTES.md,
+# "Thirty-fourth session".
+STEP1_S = {8: 5.469, 16: 10.663}
 # The H200 TE pair: the fixture trace's run (sixteenth session, "the first TE runs", 2 layers, 8192 tokens, kernel
 # step 2 0.325 s) and the 4-layer 131072-token slice of the same session ("Sixteenth session's last calls": kernel
 # step 2 6.10 s; parts from compare_local_vs_te as quoted there) and of the twentieth session (5.919 s, after the fused
@@ -101,6 +108,29 @@ def part_pair() -> None:
     print(f"\nmemory at 4 x 131072 (fit check): predicted peak {m['peak_gib']:.2f} GiB in the {m['phase']}")
 
 
+def simulated_pairs() -> None:
+    """The shipped layout's rank 0 simulated at 4, 8 and 16 layers (H100, TE hidden; tests/fixtures/README.md): each
+    smaller trial projected part by part to each deeper one, against the deeper trial's step 2 (the profiled step)
+    and step 1 (``STEP1_S``), its own projected step with communication, and its peak."""
+    def summary(layers: int) -> dict:
+        with gzip.open(FIXTURE_DIR / "h100_simulated_rank0" / f"L{layers}.profile_summary.json.gz", "rt") as f:
+            return json.load(f)
+
+    print("\n| H100 TE hidden, rank 0 of megatron:(attn:d2c4\\|ffn:d1e8) simulated | projected compute ms | measured "
+          "step 2 ms | error % | step 1 ms | error % | projected step with communication ms / measured trial's | "
+          "error % | fit check / measured peak GiB | error % |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for l0, l1 in ((4, 8), (4, 16), (8, 16)):
+        p, m = project_slice(summary(l0), l1), summary(l1)
+        step2, own = m["simulation"]["projection"]["compute_ms"], m["simulation"]["projection"]["projected_step_ms"]
+        step1, comm = 1000 * STEP1_S[l1], p["communication"]["projected_step_ms"]
+        peak, predicted = m["stats"]["max_mem_peak_allocated_gb"], p["memory"]["peak_gib"]
+        print(f"| {l0} -> {l1} layers | {p['projected_step_ms']:.1f} | {step2:.1f} | "
+              f"{_pct(p['projected_step_ms'], step2)} | {step1:.1f} | {_pct(p['projected_step_ms'], step1)} | "
+              f"{comm:.1f} / {own:.1f} | {_pct(comm, own)} | {predicted:.2f} / {peak:.2f} | {_pct(predicted, peak)} |")
+
+
 if __name__ == "__main__":
     step_pairs()
     part_pair()
+    simulated_pairs()

@@ -1,16 +1,20 @@
 """The slice projection (sftprof.analysis.time.slice_projection) on recorded H200 summaries: the factors worked by hand
 (the TE trace fixture, 2 layers x 8192 tokens, to the 4-layer 131072-token slice; the Qwen3.5 summary's mixed layer
-pattern), a simulated rank's communication at the projected size, and bad input."""
+pattern), a simulated rank's communication at the projected size, bad input; and on recorded H100 summaries of one
+simulated rank at 4, 8 and 16 layers, the projection against the measured deeper ranks."""
 import copy
+import gzip
 import json
 
 import pytest
 
 from fixtures import FIXTURE_DIR, postprocessed_trial
 from sftprof.analysis.time import slice_projection
+from sftprof.analysis.time.projection import main as projection_main
 from sftprof.analysis.time.slice_projection import project_slice
 
 QWEN3_5 = FIXTURE_DIR / "h200_te_qwen3_5_cutlass" / "te.profile_summary.json"
+SIMULATED = FIXTURE_DIR / "h100_simulated_rank0"
 MIB = 1 << 20
 # Qwen3-30B-A3B on one rank: a layer holds attention 18,876,672 (q 2048x4096, k and v 2048x512, o 4096x2048, q/k norms
 # 2x128, input norm 2048) + MLP norm 2048 + router 2048x128 + experts 128x3x2048x768; embedding and LM head
@@ -139,3 +143,54 @@ def test_cli(capsys, tmp_path):
     assert first == ("slice projection of rank 0: 4 layers x 32768 tokens -> 40 layers x 131072 tokens (GPU time by "
                      "model part)")
     assert json.loads(out.read_text())["target"] == {"layers": 40, "tokens": 131072}
+
+
+def _simulated(layers):
+    """The kernel trial (step 2) of the shipped layout's rank 0 simulated with ``layers`` layers
+    (tests/fixtures/README.md)."""
+    with gzip.open(SIMULATED / f"L{layers}.profile_summary.json.gz", "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("layers", [8, 16])
+def test_simulated_rank_of_four_layers_projects_the_measured_deeper_rank(layers):
+    measured = _simulated(layers)
+    p = project_slice(_simulated(4), layers)
+    # One step of one rank each: the trials' steps 1 and 2 differ by up to 1 %, the bound here.
+    assert p["projected_step_ms"] == pytest.approx(measured["simulation"]["projection"]["compute_ms"], rel=0.01)
+    assert p["communication"]["projected_step_ms"] == pytest.approx(
+        measured["simulation"]["projection"]["projected_step_ms"], rel=0.01)
+    assert p["memory"]["peak_gib"] == pytest.approx(measured["stats"]["max_mem_peak_allocated_gb"], rel=0.01)
+    assert "by the trial's megatron-core 0.19.2" in " ".join(p["communication"]["assumptions"])
+
+
+@pytest.mark.parametrize("edit, member", [
+    (lambda s: s.clear(), "config"),
+    (lambda s: s["config"]["actor"].pop("backend"), "config.actor.backend"),
+    (lambda s: s["kernel_traces"][0]["summary"].update(gpu=None), "summary.gpu.busy_ms"),
+])
+def test_cli_names_the_member_a_damaged_summary_lacks(capsys, tmp_path, edit, member):
+    summary = json.loads(QWEN3_5.read_text())
+    edit(summary)
+    (tmp_path / "profile_summary.json").write_text(json.dumps(summary))
+    assert slice_projection.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"slice projection: no member {member}: not a kernel trial's "
+                                       "profile_summary.json, or a damaged one\n")
+
+
+def test_cli_json_and_rank_refused_before_any_output(capsys, tmp_path):
+    kept = tmp_path / "p.json"
+    kept.write_text("kept")
+    for main, cli in ((slice_projection.main, "slice projection"), (projection_main, "projection")):
+        assert main([str(QWEN3_5), "--json", str(kept)]) == 2
+        assert capsys.readouterr() == ("", f"{cli}: --json {kept}: the file exists (a projection is written to a new "
+                                           "file, never over one)\n")
+        assert main([str(QWEN3_5), "--json", str(tmp_path / "no" / "p.json")]) == 2
+        missing = tmp_path / "no" / "p.json"
+        assert capsys.readouterr() == ("", f"{cli}: --json {missing}: no folder {missing.parent}\n")
+    assert kept.read_text() == "kept"
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "profile_summary.json").write_text(json.dumps(_simulated(4)))
+    assert slice_projection.main([str(tmp_path / "sim"), "--rank", "1"]) == 2
+    assert capsys.readouterr().err == ("slice projection: --rank 1: this trial simulated rank 0 alone, the only "
+                                       "rank it traced\n")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -43,7 +44,8 @@ from sftprof.stats_log import read_stats
 from sftprof.simulation import assumed
 
 __all__ = ["INTERCONNECTS", "collective_ms", "nccl_buffer_bytes", "real_rank_memory", "project", "project_trial",
-           "overlap_windows", "simulation_summary", "render", "real_rank_text", "print_and_write", "main"]
+           "overlap_windows", "simulation_summary", "render", "real_rank_text", "new_file_problem", "print_and_write",
+           "main"]
 
 _MIB = float(1 << 20)
 _GIB = float(1 << 30)
@@ -292,6 +294,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--step", type=int, help="the step whose time is the compute (default: the last recorded)")
     ap.add_argument("--json", help="also write the projection to this new file (never overwritten)")
     args = ap.parse_args(argv)
+    if problem := new_file_problem(args.json):
+        print(f"projection: {problem}", file=sys.stderr)
+        return 2
     cfg, err = inputs.trial_config(args.log_dir)
     try:
         if cfg is None:
@@ -300,16 +305,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"projection: {exc}", file=sys.stderr)
         return 2
-    return print_and_write(render(p), p, args.json)
+    return print_and_write(render(p), p, args.json, "projection")
 
 
-def print_and_write(text: str, data: dict[str, Any], json_path: Optional[str]) -> int:
+def new_file_problem(json_path: Optional[str]) -> Optional[str]:
+    """Why a CLI's ``--json`` path cannot be written as a new file (it exists, or its folder does not), or None; asked
+    before any work, so that bad input stops the CLI before it prints a result."""
+    if not json_path:
+        return None
+    if os.path.lexists(json_path):
+        return f"--json {json_path}: the file exists (a projection is written to a new file, never over one)"
+    folder = os.path.dirname(json_path) or "."
+    return None if os.path.isdir(folder) else f"--json {json_path}: no folder {folder}"
+
+
+def print_and_write(text: str, data: dict[str, Any], json_path: Optional[str], cli: str) -> int:
     """A CLI's result: ``text`` printed and, with ``json_path``, ``data`` written there as JSON (a new file, never
-    overwritten: FileExistsError). Returns 0, the exit status."""
+    overwritten). Returns the exit status: 0, or 2 when the file cannot be written (``cli: why`` on stderr)."""
     print(text)
     if json_path:
-        with open(json_path, "x", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
+        try:
+            with open(json_path, "x", encoding="utf-8") as f:
+                json.dump(data, f, indent=1)
+        except OSError as exc:
+            print(f"{cli}: --json {json_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -43,7 +43,7 @@ from sftprof.analysis.schema import processed_traces, read_summary
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.trial.schema import TrialRecord
 from sftprof.analysis.time.model_parts import part_label
-from sftprof.analysis.time.projection import overlap_windows, print_and_write, project
+from sftprof.analysis.time.projection import new_file_problem, overlap_windows, print_and_write, project
 from sftprof.analysis.time.projection import render as render_communication
 from sftprof.analysis.time.rank_plan import rank_plan
 from sftprof.artifacts import MODEL_PARTS, SUMMARY_JSON
@@ -229,14 +229,28 @@ def project_parts(parts: dict[str, Any], src: RankSlice, dst: RankSlice) -> list
     return rows
 
 
+def _member(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """``summary[path[0]][path[1]]...``. Raises ValueError naming the member when it is missing (not a kernel trial's
+    summary, or a damaged one)."""
+    value: Any = summary
+    for i, key in enumerate(path):
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"no member {'.'.join(path[:i + 1])}: not a kernel trial's {SUMMARY_JSON}, or a "
+                             "damaged one")
+        value = value[key]
+    return value
+
+
 def _trace(summary: dict[str, Any], rank: Optional[int]) -> dict[str, Any]:
     traces = [cast(dict[str, Any], t) for t in processed_traces(cast(TrialRecord, summary))
               if rank is None or t["rank"] == rank]
     if not traces:
         raise ValueError("no kernel trace " + (f"of rank {rank} " if rank is not None else "")
                          + "was summarised in this trial: the projection needs a kernel trial's GPU time by model part")
+    for path in (("summary", "parts"), ("summary", "gpu", "busy_ms"), ("summary", "step_window", "wall_ms")):
+        _member(traces[0], path)
     parts = traces[0]["summary"].get("parts")
-    if not parts or parts.get("source") != "module_regions":
+    if not isinstance(parts, dict) or parts.get("source") != "module_regions":
         raise ValueError(f"rank {traces[0]['rank']}'s trace has no GPU time by model part from module regions (a GPU "
                          "kernel trial of this trainer has it): nothing to project part by part")
     if not parts.get("total_ms"):
@@ -272,9 +286,13 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     Raises:
         ValueError: bad ``layers`` / ``tokens`` (:func:`rank_slice`), no kernel trace with GPU time by model part.
     """
+    for path in (("config", "actor", "backend"), ("config", "profile", "fake_seq_len"), ("kernel_traces",)):
+        _member(summary, path)
     cfg = summary["config"]
     a = cfg["actor"]
     simulate = int((a.get("simulate") or {}).get("rank", -1))
+    if simulate >= 0 and rank is not None and rank != simulate:
+        raise ValueError(f"--rank {rank}: this trial simulated rank {simulate} alone, the only rank it traced")
     trace = _trace(summary, simulate if simulate >= 0 else rank)
     s, te = trace["summary"], summary.get("transformer_engine")
     own_layers = int(a.get("num_layers") or 0) or TrialModel(cfg).cut(0).num_hidden_layers
@@ -297,7 +315,8 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     if simulate >= 0:
         windows = {w: ms * _ratio(*reversed(_window_ms(s["parts"], rows, w)))
                    for w, ms in overlap_windows(s["regions"]).items()}
-        communication = project(dst.plan, step_p, None, int(a["simulate"]["gpus_per_node"]), windows, mfu_p)
+        communication = project(dst.plan, step_p, None, int(a["simulate"]["gpus_per_node"]), windows, mfu_p,
+                                versions=summary.get("versions"))
     return {"rank": trace["rank"], "simulated": simulate >= 0,
             "source": {"layers": src.layers, "tokens": src.tokens, "step_ms": wall, "gpu_busy_ms": busy,
                        "idle_ms": idle, "layer_idle_ms": layer_idle, "mfu": mfu},
@@ -359,6 +378,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rank", type=int, help="the rank whose trace is projected (default: the first traced)")
     ap.add_argument("--json", help="also write the projection to this new file (never overwritten)")
     args = ap.parse_args(argv)
+    if problem := new_file_problem(args.json):
+        print(f"slice projection: {problem}", file=sys.stderr)
+        return 2
     path = os.path.join(args.trial, SUMMARY_JSON) if os.path.isdir(args.trial) else args.trial
     if os.path.isdir(args.trial) and not os.path.exists(path):
         trials = sorted(d for d in os.listdir(args.trial) if os.path.isfile(os.path.join(args.trial, d, SUMMARY_JSON)))
@@ -371,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, OSError) as exc:  # read_summary's SummaryReadError is a ValueError
         print(f"slice projection: {exc}", file=sys.stderr)
         return 2
-    return print_and_write(render(p), p, args.json)
+    return print_and_write(render(p), p, args.json, "slice projection")
 
 
 if __name__ == "__main__":
