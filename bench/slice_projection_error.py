@@ -41,9 +41,6 @@ STEP_PAIRS = [
       "actor.megatron.main_grads_dtype=float32",
       "actor.megatron.transformer_impl=local"]),
 ]
-# Step 1 of each simulated-rank trial (its stats.jsonl; the summaries hold the profiled step 2): bench/NOTES.md,
-# "Thirty-fourth session".
-STEP1_S = {8: 5.469, 16: 10.663}
 # The H200 TE pair: the fixture trace's run (sixteenth session, "the first TE runs", 2 layers, 8192 tokens, kernel
 # step 2 0.325 s) and the 4-layer 131072-token slice of the same session ("Sixteenth session's last calls": kernel
 # step 2 6.10 s; parts from compare_local_vs_te as quoted there) and of the twentieth session (5.919 s, after the fused
@@ -111,7 +108,7 @@ def part_pair() -> None:
 def simulated_pairs() -> None:
     """The shipped layout's rank 0 simulated at 4, 8 and 16 layers (H100, TE hidden; tests/fixtures/README.md): each
     smaller trial projected part by part to each deeper one, against the deeper trial's step 2 (the profiled step)
-    and step 1 (``STEP1_S``), its own projected step with communication, and its peak."""
+    and step 1 (the summary's stats), its own projected step with communication, and its peak."""
     def summary(layers: int) -> dict:
         with gzip.open(FIXTURE_DIR / "h100_simulated_rank0" / f"L{layers}.profile_summary.json.gz", "rt") as f:
             return json.load(f)
@@ -123,7 +120,8 @@ def simulated_pairs() -> None:
     for l0, l1 in ((4, 8), (4, 16), (8, 16)):
         p, m = project_slice(summary(l0), l1), summary(l1)
         step2, own = m["simulation"]["projection"]["compute_ms"], m["simulation"]["projection"]["projected_step_ms"]
-        step1, comm = 1000 * STEP1_S[l1], p["communication"]["projected_step_ms"]
+        step1 = 1000 * next(r["step_time_s"] for r in m["stats"]["steps"] if r["step"] == 1)
+        comm = p["communication"]["projected_step_ms"]
         peak, predicted = m["stats"]["max_mem_peak_allocated_gb"], p["memory"]["peak_gib"]
         print(f"| {l0} -> {l1} layers | {p['projected_step_ms']:.1f} | {step2:.1f} | "
               f"{_pct(p['projected_step_ms'], step2)} | {step1:.1f} | {_pct(p['projected_step_ms'], step1)} | "

@@ -11,6 +11,7 @@ import pytest
 from fixtures import FIXTURE_DIR, postprocessed_trial
 from sftprof.analysis.time import slice_projection
 from sftprof.analysis.time.projection import main as projection_main
+from sftprof.analysis.time.projection import print_and_write
 from sftprof.analysis.time.slice_projection import project_slice
 
 QWEN3_5 = FIXTURE_DIR / "h200_te_qwen3_5_cutlass" / "te.profile_summary.json"
@@ -168,6 +169,7 @@ def test_simulated_rank_of_four_layers_projects_the_measured_deeper_rank(layers)
     (lambda s: s.clear(), "config"),
     (lambda s: s["config"]["actor"].pop("backend"), "config.actor.backend"),
     (lambda s: s["kernel_traces"][0]["summary"].update(gpu=None), "summary.gpu.busy_ms"),
+    (lambda s: s["kernel_traces"][0]["summary"]["step_window"].pop("wall_ms"), "summary.step_window.wall_ms"),
 ])
 def test_cli_names_the_member_a_damaged_summary_lacks(capsys, tmp_path, edit, member):
     summary = json.loads(QWEN3_5.read_text())
@@ -194,3 +196,20 @@ def test_cli_json_and_rank_refused_before_any_output(capsys, tmp_path):
     assert slice_projection.main([str(tmp_path / "sim"), "--rank", "1"]) == 2
     assert capsys.readouterr().err == ("slice projection: --rank 1: this trial simulated rank 0 alone, the only "
                                        "rank it traced\n")
+    assert slice_projection.main([str(QWEN3_5), "--json", ""]) == 2
+    assert capsys.readouterr() == ("", "slice projection: --json: an empty path (give the new file's path)\n")
+    assert print_and_write("result", {}, str(tmp_path), "cli") == 2  # refused late: the result is printed first
+    assert capsys.readouterr() == ("result\n", f"cli: --json {tmp_path}: File exists\n")
+
+
+def test_cli_a_simulated_summary_damaged_elsewhere_is_its_error(capsys, tmp_path):
+    summary = _simulated(4)
+    summary["versions"]["megatron_core"] = 19  # not a version string: read as not recorded
+    (tmp_path / "profile_summary.json").write_text(json.dumps(summary))
+    assert slice_projection.main([str(tmp_path), "--layers", "8"]) == 0
+    assert "by no megatron-core in the trial" in capsys.readouterr().out
+    del summary["kernel_traces"][0]["summary"]["regions"]
+    (tmp_path / "profile_summary.json").write_text(json.dumps(summary))
+    assert slice_projection.main([str(tmp_path), "--layers", "8"]) == 2
+    assert capsys.readouterr() == ("", f"slice projection: {tmp_path / 'profile_summary.json'}: a damaged "
+                                       "profile_summary.json (KeyError: 'regions')\n")

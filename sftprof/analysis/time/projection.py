@@ -309,21 +309,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def new_file_problem(json_path: Optional[str]) -> Optional[str]:
-    """Why a CLI's ``--json`` path cannot be written as a new file (it exists, or its folder does not), or None; asked
-    before any work, so that bad input stops the CLI before it prints a result."""
-    if not json_path:
+    """Why a CLI's ``--json`` path cannot be written as a new file (empty, a path that exists, a folder that does not
+    or is not writable), or None; asked before any work, so that bad input stops the CLI before it prints a result."""
+    if json_path is None:
         return None
+    if not json_path:
+        return "--json: an empty path (give the new file's path)"
     if os.path.lexists(json_path):
         return f"--json {json_path}: the file exists (a projection is written to a new file, never over one)"
     folder = os.path.dirname(json_path) or "."
-    return None if os.path.isdir(folder) else f"--json {json_path}: no folder {folder}"
+    if not os.path.isdir(folder):
+        return f"--json {json_path}: no folder {folder}"
+    return None if os.access(folder, os.W_OK) else f"--json {json_path}: the folder {folder} is not writable"
 
 
 def print_and_write(text: str, data: dict[str, Any], json_path: Optional[str], cli: str) -> int:
     """A CLI's result: ``text`` printed and, with ``json_path``, ``data`` written there as JSON (a new file, never
     overwritten). Returns the exit status: 0, or 2 when the file cannot be written (``cli: why`` on stderr)."""
     print(text)
-    if json_path:
+    if json_path is not None:
         try:
             with open(json_path, "x", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)

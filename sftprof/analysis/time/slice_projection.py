@@ -315,8 +315,10 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     if simulate >= 0:
         windows = {w: ms * _ratio(*reversed(_window_ms(s["parts"], rows, w)))
                    for w, ms in overlap_windows(s["regions"]).items()}
+        versions = summary.get("versions")
         communication = project(dst.plan, step_p, None, int(a["simulate"]["gpus_per_node"]), windows, mfu_p,
-                                versions=summary.get("versions"))
+                                versions={k: v for k, v in versions.items() if isinstance(v, str)}
+                                if isinstance(versions, dict) else None)
     return {"rank": trace["rank"], "simulated": simulate >= 0,
             "source": {"layers": src.layers, "tokens": src.tokens, "step_ms": wall, "gpu_busy_ms": busy,
                        "idle_ms": idle, "layer_idle_ms": layer_idle, "mfu": mfu},
@@ -392,6 +394,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         p = project_slice(dict(read_summary(path)), args.layers, args.tokens, args.rank)
     except (ValueError, OSError) as exc:  # read_summary's SummaryReadError is a ValueError
         print(f"slice projection: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, AttributeError) as exc:  # a member of another type or missing: a damaged summary
+        print(f"slice projection: {path}: a damaged {SUMMARY_JSON} ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     return print_and_write(render(p), p, args.json, "slice projection")
 
