@@ -222,7 +222,8 @@ def test_outside_pytorch_by_the_megatron_core_the_trial_recorded(monkeypatch, re
     assert memory_fit.megatron_core_release(versions)[1] == words
 
 
-@pytest.mark.parametrize("versions", [None, {**VERSIONS, "megatron_core": "main"}])
+@pytest.mark.parametrize("versions", [None, {**VERSIONS, "megatron_core": "main"}, {**VERSIONS, "megatron_core": 19},
+                                      ["0.19.2"]])
 def test_a_trial_without_a_readable_record_takes_the_installed_megatron_core(monkeypatch, versions):
     _megatron_core(monkeypatch, (0, 16, 1))
     assert memory_fit.megatron_core_release(versions) == (

@@ -204,10 +204,10 @@ def test_cli_json_and_rank_refused_before_any_output(capsys, tmp_path):
 
 def test_cli_a_simulated_summary_damaged_elsewhere_is_its_error(capsys, tmp_path):
     summary = _simulated(4)
-    summary["versions"]["megatron_core"] = 19  # not a version string: read as not recorded
+    summary["versions"]["megatron_core"] = 19  # not a version string: no readable record
     (tmp_path / "profile_summary.json").write_text(json.dumps(summary))
     assert slice_projection.main([str(tmp_path), "--layers", "8"]) == 0
-    assert "by no megatron-core in the trial" in capsys.readouterr().out
+    assert "the trial having recorded no readable megatron-core version" in capsys.readouterr().out
     del summary["kernel_traces"][0]["summary"]["regions"]
     (tmp_path / "profile_summary.json").write_text(json.dumps(summary))
     assert slice_projection.main([str(tmp_path), "--layers", "8"]) == 2

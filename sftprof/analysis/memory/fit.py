@@ -88,11 +88,12 @@ def megatron_core_release(versions: Optional[Mapping[str, Any]]) -> tuple[Option
     """The megatron-core release a trial ran with, as the fit check takes it, and whence in words: the trial's
     recorded ``versions`` (:class:`sftprof.analysis.trial.schema.Versions`: its ``megatron_core``, None when not
     installed) when given and readable as ``MAJOR.MINOR[.PATCH]``; else (None: the trial recorded none) the installed
-    one, where this runs. The release is None without megatron-core."""
-    text = None if versions is None else versions.get("megatron_core")
-    if versions is not None and text is None:
+    one, where this runs. The release is None without megatron-core. A record that is not an object, or a
+    ``megatron_core`` that is not a string (a damaged summary), is read as no readable version."""
+    text = versions.get("megatron_core") if isinstance(versions, Mapping) else None
+    if isinstance(versions, Mapping) and text is None:
         return None, "no megatron-core in the trial"
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text) if isinstance(text, str) else None
     if m:
         release = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
         return release, f"the trial's megatron-core {text}"

@@ -229,16 +229,16 @@ def project_parts(parts: dict[str, Any], src: RankSlice, dst: RankSlice) -> list
     return rows
 
 
-def _member(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
-    """``summary[path[0]][path[1]]...``. Raises ValueError naming the member when it is missing (not a kernel trial's
-    summary, or a damaged one)."""
-    value: Any = summary
-    for i, key in enumerate(path):
-        if not isinstance(value, dict) or key not in value:
-            raise ValueError(f"no member {'.'.join(path[:i + 1])}: not a kernel trial's {SUMMARY_JSON}, or a "
-                             "damaged one")
-        value = value[key]
-    return value
+def _require(summary: dict[str, Any], *paths: tuple[str, ...]) -> None:
+    """Check that ``summary[path[0]][path[1]]...`` exists for each path. Raises ValueError naming the first missing
+    member (not a kernel trial's summary, or a damaged one)."""
+    for path in paths:
+        value: Any = summary
+        for i, key in enumerate(path):
+            if not isinstance(value, dict) or key not in value:
+                raise ValueError(f"no member {'.'.join(path[:i + 1])}: not a kernel trial's {SUMMARY_JSON}, or a "
+                                 "damaged one")
+            value = value[key]
 
 
 def _trace(summary: dict[str, Any], rank: Optional[int]) -> dict[str, Any]:
@@ -247,8 +247,7 @@ def _trace(summary: dict[str, Any], rank: Optional[int]) -> dict[str, Any]:
     if not traces:
         raise ValueError("no kernel trace " + (f"of rank {rank} " if rank is not None else "")
                          + "was summarised in this trial: the projection needs a kernel trial's GPU time by model part")
-    for path in (("summary", "parts"), ("summary", "gpu", "busy_ms"), ("summary", "step_window", "wall_ms")):
-        _member(traces[0], path)
+    _require(traces[0], ("summary", "parts"), ("summary", "gpu", "busy_ms"), ("summary", "step_window", "wall_ms"))
     parts = traces[0]["summary"].get("parts")
     if not isinstance(parts, dict) or parts.get("source") != "module_regions":
         raise ValueError(f"rank {traces[0]['rank']}'s trace has no GPU time by model part from module regions (a GPU "
@@ -286,8 +285,7 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     Raises:
         ValueError: bad ``layers`` / ``tokens`` (:func:`rank_slice`), no kernel trace with GPU time by model part.
     """
-    for path in (("config", "actor", "backend"), ("config", "profile", "fake_seq_len"), ("kernel_traces",)):
-        _member(summary, path)
+    _require(summary, ("config", "actor", "backend"), ("config", "profile", "fake_seq_len"), ("kernel_traces",))
     cfg = summary["config"]
     a = cfg["actor"]
     simulate = int((a.get("simulate") or {}).get("rank", -1))
@@ -315,10 +313,8 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
     if simulate >= 0:
         windows = {w: ms * _ratio(*reversed(_window_ms(s["parts"], rows, w)))
                    for w, ms in overlap_windows(s["regions"]).items()}
-        versions = summary.get("versions")
         communication = project(dst.plan, step_p, None, int(a["simulate"]["gpus_per_node"]), windows, mfu_p,
-                                versions={k: v for k, v in versions.items() if isinstance(v, str)}
-                                if isinstance(versions, dict) else None)
+                                versions=summary.get("versions"))
     return {"rank": trace["rank"], "simulated": simulate >= 0,
             "source": {"layers": src.layers, "tokens": src.tokens, "step_ms": wall, "gpu_busy_ms": busy,
                        "idle_ms": idle, "layer_idle_ms": layer_idle, "mfu": mfu},
