@@ -1038,6 +1038,8 @@ def test_a_trial_without_versions_json_postprocesses_and_a_damaged_one_is_its_ow
         tmp_path / "run_old" / "profile_summary.md").read_text().splitlines()
     for name, text, why in (("list", '["0.16.1"]', "not a JSON object of texts and nulls"),
                             ("number", '{"torch": 2.11}', "not a JSON object of texts and nulls"),
+                            ("empty", "{}", "lacks flash_linear_attention, megatron_core, python, torch, torch_cuda, "
+                                            "transformer_engine, transformers, triton"),
                             ("trunc", '{"torch": "2.', "unreadable (JSONDecodeError: Unterminated string starting at: "
                                                        "line 1 column 11 (char 10))"),
                             ("folder", None, "not a file")):

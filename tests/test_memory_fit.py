@@ -210,6 +210,7 @@ VERSIONS = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "
 
 @pytest.mark.parametrize("recorded, installed, gib, words", [
     ("0.16.1", (0, 19, 2), 7.76, "the trial's megatron-core 0.16.1"),
+    ("0.19.0rc0", (0, 16, 1), 8.85, "the trial's megatron-core 0.19.0rc0"),
     ("0.19.2", (0, 16, 1), 8.85, "the trial's megatron-core 0.19.2"),
     ("0.19.2", None, 8.85, "the trial's megatron-core 0.19.2"),
     (None, (0, 19, 2), 7.76, "no megatron-core in the trial")])
@@ -223,7 +224,8 @@ def test_outside_pytorch_by_the_megatron_core_the_trial_recorded(monkeypatch, re
 
 
 @pytest.mark.parametrize("versions", [None, {**VERSIONS, "megatron_core": "main"}, {**VERSIONS, "megatron_core": 19},
-                                      ["0.19.2"]])
+                                      ["0.19.2"], {}, {**VERSIONS, "megatron_core": "0.19.2\nmore"},
+                                      {**VERSIONS, "megatron_core": "0.99999.1"}])
 def test_a_trial_without_a_readable_record_takes_the_installed_megatron_core(monkeypatch, versions):
     _megatron_core(monkeypatch, (0, 16, 1))
     assert memory_fit.megatron_core_release(versions) == (

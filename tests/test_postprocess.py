@@ -1151,6 +1151,7 @@ def test_compare_says_when_cp_attention_cannot_act(tmp_path):
         log.mkdir()
         (log / "config.yaml").write_text(f"actor:\n  backend: {backend}\n  megatron:\n    cp_attention: {method}\n")
         (log / "environment.json").write_text("{}\n")
+        (log / "versions.json").write_text(json.dumps(VERSIONS_RECORD))
         return {"paths": {"log_dir": str(log)}}
 
     d1_masked, d1_blocks = summary("a", "megatron:d1", "masked"), summary("b", "megatron:d1", "blocks")
@@ -1288,8 +1289,9 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
     from sftprof.analysis.compare.settings_diff import settings_diff
 
     cfg = {"actor": {"backend": "megatron:d1"}}
-    a = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1"}}
-    b = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1"}}
+    a = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1"}, "versions": VERSIONS_RECORD}
+    b = {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NVTE_USE_CUTLASS_GROUPED_GEMM": "1"},
+         "versions": VERSIONS_RECORD}
     assert settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |", ""]
@@ -1297,34 +1299,47 @@ def test_compare_sets_the_recorded_environment_beside_the_config(tmp_path):
     log = tmp_path / "log"  # an older summary without the member: the log dir's file
     log.mkdir()
     (log / "environment.json").write_text('{"NVTE_USE_CUTLASS_GROUPED_GEMM": "1", "OMP_NUM_THREADS": "1"}')
-    assert settings_diff(a, {"config": cfg, "paths": {"log_dir": str(log)}})[4] == \
-        "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |"
-    assert settings_diff({"config": cfg}, a) == [
+    (log / "versions.json").write_text(json.dumps(VERSIONS_RECORD))
+    assert settings_diff(a, {"config": cfg, "paths": {"log_dir": str(log)}})[4:6] == [
+        "| `env.NVTE_USE_CUTLASS_GROUPED_GEMM` | – | 1 |", ""]
+    assert settings_diff({"config": cfg, "versions": VERSIONS_RECORD}, a) == [
         "Settings: the configs are identical.", "",
         "Environment variables not compared (A: no environment.json: trials of earlier releases did not write it).", ""]
-    assert settings_diff(a, {"config": cfg, "environment": None})[2] == (
+    assert settings_diff(a, {"config": cfg, "environment": None, "versions": VERSIONS_RECORD})[2] == (
         "Environment variables not compared (B: no environment.json in the trial's log dir when it was postprocessed).")
     # a value keeps its row on one line and its three cells
-    assert settings_diff(a, {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NCCL_X": "l1\nl2|x"}})[4] \
-        == "| `env.NCCL_X` | – | l1\\nl2\\|x |"
+    assert settings_diff(a, {"config": cfg, "environment": {"OMP_NUM_THREADS": "1", "NCCL_X": "l1\nl2|x"},
+                             "versions": VERSIONS_RECORD})[4] == "| `env.NCCL_X` | – | l1\\nl2\\|x |"
+
+
+# a trial's versions.json as the GPU machine wrote it (release 3.7's keys: no sftprof, no nccl)
+VERSIONS_RECORD = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.16.1",
+                   "transformer_engine": None, "transformers": "5.17.0", "triton": "3.6.0",
+                   "flash_linear_attention": None}
 
 
 def test_compare_names_a_change_of_software_versions():
     """Two runs of one config on different software (megatron-core 0.16.1 against 0.19.2, TE added): each version that
-    differs is a setting (``version.<name>``, ``–`` for a package not installed); runs without recorded versions (an
-    earlier release's) compare none."""
+    differs is a setting (``version.<name>``, ``–`` for a package not installed); a run without recorded versions (an
+    earlier release's, or a damaged versions.json) compares none and the report says why."""
     from sftprof.analysis.compare.settings_diff import settings_diff
 
     cfg = {"actor": {"backend": "megatron:d1"}}
-    v = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "megatron_core": "0.16.1",
-         "transformer_engine": None, "transformers": "5.17.0", "triton": "3.6.0", "flash_linear_attention": None}
+    v = VERSIONS_RECORD
     a = {"config": cfg, "environment": {}, "versions": v}
     b = {"config": cfg, "environment": {}, "versions": {**v, "megatron_core": "0.19.2", "transformer_engine": "2.20.2"}}
     assert settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `version.megatron_core` | 0.16.1 | 0.19.2 |", "| `version.transformer_engine` | – | 2.20.2 |", ""]
-    assert settings_diff(a, a) == settings_diff(a, {**b, "versions": None}) == [
-        "Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    assert settings_diff(a, a) == ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
+    # a side whose versions are unknown: not a repeat run as far as anyone can tell, and said so
+    assert settings_diff(a, {**b, "versions": None}) == [
+        "Settings: the configs are identical.", "",
+        "Software versions not compared (B: no versions.json in the trial's log dir when it was postprocessed).", ""]
+    damaged = {**b, "versions": None, "errors": [{"file": "versions.json", "error": "/l/versions.json: lacks torch"}]}
+    assert settings_diff(damaged, a)[2] == "Software versions not compared (A: /l/versions.json: lacks torch)."
+    assert settings_diff({"config": cfg, "environment": {}}, a)[2] == (
+        "Software versions not compared (A: no versions.json: trials of earlier releases did not write it).")
     # two runs of one sftprof version on different commits, and of one torch on different NCCL builds
     c = {"config": cfg, "environment": {}, "versions": {**v, "sftprof": "0.1.0+g85c64d7", "nccl": "2.27.3"}}
     assert settings_diff(c, {**c, "versions": {**c["versions"], "sftprof": "0.1.0+g67895c6"}}) == [
@@ -1343,9 +1358,9 @@ def test_compare_settings_table_shows_empty_values():
     from sftprof.analysis.compare.settings_diff import settings_diff
 
     a = {"config": {"perf_tracer": {"ranks": ""}, "memory_profiler": {"ranks": "0"}, "tokenizer_path": "",
-                    "actor": {"loss": {"path": "auto"}}}, "environment": {}}
+                    "actor": {"loss": {"path": "auto"}}}, "environment": {}, "versions": VERSIONS_RECORD}
     b = {"config": {"perf_tracer": {"ranks": "pp_rank0"}, "memory_profiler": {"ranks": ""}, "tokenizer_path": "/tok",
-                    "actor": {}}, "environment": {}}
+                    "actor": {}}, "environment": {}, "versions": VERSIONS_RECORD}
     assert settings_diff(a, b) == [
         "Settings that differ:", "", "| setting | A | B |", "|---|---|---|",
         "| `actor.loss.path` | auto | – |",

@@ -6,11 +6,11 @@ or changes the problem size.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.trial import inputs
-from sftprof.artifacts import ENVIRONMENT
+from sftprof.artifacts import ENVIRONMENT, VERSIONS
 
 __all__ = ["settings_diff"]
 
@@ -41,19 +41,22 @@ def _settings(summary: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     return (None, "not available") if cfg is None else (_flat(cfg), "")
 
 
-def _environment(summary: dict[str, Any]) -> tuple[dict[str, str] | None, str]:
-    """The trial's recorded environment variables: the copy in the summary (``environment``), else
-    ``LOG_DIR/environment.json``; and why they are unknown (``(None, reason)``; ``""`` when known)."""
-    if "environment" in summary:  # a summary of schema 3.3 or later: its postprocess read the file
-        if isinstance(summary["environment"], dict):
-            return summary["environment"], ""
+def _recorded(summary: dict[str, Any], member: str, name: str,
+              read: Callable[[str], tuple[Any, Optional[str]]]) -> tuple[dict[str, Any] | None, str]:
+    """What the trial recorded in ``LOG_DIR/<name>`` (its environment variables, its software versions): the copy in
+    the summary (``member``), else the log dir's file (``read``: :mod:`sftprof.analysis.trial.inputs`); and why it
+    is unknown (``(None, reason)``; ``""`` when known)."""
+    if member in summary:  # a summary of a schema that has the member: its postprocess read the file
+        if isinstance(summary[member], dict):
+            return summary[member], ""
         errors = [str(e.get("error")) for e in summary.get("errors") or []
-                  if isinstance(e, dict) and e.get("file") == ENVIRONMENT]
-        return None, errors[0] if errors else f"no {ENVIRONMENT} in the trial's log dir when it was postprocessed"
-    env, error = inputs.trial_environment((summary.get("paths") or {}).get("log_dir") or "")
+                  if isinstance(e, dict) and e.get("file") == name]
+        return None, errors[0] if errors else f"no {name} in the trial's log dir when it was postprocessed"
+    log_dir = (summary.get("paths") or {}).get("log_dir")
+    found, error = read(log_dir) if isinstance(log_dir, str) and log_dir else (None, None)
     if error:
         return None, error
-    return (None, f"no {ENVIRONMENT}: trials of earlier releases did not write it") if env is None else (env, "")
+    return (None, f"no {name}: trials of earlier releases did not write it") if found is None else (found, "")
 
 
 _CP_ATTENTION = "actor.megatron.cp_attention"
@@ -86,26 +89,30 @@ def _setting_cell(key: str, flat_cfg: dict[str, Any]) -> str:
 
 
 def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """What was changed between the two trials (the experiment), and a warning when sizes differ."""
+    """What was changed between the two trials (the experiment), and a warning when sizes differ; a note for the
+    environment variables and software versions that could not be compared (a side that did not record them)."""
     (ca, why_a), (cb, why_b) = _settings(a), _settings(b)
     if ca is None or cb is None:
         why = "; ".join(f"{side}: {why}" for side, c, why in (("A", ca, why_a), ("B", cb, why_b)) if c is None)
         return [f"Settings unknown (the trial's config.yaml, {why}); cannot tell what differs.", ""]
-    (ea, why_ea), (eb, why_eb) = _environment(a), _environment(b)
+    (ea, why_ea), (eb, why_eb) = (_recorded(t, "environment", ENVIRONMENT, inputs.trial_environment) for t in (a, b))
     if ea is not None and eb is not None:  # an unset variable is "–" on its side
         ca = {**ca, **{f"env.{k}": v for k, v in ea.items()}}
         cb = {**cb, **{f"env.{k}": v for k, v in eb.items()}}
-        env_note = []
+        notes = []
     else:
         why = "; ".join(f"{side}: {w}" for side, e, w in (("A", ea, why_ea), ("B", eb, why_eb)) if e is None)
-        env_note = [f"Environment variables not compared ({why}).", ""]
-    va, vb = a.get("versions"), b.get("versions")
-    if isinstance(va, dict) and isinstance(vb, dict):  # a package not installed is "–" on its side
+        notes = [f"Environment variables not compared ({why}).", ""]
+    (va, why_va), (vb, why_vb) = (_recorded(t, "versions", VERSIONS, inputs.trial_versions) for t in (a, b))
+    if va is not None and vb is not None:  # a package not installed is "–" on its side
         ca = {**ca, **{f"version.{k}": v for k, v in va.items() if v is not None}}
         cb = {**cb, **{f"version.{k}": v for k, v in vb.items() if v is not None}}
+    else:
+        why = "; ".join(f"{side}: {w}" for side, v, w in (("A", va, why_va), ("B", vb, why_vb)) if v is None)
+        notes += [f"Software versions not compared ({why}).", ""]
     keys = sorted(k for k in set(ca) | set(cb) if k not in _SAME_BY_DESIGN and ca.get(k) != cb.get(k))
-    if not keys and env_note:
-        return ["Settings: the configs are identical.", ""] + env_note
+    if not keys and notes:
+        return ["Settings: the configs are identical.", ""] + notes
     if not keys:
         return ["Settings: identical (a repeat run: deltas show run-to-run noise).", ""]
     out = ["Settings that differ:", "", "| setting | A | B |", "|---|---|---|"]
@@ -117,4 +124,4 @@ def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     if sized:
         out += ["", f"**Warning:** the runs differ in {', '.join(sized)}: time and memory deltas mix the "
                 "change under test with a different problem size."]
-    return out + [""] + env_note
+    return out + [""] + notes

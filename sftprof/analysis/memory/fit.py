@@ -78,22 +78,26 @@ def expandable_segments(alloc_conf: Optional[str]) -> bool:
     return on
 
 
+# a release as pip spells it: 0.19.2, 0.16.0rc0, 0.15.0+git1a2b3c
+_RELEASE = re.compile(r"(\d{1,4})\.(\d{1,4})(?:\.(\d{1,4}))?(?:(?:[A-Za-z+_-]|\.[A-Za-z])[0-9A-Za-z.+_-]{0,40})?")
+
+
 def with_expandable(alloc_conf: Optional[str]) -> str:
     """``PYTORCH_CUDA_ALLOC_CONF`` with its other options kept and ``expandable_segments:True``."""
     options = [o for o in (alloc_conf or "").split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
     return ",".join(options + ["expandable_segments:True"])
 
 
-def megatron_core_release(versions: Optional[Mapping[str, Any]]) -> tuple[Optional[tuple[int, int, int]], str]:
+def megatron_core_release(versions: object) -> tuple[Optional[tuple[int, int, int]], str]:
     """The megatron-core release a trial ran with, as the fit check takes it, and whence in words: the trial's
     recorded ``versions`` (:class:`sftprof.analysis.trial.schema.Versions`: its ``megatron_core``, None when not
-    installed) when given and readable as ``MAJOR.MINOR[.PATCH]``; else (None: the trial recorded none) the installed
-    one, where this runs. The release is None without megatron-core. A record that is not an object, or a
-    ``megatron_core`` that is not a string (a damaged summary), is read as no readable version."""
-    text = versions.get("megatron_core") if isinstance(versions, Mapping) else None
-    if isinstance(versions, Mapping) and text is None:
+    installed) when given and readable as ``MAJOR.MINOR[.PATCH][suffix]`` (``0.16.0rc0``); else (None: the trial
+    recorded none; a damaged record: not an object, ``megatron_core`` missing or not such a text) the installed one,
+    where this runs. The release is None without megatron-core."""
+    if isinstance(versions, Mapping) and "megatron_core" in versions and versions["megatron_core"] is None:
         return None, "no megatron-core in the trial"
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text) if isinstance(text, str) else None
+    text = versions.get("megatron_core") if isinstance(versions, Mapping) else None
+    m = _RELEASE.fullmatch(text) if isinstance(text, str) else None
     if m:
         release = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
         return release, f"the trial's megatron-core {text}"
@@ -106,7 +110,7 @@ def megatron_core_release(versions: Optional[Mapping[str, Any]]) -> tuple[Option
                        f"no megatron-core {where}")
 
 
-def outside_pytorch_gib(versions: Optional[Mapping[str, Any]] = None) -> float:
+def outside_pytorch_gib(versions: object = None) -> float:
     """GiB a trial's process holds outside PyTorch's allocator (module constants) by its megatron-core
     (:func:`megatron_core_release` of the trial's recorded ``versions``; None: not recorded, the installed one);
     0.16.1's figure without megatron-core (an fsdp trial's environment)."""

@@ -283,7 +283,9 @@ def project_slice(summary: dict[str, Any], layers: Optional[int] = None, tokens:
         "communication" (a simulated rank's :func:`sftprof.analysis.time.projection.project`, else None),
         "assumptions"}``; times in ms.
     Raises:
-        ValueError: bad ``layers`` / ``tokens`` (:func:`rank_slice`), no kernel trace with GPU time by model part.
+        ValueError: bad ``layers`` / ``tokens`` (:func:`rank_slice`), no kernel trace with GPU time by model part, a
+            member the projection reads missing (not a kernel trial's summary, or a damaged one), ``rank`` not the
+            rank a simulated trial ran.
     """
     _require(summary, ("config", "actor", "backend"), ("config", "profile", "fake_seq_len"), ("kernel_traces",))
     cfg = summary["config"]

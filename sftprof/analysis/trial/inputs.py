@@ -492,13 +492,18 @@ def trial_environment(log_dir: str) -> tuple[dict[str, str] | None, str | None]:
 
 
 def trial_versions(log_dir: str) -> tuple[Versions | None, str | None]:
-    """The versions the trial ran with (``LOG_DIR/versions.json``: :class:`~sftprof.analysis.trial.schema.Versions`,
-    a key the file lacks None), and an error message naming the file when it is unreadable or not a JSON object of
-    texts and nulls (``(None, None)`` when it is absent: a trial of an earlier release, or one that died before)."""
+    """The versions the trial ran with (``LOG_DIR/versions.json``: :class:`~sftprof.analysis.trial.schema.Versions`;
+    ``sftprof`` and ``nccl``, which earlier releases did not record, None when the file lacks them), and an error
+    message naming the file when it is unreadable, not a JSON object of texts and nulls, or lacks a package every
+    release records (a null there says "not installed", so a missing one is not read as that); ``(None, None)`` when
+    it is absent: a trial of an earlier release, or one that died before."""
     found, error = _recorded_object(log_dir, artifacts.VERSIONS,
                                     lambda k, v: v is None or isinstance(v, str) and _utf8(v), "texts and nulls")
     if found is None:
         return None, error
+    missing = [key for key in Versions.__required_keys__ if key not in found]
+    if missing:
+        return None, f"{os.path.join(log_dir, artifacts.VERSIONS)}: lacks {', '.join(sorted(missing))}"
     return cast(Versions, {key: found.get(key) for key in Versions.__annotations__}), None  # each a text or None
 
 
