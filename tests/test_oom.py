@@ -160,13 +160,15 @@ def test_the_changes_that_fit_count_the_outside_memory_of_the_trials_megatron_co
     for recorded in ("0.19.2", None):
         log = _h100_oom_log(tmp_path / str(recorded))
         if recorded:
-            (log / "versions.json").write_text(json.dumps({"python": "3.12.3", "megatron_core": recorded}))
+            (log / "versions.json").write_text(json.dumps(  # release 3.7's record: no sftprof, no nccl
+                {"python": "3.12.3", "torch": None, "torch_cuda": None, "megatron_core": recorded,
+                 "transformer_engine": None, "transformers": None, "triton": None, "flash_linear_attention": None}))
         summary, _ = postprocess_trial(str(log), str(tmp_path / str(recorded) / "run"), "kernel", 1)
         fits[recorded] = summary["oom"]["fits"]
         assert summary["versions"] == (None if recorded is None else {
             "sftprof": None, "python": "3.12.3", "torch": None, "torch_cuda": None, "nccl": None,
             "megatron_core": recorded, "transformer_engine": None, "transformers": None, "triton": None,
-            "flash_linear_attention": None})  # an older versions.json: the keys it lacks are None
+            "flash_linear_attention": None})  # the keys release 3.7 did not record are None
     chunked = {"env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "actor.loss.lm_head_loss_chunk_size": 2048}
     assert [f["settings"] for f in fits[None]] == [chunked, {"profile.fake_seq_len": 32768}]
     peak = fits[None][0]["peak_bytes"]  # expandable: no slack
