@@ -94,9 +94,10 @@ def megatron_core_release(versions: object) -> tuple[Optional[tuple[int, int, in
     installed) when given and readable as ``MAJOR.MINOR[.PATCH][suffix]`` (``0.16.0rc0``); else (None: the trial
     recorded none; a damaged record: not an object, ``megatron_core`` missing or not such a text) the installed one,
     where this runs. The release is None without megatron-core."""
-    if isinstance(versions, Mapping) and "megatron_core" in versions and versions["megatron_core"] is None:
+    record = versions if isinstance(versions, Mapping) else {}
+    if "megatron_core" in record and record["megatron_core"] is None:
         return None, "no megatron-core in the trial"
-    text = versions.get("megatron_core") if isinstance(versions, Mapping) else None
+    text = record.get("megatron_core")
     m = _RELEASE.fullmatch(text) if isinstance(text, str) else None
     if m:
         release = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
