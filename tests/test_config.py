@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from sftprof.config import PRESET_DIR, ConfigError, load_config, to_yaml
+from sftprof.config import PRESET_DIR, ConfigError, load_config, resolve_config_path, to_yaml
+from sftprof.config.loading import SHIPPED_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGSHIP = ROOT / "qwen3_30b_a3b_sft_profile.yaml"
@@ -77,12 +78,29 @@ def test_bad_values_name_key_value_and_accepted(override, message):
     assert message in str(exc.value)
 
 
+def test_a_shipped_yaml_is_found_by_its_name_from_any_folder(tmp_path, monkeypatch):
+    """CONFIG=qwen3_5_35b_a3b_sft_profile.yaml (the README's Qwen3.5 line) loads outside the repository, as the
+    default does (reviewer: it was 'no such file' there); a file of that name in the current folder comes first, and a
+    path with a folder is never looked up in the repository."""
+    monkeypatch.chdir(tmp_path)
+    name = "qwen3_5_35b_a3b_sft_profile.yaml"
+    assert resolve_config_path(name) == SHIPPED_DIR / name
+    assert load_config(name).actor.path == load_config(SHIPPED_DIR / name).actor.path
+    (tmp_path / name).write_text((SHIPPED_DIR / name).read_text())
+    assert resolve_config_path(name) == Path(name)
+    with pytest.raises(ConfigError) as exc:
+        resolve_config_path(f"sub/{name}")
+    assert str(exc.value) == (f"config='sub/{name}': no such file; accepted: a YAML path, a shipped YAML "
+                              f"['qwen3_30b_a3b_sft_profile.yaml', '{name}'] or a bundled preset "
+                              "['tiny_cpu', 'tiny_qwen3_5_cpu']")
+
+
 def test_bad_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor: {backend: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read YAML"):
         load_config(bad)
-    with pytest.raises(ConfigError, match="no such file; accepted: a YAML path or a bundled preset"):
+    with pytest.raises(ConfigError, match="no such file; accepted: a YAML path, a shipped YAML"):
         load_config(tmp_path / "missing.yaml")
     empty = tmp_path / "empty.yaml"
     for text in ("", "# only a comment\n"):
@@ -98,8 +116,9 @@ def test_bad_yaml_and_missing_file(tmp_path):
     assert str(exc.value) == f"config file {listed}: must be a mapping of config keys (key: value lines), not a list"
     with pytest.raises(ConfigError) as exc:
         load_config(tmp_path)
-    assert str(exc.value) == (f"config={tmp_path!r}: is a directory; accepted: a YAML file or a bundled preset "
-                              "['tiny_cpu', 'tiny_qwen3_5_cpu']")
+    assert str(exc.value) == (f"config={tmp_path!r}: is a directory; accepted: a YAML path, a shipped YAML "
+                              "['qwen3_30b_a3b_sft_profile.yaml', 'qwen3_5_35b_a3b_sft_profile.yaml'] or a bundled "
+                              "preset ['tiny_cpu', 'tiny_qwen3_5_cpu']")
     typo = tmp_path / "typo.yaml"
     typo.write_text(FLAGSHIP.read_text().replace("fake_seq_len:", "fake_seq_length:"))
     with pytest.raises(ConfigError, match="profile.fake_seq_length"):

@@ -189,6 +189,25 @@ def test_text_values_stay_text_and_multi_node_needs_a_stamp(tmp_path):
     assert out.returncode == 2 and "PROFILE_STAMP is unset with N_NODES=2" in out.stderr
 
 
+@pytest.mark.parametrize("conf,reason", [
+    ("expandable_segments:true", "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"),
+    ("garbage", "i < config_.size() INTERNAL ASSERT FAILED at"),
+])
+def test_an_allocator_setting_torch_refuses_stops_the_plan(tmp_path, conf, reason):
+    """Reviewer: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:true passed the fit check as expandable segments on (torch
+    refuses 'true', so every trial would fail at its first CUDA allocation) and 'garbage' got a fit suggestion built on
+    it; torch's own parser reads it before anything is planned. 'True', '' and an option torch takes pass."""
+    with pytest.raises(launch.DriverError) as err:
+        launch.plan(_plan_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF=conf), [], gpus=0)
+    assert str(err.value).startswith(f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: torch {torch.__version__} refuses it "
+                                     f"({reason}")
+    assert str(err.value).endswith("); accepted: comma-separated option:value pairs of torch's CUDA caching "
+                                   "allocator, e.g. expandable_segments:True (True/False spelled so)")
+    assert not (tmp_path / "run").exists()
+    for ok in ("expandable_segments:True", "", "max_split_size_mb:512,expandable_segments:False"):
+        assert launch.plan(_plan_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF=ok), [], gpus=0)[2].trials == 2
+
+
 def _plan_env(tmp_path, **extra) -> dict:
     env = {"CONFIG": "tiny_cpu", "FILEROOT": str(tmp_path / "fr"), "RUN_ROOT": str(tmp_path / "run"), "PROFILE_STAMP": "p"}
     env.update(extra)
@@ -483,7 +502,8 @@ def test_trainer_gets_each_key_once_with_the_value_the_driver_resolved(tmp_path)
     ("hello\n", "config file {path}: must be a mapping of config keys (key: value lines), not a string"),
     ("42\n", "config file {path}: must be a mapping of config keys (key: value lines), not a number"),
     ("{}\n", "config file {path} is empty; accepted: a YAML mapping of config keys, e.g. the bundled preset {preset}"),
-    (None, "config='{path}': is a directory; accepted: a YAML file or a bundled preset ['tiny_cpu', 'tiny_qwen3_5_cpu']"),
+    (None, "config='{path}': is a directory; accepted: a YAML path, a shipped YAML ['qwen3_30b_a3b_sft_profile.yaml', "
+           "'qwen3_5_35b_a3b_sft_profile.yaml'] or a bundled preset ['tiny_cpu', 'tiny_qwen3_5_cpu']"),
 ])
 def test_unusable_config_file_exits_2(content, message, tmp_path):
     """An empty file, a YAML list or scalar or a directory as CONFIG is refused before anything is written or

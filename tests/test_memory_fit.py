@@ -163,6 +163,7 @@ def test_fitting_changes_smallest_first():
         "max_split_size_mb:512,expandable_segments:True"
     assert memory_fit.expandable_segments("expandable_segments:True,max_split_size_mb:64")
     assert not memory_fit.expandable_segments("expandable_segments:True,expandable_segments:false")
+    assert not memory_fit.expandable_segments("expandable_segments:true")  # torch takes 'True' only
 
 
 def test_a_change_holding_one_that_fits_alone_is_left_out():

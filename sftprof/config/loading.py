@@ -22,28 +22,33 @@ from sftprof.config.sources import check_source, omegaconf_message
 from sftprof.config.validation import validate
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
+SHIPPED_DIR = Path(__file__).resolve().parents[2]  # the repository: its job YAMLs sit beside the driver script
+SHIPPED_PATTERN = "*_sft_profile.yaml"
 # What a config file's top level is instead of a mapping, in its error message.
 _YAML_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "list"}
 
 
 def resolve_config_path(path: str | Path) -> Path:
-    """Return the YAML file for ``path``: an existing file, or the name of a bundled preset.
-
-    Bundled presets live in ``sftprof/presets/<name>.yaml`` (e.g. ``tiny_cpu``).
+    """Return the YAML file for ``path``: an existing file, the name of a shipped job YAML (in :data:`SHIPPED_DIR`,
+    found from any folder: ``qwen3_5_35b_a3b_sft_profile.yaml``) or the name of a bundled preset
+    (``sftprof/presets/<name>.yaml``, e.g. ``tiny_cpu``). A file of that name in the current folder comes first.
 
     Raises:
-        ConfigError: neither a file nor a preset of that name exists (a directory is named as one).
+        ConfigError: none of these exists (a directory is named as one).
     """
     p = Path(path)
     if p.is_file():
         return p
+    if p.name == str(path) and p.match(SHIPPED_PATTERN) and (SHIPPED_DIR / p.name).is_file():
+        return SHIPPED_DIR / p.name
     preset = PRESET_DIR / f"{path}.yaml"
     if preset.is_file():
         return preset
-    presets = sorted(q.stem for q in PRESET_DIR.glob("*.yaml"))
+    accepted = (f"accepted: a YAML path, a shipped YAML {sorted(q.name for q in SHIPPED_DIR.glob(SHIPPED_PATTERN))} "
+                f"or a bundled preset {sorted(q.stem for q in PRESET_DIR.glob('*.yaml'))}")
     if p.is_dir():
-        raise ConfigError(f"config={path!r}: is a directory; accepted: a YAML file or a bundled preset {presets}")
-    raise ConfigError(f"config={path!r}: no such file; accepted: a YAML path or a bundled preset {presets}")
+        raise ConfigError(f"config={path!r}: is a directory; {accepted}")
+    raise ConfigError(f"config={path!r}: no such file; {accepted}")
 
 
 def load_config(path: str | Path, overrides: List[str] | None = None) -> SFTProfileConfig:

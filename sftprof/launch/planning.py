@@ -12,13 +12,14 @@ settings (131072 tokens, batch 4, 2 micro-batches, precision-aware optimizer wit
 such as ``CONFIG=tiny_cpu`` keeps its own sizes. ``PROFILE_RANKS`` unset keeps each profiler's ``ranks`` of the
 YAML (or of an argument).
 
-Also refused (exit 2): a driver variable given as an argument (or in lower case), an argument that gives a key the
-driver sets for each trial (:data:`TRIAL_KEYS`) another value, a set variable that looks like a misspelled driver
-variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes, a user name that is not one folder
-name, the megatron backend on a node without CUDA, fewer visible GPUs than processes per node, a megatron trial
-whose predicted peak does not fit one GPU (:func:`check_memory_fit`, unless ``FIT_CHECK`` is ``warn`` or ``off``),
-``FIT_CHECK=only`` with the fsdp backend or without a GPU capacity, and a busy ``MASTER_PORT`` on node 0 (unset on
-one node: a free port is picked). Memory trials are skipped without CUDA unless ``PROFILE_KINDS`` asks for them.
+Also refused (exit 2): a ``PYTORCH_CUDA_ALLOC_CONF`` torch's parser refuses, a driver variable given as an argument
+(or in lower case), an argument that gives a key the driver sets for each trial (:data:`TRIAL_KEYS`) another value,
+a set variable that looks like a misspelled driver variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names
+over 255 bytes, a user name that is not one folder name, the megatron backend on a node without CUDA, fewer visible
+GPUs than processes per node, a megatron trial whose predicted peak does not fit one GPU (:func:`check_memory_fit`,
+unless ``FIT_CHECK`` is ``warn`` or ``off``), ``FIT_CHECK=only`` with the fsdp backend or without a GPU capacity, and a
+busy ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA
+unless ``PROFILE_KINDS`` asks for them.
 
 ``FIT_CHECK=only`` plans for the layout's GPUs without looking at this node's (a question asked from a laptop): the
 plan's :class:`RunPlan` carries whether the worst rank fits, and the launcher prints the check and stops.
@@ -62,6 +63,31 @@ def visible_gpus() -> int:
     import torch  # the launcher's only use of torch: kept off its start (signals are handled from the first moment)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_alloc_conf(text: str | None) -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` (the trials' processes inherit it) read by torch's own parser of it, so that a value
+    torch refuses (``expandable_segments:true``, an entry without ``:``) stops the plan instead of every trial at its
+    first CUDA allocation. Unset or empty: nothing to read; a torch without that parser (before the accelerator-wide
+    one): not checked here.
+
+    Raises:
+        DriverError: torch refuses the value (its message, first line).
+    """
+    if not text:
+        return
+    import torch  # as in visible_gpus: off the launcher's start
+
+    parse = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if parse is None:
+        return
+    try:
+        parse(text)
+    except (RuntimeError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DriverError(f"{ALLOC_CONF}={text!r}: torch {torch.__version__} refuses it ({reason}); accepted: "
+                          "comma-separated option:value pairs of torch's CUDA caching allocator, e.g. "
+                          "expandable_segments:True (True/False spelled so)") from None
 
 
 def port_in_use(port: int) -> bool:
@@ -114,6 +140,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     check_text(env)
     _check_suspects(env, log)
+    _check_alloc_conf(get(ALLOC_CONF))
     reject_driver_variables_as_arguments(extra_overrides)
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")

@@ -238,7 +238,8 @@ RANKS_VARIABLE = next(v for v in _SCHEMA_VARIABLES if v.name == "PROFILE_RANKS")
 # The variables that set one config key each, with its default the YAML's (N_GPUS_PER_NODE's and FILEROOT's derived).
 CONFIG_VARIABLES = tuple(v for v in _SCHEMA_VARIABLES if v is not RANKS_VARIABLE)
 VARIABLES = (
-    Variable("CONFIG", "launcher", "YAML path or bundled preset (tiny_cpu, tiny_qwen3_5_cpu)", default=DEFAULT_CONFIG),
+    Variable("CONFIG", "launcher", "YAML path, a shipped YAML by name (from any folder) or a bundled preset "
+             "(tiny_cpu, tiny_qwen3_5_cpu)", default=DEFAULT_CONFIG),
     *CONFIG_VARIABLES,
     Variable("PROFILE_STEPS", "trial", "steps to profile (each < 10**9), one trial per step and kind",
              ("perf_tracer.profile_steps", "memory_profiler.profile_steps"), _steps, "0,1"),

@@ -69,12 +69,13 @@ HfLoader = Callable[[int], Any]  # number of layers (0: all) -> the model's Hugg
 
 
 def expandable_segments(alloc_conf: Optional[str]) -> bool:
-    """True when ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable segments on (its last ``expandable_segments`` entry)."""
+    """True when ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable segments on: its last ``expandable_segments`` entry
+    reads ``True``, the one spelling torch takes for on (it refuses ``true``; the driver refuses what torch refuses)."""
     on = False
     for item in (alloc_conf or "").split(","):
         key, _, value = item.partition(":")
         if key.strip() == "expandable_segments":
-            on = value.strip().lower() == "true"
+            on = value.strip() == "True"
     return on
 
 
@@ -84,7 +85,8 @@ _RELEASE = re.compile(r"(\d{1,4})\.(\d{1,4})(?:\.(\d{1,4}))?(?:(?:[A-Za-z+_-]|\.
 
 def with_expandable(alloc_conf: Optional[str]) -> str:
     """``PYTORCH_CUDA_ALLOC_CONF`` with its other options kept and ``expandable_segments:True``."""
-    options = [o for o in (alloc_conf or "").split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
+    options = [o for o in (alloc_conf or "").split(",")
+               if o.strip() and o.partition(":")[0].strip() != "expandable_segments"]
     return ",".join(options + ["expandable_segments:True"])
 
 
