@@ -100,6 +100,10 @@ def _run_root(run_root: str, compress: bool) -> int:
     except (OSError, ValueError) as exc:
         print(f"postprocess_profile.py: error: {exc}", file=sys.stderr)
         return 2
+    if not trials:
+        print(f"postprocess_profile.py: error: {os.path.join(run_root, TRIALS_TSV)} lists no trial (the driver writes "
+              "one row per planned trial before the first starts): nothing to postprocess", file=sys.stderr)
+        return 2
     try:  # the driver's status of each trial it reached (a run stopped early has fewer rows)
         with open(os.path.join(run_root, SUMMARY_TSV), encoding="utf-8") as f:
             statuses = {row["trial"]: row["status"] for row in csv.DictReader(f, delimiter="\t")}
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{', '.join(given)}: pass it alone to postprocess every trial it lists, or pass one trial's "
                     f"--log-dir and --run-dir ({TRIALS_TSV} lists both)")
         return _run_root(args.run_dir, args.compress)
+    if args.log_dir is None and not os.path.isdir(args.run_dir):
+        p.error(f"--run-dir {args.run_dir} {'is not a folder' if os.path.exists(args.run_dir) else 'does not exist'}: "
+                f"pass a RUN_ROOT (it holds {TRIALS_TSV}) alone, or a trial's run dir with its --log-dir")
     if args.log_dir is None:
         p.error(f"--log-dir is required with a trial run dir ({args.run_dir} holds no {TRIALS_TSV}, so it is not a "
                 "RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists them")

@@ -343,17 +343,22 @@ def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
     appended), in its order; its first line, :data:`TRIALS_HEADER`, is no trial (an earlier release wrote none).
 
     Raises:
-        OSError: the file cannot be read; ValueError: a row is not the driver's (six tab-separated fields, an
-            integer step).
+        OSError: the file cannot be read; ValueError: it is not UTF-8 text, or a row is not the driver's (six
+            tab-separated fields, an integer step).
     """
     out = []
-    with open(os.path.join(run_root, TRIALS_TSV), encoding="utf-8") as f:
-        for n, line in enumerate(f.read().splitlines(), start=1):
+    path = os.path.join(run_root, TRIALS_TSV)
+    with open(path, encoding="utf-8") as f:
+        try:
+            text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}), so not the driver's plan") from None
+        for n, line in enumerate(text.splitlines(), start=1):
             fields = line.split("\t")
             if n == 1 and tuple(fields) == TRIALS_HEADER:
                 continue
             if len(fields) != 6 or not fields[2].isdigit():
-                raise ValueError(f"{os.path.join(run_root, TRIALS_TSV)} line {n}: not a row of the driver's plan "
+                raise ValueError(f"{path} line {n}: not a row of the driver's plan "
                                  "(name, kind, step, run dir, log dir, arguments file; tab-separated)")
             out.append((fields[0], fields[1], int(fields[2]), fields[3], fields[4]))
     return out
