@@ -838,7 +838,7 @@ def test_a_file_in_the_place_of_model_parts_is_the_plots_error_and_the_end_table
 @pytest.mark.parametrize("snapshot", gpu_snapshot_fixtures()[:1], ids=lambda p: p.name)
 def test_snapshots_of_ranks_outside_the_world_size_are_their_files_errors(tmp_path, snapshot):
     """Copies of rank 0's snapshot named rank8 / rank10 in a world of 2: not analysed, not archived, in no table or
-    finding (snapshots hold no rank of their own: only the world size is checked)."""
+    finding (snapshots hold no rank of their own: their names are checked)."""
     src = tmp_path / "log" / "memory_snapshots" / "step_1"
     src.mkdir(parents=True)
     raw = gzip.decompress(snapshot.read_bytes())
@@ -857,6 +857,80 @@ def test_snapshots_of_ranks_outside_the_world_size_are_their_files_errors(tmp_pa
     assert s["findings"] and not any("also on" in f["text"] for f in s["findings"])
     assert sorted(os.listdir(run / "memory_snapshots" / "step_1")) == [
         "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle", "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png"]
+
+
+EP0, EP1 = "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle", "snapshot_rank0_pp0_dp0_cp0_tp0_ep1.pickle"
+
+
+def test_a_snapshot_named_for_a_rank_summarised_already_or_at_other_coordinates_is_its_files_error(
+        tmp_path, snapshot=H200_SNAPSHOT):
+    """Rank 0's snapshot also named ..._ep1 (rank_coords.json records rank 0 at ep0): that file's error, naming both
+    coordinates; without rank_coords.json, the second snapshot of rank 0. Either way rank 0 is summarised once (one
+    row, one what-if, no "also on rank 0") and an earlier archive and plot of the refused name stay, named."""
+    src = tmp_path / "log" / "memory_snapshots" / "step_1"
+    src.mkdir(parents=True)
+    for name in (EP0, EP1):
+        (src / name).write_bytes(gzip.decompress(snapshot.read_bytes()))
+    _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    (tmp_path / "log" / "rank_coords.json").write_text(json.dumps(
+        {"world_size": 2, "allocation_mode": "fsdp:d2", "backend": "fsdp", "ranks": COORDS}))
+    run = tmp_path / "run"
+    dst = run / "memory_snapshots" / "step_1"
+    dst.mkdir(parents=True)
+    earlier = {EP1: b"an earlier postprocess's archive", EP1.replace(".pickle", ".png"): b"its plot"}
+    for name, data in earlier.items():
+        (dst / name).write_bytes(data)
+    kept = {"file": f"memory_snapshots/step_1/{EP1}", "warning": (
+        "rank 0: 2 file(s) of an earlier postprocess are kept in memory_snapshots/step_1/ (not from this snapshot, "
+        f"which failed): {EP1}, {EP1.replace('.pickle', '.png')}")}
+    coords_error = ("the file name says rank 0 is at pp0 dp0 cp0 tp0 ep1, but rank_coords.json records rank 0 at pp0 "
+                    "dp0 cp0 tp0 ep0: not this trial's rank 0 (a snapshot is summarised as rank 0 only under the "
+                    "coordinates recorded for it)")
+    for recorded, why in ((True, coords_error),
+                          (False, f"a second snapshot of rank 0; only {EP0} is summarised as rank 0 (one snapshot a "
+                                  "rank)")):
+        if not recorded:
+            (tmp_path / "log" / "rank_coords.json").unlink()
+        res = _cli("--log-dir", tmp_path / "log", "--run-dir", run)
+        assert res.returncode == 1, res.stderr
+        s = json.load(open(run / "profile_summary.json"))
+        error = f"{src / EP1}: {why}; not analysed (not archived)"
+        assert s["errors"] == [{"file": f"memory_snapshots/step_1/{EP1}", "error": error}]
+        assert f"[postprocess] ERROR memory_snapshots/step_1/{EP1}: {error}" in res.stderr.splitlines()
+        assert s["counts"] == {"traces": 0, "traces_ok": 0, "views": 0, "snapshots": 2, "plots": 1, "errors": 1,
+                               "skipped": 0}
+        assert s["warnings"][0] == kept and s["memory_snapshots"][1]["archived"] is False
+        assert [r["rank"] for r in s["ranks"]["rows"]] == [0] and [w["rank"] for w in s["what_if"]] == [0]
+        assert s["findings"] and not any("also on" in f["text"] for f in s["findings"])
+        md = (run / "profile_summary.md").read_text()
+        assert md.count("## Memory snapshot rank 0 (") == 2 and md.count("- peak allocated ") == 1
+        assert f"## Memory snapshot rank 0 (`memory_snapshots/step_1/{EP1}`)\n\n**error:** {error}\n" in md
+        assert {n: (dst / n).read_bytes() for n in earlier} == earlier
+        assert (dst / EP0.replace(".pickle", ".png")).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_damaged_snapshot_does_not_take_its_rank_from_a_readable_one(tmp_path, snapshot=H200_SNAPSHOT):
+    """Rank 0's .pickle truncated beside its good .pickle.gz: the first is its error, the second is rank 0's
+    snapshot; the plot and phases sidecar the second wrote are not named as kept from an earlier postprocess."""
+    src = tmp_path / "log" / "memory_snapshots" / "step_1"
+    src.mkdir(parents=True)
+    (src / f"{EP0}.gz").write_bytes(snapshot.read_bytes())
+    (src / "phases_rank0.json").write_text(json.dumps({"clock": "unix_us", "phases": []}))
+    _stats(tmp_path / "log" / "stats.jsonl", kind="memory")
+    run = tmp_path / "run"
+    assert _cli("--log-dir", tmp_path / "log", "--run-dir", run).returncode == 0  # the earlier archive
+    (src / EP0).write_bytes(gzip.decompress(snapshot.read_bytes())[:50_000])
+    assert _cli("--log-dir", tmp_path / "log", "--run-dir", run).returncode == 1
+    s = json.load(open(run / "profile_summary.json"))
+    assert s["errors"] == [{"file": f"memory_snapshots/step_1/{EP0}", "error": (
+        f"ValueError: {src / EP0}: not a readable snapshot pickle (UnpicklingError: pickle data was truncated) "
+        "(not archived)")}]
+    assert s["counts"] == {"traces": 0, "traces_ok": 0, "views": 0, "snapshots": 2, "plots": 1, "errors": 1,
+                           "skipped": 0}
+    assert [m.get("plot") for m in s["memory_snapshots"]] == [None, "memory_snapshots/step_1/" + EP0[:-7] + ".png"]
+    assert "kept_files" not in s["memory_snapshots"][0]
+    assert [w["file"] for w in s["warnings"]] == ["profile_summary.json"]  # the earlier summary kept, nothing else
+    assert [r["rank"] for r in s["ranks"]["rows"]] == [0]
 
 
 def test_nvidia_smi_variants(tmp_path):
@@ -1390,6 +1464,11 @@ def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(
         f"postprocess_profile.py: error: --log-dir is required with a trial run dir ({root / 't0'} holds no "
         "trials.tsv, so it is not a RUN_ROOT); the driver printed each trial's log dir, and RUN_ROOT/trials.tsv lists "
         "them")
+    for missing, what in ((tmp_path / "nope", "does not exist"), (root / "trials.tsv", "is not a folder")):
+        res = _cli("--run-dir", missing)  # a mistyped RUN_ROOT is said to be missing, not to lack --log-dir
+        assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
+            f"postprocess_profile.py: error: --run-dir {missing} {what}: pass a RUN_ROOT (it holds trials.tsv) alone, "
+            "or a trial's run dir with its --log-dir")
     res = _cli("--log-dir", logs, "--run-dir", root / "t0")
     assert res.returncode == 2 and res.stderr.splitlines()[-1] == (
         f"postprocess_profile.py: error: --log-dir {logs} holds the log dirs of 2 trials (t0, t1), not one: pass one "
@@ -1554,3 +1633,21 @@ def test_a_memory_plot_that_fails_says_whether_it_was_drawn(tmp_path, monkeypatc
     error = snapshots._plot({}, "t", str(stage), "s.png", str(tmp_path / "dst"))
     assert error == f"{tmp_path / 'dst' / 's.png'}: {type(raised).__name__}: {raised} (memory plot not {said})"
     assert os.listdir(stage) == []
+
+
+@pytest.mark.parametrize("text", ["", "trial\tkind\tstep\trun_dir\tlog_dir\targs_file\n", b"\xdb\x00binary"])
+def test_a_run_root_whose_trials_tsv_lists_no_trial_or_is_no_text_is_an_error_naming_it(tmp_path, text):
+    """A trials.tsv that is empty, only the header, or not UTF-8 is exit 2 naming the file (reviewer: the empty one
+    exited 0 without a word, the binary one said only the codec's error); nothing is written."""
+    root = tmp_path / "run"
+    root.mkdir()
+    tsv = root / "trials.tsv"
+    tsv.write_bytes(text if isinstance(text, bytes) else text.encode())
+    res = _cli("--run-dir", root)
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[-1] == (
+        f"postprocess_profile.py: error: {tsv}: not UTF-8 text (byte 0), so not the driver's plan"
+        if isinstance(text, bytes) else
+        f"postprocess_profile.py: error: {tsv} lists no trial (the driver writes one row per planned trial before the "
+        "first starts): nothing to postprocess")
+    assert sorted(p.name for p in root.iterdir()) == ["trials.tsv"]

@@ -9,6 +9,11 @@ still analysed and archived, and an earlier plot under its name stays, listed in
 cannot be moved into place (a folder under its name): the plot's is its ``plot_error``; the sidecar's or the
 snapshot's is the snapshot's error, found before either is moved (a sidecar moved in before a later failure of the
 snapshot's move, another OSError, stays, named in ``phases_file``).
+
+A snapshot that is not its rank's (:func:`_not_the_ranks`: its name's rank outside the trial's world size, its name's
+coordinates other than ``rank_coords.json`` records for the rank, or a second snapshot of a rank already summarised)
+is its error too, not analysed and not archived; an earlier postprocess's archive and plot under its name stay, listed
+in ``kept_files``.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any, cast
+from typing import Any, Mapping, cast
 
 from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
@@ -53,6 +58,37 @@ def _snapshot_rank(name: str) -> tuple[int | None, dict[str, int] | None]:
         return parsed
     m = _RANK_IN_NAME.search(name)
     return (int(m.group(1)), None) if m else (None, None)
+
+
+def _not_the_ranks(rank: int | None, coords: dict[str, int] | None, world: World,
+                   recorded: Mapping[int, Any], summarised: Mapping[int, str]) -> str | None:
+    """Why a snapshot whose name says rank ``rank`` at ``coords`` (:func:`_snapshot_rank`) is not summarised as that
+    rank's (the error's text after its file), None when it may be: the rank outside the trial's ``world``
+    (:func:`outside_world`); coordinates other than ``recorded[rank]`` (``rank_coords.json``,
+    :func:`sftprof.analysis.trial.inputs.read_rank_coords`; compared on the name's keys it records as integers, not
+    checked when it records none for the rank); a rank already in ``summarised`` (rank -> its snapshot's file name)."""
+    outside = outside_world(rank, world)
+    if outside or rank is None:
+        return outside
+    want = recorded.get(rank)
+    if coords is not None and isinstance(want, dict):
+        keys = [k for k in coords if isinstance(want.get(k), int)]
+        if any(coords[k] != want[k] for k in keys):
+            claimed, known = (" ".join(f"{k}{c[k]}" for k in keys) for c in (coords, want))
+            return (f"the file name says rank {rank} is at {claimed}, but {artifacts.RANK_COORDS} records rank {rank} "
+                    f"at {known}: not this trial's rank {rank} (a snapshot is summarised as rank {rank} only under "
+                    "the coordinates recorded for it)")
+    if rank in summarised:
+        return (f"a second snapshot of rank {rank}; only {summarised[rank]} is summarised as rank {rank} (one "
+                "snapshot a rank)")
+    return None
+
+
+def _kept(run_dir: str, dst_dir: str, names: set[str | None]) -> list[str]:
+    """The run-dir relative paths of the files ``names`` (None: none) now in ``dst_dir``, sorted: what a failed
+    snapshot leaves there (:func:`snapshot_part` drops those this postprocess wrote)."""
+    return sorted(os.path.relpath(os.path.join(dst_dir, n), run_dir) for n in names
+                  if n and os.path.isfile(os.path.join(dst_dir, n)))
 
 
 def _estimate(log_dir: str, model: TrialModel, rank: int | None) -> tuple[Estimate | None, str | None]:
@@ -122,7 +158,8 @@ def _move_in(stage: str, dst_dir: str, name: str) -> None:
 
 
 def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name: str, step: int,
-                    max_entries: int | None, written: set[str], world: World, model: TrialModel) -> SnapshotEntry:
+                    max_entries: int | None, written: set[str], world: World, recorded: Mapping[int, Any],
+                    summarised: Mapping[int, str], model: TrialModel) -> SnapshotEntry:
     """The summary entry of one snapshot: analysis (with its ``phases_rank<r>.json``), plot, estimate, or its error.
 
     The snapshot is read, analysed and plotted from the log dir; only then are the snapshot, its plot and its rank's
@@ -130,10 +167,13 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     files of an earlier postprocess. A snapshot that fails (whatever it raises) is that snapshot's error and is not
     archived (``"archived": false``, the error ends in ``(not archived...)``): no copy of it is written, and the
     archived snapshot, plot and sidecar of an earlier postprocess under the same names stay as they are, listed in
-    ``kept_files`` (run-dir relative; a warning names them, :mod:`sftprof.analysis.trial.problems`). ``written``: names this
-    postprocess wrote to ``dst_dir`` (updated; a sidecar another snapshot of the rank wrote is not 'earlier').
-    A rank in its name outside the trial's world size ``world`` is an error too (snapshots hold no rank of their
-    own, so the name's rank is checked only against the world size): not analysed, not archived. A plot that cannot
+    ``kept_files`` (run-dir relative; a warning names them, :mod:`sftprof.analysis.trial.problems`; those this
+    postprocess wrote, by another snapshot of the rank, are dropped by :func:`snapshot_part`). ``written``: names this
+    postprocess wrote to ``dst_dir`` (updated).
+    A snapshot that is not its rank's is an error too (snapshots hold no rank of their own, so the name is checked,
+    :func:`_not_the_ranks`: against the world size ``world``, the coordinates ``recorded`` in ``rank_coords.json`` and
+    the ranks ``summarised`` already): not analysed, not archived, an earlier archive and plot under its name listed in
+    ``kept_files`` (not the rank's sidecar: the rank's summarised snapshot archives it). A plot that cannot
     be drawn, or moved into place, is the entry's ``plot_error`` alone (:func:`_plot`, :func:`_move_in`; an earlier
     plot stays, in ``kept_files``). A folder under the sidecar's or the snapshot's name fails the snapshot before
     anything is moved; the sidecar is moved before the snapshot, and when the snapshot's own move fails all the same
@@ -143,12 +183,15 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
     entry: SnapshotEntry = {"rank": rank, "file": os.path.relpath(os.path.join(dst_dir, name), run_dir),
                              "coords_from_name": coords}
     src = os.path.join(src_dir, name)
-    outside = outside_world(rank, world)
-    if outside:
-        entry["error"] = f"{src}: {outside}; not analysed (not archived)"
-        entry["archived"] = False
-        return entry
     png_name = re.sub(r"\.pickle(\.gz)?$", ".png", name)
+    refused = _not_the_ranks(rank, coords, world, recorded, summarised)
+    if refused:
+        entry["error"] = f"{src}: {refused}; not analysed (not archived)"
+        entry["archived"] = False
+        kept = _kept(run_dir, dst_dir, {name, png_name})
+        if kept:
+            entry["kept_files"] = kept
+        return entry
     phases_name = artifacts.phases_name(rank) if rank is not None else None
     stage = tempfile.mkdtemp(prefix=f".staging_rank{'' if rank is None else rank}_", dir=run_dir)
     try:
@@ -194,8 +237,7 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
             written.update(moved)
             if phases_name is not None and phases_name in moved:  # moved in before the snapshot's move failed
                 entry["phases_file"] = os.path.relpath(os.path.join(dst_dir, phases_name), run_dir)
-            kept = sorted(os.path.relpath(os.path.join(dst_dir, n), run_dir) for n in {name, png_name, phases_name}
-                          if n and n not in written and os.path.isfile(os.path.join(dst_dir, n)))
+            kept = _kept(run_dir, dst_dir, {name, png_name, phases_name})
             if kept:
                 entry["kept_files"] = kept
             return entry
@@ -214,8 +256,9 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
         entry["plot"] = os.path.relpath(os.path.join(dst_dir, png_name), run_dir)
     else:
         entry["plot_error"] = plot_error
-        if os.path.isfile(os.path.join(dst_dir, png_name)) and png_name not in written:  # an earlier postprocess's
-            entry["kept_files"] = [os.path.relpath(os.path.join(dst_dir, png_name), run_dir)]
+        kept = _kept(run_dir, dst_dir, {png_name})  # an earlier postprocess's
+        if kept:
+            entry["kept_files"] = kept
     entry["summary"] = summary
     entry["allocator"] = allocator
     estimate, note = _estimate(log_dir, model, rank)
@@ -227,9 +270,11 @@ def _snapshot_entry(log_dir: str, run_dir: str, src_dir: str, dst_dir: str, name
 def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: TrialModel) -> Files:
     """``{"memory_snapshots": [...], "skipped": [...]}``: each snapshot of the step's snapshot dir analysed and, when
     that succeeded, archived to the run dir as is with its plot and phases sidecar (:func:`_snapshot_entry`: a
-    snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). The folder's
-    other files (skipped ones, sidecars of ranks without a snapshot there) are copied as they are. ``model``: the
-    trial's model, for each snapshot's theoretical estimate."""
+    snapshot that fails is not archived, and an earlier postprocess's archive and plot of it stay). One snapshot a
+    rank is summarised: the first by name that is its rank's and processed without error; a further one, or one whose
+    name contradicts ``rank_coords.json`` (when readable), is its file's error. The folder's other files (skipped ones,
+    sidecars of ranks without a snapshot there) are copied as they are. ``model``: the trial's model, for each
+    snapshot's theoretical estimate."""
     src_dir = str(artifacts.snapshot_dir(log_dir, step))
     dst_dir = str(artifacts.snapshot_dir(run_dir, step))
     snapshots: list[SnapshotEntry] = []
@@ -246,11 +291,16 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: Tr
     snaps = [n for n in names if n.endswith(_SNAP_SUFFIXES) and os.path.isfile(os.path.join(src_dir, n))]
     sidecars = {artifacts.phases_name(r) for r in (_snapshot_rank(n)[0] for n in snaps) if r is not None}
     max_entries = inputs.max_entries(log_dir)
+    recorded, _ = inputs.read_rank_coords(log_dir)  # an unreadable one is the summary's error: no check against it
     written: set[str] = set()
+    summarised: dict[int, str] = {}  # rank -> the file name of its snapshot summarised
     for name in names:
         if name in snaps:
-            snapshots.append(_snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written,
-                                             world, model))
+            entry = _snapshot_entry(log_dir, run_dir, src_dir, dst_dir, name, step, max_entries, written, world,
+                                    recorded, summarised, model)
+            if "error" not in entry and entry["rank"] is not None:
+                summarised[entry["rank"]] = name
+            snapshots.append(entry)
             continue
         if not artifacts.PHASES_RE.match(name):
             skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
@@ -261,4 +311,10 @@ def snapshot_part(log_dir: str, run_dir: str, step: int, world: World, model: Tr
             else:
                 skipped.append({"file": os.path.relpath(os.path.join(src_dir, name), log_dir),
                                 "reason": f"not copied: {blocked}"})
+    for entry in snapshots:  # a file this postprocess wrote (from another snapshot of the rank) is not an earlier one
+        kept = [f for f in entry.get("kept_files") or [] if os.path.basename(f) not in written]
+        if kept:
+            entry["kept_files"] = kept
+        else:
+            entry.pop("kept_files", None)
     return {"memory_snapshots": snapshots, "skipped": skipped}
