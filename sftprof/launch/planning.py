@@ -83,7 +83,7 @@ def _check_alloc_conf(text: str | None) -> None:
         return
     try:
         parse(text)
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 (torch's checks raise RuntimeError, ValueError, IndexError, TypeError)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DriverError(f"{ALLOC_CONF}={text!r}: torch {torch.__version__} refuses it ({reason}); accepted: "
                           "comma-separated option:value pairs of torch's CUDA caching allocator, e.g. "
