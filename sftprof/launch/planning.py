@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Mapping, TypedDict, cast
 
@@ -65,29 +67,38 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# torch's parser of PYTORCH_CUDA_ALLOC_CONF run on argv[1]; a refusal printed as "<torch version>\t<reason>", exit 3
+_ALLOC_CONF_PARSE = """import sys, torch
+parse = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+try:
+    if parse is not None:
+        parse(sys.argv[1])
+except Exception as exc:
+    print(torch.__version__, (str(exc).strip().splitlines() or [type(exc).__name__])[0], sep="\\t")
+    sys.exit(3)
+"""
+
+
 def _check_alloc_conf(text: str | None) -> None:
     """``PYTORCH_CUDA_ALLOC_CONF`` (the trials' processes inherit it) read by torch's own parser of it, so that a value
     torch refuses (``expandable_segments:true``, an entry without ``:``) stops the plan instead of every trial at its
-    first CUDA allocation. Unset or empty: nothing to read; a torch without that parser (before the accelerator-wide
-    one): not checked here.
+    first CUDA allocation. The parser also applies the value to its process, so it runs in a child of its own (about
+    2 s, only when the variable is set). Not checked: unset or empty; a torch without that parser (before the
+    accelerator-wide one) or a child that fails otherwise (the trials meet that failure themselves).
 
     Raises:
         DriverError: torch refuses the value (its message, first line).
     """
     if not text:
         return
-    import torch  # as in visible_gpus: off the launcher's start
-
-    parse = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if parse is None:
-        return
-    try:
-        parse(text)
-    except Exception as exc:  # noqa: BLE001 (torch's checks raise RuntimeError, ValueError, IndexError, TypeError)
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DriverError(f"{ALLOC_CONF}={text!r}: torch {torch.__version__} refuses it ({reason}); accepted: "
-                          "comma-separated option:value pairs of torch's CUDA caching allocator, e.g. "
-                          "expandable_segments:True (True/False spelled so)") from None
+    env = {k: v for k, v in os.environ.items() if k != ALLOC_CONF}
+    res = subprocess.run([sys.executable, "-c", _ALLOC_CONF_PARSE, text], env=env, capture_output=True, text=True,
+                         check=False)
+    if res.returncode == 3:
+        version, _, reason = res.stdout.strip().partition("\t")
+        raise DriverError(f"{ALLOC_CONF}={text!r}: torch {version} refuses it ({reason}); accepted: comma-separated "
+                          "option:value pairs of torch's CUDA caching allocator, e.g. expandable_segments:True "
+                          "(True/False spelled so)")
 
 
 def port_in_use(port: int) -> bool:
