@@ -38,10 +38,12 @@ complete (sftprof/atomic.py), so what an earlier postprocess wrote stays in plac
 --run-dir that cannot be written; a --log-dir that does not exist (with --profile-kind and --profile-step given,
 the trial's summary is still written, as failed, unless the run dir already holds one; otherwise nothing is
 written, not even the run dir); a RUN_ROOT given with --log-dir (or as --log-dir), a trial run dir without
---log-dir, an experiment folder of several trials' log dirs as --log-dir; compare inputs that are missing or not profile summaries, or one folder given
-as both RUN_A and RUN_B; an --out whose directory does not exist or that names an existing file (never
-overwritten; without --out an earlier report at the default path is kept as compare_vs_<A>.prev<N>.md, unless it
-is the same report, which is then left as it is). The message names the file or setting. 141 (128 + SIGPIPE)
+--log-dir, an experiment folder of several trials' log dirs as --log-dir, a --log-dir and --run-dir of two
+trials (the trial_name of LOG_DIR/config.yaml and of RUN_DIR/train_args.txt differ: nothing written or moved);
+compare inputs that are missing or not profile summaries, or one folder given as both RUN_A and RUN_B; an --out
+whose directory does not exist or that names an existing file (never overwritten; without --out an earlier report
+at the default path is kept as compare_vs_<A>.prev<N>.md, unless it is the same report, which is then left as it
+is). The message names the file or setting. 141 (128 + SIGPIPE)
 when standard output is a pipe its reader closed early (| head): what was to be written is written, the rest of
 the output is dropped without a traceback. 143 or 129 (128 + SIGTERM or SIGHUP) when stopped by that signal, 130 on
 Ctrl-C (one line, no traceback), each after the temporary files are removed. compare --fail-on step_time,peak_allocated,peak_reserved (any of them):
@@ -64,6 +66,7 @@ import tempfile
 
 from sftprof.analysis.compare.command import compare_command
 from sftprof.analysis.summary import SUMMARY_JSON, summarise_trial
+from sftprof.analysis.trial.inputs import other_trial
 from sftprof.analysis.trial.profile_check import PROFILE_KINDS, NotRecorded, resolve_profile
 from sftprof.analysis.report.summary_file import summary_left_unchanged
 from sftprof.artifacts import (LAUNCHER_LOG, NVIDIA_SMI_CSV, STATS, SUMMARY_TSV, TRAINER_LOG, TRIALS_TSV,
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--log-dir {args.log_dir} holds the log dirs of {len(several)} trials ({', '.join(several[:3])}"
                 f"{', ...' if len(several) > 3 else ''}), not one: pass one of them with its trial's --run-dir, or "
                 "pass the RUN_ROOT alone as --run-dir to postprocess every trial")
+    mismatch = other_trial(args.log_dir, args.run_dir)  # another trial's run dir: its summary would be pushed aside
+    if mismatch:
+        p.error(mismatch)
     if args.trainer_log is None and os.path.isfile(os.path.join(args.log_dir, TRAINER_LOG)):
         # what the driver passes: a standalone rerun reads the same inputs (and a failed trial gets its log's tail)
         args.trainer_log = os.path.join(args.log_dir, TRAINER_LOG)

@@ -320,6 +320,7 @@ PLAN_CONFIG_SHA256_ENV = "SFTPROF_PLAN_CONFIG_SHA256"
 TRIALS_TSV = "trials.tsv"
 # its first line (a trials.tsv of an earlier release has none): the columns of each trial's row
 TRIALS_HEADER = ("trial", "kind", "step", "run_dir", "log_dir", "args_file")
+PROFILE_KINDS = ("kernel", "memory")  # a trial's profile kind (its row's kind; postprocess_profile.py --profile-kind)
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"
 LAUNCHER_LOG = "launcher.log"
@@ -340,11 +341,13 @@ INTERRUPTED_LINE = INTERRUPTED_PREFIX + "the driver got {signal} and stopped its
 
 def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
     """``[(name, kind, step, run dir, log dir)]`` of ``RUN_ROOT/trials.tsv`` (the driver's plan, what-if trials
-    appended), in its order; its first line, :data:`TRIALS_HEADER`, is no trial (an earlier release wrote none).
+    appended), in its order; its first line, :data:`TRIALS_HEADER`, is no trial (an earlier release wrote none), and
+    nor are blank lines at its end (``echo >> trials.tsv``).
 
     Raises:
         OSError: the file cannot be read; ValueError: it is not UTF-8 text, or a row is not the driver's (six
-            tab-separated fields, an integer step).
+            tab-separated fields, a step of ASCII digits, a kind of :data:`PROFILE_KINDS`), a blank line before
+            the last row included.
     """
     out = []
     path = os.path.join(run_root, TRIALS_TSV)
@@ -353,14 +356,20 @@ def read_trials_tsv(run_root: str) -> list[tuple[str, str, int, str, str]]:
             text = f.read()
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}), so not the driver's plan") from None
-        for n, line in enumerate(text.splitlines(), start=1):
-            fields = line.split("\t")
-            if n == 1 and tuple(fields) == TRIALS_HEADER:
-                continue
-            if len(fields) != 6 or not fields[2].isdigit():
-                raise ValueError(f"{path} line {n}: not a row of the driver's plan "
-                                 "(name, kind, step, run dir, log dir, arguments file; tab-separated)")
-            out.append((fields[0], fields[1], int(fields[2]), fields[3], fields[4]))
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    for n, line in enumerate(lines, start=1):
+        fields = line.split("\t")
+        if n == 1 and tuple(fields) == TRIALS_HEADER:
+            continue
+        if len(fields) != 6 or not (fields[2].isascii() and fields[2].isdigit()):
+            raise ValueError(f"{path} line {n}: not a row of the driver's plan "
+                             "(name, kind, step, run dir, log dir, arguments file; tab-separated)")
+        if fields[1] not in PROFILE_KINDS:
+            raise ValueError(f"{path} line {n}: kind {fields[1]!r} is not a profile kind of the driver's plan (one of "
+                             f"{', '.join(PROFILE_KINDS)})")
+        out.append((fields[0], fields[1], int(fields[2]), fields[3], fields[4]))
     return out
 
 

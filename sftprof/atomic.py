@@ -2,24 +2,32 @@
 
 A reader sees the earlier file or the new one, never a part of one; a write that fails (a full disk, a file-size
 limit, a read-only folder) leaves the earlier file as it was, removes the temporary one and raises
-:class:`WriteError`, whose message names the file, the reason and the free space in its folder. Temporary files are
-named ``.<name>.<pid>.<random>.tmp``: one a killed process leaves behind is recognisable, and safe to delete.
+:class:`WriteError`, whose message names the file, the reason and, for want of space (:data:`SPACE_ERRNOS`), the free
+space in its folder. Temporary files are named ``.<name>.<pid>.<random>.tmp``: one a killed process leaves behind is
+recognisable, and safe to delete.
 
 Standard library only: the driver, the postprocessing and the benchmarks share it.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 from typing import Iterator
 
-__all__ = ["WriteError", "write_failed", "atomic_path", "put_text", "write_text", "copy_file", "free_space"]
+__all__ = ["SPACE_ERRNOS", "WriteError", "write_failed", "atomic_path", "put_text", "write_text", "copy_file",
+           "free_space"]
+
+
+# the errors of a write that wants space (a full disk, a quota, a file-size limit): their message names the free space
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class WriteError(OSError):
-    """A file that could not be written; the message names it, why, and the free space in its folder."""
+    """A file that could not be written; the message names it, why, and (:data:`SPACE_ERRNOS`) the free space in its
+    folder."""
 
 
 def free_space(folder: str) -> str:
@@ -35,11 +43,12 @@ def free_space(folder: str) -> str:
 
 
 def write_failed(path: str, exc: OSError) -> WriteError:
-    """The :class:`WriteError` of ``path`` for ``exc`` (its errno and reason kept)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    """The :class:`WriteError` of ``path`` for ``exc`` (its errno and reason kept; the free space in ``path``'s folder
+    added for an errno of :data:`SPACE_ERRNOS`)."""
     reason = exc.strerror or str(exc) or type(exc).__name__
-    err = WriteError(exc.errno, f"cannot write {path}: {reason} ({free_space(folder)}); what was there before is "
-                                "left as it was")
+    if exc.errno in SPACE_ERRNOS:
+        reason += f" ({free_space(os.path.dirname(os.path.abspath(path)))})"
+    err = WriteError(exc.errno, f"cannot write {path}: {reason}; what was there before is left as it was")
     err.filename = path
     return err
 

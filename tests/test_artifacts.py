@@ -38,3 +38,33 @@ def test_trials_tsv_is_read_with_its_header_or_without_one(tmp_path):
         a.read_trials_tsv(str(tmp_path))
     assert str(err.value) == (f"{tmp_path / a.TRIALS_TSV} line 2: not a row of the driver's plan (name, kind, step, "
                               "run dir, log dir, arguments file; tab-separated)")
+
+
+def test_trials_tsv_refuses_an_unknown_kind_and_a_step_of_other_digits_and_ends_at_blank_lines(tmp_path):
+    """A kind postprocessing does not know (was: an argparse usage dump for that trial), a step of non-ASCII digits
+    (was: ``invalid literal for int()``) are the row's error; blank lines at the end (``echo >> trials.tsv``) are no
+    row (was: the run root refused), a blank line before a row still is one."""
+    tsv = tmp_path / a.TRIALS_TSV
+
+    def row(name, kind="kernel", step="1"):
+        return f"{name}\t{kind}\t{step}\t{tmp_path / name}\t{tmp_path / 'log'}\t{tmp_path / name / 'args'}\n"
+
+    def error(text):
+        tsv.write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError) as err:
+            a.read_trials_tsv(str(tmp_path))
+        return str(err.value)
+
+    assert a.PROFILE_KINDS == ("kernel", "memory")
+    assert error(row("t0") + row("t1", kind="banana")) == (
+        f"{tsv} line 2: kind 'banana' is not a profile kind of the driver's plan (one of kernel, memory)")
+    not_a_row = "not a row of the driver's plan (name, kind, step, run dir, log dir, arguments file; tab-separated)"
+    assert error(row("t0", step="\u00b2")) == f"{tsv} line 1: {not_a_row}"
+    assert error(row("t0", step="\u0663")) == f"{tsv} line 1: {not_a_row}"  # ARABIC-INDIC DIGIT THREE
+    assert error(row("t0") + "\n" + row("t1", kind="memory")) == f"{tsv} line 2: {not_a_row}"
+    expect = [("t0", "kernel", 1, str(tmp_path / "t0"), str(tmp_path / "log")),
+              ("t1", "memory", 12, str(tmp_path / "t1"), str(tmp_path / "log"))]
+    tsv.write_text("\t".join(a.TRIALS_HEADER) + "\n" + row("t0") + row("t1", kind="memory", step="12") + "\n \t\n\n")
+    assert a.read_trials_tsv(str(tmp_path)) == expect
+    tsv.write_text("\n")
+    assert a.read_trials_tsv(str(tmp_path)) == []

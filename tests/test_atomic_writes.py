@@ -1,5 +1,6 @@
 """Writes are atomic (issue 35): a summary, report, plot or view that cannot be written for want of space is that
-file's error (exit 1, a message naming the file and the free space) and what was there before stays in place.
+file's error (exit 1, a message naming the file and the free space; any other failed write names no free space) and
+what was there before stays in place.
 
 Two ways to fail a write: a patched ``os.fsync`` raising ENOSPC (where a full disk shows on file systems that
 allocate late), and a real one: the kernel's file-size limit (``RLIMIT_FSIZE``) on the postprocess process, whose
@@ -149,3 +150,24 @@ def test_an_error_in_the_writing_thread_reaches_the_caller_and_nothing_hangs(tmp
                 w.flush()
         w.abort()
         assert f.closed
+
+
+def test_the_free_space_is_named_only_when_a_write_wants_space(tmp_path, monkeypatch):
+    """A failed write for want of space (full disk, quota, file-size limit) names its folder's free space; any other
+    failure only its reason (was: ``Permission denied (0 bytes free in /sys)``)."""
+    monkeypatch.setattr(atomic, "free_space", lambda folder: f"12.0 KiB free in {folder}")
+    path = str(tmp_path / "x.md")
+    after = "; what was there before is left as it was"
+    assert atomic.SPACE_ERRNOS == (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        err = atomic.write_failed(path, OSError(code, os.strerror(code)))
+        assert (err.errno, err.strerror, err.filename) == (
+            code, f"cannot write {path}: {os.strerror(code)} (12.0 KiB free in {tmp_path}){after}", path)
+    for code in (errno.EACCES, errno.EROFS, errno.EISDIR):
+        err = atomic.write_failed(path, OSError(code, os.strerror(code)))
+        assert (err.errno, err.strerror) == (code, f"cannot write {path}: {os.strerror(code)}{after}")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(atomic.WriteError) as err:  # a real one: a file in the place of the folder
+        atomic.write_text(tmp_path / "file" / "x.md", "text")
+    target = tmp_path / "file" / "x.md"
+    assert str(err.value) == f"[Errno 20] cannot write {target}: Not a directory{after}: '{target}'"

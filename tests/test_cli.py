@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import two_gpu_sync_log_dir, two_gpu_sync_traces
+from sftprof.analysis.trace.check import main as trace_check_main
 from sftprof.cli import BROKEN_PIPE_STATUS, INTERRUPT_STATUS, run_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,3 +111,27 @@ def test_trainer_log_lines_to_a_closed_pipe_are_dropped_quietly(tmp_path):
     assert (rc, err) == (0, "went on\n")  # was: 2000 "--- Logging error ---" tracebacks
     lines = (tmp_path / "trainer.log").read_text().splitlines()
     assert len(lines) == 2000 and lines[-1].endswith("[rank 0] INFO step 1999")
+
+
+def test_trace_check_needs_a_file_and_says_its_exit_statuses(tmp_path, capsys):
+    """``python -m sftprof.analysis.trace.check`` with no file (an empty glob in CI) is a usage error, not a pass, and
+    ``--help`` is help, not a file name; with files, its status is 1 when any has a problem or cannot be read."""
+    usage = "usage: python -m sftprof.analysis.trace.check [-h] TRACE [TRACE ...]\n"
+    res = _run(["-m", "sftprof.analysis.trace.check"])  # was: exit 0, nothing printed
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == usage + ("python -m sftprof.analysis.trace.check: error: the following arguments are "
+                                  "required: TRACE\n")
+    res = _run(["-m", "sftprof.analysis.trace.check", "--help"])  # was: "--help: cannot be read", exit 1
+    assert (res.returncode, res.stderr) == (0, "") and res.stdout.startswith(usage)
+    assert " ".join(res.stdout.split()).endswith("exit status: 0 every file is valid, 1 a file has a problem or cannot "
+                                                 "be read, 2 bad arguments")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text('{"traceEvents": []}')
+    bad.write_text('{"traceEvents": [{"ph": "X", "name": "a", "ts": 1, "dur": -1, "pid": 1, "tid": 1}]}')
+    assert trace_check_main([str(good)]) == 0
+    assert capsys.readouterr().out == f"{good}: ok\n"
+    assert trace_check_main([str(good), str(bad), str(tmp_path / "none.json")]) == 1
+    assert capsys.readouterr().out == (
+        f"{good}: ok\n{bad}: 1 problems\n  event 0: negative dur: {{'ph': 'X', 'name': 'a', 'ts': 1, 'dur': -1, "
+        f"'pid': 1, 'tid': 1}}\n{tmp_path / 'none.json'}: 1 problems\n"
+        f"  {tmp_path / 'none.json'}: cannot be read: No such file or directory\n")

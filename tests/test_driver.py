@@ -189,23 +189,30 @@ def test_text_values_stay_text_and_multi_node_needs_a_stamp(tmp_path):
     assert out.returncode == 2 and "PROFILE_STAMP is unset with N_NODES=2" in out.stderr
 
 
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 @pytest.mark.parametrize("conf,reason", [
-    ("expandable_segments:true", "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"),
-    ("garbage", "i < config_.size() INTERNAL ASSERT FAILED at"),
+    ("expandable_segments:true", "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true')"),
+    ("garbage", "an option without ':' and a value)"),
+    ("expandable_segments:True,max_split_size_mb", "an option without ':' and a value)"),
 ])
-def test_an_allocator_setting_torch_refuses_stops_the_plan(tmp_path, conf, reason):
+def test_an_allocator_setting_torch_refuses_stops_the_plan(tmp_path, name, conf, reason):
     """Reviewer: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:true passed the fit check as expandable segments on (torch
     refuses 'true', so every trial would fail at its first CUDA allocation) and 'garbage' got a fit suggestion built on
-    it; torch's own parser reads it before anything is planned. 'True', '' and an option torch takes pass."""
+    it; torch's own parser reads it before anything is planned (its assertion on an option without a value is said in
+    words). PYTORCH_ALLOC_CONF, torch's name since 2.9 (read before the CUDA one), is checked too (a second reviewer).
+    'True', '' and an option torch takes pass."""
     with pytest.raises(launch.DriverError) as err:
-        launch.plan(_plan_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF=conf), [], gpus=0)
-    assert str(err.value).startswith(f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: torch {torch.__version__} refuses it "
-                                     f"({reason}")
-    assert str(err.value).endswith("); accepted: comma-separated option:value pairs of torch's CUDA caching "
-                                   "allocator, e.g. expandable_segments:True (True/False spelled so)")
+        launch.plan(_plan_env(tmp_path, **{name: conf}), [], gpus=0)
+    assert str(err.value) == (f"{name}={conf!r}: torch {torch.__version__} refuses it ({reason}; accepted: "
+                              "comma-separated option:value pairs of torch's caching allocator, e.g. "
+                              "expandable_segments:True (True/False spelled so)")
     assert not (tmp_path / "run").exists()
     for ok in ("expandable_segments:True", "", "max_split_size_mb:512,expandable_segments:False"):
-        assert launch.plan(_plan_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF=ok), [], gpus=0)[2].trials == 2
+        assert launch.plan(_plan_env(tmp_path, **{name: ok}), [], gpus=0)[2].trials == 2
+    # both set: each is read by torch (the accelerator-wide settings from one, the CUDA ones from the other)
+    other = "PYTORCH_ALLOC_CONF" if name == "PYTORCH_CUDA_ALLOC_CONF" else "PYTORCH_CUDA_ALLOC_CONF"
+    with pytest.raises(launch.DriverError, match=f"^{name}="):
+        launch.plan(_plan_env(tmp_path, **{name: conf, other: "expandable_segments:True"}), [], gpus=0)
 
 
 def _plan_env(tmp_path, **extra) -> dict:
@@ -228,6 +235,19 @@ def test_help_prints_usage_and_exits_0(tmp_path):
     assert shown["PROFILE_FAKE_SEQ_LEN"] == "1024 (profile.fake_seq_len)" and shown["PROFILE_STEPS"] == "0,1"
     assert variables.defaults(None)[0]["PROFILE_FAKE_SEQ_LEN"] == "131072 (profile.fake_seq_len)"
     assert not (tmp_path / "run").exists()
+
+
+def test_help_of_a_config_that_does_not_load_says_so_before_the_table(tmp_path):
+    """Reviewer: ``CONFIG=nosuch ... --help`` showed every config default as ``from the YAML`` with the reason 40 lines
+    below the header; the note now follows the header."""
+    out = run_driver({"CONFIG": "nosuch"}, tmp_path, "--help")
+    assert out.returncode == 0 and out.stderr == ""
+    lines = out.stdout.splitlines()
+    assert lines[7] == ("Driver variables (a config key's variable overrides the YAML only when set; defaults of "
+                        "nosuch):")
+    assert lines[8].startswith("  (CONFIG=nosuch does not load, so the YAML's defaults are not shown: config='nosuch': "
+                               "no such file; accepted: a YAML path, a shipped YAML")
+    assert lines[9].startswith("  CONFIG ")
 
 
 def test_docs_table_of_variables_is_the_launchers():

@@ -289,6 +289,28 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
         planning.plan(_env(tmp_path, GPU_MEMORY_GIB="80GB"), ARGS, gpus=1)
 
 
+def test_the_fit_check_reads_the_allocator_settings_torch_reads(tmp_path, monkeypatch):
+    """Reviewer: PYTORCH_ALLOC_CONF (torch's name since 2.9, which its allocator reads before PYTORCH_CUDA_ALLOC_CONF)
+    was ignored: expandable segments set there were not counted, and the advice named the other variable, which
+    torch would not read while this one is set."""
+    _megatron_core(monkeypatch, (0, 16, 1))
+    _, settings, _ = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
+                                        PYTORCH_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert any(s.startswith("# fit check: rank 0 needs 79.01") for s in settings)
+    with pytest.raises(DriverError) as err:  # the first set one counts, even where the other turns them on
+        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="q", PYTORCH_ALLOC_CONF="",
+                           PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert "Settings that fit, smallest change first: PYTORCH_ALLOC_CONF=expandable_segments:True (" in str(err.value)
+    with pytest.raises(DriverError) as err:
+        planning.plan(_env(tmp_path, PROFILE_STAMP="r", PYTORCH_ALLOC_CONF="max_split_size_mb:512"), ARGS, gpus=1)
+    assert ("Settings that fit, smallest change first: PYTORCH_ALLOC_CONF=max_split_size_mb:512,"
+            "expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 (") in str(err.value)
+    assert memory_fit.alloc_conf_of({"PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == ("PYTORCH_CUDA_ALLOC_CONF", "a:1")
+    assert memory_fit.alloc_conf_of({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == (
+        "PYTORCH_ALLOC_CONF", "")
+    assert memory_fit.alloc_conf_of(None) == memory_fit.alloc_conf_of({}) == ("PYTORCH_CUDA_ALLOC_CONF", None)
+
+
 def test_plan_that_no_single_change_fits_says_what_was_not_tried(tmp_path, monkeypatch):
     """40 GiB: no single change fits the slice (16384 tokens with 2 layers and expandable segments does): the refusal
     says that fewer tokens and fewer layers were not tried together, and that such a plan can be checked."""

@@ -18,7 +18,8 @@ from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.artifacts import view_path
 from sftprof.analysis.compare import stats
 from sftprof.analysis.compare.runs import compare_runs
-from sftprof.analysis.trial.inputs import read_nvidia_smi
+from sftprof.analysis.summary import postprocess_trial
+from sftprof.analysis.trial.inputs import other_trial, read_nvidia_smi
 from sftprof.analysis.trace.check import validate_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -718,10 +719,10 @@ def test_a_memory_plot_matplotlib_cannot_draw_is_that_plots_error(tmp_path, snap
 
 
 def _write_failed_text(path, reason, errno):
-    """``(start, end)`` of the :class:`sftprof.atomic.WriteError` text that a write of ``path`` failing with
-    ``reason`` gives, around the free space of its folder (which other processes change)."""
-    return (f"WriteError: [Errno {errno}] cannot write {path}: {reason} (",
-            f" free in {path.parent}); what was there before is left as it was: '{path}'")
+    """The :class:`sftprof.atomic.WriteError` text that a write of ``path`` failing with ``reason`` gives (no free
+    space: ``errno`` is not for want of space)."""
+    return (f"WriteError: [Errno {errno}] cannot write {path}: {reason}; what was there before is left as it was: "
+            f"'{path}'")
 
 
 SNAP0, PNG0 = "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.pickle.gz", "snapshot_rank0_pp0_dp0_cp0_tp0_ep0.png"
@@ -743,9 +744,8 @@ def test_an_archive_file_that_cannot_be_moved_into_place_is_its_plots_or_its_sna
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     s = json.load(open(run / "profile_summary.json"))
     [error] = s["errors"]
-    start, end = _write_failed_text(dst / PNG0, "Is a directory", 21)
     assert error["file"] == f"memory_snapshots/step_1/{SNAP0}"
-    assert error["error"].startswith(start) and error["error"].endswith(end + " (memory plot not written)")
+    assert error["error"] == _write_failed_text(dst / PNG0, "Is a directory", 21) + " (memory plot not written)"
     m0, m1 = s["memory_snapshots"]
     assert m0["plot_error"] == error["error"] and "plot" not in m0 and "kept_files" not in m0
     assert "archived" not in m0 and m0["summary"]["peak_allocated_gib"] == m1["summary"]["peak_allocated_gib"]
@@ -764,10 +764,10 @@ def test_an_archive_file_that_cannot_be_moved_into_place_is_its_plots_or_its_sna
     res = _cli("--log-dir", log, "--run-dir", run)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     s = json.load(open(run / "profile_summary.json"))
-    start, end = _write_failed_text(dst / "phases_rank1.json", "Is a directory", 21)
     [error] = s["errors"]
     assert error["file"] == f"memory_snapshots/step_1/{SNAP1}"
-    assert error["error"].startswith(f"{src / SNAP1}: {start}") and error["error"].endswith(end + " (not archived)")
+    assert error["error"] == f"{src / SNAP1}: {_write_failed_text(dst / 'phases_rank1.json', 'Is a directory', 21)} " \
+                             "(not archived)"
     m1 = s["memory_snapshots"][1]
     assert m1["archived"] is False and "phases_file" not in m1 and m1["kept_files"] == [
         f"memory_snapshots/step_1/{n}" for n in (SNAP1, PNG1)]
@@ -780,9 +780,8 @@ def test_an_archive_file_that_cannot_be_moved_into_place_is_its_plots_or_its_sna
     res = _cli("--log-dir", log, "--run-dir", run)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     s = json.load(open(run / "profile_summary.json"))
-    start, end = _write_failed_text(dst / SNAP1, "Is a directory", 21)
     [error] = s["errors"]
-    assert error["error"].startswith(f"{src / SNAP1}: {start}") and error["error"].endswith(end + " (not archived)")
+    assert error["error"] == f"{src / SNAP1}: {_write_failed_text(dst / SNAP1, 'Is a directory', 21)} (not archived)"
     m1 = s["memory_snapshots"][1]
     assert m1["archived"] is False and "phases_file" not in m1  # checked before anything moved: the sidecar not
     assert m1["kept_files"] == [f"memory_snapshots/step_1/{PNG1}"] and (dst / PNG1).read_bytes() == earlier[PNG1]
@@ -1487,6 +1486,67 @@ def test_a_run_root_or_experiment_folder_where_one_trial_goes_says_what_to_pass(
     assert sorted(p.name for p in root.rglob("*")) == ["t0", "trials.tsv"]
 
 
+def _planned_trials(tmp_path):
+    """Two trials as the driver leaves them: memory trials on CPU (no artifacts to process), each log dir's
+    config.yaml and run dir's train_args.txt naming the trial, the step-0 trial postprocessed."""
+    logs, runs = {}, {}
+    for step in (0, 1):
+        name = f"m_fake1k_memory_step{step}_s"
+        logs[step], runs[step] = tmp_path / "fileroot" / "logs" / "u" / "e" / name, tmp_path / "run" / name
+        logs[step].mkdir(parents=True)
+        runs[step].mkdir(parents=True)
+        _stats(logs[step] / "stats.jsonl", step=step, kind="memory", device="cpu")
+        (logs[step] / "config.yaml").write_text(f"trial_name: {name}\nmemory_profiler:\n  profile_steps:\n  - {step}\n")
+        (runs[step] / "train_args.txt").write_text(
+            f"--config\n{tmp_path / 'run' / 'plan_config.yaml'}\ntrial_name={name}\ntotal_train_steps={step + 1}\n")
+    (runs[0] / "profile_summary.json").write_text('{"trial": "step 0"}\n')
+    (runs[0] / "profile_summary.md").write_text("# step 0\n")
+    return logs, runs
+
+
+def test_a_log_dir_and_run_dir_of_two_trials_are_refused_before_anything_is_moved(tmp_path):
+    """A trial's log dir postprocessed into another trial's run dir (their trial_name differs) stops with exit 2,
+    naming both paths and both names, with or without --profile-kind/--profile-step; the other trial's summary is
+    not pushed aside (it was moved to profile_summary.prev1.* and replaced by a mix of the two trials)."""
+    logs, runs = _planned_trials(tmp_path)
+    before = {p.name: p.read_bytes() for p in runs[0].iterdir()}
+    message = (f"postprocess_profile.py: error: --log-dir {logs[1]} and --run-dir {runs[0]} are not one trial's: "
+               f"trial_name='m_fake1k_memory_step1_s' in {logs[1] / 'config.yaml'}, "
+               f"trial_name='m_fake1k_memory_step0_s' in {runs[0] / 'train_args.txt'}; nothing was written: pass the "
+               "run dir of trial m_fake1k_memory_step1_s with this log dir, or the log dir of trial "
+               "m_fake1k_memory_step0_s with this run dir (RUN_ROOT/trials.tsv lists each trial's log dir and run dir)")
+    for given in ([], ["--profile-kind", "memory", "--profile-step", 1]):
+        res = _cli("--log-dir", logs[1], "--run-dir", runs[0], *given)
+        assert (res.returncode, res.stderr.splitlines()[-1]) == (2, message)
+        assert {p.name: p.read_bytes() for p in runs[0].iterdir()} == before  # no .prev1, nothing new
+    with pytest.raises(ValueError) as err:  # the library's entry point makes the same check
+        postprocess_trial(str(logs[1]), str(runs[0]))
+    assert "postprocess_profile.py: error: " + str(err.value) == message
+    assert {p.name: p.read_bytes() for p in runs[0].iterdir()} == before
+    assert sorted(p.name for p in logs[1].iterdir()) == ["config.yaml", "stats.jsonl"]
+
+
+def test_a_side_without_its_trial_name_is_not_checked(tmp_path):
+    """The check needs both names: a run dir without train_args.txt (not planned by the driver), a log dir without
+    config.yaml, or either naming no trial_name, is postprocessed as before; the same name on both sides too."""
+    logs, runs = _planned_trials(tmp_path)
+    assert other_trial(str(logs[1]), str(runs[1])) is None
+    (runs[0] / "train_args.txt").write_text("--config\nplan_config.yaml\ntotal_train_steps=1\n")
+    assert other_trial(str(logs[1]), str(runs[0])) is None
+    (runs[0] / "train_args.txt").unlink()
+    (logs[0] / "config.yaml").unlink()
+    assert other_trial(str(logs[0]), str(runs[1])) is None
+    (logs[0] / "config.yaml").write_text("memory_profiler:\n  profile_steps:\n  - 0\n")
+    assert other_trial(str(logs[0]), str(runs[1])) is None
+    fresh = tmp_path / "fresh"  # a run dir of one's own for a trial's log dir: no train_args.txt
+    res = _cli("--log-dir", logs[1], "--run-dir", fresh)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((fresh / "profile_summary.json").read_text())["trial"] == "fresh"
+    res = _cli("--log-dir", logs[1], "--run-dir", runs[1])  # its own run dir: train_args.txt names the same trial
+    assert res.returncode == 0, res.stderr
+    assert json.loads((runs[1] / "profile_summary.json").read_text())["profile_step"] == 1
+
+
 def test_a_trial_the_driver_refused_for_a_changed_config_is_not_postprocessed(tmp_path):
     """``--run-dir RUN_ROOT`` skips a trial whose summary.tsv status is ``config changed`` (refused before torchrun;
     its launcher.log holds the reason), as the driver reported it, rather than summarising it as failed."""
@@ -1594,10 +1654,9 @@ def test_a_file_in_the_place_of_an_output_folder_is_each_files_error(tmp_path, s
     s = json.load(open(run / "profile_summary.json"))
     [error] = s["errors"]
     folder = run / "kernel_traces" / "chrome"
-    start, end = _write_failed_text(folder, "Not a directory", 20)
     src = log / "perf_tracer" / "rank0.pt.trace.json.gz"
-    assert error["error"].startswith(f"{src}: {start[len('WriteError: '):]}"), error["error"]
-    assert error["error"].endswith(end + " (views not written)")
+    text = _write_failed_text(folder, "Not a directory", 20)[len("WriteError: "):]
+    assert error["error"] == f"{src}: {text} (views not written)", error["error"]
     assert s["counts"]["traces_ok"] == 0 and s["counts"]["views"] == 0
     assert (run / "kernel_traces").read_text() == "hi\n"
     assert sorted(os.listdir(run)) == ["kernel_traces", "profile_summary.json", "profile_summary.md"]

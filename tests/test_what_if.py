@@ -301,6 +301,18 @@ def test_a_setting_the_trial_has_is_never_proposed(key, summary, has, lacks):
     assert _by_key(skipped)[key]["reason"].startswith("the trial already has actor.megatron.")
 
 
+def test_expandable_segments_are_proposed_in_the_variable_the_trial_read():
+    """A trial that set PYTORCH_ALLOC_CONF (torch's allocator reads it before PYTORCH_CUDA_ALLOC_CONF): the what-if
+    trial sets that one, since the other would be overridden by it."""
+    summary = _memory_summary()
+    summary["memory_snapshots"][0]["allocator"]["alloc_conf"] = "max_split_size_mb:512"
+    summary["environment"] = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
+    found, _ = trial_what_if(summary, _cfg(), TrialModel(_cfg()))
+    assert _by_key(found)["expandable_segments"]["settings"] == [
+        {"kind": "env", "key": "PYTORCH_ALLOC_CONF", "value": "max_split_size_mb:512,expandable_segments:True",
+         "current": "max_split_size_mb:512"}]
+
+
 def test_expandable_segments_already_on_and_fsdp_without_balanced_routing():
     found, skipped = trial_what_if(_memory_summary(expandable=True), _cfg(), TrialModel(_cfg()))
     assert "expandable_segments" not in _by_key(found)
@@ -353,6 +365,9 @@ def test_fit_gate_on_a_simulated_rank_of_the_shipped_layout():
     fit = check_fit(selective, hf, layout, 131072, capacity, "expandable_segments:True")
     assert fit["rank"] == 0 and fit["slack_bytes"] == 0 and fit["outside_bytes"] == int(0.76 * GIB)
     assert _by_key(skipped)["selective_recompute"]["reason"] == _fit_reason("GPU time per step -40.0 ms on rank 0", fit)
+    summary["environment"] = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # torch's newer name, read first
+    assert _by_key(trial_what_if(summary, cfg, TrialModel(cfg))[1])["selective_recompute"]["reason"] == _fit_reason(
+        "GPU time per step -40.0 ms on rank 0", fit)
     summary["nvidia_smi"]["gpus"] = []  # a capacity unknown: proposed as before the gate
     found, _ = trial_what_if(summary, cfg, TrialModel(cfg))
     assert _by_key(found)["selective_recompute"]["effect"]["value"] == -40.0

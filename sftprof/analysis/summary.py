@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from sftprof import artifacts
 from sftprof.analysis import schema
-from sftprof.analysis.memory.fit import smi_capacity_bytes
+from sftprof.analysis.memory.fit import alloc_conf_of, smi_capacity_bytes
 from sftprof.analysis.memory.oom import oom_finding, oom_triage, oom_what_if
 from sftprof.analysis.report.findings import trial_findings
 from sftprof.analysis.report.summary_file import write_summary
@@ -103,10 +103,14 @@ def postprocess_trial(log_dir: str, run_dir: str, profile_kind: str | None = Non
 
     Raises:
         ValueError: the kind or step refused by :func:`~sftprof.analysis.trial.profile_check.resolve_profile`
-            (unknown, other than the trial recorded or profiled, or not given while the trial recorded none).
+            (unknown, other than the trial recorded or profiled, or not given while the trial recorded none); a
+            ``run_dir`` of another trial (:func:`sftprof.analysis.trial.inputs.other_trial`).
         WriteError: a summary, plot or copy cannot be written (a full disk: :mod:`sftprof.atomic`); what an
             earlier postprocess wrote stays in place.
     """
+    mismatch = inputs.other_trial(log_dir, run_dir)  # checked first, as postprocess_profile.py does
+    if mismatch:
+        raise ValueError(mismatch)
     kind, step = resolve_profile(log_dir, profile_kind, profile_step)
     return summarise_trial(log_dir, run_dir, kind, step, trainer_log=trainer_log, nvidia_smi_csv=nvidia_smi_csv,
                            compress=compress, max_view_bytes=max_view_bytes, jobs=jobs)
@@ -127,7 +131,7 @@ def summarise_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step:
     interrupted = inputs.driver_interrupt(run_dir)  # the driver stopped it (Ctrl-C, SIGTERM): not a failure
     failed: FailurePart = {}
     if not interrupted and complete.get("status", "unknown") != "ok":
-        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, model, env.get("PYTORCH_CUDA_ALLOC_CONF"),
+        failed = _failure_part(run_dir, log_dir, trainer_log, cfg, model, alloc_conf_of(env),
                                trial_inputs.get("versions"))
     files = _files_part(profile_kind, profile_step, log_dir, run_dir, model, compress, max_view_bytes,
                         jobs or os.cpu_count() or 1)
@@ -139,7 +143,7 @@ def summarise_trial(log_dir: str, run_dir: str, profile_kind: str, profile_step:
     found = _problems_part(record, complete, input_errors, log_dir if log_dir_missing else None, trainer_log,
                            nvidia_smi_csv, run_dir)
     ranks = rank_table(record)
-    what_if, what_if_skipped = _what_if_part(record, model, env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    what_if, what_if_skipped = _what_if_part(record, model, alloc_conf_of(env)[1])
     oom = record.get("oom")  # why it ran out of memory comes first
     findings = ([oom_finding(oom)] if oom else []) + trial_findings({**record, "ranks": ranks})
     summary: ProfileSummary = {
@@ -217,10 +221,12 @@ def _trial_header(log_dir: str, run_dir: str, kind: str, step: int,
 
 
 def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict[str, Any] | None,
-                  model: inputs.TrialModel, alloc_conf: str | None, versions: Versions | None) -> FailurePart:
+                  model: inputs.TrialModel, alloc_conf: tuple[str, str | None],
+                  versions: Versions | None) -> FailurePart:
     """First failure (launcher log and the log dir's node records; the config's node layout where a record lacks
     it), a log tail (the trainer log's, else the launcher log's) and the out-of-memory triage of the failed rank
-    (``versions``: the trial's recorded ones, None: not recorded)."""
+    (``alloc_conf``: the allocator settings' variable and value, :func:`sftprof.analysis.memory.fit.alloc_conf_of`;
+    ``versions``: the trial's recorded ones, None: not recorded)."""
     launcher_log = os.path.join(run_dir, "launcher.log")
     given = (cfg or {}).get("cluster")
     cluster: dict[str, Any] = given if isinstance(given, dict) else {}
@@ -231,7 +237,8 @@ def _failure_part(run_dir: str, log_dir: str, trainer_log: str | None, cfg: dict
     return {"failure": failure,
             "trainer_log_tail": tail or inputs.trainer_log_tail(launcher_log),
             "log_tail_source": "trainer.log (rank 0)" if tail else "launcher.log",
-            "oom": oom_triage(log_dir, cfg, model, failure["rank"] if failure else None, alloc_conf, versions)}
+            "oom": oom_triage(log_dir, cfg, model, failure["rank"] if failure else None, alloc_conf[1], versions,
+                              conf_var=alloc_conf[0])}
 
 
 def _wall_time_part(stats: Stats, run_dir: str) -> WallTime:

@@ -12,14 +12,14 @@ settings (131072 tokens, batch 4, 2 micro-batches, precision-aware optimizer wit
 such as ``CONFIG=tiny_cpu`` keeps its own sizes. ``PROFILE_RANKS`` unset keeps each profiler's ``ranks`` of the
 YAML (or of an argument).
 
-Also refused (exit 2): a ``PYTORCH_CUDA_ALLOC_CONF`` torch's parser refuses, a driver variable given as an argument
-(or in lower case), an argument that gives a key the driver sets for each trial (:data:`TRIAL_KEYS`) another value,
-a set variable that looks like a misspelled driver variable (unless ``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names
-over 255 bytes, a user name that is not one folder name, the megatron backend on a node without CUDA, fewer visible
-GPUs than processes per node, a megatron trial whose predicted peak does not fit one GPU (:func:`check_memory_fit`,
-unless ``FIT_CHECK`` is ``warn`` or ``off``), ``FIT_CHECK=only`` with the fsdp backend or without a GPU capacity, and a
-busy ``MASTER_PORT`` on node 0 (unset on one node: a free port is picked). Memory trials are skipped without CUDA
-unless ``PROFILE_KINDS`` asks for them.
+Also refused (exit 2): a ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` torch's parser refuses, a driver
+variable given as an argument (or in lower case), an argument that gives a key the driver sets for each trial
+(:data:`TRIAL_KEYS`) another value, a set variable that looks like a misspelled driver variable (unless
+``SFTPROF_ALLOW_UNKNOWN_VARS=1``), folder names over 255 bytes, a user name that is not one folder name, the megatron
+backend on a node without CUDA, fewer visible GPUs than processes per node, a megatron trial whose predicted peak does
+not fit one GPU (:func:`check_memory_fit`, unless ``FIT_CHECK`` is ``warn`` or ``off``), ``FIT_CHECK=only`` with the
+fsdp backend or without a GPU capacity, and a busy ``MASTER_PORT`` on node 0 (unset on one node: a free port is
+picked). Memory trials are skipped without CUDA unless ``PROFILE_KINDS`` asks for them.
 
 ``FIT_CHECK=only`` plans for the layout's GPUs without looking at this node's (a question asked from a laptop): the
 plan's :class:`RunPlan` carries whether the worst rank fits, and the launcher prints the check and stops.
@@ -41,7 +41,8 @@ from typing import Any, Mapping, TypedDict, cast
 
 from sftprof import artifacts
 from sftprof.allocation import Layout, parse_allocation_mode
-from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, check_fit, fit_text, fitting_changes
+from sftprof.analysis.memory.fit import (ALLOC_CONF_VARS, ENV, alloc_conf_of, check_fit, fit_text,
+                                         fitting_changes)
 from sftprof.config import (RUN_ROOT_FILEROOT, ConfigError, SFTProfileConfig, last_value_per_key, load_config,
                             reject_repeated_keys, resolve_config_path, to_yaml, trial_log_dir, variable_conflict)
 from sftprof.launch import folders
@@ -67,7 +68,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# torch's parser of PYTORCH_CUDA_ALLOC_CONF run on argv[1]; a refusal printed as "<torch version>\t<reason>", exit 3
+# torch's parser of its allocator settings run on argv[1]; a refusal printed as "<torch version>\t<reason>", exit 3
 _ALLOC_CONF_PARSE = """import sys, torch
 parse = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
 try:
@@ -77,28 +78,36 @@ except Exception as exc:
     print(torch.__version__, (str(exc).strip().splitlines() or [type(exc).__name__])[0], sep="\\t")
     sys.exit(3)
 """
+# what torch 2.13's parser says of an option without ":" and a value (an assertion of its tokenizer)
+_TOKENIZER_ASSERT = "Index out of bounds in ConfigTokenizer"
 
 
-def _check_alloc_conf(text: str | None) -> None:
-    """``PYTORCH_CUDA_ALLOC_CONF`` (the trials' processes inherit it) read by torch's own parser of it, so that a value
-    torch refuses (``expandable_segments:true``, an entry without ``:``) stops the plan instead of every trial at its
-    first CUDA allocation. The parser also applies the value to its process, so it runs in a child of its own (about
-    2 s, only when the variable is set). Not checked: unset or empty; a torch without that parser (before the
-    accelerator-wide one) or a child that fails otherwise (the trials meet that failure themselves).
+def _check_alloc_conf(env: Mapping[str, str]) -> None:
+    """Each of ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` that is set (the trials' processes inherit them,
+    and torch reads both: :data:`~sftprof.analysis.memory.fit.ALLOC_CONF_VARS`) read by torch's own parser, so that a
+    value torch refuses (``expandable_segments:true``, an option without ``:``) stops the plan instead of every trial
+    at its first CUDA allocation. The parser also applies the value to its process, so it runs in a child of its own
+    (about 2 s, one a variable set). Not checked: unset or empty; a torch without that parser (before the
+    accelerator-wide one) or a child that fails otherwise (the trials meet that failure themselves); option names a
+    CPU build of torch does not know (it skips them; a CUDA build refuses them).
 
     Raises:
-        DriverError: torch refuses the value (its message, first line).
+        DriverError: torch refuses a value (its message, first line).
     """
-    if not text:
-        return
-    env = {k: v for k, v in os.environ.items() if k != ALLOC_CONF}
-    res = subprocess.run([sys.executable, "-c", _ALLOC_CONF_PARSE, text], env=env, capture_output=True, text=True,
-                         check=False)
-    if res.returncode == 3:
-        version, _, reason = res.stdout.strip().partition("\t")
-        raise DriverError(f"{ALLOC_CONF}={text!r}: torch {version} refuses it ({reason}); accepted: comma-separated "
-                          "option:value pairs of torch's CUDA caching allocator, e.g. expandable_segments:True "
-                          "(True/False spelled so)")
+    child_env = {k: v for k, v in os.environ.items() if k not in ALLOC_CONF_VARS}
+    for name in ALLOC_CONF_VARS:
+        text = env.get(name)
+        if not text:
+            continue
+        res = subprocess.run([sys.executable, "-c", _ALLOC_CONF_PARSE, text], env=child_env, capture_output=True,
+                             text=True, check=False)
+        if res.returncode == 3:
+            version, _, reason = res.stdout.strip().partition("\t")
+            if _TOKENIZER_ASSERT in reason:
+                reason = "an option without ':' and a value"
+            raise DriverError(f"{name}={text!r}: torch {version} refuses it ({reason}); accepted: comma-separated "
+                              "option:value pairs of torch's caching allocator, e.g. expandable_segments:True "
+                              "(True/False spelled so)")
 
 
 def port_in_use(port: int) -> bool:
@@ -151,7 +160,7 @@ def read_driver_env(env: Mapping[str, str], extra_overrides: list[str], log: Pla
     get = env.get
     check_text(env)
     _check_suspects(env, log)
-    _check_alloc_conf(get(ALLOC_CONF))
+    _check_alloc_conf(env)
     reject_driver_variables_as_arguments(extra_overrides)
     config = get("CONFIG") or str(REPO_ROOT / DEFAULT_CONFIG)
     log.note("CONFIG", config, "env" if get("CONFIG") else "default")
@@ -501,7 +510,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> bool | None:
     source = "GPU_MEMORY_GIB" if given is not None else "the least free memory of this node's GPUs, nvidia-smi"
     cfg = dataclasses.asdict(p.cfg)
     path, seq = p.cfg.actor.path, p.cfg.profile.fake_seq_len
-    alloc_conf = d.get(ALLOC_CONF)
+    conf_var, alloc_conf = alloc_conf_of({name: d.get(name) for name in ALLOC_CONF_VARS if d.get(name) is not None})
     cap = int(capacity * 2**30)
     fit = check_fit(cfg, load_hf_config(path, p.cfg.actor.num_layers), p.layout, seq, cap, alloc_conf)
     line = f"fit check: {fit_text(fit, source=source)}"
@@ -512,7 +521,8 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> bool | None:
         else:
             log.notices.append(line)
         return True
-    changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf)
+    changes = fitting_changes(cfg, lambda n: load_hf_config(path, n), p.layout, seq, cap, alloc_conf,
+                              conf_var=conf_var)
     advice = "; ".join(" ".join(_setting_text(k, v) for k, v in c["settings"].items())
                        + f" ({fit_text(c['check'], brief=True)})" for c in changes) or (
         "none of expandable segments, the chunked LM head, full recompute, fewer tokens or fewer layers fits (fewer "

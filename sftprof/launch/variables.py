@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from sftprof.analysis.what_if.changes import LABELS
+from sftprof.artifacts import PROFILE_KINDS
 from sftprof.config import (NAME_ACCEPTED, SETTING, ConfigError, SFTProfileConfig, Setting, is_folder_name,
                             load_config, parse_text)
 from sftprof.config.settings import BOOL_TEXT, comma_items, read_number, shown
@@ -41,7 +42,7 @@ from sftprof.config.settings import BOOL_TEXT, comma_items, read_number, shown
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER_SCRIPT = "run_qwen3_30b_a3b_sft_profile.sh"
 DEFAULT_CONFIG = "qwen3_30b_a3b_sft_profile.yaml"
-KINDS = ("kernel", "memory")
+KINDS = PROFILE_KINDS
 # Largest step count + 1 the driver takes (PROFILE_STEPS, TOTAL_STEPS): a longer run is a typo, not a profile.
 MAX_STEPS = 10**9
 DEFAULT_NODE_TIMEOUT_S = 600  # torch's own default for the static rendezvous (torch.distributed.elastic)
@@ -384,9 +385,9 @@ def usage(config: str | None = None) -> str:
              "trial (dotted keys, e.g. actor.num_layers=4); driver variables go before `bash`.",
              "",
              f"Driver variables (a config key's variable overrides the YAML only when set; defaults of {yaml_name}):"]
+    lines += [f"  {note}"] if note else []  # before the table, whose config defaults it explains
     for v in VARIABLES:
         lines.append(f"  {v.name:<{width}}  {v.doc} [default: {shown[v.name]}]")
-    lines += [f"  {note}"] if note else []
     lines += ["",
               "Examples:",
               f"  CONFIG=tiny_cpu bash {DRIVER_SCRIPT}                       # whole workflow on CPU",

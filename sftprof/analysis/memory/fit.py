@@ -59,6 +59,9 @@ PREDICTION_UNDER_SHARE = 0.013
 TIGHT_SHARE = 0.03
 LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head proposed (the measured runs', bench/NOTES.md)
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# torch's variables of its caching allocator's settings, in its order: the first one set (even empty) gives the
+# settings of every device's allocator, expandable segments among them (torch 2.9 on; the CUDA one is the older name)
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", ALLOC_CONF)
 ENV = "env."  # a setting's key prefix for an environment variable of the trial's processes
 MIN_TOKENS = 1024  # fewer tokens per sample than this is no long-context profile
 # nvidia-smi's total less torch's capacity: 81559 MiB against 79.19 GiB (81090 MiB) on an H100 80 GB
@@ -66,6 +69,18 @@ DRIVER_RESERVED_GIB = 0.46
 _GIB = float(2**30)
 
 HfLoader = Callable[[int], Any]  # number of layers (0: all) -> the model's Hugging Face config cut to them
+
+
+def alloc_conf_of(env: object) -> tuple[str, Optional[str]]:
+    """``(name, value)`` of the variable torch reads its allocator's settings from in ``env`` (``os.environ``, or a
+    trial's recorded environment; not a mapping: none set): the first of :data:`ALLOC_CONF_VARS` set, else
+    ``(PYTORCH_CUDA_ALLOC_CONF, None)``, the name the fit check proposes when neither is."""
+    if isinstance(env, Mapping):
+        for name in ALLOC_CONF_VARS:
+            value = env.get(name)
+            if isinstance(value, str):
+                return name, value
+    return ALLOC_CONF, None
 
 
 def expandable_segments(alloc_conf: Optional[str]) -> bool:
@@ -206,9 +221,11 @@ def with_settings(cfg: dict[str, Any], settings: Mapping[str, Any]) -> dict[str,
 
 
 def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_len: int, capacity_bytes: int,
-                    alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
+                    alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None,
+                    conf_var: str = ALLOC_CONF) -> list[dict[str, Any]]:
     """The changes that make the worst rank fit, smallest first (module docstring): each ``{"settings": {key:
-    value}, "check": check_fit(...)}`` (``versions`` as there); empty when none of them fits.
+    value}, "check": check_fit(...)}`` (``versions`` as there); empty when none of them fits. ``conf_var``: the
+    variable ``alloc_conf`` came from (:func:`alloc_conf_of`), the one expandable segments are proposed in.
 
     ``hf_for(n)``: the model config cut to ``n`` layers (the trial's is ``cfg``'s ``actor.num_layers``).
     """
@@ -218,7 +235,7 @@ def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_l
     m = cfg["actor"].get("megatron") or {}
     steps: list[dict[str, Any]] = []
     if not expandable_segments(alloc_conf):
-        steps.append({ENV + ALLOC_CONF: with_expandable(alloc_conf)})
+        steps.append({ENV + conf_var: with_expandable(alloc_conf)})
     if not chunked_lm_head(cfg):
         chunk: dict[str, Any] = {"actor.loss.lm_head_loss_chunk_size": LM_HEAD_CHUNK}
         if loss.get("path", "auto") != "auto":
@@ -236,7 +253,7 @@ def fitting_changes(cfg: dict[str, Any], hf_for: HfLoader, layout: Layout, seq_l
         base = steps[-1]
 
     def verdict(settings: dict[str, Any], n_layers: int = layers, tokens: int = seq_len) -> dict[str, Any]:
-        conf = settings.get(ENV + ALLOC_CONF, alloc_conf)
+        conf = settings.get(ENV + conf_var, alloc_conf)
         return check_fit(with_settings(cfg, settings), hf if n_layers == layers else hf_for(n_layers), layout, tokens,
                          capacity_bytes, conf, versions)
 

@@ -27,7 +27,7 @@ from sftprof import artifacts
 from sftprof.allocation import parse_allocation_mode
 from sftprof.analysis.memory.categories import MEMORY_CATEGORIES, allocation_site, site_category
 from sftprof.analysis.memory.estimate import predict_peak
-from sftprof.analysis.memory.fit import ENV, fitting_changes
+from sftprof.analysis.memory.fit import ALLOC_CONF, ENV, fitting_changes
 from sftprof.analysis.memory.safe_pickle import safe_load_file
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.what_if.changes import LABELS
@@ -105,13 +105,15 @@ def _phase_kind(phase: Optional[str], site: Optional[str]) -> Optional[str]:
 
 
 def oom_triage(log_dir: str, cfg: Optional[dict[str, Any]], model: TrialModel, failed_rank: Optional[int],
-               alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None) -> Optional[OomTriage]:
+               alloc_conf: Optional[str], versions: Optional[Mapping[str, Any]] = None,
+               conf_var: str = ALLOC_CONF) -> Optional[OomTriage]:
     """The triage of the trial's out-of-memory failure (module docstring); None when no rank left a snapshot.
 
     ``cfg``: the trial's resolved config (None: no prediction, no change proposed), ``model`` its model;
     ``failed_rank``: the first
-    failing rank of the summary's failure (its record is the triage's when it has one); ``alloc_conf``: the trial's
-    ``PYTORCH_CUDA_ALLOC_CONF`` (its recorded environment); ``versions``: its recorded versions (None: not recorded;
+    failing rank of the summary's failure (its record is the triage's when it has one); ``alloc_conf``, ``conf_var``:
+    the trial's allocator settings and the variable they came from (its recorded environment,
+    :func:`sftprof.analysis.memory.fit.alloc_conf_of`); ``versions``: its recorded versions (None: not recorded;
     :func:`sftprof.analysis.memory.fit.outside_pytorch_gib`).
     """
     oom_dir = str(artifacts.oom_dir(log_dir))
@@ -137,7 +139,7 @@ def oom_triage(log_dir: str, cfg: Optional[dict[str, Any]], model: TrialModel, f
                 t["fits"] = [{"settings": c["settings"], "peak_bytes": c["check"]["peak_bytes"],
                               "need_bytes": c["check"]["need_bytes"]}
                              for c in fitting_changes(cfg, model.cut, layout, seq,
-                                                      t["capacity_bytes"], alloc_conf, versions)]
+                                                      t["capacity_bytes"], alloc_conf, versions, conf_var)]
         except Exception as err:  # noqa: BLE001 - a config this prediction cannot model leaves the figures as read
             t["prediction_error"] = f"{type(err).__name__}: {err}"
     return t

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, cast
 
 from sftprof.allocation import parse_allocation_mode
-from sftprof.analysis.memory.fit import check_fit, smi_capacity_bytes, with_settings
+from sftprof.analysis.memory.fit import alloc_conf_of, check_fit, smi_capacity_bytes, with_settings
 from sftprof.analysis.schema import processed_traces, read_summary
 from sftprof.analysis.trial.inputs import TrialModel
 from sftprof.analysis.trial.schema import TrialRecord
@@ -265,7 +265,7 @@ def _memory(summary: dict[str, Any], dst: RankSlice) -> Optional[dict[str, Any]]
         return None
     capacity = smi_capacity_bytes((summary.get("nvidia_smi") or {}).get("gpus") or [])
     fit = check_fit(dst.cfg, dst.hf, layout, dst.tokens, capacity or 0,
-                    (summary.get("environment") or {}).get("PYTORCH_CUDA_ALLOC_CONF"), summary.get("versions"))
+                    alloc_conf_of(summary.get("environment"))[1], summary.get("versions"))
     return {"rank": fit["rank"], "phase": fit["prediction"]["phase"], "peak_gib": fit["peak_bytes"] / _GIB,
             "need_gib": fit["need_bytes"] / _GIB, "capacity_gib": None if capacity is None else capacity / _GIB,
             "fits": None if capacity is None else fit["fits"]}

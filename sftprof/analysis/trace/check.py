@@ -24,11 +24,11 @@ as Perfetto's JSON importer applies them):
 """
 from __future__ import annotations
 
+import argparse
 import bisect
 import gzip
 import json
 import math
-import sys
 from collections import defaultdict
 from typing import Any, NoReturn
 
@@ -278,13 +278,20 @@ def validate_trace(path: str, max_problems: int = 20) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Validate trace files; prints problems; exit status 1 when any file has one."""
+    """Validate trace files; prints each file's problems; exit status 1 when any file has one (or cannot be read),
+    2 on bad arguments (none given)."""
+    p = argparse.ArgumentParser(prog="python -m sftprof.analysis.trace.check",
+                                description="Check Chrome-trace files (.json, .json.gz) against the Trace Event "
+                                            "Format rules Perfetto's JSON importer relies on.",
+                                epilog="exit status: 0 every file is valid, 1 a file has a problem or cannot be read, "
+                                       "2 bad arguments")
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="a trace file to check")
     bad = 0
-    for path in (sys.argv[1:] if argv is None else argv):
+    for path in p.parse_args(argv).traces:
         problems = validate_trace(path)
         print(f"{path}: {'ok' if not problems else f'{len(problems)} problems'}")
-        for p in problems:
-            print(f"  {p}")
+        for problem in problems:
+            print(f"  {problem}")
         bad += bool(problems)
     return 1 if bad else 0
 

@@ -23,7 +23,6 @@ folder (:func:`remove_orphans`; never a live process's). A write to it that fail
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import secrets
@@ -36,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from sftprof.analysis.trace.intervals import ThreadIntervals, repeated_rows
-from sftprof.atomic import free_space
+from sftprof.atomic import SPACE_ERRNOS, free_space
 
 __all__ = ["CpuOpStore", "BUCKET_OPS", "TempSpaceError", "TEMP_GB_PER_TRACE_GIB", "remove_orphans"]
 
@@ -44,7 +43,6 @@ BUCKET_OPS = 1 << 17  # ops per block of the pass and per time bucket: about 35 
 TEMP_GB_PER_TRACE_GIB = 0.26  # the temporary folder's size per GiB of kineto trace text (measured)
 _PREFIX = "sftprof_cpu_ops_"
 _FOLDER_RE = re.compile(re.escape(_PREFIX) + r"(\d+)_")  # sftprof_cpu_ops_<pid>_<random>
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OP = np.dtype([("start", "f8"), ("dur", "f8"), ("tid", "i8"), ("name", "i4")])  # one op as written in the pass
 _ROW = np.dtype([("idx", "i8"), ("start", "f8"), ("dur", "f8"), ("tid", "i8"), ("name", "i4")])  # ... in a bucket
@@ -64,7 +62,7 @@ class TempSpaceError(OSError):
     def message(self, trace: str) -> str:
         """The error for the trace ``trace`` (a path): for want of space, the space it needs, from its size
         (:data:`TEMP_GB_PER_TRACE_GIB`; per GiB of text for a ``.gz`` trace, whose text size is not known)."""
-        if self.errno not in _SPACE_ERRNOS:
+        if self.errno not in SPACE_ERRNOS:
             return f"{self.strerror}; set TMPDIR to a folder it can write"
         if trace.endswith(".gz"):
             need = f"about {TEMP_GB_PER_TRACE_GIB} GB per GiB of the trace's uncompressed text"

@@ -26,7 +26,8 @@ from sftprof.models.hf import load_hf_config
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
            "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error",
-           "transformer_engine", "read_tried_what_if", "ROUTING_COLLAPSE_SHARE", "TrialModel"]
+           "transformer_engine", "read_tried_what_if", "planned_trial_name", "other_trial", "ROUTING_COLLAPSE_SHARE",
+           "TrialModel"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -351,6 +352,34 @@ def read_tried_what_if(run_dir: str) -> tuple[TriedWhatIf | None, str | None]:
             and isinstance(data.get("source_run_dir"), str)):
         return None, f"{path}: not a what-if record (source_trial, source_run_dir, what_if)"
     return cast(TriedWhatIf, data), None  # JSON read here, its members checked above
+
+
+def planned_trial_name(run_dir: str) -> str | None:
+    """The ``trial_name=`` argument (its last, as the trainer reads it) of the driver's ``RUN_DIR/train_args.txt``;
+    None when that file is absent, unreadable or names none (a run dir the driver did not plan)."""
+    try:
+        with open(os.path.join(run_dir, artifacts.TRAIN_ARGS), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    names = [value.strip() for key, _, value in (line.partition("=") for line in lines) if key.strip() == "trial_name"]
+    return names[-1] if names else None
+
+
+def other_trial(log_dir: str, run_dir: str) -> str | None:
+    """The error message when ``log_dir`` and ``run_dir`` are not one trial's: the ``trial_name`` of
+    ``LOG_DIR/config.yaml`` differs from that of ``RUN_DIR/train_args.txt`` (:func:`planned_trial_name`); None when
+    they agree or either is unknown (a file absent or unreadable). Reads only."""
+    cfg, _ = trial_config(log_dir)
+    logged = cfg.get("trial_name") if cfg is not None else None
+    planned = planned_trial_name(run_dir)
+    if not isinstance(logged, str) or planned is None or logged == planned:
+        return None
+    return (f"--log-dir {log_dir} and --run-dir {run_dir} are not one trial's: trial_name={logged!r} in "
+            f"{os.path.join(log_dir, artifacts.CONFIG_YAML)}, trial_name={planned!r} in "
+            f"{os.path.join(run_dir, artifacts.TRAIN_ARGS)}; nothing was written: pass the run dir of trial {logged} "
+            f"with this log dir, or the log dir of trial {planned} with this run dir (RUN_ROOT/{artifacts.TRIALS_TSV} "
+            "lists each trial's log dir and run dir)")
 
 
 def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:

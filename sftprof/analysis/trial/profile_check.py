@@ -7,10 +7,9 @@ import os
 
 from sftprof import artifacts
 from sftprof.analysis.trial import inputs
+from sftprof.artifacts import PROFILE_KINDS
 
 __all__ = ["PROFILE_KINDS", "NotRecorded", "resolve_profile", "profiled_steps"]
-
-PROFILE_KINDS = ("kernel", "memory")
 
 
 class NotRecorded(ValueError):

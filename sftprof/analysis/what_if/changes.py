@@ -22,8 +22,9 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
   launch-bound (TE's ``GroupedLinear`` launches one cuBLAS GEMM per local expert); ``NVTE_USE_CUTLASS_GROUPED_GEMM=1``
   runs them as one CUTLASS grouped kernel: step time less the launch-bound GPU idle of the expert GEMMs (on 1x H200,
   Qwen3.5 slice, predicted -428.9 ms, measured -463.0 ms: ``bench/NOTES.md``).
-- ``expandable_segments`` (memory trial): allocator slack at the peak; ``PYTORCH_CUDA_ALLOC_CONF`` with
-  ``expandable_segments:True``: peak reserved less that slack.
+- ``expandable_segments`` (memory trial): allocator slack at the peak; ``PYTORCH_CUDA_ALLOC_CONF`` (or
+  ``PYTORCH_ALLOC_CONF``, the one the trial's allocator read) with ``expandable_segments:True``: peak reserved less
+  that slack.
 - ``chunked_lm_head`` (memory trial): a logits-bound peak (the logits of the theoretical estimate,
   :mod:`sftprof.analysis.memory.estimate`, which follows ``actor.loss``, and an activation block at least their
   size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
@@ -48,13 +49,13 @@ options, no Transformer Engine for the precision-aware optimizer or TE's CUTLASS
 Hopper or an fp32 model for the latter: ``skipped`` says why), nor when the predicted effect is under
 :data:`MIN_SHARE` of its baseline (too small for a comparison of a few steps to see) or has no baseline.
 
-The fit gate (issue 47): a what-if of a time metric (:data:`TIME_METRICS`) that changes the config of a megatron
-trial is proposed only when its settings are predicted to fit the GPU
-(:func:`sftprof.analysis.memory.fit.check_fit` of the trial's config with them, at the trial's
-``PYTORCH_CUDA_ALLOC_CONF``, against :func:`sftprof.analysis.memory.fit.smi_capacity_bytes` of the summary's
-nvidia-smi GPUs); one that is not is ``skipped`` with its predicted need and the capacity. Without a capacity
-(no nvidia-smi GPU: a CPU run) or the model's config, or on the fsdp backend, nothing is checked; a what-if of
-environment settings alone leaves the config, and so the predicted peak, as the trial ran it.
+The fit gate (issue 47): a what-if of a time metric (:data:`TIME_METRICS`) that changes the config of a megatron trial
+is proposed only when its settings are predicted to fit the GPU (:func:`sftprof.analysis.memory.fit.check_fit` of the
+trial's config with them, at the trial's allocator settings, :func:`sftprof.analysis.memory.fit.alloc_conf_of`,
+against :func:`sftprof.analysis.memory.fit.smi_capacity_bytes` of the summary's nvidia-smi GPUs); one that is not is
+``skipped`` with its predicted need and the capacity. Without a capacity (no nvidia-smi GPU: a CPU run) or the model's
+config, or on the fsdp backend, nothing is checked; a what-if of environment settings alone leaves the config, and so
+the predicted peak, as the trial ran it.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ from sftprof.allocation import Layout, parse_allocation_mode
 from sftprof.analysis.trial.inputs import ROUTING_COLLAPSE_SHARE, TrialModel
 from sftprof.analysis.memory.categories import site_category
 from sftprof.analysis.memory.estimate import estimate_memory
-from sftprof.analysis.memory.fit import (ALLOC_CONF, DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, check_fit, fit_text,
+from sftprof.analysis.memory.fit import (DRIVER_RESERVED_GIB, LM_HEAD_CHUNK, alloc_conf_of, check_fit, fit_text,
                                          smi_capacity_bytes, with_expandable, with_settings)
 from sftprof.analysis.schema import processed_snapshots, processed_traces
 from sftprof.analysis.trial.schema import TrialRecord
@@ -226,9 +227,8 @@ class _Trial:
         hf = self.hf()
         if hf is None:
             return None
-        env = self.summary.get("environment")
         fit = check_fit(with_settings(self.cfg, changes), hf, self.layout, seq_len, capacity,
-                        env.get(ALLOC_CONF) if isinstance(env, dict) else None, self.summary.get("versions"))
+                        alloc_conf_of(self.summary.get("environment"))[1], self.summary.get("versions"))
         if fit["fits"]:
             return None
         return "its settings are predicted not to fit the GPU: " + fit_text(
@@ -439,7 +439,9 @@ def _expandable_segments(t: _Trial, rank: int, s: Mapping[str, Any], allocator: 
     conf = (allocator or {}).get("alloc_conf")
     value = with_expandable(conf)
     current = value if (allocator or {}).get("expandable_segments") else conf
-    settings: list[WhatIfSetting] = [{"kind": "env", "key": ALLOC_CONF, "value": value, "current": current}]
+    # the variable the trial's allocator read (a what-if trial setting the other would be overridden by it)
+    key = alloc_conf_of(t.summary.get("environment"))[0]
+    settings: list[WhatIfSetting] = [{"kind": "env", "key": key, "value": value, "current": current}]
     if t.already_set("expandable_segments", rank, settings):
         return
     t.propose("expandable_segments", rank, settings, "peak_reserved", -slack / _GIB, s.get("peak_reserved_gib"),
