@@ -199,7 +199,7 @@ def test_an_allocator_setting_torch_refuses_stops_the_plan(tmp_path, name, conf,
     """Reviewer: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:true passed the fit check as expandable segments on (torch
     refuses 'true', so every trial would fail at its first CUDA allocation) and 'garbage' got a fit suggestion built on
     it; torch's own parser reads it before anything is planned (its assertion on an option without a value is said in
-    words). PYTORCH_ALLOC_CONF, torch's name since 2.9 (read before the CUDA one), is checked too (a second reviewer).
+    words). PYTORCH_ALLOC_CONF, torch's newer name, is checked too, also where the other is set (a second reviewer).
     'True', '' and an option torch takes pass."""
     with pytest.raises(launch.DriverError) as err:
         launch.plan(_plan_env(tmp_path, **{name: conf}), [], gpus=0)

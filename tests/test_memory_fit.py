@@ -290,25 +290,31 @@ def test_plan_goes_on_with_the_advice_or_when_told(tmp_path, monkeypatch):
 
 
 def test_the_fit_check_reads_the_allocator_settings_torch_reads(tmp_path, monkeypatch):
-    """Reviewer: PYTORCH_ALLOC_CONF (torch's name since 2.9, which its allocator reads before PYTORCH_CUDA_ALLOC_CONF)
-    was ignored: expandable segments set there were not counted, and the advice named the other variable, which
-    torch would not read while this one is set."""
+    """Reviewer: PYTORCH_ALLOC_CONF (torch's newer name) was ignored: expandable segments set there were not counted,
+    and the advice named the other variable. Where both are set, torch (this one, asked through its own getter) reads
+    PYTORCH_CUDA_ALLOC_CONF, even empty: so do the fit check and its advice (a second reviewer)."""
     _megatron_core(monkeypatch, (0, 16, 1))
     _, settings, _ = planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048",
                                         PYTORCH_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
     assert any(s.startswith("# fit check: rank 0 needs 79.01") for s in settings)
     with pytest.raises(DriverError) as err:  # the first set one counts, even where the other turns them on
-        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="q", PYTORCH_ALLOC_CONF="",
-                           PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
-    assert "Settings that fit, smallest change first: PYTORCH_ALLOC_CONF=expandable_segments:True (" in str(err.value)
+        planning.plan(_env(tmp_path, LM_HEAD_LOSS_CHUNK_SIZE="2048", PROFILE_STAMP="q", PYTORCH_CUDA_ALLOC_CONF="",
+                           PYTORCH_ALLOC_CONF="expandable_segments:True"), ARGS, gpus=1)
+    assert "Settings that fit, smallest change first: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (" in str(
+        err.value)
     with pytest.raises(DriverError) as err:
         planning.plan(_env(tmp_path, PROFILE_STAMP="r", PYTORCH_ALLOC_CONF="max_split_size_mb:512"), ARGS, gpus=1)
     assert ("Settings that fit, smallest change first: PYTORCH_ALLOC_CONF=max_split_size_mb:512,"
             "expandable_segments:True LM_HEAD_LOSS_CHUNK_SIZE=2048 (") in str(err.value)
-    assert memory_fit.alloc_conf_of({"PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == ("PYTORCH_CUDA_ALLOC_CONF", "a:1")
-    assert memory_fit.alloc_conf_of({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == (
-        "PYTORCH_ALLOC_CONF", "")
+    assert memory_fit.alloc_conf_of({"PYTORCH_ALLOC_CONF": "a:1"}) == ("PYTORCH_ALLOC_CONF", "a:1")
+    assert memory_fit.alloc_conf_of({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "a:1"}) == (
+        "PYTORCH_CUDA_ALLOC_CONF", "")
     assert memory_fit.alloc_conf_of(None) == memory_fit.alloc_conf_of({}) == ("PYTORCH_CUDA_ALLOC_CONF", None)
+    # the installed torch's own order: the settings it applies where both are set
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512", "PYTORCH_ALLOC_CONF": "max_split_size_mb:256"}
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch._C._accelerator_getAllocatorSettings())"],
+                         env={**os.environ, **both}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == both[memory_fit.alloc_conf_of(both)[0]]
 
 
 def test_plan_that_no_single_change_fits_says_what_was_not_tried(tmp_path, monkeypatch):

@@ -126,7 +126,7 @@ def test_recorded_oom_of_a_kernel_trial_on_an_h100(tmp_path):
         "37.09 GiB requested of a 79.18 GiB GPU holding 44.77 GiB allocated, 8.94 GiB reserved and not allocated, "
         "8.92 GiB outside PyTorch; alive by category (GiB): before_window 44.77 (no allocator history in this trial")
     assert summary["what_if"][0]["key"] == "fit_oom"
-    # a trial that set PYTORCH_ALLOC_CONF (torch reads it first): the change goes there, not into the shadowed name
+    # a trial that set PYTORCH_ALLOC_CONF alone: the change goes there, the variable its allocator read
     log = _h100_oom_log(tmp_path / "alloc")
     env = json.loads((log / "environment.json").read_text())
     (log / "environment.json").write_text(json.dumps({**env, "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}))

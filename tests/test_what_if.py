@@ -302,8 +302,8 @@ def test_a_setting_the_trial_has_is_never_proposed(key, summary, has, lacks):
 
 
 def test_expandable_segments_are_proposed_in_the_variable_the_trial_read():
-    """A trial that set PYTORCH_ALLOC_CONF (torch's allocator reads it before PYTORCH_CUDA_ALLOC_CONF): the what-if
-    trial sets that one, since the other would be overridden by it."""
+    """A trial that set PYTORCH_ALLOC_CONF alone (torch's newer name): the what-if trial sets that one, the variable
+    the trial's allocator read."""
     summary = _memory_summary()
     summary["memory_snapshots"][0]["allocator"]["alloc_conf"] = "max_split_size_mb:512"
     summary["environment"] = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
@@ -365,7 +365,7 @@ def test_fit_gate_on_a_simulated_rank_of_the_shipped_layout():
     fit = check_fit(selective, hf, layout, 131072, capacity, "expandable_segments:True")
     assert fit["rank"] == 0 and fit["slack_bytes"] == 0 and fit["outside_bytes"] == int(0.76 * GIB)
     assert _by_key(skipped)["selective_recompute"]["reason"] == _fit_reason("GPU time per step -40.0 ms on rank 0", fit)
-    summary["environment"] = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # torch's newer name, read first
+    summary["environment"] = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # torch's newer name
     assert _by_key(trial_what_if(summary, cfg, TrialModel(cfg))[1])["selective_recompute"]["reason"] == _fit_reason(
         "GPU time per step -40.0 ms on rank 0", fit)
     summary["nvidia_smi"]["gpus"] = []  # a capacity unknown: proposed as before the gate

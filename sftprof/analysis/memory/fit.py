@@ -59,9 +59,10 @@ PREDICTION_UNDER_SHARE = 0.013
 TIGHT_SHARE = 0.03
 LM_HEAD_CHUNK = 2048  # tokens per chunk of the chunked LM head proposed (the measured runs', bench/NOTES.md)
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-# torch's variables of its caching allocator's settings, in its order: the first one set (even empty) gives the
-# settings of every device's allocator, expandable segments among them (torch 2.9 on; the CUDA one is the older name)
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", ALLOC_CONF)
+# torch's variables of its caching allocator's settings, in the order torch 2.13 reads them: the first one set (even
+# empty) gives the settings, expandable segments among them (PYTORCH_ALLOC_CONF is the newer, device-neutral name;
+# torch's getter _accelerator_getAllocatorSettings returns the CUDA one's value where both are set: bench/NOTES.md)
+ALLOC_CONF_VARS = (ALLOC_CONF, "PYTORCH_ALLOC_CONF")
 ENV = "env."  # a setting's key prefix for an environment variable of the trial's processes
 MIN_TOKENS = 1024  # fewer tokens per sample than this is no long-context profile
 # nvidia-smi's total less torch's capacity: 81559 MiB against 79.19 GiB (81090 MiB) on an H100 80 GB

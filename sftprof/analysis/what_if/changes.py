@@ -23,8 +23,8 @@ The levers, what calls for each and the first-order prediction (:data:`LABELS`; 
   runs them as one CUTLASS grouped kernel: step time less the launch-bound GPU idle of the expert GEMMs (on 1x H200,
   Qwen3.5 slice, predicted -428.9 ms, measured -463.0 ms: ``bench/NOTES.md``).
 - ``expandable_segments`` (memory trial): allocator slack at the peak; ``PYTORCH_CUDA_ALLOC_CONF`` (or
-  ``PYTORCH_ALLOC_CONF``, the one the trial's allocator read) with ``expandable_segments:True``: peak reserved less
-  that slack.
+  ``PYTORCH_ALLOC_CONF``, the one the trial's allocator read: :func:`sftprof.analysis.memory.fit.alloc_conf_of`)
+  with ``expandable_segments:True``: peak reserved less that slack.
 - ``chunked_lm_head`` (memory trial): a logits-bound peak (the logits of the theoretical estimate,
   :mod:`sftprof.analysis.memory.estimate`, which follows ``actor.loss``, and an activation block at least their
   size alive at the peak); ``actor.loss.lm_head_loss_chunk_size`` = :data:`LM_HEAD_CHUNK`: the peak less the
