@@ -87,7 +87,7 @@ def _check_alloc_conf(env: Mapping[str, str]) -> None:
     and torch reads both: :data:`~sftprof.analysis.memory.fit.ALLOC_CONF_VARS`) read by torch's own parser, so that a
     value torch refuses (``expandable_segments:true``, an option without ``:``) stops the plan instead of every trial
     at its first CUDA allocation. The parser also applies the value to its process, so it runs in a child of its own
-    (about 2 s, one a variable set). Not checked: unset or empty; a torch without that parser (before the
+    (about 2 s, one for each variable set). Not checked: unset or empty; a torch without that parser (before the
     accelerator-wide one) or a child that fails otherwise (the trials meet that failure themselves); option names a
     CPU build of torch does not know (it skips them; a CUDA build refuses them).
 
@@ -510,7 +510,7 @@ def check_memory_fit(d: DriverEnv, p: Probe, log: PlanLog) -> bool | None:
     source = "GPU_MEMORY_GIB" if given is not None else "the least free memory of this node's GPUs, nvidia-smi"
     cfg = dataclasses.asdict(p.cfg)
     path, seq = p.cfg.actor.path, p.cfg.profile.fake_seq_len
-    conf_var, alloc_conf = alloc_conf_of({name: d.get(name) for name in ALLOC_CONF_VARS if d.get(name) is not None})
+    conf_var, alloc_conf = alloc_conf_of({name: d.get(name) for name in ALLOC_CONF_VARS})
     cap = int(capacity * 2**30)
     fit = check_fit(cfg, load_hf_config(path, p.cfg.actor.num_layers), p.layout, seq, cap, alloc_conf)
     line = f"fit check: {fit_text(fit, source=source)}"
