@@ -91,7 +91,7 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
     record (:func:`sftprof.analysis.trace.sanity.sanity_error`), dominate it is split and summarised, with that
     error. ``beside``: the views are written by a worker process while this one reads the trace again for the
     summary (:func:`sftprof.analysis.views.split.read_for_summary`): the same files and summary, each half on its own core
-    (the parsing is paid twice)."""
+    (the parsing is paid twice), the summary's figures worked out while the views are still being written."""
     outside = outside_world(rank, world)
     if outside:
         return _failed_trace(out_dir, rank, f"{src}: {outside}; the trace was not read")
@@ -105,20 +105,23 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                 with ProcessPoolExecutor(max_workers=1) as pool:
                     views_run = pool.submit(_split_views, src, stage, rank, compress, max_view_bytes)
                     read_for_summary(src, analyzer.set_header, analyzer.add, analyzer.add_invalid)
+                    empty = analyzer.no_events_error()
+                    # while the views are still being written (the longer half): the summary's questions
+                    summary = None if empty else analyzer.summary()
                     split = views_run.result()
                 if split[0] is None:  # the views' error (for a malformed trace the same as the summary's pass gives)
                     return _failed_trace(out_dir, rank, split[1])
                 staged, notes = split
-                for what, n in notes.items():
-                    analyzer.add_note(what, n)
+                if summary is not None:  # the views' repairs, which change no figure
+                    summary["view_repairs"] = dict(sorted({**summary["view_repairs"], **notes}.items()))
             else:
                 staged = split_trace(src, stage, rank, compress=compress, max_view_bytes=max_view_bytes,
                                      on_header=analyzer.set_header, on_event=analyzer.add,
                                      on_invalid=analyzer.add_invalid, on_note=analyzer.add_note)
-            empty = analyzer.no_events_error()
-            if empty:  # views of nothing would replace an earlier postprocess's
+                empty = analyzer.no_events_error()
+                summary = None if empty else analyzer.summary()
+            if summary is None:  # views of nothing would replace an earlier postprocess's
                 return _failed_trace(out_dir, rank, f"{src}: {empty}")
-            summary = analyzer.summary()
             calls = summary["collectives"].pop("calls")  # matched across ranks by trace_part, not written
             error = invalid_events_error(summary["invalid_events"]) or sanity_error(summary["sanity"])
             wrong, unconfirmed = identity_problems(summary["identity"], rank, step)
