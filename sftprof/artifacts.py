@@ -321,6 +321,9 @@ TRIALS_TSV = "trials.tsv"
 # its first line (a trials.tsv of an earlier release has none): the columns of each trial's row
 TRIALS_HEADER = ("trial", "kind", "step", "run_dir", "log_dir", "args_file")
 PROFILE_KINDS = ("kernel", "memory")  # a trial's profile kind (its row's kind; postprocess_profile.py --profile-kind)
+# the shape of the driver's trial names (sftprof/launch/folders.py: <model>_fake<len>_<kind>_step<N>_<stamp>), which
+# name each trial's run dir and log dir
+TRIAL_NAME_RE = re.compile(r"^.+_fake\w+_(?:" + "|".join(PROFILE_KINDS) + r")_step\d+_.+$")
 SUMMARY_TSV = "summary.tsv"
 TRAIN_ARGS = "train_args.txt"
 LAUNCHER_LOG = "launcher.log"

@@ -15,7 +15,8 @@ from fixtures import gpu_snapshot_fixtures, make_cpu_trace, two_gpu_sync_traces
 from fixtures.faults import full_disk_on_append
 from sftprof.analysis.memory.snapshot import analyze_snapshot
 from sftprof.analysis.memory.safe_pickle import safe_load_file
-from sftprof.artifacts import view_path
+from sftprof.artifacts import TRIAL_NAME_RE, view_path
+from sftprof.launch import folders
 from sftprof.analysis.compare import stats
 from sftprof.analysis.compare.runs import compare_runs
 from sftprof.analysis.summary import postprocess_trial
@@ -1526,25 +1527,112 @@ def test_a_log_dir_and_run_dir_of_two_trials_are_refused_before_anything_is_move
     assert sorted(p.name for p in logs[1].iterdir()) == ["config.yaml", "stats.jsonl"]
 
 
-def test_a_side_without_its_trial_name_is_not_checked(tmp_path):
-    """The check needs both names: a run dir without train_args.txt (not planned by the driver), a log dir without
-    config.yaml, or either naming no trial_name, is postprocessed as before; the same name on both sides too."""
+def test_a_run_dir_without_its_trial_name_is_not_checked(tmp_path):
+    """The check needs the run dir's trial: a run dir without train_args.txt (not planned by the driver), or one naming
+    no trial_name, and without a summary naming one (none, a damaged one, one without config), is postprocessed as
+    before; the same name on both sides too."""
     logs, runs = _planned_trials(tmp_path)
     assert other_trial(str(logs[1]), str(runs[1])) is None
     (runs[0] / "train_args.txt").write_text("--config\nplan_config.yaml\ntotal_train_steps=1\n")
-    assert other_trial(str(logs[1]), str(runs[0])) is None
+    assert other_trial(str(logs[1]), str(runs[0])) is None  # its summary holds no config
     (runs[0] / "train_args.txt").unlink()
-    (logs[0] / "config.yaml").unlink()
-    assert other_trial(str(logs[0]), str(runs[1])) is None
-    (logs[0] / "config.yaml").write_text("memory_profiler:\n  profile_steps:\n  - 0\n")
-    assert other_trial(str(logs[0]), str(runs[1])) is None
+    for summary in (b"{not json", b"\xff\xfe", b"[]", b'{"config": null}', b'{"config": {"trial_name": 7}}'):
+        (runs[0] / "profile_summary.json").write_bytes(summary)
+        assert other_trial(str(logs[1]), str(runs[0])) is None
     fresh = tmp_path / "fresh"  # a run dir of one's own for a trial's log dir: no train_args.txt
-    res = _cli("--log-dir", logs[1], "--run-dir", fresh)
-    assert res.returncode == 0, res.stderr
-    assert json.loads((fresh / "profile_summary.json").read_text())["trial"] == "fresh"
+    for _ in range(2):  # the rerun reads the summary of the first: the same trial (its "trial" is the folder's name)
+        res = _cli("--log-dir", logs[1], "--run-dir", fresh)
+        assert res.returncode == 0, res.stderr
+        assert json.loads((fresh / "profile_summary.json").read_text())["trial"] == "fresh"
     res = _cli("--log-dir", logs[1], "--run-dir", runs[1])  # its own run dir: train_args.txt names the same trial
     assert res.returncode == 0, res.stderr
     assert json.loads((runs[1] / "profile_summary.json").read_text())["profile_step"] == 1
+
+
+def _files(folder):
+    """Every file under ``folder`` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_dir_without_train_args_is_known_by_its_summary(tmp_path):
+    """A run dir without train_args.txt whose profile_summary.json summarises another trial (its config.trial_name)
+    is refused with exit 2, naming both trials and the files that said so; nothing in it changes (the summary was
+    moved to profile_summary.prev1.* and replaced by a mix of the two trials)."""
+    logs, runs = _planned_trials(tmp_path)
+    res = _cli("--log-dir", logs[0], "--run-dir", runs[0])
+    assert res.returncode == 0, res.stderr
+    (runs[0] / "train_args.txt").unlink()
+    before = _files(runs[0])
+    message = (f"postprocess_profile.py: error: --log-dir {logs[1]} and --run-dir {runs[0]} are not one trial's: "
+               f"trial_name='m_fake1k_memory_step1_s' in {logs[1] / 'config.yaml'}, "
+               f"config.trial_name='m_fake1k_memory_step0_s' in {runs[0] / 'profile_summary.json'}; nothing was "
+               "written: pass the run dir of trial m_fake1k_memory_step1_s with this log dir, or the log dir of trial "
+               "m_fake1k_memory_step0_s with this run dir (RUN_ROOT/trials.tsv lists each trial's log dir and run dir)")
+    res = _cli("--log-dir", logs[1], "--run-dir", runs[0])
+    assert (res.returncode, res.stderr.splitlines()[-1]) == (2, message)
+    assert _files(runs[0]) == before
+    with pytest.raises(ValueError, match="not one trial's"):  # the library's entry point makes the same check
+        postprocess_trial(str(logs[1]), str(runs[0]))
+    assert _files(runs[0]) == before
+
+
+@pytest.mark.parametrize("config", [b"trial_name: [m_fake1k_memory_step1_s\n", b"\xff\xfe", b"- a list\n",
+                                    b"memory_profiler: {}\n", None], ids=["bad-yaml", "not-utf8", "a-list",
+                                                                         "no-trial-name", "absent"])
+def test_a_log_dir_without_a_readable_trial_name_is_known_by_its_folder_name(tmp_path, config):
+    """A log dir whose config.yaml is damaged, names no trial_name or is absent is the trial its folder is named after
+    (the trainer's LOG_DIR/<trial_name>): checked against the run dir's train_args.txt, else its summary; refused with
+    exit 2 naming the folder, why its config.yaml was not read and the run dir's file, nothing in the run dir
+    changed."""
+    logs, runs = _planned_trials(tmp_path)
+    res = _cli("--log-dir", logs[0], "--run-dir", runs[0])  # a summary of trial step 0 in its run dir
+    assert res.returncode == 0, res.stderr
+    if config is None:
+        (logs[1] / "config.yaml").unlink()
+    else:
+        (logs[1] / "config.yaml").write_bytes(config)
+    folder = f"the folder name 'm_fake1k_memory_step1_s' of {logs[1]} ("
+    for said in (f"trial_name='m_fake1k_memory_step0_s' in {runs[0] / 'train_args.txt'}",
+                 f"config.trial_name='m_fake1k_memory_step0_s' in {runs[0] / 'profile_summary.json'}"):
+        before = _files(runs[0])
+        res = _cli("--log-dir", logs[1], "--run-dir", runs[0])
+        assert res.returncode == 2, res.stderr
+        last = res.stderr.splitlines()[-1]
+        assert last.startswith(f"postprocess_profile.py: error: --log-dir {logs[1]} and --run-dir {runs[0]} are not "
+                               f"one trial's: {folder}"), last
+        assert "config.yaml" in last.split(folder)[1] and f"), {said}; nothing was written" in last, last
+        assert _files(runs[0]) == before
+        (runs[0] / "train_args.txt").unlink(missing_ok=True)  # next: the summary alone says which trial
+
+
+def test_a_renamed_log_dir_without_config_is_not_checked(tmp_path):
+    """A log dir without a readable trial_name whose folder does not have the shape of the driver's trial names (a
+    user renamed or copied it) says nothing of its trial: postprocessed into a planned run dir as before. The
+    driver's names have that shape."""
+    logs, runs = _planned_trials(tmp_path)
+    (logs[1] / "config.yaml").unlink()
+    renamed = logs[1].rename(tmp_path / "copied_logs")
+    assert other_trial(str(renamed), str(runs[0])) is None
+    assert other_trial(str(logs[0]), str(runs[1])) is not None  # a readable config.yaml is still checked
+    assert TRIAL_NAME_RE.match(folders.trial_name("qwen3_30b_a3b", 131072, "kernel", 2, "20261208_0102"))
+    assert not TRIAL_NAME_RE.match("copied_logs")
+
+
+def test_the_same_trial_without_train_args_is_accepted(tmp_path):
+    """A run dir without train_args.txt whose summary is of the same trial is postprocessed again (the earlier
+    summary, if it differs, kept as profile_summary.prev1.*), its log dir's config.yaml read or not."""
+    logs, runs = _planned_trials(tmp_path)
+    res = _cli("--log-dir", logs[1], "--run-dir", runs[1])
+    assert res.returncode == 0, res.stderr
+    (runs[1] / "train_args.txt").unlink()
+    assert other_trial(str(logs[1]), str(runs[1])) is None
+    res = _cli("--log-dir", logs[1], "--run-dir", runs[1])
+    assert res.returncode == 0, res.stderr
+    (logs[1] / "config.yaml").write_text("trial_name: [\n")  # damaged: its folder name is the same trial's
+    assert other_trial(str(logs[1]), str(runs[1])) is None
+    res = _cli("--log-dir", logs[1], "--run-dir", runs[1])
+    assert res.returncode == 1, res.stderr  # config.yaml's error, in the summary: postprocessed all the same
+    assert json.loads((runs[1] / "profile_summary.json").read_text())["errors"][0]["file"] == "config.yaml"
 
 
 def test_a_trial_the_driver_refused_for_a_changed_config_is_not_postprocessed(tmp_path):

@@ -26,8 +26,8 @@ from sftprof.models.hf import load_hf_config
 
 __all__ = ["read_stats", "moe_load", "recorded_profile", "read_nvidia_smi", "smi_in_window", "read_rank_coords",
            "trainer_log_tail", "trial_config", "max_entries", "world_size", "World", "outside_world", "file_error",
-           "transformer_engine", "read_tried_what_if", "planned_trial_name", "other_trial", "ROUTING_COLLAPSE_SHARE",
-           "TrialModel"]
+           "transformer_engine", "read_tried_what_if", "planned_trial_name", "summarised_trial_name", "log_dir_trial",
+           "run_dir_trial", "other_trial", "ROUTING_COLLAPSE_SHARE", "TrialModel"]
 
 _PROFILE_STEP_FIELDS = ("step_time_s", "tokens", "tokens_per_s", "tflops_per_gpu", "mfu",
                         "mem_peak_allocated_gb", "mem_peak_allocated_rank", "mem_peak_reserved_gb",
@@ -354,6 +354,11 @@ def read_tried_what_if(run_dir: str) -> tuple[TriedWhatIf | None, str | None]:
     return cast(TriedWhatIf, data), None  # JSON read here, its members checked above
 
 
+def _name(value: Any) -> str | None:
+    """``value`` when it is a trial name (a non-empty text), else None."""
+    return value if isinstance(value, str) and value else None
+
+
 def planned_trial_name(run_dir: str) -> str | None:
     """The ``trial_name=`` argument (its last, as the trainer reads it) of the driver's ``RUN_DIR/train_args.txt``;
     None when that file is absent, unreadable or names none (a run dir the driver did not plan)."""
@@ -363,23 +368,63 @@ def planned_trial_name(run_dir: str) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     names = [value.strip() for key, _, value in (line.partition("=") for line in lines) if key.strip() == "trial_name"]
-    return names[-1] if names else None
+    return _name(names[-1]) if names else None
+
+
+def summarised_trial_name(run_dir: str) -> str | None:
+    """``config.trial_name`` of ``RUN_DIR/profile_summary.json``: the trial whose log dir an earlier postprocess
+    summarised there (the summary's ``trial`` member is the run dir's folder name, not a trial name). None when the
+    file is absent, unreadable or names none (a summary of a log dir without a readable config.yaml)."""
+    summary, _ = _read(os.path.join(run_dir, artifacts.SUMMARY_JSON), json.load, ValueError)
+    cfg = summary.get("config") if isinstance(summary, dict) else None
+    return _name(cfg.get("trial_name")) if isinstance(cfg, dict) else None
+
+
+def log_dir_trial(log_dir: str) -> tuple[str, str] | None:
+    """The trial of ``log_dir`` and what says so: the ``trial_name`` of ``LOG_DIR/config.yaml``; without one (the file
+    absent, damaged or naming none), the log dir's folder name, which the trainer names after the trial
+    (:func:`sftprof.config.trial_log_dir`), when it has the shape of the driver's trial names
+    (:data:`sftprof.artifacts.TRIAL_NAME_RE`: a folder a user renamed says nothing); else None."""
+    path = os.path.join(log_dir, artifacts.CONFIG_YAML)
+    cfg, error = trial_config(log_dir)
+    name = _name(cfg.get("trial_name")) if cfg is not None else None
+    if name is not None:
+        return name, f"trial_name={name!r} in {path}"
+    folder = os.path.basename(os.path.abspath(log_dir))
+    if not artifacts.TRIAL_NAME_RE.match(folder):
+        return None
+    why = error or (f"{path} names no trial_name" if os.path.isfile(path) else f"no {path}")
+    return folder, f"the folder name {folder!r} of {log_dir} ({why})"
+
+
+def run_dir_trial(run_dir: str) -> tuple[str, str] | None:
+    """The trial of ``run_dir`` and what says so: the ``trial_name`` of the driver's ``RUN_DIR/train_args.txt``
+    (:func:`planned_trial_name`); without one, the ``config.trial_name`` of an earlier summary there
+    (:func:`summarised_trial_name`); None when neither names one (a fresh run dir of one's own)."""
+    planned = planned_trial_name(run_dir)
+    if planned is not None:
+        return planned, f"trial_name={planned!r} in {os.path.join(run_dir, artifacts.TRAIN_ARGS)}"
+    summarised = summarised_trial_name(run_dir)  # read only when needed: a summary may be megabytes
+    if summarised is not None:
+        return summarised, f"config.trial_name={summarised!r} in {os.path.join(run_dir, artifacts.SUMMARY_JSON)}"
+    return None
 
 
 def other_trial(log_dir: str, run_dir: str) -> str | None:
-    """The error message when ``log_dir`` and ``run_dir`` are not one trial's: the ``trial_name`` of
-    ``LOG_DIR/config.yaml`` differs from that of ``RUN_DIR/train_args.txt`` (:func:`planned_trial_name`); None when
-    they agree or either is unknown (a file absent or unreadable). Reads only."""
-    cfg, _ = trial_config(log_dir)
-    logged = cfg.get("trial_name") if cfg is not None else None
-    planned = planned_trial_name(run_dir)
-    if not isinstance(logged, str) or planned is None or logged == planned:
+    """The error message when ``log_dir`` and ``run_dir`` are not one trial's, naming both trials and what said so;
+    None when they are, or when either side's trial is unknown. Reads only; a missing or damaged file is no error.
+
+    Compared: the log dir's trial (:func:`log_dir_trial`: ``trial_name`` in ``config.yaml``, else the log dir's folder
+    name when it has a trial name's shape) with the run dir's (:func:`run_dir_trial`: ``trial_name`` in
+    ``train_args.txt``, else ``config.trial_name`` in ``profile_summary.json``), each side's first that can be read."""
+    logged = log_dir_trial(log_dir)
+    found = run_dir_trial(run_dir) if logged is not None else None
+    if logged is None or found is None or found[0] == logged[0]:
         return None
-    return (f"--log-dir {log_dir} and --run-dir {run_dir} are not one trial's: trial_name={logged!r} in "
-            f"{os.path.join(log_dir, artifacts.CONFIG_YAML)}, trial_name={planned!r} in "
-            f"{os.path.join(run_dir, artifacts.TRAIN_ARGS)}; nothing was written: pass the run dir of trial {logged} "
-            f"with this log dir, or the log dir of trial {planned} with this run dir (RUN_ROOT/{artifacts.TRIALS_TSV} "
-            "lists each trial's log dir and run dir)")
+    (log_trial, said_log), (run_trial, said_run) = logged, found
+    return (f"--log-dir {log_dir} and --run-dir {run_dir} are not one trial's: {said_log}, {said_run}; "
+            f"nothing was written: pass the run dir of trial {log_trial} with this log dir, or the log dir of trial "
+            f"{run_trial} with this run dir (RUN_ROOT/{artifacts.TRIALS_TSV} lists each trial's log dir and run dir)")
 
 
 def recorded_profile(log_dir: str) -> tuple[str | None, int | None]:
