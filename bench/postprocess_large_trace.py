@@ -7,7 +7,10 @@ and by k x offset in correlation / External id / flow ids, so CPU->GPU links sta
 runs ``postprocess_profile.py`` on it in a subprocess and prints, side by side for the
 reference and the scaled trace: input size, wall seconds and the subprocess' peak RSS.
 
-    python bench/postprocess_large_trace.py [--target-gib 1.0] [--workdir /tmp/sftprof_bench] [--compress]
+    python bench/postprocess_large_trace.py [--target-gib 1.0] [--workdir /tmp/sftprof_bench] [--compress] [--halves]
+
+``--halves`` also times, one after the other in this process, the two halves the CLI runs side by side on the scaled
+trace (its views' pass, and the summary's read then its questions), so that a round's table says where the time went.
 
 Budget (DEVELOPERS.md, issue 49): 1 GiB in <= 30 s with peak RSS <= 1 GiB on a 2-core machine; measurements in
 bench/NOTES.md.
@@ -28,7 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sftprof.artifacts import trace_name  # noqa: E402
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer  # noqa: E402
 from sftprof.analysis.trace.io import TraceReader, TraceWriter  # noqa: E402
+from sftprof.analysis.views.split import read_for_summary, split_trace  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "h200_mcore_qwen3moe_4l_8k.trace.json.gz"
 ID_OFFSET = 10_000_000
@@ -88,12 +93,34 @@ def run_postprocess(trace: Path, work: Path, compress: bool) -> tuple[float, flo
     return float(wall), float(cpu), int(rss_kib) / 2**20, int(rc)
 
 
+def time_halves(trace: Path, work: Path) -> list[tuple[str, float, float]]:
+    """``(half, wall s, CPU s)`` of each half of the postprocess of ``trace`` run alone: the views' pass
+    (:func:`split_trace`), the summary's read (:func:`read_for_summary`) and its questions
+    (:meth:`KernelTraceAnalyzer.summary`)."""
+    out = work / "halves"
+    shutil.rmtree(out, ignore_errors=True)
+    rows = []
+    t, c = time.perf_counter(), time.process_time()
+    split_trace(str(trace), str(out), 0, progress=False)
+    rows.append(("views' pass", time.perf_counter() - t, time.process_time() - c))
+    shutil.rmtree(out)
+    analyzer = KernelTraceAnalyzer(step=0)
+    t, c = time.perf_counter(), time.process_time()
+    read_for_summary(str(trace), analyzer.set_header, analyzer.add, analyzer.add_invalid)
+    rows.append(("summary's read", time.perf_counter() - t, time.process_time() - c))
+    t, c = time.perf_counter(), time.process_time()
+    analyzer.summary()
+    rows.append(("summary's questions", time.perf_counter() - t, time.process_time() - c))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--target-gib", type=float, default=1.0)
     p.add_argument("--workdir", default="/tmp/sftprof_bench")
     p.add_argument("--compress", action="store_true", help="also write the views gzip-compressed")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
+    p.add_argument("--halves", action="store_true", help="also time each half of the scaled trace's postprocess alone")
     args = p.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -112,6 +139,10 @@ def main() -> None:
     print(f"{'trace':<16}{'size GiB':>10}{'wall s':>10}{'CPU s':>10}{'peak RSS GiB':>14}{'exit':>6}")
     for name, size, wall, cpu, rss, rc in rows:
         print(f"{name:<16}{size:>10.3f}{wall:>10.1f}{cpu:>10.1f}{rss:>14.2f}{rc:>6}")
+    if args.halves:
+        print(f"\n{'scaled.json, each half alone':<30}{'wall s':>10}{'CPU s':>10}")
+        for half, wall, cpu in time_halves(big, work):
+            print(f"{half:<30}{wall:>10.1f}{cpu:>10.1f}")
     if not args.keep:
         shutil.rmtree(work)
 
