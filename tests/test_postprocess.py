@@ -1616,6 +1616,11 @@ def test_a_renamed_log_dir_without_config_is_not_checked(tmp_path):
     assert other_trial(str(logs[0]), str(runs[1])) is not None  # a readable config.yaml is still checked
     assert TRIAL_NAME_RE.match(folders.trial_name("qwen3_30b_a3b", 131072, "kernel", 2, "20261208_0102"))
     assert not TRIAL_NAME_RE.match("copied_logs")
+    missing = logs[0].parent / "m_fake1k_memory_step7_s"  # a mistyped --log-dir of a trial's shape: not a trial
+    assert other_trial(str(missing), str(runs[0])) is None
+    (runs[0] / "train_args.txt").unlink()
+    (runs[0] / "profile_summary.json").write_text("[" * 100_000)  # deeper than json recurses: names no trial
+    assert other_trial(str(logs[1]), str(runs[0])) is None
 
 
 def test_the_same_trial_without_train_args_is_accepted(tmp_path):

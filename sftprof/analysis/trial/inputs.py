@@ -375,7 +375,10 @@ def summarised_trial_name(run_dir: str) -> str | None:
     """``config.trial_name`` of ``RUN_DIR/profile_summary.json``: the trial whose log dir an earlier postprocess
     summarised there (the summary's ``trial`` member is the run dir's folder name, not a trial name). None when the
     file is absent, unreadable or names none (a summary of a log dir without a readable config.yaml)."""
-    summary, _ = _read(os.path.join(run_dir, artifacts.SUMMARY_JSON), json.load, ValueError)
+    try:
+        summary, _ = _read(os.path.join(run_dir, artifacts.SUMMARY_JSON), json.load, ValueError)
+    except RecursionError:  # JSON nested deeper than the parser recurses: a damaged summary, which names no trial
+        return None
     cfg = summary.get("config") if isinstance(summary, dict) else None
     return _name(cfg.get("trial_name")) if isinstance(cfg, dict) else None
 
@@ -384,14 +387,14 @@ def log_dir_trial(log_dir: str) -> tuple[str, str] | None:
     """The trial of ``log_dir`` and what says so: the ``trial_name`` of ``LOG_DIR/config.yaml``; without one (the file
     absent, damaged or naming none), the log dir's folder name, which the trainer names after the trial
     (:func:`sftprof.config.trial_log_dir`), when it has the shape of the driver's trial names
-    (:data:`sftprof.artifacts.TRIAL_NAME_RE`: a folder a user renamed says nothing); else None."""
+    (:data:`sftprof.artifacts.TRIAL_NAME_RE`: a folder a user renamed says nothing) and it exists; else None."""
     path = os.path.join(log_dir, artifacts.CONFIG_YAML)
     cfg, error = trial_config(log_dir)
     name = _name(cfg.get("trial_name")) if cfg is not None else None
     if name is not None:
         return name, f"trial_name={name!r} in {path}"
     folder = os.path.basename(os.path.abspath(log_dir))
-    if not artifacts.TRIAL_NAME_RE.match(folder):
+    if not os.path.isdir(log_dir) or not artifacts.TRIAL_NAME_RE.match(folder):  # a mistyped path: its own error
         return None
     why = error or (f"{path} names no trial_name" if os.path.isfile(path) else f"no {path}")
     return folder, f"the folder name {folder!r} of {log_dir} ({why})"
