@@ -1534,11 +1534,14 @@ def test_a_run_dir_without_its_trial_name_is_not_checked(tmp_path):
     logs, runs = _planned_trials(tmp_path)
     assert other_trial(str(logs[1]), str(runs[1])) is None
     (runs[0] / "train_args.txt").write_text("--config\nplan_config.yaml\ntotal_train_steps=1\n")
-    assert other_trial(str(logs[1]), str(runs[0])) is None  # its summary holds no config
-    (runs[0] / "train_args.txt").unlink()
+    said = other_trial(str(logs[1]), str(runs[0]))  # its summary holds no config: the folder's trial-shaped name
+    assert said is not None and f"the folder name 'm_fake1k_memory_step0_s' of {runs[0]};" in said, said
+    mine = runs[0].rename(tmp_path / "mine")  # a run dir of a name of one's own says nothing
+    assert other_trial(str(logs[1]), str(mine)) is None
+    (mine / "train_args.txt").unlink()
     for summary in (b"{not json", b"\xff\xfe", b"[]", b'{"config": null}', b'{"config": {"trial_name": 7}}'):
-        (runs[0] / "profile_summary.json").write_bytes(summary)
-        assert other_trial(str(logs[1]), str(runs[0])) is None
+        (mine / "profile_summary.json").write_bytes(summary)
+        assert other_trial(str(logs[1]), str(mine)) is None
     fresh = tmp_path / "fresh"  # a run dir of one's own for a trial's log dir: no train_args.txt
     for _ in range(2):  # the rerun reads the summary of the first: the same trial (its "trial" is the folder's name)
         res = _cli("--log-dir", logs[1], "--run-dir", fresh)
@@ -1618,9 +1621,10 @@ def test_a_renamed_log_dir_without_config_is_not_checked(tmp_path):
     assert not TRIAL_NAME_RE.match("copied_logs")
     missing = logs[0].parent / "m_fake1k_memory_step7_s"  # a mistyped --log-dir of a trial's shape: not a trial
     assert other_trial(str(missing), str(runs[0])) is None
-    (runs[0] / "train_args.txt").unlink()
-    (runs[0] / "profile_summary.json").write_text("[" * 100_000)  # deeper than json recurses: names no trial
-    assert other_trial(str(logs[1]), str(runs[0])) is None
+    (runs[1] / "train_args.txt").unlink()
+    (runs[1] / "profile_summary.json").write_text("[" * 100_000)  # deeper than json recurses: names no trial
+    said = other_trial(str(logs[0]), str(runs[1]))  # ... so the run dir's folder name does
+    assert said is not None and f"the folder name 'm_fake1k_memory_step1_s' of {runs[1]};" in said, said
 
 
 def test_the_same_trial_without_train_args_is_accepted(tmp_path):

@@ -13,6 +13,8 @@ from sftprof.analysis.trace.io import TraceFormatError, TraceReader
 from sftprof.analysis.trace.check import MAX_TID, validate_trace
 from sftprof.analysis.views import split as split_module, windows
 from sftprof.analysis.views.windows import sample_events, split_into_windows
+from sftprof.analysis.time.trace_summary import KernelTraceAnalyzer
+from sftprof.analysis.trial import traces
 from sftprof.analysis.trial.traces import _process_trace
 from sftprof.analysis.views.split import MAX_VIEW_BYTES, VIEWS, _empty_view_event, split_trace, view_path
 
@@ -81,6 +83,26 @@ def test_views_and_summary_side_by_side_are_those_of_one_pass(tmp_path):
     for view in VIEWS:
         (a,), (b,) = one["views"][view], two["views"][view]
         assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_views_error_comes_first_when_both_halves_fail(tmp_path, monkeypatch):
+    """A trace whose views and summary both fail is reported with the views' error in both paths (side by side, the
+    summary's questions are answered while the views are written: their error must not hide the views')."""
+    src = tmp_path / "rank0.pt.trace.json"
+    src.write_text(json.dumps(_load(GPU_TRACES[0])))
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def questions_fail(self):
+        raise RuntimeError("the summary's questions failed")
+
+    monkeypatch.setattr(traces, "split_trace", no_space)  # the worker is forked: it sees the patch too
+    monkeypatch.setattr(KernelTraceAnalyzer, "summary", questions_fail)
+    for beside in (False, True):
+        out = _process_trace(str(src), str(tmp_path / f"beside_{beside}" / "kernel_traces"), 0, False,
+                             MAX_VIEW_BYTES, 0, (None, "unknown"), beside=beside)
+        assert "No space left on device" in out["error"] and "questions" not in out["error"], (beside, out["error"])
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.999])

@@ -403,13 +403,17 @@ def log_dir_trial(log_dir: str) -> tuple[str, str] | None:
 def run_dir_trial(run_dir: str) -> tuple[str, str] | None:
     """The trial of ``run_dir`` and what says so: the ``trial_name`` of the driver's ``RUN_DIR/train_args.txt``
     (:func:`planned_trial_name`); without one, the ``config.trial_name`` of an earlier summary there
-    (:func:`summarised_trial_name`); None when neither names one (a fresh run dir of one's own)."""
+    (:func:`summarised_trial_name`); without one, the run dir's folder name when it has the shape of the driver's
+    trial names (:data:`sftprof.artifacts.TRIAL_NAME_RE`); None otherwise (a fresh run dir of one's own)."""
     planned = planned_trial_name(run_dir)
     if planned is not None:
         return planned, f"trial_name={planned!r} in {os.path.join(run_dir, artifacts.TRAIN_ARGS)}"
     summarised = summarised_trial_name(run_dir)  # read only when needed: a summary may be megabytes
     if summarised is not None:
         return summarised, f"config.trial_name={summarised!r} in {os.path.join(run_dir, artifacts.SUMMARY_JSON)}"
+    folder = os.path.basename(os.path.abspath(run_dir))
+    if artifacts.TRIAL_NAME_RE.match(folder):  # the driver names each trial's run dir after it
+        return folder, f"the folder name {folder!r} of {run_dir}"
     return None
 
 
@@ -419,7 +423,8 @@ def other_trial(log_dir: str, run_dir: str) -> str | None:
 
     Compared: the log dir's trial (:func:`log_dir_trial`: ``trial_name`` in ``config.yaml``, else the log dir's folder
     name when it has a trial name's shape) with the run dir's (:func:`run_dir_trial`: ``trial_name`` in
-    ``train_args.txt``, else ``config.trial_name`` in ``profile_summary.json``), each side's first that can be read."""
+    ``train_args.txt``, else ``config.trial_name`` in ``profile_summary.json``, else its folder name when it has a trial
+    name's shape), each side's first that can be read."""
     logged = log_dir_trial(log_dir)
     found = run_dir_trial(run_dir) if logged is not None else None
     if logged is None or found is None or found[0] == logged[0]:

@@ -106,11 +106,16 @@ def _process_trace(src: str, out_dir: str, rank: int, compress: bool, max_view_b
                     views_run = pool.submit(_split_views, src, stage, rank, compress, max_view_bytes)
                     read_for_summary(src, analyzer.set_header, analyzer.add, analyzer.add_invalid)
                     empty = analyzer.no_events_error()
-                    # while the views are still being written (the longer half): the summary's questions
-                    summary = None if empty else analyzer.summary()
+                    failed: Exception | None = None
+                    try:  # while the views are still being written (the longer half): the summary's questions
+                        summary = None if empty else analyzer.summary()
+                    except Exception as exc:  # raised after the views' error, as in the one pass
+                        failed = exc
                     split = views_run.result()
                 if split[0] is None:  # the views' error (for a malformed trace the same as the summary's pass gives)
                     return _failed_trace(out_dir, rank, split[1])
+                if failed is not None:
+                    raise failed
                 staged, notes = split
                 if summary is not None:  # the views' repairs, which change no figure
                     summary["view_repairs"] = dict(sorted({**summary["view_repairs"], **notes}.items()))
