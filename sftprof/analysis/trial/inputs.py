@@ -375,10 +375,7 @@ def summarised_trial_name(run_dir: str) -> str | None:
     """``config.trial_name`` of ``RUN_DIR/profile_summary.json``: the trial whose log dir an earlier postprocess
     summarised there (the summary's ``trial`` member is the run dir's folder name, not a trial name). None when the
     file is absent, unreadable or names none (a summary of a log dir without a readable config.yaml)."""
-    try:
-        summary, _ = _read(os.path.join(run_dir, artifacts.SUMMARY_JSON), json.load, ValueError)
-    except RecursionError:  # JSON nested deeper than the parser recurses: a damaged summary, which names no trial
-        return None
+    summary, _ = _read(os.path.join(run_dir, artifacts.SUMMARY_JSON), json.load, ValueError)
     cfg = summary.get("config") if isinstance(summary, dict) else None
     return _name(cfg.get("trial_name")) if isinstance(cfg, dict) else None
 
@@ -492,13 +489,14 @@ def max_entries(log_dir: str) -> int | None:
 
 def _read(path: str, load: Callable[[IO[str]], Any], error: type[Exception]) -> tuple[Any, str | None]:
     """``load`` of the text file at ``path`` and an error naming the file when it cannot be read or ``load`` raises
-    ``error`` on it; ``(None, None)`` when it is absent."""
+    ``error`` on it (or RecursionError: text nested deeper than the parser recurses); ``(None, None)`` when it is
+    absent."""
     if not os.path.isfile(path):
         return None, None
     try:
         with open(path, encoding="utf-8") as f:
             return load(f), None
-    except (OSError, UnicodeDecodeError, error) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, error) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
 
 
